@@ -1,0 +1,14 @@
+"""logitless: cross-entropy losses of language models without materialising the logits."""
+
+from ._loss_math import LossStats
+from ._plans import DEFAULT_MEMORY_BUDGET
+from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "linear_cross_entropy",
+    "LinearCrossEntropyLoss",
+    "LossStats",
+    "DEFAULT_MEMORY_BUDGET",
+]

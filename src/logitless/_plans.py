@@ -1,0 +1,111 @@
+"""Heuristics in one place: memory budget, chunk sizes, Triton block sizes.
+
+Everything that decides *how* (not *what*) is computed lives here, so that tuning
+never touches the math or the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Default bytes of temporary memory an op may use beyond its inputs, outputs and
+#: gradients. Large enough for full-speed chunks at LLM shapes, small next to the
+#: 2-4 GB that materialised fp32 logits would take.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+def _clamp(v: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, v))
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """Tiles of the PyTorch backend: each tile of logits is token_chunk x vocab_chunk."""
+
+    token_chunk: int
+    vocab_chunk: int
+
+
+def torch_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int) -> TorchPlan:
+    """Largest tiles whose temporaries (about 3 tile-sized tensors) fit the budget.
+
+    The fp32 dx accumulator (tokens x hidden) of the backward is not a tile and is not
+    counted: it is bounded by the size of x, never by tokens x vocab.
+    """
+    tile_elems = max(1, budget // (3 * itemsize))
+    token_chunk = _clamp(num_tokens, 1, 2048)
+    vocab_chunk = _clamp(tile_elems // token_chunk, 1, vocab)
+    if vocab_chunk < min(vocab, 256) and token_chunk > 1:
+        # A tiny budget: trade rows for columns so that each matmul stays reasonable.
+        vocab_chunk = min(vocab, 256)
+        token_chunk = _clamp(tile_elems // vocab_chunk, 1, num_tokens)
+    return TorchPlan(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Launch configuration of the Triton backend of linear_cross_entropy.
+
+    block_n x block_v: the tile of logits one program holds (fp32 accumulators);
+    block_h: the step along the hidden dimension of each tile's matmul;
+    vocab_splits: programs that share one row block of the forward, each over a
+        contiguous range of the vocabulary (their partial statistics are merged after);
+    vocab_chunk: columns of d(logits) materialised at once in the backward, in the
+        input dtype, so the dx and dW matmuls run on tensor cores (a multiple of block_v).
+    """
+
+    block_n: int
+    block_v: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+    vocab_splits: int
+    vocab_chunk: int
+
+
+def _num_sms(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter on CPU: few programs keep it quick
+
+
+def triton_plan(
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device
+) -> TritonPlan:
+    if device.type == "cuda":
+        block_n, block_v, block_h, num_warps, num_stages = 128, 128, 64, 8, 3
+        if itemsize == 4:
+            block_h, num_stages = 32, 2
+    else:  # TRITON_INTERPRET=1: small tiles, still exercising every mask
+        block_n, block_v, block_h, num_warps, num_stages = 16, 32, 16, 4, 1
+    row_blocks = math.ceil(num_tokens / block_n)
+    vocab_blocks = math.ceil(vocab / block_v)
+    # Enough programs to fill the machine about twice, never an empty split.
+    want = math.ceil(2 * _num_sms(device) / max(1, row_blocks))
+    blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
+    vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
+
+    # Backward: the d(logits) chunk (tokens x vocab_chunk, input dtype) gets what the
+    # budget leaves after the fp32 dx accumulator (tokens x hidden).
+    dx_acc = 4 * num_tokens * hidden
+    left = max(budget - dx_acc, 0)
+    cols = left // max(1, itemsize * num_tokens)
+    vocab_chunk = _clamp(cols // block_v * block_v, block_v, vocab_blocks * block_v)
+    return TritonPlan(
+        block_n=block_n,
+        block_v=block_v,
+        block_h=block_h,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        vocab_splits=vocab_splits,
+        vocab_chunk=vocab_chunk,
+    )

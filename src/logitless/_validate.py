@@ -1,0 +1,99 @@
+"""Input checks shared by every public op: clear errors instead of wrong numbers.
+
+Checks here never synchronise with a GPU. The one data-dependent check (targets in
+range) runs only on CPU tensors, where it is cheap; on GPUs an out-of-range target
+yields NaN for that token instead (see ``_loss_math``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._loss_math import REDUCTIONS, LossOptions
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def check_options(
+    *,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+) -> LossOptions:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    label_smoothing = float(label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not softcap > 0.0 or softcap == float("inf"):
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    z_loss = float(z_loss)
+    if not z_loss >= 0.0 or z_loss == float("inf"):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    return LossOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        z_loss=z_loss,
+    )
+
+
+def check_float(name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_target(target: Tensor, expected_shape: torch.Size, what: str) -> None:
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
+    if target.shape != expected_shape:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)}, expected {tuple(expected_shape)} ({what})"
+        )
+
+
+def check_same_device(**tensors: Optional[Tensor]) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all inputs must be on one device"
+            )
+
+
+def check_class_vector(name: str, t: Optional[Tensor], num_classes: int) -> None:
+    if t is None:
+        return
+    check_float(name, t)
+    if t.shape != (num_classes,):
+        raise ValueError(f"{name} must have shape ({num_classes},), got {tuple(t.shape)}")
+
+
+def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise on a target outside [0, num_classes) that is not ignore_index (CPU only)."""
+    if target.device.type != "cpu" or target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(
+            f"target contains {value}, outside [0, {num_classes}) and not "
+            f"ignore_index={ignore_index}"
+        )

@@ -1,0 +1,264 @@
+"""Public API of the fused linear cross-entropy: the function, its module, the dispatch.
+
+The loss equals ``F.cross_entropy(softcap(x @ weight.T + bias), target, ...)`` plus the
+z-loss term, without the (tokens x vocab) logits ever being stored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from .. import _validate
+from .._loss_math import (
+    LossOptions,
+    LossStats,
+    TokenStats,
+    grad_coefficients,
+    loss_stats,
+    reduce_loss,
+    token_loss,
+    upstream_per_token,
+)
+from .._plans import DEFAULT_MEMORY_BUDGET
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _backend_module(name: str, device: torch.device, dtype: torch.dtype):
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda" and dtype != torch.float64 and _triton_available():
+            name = "triton"
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got {device}); set "
+                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
+            )
+        if dtype == torch.float64:
+            raise TypeError("backend='triton' supports float16, bfloat16 and float32; use backend='torch' for float64")
+        from . import triton_backend
+
+        return triton_backend
+    if name == "torch":
+        from . import torch_backend
+
+        return torch_backend
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd glue shared by every backend: stats -> loss here, kernels in the backend."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax):
+        n, v = x.shape[0], weight.shape[0]
+        if n == 0:
+            empty = x.new_empty(0, dtype=torch.float32)
+            stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
+        else:
+            stats = backend.forward(
+                x, weight, bias, target, class_weight, opts.softcap,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
+            )
+        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
+        loss = reduce_loss(loss_tok, w_t, opts.reduction)
+        ctx.save_for_backward(x, weight, bias, target, class_weight, stats.lse, w_t)
+        ctx.opts, ctx.backend, ctx.budget = opts, backend, budget
+        argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
+        ctx.mark_non_differentiable(stats.lse, argmax)
+        return loss, stats.lse, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_argmax):
+        x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
+        opts = ctx.opts
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if x.shape[0] == 0:
+            dx = torch.zeros_like(x) if need_dx else None
+            dw = torch.zeros_like(weight) if need_dw else None
+            db = torch.zeros_like(bias) if need_db else None
+        elif need_dx or need_dw or need_db:
+            g = upstream_per_token(grad_loss, w_t, opts.reduction)
+            coef = grad_coefficients(lse, target, g, weight.shape[0], class_weight, opts)
+            dx, dw, db = ctx.backend.backward(
+                x, weight, bias, target, class_weight, opts.softcap, lse, coef,
+                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=ctx.budget,
+            )
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+    shift: bool = False,
+    return_stats: bool = False,
+    memory_budget: Optional[int] = None,
+    backend: str = "auto",
+) -> Union[Tensor, tuple[Tensor, LossStats]]:
+    """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
+
+    Equals ``F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=class_weight,
+    ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)``
+    (reshaped to ``target``'s shape for "none") with ``logits = softcap * tanh((x @
+    weight.T + bias) / softcap)`` when ``softcap`` is set, plus ``z_loss * lse**2`` per
+    non-ignored token, reduced like the loss ("mean": divided by the same denominator).
+    Logits, log-sum-exp and softmax are computed in fp32; gradients are accumulated in
+    fp32 and cast once to the input dtype.
+
+    Args:
+        x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
+        weight: (V, H) LM-head weight, as ``nn.Linear.weight``; same dtype and device as x.
+        target: (...) int64 or int32 class indices, the leading shape of ``x``.
+        bias: optional (V,), same dtype as ``weight``.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
+            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
+        label_smoothing: in [0, 1], as in ``F.cross_entropy``.
+        class_weight: optional (V,) per-class weight, as ``weight=`` of ``F.cross_entropy``
+            (receives no gradient).
+        softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
+        z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        shift: causal-LM shift: position t of ``x`` predicts ``target`` at t+1 along the
+            last dim of ``target`` (the sequence); the last position predicts nothing.
+            ``x`` is not copied. With reduction="none" the result has T-1 positions.
+        return_stats: also return a ``LossStats`` (per-token lse, per-token
+            argmax == target, number of non-ignored tokens) computed in the same pass.
+        memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
+            (default 256 MiB). The op never allocates a tokens x vocab tensor; the
+            budget sizes its chunks. (The fp32 dx accumulator, tokens x H, is outside it.)
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    Returns:
+        The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
+        ``return_stats=True``.
+
+    Errors and special values:
+        Wrong ranks, shapes, dtypes or devices, an unknown reduction or backend, and
+        options out of range raise ``ValueError``/``TypeError``. A target outside
+        [0, V) that is not ``ignore_index`` raises ``ValueError`` on the CPU; on a GPU
+        (where checking would stall on a host sync) that token's loss is NaN, and so
+        is the reduced loss. NaN or inf in the inputs give a NaN loss, never a finite
+        one. Empty inputs and batches with every token ignored behave as torch:
+        "mean" gives NaN with zero gradients, "sum" gives 0.
+    """
+    opts = _validate.check_options(
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        softcap=softcap, z_loss=z_loss,
+    )
+    _validate.check_float("x", x)
+    _validate.check_float("weight", weight)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., H)")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
+    num_classes, hidden = weight.shape
+    if num_classes == 0:
+        raise ValueError("weight has no rows: the vocabulary is empty")
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x is {x.dtype} but weight is {weight.dtype}; they must match")
+    _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
+    _validate.check_class_vector("bias", bias, num_classes)
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"bias is {bias.dtype} but weight is {weight.dtype}; they must match")
+    _validate.check_class_vector("class_weight", class_weight, num_classes)
+    _validate.check_same_device(x=x, weight=weight, target=target, bias=bias, class_weight=class_weight)
+    if shift and x.dim() < 2:
+        raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
+    if memory_budget is None:
+        memory_budget = DEFAULT_MEMORY_BUDGET
+    if not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
+    _validate.check_targets_in_range(target, num_classes, ignore_index)
+    impl = _backend_module(backend, x.device, x.dtype)
+
+    out_shape = target.shape
+    if shift:
+        # Target of position t is target[t + 1]; the last position is ignored. Only the
+        # (small) target is copied, never x.
+        pad = target.new_full(target.shape[:-1] + (1,), ignore_index)
+        target = torch.cat([target[..., 1:], pad], dim=-1)
+    x2d = x.reshape(-1, hidden)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    flat_target = target.reshape(-1).long()
+
+    loss, lse, argmax = _LinearCrossEntropyFunction.apply(
+        x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget, return_stats,
+    )
+
+    def per_token(t: Tensor) -> Tensor:
+        t = t.reshape(out_shape)
+        return t[..., :-1] if shift else t
+
+    if opts.reduction == "none":
+        loss = per_token(loss)
+    if not return_stats:
+        return loss
+    stats = loss_stats(TokenStats(lse, None, None, argmax), flat_target, opts)
+    return loss, LossStats(per_token(stats.lse), per_token(stats.correct), stats.num_tokens)
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`linear_cross_entropy`: holds the options, takes tensors.
+
+    ``loss_fn = LinearCrossEntropyLoss(ignore_index=-100, z_loss=1e-4)``;
+    ``loss = loss_fn(hidden, lm_head.weight, labels)``. See the function for the
+    semantics of every argument and for what bad inputs do.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        class_weight: Optional[Tensor] = None,
+        softcap: Optional[float] = None,
+        z_loss: float = 0.0,
+        shift: bool = False,
+        return_stats: bool = False,
+        memory_budget: Optional[int] = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        _validate.check_options(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss,
+        )
+        self.register_buffer("class_weight", class_weight)
+        self.kwargs = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss, shift=shift, return_stats=return_stats,
+            memory_budget=memory_budget, backend=backend,
+        )
+
+    def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None):
+        return linear_cross_entropy(x, weight, target, bias, class_weight=self.class_weight, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -1,0 +1,159 @@
+"""Triton backend of linear_cross_entropy (CUDA tensors; CPU under TRITON_INTERPRET=1).
+
+forward  (1 GEMM): ``forward_stats_kernel`` over (row blocks x vocab splits) writes
+         O(N * splits) partial statistics, merged here with O(N * splits) torch ops.
+backward (3 GEMMs): for each vocab chunk [v0, v1) (``_plans.triton_plan``):
+         ``dlogits_kernel`` recomputes the logits and writes dz (N, v1 - v0) in the
+         input dtype; then dW[v0:v1] = dz^T x (written once, fp32 accumulation inside
+         the matmul), db[v0:v1] = column sums of dz in fp32, and dx += dz W[v0:v1]
+         into an fp32 (N, H) accumulator (plain dx = dz W when one chunk covers V).
+No tensor of N x V elements: the largest temporary is the dz chunk, sized by the
+memory budget. No atomics: every output element is written by one program or one
+matmul, so results are bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from .._loss_math import TokenStats
+from .._plans import triton_plan
+from . import triton_kernels as K
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products (torch's default for fp32 matmuls), not tf32.
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter-bf16"  # see _logits_tile: works around an interpreter bug
+    return "tf32"  # ignored for 16-bit inputs
+
+
+def _flags(bias, class_weight, softcap, dtype):
+    return dict(
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_CW=class_weight is not None,
+        DOT_PRECISION=_dot_precision(dtype),
+    )
+
+
+def forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    *,
+    need_smooth: bool,
+    need_argmax: bool,
+    budget: int,
+) -> TokenStats:
+    n, h = x.shape
+    v = weight.shape[0]
+    plan = triton_plan(n, v, h, x.element_size(), budget, x.device)
+    splits = plan.vocab_splits
+    blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    part_max = torch.empty(splits, n, **f32)
+    part_sum = torch.empty(splits, n, **f32)
+    part_tgt = torch.empty(splits, n, **f32)
+    part_smooth = torch.empty(splits, n, **f32) if need_smooth else part_max
+    part_best = torch.empty(splits, n, **f32) if need_argmax else part_max
+    part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
+    grid = (triton.cdiv(n, plan.block_n), splits)
+    K.forward_stats_kernel[grid](
+        x, weight, bias if bias is not None else x, class_weight if class_weight is not None else x,
+        target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
+        n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        blocks_per_split, float(softcap or 1.0),
+        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax,
+        **_flags(bias, class_weight, softcap, x.dtype),
+        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    # Merge the splits: lse = M + log sum_j s_j exp(m_j - M). max() propagates NaN.
+    big_m = part_max.max(dim=0).values
+    m_safe = torch.where(big_m == float("-inf"), torch.zeros_like(big_m), big_m)
+    lse = m_safe + torch.log((part_sum * torch.exp(part_max - m_safe)).sum(dim=0))
+    argmax = None
+    if need_argmax:
+        first = part_best.argmax(dim=0, keepdim=True)  # first split holding the maximum
+        argmax = part_arg.gather(0, first)[0].long()
+    return TokenStats(
+        lse=lse,
+        target_logit=part_tgt.sum(dim=0),
+        smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
+        argmax=argmax,
+    )
+
+
+def _dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
+    """acc (fp32) += dz @ w with fp32 accumulation and no rounding to the input dtype."""
+    if acc.is_cuda:
+        torch.addmm(acc, dz, w, out_dtype=torch.float32, out=acc)
+    else:  # the interpreter on CPU
+        acc += dz.float() @ w.float()
+
+
+def backward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    lse: Tensor,
+    coef: Tensor,
+    *,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    budget: int,
+):
+    n, h = x.shape
+    v = weight.shape[0]
+    plan = triton_plan(n, v, h, x.element_size(), budget, x.device)
+    coef = coef.contiguous()
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    one_chunk = plan.vocab_chunk >= v
+    dx = None
+    dx_acc = None
+    if need_dx and not one_chunk:
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=x.dtype, device=x.device)
+    for v0 in range(0, v, plan.vocab_chunk):
+        v1 = min(v, v0 + plan.vocab_chunk)
+        dz = dz_buf[:, : v1 - v0]
+        grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
+        K.dlogits_kernel[grid](
+            x, weight, bias if bias is not None else x,
+            class_weight if class_weight is not None else x,
+            target, lse, coef, dz,
+            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            v0, v1, float(softcap or 1.0),
+            **_flags(bias, class_weight, softcap, x.dtype),
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+        if need_dw:
+            torch.mm(dz.T, x, out=dw[v0:v1])
+        if need_db:
+            db[v0:v1] = dz.sum(dim=0, dtype=torch.float32)
+        if need_dx:
+            if one_chunk:
+                dx = dz @ weight[v0:v1]
+            else:
+                _dx_accumulate(dx_acc, dz, weight[v0:v1])
+    if dx_acc is not None:
+        dx = dx_acc.to(x.dtype)
+    return dx, dw, db
+

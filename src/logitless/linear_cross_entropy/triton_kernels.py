@@ -1,0 +1,164 @@
+"""Triton kernels of linear_cross_entropy. One kernel per idea; the math is in
+``logitless._loss_math`` and the launch sizes in ``logitless._plans``.
+
+Shapes: x (N, H), W (V, H), logits z = x W^T (+ b) of shape (N, V), never stored whole.
+Each program owns a tile of BLOCK_N tokens x BLOCK_V classes of z, computed by a loop
+of tl.dot over BLOCK_H-wide slices of H with fp32 accumulation.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _logits_tile(
+    x_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
+    stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """z[offs_n, offs_v] = x[offs_n] . W[offs_v] (+ b), soft-capped; fp32 (BLOCK_N, BLOCK_V).
+
+    Reads BLOCK_N x H of x and BLOCK_V x H of W. Offsets are 64-bit so that N*H and
+    V*H beyond 2**31 are safe. Rows/columns out of range read zeros (callers mask).
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    row_ok = offs_n < N
+    col_ok = offs_v < V
+    x_rows = x_ptr + offs_n.to(tl.int64)[:, None] * stride_xn
+    w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + offs_h
+        h_ok = h < H
+        x_blk = tl.load(x_rows + h[None, :] * stride_xh, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+        w_blk = tl.load(w_rows + h[None, :] * stride_wh, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
+        if DOT_PRECISION == "interpreter-bf16":
+            # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
+            # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
+            acc = tl.dot(x_blk.to(tl.float32), tl.trans(w_blk.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x_blk, tl.trans(w_blk), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        # s * tanh(z / s), with tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf.
+        acc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * acc / softcap) + 1.0))
+    return acc
+
+
+@triton.jit
+def forward_stats_kernel(
+    x_ptr, w_ptr, b_ptr, cw_ptr, target_ptr,
+    part_max_ptr, part_sum_ptr, part_tgt_ptr, part_smooth_ptr, part_best_ptr, part_arg_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+    blocks_per_split, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Online softmax statistics of rows of z over one split of the vocabulary.
+
+    Program (i, j) takes tokens [i*BLOCK_N, (i+1)*BLOCK_N) and vocabulary blocks
+    [j*blocks_per_split, (j+1)*blocks_per_split) and writes, per token, the split's
+    running max m, sum_c exp(z_c - m), the target logit (0 if the target is elsewhere),
+    sum_c w_c z_c and the first argmax. Memory traffic: x once per split, W once per
+    row block (the GEMM's), plus O(N * splits) fp32 partials; no (N, V) tensor.
+    """
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    smooth = tl.zeros((BLOCK_N,), tl.float32)
+    best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_N,), tl.int32)
+
+    first_block = split * blocks_per_split
+    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    for i in range(0, num_blocks):
+        offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = offs_v < V
+        z = _logits_tile(
+            x_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
+            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        tile_max = tl.max(z, 1)
+        m_new = tl.maximum(m, tile_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep 0
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
+        m = m_new
+        z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
+        if NEED_SMOOTH:
+            if HAS_CW:
+                cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                cw = tl.full((BLOCK_V,), 1.0, tl.float32)
+            smooth += tl.sum(tl.where(col_ok[None, :], z * cw[None, :], 0.0), 1)
+        if NEED_ARGMAX:
+            idx = tl.min(tl.where(z == tile_max[:, None], offs_v[None, :], V), 1)
+            better = tile_max > best
+            best_idx = tl.where(better, idx, best_idx)
+            best = tl.where(better, tile_max, best)
+
+    out = split.to(tl.int64) * N + offs_n
+    tl.store(part_max_ptr + out, m, mask=row_ok)
+    tl.store(part_sum_ptr + out, s, mask=row_ok)
+    tl.store(part_tgt_ptr + out, z_t, mask=row_ok)
+    if NEED_SMOOTH:
+        tl.store(part_smooth_ptr + out, smooth, mask=row_ok)
+    if NEED_ARGMAX:
+        tl.store(part_best_ptr + out, best, mask=row_ok)
+        tl.store(part_arg_ptr + out, best_idx, mask=row_ok)
+
+
+@triton.jit
+def dlogits_kernel(
+    x_ptr, w_ptr, b_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr, dz_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_dzn,
+    v_start, v_end, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """dz = d loss / d logits for columns [v_start, v_end), written in dz's dtype.
+
+    Recomputes the tile of z (one GEMM tile) and applies, with p = exp(z - lse),
+        dz_c = p_c * A - B * [c == t] - C * w_c   (times 1 - (z_c/s)^2 with a soft-cap)
+    from the per-token coefficients coef = (A, B, C) of ``_loss_math``. Traffic: the
+    GEMM's reads plus one write of the (N, v_end - v_start) chunk.
+    """
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    col_ok = offs_v < v_end
+    z = _logits_tile(
+        x_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
+        stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+    )
+    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+    a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
+    b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
+    c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    if HAS_CW:
+        cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        cw = tl.full((BLOCK_V,), 1.0, tl.float32)
+    p = tl.exp(z - lse[:, None])
+    dz = p * a[:, None] - tl.where(offs_v[None, :] == target[:, None], b[:, None], 0.0)
+    dz -= c[:, None] * cw[None, :]
+    if HAS_SOFTCAP:
+        capped = z / softcap
+        dz *= 1.0 - capped * capped
+    dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
+    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
