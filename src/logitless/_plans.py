@@ -78,15 +78,19 @@ def _num_sms(device) -> int:
     return 4  # the interpreter on CPU: few programs keep it quick
 
 
+#: Tiles (block_n, block_v, block_h, num_warps, num_stages) by input itemsize, for
+#: Hopper-class GPUs; the CPU interpreter uses small tiles that still exercise masks.
+CUDA_TILES = {2: (128, 128, 64, 8, 3), 4: (128, 128, 32, 8, 2)}
+INTERPRETER_TILES = (16, 32, 16, 4, 1)
+
+
 def triton_plan(
-    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device, tiles=None
 ) -> TritonPlan:
-    if device.type == "cuda":
-        block_n, block_v, block_h, num_warps, num_stages = 128, 128, 64, 8, 3
-        if itemsize == 4:
-            block_h, num_stages = 32, 2
-    else:  # TRITON_INTERPRET=1: small tiles, still exercising every mask
-        block_n, block_v, block_h, num_warps, num_stages = 16, 32, 16, 4, 1
+    """Launch plan for the shape and budget; ``tiles`` overrides the tile table."""
+    if tiles is None:
+        tiles = CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
+    block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
     # Enough programs to fill the machine about twice, never an empty split.
@@ -109,3 +113,42 @@ def triton_plan(
         vocab_splits=vocab_splits,
         vocab_chunk=vocab_chunk,
     )
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+
+def ce_torch_plan(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
+    """Rows per chunk of the PyTorch backend of cross_entropy.
+
+    Each chunk holds about 4 (rows x V) temporaries in the compute dtype (the upcast
+    copy, exp, the target mask and the soft-cap copy of the backward). One row is the
+    least: the budget can never force a row to be split.
+    """
+    return _clamp(budget // max(1, 4 * vocab * itemsize), 1, max(1, num_tokens))
+
+
+@dataclass(frozen=True)
+class CETritonPlan:
+    """Launch configuration of the Triton backend of cross_entropy.
+
+    block_n x block_v: the tile of logits one program holds per step (block_n rows,
+    streamed over the vocabulary in block_v-wide steps in the forward; one tile per
+    program in the backward).
+    """
+
+    block_n: int
+    block_v: int
+    num_warps: int
+
+
+def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETritonPlan:
+    """About 16 KiB of logits per step; several rows per program when V is small."""
+    if device.type == "cuda":
+        tile, max_block_v, num_warps = 16384 // itemsize, 4096, 8
+    else:  # TRITON_INTERPRET=1: small tiles, still exercising every mask
+        tile, max_block_v, num_warps = 256, 64, 4
+    block_v = min(max_block_v, 1 << max(0, vocab - 1).bit_length())
+    rows = 1 << max(0, num_tokens - 1).bit_length()
+    block_n = _clamp(tile // block_v, 1, rows)
+    return CETritonPlan(block_n=block_n, block_v=block_v, num_warps=num_warps)

@@ -22,7 +22,7 @@ import triton
 from torch import Tensor
 
 from .._loss_math import TokenStats
-from .._plans import triton_plan
+from .._plans import TritonPlan, triton_plan
 from . import triton_kernels as K
 
 
@@ -55,10 +55,11 @@ def forward(
     need_smooth: bool,
     need_argmax: bool,
     budget: int,
+    plan: Optional[TritonPlan] = None,
 ) -> TokenStats:
     n, h = x.shape
     v = weight.shape[0]
-    plan = triton_plan(n, v, h, x.element_size(), budget, x.device)
+    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device)
     splits = plan.vocab_splits
     blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -117,10 +118,11 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
+    plan: Optional[TritonPlan] = None,
 ):
     n, h = x.shape
     v = weight.shape[0]
-    plan = triton_plan(n, v, h, x.element_size(), budget, x.device)
+    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device)
     coef = coef.contiguous()
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(bias) if need_db else None

@@ -1,0 +1,134 @@
+"""Stage-by-stage timing of the Triton linear_cross_entropy on one GPU, for tuning.
+
+Times, at each shape, the cuBLAS GEMM unit, the forward kernel and the backward's
+dlogits kernel alone under several tile configurations, the backward matmuls, and the
+op end to end at a few budgets. Prints a table and writes JSON (to --out).
+
+    python benchmarks/probe_lce.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import logitless
+from logitless import _plans
+from logitless._loss_math import LossOptions, grad_coefficients
+from logitless.linear_cross_entropy import triton_backend as TB
+from logitless.linear_cross_entropy import triton_kernels as K
+
+SHAPES = {
+    "llama3.1-8b": (4096, 4096, 128256),
+    "gemma3-4b": (4096, 2560, 262144),
+    "deepseek-v3": (8192, 7168, 128256),
+}
+TILES = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 256, 64, 8, 3),
+    (64, 256, 64, 4, 3),
+    (128, 128, 64, 8, 4),
+    (256, 128, 64, 8, 3),
+]
+
+
+def ms(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def probe(name, n, h, v, rows):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, h, device=dev, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(v, h, device=dev, generator=g) * h**-0.5).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    gemm = ms(lambda: x @ w.T)
+    rec = dict(shape=name, n=n, h=h, v=v, gemm_ms=gemm)
+    print(f"\n{name} N={n} H={h} V={v}: GEMM {gemm:.3f} ms", flush=True)
+    stats = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, budget=1 << 28)
+    coef = grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=dev), v, None, LossOptions())
+    dz = torch.empty(n, v, device=dev, dtype=torch.bfloat16)
+    for tiles in TILES:
+        plan = _plans.triton_plan(n, v, h, 2, 1 << 40, dev, tiles=tiles)
+        try:
+            f = ms(lambda: TB.forward(x, w, None, t, None, None, need_smooth=False,
+                                      need_argmax=False, budget=0, plan=plan))
+            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v, plan.block_v))
+
+            def dl():
+                K.dlogits_kernel[grid](
+                    x, w, x, x, t, stats.lse, coef, dz, n, v, h, x.stride(0), x.stride(1),
+                    w.stride(0), w.stride(1), dz.stride(0), 0, v, 1.0,
+                    HAS_BIAS=False, HAS_SOFTCAP=False, HAS_CW=False, DOT_PRECISION="tf32",
+                    BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+                    num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+            d = ms(dl)
+        except Exception as e:  # a config may not fit in shared memory
+            print(f"  tiles {tiles}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        rows.append(dict(rec, stage="tiles", tiles=tiles, splits=plan.vocab_splits, fwd_ms=f, dlogits_ms=d))
+        print(f"  tiles {tiles} splits {plan.vocab_splits}: forward {f:.3f} ms ({f / gemm:.2f}x)  "
+              f"dlogits {d:.3f} ms ({d / gemm:.2f}x)", flush=True)
+    dw = torch.empty_like(w)
+    mm_dw = ms(lambda: torch.mm(dz.T, x, out=dw))
+    mm_dx = ms(lambda: dz @ w)
+    acc = torch.zeros(n, h, device=dev, dtype=torch.float32)
+    half = v // 2
+    try:
+        mm_dx_acc = ms(lambda: torch.addmm(acc, dz[:, :half], w[:half], out_dtype=torch.float32, out=acc)) * 2
+    except Exception as e:
+        mm_dx_acc = float("nan")
+        print("  addmm out_dtype failed:", e)
+    print(f"  dW mm {mm_dw:.3f} ms ({mm_dw / gemm:.2f}x)  dx mm {mm_dx:.3f} ({mm_dx / gemm:.2f}x)  "
+          f"dx fp32-acc in 2 chunks {mm_dx_acc:.3f}", flush=True)
+    rows.append(dict(rec, stage="mm", dw_ms=mm_dw, dx_ms=mm_dx, dx_acc2_ms=mm_dx_acc))
+    del dz
+    torch.cuda.empty_cache()
+
+    xg = x.clone().requires_grad_(True)
+    wg = w.clone().requires_grad_(True)
+    with torch.no_grad():
+        fwd_only = ms(lambda: logitless.linear_cross_entropy(x, w, t))
+    for label, budget in [("default", None), ("64MiB", 64 << 20), ("logits", n * h * 4 + n * v * 2 + (1 << 20))]:
+        def step():
+            xg.grad = wg.grad = None
+            logitless.linear_cross_entropy(xg, wg, t, memory_budget=budget).backward()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base - xg.grad.nbytes - wg.grad.nbytes) / 2**20
+        fb = ms(step)
+        rows.append(dict(rec, stage="e2e", budget=label, fwd_only_ms=fwd_only, fwdbwd_ms=fb, peak_extra_mib=peak))
+        print(f"  e2e budget {label}: fwd-only {fwd_only:.3f} ms ({fwd_only / gemm:.2f}x GEMM)  "
+              f"fwd+bwd {fb:.3f} ms ({fb / (3 * gemm):.2f}x 3 GEMMs)  peak extra {peak:.0f} MiB", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    rows = []
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                command=" ".join(sys.argv))
+    print(meta, flush=True)
+    for name in args.shapes.split(","):
+        probe(name, *SHAPES[name], rows)
+        with open(f"{args.out}/probe_lce.json", "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

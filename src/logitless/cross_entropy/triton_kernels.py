@@ -1,0 +1,132 @@
+"""Triton kernels of cross_entropy on logits the caller holds. One kernel per idea; the
+math is in ``logitless._loss_math`` and the launch sizes in ``logitless._plans``.
+
+Shapes: logits z (N, V) addressed through (row stride, column stride), any strides, so
+a transposed or sliced (N, V) view is read in place. Offsets are 64-bit: N * stride
+may exceed 2**31. Both kernels are bandwidth-bound: the forward reads z once, the
+backward reads z once and writes dz once; everything else is O(N).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softcap(z, softcap):
+    """s * tanh(z / s), with tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+
+
+@triton.jit
+def ce_forward_kernel(
+    z_ptr, target_ptr, cw_ptr, lse_ptr, tgt_ptr, smooth_ptr, argmax_ptr,
+    N, V, stride_n, stride_v, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Per-row statistics of z in one streaming pass (fp32 arithmetic).
+
+    Program i owns rows [i*BLOCK_N, (i+1)*BLOCK_N) and walks the vocabulary in
+    BLOCK_V-wide steps, keeping per row: the running max m and sum_c exp(z_c - m)
+    (online softmax), the target logit z_t (0 when the target is elsewhere or out of
+    range), sum_c w_c z_c (NEED_SMOOTH) and the first index of the maximum
+    (NEED_ARGMAX). z is soft-capped on the fly (HAS_SOFTCAP). Writes lse = m + log(sum)
+    and the other statistics: O(N) outputs. Traffic: N x V logits read once.
+
+    Rows whose logits are all -inf so far keep a shift of 0 (no inf - inf); NaN
+    anywhere in a row makes its sum, hence its lse, NaN.
+    """
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    rows = z_ptr + offs_n.to(tl.int64)[:, None] * stride_n
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    smooth = tl.zeros((BLOCK_N,), tl.float32)
+    best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_N,), tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        col_ok = offs_v < V
+        mask = row_ok[:, None] & col_ok[None, :]
+        z = tl.load(rows + offs_v.to(tl.int64)[None, :] * stride_v, mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        if HAS_SOFTCAP:
+            z = _softcap(z, softcap)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        tile_max = tl.max(z, 1)
+        m_new = tl.maximum(m, tile_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
+        m = m_new
+        z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
+        if NEED_SMOOTH:
+            if HAS_CW:
+                cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                cw = tl.full((BLOCK_V,), 1.0, tl.float32)
+            smooth += tl.sum(tl.where(col_ok[None, :], z * cw[None, :], 0.0), 1)
+        if NEED_ARGMAX:
+            idx = tl.min(tl.where(z == tile_max[:, None], offs_v[None, :], V), 1)
+            better = tile_max > best
+            best_idx = tl.where(better, idx, best_idx)
+            best = tl.where(better, tile_max, best)
+
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(lse_ptr + offs_n, m_safe + tl.log(s), mask=row_ok)
+    tl.store(tgt_ptr + offs_n, z_t, mask=row_ok)
+    if NEED_SMOOTH:
+        tl.store(smooth_ptr + offs_n, smooth, mask=row_ok)
+    if NEED_ARGMAX:
+        tl.store(argmax_ptr + offs_n, best_idx.to(tl.int64), mask=row_ok)
+
+
+@triton.jit
+def ce_backward_kernel(
+    z_ptr, dz_ptr, target_ptr, cw_ptr, lse_ptr, coef_ptr,
+    N, V, stride_zn, stride_zv, stride_dn, stride_dv, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dz = d loss / d logits for one BLOCK_N x BLOCK_V tile, in dz's dtype.
+
+    Recomputes p = exp(z - lse) from the saved lse and applies, with coef = (A, B, C)
+    a (3, N) fp32 tensor from ``_loss_math.grad_coefficients``,
+        dz_c = p_c * A - B * [c == t] - C * w_c   (times 1 - (z_c/s)^2 with a soft-cap,
+                                                   z_c the capped logit)
+    Traffic: the tile of z read once, the tile of dz written once, O(BLOCK_N) stats.
+    dz may be z itself (inplace_backward): each element is read, then overwritten, by
+    the one program that owns it.
+    """
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    col_ok = offs_v < V
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    cols = offs_v.to(tl.int64)[None, :]
+    z = tl.load(z_ptr + rows * stride_zn + cols * stride_zv, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = _softcap(z, softcap)
+    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+    a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
+    b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
+    c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    if HAS_CW:
+        cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        cw = tl.full((BLOCK_V,), 1.0, tl.float32)
+    p = tl.exp(z - lse[:, None])
+    dz = p * a[:, None] - tl.where(offs_v[None, :] == target[:, None], b[:, None], 0.0)
+    dz -= c[:, None] * cw[None, :]
+    if HAS_SOFTCAP:
+        capped = z / softcap
+        dz *= 1.0 - capped * capped
+    tl.store(dz_ptr + rows * stride_dn + cols * stride_dv, dz.to(dz_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,48 @@
+"""Shared test tools: the accuracy criterion and an allocation recorder."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Extra allowance over torch's own error, relative to the largest reference value.
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.detach().double().cpu() - ref.detach().double().cpu()).abs().max().item() if ref.numel() else 0.0
+
+
+def assert_close_to_ref(name, ours, torch_same_dtype, ref, dtype):
+    """|ours - ref| <= |torch in the same dtype - ref| + tol * max|ref|; NaN never passes."""
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    if ref.numel() == 0:
+        return
+    assert not torch.isnan(ours).any(), f"{name}: NaN"
+    e_ours = max_err(ours, ref)
+    e_torch = max_err(torch_same_dtype, ref) if torch_same_dtype is not None else 0.0
+    if e_torch != e_torch:  # torch itself gave NaN: hold ours to the tolerance alone
+        e_torch = 0.0
+    scale = ref.detach().double().abs().max().item()
+    bound = e_torch + TOL[dtype] * max(scale, 1e-3)
+    assert e_ours <= bound, f"{name}: error {e_ours:.3g} > bound {bound:.3g} (torch {e_torch:.3g})"
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Records the element count of every tensor that any op creates while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.largest_op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                # Views, out= and in-place ops (copy_, set_: Triton's interpreter uses them
+                # on kernel arguments) write into existing storage: they allocate nothing.
+                inplace = func.overloadpacket.__name__.endswith("_")
+                if not (func.is_view or inplace or "out" in (kwargs or {})):
+                    self.largest, self.largest_op = t.numel(), str(func)
+        return out

@@ -1,0 +1,311 @@
+"""linear_cross_entropy against the float64 reference, for every backend and option.
+
+Runs on the GPU when there is one; otherwise the Triton backend runs on the CPU
+interpreter (conftest.py), at small sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import logitless
+from logitless._loss_math import LossOptions, TokenStats, token_loss
+from logitless.linear_cross_entropy.reference import linear_cross_entropy_reference
+from tests.conftest import DEVICE, HAS_CUDA
+from tests.helpers import AllocationRecorder, assert_close_to_ref
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+OPTIONS = {
+    "plain": {},
+    "ignore": {"_ignore": 0.3},
+    "bias": {"_bias": True},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "class_weight": {"_class_weight": True},
+    "softcap": {"softcap": 4.0},
+    "z_loss": {"z_loss": 1e-2},
+    "shift": {"shift": True},
+    "all": {
+        "_ignore": 0.3, "_bias": True, "label_smoothing": 0.2, "_class_weight": True,
+        "softcap": 6.0, "z_loss": 1e-3, "shift": True,
+    },
+}
+
+
+def make_inputs(lead, hidden, vocab, dtype, opts, seed, requires_grad=(True, True)):
+    """Fresh random inputs; returns (x, weight, target, bias, kwargs for the op)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5 * 2).to(dtype)
+    target = torch.randint(0, vocab, lead, generator=g)
+    if opts.get("_ignore"):
+        target[torch.rand(lead, generator=g) < opts["_ignore"]] = -100
+    bias = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if opts.get("_bias") else None
+    kw = {k: v for k, v in opts.items() if not k.startswith("_")}
+    if opts.get("_class_weight"):
+        kw["class_weight"] = (torch.rand(vocab, generator=g) + 0.5).to(DEVICE)
+    x = x.to(DEVICE).requires_grad_(requires_grad[0])
+    w = w.to(DEVICE).requires_grad_(requires_grad[1])
+    if bias is not None:
+        bias = bias.to(DEVICE).requires_grad_(True)
+    return x, w, target.to(DEVICE), bias, kw
+
+
+def torch_same_dtype(x, w, target, bias, *, reduction, shift=False, softcap=None, z_loss=0.0,
+                     class_weight=None, label_smoothing=0.0, ignore_index=-100):
+    """What a user would write in plain torch, in the inputs' dtype (logits materialised)."""
+    logits = x @ w.T
+    if bias is not None:
+        logits = logits + bias
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if shift:
+        logits, target = logits[..., :-1, :], target[..., 1:]
+    flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    cw = class_weight.to(logits.dtype) if class_weight is not None else None
+    ce = F.cross_entropy(flat, t, weight=cw, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)
+    if z_loss:
+        valid = t != ignore_index
+        z = torch.where(valid, z_loss * torch.logsumexp(flat, -1) ** 2, 0)
+        if reduction == "none":
+            ce = ce + z
+        elif reduction == "sum":
+            ce = ce + z.sum()
+        else:
+            w_t = cw[t.clamp(0)] if cw is not None else torch.ones_like(z)
+            ce = ce + z.sum() / torch.where(valid, w_t, 0).sum()
+    return ce.reshape(target.shape) if reduction == "none" else ce
+
+
+def check_against_reference(backend, dtype, lead, hidden, vocab, opts, reduction, seed,
+                            requires_grad=(True, True), budget=None):
+    x, w, target, bias, kw = make_inputs(lead, hidden, vocab, dtype, opts, seed, requires_grad)
+    loss, stats = logitless.linear_cross_entropy(
+        x, w, target, bias, reduction=reduction, backend=backend, return_stats=True,
+        memory_budget=budget, **kw,
+    )
+    ref, ref_lse, ref_correct = linear_cross_entropy_reference(
+        x, w, target, bias, reduction=reduction, **kw)
+    same = torch_same_dtype(x, w, target, bias, reduction=reduction, **kw)
+    assert_close_to_ref("loss", loss, same, ref, dtype)
+    assert loss.dtype == torch.float32
+    assert_close_to_ref("lse", stats.lse, None, ref_lse, torch.float32 if dtype == torch.float32 else dtype)
+    if dtype == torch.float32:  # 16-bit ties/near-ties may legitimately flip the argmax
+        assert torch.equal(stats.correct.cpu(), ref_correct.cpu())
+    valid_targets = target[..., 1:] if kw.get("shift") else target
+    assert stats.num_tokens.item() == (valid_targets != -100).sum().item()
+
+    grad_out = torch.randn(loss.shape, dtype=torch.float32, device=DEVICE) if reduction == "none" else None
+    inputs = [t for t in (x, w, bias) if t is not None and t.requires_grad]
+    ours = torch.autograd.grad(loss, inputs, grad_out)
+    refs = torch.autograd.grad(ref, inputs, grad_out.double() if grad_out is not None else None)
+    sames = torch.autograd.grad(same, inputs, grad_out.to(same.dtype) if grad_out is not None else None)
+    for name, o, r, s in zip(["dx", "dW", "db"], ours, refs, sames):
+        assert o.dtype == dtype
+        assert_close_to_ref(name, o, s, r, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_option(backend, option, dtype):
+    reduction = ["mean", "sum", "none"][hash(option) % 3]
+    check_against_reference(backend, dtype, (3, 13), 24, 101, OPTIONS[option], reduction, seed=len(option))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions_all_options(backend, reduction):
+    for dtype in DTYPES:
+        check_against_reference(backend, dtype, (29,), 40, 257, OPTIONS["all"], reduction, seed=7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "lead,hidden,vocab",
+    [((1,), 24, 101), ((2, 5), 20, 1009), ((33,), 17, 67), ((1, 1), 8, 3)],
+    ids=["one-token", "prime-V-odd-H-3d", "H17", "tiny"],
+)
+def test_odd_sizes(backend, lead, hidden, vocab):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_against_reference(backend, dtype, lead, hidden, vocab, OPTIONS["ignore"], "mean", seed=3)
+
+
+def test_gpt2_vocab_torch_backend():
+    """V = 50257 (prime-free but odd; GPT-2's), chunked over the vocabulary."""
+    check_against_reference("torch", torch.float32, (9,), 32, 50257, OPTIONS["all"], "mean", seed=5,
+                            budget=1 << 20)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="V=50257 is too slow for the Triton CPU interpreter")
+def test_gpt2_vocab_triton():
+    for dtype in DTYPES:
+        check_against_reference("triton", dtype, (300,), 136, 50257, OPTIONS["all"], "mean", seed=5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("frozen", ["x", "weight"])
+def test_frozen_inputs(backend, frozen):
+    rg = (frozen != "x", frozen != "weight")
+    for dtype in (torch.float32, torch.bfloat16):
+        check_against_reference(backend, dtype, (4, 6), 24, 101, OPTIONS["ignore"], "mean", seed=11,
+                                requires_grad=rg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_budget_many_chunks(backend):
+    """A budget so small that both passes run in many chunks: same result."""
+    check_against_reference(backend, torch.float32, (37,), 24, 211, OPTIONS["all"], "none", seed=13,
+                            budget=2048)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_by_vocab_tensor(backend):
+    n, h, v = 48, 16, 160
+    x, w, target, bias, kw = make_inputs((n,), h, v, torch.float32, OPTIONS["all"], seed=1)
+    with AllocationRecorder() as rec:
+        loss = logitless.linear_cross_entropy(x, w, target, bias, backend=backend,
+                                              memory_budget=4096, **kw)
+        loss.backward()
+    assert 0 < rec.largest < n * v, f"{rec.largest_op} created {rec.largest} elements (N*V = {n * v})"
+
+
+def test_allocation_recorder_sees_logits():
+    """The recorder above would catch a (tokens x vocab) tensor."""
+    x, w = torch.randn(48, 16), torch.randn(160, 16)
+    with AllocationRecorder() as rec:
+        F.cross_entropy(x @ w.T, torch.zeros(48, dtype=torch.long))
+    assert rec.largest >= 48 * 160
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_repeatable(backend):
+    x, w, target, bias, kw = make_inputs((40,), 24, 131, torch.bfloat16, OPTIONS["all"], seed=2)
+    runs = []
+    for _ in range(2):
+        loss = logitless.linear_cross_entropy(x, w, target, bias, backend=backend, memory_budget=3000, **kw)
+        runs.append((loss, *torch.autograd.grad(loss, (x, w, bias))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_twice_and_int32_targets(backend):
+    x, w, target, bias, kw = make_inputs((20,), 16, 50, torch.float32, {}, seed=4)
+    loss = logitless.linear_cross_entropy(x, w, target.int(), backend=backend)
+    g1 = torch.autograd.grad(loss, (x, w), retain_graph=True)
+    g2 = torch.autograd.grad(loss, (x, w))
+    ref = logitless.linear_cross_entropy(x, w, target, backend=backend)
+    assert torch.equal(loss, ref)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_module_matches_function():
+    x, w, target, bias, kw = make_inputs((2, 9), 16, 70, torch.float32, OPTIONS["all"], seed=6)
+    mod = logitless.LinearCrossEntropyLoss(**kw)
+    assert torch.equal(mod(x, w, target, bias), logitless.linear_cross_entropy(x, w, target, bias, **kw))
+    assert "shift=True" in repr(mod)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_input_gives_nan(backend):
+    x, w, target, _, _ = make_inputs((6,), 16, 40, torch.float32, {}, seed=8)
+    x = x.detach().clone()
+    x[2, 3] = float("nan")
+    loss = logitless.linear_cross_entropy(x, w, target, backend=backend, reduction="none")
+    assert torch.isnan(loss[2]) and not torch.isnan(loss[[0, 1, 3, 4, 5]]).any()
+    x[2, 3] = float("inf")
+    assert torch.isnan(logitless.linear_cross_entropy(x, w, target, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_and_all_ignored_like_torch(backend, reduction):
+    for n in (0, 5):
+        x, w, target, _, _ = make_inputs((n,), 16, 40, torch.float32, {}, seed=9)
+        target = torch.full_like(target, -100)
+        ours = logitless.linear_cross_entropy(x, w, target, backend=backend, reduction=reduction)
+        theirs = F.cross_entropy(x @ w.T, target, reduction=reduction)
+        assert ours.shape == theirs.shape
+        assert torch.equal(torch.isnan(ours), torch.isnan(theirs))
+        torch.testing.assert_close(ours.nan_to_num(), theirs.float().nan_to_num())
+        g = torch.ones_like(ours)
+        gx, gw = torch.autograd.grad(ours, (x, w), g)
+        assert not gx.any() and not gw.any()
+
+
+def test_out_of_range_target_raises_on_cpu():
+    x, w, target, _, _ = make_inputs((6,), 16, 40, torch.float32, {}, seed=10)
+    for bad in (40, -1, 1000):
+        t = target.cpu().clone()
+        t[3] = bad
+        with pytest.raises(ValueError, match="outside"):
+            logitless.linear_cross_entropy(x.cpu(), w.cpu(), t)
+
+
+def test_out_of_range_target_gives_nan_in_the_math():
+    """Where no check runs (GPU), the token's loss is NaN, never a finite value."""
+    stats = TokenStats(torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.0]), None, None)
+    loss, _ = token_loss(stats, torch.tensor([3, 40]), 40, None, LossOptions())
+    assert loss[0] == 0.5 and torch.isnan(loss[1])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the NaN path for bad targets is the GPU path")
+def test_out_of_range_target_gives_nan_on_gpu():
+    x, w, target, _, _ = make_inputs((6,), 16, 40, torch.bfloat16, {}, seed=10)
+    target[3] = 40
+    loss = logitless.linear_cross_entropy(x, w, target, reduction="none")
+    assert torch.isnan(loss[3]) and not torch.isnan(loss[[0, 1, 2, 4, 5]]).any()
+    assert torch.isnan(logitless.linear_cross_entropy(x, w, target))
+
+
+def _bad_calls():
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    f = logitless.linear_cross_entropy
+    return {
+        "reduction": (lambda: f(x, w, t, reduction="avg"), ValueError, "reduction"),
+        "label_smoothing": (lambda: f(x, w, t, label_smoothing=-0.1), ValueError, "label_smoothing"),
+        "softcap": (lambda: f(x, w, t, softcap=0.0), ValueError, "softcap"),
+        "z_loss": (lambda: f(x, w, t, z_loss=-1.0), ValueError, "z_loss"),
+        "hidden": (lambda: f(x, torch.randn(10, 7), t), ValueError, "hidden size"),
+        "weight-rank": (lambda: f(x, torch.randn(10, 8, 1), t), ValueError, "2-D"),
+        "target-shape": (lambda: f(x, w, t[:3]), ValueError, "target has shape"),
+        "target-dtype": (lambda: f(x, w, t.float()), TypeError, "int64 or int32"),
+        "x-dtype": (lambda: f(x.int(), w, t), TypeError, "x must be"),
+        "dtype-mismatch": (lambda: f(x, w.double(), t), TypeError, "must match"),
+        "bias-shape": (lambda: f(x, w, t, torch.randn(9)), ValueError, "bias must have shape"),
+        "bias-dtype": (lambda: f(x, w, t, torch.randn(10).half()), TypeError, "bias is"),
+        "class-weight": (lambda: f(x, w, t, class_weight=torch.rand(11)), ValueError, "class_weight"),
+        "empty-vocab": (lambda: f(x, torch.randn(0, 8), t), ValueError, "vocabulary is empty"),
+        "backend": (lambda: f(x, w, t, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(x, w, t, memory_budget=0), ValueError, "memory_budget"),
+        "shift-1d": (lambda: f(x[0], w, t[0], shift=True), ValueError, "shift"),
+        "device": (lambda: f(x, w.to("meta"), t), ValueError, "device"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_raises(case):
+    call, exc, match = _bad_calls()[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without CUDA and without the interpreter")
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        logitless.linear_cross_entropy(x, w, t, backend="triton")
+
+
+def test_float64_on_torch_backend_is_exact():
+    x, w, target, bias, kw = make_inputs((3, 5), 12, 31, torch.float64, OPTIONS["all"], seed=12)
+    ours = logitless.linear_cross_entropy(x, w, target, bias, backend="torch", **kw)
+    ref, _, _ = linear_cross_entropy_reference(x, w, target, bias, **kw)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-7)
