@@ -57,8 +57,11 @@ class TritonPlan:
     block_h: the step along the hidden dimension of each tile's matmul;
     vocab_splits: programs that share one row block of the forward, each over a
         contiguous range of the vocabulary (their partial statistics are merged after);
-    vocab_chunk: columns of d(logits) materialised at once in the backward, in the
-        input dtype, so the dx and dW matmuls run on tensor cores (a multiple of block_v).
+    vocab_chunk: columns of d(logits) recomputed at once in the backward, in the
+        input dtype, so the dx and dW matmuls run on tensor cores (a multiple of block_v);
+    keep_cols: leading columns of exp(logits - max) that the forward stores for the
+        backward (a multiple of block_v, or the whole vocabulary), so that they need no
+        recomputed GEMM. 0 when no gradient is needed or the budget holds none.
     """
 
     block_n: int
@@ -68,6 +71,7 @@ class TritonPlan:
     num_stages: int
     vocab_splits: int
     vocab_chunk: int
+    keep_cols: int = 0
 
 
 def _num_sms(device) -> int:
@@ -80,30 +84,50 @@ def _num_sms(device) -> int:
 
 #: Tiles (block_n, block_v, block_h, num_warps, num_stages) by input itemsize, for
 #: Hopper-class GPUs; the CPU interpreter uses small tiles that still exercise masks.
-CUDA_TILES = {2: (128, 128, 64, 8, 3), 4: (128, 128, 32, 8, 2)}
+CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 2)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
+#: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
+WAVES = 16
+#: Narrowest backward chunk (columns of dz) on GPUs, whatever the budget.
+MIN_CHUNK = 4096
 
 
 def triton_plan(
-    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device, tiles=None
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
+    tiles=None, keep_allowed: bool = False,
 ) -> TritonPlan:
-    """Launch plan for the shape and budget; ``tiles`` overrides the tile table."""
+    """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
+    ``keep_allowed``: a backward will follow and may use columns kept by the forward."""
     if tiles is None:
         tiles = CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
-    # Enough programs to fill the machine about twice, never an empty split.
-    want = math.ceil(2 * _num_sms(device) / max(1, row_blocks))
+    # Many programs per SM so that the last wave is a small fraction of the work (with
+    # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: PERFORMANCE.md).
+    want = math.ceil(WAVES * _num_sms(device) / max(1, row_blocks))
     blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
     vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
 
-    # Backward: the d(logits) chunk (tokens x vocab_chunk, input dtype) gets what the
-    # budget leaves after the fp32 dx accumulator (tokens x hidden).
-    dx_acc = 4 * num_tokens * hidden
-    left = max(budget - dx_acc, 0)
-    cols = left // max(1, itemsize * num_tokens)
-    vocab_chunk = _clamp(cols // block_v * block_v, block_v, vocab_blocks * block_v)
+    # Backward. Kept columns cost itemsize + 4/block_v bytes per token each and save a
+    # recomputed GEMM; recomputed ones need an fp32 (tokens x hidden) dx accumulator
+    # and a chunk of dz. Keep everything if the budget holds it, else keep what the
+    # budget leaves after the accumulator and one chunk of MIN_CHUNK columns.
+    padded_vocab = vocab_blocks * block_v
+    per_col = num_tokens * (itemsize + 4 / block_v)
+    min_cols = min(MIN_CHUNK, padded_vocab) if device.type == "cuda" else 2 * block_v
+    keep_cols = 0
+    if keep_allowed:
+        if budget >= per_col * vocab:
+            keep_cols = vocab
+        else:
+            left = budget - 4 * num_tokens * hidden - num_tokens * itemsize * min_cols
+            keep_cols = _clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
+    left = budget - 4 * num_tokens * hidden - per_col * keep_cols
+    cols = int(max(left, 0) // max(1, itemsize * num_tokens))
+    # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
+    # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
+    vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
     return TritonPlan(
         block_n=block_n,
         block_v=block_v,
@@ -112,6 +136,7 @@ def triton_plan(
         num_stages=num_stages,
         vocab_splits=vocab_splits,
         vocab_chunk=vocab_chunk,
+        keep_cols=keep_cols,
     )
 
 

@@ -63,20 +63,22 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd glue shared by every backend: stats -> loss here, kernels in the backend."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax):
+    def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, grad_wanted):
         n, v = x.shape[0], weight.shape[0]
+        cache = None
         if n == 0:
             empty = x.new_empty(0, dtype=torch.float32)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
         else:
-            stats = backend.forward(
+            stats, cache = backend.forward(
                 x, weight, bias, target, class_weight, opts.softcap,
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
+                need_grad=grad_wanted,
             )
         loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
         loss = reduce_loss(loss_tok, w_t, opts.reduction)
         ctx.save_for_backward(x, weight, bias, target, class_weight, stats.lse, w_t)
-        ctx.opts, ctx.backend, ctx.budget = opts, backend, budget
+        ctx.opts, ctx.backend, ctx.budget, ctx.cache = opts, backend, budget, cache
         argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
         ctx.mark_non_differentiable(stats.lse, argmax)
         return loss, stats.lse, argmax
@@ -97,8 +99,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             dx, dw, db = ctx.backend.backward(
                 x, weight, bias, target, class_weight, opts.softcap, lse, coef,
                 need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=ctx.budget,
+                cache=ctx.cache,
             )
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -207,8 +210,12 @@ def linear_cross_entropy(
         x2d = x2d.contiguous()
     flat_target = target.reshape(-1).long()
 
+    # Under no_grad (eval) nothing is kept for a backward, whatever requires_grad says.
+    grad_wanted = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
     loss, lse, argmax = _LinearCrossEntropyFunction.apply(
         x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget, return_stats,
+        grad_wanted,
     )
 
     def per_token(t: Tensor) -> Tensor:

@@ -44,7 +44,9 @@ def forward(
     need_smooth: bool,
     need_argmax: bool,
     budget: int,
-) -> TokenStats:
+    need_grad: bool = False,
+):
+    """Returns (TokenStats, None): this backend keeps nothing for the backward."""
     n, h = x.shape
     v = weight.shape[0]
     cd = _compute_dtype(x.dtype)
@@ -89,7 +91,7 @@ def forward(
             smooth[n0:n1] = sm
         if need_argmax:
             amax[n0:n1] = best_i
-    return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
+    return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax), None
 
 
 def backward(
@@ -106,6 +108,7 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
+    cache=None,
 ):
     n, h = x.shape
     v = weight.shape[0]

@@ -2,14 +2,19 @@
 
 forward  (1 GEMM): ``forward_stats_kernel`` over (row blocks x vocab splits) writes
          O(N * splits) partial statistics, merged here with O(N * splits) torch ops.
-backward (3 GEMMs): for each vocab chunk [v0, v1) (``_plans.triton_plan``):
-         ``dlogits_kernel`` recomputes the logits and writes dz (N, v1 - v0) in the
-         input dtype; then dW[v0:v1] = dz^T x (written once, fp32 accumulation inside
-         the matmul), db[v0:v1] = column sums of dz in fp32, and dx += dz W[v0:v1]
-         into an fp32 (N, H) accumulator (plain dx = dz W when one chunk covers V).
-No tensor of N x V elements: the largest temporary is the dz chunk, sized by the
-memory budget. No atomics: every output element is written by one program or one
-matmul, so results are bitwise repeatable.
+         When a backward will follow, it also keeps exp(z - m) for the first
+         ``plan.keep_cols`` vocabulary columns that the budget holds (all of them when
+         the budget is at least the logits' size in the input dtype).
+backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
+         (``kept_dlogits_kernel``, no GEMM); the others, chunk by chunk [v0, v1),
+         are recomputed by ``dlogits_kernel``. For each chunk, dW[v0:v1] = dz^T x
+         (written once, fp32 accumulation inside the matmul), db[v0:v1] = column sums
+         of dz in fp32, and dx += dz W[v0:v1] into an fp32 (N, H) accumulator (plain
+         dx = dz W when one chunk covers V).
+No tensor of N x V elements unless the budget allows it: temporaries are the kept
+columns and one dz chunk, sized by the memory budget (``_plans.triton_plan``). No
+atomics: every output element is written by one program or one matmul, so results
+are bitwise repeatable.
 """
 
 from __future__ import annotations
@@ -55,11 +60,15 @@ def forward(
     need_smooth: bool,
     need_argmax: bool,
     budget: int,
+    need_grad: bool = False,
     plan: Optional[TritonPlan] = None,
-) -> TokenStats:
+):
+    """Returns (TokenStats, cache for ``backward``)."""
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device)
+    # fp16 cannot hold exp(z - m) down to exp(-2 * softcap): recompute those instead.
+    keep_allowed = need_grad and not (x.dtype == torch.float16 and softcap is not None)
+    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep_allowed)
     splits = plan.vocab_splits
     blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -69,13 +78,20 @@ def forward(
     part_smooth = torch.empty(splits, n, **f32) if need_smooth else part_max
     part_best = torch.empty(splits, n, **f32) if need_argmax else part_max
     part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
+    keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v)
+    keep = keep_max = None
+    if keep_blocks:
+        keep = torch.empty(n, plan.keep_cols, dtype=x.dtype, device=x.device)
+        keep_max = torch.empty(keep_blocks, n, **f32)
     grid = (triton.cdiv(n, plan.block_n), splits)
     K.forward_stats_kernel[grid](
         x, weight, bias if bias is not None else x, class_weight if class_weight is not None else x,
         target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
+        keep if keep is not None else x, keep_max if keep_max is not None else x,
         n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        blocks_per_split, float(softcap or 1.0),
-        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax,
+        keep.stride(0) if keep is not None else 0,
+        blocks_per_split, keep_blocks, float(softcap or 1.0),
+        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None,
         **_flags(bias, class_weight, softcap, x.dtype),
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -88,12 +104,25 @@ def forward(
     if need_argmax:
         first = part_best.argmax(dim=0, keepdim=True)  # first split holding the maximum
         argmax = part_arg.gather(0, first)[0].long()
-    return TokenStats(
+    stats = TokenStats(
         lse=lse,
         target_logit=part_tgt.sum(dim=0),
         smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
         argmax=argmax,
     )
+    return stats, _Kept(plan, keep, keep_max) if keep is not None else None
+
+
+class _Kept:
+    """Columns kept by the forward; ``backward`` turns them into dz in place, once."""
+
+    def __init__(self, plan: TritonPlan, exp_tiles: Tensor, tile_max: Tensor):
+        self.plan, self.exp_tiles, self.tile_max = plan, exp_tiles, tile_max
+
+    def take(self):
+        """The buffers, or None if a previous backward already consumed them."""
+        out, self.exp_tiles, self.tile_max = (self.exp_tiles, self.tile_max), None, None
+        return out if out[0] is not None else None
 
 
 def _dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
@@ -118,34 +147,53 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
+    cache: Optional[_Kept] = None,
     plan: Optional[TritonPlan] = None,
 ):
     n, h = x.shape
     v = weight.shape[0]
+    kept = cache.take() if cache is not None else None
+    if kept is not None:
+        plan = cache.plan
     plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device)
+    keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
+    cw_arg = class_weight if class_weight is not None else x
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(bias) if need_db else None
-    one_chunk = plan.vocab_chunk >= v
+    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
+    chunks = [(0, keep_cols)] if keep_cols else []
+    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
+    one_chunk = len(chunks) == 1
     dx = None
     dx_acc = None
     if need_dx and not one_chunk:
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=x.dtype, device=x.device)
-    for v0 in range(0, v, plan.vocab_chunk):
-        v1 = min(v, v0 + plan.vocab_chunk)
-        dz = dz_buf[:, : v1 - v0]
-        grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
-        K.dlogits_kernel[grid](
-            x, weight, bias if bias is not None else x,
-            class_weight if class_weight is not None else x,
-            target, lse, coef, dz,
-            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-            v0, v1, float(softcap or 1.0),
-            **_flags(bias, class_weight, softcap, x.dtype),
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
+    dz_buf = None
+    for v0, v1 in chunks:
+        if v0 == 0 and keep_cols:
+            dz, tile_max = kept
+            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
+            K.kept_dlogits_kernel[grid](
+                dz, tile_max, cw_arg, target, lse, coef, n, v, keep_cols, dz.stride(0),
+                float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
+                HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
+                num_warps=plan.num_warps,
+            )
+        else:
+            if dz_buf is None:
+                dz_buf = torch.empty(n, min(plan.vocab_chunk, v - keep_cols), dtype=x.dtype, device=x.device)
+            dz = dz_buf[:, : v1 - v0]
+            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
+            K.dlogits_kernel[grid](
+                x, weight, bias if bias is not None else x, cw_arg,
+                target, lse, coef, dz,
+                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+                v0, v1, float(softcap or 1.0),
+                **_flags(bias, class_weight, softcap, x.dtype),
+                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+                num_warps=plan.num_warps, num_stages=plan.num_stages,
+            )
         if need_dw:
             torch.mm(dz.T, x, out=dw[v0:v1])
         if need_db:

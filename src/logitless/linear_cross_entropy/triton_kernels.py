@@ -48,13 +48,33 @@ def _logits_tile(
 
 
 @triton.jit
+def _dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap,
+             HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dz_c = p_c * A - B * [c == t] - C * w_c, times 1 - (z_c/s)^2 with a soft-cap
+    (``_loss_math``'s one gradient line). p, z: (BLOCK_N, BLOCK_V) fp32; a, b, c, target
+    per row; z is only read with HAS_SOFTCAP."""
+    if HAS_CW:
+        cw = tl.load(cw_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
+    else:
+        cw = tl.full((BLOCK_V,), 1.0, tl.float32)
+    dz = p * a[:, None] - tl.where(offs_v[None, :] == target[:, None], b[:, None], 0.0)
+    dz -= c[:, None] * cw[None, :]
+    if HAS_SOFTCAP:
+        capped = z / softcap
+        dz *= 1.0 - capped * capped
+    return dz
+
+
+@triton.jit
 def forward_stats_kernel(
     x_ptr, w_ptr, b_ptr, cw_ptr, target_ptr,
     part_max_ptr, part_sum_ptr, part_tgt_ptr, part_smooth_ptr, part_best_ptr, part_arg_ptr,
-    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-    blocks_per_split, softcap,
+    keep_ptr, keep_max_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_keep,
+    blocks_per_split, keep_blocks, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-    NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, KEEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Online softmax statistics of rows of z over one split of the vocabulary.
@@ -64,6 +84,11 @@ def forward_stats_kernel(
     running max m, sum_c exp(z_c - m), the target logit (0 if the target is elsewhere),
     sum_c w_c z_c and the first argmax. Memory traffic: x once per split, W once per
     row block (the GEMM's), plus O(N * splits) fp32 partials; no (N, V) tensor.
+
+    KEEP (the backward will want these columns): for vocabulary blocks below
+    keep_blocks also store e = exp(z - m) in keep's dtype and m (the running max used,
+    fp32, per token and block), from which the backward gets p = e * exp(m - lse)
+    without recomputing the GEMM. Extra traffic: one write of the kept columns.
     """
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,8 +117,15 @@ def forward_stats_kernel(
         tile_max = tl.max(z, 1)
         m_new = tl.maximum(m, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep 0
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
+        e = tl.exp(z - m_safe[:, None])
+        s = s * tl.exp(m - m_safe) + tl.sum(e, 1)
         m = m_new
+        if KEEP:
+            block = first_block + i
+            if block < keep_blocks:
+                keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+                tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
         z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
         if NEED_SMOOTH:
             if HAS_CW:
@@ -150,15 +182,41 @@ def dlogits_kernel(
     b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
     c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
-    if HAS_CW:
-        cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
-    else:
-        cw = tl.full((BLOCK_V,), 1.0, tl.float32)
     p = tl.exp(z - lse[:, None])
-    dz = p * a[:, None] - tl.where(offs_v[None, :] == target[:, None], b[:, None], 0.0)
-    dz -= c[:, None] * cw[None, :]
-    if HAS_SOFTCAP:
-        capped = z / softcap
-        dz *= 1.0 - capped * capped
+    dz = _dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def kept_dlogits_kernel(
+    keep_ptr, keep_max_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr,
+    N, V, keep_cols, stride_keep, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dz for the columns the forward kept, in place: e = exp(z - m) becomes dz.
+
+    p = e * exp(m - lse); z = log(e) + m is needed only with a soft-cap. No GEMM: one
+    read and one write of the (N, keep_cols) buffer. BLOCK_V must be the forward's.
+    """
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    mask = row_ok[:, None] & (offs_v < keep_cols)[None, :]
+    ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+    a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
+    b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
+    c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    p = e * tl.exp(m - lse)[:, None]
+    z = p  # unused without a soft-cap
+    if HAS_SOFTCAP:
+        z = tl.log(e) + m[:, None]
+    dz = _dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
+    tl.store(ptrs, dz.to(keep_ptr.dtype.element_ty), mask=mask)
