@@ -98,9 +98,10 @@ def _target_weight(target: Tensor, class_weight: Optional[Tensor], valid: Tensor
     return torch.where(valid, w, torch.zeros_like(w))
 
 
-def _class_weight_sum(class_weight: Optional[Tensor], num_classes: int, device) -> Tensor:
+def _class_weight_sum(class_weight: Optional[Tensor], num_classes: int):
+    """W = sum_c w_c: a Python float without class weights (no host-to-device copy)."""
     if class_weight is None:
-        return torch.tensor(float(num_classes), device=device)
+        return float(num_classes)
     return class_weight.float().sum()
 
 
@@ -119,7 +120,7 @@ def token_loss(
     eps = opts.label_smoothing
     loss = (1.0 - eps) * w_t * (lse - stats.target_logit)
     if eps > 0.0:
-        w_sum = _class_weight_sum(class_weight, num_classes, lse.device)
+        w_sum = _class_weight_sum(class_weight, num_classes)
         loss = loss + (eps / num_classes) * (w_sum * lse - stats.smooth_sum)
     if opts.z_loss != 0.0:
         loss = loss + opts.z_loss * lse * lse
@@ -166,7 +167,7 @@ def grad_coefficients(
     eps = opts.label_smoothing
     a = (1.0 - eps) * w_t
     if eps > 0.0:
-        a = a + (eps / num_classes) * _class_weight_sum(class_weight, num_classes, lse.device)
+        a = a + (eps / num_classes) * _class_weight_sum(class_weight, num_classes)
     if opts.z_loss != 0.0:
         a = a + 2.0 * opts.z_loss * lse
     b = (1.0 - eps) * w_t

@@ -115,7 +115,9 @@ def triton_plan(
     # budget leaves after the accumulator and one chunk of MIN_CHUNK columns.
     padded_vocab = vocab_blocks * block_v
     per_col = num_tokens * (itemsize + 4 / block_v)
-    min_cols = min(MIN_CHUNK, padded_vocab) if device.type == "cuda" else 2 * block_v
+    # Never more than a quarter of the vocabulary: small vocabularies still get chunks.
+    quarter = max(block_v, padded_vocab // 4 // block_v * block_v)
+    min_cols = min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
     keep_cols = 0
     if keep_allowed:
         if budget >= per_col * vocab:

@@ -45,8 +45,12 @@ def _import(module: str, package: str):
         raise Skip(f"{package} not importable: {type(exc).__name__}: {exc}") from None
 
 
+def _on_gpu(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
 def _need_gpu(device) -> None:
-    if torch.device(device).type != "cuda":
+    if not _on_gpu(device):
         raise Skip("needs a CUDA GPU")
 
 
@@ -100,7 +104,7 @@ def logitless_lce(spec: str) -> Method:
 
         itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
         budget = budget_bytes(spec, shape.tokens, shape.vocab, itemsize)
-        backend = "auto" if torch.device(device).type == "cuda" else "torch"
+        backend = "auto" if _on_gpu(device) else "torch"  # the CPU run: PyTorch chunks
         return lambda x, w, t: linear_cross_entropy(x, w, t, memory_budget=budget, backend=backend)
 
     return Method(budget_method_name(spec), make, peer=False,
@@ -139,7 +143,7 @@ def _make_cce(filter_eps):
 
 
 LCE_PEERS: tuple[Method, ...] = (
-    Method("torch-eager", _make_eager_lce, description="F.cross_entropy(x @ W.T, t), bf16 logits"),
+    Method("torch-eager", _make_eager_lce, description="F.cross_entropy(x @ W.T, t), logits in the input dtype (bf16)"),
     Method("torch-compile", _make_compile_lce, gpu_only=True,
            description="torch.compile of the eager function (dynamic=False)"),
     Method("liger", _make_liger_lce, gpu_only=True,
@@ -176,7 +180,7 @@ def logitless_cross_entropy():
 def _make_logitless_ce(inplace: bool):
     def make(case, device):
         ce = logitless_cross_entropy()
-        backend = "auto" if torch.device(device).type == "cuda" else "torch"
+        backend = "auto" if _on_gpu(device) else "torch"  # the CPU run: PyTorch chunks
         kw = {"inplace_backward": True} if inplace else {}
         return lambda logits, t: ce(logits, t, backend=backend, **kw)
 

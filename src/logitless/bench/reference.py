@@ -26,6 +26,16 @@ def _rows_per_chunk(vocab: int, chunk_bytes: int = REF_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (vocab * 8))
 
 
+def _loss_and_dz_(z: torch.Tensor, target: torch.Tensor, n: int):
+    """Per-row loss ``lse - z[t]`` and dz = (softmax(z) - onehot(t)) / n of the mean over
+    n rows, for float64 logits ``z`` of a chunk of rows (overwritten by dz)."""
+    lse = torch.logsumexp(z, dim=-1)
+    loss = lse - z.gather(1, target[:, None]).squeeze(1)
+    dz = z.sub_(lse[:, None]).exp_()
+    dz[torch.arange(dz.shape[0], device=dz.device), target] -= 1.0
+    return loss, dz.div_(n)
+
+
 @torch.no_grad()
 def lce_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, chunk_bytes: int = REF_CHUNK_BYTES):
     """Mean cross-entropy of ``x @ weight.T`` in float64: ``(loss, dx, dW)``.
@@ -43,15 +53,11 @@ def lce_reference(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *
     for i in range(0, n, rows):
         xc = x[i : i + rows].double()
         tc = target[i : i + rows].long()
-        z = xc @ w64.T
-        lse = torch.logsumexp(z, dim=-1)
-        loss_sum += (lse - z.gather(1, tc[:, None]).squeeze(1)).sum()
-        p = z.sub_(lse[:, None]).exp_()  # softmax, in place of z
-        p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-        p.div_(n)  # dz of the mean
-        dx[i : i + rows] = (p @ w64).float()
-        dw64.addmm_(p.T, xc)
-        del z, p, xc
+        loss, dz = _loss_and_dz_(xc @ w64.T, tc, n)
+        loss_sum += loss.sum()
+        dx[i : i + rows] = (dz @ w64).float()
+        dw64.addmm_(dz.T, xc)
+        del dz, xc
     dw = dw64.float()
     del w64, dw64
     return loss_sum.item() / n, dx, dw
@@ -99,12 +105,8 @@ def _ce_blocks(n, v, dtype, device, seed, target):
     """Yields (row slice, float64 softmax-minus-onehot / N, per-row loss) per block."""
     for b, i in enumerate(range(0, n, LOGITS_BLOCK_ROWS)):
         z = logits_block(b, n, v, dtype, device, seed).double()
-        tc = target[i : i + z.shape[0]].long()
-        lse = torch.logsumexp(z, dim=-1)
-        loss = lse - z.gather(1, tc[:, None]).squeeze(1)
-        p = z.sub_(lse[:, None]).exp_()
-        p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-        yield slice(i, i + z.shape[0]), p.div_(n), loss
+        loss, dz = _loss_and_dz_(z, target[i : i + z.shape[0]].long(), n)
+        yield slice(i, i + z.shape[0]), dz, loss
 
 
 @torch.no_grad()

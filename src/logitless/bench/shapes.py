@@ -6,11 +6,12 @@ cross-entropy-on-logits cases (issue 4) are defined here.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from ..linear_cross_entropy.bench_shapes import CPU_SHAPES, EXTRA_SHAPES, SHAPES, LceShape
 
-__all__ = ["LceShape", "CeCase", "lce_shapes", "ce_cases", "known_names", "select"]
+__all__ = ["LceShape", "CeCase", "lce_shapes", "ce_cases", "default_names", "known_names", "unmatched", "select"]
 
 
 @dataclass(frozen=True)
@@ -42,25 +43,42 @@ CPU_CE_CASES: tuple[CeCase, ...] = (CeCase(256, 1000, "float32"),)
 
 
 def lce_shapes(cpu: bool) -> tuple[LceShape, ...]:
-    return CPU_SHAPES if cpu else SHAPES + EXTRA_SHAPES
+    """Every lce shape; ``select`` runs the defaults of the machine unless --shapes names others."""
+    return (CPU_SHAPES + SHAPES + EXTRA_SHAPES) if cpu else (SHAPES + EXTRA_SHAPES + CPU_SHAPES)
 
 
 def ce_cases(cpu: bool) -> tuple[CeCase, ...]:
-    return CPU_CE_CASES if cpu else CE_CASES
+    return (CPU_CE_CASES + CE_CASES) if cpu else (CE_CASES + CPU_CE_CASES)
+
+
+def default_names(cpu: bool) -> set:
+    """The cases run without --shapes: the anchors on a GPU, the small cases on the CPU."""
+    chosen = (CPU_SHAPES + CPU_CE_CASES) if cpu else (SHAPES + CE_CASES)
+    return {c.name for c in chosen}
 
 
 def known_names(cpu: bool) -> list[str]:
     return [c.name for c in lce_shapes(cpu)] + [c.name for c in ce_cases(cpu)]
 
 
-def select(cases, names, *, quick=False):
-    """The cases of one suite that ``names`` (the --shapes list) picks, in the user's order.
+def unmatched(patterns, cpu: bool) -> list[str]:
+    """The --shapes entries that name no case of either suite."""
+    names = known_names(cpu)
+    return [p for p in patterns if not fnmatch.filter(names, p)]
 
-    Without names: every case except the extra shapes; with ``quick`` only the first.
-    Names of the other suite are ignored here (``--shapes`` serves both suites).
+
+def select(cases, patterns, *, cpu: bool, quick: bool = False):
+    """The cases of one suite that ``patterns`` (the --shapes list: names or shell
+    patterns such as ``*-fp32``) pick, in the user's order.
+
+    Without patterns: the machine's defaults (``default_names``); with ``quick`` only
+    the first. Names of the other suite are ignored here (--shapes serves both suites).
     """
-    if names:
-        by_name = {c.name: c for c in cases}
-        return [by_name[n] for n in names if n in by_name]
-    chosen = [c for c in cases if c not in EXTRA_SHAPES]
+    if patterns:
+        chosen = []
+        for p in patterns:
+            chosen += [c for c in cases if fnmatch.fnmatchcase(c.name, p) and c not in chosen]
+        return chosen
+    defaults = default_names(cpu)
+    chosen = [c for c in cases if c.name in defaults]
     return chosen[:1] if quick else chosen

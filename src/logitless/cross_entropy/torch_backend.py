@@ -1,8 +1,9 @@
 """Pure-PyTorch backend of cross_entropy: the same math, a chunk of rows at a time.
 
-Runs on any device (it is the CPU path). Each chunk of rows (``_plans.ce_torch_plan``,
-sized from the memory budget) is copied to fp32 (fp64 for fp64 logits), so no fp32
-copy of the whole logits is ever made; the largest temporaries are rows x V.
+Runs on any device (it is the CPU path). One chunk of rows at a time is copied to fp32
+(fp64 for fp64 logits); ``_plans.ce_torch_plan`` sizes the chunks so that their
+temporaries fit the memory budget (at least one row), so the logits are upcast whole
+only when that fits the budget.
 
 forward:  per chunk: soft-cap, max, lse = m + log sum exp(z - m), the target logit,
           sum_c w_c z_c and the first argmax.

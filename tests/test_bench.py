@@ -1,0 +1,174 @@
+"""The benchmark harness: its CPU mode runs end to end and writes valid files.
+
+The CPU run is a subprocess (as a user runs it) into a tmp dir; the pieces it relies
+on (chunked float64 reference, seeded logits, budgets) are checked in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from logitless.bench import peers, reference, report
+from logitless.linear_cross_entropy.reference import linear_cross_entropy_reference
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+RUN = """\
+import sys
+from logitless.bench.cli import main
+rc = main(sys.argv[1:])
+print("PEER_MODULES", sorted({m.split(".")[0] for m in sys.modules} & {"liger_kernel", "cut_cross_entropy", "triton"}))
+sys.exit(rc)
+"""
+
+
+def _strict_json(path):
+    def reject(name):
+        raise ValueError(f"{path}: non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
+def _ce_available() -> bool:
+    try:
+        peers.logitless_cross_entropy()
+    except peers.Skip:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "--cpu", "--out", str(out), "--warmup", "1", "--reps", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_cpu_run_says_it_is_not_the_benchmark(cpu_run):
+    _, stdout = cpu_run
+    assert "NO GPU FOUND" in stdout and "NOT the benchmark" in stdout
+    printed = stdout.split("PEER_MODULES")[0]
+    assert printed.rstrip().endswith("*")  # the banner is also the last thing main() prints
+    assert "| shape (B, H, V) | 1 GEMM ms |" in stdout  # the final markdown table
+    # The CPU path never imports the peers nor triton.
+    assert "PEER_MODULES []" in stdout
+
+
+def test_cpu_run_lce_files(cpu_run):
+    out, _ = cpu_run
+    dated = list(out.glob("lce-cpu-*.json"))
+    assert len(dated) == 1
+    data = _strict_json(out / "latest-lce-cpu.json")
+    assert data == _strict_json(dated[0])
+    assert data["suite"] == "lce" and data["complete"] is True
+    meta = data["meta"]
+    for key in ("device", "device_tag", "torch", "triton", "python", "cuda", "peers", "date", "command", "gpu"):
+        assert key in meta, key
+    assert meta["gpu"] is False and meta["device_tag"] == "cpu"
+    assert set(meta["peers"]) == {"liger-kernel", "cut-cross-entropy"}
+    shape = data["shapes"]["cpu-tiny"]
+    assert shape["gemm_ms"] > 0 and math.isfinite(shape["ref_loss"])
+    rows = {r["method"]: r for r in data["rows"]}
+    assert {"logitless", "logitless@logits", "torch-eager"} <= set(rows)
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        for key in ("fwd_ms", "fwdbwd_ms", "fwd_per_gemm", "fwdbwd_per_3gemm", "loss", "loss_abs_err",
+                    "dx_rel_err", "dw_rel_err"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (name, key, r.get(key))
+        assert r["peak_extra_mib"] is None  # not measured on the CPU
+        assert r["loss_abs_err"] < 1e-4 and r["dx_rel_err"] < 1e-4 and r["dw_rel_err"] < 1e-4, (name, r)
+    md = (out / "latest-lce-cpu.md").read_text()
+    assert "NO GPU FOUND" in md and "| cpu-tiny (256, 64, 1000) |" in md and "## All metrics" in md
+    if HAS_MPL:
+        png = (out / "latest-lce-cpu.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_run_ce_files(cpu_run):
+    out, stdout = cpu_run
+    if not _ce_available():
+        assert "[ce] suite skipped" in stdout
+        return
+    data = _strict_json(out / "latest-ce-cpu.json")
+    assert data["suite"] == "ce" and data["units"]["copy_GBps"] > 0
+    rows = {r["method"]: r for r in data["rows"]}
+    assert {"logitless", "logitless-inplace", "torch-eager"} <= set(rows)
+    assert rows["torch-eager"]["status"] == "ok", rows["torch-eager"]["reason"]
+    for name, r in rows.items():
+        # The op's correctness is tests/test_cross_entropy.py's job: here a failing op must be
+        # reported as failed with its reason, and a working one must have every metric.
+        if r["status"] != "ok":
+            assert r["status"] == "failed" and r["reason"], (name, r)
+            continue
+        for key in ("fwd_ms", "fwdbwd_ms", "fwd_GBps", "fwdbwd_GBps", "fwd_frac_copy", "fwdbwd_frac_copy",
+                    "loss_abs_err", "grad_rel_err"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (name, key)
+        assert r["loss_abs_err"] < 1e-4 and r["grad_rel_err"] < 1e-4, (name, r)
+    assert (out / "latest-ce-cpu.md").exists()
+    if HAS_MPL:
+        assert (out / "latest-ce-cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_entry_points_list():
+    proc = subprocess.run([sys.executable, "-m", "logitless.bench", "--list"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("llama3.1-8b", "deepseek-v3", "llama3.1-8b-16k", "16384x262144-fp32", "cce-exact", "torch-compile"):
+        assert name in proc.stdout
+    script = shutil.which("logitless")
+    if script is not None:  # the console script, when the venv's bin is on PATH
+        proc = subprocess.run([script, "bench", "--list"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "llama3.1-8b" in proc.stdout, proc.stderr
+
+
+def test_chunked_reference_matches_float64_reference():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 16, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(50, 16, generator=g) / 4).to(torch.bfloat16)
+    t = torch.randint(0, 50, (37,), generator=g)
+    loss, dx, dw = reference.lce_reference(x, w, t, chunk_bytes=10 * 50 * 8)  # 10-row chunks
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    ref, _, _ = linear_cross_entropy_reference(xd, wd, t)
+    ref.backward()
+    assert abs(loss - ref.item()) < 1e-12
+    assert reference.rel_err(dx, xd.grad) < 1e-6 and reference.rel_err(dw, wd.grad) < 1e-6
+    assert reference.rel_err(dw.bfloat16(), wd.grad, chunk_elems=64) < 1e-2
+
+
+def test_seeded_logits_regenerate_block_by_block():
+    n, v = 2 * reference.LOGITS_BLOCK_ROWS + 7, 33
+    logits = torch.empty(n, v)
+    reference.fill_logits(logits, seed=5)
+    for b in range(3):
+        rows = slice(b * reference.LOGITS_BLOCK_ROWS, (b + 1) * reference.LOGITS_BLOCK_ROWS)
+        assert torch.equal(logits[rows], reference.logits_block(b, n, v, torch.float32, "cpu", 5))
+    t = torch.randint(0, v, (n,))
+    ref = torch.nn.functional.cross_entropy(logits.double(), t)
+    assert abs(reference.ce_reference_loss(n, v, torch.float32, "cpu", 5, t) - ref.item()) < 1e-12
+    lg = logits.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(lg, t).backward()
+    assert reference.ce_grad_rel_err(lg.grad, 5, t) < 1e-5
+
+
+def test_budgets_and_device_tag():
+    assert peers.budget_bytes("default", 4, 10, 2) is None
+    assert peers.budget_bytes("logits", 4096, 128256, 2) == 4096 * 128256 * 2
+    assert peers.budget_bytes("64MiB", 1, 1, 2) == 64 * 2**20
+    assert peers.budget_bytes("1GiB", 1, 1, 2) == 2**30
+    with pytest.raises(ValueError):
+        peers.budget_bytes("lots", 1, 1, 2)
+    assert report.device_tag("NVIDIA H100 80GB HBM3") == "H100"
+    assert report.device_tag("NVIDIA H200") == "H200"
+    assert report.device_tag("NVIDIA GH200 480GB") == "GH200"

@@ -1,0 +1,428 @@
+"""cross_entropy (on logits) against the float64 reference, for every backend and option.
+
+Runs on the GPU when there is one; otherwise the Triton backend runs on the CPU
+interpreter (conftest.py), at small sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import logitless
+from logitless.cross_entropy import CrossEntropyLoss, cross_entropy
+from logitless.cross_entropy.reference import cross_entropy_reference
+from tests.conftest import DEVICE, HAS_CUDA
+from tests.helpers import AllocationRecorder, assert_close_to_ref
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+OPTIONS = {
+    "plain": {},
+    "ignore": {"_ignore": 0.3},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "class_weight": {"_class_weight": True},
+    "softcap": {"softcap": 4.0},
+    "z_loss": {"z_loss": 1e-2},
+    "all": {
+        "_ignore": 0.3, "ignore_index": 5, "label_smoothing": 0.2, "_class_weight": True,
+        "softcap": 6.0, "z_loss": 1e-3,
+    },
+}
+
+
+def make_inputs(lead, vocab, dtype, opts, seed, scale=3.0):
+    """Fresh random leaf logits (..., V), targets and the op's keyword arguments."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*lead, vocab, generator=g) * scale).to(dtype)
+    target = torch.randint(0, vocab, lead, generator=g)
+    if opts.get("_ignore"):
+        target[torch.rand(lead, generator=g) < opts["_ignore"]] = opts.get("ignore_index", -100)
+    kw = {k: v for k, v in opts.items() if not k.startswith("_")}
+    if opts.get("_class_weight"):
+        kw["class_weight"] = (torch.rand(vocab, generator=g) + 0.5).to(DEVICE)
+    return logits.to(DEVICE).requires_grad_(), target.to(DEVICE), kw
+
+
+def check_against_reference(backend, dtype, lead, vocab, opts, reduction, seed, budget=4096,
+                            view=None):
+    """Loss, stats and d(logits) against float64, with torch in the same dtype as the
+    yardstick. ``view`` maps the leaf logits to the tensor passed in (strided inputs)."""
+    leaf, target, kw = make_inputs(lead, vocab, dtype, opts, seed)
+    logits = view(leaf) if view is not None else leaf
+    target = target[..., : logits.shape[-2]] if logits.dim() > 1 else target
+    loss, stats = cross_entropy(logits, target, reduction=reduction, backend=backend,
+                                return_stats=True, memory_budget=budget, **kw)
+    ref, ref_lse, ref_correct = cross_entropy_reference(logits, target, reduction=reduction, **kw)
+    same, _, _ = cross_entropy_reference(logits, target, reduction=reduction, dtype=dtype, **kw)
+    assert loss.dtype == torch.float32
+    assert_close_to_ref("loss", loss, same, ref, dtype)
+    assert_close_to_ref("lse", stats.lse, None, ref_lse, torch.float32)
+    assert torch.equal(stats.correct.cpu(), ref_correct.cpu())  # same values in: same argmax
+    assert stats.num_tokens.item() == (target != kw.get("ignore_index", -100)).sum().item()
+
+    g = torch.Generator().manual_seed(seed + 1)
+    grad_out = (torch.randn(loss.shape, generator=g) if reduction == "none" else torch.rand((), generator=g) + 0.5)
+    grad_out = grad_out.to(DEVICE)
+    (ours,) = torch.autograd.grad(loss, leaf, grad_out)
+    (theirs,) = torch.autograd.grad(ref, leaf, grad_out.double())
+    (same_g,) = torch.autograd.grad(same, leaf, grad_out.to(dtype))
+    assert ours.dtype == dtype
+    assert_close_to_ref("dlogits", ours, same_g, theirs, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_option(backend, option, dtype):
+    reduction = ["mean", "sum", "none"][len(option) % 3]
+    check_against_reference(backend, dtype, (3, 11), 97, OPTIONS[option], reduction, seed=len(option))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", ["plain", "all"])
+def test_reductions(backend, reduction, option):
+    for dtype in DTYPES:
+        check_against_reference(backend, dtype, (29,), 131, OPTIONS[option], reduction, seed=7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "lead,vocab",
+    [((1,), 101), ((2, 3), 1009), ((), 37), ((6,), 1), ((5,), 2), ((40,), 300)],
+    ids=["one-token", "prime-V-3d", "1d-logits", "one-class", "two-classes", "N40-V300"],
+)
+def test_odd_sizes(backend, lead, vocab):
+    for dtype in (torch.float32, torch.bfloat16):
+        for option in ("ignore", "all"):
+            opts = OPTIONS[option] if vocab > 5 else {**OPTIONS[option], "ignore_index": -100}
+            check_against_reference(backend, dtype, lead, vocab, opts, "mean", seed=3)
+
+
+VIEWS = {
+    # (N, V) with column stride N: read through the strides, no copy.
+    "transposed": (lambda t: t.T.contiguous().T, (23,), 70),
+    # Rows with padding between them (row stride V + 9): a view.
+    "row-padding": (lambda t: F.pad(t, (0, 9))[:, :70], (23,), 70),
+    # (B, T, V)[:, :-1]: leading dims that cannot merge; reshape copies.
+    "shifted-3d": (lambda t: t[:, :-1], (3, 8), 70),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_strided_logits(backend, view):
+    fn, lead, vocab = VIEWS[view]
+    for reduction in ("mean", "none"):
+        check_against_reference(backend, torch.bfloat16, lead, vocab, OPTIONS["all"], reduction,
+                                seed=4, view=fn)
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inplace_backward(backend, reduction, dtype):
+    logits, target, kw = make_inputs((4, 9), 83, dtype, OPTIONS["all"], seed=5)
+    grad_out = torch.randn(4, 9, device=DEVICE) if reduction == "none" else None
+    loss = cross_entropy(logits, target, reduction=reduction, backend=backend, **kw)
+    (expected,) = torch.autograd.grad(loss, logits, grad_out)
+
+    inplace = logits.detach().clone().requires_grad_()
+    loss2 = cross_entropy(inplace, target, reduction=reduction, backend=backend,
+                          inplace_backward=True, **kw)
+    assert torch.equal(loss2, loss)
+    (got,) = torch.autograd.grad(loss2, inplace, grad_out, retain_graph=True)
+    assert torch.equal(got, expected)
+    assert _storage(got) == _storage(inplace) and got.data_ptr() == inplace.data_ptr()
+    assert torch.equal(inplace.detach(), expected)  # the logits are gone: they hold dz
+    with pytest.raises(RuntimeError, match="only once"):
+        torch.autograd.grad(loss2, inplace, grad_out)
+
+    # .backward() on a leaf: the gradient is the logits' buffer (no new N x V tensor).
+    leaf = logits.detach().clone().requires_grad_()
+    cross_entropy(leaf, target, reduction=reduction, backend=backend, inplace_backward=True,
+                  **kw).backward(grad_out)
+    assert torch.equal(leaf.grad, expected) and leaf.grad.data_ptr() == leaf.data_ptr()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_backward_strided_and_through_lm_head(backend):
+    for view in ("transposed", "row-padding"):
+        fn, lead, vocab = VIEWS[view]
+        leaf, target, kw = make_inputs(lead, vocab, torch.bfloat16, OPTIONS["all"], seed=6)
+        (expected,) = torch.autograd.grad(cross_entropy(fn(leaf), target, backend=backend, **kw), leaf)
+        base = leaf.detach().clone().requires_grad_()
+        logits = fn(base)
+        (got,) = torch.autograd.grad(
+            cross_entropy(logits, target, backend=backend, inplace_backward=True, **kw), logits)
+        assert got.data_ptr() == logits.data_ptr() and got.stride() == logits.stride()
+        (got_leaf,) = torch.autograd.grad(fn(base), base, got)  # back through the view
+        assert torch.equal(got_leaf, expected)
+
+    # The intended use: logits = lm_head(h); its backward needs h and W, not the logits.
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(30, 16, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(90, 16, generator=g).to(DEVICE).requires_grad_()
+    target = torch.randint(0, 90, (30,), generator=g).to(DEVICE)
+    grads = [torch.autograd.grad(cross_entropy(h @ w.T, target, backend=backend, z_loss=1e-3,
+                                               inplace_backward=inplace), (h, w))
+             for inplace in (False, True)]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_backward_guards(backend):
+    logits, target, _ = make_inputs((8,), 20, torch.float32, {}, seed=1)
+    # A node that saved the logits would read the gradient: autograd raises instead.
+    saved = torch.exp(logits)  # exp's backward uses its output
+    loss = cross_entropy(saved, target, backend=backend, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Overlapping elements (an expanded row) cannot take the gradient in place.
+    row = logits[:1].expand(8, 20)
+    with pytest.raises(ValueError, match="overlap"):
+        cross_entropy(row, target, backend=backend, inplace_backward=True)
+    cross_entropy(row, target, backend=backend).backward()  # fine without inplace
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_budget_many_chunks(backend):
+    """A budget below one row: one row per chunk (torch), same result."""
+    check_against_reference(backend, torch.float32, (17,), 211, OPTIONS["all"], "none", seed=13,
+                            budget=1)
+
+
+class _BigAllocations(TorchDispatchMode):
+    """Records the ops that create a tensor of at least ``numel`` elements (views,
+    in-place and out= ops allocate nothing and are not recorded; see helpers.py)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                inplace = func.overloadpacket.__name__.endswith("_")
+                if not (func.is_view or inplace or "out" in (kwargs or {})):
+                    self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_no_tokens_by_vocab_temporaries(backend, inplace):
+    """Besides the gradient itself (none with inplace_backward), nothing of N x V."""
+    n, v = 40, 160
+    logits, target, kw = make_inputs((n,), v, torch.bfloat16, OPTIONS["all"], seed=1)
+    with _BigAllocations(n * v) as fwd:
+        loss = cross_entropy(logits, target, backend=backend, memory_budget=4096,
+                             inplace_backward=inplace, return_stats=True, **kw)[0]
+    assert fwd.ops == []
+    with _BigAllocations(n * v) as bwd:
+        torch.autograd.grad(loss, logits)
+    assert bwd.ops == ([] if inplace else ["aten.empty_like.default"])
+
+
+def test_allocation_recorders_see_logits():
+    """The recorders above would catch an fp32 copy of the logits."""
+    logits = torch.randn(48, 160, dtype=torch.bfloat16)
+    with _BigAllocations(48 * 160) as rec, AllocationRecorder() as rec2:
+        logits.float()
+    assert rec.ops and rec2.largest == 48 * 160
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_repeatable(backend):
+    logits, target, kw = make_inputs((40,), 131, torch.bfloat16, OPTIONS["all"], seed=2)
+    runs = []
+    for _ in range(2):
+        loss = cross_entropy(logits, target, backend=backend, memory_budget=3000, **kw)
+        runs.append((loss, *torch.autograd.grad(loss, logits)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_twice_and_int32_targets(backend):
+    logits, target, _ = make_inputs((20,), 50, torch.float32, {}, seed=4)
+    loss = cross_entropy(logits, target.int(), backend=backend)
+    g1 = torch.autograd.grad(loss, logits, retain_graph=True)
+    g2 = torch.autograd.grad(loss, logits)
+    assert torch.equal(loss, cross_entropy(logits, target, backend=backend))
+    assert torch.equal(g1[0], g2[0])
+
+
+def test_module_matches_function():
+    logits, target, kw = make_inputs((2, 9), 70, torch.float32, OPTIONS["all"], seed=6)
+    mod = CrossEntropyLoss(**kw)
+    assert torch.equal(mod(logits, target), cross_entropy(logits, target, **kw))
+    assert "z_loss=0.001" in repr(mod)
+    loss, stats = CrossEntropyLoss(return_stats=True, reduction="none")(logits, target)
+    assert loss.shape == stats.lse.shape == stats.correct.shape == (2, 9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_and_inf_logits(backend):
+    logits, target, _ = make_inputs((6,), 90, torch.float32, {}, seed=8)
+    x = logits.detach().clone()
+    x[2, 3] = float("nan")
+    loss = cross_entropy(x, target, backend=backend, reduction="none")
+    assert torch.isnan(loss[2]) and not torch.isnan(loss[[0, 1, 3, 4, 5]]).any()
+    assert torch.isnan(cross_entropy(x, target, backend=backend))
+    x[2, 3] = float("inf")
+    assert torch.isnan(cross_entropy(x, target, backend=backend))
+
+    # -inf logits (masked classes) are fine, also when a whole leading block is -inf.
+    x = logits.detach().clone()
+    target[:] = 80
+    x[:, :70] = float("-inf")
+    x[1, 75:] = float("-inf")
+    x[1, 80] = 1.0
+    x.requires_grad_()
+    ours = cross_entropy(x, target, backend=backend, reduction="none")
+    ref, _, _ = cross_entropy_reference(x, target, reduction="none")
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6)
+    (g,) = torch.autograd.grad(ours.sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_and_all_ignored_like_torch(backend, reduction):
+    for lead in ((0,), (5,), (0, 3)):
+        logits, target, _ = make_inputs(lead, 40, torch.float32, {}, seed=9)
+        target = torch.full_like(target, -100)
+        ours = cross_entropy(logits, target, backend=backend, reduction=reduction)
+        theirs = F.cross_entropy(logits.reshape(-1, 40), target.reshape(-1), reduction=reduction)
+        if reduction == "none":
+            theirs = theirs.reshape(lead)
+        assert ours.shape == theirs.shape
+        assert torch.equal(torch.isnan(ours), torch.isnan(theirs))
+        torch.testing.assert_close(ours.nan_to_num(), theirs.nan_to_num())
+        (g,) = torch.autograd.grad(ours, logits, torch.ones_like(ours))
+        assert g.shape == logits.shape and not g.any()
+
+
+def test_out_of_range_target_raises_on_cpu():
+    logits, target, _ = make_inputs((6,), 40, torch.float32, {}, seed=10)
+    for bad in (40, -1, 1000):
+        t = target.cpu().clone()
+        t[3] = bad
+        with pytest.raises(ValueError, match="outside"):
+            cross_entropy(logits.cpu(), t)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the NaN path for bad targets is the GPU path")
+def test_out_of_range_target_gives_nan_on_gpu():
+    logits, target, _ = make_inputs((6,), 40, torch.bfloat16, {}, seed=10)
+    target[3] = 40
+    loss = cross_entropy(logits, target, reduction="none")
+    assert torch.isnan(loss[3]) and not torch.isnan(loss[[0, 1, 2, 4, 5]]).any()
+    assert torch.isnan(cross_entropy(logits, target))
+
+
+def _bad_calls():
+    z, t = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    f = cross_entropy
+    return {
+        "reduction": (lambda: f(z, t, reduction="avg"), ValueError, "reduction"),
+        "label_smoothing": (lambda: f(z, t, label_smoothing=-0.1), ValueError, "label_smoothing"),
+        "softcap": (lambda: f(z, t, softcap=0.0), ValueError, "softcap"),
+        "z_loss": (lambda: f(z, t, z_loss=-1.0), ValueError, "z_loss"),
+        "ignore_index": (lambda: f(z, t, ignore_index=1.5), TypeError, "ignore_index"),
+        "target-shape": (lambda: f(z, t[:3]), ValueError, "target has shape"),
+        "target-rank": (lambda: f(z, t[:, None]), ValueError, "target has shape"),
+        "target-dtype": (lambda: f(z, t.float()), TypeError, "int64 or int32"),
+        "logits-dtype": (lambda: f(z.int(), t), TypeError, "logits must be"),
+        "logits-type": (lambda: f(z.tolist(), t), TypeError, "logits must be a torch.Tensor"),
+        "logits-0d": (lambda: f(z[0, 0], t[0]), ValueError, "at least one dimension"),
+        "empty-vocab": (lambda: f(z[:, :0], t), ValueError, "vocabulary is empty"),
+        "class-weight": (lambda: f(z, t, class_weight=torch.rand(11)), ValueError, "class_weight"),
+        "backend": (lambda: f(z, t, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(z, t, memory_budget=0), ValueError, "memory_budget"),
+        "triton-fp64": (lambda: f(z.double(), t, backend="triton"), TypeError, "float64"),
+        "device": (lambda: f(z, t.to("meta")), ValueError, "device"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_raises(case):
+    call, exc, match = _bad_calls()[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without CUDA and without the interpreter")
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), backend="triton")
+
+
+def test_float64_on_torch_backend_is_exact():
+    logits, target, kw = make_inputs((3, 5), 31, torch.float64, OPTIONS["all"], seed=12)
+    ours = cross_entropy(logits, target, backend="torch", **kw)
+    ref, _, _ = cross_entropy_reference(logits, target, **kw)
+    # (_loss_math keeps class weights in fp32: agreement to about 1e-8, not 1e-16.)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    (g,) = torch.autograd.grad(ours, logits)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert g.dtype == torch.float64
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-9)
+
+
+def test_exported_from_package():
+    if "CrossEntropyLoss" not in logitless.__all__:
+        pytest.skip("logitless/__init__.py does not export cross_entropy yet")
+    assert logitless.cross_entropy is cross_entropy and logitless.CrossEntropyLoss is CrossEntropyLoss
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("option", ["all", "label_smoothing", "plain"])
+def test_cuda_auto_is_triton_without_host_syncs(option):
+    logits, target, kw = make_inputs((64, 5), 1000, torch.bfloat16, OPTIONS[option], seed=14)
+    expected = cross_entropy(logits, target, backend="triton", return_stats=True, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for inplace in (False, True):
+            x = logits.detach().clone().requires_grad_()
+            loss, stats = cross_entropy(x, target, return_stats=True, inplace_backward=inplace, **kw)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(loss, expected[0]) and torch.equal(stats.lse, expected[1].lse)
+    assert torch.equal(stats.correct, expected[1].correct)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (too slow for the interpreter)")
+def test_cuda_large_vocab():
+    for reduction in ("mean", "none"):
+        check_against_reference("triton", torch.bfloat16, (300,), 50257, OPTIONS["all"], reduction, seed=5)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and about 5 GB of GPU memory")
+def test_cuda_offsets_beyond_int32():
+    """N * V > 2**31: rows near the end address past 32-bit offsets."""
+    n, v = 16400, 131072
+    logits = torch.randn(n, v, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda")
+    tail = logits.detach()[-3:].double().requires_grad_()
+    ref, _, _ = cross_entropy_reference(tail, target[-3:], reduction="none")
+    (g_ref,) = torch.autograd.grad(ref.sum(), tail)
+    loss = cross_entropy(logits, target, reduction="none", inplace_backward=True, backend="triton")
+    torch.testing.assert_close(loss[-3:].double(), ref, rtol=1e-5, atol=1e-5)
+    (g,) = torch.autograd.grad(loss.sum(), logits)
+    torch.testing.assert_close(g[-3:].double(), g_ref, rtol=2e-2, atol=1e-7)
