@@ -14,7 +14,7 @@ def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close_to_ref(name, ours, torch_same_dtype, ref, dtype):
-    """|ours - ref| <= |torch in the same dtype - ref| + tol * max|ref|; NaN never passes."""
+    """|ours - ref| <= |torch in the same dtype - ref| + tol * max(max|ref|, 0.01); NaN never passes."""
     assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
     if ref.numel() == 0:
         return
@@ -24,7 +24,7 @@ def assert_close_to_ref(name, ours, torch_same_dtype, ref, dtype):
     if e_torch != e_torch:  # torch itself gave NaN: hold ours to the tolerance alone
         e_torch = 0.0
     scale = ref.detach().double().abs().max().item()
-    bound = e_torch + TOL[dtype] * max(scale, 1e-3)
+    bound = e_torch + TOL[dtype] * max(scale, 1e-2)
     assert e_ours <= bound, f"{name}: error {e_ours:.3g} > bound {bound:.3g} (torch {e_torch:.3g})"
 
 

@@ -7,7 +7,6 @@ reads them once and writes the gradient once (optionally over the logits themsel
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import torch
@@ -25,30 +24,7 @@ from .._loss_math import (
     upstream_per_token,
 )
 from .._plans import DEFAULT_MEMORY_BUDGET
-from ..linear_cross_entropy.api import BACKENDS, _triton_available
-
-
-def _backend_module(name: str, device: torch.device, dtype: torch.dtype):
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda" and dtype != torch.float64 and _triton_available():
-            name = "triton"
-    if name == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {device}); set "
-                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
-            )
-        if dtype == torch.float64:
-            raise TypeError("backend='triton' supports float16, bfloat16 and float32; use backend='torch' for float64")
-        from . import triton_backend
-
-        return triton_backend
-    if name == "torch":
-        from . import torch_backend
-
-        return torch_backend
-    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+from .._dispatch import backend_module
 
 
 def _disjoint(t: Tensor) -> bool:
@@ -202,7 +178,7 @@ def cross_entropy(
     if not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
     _validate.check_targets_in_range(target, num_classes, ignore_index)
-    impl = _backend_module(backend, logits.device, logits.dtype)
+    impl = backend_module(__package__, backend, logits.device, logits.dtype)
 
     logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
     if inplace_backward and not _disjoint(logits2d):

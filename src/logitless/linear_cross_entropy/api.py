@@ -6,13 +6,13 @@ z-loss term, without the (tokens x vocab) logits ever being stored.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from .. import _validate
+from .._dispatch import backend_module
 from .._loss_math import (
     LossOptions,
     LossStats,
@@ -24,40 +24,6 @@ from .._loss_math import (
     upstream_per_token,
 )
 from .._plans import DEFAULT_MEMORY_BUDGET
-
-BACKENDS = ("auto", "triton", "torch")
-
-
-def _backend_module(name: str, device: torch.device, dtype: torch.dtype):
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda" and dtype != torch.float64 and _triton_available():
-            name = "triton"
-    if name == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {device}); set "
-                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
-            )
-        if dtype == torch.float64:
-            raise TypeError("backend='triton' supports float16, bfloat16 and float32; use backend='torch' for float64")
-        from . import triton_backend
-
-        return triton_backend
-    if name == "torch":
-        from . import torch_backend
-
-        return torch_backend
-    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd glue shared by every backend: stats -> loss here, kernels in the backend."""
@@ -197,7 +163,7 @@ def linear_cross_entropy(
     if not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
     _validate.check_targets_in_range(target, num_classes, ignore_index)
-    impl = _backend_module(backend, x.device, x.dtype)
+    impl = backend_module(__package__, backend, x.device, x.dtype)
 
     out_shape = target.shape
     if shift:
