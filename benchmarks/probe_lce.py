@@ -10,6 +10,7 @@ op end to end at a few budgets. Prints a table and writes JSON (to --out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -34,8 +35,6 @@ TILES = [
     (128, 256, 64, 8, 3),
     (128, 256, 64, 8, 4),
     (256, 128, 64, 8, 3),
-    (128, 256, 32, 8, 4),
-    (128, 128, 64, 8, 3),
 ]
 
 
@@ -56,27 +55,35 @@ def probe(name, n, h, v, rows):
     coef = grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=dev), v, None, LossOptions())
     dz = torch.empty(n, v, device=dev, dtype=torch.bfloat16)
     for tiles in TILES:
-        plan = _plans.triton_plan(n, v, h, 2, 1 << 40, dev, tiles=tiles)
+      for tma in (True, False):
+        base = _plans.triton_plan(n, v, h, 2, 1 << 40, dev, tiles=tiles)
+        plan = dataclasses.replace(base, tma=tma)
+        keep_plan = dataclasses.replace(plan, keep_cols=v)
         try:
             f = ms(lambda: TB.forward(x, w, None, t, None, None, need_smooth=False,
                                       need_argmax=False, budget=0, plan=plan))
+            fk = ms(lambda: TB.forward(x, w, None, t, None, None, need_smooth=False,
+                                       need_argmax=False, budget=0, plan=keep_plan, need_grad=True))
             grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v, plan.block_v))
+            x_op, w_op, use_tma = TB._operands(x, w, plan)
 
             def dl():
                 K.dlogits_kernel[grid](
-                    x, w, x, x, t, stats.lse, coef, dz, n, v, h, x.stride(0), x.stride(1),
+                    x_op, w_op, x, x, t, stats.lse, coef, dz, n, v, h, x.stride(0), x.stride(1),
                     w.stride(0), w.stride(1), dz.stride(0), 0, v, 1.0,
                     HAS_BIAS=False, HAS_SOFTCAP=False, HAS_CW=False, DOT_PRECISION="tf32",
+                    USE_TMA=use_tma,
                     BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                     num_warps=plan.num_warps, num_stages=plan.num_stages)
 
             d = ms(dl)
         except Exception as e:  # a config may not fit in shared memory
-            print(f"  tiles {tiles}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            print(f"  tiles {tiles} tma {tma}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
-        rows.append(dict(rec, stage="tiles", tiles=tiles, splits=plan.vocab_splits, fwd_ms=f, dlogits_ms=d))
-        print(f"  tiles {tiles} splits {plan.vocab_splits}: forward {f:.3f} ms ({f / gemm:.2f}x)  "
-              f"dlogits {d:.3f} ms ({d / gemm:.2f}x)", flush=True)
+        rows.append(dict(rec, stage="tiles", tiles=tiles, tma=use_tma, splits=plan.vocab_splits,
+                         fwd_ms=f, fwd_keep_ms=fk, dlogits_ms=d))
+        print(f"  tiles {tiles} tma {use_tma:d} splits {plan.vocab_splits}: forward {f:.3f} ms ({f / gemm:.2f}x)  "
+              f"with keep {fk:.3f} ({fk / gemm:.2f}x)  dlogits {d:.3f} ms ({d / gemm:.2f}x)", flush=True)
     dw = torch.empty_like(w)
     mm_dw = ms(lambda: torch.mm(dz.T, x, out=dw))
     mm_dx = ms(lambda: dz @ w)

@@ -333,3 +333,14 @@ def test_float64_on_torch_backend_is_exact():
     ours = logitless.linear_cross_entropy(x, w, target, bias, backend="torch", **kw)
     ref, _, _ = linear_cross_entropy_reference(x, w, target, bias, **kw)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_tma_and_pointer_paths_are_both_exercised():
+    """Aligned rows (H=24 here) take the tensor-descriptor loads, odd H=17 the pointer
+    loads: the option tests above run both paths."""
+    from logitless._plans import triton_plan
+    from logitless.linear_cross_entropy.triton_backend import _operands
+
+    plan = triton_plan(8, 101, 24, 2, 1 << 20, torch.device("cpu"))
+    assert _operands(torch.randn(8, 24).bfloat16(), torch.randn(101, 24).bfloat16(), plan)[2]
+    assert not _operands(torch.randn(8, 17).bfloat16(), torch.randn(101, 17).bfloat16(), plan)[2]

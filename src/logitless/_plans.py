@@ -72,6 +72,7 @@ class TritonPlan:
     vocab_splits: int
     vocab_chunk: int
     keep_cols: int = 0
+    tma: bool = True  # load x and W tiles with tensor descriptors where rows are aligned
 
 
 def _num_sms(device) -> int:

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._loss_math import TokenStats
 from .._plans import TritonPlan, triton_plan
@@ -47,6 +48,20 @@ def _flags(bias, class_weight, softcap, dtype):
         HAS_CW=class_weight is not None,
         DOT_PRECISION=_dot_precision(dtype),
     )
+
+
+def _operands(x: Tensor, weight: Tensor, plan: TritonPlan):
+    """(x, W, USE_TMA): tensor descriptors when the plan allows TMA and rows are
+    16-byte aligned and contiguous (what the bulk tensor copy needs), else the tensors."""
+    aligned = all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (x, weight)
+    )
+    if not (plan.tma and aligned):
+        return x, weight, False
+    x_desc = TensorDescriptor.from_tensor(x, [plan.block_n, plan.block_h])
+    w_desc = TensorDescriptor.from_tensor(weight, [plan.block_v, plan.block_h])
+    return x_desc, w_desc, True
 
 
 def forward(
@@ -84,14 +99,15 @@ def forward(
         keep = torch.empty(n, plan.keep_cols, dtype=x.dtype, device=x.device)
         keep_max = torch.empty(keep_blocks, n, **f32)
     grid = (triton.cdiv(n, plan.block_n), splits)
+    x_op, w_op, use_tma = _operands(x, weight, plan)
     K.forward_stats_kernel[grid](
-        x, weight, bias if bias is not None else x, class_weight if class_weight is not None else x,
+        x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
         target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
         keep if keep is not None else x, keep_max if keep_max is not None else x,
         n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         keep.stride(0) if keep is not None else 0,
         blocks_per_split, keep_blocks, float(softcap or 1.0),
-        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None,
+        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None, USE_TMA=use_tma,
         **_flags(bias, class_weight, softcap, x.dtype),
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -170,6 +186,7 @@ def backward(
     if need_dx and not one_chunk:
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     dz_buf = None
+    x_op, w_op, use_tma = _operands(x, weight, plan)
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
             dz, tile_max = kept
@@ -186,11 +203,11 @@ def backward(
             dz = dz_buf[:, : v1 - v0]
             grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
             K.dlogits_kernel[grid](
-                x, weight, bias if bias is not None else x, cw_arg,
+                x_op, w_op, bias if bias is not None else x, cw_arg,
                 target, lse, coef, dz,
                 n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
                 v0, v1, float(softcap or 1.0),
-                **_flags(bias, class_weight, softcap, x.dtype),
+                **_flags(bias, class_weight, softcap, x.dtype), USE_TMA=use_tma,
                 BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                 num_warps=plan.num_warps, num_stages=plan.num_stages,
             )

@@ -11,34 +11,48 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
+    """acc += a @ b_t^T with fp32 accumulation."""
+    if DOT_PRECISION == "interpreter-bf16":
+        # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
+        # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
+        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc)
+    return tl.dot(a, tl.trans(b_t), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _logits_tile(
-    x_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
+    x_ptr, w_ptr, b_ptr, n0, v0, N, V, H,
     stride_xn, stride_xh, stride_wv, stride_wh, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """z[offs_n, offs_v] = x[offs_n] . W[offs_v] (+ b), soft-capped; fp32 (BLOCK_N, BLOCK_V).
+    """z[n0:n0+BLOCK_N, v0:v0+BLOCK_V] = x W^T (+ b), soft-capped; fp32 (BLOCK_N, BLOCK_V).
 
-    Reads BLOCK_N x H of x and BLOCK_V x H of W. Offsets are 64-bit so that N*H and
-    V*H beyond 2**31 are safe. Rows/columns out of range read zeros (callers mask).
+    Reads BLOCK_N x H of x and BLOCK_V x H of W. With USE_TMA, x_ptr and w_ptr are
+    host-made tensor descriptors (Hopper's bulk tensor copies, zero-filled out of
+    bounds); otherwise pointers with masked loads and 64-bit offsets (N*H and V*H
+    beyond 2**31 are safe). Rows/columns out of range hold junk (callers mask).
     """
-    offs_h = tl.arange(0, BLOCK_H)
-    row_ok = offs_n < N
-    col_ok = offs_v < V
-    x_rows = x_ptr + offs_n.to(tl.int64)[:, None] * stride_xn
-    w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + offs_h
-        h_ok = h < H
-        x_blk = tl.load(x_rows + h[None, :] * stride_xh, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
-        w_blk = tl.load(w_rows + h[None, :] * stride_wh, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
-        if DOT_PRECISION == "interpreter-bf16":
-            # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
-            # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
-            acc = tl.dot(x_blk.to(tl.float32), tl.trans(w_blk.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(x_blk, tl.trans(w_blk), acc, input_precision=DOT_PRECISION)
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    col_ok = offs_v < V
+    if USE_TMA:
+        for h0 in range(0, H, BLOCK_H):
+            acc = _dot(x_ptr.load([n0, h0]), w_ptr.load([v0, h0]), acc, DOT_PRECISION)
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_h = tl.arange(0, BLOCK_H)
+        row_ok = offs_n < N
+        x_rows = x_ptr + offs_n.to(tl.int64)[:, None] * stride_xn
+        w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + offs_h
+            h_ok = h < H
+            x_blk = tl.load(x_rows + h[None, :] * stride_xh, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+            w_blk = tl.load(w_rows + h[None, :] * stride_wh, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
+            acc = _dot(x_blk, w_blk, acc, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
@@ -74,7 +88,7 @@ def forward_stats_kernel(
     blocks_per_split, keep_blocks, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
     NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, KEEP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Online softmax statistics of rows of z over one split of the vocabulary.
@@ -109,9 +123,9 @@ def forward_stats_kernel(
         offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = offs_v < V
         z = _logits_tile(
-            x_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
+            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
             stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         z = tl.where(col_ok[None, :], z, float("-inf"))
         tile_max = tl.max(z, 1)
@@ -156,7 +170,7 @@ def dlogits_kernel(
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_dzn,
     v_start, v_end, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """dz = d loss / d logits for columns [v_start, v_end), written in dz's dtype.
@@ -173,9 +187,9 @@ def dlogits_kernel(
     row_ok = offs_n < N
     col_ok = offs_v < v_end
     z = _logits_tile(
-        x_ptr, w_ptr, b_ptr, offs_n, offs_v, N, V, H,
+        x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
         stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
     )
     lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
     a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
