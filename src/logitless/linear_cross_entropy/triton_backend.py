@@ -95,15 +95,21 @@ def forward(
     part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
     keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v)
     keep = keep_max = None
-    if keep_blocks:
-        keep = torch.empty(n, plan.keep_cols, dtype=x.dtype, device=x.device)
-        keep_max = torch.empty(keep_blocks, n, **f32)
-    grid = (triton.cdiv(n, plan.block_n), splits)
     x_op, w_op, use_tma = _operands(x, weight, plan)
+    keep_op = None
+    if keep_blocks:
+        # Rows padded to 16 bytes so that the kept tiles can be bulk-stored (TMA).
+        row = triton.cdiv(plan.keep_cols, 8) * 8
+        keep = torch.empty(n, row, dtype=x.dtype, device=x.device)[:, : plan.keep_cols]
+        keep_max = torch.empty(keep_blocks, n, **f32)
+        keep_op = keep
+        if use_tma:
+            keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+    grid = (triton.cdiv(n, plan.block_n), splits)
     K.forward_stats_kernel[grid](
         x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
         target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
-        keep if keep is not None else x, keep_max if keep_max is not None else x,
+        keep_op if keep is not None else x, keep_max if keep_max is not None else x,
         n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         keep.stride(0) if keep is not None else 0,
         blocks_per_split, keep_blocks, float(softcap or 1.0),

@@ -137,8 +137,11 @@ def forward_stats_kernel(
         if KEEP:
             block = first_block + i
             if block < keep_blocks:
-                keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-                tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                if USE_TMA:  # keep_ptr is a descriptor: an asynchronous bulk store
+                    keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
+                else:
+                    keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+                    tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
                 tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
         z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
         if NEED_SMOOTH:
