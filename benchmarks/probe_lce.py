@@ -121,11 +121,35 @@ def probe(name, n, h, v, rows):
               f"fwd+bwd {fb:.3f} ms ({fb / (3 * gemm):.2f}x 3 GEMMs)  peak extra {peak:.0f} MiB", flush=True)
 
 
+def profile(name, n, h, v):
+    """Per-kernel CUDA time of one forward+backward at two budgets (torch.profiler)."""
+    dev = torch.device("cuda")
+    x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device=dev) * h**-0.5).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device=dev)
+    for label, budget in [("default", None), ("logits", n * v * 2 + n * v * 4 // 256)]:
+        for _ in range(2):  # warm-up (compilation)
+            x.grad = w.grad = None
+            logitless.linear_cross_entropy(x, w, t, memory_budget=budget).backward()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            x.grad = w.grad = None
+            logitless.linear_cross_entropy(x, w, t, memory_budget=budget).backward()
+            torch.cuda.synchronize()
+        print(f"\nprofile {name} budget {label}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--profile", action="store_true", help="per-kernel times only")
     args = ap.parse_args()
+    if args.profile:
+        for name in args.shapes.split(","):
+            profile(name, *SHAPES[name])
+        return
     rows = []
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -116,8 +116,13 @@ def linear_cross_entropy(
         return_stats: also return a ``LossStats`` (per-token lse, per-token
             argmax == target, number of non-ignored tokens) computed in the same pass.
         memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
-            (default 256 MiB). The op never allocates a tokens x vocab tensor; the
-            budget sizes its chunks. (The fp32 dx accumulator, tokens x H, is outside it.)
+            (default 256 MiB). It sizes the chunks: with a budget of at least the
+            logits in the input dtype (tokens x V x itemsize) the Triton backend keeps
+            them from the forward and runs 3 GEMMs; below that it keeps what fits and
+            recomputes the rest (up to 4 GEMMs), never allocating a tokens x vocab
+            tensor. The backward needs at least an fp32 dx accumulator (4 x tokens x
+            H bytes) plus one chunk of 4096 columns (tokens x 4096 x itemsize); when
+            that minimum exceeds the budget, the minimum is used.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
 
     Returns:
