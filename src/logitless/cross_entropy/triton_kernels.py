@@ -10,11 +10,7 @@ backward reads z once and writes dz once; everything else is O(N).
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _softcap(z, softcap):
-    """s * tanh(z / s), with tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf."""
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+from .._triton_math import dz_tile, softcap_tile
 
 
 @triton.jit
@@ -29,8 +25,7 @@ def ce_forward_kernel(
 
     Program i owns rows [i*BLOCK_N, (i+1)*BLOCK_N) and walks the vocabulary in
     BLOCK_V-wide steps, keeping per row: the running max m and sum_c exp(z_c - m)
-    (online softmax), the target logit z_t (0 when the target is elsewhere or out of
-    range), sum_c w_c z_c (NEED_SMOOTH) and the first index of the maximum
+    (online softmax), the target logit z_t (loaded directly; 0 when out of range), sum_c w_c z_c (NEED_SMOOTH) and the first index of the maximum
     (NEED_ARGMAX). z is soft-capped on the fly (HAS_SOFTCAP). Writes lse = m + log(sum)
     and the other statistics: O(N) outputs. Traffic: N x V logits read once.
 
@@ -42,28 +37,38 @@ def ce_forward_kernel(
     row_ok = offs_n < N
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
     rows = z_ptr + offs_n.to(tl.int64)[:, None] * stride_n
+    cols = tl.arange(0, BLOCK_V)
+
+    # The target logit: one load per row rather than a compare per element.
+    t_ok = row_ok & (target >= 0) & (target < V)
+    z_t = tl.load(z_ptr + offs_n.to(tl.int64) * stride_n + target.to(tl.int64) * stride_v,
+                  mask=t_ok, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_t = tl.where(t_ok, softcap_tile(z_t, softcap), 0.0)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
-    z_t = tl.zeros((BLOCK_N,), tl.float32)
     smooth = tl.zeros((BLOCK_N,), tl.float32)
     best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK_N,), tl.int32)
+    # Software prefetch: the next step's load is issued before this step's arithmetic,
+    # so that memory and the (fp32) arithmetic overlap. Columns past V read -inf.
+    z_next = tl.load(rows + cols[None, :] * stride_v,
+                     mask=row_ok[:, None] & (cols < V)[None, :], other=float("-inf"))
     for v0 in range(0, V, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
+        offs_v = v0 + cols
         col_ok = offs_v < V
-        mask = row_ok[:, None] & col_ok[None, :]
-        z = tl.load(rows + offs_v.to(tl.int64)[None, :] * stride_v, mask=mask, other=0.0)
-        z = z.to(tl.float32)
+        z = z_next.to(tl.float32)
+        nxt = offs_v + BLOCK_V
+        z_next = tl.load(rows + nxt[None, :] * stride_v,
+                         mask=row_ok[:, None] & (nxt < V)[None, :], other=float("-inf"))
         if HAS_SOFTCAP:
-            z = _softcap(z, softcap)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
+            z = tl.where(col_ok[None, :], softcap_tile(z, softcap), float("-inf"))
         tile_max = tl.max(z, 1)
         m_new = tl.maximum(m, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
         m = m_new
-        z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
         if NEED_SMOOTH:
             if HAS_CW:
                 cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
@@ -113,20 +118,12 @@ def ce_backward_kernel(
     cols = offs_v.to(tl.int64)[None, :]
     z = tl.load(z_ptr + rows * stride_zn + cols * stride_zv, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        z = _softcap(z, softcap)
+        z = softcap_tile(z, softcap)
     lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
     a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
     b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
     c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
-    if HAS_CW:
-        cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
-    else:
-        cw = tl.full((BLOCK_V,), 1.0, tl.float32)
     p = tl.exp(z - lse[:, None])
-    dz = p * a[:, None] - tl.where(offs_v[None, :] == target[:, None], b[:, None], 0.0)
-    dz -= c[:, None] * cw[None, :]
-    if HAS_SOFTCAP:
-        capped = z / softcap
-        dz *= 1.0 - capped * capped
+    dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     tl.store(dz_ptr + rows * stride_dn + cols * stride_dv, dz.to(dz_ptr.dtype.element_ty), mask=mask)

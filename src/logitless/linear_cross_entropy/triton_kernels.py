@@ -9,6 +9,8 @@ of tl.dot over BLOCK_H-wide slices of H with fp32 accumulation.
 import triton
 import triton.language as tl
 
+from .._triton_math import dz_tile, softcap_tile
+
 
 @triton.jit
 def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
@@ -56,27 +58,8 @@ def _logits_tile(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
-        # s * tanh(z / s), with tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf.
-        acc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * acc / softcap) + 1.0))
+        acc = softcap_tile(acc, softcap)
     return acc
-
-
-@triton.jit
-def _dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap,
-             HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, BLOCK_V: tl.constexpr):
-    """dz_c = p_c * A - B * [c == t] - C * w_c, times 1 - (z_c/s)^2 with a soft-cap
-    (``_loss_math``'s one gradient line). p, z: (BLOCK_N, BLOCK_V) fp32; a, b, c, target
-    per row; z is only read with HAS_SOFTCAP."""
-    if HAS_CW:
-        cw = tl.load(cw_ptr + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
-    else:
-        cw = tl.full((BLOCK_V,), 1.0, tl.float32)
-    dz = p * a[:, None] - tl.where(offs_v[None, :] == target[:, None], b[:, None], 0.0)
-    dz -= c[:, None] * cw[None, :]
-    if HAS_SOFTCAP:
-        capped = z / softcap
-        dz *= 1.0 - capped * capped
-    return dz
 
 
 @triton.jit
@@ -200,7 +183,7 @@ def dlogits_kernel(
     c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
     p = tl.exp(z - lse[:, None])
-    dz = _dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
+    dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -235,5 +218,5 @@ def kept_dlogits_kernel(
     z = p  # unused without a soft-cap
     if HAS_SOFTCAP:
         z = tl.log(e) + m[:, None]
-    dz = _dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
+    dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     tl.store(ptrs, dz.to(keep_ptr.dtype.element_ty), mask=mask)
