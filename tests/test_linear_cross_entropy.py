@@ -54,31 +54,9 @@ def make_inputs(lead, hidden, vocab, dtype, opts, seed, requires_grad=(True, Tru
     return x, w, target.to(DEVICE), bias, kw
 
 
-def torch_same_dtype(x, w, target, bias, *, reduction, shift=False, softcap=None, z_loss=0.0,
-                     class_weight=None, label_smoothing=0.0, ignore_index=-100):
+def torch_same_dtype(x, w, target, bias, **kw):
     """What a user would write in plain torch, in the inputs' dtype (logits materialised)."""
-    logits = x @ w.T
-    if bias is not None:
-        logits = logits + bias
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if shift:
-        logits, target = logits[..., :-1, :], target[..., 1:]
-    flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    cw = class_weight.to(logits.dtype) if class_weight is not None else None
-    ce = F.cross_entropy(flat, t, weight=cw, ignore_index=ignore_index, reduction=reduction,
-                         label_smoothing=label_smoothing)
-    if z_loss:
-        valid = t != ignore_index
-        z = torch.where(valid, z_loss * torch.logsumexp(flat, -1) ** 2, 0)
-        if reduction == "none":
-            ce = ce + z
-        elif reduction == "sum":
-            ce = ce + z.sum()
-        else:
-            w_t = cw[t.clamp(0)] if cw is not None else torch.ones_like(z)
-            ce = ce + z.sum() / torch.where(valid, w_t, 0).sum()
-    return ce.reshape(target.shape) if reduction == "none" else ce
+    return linear_cross_entropy_reference(x, w, target, bias, dtype=x.dtype, **kw)[0]
 
 
 def check_against_reference(backend, dtype, lead, hidden, vocab, opts, reduction, seed,
@@ -344,3 +322,21 @@ def test_tma_and_pointer_paths_are_both_exercised():
     plan = triton_plan(8, 101, 24, 2, 1 << 20, torch.device("cpu"))
     assert _operands(torch.randn(8, 24).bfloat16(), torch.randn(101, 24).bfloat16(), plan)[2]
     assert not _operands(torch.randn(8, 17).bfloat16(), torch.randn(101, 17).bfloat16(), plan)[2]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="host syncs only exist with a GPU")
+@pytest.mark.parametrize("mode", list(BUDGETS))
+def test_no_host_sync_on_gpu(mode):
+    """Forward and backward never wait for the GPU (torch raises on a synchronising call)."""
+    x, w, target, bias, kw = make_inputs((2, 50), 64, 1000, torch.bfloat16, OPTIONS["all"], seed=14)
+    budget = {"keep-all": None, "keep-part": 120_000, "recompute": 2_000}[mode]
+    logitless.linear_cross_entropy(x, w, target, bias, memory_budget=budget, **kw).backward()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, stats = logitless.linear_cross_entropy(x, w, target, bias, memory_budget=budget,
+                                                     return_stats=True, **kw)
+        loss.backward()
+        stats.accuracy
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

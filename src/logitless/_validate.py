@@ -97,3 +97,14 @@ def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int) 
             f"target contains {value}, outside [0, {num_classes}) and not "
             f"ignore_index={ignore_index}"
         )
+
+
+def check_memory_budget(memory_budget: Optional[int]) -> int:
+    """The budget in bytes (the default for None); a positive int or a clear error."""
+    from ._plans import DEFAULT_MEMORY_BUDGET
+
+    if memory_budget is None:
+        return DEFAULT_MEMORY_BUDGET
+    if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
+    return memory_budget

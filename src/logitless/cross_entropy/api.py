@@ -23,7 +23,6 @@ from .._loss_math import (
     token_loss,
     upstream_per_token,
 )
-from .._plans import DEFAULT_MEMORY_BUDGET
 from .._dispatch import backend_module
 
 
@@ -173,10 +172,7 @@ def cross_entropy(
     _validate.check_target(target, logits.shape[:-1], "the leading dimensions of logits")
     _validate.check_class_vector("class_weight", class_weight, num_classes)
     _validate.check_same_device(logits=logits, target=target, class_weight=class_weight)
-    if memory_budget is None:
-        memory_budget = DEFAULT_MEMORY_BUDGET
-    if not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
+    memory_budget = _validate.check_memory_budget(memory_budget)
     _validate.check_targets_in_range(target, num_classes, ignore_index)
     impl = backend_module(__package__, backend, logits.device, logits.dtype)
 

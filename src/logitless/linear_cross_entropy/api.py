@@ -23,7 +23,6 @@ from .._loss_math import (
     token_loss,
     upstream_per_token,
 )
-from .._plans import DEFAULT_MEMORY_BUDGET
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd glue shared by every backend: stats -> loss here, kernels in the backend."""
@@ -163,10 +162,7 @@ def linear_cross_entropy(
     _validate.check_same_device(x=x, weight=weight, target=target, bias=bias, class_weight=class_weight)
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
-    if memory_budget is None:
-        memory_budget = DEFAULT_MEMORY_BUDGET
-    if not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
+    memory_budget = _validate.check_memory_budget(memory_budget)
     _validate.check_targets_in_range(target, num_classes, ignore_index)
     impl = backend_module(__package__, backend, x.device, x.dtype)
 

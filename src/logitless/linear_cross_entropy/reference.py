@@ -1,8 +1,10 @@
 """Float64 reference of linear_cross_entropy: the plain definition, logits materialised.
 
-Independent of ``_loss_math`` on purpose: it calls torch's own ``F.cross_entropy`` so
-that tests compare every backend against torch's semantics, not against our formulas.
-Use only at test sizes (it allocates the full logits in float64).
+The logits x @ W.T + b, then the cross_entropy reference, which calls torch's own
+``F.cross_entropy``: independent of ``_loss_math`` on purpose, so that tests compare
+every backend against torch's semantics, not against our formulas. With ``dtype`` set
+to the inputs' dtype it is "plain torch in the same dtype", the tests' yardstick.
+Use only at test sizes (it allocates the full logits).
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from ..cross_entropy.reference import cross_entropy_reference
 
 
 def linear_cross_entropy_reference(
@@ -27,32 +30,17 @@ def linear_cross_entropy_reference(
     softcap: Optional[float] = None,
     z_loss: float = 0.0,
     shift: bool = False,
+    dtype: torch.dtype = torch.float64,
 ):
-    """Returns (loss, lse, correct) in float64 (lse, correct per token, shape of the loss
-    positions). Differentiable with respect to x, weight and bias."""
-    logits = x.double() @ weight.double().T
+    """Returns (loss, lse, correct) in ``dtype`` (lse, correct per token, shape of the
+    loss positions). Differentiable with respect to x, weight and bias."""
+    logits = x.to(dtype) @ weight.to(dtype).T
     if bias is not None:
-        logits = logits + bias.double()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+        logits = logits + bias.to(dtype)
     if shift:
-        logits = logits[..., :-1, :]
-        target = target[..., 1:]
-    num_classes = logits.shape[-1]
-    flat = logits.reshape(-1, num_classes)
-    t = target.reshape(-1).long()
-    cw = class_weight.double() if class_weight is not None else None
-    kw = dict(weight=cw, ignore_index=ignore_index, label_smoothing=label_smoothing)
-    valid = t != ignore_index
-    lse = torch.logsumexp(flat, dim=-1)
-    z_term = torch.where(valid, z_loss * lse**2, torch.zeros_like(lse))
-    if reduction == "none":
-        loss = (F.cross_entropy(flat, t, reduction="none", **kw) + z_term).reshape(target.shape)
-    elif reduction == "sum":
-        loss = F.cross_entropy(flat, t, reduction="sum", **kw) + z_term.sum()
-    else:
-        w_t = cw[t.clamp(0, num_classes - 1)] if cw is not None else torch.ones_like(lse)
-        denom = torch.where(valid, w_t, torch.zeros_like(w_t)).sum()
-        loss = F.cross_entropy(flat, t, reduction="mean", **kw) + z_term.sum() / denom
-    correct = (flat.argmax(dim=-1) == t) & valid
-    return loss, lse.reshape(target.shape).detach(), correct.reshape(target.shape)
+        logits, target = logits[..., :-1, :], target[..., 1:]
+    return cross_entropy_reference(
+        logits, target, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, class_weight=class_weight, softcap=softcap,
+        z_loss=z_loss, dtype=dtype,
+    )
