@@ -329,7 +329,7 @@ def test_tma_and_pointer_paths_are_both_exercised():
 def test_no_host_sync_on_gpu(mode):
     """Forward and backward never wait for the GPU (torch raises on a synchronising call)."""
     x, w, target, bias, kw = make_inputs((2, 50), 64, 1000, torch.bfloat16, OPTIONS["all"], seed=14)
-    budget = {"keep-all": None, "keep-part": 120_000, "recompute": 2_000}[mode]
+    budget = {"keep-all": None, "keep-part": 160_000, "recompute": 2_000}[mode]
     logitless.linear_cross_entropy(x, w, target, bias, memory_budget=budget, **kw).backward()  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
