@@ -27,3 +27,39 @@ def dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap,
         capped = z / softcap
         dz *= 1.0 - capped * capped
     return dz
+
+
+@triton.jit
+def online_lse_update(z, m, s):
+    """One step of the online log-sum-exp over a (BLOCK_N, BLOCK_V) tile z (fp32, -inf
+    in masked columns): returns the new running max m and sum s = sum exp(z - m), the
+    tile's exp(z - m_safe), m_safe (the shift used: m, or 0 while a row is all -inf so
+    far, so that no inf - inf appears) and the tile's row maxima."""
+    tile_max = tl.max(z, 1)
+    m_new = tl.maximum(m, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = tl.exp(z - m_safe[:, None])
+    s = s * tl.exp(m - m_safe) + tl.sum(e, 1)
+    return m_new, s, e, m_safe, tile_max
+
+
+@triton.jit
+def side_stats_update(z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
+                      NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+                      HAS_CW: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The optional per-row statistics of a tile: smooth += sum_c w_c z_c (label
+    smoothing) and the first argmax so far (best value, best index; ties keep the
+    earlier column, as torch.argmax). Tiles must come in increasing column order."""
+    col_ok = offs_v < V
+    if NEED_SMOOTH:
+        if HAS_CW:
+            cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            cw = tl.full((BLOCK_V,), 1.0, tl.float32)
+        smooth += tl.sum(tl.where(col_ok[None, :], z * cw[None, :], 0.0), 1)
+    if NEED_ARGMAX:
+        idx = tl.min(tl.where(z == tile_max[:, None], offs_v[None, :], V), 1)
+        better = tile_max > best
+        best_idx = tl.where(better, idx, best_idx)
+        best = tl.where(better, tile_max, best)
+    return smooth, best, best_idx

@@ -10,7 +10,7 @@ backward reads z once and writes dz once; everything else is O(N).
 import triton
 import triton.language as tl
 
-from .._triton_math import dz_tile, softcap_tile
+from .._triton_math import dz_tile, online_lse_update, side_stats_update, softcap_tile
 
 
 @triton.jit
@@ -64,22 +64,10 @@ def ce_forward_kernel(
                          mask=row_ok[:, None] & (nxt < V)[None, :], other=float("-inf"))
         if HAS_SOFTCAP:
             z = tl.where(col_ok[None, :], softcap_tile(z, softcap), float("-inf"))
-        tile_max = tl.max(z, 1)
-        m_new = tl.maximum(m, tile_max)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe[:, None]), 1)
-        m = m_new
-        if NEED_SMOOTH:
-            if HAS_CW:
-                cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
-            else:
-                cw = tl.full((BLOCK_V,), 1.0, tl.float32)
-            smooth += tl.sum(tl.where(col_ok[None, :], z * cw[None, :], 0.0), 1)
-        if NEED_ARGMAX:
-            idx = tl.min(tl.where(z == tile_max[:, None], offs_v[None, :], V), 1)
-            better = tile_max > best
-            best_idx = tl.where(better, idx, best_idx)
-            best = tl.where(better, tile_max, best)
+        m, s, _, _, tile_max = online_lse_update(z, m, s)
+        smooth, best, best_idx = side_stats_update(
+            z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
+            NEED_SMOOTH, NEED_ARGMAX, HAS_CW, BLOCK_V)
 
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     tl.store(lse_ptr + offs_n, m_safe + tl.log(s), mask=row_ok)

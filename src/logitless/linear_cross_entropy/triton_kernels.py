@@ -9,7 +9,7 @@ of tl.dot over BLOCK_H-wide slices of H with fp32 accumulation.
 import triton
 import triton.language as tl
 
-from .._triton_math import dz_tile, softcap_tile
+from .._triton_math import dz_tile, online_lse_update, side_stats_update, softcap_tile
 
 
 @triton.jit
@@ -111,12 +111,7 @@ def forward_stats_kernel(
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         z = tl.where(col_ok[None, :], z, float("-inf"))
-        tile_max = tl.max(z, 1)
-        m_new = tl.maximum(m, tile_max)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep 0
-        e = tl.exp(z - m_safe[:, None])
-        s = s * tl.exp(m - m_safe) + tl.sum(e, 1)
-        m = m_new
+        m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
         if KEEP:
             block = first_block + i
             if block < keep_blocks:
@@ -127,17 +122,9 @@ def forward_stats_kernel(
                     tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
                 tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
         z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
-        if NEED_SMOOTH:
-            if HAS_CW:
-                cw = tl.load(cw_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)
-            else:
-                cw = tl.full((BLOCK_V,), 1.0, tl.float32)
-            smooth += tl.sum(tl.where(col_ok[None, :], z * cw[None, :], 0.0), 1)
-        if NEED_ARGMAX:
-            idx = tl.min(tl.where(z == tile_max[:, None], offs_v[None, :], V), 1)
-            better = tile_max > best
-            best_idx = tl.where(better, idx, best_idx)
-            best = tl.where(better, tile_max, best)
+        smooth, best, best_idx = side_stats_update(
+            z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
+            NEED_SMOOTH, NEED_ARGMAX, HAS_CW, BLOCK_V)
 
     out = split.to(tl.int64) * N + offs_n
     tl.store(part_max_ptr + out, m, mask=row_ok)
