@@ -10,7 +10,9 @@ backward reads z once and writes dz once; everything else is O(N).
 import triton
 import triton.language as tl
 
-from .._triton_math import dz_tile, online_lse_update, side_stats_update, softcap_tile
+from .._triton_math import (
+    dz_tile, load_row_coefficients, online_lse_update, side_stats_update, softcap_tile,
+)
 
 
 @triton.jit
@@ -107,11 +109,7 @@ def ce_backward_kernel(
     z = tl.load(z_ptr + rows * stride_zn + cols * stride_zv, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         z = softcap_tile(z, softcap)
-    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-    a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
-    b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
-    c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
-    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     p = tl.exp(z - lse[:, None])
     dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     tl.store(dz_ptr + rows * stride_dn + cols * stride_dv, dz.to(dz_ptr.dtype.element_ty), mask=mask)

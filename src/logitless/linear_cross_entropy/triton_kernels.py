@@ -9,7 +9,9 @@ of tl.dot over BLOCK_H-wide slices of H with fp32 accumulation.
 import triton
 import triton.language as tl
 
-from .._triton_math import dz_tile, online_lse_update, side_stats_update, softcap_tile
+from .._triton_math import (
+    dz_tile, load_row_coefficients, online_lse_update, side_stats_update, softcap_tile,
+)
 
 
 @triton.jit
@@ -164,11 +166,7 @@ def dlogits_kernel(
         stride_xn, stride_xh, stride_wv, stride_wh, softcap,
         HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
     )
-    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-    a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
-    b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
-    c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
-    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     p = tl.exp(z - lse[:, None])
     dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
@@ -196,11 +194,7 @@ def kept_dlogits_kernel(
     ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
     e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
-    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-    a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
-    b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
-    c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
-    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     z = p  # unused without a soft-cap
     if HAS_SOFTCAP:
