@@ -85,7 +85,12 @@ def _num_sms(device) -> int:
 
 #: Tiles (block_n, block_v, block_h, num_warps, num_stages) by input itemsize, for
 #: Hopper-class GPUs; the CPU interpreter uses small tiles that still exercise masks.
-CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 2)}
+#: fp32 (TF32 or 3xTF32 tensor-core dots): a 32-wide step of H is one 128-byte row of
+#: each tile (the TMA swizzle's width); 3 stages of x and W tiles take 3 * 2 * 16 KiB
+#: = 96 KiB of shared memory, the fp32 kept-tile store 64 KiB more, and tf32x3 its
+#: split copies of the operands (up to 64 KiB): under the 227 KiB of an H100's SM. The
+#: backend retries with fewer stages if a GPU has less (``triton_backend._launch``).
+CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 #: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
 WAVES = 16

@@ -16,7 +16,10 @@ from .._triton_math import (
 
 @triton.jit
 def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
-    """acc += a @ b_t^T with fp32 accumulation."""
+    """acc += a @ b_t^T with fp32 accumulation. For fp32 inputs DOT_PRECISION is "tf32"
+    (one TF32 tensor-core product) or "tf32x3" (3xTF32: a = a_hi + a_lo in TF32,
+    a_hi b_hi + a_hi b_lo + a_lo b_hi, about fp32 accuracy), following torch's
+    fp32 matmul precision (``triton_backend._dot_precision``)."""
     if DOT_PRECISION == "interpreter-bf16":
         # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
         # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
