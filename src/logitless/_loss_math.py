@@ -215,17 +215,27 @@ def dlogits_(
     softcap: Optional[float],
 ) -> Tensor:
     """Turn a tile of soft-capped logits z (rows: tokens, columns: classes col0..) into
-    d loss / d (pre-cap) logits, in place. The PyTorch form of the kernels' epilogue."""
+    d loss / d (pre-cap) logits, in place. The PyTorch form of the kernels' epilogue.
+
+    Temporaries: one more tile with a soft-cap (the factor 1 - (z/s)^2, taken before z
+    is overwritten), none without; everything else is in place or per row.
+    """
     a, b, c = coef
-    capped = z.clone() if softcap is not None else None
+    factor = None
+    if softcap is not None:
+        factor = torch.div(z, softcap).square_().neg_().add_(1.0)
     z.sub_(lse[:, None]).exp_().mul_(a[:, None])
-    cols = torch.arange(col0, col0 + z.shape[1], device=z.device)
-    hit = cols[None, :] == target[:, None]
-    z.sub_(hit * b[:, None])
+    # - B at the target's column when it lies in this tile: one element per row.
+    width = z.shape[1]
+    local = target - col0
+    inside = (local >= 0) & (local < width)
+    idx = local.clamp(0, width - 1)[:, None]
+    hit = torch.where(inside, b, torch.zeros_like(b))[:, None]
+    z.scatter_(1, idx, z.gather(1, idx) - hit)
     if class_weight is not None:
-        z.sub_(c[:, None] * class_weight[col0 : col0 + z.shape[1]].to(z.dtype)[None, :])
+        z.addcmul_(c[:, None], class_weight[col0 : col0 + width].to(z.dtype)[None, :], value=-1.0)
     else:
         z.sub_(c[:, None])
-    if capped is not None:
-        z.mul_(1.0 - (capped / softcap) ** 2)
+    if factor is not None:
+        z.mul_(factor)
     return z

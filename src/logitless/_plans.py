@@ -30,19 +30,41 @@ class TorchPlan:
     vocab_chunk: int
 
 
-def torch_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int) -> TorchPlan:
-    """Largest tiles whose temporaries (about 3 tile-sized tensors) fit the budget.
+#: Bytes per token of a chunk besides its tiles: the running per-row statistics
+#: (max, sum, target logit, smoothing sum, argmax and their per-tile temporaries).
+TORCH_ROW_OVERHEAD = 128
 
-    The fp32 dx accumulator (tokens x hidden) of the backward is not a tile and is not
-    counted: it is bounded by the size of x, never by tokens x vocab.
+
+def torch_plan(
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, *,
+    tiles: int = 1, row_bytes: int = 0, col_bytes: int = 0,
+) -> TorchPlan:
+    """Largest tiles whose temporaries fit the budget. A token_chunk x vocab_chunk
+    step of the PyTorch backend holds, besides O(N + V) per-token and per-class vectors:
+
+        tiles * token_chunk * vocab_chunk * itemsize   the logit tiles (compute dtype)
+      + token_chunk * (row_bytes + TORCH_ROW_OVERHEAD)  e.g. the upcast chunk of x
+      + vocab_chunk * col_bytes                        e.g. the upcast chunk of W, dW's
+                                                       fp32 accumulator
+
+    (the backend says what its steps hold; ``hidden`` is for callers' byte counts). The
+    backward's fp32 dx accumulator (tokens x hidden, for 16-bit inputs) is not a
+    per-step temporary and is not counted: it is bounded by the size of x, never by
+    tokens x vocab. When even one row by min(V, 256) columns exceeds the budget, that
+    minimum is used.
     """
-    tile_elems = max(1, budget // (3 * itemsize))
+    row = row_bytes + TORCH_ROW_OVERHEAD
+
+    def cols_for(tokens: int) -> int:
+        return (budget - tokens * row) // (tiles * tokens * itemsize + col_bytes)
+
     token_chunk = _clamp(num_tokens, 1, 2048)
-    vocab_chunk = _clamp(tile_elems // token_chunk, 1, vocab)
+    vocab_chunk = _clamp(cols_for(token_chunk), 1, vocab)
     if vocab_chunk < min(vocab, 256) and token_chunk > 1:
         # A tiny budget: trade rows for columns so that each matmul stays reasonable.
         vocab_chunk = min(vocab, 256)
-        token_chunk = _clamp(tile_elems // vocab_chunk, 1, num_tokens)
+        tokens = (budget - vocab_chunk * col_bytes) // (tiles * vocab_chunk * itemsize + row)
+        token_chunk = _clamp(tokens, 1, num_tokens)
     return TorchPlan(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
 
 
