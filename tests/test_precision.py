@@ -60,6 +60,32 @@ def test_dot_precision_follows_torch_setting(setting, expected):
     assert _dot_precision(torch.float16) == "tf32"  # 16-bit inputs: ignored
 
 
+def test_dot_precision_with_torch_new_precision_api():
+    """torch >= 2.9 raises on reading allow_tf32 once the legacy and the new
+    (fp32_precision) APIs were mixed; the choice then follows the new one. Run in a
+    subprocess: the mixed state cannot be undone in this one."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch without the fp32_precision API")
+    code = (
+        "import torch\n"
+        "from logitless.linear_cross_entropy.triton_backend import _dot_precision\n"
+        "m = torch.backends.cuda.matmul\n"
+        "m.allow_tf32 = False\n"
+        "m.fp32_precision = 'tf32'\n"
+        "a = _dot_precision(torch.float32)\n"
+        "m.fp32_precision = 'ieee'\n"
+        "print(a, _dot_precision(torch.float32))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["tf32", "tf32x3"]
+
+
 @pytest.mark.parametrize("setting,expected", [("highest", "tf32x3"), ("high", "tf32")])
 def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected):
     """Every GEMM kernel launched for fp32 inputs (forward and recomputing backward)
@@ -306,3 +332,20 @@ def test_cpu_torch_backend_keeps_its_budget(dtype, options):
         f"backward peak {bwd.peak} > budget {budget} + accumulator {acc} + grads {grads}")
     # And the budget is used, not ignored: a tile of a few MiB would show here.
     assert bwd.peak > grads + budget // 4
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_triton_plan_bytes_fit_the_budget(itemsize):
+    """The Triton plan's backward temporaries (kept columns in the input dtype with their
+    per-block maxima, one dz chunk, the fp32 dx accumulator: dx itself for fp32 inputs,
+    so not counted there) fit the budget whenever the budget exceeds the minimum."""
+    from logitless._plans import triton_plan
+
+    n, v, h = 512, 30011, 256
+    for budget in (2**22, 2**24, 2**26):
+        p = triton_plan(n, v, h, itemsize, budget, torch.device("cpu"), keep_allowed=True)
+        acc = 4 * n * h if itemsize != 4 else 0
+        kept = n * p.keep_cols * itemsize + 4 * n * (p.keep_cols // p.block_v)
+        chunk = n * min(p.vocab_chunk, v - p.keep_cols) * itemsize if p.keep_cols < v else 0
+        assert kept + chunk + acc <= budget, (budget, p)
+        assert kept + chunk + acc > budget // 2 or p.keep_cols == v, (budget, p)  # and uses it

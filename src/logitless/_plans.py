@@ -143,6 +143,8 @@ def triton_plan(
     # budget leaves after the accumulator and one chunk of MIN_CHUNK columns.
     padded_vocab = vocab_blocks * block_v
     per_col = num_tokens * (itemsize + 4 / block_v)
+    # The fp32 dx accumulator is dx itself for fp32 inputs (nothing extra to budget).
+    acc = 4 * num_tokens * hidden if itemsize != 4 else 0
     # Never more than a quarter of the vocabulary: small vocabularies still get chunks.
     quarter = max(block_v, padded_vocab // 4 // block_v * block_v)
     min_cols = min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
@@ -155,9 +157,9 @@ def triton_plan(
         if budget >= per_col * vocab:
             keep_cols = vocab
         else:
-            left = budget - 4 * num_tokens * hidden - num_tokens * itemsize * min_cols
+            left = budget - acc - num_tokens * itemsize * min_cols
             keep_cols = _clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
-    left = budget - 4 * num_tokens * hidden - per_col * keep_cols
+    left = budget - acc - per_col * keep_cols
     cols = int(max(left, 0) // max(1, itemsize * num_tokens))
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
