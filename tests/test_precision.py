@@ -116,6 +116,29 @@ def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected):
     assert all(p == expected for _, p in seen), seen
 
 
+def test_launch_drops_stages_when_shared_memory_is_short():
+    """A pipeline too deep for the GPU's shared memory (Triton's OutOfResources before
+    the launch) is retried with fewer stages, and what fit is remembered per flags."""
+    from triton.runtime.errors import OutOfResources
+
+    from logitless.linear_cross_entropy import triton_backend
+
+    calls = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, num_stages, **kwargs):
+                calls.append((num_stages, kwargs["FLAG"]))
+                if num_stages > 2 and kwargs["FLAG"]:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+            return run
+
+    k = FakeKernel()
+    for flag in (True, True, False):
+        triton_backend._launch(k, (1,), 0, num_stages=3, FLAG=flag)
+    assert calls == [(3, True), (2, True), (2, True), (3, False)]
+
+
 def _errors_vs_float64(backend, setting, n, h, v, seed, options=False, budget=None):
     """(errors of ours, errors of torch at the same setting) for loss, dx, dW, each the
     max abs difference to float64."""

@@ -73,7 +73,8 @@ def _flags(bias, class_weight, softcap, dtype):
     )
 
 
-#: (kernel name, requested num_stages) -> num_stages that fit this GPU's shared memory.
+#: (kernel name, requested num_stages, constexpr flags) -> num_stages that fit this
+#: GPU's shared memory.
 _STAGES_THAT_FIT: dict = {}
 
 
@@ -83,7 +84,8 @@ def _launch(kernel, grid, *args, num_stages: int, **kwargs):
     launch), retries with fewer stages and remembers what fit. No device sync."""
     from triton.runtime.errors import OutOfResources
 
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), num_stages)
+    flags = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))  # the constexprs
+    key = (getattr(getattr(kernel, "fn", None), "__name__", str(kernel)), num_stages, flags)
     stages = _STAGES_THAT_FIT.get(key, num_stages)
     while True:
         try:
