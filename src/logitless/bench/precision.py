@@ -9,7 +9,8 @@ Per LM-head shape three modes, each its own case (and its own GEMM unit):
     autocast-bf16  fp32 W and fp32 hidden state called under torch.autocast(bf16), as a
                    Llama under HF Trainer(bf16=True) calls its head: unit = one bf16 GEMM
 
-Methods: ``logitless`` (the public API, no casts) and ``torch-eager``
+Methods: ``logitless`` (the public API, no casts), ``logitless-tf32-truncate`` (fp32-high
+rows only: without rounding the operands to TF32 first) and ``torch-eager``
 (``F.cross_entropy(x @ W.T, y)``; under autocast ``F.cross_entropy(head(h).float(), y)``).
 Rows have the lce suite's columns (``lce.measure``: fwd and fwd+bwd time and their
 ratios to 1 and 3 GEMMs of the case's unit, peak extra memory, errors against one
@@ -98,6 +99,26 @@ def _logitless(case, device):
     return fn
 
 
+def _logitless_truncate(case, device):
+    """The fp32-high rows only: TF32 products of the raw fp32 operands (the tensor cores
+    truncate them) instead of operands rounded to TF32 first: what the rounding costs."""
+    if torch.device(device).type != "cuda":
+        raise Skip("needs a CUDA GPU (the Triton backend)")
+    if case.mode != "fp32-high":
+        raise Skip("only at matmul precision 'high' (TF32)")
+    from .. import linear_cross_entropy
+    from ..linear_cross_entropy import triton_backend
+
+    def fn(x, w, t):
+        before = triton_backend._TF32_ROUND_INPUTS
+        triton_backend._TF32_ROUND_INPUTS = False
+        try:
+            return linear_cross_entropy(x, w, t)
+        finally:
+            triton_backend._TF32_ROUND_INPUTS = before
+    return fn
+
+
 def _torch_eager(case, device):
     def fn(x, w, t):
         with _autocast(case, device):
@@ -111,6 +132,9 @@ def methods():
         Method("logitless", _logitless, peer=False,
                description="logitless.linear_cross_entropy(h, W, y) on the fp32 tensors, no casts "
                            "(under autocast in the autocast rows)"),
+        Method("logitless-tf32-truncate", _logitless_truncate, peer=False, gpu_only=True,
+               description="fp32-high rows: logitless with TF32 products of the raw fp32 operands (truncated by "
+                           "the tensor cores) instead of rounded ones"),
         Method("torch-eager", _torch_eager,
                description="F.cross_entropy(F.linear(h, W).float(), y): fp32 logits at the matmul precision "
                            "setting; under autocast bf16 logits upcast to fp32"),

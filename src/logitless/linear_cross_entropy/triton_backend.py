@@ -48,17 +48,27 @@ def tf32_allowed() -> bool:
         return prec == "tf32"
 
 
+#: At "high"/"medium": round fp32 operands to the nearest TF32 in the kernel before the
+#: TF32 product (torch's cuBLAS rounds too), instead of letting the tensor cores
+#: truncate them. The benchmark's "logitless-tf32-truncate" rows turn it off to
+#: measure what the rounding costs.
+_TF32_ROUND_INPUTS = True
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
 
-    fp32 inputs run on tensor cores either way: "tf32" (one TF32 product, 10-bit
-    mantissas, as cuBLAS at precision "high"/"medium") or, at "highest", "tf32x3"
-    (each operand split into a TF32 head and a TF32 tail, three TF32 products: about
-    the accuracy of fp32 FMA, on tensor cores). Never "ieee" (scalar FMA loops,
-    77x a cuBLAS fp32 GEMM on an H100). 16-bit inputs ignore the setting.
+    fp32 inputs run on tensor cores either way: "tf32-round" (operands rounded to TF32,
+    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium"; "tf32"
+    without the rounding) or, at "highest", "tf32x3" (each operand split into a TF32
+    head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
+    tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
+    16-bit inputs ignore the setting.
     """
     if dtype == torch.float32:
-        return "tf32" if tf32_allowed() else "tf32x3"
+        if not tf32_allowed():
+            return "tf32x3"
+        return "tf32-round" if _TF32_ROUND_INPUTS else "tf32"
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return "interpreter-bf16"  # see _logits_tile: works around an interpreter bug
     return "tf32"  # ignored for 16-bit inputs
