@@ -30,3 +30,7 @@ for f in benchmarks/results/latest-precision-*.json benchmarks/results/latest-pr
 done
 echo "total $(( $(date +%s) - start )) s; files in $OUT:"
 ls "$OUT"
+echo "== summary (fwd / 1 GEMM, fwd+bwd / 3 GEMMs, peak MiB; errors vs float64) =="
+for f in benchmarks/results/latest-precision-*.md; do
+    [ -f "$f" ] && sed -n '/^## Summary/,/^## All metrics/p' "$f" | grep -v "^## "
+done
