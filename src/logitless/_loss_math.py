@@ -61,7 +61,8 @@ class LossOptions:
 
 
 class TokenStats(NamedTuple):
-    """Per-token statistics that a backend computes from each row of logits (all fp32)."""
+    """Per-token statistics that a backend computes from each row of logits: fp32
+    (fp64 for fp64 inputs on the torch backend; everything below follows lse's dtype)."""
 
     lse: Tensor  # (N,) log-sum-exp of the soft-capped logits
     target_logit: Tensor  # (N,) soft-capped logit at the target (any value when out of range)
@@ -88,21 +89,28 @@ class LossStats(NamedTuple):
         return self.correct.sum() / self.num_tokens.clamp_min(1)
 
 
-def _target_weight(target: Tensor, class_weight: Optional[Tensor], valid: Tensor) -> Tensor:
+def math_dtype(stats_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss math: fp64 when the statistics are fp64 (fp64 inputs on the
+    torch backend, exact to float64 rounding), else fp32."""
+    return torch.float64 if stats_dtype == torch.float64 else torch.float32
+
+
+def _target_weight(target: Tensor, class_weight: Optional[Tensor], valid: Tensor,
+                   dtype: torch.dtype = torch.float32) -> Tensor:
     """w_t per token: class weight of the target (1 without), 0 at ignored tokens."""
     if class_weight is None:
-        return valid.to(torch.float32)
+        return valid.to(dtype)
     num_classes = class_weight.shape[0]
     # Clamp so that an out-of-range target never indexes out of bounds (its loss is NaN).
-    w = class_weight.float()[target.clamp(0, num_classes - 1)]
+    w = class_weight.to(dtype)[target.clamp(0, num_classes - 1)]
     return torch.where(valid, w, torch.zeros_like(w))
 
 
-def _class_weight_sum(class_weight: Optional[Tensor], num_classes: int):
+def _class_weight_sum(class_weight: Optional[Tensor], num_classes: int, dtype: torch.dtype = torch.float32):
     """W = sum_c w_c: a Python float without class weights (no host-to-device copy)."""
     if class_weight is None:
         return float(num_classes)
-    return class_weight.float().sum()
+    return class_weight.to(dtype).sum()
 
 
 def token_loss(
@@ -112,16 +120,18 @@ def token_loss(
     class_weight: Optional[Tensor],
     opts: LossOptions,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token loss (fp32, 0 at ignored tokens) and per-token denominator weight w_t."""
+    """Per-token loss (0 at ignored tokens) and per-token denominator weight w_t, in
+    ``math_dtype`` of the statistics (fp32, or fp64 for fp64 statistics)."""
+    dt = math_dtype(stats.lse.dtype)
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < num_classes)
-    w_t = _target_weight(target, class_weight, valid)
-    lse = stats.lse
+    w_t = _target_weight(target, class_weight, valid, dt)
+    lse = stats.lse.to(dt)
     eps = opts.label_smoothing
     loss = (1.0 - eps) * w_t * (lse - stats.target_logit)
     if eps > 0.0:
-        w_sum = _class_weight_sum(class_weight, num_classes)
-        loss = loss + (eps / num_classes) * (w_sum * lse - stats.smooth_sum)
+        w_sum = _class_weight_sum(class_weight, num_classes, dt)
+        loss = loss + (eps / num_classes) * (w_sum * lse - stats.smooth_sum.to(dt))
     if opts.z_loss != 0.0:
         loss = loss + opts.z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
@@ -139,8 +149,9 @@ def reduce_loss(loss: Tensor, w_t: Tensor, reduction: str) -> Tensor:
 
 
 def upstream_per_token(grad_out: Tensor, w_t: Tensor, reduction: str) -> Tensor:
-    """The gradient g of each token's loss, from the gradient of the reduced loss."""
-    grad_out = grad_out.float()
+    """The gradient g of each token's loss, from the gradient of the reduced loss
+    (in w_t's dtype: fp32, or fp64 for fp64 statistics)."""
+    grad_out = grad_out.to(w_t.dtype)
     if reduction == "none":
         return grad_out.reshape(-1)
     if reduction == "sum":
@@ -156,18 +167,21 @@ def grad_coefficients(
     class_weight: Optional[Tensor],
     opts: LossOptions,
 ) -> Tensor:
-    """A, B, C of the module docstring, stacked as a (3, N) fp32 tensor.
+    """A, B, C of the module docstring, stacked as a (3, N) tensor in ``math_dtype``
+    of lse (fp32; fp64 for fp64 statistics).
 
     Zero at ignored tokens (also when g is inf or NaN there, e.g. a "mean" over no
     token), NaN at tokens whose target is out of range.
     """
+    dt = math_dtype(lse.dtype)
+    lse, g = lse.to(dt), g.to(dt)
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < num_classes)
-    w_t = _target_weight(target, class_weight, valid)
+    w_t = _target_weight(target, class_weight, valid, dt)
     eps = opts.label_smoothing
     a = (1.0 - eps) * w_t
     if eps > 0.0:
-        a = a + (eps / num_classes) * _class_weight_sum(class_weight, num_classes)
+        a = a + (eps / num_classes) * _class_weight_sum(class_weight, num_classes, dt)
     if opts.z_loss != 0.0:
         a = a + 2.0 * opts.z_loss * lse
     b = (1.0 - eps) * w_t
@@ -201,17 +215,27 @@ def dlogits_(
     softcap: Optional[float],
 ) -> Tensor:
     """Turn a tile of soft-capped logits z (rows: tokens, columns: classes col0..) into
-    d loss / d (pre-cap) logits, in place. The PyTorch form of the kernels' epilogue."""
+    d loss / d (pre-cap) logits, in place. The PyTorch form of the kernels' epilogue.
+
+    Temporaries: one more tile with a soft-cap (the factor 1 - (z/s)^2, taken before z
+    is overwritten), none without; everything else is in place or per row.
+    """
     a, b, c = coef
-    capped = z.clone() if softcap is not None else None
+    factor = None
+    if softcap is not None:
+        factor = torch.div(z, softcap).square_().neg_().add_(1.0)
     z.sub_(lse[:, None]).exp_().mul_(a[:, None])
-    cols = torch.arange(col0, col0 + z.shape[1], device=z.device)
-    hit = cols[None, :] == target[:, None]
-    z.sub_(hit * b[:, None])
+    # - B at the target's column when it lies in this tile: one element per row.
+    width = z.shape[1]
+    local = target - col0
+    inside = (local >= 0) & (local < width)
+    idx = local.clamp(0, width - 1)[:, None]
+    hit = torch.where(inside, b, torch.zeros_like(b))[:, None]
+    z.scatter_(1, idx, z.gather(1, idx) - hit)
     if class_weight is not None:
-        z.sub_(c[:, None] * class_weight[col0 : col0 + z.shape[1]].to(z.dtype)[None, :])
+        z.addcmul_(c[:, None], class_weight[col0 : col0 + width].to(z.dtype)[None, :], value=-1.0)
     else:
         z.sub_(c[:, None])
-    if capped is not None:
-        z.mul_(1.0 - (capped / softcap) ** 2)
+    if factor is not None:
+        z.mul_(factor)
     return z

@@ -30,19 +30,41 @@ class TorchPlan:
     vocab_chunk: int
 
 
-def torch_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int) -> TorchPlan:
-    """Largest tiles whose temporaries (about 3 tile-sized tensors) fit the budget.
+#: Bytes per token of a chunk besides its tiles: the running per-row statistics
+#: (max, sum, target logit, smoothing sum, argmax and their per-tile temporaries).
+TORCH_ROW_OVERHEAD = 128
 
-    The fp32 dx accumulator (tokens x hidden) of the backward is not a tile and is not
-    counted: it is bounded by the size of x, never by tokens x vocab.
+
+def torch_plan(
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, *,
+    tiles: int = 1, row_bytes: int = 0, col_bytes: int = 0,
+) -> TorchPlan:
+    """Largest tiles whose temporaries fit the budget. A token_chunk x vocab_chunk
+    step of the PyTorch backend holds, besides O(N + V) per-token and per-class vectors:
+
+        tiles * token_chunk * vocab_chunk * itemsize   the logit tiles (compute dtype)
+      + token_chunk * (row_bytes + TORCH_ROW_OVERHEAD)  e.g. the upcast chunk of x
+      + vocab_chunk * col_bytes                        e.g. the upcast chunk of W, dW's
+                                                       fp32 accumulator
+
+    (the backend says what its steps hold; ``hidden`` is for callers' byte counts). The
+    backward's fp32 dx accumulator (tokens x hidden, for 16-bit inputs) is not a
+    per-step temporary and is not counted: it is bounded by the size of x, never by
+    tokens x vocab. When even one row by min(V, 256) columns exceeds the budget, that
+    minimum is used.
     """
-    tile_elems = max(1, budget // (3 * itemsize))
+    row = row_bytes + TORCH_ROW_OVERHEAD
+
+    def cols_for(tokens: int) -> int:
+        return (budget - tokens * row) // (tiles * tokens * itemsize + col_bytes)
+
     token_chunk = _clamp(num_tokens, 1, 2048)
-    vocab_chunk = _clamp(tile_elems // token_chunk, 1, vocab)
+    vocab_chunk = _clamp(cols_for(token_chunk), 1, vocab)
     if vocab_chunk < min(vocab, 256) and token_chunk > 1:
         # A tiny budget: trade rows for columns so that each matmul stays reasonable.
         vocab_chunk = min(vocab, 256)
-        token_chunk = _clamp(tile_elems // vocab_chunk, 1, num_tokens)
+        tokens = (budget - vocab_chunk * col_bytes) // (tiles * vocab_chunk * itemsize + row)
+        token_chunk = _clamp(tokens, 1, num_tokens)
     return TorchPlan(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
 
 
@@ -85,7 +107,12 @@ def _num_sms(device) -> int:
 
 #: Tiles (block_n, block_v, block_h, num_warps, num_stages) by input itemsize, for
 #: Hopper-class GPUs; the CPU interpreter uses small tiles that still exercise masks.
-CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 2)}
+#: fp32 (TF32 or 3xTF32 tensor-core dots): a 32-wide step of H is one 128-byte row of
+#: each tile (the TMA swizzle's width); 3 stages of x and W tiles take 3 * 2 * 16 KiB
+#: = 96 KiB of shared memory, the fp32 kept-tile store 64 KiB more, and tf32x3 its
+#: split copies of the operands (up to 64 KiB): under the 227 KiB of an H100's SM. The
+#: backend retries with fewer stages if a GPU has less (``triton_backend._launch``).
+CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 #: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
 WAVES = 16
@@ -116,6 +143,8 @@ def triton_plan(
     # budget leaves after the accumulator and one chunk of MIN_CHUNK columns.
     padded_vocab = vocab_blocks * block_v
     per_col = num_tokens * (itemsize + 4 / block_v)
+    # The fp32 dx accumulator is dx itself for fp32 inputs (nothing extra to budget).
+    acc = 4 * num_tokens * hidden if itemsize != 4 else 0
     # Never more than a quarter of the vocabulary: small vocabularies still get chunks.
     quarter = max(block_v, padded_vocab // 4 // block_v * block_v)
     min_cols = min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
@@ -128,9 +157,9 @@ def triton_plan(
         if budget >= per_col * vocab:
             keep_cols = vocab
         else:
-            left = budget - 4 * num_tokens * hidden - num_tokens * itemsize * min_cols
+            left = budget - acc - num_tokens * itemsize * min_cols
             keep_cols = _clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
-    left = budget - 4 * num_tokens * hidden - per_col * keep_cols
+    left = budget - acc - per_col * keep_cols
     cols = int(max(left, 0) // max(1, itemsize * num_tokens))
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from . import peers, report, shapes
+from . import peers, precision, report, shapes
 from .runner import Config
 
 EXAMPLES = """\
@@ -23,6 +23,7 @@ examples:
   python -m logitless.bench --suite lce --shapes llama3.1-8b,deepseek-v3 --methods logitless,torch-compile
   python -m logitless.bench --suite ce --shapes '*-bf16' --max-minutes 9
   python -m logitless.bench --suite ce --shapes '*-fp32' --max-minutes 9 --append   # same files, both halves
+  python -m logitless.bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
 """
@@ -36,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--suite", choices=("lce", "ce", "all"), default="all",
-                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits (default: all)")
+    p.add_argument("--suite", choices=("lce", "ce", "all", "precision"), default="all",
+                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits; all: both; "
+                   "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16 "
+                   "(default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -71,6 +74,7 @@ def _method_lists(budgets, cpu, with_peers):
     return {
         "lce": peers.lce_methods(budgets, cpu=cpu, peers=with_peers),
         "ce": peers.ce_methods(cpu=cpu, peers=with_peers),
+        "precision": precision.methods(),
     }
 
 
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
     )
 
     shape_names = _split(args.shapes)
-    unknown = shapes.unmatched(shape_names, cpu)
+    unknown = shapes.unmatched(shape_names, cpu) if args.suite != "precision" else []
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(shapes.known_names(cpu))}")
     method_lists = _method_lists(budgets, cpu, not args.no_peers)
@@ -161,7 +165,10 @@ def main(argv=None) -> int:
     for suite in suites:
         if interrupted:
             break
-        if suite == "lce":
+        if suite == "precision":
+            runner = precision
+            cases = precision.cases(cpu, shape_names, quick=quick)
+        elif suite == "lce":
             from . import lce as runner
             cases = shapes.select(shapes.lce_shapes(cpu), shape_names, cpu=cpu, quick=quick)
         else:

@@ -25,7 +25,7 @@ def plot(data: dict, paths) -> Optional[str]:
     except ImportError:
         return ("matplotlib is not installed: no PNG. Install it and run "
                 "`python -m logitless.bench --from-json FILE.json` to draw it later.")
-    fig = (_lce if data["suite"] == "lce" else _ce)(data, plt)
+    fig = (_lce if data["suite"] in ("lce", "precision") else _ce)(data, plt)
     if fig is None:
         return "nothing measured yet: no PNG"
     try:

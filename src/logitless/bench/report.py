@@ -26,6 +26,7 @@ import torch
 TITLES = {
     "lce": "fused linear cross-entropy (x @ W.T -> mean cross-entropy)",
     "ce": "cross-entropy on materialised logits",
+    "precision": "fused linear cross-entropy on fp32 inputs: matmul precision highest / high, autocast bf16",
 }
 
 METRICS = {
@@ -45,6 +46,15 @@ shapes), targets uniform in [0, V), mean reduction.
 - **loss**, **|loss-ref|**: loss of that call and its absolute difference to a float64 reference;
   **dx err**, **dW err**: ||g - g_ref||_F / ||g_ref||_F of the gradients. The reference is computed on the
   device in float64, in chunks of tokens (never the whole float64 logits), closed form softmax - onehot.""",
+    "precision": """\
+Metrics (precision): the lce suite's columns (see there) on x (B,H), W (V,H) in fp32, one case per mode:
+- **fp32-highest**: torch.set_float32_matmul_precision("highest") during the case; the unit (1 GEMM) is a cuBLAS
+  fp32 `x @ W.T` at that setting (no TF32); logitless uses 3xTF32 tensor-core products.
+- **fp32-high**: the same at "high": unit and torch eager use TF32, logitless TF32 products.
+- **autocast-bf16**: fp32 x and W called inside `torch.autocast("cuda", torch.bfloat16)` (backward outside, as
+  in training); the unit is a bf16 GEMM `x.bfloat16() @ W.bfloat16().T`; torch eager is
+  `F.cross_entropy(F.linear(x, W).float(), y)`. Gradients arrive in fp32 (the parameters' dtype).
+- Errors are against the float64 loss and gradients of the fp32 inputs (one reference per shape).""",
     "ce": """\
 Metrics (ce): logits (N,V) ~ N(0,1) in the listed dtype, targets uniform, mean reduction.
 - **copy GB/s**: a device-to-device copy of 1 GiB (CPU: 64 MiB), (bytes read + bytes written) / median
@@ -258,7 +268,7 @@ def format_row(row: dict) -> str:
     head = f"{row['suite']} {row['shape']:<16} {row['method']:<18}"
     if row["status"] == "skipped":
         return f"{head} skipped: {row['reason']}"
-    if row["suite"] == "lce":
+    if row["suite"] in ("lce", "precision"):
         text = (f"{head} fwd {_f(row.get('fwd_ms'), '.3f')} ms ({_f(row.get('fwd_per_gemm'), '.2f', 'x')})"
                 f"  f+b {_f(row.get('fwdbwd_ms'), '.3f')} ms ({_f(row.get('fwdbwd_per_3gemm'), '.2f', 'x')})"
                 f"  peak +{_mib(row.get('peak_extra_mib'))} MiB"
@@ -307,7 +317,7 @@ def summary(data) -> str:
     shapes, methods, by = _grid(data)
     info = data["shapes"]
     out = []
-    if data["suite"] == "lce":
+    if data["suite"] in ("lce", "precision"):
         out.append("fwd / 1 GEMM, fwd+bwd / 3 GEMMs, peak extra MiB:")
         rows = [[info.get(s, {}).get("label", s), _f(info.get(s, {}).get("gemm_ms"), ".2f")]
                 + [_cell(by.get((s, m)), lambda r: (_f(r.get("fwd_per_gemm"), ".2f", "x"),
@@ -351,7 +361,7 @@ def _problems(data) -> str:
 
 def _full_table(data) -> str:
     info = data["shapes"]
-    if data["suite"] == "lce":
+    if data["suite"] in ("lce", "precision"):
         header = ["shape", "method", "fwd ms", "fwd/1 GEMM", "fwd+bwd ms", "f+b/3 GEMMs", "peak extra MiB",
                   "loss", "\\|loss-ref\\|", "dx err", "dW err", "status"]
         rows = [[r["shape"], r["method"], _f(r.get("fwd_ms"), ".3f"), _f(r.get("fwd_per_gemm"), ".2f", "x"),

@@ -32,10 +32,43 @@ from .._plans import TritonPlan, triton_plan
 from . import triton_kernels as K
 
 
+def tf32_allowed() -> bool:
+    """Whether torch's own fp32 matmuls on CUDA may use TF32 right now: False at
+    ``torch.set_float32_matmul_precision("highest")`` (the default), True at "high" or
+    "medium" (torch ties ``torch.backends.cuda.matmul.allow_tf32`` to that setting)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        # torch >= 2.9 raises when the legacy and the new (fp32_precision) APIs were
+        # mixed; the new one is then the one to follow ("none": the global setting).
+        prec = getattr(matmul, "fp32_precision", "none")
+        if prec == "none":
+            prec = getattr(torch.backends, "fp32_precision", "ieee")
+        return prec == "tf32"
+
+
+#: At "high"/"medium": round fp32 operands to the nearest TF32 in the kernel before the
+#: TF32 product (torch's cuBLAS rounds too), instead of letting the tensor cores
+#: truncate them. The benchmark's "logitless-tf32-truncate" rows turn it off to
+#: measure what the rounding costs.
+_TF32_ROUND_INPUTS = True
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (torch's default for fp32 matmuls), not tf32.
+    """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
+
+    fp32 inputs run on tensor cores either way: "tf32-round" (operands rounded to TF32,
+    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium"; "tf32"
+    without the rounding) or, at "highest", "tf32x3" (each operand split into a TF32
+    head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
+    tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
+    16-bit inputs ignore the setting.
+    """
     if dtype == torch.float32:
-        return "ieee"
+        if not tf32_allowed():
+            return "tf32x3"
+        return "tf32-round" if _TF32_ROUND_INPUTS else "tf32"
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return "interpreter-bf16"  # see _logits_tile: works around an interpreter bug
     return "tf32"  # ignored for 16-bit inputs
@@ -48,6 +81,31 @@ def _flags(bias, class_weight, softcap, dtype):
         HAS_CW=class_weight is not None,
         DOT_PRECISION=_dot_precision(dtype),
     )
+
+
+#: (kernel name, requested num_stages, constexpr flags) -> num_stages that fit this
+#: GPU's shared memory.
+_STAGES_THAT_FIT: dict = {}
+
+
+def _launch(kernel, grid, *args, num_stages: int, **kwargs):
+    """kernel[grid](*args, num_stages=..., **kwargs); if the tiles' pipeline does not fit
+    the GPU's shared memory (Triton's OutOfResources, raised on the host before the
+    launch), retries with fewer stages and remembers what fit. No device sync."""
+    from triton.runtime.errors import OutOfResources
+
+    flags = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))  # the constexprs
+    key = (getattr(getattr(kernel, "fn", None), "__name__", str(kernel)), num_stages, flags)
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, num_stages=stages, **kwargs)
+            _STAGES_THAT_FIT[key] = stages
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
 
 
 def _operands(x: Tensor, weight: Tensor, plan: TritonPlan):
@@ -106,7 +164,8 @@ def forward(
         if use_tma:
             keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
     grid = (triton.cdiv(n, plan.block_n), splits)
-    K.forward_stats_kernel[grid](
+    _launch(
+        K.forward_stats_kernel, grid,
         x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
         target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
         keep_op if keep is not None else x, keep_max if keep_max is not None else x,
@@ -193,6 +252,7 @@ def backward(
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     dz_buf = None
     x_op, w_op, use_tma = _operands(x, weight, plan)
+    flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
             dz, tile_max = kept
@@ -208,12 +268,13 @@ def backward(
                 dz_buf = torch.empty(n, min(plan.vocab_chunk, v - keep_cols), dtype=x.dtype, device=x.device)
             dz = dz_buf[:, : v1 - v0]
             grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
-            K.dlogits_kernel[grid](
+            _launch(
+                K.dlogits_kernel, grid,
                 x_op, w_op, bias if bias is not None else x, cw_arg,
                 target, lse, coef, dz,
                 n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
                 v0, v1, float(softcap or 1.0),
-                **_flags(bias, class_weight, softcap, x.dtype), USE_TMA=use_tma,
+                **flags, USE_TMA=use_tma,
                 BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                 num_warps=plan.num_warps, num_stages=plan.num_stages,
             )

@@ -15,8 +15,24 @@ from .._triton_math import (
 
 
 @triton.jit
+def _round_to_tf32(v):
+    """fp32 -> the nearest TF32 value (10-bit mantissa; ties away from zero, as
+    cvt.rna.tf32.f32 and cuBLAS), still stored as fp32. Tensor cores given raw fp32
+    truncate instead (about 2.6x the error of rounding, in an emulation at H=2048)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
-    """acc += a @ b_t^T with fp32 accumulation."""
+    """acc += a @ b_t^T with fp32 accumulation. For fp32 inputs DOT_PRECISION follows
+    torch's fp32 matmul precision (``triton_backend._dot_precision``):
+    "tf32-round" (operands rounded to TF32, one TF32 tensor-core product: what cuBLAS
+    does at "high"), "tf32" (the tensor cores truncate the raw fp32 operands), or
+    "tf32x3" (3xTF32: a = a_hi + a_lo in TF32, a_hi b_hi + a_hi b_lo + a_lo b_hi,
+    about fp32 accuracy, at "highest")."""
+    if DOT_PRECISION == "tf32-round":
+        return tl.dot(_round_to_tf32(a), tl.trans(_round_to_tf32(b_t)), acc, input_precision="tf32")
     if DOT_PRECISION == "interpreter-bf16":
         # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
         # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
