@@ -31,13 +31,17 @@ def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
     does at "high"), "tf32" (the tensor cores truncate the raw fp32 operands), or
     "tf32x3" (3xTF32: a = a_hi + a_lo in TF32, a_hi b_hi + a_hi b_lo + a_lo b_hi,
     about fp32 accuracy, at "highest")."""
+    # One return at the end: Triton 3.6 still compiles the statements after a
+    # constexpr-if that returns (an early return made "tf32-round" reach the last dot).
     if DOT_PRECISION == "tf32-round":
-        return tl.dot(_round_to_tf32(a), tl.trans(_round_to_tf32(b_t)), acc, input_precision="tf32")
-    if DOT_PRECISION == "interpreter-bf16":
+        acc = tl.dot(_round_to_tf32(a), tl.trans(_round_to_tf32(b_t)), acc, input_precision="tf32")
+    elif DOT_PRECISION == "interpreter-bf16":
         # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
         # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
-        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc)
-    return tl.dot(a, tl.trans(b_t), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc)
+    else:
+        acc = tl.dot(a, tl.trans(b_t), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit
