@@ -25,6 +25,7 @@ examples:
   python -m logitless.bench --suite ce --shapes '*-fp32' --max-minutes 9 --append   # same files, both halves
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
+  python -m logitless.bench compare OLD.json NEW.json   # regression report (markdown beside NEW.json)
 """
 
 
@@ -106,6 +107,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the console script: `logitless bench ...`
         argv = argv[1:]
+    if argv[:1] == ["compare"]:  # regression report between two JSON files (compare.py)
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         sys.stdout.reconfigure(line_buffering=True)
