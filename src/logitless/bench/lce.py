@@ -78,6 +78,27 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
     setup()  # drop the gradients
 
 
+def predict(shape, method, device) -> dict:
+    """The planner's choice and predicted times for a logitless row (``_cost_model``);
+    {} for peers. Off a GPU the H100 constants are used (a label, not a prediction)."""
+    if method.peer or not method.name.startswith("logitless"):
+        return {}
+    from .. import _plans
+    from .peers import budget_bytes
+
+    spec = method.name.split("@", 1)[1] if "@" in method.name else "default"
+    itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+    budget = budget_bytes(spec, shape.tokens, shape.vocab, itemsize)
+    budget = _plans.DEFAULT_MEMORY_BUDGET if budget is None else budget
+    dev = torch.device(device)
+    grad = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev)
+    fwd = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev, need_grad=False)
+    from .._cost_model import device_model
+
+    return {"pred_strategy": grad.label, "pred_ms": grad.ms, "pred_fwd_ms": fwd.ms,
+            "pred_memory_mib": grad.memory / 2**20, "pred_model": device_model(dev).name}
+
+
 def prepare(shape, cfg: Config, results: "report.Results"):
     """Inputs, the GEMM unit and the float64 reference of one shape."""
     x, w, t = make_inputs(shape, cfg.device, cfg.seed)
@@ -115,7 +136,8 @@ def run(shapes, methods, cfg: Config, results: "report.Results") -> "report.Resu
         results.set_shape(shape.name, info)
 
         run_methods("lce", shape, methods, cfg, results, progress,
-                    lambda fn, method, row: measure(fn, x, w, t, gemm_ms, ref, cfg, row),
+                    lambda fn, method, row: (row.update(predict(shape, method, dev)),
+                                             measure(fn, x, w, t, gemm_ms, ref, cfg, row)),
                     skip_reason=setup_error, extra={"gemm_ms": gemm_ms})
         del x, w, t, ref
         timing.release_memory(dev)
