@@ -33,7 +33,8 @@ a shape are a fixed finite family that does not depend on the budget (keep_cols 
 grid of 1/64ths of the vocabulary, token chunks on powers of two); the budget only
 filters them by their memory need. A larger budget filters fewer out, so the minimum
 predicted time can only fall; below the least memory need the least-memory candidate
-is used whatever the budget (as the greedy plan did). ``tests/test_cost_model.py``
+is used whatever the budget (``minimum``: the budget is raised to its need, as the
+greedy plan did), and it is itself a candidate. ``tests/test_cost_model.py``
 checks it on every suite shape.
 
 The plan depends on the shape, dtype, budget and device class only: never on a
@@ -86,7 +87,7 @@ class DeviceModel:
     #: Per-call overhead of the O(N) torch ops (split merge, coefficients, casts):
     #: the end-to-end bench is 1-2 ms above the kernels' sum at 4096 tokens.
     fixed_fwd_s: float = 0.05e-3
-    fixed_s: float = 0.3e-3
+    fixed_s: float = 0.15e-3
     fixed_per_token_s: float = 6e-8
 
 
@@ -245,7 +246,7 @@ def predict_grad_in_forward(dev, n, h, v, itemsize, token_chunk, weight_fp32=Fal
         t += gemm_s(dev, v, h, m, itemsize, out_itemsize=4 if chunks > 1 else itemsize)  # dW (+=)
         if chunks > 1 and i > 0:
             t += 8.0 * v * h / dev.hbm_bw  # fp32 read-modify-write of the accumulator
-        t += 6 * dev.launch_s + dev.fixed_fwd_s + dev.fixed_s / 2  # O(chunk) merges, coefficients
+        t += 6 * dev.launch_s + dev.fixed_fwd_s + dev.fixed_s  # O(chunk) merges, coefficients
     acc = 4 * v * h if (chunks > 1 and not weight_fp32) else 0
     if acc:
         t += 6.0 * v * h / dev.hbm_bw  # fp32 -> input dtype
@@ -295,17 +296,27 @@ def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chun
 @functools.lru_cache(maxsize=4096)
 def choose(n, h, v, itemsize, budget, *, device_model=DEFAULT, need_grad=True, grad_in_forward=True,
            weight_fp32=False, keep=True, block_v=256, min_chunk=4096) -> Candidate:
-    """The fastest predicted candidate whose memory fits ``budget``; the least-memory
-    one when none fits. Ties go to the earlier candidate (keep, partial, grad_in_forward
-    in that order): deterministic."""
+    """The fastest predicted candidate whose memory fits ``budget``.
+
+    The floor: the budget is raised to the memory of the documented minimum plan
+    (recompute every column in ``min_chunk``-wide chunks with an fp32 dx accumulator),
+    which is always a candidate. So a tiny budget gets that plan (or anything as
+    small and faster), and the feasible set only grows with the budget. Ties go to
+    the earlier candidate (keep, partial, grad_in_forward): deterministic."""
     if not need_grad:
         return predict_forward(device_model, n, h, v, itemsize)
     cands = candidates(n, h, v, itemsize, device_model=device_model, block_v=block_v, min_chunk=min_chunk,
                        grad_in_forward=grad_in_forward, weight_fp32=weight_fp32, keep=keep)
-    fits = [c for c in cands if c.memory <= budget]
-    if not fits:
-        return min(cands, key=lambda c: (c.memory, c.time_s))
-    return min(fits, key=lambda c: c.time_s)
+    floor = minimum(n, h, v, itemsize, device_model=device_model, block_v=block_v, min_chunk=min_chunk)
+    budget = max(budget, floor.memory)
+    return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)
+
+
+def minimum(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096) -> Candidate:
+    """The least-memory plan of the greedy planner: no kept column, chunks of
+    min(min_chunk, padded V) columns (README: 4 N H + N * 4096 * s bytes)."""
+    padded = math.ceil(v / block_v) * block_v
+    return predict_partial(device_model, n, h, v, itemsize, 0, min(min_chunk, padded), block_v)
 
 
 def predict_all(n, h, v, itemsize, budget, *, device_model=DEFAULT, **kw) -> dict:
