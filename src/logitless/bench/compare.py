@@ -68,9 +68,17 @@ def _times(row: dict, data: dict, basis: str) -> dict:
     return {"fwd": fwd, "bwd": bwd, "step": step}
 
 
-def _spread(row: dict, metric: str) -> float:
-    key = {"fwd": "fwd_spread", "bwd": "fwdbwd_spread", "step": "fwdbwd_spread"}[metric]
-    return _num(row.get(key)) or 0.0
+def _spread(row: dict, times: dict, metric: str) -> float:
+    """Relative spread of one metric of a row (0 when the file records none). The
+    backward is a difference: its spread is (spread_step * step + spread_fwd * fwd) / bwd."""
+    s_fwd, s_step = _num(row.get("fwd_spread")) or 0.0, _num(row.get("fwdbwd_spread")) or 0.0
+    if metric == "fwd":
+        return s_fwd
+    if metric == "step":
+        return s_step
+    if times["bwd"]:
+        return (s_step * times["step"] + s_fwd * times["fwd"]) / times["bwd"]
+    return 0.0
 
 
 def geomean(values) -> float | None:
@@ -96,7 +104,7 @@ def compare(old: dict, new: dict, *, basis: str = "unit", threshold: float = DEF
             continue
         to, tn = _times(o, old, basis), _times(n, new, basis)
         ratios = {m: (tn[m] / to[m] if to[m] and tn[m] is not None else None) for m in METRICS}
-        spread = {m: _spread(o, m) + _spread(n, m) for m in METRICS}
+        spread = {m: _spread(o, to, m) + _spread(n, tn, m) for m in METRICS}
         pairs.append({"shape": key[0], "method": key[1], "peer": bool(n.get("peer", o.get("peer"))),
                       "ratios": ratios, "spread": spread})
 

@@ -31,7 +31,8 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
     # Forward only: no autograd graph, inputs that do not require grad.
     def forward():
         with torch.no_grad():
-            return timing.time_ms(lambda: fn(x, w, t), device=dev, **tm)
+            ms, row["fwd_spread"] = timing.time_ms_spread(lambda: fn(x, w, t), device=dev, **tm)
+            return ms
 
     row["fwd_ms"] = phase(row, "forward", dev, forward)
     if row["fwd_ms"] is None:
@@ -52,7 +53,11 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
         loss.backward()
         return loss
 
-    row["fwdbwd_ms"] = phase(row, "forward+backward", dev, lambda: timing.time_ms(step, device=dev, setup=setup, **tm))
+    def fwdbwd():
+        ms, row["fwdbwd_spread"] = timing.time_ms_spread(step, device=dev, setup=setup, **tm)
+        return ms
+
+    row["fwdbwd_ms"] = phase(row, "forward+backward", dev, fwdbwd)
     if row["fwdbwd_ms"] is None:
         setup()
         return
