@@ -12,6 +12,8 @@
 #                                                            -> $OUT/speed-models.log, models-*.json/.md
 # 4. compare against the recorded anchors run (benchmarks/results/latest-lce-H100.json)
 #                                                            -> $OUT/speed-compare.md
+# 5. python -m logitless.tune on 2 shapes, whatever time is left (cache under $OUT)
+#                                                            -> $OUT/speed-tune.log, speed-tune-cache.json
 set +e
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
@@ -22,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$O
 cp benchmarks/results/latest-lce-H100.json /tmp/speed-old-lce-H100.json 2>/dev/null
 
 echo "== tests (CUDA) =="
-PYTHONPATH=src timeout 130 python3 -m pytest -q -rs tests/test_cost_model.py tests/test_bench_compare.py \
+PYTHONPATH=src timeout 130 python3 -m pytest -q -rs tests/test_cost_model.py tests/test_bench_compare.py tests/test_tuned.py \
     2>&1 | tee "$OUT/speed-pytest.log" | tail -n 6
 PYTHONPATH=src timeout 60 python3 -m pytest -q -rs tests/test_linear_cross_entropy.py \
     -k "reductions_all_options or small_budget or plan_budgets" 2>&1 | tee -a "$OUT/speed-pytest.log" | tail -n 4
@@ -48,6 +50,16 @@ if [ -n "$NEW" ] && [ -f /tmp/speed-old-lce-H100.json ]; then
     PYTHONPATH=src timeout 30 python3 -m logitless.bench compare /tmp/speed-old-lce-H100.json "$NEW" \
         --out "$OUT/speed-compare.md" > "$OUT/speed-compare.log" 2>&1
     sed -n '/## Geomean/,/## Regressions/p' "$OUT/speed-compare.md"
+fi
+
+echo "== tuner (opt-in; cache written under \$OUT, not used by the runs above) =="
+left=$(( 515 - ($(date +%s) - start) ))
+if [ $left -gt 40 ]; then
+    LOGITLESS_CACHE_DIR="$OUT/tune-cache" PYTHONPATH=src timeout $left python3 -m logitless.tune \
+        --shapes 4096:4096:128256,8192:1152:131072 --reps 3 2>&1 | tee "$OUT/speed-tune.log" | tail -n 16
+    cp "$OUT"/tune-cache/*.json "$OUT/speed-tune-cache.json" 2>/dev/null
+else
+    echo "skipped: ${left}s left"
 fi
 
 echo "== summary (planner: predicted vs measured) =="

@@ -229,7 +229,9 @@ def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256)
     if dz_chunk > 0.6 * dev.l2_bytes:  # dW and dx re-read the chunk from HBM
         bwd += 2.0 * itemsize * n * rec / dev.hbm_bw
     bwd += _fixed(dev, n)
-    memory = _keep_bytes(n, keep_cols, itemsize, block_v) + (4 * n * h if len(widths) > 1 else 0) + dz_chunk
+    # fp32 dx accumulator across chunks; fp32 inputs accumulate into dx itself.
+    acc = 4 * n * h if len(widths) > 1 and itemsize != 4 else 0
+    memory = _keep_bytes(n, keep_cols, itemsize, block_v) + acc + dz_chunk
     return Candidate("partial", keep_cols=keep_cols, vocab_chunk=vocab_chunk, memory=memory,
                      time_s=fwd + bwd, fwd_s=fwd)
 

@@ -100,7 +100,7 @@ def triton_plan(
     """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
     ``keep_allowed``: a backward will follow and may use columns kept by the forward."""
     if tiles is None:
-        tiles = CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
+        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
@@ -148,6 +148,16 @@ def triton_plan(
         vocab_chunk=vocab_chunk,
         keep_cols=keep_cols,
     )
+
+
+def _tiles(num_tokens, vocab, hidden, itemsize, device):
+    """Forced, tuned (this machine's cache) or shipped tiles (``_tuned``), else the tables above."""
+    from . import _tuned
+
+    found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
+    if found is not None:
+        return found
+    return CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
 
 
 #: Let the cost model (``_cost_model.choose``) pick kept columns and chunk widths on
@@ -205,8 +215,7 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
     from . import _cost_model
 
     cuda = device.type == "cuda"
-    tiles = CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES
-    block_v = tiles[1]
+    block_v = _tiles(num_tokens, vocab, hidden, itemsize, device)[1]
     min_chunk = MIN_CHUNK if cuda else 2 * block_v
     if _FORCED and need_grad:
         strategy, token_chunk = _FORCED[-1]
