@@ -13,14 +13,16 @@
 # 4. compare against the recorded anchors run (benchmarks/results/latest-lce-H100.json)
 #                                                            -> $OUT/speed-compare.md
 # 5. python -m logitless.tune on 2 shapes, whatever time is left (cache under $OUT)
-#                                                            -> $OUT/speed-tune.log, speed-tune-cache.json
+#                                                            -> $OUT/speed-tune.log (the cache file appended)
+# At most 8 files come back: speed-pytest.log, speed-probe.log, probe-strategies-<dev>.json,
+# speed-models.log, latest-models-<dev>.json/.md, speed-compare.md, speed-tune.log.
 set +e
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-.out/speed}
 mkdir -p "$OUT"
 start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/speed-gpu.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1
 cp benchmarks/results/latest-lce-H100.json /tmp/speed-old-lce-H100.json 2>/dev/null
 
 echo "== tests (CUDA) =="
@@ -48,16 +50,16 @@ echo "== compare with the recorded anchors run =="
 NEW=$(ls benchmarks/results/latest-models-*.json 2>/dev/null | head -n 1)
 if [ -n "$NEW" ] && [ -f /tmp/speed-old-lce-H100.json ]; then
     PYTHONPATH=src timeout 30 python3 -m logitless.bench compare /tmp/speed-old-lce-H100.json "$NEW" \
-        --out "$OUT/speed-compare.md" > "$OUT/speed-compare.log" 2>&1
+        --out "$OUT/speed-compare.md" > /tmp/speed-compare.log 2>&1 || tail -n 20 /tmp/speed-compare.log
     sed -n '/## Geomean/,/## Regressions/p' "$OUT/speed-compare.md"
 fi
 
-echo "== tuner (opt-in; cache written under \$OUT, not used by the runs above) =="
+echo "== tuner (opt-in; its cache goes to /tmp, not used by the runs above) =="
 left=$(( 515 - ($(date +%s) - start) ))
 if [ $left -gt 40 ]; then
-    LOGITLESS_CACHE_DIR="$OUT/tune-cache" PYTHONPATH=src timeout $left python3 -m logitless.tune \
+    LOGITLESS_CACHE_DIR=/tmp/speed-tune-cache PYTHONPATH=src timeout $left python3 -m logitless.tune \
         --shapes 4096:4096:128256,8192:1152:131072 --reps 3 2>&1 | tee "$OUT/speed-tune.log" | tail -n 16
-    cp "$OUT"/tune-cache/*.json "$OUT/speed-tune-cache.json" 2>/dev/null
+    cat /tmp/speed-tune-cache/*.json >> "$OUT/speed-tune.log" 2>/dev/null
 else
     echo "skipped: ${left}s left"
 fi
