@@ -37,11 +37,15 @@ SHAPES = [  # name, tokens, hidden, vocab, budgets (MiB; "L" = the bf16 logits)
 ]
 
 
-def run(quick: bool):
-    dev = torch.device("cuda")
+SMOKE = [("tiny", 64, 32, 1000, [0.0625, "L"])]  # --smoke: the CPU interpreter (TRITON_INTERPRET=1)
+
+
+def run(quick: bool, smoke: bool = False):
+    dev = torch.device("cpu" if smoke else "cuda")
+    cuda = dev.type == "cuda"
     model = M.device_model(dev)
     out = []
-    shapes = SHAPES[:1] if quick else SHAPES
+    shapes = SMOKE if smoke else (SHAPES[:1] if quick else SHAPES)
     for name, n, h, v, budgets in shapes:
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -51,7 +55,7 @@ def run(quick: bool):
         print(f"== {name} ({n}, {h}, {v}): 1 GEMM {gemm:.3f} ms (model {M.gemm_s(model, n, v, h, 2) * 1e3:.3f})",
               flush=True)
         for spec in budgets:
-            budget = n * v * 2 if spec == "L" else spec * 2**20
+            budget = n * v * 2 if spec == "L" else int(spec * 2**20)
             preds = M.predict_all(n, h, v, 2, budget, device_model=model)
             choice = _plans.lce_strategy(n, v, h, 2, budget, dev)
             modes = [("model", None, True), ("greedy", "partial", False), ("keep/partial", "partial", True)]
@@ -69,19 +73,16 @@ def run(quick: bool):
                     x.grad = w.grad = None
                     if ctx is not None:
                         with ctx:
-                            loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget)
+                            loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend="triton")
                     else:
-                        loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget)
+                        loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend="triton")
                     loss.backward()
 
                 try:
-                    ms, spread = timing.time_ms_spread(step, device=dev, warmup=2, reps=5 if quick else 8)
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                    step()
-                    torch.cuda.synchronize()
-                    peak = (torch.cuda.max_memory_allocated() - before - 2 * (x.numel() + w.numel())) / 2**20
+                    ms, spread = timing.time_ms_spread(step, device=dev, warmup=2 if cuda else 0,
+                                                       reps=(5 if quick else 8) if cuda else 1)
+                    _, extra = timing.peak_extra_bytes(step, device=dev, exclude_bytes=2 * (x.numel() + w.numel()))
+                    peak = extra / 2**20 if extra is not None else 0.0
                     err = None
                 except Exception as exc:  # noqa: BLE001
                     ms = spread = peak = None
@@ -110,13 +111,18 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter (checks the script)")
     args = p.parse_args()
+    if args.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     t0 = time.time()
-    rows = run(args.quick)
-    tag = M.device_class(torch.cuda.get_device_name())
+    rows = run(args.quick, args.smoke)
+    tag = "cpu" if args.smoke else M.device_class(torch.cuda.get_device_name())
     path = Path(args.out) / f"probe-strategies-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    meta = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seconds": time.time() - t0}
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {path} in {time.time() - t0:.0f} s")
