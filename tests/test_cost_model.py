@@ -177,3 +177,15 @@ def test_grad_in_forward_not_for_fp16_softcap():
         assert grad_in_forward_chunk(x, w, 2**20, LossOptions(reduction="none"), None) is None
         assert grad_in_forward_chunk(x, w, 2**20, LossOptions(), None) == 2
         assert grad_in_forward_chunk(x.float(), w.float(), 2**20, LossOptions(softcap=5.0), 5.0) == 2
+
+
+def test_grad_in_forward_all_ignored_gives_zero_grads():
+    """"mean" over no token: NaN loss, zero gradients (as torch), also when the
+    gradient is finished in the forward."""
+    x, w, t, b, kw = make_inputs((9,), 24, 101, torch.float32, OPTIONS["plain"], seed=1)
+    t = torch.full_like(t, -100)
+    with _plans.forced_strategy("grad_in_forward", token_chunk=4):
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton")
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    assert torch.isnan(loss)
+    assert torch.equal(dx, torch.zeros_like(dx)) and torch.equal(dw, torch.zeros_like(dw))

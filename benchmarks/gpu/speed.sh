@@ -33,7 +33,7 @@ PYTHONPATH=src timeout 60 python3 -m pytest -q -rs tests/test_linear_cross_entro
 echo "tests took $(( $(date +%s) - start )) s"
 
 echo "== probe: strategies vs predictions =="
-PYTHONPATH=src timeout 100 python3 benchmarks/probe_strategies.py --out "$OUT" 2>&1 | tee "$OUT/speed-probe.log" | tail -n 40
+PYTHONPATH=src timeout 150 python3 benchmarks/probe_strategies.py --out "$OUT" 2>&1 | tee "$OUT/speed-probe.log" | tail -n 40
 echo "probe done at $(( $(date +%s) - start )) s"
 
 echo "== suite models (logitless only, default and logits budgets) =="
