@@ -77,7 +77,7 @@ def test_grad_in_forward_wins_somewhere():
     between the accumulator and the logits (bf16), and fp32 weights."""
     c = M.choose(32768, 2048, 128256, 2, 2 * 2**30)
     assert c.strategy == "grad_in_forward" and c.token_chunk < 32768
-    assert M.choose(4096, 4096, 32000, 4, 2**24, weight_fp32=True).strategy == "grad_in_forward"
+    assert M.choose(4096, 4096, 128256, 4, 2**30, weight_fp32=True).strategy == "grad_in_forward"
 
 
 def test_choice_is_deterministic_and_device_classed():
