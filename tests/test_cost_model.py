@@ -189,3 +189,15 @@ def test_grad_in_forward_all_ignored_gives_zero_grads():
     dx, dw = torch.autograd.grad(loss, (x, w))
     assert torch.isnan(loss)
     assert torch.equal(dx, torch.zeros_like(dx)) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_grad_in_forward_backward_twice():
+    """retain_graph: the second backward recomputes (the forward's gradients were
+    consumed by the first) and gives the same gradients."""
+    x, w, t, b, kw = make_inputs((17,), 24, 101, torch.float32, OPTIONS["label_smoothing"], seed=4)
+    with _plans.forced_strategy("grad_in_forward", token_chunk=6):
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton", reduction="sum", **kw)
+    first = torch.autograd.grad(loss * 0.5, (x, w), retain_graph=True)
+    second = torch.autograd.grad(loss * 0.5, (x, w))
+    for a, c in zip(first, second):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)

@@ -108,10 +108,13 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
 
 
 def scale_grads(grads, grad_output: Tensor, x_dtype, w_dtype):
-    """The backward of the strategy: multiply the forward's gradients by grad_output."""
+    """The backward of the strategy: multiply the forward's gradients by grad_output.
+
+    In place (no fp32 copy of a 16-bit gradient: the product is computed in fp32 per
+    element and rounded once); the buffers must not be used again."""
     dx, dw, db = grads
     g = grad_output.float()
-    out_dx = (dx.float() * g).to(x_dtype) if dx is not None else None
-    out_dw = (dw.float() * g).to(w_dtype) if dw is not None else None
-    out_db = (db * g).to(w_dtype) if db is not None else None
+    out_dx = dx.mul_(g).to(x_dtype) if dx is not None else None
+    out_dw = dw.mul_(g).to(w_dtype) if dw is not None else None
+    out_db = db.mul_(g).to(w_dtype) if db is not None else None
     return out_dx, out_dw, out_db
