@@ -216,7 +216,9 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
 
     cuda = device.type == "cuda"
     block_v = _tiles(num_tokens, vocab, hidden, itemsize, device)[1]
-    min_chunk = MIN_CHUNK if cuda else 2 * block_v
+    padded = math.ceil(vocab / block_v) * block_v
+    quarter = max(block_v, padded // 4 // block_v * block_v)  # as in triton_plan
+    min_chunk = min(MIN_CHUNK if cuda else 2 * block_v, quarter)
     if _FORCED and need_grad:
         strategy, token_chunk = _FORCED[-1]
         return _cost_model.Candidate(strategy, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))

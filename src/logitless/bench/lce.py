@@ -104,6 +104,13 @@ def predict(shape, method, device) -> dict:
             "pred_memory_mib": grad.memory / 2**20, "pred_model": device_model(dev).name}
 
 
+def _safe_predict(shape, method, device) -> dict:
+    try:
+        return predict(shape, method, device)
+    except Exception as exc:  # noqa: BLE001 - a prediction never stops the benchmark
+        return {"pred_error": describe(exc)}
+
+
 def prepare(shape, cfg: Config, results: "report.Results"):
     """Inputs, the GEMM unit and the float64 reference of one shape."""
     x, w, t = make_inputs(shape, cfg.device, cfg.seed)
@@ -141,7 +148,7 @@ def run(shapes, methods, cfg: Config, results: "report.Results") -> "report.Resu
         results.set_shape(shape.name, info)
 
         run_methods("lce", shape, methods, cfg, results, progress,
-                    lambda fn, method, row: (row.update(predict(shape, method, dev)),
+                    lambda fn, method, row: (row.update(_safe_predict(shape, method, dev)),
                                              measure(fn, x, w, t, gemm_ms, ref, cfg, row)),
                     skip_reason=setup_error, extra={"gemm_ms": gemm_ms})
         del x, w, t, ref
