@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12 (helper "speed"): cost-model planner, gradient-in-forward, model-shape suite,
 # regression report.  OUT=<dir> bash benchmarks/gpu/speed.sh   (from the repo root)
-# Expected wall time: ~7-8 min on one H100 (hard stops keep it under 9).
+# Expected wall time: 7-8.5 min on one H100 (timeouts on every part stop it by ~8.8 min).
 # 1. tests on CUDA: tests/test_cost_model.py, tests/test_bench_compare.py and the bf16
 #    keep/budget tests of tests/test_linear_cross_entropy.py (the planner now picks the
 #    kept columns on GPUs)                                   -> $OUT/speed-pytest.log
@@ -28,8 +28,8 @@ cp benchmarks/results/latest-lce-H100.json /tmp/speed-old-lce-H100.json 2>/dev/n
 echo "== tests (CUDA) =="
 PYTHONPATH=src timeout 130 python3 -m pytest -q -rs tests/test_cost_model.py tests/test_bench_compare.py tests/test_tuned.py \
     2>&1 | tee "$OUT/speed-pytest.log" | tail -n 6
-PYTHONPATH=src timeout 60 python3 -m pytest -q -rs tests/test_linear_cross_entropy.py \
-    -k "reductions_all_options or small_budget or plan_budgets" 2>&1 | tee -a "$OUT/speed-pytest.log" | tail -n 4
+PYTHONPATH=src timeout 75 python3 -m pytest -q -rs tests/test_linear_cross_entropy.py \
+    -k "reductions_all_options or plan_budgets" 2>&1 | tee -a "$OUT/speed-pytest.log" | tail -n 4
 echo "tests took $(( $(date +%s) - start )) s"
 
 echo "== probe: strategies vs predictions =="
