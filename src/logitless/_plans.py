@@ -127,7 +127,7 @@ def triton_plan(
     """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
     ``keep_allowed``: a backward will follow and may use columns kept by the forward."""
     if tiles is None:
-        tiles = CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
+        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
@@ -164,6 +164,9 @@ def triton_plan(
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
     vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
+    if device.type == "cuda" and MODEL_PLANS:  # GPUs: the cost model's choice (_cost_model)
+        keep_cols, vocab_chunk = _model_columns(
+            num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed)
     return TritonPlan(
         block_n=block_n,
         block_v=block_v,
@@ -174,6 +177,84 @@ def triton_plan(
         vocab_chunk=vocab_chunk,
         keep_cols=keep_cols,
     )
+
+
+def _tiles(num_tokens, vocab, hidden, itemsize, device):
+    """Forced, tuned (this machine's cache) or shipped tiles (``_tuned``), else the tables above."""
+    from . import _tuned
+
+    found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
+    if found is not None:
+        return found
+    return CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
+
+
+#: Let the cost model (``_cost_model.choose``) pick kept columns and chunk widths on
+#: GPUs; False restores the greedy rule above (keep as many columns as fit).
+MODEL_PLANS = True
+
+
+def _device_model(device):
+    from . import _cost_model
+
+    return _cost_model.device_model(device)
+
+
+def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed):
+    """(keep_cols, vocab_chunk) of the cost model's fastest keep/partial plan that fits."""
+    from . import _cost_model
+
+    c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
+                           grad_in_forward=False, keep=keep_allowed, block_v=block_v, min_chunk=min_cols)
+    padded = math.ceil(vocab / block_v) * block_v
+    if c.strategy == "keep":
+        return vocab, padded
+    return c.keep_cols, _clamp(c.vocab_chunk, block_v, padded)
+
+
+#: Test hook (``forced_strategy``): a strategy name the planner must return.
+_FORCED: list = []
+
+
+class forced_strategy:
+    """``with _plans.forced_strategy("grad_in_forward", token_chunk=64): ...`` makes
+    ``lce_strategy`` return that strategy (tests, probes); never used by the library."""
+
+    def __init__(self, strategy: str, token_chunk: int = 0):
+        self.value = (strategy, token_chunk)
+
+    def __enter__(self):
+        _FORCED.append(self.value)
+        return self
+
+    def __exit__(self, *exc):
+        _FORCED.pop()
+
+
+def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_grad=True,
+                 grad_in_forward_ok=True, keep_allowed=True, weight_fp32=False):
+    """The cost model's choice for linear_cross_entropy: a ``_cost_model.Candidate``
+    (strategy "keep" / "partial" / "grad_in_forward" / "forward", its chunking, memory
+    and predicted time). Deterministic: shape, dtype, budget and device class only.
+
+    ``grad_in_forward_ok``: the caller can compute the gradient in the forward (a
+    reduction other than "none", kept columns allowed). On the CPU interpreter the
+    gradient-in-forward strategy is only used when forced (``forced_strategy``).
+    """
+    from . import _cost_model
+
+    cuda = device.type == "cuda"
+    block_v = _tiles(num_tokens, vocab, hidden, itemsize, device)[1]
+    padded = math.ceil(vocab / block_v) * block_v
+    quarter = max(block_v, padded // 4 // block_v * block_v)  # as in triton_plan
+    min_chunk = min(MIN_CHUNK if cuda else 2 * block_v, quarter)
+    if _FORCED and need_grad:
+        strategy, token_chunk = _FORCED[-1]
+        return _cost_model.Candidate(strategy, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
+    return _cost_model.choose(
+        num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
+        need_grad=need_grad, grad_in_forward=grad_in_forward_ok and cuda, keep=keep_allowed,
+        weight_fp32=weight_fp32, block_v=block_v, min_chunk=min_chunk)
 
 
 # --------------------------------------------------------------------------- cross_entropy

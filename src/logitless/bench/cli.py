@@ -24,8 +24,10 @@ examples:
   python -m logitless.bench --suite ce --shapes '*-bf16' --max-minutes 9
   python -m logitless.bench --suite ce --shapes '*-fp32' --max-minutes 9 --append   # same files, both halves
   python -m logitless.bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
+  python -m logitless.bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
+  python -m logitless.bench compare OLD.json NEW.json   # regression report (markdown beside NEW.json)
 """
 
 
@@ -37,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--suite", choices=("lce", "ce", "all", "precision"), default="all",
+    p.add_argument("--suite", choices=("lce", "ce", "all", "precision", "models"), default="all",
                    help="lce: fused linear cross-entropy; ce: cross-entropy on logits; all: both; "
-                   "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16 "
-                   "(default: all)")
+                   "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16; "
+                   "models: the lce suite on 26 real LM-head shapes (files models-<device>-*) (default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -110,6 +112,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the console script: `logitless bench ...`
         argv = argv[1:]
+    if argv[:1] == ["compare"]:  # regression report between two JSON files (compare.py)
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         sys.stdout.reconfigure(line_buffering=True)
@@ -168,9 +174,10 @@ def main(argv=None) -> int:
         if suite == "precision":
             runner = precision
             cases = precision.cases(cpu, shape_names, quick=quick)
-        elif suite == "lce":
+        elif suite in ("lce", "models"):
             from . import lce as runner
-            cases = shapes.select(shapes.lce_shapes(cpu), shape_names, cpu=cpu, quick=quick)
+            pool = shapes.model_shapes(cpu) if suite == "models" else shapes.lce_shapes(cpu)
+            cases = shapes.select(pool, shape_names, cpu=cpu, quick=quick, every=suite == "models")
         else:
             from . import ce as runner
             cases = shapes.select(shapes.ce_cases(cpu), shape_names, cpu=cpu, quick=quick)
@@ -179,13 +186,16 @@ def main(argv=None) -> int:
             except peers.Skip as exc:
                 print(f"\n[ce] suite skipped: {exc}", flush=True)
                 continue
-        methods = [m for m in method_lists[suite] if not method_names or m.name in method_names]
+        methods = [m for m in method_lists["lce" if suite == "models" else suite]
+                   if not method_names or m.name in method_names]
         if not cases or not methods:
             print(f"\n[{suite}] suite skipped: no {'case' if not cases else 'method'} selected for it", flush=True)
             continue
-        print(f"\n[{suite}] {report.TITLES[suite]}: {len(cases)} case(s) x {len(methods)} method(s): "
-              f"{', '.join(m.name for m in methods)}", flush=True)
-        results = report.Results(suite, meta, out_dir, methods, settings=settings)
+        print(f"\n[{suite}] {report.TITLES.get(suite, report.TITLES['lce'])}: {len(cases)} case(s) x "
+              f"{len(methods)} method(s): {', '.join(m.name for m in methods)}", flush=True)
+        results = report.Results("lce" if suite == "models" else suite, meta, out_dir, methods, settings=settings)
+        if suite == "models":
+            results.data["name"] = "models"  # files models-<device>-<date>.*, rows of suite lce
         if args.append:
             print(results.merge_previous([c.name for c in cases], [m.name for m in methods]), flush=True)
         complete = False

@@ -31,7 +31,8 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
     # Forward only: no autograd graph, inputs that do not require grad.
     def forward():
         with torch.no_grad():
-            return timing.time_ms(lambda: fn(x, w, t), device=dev, **tm)
+            ms, row["fwd_spread"] = timing.time_ms_spread(lambda: fn(x, w, t), device=dev, **tm)
+            return ms
 
     row["fwd_ms"] = phase(row, "forward", dev, forward)
     if row["fwd_ms"] is None:
@@ -52,7 +53,11 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
         loss.backward()
         return loss
 
-    row["fwdbwd_ms"] = phase(row, "forward+backward", dev, lambda: timing.time_ms(step, device=dev, setup=setup, **tm))
+    def fwdbwd():
+        ms, row["fwdbwd_spread"] = timing.time_ms_spread(step, device=dev, setup=setup, **tm)
+        return ms
+
+    row["fwdbwd_ms"] = phase(row, "forward+backward", dev, fwdbwd)
     if row["fwdbwd_ms"] is None:
         setup()
         return
@@ -76,6 +81,34 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
                 row["dx_rel_err"] = phase(row, "dx error", dev, lambda: reference.rel_err(xg.grad, ref_dx))
                 row["dw_rel_err"] = phase(row, "dW error", dev, lambda: reference.rel_err(wg.grad, ref_dw))
     setup()  # drop the gradients
+
+
+def predict(shape, method, device) -> dict:
+    """The planner's choice and predicted times for a logitless row (``_cost_model``);
+    {} for peers. Off a GPU the H100 constants are used (a label, not a prediction)."""
+    if method.peer or not method.name.startswith("logitless"):
+        return {}
+    from .. import _plans
+    from .peers import budget_bytes
+
+    spec = method.name.split("@", 1)[1] if "@" in method.name else "default"
+    itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+    budget = budget_bytes(spec, shape.tokens, shape.vocab, itemsize)
+    budget = _plans.DEFAULT_MEMORY_BUDGET if budget is None else budget
+    dev = torch.device(device)
+    grad = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev)
+    fwd = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev, need_grad=False)
+    from .._cost_model import device_model
+
+    return {"pred_strategy": grad.label, "pred_ms": grad.ms, "pred_fwd_ms": fwd.ms,
+            "pred_memory_mib": grad.memory / 2**20, "pred_model": device_model(dev).name}
+
+
+def _safe_predict(shape, method, device) -> dict:
+    try:
+        return predict(shape, method, device)
+    except Exception as exc:  # noqa: BLE001 - a prediction never stops the benchmark
+        return {"pred_error": describe(exc)}
 
 
 def prepare(shape, cfg: Config, results: "report.Results"):
@@ -115,7 +148,8 @@ def run(shapes, methods, cfg: Config, results: "report.Results") -> "report.Resu
         results.set_shape(shape.name, info)
 
         run_methods("lce", shape, methods, cfg, results, progress,
-                    lambda fn, method, row: measure(fn, x, w, t, gemm_ms, ref, cfg, row),
+                    lambda fn, method, row: (row.update(_safe_predict(shape, method, dev)),
+                                             measure(fn, x, w, t, gemm_ms, ref, cfg, row)),
                     skip_reason=setup_error, extra={"gemm_ms": gemm_ms})
         del x, w, t, ref
         timing.release_memory(dev)

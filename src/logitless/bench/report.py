@@ -223,7 +223,7 @@ class Results:
     def paths(self) -> dict:
         meta = self.data["meta"]
         tag, day = meta["device_tag"], meta["date"][:10]
-        base = f"{self.data['suite']}-{tag}"
+        base = f"{self.data.get('name', self.data['suite'])}-{tag}"  # "models": the lce rows of that suite
         return {ext: (self.out_dir / f"{base}-{day}.{ext}", self.out_dir / f"latest-{base}.{ext}")
                 for ext in ("json", "md", "png")}
 
@@ -274,6 +274,8 @@ def format_row(row: dict) -> str:
                 f"  peak +{_mib(row.get('peak_extra_mib'))} MiB"
                 f"  |dloss| {_f(row.get('loss_abs_err'), '.1e')} dx {_f(row.get('dx_rel_err'), '.1e')}"
                 f" dW {_f(row.get('dw_rel_err'), '.1e')}")
+        if row.get("pred_strategy"):
+            text += f"  predicted {_f(row.get('pred_fwd_ms'), '.3f')} / {_f(row.get('pred_ms'), '.3f')} ms ({row['pred_strategy']})"
     else:
         text = (f"{head} fwd {_f(row.get('fwd_ms'), '.3f')} ms {_f(row.get('fwd_GBps'), '.0f')} GB/s"
                 f" ({_f(_pct(row.get('fwd_frac_copy')), '.0f', '%')})"
@@ -330,6 +332,7 @@ def summary(data) -> str:
                                                         _f(r.get("dw_rel_err"), ".0e"))) for m in methods]
                 for s in shapes]
         out.append(_table(["shape"] + methods, rows))
+        out.append(_predictions(data))
     else:
         copy = data["units"].get("copy_GBps")
         out.append(f"fwd % of copy bandwidth, fwd+bwd % of copy bandwidth, peak extra MiB "
@@ -348,6 +351,23 @@ def summary(data) -> str:
     return "\n".join(x for x in out if x)
 
 
+def _predictions(data) -> str:
+    """The planner's predicted times (``_cost_model``) beside the measured ones."""
+    rows = [[r["shape"], r["method"], r["pred_strategy"], _f(r.get("pred_fwd_ms"), ".2f"), _f(r.get("fwd_ms"), ".2f"),
+             _f(r.get("pred_ms"), ".2f"), _f(r.get("fwdbwd_ms"), ".2f"),
+             _f(r["fwdbwd_ms"] / r["pred_ms"] if _num(r.get("fwdbwd_ms")) and _num(r.get("pred_ms")) else None, ".2f")]
+            for r in data["rows"] if r.get("pred_strategy")]
+    if not rows:
+        return ""
+    model = next((r.get("pred_model") for r in data["rows"] if r.get("pred_model")), "?")
+    return (f"\nplanner ({model} cost model): predicted vs measured ms:\n"
+            + _table(["shape", "method", "strategy", "pred fwd", "fwd", "pred f+b", "f+b", "f+b / pred"], rows))
+
+
+def _num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _problems(data) -> str:
     """Skipped and failed methods, one line per (method, reason) with the shapes."""
     groups = OrderedDict()
@@ -363,11 +383,14 @@ def _full_table(data) -> str:
     info = data["shapes"]
     if data["suite"] in ("lce", "precision"):
         header = ["shape", "method", "fwd ms", "fwd/1 GEMM", "fwd+bwd ms", "f+b/3 GEMMs", "peak extra MiB",
-                  "loss", "\\|loss-ref\\|", "dx err", "dW err", "status"]
+                  "loss", "\\|loss-ref\\|", "dx err", "dW err", "status",
+                  "predicted fwd / f+b ms (planner's strategy)"]
         rows = [[r["shape"], r["method"], _f(r.get("fwd_ms"), ".3f"), _f(r.get("fwd_per_gemm"), ".2f", "x"),
                  _f(r.get("fwdbwd_ms"), ".3f"), _f(r.get("fwdbwd_per_3gemm"), ".2f", "x"), _mib(r.get("peak_extra_mib")),
                  _f(r.get("loss"), ".6f"), _f(r.get("loss_abs_err"), ".1e"), _f(r.get("dx_rel_err"), ".1e"),
-                 _f(r.get("dw_rel_err"), ".1e"), r["status"]] for r in data["rows"]]
+                 _f(r.get("dw_rel_err"), ".1e"), r["status"],
+                 (f"{_f(r.get('pred_fwd_ms'), '.2f')} / {_f(r.get('pred_ms'), '.2f')} ({r['pred_strategy']})"
+                  if r.get("pred_strategy") else "")] for r in data["rows"]]
         units = [f"- 1 GEMM ({s}): {_f(i.get('gemm_ms'), '.3f')} ms; float64 reference loss "
                  f"{_f(i.get('ref_loss'), '.6f')}" for s, i in info.items()]
     else:

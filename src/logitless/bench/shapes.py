@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from ..linear_cross_entropy.bench_shapes import CPU_SHAPES, EXTRA_SHAPES, SHAPES, LceShape
+from ..linear_cross_entropy.bench_shapes import CPU_SHAPES, EXTRA_SHAPES, MODEL_SHAPES, SHAPES, LceShape
 
 __all__ = ["LceShape", "CeCase", "lce_shapes", "ce_cases", "default_names", "known_names", "unmatched", "select"]
 
@@ -47,6 +47,11 @@ def lce_shapes(cpu: bool) -> tuple[LceShape, ...]:
     return (CPU_SHAPES + SHAPES + EXTRA_SHAPES) if cpu else (SHAPES + EXTRA_SHAPES + CPU_SHAPES)
 
 
+def model_shapes(cpu: bool) -> tuple[LceShape, ...]:
+    """Suite "models": every shape of MODEL_SHAPES (the CPU case first on a CPU)."""
+    return (CPU_SHAPES + MODEL_SHAPES) if cpu else MODEL_SHAPES
+
+
 def ce_cases(cpu: bool) -> tuple[CeCase, ...]:
     return (CPU_CE_CASES + CE_CASES) if cpu else (CE_CASES + CPU_CE_CASES)
 
@@ -58,7 +63,9 @@ def default_names(cpu: bool) -> set:
 
 
 def known_names(cpu: bool) -> list[str]:
-    return [c.name for c in lce_shapes(cpu)] + [c.name for c in ce_cases(cpu)]
+    names = [c.name for c in lce_shapes(cpu)]
+    names += [c.name for c in MODEL_SHAPES if c.name not in names]
+    return names + [c.name for c in ce_cases(cpu)]
 
 
 def unmatched(patterns, cpu: bool) -> list[str]:
@@ -67,12 +74,13 @@ def unmatched(patterns, cpu: bool) -> list[str]:
     return [p for p in patterns if not fnmatch.filter(names, p)]
 
 
-def select(cases, patterns, *, cpu: bool, quick: bool = False):
+def select(cases, patterns, *, cpu: bool, quick: bool = False, every: bool = False):
     """The cases of one suite that ``patterns`` (the --shapes list: names or shell
     patterns such as ``*-fp32``) pick, in the user's order.
 
     Without patterns: the machine's defaults (``default_names``); with ``quick`` only
-    the first. Names of the other suite are ignored here (--shapes serves both suites).
+    the first; with ``every`` (suite "models" on a GPU) every case. Names of the other
+    suite are ignored here (--shapes serves both suites).
     """
     if patterns:
         chosen = []
@@ -80,5 +88,5 @@ def select(cases, patterns, *, cpu: bool, quick: bool = False):
             chosen += [c for c in cases if fnmatch.fnmatchcase(c.name, p) and c not in chosen]
         return chosen
     defaults = default_names(cpu)
-    chosen = [c for c in cases if c.name in defaults]
+    chosen = [c for c in cases if c.name in defaults or (every and not cpu)]
     return chosen[:1] if quick else chosen

@@ -35,7 +35,21 @@ def _flush_l2(device) -> None:
     _flush_buffers[key].zero_()
 
 
-def time_ms(
+def time_ms(fn: Callable[[], object], **kw) -> float:
+    """Median milliseconds of ``fn()`` (see ``time_ms_spread``)."""
+    return time_ms_spread(fn, **kw)[0]
+
+
+def relative_spread(times) -> float:
+    """Inter-quartile range / median of a list of times (0 for fewer than 4)."""
+    if len(times) < 4:
+        return 0.0
+    q = statistics.quantiles(times, n=4)
+    med = statistics.median(times)
+    return (q[2] - q[0]) / med if med > 0 else 0.0
+
+
+def time_ms_spread(
     fn: Callable[[], object],
     *,
     device,
@@ -43,7 +57,8 @@ def time_ms(
     warmup: int = 3,
     reps: int = 10,
 ) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` calls, after ``warmup`` untimed calls.
+    """(median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` untimed calls,
+    their relative spread: inter-quartile range / median; ``compare`` reads it as noise).
 
     ``setup()`` runs before every call and is not timed (it sets gradients to None or
     restores inputs that a method overwrites). On CUDA each call is bracketed by a
@@ -74,7 +89,7 @@ def time_ms(
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), relative_spread(times)
 
 
 def peak_extra_bytes(

@@ -31,7 +31,16 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, grad_wanted):
         n, v = x.shape[0], weight.shape[0]
         cache = None
-        if n == 0:
+        ctx.grads = None  # gradient-in-forward strategy: (dx, dW, db) for grad_output = 1
+        gif = getattr(backend, "grad_in_forward_chunk", None)
+        chunk = gif(x, weight, budget, opts, opts.softcap) if (gif and grad_wanted and n) else None
+        if chunk is not None:
+            need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+            stats, ctx.grads = backend.forward_with_grad(
+                x, weight, bias, target, class_weight, opts, token_chunk=chunk,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax,
+                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget)
+        elif n == 0:
             empty = x.new_empty(0, dtype=torch.float32)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
         else:
@@ -58,6 +67,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             dx = torch.zeros_like(x) if need_dx else None
             dw = torch.zeros_like(weight) if need_dw else None
             db = torch.zeros_like(bias) if need_db else None
+        elif ctx.grads is not None:
+            dx, dw, db = ctx.backend.scale_grads(ctx.grads, grad_loss, x.dtype, weight.dtype)
+            ctx.grads = None
         elif need_dx or need_dw or need_db:
             g = upstream_per_token(grad_loss, w_t, opts.reduction)
             coef = grad_coefficients(lse, target, g, weight.shape[0], class_weight, opts)

@@ -291,3 +291,6 @@ def backward(
         dx = dx_acc.to(x.dtype)
     return dx, dw, db
 
+
+# The gradient-in-forward strategy (its own file; api.py finds it through these names).
+from .triton_grad_in_forward import forward_with_grad, grad_in_forward_chunk, scale_grads  # noqa: E402,F401

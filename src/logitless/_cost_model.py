@@ -1,0 +1,331 @@
+"""Cost model of linear_cross_entropy's strategies: predicted time, memory, choice.
+
+For a shape (N tokens, H hidden, V vocabulary), an input itemsize s, a memory budget
+and a device class, every candidate plan gets a predicted time from three terms,
+
+    time = sum over its kernels of max(FLOPs / (rate * wave efficiency), bytes / bandwidth)
+           + launches * LAUNCH + FIXED
+
+and a memory need (bytes beyond inputs, outputs and gradients, counted as
+``_plans.triton_plan`` allocates them). The planner (``choose``) returns the fastest
+candidate whose memory fits the budget, or the least-memory candidate when none fits.
+
+Strategies (``Candidate.strategy``):
+
+- ``keep``: the forward keeps exp(z - m) for every column; backward = one elementwise
+  pass + dW + dx: 3 GEMMs. Memory N * V * (s + 4 / block_v).
+- ``partial``: keep the first ``keep_cols`` columns, recompute the others in chunks of
+  ``vocab_chunk`` columns (fused GEMM + softmax-gradient kernel), dx accumulated in an
+  fp32 (N, H) buffer: 3 + (V - keep_cols) / V GEMMs. Memory: kept columns + 4 N H + one
+  dz chunk N * vocab_chunk * s. ``keep_cols = 0`` is "recompute everything".
+- ``grad_in_forward``: token chunks of ``token_chunk`` rows; for each, the forward keeps
+  the chunk's logits over the whole vocabulary, turns them into dz with the loss's
+  upstream gradient taken as 1 (possible for "mean" and "sum": the denominator of
+  "mean" depends on the targets only), dx_chunk = dz W, dW += dz^T x_chunk in fp32;
+  the backward only scales dx, dW (and db) by grad_output. 3 GEMMs, but one fp32
+  read-modify-write of dW (8 V H bytes) per chunk after the first. Memory: the chunk's
+  kept logits + an fp32 dW accumulator (4 V H) unless one chunk covers every token or
+  the weight (so dW) is fp32 already. Not for reduction="none".
+- ``forward``: no gradient wanted: the fused forward alone.
+
+Why a choice is never slower as the budget grows (by construction): the candidates of
+a shape are a fixed finite family that does not depend on the budget (keep_cols on a
+grid of 1/64ths of the vocabulary, token chunks on powers of two); the budget only
+filters them by their memory need. A larger budget filters fewer out, so the minimum
+predicted time can only fall; below the least memory need the least-memory candidate
+is used whatever the budget (``minimum``: the budget is raised to its need, as the
+greedy plan did), and it is itself a candidate. ``tests/test_cost_model.py``
+checks it on every suite shape.
+
+The plan depends on the shape, dtype, budget and device class only: never on a
+timing taken at run time (same inputs -> same plan -> bitwise the same results).
+
+Constants: measured on one H100 SXM (docs/PERFORMANCE.md, sections 5-9 and "Cost
+model"); H200 has the H100's tensor cores and 1.43x its memory bandwidth (not yet
+measured: the GPU script prints predicted vs measured so it can be refitted).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+STRATEGIES = ("keep", "partial", "grad_in_forward", "forward")
+#: Kept-column candidates of "partial": multiples of 1/KEEP_STEPS of the vocabulary.
+KEEP_STEPS = 64
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Throughputs of one device class (rates in FLOP/s, bandwidths in bytes/s)."""
+
+    name: str
+    sms: int
+    #: cuBLAS bf16/fp16 GEMM rate at large shapes (H100: 700-800 TFLOP/s measured, the
+    #: six anchor shapes' unit GEMMs: 4.3-17 TFLOP in 5.4-24.6 ms).
+    gemm_flops_16: float = 760e12
+    #: fp32 inputs: tf32 tensor cores ("high"/"medium" precision) at about half rate.
+    gemm_flops_32: float = 380e12
+    #: Device-to-device copy (read + write) of the bench: 3.0 TB/s on H100.
+    hbm_bw: float = 3.0e12
+    #: Extra time of the forward's kept-tile stores: +0.76 ms for 1 GB (llama) = 1.3 TB/s.
+    keep_store_bw: float = 1.3e12
+    #: kept_dlogits pass (read + write of the kept columns): 2 GB in 0.78 ms = 2.6 TB/s.
+    kept_pass_bw: float = 2.6e12
+    #: fp32 dx/dW accumulator read-modify-write through addmm (partly in L2): 0.86 ms for
+    #: 28 passes of 8 N H = 134 MB at llama = 4.4 TB/s.
+    acc_bw: float = 4.4e12
+    #: Fused kernels relative to cuBLAS on the same FLOPs (TMA, 128x256x64 tiles):
+    #: forward 1.06-1.23x (profile 6.54 ms vs GEMM ~5.6), dlogits 1.16x.
+    fused_forward: float = 1.12
+    fused_dlogits: float = 1.16
+    #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
+    #: (11k-column chunks ran 5% slower: PERFORMANCE.md section 8).
+    l2_bytes: float = 50e6
+    launch_s: float = 6e-6
+    #: Per-call overhead of the O(N) torch ops (split merge, coefficients, casts):
+    #: the end-to-end bench is 1-2 ms above the kernels' sum at 4096 tokens.
+    fixed_fwd_s: float = 0.05e-3
+    fixed_s: float = 0.15e-3
+    fixed_per_token_s: float = 6e-8
+
+
+H100 = DeviceModel("H100", sms=132)
+H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12)
+#: Any other GPU: H100's constants (the choice is relative, so ratios matter more than
+#: absolute rates). The CPU interpreter uses this too; its plans are only for tests.
+DEFAULT = H100
+DEVICE_MODELS = {"H100": H100, "H200": H200}
+
+
+def device_class(name: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100"; unknown names -> "default"."""
+    up = name.upper()
+    for key in ("H200", "H100", "GH200"):
+        if key in up:
+            return "H200" if key == "GH200" else key
+    return "default"
+
+
+def device_model(device=None) -> DeviceModel:
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return DEFAULT
+    import torch
+
+    return DEVICE_MODELS.get(device_class(torch.cuda.get_device_name(device)), DEFAULT)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    keep_cols: int = 0  # partial / keep
+    vocab_chunk: int = 0  # partial: recomputed columns per chunk
+    token_chunk: int = 0  # grad_in_forward: tokens per chunk
+    memory: int = 0  # bytes beyond inputs, outputs and gradients
+    time_s: float = 0.0  # predicted forward + backward (forward alone for "forward")
+    fwd_s: float = 0.0  # predicted forward
+
+    @property
+    def ms(self) -> float:
+        return self.time_s * 1e3
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "partial":
+            return f"partial(keep={self.keep_cols},chunk={self.vocab_chunk})"
+        if self.strategy == "grad_in_forward":
+            return f"grad_in_forward(tokens={self.token_chunk})"
+        return self.strategy
+
+
+# --------------------------------------------------------------------------- kernel times
+
+
+def _rate(dev: DeviceModel, itemsize: int) -> float:
+    return dev.gemm_flops_32 if itemsize >= 4 else dev.gemm_flops_16
+
+
+def _wave_eff(dev: DeviceModel, m: int, n: int, bm: int = 128, bn: int = 256) -> float:
+    """Fraction of the SMs busy, averaged over waves of (bm x bn) output tiles."""
+    tiles = math.ceil(m / bm) * math.ceil(n / bn)
+    waves = tiles / dev.sms
+    return min(1.0, waves / math.ceil(waves)) if waves < 8 else 1.0
+
+
+def gemm_s(dev: DeviceModel, m: int, n: int, k: int, itemsize: int, out_itemsize: int = None) -> float:
+    """cuBLAS (m x k) @ (k x n): max(compute, memory) + one launch."""
+    if m == 0 or n == 0 or k == 0:
+        return dev.launch_s
+    out_itemsize = itemsize if out_itemsize is None else out_itemsize
+    flops = 2.0 * m * n * k
+    bytes_ = itemsize * (m * k + n * k) + out_itemsize * m * n
+    return max(flops / (_rate(dev, itemsize) * _wave_eff(dev, m, n)), bytes_ / dev.hbm_bw) + dev.launch_s
+
+
+def fused_forward_s(dev, n, h, v, itemsize) -> float:
+    """forward_stats_kernel: the GEMM's FLOPs (split over the vocabulary so waves are
+    full: _plans.WAVES) and reads, no logits written."""
+    flops = 2.0 * n * h * v
+    bytes_ = itemsize * (n * h + v * h * math.ceil(n / 128))  # W once per row block (L2 absorbs most)
+    return max(dev.fused_forward * flops / _rate(dev, itemsize), bytes_ / (4 * dev.hbm_bw)) + dev.launch_s
+
+
+def fused_dlogits_s(dev, n, h, cols, itemsize) -> float:
+    """dlogits_kernel over `cols` recomputed columns: a GEMM + the dz write."""
+    if cols <= 0:
+        return 0.0
+    flops = 2.0 * n * h * cols
+    return max(dev.fused_dlogits * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, cols)),
+               itemsize * n * cols / dev.hbm_bw) + dev.launch_s
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def _fixed(dev, n) -> float:
+    """Backward's O(N) torch ops (coefficients, casts) and launch gaps."""
+    return dev.fixed_s + dev.fixed_per_token_s * n
+
+
+def _keep_bytes(n, cols, itemsize, block_v) -> int:
+    """Memory charged for kept columns: the logits' own size in the input dtype, so that
+    a budget of the logits' size keeps them all (README). Not charged: the row padding
+    to 16 bytes and the fp32 max per (token, block_v columns), < 1% of it in bf16."""
+    return n * cols * itemsize
+
+
+def predict_forward(dev, n, h, v, itemsize) -> Candidate:
+    t = fused_forward_s(dev, n, h, v, itemsize) + dev.fixed_fwd_s
+    return Candidate("forward", memory=0, time_s=t, fwd_s=t)
+
+
+def predict_keep(dev, n, h, v, itemsize, block_v=256) -> Candidate:
+    kb = n * v * itemsize
+    fwd = fused_forward_s(dev, n, h, v, itemsize) + kb / dev.keep_store_bw + dev.fixed_fwd_s
+    bwd = (2 * kb / dev.kept_pass_bw + dev.launch_s
+           + gemm_s(dev, v, h, n, itemsize)  # dW = dz^T x
+           + gemm_s(dev, n, h, v, itemsize)  # dx = dz W
+           + _fixed(dev, n))
+    return Candidate("keep", keep_cols=v, vocab_chunk=v, memory=_keep_bytes(n, v, itemsize, block_v),
+                     time_s=fwd + bwd, fwd_s=fwd)
+
+
+def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256) -> Candidate:
+    rec = v - keep_cols
+    kb = n * keep_cols * itemsize
+    chunks = math.ceil(rec / vocab_chunk) + (1 if keep_cols else 0)
+    fwd = fused_forward_s(dev, n, h, v, itemsize) + kb / dev.keep_store_bw + dev.fixed_fwd_s
+    bwd = fused_dlogits_s(dev, n, h, rec, itemsize) + (2 * kb / dev.kept_pass_bw if keep_cols else 0.0)
+    # dW and dx per chunk: the chunk widths' GEMMs (wave efficiency of each width).
+    widths = ([keep_cols] if keep_cols else []) + [vocab_chunk] * (rec // vocab_chunk) + (
+        [rec % vocab_chunk] if rec % vocab_chunk else [])
+    for c in widths:
+        bwd += gemm_s(dev, c, h, n, itemsize) + gemm_s(dev, n, h, c, itemsize, out_itemsize=0)
+        bwd += 3 * dev.launch_s  # db / slicing / the chunk's small ops
+    if len(widths) > 1:
+        bwd += len(widths) * 8.0 * n * h / dev.acc_bw + 6.0 * n * h / dev.hbm_bw  # fp32 dx passes + cast
+    dz_chunk = itemsize * n * vocab_chunk
+    if dz_chunk > 0.6 * dev.l2_bytes:  # dW and dx re-read the chunk from HBM
+        bwd += 2.0 * itemsize * n * rec / dev.hbm_bw
+    bwd += _fixed(dev, n)
+    # fp32 dx accumulator across chunks; fp32 inputs accumulate into dx itself.
+    acc = 4 * n * h if len(widths) > 1 and itemsize != 4 else 0
+    memory = _keep_bytes(n, keep_cols, itemsize, block_v) + acc + dz_chunk
+    return Candidate("partial", keep_cols=keep_cols, vocab_chunk=vocab_chunk, memory=memory,
+                     time_s=fwd + bwd, fwd_s=fwd)
+
+
+def predict_grad_in_forward(dev, n, h, v, itemsize, token_chunk, weight_fp32=False, block_v=256) -> Candidate:
+    chunks = math.ceil(n / token_chunk)
+    t = 0.0
+    for i in range(chunks):
+        m = min(token_chunk, n - i * token_chunk)
+        kb = m * v * itemsize
+        t += fused_forward_s(dev, m, h, v, itemsize) + kb / dev.keep_store_bw
+        t += 2 * kb / dev.kept_pass_bw + dev.launch_s
+        t += gemm_s(dev, m, h, v, itemsize)  # dx rows of the chunk
+        t += gemm_s(dev, v, h, m, itemsize, out_itemsize=4 if chunks > 1 else itemsize)  # dW (+=)
+        if chunks > 1 and i > 0:
+            t += 8.0 * v * h / dev.hbm_bw  # fp32 read-modify-write of the accumulator
+        t += 6 * dev.launch_s + dev.fixed_fwd_s + dev.fixed_s  # O(chunk) merges, coefficients
+    acc = 4 * v * h if (chunks > 1 and not weight_fp32) else 0
+    if acc:
+        t += 6.0 * v * h / dev.hbm_bw  # fp32 -> input dtype
+    fwd = t + dev.fixed_per_token_s * n
+    bwd = (2.0 * itemsize * (n * h + v * h)) / dev.hbm_bw + 2 * dev.launch_s  # scale by grad_output
+    memory = _keep_bytes(min(token_chunk, n), v, itemsize, block_v) + acc
+    return Candidate("grad_in_forward", token_chunk=min(token_chunk, n), memory=memory,
+                     time_s=fwd + bwd, fwd_s=fwd)
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096,
+               grad_in_forward=True, weight_fp32=False, keep=True):
+    """The fixed family of candidate plans of a shape (independent of the budget)."""
+    dev = device_model
+    padded = math.ceil(v / block_v) * block_v
+    out = []
+    if keep:
+        out.append(predict_keep(dev, n, h, v, itemsize, block_v))
+    # Recomputed chunk widths: the L2-resident floor, and wider ones while the dz chunk
+    # stays under ~60% of L2 (few-token shapes: fewer launches and accumulator passes).
+    widths = {min(min_chunk, padded)}
+    c = min_chunk * 2
+    while c < padded and itemsize * n * c <= 0.6 * dev.l2_bytes:
+        widths.add(c)
+        c *= 2
+    # kept columns: 64ths of the vocabulary (multiples of block_v), 0 included
+    keeps = sorted({(v * i // KEEP_STEPS) // block_v * block_v for i in range(KEEP_STEPS)} if keep else {0})
+    for k in keeps:
+        for w in sorted(widths):
+            if k < v:
+                out.append(predict_partial(dev, n, h, v, itemsize, k, w, block_v))
+    if grad_in_forward:
+        t = 512
+        sizes = set()
+        while t < n:
+            sizes.add(t)
+            t *= 2
+        sizes.add(n)
+        for t in sorted(sizes):
+            out.append(predict_grad_in_forward(dev, n, h, v, itemsize, t, weight_fp32, block_v))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(n, h, v, itemsize, budget, *, device_model=DEFAULT, need_grad=True, grad_in_forward=True,
+           weight_fp32=False, keep=True, block_v=256, min_chunk=4096) -> Candidate:
+    """The fastest predicted candidate whose memory fits ``budget``.
+
+    The floor: the budget is raised to the memory of the documented minimum plan
+    (recompute every column in ``min_chunk``-wide chunks with an fp32 dx accumulator),
+    which is always a candidate. So a tiny budget gets that plan (or anything as
+    small and faster), and the feasible set only grows with the budget. Ties go to
+    the earlier candidate (keep, partial, grad_in_forward): deterministic."""
+    if not need_grad:
+        return predict_forward(device_model, n, h, v, itemsize)
+    cands = candidates(n, h, v, itemsize, device_model=device_model, block_v=block_v, min_chunk=min_chunk,
+                       grad_in_forward=grad_in_forward, weight_fp32=weight_fp32, keep=keep)
+    floor = minimum(n, h, v, itemsize, device_model=device_model, block_v=block_v, min_chunk=min_chunk)
+    budget = max(budget, floor.memory)
+    return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)
+
+
+def minimum(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096) -> Candidate:
+    """The least-memory plan of the greedy planner: no kept column, chunks of
+    min(min_chunk, padded V) columns (README: 4 N H + N * 4096 * s bytes)."""
+    padded = math.ceil(v / block_v) * block_v
+    return predict_partial(device_model, n, h, v, itemsize, 0, min(min_chunk, padded), block_v)
+
+
+def predict_all(n, h, v, itemsize, budget, *, device_model=DEFAULT, **kw) -> dict:
+    """Best fitting candidate of each strategy (None where none fits), for reports."""
+    out = {}
+    for c in candidates(n, h, v, itemsize, device_model=device_model, **kw):
+        if c.memory <= budget and (out.get(c.strategy) is None or c.time_s < out[c.strategy].time_s):
+            out[c.strategy] = c
+    out["forward"] = predict_forward(device_model, n, h, v, itemsize)
+    return out

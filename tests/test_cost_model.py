@@ -1,0 +1,203 @@
+"""The cost-model planner (``_cost_model``, ``_plans.lce_strategy``) and the
+gradient-in-forward strategy of the Triton backend.
+
+The model is checked as a model (monotone in the budget on every suite shape, within
+reach of the recorded H100 measurements, deterministic); each strategy is checked
+against the float64 reference (Triton interpreter on the CPU, small shapes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless import _cost_model as M
+from logitless import _plans
+from logitless.linear_cross_entropy.bench_shapes import MODEL_SHAPES, SHAPES
+from tests.conftest import DEVICE
+from tests.test_linear_cross_entropy import OPTIONS, check_against_reference, make_inputs
+
+import logitless
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest-lce-H100.json"
+BUDGETS = [2**e for e in range(16, 37)] + [3 * 2**e for e in range(20, 34)]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("dev", [M.H100, M.H200], ids=lambda d: d.name)
+def test_never_slower_when_the_budget_grows(dev):
+    """Predicted time is non-increasing in the budget, for every suite shape, dtype and
+    weight kind; the chosen plan fits the budget (or is the documented minimum)."""
+    for s in MODEL_SHAPES:
+        n, h, v = s.tokens, s.hidden, s.vocab
+        for itemsize, wf in ((2, False), (4, False), (4, True)):
+            logits = n * v * itemsize
+            floor = M.minimum(n, h, v, itemsize, device_model=dev)
+            prev = math.inf
+            for b in sorted(BUDGETS + [logits, logits - 1, floor.memory]):
+                c = M.choose(n, h, v, itemsize, b, device_model=dev, weight_fp32=wf)
+                assert c.time_s <= prev * (1 + 1e-12), (s.name, itemsize, wf, b, c.label)
+                assert c.memory <= max(b, floor.memory), (s.name, b, c.label, c.memory)
+                prev = c.time_s
+            # never slower than the default budget's plan once the budget is larger
+            default = M.choose(n, h, v, itemsize, _plans.DEFAULT_MEMORY_BUDGET, device_model=dev, weight_fp32=wf)
+            assert M.choose(n, h, v, itemsize, logits, device_model=dev, weight_fp32=wf).time_s <= default.time_s
+
+
+def test_logits_budget_keeps_everything_when_keeping_pays():
+    """At a budget of the logits' size the 3-GEMM plans (keep, or gradient-in-forward in
+    one chunk) are affordable: the planner's time is at most the keep plan's."""
+    for s in MODEL_SHAPES:
+        n, h, v = s.tokens, s.hidden, s.vocab
+        keep = M.predict_keep(M.H100, n, h, v, 2)
+        assert keep.memory == n * v * 2
+        assert M.choose(n, h, v, 2, n * v * 2).time_s <= keep.time_s
+
+
+def test_grad_in_forward_memory_counts_the_fp32_accumulator():
+    n, h, v = 8192, 4096, 128256
+    one = M.predict_grad_in_forward(M.H100, n, h, v, 2, n)
+    two = M.predict_grad_in_forward(M.H100, n, h, v, 2, n // 2)
+    assert one.memory == n * v * 2  # one chunk: dW written once, no accumulator
+    assert two.memory == (n // 2) * v * 2 + 4 * v * h
+    fp32w = M.predict_grad_in_forward(M.H100, n, h, v, 4, n // 2, weight_fp32=True)
+    assert fp32w.memory == (n // 2) * v * 4  # dW itself is the fp32 accumulator
+    # The accumulator does not fit the default budget at llama's shape: never chosen there.
+    assert M.choose(n, h, v, 2, _plans.DEFAULT_MEMORY_BUDGET).strategy != "grad_in_forward"
+
+
+def test_grad_in_forward_wins_somewhere():
+    """The model gives the new strategy a place: large token counts with a budget
+    between the accumulator and the logits (bf16), and fp32 weights."""
+    c = M.choose(32768, 2048, 128256, 2, 2 * 2**30)
+    assert c.strategy == "grad_in_forward" and c.token_chunk < 32768
+    assert M.choose(4096, 4096, 128256, 4, 2**30, weight_fp32=True).strategy == "grad_in_forward"
+
+
+def test_choice_is_deterministic_and_device_classed():
+    a = _plans.lce_strategy(4096, 128256, 4096, 2, 2**28, torch.device("cpu"))
+    b = _plans.lce_strategy(4096, 128256, 4096, 2, 2**28, torch.device("cpu"))
+    assert a == b
+    assert M.device_class("NVIDIA H100 80GB HBM3") == "H100"
+    assert M.device_class("NVIDIA H200") == "H200"
+    assert M.device_class("NVIDIA GH200 480GB") == "H200"
+    assert M.device_class("NVIDIA A100-SXM4-80GB") == "default"
+    # the interpreter never picks gradient-in-forward by itself (only when forced)
+    assert _plans.lce_strategy(32768, 128256, 2048, 2, 2**31, torch.device("cpu")).strategy != "grad_in_forward"
+
+
+@pytest.mark.skipif(not RESULTS.exists(), reason="no recorded H100 results in benchmarks/results")
+def test_predictions_match_recorded_h100_measurements():
+    """The anchors' recorded H100 times (default budget, forward and forward+backward)
+    are within 20% of the model's prediction of the plan that ran."""
+    data = json.loads(RESULTS.read_text())
+    rows = {(r["shape"], r["method"]): r for r in data["rows"]}
+    for s in SHAPES:
+        r = rows.get((s.name, "logitless"))
+        if r is None or r["status"] != "ok":
+            continue
+        c = M.choose(s.tokens, s.hidden, s.vocab, 2, _plans.DEFAULT_MEMORY_BUDGET, grad_in_forward=False)
+        f = M.predict_forward(M.H100, s.tokens, s.hidden, s.vocab, 2)
+        assert abs(c.ms / r["fwdbwd_ms"] - 1) < 0.2, (s.name, c.ms, r["fwdbwd_ms"])
+        assert abs(f.ms / r["fwd_ms"] - 1) < 0.2, (s.name, f.ms, r["fwd_ms"])
+        g = M.gemm_s(M.H100, s.tokens, s.vocab, s.hidden, 2) * 1e3
+        assert abs(g / data["units"]["gemm_ms"][s.name] - 1) < 0.12, s.name
+
+
+def test_model_columns_are_valid_plans():
+    """What triton_plan takes from the model on GPUs: kept columns a multiple of block_v
+    (or all), chunks a multiple of block_v, and memory within the budget's floor."""
+    cpu = torch.device("cpu")
+    for s in MODEL_SHAPES:
+        for budget in (2**26, 2**28, s.tokens * s.vocab * 2):
+            keep, chunk = _plans._model_columns(s.tokens, s.vocab, s.hidden, 2, budget, cpu, 256, 4096, True)
+            assert keep == s.vocab or keep % 256 == 0
+            assert chunk % 256 == 0 and chunk >= 256
+            keep0, _ = _plans._model_columns(s.tokens, s.vocab, s.hidden, 2, budget, cpu, 256, 4096, False)
+            assert keep0 == 0
+
+
+# --------------------------------------------------------------------------- the strategies
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("token_chunk", [1, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grad_in_forward_matches_reference(reduction, token_chunk, dtype, monkeypatch):
+    """Every option at once; chunks of 1 token, uneven chunks, one chunk. ("none"
+    cannot use the strategy: the forced planner is ignored and the default runs.)"""
+    from logitless.linear_cross_entropy import triton_backend
+
+    calls = []
+    real = triton_backend.forward_with_grad
+    monkeypatch.setattr(triton_backend, "forward_with_grad", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with _plans.forced_strategy("grad_in_forward", token_chunk=token_chunk):
+        check_against_reference("triton", dtype, (29,), 40, 257, OPTIONS["all"], reduction, seed=11)
+    assert len(calls) == (0 if reduction == "none" else 1)
+
+
+@pytest.mark.parametrize("requires_grad", [(True, False), (False, True)])
+def test_grad_in_forward_partial_grads(requires_grad):
+    with _plans.forced_strategy("grad_in_forward", token_chunk=8):
+        check_against_reference("triton", torch.float32, (3, 7), 24, 101, OPTIONS["plain"], "mean", seed=3,
+                                requires_grad=requires_grad)
+
+
+def test_grad_in_forward_scales_by_grad_output_and_is_repeatable():
+    x, w, t, b, kw = make_inputs((23,), 24, 101, torch.float32, OPTIONS["z_loss"], seed=5)
+    outs = []
+    for _ in range(2):
+        with _plans.forced_strategy("grad_in_forward", token_chunk=5):
+            loss = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
+        outs.append((loss,) + torch.autograd.grad(loss * -2.5, (x, w)))
+    for a, c in zip(outs[0], outs[1]):
+        assert torch.equal(a, c)  # same plan -> bitwise identical
+    with _plans.forced_strategy("partial"):
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
+    ref = torch.autograd.grad(loss * -2.5, (x, w))
+    for a, c in zip(outs[0][1:], ref):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_in_forward_not_for_fp16_softcap():
+    """fp16 cannot keep exp(z - m) with a soft-cap: the strategy is refused there."""
+    from logitless._loss_math import LossOptions
+    from logitless.linear_cross_entropy.triton_grad_in_forward import grad_in_forward_chunk
+
+    x = torch.zeros(4, 8, dtype=torch.float16, device=DEVICE)
+    w = torch.zeros(16, 8, dtype=torch.float16, device=DEVICE)
+    with _plans.forced_strategy("grad_in_forward", token_chunk=2):
+        assert grad_in_forward_chunk(x, w, 2**20, LossOptions(softcap=5.0), 5.0) is None
+        assert grad_in_forward_chunk(x, w, 2**20, LossOptions(reduction="none"), None) is None
+        assert grad_in_forward_chunk(x, w, 2**20, LossOptions(), None) == 2
+        assert grad_in_forward_chunk(x.float(), w.float(), 2**20, LossOptions(softcap=5.0), 5.0) == 2
+
+
+def test_grad_in_forward_all_ignored_gives_zero_grads():
+    """"mean" over no token: NaN loss, zero gradients (as torch), also when the
+    gradient is finished in the forward."""
+    x, w, t, b, kw = make_inputs((9,), 24, 101, torch.float32, OPTIONS["plain"], seed=1)
+    t = torch.full_like(t, -100)
+    with _plans.forced_strategy("grad_in_forward", token_chunk=4):
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton")
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    assert torch.isnan(loss)
+    assert torch.equal(dx, torch.zeros_like(dx)) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_grad_in_forward_backward_twice():
+    """retain_graph: the second backward recomputes (the forward's gradients were
+    consumed by the first) and gives the same gradients."""
+    x, w, t, b, kw = make_inputs((17,), 24, 101, torch.float32, OPTIONS["label_smoothing"], seed=4)
+    with _plans.forced_strategy("grad_in_forward", token_chunk=6):
+        loss = logitless.linear_cross_entropy(x, w, t, backend="triton", reduction="sum", **kw)
+    first = torch.autograd.grad(loss * 0.5, (x, w), retain_graph=True)
+    second = torch.autograd.grad(loss * 0.5, (x, w))
+    for a, c in zip(first, second):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
