@@ -48,7 +48,8 @@ def jsd_forward_op(
         stats = student_logits.new_zeros(NUM_STATS, 0, dtype=_out_dtype(student_logits, teacher_logits))
     else:
         impl = backend_module(__package__, backend, student_logits.device, student_logits.dtype)
-        stats = impl.forward(student_logits, teacher_logits, target, opts, budget)
+        with torch.autocast(student_logits.device.type, enabled=False):
+            stats = impl.forward(student_logits, teacher_logits, target, opts, budget)
     dtype = _out_dtype(student_logits, teacher_logits)
     return token_loss(stats, target, v, opts).to(dtype), stats.to(dtype)
 
@@ -73,7 +74,8 @@ def jsd_backward_op(
         return torch.zeros_like(student_logits)
     g = upstream(grad_loss, target, ignore_index)
     impl = backend_module(__package__, backend, student_logits.device, student_logits.dtype)
-    return impl.backward(g, student_logits, teacher_logits, target, stats, opts, budget)
+    with torch.autocast(student_logits.device.type, enabled=False):
+        return impl.backward(g, student_logits, teacher_logits, target, stats, opts, budget)
 
 
 @jsd_backward_op.register_fake
