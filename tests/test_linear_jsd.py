@@ -464,3 +464,20 @@ def test_cuda_compile_fullgraph_triton():
     xs, ws, xt, wt, target, _ = make_inputs((4, 64), 128, 256, 4096, torch.bfloat16, {}, seed=15)
     f = torch.compile(lambda *a: logitless.linear_jsd(*a), fullgraph=True)
     torch.testing.assert_close(f(xs, ws, xt, wt, target), logitless.linear_jsd(xs, ws, xt, wt, target))
+
+
+def test_bench_distill_cpu_smoke(tmp_path):
+    """The distill suite runs end to end on the CPU (tiny case) and writes its files; the
+    logitless row agrees with the suite's own float64 reference."""
+    import json
+
+    from logitless.bench import cli
+
+    rc = cli.main(["--suite", "distill", "--cpu", "--quick", "--methods", "logitless,torch-eager",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "latest-distill-cpu.json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["logitless"]["status"] == "ok" and rows["torch-eager"]["status"] == "ok"
+    assert rows["logitless"]["loss_abs_err"] < 1e-5 and rows["logitless"]["dw_rel_err"] < 1e-5
+    assert (tmp_path / "latest-distill-cpu.md").read_text().count("| cpu-tiny |") == 2

@@ -23,6 +23,7 @@ examples:
   python -m logitless.bench --suite lce --shapes llama3.1-8b,deepseek-v3 --methods logitless,torch-compile
   python -m logitless.bench --suite ce --shapes '*-bf16' --max-minutes 9
   python -m logitless.bench --suite ce --shapes '*-fp32' --max-minutes 9 --append   # same files, both halves
+  python -m logitless.bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
 """
@@ -36,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--suite", choices=("lce", "ce", "all"), default="all",
-                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits (default: all)")
+    p.add_argument("--suite", choices=("lce", "ce", "all", "distill"), default="all",
+                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits; distill: fused "
+                   "linear JSD (not part of all) (default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -116,6 +118,11 @@ def main(argv=None) -> int:
         return _from_json(args.from_json, args.out)
 
     cpu = args.cpu or not torch.cuda.is_available()
+    if args.suite == "distill":  # its own runner and shapes: bench/distill.py
+        from . import distill
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        return distill.run_cli(args, cpu)
     budgets = _split(args.budgets) or ["default"]
     for b in budgets:
         peers.budget_bytes(b, 1, 1, 2)  # fail early on a malformed budget
