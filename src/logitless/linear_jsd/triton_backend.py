@@ -26,7 +26,7 @@ import triton
 from torch import Tensor
 
 from .._jsd_math import JSDOptions
-from .._plans import linear_jsd_plan
+from .._plans import ce_triton_plan, linear_jsd_plan
 from ..jsd import triton_kernels as JK
 from ..jsd.triton_backend import scalar_args
 from ..linear_cross_entropy.triton_backend import _dx_accumulate, _operands
@@ -64,16 +64,16 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
     zt = torch.empty_like(zs)
     fwd = scalar_args(opts)
-    block_n, block_v, num_warps = (4, 4096, 8) if xs.is_cuda else (4, 64, 4)
+    rp = ce_triton_plan(min(rows, n), v, 4, xs.device)  # the jsd kernel's tiles, for fp32 logits
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         r = n1 - n0
         chunk_stats = torch.empty(6, r, dtype=torch.float32, device=xs.device)
         _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
         _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        JK.jsd_forward_kernel[(triton.cdiv(r, block_n),)](
+        JK.jsd_forward_kernel[(triton.cdiv(r, rp.block_n),)](
             zs, zt, target[n0:n1], chunk_stats, r, v, zs.stride(0), 1, zt.stride(0), 1, **fwd,
-            BLOCK_N=block_n, BLOCK_V=min(block_v, triton.next_power_of_2(v)), num_warps=num_warps,
+            BLOCK_N=rp.block_n, BLOCK_V=rp.block_v, num_warps=rp.num_warps,
         )
         stats[:, n0:n1] = chunk_stats
     return stats
