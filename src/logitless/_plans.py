@@ -230,9 +230,12 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     rows = _clamp(rows, 1, max(1, num_tokens))
     padded_vocab = math.ceil(vocab / block_v) * block_v
     min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
+    # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
+    # dz chunk at 4096 tokens stays in L2: PERFORMANCE.md); narrower only if the budget
+    # after the fp32 dx accumulator says so, never below min_cols.
     left = budget - 4 * num_tokens * hidden_s
     cols = int(max(left, 0) // max(1, itemsize * num_tokens))
-    vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
+    vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
     plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
                       num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk)
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)
