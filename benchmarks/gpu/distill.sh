@@ -20,7 +20,7 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1
 
 echo "== tests (CUDA) =="
-PYTHONPATH=src timeout 170 python3 -m pytest -q -rs -p no:cacheprovider tests/test_jsd.py tests/test_linear_jsd.py \
+PYTHONPATH=src timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_jsd.py tests/test_linear_jsd.py \
     2>&1 | tee "$OUT/distill-pytest.log" | tail -n 25
 echo "tests took $(( $(date +%s) - start )) s"
 
@@ -34,9 +34,10 @@ else
 fi
 
 echo "== bench --suite distill =="
-left=$(( 520 - ($(date +%s) - start) ))
-mins=$(python3 -c "print(max(1.0, ($left - 50) / 60))")
+left=$(( 525 - ($(date +%s) - start) ))
+mins=$(python3 -c "print(max(1.0, ($left - 45) / 60))")
 PYTHONPATH="src$PEERS" timeout $left python3 -m logitless.bench --suite distill --max-minutes "$mins" \
+    --warmup 2 --reps 5 \
     --out benchmarks/results 2>&1 | tee "$OUT/distill-bench.log" | tail -n 30
 for f in benchmarks/results/latest-distill-*.json benchmarks/results/latest-distill-*.md; do
     [ -f "$f" ] && cp "$f" "$OUT/$(basename "$f")"
