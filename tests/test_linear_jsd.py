@@ -481,3 +481,19 @@ def test_bench_distill_cpu_smoke(tmp_path):
     assert rows["logitless"]["status"] == "ok" and rows["torch-eager"]["status"] == "ok"
     assert rows["logitless"]["loss_abs_err"] < 1e-5 and rows["logitless"]["dw_rel_err"] < 1e-5
     assert (tmp_path / "latest-distill-cpu.md").read_text().count("| cpu-tiny |") == 2
+
+
+def test_compile_inductor_fullgraph_shift_and_hard_labels():
+    """The default torch.compile backend (inductor) around the custom ops, 3-D inputs."""
+    xs, ws, xt, wt, target, _ = make_inputs((2, 6), 8, 12, 23, torch.float32, {"_ignore": 0.2}, seed=16, device="cpu")
+
+    def step(xs, ws, xt, wt, target):
+        return logitless.linear_jsd(xs, ws, xt, wt, target, beta=0.3, temperature=1.5, hard_label_weight=0.2,
+                                    shift=True, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(xs, ws, xt, wt, target)
+    eager = step(xs, ws, xt, wt, target)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(torch.autograd.grad(compiled, (xs, ws)), torch.autograd.grad(eager, (xs, ws))):
+        torch.testing.assert_close(a, b)

@@ -10,7 +10,9 @@
 #    LigerFusedLinearJSDLoss, TRL's ChunkedDivergenceFunction (peers from .peers/)
 #                                                              -> $OUT/distill-bench.log,
 #                                                                 latest-distill-<dev>.json/.md
-# 4 files come back. Each part runs under its own timeout; one failing part does not stop the next.
+# 3. benchmarks/probe_distill.py (before 2): fwd and fwd+bwd vs the floor for 5 backward tiles
+#                                                              -> $OUT/distill-probe.log
+# 5 files come back. Each part runs under its own timeout; one failing part does not stop the next.
 set +e
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
@@ -20,9 +22,13 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1
 
 echo "== tests (CUDA) =="
-PYTHONPATH=src timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_jsd.py tests/test_linear_jsd.py \
+PYTHONPATH=src timeout 180 python3 -m pytest -q -rs -p no:cacheprovider tests/test_jsd.py tests/test_linear_jsd.py \
     2>&1 | tee "$OUT/distill-pytest.log" | tail -n 25
 echo "tests took $(( $(date +%s) - start )) s"
+
+echo "== probe: backward tiles at 4096 x 4096<-8192 x 128256 =="
+PYTHONPATH=src timeout 75 python3 benchmarks/probe_distill.py 2>&1 | tee "$OUT/distill-probe.log" | tail -n 8
+echo "probe done at $(( $(date +%s) - start )) s"
 
 echo "== peers =="
 PEERS=""
