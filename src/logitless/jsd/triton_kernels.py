@@ -3,8 +3,7 @@
 
 Shapes: student logits zs and teacher logits zt (N, V), each addressed through its own
 (row stride, column stride) and dtype. Offsets are 64-bit. Both kernels are
-bandwidth-bound: the forward reads both rows twice (the second sweep of a row block
-mostly hits L2), the backward reads both once and writes dz once; the rest is O(N).
+bandwidth-bound: the forward reads both rows once (beta 0 or 1) or twice (the mixture), the backward reads both once and writes dz once; the rest is O(N).
 """
 
 import triton
@@ -37,8 +36,9 @@ def jsd_forward_kernel(
     K = sum q (lq - lm), lse(zs) and zs[target] (the last two only with HAS_HARD).
 
     Program i owns rows [i*BLOCK_N, (i+1)*BLOCK_N). Sweep 1 over the vocabulary: online
-    log-sum-exps (fp32). Sweep 2: the divergence sums, which need both lse. Traffic:
-    both logits read twice; writes 6 floats per row.
+    log-sum-exps (fp32); for the KL limits (MODE 1, 2) also the one divergence sum,
+    rescaled online like the sum of exponentials. Sweep 2 (0 < beta < 1 only): S and K,
+    which need both lse. Traffic: both logits read once (KL) or twice; 6 floats per row.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,26 +54,39 @@ def jsd_forward_kernel(
     s_t = tl.zeros((BLOCK_N,), tl.float32)
     m_1 = tl.full((BLOCK_N,), neg, tl.float32)
     s_1 = tl.zeros((BLOCK_N,), tl.float32)
+    w = tl.zeros((BLOCK_N,), tl.float32)  # KL limits: sum e^(x - m) (b - a), x the weighting head
     for v0 in range(0, V, BLOCK_V):
-        a = _load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
-        b = _load_capped(rows_t, v0 + cols, stride_tv, row_ok, V, neg, cap_t, HAS_CAP_T)
-        m_s, s_s, _, _, _ = online_lse_update(a * inv_t, m_s, s_s)
-        m_t, s_t, _, _, _ = online_lse_update(b * inv_t, m_t, s_t)
+        zs = _load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
+        a = zs * inv_t
+        b = _load_capped(rows_t, v0 + cols, stride_tv, row_ok, V, neg, cap_t, HAS_CAP_T) * inv_t
+        m_s_old = m_s
+        m_t_old = m_t
+        m_s, s_s, e_s, ms_safe, _ = online_lse_update(a, m_s, s_s)
+        m_t, s_t, e_t, mt_safe, _ = online_lse_update(b, m_t, s_t)
+        if MODE == 1:  # forward KL: K = E_q[b - a] - lse(b) + lse(a), one sweep
+            w = w * tl.exp(m_t_old - mt_safe) + tl.sum(tl.where(e_t == 0.0, 0.0, e_t * (b - a)), 1)
+        if MODE == 2:  # reverse KL: S = E_p[a - b] - lse(a) + lse(b), one sweep
+            w = w * tl.exp(m_s_old - ms_safe) + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * (a - b)), 1)
         if HAS_HARD:
-            m_1, s_1, _, _, _ = online_lse_update(a, m_1, s_1)
+            m_1, s_1, _, _, _ = online_lse_update(zs, m_1, s_1)
     lse_s = tl.where(m_s == neg, 0.0, m_s) + tl.log(s_s)
     lse_t = tl.where(m_t == neg, 0.0, m_t) + tl.log(s_t)
 
     acc_s = tl.zeros((BLOCK_N,), tl.float32)
     acc_k = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        a = _load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
-        b = _load_capped(rows_t, v0 + cols, stride_tv, row_ok, V, neg, cap_t, HAS_CAP_T)
-        lp = a * inv_t - lse_s[:, None]
-        lq = b * inv_t - lse_t[:, None]
-        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
-        acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
-        acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
+    if MODE == 1:
+        acc_k = w / s_t - lse_t + lse_s
+    elif MODE == 2:
+        acc_s = w / s_s - lse_s + lse_t
+    else:  # the mixture is not an online quantity: a second sweep with both lse known
+        for v0 in range(0, V, BLOCK_V):
+            a = _load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
+            b = _load_capped(rows_t, v0 + cols, stride_tv, row_ok, V, neg, cap_t, HAS_CAP_T)
+            lp = a * inv_t - lse_s[:, None]
+            lq = b * inv_t - lse_t[:, None]
+            lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
+            acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
+            acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
 
     tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
     tl.store(stats_ptr + N + offs_n, lse_t, mask=row_ok)
