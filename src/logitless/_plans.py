@@ -294,3 +294,58 @@ def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETrit
     rows = 1 << max(0, num_tokens - 1).bit_length()
     block_n = _clamp(tile // block_v, 1, rows)
     return CETritonPlan(block_n=block_n, block_v=block_v, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
+    """Rows per chunk of the PyTorch backends of jsd / linear_jsd (full rows of both
+    logits): about 12 (rows x V) temporaries in the compute dtype (both upcast logits,
+    both log-probabilities, the mixture, products). One row is the least."""
+    return _clamp(budget // max(1, 12 * vocab * itemsize), 1, max(1, num_tokens))
+
+
+#: Tiles (block_n, block_v, block_h, num_warps, num_stages) of linear_jsd's backward
+#: kernel, which holds a student and a teacher tile at once (two fp32 accumulators:
+#: half of linear_cross_entropy's block_v keeps them in registers).
+JSD_CUDA_TILES = {2: (128, 128, 64, 8, 3), 4: (64, 128, 32, 8, 2)}
+
+
+@dataclass(frozen=True)
+class LinearJSDPlan:
+    """How linear_jsd's Triton backend chunks its work.
+
+    forward_rows: tokens per forward chunk; both heads' fp32 logits of the chunk
+        (2 x rows x V x 4 bytes) are materialised by two cuBLAS GEMMs, then reduced to
+        row statistics by the (bandwidth-bound) jsd forward kernel.
+    vocab_chunk: columns of dz recomputed at once in the backward (a multiple of
+        block_v), in the input dtype; dx accumulates in fp32 (tokens x H_student).
+    tiles: a ``TritonPlan`` for the fused student+teacher logits tiles of the backward.
+    """
+
+    forward_rows: int
+    vocab_chunk: int
+    tiles: TritonPlan
+
+
+def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
+                    device) -> LinearJSDPlan:
+    cuda = device.type == "cuda"
+    tiles = JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES
+    block_n, block_v, block_h, num_warps, num_stages = tiles
+    rows = budget // max(1, 8 * vocab)
+    if cuda and rows >= 128:
+        rows = rows // 128 * 128  # whole GEMM tiles
+    rows = _clamp(rows, 1, max(1, num_tokens))
+    padded_vocab = math.ceil(vocab / block_v) * block_v
+    min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
+    # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
+    # dz chunk at 4096 tokens stays in L2: PERFORMANCE.md); narrower only if the budget
+    # after the fp32 dx accumulator says so, never below min_cols.
+    left = budget - 4 * num_tokens * hidden_s
+    cols = int(max(left, 0) // max(1, itemsize * num_tokens))
+    vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
+    plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
+                      num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk)
+    return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)

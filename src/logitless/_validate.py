@@ -108,3 +108,54 @@ def check_memory_budget(memory_budget: Optional[int]) -> int:
     if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
     return memory_budget
+
+
+def check_jsd_options(
+    *,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    reduction: str,
+    student_softcap: Optional[float],
+    teacher_softcap: Optional[float],
+    hard_label_weight: float,
+):
+    """Options of the distillation ops (jsd, linear_jsd) -> ``_jsd_math.JSDOptions``."""
+    from ._jsd_math import JSDOptions
+
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    beta = float(beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    temperature = float(temperature)
+    if not temperature > 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    caps = []
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None:
+            cap = float(cap)
+            if not cap > 0.0 or cap == float("inf"):
+                raise ValueError(f"{name} must be a positive finite number or None, got {cap}")
+        caps.append(cap)
+    hard_label_weight = float(hard_label_weight)
+    if not hard_label_weight >= 0.0 or hard_label_weight == float("inf"):
+        raise ValueError(f"hard_label_weight must be a finite number >= 0, got {hard_label_weight}")
+    return JSDOptions(
+        beta=beta, temperature=temperature, ignore_index=ignore_index,
+        student_softcap=caps[0], teacher_softcap=caps[1], hard_label_weight=hard_label_weight,
+    )
+
+
+def check_teacher_frozen(**tensors: Optional[Tensor]) -> None:
+    """The teacher receives no gradient: refuse teacher tensors that would want one."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but the distillation loss gives the teacher no "
+                f"gradient; pass {name}.detach() (or compute the teacher under torch.no_grad())"
+            )

@@ -25,10 +25,15 @@ examples:
   python -m logitless.bench --suite ce --shapes '*-fp32' --max-minutes 9 --append   # same files, both halves
   python -m logitless.bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
   python -m logitless.bench --suite models --no-peers --budgets default,logits   # 26 model shapes
+  python -m logitless.bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
   python -m logitless.bench compare OLD.json NEW.json   # regression report (markdown beside NEW.json)
 """
+
+
+#: Suites of --suite; "all" runs lce and ce, the others run only when named.
+SUITES = ("lce", "ce", "all", "precision", "models", "distill")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--suite", choices=("lce", "ce", "all", "precision", "models"), default="all",
+    p.add_argument("--suite", choices=SUITES, default="all",
                    help="lce: fused linear cross-entropy; ce: cross-entropy on logits; all: both; "
                    "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16; "
-                   "models: the lce suite on 26 real LM-head shapes (files models-<device>-*) (default: all)")
+                   "models: the lce suite on 26 real LM-head shapes (files models-<device>-*); "
+                   "distill: fused linear JSD (default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -126,6 +132,11 @@ def main(argv=None) -> int:
         return _from_json(args.from_json, args.out)
 
     cpu = args.cpu or not torch.cuda.is_available()
+    if args.suite == "distill":  # its own runner and shapes: bench/distill.py
+        from . import distill
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        return distill.run_cli(args, cpu)
     budgets = _split(args.budgets) or ["default"]
     for b in budgets:
         peers.budget_bytes(b, 1, 1, 2)  # fail early on a malformed budget

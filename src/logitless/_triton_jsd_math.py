@@ -1,0 +1,72 @@
+"""The Triton form of ``_jsd_math``'s per-element formulas, shared by the jsd and
+linear_jsd kernels (the twin of ``_triton_math`` for cross-entropy).
+
+MODE (a constexpr) picks the divergence: 0 for 0 < beta < 1 (the mixture), 1 for
+beta == 0 (forward KL, lm := lp), 2 for beta == 1 (reverse KL, lm := lq).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def log_mixture(lp, lq, log_beta, log_1mbeta, MODE: tl.constexpr):
+    """lm = log(beta q + (1 - beta) p), a stable log-add-exp (lp for MODE 1, lq for 2)."""
+    if MODE == 1:
+        return lp
+    elif MODE == 2:
+        return lq
+    else:
+        u = lp + log_1mbeta
+        w = lq + log_beta
+        mx = tl.maximum(u, w)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        return mx + tl.log(tl.exp(u - mx) + tl.exp(w - mx))
+
+
+@triton.jit
+def plogratio(p, lp, lm):
+    """p * (lp - lm), 0 where p == 0 (NaN stays NaN)."""
+    return tl.where(p == 0.0, 0.0, p * (lp - lm))
+
+
+@triton.jit
+def jsd_dz_tile(zs, zt, offs_v, target, lse_s, lse_t, s_row, lse1, g,
+                inv_t, wp, hlw, log_beta, log_1mbeta, softcap_s,
+                MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """d loss / d pre-cap student logits of a (BLOCK_N, BLOCK_V) tile (``_jsd_math``):
+
+        dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
+             * (1 - (zs / s)^2)
+
+    zs, zt: soft-capped fp32 logits; per row: target, lse_s, lse_t, S, lse1, g."""
+    lp = zs * inv_t - lse_s[:, None]
+    lq = zt * inv_t - lse_t[:, None]
+    p = tl.exp(lp)
+    if MODE == 1:
+        da = p - tl.exp(lq)
+    else:
+        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
+        da = wp * tl.where(p == 0.0, 0.0, p * (lp - lm - s_row[:, None]))
+    dz = da * (g * inv_t)[:, None]
+    if HAS_HARD:
+        p1 = tl.exp(zs - lse1[:, None])
+        hit = tl.where(offs_v[None, :] == target[:, None], 1.0, 0.0)
+        dz += (hlw * g)[:, None] * (p1 - hit)
+    if HAS_SOFTCAP:
+        c = zs / softcap_s
+        dz *= 1.0 - c * c
+    return dz
+
+
+@triton.jit
+def load_jsd_row_stats(stats_ptr, g_ptr, target_ptr, offs_n, row_ok, N):
+    """Per-row inputs of ``jsd_dz_tile`` from the (6, N) statistics (rows lse_s, lse_t,
+    S, K, lse1, z_target), the upstream gradient g (0 at ignored tokens) and target."""
+    lse_s = tl.load(stats_ptr + offs_n, mask=row_ok, other=0.0)
+    lse_t = tl.load(stats_ptr + N + offs_n, mask=row_ok, other=0.0)
+    s_row = tl.load(stats_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
+    lse1 = tl.load(stats_ptr + 4 * N + offs_n, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + offs_n, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    return lse_s, lse_t, s_row, lse1, g, target

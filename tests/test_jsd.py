@@ -1,0 +1,262 @@
+"""jsd (logits held) against the float64 reference, for every backend and option.
+
+Runs on the GPU when there is one; otherwise the Triton backend runs on the CPU
+interpreter (conftest.py), at small sizes. The divergence's formulas and TRL's
+convention are also tested in test_linear_jsd.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import logitless
+from logitless.jsd.reference import jsd_reference
+from tests.conftest import DEVICE, HAS_CUDA
+from tests.helpers import assert_close_to_ref
+from tests.test_linear_jsd import BETAS, TEMPERATURES, trl_generalized_jsd_loss
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+OPTIONS = {
+    "plain": {},
+    "ignore": {"_ignore": 0.3},
+    "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
+    "hard": {"hard_label_weight": 0.5},
+    "no-target": {"_no_target": True},
+    "all": {"_ignore": 0.3, "student_softcap": 4.0, "teacher_softcap": 3.0,
+            "hard_label_weight": 0.3, "beta": 0.3, "temperature": 1.5},
+}
+
+
+def make_inputs(lead, vocab, dtype, opts, seed, teacher_dtype=None, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    zs = (torch.randn(*lead, vocab, generator=g) * 2).to(dtype).to(device).requires_grad_()
+    zt = (torch.randn(*lead, vocab, generator=g) * 2).to(teacher_dtype or dtype).to(device)
+    target = torch.randint(0, vocab, lead, generator=g)
+    if opts.get("_ignore"):
+        target[torch.rand(lead, generator=g) < opts["_ignore"]] = -100
+    target = None if opts.get("_no_target") else target.to(device)
+    return zs, zt, target, {k: v for k, v in opts.items() if not k.startswith("_")}
+
+
+def check(backend, dtype, lead, vocab, opts, reduction, seed, teacher_dtype=None, **extra):
+    zs, zt, target, kw = make_inputs(lead, vocab, dtype, opts, seed, teacher_dtype)
+    kw.update(extra)
+    loss = logitless.jsd(zs, zt, target, reduction=reduction, backend=backend, **kw)
+    ref = jsd_reference(zs, zt, target, reduction=reduction, **kw)
+    same = jsd_reference(zs, zt, target, reduction=reduction, dtype=dtype, **kw)
+    assert loss.dtype == torch.float32
+    assert_close_to_ref("loss", loss, same, ref, dtype)
+    go = torch.randn(loss.shape, device=DEVICE) if reduction == "none" else None
+    (ours,) = torch.autograd.grad(loss, zs, go)
+    (r,) = torch.autograd.grad(ref, zs, go.double() if go is not None else None)
+    (s,) = torch.autograd.grad(same, zs, go.to(same.dtype) if go is not None else None)
+    assert ours.dtype == dtype and ours.shape == zs.shape
+    assert_close_to_ref("dz", ours, s, r, dtype)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_float64_torch_backend_matches_reference(beta, temperature, reduction):
+    zs, zt, target, kw = make_inputs((3, 5), 23, torch.float64, OPTIONS["all"], seed=1, device="cpu")
+    kw.update(beta=beta, temperature=temperature)
+    loss = logitless.jsd(zs, zt, target, reduction=reduction, backend="torch", memory_budget=3000, **kw)
+    ref = jsd_reference(zs, zt, target, reduction=reduction, **kw)
+    torch.testing.assert_close(loss, ref, rtol=1e-11, atol=1e-12)
+    go = torch.randn(loss.shape, dtype=torch.float64) if reduction == "none" else None
+    torch.testing.assert_close(torch.autograd.grad(loss, zs, go)[0], torch.autograd.grad(ref, zs, go)[0],
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_finite_differences(beta):
+    zs, zt, target, kw = make_inputs((7,), 9, torch.float64, OPTIONS["all"], seed=2, device="cpu")
+    kw["beta"] = beta
+    assert torch.autograd.gradcheck(
+        lambda z: logitless.jsd(z, zt, target, reduction="sum", backend="torch", **kw), (zs,), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_equals_trl_3d_sum(beta):
+    zs, zt, target, _ = make_inputs((2, 4), 31, torch.float64, {"_ignore": 0.3}, seed=3, device="cpu")
+    trl = trl_generalized_jsd_loss(zs, zt, target, beta=beta, temperature=0.5, reduction="sum")
+    ours = logitless.jsd(zs, zt, target, beta=beta, temperature=0.5, reduction="sum", backend="torch")
+    torch.testing.assert_close(ours, trl, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_option(backend, option, dtype):
+    reduction = ["mean", "sum", "none"][len(option) % 3]
+    check(backend, dtype, (3, 7), 101, OPTIONS[option], reduction, seed=len(option))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_betas_all_options(backend, beta, reduction):
+    check(backend, torch.bfloat16, (29,), 67, OPTIONS["all"], reduction, seed=4, beta=beta,
+          temperature=TEMPERATURES[int(beta * 10) % 3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_teacher_in_another_dtype(backend):
+    check(backend, torch.bfloat16, (13,), 97, OPTIONS["all"], "mean", seed=5, teacher_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lead,vocab", [((1,), 101), ((2, 5), 1009), ((1, 1), 3), ((0,), 7)],
+                         ids=["one-token", "prime-V-3d", "tiny", "empty"])
+def test_odd_sizes(backend, lead, vocab):
+    for dtype in (torch.float32, torch.bfloat16):
+        check(backend, dtype, lead, vocab, OPTIONS["hard"], "sum", seed=6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_logits(backend):
+    """Transposed and sliced views are read through their strides."""
+    g = torch.Generator().manual_seed(7)
+    base_s = torch.randn(40, 12, generator=g).to(DEVICE).requires_grad_()
+    base_t = torch.randn(80, 12, generator=g).to(DEVICE)
+    zs, zt = base_s.T, base_t.T[:, ::2][:, :40]
+    loss = logitless.jsd(zs, zt, backend=backend)
+    ref = jsd_reference(zs, zt)
+    assert_close_to_ref("loss", loss, None, ref, torch.float32)
+    assert_close_to_ref("dz", torch.autograd.grad(loss, base_s)[0], None,
+                        torch.autograd.grad(ref, base_s)[0], torch.float32)
+
+
+class _BigAllocations(TorchDispatchMode):
+    """Names of the ops that create a tensor of at least ``numel`` elements."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                inplace = func.overloadpacket.__name__.endswith("_")
+                if not (func.is_view or inplace or "out" in (kwargs or {})):
+                    self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_by_vocab_temporaries(backend):
+    """The forward allocates nothing of N x V; the backward only the gradient itself.
+    (A dispatch mode does not see inside a custom op: the backend is called directly.)"""
+    import importlib
+
+    from logitless._jsd_math import JSDOptions
+
+    n, v = 40, 160
+    zs, zt, target, kw = make_inputs((n,), v, torch.bfloat16, OPTIONS["all"], seed=1)
+    impl = importlib.import_module(f"logitless.jsd.{backend}_backend")
+    opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0,
+                      hard_label_weight=0.3)
+    with _BigAllocations(n * v) as fwd:
+        stats = impl.forward(zs.detach(), zt, target, opts, 4096)
+    assert fwd.ops == []
+    with _BigAllocations(n * v) as bwd:
+        impl.backward(torch.rand(n, device=DEVICE), zs.detach(), zt, target, stats, opts, 4096)
+    assert bwd.ops == ["aten.empty_like.default"]
+
+
+def test_allocation_recorder_sees_logits():
+    """The recorder above would catch an fp32 copy of the logits."""
+    zs = torch.randn(40, 160, dtype=torch.bfloat16)
+    with _BigAllocations(40 * 160) as rec:
+        jsd_reference(zs, zs, dtype=torch.float32)
+    assert rec.ops
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_repeatable_and_nan(backend):
+    zs, zt, target, kw = make_inputs((20,), 77, torch.bfloat16, OPTIONS["all"], seed=8)
+    a = logitless.jsd(zs, zt, target, backend=backend, reduction="none", **kw)
+    b = logitless.jsd(zs, zt, target, backend=backend, reduction="none", **kw)
+    assert torch.equal(a, b)
+    assert torch.equal(torch.autograd.grad(a.sum(), zs)[0], torch.autograd.grad(b.sum(), zs)[0])
+    zt = zt.clone()
+    zt[3, 5] = float("nan")
+    loss = logitless.jsd(zs, zt, target, backend=backend, reduction="none", **kw)
+    valid = target != -100
+    assert torch.isnan(loss[3]) == bool(valid[3])
+    others = torch.arange(20, device=DEVICE) != 3
+    assert not torch.isnan(loss[others]).any()
+
+
+def test_module_matches_function():
+    zs, zt, target, kw = make_inputs((2, 6), 40, torch.float32, OPTIONS["all"], seed=9)
+    mod = logitless.JSDLoss(backend="torch", **kw)
+    assert torch.equal(mod(zs, zt, target), logitless.jsd(zs, zt, target, backend="torch", **kw))
+
+
+def _bad_calls():
+    zs, zt, t = torch.randn(4, 10), torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    f = logitless.jsd
+    return {
+        "beta": (lambda: f(zs, zt, beta=-0.1), ValueError, "beta"),
+        "temperature": (lambda: f(zs, zt, temperature=float("inf")), ValueError, "temperature"),
+        "reduction": (lambda: f(zs, zt, reduction="batchmean"), ValueError, "reduction"),
+        "vocab": (lambda: f(zs, zt[:, :9]), ValueError, "vocabularies"),
+        "target-shape": (lambda: f(zs, zt, t[:2]), ValueError, "target has shape"),
+        "hard-no-target": (lambda: f(zs, zt, hard_label_weight=1.0), ValueError, "needs a target"),
+        "dtype": (lambda: f(zs.int(), zt), TypeError, "student_logits must be"),
+        "teacher-grad": (lambda: f(zs, zt.requires_grad_()), ValueError, "teacher_logits requires grad"),
+        "scalar": (lambda: f(torch.tensor(1.0), torch.tensor(1.0)), ValueError, "shape"),
+        "backend": (lambda: f(zs, zt, backend="jax"), ValueError, "backend"),
+        "out-of-range": (lambda: f(zs, zt, t + 10, hard_label_weight=1.0), ValueError, "outside"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_raises(case):
+    call, exc, match = _bad_calls()[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_opcheck_and_compile_fullgraph():
+    from torch.library import opcheck
+
+    zs, zt, target, kw = make_inputs((6,), 19, torch.float32, OPTIONS["all"], seed=10, device="cpu")
+    opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, "torch")
+    opcheck(torch.ops.logitless.jsd_forward.default, (zs, zt, target) + opts)
+    _, stats = torch.ops.logitless.jsd_forward(zs, zt, target, *opts)
+    opcheck(torch.ops.logitless.jsd_backward.default,
+            (torch.randn(6), zs.detach(), zt, target, stats.detach()) + opts)
+
+    def f(zs, zt, target):
+        return logitless.jsd(zs, zt, target, backend="torch", **kw)
+
+    eager = f(zs, zt, target)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(zs, zt, target)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(torch.autograd.grad(compiled, zs)[0], torch.autograd.grad(eager, zs)[0])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="host syncs only exist with a GPU")
+def test_no_host_sync_on_gpu():
+    zs, zt, target, kw = make_inputs((2, 50), 5000, torch.bfloat16, OPTIONS["all"], seed=11)
+    logitless.jsd(zs, zt, target, **kw).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logitless.jsd(zs, zt, target, **kw).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="too slow for the Triton CPU interpreter")
+def test_cuda_large_vocab():
+    for dtype in DTYPES:
+        check("triton", dtype, (64,), 128256, OPTIONS["all"], "mean", seed=12)

@@ -1,0 +1,499 @@
+"""linear_jsd against the float64 reference and finite differences, for every backend.
+
+Runs on the GPU when there is one; otherwise the Triton backend runs on the CPU
+interpreter (conftest.py), at small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import logitless
+from logitless.linear_jsd.reference import linear_jsd_reference
+from tests.conftest import DEVICE, HAS_CUDA
+from tests.helpers import TOL, AllocationRecorder, assert_close_to_ref
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+TEMPERATURES = [0.5, 1.0, 2.0]
+
+OPTIONS = {
+    "plain": {},
+    "ignore": {"_ignore": 0.3},
+    "bias": {"_bias": True},
+    "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
+    "hard": {"hard_label_weight": 0.5},
+    "shift": {"shift": True, "_ignore": 0.2},
+    "no-target": {"_no_target": True},
+    "all": {"_ignore": 0.3, "_bias": True, "student_softcap": 4.0, "teacher_softcap": 3.0,
+            "hard_label_weight": 0.3, "shift": True, "beta": 0.3, "temperature": 1.5},
+}
+
+
+def make_inputs(lead, hs, ht, vocab, dtype, opts, seed, device=DEVICE):
+    """Fresh random inputs: (student_x, student_weight, teacher_x, teacher_weight,
+    target, kwargs incl. biases). Student tensors require grad."""
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(*lead, hs, generator=g)
+    ws = torch.randn(vocab, hs, generator=g) * hs**-0.5 * 2
+    xt = torch.randn(*lead, ht, generator=g)
+    wt = torch.randn(vocab, ht, generator=g) * ht**-0.5 * 2
+    target = torch.randint(0, vocab, lead, generator=g)
+    if opts.get("_ignore"):
+        target[torch.rand(lead, generator=g) < opts["_ignore"]] = -100
+    kw = {k: v for k, v in opts.items() if not k.startswith("_")}
+    if opts.get("_bias"):
+        kw["student_bias"] = (torch.randn(vocab, generator=g) * 0.5).to(dtype).to(device).requires_grad_()
+        kw["teacher_bias"] = (torch.randn(vocab, generator=g) * 0.5).to(dtype).to(device)
+    xs = xs.to(dtype).to(device).requires_grad_()
+    ws = ws.to(dtype).to(device).requires_grad_()
+    target = None if opts.get("_no_target") else target.to(device)
+    return xs, ws, xt.to(dtype).to(device), wt.to(dtype).to(device), target, kw
+
+
+def check(backend, dtype, lead, hs, ht, vocab, opts, reduction, seed, budget=None, **extra):
+    xs, ws, xt, wt, target, kw = make_inputs(lead, hs, ht, vocab, dtype, opts, seed)
+    kw.update(extra)
+    loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction=reduction, backend=backend,
+                                memory_budget=budget, **kw)
+    ref = linear_jsd_reference(xs, ws, xt, wt, target, reduction=reduction, **kw)
+    same = linear_jsd_reference(xs, ws, xt, wt, target, reduction=reduction, dtype=dtype, **kw)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close_to_ref("loss", loss, same, ref, dtype)
+    grad_out = torch.randn(loss.shape, dtype=torch.float32, device=DEVICE) if reduction == "none" else None
+    inputs = [t for t in (xs, ws, kw.get("student_bias")) if t is not None]
+    ours = torch.autograd.grad(loss, inputs, grad_out)
+    refs = torch.autograd.grad(ref, inputs, grad_out.double() if grad_out is not None else None)
+    sames = torch.autograd.grad(same, inputs, grad_out.to(same.dtype) if grad_out is not None else None)
+    for name, o, r, s in zip(["dx", "dW", "db"], ours, refs, sames):
+        assert o.dtype == dtype
+        assert_close_to_ref(name, o, s, r, dtype)
+
+
+# ----------------------------------------------------------------- the math, float64
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_float64_torch_backend_matches_reference(beta, temperature, reduction):
+    """Loss and student gradients equal the definition (float64) for every beta, T and
+    reduction, with ignored tokens, differing hidden sizes, biases, soft-caps, hard labels."""
+    opts = dict(OPTIONS["all"], beta=beta, temperature=temperature)
+    xs, ws, xt, wt, target, kw = make_inputs((2, 7), 10, 13, 29, torch.float64, opts, seed=1, device="cpu")
+    loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction=reduction, backend="torch",
+                                memory_budget=4000, **kw)
+    ref = linear_jsd_reference(xs, ws, xt, wt, target, reduction=reduction, **kw)
+    torch.testing.assert_close(loss, ref, rtol=1e-11, atol=1e-12)
+    inputs = (xs, ws, kw["student_bias"])
+    go = torch.randn(loss.shape, dtype=torch.float64) if reduction == "none" else None
+    for o, r in zip(torch.autograd.grad(loss, inputs, go), torch.autograd.grad(ref, inputs, go)):
+        torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("option", ["plain", "all"])
+def test_finite_differences(beta, option):
+    """Student gradients (x, weight, bias) of the torch backend against finite differences."""
+    opts = dict(OPTIONS[option], beta=beta)
+    opts.setdefault("temperature", 0.7)
+    opts["_bias"] = True
+    xs, ws, xt, wt, target, kw = make_inputs((6,), 5, 7, 11, torch.float64, opts, seed=2, device="cpu")
+    bs = kw.pop("student_bias")
+
+    def f(xs, ws, bs):
+        return logitless.linear_jsd(xs, ws, xt, wt, target, student_bias=bs, backend="torch",
+                                    reduction="sum", **kw)
+
+    assert torch.autograd.gradcheck(f, (xs, ws, bs), eps=1e-6, atol=1e-7)
+
+
+def test_helion_gradient_is_rejected():
+    """The gradient (1 - beta)/T (p - m) of Helion's example disagrees with finite
+    differences; ours does not (so the finite-difference test can fail)."""
+    beta, t = 0.5, 1.0
+    zs = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    zt = torch.randn(4, 9, dtype=torch.float64)
+    loss = logitless.jsd(zs, zt, beta=beta, temperature=t, reduction="sum", backend="torch")
+    (ours,) = torch.autograd.grad(loss, zs)
+    eps = 1e-6
+    fd = torch.zeros_like(zs)
+    for i in range(zs.numel()):
+        d = torch.zeros_like(zs).view(-1)
+        d[i] = eps
+        d = d.view_as(zs)
+        fd.view(-1)[i] = (logitless.jsd(zs + d, zt, beta=beta, reduction="sum", backend="torch")
+                          - logitless.jsd(zs - d, zt, beta=beta, reduction="sum", backend="torch")) / (2 * eps)
+    p, q = F.softmax(zs.detach() / t, -1), F.softmax(zt / t, -1)
+    helion = (1 - beta) / t * (p - (beta * q + (1 - beta) * p))
+    assert (ours - fd).abs().max() < 1e-8
+    assert (helion - fd).abs().max() > 1e-3
+
+
+def trl_generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5,
+                             temperature=1.0, reduction="batchmean"):
+    """TRL's GKDTrainer.generalized_jsd_loss, rewritten here from its definition."""
+    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    else:
+        beta_t = torch.tensor(beta, dtype=student_log_probs.dtype)
+        mixture = torch.logsumexp(torch.stack([student_log_probs + torch.log(1 - beta_t),
+                                               teacher_log_probs + torch.log(beta_t)]), dim=0)
+        kl_teacher = F.kl_div(mixture, teacher_log_probs, reduction="none", log_target=True)
+        kl_student = F.kl_div(mixture, student_log_probs, reduction="none", log_target=True)
+        jsd = beta_t * kl_teacher + (1 - beta_t) * kl_student
+    if labels is not None:
+        mask = labels != -100
+        jsd = jsd[mask]
+    if reduction == "batchmean":
+        return jsd.sum() / mask.sum() if labels is not None else jsd.sum() / jsd.size(0)
+    if reduction == "sum":
+        return jsd.sum()
+    return jsd
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_equals_trl_generalized_jsd(beta, temperature):
+    """Same number as TRL's formula (batchmean over non-ignored tokens), from logits and
+    from hidden states (the logits being x @ W.T)."""
+    g = torch.Generator().manual_seed(3)
+    xs, ws = torch.randn(12, 8, generator=g, dtype=torch.float64), torch.randn(37, 8, generator=g, dtype=torch.float64)
+    xt, wt = torch.randn(12, 6, generator=g, dtype=torch.float64), torch.randn(37, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 37, (12,), generator=g)
+    labels[[2, 5]] = -100
+    trl = trl_generalized_jsd_loss(xs @ ws.T, xt @ wt.T, labels, beta=beta, temperature=temperature)
+    ours_logits = logitless.jsd(xs @ ws.T, xt @ wt.T, labels, beta=beta, temperature=temperature, backend="torch")
+    ours_linear = logitless.linear_jsd(xs, ws, xt, wt, labels, beta=beta, temperature=temperature, backend="torch")
+    torch.testing.assert_close(ours_logits, trl, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(ours_linear, trl, rtol=1e-12, atol=1e-13)
+    no_labels = trl_generalized_jsd_loss(xs @ ws.T, xt @ wt.T, beta=beta, temperature=temperature)
+    torch.testing.assert_close(logitless.linear_jsd(xs, ws, xt, wt, beta=beta, temperature=temperature,
+                                                    backend="torch"), no_labels, rtol=1e-12, atol=1e-13)
+
+
+def test_exact_kl_limits():
+    """beta = 0 and 1 are the two KLs exactly (the mixture form tends to 0 there)."""
+    zs, zt = torch.randn(5, 17, dtype=torch.float64), torch.randn(5, 17, dtype=torch.float64)
+    lp, lq = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
+    fwd = (lq.exp() * (lq - lp)).sum(-1)
+    rev = (lp.exp() * (lp - lq)).sum(-1)
+    torch.testing.assert_close(logitless.jsd(zs, zt, beta=0.0, reduction="none", backend="torch"), fwd)
+    torch.testing.assert_close(logitless.jsd(zs, zt, beta=1.0, reduction="none", backend="torch"), rev)
+    assert logitless.jsd(zs, zt, beta=1e-9, reduction="sum", backend="torch") < 1e-6
+
+
+def test_hard_label_term_is_student_ce_at_temperature_one():
+    zs, zt = torch.randn(6, 11, dtype=torch.float64), torch.randn(6, 11, dtype=torch.float64)
+    t = torch.randint(0, 11, (6,))
+    t[1] = -100
+    both = logitless.jsd(zs, zt, t, hard_label_weight=0.25, temperature=2.0, backend="torch")
+    soft = logitless.jsd(zs, zt, t, temperature=2.0, backend="torch")
+    torch.testing.assert_close(both - soft, 0.25 * F.cross_entropy(zs, t))
+
+
+# ----------------------------------------------------------------- backends and dtypes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_option(backend, option, dtype):
+    reduction = ["mean", "sum", "none"][len(option) % 3]
+    check(backend, dtype, (3, 7), 24, 40, 101, OPTIONS[option], reduction, seed=len(option))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_betas_all_options(backend, beta):
+    for dtype in (torch.float32, torch.bfloat16):
+        check(backend, dtype, (29,), 16, 32, 67, OPTIONS["all"], "mean", seed=4, beta=beta,
+              temperature=TEMPERATURES[int(beta * 10) % 3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "lead,hs,ht,vocab",
+    [((1,), 24, 24, 101), ((2, 5), 20, 12, 1009), ((33,), 17, 23, 67), ((1, 1), 8, 8, 3)],
+    ids=["one-token", "prime-V-3d", "H17-H23", "tiny"],
+)
+def test_odd_sizes(backend, lead, hs, ht, vocab):
+    opts = OPTIONS["ignore"] if math.prod(lead) > 1 else OPTIONS["hard"]
+    for dtype in (torch.float32, torch.bfloat16):
+        check(backend, dtype, lead, hs, ht, vocab, opts, "mean", seed=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_budget_many_chunks(backend):
+    """Budgets that split the forward into many token chunks and the backward into many
+    vocabulary chunks give the same result."""
+    check(backend, torch.float32, (37,), 24, 16, 211, OPTIONS["all"], "none", seed=13, budget=2048)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_and_all_ignored(backend, reduction):
+    for lead, ignore_all in (((0,), False), ((5,), True)):
+        xs, ws, xt, wt, target, _ = make_inputs(lead, 16, 16, 30, torch.float32, {}, seed=5)
+        if ignore_all:
+            target[:] = -100
+        loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction=reduction, backend=backend)
+        if reduction == "mean":
+            assert torch.isnan(loss)
+        elif reduction == "sum":
+            assert loss.item() == 0.0
+        else:
+            assert loss.shape == lead and (loss == 0).all()
+        dx, dw = torch.autograd.grad(loss.sum(), (xs, ws))
+        assert (dx == 0).all() and (dw == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_by_vocab_tensor(backend):
+    """Neither head's (tokens x vocab) logits, nor any other such tensor, is allocated.
+
+    A dispatch mode does not see inside a custom op (its kernels run with the mode
+    popped), so the backend's forward and backward are called directly as well."""
+    import importlib
+
+    from logitless._jsd_math import JSDOptions
+
+    n, v = 64, 160
+    budget = 8 * v * 16
+    xs, ws, xt, wt, target, kw = make_inputs((n,), 16, 24, v, torch.float32, OPTIONS["all"], seed=1)
+    impl = importlib.import_module(f"logitless.linear_jsd.{backend}_backend")
+    opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0,
+                      hard_label_weight=0.3)
+    bs, bt = kw["student_bias"].detach(), kw["teacher_bias"]
+    with AllocationRecorder() as rec:
+        stats = impl.forward(xs.detach(), ws.detach(), bs, xt, wt, bt, target, opts, budget)
+        g = torch.rand(n, device=DEVICE)
+        dx, dw, db = impl.backward(g, xs.detach(), ws.detach(), bs, xt, wt, bt, target, stats, opts,
+                                   budget, True, True, True)
+    assert 0 < rec.largest < n * v, f"{rec.largest_op} created {rec.largest} elements (N*V = {n * v})"
+    assert dx.shape == xs.shape and dw.shape == ws.shape and db.shape == bs.shape
+    with AllocationRecorder() as rec:  # the public path, for its own temporaries
+        logitless.linear_jsd(xs, ws, xt, wt, target, backend=backend, memory_budget=budget, **kw).backward()
+    assert rec.largest < n * v
+
+
+def test_allocation_recorder_sees_logits():
+    xs, ws = torch.randn(64, 16), torch.randn(160, 16)
+    with AllocationRecorder() as rec:
+        linear_jsd_reference(xs, ws, xs, ws, dtype=torch.float32)
+    assert rec.largest >= 64 * 160
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_repeatable(backend):
+    xs, ws, xt, wt, target, kw = make_inputs((40,), 24, 16, 131, torch.bfloat16, OPTIONS["all"], seed=2)
+    runs = []
+    for _ in range(2):
+        loss = logitless.linear_jsd(xs, ws, xt, wt, target, backend=backend, memory_budget=3000, **kw)
+        runs.append((loss, *torch.autograd.grad(loss, (xs, ws, kw["student_bias"]))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_input_gives_nan(backend):
+    xs, ws, xt, wt, target, _ = make_inputs((6,), 16, 16, 40, torch.float32, {}, seed=6)
+    with torch.no_grad():
+        xt[2, 3] = float("nan")
+    loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction="none", backend=backend)
+    assert torch.isnan(loss[2]) and not torch.isnan(loss[[0, 1, 3, 4, 5]]).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_student_weight(backend):
+    xs, ws, xt, wt, target, _ = make_inputs((9,), 16, 16, 40, torch.float32, {}, seed=7)
+    ws = ws.detach()
+    loss = logitless.linear_jsd(xs, ws, xt, wt, target, backend=backend)
+    ref = linear_jsd_reference(xs, ws, xt, wt, target)
+    (dx,), (rdx,) = torch.autograd.grad(loss, (xs,)), torch.autograd.grad(ref, (xs,))
+    assert_close_to_ref("dx", dx, None, rdx, torch.float32)
+
+
+def test_module_matches_function():
+    xs, ws, xt, wt, target, kw = make_inputs((2, 6), 16, 8, 40, torch.float32, OPTIONS["all"], seed=8)
+    fn_kw = {k: v for k, v in kw.items() if not k.endswith("_bias")}
+    mod = logitless.LinearJSDLoss(backend="torch", **fn_kw)
+    a = mod(xs, ws, xt, wt, target, kw["student_bias"], kw["teacher_bias"])
+    b = logitless.linear_jsd(xs, ws, xt, wt, target, backend="torch", **kw)
+    assert torch.equal(a, b)
+    assert "beta=0.3" in repr(mod)
+
+
+def test_teacher_requiring_grad_raises_and_no_grad_is_fine():
+    xs, ws, xt, wt, target, _ = make_inputs((4,), 8, 8, 10, torch.float32, {}, seed=9, device="cpu")
+    with pytest.raises(ValueError, match="teacher_weight requires grad"):
+        logitless.linear_jsd(xs, ws, xt, wt.requires_grad_(), target)
+    with torch.no_grad():
+        assert torch.isfinite(logitless.linear_jsd(xs, ws, xt, wt, target))
+
+
+def test_out_of_range_target_with_hard_labels_raises_on_cpu():
+    xs, ws, xt, wt, target, _ = make_inputs((4,), 8, 8, 10, torch.float32, {}, seed=9, device="cpu")
+    target[1] = 10
+    with pytest.raises(ValueError, match="outside"):
+        logitless.linear_jsd(xs, ws, xt, wt, target, hard_label_weight=0.5)
+    logitless.linear_jsd(xs, ws, xt, wt, target)  # without hard labels the value is never used
+
+
+def _bad_calls():
+    xs, ws = torch.randn(4, 8), torch.randn(10, 8)
+    xt, wt = torch.randn(4, 6), torch.randn(10, 6)
+    t = torch.zeros(4, dtype=torch.long)
+    f = logitless.linear_jsd
+    return {
+        "beta": (lambda: f(xs, ws, xt, wt, beta=1.5), ValueError, "beta"),
+        "temperature": (lambda: f(xs, ws, xt, wt, temperature=0.0), ValueError, "temperature"),
+        "reduction": (lambda: f(xs, ws, xt, wt, reduction="batchmean"), ValueError, "reduction"),
+        "softcap": (lambda: f(xs, ws, xt, wt, student_softcap=-1.0), ValueError, "student_softcap"),
+        "hard-weight": (lambda: f(xs, ws, xt, wt, t, hard_label_weight=-1.0), ValueError, "hard_label_weight"),
+        "hard-no-target": (lambda: f(xs, ws, xt, wt, hard_label_weight=0.5), ValueError, "needs a target"),
+        "vocab": (lambda: f(xs, ws, xt, torch.randn(11, 6)), ValueError, "vocabularies differ"),
+        "hidden": (lambda: f(xs, ws, xt, torch.randn(10, 7)), ValueError, "hidden size"),
+        "tokens": (lambda: f(xs, ws, xt[:3], wt), ValueError, "tokens must match"),
+        "weight-rank": (lambda: f(xs, ws[None], xt, wt), ValueError, "2-D"),
+        "target-shape": (lambda: f(xs, ws, xt, wt, t[:3]), ValueError, "target has shape"),
+        "target-dtype": (lambda: f(xs, ws, xt, wt, t.float()), TypeError, "int64 or int32"),
+        "x-dtype": (lambda: f(xs.int(), ws, xt, wt), TypeError, "student_x must be"),
+        "dtype-mismatch": (lambda: f(xs, ws, xt.double(), wt.double()), TypeError, "one dtype"),
+        "bias-shape": (lambda: f(xs, ws, xt, wt, student_bias=torch.randn(9)), ValueError, "student_bias"),
+        "empty-vocab": (lambda: f(xs, ws[:0], xt, wt[:0]), ValueError, "vocabulary is empty"),
+        "backend": (lambda: f(xs, ws, xt, wt, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(xs, ws, xt, wt, memory_budget=0), ValueError, "memory_budget"),
+        "shift-1d": (lambda: f(xs[0], ws, xt[0], wt, shift=True), ValueError, "shift"),
+        "device": (lambda: f(xs, ws, xt, wt.to("meta")), ValueError, "device"),
+        "teacher-grad": (lambda: f(xs, ws, xt.requires_grad_(), wt), ValueError, "teacher_x requires grad"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_raises(case):
+    call, exc, match = _bad_calls()[case]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ----------------------------------------------------------------- compile and autocast
+
+
+def test_opcheck_custom_ops():
+    from torch.library import opcheck
+
+    xs, ws, xt, wt, target, kw = make_inputs((5,), 8, 6, 13, torch.float32, OPTIONS["all"], seed=10, device="cpu")
+    opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, "torch")
+    fwd = (xs, ws, kw["student_bias"], xt, wt, kw["teacher_bias"], target) + opts
+    opcheck(torch.ops.logitless.linear_jsd_forward.default, fwd)
+    _, stats = torch.ops.logitless.linear_jsd_forward(*fwd)
+    bwd = (torch.randn(5), xs.detach(), ws.detach(), kw["student_bias"].detach(), xt, wt,
+           kw["teacher_bias"], target, stats.detach()) + opts + (True, True, True)
+    opcheck(torch.ops.logitless.linear_jsd_backward.default, bwd)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_fullgraph_torch_backend(reduction):
+    xs, ws, xt, wt, target, kw = make_inputs((2, 6), 8, 12, 23, torch.float32, OPTIONS["all"], seed=11, device="cpu")
+
+    def step(xs, ws, xt, wt, target, bs, bt):
+        kw2 = {k: v for k, v in kw.items() if not k.endswith("_bias")}
+        return logitless.linear_jsd(xs, ws, xt, wt, target, student_bias=bs, teacher_bias=bt,
+                                    reduction=reduction, backend="torch", **kw2).sum()
+
+    args = (xs, ws, xt, wt, target, kw["student_bias"], kw["teacher_bias"])
+    eager = step(*args)
+    ge = torch.autograd.grad(eager, (xs, ws))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    gc = torch.autograd.grad(compiled, (xs, ws))
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_autocast_casts_like_linear():
+    """Under autocast, fp32 tensors are cast to the autocast dtype (as F.linear), the loss
+    stays fp32 and fp32 parameters get fp32 gradients; outside it mixed dtypes raise."""
+    xs, ws, xt, wt, target, _ = make_inputs((6,), 16, 8, 30, torch.float32, {}, seed=12, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = logitless.linear_jsd(xs, ws, xt.bfloat16(), wt, target, backend="torch")
+    assert loss.dtype == torch.float32
+    dx, dw = torch.autograd.grad(loss, (xs, ws))
+    assert dx.dtype == torch.float32 and dw.dtype == torch.float32
+    ref = linear_jsd_reference(xs.bfloat16(), ws.bfloat16(), xt.bfloat16(), wt.bfloat16(), target)
+    assert abs(loss.item() - ref.item()) < 1e-4 * max(1.0, abs(ref.item()))
+    with pytest.raises(TypeError, match="one dtype"):
+        logitless.linear_jsd(xs, ws, xt.bfloat16(), wt, target)
+
+
+# ----------------------------------------------------------------- GPU only
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="host syncs only exist with a GPU")
+@pytest.mark.parametrize("budget", [None, 200_000])
+def test_no_host_sync_on_gpu(budget):
+    xs, ws, xt, wt, target, kw = make_inputs((2, 50), 64, 96, 1000, torch.bfloat16, OPTIONS["all"], seed=14)
+    logitless.linear_jsd(xs, ws, xt, wt, target, memory_budget=budget, **kw).backward()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logitless.linear_jsd(xs, ws, xt, wt, target, memory_budget=budget, **kw).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="too slow for the Triton CPU interpreter")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_larger_vocab(dtype):
+    check("triton", dtype, (300,), 136, 256, 50257, OPTIONS["all"], "mean", seed=5)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="a GPU-sized case")
+def test_cuda_compile_fullgraph_triton():
+    xs, ws, xt, wt, target, _ = make_inputs((4, 64), 128, 256, 4096, torch.bfloat16, {}, seed=15)
+    f = torch.compile(lambda *a: logitless.linear_jsd(*a), fullgraph=True)
+    torch.testing.assert_close(f(xs, ws, xt, wt, target), logitless.linear_jsd(xs, ws, xt, wt, target))
+
+
+def test_bench_distill_cpu_smoke(tmp_path):
+    """The distill suite runs end to end on the CPU (tiny case) and writes its files; the
+    logitless row agrees with the suite's own float64 reference."""
+    import json
+
+    from logitless.bench import cli
+
+    rc = cli.main(["--suite", "distill", "--cpu", "--quick", "--methods", "logitless,torch-eager",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "latest-distill-cpu.json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["logitless"]["status"] == "ok" and rows["torch-eager"]["status"] == "ok"
+    assert rows["logitless"]["loss_abs_err"] < 1e-5 and rows["logitless"]["dw_rel_err"] < 1e-5
+    assert (tmp_path / "latest-distill-cpu.md").read_text().count("| cpu-tiny |") == 2
+
+
+def test_compile_inductor_fullgraph_shift_and_hard_labels():
+    """The default torch.compile backend (inductor) around the custom ops, 3-D inputs."""
+    xs, ws, xt, wt, target, _ = make_inputs((2, 6), 8, 12, 23, torch.float32, {"_ignore": 0.2}, seed=16, device="cpu")
+
+    def step(xs, ws, xt, wt, target):
+        return logitless.linear_jsd(xs, ws, xt, wt, target, beta=0.3, temperature=1.5, hard_label_weight=0.2,
+                                    shift=True, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(xs, ws, xt, wt, target)
+    eager = step(xs, ws, xt, wt, target)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(torch.autograd.grad(compiled, (xs, ws)), torch.autograd.grad(eager, (xs, ws))):
+        torch.testing.assert_close(a, b)
