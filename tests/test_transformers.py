@@ -401,3 +401,25 @@ def test_trainer_gradient_accumulation(tmp_path, monkeypatch):
     for n in ref:
         torch.testing.assert_close(ours[n], ref[n], rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}")
         torch.testing.assert_close(ours_4x1[n], ref[n], rtol=1e-5, atol=1e-5, msg=lambda m: f"{n} 4x1: {m}")
+
+
+# ---------------------------------------------------------------------- benchmark harness
+
+
+def test_train_bench_harness_cpu(tmp_path):
+    """python -m logitless.bench --suite train on the CPU: tiny model, 3 steps, files written."""
+    import json
+
+    from logitless.bench import cli
+
+    rc = cli.main(["--suite", "train", "--cpu", "--steps", "3", "--modes", "autocast", "--no-big",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "latest-train-cpu.json").read_text())
+    runs = {r["name"]: r for r in data["runs"]}
+    assert set(runs) == {"hf-autocast", "logitless-autocast", "hf-seed2-autocast"}
+    assert all(len(r["losses"]) == 3 and not r.get("error") for r in runs.values())
+    hf, ours = runs["hf-autocast"]["losses"], runs["logitless-autocast"]["losses"]
+    assert abs(hf[0] - ours[0]) < 2e-2  # same model, same data, bf16 autocast
+    assert (tmp_path / "latest-train-cpu.md").read_text().count("NOT the benchmark") == 1
+    assert (tmp_path / "latest-train-cpu.png").exists()

@@ -23,6 +23,7 @@ examples:
   python -m logitless.bench --suite lce --shapes llama3.1-8b,deepseek-v3 --methods logitless,torch-compile
   python -m logitless.bench --suite ce --shapes '*-bf16' --max-minutes 9
   python -m logitless.bench --suite ce --shapes '*-fp32' --max-minutes 9 --append   # same files, both halves
+  python -m logitless.bench --suite train            # end-to-end HF training (python -m logitless.bench --suite train -h)
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
 """
@@ -36,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--suite", choices=("lce", "ce", "all"), default="all",
-                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits (default: all)")
+    p.add_argument("--suite", choices=("lce", "ce", "all", "train"), default="all",
+                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits; train: end-to-end HF "
+                   "training of a 1B model, its own options (--suite train -h) (default: all = lce and ce)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -106,6 +108,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the console script: `logitless bench ...`
         argv = argv[1:]
+    if "--suite=train" in argv or any(a == "--suite" and b == "train" for a, b in zip(argv, argv[1:])):
+        from . import train  # its own options
+
+        return train.main(argv)
     args = build_parser().parse_args(argv)
     try:
         sys.stdout.reconfigure(line_buffering=True)
