@@ -224,6 +224,11 @@ def test_unsupported_models_are_refused():
         lt.patch(MyLlama(transformers.LlamaConfig(**COMMON)))
 
     model = tiny("LlamaForCausalLM")
+    model.forward = lambda *a, **k: None  # another library's instance patch (liger's style)
+    with pytest.raises(ValueError, match="already replaced on this instance"):
+        lt.patch(model)
+
+    model = tiny("LlamaForCausalLM")
     model.loss_function = lambda *a, **k: 0
     with pytest.raises(ValueError, match="custom loss_function"):
         lt.patch(model)
@@ -371,7 +376,7 @@ class _Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def _trainer_params(tmp_path, patched, batch_size, accumulation, monkeypatch):
+def _trainer_params(tmp_path, patched, batch_size, accumulation, monkeypatch, bf16=False):
     calls = []
     real = lt.linear_cross_entropy
     monkeypatch.setattr(lt, "linear_cross_entropy", lambda *a, **k: calls.append(k) or real(*a, **k))
@@ -382,10 +387,12 @@ def _trainer_params(tmp_path, patched, batch_size, accumulation, monkeypatch):
         output_dir=str(tmp_path), per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
         max_steps=2, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         report_to=[], save_strategy="no", use_cpu=DEVICE.type == "cpu", seed=0, logging_steps=1,
-        disable_tqdm=True, dataloader_num_workers=0,
+        disable_tqdm=True, dataloader_num_workers=0, bf16=bf16,
     )
-    transformers.Trainer(model=model, args=args, train_dataset=_Rows()).train()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows())
+    trainer.train()
     assert bool(calls) == patched
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights, also with bf16=True
     if patched:
         assert all(k["reduction"] == "sum" for k in calls)  # Trainer passed num_items_in_batch
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -423,3 +430,13 @@ def test_train_bench_harness_cpu(tmp_path):
     assert abs(hf[0] - ours[0]) < 2e-2  # same model, same data, bf16 autocast
     assert (tmp_path / "latest-train-cpu.md").read_text().count("NOT the benchmark") == 1
     assert (tmp_path / "latest-train-cpu.png").exists()
+
+
+def test_trainer_bf16_autocast(tmp_path, monkeypatch):
+    """Trainer(bf16=True): accelerate wraps the patched forward in autocast; fp32 weights follow HF's."""
+    ref = _trainer_params(tmp_path, False, 2, 2, monkeypatch, bf16=True)
+    ours = _trainer_params(tmp_path, True, 2, 2, monkeypatch, bf16=True)
+    start = {n: p.detach() for n, p in tiny("LlamaForCausalLM", seed=2).named_parameters()}
+    for n in ref:
+        moved = (ref[n] - start[n]).norm()
+        assert (ours[n] - ref[n]).norm() <= 0.05 * moved + 1e-6, n

@@ -203,6 +203,10 @@ def _refusal(model) -> Optional[str]:
     reason = _check_forward_source(cls)
     if reason:
         return f"{name}: {reason}"
+    if "forward" in vars(model) and not is_patched(model) and "_original_forward" not in vars(model):
+        # (accelerate's autocast wrapper, which keeps _original_forward, is fine: it calls the original)
+        return (f"{name}.forward is already replaced on this instance by another library (e.g. liger-kernel's "
+                f"patch); patch a model without it")
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         return (f"{name}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear "

@@ -482,8 +482,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown method {m!r}: hf, logitless, liger")
     deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
     signal.signal(signal.SIGTERM, _on_sigterm)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
 
     meta = report.environment(device)
     data = {"suite": "train", "meta": meta, "runs": [], "big": [], "notes": [], "settings": {
