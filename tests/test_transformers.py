@@ -440,3 +440,32 @@ def test_trainer_bf16_autocast(tmp_path, monkeypatch):
     for n in ref:
         moved = (ref[n] - start[n]).norm()
         assert (ours[n] - ref[n]).norm() <= 0.05 * moved + 1e-6, n
+
+
+def test_train_bench_batch_probe_stops_at_out_of_memory(tmp_path):
+    """The larger-batch probe (GPU-only in the suite) on the CPU, an OOM simulated at 3 sequences."""
+    import argparse
+
+    from logitless.bench import train
+
+    class Stream(train.MarkovStream):
+        def batches(self, n, batch, seq, seed):
+            if batch >= 3:
+                raise torch.OutOfMemoryError("simulated")
+            return super().batches(n, batch, seq, seed)
+
+    args = argparse.Namespace(seed=0, lr=1e-3)
+    cfg = dict(train.CPU_MODEL, num_hidden_layers=1)
+    for method in ("hf", "logitless"):
+        res = train.big_batch_probe(method, "autocast", Stream(cfg["vocab_size"], 16, 0), cfg, args,
+                                    torch.device("cpu"), None, [1, 2, 3, 4], 8, checkpointing=True)
+        assert "error" not in res, res
+        assert [t["fits"] for t in res["tried"]] == [True, True, False]
+        assert res["max_tokens"] == 16 and res["limit_reached"]
+    data = {"meta": {"gpu": False, "device": "cpu", "torch": "", "cuda": None, "triton": None, "peers": {},
+                     "date": "2026", "command": "x"},
+            "settings": {"model_name": "t", "model": cfg, "batch": 1, "seq": 8, "lr": 1e-3, "warmup_steps": 1,
+                         "steps": 1, "active": 16, "modes": ["autocast"], "big_mode": "autocast"},
+            "runs": [], "big": [res], "notes": []}
+    text = train.markdown(train.summarize(data))
+    assert "| logitless | on | 16 |" in text

@@ -74,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="hf,logitless,liger", help="default %(default)s")
     p.add_argument("--no-spread", action="store_true", help="skip the hf re-run with another data order")
     p.add_argument("--no-big", action="store_true", help="skip the larger-batch probe")
-    p.add_argument("--big-batches", default="8,16,32,48,64,96,128",
-                   help="sequences per step tried by the larger-batch probe, ascending (default %(default)s)")
+    p.add_argument("--big-batches", default="4,6,8,10,12,14,16,20,24,32",
+                   help="sequences per step tried by the larger-batch probe without gradient checkpointing, "
+                   "ascending (default %(default)s)")
+    p.add_argument("--big-batches-ckpt", default="8,16,32,48,64,96,128",
+                   help="the same with gradient checkpointing (empty: skip) (default %(default)s)")
     p.add_argument("--big-mode", default="autocast", choices=("autocast", "bf16"))
     p.add_argument("--max-minutes", type=float, default=None,
                    help="time guard: stop (and save what was measured) after M minutes")
@@ -220,36 +223,36 @@ def train_run(name, method, mode, data, cfg_kwargs, args, device, deadline, seed
     return res
 
 
-def big_batch_probe(method, mode, stream, cfg_kwargs, args, device, deadline, sizes, seq):
-    """Largest batch (sequences of ``seq``) that trains one step, gradient checkpointing on."""
-    res = {"method": method, "mode": mode, "checkpointing": True, "tried": []}
+def big_batch_probe(method, mode, stream, cfg_kwargs, args, device, deadline, sizes, seq, checkpointing):
+    """Largest batch (sequences of ``seq``) that trains one step (growing until out of memory)."""
+    res = {"method": method, "mode": mode, "checkpointing": checkpointing, "tried": []}
     _free(device)
     model = opt = None
     try:
-        model = _build(cfg_kwargs, mode, method, device, args.seed, checkpointing=True)
+        model = _build(cfg_kwargs, mode, method, device, args.seed, checkpointing=checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+        gpu = device.type == "cuda"
         for b in sizes:
             if deadline is not None and time.monotonic() > deadline:
                 res["truncated"] = "time guard"
                 break
-            ids = stream.batches(1, b, seq, seed=99)[0].to(device)
-            loss = None
-            torch.cuda.reset_peak_memory_stats(device)
+            ids = loss = None
+            if gpu:
+                torch.cuda.reset_peak_memory_stats(device)
             try:
-                t0 = torch.cuda.Event(enable_timing=True)
-                t1 = torch.cuda.Event(enable_timing=True)
-                t0.record()
+                ids = stream.batches(1, b, seq, seed=99)[0].to(device)
+                t0 = time.perf_counter()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                t1.record()
-                torch.cuda.synchronize(device)
-                res["tried"].append({"batch": b, "tokens": b * seq, "fits": True, "ms": t0.elapsed_time(t1),
-                                     "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-                                     "loss": float(loss)})
-                del loss
+                if gpu:
+                    torch.cuda.synchronize(device)
+                res["tried"].append({"batch": b, "tokens": b * seq, "fits": True,
+                                     "ms": 1e3 * (time.perf_counter() - t0),
+                                     "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if gpu else None,
+                                     "loss": float(loss.detach())})
             except torch.OutOfMemoryError:
                 res["tried"].append({"batch": b, "tokens": b * seq, "fits": False})
                 break
@@ -257,7 +260,8 @@ def big_batch_probe(method, mode, stream, cfg_kwargs, args, device, deadline, si
                 ids = loss = None
                 opt.zero_grad(set_to_none=True)
                 gc.collect()
-                torch.cuda.empty_cache()
+                if gpu:
+                    torch.cuda.empty_cache()
         fits = [t for t in res["tried"] if t["fits"]]
         res["max_tokens"] = fits[-1]["tokens"] if fits else 0
         res["limit_reached"] = any(not t["fits"] for t in res["tried"])
@@ -349,18 +353,19 @@ def markdown(data) -> str:
                    f"{_fmt(r.get('curve_mean_abs_diff'), '.4f')} / {_fmt(r.get('curve_max_abs_diff'), '.4f')} | "
                    f"{_fmt(r.get('curve_final_diff'), '+.4f')} |")
     if data.get("big"):
-        out += ["", f"Larger batches (gradient checkpointing on, mode {s['big_mode']}, one step per size, "
-                "growing until out of memory):", "",
-                "| method | most tokens per step | its peak GiB | its step ms | first size that did not fit |",
-                "|---|---|---|---|---|"]
+        out += ["", f"Larger batches (mode {s['big_mode']}, one AdamW step per size, growing the batch of "
+                f"{s['seq']}-token sequences until out of memory):", "",
+                "| method | checkpointing | most tokens per step | its peak GiB | its step ms | first size that did not fit |",
+                "|---|---|---|---|---|---|"]
         for b in data["big"]:
+            ck = "on" if b["checkpointing"] else "off"
             if b.get("error"):
-                out.append(f"| {b['method']} | error: {b['error']} | | | |")
+                out.append(f"| {b['method']} | {ck} | error: {b['error']} | | | |")
                 continue
             fits = [t for t in b["tried"] if t["fits"]]
             nofit = [t for t in b["tried"] if not t["fits"]]
             last = fits[-1] if fits else {}
-            out.append(f"| {b['method']} | {b['max_tokens']} | {_fmt(last.get('peak_mib', 0) / 1024, '.1f')} | "
+            out.append(f"| {b['method']} | {ck} | {b['max_tokens']} | {_fmt((last.get('peak_mib') or 0) / 1024, '.1f')} | "
                        f"{_fmt(last.get('ms'), '.0f')} | "
                        f"{nofit[0]['tokens'] if nofit else 'none (largest size tried fits)'} |")
     if data.get("notes"):
@@ -445,7 +450,7 @@ def print_table(data):
               f"{_fmt(r['peak_gib'], '9.2f')} {_fmt(r.get('memory_vs_hf'), '7.3f')} {_fmt(r['final_loss'], '10.4f')} "
               f"{_fmt(r.get('curve_mean_abs_diff'), '11.4f')}")
     for b in data.get("big", []):
-        print(f"larger batch [{b['mode']}, checkpointing] {b['method']:<10} "
+        print(f"larger batch [{b['mode']}, checkpointing {'on' if b['checkpointing'] else 'off'}] {b['method']:<10} "
               + (f"error: {b['error']}" if b.get("error") else
                  f"max tokens/step {b['max_tokens']}{'' if b.get('limit_reached') else ' (no OOM up to the largest tried)'}"))
 
@@ -509,17 +514,22 @@ def main(argv=None) -> int:
             if cpu:
                 data["notes"].append("larger-batch probe: skipped on the CPU (it measures GPU memory)")
             else:
-                sizes = [int(s) for s in args.big_batches.split(",") if s]
-                for meth in [m for m in methods if m != "liger" or _importable("liger_kernel")]:
-                    if deadline is not None and time.monotonic() > deadline:
-                        data["notes"].append(f"larger-batch probe of {meth}: skipped by the time guard")
-                        continue
-                    b = big_batch_probe(meth, args.big_mode, stream, cfg_kwargs, args, device, deadline, sizes,
-                                        args.seq)
-                    data["big"].append(b)
-                    print(f"[big {meth}] " + (f"error: {b['error']}" if b.get("error") else
-                          f"max {b['max_tokens']} tokens/step; tried {[(t['batch'], t['fits']) for t in b['tried']]}"))
-                    save(data, out_dir)
+                for ckpt, sizes_arg in ((False, args.big_batches), (True, args.big_batches_ckpt)):
+                    sizes = [int(x) for x in sizes_arg.split(",") if x]
+                    for meth in [m for m in methods if m != "liger" or _importable("liger_kernel.transformers")]:
+                        if not sizes:
+                            break
+                        if deadline is not None and time.monotonic() > deadline:
+                            data["notes"].append(f"larger-batch probe of {meth} (checkpointing {ckpt}): skipped "
+                                                 "by the time guard")
+                            continue
+                        b = big_batch_probe(meth, args.big_mode, stream, cfg_kwargs, args, device, deadline, sizes,
+                                            args.seq, ckpt)
+                        data["big"].append(b)
+                        print(f"[big {meth} checkpointing={ckpt}] " + (f"error: {b['error']}" if b.get("error") else
+                              f"max {b['max_tokens']} tokens/step; tried "
+                              f"{[(t['batch'], t['fits']) for t in b['tried']]}"))
+                        save(data, out_dir)
         _curves(spread, data, cfg_kwargs, args, device, deadline, out_dir, cpu)
     except KeyboardInterrupt:
         interrupted = True
