@@ -4,14 +4,15 @@
 # 1. tests/test_transformers.py on CUDA (Triton backend)            -> $OUT/hf-pytest.log
 # 2. python -m logitless.bench --suite train: Llama-3.2-1B-shaped model, 4 x 2048 tokens/step,
 #    AdamW, 100 steps per curve, autocast (fp32 master weights) and pure bf16, for hf / logitless /
-#    liger; the larger-batch probe (gradient checkpointing on); hf re-run on another data order.
+#    liger; the larger-batch probe (without, then with gradient checkpointing, autocast); hf re-run
+#    on another data order (the spread).
 #    A time guard stops it (saving what it measured) so that the whole script ends by ~8.7 min.
 #    -> benchmarks/results/train-H100-<date>.json/.md/.png, copied to $OUT as hf-train.*,
 #       log in $OUT/hf-train.log; its summary table is printed last.
 # How to read the targets: in the table, rows logitless-autocast and logitless-bf16, columns
 # "x hf" (step time, then peak memory): targets <= 0.97 and <= 0.78; liger-* rows the same
 # columns for liger; "curve diff" of logitless vs that of hf-seed2 (the spread of two hf runs);
-# "larger batch" lines: most tokens per step each method fits.
+# "larger batch" lines: most tokens per step each method fits; "target" lines say met / NOT MET.
 set +e
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."

@@ -313,7 +313,32 @@ def summarize(data):
         if hf and spread and not hf.get("error") and not spread.get("error"):
             data.setdefault("spread", {})[mode] = curve_stats(spread, hf)
     data["summary"] = lines
+    data["targets"] = _targets(data, lines)
     return data
+
+
+def _targets(data, lines):
+    """Issue 9's targets, each with what this run measured: (text, measured, met or None)."""
+    rows = {r["run"]: r for r in lines}
+    out = []
+    for mode in data["settings"]["modes"]:
+        ours, liger = rows.get(f"logitless-{mode}", {}), rows.get(f"liger-{mode}", {})
+        t, m = ours.get("time_vs_hf"), ours.get("memory_vs_hf")
+        out.append((f"{mode}: step time <= 0.97x hf", t, None if t is None else t <= 0.97))
+        out.append((f"{mode}: peak memory <= 0.78x hf", m, None if m is None else m <= 0.78))
+        if liger.get("median_step_ms") and ours.get("median_step_ms"):
+            out.append((f"{mode}: faster than liger (time ratio ours/liger)",
+                        ours["median_step_ms"] / liger["median_step_ms"],
+                        ours["median_step_ms"] < liger["median_step_ms"]))
+        if liger.get("peak_gib") and ours.get("peak_gib"):
+            out.append((f"{mode}: smaller than liger (peak ratio ours/liger)", ours["peak_gib"] / liger["peak_gib"],
+                        ours["peak_gib"] < liger["peak_gib"]))
+        sp = data.get("spread", {}).get(mode)
+        if sp and ours.get("curve_mean_abs_diff") is not None:
+            d = ours["curve_mean_abs_diff"]
+            out.append((f"{mode}: curve mean abs diff to hf <= that of hf-seed2 ({sp['mean_abs_diff']:.4f})", d,
+                        d <= sp["mean_abs_diff"]))
+    return out
 
 
 def _fmt(v, spec):
@@ -368,6 +393,10 @@ def markdown(data) -> str:
             out.append(f"| {b['method']} | {ck} | {b['max_tokens']} | {_fmt((last.get('peak_mib') or 0) / 1024, '.1f')} | "
                        f"{_fmt(last.get('ms'), '.0f')} | "
                        f"{nofit[0]['tokens'] if nofit else 'none (largest size tried fits)'} |")
+    if data.get("targets"):
+        out += ["", "Targets (issue 9):", "", "| target | measured | met |", "|---|---|---|"]
+        out += [f"| {t} | {_fmt(v, '.4f')} | {'-' if ok is None else ('yes' if ok else 'NO')} |"
+                for t, v, ok in data["targets"]]
     if data.get("notes"):
         out += ["", "Notes:"] + [f"- {n}" for n in data["notes"]]
     out.append("")
@@ -449,6 +478,8 @@ def print_table(data):
         print(f"{r['run']:<22} {r['steps']:>5} {_fmt(r['median_step_ms'], '9.1f')} {_fmt(r.get('time_vs_hf'), '7.3f')} "
               f"{_fmt(r['peak_gib'], '9.2f')} {_fmt(r.get('memory_vs_hf'), '7.3f')} {_fmt(r['final_loss'], '10.4f')} "
               f"{_fmt(r.get('curve_mean_abs_diff'), '11.4f')}")
+    for t, v, ok in data.get("targets", []):
+        print(f"target {t}: {_fmt(v, '.4f')} {'-' if ok is None else ('met' if ok else 'NOT MET')}")
     for b in data.get("big", []):
         print(f"larger batch [{b['mode']}, checkpointing {'on' if b['checkpointing'] else 'off'}] {b['method']:<10} "
               + (f"error: {b['error']}" if b.get("error") else
