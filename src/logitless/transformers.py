@@ -21,7 +21,8 @@ code. The output has ``loss`` set and ``logits=None``. Without labels, or in eva
 
 The loss is transformers' ``ForCausalLMLoss``: labels shifted inside (or the caller's
 ``shift_labels``), ``ignore_index`` (-100 unless passed), mean over non-ignored tokens, or
-sum / ``num_items_in_batch`` when given (a tensor stays on the device: no host sync), plus
+sum / ``num_items_in_batch`` when given (a tensor stays on the device: no host sync); as in
+transformers, ``shift_labels`` without ``labels`` computes no loss. Plus
 the family's logit transform, known from an explicit allow-list (``SUPPORTED``):
 
 - soft-capping (Gemma 2, Gemma 3): ``config.final_logit_softcapping`` -> ``softcap=``.
