@@ -6,6 +6,7 @@ built from configs offline, compared against the same model unpatched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import subprocess
 import sys
@@ -289,10 +290,13 @@ def test_gradient_checkpointing():
     assert_same(out, grads, ref_out, ref_grads)
 
 
-def test_autocast_fp32_master_weights():
+@pytest.mark.parametrize("backward_in_autocast", [False, True], ids=["backward-outside", "backward-inside"])
+def test_autocast_fp32_master_weights(backward_in_autocast):
     """Under autocast the head is used as F.linear would: bf16 GEMMs, fp32 loss and fp32 grads.
 
-    Needs autocast support inside linear_cross_entropy (F.linear semantics).
+    Needs autocast support inside linear_cross_entropy (F.linear semantics). The backward
+    is called outside the autocast region (as Trainer/accelerate do) or inside it (also
+    common in user loops; torch's own ops support both).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -309,23 +313,31 @@ def test_autocast_fp32_master_weights():
             return out
 
     dev = DEVICE.type
+
+    def run(model, spy=None):
+        model.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            if spy is not None:
+                stack.enter_context(spy)
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+                if backward_in_autocast:
+                    out.loss.backward()
+            if not backward_in_autocast:
+                out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
     model = tiny("LlamaForCausalLM")
     ids, labels, mask = batch()
-    with torch.autocast(dev, dtype=torch.bfloat16):
-        ref_out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    ref_out.loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    ref_out, ref_grads = run(model)
     lt.patch(model)
     spy = VocabGemmDtypes()
-    with torch.autocast(dev, dtype=torch.bfloat16), spy:
-        out = model(input_ids=ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-    assert out.loss.dtype == torch.float32
+    out, grads = run(model, spy)
+    assert out.loss.dtype == torch.float32 and out.logits is None
     torch.testing.assert_close(out.loss, ref_out.loss.float(), rtol=2e-2, atol=2e-2)
     for n, p in model.named_parameters():
-        assert p.grad.dtype == torch.float32
-        rel = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm()
+        assert grads[n].dtype == torch.float32
+        rel = (grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()
         assert rel < 5e-2, f"{n}: relative gradient difference {rel:.3g}"
     if DEVICE.type == "cpu":  # the torch backend's GEMMs are visible here
         assert spy.dtypes == {torch.bfloat16}, f"vocab GEMMs ran in {spy.dtypes}, not bf16 as F.linear would"

@@ -21,12 +21,15 @@ mkdir -p "$OUT"
 start=$(date +%s)
 LIMIT=${HF_SH_LIMIT_S:-520}   # whole script, seconds
 
-PEERS=/tmp/peers-hf
-if ls .peers/liger_kernel-*.whl >/dev/null 2>&1; then
+PEERS=/tmp/peers
+if [ -f benchmarks/gpu/prelude.sh ]; then
+    . benchmarks/gpu/prelude.sh      # main's shared set-up: peers' wheels into /tmp/peers, PYTHONPATH
+elif ls .peers/liger_kernel-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-deps --no-index --target "$PEERS" .peers/liger_kernel-*.whl 2>&1 | tail -n 2
 else
     echo "no .peers/liger_kernel-*.whl: the liger rows will be skipped"
 fi
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tail -n 1
 
 echo "== tests/test_transformers.py (CUDA) =="
