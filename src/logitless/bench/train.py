@@ -533,7 +533,10 @@ def main(argv=None) -> int:
     main_data = stream.batches(args.steps, args.batch, args.seq, seed=args.seed)
     print(f"data: {args.steps} x {args.batch} x {args.seq} tokens ({time.perf_counter() - t0:.1f} s)")
 
-    plan = [(f"{meth}-{mode}", meth, mode, main_data) for mode in modes for meth in methods]
+    # hf and logitless in every mode first (the targets), then the peers
+    order = [m for m in methods if m != "liger"] + [m for m in methods if m == "liger"]
+    plan = [(f"{meth}-{mode}", meth, mode, main_data) for group in (order[:2], order[2:])
+            for mode in modes for meth in group]
     spread = []
     if not args.no_spread and "hf" in methods:
         other = stream.batches(args.steps, args.batch, args.seq, seed=args.seed + 1)
@@ -581,6 +584,12 @@ def main(argv=None) -> int:
 
 def _curves(plan, data, cfg_kwargs, args, device, deadline, out_dir, cpu):
     for name, meth, mode, d in plan:
+        # skip a run that would not finish: estimate = the last run of the same method (else the last run)
+        same = [r for r in data["runs"] if r["method"] == meth] or data["runs"]
+        estimate = same[-1].get("wall_s", 0) if same else 0
+        if deadline is not None and time.monotonic() + estimate > deadline:
+            data["notes"].append(f"{name}: skipped by the time guard (a run takes ~{estimate:.0f} s)")
+            continue
         if meth == "liger":
             if cpu:
                 data["notes"].append(f"{name}: skipped (liger-kernel needs a CUDA GPU)")
@@ -593,6 +602,7 @@ def _curves(plan, data, cfg_kwargs, args, device, deadline, out_dir, cpu):
             continue
         t = time.perf_counter()
         r = train_run(name, meth, mode, d, cfg_kwargs, args, device, deadline, args.seed)
+        r["wall_s"] = time.perf_counter() - t
         data["runs"].append(r)
         print(f"[{name}] " + (f"error: {r['error']}" if r.get("error") else
               f"{r['steps']} steps, median {r['median_step_ms']:.1f} ms/step, peak "
