@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--active", type=int, help="token ids used by the Markov stream (default 2048; CPU 128)")
     p.add_argument("--modes", default="autocast,bf16", help="autocast (bf16 autocast, fp32 master weights) "
                    "and/or bf16 (pure bf16 weights) (default %(default)s)")
-    p.add_argument("--methods", default="hf,logitless,liger", help="default %(default)s")
+    p.add_argument("--methods", default="hf,logitless,liger",
+                   help="hf, logitless (default memory budget), logitless@BUDGET (BUDGET: logits = the bf16 "
+                   "logits of a step, or a size like 1GiB), liger (default %(default)s)")
     p.add_argument("--no-spread", action="store_true", help="skip the hf re-run with another data order")
     p.add_argument("--no-big", action="store_true", help="skip the larger-batch probe")
     p.add_argument("--big-batches", default="4,6,8,10,12,14,16,20,24,32",
@@ -120,7 +122,15 @@ class Deadline(Exception):
     pass
 
 
-def _build(cfg_kwargs, mode, method, device, seed, checkpointing=False):
+def _budget(method, tokens, vocab=GPU_MODEL["vocab_size"]):
+    """memory_budget of a "logitless[@SPEC]" method: SPEC = default, logits (tokens x V x 2 bytes) or a size."""
+    from .peers import budget_bytes
+
+    spec = method.split("@", 1)[1] if "@" in method else "default"
+    return budget_bytes(spec, tokens, vocab, 2)
+
+
+def _build(cfg_kwargs, mode, method, device, seed, checkpointing=False, tokens=0):
     import transformers
 
     import logitless.transformers as lt
@@ -135,8 +145,9 @@ def _build(cfg_kwargs, mode, method, device, seed, checkpointing=False):
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    if method == "logitless":
-        lt.patch(model)
+    if method.startswith("logitless"):
+        budget = _budget(method, tokens, cfg_kwargs["vocab_size"])
+        lt.patch(model, **({} if budget is None else {"memory_budget": budget}))
     elif method == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -167,7 +178,7 @@ def train_run(name, method, mode, data, cfg_kwargs, args, device, deadline, seed
     t_build = time.perf_counter()
     model = opt = None
     try:
-        model = _build(cfg_kwargs, mode, method, device, args.seed)
+        model = _build(cfg_kwargs, mode, method, device, args.seed, tokens=res["tokens_per_step"])
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                 eps=1e-8, fused=gpu)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup_steps))
@@ -213,8 +224,8 @@ def train_run(name, method, mode, data, cfg_kwargs, args, device, deadline, seed
         res["step_ms"] = step_ms
         skip = min(5, done // 4)
         res["median_step_ms"] = statistics.median(step_ms[skip:]) if step_ms[skip:] else None
-        if method == "logitless":
-            res["logits_seen"] = False  # the patch returns logits=None in training
+        if method.startswith("logitless"):
+            res["memory_budget"] = _budget(method, res["tokens_per_step"], cfg_kwargs["vocab_size"])  # the patch returns logits=None in training
     except Exception as exc:  # noqa: BLE001 - OOM, a peer failing on this transformers: reported, not fatal
         res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
@@ -229,7 +240,8 @@ def big_batch_probe(method, mode, stream, cfg_kwargs, args, device, deadline, si
     _free(device)
     model = opt = None
     try:
-        model = _build(cfg_kwargs, mode, method, device, args.seed, checkpointing=checkpointing)
+        model = _build(cfg_kwargs, mode, method, device, args.seed, checkpointing=checkpointing,
+                       tokens=args.batch * seq)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
         gpu = device.type == "cuda"
         for b in sizes:
@@ -321,22 +333,24 @@ def _targets(data, lines):
     """Issue 9's targets, each with what this run measured: (text, measured, met or None)."""
     rows = {r["run"]: r for r in lines}
     out = []
-    for mode in data["settings"]["modes"]:
-        ours, liger = rows.get(f"logitless-{mode}", {}), rows.get(f"liger-{mode}", {})
+    variants = [m for m in data["settings"]["methods"] if m.startswith("logitless")]
+    for mode, variant in [(mode, v) for mode in data["settings"]["modes"] for v in variants]:
+        ours, liger = rows.get(f"{variant}-{mode}", {}), rows.get(f"liger-{mode}", {})
         t, m = ours.get("time_vs_hf"), ours.get("memory_vs_hf")
-        out.append((f"{mode}: step time <= 0.97x hf", t, None if t is None else t <= 0.97))
-        out.append((f"{mode}: peak memory <= 0.78x hf", m, None if m is None else m <= 0.78))
+        label = f"{mode} {variant}"
+        out.append((f"{label}: step time <= 0.97x hf", t, None if t is None else t <= 0.97))
+        out.append((f"{label}: peak memory <= 0.78x hf", m, None if m is None else m <= 0.78))
         if liger.get("median_step_ms") and ours.get("median_step_ms"):
-            out.append((f"{mode}: faster than liger (time ratio ours/liger)",
+            out.append((f"{label}: faster than liger (time ratio ours/liger)",
                         ours["median_step_ms"] / liger["median_step_ms"],
                         ours["median_step_ms"] < liger["median_step_ms"]))
         if liger.get("peak_gib") and ours.get("peak_gib"):
-            out.append((f"{mode}: smaller than liger (peak ratio ours/liger)", ours["peak_gib"] / liger["peak_gib"],
+            out.append((f"{label}: smaller than liger (peak ratio ours/liger)", ours["peak_gib"] / liger["peak_gib"],
                         ours["peak_gib"] < liger["peak_gib"]))
         sp = data.get("spread", {}).get(mode)
         if sp and ours.get("curve_mean_abs_diff") is not None:
             d = ours["curve_mean_abs_diff"]
-            out.append((f"{mode}: curve mean abs diff to hf <= that of hf-seed2 ({sp['mean_abs_diff']:.4f})", d,
+            out.append((f"{label}: curve mean abs diff to hf <= that of hf-seed2 ({sp['mean_abs_diff']:.4f})", d,
                         d <= sp["mean_abs_diff"]))
     return out
 
@@ -514,8 +528,13 @@ def main(argv=None) -> int:
         if m not in ("autocast", "bf16"):
             raise SystemExit(f"unknown mode {m!r}: autocast, bf16")
     for m in methods:
-        if m not in ("hf", "logitless", "liger"):
-            raise SystemExit(f"unknown method {m!r}: hf, logitless, liger")
+        if m not in ("hf", "logitless", "liger") and not m.startswith("logitless@"):
+            raise SystemExit(f"unknown method {m!r}: hf, logitless, logitless@BUDGET, liger")
+        if m.startswith("logitless@"):
+            try:
+                _budget(m, 1)
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
     deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
     signal.signal(signal.SIGTERM, _on_sigterm)
 
@@ -534,8 +553,8 @@ def main(argv=None) -> int:
     print(f"data: {args.steps} x {args.batch} x {args.seq} tokens ({time.perf_counter() - t0:.1f} s)")
 
     # hf and logitless in every mode first (the targets), then the peers
-    order = [m for m in methods if m != "liger"] + [m for m in methods if m == "liger"]
-    plan = [(f"{meth}-{mode}", meth, mode, main_data) for group in (order[:2], order[2:])
+    first = [m for m in methods if m != "liger"]
+    plan = [(f"{meth}-{mode}", meth, mode, main_data) for group in (first, [m for m in methods if m == "liger"])
             for mode in modes for meth in group]
     spread = []
     if not args.no_spread and "hf" in methods:
@@ -550,7 +569,8 @@ def main(argv=None) -> int:
             else:
                 for ckpt, sizes_arg in ((False, args.big_batches), (True, args.big_batches_ckpt)):
                     sizes = [int(x) for x in sizes_arg.split(",") if x]
-                    for meth in [m for m in methods if m != "liger" or _importable("liger_kernel.transformers")]:
+                    probe = [m for m in methods if "@" not in m]  # default budgets only
+                    for meth in [m for m in probe if m != "liger" or _importable("liger_kernel.transformers")]:
                         if not sizes:
                             break
                         if deadline is not None and time.monotonic() > deadline:
