@@ -466,7 +466,7 @@ def test_train_bench_batch_probe_stops_at_out_of_memory(tmp_path):
                 raise torch.OutOfMemoryError("simulated")
             return super().batches(n, batch, seq, seed)
 
-    args = argparse.Namespace(seed=0, lr=1e-3)
+    args = argparse.Namespace(seed=0, lr=1e-3, batch=1)
     cfg = dict(train.CPU_MODEL, num_hidden_layers=1)
     for method in ("hf", "logitless"):
         res = train.big_batch_probe(method, "autocast", Stream(cfg["vocab_size"], 16, 0), cfg, args,
