@@ -477,7 +477,8 @@ def test_train_bench_batch_probe_stops_at_out_of_memory(tmp_path):
     data = {"meta": {"gpu": False, "device": "cpu", "torch": "", "cuda": None, "triton": None, "peers": {},
                      "date": "2026", "command": "x"},
             "settings": {"model_name": "t", "model": cfg, "batch": 1, "seq": 8, "lr": 1e-3, "warmup_steps": 1,
-                         "steps": 1, "active": 16, "modes": ["autocast"], "big_mode": "autocast"},
+                         "steps": 1, "active": 16, "modes": ["autocast"], "methods": ["hf", "logitless"],
+                         "big_mode": "autocast"},
             "runs": [], "big": [res], "notes": []}
     text = train.markdown(train.summarize(data))
     assert "| logitless | on | 16 |" in text
