@@ -26,6 +26,7 @@ examples:
   python -m logitless.bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
   python -m logitless.bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless.bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
+  python -m logitless.bench --suite train            # end-to-end HF training (python -m logitless.bench --suite train -h)
   python -m logitless.bench --list                   # shapes and methods
   python -m logitless.bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
   python -m logitless.bench compare OLD.json NEW.json   # regression report (markdown beside NEW.json)
@@ -33,7 +34,7 @@ examples:
 
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lce: fused linear cross-entropy; ce: cross-entropy on logits; all: both; "
                    "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16; "
                    "models: the lce suite on 26 real LM-head shapes (files models-<device>-*); "
-                   "distill: fused linear JSD (default: all)")
+                   "distill: fused linear JSD; train: end-to-end HF training of a 1B model, its own "
+                   "options (--suite train -h) (default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -122,6 +124,10 @@ def main(argv=None) -> int:
         from .compare import main as compare_main
 
         return compare_main(argv[1:])
+    if "--suite=train" in argv or any(a == "--suite" and b == "train" for a, b in zip(argv, argv[1:])):
+        from . import train  # its own options
+
+        return train.main(argv)
     args = build_parser().parse_args(argv)
     try:
         sys.stdout.reconfigure(line_buffering=True)
