@@ -1,17 +1,29 @@
 """logitless: cross-entropy losses of language models without materialising the logits."""
 
-from ._loss_math import LossStats
-from ._plans import DEFAULT_MEMORY_BUDGET
-from .cross_entropy import CrossEntropyLoss, cross_entropy
-from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+# The PyTorch ops are exported when torch is installed. Without torch the package still
+# imports, so that ``logitless.jax`` (which needs only jax) works in a torch-free
+# environment; then only the JAX side is usable. Any other import error propagates.
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - exercised in the torch-free environment
+    if _exc.name != "torch":
+        raise
+    __all__: list = []
+    del _exc
+else:
+    del _torch
+    from ._loss_math import LossStats
+    from ._plans import DEFAULT_MEMORY_BUDGET
+    from .cross_entropy import CrossEntropyLoss, cross_entropy
+    from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+
+    __all__ = [
+        "linear_cross_entropy",
+        "LinearCrossEntropyLoss",
+        "cross_entropy",
+        "CrossEntropyLoss",
+        "LossStats",
+        "DEFAULT_MEMORY_BUDGET",
+    ]
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "linear_cross_entropy",
-    "LinearCrossEntropyLoss",
-    "cross_entropy",
-    "CrossEntropyLoss",
-    "LossStats",
-    "DEFAULT_MEMORY_BUDGET",
-]

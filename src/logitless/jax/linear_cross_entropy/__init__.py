@@ -12,8 +12,8 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
 
 ``forward(x2d, w, bias, target, *, softcap, need_smooth, budget) -> (lse, target_logit, smooth_sum)``
     x2d:     (N, H) bf16/f16/f32, N >= 1
-    w:       (V, H), same dtype as x2d (the api transposes an "hv" weight once... see
-             api.py: "hv" weights are passed as ``w.T``, which XLA fuses into the dots)
+    w:       (V, H), same dtype as x2d (the api passes an "hv" weight as ``weight.T``;
+             its gradient flows back through that transpose)
     bias:    (V,) same dtype as w, or None
     target:  (N,) int32; ignored or out-of-range targets may hold any value: the
              backend must not fail on them (target_logit there may be anything finite
