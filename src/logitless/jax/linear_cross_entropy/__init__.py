@@ -35,6 +35,11 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
         db = sum_n dz (V,) in bias.dtype, or None when bias is None.
     Accumulate in fp32 and cast once. No class weights on the JAX side.
 
+``NATIVE_HV = True`` (optional module constant): forward and backward also accept a
+keyword ``weight_layout="hv"`` with w of shape (H, V) (and return dw (H, V)); the api
+then passes flax-style kernels without a transposed copy. Without it, the api passes
+``weight.T``.
+
 ``is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool`` (optional
 module-level function): False makes ``implementation=None`` fall back to "xla"; an
 explicit ``implementation="<name>"`` on an unsupported case raises ValueError.

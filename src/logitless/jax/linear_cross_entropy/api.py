@@ -76,14 +76,17 @@ class _Config(NamedTuple):
     opts: lm.LossOptions
     backend: str
     budget: int
+    num_classes: int
+    layout_kw: tuple  # (("weight_layout", "hv"),) for backends that take (H, V) natively
 
 
 def _stats_and_loss(x2d, w, bias, target, cfg: _Config):
     opts = cfg.opts
     module = backend_module(cfg.backend)
     lse, zt, ss = module.forward(x2d, w, bias, target, softcap=opts.softcap,
-                                 need_smooth=opts.needs_smooth_sum, budget=cfg.budget)
-    loss_tok = lm.token_loss(lse, zt, ss, target, w.shape[0], opts)
+                                 need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
+                                 **dict(cfg.layout_kw))
+    loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts)
     return lm.reduce_loss(loss_tok, target, opts), lse
 
 
@@ -102,9 +105,10 @@ def _lce_bwd(cfg, res, cotangents):
     g_loss, _ = cotangents  # lse is an auxiliary output: no gradient flows through it
     opts = cfg.opts
     g = lm.upstream_per_token(g_loss, target, opts)
-    coef = lm.grad_coefficients(lse, target, g, w.shape[0], opts)
+    coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts)
     dx, dw, db = backend_module(cfg.backend).backward(
-        x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget)
+        x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
+        **dict(cfg.layout_kw))
     return dx, dw, db, None
 
 
@@ -190,15 +194,14 @@ def linear_cross_entropy(
         raise ValueError("x must have at least one dimension (..., H)")
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
-    w = weight if weight_layout == "vh" else weight.T
-    num_classes, hidden = w.shape
+    num_classes, hidden = weight.shape if weight_layout == "vh" else weight.shape[::-1]
     if num_classes == 0:
         raise ValueError("weight has no classes: the vocabulary is empty")
     if x.shape[-1] != hidden:
         raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} "
                          f"(weight_layout={weight_layout!r})")
-    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
-        raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(w.dtype).name}; they must match")
+    if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
+        raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
     if not hasattr(target, "dtype") or not jnp.issubdtype(target.dtype, jnp.integer):
         raise TypeError(f"target must be an integer array, got {getattr(target, 'dtype', type(target).__name__)}")
     if tuple(target.shape) != tuple(x.shape[:-1]):
@@ -208,8 +211,8 @@ def linear_cross_entropy(
         _check_float("bias", bias)
         if tuple(bias.shape) != (num_classes,):
             raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
-        if jnp.dtype(bias.dtype) != jnp.dtype(w.dtype):
-            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(w.dtype).name}; they must match")
+        if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
+            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
 
     out_shape = tuple(target.shape)
     x2d = jnp.reshape(x, (-1, hidden))
@@ -220,8 +223,16 @@ def linear_cross_entropy(
         lse = loss
         loss = lm.reduce_loss(loss, flat_target, opts)
     else:
-        backend = choose_backend(implementation, x2d.shape, w.shape, x2d.dtype, opts.softcap, bias is not None)
-        loss, lse = _lce(x2d, w, bias, flat_target, _Config(opts, backend, budget))
+        backend = choose_backend(implementation, x2d.shape, (num_classes, hidden), x2d.dtype,
+                                 opts.softcap, bias is not None)
+        w, layout_kw = weight, ()
+        if weight_layout == "hv":
+            if getattr(backend_module(backend), "NATIVE_HV", False):
+                layout_kw = (("weight_layout", "hv"),)
+            else:
+                w = weight.T  # (V, H) for the backend; the gradient flows back through .T
+        cfg = _Config(opts, backend, budget, num_classes, layout_kw)
+        loss, lse = _lce(x2d, w, bias, flat_target, cfg)
     if opts.reduction == "none":
         loss = jnp.reshape(loss, out_shape)
     if not return_stats:
