@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--suite", choices=("lce", "ce", "all"), default="all",
-                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits (default: all)")
+    p.add_argument("--suite", choices=("lce", "ce", "all", "jax"), default="all",
+                   help="lce: fused linear cross-entropy; ce: cross-entropy on logits (default: all: both); "
+                   "jax: the JAX op (its own options: --suite jax --help)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
@@ -106,6 +107,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the console script: `logitless bench ...`
         argv = argv[1:]
+    from .jax_suite import wants_jax
+
+    if wants_jax(argv):
+        from .jax_suite import main as jax_main
+
+        return jax_main(argv)
     args = build_parser().parse_args(argv)
     try:
         sys.stdout.reconfigure(line_buffering=True)
