@@ -305,24 +305,22 @@ def test_automatic_backend_choice():
 
 @pytest.mark.parametrize("layout", ["vh", "hv"])
 def test_memory_stays_within_the_budget(layout):
-    n, h, v = 512, 256, 32768  # logits: 64 MiB in fp32
-    budget = 4 * 2**20
-    x = jnp.zeros((n, h), jnp.float32)
-    w = jnp.zeros((v, h) if layout == "vh" else (h, v), jnp.float32)
-    t = jnp.zeros((n,), jnp.int32)
-
-    def step(x, w):
-        return jax.value_and_grad(
-            lambda x, w: linear_cross_entropy(x, w, t, memory_budget=budget, weight_layout=layout),
-            argnums=(0, 1))(x, w)
-
-    for fn in (step, lambda x, w: linear_cross_entropy(x, w, t, memory_budget=budget, weight_layout=layout)):
-        mem = jax.jit(fn).lower(x, w).compile().memory_analysis()
+    # Compiled only (abstract shapes, nothing runs): fp32 logits would take 1 GiB.
+    n, h, v = 4096, 512, 65536
+    budget = 64 * 2**20
+    x = jax.ShapeDtypeStruct((n, h), jnp.float32)
+    w = jax.ShapeDtypeStruct((v, h) if layout == "vh" else (h, v), jnp.float32)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+    loss = lambda x, w, t: linear_cross_entropy(x, w, t, memory_budget=budget, weight_layout=layout)
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    # XLA's small buffers (per-token vectors, loop state); on GPUs also the GEMM workspace.
+    slack = 2 * 2**20 if jax.devices()[0].platform == "cpu" else 96 * 2**20
+    for fn in (loss, step):
+        mem = jax.jit(fn).lower(x, w, t).compile().memory_analysis()
         if mem is None:
             pytest.skip("this backend gives no memory analysis")
-        slack = 2**20  # XLA's small buffers (per-token vectors, loop state)
-        assert mem.temp_size_in_bytes <= budget + slack, mem
-        assert mem.temp_size_in_bytes < n * v * 4 / 4, mem
+        assert mem.temp_size_in_bytes <= budget + slack, (fn, mem.temp_size_in_bytes)
+        assert mem.temp_size_in_bytes < n * v * 4 / 4, (fn, mem.temp_size_in_bytes)
 
 
 def test_importing_logitless_jax_never_needs_torch():
