@@ -24,11 +24,11 @@ export PYTHONPATH="src:$PEERS"
 
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/jax-pytest.log"
 
-echo "=== tests_jax on the GPU (cap 150 s) ==="
-timeout 150 "$PY" -m pytest tests_jax -q -ra 2>&1 | tee -a "$OUT/jax-pytest.log" | tail -15
+echo "=== tests_jax on the GPU (cap 170 s) ==="
+timeout 170 "$PY" -m pytest tests_jax -q -ra 2>&1 | tee -a "$OUT/jax-pytest.log" | tail -15
 
-echo "=== jax benchmark suite (cap 330 s) ==="
-timeout 330 "$PY" -m logitless.bench --suite jax --max-minutes 4.5 2>&1 | tee "$OUT/jax-bench.log" | grep -v "^WARNING:absl" | tail -3
+echo "=== jax benchmark suite (cap 300 s) ==="
+timeout 300 "$PY" -m logitless.bench --suite jax --max-minutes 4.2 2>&1 | tee "$OUT/jax-bench.log" | grep -v "^WARNING:absl" | tail -3
 for f in benchmarks/results/latest-jax-*.json benchmarks/results/latest-jax-*.md benchmarks/results/latest-jax-*.png; do
     case "$f" in *-cpu.*) continue ;; esac
     [ -f "$f" ] && cp "$f" "$OUT/"
