@@ -10,12 +10,12 @@ target)`` (with ignore_index, label smoothing and z-loss as the PyTorch op) with
 from __future__ import annotations
 
 import importlib
+import warnings
 from functools import partial
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _loss_math as lm
 from .._plans import check_memory_budget
@@ -64,6 +64,10 @@ def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias)
         try:
             module = backend_module("mosaic_gpu")
         except ImportError:
+            return "xla"
+        except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
+            warnings.warn(f"logitless.jax: the mosaic_gpu backend failed to import ({exc!r}); using xla",
+                          RuntimeWarning, stacklevel=3)
             return "xla"
         if _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
             return "mosaic_gpu"
