@@ -343,3 +343,8 @@ def test_importing_logitless_jax_never_needs_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert abs(float(out.stdout.strip()) - np.log(5)) < 1e-6
+
+
+def test_float16_inputs():
+    x, w, t, b = inputs(29, 24, 307, "float16", bias=True, ignore=(5,))
+    _check(x, w, t, b, "float16", dict(z_loss=1e-3, softcap=6.0), budget=SMALL_BUDGET)
