@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY="${PYTHON:-python3}"
 
 # Peers (tokamax and its deps) from .peers/, plus the xprof stub tokamax imports at load.
-PEERS=/tmp/peers
+PEERS="${PEERS:-/tmp/peers}"
 if ls .peers/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-deps --no-index --target "$PEERS" .peers/*.whl 2>&1 | tail -2
 fi
