@@ -1,23 +1,41 @@
-"""logitless: cross-entropy and distillation losses of language models without materialising the logits."""
+"""logitless: cross-entropy and distillation losses of language models without materialising the logits.
 
-from ._loss_math import LossStats
-from ._plans import DEFAULT_MEMORY_BUDGET
-from .cross_entropy import CrossEntropyLoss, cross_entropy
-from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
-from .jsd import JSDLoss, jsd
-from .linear_jsd import LinearJSDLoss, linear_jsd
+The PyTorch ops are loaded on first use (PEP 562 ``__getattr__``), so ``import logitless``
+imports neither torch nor jax, and ``import logitless.jax`` works in a torch-free
+environment and never imports torch where both are installed.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "linear_cross_entropy",
-    "LinearCrossEntropyLoss",
-    "cross_entropy",
-    "CrossEntropyLoss",
-    "linear_jsd",
-    "LinearJSDLoss",
-    "jsd",
-    "JSDLoss",
-    "LossStats",
-    "DEFAULT_MEMORY_BUDGET",
-]
+#: Public name -> the submodule that defines it (PyTorch side).
+_EXPORTS = {
+    "linear_cross_entropy": ".linear_cross_entropy",
+    "LinearCrossEntropyLoss": ".linear_cross_entropy",
+    "cross_entropy": ".cross_entropy",
+    "CrossEntropyLoss": ".cross_entropy",
+    "linear_jsd": ".linear_jsd",
+    "LinearJSDLoss": ".linear_jsd",
+    "jsd": ".jsd",
+    "JSDLoss": ".jsd",
+    "LossStats": "._loss_math",
+    "DEFAULT_MEMORY_BUDGET": "._plans",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'logitless' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

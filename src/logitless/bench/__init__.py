@@ -8,9 +8,16 @@ Where to look:
     ce.py         suite ce: cross-entropy on materialised logits (bandwidth-bound)
     reference.py  float64 references, chunked over tokens, for the error columns
     report.py     JSON / markdown files and the printed tables; plot.py: the PNG
+    jax_suite.py  suite jax: the JAX op vs XLA with logits, tokamax, a GEMM (no torch needed)
 The lce shapes are in ``logitless/linear_cross_entropy/bench_shapes.py``.
 """
 
-from .cli import main
+try:
+    from .cli import main
+except ImportError as _exc:  # no torch: only ``--suite jax`` runs (see __main__.py)
+    if _exc.name != "torch":
+        raise
+    from .jax_suite import main
+    del _exc
 
 __all__ = ["main"]

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Install and run every test, in two environments (jax 0.11.2 needs Python >= 3.12, the
+# CPU torch 2.13.0 wheel exists for 3.11 here, and the JAX side must work without torch):
+#   .venv      python3 (3.11) + torch 2.13.0 CPU + ".[test]"   -> python -m pytest tests
+#   .venv-jax  Python 3.12 (pyenv or python3.12), ".[jax-test]", no torch -> python -m pytest tests_jax
+# Exits 0 only if both sets ran tests and passed. Extra arguments go to both pytest runs.
+# Override the interpreters with PYTHON_TORCH=... / PYTHON_JAX=...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+find_py312() {
+    if [ -n "${PYTHON_JAX:-}" ]; then echo "$PYTHON_JAX"; return; fi
+    if command -v pyenv >/dev/null 2>&1; then
+        local p
+        p="$(pyenv root)/versions/3.12.1/bin/python"
+        if [ -x "$p" ]; then echo "$p"; return; fi
+        for p in "$(pyenv root)"/versions/3.12*/bin/python; do
+            if [ -x "$p" ]; then echo "$p"; return; fi
+        done
+    fi
+    for p in python3.12 python3.13 python3; do
+        if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+            command -v "$p"; return
+        fi
+    done
+    return 1
+}
+
+status=0
+py_torch="${PYTHON_TORCH:-python3}"
+
+echo "=== PyTorch tests: $py_torch -> .venv (torch 2.13.0) ==="
+if [ ! -x .venv/bin/python ]; then "$py_torch" -m venv .venv || exit 1; fi
+.venv/bin/python -m pip install -q --upgrade pip
+if .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]"; then
+    .venv/bin/python -m pytest tests "$@"
+    rc=$?
+    echo "PyTorch tests: exit $rc"
+    [ $rc -eq 0 ] || status=1
+else
+    echo "PyTorch environment: install failed"; status=1
+fi
+
+py_jax="$(find_py312)" || { echo "no Python >= 3.12 found for the JAX tests (set PYTHON_JAX)"; exit 1; }
+echo "=== JAX tests: $py_jax -> .venv-jax (jax 0.11.2, no torch) ==="
+if [ ! -x .venv-jax/bin/python ]; then "$py_jax" -m venv .venv-jax || exit 1; fi
+.venv-jax/bin/python -m pip install -q --upgrade pip
+if .venv-jax/bin/python -m pip install -q -e ".[jax-test]"; then
+    .venv-jax/bin/python -m pytest tests_jax "$@"
+    rc=$?
+    echo "JAX tests: exit $rc"
+    [ $rc -eq 0 ] || status=1
+else
+    echo "JAX environment: install failed"; status=1
+fi
+
+[ $status -eq 0 ] && echo "all tests passed (PyTorch and JAX)" || echo "FAILED (see above)"
+exit $status

@@ -1,0 +1,22 @@
+"""logitless for JAX: the fused linear cross-entropy without the logits (needs only jax).
+
+    from logitless.jax import linear_cross_entropy
+    loss = linear_cross_entropy(hidden, lm_head_kernel, labels, weight_layout="hv")
+
+``linear_softmax_cross_entropy_loss`` is a drop-in for tokamax's op of that name.
+Backends: "xla" (plain JAX, chunked: CPU, GPU, TPU) and "mosaic_gpu" (Pallas Mosaic GPU
+kernels for SM90, when present). Layout mirrors the PyTorch side: ``_loss_math.py``
+(formulas), ``_plans.py`` (chunk sizes), ``linear_cross_entropy/`` (api, reference,
+one file per backend, bench shapes).
+"""
+
+from ._loss_math import LossStats
+from ._plans import DEFAULT_MEMORY_BUDGET
+from .linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
+
+__all__ = [
+    "linear_cross_entropy",
+    "linear_softmax_cross_entropy_loss",
+    "LossStats",
+    "DEFAULT_MEMORY_BUDGET",
+]
