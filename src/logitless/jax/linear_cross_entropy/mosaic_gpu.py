@@ -70,7 +70,25 @@ def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> 
         return False
     n, h = x2d_shape
     v, h2 = w_shape
-    return h == h2 and h % BLOCK_K == 0 and h > 0 and n >= 1 and v >= 1
+    # TMA into swizzled tiles needs the tiled GMEM dims to be multiples of 8: rows of
+    # x are padded in the wrapper (cheap), rows of W never are (a copy of W per step).
+    return h == h2 and h % BLOCK_K == 0 and h > 0 and n >= 1 and v >= 1 and v % 8 == 0
+
+
+def _pad_rows8(x):
+    """x with its rows zero-padded to a multiple of 8 (a TMA constraint); no-op if aligned."""
+    n = x.shape[0]
+    n8 = -(-n // 8) * 8
+    return x if n8 == n else jnp.pad(x, ((0, n8 - n), (0, 0)))
+
+
+def _check(x2d, w, bias):
+    if bias is not None:
+        raise ValueError("mosaic_gpu: bias is not supported (use implementation='xla')")
+    if not is_supported(x2d.shape, w.shape, x2d.dtype) or w.dtype != x2d.dtype:
+        raise ValueError(
+            f"mosaic_gpu: unsupported case x {x2d.shape} {x2d.dtype}, w {w.shape} {w.dtype} "
+            f"(needs bf16/f16, H % {BLOCK_K} == 0, V % 8 == 0; use implementation='xla')")
 
 
 supports = is_supported
@@ -96,17 +114,41 @@ def _smem_transforms(dtype):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
+_SMEM_BYTES = 220 * 1024  # of the H100's 227 KiB per block, with room for barriers
+
+
+def _fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, extra: int) -> int:
+    """Deepest ring (<= stages, <= steps) whose slots plus ``extra`` bytes fit in SMEM."""
+    per_stage = (block_rows + block_v) * BLOCK_K * jnp.dtype(dtype).itemsize
+    fit = (_SMEM_BYTES - extra) // per_stage
+    if fit < 1:
+        raise ValueError(f"mosaic_gpu: tiles {block_rows}x{block_v} do not fit in shared memory")
+    return int(max(1, min(stages, steps, fit)))
+
+
+#: None: Mosaic GPU's interpret mode exactly when jax's default backend is not a GPU;
+#: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
+INTERPRET: bool | None = None
+
+
 def _interpret_params():
     """Interpret mode when there is no GPU (CPU tests); None on a GPU."""
-    if jax.default_backend() == "gpu":
-        return None
-    return plgpu.InterpretGPUParams()
+    use = INTERPRET if INTERPRET is not None else jax.default_backend() != "gpu"
+    return plgpu.InterpretGPUParams() if use else None
+
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def _softcapped(z, softcap):
+    """s * tanh(z / s), with tanh(u) = 1 - 2 / (exp(2u) + 1) on the exact-enough ex2
+    (Mosaic's approximate tanh has ~1e-3 relative error; this form is within a few
+    fp32 ulps of s, i.e. ~1e-6 absolute for s = 30)."""
     if softcap is None:
         return z
-    return softcap * jnp.tanh(z * (1.0 / softcap))
+    e = jnp.exp2(z * (2.0 * LOG2E / softcap))
+    return softcap - (2.0 * softcap) / (e + 1.0)
 
 
 # ---------------------------------------------------------------------------------
@@ -210,13 +252,15 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
     num_vb_total = pl.cdiv(v, block_v)
     splits = cfg.splits
     if splits is None:
-        # Enough CTAs for every SM (about two waves' worth), never an empty split.
-        splits = max(1, min(num_vb_total, pl.cdiv(2 * _num_sms(), num_nb)))
+        # One wave: token blocks x splits <= number of SMs (one CTA per SM: the ring
+        # takes most of the shared memory); a partial second wave would cost up to 2x.
+        splits = max(1, min(num_vb_total, _num_sms() // num_nb))
     vb_per_split = pl.cdiv(num_vb_total, splits)
     splits = pl.cdiv(num_vb_total, vb_per_split)
     n_pad = num_nb * block_rows
-    stages = max(1, min(stages, k_iters * vb_per_split))
-    tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - n))
+    stages = _fit_stages(stages, k_iters * vb_per_split, x.dtype, block_rows, block_v,
+                         extra=_NUM_COMPUTE_WGS * block_n * 16)
+    tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - target.shape[0]))
 
     def kernel(x_ref, w_ref, t_ref, lse_out, tl_out, ss_out, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar):
         nb = lax.axis_index("n")
@@ -231,33 +275,40 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
             rows = pl.ds(row0 + wg * block_n, block_n)
             plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], t_bar.at[wg])
             plgpu.barrier_wait(t_bar.at[wg])
-            tgt_rows = plgpu.load(t_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            tgt_rows = plgpu.load(t_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
             red = plgpu.Layout.WGMMA.reduce(1)
             m0 = plgpu.layout_cast(jnp.full((block_n,), -jnp.inf, jnp.float32), red)
             zero = plgpu.layout_cast(jnp.full((block_n,), 0.0, jnp.float32), red)
 
-            def v_body(j, carry):
-                m, l, tl, ss = carry
+            def v_body(j, carry, masked):
+                # Statistics in log2 units: u = z * log2(e), m2 = max u, l = sum 2^(u - m2).
+                m2, l, tl, ss = carry
                 vb = vb0 + j
                 z = _tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
                                  k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
                 z = _softcapped(z, softcap)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_n, block_v), 1, layout=plgpu.Layout.WGMMA)
-                valid = cols < (v - vb * block_v)
-                zm = jnp.where(valid, z, -jnp.inf)
-                m_new = jnp.maximum(m, zm.max(axis=1))
-                p = jnp.exp(zm - lax.broadcast_in_dim(m_new, zm.shape, [0]))
-                l = l * jnp.exp(m - m_new) + p.sum(axis=1)
-                hit = cols == lax.broadcast_in_dim(tgt_rows - vb * block_v, zm.shape, [0])
+                u = z * LOG2E
+                if masked:  # only the tile holding column V - 1 has columns >= V
+                    valid = cols < (v - vb * block_v)
+                    u = jnp.where(valid, u, -jnp.inf)
+                m2_new = jnp.maximum(m2, u.max(axis=1))
+                p = jnp.exp2(u - lax.broadcast_in_dim(m2_new, u.shape, [0]))
+                l = l * jnp.exp2(m2 - m2_new) + p.sum(axis=1)
+                hit = cols == lax.broadcast_in_dim(tgt_rows - vb * block_v, u.shape, [0])
                 tl = tl + jnp.where(hit, z, 0.0).sum(axis=1)
                 if need_smooth:
-                    ss = ss + jnp.where(valid, z, 0.0).sum(axis=1)
-                return m_new, l, tl, ss
+                    ss = ss + (jnp.where(valid, z, 0.0) if masked else z).sum(axis=1)
+                return m2_new, l, tl, ss
 
-            m, l, tl, ss = lax.fori_loop(0, num_vb, v_body, (m0, zero, zero, zero))
+            # Full tiles first (no column mask), then at most one ragged tile.
+            num_full = jnp.clip(v // block_v - vb0, 0, num_vb)
+            carry = (m0, zero, zero, zero)
+            carry = lax.fori_loop(0, num_full, functools.partial(v_body, masked=False), carry)
+            m2, l, tl, ss = lax.fori_loop(num_full, num_vb, functools.partial(v_body, masked=True), carry)
             out_rows = pl.ds(row0 + wg * block_n, block_n)
-            stat_smem[wg, 0] = m + jnp.log(l)
+            stat_smem[wg, 0] = (m2 + jnp.log2(l)) * LN2
             stat_smem[wg, 1] = tl
             if need_smooth:
                 stat_smem[wg, 2] = ss
@@ -293,19 +344,19 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
         grid_names=("n", "s"),
         num_threads=_NUM_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(),
     )(x, w, tgt)
+    n = target.shape[0]
     return lse_p[:, :n], tl_p[:, :n], ss_p[:, :n]
 
 
 def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=None, config: FwdConfig | None = None):
     """(lse, target_logit, smooth_sum|None), each (N,) float32; see the package docstring."""
-    if bias is not None:
-        raise ValueError("mosaic_gpu: bias is not supported (use implementation='xla')")
+    _check(x2d, w, bias)
     n, h = x2d.shape
     cfg = config or _default_config(n, w.shape[0], h)
-    lse_p, tl_p, ss_p = _forward_partials(x2d, w, target, softcap=softcap, need_smooth=need_smooth, cfg=cfg)
+    lse_p, tl_p, ss_p = _forward_partials(_pad_rows8(x2d), w, target, softcap=softcap, need_smooth=need_smooth, cfg=cfg)
     m = lse_p.max(axis=0)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = m_safe + jnp.log(jnp.exp(lse_p - m_safe).sum(axis=0))
@@ -335,11 +386,12 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
     num_nb = pl.cdiv(n, block_rows)
     num_cb = chunk // block_v
     n_pad = num_nb * block_rows
-    stages = max(1, min(stages, k_iters))
     dtype = x.dtype
+    stages = _fit_stages(stages, k_iters, dtype, block_rows, block_v,
+                         extra=_NUM_COMPUTE_WGS * block_n * (block_v * jnp.dtype(dtype).itemsize + 20))
     vb_base = c0 // block_v
     # Per-row inputs, padded to whole row blocks: [lse, A, B, C] (f32) and the target.
-    rowdat = jnp.pad(jnp.concatenate([lse[None].astype(jnp.float32), coef.astype(jnp.float32)], axis=0),
+    rowdat = jnp.pad(jnp.concatenate([lse[None].astype(jnp.float32) * LOG2E, coef.astype(jnp.float32)], axis=0),
                      ((0, 0), (0, n_pad - n)))
     tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - n))
     out_transforms = _smem_transforms(dtype)
@@ -359,11 +411,11 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
             plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], bar.at[wg])
             plgpu.barrier_wait(bar.at[wg])
             red = plgpu.Layout.WGMMA.reduce(1)
-            lse_r = plgpu.load(r_smem.at[wg, 0], (), layout=red)
-            a_r = plgpu.load(r_smem.at[wg, 1], (), layout=red)
-            b_r = plgpu.load(r_smem.at[wg, 2], (), layout=red)
-            c_r = plgpu.load(r_smem.at[wg, 3], (), layout=red)
-            t_r = plgpu.load(t_smem.at[wg], (), layout=red)
+            lse_r = plgpu.load(r_smem.at[wg, 0], layout=red)
+            a_r = plgpu.load(r_smem.at[wg, 1], layout=red)
+            b_r = plgpu.load(r_smem.at[wg, 2], layout=red)
+            c_r = plgpu.load(r_smem.at[wg, 3], layout=red)
+            t_r = plgpu.load(t_smem.at[wg], layout=red)
             z = _tile_logits(x_smem, w_smem, produced, consumed, wg, 0,
                              k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
             z = _softcapped(z, softcap)
@@ -371,7 +423,7 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
             bc = lambda r: lax.broadcast_in_dim(r, shape, [0])
             cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             valid = cols < (v - vb * block_v)
-            p = jnp.exp(z - bc(lse_r))
+            p = jnp.exp2(z * LOG2E - bc(lse_r))  # lse_r holds lse * log2(e)
             dz = p * bc(a_r) - jnp.where(cols == bc(t_r - vb * block_v), bc(b_r), 0.0) - bc(c_r)
             if softcap is not None:
                 zs = z * (1.0 / softcap)
@@ -406,7 +458,7 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
         grid_names=("n", "c"),
         num_threads=_NUM_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=False),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(),
     )(x, w, rowdat, tgt)
 
@@ -421,22 +473,28 @@ def _chunk_columns(n: int, v: int, h: int, itemsize: int, budget, block_v: int) 
 
 def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, config: FwdConfig | None = None):
     """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs."""
-    if bias is not None:
-        raise ValueError("mosaic_gpu: bias is not supported (use implementation='xla')")
+    _check(x2d, w, bias)
     n, h = x2d.shape
     v = w.shape[0]
     cfg = config or _default_config(n, v, h)
     chunk = _chunk_columns(n, v, h, jnp.dtype(x2d.dtype).itemsize, budget, cfg.block_v)
-    dx = jnp.zeros((n, h), jnp.float32)
+    # Padded token rows (x = 0, coef = 0) get dz = 0, so they add nothing to dW.
+    x8 = _pad_rows8(x2d)
+    n8 = x8.shape[0]
+    if n8 != n:
+        target = jnp.pad(target, (0, n8 - n))
+        lse = jnp.pad(lse, (0, n8 - n))
+        coef = jnp.pad(coef, ((0, 0), (0, n8 - n)))
+    dx = jnp.zeros((n8, h), jnp.float32)
     dw_parts = []
     for c0 in range(0, v, chunk):
         cw = min(chunk, v - c0)
-        dz = dz_chunk(x2d, w, target, lse, coef, c0=c0, chunk=chunk, softcap=softcap, cfg=cfg)
+        dz = dz_chunk(x8, w, target, lse, coef, c0=c0, chunk=chunk, softcap=softcap, cfg=cfg)
         if cw != chunk:
             dz = dz[:, :cw]
         w_c = lax.slice_in_dim(w, c0, c0 + cw, axis=0)
         dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
-        dw_parts.append(lax.dot_general(dz, x2d, (((0,), (0,)), ((), ())),
+        dw_parts.append(lax.dot_general(dz, x8, (((0,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32).astype(w.dtype))
     dw = dw_parts[0] if len(dw_parts) == 1 else jnp.concatenate(dw_parts, axis=0)
-    return dx.astype(x2d.dtype), dw, None
+    return dx[:n].astype(x2d.dtype), dw, None
