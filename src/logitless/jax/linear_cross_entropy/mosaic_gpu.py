@@ -46,6 +46,8 @@ __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_c
 
 BLOCK_K = 64  # 64 bf16 = 128 bytes: one 128-byte swizzle row.
 _NUM_COMPUTE_WGS = 2
+# Register split of the 64K-register file (setmaxnreg): 2 x 128 x 232 + 128 x 40 <= 65536.
+_COMPUTE_REGS, _MEMORY_REGS = 232, 40
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -272,6 +274,7 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
 
         @pl.when(wg < _NUM_COMPUTE_WGS)
         def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGS, action="increase")
             rows = pl.ds(row0 + wg * block_n, block_n)
             plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], t_bar.at[wg])
             plgpu.barrier_wait(t_bar.at[wg])
@@ -282,33 +285,33 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
             zero = plgpu.layout_cast(jnp.full((block_n,), 0.0, jnp.float32), red)
 
             def v_body(j, carry, masked):
-                # Statistics in log2 units: u = z * log2(e), m2 = max u, l = sum 2^(u - m2).
-                m2, l, tl, ss = carry
+                m, l, tl, ss = carry
                 vb = vb0 + j
                 z = _tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
                                  k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
                 z = _softcapped(z, softcap)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_n, block_v), 1, layout=plgpu.Layout.WGMMA)
-                u = z * LOG2E
+                bc = lambda r: lax.broadcast_in_dim(r, z.shape, [0])
                 if masked:  # only the tile holding column V - 1 has columns >= V
                     valid = cols < (v - vb * block_v)
-                    u = jnp.where(valid, u, -jnp.inf)
-                m2_new = jnp.maximum(m2, u.max(axis=1))
-                p = jnp.exp2(u - lax.broadcast_in_dim(m2_new, u.shape, [0]))
-                l = l * jnp.exp2(m2 - m2_new) + p.sum(axis=1)
-                hit = cols == lax.broadcast_in_dim(tgt_rows - vb * block_v, u.shape, [0])
-                tl = tl + jnp.where(hit, z, 0.0).sum(axis=1)
                 if need_smooth:
                     ss = ss + (jnp.where(valid, z, 0.0) if masked else z).sum(axis=1)
-                return m2_new, l, tl, ss
+                tl = tl + jnp.where(cols == bc(tgt_rows - vb * block_v), z, 0.0).sum(axis=1)
+                if masked:
+                    z = jnp.where(valid, z, -jnp.inf)
+                m_new = jnp.maximum(m, z.max(axis=1))
+                # exp(z - m) as 2^(z log2 e - m log2 e): one FMA + ex2 per element.
+                p = jnp.exp2(z * LOG2E - bc(m_new * LOG2E))
+                l = l * jnp.exp2((m - m_new) * LOG2E) + p.sum(axis=1)
+                return m_new, l, tl, ss
 
             # Full tiles first (no column mask), then at most one ragged tile.
             num_full = jnp.clip(v // block_v - vb0, 0, num_vb)
             carry = (m0, zero, zero, zero)
             carry = lax.fori_loop(0, num_full, functools.partial(v_body, masked=False), carry)
-            m2, l, tl, ss = lax.fori_loop(num_full, num_vb, functools.partial(v_body, masked=True), carry)
+            m, l, tl, ss = lax.fori_loop(num_full, num_vb, functools.partial(v_body, masked=True), carry)
             out_rows = pl.ds(row0 + wg * block_n, block_n)
-            stat_smem[wg, 0] = (m2 + jnp.log2(l)) * LN2
+            stat_smem[wg, 0] = m + jnp.log2(l) * LN2
             stat_smem[wg, 1] = tl
             if need_smooth:
                 stat_smem[wg, 2] = ss
@@ -321,6 +324,7 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
 
         @pl.when(wg == _NUM_COMPUTE_WGS)
         def _memory():
+            plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
             _memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_vb,
                          k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
 
@@ -405,6 +409,7 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
 
         @pl.when(wg < _NUM_COMPUTE_WGS)
         def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGS, action="increase")
             rows = pl.ds(row0 + wg * block_n, block_n)
             for i in range(4):
                 plgpu.copy_gmem_to_smem(r_ref.at[i, rows], r_smem.at[wg, i], bar.at[wg])
@@ -436,6 +441,7 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
 
         @pl.when(wg == _NUM_COMPUTE_WGS)
         def _memory():
+            plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
             _memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb, 1,
                          k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
 
