@@ -10,6 +10,8 @@ Run: ``PYTHONPATH=src python -m pytest tests_jax/test_mosaic_gpu.py -q``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -38,7 +40,9 @@ pytestmark = pytest.mark.skipif(
 #: Small tiles keep the interpreter fast and exercise several tiles/splits per CTA.
 SMALL = mg.FwdConfig(block_n=64, block_v=64, stages=2)
 #: Configs under test: on the GPU the production default as well.
-CONFIGS = [SMALL] if PLATFORM == "interpret" else [SMALL, mg.FwdConfig()]
+CONFIGS = [SMALL, dataclasses.replace(SMALL, lag=1)]
+if PLATFORM != "interpret":
+    CONFIGS += [mg.FwdConfig(), mg.FwdConfig(lag=2), mg.FwdConfig(block_n=64, block_v=256)]
 
 
 def _inputs(n, h, v, dtype=jnp.bfloat16, seed=0):
@@ -87,11 +91,11 @@ FWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"n{c.block_n}v{c.block_v}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"n{c.block_n}v{c.block_v}s{c.stages}lag{c.lag}")
 @pytest.mark.parametrize("n,h,v,splits,softcap,smooth", FWD_CASES)
 def test_forward_matches_float64(n, h, v, splits, softcap, smooth, cfg):
     x, w, t = _inputs(n, h, v, seed=n + v)
-    cfg = mg.FwdConfig(cfg.block_n, cfg.block_v, cfg.stages, splits)
+    cfg = dataclasses.replace(cfg, splits=splits)
     lse, tl, ss = jax.jit(lambda x, w, t: mg.forward(
         x, w, None, t, softcap=softcap, need_smooth=smooth, budget=None, config=cfg))(x, w, t)
     z = _ref_logits(x, w, softcap)
@@ -211,8 +215,8 @@ def test_is_supported():
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096, 128256), (4096, 2560, 262144), (1000, 512, 4000)])
-@pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256)],
-                         ids=["n128v128", "n64v256"])
+@pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=2)],
+                         ids=["n128v128", "n64v256lag2"])
 def test_lowers_for_cuda(shape, cfg, monkeypatch):
     """Lower (not run) the real kernels for CUDA: layouts, TMA, shared memory budget."""
     n, h, v = shape

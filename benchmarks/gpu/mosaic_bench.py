@@ -75,8 +75,10 @@ def bench_shape(label, n, h, v, mg, rows=64, cols=256):
 
     configs = {
         "n128v128s4": mg.FwdConfig(128, 128, 4),
-        "n64v256s4": mg.FwdConfig(64, 256, 4),
-        "n128v128s3": mg.FwdConfig(128, 128, 3),
+        "n128v128s4lag2": mg.FwdConfig(128, 128, 4, lag=2),
+        "n128v128s4lag3": mg.FwdConfig(128, 128, 4, lag=3),
+        "n64v256s4lag2": mg.FwdConfig(64, 256, 4, lag=2),
+        "n64v128s4lag2": mg.FwdConfig(64, 128, 4, lag=2),
     }
     fwd_out = {}
     best = None

@@ -59,6 +59,9 @@ class FwdConfig:
     block_v: int = 128  # vocab columns per tile
     stages: int = 4  # depth of the TMA ring
     splits: int | None = None  # vocab splits of the forward grid (None: automatic)
+    # Forward only: warpgroup 1 starts ``lag`` ring steps after warpgroup 0 (< stages),
+    # so that one's epilogue (softmax statistics) overlaps the other's WGMMAs.
+    lag: int = 0
 
 
 def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
@@ -158,7 +161,8 @@ def _softcapped(z, softcap):
 # ---------------------------------------------------------------------------------
 
 
-def _tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stages, block_n, block_v):
+def _tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stages, block_n, block_v,
+                 go=None, go_step=-1):
     """z = x[rows] @ W[cols]^T for one tile; ring steps step0 .. step0 + k_iters - 1.
 
     The WGMMA of step k is in flight while we wait for step k+1's data; the slot of
@@ -175,6 +179,11 @@ def _tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stag
                 x_smem.at[slot, pl.ds(wg * block_n, block_n)],
                 w_smem.at[slot].transpose((1, 0)),
             )
+            if go is not None:  # warpgroup 0 lets warpgroup 1 start (see FwdConfig.lag)
+                @pl.when(jnp.logical_and(wg == 0, step == go_step))
+                def _go():
+                    plgpu.barrier_arrive(go)
+
             plgpu.wgmma_wait(1)
 
             @pl.when(k > 0)
@@ -262,9 +271,11 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
     n_pad = num_nb * block_rows
     stages = _fit_stages(stages, k_iters * vb_per_split, x.dtype, block_rows, block_v,
                          extra=_NUM_COMPUTE_WGS * block_n * 16)
+    # The go signal is sent at ring step lag - 1 of warpgroup 0, which every CTA reaches.
+    lag = max(0, min(cfg.lag, stages - 1, k_iters * (num_vb_total - (splits - 1) * vb_per_split)))
     tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - target.shape[0]))
 
-    def kernel(x_ref, w_ref, t_ref, lse_out, tl_out, ss_out, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar):
+    def kernel(x_ref, w_ref, t_ref, lse_out, tl_out, ss_out, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar, go_bar):
         nb = lax.axis_index("n")
         sp = lax.axis_index("s")
         wg = lax.axis_index("wg")
@@ -288,7 +299,8 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
                 m, l, tl, ss = carry
                 vb = vb0 + j
                 z = _tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
-                                 k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
+                                 k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v,
+                                 go=go_bar.at[0] if lag else None, go_step=lag - 1)
                 z = _softcapped(z, softcap)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_n, block_v), 1, layout=plgpu.Layout.WGMMA)
                 bc = lambda r: lax.broadcast_in_dim(r, z.shape, [0])
@@ -304,6 +316,11 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
                 p = jnp.exp2(z * LOG2E - bc(m_new * LOG2E))
                 l = l * jnp.exp2((m - m_new) * LOG2E) + p.sum(axis=1)
                 return m_new, l, tl, ss
+
+            if lag:
+                @pl.when(wg == 1)
+                def _wait_go():
+                    plgpu.barrier_wait(go_bar.at[0])
 
             # Full tiles first (no column mask), then at most one ragged tile.
             num_full = jnp.clip(v // block_v - vb0, 0, num_vb)
@@ -331,12 +348,13 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
     def entry(x_ref, w_ref, t_ref, lse_out, tl_out, ss_out):
         scratch = _scratch(x.dtype, block_rows, block_v, stages)
         pl.run_scoped(
-            lambda x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar: kernel(
-                x_ref, w_ref, t_ref, lse_out, tl_out, ss_out, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar),
+            lambda x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar, go_bar: kernel(
+                x_ref, w_ref, t_ref, lse_out, tl_out, ss_out, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar, go_bar),
             scratch["x_smem"], scratch["w_smem"], scratch["produced"], scratch["consumed"],
             plgpu.SMEM((_NUM_COMPUTE_WGS, 3, block_n), jnp.float32),
             plgpu.SMEM((_NUM_COMPUTE_WGS, block_n), jnp.int32),
             plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=1),
             collective_axes="wg",
         )
 
