@@ -61,7 +61,7 @@ class FwdConfig:
     splits: int | None = None  # vocab splits of the forward grid (None: automatic)
     # Forward only: warpgroup 1 starts ``lag`` ring steps after warpgroup 0 (< stages),
     # so that one's epilogue (softmax statistics) overlaps the other's WGMMAs.
-    lag: int = 0
+    lag: int = 2
 
 
 def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
@@ -392,38 +392,57 @@ def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=Non
 # ---------------------------------------------------------------------------------
 
 
-def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg: FwdConfig | None = None):
+def _row_inputs(target, lse, coef, n_pad):
+    """Per-row inputs of the dz kernel, padded to whole row blocks: [lse log2(e), A, B, C]
+    (f32) and the target (int32). Built once per backward, shared by every chunk."""
+    n = target.shape[0]
+    rowdat = jnp.concatenate([lse[None].astype(jnp.float32) * LOG2E, coef.astype(jnp.float32)], axis=0)
+    return (jnp.pad(rowdat, ((0, 0), (0, n_pad - n))),
+            jnp.pad(target.astype(jnp.int32), (0, n_pad - n)))
+
+
+def _rows_padded(n, cfg):
+    block_rows = _NUM_COMPUTE_WGS * cfg.block_n
+    return pl.cdiv(n, block_rows) * block_rows
+
+
+def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdConfig | None = None):
     """d(logits) for columns [c0, c0 + chunk) of all N rows: (N, chunk) in x.dtype.
 
-    Columns >= V are zero. ``chunk`` must be a multiple of ``cfg.block_v``.
+    Columns >= V are zero. ``chunk`` and ``c0`` must be multiples of ``cfg.block_v``;
+    ``c0`` may be a traced int32 scalar (one compiled kernel serves every chunk).
+    N must be a multiple of 8 (``_pad_rows8``).
     """
     n, h = x.shape
+    cfg = cfg or _default_config(n, w.shape[0], h)
+    if isinstance(c0, int) and c0 % cfg.block_v:
+        raise ValueError(f"offset {c0} must be a multiple of block_v={cfg.block_v}")
+    rowdat, tgt = _row_inputs(target, lse, coef, _rows_padded(n, cfg))
+    cblock = (jnp.asarray(c0, jnp.int32) // cfg.block_v).reshape(1)
+    return _dz_call(x, w, rowdat, tgt, cblock, chunk=chunk, softcap=softcap, cfg=cfg)
+
+
+def _dz_call(x, w, rowdat, tgt, cblock, *, chunk: int, softcap, cfg: FwdConfig):
+    n, h = x.shape
     v = w.shape[0]
-    cfg = cfg or _default_config(n, v, h)
     block_n, block_v, stages = cfg.block_n, cfg.block_v, cfg.stages
-    if chunk % block_v or c0 % block_v:
-        raise ValueError(f"chunk {chunk} and offset {c0} must be multiples of block_v={block_v}")
+    if chunk % block_v:
+        raise ValueError(f"chunk {chunk} must be a multiple of block_v={block_v}")
     block_rows = _NUM_COMPUTE_WGS * block_n
     k_iters = h // BLOCK_K
     num_nb = pl.cdiv(n, block_rows)
     num_cb = chunk // block_v
-    n_pad = num_nb * block_rows
     dtype = x.dtype
     stages = _fit_stages(stages, k_iters, dtype, block_rows, block_v,
                          extra=_NUM_COMPUTE_WGS * block_n * (block_v * jnp.dtype(dtype).itemsize + 20))
-    vb_base = c0 // block_v
-    # Per-row inputs, padded to whole row blocks: [lse, A, B, C] (f32) and the target.
-    rowdat = jnp.pad(jnp.concatenate([lse[None].astype(jnp.float32) * LOG2E, coef.astype(jnp.float32)], axis=0),
-                     ((0, 0), (0, n_pad - n)))
-    tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - n))
     out_transforms = _smem_transforms(dtype)
 
-    def kernel(x_ref, w_ref, r_ref, t_ref, dz_ref, x_smem, w_smem, produced, consumed, r_smem, t_smem, bar, o_smem):
+    def kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, x_smem, w_smem, produced, consumed, r_smem, t_smem, bar, o_smem):
         nb = lax.axis_index("n")
         cb = lax.axis_index("c")
         wg = lax.axis_index("wg")
         row0 = nb * block_rows
-        vb = vb_base + cb
+        vb = c_ref[0] + cb  # vocab tile of this CTA (the chunk offset is a kernel input)
 
         @pl.when(wg < _NUM_COMPUTE_WGS)
         def _compute():
@@ -463,10 +482,10 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
             _memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb, 1,
                          k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
 
-    def entry(x_ref, w_ref, r_ref, t_ref, dz_ref):
+    def entry(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref):
         s = _scratch(dtype, block_rows, block_v, stages)
         pl.run_scoped(
-            lambda *refs: kernel(x_ref, w_ref, r_ref, t_ref, dz_ref, *refs),
+            lambda *refs: kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, *refs),
             s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
             plgpu.SMEM((_NUM_COMPUTE_WGS, 4, block_n), jnp.float32),
             plgpu.SMEM((_NUM_COMPUTE_WGS, block_n), jnp.int32),
@@ -484,7 +503,7 @@ def dz_chunk(x, w, target, lse, coef, *, c0: int, chunk: int, softcap=None, cfg:
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(),
-    )(x, w, rowdat, tgt)
+    )(cblock, x, w, rowdat, tgt)
 
 
 def _chunk_columns(n: int, v: int, h: int, itemsize: int, budget, block_v: int) -> int:
@@ -509,16 +528,40 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
         target = jnp.pad(target, (0, n8 - n))
         lse = jnp.pad(lse, (0, n8 - n))
         coef = jnp.pad(coef, ((0, 0), (0, n8 - n)))
-    dx = jnp.zeros((n8, h), jnp.float32)
-    dw_parts = []
-    for c0 in range(0, v, chunk):
-        cw = min(chunk, v - c0)
-        dz = dz_chunk(x8, w, target, lse, coef, c0=c0, chunk=chunk, softcap=softcap, cfg=cfg)
-        if cw != chunk:
+    rowdat, tgt = _row_inputs(target, lse, coef, _rows_padded(n8, cfg))
+    bv = cfg.block_v
+    # Prefer a chunk that divides the vocabulary (in column tiles): then the dW chunks
+    # stack into dW with a free reshape instead of a concatenation (a copy of dW).
+    nblk = pl.cdiv(v, bv)
+    cb = chunk // bv
+    for d in range(cb, max(1, cb // 2) - 1, -1):
+        if nblk % d == 0:
+            cb = d
+            break
+    chunk = cb * bv
+    nfull = v // chunk
+    rem = v - nfull * chunk
+
+    def one_chunk(dx, c0, width, cw):
+        # The offset is an input of the kernel, so one compiled kernel serves every chunk.
+        cblock = jnp.reshape(c0 // bv, (1,)).astype(jnp.int32)
+        dz = _dz_call(x8, w, rowdat, tgt, cblock, chunk=width, softcap=softcap, cfg=cfg)
+        if cw != width:
             dz = dz[:, :cw]
-        w_c = lax.slice_in_dim(w, c0, c0 + cw, axis=0)
+        w_c = lax.dynamic_slice_in_dim(w, c0, cw, axis=0)
         dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
-        dw_parts.append(lax.dot_general(dz, x8, (((0,), (0,)), ((), ())),
-                                        preferred_element_type=jnp.float32).astype(w.dtype))
-    dw = dw_parts[0] if len(dw_parts) == 1 else jnp.concatenate(dw_parts, axis=0)
+        dw_c = lax.dot_general(dz, x8, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return dx, dw_c.astype(w.dtype)
+
+    dx = jnp.zeros((n8, h), jnp.float32)
+    parts = []
+    if nfull:
+        # A loop (not unrolled): one Mosaic kernel to compile however many chunks.
+        dx, dw_full = lax.scan(lambda dx, i: one_chunk(dx, i * chunk, chunk, chunk), dx,
+                               jnp.arange(nfull, dtype=jnp.int32))
+        parts.append(dw_full.reshape(nfull * chunk, h))
+    if rem:
+        dx, dw_rem = one_chunk(dx, jnp.int32(nfull * chunk), pl.cdiv(rem, bv) * bv, rem)
+        parts.append(dw_rem)
+    dw = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return dx[:n].astype(x2d.dtype), dw, None
