@@ -109,6 +109,15 @@ def test_forward_matches_float64(n, h, v, splits, softcap, smooth, cfg):
         assert ss is None
 
 
+def test_forward_float16():
+    x, w, t = _inputs(50, 128, 200, dtype=jnp.float16, seed=5)
+    lse, tl, ss = mg.forward(x, w, None, t, softcap=None, need_smooth=True, budget=None, config=SMALL)
+    z = _ref_logits(x, w, None)
+    assert _err(lse, _ref_lse(z)) < 2e-5
+    assert _err(tl, z[np.arange(50), np.asarray(t)]) < 2e-5 * max(1.0, np.abs(z).max())
+    assert _err(ss, z.sum(1)) < 2e-6 * 200 * max(1.0, np.abs(z).max())
+
+
 def test_forward_target_outside_vocab_is_finite():
     """Ignored (-100) or out-of-range targets must not fail; their target logit is 0."""
     x, w, t = _inputs(40, 64, 200)
