@@ -38,11 +38,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 #: Small tiles keep the interpreter fast and exercise several tiles/splits per CTA.
-SMALL = mg.FwdConfig(block_n=64, block_v=64, stages=2)
+SMALL = mg.FwdConfig(block_n=64, block_v=64, stages=2, lag=0)
 #: Configs under test: on the GPU the production default as well.
 CONFIGS = [SMALL, dataclasses.replace(SMALL, lag=1)]
 if PLATFORM != "interpret":
-    CONFIGS += [mg.FwdConfig(), mg.FwdConfig(lag=2), mg.FwdConfig(block_n=64, block_v=256)]
+    CONFIGS += [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=0)]
 
 
 def _inputs(n, h, v, dtype=jnp.bfloat16, seed=0):
