@@ -245,7 +245,8 @@ def test_lowers_for_cuda(shape, cfg, monkeypatch):
         assert "mosaic_gpu" in text
 
 
-def test_through_public_api_matches_xla_backend():
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_through_public_api_matches_xla_backend(softcap):
     """linear_cross_entropy(..., implementation="mosaic_gpu") under jit and grad."""
     api = pytest.importorskip("logitless.jax.linear_cross_entropy.api",
                               reason="logitless.jax api not on this branch yet (merged by the lead)")
@@ -255,7 +256,8 @@ def test_through_public_api_matches_xla_backend():
     t = t.at[3].set(-100)
 
     def loss(impl):
-        f = lambda x, w: linear_cross_entropy(x, w, t, label_smoothing=0.1, implementation=impl)
+        f = lambda x, w: linear_cross_entropy(x, w, t, label_smoothing=0.1, softcap=softcap,
+                                              implementation=impl)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
 
     (l_m, (gx_m, gw_m)) = loss("mosaic_gpu")
