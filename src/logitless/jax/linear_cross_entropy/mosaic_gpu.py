@@ -10,23 +10,30 @@ Forward (``forward``): one kernel, a GEMM whose epilogue never leaves the chip.
         m = max(m, max_c z_c);  l = l * exp(m_old - m) + sum_c exp(z_c - m)
         t += z[target];  s += sum_c z_c  (label smoothing only)
     Columns >= V (zero-filled out-of-bounds TMA reads give z = 0 there) are masked to
-    -inf before the max/sum and excluded from s. Each CTA writes, per row, one
+    -inf before the max/sum and excluded from s (only in the one tile that has them).
+    Warpgroup 1 runs ``lag`` ring steps behind warpgroup 0, so that one's epilogue
+    overlaps the other's WGMMAs. Exponentials are ex2 of an FMA (approximate ex2/lg2,
+    ~2 ulp). Each CTA writes, per row, one
     log-sum-exp partial m + log l, one target-logit partial and one sum partial:
     O(N x splits) floats, merged in JAX (logsumexp over splits, sums).
     Memory traffic: that of one GEMM (x and W tiles, from L2 mostly), no logits.
 
 Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
-    ``_dz_kernel`` recomputes the (N, C) logits tile by tile (same WGMMA main loop) and
+    ``_dz_call`` (one tile per CTA, the chunk offset a kernel input) recomputes the (N, C) logits tile by tile (same WGMMA main loop) and
     writes d(logits) in the input dtype:
         dz_c = exp(z_c - lse) * A - B * [c == t] - C    (x (1 - (z_c/s)^2) with a softcap)
     with zeros at columns >= V; XLA GEMMs then take dW[chunk] = dz^T x and
     dx += dz W[chunk] (fp32 accumulation). The chunk is sized from the memory budget
-    (the dz chunk, N x C x itemsize bytes, plus the fp32 dx accumulator).
-    Cost: recompute (1 GEMM) + 2 GEMMs; with the forward, 4 GEMM-equivalents.
+    (the dz chunk, N x C x itemsize bytes, plus the fp32 dx accumulator) and rounded to
+    a divisor of V when one is near; full chunks run in a ``lax.scan`` (one compiled
+    kernel) whose stacked dW chunks reshape into dW.
+    Cost: recompute (1 GEMM) + 2 GEMMs; with the forward, 4 GEMM-equivalents, plus XLA's
+    copies of the W slices and of the stacked dW chunks when there are several chunks.
 
-Limits (``is_supported``): bf16/f16 inputs, H a multiple of 64, no bias (the api falls
-back to "xla" otherwise). Ragged N and V are handled in-kernel (masking), without any
-copy of x or W. On a machine without an SM90 GPU the kernels run under Mosaic GPU's
+Limits (``is_supported``): bf16/f16 inputs, H a multiple of 64, V a multiple of 8 (TMA
+into swizzled tiles), no bias (the api falls back to "xla" otherwise). Ragged V (vs the
+tiles) is masked in-kernel; N is padded to a multiple of 8 rows (a copy of x only when
+N % 8 != 0); W is never copied by the kernels. On a machine without an SM90 GPU the kernels run under Mosaic GPU's
 interpret mode (``plgpu.force_gpu_interpret_mode``), which the CPU tests use.
 """
 
@@ -34,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -451,6 +457,9 @@ def _dz_call(x, w, rowdat, tgt, cblock, *, chunk: int, softcap, cfg: FwdConfig):
             for i in range(4):
                 plgpu.copy_gmem_to_smem(r_ref.at[i, rows], r_smem.at[wg, i], bar.at[wg])
             plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], bar.at[wg])
+            # The row inputs arrive while the main loop runs; waited for after it.
+            z = _tile_logits(x_smem, w_smem, produced, consumed, wg, 0,
+                             k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
             plgpu.barrier_wait(bar.at[wg])
             red = plgpu.Layout.WGMMA.reduce(1)
             lse_r = plgpu.load(r_smem.at[wg, 0], layout=red)
@@ -458,8 +467,6 @@ def _dz_call(x, w, rowdat, tgt, cblock, *, chunk: int, softcap, cfg: FwdConfig):
             b_r = plgpu.load(r_smem.at[wg, 2], layout=red)
             c_r = plgpu.load(r_smem.at[wg, 3], layout=red)
             t_r = plgpu.load(t_smem.at[wg], layout=red)
-            z = _tile_logits(x_smem, w_smem, produced, consumed, wg, 0,
-                             k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
             z = _softcapped(z, softcap)
             shape = (block_n, block_v)
             bc = lambda r: lax.broadcast_in_dim(r, shape, [0])
