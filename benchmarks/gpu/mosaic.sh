@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 } | tee "$OUT/mosaic-env.log"
 
 echo "== 1/2 tests (tests_jax/test_mosaic_gpu.py on the GPU)"
-timeout 200 $PY -m pytest tests_jax/test_mosaic_gpu.py -q -rs --tb=long -p no:cacheprovider 2>&1 \
+timeout 200 $PY -m pytest tests_jax/test_mosaic_gpu.py -v -rs --tb=long -p no:cacheprovider 2>&1 \
   | tee "$OUT/mosaic-pytest.log" | tail -60
 echo "pytest exit: ${PIPESTATUS[0]}"
 

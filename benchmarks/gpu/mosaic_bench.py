@@ -44,7 +44,13 @@ def timeit(fn, *args, iters=6, warmup=1):
     return statistics.median(ts) * 1e3  # ms
 
 
+#: Called after every case (writes the JSON and the table so far): if a kernel hangs and
+#: the script's timeout kills the run, everything measured before it is kept.
+SAVE = None
+
+
 def run_case(name, fn, results, key):
+    print(f"  [{name}] starting", flush=True)
     t0 = time.perf_counter()
     try:
         out = fn()
@@ -55,13 +61,15 @@ def run_case(name, fn, results, key):
         print(f"  [{name}] FAILED ({time.perf_counter() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
         sys.stdout.flush()
+    if SAVE is not None:
+        SAVE()
 
 
-def bench_shape(label, n, h, v, mg, rows=32, cols=256):
+def bench_shape(label, n, h, v, mg, res, rows=32, cols=256):
     import jax
     import jax.numpy as jnp
 
-    res = {"shape": [n, h, v], "dtype": "bfloat16"}
+    res.update({"shape": [n, h, v], "dtype": "bfloat16"})
     key = jax.random.key(0)
     kx, kw, kt = jax.random.split(key, 3)
     x = jax.random.normal(kx, (n, h), jnp.float32).astype(jnp.bfloat16)
@@ -228,11 +236,20 @@ def main():
     }
     print(meta, flush=True)
     results = {"meta": meta, "shapes": {}}
+    global SAVE
+
+    def save():
+        with open(os.path.join(args.out, "mosaic-bench.json"), "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+        write_table(results, meta, args.out)
+
+    SAVE = save
     for label in args.shapes.split(","):
         n, h, v = SHAPES[label]
         print(f"== {label} ({n}, {h}, {v}) bf16", flush=True)
         try:
-            results["shapes"][label] = bench_shape(label, n, h, v, mg)
+            results["shapes"][label] = {}
+            bench_shape(label, n, h, v, mg, res=results["shapes"][label])
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             results["shapes"][label] = {"error": f"{type(e).__name__}: {e}"}
