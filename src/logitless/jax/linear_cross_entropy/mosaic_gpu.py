@@ -116,6 +116,9 @@ def _num_sms() -> int:
 
 
 def _default_config(n: int, v: int, h: int) -> FwdConfig:
+    """256-row CTA tiles (2 x 128 x 128 accumulators); 128-row tiles for few tokens."""
+    if n <= 128:
+        return FwdConfig(block_n=64, block_v=256)
     return FwdConfig()
 
 
