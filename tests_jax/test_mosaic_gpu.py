@@ -1,0 +1,271 @@
+"""The "mosaic_gpu" backend (Pallas Mosaic GPU kernels) against float64.
+
+On an SM90 GPU the kernels run for real; on a CPU they run under Mosaic GPU's interpret
+mode (``plgpu.force_gpu_interpret_mode`` semantics: simulated threads, shared memory,
+barriers, TMA and WGMMA), at small shapes with small tiles. ``test_lowers_for_cuda``
+also lowers the real kernels for CUDA on a CPU-only machine, which checks layouts,
+TMA constraints and the shared-memory budget at the benchmark shapes.
+Run: ``PYTHONPATH=src python -m pytest tests_jax/test_mosaic_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
+                    reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
+from logitless.jax.linear_cross_entropy import mosaic_gpu as mg  # noqa: E402  (a failure here is a bug)
+
+
+def _platform():
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return "interpret"
+    cc = str(getattr(dev, "compute_capability", ""))
+    return "sm90" if cc.startswith("9") else "other-gpu"
+
+
+PLATFORM = _platform()
+pytestmark = pytest.mark.skipif(
+    PLATFORM == "other-gpu", reason="mosaic_gpu kernels need an SM90 GPU (or the CPU interpreter)"
+)
+
+#: Small tiles keep the interpreter fast and exercise several tiles/splits per CTA.
+SMALL = mg.FwdConfig(block_n=64, block_v=64, stages=2, lag=0)
+#: Configs under test: on the GPU the production default as well.
+CONFIGS = [SMALL, dataclasses.replace(SMALL, lag=1)]
+if PLATFORM != "interpret":
+    CONFIGS += [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=0)]
+
+
+def _inputs(n, h, v, dtype=jnp.bfloat16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, h)), dtype)
+    w = jnp.asarray(rng.standard_normal((v, h)) * (2.0 / np.sqrt(h)), dtype)
+    t = jnp.asarray(rng.integers(0, v, size=n), jnp.int32)
+    return x, w, t
+
+
+def _ref_logits(x, w, softcap):
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    if softcap is not None:
+        z = softcap * np.tanh(z / softcap)
+    return z
+
+
+def _ref_lse(z):
+    m = z.max(1)
+    return m + np.log(np.exp(z - m[:, None]).sum(1))
+
+
+def _ref_dz(z, lse, coef, t, softcap):
+    c = np.asarray(coef, np.float64)
+    p = np.exp(z - lse[:, None])
+    onehot = np.zeros_like(z)
+    onehot[np.arange(z.shape[0]), np.asarray(t)] = 1.0
+    dz = p * c[0][:, None] - c[1][:, None] * onehot - c[2][:, None]
+    if softcap is not None:
+        dz = dz * (1.0 - (z / softcap) ** 2)
+    return dz
+
+
+def _err(a, ref):
+    return float(np.abs(np.asarray(jnp.asarray(a, jnp.float32), np.float64) - ref).max())
+
+
+# (n, h, v, splits, softcap, need_smooth): ragged N (not a multiple of 8 nor of the
+# row block) and V (not a multiple of the column tile), several splits and tiles per CTA.
+FWD_CASES = [
+    (64, 128, 328, None, None, False),
+    (77, 128, 520, 3, None, True),
+    (130, 192, 600, 2, 30.0, True),
+    (1, 64, 136, None, None, True),
+    (256, 128, 64, None, 5.0, False),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"n{c.block_n}v{c.block_v}s{c.stages}lag{c.lag}")
+@pytest.mark.parametrize("n,h,v,splits,softcap,smooth", FWD_CASES)
+def test_forward_matches_float64(n, h, v, splits, softcap, smooth, cfg):
+    x, w, t = _inputs(n, h, v, seed=n + v)
+    cfg = dataclasses.replace(cfg, splits=splits)
+    lse, tl, ss = jax.jit(lambda x, w, t: mg.forward(
+        x, w, None, t, softcap=softcap, need_smooth=smooth, budget=None, config=cfg))(x, w, t)
+    z = _ref_logits(x, w, softcap)
+    assert lse.shape == (n,) and lse.dtype == jnp.float32
+    # fp32 statistics of exact bf16 products: errors are fp32 rounding only.
+    assert _err(lse, _ref_lse(z)) < 2e-5
+    assert _err(tl, z[np.arange(n), np.asarray(t)]) < 2e-5 * max(1.0, np.abs(z).max())
+    if smooth:
+        assert _err(ss, z.sum(1)) < 2e-6 * v * max(1.0, np.abs(z).max())
+    else:
+        assert ss is None
+
+
+def test_forward_float16():
+    x, w, t = _inputs(50, 128, 200, dtype=jnp.float16, seed=5)
+    lse, tl, ss = mg.forward(x, w, None, t, softcap=None, need_smooth=True, budget=None, config=SMALL)
+    z = _ref_logits(x, w, None)
+    assert _err(lse, _ref_lse(z)) < 2e-5
+    assert _err(tl, z[np.arange(50), np.asarray(t)]) < 2e-5 * max(1.0, np.abs(z).max())
+    assert _err(ss, z.sum(1)) < 2e-6 * 200 * max(1.0, np.abs(z).max())
+
+
+def test_forward_target_outside_vocab_is_finite():
+    """Ignored (-100) or out-of-range targets must not fail; their target logit is 0."""
+    x, w, t = _inputs(40, 64, 200)
+    t = t.at[0].set(-100).at[1].set(10_000)
+    lse, tl, _ = mg.forward(x, w, None, t, softcap=None, need_smooth=False, budget=None, config=SMALL)
+    assert np.isfinite(np.asarray(lse)).all()
+    assert float(tl[0]) == 0.0 and float(tl[1]) == 0.0
+
+
+# (n, h, v, c0, chunk, softcap)
+DZ_CASES = [
+    (72, 128, 328, 0, 384, None),
+    (77, 64, 328, 256, 128, 30.0),
+    (130, 128, 200, 64, 192, None),
+]
+
+
+@pytest.mark.parametrize("n,h,v,c0,chunk,softcap", DZ_CASES)
+def test_dz_chunk_matches_float64(n, h, v, c0, chunk, softcap):
+    """The backward kernel alone: d(logits) of columns [c0, c0+chunk), zero past V."""
+    x, w, t = _inputs(n, h, v, seed=3)
+    rng = np.random.default_rng(1)
+    coef = jnp.asarray(rng.standard_normal((3, n)), jnp.float32)
+    z = _ref_logits(x, w, softcap)
+    lse = _ref_lse(z)
+    x8 = mg._pad_rows8(x)
+    n8 = x8.shape[0]
+    pad = lambda a, axis=-1: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n8 - n)])
+    dz = mg.dz_chunk(x8, w, pad(t), pad(jnp.asarray(lse, jnp.float32)), pad(coef),
+                     c0=c0, chunk=chunk, softcap=softcap, cfg=SMALL)
+    assert dz.shape == (n8, chunk) and dz.dtype == x.dtype
+    ref = np.zeros((n, chunk))
+    cw = min(chunk, v - c0)
+    ref[:, :cw] = _ref_dz(z, lse, coef, t, softcap)[:, c0:c0 + cw]
+    got = np.asarray(dz[:n].astype(jnp.float32), np.float64)
+    # One bf16 rounding of an fp32 value: relative 2^-8, plus fp32 noise.
+    assert np.all(np.abs(got - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-5 * np.abs(ref).max() + 1e-6)
+    assert np.all(got[:, cw:] == 0.0)
+    assert np.all(np.asarray(dz[n:].astype(jnp.float32)) == 0.0)  # padded tokens
+
+
+def _same_dtype_baseline(x, w, t, lse, coef, softcap):
+    """The same algorithm in plain XLA: fp32 logits of bf16 inputs, dz rounded to the
+    input dtype, GEMMs with fp32 accumulation: the error any bf16 backward has."""
+    z = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        z = softcap * jnp.tanh(z / softcap)
+    p = jnp.exp(z - lse[:, None])
+    onehot = jax.nn.one_hot(t, w.shape[0], dtype=jnp.float32)
+    dz = p * coef[0][:, None] - coef[1][:, None] * onehot - coef[2][:, None]
+    if softcap is not None:
+        dz = dz * (1 - (z / softcap) ** 2)
+    dz = dz.astype(x.dtype)
+    dx = jnp.dot(dz, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.dot(dz.T, x, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+# (n, h, v, softcap, budget): the budget forces several vocab chunks.
+BWD_CASES = [
+    (77, 128, 328, None, None),
+    (130, 192, 520, 30.0, 40_000),
+    (64, 64, 136, None, 1),
+]
+
+
+@pytest.mark.parametrize("n,h,v,softcap,budget", BWD_CASES)
+def test_backward_matches_float64(n, h, v, softcap, budget):
+    x, w, t = _inputs(n, h, v, seed=7)
+    rng = np.random.default_rng(2)
+    coef = rng.standard_normal((3, n))
+    coef[:, 5] = 0.0  # an ignored token: zero row
+    coef = jnp.asarray(coef, jnp.float32)
+    z = _ref_logits(x, w, softcap)
+    lse = _ref_lse(z)
+    lse32 = jnp.asarray(lse, jnp.float32)
+    dx, dw, db = jax.jit(lambda x, w, t, l, c: mg.backward(
+        x, w, None, t, l, c, softcap=softcap, budget=budget, config=SMALL))(x, w, t, lse32, coef)
+    assert db is None
+    assert dx.shape == x.shape and dx.dtype == x.dtype
+    assert dw.shape == w.shape and dw.dtype == w.dtype
+    dz = _ref_dz(z, lse, coef, t, softcap)
+    dx_ref = dz @ np.asarray(w, np.float64)
+    dw_ref = dz.T @ np.asarray(x, np.float64)
+    bx, bw = _same_dtype_baseline(x, w, t, lse32, coef, softcap)
+    for name, ours, base, ref in (("dx", dx, bx, dx_ref), ("dw", dw, bw, dw_ref)):
+        e, eb = _err(ours, ref), _err(base, ref)
+        assert e <= eb + 2e-3 * np.abs(ref).max(), f"{name}: {e:.3g} vs same-dtype XLA {eb:.3g}"
+    # The ignored token's row of dx is exactly zero.
+    assert np.all(np.asarray(dx[5].astype(jnp.float32)) == 0.0)
+
+
+def test_is_supported():
+    bf = jnp.bfloat16
+    assert mg.is_supported((4096, 4096), (128256, 4096), bf, softcap=None, has_bias=False)
+    assert mg.is_supported((77, 64), (328, 64), jnp.float16, softcap=30.0, has_bias=False)
+    assert not mg.is_supported((8, 64), (328, 64), bf, softcap=None, has_bias=True)
+    assert not mg.is_supported((8, 64), (328, 64), jnp.float32, softcap=None, has_bias=False)
+    assert not mg.is_supported((8, 100), (328, 100), bf, softcap=None, has_bias=False)  # H % 64
+    assert not mg.is_supported((8, 64), (331, 64), bf, softcap=None, has_bias=False)  # V % 8 (TMA)
+    x, w, t = _inputs(8, 64, 331)
+    with pytest.raises(ValueError, match="unsupported"):
+        mg.forward(x, w, None, t, softcap=None, need_smooth=False, budget=None)
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096, 128256), (4096, 2560, 262144), (1000, 512, 4000)])
+@pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=2)],
+                         ids=["n128v128", "n64v256lag2"])
+def test_lowers_for_cuda(shape, cfg, monkeypatch):
+    """Lower (not run) the real kernels for CUDA: layouts, TMA, shared memory budget."""
+    n, h, v = shape
+    monkeypatch.setattr(mg, "INTERPRET", False)
+    x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+    lse = jax.ShapeDtypeStruct((n,), jnp.float32)
+    coef = jax.ShapeDtypeStruct((3, n), jnp.float32)
+    for sc in (None, 30.0):
+        fwd = jax.jit(lambda x, w, t: mg.forward(x, w, None, t, softcap=sc, need_smooth=True,
+                                                 budget=None, config=cfg))
+        text = fwd.trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        bwd = jax.jit(lambda x, w, t, l, c: mg.backward(x, w, None, t, l, c, softcap=sc,
+                                                        budget=None, config=cfg))
+        text = bwd.trace(x, w, t, lse, coef).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_through_public_api_matches_xla_backend(softcap):
+    """linear_cross_entropy(..., implementation="mosaic_gpu") under jit and grad."""
+    api = pytest.importorskip("logitless.jax.linear_cross_entropy.api",
+                              reason="logitless.jax api not on this branch yet (merged by the lead)")
+    from logitless.jax import linear_cross_entropy
+
+    x, w, t = _inputs(77, 128, 328, seed=11)
+    t = t.at[3].set(-100)
+
+    def loss(impl):
+        f = lambda x, w: linear_cross_entropy(x, w, t, label_smoothing=0.1, softcap=softcap,
+                                              implementation=impl)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+
+    (l_m, (gx_m, gw_m)) = loss("mosaic_gpu")
+    (l_x, (gx_x, gw_x)) = loss("xla")
+    assert abs(float(l_m) - float(l_x)) < 1e-5 * max(1.0, abs(float(l_x)))
+    for a, b in ((gx_m, gx_x), (gw_m, gw_x)):
+        a = np.asarray(a.astype(jnp.float32))
+        b = np.asarray(b.astype(jnp.float32))
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+    assert np.all(np.asarray(gx_m[3].astype(jnp.float32)) == 0.0)
+    del api
