@@ -323,13 +323,6 @@ def test_memory_stays_within_the_budget(layout):
         assert mem.temp_size_in_bytes < n * v * 4 / 4, (fn, mem.temp_size_in_bytes)
 
 
-def test_importing_logitless_jax_never_imports_torch():
-    # Where torch is installed too (the GPU machine), logitless.jax still leaves it alone.
-    code = "import sys, logitless.jax, logitless\nassert 'torch' not in sys.modules, 'torch imported'\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-
-
 def test_importing_logitless_jax_never_needs_torch():
     # Works in a process where `import torch` fails (torch may be installed here).
     code = (
@@ -342,7 +335,7 @@ def test_importing_logitless_jax_never_needs_torch():
         "import jax.numpy as jnp\n"
         "import logitless.jax as lj\n"
         "import logitless\n"
-        "assert 'torch' not in sys.modules\n"
+        "assert 'torch' not in sys.modules and logitless.__all__ == []\n"
         "x = jnp.ones((2, 4)); w = jnp.ones((5, 4)); t = jnp.array([1, 2])\n"
         "print(float(lj.linear_cross_entropy(x, w, t)))\n"
     )

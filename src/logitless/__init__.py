@@ -1,41 +1,37 @@
-"""logitless: cross-entropy and distillation losses of language models without materialising the logits.
+"""logitless: cross-entropy and distillation losses of language models without materialising the logits."""
 
-The PyTorch ops are loaded on first use (PEP 562 ``__getattr__``), so ``import logitless``
-imports neither torch nor jax, and ``import logitless.jax`` works in a torch-free
-environment and never imports torch where both are installed.
-"""
+# The PyTorch ops are exported when torch is installed. Without torch the package still
+# imports, so that ``logitless.jax`` (which needs only jax) works in a torch-free
+# environment; then only the JAX side is usable. Any other import error propagates.
+# (Lazy PEP 562 exports were tried: a subpackage import such as
+# ``logitless.linear_cross_entropy.reference`` then replaces the same-named function.)
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - exercised in the torch-free environment
+    if _exc.name != "torch":
+        raise
+    __all__: list = []
+    del _exc
+else:
+    del _torch
+    from ._loss_math import LossStats
+    from ._plans import DEFAULT_MEMORY_BUDGET
+    from .cross_entropy import CrossEntropyLoss, cross_entropy
+    from .jsd import JSDLoss, jsd
+    from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+    from .linear_jsd import LinearJSDLoss, linear_jsd
 
-from __future__ import annotations
-
-import importlib
+    __all__ = [
+        "linear_cross_entropy",
+        "LinearCrossEntropyLoss",
+        "cross_entropy",
+        "CrossEntropyLoss",
+        "linear_jsd",
+        "LinearJSDLoss",
+        "jsd",
+        "JSDLoss",
+        "LossStats",
+        "DEFAULT_MEMORY_BUDGET",
+    ]
 
 __version__ = "0.1.0"
-
-#: Public name -> the submodule that defines it (PyTorch side).
-_EXPORTS = {
-    "linear_cross_entropy": ".linear_cross_entropy",
-    "LinearCrossEntropyLoss": ".linear_cross_entropy",
-    "cross_entropy": ".cross_entropy",
-    "CrossEntropyLoss": ".cross_entropy",
-    "linear_jsd": ".linear_jsd",
-    "LinearJSDLoss": ".linear_jsd",
-    "jsd": ".jsd",
-    "JSDLoss": ".jsd",
-    "LossStats": "._loss_math",
-    "DEFAULT_MEMORY_BUDGET": "._plans",
-}
-
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'logitless' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
