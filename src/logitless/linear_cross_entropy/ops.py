@@ -1,0 +1,245 @@
+"""The torch.library custom ops of linear_cross_entropy: what autograd and torch.compile see.
+
+    logitless::lce_forward(x, weight, bias, target, class_weight, <options>)
+        -> loss, lse, argmax, w_t, keep, keep_max
+    logitless::lce_backward(grad_loss, x, weight, bias, target, class_weight, lse, w_t,
+                            keep (overwritten with dz), keep_max, <options>)
+        -> dx, dw, db
+
+Their implementations run eagerly, also under torch.compile (which sees only the fake
+implementations: output shapes and dtypes), so they may branch on data: the CPU
+target-range check lives here. ``keep``/``keep_max`` are the columns of exp(z - m) the
+Triton backend kept for the backward (size 0 when it kept none): the backward turns
+them into dz in place (declared as a mutation), so they serve one backward; the
+autograd glue hands them to the first backward only, a second one (retain_graph=True)
+recomputes instead. Absent outputs (argmax without return_stats, gradients not
+needed) are tensors of size 0. Options are plain ints/floats/strings.
+
+Double backward is not supported: differentiating the gradients raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._autocast import no_autocast
+from .._dispatch import load_backend
+from .._loss_math import (
+    LossOptions,
+    TokenStats,
+    grad_coefficients,
+    reduce_loss,
+    token_loss,
+    upstream_per_token,
+)
+from .._validate import check_targets_in_range
+
+OP = "linear_cross_entropy"
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the loss and of the per-token statistics."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lce_forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+    backend: str,
+    budget: int,
+    need_argmax: bool,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (N, H), weight (V, H), target (N,) int64 -> loss (() or (N,)), lse (N,),
+    argmax (N,) or (0,), w_t (N,), keep, keep_max (see the module docstring)."""
+    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    n, v = x.shape[0], weight.shape[0]
+    check_targets_in_range(target, v, ignore_index)
+    sd = _stats_dtype(x.dtype)
+    kept = None
+    with no_autocast(x.device):
+        if n == 0:
+            empty = x.new_empty(0, dtype=sd)
+            stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
+        else:
+            stats, kept = load_backend(__package__, backend).forward(
+                x, weight, bias, target, class_weight, softcap,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
+                need_grad=need_grad,
+            )
+        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
+        loss = reduce_loss(loss_tok, w_t, reduction)
+    argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
+    if kept is None:
+        kept = (x.new_empty(0, 0), x.new_empty(0, 0, dtype=torch.float32))
+    return loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1]
+
+
+lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mutates_args=())
+
+
+@lce_forward.register_fake
+def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
+      softcap, z_loss, backend, budget, need_argmax, need_grad):
+    n, (v, h) = x.shape[0], weight.shape
+    sd = _stats_dtype(x.dtype)
+    loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
+    keep_shape, max_shape = (0, 0), (0, 0)
+    if backend == "triton" and need_grad:
+        if all(isinstance(s, int) for s in (n, v, h)):
+            from .triton_backend import kept_shapes
+
+            shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, softcap, need_grad)
+            if shapes is not None:
+                keep_shape, max_shape = shapes
+        else:  # symbolic sizes: the plan's choice is a size only known at run time
+            ctx = torch.library.get_ctx()
+            keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+            max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+    return (
+        loss,
+        x.new_empty(n, dtype=sd),
+        x.new_empty(n if need_argmax else 0, dtype=torch.int64),
+        x.new_empty(n, dtype=sd),
+        x.new_empty(keep_shape),
+        x.new_empty(max_shape, dtype=torch.float32),
+    )
+
+
+def _lce_backward(
+    grad_loss: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    lse: Tensor,
+    w_t: Tensor,
+    keep: Tensor,
+    keep_max: Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+    backend: str,
+    budget: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
+    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    n, v = x.shape[0], weight.shape[0]
+    dx = dw = db = None
+    if n == 0:
+        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
+        db = torch.zeros_like(bias) if bias is not None else None
+    elif need_dx or need_dw or need_db:
+        with no_autocast(x.device):
+            g = upstream_per_token(grad_loss, w_t, reduction)
+            coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+            dx, dw, db = load_backend(__package__, backend).backward(
+                x, weight, bias, target, class_weight, softcap, lse, coef,
+                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget,
+                kept=(keep, keep_max) if keep.numel() else None,
+            )
+    nothing = x.new_empty(0)
+    return (
+        dx if need_dx else nothing,
+        dw if need_dw else nothing.clone(),
+        db if need_db else nothing.clone(),
+    )
+
+
+lce_backward = torch.library.custom_op("logitless::lce_backward", _lce_backward, mutates_args=("keep",))
+
+
+@lce_backward.register_fake
+def _(grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
+      ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
+      need_dx, need_dw, need_db):
+    nothing = x.new_empty(0)
+    return (
+        torch.empty_like(x) if need_dx else nothing,
+        torch.empty_like(weight) if need_dw else nothing.clone(),
+        torch.empty_like(bias) if need_db else nothing.clone(),
+    )
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """Identity on first-order gradients computed with create_graph=True; differentiating
+    them again raises one clear error (shared by the ops)."""
+
+    @staticmethod
+    def forward(ctx, op: str, *tensors):
+        ctx.op = op
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"logitless.{ctx.op}: double backward (differentiating its gradients, e.g. after "
+            "torch.autograd.grad(..., create_graph=True)) is not supported"
+        )
+
+
+def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> tuple:
+    """``grads`` unchanged, unless the backward runs with create_graph=True: then wrapped
+    so that their own backward raises (``inputs`` make the wrapper part of the graph)."""
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    extra = [t for t in inputs if t is not None and t.requires_grad]
+    wrapped = NoDoubleBackward.apply(op, *[grads[i] for i in present], *extra)
+    out = list(grads)
+    for k, i in enumerate(present):
+        out[i] = wrapped[k]
+    return tuple(out)
+
+
+_OPTION_ARGS = slice(5, 12)  # ignore_index ... budget in lce_forward's arguments
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, target, class_weight = inputs[:5]
+    _, lse, argmax, w_t, keep, keep_max = output
+    ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
+    ctx.options = inputs[_OPTION_ARGS]
+    # Not saved tensors: the first backward consumes them (in place) and drops them.
+    ctx.kept = (keep, keep_max)
+    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max)
+
+
+def _backward(ctx, grad_loss, *_):
+    x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
+    keep, keep_max = ctx.kept
+    ctx.kept = (keep.new_empty(0, 0), keep_max.new_empty(0, 0))
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    grads = (None, None, None)
+    if need_dx or need_dw or need_db:
+        dx, dw, db = lce_backward(
+            grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
+            *ctx.options, need_dx, need_dw, need_db,
+        )
+        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+        grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
+    return grads + (None,) * 11
+
+
+lce_forward.register_autograd(_backward, setup_context=_setup_context)
+
+#: The Python implementations behind the ops (tests run them under dispatch modes,
+#: which otherwise see each custom op as one opaque call).
+EAGER = {"logitless::lce_forward": _lce_forward, "logitless::lce_backward": _lce_backward}
