@@ -226,6 +226,24 @@ def test_compile_under_autocast(backend):
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="host syncs only exist with a GPU")
+@pytest.mark.parametrize("model", ["lce", "ce"])
+def test_compiled_step_has_no_host_sync(model):
+    cls = _LCEModel if model == "lce" else _CEModel
+    net = cls(vocab=1000, hidden=64, z_loss=1e-3, label_smoothing=0.1).cuda()
+    ids = torch.randint(0, 1000, (2, 50), device="cuda")
+    compiled = torch.compile(net, fullgraph=True)
+    with torch.autocast("cuda", dtype=AMP):
+        compiled(ids, ids).backward()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=AMP):
+            compiled(ids, ids).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_inference_uses_the_forward_that_keeps_nothing(monkeypatch):
     """Under no_grad (eager and compiled) the Triton forward is asked for no kept columns."""
     from logitless.linear_cross_entropy import triton_backend

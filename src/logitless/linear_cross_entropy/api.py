@@ -43,9 +43,28 @@ def linear_cross_entropy(
     Logits, log-sum-exp and softmax are computed in fp32; gradients are accumulated in
     fp32 and cast once to the input dtype.
 
+    In training loops:
+        autocast: under ``torch.autocast(device_type, dtype)`` enabled for the inputs'
+            device, x, weight and bias are cast to the autocast dtype as ``F.linear``
+            does (autograd records the casts, so fp32 parameters get fp32 gradients; no
+            copy is kept between calls): fp32 hidden states and an fp32 head weight run
+            at bf16 speed. The loss stays fp32. Outside autocast, x and weight of
+            different dtypes raise ``TypeError``.
+        torch.compile: the op is a pair of custom ops (``logitless::lce_forward``,
+            ``logitless::lce_backward``), so ``torch.compile(model, fullgraph=True)``
+            and ``dynamic=True`` trace through it without graph breaks.
+        FSDP2: call it where the head weight is unsharded: inside the forward of the
+            module that owns it (when that module is ``fully_shard``-ed with its
+            parent, or is the root), or in a method of the head registered with
+            ``torch.distributed.fsdp.register_fsdp_forward_method(head, "method")``.
+            A sharded DTensor weight raises ``TypeError`` saying so.
+        Double backward (differentiating the gradients after ``create_graph=True``)
+            raises ``RuntimeError``: it is not supported.
+
     Args:
         x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
-        weight: (V, H) LM-head weight, as ``nn.Linear.weight``; same dtype and device as x.
+        weight: (V, H) LM-head weight, as ``nn.Linear.weight``; same dtype (autocast
+            aside) and device as x.
         target: (...) int64 or int32 class indices, the leading shape of ``x``.
         bias: optional (V,), same dtype as ``weight``.
         ignore_index: targets equal to it contribute no loss and no gradient.
@@ -58,7 +77,8 @@ def linear_cross_entropy(
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
         shift: causal-LM shift: position t of ``x`` predicts ``target`` at t+1 along the
             last dim of ``target`` (the sequence); the last position predicts nothing.
-            ``x`` is not copied. With reduction="none" the result has T-1 positions.
+            ``x`` is not copied. With reduction="none" the result has T-1 positions
+            (none for T = 0 or 1; "mean" is then NaN and "sum" 0, as torch's).
         return_stats: also return a ``LossStats`` (per-token lse, per-token
             argmax == target, number of non-ignored tokens) computed in the same pass.
         memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
