@@ -226,6 +226,35 @@ def test_compile_under_autocast(backend):
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
+def test_compile_module_forms_and_target_check():
+    """The Module forms (class weights as buffers, weight= alias) compile whole; a bad
+    target still raises the clear error on the CPU (the check runs inside the op)."""
+    g = _gen(11)
+    cw = torch.rand(40, generator=g).to(DEVICE) + 0.5
+    lce = logitless.LinearCrossEntropyLoss(class_weight=cw, z_loss=1e-3)
+    ce = logitless.CrossEntropyLoss(weight=cw, label_smoothing=0.1)
+
+    def both(h, w, y):
+        return lce(h, w, y) + ce(h @ w.T, y)
+
+    h = torch.randn(9, 16, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(40, 16, generator=g).to(DEVICE).requires_grad_()
+    y = torch.randint(0, 40, (9,), generator=g).to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(both, fullgraph=True)
+    eager = [both(h, w, y)]
+    eager += torch.autograd.grad(eager[0], (h, w))
+    comp = [compiled(h, w, y)]
+    comp += torch.autograd.grad(comp[0], (h, w))
+    for a, b in zip(eager, comp):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if DEVICE.type == "cpu":
+        bad = y.clone()
+        bad[4] = 40
+        with pytest.raises(ValueError, match="outside"):
+            compiled(h, w, bad)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="host syncs only exist with a GPU")
 @pytest.mark.parametrize("model", ["lce", "ce"])
 def test_compiled_step_has_no_host_sync(model):

@@ -82,8 +82,7 @@ def forward(
     which ``backward`` turns into dz in place (so it can use them once)."""
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device,
-                               keep_allowed=_keep_allowed(x.dtype, softcap, need_grad))
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
     splits = plan.vocab_splits
     blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -136,6 +135,11 @@ def forward(
     return stats, (keep_buf, keep_max) if keep is not None else None
 
 
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
+    """The plan of one call; forward, backward and ``kept_shapes`` must agree on it."""
+    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed)
+
+
 def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool) -> bool:
     # fp16 cannot hold exp(z - m) down to exp(-2 * softcap): recompute those instead.
     return need_grad and not (dtype == torch.float16 and softcap is not None)
@@ -155,8 +159,7 @@ def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
     keep_allowed = _keep_allowed(dtype, softcap, need_grad)
     if n == 0 or not keep_allowed:
         return None
-    plan = triton_plan(n, v, h, torch.empty((), dtype=dtype).element_size(), budget, device,
-                       keep_allowed=True)
+    plan = _plan(n, v, h, dtype, budget, device, keep_allowed=True)
     return _kept_shapes_of(plan, n) if plan.keep_cols else None
 
 
@@ -190,8 +193,7 @@ def backward(
     n, h = x.shape
     v = weight.shape[0]
     # The forward's plan (the same arguments give the same plan) when it kept columns.
-    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device,
-                               keep_allowed=kept is not None)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
     keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
