@@ -321,14 +321,14 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
     x, w, b, t = _lce_inputs((13,), 24, 101, seed=5)
     cw = (torch.rand(101, generator=_gen(5)) + 0.5).to(DEVICE)
     options = (-100, "mean", 0.1, 4.0, 1e-3, backend, 6_000, True)
-    args = (x, w, b, t, cw, *options, need_grad)
+    args = (x, w, b, t, cw, *options, need_grad, 0, True, True, True)
     # Not test_aot_dispatch_dynamic: it hands every output to the caller, and the kept
     # columns, which the backward overwrites in place, would then be an output mutated
     # by the backward. The public function never returns them; the compile tests above
     # cover that path (fullgraph, dynamic, kept columns).
     torch.library.opcheck(lce_ops.lce_forward, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    loss, lse, argmax, w_t, keep, keep_max = lce_ops.lce_forward(*args)
+    loss, lse, argmax, w_t, keep, keep_max, *_ = lce_ops.lce_forward(*args)
     if backend == "triton" and need_grad:
         assert 0 < keep.shape[1] < 101 + 8  # the budget keeps some columns
     else:
@@ -337,6 +337,29 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
     bargs = (grad_loss, x.detach(), w.detach(), b.detach(), t, cw, lse, w_t, keep, keep_max,
              *options[:-1], True, True, True)
     torch.library.opcheck(lce_ops.lce_backward, bargs)
+
+
+@pytest.mark.parametrize("chunk", [5, 13], ids=["chunks", "one-chunk"])
+def test_grad_in_forward_through_the_op(chunk):
+    """The Triton planner's gradient-in-forward strategy (eager): the op's extra outputs,
+    scaled by the backward, give the gradients of the usual path."""
+    from logitless.linear_cross_entropy import triton_backend
+
+    if not hasattr(triton_backend, "forward_with_grad"):
+        pytest.skip("this tree's Triton backend has no gradient-in-forward strategy")
+    x, w, b, t = _lce_inputs((13,), 24, 101, seed=12)
+    cw = (torch.rand(101, generator=_gen(12)) + 0.5).to(DEVICE)
+    options = (-100, "mean", 0.1, 4.0, 1e-3, "triton", 1 << 20, False, True)
+    args = (x, w, b, t, cw, *options, chunk, True, True, True)
+    torch.library.opcheck(lce_ops.lce_forward, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    loss = lce_ops.lce_forward(*args)[0]
+    grads = torch.autograd.grad(loss * 0.5, (x, w, b))
+    usual = lce_ops.lce_forward(*args[:14], 0, True, True, True)[0]
+    expected = torch.autograd.grad(usual * 0.5, (x, w, b))
+    torch.testing.assert_close(loss, usual)
+    for a, e in zip(grads, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

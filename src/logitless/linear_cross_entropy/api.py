@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .. import _autocast, _validate
 from .._dispatch import resolve_backend
 from .._loss_math import LossStats, TokenStats, loss_stats
-from .ops import lce_forward
+from .ops import grad_in_forward_chunk, lce_forward
 
 def linear_cross_entropy(
     x: Tensor,
@@ -155,10 +155,16 @@ def linear_cross_entropy(
     # Under no_grad (eval) nothing is kept for a backward, whatever requires_grad says.
     grad_wanted = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    loss, lse, argmax, _, _, _ = lce_forward(
+    need = [grad_wanted and t is not None and t.requires_grad for t in (x2d, weight, bias)]
+    # The Triton planner's gradient-in-forward strategy (eager only: under torch.compile
+    # the keep/recompute strategies serve, as the strategy returns extra state).
+    in_forward = 0
+    if grad_wanted and not torch.compiler.is_compiling():
+        in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
+    loss, lse, argmax, *_ = lce_forward(
         x2d, weight, bias, flat_target, class_weight, opts.ignore_index, opts.reduction,
         opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
-        grad_wanted,
+        grad_wanted, in_forward, *need,
     )
 
     def per_token(t: Tensor) -> Tensor:

@@ -60,18 +60,31 @@ def _lce_forward(
     budget: int,
     need_argmax: bool,
     need_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad_in_forward: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (N, H), weight (V, H), target (N,) int64 -> loss (() or (N,)), lse (N,),
-    argmax (N,) or (0,), w_t (N,), keep, keep_max (see the module docstring)."""
+    argmax (N,) or (0,), w_t (N,), keep, keep_max (see the module docstring), and
+    gx, gw, gb: with ``grad_in_forward`` > 0 (tokens per chunk of the Triton backend's
+    gradient-in-forward strategy) the gradients for grad_output = 1 that the backward
+    scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb fp32)."""
     opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
     n, v = x.shape[0], weight.shape[0]
     check_targets_in_range(target, v, ignore_index)
     sd = _stats_dtype(x.dtype)
-    kept = None
+    kept = grads = None
     with no_autocast(x.device):
         if n == 0:
             empty = x.new_empty(0, dtype=sd)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
+        elif grad_in_forward > 0:
+            stats, grads = load_backend(__package__, backend).forward_with_grad(
+                x, weight, bias, target, class_weight, opts, token_chunk=grad_in_forward,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
+                need_dw=need_dw, need_db=need_db, budget=budget,
+            )
         else:
             stats, kept = load_backend(__package__, backend).forward(
                 x, weight, bias, target, class_weight, softcap,
@@ -83,7 +96,8 @@ def _lce_forward(
     argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
     if kept is None:
         kept = (x.new_empty(0, 0), x.new_empty(0, 0, dtype=torch.float32))
-    return loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1]
+    grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
+    return (loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], *grads)
 
 
 lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mutates_args=())
@@ -91,12 +105,22 @@ lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mu
 
 @lce_forward.register_fake
 def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
-      softcap, z_loss, backend, budget, need_argmax, need_grad):
+      softcap, z_loss, backend, budget, need_argmax, need_grad, grad_in_forward, need_dx,
+      need_dw, need_db):
     n, (v, h) = x.shape[0], weight.shape
     sd = _stats_dtype(x.dtype)
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
     keep_shape, max_shape = (0, 0), (0, 0)
-    if backend == "triton" and need_grad:
+    grads = [x.new_empty(0) for _ in range(3)]
+    if grad_in_forward > 0 and n > 0:  # (eager only: the public function passes 0 when compiling)
+        f32 = torch.float32
+        grads = [
+            torch.empty_like(x) if need_dx else grads[0],
+            (torch.empty_like(weight) if grad_in_forward >= n else weight.new_empty(v, h, dtype=f32))
+            if need_dw else grads[1],
+            weight.new_empty(v, dtype=f32) if need_db else grads[2],
+        ]
+    elif backend == "triton" and need_grad:
         if all(isinstance(s, int) for s in (n, v, h)):
             from .triton_backend import kept_shapes
 
@@ -114,6 +138,7 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
         x.new_empty(n, dtype=sd),
         x.new_empty(keep_shape),
         x.new_empty(max_shape, dtype=torch.float32),
+        *grads,
     )
 
 
@@ -210,32 +235,52 @@ def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> t
 
 
 _OPTION_ARGS = slice(5, 12)  # ignore_index ... budget in lce_forward's arguments
+_NUM_ARGS = 18
+
+
+def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, opts: LossOptions) -> int:
+    """Tokens per chunk when the backend's planner picks gradient-in-forward for this
+    call (a Triton strategy: the forward also computes the gradients), else 0. Eager
+    only: the public function never asks under torch.compile."""
+    if backend != "triton" or x.shape[0] == 0:
+        return 0
+    pick = getattr(load_backend(__package__, backend), "grad_in_forward_chunk", None)
+    return (pick(x, weight, budget, opts, opts.softcap) or 0) if pick is not None else 0
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, class_weight = inputs[:5]
-    _, lse, argmax, w_t, keep, keep_max = output
+    _, lse, argmax, w_t, keep, keep_max, gx, gw, gb = output
     ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
     ctx.options = inputs[_OPTION_ARGS]
     # Not saved tensors: the first backward consumes them (in place) and drops them.
     ctx.kept = (keep, keep_max)
-    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max)
+    ctx.grads_in_forward = (gx, gw, gb) if inputs[14] > 0 else None
+    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max, gx, gw, gb)
 
 
 def _backward(ctx, grad_loss, *_):
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
     keep, keep_max = ctx.kept
     ctx.kept = (keep.new_empty(0, 0), keep_max.new_empty(0, 0))
+    forward_grads, ctx.grads_in_forward = ctx.grads_in_forward, None
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     grads = (None, None, None)
-    if need_dx or need_dw or need_db:
+    if forward_grads is not None and x.shape[0] > 0:
+        # Gradient-in-forward (eager): scale the forward's gradients by grad_output, in place.
+        present = [g if g.numel() else None for g in forward_grads]
+        backend = ctx.options[5]
+        dx, dw, db = load_backend(__package__, backend).scale_grads(present, grad_loss, x.dtype, weight.dtype)
+        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+        grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
+    elif need_dx or need_dw or need_db:
         dx, dw, db = lce_backward(
             grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
             *ctx.options, need_dx, need_dw, need_db,
         )
         grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
         grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
-    return grads + (None,) * 11
+    return grads + (None,) * (_NUM_ARGS - 3)
 
 
 lce_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -132,7 +132,21 @@ def forward(
         smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
         argmax=argmax,
     )
-    return stats, (keep_buf, keep_max) if keep is not None else None
+    return stats, _Kept(keep_buf, keep_max, plan.keep_cols) if keep is not None else None
+
+
+class _Kept(tuple):
+    """(exp tiles (N, row) buffer, tile maxima): the tensors the custom op returns and
+    the backward turns into dz in place. ``take()`` gives (the (N, keep_cols) view of
+    the buffer, tile maxima) to code that uses them within one call."""
+
+    def __new__(cls, buf: Tensor, tile_max: Tensor, keep_cols: int):
+        kept = super().__new__(cls, (buf, tile_max))
+        kept.keep_cols = keep_cols
+        return kept
+
+    def take(self):
+        return self[0][:, : self.keep_cols], self[1]
 
 
 def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
