@@ -52,7 +52,9 @@ def linear_cross_entropy(
             different dtypes raise ``TypeError``.
         torch.compile: the op is a pair of custom ops (``logitless::lce_forward``,
             ``logitless::lce_backward``), so ``torch.compile(model, fullgraph=True)``
-            and ``dynamic=True`` trace through it without graph breaks.
+            and ``dynamic=True`` trace through it without graph breaks. (The Triton
+            planner's gradient-in-forward strategy, where present, is used in eager
+            mode only; compiled graphs use the keep/recompute strategies.)
         FSDP2: call it where the head weight is unsharded: inside the forward of the
             module that owns it (when that module is ``fully_shard``-ed with its
             parent, or is the root), or in a method of the head registered with
