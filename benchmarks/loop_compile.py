@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -116,7 +117,8 @@ def main(argv=None):
         compiled_over_eager=ratio, verdict=verdict,
     )
     os.makedirs(args.out, exist_ok=True)
-    dev = torch.cuda.get_device_name().split()[-1].replace("/", "-")
+    found = re.search(r"\b[A-Z]\d{2,4}\b", torch.cuda.get_device_name())  # "H100", "A100"
+    dev = found.group(0) if found else "gpu"
     path = os.path.join(args.out, f"loop-compile-{dev}-{datetime.date.today()}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
