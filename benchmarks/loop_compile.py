@@ -74,7 +74,7 @@ def step_time(fn, ids, labels, params, steps):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     times.sort()
-    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30, float(loss)
+    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30, float(loss.detach())
 
 
 def main(argv=None):
