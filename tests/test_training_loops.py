@@ -328,15 +328,36 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
     # cover that path (fullgraph, dynamic, kept columns).
     torch.library.opcheck(lce_ops.lce_forward, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    loss, lse, argmax, w_t, keep, keep_max, *_ = lce_ops.lce_forward(*args)
+    loss, lse, argmax, w_t, keep, keep_max, plan, *_ = lce_ops.lce_forward(*args)
     if backend == "triton" and need_grad:
         assert 0 < keep.shape[1] < 101 + 8  # the budget keeps some columns
     else:
         assert keep.numel() == 0
     grad_loss = torch.rand((), device=DEVICE) + 0.5
-    bargs = (grad_loss, x.detach(), w.detach(), b.detach(), t, cw, lse, w_t, keep, keep_max,
+    bargs = (grad_loss, x.detach(), w.detach(), b.detach(), t, cw, lse, w_t, keep, keep_max, plan,
              *options[:-1], True, True, True)
     torch.library.opcheck(lce_ops.lce_backward, bargs)
+
+
+def test_backward_runs_with_the_forwards_plan(monkeypatch):
+    """The plan that laid out the kept columns (tiles may be tuned or forced while the
+    forward runs) travels to the backward as a tensor, not re-derived there."""
+    from logitless._plans import triton_plan
+    from logitless.linear_cross_entropy import triton_backend
+
+    x, w, b, t = _lce_inputs((37,), 40, 257, seed=13)
+    kw = dict(backend="triton", memory_budget=30_000, label_smoothing=0.1, softcap=5.0)
+    expected = torch.autograd.grad(linear_cross_entropy(x, w, t, b, **kw), (x, w, b))
+
+    def other_tiles(n, v, h, dtype, budget, device, keep_allowed):
+        return triton_plan(n, v, h, dtype.itemsize, budget, device, tiles=(32, 64, 32, 4, 1),
+                           keep_allowed=keep_allowed)
+
+    monkeypatch.setattr(triton_backend, "_plan", other_tiles)
+    loss = linear_cross_entropy(x, w, t, b, **kw)
+    monkeypatch.undo()  # the backward runs with the default tiles in force
+    for a, e in zip(torch.autograd.grad(loss, (x, w, b)), expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk", [5, 13], ids=["chunks", "one-chunk"])

@@ -1,16 +1,18 @@
 """The torch.library custom ops of linear_cross_entropy: what autograd and torch.compile see.
 
     logitless::lce_forward(x, weight, bias, target, class_weight, <options>)
-        -> loss, lse, argmax, w_t, keep, keep_max
+        -> loss, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb
     logitless::lce_backward(grad_loss, x, weight, bias, target, class_weight, lse, w_t,
-                            keep (overwritten with dz), keep_max, <options>)
+                            keep (overwritten with dz), keep_max, plan, <options>)
         -> dx, dw, db
 
 Their implementations run eagerly, also under torch.compile (which sees only the fake
 implementations: output shapes and dtypes), so they may branch on data: the CPU
 target-range check lives here. ``keep``/``keep_max`` are the columns of exp(z - m) the
 Triton backend kept for the backward (size 0 when it kept none): the backward turns
-them into dz in place (declared as a mutation), so they serve one backward; the
+them into dz in place (declared as a mutation), so they serve one backward, with the
+forward's launch plan (``plan``: its fields in a CPU int64 tensor, read without a
+device sync: the plan may depend on tuned or forced tiles at the time of the forward); the
 autograd glue hands them to the first backward only, a second one (retain_graph=True)
 recomputes instead. Absent outputs (argmax without return_stats, gradients not
 needed) are tensors of size 0. Options are plain ints/floats/strings.
@@ -64,9 +66,9 @@ def _lce_forward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (N, H), weight (V, H), target (N,) int64 -> loss (() or (N,)), lse (N,),
-    argmax (N,) or (0,), w_t (N,), keep, keep_max (see the module docstring), and
+    argmax (N,) or (0,), w_t (N,), keep, keep_max, plan (see the module docstring), and
     gx, gw, gb: with ``grad_in_forward`` > 0 (tokens per chunk of the Triton backend's
     gradient-in-forward strategy) the gradients for grad_output = 1 that the backward
     scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb fp32)."""
@@ -95,9 +97,10 @@ def _lce_forward(
         loss = reduce_loss(loss_tok, w_t, reduction)
     argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
     if kept is None:
-        kept = (x.new_empty(0, 0), x.new_empty(0, 0, dtype=torch.float32))
+        kept = (x.new_empty(0, 0), x.new_empty(0, 0, dtype=torch.float32),
+                torch.empty(0, dtype=torch.int64))
     grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
-    return (loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], *grads)
+    return (loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
 
 
 lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mutates_args=())
@@ -110,7 +113,7 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
     n, (v, h) = x.shape[0], weight.shape
     sd = _stats_dtype(x.dtype)
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
-    keep_shape, max_shape = (0, 0), (0, 0)
+    keep_shape, max_shape, plan_size = (0, 0), (0, 0), 0
     grads = [x.new_empty(0) for _ in range(3)]
     if grad_in_forward > 0 and n > 0:  # (eager only: the public function passes 0 when compiling)
         f32 = torch.float32
@@ -122,15 +125,16 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
         ]
     elif backend == "triton" and need_grad:
         if all(isinstance(s, int) for s in (n, v, h)):
-            from .triton_backend import kept_shapes
+            from .triton_backend import PLAN_SIZE, kept_shapes
 
             shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, softcap, need_grad)
             if shapes is not None:
-                keep_shape, max_shape = shapes
+                (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
         else:  # symbolic sizes: the plan's choice is a size only known at run time
             ctx = torch.library.get_ctx()
             keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
             max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+            plan_size = ctx.new_dynamic_size()
     return (
         loss,
         x.new_empty(n, dtype=sd),
@@ -138,6 +142,7 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
         x.new_empty(n, dtype=sd),
         x.new_empty(keep_shape),
         x.new_empty(max_shape, dtype=torch.float32),
+        torch.empty(plan_size, dtype=torch.int64, device="cpu"),
         *grads,
     )
 
@@ -153,6 +158,7 @@ def _lce_backward(
     w_t: Tensor,
     keep: Tensor,
     keep_max: Tensor,
+    plan: Tensor,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -175,10 +181,13 @@ def _lce_backward(
         with no_autocast(x.device):
             g = upstream_per_token(grad_loss, w_t, reduction)
             coef = grad_coefficients(lse, target, g, v, class_weight, opts)
-            dx, dw, db = load_backend(__package__, backend).backward(
+            impl = load_backend(__package__, backend)
+            extra = {}
+            if keep.numel():  # the forward's buffers, and its plan (which laid them out)
+                extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
+            dx, dw, db = impl.backward(
                 x, weight, bias, target, class_weight, softcap, lse, coef,
-                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget,
-                kept=(keep, keep_max) if keep.numel() else None,
+                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
             )
     nothing = x.new_empty(0)
     return (
@@ -192,7 +201,7 @@ lce_backward = torch.library.custom_op("logitless::lce_backward", _lce_backward,
 
 
 @lce_backward.register_fake
-def _(grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
+def _(grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
       ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
       need_dx, need_dw, need_db):
     nothing = x.new_empty(0)
@@ -250,19 +259,19 @@ def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, target, class_weight = inputs[:5]
-    _, lse, argmax, w_t, keep, keep_max, gx, gw, gb = output
+    _, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb = output
     ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
     ctx.options = inputs[_OPTION_ARGS]
     # Not saved tensors: the first backward consumes them (in place) and drops them.
-    ctx.kept = (keep, keep_max)
+    ctx.kept = (keep, keep_max, plan)
     ctx.grads_in_forward = (gx, gw, gb) if inputs[14] > 0 else None
-    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max, gx, gw, gb)
+    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb)
 
 
 def _backward(ctx, grad_loss, *_):
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
-    keep, keep_max = ctx.kept
-    ctx.kept = (keep.new_empty(0, 0), keep_max.new_empty(0, 0))
+    keep, keep_max, plan = ctx.kept
+    ctx.kept = (keep.new_empty(0, 0), keep_max.new_empty(0, 0), plan)
     forward_grads, ctx.grads_in_forward = ctx.grads_in_forward, None
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     grads = (None, None, None)
@@ -275,7 +284,7 @@ def _backward(ctx, grad_loss, *_):
         grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
     elif need_dx or need_dw or need_db:
         dx, dw, db = lce_backward(
-            grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
+            grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
             *ctx.options, need_dx, need_dw, need_db,
         )
         grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)

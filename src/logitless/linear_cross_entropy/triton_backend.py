@@ -19,6 +19,7 @@ are bitwise repeatable.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -132,21 +133,37 @@ def forward(
         smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
         argmax=argmax,
     )
-    return stats, _Kept(keep_buf, keep_max, plan.keep_cols) if keep is not None else None
+    return stats, _Kept(keep_buf, keep_max, plan) if keep is not None else None
 
 
 class _Kept(tuple):
-    """(exp tiles (N, row) buffer, tile maxima): the tensors the custom op returns and
-    the backward turns into dz in place. ``take()`` gives (the (N, keep_cols) view of
-    the buffer, tile maxima) to code that uses them within one call."""
+    """(exp tiles (N, row) buffer, tile maxima, the plan as a CPU int64 tensor): the
+    tensors the custom op returns; the backward turns the buffer into dz in place and
+    runs with the forward's plan (``plan_from_tensor``). ``take()`` gives (the
+    (N, keep_cols) view of the buffer, tile maxima) to code within one call."""
 
-    def __new__(cls, buf: Tensor, tile_max: Tensor, keep_cols: int):
-        kept = super().__new__(cls, (buf, tile_max))
-        kept.keep_cols = keep_cols
+    def __new__(cls, buf: Tensor, tile_max: Tensor, plan: TritonPlan):
+        kept = super().__new__(cls, (buf, tile_max, plan_to_tensor(plan)))
+        kept.keep_cols = plan.keep_cols
         return kept
 
     def take(self):
         return self[0][:, : self.keep_cols], self[1]
+
+
+#: Length of ``plan_to_tensor``'s result.
+PLAN_SIZE = len(dataclasses.fields(TritonPlan))
+
+
+def plan_to_tensor(plan: TritonPlan) -> Tensor:
+    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
+    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+
+
+def plan_from_tensor(t: Tensor) -> TritonPlan:
+    values = t.tolist()  # a CPU tensor: no device sync
+    fields = dataclasses.fields(TritonPlan)
+    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
 
 
 def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
