@@ -1,25 +1,26 @@
-"""Which backend runs an op: Triton on CUDA, PyTorch elsewhere (shared by every op)."""
+"""Which backend runs an op: Triton on CUDA, PyTorch elsewhere (shared by every op).
+
+``resolve_backend`` runs in the public functions (plain Python that torch.compile
+traces: no imports, no host syncs); ``load_backend`` runs inside the custom ops'
+implementations, which torch.compile never traces.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
 
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+#: Whether triton is installed (decided once, at import).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def backend_module(op_package: str, name: str, device: torch.device, dtype: torch.dtype):
-    """The module ``{op_package}.{triton,torch}_backend`` for a backend name and inputs.
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend ("triton" or "torch") for a backend name and the inputs, or a clear error.
 
     "auto": Triton for CUDA tensors of 16/32-bit floats when triton is installed, else
     PyTorch. "triton" on CPU tensors needs TRITON_INTERPRET=1 (the interpreter).
@@ -28,7 +29,7 @@ def backend_module(op_package: str, name: str, device: torch.device, dtype: torc
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
         cuda_ok = device.type == "cuda" and dtype != torch.float64
-        name = "triton" if cuda_ok and _triton_available() else "torch"
+        name = "triton" if cuda_ok and HAS_TRITON else "torch"
     if name == "triton":
         if dtype == torch.float64:
             raise TypeError("backend='triton' supports float16, bfloat16 and float32; "
@@ -38,4 +39,14 @@ def backend_module(op_package: str, name: str, device: torch.device, dtype: torc
                 f"backend='triton' needs CUDA tensors (got {device}); set "
                 "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
             )
+    return name
+
+
+def load_backend(op_package: str, name: str):
+    """The module ``{op_package}.{name}_backend`` of a resolved backend name."""
     return importlib.import_module(f"{op_package}.{name}_backend")
+
+
+def backend_module(op_package: str, name: str, device: torch.device, dtype: torch.dtype):
+    """``resolve_backend`` then ``load_backend`` (eager callers, benchmarks)."""
+    return load_backend(op_package, resolve_backend(name, device, dtype))

@@ -7,12 +7,14 @@ yields NaN for that token instead (see ``_loss_math``).
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ._loss_math import REDUCTIONS, LossOptions
+from ._plans import DEFAULT_MEMORY_BUDGET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -101,13 +103,37 @@ def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int) 
 
 def check_memory_budget(memory_budget: Optional[int]) -> int:
     """The budget in bytes (the default for None); a positive int or a clear error."""
-    from ._plans import DEFAULT_MEMORY_BUDGET
-
     if memory_budget is None:
         return DEFAULT_MEMORY_BUDGET
     if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
     return memory_budget
+
+
+def _dtensor_type():
+    """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return module.DTensor
+    return None
+
+
+def check_not_dtensor(op: str, **tensors: Optional[Tensor]) -> None:
+    """One clear error for DTensor inputs (e.g. an FSDP2 parameter outside its forward)."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, dtensor):
+            raise TypeError(
+                f"{op}: {name} is a DTensor (placements {tuple(t.placements)}), e.g. a parameter "
+                "sharded by FSDP2's fully_shard, used outside the module's forward. Call "
+                f"{op} inside the forward of the module that owns it (FSDP2 unshards its "
+                "parameters there into plain tensors), or register the method that calls it "
+                "with torch.distributed.fsdp.register_fsdp_forward_method(module, 'method'). "
+                "DTensor inputs (tensor parallelism) are not supported."
+            )
 
 
 def check_jsd_options(

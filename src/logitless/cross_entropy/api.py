@@ -11,19 +11,36 @@ from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from .. import _validate
-from .._loss_math import (
-    LossStats,
-    TokenStats,
-    grad_coefficients,
-    loss_stats,
-    reduce_loss,
-    token_loss,
-    upstream_per_token,
-)
-from .._dispatch import backend_module
+from .._dispatch import resolve_backend
+from .._loss_math import LossStats, TokenStats, loss_stats
+from .ops import InplaceCrossEntropy, ce_forward
+
+
+def _classes_last(logits: Tensor, target: Tensor, class_dim: Optional[int]) -> Tensor:
+    """``logits`` with the classes in the last dimension.
+
+    class_dim=None infers the layout from the target's shape: (..., V) when the target is
+    ``logits.shape[:-1]``, else torch's (N, C, d1, ...) when it is the logits' shape
+    without dimension 1 (both readings agree for (N, C)). When both readings fit but
+    differ (e.g. logits (N, C, d) with C == d), it raises: pass class_dim=1 or -1.
+    """
+    if class_dim is not None:
+        if class_dim not in (1, -1) or (class_dim == 1 and logits.dim() < 2):
+            raise ValueError(f"class_dim must be -1, or 1 for logits of 2+ dims, got {class_dim}")
+        return logits.movedim(1, -1) if class_dim == 1 else logits
+    if logits.dim() < 3 or not isinstance(target, Tensor):
+        return logits
+    last = target.shape == logits.shape[:-1]
+    torch_layout = target.shape == logits.shape[:1] + logits.shape[2:]
+    if last and torch_layout:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} with target {tuple(target.shape)} fit both "
+            "the (..., V) layout and torch's (N, C, d1, ...) layout; pass class_dim=-1 or "
+            "class_dim=1 to say which"
+        )
+    return logits.movedim(1, -1) if torch_layout else logits
 
 
 def _disjoint(t: Tensor) -> bool:
@@ -33,61 +50,6 @@ def _disjoint(t: Tensor) -> bool:
     if n <= 1 or v <= 1:
         return n * v <= 1 or (sv if n <= 1 else sn) > 0
     return (sv > 0 and sn >= v * sv) or (sn > 0 and sv >= n * sn)
-
-
-_SPENT = (
-    "cross_entropy(..., inplace_backward=True) has already overwritten its logits with "
-    "their gradient, so its backward can run only once (not again with retain_graph=True); "
-    "use inplace_backward=False to backpropagate through it more than once"
-)
-
-
-class _CrossEntropyFunction(torch.autograd.Function):
-    """Autograd glue shared by every backend: stats -> loss here, kernels in the backend."""
-
-    @staticmethod
-    def forward(ctx, logits, target, class_weight, opts, backend, budget, need_argmax, inplace):
-        n, v = logits.shape
-        if n == 0:
-            empty = logits.new_empty(0, dtype=torch.float32)
-            stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
-        else:
-            stats = backend.forward(
-                logits, target, class_weight, opts.softcap,
-                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
-            )
-        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-        loss = reduce_loss(loss_tok, w_t, opts.reduction)
-        ctx.save_for_backward(logits, target, class_weight, stats.lse, w_t)
-        ctx.opts, ctx.backend, ctx.budget = opts, backend, budget
-        ctx.inplace, ctx.spent = inplace, False
-        argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
-        ctx.mark_non_differentiable(stats.lse, argmax)
-        return loss, stats.lse, argmax
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, _grad_lse, _grad_argmax):
-        nones = (None,) * 7
-        if not ctx.needs_input_grad[0]:
-            return (None,) + nones
-        if ctx.spent:
-            raise RuntimeError(_SPENT)
-        logits, target, class_weight, lse, w_t = ctx.saved_tensors
-        opts = ctx.opts
-        n, v = logits.shape
-        out = logits if ctx.inplace else torch.empty_like(logits)
-        if n > 0:
-            g = upstream_per_token(grad_loss, w_t, opts.reduction)
-            coef = grad_coefficients(lse, target, g, v, class_weight, opts)
-            ctx.backend.backward(logits, target, class_weight, opts.softcap, lse, coef, out, budget=ctx.budget)
-        if ctx.inplace:
-            ctx.spent = True
-            # Autograd nodes that saved these logits now fail loudly instead of reading
-            # the gradient as if it were logits.
-            torch.autograd.graph.increment_version(logits)
-            out = logits.detach()
-        return (out,) + nones
 
 
 def cross_entropy(
@@ -104,6 +66,8 @@ def cross_entropy(
     inplace_backward: bool = False,
     memory_budget: Optional[int] = None,
     backend: str = "auto",
+    weight: Optional[Tensor] = None,
+    class_dim: Optional[int] = None,
 ) -> Union[Tensor, tuple[Tensor, LossStats]]:
     """Cross-entropy of ``logits`` against ``target``, reading the logits once per pass.
 
@@ -113,25 +77,32 @@ def cross_entropy(
     tanh(logits / softcap)`` when ``softcap`` is set, plus ``z_loss * lse**2`` per
     non-ignored token, reduced like the loss ("mean": divided by the same denominator).
     Log-sum-exp and softmax are computed in fp32 (fp64 for fp64 logits); the loss is
-    fp32 (fp64 for fp64 logits); the gradient has the logits' dtype.
+    fp32 (fp64 for fp64 logits); the gradient has the logits' dtype. Under
+    ``torch.autocast`` nothing is cast: bf16 logits of an autocast matmul are read as
+    they are and the statistics computed in fp32, as ``F.cross_entropy`` does under
+    autocast. Works under ``torch.compile`` (custom ops ``logitless::ce_forward`` and
+    ``ce_backward``; ``inplace_backward=True`` excepted). Double backward is not
+    supported (differentiating the gradient raises ``RuntimeError``).
 
     Args:
         logits: (..., V) float16/bfloat16/float32 (float64 on backend="torch"); (V,) is
             one token. Read through their strides when the leading dimensions merge into
             one (any (N, V) view, e.g. transposed); otherwise (e.g. ``logits[:, :-1]`` of a
-            (B, T, V) tensor) they are first copied by ``reshape``.
+            (B, T, V) tensor) they are first copied by ``reshape``. torch's layout
+            (N, C, d1, ...) with target (N, d1, ...) is accepted too (see ``class_dim``;
+            the logits are then copied once, as classes-last).
         target: (...) int64 or int32 class indices, the leading shape of ``logits``.
         ignore_index: targets equal to it contribute no loss and no gradient.
         reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
             "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
         label_smoothing: in [0, 1], as in ``F.cross_entropy``.
         class_weight: optional (V,) per-class weight, as ``weight=`` of ``F.cross_entropy``
-            (receives no gradient).
+            (receives no gradient). ``weight=`` is accepted as its alias.
         softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
         return_stats: also return a ``LossStats`` (per-token lse, per-token
             argmax == target, number of non-ignored tokens) computed in the same pass.
-        inplace_backward: the backward writes the gradient over the logits' own memory
+        inplace_backward: (eager mode only: under torch.compile it raises RuntimeError) the backward writes the gradient over the logits' own memory
             and returns that buffer as their gradient, so backward allocates nothing of
             the logits' size. The logits are destroyed by the backward: use it only when
             nothing else needs them afterwards (typically logits = lm_head(hidden), whose
@@ -145,6 +116,12 @@ def cross_entropy(
             (default 256 MiB); sizes the row chunks of the torch backend (at least one
             row), which never makes an fp32 copy of all the logits.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        weight: alias of ``class_weight`` (the name ``F.cross_entropy`` uses).
+        class_dim: where the classes are: -1 (the (..., V) layout), 1 (torch's
+            (N, C, d1, ...) layout), or None: inferred from target's shape, (..., V) when
+            it is ``logits.shape[:-1]``, torch's layout when it is the logits' shape
+            without dimension 1; a ``ValueError`` when both fit and differ (e.g. (N, C, d)
+            logits with C == d).
 
     Returns:
         The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
@@ -163,9 +140,15 @@ def cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
+    if weight is not None:
+        if class_weight is not None:
+            raise ValueError("pass the class weights as weight= or class_weight=, not both")
+        class_weight = weight
+    _validate.check_not_dtensor("cross_entropy", logits=logits)
     _validate.check_float("logits", logits)
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (..., V)")
+    logits = _classes_last(logits, target, class_dim)
     num_classes = logits.shape[-1]
     if num_classes == 0:
         raise ValueError("logits have size 0 in the last dimension: the vocabulary is empty")
@@ -173,20 +156,29 @@ def cross_entropy(
     _validate.check_class_vector("class_weight", class_weight, num_classes)
     _validate.check_same_device(logits=logits, target=target, class_weight=class_weight)
     memory_budget = _validate.check_memory_budget(memory_budget)
-    _validate.check_targets_in_range(target, num_classes, ignore_index)
-    impl = backend_module(__package__, backend, logits.device, logits.dtype)
+    impl = resolve_backend(backend, logits.device, logits.dtype)
 
     logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
-    if inplace_backward and not _disjoint(logits2d):
-        raise ValueError(
-            f"inplace_backward=True needs logits whose elements do not overlap in memory, got "
-            f"strides {tuple(logits.stride())}; pass logits.contiguous() or inplace_backward=False"
-        )
     flat_target = target.reshape(-1).long()
-    loss, lse, argmax = _CrossEntropyFunction.apply(
-        logits2d, flat_target, class_weight, opts, impl, memory_budget, return_stats,
-        bool(inplace_backward),
-    )
+    if inplace_backward:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "cross_entropy(..., inplace_backward=True) is not supported under "
+                "torch.compile (a compiled graph cannot hand the logits' own buffer back as "
+                "their gradient); use inplace_backward=False there"
+            )
+        if not _disjoint(logits2d):
+            raise ValueError(
+                f"inplace_backward=True needs logits whose elements do not overlap in memory, got "
+                f"strides {tuple(logits.stride())}; pass logits.contiguous() or inplace_backward=False"
+            )
+        loss, lse, argmax = InplaceCrossEntropy.apply(
+            logits2d, flat_target, class_weight, opts, impl, memory_budget, return_stats)
+    else:
+        loss, lse, argmax, _ = ce_forward(
+            logits2d, flat_target, class_weight, opts.ignore_index, opts.reduction,
+            opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
+        )
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     if not return_stats:
@@ -218,8 +210,14 @@ class CrossEntropyLoss(nn.Module):
         inplace_backward: bool = False,
         memory_budget: Optional[int] = None,
         backend: str = "auto",
+        weight: Optional[Tensor] = None,
+        class_dim: Optional[int] = None,
     ):
         super().__init__()
+        if weight is not None:
+            if class_weight is not None:
+                raise ValueError("pass the class weights as weight= or class_weight=, not both")
+            class_weight = weight
         _validate.check_options(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             softcap=softcap, z_loss=z_loss,
@@ -229,6 +227,7 @@ class CrossEntropyLoss(nn.Module):
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             softcap=softcap, z_loss=z_loss, return_stats=return_stats,
             inplace_backward=inplace_backward, memory_budget=memory_budget, backend=backend,
+            class_dim=class_dim,
         )
 
     def forward(self, logits: Tensor, target: Tensor):

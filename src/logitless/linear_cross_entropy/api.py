@@ -11,75 +11,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .. import _validate
-from .._dispatch import backend_module
-from .._loss_math import (
-    LossOptions,
-    LossStats,
-    TokenStats,
-    grad_coefficients,
-    loss_stats,
-    reduce_loss,
-    token_loss,
-    upstream_per_token,
-)
-
-class _LinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd glue shared by every backend: stats -> loss here, kernels in the backend."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, grad_wanted):
-        n, v = x.shape[0], weight.shape[0]
-        cache = None
-        ctx.grads = None  # gradient-in-forward strategy: (dx, dW, db) for grad_output = 1
-        gif = getattr(backend, "grad_in_forward_chunk", None)
-        chunk = gif(x, weight, budget, opts, opts.softcap) if (gif and grad_wanted and n) else None
-        if chunk is not None:
-            need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-            stats, ctx.grads = backend.forward_with_grad(
-                x, weight, bias, target, class_weight, opts, token_chunk=chunk,
-                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax,
-                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget)
-        elif n == 0:
-            empty = x.new_empty(0, dtype=torch.float32)
-            stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
-        else:
-            stats, cache = backend.forward(
-                x, weight, bias, target, class_weight, opts.softcap,
-                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
-                need_grad=grad_wanted,
-            )
-        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-        loss = reduce_loss(loss_tok, w_t, opts.reduction)
-        ctx.save_for_backward(x, weight, bias, target, class_weight, stats.lse, w_t)
-        ctx.opts, ctx.backend, ctx.budget, ctx.cache = opts, backend, budget, cache
-        argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
-        ctx.mark_non_differentiable(stats.lse, argmax)
-        return loss, stats.lse, argmax
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_argmax):
-        x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
-        opts = ctx.opts
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = dw = db = None
-        if x.shape[0] == 0:
-            dx = torch.zeros_like(x) if need_dx else None
-            dw = torch.zeros_like(weight) if need_dw else None
-            db = torch.zeros_like(bias) if need_db else None
-        elif ctx.grads is not None:
-            dx, dw, db = ctx.backend.scale_grads(ctx.grads, grad_loss, x.dtype, weight.dtype)
-            ctx.grads = None
-        elif need_dx or need_dw or need_db:
-            g = upstream_per_token(grad_loss, w_t, opts.reduction)
-            coef = grad_coefficients(lse, target, g, weight.shape[0], class_weight, opts)
-            dx, dw, db = ctx.backend.backward(
-                x, weight, bias, target, class_weight, opts.softcap, lse, coef,
-                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=ctx.budget,
-                cache=ctx.cache,
-            )
-        return dx, dw, db, None, None, None, None, None, None, None
-
+from .. import _autocast, _validate
+from .._dispatch import resolve_backend
+from .._loss_math import LossStats, TokenStats, loss_stats
+from .ops import grad_in_forward_chunk, lce_forward
 
 def linear_cross_entropy(
     x: Tensor,
@@ -108,9 +43,30 @@ def linear_cross_entropy(
     Logits, log-sum-exp and softmax are computed in fp32; gradients are accumulated in
     fp32 and cast once to the input dtype.
 
+    In training loops:
+        autocast: under ``torch.autocast(device_type, dtype)`` enabled for the inputs'
+            device, x, weight and bias are cast to the autocast dtype as ``F.linear``
+            does (autograd records the casts, so fp32 parameters get fp32 gradients; no
+            copy is kept between calls): fp32 hidden states and an fp32 head weight run
+            at bf16 speed. The loss stays fp32. Outside autocast, x and weight of
+            different dtypes raise ``TypeError``.
+        torch.compile: the op is a pair of custom ops (``logitless::lce_forward``,
+            ``logitless::lce_backward``), so ``torch.compile(model, fullgraph=True)``
+            and ``dynamic=True`` trace through it without graph breaks. (The Triton
+            planner's gradient-in-forward strategy, where present, is used in eager
+            mode only; compiled graphs use the keep/recompute strategies.)
+        FSDP2: call it where the head weight is unsharded: inside the forward of the
+            module that owns it (when that module is ``fully_shard``-ed with its
+            parent, or is the root), or in a method of the head registered with
+            ``torch.distributed.fsdp.register_fsdp_forward_method(head, "method")``.
+            A sharded DTensor weight raises ``TypeError`` saying so.
+        Double backward (differentiating the gradients after ``create_graph=True``)
+            raises ``RuntimeError``: it is not supported.
+
     Args:
         x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
-        weight: (V, H) LM-head weight, as ``nn.Linear.weight``; same dtype and device as x.
+        weight: (V, H) LM-head weight, as ``nn.Linear.weight``; same dtype (autocast
+            aside) and device as x.
         target: (...) int64 or int32 class indices, the leading shape of ``x``.
         bias: optional (V,), same dtype as ``weight``.
         ignore_index: targets equal to it contribute no loss and no gradient.
@@ -123,7 +79,8 @@ def linear_cross_entropy(
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
         shift: causal-LM shift: position t of ``x`` predicts ``target`` at t+1 along the
             last dim of ``target`` (the sequence); the last position predicts nothing.
-            ``x`` is not copied. With reduction="none" the result has T-1 positions.
+            ``x`` is not copied. With reduction="none" the result has T-1 positions
+            (none for T = 0 or 1; "mean" is then NaN and "sum" 0, as torch's).
         return_stats: also return a ``LossStats`` (per-token lse, per-token
             argmax == target, number of non-ignored tokens) computed in the same pass.
         memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
@@ -153,8 +110,14 @@ def linear_cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
+    _validate.check_not_dtensor("linear_cross_entropy", x=x, weight=weight, bias=bias)
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
+    # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
+    # casts: each input's gradient comes back in its own dtype); the loss stays fp32.
+    amp = _autocast.autocast_dtype(x.device)
+    if amp is not None:
+        x, weight, bias = _autocast.cast(x, amp), _autocast.cast(weight, amp), _autocast.cast(bias, amp)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (..., H)")
     if weight.dim() != 2:
@@ -165,7 +128,10 @@ def linear_cross_entropy(
     if x.shape[-1] != hidden:
         raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
     if x.dtype != weight.dtype:
-        raise TypeError(f"x is {x.dtype} but weight is {weight.dtype}; they must match")
+        raise TypeError(
+            f"x is {x.dtype} but weight is {weight.dtype}; they must match (or call under "
+            "torch.autocast, which casts both as it does for F.linear)"
+        )
     _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
     _validate.check_class_vector("bias", bias, num_classes)
     if bias is not None and bias.dtype != weight.dtype:
@@ -175,11 +141,10 @@ def linear_cross_entropy(
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
     memory_budget = _validate.check_memory_budget(memory_budget)
-    _validate.check_targets_in_range(target, num_classes, ignore_index)
-    impl = backend_module(__package__, backend, x.device, x.dtype)
+    impl = resolve_backend(backend, x.device, x.dtype)
 
     out_shape = target.shape
-    if shift:
+    if shift and target.shape[-1] > 0:
         # Target of position t is target[t + 1]; the last position is ignored. Only the
         # (small) target is copied, never x.
         pad = target.new_full(target.shape[:-1] + (1,), ignore_index)
@@ -192,9 +157,16 @@ def linear_cross_entropy(
     # Under no_grad (eval) nothing is kept for a backward, whatever requires_grad says.
     grad_wanted = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    loss, lse, argmax = _LinearCrossEntropyFunction.apply(
-        x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget, return_stats,
-        grad_wanted,
+    need = [grad_wanted and t is not None and t.requires_grad for t in (x2d, weight, bias)]
+    # The Triton planner's gradient-in-forward strategy (eager only: under torch.compile
+    # the keep/recompute strategies serve, as the strategy returns extra state).
+    in_forward = 0
+    if grad_wanted and not torch.compiler.is_compiling():
+        in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
+    loss, lse, argmax, *_ = lce_forward(
+        x2d, weight, bias, flat_target, class_weight, opts.ignore_index, opts.reduction,
+        opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
+        grad_wanted, in_forward, *need,
     )
 
     def per_token(t: Tensor) -> Tensor:

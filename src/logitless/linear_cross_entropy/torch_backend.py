@@ -127,7 +127,7 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
-    cache=None,
+    kept=None,
 ):
     n, h = x.shape
     v = weight.shape[0]

@@ -19,6 +19,7 @@ are bitwise repeatable.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -136,12 +137,11 @@ def forward(
     need_grad: bool = False,
     plan: Optional[TritonPlan] = None,
 ):
-    """Returns (TokenStats, cache for ``backward``)."""
+    """Returns (TokenStats, kept): kept is None or the tensors ``kept_shapes`` describes,
+    which ``backward`` turns into dz in place (so it can use them once)."""
     n, h = x.shape
     v = weight.shape[0]
-    # fp16 cannot hold exp(z - m) down to exp(-2 * softcap): recompute those instead.
-    keep_allowed = need_grad and not (x.dtype == torch.float16 and softcap is not None)
-    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep_allowed)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
     splits = plan.vocab_splits
     blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -157,9 +157,10 @@ def forward(
     keep_op = None
     if keep_blocks:
         # Rows padded to 16 bytes so that the kept tiles can be bulk-stored (TMA).
-        row = triton.cdiv(plan.keep_cols, 8) * 8
-        keep = torch.empty(n, row, dtype=x.dtype, device=x.device)[:, : plan.keep_cols]
-        keep_max = torch.empty(keep_blocks, n, **f32)
+        (_, row), max_shape = _kept_shapes_of(plan, n)
+        keep_buf = torch.empty(n, row, dtype=x.dtype, device=x.device)
+        keep = keep_buf[:, : plan.keep_cols]
+        keep_max = torch.empty(max_shape, **f32)
         keep_op = keep
         if use_tma:
             keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
@@ -191,19 +192,65 @@ def forward(
         smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
         argmax=argmax,
     )
-    return stats, _Kept(plan, keep, keep_max) if keep is not None else None
+    return stats, _Kept(keep_buf, keep_max, plan) if keep is not None else None
 
 
-class _Kept:
-    """Columns kept by the forward; ``backward`` turns them into dz in place, once."""
+class _Kept(tuple):
+    """(exp tiles (N, row) buffer, tile maxima, the plan as a CPU int64 tensor): the
+    tensors the custom op returns; the backward turns the buffer into dz in place and
+    runs with the forward's plan (``plan_from_tensor``). ``take()`` gives (the
+    (N, keep_cols) view of the buffer, tile maxima) to code within one call."""
 
-    def __init__(self, plan: TritonPlan, exp_tiles: Tensor, tile_max: Tensor):
-        self.plan, self.exp_tiles, self.tile_max = plan, exp_tiles, tile_max
+    def __new__(cls, buf: Tensor, tile_max: Tensor, plan: TritonPlan):
+        kept = super().__new__(cls, (buf, tile_max, plan_to_tensor(plan)))
+        kept.keep_cols = plan.keep_cols
+        return kept
 
     def take(self):
-        """The buffers, or None if a previous backward already consumed them."""
-        out, self.exp_tiles, self.tile_max = (self.exp_tiles, self.tile_max), None, None
-        return out if out[0] is not None else None
+        return self[0][:, : self.keep_cols], self[1]
+
+
+#: Length of ``plan_to_tensor``'s result.
+PLAN_SIZE = len(dataclasses.fields(TritonPlan))
+
+
+def plan_to_tensor(plan: TritonPlan) -> Tensor:
+    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
+    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+
+
+def plan_from_tensor(t: Tensor) -> TritonPlan:
+    values = t.tolist()  # a CPU tensor: no device sync
+    fields = dataclasses.fields(TritonPlan)
+    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
+
+
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
+    """The plan of one call; forward, backward and ``kept_shapes`` must agree on it."""
+    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed)
+
+
+def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool) -> bool:
+    # fp16 cannot hold exp(z - m) down to exp(-2 * softcap): recompute those instead.
+    return need_grad and not (dtype == torch.float16 and softcap is not None)
+
+
+def _kept_shapes_of(plan: TritonPlan, n: int):
+    """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
+    to 8 elements (16 bytes, so that tiles can be bulk-stored), and the per-tile maxima."""
+    row = triton.cdiv(plan.keep_cols, 8) * 8
+    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
+
+
+def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
+                softcap: Optional[float], need_grad: bool):
+    """Shapes of the tensors ``forward`` keeps for the backward (the custom op's fake
+    implementation uses them), or None when it keeps nothing."""
+    keep_allowed = _keep_allowed(dtype, softcap, need_grad)
+    if n == 0 or not keep_allowed:
+        return None
+    plan = _plan(n, v, h, dtype, budget, device, keep_allowed=True)
+    return _kept_shapes_of(plan, n) if plan.keep_cols else None
 
 
 def _dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
@@ -228,15 +275,15 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
-    cache: Optional[_Kept] = None,
+    kept: Optional[tuple[Tensor, Tensor]] = None,
     plan: Optional[TritonPlan] = None,
 ):
+    """dx, dW, db. ``kept``: what ``forward`` returned for this call (or None); its first
+    buffer is overwritten with dz, so pass it to one backward only."""
     n, h = x.shape
     v = weight.shape[0]
-    kept = cache.take() if cache is not None else None
-    if kept is not None:
-        plan = cache.plan
-    plan = plan or triton_plan(n, v, h, x.element_size(), budget, x.device)
+    # The forward's plan (the same arguments give the same plan) when it kept columns.
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
     keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
@@ -255,7 +302,8 @@ def backward(
     flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
-            dz, tile_max = kept
+            keep_buf, tile_max = kept
+            dz = keep_buf[:, :keep_cols]
             grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
             K.kept_dlogits_kernel[grid](
                 dz, tile_max, cw_arg, target, lse, coef, n, v, keep_cols, dz.stride(0),

@@ -1,0 +1,132 @@
+"""linear_cross_entropy with an FSDP2 (``fully_shard``) LM head: 2 CPU processes over gloo.
+
+Data parallel over 2 ranks, each with half of the batch; the loss and the gathered
+gradients must equal a single-process model's on the same halves (mean of the two
+losses). Three set-ups:
+
+- ``root``: only the root module is sharded; inside its forward the head weight is a
+  plain (unsharded) tensor: works.
+- ``head-sharded``: the head is its own FSDP unit; reading ``head.weight`` in the root's
+  forward gives the sharded DTensor: one clear TypeError naming the fix.
+- ``registered``: the fix: the loss is a method of the head, registered with
+  ``register_fsdp_forward_method``, so FSDP unshards the weight around it: works.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import logitless
+
+WORLD = 2
+V, H = 37, 16
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
+
+
+class Head(torch.nn.Linear):
+    def loss(self, h, labels):
+        return logitless.linear_cross_entropy(h, self.weight, labels, shift=True, z_loss=1e-3)
+
+
+class LM(torch.nn.Module):
+    def __init__(self, use_method: bool):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.mix = torch.nn.Linear(H, H)
+        self.head = Head(H, V, bias=False)
+        self.use_method = use_method
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.mix(self.emb(ids)))
+        if self.use_method:
+            return self.head.loss(h, labels)
+        return logitless.linear_cross_entropy(h, self.head.weight, labels, shift=True, z_loss=1e-3)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (2 * WORLD, 7), generator=g)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    return ids, labels
+
+
+def _worker(rank: int, port: int, setup: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        torch.manual_seed(0)
+        model = LM(use_method=setup == "registered")
+        ref = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        if setup != "root":
+            fully_shard(model.head, mesh=mesh)
+        if setup == "registered":
+            register_fsdp_forward_method(model.head, "loss")
+        fully_shard(model, mesh=mesh)
+
+        ids, labels = _batch()
+        half = ids.shape[0] // WORLD
+        mine = slice(rank * half, (rank + 1) * half)
+        if setup == "head-sharded":
+            try:
+                model(ids[mine], labels[mine])
+            except TypeError as e:
+                assert "DTensor" in str(e) and "register_fsdp_forward_method" in str(e), str(e)
+            else:
+                raise AssertionError("a sharded DTensor weight did not raise")
+            # The weight outside any forward is the sharded DTensor too: same error.
+            h = torch.randn(2, 3, H)
+            try:
+                logitless.linear_cross_entropy(h, model.head.weight, labels[:2, :3])
+            except TypeError as e:
+                assert "DTensor" in str(e)
+            else:
+                raise AssertionError("a sharded DTensor weight did not raise")
+            return
+
+        loss = model(ids[mine], labels[mine])
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= WORLD
+
+        ref_losses = [ref(ids[r * half:(r + 1) * half], labels[r * half:(r + 1) * half]) for r in range(WORLD)]
+        ref_loss = sum(ref_losses) / WORLD
+        ref_loss.backward()
+        torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo on Windows is not set up here")
+@pytest.mark.parametrize("setup", ["root", "head-sharded", "registered"])
+def test_fsdp2_head(setup):
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard") or not hasattr(fsdp, "register_fsdp_forward_method"):
+        pytest.skip("FSDP2 (fully_shard, register_fsdp_forward_method) needs torch >= 2.6")
+    torch.multiprocessing.spawn(_worker, args=(_free_port(), setup), nprocs=WORLD, join=True)
