@@ -41,7 +41,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "xla-logits", "tokamax-xla", "tokamax-chunked")
 #: Run when --methods is not given: tokamax's "xla" backend materialises the logits as
 #: xla-logits does (same cost); ask for it with --methods all or by name.
-DEFAULT_METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "xla-logits", "tokamax-chunked")
+#: logitless-mosaic last: should a kernel hang on a new GPU, the shape's other rows are
+#: already written (the files are saved after every row).
+DEFAULT_METHODS = ("gemm", "logitless-xla", "xla-logits", "tokamax-chunked", "logitless-mosaic")
 #: Seconds kept for writing the files when --max-minutes is given.
 _RESERVE_S = 15.0
 
@@ -257,7 +259,7 @@ def _plot(data, path):
     return path
 
 
-def save(data, out_dir):
+def save(data, out_dir, plot=True):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tag = data["meta"].get("tag") or ("cpu" if data["meta"]["platform"] == "cpu" else
@@ -268,7 +270,7 @@ def save(data, out_dir):
         (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
         (out / f"{stem}.md").write_text(markdown(data))
         written += [out / f"{stem}.json", out / f"{stem}.md"]
-        png = _plot(data, out / f"{stem}.png")
+        png = _plot(data, out / f"{stem}.png") if plot else None
         if png:
             written.append(png)
     return written
@@ -427,6 +429,7 @@ def run(argv=None) -> int:
                 data["rows"].append(row)
                 print("  " + " | ".join(f"{c}={_fmt(row.get(c))}" for c in COLUMNS if row.get(c) is not None)
                       + f" | {took:.1f} s")
+                save(data, args.out, plot=False)  # a hang or a kill later still leaves this row
             del x, w, wt, t
             save(data, args.out)
         data["complete"] = not any(str(r.get("note", "")).startswith(("skipped: --max-minutes", "skipped: took"))
