@@ -5,6 +5,7 @@ Runs on any machine: ``--cpu`` selects the small fp32 shapes and names the files
 """
 
 import json
+import signal
 import warnings
 
 import jax
@@ -21,6 +22,7 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
     # the jitted reference, never a captured constant (gigabytes at the real shapes).
     old = jax.config.jax_captured_constants_warn_bytes
     jax.config.update("jax_captured_constants_warn_bytes", 16_000)
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGALRM))
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -29,6 +31,8 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
                                  "--max-minutes", "5"])
     finally:
         jax.config.update("jax_captured_constants_warn_bytes", old)
+    # --max-minutes arms a timer and signal handlers; the caller's are restored after.
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGALRM)) == handlers
     consts = [str(w.message)[:200] for w in caught if "constants were captured" in str(w.message)]
     assert not consts, consts
     assert rc == 0

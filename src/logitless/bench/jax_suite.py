@@ -366,9 +366,10 @@ def run(argv=None) -> int:
     def _interrupt(signum, frame):  # a time limit: unwind so partial results are saved
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, _interrupt)
-    if hard and hasattr(signal, "setitimer"):
-        signal.signal(signal.SIGALRM, _interrupt)
+    use_timer = bool(hard) and hasattr(signal, "setitimer")
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt)}
+    if use_timer:
+        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _interrupt)
         signal.setitimer(signal.ITIMER_REAL, max(1.0, hard - time.monotonic()))
     meta = environment(argv)
     meta["tag"] = _device_tag(cpu, meta)
@@ -439,8 +440,10 @@ def run(argv=None) -> int:
     except KeyboardInterrupt as exc:
         data["notes"].append(f"interrupted ({exc}): partial results")
     finally:
-        if hard and hasattr(signal, "setitimer"):
+        if use_timer:
             signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():  # leave the caller's handlers as they were
+            signal.signal(sig, handler)
     written = save(data, args.out)
     print("\n" + markdown(data))
     print("files: " + " ".join(str(p) for p in written))
