@@ -71,3 +71,21 @@ def xla_materialised(x, w, t, b=None, *, ignore_index=-100, reduction="mean", la
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum()
+
+
+def captured_constants(lower, threshold=4096):
+    """Messages of jax's "large amount of constants were captured" warnings while
+    ``lower()`` runs, with the threshold lowered to ``threshold`` bytes. A jitted
+    function that closes over an array (or builds shape-sized host data) embeds it in
+    the program: gigabytes at real shapes, and minutes of compile time."""
+    import warnings
+
+    old = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", threshold)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lower()
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", old)
+    return [str(w.message)[:300] for w in caught if "constants were captured" in str(w.message)]

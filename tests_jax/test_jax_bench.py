@@ -1,6 +1,14 @@
-"""The JAX benchmark harness runs end to end on a tiny case and writes its files."""
+"""The JAX benchmark harness runs end to end on a tiny case and writes its files.
+
+Runs on any machine: ``--cpu`` selects the small fp32 shapes and names the files
+``*-cpu.*`` even where the default device is a GPU.
+"""
 
 import json
+import signal
+import warnings
+
+import jax
 
 from logitless.bench import jax_suite
 
@@ -10,15 +18,52 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
 
     tiny = (bench_shapes.JaxShape("cpu-tiny", 32, 16, 257, "float32"),)
     monkeypatch.setattr(bench_shapes, "CPU_SHAPES", tiny)
-    rc = jax_suite.main(["--suite", "jax", "--cpu", "--quick", "--out", str(tmp_path),
-                         "--methods", "logitless-xla,xla-logits,logitless-mosaic"])
+    # The float64 reference weight (257 x 16 x 8 bytes = 33 KB) must be an argument of
+    # the jitted reference, never a captured constant (gigabytes at the real shapes).
+    old = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 16_000)
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGALRM))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rc = jax_suite.main(["--suite", "jax", "--cpu", "--quick", "--out", str(tmp_path),
+                                 "--methods", "logitless-xla,xla-logits,logitless-mosaic",
+                                 "--max-minutes", "5"])
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", old)
+    # --max-minutes arms a timer and signal handlers; the caller's are restored after.
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGALRM)) == handlers
+    consts = [str(w.message)[:200] for w in caught if "constants were captured" in str(w.message)]
+    assert not consts, consts
     assert rc == 0
     data = json.loads((tmp_path / "latest-jax-cpu.json").read_text())
+    assert data["complete"] and data["meta"]["tag"] == "cpu"
     rows = {r["method"]: r for r in data["rows"]}
     assert set(rows) == {"gemm", "logitless-xla", "xla-logits", "logitless-mosaic"}
     ours = rows["logitless-xla"]
     assert ours["fwd ms"] > 0 and ours["fwd+bwd ms"] > 0 and ours["f+b/3 GEMMs"] > 0
+    assert ours["compile s"] > 0
     assert ours["|loss-ref|"] < 1e-5 and ours["max tok err"] < 1e-5
     assert "note" in rows["logitless-mosaic"] or "fwd ms" in rows["logitless-mosaic"]
     assert (tmp_path / "latest-jax-cpu.md").read_text().startswith("# JAX linear cross-entropy")
     assert jax_suite.wants_jax(["--suite", "jax"]) and not jax_suite.wants_jax(["--suite", "lce"])
+
+
+def test_jax_suite_time_limits(tmp_path, monkeypatch):
+    """A method slower than --method-seconds is skipped on the next shapes; files are
+    written and the run says it is partial."""
+    from logitless.jax.linear_cross_entropy import bench_shapes
+
+    tiny = (bench_shapes.JaxShape("cpu-a", 16, 16, 129, "float32"),
+            bench_shapes.JaxShape("cpu-b", 24, 16, 131, "float32"))
+    monkeypatch.setattr(bench_shapes, "CPU_SHAPES", tiny)
+    rc = jax_suite.main(["--suite", "jax", "--cpu", "--out", str(tmp_path), "--warmup", "0", "--reps", "1",
+                         "--methods", "xla-logits", "--method-seconds", "0", "--no-errors"])
+    assert rc == 130
+    data = json.loads((tmp_path / "latest-jax-cpu.json").read_text())
+    assert not data["complete"]
+    rows = [(r["shape"].split()[0], r["method"], r.get("note", "")) for r in data["rows"]]
+    assert ("cpu-a", "xla-logits", "") in rows
+    assert any(s == "cpu-b" and m == "xla-logits" and n.startswith("skipped: took") for s, m, n in rows)
+    gemm_b = next(r for r in data["rows"] if r["shape"].startswith("cpu-b") and r["method"] == "gemm")
+    assert gemm_b["fwd ms"] > 0  # the unit of the ratios is never skipped for slowness

@@ -348,3 +348,21 @@ def test_importing_logitless_jax_never_needs_torch():
 def test_float16_inputs():
     x, w, t, b = inputs(29, 24, 307, "float16", bias=True, ignore=(5,))
     _check(x, w, t, b, "float16", dict(z_loss=1e-3, softcap=6.0), budget=SMALL_BUDGET)
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_no_large_constants_captured(layout):
+    """fwd and fwd+bwd of the public op embed no array constants (closures over arrays,
+    host data of the size of the inputs): checked at lowering, with real arrays."""
+    from .helpers import captured_constants
+
+    x, w, t, b = inputs(300, 64, 1031, "float32", bias=True, ignore=(3,))
+    wl = w if layout == "vh" else w.T
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, weight_layout=layout, implementation="xla")
+    for red in ("mean", "none"):
+        f = lambda x, w, b: jnp.sum(linear_cross_entropy(x, w, t, b, reduction=red, memory_budget=SMALL_BUDGET, **kw))
+        for fn in (f, jax.value_and_grad(f, argnums=(0, 1, 2))):
+            assert captured_constants(lambda: jax.jit(fn).lower(x, wl, b)) == []
+    # The tokamax drop-in as well (it remaps labels).
+    g = lambda x, w: linear_softmax_cross_entropy_loss(x, t, w, implementation="xla")
+    assert captured_constants(lambda: jax.jit(jax.value_and_grad(g, argnums=(0, 1))).lower(x, w.T)) == []

@@ -245,6 +245,28 @@ def test_lowers_for_cuda(shape, cfg, monkeypatch):
         assert "mosaic_gpu" in text
 
 
+def test_public_op_lowers_for_cuda_without_large_constants(monkeypatch):
+    """fwd and fwd+bwd of linear_cross_entropy(implementation="mosaic_gpu"), lowered for
+    CUDA (runs on a CPU-only machine): no array constants captured (closures over
+    arrays, shape-sized host data), with real arrays and with abstract shapes."""
+    from logitless.jax import linear_cross_entropy
+
+    from .helpers import captured_constants
+
+    monkeypatch.setattr(mg, "INTERPRET", False)
+    n, h, v = 300, 128, 2048 + 56
+    x, w, t = _inputs(n, h, v, seed=4)
+    abstract = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w, t))
+    for kw in (dict(), dict(label_smoothing=0.1, softcap=20.0, memory_budget=100_000)):
+        f = lambda x, w, t: linear_cross_entropy(x, w, t, implementation="mosaic_gpu", **kw)
+        for fn in (f, jax.value_and_grad(f, argnums=(0, 1))):
+            for args in ((x, w, t), abstract):
+                def lower():
+                    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                    assert "mosaic_gpu" in text
+                assert captured_constants(lower) == []
+
+
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_through_public_api_matches_xla_backend(softcap):
     """linear_cross_entropy(..., implementation="mosaic_gpu") under jit and grad."""
