@@ -167,6 +167,11 @@ def triton_plan(
     if device.type == "cuda" and MODEL_PLANS:  # GPUs: the cost model's choice (_cost_model)
         keep_cols, vocab_chunk = _model_columns(
             num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed)
+    if device.type == "cuda" and keep_cols >= vocab and vocab % ODD_V_ALIGN:
+        # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
+        # 41 ms against 5 ms, PERFORMANCE.md): keep whole tiles, recompute the ragged tail.
+        keep_cols = vocab // block_v * block_v
+        vocab_chunk = _clamp(vocab_chunk, block_v, padded_vocab)
     return TritonPlan(
         block_n=block_n,
         block_v=block_v,
@@ -188,6 +193,10 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device):
         return found
     return CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
 
+
+#: Kept columns (and gradient-in-forward, which keeps every column of a token chunk) need
+#: a vocabulary that is a multiple of this on GPUs (see triton_plan).
+ODD_V_ALIGN = 8
 
 #: Let the cost model (``_cost_model.choose``) pick kept columns and chunk widths on
 #: GPUs; False restores the greedy rule above (keep as many columns as fit).
@@ -251,6 +260,8 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
     if _FORCED and need_grad:
         strategy, token_chunk = _FORCED[-1]
         return _cost_model.Candidate(strategy, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
+    if vocab % ODD_V_ALIGN:  # its per-chunk GEMMs over all V columns hit cuBLAS' slow odd-K path
+        grad_in_forward_ok = False
     return _cost_model.choose(
         num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
         need_grad=need_grad, grad_in_forward=grad_in_forward_ok and cuda, keep=keep_allowed,
