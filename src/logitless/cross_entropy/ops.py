@@ -29,13 +29,9 @@ from .._loss_math import (
     upstream_per_token,
 )
 from .._validate import check_targets_in_range
-from ..linear_cross_entropy.ops import guard_double_backward
+from ..linear_cross_entropy.ops import _stats_dtype, guard_double_backward
 
 OP = "cross_entropy"
-
-
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def forward_impl(logits, target, class_weight, opts: LossOptions, backend: str, budget: int,
