@@ -10,7 +10,7 @@
 # --max-minutes, so a cut-off run still leaves a table (marked partial).
 set +e
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-.out/jax2}"
+OUT="${OUT:-.out/jax}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY="${PYTHON:-python3}"
