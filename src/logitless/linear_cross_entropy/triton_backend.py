@@ -261,6 +261,24 @@ def _dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
         acc += dz.float() @ w.float()
 
 
+def _chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Tensor],
+                     db_rows: Optional[Tensor], dx_acc: Optional[Tensor], need_dx: bool):
+    """The GEMMs fed by one chunk of dz (N, v1 - v0), for columns [v0, v1) of W:
+    dW[v0:v1] = dz^T x (written once), db[v0:v1] = column sums of dz in fp32, and
+    dx += dz W[v0:v1] into the fp32 accumulator ``dx_acc``. Without an accumulator (one
+    chunk covers V) returns dx = dz W[v0:v1] in the input dtype; otherwise None."""
+    if dw_rows is not None:
+        torch.mm(dz.T, x, out=dw_rows)
+    if db_rows is not None:
+        db_rows.copy_(dz.sum(dim=0, dtype=torch.float32))
+    if not need_dx:
+        return None
+    if dx_acc is None:
+        return dz @ w_rows
+    _dx_accumulate(dx_acc, dz, w_rows)
+    return None
+
+
 def backward(
     x: Tensor,
     weight: Tensor,
@@ -326,15 +344,11 @@ def backward(
                 BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                 num_warps=plan.num_warps, num_stages=plan.num_stages,
             )
-        if need_dw:
-            torch.mm(dz.T, x, out=dw[v0:v1])
-        if need_db:
-            db[v0:v1] = dz.sum(dim=0, dtype=torch.float32)
-        if need_dx:
-            if one_chunk:
-                dx = dz @ weight[v0:v1]
-            else:
-                _dx_accumulate(dx_acc, dz, weight[v0:v1])
+        dx_chunk = _chunk_gradients(
+            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
+            dx_acc, need_dx)
+        if dx_chunk is not None:
+            dx = dx_chunk
     if dx_acc is not None:
         dx = dx_acc.to(x.dtype)
     return dx, dw, db

@@ -28,7 +28,7 @@ from .._jsd_math import JSDOptions
 from .._plans import ce_triton_plan, linear_jsd_plan
 from ..jsd import triton_kernels as JK
 from ..jsd.triton_backend import scalar_args
-from ..linear_cross_entropy.triton_backend import _dot_precision, _dx_accumulate, _operands
+from ..linear_cross_entropy.triton_backend import _chunk_gradients, _dot_precision, _operands
 from . import triton_kernels as K
 
 
@@ -102,15 +102,11 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
-        if need_dw:
-            torch.mm(dz.T, xs, out=dw[v0:v1])
-        if need_db:
-            db[v0:v1] = dz.sum(dim=0, dtype=torch.float32)
-        if need_dx:
-            if one_chunk:
-                dx = dz @ ws[v0:v1]
-            else:
-                _dx_accumulate(dx_acc, dz, ws[v0:v1])
+        dx_chunk = _chunk_gradients(
+            dz, xs, ws[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
+            dx_acc, need_dx)
+        if dx_chunk is not None:
+            dx = dx_chunk
     if dx_acc is not None:
         dx = dx_acc.to(xs.dtype)
     return dx, dw, db
