@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-REDUCTIONS = ("mean", "sum", "none")
+from ._options import REDUCTIONS  # noqa: E402,F401
 
 #: Rows of the (6, N) statistics tensor that the forward ops return.
 LSE_S, LSE_T, S_ROW, K_ROW, LSE1, ZTGT = range(6)

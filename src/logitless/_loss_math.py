@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-REDUCTIONS = ("mean", "sum", "none")
+from ._options import REDUCTIONS  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

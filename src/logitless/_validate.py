@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._loss_math import REDUCTIONS, LossOptions
+from . import _options
+from ._loss_math import LossOptions
 from ._plans import DEFAULT_MEMORY_BUDGET
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -28,20 +29,11 @@ def check_options(
     softcap: Optional[float],
     z_loss: float,
 ) -> LossOptions:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    label_smoothing = float(label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not softcap > 0.0 or softcap == float("inf"):
-            raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
-    z_loss = float(z_loss)
-    if not z_loss >= 0.0 or z_loss == float("inf"):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    reduction = _options.reduction(reduction)
+    ignore_index = _options.ignore_index(ignore_index)
+    label_smoothing = _options.in_unit_interval("label_smoothing", label_smoothing)
+    softcap = _options.softcap("softcap", softcap)
+    z_loss = _options.non_negative("z_loss", z_loss)
     return LossOptions(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -149,26 +141,15 @@ def check_jsd_options(
     """Options of the distillation ops (jsd, linear_jsd) -> ``_jsd_math.JSDOptions``."""
     from ._jsd_math import JSDOptions
 
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    beta = float(beta)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    _options.reduction(reduction)
+    _options.ignore_index(ignore_index)
+    beta = _options.in_unit_interval("beta", beta)
     temperature = float(temperature)
     if not temperature > 0.0 or temperature == float("inf"):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    caps = []
-    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
-        if cap is not None:
-            cap = float(cap)
-            if not cap > 0.0 or cap == float("inf"):
-                raise ValueError(f"{name} must be a positive finite number or None, got {cap}")
-        caps.append(cap)
-    hard_label_weight = float(hard_label_weight)
-    if not hard_label_weight >= 0.0 or hard_label_weight == float("inf"):
-        raise ValueError(f"hard_label_weight must be a finite number >= 0, got {hard_label_weight}")
+    caps = [_options.softcap("student_softcap", student_softcap),
+            _options.softcap("teacher_softcap", teacher_softcap)]
+    hard_label_weight = _options.non_negative("hard_label_weight", hard_label_weight)
     return JSDOptions(
         beta=beta, temperature=temperature, ignore_index=ignore_index,
         student_softcap=caps[0], teacher_softcap=caps[1], hard_label_weight=hard_label_weight,

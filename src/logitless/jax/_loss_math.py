@@ -32,7 +32,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-REDUCTIONS = ("mean", "sum", "none")
+from .. import _options  # the option checks shared with the PyTorch side
+from .._options import REDUCTIONS  # noqa: F401
 
 
 class LossOptions(NamedTuple):
@@ -62,20 +63,11 @@ class LossStats(NamedTuple):
 
 def check_options(*, ignore_index, reduction, label_smoothing, softcap, z_loss) -> LossOptions:
     """Validate the static options (clear errors, never a wrong number)."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    label_smoothing = float(label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not softcap > 0.0 or softcap == float("inf"):
-            raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
-    z_loss = float(z_loss)
-    if not z_loss >= 0.0 or z_loss == float("inf"):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    reduction = _options.reduction(reduction)
+    ignore_index = _options.ignore_index(ignore_index)
+    label_smoothing = _options.in_unit_interval("label_smoothing", label_smoothing)
+    softcap = _options.softcap("softcap", softcap)
+    z_loss = _options.non_negative("z_loss", z_loss)
     return LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
 
 
