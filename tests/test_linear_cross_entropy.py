@@ -6,8 +6,11 @@ interpreter (conftest.py), at small sizes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton
 import torch.nn.functional as F
 
 import logitless
@@ -340,3 +343,65 @@ def test_no_host_sync_on_gpu(mode):
         stats.accuracy
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+#: Scheduling options of the fused GEMM kernels (``_plans.KERNEL_OPTIONS``): each alone
+#: and all together. GROUP_ROWS = 2: groups of 2 row blocks (and a ragged last group).
+KERNEL_VARIANTS = {
+    "group": dict(group=True),
+    "flatten": dict(flatten=True),
+    "dz_tma": dict(dz_tma=True),
+    "persistent": dict(dlogits_programs=1),
+    "all": dict(group=True, flatten=True, dz_tma=True, dlogits_programs=2),
+}
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("aligned", [True, False], ids=["tma", "pointers"])
+def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned, monkeypatch):
+    """Program order, grouping, flattened pipelines, persistent programs and bulk stores
+    change when tiles run, never what a tile computes: loss, stats and gradients must
+    equal the plain schedule's bit for bit, with kept and recomputed columns (one kept
+    tile, then chunks of two tiles and a ragged one), at odd N and V."""
+    from logitless import _plans
+    from logitless.linear_cross_entropy import triton_backend as TB
+
+    n, v = (300, 1500) if HAS_CUDA else (70, 257)
+    hidden = (136 if aligned else 100) if HAS_CUDA else (24 if aligned else 17)
+    x, w, target, bias, kw = make_inputs((n,), hidden, v, torch.bfloat16, OPTIONS["all"], seed=11)
+    plan_of = TB._plan
+
+    def forced_plan(*args, **kwargs):  # one kept tile, chunks of two tiles
+        p = plan_of(*args, **kwargs)
+        return dataclasses.replace(p, keep_cols=p.block_v if p.keep_cols else 0, vocab_chunk=2 * p.block_v)
+
+    monkeypatch.setattr(TB, "_plan", forced_plan)
+    monkeypatch.setattr(_plans, "KERNEL_OPTIONS", dict(group=False, flatten=False, dz_tma=False, dlogits_programs=0))
+
+    def run():
+        loss, stats = logitless.linear_cross_entropy(
+            x, w, target, bias, reduction="sum", backend="triton", return_stats=True, **kw)
+        return [loss, stats.lse, stats.correct, *torch.autograd.grad(loss, (x, w, bias))]
+
+    plain = run()
+    monkeypatch.setattr(_plans, "GROUP_ROWS", 2)
+    monkeypatch.setattr(_plans, "KERNEL_OPTIONS", dict(_plans.KERNEL_OPTIONS, **KERNEL_VARIANTS[variant]))
+    plan = forced_plan(n, v, hidden, torch.bfloat16, 0, x.device, True)
+    assert plan.group_n == (2 if "group" in KERNEL_VARIANTS[variant] else 0)
+    assert triton.cdiv(n, plan.block_n) > 2 and v - plan.keep_cols > 2 * plan.vocab_chunk
+    for a, b in zip(plain, run()):
+        assert torch.equal(a, b)
+
+
+def test_group_rows_minimises_the_l2_working_set(monkeypatch):
+    """G row blocks x (SMs / G) column tiles resident at once read G*block_n rows of x and
+    (SMs/G)*block_v rows of W per step: the rule picks the G of the smallest sum."""
+    from logitless import _plans
+
+    monkeypatch.setattr(_plans, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    for bn, bv in [(128, 256), (128, 128), (256, 128)]:
+        g = _plans.group_rows(bn, bv, cuda)
+        work = [G * bn + 132 / G * bv for G in range(1, 133)]
+        assert work[g - 1] <= min(work) * 1.01, (bn, bv, g)
+    assert _plans.group_rows(128, 256, cuda) == 16  # the H100's measured best (PERFORMANCE.md)

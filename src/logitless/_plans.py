@@ -84,6 +84,12 @@ class TritonPlan:
     keep_cols: leading columns of exp(logits - max) that the forward stores for the
         backward (a multiple of block_v, or the whole vocabulary), so that they need no
         recomputed GEMM. 0 when no gradient is needed or the budget holds none.
+    group_n: row blocks whose programs run next to each other (the GEMM kernels'
+        program order, ``triton_kernels.grouped_tile``); 0: all of them.
+    flatten: the forward's tile loop and its loop over H are one pipelined loop.
+    dz_tma: the dlogits kernel bulk-stores its dz tiles (TMA).
+    dlogits_programs: programs of the dlogits kernel per SM when persistent (each
+        loops over tiles); 0: one program per tile.
     """
 
     block_n: int
@@ -95,6 +101,10 @@ class TritonPlan:
     vocab_chunk: int
     keep_cols: int = 0
     tma: bool = True  # load x and W tiles with tensor descriptors where rows are aligned
+    group_n: int = 0
+    flatten: bool = False
+    dz_tma: bool = False
+    dlogits_programs: int = 0
 
 
 def _num_sms(device) -> int:
@@ -181,7 +191,44 @@ def triton_plan(
         vocab_splits=vocab_splits,
         vocab_chunk=vocab_chunk,
         keep_cols=keep_cols,
+        **kernel_options(num_tokens, block_n, block_v, device),
     )
+
+
+#: Row blocks whose programs run next to each other (``TritonPlan.group_n``); None: the
+#: working-set rule of ``kernel_options``. The probe sets it to compare group sizes.
+GROUP_ROWS = None
+
+
+#: Persistent dlogits programs from this many row blocks on: with fewer, a chunk has
+#: too few tiles per SM and the loop lost (512 tokens: 1.32x a GEMM against 1.17x).
+PERSISTENT_MIN_ROW_BLOCKS = 16
+
+#: The GEMM kernels' scheduling options: on/off switches of ``kernel_options`` (the
+#: probe ``benchmarks/probe_schedule.py`` flips them to measure each alone).
+KERNEL_OPTIONS = dict(group=True, flatten=True, dz_tma=False, dlogits_programs=1)
+
+
+def group_rows(block_n: int, block_v: int, device) -> int:
+    """Row blocks per group of the GEMM kernels' program order. The programs resident
+    at once (one per SM) cover G row blocks x SMs / G column tiles, so at each step they
+    read G * block_n rows of x and (SMs / G) * block_v rows of W, H elements each: the
+    L2 working set, least at G = sqrt(SMs * block_v / block_n) (16 on an H100 with
+    128 x 256 tiles: 34 MB at H = 4096; "all rows" at 16k tokens needed 128 MB of x and
+    ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: PERFORMANCE.md section 16)."""
+    return max(1, round(math.sqrt(_num_sms(device) * block_v / block_n)))
+
+
+def kernel_options(num_tokens: int, block_n: int, block_v: int, device) -> dict:
+    """Program order and pipelining of the fused GEMM kernels (``TritonPlan.group_n``,
+    ``flatten``, ``dz_tma``, ``dlogits_programs``). Results are the same bitwise
+    whichever is chosen: only the order in which tiles run changes."""
+    o = KERNEL_OPTIONS
+    row_blocks = math.ceil(num_tokens / block_n)
+    group_n = (GROUP_ROWS or group_rows(block_n, block_v, device)) if o["group"] else 0
+    programs = o["dlogits_programs"] if row_blocks >= PERSISTENT_MIN_ROW_BLOCKS else 0
+    return dict(group_n=int(group_n), flatten=bool(o["flatten"]), dz_tma=bool(o["dz_tma"]),
+                dlogits_programs=int(programs))
 
 
 def _tiles(num_tokens, vocab, hidden, itemsize, device):

@@ -29,6 +29,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._loss_math import TokenStats
+from .. import _plans
 from .._plans import TritonPlan, triton_plan
 from . import triton_kernels as K
 
@@ -164,7 +165,8 @@ def forward(
         keep_op = keep
         if use_tma:
             keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
-    grid = (triton.cdiv(n, plan.block_n), splits)
+    row_blocks = triton.cdiv(n, plan.block_n)
+    grid = (row_blocks * splits,)
     _launch(
         K.forward_stats_kernel, grid,
         x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
@@ -172,8 +174,9 @@ def forward(
         keep_op if keep is not None else x, keep_max if keep_max is not None else x,
         n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         keep.stride(0) if keep is not None else 0,
-        blocks_per_split, keep_blocks, float(softcap or 1.0),
+        blocks_per_split, keep_blocks, float(softcap or 1.0), splits, plan.group_n or row_blocks,
         NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None, USE_TMA=use_tma,
+        FLATTEN=plan.flatten,
         **_flags(bias, class_weight, softcap, x.dtype),
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -331,16 +334,26 @@ def backward(
             )
         else:
             if dz_buf is None:
-                dz_buf = torch.empty(n, min(plan.vocab_chunk, v - keep_cols), dtype=x.dtype, device=x.device)
+                # Rows padded to 16 bytes so that dz tiles can be bulk-stored (TMA).
+                width = min(plan.vocab_chunk, v - keep_cols)
+                dz_buf = torch.empty(n, triton.cdiv(width, 8) * 8, dtype=x.dtype, device=x.device)
             dz = dz_buf[:, : v1 - v0]
-            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
+            dz_op = dz
+            dz_tma = plan.dz_tma and use_tma
+            if dz_tma:
+                dz_op = TensorDescriptor(dz, [n, v1 - v0], [dz.stride(0), 1], [plan.block_n, plan.block_v])
+            row_blocks = triton.cdiv(n, plan.block_n)
+            tiles = row_blocks * triton.cdiv(v1 - v0, plan.block_v)
+            if plan.dlogits_programs:  # persistent: each program loops over tiles
+                tiles = min(tiles, plan.dlogits_programs * _plans._num_sms(x.device))
+            grid = (tiles,)
             _launch(
                 K.dlogits_kernel, grid,
                 x_op, w_op, bias if bias is not None else x, cw_arg,
-                target, lse, coef, dz,
+                target, lse, coef, dz_op,
                 n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-                v0, v1, float(softcap or 1.0),
-                **flags, USE_TMA=use_tma,
+                v0, v1, float(softcap or 1.0), plan.group_n or row_blocks,
+                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
                 BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                 num_warps=plan.num_warps, num_stages=plan.num_stages,
             )

@@ -45,6 +45,22 @@ def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(pid, row_blocks, cols, group):
+    """Program id -> (row block, column index), ``group`` row blocks at a time: the
+    programs resident together share a few row blocks of x (kept in L2 while they
+    sweep the columns) and each column's W tile (read once per group), instead of
+    every row block at once (at 16k tokens x 4096 the 128 MB of x do not fit the 50 MB
+    L2 and were re-read from memory for each tile of W). group >= row_blocks gives the
+    plain order: row block fastest."""
+    per_group = group * cols
+    first = (pid // per_group) * group
+    size = tl.minimum(row_blocks - first, group)
+    r = first + (pid % per_group) % size
+    c = (pid % per_group) // size
+    return r, c
+
+
+@triton.jit
 def _logits_tile(
     x_ptr, w_ptr, b_ptr, n0, v0, N, V, H,
     stride_xn, stride_xh, stride_wv, stride_wh, softcap,
@@ -90,16 +106,17 @@ def forward_stats_kernel(
     part_max_ptr, part_sum_ptr, part_tgt_ptr, part_smooth_ptr, part_best_ptr, part_arg_ptr,
     keep_ptr, keep_max_ptr,
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_keep,
-    blocks_per_split, keep_blocks, softcap,
+    blocks_per_split, keep_blocks, softcap, splits, group_n,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
     NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, KEEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
 ):
     """Online softmax statistics of rows of z over one split of the vocabulary.
 
-    Program (i, j) takes tokens [i*BLOCK_N, (i+1)*BLOCK_N) and vocabulary blocks
-    [j*blocks_per_split, (j+1)*blocks_per_split) and writes, per token, the split's
+    Program (i, j) (in ``grouped_tile`` order, ``group_n`` row blocks at a time) takes
+    tokens [i*BLOCK_N, (i+1)*BLOCK_N) and vocabulary blocks [j*blocks_per_split, (j+1)*blocks_per_split) and writes, per token, the split's
     running max m, sum_c exp(z_c - m), the target logit (0 if the target is elsewhere),
     sum_c w_c z_c and the first argmax. Memory traffic: x once per split, W once per
     row block (the GEMM's), plus O(N * splits) fp32 partials; no (N, V) tensor.
@@ -108,9 +125,11 @@ def forward_stats_kernel(
     keep_blocks also store e = exp(z - m) in keep's dtype and m (the running max used,
     fp32, per token and block), from which the backward gets p = e * exp(m - lse)
     without recomputing the GEMM. Extra traffic: one write of the kept columns.
+
+    FLATTEN: one software-pipelined loop over (vocabulary block, step of H), so the
+    next tile's first loads are in flight during a tile's softmax epilogue.
     """
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_n < N
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
@@ -124,7 +143,7 @@ def forward_stats_kernel(
 
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
-    for i in range(0, num_blocks):
+    for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = offs_v < V
         z = _logits_tile(
@@ -163,34 +182,45 @@ def forward_stats_kernel(
 def dlogits_kernel(
     x_ptr, w_ptr, b_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr, dz_ptr,
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_dzn,
-    v_start, v_end, softcap,
+    v_start, v_end, softcap, group_n,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     """dz = d loss / d logits for columns [v_start, v_end), written in dz's dtype.
 
     Recomputes the tile of z (one GEMM tile) and applies, with p = exp(z - lse),
         dz_c = p_c * A - B * [c == t] - C * w_c   (times 1 - (z_c/s)^2 with a soft-cap)
     from the per-token coefficients coef = (A, B, C) of ``_loss_math``. Traffic: the
-    GEMM's reads plus one write of the (N, v_end - v_start) chunk.
+    GEMM's reads plus one write of the (N, v_end - v_start) chunk. Programs go in
+    ``grouped_tile`` order; DZ_TMA: dz_ptr is a tensor descriptor (a bulk store).
+    With fewer programs than tiles each program loops over tiles (persistent);
+    FLATTEN pipelines that loop with the loop over H.
     """
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_ok = offs_n < N
-    col_ok = offs_v < v_end
-    z = _logits_tile(
-        x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
-        stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
-    )
-    lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
-    p = tl.exp(z - lse[:, None])
-    dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
-    dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
-    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    row_blocks = tl.cdiv(N, BLOCK_N)
+    col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
+    # One tile per program, or (persistent: fewer programs than tiles) a pipelined loop
+    # over tiles, whose next loads are in flight during a tile's epilogue and store.
+    for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+        pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = offs_n < N
+        col_ok = offs_v < v_end
+        z = _logits_tile(
+            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
+            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
+        p = tl.exp(z - lse[:, None])
+        dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
+        if DZ_TMA:
+            dz_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(dz_ptr.dtype))
+        else:
+            dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
+            tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
