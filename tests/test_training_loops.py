@@ -273,6 +273,45 @@ def test_compiled_step_has_no_host_sync(model):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("budget", [None, 1 << 30], ids=["default", "keep-all"])
+def test_cuda_graph_capture_replays_the_eager_step(budget):
+    """A forward+backward captured in a CUDA graph (torch.cuda.graph, as training loops
+    that capture whole steps do) replays with no host work and gives eager's loss and
+    gradients bit for bit, with recomputed (default budget) and kept columns."""
+    x = torch.randn(700, 136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(3000, 136, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, 3000, (700,), device="cuda")
+    t[::7] = -100
+
+    def step():
+        x.grad = w.grad = None
+        loss = linear_cross_entropy(x, w, t, memory_budget=budget, z_loss=1e-4)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles kernels) off the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = w.grad = None
+    with torch.cuda.graph(graph):
+        loss = linear_cross_entropy(x, w, t, memory_budget=budget, z_loss=1e-4)
+        loss.backward()
+    with torch.no_grad():  # new inputs in the captured tensors, then replay
+        x.copy_(torch.randn_like(x))
+        t.copy_(torch.randint(0, 3000, (700,), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (loss.clone(), x.grad.clone(), w.grad.clone())
+    expected = step()
+    assert torch.equal(got[0], expected)
+    assert torch.equal(got[1], x.grad) and torch.equal(got[2], w.grad)
+
+
 def test_inference_uses_the_forward_that_keeps_nothing(monkeypatch):
     """Under no_grad (eager and compiled) the Triton forward is asked for no kept columns."""
     from logitless.linear_cross_entropy import triton_backend
@@ -318,8 +357,9 @@ def test_inplace_backward_is_eager_only():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("need_grad", [True, False])
 def test_opcheck_linear_cross_entropy(backend, need_grad):
-    x, w, b, t = _lce_inputs((13,), 24, 101, seed=5)
-    cw = (torch.rand(101, generator=_gen(5)) + 0.5).to(DEVICE)
+    # V = 104: a multiple of 8, so that the GPU plan may keep columns (ODD_V_ALIGN).
+    x, w, b, t = _lce_inputs((13,), 24, 104, seed=5)
+    cw = (torch.rand(104, generator=_gen(5)) + 0.5).to(DEVICE)
     options = (-100, "mean", 0.1, 4.0, 1e-3, backend, 6_000, True)
     args = (x, w, b, t, cw, *options, need_grad, 0, True, True, True)
     # Not test_aot_dispatch_dynamic: it hands every output to the caller, and the kept
@@ -330,9 +370,9 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     loss, lse, argmax, w_t, keep, keep_max, plan, *_ = lce_ops.lce_forward(*args)
     if backend == "triton" and need_grad:
-        assert 0 < keep.shape[1] < 101 + 8  # the budget keeps some columns
+        assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
     else:
-        assert keep.numel() == 0
+        assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
     grad_loss = torch.rand((), device=DEVICE) + 0.5
     bargs = (grad_loss, x.detach(), w.detach(), b.detach(), t, cw, lse, w_t, keep, keep_max, plan,
              *options[:-1], True, True, True)
@@ -487,3 +527,33 @@ def test_cross_entropy_layout_ambiguity_and_bad_options():
         cross_entropy(z, y, class_dim=2)
     with pytest.raises(ValueError, match="target has shape"):
         cross_entropy(z, y[:, :3])
+
+
+def test_backward_gets_no_zero_filled_gradients_for_side_outputs():
+    """The kept columns, tile maxima, plan and statistics are outputs of the forward op
+    that never receive a gradient: autograd must not materialise zero tensors of their
+    shapes for the backward (a memset as large as the kept columns: 1 GB at llama3 with a
+    logits-sized budget, measured on the H100)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w, b, t = _lce_inputs((40,), 24, 104, seed=3)  # fp32
+    budget = 1 << 30  # keeps every column on the Triton backend
+    loss, stats = linear_cross_entropy(x, w, t, b, backend="triton", memory_budget=budget, return_stats=True)
+    kept = lce_ops.lce_forward(x.detach(), w.detach(), b.detach(), t, None, -100, "mean", 0.0, None, 0.0,
+                               "triton", budget, False, True, 0, True, True, True)[4]
+    assert kept.shape[0] == 40 and kept.shape[1] >= 104  # the forward did keep columns
+
+    class Zeros(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.zeros_like, torch.ops.aten.zeros, torch.ops.aten.new_zeros,
+                                       torch.ops.aten.fill_, torch.ops.aten.zero_):
+                self.seen.append(tuple(out.shape) if isinstance(out, torch.Tensor) else None)
+            return out
+
+    with Zeros():
+        loss.backward()
+    assert tuple(kept.shape) not in Zeros.seen, Zeros.seen
+    assert x.grad is not None and w.grad is not None

@@ -138,12 +138,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, target, class_weight, lse, w_t)
     ctx.options = inputs[3:10]  # ignore_index ... budget
     ctx.mark_non_differentiable(lse, argmax, w_t)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
 
 
 def _backward(ctx, grad_loss, *_):
     if not ctx.needs_input_grad[0]:
         return (None,) * 11
     logits, target, class_weight, lse, w_t = ctx.saved_tensors
+    if grad_loss is None:  # gradients are not materialised: the loss got none
+        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=logits.device)
     grad = ce_backward(grad_loss, logits, target, class_weight, lse, w_t, *ctx.options)
     (grad,) = guard_double_backward(OP, (grad,), grad_loss, logits)
     return (grad,) + (None,) * 10

@@ -9,7 +9,8 @@
 Their implementations run eagerly, also under torch.compile (which sees only the fake
 implementations: output shapes and dtypes), so they may branch on data: the CPU
 target-range check lives here. ``keep``/``keep_max`` are the columns of exp(z - m) the
-Triton backend kept for the backward (size 0 when it kept none): the backward turns
+Triton backend kept for the backward (``NOTHING_KEPT``-shaped dummies and an empty
+``plan`` when it kept none): the backward turns
 them into dz in place (declared as a mutation), so they serve one backward, with the
 forward's launch plan (``plan``: its fields in a CPU int64 tensor, read without a
 device sync: the plan may depend on tuned or forced tiles at the time of the forward); the
@@ -97,11 +98,17 @@ def _lce_forward(
         loss = reduce_loss(loss_tok, w_t, reduction)
     argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
     if kept is None:
-        kept = (x.new_empty(0, 0), x.new_empty(0, 0, dtype=torch.float32),
+        kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
                 torch.empty(0, dtype=torch.int64))
     grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
     return (loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
 
+
+#: Shape of the keep buffers when nothing is kept (the plan output is then empty). Not
+#: (0, 0): inductor's in-place reuse of an empty 2-D buffer of dynamic size computes its
+#: size as u1 - max(1, u1) + u0 * max(1, u1) = -1 (torch 2.11, "numel: integer
+#: multiplication overflow").
+NOTHING_KEPT = (1, 1)
 
 lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mutates_args=())
 
@@ -113,7 +120,7 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
     n, (v, h) = x.shape[0], weight.shape
     sd = _stats_dtype(x.dtype)
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
-    keep_shape, max_shape, plan_size = (0, 0), (0, 0), 0
+    keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
     grads = [x.new_empty(0) for _ in range(3)]
     if grad_in_forward > 0 and n > 0:  # (eager only: the public function passes 0 when compiling)
         f32 = torch.float32
@@ -183,7 +190,7 @@ def _lce_backward(
             coef = grad_coefficients(lse, target, g, v, class_weight, opts)
             impl = load_backend(__package__, backend)
             extra = {}
-            if keep.numel():  # the forward's buffers, and its plan (which laid them out)
+            if plan.numel():  # the forward kept columns: its buffers, and its plan (which laid them out)
                 extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
             dx, dw, db = impl.backward(
                 x, weight, bias, target, class_weight, softcap, lse, coef,
@@ -266,12 +273,18 @@ def _setup_context(ctx, inputs, output):
     ctx.kept = (keep, keep_max, plan)
     ctx.grads_in_forward = (gx, gw, gb) if inputs[14] > 0 else None
     ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb)
+    # Otherwise autograd hands the backward a zero-filled gradient for each of these
+    # outputs: a memset as large as the kept columns (1 GB at llama3 with a logits-sized
+    # budget) and the fp32 dW of gradient-in-forward, allocated on top of them.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_loss, *_):
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
     keep, keep_max, plan = ctx.kept
-    ctx.kept = (keep.new_empty(0, 0), keep_max.new_empty(0, 0), plan)
+    if grad_loss is None:  # gradients are not materialised: the loss got none
+        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=x.device)
+    ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
     forward_grads, ctx.grads_in_forward = ctx.grads_in_forward, None
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     grads = (None, None, None)
