@@ -6,6 +6,7 @@ GEMM floor at one shape, for a few tiles of the fused backward kernel.
 Prints one line per tile configuration (block_n, block_v, block_h, num_warps, num_stages)
 of ``_plans.JSD_CUDA_TILES[2]``: forward ms, forward+backward ms, their ratio to the
 floor (four cuBLAS GEMMs) and the backward share; the first line is the default.
+``--schedule``: the backward kernel's plain against its grouped program order instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> None:
     p.add_argument("--ht", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--schedule", action="store_true",
+                   help="instead of tiles: the plain against the grouped program order, 3 interleaved rounds")
     a = p.parse_args()
     dev = torch.device("cuda")
     shape = DistillShape("probe", a.tokens, a.hs, a.ht, a.vocab)
@@ -46,6 +49,19 @@ def main() -> None:
     def step():
         logitless.linear_jsd(xg, wg, xt, wt, t).backward()
 
+    if a.schedule:
+        shipped = dict(_plans.KERNEL_OPTIONS)
+        times = {False: [], True: []}
+        for _ in range(3):
+            for group in (False, True):
+                _plans.KERNEL_OPTIONS = dict(shipped, group=group)
+                times[group].append(timing.time_ms(step, device=dev, setup=setup, warmup=2, reps=a.reps))
+        _plans.KERNEL_OPTIONS = shipped
+        for group, ts in times.items():
+            ts = sorted(ts)
+            print(f"{'grouped' if group else 'plain'} order: fwd+bwd {ts[1]:.2f} ms ({ts[1] / floor['floor']:.2f}x floor; "
+                  f"rounds {', '.join(f'{x:.2f}' for x in ts)})", flush=True)
+        return
     for cfg in CONFIGS:
         _plans.JSD_CUDA_TILES[2] = cfg or default
         try:

@@ -304,6 +304,30 @@ def test_bitwise_repeatable(backend):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["tma", "pointers"])
+def test_grouped_program_order_is_bitwise_neutral(aligned, monkeypatch):
+    """The dlogits kernel's grouped program order (``_plans.KERNEL_OPTIONS["group"]``)
+    changes when tiles run, not what they compute: equal to the plain order bit for bit,
+    with several row blocks, a ragged last group and several vocabulary chunks."""
+    from logitless import _plans
+
+    n, v = (600, 1500) if HAS_CUDA else (70, 131)
+    hs, ht = ((136, 264) if aligned else (100, 60)) if HAS_CUDA else ((24, 16) if aligned else (17, 9))
+    xs, ws, xt, wt, target, kw = make_inputs((n,), hs, ht, v, torch.bfloat16, OPTIONS["all"], seed=4)
+    budget = 4 * n * hs + 2 * n * 64  # the dx accumulator and narrow chunks
+
+    def run(group):
+        monkeypatch.setattr(_plans, "KERNEL_OPTIONS", dict(_plans.KERNEL_OPTIONS, group=group))
+        monkeypatch.setattr(_plans, "GROUP_ROWS", 2)
+        plan = _plans.linear_jsd_plan(n, v, hs, 2, budget, xs.device)
+        assert plan.tiles.group_n == (2 if group else 0) and plan.vocab_chunk < v
+        loss = logitless.linear_jsd(xs, ws, xt, wt, target, backend="triton", memory_budget=budget, **kw)
+        return (loss, *torch.autograd.grad(loss, (xs, ws, kw["student_bias"])))
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_input_gives_nan(backend):
     xs, ws, xt, wt, target, _ = make_inputs((6,), 16, 16, 40, torch.float32, {}, seed=6)

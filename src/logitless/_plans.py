@@ -405,5 +405,6 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     cols = int(max(left, 0) // max(1, itemsize * num_tokens))
     vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
     plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
-                      num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk)
+                      num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk,
+                      **kernel_options(num_tokens, block_n, block_v, device))  # group_n is used
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)

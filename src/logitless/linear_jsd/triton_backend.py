@@ -90,13 +90,14 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     sargs = scalar_args(opts)
     for v0, v1 in chunks:
         dz = dz_buf[:, : v1 - v0]
-        grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(v1 - v0, tiles.block_v))
+        row_blocks = triton.cdiv(n, tiles.block_n)
+        grid = (row_blocks * triton.cdiv(v1 - v0, tiles.block_v),)
         K.jsd_dlogits_kernel[grid](
             xs_op, ws_op, bs if bs is not None else xs, xt_op, wt_op, bt if bt is not None else xt,
             target, stats, g, dz,
             n, v, h, xt.shape[1], xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),
             xt.stride(0), xt.stride(1), wt.stride(0), wt.stride(1), dz.stride(0),
-            v0, v1, wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
+            v0, v1, wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs, group_n=tiles.group_n or row_blocks,
             HAS_BIAS_S=bs is not None, HAS_BIAS_T=bt is not None,
             DOT_PRECISION=_dot_precision(xs.dtype), USE_TMA=use_tma,
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h,

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .._triton_jsd_math import jsd_dz_tile, load_jsd_row_stats
-from ..linear_cross_entropy.triton_kernels import _logits_tile
+from ..linear_cross_entropy.triton_kernels import _logits_tile, grouped_tile
 
 
 @triton.jit
@@ -19,7 +19,7 @@ def jsd_dlogits_kernel(
     target_ptr, stats_ptr, g_ptr, dz_ptr,
     N, V, HS, HT, stride_xsn, stride_xsh, stride_wsv, stride_wsh,
     stride_xtn, stride_xth, stride_wtv, stride_wth, stride_dzn,
-    v_start, v_end, inv_t, wp, hlw, log_beta, log_1mbeta, cap_s, cap_t,
+    v_start, v_end, inv_t, wp, hlw, log_beta, log_1mbeta, cap_s, cap_t, group_n,
     MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
     HAS_BIAS_S: tl.constexpr, HAS_BIAS_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -31,9 +31,9 @@ def jsd_dlogits_kernel(
     teacher tile zt = x_t W_t^T (+ b_t) (two fp32 GEMM tiles, H_s and H_t deep, each
     soft-capped), then ``jsd_dz_tile`` with the forward's row statistics. Traffic: the
     two GEMMs' reads plus one write of the dz chunk; no teacher tensor is stored.
+    Programs go in ``grouped_tile`` order (``group_n`` row blocks at a time).
     """
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    pid_n, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_end - v_start, BLOCK_V), group_n)
     n0 = pid_n * BLOCK_N
     c0 = v_start + pid_v * BLOCK_V
     offs_n = n0 + tl.arange(0, BLOCK_N)
