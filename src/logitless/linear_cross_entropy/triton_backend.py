@@ -110,6 +110,14 @@ def _launch(kernel, grid, *args, num_stages: int, **kwargs):
             stages -= 1
 
 
+def _padded_buffer(n: int, row: int, like: Tensor) -> Tensor:
+    """An (n, row) buffer in ``like``'s dtype whose rows are padded past the columns in
+    use. Zero-filled off the GPU: torch's CPU bf16 matmul reads the padding of a strided
+    operand (uninitialised memory: NaN * 0 = NaN in the result), cuBLAS does not."""
+    alloc = torch.empty if like.is_cuda else torch.zeros
+    return alloc(n, row, dtype=like.dtype, device=like.device)
+
+
 def _operands(x: Tensor, weight: Tensor, plan: TritonPlan):
     """(x, W, USE_TMA): tensor descriptors when the plan allows TMA and rows are
     16-byte aligned and contiguous (what the bulk tensor copy needs), else the tensors."""
@@ -159,7 +167,7 @@ def forward(
     if keep_blocks:
         # Rows padded to 16 bytes so that the kept tiles can be bulk-stored (TMA).
         (_, row), max_shape = _kept_shapes_of(plan, n)
-        keep_buf = torch.empty(n, row, dtype=x.dtype, device=x.device)
+        keep_buf = _padded_buffer(n, row, x)
         keep = keep_buf[:, : plan.keep_cols]
         keep_max = torch.empty(max_shape, **f32)
         keep_op = keep
@@ -336,7 +344,7 @@ def backward(
             if dz_buf is None:
                 # Rows padded to 16 bytes so that dz tiles can be bulk-stored (TMA).
                 width = min(plan.vocab_chunk, v - keep_cols)
-                dz_buf = torch.empty(n, triton.cdiv(width, 8) * 8, dtype=x.dtype, device=x.device)
+                dz_buf = _padded_buffer(n, triton.cdiv(width, 8) * 8, x)
             dz = dz_buf[:, : v1 - v0]
             dz_op = dz
             dz_tma = plan.dz_tma and use_tma
