@@ -1,0 +1,153 @@
+"""Bitwise-neutrality check of a refactor: the public ops' outputs, saved and compared.
+
+    python benchmarks/check_bitwise.py save FILE     # run every case, save the tensors
+    python benchmarks/check_bitwise.py compare A B   # every tensor of A equal to B's, bit for bit
+
+Cases: linear_cross_entropy (Triton and torch backends; budgets that keep all, part or
+none of the logits; the gradient-in-forward strategy forced), cross_entropy, jsd and
+linear_jsd, with every option, in bf16 and fp32. Only the public API (and the
+strategy override, found under its old or new name) is used, so the same script runs
+against the code before and after a change. On a CPU the Triton kernels run on the
+interpreter (TRITON_INTERPRET=1, set here) at small sizes; on a GPU at larger ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import logitless  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GPU = DEV.type == "cuda"
+
+
+def forced_grad_in_forward(token_chunk):
+    """The planner forced to gradient-in-forward, under the old or the new API."""
+    try:
+        from logitless.planning import overrides
+
+        return overrides.override(strategy=("grad_in_forward", token_chunk))
+    except ImportError:
+        from logitless import _plans
+
+        return _plans.forced_strategy("grad_in_forward", token_chunk=token_chunk)
+
+
+def inputs(n, h, v, dtype, seed, hidden_t=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype).to(DEV).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * h ** -0.5 * 2).to(dtype).to(DEV).requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype).to(DEV).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.2] = -100
+    cw = (torch.rand(v, generator=g) + 0.5).to(DEV)
+    out = dict(x=x, w=w, b=b, t=t.to(DEV), cw=cw)
+    if hidden_t:
+        out["xt"] = torch.randn(n, hidden_t, generator=g).to(dtype).to(DEV)
+        out["wt"] = (torch.randn(v, hidden_t, generator=g) * hidden_t ** -0.5 * 2).to(dtype).to(DEV)
+    return out
+
+
+def lce_cases():
+    n, h, v = (300, 136, 1500) if GPU else (29, 40, 257)
+    full = n * v * 2
+    for dtype in (torch.bfloat16, torch.float32):
+        for backend in ("triton", "torch"):
+            for budget_name, budget in (("keep", 4 * full), ("part", full // 3 + 4 * n * h), ("recompute", 2000)):
+                for opt_name, kw in (("plain", {}), ("all", dict(label_smoothing=0.1, softcap=6.0, z_loss=1e-3))):
+                    for red in ("mean", "none"):
+                        yield (f"lce/{backend}/{dtype}/{budget_name}/{opt_name}/{red}",
+                               dict(dtype=dtype, backend=backend, budget=budget, kw=kw, red=red, force=None))
+        for chunk in (7, 64):
+            yield (f"lce/triton/{dtype}/grad_in_forward{chunk}",
+                   dict(dtype=dtype, backend="triton", budget=None, red="sum", force=chunk,
+                        kw=dict(label_smoothing=0.1, softcap=6.0, z_loss=1e-3)))
+
+
+def run_lce(c, seed):
+    n, h, v = (300, 136, 1500) if GPU else (29, 40, 257)
+    d = inputs(n, h, v, c["dtype"], seed)
+    kw = dict(c["kw"])
+    if kw:
+        kw["class_weight"] = d["cw"]
+    ctx = forced_grad_in_forward(c["force"]) if c["force"] else contextlib.nullcontext()
+    with ctx:
+        loss, stats = logitless.linear_cross_entropy(
+            d["x"], d["w"], d["t"], d["b"], reduction=c["red"], backend=c["backend"],
+            memory_budget=c["budget"], return_stats=True, **kw)
+    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+    grads = torch.autograd.grad(loss, (d["x"], d["w"], d["b"]), g)
+    return [loss, stats.lse, stats.correct, *grads]
+
+
+def run_ce(dtype, backend, seed):
+    n, v = (300, 1500) if GPU else (29, 257)
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(n, v, generator=g) * 3).to(dtype).to(DEV).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(DEV)
+    cw = (torch.rand(v, generator=g) + 0.5).to(DEV)
+    loss, stats = logitless.cross_entropy(z, t, backend=backend, label_smoothing=0.1, softcap=6.0,
+                                          z_loss=1e-3, class_weight=cw, return_stats=True)
+    return [loss, stats.lse, stats.correct, *torch.autograd.grad(loss, z)]
+
+
+def run_jsd(dtype, backend, beta, seed):
+    n, v = (300, 1500) if GPU else (29, 257)
+    g = torch.Generator().manual_seed(seed)
+    zs = (torch.randn(n, v, generator=g) * 3).to(dtype).to(DEV).requires_grad_()
+    zt = (torch.randn(n, v, generator=g) * 3).to(dtype).to(DEV)
+    t = torch.randint(0, v, (n,), generator=g).to(DEV)
+    loss = logitless.jsd(zs, zt, t, beta=beta, temperature=0.7, hard_label_weight=0.3,
+                         student_softcap=8.0, backend=backend)
+    return [loss, *torch.autograd.grad(loss, zs)]
+
+
+def run_linear_jsd(dtype, backend, beta, seed):
+    n, h, v = (300, 136, 1500) if GPU else (29, 40, 257)
+    d = inputs(n, h, v, dtype, seed, hidden_t=h + 8)
+    loss = logitless.linear_jsd(d["x"], d["w"], d["xt"], d["wt"], d["t"], beta=beta, temperature=0.7,
+                                hard_label_weight=0.3, student_bias=d["b"], student_softcap=8.0,
+                                backend=backend, memory_budget=(1 << 20) if GPU else 4000)
+    return [loss, *torch.autograd.grad(loss, (d["x"], d["w"], d["b"]))]
+
+
+def all_results():
+    out = {}
+    for i, (name, c) in enumerate(lce_cases()):
+        out[name] = run_lce(c, seed=i)
+    for dtype in (torch.bfloat16, torch.float32):
+        for backend in ("triton", "torch"):
+            out[f"ce/{backend}/{dtype}"] = run_ce(dtype, backend, seed=1)
+            for beta in (0.0, 0.5, 1.0):
+                out[f"jsd/{backend}/{dtype}/{beta}"] = run_jsd(dtype, backend, beta, seed=2)
+                out[f"linear_jsd/{backend}/{dtype}/{beta}"] = run_linear_jsd(dtype, backend, beta, seed=3)
+    return {k: [t.detach().cpu() for t in v] for k, v in out.items()}
+
+
+def main(argv):
+    if argv[:1] == ["save"] and len(argv) == 2:
+        res = all_results()
+        torch.save(res, argv[1])
+        print(f"saved {len(res)} cases ({sum(len(v) for v in res.values())} tensors) on {DEV} to {argv[1]}")
+        return 0
+    if argv[:1] == ["compare"] and len(argv) == 3:
+        a, b = torch.load(argv[1]), torch.load(argv[2])
+        bad = [k for k in a if k not in b or len(a[k]) != len(b[k])
+               or not all(torch.equal(x, y) for x, y in zip(a[k], b[k]))]
+        missing = sorted(set(b) - set(a))
+        print(f"{len(a) - len(bad)}/{len(a)} cases bitwise equal" + (f"; differ: {bad}" if bad else "")
+              + (f"; only in {argv[2]}: {missing}" if missing else ""))
+        return 1 if bad or missing else 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
