@@ -35,7 +35,7 @@ def forced_grad_in_forward(token_chunk):
 
         return overrides.override(strategy=("grad_in_forward", token_chunk))
     except ImportError:
-        from logitless import _plans
+        from logitless.planning import plans as _plans
 
         return _plans.forced_strategy("grad_in_forward", token_chunk=token_chunk)
 

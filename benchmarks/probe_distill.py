@@ -16,10 +16,10 @@ import argparse
 import torch
 
 import logitless
-from logitless import _plans
-from logitless.bench import timing
-from logitless.bench.distill import gemm_floor_ms, make_inputs
-from logitless.linear_jsd.bench_shapes import DistillShape
+from logitless.planning import plans as _plans
+from logitless_bench import timing
+from logitless_bench.distill import gemm_floor_ms, make_inputs
+from logitless.ops.linear_jsd.bench_shapes import DistillShape
 
 CONFIGS = [None, (128, 64, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 2), (128, 128, 32, 8, 4)]
 

@@ -26,9 +26,9 @@ import triton
 from triton.testing import do_bench
 
 import logitless
-from logitless import _plans
-from logitless._loss_math import LossOptions, grad_coefficients
-from logitless.linear_cross_entropy import triton_backend as TB
+from logitless.planning import plans as _plans
+from logitless.formulas.cross_entropy import LossOptions, grad_coefficients
+from logitless.ops.linear_cross_entropy import triton_backend as TB
 
 SHAPES = {  # name: (tokens, hidden, vocab)
     "llama3.1-8b": (4096, 4096, 128256),

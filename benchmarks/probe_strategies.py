@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import logitless  # noqa: E402
-from logitless import _cost_model as M  # noqa: E402
-from logitless import _plans  # noqa: E402
-from logitless.bench import timing  # noqa: E402
+from logitless.planning import cost_model as M
+from logitless.planning import plans as _plans
+from logitless_bench import timing# noqa: E402
 
 SHAPES = [  # name, tokens, hidden, vocab, budgets (MiB; "L" = the bf16 logits)
     ("llama3.1-8b", 4096, 4096, 128256, [256, 512, 1024, "L"]),

@@ -16,14 +16,14 @@ import sys
 import pytest
 import torch
 
-from logitless.bench import peers, reference, report
-from logitless.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless_bench import peers, reference, report
+from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 RUN = """\
 import sys
-from logitless.bench.cli import main
+from logitless_bench.cli import main
 rc = main(sys.argv[1:])
 # (Not triton: torch imports it itself when a custom op first runs, through torch._dynamo.)
 print("PEER_MODULES", sorted({m.split(".")[0] for m in sys.modules} & {"liger_kernel", "cut_cross_entropy"}))
@@ -123,7 +123,7 @@ def test_cpu_run_ce_files(cpu_run):
 
 
 def test_entry_points_list():
-    proc = subprocess.run([sys.executable, "-m", "logitless.bench", "--list"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "logitless_bench", "--list"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     for name in ("llama3.1-8b", "deepseek-v3", "llama3.1-8b-16k", "16384x262144-fp32", "cce-exact", "torch-compile"):

@@ -1,4 +1,4 @@
-"""``python -m logitless.bench compare`` and the "models" suite, on CPU.
+"""``python -m logitless_bench compare`` and the "models" suite, on CPU.
 
 The comparison runs on synthetic result files derived from the recorded H100 run
 (benchmarks/results/latest-lce-H100.json, the format report.py writes), with known
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from logitless.bench import compare, shapes
-from logitless.bench.cli import main as cli_main
-from logitless.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+from logitless_bench import compare, shapes
+from logitless_bench.cli import main as cli_main
+from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest-lce-H100.json"
 
@@ -164,7 +164,7 @@ def test_model_suite_covers_the_range():
 
 def test_models_suite_cpu_run_writes_predictions(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "logitless.bench", "--suite", "models", "--cpu", "--no-peers", "--budgets",
+        [sys.executable, "-m", "logitless_bench", "--suite", "models", "--cpu", "--no-peers", "--budgets",
          "default", "--warmup", "0", "--reps", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

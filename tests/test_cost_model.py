@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitless import _cost_model as M
-from logitless import _plans
-from logitless.linear_cross_entropy.bench_shapes import MODEL_SHAPES, SHAPES
+from logitless.planning import cost_model as M
+from logitless.planning import plans as _plans
+from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES, SHAPES
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTIONS, check_against_reference, make_inputs
 
@@ -132,7 +132,7 @@ def test_model_columns_are_valid_plans():
 def test_grad_in_forward_matches_reference(reduction, token_chunk, dtype, monkeypatch):
     """Every option at once; chunks of 1 token, uneven chunks, one chunk. ("none"
     cannot use the strategy: the forced planner is ignored and the default runs.)"""
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     calls = []
     real = triton_backend.forward_with_grad
@@ -167,8 +167,8 @@ def test_grad_in_forward_scales_by_grad_output_and_is_repeatable():
 
 def test_grad_in_forward_not_for_fp16_softcap():
     """fp16 cannot keep exp(z - m) with a soft-cap: the strategy is refused there."""
-    from logitless._loss_math import LossOptions
-    from logitless.linear_cross_entropy.triton_grad_in_forward import grad_in_forward_chunk
+    from logitless.formulas.cross_entropy import LossOptions
+    from logitless.ops.linear_cross_entropy.triton_grad_in_forward import grad_in_forward_chunk
 
     x = torch.zeros(4, 8, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(16, 8, dtype=torch.float16, device=DEVICE)
@@ -210,7 +210,8 @@ def test_gpu_plans_keep_whole_tiles_at_odd_vocab(monkeypatch, vocab):
     ragged tail, and never compute the gradient in the forward."""
     import types
 
-    from logitless import _cost_model, _plans
+    from logitless.planning import cost_model as _cost_model
+    from logitless.planning import plans as _plans
 
     gpu = types.SimpleNamespace(type="cuda", index=0)
     monkeypatch.setattr(_plans, "_num_sms", lambda device: 132)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
-from logitless.cross_entropy import CrossEntropyLoss, cross_entropy
-from logitless.cross_entropy.reference import cross_entropy_reference
+from logitless.ops.cross_entropy import CrossEntropyLoss, cross_entropy
+from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref, run_custom_op
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
-from logitless.jsd.reference import jsd_reference
+from logitless.ops.jsd.reference import jsd_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
 from tests.test_linear_jsd import BETAS, TEMPERATURES, trl_generalized_jsd_loss
@@ -154,11 +154,11 @@ def test_no_tokens_by_vocab_temporaries(backend):
     (A dispatch mode does not see inside a custom op: the backend is called directly.)"""
     import importlib
 
-    from logitless._jsd_math import JSDOptions
+    from logitless.formulas.jsd import JSDOptions
 
     n, v = 40, 160
     zs, zt, target, kw = make_inputs((n,), v, torch.bfloat16, OPTIONS["all"], seed=1)
-    impl = importlib.import_module(f"logitless.jsd.{backend}_backend")
+    impl = importlib.import_module(f"logitless.ops.jsd.{backend}_backend")
     opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0,
                       hard_label_weight=0.3)
     with _BigAllocations(n * v) as fwd:

@@ -14,8 +14,8 @@ import triton
 import torch.nn.functional as F
 
 import logitless
-from logitless._loss_math import LossOptions, TokenStats, token_loss
-from logitless.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.formulas.cross_entropy import LossOptions, TokenStats, token_loss
+from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref
 
@@ -117,7 +117,7 @@ def test_reductions_all_options(backend, reduction, mode):
 
 def test_plan_budgets_select_keep_modes():
     """The three budgets above do select the three modes of the Triton plan."""
-    from logitless._plans import triton_plan
+    from logitless.planning.plans import triton_plan
 
     cpu = torch.device("cpu")
     for itemsize in (2, 4):
@@ -319,8 +319,8 @@ def test_float64_on_torch_backend_is_exact():
 def test_tma_and_pointer_paths_are_both_exercised():
     """Aligned rows (H=24 here) take the tensor-descriptor loads, odd H=17 the pointer
     loads: the option tests above run both paths."""
-    from logitless._plans import triton_plan
-    from logitless.linear_cross_entropy.triton_backend import _operands
+    from logitless.planning.plans import triton_plan
+    from logitless.ops.linear_cross_entropy.triton_backend import _operands
 
     plan = triton_plan(8, 101, 24, 2, 1 << 20, torch.device("cpu"))
     assert _operands(torch.randn(8, 24).bfloat16(), torch.randn(101, 24).bfloat16(), plan)[2]
@@ -363,8 +363,8 @@ def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned, monkeyp
     change when tiles run, never what a tile computes: loss, stats and gradients must
     equal the plain schedule's bit for bit, with kept and recomputed columns (one kept
     tile, then chunks of two tiles and a ragged one), at odd N and V."""
-    from logitless import _plans
-    from logitless.linear_cross_entropy import triton_backend as TB
+    from logitless.planning import plans as _plans
+    from logitless.ops.linear_cross_entropy import triton_backend as TB
 
     n, v = (300, 1500) if HAS_CUDA else (70, 257)
     hidden = (136 if aligned else 100) if HAS_CUDA else (24 if aligned else 17)
@@ -396,7 +396,7 @@ def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned, monkeyp
 def test_group_rows_minimises_the_l2_working_set(monkeypatch):
     """G row blocks x (SMs / G) column tiles resident at once read G*block_n rows of x and
     (SMs/G)*block_v rows of W per step: the rule picks the G of the smallest sum."""
-    from logitless import _plans
+    from logitless.planning import plans as _plans
 
     monkeypatch.setattr(_plans, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")

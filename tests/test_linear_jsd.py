@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import logitless
-from logitless.linear_jsd.reference import linear_jsd_reference
+from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import TOL, AllocationRecorder, assert_close_to_ref
 
@@ -265,12 +265,12 @@ def test_no_tokens_by_vocab_tensor(backend):
     popped), so the backend's forward and backward are called directly as well."""
     import importlib
 
-    from logitless._jsd_math import JSDOptions
+    from logitless.formulas.jsd import JSDOptions
 
     n, v = 64, 160
     budget = 8 * v * 16
     xs, ws, xt, wt, target, kw = make_inputs((n,), 16, 24, v, torch.float32, OPTIONS["all"], seed=1)
-    impl = importlib.import_module(f"logitless.linear_jsd.{backend}_backend")
+    impl = importlib.import_module(f"logitless.ops.linear_jsd.{backend}_backend")
     opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0,
                       hard_label_weight=0.3)
     bs, bt = kw["student_bias"].detach(), kw["teacher_bias"]
@@ -309,7 +309,7 @@ def test_grouped_program_order_is_bitwise_neutral(aligned, monkeypatch):
     """The dlogits kernel's grouped program order (``_plans.KERNEL_OPTIONS["group"]``)
     changes when tiles run, not what they compute: equal to the plain order bit for bit,
     with several row blocks, a ragged last group and several vocabulary chunks."""
-    from logitless import _plans
+    from logitless.planning import plans as _plans
 
     n, v = (600, 1500) if HAS_CUDA else (70, 131)
     hs, ht = ((136, 264) if aligned else (100, 60)) if HAS_CUDA else ((24, 16) if aligned else (17, 9))
@@ -495,7 +495,7 @@ def test_bench_distill_cpu_smoke(tmp_path):
     logitless row agrees with the suite's own float64 reference."""
     import json
 
-    from logitless.bench import cli
+    from logitless_bench import cli
 
     rc = cli.main(["--suite", "distill", "--cpu", "--quick", "--methods", "logitless,torch-eager",
                    "--out", str(tmp_path)])

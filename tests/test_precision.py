@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import logitless
-from logitless import _plans
-from logitless.cross_entropy.reference import cross_entropy_reference
+from logitless.planning import plans as _plans
+from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from tests.helpers import run_custom_op
-from logitless.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import max_err
 
@@ -53,7 +53,7 @@ def _inputs(n, h, v, dtype, seed, device=DEVICE, options=False):
 
 @pytest.mark.parametrize("setting,expected", [("highest", "tf32x3"), ("high", "tf32-round"), ("medium", "tf32-round")])
 def test_dot_precision_follows_torch_setting(setting, expected):
-    from logitless.linear_cross_entropy.triton_backend import _dot_precision, tf32_allowed
+    from logitless.ops.linear_cross_entropy.triton_backend import _dot_precision, tf32_allowed
 
     with matmul_precision(setting):
         assert tf32_allowed() == (setting != "highest")
@@ -74,7 +74,7 @@ def test_dot_precision_with_torch_new_precision_api():
         pytest.skip("torch without the fp32_precision API")
     code = (
         "import torch\n"
-        "from logitless.linear_cross_entropy.triton_backend import _dot_precision\n"
+        "from logitless.ops.linear_cross_entropy.triton_backend import _dot_precision\n"
         "m = torch.backends.cuda.matmul\n"
         "m.allow_tf32 = False\n"
         "m.fp32_precision = 'tf32'\n"
@@ -92,7 +92,7 @@ def test_dot_precision_with_torch_new_precision_api():
 def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected):
     """Every GEMM kernel launched for fp32 inputs (forward and recomputing backward)
     gets the DOT_PRECISION of torch's setting at the time of the call; never "ieee"."""
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     seen = []
 
@@ -152,7 +152,7 @@ def test_launch_drops_stages_when_shared_memory_is_short():
     the launch) is retried with fewer stages, and what fit is remembered per flags."""
     from triton.runtime.errors import OutOfResources
 
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     calls = []
 
@@ -239,7 +239,7 @@ def test_fp32_on_gpu_as_accurate_as_torch_at_each_setting():
 def test_fp32_cuda_tiles_fit_shared_memory():
     """Forward (with the TMA kept-tile store) and backward compile and run for fp32 at
     both settings with the CUDA tile table (no OutOfResources left over)."""
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     for setting in ("highest", "high"):
         with matmul_precision(setting):
@@ -299,7 +299,7 @@ def test_float64_exact_with_every_option_logits(reduction):
 def test_loss_math_follows_the_statistics_dtype():
     """fp32 statistics give fp32 loss and coefficients (also with fp64 class weights);
     fp64 statistics give fp64."""
-    from logitless._loss_math import LossOptions, TokenStats, grad_coefficients, token_loss, upstream_per_token
+    from logitless.formulas.cross_entropy import LossOptions, TokenStats, grad_coefficients, token_loss, upstream_per_token
 
     opts = LossOptions(label_smoothing=0.1, z_loss=1e-3)
     t = torch.tensor([0, 2, -100])
@@ -408,7 +408,7 @@ def test_triton_plan_bytes_fit_the_budget(itemsize):
     """The Triton plan's backward temporaries (kept columns in the input dtype with their
     per-block maxima, one dz chunk, the fp32 dx accumulator: dx itself for fp32 inputs,
     so not counted there) fit the budget whenever the budget exceeds the minimum."""
-    from logitless._plans import triton_plan
+    from logitless.planning.plans import triton_plan
 
     n, v, h = 512, 30011, 256
     for budget in (2**22, 2**24, 2**26):

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import cross_entropy, linear_cross_entropy
-from logitless.cross_entropy import ops as ce_ops
-from logitless.cross_entropy.reference import cross_entropy_reference
-from logitless.linear_cross_entropy import ops as lce_ops
-from logitless.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.ops.cross_entropy import custom_op as ce_ops
+from logitless.ops.cross_entropy.reference import cross_entropy_reference
+from logitless.ops.linear_cross_entropy import custom_op as lce_ops
+from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
 
@@ -314,7 +314,7 @@ def test_cuda_graph_capture_replays_the_eager_step(budget):
 
 def test_inference_uses_the_forward_that_keeps_nothing(monkeypatch):
     """Under no_grad (eager and compiled) the Triton forward is asked for no kept columns."""
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     seen = []
     real = triton_backend.forward
@@ -382,8 +382,8 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
 def test_backward_runs_with_the_forwards_plan(monkeypatch):
     """The plan that laid out the kept columns (tiles may be tuned or forced while the
     forward runs) travels to the backward as a tensor, not re-derived there."""
-    from logitless._plans import triton_plan
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.planning.plans import triton_plan
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     x, w, b, t = _lce_inputs((37,), 40, 257, seed=13)
     kw = dict(backend="triton", memory_budget=30_000, label_smoothing=0.1, softcap=5.0)
@@ -404,7 +404,7 @@ def test_backward_runs_with_the_forwards_plan(monkeypatch):
 def test_grad_in_forward_through_the_op(chunk):
     """The Triton planner's gradient-in-forward strategy (eager): the op's extra outputs,
     scaled by the backward, give the gradients of the usual path."""
-    from logitless.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_backend
 
     if not hasattr(triton_backend, "forward_with_grad"):
         pytest.skip("this tree's Triton backend has no gradient-in-forward strategy")

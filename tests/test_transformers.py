@@ -425,10 +425,10 @@ def test_trainer_gradient_accumulation(tmp_path, monkeypatch):
 
 
 def test_train_bench_harness_cpu(tmp_path):
-    """python -m logitless.bench --suite train on the CPU: tiny model, 3 steps, files written."""
+    """python -m logitless_bench --suite train on the CPU: tiny model, 3 steps, files written."""
     import json
 
-    from logitless.bench import cli
+    from logitless_bench import cli
 
     rc = cli.main(["--suite", "train", "--cpu", "--steps", "3", "--modes", "autocast", "--no-big",
                    "--out", str(tmp_path)])
@@ -457,7 +457,7 @@ def test_train_bench_batch_probe_stops_at_out_of_memory(tmp_path):
     """The larger-batch probe (GPU-only in the suite) on the CPU, an OOM simulated at 3 sequences."""
     import argparse
 
-    from logitless.bench import train
+    from logitless_bench import train
 
     class Stream(train.MarkovStream):
         def batches(self, n, batch, seq, seed):

@@ -1,4 +1,4 @@
-"""Tuned tiles as data (``_tuned``, ``logitless.tune``): lookup order and determinism.
+"""Tuned tiles as data (``_tuned``, ``logitless.planning.tune``): lookup order and determinism.
 
 What "deterministic" means here: the tiles come from the device class, dtype and shape
 only (never from a timing at run time); the same tiles give bitwise identical results;
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import logitless
-from logitless import _plans, _tuned
-from logitless import tune as tuner
+from logitless.planning import plans as _plans
+from logitless.planning import tuned as _tuned
+from logitless.planning import tune as tuner
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTIONS, make_inputs
 

@@ -10,11 +10,11 @@ import warnings
 
 import jax
 
-from logitless.bench import jax_suite
+from logitless_bench import jax_suite
 
 
 def test_jax_suite_smoke(tmp_path, monkeypatch):
-    from logitless.jax.linear_cross_entropy import bench_shapes
+    from logitless.jax.ops.linear_cross_entropy import bench_shapes
 
     tiny = (bench_shapes.JaxShape("cpu-tiny", 32, 16, 257, "float32"),)
     monkeypatch.setattr(bench_shapes, "CPU_SHAPES", tiny)
@@ -52,7 +52,7 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
 def test_jax_suite_time_limits(tmp_path, monkeypatch):
     """A method slower than --method-seconds is skipped on the next shapes; files are
     written and the run says it is partial."""
-    from logitless.jax.linear_cross_entropy import bench_shapes
+    from logitless.jax.ops.linear_cross_entropy import bench_shapes
 
     tiny = (bench_shapes.JaxShape("cpu-a", 16, 16, 129, "float32"),
             bench_shapes.JaxShape("cpu-b", 24, 16, 131, "float32"))

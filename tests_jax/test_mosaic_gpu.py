@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                     reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
-from logitless.jax.linear_cross_entropy import mosaic_gpu as mg  # noqa: E402  (a failure here is a bug)
+from logitless.jax.ops.linear_cross_entropy import mosaic_gpu as mg# noqa: E402  (a failure here is a bug)
 
 
 def _platform():
@@ -270,7 +270,7 @@ def test_public_op_lowers_for_cuda_without_large_constants(monkeypatch):
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_through_public_api_matches_xla_backend(softcap):
     """linear_cross_entropy(..., implementation="mosaic_gpu") under jit and grad."""
-    api = pytest.importorskip("logitless.jax.linear_cross_entropy.api",
+    api = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.api",
                               reason="logitless.jax api not on this branch yet (merged by the lead)")
     from logitless.jax import linear_cross_entropy
 

@@ -225,7 +225,7 @@ def main():
 
     import jax
 
-    from logitless.jax.linear_cross_entropy import mosaic_gpu as mg
+    from logitless.jax.ops.linear_cross_entropy import mosaic_gpu as mg
 
     dev = jax.devices()[0]
     meta = {

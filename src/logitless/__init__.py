@@ -4,7 +4,7 @@
 # imports, so that ``logitless.jax`` (which needs only jax) works in a torch-free
 # environment; then only the JAX side is usable. Any other import error propagates.
 # (Lazy PEP 562 exports were tried: a subpackage import such as
-# ``logitless.linear_cross_entropy.reference`` then replaces the same-named function.)
+# ``logitless.ops.linear_cross_entropy.reference`` then replaces the same-named function.)
 try:
     import torch as _torch  # noqa: F401
 except ImportError as _exc:  # pragma: no cover - exercised in the torch-free environment
@@ -14,12 +14,12 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
     del _exc
 else:
     del _torch
-    from ._loss_math import LossStats
-    from ._plans import DEFAULT_MEMORY_BUDGET
-    from .cross_entropy import CrossEntropyLoss, cross_entropy
-    from .jsd import JSDLoss, jsd
-    from .linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
-    from .linear_jsd import LinearJSDLoss, linear_jsd
+    from .formulas.cross_entropy import LossStats
+    from .planning.plans import DEFAULT_MEMORY_BUDGET
+    from .ops.cross_entropy import CrossEntropyLoss, cross_entropy
+    from .ops.jsd import JSDLoss, jsd
+    from .ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+    from .ops.linear_jsd import LinearJSDLoss, linear_jsd
 
     __all__ = [
         "linear_cross_entropy",

@@ -10,9 +10,9 @@ kernels for SM90, when present). Layout mirrors the PyTorch side: ``_loss_math.p
 one file per backend, bench shapes).
 """
 
-from ._loss_math import LossStats
-from ._plans import DEFAULT_MEMORY_BUDGET
-from .linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
+from .formulas import LossStats
+from .planning import DEFAULT_MEMORY_BUDGET
+from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
 
 __all__ = [
     "linear_cross_entropy",

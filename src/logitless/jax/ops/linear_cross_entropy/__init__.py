@@ -1,0 +1,50 @@
+"""Fused linear cross-entropy for JAX: api (public), reference (float64), one file per backend.
+
+Backend interface
+=================
+Every backend is a module ``logitless/jax/linear_cross_entropy/<name>.py`` (``xla.py``,
+``mosaic_gpu.py``) registered by name in ``api.BACKENDS`` (module path + an
+``is_supported`` hook). The public function validates, flattens to 2-D, computes the
+loss from the statistics (``logitless/jax/_loss_math.py``) and wraps everything in one
+``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
+arguments after ``*`` are static Python values (hashable; the functions are traced
+under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
+
+``forward(x2d, w, bias, target, *, softcap, need_smooth, budget) -> (lse, target_logit, smooth_sum)``
+    x2d:     (N, H) bf16/f16/f32, N >= 1
+    w:       (V, H), same dtype as x2d (the api passes an "hv" weight as ``weight.T``;
+             its gradient flows back through that transpose)
+    bias:    (V,) same dtype as w, or None
+    target:  (N,) int32; ignored or out-of-range targets may hold any value: the
+             backend must not fail on them (target_logit there may be anything finite
+             or not; the api masks it)
+    softcap: float or None; z = s * tanh(logit / s) when set, logit = x @ w.T + bias
+    need_smooth: bool; whether smooth_sum is wanted (label smoothing)
+    budget:  int, bytes of temporaries the backend may use (chunk sizing)
+    returns, each (N,) float32:
+        lse          = log sum_c exp(z_c)              (over exactly V columns)
+        target_logit = z_t                              (z at the target column)
+        smooth_sum   = sum_c z_c, or None when not need_smooth
+
+``backward(x2d, w, bias, target, lse, coef, *, softcap, budget) -> (dx, dw, db)``
+    lse:  (N,) f32 from forward; coef: (3, N) f32 rows [A, B, C] from
+    ``_loss_math.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
+    out-of-range targets). With p_c = exp(z_c - lse):
+        dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
+        dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype;
+        db = sum_n dz (V,) in bias.dtype, or None when bias is None.
+    Accumulate in fp32 and cast once. No class weights on the JAX side.
+
+``NATIVE_HV = True`` (optional module constant): forward and backward also accept a
+keyword ``weight_layout="hv"`` with w of shape (H, V) (and return dw (H, V)); the api
+then passes flax-style kernels without a transposed copy. Without it, the api passes
+``weight.T``.
+
+``is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool`` (optional
+module-level function): False makes ``implementation=None`` fall back to "xla"; an
+explicit ``implementation="<name>"`` on an unsupported case raises ValueError.
+
+Automatic choice (``implementation=None``): "mosaic_gpu" when the default backend is a
+GPU of compute capability 9.x, ``logitless.jax.ops.linear_cross_entropy.mosaic_gpu``
+imports and ``is_supported`` says yes; otherwise "xla".
+"""

@@ -1,0 +1,291 @@
+"""Public API of the fused linear cross-entropy for JAX: the function, the tokamax
+drop-in, the backend registry and the automatic choice.
+
+The loss equals ``optax.softmax_cross_entropy_with_integer_labels(softcap(x @ w.T + b),
+target)`` (with ignore_index, label smoothing and z-loss as the PyTorch op) without the
+(tokens x vocab) logits ever being stored. The backend interface is described in
+``logitless/jax/linear_cross_entropy/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from functools import partial
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from logitless.jax import formulas as lm
+from logitless.jax.planning import check_memory_budget
+
+#: Backends by name: module path (relative to this package). "mosaic_gpu" is optional.
+BACKENDS = {
+    "xla": ".xla",
+    "mosaic_gpu": ".mosaic_gpu",
+}
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+def backend_module(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"implementation must be None or one of {tuple(BACKENDS)}, got {name!r}")
+    return importlib.import_module(BACKENDS[name], __package__)
+
+
+def _is_sm90() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    return str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias) -> bool:
+    check = getattr(module, "is_supported", None)
+    return True if check is None else bool(
+        check(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias))
+
+
+def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias) -> str:
+    """The backend name: the explicit one (checked), or "mosaic_gpu" on SM90 GPUs when
+    it imports and supports the case, else "xla"."""
+    if implementation is not None:
+        module = backend_module(implementation)
+        if not _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
+            raise ValueError(
+                f"implementation {implementation!r} does not support x {x2d_shape}, weight "
+                f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}")
+        return implementation
+    if _is_sm90():
+        try:
+            module = backend_module("mosaic_gpu")
+        except ImportError:
+            return "xla"
+        except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
+            warnings.warn(f"logitless.jax: the mosaic_gpu backend failed to import ({exc!r}); using xla",
+                          RuntimeWarning, stacklevel=3)
+            return "xla"
+        if _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
+            return "mosaic_gpu"
+    return "xla"
+
+
+class _Config(NamedTuple):
+    """Static (hashable) arguments of the custom_vjp."""
+
+    opts: lm.LossOptions
+    backend: str
+    budget: int
+    num_classes: int
+    layout_kw: tuple  # (("weight_layout", "hv"),) for backends that take (H, V) natively
+
+
+def _stats_and_loss(x2d, w, bias, target, cfg: _Config):
+    opts = cfg.opts
+    module = backend_module(cfg.backend)
+    lse, zt, ss = module.forward(x2d, w, bias, target, softcap=opts.softcap,
+                                 need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
+                                 **dict(cfg.layout_kw))
+    loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts)
+    return lm.reduce_loss(loss_tok, target, opts), lse
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _lce(x2d, w, bias, target, cfg: _Config):
+    return _stats_and_loss(x2d, w, bias, target, cfg)
+
+
+def _lce_fwd(x2d, w, bias, target, cfg):
+    loss, lse = _stats_and_loss(x2d, w, bias, target, cfg)
+    return (loss, lse), (x2d, w, bias, target, lse)
+
+
+def _lce_bwd(cfg, res, cotangents):
+    x2d, w, bias, target, lse = res
+    g_loss, _ = cotangents  # lse is an auxiliary output: no gradient flows through it
+    opts = cfg.opts
+    g = lm.upstream_per_token(g_loss, target, opts)
+    coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts)
+    dx, dw, db = backend_module(cfg.backend).backward(
+        x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
+        **dict(cfg.layout_kw))
+    return dx, dw, db, None
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
+
+
+def _check_float(name, a):
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(a).__name__}")
+    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {jnp.dtype(a.dtype).name}")
+
+
+def linear_cross_entropy(
+    x,
+    weight,
+    target,
+    bias=None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+    return_stats: bool = False,
+    weight_layout: str = "vh",
+    memory_budget: Optional[int] = None,
+    implementation: Optional[str] = None,
+):
+    """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
+
+    Equals ``optax.softmax_cross_entropy_with_integer_labels(logits, target)`` (and
+    ``torch.nn.functional.cross_entropy`` with the same options) with ``logits =
+    softcap * tanh((x @ weight.T + bias) / softcap)`` when ``softcap`` is set, plus
+    ``z_loss * lse**2`` per non-ignored token, reduced like the loss. Logits,
+    log-sum-exp and softmax are fp32; gradients are accumulated in fp32 and cast once
+    to the dtype of x, weight and bias. Works under ``jax.jit`` (every keyword is
+    static), ``jax.grad``/``value_and_grad`` (gradients for x, weight, bias; a
+    ``jax.custom_vjp``) and ``jax.vmap``.
+
+    Args:
+        x: (..., H) hidden states, bfloat16/float16/float32 (float64 with x64 enabled).
+        weight: (V, H) with ``weight_layout="vh"`` (as a torch ``nn.Linear``), or (H, V)
+            with "hv" (as a flax ``Dense`` kernel); same dtype as x.
+        target: (...) integer class indices, the leading shape of x.
+        bias: optional (V,), same dtype as weight.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: "mean" (over non-ignored tokens), "sum" or "none" (per-token loss in
+            the shape of target, 0 at ignored tokens).
+        label_smoothing: in [0, 1], as in ``torch.nn.functional.cross_entropy``.
+        softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
+        z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        return_stats: also return ``LossStats(lse, num_tokens)``: the per-token
+            log-sum-exp (fp32, shape of target) and the number of non-ignored tokens.
+        weight_layout: "vh" or "hv" (see weight).
+        memory_budget: bytes of temporary memory the op may use (default 256 MiB). It
+            sizes the chunks of the "xla" backend: one tile of logits of at most about
+            budget / 16 elements, plus an fp32 dx accumulator (4 x tokens x H bytes)
+            and one fp32 dW chunk; when even the smallest tile does not fit, the
+            smallest is used. Never a tokens x vocab array.
+        implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
+            and the case is supported, else "xla"), "xla" or "mosaic_gpu".
+
+    Returns:
+        The fp32 loss (a scalar, or per-token for "none"), or ``(loss, stats)``.
+
+    Errors and special values:
+        Wrong ranks, shapes or dtypes, unknown options and options out of range raise
+        ``ValueError``/``TypeError`` at trace time. A target outside [0, V) that is not
+        ``ignore_index`` gives that token a NaN loss (and NaN gradients), so the
+        reduced loss is NaN: values are never checked on the host. NaN or inf inputs
+        give a NaN loss. Empty inputs and all-ignored batches behave as torch: "mean"
+        is NaN with zero gradients, "sum" is 0.
+    """
+    opts = lm.check_options(ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss)
+    budget = check_memory_budget(memory_budget)
+    _check_float("x", x)
+    _check_float("weight", weight)
+    if weight_layout not in ("vh", "hv"):
+        raise ValueError(f'weight_layout must be "vh" (V, H) or "hv" (H, V), got {weight_layout!r}')
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (..., H)")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
+    num_classes, hidden = weight.shape if weight_layout == "vh" else weight.shape[::-1]
+    if num_classes == 0:
+        raise ValueError("weight has no classes: the vocabulary is empty")
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} "
+                         f"(weight_layout={weight_layout!r})")
+    if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
+        raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
+    if not hasattr(target, "dtype") or not jnp.issubdtype(target.dtype, jnp.integer):
+        raise TypeError(f"target must be an integer array, got {getattr(target, 'dtype', type(target).__name__)}")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(x.shape[:-1])} "
+                         "(the leading dimensions of x)")
+    if bias is not None:
+        _check_float("bias", bias)
+        if tuple(bias.shape) != (num_classes,):
+            raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
+        if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
+            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
+
+    out_shape = tuple(target.shape)
+    x2d = jnp.reshape(x, (-1, hidden))
+    flat_target = jnp.reshape(target, (-1,)).astype(jnp.int32)
+    n = x2d.shape[0]
+    if n == 0:
+        loss = jnp.zeros((0,), jnp.float32)
+        lse = loss
+        loss = lm.reduce_loss(loss, flat_target, opts)
+    else:
+        backend = choose_backend(implementation, x2d.shape, (num_classes, hidden), x2d.dtype,
+                                 opts.softcap, bias is not None)
+        w, layout_kw = weight, ()
+        if weight_layout == "hv":
+            if getattr(backend_module(backend), "NATIVE_HV", False):
+                layout_kw = (("weight_layout", "hv"),)
+            else:
+                w = weight.T  # (V, H) for the backend; the gradient flows back through .T
+        cfg = _Config(opts, backend, budget, num_classes, layout_kw)
+        loss, lse = _lce(x2d, w, bias, flat_target, cfg)
+    if opts.reduction == "none":
+        loss = jnp.reshape(loss, out_shape)
+    if not return_stats:
+        return loss
+    num_tokens = jnp.sum(flat_target != opts.ignore_index).astype(jnp.int32)
+    return loss, lm.LossStats(lse=jnp.reshape(jax.lax.stop_gradient(lse), out_shape), num_tokens=num_tokens)
+
+
+def linear_softmax_cross_entropy_loss(
+    x,
+    labels,
+    weights,
+    *,
+    reduction: str = "sum",
+    precision=None,
+    implementation: Optional[str] = None,
+):
+    """Drop-in for ``tokamax.linear_softmax_cross_entropy_loss``: x (B, H), labels
+    (B,), weights (H, V); ``reduction`` "sum" (default), "mean" or "none".
+
+    Same results as tokamax's "xla" implementation for labels in [0, V), but exact
+    (fp32 logits and statistics also for bf16 inputs) and without the logits. Where
+    tokamax is wrong we differ: a label outside [0, V) (e.g. -100 for padding) has
+    zero loss *and* zero gradient (tokamax: zero loss, softmax gradient); "mean"
+    divides by B, all tokens, as tokamax's ``jnp.mean``. ``precision`` must be None,
+    as in tokamax 0.0.17 (NotImplementedError otherwise); fp32 inputs follow
+    ``jax_default_matmul_precision``. ``implementation``: as in
+    :func:`linear_cross_entropy` (tokamax's names "xla"/"chunked_xla" both mean our
+    "xla" backend; "mosaic_tpu" is not available).
+    """
+    if precision is not None:
+        raise NotImplementedError("Customization of precision is currently not supported (as in tokamax).")
+    if implementation == "chunked_xla":
+        implementation = "xla"
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"Unsupported reduction method: {reduction!r}")
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"x must be (B, H), got shape {getattr(x, 'shape', None)}")
+    if getattr(labels, "ndim", None) != 1:
+        raise ValueError(f"labels must be (B,), got shape {getattr(labels, 'shape', None)}")
+    v = weights.shape[-1] if getattr(weights, "ndim", 0) == 2 else 0
+    labels = jnp.asarray(labels)
+    # Every label outside [0, V) is "ignored": map it to one ignore value that no
+    # valid label can take.
+    ignore = -1
+    labels = jnp.where((labels >= 0) & (labels < v), labels, ignore)
+    loss = linear_cross_entropy(
+        x, weights, labels, ignore_index=ignore, reduction="sum" if reduction == "mean" else reduction,
+        weight_layout="hv", implementation=implementation)
+    if reduction == "mean":
+        loss = loss / x.shape[0]
+    return loss

@@ -1,0 +1,165 @@
+"""The "xla" backend: chunked linear cross-entropy in plain JAX (CPU, GPU, TPU).
+
+Math (see ``logitless/jax/_loss_math.py``): per token, lse, z_t and (label smoothing)
+sum_c z_c of the soft-capped logits z = cap(x @ w.T + b), computed tile by tile:
+
+    forward   for each column chunk j (fori_loop), for each row chunk i:
+                  z = cap(x_i @ w_j.T + b_j)                fp32 (one GEMM)
+                  lse_i = logaddexp(lse_i, logsumexp(z))    online log-sum-exp
+                  z_t  += z[c == t];  S_i += sum_c z
+    backward  for each column chunk j, for each row chunk i:
+                  z recomputed (GEMM 1), dz = p * A - B [c == t] - C (x cap')
+                  dx_i += dz @ w_j  (GEMM 2),  dw_j += dz.T @ x_i  (GEMM 3),  db_j += sum dz
+              dw_j and db_j are written once per column chunk (fp32 accumulation, one cast).
+
+The last column (and row) chunk may be shorter: it is a separate, statically shaped
+step after the loop, so padded columns never exist and never enter the log-sum-exp.
+Memory: one tile of logits and its temporaries (``_plans.xla_plan`` sizes it from the
+budget), the fp32 dx accumulator (N x H) and one fp32 dW chunk; never N x V.
+Dots accumulate in fp32 (``preferred_element_type``); dz is cast to the input dtype
+before the gradient GEMMs (as the PyTorch side), so bf16 inputs run bf16 GEMMs.
+fp32 inputs follow JAX's default matmul precision (``jax_default_matmul_precision``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from logitless.jax.formulas import dlogits, softcap_logits
+from logitless.jax.planning import xla_plan
+
+_F32 = jnp.float32
+#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
+NATIVE_HV = True
+
+
+def _loop(total: int, size: int, body, carry):
+    """Run ``body(start, size, carry)`` over [0, total) in steps of ``size``: a fori_loop
+    over the full steps, then one statically shaped step for the remainder."""
+    n_full, tail = divmod(total, size)
+    if n_full == 1:
+        carry = body(0, size, carry)
+    elif n_full > 1:
+        carry = lax.fori_loop(0, n_full, lambda i, c: body(i * size, size, c), carry)
+    if tail:
+        carry = body(n_full * size, tail, carry)
+    return carry
+
+
+#: Contracting dimensions of the three GEMMs by weight layout (a w tile is (v, H) for
+#: "vh", (H, v) for "hv"): z = x @ w^T, dx = dz @ w, dw = dz^T @ x (or x^T @ dz for "hv").
+_W_AXIS = {"vh": 0, "hv": 1}  # the vocabulary axis of w
+_Z_DIMS = {"vh": (((1,), (1,)), ((), ())), "hv": (((1,), (0,)), ((), ()))}
+_DX_DIMS = {"vh": (((1,), (0,)), ((), ())), "hv": (((1,), (1,)), ((), ()))}
+
+
+def _logits(x, w, b, softcap, layout="vh"):
+    """cap(x @ w.T + b) in fp32 for a tile: x (n, H), w (v, H) ("vh") or (H, v) ("hv"),
+    b (v,) or None."""
+    z = lax.dot_general(x, w, _Z_DIMS[layout], preferred_element_type=_F32)
+    if b is not None:
+        z = z + b.astype(_F32)[None, :]
+    return softcap_logits(z, softcap)
+
+
+def _slice(a, start, size, axis=0):
+    return lax.dynamic_slice_in_dim(a, start, size, axis)
+
+
+def _update(a, part, start, axis=0):
+    return lax.dynamic_update_slice_in_dim(a, part, start, axis)
+
+
+def _plan(x2d, vocab, budget):
+    n, h = x2d.shape
+    return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
+
+
+def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
+            weight_layout: str = "vh"):
+    """The interface's forward; ``weight_layout="hv"`` (an extension of this backend)
+    takes w as (H, V) without a transposed copy."""
+    n = x2d.shape[0]
+    vaxis = _W_AXIS[weight_layout]
+    vocab = w.shape[vaxis]
+    plan = _plan(x2d, vocab, budget)
+    target = target.astype(jnp.int32)
+
+    def col_step(c0, vc, carry):
+        wj = _slice(w, c0, vc, vaxis)
+        bj = None if bias is None else _slice(bias, c0, vc)
+        cols = c0 + jnp.arange(vc, dtype=jnp.int32)
+
+        def row_step(r0, nr, carry):
+            lse, zt, ss = carry
+            z = _logits(_slice(x2d, r0, nr), wj, bj, softcap, weight_layout)
+            m = jnp.max(z, axis=1)
+            m = jnp.where(m == -jnp.inf, 0.0, m)  # all -inf: lse -inf; +inf: NaN
+            chunk_lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=1))
+            hit = cols[None, :] == _slice(target, r0, nr)[:, None]
+            lse = _update(lse, jnp.logaddexp(_slice(lse, r0, nr), chunk_lse), r0)
+            zt = _update(zt, _slice(zt, r0, nr) + jnp.sum(jnp.where(hit, z, 0.0), axis=1), r0)
+            if ss is not None:
+                ss = _update(ss, _slice(ss, r0, nr) + jnp.sum(z, axis=1), r0)
+            return lse, zt, ss
+
+        return _loop(n, plan.token_chunk, row_step, carry)
+
+    init = (
+        jnp.full((n,), -jnp.inf, _F32),
+        jnp.zeros((n,), _F32),
+        jnp.zeros((n,), _F32) if need_smooth else None,
+    )
+    return _loop(vocab, plan.vocab_chunk, col_step, init)
+
+
+def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
+             weight_layout: str = "vh"):
+    """The interface's backward; dw has the layout of w."""
+    n, h = x2d.shape
+    vaxis = _W_AXIS[weight_layout]
+    vocab = w.shape[vaxis]
+    plan = _plan(x2d, vocab, budget)
+    target = target.astype(jnp.int32)
+
+    def col_step(c0, vc, carry):
+        dx, dw, db = carry
+        wj = _slice(w, c0, vc, vaxis)
+        bj = None if bias is None else _slice(bias, c0, vc)
+
+        def row_step(r0, nr, carry):
+            dx, dwj, dbj = carry
+            xr = _slice(x2d, r0, nr)
+            z = _logits(xr, wj, bj, softcap, weight_layout)
+            dz = dlogits(z, _slice(lse, r0, nr), _slice(coef, r0, nr, axis=1),
+                         _slice(target, r0, nr), c0, softcap)
+            dzl = dz.astype(x2d.dtype)
+            dxr = lax.dot_general(dzl, wj, _DX_DIMS[weight_layout], preferred_element_type=_F32)
+            dx = _update(dx, _slice(dx, r0, nr) + dxr, r0)
+            if weight_layout == "vh":
+                dwj = dwj + lax.dot_general(dzl, xr, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+            else:
+                dwj = dwj + lax.dot_general(xr, dzl, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+            if dbj is not None:
+                dbj = dbj + jnp.sum(dz, axis=0)
+            return dx, dwj, dbj
+
+        dwj = jnp.zeros((vc, h) if weight_layout == "vh" else (h, vc), _F32)
+        dbj = None if db is None else jnp.zeros((vc,), _F32)
+        dx, dwj, dbj = _loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
+        dw = _update(dw, dwj.astype(w.dtype), c0, vaxis)
+        if db is not None:
+            db = _update(db, dbj.astype(db.dtype), c0)
+        return dx, dw, db
+
+    init = (
+        jnp.zeros((n, h), _F32),
+        jnp.zeros(w.shape, w.dtype),
+        None if bias is None else jnp.zeros(bias.shape, bias.dtype),
+    )
+    dx, dw, db = _loop(vocab, plan.vocab_chunk, col_step, init)
+    return dx.astype(x2d.dtype), dw, db

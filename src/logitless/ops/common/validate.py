@@ -1,0 +1,168 @@
+"""Input checks shared by every public op: clear errors instead of wrong numbers.
+
+Checks here never synchronise with a GPU. The one data-dependent check (targets in
+range) runs only on CPU tensors, where it is cheap; on GPUs an out-of-range target
+yields NaN for that token instead (see ``_loss_math``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless import options as _options
+from logitless.formulas.cross_entropy import LossOptions
+from logitless.planning.plans import DEFAULT_MEMORY_BUDGET
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def check_options(
+    *,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+) -> LossOptions:
+    reduction = _options.reduction(reduction)
+    ignore_index = _options.ignore_index(ignore_index)
+    label_smoothing = _options.in_unit_interval("label_smoothing", label_smoothing)
+    softcap = _options.softcap("softcap", softcap)
+    z_loss = _options.non_negative("z_loss", z_loss)
+    return LossOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        z_loss=z_loss,
+    )
+
+
+def check_float(name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def check_target(target: Tensor, expected_shape: torch.Size, what: str) -> None:
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
+    if target.shape != expected_shape:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)}, expected {tuple(expected_shape)} ({what})"
+        )
+
+
+def check_same_device(**tensors: Optional[Tensor]) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all inputs must be on one device"
+            )
+
+
+def check_class_vector(name: str, t: Optional[Tensor], num_classes: int) -> None:
+    if t is None:
+        return
+    check_float(name, t)
+    if t.shape != (num_classes,):
+        raise ValueError(f"{name} must have shape ({num_classes},), got {tuple(t.shape)}")
+
+
+def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise on a target outside [0, num_classes) that is not ignore_index (CPU only)."""
+    if target.device.type != "cpu" or target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(
+            f"target contains {value}, outside [0, {num_classes}) and not "
+            f"ignore_index={ignore_index}"
+        )
+
+
+def check_memory_budget(memory_budget: Optional[int]) -> int:
+    """The budget in bytes (the default for None); a positive int or a clear error."""
+    if memory_budget is None:
+        return DEFAULT_MEMORY_BUDGET
+    if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
+    return memory_budget
+
+
+def _dtensor_type():
+    """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return module.DTensor
+    return None
+
+
+def check_not_dtensor(op: str, **tensors: Optional[Tensor]) -> None:
+    """One clear error for DTensor inputs (e.g. an FSDP2 parameter outside its forward)."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, dtensor):
+            raise TypeError(
+                f"{op}: {name} is a DTensor (placements {tuple(t.placements)}), e.g. a parameter "
+                "sharded by FSDP2's fully_shard, used outside the module's forward. Call "
+                f"{op} inside the forward of the module that owns it (FSDP2 unshards its "
+                "parameters there into plain tensors), or register the method that calls it "
+                "with torch.distributed.fsdp.register_fsdp_forward_method(module, 'method'). "
+                "DTensor inputs (tensor parallelism) are not supported."
+            )
+
+
+def check_jsd_options(
+    *,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    reduction: str,
+    student_softcap: Optional[float],
+    teacher_softcap: Optional[float],
+    hard_label_weight: float,
+):
+    """Options of the distillation ops (jsd, linear_jsd) -> ``_jsd_math.JSDOptions``."""
+    from logitless.formulas.jsd import JSDOptions
+
+    _options.reduction(reduction)
+    _options.ignore_index(ignore_index)
+    beta = _options.in_unit_interval("beta", beta)
+    temperature = float(temperature)
+    if not temperature > 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    caps = [_options.softcap("student_softcap", student_softcap),
+            _options.softcap("teacher_softcap", teacher_softcap)]
+    hard_label_weight = _options.non_negative("hard_label_weight", hard_label_weight)
+    return JSDOptions(
+        beta=beta, temperature=temperature, ignore_index=ignore_index,
+        student_softcap=caps[0], teacher_softcap=caps[1], hard_label_weight=hard_label_weight,
+    )
+
+
+def check_teacher_frozen(**tensors: Optional[Tensor]) -> None:
+    """The teacher receives no gradient: refuse teacher tensors that would want one."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but the distillation loss gives the teacher no "
+                f"gradient; pass {name}.detach() (or compute the teacher under torch.no_grad())"
+            )

@@ -1,0 +1,237 @@
+"""Public API of cross_entropy on logits the caller holds: function, module, dispatch.
+
+A bandwidth-bound drop-in for ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` on (..., V)
+logits: the forward reads the logits once and keeps O(tokens) statistics, the backward
+reads them once and writes the gradient once (optionally over the logits themselves).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from logitless.ops.common import validate as _validate
+from logitless.ops.common.dispatch import resolve_backend
+from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
+from .custom_op import InplaceCrossEntropy, ce_forward
+
+
+def _classes_last(logits: Tensor, target: Tensor, class_dim: Optional[int]) -> Tensor:
+    """``logits`` with the classes in the last dimension.
+
+    class_dim=None infers the layout from the target's shape: (..., V) when the target is
+    ``logits.shape[:-1]``, else torch's (N, C, d1, ...) when it is the logits' shape
+    without dimension 1 (both readings agree for (N, C)). When both readings fit but
+    differ (e.g. logits (N, C, d) with C == d), it raises: pass class_dim=1 or -1.
+    """
+    if class_dim is not None:
+        if class_dim not in (1, -1) or (class_dim == 1 and logits.dim() < 2):
+            raise ValueError(f"class_dim must be -1, or 1 for logits of 2+ dims, got {class_dim}")
+        return logits.movedim(1, -1) if class_dim == 1 else logits
+    if logits.dim() < 3 or not isinstance(target, Tensor):
+        return logits
+    last = target.shape == logits.shape[:-1]
+    torch_layout = target.shape == logits.shape[:1] + logits.shape[2:]
+    if last and torch_layout:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} with target {tuple(target.shape)} fit both "
+            "the (..., V) layout and torch's (N, C, d1, ...) layout; pass class_dim=-1 or "
+            "class_dim=1 to say which"
+        )
+    return logits.movedim(1, -1) if torch_layout else logits
+
+
+def _disjoint(t: Tensor) -> bool:
+    """No two elements of the 2-D ``t`` share memory (a sufficient test: row-major-like
+    or column-major-like strides), so writing a gradient over ``t`` has no races."""
+    (n, v), (sn, sv) = t.shape, t.stride()
+    if n <= 1 or v <= 1:
+        return n * v <= 1 or (sv if n <= 1 else sn) > 0
+    return (sv > 0 and sn >= v * sv) or (sn > 0 and sv >= n * sn)
+
+
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+    return_stats: bool = False,
+    inplace_backward: bool = False,
+    memory_budget: Optional[int] = None,
+    backend: str = "auto",
+    weight: Optional[Tensor] = None,
+    class_dim: Optional[int] = None,
+) -> Union[Tensor, tuple[Tensor, LossStats]]:
+    """Cross-entropy of ``logits`` against ``target``, reading the logits once per pass.
+
+    Equals ``F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=class_weight,
+    ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)``
+    (reshaped to ``target``'s shape for "none") with ``logits`` replaced by ``softcap *
+    tanh(logits / softcap)`` when ``softcap`` is set, plus ``z_loss * lse**2`` per
+    non-ignored token, reduced like the loss ("mean": divided by the same denominator).
+    Log-sum-exp and softmax are computed in fp32 (fp64 for fp64 logits); the loss is
+    fp32 (fp64 for fp64 logits); the gradient has the logits' dtype. Under
+    ``torch.autocast`` nothing is cast: bf16 logits of an autocast matmul are read as
+    they are and the statistics computed in fp32, as ``F.cross_entropy`` does under
+    autocast. Works under ``torch.compile`` (custom ops ``logitless::ce_forward`` and
+    ``ce_backward``; ``inplace_backward=True`` excepted). Double backward is not
+    supported (differentiating the gradient raises ``RuntimeError``).
+
+    Args:
+        logits: (..., V) float16/bfloat16/float32 (float64 on backend="torch"); (V,) is
+            one token. Read through their strides when the leading dimensions merge into
+            one (any (N, V) view, e.g. transposed); otherwise (e.g. ``logits[:, :-1]`` of a
+            (B, T, V) tensor) they are first copied by ``reshape``. torch's layout
+            (N, C, d1, ...) with target (N, d1, ...) is accepted too (see ``class_dim``;
+            the logits are then copied once, as classes-last).
+        target: (...) int64 or int32 class indices, the leading shape of ``logits``.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
+            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
+        label_smoothing: in [0, 1], as in ``F.cross_entropy``.
+        class_weight: optional (V,) per-class weight, as ``weight=`` of ``F.cross_entropy``
+            (receives no gradient). ``weight=`` is accepted as its alias.
+        softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
+        z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        return_stats: also return a ``LossStats`` (per-token lse, per-token
+            argmax == target, number of non-ignored tokens) computed in the same pass.
+        inplace_backward: (eager mode only: under torch.compile it raises RuntimeError) the backward writes the gradient over the logits' own memory
+            and returns that buffer as their gradient, so backward allocates nothing of
+            the logits' size. The logits are destroyed by the backward: use it only when
+            nothing else needs them afterwards (typically logits = lm_head(hidden), whose
+            backward needs hidden and the weight, not the logits). Other autograd nodes
+            that saved the logits then raise ("modified by an inplace operation"); a
+            second backward through this op (retain_graph=True, or with reduction="none"
+            backpropagating parts of the loss one after the other) raises RuntimeError.
+            For a leaf, ``logits.grad`` may alias ``logits``. Needs logits whose elements
+            do not overlap in memory (not an ``expand``-ed tensor).
+        memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
+            (default 256 MiB); sizes the row chunks of the torch backend (at least one
+            row), which never makes an fp32 copy of all the logits.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        weight: alias of ``class_weight`` (the name ``F.cross_entropy`` uses).
+        class_dim: where the classes are: -1 (the (..., V) layout), 1 (torch's
+            (N, C, d1, ...) layout), or None: inferred from target's shape, (..., V) when
+            it is ``logits.shape[:-1]``, torch's layout when it is the logits' shape
+            without dimension 1; a ``ValueError`` when both fit and differ (e.g. (N, C, d)
+            logits with C == d).
+
+    Returns:
+        The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
+        ``return_stats=True``.
+
+    Errors and special values:
+        Wrong ranks, shapes, dtypes or devices, an unknown reduction or backend, and
+        options out of range raise ``ValueError``/``TypeError``. A target outside
+        [0, V) that is not ``ignore_index`` raises ``ValueError`` on the CPU; on a GPU
+        (where checking would stall on a host sync) that token's loss is NaN, and so
+        is the reduced loss. NaN or inf in the logits give a NaN loss, never a finite
+        one. Empty inputs and batches with every token ignored behave as torch:
+        "mean" gives NaN with zero gradients, "sum" gives 0.
+    """
+    opts = _validate.check_options(
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        softcap=softcap, z_loss=z_loss,
+    )
+    if weight is not None:
+        if class_weight is not None:
+            raise ValueError("pass the class weights as weight= or class_weight=, not both")
+        class_weight = weight
+    _validate.check_not_dtensor("cross_entropy", logits=logits)
+    _validate.check_float("logits", logits)
+    if logits.dim() < 1:
+        raise ValueError("logits must have at least one dimension (..., V)")
+    logits = _classes_last(logits, target, class_dim)
+    num_classes = logits.shape[-1]
+    if num_classes == 0:
+        raise ValueError("logits have size 0 in the last dimension: the vocabulary is empty")
+    _validate.check_target(target, logits.shape[:-1], "the leading dimensions of logits")
+    _validate.check_class_vector("class_weight", class_weight, num_classes)
+    _validate.check_same_device(logits=logits, target=target, class_weight=class_weight)
+    memory_budget = _validate.check_memory_budget(memory_budget)
+    impl = resolve_backend(backend, logits.device, logits.dtype)
+
+    logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
+    flat_target = target.reshape(-1).long()
+    if inplace_backward:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "cross_entropy(..., inplace_backward=True) is not supported under "
+                "torch.compile (a compiled graph cannot hand the logits' own buffer back as "
+                "their gradient); use inplace_backward=False there"
+            )
+        if not _disjoint(logits2d):
+            raise ValueError(
+                f"inplace_backward=True needs logits whose elements do not overlap in memory, got "
+                f"strides {tuple(logits.stride())}; pass logits.contiguous() or inplace_backward=False"
+            )
+        loss, lse, argmax = InplaceCrossEntropy.apply(
+            logits2d, flat_target, class_weight, opts, impl, memory_budget, return_stats)
+    else:
+        loss, lse, argmax, _ = ce_forward(
+            logits2d, flat_target, class_weight, opts.ignore_index, opts.reduction,
+            opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
+        )
+    if opts.reduction == "none":
+        loss = loss.reshape(target.shape)
+    if not return_stats:
+        return loss
+    stats = loss_stats(TokenStats(lse, None, None, argmax), flat_target, opts)
+    return loss, LossStats(
+        stats.lse.reshape(target.shape), stats.correct.reshape(target.shape), stats.num_tokens
+    )
+
+
+class CrossEntropyLoss(nn.Module):
+    """Module form of :func:`cross_entropy`: holds the options, takes tensors.
+
+    ``loss_fn = CrossEntropyLoss(ignore_index=-100, z_loss=1e-4)``;
+    ``loss = loss_fn(logits, labels)``. See the function for the semantics of every
+    argument and for what bad inputs do.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        class_weight: Optional[Tensor] = None,
+        softcap: Optional[float] = None,
+        z_loss: float = 0.0,
+        return_stats: bool = False,
+        inplace_backward: bool = False,
+        memory_budget: Optional[int] = None,
+        backend: str = "auto",
+        weight: Optional[Tensor] = None,
+        class_dim: Optional[int] = None,
+    ):
+        super().__init__()
+        if weight is not None:
+            if class_weight is not None:
+                raise ValueError("pass the class weights as weight= or class_weight=, not both")
+            class_weight = weight
+        _validate.check_options(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss,
+        )
+        self.register_buffer("class_weight", class_weight)
+        self.kwargs = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss, return_stats=return_stats,
+            inplace_backward=inplace_backward, memory_budget=memory_budget, backend=backend,
+            class_dim=class_dim,
+        )
+
+    def forward(self, logits: Tensor, target: Tensor):
+        return cross_entropy(logits, target, class_weight=self.class_weight, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

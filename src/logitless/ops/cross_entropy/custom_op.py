@@ -1,0 +1,200 @@
+"""The torch.library custom ops of cross_entropy: what autograd and torch.compile see.
+
+    logitless::ce_forward(logits, target, class_weight, <options>) -> loss, lse, argmax, w_t
+    logitless::ce_backward(grad_loss, logits, target, class_weight, lse, w_t, <options>)
+        -> d loss / d logits (a new tensor, with the logits' strides where they are dense)
+
+Their implementations run eagerly, also under torch.compile (which sees only the fake
+implementations), so they may branch on data: the CPU target-range check lives here.
+``inplace_backward=True`` (gradient written over the logits) does not fit a functional
+op: ``_InplaceCrossEntropy`` below serves it in eager mode only.
+Double backward is not supported: differentiating the gradient raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.ops.common.autocast import no_autocast
+from logitless.ops.common.dispatch import load_backend
+from logitless.formulas.cross_entropy import (
+    LossOptions,
+    TokenStats,
+    grad_coefficients,
+    reduce_loss,
+    token_loss,
+    upstream_per_token,
+)
+from logitless.ops.common.validate import check_targets_in_range
+from logitless.ops.linear_cross_entropy.custom_op import _stats_dtype, guard_double_backward
+
+OP = "cross_entropy"
+
+
+def forward_impl(logits, target, class_weight, opts: LossOptions, backend: str, budget: int,
+                 need_argmax: bool):
+    """loss, lse, argmax ((0,) when not asked), w_t: the eager forward of both paths."""
+    n, v = logits.shape
+    check_targets_in_range(target, v, opts.ignore_index)
+    sd = _stats_dtype(logits.dtype)
+    with no_autocast(logits.device):
+        if n == 0:
+            empty = logits.new_empty(0, dtype=sd)
+            stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
+        else:
+            stats = load_backend(__package__, backend).forward(
+                logits, target, class_weight, opts.softcap,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
+            )
+        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
+        loss = reduce_loss(loss_tok, w_t, opts.reduction)
+    argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
+    return loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd)
+
+
+def backward_impl(grad_loss, logits, target, class_weight, lse, w_t, opts: LossOptions,
+                  backend: str, budget: int, out: Tensor) -> None:
+    """Writes d loss / d logits into ``out`` (which may be the logits themselves)."""
+    n, v = logits.shape
+    if n == 0:
+        return
+    with no_autocast(logits.device):
+        g = upstream_per_token(grad_loss, w_t, opts.reduction)
+        coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+        load_backend(__package__, backend).backward(
+            logits, target, class_weight, opts.softcap, lse, coef, out, budget=budget)
+
+
+def _ce_forward(
+    logits: Tensor,
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+    backend: str,
+    budget: int,
+    need_argmax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """logits (N, V), target (N,) int64 -> loss (() or (N,)), lse (N,), argmax, w_t (N,)."""
+    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    return forward_impl(logits, target, class_weight, opts, backend, budget, need_argmax)
+
+
+ce_forward = torch.library.custom_op("logitless::ce_forward", _ce_forward, mutates_args=())
+
+
+@ce_forward.register_fake
+def _(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap,
+      z_loss, backend, budget, need_argmax):
+    n = logits.shape[0]
+    sd = _stats_dtype(logits.dtype)
+    return (
+        logits.new_empty((n,) if reduction == "none" else (), dtype=sd),
+        logits.new_empty(n, dtype=sd),
+        logits.new_empty(n if need_argmax else 0, dtype=torch.int64),
+        logits.new_empty(n, dtype=sd),
+    )
+
+
+def _ce_backward(
+    grad_loss: Tensor,
+    logits: Tensor,
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    lse: Tensor,
+    w_t: Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+    backend: str,
+    budget: int,
+) -> Tensor:
+    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    out = torch.empty_like(logits)
+    backward_impl(grad_loss, logits, target, class_weight, lse, w_t, opts, backend, budget, out)
+    return out
+
+
+ce_backward = torch.library.custom_op("logitless::ce_backward", _ce_backward, mutates_args=())
+
+
+@ce_backward.register_fake
+def _(grad_loss, logits, target, class_weight, lse, w_t, ignore_index, reduction,
+      label_smoothing, softcap, z_loss, backend, budget):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, class_weight = inputs[:3]
+    _, lse, argmax, w_t = output
+    ctx.save_for_backward(logits, target, class_weight, lse, w_t)
+    ctx.options = inputs[3:10]  # ignore_index ... budget
+    ctx.mark_non_differentiable(lse, argmax, w_t)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+
+
+def _backward(ctx, grad_loss, *_):
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 11
+    logits, target, class_weight, lse, w_t = ctx.saved_tensors
+    if grad_loss is None:  # gradients are not materialised: the loss got none
+        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=logits.device)
+    grad = ce_backward(grad_loss, logits, target, class_weight, lse, w_t, *ctx.options)
+    (grad,) = guard_double_backward(OP, (grad,), grad_loss, logits)
+    return (grad,) + (None,) * 10
+
+
+ce_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+_SPENT = (
+    "cross_entropy(..., inplace_backward=True) has already overwritten its logits with "
+    "their gradient, so its backward can run only once (not again with retain_graph=True); "
+    "use inplace_backward=False to backpropagate through it more than once"
+)
+
+
+class InplaceCrossEntropy(torch.autograd.Function):
+    """inplace_backward=True (eager only): the backward writes the gradient over the
+    logits and returns that buffer as their gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, target, class_weight, opts, backend, budget, need_argmax):
+        loss, lse, argmax, w_t = forward_impl(logits, target, class_weight, opts, backend,
+                                              budget, need_argmax)
+        ctx.save_for_backward(logits, target, class_weight, lse, w_t)
+        ctx.opts, ctx.backend, ctx.budget, ctx.spent = opts, backend, budget, False
+        ctx.mark_non_differentiable(lse, argmax)
+        return loss, lse, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_argmax):
+        nones = (None,) * 6
+        if not ctx.needs_input_grad[0]:
+            return (None,) + nones
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"logitless.{OP}: double backward (create_graph=True) is not supported, and "
+                "inplace_backward=True cannot keep the logits for it")
+        if ctx.spent:
+            raise RuntimeError(_SPENT)
+        logits, target, class_weight, lse, w_t = ctx.saved_tensors
+        backward_impl(grad_loss, logits, target, class_weight, lse, w_t, ctx.opts, ctx.backend,
+                      ctx.budget, logits)
+        ctx.spent = True
+        # Autograd nodes that saved these logits now fail loudly instead of reading
+        # the gradient as if it were logits.
+        torch.autograd.graph.increment_version(logits)
+        return (logits.detach(),) + nones
+
+#: The Python implementations behind the ops (tests run them under dispatch modes,
+#: which otherwise see each custom op as one opaque call).
+EAGER = {"logitless::ce_forward": _ce_forward, "logitless::ce_backward": _ce_backward}

@@ -1,0 +1,212 @@
+"""Public API of jsd on logits the caller holds: function, module, torch.library ops.
+
+A bandwidth-bound distillation loss on (..., V) student and teacher logits: the forward
+reads both twice (log-sum-exps, then the divergence sums) and keeps O(tokens)
+statistics; the backward reads both once more and writes the student's gradient once.
+
+torch.compile: the work is two ``torch.library.custom_op``s, ``logitless::jsd_forward``
+(per-token loss and the (6, N) statistics) and ``logitless::jsd_backward`` (gradient of
+the student logits), with fake kernels and autograd registered; validation and the
+reduction are plain Python/torch around them, so ``fullgraph=True`` works.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from logitless.ops.common import validate as _validate
+from logitless.ops.common.dispatch import BACKENDS, backend_module
+from logitless.formulas.jsd import NUM_STATS, JSDOptions, reduce, token_loss, upstream
+
+
+def _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight):
+    return JSDOptions(beta=beta, temperature=temperature, ignore_index=ignore_index,
+                      student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+                      hard_label_weight=hard_label_weight)
+
+
+def _out_dtype(*ts: Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+@torch.library.custom_op("logitless::jsd_forward", mutates_args=())
+def jsd_forward_op(
+    student_logits: Tensor, teacher_logits: Tensor, target: Tensor,
+    beta: float, temperature: float, ignore_index: int,
+    student_softcap: Optional[float], teacher_softcap: Optional[float],
+    hard_label_weight: float, budget: int, backend: str,
+) -> tuple[Tensor, Tensor]:
+    """(per-token loss (N,), statistics (6, N)) of 2-D logits; fp32 (fp64 for fp64)."""
+    opts = _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
+    n, v = student_logits.shape
+    if opts.hard_label_weight != 0.0:
+        _validate.check_targets_in_range(target, v, ignore_index)  # CPU only: no sync
+    if n == 0:
+        stats = student_logits.new_zeros(NUM_STATS, 0, dtype=_out_dtype(student_logits, teacher_logits))
+    else:
+        impl = backend_module(__package__, backend, student_logits.device, student_logits.dtype)
+        with torch.autocast(student_logits.device.type, enabled=False):
+            stats = impl.forward(student_logits, teacher_logits, target, opts, budget)
+    dtype = _out_dtype(student_logits, teacher_logits)
+    return token_loss(stats, target, v, opts).to(dtype), stats.to(dtype)
+
+
+@jsd_forward_op.register_fake
+def _(student_logits, teacher_logits, target, *args):
+    dtype = _out_dtype(student_logits, teacher_logits)
+    n = student_logits.shape[0]
+    return student_logits.new_empty(n, dtype=dtype), student_logits.new_empty(NUM_STATS, n, dtype=dtype)
+
+
+@torch.library.custom_op("logitless::jsd_backward", mutates_args=())
+def jsd_backward_op(
+    grad_loss: Tensor, student_logits: Tensor, teacher_logits: Tensor, target: Tensor,
+    stats: Tensor, beta: float, temperature: float, ignore_index: int,
+    student_softcap: Optional[float], teacher_softcap: Optional[float],
+    hard_label_weight: float, budget: int, backend: str,
+) -> Tensor:
+    """d loss / d student_logits (N, V), in the student logits' dtype."""
+    opts = _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
+    if student_logits.shape[0] == 0:
+        return torch.zeros_like(student_logits)
+    g = upstream(grad_loss, target, ignore_index)
+    impl = backend_module(__package__, backend, student_logits.device, student_logits.dtype)
+    with torch.autocast(student_logits.device.type, enabled=False):
+        return impl.backward(g, student_logits, teacher_logits, target, stats, opts, budget)
+
+
+@jsd_backward_op.register_fake
+def _(grad_loss, student_logits, *args):
+    return torch.empty_like(student_logits)
+
+
+def _setup_context(ctx, inputs, output):
+    student_logits, teacher_logits, target = inputs[:3]
+    ctx.save_for_backward(student_logits, teacher_logits, target, output[1])
+    ctx.options = inputs[3:]
+
+
+def _backward(ctx, grad_loss, _grad_stats):
+    student_logits, teacher_logits, target, stats = ctx.saved_tensors
+    d_student = None
+    if ctx.needs_input_grad[0]:
+        d_student = jsd_backward_op(grad_loss, student_logits, teacher_logits, target, stats, *ctx.options)
+    return (d_student,) + (None,) * 10
+
+
+jsd_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    student_softcap: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    hard_label_weight: float = 0.0,
+    memory_budget: Optional[int] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Generalized Jensen-Shannon distillation loss between student and teacher logits.
+
+    Per token, with p = softmax(softcap(student) / T), q = softmax(softcap(teacher) / T),
+    m = beta * q + (1 - beta) * p:  beta * KL(q || m) + (1 - beta) * KL(p || m); exactly
+    KL(q || p) for beta = 0 (forward KL) and KL(p || q) for beta = 1 (reverse KL); no
+    T**2 factor; plus ``hard_label_weight * cross_entropy(softcap(student), target)``
+    (temperature 1). The convention of TRL's ``generalized_jsd_loss`` and liger's JSD.
+    Statistics and sums are fp32 (fp64 for fp64 inputs); derivation in ``_jsd_math``.
+
+    Args:
+        student_logits: (..., V) float16/bfloat16/float32 (float64 on backend="torch").
+        teacher_logits: (..., V), same shape and device; any float dtype. Receives no
+            gradient: a teacher tensor that requires grad (with grad enabled) raises.
+        target: optional (...) int64/int32 labels, the leading shape of the logits:
+            tokens equal to ``ignore_index`` contribute no loss and no gradient, and the
+            hard-label term uses them. None: every token counts (hard_label_weight must
+            then be 0).
+        beta: in [0, 1]. temperature: > 0, divides both logits.
+        reduction: "mean" (over non-ignored tokens; NaN if none), "sum" or "none"
+            (per token in target's shape, 0 at ignored tokens).
+        student_softcap, teacher_softcap: optional s > 0, logits -> s * tanh(z / s),
+            applied before the temperature.
+        hard_label_weight: weight of the student's cross-entropy against target.
+        memory_budget: bytes of temporaries (default 256 MiB) for the PyTorch backend's
+            row chunks; the Triton kernels need none beyond O(tokens).
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    Returns the loss: fp32 scalar, or per token for "none" (fp64 for fp64 inputs).
+    The gradient reaches ``student_logits`` only.
+
+    Errors: wrong shapes, dtypes or devices, options out of range, a teacher that
+    requires grad and hard labels without target raise ``ValueError``/``TypeError``.
+    With hard labels, a target outside [0, V) that is not ignore_index raises on the
+    CPU and gives that token a NaN loss on a GPU (no host sync). NaN inputs give NaN.
+    """
+    opts = _validate.check_jsd_options(
+        beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+        student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        hard_label_weight=hard_label_weight)
+    _validate.check_float("student_logits", student_logits)
+    _validate.check_float("teacher_logits", teacher_logits)
+    if student_logits.dim() < 1 or student_logits.shape[-1] == 0:
+        raise ValueError("student_logits must have shape (..., V) with V >= 1")
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits has shape {tuple(teacher_logits.shape)} but student_logits has "
+            f"{tuple(student_logits.shape)}; vocabularies (and token counts) must match")
+    _validate.check_same_device(student_logits=student_logits, teacher_logits=teacher_logits, target=target)
+    _validate.check_teacher_frozen(teacher_logits=teacher_logits)
+    memory_budget = _validate.check_memory_budget(memory_budget)
+    v = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    if target is None:
+        if opts.hard_label_weight != 0.0:
+            raise ValueError("hard_label_weight > 0 needs a target")
+        # No label: no token is ignored (targets 0, an ignore_index that never matches).
+        target = torch.zeros(lead, dtype=torch.int64, device=student_logits.device)
+        ignore_index = -1
+    else:
+        _validate.check_target(target, lead, "the leading dimensions of the logits")
+    if backend not in BACKENDS:  # the rest is checked inside the op (no import under compile)
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    zs = student_logits.reshape(-1, v)
+    zt = teacher_logits.reshape(-1, v)
+    flat_target = target.reshape(-1).long()
+    loss_tok, _ = jsd_forward_op(
+        zs, zt, flat_target, opts.beta, opts.temperature, ignore_index, opts.student_softcap,
+        opts.teacher_softcap, opts.hard_label_weight, memory_budget, backend)
+    loss = reduce(loss_tok, flat_target, reduction, ignore_index)
+    return loss.reshape(lead) if reduction == "none" else loss
+
+
+class JSDLoss(nn.Module):
+    """Module form of :func:`jsd`: holds the options; ``loss_fn(student_logits,
+    teacher_logits, target=None)``. See the function for semantics and errors."""
+
+    def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                 reduction: str = "mean", student_softcap: Optional[float] = None,
+                 teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
+                 memory_budget: Optional[int] = None, backend: str = "auto"):
+        super().__init__()
+        _validate.check_jsd_options(
+            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+            student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+            hard_label_weight=hard_label_weight)
+        self.kwargs = dict(
+            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+            student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+            hard_label_weight=hard_label_weight, memory_budget=memory_budget, backend=backend)
+
+    def forward(self, student_logits: Tensor, teacher_logits: Tensor, target: Optional[Tensor] = None):
+        return jsd(student_logits, teacher_logits, target, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -1,0 +1,51 @@
+"""Pure-PyTorch backend of jsd: ``_jsd_math`` on chunks of rows (any device).
+
+forward:  per chunk of rows, upcast both logits (fp32, fp64 for fp64), soft-cap, the
+          row statistics of ``_jsd_math.row_stats``.
+backward: per chunk of rows, d loss / d student logits from the saved statistics.
+Chunks are sized by the memory budget (``_plans.jsd_torch_rows``): never a full
+tokens x vocab temporary beyond the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.jsd import JSDOptions, dlogits, row_stats, softcap
+from logitless.planning.plans import jsd_torch_rows
+
+
+def compute_dtype(*ts: Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def forward(zs: Tensor, zt: Tensor, target: Tensor, opts: JSDOptions, budget: int) -> Tensor:
+    """(6, N) statistics (``_jsd_math``) in the compute dtype."""
+    n, v = zs.shape
+    cd = compute_dtype(zs, zt)
+    rows = jsd_torch_rows(n, v, torch.finfo(cd).bits // 8, budget)
+    out = torch.empty(6, n, dtype=cd, device=zs.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        a = softcap(zs[n0:n1].to(cd), opts.student_softcap)
+        b = softcap(zt[n0:n1].to(cd), opts.teacher_softcap)
+        out[:, n0:n1] = row_stats(a, b, target[n0:n1], opts)
+    return out
+
+
+def backward(g: Tensor, zs: Tensor, zt: Tensor, target: Tensor, stats: Tensor,
+             opts: JSDOptions, budget: int) -> Tensor:
+    """d loss / d student logits (N, V) in the student logits' dtype."""
+    n, v = zs.shape
+    cd = compute_dtype(zs, zt)
+    rows = jsd_torch_rows(n, v, torch.finfo(cd).bits // 8, budget)
+    dz = torch.empty_like(zs)
+    g = g.to(cd)
+    stats = stats.to(cd)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        a = softcap(zs[n0:n1].to(cd), opts.student_softcap)
+        b = softcap(zt[n0:n1].to(cd), opts.teacher_softcap)
+        dz[n0:n1] = dlogits(a, b, stats[:, n0:n1], g[n0:n1], target[n0:n1], 0, opts)
+    return dz

@@ -1,0 +1,223 @@
+"""Public API of the fused linear cross-entropy: the function, its module, the dispatch.
+
+The loss equals ``F.cross_entropy(softcap(x @ weight.T + bias), target, ...)`` plus the
+z-loss term, without the (tokens x vocab) logits ever being stored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from logitless.ops.common import autocast as _autocast
+from logitless.ops.common import validate as _validate
+from logitless.ops.common.dispatch import resolve_backend
+from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
+from .custom_op import grad_in_forward_chunk, lce_forward
+
+def linear_cross_entropy(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+    shift: bool = False,
+    return_stats: bool = False,
+    memory_budget: Optional[int] = None,
+    backend: str = "auto",
+) -> Union[Tensor, tuple[Tensor, LossStats]]:
+    """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
+
+    Equals ``F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=class_weight,
+    ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)``
+    (reshaped to ``target``'s shape for "none") with ``logits = softcap * tanh((x @
+    weight.T + bias) / softcap)`` when ``softcap`` is set, plus ``z_loss * lse**2`` per
+    non-ignored token, reduced like the loss ("mean": divided by the same denominator).
+    Logits, log-sum-exp and softmax are computed in fp32; gradients are accumulated in
+    fp32 and cast once to the input dtype.
+
+    In training loops:
+        autocast: under ``torch.autocast(device_type, dtype)`` enabled for the inputs'
+            device, x, weight and bias are cast to the autocast dtype as ``F.linear``
+            does (autograd records the casts, so fp32 parameters get fp32 gradients; no
+            copy is kept between calls): fp32 hidden states and an fp32 head weight run
+            at bf16 speed. The loss stays fp32. Outside autocast, x and weight of
+            different dtypes raise ``TypeError``.
+        torch.compile: the op is a pair of custom ops (``logitless::lce_forward``,
+            ``logitless::lce_backward``), so ``torch.compile(model, fullgraph=True)``
+            and ``dynamic=True`` trace through it without graph breaks. (The Triton
+            planner's gradient-in-forward strategy, where present, is used in eager
+            mode only; compiled graphs use the keep/recompute strategies.)
+        FSDP2: call it where the head weight is unsharded: inside the forward of the
+            module that owns it (when that module is ``fully_shard``-ed with its
+            parent, or is the root), or in a method of the head registered with
+            ``torch.distributed.fsdp.register_fsdp_forward_method(head, "method")``.
+            A sharded DTensor weight raises ``TypeError`` saying so.
+        Double backward (differentiating the gradients after ``create_graph=True``)
+            raises ``RuntimeError``: it is not supported.
+
+    Args:
+        x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
+        weight: (V, H) LM-head weight, as ``nn.Linear.weight``; same dtype (autocast
+            aside) and device as x.
+        target: (...) int64 or int32 class indices, the leading shape of ``x``.
+        bias: optional (V,), same dtype as ``weight``.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
+            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
+        label_smoothing: in [0, 1], as in ``F.cross_entropy``.
+        class_weight: optional (V,) per-class weight, as ``weight=`` of ``F.cross_entropy``
+            (receives no gradient).
+        softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
+        z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        shift: causal-LM shift: position t of ``x`` predicts ``target`` at t+1 along the
+            last dim of ``target`` (the sequence); the last position predicts nothing.
+            ``x`` is not copied. With reduction="none" the result has T-1 positions
+            (none for T = 0 or 1; "mean" is then NaN and "sum" 0, as torch's).
+        return_stats: also return a ``LossStats`` (per-token lse, per-token
+            argmax == target, number of non-ignored tokens) computed in the same pass.
+        memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
+            (default 256 MiB). It sizes the chunks: with a budget of at least the
+            logits in the input dtype (tokens x V x itemsize) the Triton backend keeps
+            them from the forward and runs 3 GEMMs; below that it keeps what fits and
+            recomputes the rest (up to 4 GEMMs), never allocating a tokens x vocab
+            tensor. The backward needs at least an fp32 dx accumulator (4 x tokens x
+            H bytes) plus one chunk of 4096 columns (tokens x 4096 x itemsize); when
+            that minimum exceeds the budget, the minimum is used.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    Returns:
+        The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
+        ``return_stats=True``.
+
+    Errors and special values:
+        Wrong ranks, shapes, dtypes or devices, an unknown reduction or backend, and
+        options out of range raise ``ValueError``/``TypeError``. A target outside
+        [0, V) that is not ``ignore_index`` raises ``ValueError`` on the CPU; on a GPU
+        (where checking would stall on a host sync) that token's loss is NaN, and so
+        is the reduced loss. NaN or inf in the inputs give a NaN loss, never a finite
+        one. Empty inputs and batches with every token ignored behave as torch:
+        "mean" gives NaN with zero gradients, "sum" gives 0.
+    """
+    opts = _validate.check_options(
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        softcap=softcap, z_loss=z_loss,
+    )
+    _validate.check_not_dtensor("linear_cross_entropy", x=x, weight=weight, bias=bias)
+    _validate.check_float("x", x)
+    _validate.check_float("weight", weight)
+    # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
+    # casts: each input's gradient comes back in its own dtype); the loss stays fp32.
+    amp = _autocast.autocast_dtype(x.device)
+    if amp is not None:
+        x, weight, bias = _autocast.cast(x, amp), _autocast.cast(weight, amp), _autocast.cast(bias, amp)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., H)")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
+    num_classes, hidden = weight.shape
+    if num_classes == 0:
+        raise ValueError("weight has no rows: the vocabulary is empty")
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"x is {x.dtype} but weight is {weight.dtype}; they must match (or call under "
+            "torch.autocast, which casts both as it does for F.linear)"
+        )
+    _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
+    _validate.check_class_vector("bias", bias, num_classes)
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"bias is {bias.dtype} but weight is {weight.dtype}; they must match")
+    _validate.check_class_vector("class_weight", class_weight, num_classes)
+    _validate.check_same_device(x=x, weight=weight, target=target, bias=bias, class_weight=class_weight)
+    if shift and x.dim() < 2:
+        raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
+    memory_budget = _validate.check_memory_budget(memory_budget)
+    impl = resolve_backend(backend, x.device, x.dtype)
+
+    out_shape = target.shape
+    if shift and target.shape[-1] > 0:
+        # Target of position t is target[t + 1]; the last position is ignored. Only the
+        # (small) target is copied, never x.
+        pad = target.new_full(target.shape[:-1] + (1,), ignore_index)
+        target = torch.cat([target[..., 1:], pad], dim=-1)
+    x2d = x.reshape(-1, hidden)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    flat_target = target.reshape(-1).long()
+
+    # Under no_grad (eval) nothing is kept for a backward, whatever requires_grad says.
+    grad_wanted = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    need = [grad_wanted and t is not None and t.requires_grad for t in (x2d, weight, bias)]
+    # The Triton planner's gradient-in-forward strategy (eager only: under torch.compile
+    # the keep/recompute strategies serve, as the strategy returns extra state).
+    in_forward = 0
+    if grad_wanted and not torch.compiler.is_compiling():
+        in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
+    loss, lse, argmax, *_ = lce_forward(
+        x2d, weight, bias, flat_target, class_weight, opts.ignore_index, opts.reduction,
+        opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
+        grad_wanted, in_forward, *need,
+    )
+
+    def per_token(t: Tensor) -> Tensor:
+        t = t.reshape(out_shape)
+        return t[..., :-1] if shift else t
+
+    if opts.reduction == "none":
+        loss = per_token(loss)
+    if not return_stats:
+        return loss
+    stats = loss_stats(TokenStats(lse, None, None, argmax), flat_target, opts)
+    return loss, LossStats(per_token(stats.lse), per_token(stats.correct), stats.num_tokens)
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`linear_cross_entropy`: holds the options, takes tensors.
+
+    ``loss_fn = LinearCrossEntropyLoss(ignore_index=-100, z_loss=1e-4)``;
+    ``loss = loss_fn(hidden, lm_head.weight, labels)``. See the function for the
+    semantics of every argument and for what bad inputs do.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        class_weight: Optional[Tensor] = None,
+        softcap: Optional[float] = None,
+        z_loss: float = 0.0,
+        shift: bool = False,
+        return_stats: bool = False,
+        memory_budget: Optional[int] = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        _validate.check_options(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss,
+        )
+        self.register_buffer("class_weight", class_weight)
+        self.kwargs = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            softcap=softcap, z_loss=z_loss, shift=shift, return_stats=return_stats,
+            memory_budget=memory_budget, backend=backend,
+        )
+
+    def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None):
+        return linear_cross_entropy(x, weight, target, bias, class_weight=self.class_weight, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -1,0 +1,312 @@
+"""The torch.library custom ops of linear_cross_entropy: what autograd and torch.compile see.
+
+    logitless::lce_forward(x, weight, bias, target, class_weight, <options>)
+        -> loss, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb
+    logitless::lce_backward(grad_loss, x, weight, bias, target, class_weight, lse, w_t,
+                            keep (overwritten with dz), keep_max, plan, <options>)
+        -> dx, dw, db
+
+Their implementations run eagerly, also under torch.compile (which sees only the fake
+implementations: output shapes and dtypes), so they may branch on data: the CPU
+target-range check lives here. ``keep``/``keep_max`` are the columns of exp(z - m) the
+Triton backend kept for the backward (``NOTHING_KEPT``-shaped dummies and an empty
+``plan`` when it kept none): the backward turns
+them into dz in place (declared as a mutation), so they serve one backward, with the
+forward's launch plan (``plan``: its fields in a CPU int64 tensor, read without a
+device sync: the plan may depend on tuned or forced tiles at the time of the forward); the
+autograd glue hands them to the first backward only, a second one (retain_graph=True)
+recomputes instead. Absent outputs (argmax without return_stats, gradients not
+needed) are tensors of size 0. Options are plain ints/floats/strings.
+
+Double backward is not supported: differentiating the gradients raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.ops.common.autocast import no_autocast
+from logitless.ops.common.dispatch import load_backend
+from logitless.formulas.cross_entropy import (
+    LossOptions,
+    TokenStats,
+    grad_coefficients,
+    reduce_loss,
+    token_loss,
+    upstream_per_token,
+)
+from logitless.ops.common.validate import check_targets_in_range
+
+OP = "linear_cross_entropy"
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the loss and of the per-token statistics."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lce_forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+    backend: str,
+    budget: int,
+    need_argmax: bool,
+    need_grad: bool,
+    grad_in_forward: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (N, H), weight (V, H), target (N,) int64 -> loss (() or (N,)), lse (N,),
+    argmax (N,) or (0,), w_t (N,), keep, keep_max, plan (see the module docstring), and
+    gx, gw, gb: with ``grad_in_forward`` > 0 (tokens per chunk of the Triton backend's
+    gradient-in-forward strategy) the gradients for grad_output = 1 that the backward
+    scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb fp32)."""
+    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    n, v = x.shape[0], weight.shape[0]
+    check_targets_in_range(target, v, ignore_index)
+    sd = _stats_dtype(x.dtype)
+    kept = grads = None
+    with no_autocast(x.device):
+        if n == 0:
+            empty = x.new_empty(0, dtype=sd)
+            stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
+        elif grad_in_forward > 0:
+            stats, grads = load_backend(__package__, backend).forward_with_grad(
+                x, weight, bias, target, class_weight, opts, token_chunk=grad_in_forward,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
+                need_dw=need_dw, need_db=need_db, budget=budget,
+            )
+        else:
+            stats, kept = load_backend(__package__, backend).forward(
+                x, weight, bias, target, class_weight, softcap,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
+                need_grad=need_grad,
+            )
+        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
+        loss = reduce_loss(loss_tok, w_t, reduction)
+    argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
+    if kept is None:
+        kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
+                torch.empty(0, dtype=torch.int64))
+    grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
+    return (loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
+
+
+#: Shape of the keep buffers when nothing is kept (the plan output is then empty). Not
+#: (0, 0): inductor's in-place reuse of an empty 2-D buffer of dynamic size computes its
+#: size as u1 - max(1, u1) + u0 * max(1, u1) = -1 (torch 2.11, "numel: integer
+#: multiplication overflow").
+NOTHING_KEPT = (1, 1)
+
+lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mutates_args=())
+
+
+@lce_forward.register_fake
+def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
+      softcap, z_loss, backend, budget, need_argmax, need_grad, grad_in_forward, need_dx,
+      need_dw, need_db):
+    n, (v, h) = x.shape[0], weight.shape
+    sd = _stats_dtype(x.dtype)
+    loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
+    keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
+    grads = [x.new_empty(0) for _ in range(3)]
+    if grad_in_forward > 0 and n > 0:  # (eager only: the public function passes 0 when compiling)
+        f32 = torch.float32
+        grads = [
+            torch.empty_like(x) if need_dx else grads[0],
+            (torch.empty_like(weight) if grad_in_forward >= n else weight.new_empty(v, h, dtype=f32))
+            if need_dw else grads[1],
+            weight.new_empty(v, dtype=f32) if need_db else grads[2],
+        ]
+    elif backend == "triton" and need_grad:
+        if all(isinstance(s, int) for s in (n, v, h)):
+            from .triton_backend import PLAN_SIZE, kept_shapes
+
+            shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, softcap, need_grad)
+            if shapes is not None:
+                (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
+        else:  # symbolic sizes: the plan's choice is a size only known at run time
+            ctx = torch.library.get_ctx()
+            keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+            max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+            plan_size = ctx.new_dynamic_size()
+    return (
+        loss,
+        x.new_empty(n, dtype=sd),
+        x.new_empty(n if need_argmax else 0, dtype=torch.int64),
+        x.new_empty(n, dtype=sd),
+        x.new_empty(keep_shape),
+        x.new_empty(max_shape, dtype=torch.float32),
+        torch.empty(plan_size, dtype=torch.int64, device="cpu"),
+        *grads,
+    )
+
+
+def _lce_backward(
+    grad_loss: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    lse: Tensor,
+    w_t: Tensor,
+    keep: Tensor,
+    keep_max: Tensor,
+    plan: Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: Optional[float],
+    z_loss: float,
+    backend: str,
+    budget: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
+    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    n, v = x.shape[0], weight.shape[0]
+    dx = dw = db = None
+    if n == 0:
+        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
+        db = torch.zeros_like(bias) if bias is not None else None
+    elif need_dx or need_dw or need_db:
+        with no_autocast(x.device):
+            g = upstream_per_token(grad_loss, w_t, reduction)
+            coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+            impl = load_backend(__package__, backend)
+            extra = {}
+            if plan.numel():  # the forward kept columns: its buffers, and its plan (which laid them out)
+                extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
+            dx, dw, db = impl.backward(
+                x, weight, bias, target, class_weight, softcap, lse, coef,
+                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
+            )
+    nothing = x.new_empty(0)
+    return (
+        dx if need_dx else nothing,
+        dw if need_dw else nothing.clone(),
+        db if need_db else nothing.clone(),
+    )
+
+
+lce_backward = torch.library.custom_op("logitless::lce_backward", _lce_backward, mutates_args=("keep",))
+
+
+@lce_backward.register_fake
+def _(grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
+      ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
+      need_dx, need_dw, need_db):
+    nothing = x.new_empty(0)
+    return (
+        torch.empty_like(x) if need_dx else nothing,
+        torch.empty_like(weight) if need_dw else nothing.clone(),
+        torch.empty_like(bias) if need_db else nothing.clone(),
+    )
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """Identity on first-order gradients computed with create_graph=True; differentiating
+    them again raises one clear error (shared by the ops)."""
+
+    @staticmethod
+    def forward(ctx, op: str, *tensors):
+        ctx.op = op
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"logitless.{ctx.op}: double backward (differentiating its gradients, e.g. after "
+            "torch.autograd.grad(..., create_graph=True)) is not supported"
+        )
+
+
+def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> tuple:
+    """``grads`` unchanged, unless the backward runs with create_graph=True: then wrapped
+    so that their own backward raises (``inputs`` make the wrapper part of the graph)."""
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    extra = [t for t in inputs if t is not None and t.requires_grad]
+    wrapped = NoDoubleBackward.apply(op, *[grads[i] for i in present], *extra)
+    out = list(grads)
+    for k, i in enumerate(present):
+        out[i] = wrapped[k]
+    return tuple(out)
+
+
+_OPTION_ARGS = slice(5, 12)  # ignore_index ... budget in lce_forward's arguments
+_NUM_ARGS = 18
+
+
+def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, opts: LossOptions) -> int:
+    """Tokens per chunk when the backend's planner picks gradient-in-forward for this
+    call (a Triton strategy: the forward also computes the gradients), else 0. Eager
+    only: the public function never asks under torch.compile."""
+    if backend != "triton" or x.shape[0] == 0:
+        return 0
+    pick = getattr(load_backend(__package__, backend), "grad_in_forward_chunk", None)
+    return (pick(x, weight, budget, opts, opts.softcap) or 0) if pick is not None else 0
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, target, class_weight = inputs[:5]
+    _, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb = output
+    ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
+    ctx.options = inputs[_OPTION_ARGS]
+    # Not saved tensors: the first backward consumes them (in place) and drops them.
+    ctx.kept = (keep, keep_max, plan)
+    ctx.grads_in_forward = (gx, gw, gb) if inputs[14] > 0 else None
+    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb)
+    # Otherwise autograd hands the backward a zero-filled gradient for each of these
+    # outputs: a memset as large as the kept columns (1 GB at llama3 with a logits-sized
+    # budget) and the fp32 dW of gradient-in-forward, allocated on top of them.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, *_):
+    x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
+    keep, keep_max, plan = ctx.kept
+    if grad_loss is None:  # gradients are not materialised: the loss got none
+        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=x.device)
+    ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
+    forward_grads, ctx.grads_in_forward = ctx.grads_in_forward, None
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    grads = (None, None, None)
+    if forward_grads is not None and x.shape[0] > 0:
+        # Gradient-in-forward (eager): scale the forward's gradients by grad_output, in place.
+        present = [g if g.numel() else None for g in forward_grads]
+        backend = ctx.options[5]
+        dx, dw, db = load_backend(__package__, backend).scale_grads(present, grad_loss, x.dtype, weight.dtype)
+        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+        grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
+    elif need_dx or need_dw or need_db:
+        dx, dw, db = lce_backward(
+            grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
+            *ctx.options, need_dx, need_dw, need_db,
+        )
+        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+        grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
+    return grads + (None,) * (_NUM_ARGS - 3)
+
+
+lce_forward.register_autograd(_backward, setup_context=_setup_context)
+
+#: The Python implementations behind the ops (tests run them under dispatch modes,
+#: which otherwise see each custom op as one opaque call).
+EAGER = {"logitless::lce_forward": _lce_forward, "logitless::lce_backward": _lce_backward}

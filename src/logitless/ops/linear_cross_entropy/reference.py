@@ -1,0 +1,46 @@
+"""Float64 reference of linear_cross_entropy: the plain definition, logits materialised.
+
+The logits x @ W.T + b, then the cross_entropy reference, which calls torch's own
+``F.cross_entropy``: independent of ``_loss_math`` on purpose, so that tests compare
+every backend against torch's semantics, not against our formulas. With ``dtype`` set
+to the inputs' dtype it is "plain torch in the same dtype", the tests' yardstick.
+Use only at test sizes (it allocates the full logits).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.ops.cross_entropy.reference import cross_entropy_reference
+
+
+def linear_cross_entropy_reference(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+    shift: bool = False,
+    dtype: torch.dtype = torch.float64,
+):
+    """Returns (loss, lse, correct) in ``dtype`` (lse, correct per token, shape of the
+    loss positions). Differentiable with respect to x, weight and bias."""
+    logits = x.to(dtype) @ weight.to(dtype).T
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    if shift:
+        logits, target = logits[..., :-1, :], target[..., 1:]
+    return cross_entropy_reference(
+        logits, target, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, class_weight=class_weight, softcap=softcap,
+        z_loss=z_loss, dtype=dtype,
+    )

@@ -1,0 +1,171 @@
+"""Pure-PyTorch backend of linear_cross_entropy: the same math in bounded tiles.
+
+Runs on any device (it is the CPU path). Logits are computed tile by tile,
+token_chunk x vocab_chunk at a time (``_plans.torch_plan``), in fp32 (fp64 for fp64
+inputs), so no tensor of tokens x vocab elements is ever allocated.
+
+forward:  for each token chunk, for each vocab chunk: z = x_c W_v^T (+ b_v), soft-cap,
+          the running argmax, the target logit, sum_c w_c z_c, then in place
+          exp(z - m) for the online sum. One tile at a time.
+backward: for each vocab chunk v, for each token chunk: dz recomputed in place from the
+          saved lse (one more tile with a soft-cap); dW_v += dz^T x_c and
+          dx_c += dz W_v as in-place matmuls (addmm_) into the outputs (fp32/fp64
+          inputs) or into fp32 accumulators cast once (16-bit inputs).
+
+Memory: temporaries stay within ``memory_budget`` (what ``torch_plan`` counts: the
+tiles, the upcast chunks of x and W for 16-bit inputs, dW_v's accumulator) plus
+O(tokens + vocab) vectors and, for 16-bit inputs, the fp32 dx accumulator
+(tokens x hidden x 4 bytes). tests/test_precision.py measures it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.cross_entropy import TokenStats, dlogits_, softcap_
+from logitless.planning.plans import torch_plan
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
+    """Soft-capped z = x_c w_v^T (+ b_v), all three already in the compute dtype."""
+    z = x_c @ w_v.T
+    if b_v is not None:
+        z += b_v
+    return softcap_(z, softcap)
+
+
+def _plan(x: Tensor, v: int, budget: int, *, tiles: int, accumulators: int):
+    """torch_plan with the bytes a step of this backend holds besides its tiles."""
+    n, h = x.shape
+    cd = _compute_dtype(x.dtype)
+    cs = torch.finfo(cd).bits // 8
+    upcast = x.dtype != cd  # 16-bit inputs: chunks of x and W are copied to fp32
+    return torch_plan(n, v, h, cs, budget, tiles=tiles, row_bytes=h * cs * upcast,
+                      col_bytes=h * cs * (upcast + accumulators) + 2 * cs)
+
+
+def forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    *,
+    need_smooth: bool,
+    need_argmax: bool,
+    budget: int,
+    need_grad: bool = False,
+):
+    """Returns (TokenStats, None): this backend keeps nothing for the backward."""
+    n, h = x.shape
+    v = weight.shape[0]
+    cd = _compute_dtype(x.dtype)
+    plan = _plan(x, v, budget, tiles=1, accumulators=0)
+    lse = torch.empty(n, dtype=cd, device=x.device)
+    tgt = torch.empty(n, dtype=cd, device=x.device)
+    smooth = torch.empty(n, dtype=cd, device=x.device) if need_smooth else None
+    amax = torch.empty(n, dtype=torch.int64, device=x.device) if need_argmax else None
+    cw = class_weight.to(cd) if class_weight is not None else None
+    for n0 in range(0, n, plan.token_chunk):
+        n1 = min(n, n0 + plan.token_chunk)
+        x_c, t_c = x[n0:n1].to(cd), target[n0:n1]
+        m = torch.full((n1 - n0,), float("-inf"), dtype=cd, device=x.device)
+        s = torch.zeros_like(m)
+        z_t = torch.zeros_like(m)
+        sm = torch.zeros_like(m)
+        best = torch.full_like(m, float("-inf"))
+        best_i = torch.zeros(n1 - n0, dtype=torch.int64, device=x.device)
+        for v0 in range(0, v, plan.vocab_chunk):
+            v1 = min(v, v0 + plan.vocab_chunk)
+            z = _logits_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, softcap)
+            tile_max, tile_arg = z.max(dim=1)  # first maximum on ties
+            if need_argmax:
+                better = tile_max > best
+                best_i = torch.where(better, tile_arg + v0, best_i)
+                best = torch.where(better, tile_max, best)
+            local = t_c - v0
+            inside = (local >= 0) & (local < v1 - v0)
+            picked = z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+            z_t = z_t + torch.where(inside, picked, torch.zeros_like(picked))
+            if need_smooth:
+                sm = sm + (z @ cw[v0:v1] if cw is not None else z.sum(dim=1))
+            m_new = torch.maximum(m, tile_max)
+            # Rows whose logits so far are all -inf (a -inf bias masks classes) stay 0.
+            m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+            s = s * torch.exp(m - m_safe) + z.sub_(m_safe[:, None]).exp_().sum(dim=1)  # z is spent
+            m = m_new
+            del z
+        # NaN anywhere in a row gives a NaN lse (max() may skip NaN; the sum does not).
+        lse[n0:n1] = m + torch.log(s)
+        tgt[n0:n1] = z_t
+        if need_smooth:
+            smooth[n0:n1] = sm
+        if need_argmax:
+            amax[n0:n1] = best_i
+    return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax), None
+
+
+def backward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    lse: Tensor,
+    coef: Tensor,
+    *,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    budget: int,
+    kept=None,
+):
+    n, h = x.shape
+    v = weight.shape[0]
+    cd = _compute_dtype(x.dtype)
+    exact = x.dtype == cd  # fp32/fp64: accumulate straight into the outputs
+    plan = _plan(x, v, budget, tiles=1 + (softcap is not None), accumulators=0 if exact else int(need_dw))
+    lse = lse.to(cd)
+    coef = coef.to(cd)
+    cw = class_weight.to(cd) if class_weight is not None else None
+    dx_acc = None
+    if need_dx:
+        dx_acc = torch.zeros(n, h, dtype=cd, device=x.device)  # dx itself when exact
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    for v0 in range(0, v, plan.vocab_chunk):
+        v1 = min(v, v0 + plan.vocab_chunk)
+        w_v = weight[v0:v1].to(cd)
+        b_v = bias[v0:v1].to(cd) if bias is not None else None
+        dw_acc = None
+        if need_dw:
+            dw_acc = dw[v0:v1].zero_() if exact else torch.zeros(v1 - v0, h, dtype=cd, device=x.device)
+        db_acc = torch.zeros(v1 - v0, dtype=cd, device=x.device) if need_db else None
+        for n0 in range(0, n, plan.token_chunk):
+            n1 = min(n, n0 + plan.token_chunk)
+            x_c = x[n0:n1].to(cd)
+            z = _logits_tile(x_c, w_v, b_v, softcap)
+            dz = dlogits_(z, lse[n0:n1], coef[:, n0:n1], target[n0:n1], v0, cw, softcap)
+            if need_dx:
+                dx_acc[n0:n1].addmm_(dz, w_v)
+            if need_dw:
+                dw_acc.addmm_(dz.T, x_c)
+            if need_db:
+                db_acc += dz.sum(dim=0)
+            del z, dz, x_c
+        if need_dw and not exact:
+            dw[v0:v1] = dw_acc
+        if need_db:
+            db[v0:v1] = db_acc
+        del w_v, b_v, dw_acc
+    dx = dx_acc.to(x.dtype) if need_dx else None
+    return dx, dw, db

@@ -1,0 +1,379 @@
+"""Triton backend of linear_cross_entropy (CUDA tensors; CPU under TRITON_INTERPRET=1).
+
+forward  (1 GEMM): ``forward_stats_kernel`` over (row blocks x vocab splits) writes
+         O(N * splits) partial statistics, merged here with O(N * splits) torch ops.
+         When a backward will follow, it also keeps exp(z - m) for the first
+         ``plan.keep_cols`` vocabulary columns that the budget holds (all of them when
+         the budget is at least the logits' size in the input dtype).
+backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
+         (``kept_dlogits_kernel``, no GEMM); the others, chunk by chunk [v0, v1),
+         are recomputed by ``dlogits_kernel``. For each chunk, dW[v0:v1] = dz^T x
+         (written once, fp32 accumulation inside the matmul), db[v0:v1] = column sums
+         of dz in fp32, and dx += dz W[v0:v1] into an fp32 (N, H) accumulator (plain
+         dx = dz W when one chunk covers V).
+No tensor of N x V elements unless the budget allows it: temporaries are the kept
+columns and one dz chunk, sized by the memory budget (``_plans.triton_plan``). No
+atomics: every output element is written by one program or one matmul, so results
+are bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from logitless.formulas.cross_entropy import TokenStats
+from logitless.planning import plans as _plans
+from logitless.planning.plans import TritonPlan, triton_plan
+from . import triton_kernels as K
+
+
+def tf32_allowed() -> bool:
+    """Whether torch's own fp32 matmuls on CUDA may use TF32 right now: False at
+    ``torch.set_float32_matmul_precision("highest")`` (the default), True at "high" or
+    "medium" (torch ties ``torch.backends.cuda.matmul.allow_tf32`` to that setting)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        # torch >= 2.9 raises when the legacy and the new (fp32_precision) APIs were
+        # mixed; the new one is then the one to follow ("none": the global setting).
+        prec = getattr(matmul, "fp32_precision", "none")
+        if prec == "none":
+            prec = getattr(torch.backends, "fp32_precision", "ieee")
+        return prec == "tf32"
+
+
+#: At "high"/"medium": round fp32 operands to the nearest TF32 in the kernel before the
+#: TF32 product (torch's cuBLAS rounds too), instead of letting the tensor cores
+#: truncate them. The benchmark's "logitless-tf32-truncate" rows turn it off to
+#: measure what the rounding costs.
+_TF32_ROUND_INPUTS = True
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
+
+    fp32 inputs run on tensor cores either way: "tf32-round" (operands rounded to TF32,
+    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium"; "tf32"
+    without the rounding) or, at "highest", "tf32x3" (each operand split into a TF32
+    head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
+    tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
+    16-bit inputs ignore the setting.
+    """
+    if dtype == torch.float32:
+        if not tf32_allowed():
+            return "tf32x3"
+        return "tf32-round" if _TF32_ROUND_INPUTS else "tf32"
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter-bf16"  # see _logits_tile: works around an interpreter bug
+    return "tf32"  # ignored for 16-bit inputs
+
+
+def _flags(bias, class_weight, softcap, dtype):
+    return dict(
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_CW=class_weight is not None,
+        DOT_PRECISION=_dot_precision(dtype),
+    )
+
+
+#: (kernel name, requested num_stages, constexpr flags) -> num_stages that fit this
+#: GPU's shared memory.
+_STAGES_THAT_FIT: dict = {}
+
+
+def _launch(kernel, grid, *args, num_stages: int, **kwargs):
+    """kernel[grid](*args, num_stages=..., **kwargs); if the tiles' pipeline does not fit
+    the GPU's shared memory (Triton's OutOfResources, raised on the host before the
+    launch), retries with fewer stages and remembers what fit. No device sync."""
+    from triton.runtime.errors import OutOfResources
+
+    flags = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))  # the constexprs
+    key = (getattr(getattr(kernel, "fn", None), "__name__", str(kernel)), num_stages, flags)
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, num_stages=stages, **kwargs)
+            _STAGES_THAT_FIT[key] = stages
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+
+
+def _padded_buffer(n: int, row: int, like: Tensor) -> Tensor:
+    """An (n, row) buffer in ``like``'s dtype whose rows are padded past the columns in
+    use. Zero-filled off the GPU: torch's CPU bf16 matmul reads the padding of a strided
+    operand (uninitialised memory: NaN * 0 = NaN in the result), cuBLAS does not."""
+    alloc = torch.empty if like.is_cuda else torch.zeros
+    return alloc(n, row, dtype=like.dtype, device=like.device)
+
+
+def _operands(x: Tensor, weight: Tensor, plan: TritonPlan):
+    """(x, W, USE_TMA): tensor descriptors when the plan allows TMA and rows are
+    16-byte aligned and contiguous (what the bulk tensor copy needs), else the tensors."""
+    aligned = all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (x, weight)
+    )
+    if not (plan.tma and aligned):
+        return x, weight, False
+    x_desc = TensorDescriptor.from_tensor(x, [plan.block_n, plan.block_h])
+    w_desc = TensorDescriptor.from_tensor(weight, [plan.block_v, plan.block_h])
+    return x_desc, w_desc, True
+
+
+def forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    *,
+    need_smooth: bool,
+    need_argmax: bool,
+    budget: int,
+    need_grad: bool = False,
+    plan: Optional[TritonPlan] = None,
+):
+    """Returns (TokenStats, kept): kept is None or the tensors ``kept_shapes`` describes,
+    which ``backward`` turns into dz in place (so it can use them once)."""
+    n, h = x.shape
+    v = weight.shape[0]
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
+    splits = plan.vocab_splits
+    blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    part_max = torch.empty(splits, n, **f32)
+    part_sum = torch.empty(splits, n, **f32)
+    part_tgt = torch.empty(splits, n, **f32)
+    part_smooth = torch.empty(splits, n, **f32) if need_smooth else part_max
+    part_best = torch.empty(splits, n, **f32) if need_argmax else part_max
+    part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
+    keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v)
+    keep = keep_max = None
+    x_op, w_op, use_tma = _operands(x, weight, plan)
+    keep_op = None
+    if keep_blocks:
+        # Rows padded to 16 bytes so that the kept tiles can be bulk-stored (TMA).
+        (_, row), max_shape = _kept_shapes_of(plan, n)
+        keep_buf = _padded_buffer(n, row, x)
+        keep = keep_buf[:, : plan.keep_cols]
+        keep_max = torch.empty(max_shape, **f32)
+        keep_op = keep
+        if use_tma:
+            keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+    row_blocks = triton.cdiv(n, plan.block_n)
+    grid = (row_blocks * splits,)
+    _launch(
+        K.forward_stats_kernel, grid,
+        x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
+        target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
+        keep_op if keep is not None else x, keep_max if keep_max is not None else x,
+        n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        keep.stride(0) if keep is not None else 0,
+        blocks_per_split, keep_blocks, float(softcap or 1.0), splits, plan.group_n or row_blocks,
+        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None, USE_TMA=use_tma,
+        FLATTEN=plan.flatten,
+        **_flags(bias, class_weight, softcap, x.dtype),
+        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    # Merge the splits: lse = M + log sum_j s_j exp(m_j - M). max() propagates NaN.
+    big_m = part_max.max(dim=0).values
+    m_safe = torch.where(big_m == float("-inf"), torch.zeros_like(big_m), big_m)
+    lse = m_safe + torch.log((part_sum * torch.exp(part_max - m_safe)).sum(dim=0))
+    argmax = None
+    if need_argmax:
+        first = part_best.argmax(dim=0, keepdim=True)  # first split holding the maximum
+        argmax = part_arg.gather(0, first)[0].long()
+    stats = TokenStats(
+        lse=lse,
+        target_logit=part_tgt.sum(dim=0),
+        smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
+        argmax=argmax,
+    )
+    return stats, _Kept(keep_buf, keep_max, plan) if keep is not None else None
+
+
+class _Kept(tuple):
+    """(exp tiles (N, row) buffer, tile maxima, the plan as a CPU int64 tensor): the
+    tensors the custom op returns; the backward turns the buffer into dz in place and
+    runs with the forward's plan (``plan_from_tensor``). ``take()`` gives (the
+    (N, keep_cols) view of the buffer, tile maxima) to code within one call."""
+
+    def __new__(cls, buf: Tensor, tile_max: Tensor, plan: TritonPlan):
+        kept = super().__new__(cls, (buf, tile_max, plan_to_tensor(plan)))
+        kept.keep_cols = plan.keep_cols
+        return kept
+
+    def take(self):
+        return self[0][:, : self.keep_cols], self[1]
+
+
+#: Length of ``plan_to_tensor``'s result.
+PLAN_SIZE = len(dataclasses.fields(TritonPlan))
+
+
+def plan_to_tensor(plan: TritonPlan) -> Tensor:
+    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
+    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+
+
+def plan_from_tensor(t: Tensor) -> TritonPlan:
+    values = t.tolist()  # a CPU tensor: no device sync
+    fields = dataclasses.fields(TritonPlan)
+    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
+
+
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
+    """The plan of one call; forward, backward and ``kept_shapes`` must agree on it."""
+    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed)
+
+
+def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool) -> bool:
+    # fp16 cannot hold exp(z - m) down to exp(-2 * softcap): recompute those instead.
+    return need_grad and not (dtype == torch.float16 and softcap is not None)
+
+
+def _kept_shapes_of(plan: TritonPlan, n: int):
+    """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
+    to 8 elements (16 bytes, so that tiles can be bulk-stored), and the per-tile maxima."""
+    row = triton.cdiv(plan.keep_cols, 8) * 8
+    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
+
+
+def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
+                softcap: Optional[float], need_grad: bool):
+    """Shapes of the tensors ``forward`` keeps for the backward (the custom op's fake
+    implementation uses them), or None when it keeps nothing."""
+    keep_allowed = _keep_allowed(dtype, softcap, need_grad)
+    if n == 0 or not keep_allowed:
+        return None
+    plan = _plan(n, v, h, dtype, budget, device, keep_allowed=True)
+    return _kept_shapes_of(plan, n) if plan.keep_cols else None
+
+
+def _dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
+    """acc (fp32) += dz @ w with fp32 accumulation and no rounding to the input dtype."""
+    if acc.is_cuda:
+        torch.addmm(acc, dz, w, out_dtype=torch.float32, out=acc)
+    else:  # the interpreter on CPU
+        acc += dz.float() @ w.float()
+
+
+def _chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Tensor],
+                     db_rows: Optional[Tensor], dx_acc: Optional[Tensor], need_dx: bool):
+    """The GEMMs fed by one chunk of dz (N, v1 - v0), for columns [v0, v1) of W:
+    dW[v0:v1] = dz^T x (written once), db[v0:v1] = column sums of dz in fp32, and
+    dx += dz W[v0:v1] into the fp32 accumulator ``dx_acc``. Without an accumulator (one
+    chunk covers V) returns dx = dz W[v0:v1] in the input dtype; otherwise None."""
+    if dw_rows is not None:
+        torch.mm(dz.T, x, out=dw_rows)
+    if db_rows is not None:
+        db_rows.copy_(dz.sum(dim=0, dtype=torch.float32))
+    if not need_dx:
+        return None
+    if dx_acc is None:
+        return dz @ w_rows
+    _dx_accumulate(dx_acc, dz, w_rows)
+    return None
+
+
+def backward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    lse: Tensor,
+    coef: Tensor,
+    *,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    budget: int,
+    kept: Optional[tuple[Tensor, Tensor]] = None,
+    plan: Optional[TritonPlan] = None,
+):
+    """dx, dW, db. ``kept``: what ``forward`` returned for this call (or None); its first
+    buffer is overwritten with dz, so pass it to one backward only."""
+    n, h = x.shape
+    v = weight.shape[0]
+    # The forward's plan (the same arguments give the same plan) when it kept columns.
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
+    keep_cols = plan.keep_cols if kept is not None else 0
+    coef = coef.contiguous()
+    cw_arg = class_weight if class_weight is not None else x
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
+    chunks = [(0, keep_cols)] if keep_cols else []
+    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
+    one_chunk = len(chunks) == 1
+    dx = None
+    dx_acc = None
+    if need_dx and not one_chunk:
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    dz_buf = None
+    x_op, w_op, use_tma = _operands(x, weight, plan)
+    flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
+    for v0, v1 in chunks:
+        if v0 == 0 and keep_cols:
+            keep_buf, tile_max = kept
+            dz = keep_buf[:, :keep_cols]
+            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
+            K.kept_dlogits_kernel[grid](
+                dz, tile_max, cw_arg, target, lse, coef, n, v, keep_cols, dz.stride(0),
+                float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
+                HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
+                num_warps=plan.num_warps,
+            )
+        else:
+            if dz_buf is None:
+                # Rows padded to 16 bytes so that dz tiles can be bulk-stored (TMA).
+                width = min(plan.vocab_chunk, v - keep_cols)
+                dz_buf = _padded_buffer(n, triton.cdiv(width, 8) * 8, x)
+            dz = dz_buf[:, : v1 - v0]
+            dz_op = dz
+            dz_tma = plan.dz_tma and use_tma
+            if dz_tma:
+                dz_op = TensorDescriptor(dz, [n, v1 - v0], [dz.stride(0), 1], [plan.block_n, plan.block_v])
+            row_blocks = triton.cdiv(n, plan.block_n)
+            tiles = row_blocks * triton.cdiv(v1 - v0, plan.block_v)
+            if plan.dlogits_programs:  # persistent: each program loops over tiles
+                tiles = min(tiles, plan.dlogits_programs * _plans._num_sms(x.device))
+            grid = (tiles,)
+            _launch(
+                K.dlogits_kernel, grid,
+                x_op, w_op, bias if bias is not None else x, cw_arg,
+                target, lse, coef, dz_op,
+                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+                v0, v1, float(softcap or 1.0), plan.group_n or row_blocks,
+                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
+                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+                num_warps=plan.num_warps, num_stages=plan.num_stages,
+            )
+        dx_chunk = _chunk_gradients(
+            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
+            dx_acc, need_dx)
+        if dx_chunk is not None:
+            dx = dx_chunk
+    if dx_acc is not None:
+        dx = dx_acc.to(x.dtype)
+    return dx, dw, db
+
+
+# The gradient-in-forward strategy (its own file; api.py finds it through these names).
+from .triton_grad_in_forward import forward_with_grad, grad_in_forward_chunk, scale_grads  # noqa: E402,F401

@@ -1,0 +1,120 @@
+"""Gradient-in-forward strategy of the Triton backend (``_cost_model``: "grad_in_forward").
+
+For reductions "mean" and "sum" the upstream gradient of each token's loss is
+grad_output times a factor known before the forward (1 for "sum", 1 / sum of w_t for
+"mean": the targets and class weights decide it, not the logits). So the forward can
+finish the gradient itself, token chunk by token chunk [n0, n1):
+
+    forward_stats_kernel over the chunk, KEEP on every column -> lse, e = exp(z - m)
+    coef = grad_coefficients(lse, target, g)  (g: the factor above; z-loss needs lse)
+    kept_dlogits_kernel: e -> dz in place (no GEMM)
+    dx[n0:n1]  = dz W                       (one GEMM, fp32 accumulation, one rounding)
+    dW        += dz^T x[n0:n1]              (fp32 accumulator across chunks)
+    db        += column sums of dz          (fp32)
+
+3 GEMMs in all, no recomputation; temporary memory: the chunk's kept logits
+(tokens_chunk x V in the input dtype) plus the fp32 dW accumulator (4 V H bytes)
+when there is more than one chunk and the weight is not fp32 already. The backward
+multiplies by grad_output: dx once rounded twice when grad_output != 1 (bf16 dx of the
+forward, then scaled; dW and db are scaled in fp32 and rounded once).
+
+No atomics; chunks run in a fixed order: bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from logitless.formulas.cross_entropy import TokenStats, _target_weight, grad_coefficients, upstream_per_token
+from logitless.planning.plans import lce_strategy, triton_plan
+from . import triton_kernels as K
+
+
+def grad_in_forward_chunk(x: Tensor, weight: Tensor, budget: int, opts, softcap) -> Optional[int]:
+    """Tokens per chunk if the planner picks gradient-in-forward for this call, else None."""
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_ok = not (x.dtype == torch.float16 and softcap is not None)  # exp(z - m) underflows fp16
+    if opts.reduction == "none" or not keep_ok or n == 0:
+        return None
+    c = lce_strategy(n, v, h, x.element_size(), budget, x.device, need_grad=True,
+                     grad_in_forward_ok=True, keep_allowed=True, weight_fp32=weight.dtype == torch.float32)
+    return c.token_chunk if c.strategy == "grad_in_forward" else None
+
+
+def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chunk: int, need_smooth: bool,
+                      need_argmax: bool, need_dx: bool, need_dw: bool, need_db: bool, budget: int):
+    """TokenStats of every token, and (dx, dw_acc, db_acc) for grad_output = 1:
+    dx in x's dtype; dw_acc and db_acc fp32 (dw_acc in weight's dtype when one chunk
+    covers every token); None where not needed. ``scale_grads`` finishes them."""
+    from .triton_backend import forward as stats_forward
+
+    n, h = x.shape
+    v = weight.shape[0]
+    softcap = opts.softcap
+    valid = target != opts.ignore_index
+    w_t = _target_weight(target, class_weight, valid)
+    g = upstream_per_token(torch.ones((), device=x.device), w_t, opts.reduction)
+    chunks = [(n0, min(n, n0 + token_chunk)) for n0 in range(0, n, token_chunk)]
+    one = len(chunks) == 1
+    dx = torch.empty_like(x) if need_dx else None
+    dw = None
+    if need_dw:
+        dw = torch.empty_like(weight) if one else torch.zeros(v, h, dtype=torch.float32, device=x.device)
+    db = torch.zeros(v, dtype=torch.float32, device=x.device) if need_db else None
+    cw_arg = class_weight if class_weight is not None else x
+    parts = []
+    for n0, n1 in chunks:
+        xc, tc = x[n0:n1], target[n0:n1]
+        base = triton_plan(n1 - n0, v, h, x.element_size(), budget, x.device, keep_allowed=True)
+        plan = replace(base, keep_cols=v)
+        stats, cache = stats_forward(xc, weight, bias, tc, class_weight, softcap, need_smooth=need_smooth,
+                                     need_argmax=need_argmax, budget=budget, need_grad=True, plan=plan)
+        parts.append(stats)
+        coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()
+        dz, tile_max = cache.take()
+        grid = (triton.cdiv(n1 - n0, plan.block_n), triton.cdiv(v, plan.block_v))
+        K.kept_dlogits_kernel[grid](
+            dz, tile_max, cw_arg, tc, stats.lse, coef, n1 - n0, v, v, dz.stride(0),
+            float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        )
+        if need_dx:
+            torch.mm(dz, weight, out=dx[n0:n1])
+        if need_dw:
+            if one:
+                torch.mm(dz.T, xc, out=dw)
+            elif dw.is_cuda and dz.dtype != torch.float32:
+                torch.addmm(dw, dz.T, xc, out_dtype=torch.float32, out=dw)
+            elif dw.is_cuda:
+                torch.addmm(dw, dz.T, xc, out=dw)
+            else:  # the interpreter on CPU
+                dw += dz.T.float() @ xc.float()
+        if need_db:
+            db += dz.sum(dim=0, dtype=torch.float32)
+        del dz, tile_max, cache
+    stats = TokenStats(
+        lse=torch.cat([p.lse for p in parts]),
+        target_logit=torch.cat([p.target_logit for p in parts]),
+        smooth_sum=torch.cat([p.smooth_sum for p in parts]) if need_smooth else None,
+        argmax=torch.cat([p.argmax for p in parts]) if need_argmax else None,
+    )
+    return stats, (dx, dw, db)
+
+
+def scale_grads(grads, grad_output: Tensor, x_dtype, w_dtype):
+    """The backward of the strategy: multiply the forward's gradients by grad_output.
+
+    In place (no fp32 copy of a 16-bit gradient: the product is computed in fp32 per
+    element and rounded once); the buffers must not be used again."""
+    dx, dw, db = grads
+    g = grad_output.float()
+    out_dx = dx.mul_(g).to(x_dtype) if dx is not None else None
+    out_dw = dw.mul_(g).to(w_dtype) if dw is not None else None
+    out_db = db.mul_(g).to(w_dtype) if db is not None else None
+    return out_dx, out_dw, out_db

@@ -1,0 +1,94 @@
+"""Pure-PyTorch backend of linear_jsd: ``_jsd_math`` on bounded tiles (any device).
+
+forward:  per chunk of tokens (``_plans.jsd_torch_rows``), both heads' logits of the
+          chunk (rows x V, fp32; fp64 for fp64), filled vocabulary slice by slice so
+          that the upcast weight slice stays small, then ``_jsd_math.row_stats``.
+backward: for each vocabulary chunk, for each token chunk (``_plans.torch_plan``):
+          recompute both tiles, dz from the saved statistics (``_jsd_math.dlogits``),
+          dW_s[v] += dz^T x_s, db_s[v] += column sums, dx_s (fp32) += dz W_s[v].
+No tensor of tokens x vocab elements unless the budget holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.jsd import JSDOptions, dlogits, row_stats, softcap
+from logitless.planning.plans import jsd_torch_rows, torch_plan
+
+
+def _cd(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tile(x_c: Tensor, w: Tensor, b: Optional[Tensor], v0: int, v1: int, cap, cd) -> Tensor:
+    z = x_c.to(cd) @ w[v0:v1].to(cd).T
+    if b is not None:
+        z += b[v0:v1].to(cd)
+    return softcap(z, cap)
+
+
+def _vocab_step(v: int, h: int, itemsize: int, budget: int) -> int:
+    """Columns per slice when filling full rows: the upcast weight slice <= budget / 4."""
+    return max(1, min(v, budget // max(1, 4 * h * itemsize)))
+
+
+def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
+    """(6, N) statistics (``_jsd_math``) in the compute dtype."""
+    n = xs.shape[0]
+    v = ws.shape[0]
+    cd = _cd(xs.dtype)
+    isz = torch.finfo(cd).bits // 8
+    rows = jsd_torch_rows(n, v, isz, budget)
+    step = _vocab_step(v, max(xs.shape[1], xt.shape[1]), isz, budget)
+    out = torch.empty(6, n, dtype=cd, device=xs.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        zs = torch.empty(n1 - n0, v, dtype=cd, device=xs.device)
+        zt = torch.empty_like(zs)
+        for v0 in range(0, v, step):
+            v1 = min(v, v0 + step)
+            zs[:, v0:v1] = _tile(xs[n0:n1], ws, bs, v0, v1, opts.student_softcap, cd)
+            zt[:, v0:v1] = _tile(xt[n0:n1], wt, bt, v0, v1, opts.teacher_softcap, cd)
+        out[:, n0:n1] = row_stats(zs, zt, target[n0:n1], opts)
+    return out
+
+
+def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget: int,
+             need_dx: bool, need_dw: bool, need_db: bool):
+    n, h = xs.shape
+    v = ws.shape[0]
+    cd = _cd(xs.dtype)
+    # About 12 tile-sized temporaries (two tiles, log-probs, mixture, dz, ...).
+    plan = torch_plan(n, v, max(h, xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 4))
+    g = g.to(cd)
+    stats = stats.to(cd)
+    dx_acc = torch.zeros(n, h, dtype=cd, device=xs.device) if need_dx else None
+    dw = torch.empty_like(ws) if need_dw else None
+    db = torch.empty_like(bs) if need_db else None
+    for v0 in range(0, v, plan.vocab_chunk):
+        v1 = min(v, v0 + plan.vocab_chunk)
+        w_v = ws[v0:v1].to(cd)
+        dw_acc = torch.zeros(v1 - v0, h, dtype=cd, device=xs.device) if need_dw else None
+        db_acc = torch.zeros(v1 - v0, dtype=cd, device=xs.device) if need_db else None
+        for n0 in range(0, n, plan.token_chunk):
+            n1 = min(n, n0 + plan.token_chunk)
+            xs_c = xs[n0:n1].to(cd)
+            zs = _tile(xs_c, ws, bs, v0, v1, opts.student_softcap, cd)
+            zt = _tile(xt[n0:n1], wt, bt, v0, v1, opts.teacher_softcap, cd)
+            dz = dlogits(zs, zt, stats[:, n0:n1], g[n0:n1], target[n0:n1], v0, opts)
+            if need_dx:
+                dx_acc[n0:n1] += dz @ w_v
+            if need_dw:
+                dw_acc += dz.T @ xs_c
+            if need_db:
+                db_acc += dz.sum(dim=0)
+        if need_dw:
+            dw[v0:v1] = dw_acc
+        if need_db:
+            db[v0:v1] = db_acc
+    dx = dx_acc.to(xs.dtype) if need_dx else None
+    return dx, dw, db

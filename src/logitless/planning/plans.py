@@ -1,0 +1,410 @@
+"""Heuristics in one place: memory budget, chunk sizes, Triton block sizes.
+
+Everything that decides *how* (not *what*) is computed lives here, so that tuning
+never touches the math or the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Default bytes of temporary memory an op may use beyond its inputs, outputs and
+#: gradients. Large enough for full-speed chunks at LLM shapes, small next to the
+#: 2-4 GB that materialised fp32 logits would take.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+def _clamp(v: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, v))
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """Tiles of the PyTorch backend: each tile of logits is token_chunk x vocab_chunk."""
+
+    token_chunk: int
+    vocab_chunk: int
+
+
+#: Bytes per token of a chunk besides its tiles: the running per-row statistics
+#: (max, sum, target logit, smoothing sum, argmax and their per-tile temporaries).
+TORCH_ROW_OVERHEAD = 128
+
+
+def torch_plan(
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, *,
+    tiles: int = 1, row_bytes: int = 0, col_bytes: int = 0,
+) -> TorchPlan:
+    """Largest tiles whose temporaries fit the budget. A token_chunk x vocab_chunk
+    step of the PyTorch backend holds, besides O(N + V) per-token and per-class vectors:
+
+        tiles * token_chunk * vocab_chunk * itemsize   the logit tiles (compute dtype)
+      + token_chunk * (row_bytes + TORCH_ROW_OVERHEAD)  e.g. the upcast chunk of x
+      + vocab_chunk * col_bytes                        e.g. the upcast chunk of W, dW's
+                                                       fp32 accumulator
+
+    (the backend says what its steps hold; ``hidden`` is for callers' byte counts). The
+    backward's fp32 dx accumulator (tokens x hidden, for 16-bit inputs) is not a
+    per-step temporary and is not counted: it is bounded by the size of x, never by
+    tokens x vocab. When even one row by min(V, 256) columns exceeds the budget, that
+    minimum is used.
+    """
+    row = row_bytes + TORCH_ROW_OVERHEAD
+
+    def cols_for(tokens: int) -> int:
+        return (budget - tokens * row) // (tiles * tokens * itemsize + col_bytes)
+
+    token_chunk = _clamp(num_tokens, 1, 2048)
+    vocab_chunk = _clamp(cols_for(token_chunk), 1, vocab)
+    if vocab_chunk < min(vocab, 256) and token_chunk > 1:
+        # A tiny budget: trade rows for columns so that each matmul stays reasonable.
+        vocab_chunk = min(vocab, 256)
+        tokens = (budget - vocab_chunk * col_bytes) // (tiles * vocab_chunk * itemsize + row)
+        token_chunk = _clamp(tokens, 1, num_tokens)
+    return TorchPlan(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Launch configuration of the Triton backend of linear_cross_entropy.
+
+    block_n x block_v: the tile of logits one program holds (fp32 accumulators);
+    block_h: the step along the hidden dimension of each tile's matmul;
+    vocab_splits: programs that share one row block of the forward, each over a
+        contiguous range of the vocabulary (their partial statistics are merged after);
+    vocab_chunk: columns of d(logits) recomputed at once in the backward, in the
+        input dtype, so the dx and dW matmuls run on tensor cores (a multiple of block_v);
+    keep_cols: leading columns of exp(logits - max) that the forward stores for the
+        backward (a multiple of block_v, or the whole vocabulary), so that they need no
+        recomputed GEMM. 0 when no gradient is needed or the budget holds none.
+    group_n: row blocks whose programs run next to each other (the GEMM kernels'
+        program order, ``triton_kernels.grouped_tile``); 0: all of them.
+    flatten: the forward's tile loop and its loop over H are one pipelined loop.
+    dz_tma: the dlogits kernel bulk-stores its dz tiles (TMA).
+    dlogits_programs: programs of the dlogits kernel per SM when persistent (each
+        loops over tiles); 0: one program per tile.
+    """
+
+    block_n: int
+    block_v: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+    vocab_splits: int
+    vocab_chunk: int
+    keep_cols: int = 0
+    tma: bool = True  # load x and W tiles with tensor descriptors where rows are aligned
+    group_n: int = 0
+    flatten: bool = False
+    dz_tma: bool = False
+    dlogits_programs: int = 0
+
+
+def _num_sms(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter on CPU: few programs keep it quick
+
+
+#: Tiles (block_n, block_v, block_h, num_warps, num_stages) by input itemsize, for
+#: Hopper-class GPUs; the CPU interpreter uses small tiles that still exercise masks.
+#: fp32 (TF32 or 3xTF32 tensor-core dots): a 32-wide step of H is one 128-byte row of
+#: each tile (the TMA swizzle's width); 3 stages of x and W tiles take 3 * 2 * 16 KiB
+#: = 96 KiB of shared memory, the fp32 kept-tile store 64 KiB more, and tf32x3 its
+#: split copies of the operands (up to 64 KiB): under the 227 KiB of an H100's SM. The
+#: backend retries with fewer stages if a GPU has less (``triton_backend._launch``).
+CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
+INTERPRETER_TILES = (16, 32, 16, 4, 1)
+#: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
+WAVES = 16
+#: Narrowest backward chunk (columns of dz) on GPUs, whatever the budget.
+MIN_CHUNK = 4096
+
+
+def triton_plan(
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
+    tiles=None, keep_allowed: bool = False,
+) -> TritonPlan:
+    """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
+    ``keep_allowed``: a backward will follow and may use columns kept by the forward."""
+    if tiles is None:
+        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device)
+    block_n, block_v, block_h, num_warps, num_stages = tiles
+    row_blocks = math.ceil(num_tokens / block_n)
+    vocab_blocks = math.ceil(vocab / block_v)
+    # Many programs per SM so that the last wave is a small fraction of the work (with
+    # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: PERFORMANCE.md).
+    want = math.ceil(WAVES * _num_sms(device) / max(1, row_blocks))
+    blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
+    vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
+
+    # Backward. Kept columns cost itemsize + 4/block_v bytes per token each and save a
+    # recomputed GEMM; recomputed ones need an fp32 (tokens x hidden) dx accumulator
+    # and a chunk of dz. Keep everything if the budget holds it, else keep what the
+    # budget leaves after the accumulator and one chunk of MIN_CHUNK columns.
+    padded_vocab = vocab_blocks * block_v
+    per_col = num_tokens * (itemsize + 4 / block_v)
+    # The fp32 dx accumulator is dx itself for fp32 inputs (nothing extra to budget).
+    acc = 4 * num_tokens * hidden if itemsize != 4 else 0
+    # Never more than a quarter of the vocabulary: small vocabularies still get chunks.
+    quarter = max(block_v, padded_vocab // 4 // block_v * block_v)
+    min_cols = min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
+    # Wider recomputed chunks mean fewer passes over the fp32 dx accumulator, but a
+    # 4096-column chunk of dz (32 MiB at 4096 tokens) stays in L2 between the kernel
+    # that writes it and the two matmuls that read it; ~11k columns ran 5% slower
+    # (PERFORMANCE.md). What the budget has left goes to kept columns instead.
+    keep_cols = 0
+    if keep_allowed:
+        if budget >= per_col * vocab:
+            keep_cols = vocab
+        else:
+            left = budget - acc - num_tokens * itemsize * min_cols
+            keep_cols = _clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
+    left = budget - acc - per_col * keep_cols
+    cols = int(max(left, 0) // max(1, itemsize * num_tokens))
+    # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
+    # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
+    vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
+    if device.type == "cuda" and MODEL_PLANS:  # GPUs: the cost model's choice (_cost_model)
+        keep_cols, vocab_chunk = _model_columns(
+            num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed)
+    if device.type == "cuda" and keep_cols >= vocab and vocab % ODD_V_ALIGN:
+        # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
+        # 41 ms against 5 ms, PERFORMANCE.md): keep whole tiles, recompute the ragged tail.
+        keep_cols = vocab // block_v * block_v
+        vocab_chunk = _clamp(vocab_chunk, block_v, padded_vocab)
+    return TritonPlan(
+        block_n=block_n,
+        block_v=block_v,
+        block_h=block_h,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        vocab_splits=vocab_splits,
+        vocab_chunk=vocab_chunk,
+        keep_cols=keep_cols,
+        **kernel_options(num_tokens, block_n, block_v, device),
+    )
+
+
+#: Row blocks whose programs run next to each other (``TritonPlan.group_n``); None: the
+#: working-set rule of ``kernel_options``. The probe sets it to compare group sizes.
+GROUP_ROWS = None
+
+
+#: Persistent dlogits programs from this many row blocks on: with fewer, a chunk has
+#: too few tiles per SM and the loop lost (512 tokens: 1.32x a GEMM against 1.17x).
+PERSISTENT_MIN_ROW_BLOCKS = 16
+
+#: The GEMM kernels' scheduling options: on/off switches of ``kernel_options`` (the
+#: probe ``benchmarks/probe_schedule.py`` flips them to measure each alone).
+KERNEL_OPTIONS = dict(group=True, flatten=True, dz_tma=False, dlogits_programs=1)
+
+
+def group_rows(block_n: int, block_v: int, device) -> int:
+    """Row blocks per group of the GEMM kernels' program order. The programs resident
+    at once (one per SM) cover G row blocks x SMs / G column tiles, so at each step they
+    read G * block_n rows of x and (SMs / G) * block_v rows of W, H elements each: the
+    L2 working set, least at G = sqrt(SMs * block_v / block_n) (16 on an H100 with
+    128 x 256 tiles: 34 MB at H = 4096; "all rows" at 16k tokens needed 128 MB of x and
+    ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: PERFORMANCE.md section 16)."""
+    return max(1, round(math.sqrt(_num_sms(device) * block_v / block_n)))
+
+
+def kernel_options(num_tokens: int, block_n: int, block_v: int, device) -> dict:
+    """Program order and pipelining of the fused GEMM kernels (``TritonPlan.group_n``,
+    ``flatten``, ``dz_tma``, ``dlogits_programs``). Results are the same bitwise
+    whichever is chosen: only the order in which tiles run changes."""
+    o = KERNEL_OPTIONS
+    row_blocks = math.ceil(num_tokens / block_n)
+    group_n = (GROUP_ROWS or group_rows(block_n, block_v, device)) if o["group"] else 0
+    programs = o["dlogits_programs"] if row_blocks >= PERSISTENT_MIN_ROW_BLOCKS else 0
+    return dict(group_n=int(group_n), flatten=bool(o["flatten"]), dz_tma=bool(o["dz_tma"]),
+                dlogits_programs=int(programs))
+
+
+def _tiles(num_tokens, vocab, hidden, itemsize, device):
+    """Forced, tuned (this machine's cache) or shipped tiles (``_tuned``), else the tables above."""
+    from logitless.planning import tuned as _tuned
+
+    found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
+    if found is not None:
+        return found
+    return CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
+
+
+#: Kept columns (and gradient-in-forward, which keeps every column of a token chunk) need
+#: a vocabulary that is a multiple of this on GPUs (see triton_plan).
+ODD_V_ALIGN = 8
+
+#: Let the cost model (``_cost_model.choose``) pick kept columns and chunk widths on
+#: GPUs; False restores the greedy rule above (keep as many columns as fit).
+MODEL_PLANS = True
+
+
+def _device_model(device):
+    from logitless.planning import cost_model as _cost_model
+
+    return _cost_model.device_model(device)
+
+
+def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed):
+    """(keep_cols, vocab_chunk) of the cost model's fastest keep/partial plan that fits."""
+    from logitless.planning import cost_model as _cost_model
+
+    c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
+                           grad_in_forward=False, keep=keep_allowed, block_v=block_v, min_chunk=min_cols)
+    padded = math.ceil(vocab / block_v) * block_v
+    if c.strategy == "keep":
+        return vocab, padded
+    return c.keep_cols, _clamp(c.vocab_chunk, block_v, padded)
+
+
+#: Test hook (``forced_strategy``): a strategy name the planner must return.
+_FORCED: list = []
+
+
+class forced_strategy:
+    """``with _plans.forced_strategy("grad_in_forward", token_chunk=64): ...`` makes
+    ``lce_strategy`` return that strategy (tests, probes); never used by the library."""
+
+    def __init__(self, strategy: str, token_chunk: int = 0):
+        self.value = (strategy, token_chunk)
+
+    def __enter__(self):
+        _FORCED.append(self.value)
+        return self
+
+    def __exit__(self, *exc):
+        _FORCED.pop()
+
+
+def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_grad=True,
+                 grad_in_forward_ok=True, keep_allowed=True, weight_fp32=False):
+    """The cost model's choice for linear_cross_entropy: a ``_cost_model.Candidate``
+    (strategy "keep" / "partial" / "grad_in_forward" / "forward", its chunking, memory
+    and predicted time). Deterministic: shape, dtype, budget and device class only.
+
+    ``grad_in_forward_ok``: the caller can compute the gradient in the forward (a
+    reduction other than "none", kept columns allowed). On the CPU interpreter the
+    gradient-in-forward strategy is only used when forced (``forced_strategy``).
+    """
+    from logitless.planning import cost_model as _cost_model
+
+    cuda = device.type == "cuda"
+    block_v = _tiles(num_tokens, vocab, hidden, itemsize, device)[1]
+    padded = math.ceil(vocab / block_v) * block_v
+    quarter = max(block_v, padded // 4 // block_v * block_v)  # as in triton_plan
+    min_chunk = min(MIN_CHUNK if cuda else 2 * block_v, quarter)
+    if _FORCED and need_grad:
+        strategy, token_chunk = _FORCED[-1]
+        return _cost_model.Candidate(strategy, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
+    if vocab % ODD_V_ALIGN:  # its per-chunk GEMMs over all V columns hit cuBLAS' slow odd-K path
+        grad_in_forward_ok = False
+    return _cost_model.choose(
+        num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
+        need_grad=need_grad, grad_in_forward=grad_in_forward_ok and cuda, keep=keep_allowed,
+        weight_fp32=weight_fp32, block_v=block_v, min_chunk=min_chunk)
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+
+def ce_torch_plan(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
+    """Rows per chunk of the PyTorch backend of cross_entropy.
+
+    Each chunk holds about 4 (rows x V) temporaries in the compute dtype (the upcast
+    copy, exp, the target mask and the soft-cap copy of the backward). One row is the
+    least: the budget can never force a row to be split.
+    """
+    return _clamp(budget // max(1, 4 * vocab * itemsize), 1, max(1, num_tokens))
+
+
+@dataclass(frozen=True)
+class CETritonPlan:
+    """Launch configuration of the Triton backend of cross_entropy.
+
+    block_n x block_v: the tile of logits one program holds per step (block_n rows,
+    streamed over the vocabulary in block_v-wide steps in the forward; one tile per
+    program in the backward).
+    """
+
+    block_n: int
+    block_v: int
+    num_warps: int
+
+
+def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETritonPlan:
+    """About 16 KiB of logits per step; several rows per program when V is small."""
+    if device.type == "cuda":
+        tile, max_block_v, num_warps = 16384 // itemsize, 4096, 8
+    else:  # TRITON_INTERPRET=1: small tiles, still exercising every mask
+        tile, max_block_v, num_warps = 256, 64, 4
+    block_v = min(max_block_v, 1 << max(0, vocab - 1).bit_length())
+    rows = 1 << max(0, num_tokens - 1).bit_length()
+    block_n = _clamp(tile // block_v, 1, rows)
+    return CETritonPlan(block_n=block_n, block_v=block_v, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
+    """Rows per chunk of the PyTorch backends of jsd / linear_jsd (full rows of both
+    logits): about 12 (rows x V) temporaries in the compute dtype (both upcast logits,
+    both log-probabilities, the mixture, products). One row is the least."""
+    return _clamp(budget // max(1, 12 * vocab * itemsize), 1, max(1, num_tokens))
+
+
+#: Tiles (block_n, block_v, block_h, num_warps, num_stages) of linear_jsd's backward
+#: kernel, which holds a student and a teacher tile at once (two fp32 accumulators:
+#: half of linear_cross_entropy's block_v keeps them in registers).
+JSD_CUDA_TILES = {2: (128, 128, 64, 8, 3), 4: (64, 128, 32, 8, 2)}
+
+
+@dataclass(frozen=True)
+class LinearJSDPlan:
+    """How linear_jsd's Triton backend chunks its work.
+
+    forward_rows: tokens per forward chunk; both heads' fp32 logits of the chunk
+        (2 x rows x V x 4 bytes) are materialised by two cuBLAS GEMMs, then reduced to
+        row statistics by the (bandwidth-bound) jsd forward kernel.
+    vocab_chunk: columns of dz recomputed at once in the backward (a multiple of
+        block_v), in the input dtype; dx accumulates in fp32 (tokens x H_student).
+    tiles: a ``TritonPlan`` for the fused student+teacher logits tiles of the backward.
+    """
+
+    forward_rows: int
+    vocab_chunk: int
+    tiles: TritonPlan
+
+
+def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
+                    device) -> LinearJSDPlan:
+    cuda = device.type == "cuda"
+    tiles = JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES
+    block_n, block_v, block_h, num_warps, num_stages = tiles
+    rows = budget // max(1, 8 * vocab)
+    if cuda and rows >= 128:
+        rows = rows // 128 * 128  # whole GEMM tiles
+    rows = _clamp(rows, 1, max(1, num_tokens))
+    padded_vocab = math.ceil(vocab / block_v) * block_v
+    min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
+    # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
+    # dz chunk at 4096 tokens stays in L2: PERFORMANCE.md); narrower only if the budget
+    # after the fp32 dx accumulator says so, never below min_cols.
+    left = budget - 4 * num_tokens * hidden_s
+    cols = int(max(left, 0) // max(1, itemsize * num_tokens))
+    vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
+    plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
+                      num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk,
+                      **kernel_options(num_tokens, block_n, block_v, device))  # group_n is used
+    return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)

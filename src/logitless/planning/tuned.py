@@ -1,0 +1,135 @@
+"""Tuned Triton tile configurations, as data: shipped per GPU class, cached per machine.
+
+Where ``_plans.triton_plan`` gets its tiles (block_n, block_v, block_h, num_warps,
+num_stages) on a GPU, first match wins:
+
+1. ``forced_tiles(...)`` (the tuner and tests; never set by the library itself);
+2. the tuner's cache on this machine, ``$LOGITLESS_CACHE_DIR`` or
+   ``~/.cache/logitless/<gpu>-torch<version>-triton<version>.json``, written only by
+   ``python -m logitless.planning.tune`` (opt-in, never during training);
+3. the file shipped in the package for the GPU class, ``logitless/configs/<class>.json``;
+4. ``_plans.CUDA_TILES`` by itemsize.
+
+Set ``LOGITLESS_TUNED=0`` to skip 2 and 3. Keys are ``"<dtype class>/<shape class>"``
+(``16-bit`` for bf16/fp16, ``32-bit``; ``shape_class`` below; ``*`` matches any).
+
+Determinism: a config is chosen from the device class, dtype and shape only, never by
+timing at run time. The same config gives bitwise identical results run to run; two
+different configs give the same loss and gradients up to fp32 summation order (the
+tile sizes change the order of the partial sums), not bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
+_FORCED: list = []
+
+
+def dtype_class(itemsize: int) -> str:
+    return "32-bit" if itemsize >= 4 else "16-bit"
+
+
+def shape_class(num_tokens: int, hidden: int, vocab: int) -> str:
+    """Buckets where the best tiles may differ: tokens (waves of row blocks) and hidden
+    (K-loop length). The vocabulary only sets the number of column tiles."""
+    t = "n1k" if num_tokens <= 1024 else ("n8k" if num_tokens <= 8192 else "nbig")
+    h = "h2k" if hidden < 2048 else "hbig"
+    return f"{t}-{h}"
+
+
+def config_key(itemsize: int, num_tokens: int, hidden: int, vocab: int) -> str:
+    return f"{dtype_class(itemsize)}/{shape_class(num_tokens, hidden, vocab)}"
+
+
+class forced_tiles:
+    """``with forced_tiles((128, 128, 64, 8, 3)): ...``: every plan made inside uses
+    these tiles (on the interpreter too). For the tuner and tests."""
+
+    def __init__(self, tiles):
+        self.tiles = tuple(int(t) for t in tiles)
+
+    def __enter__(self):
+        _FORCED.append(self.tiles)
+        return self
+
+    def __exit__(self, *exc):
+        _FORCED.pop()
+
+
+def forced() -> Optional[tuple]:
+    return _FORCED[-1] if _FORCED else None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", text).strip("-")
+
+
+def cache_path(device) -> Path:
+    """This machine's tuner cache for ``device``: keyed by GPU name, torch and triton."""
+    import torch
+    import triton
+
+    root = Path(os.environ.get("LOGITLESS_CACHE_DIR") or Path.home() / ".cache" / "logitless")
+    name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else "cpu"
+    return root / f"{_slug(name)}-torch{_slug(torch.__version__)}-triton{_slug(triton.__version__)}.json"
+
+
+@functools.lru_cache(maxsize=32)
+def _read(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("configs", {}) if isinstance(data, dict) else {}
+
+
+def clear() -> None:
+    """Forget the files read so far (after the tuner wrote a new cache)."""
+    _read.cache_clear()
+    _device_tables.cache_clear()
+
+
+def _lookup(table: dict, key: str) -> Optional[tuple]:
+    entry = table.get(key) or table.get(key.split("/")[0] + "/*")
+    if not entry:
+        return None
+    tiles = entry.get("tiles") if isinstance(entry, dict) else entry
+    if not (isinstance(tiles, (list, tuple)) and len(tiles) == 5 and all(isinstance(t, int) and t > 0 for t in tiles)):
+        return None
+    return tuple(tiles)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_tables(device_key: str, cache_file: str, device_class: str) -> tuple:
+    tables = [_read(cache_file)]
+    shipped = SHIPPED_DIR / f"{device_class.lower()}.json"
+    if shipped.exists():
+        tables.append(_read(str(shipped)))
+    return tuple(tables)
+
+
+def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int) -> Optional[tuple]:
+    """Tiles from the forced context, this machine's cache or the shipped file; None
+    when none applies (the caller falls back to ``_plans.CUDA_TILES``)."""
+    if _FORCED:
+        return _FORCED[-1]
+    if os.environ.get("LOGITLESS_TUNED", "1") == "0" or getattr(device, "type", "") != "cuda":
+        return None
+    from logitless.planning.cost_model import device_class
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    tables = _device_tables(name, str(cache_path(device)), device_class(name))
+    key = config_key(itemsize, num_tokens, hidden, vocab)
+    for table in tables:
+        found = _lookup(table, key)
+        if found is not None:
+            return found
+    return None

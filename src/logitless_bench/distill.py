@@ -1,0 +1,372 @@
+"""Suite ``distill``: fused linear distillation (generalized JSD, beta 0.5, T 1).
+
+Per shape (``linear_jsd/bench_shapes.py``): random bf16 inputs (x ~ N(0, 1), W ~
+N(0, 1/H) for student and teacher, targets uniform, none ignored), the GEMM floor (four
+cuBLAS GEMMs timed in this run: student logits x_s W_s^T, teacher logits x_t W_t^T,
+dx = dz W_s, dW = dz^T x_s), the float64 reference (chunks of tokens); then per method:
+forward+backward time / floor, peak extra memory, |loss - ref|, dx and dW relative
+errors. Methods: logitless.linear_jsd, the naive formula in eager torch and under
+torch.compile, liger's LigerFusedLinearJSD and LigerFusedLinearJSDLoss (soft weight 1,
+hard weight 0), TRL's ChunkedDivergenceFunction (when importable).
+
+``python -m logitless_bench --suite distill`` (see ``--help``); without a GPU one tiny
+case runs on the CPU, loudly labelled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import report, timing
+from .peers import Skip
+from .runner import describe
+
+BETA = 0.5
+TEMPERATURE = 1.0
+
+METRICS = """\
+Metrics (distill): student x_s (N,H_s), W_s (V,H_s), teacher x_t (N,H_t), W_t (V,H_t), ~N(0,1) and
+~N(0,1/H) in bf16; targets uniform (none ignored); generalized JSD beta 0.5, temperature 1, mean over tokens.
+- **floor ms**: sum of the medians of four cuBLAS GEMMs measured in this run: x_s W_s^T, x_t W_t^T (logits),
+  dz W_s (dx) and dz^T x_s (dW), the least a forward+backward computes.
+- **f+b ms**: median of `reps` calls of `loss = f(...); loss.backward()` (x_s, W_s require grad; grads set to
+  None untimed before each call), CUDA events, L2 flushed. **f+b/floor** = f+b ms / floor ms.
+- **peak extra MiB**: max_memory_allocated during one more call minus memory before it minus dx and dW bytes.
+- **|loss-ref|**, **dx err**, **dW err**: against a float64 reference computed on the device in chunks of
+  tokens: absolute loss difference and ||g - g_ref||_F / ||g_ref||_F."""
+
+
+# --------------------------------------------------------------------------- inputs, floor, reference
+
+
+def make_inputs(shape, device, seed: int):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+
+    def rnd(*size, scale=1.0):
+        return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+
+    xs = rnd(shape.tokens, shape.hidden_s)
+    ws = rnd(shape.vocab, shape.hidden_s, scale=shape.hidden_s**-0.5)
+    xt = rnd(shape.tokens, shape.hidden_t)
+    wt = rnd(shape.vocab, shape.hidden_t, scale=shape.hidden_t**-0.5)
+    t = torch.randint(0, shape.vocab, (shape.tokens,), generator=g, device=device)
+    return xs, ws, xt, wt, t
+
+
+def gemm_floor_ms(xs, ws, xt, wt, *, warmup: int, reps: int) -> dict:
+    """Medians of the four GEMMs of a distillation step (one dz-shaped operand made once)."""
+    dev = xs.device
+    with torch.no_grad():
+        dz = torch.randn(xs.shape[0], ws.shape[0], device=dev, dtype=xs.dtype)
+        parts = {
+            "student_logits": timing.time_ms(lambda: xs @ ws.T, device=dev, warmup=warmup, reps=reps),
+            "teacher_logits": timing.time_ms(lambda: xt @ wt.T, device=dev, warmup=warmup, reps=reps),
+            "dx": timing.time_ms(lambda: dz @ ws, device=dev, warmup=warmup, reps=reps),
+            "dW": timing.time_ms(lambda: dz.T @ xs, device=dev, warmup=warmup, reps=reps),
+        }
+        del dz
+    parts["floor"] = sum(parts.values())
+    return parts
+
+
+@torch.no_grad()
+def jsd_reference(xs, ws, xt, wt, *, beta=BETA, temperature=TEMPERATURE, chunk_bytes=2**30):
+    """Mean generalized JSD in float64 (0 < beta < 1, no ignored tokens): (loss, dx, dW),
+    dx and dW stored in fp32. Chunks of tokens; dz = (1-beta)/T p (lp - lm - S) / N."""
+    n, v = xs.shape[0], ws.shape[0]
+    ws64, wt64 = ws.double(), wt.double()
+    dw = torch.zeros_like(ws64)
+    dx = torch.empty(xs.shape, dtype=torch.float32, device=xs.device)
+    total = torch.zeros((), dtype=torch.float64, device=xs.device)
+    rows = max(1, chunk_bytes // (v * 8))
+    for i in range(0, n, rows):
+        xc = xs[i : i + rows].double()
+        lp = F.log_softmax((xc @ ws64.T) / temperature, dim=-1)
+        lq = F.log_softmax((xt[i : i + rows].double() @ wt64.T) / temperature, dim=-1)
+        lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+        p = lp.exp()
+        s = (p * (lp - lm)).sum(-1)
+        total += (beta * (lq.exp() * (lq - lm)).sum(-1) + (1 - beta) * s).sum()
+        dz = p.mul_(lp.sub_(lm).sub_(s[:, None])).mul_((1 - beta) / temperature / n)
+        del lq, lm
+        dx[i : i + rows] = (dz @ ws64).float()
+        dw.addmm_(dz.T, xc)
+        del dz, lp, xc
+    out = total.item() / n, dx, dw.float()
+    del ws64, wt64, dw
+    return out
+
+
+@torch.no_grad()
+def rel_err(a, ref) -> float:
+    from .reference import rel_err as _rel
+
+    return _rel(a, ref)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def naive_jsd(xs, ws, xt, wt, t, beta=BETA, temperature=TEMPERATURE):
+    """What a user writes: both logits, upcast to fp32, the TRL formula, mean over tokens."""
+    zs = (xs @ ws.T).float() / temperature
+    with torch.no_grad():
+        zt = (xt @ wt.T).float() / temperature
+    lp = F.log_softmax(zs, dim=-1)
+    lq = F.log_softmax(zt, dim=-1)
+    lm = torch.logsumexp(torch.stack([lp + math.log(1 - beta), lq + math.log(beta)]), dim=0)
+    kl_t = F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)
+    kl_s = F.kl_div(lm, lp, reduction="none", log_target=True).sum(-1)
+    return (beta * kl_t + (1 - beta) * kl_s).mean()
+
+
+def _logitless(shape, device):
+    import logitless
+
+    return lambda xs, ws, xt, wt, t: logitless.linear_jsd(xs, ws, xt, wt, t, beta=BETA, temperature=TEMPERATURE)
+
+
+def _torch_eager(shape, device):
+    return naive_jsd
+
+
+def _torch_compile(shape, device):
+    if device.type != "cuda":
+        raise Skip("torch.compile is measured on the GPU only")
+    torch._dynamo.reset()
+    return torch.compile(naive_jsd)
+
+
+def _liger_fused(shape, device):
+    if device.type != "cuda":
+        raise Skip("liger-kernel needs CUDA")
+    try:
+        from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
+    except ImportError as exc:
+        raise Skip(f"liger-kernel not importable ({exc})") from None
+    mod = LigerFusedLinearJSD(jsd_beta=BETA, temperature=TEMPERATURE)
+    return lambda xs, ws, xt, wt, t: mod(xs, ws, xt, wt, t)
+
+
+def _liger_chunked(shape, device):
+    if device.type != "cuda":
+        raise Skip("liger-kernel needs CUDA")
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+    except ImportError as exc:
+        raise Skip(f"liger-kernel not importable ({exc})") from None
+    torch._dynamo.reset()
+    mod = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA,
+                                  temperature=TEMPERATURE)
+    return lambda xs, ws, xt, wt, t: mod(xs, ws, xt, wt, t)
+
+
+def _trl_chunked(shape, device):
+    if device.type != "cuda":
+        raise Skip("TRL's chunked divergence is measured on the GPU only")
+    try:
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    except Exception as exc:  # noqa: BLE001 - trl or one of its dependencies missing
+        raise Skip(f"trl.kernels.chunked_divergence not importable ({describe(exc)})") from None
+
+    def f(xs, ws, xt, wt, t):
+        per_token, _entropy = ChunkedDivergenceFunction.apply(xs, ws, None, xt, wt, None, BETA, TEMPERATURE)
+        return per_token.float().mean()
+
+    return f
+
+
+METHODS: dict[str, tuple[Callable, str]] = {
+    "logitless": (_logitless, "logitless.linear_jsd (default 256 MiB budget)"),
+    "torch-eager": (_torch_eager, "naive formula: both logits, fp32 log_softmax, kl_div"),
+    "torch-compile": (_torch_compile, "torch.compile of the naive formula"),
+    "liger-fused": (_liger_fused, "liger_kernel LigerFusedLinearJSD"),
+    "liger-chunked": (_liger_chunked, "liger_kernel.chunked_loss LigerFusedLinearJSDLoss (hard 0, soft 1)"),
+    "trl-chunked": (_trl_chunked, "trl.kernels.chunked_divergence.ChunkedDivergenceFunction"),
+}
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _phase(row, name, device, fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a failing method is a result
+        row["errors"].append(f"{name}: {describe(exc)}")
+        timing.release_memory(device)
+        return None
+
+
+def measure(fn, inputs, floor, ref, device, warmup, reps, row) -> None:
+    xs, ws, xt, wt, t = inputs
+    xg = xs.detach().requires_grad_(True)
+    wg = ws.detach().requires_grad_(True)
+
+    def setup():
+        xg.grad = None
+        wg.grad = None
+
+    def step():
+        loss = fn(xg, wg, xt, wt, t)
+        loss.backward()
+        return loss
+
+    row["fwdbwd_ms"] = _phase(row, "forward+backward", device,
+                              lambda: timing.time_ms(step, device=device, setup=setup, warmup=warmup, reps=reps))
+    if row["fwdbwd_ms"] is None:
+        setup()
+        return
+    row["fwdbwd_per_floor"] = row["fwdbwd_ms"] / floor
+    grads = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
+    out = _phase(row, "memory", device,
+                 lambda: timing.peak_extra_bytes(step, device=device, setup=setup, exclude_bytes=grads))
+    if out is not None:
+        loss, extra = out
+        row["peak_extra_mib"] = None if extra is None else extra / 2**20
+        row["loss"] = float(loss.detach().float().item())
+        if ref is not None:
+            row["loss_abs_err"] = abs(row["loss"] - ref[0])
+            if xg.grad is not None and wg.grad is not None:
+                row["dx_rel_err"] = _phase(row, "dx error", device, lambda: rel_err(xg.grad, ref[1]))
+                row["dw_rel_err"] = _phase(row, "dW error", device, lambda: rel_err(wg.grad, ref[2]))
+    setup()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows) -> str:
+    head = ["shape", "method", "status", "f+b ms", "f+b/floor", "peak extra MiB", "|loss-ref|", "dx err", "dW err"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason'][:120]}"
+        lines.append("| " + " | ".join([
+            r["shape"], r["method"], status, _fmt(r.get("fwdbwd_ms"), ".2f"), _fmt(r.get("fwdbwd_per_floor"), ".2f"),
+            _fmt(r.get("peak_extra_mib"), ".0f"), _fmt(r.get("loss_abs_err"), ".2e"),
+            _fmt(r.get("dx_rel_err"), ".2e"), _fmt(r.get("dw_rel_err"), ".2e")]) + " |")
+    return "\n".join(lines)
+
+
+def save(data, out_dir) -> list:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = data["meta"]["device_tag"]
+    day = datetime.date.today().isoformat()
+    md = [f"# distill: {data['title']}", "", f"{data['meta']['device']} | torch {data['meta']['torch']} | "
+          f"triton {data['meta']['triton']} | {data['meta']['date']}", "", f"`{data['meta']['command']}`", ""]
+    if not data["meta"]["gpu"]:
+        md += ["```", report.CPU_BANNER, "```", ""]
+    md += ["GEMM floors (ms): " + ", ".join(f"{k}: {v['floor']:.3f}" for k, v in data["floors"].items()), "",
+           table(data["rows"]), "", METRICS, ""]
+    md += [f"- note: {n}" for n in data["notes"]]
+    written = []
+    for stem in (f"distill-{tag}-{day}", f"latest-distill-{tag}"):
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+        written += [out / f"{stem}.json", out / f"{stem}.md"]
+    return written
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def run_cli(args, cpu: bool) -> int:
+    """``python -m logitless_bench --suite distill ...`` (options of cli.py)."""
+    import time
+
+    from logitless.ops.linear_jsd.bench_shapes import CPU_SHAPES, SHAPES
+
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    shapes = CPU_SHAPES if cpu else SHAPES
+    wanted = [s.strip() for s in (args.shapes or "").split(",") if s.strip()]
+    if wanted:
+        unknown = [w for w in wanted if w not in {s.name for s in SHAPES + CPU_SHAPES}]
+        if unknown:
+            raise SystemExit(f"unknown distill shape(s) {unknown}; known: {[s.name for s in SHAPES + CPU_SHAPES]}")
+        shapes = [s for s in SHAPES + CPU_SHAPES if s.name in wanted]
+    if args.quick:
+        shapes = shapes[:1]
+    methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
+    if args.no_peers:
+        methods = ["logitless"]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown distill method(s) {unknown}; known: {list(METHODS)}")
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
+
+    if cpu:
+        print(report.CPU_BANNER, flush=True)
+    meta = report.environment(device)
+    print(f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | peers: {meta['peers']}",
+          flush=True)
+    data = {"suite": "distill", "title": "fused linear distillation, generalized JSD (beta 0.5, T 1), fwd+bwd",
+            "meta": meta, "settings": {"warmup": warmup, "reps": reps, "seed": args.seed},
+            "methods": {m: METHODS[m][1] for m in methods}, "floors": {}, "rows": [], "notes": [],
+            "complete": False}
+    out_dir = args.out or "benchmarks/results"
+    try:
+        for shape in shapes:
+            inputs = make_inputs(shape, device, args.seed)
+            floor = gemm_floor_ms(*inputs[:4], warmup=warmup, reps=reps)
+            data["floors"][shape.name] = floor
+            print(f"== distill {shape.label} {shape.dtype}: floor {floor['floor']:.3f} ms "
+                  f"({', '.join(f'{k} {v:.3f}' for k, v in floor.items() if k != 'floor')})", flush=True)
+            ref = None
+            if not args.no_errors:
+                try:
+                    ref = jsd_reference(*inputs[:4])
+                except Exception as exc:  # noqa: BLE001
+                    data["notes"].append(f"{shape.name}: float64 reference failed ({describe(exc)})")
+                timing.release_memory(device)
+            for name in methods:
+                row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
+                       "floor_ms": floor["floor"]}
+                if deadline is not None and time.monotonic() > deadline:
+                    row.update(status="skipped", reason="time limit (--max-minutes) reached")
+                else:
+                    try:
+                        fn = METHODS[name][0](shape, device)
+                    except Skip as exc:
+                        row.update(status="skipped", reason=str(exc))
+                    except Exception as exc:  # noqa: BLE001
+                        row.update(status="failed", reason=f"set-up: {describe(exc)}")
+                    else:
+                        measure(fn, inputs, floor["floor"], ref, device, warmup, reps, row)
+                        del fn
+                if row["status"] == "ok" and row["errors"]:
+                    row.update(status="failed", reason="; ".join(row["errors"]))
+                data["rows"].append(row)
+                print(f"  {name:<14} {row['status']:<8} f+b {_fmt(row.get('fwdbwd_ms'), '.2f')} ms = "
+                      f"{_fmt(row.get('fwdbwd_per_floor'), '.2f')} x floor, peak "
+                      f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, |loss-ref| {_fmt(row.get('loss_abs_err'), '.1e')}, "
+                      f"dx {_fmt(row.get('dx_rel_err'), '.1e')}, dW {_fmt(row.get('dw_rel_err'), '.1e')} "
+                      f"{row['reason'][:160]}", flush=True)
+                timing.release_memory(device)
+            del inputs, ref
+            timing.release_memory(device)
+            save(data, out_dir)
+        data["complete"] = True
+    except KeyboardInterrupt as exc:
+        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
+    written = save(data, out_dir)
+    print("\n" + table(data["rows"]))
+    print("files: " + " ".join(str(p) for p in written))
+    if cpu:
+        print("\n" + report.CPU_BANNER)
+    return 0 if data["complete"] else 130

@@ -1,0 +1,223 @@
+"""Every method the benchmark runs: one small adapter each, logitless and its peers.
+
+An adapter ``make(case, device)`` returns the loss function the suite times:
+
+    lce suite: fn(x, weight, target) -> mean loss     x (B, H), weight (V, H), target (B,)
+    ce suite:  fn(logits, target)    -> mean loss     logits (N, V)
+
+or raises ``Skip(reason)`` when the method cannot run here (library not installed,
+no GPU). Peers are imported inside their adapter, never at module import, so the CPU
+path imports neither liger-kernel, cut-cross-entropy nor triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class Skip(Exception):
+    """The method cannot run here; the message says why (it goes in the report)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    make: Callable  # (case, device) -> loss function
+    peer: bool = True  # False for logitless itself
+    gpu_only: bool = False
+    #: ce suite: the method writes into the logits (the gradient, in place); the suite
+    #: regenerates them, untimed, before each forward+backward.
+    clobbers_input: bool = False
+    description: str = ""
+
+
+def _import(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a peer failing at import on this machine
+        raise Skip(f"{package} not importable: {type(exc).__name__}: {exc}") from None
+
+
+def _on_gpu(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _need_gpu(device) -> None:
+    if not _on_gpu(device):
+        raise Skip("needs a CUDA GPU")
+
+
+def _compiled(fn):
+    # A fresh compile per case: dynamo caches graphs per code object, and after a few
+    # shapes it would either hit its recompile limit (silently running eager) or
+    # switch to dynamic shapes. reset() forgets the previous cases.
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
+def peer_versions() -> dict:
+    """Installed versions of the peers (None when not installed), without importing them."""
+    out = {}
+    for dist in ("liger-kernel", "cut-cross-entropy"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+# --------------------------------------------------------------------------- budgets
+
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def budget_bytes(spec: str, tokens: int, vocab: int, itemsize: int) -> Optional[int]:
+    """``--budgets`` entry -> bytes: "default" (None: the op's default), "logits" (the
+    size of the (tokens, vocab) logits in the input dtype), or a size such as "64MiB"."""
+    if spec == "default":
+        return None
+    if spec == "logits":
+        return tokens * vocab * itemsize
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", spec)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"bad budget {spec!r}: use default, logits, or a size like 64MiB, 1GiB, 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def budget_method_name(spec: str) -> str:
+    return "logitless" if spec == "default" else f"logitless@{spec}"
+
+
+# --------------------------------------------------------------------------- lce suite
+
+
+def logitless_lce(spec: str) -> Method:
+    def make(shape, device):
+        from logitless.ops.linear_cross_entropy.api import linear_cross_entropy
+
+        itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+        budget = budget_bytes(spec, shape.tokens, shape.vocab, itemsize)
+        backend = "auto" if _on_gpu(device) else "torch"  # the CPU run: PyTorch chunks
+        return lambda x, w, t: linear_cross_entropy(x, w, t, memory_budget=budget, backend=backend)
+
+    return Method(budget_method_name(spec), make, peer=False,
+                  description=f"logitless.linear_cross_entropy, memory_budget={spec}")
+
+
+def _eager_lce(x, w, t):
+    return F.cross_entropy(x @ w.T, t)  # bf16 logits, as a user writes it
+
+
+def _make_eager_lce(shape, device):
+    return _eager_lce
+
+
+def _make_compile_lce(shape, device):
+    _need_gpu(device)
+    return _compiled(_eager_lce)
+
+
+def _make_liger_lce(shape, device):
+    _need_gpu(device)
+    functional = _import("liger_kernel.transformers.functional", "liger-kernel")
+    f = functional.liger_fused_linear_cross_entropy  # (input, weight, target, bias=None, ...)
+    return lambda x, w, t: f(x, w, t)
+
+
+def _make_cce(filter_eps):
+    def make(shape, device):
+        _need_gpu(device)
+        cce = _import("cut_cross_entropy", "cut-cross-entropy")
+        if filter_eps == "default":
+            return lambda x, w, t: cce.linear_cross_entropy(x, w, t)  # filter_eps="high"
+        return lambda x, w, t: cce.linear_cross_entropy(x, w, t, filter_eps=filter_eps)
+
+    return make
+
+
+LCE_PEERS: tuple[Method, ...] = (
+    Method("torch-eager", _make_eager_lce, description="F.cross_entropy(x @ W.T, t), logits in the input dtype (bf16)"),
+    Method("torch-compile", _make_compile_lce, gpu_only=True,
+           description="torch.compile of the eager function (dynamic=False)"),
+    Method("liger", _make_liger_lce, gpu_only=True,
+           description="liger_kernel.transformers.functional.liger_fused_linear_cross_entropy"),
+    Method("cce", _make_cce("default"), gpu_only=True,
+           description="cut_cross_entropy.linear_cross_entropy, default filter_eps ('high')"),
+    Method("cce-exact", _make_cce(None), gpu_only=True,
+           description="cut_cross_entropy.linear_cross_entropy(filter_eps=None)"),
+)
+
+
+def lce_methods(budgets, *, cpu: bool, peers: bool) -> list[Method]:
+    methods = [logitless_lce(b) for b in budgets]
+    if peers:
+        methods += [m for m in LCE_PEERS if not (cpu and m.gpu_only)]
+    return methods
+
+
+# --------------------------------------------------------------------------- ce suite
+
+
+def logitless_cross_entropy():
+    """``logitless.ops.cross_entropy`` (another developer's op); raises Skip while it does not exist."""
+    try:
+        mod = importlib.import_module("logitless.ops.cross_entropy")
+    except Exception as exc:
+        raise Skip(f"logitless.ops.cross_entropy not importable: {type(exc).__name__}: {exc}") from None
+    fn = getattr(mod, "cross_entropy", None)
+    if not callable(fn):
+        raise Skip("logitless.ops.cross_entropy has no function cross_entropy")
+    return fn
+
+
+def _make_logitless_ce(inplace: bool):
+    def make(case, device):
+        ce = logitless_cross_entropy()
+        backend = "auto" if _on_gpu(device) else "torch"  # the CPU run: PyTorch chunks
+        kw = {"inplace_backward": True} if inplace else {}
+        return lambda logits, t: ce(logits, t, backend=backend, **kw)
+
+    return make
+
+
+def _eager_ce(logits, t):
+    return F.cross_entropy(logits, t)
+
+
+def _make_eager_ce(case, device):
+    return _eager_ce
+
+
+def _make_compile_ce(case, device):
+    _need_gpu(device)
+    return _compiled(_eager_ce)
+
+
+def _make_liger_ce(case, device):
+    _need_gpu(device)
+    functional = _import("liger_kernel.transformers.functional", "liger-kernel")
+    f = functional.liger_cross_entropy  # writes the gradient into its input in the forward
+    return lambda logits, t: f(logits, t)
+
+
+def ce_methods(*, cpu: bool, peers: bool) -> list[Method]:
+    methods = [
+        Method("logitless", _make_logitless_ce(False), peer=False, description="logitless.cross_entropy"),
+        Method("logitless-inplace", _make_logitless_ce(True), peer=False, clobbers_input=True,
+               description="logitless.cross_entropy(inplace_backward=True)"),
+    ]
+    if peers:
+        methods += [
+            Method("torch-eager", _make_eager_ce, description="F.cross_entropy(logits, t)"),
+            Method("torch-compile", _make_compile_ce, gpu_only=True, description="torch.compile of it"),
+            Method("liger", _make_liger_ce, gpu_only=True, clobbers_input=True,
+                   description="liger_kernel.transformers.functional.liger_cross_entropy"),
+        ]
+    return [m for m in methods if not (cpu and m.gpu_only)]
