@@ -16,10 +16,11 @@ import argparse
 import torch
 
 import logitless
-from logitless.planning import plans as _plans
+from logitless.ops.linear_jsd.bench_shapes import DistillShape
+from logitless.planning.overrides import override
+from logitless.planning.plans import JSD_CUDA_TILES
 from logitless_bench import timing
 from logitless_bench.distill import gemm_floor_ms, make_inputs
-from logitless.ops.linear_jsd.bench_shapes import DistillShape
 
 CONFIGS = [None, (128, 64, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 2), (128, 128, 32, 8, 4)]
 
@@ -40,7 +41,7 @@ def main() -> None:
     floor = gemm_floor_ms(xs, ws, xt, wt, warmup=2, reps=a.reps)
     print(f"shape {shape.label}: floor {floor['floor']:.2f} ms "
           + ", ".join(f"{k} {v:.2f}" for k, v in floor.items() if k != "floor"), flush=True)
-    default = _plans.JSD_CUDA_TILES[2]
+    default = JSD_CUDA_TILES[2]
     xg, wg = xs.detach().requires_grad_(), ws.detach().requires_grad_()
 
     def setup():
@@ -50,31 +51,29 @@ def main() -> None:
         logitless.linear_jsd(xg, wg, xt, wt, t).backward()
 
     if a.schedule:
-        shipped = dict(_plans.KERNEL_OPTIONS)
         times = {False: [], True: []}
         for _ in range(3):
             for group in (False, True):
-                _plans.KERNEL_OPTIONS = dict(shipped, group=group)
-                times[group].append(timing.time_ms(step, device=dev, setup=setup, warmup=2, reps=a.reps))
-        _plans.KERNEL_OPTIONS = shipped
+                with override(kernel_options=dict(group=group)):
+                    times[group].append(timing.time_ms(step, device=dev, setup=setup, warmup=2, reps=a.reps))
         for group, ts in times.items():
             ts = sorted(ts)
             print(f"{'grouped' if group else 'plain'} order: fwd+bwd {ts[1]:.2f} ms ({ts[1] / floor['floor']:.2f}x floor; "
                   f"rounds {', '.join(f'{x:.2f}' for x in ts)})", flush=True)
         return
     for cfg in CONFIGS:
-        _plans.JSD_CUDA_TILES[2] = cfg or default
         try:
-            with torch.no_grad():
-                fwd = timing.time_ms(lambda: logitless.linear_jsd(xs, ws, xt, wt, t), device=dev, warmup=2, reps=a.reps)
-            fb = timing.time_ms(step, device=dev, setup=setup, warmup=2, reps=a.reps)
+            with override(tiles=cfg or default):
+                with torch.no_grad():
+                    fwd = timing.time_ms(lambda: logitless.linear_jsd(xs, ws, xt, wt, t), device=dev, warmup=2,
+                                         reps=a.reps)
+                fb = timing.time_ms(step, device=dev, setup=setup, warmup=2, reps=a.reps)
             print(f"tiles {cfg or default}{' (default)' if cfg is None else ''}: fwd {fwd:.2f} ms "
                   f"({fwd / floor['floor']:.2f}x floor), fwd+bwd {fb:.2f} ms ({fb / floor['floor']:.2f}x floor), "
                   f"bwd ~{fb - fwd:.2f} ms", flush=True)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
             print(f"tiles {cfg}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
         timing.release_memory(dev)
-    _plans.JSD_CUDA_TILES[2] = default
 
 
 if __name__ == "__main__":

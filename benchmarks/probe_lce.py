@@ -21,10 +21,10 @@ import triton
 from triton.testing import do_bench
 
 import logitless
-from logitless.planning import plans as _plans
 from logitless.formulas.cross_entropy import LossOptions, grad_coefficients
 from logitless.ops.linear_cross_entropy import triton_backend as TB
 from logitless.ops.linear_cross_entropy import triton_kernels as K
+from logitless.planning import plans as _plans
 
 SHAPES = {
     "llama3.1-8b": (4096, 4096, 128256),

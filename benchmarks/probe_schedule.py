@@ -2,7 +2,7 @@
 
 For each shape: the cuBLAS GEMM unit; the forward kernel (no kept columns, and keeping
 all of them) and the dlogits kernel over the whole vocabulary in 4096-column chunks
-(one GEMM's FLOPs) under each option of ``_plans.KERNEL_OPTIONS`` (grouped program
+(one GEMM's FLOPs) under each option of ``plans.KERNEL_OPTIONS`` (grouped program
 order, ``_plans.group_rows`` or a given number of row blocks per group, a flattened pipeline, bulk dz stores,
 persistent dlogits programs); then the op end to end (forward only, and
 forward+backward at the default and a logits-sized budget) with the plain schedule
@@ -14,6 +14,7 @@ and with the shipped default. Every variant is checked bitwise against the plain
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,9 +27,10 @@ import triton
 from triton.testing import do_bench
 
 import logitless
-from logitless.planning import plans as _plans
 from logitless.formulas.cross_entropy import LossOptions, grad_coefficients
 from logitless.ops.linear_cross_entropy import triton_backend as TB
+from logitless.planning import plans as _plans
+from logitless.planning.overrides import override
 
 SHAPES = {  # name: (tokens, hidden, vocab)
     "llama3.1-8b": (4096, 4096, 128256),
@@ -79,10 +81,15 @@ def ms(fn):
     return do_bench(fn, warmup=5, rep=150, return_mode="median")
 
 
+_ACTIVE = contextlib.ExitStack()
+
+
 def set_options(opts):
+    """The scheduling options in force from now on (``overrides.override``)."""
     o = dict(opts)
-    _plans.GROUP_ROWS = o.pop("_rows", None)
-    _plans.KERNEL_OPTIONS = o
+    rows = o.pop("_rows", None)
+    _ACTIVE.close()
+    _ACTIVE.enter_context(override(kernel_options=o, group_rows=rows))
 
 
 def median(vals):
@@ -175,7 +182,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="only the plain and the shipped schedule")
     args = ap.parse_args()
-    shipped = dict(_plans.KERNEL_OPTIONS, _rows=_plans.GROUP_ROWS)
+    shipped = dict(_plans.KERNEL_OPTIONS, _rows=None)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     meta = dict(device=dev, torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),

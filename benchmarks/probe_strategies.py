@@ -4,7 +4,7 @@
 
 For a few shapes and budgets, times forward+backward (bf16, mean reduction) under
     model   the cost model's choice (what the library does),
-    greedy  the previous rule (keep as many columns as fit; _plans.MODEL_PLANS = False),
+    greedy  the previous rule (keep as many columns as fit; override(model_plans=False)),
     keep/partial  the model restricted to keep/partial plans,
     gif     gradient-in-forward forced with the model's best token chunk at that budget,
 and prints predicted vs measured ms, so that the model's constants can be refitted
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import logitless  # noqa: E402
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
-from logitless_bench import timing# noqa: E402
+from logitless.planning.overrides import override
+from logitless_bench import timing  # noqa: E402
 
 SHAPES = [  # name, tokens, hidden, vocab, budgets (MiB; "L" = the bf16 logits)
     ("llama3.1-8b", 4096, 4096, 128256, [256, 512, 1024, "L"]),
@@ -62,21 +63,13 @@ def run(quick: bool, smoke: bool = False):
             if preds.get("grad_in_forward") is not None:
                 modes.append(("gif", ("grad_in_forward", preds["grad_in_forward"].token_chunk), True))
             for mode, force, model_plans in modes:
-                _plans.MODEL_PLANS = model_plans
-                ctx = None
-                if force == "partial":
-                    ctx = _plans.forced_strategy("partial")
-                elif force is not None:
-                    ctx = _plans.forced_strategy(*force)
+                strategy = ("partial", 0) if force == "partial" else force
 
                 def step():
                     x.grad = w.grad = None
-                    if ctx is not None:
-                        with ctx:
-                            loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend="triton")
-                    else:
+                    with override(model_plans=model_plans, strategy=strategy):
                         loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend="triton")
-                    loss.backward()
+                        loss.backward()
 
                 try:
                     ms, spread = timing.time_ms_spread(step, device=dev, warmup=2 if cuda else 0,
@@ -88,7 +81,6 @@ def run(quick: bool, smoke: bool = False):
                     ms = spread = peak = None
                     err = f"{type(exc).__name__}: {str(exc)[:200]}"
                 finally:
-                    _plans.MODEL_PLANS = True
                     x.grad = w.grad = None
                 pred = {"model": choice, "gif": preds.get("grad_in_forward")}.get(mode)
                 if mode == "keep/partial":

@@ -32,10 +32,9 @@ def run_custom_op(mode, func, args, kwargs):
     """For a dispatch mode: the result of ``func``, running a logitless custom op's Python
     implementation with ``mode`` active (so that the mode sees the aten ops inside it;
     otherwise each custom op is one opaque call), any other op as it is."""
-    from logitless.ops.cross_entropy.custom_op import EAGER as CE
-    from logitless.ops.linear_cross_entropy.custom_op import EAGER as LCE
+    from logitless.ops.common.autograd import EAGER
 
-    impl = {**CE, **LCE}.get(func.name())
+    impl = EAGER.get(func.name())
     if impl is None:
         return func(*args, **(kwargs or {}))
     with mode:

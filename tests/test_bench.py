@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from logitless_bench import peers, reference, report
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless_bench import peers, reference, report
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 

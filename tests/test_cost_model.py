@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import logitless
+from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES, SHAPES
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
-from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES, SHAPES
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTIONS, check_against_reference, make_inputs
-
-import logitless
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest-lce-H100.json"
 BUDGETS = [2**e for e in range(16, 37)] + [3 * 2**e for e in range(20, 34)]
@@ -132,19 +132,19 @@ def test_model_columns_are_valid_plans():
 def test_grad_in_forward_matches_reference(reduction, token_chunk, dtype, monkeypatch):
     """Every option at once; chunks of 1 token, uneven chunks, one chunk. ("none"
     cannot use the strategy: the forced planner is ignored and the default runs.)"""
-    from logitless.ops.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy import triton_grad_in_forward
 
     calls = []
-    real = triton_backend.forward_with_grad
-    monkeypatch.setattr(triton_backend, "forward_with_grad", lambda *a, **k: calls.append(k) or real(*a, **k))
-    with _plans.forced_strategy("grad_in_forward", token_chunk=token_chunk):
+    real = triton_grad_in_forward.forward_with_grad
+    monkeypatch.setattr(triton_grad_in_forward, "forward_with_grad", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with override(strategy=("grad_in_forward", token_chunk)):
         check_against_reference("triton", dtype, (29,), 40, 257, OPTIONS["all"], reduction, seed=11)
     assert len(calls) == (0 if reduction == "none" else 1)
 
 
 @pytest.mark.parametrize("requires_grad", [(True, False), (False, True)])
 def test_grad_in_forward_partial_grads(requires_grad):
-    with _plans.forced_strategy("grad_in_forward", token_chunk=8):
+    with override(strategy=("grad_in_forward", 8)):
         check_against_reference("triton", torch.float32, (3, 7), 24, 101, OPTIONS["plain"], "mean", seed=3,
                                 requires_grad=requires_grad)
 
@@ -153,12 +153,12 @@ def test_grad_in_forward_scales_by_grad_output_and_is_repeatable():
     x, w, t, b, kw = make_inputs((23,), 24, 101, torch.float32, OPTIONS["z_loss"], seed=5)
     outs = []
     for _ in range(2):
-        with _plans.forced_strategy("grad_in_forward", token_chunk=5):
+        with override(strategy=("grad_in_forward", 5)):
             loss = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         outs.append((loss,) + torch.autograd.grad(loss * -2.5, (x, w)))
     for a, c in zip(outs[0], outs[1]):
         assert torch.equal(a, c)  # same plan -> bitwise identical
-    with _plans.forced_strategy("partial"):
+    with override(strategy=("partial", 0)):
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
     ref = torch.autograd.grad(loss * -2.5, (x, w))
     for a, c in zip(outs[0][1:], ref):
@@ -167,12 +167,12 @@ def test_grad_in_forward_scales_by_grad_output_and_is_repeatable():
 
 def test_grad_in_forward_not_for_fp16_softcap():
     """fp16 cannot keep exp(z - m) with a soft-cap: the strategy is refused there."""
-    from logitless.formulas.cross_entropy import LossOptions
     from logitless.ops.linear_cross_entropy.triton_grad_in_forward import grad_in_forward_chunk
+    from logitless.options import CrossEntropyOptions as LossOptions
 
     x = torch.zeros(4, 8, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(16, 8, dtype=torch.float16, device=DEVICE)
-    with _plans.forced_strategy("grad_in_forward", token_chunk=2):
+    with override(strategy=("grad_in_forward", 2)):
         assert grad_in_forward_chunk(x, w, 2**20, LossOptions(softcap=5.0), 5.0) is None
         assert grad_in_forward_chunk(x, w, 2**20, LossOptions(reduction="none"), None) is None
         assert grad_in_forward_chunk(x, w, 2**20, LossOptions(), None) == 2
@@ -184,7 +184,7 @@ def test_grad_in_forward_all_ignored_gives_zero_grads():
     gradient is finished in the forward."""
     x, w, t, b, kw = make_inputs((9,), 24, 101, torch.float32, OPTIONS["plain"], seed=1)
     t = torch.full_like(t, -100)
-    with _plans.forced_strategy("grad_in_forward", token_chunk=4):
+    with override(strategy=("grad_in_forward", 4)):
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton")
     dx, dw = torch.autograd.grad(loss, (x, w))
     assert torch.isnan(loss)
@@ -195,7 +195,7 @@ def test_grad_in_forward_backward_twice():
     """retain_graph: the second backward recomputes (the forward's gradients were
     consumed by the first) and gives the same gradients."""
     x, w, t, b, kw = make_inputs((17,), 24, 101, torch.float32, OPTIONS["label_smoothing"], seed=4)
-    with _plans.forced_strategy("grad_in_forward", token_chunk=6):
+    with override(strategy=("grad_in_forward", 6)):
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton", reduction="sum", **kw)
     first = torch.autograd.grad(loss * 0.5, (x, w), retain_graph=True)
     second = torch.autograd.grad(loss * 0.5, (x, w))
@@ -204,7 +204,7 @@ def test_grad_in_forward_backward_twice():
 
 
 @pytest.mark.parametrize("vocab", [50257, 151665, 100003, 128256])
-def test_gpu_plans_keep_whole_tiles_at_odd_vocab(monkeypatch, vocab):
+def test_gpu_plans_keep_whole_tiles_at_odd_vocab(vocab):
     """At an odd V, cuBLAS ran the kept columns' GEMMs 8x slower (gpt2 at a logits-sized
     budget: 41 ms against 5 ms on the H100): GPU plans keep whole tiles, recompute the
     ragged tail, and never compute the gradient in the forward."""
@@ -214,16 +214,16 @@ def test_gpu_plans_keep_whole_tiles_at_odd_vocab(monkeypatch, vocab):
     from logitless.planning import plans as _plans
 
     gpu = types.SimpleNamespace(type="cuda", index=0)
-    monkeypatch.setattr(_plans, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(_plans, "_tiles", lambda *a: _plans.CUDA_TILES[2])
-    monkeypatch.setattr(_plans, "_device_model", lambda device: _cost_model.DEFAULT)
-    n, h = 8192, 768
-    for budget in (256 * 2**20, n * vocab * 2 + 2**30, 8 * 2**30):
-        plan = _plans.triton_plan(n, vocab, h, 2, budget, gpu, keep_allowed=True)
-        if vocab % 8:
-            assert plan.keep_cols < vocab and plan.keep_cols % plan.block_v == 0, plan
-        else:
-            assert plan.keep_cols % plan.block_v == 0 or plan.keep_cols == vocab, plan
-        strategy = _plans.lce_strategy(n, vocab, h, 2, budget, gpu)
-        if vocab % 8:
-            assert strategy.strategy != "grad_in_forward", strategy
+    # An H100 as the planner sees it, without one: its SM count, cost model and tiles.
+    h100 = override(num_sms=132, device_model=_cost_model.DEFAULT, tiles=_plans.CUDA_TILES[2])
+    with h100:
+        n, h = 8192, 768
+        for budget in (256 * 2**20, n * vocab * 2 + 2**30, 8 * 2**30):
+            plan = _plans.triton_plan(n, vocab, h, 2, budget, gpu, keep_allowed=True)
+            if vocab % 8:
+                assert plan.keep_cols < vocab and plan.keep_cols % plan.block_v == 0, plan
+            else:
+                assert plan.keep_cols % plan.block_v == 0 or plan.keep_cols == vocab, plan
+            strategy = _plans.lce_strategy(n, vocab, h, 2, budget, gpu)
+            if vocab % 8:
+                assert strategy.strategy != "grad_in_forward", strategy

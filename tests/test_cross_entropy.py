@@ -428,3 +428,21 @@ def test_cuda_offsets_beyond_int32():
     torch.testing.assert_close(loss[-3:].double(), ref, rtol=1e-5, atol=1e-5)
     (g,) = torch.autograd.grad(loss.sum(), logits)
     torch.testing.assert_close(g[-3:].double(), g_ref, rtol=2e-2, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_stats_lse_is_differentiable(backend, inplace):
+    """stats.lse carries its gradient (the softmax) into the logits, with the loss's."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 33, generator=g) * 2).to(DEVICE).requires_grad_()
+    target = torch.randint(0, 33, (7,), generator=g).to(DEVICE)
+    r = torch.randn(7, generator=g).to(DEVICE)
+    z = logits.clone() if inplace else logits
+    loss, stats = cross_entropy(z, target, backend=backend, return_stats=True, softcap=5.0,
+                                inplace_backward=inplace)
+    (ours,) = torch.autograd.grad(loss + (stats.lse * r).sum(), logits)
+    zd = 5.0 * torch.tanh(logits.double() / 5.0)
+    ref = torch.nn.functional.cross_entropy(zd, target) + (torch.logsumexp(zd, -1) * r.double()).sum()
+    (expected,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(ours.double(), expected.double(), rtol=1e-5, atol=1e-6)

@@ -112,6 +112,9 @@ def _worker(rank: int, port: int, setup: str):
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     finally:
+        # Both ranks reach here before either tears gloo down (a rank destroying the group
+        # while the other still has a collective in flight aborted the process, rarely).
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -154,7 +154,7 @@ def test_no_tokens_by_vocab_temporaries(backend):
     (A dispatch mode does not see inside a custom op: the backend is called directly.)"""
     import importlib
 
-    from logitless.formulas.jsd import JSDOptions
+    from logitless.options import JSDOptions
 
     n, v = 40, 160
     zs, zt, target, kw = make_inputs((n,), v, torch.bfloat16, OPTIONS["all"], seed=1)

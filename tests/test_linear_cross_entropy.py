@@ -10,12 +10,14 @@ import dataclasses
 
 import pytest
 import torch
-import triton
 import torch.nn.functional as F
+import triton
 
 import logitless
-from logitless.formulas.cross_entropy import LossOptions, TokenStats, token_loss
+from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.options import CrossEntropyOptions as LossOptions
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref
 
@@ -320,7 +322,7 @@ def test_tma_and_pointer_paths_are_both_exercised():
     """Aligned rows (H=24 here) take the tensor-descriptor loads, odd H=17 the pointer
     loads: the option tests above run both paths."""
     from logitless.planning.plans import triton_plan
-    from logitless.ops.linear_cross_entropy.triton_backend import _operands
+    from logitless.triton_lib.launch import operands as _operands
 
     plan = triton_plan(8, 101, 24, 2, 1 << 20, torch.device("cpu"))
     assert _operands(torch.randn(8, 24).bfloat16(), torch.randn(101, 24).bfloat16(), plan)[2]
@@ -345,8 +347,8 @@ def test_no_host_sync_on_gpu(mode):
         torch.cuda.set_sync_debug_mode("default")
 
 
-#: Scheduling options of the fused GEMM kernels (``_plans.KERNEL_OPTIONS``): each alone
-#: and all together. GROUP_ROWS = 2: groups of 2 row blocks (and a ragged last group).
+#: Scheduling options of the fused GEMM kernels (``plans.KERNEL_OPTIONS``): each alone
+#: and all together, with groups of 2 row blocks (and a ragged last group).
 KERNEL_VARIANTS = {
     "group": dict(group=True),
     "flatten": dict(flatten=True),
@@ -358,50 +360,66 @@ KERNEL_VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 @pytest.mark.parametrize("aligned", [True, False], ids=["tma", "pointers"])
-def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned, monkeypatch):
+def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned):
     """Program order, grouping, flattened pipelines, persistent programs and bulk stores
     change when tiles run, never what a tile computes: loss, stats and gradients must
     equal the plain schedule's bit for bit, with kept and recomputed columns (one kept
     tile, then chunks of two tiles and a ragged one), at odd N and V."""
     from logitless.planning import plans as _plans
-    from logitless.ops.linear_cross_entropy import triton_backend as TB
 
     n, v = (300, 1500) if HAS_CUDA else (70, 257)
     hidden = (136 if aligned else 100) if HAS_CUDA else (24 if aligned else 17)
     x, w, target, bias, kw = make_inputs((n,), hidden, v, torch.bfloat16, OPTIONS["all"], seed=11)
-    plan_of = TB._plan
 
-    def forced_plan(*args, **kwargs):  # one kept tile, chunks of two tiles
-        p = plan_of(*args, **kwargs)
+    def one_kept_tile(p):  # one kept tile, chunks of two tiles
         return dataclasses.replace(p, keep_cols=p.block_v if p.keep_cols else 0, vocab_chunk=2 * p.block_v)
 
-    monkeypatch.setattr(TB, "_plan", forced_plan)
-    monkeypatch.setattr(_plans, "KERNEL_OPTIONS", dict(group=False, flatten=False, dz_tma=False, dlogits_programs=0))
+    plain_schedule = dict(group=False, flatten=False, dz_tma=False, dlogits_programs=0)
 
-    def run():
-        loss, stats = logitless.linear_cross_entropy(
-            x, w, target, bias, reduction="sum", backend="triton", return_stats=True, **kw)
-        return [loss, stats.lse, stats.correct, *torch.autograd.grad(loss, (x, w, bias))]
+    def run(**schedule):
+        with override(plan=one_kept_tile, kernel_options=dict(plain_schedule, **schedule), group_rows=2):
+            loss, stats = logitless.linear_cross_entropy(
+                x, w, target, bias, reduction="sum", backend="triton", return_stats=True, **kw)
+            plan = _plans.triton_plan(n, v, hidden, 2, 1 << 30, x.device, keep_allowed=True)
+        return plan, [loss, stats.lse, stats.correct, *torch.autograd.grad(loss, (x, w, bias))]
 
-    plain = run()
-    monkeypatch.setattr(_plans, "GROUP_ROWS", 2)
-    monkeypatch.setattr(_plans, "KERNEL_OPTIONS", dict(_plans.KERNEL_OPTIONS, **KERNEL_VARIANTS[variant]))
-    plan = forced_plan(n, v, hidden, torch.bfloat16, 0, x.device, True)
+    _, plain = run()
+    plan, variant_run = run(**KERNEL_VARIANTS[variant])
     assert plan.group_n == (2 if "group" in KERNEL_VARIANTS[variant] else 0)
     assert triton.cdiv(n, plan.block_n) > 2 and v - plan.keep_cols > 2 * plan.vocab_chunk
-    for a, b in zip(plain, run()):
+    for a, b in zip(plain, variant_run):
         assert torch.equal(a, b)
 
 
-def test_group_rows_minimises_the_l2_working_set(monkeypatch):
+def test_group_rows_minimises_the_l2_working_set():
     """G row blocks x (SMs / G) column tiles resident at once read G*block_n rows of x and
     (SMs/G)*block_v rows of W per step: the rule picks the G of the smallest sum."""
     from logitless.planning import plans as _plans
 
-    monkeypatch.setattr(_plans, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    for bn, bv in [(128, 256), (128, 128), (256, 128)]:
-        g = _plans.group_rows(bn, bv, cuda)
-        work = [G * bn + 132 / G * bv for G in range(1, 133)]
-        assert work[g - 1] <= min(work) * 1.01, (bn, bv, g)
-    assert _plans.group_rows(128, 256, cuda) == 16  # the H100's measured best (PERFORMANCE.md)
+    with override(num_sms=132):
+        for bn, bv in [(128, 256), (128, 128), (256, 128)]:
+            g = _plans.group_rows(bn, bv, cuda)
+            work = [G * bn + 132 / G * bv for G in range(1, 133)]
+            assert work[g - 1] <= min(work) * 1.01, (bn, bv, g)
+        assert _plans.group_rows(128, 256, cuda) == 16  # the H100's measured best (PERFORMANCE.md)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("budget", [None, 2000], ids=["keep", "recompute"])
+def test_stats_lse_is_differentiable(backend, budget):
+    """stats.lse carries its gradient (softmax, through the soft-cap) into x, weight and
+    bias, alone and together with the loss's, against float64."""
+    x, w, target, bias, kw = make_inputs((3, 11), 24, 101, torch.float32, OPTIONS["all"], seed=21)
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(3, 10, generator=g).to(DEVICE)  # shift: 10 positions
+    loss, stats = logitless.linear_cross_entropy(x, w, target, bias, backend=backend, return_stats=True,
+                                                 memory_budget=budget, **kw)
+    ref, ref_lse, _ = linear_cross_entropy_reference(x, w, target, bias, **kw)
+    logits = x.double() @ w.double().T + bias.double()
+    ref_lse = torch.logsumexp(kw["softcap"] * torch.tanh(logits[..., :-1, :] / kw["softcap"]), dim=-1)
+    for combine in (lambda lo, ls: (ls * r).sum(), lambda lo, ls: lo + (ls * r).sum()):
+        ours = torch.autograd.grad(combine(loss, stats.lse), (x, w, bias), retain_graph=True)
+        refs = torch.autograd.grad(combine(ref, ref_lse), (x, w, bias), retain_graph=True)
+        for name, o, e in zip(("dx", "dW", "db"), ours, refs):
+            assert_close_to_ref(name, o, None, e, torch.float32)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 import logitless
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.helpers import TOL, AllocationRecorder, assert_close_to_ref
+from tests.helpers import AllocationRecorder, assert_close_to_ref
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -265,7 +266,7 @@ def test_no_tokens_by_vocab_tensor(backend):
     popped), so the backend's forward and backward are called directly as well."""
     import importlib
 
-    from logitless.formulas.jsd import JSDOptions
+    from logitless.options import JSDOptions
 
     n, v = 64, 160
     budget = 8 * v * 16
@@ -305,8 +306,8 @@ def test_bitwise_repeatable(backend):
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["tma", "pointers"])
-def test_grouped_program_order_is_bitwise_neutral(aligned, monkeypatch):
-    """The dlogits kernel's grouped program order (``_plans.KERNEL_OPTIONS["group"]``)
+def test_grouped_program_order_is_bitwise_neutral(aligned):
+    """The dlogits kernel's grouped program order (``plans.KERNEL_OPTIONS["group"]``)
     changes when tiles run, not what they compute: equal to the plain order bit for bit,
     with several row blocks, a ragged last group and several vocabulary chunks."""
     from logitless.planning import plans as _plans
@@ -317,11 +318,10 @@ def test_grouped_program_order_is_bitwise_neutral(aligned, monkeypatch):
     budget = 4 * n * hs + 2 * n * 64  # the dx accumulator and narrow chunks
 
     def run(group):
-        monkeypatch.setattr(_plans, "KERNEL_OPTIONS", dict(_plans.KERNEL_OPTIONS, group=group))
-        monkeypatch.setattr(_plans, "GROUP_ROWS", 2)
-        plan = _plans.linear_jsd_plan(n, v, hs, 2, budget, xs.device)
-        assert plan.tiles.group_n == (2 if group else 0) and plan.vocab_chunk < v
-        loss = logitless.linear_jsd(xs, ws, xt, wt, target, backend="triton", memory_budget=budget, **kw)
+        with override(kernel_options=dict(group=group), group_rows=2):
+            plan = _plans.linear_jsd_plan(n, v, hs, 2, budget, xs.device)
+            assert plan.tiles.group_n == (2 if group else 0) and plan.vocab_chunk < v
+            loss = logitless.linear_jsd(xs, ws, xt, wt, target, backend="triton", memory_budget=budget, **kw)
         return (loss, *torch.autograd.grad(loss, (xs, ws, kw["student_bias"])))
 
     for a, b in zip(run(False), run(True)):

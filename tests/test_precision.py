@@ -14,12 +14,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import logitless
-from logitless.planning import plans as _plans
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
-from tests.helpers import run_custom_op
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.helpers import max_err
+from tests.helpers import max_err, run_custom_op
 
 
 @contextlib.contextmanager
@@ -53,7 +52,8 @@ def _inputs(n, h, v, dtype, seed, device=DEVICE, options=False):
 
 @pytest.mark.parametrize("setting,expected", [("highest", "tf32x3"), ("high", "tf32-round"), ("medium", "tf32-round")])
 def test_dot_precision_follows_torch_setting(setting, expected):
-    from logitless.ops.linear_cross_entropy.triton_backend import _dot_precision, tf32_allowed
+    from logitless.triton_lib.launch import dot_precision as _dot_precision
+    from logitless.triton_lib.launch import tf32_allowed
 
     with matmul_precision(setting):
         assert tf32_allowed() == (setting != "highest")
@@ -74,7 +74,7 @@ def test_dot_precision_with_torch_new_precision_api():
         pytest.skip("torch without the fp32_precision API")
     code = (
         "import torch\n"
-        "from logitless.ops.linear_cross_entropy.triton_backend import _dot_precision\n"
+        "from logitless.triton_lib.launch import dot_precision as _dot_precision\n"
         "m = torch.backends.cuda.matmul\n"
         "m.allow_tf32 = False\n"
         "m.fp32_precision = 'tf32'\n"
@@ -110,9 +110,8 @@ def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected):
         monkeypatch.setattr(triton_backend.K, name, Spy(getattr(triton_backend.K, name)))
     # On GPUs the cost model may keep all 97 columns at the minimum budget (no dlogits
     # launch); the budget rule without it keeps none at 2000 bytes.
-    monkeypatch.setattr(_plans, "MODEL_PLANS", False)
     x, w, t, _ = _inputs(20, 24, 97, torch.float32, seed=1)
-    with matmul_precision(setting):
+    with matmul_precision(setting), override(model_plans=False):
         # A budget of 2000 bytes keeps no column: the backward recomputes every chunk.
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton", memory_budget=2000)
         loss.backward()
@@ -152,7 +151,7 @@ def test_launch_drops_stages_when_shared_memory_is_short():
     the launch) is retried with fewer stages, and what fit is remembered per flags."""
     from triton.runtime.errors import OutOfResources
 
-    from logitless.ops.linear_cross_entropy import triton_backend
+    from logitless.triton_lib import launch
 
     calls = []
 
@@ -166,7 +165,7 @@ def test_launch_drops_stages_when_shared_memory_is_short():
 
     k = FakeKernel()
     for flag in (True, True, False):
-        triton_backend._launch(k, (1,), 0, num_stages=3, FLAG=flag)
+        launch.launch_kernel(k, (1,), 0, num_stages=3, FLAG=flag)
     assert calls == [(3, True), (2, True), (2, True), (3, False)]
 
 
@@ -299,7 +298,8 @@ def test_float64_exact_with_every_option_logits(reduction):
 def test_loss_math_follows_the_statistics_dtype():
     """fp32 statistics give fp32 loss and coefficients (also with fp64 class weights);
     fp64 statistics give fp64."""
-    from logitless.formulas.cross_entropy import LossOptions, TokenStats, grad_coefficients, token_loss, upstream_per_token
+    from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
+    from logitless.options import CrossEntropyOptions as LossOptions
 
     opts = LossOptions(label_smoothing=0.1, z_loss=1e-3)
     t = torch.tensor([0, 2, -100])

@@ -379,23 +379,17 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
     torch.library.opcheck(lce_ops.lce_backward, bargs)
 
 
-def test_backward_runs_with_the_forwards_plan(monkeypatch):
+def test_backward_runs_with_the_forwards_plan():
     """The plan that laid out the kept columns (tiles may be tuned or forced while the
     forward runs) travels to the backward as a tensor, not re-derived there."""
-    from logitless.planning.plans import triton_plan
-    from logitless.ops.linear_cross_entropy import triton_backend
+    from logitless.planning.overrides import override
 
     x, w, b, t = _lce_inputs((37,), 40, 257, seed=13)
     kw = dict(backend="triton", memory_budget=30_000, label_smoothing=0.1, softcap=5.0)
     expected = torch.autograd.grad(linear_cross_entropy(x, w, t, b, **kw), (x, w, b))
-
-    def other_tiles(n, v, h, dtype, budget, device, keep_allowed):
-        return triton_plan(n, v, h, dtype.itemsize, budget, device, tiles=(32, 64, 32, 4, 1),
-                           keep_allowed=keep_allowed)
-
-    monkeypatch.setattr(triton_backend, "_plan", other_tiles)
-    loss = linear_cross_entropy(x, w, t, b, **kw)
-    monkeypatch.undo()  # the backward runs with the default tiles in force
+    with override(tiles=(32, 64, 32, 4, 1)):
+        loss = linear_cross_entropy(x, w, t, b, **kw)
+    # the backward runs with the default tiles in force
     for a, e in zip(torch.autograd.grad(loss, (x, w, b)), expected):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
@@ -404,10 +398,6 @@ def test_backward_runs_with_the_forwards_plan(monkeypatch):
 def test_grad_in_forward_through_the_op(chunk):
     """The Triton planner's gradient-in-forward strategy (eager): the op's extra outputs,
     scaled by the backward, give the gradients of the usual path."""
-    from logitless.ops.linear_cross_entropy import triton_backend
-
-    if not hasattr(triton_backend, "forward_with_grad"):
-        pytest.skip("this tree's Triton backend has no gradient-in-forward strategy")
     x, w, b, t = _lce_inputs((13,), 24, 101, seed=12)
     cw = (torch.rand(101, generator=_gen(12)) + 0.5).to(DEVICE)
     options = (-100, "mean", 0.1, 4.0, 1e-3, "triton", 1 << 20, False, True)

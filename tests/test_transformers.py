@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-
 import transformers  # noqa: E402  (in the test extra: a missing install fails, never skips)
 
 import logitless.transformers as lt  # noqa: E402

@@ -14,8 +14,9 @@ import torch
 
 import logitless
 from logitless.planning import plans as _plans
-from logitless.planning import tuned as _tuned
 from logitless.planning import tune as tuner
+from logitless.planning import tuned as _tuned
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTIONS, make_inputs
 
@@ -37,7 +38,7 @@ def test_keys_and_lookup_order(tmp_path, monkeypatch):
     assert _tuned._lookup(table, "32-bit/n1k-h2k") is None
     # off a GPU nothing is read; a forced context wins everywhere
     assert _tuned.tiles_for(torch.device("cpu"), 2, 8, 8, 8) is None
-    with _tuned.forced_tiles((32, 64, 16, 4, 1)):
+    with override(tiles=(32, 64, 16, 4, 1)):
         assert _plans.triton_plan(29, 257, 40, 2, 1 << 20, torch.device("cpu")).block_v == 64
     assert _plans.triton_plan(29, 257, 40, 2, 1 << 20, torch.device("cpu")).block_v == _plans.INTERPRETER_TILES[1]
     monkeypatch.setenv("LOGITLESS_CACHE_DIR", str(tmp_path))
@@ -49,7 +50,7 @@ def test_two_tile_configs_agree_and_each_is_repeatable(dtype):
     x, w, t, b, kw = make_inputs((37,), 40, 257, dtype, OPTIONS["all"], seed=2)
     outs = {}
     for tiles in ((16, 32, 16, 4, 1), (32, 64, 32, 4, 1), (16, 32, 16, 4, 1)):
-        with _tuned.forced_tiles(tiles):
+        with override(tiles=tiles):
             loss = logitless.linear_cross_entropy(x, w, t, b, backend="triton", memory_budget=30_000, **kw)
         grads = torch.autograd.grad(loss, (x, w, b))
         if tiles in outs:  # same tiles again: bitwise identical

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from logitless.jax import LossStats, linear_cross_entropy, linear_softmax_cross_entropy_loss
-from logitless.jax.planning import xla_plan
 from logitless.jax.ops.linear_cross_entropy import api
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref
+from logitless.jax.planning import xla_plan
 
 from .helpers import assert_close_to_ref, inputs, xla_materialised
 

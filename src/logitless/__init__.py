@@ -15,11 +15,11 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
 else:
     del _torch
     from .formulas.cross_entropy import LossStats
-    from .planning.plans import DEFAULT_MEMORY_BUDGET
     from .ops.cross_entropy import CrossEntropyLoss, cross_entropy
     from .ops.jsd import JSDLoss, jsd
     from .ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
     from .ops.linear_jsd import LinearJSDLoss, linear_jsd
+    from .planning.plans import DEFAULT_MEMORY_BUDGET
 
     __all__ = [
         "linear_cross_entropy",

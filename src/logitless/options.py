@@ -1,35 +1,48 @@
-"""Checks of the scalar options, shared by the PyTorch and the JAX side (imports neither).
+"""The options of every op: checked once, held in frozen (hashable) dataclasses.
 
-Each returns the normalised value or raises a clear ``ValueError``/``TypeError``.
+Framework-free (imports neither torch nor jax): the PyTorch ops, the JAX ops and the
+integrations build their options here. The dataclasses are hashable, so they serve as
+JAX static arguments as they are; a torch custom op takes ``opts.args()`` (plain
+ints/floats/strings, in field order) and rebuilds them with ``Class(*args)``.
+
+Each ``check_*``/``*.checked`` raises a clear ``ValueError``/``TypeError`` for a value
+out of range and returns the normalised value or dataclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 REDUCTIONS = ("mean", "sum", "none")
 
+#: Default bytes of temporary memory an op may use beyond its inputs, outputs and
+#: gradients. Large enough for full-speed chunks at LLM shapes, small next to the
+#: 2-4 GB that materialised fp32 logits would take.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
 
-def reduction(value: str) -> str:
+
+def check_reduction(value: str) -> str:
     if value not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
     return value
 
 
-def ignore_index(value: int) -> int:
+def check_ignore_index(value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"ignore_index must be an int, got {type(value).__name__}")
     return value
 
 
-def in_unit_interval(name: str, value: float) -> float:
+def check_in_unit_interval(name: str, value: float) -> float:
     value = float(value)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
     return value
 
 
-def softcap(name: str, value: Optional[float]) -> Optional[float]:
+def check_softcap(name: str, value: Optional[float]) -> Optional[float]:
     if value is None:
         return None
     value = float(value)
@@ -38,8 +51,104 @@ def softcap(name: str, value: Optional[float]) -> Optional[float]:
     return value
 
 
-def non_negative(name: str, value: float) -> float:
+def check_non_negative(name: str, value: float) -> float:
     value = float(value)
     if not value >= 0.0 or value == float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
     return value
+
+
+def check_positive(name: str, value: float) -> float:
+    value = float(value)
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return value
+
+
+def check_memory_budget(value: Optional[int]) -> int:
+    """Bytes of temporaries: the default for None, else a positive int."""
+    if value is None:
+        return DEFAULT_MEMORY_BUDGET
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"memory_budget must be a positive int of bytes, got {value!r}")
+    return value
+
+
+class _Args:
+    """``args()``: the fields in order, as a torch custom op takes them."""
+
+    def args(self) -> tuple:
+        return dataclasses.astuple(self)
+
+    @classmethod
+    def from_args(cls, named: dict):
+        """The options from a mapping of argument names to values (a custom op's inputs,
+        ``ops.common.autograd.named``), which holds the fields under their own names."""
+        return cls(**{f.name: named[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions(_Args):
+    """The options that change the cross-entropy math (not the implementation)."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    softcap: Optional[float] = None
+    z_loss: float = 0.0
+
+    @property
+    def needs_smooth_sum(self) -> bool:
+        return self.label_smoothing > 0.0
+
+    @classmethod
+    def checked(cls, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                softcap: Optional[float] = None, z_loss: float = 0.0) -> CrossEntropyOptions:
+        return cls(
+            ignore_index=check_ignore_index(ignore_index),
+            reduction=check_reduction(reduction),
+            label_smoothing=check_in_unit_interval("label_smoothing", label_smoothing),
+            softcap=check_softcap("softcap", softcap),
+            z_loss=check_non_negative("z_loss", z_loss),
+        )
+
+
+@dataclass(frozen=True)
+class JSDOptions(_Args):
+    """The options that change the distillation math (``formulas.jsd``)."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    student_softcap: Optional[float] = None
+    teacher_softcap: Optional[float] = None
+    hard_label_weight: float = 0.0
+
+    @property
+    def weights(self) -> tuple[float, float, float]:
+        """(wq, wp, c0) of ``formulas.jsd``."""
+        if self.beta == 0.0:
+            return 1.0, 0.0, 1.0
+        if self.beta == 1.0:
+            return 0.0, 1.0, 0.0
+        return self.beta, 1.0 - self.beta, 0.0
+
+    @property
+    def needs_lse1(self) -> bool:
+        """The hard-label CE term needs lse(zs) (temperature 1) and zs[target]."""
+        return self.hard_label_weight != 0.0
+
+    @classmethod
+    def checked(cls, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                reduction: str = "mean", student_softcap: Optional[float] = None,
+                teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0) -> JSDOptions:
+        """Checks every option (``reduction`` too, which the ops apply outside the math)."""
+        check_reduction(reduction)
+        return cls(
+            beta=check_in_unit_interval("beta", beta),
+            temperature=check_positive("temperature", temperature),
+            ignore_index=check_ignore_index(ignore_index),
+            student_softcap=check_softcap("student_softcap", student_softcap),
+            teacher_softcap=check_softcap("teacher_softcap", teacher_softcap),
+            hard_label_weight=check_non_negative("hard_label_weight", hard_label_weight),
+        )

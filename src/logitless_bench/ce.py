@@ -75,7 +75,7 @@ def _bandwidth(row: dict, key: str, moved: int, copy_bps: float) -> None:
     row[f"{key}_frac_copy"] = bps / copy_bps
 
 
-def run(cases, methods, cfg: Config, results: "report.Results") -> "report.Results":
+def run(cases, methods, cfg: Config, results: report.Results) -> report.Results:
     dev = cfg.device
     copy_bps = timing.copy_bandwidth(dev, warmup=cfg.warmup, reps=cfg.reps)
     results.set_unit("copy_GBps", copy_bps / 1e9)

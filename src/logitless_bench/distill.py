@@ -18,8 +18,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F

@@ -116,7 +116,7 @@ def _loss_fns(method):
         impl = "xla" if method == "logitless-xla" else "mosaic_gpu"
         if impl == "mosaic_gpu":
             try:
-                from logitless.jax.ops.linear_cross_entropy import mosaic_gpu# noqa: F401
+                from logitless.jax.ops.linear_cross_entropy import mosaic_gpu  # noqa: F401
             except ImportError as exc:
                 raise Skip(f"mosaic_gpu backend not importable ({type(exc).__name__})")
             from logitless.jax.ops.linear_cross_entropy.api import _is_sm90

@@ -89,6 +89,7 @@ def predict(shape, method, device) -> dict:
     if method.peer or not method.name.startswith("logitless"):
         return {}
     from logitless.planning import plans as _plans
+
     from .peers import budget_bytes
 
     spec = method.name.split("@", 1)[1] if "@" in method.name else "default"
@@ -111,7 +112,7 @@ def _safe_predict(shape, method, device) -> dict:
         return {"pred_error": describe(exc)}
 
 
-def prepare(shape, cfg: Config, results: "report.Results"):
+def prepare(shape, cfg: Config, results: report.Results):
     """Inputs, the GEMM unit and the float64 reference of one shape."""
     x, w, t = make_inputs(shape, cfg.device, cfg.seed)
     gemm_ms = timing.gemm_ms(x, w, warmup=cfg.warmup, reps=cfg.reps)
@@ -125,7 +126,7 @@ def prepare(shape, cfg: Config, results: "report.Results"):
     return x, w, t, gemm_ms, ref
 
 
-def run(shapes, methods, cfg: Config, results: "report.Results") -> "report.Results":
+def run(shapes, methods, cfg: Config, results: report.Results) -> report.Results:
     dev = cfg.device
     copy_bps = timing.copy_bandwidth(dev, warmup=cfg.warmup, reps=cfg.reps)
     results.set_unit("copy_GBps", copy_bps / 1e9)  # not used by this suite; recorded for the record

@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

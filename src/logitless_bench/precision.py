@@ -107,15 +107,11 @@ def _logitless_truncate(case, device):
     if case.mode != "fp32-high":
         raise Skip("only at matmul precision 'high' (TF32)")
     from logitless import linear_cross_entropy
-    from logitless.ops.linear_cross_entropy import triton_backend
+    from logitless.planning.overrides import override
 
     def fn(x, w, t):
-        before = triton_backend._TF32_ROUND_INPUTS
-        triton_backend._TF32_ROUND_INPUTS = False
-        try:
+        with override(tf32_round=False):
             return linear_cross_entropy(x, w, t)
-        finally:
-            triton_backend._TF32_ROUND_INPUTS = before
     return fn
 
 
@@ -152,7 +148,7 @@ def _unit_ms(case, x, w, cfg: Config) -> float:
     return timing.gemm_ms(x, w, warmup=cfg.warmup, reps=cfg.reps)
 
 
-def run(all_cases, method_list, cfg: Config, results: "report.Results") -> "report.Results":
+def run(all_cases, method_list, cfg: Config, results: report.Results) -> report.Results:
     dev = cfg.device
     progress = Progress(len(all_cases) * len(method_list), "precision")
     by_shape: dict = {}

@@ -108,9 +108,9 @@ def device_tag(name: str) -> str:
 
 
 def environment(device: torch.device) -> dict:
-    from .peers import peer_versions
-
     from logitless import __version__
+
+    from .peers import peer_versions
 
     now = datetime.datetime.now().astimezone()
     gpu = device.type == "cuda"
@@ -174,7 +174,7 @@ class Results:
         self._plot_message_shown = False
 
     @classmethod
-    def from_json(cls, path, out_dir=None) -> "Results":
+    def from_json(cls, path, out_dir=None) -> Results:
         data = json.loads(Path(path).read_text())
         res = cls(data["suite"], data["meta"], out_dir or Path(path).parent)
         res.data = data

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -49,7 +50,7 @@ def phase(row: dict, name: str, device, fn: Callable):
         return None
 
 
-def run_methods(suite: str, case, methods, cfg: Config, results, progress: "Progress", measure: Callable,
+def run_methods(suite: str, case, methods, cfg: Config, results, progress: Progress, measure: Callable,
                 *, skip_reason: Optional[str] = None, extra: Optional[dict] = None) -> None:
     """Measures every method on one case; each gives one row, whatever happens to it.
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

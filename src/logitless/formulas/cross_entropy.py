@@ -36,28 +36,13 @@ gradient NaN (``check_targets`` raises instead where a check is cheap, on the CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from logitless.options import REDUCTIONS  # noqa: E402,F401
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """The options that change the math (not the implementation)."""
-
-    ignore_index: int = -100
-    reduction: str = "mean"
-    label_smoothing: float = 0.0
-    softcap: Optional[float] = None
-    z_loss: float = 0.0
-
-    @property
-    def needs_smooth_sum(self) -> bool:
-        return self.label_smoothing > 0.0
+from logitless.formulas.common import compute_dtype
+from logitless.options import CrossEntropyOptions
 
 
 class TokenStats(NamedTuple):
@@ -73,7 +58,9 @@ class TokenStats(NamedTuple):
 class LossStats(NamedTuple):
     """Extra per-token outputs, returned with ``return_stats=True``.
 
-    lse: fp32, shape of the target: log-sum-exp of each token's (soft-capped) logits.
+    lse: fp32, shape of the target: log-sum-exp of each token's (soft-capped) logits;
+        differentiable (its gradient reaches x, weight and bias, or the logits), so a
+        loss of the caller's may use it, e.g. a z-loss of its own.
     correct: bool, shape of the target: argmax of the logits equals the target
         (first maximum on ties, as ``torch.argmax``); False at ignored tokens.
     num_tokens: int64 scalar tensor, the number of non-ignored tokens.
@@ -89,13 +76,7 @@ class LossStats(NamedTuple):
         return self.correct.sum() / self.num_tokens.clamp_min(1)
 
 
-def math_dtype(stats_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the loss math: fp64 when the statistics are fp64 (fp64 inputs on the
-    torch backend, exact to float64 rounding), else fp32."""
-    return torch.float64 if stats_dtype == torch.float64 else torch.float32
-
-
-def _target_weight(target: Tensor, class_weight: Optional[Tensor], valid: Tensor,
+def target_weight(target: Tensor, class_weight: Optional[Tensor], valid: Tensor,
                    dtype: torch.dtype = torch.float32) -> Tensor:
     """w_t per token: class weight of the target (1 without), 0 at ignored tokens."""
     if class_weight is None:
@@ -118,14 +99,14 @@ def token_loss(
     target: Tensor,
     num_classes: int,
     class_weight: Optional[Tensor],
-    opts: LossOptions,
+    opts: CrossEntropyOptions,
 ) -> tuple[Tensor, Tensor]:
     """Per-token loss (0 at ignored tokens) and per-token denominator weight w_t, in
-    ``math_dtype`` of the statistics (fp32, or fp64 for fp64 statistics)."""
-    dt = math_dtype(stats.lse.dtype)
+    the compute dtype of the statistics (fp32, or fp64 for fp64 statistics)."""
+    dt = compute_dtype(stats.lse.dtype)
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < num_classes)
-    w_t = _target_weight(target, class_weight, valid, dt)
+    w_t = target_weight(target, class_weight, valid, dt)
     lse = stats.lse.to(dt)
     eps = opts.label_smoothing
     loss = (1.0 - eps) * w_t * (lse - stats.target_logit)
@@ -137,15 +118,6 @@ def token_loss(
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     loss = torch.where(valid & ~in_range, torch.full_like(loss, float("nan")), loss)
     return loss, w_t
-
-
-def reduce_loss(loss: Tensor, w_t: Tensor, reduction: str) -> Tensor:
-    """Apply the reduction as torch does ("mean" of no token is NaN, as 0/0)."""
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / w_t.sum()
 
 
 def upstream_per_token(grad_out: Tensor, w_t: Tensor, reduction: str) -> Tensor:
@@ -165,19 +137,19 @@ def grad_coefficients(
     g: Tensor,
     num_classes: int,
     class_weight: Optional[Tensor],
-    opts: LossOptions,
+    opts: CrossEntropyOptions,
 ) -> Tensor:
-    """A, B, C of the module docstring, stacked as a (3, N) tensor in ``math_dtype``
-    of lse (fp32; fp64 for fp64 statistics).
+    """A, B, C of the module docstring, stacked as a (3, N) tensor in the compute
+    dtype of lse (fp32; fp64 for fp64 statistics).
 
     Zero at ignored tokens (also when g is inf or NaN there, e.g. a "mean" over no
     token), NaN at tokens whose target is out of range.
     """
-    dt = math_dtype(lse.dtype)
+    dt = compute_dtype(lse.dtype)
     lse, g = lse.to(dt), g.to(dt)
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < num_classes)
-    w_t = _target_weight(target, class_weight, valid, dt)
+    w_t = target_weight(target, class_weight, valid, dt)
     eps = opts.label_smoothing
     a = (1.0 - eps) * w_t
     if eps > 0.0:
@@ -191,18 +163,11 @@ def grad_coefficients(
     return torch.where(valid & ~in_range, torch.full_like(coef, float("nan")), coef)
 
 
-def loss_stats(stats: TokenStats, target: Tensor, opts: LossOptions) -> LossStats:
+def loss_stats(stats: TokenStats, target: Tensor, opts: CrossEntropyOptions) -> LossStats:
     """The extra outputs of ``return_stats=True`` (flat; the caller reshapes)."""
     valid = target != opts.ignore_index
     correct = (stats.argmax == target) & valid
     return LossStats(lse=stats.lse, correct=correct, num_tokens=valid.sum())
-
-
-def softcap_(z: Tensor, softcap: Optional[float]) -> Tensor:
-    """z -> s * tanh(z / s), in place (z must be a temporary)."""
-    if softcap is None:
-        return z
-    return z.div_(softcap).tanh_().mul_(softcap)
 
 
 def dlogits_(

@@ -46,47 +46,17 @@ backward only evaluates the line above. The teacher gets no gradient.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from logitless.options import REDUCTIONS  # noqa: E402,F401
+from logitless.formulas.common import reduce as _reduce
+from logitless.options import JSDOptions
 
 #: Rows of the (6, N) statistics tensor that the forward ops return.
 LSE_S, LSE_T, S_ROW, K_ROW, LSE1, ZTGT = range(6)
 NUM_STATS = 6
-
-
-@dataclass(frozen=True)
-class JSDOptions:
-    """The options that change the math (not the implementation)."""
-
-    beta: float = 0.5
-    temperature: float = 1.0
-    ignore_index: int = -100
-    student_softcap: Optional[float] = None
-    teacher_softcap: Optional[float] = None
-    hard_label_weight: float = 0.0
-
-    @property
-    def weights(self) -> tuple[float, float, float]:
-        """(wq, wp, c0) of the module docstring."""
-        if self.beta == 0.0:
-            return 1.0, 0.0, 1.0
-        if self.beta == 1.0:
-            return 0.0, 1.0, 0.0
-        return self.beta, 1.0 - self.beta, 0.0
-
-    @property
-    def needs_lse1(self) -> bool:
-        """The hard-label CE term needs lse(zs) (temperature 1) and zs[target]."""
-        return self.hard_label_weight != 0.0
-
-
-def softcap(z: Tensor, cap: Optional[float]) -> Tensor:
-    return z if cap is None else cap * torch.tanh(z / cap)
 
 
 def log_mixture(lp: Tensor, lq: Tensor, beta: float) -> Tensor:
@@ -143,12 +113,7 @@ def token_loss(stats: Tensor, target: Tensor, num_classes: int, opts: JSDOptions
 def reduce(loss_tok: Tensor, target: Tensor, reduction: str, ignore_index: int) -> Tensor:
     """"mean" over non-ignored tokens (0/0 = NaN when there are none), "sum", "none".
     Plain differentiable torch ops: autograd hands the per-token gradient to the op."""
-    if reduction == "none":
-        return loss_tok
-    total = loss_tok.sum()
-    if reduction == "sum":
-        return total
-    return total / (target != ignore_index).sum().to(loss_tok.dtype)
+    return _reduce(loss_tok, (target != ignore_index).to(loss_tok.dtype), reduction)
 
 
 def dlogits(

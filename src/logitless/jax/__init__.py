@@ -11,8 +11,8 @@ one file per backend, bench shapes).
 """
 
 from .formulas import LossStats
-from .planning import DEFAULT_MEMORY_BUDGET
 from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
+from .planning import DEFAULT_MEMORY_BUDGET
 
 __all__ = [
     "linear_cross_entropy",

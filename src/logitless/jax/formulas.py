@@ -32,22 +32,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from logitless import options as _options
-from logitless.options import REDUCTIONS# noqa: F401
-
-
-class LossOptions(NamedTuple):
-    """The options that change the math (static, hashable)."""
-
-    ignore_index: int = -100
-    reduction: str = "mean"
-    label_smoothing: float = 0.0
-    softcap: Optional[float] = None
-    z_loss: float = 0.0
-
-    @property
-    def needs_smooth_sum(self) -> bool:
-        return self.label_smoothing > 0.0
+from logitless.options import CrossEntropyOptions
 
 
 class LossStats(NamedTuple):
@@ -61,23 +46,13 @@ class LossStats(NamedTuple):
     num_tokens: jax.Array
 
 
-def check_options(*, ignore_index, reduction, label_smoothing, softcap, z_loss) -> LossOptions:
-    """Validate the static options (clear errors, never a wrong number)."""
-    reduction = _options.reduction(reduction)
-    ignore_index = _options.ignore_index(ignore_index)
-    label_smoothing = _options.in_unit_interval("label_smoothing", label_smoothing)
-    softcap = _options.softcap("softcap", softcap)
-    z_loss = _options.non_negative("z_loss", z_loss)
-    return LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
-
-
-def _masks(target, num_classes: int, opts: LossOptions):
+def _masks(target, num_classes: int, opts: CrossEntropyOptions):
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < num_classes)
     return valid, in_range
 
 
-def token_loss(lse, target_logit, smooth_sum, target, num_classes: int, opts: LossOptions):
+def token_loss(lse, target_logit, smooth_sum, target, num_classes: int, opts: CrossEntropyOptions):
     """Per-token fp32 loss (0 at ignored tokens, NaN at out-of-range targets)."""
     valid, in_range = _masks(target, num_classes, opts)
     eps = opts.label_smoothing
@@ -90,7 +65,7 @@ def token_loss(lse, target_logit, smooth_sum, target, num_classes: int, opts: Lo
     return jnp.where(valid & ~in_range, jnp.nan, loss).astype(jnp.float32)
 
 
-def reduce_loss(loss, target, opts: LossOptions):
+def reduce_loss(loss, target, opts: CrossEntropyOptions):
     """The reduction, as torch ("mean" over non-ignored tokens; 0/0 = NaN)."""
     if opts.reduction == "none":
         return loss
@@ -100,7 +75,7 @@ def reduce_loss(loss, target, opts: LossOptions):
     return jnp.sum(loss) / count
 
 
-def upstream_per_token(g, target, opts: LossOptions):
+def upstream_per_token(g, target, opts: CrossEntropyOptions):
     """Gradient g of each token's loss from the gradient of the reduced loss."""
     g = jnp.asarray(g, jnp.float32)
     if opts.reduction == "none":
@@ -111,7 +86,7 @@ def upstream_per_token(g, target, opts: LossOptions):
     return jnp.broadcast_to(g / count, target.shape)
 
 
-def grad_coefficients(lse, target, g, num_classes: int, opts: LossOptions):
+def grad_coefficients(lse, target, g, num_classes: int, opts: CrossEntropyOptions):
     """A, B, C of the module docstring stacked as (3, N) fp32: zero at ignored tokens
     (also when g is inf/NaN there), NaN at out-of-range targets."""
     valid, in_range = _masks(target, num_classes, opts)
@@ -143,3 +118,11 @@ def dlogits(z_capped, lse, coef, target, col0, softcap: Optional[float]):
     if softcap is not None:
         dz = dz * (1.0 - (z_capped / softcap) ** 2)
     return dz
+
+
+def merge_lse_splits(part_lse):
+    """lse of rows reduced in parts along axis 0 (each part's log-sum-exp): the JAX form
+    of ``logitless.formulas.common.merge_splits`` (M = 0 where every part is -inf)."""
+    m = part_lse.max(axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    return m_safe + jnp.log(jnp.exp(part_lse - m_safe).sum(axis=0))

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-#: Default bytes of temporary memory an op may use beyond its inputs, outputs and
-#: gradients (the same default as the PyTorch side).
-DEFAULT_MEMORY_BUDGET = 256 * 2**20
+from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (the same default as the PyTorch side)
 
 #: Column chunks are a multiple of this (and at least this), unless V is smaller.
 VOCAB_ALIGN = 128
@@ -28,16 +26,6 @@ class XlaPlan(NamedTuple):
 
     token_chunk: int
     vocab_chunk: int
-
-
-def check_memory_budget(budget) -> int:
-    if budget is None:
-        return DEFAULT_MEMORY_BUDGET
-    if isinstance(budget, bool) or not isinstance(budget, int):
-        raise TypeError(f"memory_budget must be an int number of bytes or None, got {type(budget).__name__}")
-    if budget <= 0:
-        raise ValueError(f"memory_budget must be positive, got {budget}")
-    return budget
 
 
 def _round_down(v: int, m: int) -> int:

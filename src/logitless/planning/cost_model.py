@@ -214,7 +214,6 @@ def predict_keep(dev, n, h, v, itemsize, block_v=256) -> Candidate:
 def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256) -> Candidate:
     rec = v - keep_cols
     kb = n * keep_cols * itemsize
-    chunks = math.ceil(rec / vocab_chunk) + (1 if keep_cols else 0)
     fwd = fused_forward_s(dev, n, h, v, itemsize) + kb / dev.keep_store_bw + dev.fixed_fwd_s
     bwd = fused_dlogits_s(dev, n, h, rec, itemsize) + (2 * kb / dev.kept_pass_bw if keep_cols else 0.0)
     # dW and dx per chunk: the chunk widths' GEMMs (wave efficiency of each width).

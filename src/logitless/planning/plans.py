@@ -9,10 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-#: Default bytes of temporary memory an op may use beyond its inputs, outputs and
-#: gradients. Large enough for full-speed chunks at LLM shapes, small next to the
-#: 2-4 GB that materialised fp32 logits would take.
-DEFAULT_MEMORY_BUDGET = 256 * 2**20
+from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported for the planners' users)
+from logitless.planning.overrides import current as _overrides
 
 
 def _clamp(v: int, lo: int, hi: int) -> int:
@@ -107,7 +105,11 @@ class TritonPlan:
     dlogits_programs: int = 0
 
 
-def _num_sms(device) -> int:
+def num_sms(device) -> int:
+    """Multiprocessors of ``device`` (an override's, if set; a few on the interpreter)."""
+    forced = _overrides().num_sms
+    if forced is not None:
+        return forced
     import torch
 
     if device.type == "cuda":
@@ -121,7 +123,7 @@ def _num_sms(device) -> int:
 #: each tile (the TMA swizzle's width); 3 stages of x and W tiles take 3 * 2 * 16 KiB
 #: = 96 KiB of shared memory, the fp32 kept-tile store 64 KiB more, and tf32x3 its
 #: split copies of the operands (up to 64 KiB): under the 227 KiB of an H100's SM. The
-#: backend retries with fewer stages if a GPU has less (``triton_backend._launch``).
+#: backend retries with fewer stages if a GPU has less (``triton_lib.launch.launch``).
 CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 #: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
@@ -143,7 +145,7 @@ def triton_plan(
     vocab_blocks = math.ceil(vocab / block_v)
     # Many programs per SM so that the last wave is a small fraction of the work (with
     # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: PERFORMANCE.md).
-    want = math.ceil(WAVES * _num_sms(device) / max(1, row_blocks))
+    want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
     blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
     vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
 
@@ -174,7 +176,7 @@ def triton_plan(
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
     vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
-    if device.type == "cuda" and MODEL_PLANS:  # GPUs: the cost model's choice (_cost_model)
+    if device.type == "cuda" and _overrides().model_plans:  # GPUs: the cost model's choice
         keep_cols, vocab_chunk = _model_columns(
             num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed)
     if device.type == "cuda" and keep_cols >= vocab and vocab % ODD_V_ALIGN:
@@ -182,7 +184,7 @@ def triton_plan(
         # 41 ms against 5 ms, PERFORMANCE.md): keep whole tiles, recompute the ragged tail.
         keep_cols = vocab // block_v * block_v
         vocab_chunk = _clamp(vocab_chunk, block_v, padded_vocab)
-    return TritonPlan(
+    plan = TritonPlan(
         block_n=block_n,
         block_v=block_v,
         block_h=block_h,
@@ -193,11 +195,8 @@ def triton_plan(
         keep_cols=keep_cols,
         **kernel_options(num_tokens, block_n, block_v, device),
     )
-
-
-#: Row blocks whose programs run next to each other (``TritonPlan.group_n``); None: the
-#: working-set rule of ``kernel_options``. The probe sets it to compare group sizes.
-GROUP_ROWS = None
+    reshape = _overrides().plan
+    return reshape(plan) if reshape is not None else plan
 
 
 #: Persistent dlogits programs from this many row blocks on: with fewer, a chunk has
@@ -205,7 +204,7 @@ GROUP_ROWS = None
 PERSISTENT_MIN_ROW_BLOCKS = 16
 
 #: The GEMM kernels' scheduling options: on/off switches of ``kernel_options`` (the
-#: probe ``benchmarks/probe_schedule.py`` flips them to measure each alone).
+#: probe ``benchmarks/probe_schedule.py`` flips them with ``overrides.override``).
 KERNEL_OPTIONS = dict(group=True, flatten=True, dz_tma=False, dlogits_programs=1)
 
 
@@ -216,23 +215,24 @@ def group_rows(block_n: int, block_v: int, device) -> int:
     L2 working set, least at G = sqrt(SMs * block_v / block_n) (16 on an H100 with
     128 x 256 tiles: 34 MB at H = 4096; "all rows" at 16k tokens needed 128 MB of x and
     ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: PERFORMANCE.md section 16)."""
-    return max(1, round(math.sqrt(_num_sms(device) * block_v / block_n)))
+    return max(1, round(math.sqrt(num_sms(device) * block_v / block_n)))
 
 
 def kernel_options(num_tokens: int, block_n: int, block_v: int, device) -> dict:
     """Program order and pipelining of the fused GEMM kernels (``TritonPlan.group_n``,
     ``flatten``, ``dz_tma``, ``dlogits_programs``). Results are the same bitwise
     whichever is chosen: only the order in which tiles run changes."""
-    o = KERNEL_OPTIONS
+    forced = _overrides()
+    o = dict(KERNEL_OPTIONS, **(forced.kernel_options or {}))
     row_blocks = math.ceil(num_tokens / block_n)
-    group_n = (GROUP_ROWS or group_rows(block_n, block_v, device)) if o["group"] else 0
+    group_n = (forced.group_rows or group_rows(block_n, block_v, device)) if o["group"] else 0
     programs = o["dlogits_programs"] if row_blocks >= PERSISTENT_MIN_ROW_BLOCKS else 0
     return dict(group_n=int(group_n), flatten=bool(o["flatten"]), dz_tma=bool(o["dz_tma"]),
                 dlogits_programs=int(programs))
 
 
 def _tiles(num_tokens, vocab, hidden, itemsize, device):
-    """Forced, tuned (this machine's cache) or shipped tiles (``_tuned``), else the tables above."""
+    """Forced, tuned (this machine's cache) or shipped tiles (``tuned``), else the tables above."""
     from logitless.planning import tuned as _tuned
 
     found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
@@ -245,15 +245,10 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device):
 #: a vocabulary that is a multiple of this on GPUs (see triton_plan).
 ODD_V_ALIGN = 8
 
-#: Let the cost model (``_cost_model.choose``) pick kept columns and chunk widths on
-#: GPUs; False restores the greedy rule above (keep as many columns as fit).
-MODEL_PLANS = True
-
-
 def _device_model(device):
     from logitless.planning import cost_model as _cost_model
 
-    return _cost_model.device_model(device)
+    return _overrides().device_model or _cost_model.device_model(device)
 
 
 def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed):
@@ -268,25 +263,6 @@ def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v,
     return c.keep_cols, _clamp(c.vocab_chunk, block_v, padded)
 
 
-#: Test hook (``forced_strategy``): a strategy name the planner must return.
-_FORCED: list = []
-
-
-class forced_strategy:
-    """``with _plans.forced_strategy("grad_in_forward", token_chunk=64): ...`` makes
-    ``lce_strategy`` return that strategy (tests, probes); never used by the library."""
-
-    def __init__(self, strategy: str, token_chunk: int = 0):
-        self.value = (strategy, token_chunk)
-
-    def __enter__(self):
-        _FORCED.append(self.value)
-        return self
-
-    def __exit__(self, *exc):
-        _FORCED.pop()
-
-
 def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_grad=True,
                  grad_in_forward_ok=True, keep_allowed=True, weight_fp32=False):
     """The cost model's choice for linear_cross_entropy: a ``_cost_model.Candidate``
@@ -295,7 +271,7 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
 
     ``grad_in_forward_ok``: the caller can compute the gradient in the forward (a
     reduction other than "none", kept columns allowed). On the CPU interpreter the
-    gradient-in-forward strategy is only used when forced (``forced_strategy``).
+    gradient-in-forward strategy is only used when forced (``overrides``: strategy).
     """
     from logitless.planning import cost_model as _cost_model
 
@@ -304,8 +280,9 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
     padded = math.ceil(vocab / block_v) * block_v
     quarter = max(block_v, padded // 4 // block_v * block_v)  # as in triton_plan
     min_chunk = min(MIN_CHUNK if cuda else 2 * block_v, quarter)
-    if _FORCED and need_grad:
-        strategy, token_chunk = _FORCED[-1]
+    forced = _overrides().strategy
+    if forced is not None and need_grad:
+        strategy, token_chunk = forced
         return _cost_model.Candidate(strategy, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
     if vocab % ODD_V_ALIGN:  # its per-chunk GEMMs over all V columns hit cuBLAS' slow odd-K path
         grad_in_forward_ok = False
@@ -390,7 +367,7 @@ class LinearJSDPlan:
 def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
                     device) -> LinearJSDPlan:
     cuda = device.type == "cuda"
-    tiles = JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES
+    tiles = _overrides().tiles or (JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     rows = budget // max(1, 8 * vocab)
     if cuda and rows >= 128:

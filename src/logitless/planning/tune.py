@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from logitless.planning import tuned as _tuned
+from logitless.planning.overrides import override
 
 #: Candidates by itemsize. 16-bit: the sweep of PERFORMANCE.md section 3 around the
 #: shipped 128x256x64/8/3; 32-bit: TF32 tiles with a 32-wide K step.
@@ -34,9 +35,17 @@ DEFAULT_SHAPES = [(4096, 4096, 128256), (8192, 1152, 131072), (512, 4096, 128256
 
 
 def _time_ms(fn, reps: int, device) -> float:
-    from logitless_bench.timing import time_ms
-
-    return time_ms(fn, device=device, warmup=1, reps=reps)
+    """Median ms of ``fn()`` over ``reps`` calls after one warm-up (CUDA events)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def measure(shape, tiles, dtype=torch.bfloat16, device=None, reps: int = 5, budget=None) -> float:
@@ -53,7 +62,7 @@ def measure(shape, tiles, dtype=torch.bfloat16, device=None, reps: int = 5, budg
 
     def step():
         x.grad = w.grad = None
-        with _tuned.forced_tiles(tiles):
+        with override(tiles=tiles):
             loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend=backend)
         loss.backward()
 

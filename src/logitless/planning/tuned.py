@@ -3,7 +3,7 @@
 Where ``_plans.triton_plan`` gets its tiles (block_n, block_v, block_h, num_warps,
 num_stages) on a GPU, first match wins:
 
-1. ``forced_tiles(...)`` (the tuner and tests; never set by the library itself);
+1. ``overrides.override(tiles=...)`` (the tuner and tests; never set by the library);
 2. the tuner's cache on this machine, ``$LOGITLESS_CACHE_DIR`` or
    ``~/.cache/logitless/<gpu>-torch<version>-triton<version>.json``, written only by
    ``python -m logitless.planning.tune`` (opt-in, never during training);
@@ -28,8 +28,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from logitless.planning.overrides import current as _overrides
+
 SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
-_FORCED: list = []
 
 
 def dtype_class(itemsize: int) -> str:
@@ -46,25 +47,6 @@ def shape_class(num_tokens: int, hidden: int, vocab: int) -> str:
 
 def config_key(itemsize: int, num_tokens: int, hidden: int, vocab: int) -> str:
     return f"{dtype_class(itemsize)}/{shape_class(num_tokens, hidden, vocab)}"
-
-
-class forced_tiles:
-    """``with forced_tiles((128, 128, 64, 8, 3)): ...``: every plan made inside uses
-    these tiles (on the interpreter too). For the tuner and tests."""
-
-    def __init__(self, tiles):
-        self.tiles = tuple(int(t) for t in tiles)
-
-    def __enter__(self):
-        _FORCED.append(self.tiles)
-        return self
-
-    def __exit__(self, *exc):
-        _FORCED.pop()
-
-
-def forced() -> Optional[tuple]:
-    return _FORCED[-1] if _FORCED else None
 
 
 def _slug(text: str) -> str:
@@ -118,12 +100,14 @@ def _device_tables(device_key: str, cache_file: str, device_class: str) -> tuple
 def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int) -> Optional[tuple]:
     """Tiles from the forced context, this machine's cache or the shipped file; None
     when none applies (the caller falls back to ``_plans.CUDA_TILES``)."""
-    if _FORCED:
-        return _FORCED[-1]
+    forced = _overrides().tiles
+    if forced is not None:
+        return forced
     if os.environ.get("LOGITLESS_TUNED", "1") == "0" or getattr(device, "type", "") != "cuda":
         return None
-    from logitless.planning.cost_model import device_class
     import torch
+
+    from logitless.planning.cost_model import device_class
 
     name = torch.cuda.get_device_name(device)
     tables = _device_tables(name, str(cache_path(device)), device_class(name))

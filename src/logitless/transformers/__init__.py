@@ -57,13 +57,15 @@ import functools
 import inspect
 import textwrap
 import types
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from logitless.ops.common import validate as _validate
 from logitless.ops.linear_cross_entropy import linear_cross_entropy
+from logitless.options import CrossEntropyOptions, check_memory_budget
 
 __all__ = ["patch", "unpatch", "is_patched", "SUPPORTED"]
 
@@ -141,7 +143,7 @@ def _assigns(stmt: ast.stmt, name: str) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _check_forward_source(cls: type) -> Optional[str]:
     """None if ``cls.forward`` has the structure the patch relies on, else the reason.
 
@@ -340,11 +342,11 @@ def patch(model, **loss_options: Any):
         raise ValueError(f"unknown option(s) {unknown} for logitless.transformers.patch; allowed: "
                          f"{list(_ALLOWED_OPTIONS)} (reduction, ignore_index, shift and softcap follow "
                          f"the model and transformers' loss)")
-    _validate.check_options(ignore_index=-100, reduction="sum", softcap=None,
+    CrossEntropyOptions.checked(ignore_index=-100, reduction="sum", softcap=None,
                             label_smoothing=loss_options.get("label_smoothing", 0.0),
                             z_loss=loss_options.get("z_loss", 0.0))
     if "memory_budget" in loss_options:
-        _validate.check_memory_budget(loss_options["memory_budget"])
+        check_memory_budget(loss_options["memory_budget"])
     inner = _find_model(model)
     reason = _refusal(inner)
     if reason:

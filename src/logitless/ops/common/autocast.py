@@ -4,7 +4,7 @@ Under ``torch.autocast(device_type, dtype)`` enabled for the inputs' device, the
 function casts its floating inputs to the autocast dtype with ``Tensor.to`` (autograd
 records the cast, so an fp32 parameter still gets an fp32 gradient; nothing is cached
 between calls), then calls the custom op. Inside the ops' implementations autocast is
-switched off (``no_autocast``), so that the fp32 statistics stay fp32.
+switched off (``disabled``), so that the fp32 statistics stay fp32.
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ def cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
     return t.to(dtype)
 
 
-def no_autocast(device: torch.device):
+def cast_like_linear(*tensors: Optional[Tensor]) -> tuple:
+    """The tensors as ``F.linear`` sees them under autocast (the device of the first
+    tensor decides), unchanged outside autocast."""
+    device = next(t for t in tensors if t is not None).device
+    amp = autocast_dtype(device)
+    return tuple(cast(t, amp) for t in tensors)
+
+
+def disabled(device: torch.device):
     """Context in which ops on ``device`` run in their inputs' dtypes (no autocast)."""
     if device.type in ("cuda", "cpu", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)

@@ -2,7 +2,8 @@
 
 Checks here never synchronise with a GPU. The one data-dependent check (targets in
 range) runs only on CPU tensors, where it is cheap; on GPUs an out-of-range target
-yields NaN for that token instead (see ``_loss_math``).
+yields NaN for that token instead (see ``formulas.cross_entropy``). The checks of the
+scalar options are in ``logitless.options``.
 """
 
 from __future__ import annotations
@@ -13,34 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless import options as _options
-from logitless.formulas.cross_entropy import LossOptions
-from logitless.planning.plans import DEFAULT_MEMORY_BUDGET
-
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
-
-
-def check_options(
-    *,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    softcap: Optional[float],
-    z_loss: float,
-) -> LossOptions:
-    reduction = _options.reduction(reduction)
-    ignore_index = _options.ignore_index(ignore_index)
-    label_smoothing = _options.in_unit_interval("label_smoothing", label_smoothing)
-    softcap = _options.softcap("softcap", softcap)
-    z_loss = _options.non_negative("z_loss", z_loss)
-    return LossOptions(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        z_loss=z_loss,
-    )
 
 
 def check_float(name: str, t: Tensor) -> None:
@@ -93,15 +68,6 @@ def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int) 
         )
 
 
-def check_memory_budget(memory_budget: Optional[int]) -> int:
-    """The budget in bytes (the default for None); a positive int or a clear error."""
-    if memory_budget is None:
-        return DEFAULT_MEMORY_BUDGET
-    if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int of bytes, got {memory_budget!r}")
-    return memory_budget
-
-
 def _dtensor_type():
     """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise)."""
     for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
@@ -128,34 +94,6 @@ def check_not_dtensor(op: str, **tensors: Optional[Tensor]) -> None:
             )
 
 
-def check_jsd_options(
-    *,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    reduction: str,
-    student_softcap: Optional[float],
-    teacher_softcap: Optional[float],
-    hard_label_weight: float,
-):
-    """Options of the distillation ops (jsd, linear_jsd) -> ``_jsd_math.JSDOptions``."""
-    from logitless.formulas.jsd import JSDOptions
-
-    _options.reduction(reduction)
-    _options.ignore_index(ignore_index)
-    beta = _options.in_unit_interval("beta", beta)
-    temperature = float(temperature)
-    if not temperature > 0.0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    caps = [_options.softcap("student_softcap", student_softcap),
-            _options.softcap("teacher_softcap", teacher_softcap)]
-    hard_label_weight = _options.non_negative("hard_label_weight", hard_label_weight)
-    return JSDOptions(
-        beta=beta, temperature=temperature, ignore_index=ignore_index,
-        student_softcap=caps[0], teacher_softcap=caps[1], hard_label_weight=hard_label_weight,
-    )
-
-
 def check_teacher_frozen(**tensors: Optional[Tensor]) -> None:
     """The teacher receives no gradient: refuse teacher tensors that would want one."""
     if not torch.is_grad_enabled():
@@ -166,3 +104,26 @@ def check_teacher_frozen(**tensors: Optional[Tensor]) -> None:
                 f"{name} requires grad, but the distillation loss gives the teacher no "
                 f"gradient; pass {name}.detach() (or compute the teacher under torch.no_grad())"
             )
+
+
+def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[int, int]:
+    """x (..., H), weight (V, H) with V >= 1, bias (V,) or None, x and weight of one
+    dtype (after autocast's casts): (V, H), or a clear error."""
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., H)")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
+    num_classes, hidden = weight.shape
+    if num_classes == 0:
+        raise ValueError("weight has no rows: the vocabulary is empty")
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"x is {x.dtype} but weight is {weight.dtype}; they must match (or call under "
+            "torch.autocast, which casts both as it does for F.linear)"
+        )
+    check_class_vector("bias", bias, num_classes)
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"bias is {bias.dtype} but weight is {weight.dtype}; they must match")
+    return num_classes, hidden

@@ -12,9 +12,11 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.dispatch import resolve_backend
-from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
+from logitless.options import CrossEntropyOptions, check_memory_budget
+
 from .custom_op import InplaceCrossEntropy, ce_forward
 
 
@@ -102,7 +104,8 @@ def cross_entropy(
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
         return_stats: also return a ``LossStats`` (per-token lse, per-token
             argmax == target, number of non-ignored tokens) computed in the same pass.
-        inplace_backward: (eager mode only: under torch.compile it raises RuntimeError) the backward writes the gradient over the logits' own memory
+        inplace_backward: (eager mode only: under torch.compile it raises RuntimeError)
+            the backward writes the gradient over the logits' own memory
             and returns that buffer as their gradient, so backward allocates nothing of
             the logits' size. The logits are destroyed by the backward: use it only when
             nothing else needs them afterwards (typically logits = lm_head(hidden), whose
@@ -136,7 +139,7 @@ def cross_entropy(
         one. Empty inputs and batches with every token ignored behave as torch:
         "mean" gives NaN with zero gradients, "sum" gives 0.
     """
-    opts = _validate.check_options(
+    opts = CrossEntropyOptions.checked(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
@@ -155,7 +158,7 @@ def cross_entropy(
     _validate.check_target(target, logits.shape[:-1], "the leading dimensions of logits")
     _validate.check_class_vector("class_weight", class_weight, num_classes)
     _validate.check_same_device(logits=logits, target=target, class_weight=class_weight)
-    memory_budget = _validate.check_memory_budget(memory_budget)
+    memory_budget = check_memory_budget(memory_budget)
     impl = resolve_backend(backend, logits.device, logits.dtype)
 
     logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
@@ -176,9 +179,7 @@ def cross_entropy(
             logits2d, flat_target, class_weight, opts, impl, memory_budget, return_stats)
     else:
         loss, lse, argmax, _ = ce_forward(
-            logits2d, flat_target, class_weight, opts.ignore_index, opts.reduction,
-            opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
-        )
+            logits2d, flat_target, class_weight, *opts.args(), impl, memory_budget, return_stats)
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     if not return_stats:
@@ -218,7 +219,7 @@ class CrossEntropyLoss(nn.Module):
             if class_weight is not None:
                 raise ValueError("pass the class weights as weight= or class_weight=, not both")
             class_weight = weight
-        _validate.check_options(
+        CrossEntropyOptions.checked(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             softcap=softcap, z_loss=z_loss,
         )

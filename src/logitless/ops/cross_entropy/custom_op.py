@@ -1,8 +1,13 @@
 """The torch.library custom ops of cross_entropy: what autograd and torch.compile see.
 
-    logitless::ce_forward(logits, target, class_weight, <options>) -> loss, lse, argmax, w_t
-    logitless::ce_backward(grad_loss, logits, target, class_weight, lse, w_t, <options>)
+    logitless::ce_forward(logits, target, class_weight, <options>, backend, budget,
+                          need_argmax) -> loss, lse, argmax, w_t
+    logitless::ce_backward(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, <options>,
+                           backend, budget)
         -> d loss / d logits (a new tensor, with the logits' strides where they are dense)
+
+``<options>`` are the fields of ``CrossEntropyOptions`` under their own names. The
+per-token ``lse`` is differentiable (``grad_lse`` adds to the A coefficient).
 
 Their implementations run eagerly, also under torch.compile (which sees only the fake
 implementations), so they may branch on data: the CPU target-range check lives here.
@@ -18,28 +23,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.ops.common.autocast import no_autocast
+from logitless.formulas.common import compute_dtype, reduce
+from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import load_backend
-from logitless.formulas.cross_entropy import (
-    LossOptions,
-    TokenStats,
-    grad_coefficients,
-    reduce_loss,
-    token_loss,
-    upstream_per_token,
-)
 from logitless.ops.common.validate import check_targets_in_range
-from logitless.ops.linear_cross_entropy.custom_op import _stats_dtype, guard_double_backward
+from logitless.options import CrossEntropyOptions
 
 OP = "cross_entropy"
 
 
-def forward_impl(logits, target, class_weight, opts: LossOptions, backend: str, budget: int,
+def forward_impl(logits, target, class_weight, opts: CrossEntropyOptions, backend: str, budget: int,
                  need_argmax: bool):
     """loss, lse, argmax ((0,) when not asked), w_t: the eager forward of both paths."""
     n, v = logits.shape
     check_targets_in_range(target, v, opts.ignore_index)
-    sd = _stats_dtype(logits.dtype)
+    sd = compute_dtype(logits.dtype)
     with no_autocast(logits.device):
         if n == 0:
             empty = logits.new_empty(0, dtype=sd)
@@ -50,12 +50,12 @@ def forward_impl(logits, target, class_weight, opts: LossOptions, backend: str, 
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
             )
         loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-        loss = reduce_loss(loss_tok, w_t, opts.reduction)
+        loss = reduce(loss_tok, w_t, opts.reduction)
     argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
     return loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd)
 
 
-def backward_impl(grad_loss, logits, target, class_weight, lse, w_t, opts: LossOptions,
+def backward_impl(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, opts: CrossEntropyOptions,
                   backend: str, budget: int, out: Tensor) -> None:
     """Writes d loss / d logits into ``out`` (which may be the logits themselves)."""
     n, v = logits.shape
@@ -64,11 +64,13 @@ def backward_impl(grad_loss, logits, target, class_weight, lse, w_t, opts: LossO
     with no_autocast(logits.device):
         g = upstream_per_token(grad_loss, w_t, opts.reduction)
         coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+        if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
+            coef[0] += grad_lse.to(coef.dtype)
         load_backend(__package__, backend).backward(
             logits, target, class_weight, opts.softcap, lse, coef, out, budget=budget)
 
 
-def _ce_forward(
+def _forward(
     logits: Tensor,
     target: Tensor,
     class_weight: Optional[Tensor],
@@ -82,18 +84,18 @@ def _ce_forward(
     need_argmax: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """logits (N, V), target (N,) int64 -> loss (() or (N,)), lse (N,), argmax, w_t (N,)."""
-    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
     return forward_impl(logits, target, class_weight, opts, backend, budget, need_argmax)
 
 
-ce_forward = torch.library.custom_op("logitless::ce_forward", _ce_forward, mutates_args=())
+ce_forward = custom_op("ce_forward", _forward)
 
 
 @ce_forward.register_fake
 def _(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap,
       z_loss, backend, budget, need_argmax):
     n = logits.shape[0]
-    sd = _stats_dtype(logits.dtype)
+    sd = compute_dtype(logits.dtype)
     return (
         logits.new_empty((n,) if reduction == "none" else (), dtype=sd),
         logits.new_empty(n, dtype=sd),
@@ -102,8 +104,9 @@ def _(logits, target, class_weight, ignore_index, reduction, label_smoothing, so
     )
 
 
-def _ce_backward(
+def _backward(
     grad_loss: Tensor,
+    grad_lse: Optional[Tensor],
     logits: Tensor,
     target: Tensor,
     class_weight: Optional[Tensor],
@@ -117,42 +120,45 @@ def _ce_backward(
     backend: str,
     budget: int,
 ) -> Tensor:
-    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
     out = torch.empty_like(logits)
-    backward_impl(grad_loss, logits, target, class_weight, lse, w_t, opts, backend, budget, out)
+    backward_impl(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, opts, backend, budget, out)
     return out
 
 
-ce_backward = torch.library.custom_op("logitless::ce_backward", _ce_backward, mutates_args=())
+ce_backward = custom_op("ce_backward", _backward)
 
 
 @ce_backward.register_fake
-def _(grad_loss, logits, target, class_weight, lse, w_t, ignore_index, reduction,
+def _(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, ignore_index, reduction,
       label_smoothing, softcap, z_loss, backend, budget):
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, class_weight = inputs[:3]
+    a = named(_forward, inputs)
     _, lse, argmax, w_t = output
-    ctx.save_for_backward(logits, target, class_weight, lse, w_t)
-    ctx.options = inputs[3:10]  # ignore_index ... budget
-    ctx.mark_non_differentiable(lse, argmax, w_t)
+    ctx.save_for_backward(a["logits"], a["target"], a["class_weight"], lse, w_t)
+    ctx.opts = CrossEntropyOptions.from_args(a)
+    ctx.backend, ctx.budget, ctx.num_inputs = a["backend"], a["budget"], len(inputs)
+    ctx.mark_non_differentiable(argmax, w_t)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
 
 
-def _backward(ctx, grad_loss, *_):
+def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     if not ctx.needs_input_grad[0]:
-        return (None,) * 11
+        return (None,) * ctx.num_inputs
     logits, target, class_weight, lse, w_t = ctx.saved_tensors
     if grad_loss is None:  # gradients are not materialised: the loss got none
-        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=logits.device)
-    grad = ce_backward(grad_loss, logits, target, class_weight, lse, w_t, *ctx.options)
-    (grad,) = guard_double_backward(OP, (grad,), grad_loss, logits)
-    return (grad,) + (None,) * 10
+        grad_loss = torch.zeros(lse.shape if ctx.opts.reduction == "none" else (), dtype=lse.dtype,
+                                device=logits.device)
+    grad = ce_backward(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, *ctx.opts.args(), ctx.backend,
+                       ctx.budget)
+    (grad,) = guard_double_backward(OP, (grad,), grad_loss, grad_lse, logits)
+    return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
-ce_forward.register_autograd(_backward, setup_context=_setup_context)
+ce_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 _SPENT = (
@@ -172,11 +178,12 @@ class InplaceCrossEntropy(torch.autograd.Function):
                                               budget, need_argmax)
         ctx.save_for_backward(logits, target, class_weight, lse, w_t)
         ctx.opts, ctx.backend, ctx.budget, ctx.spent = opts, backend, budget, False
-        ctx.mark_non_differentiable(lse, argmax)
+        ctx.mark_non_differentiable(argmax)
+        ctx.set_materialize_grads(False)
         return loss, lse, argmax
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_argmax):
+    def backward(ctx, grad_loss, grad_lse, _grad_argmax):
         nones = (None,) * 6
         if not ctx.needs_input_grad[0]:
             return (None,) + nones
@@ -187,7 +194,10 @@ class InplaceCrossEntropy(torch.autograd.Function):
         if ctx.spent:
             raise RuntimeError(_SPENT)
         logits, target, class_weight, lse, w_t = ctx.saved_tensors
-        backward_impl(grad_loss, logits, target, class_weight, lse, w_t, ctx.opts, ctx.backend,
+        if grad_loss is None:  # only lse was used
+            grad_loss = torch.zeros(lse.shape if ctx.opts.reduction == "none" else (), dtype=lse.dtype,
+                                    device=logits.device)
+        backward_impl(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, ctx.opts, ctx.backend,
                       ctx.budget, logits)
         ctx.spent = True
         # Autograd nodes that saved these logits now fail loudly instead of reading
@@ -195,6 +205,3 @@ class InplaceCrossEntropy(torch.autograd.Function):
         torch.autograd.graph.increment_version(logits)
         return (logits.detach(),) + nones
 
-#: The Python implementations behind the ops (tests run them under dispatch modes,
-#: which otherwise see each custom op as one opaque call).
-EAGER = {"logitless::ce_forward": _ce_forward, "logitless::ce_backward": _ce_backward}

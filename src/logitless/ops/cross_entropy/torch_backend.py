@@ -19,17 +19,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.cross_entropy import TokenStats, dlogits_, softcap_
+from logitless.formulas.common import apply_softcap, compute_dtype
+from logitless.formulas.cross_entropy import TokenStats, dlogits_
 from logitless.planning.plans import ce_torch_plan
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunks(logits: Tensor, budget: int, rows: Optional[int]):
     n, v = logits.shape
-    cd = _compute_dtype(logits.dtype)
+    cd = compute_dtype(logits.dtype)
     rows = rows or ce_torch_plan(n, v, torch.finfo(cd).bits // 8, budget)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -49,14 +46,14 @@ def forward(
     plan: Optional[int] = None,
 ) -> TokenStats:
     n, v = logits.shape
-    cd = _compute_dtype(logits.dtype)
+    cd = compute_dtype(logits.dtype)
     lse = torch.empty(n, dtype=cd, device=logits.device)
     tgt = torch.empty_like(lse)
     smooth = torch.empty_like(lse) if need_smooth else None
     amax = torch.empty(n, dtype=torch.int64, device=logits.device) if need_argmax else None
     cw = class_weight.to(cd) if class_weight is not None else None
     for r0, r1, z in _chunks(logits, budget, plan):
-        softcap_(z, softcap)
+        apply_softcap(z, softcap, inplace=True)
         m = z.max(dim=1).values  # NaN propagates
         # Rows of all -inf keep a shift of 0 (no inf - inf); their lse is -inf.
         m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
@@ -82,10 +79,10 @@ def backward(
     plan: Optional[int] = None,
 ) -> None:
     """Writes d loss / d logits into ``out`` (N, V), which may be ``logits`` itself."""
-    cd = _compute_dtype(logits.dtype)
+    cd = compute_dtype(logits.dtype)
     lse, coef = lse.to(cd), coef.to(cd)
     cw = class_weight.to(cd) if class_weight is not None else None
     for r0, r1, z in _chunks(logits, budget, plan):
-        softcap_(z, softcap)
+        apply_softcap(z, softcap, inplace=True)
         dlogits_(z, lse[r0:r1], coef[:, r0:r1], target[r0:r1], 0, cw, softcap)
         out[r0:r1] = z

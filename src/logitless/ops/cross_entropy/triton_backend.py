@@ -19,6 +19,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.planning.plans import CETritonPlan, ce_triton_plan
+
 from . import triton_kernels as K
 
 

@@ -31,7 +31,8 @@ def ce_forward_kernel(
 
     Program i owns rows [i*BLOCK_N, (i+1)*BLOCK_N) and walks the vocabulary in
     BLOCK_V-wide steps, keeping per row: the running max m and sum_c exp(z_c - m)
-    (online softmax), the target logit z_t (loaded directly; 0 when out of range), sum_c w_c z_c (NEED_SMOOTH) and the first index of the maximum
+    (online softmax), the target logit z_t (loaded directly; 0 when out of range),
+    sum_c w_c z_c (NEED_SMOOTH) and the first index of the maximum
     (NEED_ARGMAX). z is soft-capped on the fly (HAS_SOFTCAP). Writes lse = m + log(sum)
     and the other statistics: O(N) outputs. Traffic: N x V logits read once.
 

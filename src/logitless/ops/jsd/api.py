@@ -1,103 +1,27 @@
-"""Public API of jsd on logits the caller holds: function, module, torch.library ops.
+"""Public API of jsd on logits the caller holds: the function and its module.
 
 A bandwidth-bound distillation loss on (..., V) student and teacher logits: the forward
 reads both twice (log-sum-exps, then the divergence sums) and keeps O(tokens)
 statistics; the backward reads both once more and writes the student's gradient once.
 
-torch.compile: the work is two ``torch.library.custom_op``s, ``logitless::jsd_forward``
-(per-token loss and the (6, N) statistics) and ``logitless::jsd_backward`` (gradient of
-the student logits), with fake kernels and autograd registered; validation and the
+torch.compile: the work is two custom ops (``custom_op.py``); validation and the
 reduction are plain Python/torch around them, so ``fullgraph=True`` works.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import BACKENDS, backend_module
-from logitless.formulas.jsd import NUM_STATS, JSDOptions, reduce, token_loss, upstream
+from logitless.ops.common.dispatch import BACKENDS
+from logitless.options import JSDOptions, check_memory_budget
 
-
-def _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight):
-    return JSDOptions(beta=beta, temperature=temperature, ignore_index=ignore_index,
-                      student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-                      hard_label_weight=hard_label_weight)
-
-
-def _out_dtype(*ts: Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-
-
-@torch.library.custom_op("logitless::jsd_forward", mutates_args=())
-def jsd_forward_op(
-    student_logits: Tensor, teacher_logits: Tensor, target: Tensor,
-    beta: float, temperature: float, ignore_index: int,
-    student_softcap: Optional[float], teacher_softcap: Optional[float],
-    hard_label_weight: float, budget: int, backend: str,
-) -> tuple[Tensor, Tensor]:
-    """(per-token loss (N,), statistics (6, N)) of 2-D logits; fp32 (fp64 for fp64)."""
-    opts = _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
-    n, v = student_logits.shape
-    if opts.hard_label_weight != 0.0:
-        _validate.check_targets_in_range(target, v, ignore_index)  # CPU only: no sync
-    if n == 0:
-        stats = student_logits.new_zeros(NUM_STATS, 0, dtype=_out_dtype(student_logits, teacher_logits))
-    else:
-        impl = backend_module(__package__, backend, student_logits.device, student_logits.dtype)
-        with torch.autocast(student_logits.device.type, enabled=False):
-            stats = impl.forward(student_logits, teacher_logits, target, opts, budget)
-    dtype = _out_dtype(student_logits, teacher_logits)
-    return token_loss(stats, target, v, opts).to(dtype), stats.to(dtype)
-
-
-@jsd_forward_op.register_fake
-def _(student_logits, teacher_logits, target, *args):
-    dtype = _out_dtype(student_logits, teacher_logits)
-    n = student_logits.shape[0]
-    return student_logits.new_empty(n, dtype=dtype), student_logits.new_empty(NUM_STATS, n, dtype=dtype)
-
-
-@torch.library.custom_op("logitless::jsd_backward", mutates_args=())
-def jsd_backward_op(
-    grad_loss: Tensor, student_logits: Tensor, teacher_logits: Tensor, target: Tensor,
-    stats: Tensor, beta: float, temperature: float, ignore_index: int,
-    student_softcap: Optional[float], teacher_softcap: Optional[float],
-    hard_label_weight: float, budget: int, backend: str,
-) -> Tensor:
-    """d loss / d student_logits (N, V), in the student logits' dtype."""
-    opts = _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
-    if student_logits.shape[0] == 0:
-        return torch.zeros_like(student_logits)
-    g = upstream(grad_loss, target, ignore_index)
-    impl = backend_module(__package__, backend, student_logits.device, student_logits.dtype)
-    with torch.autocast(student_logits.device.type, enabled=False):
-        return impl.backward(g, student_logits, teacher_logits, target, stats, opts, budget)
-
-
-@jsd_backward_op.register_fake
-def _(grad_loss, student_logits, *args):
-    return torch.empty_like(student_logits)
-
-
-def _setup_context(ctx, inputs, output):
-    student_logits, teacher_logits, target = inputs[:3]
-    ctx.save_for_backward(student_logits, teacher_logits, target, output[1])
-    ctx.options = inputs[3:]
-
-
-def _backward(ctx, grad_loss, _grad_stats):
-    student_logits, teacher_logits, target, stats = ctx.saved_tensors
-    d_student = None
-    if ctx.needs_input_grad[0]:
-        d_student = jsd_backward_op(grad_loss, student_logits, teacher_logits, target, stats, *ctx.options)
-    return (d_student,) + (None,) * 10
-
-
-jsd_forward_op.register_autograd(_backward, setup_context=_setup_context)
+from .custom_op import jsd_forward_op
 
 
 def jsd(
@@ -150,7 +74,7 @@ def jsd(
     With hard labels, a target outside [0, V) that is not ignore_index raises on the
     CPU and gives that token a NaN loss on a GPU (no host sync). NaN inputs give NaN.
     """
-    opts = _validate.check_jsd_options(
+    opts = JSDOptions.checked(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         hard_label_weight=hard_label_weight)
@@ -164,7 +88,7 @@ def jsd(
             f"{tuple(student_logits.shape)}; vocabularies (and token counts) must match")
     _validate.check_same_device(student_logits=student_logits, teacher_logits=teacher_logits, target=target)
     _validate.check_teacher_frozen(teacher_logits=teacher_logits)
-    memory_budget = _validate.check_memory_budget(memory_budget)
+    memory_budget = check_memory_budget(memory_budget)
     v = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
     if target is None:
@@ -172,7 +96,7 @@ def jsd(
             raise ValueError("hard_label_weight > 0 needs a target")
         # No label: no token is ignored (targets 0, an ignore_index that never matches).
         target = torch.zeros(lead, dtype=torch.int64, device=student_logits.device)
-        ignore_index = -1
+        opts = dataclasses.replace(opts, ignore_index=-1)
     else:
         _validate.check_target(target, lead, "the leading dimensions of the logits")
     if backend not in BACKENDS:  # the rest is checked inside the op (no import under compile)
@@ -180,10 +104,8 @@ def jsd(
     zs = student_logits.reshape(-1, v)
     zt = teacher_logits.reshape(-1, v)
     flat_target = target.reshape(-1).long()
-    loss_tok, _ = jsd_forward_op(
-        zs, zt, flat_target, opts.beta, opts.temperature, ignore_index, opts.student_softcap,
-        opts.teacher_softcap, opts.hard_label_weight, memory_budget, backend)
-    loss = reduce(loss_tok, flat_target, reduction, ignore_index)
+    loss_tok, _ = jsd_forward_op(zs, zt, flat_target, *opts.args(), memory_budget, backend)
+    loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
     return loss.reshape(lead) if reduction == "none" else loss
 
 
@@ -196,7 +118,7 @@ class JSDLoss(nn.Module):
                  teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
                  memory_budget: Optional[int] = None, backend: str = "auto"):
         super().__init__()
-        _validate.check_jsd_options(
+        JSDOptions.checked(
             beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
             student_softcap=student_softcap, teacher_softcap=teacher_softcap,
             hard_label_weight=hard_label_weight)

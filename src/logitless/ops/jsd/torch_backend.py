@@ -12,24 +12,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from logitless.formulas.jsd import JSDOptions, dlogits, row_stats, softcap
+from logitless.formulas.common import apply_softcap, compute_dtype
+from logitless.formulas.jsd import dlogits, row_stats
+from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_torch_rows
-
-
-def compute_dtype(*ts: Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
 def forward(zs: Tensor, zt: Tensor, target: Tensor, opts: JSDOptions, budget: int) -> Tensor:
     """(6, N) statistics (``_jsd_math``) in the compute dtype."""
     n, v = zs.shape
-    cd = compute_dtype(zs, zt)
+    cd = compute_dtype(zs.dtype, zt.dtype)
     rows = jsd_torch_rows(n, v, torch.finfo(cd).bits // 8, budget)
     out = torch.empty(6, n, dtype=cd, device=zs.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        a = softcap(zs[n0:n1].to(cd), opts.student_softcap)
-        b = softcap(zt[n0:n1].to(cd), opts.teacher_softcap)
+        a = apply_softcap(zs[n0:n1].to(cd), opts.student_softcap)
+        b = apply_softcap(zt[n0:n1].to(cd), opts.teacher_softcap)
         out[:, n0:n1] = row_stats(a, b, target[n0:n1], opts)
     return out
 
@@ -38,14 +36,14 @@ def backward(g: Tensor, zs: Tensor, zt: Tensor, target: Tensor, stats: Tensor,
              opts: JSDOptions, budget: int) -> Tensor:
     """d loss / d student logits (N, V) in the student logits' dtype."""
     n, v = zs.shape
-    cd = compute_dtype(zs, zt)
+    cd = compute_dtype(zs.dtype, zt.dtype)
     rows = jsd_torch_rows(n, v, torch.finfo(cd).bits // 8, budget)
     dz = torch.empty_like(zs)
     g = g.to(cd)
     stats = stats.to(cd)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        a = softcap(zs[n0:n1].to(cd), opts.student_softcap)
-        b = softcap(zt[n0:n1].to(cd), opts.teacher_softcap)
+        a = apply_softcap(zs[n0:n1].to(cd), opts.student_softcap)
+        b = apply_softcap(zt[n0:n1].to(cd), opts.teacher_softcap)
         dz[n0:n1] = dlogits(a, b, stats[:, n0:n1], g[n0:n1], target[n0:n1], 0, opts)
     return dz

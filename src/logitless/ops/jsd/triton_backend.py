@@ -10,40 +10,22 @@ host syncs.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 from torch import Tensor
 
-from logitless.formulas.jsd import JSDOptions
+from logitless.options import JSDOptions
 from logitless.planning.plans import ce_triton_plan
+from logitless.triton_lib.jsd_rows import jsd_forward_kernel, scalar_args
+
 from . import triton_kernels as K
-
-
-def scalar_args(opts: JSDOptions) -> dict:
-    """The float and constexpr arguments every JSD kernel takes (``_triton_jsd_math``)."""
-    beta = opts.beta
-    mode = 1 if beta == 0.0 else 2 if beta == 1.0 else 0
-    mid = mode == 0
-    return dict(
-        inv_t=1.0 / opts.temperature,
-        log_beta=math.log(beta) if mid else 0.0,
-        log_1mbeta=math.log1p(-beta) if mid else 0.0,
-        cap_s=float(opts.student_softcap or 1.0),
-        cap_t=float(opts.teacher_softcap or 1.0),
-        MODE=mode,
-        HAS_HARD=opts.hard_label_weight != 0.0,
-        HAS_CAP_S=opts.student_softcap is not None,
-        HAS_CAP_T=opts.teacher_softcap is not None,
-    )
 
 
 def forward(zs: Tensor, zt: Tensor, target: Tensor, opts: JSDOptions, budget: int) -> Tensor:
     n, v = zs.shape
     plan = ce_triton_plan(n, v, max(zs.element_size(), zt.element_size()), zs.device)
     stats = torch.empty(6, n, dtype=torch.float32, device=zs.device)
-    K.jsd_forward_kernel[(triton.cdiv(n, plan.block_n),)](
+    jsd_forward_kernel[(triton.cdiv(n, plan.block_n),)](
         zs, zt, target.contiguous(), stats, n, v,
         zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1), **scalar_args(opts),
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,

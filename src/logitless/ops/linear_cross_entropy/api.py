@@ -11,11 +11,14 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from logitless.ops.common import autocast as _autocast
-from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import resolve_backend
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
+from logitless.ops.common import validate as _validate
+from logitless.ops.common.autocast import cast_like_linear
+from logitless.ops.common.dispatch import resolve_backend
+from logitless.options import CrossEntropyOptions, check_memory_budget
+
 from .custom_op import grad_in_forward_chunk, lce_forward
+
 
 def linear_cross_entropy(
     x: Tensor,
@@ -107,7 +110,7 @@ def linear_cross_entropy(
         one. Empty inputs and batches with every token ignored behave as torch:
         "mean" gives NaN with zero gradients, "sum" gives 0.
     """
-    opts = _validate.check_options(
+    opts = CrossEntropyOptions.checked(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
@@ -116,32 +119,14 @@ def linear_cross_entropy(
     _validate.check_float("weight", weight)
     # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
     # casts: each input's gradient comes back in its own dtype); the loss stays fp32.
-    amp = _autocast.autocast_dtype(x.device)
-    if amp is not None:
-        x, weight, bias = _autocast.cast(x, amp), _autocast.cast(weight, amp), _autocast.cast(bias, amp)
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension (..., H)")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
-    num_classes, hidden = weight.shape
-    if num_classes == 0:
-        raise ValueError("weight has no rows: the vocabulary is empty")
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
-    if x.dtype != weight.dtype:
-        raise TypeError(
-            f"x is {x.dtype} but weight is {weight.dtype}; they must match (or call under "
-            "torch.autocast, which casts both as it does for F.linear)"
-        )
+    x, weight, bias = cast_like_linear(x, weight, bias)
+    num_classes, hidden = _validate.check_linear_operands("linear_cross_entropy", x, weight, bias)
     _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
-    _validate.check_class_vector("bias", bias, num_classes)
-    if bias is not None and bias.dtype != weight.dtype:
-        raise TypeError(f"bias is {bias.dtype} but weight is {weight.dtype}; they must match")
     _validate.check_class_vector("class_weight", class_weight, num_classes)
     _validate.check_same_device(x=x, weight=weight, target=target, bias=bias, class_weight=class_weight)
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
-    memory_budget = _validate.check_memory_budget(memory_budget)
+    memory_budget = check_memory_budget(memory_budget)
     impl = resolve_backend(backend, x.device, x.dtype)
 
     out_shape = target.shape
@@ -165,9 +150,8 @@ def linear_cross_entropy(
     if grad_wanted and not torch.compiler.is_compiling():
         in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
     loss, lse, argmax, *_ = lce_forward(
-        x2d, weight, bias, flat_target, class_weight, opts.ignore_index, opts.reduction,
-        opts.label_smoothing, opts.softcap, opts.z_loss, impl, memory_budget, return_stats,
-        grad_wanted, in_forward, *need,
+        x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
+        return_stats, grad_wanted, in_forward, *need,
     )
 
     def per_token(t: Tensor) -> Tensor:
@@ -205,7 +189,7 @@ class LinearCrossEntropyLoss(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        _validate.check_options(
+        CrossEntropyOptions.checked(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             softcap=softcap, z_loss=z_loss,
         )

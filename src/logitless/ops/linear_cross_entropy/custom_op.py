@@ -1,10 +1,18 @@
 """The torch.library custom ops of linear_cross_entropy: what autograd and torch.compile see.
 
-    logitless::lce_forward(x, weight, bias, target, class_weight, <options>)
+    logitless::lce_forward(x, weight, bias, target, class_weight, <options>, backend,
+                           budget, need_argmax, need_grad, grad_in_forward, need_dx,
+                           need_dw, need_db)
         -> loss, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb
-    logitless::lce_backward(grad_loss, x, weight, bias, target, class_weight, lse, w_t,
-                            keep (overwritten with dz), keep_max, plan, <options>)
+    logitless::lce_backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t,
+                            keep (overwritten with dz), keep_max, plan, <options>,
+                            backend, budget, need_dx, need_dw, need_db)
         -> dx, dw, db
+
+``<options>`` are the fields of ``CrossEntropyOptions`` under their own names
+(ignore_index, reduction, label_smoothing, softcap, z_loss). The per-token ``lse`` is
+differentiable (``grad_lse``: d lse / d z_c = p_c adds to the A coefficient), so that
+``LossStats.lse`` can enter a loss of the caller's.
 
 Their implementations run eagerly, also under torch.compile (which sees only the fake
 implementations: output shapes and dtypes), so they may branch on data: the CPU
@@ -28,27 +36,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.ops.common.autocast import no_autocast
+from logitless.formulas.common import compute_dtype, reduce
+from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import load_backend
-from logitless.formulas.cross_entropy import (
-    LossOptions,
-    TokenStats,
-    grad_coefficients,
-    reduce_loss,
-    token_loss,
-    upstream_per_token,
-)
 from logitless.ops.common.validate import check_targets_in_range
+from logitless.options import CrossEntropyOptions
 
 OP = "linear_cross_entropy"
 
 
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the loss and of the per-token statistics."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _lce_forward(
+def _forward(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -73,17 +72,17 @@ def _lce_forward(
     gx, gw, gb: with ``grad_in_forward`` > 0 (tokens per chunk of the Triton backend's
     gradient-in-forward strategy) the gradients for grad_output = 1 that the backward
     scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb fp32)."""
-    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
     n, v = x.shape[0], weight.shape[0]
     check_targets_in_range(target, v, ignore_index)
-    sd = _stats_dtype(x.dtype)
+    sd = compute_dtype(x.dtype)
     kept = grads = None
     with no_autocast(x.device):
         if n == 0:
             empty = x.new_empty(0, dtype=sd)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
         elif grad_in_forward > 0:
-            stats, grads = load_backend(__package__, backend).forward_with_grad(
+            stats, grads = _grad_in_forward_strategy().forward_with_grad(
                 x, weight, bias, target, class_weight, opts, token_chunk=grad_in_forward,
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
                 need_dw=need_dw, need_db=need_db, budget=budget,
@@ -95,7 +94,7 @@ def _lce_forward(
                 need_grad=need_grad,
             )
         loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-        loss = reduce_loss(loss_tok, w_t, reduction)
+        loss = reduce(loss_tok, w_t, reduction)
     argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
     if kept is None:
         kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
@@ -110,7 +109,7 @@ def _lce_forward(
 #: multiplication overflow").
 NOTHING_KEPT = (1, 1)
 
-lce_forward = torch.library.custom_op("logitless::lce_forward", _lce_forward, mutates_args=())
+lce_forward = custom_op("lce_forward", _forward)
 
 
 @lce_forward.register_fake
@@ -118,7 +117,7 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
       softcap, z_loss, backend, budget, need_argmax, need_grad, grad_in_forward, need_dx,
       need_dw, need_db):
     n, (v, h) = x.shape[0], weight.shape
-    sd = _stats_dtype(x.dtype)
+    sd = compute_dtype(x.dtype)
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
     keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
     grads = [x.new_empty(0) for _ in range(3)]
@@ -154,8 +153,9 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
     )
 
 
-def _lce_backward(
+def _backward(
     grad_loss: Tensor,
+    grad_lse: Optional[Tensor],
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -178,7 +178,7 @@ def _lce_backward(
     need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
-    opts = LossOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
@@ -188,6 +188,8 @@ def _lce_backward(
         with no_autocast(x.device):
             g = upstream_per_token(grad_loss, w_t, reduction)
             coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+            if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
+                coef[0] += grad_lse.to(coef.dtype)
             impl = load_backend(__package__, backend)
             extra = {}
             if plan.numel():  # the forward kept columns: its buffers, and its plan (which laid them out)
@@ -204,11 +206,11 @@ def _lce_backward(
     )
 
 
-lce_backward = torch.library.custom_op("logitless::lce_backward", _lce_backward, mutates_args=("keep",))
+lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
 
 
 @lce_backward.register_fake
-def _(grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
+def _(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
       ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
       need_dx, need_dw, need_db):
     nothing = x.new_empty(0)
@@ -219,94 +221,66 @@ def _(grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max
     )
 
 
-class NoDoubleBackward(torch.autograd.Function):
-    """Identity on first-order gradients computed with create_graph=True; differentiating
-    them again raises one clear error (shared by the ops)."""
+def _grad_in_forward_strategy():
+    """The Triton backend's gradient-in-forward strategy (its own module beside it)."""
+    from . import triton_grad_in_forward
 
-    @staticmethod
-    def forward(ctx, op: str, *tensors):
-        ctx.op = op
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"logitless.{ctx.op}: double backward (differentiating its gradients, e.g. after "
-            "torch.autograd.grad(..., create_graph=True)) is not supported"
-        )
+    return triton_grad_in_forward
 
 
-def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> tuple:
-    """``grads`` unchanged, unless the backward runs with create_graph=True: then wrapped
-    so that their own backward raises (``inputs`` make the wrapper part of the graph)."""
-    if not torch.is_grad_enabled():
-        return grads
-    present = [i for i, g in enumerate(grads) if g is not None]
-    extra = [t for t in inputs if t is not None and t.requires_grad]
-    wrapped = NoDoubleBackward.apply(op, *[grads[i] for i in present], *extra)
-    out = list(grads)
-    for k, i in enumerate(present):
-        out[i] = wrapped[k]
-    return tuple(out)
-
-
-_OPTION_ARGS = slice(5, 12)  # ignore_index ... budget in lce_forward's arguments
-_NUM_ARGS = 18
-
-
-def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, opts: LossOptions) -> int:
-    """Tokens per chunk when the backend's planner picks gradient-in-forward for this
-    call (a Triton strategy: the forward also computes the gradients), else 0. Eager
-    only: the public function never asks under torch.compile."""
+def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, opts: CrossEntropyOptions) -> int:
+    """Tokens per chunk when the Triton planner picks gradient-in-forward for this call
+    (the forward also computes the gradients), else 0. Eager only: the public function
+    never asks under torch.compile."""
     if backend != "triton" or x.shape[0] == 0:
         return 0
-    pick = getattr(load_backend(__package__, backend), "grad_in_forward_chunk", None)
-    return (pick(x, weight, budget, opts, opts.softcap) or 0) if pick is not None else 0
+    return _grad_in_forward_strategy().grad_in_forward_chunk(x, weight, budget, opts, opts.softcap) or 0
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, target, class_weight = inputs[:5]
+    a = named(_forward, inputs)
     _, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb = output
-    ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
-    ctx.options = inputs[_OPTION_ARGS]
+    ctx.save_for_backward(a["x"], a["weight"], a["bias"], a["target"], a["class_weight"], lse, w_t)
+    ctx.opts = CrossEntropyOptions.from_args(a)
+    ctx.backend, ctx.budget, ctx.num_inputs = a["backend"], a["budget"], len(inputs)
     # Not saved tensors: the first backward consumes them (in place) and drops them.
     ctx.kept = (keep, keep_max, plan)
-    ctx.grads_in_forward = (gx, gw, gb) if inputs[14] > 0 else None
-    ctx.mark_non_differentiable(lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb)
+    ctx.grads_in_forward = (gx, gw, gb) if a["grad_in_forward"] > 0 else None
+    ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, plan, gx, gw, gb)
     # Otherwise autograd hands the backward a zero-filled gradient for each of these
     # outputs: a memset as large as the kept columns (1 GB at llama3 with a logits-sized
     # budget) and the fp32 dW of gradient-in-forward, allocated on top of them.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_loss, *_):
+def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
     keep, keep_max, plan = ctx.kept
     if grad_loss is None:  # gradients are not materialised: the loss got none
-        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=x.device)
+        grad_loss = torch.zeros(lse.shape if ctx.opts.reduction == "none" else (), dtype=lse.dtype, device=x.device)
     ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
     forward_grads, ctx.grads_in_forward = ctx.grads_in_forward, None
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    grads = (None, None, None)
+    if not (need_dx or need_dw or need_db):
+        return (None,) * ctx.num_inputs
+
+    def backward(g_loss, g_lse, kept):
+        return lce_backward(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t, *kept,
+                            *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db)
+
     if forward_grads is not None and x.shape[0] > 0:
-        # Gradient-in-forward (eager): scale the forward's gradients by grad_output, in place.
+        # Gradient-in-forward (eager): scale the forward's gradients by grad_output, in place;
+        # a gradient of lse (rare: the caller's own use of stats.lse) comes on top.
         present = [g if g.numel() else None for g in forward_grads]
-        backend = ctx.options[5]
-        dx, dw, db = load_backend(__package__, backend).scale_grads(present, grad_loss, x.dtype, weight.dtype)
-        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
-        grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
-    elif need_dx or need_dw or need_db:
-        dx, dw, db = lce_backward(
-            grad_loss, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
-            *ctx.options, need_dx, need_dw, need_db,
-        )
-        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
-        grads = guard_double_backward(OP, grads, grad_loss, x, weight, bias)
-    return grads + (None,) * (_NUM_ARGS - 3)
+        grads = _grad_in_forward_strategy().scale_grads(present, grad_loss, x.dtype, weight.dtype)
+        if grad_lse is not None:
+            extra = backward(torch.zeros_like(grad_loss), grad_lse, ctx.kept)
+            grads = tuple(g + e if g is not None else None for g, e in zip(grads, extra))
+    else:
+        grads = backward(grad_loss, grad_lse, (keep, keep_max, plan))
+    grads = (grads[0] if need_dx else None, grads[1] if need_dw else None, grads[2] if need_db else None)
+    grads = guard_double_backward(OP, grads, grad_loss, grad_lse, x, weight, bias)
+    return grads + (None,) * (ctx.num_inputs - 3)
 
 
-lce_forward.register_autograd(_backward, setup_context=_setup_context)
-
-#: The Python implementations behind the ops (tests run them under dispatch modes,
-#: which otherwise see each custom op as one opaque call).
-EAGER = {"logitless::lce_forward": _lce_forward, "logitless::lce_backward": _lce_backward}
+lce_forward.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.ops.cross_entropy.reference import cross_entropy_reference
+from logitless.ops.common.reference import cross_entropy_reference
 
 
 def linear_cross_entropy_reference(

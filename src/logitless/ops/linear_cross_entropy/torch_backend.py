@@ -25,12 +25,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.cross_entropy import TokenStats, dlogits_, softcap_
+from logitless.formulas.common import apply_softcap, compute_dtype
+from logitless.formulas.cross_entropy import TokenStats, dlogits_
 from logitless.planning.plans import torch_plan
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
@@ -38,13 +35,13 @@ def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
     z = x_c @ w_v.T
     if b_v is not None:
         z += b_v
-    return softcap_(z, softcap)
+    return apply_softcap(z, softcap, inplace=True)
 
 
 def _plan(x: Tensor, v: int, budget: int, *, tiles: int, accumulators: int):
     """torch_plan with the bytes a step of this backend holds besides its tiles."""
     n, h = x.shape
-    cd = _compute_dtype(x.dtype)
+    cd = compute_dtype(x.dtype)
     cs = torch.finfo(cd).bits // 8
     upcast = x.dtype != cd  # 16-bit inputs: chunks of x and W are copied to fp32
     return torch_plan(n, v, h, cs, budget, tiles=tiles, row_bytes=h * cs * upcast,
@@ -67,7 +64,7 @@ def forward(
     """Returns (TokenStats, None): this backend keeps nothing for the backward."""
     n, h = x.shape
     v = weight.shape[0]
-    cd = _compute_dtype(x.dtype)
+    cd = compute_dtype(x.dtype)
     plan = _plan(x, v, budget, tiles=1, accumulators=0)
     lse = torch.empty(n, dtype=cd, device=x.device)
     tgt = torch.empty(n, dtype=cd, device=x.device)
@@ -131,7 +128,7 @@ def backward(
 ):
     n, h = x.shape
     v = weight.shape[0]
-    cd = _compute_dtype(x.dtype)
+    cd = compute_dtype(x.dtype)
     exact = x.dtype == cd  # fp32/fp64: accumulate straight into the outputs
     plan = _plan(x, v, budget, tiles=1 + (softcap is not None), accumulators=0 if exact else int(need_dw))
     lse = lse.to(cd)

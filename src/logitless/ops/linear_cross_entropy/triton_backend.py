@@ -20,7 +20,6 @@ are bitwise repeatable.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -31,49 +30,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.planning import plans as _plans
 from logitless.planning.plans import TritonPlan, triton_plan
+from logitless.triton_lib import launch
+
 from . import triton_kernels as K
-
-
-def tf32_allowed() -> bool:
-    """Whether torch's own fp32 matmuls on CUDA may use TF32 right now: False at
-    ``torch.set_float32_matmul_precision("highest")`` (the default), True at "high" or
-    "medium" (torch ties ``torch.backends.cuda.matmul.allow_tf32`` to that setting)."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        return bool(matmul.allow_tf32)
-    except RuntimeError:
-        # torch >= 2.9 raises when the legacy and the new (fp32_precision) APIs were
-        # mixed; the new one is then the one to follow ("none": the global setting).
-        prec = getattr(matmul, "fp32_precision", "none")
-        if prec == "none":
-            prec = getattr(torch.backends, "fp32_precision", "ieee")
-        return prec == "tf32"
-
-
-#: At "high"/"medium": round fp32 operands to the nearest TF32 in the kernel before the
-#: TF32 product (torch's cuBLAS rounds too), instead of letting the tensor cores
-#: truncate them. The benchmark's "logitless-tf32-truncate" rows turn it off to
-#: measure what the rounding costs.
-_TF32_ROUND_INPUTS = True
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
-
-    fp32 inputs run on tensor cores either way: "tf32-round" (operands rounded to TF32,
-    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium"; "tf32"
-    without the rounding) or, at "highest", "tf32x3" (each operand split into a TF32
-    head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
-    tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
-    16-bit inputs ignore the setting.
-    """
-    if dtype == torch.float32:
-        if not tf32_allowed():
-            return "tf32x3"
-        return "tf32-round" if _TF32_ROUND_INPUTS else "tf32"
-    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        return "interpreter-bf16"  # see _logits_tile: works around an interpreter bug
-    return "tf32"  # ignored for 16-bit inputs
 
 
 def _flags(bias, class_weight, softcap, dtype):
@@ -81,55 +40,8 @@ def _flags(bias, class_weight, softcap, dtype):
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_CW=class_weight is not None,
-        DOT_PRECISION=_dot_precision(dtype),
+        DOT_PRECISION=launch.dot_precision(dtype),
     )
-
-
-#: (kernel name, requested num_stages, constexpr flags) -> num_stages that fit this
-#: GPU's shared memory.
-_STAGES_THAT_FIT: dict = {}
-
-
-def _launch(kernel, grid, *args, num_stages: int, **kwargs):
-    """kernel[grid](*args, num_stages=..., **kwargs); if the tiles' pipeline does not fit
-    the GPU's shared memory (Triton's OutOfResources, raised on the host before the
-    launch), retries with fewer stages and remembers what fit. No device sync."""
-    from triton.runtime.errors import OutOfResources
-
-    flags = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))  # the constexprs
-    key = (getattr(getattr(kernel, "fn", None), "__name__", str(kernel)), num_stages, flags)
-    stages = _STAGES_THAT_FIT.get(key, num_stages)
-    while True:
-        try:
-            kernel[grid](*args, num_stages=stages, **kwargs)
-            _STAGES_THAT_FIT[key] = stages
-            return
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-
-
-def _padded_buffer(n: int, row: int, like: Tensor) -> Tensor:
-    """An (n, row) buffer in ``like``'s dtype whose rows are padded past the columns in
-    use. Zero-filled off the GPU: torch's CPU bf16 matmul reads the padding of a strided
-    operand (uninitialised memory: NaN * 0 = NaN in the result), cuBLAS does not."""
-    alloc = torch.empty if like.is_cuda else torch.zeros
-    return alloc(n, row, dtype=like.dtype, device=like.device)
-
-
-def _operands(x: Tensor, weight: Tensor, plan: TritonPlan):
-    """(x, W, USE_TMA): tensor descriptors when the plan allows TMA and rows are
-    16-byte aligned and contiguous (what the bulk tensor copy needs), else the tensors."""
-    aligned = all(
-        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (x, weight)
-    )
-    if not (plan.tma and aligned):
-        return x, weight, False
-    x_desc = TensorDescriptor.from_tensor(x, [plan.block_n, plan.block_h])
-    w_desc = TensorDescriptor.from_tensor(weight, [plan.block_v, plan.block_h])
-    return x_desc, w_desc, True
 
 
 def forward(
@@ -162,12 +74,12 @@ def forward(
     part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
     keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v)
     keep = keep_max = None
-    x_op, w_op, use_tma = _operands(x, weight, plan)
+    x_op, w_op, use_tma = launch.operands(x, weight, plan)
     keep_op = None
     if keep_blocks:
         # Rows padded to 16 bytes so that the kept tiles can be bulk-stored (TMA).
         (_, row), max_shape = _kept_shapes_of(plan, n)
-        keep_buf = _padded_buffer(n, row, x)
+        keep_buf = launch.padded_buffer(n, row, x)
         keep = keep_buf[:, : plan.keep_cols]
         keep_max = torch.empty(max_shape, **f32)
         keep_op = keep
@@ -175,7 +87,7 @@ def forward(
             keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
     row_blocks = triton.cdiv(n, plan.block_n)
     grid = (row_blocks * splits,)
-    _launch(
+    launch.launch_kernel(
         K.forward_stats_kernel, grid,
         x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
         target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
@@ -264,32 +176,6 @@ def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
     return _kept_shapes_of(plan, n) if plan.keep_cols else None
 
 
-def _dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
-    """acc (fp32) += dz @ w with fp32 accumulation and no rounding to the input dtype."""
-    if acc.is_cuda:
-        torch.addmm(acc, dz, w, out_dtype=torch.float32, out=acc)
-    else:  # the interpreter on CPU
-        acc += dz.float() @ w.float()
-
-
-def _chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Tensor],
-                     db_rows: Optional[Tensor], dx_acc: Optional[Tensor], need_dx: bool):
-    """The GEMMs fed by one chunk of dz (N, v1 - v0), for columns [v0, v1) of W:
-    dW[v0:v1] = dz^T x (written once), db[v0:v1] = column sums of dz in fp32, and
-    dx += dz W[v0:v1] into the fp32 accumulator ``dx_acc``. Without an accumulator (one
-    chunk covers V) returns dx = dz W[v0:v1] in the input dtype; otherwise None."""
-    if dw_rows is not None:
-        torch.mm(dz.T, x, out=dw_rows)
-    if db_rows is not None:
-        db_rows.copy_(dz.sum(dim=0, dtype=torch.float32))
-    if not need_dx:
-        return None
-    if dx_acc is None:
-        return dz @ w_rows
-    _dx_accumulate(dx_acc, dz, w_rows)
-    return None
-
-
 def backward(
     x: Tensor,
     weight: Tensor,
@@ -327,7 +213,7 @@ def backward(
     if need_dx and not one_chunk:
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     dz_buf = None
-    x_op, w_op, use_tma = _operands(x, weight, plan)
+    x_op, w_op, use_tma = launch.operands(x, weight, plan)
     flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
@@ -344,7 +230,7 @@ def backward(
             if dz_buf is None:
                 # Rows padded to 16 bytes so that dz tiles can be bulk-stored (TMA).
                 width = min(plan.vocab_chunk, v - keep_cols)
-                dz_buf = _padded_buffer(n, triton.cdiv(width, 8) * 8, x)
+                dz_buf = launch.padded_buffer(n, triton.cdiv(width, 8) * 8, x)
             dz = dz_buf[:, : v1 - v0]
             dz_op = dz
             dz_tma = plan.dz_tma and use_tma
@@ -353,9 +239,9 @@ def backward(
             row_blocks = triton.cdiv(n, plan.block_n)
             tiles = row_blocks * triton.cdiv(v1 - v0, plan.block_v)
             if plan.dlogits_programs:  # persistent: each program loops over tiles
-                tiles = min(tiles, plan.dlogits_programs * _plans._num_sms(x.device))
+                tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(x.device))
             grid = (tiles,)
-            _launch(
+            launch.launch_kernel(
                 K.dlogits_kernel, grid,
                 x_op, w_op, bias if bias is not None else x, cw_arg,
                 target, lse, coef, dz_op,
@@ -365,7 +251,7 @@ def backward(
                 BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                 num_warps=plan.num_warps, num_stages=plan.num_stages,
             )
-        dx_chunk = _chunk_gradients(
+        dx_chunk = launch.chunk_gradients(
             dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
             dx_acc, need_dx)
         if dx_chunk is not None:
@@ -374,6 +260,3 @@ def backward(
         dx = dx_acc.to(x.dtype)
     return dx, dw, db
 
-
-# The gradient-in-forward strategy (its own file; api.py finds it through these names).
-from .triton_grad_in_forward import forward_with_grad, grad_in_forward_chunk, scale_grads  # noqa: E402,F401

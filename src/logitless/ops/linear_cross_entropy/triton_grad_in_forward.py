@@ -30,8 +30,10 @@ import torch
 import triton
 from torch import Tensor
 
-from logitless.formulas.cross_entropy import TokenStats, _target_weight, grad_coefficients, upstream_per_token
+from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, target_weight, upstream_per_token
 from logitless.planning.plans import lce_strategy, triton_plan
+
+from . import triton_backend
 from . import triton_kernels as K
 
 
@@ -52,13 +54,11 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
     """TokenStats of every token, and (dx, dw_acc, db_acc) for grad_output = 1:
     dx in x's dtype; dw_acc and db_acc fp32 (dw_acc in weight's dtype when one chunk
     covers every token); None where not needed. ``scale_grads`` finishes them."""
-    from .triton_backend import forward as stats_forward
-
     n, h = x.shape
     v = weight.shape[0]
     softcap = opts.softcap
     valid = target != opts.ignore_index
-    w_t = _target_weight(target, class_weight, valid)
+    w_t = target_weight(target, class_weight, valid)
     g = upstream_per_token(torch.ones((), device=x.device), w_t, opts.reduction)
     chunks = [(n0, min(n, n0 + token_chunk)) for n0 in range(0, n, token_chunk)]
     one = len(chunks) == 1
@@ -73,7 +73,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
         xc, tc = x[n0:n1], target[n0:n1]
         base = triton_plan(n1 - n0, v, h, x.element_size(), budget, x.device, keep_allowed=True)
         plan = replace(base, keep_cols=v)
-        stats, cache = stats_forward(xc, weight, bias, tc, class_weight, softcap, need_smooth=need_smooth,
+        stats, cache = triton_backend.forward(xc, weight, bias, tc, class_weight, softcap, need_smooth=need_smooth,
                                      need_argmax=need_argmax, budget=budget, need_grad=True, plan=plan)
         parts.append(stats)
         coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()

@@ -1,107 +1,14 @@
 """Triton kernels of linear_cross_entropy. One kernel per idea; the math is in
-``logitless.formulas.cross_entropy`` and the launch sizes in ``logitless.planning.plans``.
-
-Shapes: x (N, H), W (V, H), logits z = x W^T (+ b) of shape (N, V), never stored whole.
-Each program owns a tile of BLOCK_N tokens x BLOCK_V classes of z, computed by a loop
-of tl.dot over BLOCK_H-wide slices of H with fp32 accumulation.
+``logitless.formulas.cross_entropy`` (Triton twin ``triton_lib.ce_math``), the tile of
+logits each program computes in ``triton_lib.gemm`` and the launch sizes in
+``logitless.planning.plans``.
 """
 
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.ce_math import (
-    dz_tile,
-    load_row_coefficients,
-    online_lse_update,
-    side_stats_update,
-    softcap_tile,
-)
-
-
-@triton.jit
-def _round_to_tf32(v):
-    """fp32 -> the nearest TF32 value (10-bit mantissa; ties away from zero, as
-    cvt.rna.tf32.f32 and cuBLAS), still stored as fp32. Tensor cores given raw fp32
-    truncate instead (about 2.6x the error of rounding, in an emulation at H=2048)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
-    """acc += a @ b_t^T with fp32 accumulation. For fp32 inputs DOT_PRECISION follows
-    torch's fp32 matmul precision (``triton_backend._dot_precision``):
-    "tf32-round" (operands rounded to TF32, one TF32 tensor-core product: what cuBLAS
-    does at "high"), "tf32" (the tensor cores truncate the raw fp32 operands), or
-    "tf32x3" (3xTF32: a = a_hi + a_lo in TF32, a_hi b_hi + a_hi b_lo + a_lo b_hi,
-    about fp32 accuracy, at "highest")."""
-    # One return at the end: Triton 3.6 still compiles the statements after a
-    # constexpr-if that returns (an early return made "tf32-round" reach the last dot).
-    if DOT_PRECISION == "tf32-round":
-        acc = tl.dot(_round_to_tf32(a), tl.trans(_round_to_tf32(b_t)), acc, input_precision="tf32")
-    elif DOT_PRECISION == "interpreter-bf16":
-        # TRITON_INTERPRET=1 (triton 3.6) multiplies bf16 as their uint16 storage:
-        # widen first (bf16 x bf16 products are exact in fp32, as on tensor cores).
-        acc = tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc)
-    else:
-        acc = tl.dot(a, tl.trans(b_t), acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def grouped_tile(pid, row_blocks, cols, group):
-    """Program id -> (row block, column index), ``group`` row blocks at a time: the
-    programs resident together share a few row blocks of x (kept in L2 while they
-    sweep the columns) and each column's W tile (read once per group), instead of
-    every row block at once (at 16k tokens x 4096 the 128 MB of x do not fit the 50 MB
-    L2 and were re-read from memory for each tile of W). group >= row_blocks gives the
-    plain order: row block fastest."""
-    per_group = group * cols
-    first = (pid // per_group) * group
-    size = tl.minimum(row_blocks - first, group)
-    r = first + (pid % per_group) % size
-    c = (pid % per_group) // size
-    return r, c
-
-
-@triton.jit
-def _logits_tile(
-    x_ptr, w_ptr, b_ptr, n0, v0, N, V, H,
-    stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """z[n0:n0+BLOCK_N, v0:v0+BLOCK_V] = x W^T (+ b), soft-capped; fp32 (BLOCK_N, BLOCK_V).
-
-    Reads BLOCK_N x H of x and BLOCK_V x H of W. With USE_TMA, x_ptr and w_ptr are
-    host-made tensor descriptors (Hopper's bulk tensor copies, zero-filled out of
-    bounds); otherwise pointers with masked loads and 64-bit offsets (N*H and V*H
-    beyond 2**31 are safe). Rows/columns out of range hold junk (callers mask).
-    """
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    offs_v = v0 + tl.arange(0, BLOCK_V)
-    col_ok = offs_v < V
-    if USE_TMA:
-        for h0 in range(0, H, BLOCK_H):
-            acc = _dot(x_ptr.load([n0, h0]), w_ptr.load([v0, h0]), acc, DOT_PRECISION)
-    else:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_h = tl.arange(0, BLOCK_H)
-        row_ok = offs_n < N
-        x_rows = x_ptr + offs_n.to(tl.int64)[:, None] * stride_xn
-        w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + offs_h
-            h_ok = h < H
-            x_blk = tl.load(x_rows + h[None, :] * stride_xh, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
-            w_blk = tl.load(w_rows + h[None, :] * stride_wh, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
-            acc = _dot(x_blk, w_blk, acc, DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_v, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        acc = softcap_tile(acc, softcap)
-    return acc
+from logitless.triton_lib.ce_math import dz_tile, load_row_coefficients, online_lse_update, side_stats_update
+from logitless.triton_lib.gemm import grouped_tile, logits_tile
 
 
 @triton.jit
@@ -120,7 +27,8 @@ def forward_stats_kernel(
     """Online softmax statistics of rows of z over one split of the vocabulary.
 
     Program (i, j) (in ``grouped_tile`` order, ``group_n`` row blocks at a time) takes
-    tokens [i*BLOCK_N, (i+1)*BLOCK_N) and vocabulary blocks [j*blocks_per_split, (j+1)*blocks_per_split) and writes, per token, the split's
+    tokens [i*BLOCK_N, (i+1)*BLOCK_N) and vocabulary blocks [j*blocks_per_split,
+    (j+1)*blocks_per_split) and writes, per token, the split's
     running max m, sum_c exp(z_c - m), the target logit (0 if the target is elsewhere),
     sum_c w_c z_c and the first argmax. Memory traffic: x once per split, W once per
     row block (the GEMM's), plus O(N * splits) fp32 partials; no (N, V) tensor.
@@ -150,7 +58,7 @@ def forward_stats_kernel(
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = offs_v < V
-        z = _logits_tile(
+        z = logits_tile(
             x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
             stride_xn, stride_xh, stride_wv, stride_wh, softcap,
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
@@ -212,7 +120,7 @@ def dlogits_kernel(
         offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         row_ok = offs_n < N
         col_ok = offs_v < v_end
-        z = _logits_tile(
+        z = logits_tile(
             x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
             stride_xn, stride_xh, stride_wv, stride_wh, softcap,
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,

@@ -1,131 +1,28 @@
-"""Public API of the fused linear distillation loss: function, module, torch.library ops.
+"""Public API of the fused linear distillation loss: the function and its module.
 
 The loss equals ``jsd(student_x @ student_weight.T + student_bias, teacher_x @
 teacher_weight.T + teacher_bias, target, ...)`` without either head's (tokens x vocab)
 logits ever being stored.
 
-torch.compile: the work is two ``torch.library.custom_op``s,
-``logitless::linear_jsd_forward`` (per-token loss, (6, N) statistics) and
-``logitless::linear_jsd_backward`` (gradients of the student's x, weight, bias), with
-fake kernels and autograd registered; validation, autocast casts and the reduction are
-plain Python/torch around them, so ``fullgraph=True`` works.
+torch.compile: the work is two custom ops (``custom_op.py``); validation, autocast casts
+and the reduction are plain Python/torch around them, so ``fullgraph=True`` works.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import BACKENDS, backend_module
-from logitless.formulas.jsd import NUM_STATS, JSDOptions, reduce, token_loss, upstream
+from logitless.ops.common.autocast import cast_like_linear
+from logitless.ops.common.dispatch import BACKENDS
+from logitless.options import JSDOptions, check_memory_budget
 
-
-def _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight):
-    return JSDOptions(beta=beta, temperature=temperature, ignore_index=ignore_index,
-                      student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-                      hard_label_weight=hard_label_weight)
-
-
-def _loss_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-@torch.library.custom_op("logitless::linear_jsd_forward", mutates_args=())
-def linear_jsd_forward_op(
-    student_x: Tensor, student_weight: Tensor, student_bias: Optional[Tensor],
-    teacher_x: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor],
-    target: Tensor, beta: float, temperature: float, ignore_index: int,
-    student_softcap: Optional[float], teacher_softcap: Optional[float],
-    hard_label_weight: float, budget: int, backend: str,
-) -> tuple[Tensor, Tensor]:
-    """(per-token loss (N,), statistics (6, N)) for 2-D x's; fp32 (fp64 for fp64)."""
-    opts = _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
-    n, v = student_x.shape[0], student_weight.shape[0]
-    dtype = _loss_dtype(student_x)
-    if opts.hard_label_weight != 0.0:
-        _validate.check_targets_in_range(target, v, ignore_index)  # CPU only: no sync
-    if n == 0:
-        stats = student_x.new_zeros(NUM_STATS, 0, dtype=dtype)
-    else:
-        impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
-        with torch.autocast(student_x.device.type, enabled=False):
-            stats = impl.forward(student_x, student_weight, student_bias, teacher_x, teacher_weight,
-                                 teacher_bias, target, opts, budget)
-    return token_loss(stats, target, v, opts).to(dtype), stats.to(dtype)
-
-
-@linear_jsd_forward_op.register_fake
-def _(student_x, *args):
-    dtype = _loss_dtype(student_x)
-    n = student_x.shape[0]
-    return student_x.new_empty(n, dtype=dtype), student_x.new_empty(NUM_STATS, n, dtype=dtype)
-
-
-@torch.library.custom_op("logitless::linear_jsd_backward", mutates_args=())
-def linear_jsd_backward_op(
-    grad_loss: Tensor, student_x: Tensor, student_weight: Tensor, student_bias: Optional[Tensor],
-    teacher_x: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor],
-    target: Tensor, stats: Tensor, beta: float, temperature: float, ignore_index: int,
-    student_softcap: Optional[float], teacher_softcap: Optional[float],
-    hard_label_weight: float, budget: int, backend: str,
-    need_dx: bool, need_dw: bool, need_db: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dW, db) of the student; an empty tensor for each one not asked for."""
-    opts = _opts(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
-    need_db = need_db and student_bias is not None
-    none = student_x.new_empty(0)
-    if student_x.shape[0] == 0:
-        dx, dw = torch.zeros_like(student_x), torch.zeros_like(student_weight)
-        db = torch.zeros_like(student_bias) if need_db else none
-    else:
-        g = upstream(grad_loss, target, ignore_index)
-        impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
-        with torch.autocast(student_x.device.type, enabled=False):
-            dx, dw, db = impl.backward(
-                g, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias,
-                target, stats, opts, budget, need_dx, need_dw, need_db)
-    return (dx if need_dx else none.clone(), dw if need_dw else none.clone(),
-            db if need_db else none.clone())
-
-
-@linear_jsd_backward_op.register_fake
-def _(grad_loss, student_x, student_weight, student_bias, *args):
-    need_dx, need_dw, need_db = args[-3:]
-    none = student_x.new_empty(0)
-    return (torch.empty_like(student_x) if need_dx else none,
-            torch.empty_like(student_weight) if need_dw else none.clone(),
-            torch.empty_like(student_bias) if need_db and student_bias is not None else none.clone())
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7], output[1])
-    ctx.options = inputs[7:]
-
-
-def _backward(ctx, grad_loss, _grad_stats):
-    xs, ws, bs, xt, wt, bt, target, stats = ctx.saved_tensors
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx = dw = db = None
-    if need_dx or need_dw or need_db:
-        dx, dw, db = linear_jsd_backward_op(
-            grad_loss, xs, ws, bs, xt, wt, bt, target, stats, *ctx.options,
-            need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 12
-
-
-linear_jsd_forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _autocast(*ts: Optional[Tensor]):
-    """F.linear's semantics: under autocast, cast x, weight, bias (autograd-tracked)."""
-    dev = next(t for t in ts if t is not None).device.type
-    if not torch.is_autocast_enabled(dev):
-        return ts
-    dtype = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in ts)
+from .custom_op import linear_jsd_forward_op
 
 
 def linear_jsd(
@@ -193,7 +90,7 @@ def linear_jsd(
     ignore_index raises on the CPU and makes that token's loss NaN on a GPU. NaN
     inputs give NaN. Empty inputs: "mean" NaN with zero gradients, "sum" 0.
     """
-    opts = _validate.check_jsd_options(
+    opts = JSDOptions.checked(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         hard_label_weight=hard_label_weight)
@@ -224,7 +121,7 @@ def linear_jsd(
                                 student_bias=student_bias, teacher_bias=teacher_bias)
     _validate.check_teacher_frozen(teacher_x=teacher_x, teacher_weight=teacher_weight,
                                    teacher_bias=teacher_bias)
-    student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias = _autocast(
+    student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias = cast_like_linear(
         student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias)
     dtypes = {t.dtype for t in (student_x, student_weight, student_bias, teacher_x,
                                 teacher_weight, teacher_bias) if t is not None}
@@ -233,7 +130,7 @@ def linear_jsd(
                         f"{sorted(str(d) for d in dtypes)} (or run under torch.autocast)")
     if shift and student_x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
-    memory_budget = _validate.check_memory_budget(memory_budget)
+    memory_budget = check_memory_budget(memory_budget)
     if backend not in BACKENDS:  # the rest is checked inside the op (no import under compile)
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     lead = student_x.shape[:-1]
@@ -241,11 +138,12 @@ def linear_jsd(
         if opts.hard_label_weight != 0.0:
             raise ValueError("hard_label_weight > 0 needs a target")
         target = torch.zeros(lead, dtype=torch.int64, device=student_x.device)
-        ignore_index = -1  # no label: no token is ignored (but the shifted-out last one)
+        opts = dataclasses.replace(opts, ignore_index=-1)  # no label: no token is ignored
+        # (but the shifted-out last one)
     else:
         _validate.check_target(target, lead, "the leading dimensions of student_x")
     if shift:
-        pad = target.new_full(target.shape[:-1] + (1,), ignore_index)
+        pad = target.new_full(target.shape[:-1] + (1,), opts.ignore_index)
         target = torch.cat([target[..., 1:], pad], dim=-1)
     xs = student_x.reshape(-1, student_x.shape[-1])
     xt = teacher_x.reshape(-1, teacher_x.shape[-1])
@@ -254,9 +152,8 @@ def linear_jsd(
     flat_target = target.reshape(-1).long()
     loss_tok, _ = linear_jsd_forward_op(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-        opts.beta, opts.temperature, ignore_index, opts.student_softcap, opts.teacher_softcap,
-        opts.hard_label_weight, memory_budget, backend)
-    loss = reduce(loss_tok, flat_target, reduction, ignore_index)
+        *opts.args(), memory_budget, backend)
+    loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
     if reduction == "none":
         loss = loss.reshape(lead)
         return loss[..., :-1] if shift else loss
@@ -276,7 +173,7 @@ class LinearJSDLoss(nn.Module):
                  teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
                  shift: bool = False, memory_budget: Optional[int] = None, backend: str = "auto"):
         super().__init__()
-        _validate.check_jsd_options(
+        JSDOptions.checked(
             beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
             student_softcap=student_softcap, teacher_softcap=teacher_softcap,
             hard_label_weight=hard_label_weight)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.ops.jsd.reference import jsd_reference
+from logitless.ops.common.reference import jsd_reference
 
 
 def linear_jsd_reference(

@@ -16,19 +16,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.jsd import JSDOptions, dlogits, row_stats, softcap
+from logitless.formulas.common import apply_softcap, compute_dtype
+from logitless.formulas.jsd import dlogits, row_stats
+from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_torch_rows, torch_plan
-
-
-def _cd(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _tile(x_c: Tensor, w: Tensor, b: Optional[Tensor], v0: int, v1: int, cap, cd) -> Tensor:
     z = x_c.to(cd) @ w[v0:v1].to(cd).T
     if b is not None:
         z += b[v0:v1].to(cd)
-    return softcap(z, cap)
+    return apply_softcap(z, cap)
 
 
 def _vocab_step(v: int, h: int, itemsize: int, budget: int) -> int:
@@ -40,7 +38,7 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     """(6, N) statistics (``_jsd_math``) in the compute dtype."""
     n = xs.shape[0]
     v = ws.shape[0]
-    cd = _cd(xs.dtype)
+    cd = compute_dtype(xs.dtype)
     isz = torch.finfo(cd).bits // 8
     rows = jsd_torch_rows(n, v, isz, budget)
     step = _vocab_step(v, max(xs.shape[1], xt.shape[1]), isz, budget)
@@ -61,7 +59,7 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
              need_dx: bool, need_dw: bool, need_db: bool):
     n, h = xs.shape
     v = ws.shape[0]
-    cd = _cd(xs.dtype)
+    cd = compute_dtype(xs.dtype)
     # About 12 tile-sized temporaries (two tiles, log-probs, mixture, dz, ...).
     plan = torch_plan(n, v, max(h, xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 4))
     g = g.to(cd)

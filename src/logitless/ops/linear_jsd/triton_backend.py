@@ -19,16 +19,15 @@ no atomics (bitwise repeatable), no host syncs.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 from torch import Tensor
 
-from logitless.formulas.jsd import JSDOptions
+from logitless.options import JSDOptions
 from logitless.planning.plans import ce_triton_plan, linear_jsd_plan
-from logitless.ops.jsd import triton_kernels as JK
-from logitless.ops.jsd.triton_backend import scalar_args
-from logitless.ops.linear_cross_entropy.triton_backend import _chunk_gradients, _dot_precision, _operands
+from logitless.triton_lib import launch
+from logitless.triton_lib.jsd_rows import jsd_forward_kernel, scalar_args
+
 from . import triton_kernels as K
 
 
@@ -58,7 +57,7 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
         chunk_stats = torch.empty(6, r, dtype=torch.float32, device=xs.device)
         _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
         _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        JK.jsd_forward_kernel[(triton.cdiv(r, rp.block_n),)](
+        jsd_forward_kernel[(triton.cdiv(r, rp.block_n),)](
             zs, zt, target[n0:n1], chunk_stats, r, v, zs.stride(0), 1, zt.stride(0), 1, **fwd,
             BLOCK_N=rp.block_n, BLOCK_V=rp.block_v, num_warps=rp.num_warps,
         )
@@ -82,8 +81,8 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     dx = None
     dx_acc = torch.zeros(n, h, dtype=torch.float32, device=xs.device) if need_dx and not one_chunk else None
     dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
-    xs_op, ws_op, tma_s = _operands(xs, ws, tiles)
-    xt_op, wt_op, tma_t = _operands(xt, wt, tiles)
+    xs_op, ws_op, tma_s = launch.operands(xs, ws, tiles)
+    xt_op, wt_op, tma_t = launch.operands(xt, wt, tiles)
     use_tma = tma_s and tma_t
     if not use_tma:
         xs_op, ws_op, xt_op, wt_op = xs, ws, xt, wt
@@ -99,11 +98,11 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
             xt.stride(0), xt.stride(1), wt.stride(0), wt.stride(1), dz.stride(0),
             v0, v1, wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs, group_n=tiles.group_n or row_blocks,
             HAS_BIAS_S=bs is not None, HAS_BIAS_T=bt is not None,
-            DOT_PRECISION=_dot_precision(xs.dtype), USE_TMA=use_tma,
+            DOT_PRECISION=launch.dot_precision(xs.dtype), USE_TMA=use_tma,
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
-        dx_chunk = _chunk_gradients(
+        dx_chunk = launch.chunk_gradients(
             dz, xs, ws[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
             dx_acc, need_dx)
         if dx_chunk is not None:

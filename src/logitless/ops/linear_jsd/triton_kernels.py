@@ -1,7 +1,7 @@
 """Triton kernel of linear_jsd's backward: both heads' logits tiles fused with dz.
 
 The forward needs no kernel of its own: cuBLAS writes both heads' fp32 logits for a
-chunk of tokens and ``jsd.triton_kernels.jsd_forward_kernel`` reduces them to row
+chunk of tokens and ``triton_lib.jsd_rows.jsd_forward_kernel`` reduces them to row
 statistics. The math is in ``logitless.formulas.jsd`` (Triton twin ``_triton_jsd_math``);
 launch sizes in ``logitless.planning.plans.linear_jsd_plan``.
 """
@@ -9,8 +9,8 @@ launch sizes in ``logitless.planning.plans.linear_jsd_plan``.
 import triton
 import triton.language as tl
 
+from logitless.triton_lib.gemm import grouped_tile, logits_tile
 from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats
-from logitless.ops.linear_cross_entropy.triton_kernels import _logits_tile, grouped_tile
 
 
 @triton.jit
@@ -40,10 +40,10 @@ def jsd_dlogits_kernel(
     offs_v = c0 + tl.arange(0, BLOCK_V)
     row_ok = offs_n < N
     col_ok = offs_v < v_end
-    zs = _logits_tile(xs_ptr, ws_ptr, bs_ptr, n0, c0, N, V, HS,
+    zs = logits_tile(xs_ptr, ws_ptr, bs_ptr, n0, c0, N, V, HS,
                       stride_xsn, stride_xsh, stride_wsv, stride_wsh, cap_s,
                       HAS_BIAS_S, HAS_CAP_S, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H)
-    zt = _logits_tile(xt_ptr, wt_ptr, bt_ptr, n0, c0, N, V, HT,
+    zt = logits_tile(xt_ptr, wt_ptr, bt_ptr, n0, c0, N, V, HT,
                       stride_xtn, stride_xth, stride_wtv, stride_wth, cap_t,
                       HAS_BIAS_T, HAS_CAP_T, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H)
     lse_s, lse_t, s_row, lse1, g, target = load_jsd_row_stats(stats_ptr, g_ptr, target_ptr, offs_n, row_ok, N)

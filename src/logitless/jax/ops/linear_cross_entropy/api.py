@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax import formulas as lm
-from logitless.jax.planning import check_memory_budget
+from logitless.options import CrossEntropyOptions, check_memory_budget
 
 #: Backends by name: module path (relative to this package). "mosaic_gpu" is optional.
 BACKENDS = {
@@ -77,7 +77,7 @@ def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias)
 class _Config(NamedTuple):
     """Static (hashable) arguments of the custom_vjp."""
 
-    opts: lm.LossOptions
+    opts: CrossEntropyOptions
     backend: str
     budget: int
     num_classes: int
@@ -187,8 +187,8 @@ def linear_cross_entropy(
         give a NaN loss. Empty inputs and all-ignored batches behave as torch: "mean"
         is NaN with zero gradients, "sum" is 0.
     """
-    opts = lm.check_options(ignore_index=ignore_index, reduction=reduction,
-                            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss)
+    opts = CrossEntropyOptions.checked(ignore_index=ignore_index, reduction=reduction,
+                                       label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss)
     budget = check_memory_budget(memory_budget)
     _check_float("x", x)
     _check_float("weight", weight)

@@ -43,10 +43,12 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from logitless.jax.formulas import merge_lse_splits
 
 __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk"]
 
@@ -388,9 +390,7 @@ def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=Non
     n, h = x2d.shape
     cfg = config or _default_config(n, w.shape[0], h)
     lse_p, tl_p, ss_p = _forward_partials(_pad_rows8(x2d), w, target, softcap=softcap, need_smooth=need_smooth, cfg=cfg)
-    m = lse_p.max(axis=0)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    lse = m_safe + jnp.log(jnp.exp(lse_p - m_safe).sum(axis=0))
+    lse = merge_lse_splits(lse_p)
     tl = tl_p.sum(axis=0)
     ss = ss_p.sum(axis=0) if need_smooth else None
     return lse, tl, ss

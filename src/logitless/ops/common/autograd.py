@@ -1,0 +1,70 @@
+"""The autograd glue of the torch.library custom ops, shared by every op.
+
+Each op is a forward and a backward custom op whose arguments are tensors, then the
+fields of its options dataclass (``logitless.options``, under their own names), then
+execution arguments (backend, budget, flags). ``named`` reads a custom op's inputs by
+argument name in ``setup_context``; ``guard_double_backward`` makes a second-order
+gradient raise one clear error; ``EAGER`` maps each custom op to its Python
+implementation (tests run them under dispatch modes, which otherwise see a custom op
+as one opaque call).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+#: "logitless::<name>" -> the Python implementation behind the custom op.
+EAGER: dict[str, Callable] = {}
+
+
+def custom_op(name: str, fn: Callable, *, mutates_args=()):
+    """``torch.library.custom_op("logitless::<name>", fn)``, registered in ``EAGER``."""
+    EAGER[f"logitless::{name}"] = fn
+    return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutates_args)
+
+
+@functools.cache
+def _names(fn: Callable) -> tuple:
+    return tuple(inspect.signature(fn).parameters)
+
+
+def named(fn: Callable, inputs: tuple) -> dict:
+    """A custom op's inputs by the argument names of its implementation ``fn``."""
+    return dict(zip(_names(fn), inputs))
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """Identity on first-order gradients computed with create_graph=True; differentiating
+    them again raises one clear error."""
+
+    @staticmethod
+    def forward(ctx, op: str, *tensors):
+        ctx.op = op
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"logitless.{ctx.op}: double backward (differentiating its gradients, e.g. after "
+            "torch.autograd.grad(..., create_graph=True)) is not supported"
+        )
+
+
+def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> tuple:
+    """``grads`` unchanged, unless the backward runs with create_graph=True: then wrapped
+    so that their own backward raises (``inputs`` make the wrapper part of the graph)."""
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    extra = [t for t in inputs if t is not None and t.requires_grad]
+    wrapped = NoDoubleBackward.apply(op, *[grads[i] for i in present], *extra)
+    out = list(grads)
+    for k, i in enumerate(present):
+        out[i] = wrapped[k]
+    return tuple(out)

@@ -1,0 +1,126 @@
+"""The torch.library custom ops of linear_jsd: what autograd and torch.compile see.
+
+    logitless::linear_jsd_forward(student_x, student_weight, student_bias, teacher_x,
+        teacher_weight, teacher_bias, target, <options>, budget, backend)
+        -> per-token loss (N,), statistics (6, N)
+    logitless::linear_jsd_backward(grad_loss, <the forward's tensors>, stats, <options>,
+        budget, backend, need_dx, need_dw, need_db) -> the student's dx, dW, db
+
+``<options>`` are the fields of ``JSDOptions`` under their own names. Validation,
+autocast casts and the reduction are plain Python/torch around the ops (``api.py``),
+so ``fullgraph=True`` works. Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import compute_dtype
+from logitless.formulas.jsd import NUM_STATS, token_loss, upstream
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.dispatch import backend_module
+from logitless.ops.common.validate import check_targets_in_range
+from logitless.options import JSDOptions
+
+OP = "linear_jsd"
+
+
+def _forward(
+    student_x: Tensor, student_weight: Tensor, student_bias: Optional[Tensor],
+    teacher_x: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor],
+    target: Tensor, beta: float, temperature: float, ignore_index: int,
+    student_softcap: Optional[float], teacher_softcap: Optional[float],
+    hard_label_weight: float, budget: int, backend: str,
+) -> tuple[Tensor, Tensor]:
+    """(per-token loss (N,), statistics (6, N)) for 2-D x's; fp32 (fp64 for fp64)."""
+    opts = JSDOptions(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
+    n, v = student_x.shape[0], student_weight.shape[0]
+    dtype = compute_dtype(student_x.dtype)
+    if opts.hard_label_weight != 0.0:
+        check_targets_in_range(target, v, ignore_index)  # CPU only: no sync
+    if n == 0:
+        stats = student_x.new_zeros(NUM_STATS, 0, dtype=dtype)
+    else:
+        impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
+        with no_autocast(student_x.device):
+            stats = impl.forward(student_x, student_weight, student_bias, teacher_x, teacher_weight,
+                                 teacher_bias, target, opts, budget)
+    return token_loss(stats, target, v, opts).to(dtype), stats.to(dtype)
+
+
+linear_jsd_forward_op = custom_op("linear_jsd_forward", _forward)
+
+
+@linear_jsd_forward_op.register_fake
+def _(student_x, *args):
+    dtype = compute_dtype(student_x.dtype)
+    n = student_x.shape[0]
+    return student_x.new_empty(n, dtype=dtype), student_x.new_empty(NUM_STATS, n, dtype=dtype)
+
+
+def _backward(
+    grad_loss: Tensor, student_x: Tensor, student_weight: Tensor, student_bias: Optional[Tensor],
+    teacher_x: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor],
+    target: Tensor, stats: Tensor, beta: float, temperature: float, ignore_index: int,
+    student_softcap: Optional[float], teacher_softcap: Optional[float],
+    hard_label_weight: float, budget: int, backend: str,
+    need_dx: bool, need_dw: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db) of the student; an empty tensor for each one not asked for."""
+    opts = JSDOptions(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
+    need_db = need_db and student_bias is not None
+    none = student_x.new_empty(0)
+    if student_x.shape[0] == 0:
+        dx, dw = torch.zeros_like(student_x), torch.zeros_like(student_weight)
+        db = torch.zeros_like(student_bias) if need_db else none
+    else:
+        g = upstream(grad_loss, target, ignore_index)
+        impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
+        with no_autocast(student_x.device):
+            dx, dw, db = impl.backward(
+                g, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias,
+                target, stats, opts, budget, need_dx, need_dw, need_db)
+    return (dx if need_dx else none.clone(), dw if need_dw else none.clone(),
+            db if need_db else none.clone())
+
+
+linear_jsd_backward_op = custom_op("linear_jsd_backward", _backward)
+
+
+@linear_jsd_backward_op.register_fake
+def _(grad_loss, student_x, student_weight, student_bias, *args):
+    need_dx, need_dw, need_db = args[-3:]
+    none = student_x.new_empty(0)
+    return (torch.empty_like(student_x) if need_dx else none,
+            torch.empty_like(student_weight) if need_dw else none.clone(),
+            torch.empty_like(student_bias) if need_db and student_bias is not None else none.clone())
+
+
+_TENSORS = ("student_x", "student_weight", "student_bias", "teacher_x", "teacher_weight", "teacher_bias", "target")
+
+
+def _setup_context(ctx, inputs, output):
+    a = named(_forward, inputs)
+    ctx.save_for_backward(*(a[k] for k in _TENSORS), output[1])
+    ctx.opts = JSDOptions.from_args(a)
+    ctx.budget, ctx.backend, ctx.num_inputs = a["budget"], a["backend"], len(inputs)
+
+
+def _autograd_backward(ctx, grad_loss, _grad_stats):
+    xs, ws, bs, xt, wt, bt, target, stats = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    grads = (None, None, None)
+    if need_dx or need_dw or need_db:
+        dx, dw, db = linear_jsd_backward_op(
+            grad_loss, xs, ws, bs, xt, wt, bt, target, stats, *ctx.opts.args(), ctx.budget,
+            ctx.backend, need_dx, need_dw, need_db)
+        grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+        grads = guard_double_backward(OP, grads, grad_loss, xs, ws, bs)
+    return grads + (None,) * (ctx.num_inputs - 3)
+
+
+linear_jsd_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -1,0 +1,75 @@
+"""Overrides of the planner's choices, as a context: for tests, probes and the tuner.
+
+    from logitless.planning.overrides import override
+    with override(strategy=("grad_in_forward", 64), group_rows=2):
+        loss = logitless.linear_cross_entropy(...)
+
+The library itself never sets one: with no override active, every plan follows the
+shape, dtype, budget and device class alone (``plans``, ``cost_model``, ``tuned``).
+Overrides nest (an inner one replaces the fields it names) and are per thread and per
+asyncio task (a ``contextvars.ContextVar``), not module globals. Each field's default
+is the shipped behaviour:
+
+    kernel_options  scheduling switches of the fused GEMM kernels (``plans.KERNEL_OPTIONS``:
+                    group, flatten, dz_tma, dlogits_programs); a dict of those to change
+    group_rows      row blocks per group of the grouped program order (None: the
+                    working-set rule ``plans.group_rows``)
+    model_plans     the cost model picks kept columns and chunk widths on GPUs (False:
+                    the greedy rule, keep as many columns as fit)
+    strategy        (name, token_chunk): the strategy ``plans.lce_strategy`` returns
+                    when a gradient is wanted, e.g. ("grad_in_forward", 64)
+    tiles           (block_n, block_v, block_h, num_warps, num_stages) for every plan
+    tf32_round      fp32 at matmul precision "high": round operands to TF32 in the
+                    kernel (as cuBLAS); False lets the tensor cores truncate them
+    plan            a function TritonPlan -> TritonPlan applied to linear_cross_entropy's
+                    plans (e.g. force one kept tile and narrow chunks in a test)
+    num_sms         multiprocessors the planner assumes (None: the device's own)
+    device_model    a ``cost_model.DeviceModel`` for the planner (None: the device's class)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Overrides:
+    kernel_options: Optional[dict] = None
+    group_rows: Optional[int] = None
+    model_plans: bool = True
+    strategy: Optional[tuple] = None
+    tiles: Optional[tuple] = None
+    tf32_round: bool = True
+    plan: Optional[Callable] = None
+    num_sms: Optional[int] = None
+    device_model: Any = None
+
+
+#: The default is a frozen dataclass: never mutated, only replaced (``override``).
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("logitless_overrides", default=Overrides())  # noqa: B039
+
+
+def current() -> Overrides:
+    """The overrides in effect (all defaults outside any ``override``)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Context in which the named fields of ``Overrides`` replace the current ones."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(Overrides)}
+    if unknown:
+        raise TypeError(f"unknown override(s) {sorted(unknown)}; known: "
+                        f"{[f.name for f in dataclasses.fields(Overrides)]}")
+    if fields.get("tiles") is not None:
+        fields["tiles"] = tuple(int(t) for t in fields["tiles"])
+    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **fields))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,131 @@
+"""Torch-side helpers of the Triton kernels, shared by every op's Triton backend.
+
+    tf32_allowed / dot_precision   fp32 operands follow torch's matmul precision
+    launch_kernel                  a launch that retries with fewer pipeline stages
+                                   where the tiles do not fit the shared memory
+    operands                       TMA tensor descriptors of x and W (or the tensors)
+    padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
+    chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
+
+No host syncs; no atomics: results are bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from logitless.planning.overrides import current as _overrides
+
+
+def tf32_allowed() -> bool:
+    """Whether torch's own fp32 matmuls on CUDA may use TF32 right now: False at
+    ``torch.set_float32_matmul_precision("highest")`` (the default), True at "high" or
+    "medium" (torch ties ``torch.backends.cuda.matmul.allow_tf32`` to that setting)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        # torch >= 2.9 raises when the legacy and the new (fp32_precision) APIs were
+        # mixed; the new one is then the one to follow ("none": the global setting).
+        prec = getattr(matmul, "fp32_precision", "none")
+        if prec == "none":
+            prec = getattr(torch.backends, "fp32_precision", "ieee")
+        return prec == "tf32"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
+
+    fp32 inputs run on tensor cores either way: "tf32-round" (operands rounded to TF32,
+    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium"; "tf32"
+    without the rounding, under ``override(tf32_round=False)``: what the benchmark's
+    "logitless-tf32-truncate" rows measure) or, at "highest", "tf32x3" (each operand split into a TF32
+    head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
+    tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
+    16-bit inputs ignore the setting.
+    """
+    if dtype == torch.float32:
+        if not tf32_allowed():
+            return "tf32x3"
+        return "tf32-round" if _overrides().tf32_round else "tf32"
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter-bf16"  # see gemm.dot: works around an interpreter bug
+    return "tf32"  # ignored for 16-bit inputs
+
+
+#: (kernel name, requested num_stages, constexpr flags) -> num_stages that fit this
+#: GPU's shared memory.
+_STAGES_THAT_FIT: dict = {}
+
+
+def launch_kernel(kernel, grid, *args, num_stages: int, **kwargs):
+    """kernel[grid](*args, num_stages=..., **kwargs); if the tiles' pipeline does not fit
+    the GPU's shared memory (Triton's OutOfResources, raised on the host before the
+    launch), retries with fewer stages and remembers what fit. No device sync."""
+    from triton.runtime.errors import OutOfResources
+
+    flags = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))  # the constexprs
+    key = (getattr(getattr(kernel, "fn", None), "__name__", str(kernel)), num_stages, flags)
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, num_stages=stages, **kwargs)
+            _STAGES_THAT_FIT[key] = stages
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+
+
+def padded_buffer(n: int, row: int, like: Tensor) -> Tensor:
+    """An (n, row) buffer in ``like``'s dtype whose rows are padded past the columns in
+    use. Zero-filled off the GPU: torch's CPU bf16 matmul reads the padding of a strided
+    operand (uninitialised memory: NaN * 0 = NaN in the result), cuBLAS does not."""
+    alloc = torch.empty if like.is_cuda else torch.zeros
+    return alloc(n, row, dtype=like.dtype, device=like.device)
+
+
+def operands(x: Tensor, weight: Tensor, plan):
+    """(x, W, USE_TMA): tensor descriptors when the plan allows TMA and rows are
+    16-byte aligned and contiguous (what the bulk tensor copy needs), else the tensors."""
+    aligned = all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (x, weight)
+    )
+    if not (plan.tma and aligned):
+        return x, weight, False
+    x_desc = TensorDescriptor.from_tensor(x, [plan.block_n, plan.block_h])
+    w_desc = TensorDescriptor.from_tensor(weight, [plan.block_v, plan.block_h])
+    return x_desc, w_desc, True
+
+
+def dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
+    """acc (fp32) += dz @ w with fp32 accumulation and no rounding to the input dtype."""
+    if acc.is_cuda:
+        torch.addmm(acc, dz, w, out_dtype=torch.float32, out=acc)
+    else:  # the interpreter on CPU
+        acc += dz.float() @ w.float()
+
+
+def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Tensor],
+                     db_rows: Optional[Tensor], dx_acc: Optional[Tensor], need_dx: bool):
+    """The GEMMs fed by one chunk of dz (N, v1 - v0), for columns [v0, v1) of W:
+    dW[v0:v1] = dz^T x (written once), db[v0:v1] = column sums of dz in fp32, and
+    dx += dz W[v0:v1] into the fp32 accumulator ``dx_acc``. Without an accumulator (one
+    chunk covers V) returns dx = dz W[v0:v1] in the input dtype; otherwise None."""
+    if dw_rows is not None:
+        torch.mm(dz.T, x, out=dw_rows)
+    if db_rows is not None:
+        db_rows.copy_(dz.sum(dim=0, dtype=torch.float32))
+    if not need_dx:
+        return None
+    if dx_acc is None:
+        return dz @ w_rows
+    dx_accumulate(dx_acc, dz, w_rows)
+    return None
