@@ -374,7 +374,8 @@ def test_opcheck_linear_cross_entropy(backend, need_grad):
     else:
         assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
     grad_loss = torch.rand((), device=DEVICE) + 0.5
-    bargs = (grad_loss, x.detach(), w.detach(), b.detach(), t, cw, lse, w_t, keep, keep_max, plan,
+    grad_lse = torch.randn(lse.shape, device=DEVICE)  # the per-token lse is differentiable
+    bargs = (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw, lse.detach(), w_t, keep, keep_max, plan,
              *options[:-1], True, True, True)
     torch.library.opcheck(lce_ops.lce_backward, bargs)
 
@@ -425,7 +426,9 @@ def test_opcheck_cross_entropy(backend, reduction):
     torch.library.opcheck(ce_ops.ce_forward, (logits.detach().T.contiguous().T, t, None, *options, False))
     _, lse, _, w_t = ce_ops.ce_forward(logits, t, cw, *options, False)
     grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
-    torch.library.opcheck(ce_ops.ce_backward, (grad_loss, logits.detach(), t, cw, lse, w_t, *options))
+    for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
+        torch.library.opcheck(ce_ops.ce_backward, (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
+                                                   *options))
 
 
 # --------------------------------------------------------------------------- double backward
