@@ -58,8 +58,8 @@ def _forward(
     kept = None
     with no_autocast(x.device):
         if n == 0:
-            empty = x.new_empty(0, dtype=sd)
-            logp, ent, lse = empty, (empty if entropy else None), empty
+            logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
+            ent = x.new_empty(0, dtype=sd) if entropy else None
         else:
             stats, kept = load_backend(__package__, backend).forward(
                 x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad)
