@@ -198,7 +198,7 @@ def test_token_out_of_range_cpu():
     x, w, t, _, _ = make_inputs((3,), 8, 7, torch.float32, {}, seed=1)
     t[1] = 7
     for backend in BACKENDS:
-        with pytest.raises(ValueError, match="outside"):
+        with pytest.raises(ValueError, match="tokens contains"):
             logitless.linear_log_probs(x, w, t, backend=backend)
 
 
@@ -340,3 +340,23 @@ def test_opcheck(backend, need_grad):
     bargs = (g_lp, g_h, x.detach(), w.detach(), b.detach(), t, lse, ent.detach(), keep, keep_max, plan,
              0.7, True, 4.0, -100, backend, 6_000, True, True, True)
     torch.library.opcheck(llp_ops.llp_backward, bargs)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_dtensor_weight_gets_the_fsdp_error(tmp_path):
+    """A DTensor weight (e.g. FSDP2-sharded, used outside the module's forward): one clear error."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = distribute_tensor(torch.randn(11, 8), mesh, [Shard(0)])
+        with pytest.raises(TypeError, match="DTensor.*register_fsdp_forward_method"):
+            logitless.linear_log_probs(torch.randn(3, 8), w, torch.tensor([0, 1, 2]))
+        with pytest.raises(TypeError, match="DTensor"):
+            logitless.log_probs(distribute_tensor(torch.randn(4, 11), mesh, [Shard(0)]), torch.tensor([0, 1, 2, 3]))
+    finally:
+        dist.destroy_process_group()

@@ -123,7 +123,7 @@ def test_token_out_of_range_cpu():
     z, t = make((3,), 7, torch.float32, 0)
     t[0] = -3
     for backend in BACKENDS:
-        with pytest.raises(ValueError, match="outside"):
+        with pytest.raises(ValueError, match="tokens contains"):
             logitless.log_probs(z, t, backend=backend)
 
 

@@ -123,7 +123,7 @@ def _verl(shape, device):
 
 METHODS = {
     "logitless": (_logitless(None), "logitless.linear_log_probs(entropy=True), default budget (256 MiB)"),
-    "logitless@logits": (_logitless(_logits_budget), "logitless.linear_log_probs, budget = the logits in bf16 + 64 MiB"),
+    "logitless@logits": (_logitless(_logits_budget), "logitless.linear_log_probs, budget = bf16 logits + 64 MiB"),
     "torch-eager": (_eager, "x @ W.T in bf16, fp32 log_softmax(logits / T), gather, entropy"),
     "torch-compile": (_compiled, "the same under torch.compile"),
     "verl": (_verl, "verl.utils.kernel.linear_cross_entropy (fused Triton, when installed)"),

@@ -27,10 +27,20 @@ from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import load_backend
-from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
 
 OP = "linear_log_probs"
+
+
+def check_tokens_in_range(tokens: Tensor, num_classes: int, ignore_index: int) -> None:
+    """ValueError for a token outside [0, V) that is not ignore_index (CPU tensors only:
+    on a GPU the check would be a host sync; the token's outputs are NaN there)."""
+    if tokens.device.type != "cpu" or tokens.numel() == 0:
+        return
+    bad = (tokens != ignore_index) & ((tokens < 0) | (tokens >= num_classes))
+    if bool(bad.any()):
+        raise ValueError(f"tokens contains {int(tokens[bad][0])}, outside [0, {num_classes}) and not "
+                         f"ignore_index={ignore_index}")
 
 #: Shape of the keep buffers when nothing is kept (see linear_cross_entropy: not (0, 0)).
 NOTHING_KEPT = (1, 1)
@@ -53,7 +63,7 @@ def _forward(
     lse (N,), keep, keep_max, plan."""
     opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
     n, v = x.shape[0], weight.shape[0]
-    check_targets_in_range(tokens, v, ignore_index)
+    check_tokens_in_range(tokens, v, ignore_index)
     sd = compute_dtype(x.dtype)
     kept = None
     with no_autocast(x.device):
