@@ -360,3 +360,40 @@ def test_dtensor_weight_gets_the_fsdp_error(tmp_path):
             logitless.log_probs(distribute_tensor(torch.randn(4, 11), mesh, [Shard(0)]), torch.tensor([0, 1, 2, 3]))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
+    """What a tensor-parallel wrapper will do: each shard's backend forward with the token
+    relative to the shard, partials merged (max, then sums), the backward per shard with
+    the merged lse and entropy. Equal to the unsharded op."""
+    from logitless.formulas.log_probs import LogProbStats, grad_coefficients, partials_of, token_outputs
+    from logitless.ops.common.dispatch import load_backend
+
+    impl = load_backend("logitless.ops.linear_log_probs", backend)
+    x, w, t, b, _ = make_inputs((13,), 24, 71, torch.float32, {"_bias": True}, seed=31)
+    opts = LogProbOptions(0.8, True, 3.0, -100)
+    x, w, b = x.detach(), w.detach(), b.detach()
+    t[4] = -100
+    bounds = [(0, 30), (30, 31), (31, 71)]
+    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, budget=2**20)[0] for v0, v1 in bounds]
+    m, s, u = (torch.stack(z) for z in zip(*[partials_of(p.lse, p.entropy) for p in parts]))
+    lse, ent = merge_splits(m, s, u)
+    stats = LogProbStats(lse, sum(p.target for p in parts), ent)
+    logp, ent = token_outputs(stats, t, 71, opts)
+    xr, wr, br = (p.clone().requires_grad_() for p in (x, w, b))
+    ref_lp, ref_ent = logitless.linear_log_probs(xr, wr, t, br, temperature=0.8, entropy=True, softcap=3.0,
+                                                 backend=backend)
+    assert max_err(logp, ref_lp) < 1e-5 and max_err(ent, ref_ent) < 1e-5
+    g_lp, g_h = torch.randn(13, device=DEVICE), torch.randn(13, device=DEVICE)
+    coef = grad_coefficients(ent, t, g_lp, g_h, 71, opts, lse)
+    dx = torch.zeros_like(x)
+    dw, db = [], []
+    for v0, v1 in bounds:
+        gx, gw, gb = impl.backward(x, w[v0:v1], b[v0:v1], t - v0, opts, lse, coef, need_dx=True, need_dw=True,
+                                   need_db=True, budget=2**20)
+        dx += gx
+        dw.append(gw)
+        db.append(gb)
+    rx, rw, rb = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_h).sum(), (xr, wr, br))
+    assert max_err(dx, rx) < 1e-5 and max_err(torch.cat(dw), rw) < 1e-5 and max_err(torch.cat(db), rb) < 1e-5

@@ -24,7 +24,12 @@ columns (a_t,k = 0 where the token is elsewhere). Then
     a_t = sum_k a_t,k
 
 (a part with m_k = -inf contributes 0; M = 0 when every part is -inf). ``merge_splits``
-below is that merge along one tensor dimension.
+below is that merge along one tensor dimension. A part's finished statistics (its own
+lse_k and H_k, e.g. a backend's forward on one vocabulary shard, the token given
+relative to the shard: a_t,k = 0 when the token is elsewhere) are the partials
+(m_k, s_k, u_k) = (lse_k, 1, -H_k) (``partials_of``). The backward on a shard then needs
+only the merged lse and H (the coefficients below), the shard's columns and the token
+relative to the shard.
 
 Outputs: logp and H per token in fp32 (fp64 for fp64 inputs on the torch backend), 0
 at tokens equal to ``ignore_index``; a token outside [0, V) gives NaN (the CPU raises
@@ -105,6 +110,11 @@ def merge_splits(part_max: Tensor, part_sum: Tensor, part_u: Optional[Tensor], d
         corr = torch.where(part_sum > 0, d * part_sum, torch.zeros_like(part_sum))
         u = (scale * (part_u + corr)).sum(dim=dim)
     return finish(big_m, s, u)
+
+
+def partials_of(lse: Tensor, entropy: Optional[Tensor]):
+    """(m, s, u) of a part whose finished statistics are (lse, H): (lse, 1, -H)."""
+    return lse, torch.ones_like(lse), (-entropy if entropy is not None else None)
 
 
 def token_outputs(stats: LogProbStats, tokens: Tensor, num_classes: int, opts: LogProbOptions):

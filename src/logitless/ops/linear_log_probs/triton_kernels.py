@@ -35,6 +35,8 @@ def logp_forward_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_n < N
     token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
+    # A token outside [0, V) (another shard's, or invalid) matches no column, not even padding.
+    token = tl.where((token >= 0) & (token < V), token, -1)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
