@@ -26,19 +26,20 @@ def online_entropy_update(a, m, s, u, ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def logp_dz_tile(p, logp, z, offs_v, token, ca, cb, cc, softcap,
+def logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature,
                  HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr):
-    """dz_j = p_j (A + C log p_j) - B [j == t], times 1 - (z_j / s)^2 with a soft-cap
-    (z: the capped logits, read only then; logp read only with ENTROPY); (A, B, C) per
-    row from ``formulas.log_probs.grad_coefficients`` (1/T folded in). p_j = 0 gives 0
-    for the first term (no 0 * inf where a column is -inf)."""
+    """dz_j = p_j (A + C log p_j) - B [j == t], times 1 - (z_j / s)^2 with a soft-cap;
+    (A, B, C) per row from ``formulas.log_probs.grad_coefficients`` (1/T folded in).
+    p_j = 0 gives 0 for the first term (no 0 * inf where a column is -inf). The capped
+    logit is recomputed from log p, z_j = T (log p_j + lse), so that only two tiles
+    (p, log p) are live at once (registers: a third fp32 tile would spill)."""
     if ENTROPY:
         dz = tl.where(p > 0.0, p * (ca[:, None] + cc[:, None] * logp), 0.0)
     else:
         dz = p * ca[:, None]
     dz -= tl.where(offs_v[None, :] == token[:, None], cb[:, None], 0.0)
     if HAS_SOFTCAP:
-        capped = z / softcap
+        capped = (logp + lse[:, None]) * (temperature / softcap)
         dz *= 1.0 - capped * capped
     return dz
 

@@ -54,6 +54,8 @@ def logp_forward_kernel(
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
+        # The token's a first: then a is dead once the update has shifted it (two live tiles).
+        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if KEEP:
             block = first_block + i
@@ -64,7 +66,6 @@ def logp_forward_kernel(
                     keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
                     tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
                 tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
-        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
 
     out = split.to(tl.int64) * N + offs_n
     tl.store(part_max_ptr + out, m, mask=row_ok)
@@ -103,7 +104,7 @@ def logp_dlogits_kernel(
         lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
         logp = z * inv_temp - lse[:, None]
         p = tl.exp(logp)
-        dz = logp_dz_tile(p, logp, z, offs_v, token, ca, cb, cc, softcap, HAS_SOFTCAP, ENTROPY)
+        dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)
         if DZ_TMA:
             dz_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(dz_ptr.dtype))
         else:
@@ -119,8 +120,8 @@ def logp_kept_dlogits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dz for the kept columns, in place: e = exp(a - m) becomes dz. p = e exp(m - lse);
-    log p = log e + m - lse and z = T (log e + m) only with entropy / a soft-cap (the
-    planner keeps no columns where e could underflow and a soft-cap needs z). No GEMM:
+    log p = log e + m - lse only with entropy / a soft-cap (the planner keeps no columns
+    where e could underflow and a soft-cap needs z = T (log p + lse)). No GEMM:
     one read and one write of the kept buffer. BLOCK_V must be the forward's."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -134,10 +135,7 @@ def logp_kept_dlogits_kernel(
     lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     logp = p  # unused without entropy or a soft-cap
-    z = p
     if ENTROPY or HAS_SOFTCAP:
-        log_e = tl.log(e)
-        logp = log_e + (m - lse)[:, None]
-        z = (log_e + m[:, None]) * temperature
-    dz = logp_dz_tile(p, logp, z, offs_v, token, ca, cb, cc, softcap, HAS_SOFTCAP, ENTROPY)
+        logp = tl.log(e) + (m - lse)[:, None]
+    dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature, HAS_SOFTCAP, ENTROPY)
     tl.store(ptrs, dz.to(keep_ptr.dtype.element_ty), mask=mask)

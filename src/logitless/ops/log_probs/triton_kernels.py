@@ -80,5 +80,5 @@ def lp_backward_kernel(
     lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     logp = z * inv_temp - lse[:, None]
     p = tl.exp(logp)
-    dz = logp_dz_tile(p, logp, z, offs_v, token, ca, cb, cc, softcap, HAS_SOFTCAP, ENTROPY)
+    dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)
     tl.store(dz_ptr + rows * stride_dn + cols * stride_dv, dz.to(dz_ptr.dtype.element_ty), mask=mask)
