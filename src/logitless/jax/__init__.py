@@ -12,11 +12,13 @@ one file per backend, bench shapes).
 
 from .formulas import LossStats
 from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
+from .ops.linear_log_probs.api import linear_log_probs
 from .planning import DEFAULT_MEMORY_BUDGET
 
 __all__ = [
     "linear_cross_entropy",
     "linear_softmax_cross_entropy_loss",
+    "linear_log_probs",
     "LossStats",
     "DEFAULT_MEMORY_BUDGET",
 ]
