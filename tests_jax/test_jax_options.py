@@ -75,7 +75,8 @@ def test_class_weight_against_float64(backend, dtype, option, reduction):
     cw = _class_weight(131)
     kw = dict(OPTIONS[option], reduction=reduction)
     g_out = np.arange(1, t.size + 1) / t.size if reduction == "none" else None
-    proj = (lambda l: jnp.sum(l * jnp.asarray(g_out, jnp.float32))) if reduction == "none" else (lambda l: l)
+    proj = ((lambda loss: jnp.sum(loss * jnp.asarray(g_out, jnp.float32))) if reduction == "none"
+            else (lambda loss: loss))
     argnums = (0, 1) if b is None else (0, 1, 2)
 
     def ours(x, w, b):
@@ -148,7 +149,8 @@ def test_shift_against_float64(backend, reduction):
     cw = _class_weight(53)
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
     g_out = np.arange(1, 15).reshape(2, 7) / 14 if reduction == "none" else None
-    proj = (lambda l: jnp.sum(l * jnp.asarray(g_out[:, :-1], jnp.float32))) if reduction == "none" else (lambda l: l)
+    proj = ((lambda loss: jnp.sum(loss * jnp.asarray(g_out[:, :-1], jnp.float32))) if reduction == "none"
+            else (lambda loss: loss))
     f = lambda x, w, b: linear_cross_entropy(x, w, t, b, shift=True, class_weight=cw,
                                              implementation=backend, **kw)
     loss = f(x, w, b)

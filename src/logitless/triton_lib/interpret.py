@@ -135,10 +135,10 @@ class HostArray:
     def untyped_storage(self) -> _Storage:
         return _Storage(self.arr)
 
-    def new_empty(self, *args, **kwargs) -> "HostArray":
+    def new_empty(self, *args, **kwargs) -> HostArray:
         return HostArray(self.arr)
 
-    def set_(self, *args) -> "HostArray":
+    def set_(self, *args) -> HostArray:
         return self
 
     def storage_offset(self) -> int:

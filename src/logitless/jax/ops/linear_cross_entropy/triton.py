@@ -33,6 +33,8 @@ provide), so on SM90 the kernels load tiles with pointers (the default there is 
 mosaic_gpu backend); the forward does not keep exp(z) for the backward (the PyTorch
 op's "keep" strategy writes into an input buffer in place, which triton_call cannot
 express), so the backward always recomputes the logits: 4 GEMMs per step in all.
+Under ``jax.vmap`` the kernels run once per batch element (``sequential_vmap``: no
+batching rule exists for triton_call or the callback).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _is_nvidia() -> bool:
     return "nvidia" in str(getattr(dev, "device_kind", "")).lower() or hasattr(dev, "compute_capability")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jax_triton():
     """jax_triton, or None where it does not import (not installed, or a CPU-only jax)."""
     try:
@@ -91,7 +93,7 @@ def _jax_triton():
     return jax_triton
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info():
     """(compute capability as major * 10 + minor, number of SMs) of the first GPU."""
     dev = jax.devices()[0]
@@ -189,10 +191,22 @@ def _operands(x2d, w, bias, class_weight):
     return b, cw
 
 
+def _sequential_under_vmap(fn):
+    """fn(*arrays) that, under ``jax.vmap``, runs once per batch element (a loop):
+    neither triton_call nor the interpreter's callback has a batching rule."""
+    return jax.custom_batching.sequential_vmap(fn)
+
+
 def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
             weight_layout: str = "vh", class_weight=None):
     """The interface's forward (``weight_layout="hv"``: w is (H, V), no copy;
     ``class_weight``: (V,) weights, smooth_sum = sum_c w_c z_c)."""
+    run = functools.partial(_forward, softcap=softcap, need_smooth=need_smooth, budget=budget,
+                            weight_layout=weight_layout)
+    return _sequential_under_vmap(run)(x2d, w, bias, target, class_weight)
+
+
+def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget, weight_layout):
     n = x2d.shape[0]
     vocab = w.shape[0] if weight_layout == "vh" else w.shape[1]
     plan = _plan(x2d, vocab, budget)
@@ -226,6 +240,11 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
 def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
              weight_layout: str = "vh", class_weight=None):
     """The interface's backward; dw has the layout of w."""
+    run = functools.partial(_backward, softcap=softcap, budget=budget, weight_layout=weight_layout)
+    return _sequential_under_vmap(run)(x2d, w, bias, target, lse, coef, class_weight)
+
+
+def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget, weight_layout):
     n, h = x2d.shape
     vaxis = 0 if weight_layout == "vh" else 1
     vocab = w.shape[vaxis]
