@@ -231,3 +231,71 @@ def test_vmap_runs_per_element():
         rl, _, (rdx, _, _) = linear_cross_entropy_ref(x[i], w, t[i], b, label_smoothing=0.1)
         np.testing.assert_allclose(float(per_seq[i]), rl, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(gx[i]), rdx, rtol=1e-4, atol=1e-6)
+
+
+#: Shared memory a block may use, by compute capability (CUDA's opt-in maximum).
+MAX_SHARED = {80: 166912, 86: 101376, 90: 232448}
+
+
+def _jax_triton_lib():
+    """jax_triton.triton_lib, loaded from its file where the package refuses to import
+    (a CPU-only jaxlib): its compile path (Triton -> PTX) needs no GPU."""
+    spec = importlib.util.find_spec("jax_triton")
+    if spec is None:
+        pytest.skip("jax-triton is not installed (pip install jax-triton==0.3.1)")
+    try:
+        from jax_triton import triton_lib
+        return triton_lib
+    except ImportError:
+        pass
+    path = os.path.join(spec.submodule_search_locations[0], "triton_lib.py")
+    lib_spec = importlib.util.spec_from_file_location("_jax_triton_lib_for_tests", path)
+    lib = importlib.util.module_from_spec(lib_spec)
+    sys.modules[lib_spec.name] = lib
+    lib_spec.loader.exec_module(lib)
+    return lib
+
+
+@pytest.mark.parametrize("cc", sorted(MAX_SHARED))
+def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatch):
+    # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
+    # launches the backend makes at a tokamax shape, for A100, RTX 30/40 and H100 targets.
+    jt = _jax_triton_lib()
+    from logitless.jax.ops.linear_cross_entropy import triton as backend
+    from logitless.jax.ops.linear_cross_entropy import triton_kernels
+    from logitless.triton_lib import lce_kernels
+
+    shared = []
+    compile_ptx = jt.compile_ttir_to_ptx_inplace
+
+    def spy(ttir, be, options, cc_, platform):
+        res = compile_ptx(ttir, be, options, cc_)
+        shared.append(res.shared_mem_bytes)
+        return res
+
+    def fake_launch(kernel_name, grid, plan, out_specs, arrays, consts):
+        kernel = getattr(lce_kernels, kernel_name, None) or getattr(triton_kernels, kernel_name)
+        types = [jt.get_triton_type(jax.core.ShapedArray(a.shape, a.dtype)) for a in (*arrays, *out_specs)]
+        try:
+            jt.get_or_create_triton_kernel(
+                jt.get_cuda_backend, "cuda", kernel, types, (), num_warps=plan.num_warps,
+                num_stages=plan.num_stages, num_ctas=1, compute_capability=cc, enable_fp_fusion=True,
+                metaparams=dict(consts), dump=False)
+        except AttributeError as exc:  # jaxlib's TritonKernel: GPU builds only, after the PTX
+            assert "TritonKernel" in str(exc), exc
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_specs)
+
+    monkeypatch.setattr(jt, "compile_ttir_inplace", spy)
+    monkeypatch.setattr(backend, "_interpret", lambda: False)
+    monkeypatch.setattr(backend, "_device_info", lambda: (cc, 108))
+    monkeypatch.setattr(backend, "_launch", fake_launch)
+    n, h, v = 4096, 4096, 128256
+    bf = jnp.bfloat16
+    x, w = jax.ShapeDtypeStruct((n, h), bf), jax.ShapeDtypeStruct((h, v), bf)  # flax's (H, V)
+    b, t = jax.ShapeDtypeStruct((v,), bf), jax.ShapeDtypeStruct((n,), jnp.int32)
+    cw, lse = jax.ShapeDtypeStruct((v,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32)
+    coef = jax.ShapeDtypeStruct((3, n), jnp.float32)
+    kw = dict(softcap=30.0, budget=256 * 2**20, weight_layout="hv")
+    jax.eval_shape(lambda *a: backend.forward(*a[:4], need_smooth=True, class_weight=a[4], **kw), x, w, b, t, cw)
+    jax.eval_shape(lambda *a: backend.backward(*a[:6], class_weight=a[6], **kw), x, w, b, t, lse, coef, cw)
+    assert len(shared) >= 2 and max(shared) <= MAX_SHARED[cc], shared
