@@ -213,3 +213,14 @@ def test_finite_differences_of_the_weighted_reference():
             arr[i] = old
             num[i] = (up - down) / 2e-6
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+def test_triton_without_its_packages_raises_saying_what_to_install(monkeypatch):
+    mod = api.backend_module("triton")
+    monkeypatch.setattr(mod, "_has_triton", lambda: False)
+    monkeypatch.setattr(mod, "_platform", lambda: "cpu")
+    x, w, t, _ = inputs(4, 8, 23)
+    with pytest.raises(ValueError, match="jax-triton"):
+        linear_cross_entropy(x, w, t, implementation="triton")
+    if not ON_GPU:
+        assert api.choose_backend(None, (4, 8), (23, 8), jnp.float32, None, False) == "xla"

@@ -73,7 +73,8 @@ def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias,
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
                 f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}, "
-                f"class_weight={has_class_weight}")
+                f"class_weight={has_class_weight}"
+                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
         return implementation
     if not _is_nvidia_gpu():
         return "xla"

@@ -40,6 +40,7 @@ batching rule exists for triton_call or the callback).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Optional
 
 import jax
@@ -64,14 +65,25 @@ _KERNEL_MODULES = (
 )
 
 
+#: Appended to the api's error when an explicit implementation="triton" is refused.
+UNSUPPORTED_HINT = ("the triton backend takes bf16/f16/f32 inputs, and needs the triton package (CPU: "
+                    "Triton's interpreter) or, on an NVIDIA GPU, jax-triton: pip install 'logitless[jax-triton]'")
+
+
 def is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool:
-    """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton or on the interpreter."""
+    """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton, or on the CPU
+    (Triton's interpreter) with triton installed."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         return False
     platform = _platform()
     if platform == "gpu":
         return _jax_triton() is not None and _is_nvidia()
-    return platform == "cpu"
+    return platform == "cpu" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _platform() -> str:
