@@ -152,3 +152,33 @@ class JSDOptions(_Args):
             teacher_softcap=check_softcap("teacher_softcap", teacher_softcap),
             hard_label_weight=check_non_negative("hard_label_weight", hard_label_weight),
         )
+
+
+def check_bool(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class LogProbOptions(_Args):
+    """The options that change the token log-prob math (``formulas.log_probs``):
+    a = softcap(z) / temperature, log p(token) = a_token - logsumexp(a), and with
+    ``entropy`` the entropy of softmax(a)."""
+
+    temperature: float = 1.0
+    entropy: bool = False
+    softcap: Optional[float] = None
+    ignore_index: int = -100
+
+    @classmethod
+    def checked(cls, *, temperature: float = 1.0, entropy: bool = False, softcap: Optional[float] = None,
+                ignore_index: int = -100) -> LogProbOptions:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        return cls(
+            temperature=check_positive("temperature", temperature),
+            entropy=check_bool("entropy", entropy),
+            softcap=check_softcap("softcap", softcap),
+            ignore_index=check_ignore_index(ignore_index),
+        )

@@ -26,6 +26,7 @@ examples:
   python -m logitless_bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
   python -m logitless_bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless_bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
+  python -m logitless_bench --suite rl --max-minutes 5       # token log-probs + entropy (RL) vs torch, verl
   python -m logitless_bench --suite train            # end-to-end HF training (python -m logitless_bench --suite train -h)
   python -m logitless_bench --list                   # shapes and methods
   python -m logitless_bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
@@ -34,7 +35,7 @@ examples:
 
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "rl")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +151,11 @@ def main(argv=None) -> int:
 
         signal.signal(signal.SIGTERM, _on_sigterm)
         return distill.run_cli(args, cpu)
+    if args.suite == "rl":  # token log-probs + entropy: its own runner and shapes (bench/rl.py)
+        from . import rl
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        return rl.run_cli(args, cpu)
     budgets = _split(args.budgets) or ["default"]
     for b in budgets:
         peers.budget_bytes(b, 1, 1, 2)  # fail early on a malformed budget
