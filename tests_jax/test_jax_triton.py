@@ -299,3 +299,18 @@ def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatc
     jax.eval_shape(lambda *a: backend.forward(*a[:4], need_smooth=True, class_weight=a[4], **kw), x, w, b, t, cw)
     jax.eval_shape(lambda *a: backend.backward(*a[:6], class_weight=a[6], **kw), x, w, b, t, lse, coef, cw)
     assert len(shared) >= 2 and max(shared) <= MAX_SHARED[cc], shared
+
+
+def test_the_interpreter_leaves_triton_language_as_it_was():
+    # An interpreted launch (CPU path) patches triton.language while it runs; afterwards
+    # kernels compiled in the same process must see the real module (see the test above,
+    # which compiles after the interpreter ran in this process).
+    import triton.language as tl
+
+    before = {k: v for k, v in vars(tl).items() if not k.startswith("__")}
+    before_tensor = dict(vars(tl.tensor))
+    x, w, t, _ = inputs(5, 8, 37)
+    float(linear_cross_entropy(x, w, t, implementation="triton"))
+    after = {k: v for k, v in vars(tl).items() if not k.startswith("__")}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert dict(vars(tl.tensor)) == before_tensor

@@ -88,8 +88,23 @@ def interpreted_language():
         importlib.import_module("triton.experimental.gluon")
     except ImportError:
         pass
+    import triton.runtime.interpreter as interp
+
+    missing = object()
     with _LOCK:
         saved = []
+        # The interpreter patches triton.language's builtins at each launch and again at
+        # each nested @jit call, whose patches it never undoes (harmless when the whole
+        # process interprets): record every first original and restore them all on exit,
+        # so that kernels compiled later in this process see the real triton.language.
+        first_seen: dict = {}
+        set_attr = interp._LangPatchScope.set_attr
+
+        def recording_set_attr(scope, obj, attr, value):
+            first_seen.setdefault((id(obj), attr), (obj, attr, getattr(obj, attr, missing)))
+            set_attr(scope, obj, attr, value)
+
+        interp._LangPatchScope.set_attr = recording_set_attr
         try:
             for name in _LANGUAGE_MODULES:
                 mod = importlib.import_module(name)
@@ -102,6 +117,13 @@ def interpreted_language():
                         setattr(mod, attr, _LANGUAGE_COPIES[key])
             yield
         finally:
+            interp._LangPatchScope.set_attr = set_attr
+            for obj, attr, val in first_seen.values():
+                if val is missing:
+                    if attr in vars(obj):
+                        delattr(obj, attr)
+                else:
+                    setattr(obj, attr, val)
             for mod, attr, val in saved:
                 setattr(mod, attr, val)
 
