@@ -24,6 +24,7 @@ from logitless.options import CrossEntropyOptions, check_memory_budget
 BACKENDS = {
     "xla": ".xla",
     "mosaic_gpu": ".mosaic_gpu",
+    "triton": ".triton",
 }
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
@@ -44,33 +45,50 @@ def _is_sm90() -> bool:
     return str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias) -> bool:
+def _is_nvidia_gpu() -> bool:
+    """The default device is a CUDA GPU (a numeric compute capability; ROCm's is not)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "x"))[:1].isdigit()
+
+
+def _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False) -> bool:
+    if has_class_weight and not getattr(module, "CLASS_WEIGHTS", False):
+        return False
     check = getattr(module, "is_supported", None)
     return True if check is None else bool(
         check(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias))
 
 
-def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias) -> str:
-    """The backend name: the explicit one (checked), or "mosaic_gpu" on SM90 GPUs when
-    it imports and supports the case, else "xla"."""
+def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias,
+                   has_class_weight=False) -> str:
+    """The backend name: the explicit one (checked), or the first of "mosaic_gpu" (SM90
+    GPUs) and "triton" (any NVIDIA GPU, with jax-triton installed) that imports and
+    supports the case (class weights included), else "xla"."""
     if implementation is not None:
         module = backend_module(implementation)
-        if not _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
+        if not _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight):
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
-                f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}")
+                f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}, "
+                f"class_weight={has_class_weight}"
+                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
         return implementation
-    if _is_sm90():
+    if not _is_nvidia_gpu():
+        return "xla"
+    for name in (("mosaic_gpu",) if _is_sm90() else ()) + ("triton",):
         try:
-            module = backend_module("mosaic_gpu")
+            module = backend_module(name)
         except ImportError:
-            return "xla"
+            continue
         except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
-            warnings.warn(f"logitless.jax: the mosaic_gpu backend failed to import ({exc!r}); using xla",
+            warnings.warn(f"logitless.jax: the {name} backend failed to import ({exc!r}); trying the next",
                           RuntimeWarning, stacklevel=3)
-            return "xla"
-        if _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
-            return "mosaic_gpu"
+            continue
+        if _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight):
+            return name
     return "xla"
 
 
@@ -84,36 +102,42 @@ class _Config(NamedTuple):
     layout_kw: tuple  # (("weight_layout", "hv"),) for backends that take (H, V) natively
 
 
-def _stats_and_loss(x2d, w, bias, target, cfg: _Config):
+def _cw_kw(class_weight) -> dict:
+    """Backends see ``class_weight=`` only when there are class weights."""
+    return {} if class_weight is None else {"class_weight": class_weight}
+
+
+def _stats_and_loss(x2d, w, bias, target, class_weight, cfg: _Config):
     opts = cfg.opts
     module = backend_module(cfg.backend)
     lse, zt, ss = module.forward(x2d, w, bias, target, softcap=opts.softcap,
                                  need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                 **dict(cfg.layout_kw))
-    loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts)
-    return lm.reduce_loss(loss_tok, target, opts), lse
+                                 **dict(cfg.layout_kw), **_cw_kw(class_weight))
+    loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts, class_weight)
+    return lm.reduce_loss(loss_tok, target, opts, class_weight), lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _lce(x2d, w, bias, target, cfg: _Config):
-    return _stats_and_loss(x2d, w, bias, target, cfg)
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _lce(x2d, w, bias, target, class_weight, cfg: _Config):
+    return _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
 
 
-def _lce_fwd(x2d, w, bias, target, cfg):
-    loss, lse = _stats_and_loss(x2d, w, bias, target, cfg)
-    return (loss, lse), (x2d, w, bias, target, lse)
+def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
+    loss, lse = _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
+    return (loss, lse), (x2d, w, bias, target, class_weight, lse)
 
 
 def _lce_bwd(cfg, res, cotangents):
-    x2d, w, bias, target, lse = res
+    x2d, w, bias, target, class_weight, lse = res
     g_loss, _ = cotangents  # lse is an auxiliary output: no gradient flows through it
     opts = cfg.opts
-    g = lm.upstream_per_token(g_loss, target, opts)
-    coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts)
+    g = lm.upstream_per_token(g_loss, target, opts, class_weight)
+    coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts, class_weight)
     dx, dw, db = backend_module(cfg.backend).backward(
         x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
-        **dict(cfg.layout_kw))
-    return dx, dw, db, None
+        **dict(cfg.layout_kw), **_cw_kw(class_weight))
+    # class_weight receives no gradient (as torch's weight=).
+    return dx, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
@@ -135,8 +159,10 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    class_weight=None,
     softcap: Optional[float] = None,
     z_loss: float = 0.0,
+    shift: bool = False,
     return_stats: bool = False,
     weight_layout: str = "vh",
     memory_budget: Optional[int] = None,
@@ -145,7 +171,8 @@ def linear_cross_entropy(
     """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
 
     Equals ``optax.softmax_cross_entropy_with_integer_labels(logits, target)`` (and
-    ``torch.nn.functional.cross_entropy`` with the same options) with ``logits =
+    ``torch.nn.functional.cross_entropy`` with the same options, ``class_weight`` as
+    its ``weight=``) with ``logits =
     softcap * tanh((x @ weight.T + bias) / softcap)`` when ``softcap`` is set, plus
     ``z_loss * lse**2`` per non-ignored token, reduced like the loss. Logits,
     log-sum-exp and softmax are fp32; gradients are accumulated in fp32 and cast once
@@ -160,11 +187,23 @@ def linear_cross_entropy(
         target: (...) integer class indices, the leading shape of x.
         bias: optional (V,), same dtype as weight.
         ignore_index: targets equal to it contribute no loss and no gradient.
-        reduction: "mean" (over non-ignored tokens), "sum" or "none" (per-token loss in
-            the shape of target, 0 at ignored tokens).
+        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
+            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
         label_smoothing: in [0, 1], as in ``torch.nn.functional.cross_entropy``.
+        class_weight: optional (V,) float per-class weights w_c, as ``weight=`` of
+            ``torch.nn.functional.cross_entropy``: a token's cross-entropy is scaled by
+            w_t, label smoothing's term is (eps / V) sum_c w_c (lse - z_c), and "mean"
+            divides by the sum of w_t over non-ignored tokens (the z-loss term, not
+            weighted, by the same). Receives no gradient (a zero cotangent). Backends
+            without class weights (mosaic_gpu) are skipped by the automatic choice
+            (then "triton" where available, else "xla"); naming one explicitly raises.
         softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        shift: causal-LM shift: position t of x (..., T, H) predicts target[..., t + 1];
+            the last position predicts nothing (its target is replaced by
+            ignore_index; x is not copied, only the small target). "none" and the
+            stats then have T - 1 positions (none for T <= 1; "mean" is then NaN and
+            "sum" 0, as torch).
         return_stats: also return ``LossStats(lse, num_tokens)``: the per-token
             log-sum-exp (fp32, shape of target) and the number of non-ignored tokens.
         weight_layout: "vh" or "hv" (see weight).
@@ -174,7 +213,11 @@ def linear_cross_entropy(
             and one fp32 dW chunk; when even the smallest tile does not fit, the
             smallest is used. Never a tokens x vocab array.
         implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
-            and the case is supported, else "xla"), "xla" or "mosaic_gpu".
+            and the case is supported; else "triton" on any NVIDIA GPU when the
+            optional jax-triton package is installed; else "xla"), "xla",
+            "mosaic_gpu" or "triton" (Triton kernels, SM80+ GPUs; on a machine
+            without GPU it runs on Triton's CPU interpreter, which is very slow: tests
+            only).
 
     Returns:
         The fp32 loss (a scalar, or per-token for "none"), or ``(loss, stats)``.
@@ -217,8 +260,22 @@ def linear_cross_entropy(
             raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
         if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
             raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
+    if class_weight is not None:
+        _check_float("class_weight", class_weight)
+        if tuple(class_weight.shape) != (num_classes,):
+            raise ValueError(f"class_weight must have shape ({num_classes},), got {tuple(class_weight.shape)}")
+        class_weight = jax.lax.stop_gradient(jnp.asarray(class_weight, jnp.float32))
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+    if shift and x.ndim < 2:
+        raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
 
     out_shape = tuple(target.shape)
+    if shift and target.shape[-1] > 0:
+        # Target of position t is target[t + 1]; the last position is ignored. Only the
+        # (small) target is copied, never x.
+        pad = jnp.full(target.shape[:-1] + (1,), ignore_index, target.dtype)
+        target = jnp.concatenate([target[..., 1:], pad], axis=-1)
     x2d = jnp.reshape(x, (-1, hidden))
     flat_target = jnp.reshape(target, (-1,)).astype(jnp.int32)
     n = x2d.shape[0]
@@ -228,7 +285,7 @@ def linear_cross_entropy(
         loss = lm.reduce_loss(loss, flat_target, opts)
     else:
         backend = choose_backend(implementation, x2d.shape, (num_classes, hidden), x2d.dtype,
-                                 opts.softcap, bias is not None)
+                                 opts.softcap, bias is not None, class_weight is not None)
         w, layout_kw = weight, ()
         if weight_layout == "hv":
             if getattr(backend_module(backend), "NATIVE_HV", False):
@@ -236,13 +293,18 @@ def linear_cross_entropy(
             else:
                 w = weight.T  # (V, H) for the backend; the gradient flows back through .T
         cfg = _Config(opts, backend, budget, num_classes, layout_kw)
-        loss, lse = _lce(x2d, w, bias, flat_target, cfg)
+        loss, lse = _lce(x2d, w, bias, flat_target, class_weight, cfg)
+
+    def per_token(t):
+        t = jnp.reshape(t, out_shape)
+        return t[..., :-1] if shift else t
+
     if opts.reduction == "none":
-        loss = jnp.reshape(loss, out_shape)
+        loss = per_token(loss)
     if not return_stats:
         return loss
     num_tokens = jnp.sum(flat_target != opts.ignore_index).astype(jnp.int32)
-    return loss, lm.LossStats(lse=jnp.reshape(jax.lax.stop_gradient(lse), out_shape), num_tokens=num_tokens)
+    return loss, lm.LossStats(lse=per_token(jax.lax.stop_gradient(lse)), num_tokens=num_tokens)
 
 
 def linear_softmax_cross_entropy_loss(
@@ -265,7 +327,8 @@ def linear_softmax_cross_entropy_loss(
     as in tokamax 0.0.17 (NotImplementedError otherwise); fp32 inputs follow
     ``jax_default_matmul_precision``. ``implementation``: as in
     :func:`linear_cross_entropy` (tokamax's names "xla"/"chunked_xla" both mean our
-    "xla" backend; "mosaic_tpu" is not available).
+    "xla" backend; "mosaic_tpu" is not available; tokamax's Triton backend is our
+    "triton").
     """
     if precision is not None:
         raise NotImplementedError("Customization of precision is currently not supported (as in tokamax).")
