@@ -42,12 +42,13 @@ if ! python3 -c "import verl.utils.kernel.linear_cross_entropy" >/dev/null 2>&1;
       touch /tmp/verl-stub/verl/__init__.py /tmp/verl-stub/verl/utils/__init__.py
       cat > /tmp/verl-stub/verl/utils/device.py <<'PY'
 import torch
-def is_cuda_available(): return torch.cuda.is_available()
+is_cuda_available = torch.cuda.is_available()
 def is_npu_available(): return False
 def get_device_name(): return "cuda"
 def get_torch_device(): return torch.cuda
 def get_device_id(): return torch.cuda.current_device()
 def get_nccl_backend(): return "nccl"
+def get_device_capability(device_id=0): return torch.cuda.get_device_capability(device_id)
 PY
       VERL_PATH="/tmp/verl-stub:"
       echo "verl kernel files from $d"

@@ -54,8 +54,6 @@ def logp_forward_kernel(
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
-        # The token's a first: then a is dead once the update has shifted it (two live tiles).
-        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if KEEP:
             block = first_block + i
@@ -66,6 +64,10 @@ def logp_forward_kernel(
                     keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
                     tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
                 tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
+        # After the KEEP stores: with the token's sum before them, triton 3.6's
+        # TritonGPUFuseNestedLoops pass fails on KEEP + FLATTEN ("scf.if ... 5 operands,
+        # target successor needs 7"; reproduced with an sm_90 AOT compile on the CPU).
+        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
 
     out = split.to(tl.int64) * N + offs_n
     tl.store(part_max_ptr + out, m, mask=row_ok)
