@@ -55,6 +55,8 @@ def hf_causal_lm_loss(head, hidden: Tensor, labels: Optional[Tensor], shift_labe
         raise ValueError("num_items_in_batch goes with the default reduction only")
     loss = linear_cross_entropy(x, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
                                 softcap=softcap, shift=shift, **options)
+    if reduction == "none" and shift:
+        loss = torch.nn.functional.pad(loss, (0, 1))  # the last position predicts nothing: 0, as transformers
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -82,7 +82,16 @@ def _supported_list() -> str:
     return ", ".join(SUPPORTED)
 
 
+def _model_class(cls: type) -> type:
+    """``cls``, or the class FSDP2's ``fully_shard`` derived ``FSDP<cls>(FSDPModule, cls)`` from."""
+    mro = cls.__mro__
+    if len(mro) > 2 and mro[1].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{mro[2].__name__}":
+        return mro[2]
+    return cls
+
+
 def _class_refusal(cls: type) -> Optional[str]:
+    cls = _model_class(cls)
     name = cls.__name__
     if name not in SUPPORTED:
         if name in ADVICE:
@@ -139,9 +148,19 @@ def _head_forward(self, hidden, *args, **kwargs):
     if job is None or job[0] is not self:
         return type(self).forward(self, hidden, *args, **kwargs)
     _, labels, shift_labels, n_items, ignore_index, softcap, scale, reduction = job
-    state.result = hf_causal_lm_loss(self, hidden, labels, shift_labels, n_items, ignore_index, softcap, scale,
-                                     state.options, reduction)
-    return hidden.new_empty(hidden.shape[:-1] + (0,))  # stands in for the logits
+    loss = hf_causal_lm_loss(self, hidden, labels, shift_labels, n_items, ignore_index, softcap, scale,
+                             state.options, reduction)
+    state.result = loss
+    # Stands in for the logits: an empty (..., 0) view *of the loss*. The caller adds
+    # ``logits.sum()`` (an exact 0) to the loss, so the loss's gradient flows through the
+    # head's output: backward hooks on the head's outputs (DeepSpeed ZeRO-3 re-gathers the
+    # weight there) run before the loss's backward reads the weight.
+    return _carrier(loss, hidden.shape[:-1])
+
+
+def _carrier(loss, lead):
+    scalar = loss if loss.dim() == 0 else loss.sum()
+    return scalar.reshape((1,) * (len(lead) + 1)).expand(*lead, 0)
 
 
 def _install_head(head: nn.Module, state: _State) -> None:
@@ -170,9 +189,17 @@ def _install_head_eager(model, head, state) -> None:
 # ---------------------------------------------------------------------- the model
 
 
+def family_of(cls: type):
+    """The registry row of ``cls`` or of the class it derives from by FSDP2's ``fully_shard`` (``FSDP<cls>``)."""
+    name = _model_class(cls).__name__
+    if name not in SUPPORTED:
+        raise ValueError(f"{name} is not a supported model class")
+    return SUPPORTED[name]
+
+
 def _call(self, state: _State, labels, kw: dict, reduction=None):
     """The model's own forward with labels=None and the head computing the loss: (output, loss)."""
-    family = SUPPORTED[type(self).__name__]
+    family = family_of(type(self))
     head = self.get_output_embeddings()
     if getattr(head, _HEAD_STATE, None) is not state:  # e.g. PEFT put LoRA on the head after patch
         _install_head_eager(self, head, state)
@@ -189,6 +216,9 @@ def _call(self, state: _State, labels, kw: dict, reduction=None):
     if loss is None:
         raise RuntimeError(f"{type(self).__name__}'s forward did not call its head; the logitless patch cannot be "
                            f"used with it")
+    logits = getattr(out, "logits", None)
+    if logits is not None and logits.numel() == 0:
+        loss = loss + logits.sum()  # an exact 0 that routes the gradient through the head's output
     return out, loss
 
 
@@ -214,7 +244,7 @@ def _patched_forward(self, *args, **kwargs):
     if state.var_kw or "return_dict" in state.params:
         kw["return_dict"] = True
     out, loss = _call(self, state, labels, kw)
-    coef = SUPPORTED[type(self).__name__].router_aux_coef(self)
+    coef = family_of(type(self)).router_aux_coef(self)
     aux = getattr(out, "aux_loss", None)
     if coef is not None and aux is not None:
         # as transformers: loss += coef * aux_loss.to(loss.device)
@@ -437,9 +467,11 @@ def causal_lm_loss(model, hidden_states, labels=None, *, shift_labels=None, num_
         raise ValueError(f"logitless.transformers.causal_lm_loss: {reason}.")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    family = SUPPORTED[type(inner).__name__]
+    family = family_of(type(inner))
     softcap, scale = family.softcap_and_scale(inner)
+    # softcap_c(s z) / T == softcap_{c/T}(s z / T): the temperature scales x and the cap
     scale = scale / temperature
+    softcap = None if softcap is None else softcap / temperature
     state = vars(inner).get(_STATE)
     options = _check_options(loss_options) if loss_options or state is None else state.options
     head = inner.get_output_embeddings()
@@ -448,8 +480,8 @@ def causal_lm_loss(model, hidden_states, labels=None, *, shift_labels=None, num_
             _install_head_eager(inner, head, state)
         state.job = (head, labels, shift_labels, num_items_in_batch, ignore_index, softcap, scale, reduction)
         try:
-            head(hidden_states)
-            loss = state.result
+            carrier = head(hidden_states)
+            loss = state.result + carrier.sum()  # (through the head's output: see _head_forward)
         finally:
             state.job = None
             state.result = None
