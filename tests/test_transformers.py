@@ -480,3 +480,20 @@ def test_train_bench_batch_probe_stops_at_out_of_memory(tmp_path):
             "runs": [], "big": [res], "notes": []}
     text = train.markdown(train.summarize(data))
     assert "| logitless | on | 16 |" in text
+
+
+def test_train_bench_moe_harness_cpu(tmp_path):
+    """--model qwen3-moe (router auxiliary loss on): both methods train, the patch is in use, files written."""
+    import json
+
+    from logitless_bench import cli
+
+    rc = cli.main(["--suite", "train", "--cpu", "--model", "qwen3-moe", "--steps", "2", "--modes", "autocast",
+                   "--methods", "hf,logitless", "--no-big", "--no-spread", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "latest-train-qwen3-moe-cpu.json").read_text())
+    runs = {r["name"]: r for r in data["runs"]}
+    assert set(runs) == {"hf-autocast", "logitless-autocast"}
+    assert runs["logitless-autocast"]["logits_none"] is True and runs["hf-autocast"]["logits_none"] is False
+    assert abs(runs["hf-autocast"]["losses"][0] - runs["logitless-autocast"]["losses"][0]) < 2e-2
+    assert data["settings"]["model_class"] == "Qwen3MoeForCausalLM"
