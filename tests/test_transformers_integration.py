@@ -285,7 +285,7 @@ def test_causal_lm_loss_from_hidden_states(patched, monkeypatch):
 WORLD = 2
 
 
-def _fsdp_worker(rank: int, port: int):
+def _fsdp_worker(rank: int, port: int, order: str):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -297,11 +297,15 @@ def _fsdp_worker(rank: int, port: int):
         model = tiny("MistralForCausalLM").cpu()
         ref = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (WORLD,))
-        lt.patch(model)
+        if order == "patch-then-shard":
+            lt.patch(model)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model.lm_head, mesh=mesh)  # the head its own unit: its weight is gathered in its forward
         fully_shard(model, mesh=mesh)
+        if order == "shard-then-patch":
+            assert type(model).__name__ == "FSDPMistralForCausalLM"
+            lt.patch(model)
         ids, labels, mask = (t.cpu() for t in batch(b=4))
         mine = slice(rank * 2, rank * 2 + 2)
         n_items = torch.tensor(int((labels[:, 1:] != -100).sum()))  # the global count, as Trainer passes
@@ -323,7 +327,8 @@ def _fsdp_worker(rank: int, port: int):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo on Windows is not set up here")
-def test_fsdp2_sharded_layers_and_head():
+@pytest.mark.parametrize("order", ["patch-then-shard", "shard-then-patch"])
+def test_fsdp2_sharded_layers_and_head(order):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
@@ -335,4 +340,4 @@ def test_fsdp2_sharded_layers_and_head():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_fsdp_worker, args=(port,), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(_fsdp_worker, args=(port, order), nprocs=WORLD, join=True)
