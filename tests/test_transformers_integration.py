@@ -160,6 +160,19 @@ def test_deepcopy_is_an_independent_patched_model():
     assert abs(model(**inputs, labels=labels).loss.item() - out[0].loss.item()) > 1e-3
 
 
+def test_new_head_after_patch_resize_token_embeddings():
+    """resize_token_embeddings after patching replaces the head module: the new one is used."""
+    model = lt.patch(tiny("MistralForCausalLM"))
+    model.resize_token_embeddings(1013)
+    inputs, labels = _inputs()
+    out = run(model, inputs, labels=labels)
+    lt.unpatch(model)
+    assert "forward" not in vars(model.lm_head)
+    ref = run(model, inputs, labels=labels)
+    assert ref[0].logits.shape[-1] == 1013
+    assert_same(*out, *ref)
+
+
 # ---------------------------------------------------------------------- weight gathering hooks
 
 

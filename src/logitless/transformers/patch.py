@@ -59,7 +59,6 @@ class _State:
         self.original = original  # the instance's own forward before patching, or None
         self.params = params  # the forward's positional-or-keyword parameter names (no self)
         self.var_kw = var_kw
-        self.heads = []
         self.job = None
         self.result = None
 
@@ -123,6 +122,8 @@ def _refusal(model) -> Optional[str]:
         return (f"{name}.forward is already replaced on this instance by another library (e.g. liger-kernel's "
                 f"patch); use one of the two")
     head = model.get_output_embeddings()
+    if head is None or head is not getattr(model, "lm_head", None):
+        return f"{name}.get_output_embeddings() is not model.lm_head (the module its forward calls)"
     reason = head_refusal(head)
     if reason:
         return f"{name}: {reason}"
@@ -168,7 +169,6 @@ def _install_head(head: nn.Module, state: _State) -> None:
         return
     object.__setattr__(head, "forward", types.MethodType(_head_forward, head))
     object.__setattr__(head, _HEAD_STATE, state)
-    state.heads.append(head)
 
 
 def _uninstall_head(head: nn.Module, state: _State) -> None:
@@ -201,7 +201,7 @@ def _call(self, state: _State, labels, kw: dict, reduction=None):
     """The model's own forward with labels=None and the head computing the loss: (output, loss)."""
     family = family_of(type(self))
     head = self.get_output_embeddings()
-    if getattr(head, _HEAD_STATE, None) is not state:  # e.g. PEFT put LoRA on the head after patch
+    if getattr(head, _HEAD_STATE, None) is not state:  # a new head: LoRA added, resize_token_embeddings
         _install_head_eager(self, head, state)
     softcap, scale = family.softcap_and_scale(self)
     kw["labels"] = None
@@ -318,8 +318,8 @@ def _unpatch_instance(model):
     state = vars(inner).get(_STATE)
     if state is None:
         return model
-    for head in state.heads:
-        _uninstall_head(head, state)
+    for module in inner.modules():  # the head, and former heads still inside it (a LoRA head's base layer)
+        _uninstall_head(module, state)
     if state.original is not None:
         object.__setattr__(inner, "forward", state.original)
     else:
