@@ -7,6 +7,7 @@ rank. Methods, each a forward + backward of the mean cross-entropy giving the fu
 on every rank and this rank's dW rows:
 
     logitless-tp      logitless.linear_cross_entropy(x, W_r, t, process_group=pg)
+    logitless-tp@512MiB   the same with memory_budget=512 MiB (more kept columns)
     megatron-style    local logits x W_r^T (bf16, then fp32), all-reduce MAX of the row
                       max, SUM of sum-exp and of the target logit (Megatron's
                       vocab_parallel_cross_entropy), dx all-reduced (in bf16)
@@ -42,7 +43,7 @@ from .timing import gemm_ms, peak_extra_bytes, release_memory, time_ms
 #: (name, tokens, hidden, vocab) at bf16: the issue's two shapes.
 SHAPES = [("llama3.1-8b", 8192, 4096, 128256), ("qwen3-8b", 16384, 4096, 151936)]
 CPU_SHAPES = [("cpu-toy", 64, 32, 1001)]
-METHODS = ("logitless-tp", "megatron-style", "dtensor-loss-parallel", "logitless-1gpu")
+METHODS = ("logitless-tp", "logitless-tp@512MiB", "megatron-style", "dtensor-loss-parallel", "logitless-1gpu")
 
 
 def blocks(v: int, world: int) -> list[int]:
@@ -176,8 +177,10 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log):
         else:
             wg = w_local.clone().requires_grad_()
             grads = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
-            if method == "logitless-tp":
-                fn = lambda: logitless.linear_cross_entropy(xg, wg, target, process_group=pg).backward()  # noqa: E731
+            if method.startswith("logitless-tp"):
+                budget = 512 * 2**20 if method.endswith("@512MiB") else None
+                fn = lambda: logitless.linear_cross_entropy(  # noqa: E731
+                    xg, wg, target, process_group=pg, memory_budget=budget).backward()
             else:
                 fn = lambda: megatron_style(xg, wg, target, start, pg).backward()  # noqa: E731
 
@@ -198,7 +201,7 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log):
                 _, mem = peak_extra_bytes(fn, device=device, exclude_bytes=grads)
                 # The loss of one more call (for the error columns), without its backward.
                 with torch.no_grad():
-                    if method == "logitless-tp":
+                    if method.startswith("logitless-tp"):
                         loss = logitless.linear_cross_entropy(x, wg, target, process_group=pg)
                     elif method == "megatron-style":
                         loss = megatron_style(x, wg, target, start, pg)
