@@ -4,6 +4,7 @@ one-process op. The spawn machinery is test_tensor_parallel's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -91,6 +92,40 @@ def test_jsd_world3_uneven():
     _spawn(_worker, 3, [[11, 11, 9], [16, 0, 15]], CASES)
 
 
-def test_jsd_world2_padded():
+def _dtensor_case(rank, world, device):
+    """DTensor heads: Shard(0) weights, a Replicate() student x and a Shard(1) teacher x."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (world,))
+    g = torch.Generator().manual_seed(7)
+    xs, xt = torch.randn(2, 4, 10, generator=g, dtype=torch.float64), torch.randn(2, 4, 14, generator=g,
+                                                                                   dtype=torch.float64)
+    ws, wt = torch.randn(23, 10, generator=g, dtype=torch.float64), torch.randn(23, 14, generator=g,
+                                                                                 dtype=torch.float64)
+    t = torch.randint(0, 23, (2, 4), generator=g)
+    xs, xt, ws, wt, t = (u.to(device) for u in (xs, xt, ws, wt, t))
+    kw = dict(beta=0.4, hard_label_weight=0.3, shift=True)
+    xr, wr = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    ref = linear_jsd_reference(xr, wr, xt, wt, t, **kw)
+    ref.backward()
+    xd = distribute_tensor(xs, mesh, [Replicate()]).requires_grad_()
+    wd = distribute_tensor(ws, mesh, [Shard(0)]).requires_grad_()
+    loss = logitless.linear_jsd(xd, wd, distribute_tensor(xt, mesh, [Shard(1)]),
+                                distribute_tensor(wt, mesh, [Shard(0)]), t, backend="torch", **kw)
+    loss.backward()
+    assert_close_to_ref("dtensor jsd: loss", loss, None, ref, torch.float64)
+    assert tuple(wd.grad.placements) == (Shard(0),)
+    assert_close_to_ref("dtensor jsd: dx", xd.grad.full_tensor(), None, xr.grad, torch.float64)
+    assert_close_to_ref("dtensor jsd: dw", wd.grad.full_tensor(), None, wr.grad, torch.float64)
+
+
+def _padded_and_dtensor(rank, world, device, rows_list, cases):
+    _worker(rank, world, device, rows_list, cases)
+    _dtensor_case(rank, world, device)
+
+
+def test_jsd_world2_padded_and_dtensor():
+    pytest.importorskip("torch.distributed.tensor", reason="DTensor needs torch >= 2.4")
     cases = [dict(c, vocab_size=27) for c in CASES if c["name"] in ("mixture", "forward-kl-hard-labels")]
-    _spawn(_worker, 2, [[16, 16]], cases)
+    _spawn(_padded_and_dtensor, 2, [[16, 16]], cases)

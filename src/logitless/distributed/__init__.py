@@ -38,7 +38,7 @@ How an op gets ``process_group=`` (linear_cross_entropy, linear_jsd do this):
        and ``shard.class_slice(class_weight)``; merges with ``merge.merge_shards`` and
        computes the loss from the merged statistics with the GLOBAL ``shard.vocab_size``;
     3. its backward op: coefficients from the merged statistics, the backend's backward
-       on the local rows with ``dx_fp32=True``, then ``merge.all_reduce_(dx)`` (unless
+       on the local rows with ``dx_acc=True``, then ``merge.all_reduce_(dx)`` (unless
        ``partial_dx``) and ``shard.pad_rows(dw)``. The same number of collectives on
        every rank, in the same order (plan chunks with ``shard.max_rows``, not the local
        row count, when collectives run per chunk).
