@@ -4,6 +4,8 @@ one-process op. The spawn machinery is test_tensor_parallel's."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ import torch.distributed as dist
 import logitless
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from tests.helpers import assert_close_to_ref
-from tests.test_tensor_parallel import _blocks, _same_on_every_rank, _spawn, pytestmark  # noqa: F401
+from tests.test_tensor_parallel import NCCL, _blocks, _same_on_every_rank, _spawn, pytestmark  # noqa: F401
 
 CASES = [
     dict(name="mixture"),
@@ -49,12 +51,13 @@ def _case(rank, device, rows, case):
     xl, wl = xs.clone().requires_grad_(), ws[mine].clone().requires_grad_()
     bl = bs[mine].clone().requires_grad_() if bs is not None else None
     loss = logitless.linear_jsd(xl, wl, xt, wt[mine], t, student_bias=bl, teacher_bias=None if bt is None else bt[mine],
-                                backend="torch", process_group=pg, vocab_size=case.get("vocab_size"),
-                                partial_dx=case.get("partial_dx", False), **kw)
+                                backend=case.get("backend", "torch"), process_group=pg,
+                                vocab_size=case.get("vocab_size"), partial_dx=case.get("partial_dx", False), **kw)
     x1, w1 = xs.clone().requires_grad_(), ws[real].clone().requires_grad_()
     b1 = bs[real].clone().requires_grad_() if bs is not None else None
     loss1 = logitless.linear_jsd(x1, w1, xt, wt[real], t, student_bias=b1,
-                                 teacher_bias=None if bt is None else bt[real], backend="torch", **kw)
+                                 teacher_bias=None if bt is None else bt[real], backend=case.get("backend", "torch"),
+                                 **kw)
     xr, wr = xs.double().clone().requires_grad_(), ws[real].double().clone().requires_grad_()
     br = bs[real].double().clone().requires_grad_() if bs is not None else None
     ref = linear_jsd_reference(xr, wr, xt, wt[real], t, student_bias=br,
@@ -128,4 +131,7 @@ def _padded_and_dtensor(rank, world, device, rows_list, cases):
 def test_jsd_world2_padded_and_dtensor():
     pytest.importorskip("torch.distributed.tensor", reason="DTensor needs torch >= 2.4")
     cases = [dict(c, vocab_size=27) for c in CASES if c["name"] in ("mixture", "forward-kl-hard-labels")]
+    if NCCL or os.environ.get("TRITON_INTERPRET") == "1":  # the Triton backend (interpreter on the CPU)
+        cases.append(dict(name="triton", dtype=torch.float32, backend="triton", beta=0.5, hard_label_weight=0.5,
+                          shape=(5,), vocab_size=27))
     _spawn(_padded_and_dtensor, 2, [[16, 16]], cases)
