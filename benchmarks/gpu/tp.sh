@@ -23,15 +23,15 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-tp}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-tp}
 
 echo "== tests (NCCL when >= 2 GPUs, else gloo) =="
-PYTHONPATH=src timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_tensor_parallel.py \
+PYTHONPATH=src timeout 220 python3 -m pytest -q -rs -p no:cacheprovider tests/test_tensor_parallel.py \
     tests/test_tensor_parallel_jsd.py \
     2>&1 | tee "$OUT/tp-pytest.log" | tail -n 25
 echo "tests took $(( $(date +%s) - start )) s"
 
 echo "== bench --suite tp =="
-left=$(( 345 - ($(date +%s) - start) ))
-mins=$(python3 -c "print(max(1.0, ($left - 40) / 60))")
-PYTHONPATH=src timeout $left python3 -m logitless_bench --suite tp --max-minutes "$mins" \
+left=$(( 350 - ($(date +%s) - start) ))
+mins=$(python3 -c "print(max(0.5, ($left - 50) / 60))")
+PYTHONPATH=src timeout $left python3 -m logitless_bench --suite tp --max-minutes "$mins" --warmup 2 --reps 5 \
     --out "$OUT" 2>&1 | tee "$OUT/tp-bench.log" | tail -n 40
 rm -f "$OUT"/tp-*-2*.json "$OUT"/tp-*-2*.md   # the dated copies: latest-* come back
 mkdir -p benchmarks/results

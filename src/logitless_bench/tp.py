@@ -127,7 +127,16 @@ def _max_over_ranks(value, device):
     return None if v < 0 else v
 
 
-def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log):
+def past_deadline(deadline, device) -> bool:
+    """Whether any rank is past the deadline (one collective: every rank decides alike)."""
+    if not deadline:
+        return False
+    late = torch.tensor([float(time.time() > deadline)], device=device)
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline=None):
     import logitless
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -147,6 +156,10 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log):
            "world": world, "blocks": rows, "unit_ms": unit, "reference_loss": ref, "methods": {}}
     one_gpu_loss = None
     for method in methods:
+        if past_deadline(deadline, device):
+            row["skipped"] = f"time limit before {method}"
+            log(f"  {name:<12} time limit: skipping {method} and the rest")
+            break
         xg = x.clone().requires_grad_()
         fn = wg = None
         grads = 0
@@ -256,11 +269,14 @@ def _worker(rank: int, world: int, port: int, cpu: bool, opts: dict):
     interrupted = None
     try:
         for name, n, h, v in opts["shapes"]:
-            if opts["deadline"] and time.time() > opts["deadline"]:
+            if past_deadline(opts["deadline"], device):
                 interrupted = "time limit"
                 break
             dtype = torch.float32 if cpu else torch.bfloat16
-            rows.append(_case(name, n, h, v, dtype, device, pg, opts["warmup"], opts["reps"], opts["methods"], log))
+            rows.append(_case(name, n, h, v, dtype, device, pg, opts["warmup"], opts["reps"], opts["methods"], log,
+                              opts["deadline"]))
+            if rows[-1].get("skipped"):
+                interrupted = rows[-1]["skipped"]
     except KeyboardInterrupt as exc:
         interrupted = str(exc) or "interrupted"
     if rank == 0:
