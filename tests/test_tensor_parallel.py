@@ -266,6 +266,22 @@ def _dtensor_worker(rank, world, device):
     xr2, wr2 = x.clone().requires_grad_(), w.clone().requires_grad_()
     linear_cross_entropy_reference(xr2, wr2, t)[0].backward()
     assert_close_to_ref("partial dx", xd.grad.full_tensor(), None, xr2.grad, torch.float64)
+    # Under torch.compile(fullgraph=True): DTensor unwrapping traces without a graph break.
+    xr3, wr3 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref3 = linear_cross_entropy_reference(xr3, wr3, t, z_loss=1e-3)[0]
+    ref3.backward()
+    for x_place in (Replicate(), Shard(1)):
+        torch._dynamo.reset()
+        xd = distribute_tensor(x, mesh, [x_place]).requires_grad_()
+        wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        compiled = torch.compile(lambda a, b, c: logitless.linear_cross_entropy(a, b, c, z_loss=1e-3),
+                                 fullgraph=True, backend="aot_eager")
+        loss = compiled(xd, wd, t)
+        loss.backward()
+        assert_close_to_ref(f"compiled {x_place}: loss", loss, None, ref3, torch.float64)
+        assert_close_to_ref(f"compiled {x_place}: dx", xd.grad.full_tensor(), None, xr3.grad, torch.float64)
+        assert_close_to_ref(f"compiled {x_place}: dw", wd.grad.full_tensor(), None, wr3.grad, torch.float64)
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
     # FSDP's layout (a Shard(0) weight, a plain x) keeps its clear error; a hidden-dim shard is refused.
     with pytest.raises(TypeError, match="register_fsdp_forward_method"):
         logitless.linear_cross_entropy(x, wd, t)
