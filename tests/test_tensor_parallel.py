@@ -232,8 +232,46 @@ def _errors_worker(rank, world, device):
     assert torch.equal(module(x, w, t_ok), logitless.linear_cross_entropy(x, w, t_ok, process_group=pg, z_loss=1e-3))
 
 
+def _merge_worker(rank, world, device):
+    """``distributed.merge_shards`` on rows split over the ranks (the glue other ops use):
+    lse's, plain sums, expectations under the row's softmax (an entropy term), maxima;
+    a rank without columns; rows of -inf; ``merge_argmax``."""
+    from logitless.distributed import merge_argmax, merge_shards
+
+    pg = dist.group.WORLD
+    rows = [9, 0] if world == 2 else [9, 0, 5]
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, sum(rows), generator=g, dtype=torch.float64)
+    z[3] = float("-inf")
+    z[2, 4] = z[2, 7] = z[2].max() + 1  # a tie: the first index wins
+    z = z.to(device)
+    cols = _blocks(rows, rank)
+    zl = z[:, cols]
+    lse_l = torch.logsumexp(zl, dim=1) if zl.shape[1] else torch.full((4,), float("-inf"), dtype=z.dtype,
+                                                                         device=device)
+    p_l = torch.exp(zl - lse_l[:, None]) if zl.shape[1] else zl
+    mean_l = torch.nan_to_num((p_l * torch.nan_to_num(zl, neginf=0.0)).sum(dim=1)) if zl.shape[1] else \
+        torch.full((4,), float("nan"), dtype=z.dtype, device=device)
+    best_l = zl.max(dim=1).values if zl.shape[1] else torch.full((4,), float("-inf"), dtype=z.dtype, device=device)
+    arg_l = (zl.argmax(dim=1) if zl.shape[1] else torch.zeros(4, dtype=torch.int64, device=device)) + cols.start
+    merged = merge_shards(pg, [lse_l], sums=[zl.clamp_min(-1e9).sum(dim=1)], means=[(mean_l, 0)], maxes=[best_l])
+    lse = torch.logsumexp(z, dim=1)
+    torch.testing.assert_close(merged.lse[0], lse)
+    torch.testing.assert_close(merged.sums[0], z.clamp_min(-1e9).sum(dim=1))
+    p = torch.exp(z[:3] - lse[:3, None])
+    torch.testing.assert_close(merged.means[0][:3], (p * z[:3]).sum(dim=1))
+    torch.testing.assert_close(merged.maxes[0], z.max(dim=1).values)
+    argmax = merge_argmax(pg, best_l, arg_l, merged.maxes[0])
+    assert torch.equal(argmax[:3], z[:3].argmax(dim=1)), (argmax, z.argmax(dim=1))
+
+
 def test_errors():
     _spawn(_errors_worker, 2)
+
+
+def test_merge_shards():
+    """The merge collectives alone, 3 ranks (one without columns)."""
+    _spawn(_merge_worker, 3)
 
 
 def _dtensor_worker(rank, world, device):
