@@ -160,6 +160,17 @@ def check_bool(name: str, value: bool) -> bool:
     return value
 
 
+def check_vocab_size(value: Optional[int]) -> int:
+    """The number of real classes of a padded vocabulary: -1 for None (every row of the
+    full weight is a class), else a positive int."""
+    if value is None:
+        return -1
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"vocab_size must be a positive int (the real classes of a padded vocabulary) or None, "
+                         f"got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class LogProbOptions(_Args):
     """The options that change the token log-prob math (``formulas.log_probs``):
@@ -182,3 +193,23 @@ class LogProbOptions(_Args):
             softcap=check_softcap("softcap", softcap),
             ignore_index=check_ignore_index(ignore_index),
         )
+
+
+@dataclass(frozen=True)
+class VocabParallelOptions(_Args):
+    """How an op's LM head is split over the vocabulary (``logitless.distributed``).
+
+    tp_group: the c10d name of the process group whose ranks hold the blocks of rows of
+        the full weight, in rank order ("" : not vocab-parallel, the single-GPU op);
+    vocab_size: the real classes of the full vocabulary, rows at or beyond it are
+        padding (-1: every row is a class);
+    partial_dx: return this rank's partial gradient of x instead of the all-reduced one.
+    """
+
+    tp_group: str = ""
+    vocab_size: int = -1
+    partial_dx: bool = False
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp_group != ""
