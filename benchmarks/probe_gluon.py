@@ -122,9 +122,9 @@ def _tile_update(acc, m, s, t, tgt, col0, V, BV: gl.constexpr, layout: gl.conste
     z = acc
     if col0 + BV > V:
         z = gl.where(gl.expand_dims(cols < V - col0, 0), z, float("-inf"))
-    m_new = gl.maximum(m, gl.max(z, axis=1))
     hit = gl.expand_dims(cols, 0) == gl.expand_dims(tgt - col0, 1)
     t = t + gl.sum(gl.where(hit, z, 0.0), axis=1)
+    m_new = gl.maximum(m, gl.max(z, axis=1))
     e = gl.exp2(z * LOG2E - gl.expand_dims(m_new * LOG2E, 1))
     s = s * gl.exp2((m - m_new) * LOG2E) + gl.sum(e, axis=1)
     return m_new, s, t
@@ -194,24 +194,27 @@ def lce_stats_sw_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
     m = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
     s = gl.zeros([BM], gl.float32, layout=row_layout)
     t = gl.zeros([BM], gl.float32, layout=row_layout)
-    acc = gl.zeros([BM, BV], gl.float32, layout=layout)
 
     for i in gl.static_range(STAGES - 1):
         _issue_load(x_desc, w_desc, x_bufs, w_bufs, bars, i, off_m, first, ksteps, total, STAGES)
-    for it in range(total):
-        j = it // ksteps
-        k = it - j * ksteps
-        slot = it % STAGES
-        mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
-        acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
-                            use_acc=k > 0, is_async=True)
-        # Step it-1's wgmma is done: its slot takes the load of step it + STAGES - 1.
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        _issue_load(x_desc, w_desc, x_bufs, w_bufs, bars, it + STAGES - 1, off_m, first, ksteps, total,
-                    STAGES)
-        if k == ksteps - 1:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            m, s, t = _tile_update(acc, m, s, t, tgt, (first + j) * BV, V, BV, layout)
+    it = 0  # flat step counter over (block, step of H): ring slot and phase
+    for j in range(nblocks):
+        # A fresh accumulator per tile (not carried across tiles: the epilogue then
+        # needs no second copy of it in registers).
+        acc = gl.zeros([BM, BV], gl.float32, layout=layout)
+        for k in range(ksteps):
+            slot = it % STAGES
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
+                                use_acc=k > 0, is_async=True)
+            # Step it-1's wgmma is done: its slot takes the load of step it + STAGES - 1,
+            # which crosses into the next tile near the end of this one.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            _issue_load(x_desc, w_desc, x_bufs, w_bufs, bars, it + STAGES - 1, off_m, first, ksteps, total,
+                        STAGES)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        m, s, t = _tile_update(acc, m, s, t, tgt, (first + j) * BV, V, BV, layout)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -265,9 +268,9 @@ def _ring_consumer(x_bufs, w_bufs, ready, empty, target_ptr, part_m, part_s, par
     m = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
     s = gl.zeros([BM], gl.float32, layout=row_layout)
     t = gl.zeros([BM], gl.float32, layout=row_layout)
-    acc = gl.zeros([BM, BV], gl.float32, layout=layout)
     c = 0
     for j in range(RING, nblocks, RINGS):
+        acc = gl.zeros([BM, BV], gl.float32, layout=layout)  # per tile: not carried across
         for k in range(ksteps):
             slot = RING * STAGES + c % STAGES
             mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
