@@ -98,6 +98,10 @@ def instr_n(bm: int, bv: int, num_warps: int) -> int:
 
 
 # ----------------------------------------------------------------------------- kernels
+#: Scalar kernel arguments not specialised on (divisibility by 16, == 1): one binary per
+#: variant for every shape, so the GPU run compiles each variant once.
+_RUNTIME_INTS = ["N", "V", "blocks_per_split", "splits", "row_blocks", "group"]
+
 @gluon.jit
 def _grouped(pid, row_blocks, cols, group):
     """Program id -> (row block, split), ``group`` row blocks at a time (as
@@ -164,7 +168,7 @@ def _issue_load(x_desc, w_desc, x_bufs, w_bufs, bars, it, off_m, first, ksteps, 
     tma.async_copy_global_to_shared(w_desc, [(first + j) * BV, k * BK], bar, w_bufs.index(slot), pred)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_sw_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
                         N, V, blocks_per_split, splits, row_blocks, group,
                         STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
@@ -286,7 +290,7 @@ def _ring_consumer(x_bufs, w_bufs, ready, empty, target_ptr, part_m, part_s, par
     _store_partials(m, s, t, part_m, part_s, part_t, out_row, off_m, N, BM, layout)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_ws_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
                         N, V, blocks_per_split, splits, row_blocks, group,
                         STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
@@ -317,7 +321,7 @@ def lce_stats_ws_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
     ], [1], [LOADER_REGS])
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_pingpong_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
                               N, V, blocks_per_split, splits, row_blocks, group,
                               STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
@@ -468,7 +472,8 @@ def short(exc: BaseException, n: int = 600) -> str:
 
 def reference_rows(x, W, target, rows):
     """float64 lse and target logit of the given rows (the full vocabulary)."""
-    z = x[rows].double() @ W.double().T
+    xr = x[rows].double()
+    z = torch.cat([xr @ W[v:v + 16384].double().T for v in range(0, W.shape[0], 16384)], 1)
     return torch.logsumexp(z, 1), z.gather(1, target[rows, None]).squeeze(1)
 
 
@@ -476,12 +481,16 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).abs() / b.double().abs().clamp_min(1.0)).max().item()
 
 
-def check(name, fn_out, x, W, target, lib_lse, lib_zt) -> dict:
+def check_rows(N, device):
+    """The rows checked against float64: the first 192, the last 64 (the partial row
+    block) and 64 random ones."""
+    return torch.unique(torch.cat([torch.arange(min(N, 192)), torch.arange(max(0, N - 64), N),
+                                   torch.randint(0, N, (64, ), generator=torch.Generator().manual_seed(1))])).to(device)
+
+
+def check(fn_out, ref, lib_lse, lib_zt) -> dict:
     lse, zt = fn_out
-    N = x.shape[0]
-    rows = torch.unique(torch.cat([torch.arange(min(N, 192)), torch.arange(max(0, N - 64), N),
-                                   torch.randint(0, N, (64, ), generator=torch.Generator().manual_seed(1))])).to(x.device)
-    ref_lse, ref_zt = reference_rows(x, W, target, rows)
+    rows, ref_lse, ref_zt = ref
     res = dict(
         lse_err_f64=rel_err(lse[rows], ref_lse), zt_err_f64=rel_err(zt[rows], ref_zt),
         finite=bool(torch.isfinite(lse).all().item() and torch.isfinite(zt).all().item()))
@@ -510,9 +519,11 @@ def run_shape(N, H, V, variants, reps, sms, timed=True) -> dict:
     import logitless
     x, W, target = inputs(N, H, V)
     out = dict(N=N, H=H, V=V, gflop=2 * N * H * V / 1e9, variants={})
+    rows = check_rows(N, x.device)
+    ref = (rows, *reference_rows(x, W, target, rows))
     try:
         lib_lse, lib_zt = lib_stats(x, W, target)
-        out["lib_check"] = check("triton", (lib_lse, lib_zt), x, W, target, None, None)
+        out["lib_check"] = check((lib_lse, lib_zt), ref, None, None)
     except Exception as exc:  # noqa: BLE001
         lib_lse = lib_zt = None
         out["lib_error"] = short(exc)
@@ -529,7 +540,8 @@ def run_shape(N, H, V, variants, reps, sms, timed=True) -> dict:
         try:
             g = GluonStats(name, x, W, target, sms)
             rec["plan"] = g.plan()
-            rec["check"] = check(name, g(), x, W, target, lib_lse, lib_zt)
+            rec["check"] = check(g(), ref, lib_lse, lib_zt)
+            torch.cuda.synchronize()
             if timed:
                 rec["ms"] = time_ms(g, reps)
                 rec["kernel_ms"] = time_ms(g.launch, reps)
@@ -653,7 +665,27 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="no GPU needed: AOT compile for sm_90")
     ap.add_argument("--dump", default=None, help="with --compile: write TTGIR/LLIR/PTX here")
     ap.add_argument("--no-check-shapes", action="store_true")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only the small correctness shapes (exit 2 if a variant fails): the GPU script "
+                    "runs each variant this way first, in its own process under a timeout, so that a "
+                    "hang or crash of one variant does not take the others with it")
+    ap.add_argument("--table-from", default=None, metavar="JSON",
+                    help="print the table of a (possibly partial) probe_gluon.json and exit")
     args = ap.parse_args()
+    if args.table_from:
+        with open(args.table_from) as f:
+            data = json.load(f)
+        meta = data["meta"]
+        timed = [r for r in data["results"] if r.get("kind") == "timed"]
+        names = list(dict.fromkeys(v for r in data["results"] for v in r["variants"]))
+        print(f"{meta['device']} | torch {meta['torch']} | triton {meta['triton']} | L2 not flushed | "
+              f"median of {meta['reps']} | {meta['date']}")
+        for r in data["results"]:
+            if r.get("kind") == "check":
+                print(f"check {r['N']}x{r['H']}x{r['V']}: " + ", ".join(
+                    f"{v} {'ok' if rec.get('check', {}).get('ok') else 'FAILED'}" for v, rec in r["variants"].items()))
+        print(table(timed, names))
+        return 0
     variants = [v for v in args.variant.split(",") if v]
     for v in variants:
         if v not in VARIANTS:
@@ -681,7 +713,8 @@ def main() -> int:
                 "'kernel_ms' = kernel alone; triton = logitless.linear_cross_entropy forward, reduction mean")
     print(json.dumps(meta), flush=True)
     results = []
-    path = os.path.join(args.out, "probe_gluon.json")
+    path = os.path.join(args.out, "probe_gluon.json" if not args.check_only
+                        else f"probe_gluon_check_{'_'.join(variants)}.json")
     os.makedirs(args.out, exist_ok=True)
 
     def save():
@@ -697,6 +730,10 @@ def main() -> int:
             for v, rec in r["variants"].items():
                 print(f"  {v}: {rec.get('check', rec.get('error'))}", flush=True)
             save()
+    if args.check_only:
+        bad = [v for r in results for v, rec in r["variants"].items() if not rec.get("check", {}).get("ok")]
+        print("check-only:", "all ok" if not bad else f"FAILED {sorted(set(bad))}")
+        return 2 if bad else 0
     for (N, H, V) in shapes:
         r = run_shape(N, H, V, variants, reps, sms)
         r["kind"] = "timed"
