@@ -81,6 +81,8 @@ VARIANTS = {
                loader_regs=40),
     "pingpong": dict(kind="pingpong", BM=128, BV=128, BK=64, stages=3, num_warps=4, warps_m=4,
                      maxnreg=168, loader_regs=40, consumer_regs=232),
+    "pingpong7": dict(kind="pingpong_shared", BM=128, BV=128, BK=64, stages=7, num_warps=4, warps_m=4,
+                      maxnreg=168, loader_regs=40, consumer_regs=232),
 }
 
 
@@ -358,7 +360,89 @@ def lce_stats_pingpong_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-KERNELS = {"sw": lce_stats_sw_kernel, "ws": lce_stats_ws_kernel, "pingpong": lce_stats_pingpong_kernel}
+@gluon.jit
+def _turn_consumer(x_bufs, w_bufs, ready, empty, turn, target_ptr, part_m, part_s, part_t,
+                   out_row, N, V, off_m, first, nblocks, ksteps,
+                   WG: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr):
+    """Ping-pong consumer on one shared ring (CUTLASS's order): warpgroup WG takes the
+    vocabulary blocks j = WG, WG + 2, ...; global step c = j * ksteps + k is in slot
+    c % STAGES. Before each main loop it waits for its turn (turn[WG]), and hands the turn
+    to the other warpgroup (turn[1 - WG]) once its last wgmma of the tile is issued, so
+    the main loops alternate and one's epilogue overlaps the other's MMAs. The order also
+    makes the shared ring's phases safe: a warpgroup waits on a slot only after the other
+    has waited on (so consumed the completion of) every earlier fill of it."""
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BV: gl.constexpr = w_bufs.type.shape[1]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, 4 // WARPS_M], instr_shape=[16, INSTR_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+
+    tgt = _load_targets(target_ptr, off_m, N, BM, layout)
+    m = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
+    s = gl.zeros([BM], gl.float32, layout=row_layout)
+    t = gl.zeros([BM], gl.float32, layout=row_layout)
+    q = 0
+    for j in range(WG, nblocks, 2):
+        # Warpgroup 0's first wait passes at once (a fresh barrier's "previous phase").
+        mbarrier.wait(turn.index(WG), (q & 1) ^ (1 - WG))
+        acc = gl.zeros([BM, BV], gl.float32, layout=layout)
+        c = j * ksteps
+        for k in range(ksteps):
+            slot = c % STAGES
+            mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+            acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
+                                use_acc=k > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=k > 0)
+            c += 1
+        mbarrier.arrive(turn.index(1 - WG))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+        m, s, t = _tile_update(acc, m, s, t, tgt, (first + j) * BV, V, BV, layout)
+        q += 1
+    _store_partials(m, s, t, part_m, part_s, part_t, out_row, off_m, N, BM, layout)
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
+def lce_stats_pingpong_shared_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
+                                     N, V, blocks_per_split, splits, row_blocks, group,
+                                     STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
+                                     LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                     num_warps: gl.constexpr):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BV: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+
+    row_block, split = _grouped(gl.program_id(0), row_blocks, splits, group)
+    off_m = row_block * BM
+    first = split * blocks_per_split
+    nblocks = gl.minimum(blocks_per_split, gl.cdiv(V, BV) - first)
+    ksteps = gl.cdiv(x_desc.shape[1], BK)
+
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+
+    gl.warp_specialize([
+        (_turn_consumer, (x_bufs, w_bufs, ready, empty, turn, target_ptr, part_m, part_s, part_t,
+                          2 * split, N, V, off_m, first, nblocks, ksteps, 0, WARPS_M, INSTR_N)),
+        (_turn_consumer, (x_bufs, w_bufs, ready, empty, turn, target_ptr, part_m, part_s, part_t,
+                          2 * split + 1, N, V, off_m, first, nblocks, ksteps, 1, WARPS_M, INSTR_N)),
+        (_ring_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, off_m, first, nblocks, ksteps, 1)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+KERNELS = {"sw": lce_stats_sw_kernel, "ws": lce_stats_ws_kernel, "pingpong": lce_stats_pingpong_kernel,
+           "pingpong_shared": lce_stats_pingpong_shared_kernel}
 
 
 # ----------------------------------------------------------------------------- host side
@@ -388,11 +472,11 @@ def layouts(cfg: dict):
 
 def constexprs(cfg: dict) -> dict:
     c = dict(STAGES=cfg["stages"], WARPS_M=cfg["warps_m"],
-             INSTR_N=instr_n(cfg["BM"], cfg["BV"], cfg["warps_m"] if cfg["kind"] == "pingpong" else cfg["num_warps"]),
+             INSTR_N=instr_n(cfg["BM"], cfg["BV"], cfg["warps_m"] if cfg["kind"].startswith("pingpong") else cfg["num_warps"]),
              num_warps=cfg["num_warps"])
-    if cfg["kind"] in ("ws", "pingpong"):
+    if cfg["kind"] != "sw":
         c["LOADER_REGS"] = cfg["loader_regs"]
-    if cfg["kind"] == "pingpong":
+    if cfg["kind"].startswith("pingpong"):
         c["CONSUMER_REGS"] = cfg["consumer_regs"]
     return c
 
@@ -417,10 +501,10 @@ class GluonStats:
         row_blocks = -(-N // cfg["BM"])
         vblocks = -(-V // cfg["BV"])
         # pingpong: each program's blocks alternate between 2 warpgroups: >= 8 per split.
-        self.splits, self.bps = choose_splits(row_blocks, vblocks, sms, 8 if cfg["kind"] == "pingpong" else 4)
-        self.group = group_rows(sms, cfg["BM"], cfg["BV"] * (2 if cfg["kind"] == "pingpong" else 1))
+        self.splits, self.bps = choose_splits(row_blocks, vblocks, sms, 8 if cfg["kind"].startswith("pingpong") else 4)
+        self.group = group_rows(sms, cfg["BM"], cfg["BV"] * (2 if cfg["kind"].startswith("pingpong") else 1))
         self.row_blocks, self.N, self.V = row_blocks, N, V
-        parts = self.splits * (2 if cfg["kind"] == "pingpong" else 1)
+        parts = self.splits * (2 if cfg["kind"].startswith("pingpong") else 1)
         dev = x.device
         self.pm = torch.empty(parts, N, device=dev, dtype=torch.float32)
         self.ps = torch.empty_like(self.pm)
@@ -589,7 +673,7 @@ def smoke(variants) -> None:
         xl, wl = layouts(cfg)
         c = constexprs(cfg)
         R, B = -(-4096 // cfg["BM"]), -(-128256 // cfg["BV"])
-        splits, bps = choose_splits(R, B, 132, 8 if cfg["kind"] == "pingpong" else 4)
+        splits, bps = choose_splits(R, B, 132, 8 if cfg["kind"].startswith("pingpong") else 4)
         print(f"{name}: x smem {xl}, W smem {wl}, constexprs {c}, smem {smem_bytes(cfg) // 1024} KB, "
               f"4096 x 128256 on 132 SMs: {splits} splits x {bps} blocks, {R * splits} programs, "
               f"group {group_rows(132, cfg['BM'], cfg['BV'])}")
