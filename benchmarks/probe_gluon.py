@@ -21,9 +21,17 @@ merges them (lse = M + log sum_i s_i exp(m_i - M), z_t = sum_i t_i). Variants:
             so the warpgroups' main loops alternate: one's epilogue runs while the
             other's wgmma keep the tensor cores busy (CUTLASS's "ping-pong" schedule).
             Each warpgroup writes its own partials (2 per split).
+  pingpong7 the same with CUTLASS's arrangement: one shared 7-slot ring (224 KB) and
+            "turn" mbarriers that make the two warpgroups' main loops alternate strictly
+            (each hands the turn over once its tile's last wgmma is issued). Deeper
+            prefetch than pingpong's 2 x 3 slots, no overlap of the two main loops.
+
+Grid: one program per (row block of 128 tokens, vocabulary split), grouped row blocks
+first (as ``grouped_tile``); splits differ by at most one block and are chosen so the
+programs fill whole waves of one program per SM (``choose_splits``).
 
 Usage:
-    python benchmarks/probe_gluon.py --out $OUT [--variant sw,ws,pingpong] [--shapes ...]
+    python benchmarks/probe_gluon.py --out $OUT [--variant sw,ws,pingpong,pingpong7] [--shapes ...]
     python benchmarks/probe_gluon.py --smoke      # no GPU: imports, layouts, plans
     python benchmarks/probe_gluon.py --compile    # no GPU: AOT-compile every variant for
                                                   # sm_90 (TTGIR -> PTX -> cubin, ptxas)
@@ -102,7 +110,7 @@ def instr_n(bm: int, bv: int, num_warps: int) -> int:
 # ----------------------------------------------------------------------------- kernels
 #: Scalar kernel arguments not specialised on (divisibility by 16, == 1): one binary per
 #: variant for every shape, so the GPU run compiles each variant once.
-_RUNTIME_INTS = ["N", "V", "blocks_per_split", "splits", "row_blocks", "group"]
+_RUNTIME_INTS = ["N", "V", "vblocks", "splits", "row_blocks", "group"]
 
 @gluon.jit
 def _grouped(pid, row_blocks, cols, group):
@@ -172,7 +180,7 @@ def _issue_load(x_desc, w_desc, x_bufs, w_bufs, bars, it, off_m, first, ksteps, 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_sw_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
-                        N, V, blocks_per_split, splits, row_blocks, group,
+                        N, V, vblocks, splits, row_blocks, group,
                         STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
                         num_warps: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -185,8 +193,8 @@ def lce_stats_sw_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
 
     row_block, split = _grouped(gl.program_id(0), row_blocks, splits, group)
     off_m = row_block * BM
-    first = split * blocks_per_split
-    nblocks = gl.minimum(blocks_per_split, gl.cdiv(V, BV) - first)
+    first = (split * vblocks) // splits  # splits differ by at most one block
+    nblocks = ((split + 1) * vblocks) // splits - first
     ksteps = gl.cdiv(x_desc.shape[1], BK)
     total = nblocks * ksteps
 
@@ -294,18 +302,17 @@ def _ring_consumer(x_bufs, w_bufs, ready, empty, target_ptr, part_m, part_s, par
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_ws_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
-                        N, V, blocks_per_split, splits, row_blocks, group,
+                        N, V, vblocks, splits, row_blocks, group,
                         STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
                         LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    BV: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
 
     row_block, split = _grouped(gl.program_id(0), row_blocks, splits, group)
     off_m = row_block * BM
-    first = split * blocks_per_split
-    nblocks = gl.minimum(blocks_per_split, gl.cdiv(V, BV) - first)
+    first = (split * vblocks) // splits  # splits differ by at most one block
+    nblocks = ((split + 1) * vblocks) // splits - first
     ksteps = gl.cdiv(x_desc.shape[1], BK)
 
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -325,19 +332,18 @@ def lce_stats_ws_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_pingpong_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
-                              N, V, blocks_per_split, splits, row_blocks, group,
+                              N, V, vblocks, splits, row_blocks, group,
                               STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
                               LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               num_warps: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    BV: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
 
     row_block, split = _grouped(gl.program_id(0), row_blocks, splits, group)
     off_m = row_block * BM
-    first = split * blocks_per_split
-    nblocks = gl.minimum(blocks_per_split, gl.cdiv(V, BV) - first)
+    first = (split * vblocks) // splits  # splits differ by at most one block
+    nblocks = ((split + 1) * vblocks) // splits - first
     ksteps = gl.cdiv(x_desc.shape[1], BK)
 
     # Two rings of STAGES slots: ring r = slots [r * STAGES, (r + 1) * STAGES).
@@ -406,19 +412,18 @@ def _turn_consumer(x_bufs, w_bufs, ready, empty, turn, target_ptr, part_m, part_
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_pingpong_shared_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
-                                     N, V, blocks_per_split, splits, row_blocks, group,
+                                     N, V, vblocks, splits, row_blocks, group,
                                      STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
                                      LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                      num_warps: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    BV: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
 
     row_block, split = _grouped(gl.program_id(0), row_blocks, splits, group)
     off_m = row_block * BM
-    first = split * blocks_per_split
-    nblocks = gl.minimum(blocks_per_split, gl.cdiv(V, BV) - first)
+    first = (split * vblocks) // splits  # splits differ by at most one block
+    nblocks = ((split + 1) * vblocks) // splits - first
     ksteps = gl.cdiv(x_desc.shape[1], BK)
 
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -447,17 +452,19 @@ KERNELS = {"sw": lce_stats_sw_kernel, "ws": lce_stats_ws_kernel, "pingpong": lce
 
 # ----------------------------------------------------------------------------- host side
 def choose_splits(row_blocks: int, vblocks: int, sms: int, min_blocks: int = 4) -> tuple[int, int]:
-    """(splits, blocks per split) minimising waves x blocks per program (+ half a block of
-    pipeline fill per program), one program per SM at a time (the SMEM rings take
-    144-192 KB)."""
+    """(splits, most blocks per split): split c takes vocabulary blocks [c * B // splits,
+    (c + 1) * B // splits), so splits differ by at most one block. One program per SM at
+    a time (the SMEM rings take 192-224 KB): minimise waves x (blocks per program + 0.15
+    of a block for each program's pipeline fill and partial stores), with at least
+    min_blocks blocks per program. E.g. 32 row blocks x 501 blocks on 132 SMs: 33 splits,
+    1056 programs = 8 full waves of 15-16 blocks (4 splits would leave 4 SMs idle)."""
     best = None
-    for bps in range(min(min_blocks, vblocks), vblocks + 1):
-        splits = -(-vblocks // bps)
+    for splits in range(1, max(1, vblocks // min_blocks) + 1):
         waves = -(-(row_blocks * splits) // sms)
-        cost = waves * (bps + 0.5)
+        cost = waves * (vblocks / splits + 0.15)
         if best is None or cost < best[0] - 1e-9:
-            best = (cost, splits, bps)
-    return best[1], best[2]
+            best = (cost, splits)
+    return best[1], -(-vblocks // best[1])
 
 
 def group_rows(sms: int, bm: int, bv: int) -> int:
@@ -471,8 +478,9 @@ def layouts(cfg: dict):
 
 
 def constexprs(cfg: dict) -> dict:
-    c = dict(STAGES=cfg["stages"], WARPS_M=cfg["warps_m"],
-             INSTR_N=instr_n(cfg["BM"], cfg["BV"], cfg["warps_m"] if cfg["kind"].startswith("pingpong") else cfg["num_warps"]),
+    # The warps of one consumer: 4 per warpgroup in the ping-pong kernels.
+    consumer_warps = cfg["warps_m"] if cfg["kind"].startswith("pingpong") else cfg["num_warps"]
+    c = dict(STAGES=cfg["stages"], WARPS_M=cfg["warps_m"], INSTR_N=instr_n(cfg["BM"], cfg["BV"], consumer_warps),
              num_warps=cfg["num_warps"])
     if cfg["kind"] != "sw":
         c["LOADER_REGS"] = cfg["loader_regs"]
@@ -503,7 +511,7 @@ class GluonStats:
         # pingpong: each program's blocks alternate between 2 warpgroups: >= 8 per split.
         self.splits, self.bps = choose_splits(row_blocks, vblocks, sms, 8 if cfg["kind"].startswith("pingpong") else 4)
         self.group = group_rows(sms, cfg["BM"], cfg["BV"] * (2 if cfg["kind"].startswith("pingpong") else 1))
-        self.row_blocks, self.N, self.V = row_blocks, N, V
+        self.row_blocks, self.N, self.V, self.vblocks = row_blocks, N, V, vblocks
         parts = self.splits * (2 if cfg["kind"].startswith("pingpong") else 1)
         dev = x.device
         self.pm = torch.empty(parts, N, device=dev, dtype=torch.float32)
@@ -516,14 +524,14 @@ class GluonStats:
             self.kw["maxnreg"] = cfg["maxnreg"]
 
     def plan(self) -> dict:
-        return dict(splits=self.splits, blocks_per_split=self.bps, group=self.group,
+        return dict(splits=self.splits, max_blocks_per_split=self.bps, group=self.group,
                     programs=self.grid[0], smem_kb=smem_bytes(self.cfg) // 1024, **{
                         k: v for k, v in self.cfg.items() if k != "kind"})
 
     def launch(self):
         KERNELS[self.cfg["kind"]][self.grid](
             self.x_desc, self.w_desc, self.target, self.pm, self.ps, self.pt,
-            self.N, self.V, self.bps, self.splits, self.row_blocks, self.group, **self.kw)
+            self.N, self.V, self.vblocks, self.splits, self.row_blocks, self.group, **self.kw)
 
     def __call__(self):
         self.launch()
@@ -680,14 +688,36 @@ def smoke(variants) -> None:
         assert smem_bytes(cfg) <= 227 * 1024, name
 
 
+def ptxas_info(ptx: str) -> dict:
+    """Registers and spills from ``ptxas -v`` (the ptxas in the triton wheel) on the PTX."""
+    import re
+    import subprocess
+    import tempfile
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True, timeout=300).stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+        return dict(ptxas_regs=int(regs.group(1)) if regs else None,
+                    spill_bytes=(int(spills.group(1)) + int(spills.group(2))) if spills else None)
+    except Exception as exc:  # noqa: BLE001
+        return dict(ptxas_error=short(exc))
+
+
 def compile_variants(variants, dump=None) -> dict:
     """AOT-compile each variant for sm_90 without a GPU (TTGIR, PTX, and cubin with the
     ptxas shipped in the triton wheel). Reports per variant: ok / the error, registers,
     spills, shared memory, and the setmaxnreg values found in the PTX."""
+    import re
+
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    import re
 
     res = {}
     for name in variants:
@@ -701,7 +731,7 @@ def compile_variants(variants, dump=None) -> dict:
             c = constexprs(cfg)
             sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "target_ptr": "*i64",
                    "part_m": "*fp32", "part_s": "*fp32", "part_t": "*fp32"}
-            for a in ("N", "V", "blocks_per_split", "splits", "row_blocks", "group"):
+            for a in _RUNTIME_INTS:
                 sig[a] = "i32"
             for a in c:
                 sig[a] = "constexpr"
@@ -716,13 +746,7 @@ def compile_variants(variants, dump=None) -> dict:
                         setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx))),
                         wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
-            try:
-                from triton.tools.disasm import get_sass  # noqa: F401
-            except Exception:  # noqa: BLE001
-                pass
-            n_regs = getattr(md, "n_regs", None)
-            if n_regs is not None:
-                info["n_regs"] = n_regs
+            info.update(ptxas_info(ptx))
             if "cubin" in k.asm:
                 info["cubin_bytes"] = len(k.asm["cubin"])
             if dump:
