@@ -2,7 +2,7 @@
 # Issue 23 (the route): Gluon warp-specialised LCE forward statistics against our Triton
 # forward and one cuBLAS GEMM.   OUT=<dir> bash benchmarks/gpu/gluon.sh   (<= 3 min wall)
 # 1. each Gluon variant alone on the small correctness shapes, each in its own process
-#    under a 50 s timeout, the four at once (a hung or crashing warp-specialised kernel
+#    under a 60 s timeout, the four at once (a hung or crashing warp-specialised kernel
 #    takes only itself down; also fills the triton cache) -> $OUT/gluon-check-<v>.log/json
 # 2. the check shapes again and the four timed shapes, with the variants that neither
 #    hung nor crashed in 1 (wrong results are still timed, flagged BAD)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 start=$(date +%s)
 VARIANTS="sw ws pingpong pingpong7"
 for v in $VARIANTS; do
-  ( timeout 50 python3 benchmarks/probe_gluon.py --check-only --variant "$v" --out "$OUT" \
+  ( timeout 60 python3 benchmarks/probe_gluon.py --check-only --variant "$v" --out "$OUT" \
       > "$OUT/gluon-check-$v.log" 2>&1; echo $? > "$OUT/gluon-check-$v.rc" ) &
 done
 wait
