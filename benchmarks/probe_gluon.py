@@ -36,8 +36,9 @@ Usage:
     python benchmarks/probe_gluon.py --compile    # no GPU: AOT-compile every variant for
                                                   # sm_90 (TTGIR -> PTX -> cubin, ptxas)
 
-Timing: CUDA events around each call, 3 warm-up calls, median of --reps (>= 10); L2 is
-NOT flushed between calls (the GEMM unit gets the same warm L2). Ratios are to cuBLAS
+Timing: CUDA events around each call, calls back to back (one synchronisation at the
+end), 3 warm-up calls, median of --reps (>= 10); L2 is NOT flushed between calls (the
+GEMM unit gets the same warm L2). Ratios are to cuBLAS
 ``torch.mm(x, W.T, out=bf16 buffer)`` timed in the same round.
 """
 
@@ -542,19 +543,19 @@ class GluonStats:
 
 # ----------------------------------------------------------------------------- measuring
 def time_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median GPU time of one call: calls issued back to back, an event pair around each,
+    one synchronisation at the end, so the host (launch, descriptors, the library's
+    planner) runs ahead and its time does not show up as idle GPU between the events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
         a.record()
         fn()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
 
 
 def short(exc: BaseException, n: int = 600) -> str:
@@ -818,7 +819,7 @@ def main() -> int:
     meta = dict(device=torch.cuda.get_device_name(), sms=sms, torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv), reps=reps, l2_flushed=False,
-                timing="CUDA events, 3 warm-up calls, median; gluon 'ms' = kernel + torch merge of the partials, "
+                timing="CUDA events around each call, calls back to back, 3 warm-up calls, median; gluon 'ms' = kernel + torch merge of the partials, "
                 "'kernel_ms' = kernel alone; triton = logitless.linear_cross_entropy forward, reduction mean")
     print(json.dumps(meta), flush=True)
     results = []
