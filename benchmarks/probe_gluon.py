@@ -819,8 +819,9 @@ def main() -> int:
     meta = dict(device=torch.cuda.get_device_name(), sms=sms, torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv), reps=reps, l2_flushed=False,
-                timing="CUDA events around each call, calls back to back, 3 warm-up calls, median; gluon 'ms' = kernel + torch merge of the partials, "
-                "'kernel_ms' = kernel alone; triton = logitless.linear_cross_entropy forward, reduction mean")
+                timing="CUDA events around each call, calls back to back, 3 warm-up calls, median; "
+                "gluon 'ms' = kernel + torch merge of the partials, 'kernel_ms' = kernel alone; "
+                "triton = logitless.linear_cross_entropy forward, reduction mean")
     print(json.dumps(meta), flush=True)
     results = []
     path = os.path.join(args.out, "probe_gluon.json" if not args.check_only
