@@ -197,6 +197,15 @@ def family_of(cls: type):
     return SUPPORTED[name]
 
 
+def _wrapped_forward(self, state: _State, *args, **kwargs):
+    """The forward the patch wraps: the instance's own if it had one, else the class's.
+    Called as ``type(self).forward(self, ...)``: torch 2.11's dynamo cannot trace
+    ``function.__get__`` (a graph break, fatal under fullgraph=True)."""
+    if state.original is not None:
+        return state.original(*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
 def _call(self, state: _State, labels, kw: dict, reduction=None):
     """The model's own forward with labels=None and the head computing the loss: (output, loss)."""
     family = family_of(type(self))
@@ -208,7 +217,7 @@ def _call(self, state: _State, labels, kw: dict, reduction=None):
     state.job = (head, labels, kw.get("shift_labels"), kw.get("num_items_in_batch"), kw.get("ignore_index", -100),
                  softcap, scale, reduction)
     try:
-        out = (state.original or type(self).forward.__get__(self))(**kw)
+        out = _wrapped_forward(self, state, **kw)
         loss = state.result
     finally:
         state.job = None
@@ -225,14 +234,14 @@ def _call(self, state: _State, labels, kw: dict, reduction=None):
 def _patched_forward(self, *args, **kwargs):
     state = getattr(self, _STATE)
     if not self.training:
-        return (state.original or type(self).forward.__get__(self))(*args, **kwargs)
+        return _wrapped_forward(self, state, *args, **kwargs)
     if len(args) > len(state.params):
         raise TypeError(f"{type(self).__name__}.forward got {len(args)} positional arguments")
     kw = dict(zip(state.params, args))
     kw.update(kwargs)
     labels = kw.get("labels")
     if labels is None:
-        return (state.original or type(self).forward.__get__(self))(*args, **kwargs)
+        return _wrapped_forward(self, state, *args, **kwargs)
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     if self.loss_function is not LOSS_MAPPING["ForCausalLM"]:
