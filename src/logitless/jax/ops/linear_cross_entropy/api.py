@@ -313,6 +313,23 @@ def linear_cross_entropy(
     x2d = jnp.reshape(x, (-1, hidden))
     flat_target = jnp.reshape(target, (-1,)).astype(jnp.int32)
     n = x2d.shape[0]
+    explicit = None if (token_axes or vocab_axes or n == 0) else sharded.explicit_axes(
+        x2d, weight, 1 if weight_layout == "hv" else 0)
+    if explicit is not None:
+        # Explicit sharding types (jax.make_mesh's default): the same local call under
+        # shard_map over the arrays' own mesh, axes named from their shardings.
+        mesh, axes = explicit
+        kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                  softcap=softcap, z_loss=z_loss, weight_layout=weight_layout, memory_budget=memory_budget,
+                  implementation=implementation)
+        loss, stats = sharded.explicit_call(linear_cross_entropy, mesh, axes, x2d, weight, flat_target, bias,
+                                            vaxis=1 if weight_layout == "hv" else 0, none=opts.reduction == "none",
+                                            **kw)
+        if opts.reduction == "none":
+            loss = jnp.reshape(loss, out_shape)
+        if not return_stats:
+            return loss
+        return loss, lm.LossStats(lse=jnp.reshape(stats.lse, out_shape), num_tokens=stats.num_tokens)
     if n == 0:
         loss = jnp.zeros((0,), jnp.float32)
         lse = loss

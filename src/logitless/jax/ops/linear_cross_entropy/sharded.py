@@ -339,6 +339,51 @@ def _with_vmap(fn, plain):
     return wrapped
 
 
+def explicit_axes(x2d, w, vaxis: int):
+    """(mesh, Axes) when x2d or w carries an explicit sharding type (a mesh with
+    ``AxisType.Explicit`` axes) that splits the tokens or the vocabulary; else None."""
+    sx, sw = jax.typeof(x2d).sharding, jax.typeof(w).sharding
+    mesh = getattr(sx, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or not getattr(mesh, "explicit_axes", ()):
+        return None
+    tok = _spec_axes(sx.spec[0]) if len(sx.spec) > 0 else ()
+    wspec = sw.spec if getattr(sw, "mesh", None) is not None else ()
+    voc = tuple(a for a in (_spec_axes(wspec[vaxis]) if len(wspec) > vaxis else ()) if a not in tok)
+    explicit = set(mesh.explicit_axes)
+    tok = tuple(a for a in tok if a in explicit)
+    voc = tuple(a for a in voc if a in explicit)
+    if x2d.shape[0] % _mesh_size(mesh, tok):
+        tok = ()
+    if w.shape[vaxis] % _mesh_size(mesh, voc):
+        voc = ()
+    if not tok and not voc:
+        hidden_split = any(e is not None for e in tuple(sx.spec) + tuple(wspec))
+        return (mesh, Axes()) if hidden_split else None
+    return mesh, Axes(tok, voc)
+
+
+def explicit_call(op, mesh, axes: Axes, x2d, w, target, bias, *, vaxis: int, none: bool, **kw):
+    """``op`` (the public function) under ``jax.shard_map`` over ``mesh``: inputs resharded
+    to (tokens, vocab) splits (H never split), per-device call with the axis names."""
+    from jax.sharding import PartitionSpec as P
+
+    tok, voc = _spec_entry(axes.token), _spec_entry(axes.vocab)
+    wspec = P(*_w_entries(axes, vaxis))
+    specs = [P(tok, None), wspec, P(tok)] + ([] if bias is None else [P(voc)])
+    args = [x2d, w, target] + ([] if bias is None else [bias])
+    args = [jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+
+    def local(x2d, w, target, *b):
+        loss, stats = op(x2d, w, target, b[0] if b else None, return_stats=True,
+                         token_axis_name=axes.token or None, vocab_axis_name=axes.vocab or None, **kw)
+        return loss, stats
+
+    from logitless.jax.formulas import LossStats
+
+    out_specs = (P(tok) if none else P(), LossStats(lse=P(tok), num_tokens=P()))
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
+
+
 def use_partitioning() -> bool:
     """Whether the jit path should go through custom_partitioning: several devices and
     not inside a shard_map whose axes are all manual (there the caller names the axes)."""
