@@ -34,7 +34,7 @@ examples:
 
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16; "
                    "models: the lce suite on 26 real LM-head shapes (files models-<device>-*); "
                    "distill: fused linear JSD; train: end-to-end HF training of a 1B model, its own "
-                   "options (--suite train -h); jax: the JAX op, its own options (--suite jax -h) "
+                   "options (--suite train -h); jax: the JAX op, its own options (--suite jax -h); "
+                   "jax-sharded: the JAX op on all local devices, data/tensor parallel (--suite jax-sharded -h) "
                    "(default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "

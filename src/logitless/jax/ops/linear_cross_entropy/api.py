@@ -169,7 +169,6 @@ def _lce_bwd(cfg, res, cotangents):
         dx, dw, db = sharded.local_backward(
             module, sharded.to_varying(x2d, cfg.token_axes), w, bias, target, lse, coef, softcap=opts.softcap,
             budget=cfg.budget, layout_kw=cfg.layout_kw, vocab_axes=cfg.vocab_axes, token_axes=())
-        dx, dw, db = _fit(dx, x2d), _fit(dw, w), _fit(db, bias)
     elif cfg.partition:
         fn = sharded.backward_fn(cfg.static(bias is not None))
         out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None])
@@ -177,7 +176,8 @@ def _lce_bwd(cfg, res, cotangents):
     else:
         dx, dw, db = module.backward(x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
                                      **dict(cfg.layout_kw))
-    return dx, dw, db, None
+    # Inside shard_map (also without axis names): each cotangent typed as its primal.
+    return _fit(dx, x2d), _fit(dw, w), _fit(db, bias), None
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
@@ -307,7 +307,8 @@ def linear_cross_entropy(
         if tuple(bias.shape) != (local_classes,):
             raise ValueError(f"bias must have shape ({local_classes},), got {tuple(bias.shape)}")
         if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
-            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
+            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is "
+                            f"{jnp.dtype(weight.dtype).name}; they must match")
 
     out_shape = tuple(target.shape)
     x2d = jnp.reshape(x, (-1, hidden))
@@ -349,8 +350,9 @@ def linear_cross_entropy(
             else:
                 w = weight.T  # (V, H) for the backend; the gradient flows back through .T
         manual = bool(token_axes or vocab_axes)
-        cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes,
-                      partition=not manual and sharded.use_partitioning())
+        partition = (not manual and sharded.use_partitioning()
+                     and getattr(backend_module(backend), "can_partition", lambda: True)())
+        cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition)
         loss, lse = _lce(x2d, w, bias, flat_target, cfg)
     if opts.reduction == "none":
         loss = jnp.reshape(loss, out_shape)

@@ -46,8 +46,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-
-
 class Axes(NamedTuple):
     """Mesh axis names (tuples of str) of the tokens and of the vocabulary."""
 
@@ -227,7 +225,7 @@ def _w_entries(axes: Axes, vaxis: int):
     return e
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward_fn(static: _Static):
     """fn(x2d, w, [bias,] target) -> (lse, z_t[, S]) partitioned per device."""
     from jax.experimental.custom_partitioning import custom_partitioning
@@ -273,7 +271,7 @@ def forward_fn(static: _Static):
     return _with_vmap(fn, plain)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backward_fn(static: _Static):
     """fn(x2d, w, [bias,] target, lse, coef) -> (dx, dw[, db]) partitioned per device."""
     from jax.experimental.custom_partitioning import custom_partitioning
