@@ -19,7 +19,7 @@ if [ -n "$SMOKE" ]; then
 else
     ARGS=(--methods gemm,logitless-mosaic,logitless-xla --reps 8 --warmup 2 --no-errors --method-seconds 40)
 fi
-rm -f benchmarks/results/latest-jax-H*.json benchmarks/results/latest-jax-H*.md
+[ -n "$SMOKE" ] || rm -f benchmarks/results/latest-jax-H*.json benchmarks/results/latest-jax-H*.md
 echo "=== jax suite: mosaic vs xla, six tokamax shapes (cap 225 s) ==="
 timeout -k 5 225 "$PY" -m logitless_bench --suite jax --max-minutes 3.6 "${ARGS[@]}" 2>&1 \
     | tee "$OUT/jax-memory.log" | grep -E "^  shape=|^Traceback|Error" | cut -c1-220
