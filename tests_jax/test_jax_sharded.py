@@ -378,3 +378,38 @@ def test_tokamax_dropin_inside_shard_map_check_vma():
     assert_close_to_ref("loss", loss, None, rloss, "float32")
     assert_close_to_ref("dx", gx, None, rgx, "float32")
     assert_close_to_ref("dkernel", gk, None, np.asarray(rgw).T, "float32")
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_maxtext_style_kernel_hv(mesh_kind):
+    """MaxText's layout: activations (batch, seq, embed) with the batch over "d", the
+    LM-head kernel (embed, vocab) with embed over "d" (FSDP) and vocab over "t"."""
+    mesh = _mesh(mesh_kind)
+    x, w, t, _ = inputs(0, 32, 268, "float32", lead=(8, 3), ignore=(5,), seed=12)
+    kernel = w.T
+    xs, ts = _put(mesh, x, DATA), _put(mesh, t, DATA)
+    ks = _put(mesh, kernel, DATA, MODEL)
+    f = lambda x, k: linear_cross_entropy(x, k, ts, weight_layout="hv", z_loss=1e-4)
+    loss, (gx, gk) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ks)
+    assert gk.shape == kernel.shape and gx.shape == x.shape
+    rloss, _, (rgx, rgk, _) = linear_cross_entropy_ref(x, kernel, t, weight_layout="hv", z_loss=1e-4)
+    assert_close_to_ref("loss", loss, None, rloss, "float32")
+    assert_close_to_ref("dx", gx, None, rgx, "float32")
+    assert_close_to_ref("dkernel", gk, None, rgk, "float32")
+
+
+def test_mosaic_backward_chunk_counts_its_temporaries():
+    """The Mosaic backward's chunk: the dz chunk, the W slice and the dW chunk fit in the
+    budget left after the fp32 dx accumulator (when that leaves at least a tile)."""
+    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu",
+                             reason="this jax has no Pallas Mosaic GPU")
+    budget = 256 * 2**20
+    for n, h, v in [(4096, 4096, 128256), (8192, 7168, 128256), (4096, 2560, 262144), (8192, 4096, 64128)]:
+        c = mg._chunk_columns(n, v, h, 2, budget, 128)
+        assert c % 128 == 0 and 128 <= c <= v + 127
+        fixed = 4 * n * h
+        chunk_bytes = 2 * c * (n + 2 * h)
+        assert chunk_bytes <= max(budget - fixed, budget // 4), (n, h, v, c)
+        assert fixed + chunk_bytes <= 2 * budget
+    assert mg._chunk_columns(64, 256, 64, 2, 1, 128) == 128  # at least one tile
