@@ -208,8 +208,10 @@ def run(argv=None) -> int:
     base = CPU_SHAPE if cpu else DEFAULT_SHAPE
     n, h, v = (args.tokens or base[0], args.hidden or base[1], args.vocab or base[2])
     dtype = jnp.dtype(args.dtype)
-    methods = args.methods.split(",") if args.methods else [
-        m for m in METHODS if m != "logitless-mosaic" or _is_sm90()]
+    # Default: the automatic choice only where it is not already one of the others.
+    methods = args.methods.split(",") if args.methods else (
+        ["xla-logits", "logitless-xla", "logitless-mosaic"] if _is_sm90() else ["xla-logits", "logitless-xla",
+                                                                               "logitless"])
     modes = [m for m in args.modes.split(",") if m]
     ndev = len(jax.devices())
     data = {"meta": environment(argv), "settings": {"shape": [n, h, v], "dtype": dtype.name, "warmup": args.warmup,
