@@ -419,3 +419,21 @@ def test_mosaic_backward_chunk_counts_its_temporaries():
         assert chunk_bytes <= max(budget - fixed, budget // 4), (n, h, v, c)
         assert fixed + chunk_bytes <= 2 * budget
     assert mg._chunk_columns(64, 256, 64, 2, 1, 128) == 128  # at least one tile
+
+
+@needs_devices
+def test_hlo_fsdp_reduce_scatters_dw():
+    """FSDP (tokens and the weight's vocabulary over the same axis): W is gathered for the
+    computation, dW reduce-scattered back to the weight's split (never all-reduced)."""
+    mesh = _mesh("auto", "fsdp")
+    n, h, v = 64, 32, 1024
+    ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
+    fn, (loss, grads) = _loss_and_grads(args, dict(reduction="mean"))
+    _check(loss, grads, ref_args, dict(reduction="mean"), "float32")
+    assert grads[1].sharding.spec[0] == DATA  # dW keeps the weight's split
+    x, w, _, b = args
+    colls = _collectives(fn.lower(x, w, b).compile().as_text())
+    assert any(kind == "reduce-scatter" for kind, _ in colls), colls
+    for kind, shapes in colls:
+        if kind == "all-reduce":
+            assert all(int(np.prod(s)) < v * h for s in shapes), (kind, shapes)

@@ -15,7 +15,8 @@ Two entry points, one local computation:
       and the smoothing sum); in the backward dx is psummed over the vocab axes
       (O(tokens x H)), dW keeps its local rows;
     - dW and db are psummed over the token axes (the data-parallel gradient
-      all-reduce, which a replicated weight needs anyway);
+      all-reduce, which a replicated weight needs anyway); where the weight itself is
+      split along token axes (FSDP), dW is reduce-scattered back to that split;
     - the hidden dimension is never split: an H-sharded operand is resharded by XLA
       (requested as replicated along H); an axis on both x's tokens and W's
       vocabulary (FSDP-style) is kept on the tokens and W is gathered along it; a
@@ -231,7 +232,7 @@ def forward_fn(static: _Static):
     from jax.experimental.custom_partitioning import custom_partitioning
 
     vaxis = 1 if dict(static.layout_kw).get("weight_layout") == "hv" else 0
-    w_rule = "h v" if vaxis else "v h"
+    w_rule = "g v" if vaxis else "v g"  # g: H of the weight, a factor of its own (never split)
     nout = 3 if static.need_smooth else 2
 
     def run(args, vocab_axes):
@@ -277,9 +278,9 @@ def backward_fn(static: _Static):
     from jax.experimental.custom_partitioning import custom_partitioning
 
     vaxis = 1 if dict(static.layout_kw).get("weight_layout") == "hv" else 0
-    w_rule = "h v" if vaxis else "v h"
+    w_rule = "g v" if vaxis else "v g"  # g: H of the weight, a factor of its own (never split)
 
-    def run(args, axes: Axes):
+    def run(args, axes: Axes, scatter=None):
         if static.has_bias:
             x2d, w, bias, target, lse, coef = args
         else:
@@ -287,7 +288,16 @@ def backward_fn(static: _Static):
         module = _local_module(static, x2d.shape, w.shape, x2d.dtype)
         dx, dw, db = local_backward(module, x2d, w, bias, target, lse, coef, softcap=static.softcap,
                                     budget=static.budget, layout_kw=static.layout_kw, vocab_axes=axes.vocab,
-                                    token_axes=axes.token)
+                                    token_axes=())
+        if axes.token:
+            dim, sc = scatter or (0, ())
+            rest = tuple(a for a in axes.token if a not in sc)
+            if rest:
+                dw = lax.psum(dw, rest)
+            if sc:  # FSDP: each device keeps its slice of dW (a reduce-scatter, not an all-reduce)
+                dw = lax.psum_scatter(dw, sc, scatter_dimension=dim, tiled=True)
+            if db is not None:
+                db = lax.psum(db, axes.token)
         return (dx, dw, db) if static.has_bias else (dx, dw)
 
     def plain(*args):
@@ -299,17 +309,30 @@ def backward_fn(static: _Static):
         axes = _plan_axes(mesh, arg_infos[0], arg_infos[1], vaxis)
         tok, voc = _spec_entry(axes.token), _spec_entry(axes.vocab)
         wsh = _named(mesh, *_w_entries(axes, vaxis))
+        # dW keeps the weight's own split along token axes (FSDP: W is gathered for the
+        # computation, its gradient reduce-scattered back): a dimension whose axes are
+        # all token axes (the vocabulary only when no vocab axis splits it).
+        scatter = None
+        for dim in (vaxis, 1 - vaxis):
+            orig = _dim_axes(arg_infos[1].sharding, 2, dim)
+            if orig and all(a in axes.token for a in orig) and (dim != vaxis or not axes.vocab) \
+                    and arg_infos[1].shape[dim] % _mesh_size(mesh, orig) == 0:
+                scatter = (dim, orig)
+                break
+        dw_entries = _w_entries(axes, vaxis)
+        if scatter is not None:
+            dw_entries[scatter[0]] = _spec_entry(scatter[1])
         args = [_named(mesh, tok, None), wsh]
-        outs = [_named(mesh, tok, None), wsh]
+        outs = [_named(mesh, tok, None), _named(mesh, *dw_entries)]
         if static.has_bias:
             args.append(_named(mesh, voc))
             outs.append(_named(mesh, voc))
         args += [_named(mesh, tok), _named(mesh, tok), _named(mesh, None, tok)]
-        return axes, tuple(args), tuple(outs)
+        return (axes, scatter), tuple(args), tuple(outs)
 
     def partition(mesh, arg_infos, result_infos):
-        axes, args, outs = shardings(mesh, arg_infos)
-        return mesh, lambda *a: run(a, axes), outs, args
+        (axes, scatter), args, outs = shardings(mesh, arg_infos)
+        return mesh, lambda *a: run(a, axes, scatter), outs, args
 
     def infer(mesh, arg_infos, result_infos):
         return shardings(mesh, arg_infos)[2]
