@@ -270,7 +270,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
         (dict(weight_layout="hw"), ValueError, "weight_layout"),
         (dict(memory_budget=0), ValueError, "memory_budget"),
-        (dict(implementation="triton"), ValueError, "implementation"),
+        (dict(implementation="pallas_triton"), ValueError, "implementation"),
     ]
     for kw, exc, word in cases:
         with pytest.raises(exc, match=word):

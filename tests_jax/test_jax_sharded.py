@@ -437,3 +437,24 @@ def test_hlo_fsdp_reduce_scatters_dw():
     for kind, shapes in colls:
         if kind == "all-reduce":
             assert all(int(np.prod(s)) < v * h for s in shapes), (kind, shapes)
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+def test_class_weight_and_shift_under_sharded_jit(mesh_kind, layout):
+    """class_weight (no vocabulary split: the op then runs unsplit along the vocabulary)
+    and shift=True, sharded inputs, against the single-device result."""
+    mesh = _mesh(mesh_kind, layout)
+    x, w, t, _ = inputs(0, 24, 268, "float32", lead=(8, 4), ignore=(3,), seed=21)
+    cw = jnp.asarray(np.random.default_rng(2).uniform(0.5, 2.0, 268), jnp.float32)
+    xs_spec, ws_spec = LAYOUTS[layout]
+    xs, ws = _put(mesh, x, *xs_spec), _put(mesh, w, *ws_spec)
+    ts = _put(mesh, t, xs_spec[0] if len(xs_spec) else None)
+    kw = dict(class_weight=cw, shift=True, label_smoothing=0.1)
+    f = lambda x, w, t: linear_cross_entropy(x, w, t, **kw)
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ws, ts)
+    rloss, rgrads = jax.value_and_grad(f, argnums=(0, 1))(x, w, t)  # unsharded
+    np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-6)
+    for g, rg in zip(grads, rgrads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=1e-5, atol=1e-6)

@@ -4,7 +4,7 @@
 # Expected wall time: ~7-8 min on one H100 (hard stops keep it under 9).
 # 1. tests/test_jsd.py tests/test_linear_jsd.py on CUDA (Triton kernels for real)
 #                                                              -> $OUT/distill-pytest.log
-# 2. python -m logitless.bench --suite distill: 3 shapes (teacher 8192 -> student 4096,
+# 2. python -m logitless_bench --suite distill: 3 shapes (teacher 8192 -> student 4096,
 #    V=128256, 4096 and 16384 tokens; 2048/2048, V=151936) x logitless, torch eager and
 #    torch.compile of the naive formula, liger LigerFusedLinearJSD and
 #    LigerFusedLinearJSDLoss, TRL's ChunkedDivergenceFunction (peers from .peers/)
@@ -42,7 +42,7 @@ fi
 echo "== bench --suite distill =="
 left=$(( 525 - ($(date +%s) - start) ))
 mins=$(python3 -c "print(max(1.0, ($left - 45) / 60))")
-PYTHONPATH="src$PEERS" timeout $left python3 -m logitless.bench --suite distill --max-minutes "$mins" \
+PYTHONPATH="src$PEERS" timeout $left python3 -m logitless_bench --suite distill --max-minutes "$mins" \
     --warmup 2 --reps 5 \
     --out benchmarks/results 2>&1 | tee "$OUT/distill-bench.log" | tail -n 30
 for f in benchmarks/results/latest-distill-*.json benchmarks/results/latest-distill-*.md; do

@@ -5,7 +5,7 @@
 # 1. tests/test_precision.py in full, and the fp32 / torch-backend tests of
 #    tests/test_linear_cross_entropy.py and tests/test_cross_entropy.py, on CUDA
 #    -> $OUT/fp32-pytest.log
-# 2. python -m logitless.bench --suite precision (3 shapes x fp32-highest / fp32-high /
+# 2. python -m logitless_bench --suite precision (3 shapes x fp32-highest / fp32-high /
 #    autocast-bf16 x logitless / logitless-tf32-truncate / torch eager) -> benchmarks/results/precision-H100-*.json/.md,
 #    copied to $OUT, log in $OUT/fp32-bench.log; its summary table is printed last.
 set +e
@@ -23,7 +23,7 @@ PYTHONPATH=src timeout 100 python3 -m pytest -q -rs tests/test_linear_cross_entr
 echo "tests took $(( $(date +%s) - start )) s"
 
 echo "== precision benchmark =="
-PYTHONPATH=src timeout 210 python3 -m logitless.bench --suite precision --warmup 2 --reps 5 --max-minutes 2.5 \
+PYTHONPATH=src timeout 210 python3 -m logitless_bench --suite precision --warmup 2 --reps 5 --max-minutes 2.5 \
     --out benchmarks/results 2>&1 | tee "$OUT/fp32-bench.log" | grep -v "^\[plot\]" | tail -n 45
 for f in benchmarks/results/latest-precision-*.json benchmarks/results/latest-precision-*.md; do
     [ -f "$f" ] && cp "$f" "$OUT/fp32-$(basename "$f")"

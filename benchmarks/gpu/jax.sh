@@ -39,7 +39,7 @@ echo "pytest exit: ${PIPESTATUS[0]} (2 or 124: cut off at 150 s)" | tee -a "$OUT
 
 echo "=== jax benchmark suite (cap 270 s) ==="
 rm -f benchmarks/results/latest-jax-H*.json benchmarks/results/latest-jax-H*.md benchmarks/results/latest-jax-H*.png
-timeout -k 5 270 "$PY" -m logitless.bench --suite jax --max-minutes 4.25 --method-seconds 45 2>&1 \
+timeout -k 5 270 "$PY" -m logitless_bench --suite jax --max-minutes 4.25 --method-seconds 45 2>&1 \
     | tee "$OUT/jax-bench.log" | grep -E "^  shape=|UserWarning|^Traceback|^[A-Za-z.]*Error" | cut -c1-220
 echo "bench exit: ${PIPESTATUS[0]} (130: partial, 124: killed)" | tee -a "$OUT/jax-bench.log"
 for f in benchmarks/results/latest-jax-*.json benchmarks/results/latest-jax-*.md benchmarks/results/latest-jax-*.png; do

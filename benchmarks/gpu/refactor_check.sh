@@ -15,4 +15,4 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/triton
 } 2>&1 | grep -v Warning | tee "$OUT/bitwise.log"
 echo "== pytest tests (GPU)"
 timeout "${PYTEST_TIMEOUT:-330}" python3 -m pytest tests -q -p no:cacheprovider -n 8 --timeout 300 \
-  -x 2>&1 | tee "$OUT/pytest-torch.log" | tail -25
+  2>&1 | tee "$OUT/pytest-torch.log" | tail -25

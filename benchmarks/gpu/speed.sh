@@ -7,12 +7,12 @@
 #    kept columns on GPUs)                                   -> $OUT/speed-pytest.log
 # 2. probe: each strategy vs the model's prediction on 4 shapes x 2-5 budgets
 #                                                            -> $OUT/speed-probe.log, probe-strategies-*.json
-# 3. python -m logitless.bench --suite models --no-peers --budgets default,logits
+# 3. python -m logitless_bench --suite models --no-peers --budgets default,logits
 #    (26 shapes, logitless only, predicted vs measured columns)
 #                                                            -> $OUT/speed-models.log, models-*.json/.md
 # 4. compare against the recorded anchors run (benchmarks/results/latest-lce-H100.json)
 #                                                            -> $OUT/speed-compare.md
-# 5. python -m logitless.tune on 2 shapes, whatever time is left (cache under $OUT)
+# 5. python -m logitless.planning.tune on 2 shapes, whatever time is left (cache under $OUT)
 #                                                            -> $OUT/speed-tune.log (the cache file appended)
 # At most 8 files come back: speed-pytest.log, speed-probe.log, probe-strategies-<dev>.json,
 # speed-models.log, latest-models-<dev>.json/.md, speed-compare.md, speed-tune.log.
@@ -39,7 +39,7 @@ echo "probe done at $(( $(date +%s) - start )) s"
 echo "== suite models (logitless only, default and logits budgets) =="
 left=$(( 480 - ($(date +%s) - start) ))
 mins=$(python3 -c "print(max(1.0, ($left - 40) / 60))")
-PYTHONPATH=src timeout $left python3 -m logitless.bench --suite models --no-peers --budgets default,logits \
+PYTHONPATH=src timeout $left python3 -m logitless_bench --suite models --no-peers --budgets default,logits \
     --warmup 2 --reps 6 --max-minutes "$mins" --out benchmarks/results 2>&1 | tee "$OUT/speed-models.log" \
     | grep -v "^\[plot\]" | grep -E "^\[|^==" | tail -n 60
 for f in benchmarks/results/latest-models-*.json benchmarks/results/latest-models-*.md; do
@@ -49,7 +49,7 @@ done
 echo "== compare with the recorded anchors run =="
 NEW=$(ls benchmarks/results/latest-models-*.json 2>/dev/null | head -n 1)
 if [ -n "$NEW" ] && [ -f /tmp/speed-old-lce-H100.json ]; then
-    PYTHONPATH=src timeout 30 python3 -m logitless.bench compare /tmp/speed-old-lce-H100.json "$NEW" \
+    PYTHONPATH=src timeout 30 python3 -m logitless_bench compare /tmp/speed-old-lce-H100.json "$NEW" \
         --out "$OUT/speed-compare.md" > /tmp/speed-compare.log 2>&1 || tail -n 20 /tmp/speed-compare.log
     sed -n '/## Geomean/,/## Regressions/p' "$OUT/speed-compare.md"
 fi
@@ -57,7 +57,7 @@ fi
 echo "== tuner (opt-in; its cache goes to /tmp, not used by the runs above) =="
 left=$(( 515 - ($(date +%s) - start) ))
 if [ $left -gt 40 ]; then
-    LOGITLESS_CACHE_DIR=/tmp/speed-tune-cache PYTHONPATH=src timeout $left python3 -m logitless.tune \
+    LOGITLESS_CACHE_DIR=/tmp/speed-tune-cache PYTHONPATH=src timeout $left python3 -m logitless.planning.tune \
         --shapes 4096:4096:128256,8192:1152:131072 --reps 3 2>&1 | tee "$OUT/speed-tune.log" | tail -n 16
     cat /tmp/speed-tune-cache/*.json >> "$OUT/speed-tune.log" 2>/dev/null
 else

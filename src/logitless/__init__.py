@@ -19,6 +19,8 @@ else:
     from .ops.jsd import JSDLoss, jsd
     from .ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
     from .ops.linear_jsd import LinearJSDLoss, linear_jsd
+    from .ops.linear_log_probs import LinearLogProbs, linear_log_probs
+    from .ops.log_probs import LogProbs, log_probs
     from .planning.plans import DEFAULT_MEMORY_BUDGET
 
     __all__ = [
@@ -30,6 +32,10 @@ else:
         "LinearJSDLoss",
         "jsd",
         "JSDLoss",
+        "linear_log_probs",
+        "LinearLogProbs",
+        "log_probs",
+        "LogProbs",
         "LossStats",
         "DEFAULT_MEMORY_BUDGET",
     ]

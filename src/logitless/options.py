@@ -152,3 +152,64 @@ class JSDOptions(_Args):
             teacher_softcap=check_softcap("teacher_softcap", teacher_softcap),
             hard_label_weight=check_non_negative("hard_label_weight", hard_label_weight),
         )
+
+
+def check_bool(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_vocab_size(value: Optional[int]) -> int:
+    """The number of real classes of a padded vocabulary: -1 for None (every row of the
+    full weight is a class), else a positive int."""
+    if value is None:
+        return -1
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"vocab_size must be a positive int (the real classes of a padded vocabulary) or None, "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LogProbOptions(_Args):
+    """The options that change the token log-prob math (``formulas.log_probs``):
+    a = softcap(z) / temperature, log p(token) = a_token - logsumexp(a), and with
+    ``entropy`` the entropy of softmax(a)."""
+
+    temperature: float = 1.0
+    entropy: bool = False
+    softcap: Optional[float] = None
+    ignore_index: int = -100
+
+    @classmethod
+    def checked(cls, *, temperature: float = 1.0, entropy: bool = False, softcap: Optional[float] = None,
+                ignore_index: int = -100) -> LogProbOptions:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        return cls(
+            temperature=check_positive("temperature", temperature),
+            entropy=check_bool("entropy", entropy),
+            softcap=check_softcap("softcap", softcap),
+            ignore_index=check_ignore_index(ignore_index),
+        )
+
+
+@dataclass(frozen=True)
+class VocabParallelOptions(_Args):
+    """How an op's LM head is split over the vocabulary (``logitless.distributed``).
+
+    tp_group: the c10d name of the process group whose ranks hold the blocks of rows of
+        the full weight, in rank order ("" : not vocab-parallel, the single-GPU op);
+    vocab_size: the real classes of the full vocabulary, rows at or beyond it are
+        padding (-1: every row is a class);
+    partial_dx: return this rank's partial gradient of x instead of the all-reduced one.
+    """
+
+    tp_group: str = ""
+    vocab_size: int = -1
+    partial_dx: bool = False
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp_group != ""

@@ -26,6 +26,8 @@ examples:
   python -m logitless_bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
   python -m logitless_bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless_bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
+  python -m logitless_bench --suite rl --max-minutes 5       # token log-probs + entropy (RL) vs torch, verl
+  python -m logitless_bench --suite tp --max-minutes 4   # vocab-parallel CE, one process per GPU
   python -m logitless_bench --suite train            # end-to-end HF training (python -m logitless_bench --suite train -h)
   python -m logitless_bench --list                   # shapes and methods
   python -m logitless_bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
@@ -34,7 +36,7 @@ examples:
 
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lce: fused linear cross-entropy; ce: cross-entropy on logits; all: both; "
                    "precision: lce on fp32 inputs at matmul precision highest/high and under autocast bf16; "
                    "models: the lce suite on 26 real LM-head shapes (files models-<device>-*); "
-                   "distill: fused linear JSD; train: end-to-end HF training of a 1B model, its own "
+                   "distill: fused linear JSD; tp: vocab-parallel cross-entropy, one process per GPU; "
+                   "train: end-to-end HF training of a 1B model, its own "
                    "options (--suite train -h); jax: the JAX op, its own options (--suite jax -h); "
                    "jax-sharded: the JAX op on all local devices, data/tensor parallel (--suite jax-sharded -h) "
                    "(default: all)")
@@ -151,6 +154,15 @@ def main(argv=None) -> int:
 
         signal.signal(signal.SIGTERM, _on_sigterm)
         return distill.run_cli(args, cpu)
+    if args.suite == "rl":  # token log-probs + entropy: its own runner and shapes (bench/rl.py)
+        from . import rl
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        return rl.run_cli(args, cpu)
+    if args.suite == "tp":  # vocab-parallel over one process per GPU: bench/tp.py
+        from . import tp
+
+        return tp.run_cli(args, cpu)
     budgets = _split(args.budgets) or ["default"]
     for b in budgets:
         peers.budget_bytes(b, 1, 1, 2)  # fail early on a malformed budget

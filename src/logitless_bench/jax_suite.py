@@ -5,6 +5,8 @@ Methods (each skipped with a note when unavailable):
     gemm              jnp.dot(x, w.T) of the same shape, jitted: the unit (1 GEMM)
     logitless-xla     logitless.jax.linear_cross_entropy(implementation="xla"), default budget
     logitless-mosaic  the same with implementation="mosaic_gpu" (SM90 GPUs, when present)
+    logitless-triton  the same with implementation="triton" (NVIDIA GPUs with jax-triton;
+                      skipped on CPUs, where the kernels would run on Triton's interpreter)
     xla-logits        optax-style: fp32 logits x @ w.T materialised, log_softmax, mean
     tokamax-xla       tokamax.linear_softmax_cross_entropy_loss(implementation="xla")
     tokamax-chunked   the same with implementation="chunked_xla"
@@ -38,12 +40,14 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "xla-logits", "tokamax-xla", "tokamax-chunked")
+METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "logitless-triton", "xla-logits", "tokamax-xla",
+           "tokamax-chunked")
 #: Run when --methods is not given: tokamax's "xla" backend materialises the logits as
 #: xla-logits does (same cost); ask for it with --methods all or by name.
 #: logitless-mosaic last: should a kernel hang on a new GPU, the shape's other rows are
 #: already written (the files are saved after every row).
-DEFAULT_METHODS = ("gemm", "logitless-xla", "xla-logits", "tokamax-chunked", "logitless-mosaic")
+DEFAULT_METHODS = ("gemm", "logitless-xla", "xla-logits", "tokamax-chunked", "logitless-triton",
+                   "logitless-mosaic")
 #: Seconds kept for writing the files when --max-minutes is given.
 _RESERVE_S = 15.0
 
@@ -119,9 +123,15 @@ def _loss_fns(method):
     import jax
     import jax.numpy as jnp
 
-    if method in ("logitless-xla", "logitless-mosaic"):
+    if method in ("logitless-xla", "logitless-mosaic", "logitless-triton"):
         from logitless.jax import linear_cross_entropy
-        impl = "xla" if method == "logitless-xla" else "mosaic_gpu"
+        impl = {"logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu", "logitless-triton": "triton"}[method]
+        if impl == "triton":
+            if jax.devices()[0].platform != "gpu":
+                raise Skip("triton on a CPU runs on Triton's interpreter: tests only")
+            from logitless.jax.ops.linear_cross_entropy import triton as triton_backend
+            if triton_backend._jax_triton() is None:
+                raise Skip("jax-triton not importable (pip install jax-triton)")
         if impl == "mosaic_gpu":
             try:
                 from logitless.jax.ops.linear_cross_entropy import mosaic_gpu  # noqa: F401
@@ -192,7 +202,7 @@ def environment(argv):
 
     dev = jax.devices()[0]
     peers = {}
-    for mod in ("tokamax", "optax"):
+    for mod in ("tokamax", "optax", "triton", "jax_triton"):
         try:
             peers[mod] = __import__(mod).__version__
         except Exception:
@@ -200,6 +210,7 @@ def environment(argv):
     return {
         "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
         "platform": dev.platform,
+        "compute_capability": str(getattr(dev, "compute_capability", "")),
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "python": platform.python_version(),
         "peers": peers,

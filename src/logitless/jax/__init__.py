@@ -4,19 +4,22 @@
     loss = linear_cross_entropy(hidden, lm_head_kernel, labels, weight_layout="hv")
 
 ``linear_softmax_cross_entropy_loss`` is a drop-in for tokamax's op of that name.
-Backends: "xla" (plain JAX, chunked: CPU, GPU, TPU) and "mosaic_gpu" (Pallas Mosaic GPU
-kernels for SM90, when present). Layout mirrors the PyTorch side: ``_loss_math.py``
+Backends: "xla" (plain JAX, chunked: CPU, GPU, TPU), "mosaic_gpu" (Pallas Mosaic GPU
+kernels for SM90, when present) and "triton" (the PyTorch op's Triton kernels through
+jax-triton, SM80+ NVIDIA GPUs; Triton's interpreter on CPUs, for tests). Layout mirrors the PyTorch side: ``_loss_math.py``
 (formulas), ``_plans.py`` (chunk sizes), ``linear_cross_entropy/`` (api, reference,
 one file per backend, bench shapes).
 """
 
 from .formulas import LossStats
 from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
+from .ops.linear_log_probs.api import linear_log_probs
 from .planning import DEFAULT_MEMORY_BUDGET
 
 __all__ = [
     "linear_cross_entropy",
     "linear_softmax_cross_entropy_loss",
+    "linear_log_probs",
     "LossStats",
     "DEFAULT_MEMORY_BUDGET",
 ]

@@ -1,26 +1,33 @@
-"""The cross-entropy formulas for JAX, written once (the JAX twin of ``logitless/_loss_math.py``).
+"""The cross-entropy formulas for JAX, written once (the JAX twin of
+``logitless/formulas/cross_entropy.py``, class weights included).
 
 A backend reduces each token's row of logits to fp32 statistics; everything else is
-computed here with O(tokens) work (no class weights on the JAX side, so w_c = 1):
+computed here with O(tokens) work:
 
     z_c   = logit of class c, after the optional soft-cap  z_c = s * tanh(z_c / s)
     lse   = log sum_c exp(z_c)
     z_t   = z at the target class t
-    S     = sum_c z_c                 (only with label smoothing)
+    S     = sum_c w_c z_c                 (only with label smoothing; w_c = class weight or 1)
 
-Loss of a token (eps = label_smoothing, V = number of classes):
+Loss of a token (eps = label_smoothing, V = number of classes, W = sum_c w_c):
 
-    loss = (1 - eps) * (lse - z_t) + (eps / V) * (V * lse - S) + z_loss * lse**2
+    loss = (1 - eps) * w_t * (lse - z_t)             cross-entropy, as torch's nll
+         + (eps / V) * (W * lse - S)                 = (eps / V) * sum_c w_c (lse - z_c)
+         + z_loss * lse**2                           z-loss (PaLM), not class-weighted
 
-"mean" divides the sum over non-ignored tokens by their count (NaN when there is none,
-as torch's 0/0); ignored tokens have loss 0 and gradient 0. A target outside [0, V)
-that is not ``ignore_index`` gives that token a NaN loss and NaN gradient rows.
+"mean" divides the sum over non-ignored tokens by the sum of w_t over them (their count
+without class weights), exactly as ``torch.nn.functional.cross_entropy(weight=...)``;
+the z-loss sum is divided by the same denominator (NaN when it is 0, as torch's 0/0).
+Ignored tokens have loss 0 and gradient 0. A target outside [0, V) that is not
+``ignore_index`` gives that token a NaN loss and NaN gradient rows.
 
 Gradient with respect to the (soft-capped) logit z_c for an upstream gradient g of the
 token's loss (p_c = exp(z_c - lse)):
 
-    dz_c = p_c * A - B * [c == t] - C
-    A = g * ((1 - eps) + eps + 2 * z_loss * lse),  B = g * (1 - eps),  C = g * eps / V
+    dz_c = p_c * A - B * [c == t] - C * w_c
+    A = g * ((1 - eps) * w_t + (eps / V) * W + 2 * z_loss * lse)
+    B = g * (1 - eps) * w_t
+    C = g * eps / V
 
 times (1 - (z_c / s)**2) with a soft-cap. Backends evaluate only that line.
 """
@@ -52,49 +59,72 @@ def _masks(target, num_classes: int, opts: CrossEntropyOptions):
     return valid, in_range
 
 
-def token_loss(lse, target_logit, smooth_sum, target, num_classes: int, opts: CrossEntropyOptions):
-    """Per-token fp32 loss (0 at ignored tokens, NaN at out-of-range targets)."""
+def target_weight(target, class_weight, valid):
+    """w_t per token (fp32): the class weight of the target (1 without), 0 at ignored
+    tokens; an out-of-range target reads a clamped index (its loss is NaN anyway)."""
+    if class_weight is None:
+        return valid.astype(jnp.float32)
+    w = jnp.take(class_weight.astype(jnp.float32), jnp.clip(target, 0, class_weight.shape[0] - 1))
+    return jnp.where(valid, w, 0.0)
+
+
+def class_weight_sum(class_weight, num_classes: int):
+    """W = sum_c w_c (a Python float without class weights)."""
+    return float(num_classes) if class_weight is None else jnp.sum(class_weight.astype(jnp.float32))
+
+
+def token_loss(lse, target_logit, smooth_sum, target, num_classes: int, opts: CrossEntropyOptions,
+               class_weight=None):
+    """Per-token fp32 loss (0 at ignored tokens, NaN at out-of-range targets);
+    ``class_weight``: optional (V,) weights w_c (smooth_sum is then sum_c w_c z_c)."""
     valid, in_range = _masks(target, num_classes, opts)
     eps = opts.label_smoothing
-    loss = (1.0 - eps) * (lse - target_logit)
+    loss = (1.0 - eps) * target_weight(target, class_weight, valid) * (lse - target_logit)
     if eps > 0.0:
-        loss = loss + (eps / num_classes) * (num_classes * lse - smooth_sum)
+        w_sum = class_weight_sum(class_weight, num_classes)
+        loss = loss + (eps / num_classes) * (w_sum * lse - smooth_sum)
     if opts.z_loss != 0.0:
         loss = loss + opts.z_loss * lse * lse
     loss = jnp.where(valid, loss, 0.0)
     return jnp.where(valid & ~in_range, jnp.nan, loss).astype(jnp.float32)
 
 
-def reduce_loss(loss, target, opts: CrossEntropyOptions):
-    """The reduction, as torch ("mean" over non-ignored tokens; 0/0 = NaN)."""
+def _denominator(target, opts: CrossEntropyOptions, class_weight):
+    """"mean"'s denominator: sum of w_t over non-ignored tokens (their count without
+    class weights)."""
+    valid = target != opts.ignore_index
+    return jnp.sum(target_weight(target, class_weight, valid))
+
+
+def reduce_loss(loss, target, opts: CrossEntropyOptions, class_weight=None):
+    """The reduction, as torch ("mean" over non-ignored tokens, weighted by w_t; 0/0 = NaN)."""
     if opts.reduction == "none":
         return loss
     if opts.reduction == "sum":
         return jnp.sum(loss)
-    count = jnp.sum(target != opts.ignore_index).astype(jnp.float32)
-    return jnp.sum(loss) / count
+    return jnp.sum(loss) / _denominator(target, opts, class_weight)
 
 
-def upstream_per_token(g, target, opts: CrossEntropyOptions):
+def upstream_per_token(g, target, opts: CrossEntropyOptions, class_weight=None):
     """Gradient g of each token's loss from the gradient of the reduced loss."""
     g = jnp.asarray(g, jnp.float32)
     if opts.reduction == "none":
         return g.reshape(-1)
     if opts.reduction == "sum":
         return jnp.broadcast_to(g, target.shape)
-    count = jnp.sum(target != opts.ignore_index).astype(jnp.float32)
-    return jnp.broadcast_to(g / count, target.shape)
+    return jnp.broadcast_to(g / _denominator(target, opts, class_weight), target.shape)
 
 
-def grad_coefficients(lse, target, g, num_classes: int, opts: CrossEntropyOptions):
+def grad_coefficients(lse, target, g, num_classes: int, opts: CrossEntropyOptions, class_weight=None):
     """A, B, C of the module docstring stacked as (3, N) fp32: zero at ignored tokens
     (also when g is inf/NaN there), NaN at out-of-range targets."""
     valid, in_range = _masks(target, num_classes, opts)
     eps = opts.label_smoothing
-    a = jnp.full_like(lse, 1.0)  # (1 - eps) + (eps / V) * V
+    w_t = target_weight(target, class_weight, valid)
+    a = (1.0 - eps) * w_t + (eps / num_classes) * class_weight_sum(class_weight, num_classes)
     if opts.z_loss != 0.0:
         a = a + 2.0 * opts.z_loss * lse
-    b = jnp.full_like(lse, 1.0 - eps)
+    b = (1.0 - eps) * w_t
     c = jnp.full_like(lse, eps / num_classes)
     coef = jnp.stack([a, b, c]) * g[None, :]
     coef = jnp.where(valid[None, :], coef, 0.0)
@@ -108,12 +138,15 @@ def softcap_logits(z, softcap: Optional[float]):
     return softcap * jnp.tanh(z / softcap)
 
 
-def dlogits(z_capped, lse, coef, target, col0, softcap: Optional[float]):
+def dlogits(z_capped, lse, coef, target, col0, softcap: Optional[float], class_weight=None):
     """d loss / d (pre-cap) logits of a tile of soft-capped fp32 logits (rows: tokens,
-    columns: classes col0 ...). The one place the epilogue formula is written in JAX."""
+    columns: classes col0 ...; ``class_weight``: the tile's (columns,) w_c or None).
+    The one place the epilogue formula is written in JAX."""
     a, b, c = coef[0][:, None], coef[1][:, None], coef[2][:, None]
     cols = col0 + jnp.arange(z_capped.shape[1], dtype=target.dtype)
     hit = cols[None, :] == target[:, None]
+    if class_weight is not None:
+        c = c * class_weight.astype(jnp.float32)[None, :]
     dz = jnp.exp(z_capped - lse[:, None]) * a - jnp.where(hit, b, 0.0) - c
     if softcap is not None:
         dz = dz * (1.0 - (z_capped / softcap) ** 2)

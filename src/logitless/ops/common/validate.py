@@ -106,15 +106,17 @@ def check_teacher_frozen(**tensors: Optional[Tensor]) -> None:
             )
 
 
-def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[int, int]:
-    """x (..., H), weight (V, H) with V >= 1, bias (V,) or None, x and weight of one
-    dtype (after autocast's casts): (V, H), or a clear error."""
+def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], *,
+                          allow_empty: bool = False) -> tuple[int, int]:
+    """x (..., H), weight (V, H) with V >= 1 (V >= 0 with ``allow_empty``: a rank's
+    block of a vocab-parallel head), bias (V,) or None, x and weight of one dtype
+    (after autocast's casts): (V, H), or a clear error."""
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (..., H)")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
     num_classes, hidden = weight.shape
-    if num_classes == 0:
+    if num_classes == 0 and not allow_empty:
         raise ValueError("weight has no rows: the vocabulary is empty")
     if x.shape[-1] != hidden:
         raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")

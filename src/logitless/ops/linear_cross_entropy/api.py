@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
@@ -36,6 +37,9 @@ def linear_cross_entropy(
     return_stats: bool = False,
     memory_budget: Optional[int] = None,
     backend: str = "auto",
+    process_group=None,
+    vocab_size: Optional[int] = None,
+    partial_dx: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LossStats]]:
     """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
 
@@ -66,6 +70,10 @@ def linear_cross_entropy(
             A sharded DTensor weight raises ``TypeError`` saying so.
         Double backward (differentiating the gradients after ``create_graph=True``)
             raises ``RuntimeError``: it is not supported.
+        Tensor parallelism (a head split over the vocabulary): ``process_group=``, or
+            DTensor inputs (a ``Shard(0)`` weight with a ``Replicate()`` or
+            token-sharded x on the same 1-D mesh, as torchtitan's ``ColwiseParallel``
+            head): docs/tensor_parallel.md and ``logitless.distributed``.
 
     Args:
         x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
@@ -96,6 +104,26 @@ def linear_cross_entropy(
             H bytes) plus one chunk of 4096 columns (tokens x 4096 x itemsize); when
             that minimum exceeds the budget, the minimum is used.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        process_group: a ``torch.distributed.ProcessGroup`` over which the head is
+            split by vocabulary: ``weight`` (and ``bias``) are this rank's contiguous
+            block of rows of the full (V, H) weight (the blocks, in the group's rank
+            order, concatenate to it; sizes may differ); ``x`` and ``target`` (global
+            class ids) are the same on every rank; ``class_weight`` is the full (V,)
+            vector on every rank. Every option keeps its meaning over the full
+            vocabulary; the loss (and ``stats``) are identical on every rank. Per
+            call: two collectives of O(tokens) floats in the forward (a third, of N
+            int64, for ``return_stats``' argmax) and one all-reduce of x's gradient
+            in fp32 (N x H) in the backward; the first call with a group (and local
+            row count) also all-gathers the ranks' row counts, once (a host sync).
+            All ranks must call the op together.
+        vocab_size: the number of real classes when the weight's rows are padded
+            (Megatron pads V to a multiple of 128 x the TP size): rows at or beyond
+            ``vocab_size`` of the full weight are no class (excluded from the
+            softmax) and get zero gradient; targets must be below it. None: every
+            row is a class.
+        partial_dx: with a vocab-parallel head, return this rank's partial gradient
+            of x (the sum over its columns) instead of the all-reduced one, for
+            frameworks that reduce it themselves (Megatron's column-parallel head).
 
     Returns:
         The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
@@ -114,15 +142,26 @@ def linear_cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
+    x, weight, bias, tp = _tp.prepare("linear_cross_entropy", ("x", "weight", "bias"), x, weight, bias,
+                                      process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+    target, class_weight = _tp.plain(target), _tp.plain(class_weight)
     _validate.check_not_dtensor("linear_cross_entropy", x=x, weight=weight, bias=bias)
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
     # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
     # casts: each input's gradient comes back in its own dtype); the loss stays fp32.
     x, weight, bias = cast_like_linear(x, weight, bias)
-    num_classes, hidden = _validate.check_linear_operands("linear_cross_entropy", x, weight, bias)
+    num_classes, hidden = _validate.check_linear_operands("linear_cross_entropy", x, weight, bias,
+                                                         allow_empty=tp.parallel)
     _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
-    _validate.check_class_vector("class_weight", class_weight, num_classes)
+    if tp.parallel:  # the full vector: its length is checked in the op (the ranks know V together)
+        if class_weight is not None:
+            _validate.check_float("class_weight", class_weight)
+    else:
+        if class_weight is not None and tp.vocab_size > 0 and class_weight.dim() == 1 \
+                and class_weight.shape[0] > num_classes:
+            class_weight = class_weight[:num_classes]  # the padding rows' entries
+        _validate.check_class_vector("class_weight", class_weight, num_classes)
     _validate.check_same_device(x=x, weight=weight, target=target, bias=bias, class_weight=class_weight)
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
@@ -147,11 +186,11 @@ def linear_cross_entropy(
     # The Triton planner's gradient-in-forward strategy (eager only: under torch.compile
     # the keep/recompute strategies serve, as the strategy returns extra state).
     in_forward = 0
-    if grad_wanted and not torch.compiler.is_compiling():
+    if grad_wanted and not torch.compiler.is_compiling() and not tp.parallel:
         in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
     loss, lse, argmax, *_ = lce_forward(
         x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
-        return_stats, grad_wanted, in_forward, *need,
+        return_stats, grad_wanted, in_forward, *need, *tp.args(),
     )
 
     def per_token(t: Tensor) -> Tensor:
@@ -187,6 +226,9 @@ class LinearCrossEntropyLoss(nn.Module):
         return_stats: bool = False,
         memory_budget: Optional[int] = None,
         backend: str = "auto",
+        process_group=None,
+        vocab_size: Optional[int] = None,
+        partial_dx: bool = False,
     ):
         super().__init__()
         CrossEntropyOptions.checked(
@@ -197,7 +239,8 @@ class LinearCrossEntropyLoss(nn.Module):
         self.kwargs = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             softcap=softcap, z_loss=z_loss, shift=shift, return_stats=return_stats,
-            memory_budget=memory_budget, backend=backend,
+            memory_budget=memory_budget, backend=backend, process_group=process_group,
+            vocab_size=vocab_size, partial_dx=partial_dx,
         )
 
     def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None):

@@ -2,15 +2,18 @@
 
     logitless::lce_forward(x, weight, bias, target, class_weight, <options>, backend,
                            budget, need_argmax, need_grad, grad_in_forward, need_dx,
-                           need_dw, need_db)
+                           need_dw, need_db, <vocab parallel>)
         -> loss, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb
     logitless::lce_backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t,
                             keep (overwritten with dz), keep_max, plan, <options>,
-                            backend, budget, need_dx, need_dw, need_db)
+                            backend, budget, need_dx, need_dw, need_db, <vocab parallel>)
         -> dx, dw, db
 
 ``<options>`` are the fields of ``CrossEntropyOptions`` under their own names
-(ignore_index, reduction, label_smoothing, softcap, z_loss). The per-token ``lse`` is
+(ignore_index, reduction, label_smoothing, softcap, z_loss); ``<vocab parallel>``
+those of ``VocabParallelOptions`` (tp_group, vocab_size, partial_dx): with a
+``tp_group`` the weight is this rank's block of rows of a vocab-parallel head and the
+ops merge statistics over the group (``vocab_parallel``). The per-token ``lse`` is
 differentiable (``grad_lse``: d lse / d z_c = p_c adds to the A coefficient), so that
 ``LossStats.lse`` can enter a loss of the caller's.
 
@@ -42,7 +45,7 @@ from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.validate import check_targets_in_range
-from logitless.options import CrossEntropyOptions
+from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 OP = "linear_cross_entropy"
 
@@ -66,6 +69,9 @@ def _forward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    tp_group: str = "",
+    vocab_size: int = -1,
+    partial_dx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (N, H), weight (V, H), target (N,) int64 -> loss (() or (N,)), lse (N,),
     argmax (N,) or (0,), w_t (N,), keep, keep_max, plan (see the module docstring), and
@@ -73,10 +79,19 @@ def _forward(
     gradient-in-forward strategy) the gradients for grad_output = 1 that the backward
     scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb fp32)."""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
     n, v = x.shape[0], weight.shape[0]
-    check_targets_in_range(target, v, ignore_index)
     sd = compute_dtype(x.dtype)
     kept = grads = None
+    if tp.parallel:
+        from . import vocab_parallel
+
+        with no_autocast(x.device):
+            loss, lse, argmax, w_t, kept = vocab_parallel.forward(
+                load_backend(__package__, backend), x, weight, bias, target, class_weight, opts, tp,
+                budget=budget, need_argmax=need_argmax, need_grad=need_grad)
+        return _outputs(x, target, loss, lse, argmax if need_argmax else None, w_t, kept, None)
+    check_targets_in_range(target, v, ignore_index)
     with no_autocast(x.device):
         if n == 0:
             empty = x.new_empty(0, dtype=sd)
@@ -95,12 +110,18 @@ def _forward(
             )
         loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
         loss = reduce(loss_tok, w_t, reduction)
-    argmax = stats.argmax if need_argmax else target.new_empty(0, dtype=torch.int64)
+    return _outputs(x, target, loss, stats.lse, stats.argmax if need_argmax else None, w_t, kept, grads)
+
+
+def _outputs(x, target, loss, lse, argmax, w_t, kept, grads):
+    """The forward op's outputs (module docstring) from its results."""
+    sd = compute_dtype(x.dtype)
+    argmax = argmax if argmax is not None else target.new_empty(0, dtype=torch.int64)
     if kept is None:
         kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
                 torch.empty(0, dtype=torch.int64))
     grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
-    return (loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
+    return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
 
 
 #: Shape of the keep buffers when nothing is kept (the plan output is then empty). Not
@@ -115,7 +136,7 @@ lce_forward = custom_op("lce_forward", _forward)
 @lce_forward.register_fake
 def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
       softcap, z_loss, backend, budget, need_argmax, need_grad, grad_in_forward, need_dx,
-      need_dw, need_db):
+      need_dw, need_db, tp_group="", vocab_size=-1, partial_dx=False):
     n, (v, h) = x.shape[0], weight.shape
     sd = compute_dtype(x.dtype)
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
@@ -129,14 +150,15 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
             if need_dw else grads[1],
             weight.new_empty(v, dtype=f32) if need_db else grads[2],
         ]
-    elif backend == "triton" and need_grad:
-        if all(isinstance(s, int) for s in (n, v, h)):
+    elif backend == "triton" and need_grad and not (tp_group and isinstance(v, int) and v == 0):
+        if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
             from .triton_backend import PLAN_SIZE, kept_shapes
 
             shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, softcap, need_grad)
             if shapes is not None:
                 (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
-        else:  # symbolic sizes: the plan's choice is a size only known at run time
+        else:  # symbolic sizes, or a padded vocab-parallel head (this rank's real rows are
+            # known at run time): the plan's choice is a size only known at run time
             ctx = torch.library.get_ctx()
             keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
             max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
@@ -176,28 +198,39 @@ def _backward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    tp_group: str = "",
+    vocab_size: int = -1,
+    partial_dx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
     opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
         dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
         db = torch.zeros_like(bias) if bias is not None else None
     elif need_dx or need_dw or need_db:
+        impl = load_backend(__package__, backend)
+        extra = {}
+        if plan.numel():  # the forward kept columns: its buffers, and its plan (which laid them out)
+            extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
         with no_autocast(x.device):
-            g = upstream_per_token(grad_loss, w_t, reduction)
-            coef = grad_coefficients(lse, target, g, v, class_weight, opts)
-            if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
-                coef[0] += grad_lse.to(coef.dtype)
-            impl = load_backend(__package__, backend)
-            extra = {}
-            if plan.numel():  # the forward kept columns: its buffers, and its plan (which laid them out)
-                extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
-            dx, dw, db = impl.backward(
-                x, weight, bias, target, class_weight, softcap, lse, coef,
-                need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
-            )
+            if tp.parallel:
+                from . import vocab_parallel
+
+                dx, dw, db = vocab_parallel.backward(
+                    impl, grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts, tp,
+                    budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
+            else:
+                g = upstream_per_token(grad_loss, w_t, reduction)
+                coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+                if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
+                    coef[0] += grad_lse.to(coef.dtype)
+                dx, dw, db = impl.backward(
+                    x, weight, bias, target, class_weight, softcap, lse, coef,
+                    need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
+                )
     nothing = x.new_empty(0)
     return (
         dx if need_dx else nothing,
@@ -212,7 +245,7 @@ lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
 @lce_backward.register_fake
 def _(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
       ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
-      need_dx, need_dw, need_db):
+      need_dx, need_dw, need_db, tp_group="", vocab_size=-1, partial_dx=False):
     nothing = x.new_empty(0)
     return (
         torch.empty_like(x) if need_dx else nothing,
@@ -242,6 +275,7 @@ def _setup_context(ctx, inputs, output):
     _, lse, argmax, w_t, keep, keep_max, plan, gx, gw, gb = output
     ctx.save_for_backward(a["x"], a["weight"], a["bias"], a["target"], a["class_weight"], lse, w_t)
     ctx.opts = CrossEntropyOptions.from_args(a)
+    ctx.tp = VocabParallelOptions.from_args(a)
     ctx.backend, ctx.budget, ctx.num_inputs = a["backend"], a["budget"], len(inputs)
     # Not saved tensors: the first backward consumes them (in place) and drops them.
     ctx.kept = (keep, keep_max, plan)
@@ -266,7 +300,8 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
 
     def backward(g_loss, g_lse, kept):
         return lce_backward(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t, *kept,
-                            *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db)
+                            *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db,
+                            *ctx.tp.args())
 
     if forward_grads is not None and x.shape[0] > 0:
         # Gradient-in-forward (eager): scale the forward's gradients by grad_output, in place;

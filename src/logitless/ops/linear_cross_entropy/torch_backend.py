@@ -125,7 +125,10 @@ def backward(
     need_db: bool,
     budget: int,
     kept=None,
+    dx_acc: bool = False,
 ):
+    """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
+    for fp64), not cast to x's dtype (a partial sum that the caller reduces first)."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
@@ -134,7 +137,7 @@ def backward(
     lse = lse.to(cd)
     coef = coef.to(cd)
     cw = class_weight.to(cd) if class_weight is not None else None
-    dx_acc = None
+    keep_acc, dx_acc = dx_acc, None
     if need_dx:
         dx_acc = torch.zeros(n, h, dtype=cd, device=x.device)  # dx itself when exact
     dw = torch.empty_like(weight) if need_dw else None
@@ -164,5 +167,5 @@ def backward(
         if need_db:
             db[v0:v1] = db_acc
         del w_v, b_v, dw_acc
-    dx = dx_acc.to(x.dtype) if need_dx else None
+    dx = (dx_acc if keep_acc else dx_acc.to(x.dtype)) if need_dx else None
     return dx, dw, db

@@ -192,9 +192,13 @@ def backward(
     budget: int,
     kept: Optional[tuple[Tensor, Tensor]] = None,
     plan: Optional[TritonPlan] = None,
+    dx_acc: bool = False,
 ):
     """dx, dW, db. ``kept``: what ``forward`` returned for this call (or None); its first
-    buffer is overwritten with dz, so pass it to one backward only."""
+    buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
+    the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial sum
+    that the caller reduces first: vocab parallelism)."""
+    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     # The forward's plan (the same arguments give the same plan) when it kept columns.
@@ -210,7 +214,7 @@ def backward(
     one_chunk = len(chunks) == 1
     dx = None
     dx_acc = None
-    if need_dx and not one_chunk:
+    if need_dx and (keep_acc or not one_chunk):
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     dz_buf = None
     x_op, w_op, use_tma = launch.operands(x, weight, plan)
@@ -257,6 +261,6 @@ def backward(
         if dx_chunk is not None:
             dx = dx_chunk
     if dx_acc is not None:
-        dx = dx_acc.to(x.dtype)
+        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
     return dx, dw, db
 

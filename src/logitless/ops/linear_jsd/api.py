@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from logitless.distributed import api as _tp
 from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
@@ -44,6 +45,9 @@ def linear_jsd(
     shift: bool = False,
     memory_budget: Optional[int] = None,
     backend: str = "auto",
+    process_group=None,
+    vocab_size: Optional[int] = None,
+    partial_dx: bool = False,
 ) -> Tensor:
     """Distillation loss of a student and a teacher LM head, without their logits.
 
@@ -80,6 +84,20 @@ def linear_jsd(
             dz chunk of at least 4096 columns (tokens x 4096 x itemsize); when that
             minimum exceeds the budget, the minimum is used.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        process_group: both heads split over the vocabulary across this
+            ``torch.distributed`` group (tensor parallelism): student_weight and
+            teacher_weight (and biases) are this rank's blocks of the same rows of the
+            full weights (in rank order; sizes may differ); x's and target are the
+            same on every rank. DTensor heads (``Shard(0)`` weights, ``Replicate()`` or
+            token-sharded x's on one 1-D mesh) need no argument. Per call: three
+            collectives of O(tokens) floats in the forward (a MAX and a SUM merge the
+            log-sum-exps; the mixture's sums need the global ones: a second pass over
+            the local columns, 2 more GEMMs of this rank's rows, then a SUM), one
+            all-reduce of the student's dx (fp32) in the backward. docs/tensor_parallel.md.
+        vocab_size: the real classes of padded weights: rows at or beyond it of the
+            full weights are excluded and get zero gradient. None: every row.
+        partial_dx: with vocab-parallel heads, return this rank's partial gradient of
+            student_x instead of the all-reduced one.
 
     Returns the loss (fp32 scalar, or per token for "none"; fp64 for fp64 inputs).
     Gradients reach student_x, student_weight and student_bias.
@@ -94,6 +112,16 @@ def linear_jsd(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         hard_label_weight=hard_label_weight)
+    student_x, student_weight, student_bias, tp = _tp.prepare(
+        "linear_jsd", ("student_x", "student_weight", "student_bias"), student_x, student_weight, student_bias,
+        process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+    teacher_x, teacher_weight, teacher_bias, tp_t = _tp.prepare(
+        "linear_jsd", ("teacher_x", "teacher_weight", "teacher_bias"), teacher_x, teacher_weight, teacher_bias,
+        process_group=process_group, vocab_size=vocab_size, partial_dx=False)
+    if tp_t.tp_group != tp.tp_group:
+        raise ValueError("linear_jsd: the student's and the teacher's heads must be split over the same group "
+                         "(DTensors on one mesh, or plain tensors with process_group=)")
+    target = _tp.plain(target)
     for name, t in (("student_x", student_x), ("student_weight", student_weight),
                     ("teacher_x", teacher_x), ("teacher_weight", teacher_weight)):
         _validate.check_float(name, t)
@@ -106,7 +134,7 @@ def linear_jsd(
             raise ValueError(f"{side}_x has hidden size {x.shape[-1]} but {side}_weight is "
                              f"{tuple(w.shape)} (V, H)")
     v = student_weight.shape[0]
-    if v == 0:
+    if v == 0 and not tp.parallel:
         raise ValueError("student_weight has no rows: the vocabulary is empty")
     if teacher_weight.shape[0] != v:
         raise ValueError(f"vocabularies differ: student_weight has {v} rows, teacher_weight "
@@ -152,7 +180,7 @@ def linear_jsd(
     flat_target = target.reshape(-1).long()
     loss_tok, _ = linear_jsd_forward_op(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-        *opts.args(), memory_budget, backend)
+        *opts.args(), memory_budget, backend, *tp.args())
     loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
     if reduction == "none":
         loss = loss.reshape(lead)
@@ -171,7 +199,8 @@ class LinearJSDLoss(nn.Module):
     def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
                  reduction: str = "mean", student_softcap: Optional[float] = None,
                  teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
-                 shift: bool = False, memory_budget: Optional[int] = None, backend: str = "auto"):
+                 shift: bool = False, memory_budget: Optional[int] = None, backend: str = "auto",
+                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False):
         super().__init__()
         JSDOptions.checked(
             beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
@@ -181,7 +210,7 @@ class LinearJSDLoss(nn.Module):
             beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
             student_softcap=student_softcap, teacher_softcap=teacher_softcap,
             hard_label_weight=hard_label_weight, shift=shift, memory_budget=memory_budget,
-            backend=backend)
+            backend=backend, process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
 
     def forward(self, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
                 teacher_weight: Tensor, target: Optional[Tensor] = None,

@@ -1,12 +1,15 @@
 """The torch.library custom ops of linear_jsd: what autograd and torch.compile see.
 
     logitless::linear_jsd_forward(student_x, student_weight, student_bias, teacher_x,
-        teacher_weight, teacher_bias, target, <options>, budget, backend)
+        teacher_weight, teacher_bias, target, <options>, budget, backend, <vocab parallel>)
         -> per-token loss (N,), statistics (6, N)
     logitless::linear_jsd_backward(grad_loss, <the forward's tensors>, stats, <options>,
-        budget, backend, need_dx, need_dw, need_db) -> the student's dx, dW, db
+        budget, backend, need_dx, need_dw, need_db, <vocab parallel>) -> the student's dx, dW, db
 
-``<options>`` are the fields of ``JSDOptions`` under their own names. Validation,
+``<options>`` are the fields of ``JSDOptions`` under their own names; ``<vocab
+parallel>`` those of ``VocabParallelOptions`` (tp_group, vocab_size, partial_dx): with
+a ``tp_group`` both weights are this rank's blocks of rows of vocab-parallel heads
+(``vocab_parallel``). Validation,
 autocast casts and the reduction are plain Python/torch around the ops (``api.py``),
 so ``fullgraph=True`` works. Double backward is not supported.
 """
@@ -24,7 +27,7 @@ from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import backend_module
 from logitless.ops.common.validate import check_targets_in_range
-from logitless.options import JSDOptions
+from logitless.options import JSDOptions, VocabParallelOptions
 
 OP = "linear_jsd"
 
@@ -35,9 +38,18 @@ def _forward(
     target: Tensor, beta: float, temperature: float, ignore_index: int,
     student_softcap: Optional[float], teacher_softcap: Optional[float],
     hard_label_weight: float, budget: int, backend: str,
+    tp_group: str = "", vocab_size: int = -1, partial_dx: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(per-token loss (N,), statistics (6, N)) for 2-D x's; fp32 (fp64 for fp64)."""
     opts = JSDOptions(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
+    if tp_group:
+        from . import vocab_parallel
+
+        impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
+        with no_autocast(student_x.device):
+            return vocab_parallel.forward(impl, student_x, student_weight, student_bias, teacher_x, teacher_weight,
+                                          teacher_bias, target, opts, VocabParallelOptions(tp_group, vocab_size,
+                                                                                           partial_dx), budget)
     n, v = student_x.shape[0], student_weight.shape[0]
     dtype = compute_dtype(student_x.dtype)
     if opts.hard_label_weight != 0.0:
@@ -69,6 +81,7 @@ def _backward(
     student_softcap: Optional[float], teacher_softcap: Optional[float],
     hard_label_weight: float, budget: int, backend: str,
     need_dx: bool, need_dw: bool, need_db: bool,
+    tp_group: str = "", vocab_size: int = -1, partial_dx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dW, db) of the student; an empty tensor for each one not asked for."""
     opts = JSDOptions(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
@@ -81,9 +94,17 @@ def _backward(
         g = upstream(grad_loss, target, ignore_index)
         impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
         with no_autocast(student_x.device):
-            dx, dw, db = impl.backward(
-                g, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias,
-                target, stats, opts, budget, need_dx, need_dw, need_db)
+            if tp_group:
+                from . import vocab_parallel
+
+                dx, dw, db = vocab_parallel.backward(
+                    impl, g, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias,
+                    target, stats, opts, VocabParallelOptions(tp_group, vocab_size, partial_dx), budget,
+                    need_dx, need_dw, need_db)
+            else:
+                dx, dw, db = impl.backward(
+                    g, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias,
+                    target, stats, opts, budget, need_dx, need_dw, need_db)
     return (dx if need_dx else none.clone(), dw if need_dw else none.clone(),
             db if need_db else none.clone())
 
@@ -93,7 +114,7 @@ linear_jsd_backward_op = custom_op("linear_jsd_backward", _backward)
 
 @linear_jsd_backward_op.register_fake
 def _(grad_loss, student_x, student_weight, student_bias, *args):
-    need_dx, need_dw, need_db = args[-3:]
+    need_dx, need_dw, need_db = args[-6:-3]
     none = student_x.new_empty(0)
     return (torch.empty_like(student_x) if need_dx else none,
             torch.empty_like(student_weight) if need_dw else none.clone(),
@@ -107,6 +128,7 @@ def _setup_context(ctx, inputs, output):
     a = named(_forward, inputs)
     ctx.save_for_backward(*(a[k] for k in _TENSORS), output[1])
     ctx.opts = JSDOptions.from_args(a)
+    ctx.tp = VocabParallelOptions.from_args(a)
     ctx.budget, ctx.backend, ctx.num_inputs = a["budget"], a["backend"], len(inputs)
 
 
@@ -117,7 +139,7 @@ def _autograd_backward(ctx, grad_loss, _grad_stats):
     if need_dx or need_dw or need_db:
         dx, dw, db = linear_jsd_backward_op(
             grad_loss, xs, ws, bs, xt, wt, bt, target, stats, *ctx.opts.args(), ctx.budget,
-            ctx.backend, need_dx, need_dw, need_db)
+            ctx.backend, need_dx, need_dw, need_db, *ctx.tp.args())
         grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
         grads = guard_double_backward(OP, grads, grad_loss, xs, ws, bs)
     return grads + (None,) * (ctx.num_inputs - 3)

@@ -56,7 +56,9 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
 
 
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget: int,
-             need_dx: bool, need_dw: bool, need_db: bool):
+             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+    """dx, dW, db of the student; ``dx_acc``: dx in the compute dtype, not cast."""
+    keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
     cd = compute_dtype(xs.dtype)
@@ -88,5 +90,5 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
             dw[v0:v1] = dw_acc
         if need_db:
             db[v0:v1] = db_acc
-    dx = dx_acc.to(xs.dtype) if need_dx else None
+    dx = (dx_acc if keep_acc else dx_acc.to(xs.dtype)) if need_dx else None
     return dx, dw, db

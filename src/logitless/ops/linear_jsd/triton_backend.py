@@ -66,7 +66,10 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
 
 
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget: int,
-             need_dx: bool, need_dw: bool, need_db: bool):
+             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+    """dx, dW, db of the student; ``dx_acc``: dx as the fp32 accumulator, not cast
+    (a partial sum that the caller reduces first: vocab parallelism)."""
+    keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
     plan = linear_jsd_plan(n, v, h, xs.element_size(), budget, xs.device)
@@ -79,7 +82,9 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(0, v, plan.vocab_chunk)]
     one_chunk = len(chunks) == 1
     dx = None
-    dx_acc = torch.zeros(n, h, dtype=torch.float32, device=xs.device) if need_dx and not one_chunk else None
+    dx_acc = None
+    if need_dx and (keep_acc or not one_chunk):
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=xs.device)
     dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
     xs_op, ws_op, tma_s = launch.operands(xs, ws, tiles)
     xt_op, wt_op, tma_t = launch.operands(xt, wt, tiles)
@@ -108,5 +113,5 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
         if dx_chunk is not None:
             dx = dx_chunk
     if dx_acc is not None:
-        dx = dx_acc.to(xs.dtype)
+        dx = dx_acc if keep_acc else dx_acc.to(xs.dtype)
     return dx, dw, db

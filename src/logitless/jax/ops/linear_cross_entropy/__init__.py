@@ -3,7 +3,7 @@
 Backend interface
 =================
 Every backend is a module ``logitless/jax/linear_cross_entropy/<name>.py`` (``xla.py``,
-``mosaic_gpu.py``) registered by name in ``api.BACKENDS`` (module path + an
+``mosaic_gpu.py``, ``triton.py``) registered by name in ``api.BACKENDS`` (module path + an
 ``is_supported`` hook). The public function validates, flattens to 2-D, computes the
 loss from the statistics (``logitless/jax/_loss_math.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
@@ -33,7 +33,14 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
         dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
         dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype;
         db = sum_n dz (V,) in bias.dtype, or None when bias is None.
-    Accumulate in fp32 and cast once. No class weights on the JAX side.
+    Accumulate in fp32 and cast once.
+
+``CLASS_WEIGHTS = True`` (optional module constant): forward and backward also accept
+a keyword ``class_weight=`` (a (V,) fp32 array w_c; the api passes it only when the
+user gave class weights). Then smooth_sum = sum_c w_c z_c, and the backward's line is
+dz_c = p_c * A - B * [c == t] - C * w_c (``formulas.py``: A and B carry w_t). Without
+the constant the backend never sees class weights: the automatic choice skips it and
+an explicit choice raises ValueError. (xla and triton have it; mosaic_gpu not.)
 
 ``NATIVE_HV = True`` (optional module constant): forward and backward also accept a
 keyword ``weight_layout="hv"`` with w of shape (H, V) (and return dw (H, V)); the api
@@ -56,7 +63,8 @@ target_logit there is masked to 0 by the caller, and its backward must treat the
 gradients with collectives. Loop carries that start as constants must be typed like
 the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla.py).
 
-Automatic choice (``implementation=None``): "mosaic_gpu" when the default backend is a
-GPU of compute capability 9.x, ``logitless.jax.ops.linear_cross_entropy.mosaic_gpu``
-imports and ``is_supported`` says yes; otherwise "xla".
+Automatic choice (``implementation=None``), on an NVIDIA GPU: "mosaic_gpu" when its
+compute capability is 9.x, the module imports and ``is_supported`` says yes; else
+"triton" when it imports and ``is_supported`` says yes (which needs the optional
+``jax-triton`` package); otherwise, and on every other platform, "xla".
 """

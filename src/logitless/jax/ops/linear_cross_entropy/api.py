@@ -26,6 +26,7 @@ from logitless.options import CrossEntropyOptions, check_memory_budget
 BACKENDS = {
     "xla": ".xla",
     "mosaic_gpu": ".mosaic_gpu",
+    "triton": ".triton",
 }
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
@@ -46,33 +47,50 @@ def _is_sm90() -> bool:
     return str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias) -> bool:
+def _is_nvidia_gpu() -> bool:
+    """The default device is a CUDA GPU (a numeric compute capability; ROCm's is not)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "x"))[:1].isdigit()
+
+
+def _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False) -> bool:
+    if has_class_weight and not getattr(module, "CLASS_WEIGHTS", False):
+        return False
     check = getattr(module, "is_supported", None)
     return True if check is None else bool(
         check(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias))
 
 
-def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias) -> str:
-    """The backend name: the explicit one (checked), or "mosaic_gpu" on SM90 GPUs when
-    it imports and supports the case, else "xla"."""
+def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias,
+                   has_class_weight=False) -> str:
+    """The backend name: the explicit one (checked), or the first of "mosaic_gpu" (SM90
+    GPUs) and "triton" (any NVIDIA GPU, with jax-triton installed) that imports and
+    supports the case (class weights included), else "xla"."""
     if implementation is not None:
         module = backend_module(implementation)
-        if not _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
+        if not _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight):
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
-                f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}")
+                f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}, "
+                f"class_weight={has_class_weight}"
+                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
         return implementation
-    if _is_sm90():
+    if not _is_nvidia_gpu():
+        return "xla"
+    for name in (("mosaic_gpu",) if _is_sm90() else ()) + ("triton",):
         try:
-            module = backend_module("mosaic_gpu")
+            module = backend_module(name)
         except ImportError:
-            return "xla"
+            continue
         except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
-            warnings.warn(f"logitless.jax: the mosaic_gpu backend failed to import ({exc!r}); using xla",
+            warnings.warn(f"logitless.jax: the {name} backend failed to import ({exc!r}); trying the next",
                           RuntimeWarning, stacklevel=3)
-            return "xla"
-        if _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias):
-            return "mosaic_gpu"
+            continue
+        if _supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight):
+            return name
     return "xla"
 
 
@@ -97,51 +115,59 @@ class _Config(NamedTuple):
                                self.layout_kw, has_bias)
 
 
+def _cw_kw(class_weight) -> dict:
+    """Backends see ``class_weight=`` only when there are class weights."""
+    return {} if class_weight is None else {"class_weight": class_weight}
+
+
 def _total(a, cfg: _Config):
     """sum(a) over this call's tokens: all devices' along the token axes (shard_map)."""
     s = jnp.sum(a)
     return lax.psum(s, cfg.token_axes) if cfg.token_axes else s
 
 
-def _count(target, cfg: _Config):
-    return _total((target != cfg.opts.ignore_index).astype(jnp.float32), cfg)
+def _denominator(target, class_weight, cfg: _Config):
+    """"mean"'s divisor over all devices' tokens (the weighted count with class weights)."""
+    valid = target != cfg.opts.ignore_index
+    return _total(lm.target_weight(target, class_weight, valid), cfg)
 
 
-def _stats(x2d, w, bias, target, cfg: _Config):
+def _stats(x2d, w, bias, target, class_weight, cfg: _Config):
     """(lse, z_t, S|None) per token, on whichever path the config names."""
     opts = cfg.opts
     if cfg.manual:
         args = [sharded.to_varying(a, cfg.token_axes) for a in (x2d, target)]
         return sharded.local_forward(backend_module(cfg.backend), args[0], w, bias, args[1], softcap=opts.softcap,
                                      need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                     layout_kw=cfg.layout_kw, vocab_axes=cfg.vocab_axes)
+                                     layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
+                                     vocab_axes=cfg.vocab_axes)
     if cfg.partition:
         fn = sharded.forward_fn(cfg.static(bias is not None))
         out = fn(*[a for a in (x2d, w, bias, target) if a is not None])
         return out if len(out) == 3 else (*out, None)
     return backend_module(cfg.backend).forward(x2d, w, bias, target, softcap=opts.softcap,
                                                need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                               **dict(cfg.layout_kw))
+                                               **dict(cfg.layout_kw), **_cw_kw(class_weight))
 
 
-def _stats_and_loss(x2d, w, bias, target, cfg: _Config):
+def _stats_and_loss(x2d, w, bias, target, class_weight, cfg: _Config):
     opts = cfg.opts
-    lse, zt, ss = _stats(x2d, w, bias, target, cfg)
-    loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts)
+    lse, zt, ss = _stats(x2d, w, bias, target, class_weight, cfg)
+    loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts, class_weight)
     if not cfg.token_axes or opts.reduction == "none":
-        return lm.reduce_loss(loss_tok, target, opts), lse
+        return lm.reduce_loss(loss_tok, target, opts, class_weight), lse
     loss = _total(loss_tok, cfg)
-    return (loss / _count(target, cfg) if opts.reduction == "mean" else loss), lse
+    return (loss / _denominator(target, class_weight, cfg) if opts.reduction == "mean" else loss), lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _lce(x2d, w, bias, target, cfg: _Config):
-    return _stats_and_loss(x2d, w, bias, target, cfg)
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _lce(x2d, w, bias, target, class_weight, cfg: _Config):
+    return _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
 
 
-def _lce_fwd(x2d, w, bias, target, cfg):
-    loss, lse = _stats_and_loss(x2d, w, bias, target, cfg)
-    return (loss, lse), (x2d, w, bias, target, lse)
+def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
+    loss, lse = _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
+    return (loss, lse), (x2d, w, bias, target, class_weight, lse)
 
 
 def _fit(ct, primal):
@@ -153,14 +179,15 @@ def _fit(ct, primal):
 
 
 def _lce_bwd(cfg, res, cotangents):
-    x2d, w, bias, target, lse = res
+    x2d, w, bias, target, class_weight, lse = res
     g_loss, g_lse = cotangents
     opts = cfg.opts
     if opts.reduction == "mean" and cfg.token_axes:
-        g = jnp.broadcast_to(jnp.asarray(g_loss, jnp.float32) / _count(target, cfg), target.shape)
+        g = jnp.broadcast_to(jnp.asarray(g_loss, jnp.float32) / _denominator(target, class_weight, cfg),
+                             target.shape)
     else:
-        g = lm.upstream_per_token(g_loss, target, opts)
-    coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts)
+        g = lm.upstream_per_token(g_loss, target, opts, class_weight)
+    coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts, class_weight)
     if g_lse is not None and not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
         # stats.lse is differentiable: d lse / d z_c = p_c, the A term, at every token.
         coef = coef.at[0].add(jnp.asarray(g_lse, jnp.float32))
@@ -168,16 +195,19 @@ def _lce_bwd(cfg, res, cotangents):
     if cfg.manual:
         dx, dw, db = sharded.local_backward(
             module, sharded.to_varying(x2d, cfg.token_axes), w, bias, target, lse, coef, softcap=opts.softcap,
-            budget=cfg.budget, layout_kw=cfg.layout_kw, vocab_axes=cfg.vocab_axes, token_axes=())
+            budget=cfg.budget, layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
+            vocab_axes=cfg.vocab_axes, token_axes=())
     elif cfg.partition:
         fn = sharded.backward_fn(cfg.static(bias is not None))
         out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None])
         dx, dw, db = out if len(out) == 3 else (*out, None)
     else:
         dx, dw, db = module.backward(x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
-                                     **dict(cfg.layout_kw))
+                                     **dict(cfg.layout_kw), **_cw_kw(class_weight))
     # Inside shard_map (also without axis names): each cotangent typed as its primal.
-    return _fit(dx, x2d), _fit(dw, w), _fit(db, bias), None
+    # class_weight receives no gradient (as torch's weight=).
+    return (_fit(dx, x2d), _fit(dw, w), _fit(db, bias), None,
+            None if class_weight is None else jnp.zeros_like(class_weight))
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
@@ -199,8 +229,10 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    class_weight=None,
     softcap: Optional[float] = None,
     z_loss: float = 0.0,
+    shift: bool = False,
     return_stats: bool = False,
     weight_layout: str = "vh",
     memory_budget: Optional[int] = None,
@@ -211,7 +243,8 @@ def linear_cross_entropy(
     """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
 
     Equals ``optax.softmax_cross_entropy_with_integer_labels(logits, target)`` (and
-    ``torch.nn.functional.cross_entropy`` with the same options) with ``logits =
+    ``torch.nn.functional.cross_entropy`` with the same options, ``class_weight`` as
+    its ``weight=``) with ``logits =
     softcap * tanh((x @ weight.T + bias) / softcap)`` when ``softcap`` is set, plus
     ``z_loss * lse**2`` per non-ignored token, reduced like the loss. Logits,
     log-sum-exp and softmax are fp32; gradients are accumulated in fp32 and cast once
@@ -226,11 +259,23 @@ def linear_cross_entropy(
         target: (...) integer class indices, the leading shape of x.
         bias: optional (V,), same dtype as weight.
         ignore_index: targets equal to it contribute no loss and no gradient.
-        reduction: "mean" (over non-ignored tokens), "sum" or "none" (per-token loss in
-            the shape of target, 0 at ignored tokens).
+        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
+            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
         label_smoothing: in [0, 1], as in ``torch.nn.functional.cross_entropy``.
+        class_weight: optional (V,) float per-class weights w_c, as ``weight=`` of
+            ``torch.nn.functional.cross_entropy``: a token's cross-entropy is scaled by
+            w_t, label smoothing's term is (eps / V) sum_c w_c (lse - z_c), and "mean"
+            divides by the sum of w_t over non-ignored tokens (the z-loss term, not
+            weighted, by the same). Receives no gradient (a zero cotangent). Backends
+            without class weights (mosaic_gpu) are skipped by the automatic choice
+            (then "triton" where available, else "xla"); naming one explicitly raises.
         softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        shift: causal-LM shift: position t of x (..., T, H) predicts target[..., t + 1];
+            the last position predicts nothing (its target is replaced by
+            ignore_index; x is not copied, only the small target). "none" and the
+            stats then have T - 1 positions (none for T <= 1; "mean" is then NaN and
+            "sum" 0, as torch).
         return_stats: also return ``LossStats(lse, num_tokens)``: the per-token
             log-sum-exp (fp32, shape of target; differentiable: d lse / d z_c = p_c)
             and the number of non-ignored tokens.
@@ -241,14 +286,18 @@ def linear_cross_entropy(
             and one fp32 dW chunk; when even the smallest tile does not fit, the
             smallest is used. Never a tokens x vocab array.
         implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
-            and the case is supported, else "xla"), "xla" or "mosaic_gpu".
+            and the case is supported; else "triton" on any NVIDIA GPU when the
+            optional jax-triton package is installed; else "xla"), "xla",
+            "mosaic_gpu" or "triton" (Triton kernels, SM80+ GPUs; on a machine
+            without GPU it runs on Triton's CPU interpreter, which is very slow: tests
+            only).
         vocab_axis_name: inside ``jax.shard_map`` only: the mesh axis name (or tuple of
             names) over which ``weight`` (and ``bias``) is split along the vocabulary,
             in order (member i holds classes [i V_l, (i + 1) V_l)). The local call then
             computes the global loss and stats (O(tokens) collectives: pmax/psum of the
             per-token statistics) and the gradients: the full dx on every member of the
             axis (a psum of O(tokens x H)) and the local rows of dW. ``target`` holds
-            global class indices.
+            global class indices. Not with ``class_weight`` (ValueError).
         token_axis_name: inside ``jax.shard_map`` only: the mesh axis name(s) over which
             the tokens are split. "sum" and "mean" then reduce over all devices' tokens
             (a psum of two scalars; "mean" divides by the global count) and
@@ -279,6 +328,9 @@ def linear_cross_entropy(
     if set(vocab_axes) & set(token_axes):
         raise ValueError(f"vocab_axis_name {vocab_axis_name!r} and token_axis_name {token_axis_name!r} "
                          "must not share an axis")
+    if vocab_axes and class_weight is not None:
+        raise ValueError("class_weight is not supported with vocab_axis_name (a vocabulary split inside "
+                         "shard_map); pass the whole weight or no class weights")
     budget = check_memory_budget(memory_budget)
     _check_float("x", x)
     _check_float("weight", weight)
@@ -309,29 +361,41 @@ def linear_cross_entropy(
         if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
             raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is "
                             f"{jnp.dtype(weight.dtype).name}; they must match")
+    if class_weight is not None:
+        _check_float("class_weight", class_weight)
+        if tuple(class_weight.shape) != (num_classes,):
+            raise ValueError(f"class_weight must have shape ({num_classes},), got {tuple(class_weight.shape)}")
+        class_weight = jax.lax.stop_gradient(jnp.asarray(class_weight, jnp.float32))
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+    if shift and x.ndim < 2:
+        raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
 
     out_shape = tuple(target.shape)
+    if shift and target.shape[-1] > 0:
+        # Target of position t is target[t + 1]; the last position is ignored. Only the
+        # (small) target is copied, never x.
+        pad = jnp.full(target.shape[:-1] + (1,), ignore_index, target.dtype)
+        target = jnp.concatenate([target[..., 1:], pad], axis=-1)
     x2d = jnp.reshape(x, (-1, hidden))
     flat_target = jnp.reshape(target, (-1,)).astype(jnp.int32)
     n = x2d.shape[0]
-    explicit = None if (token_axes or vocab_axes or n == 0) else sharded.explicit_axes(
-        x2d, weight, 1 if weight_layout == "hv" else 0)
+    vaxis = 1 if weight_layout == "hv" else 0
+    explicit = None if (token_axes or vocab_axes or n == 0) else sharded.explicit_axes(x2d, weight, vaxis)
+    if explicit is not None and class_weight is not None:  # class weights: no vocabulary split
+        explicit = (explicit[0], explicit[1]._replace(vocab=()))
+    num_tokens = None
     if explicit is not None:
         # Explicit sharding types (jax.make_mesh's default): the same local call under
         # shard_map over the arrays' own mesh, axes named from their shardings.
         mesh, axes = explicit
         kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                  softcap=softcap, z_loss=z_loss, weight_layout=weight_layout, memory_budget=memory_budget,
-                  implementation=implementation)
+                  class_weight=class_weight, softcap=softcap, z_loss=z_loss, weight_layout=weight_layout,
+                  memory_budget=memory_budget, implementation=implementation)
         loss, stats = sharded.explicit_call(linear_cross_entropy, mesh, axes, x2d, weight, flat_target, bias,
-                                            vaxis=1 if weight_layout == "hv" else 0, none=opts.reduction == "none",
-                                            **kw)
-        if opts.reduction == "none":
-            loss = jnp.reshape(loss, out_shape)
-        if not return_stats:
-            return loss
-        return loss, lm.LossStats(lse=jnp.reshape(stats.lse, out_shape), num_tokens=stats.num_tokens)
-    if n == 0:
+                                            vaxis=vaxis, none=opts.reduction == "none", **kw)
+        lse, num_tokens = stats.lse, stats.num_tokens
+    elif n == 0:
         loss = jnp.zeros((0,), jnp.float32)
         lse = loss
         if token_axes and opts.reduction != "none":  # other devices may have tokens
@@ -342,7 +406,7 @@ def linear_cross_entropy(
             loss = lm.reduce_loss(loss, flat_target, opts)
     else:
         backend = choose_backend(implementation, x2d.shape, (local_classes, hidden), x2d.dtype,
-                                 opts.softcap, bias is not None)
+                                 opts.softcap, bias is not None, class_weight is not None)
         w, layout_kw = weight, ()
         if weight_layout == "hv":
             if getattr(backend_module(backend), "NATIVE_HV", False):
@@ -350,19 +414,25 @@ def linear_cross_entropy(
             else:
                 w = weight.T  # (V, H) for the backend; the gradient flows back through .T
         manual = bool(token_axes or vocab_axes)
-        partition = (not manual and sharded.use_partitioning()
+        partition = (not manual and class_weight is None and sharded.use_partitioning()
                      and getattr(backend_module(backend), "can_partition", lambda: True)())
         cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition)
-        loss, lse = _lce(x2d, w, bias, flat_target, cfg)
+        loss, lse = _lce(x2d, w, bias, flat_target, class_weight, cfg)
+
+    def per_token(t):
+        t = jnp.reshape(t, out_shape)
+        return t[..., :-1] if shift else t
+
     if opts.reduction == "none":
-        loss = jnp.reshape(loss, out_shape)
+        loss = per_token(loss)
     if not return_stats:
         return loss
-    num_tokens = jnp.sum(flat_target != opts.ignore_index).astype(jnp.int32)
-    if token_axes:
-        num_tokens = lax.psum(num_tokens, token_axes)
+    if num_tokens is None:
+        num_tokens = jnp.sum(flat_target != opts.ignore_index).astype(jnp.int32)
+        if token_axes:
+            num_tokens = lax.psum(num_tokens, token_axes)
     # lse is differentiable (d lse / d z_c = p_c; the custom_vjp adds it to the A term).
-    return loss, lm.LossStats(lse=jnp.reshape(lse, out_shape), num_tokens=num_tokens)
+    return loss, lm.LossStats(lse=per_token(lse), num_tokens=num_tokens)
 
 
 def linear_softmax_cross_entropy_loss(
@@ -385,7 +455,8 @@ def linear_softmax_cross_entropy_loss(
     as in tokamax 0.0.17 (NotImplementedError otherwise); fp32 inputs follow
     ``jax_default_matmul_precision``. ``implementation``: as in
     :func:`linear_cross_entropy` (tokamax's names "xla"/"chunked_xla" both mean our
-    "xla" backend; "mosaic_tpu" is not available).
+    "xla" backend; "mosaic_tpu" is not available; tokamax's Triton backend is our
+    "triton").
     """
     if precision is not None:
         raise NotImplementedError("Customization of precision is currently not supported (as in tokamax).")

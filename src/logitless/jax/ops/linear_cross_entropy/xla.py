@@ -35,6 +35,8 @@ from logitless.jax.planning import xla_plan
 _F32 = jnp.float32
 #: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
 NATIVE_HV = True
+#: forward and backward accept ``class_weight=`` (a (V,) array, w_c in the formulas).
+CLASS_WEIGHTS = True
 
 
 def _loop(total: int, size: int, body, carry):
@@ -87,9 +89,10 @@ def _plan(x2d, vocab, budget):
 
 
 def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
-            weight_layout: str = "vh"):
+            weight_layout: str = "vh", class_weight=None):
     """The interface's forward; ``weight_layout="hv"`` (an extension of this backend)
-    takes w as (H, V) without a transposed copy."""
+    takes w as (H, V) without a transposed copy; ``class_weight`` (V,): smooth_sum is
+    sum_c w_c z_c."""
     n = x2d.shape[0]
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
@@ -99,6 +102,7 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
     def col_step(c0, vc, carry):
         wj = _slice(w, c0, vc, vaxis)
         bj = None if bias is None else _slice(bias, c0, vc)
+        cwj = None if class_weight is None else _slice(class_weight, c0, vc).astype(_F32)
         cols = c0 + jnp.arange(vc, dtype=jnp.int32)
 
         def row_step(r0, nr, carry):
@@ -111,7 +115,8 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
             lse = _update(lse, jnp.logaddexp(_slice(lse, r0, nr), chunk_lse), r0)
             zt = _update(zt, _slice(zt, r0, nr) + jnp.sum(jnp.where(hit, z, 0.0), axis=1), r0)
             if ss is not None:
-                ss = _update(ss, _slice(ss, r0, nr) + jnp.sum(z, axis=1), r0)
+                zw = z if cwj is None else z * cwj[None, :]
+                ss = _update(ss, _slice(ss, r0, nr) + jnp.sum(zw, axis=1), r0)
             return lse, zt, ss
 
         return _loop(n, plan.token_chunk, row_step, carry)
@@ -126,7 +131,7 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
 
 
 def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
-             weight_layout: str = "vh"):
+             weight_layout: str = "vh", class_weight=None):
     """The interface's backward; dw has the layout of w."""
     n, h = x2d.shape
     vaxis = _W_AXIS[weight_layout]
@@ -138,13 +143,14 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
         dx, dw, db = carry
         wj = _slice(w, c0, vc, vaxis)
         bj = None if bias is None else _slice(bias, c0, vc)
+        cwj = None if class_weight is None else _slice(class_weight, c0, vc)
 
         def row_step(r0, nr, carry):
             dx, dwj, dbj = carry
             xr = _slice(x2d, r0, nr)
             z = _logits(xr, wj, bj, softcap, weight_layout)
             dz = dlogits(z, _slice(lse, r0, nr), _slice(coef, r0, nr, axis=1),
-                         _slice(target, r0, nr), c0, softcap)
+                         _slice(target, r0, nr), c0, softcap, cwj)
             dzl = dz.astype(x2d.dtype)
             dxr = lax.dot_general(dzl, wj, _DX_DIMS[weight_layout], preferred_element_type=_F32)
             dx = _update(dx, _slice(dx, r0, nr) + dxr, r0)

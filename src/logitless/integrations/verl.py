@@ -1,0 +1,83 @@
+"""Drop-in for verl's fused linear cross-entropy (``verl.utils.kernel.linear_cross_entropy``,
+verl 0.9.1): the same signature and outputs, computed by ``logitless.linear_log_probs``.
+
+Swap in verl::
+
+    # from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+    from logitless.integrations.verl import linear_cross_entropy
+
+verl's conventions, kept here (read from verl 0.9.1's kernel source):
+
+- ``hidden`` (..., H) and ``labels`` (...) are flattened: both outputs have shape (N,),
+  N = labels.numel(), whatever the input ranks (as verl's ``labels.view(-1)``).
+- ``logprobs`` is +log softmax(hidden @ weight.T / temperature)[label] (<= 0), fp32;
+  ``entropy`` is the entropy of that softmax, fp32, always per token (N,).
+- ``reduction``: "none" (per token), "sum" (scalar sum of the log-probs over all N
+  tokens), "mean" (that sum / N); case-insensitive; the entropy is never reduced.
+- Gradients flow from both outputs to hidden and weight (no bias in verl's op).
+
+Differences, on purpose: the division by the temperature is done on the fp32 logits
+as in verl, and the statistics are exact fp32 (verl's error vs float64 ~3e-5,
+ours fp32 rounding); any H, V, dtype and device (verl: CUDA, H a multiple of 128).
+A label equal to -100 gives 0 for both outputs and no gradient (verl gives -lse and
+the entropy: a silent wrong number); any other label outside [0, V) raises
+``ValueError`` on the CPU and gives NaN on a GPU (verl: -lse). ``temperature`` may be
+an int (verl asserts a float).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from logitless.ops.linear_log_probs import linear_log_probs
+
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
+                         reduction: str = "none", dist_process_group=None) -> tuple[Tensor, Tensor]:
+    """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction,
+    dist_process_group) -> (logprobs, entropy)`` (module docstring: conventions).
+
+    Math: a = hidden @ weight.T / T in fp32, logprobs = a_label - logsumexp(a),
+    entropy = -sum softmax(a) log softmax(a). Memory: no (tokens x vocab) logits; the
+    budget and traffic of ``logitless.linear_log_probs`` (one GEMM pass forward, three
+    GEMMs forward+backward at the default budget).
+
+    Args:
+        hidden: (..., H) last hidden states (bf16/fp16/fp32).
+        weight: (V, H) LM-head weight.
+        labels: (...) int64/int32 token ids, hidden's leading shape.
+        temperature: > 0.
+        reduction: "none", "sum" or "mean" (of the log-probs; case-insensitive).
+        dist_process_group: must be None for now (ValueError otherwise): tensor
+            parallelism over vocabulary shards comes with the ``process_group=`` option
+            of ``logitless.linear_log_probs``.
+
+    Returns:
+        (logprobs, entropy): logprobs (N,) fp32 or a 0-d fp32 tensor for "sum"/"mean";
+        entropy (N,) fp32.
+    """
+    if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    reduction = reduction.lower()
+    if dist_process_group is not None:
+        raise ValueError("dist_process_group is not supported yet: tensor parallelism over vocabulary "
+                         "shards arrives with the process_group= option of logitless.linear_log_probs")
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if not isinstance(hidden, Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dim() < 1 or hidden.shape[:-1].numel() != labels.numel():
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must hold the "
+                         "same number of tokens")
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    flat = labels.reshape(-1)
+    # With tensor parallelism the call gains process_group=dist_process_group (and the
+    # check above goes): the op then merges the shards' statistics itself.
+    logprobs, entropy = linear_log_probs(hidden2d, weight, flat, temperature=temperature, entropy=True)
+    if reduction == "sum":
+        logprobs = logprobs.sum()
+    elif reduction == "mean":
+        logprobs = logprobs.sum() / flat.numel()  # 0 / 0 = NaN for no tokens, as verl
+    return logprobs, entropy

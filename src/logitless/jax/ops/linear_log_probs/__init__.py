@@ -1,0 +1,17 @@
+"""Token log-probs and entropy for JAX (``logitless.jax.linear_log_probs``): api
+(public), reference (float64, logits materialised), one file per backend.
+
+Backend interface (2-D arrays; everything after ``*`` static):
+
+``forward(x2d, w, bias, tokens, *, opts, budget) -> (lse, target, entropy)``
+    x2d (N, H), w (V, H), bias (V,) or None, tokens (N,) int32 (ignored or out-of-range
+    tokens may hold anything: the backend must not fail on them). Returns (N,) fp32
+    lse and a_t of a = softcap(x w^T + b) / T, and H (None without ``opts.entropy``).
+
+``backward(x2d, w, bias, tokens, lse, coef, *, opts, budget) -> (dx, dw, db)``
+    coef: (3, N) fp32 rows [A, B, C] of ``logitless.jax.log_probs_formulas``;
+    dz = p (A + C log p) - B [c == t] (x cap'), dx = dz w, dw = dz^T x, db = sum dz,
+    accumulated in fp32 and cast once to the inputs' dtypes.
+
+Backends: "xla" (plain JAX, chunked). "mosaic_gpu" is not written yet for this op.
+"""

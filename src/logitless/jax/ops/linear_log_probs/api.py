@@ -1,0 +1,173 @@
+"""Public API of linear_log_probs for JAX: per-token log-probabilities (and entropy) at a
+temperature from the hidden states and the LM-head weight, without the logits. The
+twin of ``logitless.linear_log_probs`` (PyTorch); math in
+``logitless/jax/log_probs_formulas.py``, backend interface in this package's __init__.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import partial
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from logitless.jax import log_probs_formulas as lpf
+from logitless.options import LogProbOptions, check_memory_budget
+
+#: Backends by name: module path (relative to this package).
+BACKENDS = {"xla": ".xla"}
+#: Backends of linear_cross_entropy not written for this op yet.
+NOT_YET = ("mosaic_gpu",)
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+
+
+def backend_module(name: str):
+    if name in NOT_YET:
+        raise ValueError(f"implementation {name!r} is not available for linear_log_probs yet; "
+                         f"use implementation=None or one of {tuple(BACKENDS)}")
+    if name not in BACKENDS:
+        raise ValueError(f"implementation must be None or one of {tuple(BACKENDS)}, got {name!r}")
+    return importlib.import_module(BACKENDS[name], __package__)
+
+
+class _Config(NamedTuple):
+    """Static (hashable) arguments of the custom_vjp."""
+
+    opts: LogProbOptions
+    backend: str
+    budget: int
+    num_classes: int
+
+
+def _outputs(x2d, w, bias, tokens, cfg: _Config):
+    lse, at, ent = backend_module(cfg.backend).forward(x2d, w, bias, tokens, opts=cfg.opts, budget=cfg.budget)
+    logp, h = lpf.token_outputs(lse, at, ent, tokens, cfg.num_classes, cfg.opts)
+    return (logp, h) if cfg.opts.entropy else (logp,), lse, h
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _llp(x2d, w, bias, tokens, cfg: _Config):
+    return _outputs(x2d, w, bias, tokens, cfg)[0]
+
+
+def _llp_fwd(x2d, w, bias, tokens, cfg):
+    out, lse, h = _outputs(x2d, w, bias, tokens, cfg)
+    return out, (x2d, w, bias, tokens, lse, h)
+
+
+def _llp_bwd(cfg, res, cotangents):
+    x2d, w, bias, tokens, lse, h = res
+    g_lp = cotangents[0]
+    g_h = cotangents[1] if cfg.opts.entropy else None
+    coef = lpf.grad_coefficients(h, tokens, g_lp, g_h, cfg.num_classes, cfg.opts, dtype=lse.dtype)
+    dx, dw, db = backend_module(cfg.backend).backward(x2d, w, bias, tokens, lse, coef, opts=cfg.opts,
+                                                      budget=cfg.budget)
+    return dx, dw, db, None
+
+
+_llp.defvjp(_llp_fwd, _llp_bwd)
+
+
+def _check_float(name, a):
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(a).__name__}")
+    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {jnp.dtype(a.dtype).name}")
+
+
+def linear_log_probs(
+    x,
+    weight,
+    tokens,
+    bias=None,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    softcap: Optional[float] = None,
+    ignore_index: int = -100,
+    memory_budget: Optional[int] = None,
+    implementation: Optional[str] = None,
+):
+    """log softmax(a)[token] per token, a = softcap(x @ weight.T + bias) / temperature,
+    without the (tokens x vocab) logits; with ``entropy=True`` also the entropy of
+    softmax(a). The JAX twin of ``logitless.linear_log_probs``.
+
+    Equals ``jax.nn.log_softmax(z / T)[..., token]`` and ``-(p * log p).sum(-1)`` with z
+    the fp32 logits (soft-capped first when ``softcap`` is set); the division by T is
+    done on the fp32 logits, x / T is never rounded to x's dtype. Statistics are fp32
+    (fp64 for fp64 inputs); gradients accumulate in the same and are cast once to the
+    inputs' dtypes. Works under ``jax.jit`` (every keyword is static), ``jax.grad`` (a
+    ``jax.custom_vjp``: gradients from both outputs, any upstream gradient, to x,
+    weight and bias) and ``jax.vmap``.
+
+    Memory traffic ("xla" backend): the forward is one GEMM pass over column chunks
+    that writes O(tokens) statistics; the backward recomputes the logits chunk by chunk
+    (3 GEMMs in all). Temporaries: one logits tile sized from ``memory_budget`` plus an
+    fp32 dx accumulator (tokens x H) and one fp32 dW chunk; never tokens x V.
+
+    Args:
+        x: (..., H) hidden states, bfloat16/float16/float32 (float64 with x64 enabled).
+        weight: (V, H) LM-head weight (torch ``nn.Linear`` layout; pass ``kernel.T`` for
+            a flax (H, V) kernel), same dtype as x.
+        tokens: (...) integer token ids, the leading shape of x.
+        bias: optional (V,), same dtype as weight.
+        temperature: finite float > 0 (else ValueError).
+        entropy: also return the entropy of softmax(a) per token.
+        softcap: optional s > 0: logits become s * tanh(z / s) before the temperature.
+        ignore_index: tokens equal to it give 0 for both outputs and no gradient.
+        memory_budget: bytes of temporaries (default 256 MiB), as for
+            ``linear_cross_entropy``.
+        implementation: None or "xla" (the only backend of this op so far;
+            "mosaic_gpu" raises ValueError).
+
+    Returns:
+        logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
+
+    Errors and special values: bad ranks, shapes, dtypes or options raise
+    ``ValueError``/``TypeError`` naming the argument, at trace time. A token outside
+    [0, V) that is not ``ignore_index`` gives NaN outputs (and NaN gradients) for that
+    token: values are never checked on the host. Empty inputs give empty outputs.
+    """
+    opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap,
+                                  ignore_index=ignore_index)
+    budget = check_memory_budget(memory_budget)
+    if implementation is not None:
+        backend_module(implementation)
+    backend = implementation or "xla"
+    _check_float("x", x)
+    _check_float("weight", weight)
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (..., H)")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
+    num_classes, hidden = weight.shape
+    if num_classes == 0:
+        raise ValueError("weight has no rows: the vocabulary is empty")
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
+    if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
+        raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
+    if not hasattr(tokens, "dtype") or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
+    if tuple(tokens.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(x.shape[:-1])} "
+                         "(the leading dimensions of x)")
+    if bias is not None:
+        _check_float("bias", bias)
+        if tuple(bias.shape) != (num_classes,):
+            raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
+        if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
+            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; "
+                            "they must match")
+
+    out_shape = tuple(tokens.shape)
+    x2d = jnp.reshape(x, (-1, hidden))
+    flat = jnp.reshape(tokens, (-1,)).astype(jnp.int32)
+    if x2d.shape[0] == 0:
+        empty = jnp.zeros(out_shape, lpf.compute_dtype(x.dtype))
+        return (empty, empty) if opts.entropy else empty
+    out = _llp(x2d, weight, bias, flat, _Config(opts, backend, budget, num_classes))
+    out = tuple(jnp.reshape(o, out_shape) for o in out)
+    return out if opts.entropy else out[0]

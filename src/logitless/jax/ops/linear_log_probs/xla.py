@@ -1,0 +1,139 @@
+"""The "xla" backend of linear_log_probs: chunked over the vocabulary (and the tokens
+when the budget asks), plain JAX (CPU, GPU, TPU).
+
+    forward   for each column chunk j (fori_loop), for each row chunk i:
+                  a = softcap(x_i @ w_j.T + b_j) / T         fp32 (one GEMM; fp64 for fp64 inputs)
+                  (m, s, u) <- online update with a           (u only with entropy)
+                  a_t += a[c == t]
+              lse = m + log s,  H = log s - u / s
+    backward  for each column chunk j, for each row chunk i:
+                  a recomputed (GEMM 1), dz = p (A + C log p) - B [c == t] (x cap')
+                  dx_i += dz @ w_j (GEMM 2),  dw_j += dz.T @ x_i (GEMM 3),  db_j += sum dz
+
+Memory traffic: the forward reads x once per column chunk and W once, and writes
+O(tokens) statistics; the backward recomputes the logits (3 GEMMs in all). Memory:
+one tile of logits and its temporaries (``planning.xla_plan`` sizes it from the
+budget, as for linear_cross_entropy), the fp32 dx accumulator (N x H) and one fp32 dW
+chunk; never N x V. The ragged last chunk is a separate statically shaped step, so
+padded columns never enter the statistics. Dots accumulate in fp32; dz is cast to the
+input dtype before the gradient GEMMs.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.planning import xla_plan
+from logitless.options import LogProbOptions
+
+_Z_DIMS = (((1,), (1,)), ((), ()))   # x @ w^T
+_DX_DIMS = (((1,), (0,)), ((), ()))  # dz @ w
+_DW_DIMS = (((0,), (0,)), ((), ()))  # dz^T @ x
+
+
+def _loop(total: int, size: int, body, carry):
+    """``body(start, size, carry)`` over [0, total) in steps of ``size``: a fori_loop
+    over the full steps, then one statically shaped step for the remainder."""
+    n_full, tail = divmod(total, size)
+    if n_full == 1:
+        carry = body(0, size, carry)
+    elif n_full > 1:
+        carry = lax.fori_loop(0, n_full, lambda i, c: body(i * size, size, c), carry)
+    if tail:
+        carry = body(n_full * size, tail, carry)
+    return carry
+
+
+def _slice(a, start, size, axis=0):
+    return lax.dynamic_slice_in_dim(a, start, size, axis)
+
+
+def _update(a, part, start, axis=0):
+    return lax.dynamic_update_slice_in_dim(a, part, start, axis)
+
+
+def _scaled(x, w, b, opts):
+    cdt = lpf.compute_dtype(x.dtype)
+    z = lax.dot_general(x, w, _Z_DIMS, preferred_element_type=cdt)
+    if b is not None:
+        z = z + b.astype(cdt)[None, :]
+    return lpf.scaled_logits(z, opts)
+
+
+def _plan(x2d, vocab, budget):
+    n, h = x2d.shape
+    return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
+
+
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int):
+    n = x2d.shape[0]
+    vocab = w.shape[0]
+    plan = _plan(x2d, vocab, budget)
+    cdt = lpf.compute_dtype(x2d.dtype)
+    tokens = tokens.astype(jnp.int32)
+
+    def col_step(c0, vc, carry):
+        wj = _slice(w, c0, vc)
+        bj = None if bias is None else _slice(bias, c0, vc)
+        cols = c0 + jnp.arange(vc, dtype=jnp.int32)
+
+        def row_step(r0, nr, carry):
+            m, s, u, at = carry
+            a = _scaled(_slice(x2d, r0, nr), wj, bj, opts)
+            hit = cols[None, :] == _slice(tokens, r0, nr)[:, None]
+            at = _update(at, _slice(at, r0, nr) + jnp.sum(jnp.where(hit, a, 0.0), axis=1), r0)
+            mr, sr, ur = lpf.online_update(a, _slice(m, r0, nr), _slice(s, r0, nr),
+                                           None if u is None else _slice(u, r0, nr))
+            m, s = _update(m, mr, r0), _update(s, sr, r0)
+            if u is not None:
+                u = _update(u, ur, r0)
+            return m, s, u, at
+
+        return _loop(n, plan.token_chunk, row_step, carry)
+
+    init = (jnp.full((n,), -jnp.inf, cdt), jnp.zeros((n,), cdt),
+            jnp.zeros((n,), cdt) if opts.entropy else None, jnp.zeros((n,), cdt))
+    m, s, u, at = _loop(vocab, plan.vocab_chunk, col_step, init)
+    lse, ent = lpf.finish(m, s, u)
+    return lse, at, ent
+
+
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int):
+    n, h = x2d.shape
+    vocab = w.shape[0]
+    plan = _plan(x2d, vocab, budget)
+    cdt = lpf.compute_dtype(x2d.dtype)
+    tokens = tokens.astype(jnp.int32)
+
+    def col_step(c0, vc, carry):
+        dx, dw, db = carry
+        wj = _slice(w, c0, vc)
+        bj = None if bias is None else _slice(bias, c0, vc)
+
+        def row_step(r0, nr, carry):
+            dx, dwj, dbj = carry
+            xr = _slice(x2d, r0, nr)
+            a = _scaled(xr, wj, bj, opts)
+            dz = lpf.dlogits(a, _slice(lse, r0, nr), _slice(coef, r0, nr, axis=1),
+                             _slice(tokens, r0, nr), c0, opts)
+            dzl = dz.astype(x2d.dtype)
+            dx = _update(dx, _slice(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS, preferred_element_type=cdt), r0)
+            dwj = dwj + lax.dot_general(dzl, xr, _DW_DIMS, preferred_element_type=cdt)
+            if dbj is not None:
+                dbj = dbj + jnp.sum(dz, axis=0)
+            return dx, dwj, dbj
+
+        dwj = jnp.zeros((vc, h), cdt)
+        dbj = None if db is None else jnp.zeros((vc,), cdt)
+        dx, dwj, dbj = _loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
+        dw = _update(dw, dwj.astype(w.dtype), c0)
+        if db is not None:
+            db = _update(db, dbj.astype(db.dtype), c0)
+        return dx, dw, db
+
+    init = (jnp.zeros((n, h), cdt), jnp.zeros(w.shape, w.dtype),
+            None if bias is None else jnp.zeros(bias.shape, bias.dtype))
+    dx, dw, db = _loop(vocab, plan.vocab_chunk, col_step, init)
+    return dx.astype(x2d.dtype), dw, db

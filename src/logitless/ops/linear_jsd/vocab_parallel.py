@@ -1,0 +1,113 @@
+"""linear_jsd over vocab-parallel heads (``logitless.distributed``).
+
+Both heads are split alike: rank r holds rows [start_r, start_r + V_r) of the student's
+and of the teacher's full weight; the hidden states and the (global) targets are the
+same on every rank. The custom ops call these functions when their ``tp_group`` is set.
+
+forward:  pass 1, the backend's statistics over this rank's real rows: the local
+          lse(zs / T), lse(zt / T) and lse(zs); collectives 1 and 2 merge them (MAX,
+          then SUM of exp(lse_r - M)). The mixture m = beta q + (1 - beta) p needs the
+          GLOBAL p and q, so S = sum_c p_c (lp_c - lm_c), K = sum_c q_c (lq_c - lm_c)
+          and the target logit zs[t] are sums over columns taken in pass 2 (tiles of
+          both heads' logits recomputed in torch, 2 more GEMMs of this rank's columns)
+          with the merged lse's, then added by collective 3 (a SUM of 3 x N floats).
+backward: the backend's backward on the local rows with the merged statistics gives
+          this rank's rows of dW and db exactly and a partial dx (fp32), all-reduced
+          (unless ``partial_dx``) and cast once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.distributed import all_reduce_, merge_shards, vocab_shard
+from logitless.formulas.common import compute_dtype
+from logitless.formulas.jsd import K_ROW, LSE1, LSE_S, LSE_T, NUM_STATS, S_ROW, ZTGT, log_mixture, token_loss
+from logitless.ops.common.validate import check_targets_in_range
+from logitless.options import JSDOptions, VocabParallelOptions
+from logitless.planning.plans import torch_plan
+
+from .torch_backend import _tile
+
+
+def _column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
+    """(3, N): S, K and zs at the target over this rank's columns (pass 2), in tiles."""
+    n, v = xs.shape[0], ws.shape[0]
+    cd = lse_s.dtype
+    out = torch.zeros(3, n, dtype=cd, device=xs.device)
+    if v == 0:
+        return out
+    plan = torch_plan(n, v, max(xs.shape[1], xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 8))
+    t = opts.temperature
+    for n0 in range(0, n, plan.token_chunk):
+        n1 = min(n, n0 + plan.token_chunk)
+        ls, lt, tg = lse_s[n0:n1, None], lse_t[n0:n1, None], target[n0:n1, None]
+        for v0 in range(0, v, plan.vocab_chunk):
+            v1 = min(v, v0 + plan.vocab_chunk)
+            zs = _tile(xs[n0:n1], ws, bs, v0, v1, opts.student_softcap, cd)
+            zt = _tile(xt[n0:n1], wt, bt, v0, v1, opts.teacher_softcap, cd)
+            lp, lq = zs / t - ls, zt / t - lt
+            lm = log_mixture(lp, lq, opts.beta)
+            p, q = lp.exp(), lq.exp()
+            out[0, n0:n1] += torch.where(p == 0, torch.zeros_like(p), p * (lp - lm)).sum(dim=1)
+            out[1, n0:n1] += torch.where(q == 0, torch.zeros_like(q), q * (lq - lm)).sum(dim=1)
+            cols = torch.arange(v0, v1, device=xs.device)[None, :]
+            out[2, n0:n1] += torch.where(cols == tg, zs, torch.zeros_like(zs)).sum(dim=1)
+    return out
+
+
+def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabParallelOptions,
+            budget: int) -> tuple[Tensor, Tensor]:
+    """(per-token loss (N,), merged statistics (6, N)): the forward op under TP."""
+    shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)
+    if wt.shape[0] != ws.shape[0]:
+        raise ValueError(f"teacher_weight holds {wt.shape[0]} rows on this rank, student_weight {ws.shape[0]}: "
+                         "both heads must be split alike")
+    v = shard.vocab_size
+    if opts.hard_label_weight != 0.0:
+        check_targets_in_range(target, v, opts.ignore_index)
+    n = xs.shape[0]
+    dtype = compute_dtype(xs.dtype)
+    if n == 0:
+        stats = xs.new_zeros(NUM_STATS, 0, dtype=dtype)
+        return token_loss(stats, target, v, opts).to(dtype), stats
+    ws, bs, wt, bt = (shard.real_rows(t) for t in (ws, bs, wt, bt))
+    local_t = shard.local_target(target)
+    if ws.shape[0]:
+        local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, opts, budget).to(dtype)
+    else:
+        local = torch.full((NUM_STATS, n), float("-inf"), dtype=dtype, device=xs.device)
+    if opts.needs_lse1:
+        lse_rows = [local[LSE_S], local[LSE_T], local[LSE1]]
+    else:
+        lse_rows = [local[LSE_S], local[LSE_T]]
+    merged = merge_shards(shard.group, lse_rows)
+    sums = _column_sums(xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, budget)
+    all_reduce_(sums, shard.group)
+    stats = torch.zeros(NUM_STATS, n, dtype=dtype, device=xs.device)
+    stats[LSE_S], stats[LSE_T], stats[S_ROW], stats[K_ROW] = merged.lse[0], merged.lse[1], sums[0], sums[1]
+    if opts.needs_lse1:
+        stats[LSE1], stats[ZTGT] = merged.lse[2], sums[2]
+    return token_loss(stats, target, v, opts).to(dtype), stats
+
+
+def backward(impl, g: Tensor, xs, ws, bs: Optional[Tensor], xt, wt, bt, target, stats, opts: JSDOptions,
+             tp: VocabParallelOptions, budget: int, need_dx: bool, need_dw: bool, need_db: bool):
+    """(dx, dW, db) of this rank's student head (None where not needed)."""
+    shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)  # cached: no collective
+    ws_r, bs_r, wt_r, bt_r = (shard.real_rows(t) for t in (ws, bs, wt, bt))
+    if ws_r.shape[0]:
+        dx, dw, db = impl.backward(g, xs, ws_r, bs_r, xt, wt_r, bt_r, shard.local_target(target), stats, opts,
+                                   budget, need_dx, need_dw, need_db, dx_acc=True)
+    else:
+        dx = torch.zeros(xs.shape, dtype=compute_dtype(xs.dtype), device=xs.device) if need_dx else None
+        dw = ws_r.new_zeros(ws_r.shape) if need_dw else None
+        db = bs_r.new_zeros(bs_r.shape) if need_db else None
+    if need_dx:
+        if not tp.partial_dx:
+            all_reduce_(dx, shard.group)
+        dx = dx.to(xs.dtype)
+    return dx, shard.pad_rows(dw), shard.pad_rows(db)

@@ -1,0 +1,129 @@
+"""Public API of linear_log_probs: per-token log-probabilities (and entropy) at a
+temperature from the hidden states and the LM-head weight, without the logits."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from logitless.ops.common import validate as _validate
+from logitless.ops.common.autocast import cast_like_linear
+from logitless.ops.common.dispatch import resolve_backend
+from logitless.options import LogProbOptions, check_memory_budget
+
+from .custom_op import llp_forward
+
+
+def linear_log_probs(
+    x: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    softcap: Optional[float] = None,
+    ignore_index: int = -100,
+    memory_budget: Optional[int] = None,
+    backend: str = "auto",
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """log softmax(a)[token] per token, a = softcap(x @ weight.T + bias) / temperature,
+    without the (tokens x vocab) logits; with ``entropy=True`` also the entropy of
+    softmax(a). What RL post-training (GRPO, PPO, ...) asks of the LM head for the
+    policy, the old policy and the reference model.
+
+    Equals ``F.log_softmax(z / T, -1).gather(-1, tokens[..., None])[..., 0]`` and
+    ``-(p * log p).sum(-1)`` with z the logits in fp32 (soft-capped first when
+    ``softcap`` is set). The division by T is done on the fp32 logits: x / T is never
+    rounded to x's dtype. Statistics are fp32 (fp64 for fp64 inputs on the torch
+    backend); gradients accumulate in fp32 and are cast once to the input dtype.
+    Math and merge rule of the per-token statistics: ``logitless.formulas.log_probs``.
+
+    Memory traffic (Triton, CUDA): the forward is one GEMM pass that reads x and W and
+    writes O(tokens) statistics; with a gradient to come it also stores exp(a - m) for
+    the vocabulary columns the budget holds. The backward is 2 GEMMs (dW, dx) plus one
+    recomputed GEMM for each column not kept: 3 GEMMs in all when the budget holds the
+    logits in the input dtype. ``entropy=False`` computes no entropy term at all.
+
+    Gradients flow from both outputs, with any upstream gradient, to x, weight and bias
+    (autocast, torch.compile fullgraph/dynamic, FSDP2 and double backward behave as for
+    ``linear_cross_entropy``: custom ops ``logitless::llp_forward``/``llp_backward``).
+
+    Args:
+        x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
+        weight: (V, H) LM-head weight; same dtype (autocast aside) and device as x.
+        tokens: (...) int64 or int32 token ids, the leading shape of x.
+        bias: optional (V,), same dtype as weight.
+        temperature: finite float > 0 (else ValueError).
+        entropy: also return the entropy of softmax(a) per token.
+        softcap: optional s > 0: logits become s * tanh(z / s) before the temperature.
+        ignore_index: tokens equal to it give 0 for both outputs and no gradient.
+        memory_budget: bytes of temporaries (default 256 MiB), as for
+            ``linear_cross_entropy``: with at least tokens x V x itemsize bytes the
+            backward needs no recomputed GEMM.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    Returns:
+        logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
+
+    Errors and special values: bad shapes, dtypes, devices or options raise
+    ``ValueError``/``TypeError`` naming the argument. A token outside [0, V) that is not
+    ``ignore_index`` raises ``ValueError`` on the CPU; on a GPU (no host sync) that
+    token's outputs are NaN. Empty inputs give empty outputs.
+    """
+    opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap,
+                                  ignore_index=ignore_index)
+    _validate.check_not_dtensor("linear_log_probs", x=x, weight=weight, bias=bias)
+    _validate.check_float("x", x)
+    _validate.check_float("weight", weight)
+    x, weight, bias = cast_like_linear(x, weight, bias)
+    _, hidden = _validate.check_linear_operands("linear_log_probs", x, weight, bias)
+    _check_tokens(tokens, x.shape[:-1])
+    _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
+    memory_budget = check_memory_budget(memory_budget)
+    impl = resolve_backend(backend, x.device, x.dtype)
+
+    out_shape = tokens.shape
+    x2d = x.reshape(-1, hidden)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    flat = tokens.reshape(-1).long()
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    logp, ent, *_ = llp_forward(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad)
+    logp = logp.reshape(out_shape)
+    if not opts.entropy:
+        return logp
+    return logp, ent.reshape(out_shape)
+
+
+def _check_tokens(tokens: Tensor, expected_shape: torch.Size) -> None:
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in _validate.TARGET_DTYPES:
+        raise TypeError(f"tokens must be int64 or int32, got {tokens.dtype}")
+    if tokens.shape != expected_shape:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(expected_shape)} "
+                         "(the leading dimensions of x)")
+
+
+class LinearLogProbs(nn.Module):
+    """Module form of :func:`linear_log_probs`: holds the options, takes tensors.
+
+    ``head = LinearLogProbs(temperature=0.7, entropy=True)``;
+    ``logp, ent = head(hidden, lm_head.weight, tokens)``.
+    """
+
+    def __init__(self, *, temperature: float = 1.0, entropy: bool = False, softcap: Optional[float] = None,
+                 ignore_index: int = -100, memory_budget: Optional[int] = None, backend: str = "auto"):
+        super().__init__()
+        LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index)
+        self.kwargs = dict(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index,
+                           memory_budget=memory_budget, backend=backend)
+
+    def forward(self, x: Tensor, weight: Tensor, tokens: Tensor, bias: Optional[Tensor] = None):
+        return linear_log_probs(x, weight, tokens, bias, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -1,0 +1,198 @@
+"""The torch.library custom ops of linear_log_probs: what autograd and torch.compile see.
+
+    logitless::llp_forward(x, weight, bias, tokens, <options>, backend, budget, need_grad)
+        -> logp, entropy ((0,) without entropy), lse, keep, keep_max, plan
+    logitless::llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy,
+                            keep (overwritten with dz), keep_max, plan, <options>, backend,
+                            budget, need_dx, need_dw, need_db) -> dx, dw, db
+
+``<options>`` are the fields of ``LogProbOptions`` under their own names (temperature,
+entropy, softcap, ignore_index). ``keep``/``keep_max``/``plan`` are the columns of
+exp(a - m) the Triton backend kept for the backward and the plan that laid them out
+(``NOTHING_KEPT``-shaped dummies and an empty plan when none): the first backward
+consumes them in place, a second one (retain_graph=True) recomputes. Implementations
+run eagerly (also under torch.compile, which sees only the fakes), so the CPU token-range
+check lives here. Double backward raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import compute_dtype
+from logitless.formulas.log_probs import grad_coefficients, token_outputs
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.dispatch import load_backend
+from logitless.options import LogProbOptions
+
+OP = "linear_log_probs"
+
+
+def check_tokens_in_range(tokens: Tensor, num_classes: int, ignore_index: int) -> None:
+    """ValueError for a token outside [0, V) that is not ignore_index (CPU tensors only:
+    on a GPU the check would be a host sync; the token's outputs are NaN there)."""
+    if tokens.device.type != "cpu" or tokens.numel() == 0:
+        return
+    bad = (tokens != ignore_index) & ((tokens < 0) | (tokens >= num_classes))
+    if bool(bad.any()):
+        raise ValueError(f"tokens contains {int(tokens[bad][0])}, outside [0, {num_classes}) and not "
+                         f"ignore_index={ignore_index}")
+
+#: Shape of the keep buffers when nothing is kept (see linear_cross_entropy: not (0, 0)).
+NOTHING_KEPT = (1, 1)
+
+
+def _forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    tokens: Tensor,
+    temperature: float,
+    entropy: bool,
+    softcap: Optional[float],
+    ignore_index: int,
+    backend: str,
+    budget: int,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x (N, H), weight (V, H), tokens (N,) int64 -> logp (N,), entropy (N,) or (0,),
+    lse (N,), keep, keep_max, plan."""
+    opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+    n, v = x.shape[0], weight.shape[0]
+    check_tokens_in_range(tokens, v, ignore_index)
+    sd = compute_dtype(x.dtype)
+    kept = None
+    with no_autocast(x.device):
+        if n == 0:
+            logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
+            ent = x.new_empty(0, dtype=sd) if entropy else None
+        else:
+            stats, kept = load_backend(__package__, backend).forward(
+                x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad)
+            logp, ent = token_outputs(stats, tokens, v, opts)
+            lse = stats.lse
+    ent = ent.to(sd) if ent is not None else x.new_empty(0, dtype=sd)
+    if kept is None:
+        kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
+                torch.empty(0, dtype=torch.int64))
+    return logp.to(sd), ent, lse.to(sd), kept[0], kept[1], kept[2]
+
+
+llp_forward = custom_op("llp_forward", _forward)
+
+
+@llp_forward.register_fake
+def _(x, weight, bias, tokens, temperature, entropy, softcap, ignore_index, backend, budget, need_grad):
+    n, (v, h) = x.shape[0], weight.shape
+    sd = compute_dtype(x.dtype)
+    keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
+    if backend == "triton" and need_grad:
+        if all(isinstance(s, int) for s in (n, v, h)):
+            from .triton_backend import PLAN_SIZE, kept_shapes
+
+            opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+            shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, opts, need_grad)
+            if shapes is not None:
+                (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
+        else:  # symbolic sizes: what the plan keeps is only known at run time
+            ctx = torch.library.get_ctx()
+            keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+            max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
+            plan_size = ctx.new_dynamic_size()
+    return (
+        x.new_empty(n, dtype=sd),
+        x.new_empty(n if entropy else 0, dtype=sd),
+        x.new_empty(n, dtype=sd),
+        x.new_empty(keep_shape),
+        x.new_empty(max_shape, dtype=torch.float32),
+        torch.empty(plan_size, dtype=torch.int64, device="cpu"),
+    )
+
+
+def _backward(
+    grad_logp: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    tokens: Tensor,
+    lse: Tensor,
+    entropy_out: Tensor,
+    keep: Tensor,
+    keep_max: Tensor,
+    plan: Tensor,
+    temperature: float,
+    entropy: bool,
+    softcap: Optional[float],
+    ignore_index: int,
+    backend: str,
+    budget: int,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
+    opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+    n, v = x.shape[0], weight.shape[0]
+    dx = dw = db = None
+    if n == 0:
+        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
+        db = torch.zeros_like(bias) if bias is not None else None
+    elif need_dx or need_dw or need_db:
+        with no_autocast(x.device):
+            coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
+                                     grad_entropy if entropy else None, v, opts, lse)
+            impl = load_backend(__package__, backend)
+            extra = {}
+            if plan.numel():
+                extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
+            dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
+                                       need_dw=need_dw, need_db=need_db, budget=budget, **extra)
+    nothing = x.new_empty(0)
+    return (dx if need_dx else nothing, dw if need_dw else nothing.clone(), db if need_db else nothing.clone())
+
+
+llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
+
+
+@llp_backward.register_fake
+def _(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, keep, keep_max, plan,
+      temperature, entropy, softcap, ignore_index, backend, budget, need_dx, need_dw, need_db):
+    nothing = x.new_empty(0)
+    return (
+        torch.empty_like(x) if need_dx else nothing,
+        torch.empty_like(weight) if need_dw else nothing.clone(),
+        torch.empty_like(bias) if need_db else nothing.clone(),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    a = named(_forward, inputs)
+    _, ent, lse, keep, keep_max, plan = output
+    ctx.save_for_backward(a["x"], a["weight"], a["bias"], a["tokens"], lse, ent)
+    ctx.opts = LogProbOptions.from_args(a)
+    ctx.backend, ctx.budget, ctx.num_inputs = a["backend"], a["budget"], len(inputs)
+    ctx.kept = (keep, keep_max, plan)  # not saved: the first backward consumes them
+    ctx.mark_non_differentiable(lse, keep, keep_max, plan)
+    ctx.set_materialize_grads(False)
+
+
+def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
+    x, weight, bias, tokens, lse, ent = ctx.saved_tensors
+    keep, keep_max, plan = ctx.kept
+    ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
+        return (None,) * ctx.num_inputs
+    grads = llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
+                         *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db)
+    grads = (grads[0] if need_dx else None, grads[1] if need_dw else None, grads[2] if need_db else None)
+    grads = guard_double_backward(OP, grads, grad_logp, grad_entropy, x, weight, bias)
+    return grads + (None,) * (ctx.num_inputs - 3)
+
+
+llp_forward.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -1,0 +1,116 @@
+"""Pure-PyTorch backend of linear_log_probs: the same math in bounded tiles (any device;
+the CPU path).
+
+forward:  for each token chunk, for each vocab chunk: z = x_c W_v^T (+ b_v), soft-cap,
+          a = z / T in the compute dtype (fp32; fp64 for fp64 inputs), the token's a,
+          then the online (m, s, u) update (``formulas.log_probs.online_update``).
+backward: for each vocab chunk, for each token chunk: a recomputed, turned into dz in
+          place (``formulas.log_probs.dlogits_``); dW_v += dz^T x_c, dx_c += dz W_v into
+          the outputs (fp32/fp64 inputs) or fp32 accumulators cast once (16-bit inputs).
+
+Memory: the tiles ``planning.plans.torch_plan`` sizes within ``memory_budget``, O(N + V)
+vectors and, for 16-bit inputs, the fp32 dx accumulator (N x H x 4 bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import apply_softcap, compute_dtype
+from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_
+from logitless.options import LogProbOptions
+from logitless.planning.plans import torch_plan
+
+
+def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
+    z = x_c @ w_v.T
+    if b_v is not None:
+        z += b_v
+    return scaled_logits_(apply_softcap(z, opts.softcap, inplace=True), opts)
+
+
+def _plan(x: Tensor, v: int, budget: int, *, tiles: int, accumulators: int):
+    n, h = x.shape
+    cd = compute_dtype(x.dtype)
+    cs = torch.finfo(cd).bits // 8
+    upcast = x.dtype != cd
+    return torch_plan(n, v, h, cs, budget, tiles=tiles, row_bytes=h * cs * upcast,
+                      col_bytes=h * cs * (upcast + accumulators) + 2 * cs)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
+            budget: int, need_grad: bool = False):
+    """(LogProbStats, None): this backend keeps nothing for the backward."""
+    n, h = x.shape
+    v = weight.shape[0]
+    cd = compute_dtype(x.dtype)
+    plan = _plan(x, v, budget, tiles=2 + opts.entropy, accumulators=0)
+    lse = torch.empty(n, dtype=cd, device=x.device)
+    tgt = torch.empty(n, dtype=cd, device=x.device)
+    ent = torch.empty(n, dtype=cd, device=x.device) if opts.entropy else None
+    for n0 in range(0, n, plan.token_chunk):
+        n1 = min(n, n0 + plan.token_chunk)
+        x_c, t_c = x[n0:n1].to(cd), tokens[n0:n1]
+        m = torch.full((n1 - n0,), float("-inf"), dtype=cd, device=x.device)
+        s = torch.zeros_like(m)
+        u = torch.zeros_like(m) if opts.entropy else None
+        a_t = torch.zeros_like(m)
+        for v0 in range(0, v, plan.vocab_chunk):
+            v1 = min(v, v0 + plan.vocab_chunk)
+            a = _scaled_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+            local = t_c - v0
+            inside = (local >= 0) & (local < v1 - v0)
+            picked = a.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+            a_t = a_t + torch.where(inside, picked, torch.zeros_like(picked))
+            m, s, u = online_update(a, m, s, u)  # a is spent
+            del a
+        lse_c, ent_c = finish(m, s, u)
+        lse[n0:n1] = lse_c
+        tgt[n0:n1] = a_t
+        if opts.entropy:
+            ent[n0:n1] = ent_c
+    return LogProbStats(lse=lse, target=tgt, entropy=ent), None
+
+
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
+             kept=None, plan=None):
+    n, h = x.shape
+    v = weight.shape[0]
+    cd = compute_dtype(x.dtype)
+    exact = x.dtype == cd
+    tiles = 1 + (opts.softcap is not None) + opts.entropy
+    plan = _plan(x, v, budget, tiles=tiles, accumulators=0 if exact else int(need_dw))
+    lse = lse.to(cd)
+    coef = coef.to(cd)
+    dx_acc = torch.zeros(n, h, dtype=cd, device=x.device) if need_dx else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    for v0 in range(0, v, plan.vocab_chunk):
+        v1 = min(v, v0 + plan.vocab_chunk)
+        w_v = weight[v0:v1].to(cd)
+        b_v = bias[v0:v1].to(cd) if bias is not None else None
+        dw_acc = None
+        if need_dw:
+            dw_acc = dw[v0:v1].zero_() if exact else torch.zeros(v1 - v0, h, dtype=cd, device=x.device)
+        db_acc = torch.zeros(v1 - v0, dtype=cd, device=x.device) if need_db else None
+        for n0 in range(0, n, plan.token_chunk):
+            n1 = min(n, n0 + plan.token_chunk)
+            x_c = x[n0:n1].to(cd)
+            dz = dlogits_(_scaled_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], v0, opts)
+            if need_dx:
+                dx_acc[n0:n1].addmm_(dz, w_v)
+            if need_dw:
+                dw_acc.addmm_(dz.T, x_c)
+            if need_db:
+                db_acc += dz.sum(dim=0)
+            del dz, x_c
+        if need_dw and not exact:
+            dw[v0:v1] = dw_acc
+        if need_db:
+            db[v0:v1] = db_acc
+    dx = dx_acc.to(x.dtype) if need_dx else None
+    return dx, dw, db

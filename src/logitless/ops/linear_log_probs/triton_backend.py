@@ -1,0 +1,197 @@
+"""Triton backend of linear_log_probs (CUDA tensors; CPU under TRITON_INTERPRET=1).
+
+forward  (1 GEMM): ``logp_forward_kernel`` over (row blocks x vocabulary splits) writes
+         O(N * splits) partial statistics (max, sum, entropy term, token logit), merged
+         here by ``formulas.log_probs.merge_splits`` with O(N * splits) torch ops. When
+         a backward will follow it also keeps e = exp(a - m) for the leading
+         ``plan.keep_cols`` columns that the budget holds (all of them when the budget
+         is at least the logits in the input dtype), so they need no second GEMM.
+backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
+         (``logp_kept_dlogits_kernel``), the others are recomputed chunk by chunk
+         (``logp_dlogits_kernel``); each chunk of dz feeds dW = dz^T x, db = column sums
+         and dx += dz W (``triton_lib.launch.chunk_gradients``, an fp32 dx accumulator
+         when there are several chunks).
+Plans come from ``planning.plans.triton_plan`` (the same tiles, splits, kept columns and
+chunks as linear_cross_entropy). No (N, V) tensor unless the budget allows it; no
+atomics (bitwise repeatable); no host syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from logitless.formulas.log_probs import LogProbStats, merge_splits
+from logitless.options import LogProbOptions
+from logitless.planning import plans as _plans
+from logitless.planning.plans import TritonPlan, triton_plan
+from logitless.triton_lib import launch
+
+from . import triton_kernels as K
+
+#: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
+#: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
+_MAX_CAP_RANGE = 80.0
+
+
+def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> bool:
+    """Whether the forward may keep exp(a - m) for the backward: fp16 underflows below
+    e^-17, where log e (entropy, soft-cap) would be lost; a wide soft-cap range likewise."""
+    if not need_grad:
+        return False
+    if dtype == torch.float16 and (opts.entropy or opts.softcap is not None):
+        return False
+    if opts.softcap is not None and 2.0 * opts.softcap / opts.temperature > _MAX_CAP_RANGE:
+        return False
+    return True
+
+
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool) -> TritonPlan:
+    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep)
+
+
+def _kept_shapes_of(plan: TritonPlan, n: int):
+    row = triton.cdiv(plan.keep_cols, 8) * 8  # rows padded to 16 bytes (TMA stores)
+    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
+
+
+def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, opts: LogProbOptions,
+                need_grad: bool):
+    """Shapes of the buffers ``forward`` keeps (the custom op's fake uses them), or None."""
+    if n == 0 or not keep_allowed(dtype, opts, need_grad):
+        return None
+    plan = _plan(n, v, h, dtype, budget, device, True)
+    return _kept_shapes_of(plan, n) if plan.keep_cols else None
+
+
+#: Length of ``plan_to_tensor``'s result.
+PLAN_SIZE = len(dataclasses.fields(TritonPlan))
+
+
+def plan_to_tensor(plan: TritonPlan) -> Tensor:
+    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
+    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+
+
+def plan_from_tensor(t: Tensor) -> TritonPlan:
+    fields = dataclasses.fields(TritonPlan)
+    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, t.tolist())])
+
+
+def _flags(bias, opts: LogProbOptions, dtype):
+    return dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
+                DOT_PRECISION=launch.dot_precision(dtype))
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
+            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None):
+    """(LogProbStats, kept): kept is None or (buffer, tile maxima, plan tensor), which
+    ``backward`` turns into dz in place (one backward only)."""
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_ok = keep_allowed(x.dtype, opts, need_grad)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
+    splits = plan.vocab_splits
+    blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    part_max = torch.empty(splits, n, **f32)
+    part_sum = torch.empty(splits, n, **f32)
+    part_tgt = torch.empty(splits, n, **f32)
+    part_u = torch.empty(splits, n, **f32) if opts.entropy else part_max
+    keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
+    x_op, w_op, use_tma = launch.operands(x, weight, plan)
+    keep = keep_max = keep_buf = None
+    keep_op = x
+    if keep_blocks:
+        (_, row), max_shape = _kept_shapes_of(plan, n)
+        keep_buf = launch.padded_buffer(n, row, x)
+        keep = keep_buf[:, : plan.keep_cols]
+        keep_max = torch.empty(max_shape, **f32)
+        keep_op = keep
+        if use_tma:
+            keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+    row_blocks = triton.cdiv(n, plan.block_n)
+    launch.launch_kernel(
+        K.logp_forward_kernel, (row_blocks * splits,),
+        x_op, w_op, bias if bias is not None else x, tokens,
+        part_max, part_sum, part_u, part_tgt, keep_op, keep_max if keep_max is not None else x,
+        n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        keep.stride(0) if keep is not None else 0,
+        blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, splits,
+        plan.group_n or row_blocks,
+        KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **_flags(bias, opts, x.dtype),
+        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    lse, ent = merge_splits(part_max, part_sum, part_u if opts.entropy else None)
+    stats = LogProbStats(lse=lse, target=part_tgt.sum(dim=0), entropy=ent)
+    kept = (keep_buf, keep_max, plan_to_tensor(plan)) if keep is not None else None
+    return stats, kept
+
+
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
+             kept: Optional[tuple[Tensor, Tensor]] = None, plan: Optional[TritonPlan] = None):
+    """dx, dW, db. ``kept`` (buffer, tile maxima) with the forward's ``plan``: its
+    buffer is overwritten with dz."""
+    n, h = x.shape
+    v = weight.shape[0]
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False)
+    keep_cols = plan.keep_cols if kept is not None else 0
+    coef = coef.contiguous()
+    lse = lse.contiguous()
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    chunks = [(0, keep_cols)] if keep_cols else []
+    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
+    dx = dx_acc = dz_buf = None
+    if need_dx and len(chunks) > 1:
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    x_op, w_op, use_tma = launch.operands(x, weight, plan)
+    flags = _flags(bias, opts, x.dtype)
+    for v0, v1 in chunks:
+        if v0 == 0 and keep_cols:
+            keep_buf, tile_max = kept
+            dz = keep_buf[:, :keep_cols]
+            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
+            K.logp_kept_dlogits_kernel[grid](
+                dz, tile_max, tokens, lse, coef, n, keep_cols, dz.stride(0),
+                float(opts.softcap or 1.0), float(opts.temperature),
+                HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
+                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+            )
+        else:
+            if dz_buf is None:
+                width = min(plan.vocab_chunk, v - keep_cols)
+                dz_buf = launch.padded_buffer(n, triton.cdiv(width, 8) * 8, x)
+            dz = dz_buf[:, : v1 - v0]
+            dz_tma = plan.dz_tma and use_tma
+            dz_op = dz
+            if dz_tma:
+                dz_op = TensorDescriptor(dz, [n, v1 - v0], [dz.stride(0), 1], [plan.block_n, plan.block_v])
+            row_blocks = triton.cdiv(n, plan.block_n)
+            tiles = row_blocks * triton.cdiv(v1 - v0, plan.block_v)
+            if plan.dlogits_programs:
+                tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(x.device))
+            launch.launch_kernel(
+                K.logp_dlogits_kernel, (tiles,),
+                x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
+                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+                v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, plan.group_n or row_blocks,
+                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
+                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+                num_warps=plan.num_warps, num_stages=plan.num_stages,
+            )
+        dx_chunk = launch.chunk_gradients(
+            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
+            dx_acc, need_dx)
+        if dx_chunk is not None:
+            dx = dx_chunk
+    if dx_acc is not None:
+        dx = dx_acc.to(x.dtype)
+    return dx, dw, db

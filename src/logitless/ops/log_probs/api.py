@@ -1,0 +1,93 @@
+"""Public API of log_probs: per-token log-probabilities (and entropy) at a temperature
+from logits the caller already holds, in one bandwidth-bound pass."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from torch import Tensor, nn
+
+from logitless.ops.common import validate as _validate
+from logitless.ops.common.dispatch import resolve_backend
+from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
+
+from .custom_op import lp_forward
+
+
+def log_probs(
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """log softmax(logits / T)[token] per token, and with ``entropy=True`` the entropy
+    of softmax(logits / T): TRL's ``selective_log_softmax`` and ``entropy_from_logits``
+    in one pass.
+
+    Statistics in fp32 (fp64 for fp64 logits on backend="torch"); the division by T is
+    done in fp32. Memory traffic (Triton, CUDA): the forward reads the logits once and
+    writes O(tokens); the backward reads them once and writes d(logits) once (in the
+    logits' dtype); extra memory O(tokens) besides that gradient. The torch backend
+    upcasts rows in chunks of at most the default memory budget. Gradients from both
+    outputs, with any upstream gradient, reach the logits; torch.compile traces the
+    custom ops ``logitless::lp_forward``/``lp_backward`` without graph breaks.
+
+    Args:
+        logits: (..., V) float16/bfloat16/float32 (float64 on backend="torch"); any strides
+            on the Triton backend (read in place).
+        tokens: (...) int64 or int32, the leading shape of logits.
+        temperature: finite float > 0 (else ValueError).
+        entropy: also return the entropy per token.
+        ignore_index: tokens equal to it give 0 for both outputs and no gradient.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    Returns:
+        logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
+
+    A token outside [0, V) that is not ``ignore_index`` raises ``ValueError`` on the
+    CPU and gives NaN for that token on a GPU (no host sync).
+    """
+    opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, ignore_index=ignore_index)
+    _validate.check_not_dtensor("log_probs", logits=logits)
+    _validate.check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in _validate.TARGET_DTYPES:
+        raise TypeError(f"tokens must be int64 or int32, got {tokens.dtype}")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(logits.shape[:-1])} "
+                         "(the leading dimensions of logits)")
+    _validate.check_same_device(logits=logits, tokens=tokens)
+    impl = resolve_backend(backend, logits.device, logits.dtype)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if impl == "torch" and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    logp, ent, _ = lp_forward(flat, tokens.reshape(-1).long(), *opts.args(), impl, DEFAULT_MEMORY_BUDGET)
+    logp = logp.reshape(tokens.shape)
+    if not opts.entropy:
+        return logp
+    return logp, ent.reshape(tokens.shape)
+
+
+class LogProbs(nn.Module):
+    """Module form of :func:`log_probs`: ``LogProbs(temperature=0.7, entropy=True)(logits, tokens)``."""
+
+    def __init__(self, *, temperature: float = 1.0, entropy: bool = False, ignore_index: int = -100,
+                 backend: str = "auto"):
+        super().__init__()
+        LogProbOptions.checked(temperature=temperature, entropy=entropy, ignore_index=ignore_index)
+        self.kwargs = dict(temperature=temperature, entropy=entropy, ignore_index=ignore_index, backend=backend)
+
+    def forward(self, logits: Tensor, tokens: Tensor):
+        return log_probs(logits, tokens, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+
+
+

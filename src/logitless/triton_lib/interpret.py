@@ -1,0 +1,173 @@
+"""Triton's CPU interpreter for callers without torch (the JAX "triton" backend on CPU).
+
+Two pieces, framework-free (numpy only):
+
+``interpreted_modules(names)``
+    Fresh copies of Triton kernel modules whose ``@triton.jit`` functions are
+    interpreted, as if imported under ``TRITON_INTERPRET=1``, without touching the
+    modules already imported (the compiled kernels stay compiled in the same process).
+    ``names`` are imported in order with each earlier copy visible to the later ones'
+    absolute imports (``from logitless.triton_lib.ce_math import ...``), because an
+    interpreted kernel can only call interpreted helpers. The real ``sys.modules``
+    entries are restored afterwards. Cached per tuple of names.
+
+``HostArray(ndarray)``
+    A numpy array as the interpreter's launcher expects a tensor (``data_ptr``,
+    ``dtype``, storage): it reads and writes the array's memory in place, so outputs
+    are numpy arrays allocated by the caller. Arrays must be C-contiguous.
+
+Cost: the interpreter runs every program of the grid in Python with numpy block
+operations: fine for tests at tiny shapes, far too slow for real ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import threading
+
+import numpy as np
+import triton
+
+_LOCK = threading.Lock()
+_CACHE: dict = {}
+
+#: numpy dtype name -> Triton's name of the pointer's element type.
+_TRITON_DTYPES = {
+    "bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1",
+}
+
+
+def interpreted_modules(names: tuple[str, ...]) -> dict:
+    """{name: interpreted copy} of the modules ``names`` (see the module docstring)."""
+    names = tuple(names)
+    with _LOCK:
+        if names in _CACHE:
+            return _CACHE[names]
+        saved = {n: sys.modules.get(n) for n in names}
+        copies = {}
+        try:
+            with triton.knobs.runtime.scope():
+                triton.knobs.runtime.interpret = True
+                for n in names:
+                    spec = importlib.util.find_spec(n)
+                    if spec is None or spec.loader is None:
+                        raise ImportError(f"no module named {n!r}")
+                    mod = importlib.util.module_from_spec(spec)
+                    sys.modules[n] = mod  # later copies import this one
+                    spec.loader.exec_module(mod)
+                    copies[n] = mod
+        finally:
+            for n, m in saved.items():
+                if m is None:
+                    sys.modules.pop(n, None)
+                else:
+                    sys.modules[n] = m
+        _CACHE[names] = copies
+        return copies
+
+
+#: Modules of triton.language whose own @triton.jit helpers (tl.cdiv, tl.sum's combine
+#: function, ...) kernels call: they were compiled-mode functions at triton's import.
+_LANGUAGE_MODULES = ("triton.language", "triton.language.standard")
+_LANGUAGE_COPIES: dict = {}
+
+
+@contextlib.contextmanager
+def interpreted_language():
+    """While inside: triton.language's @triton.jit helpers are interpreted copies (as
+    under TRITON_INTERPRET=1 at triton's import); restored on exit. Hold it around an
+    interpreted launch; a kernel compiled by another thread meanwhile would see the
+    copies, so the launch also holds this module's lock."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    try:  # imported lazily by the launcher; its import must see the real helpers
+        importlib.import_module("triton.experimental.gluon")
+    except ImportError:
+        pass
+    import triton.runtime.interpreter as interp
+
+    missing = object()
+    with _LOCK:
+        saved = []
+        # The interpreter patches triton.language's builtins at each launch and again at
+        # each nested @jit call, whose patches it never undoes (harmless when the whole
+        # process interprets): record every first original and restore them all on exit,
+        # so that kernels compiled later in this process see the real triton.language.
+        first_seen: dict = {}
+        set_attr = interp._LangPatchScope.set_attr
+
+        def recording_set_attr(scope, obj, attr, value):
+            first_seen.setdefault((id(obj), attr), (obj, attr, getattr(obj, attr, missing)))
+            set_attr(scope, obj, attr, value)
+
+        interp._LangPatchScope.set_attr = recording_set_attr
+        try:
+            for name in _LANGUAGE_MODULES:
+                mod = importlib.import_module(name)
+                for attr, val in list(vars(mod).items()):
+                    if isinstance(val, JITFunction):
+                        key = (name, attr)
+                        if key not in _LANGUAGE_COPIES:
+                            _LANGUAGE_COPIES[key] = InterpretedFunction(val.fn)
+                        saved.append((mod, attr, val))
+                        setattr(mod, attr, _LANGUAGE_COPIES[key])
+            yield
+        finally:
+            interp._LangPatchScope.set_attr = set_attr
+            for obj, attr, val in first_seen.values():
+                if val is missing:
+                    if attr in vars(obj):
+                        delattr(obj, attr)
+                else:
+                    setattr(obj, attr, val)
+            for mod, attr, val in saved:
+                setattr(mod, attr, val)
+
+
+class _Storage:
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+
+    def data_ptr(self) -> int:
+        return self.arr.ctypes.data
+
+    def cpu(self):
+        return self
+
+    def copy_(self, other) -> None:
+        """Host memory: the interpreter already wrote in place."""
+
+
+class HostArray:
+    """A C-contiguous numpy array, as the interpreter's launcher sees a tensor."""
+
+    def __init__(self, arr: np.ndarray):
+        if not arr.flags.c_contiguous:
+            raise ValueError("HostArray needs a C-contiguous array")
+        self.arr = arr
+        self.dtype = _TRITON_DTYPES[arr.dtype.name]
+
+    def data_ptr(self) -> int:
+        return self.arr.ctypes.data
+
+    def untyped_storage(self) -> _Storage:
+        return _Storage(self.arr)
+
+    def new_empty(self, *args, **kwargs) -> HostArray:
+        return HostArray(self.arr)
+
+    def set_(self, *args) -> HostArray:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.arr.shape
+
+    def stride(self):
+        return tuple(s // self.arr.itemsize for s in self.arr.strides)

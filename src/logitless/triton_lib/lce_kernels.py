@@ -1,0 +1,166 @@
+"""Triton kernels of linear_cross_entropy, shared by the PyTorch op and the JAX "triton"
+backend (framework-free: imports only triton and ``triton_lib``). One kernel per idea;
+the math is in ``logitless.formulas.cross_entropy`` (Triton twin ``triton_lib.ce_math``),
+the tile of logits each program computes in ``triton_lib.gemm`` and the launch sizes in
+``logitless.planning.plans`` (torch) and ``logitless.jax.planning`` (JAX).
+"""
+
+import triton
+import triton.language as tl
+
+from logitless.triton_lib.ce_math import dz_tile, load_row_coefficients, online_lse_update, side_stats_update
+from logitless.triton_lib.gemm import grouped_tile, logits_tile
+
+
+@triton.jit
+def forward_stats_kernel(
+    x_ptr, w_ptr, b_ptr, cw_ptr, target_ptr,
+    part_max_ptr, part_sum_ptr, part_tgt_ptr, part_smooth_ptr, part_best_ptr, part_arg_ptr,
+    keep_ptr, keep_max_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_keep,
+    blocks_per_split, keep_blocks, softcap, splits, group_n,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, KEEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
+):
+    """Online softmax statistics of rows of z over one split of the vocabulary.
+
+    Program (i, j) (in ``grouped_tile`` order, ``group_n`` row blocks at a time) takes
+    tokens [i*BLOCK_N, (i+1)*BLOCK_N) and vocabulary blocks [j*blocks_per_split,
+    (j+1)*blocks_per_split) and writes, per token, the split's
+    running max m, sum_c exp(z_c - m), the target logit (0 if the target is elsewhere),
+    sum_c w_c z_c and the first argmax. Memory traffic: x once per split, W once per
+    row block (the GEMM's), plus O(N * splits) fp32 partials; no (N, V) tensor.
+
+    KEEP (the backward will want these columns): for vocabulary blocks below
+    keep_blocks also store e = exp(z - m) in keep's dtype and m (the running max used,
+    fp32, per token and block), from which the backward gets p = e * exp(m - lse)
+    without recomputing the GEMM. Extra traffic: one write of the kept columns.
+
+    FLATTEN: one software-pipelined loop over (vocabulary block, step of H), so the
+    next tile's first loads are in flight during a tile's softmax epilogue.
+    """
+    pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    smooth = tl.zeros((BLOCK_N,), tl.float32)
+    best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_N,), tl.int32)
+
+    first_block = split * blocks_per_split
+    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    for i in tl.range(0, num_blocks, flatten=FLATTEN):
+        offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = offs_v < V
+        z = logits_tile(
+            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
+            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
+        if KEEP:
+            block = first_block + i
+            if block < keep_blocks:
+                if USE_TMA:  # keep_ptr is a descriptor: an asynchronous bulk store
+                    keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
+                else:
+                    keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+                    tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
+        z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
+        smooth, best, best_idx = side_stats_update(
+            z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
+            NEED_SMOOTH, NEED_ARGMAX, HAS_CW, BLOCK_V)
+
+    out = split.to(tl.int64) * N + offs_n
+    tl.store(part_max_ptr + out, m, mask=row_ok)
+    tl.store(part_sum_ptr + out, s, mask=row_ok)
+    tl.store(part_tgt_ptr + out, z_t, mask=row_ok)
+    if NEED_SMOOTH:
+        tl.store(part_smooth_ptr + out, smooth, mask=row_ok)
+    if NEED_ARGMAX:
+        tl.store(part_best_ptr + out, best, mask=row_ok)
+        tl.store(part_arg_ptr + out, best_idx, mask=row_ok)
+
+
+@triton.jit
+def dlogits_kernel(
+    x_ptr, w_ptr, b_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr, dz_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_dzn,
+    v_start, v_end, softcap, group_n,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+):
+    """dz = d loss / d logits for columns [v_start, v_end), written in dz's dtype.
+
+    Recomputes the tile of z (one GEMM tile) and applies, with p = exp(z - lse),
+        dz_c = p_c * A - B * [c == t] - C * w_c   (times 1 - (z_c/s)^2 with a soft-cap)
+    from the per-token coefficients coef = (A, B, C) of ``_loss_math``. Traffic: the
+    GEMM's reads plus one write of the (N, v_end - v_start) chunk. Programs go in
+    ``grouped_tile`` order; DZ_TMA: dz_ptr is a tensor descriptor (a bulk store).
+    With fewer programs than tiles each program loops over tiles (persistent);
+    FLATTEN pipelines that loop with the loop over H.
+    """
+    row_blocks = tl.cdiv(N, BLOCK_N)
+    col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
+    # One tile per program, or (persistent: fewer programs than tiles) a pipelined loop
+    # over tiles, whose next loads are in flight during a tile's epilogue and store.
+    for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+        pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = offs_n < N
+        col_ok = offs_v < v_end
+        z = logits_tile(
+            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
+            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
+        p = tl.exp(z - lse[:, None])
+        dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
+        if DZ_TMA:
+            dz_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(dz_ptr.dtype))
+        else:
+            dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
+            tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def kept_dlogits_kernel(
+    keep_ptr, keep_max_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr,
+    N, V, keep_cols, stride_keep, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dz for the columns the forward kept, in place: e = exp(z - m) becomes dz.
+
+    p = e * exp(m - lse); z = log(e) + m is needed only with a soft-cap. No GEMM: one
+    read and one write of the (N, keep_cols) buffer. BLOCK_V must be the forward's.
+    """
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    mask = row_ok[:, None] & (offs_v < keep_cols)[None, :]
+    ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
+    lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
+    p = e * tl.exp(m - lse)[:, None]
+    z = p  # unused without a soft-cap
+    if HAS_SOFTCAP:
+        z = tl.log(e) + m[:, None]
+    dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
+    tl.store(ptrs, dz.to(keep_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,56 @@
+"""The Triton form of ``formulas.log_probs``: the online statistics with the entropy
+term and the gradient epilogue, shared by the log-prob kernels (linear and on logits)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_entropy_update(a, m, s, u, ENTROPY: tl.constexpr):
+    """One online step over a (BLOCK_N, BLOCK_V) tile of scaled logits a (fp32, -inf in
+    masked columns): returns the new max m, s = sum exp(a - m), u = sum exp(a - m)(a - m)
+    (updated only with ENTROPY), the tile's e = exp(a - m_safe) and m_safe (m, or 0
+    while a row is all -inf so far). When m grows to m': u <- e^(m - m') (u + (m - m') s)."""
+    tile_max = tl.max(a, 1)
+    m_new = tl.maximum(m, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d = m - m_safe
+    scale = tl.exp(d)
+    shifted = a - m_safe[:, None]
+    e = tl.exp(shifted)
+    if ENTROPY:
+        corr = tl.where(s > 0.0, d * s, 0.0)
+        u = scale * (u + corr) + tl.sum(tl.where(e > 0.0, e * shifted, 0.0), 1)
+    s = s * scale + tl.sum(e, 1)
+    return m_new, s, u, e, m_safe
+
+
+@triton.jit
+def logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature,
+                 HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr):
+    """dz_j = p_j (A + C log p_j) - B [j == t], times 1 - (z_j / s)^2 with a soft-cap;
+    (A, B, C) per row from ``formulas.log_probs.grad_coefficients`` (1/T folded in).
+    p_j = 0 gives 0 for the first term (no 0 * inf where a column is -inf). The capped
+    logit is recomputed from log p, z_j = T (log p_j + lse), so that only two tiles
+    (p, log p) are live at once (registers: a third fp32 tile would spill)."""
+    if ENTROPY:
+        dz = tl.where(p > 0.0, p * (ca[:, None] + cc[:, None] * logp), 0.0)
+    else:
+        dz = p * ca[:, None]
+    dz -= tl.where(offs_v[None, :] == token[:, None], cb[:, None], 0.0)
+    if HAS_SOFTCAP:
+        capped = (logp + lse[:, None]) * (temperature / softcap)
+        dz *= 1.0 - capped * capped
+    return dz
+
+
+@triton.jit
+def load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N):
+    """Per-row inputs of ``logp_dz_tile``: lse, A, B, C (coef: (3, N) fp32) and the
+    token; neutral values past N."""
+    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+    ca = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
+    cb = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
+    cc = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
+    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
+    return lse, ca, cb, cc, token

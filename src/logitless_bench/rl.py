@@ -1,0 +1,310 @@
+"""Suite ``rl``: token log-probs and entropy at a temperature (RL post-training's LM head).
+
+Per shape (``linear_log_probs/bench_shapes.py``: bf16, T = 0.7): random inputs (x ~
+N(0, 1), W ~ N(0, 1/H), tokens uniform), the unit (one cuBLAS ``x @ W.T``), the float64
+reference (computed on the device in chunks of tokens); then per method: forward time
+(no_grad) / 1 GEMM, forward+backward time with upstream gradients on both outputs /
+3 GEMMs, peak extra memory, max |error| of log p and entropy against float64.
+
+Methods: logitless.linear_log_probs (default budget; a logits-sized budget), torch eager
+on the logits (bf16 logits, fp32 log_softmax of logits / T), the same under
+torch.compile, verl's fused kernel (``verl.utils.kernel.linear_cross_entropy``, when
+importable). ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU
+one tiny case runs on the CPU, loudly labelled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import report, timing
+from .peers import Skip
+from .runner import describe
+
+METRICS = """\
+Metrics (rl): x (N,H) ~N(0,1), W (V,H) ~N(0,1/H) in the shape's dtype, tokens uniform, temperature 0.7; every
+method returns per-token log p(token) and the entropy of softmax(logits / T).
+- **fwd/GEMM**: median forward time under no_grad / one cuBLAS x @ W.T of the same shape.
+- **f+b/3GEMM**: median time of forward + backward with random upstream gradients on both outputs (x and W
+  require grad; grads set to None untimed before each call) / three such GEMMs. CUDA events, L2 flushed.
+- **peak extra MiB**: max_memory_allocated during one more forward+backward minus memory before it minus the
+  dx and dW bytes.
+- **logp err**, **H err**: max |ours - float64| over tokens (the float64 reference computed in token chunks)."""
+
+
+# --------------------------------------------------------------------------- inputs and reference
+
+
+def make_inputs(shape, device, seed: int):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+    x = torch.randn(shape.tokens, shape.hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
+    w = (torch.randn(shape.vocab, shape.hidden, generator=g, device=device, dtype=torch.float32)
+         * shape.hidden**-0.5).to(dtype)
+    t = torch.randint(0, shape.vocab, (shape.tokens,), generator=g, device=device)
+    g_lp = torch.randn(shape.tokens, generator=g, device=device)
+    g_h = torch.randn(shape.tokens, generator=g, device=device)
+    return x, w, t, g_lp, g_h
+
+
+def reference(x, w, t, temperature, chunk: int = 1024):
+    """(logp, entropy) in float64, chunks of tokens (at most chunk x V float64 at once)."""
+    lp = torch.empty(x.shape[0], dtype=torch.float64, device=x.device)
+    ent = torch.empty_like(lp)
+    wd = w.double()
+    for n0 in range(0, x.shape[0], chunk):
+        a = (x[n0:n0 + chunk].double() @ wd.T) / temperature
+        ls = torch.log_softmax(a, dim=-1)
+        del a
+        lp[n0:n0 + chunk] = ls.gather(1, t[n0:n0 + chunk, None])[:, 0]
+        ent[n0:n0 + chunk] = -(ls.exp() * ls).sum(-1)
+        del ls
+    return lp, ent
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def _torch_on_logits(x, w, t, temperature):
+    logits = x @ w.T  # in the input dtype, as a model's lm_head
+    a = logits.float() / temperature
+    ls = torch.log_softmax(a, dim=-1)
+    lp = ls.gather(-1, t[:, None])[:, 0]
+    ent = -(ls.exp() * ls).sum(-1)
+    return lp, ent
+
+
+def _logitless(budget):
+    def make(shape, device):
+        import logitless
+
+        b = budget(shape) if callable(budget) else budget
+
+        def fn(x, w, t):
+            return logitless.linear_log_probs(x, w, t, temperature=shape.temperature, entropy=True,
+                                              memory_budget=b)
+        return fn
+    return make
+
+
+def _logits_budget(shape):
+    itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+    return shape.tokens * shape.vocab * itemsize + 64 * 2**20
+
+
+def _eager(shape, device):
+    return lambda x, w, t: _torch_on_logits(x, w, t, shape.temperature)
+
+
+def _compiled(shape, device):
+    compiled = torch.compile(_torch_on_logits)
+    return lambda x, w, t: compiled(x, w, t, shape.temperature)
+
+
+def _verl(shape, device):
+    if device.type != "cuda":
+        raise Skip("verl's kernel needs CUDA")
+    try:
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as verl_lce
+    except Exception as exc:  # noqa: BLE001 - an optional peer
+        raise Skip(f"verl not importable ({describe(exc)})") from None
+
+    def fn(x, w, t):
+        lp, ent = verl_lce(x, w, t, shape.temperature)
+        return lp, ent
+    return fn
+
+
+METHODS = {
+    "logitless": (_logitless(None), "logitless.linear_log_probs(entropy=True), default budget (256 MiB)"),
+    "logitless@logits": (_logitless(_logits_budget), "logitless.linear_log_probs, budget = bf16 logits + 64 MiB"),
+    "torch-eager": (_eager, "x @ W.T in bf16, fp32 log_softmax(logits / T), gather, entropy"),
+    "torch-compile": (_compiled, "the same under torch.compile"),
+    "verl": (_verl, "verl.utils.kernel.linear_cross_entropy (fused Triton, when installed)"),
+}
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure(fn, inputs, gemm_ms, ref, temperature, device, warmup, reps, row) -> None:
+    x, w, t, g_lp, g_h = inputs
+    tm = dict(device=device, warmup=warmup, reps=reps)
+
+    def phase(name, f):
+        try:
+            return f()
+        except Exception as exc:  # noqa: BLE001 - a failure is a result
+            row["errors"].append(f"{name}: {describe(exc)}")
+            timing.release_memory(device)
+            return None
+
+    def forward():
+        with torch.no_grad():
+            ms, row["fwd_spread"] = timing.time_ms_spread(lambda: fn(x, w, t), **tm)
+            return ms
+
+    row["fwd_ms"] = phase("forward", forward)
+    if row["fwd_ms"] is None:
+        return
+    row["fwd_per_gemm"] = row["fwd_ms"] / gemm_ms
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+    def setup():
+        xg.grad = wg.grad = None
+
+    def step():
+        lp, ent = fn(xg, wg, t)
+        torch.autograd.backward([lp, ent], [g_lp, g_h])
+        return lp.detach(), ent.detach()
+
+    def fwdbwd():
+        ms, row["fwdbwd_spread"] = timing.time_ms_spread(step, setup=setup, **tm)
+        return ms
+
+    row["fwdbwd_ms"] = phase("forward+backward", fwdbwd)
+    if row["fwdbwd_ms"] is not None:
+        row["fwdbwd_per_3gemm"] = row["fwdbwd_ms"] / (3 * gemm_ms)
+    grads = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
+    out = phase("memory", lambda: timing.peak_extra_bytes(step, device=device, setup=setup, exclude_bytes=grads))
+    if out is not None:
+        (lp, ent), extra = out
+        row["peak_extra_mib"] = None if extra is None else extra / 2**20
+        if ref is not None:
+            lp = lp.double()
+            if lp.mean() > 0:  # a peer returning -log p
+                lp = -lp
+                row["note"] = "returned -log p (negated)"
+            row["logp_err"] = (lp - ref[0]).abs().max().item()
+            row["entropy_err"] = (ent.double() - ref[1]).abs().max().item()
+    setup()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows) -> str:
+    head = "| shape | method | status | fwd/GEMM | f+b/3GEMM | fwd ms | f+b ms | peak extra MiB | logp err | H err |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason'][:80]}"
+        lines.append(
+            f"| {r['shape']} | {r['method']} | {status} | {_fmt(r.get('fwd_per_gemm'), '.2f')} | "
+            f"{_fmt(r.get('fwdbwd_per_3gemm'), '.2f')} | {_fmt(r.get('fwd_ms'), '.2f')} | "
+            f"{_fmt(r.get('fwdbwd_ms'), '.2f')} | {_fmt(r.get('peak_extra_mib'), '.0f')} | "
+            f"{_fmt(r.get('logp_err'), '.1e')} | {_fmt(r.get('entropy_err'), '.1e')} |")
+    return "\n".join(lines)
+
+
+def save(data, out_dir) -> list:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = data["meta"]["device_tag"]
+    day = datetime.date.today().isoformat()
+    md = [f"# rl: {data['title']}", "", f"{data['meta']['device']} | torch {data['meta']['torch']} | "
+          f"triton {data['meta']['triton']} | {data['meta']['date']}", "", f"`{data['meta']['command']}`", ""]
+    if not data["meta"]["gpu"]:
+        md += ["```", report.CPU_BANNER, "```", ""]
+    md += ["GEMM units (ms): " + ", ".join(f"{k}: {v:.3f}" for k, v in data["gemm_ms"].items()), "",
+           table(data["rows"]), "", METRICS, ""]
+    md += [f"- note: {n}" for n in data["notes"]]
+    written = []
+    for stem in (f"rl-{tag}-{day}", f"latest-rl-{tag}"):
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+        written += [out / f"{stem}.json", out / f"{stem}.md"]
+    return written
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def run_cli(args, cpu: bool) -> int:
+    """``python -m logitless_bench --suite rl ...`` (options of cli.py)."""
+    from logitless.ops.linear_log_probs.bench_shapes import CPU_SHAPES, SHAPES
+
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    pool = SHAPES + CPU_SHAPES
+    shapes = CPU_SHAPES if cpu else SHAPES
+    wanted = [s.strip() for s in (args.shapes or "").split(",") if s.strip()]
+    if wanted:
+        unknown = [w for w in wanted if w not in {s.name for s in pool}]
+        if unknown:
+            raise SystemExit(f"unknown rl shape(s) {unknown}; known: {[s.name for s in pool]}")
+        shapes = [s for s in pool if s.name in wanted]
+    if args.quick:
+        shapes = shapes[:1]
+    methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
+    if args.no_peers:
+        methods = [m for m in methods if m.startswith("logitless")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown rl method(s) {unknown}; known: {list(METHODS)}")
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
+    if cpu:
+        print(report.CPU_BANNER, flush=True)
+    meta = report.environment(device)
+    print(f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']}", flush=True)
+    data = {"suite": "rl", "title": "token log-probs + entropy at T=0.7, upstream gradients on both outputs",
+            "meta": meta, "settings": {"warmup": warmup, "reps": reps, "seed": args.seed},
+            "methods": {m: METHODS[m][1] for m in methods}, "gemm_ms": {}, "rows": [], "notes": [],
+            "complete": False}
+    out_dir = args.out or "benchmarks/results"
+    try:
+        for shape in shapes:
+            inputs = make_inputs(shape, device, args.seed)
+            gemm_ms = timing.gemm_ms(inputs[0], inputs[1], warmup=warmup, reps=reps)
+            data["gemm_ms"][shape.name] = gemm_ms
+            print(f"== rl {shape.label} {shape.dtype} T={shape.temperature}: 1 GEMM = {gemm_ms:.3f} ms", flush=True)
+            ref = None
+            if not args.no_errors:
+                try:
+                    ref = reference(*inputs[:3], shape.temperature)
+                except Exception as exc:  # noqa: BLE001
+                    data["notes"].append(f"{shape.name}: float64 reference failed ({describe(exc)})")
+                timing.release_memory(device)
+            for name in methods:
+                row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
+                       "gemm_ms": gemm_ms}
+                if deadline is not None and time.monotonic() > deadline:
+                    row.update(status="skipped", reason="time limit (--max-minutes) reached")
+                else:
+                    try:
+                        fn = METHODS[name][0](shape, device)
+                    except Skip as exc:
+                        row.update(status="skipped", reason=str(exc))
+                    except Exception as exc:  # noqa: BLE001
+                        row.update(status="failed", reason=f"set-up: {describe(exc)}")
+                    else:
+                        measure(fn, inputs, gemm_ms, ref, shape.temperature, device, warmup, reps, row)
+                        del fn
+                if row["status"] == "ok" and row["errors"]:
+                    row.update(status="failed", reason="; ".join(row["errors"]))
+                data["rows"].append(row)
+                print(f"  {name:<17} {row['status']:<8} fwd {_fmt(row.get('fwd_per_gemm'), '.2f')}x GEMM, "
+                      f"f+b {_fmt(row.get('fwdbwd_per_3gemm'), '.2f')}x 3 GEMMs, peak "
+                      f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, logp err {_fmt(row.get('logp_err'), '.1e')}, "
+                      f"H err {_fmt(row.get('entropy_err'), '.1e')} {row['reason'][:160]}", flush=True)
+                timing.release_memory(device)
+            del inputs, ref
+            timing.release_memory(device)
+            save(data, out_dir)
+        data["complete"] = True
+    except KeyboardInterrupt as exc:
+        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
+    written = save(data, out_dir)
+    print("\n" + table(data["rows"]), flush=True)
+    print("written: " + ", ".join(str(p) for p in written), flush=True)
+    return 0

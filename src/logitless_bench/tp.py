@@ -1,0 +1,376 @@
+"""``python -m logitless_bench --suite tp``: vocab-parallel (tensor-parallel) cross-entropy.
+
+One process per visible GPU (NCCL; on a machine without 2 GPUs: 2 CPU processes over
+gloo at a toy size, a harness check only). The LM head (V, H) is split over the ranks
+by rows (torch's Shard(0) blocks); x (N, H) and the targets are the same on every
+rank. Methods, each a forward + backward of the mean cross-entropy giving the full dx
+on every rank and this rank's dW rows:
+
+    logitless-tp      logitless.linear_cross_entropy(x, W_r, t, process_group=pg)
+    logitless-tp@512MiB   the same with memory_budget=512 MiB (more kept columns)
+    megatron-style    local logits x W_r^T (bf16, then fp32), all-reduce MAX of the row
+                      max, SUM of sum-exp and of the target logit (Megatron's
+                      vocab_parallel_cross_entropy), dx all-reduced (in bf16)
+    dtensor-loss-parallel  torchtitan: nn.Linear + ColwiseParallel(use_local_output=False),
+                      F.cross_entropy on the fp32 Shard(-1) logits under loss_parallel()
+    logitless-1gpu    logitless on rank 0 with the whole weight (the others wait)
+
+Columns: fwd+bwd time (the slowest rank's median) as a ratio of ONE GPU's three cuBLAS
+GEMMs of the whole problem (x W^T, dz W, dz^T x: 3 x the time of x @ W^T on rank 0);
+peak extra memory per GPU (the largest rank's, beyond inputs and the gradients the
+call returns); the loss' relative error vs a float64 reference (chunked, on rank 0)
+and vs logitless on one GPU. JSON + markdown: <out>/latest-tp-<device>.{json,md} and
+dated copies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import report
+from .timing import gemm_ms, peak_extra_bytes, release_memory, time_ms
+
+#: (name, tokens, hidden, vocab) at bf16: the issue's two shapes.
+SHAPES = [("llama3.1-8b", 8192, 4096, 128256), ("qwen3-8b", 16384, 4096, 151936)]
+CPU_SHAPES = [("cpu-toy", 64, 32, 1001)]
+METHODS = ("logitless-tp", "logitless-tp@512MiB", "megatron-style", "dtensor-loss-parallel", "logitless-1gpu")
+
+
+def blocks(v: int, world: int) -> list[int]:
+    """torch's Shard(0) row counts of V rows over ``world`` ranks (ceil blocks, the last short)."""
+    step = -(-v // world)
+    return [max(0, min(step, v - r * step)) for r in range(world)]
+
+
+# --- the Megatron-style baseline ----------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.pg)
+        return g, None
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Megatron's _VocabParallelCrossEntropy on fp32 local logits (N, V_r)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, pg):
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+        logits = logits - m[:, None]
+        local = target - start
+        inside = (local >= 0) & (local < logits.shape[1])
+        idx = torch.where(inside, local, torch.zeros_like(local))
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        predicted = torch.where(inside, logits[rows, idx], torch.zeros_like(m))
+        dist.all_reduce(predicted, group=pg)
+        exp = logits.exp_()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=pg)
+        loss = torch.log(sum_exp) - predicted
+        exp.div_(sum_exp[:, None])
+        ctx.save_for_backward(exp, idx, inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, inside = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        softmax[rows, idx] -= inside.to(softmax.dtype)
+        softmax.mul_(g[:, None])
+        return softmax, None, None, None
+
+
+def megatron_style(x, w_local, target, start, pg):
+    logits = F.linear(_CopyToTP.apply(x, pg), w_local)
+    return _VocabParallelCE.apply(logits.float(), target, start, pg).mean()
+
+
+# --- the worker ---------------------------------------------------------------------
+
+def _reference_loss(x, w, target) -> float:
+    """Mean cross-entropy in float64, 1024 tokens at a time (rank 0)."""
+    total = 0.0
+    wd = w.double()
+    for n0 in range(0, x.shape[0], 1024):
+        z = x[n0:n0 + 1024].double() @ wd.T
+        total += F.cross_entropy(z, target[n0:n0 + 1024], reduction="sum").item()
+        del z
+    return total / x.shape[0]
+
+
+def _max_over_ranks(value, device):
+    t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64, device=device)
+    if value is None:
+        t.fill_(-1.0)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = t.item()
+    return None if v < 0 else v
+
+
+def past_deadline(deadline, device) -> bool:
+    """Whether any rank is past the deadline (one collective: every rank decides alike)."""
+    if not deadline:
+        return False
+    late = torch.tensor([float(time.time() > deadline)], device=device)
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline=None):
+    import logitless
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = blocks(v, world)
+    start = sum(rows[:rank])
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, h, device=device, dtype=dtype, generator=g)
+    w = (torch.randn(v, h, device=device, dtype=dtype, generator=g) * h ** -0.5)
+    target = torch.randint(0, v, (n,), device=device, generator=g)
+    w_local = w[start:start + rows[rank]].clone()
+    unit = 3 * gemm_ms(x, w, warmup=warmup, reps=reps) if rank == 0 else 0.0
+    ref = _reference_loss(x, w, target) if rank == 0 else 0.0
+    if device.type == "cuda" and rank != 0 and "dtensor-loss-parallel" not in methods:
+        del w  # the full weight only serves the one-GPU rows (rank 0) and the DTensor method
+    release_memory(device)
+    row = {"shape": name, "tokens": n, "hidden": h, "vocab": v, "dtype": str(dtype).replace("torch.", ""),
+           "world": world, "blocks": rows, "unit_ms": unit, "reference_loss": ref, "methods": {}}
+    one_gpu_loss = None
+    for method in methods:
+        if past_deadline(deadline, device):
+            row["skipped"] = f"time limit before {method}"
+            log(f"  {name:<12} time limit: skipping {method} and the rest")
+            break
+        xg = x.clone().requires_grad_()
+        fn = wg = None
+        grads = 0
+        if method == "logitless-1gpu":
+            if rank == 0:
+                wg = w.clone().requires_grad_()
+                fn = lambda: logitless.linear_cross_entropy(xg, wg, target).backward()  # noqa: E731
+                grads = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
+        elif method == "dtensor-loss-parallel":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+            mesh = init_device_mesh(device.type, (world,))
+            lin = torch.nn.Linear(h, v, bias=False, device=device, dtype=dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+            parallelize_module(lin, mesh, ColwiseParallel(use_local_output=False))
+
+            def fn(lin=lin, xg=xg):
+                logits = lin(xg)
+                with loss_parallel():
+                    loss = F.cross_entropy(logits.float(), target)
+                    loss.backward()
+                return loss
+
+            wg = lin.weight
+            grads = xg.numel() * xg.element_size() + w_local.numel() * w_local.element_size()
+        else:
+            wg = w_local.clone().requires_grad_()
+            grads = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
+            if method.startswith("logitless-tp"):
+                budget = 512 * 2**20 if method.endswith("@512MiB") else None
+                fn = lambda: logitless.linear_cross_entropy(  # noqa: E731
+                    xg, wg, target, process_group=pg, memory_budget=budget).backward()
+            else:
+                fn = lambda: megatron_style(xg, wg, target, start, pg).backward()  # noqa: E731
+
+        def setup(xg=xg, wg=wg, method=method):
+            xg.grad = None
+            if wg is not None:
+                wg.grad = None
+            if method != "logitless-1gpu":
+                dist.barrier()
+
+        res = {}
+        try:
+            if method == "logitless-1gpu" and rank != 0:
+                ms = mem = None
+            else:
+                ms = time_ms(fn, device=device, setup=setup, warmup=warmup, reps=reps)
+                setup()
+                _, mem = peak_extra_bytes(fn, device=device, exclude_bytes=grads)
+                # The loss of one more call (for the error columns), without its backward.
+                with torch.no_grad():
+                    if method.startswith("logitless-tp"):
+                        loss = logitless.linear_cross_entropy(x, wg, target, process_group=pg)
+                    elif method == "megatron-style":
+                        loss = megatron_style(x, wg, target, start, pg)
+                    elif method == "logitless-1gpu":
+                        loss = logitless.linear_cross_entropy(x, wg, target)
+                    else:
+                        with loss_parallel():
+                            loss = F.cross_entropy(lin(x).float(), target)
+                        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+                res["loss"] = float(loss)
+                if method == "logitless-1gpu":
+                    one_gpu_loss = res["loss"]
+        except Exception as exc:  # noqa: BLE001 (a failing method must not stop the others)
+            res["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            ms = mem = None
+        if method != "logitless-1gpu":
+            ms = _max_over_ranks(ms, device)
+            mem = _max_over_ranks(mem, device)
+        res.update(ms=ms, peak_extra_mib=None if mem is None else mem / 2**20)
+        row["methods"][method] = res
+        fn = xg = wg = None
+        release_memory(device)
+        if method != "logitless-1gpu" or rank == 0:
+            log(f"  {name:<12} {method:<22} " + (f"{ms:9.2f} ms" if ms is not None else "        -   ")
+                + (f"  {mem / 2**20:9.0f} MiB" if mem is not None else "") + (f"  {res.get('error', '')}"))
+    for res in row["methods"].values():
+        if rank == 0 and res.get("loss") is not None:
+            res["ratio"] = res["ms"] / unit if res.get("ms") and unit else None
+            res["rel_err_fp64"] = abs(res["loss"] - ref) / abs(ref)
+            if one_gpu_loss is not None:
+                res["rel_err_1gpu"] = abs(res["loss"] - one_gpu_loss) / abs(one_gpu_loss)
+    return row
+
+
+def _worker(rank: int, world: int, port: int, cpu: bool, opts: dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+    else:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
+                                timeout=datetime.timedelta(minutes=5))
+    pg = dist.group.WORLD
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    rows = []
+    interrupted = None
+    try:
+        for name, n, h, v in opts["shapes"]:
+            if past_deadline(opts["deadline"], device):
+                interrupted = "time limit"
+                break
+            dtype = torch.float32 if cpu else torch.bfloat16
+            rows.append(_case(name, n, h, v, dtype, device, pg, opts["warmup"], opts["reps"], opts["methods"], log,
+                              opts["deadline"]))
+            if rows[-1].get("skipped"):
+                interrupted = rows[-1]["skipped"]
+    except KeyboardInterrupt as exc:
+        interrupted = str(exc) or "interrupted"
+    if rank == 0:
+        _save(rows, device, opts, interrupted)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(data: dict) -> str:
+    meta = data["meta"]
+    lines = [f"# Vocab-parallel cross-entropy ({data['world']} ranks, {meta['device']})", "",
+             f"{meta['date']} | torch {meta['torch']} | triton {meta['triton']} | cuda {meta['cuda']} | "
+             f"`{meta['command']}`", "",
+             "fwd+bwd: slowest rank's median, as a ratio of one GPU's three cuBLAS GEMMs of the whole problem "
+             "(lower is better); memory: peak extra per GPU beyond inputs and returned gradients; errors: "
+             "relative error of the loss vs float64 and vs logitless on one GPU.", "",
+             "| shape | method | fwd+bwd ms | x 3 GEMMs | extra MiB/GPU | rel err fp64 | rel err 1-GPU |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for row in data["rows"]:
+        for method, r in row["methods"].items():
+            lines.append(f"| {row['shape']} ({row['tokens']}x{row['hidden']}x{row['vocab']}) | {method} | "
+                         f"{_fmt(r.get('ms'), '.2f')} | {_fmt(r.get('ratio'), '.3f')} | "
+                         f"{_fmt(r.get('peak_extra_mib'), '.0f')} | {_fmt(r.get('rel_err_fp64'), '.1e')} | "
+                         f"{_fmt(r.get('rel_err_1gpu'), '.1e')} |" + (f" {r['error']}" if r.get("error") else ""))
+    if data.get("note"):
+        lines += ["", f"Note: {data['note']}"]
+    return "\n".join(lines) + "\n"
+
+
+def _save(rows, device, opts, interrupted):
+    meta = report.environment(device)
+    meta["command"] = opts["command"]  # the parent's, not the spawned worker's
+    data = {"suite": "tp", "meta": meta, "world": opts["world"], "rows": rows, "complete": interrupted is None,
+            "note": f"partial: {interrupted}" if interrupted else ""}
+    out = Path(opts["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    tag = meta["device_tag"]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    text = markdown(data)
+    written = []
+    for stem in (f"latest-tp-{tag}", f"tp-{tag}-{stamp}"):
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+        (out / f"{stem}.md").write_text(text)
+        written += [out / f"{stem}.json", out / f"{stem}.md"]
+    print("\n" + text, flush=True)
+    print("files: " + " ".join(str(p) for p in written), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args, cpu: bool) -> int:
+    """``python -m logitless_bench --suite tp`` (options of cli.py: --shapes, --methods,
+    --quick, --warmup, --reps, --max-minutes, --out, --cpu)."""
+    world = 2 if cpu else torch.cuda.device_count()
+    if not cpu and world < 2:
+        print("[tp] needs >= 2 GPUs (one process per GPU); use --cpu for the gloo harness check", flush=True)
+        return 2
+    pool = CPU_SHAPES if cpu else SHAPES
+    wanted = [s.strip() for s in (args.shapes or "").split(",") if s.strip()]
+    if wanted:
+        known = {s[0]: s for s in SHAPES + CPU_SHAPES}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            raise SystemExit(f"unknown tp shape(s) {unknown}; known: {list(known)}")
+        pool = [known[w] for w in wanted]
+    if args.quick:
+        pool = pool[:1]
+    methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown tp method(s) {unknown}; known: {list(METHODS)}")
+    if args.no_peers:
+        methods = [m for m in methods if m.startswith("logitless")]
+    if cpu:
+        print(report.CPU_BANNER, flush=True)
+    import shlex
+
+    opts = dict(shapes=pool, methods=methods, world=world, out=args.out or "benchmarks/results",
+                command=shlex.join(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv),
+                warmup=args.warmup if args.warmup is not None else (1 if args.quick else 3),
+                reps=args.reps if args.reps is not None else (3 if args.quick else 10),
+                deadline=time.time() + 60 * args.max_minutes if args.max_minutes else None)
+    print(f"[tp] {world} processes ({'gloo, CPU' if cpu else 'NCCL, one GPU each'}): "
+          f"{', '.join(s[0] for s in pool)} x {', '.join(methods)}", flush=True)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), cpu, opts), nprocs=world, join=True)
+    sys.stdout.flush()
+    return 0

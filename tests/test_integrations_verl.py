@@ -1,0 +1,101 @@
+"""logitless.integrations.verl.linear_cross_entropy: verl's fused-kernel signature and
+conventions (verl 0.9.1), against our op and a plain torch implementation of verl's
+semantics (float64 as the yardstick)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import logitless
+from logitless.integrations.verl import linear_cross_entropy
+
+
+def _plain_verl(hidden, weight, labels, temperature, reduction):
+    """verl's semantics in plain torch: flattened, +log p, entropy per token."""
+    h = hidden.reshape(-1, hidden.shape[-1]).double()
+    a = (h @ weight.double().T) / temperature
+    lp = torch.log_softmax(a, -1)
+    logp = lp.gather(-1, labels.reshape(-1, 1)).squeeze(-1)
+    ent = -(lp.exp() * lp).sum(-1)
+    if reduction == "sum":
+        logp = logp.sum()
+    elif reduction == "mean":
+        logp = logp.mean()
+    return logp, ent
+
+
+def _inputs(shape=(2, 5), h=24, v=101, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, h, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h ** 0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, shape, generator=g)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean", "MEAN"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_plain_verl_semantics_and_our_op(reduction, temperature):
+    hidden, weight, labels = _inputs()
+    logp, ent = linear_cross_entropy(hidden, weight, labels, temperature, reduction)
+    red = reduction.lower()
+    assert logp.dtype == ent.dtype == torch.float32
+    assert ent.shape == (10,) and logp.shape == ((10,) if red == "none" else ())
+    rlogp, rent = _plain_verl(hidden, weight, labels, temperature, red)
+    torch.testing.assert_close(logp.double(), rlogp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=1e-5)
+    # same numbers as the op itself (flattened)
+    olp, oent = logitless.linear_log_probs(hidden, weight, labels, temperature=temperature, entropy=True)
+    torch.testing.assert_close(ent, oent.reshape(-1), rtol=0, atol=0)
+    if red == "none":
+        torch.testing.assert_close(logp, olp.reshape(-1), rtol=0, atol=0)
+        assert (logp <= 0).all()  # +log p, verl's sign
+    # gradients from both outputs
+    g1 = torch.randn(logp.shape, dtype=torch.float64)
+    g2 = torch.randn(ent.shape, dtype=torch.float64)
+    dh, dw = torch.autograd.grad((logp.double() * g1).sum() + (ent.double() * g2).sum(), (hidden, weight))
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    r1, r2 = _plain_verl(h64, w64, labels, temperature, red)
+    rdh, rdw = torch.autograd.grad((r1 * g1).sum() + (r2 * g2).sum(), (h64, w64))
+    torch.testing.assert_close(dh.double(), rdh, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dw.double(), rdw, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_and_flat_inputs():
+    hidden, weight, labels = _inputs(shape=(7,), dtype=torch.bfloat16, seed=3)
+    logp, ent = linear_cross_entropy(hidden, weight, labels, 0.9)
+    rlogp, rent = _plain_verl(hidden, weight, labels, 0.9, "none")
+    assert (logp.double() - rlogp).abs().max() < 1e-4 and (ent.double() - rent).abs().max() < 1e-4
+
+
+def test_errors():
+    hidden, weight, labels = _inputs()
+    with pytest.raises(ValueError, match="process_group"):
+        linear_cross_entropy(hidden, weight, labels, 1.0, "none", dist_process_group=object())
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, labels, 1.0, "avg")
+    with pytest.raises(ValueError, match="temperature"):
+        linear_cross_entropy(hidden, weight, labels, 0.0)
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(hidden, weight, labels[:, :3])
+    with pytest.raises(ValueError):
+        linear_cross_entropy(hidden, weight, labels.masked_fill(labels == labels[0, 0], 10_000))
+
+
+def test_against_verls_own_kernel():
+    try:
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as verl_lce
+    except Exception as exc:  # verl is optional and not a dependency
+        pytest.skip(f"verl not importable ({exc!r})")
+    if not torch.cuda.is_available():
+        pytest.skip("verl's kernel has no CPU path (it asserts CUDA tensors)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(256, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    weight = torch.randn(4096, 256, device="cuda", generator=g, dtype=torch.bfloat16) / 16
+    labels = torch.randint(0, 4096, (256,), device="cuda", generator=g)
+    ours = linear_cross_entropy(hidden, weight, labels, 0.7, "none")
+    theirs = verl_lce(hidden, weight, labels, 0.7, "none")
+    ref = _plain_verl(hidden, weight, labels, 0.7, "none")
+    for o, t, r in zip(ours, theirs, ref):
+        assert o.shape == t.shape and o.dtype == t.dtype
+        assert (o.double() - r).abs().max() <= (t.double() - r).abs().max() + 1e-5

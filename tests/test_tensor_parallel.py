@@ -1,0 +1,422 @@
+"""Vocab-parallel (tensor-parallel) linear_cross_entropy: 2 and 3 processes.
+
+Each rank holds a contiguous block of rows of the full LM-head weight (uneven blocks,
+an empty one, padded vocabularies); x and the targets are the same on every rank.
+Loss, stats and gradients are compared with the float64 reference on the full weight
+(``assert_close_to_ref``, torch in the same dtype as the yardstick) and with the
+single-process op; the loss must be bitwise identical on every rank.
+
+Over gloo on the CPU; over NCCL (one GPU per rank) when CUDA has a GPU per rank. Each test
+is one spawn that runs many cases (process start-up dominates on the CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import logitless
+from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from tests.helpers import assert_close_to_ref
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
+    pytest.mark.skipif(sys.platform == "win32", reason="gloo on Windows is not set up here"),
+]
+
+NCCL = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, *args):
+    """Runs ``fn(rank, world, device, *args)`` in ``world`` processes: NCCL with one GPU
+    each when there are enough GPUs, else gloo on the CPU."""
+    nccl = NCCL and torch.cuda.device_count() >= world
+    if not nccl and not dist.is_gloo_available():
+        pytest.skip("needs gloo (CPU) or enough CUDA GPUs with NCCL")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.multiprocessing.spawn(_run, args=(world, _free_port(), fn, args, nccl), nprocs=world, join=True)
+
+
+def _run(rank: int, world: int, port: int, fn, args, nccl: bool):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A rank that fails leaves the others waiting in a collective: time out, do not hang.
+    timeout = datetime.timedelta(seconds=90)
+    if nccl:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                                timeout=timeout)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        fn(rank, world, torch.device("cuda", rank) if nccl else torch.device("cpu"), *args)
+    except BaseException:
+        traceback.print_exc()
+        raise  # no barrier: the other ranks may be inside a collective
+    # Every rank reaches here before any tears the group down.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _blocks(rows: list[int], rank: int) -> slice:
+    start = sum(rows[:rank])
+    return slice(start, start + rows[rank])
+
+
+def _inputs(seed, shape, h, v_rows, v_real, dtype, device, *, bias=False, cw=False, ignore=-100):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v_rows, h, generator=g, dtype=torch.float64) * h ** -0.5 * 2
+    b = torch.randn(v_rows, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    t = torch.randint(0, v_real, shape, generator=g)
+    if t.numel() > 2:
+        t.view(-1)[1] = ignore
+    c = torch.rand(v_real, generator=g, dtype=torch.float64) + 0.5 if cw else None
+    to = dict(dtype=dtype, device=device)
+    return (x.to(**to), w.to(**to), None if b is None else b.to(**to), t.to(device),
+            None if c is None else c.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype))
+
+
+def _same_on_every_rank(name, t: torch.Tensor):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    for p in parts:
+        assert torch.equal(p.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+            f"{name} differs between ranks"
+
+
+def _check_case(rank, device, rows, case):
+    """One case: the op with this rank's block vs the reference and the one-process op."""
+    pg = dist.group.WORLD
+    dtype = case.get("dtype", torch.float64)
+    shape = case.get("shape", (11,))
+    h = case.get("h", 13)
+    v_rows = sum(rows)
+    v_real = case.get("vocab_size") or v_rows
+    x, w, b, t, cw = _inputs(case.get("seed", 0), shape, h, v_rows, v_real, dtype, device,
+                             bias=case.get("bias", False), cw=case.get("cw", False),
+                             ignore=case.get("ignore_index", -100))
+    kw = {k: case[k] for k in ("reduction", "label_smoothing", "softcap", "z_loss", "shift", "ignore_index")
+          if k in case}
+    stats = case.get("stats", False)
+    backend = case.get("backend", "torch")
+    mine = _blocks(rows, rank)
+    xl = x.clone().requires_grad_()
+    wl = w[mine].clone().requires_grad_()
+    bl = b[mine].clone().requires_grad_() if b is not None else None
+    out = logitless.linear_cross_entropy(
+        xl, wl, t, bl, class_weight=cw, return_stats=stats, backend=backend, process_group=pg,
+        vocab_size=case.get("vocab_size"), partial_dx=case.get("partial_dx", False), **kw)
+    loss, st = out if stats else (out, None)
+    # The one-process op (same dtype) and the float64 reference, on the real rows.
+    real = slice(0, v_real)
+    xs = x.clone().requires_grad_()
+    ws = w[real].clone().requires_grad_()
+    bs = b[real].clone().requires_grad_() if b is not None else None
+    out1 = logitless.linear_cross_entropy(xs, ws, t, bs, class_weight=cw, return_stats=stats, backend=backend, **kw)
+    loss1, st1 = out1 if stats else (out1, None)
+    xr = x.double().clone().requires_grad_()
+    wr = w[real].double().clone().requires_grad_()
+    br = b[real].double().clone().requires_grad_() if b is not None else None
+    ref, ref_lse, ref_correct = linear_cross_entropy_reference(
+        xr, wr, t, br, class_weight=None if cw is None else cw.double(), **kw)
+    name = case["name"]
+    _same_on_every_rank(f"{name}: loss", loss.detach())
+    assert_close_to_ref(f"{name}: loss", loss, loss1, ref, dtype)
+    if stats:
+        assert_close_to_ref(f"{name}: lse", st.lse, st1.lse, ref_lse, dtype)
+        assert torch.equal(st.correct, st1.correct), f"{name}: correct"
+        assert torch.equal(st.correct.cpu(), ref_correct.cpu()), f"{name}: correct vs reference"
+        assert int(st.num_tokens) == int(st1.num_tokens)
+    if loss.numel() == 0:
+        return
+    seed = torch.Generator().manual_seed(5)
+    up = torch.randn(loss.shape, generator=seed, dtype=torch.float64)
+    (loss * up.to(device=device, dtype=loss.dtype)).sum().backward()
+    (loss1 * up.to(device=device, dtype=loss1.dtype)).sum().backward()
+    (ref * up.to(device)).sum().backward()
+    dx = xl.grad
+    if case.get("partial_dx"):
+        dx = dx.double()
+        dist.all_reduce(dx)
+        dx = dx.to(dtype)
+    else:
+        _same_on_every_rank(f"{name}: dx", dx)
+    assert_close_to_ref(f"{name}: dx", dx, xs.grad, xr.grad, dtype)
+    real_mine = slice(mine.start, min(mine.stop, v_real))
+    n_real = max(0, real_mine.stop - real_mine.start)
+    local = slice(mine.start - real_mine.start, mine.start - real_mine.start + n_real) if n_real else slice(0, 0)
+    assert_close_to_ref(f"{name}: dw", wl.grad[:n_real], ws.grad[real_mine], wr.grad[real_mine], dtype)
+    assert torch.all(wl.grad[n_real:] == 0), f"{name}: padding rows got a gradient"
+    del local
+    if b is not None:
+        assert_close_to_ref(f"{name}: db", bl.grad[:n_real], bs.grad[real_mine], br.grad[real_mine], dtype)
+        assert torch.all(bl.grad[n_real:] == 0)
+
+
+#: (name, options) run by both world sizes; fp64 on the torch backend must match the
+#: float64 reference to fp64 rounding, fp32 as well as the one-process op does.
+CASES = [
+    dict(name="mean"),
+    dict(name="sum-every-option", reduction="sum", bias=True, cw=True, label_smoothing=0.1, z_loss=1e-3,
+         softcap=3.0),
+    dict(name="none-shift-3d", reduction="none", shift=True, shape=(2, 5), bias=True),
+    dict(name="stats-fp32", dtype=torch.float32, stats=True, z_loss=1e-4, cw=True),
+    dict(name="stats-smoothing-softcap", stats=True, label_smoothing=0.2, softcap=2.0),
+    dict(name="mean-cw-smoothing", cw=True, label_smoothing=0.3, ignore_index=-1),
+    dict(name="partial-dx", partial_dx=True, bias=True, z_loss=1e-3),
+    dict(name="one-token", shape=(1,), stats=True),
+    dict(name="empty", shape=(0,), reduction="sum"),
+    dict(name="bf16", dtype=torch.bfloat16, shape=(9,), h=16, bias=True),
+]
+
+
+def _cases_worker(rank, world, device, rows_list, cases, subset=None):
+    for i, rows in enumerate(rows_list):
+        for case in cases:
+            if i == 0 or subset is None or case["name"] in subset:
+                _check_case(rank, device, rows, case)
+
+
+def test_world3_uneven_blocks():
+    """V = 37 over 3 ranks as torch's Shard(0) splits it (13, 13, 11): every case; with an
+    empty rank (20, 0, 17): a few."""
+    _spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
+           ("sum-every-option", "stats-fp32", "partial-dx", "none-shift-3d"))
+
+
+def test_world2_padded_vocab():
+    """Megatron-style padding: 40 rows (20 + 20), 37 real classes (rank 1 holds 3 padding
+    rows, which must neither enter the softmax nor get a gradient); and 44 rows of which
+    rank 1's all are padding."""
+    cases = [dict(c, vocab_size=37) for c in CASES if c["name"] in ("sum-every-option", "stats-fp32", "partial-dx")]
+    _spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
+
+
+def _errors_worker(rank, world, device):
+    pg = dist.group.WORLD
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(5 + rank, 8, device=device)
+    t = torch.tensor([0, 3, 10, -100], device=device)
+    with pytest.raises(ValueError, match="vocab_size=12 exceeds"):
+        logitless.linear_cross_entropy(x, w, t, process_group=pg, vocab_size=12)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="outside"):
+            logitless.linear_cross_entropy(x, w, torch.tensor([0, 11, 1, 2]), process_group=pg)
+        with pytest.raises(ValueError, match="outside"):  # a padding class is no target
+            logitless.linear_cross_entropy(x, w, t, process_group=pg, vocab_size=10)
+    with pytest.raises(ValueError, match="class_weight"):
+        logitless.linear_cross_entropy(x, w, t, process_group=pg, class_weight=torch.ones(5 + rank, device=device))
+    with pytest.raises(TypeError, match="process_group"):
+        logitless.linear_cross_entropy(x, w, t, process_group="tp")
+    with pytest.raises(ValueError, match="partial_dx"):
+        logitless.linear_cross_entropy(x, w, t, partial_dx=True)
+    with pytest.raises(ValueError, match="vocab_size"):
+        logitless.linear_cross_entropy(x, w, t, process_group=pg, vocab_size=0)
+    # The module form passes the group on.
+    t_ok = torch.tensor([0, 3, 9, -100], device=device)
+    module = logitless.LinearCrossEntropyLoss(process_group=pg, z_loss=1e-3)
+    assert torch.equal(module(x, w, t_ok), logitless.linear_cross_entropy(x, w, t_ok, process_group=pg, z_loss=1e-3))
+
+
+def _merge_worker(rank, world, device):
+    """``distributed.merge_shards`` on rows split over the ranks (the glue other ops use):
+    lse's, plain sums, expectations under the row's softmax (an entropy term), maxima;
+    a rank without columns; rows of -inf; ``merge_argmax``."""
+    from logitless.distributed import merge_argmax, merge_shards
+
+    pg = dist.group.WORLD
+    rows = [9, 0] if world == 2 else [9, 0, 5]
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, sum(rows), generator=g, dtype=torch.float64)
+    z[3] = float("-inf")
+    z[2, 4] = z[2, 7] = z[2].max() + 1  # a tie: the first index wins
+    z = z.to(device)
+    cols = _blocks(rows, rank)
+    zl = z[:, cols]
+    lse_l = torch.logsumexp(zl, dim=1) if zl.shape[1] else torch.full((4,), float("-inf"), dtype=z.dtype,
+                                                                         device=device)
+    p_l = torch.exp(zl - lse_l[:, None]) if zl.shape[1] else zl
+    mean_l = torch.nan_to_num((p_l * torch.nan_to_num(zl, neginf=0.0)).sum(dim=1)) if zl.shape[1] else \
+        torch.full((4,), float("nan"), dtype=z.dtype, device=device)
+    best_l = zl.max(dim=1).values if zl.shape[1] else torch.full((4,), float("-inf"), dtype=z.dtype, device=device)
+    arg_l = (zl.argmax(dim=1) if zl.shape[1] else torch.zeros(4, dtype=torch.int64, device=device)) + cols.start
+    merged = merge_shards(pg, [lse_l], sums=[zl.clamp_min(-1e9).sum(dim=1)], means=[(mean_l, 0)], maxes=[best_l])
+    lse = torch.logsumexp(z, dim=1)
+    torch.testing.assert_close(merged.lse[0], lse)
+    torch.testing.assert_close(merged.sums[0], z.clamp_min(-1e9).sum(dim=1))
+    p = torch.exp(z[:3] - lse[:3, None])
+    torch.testing.assert_close(merged.means[0][:3], (p * z[:3]).sum(dim=1))
+    torch.testing.assert_close(merged.maxes[0], z.max(dim=1).values)
+    argmax = merge_argmax(pg, best_l, arg_l, merged.maxes[0])
+    assert torch.equal(argmax[:3], z[:3].argmax(dim=1)), (argmax, z.argmax(dim=1))
+
+
+def test_errors():
+    _spawn(_errors_worker, 2)
+
+
+def test_merge_shards():
+    """The merge collectives alone, 3 ranks (one without columns)."""
+    _spawn(_merge_worker, 3)
+
+
+def _dtensor_worker(rank, world, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (world,))
+    x, w, b, t, cw = _inputs(3, (2, 6), 12, 37, 37, torch.float64, device, bias=True, cw=True)
+    kw = dict(z_loss=1e-3, label_smoothing=0.1, shift=True)
+    xr, wr, br = (u.clone().requires_grad_() for u in (x, w, b))
+    ref = linear_cross_entropy_reference(xr, wr, t, br, class_weight=cw, **kw)[0]
+    ref.backward()
+    for x_place in (Replicate(), Shard(1), Shard(0)):
+        xd = distribute_tensor(x, mesh, [x_place]).requires_grad_()
+        wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        bd = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+        loss = logitless.linear_cross_entropy(xd, wd, t, bd, class_weight=cw, **kw)
+        loss.backward()
+        name = f"x {x_place}"
+        assert_close_to_ref(f"{name}: loss", loss, None, ref, torch.float64)
+        assert tuple(wd.grad.placements) == (Shard(0),) and tuple(bd.grad.placements) == (Shard(0),), name
+        assert tuple(xd.grad.placements) in ((x_place,), (Partial(),)), (name, xd.grad.placements)
+        assert_close_to_ref(f"{name}: dx", xd.grad.full_tensor(), None, xr.grad, torch.float64)
+        assert_close_to_ref(f"{name}: dw", wd.grad.full_tensor(), None, wr.grad, torch.float64)
+        assert_close_to_ref(f"{name}: db", bd.grad.full_tensor(), None, br.grad, torch.float64)
+    # partial_dx with a Replicate() x: the gradient is Partial(), its full value the same.
+    xd = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    logitless.linear_cross_entropy(xd, wd, t, partial_dx=True).backward()
+    xr2, wr2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    linear_cross_entropy_reference(xr2, wr2, t)[0].backward()
+    assert_close_to_ref("partial dx", xd.grad.full_tensor(), None, xr2.grad, torch.float64)
+    # Under torch.compile(fullgraph=True): DTensor unwrapping traces without a graph break.
+    xr3, wr3 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref3 = linear_cross_entropy_reference(xr3, wr3, t, z_loss=1e-3)[0]
+    ref3.backward()
+    for x_place in (Replicate(), Shard(1)):
+        torch._dynamo.reset()
+        xd = distribute_tensor(x, mesh, [x_place]).requires_grad_()
+        wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        compiled = torch.compile(lambda a, b, c: logitless.linear_cross_entropy(a, b, c, z_loss=1e-3),
+                                 fullgraph=True, backend="aot_eager")
+        loss = compiled(xd, wd, t)
+        loss.backward()
+        assert_close_to_ref(f"compiled {x_place}: loss", loss, None, ref3, torch.float64)
+        assert_close_to_ref(f"compiled {x_place}: dx", xd.grad.full_tensor(), None, xr3.grad, torch.float64)
+        assert_close_to_ref(f"compiled {x_place}: dw", wd.grad.full_tensor(), None, wr3.grad, torch.float64)
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    # FSDP's layout (a Shard(0) weight, a plain x) keeps its clear error; a hidden-dim shard is refused.
+    with pytest.raises(TypeError, match="register_fsdp_forward_method"):
+        logitless.linear_cross_entropy(x, wd, t)
+    with pytest.raises(TypeError, match="hidden dimension"):
+        logitless.linear_cross_entropy(distribute_tensor(x, mesh, [Shard(2)]), wd, t)
+    with pytest.raises(TypeError, match="Shard\\(0\\)"):
+        logitless.linear_cross_entropy(xd, distribute_tensor(w, mesh, [Replicate()]), t)
+    with pytest.raises(ValueError, match="not both"):
+        logitless.linear_cross_entropy(xd, wd, t, process_group=dist.group.WORLD)
+
+
+def test_dtensor():
+    pytest.importorskip("torch.distributed.tensor", reason="DTensor needs torch >= 2.4")
+    _spawn(_dtensor_worker, 2)
+
+
+def _compile_worker(rank, world, device):
+    pg = dist.group.WORLD
+    x, w, _, t, _ = _inputs(4, (7,), 10, 23, 23, torch.float32, device)
+    mine = _blocks([12, 11], rank)
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+
+    def loss_fn(x, w, t):
+        return logitless.linear_cross_entropy(x, w, t, process_group=pg, z_loss=1e-3)
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    xl, wl = x.clone().requires_grad_(), w[mine].clone().requires_grad_()
+    loss = compiled(xl, wl, t)
+    loss.backward()
+    xe, we = x.clone().requires_grad_(), w[mine].clone().requires_grad_()
+    eager = loss_fn(xe, we, t)
+    eager.backward()
+    assert torch.equal(loss, eager)
+    assert torch.equal(xl.grad, xe.grad) and torch.equal(wl.grad, we.grad)
+    assert not counts["graph_break"], dict(counts["graph_break"])
+
+
+def test_compile_fullgraph():
+    _spawn(_compile_worker, 2)
+
+
+def _triton_worker(rank, world, device):
+    for case in (dict(name="triton", dtype=torch.float32, backend="triton", shape=(6,), h=16, bias=True,
+                      z_loss=1e-3, stats=True),
+                 dict(name="triton-padded-smoothing", dtype=torch.float32, backend="triton", shape=(5,), h=16,
+                      vocab_size=30, label_smoothing=0.1, cw=True)):
+        _check_case(rank, device, [17, 16], case)
+
+
+@pytest.mark.skipif(not NCCL and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend needs CUDA or TRITON_INTERPRET=1")
+def test_triton_backend():
+    pytest.importorskip("triton", reason="needs triton")
+    _spawn(_triton_worker, 2)
+
+
+def _cuda_graph_worker(rank, world, device):
+    """A TP forward+backward captured in a CUDA graph (NCCL collectives included) replays
+    with new inputs and gives eager's loss and gradients bit for bit."""
+    pg = dist.group.WORLD
+    rows = [1501, 1499]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(700, 136, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(sum(rows), 136, device=device, generator=g) * 0.1).to(torch.bfloat16)
+    w = w[_blocks(rows, rank)].clone().requires_grad_()
+    t = torch.randint(0, sum(rows), (700,), device=device, generator=g)
+    t[::7] = -100
+
+    def step():
+        x.grad = w.grad = None
+        loss = logitless.linear_cross_entropy(x, w, t, z_loss=1e-4, process_group=pg)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (kernels, NCCL communicator, layout) off the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = w.grad = None
+    with torch.cuda.graph(graph):
+        loss = logitless.linear_cross_entropy(x, w, t, z_loss=1e-4, process_group=pg)
+        loss.backward()
+    with torch.no_grad():
+        x.copy_(torch.randn(x.shape, device=device, generator=g))
+        t.copy_(torch.randint(0, sum(rows), (700,), device=device, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (loss.clone(), x.grad.clone(), w.grad.clone())
+    expected = step()
+    assert torch.equal(got[0], expected)
+    assert torch.equal(got[1], x.grad) and torch.equal(got[2], w.grad)
+
+
+@pytest.mark.skipif(not NCCL, reason="CUDA graphs of NCCL collectives need >= 2 GPUs")
+def test_cuda_graph_capture():
+    _spawn(_cuda_graph_worker, 2)

@@ -1,0 +1,316 @@
+"""The "triton" backend of logitless.jax.linear_cross_entropy against the float64 reference.
+
+On a machine without GPU the kernels run on Triton's CPU interpreter (through
+``jax.pure_callback``): shapes stay tiny. On an NVIDIA GPU they run through jax-triton.
+Needs the triton package (skipped, with the reason, without it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="the triton backend needs the triton package (pip install triton)")
+
+from logitless.jax import linear_cross_entropy  # noqa: E402
+from logitless.jax.ops.linear_cross_entropy import api  # noqa: E402
+from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref  # noqa: E402
+from logitless.jax.planning import triton_plan  # noqa: E402
+
+from .helpers import assert_close_to_ref, inputs, xla_materialised  # noqa: E402
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+OPTIONS = {
+    "plain": {},
+    "smooth": dict(label_smoothing=0.1),
+    "zloss": dict(z_loss=1e-3),
+    "softcap": dict(softcap=3.0),
+    "all": dict(label_smoothing=0.2, z_loss=1e-2, softcap=4.0),
+}
+#: Forces several backward column chunks (a fori_loop) and a ragged tail at the test
+#: shapes on the interpreter's tiles (block_v = 32: chunks of 64 columns).
+SMALL_BUDGET = 20_000
+
+
+def _check(x, w, t, b, dtype, kw, budget=None, layout="vh"):
+    wl = w if layout == "vh" else w.T
+    argnums = (0, 1) if b is None else (0, 1, 2)
+    f = lambda x, w, b: linear_cross_entropy(x, w, t, b, memory_budget=budget, weight_layout=layout,
+                                             implementation="triton", **kw)
+    red = kw.get("reduction", "mean")
+    g_out = np.arange(1, t.size + 1).reshape(t.shape) / t.size if red == "none" else None
+    proj = (lambda loss: jnp.sum(loss * jnp.asarray(g_out, jnp.float32))) if red == "none" else (lambda loss: loss)
+    loss = f(x, wl, b)
+    grads = jax.grad(lambda *a: proj(f(*a)), argnums=argnums)(x, wl, b)
+    naive = lambda x, w, b: xla_materialised(x, w if layout == "vh" else w.T, t, b, **kw)
+    nloss = naive(x, wl, b)
+    ngrads = jax.grad(lambda *a: proj(naive(*a)), argnums=argnums)(x, wl, b)
+    rloss, _, rgrads = linear_cross_entropy_ref(x, wl, t, b, weight_layout=layout, grad_out=g_out, **kw)
+    assert loss.dtype == jnp.float32
+    assert_close_to_ref("loss", loss, nloss, rloss, dtype)
+    for name, g, ng, rg, p in zip(("dx", "dw", "db"), grads, ngrads, rgrads, (x, wl, b)):
+        assert g.dtype == p.dtype and g.shape == p.shape, name
+        assert_close_to_ref(name, g, ng, rg, dtype)
+    return loss, grads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_against_float64(dtype, option):
+    # V prime, H not a multiple of 16, ignored tokens, bias with "all", several chunks.
+    x, w, t, b = inputs(21, 20, 151, dtype, bias=option == "all", ignore=(3, 17), seed=len(option))
+    _check(x, w, t, b, dtype, dict(OPTIONS[option], reduction="mean"), budget=SMALL_BUDGET)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_reductions_and_layouts(reduction, layout):
+    x, w, t, b = inputs(13, 24, 97, bias=True, ignore=(0,))
+    _check(x, w, t, b, "float32", dict(label_smoothing=0.1, softcap=5.0, reduction=reduction),
+           budget=SMALL_BUDGET, layout=layout)
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_budgets(budget):
+    # None: one chunk covers V (dx = dz @ w); 1: the smallest chunks.
+    x, w, t, _ = inputs(11, 16, 131, "bfloat16", ignore=(5,))
+    _check(x, w, t, None, "bfloat16", dict(z_loss=1e-3), budget=budget)
+
+
+def test_float16():
+    x, w, t, b = inputs(9, 16, 67, "float16", bias=True)
+    _check(x, w, t, b, "float16", dict(label_smoothing=0.1), budget=SMALL_BUDGET)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 7), (3, 7, 1), (2, 8, 40)])
+def test_odd_shapes(shape):
+    n, h, v = shape
+    x, w, t, b = inputs(n, h, v, bias=True)
+    _check(x, w, t, b, "float32", dict(reduction="sum"), budget=SMALL_BUDGET)
+
+
+def test_three_dimensional_stats():
+    x, w, t, _ = inputs(0, 12, 61, lead=(2, 5))
+    loss, stats = linear_cross_entropy(x, w, t, reduction="none", return_stats=True, implementation="triton")
+    assert loss.shape == (2, 5) and stats.lse.shape == (2, 5)
+    rl, rlse, _ = linear_cross_entropy_ref(x, w, t, reduction="none")
+    np.testing.assert_allclose(np.asarray(loss), rl, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(stats.lse), rlse, rtol=1e-5, atol=1e-6)
+
+
+def test_special_values():
+    x, w, t, _ = inputs(6, 8, 31, ignore=range(6))
+    f = lambda x, t, **kw: linear_cross_entropy(x, w, t, implementation="triton", **kw)
+    loss, dx = jax.value_and_grad(lambda x: f(x, t))(x)
+    assert np.isnan(float(loss)) and np.all(np.asarray(dx) == 0)  # mean over no token, as torch
+    assert float(f(x, t, reduction="sum")) == 0.0
+    x, w, t, _ = inputs(4, 8, 31)
+    bad = t.at[2].set(31)
+    per_tok = np.asarray(f(x, bad, reduction="none"))
+    assert np.isnan(per_tok[2]) and np.isfinite(per_tok[[0, 1, 3]]).all()
+    dx = np.asarray(jax.grad(lambda x: f(x, bad, reduction="sum"))(x))
+    assert np.isnan(dx[2]).all() and np.isfinite(dx[[0, 1, 3]]).all()
+    assert np.isnan(float(f(x.at[1, 0].set(jnp.inf), t)))
+    assert np.isnan(float(f(x.at[1, 0].set(jnp.nan), t)))
+    xe, te = jnp.zeros((0, 8)), jnp.zeros((0,), jnp.int32)
+    assert float(f(xe, te, reduction="sum")) == 0.0
+
+
+def test_jit_and_bitwise_repeatable():
+    x, w, t, b = inputs(10, 16, 83, "bfloat16", bias=True, ignore=(1,))
+    f = lambda x, w, b: linear_cross_entropy(x, w, t, b, label_smoothing=0.1, implementation="triton",
+                                             memory_budget=SMALL_BUDGET)
+    step = jax.value_and_grad(f, argnums=(0, 1, 2))
+    eager = step(x, w, b)
+    jitted = jax.jit(step)(x, w, b)
+    again = jax.jit(step)(x, w, b)
+    for a, c, d in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted),
+                       jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(d, np.float32))
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_tokamax_drop_in():
+    x, w, t, _ = inputs(7, 16, 29)
+    ours = api.linear_softmax_cross_entropy_loss(x, t, w.T, implementation="triton")
+    rl, _, _ = linear_cross_entropy_ref(x, w, t, reduction="sum")
+    np.testing.assert_allclose(float(ours), rl, rtol=1e-5)
+
+
+def test_float64_is_refused():
+    assert not api.backend_module("triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
+                                                         has_bias=False)
+    with pytest.raises(ValueError, match="triton"):
+        api.choose_backend("triton", (4, 8), (31, 8), jnp.float64, None, False)
+
+
+def test_automatic_choice(monkeypatch):
+    args = ((4, 8), (31, 8), jnp.bfloat16, None, False)
+    if not ON_GPU:
+        assert api.choose_backend(None, *args) == "xla"  # the interpreter is never automatic
+    triton_mod = api.backend_module("triton")
+    monkeypatch.setattr(api, "_is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(api, "_is_sm90", lambda: False)
+    monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: True)
+    assert api.choose_backend(None, *args) == "triton"  # A100, L4, RTX: Triton
+    assert api.choose_backend(None, *args, True) == "triton"  # also with class weights
+    monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: False)  # e.g. no jax-triton
+    assert api.choose_backend(None, *args) == "xla"
+
+
+def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
+    triton_mod = api.backend_module("triton")
+    monkeypatch.setattr(triton_mod, "_platform", lambda: "gpu")
+    monkeypatch.setattr(triton_mod, "_jax_triton", lambda: None)
+    assert not triton_mod.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+
+
+def test_plan_memory_at_the_tokamax_shapes():
+    from logitless.jax.ops.linear_cross_entropy.bench_shapes import SHAPES
+
+    budget = 256 * 2**20
+    for s in SHAPES:
+        p = triton_plan(s.tokens, s.vocab, s.hidden, 2, budget, interpret=False, compute_capability=80,
+                        num_sms=108)
+        assert p.vocab_chunk % p.block_v == 0 and p.vocab_chunk >= 4096
+        temp = 4 * s.tokens * s.hidden + p.vocab_chunk * (2 * s.tokens + 4 * s.hidden)
+        assert temp <= 512 * 2**20, (s, p, temp)
+        assert p.vocab_splits * -(-s.tokens // p.block_n) >= 108  # fills the GPU
+    small = triton_plan(4096, 128256, 4096, 2, budget, interpret=False, compute_capability=89, num_sms=128)
+    assert (small.block_n, small.block_v) == (128, 128)  # ~100 KiB of shared memory
+    whole = triton_plan(64, 1000, 32, 4, 2**30, interpret=True)
+    assert whole.vocab_chunk >= 1000  # one chunk when the budget holds it
+
+
+def test_kernels_import_without_torch():
+    # The shared kernels and the interpreter helpers are framework-free.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError(\"No module named 'torch'\", name='torch')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import logitless.triton_lib.lce_kernels, logitless.triton_lib.interpret\n"
+        "import jax.numpy as jnp\n"
+        "from logitless.jax import linear_cross_entropy\n"
+        "x = jnp.ones((2, 4)); w = jnp.ones((5, 4)); t = jnp.array([1, 2])\n"
+        "print(float(linear_cross_entropy(x, w, t, implementation='triton')))\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if not ON_GPU:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert abs(float(r.stdout.strip()) - np.log(5)) < 1e-6
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled kernels through jax-triton)")
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_gpu_matches_xla_at_a_medium_shape(layout):
+    x, w, t, b = inputs(1000, 256, 32003, "bfloat16", bias=True, ignore=(7,))
+    _check(x, w, t, b, "bfloat16", dict(label_smoothing=0.1, softcap=30.0), budget=8 * 2**20, layout=layout)
+
+
+def test_vmap_runs_per_element():
+    # Neither triton_call nor the interpreter's callback batches: the backend loops.
+    x, w, t, b = inputs(0, 8, 37, lead=(3, 4), bias=True, ignore=(2,))
+    f = lambda x, t: linear_cross_entropy(x, w, t, b, label_smoothing=0.1, implementation="triton")
+    per_seq = jax.jit(jax.vmap(f))(x, t)
+    gx = jax.grad(lambda x: jax.vmap(f)(x, t).sum())(x)
+    for i in range(3):
+        rl, _, (rdx, _, _) = linear_cross_entropy_ref(x[i], w, t[i], b, label_smoothing=0.1)
+        np.testing.assert_allclose(float(per_seq[i]), rl, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(gx[i]), rdx, rtol=1e-4, atol=1e-6)
+
+
+#: Shared memory a block may use, by compute capability (CUDA's opt-in maximum).
+MAX_SHARED = {80: 166912, 86: 101376, 90: 232448}
+
+
+def _jax_triton_lib():
+    """jax_triton.triton_lib, loaded from its file where the package refuses to import
+    (a CPU-only jaxlib): its compile path (Triton -> PTX) needs no GPU."""
+    spec = importlib.util.find_spec("jax_triton")
+    if spec is None:
+        pytest.skip("jax-triton is not installed (pip install jax-triton==0.3.1)")
+    try:
+        from jax_triton import triton_lib
+        return triton_lib
+    except ImportError:
+        pass
+    path = os.path.join(spec.submodule_search_locations[0], "triton_lib.py")
+    lib_spec = importlib.util.spec_from_file_location("_jax_triton_lib_for_tests", path)
+    lib = importlib.util.module_from_spec(lib_spec)
+    sys.modules[lib_spec.name] = lib
+    lib_spec.loader.exec_module(lib)
+    return lib
+
+
+@pytest.mark.parametrize("cc", sorted(MAX_SHARED))
+def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatch):
+    # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
+    # launches the backend makes at a tokamax shape, for A100, RTX 30/40 and H100 targets.
+    jt = _jax_triton_lib()
+    from logitless.jax.ops.linear_cross_entropy import triton as backend
+    from logitless.jax.ops.linear_cross_entropy import triton_kernels
+    from logitless.triton_lib import lce_kernels
+
+    shared = []
+    compile_ptx = jt.compile_ttir_to_ptx_inplace
+
+    def spy(ttir, be, options, cc_, platform):
+        res = compile_ptx(ttir, be, options, cc_)
+        shared.append(res.shared_mem_bytes)
+        return res
+
+    def fake_launch(kernel_name, grid, plan, out_specs, arrays, consts):
+        kernel = getattr(lce_kernels, kernel_name, None) or getattr(triton_kernels, kernel_name)
+        types = [jt.get_triton_type(jax.core.ShapedArray(a.shape, a.dtype)) for a in (*arrays, *out_specs)]
+        try:
+            jt.get_or_create_triton_kernel(
+                jt.get_cuda_backend, "cuda", kernel, types, (), num_warps=plan.num_warps,
+                num_stages=plan.num_stages, num_ctas=1, compute_capability=cc, enable_fp_fusion=True,
+                metaparams=dict(consts), dump=False)
+        except AttributeError as exc:  # jaxlib's TritonKernel: GPU builds only, after the PTX
+            assert "TritonKernel" in str(exc), exc
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_specs)
+
+    monkeypatch.setattr(jt, "compile_ttir_inplace", spy)
+    monkeypatch.setattr(backend, "_interpret", lambda: False)
+    monkeypatch.setattr(backend, "_device_info", lambda: (cc, 108))
+    monkeypatch.setattr(backend, "_launch", fake_launch)
+    n, h, v = 4096, 4096, 128256
+    bf = jnp.bfloat16
+    x, w = jax.ShapeDtypeStruct((n, h), bf), jax.ShapeDtypeStruct((h, v), bf)  # flax's (H, V)
+    b, t = jax.ShapeDtypeStruct((v,), bf), jax.ShapeDtypeStruct((n,), jnp.int32)
+    cw, lse = jax.ShapeDtypeStruct((v,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32)
+    coef = jax.ShapeDtypeStruct((3, n), jnp.float32)
+    kw = dict(softcap=30.0, budget=256 * 2**20, weight_layout="hv")
+    jax.eval_shape(lambda *a: backend.forward(*a[:4], need_smooth=True, class_weight=a[4], **kw), x, w, b, t, cw)
+    jax.eval_shape(lambda *a: backend.backward(*a[:6], class_weight=a[6], **kw), x, w, b, t, lse, coef, cw)
+    assert len(shared) >= 2 and max(shared) <= MAX_SHARED[cc], shared
+
+
+def test_the_interpreter_leaves_triton_language_as_it_was():
+    # An interpreted launch (CPU path) patches triton.language while it runs; afterwards
+    # kernels compiled in the same process must see the real module (see the test above,
+    # which compiles after the interpreter ran in this process).
+    import triton.language as tl
+
+    before = {k: v for k, v in vars(tl).items() if not k.startswith("__")}
+    before_tensor = dict(vars(tl.tensor))
+    x, w, t, _ = inputs(5, 8, 37)
+    float(linear_cross_entropy(x, w, t, implementation="triton"))
+    after = {k: v for k, v in vars(tl).items() if not k.startswith("__")}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert dict(vars(tl.tensor)) == before_tensor
