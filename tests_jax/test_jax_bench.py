@@ -67,3 +67,32 @@ def test_jax_suite_time_limits(tmp_path, monkeypatch):
     assert any(s == "cpu-b" and m == "xla-logits" and n.startswith("skipped: took") for s, m, n in rows)
     gemm_b = next(r for r in data["rows"] if r["shape"].startswith("cpu-b") and r["method"] == "gemm")
     assert gemm_b["fwd ms"] > 0  # the unit of the ratios is never skipped for slowness
+
+
+def test_jax_sharded_suite_smoke(tmp_path):
+    """``--suite jax-sharded`` on the CPU's host devices: every mode runs, the collectives
+    are read from the compiled HLO, logitless agrees with XLA with the logits."""
+    from logitless_bench import jax_sharded
+
+    assert jax_suite.wants_jax(["--suite", "jax-sharded"]) and jax_suite.wants_jax(["--suite=jax-sharded"])
+    rc = jax_suite.main(["--suite", "jax-sharded", "--cpu", "--tokens", "64", "--hidden", "32", "--vocab", "512",
+                         "--dtype", "float32", "--warmup", "0", "--reps", "1", "--out", str(tmp_path),
+                         "--methods", "xla-logits,logitless-xla"])
+    assert rc == 0
+    data = json.loads((tmp_path / "latest-jax-sharded-cpu.json").read_text())
+    assert data["complete"] and data["meta"]["devices"] == len(jax.devices())
+    modes = {r["mode"] for r in data["rows"]}
+    assert {"data", "tensor"} <= modes and ("2d" in modes) == (len(jax.devices()) >= 4)
+    for r in data["rows"]:
+        assert "note" not in r, r
+        assert r["fwd+bwd ms"] > 0 and r["temp MiB/dev"] >= 0
+        if r["method"] == "logitless-xla":
+            assert r["|loss-xla|"] < 1e-5
+            if len(jax.devices()) > 1:
+                assert "all-gather" not in r["collectives_detail"], r["collectives"]
+    hlo = "%x = f32[64,32]{1,0} all-gather(f32[8,32]{1,0} %p), dimensions={0}\n" \
+          "%y = (f32[], f32[4]) all-reduce-start(f32[] %a, f32[4] %b)"
+    got = jax_sharded.collectives(hlo)
+    assert got == {"all-gather": {"count": 1, "largest": "f32[64,32]"},
+                   "all-reduce": {"count": 1, "largest": "f32[4]"}}
+    assert (tmp_path / "latest-jax-sharded-cpu.md").read_text().startswith("# JAX linear cross-entropy, sharded")

@@ -36,7 +36,7 @@ examples:
 
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "rl", "tp")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "models: the lce suite on 26 real LM-head shapes (files models-<device>-*); "
                    "distill: fused linear JSD; tp: vocab-parallel cross-entropy, one process per GPU; "
                    "train: end-to-end HF training of a 1B model, its own "
-                   "options (--suite train -h); jax: the JAX op, its own options (--suite jax -h) "
+                   "options (--suite train -h); jax: the JAX op, its own options (--suite jax -h); "
+                   "jax-sharded: the JAX op on all local devices, data/tensor parallel (--suite jax-sharded -h) "
                    "(default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "

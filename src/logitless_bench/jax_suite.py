@@ -56,15 +56,23 @@ class Skip(Exception):
     pass
 
 
-def wants_jax(argv) -> bool:
-    """Whether a command line asks for this suite (``--suite jax`` or ``--suite=jax``)."""
+JAX_SUITES = ("jax", "jax-sharded")
+
+
+def _suite(argv):
     argv = list(argv)
     for i, a in enumerate(argv):
-        if a == "--suite" and i + 1 < len(argv) and argv[i + 1] == "jax":
-            return True
-        if a == "--suite=jax":
-            return True
-    return False
+        if a == "--suite" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--suite="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def wants_jax(argv) -> bool:
+    """Whether a command line asks for a JAX suite (``--suite jax`` or ``jax-sharded``,
+    also as ``--suite=...``): those run without torch."""
+    return _suite(argv) in JAX_SUITES
 
 
 def build_parser():
@@ -462,4 +470,9 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _suite(argv) == "jax-sharded":
+        from .jax_sharded import main as sharded_main
+
+        return sharded_main(argv)
     return run(argv)

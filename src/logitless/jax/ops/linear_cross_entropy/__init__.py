@@ -51,6 +51,18 @@ then passes flax-style kernels without a transposed copy. Without it, the api pa
 module-level function): False makes ``implementation=None`` fall back to "xla"; an
 explicit ``implementation="<name>"`` on an unsupported case raises ValueError.
 
+``can_partition() -> bool`` (optional): False keeps the backend out of the sharded jit
+path (``custom_partitioning``); the program then runs unpartitioned (XLA gathers).
+Only for test modes such as Mosaic GPU's interpreter.
+
+Sharding (``sharded.py``): a backend is called per device on its shard, with the
+per-device shapes, and must not know about meshes: the api shifts the targets by the
+shard's first class (targets outside the local [0, V) match no column: a backend's
+target_logit there is masked to 0 by the caller, and its backward must treat them as
+"no target column", which the dz formula does) and merges the statistics and
+gradients with collectives. Loop carries that start as constants must be typed like
+the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla.py).
+
 Automatic choice (``implementation=None``), on an NVIDIA GPU: "mosaic_gpu" when its
 compute capability is 9.x, the module imports and ``is_supported`` says yes; else
 "triton" when it imports and ``is_supported`` says yes (which needs the optional

@@ -16,8 +16,10 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from logitless.jax import formulas as lm
+from logitless.jax.ops.linear_cross_entropy import sharded
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 #: Backends by name: module path (relative to this package). "mosaic_gpu" is optional.
@@ -98,8 +100,19 @@ class _Config(NamedTuple):
     opts: CrossEntropyOptions
     backend: str
     budget: int
-    num_classes: int
+    num_classes: int  # global V (the local V times the vocab axes' size inside shard_map)
     layout_kw: tuple  # (("weight_layout", "hv"),) for backends that take (H, V) natively
+    token_axes: tuple = ()  # shard_map: mesh axes splitting the tokens (token_axis_name)
+    vocab_axes: tuple = ()  # shard_map: mesh axes splitting the vocabulary (vocab_axis_name)
+    partition: bool = False  # jit on several devices: custom_partitioning per device
+
+    @property
+    def manual(self) -> bool:
+        return bool(self.token_axes or self.vocab_axes)
+
+    def static(self, has_bias: bool) -> sharded._Static:
+        return sharded._Static(self.backend, self.opts.softcap, self.opts.needs_smooth_sum, self.budget,
+                               self.layout_kw, has_bias)
 
 
 def _cw_kw(class_weight) -> dict:
@@ -107,14 +120,44 @@ def _cw_kw(class_weight) -> dict:
     return {} if class_weight is None else {"class_weight": class_weight}
 
 
+def _total(a, cfg: _Config):
+    """sum(a) over this call's tokens: all devices' along the token axes (shard_map)."""
+    s = jnp.sum(a)
+    return lax.psum(s, cfg.token_axes) if cfg.token_axes else s
+
+
+def _denominator(target, class_weight, cfg: _Config):
+    """"mean"'s divisor over all devices' tokens (the weighted count with class weights)."""
+    valid = target != cfg.opts.ignore_index
+    return _total(lm.target_weight(target, class_weight, valid), cfg)
+
+
+def _stats(x2d, w, bias, target, class_weight, cfg: _Config):
+    """(lse, z_t, S|None) per token, on whichever path the config names."""
+    opts = cfg.opts
+    if cfg.manual:
+        args = [sharded.to_varying(a, cfg.token_axes) for a in (x2d, target)]
+        return sharded.local_forward(backend_module(cfg.backend), args[0], w, bias, args[1], softcap=opts.softcap,
+                                     need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
+                                     layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
+                                     vocab_axes=cfg.vocab_axes)
+    if cfg.partition:
+        fn = sharded.forward_fn(cfg.static(bias is not None))
+        out = fn(*[a for a in (x2d, w, bias, target) if a is not None])
+        return out if len(out) == 3 else (*out, None)
+    return backend_module(cfg.backend).forward(x2d, w, bias, target, softcap=opts.softcap,
+                                               need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
+                                               **dict(cfg.layout_kw), **_cw_kw(class_weight))
+
+
 def _stats_and_loss(x2d, w, bias, target, class_weight, cfg: _Config):
     opts = cfg.opts
-    module = backend_module(cfg.backend)
-    lse, zt, ss = module.forward(x2d, w, bias, target, softcap=opts.softcap,
-                                 need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                 **dict(cfg.layout_kw), **_cw_kw(class_weight))
+    lse, zt, ss = _stats(x2d, w, bias, target, class_weight, cfg)
     loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts, class_weight)
-    return lm.reduce_loss(loss_tok, target, opts, class_weight), lse
+    if not cfg.token_axes or opts.reduction == "none":
+        return lm.reduce_loss(loss_tok, target, opts, class_weight), lse
+    loss = _total(loss_tok, cfg)
+    return (loss / _denominator(target, class_weight, cfg) if opts.reduction == "mean" else loss), lse
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -127,17 +170,44 @@ def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
     return (loss, lse), (x2d, w, bias, target, class_weight, lse)
 
 
+def _fit(ct, primal):
+    """A cotangent with the varying-axes type of its primal (shard_map, check_vma)."""
+    if ct is None:
+        return None
+    ct = sharded.reduce_to(ct, sharded.varying(primal))
+    return sharded.to_varying(ct, tuple(sharded.varying(primal)))
+
+
 def _lce_bwd(cfg, res, cotangents):
     x2d, w, bias, target, class_weight, lse = res
-    g_loss, _ = cotangents  # lse is an auxiliary output: no gradient flows through it
+    g_loss, g_lse = cotangents
     opts = cfg.opts
-    g = lm.upstream_per_token(g_loss, target, opts, class_weight)
+    if opts.reduction == "mean" and cfg.token_axes:
+        g = jnp.broadcast_to(jnp.asarray(g_loss, jnp.float32) / _denominator(target, class_weight, cfg),
+                             target.shape)
+    else:
+        g = lm.upstream_per_token(g_loss, target, opts, class_weight)
     coef = lm.grad_coefficients(lse, target, g, cfg.num_classes, opts, class_weight)
-    dx, dw, db = backend_module(cfg.backend).backward(
-        x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
-        **dict(cfg.layout_kw), **_cw_kw(class_weight))
+    if g_lse is not None and not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
+        # stats.lse is differentiable: d lse / d z_c = p_c, the A term, at every token.
+        coef = coef.at[0].add(jnp.asarray(g_lse, jnp.float32))
+    module = backend_module(cfg.backend)
+    if cfg.manual:
+        dx, dw, db = sharded.local_backward(
+            module, sharded.to_varying(x2d, cfg.token_axes), w, bias, target, lse, coef, softcap=opts.softcap,
+            budget=cfg.budget, layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
+            vocab_axes=cfg.vocab_axes, token_axes=())
+    elif cfg.partition:
+        fn = sharded.backward_fn(cfg.static(bias is not None))
+        out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None])
+        dx, dw, db = out if len(out) == 3 else (*out, None)
+    else:
+        dx, dw, db = module.backward(x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
+                                     **dict(cfg.layout_kw), **_cw_kw(class_weight))
+    # Inside shard_map (also without axis names): each cotangent typed as its primal.
     # class_weight receives no gradient (as torch's weight=).
-    return dx, dw, db, None, None if class_weight is None else jnp.zeros_like(class_weight)
+    return (_fit(dx, x2d), _fit(dw, w), _fit(db, bias), None,
+            None if class_weight is None else jnp.zeros_like(class_weight))
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
@@ -167,6 +237,8 @@ def linear_cross_entropy(
     weight_layout: str = "vh",
     memory_budget: Optional[int] = None,
     implementation: Optional[str] = None,
+    vocab_axis_name=None,
+    token_axis_name=None,
 ):
     """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
 
@@ -205,7 +277,8 @@ def linear_cross_entropy(
             stats then have T - 1 positions (none for T <= 1; "mean" is then NaN and
             "sum" 0, as torch).
         return_stats: also return ``LossStats(lse, num_tokens)``: the per-token
-            log-sum-exp (fp32, shape of target) and the number of non-ignored tokens.
+            log-sum-exp (fp32, shape of target; differentiable: d lse / d z_c = p_c)
+            and the number of non-ignored tokens.
         weight_layout: "vh" or "hv" (see weight).
         memory_budget: bytes of temporary memory the op may use (default 256 MiB). It
             sizes the chunks of the "xla" backend: one tile of logits of at most about
@@ -218,6 +291,22 @@ def linear_cross_entropy(
             "mosaic_gpu" or "triton" (Triton kernels, SM80+ GPUs; on a machine
             without GPU it runs on Triton's CPU interpreter, which is very slow: tests
             only).
+        vocab_axis_name: inside ``jax.shard_map`` only: the mesh axis name (or tuple of
+            names) over which ``weight`` (and ``bias``) is split along the vocabulary,
+            in order (member i holds classes [i V_l, (i + 1) V_l)). The local call then
+            computes the global loss and stats (O(tokens) collectives: pmax/psum of the
+            per-token statistics) and the gradients: the full dx on every member of the
+            axis (a psum of O(tokens x H)) and the local rows of dW. ``target`` holds
+            global class indices. Not with ``class_weight`` (ValueError).
+        token_axis_name: inside ``jax.shard_map`` only: the mesh axis name(s) over which
+            the tokens are split. "sum" and "mean" then reduce over all devices' tokens
+            (a psum of two scalars; "mean" divides by the global count) and
+            ``stats.num_tokens`` is global. Gradients of operands that are replicated
+            along an axis are summed along it (shard_map's ``check_vma`` typing).
+            Outside shard_map leave both None: under ``jax.jit`` with sharded inputs
+            (``NamedSharding``) the op partitions itself per device (tokens, vocabulary
+            or both; see ``logitless/jax/ops/linear_cross_entropy/sharded.py``). An axis
+            name that is not bound raises ``ValueError``.
 
     Returns:
         The fp32 loss (a scalar, or per-token for "none"), or ``(loss, stats)``.
@@ -232,6 +321,16 @@ def linear_cross_entropy(
     """
     opts = CrossEntropyOptions.checked(ignore_index=ignore_index, reduction=reduction,
                                        label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss)
+    vocab_axes = sharded.as_axes(vocab_axis_name)
+    token_axes = sharded.as_axes(token_axis_name)
+    sharded.check_bound("vocab_axis_name", vocab_axes)
+    sharded.check_bound("token_axis_name", token_axes)
+    if set(vocab_axes) & set(token_axes):
+        raise ValueError(f"vocab_axis_name {vocab_axis_name!r} and token_axis_name {token_axis_name!r} "
+                         "must not share an axis")
+    if vocab_axes and class_weight is not None:
+        raise ValueError("class_weight is not supported with vocab_axis_name (a vocabulary split inside "
+                         "shard_map); pass the whole weight or no class weights")
     budget = check_memory_budget(memory_budget)
     _check_float("x", x)
     _check_float("weight", weight)
@@ -241,7 +340,8 @@ def linear_cross_entropy(
         raise ValueError("x must have at least one dimension (..., H)")
     if weight.ndim != 2:
         raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
-    num_classes, hidden = weight.shape if weight_layout == "vh" else weight.shape[::-1]
+    local_classes, hidden = weight.shape if weight_layout == "vh" else weight.shape[::-1]
+    num_classes = local_classes * sharded.axis_size(vocab_axes)
     if num_classes == 0:
         raise ValueError("weight has no classes: the vocabulary is empty")
     if x.shape[-1] != hidden:
@@ -256,10 +356,11 @@ def linear_cross_entropy(
                          "(the leading dimensions of x)")
     if bias is not None:
         _check_float("bias", bias)
-        if tuple(bias.shape) != (num_classes,):
-            raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
+        if tuple(bias.shape) != (local_classes,):
+            raise ValueError(f"bias must have shape ({local_classes},), got {tuple(bias.shape)}")
         if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
-            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
+            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is "
+                            f"{jnp.dtype(weight.dtype).name}; they must match")
     if class_weight is not None:
         _check_float("class_weight", class_weight)
         if tuple(class_weight.shape) != (num_classes,):
@@ -279,12 +380,32 @@ def linear_cross_entropy(
     x2d = jnp.reshape(x, (-1, hidden))
     flat_target = jnp.reshape(target, (-1,)).astype(jnp.int32)
     n = x2d.shape[0]
-    if n == 0:
+    vaxis = 1 if weight_layout == "hv" else 0
+    explicit = None if (token_axes or vocab_axes or n == 0) else sharded.explicit_axes(x2d, weight, vaxis)
+    if explicit is not None and class_weight is not None:  # class weights: no vocabulary split
+        explicit = (explicit[0], explicit[1]._replace(vocab=()))
+    num_tokens = None
+    if explicit is not None:
+        # Explicit sharding types (jax.make_mesh's default): the same local call under
+        # shard_map over the arrays' own mesh, axes named from their shardings.
+        mesh, axes = explicit
+        kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                  class_weight=class_weight, softcap=softcap, z_loss=z_loss, weight_layout=weight_layout,
+                  memory_budget=memory_budget, implementation=implementation)
+        loss, stats = sharded.explicit_call(linear_cross_entropy, mesh, axes, x2d, weight, flat_target, bias,
+                                            vaxis=vaxis, none=opts.reduction == "none", **kw)
+        lse, num_tokens = stats.lse, stats.num_tokens
+    elif n == 0:
         loss = jnp.zeros((0,), jnp.float32)
         lse = loss
-        loss = lm.reduce_loss(loss, flat_target, opts)
+        if token_axes and opts.reduction != "none":  # other devices may have tokens
+            lss = lax.psum(jnp.sum(loss), token_axes)
+            cnt = lax.psum(jnp.sum(flat_target != opts.ignore_index).astype(jnp.float32), token_axes)
+            loss = lss / cnt if opts.reduction == "mean" else lss
+        else:
+            loss = lm.reduce_loss(loss, flat_target, opts)
     else:
-        backend = choose_backend(implementation, x2d.shape, (num_classes, hidden), x2d.dtype,
+        backend = choose_backend(implementation, x2d.shape, (local_classes, hidden), x2d.dtype,
                                  opts.softcap, bias is not None, class_weight is not None)
         w, layout_kw = weight, ()
         if weight_layout == "hv":
@@ -292,7 +413,10 @@ def linear_cross_entropy(
                 layout_kw = (("weight_layout", "hv"),)
             else:
                 w = weight.T  # (V, H) for the backend; the gradient flows back through .T
-        cfg = _Config(opts, backend, budget, num_classes, layout_kw)
+        manual = bool(token_axes or vocab_axes)
+        partition = (not manual and class_weight is None and sharded.use_partitioning()
+                     and getattr(backend_module(backend), "can_partition", lambda: True)())
+        cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition)
         loss, lse = _lce(x2d, w, bias, flat_target, class_weight, cfg)
 
     def per_token(t):
@@ -303,8 +427,12 @@ def linear_cross_entropy(
         loss = per_token(loss)
     if not return_stats:
         return loss
-    num_tokens = jnp.sum(flat_target != opts.ignore_index).astype(jnp.int32)
-    return loss, lm.LossStats(lse=per_token(jax.lax.stop_gradient(lse)), num_tokens=num_tokens)
+    if num_tokens is None:
+        num_tokens = jnp.sum(flat_target != opts.ignore_index).astype(jnp.int32)
+        if token_axes:
+            num_tokens = lax.psum(num_tokens, token_axes)
+    # lse is differentiable (d lse / d z_c = p_c; the custom_vjp adds it to the A term).
+    return loss, lm.LossStats(lse=per_token(lse), num_tokens=num_tokens)
 
 
 def linear_softmax_cross_entropy_loss(

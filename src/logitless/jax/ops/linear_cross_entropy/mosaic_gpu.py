@@ -24,11 +24,12 @@ Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
         dz_c = exp(z_c - lse) * A - B * [c == t] - C    (x (1 - (z_c/s)^2) with a softcap)
     with zeros at columns >= V; XLA GEMMs then take dW[chunk] = dz^T x and
     dx += dz W[chunk] (fp32 accumulation). The chunk is sized from the memory budget
-    (the dz chunk, N x C x itemsize bytes, plus the fp32 dx accumulator) and rounded to
-    a divisor of V when one is near; full chunks run in a ``lax.scan`` (one compiled
-    kernel) whose stacked dW chunks reshape into dW.
+    (``_chunk_columns``: the fp32 dx accumulator, the dz chunk, the W slice and the dW
+    chunk) and rounded to a divisor of V when one is near; full chunks run in a
+    ``lax.fori_loop`` (one compiled kernel) that writes each dW chunk in place into dW
+    (written once, no stacking or concatenation).
     Cost: recompute (1 GEMM) + 2 GEMMs; with the forward, 4 GEMM-equivalents, plus XLA's
-    copies of the W slices and of the stacked dW chunks when there are several chunks.
+    copies of the W slices when there are several chunks.
 
 Limits (``is_supported``): bf16/f16 inputs, H a multiple of 64, V a multiple of 8 (TMA
 into swizzled tiles), no bias (the api falls back to "xla" otherwise). Ragged V (vs the
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.formulas import merge_lse_splits
+from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 
 __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk"]
 
@@ -145,6 +147,13 @@ def _fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, e
 #: None: Mosaic GPU's interpret mode exactly when jax's default backend is not a GPU;
 #: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
 INTERPRET: bool | None = None
+
+
+def can_partition() -> bool:
+    """Whether the kernels may run inside ``custom_partitioning`` (the api's sharded jit
+    path): not under the interpreter, whose ordered io_callbacks cannot be partitioned
+    (the api then runs the unpartitioned program)."""
+    return _interpret_params() is None
 
 
 def _interpret_params():
@@ -517,9 +526,17 @@ def _dz_call(x, w, rowdat, tgt, cblock, *, chunk: int, softcap, cfg: FwdConfig):
 
 
 def _chunk_columns(n: int, v: int, h: int, itemsize: int, budget, block_v: int) -> int:
+    """Columns of one backward chunk, from the budget. Temporaries of the backward
+    (bytes; dW and dx themselves are outputs, written in place chunk by chunk):
+        4 n h                 the fp32 dx accumulator (fixed)
+        itemsize n C          the dz chunk
+        itemsize C h          the W slice the dx GEMM reads
+        itemsize C h          the dW chunk before its in-place update into dW
+    so C = (budget - 4 n h) / (itemsize (n + 2 h)), at least a quarter of the budget
+    for the chunk terms and at least one tile of columns."""
     budget = 256 * 2**20 if budget is None else int(budget)
     avail = max(budget - 4 * n * h, budget // 4)
-    c = avail // max(1, itemsize * n)
+    c = avail // max(1, itemsize * (n + 2 * h))
     c = max(block_v, c // block_v * block_v)
     return min(c, pl.cdiv(v, block_v) * block_v)
 
@@ -552,7 +569,7 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
     nfull = v // chunk
     rem = v - nfull * chunk
 
-    def one_chunk(dx, c0, width, cw):
+    def one_chunk(dx, dw, c0, width, cw):
         # The offset is an input of the kernel, so one compiled kernel serves every chunk.
         cblock = jnp.reshape(c0 // bv, (1,)).astype(jnp.int32)
         dz = _dz_call(x8, w, rowdat, tgt, cblock, chunk=width, softcap=softcap, cfg=cfg)
@@ -560,18 +577,21 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
             dz = dz[:, :cw]
         w_c = lax.dynamic_slice_in_dim(w, c0, cw, axis=0)
         dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
-        dw_c = lax.dot_general(dz, x8, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return dx, dw_c.astype(w.dtype)
+        # One GEMM with fp32 accumulation writes the chunk in w.dtype (no fp32 dW chunk);
+        # the update is in place in the loop's carry: no stacking, no concatenation.
+        dw_c = lax.dot_general(dz, x8, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
+        return dx, lax.dynamic_update_slice_in_dim(dw, dw_c, c0, axis=0)
 
     dx = jnp.zeros((n8, h), jnp.float32)
-    parts = []
-    if nfull:
+    dw = jnp.zeros(w.shape, w.dtype)
+    # Inside shard_map (check_vma): the carries vary over the axes the inputs vary over.
+    axes = tuple(sorted(varying(x8) | varying(w) | varying(rowdat) | varying(tgt)))
+    dx, dw = to_varying(dx, axes), to_varying(dw, axes)
+    if nfull == 1:
+        dx, dw = one_chunk(dx, dw, jnp.int32(0), chunk, chunk)
+    elif nfull:
         # A loop (not unrolled): one Mosaic kernel to compile however many chunks.
-        dx, dw_full = lax.scan(lambda dx, i: one_chunk(dx, i * chunk, chunk, chunk), dx,
-                               jnp.arange(nfull, dtype=jnp.int32))
-        parts.append(dw_full.reshape(nfull * chunk, h))
+        dx, dw = lax.fori_loop(0, nfull, lambda i, c: one_chunk(*c, i * chunk, chunk, chunk), (dx, dw))
     if rem:
-        dx, dw_rem = one_chunk(dx, jnp.int32(nfull * chunk), pl.cdiv(rem, bv) * bv, rem)
-        parts.append(dw_rem)
-    dw = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        dx, dw = one_chunk(dx, dw, jnp.int32(nfull * chunk), pl.cdiv(rem, bv) * bv, rem)
     return dx[:n].astype(x2d.dtype), dw, None

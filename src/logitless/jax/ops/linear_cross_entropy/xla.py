@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.formulas import dlogits, softcap_logits
+from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 from logitless.jax.planning import xla_plan
 
 _F32 = jnp.float32
@@ -75,6 +76,13 @@ def _update(a, part, start, axis=0):
     return lax.dynamic_update_slice_in_dim(a, part, start, axis)
 
 
+def _varying_like(carry, *refs):
+    """Loop carries typed as varying over the manual axes of the inputs (inside
+    ``jax.shard_map`` with ``check_vma=True`` a carry's type must not change in the loop)."""
+    axes = tuple(sorted(frozenset().union(*(varying(r) for r in refs if r is not None))))
+    return tuple(to_varying(c, axes) for c in carry) if axes else carry
+
+
 def _plan(x2d, vocab, budget):
     n, h = x2d.shape
     return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
@@ -118,6 +126,7 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
         jnp.zeros((n,), _F32),
         jnp.zeros((n,), _F32) if need_smooth else None,
     )
+    init = _varying_like(init, x2d, w, bias, target)
     return _loop(vocab, plan.vocab_chunk, col_step, init)
 
 
@@ -155,6 +164,7 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
 
         dwj = jnp.zeros((vc, h) if weight_layout == "vh" else (h, vc), _F32)
         dbj = None if db is None else jnp.zeros((vc,), _F32)
+        dwj, dbj = _varying_like((dwj, dbj), x2d, w, bias, target, lse, coef)
         dx, dwj, dbj = _loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
         dw = _update(dw, dwj.astype(w.dtype), c0, vaxis)
         if db is not None:
@@ -166,5 +176,6 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
         jnp.zeros(w.shape, w.dtype),
         None if bias is None else jnp.zeros(bias.shape, bias.dtype),
     )
+    init = _varying_like(init, x2d, w, bias, target, lse, coef)
     dx, dw, db = _loop(vocab, plan.vocab_chunk, col_step, init)
     return dx.astype(x2d.dtype), dw, db

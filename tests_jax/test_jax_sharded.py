@@ -1,0 +1,460 @@
+"""logitless.jax under sharding: jit with NamedSharding inputs (Auto meshes through
+custom_partitioning, Explicit meshes through shard_map), shard_map with
+vocab_axis_name / token_axis_name (check_vma=True), against float64; compiled-HLO checks
+(no all-gather of per-token arrays in data parallel, none of the weight in tensor
+parallel, no tokens x vocab array); stats.lse differentiable.
+
+Needs several devices: conftest.py gives the CPU 8 host devices
+(``--xla_force_host_platform_device_count=8``); on a machine with fewer devices the
+multi-device tests skip with that reason (on the 2-GPU machine they use a (1, 2) / (2, 1)
+mesh where 8 devices are not there).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from logitless.jax import linear_cross_entropy
+from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref
+
+from .helpers import assert_close_to_ref, inputs, xla_materialised
+
+NDEV = len(jax.devices())
+needs_devices = pytest.mark.skipif(NDEV < 2, reason="needs >= 2 devices (CPU: conftest sets 8 host devices)")
+DATA, MODEL = ("d", "t")
+
+
+def _mesh(kind: str, layout: str = "2d"):
+    """A (data, model) mesh of all devices: 4 x 2 with 8, (n/2) x 2 with 4+; with 2
+    devices, both on the axis the layout splits (2 x 1 for token layouts, 1 x 2 else)."""
+    types = (AxisType.Auto if kind == "auto" else AxisType.Explicit,) * 2
+    if NDEV >= 8:
+        shape = (4, 2)
+    elif NDEV >= 4:
+        shape = (NDEV // 2, 2)
+    elif layout in ("data", "tokens_2axes", "fsdp"):
+        shape = (NDEV, 1)
+    else:
+        shape = (1, NDEV)
+    return jax.make_mesh(shape, (DATA, MODEL), axis_types=types, devices=jax.devices()[:shape[0] * shape[1]])
+
+
+#: (x spec, weight spec): data parallel, tensor parallel, both, tokens over both axes,
+#: FSDP-like (the same axis on tokens and vocabulary), H sharded (resharded by XLA).
+LAYOUTS = {
+    "data": (P(DATA), P()),
+    "tensor": (P(), P(MODEL)),
+    "2d": (P(DATA), P(MODEL)),
+    "tokens_2axes": (P((DATA, MODEL)), P()),
+    "fsdp": (P(DATA), P(DATA)),
+    "hidden": (P(None, MODEL), P(None, MODEL)),
+}
+OPTIONS = {
+    "plain": dict(),
+    "all": dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, bias=True),
+}
+
+
+def _put(mesh, a, *spec):
+    return None if a is None else jax.device_put(a, NamedSharding(mesh, P(*spec)))
+
+
+def _sharded_inputs(mesh, layout, n, h, v, dtype, bias, seed=0):
+    x, w, t, b = inputs(n, h, v, dtype, bias=bias, ignore=(1, 7), seed=seed)
+    xs, ws = LAYOUTS[layout]
+    tok = xs[0] if len(xs) else None
+    voc = ws[0] if len(ws) else None
+    args = (_put(mesh, x, *xs), _put(mesh, w, *ws), _put(mesh, t, tok), _put(mesh, b, voc))
+    return (x, w, t, b), args
+
+
+def _check(loss, grads, ref_args, kw, dtype, stats=None):
+    x, w, t, b = ref_args
+    red = kw.get("reduction", "mean")
+    g_out = np.arange(1, t.size + 1) / t.size if red == "none" else None
+    rloss, rlse, rgrads = linear_cross_entropy_ref(x, w, t, b, grad_out=g_out, **kw)
+    nkw = {k: v for k, v in kw.items()}
+    nloss = xla_materialised(x, w, t, b, **nkw)
+    assert_close_to_ref("loss", loss, nloss, rloss, dtype)
+    for name, g, rg, p in zip(("dx", "dw", "db"), grads, rgrads, (x, w, b)):
+        if p is None:
+            continue
+        assert g.shape == p.shape and g.dtype == p.dtype, name
+        assert_close_to_ref(name, g, None, rg, dtype)
+    if stats is not None:
+        assert_close_to_ref("lse", stats.lse, None, rlse, dtype)
+        assert int(stats.num_tokens) == int(np.sum(np.asarray(t) != kw.get("ignore_index", -100)))
+
+
+def _loss_and_grads(args, kw):
+    x, w, t, b = args
+    red = kw.get("reduction", "mean")
+
+    def f(x, w, b):
+        loss = linear_cross_entropy(x, w, t, b, **kw)
+        if red == "none":
+            loss = jnp.sum(loss * jnp.arange(1, t.size + 1) / t.size)
+        return loss
+
+    argnums = (0, 1) if b is None else (0, 1, 2)
+    fn = jax.jit(jax.value_and_grad(f, argnums=argnums))
+    return fn, fn(x, w, b)
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_jit_sharded_against_float64(mesh_kind, layout, option):
+    mesh = _mesh(mesh_kind, layout)
+    kw = dict(OPTIONS[option])
+    bias = kw.pop("bias", False)
+    # Both sizes divide by every mesh axis; V odd per shard (268 / 4 = 67, 268 / 2 = 134).
+    ref_args, args = _sharded_inputs(mesh, layout, 32, 24, 268, "float32", bias,
+                                     seed=list(LAYOUTS).index(layout))
+    for red in ("mean", "sum"):
+        kw["reduction"] = red
+        _, (loss, grads) = _loss_and_grads(args, kw)
+        _check(loss, grads, ref_args, kw, "float32")
+    x, w, t, b = args
+    kw_none = dict(kw, reduction="none")
+    loss, stats = jax.jit(lambda x, w, b: linear_cross_entropy(x, w, t, b, return_stats=True, **kw_none))(x, w, b)
+    _check(jnp.asarray(loss), (), ref_args, dict(kw, reduction="none"), "float32", stats=stats)
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_jit_sharded_bf16_and_3d(mesh_kind):
+    """bf16, (B, S, H) inputs with the batch sharded, weight split over the vocabulary."""
+    mesh = _mesh(mesh_kind)
+    x, w, t, _ = inputs(0, 40, 262, "bfloat16", lead=(8, 5), seed=3)
+    xs = _put(mesh, x, DATA)
+    ts = _put(mesh, t, DATA)
+    ws = _put(mesh, w, MODEL)
+    f = lambda x, w: linear_cross_entropy(x, w, ts, label_smoothing=0.05)
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ws)
+    rloss, _, rgrads = linear_cross_entropy_ref(x, w, t, label_smoothing=0.05)
+    nloss = xla_materialised(x, w, t, label_smoothing=0.05)
+    _, ngrads = jax.value_and_grad(lambda x, w: xla_materialised(x, w, t, label_smoothing=0.05), argnums=(0, 1))(x, w)
+    assert_close_to_ref("loss", loss, nloss, rloss, "bfloat16")
+    for name, g, ng, rg in zip(("dx", "dw"), grads, ngrads, rgrads):
+        assert g.dtype == jnp.bfloat16
+        assert_close_to_ref(name, g, ng, rg, "bfloat16")
+
+
+# ------------------------------------------------------------------------------------
+# Compiled HLO: which collectives, on what shapes
+# ------------------------------------------------------------------------------------
+
+_COLL = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                   r"(?:-start)?\(")
+_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def _collectives(text):
+    """[(kind, [shape, ...])] of the collectives in compiled HLO text."""
+    out = []
+    for m in _COLL.finditer(text):
+        shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(m.group(1))]
+        out.append((m.group(2), shapes))
+    return out
+
+
+def _arrays(text):
+    return {tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(text)}
+
+
+@needs_devices
+@pytest.mark.parametrize("layout", ["data", "tensor", "2d"])
+def test_hlo_collectives(layout):
+    mesh = _mesh("auto", layout)
+    n, h, v = 64, 32, 1024
+    _, args = _sharded_inputs(mesh, layout, n, h, v, "float32", False)
+    fn, _ = _loss_and_grads(args, dict(reduction="mean", memory_budget=60_000))
+    x, w, t, b = args
+    text = fn.lower(x, w, b).compile().as_text()
+    colls = _collectives(text)
+    ntok = mesh.shape[DATA] if layout != "tensor" else 1
+    nvoc = mesh.shape[MODEL] if layout != "data" else 1
+    for kind, shapes in colls:
+        for s in shapes:
+            # Nothing of the weight's size or larger but dW itself moves; no all-gather
+            # of x, of per-token arrays or of the weight.
+            assert kind != "all-gather", (kind, s, colls)
+            assert s in {(v // nvoc, h), (v, h)} or int(np.prod(s)) <= (n // ntok) * h, (kind, s)
+    if layout == "data":
+        # Only O(1) values and dW are reduced: no per-token collective at all.
+        for kind, shapes in colls:
+            for s in shapes:
+                assert int(np.prod(s)) <= 2 or s in {(v, h)}, (kind, s)
+    # No tokens x vocab array anywhere (global or per device).
+    for s in _arrays(text):
+        big = len(s) == 2 and s[0] >= n // ntok and s[1] >= v // nvoc
+        assert not big, s
+    assert any(kind == "all-reduce" for kind, _ in colls)
+
+
+# ------------------------------------------------------------------------------------
+# shard_map
+# ------------------------------------------------------------------------------------
+
+
+def _shard_map_loss(mesh, kw, token=True, vocab=True, check_vma=True):
+    tok = DATA if token else None
+    voc = MODEL if vocab else None
+
+    def local(x, w, t, b):
+        loss, stats = linear_cross_entropy(x, w, t, b, return_stats=True, token_axis_name=tok,
+                                           vocab_axis_name=voc, **kw)
+        return loss, stats.lse, stats.num_tokens
+
+    in_specs = (P(tok, None), P(voc, None), P(tok), P(voc))
+    out_specs = (P(tok) if kw.get("reduction") == "none" else P(), P(tok), P())
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+
+@needs_devices
+@pytest.mark.parametrize("axes", ["token", "vocab", "both"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_shard_map_global_values_and_grads(axes, reduction):
+    mesh = _mesh("explicit")
+    token, vocab = axes in ("token", "both"), axes in ("vocab", "both")
+    kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+    x, w, t, b = inputs(32, 24, 134, "float32", bias=True, ignore=(2, 9), seed=7)
+    tok, voc = (DATA if token else None), (MODEL if vocab else None)
+    xs, ws, ts, bs = _put(mesh, x, tok, None), _put(mesh, w, voc, None), _put(mesh, t, tok), _put(mesh, b, voc)
+    sm = _shard_map_loss(mesh, kw, token, vocab)
+
+    def f(x, w, b):
+        loss, lse, cnt = sm(x, w, ts, b)
+        return loss, (lse, cnt)
+
+    (loss, (lse, cnt)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(xs, ws, bs)
+    if not token:
+        # Without token_axis_name each member of the data axis would see its own tokens:
+        # here the tokens are not split, so the values are global anyway.
+        pass
+    rloss, rlse, rgrads = linear_cross_entropy_ref(x, w, t, b, **kw)
+    assert_close_to_ref("loss", loss, None, rloss, "float32")
+    assert_close_to_ref("lse", lse, None, rlse, "float32")
+    assert int(cnt) == 30
+    for name, g, rg in zip(("dx", "dw", "db"), grads, rgrads):
+        assert_close_to_ref(name, g, None, rg, "float32")
+
+
+@needs_devices
+def test_shard_map_unbound_axis_names_raise():
+    mesh = _mesh("explicit")
+    x, w, t, _ = inputs(8, 16, 64, seed=1)
+    for arg in ("vocab_axis_name", "token_axis_name"):
+        f = jax.shard_map(lambda x, w, t, arg=arg: linear_cross_entropy(x, w, t, **{arg: "nope"}), mesh=mesh,
+                          in_specs=(P(), P(), P()), out_specs=P())
+        with pytest.raises(ValueError, match=f"{arg}='nope'"):
+            jax.jit(f)(x, w, t)
+    with pytest.raises(ValueError, match="vocab_axis_name='t'"):
+        linear_cross_entropy(x, w, t, vocab_axis_name=MODEL)  # not inside shard_map
+
+
+def test_lse_is_differentiable_against_float64():
+    """d/d(x, w, b) of sum(r * stats.lse) + loss: d lse / d z_c = p_c (finite in fp64)."""
+    x, w, t, b = inputs(13, 20, 97, "float32", bias=True, ignore=(4,), seed=11)
+    r = jnp.asarray(np.random.default_rng(5).standard_normal(13), jnp.float32)
+    kw = dict(label_smoothing=0.1, softcap=6.0)
+
+    def ours(x, w, b):
+        loss, stats = linear_cross_entropy(x, w, t, b, return_stats=True, **kw)
+        return loss + jnp.sum(r * stats.lse)
+
+    def ref(x, w, b):
+        z = x @ w.T + b
+        z = 6.0 * jnp.tanh(z / 6.0)
+        return xla_materialised(x, w, t, b, **kw) + jnp.sum(r * jax.nn.logsumexp(z, axis=-1))
+
+    grads = jax.grad(ours, argnums=(0, 1, 2))(x, w, b)
+    with jax.enable_x64(True):
+        to64 = lambda a: jnp.asarray(np.asarray(a), jnp.float64)
+        r64 = to64(r)
+        t64 = jnp.asarray(np.asarray(t))
+
+        def ref64(x, w, b):
+            z = 6.0 * jnp.tanh((x @ w.T + b) / 6.0)
+            lse = jax.nn.logsumexp(z, axis=-1)
+            valid = t64 != -100
+            zt = jnp.take_along_axis(z, jnp.where(valid, t64, 0)[:, None], axis=-1)[:, 0]
+            loss = 0.9 * (lse - zt) + 0.1 / 97 * (97 * lse - z.sum(-1))
+            return jnp.sum(jnp.where(valid, loss, 0.0)) / valid.sum() + jnp.sum(r64 * lse)
+
+        rgrads = [np.asarray(g) for g in jax.grad(ref64, argnums=(0, 1, 2))(to64(x), to64(w), to64(b))]
+    ngrads = jax.grad(ref, argnums=(0, 1, 2))(x, w, b)
+    for name, g, ng, rg in zip(("dx", "dw", "db"), grads, ngrads, rgrads):
+        assert float(np.abs(rg).max()) > 0
+        assert_close_to_ref(name, g, ng, rg, "float32")
+
+
+@needs_devices
+def test_vmap_and_replicated_jit_still_work():
+    """One device's semantics on a multi-device machine: replicated jit and vmap (the
+    partitioned functions have a vmap rule)."""
+    x, w, t, _ = inputs(0, 16, 67, lead=(3, 5), seed=2)
+    f = jax.jit(jax.vmap(lambda x, t: linear_cross_entropy(x, w, t)))
+    got = f(x, t)
+    want = jax.vmap(lambda x, t: xla_materialised(x, w, t))(x, t)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(lambda x, t: linear_cross_entropy(x, w, t))(x, t))))(x)
+    gw = jax.grad(lambda x: jnp.sum(jax.vmap(lambda x, t: xla_materialised(x, w, t))(x, t)))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------
+# The Mosaic GPU kernels, per shard
+# ------------------------------------------------------------------------------------
+
+
+def _is_sm90():
+    d = jax.devices()[0]
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
+
+
+@needs_devices
+def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
+    """Explicit mesh (tokens over "d", vocabulary over "t"): the fwd+bwd lowered for CUDA
+    on any machine calls the Mosaic kernels on each device's shard (local shapes)."""
+    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu",
+                             reason="this jax has no Pallas Mosaic GPU")
+    monkeypatch.setattr(mg, "INTERPRET", False)
+    mesh = _mesh("explicit")
+    nd, nt = mesh.shape[DATA], mesh.shape[MODEL]
+    n, h, v = 16 * nd, 128, 256 * nt
+    x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(DATA)))
+    w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(MODEL)))
+    t = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
+    f = lambda x, w, t: linear_cross_entropy(x, w, t, implementation="mosaic_gpu")
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2, calls  # the forward kernel and the dz kernel
+    for line in calls:
+        assert f"tensor<16x{h}xbf16>" in line and f"tensor<256x{h}xbf16>" in line, line[-300:]
+        assert nd == 1 or f"tensor<{n}x{h}xbf16>" not in line
+        assert f"tensor<{v}x{h}xbf16>" not in line
+
+
+@pytest.mark.skipif(not (_is_sm90() and NDEV >= 2), reason="needs >= 2 SM90 GPUs (the Mosaic kernels for real)")
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_mosaic_sharded_on_gpus(layout, mesh_kind):
+    mesh = _mesh(mesh_kind, layout)
+    ref_args, args = _sharded_inputs(mesh, layout, 1024, 256, 4096 + 512, "bfloat16", False, seed=5)
+    x, w, t, _ = ref_args
+    kw = dict(reduction="mean", implementation="mosaic_gpu", label_smoothing=0.1)
+    _, (loss, grads) = _loss_and_grads(args, kw)
+    ref_kw = dict(reduction="mean", label_smoothing=0.1)
+    rloss, _, rgrads = linear_cross_entropy_ref(x, w, t, **ref_kw)
+    nloss, ngrads = jax.value_and_grad(lambda x, w: xla_materialised(x, w, t, **ref_kw), argnums=(0, 1))(x, w)
+    assert_close_to_ref("loss", loss, nloss, rloss, "bfloat16")
+    for name, g, ng, rg in zip(("dx", "dw"), grads, ngrads, rgrads):
+        assert_close_to_ref(name, g, ng, rg, "bfloat16")
+
+
+@needs_devices
+def test_tokamax_dropin_inside_shard_map_check_vma():
+    """The drop-in (no axis names) inside shard_map with the default check_vma=True,
+    tokens split: each device's own sum; the weight's gradient is summed over the
+    devices (shard_map's typing), as a replicated parameter's must be."""
+    from logitless.jax import linear_softmax_cross_entropy_loss
+
+    mesh = _mesh("explicit")
+    x, w, t, _ = inputs(32, 24, 300, seed=9)
+    kernel = w.T  # (H, V)
+    xs, ts = _put(mesh, x, DATA), _put(mesh, t, DATA)
+    ks = _put(mesh, kernel)
+
+    def local(x, k, t):
+        return jax.lax.psum(linear_softmax_cross_entropy_loss(x, t, k), DATA)
+
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(P(DATA), P(), P(DATA)), out_specs=P())
+    loss, (gx, gk) = jax.jit(jax.value_and_grad(lambda x, k: sm(x, k, ts), argnums=(0, 1)))(xs, ks)
+    rloss, _, (rgx, rgw, _) = linear_cross_entropy_ref(x, w, t, reduction="sum")
+    assert_close_to_ref("loss", loss, None, rloss, "float32")
+    assert_close_to_ref("dx", gx, None, rgx, "float32")
+    assert_close_to_ref("dkernel", gk, None, np.asarray(rgw).T, "float32")
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_maxtext_style_kernel_hv(mesh_kind):
+    """MaxText's layout: activations (batch, seq, embed) with the batch over "d", the
+    LM-head kernel (embed, vocab) with embed over "d" (FSDP) and vocab over "t"."""
+    mesh = _mesh(mesh_kind)
+    x, w, t, _ = inputs(0, 32, 268, "float32", lead=(8, 3), ignore=(5,), seed=12)
+    kernel = w.T
+    xs, ts = _put(mesh, x, DATA), _put(mesh, t, DATA)
+    ks = _put(mesh, kernel, DATA, MODEL)
+    f = lambda x, k: linear_cross_entropy(x, k, ts, weight_layout="hv", z_loss=1e-4)
+    loss, (gx, gk) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ks)
+    assert gk.shape == kernel.shape and gx.shape == x.shape
+    rloss, _, (rgx, rgk, _) = linear_cross_entropy_ref(x, kernel, t, weight_layout="hv", z_loss=1e-4)
+    assert_close_to_ref("loss", loss, None, rloss, "float32")
+    assert_close_to_ref("dx", gx, None, rgx, "float32")
+    assert_close_to_ref("dkernel", gk, None, rgk, "float32")
+
+
+def test_mosaic_backward_chunk_counts_its_temporaries():
+    """The Mosaic backward's chunk: the dz chunk, the W slice and the dW chunk fit in the
+    budget left after the fp32 dx accumulator (when that leaves at least a tile)."""
+    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu",
+                             reason="this jax has no Pallas Mosaic GPU")
+    budget = 256 * 2**20
+    for n, h, v in [(4096, 4096, 128256), (8192, 7168, 128256), (4096, 2560, 262144), (8192, 4096, 64128)]:
+        c = mg._chunk_columns(n, v, h, 2, budget, 128)
+        assert c % 128 == 0 and 128 <= c <= v + 127
+        fixed = 4 * n * h
+        chunk_bytes = 2 * c * (n + 2 * h)
+        assert chunk_bytes <= max(budget - fixed, budget // 4), (n, h, v, c)
+        assert fixed + chunk_bytes <= 2 * budget
+    assert mg._chunk_columns(64, 256, 64, 2, 1, 128) == 128  # at least one tile
+
+
+@needs_devices
+def test_hlo_fsdp_reduce_scatters_dw():
+    """FSDP (tokens and the weight's vocabulary over the same axis): W is gathered for the
+    computation, dW reduce-scattered back to the weight's split (never all-reduced)."""
+    mesh = _mesh("auto", "fsdp")
+    n, h, v = 64, 32, 1024
+    ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
+    fn, (loss, grads) = _loss_and_grads(args, dict(reduction="mean"))
+    _check(loss, grads, ref_args, dict(reduction="mean"), "float32")
+    assert grads[1].sharding.spec[0] == DATA  # dW keeps the weight's split
+    x, w, _, b = args
+    colls = _collectives(fn.lower(x, w, b).compile().as_text())
+    assert any(kind == "reduce-scatter" for kind, _ in colls), colls
+    for kind, shapes in colls:
+        if kind == "all-reduce":
+            assert all(int(np.prod(s)) < v * h for s in shapes), (kind, shapes)
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+def test_class_weight_and_shift_under_sharded_jit(mesh_kind, layout):
+    """class_weight (no vocabulary split: the op then runs unsplit along the vocabulary)
+    and shift=True, sharded inputs, against the single-device result."""
+    mesh = _mesh(mesh_kind, layout)
+    x, w, t, _ = inputs(0, 24, 268, "float32", lead=(8, 4), ignore=(3,), seed=21)
+    cw = jnp.asarray(np.random.default_rng(2).uniform(0.5, 2.0, 268), jnp.float32)
+    xs_spec, ws_spec = LAYOUTS[layout]
+    xs, ws = _put(mesh, x, *xs_spec), _put(mesh, w, *ws_spec)
+    ts = _put(mesh, t, xs_spec[0] if len(xs_spec) else None)
+    kw = dict(class_weight=cw, shift=True, label_smoothing=0.1)
+    f = lambda x, w, t: linear_cross_entropy(x, w, t, **kw)
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ws, ts)
+    rloss, rgrads = jax.value_and_grad(f, argnums=(0, 1))(x, w, t)  # unsharded
+    np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-6)
+    for g, rg in zip(grads, rgrads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=1e-5, atol=1e-6)
