@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 from logitless.jax.planning import TritonPlan, triton_plan
 
 _F32 = jnp.float32
@@ -120,6 +121,12 @@ def _device_info():
 
 def _interpret() -> bool:
     return _platform() != "gpu"
+
+
+def can_partition() -> bool:
+    """Whether the sharded jit path (``custom_partitioning``) may call these kernels: not
+    through the interpreter's host callback (the api then runs the unpartitioned program)."""
+    return not _interpret()
 
 
 def _plan(x2d, vocab, budget) -> TritonPlan:
@@ -305,6 +312,9 @@ def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget,
         dx, dw, db = step(0, vocab, (None, dw0, db0))
         return dx.astype(x2d.dtype), dw, db
     carry = (jnp.zeros((n, h), _F32), dw0, db0)
+    # Inside shard_map (check_vma): the loop's carries vary over the inputs' axes.
+    axes = tuple(sorted(frozenset().union(*(varying(a) for a in (x2d, w, target, lse, coef)))))
+    carry = tuple(to_varying(c, axes) for c in carry)
     if n_full == 1:
         carry = step(0, chunk, carry)
     elif n_full > 1:
