@@ -12,9 +12,8 @@ Sizes are tiny: the Triton backend runs on the CPU interpreter when there is no 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -490,6 +489,3 @@ LINEAR_JSD = OpSpec(
 #: Every op of the contract. A new op joins by adding its spec here.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (LINEAR_CROSS_ENTROPY, CROSS_ENTROPY, JSD, LINEAR_JSD)}
 
-
-def tokens_by_vocab(spec: OpSpec, size: dict) -> int:
-    return math.prod(size["lead"]) * size["vocab"]

@@ -26,7 +26,7 @@ examples:
   python -m logitless_bench --suite precision --max-minutes 4   # fp32 (highest / high) and autocast bf16
   python -m logitless_bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless_bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
-  python -m logitless_bench --suite train            # end-to-end HF training (python -m logitless_bench --suite train -h)
+  python -m logitless_bench --suite train            # end-to-end HF training (its options: --suite train -h)
   python -m logitless_bench --list                   # shapes and methods
   python -m logitless_bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
   python -m logitless_bench compare OLD.json NEW.json   # regression report (markdown beside NEW.json)
@@ -93,7 +93,8 @@ def _list(cpu, budgets) -> int:
     defaults = shapes.default_names(cpu)
     print("lce shapes (B tokens, H hidden, V vocab):")
     for s in shapes.lce_shapes(cpu):
-        print(f"  {s.name:<18} {s.tokens:>6} {s.hidden:>6} {s.vocab:>7}  {s.dtype}{'' if s.name in defaults else '  (only with --shapes)'}")
+        only = "" if s.name in defaults else "  (only with --shapes)"
+        print(f"  {s.name:<18} {s.tokens:>6} {s.hidden:>6} {s.vocab:>7}  {s.dtype}{only}")
     print("ce cases (N tokens x V vocab - dtype):")
     for c in shapes.ce_cases(cpu):
         print(f"  {c.name}{'' if c.name in defaults else '  (only with --shapes)'}")
@@ -232,13 +233,13 @@ def main(argv=None) -> int:
             print(f"\n[{suite}] interrupted: saving partial results", flush=True)
         done.append((results, results.save(complete=complete)))
 
+    if cpu and done:  # before the numbers it introduces
+        print("\n" + report.CPU_BANNER)
     for results, written in done:
         d = results.data
         print("\n" + "=" * 100)
         print(f"{d['suite']}: {d['title']} | {meta['device']} | {meta['date']}")
         print(report.summary(d))
         print("files: " + " ".join(str(p) for p in written if "latest-" not in p.name))
-    if cpu:
-        print("\n" + report.CPU_BANNER)
     sys.stdout.flush()
     return 130 if interrupted else 0
