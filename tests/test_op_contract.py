@@ -68,6 +68,24 @@ def check_against_reference(spec: OpSpec, backend, dtype, size, option, reductio
         assert_close_to_ref(f"grad of input {i}", o, s, r, dtype)
 
 
+def _is_prime(n):
+    return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+@pytest.mark.parametrize("op", list(SPECS))
+def test_spec_is_complete(op):
+    """What the contract needs of a spec (a new op's spec fails here first)."""
+    spec = SPECS[op]
+    assert {"plain", "all"} <= set(spec.options)
+    sizes = [size for size, _, _ in spec.sizes.values()]
+    assert any(_is_prime(s["vocab"]) and s["vocab"] > 100 for s in sizes), "a prime vocabulary"
+    assert any(len(s["lead"]) == 2 and min(s["lead"]) > 1 for s in sizes), "3-D inputs"
+    assert any(torch.Size(s["lead"]).numel() == 1 for s in sizes), "one token"
+    if "hidden" in spec.base_size:
+        assert any(s["hidden"] % 16 for s in sizes), "a hidden size not a multiple of 16"
+    assert len(spec.bad_calls()) >= 5
+
+
 # ------------------------------------------------------------------ values and gradients
 
 

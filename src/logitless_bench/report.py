@@ -414,8 +414,6 @@ def summary(data) -> str:
 
 def _predictions(data) -> str:
     """The planner's predicted times (``_cost_model``) beside the measured ones."""
-    if not data.get("meta", {}).get("gpu", True):
-        return "\n(planner predictions are for GPUs: not shown for a CPU run)"
     rows = [[r["shape"], r["method"], r["pred_strategy"], _f(r.get("pred_fwd_ms"), ".2f"), _f(r.get("fwd_ms"), ".2f"),
              _f(r.get("pred_ms"), ".2f"), _f(r.get("fwdbwd_ms"), ".2f"),
              _f(r["fwdbwd_ms"] / r["pred_ms"] if _num(r.get("fwdbwd_ms")) and _num(r.get("pred_ms")) else None, ".2f")]
@@ -423,7 +421,9 @@ def _predictions(data) -> str:
     if not rows:
         return ""
     model = next((r.get("pred_model") for r in data["rows"] if r.get("pred_model")), "?")
-    return (f"\nplanner ({model} cost model): predicted vs measured ms:\n"
+    cpu = "" if data.get("meta", {}).get("gpu", True) else (
+        " (GPU predictions beside CPU times: the ratio says nothing on this machine)")
+    return (f"\nplanner ({model} cost model): predicted vs measured ms{cpu}:\n"
             + _table(["shape", "method", "strategy", "pred fwd", "fwd", "pred f+b", "f+b", "f+b / pred"], rows))
 
 
