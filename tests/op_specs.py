@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -71,6 +72,11 @@ class OpSpec:
     stats: bool = False
     #: lse in fp32 exactly (the logits are given), else within the input dtype's error.
     lse_exact: bool = False
+
+    def __post_init__(self):
+        # Read-only: the op files reuse these dicts; a test that changed one would change
+        # every later test's inputs.
+        self.options = MappingProxyType({k: MappingProxyType(dict(v)) for k, v in self.options.items()})
 
 
 def _gen(seed):

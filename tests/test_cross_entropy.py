@@ -15,22 +15,13 @@ from logitless.ops.cross_entropy import CrossEntropyLoss, cross_entropy
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref
+from tests.op_specs import SPECS
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-OPTIONS = {
-    "plain": {},
-    "ignore": {"_ignore": 0.3},
-    "label_smoothing": {"label_smoothing": 0.1},
-    "class_weight": {"_class_weight": True},
-    "softcap": {"softcap": 4.0},
-    "z_loss": {"z_loss": 1e-2},
-    "all": {
-        "_ignore": 0.3, "ignore_index": 5, "label_smoothing": 0.2, "_class_weight": True,
-        "softcap": 6.0, "z_loss": 1e-3,
-    },
-}
+#: The options of the contract suite (tests/op_specs.py), reused by the op-specific tests.
+OPTIONS = SPECS["cross_entropy"].options
 
 
 def make_inputs(lead, vocab, dtype, opts, seed, scale=3.0):

@@ -14,20 +14,14 @@ import logitless
 from logitless.ops.jsd.reference import jsd_reference
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
+from tests.op_specs import SPECS
 from tests.test_linear_jsd import BETAS, TEMPERATURES, trl_generalized_jsd_loss
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-OPTIONS = {
-    "plain": {},
-    "ignore": {"_ignore": 0.3},
-    "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
-    "hard": {"hard_label_weight": 0.5},
-    "no-target": {"_no_target": True},
-    "all": {"_ignore": 0.3, "student_softcap": 4.0, "teacher_softcap": 3.0,
-            "hard_label_weight": 0.3, "beta": 0.3, "temperature": 1.5},
-}
+#: The options of the contract suite (tests/op_specs.py), reused by the op-specific tests.
+OPTIONS = SPECS["jsd"].options
 
 
 def make_inputs(lead, vocab, dtype, opts, seed, teacher_dtype=None, device=DEVICE):

@@ -19,24 +19,13 @@ from logitless.options import CrossEntropyOptions as LossOptions
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
+from tests.op_specs import SPECS
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-OPTIONS = {
-    "plain": {},
-    "ignore": {"_ignore": 0.3},
-    "bias": {"_bias": True},
-    "label_smoothing": {"label_smoothing": 0.1},
-    "class_weight": {"_class_weight": True},
-    "softcap": {"softcap": 4.0},
-    "z_loss": {"z_loss": 1e-2},
-    "shift": {"shift": True},
-    "all": {
-        "_ignore": 0.3, "_bias": True, "label_smoothing": 0.2, "_class_weight": True,
-        "softcap": 6.0, "z_loss": 1e-3, "shift": True,
-    },
-}
+#: The options of the contract suite (tests/op_specs.py), reused by the op-specific tests.
+OPTIONS = SPECS["linear_cross_entropy"].options
 
 
 def make_inputs(lead, hidden, vocab, dtype, opts, seed, requires_grad=(True, True)):

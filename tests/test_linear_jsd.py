@@ -15,23 +15,15 @@ from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
+from tests.op_specs import SPECS
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 TEMPERATURES = [0.5, 1.0, 2.0]
 
-OPTIONS = {
-    "plain": {},
-    "ignore": {"_ignore": 0.3},
-    "bias": {"_bias": True},
-    "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
-    "hard": {"hard_label_weight": 0.5},
-    "shift": {"shift": True, "_ignore": 0.2},
-    "no-target": {"_no_target": True},
-    "all": {"_ignore": 0.3, "_bias": True, "student_softcap": 4.0, "teacher_softcap": 3.0,
-            "hard_label_weight": 0.3, "shift": True, "beta": 0.3, "temperature": 1.5},
-}
+#: The options of the contract suite (tests/op_specs.py), reused by the op-specific tests.
+OPTIONS = SPECS["linear_jsd"].options
 
 
 def make_inputs(lead, hs, ht, vocab, dtype, opts, seed, device=DEVICE):

@@ -37,11 +37,11 @@ def reductions_for(spec: OpSpec, option: str, backend: str) -> tuple:
     return (REDUCTIONS[list(spec.options).index(option) % 3],)
 
 
-def check_against_reference(spec: OpSpec, backend, dtype, size, option, reduction, seed, budget=None):
+def check_against_reference(spec: OpSpec, backend, dtype, size, option, reduction, seed):
     """Loss (and stats) and gradients against float64, with torch in the same dtype
     (logits materialised) as the yardstick: |ours - ref| <= |torch - ref| + tol."""
     case = spec.make(size, dtype, spec.options[option], seed)
-    kw = dict(case.kwargs, reduction=reduction, backend=backend, memory_budget=budget or spec.budget)
+    kw = dict(case.kwargs, reduction=reduction, backend=backend, memory_budget=spec.budget)
     if spec.stats:
         loss, stats = spec.fn(*case.args, return_stats=True, **kw)
     else:
