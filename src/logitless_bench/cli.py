@@ -146,6 +146,11 @@ def main(argv=None) -> int:
         return _from_json(args.from_json, args.out)
 
     cpu = args.cpu or not torch.cuda.is_available()
+    if cpu:
+        # One thread: on a shared machine torch's worker threads wait for each other at
+        # every op (a descheduled thread stalls the op for a time slice: 0.13 ms GEMMs
+        # measured 8 ms); one thread gives steady, comparable times.
+        torch.set_num_threads(1)
     if args.suite == "distill":  # its own runner and shapes: bench/distill.py
         from . import distill
 

@@ -72,9 +72,9 @@ Metrics (ce): logits (N,V) ~ N(0,1) in the listed dtype, targets uniform, mean r
 CPU_BANNER = """\
 ************************************************************************************
 * NO GPU FOUND (torch.cuda.is_available() is False, or --cpu was given).           *
-* The numbers below are CPU timings (time.perf_counter) of one SMALL case, run to  *
-* check that the harness works end to end. They are NOT the benchmark: run this    *
-* command on a CUDA GPU for the numbers of the shapes of docs/ANCHORS.md.          *
+* The numbers below are CPU timings (time.perf_counter, one thread) of one SMALL   *
+* case, run to check that the harness works end to end. They are NOT the benchmark:*
+* run this command on a CUDA GPU for the numbers of the shapes of docs/ANCHORS.md. *
 ************************************************************************************"""
 
 
@@ -215,10 +215,12 @@ class Results:
         units = self.data["units"]
         if shape is None:
             units["copy_GBps"], units["copy_spread"] = unit.rate / 1e9, unit.spread
+            units["copy_warmup_s"] = unit.warmup_s
         else:
             units.setdefault("gemm_ms", {})[shape] = unit.ms
             units.setdefault("gemm_spread", {})[shape] = unit.spread
             units.setdefault("gemm_TFLOPs", {})[shape] = unit.rate / 1e12
+            units.setdefault("gemm_warmup_s", {})[shape] = unit.warmup_s
         if unit.warning and used:
             where = f" ({shape})" if shape else ""
             units.setdefault("warnings", []).append(unit.warning.replace(f"{unit.name} =", f"{unit.name}{where} =", 1))
@@ -333,12 +335,14 @@ def unit_text(data, shape) -> str:
     units = data["units"]
     if shape is None:
         text = (f"{_f(units.get('copy_GBps'), '.1f')} GB/s (read + write), spread "
-                f"{_f(_pct(units.get('copy_spread')), '.0f', '%')}")
+                f"{_f(_pct(units.get('copy_spread')), '.0f', '%')}, after {_f(units.get('copy_warmup_s'), '.1f')} s "
+                "of warm-up")
         key = "copy ="
     else:
         text = (f"1 GEMM = {_f(units.get('gemm_ms', {}).get(shape), '.3f')} ms "
                 f"({_f(units.get('gemm_TFLOPs', {}).get(shape), '.3g')} TFLOP/s, spread "
-                f"{_f(_pct(units.get('gemm_spread', {}).get(shape)), '.0f', '%')})")
+                f"{_f(_pct(units.get('gemm_spread', {}).get(shape)), '.0f', '%')}, after "
+                f"{_f(units.get('gemm_warmup_s', {}).get(shape), '.1f')} s of warm-up)")
         key = f"({shape}) ="
     warnings = [w for w in units.get("warnings", []) if key in w]
     return text + "".join(f"\n!!! {w}" for w in warnings)

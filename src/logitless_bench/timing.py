@@ -128,9 +128,13 @@ def peak_extra_bytes(
 
 #: A unit is timed this many times at least (its spread is checked on them).
 UNIT_REPS = 21
-#: Seconds of untimed calls before a unit is timed: the first calls of a CPU GEMM pay
-#: for thread-pool start-up and page faults (a first run measured 16 ms for 0.32 ms).
+#: Untimed calls before a unit is timed: at least UNIT_WARMUP_S seconds, then until the
+#: median of the last 10 calls is within UNIT_STEADY x the fastest call (at most
+#: UNIT_WARMUP_MAX_S). On a shared 2-core CPU a fresh process ran its first ~50 small
+#: GEMMs at 8-16 ms each, then 0.13 ms: a fixed warm-up measured the slow phase.
 UNIT_WARMUP_S = {"cpu": 0.3, "cuda": 0.05}
+UNIT_WARMUP_MAX_S = {"cpu": 5.0, "cuda": 2.0}
+UNIT_STEADY = 1.5
 #: Relative spread (inter-quartile range / median) above which a unit is re-timed, and
 #: reported as noisy if it stays there after UNIT_TRIES tries.
 UNIT_SPREAD_LIMIT = 0.15
@@ -158,6 +162,7 @@ class Unit:
     reps: int
     rate: float
     warning: Optional[str] = None
+    warmup_s: float = 0.0
 
 
 def _cores() -> int:
@@ -166,16 +171,22 @@ def _cores() -> int:
 
 def measure_unit(name: str, fn: Callable[[], object], work: float, *, device, warmup: int = 3,
                  reps: int = 10, expected: Optional[tuple] = None, rate_unit: str = "FLOP/s") -> Unit:
-    """Times ``fn`` (which does ``work`` FLOPs or bytes) as a unit: untimed calls for at
-    least UNIT_WARMUP_S (and ``warmup`` calls), then at least UNIT_REPS timed calls,
+    """Times ``fn`` (which does ``work`` FLOPs or bytes) as a unit: untimed calls until
+    steady (see UNIT_WARMUP_S; at least ``warmup`` calls), then at least UNIT_REPS timed calls,
     re-timed up to UNIT_TRIES times while the spread is above UNIT_SPREAD_LIMIT (the
     quietest try is kept). ``expected`` = (low, high) plausible rate of the device."""
     kind = "cuda" if is_cuda(device) else "cpu"
-    t0, n = time.perf_counter(), 0
-    while n < warmup or time.perf_counter() - t0 < UNIT_WARMUP_S[kind]:
+    warm = []
+    t0 = time.perf_counter()
+    while True:  # until steady: the last calls' median near the fastest call seen
+        start = time.perf_counter()
         fn()
         synchronize(device)
-        n += 1
+        warm.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - t0
+        if len(warm) >= warmup and elapsed >= UNIT_WARMUP_S[kind] and (
+                statistics.median(warm[-10:]) <= UNIT_STEADY * min(warm) or elapsed >= UNIT_WARMUP_MAX_S[kind]):
+            break
     reps = max(reps, UNIT_REPS)
     best = None
     for _ in range(UNIT_TRIES):
@@ -186,7 +197,7 @@ def measure_unit(name: str, fn: Callable[[], object], work: float, *, device, wa
             break
     ms, spread = best
     rate = work / (ms * 1e-3)
-    unit = Unit(name, ms, spread, reps, rate)
+    unit = Unit(name, ms, spread, reps, rate, warmup_s=elapsed)
     problems = []
     if spread > UNIT_SPREAD_LIMIT:
         problems.append(f"its timings spread by {spread:.0%} (inter-quartile range / median, limit "
