@@ -119,6 +119,14 @@ def _on_sigterm(signum, frame):  # a time limit's kill: unwind so partial result
 
 
 def main(argv=None) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:  # a CPU run sets one thread; an in-process caller (a test) gets its count back
+        torch.set_num_threads(threads)
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the console script: `logitless bench ...`
         argv = argv[1:]
