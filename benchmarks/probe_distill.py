@@ -58,7 +58,8 @@ def main() -> None:
                     times[group].append(timing.time_ms(step, device=dev, setup=setup, warmup=2, reps=a.reps))
         for group, ts in times.items():
             ts = sorted(ts)
-            print(f"{'grouped' if group else 'plain'} order: fwd+bwd {ts[1]:.2f} ms ({ts[1] / floor['floor']:.2f}x floor; "
+            order = "grouped" if group else "plain"
+            print(f"{order} order: fwd+bwd {ts[1]:.2f} ms ({ts[1] / floor['floor']:.2f}x floor; "
                   f"rounds {', '.join(f'{x:.2f}' for x in ts)})", flush=True)
         return
     for cfg in CONFIGS:

@@ -69,8 +69,8 @@ def probe(name, n, h, v, rows):
 
             def dl():
                 K.dlogits_kernel[grid](
-                    x_op, w_op, x, x, t, stats.lse, coef, dz, n, v, h, x.stride(0), x.stride(1),
-                    w.stride(0), w.stride(1), dz.stride(0), 0, v, 1.0,
+                    x_op, w_op, x, x, t, stats.lse, coef, dz, n, v, h, x.stride(0), x.stride(1),  # noqa: F821 (deleted below, after use)
+                    w.stride(0), w.stride(1), dz.stride(0), 0, v, 1.0,  # noqa: F821 (deleted below, after use)
                     HAS_BIAS=False, HAS_SOFTCAP=False, HAS_CW=False, DOT_PRECISION="tf32",
                     USE_TMA=use_tma,
                     BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
@@ -85,12 +85,12 @@ def probe(name, n, h, v, rows):
         print(f"  tiles {tiles} tma {use_tma:d} splits {plan.vocab_splits}: forward {f:.3f} ms ({f / gemm:.2f}x)  "
               f"with keep {fk:.3f} ({fk / gemm:.2f}x)  dlogits {d:.3f} ms ({d / gemm:.2f}x)", flush=True)
     dw = torch.empty_like(w)
-    mm_dw = ms(lambda: torch.mm(dz.T, x, out=dw))
-    mm_dx = ms(lambda: dz @ w)
+    mm_dw = ms(lambda: torch.mm(dz.T, x, out=dw))  # noqa: F821 (deleted below, after use)
+    mm_dx = ms(lambda: dz @ w)  # noqa: F821 (deleted below, after use)
     acc = torch.zeros(n, h, device=dev, dtype=torch.float32)
     half = v // 2
     try:
-        mm_dx_acc = ms(lambda: torch.addmm(acc, dz[:, :half], w[:half], out_dtype=torch.float32, out=acc)) * 2
+        mm_dx_acc = ms(lambda: torch.addmm(acc, dz[:, :half], w[:half], out_dtype=torch.float32, out=acc)) * 2  # noqa: F821 (deleted below, after use)
     except Exception as e:
         mm_dx_acc = float("nan")
         print("  addmm out_dtype failed:", e)

@@ -45,11 +45,11 @@ def main():
         x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(v, h, device=dev) * h**-0.5).to(torch.bfloat16).requires_grad_(True)
         t = torch.randint(0, v, (n,), device=dev)
-        gemm = do_bench(lambda: x.detach() @ w.detach().T, warmup=10, rep=100, return_mode="median")
+        gemm = do_bench(lambda: x.detach() @ w.detach().T, warmup=10, rep=100, return_mode="median")  # noqa: F821 (deleted below, after use)
 
         def step():
-            x.grad = w.grad = None
-            logitless.linear_cross_entropy(x, w, t).backward()
+            x.grad = w.grad = None  # noqa: F821 (deleted below, after use)
+            logitless.linear_cross_entropy(x, w, t).backward()  # noqa: F821 (deleted below, after use)
 
         eager = do_bench(step, warmup=10, rep=200, return_mode="median")
         torch.cuda.synchronize()
@@ -91,10 +91,12 @@ def main():
         except Exception as e:  # noqa: BLE001  (report, do not hide)
             rec.update(graph_ms=None, graph_error=f"{type(e).__name__}: {str(e)[:300]}")
         rows.append(rec)
-        gtxt = (f"graph {rec['graph_ms']:.3f} ms ({rec['graph_ms'] / (3 * gemm):.2f}x 3G) same={rec['graph_same_as_eager']}"
+        gtxt = (f"graph {rec['graph_ms']:.3f} ms ({rec['graph_ms'] / (3 * gemm):.2f}x 3G) "
+                f"same={rec['graph_same_as_eager']}"
                 if rec.get("graph_ms") else f"graph FAILED: {rec.get('graph_error')}")
         print(f"{name:16} 3 GEMMs {3 * gemm:.3f} ms | eager {eager:.3f} ms ({eager / (3 * gemm):.2f}x) | host "
-              f"{host:.3f} ms/call | kernels {kernels:.3f} ms in {nkern} launches ({kernels / (3 * gemm):.2f}x) | {gtxt}",
+              f"{host:.3f} ms/call | kernels {kernels:.3f} ms in {nkern} launches ({kernels / (3 * gemm):.2f}x) "
+              f"| {gtxt}",
               flush=True)
         del x, w, t
         torch.cuda.empty_cache()

@@ -146,7 +146,7 @@ def probe(name, n, h, v, rows, meta):
             times[k].append(ms(fn) / gemm)
     gemm = median(gemms)
     print(f"  GEMM {gemm:.3f} ms (rounds: {', '.join(f'{g:.3f}' for g in gemms)})")
-    for (stage, label), (fn, plan, same) in runs.items():
+    for (stage, label), (_fn, plan, same) in runs.items():
         r = median(times[stage, label])
         spread = max(times[stage, label]) - min(times[stage, label])
         rows.append(dict(shape=name, n=n, h=h, v=v, gemm_ms=gemm, stage=stage, variant=label,

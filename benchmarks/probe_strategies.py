@@ -66,9 +66,9 @@ def run(quick: bool, smoke: bool = False):
                 strategy = ("partial", 0) if force == "partial" else force
 
                 def step():
-                    x.grad = w.grad = None
+                    x.grad = w.grad = None  # noqa: F821 (deleted below, after use)
                     with override(model_plans=model_plans, strategy=strategy):
-                        loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend="triton")
+                        loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend="triton")  # noqa: F821 (deleted below, after use)
                         loss.backward()
 
                 try:
@@ -114,7 +114,8 @@ def main():
     tag = "cpu" if args.smoke else M.device_class(torch.cuda.get_device_name())
     path = Path(args.out) / f"probe-strategies-{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    meta = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seconds": time.time() - t0}
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {path} in {time.time() - t0:.0f} s")

@@ -42,22 +42,31 @@ def run_custom_op(mode, func, args, kwargs):
 
 
 class AllocationRecorder(TorchDispatchMode):
-    """Records the element count of every tensor that any op creates while active."""
+    """Records the largest tensor that any op creates while active (``largest`` elements,
+    by ``largest_op``) and, with ``threshold``, the names of the ops that create a tensor
+    of at least ``threshold`` elements (``big``). Looks inside logitless' custom ops.
+    Views, out= and in-place ops allocate nothing and are not recorded."""
 
-    def __init__(self):
+    def __init__(self, threshold=None):
         super().__init__()
         self.largest = 0
         self.largest_op = None
+        self.threshold = threshold
+        self.big = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "logitless":
             return run_custom_op(self, func, args, kwargs)
         out = func(*args, **(kwargs or {}))
+        # Views, out= and in-place ops (copy_, set_: Triton's interpreter uses them on
+        # kernel arguments) write into existing storage: they allocate nothing.
+        if func.is_view or func.overloadpacket.__name__.endswith("_") or "out" in (kwargs or {}):
+            return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
-                # Views, out= and in-place ops (copy_, set_: Triton's interpreter uses them
-                # on kernel arguments) write into existing storage: they allocate nothing.
-                inplace = func.overloadpacket.__name__.endswith("_")
-                if not (func.is_view or inplace or "out" in (kwargs or {})):
-                    self.largest, self.largest_op = t.numel(), str(func)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.numel() > self.largest:
+                self.largest, self.largest_op = t.numel(), str(func)
+            if self.threshold is not None and t.numel() >= self.threshold:
+                self.big.append(str(func))
         return out

@@ -61,8 +61,14 @@ def test_cpu_run_says_it_is_not_the_benchmark(cpu_run):
     _, stdout = cpu_run
     assert "NO GPU FOUND" in stdout and "NOT the benchmark" in stdout
     printed = stdout.split("PEER_MODULES")[0]
-    assert printed.rstrip().endswith("*")  # the banner is also the last thing main() prints
-    assert "| shape (B, H, V) | 1 GEMM ms |" in stdout  # the final markdown table
+    # The banner comes before the numbers it introduces: at the start and again right
+    # before the final tables (never after them).
+    last_banner = printed.rindex("NO GPU FOUND")
+    assert "| shape (B, H, V) | 1 GEMM ms |" in printed[last_banner:]  # the final markdown table
+    assert printed.index("NO GPU FOUND") < printed.index("== lce")
+    # The unit is printed with its spread and rate; the report's pointer resolves.
+    assert "1 GEMM = " in printed and "TFLOP/s, spread" in printed
+    assert "docs/ANCHORS.md" in printed
     # The CPU path never imports the peers.
     assert "PEER_MODULES []" in stdout
 
@@ -173,3 +179,62 @@ def test_budgets_and_device_tag():
     assert report.device_tag("NVIDIA H100 80GB HBM3") == "H100"
     assert report.device_tag("NVIDIA H200") == "H200"
     assert report.device_tag("NVIDIA GH200 480GB") == "GH200"
+
+
+def test_anchors_file_the_report_points_at_exists():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert "docs/ANCHORS.md" in report.CPU_BANNER
+    text = (root / "docs" / "ANCHORS.md").read_text()
+    assert "Copied from" in text.splitlines()[0] and "measured" in text.splitlines()[0]
+    assert "| llama3.1-8b (4096, 4096, 128256) |" in text
+
+
+def test_unit_is_warmed_up_and_checked():
+    """A unit whose first calls are slow (cold start) is measured after its warm-up; one
+    whose rate is outside the device class, or whose timings spread, carries a warning."""
+    import time
+
+    from logitless_bench import timing
+
+    calls = []
+
+    def cold_then_fast():
+        calls.append(1)
+        time.sleep(0.05 if len(calls) <= 2 else 0.001)
+
+    unit = timing.measure_unit("1 GEMM", cold_then_fast, 1e9, device="cpu", warmup=1, reps=3,
+                               expected=(1e9, 1e14))
+    assert unit.reps >= timing.UNIT_REPS and unit.ms < 10  # the two slow calls were warm-up
+    assert "outside" not in (unit.warning or ""), unit.warning  # (a busy machine may still spread it)
+    # Implausibly slow for the device class: said loudly, with the numbers.
+    slow = timing.measure_unit("1 GEMM", lambda: time.sleep(0.001), 1e3, device="cpu", warmup=1, reps=3,
+                               expected=timing.expected_gemm_flops("cpu", 4, 1e3))
+    assert slow.warning and "UNIT LOOKS WRONG" in slow.warning and "outside" in slow.warning
+    # Timings that alternate 1 ms / 4 ms: a spread far above the limit.
+    flip = []
+
+    def noisy():
+        flip.append(1)
+        time.sleep(0.004 if len(flip) % 2 else 0.001)
+
+    unit = timing.measure_unit("copy", noisy, 1e6, device="cpu", warmup=1, reps=3)
+    assert unit.spread > timing.UNIT_SPREAD_LIMIT and "spread" in unit.warning
+
+
+def test_summary_warns_next_to_the_table():
+    """Unit warnings, forward ratios below 1 and a busy machine are printed first."""
+    data = {"suite": "lce", "meta": {"gpu": False, "device_info": {"cpu_count": 2, "load_average_1min": 7.5}},
+            "units": {"gemm_ms": {"a": 16.0}, "warnings": ["UNIT LOOKS WRONG: 1 GEMM (a) = 16 ms: test"]},
+            "shapes": {"a": {"label": "a (1, 2, 3)", "gemm_ms": 16.0}}, "methods": {"m": ""},
+            "rows": [{"shape": "a", "method": "m", "status": "ok", "fwd_per_gemm": 0.02, "fwdbwd_per_3gemm": 0.1,
+                      "fwd_spread": 0.5}]}
+    text = report.summary(data)
+    head = text.split("| shape (B, H, V)")[0]
+    assert "1 GEMM (a) = 16 ms" in head and "forward ratios below 0.8x on a" in head
+    assert "BUSY MACHINE: load average 7.5 on 2 cores" in head and "NOISY TIMINGS" in head
+    data["units"].pop("warnings")
+    data["meta"]["device_info"]["load_average_1min"] = 0.5
+    data["rows"][0].update(fwd_per_gemm=1.2, fwd_spread=0.01)
+    assert "!!!" not in report.summary(data)

@@ -6,8 +6,6 @@ interpreter (conftest.py), at small sizes.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,24 +14,16 @@ import logitless
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.helpers import AllocationRecorder, assert_close_to_ref
+from tests.helpers import assert_close_to_ref
+from tests.op_specs import SPECS
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 TEMPERATURES = [0.5, 1.0, 2.0]
 
-OPTIONS = {
-    "plain": {},
-    "ignore": {"_ignore": 0.3},
-    "bias": {"_bias": True},
-    "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
-    "hard": {"hard_label_weight": 0.5},
-    "shift": {"shift": True, "_ignore": 0.2},
-    "no-target": {"_no_target": True},
-    "all": {"_ignore": 0.3, "_bias": True, "student_softcap": 4.0, "teacher_softcap": 3.0,
-            "hard_label_weight": 0.3, "shift": True, "beta": 0.3, "temperature": 1.5},
-}
+#: The options of the contract suite (tests/op_specs.py), reused by the op-specific tests.
+OPTIONS = SPECS["linear_jsd"].options
 
 
 def make_inputs(lead, hs, ht, vocab, dtype, opts, seed, device=DEVICE):
@@ -206,14 +196,6 @@ def test_hard_label_term_is_student_ce_at_temperature_one():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_each_option(backend, option, dtype):
-    reduction = ["mean", "sum", "none"][len(option) % 3]
-    check(backend, dtype, (3, 7), 24, 40, 101, OPTIONS[option], reduction, seed=len(option))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", BETAS)
 def test_betas_all_options(backend, beta):
     for dtype in (torch.float32, torch.bfloat16):
@@ -222,76 +204,10 @@ def test_betas_all_options(backend, beta):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    "lead,hs,ht,vocab",
-    [((1,), 24, 24, 101), ((2, 5), 20, 12, 1009), ((33,), 17, 23, 67), ((1, 1), 8, 8, 3)],
-    ids=["one-token", "prime-V-3d", "H17-H23", "tiny"],
-)
-def test_odd_sizes(backend, lead, hs, ht, vocab):
-    opts = OPTIONS["ignore"] if math.prod(lead) > 1 else OPTIONS["hard"]
-    for dtype in (torch.float32, torch.bfloat16):
-        check(backend, dtype, lead, hs, ht, vocab, opts, "mean", seed=3)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_small_budget_many_chunks(backend):
     """Budgets that split the forward into many token chunks and the backward into many
     vocabulary chunks give the same result."""
     check(backend, torch.float32, (37,), 24, 16, 211, OPTIONS["all"], "none", seed=13, budget=2048)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_empty_and_all_ignored(backend, reduction):
-    for lead, ignore_all in (((0,), False), ((5,), True)):
-        xs, ws, xt, wt, target, _ = make_inputs(lead, 16, 16, 30, torch.float32, {}, seed=5)
-        if ignore_all:
-            target[:] = -100
-        loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction=reduction, backend=backend)
-        if reduction == "mean":
-            assert torch.isnan(loss)
-        elif reduction == "sum":
-            assert loss.item() == 0.0
-        else:
-            assert loss.shape == lead and (loss == 0).all()
-        dx, dw = torch.autograd.grad(loss.sum(), (xs, ws))
-        assert (dx == 0).all() and (dw == 0).all()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_no_tokens_by_vocab_tensor(backend):
-    """Neither head's (tokens x vocab) logits, nor any other such tensor, is allocated.
-
-    A dispatch mode does not see inside a custom op (its kernels run with the mode
-    popped), so the backend's forward and backward are called directly as well."""
-    import importlib
-
-    from logitless.options import JSDOptions
-
-    n, v = 64, 160
-    budget = 8 * v * 16
-    xs, ws, xt, wt, target, kw = make_inputs((n,), 16, 24, v, torch.float32, OPTIONS["all"], seed=1)
-    impl = importlib.import_module(f"logitless.ops.linear_jsd.{backend}_backend")
-    opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0,
-                      hard_label_weight=0.3)
-    bs, bt = kw["student_bias"].detach(), kw["teacher_bias"]
-    with AllocationRecorder() as rec:
-        stats = impl.forward(xs.detach(), ws.detach(), bs, xt, wt, bt, target, opts, budget)
-        g = torch.rand(n, device=DEVICE)
-        dx, dw, db = impl.backward(g, xs.detach(), ws.detach(), bs, xt, wt, bt, target, stats, opts,
-                                   budget, True, True, True)
-    assert 0 < rec.largest < n * v, f"{rec.largest_op} created {rec.largest} elements (N*V = {n * v})"
-    assert dx.shape == xs.shape and dw.shape == ws.shape and db.shape == bs.shape
-    with AllocationRecorder() as rec:  # the public path, for its own temporaries
-        logitless.linear_jsd(xs, ws, xt, wt, target, backend=backend, memory_budget=budget, **kw).backward()
-    assert rec.largest < n * v
-
-
-def test_allocation_recorder_sees_logits():
-    xs, ws = torch.randn(64, 16), torch.randn(160, 16)
-    with AllocationRecorder() as rec:
-        linear_jsd_reference(xs, ws, xs, ws, dtype=torch.float32)
-    assert rec.largest >= 64 * 160
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -371,59 +287,6 @@ def test_out_of_range_target_with_hard_labels_raises_on_cpu():
     with pytest.raises(ValueError, match="outside"):
         logitless.linear_jsd(xs, ws, xt, wt, target, hard_label_weight=0.5)
     logitless.linear_jsd(xs, ws, xt, wt, target)  # without hard labels the value is never used
-
-
-def _bad_calls():
-    xs, ws = torch.randn(4, 8), torch.randn(10, 8)
-    xt, wt = torch.randn(4, 6), torch.randn(10, 6)
-    t = torch.zeros(4, dtype=torch.long)
-    f = logitless.linear_jsd
-    return {
-        "beta": (lambda: f(xs, ws, xt, wt, beta=1.5), ValueError, "beta"),
-        "temperature": (lambda: f(xs, ws, xt, wt, temperature=0.0), ValueError, "temperature"),
-        "reduction": (lambda: f(xs, ws, xt, wt, reduction="batchmean"), ValueError, "reduction"),
-        "softcap": (lambda: f(xs, ws, xt, wt, student_softcap=-1.0), ValueError, "student_softcap"),
-        "hard-weight": (lambda: f(xs, ws, xt, wt, t, hard_label_weight=-1.0), ValueError, "hard_label_weight"),
-        "hard-no-target": (lambda: f(xs, ws, xt, wt, hard_label_weight=0.5), ValueError, "needs a target"),
-        "vocab": (lambda: f(xs, ws, xt, torch.randn(11, 6)), ValueError, "vocabularies differ"),
-        "hidden": (lambda: f(xs, ws, xt, torch.randn(10, 7)), ValueError, "hidden size"),
-        "tokens": (lambda: f(xs, ws, xt[:3], wt), ValueError, "tokens must match"),
-        "weight-rank": (lambda: f(xs, ws[None], xt, wt), ValueError, "2-D"),
-        "target-shape": (lambda: f(xs, ws, xt, wt, t[:3]), ValueError, "target has shape"),
-        "target-dtype": (lambda: f(xs, ws, xt, wt, t.float()), TypeError, "int64 or int32"),
-        "x-dtype": (lambda: f(xs.int(), ws, xt, wt), TypeError, "student_x must be"),
-        "dtype-mismatch": (lambda: f(xs, ws, xt.double(), wt.double()), TypeError, "one dtype"),
-        "bias-shape": (lambda: f(xs, ws, xt, wt, student_bias=torch.randn(9)), ValueError, "student_bias"),
-        "empty-vocab": (lambda: f(xs, ws[:0], xt, wt[:0]), ValueError, "vocabulary is empty"),
-        "backend": (lambda: f(xs, ws, xt, wt, backend="cuda"), ValueError, "backend"),
-        "budget": (lambda: f(xs, ws, xt, wt, memory_budget=0), ValueError, "memory_budget"),
-        "shift-1d": (lambda: f(xs[0], ws, xt[0], wt, shift=True), ValueError, "shift"),
-        "device": (lambda: f(xs, ws, xt, wt.to("meta")), ValueError, "device"),
-        "teacher-grad": (lambda: f(xs, ws, xt.requires_grad_(), wt), ValueError, "teacher_x requires grad"),
-    }
-
-
-@pytest.mark.parametrize("case", list(_bad_calls()))
-def test_bad_input_raises(case):
-    call, exc, match = _bad_calls()[case]
-    with pytest.raises(exc, match=match):
-        call()
-
-
-# ----------------------------------------------------------------- compile and autocast
-
-
-def test_opcheck_custom_ops():
-    from torch.library import opcheck
-
-    xs, ws, xt, wt, target, kw = make_inputs((5,), 8, 6, 13, torch.float32, OPTIONS["all"], seed=10, device="cpu")
-    opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, "torch")
-    fwd = (xs, ws, kw["student_bias"], xt, wt, kw["teacher_bias"], target) + opts
-    opcheck(torch.ops.logitless.linear_jsd_forward.default, fwd)
-    _, stats = torch.ops.logitless.linear_jsd_forward(*fwd)
-    bwd = (torch.randn(5), xs.detach(), ws.detach(), kw["student_bias"].detach(), xt, wt,
-           kw["teacher_bias"], target, stats.detach()) + opts + (True, True, True)
-    opcheck(torch.ops.logitless.linear_jsd_backward.default, bwd)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -207,7 +207,8 @@ def _rel(a, ref):
     return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="TF32 / 3xTF32 products exist only on a GPU (the interpreter multiplies in fp32)")
+@pytest.mark.skipif(not HAS_CUDA,
+                    reason="TF32 / 3xTF32 products exist only on a GPU (the interpreter multiplies in fp32)")
 def test_fp32_on_gpu_as_accurate_as_torch_at_each_setting():
     """At a GEMM-sized reduction (H=2048), the errors of the fp32 path against float64
     (|loss - ref|, relative Frobenius errors of dx and dW) are those of torch's matmul at

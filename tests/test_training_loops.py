@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import cross_entropy, linear_cross_entropy
-from logitless.ops.cross_entropy import custom_op as ce_ops
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from logitless.ops.linear_cross_entropy import custom_op as lce_ops
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
@@ -354,32 +353,6 @@ def test_inplace_backward_is_eager_only():
 # --------------------------------------------------------------------------- custom ops
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("need_grad", [True, False])
-def test_opcheck_linear_cross_entropy(backend, need_grad):
-    # V = 104: a multiple of 8, so that the GPU plan may keep columns (ODD_V_ALIGN).
-    x, w, b, t = _lce_inputs((13,), 24, 104, seed=5)
-    cw = (torch.rand(104, generator=_gen(5)) + 0.5).to(DEVICE)
-    options = (-100, "mean", 0.1, 4.0, 1e-3, backend, 6_000, True)
-    args = (x, w, b, t, cw, *options, need_grad, 0, True, True, True)
-    # Not test_aot_dispatch_dynamic: it hands every output to the caller, and the kept
-    # columns, which the backward overwrites in place, would then be an output mutated
-    # by the backward. The public function never returns them; the compile tests above
-    # cover that path (fullgraph, dynamic, kept columns).
-    torch.library.opcheck(lce_ops.lce_forward, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    loss, lse, argmax, w_t, keep, keep_max, plan, *_ = lce_ops.lce_forward(*args)
-    if backend == "triton" and need_grad:
-        assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
-    else:
-        assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
-    grad_loss = torch.rand((), device=DEVICE) + 0.5
-    grad_lse = torch.randn(lse.shape, device=DEVICE)  # the per-token lse is differentiable
-    bargs = (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw, lse.detach(), w_t, keep, keep_max, plan,
-             *options[:-1], True, True, True)
-    torch.library.opcheck(lce_ops.lce_backward, bargs)
-
-
 def test_backward_runs_with_the_forwards_plan():
     """The plan that laid out the kept columns (tiles may be tuned or forced while the
     forward runs) travels to the backward as a tensor, not re-derived there."""
@@ -412,26 +385,6 @@ def test_grad_in_forward_through_the_op(chunk):
     torch.testing.assert_close(loss, usual)
     for a, e in zip(grads, expected):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_opcheck_cross_entropy(backend, reduction):
-    g = _gen(6)
-    logits = torch.randn(11, 37, generator=g).to(DEVICE).requires_grad_()
-    t = torch.randint(0, 37, (11,), generator=g).to(DEVICE)
-    cw = (torch.rand(37, generator=g) + 0.5).to(DEVICE)
-    options = (-100, reduction, 0.1, 5.0, 1e-3, backend, 4096)
-    torch.library.opcheck(ce_ops.ce_forward, (logits, t, cw, *options, True))
-    torch.library.opcheck(ce_ops.ce_forward, (logits.detach().T.contiguous().T, t, None, *options, False))
-    _, lse, _, w_t = ce_ops.ce_forward(logits, t, cw, *options, False)
-    grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
-    for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
-        torch.library.opcheck(ce_ops.ce_backward, (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
-                                                   *options))
-
-
-# --------------------------------------------------------------------------- double backward
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -124,7 +124,7 @@ def bench_shape(label, n, h, v, mg, res, rows=32, cols=256):
         e["xla_bf16_lse_max_abs"] = float(np.abs(np.asarray(jax.nn.logsumexp(zb, axis=1), np.float64) - lse_ref).max())
         # Backward of the mean cross-entropy: A = B = 1/N, C = 0.
         coef = jnp.stack([jnp.full((n,), 1.0 / n), jnp.full((n,), 1.0 / n), jnp.zeros((n,))]).astype(jnp.float32)
-        dx, dw, _ = jax.jit(lambda x, w, t, l, c: mg.backward(x, w, None, t, l, c, softcap=None, budget=None))(
+        dx, dw, _ = jax.jit(lambda x, w, t, lse, c: mg.backward(x, w, None, t, lse, c, softcap=None, budget=None))(
             x, w, t, lse, coef)
         onehot = np.zeros_like(z)
         onehot[np.arange(rows), ts] = 1.0
@@ -154,8 +154,8 @@ def bench_shape(label, n, h, v, mg, res, rows=32, cols=256):
         # slices, no dW concatenation; N x V x 2 bytes of dz).
         for bname, budget in (("budget256M", None), ("chunk4096", 4 * n * h + 2 * n * 4096 + 1024),
                               ("one_chunk", 2 * n * v + 4 * n * h + 2**20)):
-            bwd = jax.jit(lambda x, w, t, l, c, budget=budget: mg.backward(
-                x, w, None, t, l, c, softcap=None, budget=budget, config=configs[best]))
+            bwd = jax.jit(lambda x, w, t, lse, c, budget=budget: mg.backward(
+                x, w, None, t, lse, c, softcap=None, budget=budget, config=configs[best]))
             run_case(f"bwd {bname}", lambda bwd=bwd: {"ms": timeit(bwd, x, w, t, lse, coef)}, res, f"bwd_{bname}")
             fms = res[f"fwd_{best}"]["ms"]
             bms = res[f"bwd_{bname}"].get("ms")
@@ -164,7 +164,7 @@ def bench_shape(label, n, h, v, mg, res, rows=32, cols=256):
         # dz kernel alone (one chunk of 16384 columns): its share of the backward.
         def dz_only():
             c = min(16384, (v // 128) * 128)
-            f = jax.jit(lambda x, w, t, l, cf: mg.dz_chunk(x, w, t, l, cf, c0=0, chunk=c, cfg=configs[best]))
+            f = jax.jit(lambda x, w, t, lse, cf: mg.dz_chunk(x, w, t, lse, cf, c0=0, chunk=c, cfg=configs[best]))
             ms = timeit(f, x, w, t, lse, coef)
             gg = jax.jit(lambda x, w: jnp.dot(x, w[:c].T))
             gms = timeit(gg, x, w)
@@ -189,7 +189,8 @@ def bench_shape(label, n, h, v, mg, res, rows=32, cols=256):
 
 def write_table(results, meta, out, final=False):
     """Markdown table of the results so far (also after each shape: a timeout keeps it)."""
-    lines = ["| shape | GEMM ms | fwd ms (best cfg) | fwd/GEMM | bwd ms (256M / 4096-col / 1 chunk) | (fwd+bwd)/3 GEMM (same) | api fwd+bwd/3 GEMM | lse err | dx rel | dw rel |",
+    lines = ["| shape | GEMM ms | fwd ms (best cfg) | fwd/GEMM | bwd ms (256M / 4096-col / 1 chunk) "
+             "| (fwd+bwd)/3 GEMM (same) | api fwd+bwd/3 GEMM | lse err | dx rel | dw rel |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in results["shapes"].items():
         if "error" in r:
@@ -207,8 +208,10 @@ def write_table(results, meta, out, final=False):
         lines.append(
             f"| {label} | {fmt(g)} | {fmt(f)} ({b}) | {fmt(f / g if f and g else None, '{:.3f}x')} | "
             f"{fmt(b1)} / {fmt(b3)} / {fmt(b2)} | {fmt(r.get('fwd_bwd_budget256M_x_3gemm'), '{:.3f}x')} / "
-            f"{fmt(r.get('fwd_bwd_chunk4096_x_3gemm'), '{:.3f}x')} / {fmt(r.get('fwd_bwd_one_chunk_x_3gemm'), '{:.3f}x')} | {fmt(api.get('fwd_bwd_x_3gemm'), '{:.3f}x')} | "
-            f"{fmt(e.get('lse_max_abs'), '{:.2e}')} | {fmt(e.get('dx_rel'), '{:.2e}')} | {fmt(e.get('dw_rel'), '{:.2e}')} |")
+            f"{fmt(r.get('fwd_bwd_chunk4096_x_3gemm'), '{:.3f}x')} / "
+            f"{fmt(r.get('fwd_bwd_one_chunk_x_3gemm'), '{:.3f}x')} | {fmt(api.get('fwd_bwd_x_3gemm'), '{:.3f}x')} | "
+            f"{fmt(e.get('lse_max_abs'), '{:.2e}')} | {fmt(e.get('dx_rel'), '{:.2e}')} | "
+            f"{fmt(e.get('dw_rel'), '{:.2e}')} |")
     table = "\n".join(lines)
     with open(os.path.join(out, "mosaic-bench.md"), "w") as fh:
         fh.write(f"{meta}\n\n{table}\n")

@@ -77,10 +77,11 @@ def _bandwidth(row: dict, key: str, moved: int, copy_bps: float) -> None:
 
 def run(cases, methods, cfg: Config, results: report.Results) -> report.Results:
     dev = cfg.device
-    copy_bps = timing.copy_bandwidth(dev, warmup=cfg.warmup, reps=cfg.reps)
-    results.set_unit("copy_GBps", copy_bps / 1e9)
+    copy = timing.copy_unit(dev, warmup=cfg.warmup, reps=cfg.reps)
+    results.record_unit(None, copy)
+    copy_bps = copy.rate
     progress = Progress(len(cases) * len(methods), "ce")
-    progress.write(f"== ce: device-to-device copy = {copy_bps / 1e9:.0f} GB/s (read + write)")
+    progress.write(f"== ce: device-to-device copy: {report.unit_text(results.data, None)}")
     for case in cases:
         dtype = getattr(torch, case.dtype)
         nbytes = case.tokens * case.vocab * torch.empty(0, dtype=dtype).element_size()
@@ -109,7 +110,7 @@ def run(cases, methods, cfg: Config, results: report.Results) -> report.Results:
         progress.write(f"== ce {case.label}: logits {nbytes / 2**20:.0f} MiB")
 
         run_methods("ce", case, methods, cfg, results, progress,
-                    lambda fn, method, row: measure(fn, logits, t, method.clobbers_input, copy_bps,
+                    lambda fn, method, row: measure(fn, logits, t, method.clobbers_input, copy_bps,  # noqa: F821 (deleted below, after use)
                                                     info["ref_loss"], cfg, row),
                     skip_reason=skip_reason, extra={"logits_mib": nbytes / 2**20})
         del logits, t

@@ -28,7 +28,7 @@ examples:
   python -m logitless_bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
   python -m logitless_bench --suite rl --max-minutes 5       # token log-probs + entropy (RL) vs torch, verl
   python -m logitless_bench --suite tp --max-minutes 4   # vocab-parallel CE, one process per GPU
-  python -m logitless_bench --suite train            # end-to-end HF training (python -m logitless_bench --suite train -h)
+  python -m logitless_bench --suite train            # end-to-end HF training (its options: --suite train -h)
   python -m logitless_bench --list                   # shapes and methods
   python -m logitless_bench --from-json benchmarks/results/latest-lce-H100.json   # redraw .md/.png
   python -m logitless_bench compare OLD.json NEW.json   # regression report (markdown beside NEW.json)
@@ -97,7 +97,8 @@ def _list(cpu, budgets) -> int:
     defaults = shapes.default_names(cpu)
     print("lce shapes (B tokens, H hidden, V vocab):")
     for s in shapes.lce_shapes(cpu):
-        print(f"  {s.name:<18} {s.tokens:>6} {s.hidden:>6} {s.vocab:>7}  {s.dtype}{'' if s.name in defaults else '  (only with --shapes)'}")
+        only = "" if s.name in defaults else "  (only with --shapes)"
+        print(f"  {s.name:<18} {s.tokens:>6} {s.hidden:>6} {s.vocab:>7}  {s.dtype}{only}")
     print("ce cases (N tokens x V vocab - dtype):")
     for c in shapes.ce_cases(cpu):
         print(f"  {c.name}{'' if c.name in defaults else '  (only with --shapes)'}")
@@ -122,6 +123,14 @@ def _on_sigterm(signum, frame):  # a time limit's kill: unwind so partial result
 
 
 def main(argv=None) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:  # a CPU run sets one thread; an in-process caller (a test) gets its count back
+        torch.set_num_threads(threads)
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # the console script: `logitless bench ...`
         argv = argv[1:]
@@ -149,6 +158,11 @@ def main(argv=None) -> int:
         return _from_json(args.from_json, args.out)
 
     cpu = args.cpu or not torch.cuda.is_available()
+    if cpu:
+        # One thread: on a shared machine torch's worker threads wait for each other at
+        # every op (a descheduled thread stalls the op for a time slice: 0.13 ms GEMMs
+        # measured 8 ms); one thread gives steady, comparable times.
+        torch.set_num_threads(1)
     if args.suite == "distill":  # its own runner and shapes: bench/distill.py
         from . import distill
 
@@ -245,13 +259,13 @@ def main(argv=None) -> int:
             print(f"\n[{suite}] interrupted: saving partial results", flush=True)
         done.append((results, results.save(complete=complete)))
 
+    if cpu and done:  # before the numbers it introduces
+        print("\n" + report.CPU_BANNER)
     for results, written in done:
         d = results.data
         print("\n" + "=" * 100)
         print(f"{d['suite']}: {d['title']} | {meta['device']} | {meta['date']}")
         print(report.summary(d))
         print("files: " + " ".join(str(p) for p in written if "latest-" not in p.name))
-    if cpu:
-        print("\n" + report.CPU_BANNER)
     sys.stdout.flush()
     return 130 if interrupted else 0

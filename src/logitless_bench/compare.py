@@ -59,7 +59,8 @@ def _times(row: dict, data: dict, basis: str) -> dict:
         if data["suite"] == "lce":
             unit = _num(row.get("gemm_ms")) or _num(data.get("units", {}).get("gemm_ms", {}).get(row["shape"]))
         else:  # ce: time x copy bandwidth = bytes-equivalent; any fixed unit of the run works
-            unit = 1.0 / _num(data.get("units", {}).get("copy_GBps")) if _num(data.get("units", {}).get("copy_GBps")) else None
+            copy = _num(data.get("units", {}).get("copy_GBps"))
+            unit = 1.0 / copy if copy else None
         if unit is None:
             return {m: None for m in METRICS}
         fwd = fwd / unit if fwd is not None else None
@@ -167,7 +168,8 @@ def compare(old: dict, new: dict, *, basis: str = "unit", threshold: float = DEF
 def _describe(data: dict) -> str:
     meta = data.get("meta", {})
     git = (meta.get("git") or {}).get("commit", "")
-    return (f"{meta.get('device', '?')}, {meta.get('date', '?')}, torch {meta.get('torch')}, triton {meta.get('triton')}"
+    return (f"{meta.get('device', '?')}, {meta.get('date', '?')}, torch {meta.get('torch')}, "
+            f"triton {meta.get('triton')}"
             + (f", git {git[:10]}" if git else ""))
 
 

@@ -63,18 +63,25 @@ def make_inputs(shape, device, seed: int):
 
 
 def gemm_floor_ms(xs, ws, xt, wt, *, warmup: int, reps: int) -> dict:
-    """Medians of the four GEMMs of a distillation step (one dz-shaped operand made once)."""
+    """Medians of the four GEMMs of a distillation step (one dz-shaped operand made once),
+    each timed as a unit (warm-up, spread checked: ``timing.measure_unit``); their sum
+    "floor"; "warnings": why a part looks wrong (absent when none does)."""
     dev = xs.device
+    n, v = xs.shape[0], ws.shape[0]
     with torch.no_grad():
-        dz = torch.randn(xs.shape[0], ws.shape[0], device=dev, dtype=xs.dtype)
-        parts = {
-            "student_logits": timing.time_ms(lambda: xs @ ws.T, device=dev, warmup=warmup, reps=reps),
-            "teacher_logits": timing.time_ms(lambda: xt @ wt.T, device=dev, warmup=warmup, reps=reps),
-            "dx": timing.time_ms(lambda: dz @ ws, device=dev, warmup=warmup, reps=reps),
-            "dW": timing.time_ms(lambda: dz.T @ xs, device=dev, warmup=warmup, reps=reps),
-        }
-        del dz
+        dz = torch.randn(n, v, device=dev, dtype=xs.dtype)
+        gemms = {"student_logits": (lambda: xs @ ws.T, n * v * xs.shape[1]),
+                 "teacher_logits": (lambda: xt @ wt.T, n * v * xt.shape[1]),
+                 "dx": (lambda: dz @ ws, n * v * xs.shape[1]),
+                 "dW": (lambda: dz.T @ xs, n * v * xs.shape[1])}
+        units = {name: timing.measure_unit(name, fn, 2.0 * macs, device=dev, warmup=warmup, reps=reps,
+                                           expected=timing.expected_gemm_flops(dev, xs.element_size(), 2.0 * macs))
+                 for name, (fn, macs) in gemms.items()}
+    parts = {name: u.ms for name, u in units.items()}
     parts["floor"] = sum(parts.values())
+    warnings = [u.warning for u in units.values() if u.warning]
+    if warnings:
+        parts["warnings"] = warnings
     return parts
 
 
@@ -270,6 +277,7 @@ def save(data, out_dir) -> list:
           f"triton {data['meta']['triton']} | {data['meta']['date']}", "", f"`{data['meta']['command']}`", ""]
     if not data["meta"]["gpu"]:
         md += ["```", report.CPU_BANNER, "```", ""]
+    md += [f"**!!! {w}**" for w in data.get("unit_warnings", [])]
     md += ["GEMM floors (ms): " + ", ".join(f"{k}: {v['floor']:.3f}" for k, v in data["floors"].items()), "",
            table(data["rows"]), "", METRICS, ""]
     md += [f"- note: {n}" for n in data["notes"]]
@@ -324,9 +332,13 @@ def run_cli(args, cpu: bool) -> int:
         for shape in shapes:
             inputs = make_inputs(shape, device, args.seed)
             floor = gemm_floor_ms(*inputs[:4], warmup=warmup, reps=reps)
+            unit_warnings = [f"{shape.name}: {w}" for w in floor.pop("warnings", [])]
             data["floors"][shape.name] = floor
+            data.setdefault("unit_warnings", []).extend(unit_warnings)
             print(f"== distill {shape.label} {shape.dtype}: floor {floor['floor']:.3f} ms "
                   f"({', '.join(f'{k} {v:.3f}' for k, v in floor.items() if k != 'floor')})", flush=True)
+            for w in unit_warnings:
+                print(f"!!! {w}", flush=True)
             ref = None
             if not args.no_errors:
                 try:
@@ -354,7 +366,8 @@ def run_cli(args, cpu: bool) -> int:
                 data["rows"].append(row)
                 print(f"  {name:<14} {row['status']:<8} f+b {_fmt(row.get('fwdbwd_ms'), '.2f')} ms = "
                       f"{_fmt(row.get('fwdbwd_per_floor'), '.2f')} x floor, peak "
-                      f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, |loss-ref| {_fmt(row.get('loss_abs_err'), '.1e')}, "
+                      f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, "
+                      f"|loss-ref| {_fmt(row.get('loss_abs_err'), '.1e')}, "
                       f"dx {_fmt(row.get('dx_rel_err'), '.1e')}, dW {_fmt(row.get('dw_rel_err'), '.1e')} "
                       f"{row['reason'][:160]}", flush=True)
                 timing.release_memory(device)
@@ -365,8 +378,10 @@ def run_cli(args, cpu: bool) -> int:
     except KeyboardInterrupt as exc:
         data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
     written = save(data, out_dir)
+    if cpu:  # before the numbers it introduces
+        print("\n" + report.CPU_BANNER)
+    for w in data.get("unit_warnings", []):
+        print(f"!!! {w}")
     print("\n" + table(data["rows"]))
     print("files: " + " ".join(str(p) for p in written))
-    if cpu:
-        print("\n" + report.CPU_BANNER)
     return 0 if data["complete"] else 130

@@ -115,7 +115,9 @@ def _safe_predict(shape, method, device) -> dict:
 def prepare(shape, cfg: Config, results: report.Results):
     """Inputs, the GEMM unit and the float64 reference of one shape."""
     x, w, t = make_inputs(shape, cfg.device, cfg.seed)
-    gemm_ms = timing.gemm_ms(x, w, warmup=cfg.warmup, reps=cfg.reps)
+    unit = timing.gemm_unit(x, w, warmup=cfg.warmup, reps=cfg.reps)
+    results.record_unit(shape.name, unit)
+    gemm_ms = unit.ms
     ref = None
     if cfg.errors:
         try:
@@ -128,8 +130,8 @@ def prepare(shape, cfg: Config, results: report.Results):
 
 def run(shapes, methods, cfg: Config, results: report.Results) -> report.Results:
     dev = cfg.device
-    copy_bps = timing.copy_bandwidth(dev, warmup=cfg.warmup, reps=cfg.reps)
-    results.set_unit("copy_GBps", copy_bps / 1e9)  # not used by this suite; recorded for the record
+    copy = timing.copy_unit(dev, warmup=cfg.warmup, reps=cfg.reps)
+    results.record_unit(None, copy, used=False)  # not used by this suite; recorded for the record
     progress = Progress(len(shapes) * len(methods), "lce")
     for shape in shapes:
         info = {"tokens": shape.tokens, "hidden": shape.hidden, "vocab": shape.vocab, "dtype": shape.dtype,
@@ -140,8 +142,7 @@ def run(shapes, methods, cfg: Config, results: report.Results) -> report.Results
             x, w, t, gemm_ms, ref = prepare(shape, cfg, results)
             info["gemm_ms"] = gemm_ms
             info["ref_loss"] = ref[0] if ref is not None else None
-            results.data["units"].setdefault("gemm_ms", {})[shape.name] = gemm_ms
-            progress.write(f"== lce {shape.label} {shape.dtype}: 1 GEMM = {gemm_ms:.3f} ms")
+            progress.write(f"== lce {shape.label} {shape.dtype}: {report.unit_text(results.data, shape.name)}")
         except Exception as exc:  # noqa: BLE001 - e.g. the inputs do not fit: skip the shape
             setup_error = f"inputs or GEMM unit failed: {describe(exc)}"
             progress.write(f"== lce {shape.label}: {setup_error}")
@@ -150,7 +151,7 @@ def run(shapes, methods, cfg: Config, results: report.Results) -> report.Results
 
         run_methods("lce", shape, methods, cfg, results, progress,
                     lambda fn, method, row: (row.update(_safe_predict(shape, method, dev)),
-                                             measure(fn, x, w, t, gemm_ms, ref, cfg, row)),
+                                             measure(fn, x, w, t, gemm_ms, ref, cfg, row)),  # noqa: F821 (deleted below, after use)
                     skip_reason=setup_error, extra={"gemm_ms": gemm_ms})
         del x, w, t, ref
         timing.release_memory(dev)

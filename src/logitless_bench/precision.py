@@ -137,15 +137,15 @@ def methods():
     ]
 
 
-def _unit_ms(case, x, w, cfg: Config) -> float:
+def _unit(case, x, w, cfg: Config) -> timing.Unit:
     """One GEMM of the case's kind: fp32 at its precision setting, or bf16 for autocast."""
     if case.mode == "autocast-bf16":
         xb, wb = x.bfloat16(), w.bfloat16()
         try:
-            return timing.gemm_ms(xb, wb, warmup=cfg.warmup, reps=cfg.reps)
+            return timing.gemm_unit(xb, wb, warmup=cfg.warmup, reps=cfg.reps)
         finally:
             del xb, wb
-    return timing.gemm_ms(x, w, warmup=cfg.warmup, reps=cfg.reps)
+    return timing.gemm_unit(x, w, warmup=cfg.warmup, reps=cfg.reps)
 
 
 def run(all_cases, method_list, cfg: Config, results: report.Results) -> report.Results:
@@ -179,16 +179,16 @@ def run(all_cases, method_list, cfg: Config, results: report.Results) -> report.
             with matmul_precision(case.matmul_precision):
                 if err is None:
                     try:
-                        gemm_ms = _unit_ms(case, x, w, cfg)
-                        info["gemm_ms"] = gemm_ms
-                        results.data["units"].setdefault("gemm_ms", {})[case.name] = gemm_ms
-                        progress.write(f"== precision {case.label}: 1 GEMM = {gemm_ms:.3f} ms")
+                        unit = _unit(case, x, w, cfg)
+                        gemm_ms = info["gemm_ms"] = unit.ms
+                        results.record_unit(case.name, unit)
+                        progress.write(f"== precision {case.label}: {report.unit_text(results.data, case.name)}")
                     except Exception as exc:  # noqa: BLE001
                         err = f"GEMM unit failed: {describe(exc)}"
                         timing.release_memory(dev)
                 results.set_shape(case.name, info)
                 run_methods("precision", case, method_list, cfg, results, progress,
-                            lambda fn, method, row: lce.measure(fn, x, w, t, gemm_ms, ref, cfg, row),
+                            lambda fn, method, row: lce.measure(fn, x, w, t, gemm_ms, ref, cfg, row),  # noqa: F821 (deleted below, after use)
                             skip_reason=err, extra={"gemm_ms": gemm_ms, "mode": case.mode})
             results.save()  # after every case: a killed run keeps what it measured
         del x, w, t, ref

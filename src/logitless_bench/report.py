@@ -72,9 +72,9 @@ Metrics (ce): logits (N,V) ~ N(0,1) in the listed dtype, targets uniform, mean r
 CPU_BANNER = """\
 ************************************************************************************
 * NO GPU FOUND (torch.cuda.is_available() is False, or --cpu was given).           *
-* The numbers below are CPU timings (time.perf_counter) of one SMALL case, run to  *
-* check that the harness works end to end. They are NOT the benchmark: run this    *
-* command on a CUDA GPU for the numbers of ANCHORS.md's shapes.                    *
+* The numbers below are CPU timings (time.perf_counter, one thread) of one SMALL   *
+* case, run to check that the harness works end to end. They are NOT the benchmark:*
+* run this command on a CUDA GPU for the numbers of the shapes of docs/ANCHORS.md. *
 ************************************************************************************"""
 
 
@@ -121,7 +121,8 @@ def environment(device: torch.device) -> dict:
                     "capability": f"{props.major}.{props.minor}"}
     else:
         name = platform.processor() or platform.machine() or "cpu"
-        dev_info = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+        dev_info = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     return {
         "date": now.isoformat(timespec="seconds"),
         "command": shlex.join(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv),
@@ -207,8 +208,22 @@ class Results:
                 f"(shapes {', '.join(kept_shapes) or '-'}); each row keeps the unit of its own run")
 
     # --- filling
-    def set_unit(self, key, value):
-        self.data["units"][key] = value
+    def record_unit(self, shape, unit, *, used: bool = True):
+        """A measured ``timing.Unit``: the GEMM unit of ``shape``, or (shape None) the
+        copy unit of the run; its spread and any warning are kept beside it. ``used``:
+        the suite's ratios depend on it (else its warning is only recorded)."""
+        units = self.data["units"]
+        if shape is None:
+            units["copy_GBps"], units["copy_spread"] = unit.rate / 1e9, unit.spread
+            units["copy_warmup_s"] = unit.warmup_s
+        else:
+            units.setdefault("gemm_ms", {})[shape] = unit.ms
+            units.setdefault("gemm_spread", {})[shape] = unit.spread
+            units.setdefault("gemm_TFLOPs", {})[shape] = unit.rate / 1e12
+            units.setdefault("gemm_warmup_s", {})[shape] = unit.warmup_s
+        if unit.warning and used:
+            where = f" ({shape})" if shape else ""
+            units.setdefault("warnings", []).append(unit.warning.replace(f"{unit.name} =", f"{unit.name}{where} =", 1))
 
     def set_shape(self, name, info):
         self.data["shapes"][name] = info
@@ -275,7 +290,8 @@ def format_row(row: dict) -> str:
                 f"  |dloss| {_f(row.get('loss_abs_err'), '.1e')} dx {_f(row.get('dx_rel_err'), '.1e')}"
                 f" dW {_f(row.get('dw_rel_err'), '.1e')}")
         if row.get("pred_strategy"):
-            text += f"  predicted {_f(row.get('pred_fwd_ms'), '.3f')} / {_f(row.get('pred_ms'), '.3f')} ms ({row['pred_strategy']})"
+            text += (f"  predicted {_f(row.get('pred_fwd_ms'), '.3f')} / {_f(row.get('pred_ms'), '.3f')} ms "
+                     f"({row['pred_strategy']})")
     else:
         text = (f"{head} fwd {_f(row.get('fwd_ms'), '.3f')} ms {_f(row.get('fwd_GBps'), '.0f')} GB/s"
                 f" ({_f(_pct(row.get('fwd_frac_copy')), '.0f', '%')})"
@@ -314,11 +330,58 @@ def _cell(row, parts):
     return text + (" (failed)" if row["status"] == "failed" else "")
 
 
+def unit_text(data, shape) -> str:
+    """One line about a unit: value, spread, rate (and its warning, loudly)."""
+    units = data["units"]
+    if shape is None:
+        text = (f"{_f(units.get('copy_GBps'), '.1f')} GB/s (read + write), spread "
+                f"{_f(_pct(units.get('copy_spread')), '.0f', '%')}, after {_f(units.get('copy_warmup_s'), '.1f')} s "
+                "of warm-up")
+        key = "copy ="
+    else:
+        text = (f"1 GEMM = {_f(units.get('gemm_ms', {}).get(shape), '.3f')} ms "
+                f"({_f(units.get('gemm_TFLOPs', {}).get(shape), '.3g')} TFLOP/s, spread "
+                f"{_f(_pct(units.get('gemm_spread', {}).get(shape)), '.0f', '%')}, after "
+                f"{_f(units.get('gemm_warmup_s', {}).get(shape), '.1f')} s of warm-up)")
+        key = f"({shape}) ="
+    warnings = [w for w in units.get("warnings", []) if key in w]
+    return text + "".join(f"\n!!! {w}" for w in warnings)
+
+
+#: Relative spread (inter-quartile range / median) of a row's timings reported as noisy.
+NOISY_SPREAD = 0.25
+
+
+def unit_warnings(data) -> list:
+    """Why the run's units look wrong: the units' own checks (spread, rate outside the
+    device class) and, for the lce suites, forward ratios below 1 (a loss that includes
+    the GEMM cannot run faster than that GEMM alone: the unit was measured too slow)."""
+    warnings = list(data.get("units", {}).get("warnings", []))
+    info = data.get("meta", {}).get("device_info", {})
+    load, cores = info.get("load_average_1min"), info.get("cpu_count")
+    if _num(load) and cores and load > cores:
+        warnings.append(f"BUSY MACHINE: load average {load:.1f} on {cores} cores when the run started: "
+                        "other processes share the CPU, every time below is inflated and noisy.")
+    noisy = sorted({f"{r['shape']}/{r['method']}" for r in data["rows"] if r.get("status") == "ok" and any(
+        _num(r.get(k)) and r[k] > NOISY_SPREAD for k in ("fwd_spread", "fwdbwd_spread"))})
+    if noisy:
+        warnings.append(f"NOISY TIMINGS (spread above {NOISY_SPREAD:.0%} of the median): {', '.join(noisy)}.")
+    if data["suite"] in ("lce", "precision"):
+        fast = sorted({r["shape"] for r in data["rows"]
+                       if r.get("status") == "ok" and _num(r.get("fwd_per_gemm")) and r["fwd_per_gemm"] < 0.8})
+        if fast:
+            warnings.append(f"UNIT LOOKS WRONG: forward ratios below 0.8x on {', '.join(fast)}: a loss that computes "
+                            "the logits cannot beat one GEMM of them, so the 1 GEMM unit was measured too slow "
+                            "(a busy or cold machine). Re-run on a quiet machine.")
+    return warnings
+
+
 def summary(data) -> str:
-    """The compact tables (printed at the end of a run, and at the top of the .md)."""
+    """The compact tables (printed at the end of a run, and at the top of the .md); any
+    warning about the units comes first, next to the tables it concerns."""
     shapes, methods, by = _grid(data)
     info = data["shapes"]
-    out = []
+    out = [f"!!! {w}" for w in unit_warnings(data)]
     if data["suite"] in ("lce", "precision"):
         out.append("fwd / 1 GEMM, fwd+bwd / 3 GEMMs, peak extra MiB:")
         rows = [[info.get(s, {}).get("label", s), _f(info.get(s, {}).get("gemm_ms"), ".2f")]
@@ -328,7 +391,8 @@ def summary(data) -> str:
                 for s in shapes]
         out.append(_table(["shape (B, H, V)", "1 GEMM ms"] + methods, rows))
         out.append("\nerrors vs float64: |loss - ref| / dx rel / dW rel:")
-        rows = [[s] + [_cell(by.get((s, m)), lambda r: (_f(r.get("loss_abs_err"), ".0e"), _f(r.get("dx_rel_err"), ".0e"),
+        rows = [[s] + [_cell(by.get((s, m)), lambda r: (_f(r.get("loss_abs_err"), ".0e"),
+                                                        _f(r.get("dx_rel_err"), ".0e"),
                                                         _f(r.get("dw_rel_err"), ".0e"))) for m in methods]
                 for s in shapes]
         out.append(_table(["shape"] + methods, rows))
@@ -344,7 +408,8 @@ def summary(data) -> str:
                 for s in shapes]
         out.append(_table(["case (N x V - dtype)", "logits MiB"] + methods, rows))
         out.append("\nerrors vs float64: |loss - ref| / grad rel:")
-        rows = [[s] + [_cell(by.get((s, m)), lambda r: (_f(r.get("loss_abs_err"), ".0e"), _f(r.get("grad_rel_err"), ".0e")))
+        rows = [[s] + [_cell(by.get((s, m)), lambda r: (_f(r.get("loss_abs_err"), ".0e"),
+                                                        _f(r.get("grad_rel_err"), ".0e")))
                        for m in methods] for s in shapes]
         out.append(_table(["case"] + methods, rows))
     out.append(_problems(data))
@@ -360,7 +425,9 @@ def _predictions(data) -> str:
     if not rows:
         return ""
     model = next((r.get("pred_model") for r in data["rows"] if r.get("pred_model")), "?")
-    return (f"\nplanner ({model} cost model): predicted vs measured ms:\n"
+    cpu = "" if data.get("meta", {}).get("gpu", True) else (
+        " (GPU predictions beside CPU times: the ratio says nothing on this machine)")
+    return (f"\nplanner ({model} cost model): predicted vs measured ms{cpu}:\n"
             + _table(["shape", "method", "strategy", "pred fwd", "fwd", "pred f+b", "f+b", "f+b / pred"], rows))
 
 
@@ -386,13 +453,14 @@ def _full_table(data) -> str:
                   "loss", "\\|loss-ref\\|", "dx err", "dW err", "status",
                   "predicted fwd / f+b ms (planner's strategy)"]
         rows = [[r["shape"], r["method"], _f(r.get("fwd_ms"), ".3f"), _f(r.get("fwd_per_gemm"), ".2f", "x"),
-                 _f(r.get("fwdbwd_ms"), ".3f"), _f(r.get("fwdbwd_per_3gemm"), ".2f", "x"), _mib(r.get("peak_extra_mib")),
+                 _f(r.get("fwdbwd_ms"), ".3f"), _f(r.get("fwdbwd_per_3gemm"), ".2f", "x"),
+                 _mib(r.get("peak_extra_mib")),
                  _f(r.get("loss"), ".6f"), _f(r.get("loss_abs_err"), ".1e"), _f(r.get("dx_rel_err"), ".1e"),
                  _f(r.get("dw_rel_err"), ".1e"), r["status"],
                  (f"{_f(r.get('pred_fwd_ms'), '.2f')} / {_f(r.get('pred_ms'), '.2f')} ({r['pred_strategy']})"
                   if r.get("pred_strategy") else "")] for r in data["rows"]]
-        units = [f"- 1 GEMM ({s}): {_f(i.get('gemm_ms'), '.3f')} ms; float64 reference loss "
-                 f"{_f(i.get('ref_loss'), '.6f')}" for s, i in info.items()]
+        units = [f"- {unit_text(data, s)}; float64 reference loss {_f(i.get('ref_loss'), '.6f')}"
+                 for s, i in info.items()]
     else:
         header = ["case", "method", "fwd ms", "fwd GB/s", "fwd % copy", "fwd+bwd ms", "f+b GB/s", "f+b % copy",
                   "peak extra MiB", "loss", "\\|loss-ref\\|", "grad err", "status"]
@@ -401,7 +469,7 @@ def _full_table(data) -> str:
                  _f(r.get("fwdbwd_GBps"), ".0f"), _f(_pct(r.get("fwdbwd_frac_copy")), ".0f", "%"),
                  _mib(r.get("peak_extra_mib")), _f(r.get("loss"), ".6f"), _f(r.get("loss_abs_err"), ".1e"),
                  _f(r.get("grad_rel_err"), ".1e"), r["status"]] for r in data["rows"]]
-        units = [f"- copy bandwidth: {_f(data['units'].get('copy_GBps'), '.1f')} GB/s (read + write)"]
+        units = [f"- copy bandwidth: {unit_text(data, None)}"]
     return "\n".join(units) + "\n\n" + _table(header, rows)
 
 

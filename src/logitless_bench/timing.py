@@ -1,5 +1,9 @@
 """How time, memory and the two units (1 GEMM, copy bandwidth) are measured.
 
+The units are warmed up, timed repeatedly and checked (``measure_unit``): a unit whose
+timings spread, or whose rate is outside what the device's class can do, carries a
+warning that the report prints next to its table.
+
 Everything the report calls "ms" comes from ``time_ms`` and everything it calls
 "peak extra MiB" from ``peak_extra_bytes``; nothing else in the package measures.
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -121,22 +126,146 @@ def peak_extra_bytes(
     return out, peak - before - exclude_bytes
 
 
-def gemm_ms(x: torch.Tensor, weight: torch.Tensor, *, warmup: int = 3, reps: int = 10) -> float:
-    """The unit of the lce suite: one cuBLAS (B,H)x(H,V) product ``x @ weight.T``."""
+#: A unit is timed this many times at least (its spread is checked on them).
+UNIT_REPS = 21
+#: Untimed calls before a unit is timed: at least UNIT_WARMUP_S seconds, then until the
+#: median of the last 10 calls is within UNIT_STEADY x the fastest call (at most
+#: UNIT_WARMUP_MAX_S). On a shared 2-core CPU a fresh process ran its first ~50 small
+#: GEMMs at 8-16 ms each, then 0.13 ms: a fixed warm-up measured the slow phase.
+UNIT_WARMUP_S = {"cpu": 0.3, "cuda": 0.05}
+UNIT_WARMUP_MAX_S = {"cpu": 5.0, "cuda": 2.0}
+UNIT_STEADY = 1.5
+#: Relative spread (inter-quartile range / median) above which a unit is re-timed, and
+#: reported as noisy if it stays there after UNIT_TRIES tries.
+UNIT_SPREAD_LIMIT = 0.15
+UNIT_TRIES = 3
+#: What a device class can plausibly do, per CPU core (FLOP/s of an fp32 / 16-bit GEMM,
+#: copy bytes/s read + write) and, for GPUs, as fractions of the cost model's rates.
+CPU_GEMM_FLOPS_PER_CORE = {4: (2e9, 2.5e11), 2: (2e8, 1.5e12)}
+CPU_COPY_BPS = (1e9, 1e12)
+GPU_LOW_FRACTION, GPU_HIGH_FRACTION = 0.05, 1.3
+
+
+@dataclass
+class Unit:
+    """A unit of the report, measured with warm-up and a spread check.
+
+    ms: median time of one call; spread: its inter-quartile range / median; rate:
+    FLOP/s (GEMM) or bytes/s (copy) that the median means; warning: why the unit looks
+    wrong (too noisy, or outside what the device's class can do), else None: the
+    report prints it next to the table, since every ratio is relative to it.
+    """
+
+    name: str
+    ms: float
+    spread: float
+    reps: int
+    rate: float
+    warning: Optional[str] = None
+    warmup_s: float = 0.0
+
+
+def _cores() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def measure_unit(name: str, fn: Callable[[], object], work: float, *, device, warmup: int = 3,
+                 reps: int = 10, expected: Optional[tuple] = None, rate_unit: str = "FLOP/s") -> Unit:
+    """Times ``fn`` (which does ``work`` FLOPs or bytes) as a unit: untimed calls until
+    steady (see UNIT_WARMUP_S; at least ``warmup`` calls), then at least UNIT_REPS timed calls,
+    re-timed up to UNIT_TRIES times while the spread is above UNIT_SPREAD_LIMIT (the
+    quietest try is kept). ``expected`` = (low, high) plausible rate of the device."""
+    kind = "cuda" if is_cuda(device) else "cpu"
+    warm = []
+    t0 = time.perf_counter()
+    while True:  # until steady: the last calls' median near the fastest call seen
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        warm.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - t0
+        if len(warm) >= warmup and elapsed >= UNIT_WARMUP_S[kind] and (
+                statistics.median(warm[-10:]) <= UNIT_STEADY * min(warm) or elapsed >= UNIT_WARMUP_MAX_S[kind]):
+            break
+    reps = max(reps, UNIT_REPS)
+    best = None
+    for _ in range(UNIT_TRIES):
+        ms, spread = time_ms_spread(fn, device=device, warmup=1, reps=reps)
+        if best is None or spread < best[1]:
+            best = (ms, spread)
+        if spread <= UNIT_SPREAD_LIMIT:
+            break
+    ms, spread = best
+    rate = work / (ms * 1e-3)
+    unit = Unit(name, ms, spread, reps, rate, warmup_s=elapsed)
+    problems = []
+    if spread > UNIT_SPREAD_LIMIT:
+        problems.append(f"its timings spread by {spread:.0%} (inter-quartile range / median, limit "
+                        f"{UNIT_SPREAD_LIMIT:.0%}): the machine is busy or throttling")
+    if expected is not None:
+        low, high = expected
+        if not low <= rate <= high:
+            problems.append(f"{_rate_text(rate, rate_unit)} is outside what this device class does "
+                            f"({_rate_text(low, rate_unit)} to {_rate_text(high, rate_unit)})")
+    if problems:
+        unit.warning = (f"UNIT LOOKS WRONG: {name} = {ms:.3g} ms: " + "; ".join(problems)
+                        + ". Every ratio of the table is relative to it: re-run on a quiet machine.")
+    return unit
+
+
+def _rate_text(rate: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if rate >= scale:
+            return f"{rate / scale:.3g} {prefix}{unit}"
+    return f"{rate:.3g} {unit}"
+
+
+def expected_gemm_flops(device, itemsize: int, flops: float) -> Optional[tuple]:
+    """(low, high) FLOP/s that a GEMM of ``flops`` may plausibly reach on ``device``;
+    None where a small GEMM on a GPU may be launch-bound (no low bound is meaningful)."""
+    if not is_cuda(device):
+        low, high = CPU_GEMM_FLOPS_PER_CORE[4 if itemsize >= 4 else 2]
+        return low * _cores(), high * _cores()
+    from logitless.planning.cost_model import device_model
+
+    dev = device_model(torch.device(device))
+    peak = dev.gemm_flops_32 if itemsize >= 4 else dev.gemm_flops_16
+    # fp32 at "highest" runs without TF32: far below the tensor-core rate, never above it.
+    low = GPU_LOW_FRACTION * peak if flops >= 1e11 and itemsize < 4 else 0.0
+    return low, GPU_HIGH_FRACTION * peak
+
+
+def expected_copy_bps(device, nbytes: int) -> tuple:
+    if not is_cuda(device):
+        return CPU_COPY_BPS
+    from logitless.planning.cost_model import device_model
+
+    bw = device_model(torch.device(device)).hbm_bw
+    return (GPU_LOW_FRACTION * bw if nbytes >= 2**28 else 0.0), GPU_HIGH_FRACTION * bw
+
+
+def gemm_unit(x: torch.Tensor, weight: torch.Tensor, *, warmup: int = 3, reps: int = 10) -> Unit:
+    """The unit of the lce suite: one (B,H)x(H,V) product ``x @ weight.T`` (cuBLAS on a GPU)."""
+    flops = 2.0 * x.shape[0] * x.shape[1] * weight.shape[0]
     with torch.no_grad():
-        return time_ms(lambda: x @ weight.T, device=x.device, warmup=warmup, reps=reps)
+        return measure_unit("1 GEMM", lambda: x @ weight.T, flops, device=x.device, warmup=warmup, reps=reps,
+                            expected=expected_gemm_flops(x.device, x.element_size(), flops))
 
 
-def copy_bandwidth(device, *, nbytes: Optional[int] = None, warmup: int = 3, reps: int = 10) -> float:
-    """The unit of the ce suite: bytes/s of a large device-to-device copy, counting
-    bytes read plus bytes written (2 * nbytes per copy)."""
+def gemm_ms(x: torch.Tensor, weight: torch.Tensor, *, warmup: int = 3, reps: int = 10) -> float:
+    """Median ms of the GEMM unit (``gemm_unit``)."""
+    return gemm_unit(x, weight, warmup=warmup, reps=reps).ms
+
+
+def copy_unit(device, *, nbytes: Optional[int] = None, warmup: int = 3, reps: int = 10) -> Unit:
+    """The unit of the ce suite: a large device-to-device copy; its rate counts bytes
+    read plus bytes written (2 * nbytes per copy)."""
     if nbytes is None:
         nbytes = 2**30 if is_cuda(device) else 64 * 2**20
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device=device, warmup=warmup, reps=reps)
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3)
+    return measure_unit("copy", lambda: dst.copy_(src), 2.0 * nbytes, device=device, warmup=warmup, reps=reps,
+                        expected=expected_copy_bps(device, nbytes), rate_unit="B/s")
 
 
 def release_memory(device) -> None:

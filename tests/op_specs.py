@@ -1,0 +1,497 @@
+"""One "op spec" per public loss: everything the contract suite (test_op_contract.py)
+needs to hold the op to the same rules as every other op.
+
+A spec says how to make random inputs of a given size and options, how to call the op
+and its float64 reference, which inputs get gradients, which calls must raise (type and
+message), which custom ops ``torch.library.opcheck`` checks with which arguments, and
+which (tokens x vocab) allocations are allowed. A new op joins the contract by adding
+one spec to ``SPECS``.
+
+Sizes are tiny: the Triton backend runs on the CPU interpreter when there is no GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional
+
+import torch
+
+import logitless
+from logitless.ops.common.reference import cross_entropy_reference, jsd_reference
+from logitless.ops.cross_entropy import custom_op as ce_ops
+from logitless.ops.linear_cross_entropy import custom_op as lce_ops
+from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.ops.linear_jsd.reference import linear_jsd_reference
+from tests.conftest import DEVICE
+
+#: Keys of an option dict that start with "_" describe the inputs, not the op's keyword
+#: arguments: "_ignore" (fraction of ignored targets), "_bias", "_class_weight", "_no_target".
+
+
+@dataclass
+class Case:
+    """Inputs of one call: the op is ``spec.fn(*args, **kwargs)``; ``grads`` are the
+    tensors whose gradients are checked (they require grad); ``num_tokens`` is the
+    count of non-ignored tokens that ``return_stats`` must report."""
+
+    args: tuple
+    kwargs: dict
+    grads: tuple
+    num_tokens: Optional[int] = None
+
+
+@dataclass
+class OpSpec:
+    name: str
+    fn: Callable
+    #: (case, reduction, dtype) -> (loss, lse or None, correct or None), differentiable
+    #: with respect to case.grads; float64 for the reference, ``dtype`` for "torch in
+    #: the same dtype" (the yardstick of assert_close_to_ref).
+    reference: Callable
+    #: (size, dtype, opts, seed, device) -> Case; ``size`` is one entry of ``sizes``' values.
+    make: Callable
+    options: dict
+    #: The size used by the option tests.
+    base_size: dict
+    #: Odd sizes: name -> (size, option names, reduction).
+    sizes: dict
+    #: () -> {name: (call, exception type, message regex)}.
+    bad_calls: Callable
+    #: backend -> iterator of (custom op, args, opcheck test_utils or None for all).
+    opcheck: Callable
+    #: The size of the allocation check (tokens x vocab must not be allocated).
+    alloc_size: dict
+    #: Ops allowed to create an (N x V) tensor in the backward: the gradient of logits.
+    grad_allocs: tuple = ()
+    #: memory_budget of the option tests (None: the default; small values chunk).
+    budget: Optional[int] = None
+    #: return_stats: the op returns (loss, LossStats) to check against the reference.
+    stats: bool = False
+    #: lse in fp32 exactly (the logits are given), else within the input dtype's error.
+    lse_exact: bool = False
+
+    def __post_init__(self):
+        # Read-only: the op files reuse these dicts; a test that changed one would change
+        # every later test's inputs.
+        self.options = MappingProxyType({k: MappingProxyType(dict(v)) for k, v in self.options.items()})
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _targets(lead, vocab, opts, g, ignore_index=-100):
+    target = torch.randint(0, max(vocab, 1), lead, generator=g)
+    if opts.get("_ignore"):
+        target[torch.rand(lead, generator=g) < opts["_ignore"]] = ignore_index
+    return target
+
+
+def _kw(opts):
+    return {k: v for k, v in opts.items() if not k.startswith("_")}
+
+
+def _valid(target, ignore_index=-100):
+    return int((target != ignore_index).sum())
+
+
+# ----------------------------------------------------------------------- linear_cross_entropy
+
+
+def _lce_make(size, dtype, opts, seed, device=DEVICE):
+    lead, hidden, vocab = size["lead"], size["hidden"], size["vocab"]
+    g = _gen(seed)
+    x = torch.randn(*lead, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5 * 2).to(dtype)
+    target = _targets(lead, vocab, opts, g)
+    bias = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if opts.get("_bias") else None
+    kw = _kw(opts)
+    if opts.get("_class_weight"):
+        kw["class_weight"] = (torch.rand(vocab, generator=g) + 0.5).to(device)
+    x = x.to(device).requires_grad_()
+    w = w.to(device).requires_grad_()
+    if bias is not None:
+        bias = bias.to(device).requires_grad_()
+    counted = target[..., 1:] if kw.get("shift") else target
+    return Case((x, w, target.to(device), bias), kw, tuple(t for t in (x, w, bias) if t is not None),
+                _valid(counted))
+
+
+def _lce_reference(case, reduction, dtype=torch.float64):
+    return linear_cross_entropy_reference(*case.args, reduction=reduction, dtype=dtype, **case.kwargs)
+
+
+def _lce_bad_calls():
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    f = logitless.linear_cross_entropy
+    return {
+        "reduction": (lambda: f(x, w, t, reduction="avg"), ValueError, "reduction"),
+        "label_smoothing": (lambda: f(x, w, t, label_smoothing=-0.1), ValueError, "label_smoothing"),
+        "softcap": (lambda: f(x, w, t, softcap=0.0), ValueError, "softcap"),
+        "z_loss": (lambda: f(x, w, t, z_loss=-1.0), ValueError, "z_loss"),
+        "hidden": (lambda: f(x, torch.randn(10, 7), t), ValueError, "hidden size"),
+        "weight-rank": (lambda: f(x, torch.randn(10, 8, 1), t), ValueError, "2-D"),
+        "target-shape": (lambda: f(x, w, t[:3]), ValueError, "target has shape"),
+        "target-dtype": (lambda: f(x, w, t.float()), TypeError, "int64 or int32"),
+        "x-dtype": (lambda: f(x.int(), w, t), TypeError, "x must be"),
+        "dtype-mismatch": (lambda: f(x, w.double(), t), TypeError, "must match"),
+        "bias-shape": (lambda: f(x, w, t, torch.randn(9)), ValueError, "bias must have shape"),
+        "bias-dtype": (lambda: f(x, w, t, torch.randn(10).half()), TypeError, "bias is"),
+        "class-weight": (lambda: f(x, w, t, class_weight=torch.rand(11)), ValueError, "class_weight"),
+        "empty-vocab": (lambda: f(x, torch.randn(0, 8), t), ValueError, "vocabulary is empty"),
+        "backend": (lambda: f(x, w, t, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(x, w, t, memory_budget=0), ValueError, "memory_budget"),
+        "shift-1d": (lambda: f(x[0], w, t[0], shift=True), ValueError, "shift"),
+        "device": (lambda: f(x, w.to("meta"), t), ValueError, "device"),
+        "out-of-range-target": (lambda: f(x, w, t + 10), ValueError, "outside"),
+        "negative-target": (lambda: f(x, w, t - 1), ValueError, "outside"),
+    }
+
+
+def _lce_opcheck(backend):
+    # V = 104: a multiple of 8, so that the GPU plan may keep columns (ODD_V_ALIGN).
+    opts = {"_ignore": 0.2, "_bias": True, "_class_weight": True}
+    case = _lce_make({"lead": (13,), "hidden": 24, "vocab": 104}, torch.float32, opts, seed=5)
+    x, w, t, b = case.args
+    cw = case.kwargs["class_weight"]
+    options = (-100, "mean", 0.1, 4.0, 1e-3, backend, 6_000, True)
+    # Not test_aot_dispatch_dynamic: it hands every output to the caller, and the kept
+    # columns, which the backward overwrites in place, would then be an output mutated
+    # by the backward. The public function never returns them; the compile tests of
+    # test_training_loops.py cover that path (fullgraph, dynamic, kept columns).
+    forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for need_grad in (True, False):
+        args = (x, w, b, t, cw, *options, need_grad, 0, True, True, True)
+        yield lce_ops.lce_forward, args, forward_utils
+        loss, lse, argmax, w_t, keep, keep_max, plan, *_ = lce_ops.lce_forward(*args)
+        if backend == "triton" and need_grad:
+            assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
+        else:
+            assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
+        grad_loss = torch.rand((), device=DEVICE) + 0.5
+        grad_lse = torch.randn(lse.shape, device=DEVICE)  # the per-token lse is differentiable
+        yield lce_ops.lce_backward, (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw,
+                                     lse.detach(), w_t, keep, keep_max, plan, *options[:-1],
+                                     True, True, True), None
+
+
+LINEAR_CROSS_ENTROPY = OpSpec(
+    name="linear_cross_entropy",
+    fn=logitless.linear_cross_entropy,
+    reference=_lce_reference,
+    make=_lce_make,
+    options={
+        "plain": {},
+        "ignore": {"_ignore": 0.3},
+        "bias": {"_bias": True},
+        "label_smoothing": {"label_smoothing": 0.1},
+        "class_weight": {"_class_weight": True},
+        "softcap": {"softcap": 4.0},
+        "z_loss": {"z_loss": 1e-2},
+        "shift": {"shift": True},
+        "all": {"_ignore": 0.3, "_bias": True, "label_smoothing": 0.2, "_class_weight": True,
+                "softcap": 6.0, "z_loss": 1e-3, "shift": True},
+    },
+    base_size={"lead": (3, 13), "hidden": 24, "vocab": 101},
+    sizes={
+        "one-token": ({"lead": (1,), "hidden": 24, "vocab": 101}, ("ignore",), "mean"),
+        "prime-V-odd-H-3d": ({"lead": (2, 5), "hidden": 20, "vocab": 1009}, ("ignore",), "mean"),
+        "H17": ({"lead": (33,), "hidden": 17, "vocab": 67}, ("ignore",), "mean"),
+        "tiny": ({"lead": (1, 1), "hidden": 8, "vocab": 3}, ("ignore",), "mean"),
+    },
+    bad_calls=_lce_bad_calls,
+    opcheck=_lce_opcheck,
+    alloc_size={"lead": (48,), "hidden": 16, "vocab": 160},
+    budget=None,
+    stats=True,
+)
+
+
+# ----------------------------------------------------------------------- cross_entropy
+
+
+def _ce_make(size, dtype, opts, seed, device=DEVICE):
+    lead, vocab = size["lead"], size["vocab"]
+    g = _gen(seed)
+    kw = _kw(opts)
+    if kw.get("ignore_index", -100) >= vocab:  # (a class of tiny vocabularies)
+        kw["ignore_index"] = -100
+    logits = (torch.randn(*lead, vocab, generator=g) * 3.0).to(dtype)
+    target = _targets(lead, vocab, opts, g, kw.get("ignore_index", -100))
+    if opts.get("_class_weight"):
+        kw["class_weight"] = (torch.rand(vocab, generator=g) + 0.5).to(device)
+    logits = logits.to(device).requires_grad_()
+    return Case((logits, target.to(device)), kw, (logits,), _valid(target, kw.get("ignore_index", -100)))
+
+
+def _ce_reference(case, reduction, dtype=torch.float64):
+    return cross_entropy_reference(*case.args, reduction=reduction, dtype=dtype, **case.kwargs)
+
+
+def _ce_bad_calls():
+    z, t = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    f = logitless.cross_entropy
+    return {
+        "reduction": (lambda: f(z, t, reduction="avg"), ValueError, "reduction"),
+        "label_smoothing": (lambda: f(z, t, label_smoothing=-0.1), ValueError, "label_smoothing"),
+        "softcap": (lambda: f(z, t, softcap=0.0), ValueError, "softcap"),
+        "z_loss": (lambda: f(z, t, z_loss=-1.0), ValueError, "z_loss"),
+        "ignore_index": (lambda: f(z, t, ignore_index=1.5), TypeError, "ignore_index"),
+        "target-shape": (lambda: f(z, t[:3]), ValueError, "target has shape"),
+        "target-rank": (lambda: f(z, t[:, None]), ValueError, "target has shape"),
+        "target-dtype": (lambda: f(z, t.float()), TypeError, "int64 or int32"),
+        "logits-dtype": (lambda: f(z.int(), t), TypeError, "logits must be"),
+        "logits-type": (lambda: f(z.tolist(), t), TypeError, "logits must be a torch.Tensor"),
+        "logits-0d": (lambda: f(z[0, 0], t[0]), ValueError, "at least one dimension"),
+        "empty-vocab": (lambda: f(z[:, :0], t), ValueError, "vocabulary is empty"),
+        "class-weight": (lambda: f(z, t, class_weight=torch.rand(11)), ValueError, "class_weight"),
+        "backend": (lambda: f(z, t, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(z, t, memory_budget=0), ValueError, "memory_budget"),
+        "triton-fp64": (lambda: f(z.double(), t, backend="triton"), TypeError, "float64"),
+        "device": (lambda: f(z, t.to("meta")), ValueError, "device"),
+        "out-of-range-target": (lambda: f(z, t + 10), ValueError, "outside"),
+        "negative-target": (lambda: f(z, t - 1), ValueError, "outside"),
+    }
+
+
+def _ce_opcheck(backend):
+    g = _gen(6)
+    logits = torch.randn(11, 37, generator=g).to(DEVICE).requires_grad_()
+    t = torch.randint(0, 37, (11,), generator=g).to(DEVICE)
+    cw = (torch.rand(37, generator=g) + 0.5).to(DEVICE)
+    for reduction in ("mean", "none"):
+        options = (-100, reduction, 0.1, 5.0, 1e-3, backend, 4096)
+        yield ce_ops.ce_forward, (logits, t, cw, *options, True), None
+        yield ce_ops.ce_forward, (logits.detach().T.contiguous().T, t, None, *options, False), None
+        _, lse, _, w_t = ce_ops.ce_forward(logits, t, cw, *options, False)
+        grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
+        for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
+            yield ce_ops.ce_backward, (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
+                                       *options), None
+
+
+CROSS_ENTROPY = OpSpec(
+    name="cross_entropy",
+    fn=logitless.cross_entropy,
+    reference=_ce_reference,
+    make=_ce_make,
+    options={
+        "plain": {},
+        "ignore": {"_ignore": 0.3},
+        "label_smoothing": {"label_smoothing": 0.1},
+        "class_weight": {"_class_weight": True},
+        "softcap": {"softcap": 4.0},
+        "z_loss": {"z_loss": 1e-2},
+        "all": {"_ignore": 0.3, "ignore_index": 5, "label_smoothing": 0.2, "_class_weight": True,
+                "softcap": 6.0, "z_loss": 1e-3},
+    },
+    base_size={"lead": (3, 11), "vocab": 97},
+    sizes={
+        "one-token": ({"lead": (1,), "vocab": 101}, ("ignore", "all"), "mean"),
+        "prime-V-3d": ({"lead": (2, 3), "vocab": 1009}, ("ignore", "all"), "mean"),
+        "1d-logits": ({"lead": (), "vocab": 37}, ("ignore", "all"), "mean"),
+        "one-class": ({"lead": (6,), "vocab": 1}, ("ignore", "all"), "mean"),
+        "two-classes": ({"lead": (5,), "vocab": 2}, ("ignore", "all"), "mean"),
+        "N40-V300": ({"lead": (40,), "vocab": 300}, ("ignore", "all"), "mean"),
+    },
+    bad_calls=_ce_bad_calls,
+    opcheck=_ce_opcheck,
+    alloc_size={"lead": (40,), "vocab": 160},
+    grad_allocs=("aten.empty_like.default",),
+    budget=4096,
+    stats=True,
+    lse_exact=True,
+)
+
+
+# ----------------------------------------------------------------------- jsd
+
+
+def _jsd_make(size, dtype, opts, seed, device=DEVICE):
+    lead, vocab = size["lead"], size["vocab"]
+    g = _gen(seed)
+    zs = (torch.randn(*lead, vocab, generator=g) * 2).to(dtype).to(device).requires_grad_()
+    zt = (torch.randn(*lead, vocab, generator=g) * 2).to(dtype).to(device)
+    target = _targets(lead, vocab, opts, g)
+    target = None if opts.get("_no_target") else target.to(device)
+    return Case((zs, zt, target), _kw(opts), (zs,))
+
+
+def _jsd_reference(case, reduction, dtype=torch.float64):
+    return jsd_reference(*case.args, reduction=reduction, dtype=dtype, **case.kwargs), None, None
+
+
+def _jsd_bad_calls():
+    zs, zt, t = torch.randn(4, 10), torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    f = logitless.jsd
+    return {
+        "beta": (lambda: f(zs, zt, beta=-0.1), ValueError, "beta"),
+        "temperature": (lambda: f(zs, zt, temperature=float("inf")), ValueError, "temperature"),
+        "reduction": (lambda: f(zs, zt, reduction="batchmean"), ValueError, "reduction"),
+        "vocab": (lambda: f(zs, zt[:, :9]), ValueError, "vocabularies"),
+        "target-shape": (lambda: f(zs, zt, t[:2]), ValueError, "target has shape"),
+        "hard-no-target": (lambda: f(zs, zt, hard_label_weight=1.0), ValueError, "needs a target"),
+        "dtype": (lambda: f(zs.int(), zt), TypeError, "student_logits must be"),
+        "teacher-grad": (lambda: f(zs, zt.requires_grad_()), ValueError, "teacher_logits requires grad"),
+        "scalar": (lambda: f(torch.tensor(1.0), torch.tensor(1.0)), ValueError, "shape"),
+        "backend": (lambda: f(zs, zt, backend="jax"), ValueError, "backend"),
+        "out-of-range": (lambda: f(zs, zt, t + 10, hard_label_weight=1.0), ValueError, "outside"),
+    }
+
+
+_JSD_ALL = {"_ignore": 0.3, "student_softcap": 4.0, "teacher_softcap": 3.0, "hard_label_weight": 0.3,
+            "beta": 0.3, "temperature": 1.5}
+
+
+def _jsd_opcheck(backend):
+    case = _jsd_make({"lead": (6,), "vocab": 19}, torch.float32, _JSD_ALL, seed=10)
+    zs, zt, target = case.args
+    opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
+    yield torch.ops.logitless.jsd_forward.default, (zs, zt, target) + opts, None
+    _, stats = torch.ops.logitless.jsd_forward(zs, zt, target, *opts)
+    yield (torch.ops.logitless.jsd_backward.default,
+           (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach()) + opts, None)
+
+
+JSD = OpSpec(
+    name="jsd",
+    fn=logitless.jsd,
+    reference=_jsd_reference,
+    make=_jsd_make,
+    options={
+        "plain": {},
+        "ignore": {"_ignore": 0.3},
+        "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
+        "hard": {"hard_label_weight": 0.5},
+        "no-target": {"_no_target": True},
+        "all": _JSD_ALL,
+    },
+    base_size={"lead": (3, 7), "vocab": 101},
+    sizes={
+        "one-token": ({"lead": (1,), "vocab": 101}, ("hard",), "sum"),
+        "prime-V-3d": ({"lead": (2, 5), "vocab": 1009}, ("hard",), "sum"),
+        "tiny": ({"lead": (1, 1), "vocab": 3}, ("hard",), "sum"),
+        "empty": ({"lead": (0,), "vocab": 7}, ("hard",), "sum"),
+    },
+    bad_calls=_jsd_bad_calls,
+    opcheck=_jsd_opcheck,
+    alloc_size={"lead": (40,), "vocab": 160},
+    grad_allocs=("aten.empty_like.default",),
+    budget=4096,
+)
+
+
+# ----------------------------------------------------------------------- linear_jsd
+
+
+def _ljsd_make(size, dtype, opts, seed, device=DEVICE):
+    lead, hs, ht, vocab = size["lead"], size["hidden"], size["teacher_hidden"], size["vocab"]
+    g = _gen(seed)
+    xs = torch.randn(*lead, hs, generator=g)
+    ws = torch.randn(vocab, hs, generator=g) * hs**-0.5 * 2
+    xt = torch.randn(*lead, ht, generator=g)
+    wt = torch.randn(vocab, ht, generator=g) * ht**-0.5 * 2
+    target = _targets(lead, vocab, opts, g)
+    kw = _kw(opts)
+    grads = []
+    if opts.get("_bias"):
+        kw["student_bias"] = (torch.randn(vocab, generator=g) * 0.5).to(dtype).to(device).requires_grad_()
+        kw["teacher_bias"] = (torch.randn(vocab, generator=g) * 0.5).to(dtype).to(device)
+        grads = [kw["student_bias"]]
+    xs = xs.to(dtype).to(device).requires_grad_()
+    ws = ws.to(dtype).to(device).requires_grad_()
+    target = None if opts.get("_no_target") else target.to(device)
+    return Case((xs, ws, xt.to(dtype).to(device), wt.to(dtype).to(device), target), kw, (xs, ws, *grads))
+
+
+def _ljsd_reference(case, reduction, dtype=torch.float64):
+    return linear_jsd_reference(*case.args, reduction=reduction, dtype=dtype, **case.kwargs), None, None
+
+
+def _ljsd_bad_calls():
+    xs, ws = torch.randn(4, 8), torch.randn(10, 8)
+    xt, wt = torch.randn(4, 6), torch.randn(10, 6)
+    t = torch.zeros(4, dtype=torch.long)
+    f = logitless.linear_jsd
+    return {
+        "beta": (lambda: f(xs, ws, xt, wt, beta=1.5), ValueError, "beta"),
+        "temperature": (lambda: f(xs, ws, xt, wt, temperature=0.0), ValueError, "temperature"),
+        "reduction": (lambda: f(xs, ws, xt, wt, reduction="batchmean"), ValueError, "reduction"),
+        "softcap": (lambda: f(xs, ws, xt, wt, student_softcap=-1.0), ValueError, "student_softcap"),
+        "hard-weight": (lambda: f(xs, ws, xt, wt, t, hard_label_weight=-1.0), ValueError, "hard_label_weight"),
+        "hard-no-target": (lambda: f(xs, ws, xt, wt, hard_label_weight=0.5), ValueError, "needs a target"),
+        "vocab": (lambda: f(xs, ws, xt, torch.randn(11, 6)), ValueError, "vocabularies differ"),
+        "hidden": (lambda: f(xs, ws, xt, torch.randn(10, 7)), ValueError, "hidden size"),
+        "tokens": (lambda: f(xs, ws, xt[:3], wt), ValueError, "tokens must match"),
+        "weight-rank": (lambda: f(xs, ws[None], xt, wt), ValueError, "2-D"),
+        "target-shape": (lambda: f(xs, ws, xt, wt, t[:3]), ValueError, "target has shape"),
+        "target-dtype": (lambda: f(xs, ws, xt, wt, t.float()), TypeError, "int64 or int32"),
+        "x-dtype": (lambda: f(xs.int(), ws, xt, wt), TypeError, "student_x must be"),
+        "dtype-mismatch": (lambda: f(xs, ws, xt.double(), wt.double()), TypeError, "one dtype"),
+        "bias-shape": (lambda: f(xs, ws, xt, wt, student_bias=torch.randn(9)), ValueError, "student_bias"),
+        "empty-vocab": (lambda: f(xs, ws[:0], xt, wt[:0]), ValueError, "vocabulary is empty"),
+        "backend": (lambda: f(xs, ws, xt, wt, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(xs, ws, xt, wt, memory_budget=0), ValueError, "memory_budget"),
+        "shift-1d": (lambda: f(xs[0], ws, xt[0], wt, shift=True), ValueError, "shift"),
+        "device": (lambda: f(xs, ws, xt, wt.to("meta")), ValueError, "device"),
+        "teacher-grad": (lambda: f(xs, ws, xt.requires_grad_(), wt), ValueError, "teacher_x requires grad"),
+        "teacher-weight-grad": (lambda: f(xs, ws, xt, wt.requires_grad_(), t), ValueError,
+                                "teacher_weight requires grad"),
+        "out-of-range-hard-labels": (lambda: f(xs, ws, xt, wt, t + 10, hard_label_weight=0.5), ValueError,
+                                     "outside"),
+    }
+
+
+_LJSD_ALL = {"_ignore": 0.3, "_bias": True, "student_softcap": 4.0, "teacher_softcap": 3.0,
+             "hard_label_weight": 0.3, "shift": True, "beta": 0.3, "temperature": 1.5}
+
+
+def _ljsd_opcheck(backend):
+    opts = dict(_LJSD_ALL, shift=False)
+    case = _ljsd_make({"lead": (5,), "hidden": 8, "teacher_hidden": 6, "vocab": 13}, torch.float32, opts, seed=10)
+    xs, ws, xt, wt, target = case.args
+    bs, bt = case.kwargs["student_bias"], case.kwargs["teacher_bias"]
+    options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
+    fwd = (xs, ws, bs, xt, wt, bt, target) + options
+    yield torch.ops.logitless.linear_jsd_forward.default, fwd, None
+    _, stats = torch.ops.logitless.linear_jsd_forward(*fwd)
+    bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
+           stats.detach()) + options + (True, True, True)
+    yield torch.ops.logitless.linear_jsd_backward.default, bwd, None
+
+
+LINEAR_JSD = OpSpec(
+    name="linear_jsd",
+    fn=logitless.linear_jsd,
+    reference=_ljsd_reference,
+    make=_ljsd_make,
+    options={
+        "plain": {},
+        "ignore": {"_ignore": 0.3},
+        "bias": {"_bias": True},
+        "softcaps": {"student_softcap": 3.0, "teacher_softcap": 5.0},
+        "hard": {"hard_label_weight": 0.5},
+        "shift": {"shift": True, "_ignore": 0.2},
+        "no-target": {"_no_target": True},
+        "all": _LJSD_ALL,
+    },
+    base_size={"lead": (3, 7), "hidden": 24, "teacher_hidden": 40, "vocab": 101},
+    sizes={
+        "one-token": ({"lead": (1,), "hidden": 24, "teacher_hidden": 24, "vocab": 101}, ("hard",), "mean"),
+        "prime-V-3d": ({"lead": (2, 5), "hidden": 20, "teacher_hidden": 12, "vocab": 1009}, ("ignore",), "mean"),
+        "H17-H23": ({"lead": (33,), "hidden": 17, "teacher_hidden": 23, "vocab": 67}, ("ignore",), "mean"),
+        "tiny": ({"lead": (1, 1), "hidden": 8, "teacher_hidden": 8, "vocab": 3}, ("hard",), "mean"),
+    },
+    bad_calls=_ljsd_bad_calls,
+    opcheck=_ljsd_opcheck,
+    alloc_size={"lead": (64,), "hidden": 16, "teacher_hidden": 24, "vocab": 160},
+    budget=None,
+)
+
+
+#: Every op of the contract. A new op joins by adding its spec here.
+SPECS: dict[str, OpSpec] = {s.name: s for s in (LINEAR_CROSS_ENTROPY, CROSS_ENTROPY, JSD, LINEAR_JSD)}
+
