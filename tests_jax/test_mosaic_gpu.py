@@ -193,8 +193,8 @@ def test_backward_matches_float64(n, h, v, softcap, budget):
     z = _ref_logits(x, w, softcap)
     lse = _ref_lse(z)
     lse32 = jnp.asarray(lse, jnp.float32)
-    dx, dw, db = jax.jit(lambda x, w, t, l, c: mg.backward(
-        x, w, None, t, l, c, softcap=softcap, budget=budget, config=SMALL))(x, w, t, lse32, coef)
+    dx, dw, db = jax.jit(lambda x, w, t, lse_, c: mg.backward(
+        x, w, None, t, lse_, c, softcap=softcap, budget=budget, config=SMALL))(x, w, t, lse32, coef)
     assert db is None
     assert dx.shape == x.shape and dx.dtype == x.dtype
     assert dw.shape == w.shape and dw.dtype == w.dtype
@@ -239,7 +239,7 @@ def test_lowers_for_cuda(shape, cfg, monkeypatch):
                                                  budget=None, config=cfg))
         text = fwd.trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
-        bwd = jax.jit(lambda x, w, t, l, c: mg.backward(x, w, None, t, l, c, softcap=sc,
+        bwd = jax.jit(lambda x, w, t, lse_, c: mg.backward(x, w, None, t, lse_, c, softcap=sc,
                                                         budget=None, config=cfg))
         text = bwd.trace(x, w, t, lse, coef).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text

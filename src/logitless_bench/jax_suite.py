@@ -76,8 +76,9 @@ def wants_jax(argv) -> bool:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m logitless_bench --suite jax",
-                                description="JAX linear cross-entropy: logitless vs XLA with the logits, tokamax, a GEMM.")
+    p = argparse.ArgumentParser(
+        prog="python -m logitless_bench --suite jax",
+        description="JAX linear cross-entropy: logitless vs XLA with the logits, tokamax, a GEMM.")
     p.add_argument("--suite", choices=("jax",), default="jax")
     p.add_argument("--shapes", help="names or shell patterns, comma-separated (default: all six; CPU: the small ones)")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)}, or 'all' "
@@ -114,7 +115,7 @@ def _tokamax():
     try:
         from tokamax._src.ops.linear_softmax_cross_entropy_loss import api as tk
     except Exception as exc:
-        raise Skip(f"tokamax not importable ({type(exc).__name__}: {exc})")
+        raise Skip(f"tokamax not importable ({type(exc).__name__}: {exc})") from exc
     return tk
 
 
@@ -136,7 +137,7 @@ def _loss_fns(method):
             try:
                 from logitless.jax.ops.linear_cross_entropy import mosaic_gpu  # noqa: F401
             except ImportError as exc:
-                raise Skip(f"mosaic_gpu backend not importable ({type(exc).__name__})")
+                raise Skip(f"mosaic_gpu backend not importable ({type(exc).__name__})") from exc
             from logitless.jax.ops.linear_cross_entropy.api import _is_sm90
             if not _is_sm90():
                 raise Skip("mosaic_gpu needs an SM90 GPU")
@@ -151,8 +152,9 @@ def _loss_fns(method):
     if method.startswith("tokamax-"):
         tk = _tokamax()
         impl = {"tokamax-xla": "xla", "tokamax-chunked": "chunked_xla"}[method]
-        return (lambda x, w, wt, t: tk.linear_softmax_cross_entropy_loss(x, t, wt, reduction="mean", implementation=impl),
-                lambda x, w, wt, t: tk.linear_softmax_cross_entropy_loss(x, t, wt, reduction="none", implementation=impl))
+        loss = tk.linear_softmax_cross_entropy_loss
+        return (lambda x, w, wt, t: loss(x, t, wt, reduction="mean", implementation=impl),
+                lambda x, w, wt, t: loss(x, t, wt, reduction="none", implementation=impl))
     raise ValueError(method)
 
 
