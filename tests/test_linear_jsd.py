@@ -309,6 +309,20 @@ def test_compile_fullgraph_torch_backend(reduction):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compile_inductor_backward(backend):
+    """Inductor (not aot_eager) drops defaulted custom-op arguments from its calls: the
+    backward's fake must read need_dx & co. by name (it read them by position once, and
+    dx came back empty under torch.compile)."""
+    xs, ws, xt, wt, target, _ = make_inputs((8,), 16, 16, 40, torch.float32, {}, seed=21, device="cpu")
+    f = lambda *a: logitless.linear_jsd(*a, backend=backend)
+    ge = torch.autograd.grad(f(xs, ws, xt, wt, target), (xs, ws))
+    torch._dynamo.reset()
+    gc = torch.autograd.grad(torch.compile(f, fullgraph=True)(xs, ws, xt, wt, target), (xs, ws))
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_autocast_casts_like_linear():
     """Under autocast, fp32 tensors are cast to the autocast dtype (as F.linear), the loss
     stays fp32 and fp32 parameters get fp32 gradients; outside it mixed dtypes raise."""

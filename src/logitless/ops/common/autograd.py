@@ -30,13 +30,21 @@ def custom_op(name: str, fn: Callable, *, mutates_args=()):
 
 
 @functools.cache
-def _names(fn: Callable) -> tuple:
-    return tuple(inspect.signature(fn).parameters)
+def _parameters(fn: Callable) -> tuple:
+    return tuple(inspect.signature(fn).parameters.values())
 
 
 def named(fn: Callable, inputs: tuple) -> dict:
-    """A custom op's inputs by the argument names of its implementation ``fn``."""
-    return dict(zip(_names(fn), inputs))
+    """A custom op's inputs by the argument names of its implementation ``fn``; trailing
+    arguments left out of ``inputs`` (a compiled graph drops defaulted ones) get ``fn``'s
+    defaults."""
+    params = _parameters(fn)
+    out = dict(zip((p.name for p in params), inputs))
+    for p in params[len(inputs):]:
+        if p.default is inspect.Parameter.empty:
+            raise TypeError(f"{fn.__name__}: argument {p.name!r} missing")
+        out[p.name] = p.default
+    return out
 
 
 class NoDoubleBackward(torch.autograd.Function):

@@ -113,8 +113,10 @@ linear_jsd_backward_op = custom_op("linear_jsd_backward", _backward)
 
 
 @linear_jsd_backward_op.register_fake
-def _(grad_loss, student_x, student_weight, student_bias, *args):
-    need_dx, need_dw, need_db = args[-6:-3]
+def _(grad_loss, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, stats,
+      beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight, budget, backend,
+      need_dx, need_dw, need_db, tp_group="", vocab_size=-1, partial_dx=False):
+    # Named, with the defaults: a compiled graph leaves defaulted arguments out of the call.
     none = student_x.new_empty(0)
     return (torch.empty_like(student_x) if need_dx else none,
             torch.empty_like(student_weight) if need_dw else none.clone(),
