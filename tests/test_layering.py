@@ -29,17 +29,22 @@ LAYERS = [
     ("planning", ["logitless.planning", "logitless.planning.*"]),
     ("triton_lib", ["logitless.triton_lib", "logitless.triton_lib.*"]),
     ("ops/common", ["logitless.ops", "logitless.ops.common", "logitless.ops.common.*"]),
-    ("ops/<op>", ["logitless.ops.*"]),
+    # vocab-parallel glue shared by every op (groups, merge collectives, DTensor): the ops call it
     ("distributed", ["logitless.distributed", "logitless.distributed.*"]),
+    ("ops/<op>", ["logitless.ops.*"]),
     ("transformers", ["logitless.transformers", "logitless.transformers.*"]),
+    ("integrations", ["logitless.integrations", "logitless.integrations.*"]),
     ("package", ["logitless"]),
 ]
 
 #: The JAX side: its own stack, beside the torch layers. It may import these (and the
-#: framework-free modules of planning, those that import none of FRAMEWORKS).
+#: framework-free modules of planning, those that import none of FRAMEWORKS; and the
+#: torch-free Triton kernels of triton_lib, for its "triton" backend: JAX_TRITON).
 JAX_SIDE = ["logitless.jax", "logitless.jax.*"]
 JAX_MAY_IMPORT = ["logitless", "logitless.options", "logitless.jax", "logitless.jax.*"]
 TORCH_FRAMEWORKS = {"torch", "triton"}
+#: The JAX modules that may import triton (and torch-free triton_lib modules): the "triton" backend.
+JAX_TRITON = ["logitless.jax.ops.*.triton", "logitless.jax.ops.*.triton_kernels"]
 JAX_FRAMEWORKS = {"jax", "jaxlib"}
 
 #: Packages the library must never import.
@@ -95,11 +100,16 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[str, int]
 
 
 def layer_of(module: str) -> int:
-    """Index in LAYERS of the last layer whose patterns match (the most specific)."""
-    for i in reversed(range(len(LAYERS))):
-        if _matches(module, LAYERS[i][1]):
-            return i
-    raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
+    """Index in LAYERS of the layer whose matching pattern is the most specific (the
+    longest before any "*": ops.common.x is ops/common, not ops/<op>)."""
+    best, best_len = None, -1
+    for i, (_, patterns) in enumerate(LAYERS):
+        for p in patterns:
+            if _matches(module, [p]) and len(p.split("*")[0]) > best_len:
+                best, best_len = i, len(p.split("*")[0])
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
+    return best
 
 
 def op_of(module: str):
@@ -132,6 +142,7 @@ def violations(src: Path = SRC) -> list[str]:
     out = []
     framework_free = {m for m, imps in g.items()
                       if not any(i.split(".")[0] in TORCH_FRAMEWORKS | JAX_FRAMEWORKS for i, _ in imps)}
+    torch_free = {m for m, imps in g.items() if not any(i.split(".")[0] == "torch" for i, _ in imps)}
     for module, imps in g.items():
         jax_side = _matches(module, JAX_SIDE)
         for name, line in imps:
@@ -139,7 +150,7 @@ def violations(src: Path = SRC) -> list[str]:
             top = name.split(".")[0]
             if top in FORBIDDEN:
                 out.append(f"{where}: the library never imports {top}")
-            if jax_side and top in TORCH_FRAMEWORKS:
+            if jax_side and top in TORCH_FRAMEWORKS and not (top == "triton" and _matches(module, JAX_TRITON)):
                 out.append(f"{where}: the JAX side never imports torch/triton")
             if not jax_side and top in JAX_FRAMEWORKS:
                 out.append(f"{where}: the torch side never imports jax")
@@ -148,7 +159,9 @@ def violations(src: Path = SRC) -> list[str]:
                 continue
             if jax_side:
                 allowed = _matches(target, JAX_MAY_IMPORT) or (
-                    _matches(target, ["logitless.planning.*"]) and target in framework_free)
+                    _matches(target, ["logitless.planning.*"]) and target in framework_free) or (
+                    _matches(module, JAX_TRITON) and _matches(target, ["logitless.triton_lib.*"])
+                    and target in torch_free)
                 if not allowed:
                     out.append(f"{where}: the JAX side imports only options, framework-free planning and jax/*")
             elif _matches(target, JAX_SIDE):

@@ -69,6 +69,12 @@ def _run(rank: int, world: int, port: int, fn, args, nccl: bool):
     # Every rank reaches here before any tears the group down.
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: a C++ thread still joinable at exit
+    # (gloo's, the interpreter's) aborted one CI run ("terminate called without an active
+    # exception") after every check had passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _blocks(rows: list[int], rank: int) -> slice:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="the triton backend needs the triton package (pip install triton)")
 
 from logitless.jax import linear_cross_entropy  # noqa: E402
-from logitless.jax.ops.linear_cross_entropy import api  # noqa: E402
+from logitless.jax.ops.linear_cross_entropy import api, backends  # noqa: E402
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402
 
@@ -157,8 +157,8 @@ def test_automatic_choice(monkeypatch):
     if not ON_GPU:
         assert api.choose_backend(None, *args) == "xla"  # the interpreter is never automatic
     triton_mod = api.backend_module("triton")
-    monkeypatch.setattr(api, "_is_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(api, "_is_sm90", lambda: False)
+    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(backends, "_is_sm90", lambda: False)
     monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: True)
     assert api.choose_backend(None, *args) == "triton"  # A100, L4, RTX: Triton
     assert api.choose_backend(None, *args, True) == "triton"  # also with class weights

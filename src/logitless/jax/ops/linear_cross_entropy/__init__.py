@@ -3,7 +3,7 @@
 Backend interface
 =================
 Every backend is a module ``logitless/jax/linear_cross_entropy/<name>.py`` (``xla.py``,
-``mosaic_gpu.py``, ``triton.py``) registered by name in ``api.BACKENDS`` (module path + an
+``mosaic_gpu.py``, ``triton.py``) registered by name in ``backends.BACKENDS`` (module path + an
 ``is_supported`` hook). The public function validates, flattens to 2-D, computes the
 loss from the statistics (``logitless/jax/_loss_math.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All

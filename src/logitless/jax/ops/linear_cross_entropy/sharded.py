@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from logitless.jax.ops.linear_cross_entropy import backends
+
 
 class Axes(NamedTuple):
     """Mesh axis names (tuples of str) of the tokens and of the vocabulary."""
@@ -205,13 +207,11 @@ class _Static(NamedTuple):
 
 def _local_module(static: _Static, x_shape, w_shape, dtype):
     """The backend for these per-device shapes: the chosen one if it supports them, else xla."""
-    from logitless.jax.ops.linear_cross_entropy import api
-
-    module = api.backend_module(static.backend)
+    module = backends.backend_module(static.backend)
     vh = w_shape if dict(static.layout_kw).get("weight_layout") != "hv" else w_shape[::-1]
-    if api._supported(module, tuple(x_shape), tuple(vh), dtype, static.softcap, static.has_bias):
+    if backends._supported(module, tuple(x_shape), tuple(vh), dtype, static.softcap, static.has_bias):
         return module
-    return api.backend_module("xla")
+    return backends.backend_module("xla")
 
 
 def _named(mesh, *entries):
