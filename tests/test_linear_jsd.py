@@ -314,7 +314,8 @@ def test_compile_inductor_backward(backend):
     """Inductor (not aot_eager) drops defaulted custom-op arguments from its calls: the
     backward's fake must read need_dx & co. by name (it read them by position once, and
     dx came back empty under torch.compile)."""
-    xs, ws, xt, wt, target, _ = make_inputs((8,), 16, 16, 40, torch.float32, {}, seed=21, device="cpu")
+    device = "cpu" if backend == "torch" else DEVICE  # triton: CUDA, or the CPU interpreter
+    xs, ws, xt, wt, target, _ = make_inputs((8,), 16, 16, 40, torch.float32, {}, seed=21, device=device)
     f = lambda *a: logitless.linear_jsd(*a, backend=backend)
     ge = torch.autograd.grad(f(xs, ws, xt, wt, target), (xs, ws))
     torch._dynamo.reset()
