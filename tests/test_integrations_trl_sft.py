@@ -46,13 +46,18 @@ def _dataset(kind):
     return datasets.Dataset.from_list(rows)
 
 
-def _train(tmp_path, kind, patched, entropy=True, **cfg):
+def _train(tmp_path, kind, patched, entropy=True, peft=False, **cfg):
+    extra = {}
+    if peft:
+        peft_mod = pytest.importorskip("peft", reason="peft not importable")
+        extra["peft_config"] = peft_mod.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                   target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
     args = SFTConfig(output_dir=str(tmp_path / ("ours" if patched else "theirs")), max_steps=3,
                      per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1, save_strategy="no",
                      report_to="none", use_cpu=True, bf16=False, fp16=False, seed=7, max_length=32,
                      dataloader_num_workers=0, **cfg)
     trainer = SFTTrainer(model=tiny_llama(seed=3, vocab=93), args=args, train_dataset=_dataset(kind),
-                         processing_class=_tokenizer())
+                         processing_class=_tokenizer(), **extra)
     if patched:
         lt_trl.patch_sft(trainer, entropy=entropy)
     trainer.train()
@@ -76,7 +81,8 @@ def counter(monkeypatch):
     ("completion", {}),                                   # completion-only loss (prompt/completion dataset)
     ("text", {"packing": True, "packing_strategy": "bfd"}),  # padding-free packing
     ("text", {"loss_type": "dft"}),
-])
+    ("text", {"peft": True}),                               # LoRA adapters: the base model's head is patched
+], ids=["completion_only", "padding_free_packing", "dft", "lora"])
 def test_sft_trainer_uses_logitless_with_trl_losses(tmp_path, kind, cfg, counter):
     theirs = _train(tmp_path, kind, False, **cfg)
     assert counter == []
