@@ -85,9 +85,11 @@ def _check_case(rank, device, rows, case):
     up_lp = torch.randn(logp.shape, generator=gen, dtype=torch.float64).to(device)
     up_ent = torch.randn(logp.shape, generator=gen, dtype=torch.float64).to(device)
 
+    which = case.get("grad", "both")  # the outputs the objective uses: "both", "logp", "entropy"
+
     def objective(lp, en):
-        total = (lp * up_lp.to(lp.dtype)).sum()
-        return total + (en * up_ent.to(en.dtype)).sum() if en is not None else total
+        total = (lp * up_lp.to(lp.dtype)).sum() if which != "entropy" else 0.0
+        return total + (en * up_ent.to(en.dtype)).sum() if en is not None and which != "logp" else total
 
     objective(logp, ent).backward()
     objective(logp1, ent1).backward()
@@ -124,6 +126,8 @@ CASES = [
     dict(name="every-option-3d", entropy=True, temperature=1.3, softcap=3.0, bias=True, ignore_index=-1,
          shape=(2, 5)),
     dict(name="partial-dx", partial_dx=True, entropy=True, bias=True),
+    dict(name="grad-from-entropy-only", entropy=True, grad="entropy", temperature=0.9, bias=True),
+    dict(name="grad-from-logp-only", entropy=True, grad="logp", softcap=2.0),
     dict(name="fp32-entropy", dtype=torch.float32, entropy=True, temperature=0.8),
     dict(name="one-token", shape=(1,), entropy=True),
     dict(name="empty", shape=(0,), entropy=True),
@@ -230,27 +234,34 @@ def test_errors():
 
 
 def _compile_worker(rank, world, device):
-    """torch.compile(fullgraph=True) with the default (inductor) backend, torch backend:
-    no graph break, eager's numbers and gradients, with and without entropy; a second
-    function with partial_dx and a padded vocabulary."""
+    """torch.compile(fullgraph=True) with the default (inductor) backend: no graph break,
+    eager's numbers and gradients; torch backend with entropy and a padded vocabulary,
+    and with partial_dx; the Triton backend (interpreter on the CPU) with a padded
+    vocabulary (the fake's run-time-sized kept buffers) and with dynamic=True."""
     pg = dist.group.WORLD
-    x, w, b, t = _inputs(4, (7,), 10, 24, 23, torch.float32, device, bias=True)
+    x, w, b, t = _inputs(4, (7,), 16, 24, 23, torch.float32, device, bias=True)
     mine = _blocks([12, 12], rank)
     counts = torch._dynamo.utils.counters
     counts.clear()
 
-    def with_entropy(x, w, b, t):
-        lp, ent = logitless.linear_log_probs(x, w, t, b, process_group=pg, entropy=True, temperature=0.7,
-                                             softcap=3.0, backend="torch", vocab_size=23)
-        return (lp * 0.3).sum() + (ent * 0.7).sum()
+    def with_entropy(backend):
+        def fn(x, w, b, t):
+            lp, ent = logitless.linear_log_probs(x, w, t, b, process_group=pg, entropy=True, temperature=0.7,
+                                                 softcap=3.0, backend=backend, vocab_size=23)
+            return (lp * 0.3).sum() + (ent * 0.7).sum()
+        return fn
 
-    def without(x, w, b, t):
-        lp = logitless.linear_log_probs(x, w, t, b, process_group=pg, partial_dx=True, backend="torch")
-        return lp.square().sum()
+    def without(backend):
+        def fn(x, w, b, t):
+            lp = logitless.linear_log_probs(x, w, t, b, process_group=pg, partial_dx=True, backend=backend)
+            return lp.square().sum()
+        return fn
 
-    for fn in (with_entropy, without):
+    runs = [(with_entropy("torch"), False), (without("torch"), False), (with_entropy("triton"), False),
+            (without("triton"), True)]
+    for fn, dynamic in runs:
         torch._dynamo.reset()
-        compiled = torch.compile(fn, fullgraph=True)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
         xl, wl, bl = x.clone().requires_grad_(), w[mine].clone().requires_grad_(), b[mine].clone().requires_grad_()
         loss = compiled(xl, wl, bl, t)
         loss.backward()
@@ -260,7 +271,7 @@ def _compile_worker(rank, world, device):
         torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-6)
         for got, want in ((xl.grad, xe.grad), (wl.grad, we.grad), (bl.grad, be.grad)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        _same_on_every_rank(f"{fn.__name__}: loss", loss.detach())
+        _same_on_every_rank("compiled loss", loss.detach())
     assert not counts["graph_break"], dict(counts["graph_break"])
 
 
