@@ -70,7 +70,7 @@ def test_bf16_and_flat_inputs():
 
 def test_errors():
     hidden, weight, labels = _inputs()
-    with pytest.raises(ValueError, match="process_group"):
+    with pytest.raises(TypeError, match="process_group"):
         linear_cross_entropy(hidden, weight, labels, 1.0, "none", dist_process_group=object())
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(hidden, weight, labels, 1.0, "avg")
@@ -99,3 +99,39 @@ def test_against_verls_own_kernel():
     for o, t, r in zip(ours, theirs, ref):
         assert o.shape == t.shape and o.dtype == t.dtype
         assert (o.double() - r).abs().max() <= (t.double() - r).abs().max() + 1e-5
+
+
+def _tp_worker(rank, world, device):
+    """verl's dist_process_group: this rank's rows of the weight; the same numbers as the
+    unsharded call (logprobs and entropy bitwise identical on every rank), hidden's
+    gradient all-reduced, weight's gradient this rank's rows."""
+    import torch.distributed as dist
+
+    from tests.test_tensor_parallel import _blocks, _same_on_every_rank
+
+    hidden, weight, labels = _inputs(shape=(2, 5), h=24, v=101, dtype=torch.float64, seed=4)
+    hidden, weight = hidden.detach().to(device), weight.detach().to(device)
+    labels = labels.to(device)
+    mine = _blocks([51, 50], rank)
+    for reduction in ("none", "mean"):
+        hl, wl = hidden.clone().requires_grad_(), weight[mine].clone().requires_grad_()
+        logp, ent = linear_cross_entropy(hl, wl, labels, 0.8, reduction, dist_process_group=dist.group.WORLD)
+        hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp1, ent1 = linear_cross_entropy(hs, ws, labels, 0.8, reduction)
+        assert logp.shape == logp1.shape and ent.shape == ent1.shape
+        _same_on_every_rank("logprobs", logp.detach().reshape(-1))
+        _same_on_every_rank("entropy", ent.detach())
+        torch.testing.assert_close(logp, logp1, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ent, ent1, rtol=1e-12, atol=1e-12)
+        up = torch.linspace(-1, 1, ent.numel(), dtype=ent.dtype, device=device)
+        (logp.sum() + (ent * up).sum()).backward()
+        (logp1.sum() + (ent1 * up).sum()).backward()
+        torch.testing.assert_close(hl.grad, hs.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(wl.grad, ws.grad[mine], rtol=1e-10, atol=1e-12)
+
+
+def test_dist_process_group_two_ranks():
+    """Gloo, 2 ranks (NCCL with 2 GPUs): the spawn helper of test_tensor_parallel."""
+    from tests.test_tensor_parallel import _spawn
+
+    _spawn(_tp_worker, 2)

@@ -26,11 +26,12 @@ returned partial, for frameworks that reduce it themselves). No weight, logit or
 
     layout    the process group by name (what custom ops take), each rank's rows, and
               ``VocabShard``: this rank's classes, local targets, padding rows
-    merge     the collectives above (``merge_shards``, ``merge_argmax``, ``all_reduce_``)
+    merge     the collectives above (``merge_shards``, ``merge_argmax``, ``all_reduce_``;
+              ``merge_online`` for online (max, sum, entropy-term) statistics)
     api       the public functions' side: ``process_group=``, DTensor inputs (``dtensor``),
               a padded vocabulary (``vocab_size=``) -> a ``VocabParallelOptions``
 
-How an op gets ``process_group=`` (linear_cross_entropy, linear_jsd do this):
+How an op gets ``process_group=`` (linear_cross_entropy, linear_jsd, linear_log_probs do this):
     1. its public function calls ``api.prepare(...)`` per LM head and passes the
        ``VocabParallelOptions`` fields to its custom ops (``opts.args()``);
     2. its forward op, when ``tp_group`` is set: ``shard = layout.vocab_shard(...)``;
@@ -45,6 +46,6 @@ How an op gets ``process_group=`` (linear_cross_entropy, linear_jsd do this):
 """
 
 from .layout import VocabShard, vocab_shard
-from .merge import Merged, all_reduce_, merge_argmax, merge_shards
+from .merge import Merged, all_reduce_, merge_argmax, merge_online, merge_shards
 
-__all__ = ["VocabShard", "vocab_shard", "Merged", "merge_shards", "merge_argmax", "all_reduce_"]
+__all__ = ["VocabShard", "vocab_shard", "Merged", "merge_shards", "merge_argmax", "merge_online", "all_reduce_"]

@@ -9,7 +9,7 @@ computed from them, are identical on every rank).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -84,3 +84,32 @@ def all_reduce_(t: Tensor, pg) -> Tensor:
 
     _all_reduce(t, dist.ReduceOp.SUM, pg)
     return t
+
+
+def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[Tensor] = ()):
+    """Merge each rank's online softmax statistics (``formulas.log_probs``) of its columns
+    into the full rows' (two collectives): (M, s, u or None, sums).
+
+    m, s, u: (N,) running max, sum_c exp(a_c - m) and sum_c exp(a_c - m) (a_c - m) over
+    this rank's columns (m = -inf, s = u = 0 for a rank without columns; u None when no
+    entropy is wanted); sums: (N,) plain sums over this rank's columns (the token's a).
+    Collective 1: MAX of m -> M; collective 2: SUM of the stacked e^(m - M) s,
+    e^(m - M) (u + (m - M) s) and the sums (M taken as 0 where every rank has -inf).
+    ``formulas.log_probs.finish(M, s, u)`` then gives the full rows' lse and entropy;
+    the differences m - M keep the entropy free of cancellation between large numbers.
+    """
+    import torch.distributed as dist
+
+    big = m.clone()
+    _all_reduce(big, dist.ReduceOp.MAX, pg)
+    safe = torch.where(big == float("-inf"), torch.zeros_like(big), big)
+    d = m - safe  # -inf for a rank without columns (then s = u = 0)
+    scale = torch.exp(d)
+    parts = [scale * s]
+    if u is not None:
+        corr = torch.where(s > 0, d * s, torch.zeros_like(s))
+        parts.append(scale * (u + corr))
+    packed = torch.stack([*parts, *sums])
+    _all_reduce(packed, dist.ReduceOp.SUM, pg)
+    k = len(parts)
+    return big, packed[0], (packed[1] if u is not None else None), [packed[k + i] for i in range(len(sums))]

@@ -50,9 +50,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
         labels: (...) int64/int32 token ids, hidden's leading shape.
         temperature: > 0.
         reduction: "none", "sum" or "mean" (of the log-probs; case-insensitive).
-        dist_process_group: must be None for now (ValueError otherwise): tensor
-            parallelism over vocabulary shards comes with the ``process_group=`` option
-            of ``logitless.linear_log_probs``.
+        dist_process_group: None, or the ``torch.distributed.ProcessGroup`` over which
+            ``weight`` is split by vocabulary (verl's tensor-parallel head): ``weight`` is
+            then this rank's contiguous block of rows, ``hidden`` and ``labels`` (global
+            ids) the same on every rank; forwarded as ``process_group=`` to
+            ``logitless.linear_log_probs`` (outputs identical on every rank, hidden's
+            gradient all-reduced, weight's gradient this rank's rows).
 
     Returns:
         (logprobs, entropy): logprobs (N,) fp32 or a 0-d fp32 tensor for "sum"/"mean";
@@ -61,9 +64,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     reduction = reduction.lower()
-    if dist_process_group is not None:
-        raise ValueError("dist_process_group is not supported yet: tensor parallelism over vocabulary "
-                         "shards arrives with the process_group= option of logitless.linear_log_probs")
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if not isinstance(hidden, Tensor):
@@ -73,9 +73,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
                          "same number of tokens")
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
-    # With tensor parallelism the call gains process_group=dist_process_group (and the
-    # check above goes): the op then merges the shards' statistics itself.
-    logprobs, entropy = linear_log_probs(hidden2d, weight, flat, temperature=temperature, entropy=True)
+    logprobs, entropy = linear_log_probs(hidden2d, weight, flat, temperature=temperature, entropy=True,
+                                         process_group=dist_process_group)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":

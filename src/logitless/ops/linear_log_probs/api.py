@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import resolve_backend
@@ -28,6 +29,9 @@ def linear_log_probs(
     ignore_index: int = -100,
     memory_budget: Optional[int] = None,
     backend: str = "auto",
+    process_group=None,
+    vocab_size: Optional[int] = None,
+    partial_dx: bool = False,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """log softmax(a)[token] per token, a = softcap(x @ weight.T + bias) / temperature,
     without the (tokens x vocab) logits; with ``entropy=True`` also the entropy of
@@ -51,6 +55,13 @@ def linear_log_probs(
     (autocast, torch.compile fullgraph/dynamic, FSDP2 and double backward behave as for
     ``linear_cross_entropy``: custom ops ``logitless::llp_forward``/``llp_backward``).
 
+    Tensor parallelism (a head split over the vocabulary): ``process_group=``, or DTensor
+    inputs (a ``Shard(0)`` weight with a ``Replicate()`` or token-sharded x on the same
+    1-D mesh), as for ``linear_cross_entropy``; docs/tensor_parallel.md. Each rank
+    computes (max, sum, entropy term, token logit) over its own rows; one MAX and one
+    packed SUM of O(tokens) floats merge them, so both outputs are those of the full
+    vocabulary, bitwise identical on every rank.
+
     Args:
         x: (..., H) hidden states, float16/bfloat16/float32 (float64 on backend="torch").
         weight: (V, H) LM-head weight; same dtype (autocast aside) and device as x.
@@ -64,6 +75,19 @@ def linear_log_probs(
             ``linear_cross_entropy``: with at least tokens x V x itemsize bytes the
             backward needs no recomputed GEMM.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        process_group: a ``torch.distributed.ProcessGroup`` over which the head is split
+            by vocabulary: ``weight`` (and ``bias``) are this rank's contiguous block of
+            rows of the full (V, H) weight (blocks in the group's rank order; sizes may
+            differ, even be 0); ``x`` and ``tokens`` (global ids) are the same on every
+            rank. Per call: two collectives of O(tokens) floats in the forward (a MAX,
+            a packed SUM) and one all-reduce of x's gradient in fp32 (N x H) in the
+            backward; the first call with a group (and local row count) all-gathers
+            the ranks' row counts once (a host sync). All ranks call the op together.
+        vocab_size: the number of real classes when the weight's rows are padded
+            (rows at or beyond it are no class and get zero gradient; tokens must be
+            below it). None: every row is a class.
+        partial_dx: with a vocab-parallel head, return this rank's partial gradient of
+            x (the sum over its columns) instead of the all-reduced one.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -75,11 +99,14 @@ def linear_log_probs(
     """
     opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap,
                                   ignore_index=ignore_index)
+    x, weight, bias, tp = _tp.prepare("linear_log_probs", ("x", "weight", "bias"), x, weight, bias,
+                                      process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+    tokens = _tp.plain(tokens)
     _validate.check_not_dtensor("linear_log_probs", x=x, weight=weight, bias=bias)
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
     x, weight, bias = cast_like_linear(x, weight, bias)
-    _, hidden = _validate.check_linear_operands("linear_log_probs", x, weight, bias)
+    _, hidden = _validate.check_linear_operands("linear_log_probs", x, weight, bias, allow_empty=tp.parallel)
     _check_tokens(tokens, x.shape[:-1])
     _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
     memory_budget = check_memory_budget(memory_budget)
@@ -91,7 +118,8 @@ def linear_log_probs(
         x2d = x2d.contiguous()
     flat = tokens.reshape(-1).long()
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    logp, ent, *_ = llp_forward(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad)
+    logp, ent, *_ = llp_forward(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
+                                *tp.args())
     logp = logp.reshape(out_shape)
     if not opts.entropy:
         return logp
@@ -116,11 +144,13 @@ class LinearLogProbs(nn.Module):
     """
 
     def __init__(self, *, temperature: float = 1.0, entropy: bool = False, softcap: Optional[float] = None,
-                 ignore_index: int = -100, memory_budget: Optional[int] = None, backend: str = "auto"):
+                 ignore_index: int = -100, memory_budget: Optional[int] = None, backend: str = "auto",
+                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False):
         super().__init__()
         LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index)
         self.kwargs = dict(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index,
-                           memory_budget=memory_budget, backend=backend)
+                           memory_budget=memory_budget, backend=backend, process_group=process_group,
+                           vocab_size=vocab_size, partial_dx=partial_dx)
 
     def forward(self, x: Tensor, weight: Tensor, tokens: Tensor, bias: Optional[Tensor] = None):
         return linear_log_probs(x, weight, tokens, bias, **self.kwargs)

@@ -1,18 +1,24 @@
 """The torch.library custom ops of linear_log_probs: what autograd and torch.compile see.
 
-    logitless::llp_forward(x, weight, bias, tokens, <options>, backend, budget, need_grad)
+    logitless::llp_forward(x, weight, bias, tokens, <options>, backend, budget, need_grad,
+                           <vocab parallel>)
         -> logp, entropy ((0,) without entropy), lse, keep, keep_max, plan
     logitless::llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy,
                             keep (overwritten with dz), keep_max, plan, <options>, backend,
-                            budget, need_dx, need_dw, need_db) -> dx, dw, db
+                            budget, need_dx, need_dw, need_db, <vocab parallel>) -> dx, dw, db
 
 ``<options>`` are the fields of ``LogProbOptions`` under their own names (temperature,
-entropy, softcap, ignore_index). ``keep``/``keep_max``/``plan`` are the columns of
-exp(a - m) the Triton backend kept for the backward and the plan that laid them out
-(``NOTHING_KEPT``-shaped dummies and an empty plan when none): the first backward
-consumes them in place, a second one (retain_graph=True) recomputes. Implementations
-run eagerly (also under torch.compile, which sees only the fakes), so the CPU token-range
-check lives here. Double backward raises.
+entropy, softcap, ignore_index); ``<vocab parallel>`` those of ``VocabParallelOptions``
+(tp_group, vocab_size, partial_dx), defaulted named arguments: with a ``tp_group`` the
+weight is this rank's block of rows of a vocab-parallel head and the ops merge the
+statistics over the group (``vocab_parallel``); the fakes take them by name with the
+same defaults (inductor drops defaulted arguments from the calls it emits).
+``keep``/``keep_max``/``plan`` are the columns of exp(a - m) the Triton backend kept
+for the backward and the plan that laid them out (``NOTHING_KEPT``-shaped dummies and
+an empty plan when none): the first backward consumes them in place, a second one
+(retain_graph=True) recomputes. Implementations run eagerly (also under torch.compile,
+which sees only the fakes), so the CPU token-range check (``token_checks``) lives in
+them. Double backward raises.
 """
 
 from __future__ import annotations
@@ -27,20 +33,12 @@ from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import load_backend
-from logitless.options import LogProbOptions
+from logitless.options import LogProbOptions, VocabParallelOptions
+
+from .token_checks import check_tokens_in_range
 
 OP = "linear_log_probs"
 
-
-def check_tokens_in_range(tokens: Tensor, num_classes: int, ignore_index: int) -> None:
-    """ValueError for a token outside [0, V) that is not ignore_index (CPU tensors only:
-    on a GPU the check would be a host sync; the token's outputs are NaN there)."""
-    if tokens.device.type != "cpu" or tokens.numel() == 0:
-        return
-    bad = (tokens != ignore_index) & ((tokens < 0) | (tokens >= num_classes))
-    if bool(bad.any()):
-        raise ValueError(f"tokens contains {int(tokens[bad][0])}, outside [0, {num_classes}) and not "
-                         f"ignore_index={ignore_index}")
 
 #: Shape of the keep buffers when nothing is kept (see linear_cross_entropy: not (0, 0)).
 NOTHING_KEPT = (1, 1)
@@ -58,16 +56,27 @@ def _forward(
     backend: str,
     budget: int,
     need_grad: bool,
+    tp_group: str = "",
+    vocab_size: int = -1,
+    partial_dx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x (N, H), weight (V, H), tokens (N,) int64 -> logp (N,), entropy (N,) or (0,),
     lse (N,), keep, keep_max, plan."""
     opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+    tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
     n, v = x.shape[0], weight.shape[0]
-    check_tokens_in_range(tokens, v, ignore_index)
     sd = compute_dtype(x.dtype)
     kept = None
+    if not tp.parallel:
+        check_tokens_in_range(tokens, v, ignore_index)
     with no_autocast(x.device):
-        if n == 0:
+        if tp.parallel:
+            from . import vocab_parallel
+
+            logp, ent, lse, kept = vocab_parallel.forward(
+                load_backend(__package__, backend), x, weight, bias, tokens, opts, tp, budget=budget,
+                need_grad=need_grad)
+        elif n == 0:
             logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
             ent = x.new_empty(0, dtype=sd) if entropy else None
         else:
@@ -86,19 +95,21 @@ llp_forward = custom_op("llp_forward", _forward)
 
 
 @llp_forward.register_fake
-def _(x, weight, bias, tokens, temperature, entropy, softcap, ignore_index, backend, budget, need_grad):
+def _(x, weight, bias, tokens, temperature, entropy, softcap, ignore_index, backend, budget, need_grad,
+      tp_group="", vocab_size=-1, partial_dx=False):
     n, (v, h) = x.shape[0], weight.shape
     sd = compute_dtype(x.dtype)
     keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
     if backend == "triton" and need_grad:
-        if all(isinstance(s, int) for s in (n, v, h)):
+        if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
             from .triton_backend import PLAN_SIZE, kept_shapes
 
             opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
             shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, opts, need_grad)
             if shapes is not None:
                 (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
-        else:  # symbolic sizes: what the plan keeps is only known at run time
+        else:  # symbolic sizes, or a padded vocab-parallel head (this rank's real rows are
+            # known at run time): what the plan keeps is only known at run time
             ctx = torch.library.get_ctx()
             keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
             max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
@@ -134,9 +145,13 @@ def _backward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    tp_group: str = "",
+    vocab_size: int = -1,
+    partial_dx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
     opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+    tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
@@ -144,14 +159,21 @@ def _backward(
         db = torch.zeros_like(bias) if bias is not None else None
     elif need_dx or need_dw or need_db:
         with no_autocast(x.device):
-            coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
-                                     grad_entropy if entropy else None, v, opts, lse)
             impl = load_backend(__package__, backend)
             extra = {}
             if plan.numel():
                 extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
-            dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
-                                       need_dw=need_dw, need_db=need_db, budget=budget, **extra)
+            if tp.parallel:
+                from . import vocab_parallel
+
+                dx, dw, db = vocab_parallel.backward(
+                    impl, grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, opts, tp,
+                    budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
+            else:
+                coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
+                                         grad_entropy if entropy else None, v, opts, lse)
+                dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
+                                           need_dw=need_dw, need_db=need_db, budget=budget, **extra)
     nothing = x.new_empty(0)
     return (dx if need_dx else nothing, dw if need_dw else nothing.clone(), db if need_db else nothing.clone())
 
@@ -161,7 +183,8 @@ llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
 
 @llp_backward.register_fake
 def _(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, keep, keep_max, plan,
-      temperature, entropy, softcap, ignore_index, backend, budget, need_dx, need_dw, need_db):
+      temperature, entropy, softcap, ignore_index, backend, budget, need_dx, need_dw, need_db,
+      tp_group="", vocab_size=-1, partial_dx=False):
     nothing = x.new_empty(0)
     return (
         torch.empty_like(x) if need_dx else nothing,
@@ -175,6 +198,7 @@ def _setup_context(ctx, inputs, output):
     _, ent, lse, keep, keep_max, plan = output
     ctx.save_for_backward(a["x"], a["weight"], a["bias"], a["tokens"], lse, ent)
     ctx.opts = LogProbOptions.from_args(a)
+    ctx.tp = VocabParallelOptions.from_args(a)
     ctx.backend, ctx.budget, ctx.num_inputs = a["backend"], a["budget"], len(inputs)
     ctx.kept = (keep, keep_max, plan)  # not saved: the first backward consumes them
     ctx.mark_non_differentiable(lse, keep, keep_max, plan)
@@ -189,7 +213,8 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
         return (None,) * ctx.num_inputs
     grads = llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
-                         *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db)
+                         *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db,
+                         *ctx.tp.args())
     grads = (grads[0] if need_dx else None, grads[1] if need_dw else None, grads[2] if need_db else None)
     grads = guard_double_backward(OP, grads, grad_logp, grad_entropy, x, weight, bias)
     return grads + (None,) * (ctx.num_inputs - 3)

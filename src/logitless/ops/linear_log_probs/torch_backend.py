@@ -77,7 +77,11 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept=None, plan=None):
+             kept=None, plan=None, dx_acc: bool = False):
+    """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
+    for fp64), not cast to x's dtype (a partial sum the caller reduces first: vocab
+    parallelism)."""
+    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
@@ -112,5 +116,5 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
             dw[v0:v1] = dw_acc
         if need_db:
             db[v0:v1] = db_acc
-    dx = dx_acc.to(x.dtype) if need_dx else None
+    dx = (dx_acc if keep_acc else dx_acc.to(x.dtype)) if need_dx else None
     return dx, dw, db

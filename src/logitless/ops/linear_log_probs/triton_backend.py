@@ -136,9 +136,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept: Optional[tuple[Tensor, Tensor]] = None, plan: Optional[TritonPlan] = None):
+             kept: Optional[tuple[Tensor, Tensor]] = None, plan: Optional[TritonPlan] = None,
+             dx_acc: bool = False):
     """dx, dW, db. ``kept`` (buffer, tile maxima) with the forward's ``plan``: its
-    buffer is overwritten with dz."""
+    buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
+    chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
+    parallelism)."""
+    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False)
@@ -150,7 +154,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     chunks = [(0, keep_cols)] if keep_cols else []
     chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
     dx = dx_acc = dz_buf = None
-    if need_dx and len(chunks) > 1:
+    if need_dx and (keep_acc or len(chunks) > 1):
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     x_op, w_op, use_tma = launch.operands(x, weight, plan)
     flags = _flags(bias, opts, x.dtype)
@@ -193,5 +197,5 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         if dx_chunk is not None:
             dx = dx_chunk
     if dx_acc is not None:
-        dx = dx_acc.to(x.dtype)
+        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
     return dx, dw, db
