@@ -15,6 +15,16 @@ on every rank and this rank's dW rows:
                       F.cross_entropy on the fp32 Shard(-1) logits under loss_parallel()
     logitless-1gpu    logitless on rank 0 with the whole weight (the others wait)
 
+RL log-probs (issue 20 item 6; chosen with --methods): per-token log p(token) and the
+entropy at temperature 0.7, upstream gradients on both outputs (fixed random weights
+g1, g2: the objective sum(g1 logp + g2 H)):
+
+    logitless-tp-logp      logitless.linear_log_probs(..., entropy=True, process_group=pg)
+    megatron-style-logp    local fp32 logits / T, all-reduce MAX, then one SUM of (sum-exp,
+                           sum e a, target logit), the gradient from both outputs by hand
+    verl-tp-logp           verl's fused kernel with dist_process_group (when importable)
+    logitless-1gpu-logp    logitless on rank 0 with the whole weight
+
 Columns: fwd+bwd time (the slowest rank's median) as a ratio of ONE GPU's three cuBLAS
 GEMMs of the whole problem (x W^T, dz W, dz^T x: 3 x the time of x @ W^T on rank 0);
 peak extra memory per GPU (the largest rank's, beyond inputs and the gradients the
@@ -44,6 +54,9 @@ from .timing import gemm_ms, peak_extra_bytes, release_memory, time_ms
 SHAPES = [("llama3.1-8b", 8192, 4096, 128256), ("qwen3-8b", 16384, 4096, 151936)]
 CPU_SHAPES = [("cpu-toy", 64, 32, 1001)]
 METHODS = ("logitless-tp", "logitless-tp@512MiB", "megatron-style", "dtensor-loss-parallel", "logitless-1gpu")
+#: The log-prob methods (not in the default list: pass them with --methods).
+LOGP_METHODS = ("logitless-tp-logp", "megatron-style-logp", "verl-tp-logp", "logitless-1gpu-logp")
+TEMPERATURE = 0.7
 
 
 def blocks(v: int, world: int) -> list[int]:
@@ -105,6 +118,54 @@ def megatron_style(x, w_local, target, start, pg):
     return _VocabParallelCE.apply(logits.float(), target, start, pg).mean()
 
 
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """Per-token log p(target) and entropy of softmax(a), a = fp32 local logits / T (N, V_r),
+    vocabulary split over ``pg``: all-reduce MAX of the row max, one SUM of (sum-exp,
+    sum e (a - m), target's a - m). Backward from both outputs:
+    da_j = g1 (1[j = t] - p_j) - g2 p_j (log p_j + H)."""
+
+    @staticmethod
+    def forward(ctx, a, target, start, pg):
+        m = a.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+        a = a - m[:, None]
+        local = target - start
+        inside = (local >= 0) & (local < a.shape[1])
+        idx = torch.where(inside, local, torch.zeros_like(local))
+        rows = torch.arange(a.shape[0], device=a.device)
+        e = a.exp()
+        packed = torch.stack([e.sum(dim=-1), (e * a).sum(dim=-1),
+                              torch.where(inside, a[rows, idx], torch.zeros_like(m))])
+        dist.all_reduce(packed, group=pg)
+        s, u, at = packed.unbind(0)
+        logs = torch.log(s)
+        logp = at - logs
+        ent = logs - u / s
+        a.sub_(logs[:, None])  # log p
+        ctx.save_for_backward(a, ent, idx, inside)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        logp_all, ent, idx, inside = ctx.saved_tensors
+        p = logp_all.exp()
+        da = -(g1[:, None] * p) - g2[:, None] * p * (logp_all + ent[:, None])
+        rows = torch.arange(da.shape[0], device=da.device)
+        da[rows, idx] += torch.where(inside, g1, torch.zeros_like(g1))
+        return da, None, None, None
+
+
+def megatron_style_logp(x, w_local, target, start, pg, temperature=TEMPERATURE):
+    logits = F.linear(_CopyToTP.apply(x, pg), w_local)
+    return _VocabParallelLogProbs.apply(logits.float() / temperature, target, start, pg)
+
+
+def _verl_lce():
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy
+
+
 # --- the worker ---------------------------------------------------------------------
 
 def _reference_loss(x, w, target) -> float:
@@ -116,6 +177,18 @@ def _reference_loss(x, w, target) -> float:
         total += F.cross_entropy(z, target[n0:n0 + 1024], reduction="sum").item()
         del z
     return total / x.shape[0]
+
+
+def _reference_logp(x, w, target, temperature=TEMPERATURE):
+    """Per-token log p(target) and entropy at ``temperature`` in float64 (rank 0)."""
+    wd = w.double()
+    lps, ents = [], []
+    for n0 in range(0, x.shape[0], 1024):
+        a = torch.log_softmax((x[n0:n0 + 1024].double() @ wd.T) / temperature, dim=-1)
+        lps.append(a.gather(1, target[n0:n0 + 1024, None])[:, 0])
+        ents.append(-(a.exp() * a).sum(-1))
+        del a
+    return torch.cat(lps), torch.cat(ents)
 
 
 def _max_over_ranks(value, device):
@@ -136,6 +209,23 @@ def past_deadline(deadline, device) -> bool:
     return bool(late.item())
 
 
+def _logp_outputs(method, wg, target, start, pg):
+    """x -> (log-probs, entropy) of one log-prob method (None on the idle ranks of a 1-GPU row)."""
+    import logitless
+
+    if wg is None:
+        return None
+    if method == "logitless-1gpu-logp":
+        return lambda x: logitless.linear_log_probs(x, wg, target, temperature=TEMPERATURE, entropy=True)
+    if method == "logitless-tp-logp":
+        return lambda x: logitless.linear_log_probs(x, wg, target, temperature=TEMPERATURE, entropy=True,
+                                                    process_group=pg)
+    if method == "megatron-style-logp":
+        return lambda x: megatron_style_logp(x, wg, target, start, pg)
+    verl = _verl_lce()  # ImportError: reported in the row
+    return lambda x: tuple(verl(x, wg, target, TEMPERATURE, "none", pg))
+
+
 def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline=None):
     import logitless
 
@@ -148,13 +238,19 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
     target = torch.randint(0, v, (n,), device=device, generator=g)
     w_local = w[start:start + rows[rank]].clone()
     unit = 3 * gemm_ms(x, w, warmup=warmup, reps=reps) if rank == 0 else 0.0
-    ref = _reference_loss(x, w, target) if rank == 0 else 0.0
+    logp_case = any(m in LOGP_METHODS for m in methods)
+    ce_case = any(m not in LOGP_METHODS for m in methods)
+    ref = _reference_loss(x, w, target) if rank == 0 and ce_case else 0.0
+    ref_logp = _reference_logp(x, w, target) if rank == 0 and logp_case else None
+    # Upstream gradients of the two log-prob outputs (the same on every rank).
+    g1 = torch.rand(n, device=device, generator=g)
+    g2 = torch.rand(n, device=device, generator=g) * 0.1
     if device.type == "cuda" and rank != 0 and "dtensor-loss-parallel" not in methods:
         del w  # the full weight only serves the one-GPU rows (rank 0) and the DTensor method
     release_memory(device)
     row = {"shape": name, "tokens": n, "hidden": h, "vocab": v, "dtype": str(dtype).replace("torch.", ""),
            "world": world, "blocks": rows, "unit_ms": unit, "reference_loss": ref, "methods": {}}
-    one_gpu_loss = None
+    one_gpu = {}  # {is log-prob method: the one-GPU run's loss}
     for method in methods:
         if past_deadline(deadline, device):
             row["skipped"] = f"time limit before {method}"
@@ -163,7 +259,19 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
         xg = x.clone().requires_grad_()
         fn = wg = None
         grads = 0
-        if method == "logitless-1gpu":
+        if method in LOGP_METHODS:
+            one = method == "logitless-1gpu-logp"
+            wg = (w if one else w_local).clone().requires_grad_() if (rank == 0 or not one) else None
+            grads = xg.numel() * xg.element_size() + (wg.numel() * wg.element_size() if wg is not None else 0)
+            try:
+                outputs, build_error = _logp_outputs(method, wg, target, start, pg), None
+            except Exception as exc:  # noqa: BLE001 (an optional peer: reported in its row)
+                outputs, build_error = None, exc
+
+            def fn(xg=xg, outputs=outputs):
+                lp, ent = outputs(xg)
+                (lp * g1 + ent * g2).sum().backward()
+        elif method == "logitless-1gpu":
             if rank == 0:
                 wg = w.clone().requires_grad_()
                 fn = lambda: logitless.linear_cross_entropy(xg, wg, target).backward()  # noqa: E731
@@ -201,13 +309,25 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
             xg.grad = None
             if wg is not None:
                 wg.grad = None
-            if method != "logitless-1gpu":
+            if not method.startswith("logitless-1gpu"):
                 dist.barrier()
 
         res = {}
         try:
-            if method == "logitless-1gpu" and rank != 0:
+            if method.startswith("logitless-1gpu") and rank != 0:
                 ms = mem = None
+            elif method in LOGP_METHODS:
+                if build_error is not None:
+                    raise build_error
+                ms = time_ms(fn, device=device, setup=setup, warmup=warmup, reps=reps)
+                setup()
+                _, mem = peak_extra_bytes(fn, device=device, exclude_bytes=grads)
+                with torch.no_grad():
+                    lp, ent = outputs(x)
+                if rank == 0:
+                    res["logp_err_fp64"] = (lp.double() - ref_logp[0]).abs().max().item()
+                    res["entropy_err_fp64"] = (ent.double() - ref_logp[1]).abs().max().item()
+                    res["loss"] = float((lp.double() * g1.double()).sum() / n)  # for the 1-GPU column
             else:
                 ms = time_ms(fn, device=device, setup=setup, warmup=warmup, reps=reps)
                 setup()
@@ -225,27 +345,29 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
                             loss = F.cross_entropy(lin(x).float(), target)
                         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 res["loss"] = float(loss)
-                if method == "logitless-1gpu":
-                    one_gpu_loss = res["loss"]
+            if rank == 0 and method.startswith("logitless-1gpu"):
+                one_gpu[method in LOGP_METHODS] = res["loss"]
         except Exception as exc:  # noqa: BLE001 (a failing method must not stop the others)
             res["error"] = f"{type(exc).__name__}: {exc}"[:300]
             ms = mem = None
-        if method != "logitless-1gpu":
+        if not method.startswith("logitless-1gpu"):
             ms = _max_over_ranks(ms, device)
             mem = _max_over_ranks(mem, device)
         res.update(ms=ms, peak_extra_mib=None if mem is None else mem / 2**20)
         row["methods"][method] = res
         fn = xg = wg = None
         release_memory(device)
-        if method != "logitless-1gpu" or rank == 0:
+        if not method.startswith("logitless-1gpu") or rank == 0:
             log(f"  {name:<12} {method:<22} " + (f"{ms:9.2f} ms" if ms is not None else "        -   ")
                 + (f"  {mem / 2**20:9.0f} MiB" if mem is not None else "") + (f"  {res.get('error', '')}"))
-    for res in row["methods"].values():
+    for method, res in row["methods"].items():
         if rank == 0 and res.get("loss") is not None:
             res["ratio"] = res["ms"] / unit if res.get("ms") and unit else None
-            res["rel_err_fp64"] = abs(res["loss"] - ref) / abs(ref)
-            if one_gpu_loss is not None:
-                res["rel_err_1gpu"] = abs(res["loss"] - one_gpu_loss) / abs(one_gpu_loss)
+            if method not in LOGP_METHODS:
+                res["rel_err_fp64"] = abs(res["loss"] - ref) / abs(ref)
+            ref1 = one_gpu.get(method in LOGP_METHODS)
+            if ref1 is not None:
+                res["rel_err_1gpu"] = abs(res["loss"] - ref1) / abs(ref1)
     return row
 
 
@@ -289,6 +411,12 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _err_cell(r) -> str:
+    if "logp_err_fp64" in r:  # the log-prob methods: max abs errors of both outputs
+        return f"logp {r['logp_err_fp64']:.1e}, H {r['entropy_err_fp64']:.1e}"
+    return _fmt(r.get("rel_err_fp64"), ".1e")
+
+
 def markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [f"# Vocab-parallel cross-entropy ({data['world']} ranks, {meta['device']})", "",
@@ -296,14 +424,16 @@ def markdown(data: dict) -> str:
              f"`{meta['command']}`", "",
              "fwd+bwd: slowest rank's median, as a ratio of one GPU's three cuBLAS GEMMs of the whole problem "
              "(lower is better); memory: peak extra per GPU beyond inputs and returned gradients; errors: "
-             "relative error of the loss vs float64 and vs logitless on one GPU.", "",
+             "relative error of the loss vs float64 and vs logitless on one GPU; for the *-logp rows "
+             f"(per-token log-prob and entropy at T = {TEMPERATURE}, upstream gradients on both): max abs error of "
+             "both outputs vs float64, and the relative error of sum(g1 logp) / N vs logitless on one GPU.", "",
              "| shape | method | fwd+bwd ms | x 3 GEMMs | extra MiB/GPU | rel err fp64 | rel err 1-GPU |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for row in data["rows"]:
         for method, r in row["methods"].items():
             lines.append(f"| {row['shape']} ({row['tokens']}x{row['hidden']}x{row['vocab']}) | {method} | "
                          f"{_fmt(r.get('ms'), '.2f')} | {_fmt(r.get('ratio'), '.3f')} | "
-                         f"{_fmt(r.get('peak_extra_mib'), '.0f')} | {_fmt(r.get('rel_err_fp64'), '.1e')} | "
+                         f"{_fmt(r.get('peak_extra_mib'), '.0f')} | {_err_cell(r)} | "
                          f"{_fmt(r.get('rel_err_1gpu'), '.1e')} |" + (f" {r['error']}" if r.get("error") else ""))
     if data.get("note"):
         lines += ["", f"Note: {data['note']}"]
@@ -353,9 +483,9 @@ def run_cli(args, cpu: bool) -> int:
     if args.quick:
         pool = pool[:1]
     methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS + LOGP_METHODS]
     if unknown:
-        raise SystemExit(f"unknown tp method(s) {unknown}; known: {list(METHODS)}")
+        raise SystemExit(f"unknown tp method(s) {unknown}; known: {list(METHODS + LOGP_METHODS)}")
     if args.no_peers:
         methods = [m for m in methods if m.startswith("logitless")]
     if cpu:
