@@ -196,12 +196,17 @@ def _train_distillation(tmp_path, patched, entropy=True, **cfg):
                               per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
                               save_strategy="no", report_to="none", use_cpu=True, bf16=False, fp16=False, seed=7,
                               max_completion_length=5, dataloader_num_workers=0, **cfg)
-    trainer = DistillationTrainer(model=tiny_llama(3, 32), teacher_model=tiny_llama(4, 48, layers=1), args=args,
+    student = tiny_llama(3, 32)
+    with torch.no_grad():  # EOS often: completions of different lengths, so the completion mask matters
+        student.lm_head.weight[2] *= 6
+    trainer = DistillationTrainer(model=student, teacher_model=tiny_llama(4, 48, layers=1), args=args,
                                   train_dataset=_prompt_dataset(), processing_class=_tokenizer("left"))
     if patched:
         lt_trl.patch_gkd(trainer, entropy=entropy)
     trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert any(h["completions/min_length"] < h["completions/max_length"] for h in logs)  # the mask has zeros
+    return logs
 
 
 @pytest.mark.parametrize("cfg", [{"beta": 1.0}, {"beta": 0.4, "temperature": 0.7}, {"beta": 0.0}],
