@@ -122,7 +122,7 @@ def test_gkd_loss_refuses_what_it_cannot_do():
 # GKDTrainer.train(): TRL's loss vs patched
 # ---------------------------------------------------------------------------------------------
 
-def _gkd_trainer(tmp_path, name, peft=False, teacher_kw=None, **cfg):
+def _gkd_trainer(tmp_path, name, peft=False, teacher_kw=None, cuda=False, **cfg):
     extra = {}
     if peft:
         peft_mod = pytest.importorskip("peft", reason="peft not importable")
@@ -130,19 +130,27 @@ def _gkd_trainer(tmp_path, name, peft=False, teacher_kw=None, **cfg):
                                                    target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
     cfg = {"lmbda": 0.0, **cfg}
     args = GKDConfig(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=4,
-                     learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                     learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=not cuda,
                      bf16=False, fp16=False, seed=7, max_length=32, max_new_tokens=4, dataloader_num_workers=0,
                      **cfg)
     return GKDTrainer(model=tiny_llama(3, 32), teacher_model=tiny_llama(4, 48, layers=1, **(teacher_kw or {})),
                       args=args, train_dataset=_chat_dataset(), processing_class=_tokenizer(), **extra)
 
 
-def _train_gkd(tmp_path, patched, **cfg):
+def _train_gkd(tmp_path, patched, **cfg):  # cfg: GKDConfig fields, peft=, cuda=
     trainer = _gkd_trainer(tmp_path, "ours" if patched else "theirs", **cfg)
     if patched:
         lt_trl.patch_gkd(trainer)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_gkd_evaluate_same_loss(tmp_path, counter):
+    theirs = _gkd_trainer(tmp_path, "theirs").evaluate(eval_dataset=_chat_dataset())["eval_loss"]
+    trainer = _gkd_trainer(tmp_path, "ours")
+    lt_trl.patch_gkd(trainer)
+    ours = trainer.evaluate(eval_dataset=_chat_dataset())["eval_loss"]  # compute_loss(return_outputs=True)
+    assert len(counter) >= 1 and ours == pytest.approx(theirs, rel=1e-5, abs=1e-7) and ours > 0.01
 
 
 @pytest.mark.parametrize("cfg", [
@@ -190,12 +198,12 @@ def _prompt_dataset():
     return datasets.Dataset.from_list([{"prompt": _text(g, 2 + i % 4)} for i in range(12)])
 
 
-def _train_distillation(tmp_path, patched, entropy=True, **cfg):
+def _train_distillation(tmp_path, patched, entropy=True, cuda=False, **cfg):
     from trl import DistillationConfig, DistillationTrainer
     args = DistillationConfig(output_dir=str(tmp_path / ("ours" if patched else "theirs")), max_steps=3,
                               per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
-                              save_strategy="no", report_to="none", use_cpu=True, bf16=False, fp16=False, seed=7,
-                              max_completion_length=5, dataloader_num_workers=0, **cfg)
+                              save_strategy="no", report_to="none", use_cpu=not cuda, bf16=False, fp16=False,
+                              seed=7, max_completion_length=5, dataloader_num_workers=0, **cfg)
     student = tiny_llama(3, 32)
     with torch.no_grad():  # EOS often: completions of different lengths, so the completion mask matters
         student.lm_head.weight[2] *= 6
@@ -227,3 +235,30 @@ def test_distillation_without_entropy_drops_the_metric(tmp_path, counter):
     ours = _train_distillation(tmp_path, True, entropy=False)
     assert len(counter) >= 3 and len(ours) == 3
     assert all(o.get("entropy") is None and o["loss"] > 0 for o in ours)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (Triton kernels): the same comparisons in fp32 (TF32 off, torch's default)
+# ---------------------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton backend)")
+
+
+@cuda_only
+@pytest.mark.parametrize("cfg", [{"beta": 0.5}, {"beta": 0.0, "lmbda": 1.0}], ids=["jsd", "fkl_onpolicy"])
+def test_gkd_trainer_cuda(tmp_path, cfg, counter):
+    theirs = _train_gkd(tmp_path, False, cuda=True, **cfg)
+    ours = _train_gkd(tmp_path, True, cuda=True, **cfg)
+    assert len(counter) >= 3 and len(ours) == len(theirs) == 3
+    for o, t in zip(ours, theirs):
+        assert o == pytest.approx(t, rel=1e-4, abs=1e-6)
+
+
+@cuda_only
+def test_distillation_trainer_cuda(tmp_path, counter):
+    theirs = _train_distillation(tmp_path, False, cuda=True, beta=0.4, temperature=0.7)
+    ours = _train_distillation(tmp_path, True, cuda=True, beta=0.4, temperature=0.7)
+    assert len(counter) >= 3 and len(ours) == len(theirs) == 3
+    for o, t in zip(ours, theirs):
+        assert o["loss"] == pytest.approx(t["loss"], rel=1e-4, abs=1e-6)
+        assert o["entropy"] == pytest.approx(t["entropy"], rel=1e-4, abs=1e-5)
