@@ -253,6 +253,9 @@ def _head_tensors(model, teacher: bool):
         raise ValueError(f"the {'teacher' if teacher else 'student'}'s LM-head weight is empty (sharded by "
                          "DeepSpeed ZeRO-3?): patch_gkd needs the full head outside the forward")
     if teacher:
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor read outside the teacher's forward: gather it
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
     return weight, bias
