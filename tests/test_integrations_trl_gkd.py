@@ -104,6 +104,27 @@ def test_gkd_loss_float32_one_token_and_all_ignored():
     torch.testing.assert_close(lt_trl.gkd_loss(xs, ws, xt, wt, lab, beta=0.3), ref, rtol=1e-5, atol=1e-6)
     none = torch.full_like(lab, -100)  # TRL: 0 / clamp(0, min=1) = 0
     assert lt_trl.gkd_loss(xs, ws, xt, wt, none).item() == 0.0
+    empty = lt_trl.gkd_loss(xs[:0], ws, xt[:0], wt, lab[:0])
+    assert empty.item() == 0.0 == GKDTrainer.generalized_jsd_loss(xs[:0] @ ws.T, xt[:0] @ wt.T, lab[:0]).item()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.6])
+def test_gkd_loss_triton_backend(beta):
+    """The Triton kernels (CUDA, or the CPU interpreter: tiny) behind gkd_loss, softcaps on."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(9)
+    xs = torch.randn(1, 3, 24, generator=g).to(dev).requires_grad_()
+    ws, xt, wt = (torch.randn(s, generator=g).to(dev) for s in ((37, 24), (1, 3, 40), (37, 40)))
+    lab = torch.tensor([[-100, 5, 36]], device=dev)
+    caps = dict(student_softcap=5.0, teacher_softcap=7.0)
+    ours = lt_trl.gkd_loss(xs, ws, xt, wt, lab, beta=beta, temperature=0.7, backend="triton", **caps)
+    cap = lambda z, s: s * torch.tanh(z / s)  # noqa: E731
+    xd = xs.detach().double().requires_grad_()
+    ref = GKDTrainer.generalized_jsd_loss(cap(xd @ ws.double().T, 5.0), cap(xt.double() @ wt.double().T, 7.0),
+                                          labels=lab, beta=beta, temperature=0.7)
+    torch.testing.assert_close(ours.double(), ref, rtol=2e-5, atol=1e-6)
+    (g_ours,), (g_ref,) = torch.autograd.grad(ours, (xs,)), torch.autograd.grad(ref, (xd,))
+    torch.testing.assert_close(g_ours.double(), g_ref, rtol=1e-4, atol=1e-6)
 
 
 def test_gkd_loss_refuses_what_it_cannot_do():

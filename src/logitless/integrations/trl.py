@@ -172,7 +172,7 @@ _MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_s
 def gkd_loss(student_x, student_weight, teacher_x, teacher_weight, labels=None, *, beta: float = 0.5,
              temperature: float = 1.0, reduction: str = "batchmean", num_items_in_batch=None,
              student_bias=None, teacher_bias=None, student_softcap: Optional[float] = None,
-             teacher_softcap: Optional[float] = None):
+             teacher_softcap: Optional[float] = None, backend: str = "auto"):
     """TRL's ``GKDTrainer.generalized_jsd_loss`` from hidden states and LM-head weights:
     the same number as ``generalized_jsd_loss(student_x @ student_weight.T, teacher_x @
     teacher_weight.T, labels, beta, temperature, reduction, num_items_in_batch)``,
@@ -191,7 +191,8 @@ def gkd_loss(student_x, student_weight, teacher_x, teacher_weight, labels=None, 
 
     Args: student_x (B, T, H_s), teacher_x (B, T, H_t) (already shifted: position t
     scores labels[:, t]); student_weight (V, H_s), teacher_weight (V, H_t): one vocabulary,
-    hidden sizes may differ; labels (B, T) with -100 to ignore, or None. Errors: a bad
+    hidden sizes may differ; labels (B, T) with -100 to ignore, or None; softcaps, biases
+    and ``backend`` as in ``linear_jsd``. Errors: a bad
     reduction or x with fewer than 2 dims raise ValueError; everything else is
     ``linear_jsd``'s checks (vocabularies, shapes, dtypes, a teacher requiring grad).
     Memory traffic: that of ``linear_jsd`` (both heads read once per token block in the
@@ -205,7 +206,8 @@ def gkd_loss(student_x, student_weight, teacher_x, teacher_weight, labels=None, 
     loss_tok = _jsd_api().linear_jsd(student_x, student_weight, teacher_x, teacher_weight, labels, beta=beta,
                                      temperature=temperature, ignore_index=-100, reduction="none",
                                      student_bias=student_bias, teacher_bias=teacher_bias,
-                                     student_softcap=student_softcap, teacher_softcap=teacher_softcap)
+                                     student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+                                     backend=backend)
     total = loss_tok.sum()
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
