@@ -175,7 +175,7 @@ def test_gkd_evaluate_same_loss(tmp_path, counter):
 
 
 @pytest.mark.parametrize("cfg", [
-    {"beta": 0.5},                         # off-policy (dataset completions), generalized JSD
+    {"beta": 0.5, "gradient_accumulation_steps": 2},  # off-policy (dataset completions), generalized JSD
     {"beta": 0.0, "lmbda": 1.0},           # on-policy: student generations (TRL's), forward KL
     {"beta": 1.0, "seq_kd": True},         # teacher generations (sequence-level KD), reverse KL
     {"beta": 0.3, "peft": True},           # LoRA student
