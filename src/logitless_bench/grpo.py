@@ -342,6 +342,9 @@ def run_method(name, cfg_kwargs, args, loss_cfg, batches, device) -> dict:
         policy = _build(cfg_kwargs, args.mode, "hf", device, args.seed)
         ref = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
         method.setup(policy, ref)
+        from .train import forward_file
+
+        res["policy_forward"], res["ref_forward"] = forward_file(policy), forward_file(ref)
         opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0, fused=gpu)
         res["build_s"] = time.perf_counter() - t0
         if gpu:
