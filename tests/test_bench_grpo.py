@@ -45,7 +45,7 @@ def test_grpo_loss_formula_in_float64():
             r = math.exp(float(logp[b, t].detach() - old[b, t]))
             a = float(adv[b])
             pg = -min(r * a, min(max(r, 0.8), 1.2) * a)
-            d = float(ref[b, t] - logp[b, t])
+            d = float(ref[b, t] - logp[b, t].detach())
             total += pg + 0.04 * (math.exp(d) - d - 1)
             bonus += float(ent[b, t])
     n = float(mask.sum())

@@ -573,7 +573,7 @@ def main(argv=None) -> int:
                          "transformers": transformers.__version__}}
     print(f"device: {meta['device']} | torch {meta['torch']} | transformers {transformers.__version__} | "
           f"peers: {meta['peers']}")
-    print(f"grpo: {args.batch} x ({args.prompt} + {args.completion}) tokens, V = {vocab}, mode {args.mode}, "
+    print(f"setup: {args.batch} x ({args.prompt} + {args.completion}) tokens, V = {vocab}, mode {args.mode}, "
           f"{args.warmup} + {args.steps} steps, methods {', '.join(methods)}")
     out_dir = args.out or "benchmarks/results"
     batches = make_batches(args.warmup + args.steps, vocab, args.batch, args.prompt, args.completion, frac,
