@@ -9,8 +9,8 @@
 #    2048 completion) tokens = 8192 scored tokens per step, bf16 autocast + fp32 AdamW, T = 0.7,
 #    old log-probs (no-grad policy forward) + reference log-probs (frozen bf16 second model) +
 #    policy forward/backward (clipped surrogate, k3 KL beta 0.04, entropy bonus 0.01) + AdamW;
-#    3 warm-up + 8 timed steps per method: unpatched, logitless, logitless-trl, trl-head (needs
-#    trl), liger (needs liger)                  -> $OUT/grpo.log, $OUT/latest-grpo-<dev>.{json,md}
+#    3 warm-up + 8 timed steps per method: unpatched, logitless, logitless-trl, trl-logits and
+#    trl-head (need trl), liger (needs liger)   -> $OUT/grpo.log, $OUT/latest-grpo-<dev>.{json,md}
 # 3. python -m logitless_bench --suite train --methods hf,trl-head,trl+logitless: TRL's
 #    SFTTrainer.compute_loss (TRL's own fused head; patch_sft) vs hf (unpatched) on the same model,
 #    4 x 2048 tokens, autocast, 25 steps       -> $OUT/sft.log, $OUT/latest-train-<dev>.{json,md}
@@ -37,7 +37,7 @@ echo "== 1. tests =="
 if [ "$SMOKE" = 1 ]; then
   timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/test_bench_grpo.py > "$OUT/rl_step-pytest.log" 2>&1
 else
-  timeout 90 $PY -m pytest -q -rs -p no:cacheprovider tests/test_integrations_hf.py tests/test_integrations_trl.py \
+  timeout 75 $PY -m pytest -q -rs -p no:cacheprovider tests/test_integrations_hf.py tests/test_integrations_trl.py \
       tests/test_bench_grpo.py > "$OUT/rl_step-pytest.log" 2>&1
 fi
 tail -n 8 "$OUT/rl_step-pytest.log"
@@ -47,7 +47,7 @@ echo "== 2. --suite grpo =="
 if [ "$SMOKE" = 1 ]; then
   timeout 240 $PY -m logitless_bench --suite grpo --cpu --out "$OUT" > "$OUT/grpo.log" 2>&1
 else
-  t=$(( $(left) - 110 )); [ $t -gt 190 ] && t=190; [ $t -lt 60 ] && t=60
+  t=$(( $(left) - 80 )); [ $t -gt 210 ] && t=210; [ $t -lt 60 ] && t=60
   timeout "$t" $PY -m logitless_bench --suite grpo --max-minutes "$(python3 -c "print(max(0.5, ($t - 30) / 60))")" \
       --out "$OUT" > "$OUT/grpo.log" 2>&1
 fi

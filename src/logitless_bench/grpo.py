@@ -26,7 +26,9 @@ at a random length; the rest is padding, masked in the loss):
 
 Methods (how steps 1-3 get log p and H): ``unpatched`` (``model(...).logits`` for the
 completion positions (``logits_to_keep``), fp32 ``log_softmax(logits / T)``, gather, entropy
-from the same log-softmax: what TRL does without its fused head), ``logitless``
+from the same log-softmax: the plain PyTorch way, the baseline), ``trl-logits`` (the same
+bf16 logits, then TRL's ``selective_log_softmax_and_entropy``, a Triton kernel on the logits
+on CUDA: what TRL did before its fused head), ``logitless``
 (``logitless.integrations.hf_log_probs``: backbone + ``linear_log_probs``, no logits),
 ``logitless-trl`` (``logitless.integrations.trl.add_logitless_lm_head`` on both models, TRL's
 fused-head protocol: what ``patch_grpo`` installs), ``trl-head`` (TRL's own fused head,
@@ -76,6 +78,8 @@ METHODS = {
     "unpatched": "model(...).logits (completion positions) -> fp32 log_softmax(logits / T), gather, entropy",
     "logitless": "logitless.integrations.hf_log_probs(model, ids, temperature=T, entropy=True, logits_to_keep=C)",
     "logitless-trl": "logitless.integrations.trl.add_logitless_lm_head (TRL's fused-head protocol; patch_grpo)",
+    "trl-logits": "model(...).logits + trl.trainer.utils.selective_log_softmax_and_entropy (TRL's kernel on the "
+                  "bf16 logits: TRL before its fused head)",
     "trl-head": "TRL's own fused head: trl.trainer.utils.add_fused_lm_head(outputs=(log_probs, entropy))",
     "liger": "liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (no entropy bonus); old/ref: chunked no-grad logits",
 }
@@ -213,6 +217,21 @@ class Unpatched(Method):
         return lp, (-(ls.exp() * ls).sum(-1) if entropy else None)
 
 
+class TrlLogits(Method):
+    """The model's logits, then TRL's log-softmax/entropy on them (a Triton kernel on CUDA)."""
+
+    def logps(self, model, b, entropy):
+        from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
+
+        c = b["completion"]
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=c + 1,
+                       use_cache=False).logits[:, :-1]
+        tokens = b["input_ids"][:, -c:]
+        if not entropy:
+            return selective_log_softmax(logits, tokens, temperature=self.cfg.temperature), None
+        return selective_log_softmax_and_entropy(logits, tokens, temperature=self.cfg.temperature)
+
+
 class Logitless(Method):
     def logps(self, model, b, entropy):
         from logitless.integrations import hf_log_probs
@@ -306,6 +325,11 @@ def make_method(name, cfg, device) -> Method:
         return Logitless(cfg)
     if name == "logitless-trl":
         return FusedHead(cfg, _install_logitless)
+    if name == "trl-logits":
+        missing = _trl_importable("selective_log_softmax_and_entropy")
+        if missing:
+            raise Skip(missing)
+        return TrlLogits(cfg)
     if name == "trl-head":
         missing = _trl_importable()
         if missing:
@@ -316,11 +340,14 @@ def make_method(name, cfg, device) -> Method:
     raise ValueError(f"unknown grpo method {name!r}; known: {', '.join(METHODS)}")
 
 
-def _trl_importable() -> str:
+def _trl_importable(name: str = "add_fused_lm_head") -> str:
+    """"" when ``trl.trainer.utils.<name>`` imports, else why not."""
     try:
-        from trl.trainer.utils import add_fused_lm_head  # noqa: F401
+        import trl.trainer.utils as utils
+
+        getattr(utils, name)
     except Exception as exc:  # noqa: BLE001
-        return f"trl's add_fused_lm_head not importable ({type(exc).__name__}: {str(exc)[:120]})"
+        return f"trl's {name} not importable ({type(exc).__name__}: {str(exc)[:120]})"
     return ""
 
 
