@@ -110,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=("grpo",), default="grpo")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(METHODS)} (default: all)")
-    p.add_argument("--mode", default="autocast", choices=("autocast", "bf16"),
-                   help="autocast: bf16 autocast, fp32 weights and AdamW states; bf16: bf16 weights and states "
-                   "(default %(default)s)")
+    p.add_argument("--mode", default="autocast", choices=("autocast", "bf16", "fp32"),
+                   help="autocast: bf16 autocast, fp32 weights and AdamW states; bf16: bf16 weights and states; "
+                   "fp32: fp32 everywhere, no autocast, fp32 reference model (an exactness check: the methods "
+                   "then agree to fp32 rounding) (default %(default)s)")
     p.add_argument("--batch", type=int, help="sequences per step (default 4; CPU 2)")
     p.add_argument("--prompt", type=int, help="prompt tokens per sequence, never scored (default 256; CPU 8)")
     p.add_argument("--completion", type=int, help="completion tokens per sequence (default 2048; CPU 24)")
@@ -367,7 +368,9 @@ def run_method(name, cfg_kwargs, args, loss_cfg, batches, device) -> dict:
         res["entropy_bonus"] = method.has_entropy_bonus
         t0 = time.perf_counter()
         policy = _build(cfg_kwargs, args.mode, "hf", device, args.seed)
-        ref = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        if args.mode != "fp32":
+            ref.to(torch.bfloat16)
         method.setup(policy, ref)
         from .train import forward_file
 
@@ -379,6 +382,7 @@ def run_method(name, cfg_kwargs, args, loss_cfg, batches, device) -> dict:
         n = args.warmup + args.steps
         losses = torch.zeros(n, device=device)
         pg_kl = torch.zeros(n, device=device)
+        norms = torch.zeros(n, device=device)
 
         def ac():
             return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.mode == "autocast")
@@ -391,7 +395,7 @@ def run_method(name, cfg_kwargs, args, loss_cfg, batches, device) -> dict:
             with ac():
                 loss, part = method.loss(policy, b, old, ref_lp)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            norms[i] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).float()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses[i] = loss.detach().float()
@@ -406,6 +410,7 @@ def run_method(name, cfg_kwargs, args, loss_cfg, batches, device) -> dict:
         res["median_step_ms"] = statistics.median(times) if times else None
         res["losses"] = losses.tolist()
         res["losses_pg_kl"] = pg_kl.tolist()
+        res["grad_norms"] = norms.tolist()
         if gpu:
             res["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     except Skip as exc:
@@ -445,6 +450,10 @@ def summarize(data) -> dict:
             r["loss_compared"] = "loss" if key == "losses" else "loss without entropy bonus"
             r["loss_diff_first"] = d[0]
             r["loss_diff_max"] = max(d)
+        ga, gb = r.get("grad_norms") or [], base.get("grad_norms") or []
+        if ga and gb and gb[0] > 0 and r.get("entropy_bonus", True):
+            # the gradient of the first step (same weights, batch): its norm, relative to unpatched's
+            r["grad_norm_rel_diff_first"] = abs(ga[0] - gb[0]) / gb[0]
         if r["method"].startswith("logitless"):
             saved, t = r.get("saved_vs_logits"), r.get("time_vs_unpatched")
             targets.append((f"{r['method']}: peak lower than unpatched by >= the bf16 logits "
@@ -468,8 +477,8 @@ def _fmt(v, spec):
 
 def table(rows) -> str:
     out = ["| method | status | step ms | x unpatched | peak GiB | x unpatched | saved / logits | first loss "
-           "| loss diff first / max |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| loss diff first / max | grad-norm rel diff (first step) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = r["status"] if not r.get("reason") else f"{r['status']}: {r['reason'][:100]}"
         first = (r.get("losses") or [None])[0]
@@ -478,7 +487,7 @@ def table(rows) -> str:
                    f"{_fmt(r.get('time_vs_unpatched'), '.3f')} | {_fmt(peak, '.2f')} | "
                    f"{_fmt(r.get('peak_vs_unpatched'), '.3f')} | {_fmt(r.get('saved_vs_logits'), '.2f')} | "
                    f"{_fmt(first, '.5f')} | {_fmt(r.get('loss_diff_first'), '.1e')} / "
-                   f"{_fmt(r.get('loss_diff_max'), '.1e')} |")
+                   f"{_fmt(r.get('loss_diff_max'), '.1e')} | {_fmt(r.get('grad_norm_rel_diff_first'), '.1e')} |")
     return "\n".join(out)
 
 
@@ -496,7 +505,7 @@ def markdown(data) -> str:
             f"({2 * s['logits_bf16_bytes'] / 2**30:.2f} GiB fp32)",
             f"- loss: GRPO (dapo), T = {s['loss']['temperature']}, clip eps {s['loss']['epsilon']}, "
             f"KL (k3) beta {s['loss']['beta']}, entropy bonus {s['loss']['entropy_coef']}; old log-probs: no-grad "
-            "forward of the policy; reference: a frozen bf16 copy of the initial policy (second model)",
+            f"forward of the policy; reference: a frozen {s['reference_model']} (a second model)",
             f"- mode {s['mode']} (autocast: bf16 autocast, fp32 weights + AdamW states), grad-norm clip 1.0, "
             f"AdamW lr {s['lr']}; {s['warmup']} warm-up + {s['steps']} timed steps per method",
             "- step ms: median of the timed steps (CUDA events between steps; the step = 2 no-grad forwards + the "
@@ -504,7 +513,9 @@ def markdown(data) -> str:
             "are built (both models, AdamW states, activations, head). saved / logits = (unpatched peak - peak) / "
             "bf16 logits size.",
             "- loss diff: |loss - unpatched loss| at the first step (same weights and batch) / max over all steps "
-            "(weights drift apart by rounding); liger has no entropy bonus: its row compares the loss without it.",
+            "(weights drift apart by rounding); liger has no entropy bonus: its row compares the loss without it. "
+            "grad-norm rel diff: |norm - unpatched norm| / unpatched norm of the first step's whole-model gradient "
+            "(before clipping).",
             "", table(data["rows"]), ""]
     out += ["Methods:", ""] + [f"- {k}: {v}" for k, v in data["methods"].items()]
     if data.get("targets"):
@@ -589,13 +600,14 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     meta = report.environment(device)
     vocab = cfg_kwargs["vocab_size"]
+    ref_kind = f"{'fp32' if args.mode == 'fp32' else 'bf16'} copy of the initial policy"
     data = {"suite": "grpo", "meta": meta, "rows": [], "notes": [],
             "methods": {m: METHODS[m] for m in methods},
             "settings": {"model_name": "tiny llama (CPU)" if cpu else "Llama-3.2-1B-shaped", "model": cfg_kwargs,
                          "mode": args.mode, "batch": args.batch, "prompt": args.prompt,
                          "completion": args.completion, "completion_tokens": args.batch * args.completion,
                          "min_completion_frac": frac, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-                         "seed": args.seed, "loss": asdict(loss_cfg), "reference_model": "bf16 copy of the policy",
+                         "seed": args.seed, "loss": asdict(loss_cfg), "reference_model": ref_kind,
                          "logits_bf16_bytes": args.batch * args.completion * vocab * 2,
                          "transformers": transformers.__version__}}
     print(f"device: {meta['device']} | torch {meta['torch']} | transformers {transformers.__version__} | "
