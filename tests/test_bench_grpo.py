@@ -188,3 +188,54 @@ def test_train_suite_trl_sft_rows_cpu(tmp_path):
     assert summary["trl+logitless-autocast"]["time_vs_hf"] is not None
     assert any("trl+logitless vs trl-head" in t[0] for t in data["targets"])
     assert "| trl+logitless-autocast | 2 |" in (tmp_path / "latest-train-cpu.md").read_text()
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="CUDA only: the heads' Triton kernels on the GPU")),
+])
+def test_grpo_methods_against_float64(device):
+    """Our methods' per-token log p and entropy (bf16 autocast, as the benchmark runs them) and the gradient of
+    the GRPO loss to the LM-head weight, against an fp64 copy of the model: |ours - ref| <= |unpatched - ref| + tol
+    (V prime, H not a multiple of 16, ragged completions)."""
+    import copy
+
+    from logitless_bench.train import CPU_MODEL, _build
+
+    dev = torch.device(device)
+    cfg = dict(CPU_MODEL, vocab_size=4099 if device == "cpu" else 32003, hidden_size=72, head_dim=18,
+               num_attention_heads=4, num_key_value_heads=2)
+    lc = grpo.LossConfig()
+    b = grpo.make_batches(1, cfg["vocab_size"], 2, 5, 33, 0.5, 0, dev)[0]
+    mask = b["completion_mask"].bool()
+    g = torch.Generator().manual_seed(1)
+    old = (torch.randn(2, 33, generator=g) * 0.1).to(dev)  # offsets to each method's own log p
+    ref_off = (torch.randn(2, 33, generator=g) * 0.1).to(dev)
+    policy = _build(cfg, "autocast", "hf", dev, 0)
+
+    def run(name, model, autocast):
+        m = grpo.make_method(name, lc, dev)
+        pol, ref = copy.deepcopy(model), copy.deepcopy(model)
+        m.setup(pol, ref)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            lp, ent = m.logps(pol, b, True)
+            base = lp.detach()
+            loss, _ = grpo.grpo_loss(lp, ent, base + old.to(lp.dtype), base + ref_off.to(lp.dtype), b["advantages"],
+                                     b["completion_mask"], lc)
+        loss.backward()
+        return lp.detach().double(), ent.detach().double(), pol.get_output_embeddings().weight.grad.double()
+
+    lp64, ent64, gw64 = run("unpatched", policy.double(), False)
+    policy.float()
+    lp_t, ent_t, gw_t = run("unpatched", policy, True)
+
+    def err(a, b_):
+        return (a - b_)[mask].abs().max().item()
+
+    for name in ("logitless", "logitless-trl"):  # ours (the peers' precision shows in the suite's loss diff)
+        lp, ent, gw = run(name, policy, True)
+        assert err(lp, lp64) <= err(lp_t, lp64) + 2e-3, name
+        assert err(ent, ent64) <= err(ent_t, ent64) + 2e-3, name
+        rel = ((gw - gw64).norm() / gw64.norm()).item()
+        assert rel <= ((gw_t - gw64).norm() / gw64.norm()).item() + 1e-2, (name, rel)

@@ -2,9 +2,9 @@
 # Issue 20 item 5 + issue 21 item 5 (helper "bench-rl"): end-to-end RL / SFT steps of a 1B HF model.
 #   OUT=<dir> bash benchmarks/gpu/rl_step.sh          (from the repo root; ONE H100; ~5-6 min, guarded at 6)
 #   RL_STEP_SMOKE=1 OUT=<dir> bash benchmarks/gpu/rl_step.sh   (CPU smoke; also what runs without a GPU)
-# 1. CUDA tests of the heads the benchmark uses: tests/test_integrations_hf.py,
-#    tests/test_integrations_trl.py (TRL's fused head vs logitless's, when trl is importable),
-#    tests/test_bench_grpo.py (the harness)                            -> $OUT/rl_step-pytest.log
+# 1. tests/test_bench_grpo.py (the harness on the CPU; on CUDA: our GRPO heads' log p, entropy and
+#    LM-head gradient under bf16 autocast vs an fp64 model), tests/test_integrations_trl.py (TRL's
+#    trainers with logitless, when trl is importable)                  -> $OUT/rl_step-pytest.log
 # 2. python -m logitless_bench --suite grpo: Llama-3.2-1B-shaped (random init), 4 x (256 prompt +
 #    2048 completion) tokens = 8192 scored tokens per step, bf16 autocast + fp32 AdamW, T = 0.7,
 #    old log-probs (no-grad policy forward) + reference log-probs (frozen bf16 second model) +
@@ -37,8 +37,8 @@ echo "== 1. tests =="
 if [ "$SMOKE" = 1 ]; then
   timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/test_bench_grpo.py > "$OUT/rl_step-pytest.log" 2>&1
 else
-  timeout 75 $PY -m pytest -q -rs -p no:cacheprovider tests/test_integrations_hf.py tests/test_integrations_trl.py \
-      tests/test_bench_grpo.py > "$OUT/rl_step-pytest.log" 2>&1
+  timeout 75 $PY -m pytest -q -rs -p no:cacheprovider tests/test_bench_grpo.py tests/test_integrations_trl.py \
+      > "$OUT/rl_step-pytest.log" 2>&1
 fi
 tail -n 8 "$OUT/rl_step-pytest.log"
 echo "[tests: $(( $(date +%s) - start )) s]"
