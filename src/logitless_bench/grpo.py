@@ -212,7 +212,8 @@ class Unpatched(Method):
         c = b["completion"]
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=c + 1,
                        use_cache=False).logits[:, :-1]
-        ls = torch.log_softmax(logits.float() / self.cfg.temperature, dim=-1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 stays: references)
+        ls = torch.log_softmax(logits / self.cfg.temperature, dim=-1)
         del logits
         lp = ls.gather(-1, b["input_ids"][:, -c:, None])[..., 0]
         return lp, (-(ls.exp() * ls).sum(-1) if entropy else None)
