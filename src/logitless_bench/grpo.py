@@ -496,7 +496,7 @@ def markdown(data) -> str:
     s, m = data["settings"], data["meta"]
     out = [f"# grpo: {s['model_name']}, one GRPO step per method", "",
            f"{m['device']} | torch {m['torch']} | triton {m['triton']} | transformers {s['transformers']} | "
-           f"{m['date']} | peers: {m['peers']}", "", f"`{m['command']}`", ""]
+           f"trl {s.get('trl')} | liger-kernel {s.get('liger_kernel')} | {m['date']}", "", f"`{m['command']}`", ""]
     if not m["gpu"]:
         out += ["```", report.CPU_BANNER, "```", ""]
     out += [f"- model: {json.dumps(s['model'])}",
@@ -559,6 +559,16 @@ def print_table(data) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def _version(dist: str):
+    """Installed version of a distribution, None when absent."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _on_sigterm(signum, frame):  # a time limit's kill: unwind so partial results are saved
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -610,7 +620,8 @@ def main(argv=None) -> int:
                          "min_completion_frac": frac, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
                          "seed": args.seed, "loss": asdict(loss_cfg), "reference_model": ref_kind,
                          "logits_bf16_bytes": args.batch * args.completion * vocab * 2,
-                         "transformers": transformers.__version__}}
+                         "transformers": transformers.__version__, "trl": _version("trl"),
+                         "liger_kernel": _version("liger-kernel")}}
     print(f"device: {meta['device']} | torch {meta['torch']} | transformers {transformers.__version__} | "
           f"peers: {meta['peers']}")
     print(f"setup: {args.batch} x ({args.prompt} + {args.completion}) tokens, V = {vocab}, mode {args.mode}, "

@@ -671,6 +671,10 @@ def main(argv=None) -> int:
         "steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr, "warmup_steps": args.warmup_steps,
         "active": args.active, "modes": modes, "methods": methods, "seed": args.seed, "big_mode": args.big_mode,
         "transformers": transformers.__version__, "max_minutes": args.max_minutes}}
+    if any(m in TRL_METHODS for m in methods):
+        from .grpo import _version
+
+        data["settings"]["trl"] = _version("trl")
     print(f"device: {meta['device']} | torch {meta['torch']} | transformers {transformers.__version__} | "
           f"peers: {meta['peers']}")
     out_dir = args.out or "benchmarks/results"
