@@ -239,3 +239,14 @@ def test_grpo_methods_against_float64(device):
         assert err(ent, ent64) <= err(ent_t, ent64) + 2e-3, name
         rel = ((gw - gw64).norm() / gw64.norm()).item()
         assert rel <= ((gw_t - gw64).norm() / gw64.norm()).item() + 1e-2, (name, rel)
+
+
+def test_grpo_time_guard_skips_and_saves(tmp_path):
+    from logitless_bench import cli
+
+    rc = cli.main(["--suite", "grpo", "--cpu", "--methods", "unpatched,logitless", "--max-minutes", "1e-9",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "latest-grpo-cpu.json").read_text())["rows"]
+    assert [(r["method"], r["status"]) for r in rows] == [("unpatched", "skipped"), ("logitless", "skipped")]
+    assert "time guard" in rows[0]["reason"]

@@ -632,8 +632,11 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     try:
         for name in methods:
-            if deadline is not None and time.monotonic() > deadline:
-                data["rows"].append({"method": name, "status": "skipped", "reason": "time guard (--max-minutes)"})
+            # a method that would not finish is skipped: estimate = the last method's wall time
+            estimate = data["rows"][-1].get("wall_s", 0) if data["rows"] else 0
+            if deadline is not None and time.monotonic() + 0.8 * estimate > deadline:
+                data["rows"].append({"method": name, "status": "skipped",
+                                     "reason": f"time guard (--max-minutes; a method takes ~{estimate:.0f} s)"})
                 continue
             t = time.perf_counter()
             r = run_method(name, cfg_kwargs, args, loss_cfg, batches, device)
@@ -645,7 +648,9 @@ def main(argv=None) -> int:
                   f"{', '.join(f'{x:.5f}' for x in r['losses'])}") + f" ({r['wall_s']:.0f} s)")
             save(data, out_dir)
     except KeyboardInterrupt as exc:
-        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
+        done = {r["method"] for r in data["rows"]}
+        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results; not measured: "
+                             f"{', '.join(m for m in methods if m not in done)}")
     data["wall_s"] = time.perf_counter() - t_all
     written = save(data, out_dir)
     print("\n" + "=" * 100)
