@@ -122,7 +122,7 @@ def test_grpo_suite_cpu(tmp_path, capsys):
     else:
         assert rows["liger"]["status"] == "skipped" and "liger" in rows["liger"]["reason"]
     md = (tmp_path / "latest-grpo-cpu.md").read_text()
-    assert "NO GPU FOUND" in md and "| logitless | ok |" in md and "Targets (issue 20)" in md
+    assert "NO GPU FOUND" in md and "| logitless | ok | none" in md and "Targets (issue 20)" in md
     assert data["settings"]["completion_tokens"] == 2 * 24 and data["settings"]["min_completion_frac"] == 0.5
     assert data["settings"]["mode"] == "fp32" and data["settings"]["reference_model"].startswith("fp32")
 

@@ -84,6 +84,15 @@ METHODS = {
     "liger": "liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (no entropy bonus); old/ref: chunked no-grad logits",
 }
 DEFAULT_METHODS = ",".join(METHODS)
+#: What each method materialises of the (tokens x V) logits of a forward with gradients.
+LOGITS = {
+    "unpatched": "all: bf16 + fp32 copies",
+    "trl-logits": "all: bf16",
+    "logitless": "none (tiles within the memory budget)",
+    "logitless-trl": "none (tiles within the memory budget)",
+    "trl-head": "chunks of tokens x V",
+    "liger": "one sequence x V at a time",
+}
 
 #: Chunk (tokens) of the no-grad logits loop of the liger row's old/ref log-probs.
 REF_CHUNK = 1024
@@ -361,7 +370,7 @@ def run_method(name, cfg_kwargs, args, loss_cfg, batches, device) -> dict:
     from .train import _build, _free
 
     gpu = device.type == "cuda"
-    res = {"method": name, "status": "ok", "description": METHODS[name]}
+    res = {"method": name, "status": "ok", "description": METHODS[name], "logits": LOGITS[name]}
     policy = ref = opt = method = None
     _free(device)
     try:
@@ -477,14 +486,15 @@ def _fmt(v, spec):
 
 
 def table(rows) -> str:
-    out = ["| method | status | step ms | x unpatched | peak GiB | x unpatched | saved / logits | first loss "
-           "| loss diff first / max | grad-norm rel diff (first step) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| method | status | logits held | step ms | x unpatched | peak GiB | x unpatched | saved / logits "
+           "| first loss | loss diff first / max | grad-norm rel diff (first step) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = r["status"] if not r.get("reason") else f"{r['status']}: {r['reason'][:100]}"
         first = (r.get("losses") or [None])[0]
         peak = r["peak_mib"] / 1024 if r.get("peak_mib") else None
-        out.append(f"| {r['method']} | {status} | {_fmt(r.get('median_step_ms'), '.1f')} | "
+        out.append(f"| {r['method']} | {status} | {LOGITS.get(r['method'], '-')} | "
+                   f"{_fmt(r.get('median_step_ms'), '.1f')} | "
                    f"{_fmt(r.get('time_vs_unpatched'), '.3f')} | {_fmt(peak, '.2f')} | "
                    f"{_fmt(r.get('peak_vs_unpatched'), '.3f')} | {_fmt(r.get('saved_vs_logits'), '.2f')} | "
                    f"{_fmt(first, '.5f')} | {_fmt(r.get('loss_diff_first'), '.1e')} / "
