@@ -526,7 +526,8 @@ def markdown(data) -> str:
             "- loss diff: |loss - unpatched loss| at the first step (same weights and batch) / max over all steps "
             "(weights drift apart by rounding); liger has no entropy bonus: its row compares the loss without it. "
             "grad-norm rel diff: |norm - unpatched norm| / unpatched norm of the first step's whole-model gradient "
-            "(before clipping).",
+            "(before clipping). Under autocast it includes unpatched's own bf16 rounding (its backward through "
+            "the bf16 logits): it measures agreement, not error; --mode fp32 compares to fp32 rounding.",
             "", table(data["rows"]), ""]
     out += ["Methods:", ""] + [f"- {k}: {v}" for k, v in data["methods"].items()]
     if data.get("targets"):
