@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.ops.linear_log_probs import sharded
 from logitless.options import LogProbOptions, check_memory_budget
 
 #: Backends by name: module path (relative to this package).
@@ -168,6 +169,8 @@ def linear_log_probs(
     if x2d.shape[0] == 0:
         empty = jnp.zeros(out_shape, lpf.compute_dtype(x.dtype))
         return (empty, empty) if opts.entropy else empty
-    out = _llp(x2d, weight, bias, flat, _Config(opts, backend, budget, num_classes))
+    cfg = _Config(opts, backend, budget, num_classes)
+    # Several devices (sharded jit, Explicit mesh): per device, see sharded.py.
+    out = (sharded.runner(x2d, weight, cfg) or _llp)(x2d, weight, bias, flat, cfg)
     out = tuple(jnp.reshape(o, out_shape) for o in out)
     return out if opts.entropy else out[0]
