@@ -1,5 +1,9 @@
 """Sharded execution of the fused linear cross-entropy: every backend, per device.
 
+The machinery (axes from shardings, ``custom_partitioning`` / ``shard_map`` wrappers, the
+one-MAX-one-SUM vocabulary merge, the dW reduction) is ``logitless/jax/sharding.py``,
+shared with ``linear_log_probs``; this module is the cross-entropy's local computation.
+
 Two entry points, one local computation:
 
 * ``jax.jit`` with ``NamedSharding`` inputs (no user code change): the forward
@@ -32,7 +36,7 @@ from them, so the memory budget is per device): with V_l local columns starting 
 target outside [0, V_l) matches no local column; its local target logit is masked to
 0), then
     lse = M + log psum_vocab exp(lse_l - M),  M = pmax_vocab lse_l
-    z_t = psum_vocab z_t,l;   S = psum_vocab S_l
+    z_t = psum_vocab z_t,l;   S = psum_vocab S_l   (one packed psum of [e^(lse_l - M), z_t,l, S_l])
     dx  = psum_vocab dx_l;    dW_l, db_l = psum_token (local), in the weight's dtype.
 """
 
