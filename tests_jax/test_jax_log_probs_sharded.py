@@ -247,7 +247,8 @@ def _compiled(layout, entropy=True, bias=False, budget=60_000):
 def test_hlo_no_all_gather_and_small_collectives(layout):
     """At a budget that forces chunking (the backend loops over column chunks): no
     all-gather at all (neither x / tokens nor the weight), no tokens x vocab array, and
-    nothing of the weight's size moves but dW's data-parallel all-reduce."""
+    nothing of the weight's size moves but dW's data-parallel all-reduce (which XLA's GPU
+    combiner may pack with scalars: + 8 elements)."""
     mesh, (n, h, v), text = _compiled(layout)
     colls = _collectives(text)
     assert colls, "expected the merge / gradient collectives"
@@ -258,24 +259,27 @@ def test_hlo_no_all_gather_and_small_collectives(layout):
         for s in shapes:
             size = int(np.prod(s))
             if kind == "all-reduce" and size >= (v // nvoc) * h:
-                assert layout != "tensor" and s == (v // nvoc, h), (kind, s)  # dW over the token axis
+                assert ntok > 1 and size <= (v // nvoc) * h + 8, (kind, s)  # dW over the token axis
             else:
-                assert size <= (n // ntok) * h, (kind, s)  # per-token (merge) or dx
+                assert size <= max((n // ntok) * h, 5 * (n // ntok)) + 8, (kind, s)  # per-token (merge) or dx
     shapes = {tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(text)}
-    assert not any(len(s) == 2 and s[0] >= n // ntok and s[1] >= v // nvoc and s[1] != h for s in shapes
-                   if np.prod(s) >= (n // ntok) * (v // nvoc)), "a tokens x vocab array was materialised"
+    big = [s for s in shapes if np.prod(s) >= (n // ntok) * (v // nvoc) and s != (v // nvoc, h)]
+    assert not big, f"a tokens x vocab array was materialised: {big}"
 
 
 @needs_devices
 def test_hlo_tensor_parallel_merge_is_one_max_and_one_sum():
-    """TP forward+backward: the statistics merge is one MAX and one packed SUM of
-    (3, N) [e^d, a_t, e^d (d - H)] (the torch TP merge's shape), plus dx's SUM."""
+    """TP forward+backward: the statistics merge is one MAX of (N,) and one packed SUM of
+    (3, N) [e^d, a_t, e^d (d - H)] (the torch TP merge's shape), plus dx's SUM (N x H):
+    all-reduced elements <= 4 N + N H (+ 8 for scalars), dW never reduced. On the CPU,
+    where XLA does not flatten-combine all-reduces, the (3, N) SUM is there as such."""
     mesh, (n, h, v), text = _compiled("tensor")
     reduces = [s for kind, shapes in _collectives(text) if kind == "all-reduce" for s in shapes]
-    assert (3, n) in reduces, reduces
-    assert (n, h) in reduces, reduces  # dx over the vocabulary
-    assert sum(1 for s in reduces if s == (n,)) <= 1, reduces  # the MAX (no separate sums)
-    assert not any(len(s) == 2 and s[0] == v // mesh.shape[MODEL] for s in reduces), reduces  # dW stays local
+    total = sum(int(np.prod(s)) for s in reduces)
+    assert 4 * n + n * h <= total <= 4 * n + n * h + 8, (total, reduces)
+    if jax.devices()[0].platform == "cpu":
+        assert (3, n) in reduces and (n, h) in reduces, reduces
+        assert sum(1 for s in reduces if s == (n,)) == 1, reduces  # the MAX; no separate sums
 
 
 @needs_devices
