@@ -374,3 +374,17 @@ def test_bench_log_prob_rows_smoke(tmp_path):
             assert r["|loss-xla|"] < 1e-5
             if NDEV > 1:
                 assert "all-gather" not in r["collectives_detail"], r["collectives"]
+
+
+@needs_devices
+def test_inside_a_users_shard_map_runs_locally():
+    """Inside a shard_map whose axes are all manual the op is the single-device op on the
+    local block (no partitioning of its own)."""
+    mesh = _mesh("auto", "data")
+    x, w, t, _ = _inputs(32, 16, 60, "float32", False, seed=8)
+    f = jax.shard_map(lambda x, w, t: linear_log_probs(x, w, t, temperature=0.9, entropy=True),
+                      mesh=mesh, in_specs=(P(DATA), P(), P(DATA)), out_specs=(P(DATA), P(DATA)), check_vma=False)
+    lp, h = jax.jit(f)(x, w, t)
+    rlp, rh = linear_log_probs_reference(x, w, t, temperature=0.9)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(rlp), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(rh), rtol=1e-5, atol=1e-5)

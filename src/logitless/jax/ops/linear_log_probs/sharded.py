@@ -50,6 +50,25 @@ def _backend(name: str):
     return api.backend_module(name)
 
 
+def _can_partition(name: str) -> bool:
+    """Whether backend ``name`` may run inside custom_partitioning / shard_map: "xla", or a
+    backend that says so with ``can_partition() -> bool`` (as linear_cross_entropy's: not
+    under an interpreter whose host callbacks cannot be partitioned)."""
+    can = getattr(_backend(name), "can_partition", None)
+    return name == "xla" if can is None else bool(can())
+
+
+def _local_module(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_bias: bool):
+    """The backend for these per-device shapes: the chosen one, or "xla" where its
+    ``is_supported(x2d_shape, w_shape, dtype, softcap=, has_bias=)`` refuses them."""
+    module = _backend(name)
+    check = getattr(module, "is_supported", None)
+    if check is not None and not check(tuple(x_shape), tuple(w_shape), dtype, softcap=opts.softcap,
+                                       has_bias=has_bias):
+        return _backend("xla")
+    return module
+
+
 def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, vocab_axes: tuple):
     """(lse, a_t, H|None) of this device's tokens over all classes: the local columns by
     ``module.forward``, merged over ``vocab_axes`` (module docstring)."""
@@ -101,7 +120,8 @@ def _split(args, has_bias: bool):
 def _fwd_local(static: _Static):
     def local(args, axes, scatter):
         x2d, w, bias, tokens = _split(args, static.has_bias)
-        lse, at, ent = local_forward(_backend(static.backend), x2d, w, bias, tokens, opts=static.opts,
+        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None)
+        lse, at, ent = local_forward(module, x2d, w, bias, tokens, opts=static.opts,
                                      budget=static.budget, vocab_axes=axes.vocab)
         return (lse, at) if ent is None else (lse, at, ent)
 
@@ -111,7 +131,8 @@ def _fwd_local(static: _Static):
 def _bwd_local(static: _Static):
     def local(args, axes, scatter):
         x2d, w, bias, tokens, lse, coef = _split(args, static.has_bias)
-        dx, dw, db = local_backward(_backend(static.backend), x2d, w, bias, tokens, lse, coef, opts=static.opts,
+        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None)
+        dx, dw, db = local_backward(module, x2d, w, bias, tokens, lse, coef, opts=static.opts,
                                     budget=static.budget, vocab_axes=axes.vocab)
         dw, db = shd.reduce_weight_grads(dw, db, axes.token, scatter)
         return (dx, dw, db) if static.has_bias else (dx, dw)
@@ -210,7 +231,7 @@ def runner(x2d, weight, cfg):
     mesh that splits the tokens or the vocabulary); None for the single-device op
     (one device, inside a shard_map whose axes are all manual, or a backend that cannot
     be partitioned)."""
-    if not getattr(_backend(cfg.backend), "can_partition", lambda: True)():
+    if not _can_partition(cfg.backend):
         return None
     explicit = shd.explicit_axes(x2d, weight, 0)
     if explicit is not None:
