@@ -10,6 +10,10 @@ one entry here; ``test_every_supported_class_is_tested`` keeps the two in step.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import unittest.mock
+
 import pytest
 import torch
 import transformers
@@ -120,8 +124,51 @@ def _mistral3():
     return cfg, inputs, ids
 
 
+def _gemma3n():
+    """Gemma-3n with text and audio inputs (the audio tower is transformers' own; its vision
+    tower is a timm model: not given images here, see _towers). Multimodal ids live at the
+    top of the text vocabulary as in the real model: vision [V-256, V-128), audio [V-128, V)."""
+    cfg = transformers.Gemma3nConfig(
+        text_config=dict(TEXT, final_logit_softcapping=0.5, **GEMMA_N),
+        vision_config=dict(hidden_size=32, vocab_offset=V - 256),
+        audio_config=dict(hidden_size=32, vocab_offset=V - 128, conf_num_hidden_layers=1, conf_num_attention_heads=2,
+                          sscp_conv_channel_size=[8, 4], input_feat_size=16),
+        audio_soft_tokens_per_image=4, image_token_id=V - 255, boi_token_id=V - 254, eoi_token_id=V - 253,
+        audio_token_id=IMG, boa_token_id=V - 126, eoa_token_id=V - 125)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, V - 256, (2, 13), generator=g)
+    ids[:, 3:7] = IMG  # 4 audio soft tokens
+    inputs = dict(input_features=torch.randn(2, 16, 16, generator=g),
+                  input_features_mask=torch.ones(2, 16, dtype=torch.bool))
+    return cfg, inputs, ids
+
+
+@contextlib.contextmanager
+def _towers(name):
+    """Gemma-3n's vision tower is a timm model; where timm is missing (CI: timm needs
+    torchvision) a placeholder module stands in for it. Nothing here passes images, so the
+    tower is never called; on a machine with timm (the GPU machine) the real one is built."""
+    if name != "Gemma3nForConditionalGeneration" or importlib.util.find_spec("timm") is not None:
+        yield
+        return
+    from transformers.models.gemma3n import modeling_gemma3n as mg
+
+    real = mg.AutoModel.from_config
+
+    class NoImages(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("the placeholder vision tower was called")
+
+    def from_config(config, **kwargs):
+        return NoImages() if type(config).__name__ == "Gemma3nVisionConfig" else real(config, **kwargs)
+
+    with unittest.mock.patch.object(mg.AutoModel, "from_config", side_effect=from_config):
+        yield
+
+
 #: Vision-language classes: class name -> () -> (config, multimodal inputs, input_ids).
 VISION_LANGUAGE = {
+    "Gemma3nForConditionalGeneration": _gemma3n,
     "Qwen2VLForConditionalGeneration": lambda: (transformers.Qwen2VLConfig(
         text_config=QWEN_TEXT, vision_config=dict(depth=1, embed_dim=32, hidden_size=H, num_heads=2, patch_size=4,
                                                   spatial_merge_size=2, temporal_patch_size=2), **QWEN_IDS),
@@ -162,7 +209,8 @@ def build(name, seed=0):
     else:
         cfg, inputs, ids = VISION_LANGUAGE[name]()
     torch.manual_seed(seed)
-    model = getattr(transformers, name)(cfg).to(DEVICE).train()
+    with _towers(name):
+        model = getattr(transformers, name)(cfg).to(DEVICE).train()
     labels = ids.clone()
     labels[0, :4] = -100  # a prompt
     labels[1, -3:] = -100  # padding

@@ -360,18 +360,19 @@ def test_bench_log_prob_rows_smoke(tmp_path):
 
     rc = jax_sharded.main(["--suite", "jax-sharded", "--cpu", "--tokens", "64", "--hidden", "32", "--vocab", "512",
                            "--dtype", "float32", "--warmup", "0", "--reps", "1", "--out", str(tmp_path),
-                           "--modes", "data,tensor", "--methods", "logp-xla-logits,logp", "--name", "jax-sharded-logp"])
+                           "--modes", "data,tensor", "--methods", "logp-xla-logits,logp,logp-xla",
+                           "--name", "jax-sharded-logp"])
     assert rc == 0
     (latest,) = tmp_path.glob("latest-jax-sharded-logp-*.json")
     data = json.loads(latest.read_text())
     assert data["complete"]
     rows = {(r["mode"], r["method"]): r for r in data["rows"]}
-    assert set(rows) == {("1 device", "logp"), ("data", "logp-xla-logits"), ("data", "logp"),
-                         ("tensor", "logp-xla-logits"), ("tensor", "logp")}
+    assert set(rows) == {("1 device", "logp"), ("1 device", "logp-xla")} | {
+        (mode, m) for mode in ("data", "tensor") for m in ("logp-xla-logits", "logp", "logp-xla")}
     for key, r in rows.items():
         assert "note" not in r, r
         assert r["fwd+bwd ms"] > 0 and r["temp MiB/dev"] >= 0 and r["vs 1-dev op"] > 0
-        if key[0] != "1 device" and key[1] == "logp":
+        if key[0] != "1 device" and key[1] != "logp-xla-logits":
             assert r["|loss-xla|"] < 1e-5
             if NDEV > 1:
                 assert "all-gather" not in r["collectives_detail"], r["collectives"]
@@ -389,3 +390,27 @@ def test_inside_a_users_shard_map_runs_locally():
     rlp, rh = linear_log_probs_reference(x, w, t, temperature=0.9)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(rlp), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(h), np.asarray(rh), rtol=1e-5, atol=1e-5)
+
+
+def _gpu_backends():
+    from logitless.jax.ops.linear_log_probs import backends
+
+    return [name for name in backends.BACKENDS if name != "xla"]
+
+
+@needs_devices
+@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+def test_gpu_backend_per_shard(backend, layout):
+    """A GPU backend per device (its kernels inside custom_partitioning), against the
+    same backend unsharded and float64, bf16. Skips where the backend cannot be
+    partitioned here (CPU: its interpreter's host callbacks)."""
+    from logitless.jax.ops.linear_log_probs import backends
+
+    module = backends.backend_module(backend)
+    if not getattr(module, "can_partition", lambda: False)():
+        pytest.skip(f"{backend} cannot run partitioned here (needs a GPU, not the interpreter)")
+    mesh = _mesh("auto", layout)
+    kw = dict(temperature=0.7, entropy=True, implementation=backend)
+    arrays = _inputs(64, 128, 1024, "bfloat16", False, seed=12)
+    _check(arrays, _sharded(mesh, layout, arrays), kw, "bfloat16", budget=None)

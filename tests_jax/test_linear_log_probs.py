@@ -66,15 +66,16 @@ def _reference64(x, w, t, b, kw, g1, g2):
         return [np.asarray(o) for o in outs], [np.asarray(g) for g in grads]
 
 
-def _check(x, w, t, b, dtype, kw, budget=None):
+def _check(x, w, t, b, dtype, kw, budget=None, implementation=None):
     """Outputs and gradients (both outputs, random upstream) vs float64, with plain JAX
-    in the same dtype (logits materialised) as the yardstick."""
+    in the same dtype (logits materialised) as the yardstick (also the triton backend's
+    tests, tests_jax/test_jax_log_probs_triton.py)."""
     ent = kw.get("entropy", False)
     g1, g2 = _upstream(t.shape)
     argnums = (0, 1) if b is None else (0, 1, 2)
 
     def ours(x, w, b):
-        out = linear_log_probs(x, w, t, b, memory_budget=budget, **kw)
+        out = linear_log_probs(x, w, t, b, memory_budget=budget, implementation=implementation, **kw)
         return out if ent else (out,)
 
     def plain(x, w, b):
@@ -248,7 +249,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="mosaic_gpu.*xla"):
         linear_log_probs(x, w, t, implementation="mosaic_gpu")
     with pytest.raises(ValueError, match="implementation"):
-        linear_log_probs(x, w, t, implementation="triton")
+        linear_log_probs(x, w, t, implementation="cuda")
     with pytest.raises(ValueError, match="tokens"):
         linear_log_probs(x, w, t[:3])
     with pytest.raises(TypeError, match="tokens"):

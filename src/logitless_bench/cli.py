@@ -27,6 +27,7 @@ examples:
   python -m logitless_bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless_bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
   python -m logitless_bench --suite rl --max-minutes 5       # token log-probs + entropy (RL) vs torch, verl
+  python -m logitless_bench --suite grpo             # one GRPO step of a 1B HF model per LM-head method (-h)
   python -m logitless_bench --suite tp --max-minutes 4   # vocab-parallel CE, one process per GPU
   python -m logitless_bench --suite train            # end-to-end HF training (its options: --suite train -h)
   python -m logitless_bench --list                   # shapes and methods
@@ -36,7 +37,7 @@ examples:
 
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp", "grpo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "distill: fused linear JSD; tp: vocab-parallel cross-entropy, one process per GPU; "
                    "train: end-to-end HF training of a 1B model, its own "
                    "options (--suite train -h); jax: the JAX op, its own options (--suite jax -h); "
-                   "jax-sharded: the JAX op on all local devices, data/tensor parallel (--suite jax-sharded -h) "
+                   "jax-sharded: the JAX op on all local devices, data/tensor parallel (--suite jax-sharded -h); "
+                   "grpo: one GRPO training step of a 1B HF model per LM-head method, its own options "
+                   "(--suite grpo -h) "
                    "(default: all)")
     p.add_argument("--shapes", metavar="NAME[,NAME]",
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
@@ -142,6 +145,10 @@ def _main(argv=None) -> int:
         from . import train  # its own options
 
         return train.main(argv)
+    if "--suite=grpo" in argv or any(a == "--suite" and b == "grpo" for a, b in zip(argv, argv[1:])):
+        from . import grpo  # its own options
+
+        return grpo.main(argv)
     from .jax_suite import wants_jax
 
     if wants_jax(argv):

@@ -14,10 +14,12 @@ Methods:
     logitless         implementation=None (the automatic choice)
     logp-xla-logits   token log-probs + entropy at T = 0.7 with the fp32 logits materialised
     logp              logitless.jax.linear_log_probs(temperature=0.7, entropy=True)
-                      (the RL case: loss = mean(log p) + 0.01 mean(H)); both logp rows are
-                      also compared with the op on ONE device (global shape, unsharded
-                      inputs on device 0: its time and temp bytes are measured once,
-                      the "1 device" row), column "vs 1-dev op"
+                      (the RL case: loss = mean(log p) + 0.01 mean(H)), automatic backend
+    logp-xla          the same with implementation="xla"; the logp rows are
+                      also compared with the same op on ONE device (global shape, unsharded
+                      inputs on device 0: time and temp bytes measured once per op, the
+                      "1 device" rows; logp-xla-logits against the automatic one), column
+                      "vs 1-dev op"
 Metrics per mode and method: fwd+bwd median ms (jit of value_and_grad w.r.t. x and
 weight), its ratio to ONE device's three GEMMs of the whole problem (3 x the time of
 ``jnp.dot(x, w.T)`` of the global shape on device 0: 1.0 = one GPU's GEMM cost, 0.5 =
@@ -44,9 +46,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 MODES = ("data", "tensor", "2d")
-METHODS = ("xla-logits", "logitless-xla", "logitless-mosaic", "logitless", "logp-xla-logits", "logp")
+METHODS = ("xla-logits", "logitless-xla", "logitless-mosaic", "logitless", "logp-xla-logits", "logp-xla", "logp")
 #: Methods of the log-prob rows (their own reference loss and one-device baseline).
-LOGP_METHODS = ("logp-xla-logits", "logp")
+LOGP_METHODS = ("logp-xla-logits", "logp-xla", "logp")
 LOGP_TEMPERATURE = 0.7
 #: llama3.1-8b's LM head and 8192 tokens in all (the issue's setting).
 DEFAULT_SHAPE = (8192, 4096, 128256)
@@ -146,11 +148,13 @@ def _loss_fn(method):
             ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
             return jnp.mean(jnp.take_along_axis(lp, t[:, None], axis=-1)) + 0.01 * jnp.mean(ent)
         return f
-    if method == "logp":
+    if method in ("logp", "logp-xla"):
         from logitless.jax import linear_log_probs
 
+        impl = "xla" if method == "logp-xla" else None
+
         def f(x, w, t):
-            lp, ent = linear_log_probs(x, w, t, temperature=LOGP_TEMPERATURE, entropy=True)
+            lp, ent = linear_log_probs(x, w, t, temperature=LOGP_TEMPERATURE, entropy=True, implementation=impl)
             return jnp.mean(lp) + 0.01 * jnp.mean(ent)
         return f
     impl = {"logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu", "logitless": None}[method]
@@ -264,11 +268,12 @@ def run(argv=None) -> int:
     print(f"[jax-sharded] {ndev} devices, shape {n}x{h}x{v} {dtype.name}, 3 GEMMs on one device: "
           f"{data['gemm3_ms']} ms", flush=True)
 
-    if any(m in LOGP_METHODS for m in methods):
-        row = {"mode": "1 device", "method": "logp"}
+    data["logp_1dev_ms"] = {}
+    for method in [m for m in ("logp", "logp-xla") if m in methods]:
+        row = {"mode": "1 device", "method": method}
         try:
             x0, w0, t0 = (jax.device_put(a, d0) for a in (x, w, t))
-            compiled = jax.jit(jax.value_and_grad(_loss_fn("logp"), argnums=(0, 1))).lower(x0, w0, t0).compile()
+            compiled = jax.jit(jax.value_and_grad(_loss_fn(method), argnums=(0, 1))).lower(x0, w0, t0).compile()
             mem = compiled.memory_analysis()
             if mem is not None:
                 row["temp MiB/dev"] = mem.temp_size_in_bytes / 2**20
@@ -276,7 +281,7 @@ def run(argv=None) -> int:
             row["vs 1-dev op"] = 1.0
             if data.get("gemm3_ms"):
                 row["f+b / 1 dev 3 GEMMs"] = row["fwd+bwd ms"] / data["gemm3_ms"]
-            data["logp_1dev_ms"] = row["fwd+bwd ms"]
+            data["logp_1dev_ms"][method] = row["fwd+bwd ms"]
             del x0, w0, t0, compiled
         except Exception as exc:
             row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -318,8 +323,10 @@ def run(argv=None) -> int:
                 if data.get("gemm3_ms"):
                     row["f+b / 1 dev 3 GEMMs"] = ms / data["gemm3_ms"]
                 family = "logp" if method in LOGP_METHODS else "ce"
-                if family == "logp" and data.get("logp_1dev_ms"):
-                    row["vs 1-dev op"] = ms / data["logp_1dev_ms"]
+                one = data["logp_1dev_ms"]
+                base = one.get(method, one.get("logp", one.get("logp-xla")))  # logits row: vs the op
+                if family == "logp" and base:
+                    row["vs 1-dev op"] = ms / base
                 loss = float(compiled(xs, ws, ts)[0])
                 if method in ("xla-logits", "logp-xla-logits"):
                     ref_loss[family] = loss

@@ -98,6 +98,33 @@ def time_ms_spread(
     return statistics.median(times), relative_spread(times)
 
 
+def step_times_ms(step: Callable[[int], object], n: int, *, device, first: int = 0) -> list:
+    """Runs ``step(i)`` for i in ``first .. first + n - 1`` back to back; returns each call's
+    milliseconds: a whole training step (forward, backward, optimizer) as the loop runs it.
+
+    On CUDA one event is recorded between consecutive steps (no synchronisation inside
+    the loop, so the GPU stays queued as in training; one ``synchronize`` at the end); on
+    the CPU ``time.perf_counter`` around each call. No L2 flush: a step is far larger
+    than the cache. Used by the end-to-end suites (grpo, the TRL rows of train).
+    """
+    if n <= 0:
+        return []
+    if is_cuda(device):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        marks[0].record()
+        for i in range(n):
+            step(first + i)
+            marks[i + 1].record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        step(first + i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def peak_extra_bytes(
     fn: Callable[[], object],
     *,

@@ -11,7 +11,10 @@ the embedding, ~1.2B counting the head), the router auxiliary loss on
 One run trains the same randomly initialised model (same seed, same data) with
 transformers' own loss ("hf"), with ``logitless.transformers.patch`` ("logitless") and
 with liger-kernel's instance patch (``apply_liger_kernel_to_llama(model=...)``, its fused
-linear cross-entropy only, when installed: "liger"), under autocast bf16 with fp32
+linear cross-entropy only, when installed: "liger"), and, when named in ``--methods`` and
+trl is installed, through TRL's ``SFTTrainer.compute_loss`` on the same model, batches and
+optimizer: with TRL's own fused head ("trl-head") and with ``patch_sft`` ("trl+logitless");
+"hf" is then the unpatched row, under autocast bf16 with fp32
 master weights (what ``Trainer(bf16=True)`` does) and in pure bf16. For each: the
 median step time, the peak memory (``torch.cuda.max_memory_allocated`` over the run:
 weights, optimizer states, activations, loss) and the loss curve. HF is re-run with
@@ -52,6 +55,8 @@ examples:
   python -m logitless_bench --suite train --model qwen3-moe --modes autocast --methods hf,logitless --no-big
   python -m logitless_bench --suite train --steps 60 --no-big   # shorter curves, no batch probe
   python -m logitless_bench --suite train --modes autocast --methods hf,logitless
+  python -m logitless_bench --suite train --modes autocast --methods hf,trl-head,trl+logitless --steps 30 \
+      --no-big --no-spread                                      # TRL SFTTrainer rows (hf = unpatched)
 """
 
 SUCCESSOR_PROBS = (0.5, 0.25, 0.15, 0.1)
@@ -99,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "and/or bf16 (pure bf16 weights) (default %(default)s)")
     p.add_argument("--methods", default="hf,logitless,liger",
                    help="hf, logitless (default memory budget), logitless@BUDGET (BUDGET: logits = the bf16 "
-                   "logits of a step, or a size like 1GiB), liger (default %(default)s)")
+                   "logits of a step, or a size like 1GiB), liger, trl-head (TRL's SFTTrainer.compute_loss with "
+                   "its own fused head), trl+logitless (the same after logitless.integrations.trl.patch_sft) "
+                   "(default %(default)s)")
     p.add_argument("--no-spread", action="store_true", help="skip the hf re-run with another data order")
     p.add_argument("--no-big", action="store_true", help="skip the larger-batch probe")
     p.add_argument("--big-batches", default="4,6,8,10,12,14,16,20,24,32",
@@ -207,6 +214,9 @@ def train_run(name, method, mode, data, cfg_kwargs, args, device, deadline, seed
     try:
         model = _build(cfg_kwargs, mode, method, device, args.seed, tokens=res["tokens_per_step"],
                        arch=getattr(args, "model", "llama"))
+        trainer = _sft_trainer(model, method, args, device) if method in TRL_METHODS else None
+        if trainer is not None:
+            res["forward_file"] = forward_file(model)  # which head answers fused_lm_head=True
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                 eps=1e-8, fused=gpu)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args.warmup_steps))
@@ -224,12 +234,17 @@ def train_run(name, method, mode, data, cfg_kwargs, args, device, deadline, seed
                 res["truncated"] = f"time guard after {i} steps"
                 break
             ids = data[i].to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
-                out = model(input_ids=ids, labels=ids)
-            loss = out.loss
-            if i == 0:
-                res["logits_none"] = out.logits is None  # the patch is in use (transformers returns logits)
-            del out
+            if trainer is not None:  # TRL's SFTTrainer.compute_loss (its fused head, or patch_sft's)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+                    loss = trainer.compute_loss(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                        "labels": ids})
+            else:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+                    out = model(input_ids=ids, labels=ids)
+                loss = out.loss
+                if i == 0:
+                    res["logits_none"] = out.logits is None  # the patch is in use (transformers returns logits)
+                del out
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -260,8 +275,63 @@ def train_run(name, method, mode, data, cfg_kwargs, args, device, deadline, seed
         res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
         del model, opt
+        trainer = None
         _free(device)
     return res
+
+
+#: Methods that train through TRL's SFTTrainer.compute_loss on the same model, batches and optimizer:
+#: "trl-head" (TRL's own fused head, which SFTTrainer installs) and "trl+logitless"
+#: (logitless.integrations.trl.patch_sft on top of it). "hf" is the unpatched row.
+TRL_METHODS = ("trl-head", "trl+logitless")
+
+
+def _sft_trainer(model, method, args, device):
+    """A TRL ``SFTTrainer`` around ``model`` (a one-row dataset and a word-level tokenizer: only
+    its ``compute_loss`` is used, the loop and the optimizer are this suite's), with TRL's fused
+    head, and for "trl+logitless" ``patch_sft`` on top."""
+    import tempfile
+
+    import datasets
+    import tokenizers
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    import logitless.integrations.trl as lt_trl
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, "a": 3, "b": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                                     eos_token="<eos>")
+    cfg = SFTConfig(output_dir=tempfile.mkdtemp(prefix="logitless-bench-sft-"), report_to="none",
+                    save_strategy="no", use_cpu=device.type != "cuda", bf16=False, fp16=False,
+                    per_device_train_batch_size=args.batch, max_length=args.seq, dataloader_num_workers=0,
+                    gradient_checkpointing=False, seed=args.seed)  # as the hf row (TRL's default is on)
+    datasets.disable_progress_bars()
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=datasets.Dataset.from_list([{"text": "a b a"}]),
+                         processing_class=tokenizer)
+    if method == "trl+logitless":
+        lt_trl.patch_sft(trainer)
+    return trainer
+
+
+def forward_file(model) -> str:
+    """The source file (last 3 parts) of ``model.forward``: shows which head is installed
+    (functools.wraps copies names, not the code object)."""
+    fn = getattr(model.forward, "__func__", model.forward)
+    code = getattr(fn, "__code__", None)
+    return "/".join(Path(code.co_filename).parts[-3:]) if code is not None else type(fn).__name__
+
+
+def _trl_missing() -> str:
+    """Why TRL's SFTTrainer cannot run here ("" when it can)."""
+    for mod in ("trl", "datasets", "tokenizers"):
+        try:
+            __import__(mod)
+        except Exception as exc:  # noqa: BLE001
+            return f"{mod} not importable ({type(exc).__name__}: {str(exc)[:100]})"
+    return ""
 
 
 def big_batch_probe(method, mode, stream, cfg_kwargs, args, device, deadline, sizes, seq, checkpointing):
@@ -393,6 +463,13 @@ def _targets(data, lines):
             d = ours["curve_mean_abs_diff"]
             out.append((f"{label}: curve mean abs diff to hf <= that of hf-seed2 ({sp['mean_abs_diff']:.4f})", d,
                         d <= sp["mean_abs_diff"]))
+    for mode in data["settings"]["modes"]:  # the TRL SFTTrainer rows (issue 21): ours vs TRL's own head
+        ours, theirs = rows.get(f"trl+logitless-{mode}", {}), rows.get(f"trl-head-{mode}", {})
+        if ours.get("median_step_ms") and theirs.get("median_step_ms"):
+            out.append((f"{mode} trl+logitless vs trl-head: step time ratio",
+                        ours["median_step_ms"] / theirs["median_step_ms"], None))
+        if ours.get("peak_gib") and theirs.get("peak_gib"):
+            out.append((f"{mode} trl+logitless vs trl-head: peak ratio", ours["peak_gib"] / theirs["peak_gib"], None))
     return out
 
 
@@ -576,8 +653,9 @@ def main(argv=None) -> int:
         if m not in ("autocast", "bf16"):
             raise SystemExit(f"unknown mode {m!r}: autocast, bf16")
     for m in methods:
-        if m not in ("hf", "logitless", "liger") and not m.startswith("logitless@"):
-            raise SystemExit(f"unknown method {m!r}: hf, logitless, logitless@BUDGET, liger")
+        if m not in ("hf", "logitless", "liger") + TRL_METHODS and not m.startswith("logitless@"):
+            raise SystemExit(f"unknown method {m!r}: hf, logitless, logitless@BUDGET, liger, trl-head, "
+                             "trl+logitless")
         if m.startswith("logitless@"):
             try:
                 _budget(m, 1)
@@ -593,6 +671,10 @@ def main(argv=None) -> int:
         "steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr, "warmup_steps": args.warmup_steps,
         "active": args.active, "modes": modes, "methods": methods, "seed": args.seed, "big_mode": args.big_mode,
         "transformers": transformers.__version__, "max_minutes": args.max_minutes}}
+    if any(m in TRL_METHODS for m in methods):
+        from .grpo import _version
+
+        data["settings"]["trl"] = _version("trl")
     print(f"device: {meta['device']} | torch {meta['torch']} | transformers {transformers.__version__} | "
           f"peers: {meta['peers']}")
     out_dir = args.out or "benchmarks/results"
@@ -618,7 +700,7 @@ def main(argv=None) -> int:
             else:
                 for ckpt, sizes_arg in ((False, args.big_batches), (True, args.big_batches_ckpt)):
                     sizes = [int(x) for x in sizes_arg.split(",") if x]
-                    probe = [m for m in methods if "@" not in m]  # default budgets only
+                    probe = [m for m in methods if "@" not in m and m not in TRL_METHODS]  # default budgets
                     for meth in [m for m in probe if m != "liger" or _importable("liger_kernel.transformers")]:
                         if not sizes:
                             break
@@ -666,6 +748,9 @@ def _curves(plan, data, cfg_kwargs, args, device, deadline, out_dir, cpu):
             if not _importable("liger_kernel.transformers"):
                 data["notes"].append(f"{name}: skipped (liger-kernel not importable)")
                 continue
+        if meth in TRL_METHODS and _trl_missing():
+            data["notes"].append(f"{name}: skipped ({_trl_missing()})")
+            continue
         if deadline is not None and time.monotonic() > deadline:
             data["notes"].append(f"{name}: skipped by the time guard")
             continue

@@ -157,3 +157,258 @@ def patch_grpo(trainer) -> None:
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
         add_logitless_lm_head(ref, temperature, entropy=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Distillation: GKDTrainer (trl.experimental.gkd) and DistillationTrainer through linear_jsd
+# --------------------------------------------------------------------------------------------
+
+_GKD_REDUCTIONS = ("batchmean", "sum", "mean")
+# DistillationTrainer's multimodal inputs, passed through to its own _get_last_hidden_state.
+_MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+            "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def gkd_loss(student_x, student_weight, teacher_x, teacher_weight, labels=None, *, beta: float = 0.5,
+             temperature: float = 1.0, reduction: str = "batchmean", num_items_in_batch=None,
+             student_bias=None, teacher_bias=None, student_softcap: Optional[float] = None,
+             teacher_softcap: Optional[float] = None, backend: str = "auto"):
+    """TRL's ``GKDTrainer.generalized_jsd_loss`` from hidden states and LM-head weights:
+    the same number as ``generalized_jsd_loss(student_x @ student_weight.T, teacher_x @
+    teacher_weight.T, labels, beta, temperature, reduction, num_items_in_batch)``,
+    computed by one ``logitless.linear_jsd(..., reduction="none")`` call (fp32
+    statistics; neither model's (tokens x vocab) logits is stored).
+
+    Per token: beta * KL(q || m) + (1 - beta) * KL(p || m) with m = beta * q + (1 - beta) * p,
+    p = softmax(z_student / T), q = softmax(z_teacher / T); beta = 0 is exactly the forward
+    KL(q || p), beta = 1 the reverse KL(p || q); no T**2 factor. Tokens whose label is -100
+    count for nothing. Reduction (TRL's): with ``num_items_in_batch``, sum / num_items_in_batch;
+    else "batchmean": sum / (number of labelled tokens, at least 1), or sum / x.shape[0]
+    without labels; "sum"; "mean": sum / (counted tokens x V), TRL's mean over the
+    (tokens, V) elements. TRL's "none" (a (tokens, V) tensor) is refused: it is the
+    logits-sized tensor this function exists to avoid (use ``linear_jsd(...,
+    reduction="none")`` for per-token losses).
+
+    Args: student_x (B, T, H_s), teacher_x (B, T, H_t) (already shifted: position t
+    scores labels[:, t]); student_weight (V, H_s), teacher_weight (V, H_t): one vocabulary,
+    hidden sizes may differ; labels (B, T) with -100 to ignore, or None; softcaps, biases
+    and ``backend`` as in ``linear_jsd``. Errors: a bad
+    reduction or x with fewer than 2 dims raise ValueError; everything else is
+    ``linear_jsd``'s checks (vocabularies, shapes, dtypes, a teacher requiring grad).
+    Memory traffic: that of ``linear_jsd`` (both heads read once per token block in the
+    forward, the student's again in the backward).
+    """
+    if reduction not in _GKD_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_GKD_REDUCTIONS} (TRL's 'none' returns a (tokens x vocab) "
+                         f"tensor, which logitless never builds), got {reduction!r}")
+    if student_x.dim() < 2:
+        raise ValueError(f"student_x must have shape (B, T, H) or (N, H), got {tuple(student_x.shape)}")
+    loss_tok = _jsd_api().linear_jsd(student_x, student_weight, teacher_x, teacher_weight, labels, beta=beta,
+                                     temperature=temperature, ignore_index=-100, reduction="none",
+                                     student_bias=student_bias, teacher_bias=teacher_bias,
+                                     student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+                                     backend=backend)
+    total = loss_tok.sum()
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    counted = (labels != -100).sum() if labels is not None else loss_tok.numel()
+    if reduction == "batchmean":
+        return total / (counted.clamp_min(1) if labels is not None else max(loss_tok.shape[0], 1))
+    if reduction == "sum":
+        return total
+    return total / (counted * student_weight.shape[0])  # "mean": 0 / 0 = NaN with no token, as TRL
+
+
+def _jsd_api():
+    from logitless.ops.linear_jsd import api  # looked up per call: tests count the calls
+    return api
+
+
+def _install_loss_forward(model) -> None:
+    """``model(..., logitless_loss=fn)`` returns ``fn(model)``: the loss runs inside the
+    model's forward, so DDP / accelerate wrappers see a forward (gradient sync, autocast);
+    every other call goes to the previous forward unchanged."""
+    if getattr(model, "_logitless_loss_forward", False):
+        return
+    previous = model.forward
+
+    def forward(self, *args, logitless_loss=None, **kwargs):
+        if logitless_loss is None:
+            return previous(*args, **kwargs)
+        return logitless_loss(self)
+
+    model.forward = types.MethodType(forward, model)
+    model._logitless_loss_forward = True
+
+
+def _last_hidden(model, input_ids, attention_mask):
+    out = _hf.backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _head_tensors(model, teacher: bool):
+    head = _hf.lm_head(model)
+    weight, bias = head.weight, head.bias
+    if weight.numel() == 0:
+        raise ValueError(f"the {'teacher' if teacher else 'student'}'s LM-head weight is empty (sharded by "
+                         "DeepSpeed ZeRO-3?): patch_gkd needs the full head outside the forward")
+    if teacher:
+        if hasattr(weight, "full_tensor"):  # FSDP2 DTensor read outside the teacher's forward: gather it
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+    return weight, bias
+
+
+def _check_pair(student, teacher) -> tuple[Optional[float], Optional[float]]:
+    """Refuse what linear_jsd cannot reproduce; return the two soft-caps."""
+    s_opts, t_opts = _hf.head_options(student), _hf.head_options(teacher)
+    if getattr(_hf.text_config(student), "output_router_logits", False):
+        raise ValueError("MoE router aux losses are not supported by patch_gkd")
+    vs, vt = _hf.lm_head(student).weight.shape[0], _hf.lm_head(teacher).weight.shape[0]
+    if vs != vt:
+        raise ValueError(f"student and teacher LM heads have different vocabularies ({vs} vs {vt} rows): "
+                         "distillation through linear_jsd needs one vocabulary")
+    return s_opts["softcap"], t_opts["softcap"]
+
+
+def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """GKDTrainer.compute_loss (TRL 1.16) without logits: same shift, -100 mask, beta and
+    reduction; the loss temperature is 1 as in TRL (``args.temperature`` is only the
+    sampling temperature of the on-policy generation, which stays TRL's)."""
+    teacher = self.accelerator.unwrap_model(self.teacher_model)
+    s_cap, t_cap = self._logitless_softcaps
+    self.teacher_model.eval()
+    with torch.no_grad(), self.accelerator.autocast():
+        teacher_hidden = _last_hidden(teacher, inputs["input_ids"], inputs["attention_mask"])[:, :-1]
+    labels = inputs["labels"][:, 1:]
+    beta = self.beta
+
+    def loss_fn(student):
+        hidden = _last_hidden(student, inputs["input_ids"], inputs["attention_mask"])[:, :-1]
+        sw, sb = _head_tensors(student, False)
+        tw, tb = _head_tensors(teacher, True)
+        hidden = hidden.to(sw.device)
+        th = teacher_hidden.to(device=sw.device, dtype=hidden.dtype)
+        tw, tb = tw.to(device=sw.device, dtype=hidden.dtype), None if tb is None else tb.to(sw.device, hidden.dtype)
+        return gkd_loss(hidden, sw, th, tw, labels.to(sw.device), beta=beta, temperature=1.0,
+                        reduction="batchmean", num_items_in_batch=num_items_in_batch, student_bias=sb,
+                        teacher_bias=tb, student_softcap=s_cap, teacher_softcap=t_cap)
+
+    loss = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], logitless_loss=loss_fn)
+    if return_outputs:
+        return loss, {"loss": loss}  # no logits: prediction_step gets none
+    return loss
+
+
+def _distillation_compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+    """DistillationTrainer._compute_loss (TRL 1.16) through linear_jsd (and, for the logged
+    entropy, one no-grad linear_log_probs pass); runs inside the student wrapper's forward
+    like TRL's. Same hidden states (TRL's _get_last_hidden_state), completion/tool mask,
+    beta, temperature and reduction."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    loss_mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        loss_mask = loss_mask * inputs["tool_mask"]
+    keep = inputs["completion_ids"].size(1)
+    mm = {k: inputs[k] for k in _MM_KEYS if k in inputs}
+    hs = self._get_last_hidden_state(unwrapped_student, input_ids, attention_mask, keep, **mm)
+    self.teacher_model.eval()
+    teacher = self.accelerator.unwrap_model(self.teacher_model)
+    with torch.no_grad():
+        ht = self._forward_redirection(self.teacher_model, teacher, self._get_last_hidden_state, teacher,
+                                       input_ids, attention_mask, keep, **mm)
+    sw, sb = _head_tensors(unwrapped_student, False)
+    tw, tb = _head_tensors(teacher, True)
+    if sw.device != tw.device:
+        raise ValueError(f"the student LM head is on {sw.device} but the teacher's on {tw.device}: "
+                         "place both on one device")
+    hs = hs.to(sw.device)
+    ht = ht.to(device=sw.device, dtype=hs.dtype)
+    tw, tb = tw.to(hs.dtype), None if tb is None else tb.to(hs.dtype)
+    valid = loss_mask.to(sw.device) != 0
+    target = torch.where(valid, 0, -100)  # only the mask matters (no hard-label term)
+    s_cap, t_cap = self._logitless_softcaps
+    temperature = float(self.temperature)
+    loss_tok = _jsd_api().linear_jsd(hs, sw, ht, tw, target, beta=self.beta, temperature=temperature,
+                                     ignore_index=-100, reduction="none", student_bias=sb, teacher_bias=tb,
+                                     student_softcap=s_cap, teacher_softcap=t_cap)
+    n_valid = valid.sum()
+    loss = loss_tok.sum()
+    if num_items_in_batch is None:
+        loss = loss / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    if self._logitless_entropy:
+        with torch.no_grad():
+            ent = _hf.linear_log_probs(hs.detach(), sw.detach(), target, None if sb is None else sb.detach(),
+                                       temperature=temperature, entropy=True, softcap=s_cap, ignore_index=-100)[1]
+        entropy_sum = torch.where(valid, ent, torch.zeros_like(ent)).sum()
+    else:
+        entropy_sum = torch.full((), float("nan"), device=loss.device)
+    return loss, entropy_sum.detach(), n_valid
+
+
+def _trainer_kind(trainer) -> str:
+    for module, name, kind, method in (("trl.experimental.gkd", "GKDTrainer", "gkd", "compute_loss"),
+                                       ("trl", "DistillationTrainer", "distillation", "_compute_loss")):
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except Exception:  # not in this TRL version
+            continue
+        if isinstance(trainer, cls):
+            if getattr(type(trainer), method) is not getattr(cls, method):
+                raise ValueError(f"{type(trainer).__name__} overrides {name}.{method}: patch_gkd reproduces "
+                                 f"{name}'s own loss only")
+            return kind
+    raise ValueError(f"patch_gkd needs a TRL GKDTrainer or DistillationTrainer, got {type(trainer).__name__}")
+
+
+def patch_gkd(trainer, entropy: bool = True) -> None:
+    """Compute a TRL distillation trainer's student/teacher loss with
+    ``logitless.linear_jsd`` from both models' last hidden states and LM-head weights:
+    neither model's (tokens x vocab) logits is built. Call after constructing the
+    trainer, before ``train()``::
+
+        trainer = GKDTrainer(model=student, teacher_model=teacher, args=GKDConfig(...), ...)
+        # or DistillationTrainer(model=..., teacher_model=..., args=DistillationConfig(...), ...)
+        logitless.integrations.trl.patch_gkd(trainer)
+        trainer.train()
+
+    ``trl.experimental.gkd.GKDTrainer``: replaces ``compute_loss`` (TRL's loss on the full
+    logits) with :func:`gkd_loss`: causal shift, labels -100 ignored (prompt, padding),
+    ``beta`` (0 forward KL, 1 reverse KL, else the generalized JSD), "batchmean" or
+    ``num_items_in_batch``, loss temperature 1 (TRL's ``compute_loss`` passes none;
+    ``args.temperature`` is the sampling temperature). ``compute_loss(...,
+    return_outputs=True)`` returns ``{"loss": loss}``: no logits reach prediction_step.
+
+    ``trl.DistillationTrainer`` (TRL >= 1.x, the maintained one): replaces its chunked
+    ``_compute_loss`` (same hidden states, completion and tool masks, beta, temperature,
+    reduction); its logged ``entropy`` metric costs one extra no-grad pass over the
+    vocabulary (``entropy=False`` skips it and the metric is dropped from the logs).
+
+    Untouched: on-policy generation (``lmbda``, ``seq_kd``, vLLM), data collation, the
+    optimizer. Teacher and student may have different hidden sizes; both heads must be
+    on one device after the backbones.
+
+    Refused (ValueError): different vocabularies; models that scale logits other than by
+    ``final_logit_softcapping`` (``logit_scale``, ``logits_scaling``, ...); MoE router
+    aux losses; trainer subclasses overriding the loss; other trainers. A LM head
+    sharded outside the forward (DeepSpeed ZeRO-3) raises at the first step.
+    """
+    kind = _trainer_kind(trainer)
+    student = _unwrapped(trainer.accelerator.unwrap_model(trainer.model))
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    trainer._logitless_softcaps = _check_pair(student, _unwrapped(teacher))
+    if kind == "gkd":
+        _install_loss_forward(student)
+        trainer.compute_loss = types.MethodType(_gkd_compute_loss, trainer)
+    else:
+        trainer._logitless_entropy = bool(entropy)
+        trainer._compute_loss = types.MethodType(_distillation_compute_loss, trainer)

@@ -122,3 +122,20 @@ def dlogits(a, lse, coef, tokens, col0, opts: LogProbOptions):
         capped = a * (opts.temperature / opts.softcap)
         dz = dz * (1.0 - capped * capped)
     return dz
+
+
+def merge_splits(part_max, part_sum, part_u: Optional[jnp.ndarray]):
+    """(lse, H or None) of rows whose statistics (m, s, u) were computed in parts along
+    axis 0 (vocabulary splits): M = max_j m_j (0 where every part is -inf),
+    s = sum_j e^(m_j - M) s_j, u = sum_j e^(m_j - M) (u_j + (m_j - M) s_j), then
+    ``finish``. The twin of ``logitless.formulas.log_probs.merge_splits``."""
+    big_m = part_max.max(axis=0)
+    m_safe = jnp.where(big_m == -jnp.inf, 0.0, big_m)
+    d = part_max - m_safe[None]
+    scale = jnp.exp(d)
+    s = jnp.sum(part_sum * scale, axis=0)
+    u = None
+    if part_u is not None:
+        corr = jnp.where(part_sum > 0, d * part_sum, 0.0)
+        u = jnp.sum(scale * (part_u + corr), axis=0)
+    return finish(big_m, s, u)

@@ -100,6 +100,7 @@ SUPPORTED: dict[str, Family] = {
         "qwen3_vl_moe", aux_coef="self.config.text_config.router_aux_loss_coef", kind="vision-language"),
     "Gemma3ForConditionalGeneration": Family("gemma3", **_VL),
     "Gemma4ForConditionalGeneration": Family("gemma4", "softcap_text", **_VL),
+    "Gemma3nForConditionalGeneration": Family("gemma3n", "softcap_text", **_VL),
     "LlavaForConditionalGeneration": Family("llava", **_VL),
     "MllamaForConditionalGeneration": Family("mllama", **_VL),
     "Mistral3ForConditionalGeneration": Family("mistral3", **_VL),
@@ -110,8 +111,6 @@ SUPPORTED: dict[str, Family] = {
 ADVICE: dict[str, str] = {
     "Llama4ForConditionalGeneration": "its forward computes the logits through the language model's own "
     "head; patch its language model (model.language_model, a Llama4ForCausalLM) instead",
-    "Gemma3nForConditionalGeneration": "not tested yet (its audio/vision towers need timm); patch its text model "
-    "class Gemma3nForCausalLM, or open an issue",
     "MllamaForCausalLM": "its forward casts the logits to float32 (`.float()`), a transform the patch does not "
     "know; patch the MllamaForConditionalGeneration that contains it",
 }

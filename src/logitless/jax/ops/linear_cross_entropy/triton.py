@@ -40,16 +40,20 @@ batching rule exists for triton_call or the callback).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
+from logitless.jax.ops.common import triton as rt
+from logitless.jax.ops.common.triton import UNSUPPORTED_HINT  # noqa: F401 (the api's error hint)
+from logitless.jax.ops.common.triton import device_info as _device_info
+from logitless.jax.ops.common.triton import has_triton as _has_triton
+from logitless.jax.ops.common.triton import interpret as _interpret
+from logitless.jax.ops.common.triton import jax_triton as _jax_triton
+from logitless.jax.ops.common.triton import platform as _platform
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
-from logitless.jax.planning import TritonPlan, triton_plan
+from logitless.jax.planning import TritonPlan
 
 _F32 = jnp.float32
 #: The api passes (H, V) weights as they are (the kernels take any strides).
@@ -66,61 +70,10 @@ _KERNEL_MODULES = (
 )
 
 
-#: Appended to the api's error when an explicit implementation="triton" is refused.
-UNSUPPORTED_HINT = ("the triton backend takes bf16/f16/f32 inputs, and needs the triton package (CPU: "
-                    "Triton's interpreter) or, on an NVIDIA GPU, jax-triton: pip install 'logitless[jax-triton]'")
-
-
 def is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool:
     """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton, or on the CPU
     (Triton's interpreter) with triton installed."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        return False
-    platform = _platform()
-    if platform == "gpu":
-        return _jax_triton() is not None and _is_nvidia()
-    return platform == "cpu" and _has_triton()
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _platform() -> str:
-    return jax.default_backend()
-
-
-def _is_nvidia() -> bool:
-    dev = jax.devices()[0]
-    return "nvidia" in str(getattr(dev, "device_kind", "")).lower() or hasattr(dev, "compute_capability")
-
-
-@functools.cache
-def _jax_triton():
-    """jax_triton, or None where it does not import (not installed, or a CPU-only jax)."""
-    try:
-        import jax_triton
-    except ImportError:
-        return None
-    return jax_triton
-
-
-@functools.cache
-def _device_info():
-    """(compute capability as major * 10 + minor, number of SMs) of the first GPU."""
-    dev = jax.devices()[0]
-    cc = str(getattr(dev, "compute_capability", "9.0"))
-    major, _, minor = cc.partition(".")
-    try:
-        cc_int = int(major) * 10 + int(minor or 0)
-    except ValueError:
-        cc_int = 90
-    return cc_int, int(getattr(dev, "core_count", 0) or 132)
-
-
-def _interpret() -> bool:
-    return _platform() != "gpu"
+    return rt.is_supported(dtype, _platform(), _jax_triton, _has_triton)
 
 
 def can_partition() -> bool:
@@ -130,65 +83,20 @@ def can_partition() -> bool:
 
 
 def _plan(x2d, vocab, budget) -> TritonPlan:
-    n, h = x2d.shape
-    interpret = _interpret()
-    cc, sms = (90, 132) if interpret else _device_info()
-    return triton_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget, interpret=interpret,
-                       compute_capability=cc, num_sms=sms)
+    return rt.plan(x2d, vocab, budget, _interpret(), _device_info)
 
 
 def _dot_precision(dtype) -> str:
-    """``gemm.dot``'s DOT_PRECISION: 16-bit inputs on the interpreter are widened (its
-    bf16 products are wrong otherwise); fp32 follows ``jax_default_matmul_precision``."""
-    if jnp.dtype(dtype).itemsize == 2:
-        return "interpreter-bf16" if _interpret() else "tf32"
-    if _interpret():
-        return "ieee"
-    prec = str(jax.config.jax_default_matmul_precision or "default").lower()
-    return "tf32x3" if prec in ("highest", "float32", "f32_f32_f32", "precision.highest") else "tf32-round"
-
-
-def _host_launch(kernel_name, grid, num_warps, num_stages, consts, out_specs, *arrays):
-    """Run one kernel on Triton's interpreter over numpy buffers (pure_callback body)."""
-    from logitless.triton_lib.interpret import HostArray, interpreted_language, interpreted_modules
-
-    mods = interpreted_modules(_KERNEL_MODULES)
-    kernel = None
-    for mod in mods.values():
-        kernel = getattr(mod, kernel_name, kernel)
-    ins = [HostArray(np.ascontiguousarray(a)) for a in arrays]
-    outs = [np.zeros(s.shape, s.dtype) for s in out_specs]
-    with interpreted_language():
-        kernel[grid](*ins, *[HostArray(o) for o in outs], **consts)
-    return tuple(outs)
+    return rt.dot_precision(dtype, _interpret())
 
 
 def _launch(kernel_name, grid, plan: TritonPlan, out_specs, arrays, consts):
-    """Launch ``kernel_name`` over ``grid``: arrays first, then outputs (``out_specs``),
-    then ``consts`` (every other argument, by name; compile-time constants)."""
-    out_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_specs)
-    if _interpret():
-        fn = functools.partial(_host_launch, kernel_name, grid, plan.num_warps, plan.num_stages,
-                               consts, out_specs)
-        return jax.pure_callback(fn, out_specs, *arrays)
-    jt = _jax_triton()
-    if jt is None:
-        raise ImportError('implementation="triton" on a GPU needs the jax-triton package '
-                          "(pip install 'logitless[jax-triton]')")
-    from logitless.jax.ops.linear_cross_entropy import triton_kernels
-    from logitless.triton_lib import lce_kernels
-
-    kernel = getattr(lce_kernels, kernel_name, None) or getattr(triton_kernels, kernel_name)
-    return jt.triton_call(*arrays, kernel=kernel, out_shape=out_specs, grid=grid,
-                          num_warps=plan.num_warps, num_stages=plan.num_stages,
-                          name=f"logitless_{kernel_name}", **consts)
+    """Launch ``kernel_name`` (``rt.launch``) over ``grid``: arrays, outputs, consts."""
+    return rt.launch(_KERNEL_MODULES, kernel_name, grid, plan, out_specs, arrays, consts,
+                     interpreted=_interpret())
 
 
-def _weight_strides(w, weight_layout):
-    """(stride_wv, stride_wh) of a contiguous w: (V, H) for "vh", (H, V) for "hv"."""
-    if weight_layout == "vh":
-        return w.shape[1], 1
-    return 1, w.shape[1]
+_weight_strides = rt.weight_strides
 
 
 def _common_consts(x2d, w, vocab, softcap, has_bias, has_cw, weight_layout, plan):
@@ -210,10 +118,7 @@ def _operands(x2d, w, bias, class_weight):
     return b, cw
 
 
-def _sequential_under_vmap(fn):
-    """fn(*arrays) that, under ``jax.vmap``, runs once per batch element (a loop):
-    neither triton_call nor the interpreter's callback has a batching rule."""
-    return jax.custom_batching.sequential_vmap(fn)
+_sequential_under_vmap = rt.sequential_under_vmap
 
 
 def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
@@ -264,7 +169,7 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
 
 
 def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget, weight_layout):
-    n, h = x2d.shape
+    n = x2d.shape[0]
     vaxis = 0 if weight_layout == "vh" else 1
     vocab = w.shape[vaxis]
     plan = _plan(x2d, vocab, budget)
@@ -275,9 +180,6 @@ def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget,
                             weight_layout, plan)
     row_blocks = -(-n // plan.block_n)
     consts["group_n"] = min(plan.group_n, row_blocks)
-    chunk = min(plan.vocab_chunk, vocab)
-    n_full, tail = divmod(vocab, chunk)
-    one_chunk = n_full == 1 and tail == 0
 
     def dz_of(v0, width):
         tiles = row_blocks * -(-width // plan.block_v)
@@ -289,37 +191,10 @@ def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget,
                         dict(consts, width=width))
         return dz
 
-    def step(v0, width, carry):
-        dx, dw, db = carry
-        dz = dz_of(v0, width)
-        wj = lax.dynamic_slice_in_dim(w, v0, width, vaxis)
-        if weight_layout == "vh":
-            dxj = lax.dot_general(dz, wj, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
-            dwj = lax.dot_general(dz, x2d, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-        else:
-            dxj = lax.dot_general(dz, wj, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-            dwj = lax.dot_general(x2d, dz, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-        dx = dxj if dx is None else dx + dxj
-        dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(w.dtype), v0, vaxis)
-        if db is not None:
-            dbj = jnp.sum(dz.astype(_F32), axis=0)
-            db = lax.dynamic_update_slice_in_dim(db, dbj.astype(db.dtype), v0, 0)
-        return dx, dw, db
+    def carry_type(carry):
+        # Inside shard_map (check_vma): the loop's carries vary over the inputs' axes.
+        axes = tuple(sorted(frozenset().union(*(varying(a) for a in (x2d, w, target, lse, coef)))))
+        return tuple(to_varying(c, axes) for c in carry)
 
-    dw0 = jnp.zeros(w.shape, w.dtype)
-    db0 = None if bias is None else jnp.zeros(bias.shape, bias.dtype)
-    if one_chunk:
-        dx, dw, db = step(0, vocab, (None, dw0, db0))
-        return dx.astype(x2d.dtype), dw, db
-    carry = (jnp.zeros((n, h), _F32), dw0, db0)
-    # Inside shard_map (check_vma): the loop's carries vary over the inputs' axes.
-    axes = tuple(sorted(frozenset().union(*(varying(a) for a in (x2d, w, target, lse, coef)))))
-    carry = tuple(to_varying(c, axes) for c in carry)
-    if n_full == 1:
-        carry = step(0, chunk, carry)
-    elif n_full > 1:
-        carry = lax.fori_loop(0, n_full, lambda i, c: step(i * chunk, chunk, c), carry)
-    if tail:
-        carry = step(n_full * chunk, tail, carry)
-    dx, dw, db = carry
-    return dx.astype(x2d.dtype), dw, db
+    return rt.chunked_gradients(x2d, w, bias, min(plan.vocab_chunk, vocab), dz_of,
+                                weight_layout=weight_layout, carry_type=carry_type)

@@ -13,5 +13,9 @@ Backend interface (2-D arrays; everything after ``*`` static):
     dz = p (A + C log p) - B [c == t] (x cap'), dx = dz w, dw = dz^T x, db = sum dz,
     accumulated in fp32 and cast once to the inputs' dtypes.
 
-Backends: "xla" (plain JAX, chunked). "mosaic_gpu" is not written yet for this op.
+Backends (``backends.BACKENDS``; automatic choice ``backends.choose_backend``, the
+policy shared with linear_cross_entropy): "xla" (plain JAX, chunked) and "triton" (the
+PyTorch op's Triton kernels through jax-triton; Triton's interpreter without a GPU;
+optional ``is_supported`` hook as for linear_cross_entropy). "mosaic_gpu" is not written
+yet for this op.
 """

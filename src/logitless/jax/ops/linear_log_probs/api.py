@@ -6,7 +6,6 @@ twin of ``logitless.linear_log_probs`` (PyTorch); math in
 
 from __future__ import annotations
 
-import importlib
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -15,22 +14,15 @@ import jax.numpy as jnp
 
 from logitless.jax import log_probs_formulas as lpf
 from logitless.jax.ops.linear_log_probs import sharded
+from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
+    BACKENDS,
+    NOT_YET,
+    backend_module,
+    choose_backend,
+)
 from logitless.options import LogProbOptions, check_memory_budget
 
-#: Backends by name: module path (relative to this package).
-BACKENDS = {"xla": ".xla"}
-#: Backends of linear_cross_entropy not written for this op yet.
-NOT_YET = ("mosaic_gpu",)
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
-
-
-def backend_module(name: str):
-    if name in NOT_YET:
-        raise ValueError(f"implementation {name!r} is not available for linear_log_probs yet; "
-                         f"use implementation=None or one of {tuple(BACKENDS)}")
-    if name not in BACKENDS:
-        raise ValueError(f"implementation must be None or one of {tuple(BACKENDS)}, got {name!r}")
-    return importlib.import_module(BACKENDS[name], __package__)
 
 
 class _Config(NamedTuple):
@@ -103,10 +95,11 @@ def linear_log_probs(
     ``jax.custom_vjp``: gradients from both outputs, any upstream gradient, to x,
     weight and bias) and ``jax.vmap``.
 
-    Memory traffic ("xla" backend): the forward is one GEMM pass over column chunks
-    that writes O(tokens) statistics; the backward recomputes the logits chunk by chunk
-    (3 GEMMs in all). Temporaries: one logits tile sized from ``memory_budget`` plus an
-    fp32 dx accumulator (tokens x H) and one fp32 dW chunk; never tokens x V.
+    Memory traffic: the forward is one GEMM pass over the vocabulary that writes
+    O(tokens) statistics ("triton": O(tokens x splits) fp32 partials, merged); the
+    backward recomputes the logits chunk by chunk (3 GEMMs in all). Temporaries: one
+    logits tile ("xla") or one dz chunk ("triton") sized from ``memory_budget``, plus
+    an fp32 dx accumulator (tokens x H) and one fp32 dW chunk; never tokens x V.
 
     Args:
         x: (..., H) hidden states, bfloat16/float16/float32 (float64 with x64 enabled).
@@ -120,8 +113,13 @@ def linear_log_probs(
         ignore_index: tokens equal to it give 0 for both outputs and no gradient.
         memory_budget: bytes of temporaries (default 256 MiB), as for
             ``linear_cross_entropy``.
-        implementation: None or "xla" (the only backend of this op so far;
-            "mosaic_gpu" raises ValueError).
+        implementation: None (automatic, the policy of ``linear_cross_entropy``:
+            "triton" on an NVIDIA GPU when the optional jax-triton package is
+            installed, else "xla"), "xla" (plain JAX, any platform) or "triton" (the
+            PyTorch op's Triton kernels through jax-triton, SM80+ GPUs, bf16/f16/f32;
+            on a machine without GPU Triton's CPU interpreter, very slow: tests only;
+            fp64 raises ValueError). "mosaic_gpu" is not written for this op yet
+            (ValueError).
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -136,7 +134,6 @@ def linear_log_probs(
     budget = check_memory_budget(memory_budget)
     if implementation is not None:
         backend_module(implementation)
-    backend = implementation or "xla"
     _check_float("x", x)
     _check_float("weight", weight)
     if x.ndim < 1:
@@ -169,6 +166,8 @@ def linear_log_probs(
     if x2d.shape[0] == 0:
         empty = jnp.zeros(out_shape, lpf.compute_dtype(x.dtype))
         return (empty, empty) if opts.entropy else empty
+    backend = choose_backend(implementation, x2d.shape, tuple(weight.shape), x2d.dtype, opts.softcap,
+                             bias is not None)
     cfg = _Config(opts, backend, budget, num_classes)
     # Several devices (sharded jit, Explicit mesh): per device, see sharded.py.
     out = (sharded.runner(x2d, weight, cfg) or _llp)(x2d, weight, bias, flat, cfg)

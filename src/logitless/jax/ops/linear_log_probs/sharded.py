@@ -41,13 +41,12 @@ from jax import lax
 
 from logitless.jax import log_probs_formulas as lpf
 from logitless.jax import sharding as shd
+from logitless.jax.ops.linear_log_probs.backends import backend_module
 from logitless.options import LogProbOptions
 
 
 def _backend(name: str):
-    from logitless.jax.ops.linear_log_probs import api  # the op's own registry (api imports us)
-
-    return api.backend_module(name)
+    return backend_module(name)
 
 
 def _can_partition(name: str) -> bool:

@@ -1,0 +1,80 @@
+"""The automatic backend choice of the JAX ops, one policy for all of them.
+
+``implementation=None``: on an NVIDIA GPU the first of "mosaic_gpu" (SM90 only) and
+"triton" that the op registers, that imports and whose ``is_supported`` accepts the
+case; otherwise, and on every other platform (CPU, TPU, ROCm), "xla". An explicit name
+is checked the same way and refused with a ValueError that says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+#: Accelerated backends in the order the automatic choice tries them.
+PREFERENCE = ("mosaic_gpu", "triton")
+
+
+def is_sm90() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    return str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def is_nvidia_gpu() -> bool:
+    """The default device is a CUDA GPU (a numeric compute capability; ROCm's is not)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "x"))[:1].isdigit()
+
+
+def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False) -> bool:
+    """Whether a backend module takes the case (its optional ``is_supported`` and
+    ``CLASS_WEIGHTS`` attributes)."""
+    if has_class_weight and not getattr(module, "CLASS_WEIGHTS", False):
+        return False
+    check = getattr(module, "is_supported", None)
+    return True if check is None else bool(
+        check(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias))
+
+
+def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias,
+           has_class_weight=None, *, nvidia=is_nvidia_gpu, sm90=is_sm90) -> str:
+    """The backend name (the module docstring's policy). ``backend_module(name)``
+    imports a backend of the op; ``registered``: its backend names;
+    ``has_class_weight``: None for ops without class weights (not in the error);
+    ``nvidia``/``sm90``: the device predicates (callables)."""
+    cw = bool(has_class_weight)
+    if implementation is not None:
+        module = backend_module(implementation)
+        if not supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw):
+            raise ValueError(
+                f"implementation {implementation!r} does not support x {x2d_shape}, weight "
+                f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}"
+                + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
+                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
+        return implementation
+    if not nvidia():
+        return "xla"
+    for name in PREFERENCE:
+        if name not in registered or (name == "mosaic_gpu" and not sm90()):
+            continue
+        try:
+            module = backend_module(name)
+        except ImportError:
+            continue
+        except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
+            warnings.warn(f"logitless.jax: the {name} backend failed to import ({exc!r}); trying the next",
+                          RuntimeWarning, stacklevel=4)
+            continue
+        if supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw):
+            return name
+    return "xla"

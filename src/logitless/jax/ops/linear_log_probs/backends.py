@@ -1,0 +1,38 @@
+"""The backends of logitless.jax.linear_log_probs by name, and the automatic choice: the
+JAX ops' shared policy (``logitless/jax/ops/common/choice.py``): on an NVIDIA GPU
+"mosaic_gpu" (SM90; once this op has it) or "triton" (jax-triton installed), else "xla"."""
+
+from __future__ import annotations
+
+import importlib
+
+from logitless.jax.ops.common import choice
+
+#: Backends by name: module path (relative to this package).
+BACKENDS = {"xla": ".xla", "triton": ".triton"}
+#: Backends of linear_cross_entropy not written for this op yet.
+NOT_YET = ("mosaic_gpu",)
+
+
+def backend_module(name: str):
+    if name in NOT_YET:
+        raise ValueError(f"implementation {name!r} is not available for linear_log_probs yet; "
+                         f"use implementation=None or one of {tuple(BACKENDS)}")
+    if name not in BACKENDS:
+        raise ValueError(f"implementation must be None or one of {tuple(BACKENDS)}, got {name!r}")
+    return importlib.import_module(BACKENDS[name], __package__)
+
+
+def _is_sm90() -> bool:
+    return choice.is_sm90()
+
+
+def _is_nvidia_gpu() -> bool:
+    return choice.is_nvidia_gpu()
+
+
+def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias) -> str:
+    """The explicit backend (checked: ValueError saying why it does not fit), or the
+    automatic one (the module docstring's policy)."""
+    return choice.choose(implementation, backend_module, BACKENDS, x2d_shape, w_shape, dtype, softcap,
+                         has_bias, nvidia=lambda: _is_nvidia_gpu(), sm90=lambda: _is_sm90())

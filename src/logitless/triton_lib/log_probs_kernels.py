@@ -1,0 +1,146 @@
+"""Triton kernels of linear_log_probs, framework-free (triton + triton_lib only): the
+PyTorch op (``ops/linear_log_probs``) and the JAX "triton" backend
+(``jax/ops/linear_log_probs/triton.py``) launch these same kernels. The math is in
+``logitless.formulas.log_probs`` (Triton twin ``triton_lib.log_probs_math``), the tile
+of logits in ``triton_lib.gemm``, the launch sizes in ``planning.plans.triton_plan``
+(shared with linear_cross_entropy).
+"""
+
+import triton
+import triton.language as tl
+
+from logitless.triton_lib.gemm import grouped_tile, logits_tile
+from logitless.triton_lib.log_probs_math import load_logp_rows, logp_dz_tile, online_entropy_update
+
+
+@triton.jit
+def logp_forward_kernel(
+    x_ptr, w_ptr, b_ptr, token_ptr,
+    part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, keep_ptr, keep_max_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_keep,
+    blocks_per_split, keep_blocks, softcap, inv_temp, splits, group_n,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, KEEP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
+):
+    """Online statistics of a = softcap(x W^T + b) / T over one split of the vocabulary.
+
+    Program (i, j) (``grouped_tile`` order) takes tokens [i*BLOCK_N, (i+1)*BLOCK_N) and
+    vocabulary blocks [j*blocks_per_split, (j+1)*blocks_per_split) and writes per token
+    the split's max m, s = sum exp(a - m), u = sum exp(a - m)(a - m) (ENTROPY) and a at
+    the token (0 if elsewhere). The fp32 GEMM tile is divided by T in fp32 (x is never
+    rounded after a division). Traffic: the GEMM's reads plus O(N * splits) partials.
+    KEEP: for blocks below keep_blocks also store e = exp(a - m) in keep's dtype and m
+    (per token and block), so that the backward needs no GEMM for them.
+    """
+    pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
+    # A token outside [0, V) (another shard's, or invalid) matches no column, not even padding.
+    token = tl.where((token >= 0) & (token < V), token, -1)
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    u = tl.zeros((BLOCK_N,), tl.float32)
+    a_t = tl.zeros((BLOCK_N,), tl.float32)
+
+    first_block = split * blocks_per_split
+    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    for i in tl.range(0, num_blocks, flatten=FLATTEN):
+        offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = offs_v < V
+        z = logits_tile(
+            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
+            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
+        m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
+        if KEEP:
+            block = first_block + i
+            if block < keep_blocks:
+                if USE_TMA:
+                    keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
+                else:
+                    keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+                    tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
+        # After the KEEP stores: with the token's sum before them, triton 3.6's
+        # TritonGPUFuseNestedLoops pass fails on KEEP + FLATTEN ("scf.if ... 5 operands,
+        # target successor needs 7"; reproduced with an sm_90 AOT compile on the CPU).
+        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
+
+    out = split.to(tl.int64) * N + offs_n
+    tl.store(part_max_ptr + out, m, mask=row_ok)
+    tl.store(part_sum_ptr + out, s, mask=row_ok)
+    tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
+    if ENTROPY:
+        tl.store(part_u_ptr + out, u, mask=row_ok)
+
+
+@triton.jit
+def logp_dlogits_kernel(
+    x_ptr, w_ptr, b_ptr, token_ptr, lse_ptr, coef_ptr, dz_ptr,
+    N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, stride_dzn,
+    v_start, v_end, softcap, inv_temp, group_n,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+):
+    """dz for columns [v_start, v_end), recomputing the GEMM tile: log p = a - lse,
+    dz = p (A + C log p) - B [j == t] (times the soft-cap factor). Traffic: the GEMM's
+    reads plus one write of the chunk. Persistent when there are fewer programs than tiles."""
+    row_blocks = tl.cdiv(N, BLOCK_N)
+    col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
+    for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
+        pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = offs_n < N
+        col_ok = offs_v < v_end
+        z = logits_tile(
+            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
+            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
+        logp = z * inv_temp - lse[:, None]
+        p = tl.exp(logp)
+        dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)
+        if DZ_TMA:
+            dz_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(dz_ptr.dtype))
+        else:
+            dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
+            tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def logp_kept_dlogits_kernel(
+    keep_ptr, keep_max_ptr, token_ptr, lse_ptr, coef_ptr,
+    N, keep_cols, stride_keep, softcap, temperature,
+    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dz for the kept columns, in place: e = exp(a - m) becomes dz. p = e exp(m - lse);
+    log p = log e + m - lse only with entropy / a soft-cap (the planner keeps no columns
+    where e could underflow and a soft-cap needs z = T (log p + lse)). No GEMM:
+    one read and one write of the kept buffer. BLOCK_V must be the forward's."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    mask = row_ok[:, None] & (offs_v < keep_cols)[None, :]
+    ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
+    lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
+    p = e * tl.exp(m - lse)[:, None]
+    logp = p  # unused without entropy or a soft-cap
+    if ENTROPY or HAS_SOFTCAP:
+        logp = tl.log(e) + (m - lse)[:, None]
+    dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature, HAS_SOFTCAP, ENTROPY)
+    tl.store(ptrs, dz.to(keep_ptr.dtype.element_ty), mask=mask)
