@@ -12,6 +12,14 @@ Methods:
     logitless-xla     logitless.jax.linear_cross_entropy(implementation="xla")
     logitless-mosaic  implementation="mosaic_gpu" (SM90 GPUs)
     logitless         implementation=None (the automatic choice)
+    logp-xla-logits   token log-probs + entropy at T = 0.7 with the fp32 logits materialised
+    logp              logitless.jax.linear_log_probs(temperature=0.7, entropy=True)
+                      (the RL case: loss = mean(log p) + 0.01 mean(H)), automatic backend
+    logp-xla          the same with implementation="xla"; the logp rows are
+                      also compared with the same op on ONE device (global shape, unsharded
+                      inputs on device 0: time and temp bytes measured once per op, the
+                      "1 device" rows; logp-xla-logits against the automatic one), column
+                      "vs 1-dev op"
 Metrics per mode and method: fwd+bwd median ms (jit of value_and_grad w.r.t. x and
 weight), its ratio to ONE device's three GEMMs of the whole problem (3 x the time of
 ``jnp.dot(x, w.T)`` of the global shape on device 0: 1.0 = one GPU's GEMM cost, 0.5 =
@@ -38,7 +46,10 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 MODES = ("data", "tensor", "2d")
-METHODS = ("xla-logits", "logitless-xla", "logitless-mosaic", "logitless")
+METHODS = ("xla-logits", "logitless-xla", "logitless-mosaic", "logitless", "logp-xla-logits", "logp-xla", "logp")
+#: Methods of the log-prob rows (their own reference loss and one-device baseline).
+LOGP_METHODS = ("logp-xla-logits", "logp-xla", "logp")
+LOGP_TEMPERATURE = 0.7
 #: llama3.1-8b's LM head and 8192 tokens in all (the issue's setting).
 DEFAULT_SHAPE = (8192, 4096, 128256)
 CPU_SHAPE = (256, 64, 4096)
@@ -59,6 +70,8 @@ def build_parser():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--cpu", action="store_true", help="the small CPU shape")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default="jax-sharded",
+                   help="result files <name>-<tag>-<date>.* and latest-<name>-<tag>.* (e.g. jax-sharded-logp)")
     p.add_argument("--max-minutes", type=float, help="no new row starts past this")
     return p
 
@@ -128,6 +141,22 @@ def _loss_fn(method):
             lp = jax.nn.log_softmax(z, axis=-1)
             return -jnp.mean(jnp.take_along_axis(lp, t[:, None], axis=-1))
         return f
+    if method == "logp-xla-logits":
+        def f(x, w, t):
+            z = jnp.dot(x, w.T, preferred_element_type=jnp.float32) / LOGP_TEMPERATURE
+            lp = jax.nn.log_softmax(z, axis=-1)
+            ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+            return jnp.mean(jnp.take_along_axis(lp, t[:, None], axis=-1)) + 0.01 * jnp.mean(ent)
+        return f
+    if method in ("logp", "logp-xla"):
+        from logitless.jax import linear_log_probs
+
+        impl = "xla" if method == "logp-xla" else None
+
+        def f(x, w, t):
+            lp, ent = linear_log_probs(x, w, t, temperature=LOGP_TEMPERATURE, entropy=True, implementation=impl)
+            return jnp.mean(lp) + 0.01 * jnp.mean(ent)
+        return f
     impl = {"logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu", "logitless": None}[method]
     return lambda x, w, t: linear_cross_entropy(x, w, t, implementation=impl)
 
@@ -142,8 +171,8 @@ def _mesh(mode, explicit):
     return jax.make_mesh(shape, ("data", "model"), axis_types=types)
 
 
-COLUMNS = ("mode", "method", "fwd+bwd ms", "f+b / 1 dev 3 GEMMs", "temp MiB/dev", "|loss-xla|", "collectives",
-           "compile s", "note")
+COLUMNS = ("mode", "method", "fwd+bwd ms", "f+b / 1 dev 3 GEMMs", "vs 1-dev op", "temp MiB/dev", "|loss-xla|",
+           "collectives", "compile s", "note")
 
 
 def _fmt(v):
@@ -164,7 +193,8 @@ def markdown(data) -> str:
              f"{'' if data.get('complete') else ' — **partial**'}", "",
              "temp MiB/dev: XLA's compiled temporary bytes per device of the jitted fwd+bwd "
              "(`memory_analysis().temp_size_in_bytes`); collectives: kinds x count (largest operand) in "
-             "the compiled HLO.", "",
+             "the compiled HLO; vs 1-dev op (logp rows): fwd+bwd time / the same op's on one device "
+             "(the \"1 device\" row); |loss-xla| of a logp row: against logp-xla-logits.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in data["rows"]:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
@@ -180,7 +210,8 @@ def save(data, out_dir):
     tag = re.sub(r"[^A-Za-z0-9]+", "", tag) or "dev"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     paths = []
-    for name in (f"jax-sharded-{tag}-{stamp}", f"latest-jax-sharded-{tag}"):
+    base = data["settings"].get("name", "jax-sharded")
+    for name in (f"{base}-{tag}-{stamp}", f"latest-{base}-{tag}"):
         (out / f"{name}.json").write_text(json.dumps(data, indent=1))
         (out / f"{name}.md").write_text(markdown(data))
         paths.append(out / f"{name}.md")
@@ -215,7 +246,8 @@ def run(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     ndev = len(jax.devices())
     data = {"meta": environment(argv), "settings": {"shape": [n, h, v], "dtype": dtype.name, "warmup": args.warmup,
-                                                   "reps": args.reps, "explicit": args.explicit},
+                                                   "reps": args.reps, "explicit": args.explicit,
+                                                   "name": args.name},
             "rows": [], "notes": [], "complete": False}
 
     key = jax.random.PRNGKey(0)
@@ -236,6 +268,26 @@ def run(argv=None) -> int:
     print(f"[jax-sharded] {ndev} devices, shape {n}x{h}x{v} {dtype.name}, 3 GEMMs on one device: "
           f"{data['gemm3_ms']} ms", flush=True)
 
+    data["logp_1dev_ms"] = {}
+    for method in [m for m in ("logp", "logp-xla") if m in methods]:
+        row = {"mode": "1 device", "method": method}
+        try:
+            x0, w0, t0 = (jax.device_put(a, d0) for a in (x, w, t))
+            compiled = jax.jit(jax.value_and_grad(_loss_fn(method), argnums=(0, 1))).lower(x0, w0, t0).compile()
+            mem = compiled.memory_analysis()
+            if mem is not None:
+                row["temp MiB/dev"] = mem.temp_size_in_bytes / 2**20
+            row["fwd+bwd ms"] = _median_ms(compiled, (x0, w0, t0), args.warmup, args.reps)
+            row["vs 1-dev op"] = 1.0
+            if data.get("gemm3_ms"):
+                row["f+b / 1 dev 3 GEMMs"] = row["fwd+bwd ms"] / data["gemm3_ms"]
+            data["logp_1dev_ms"][method] = row["fwd+bwd ms"]
+            del x0, w0, t0, compiled
+        except Exception as exc:
+            row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        data["rows"].append(row)
+        print("[jax-sharded] " + " | ".join(f"{c}={_fmt(row.get(c))}" for c in COLUMNS), flush=True)
+
     specs = {"data": (P("data"), P()), "tensor": (P(), P("model")), "2d": (P("data"), P("model"))}
     for mode in modes:
         if mode == "2d" and ndev < 4:
@@ -248,7 +300,7 @@ def run(argv=None) -> int:
         xs = jax.device_put(x, NamedSharding(mesh, xs_spec))
         ws = jax.device_put(w, NamedSharding(mesh, ws_spec))
         ts = jax.device_put(t, NamedSharding(mesh, P(xs_spec[0] if len(xs_spec) else None)))
-        ref_loss = None
+        ref_loss = {}
         for method in methods:
             if args.max_minutes and time.perf_counter() - t_start > 60 * args.max_minutes:
                 data["notes"].append(f"time limit: {mode}/{method} and later rows not run")
@@ -270,11 +322,16 @@ def run(argv=None) -> int:
                 row["fwd+bwd ms"] = ms
                 if data.get("gemm3_ms"):
                     row["f+b / 1 dev 3 GEMMs"] = ms / data["gemm3_ms"]
+                family = "logp" if method in LOGP_METHODS else "ce"
+                one = data["logp_1dev_ms"]
+                base = one.get(method, one.get("logp", one.get("logp-xla")))  # logits row: vs the op
+                if family == "logp" and base:
+                    row["vs 1-dev op"] = ms / base
                 loss = float(compiled(xs, ws, ts)[0])
-                if method == "xla-logits":
-                    ref_loss = loss
-                elif ref_loss is not None:
-                    row["|loss-xla|"] = abs(loss - ref_loss)
+                if method in ("xla-logits", "logp-xla-logits"):
+                    ref_loss[family] = loss
+                elif family in ref_loss:
+                    row["|loss-xla|"] = abs(loss - ref_loss[family])
             except Exception as exc:
                 row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             data["rows"].append(row)

@@ -18,4 +18,10 @@ policy shared with linear_cross_entropy): "xla" (plain JAX, chunked) and "triton
 PyTorch op's Triton kernels through jax-triton; Triton's interpreter without a GPU;
 optional ``is_supported`` hook as for linear_cross_entropy). "mosaic_gpu" is not written
 yet for this op.
+
+``can_partition() -> bool`` (optional): whether the backend may run per device on
+several devices (``sharded.py``: custom_partitioning / shard_map); without it only
+"xla" is partitioned and other backends run the unsharded program. Per device the
+backend sees local shapes, tokens as local column ids (-1 off the shard) and
+``opts.ignore_index == -1``.
 """

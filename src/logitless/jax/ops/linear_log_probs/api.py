@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
     NOT_YET,
@@ -167,6 +168,8 @@ def linear_log_probs(
         return (empty, empty) if opts.entropy else empty
     backend = choose_backend(implementation, x2d.shape, tuple(weight.shape), x2d.dtype, opts.softcap,
                              bias is not None)
-    out = _llp(x2d, weight, bias, flat, _Config(opts, backend, budget, num_classes))
+    cfg = _Config(opts, backend, budget, num_classes)
+    # Several devices (sharded jit, Explicit mesh): per device, see sharded.py.
+    out = (sharded.runner(x2d, weight, cfg) or _llp)(x2d, weight, bias, flat, cfg)
     out = tuple(jnp.reshape(o, out_shape) for o in out)
     return out if opts.entropy else out[0]

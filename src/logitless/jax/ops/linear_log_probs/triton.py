@@ -63,6 +63,13 @@ _KERNEL_MODULES = (
 )
 
 
+def can_partition() -> bool:
+    """Whether the sharded jit path (``sharded.py``: custom_partitioning / shard_map) may
+    call these kernels: not through the interpreter's host callback (the op then runs
+    unsharded)."""
+    return not _interpret()
+
+
 def is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool:
     """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton, or on the CPU
     (Triton's interpreter) with triton installed."""
