@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from logitless.ops.linear_cross_entropy import api as _lce_api
+from logitless.transformers.patch import run_backbone as _run_backbone
 
 from . import hf as _hf
 
@@ -76,7 +77,7 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
                     kwargs[k] = v
             return previous(*args, **kwargs)
         kwargs["use_cache"] = False
-        out = _hf.backbone(self)(*args, **kwargs)
+        out = _run_backbone(self, _hf.backbone(self), *args, **kwargs)  # (not a bypass of patch(model))
         hidden = out.last_hidden_state
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
