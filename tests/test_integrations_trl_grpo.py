@@ -6,6 +6,7 @@ entropy as TRL's own fused head."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import logitless.integrations.hf as hf  # noqa: E402
 import logitless.integrations.trl as lt_trl  # noqa: E402
+import logitless.transformers as lt  # noqa: E402
+from logitless.transformers.bypass import PatchBypassedWarning  # noqa: E402
 
 from .test_integrations_hf import tiny_llama  # noqa: E402
 from .test_integrations_trl_sft import WORDS, _tokenizer  # noqa: E402
@@ -109,3 +112,21 @@ def test_grpo_trainer_uses_logitless_with_trl_numbers(tmp_path, counter, cfg):
     assert sum("reward" in t for t in theirs) == 2  # two generation rounds (steps 1 and 3)
     assert all(math.isfinite(o["entropy"]) and o["entropy"] > 0 for o in ours)
     assert any(abs(o["kl"]) > 0 for o in ours)  # the policy moved away from the reference
+
+
+def test_grpo_on_a_plainly_patched_model_warns_and_patch_grpo_fixes_it(tmp_path, counter):
+    """lt.patch(model) alone is bypassed by GRPOTrainer's fused head: warned, naming patch_grpo;
+    with patch_grpo on top, logitless serves the log-probs (same numbers as TRL's) and nothing warns."""
+    theirs, seen_theirs = _train(tmp_path, False, steps=2)
+    with pytest.warns(PatchBypassedWarning, match=r"patch_grpo\(trainer\)"):
+        plain, seen_plain = _train(tmp_path, False, steps=2, prepare=lt.patch)
+    assert counter == [] and seen_plain == seen_theirs  # TRL's own head ran: logitless computed nothing
+    assert [[p[k] for k in COMPARED] for p in plain] == [[t[k] for k in COMPARED] for t in theirs]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ours, seen_ours = _train(tmp_path, True, steps=2, prepare=lt.patch)
+    assert [w for w in seen if issubclass(w.category, PatchBypassedWarning)] == []
+    assert len(counter) >= 2 and seen_ours == seen_theirs
+    for o, t in zip(ours, theirs):
+        for key in COMPARED:
+            assert o[key] == pytest.approx(t[key], rel=1e-5, abs=1e-5), key

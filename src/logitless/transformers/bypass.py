@@ -28,6 +28,7 @@ The message names the replacing function and, for TRL's fused head (a forward ta
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ def backbone_of(model: nn.Module):
     return base if isinstance(base, nn.Module) and base is not model else None
 
 
-def install(owner: nn.Module, state) -> "Guard | None":
+def install(owner: nn.Module, state) -> Optional[Guard]:
     backbone = backbone_of(owner)
     if backbone is None:
         return None
