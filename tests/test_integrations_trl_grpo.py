@@ -114,6 +114,19 @@ def test_grpo_trainer_uses_logitless_with_trl_numbers(tmp_path, counter, cfg):
     assert any(abs(o["kl"]) > 0 for o in ours)  # the policy moved away from the reference
 
 
+def test_grpo_bf16_model_with_fp32_head(tmp_path, counter):
+    """GRPOConfig(cast_lm_head_to_fp32=True) on a bf16 model: TRL casts the heads to fp32 and
+    projects fp32 hidden states; patch_grpo does the same (mixed dtypes would be refused)."""
+    kw = {"steps": 2, "prepare": lambda m: m.to(torch.bfloat16), "cast_lm_head_to_fp32": True}
+    theirs, seen_theirs = _train(tmp_path, False, **kw)
+    ours, seen_ours = _train(tmp_path, True, **kw)
+    assert len([c for c in counter if c["entropy"]]) >= 2 and len([c for c in counter if not c["entropy"]]) >= 1
+    assert seen_ours == seen_theirs
+    for o, t in zip(ours, theirs):
+        for key in COMPARED:
+            assert o[key] == pytest.approx(t[key], rel=1e-4, abs=1e-4), key
+
+
 def test_grpo_on_a_plainly_patched_model_warns_and_patch_grpo_fixes_it(tmp_path, counter):
     """lt.patch(model) alone is bypassed by GRPOTrainer's fused head: warned, naming patch_grpo;
     with patch_grpo on top, logitless serves the log-probs (same numbers as TRL's) and nothing warns."""
