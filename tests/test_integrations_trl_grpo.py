@@ -47,7 +47,7 @@ def _saved_model(tmp_path):
     return str(path)
 
 
-def _train(tmp_path, patched, steps=3, prepare=None, **cfg):
+def _train(tmp_path, patched, steps=3, prepare=None, peft=False, **cfg):
     seen = []
 
     def reward(prompts, completions, **kw):
@@ -63,9 +63,16 @@ def _train(tmp_path, patched, steps=3, prepare=None, **cfg):
     model = transformers.AutoModelForCausalLM.from_pretrained(_saved_model(tmp_path))
     if prepare is not None:
         prepare(model)
+    extra = {}
+    if peft:
+        peft_mod = pytest.importorskip("peft", reason="peft not importable")
+        extra["peft_config"] = peft_mod.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                   target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=_prompts(),
-                          processing_class=_tokenizer())
-    assert trainer.ref_model is not None  # beta > 0: the reference model's log-probs are computed
+                          processing_class=_tokenizer(), **extra)
+    # beta > 0: the reference log-probs are computed (by the reference model, or with LoRA by the
+    # policy with its adapters disabled)
+    assert (trainer.ref_model is None) == peft
     if patched:
         lt_trl.patch_grpo(trainer)
     trainer.train()
@@ -125,6 +132,19 @@ def test_grpo_bf16_model_with_fp32_head(tmp_path, counter):
     for o, t in zip(ours, theirs):
         for key in COMPARED:
             assert o[key] == pytest.approx(t[key], rel=1e-4, abs=1e-4), key
+
+
+def test_grpo_lora(tmp_path, counter):
+    """PEFT LoRA: no reference model; the reference log-probs come from the policy with its
+    adapters disabled, through the base model's (patched) head."""
+    theirs, seen_theirs = _train(tmp_path, False, steps=2, peft=True)
+    ours, seen_ours = _train(tmp_path, True, steps=2, peft=True)
+    assert len(counter) >= 4 and all(c["entropy"] for c in counter)  # policy and adapter-free reference passes
+    assert seen_ours == seen_theirs
+    for o, t in zip(ours, theirs):
+        for key in COMPARED:
+            assert o[key] == pytest.approx(t[key], rel=1e-5, abs=1e-5), key
+    assert any(abs(o["kl"]) > 0 for o in ours)
 
 
 def test_grpo_on_a_plainly_patched_model_warns_and_patch_grpo_fixes_it(tmp_path, counter):
