@@ -21,6 +21,9 @@ Mechanism (the same for every family; no copied forwards):
    returns the model's output class with ``loss`` set and ``logits=None``.
 
 Without labels or in eval mode the original forward runs unchanged (generation, metrics).
+A trainer that later replaces ``model.forward`` and runs the backbone itself (TRL's fused
+LM head) bypasses all of this: a forward pre-hook on the backbone warns once, naming the
+fix (``bypass.py``).
 The state lives in the instance's ``__dict__``: ``copy.deepcopy`` (TRL's reference
 models) gives an independent patched copy; pickling is not supported while patched.
 """
