@@ -131,6 +131,21 @@ def test_accelerate_wrapper_over_the_patched_forward_does_not_warn():
     assert _bypassed(seen) == []
 
 
+def test_patch_over_accelerate_wrapper_does_not_warn():
+    """patch after accelerate wrapped the (unpatched) forward: _original_forward is the class's."""
+    model = tiny_llama(seed=5).train()
+    model._original_forward = model.forward
+    wrapped = model.forward
+    model.forward = lambda *a, **k: wrapped(*a, **k)
+    lt.patch(model)
+    ids, labels = _batch(4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(input_ids=ids, labels=labels).loss.backward()
+        lt.causal_lm_loss(model, model.model(input_ids=ids).last_hidden_state, labels).backward()
+    assert _bypassed(seen) == []
+
+
 def test_deepcopy_and_unpatch():
     model = lt.patch(tiny_llama(seed=6)).train()
     twin = copy.deepcopy(model)  # TRL's reference models, ZeRO-3 copies

@@ -86,13 +86,10 @@ def _function(fn):
     return getattr(fn, "__func__", fn)
 
 
-def effective_forward(owner: nn.Module):
-    """The instance's forward, looking through accelerate's autocast wrapper (``_original_forward``)."""
-    fwd = vars(owner).get("forward")
-    inner = vars(owner).get("_original_forward")
-    if fwd is not None and inner is not None:
-        return inner
-    return fwd
+def instance_forwards(owner: nn.Module) -> list:
+    """The instance's forward and, under accelerate's autocast wrapper, the one it wraps
+    (``_original_forward``)."""
+    return [f for f in (vars(owner).get("forward"), vars(owner).get("_original_forward")) if f is not None]
 
 
 def is_patched_forward(fn) -> bool:
@@ -132,8 +129,9 @@ def pre_hook(module: nn.Module, args) -> None:
     guard = vars(module).get(BACKBONE_ATTR)
     if guard is None or guard.warned or guard.entered or guard.state.job is not None:
         return
-    fwd = effective_forward(guard.owner)
-    if fwd is None or is_patched_forward(fwd):
+    forwards = instance_forwards(guard.owner)
+    if not forwards or any(is_patched_forward(f) for f in forwards):
         return  # the caller runs the backbone itself and keeps the patched forward (causal_lm_loss)
+    fwd = next((f for f in forwards if is_fused_head_forward(f)), forwards[0])
     guard.warned = True
     warnings.warn(message(guard.owner, fwd), PatchBypassedWarning, stacklevel=3)

@@ -122,7 +122,7 @@ def _refusal(model) -> Optional[str]:
     if reason:
         return reason
     name = type(model).__name__
-    if _STATE not in vars(model) and _bypass.is_fused_head_forward(_bypass.effective_forward(model)):
+    if _STATE not in vars(model) and any(_bypass.is_fused_head_forward(f) for f in _bypass.instance_forwards(model)):
         return (f"{name} carries TRL's fused LM head (its trainer runs the backbone and the head itself, so "
                 f"patch would never run); use {_bypass.TRL_FIX} instead")
     if "forward" in vars(model) and _STATE not in vars(model) and "_original_forward" not in vars(model):
