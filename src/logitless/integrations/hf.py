@@ -15,6 +15,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from logitless.ops.linear_log_probs import linear_log_probs
+from logitless.transformers.patch import run_backbone
 
 _SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 
@@ -80,7 +81,7 @@ def hf_log_probs(model, input_ids: Tensor, attention_mask: Optional[Tensor] = No
         logp (B, L - 1) or (B, k) fp32, or ``(logp, entropy)``.
     """
     opts = head_options(model)
-    out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    out = run_backbone(model, backbone(model), input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     hidden, tokens = hidden[:, :-1], input_ids[:, 1:]
     if logits_to_keep is not None:

@@ -29,6 +29,7 @@ installs a head whose log-probs and ``is_top1`` come from one
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from typing import Any, Optional
@@ -36,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from logitless.ops.linear_cross_entropy import api as _lce_api
+from logitless.transformers.patch import run_backbone as _run_backbone
 
 from . import hf as _hf
 
@@ -48,7 +50,8 @@ def _output_class():
         return types.SimpleNamespace
 
 
-def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True, is_top1: bool = False) -> None:
+def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True, is_top1: bool = False,
+                          cast_lm_head_to_fp32: bool = False) -> None:
     """Make ``model(..., labels=labels, fused_lm_head=True)`` return per-token log-probs
     (and entropy) from logitless: TRL's fused-head protocol (``add_fused_lm_head``).
 
@@ -59,6 +62,8 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
     (argmax == label), both from the same pass; ``entropy=True`` then costs one more
     forward-only pass over the vocabulary (``linear_log_probs`` under no_grad, one GEMM),
     and ``entropy=False`` returns NaN entropies (a metric that reads them logs NaN).
+    ``cast_lm_head_to_fp32`` (GRPOConfig's, with ``is_top1=False``): the hidden states and
+    the head in fp32, outside autocast, as TRL's head does then.
     """
     _hf.head_options(model)  # refuse unsupported logit scalings now, not mid-training
     if getattr(_hf.text_config(model), "output_router_logits", False):
@@ -76,7 +81,7 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
                     kwargs[k] = v
             return previous(*args, **kwargs)
         kwargs["use_cache"] = False
-        out = _hf.backbone(self)(*args, **kwargs)
+        out = _run_backbone(self, _hf.backbone(self), *args, **kwargs)  # (not a bypass of patch(model))
         hidden = out.last_hidden_state
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
@@ -100,8 +105,14 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
                 _warn_no_entropy()
                 ent = torch.full(labels.shape, float("nan"), device=labels.device)
         else:
-            res = _hf.linear_log_probs(hidden, head.weight, labels, head.bias, temperature=temperature,
-                                       entropy=entropy, ignore_index=-100, **opts)
+            x, w, b = hidden, head.weight, head.bias
+            ctx = contextlib.nullcontext()
+            if cast_lm_head_to_fp32:
+                x, w, b = x.float(), w.float(), None if b is None else b.float()
+                ctx = torch.autocast(x.device.type, enabled=False)
+            with ctx:
+                res = _hf.linear_log_probs(x, w, labels, b, temperature=temperature, entropy=entropy,
+                                           ignore_index=-100, **opts)
             log_probs, ent = res if entropy else (res, None)
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return _output_class()(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=ent,
@@ -153,10 +164,11 @@ def patch_grpo(trainer) -> None:
     entropy, for the policy and the reference model, through logitless. Call after
     constructing the trainer, before ``train()``."""
     temperature = float(getattr(trainer, "temperature", getattr(trainer.args, "temperature", 1.0)))
-    add_logitless_lm_head(_unwrapped(trainer.model), temperature)
+    fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
+    add_logitless_lm_head(_unwrapped(trainer.model), temperature, cast_lm_head_to_fp32=fp32)
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
-        add_logitless_lm_head(ref, temperature, entropy=False)
+        add_logitless_lm_head(ref, temperature, entropy=False, cast_lm_head_to_fp32=fp32)
 
 
 # --------------------------------------------------------------------------------------------

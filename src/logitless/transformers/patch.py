@@ -21,6 +21,9 @@ Mechanism (the same for every family; no copied forwards):
    returns the model's output class with ``loss`` set and ``logits=None``.
 
 Without labels or in eval mode the original forward runs unchanged (generation, metrics).
+A trainer that later replaces ``model.forward`` and runs the backbone itself (TRL's fused
+LM head) bypasses all of this: a forward pre-hook on the backbone warns once, naming the
+fix (``bypass.py``).
 The state lives in the instance's ``__dict__``: ``copy.deepcopy`` (TRL's reference
 models) gives an independent patched copy; pickling is not supported while patched.
 """
@@ -37,6 +40,7 @@ from torch import nn
 
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
+from . import bypass as _bypass
 from .head import head_out_features, head_refusal
 from .loss import hf_causal_lm_loss
 from .registry import ADVICE, SUPPORTED, module_name
@@ -61,6 +65,7 @@ class _State:
         self.var_kw = var_kw
         self.job = None
         self.result = None
+        self.guard = None  # the backbone's bypass detector (bypass.py), or None
 
 
 def find_model(model) -> nn.Module:
@@ -117,6 +122,9 @@ def _refusal(model) -> Optional[str]:
     if reason:
         return reason
     name = type(model).__name__
+    if _STATE not in vars(model) and any(_bypass.is_fused_head_forward(f) for f in _bypass.instance_forwards(model)):
+        return (f"{name} carries TRL's fused LM head (its trainer runs the backbone and the head itself, so "
+                f"patch would never run); use {_bypass.TRL_FIX} instead")
     if "forward" in vars(model) and _STATE not in vars(model) and "_original_forward" not in vars(model):
         # (accelerate's autocast wrapper, which keeps _original_forward, is fine: it calls the original)
         return (f"{name}.forward is already replaced on this instance by another library (e.g. liger-kernel's "
@@ -241,7 +249,7 @@ def _patched_forward(self, *args, **kwargs):
     kw.update(kwargs)
     labels = kw.get("labels")
     if labels is None:
-        return _wrapped_forward(self, state, *args, **kwargs)
+        return _entered(state, _wrapped_forward, self, state, *args, **kwargs)
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     if self.loss_function is not LOSS_MAPPING["ForCausalLM"]:
@@ -262,6 +270,28 @@ def _patched_forward(self, *args, **kwargs):
     fields.update(loss=loss, logits=None)
     out = type(out)(**fields)
     return out if return_dict else out.to_tuple()
+
+
+def _entered(state: _State, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` counted as a logitless path running the backbone (see bypass.py)."""
+    guard = state.guard
+    if guard is None or torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    guard.entered += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        guard.entered -= 1
+
+
+def run_backbone(model, backbone, *args, **kwargs):
+    """``backbone(*args, **kwargs)`` for logitless' own heads that run a (possibly patched)
+    model's backbone themselves (``logitless.integrations``): never taken for a bypass of
+    the patch. Plain call if the model is not patched."""
+    state = vars(find_model(model)).get(_STATE)
+    if state is None:
+        return backbone(*args, **kwargs)
+    return _entered(state, backbone, *args, **kwargs)
 
 
 def _forward_signature(fn) -> tuple[inspect.Signature, tuple, Optional[str]]:
@@ -288,6 +318,7 @@ def _forward_for(cls: type, sig: inspect.Signature):
         forward.__doc__ = cls.forward.__doc__
         forward.__name__ = "forward"
         forward.__qualname__ = f"{cls.__name__}.forward"
+        setattr(forward, _bypass.PATCHED_FORWARD_ATTR, True)
         fn = _FORWARDS[cls] = forward
     return fn
 
@@ -319,6 +350,7 @@ def _patch_instance(model, options: dict):
     _install_head(inner.get_output_embeddings(), state)
     object.__setattr__(inner, "forward", types.MethodType(_forward_for(type(inner), sig), inner))
     object.__setattr__(inner, _STATE, state)
+    state.guard = _bypass.install(inner, state)
     return model
 
 
@@ -329,6 +361,8 @@ def _unpatch_instance(model):
         return model
     for module in inner.modules():  # the head, and former heads still inside it (a LoRA head's base layer)
         _uninstall_head(module, state)
+    if state.guard is not None:
+        _bypass.uninstall_from(state.guard.backbone)
     if state.original is not None:
         object.__setattr__(inner, "forward", state.original)
     else:
