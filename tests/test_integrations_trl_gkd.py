@@ -4,6 +4,8 @@ per-step losses as TRL's own; gkd_loss against TRL's generalized_jsd_loss."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -293,3 +295,26 @@ def test_distillation_trainer_cuda(tmp_path, counter):
     for o, t in zip(ours, theirs):
         assert o["loss"] == pytest.approx(t["loss"], rel=1e-4, abs=1e-6)
         assert o["entropy"] == pytest.approx(t["entropy"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gkd", "distillation"])
+def test_patched_student_no_bypass_warning(tmp_path, kind, counter, monkeypatch):
+    """lt.patch(student) + patch_gkd: logitless runs the backbone itself, so the bypass
+    detector of patch() stays silent (an error here), and the losses are TRL's."""
+    import warnings
+
+    import logitless.transformers as lt
+    from logitless.transformers.bypass import PatchBypassedWarning
+
+    theirs = (_train_gkd(tmp_path / "a", False) if kind == "gkd"
+              else [h["loss"] for h in _train_distillation(tmp_path / "a", False)])
+    real = tiny_llama
+    monkeypatch.setattr(sys.modules[__name__], "tiny_llama",
+                        lambda seed, hidden, **kw: lt.patch(real(seed, hidden, **kw)) if seed == 3
+                        else real(seed, hidden, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PatchBypassedWarning)
+        ours = (_train_gkd(tmp_path / "b", True) if kind == "gkd"
+                else [h["loss"] for h in _train_distillation(tmp_path / "b", True)])
+    assert len(counter) >= 3
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-7)

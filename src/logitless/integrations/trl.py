@@ -256,7 +256,8 @@ def _install_loss_forward(model) -> None:
 
 
 def _last_hidden(model, input_ids, attention_mask):
-    out = _hf.backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    out = _run_backbone(model, _hf.backbone(model), input_ids=input_ids, attention_mask=attention_mask,
+                        use_cache=False)  # (not a bypass of patch(model))
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
