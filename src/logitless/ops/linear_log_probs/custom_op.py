@@ -33,15 +33,12 @@ from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import custom_op, guard_double_backward, named
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.options import LogProbOptions, VocabParallelOptions
 
 from .token_checks import check_tokens_in_range
 
 OP = "linear_log_probs"
-
-
-#: Shape of the keep buffers when nothing is kept (see linear_cross_entropy: not (0, 0)).
-NOTHING_KEPT = (1, 1)
 
 
 def _forward(
@@ -86,8 +83,7 @@ def _forward(
             lse = stats.lse
     ent = ent.to(sd) if ent is not None else x.new_empty(0, dtype=sd)
     if kept is None:
-        kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
-                torch.empty(0, dtype=torch.int64))
+        kept = nothing_kept(x)
     return logp.to(sd), ent, lse.to(sd), kept[0], kept[1], kept[2]
 
 
@@ -97,30 +93,20 @@ llp_forward = custom_op("llp_forward", _forward)
 @llp_forward.register_fake
 def _(x, weight, bias, tokens, temperature, entropy, softcap, ignore_index, backend, budget, need_grad,
       tp_group="", vocab_size=-1, partial_dx=False):
-    n, (v, h) = x.shape[0], weight.shape
+    n = x.shape[0]
     sd = compute_dtype(x.dtype)
-    keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
+    kept = fake_kept_tensors(x)
     if backend == "triton" and need_grad:
-        if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
-            from .triton_backend import PLAN_SIZE, kept_shapes
+        from .triton_backend import PLAN_SIZE, kept_shapes
 
-            opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
-            shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, opts, need_grad)
-            if shapes is not None:
-                (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
-        else:  # symbolic sizes, or a padded vocab-parallel head (this rank's real rows are
-            # known at run time): what the plan keeps is only known at run time
-            ctx = torch.library.get_ctx()
-            keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-            max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-            plan_size = ctx.new_dynamic_size()
+        opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+        kept = fake_kept(x, weight, tp_group, vocab_size, PLAN_SIZE, lambda n, v, h: kept_shapes(
+            n, v, h, x.dtype, budget, x.device, opts, need_grad))
     return (
         x.new_empty(n, dtype=sd),
         x.new_empty(n if entropy else 0, dtype=sd),
         x.new_empty(n, dtype=sd),
-        x.new_empty(keep_shape),
-        x.new_empty(max_shape, dtype=torch.float32),
-        torch.empty(plan_size, dtype=torch.int64, device="cpu"),
+        *kept,
     )
 
 
@@ -208,7 +194,7 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     x, weight, bias, tokens, lse, ent = ctx.saved_tensors
     keep, keep_max, plan = ctx.kept
-    ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
+    ctx.kept = nothing_kept(keep)
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
         return (None,) * ctx.num_inputs
