@@ -6,20 +6,28 @@
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
+    plan_to_tensor / _from_tensor  a TritonPlan as a CPU int64 tensor (a custom op's output)
+    kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
+    backward_chunks / dz_buffer /  the backward's column chunks, its dz buffer, dz's TMA
+      dz_operand / dlogits_tiles   descriptor and the dlogits kernel's grid
 
 No host syncs; no atomics: results are bitwise repeatable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
 import torch
+import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from logitless.planning import plans as _plans
 from logitless.planning.overrides import current as _overrides
+from logitless.planning.plans import TritonPlan
 
 
 def tf32_allowed() -> bool:
@@ -129,3 +137,77 @@ def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Ten
         return dz @ w_rows
     dx_accumulate(dx_acc, dz, w_rows)
     return None
+
+
+# ------------------------------------------------- kept columns, dz chunks (every linear op)
+
+#: Length of ``plan_to_tensor``'s result.
+PLAN_SIZE = len(dataclasses.fields(TritonPlan))
+
+
+def plan_to_tensor(plan: TritonPlan) -> Tensor:
+    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
+    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+
+
+def plan_from_tensor(t: Tensor) -> TritonPlan:
+    """The plan ``plan_to_tensor`` wrote."""
+    values = t.tolist()  # a CPU tensor: no device sync
+    fields = dataclasses.fields(TritonPlan)
+    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
+
+
+def kept_shapes_of(plan: TritonPlan, n: int):
+    """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
+    to 8 elements (16 bytes, so that tiles can be bulk-stored), and the per-tile maxima."""
+    row = triton.cdiv(plan.keep_cols, 8) * 8
+    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
+
+
+def keep_buffers(plan: TritonPlan, n: int, x: Tensor, use_tma: bool):
+    """(buffer (n, row), its (n, keep_cols) view, fp32 tile maxima, the view's kernel
+    operand: a TMA descriptor of block_n x block_v tiles when ``use_tma``) of the
+    ``kept_shapes_of`` shapes: what a forward keeping columns writes."""
+    (_, row), max_shape = kept_shapes_of(plan, n)
+    keep_buf = padded_buffer(n, row, x)
+    keep = keep_buf[:, : plan.keep_cols]
+    keep_max = torch.empty(max_shape, dtype=torch.float32, device=x.device)
+    keep_op = keep
+    if use_tma:
+        keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+    return keep_buf, keep, keep_max, keep_op
+
+
+def backward_chunks(plan: TritonPlan, v: int, keep_cols: int) -> list[tuple[int, int]]:
+    """The backward's column ranges [v0, v1): the kept columns (one chunk, when any),
+    then chunks of ``plan.vocab_chunk`` recomputed columns."""
+    chunks = [(0, keep_cols)] if keep_cols else []
+    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
+    return chunks
+
+
+def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor) -> Tensor:
+    """The (n, width) buffer of one recomputed dz chunk, rows padded to 16 bytes so that
+    dz tiles can be bulk-stored (TMA)."""
+    width = min(plan.vocab_chunk, v - keep_cols)
+    return padded_buffer(n, triton.cdiv(width, 8) * 8, x)
+
+
+def dz_operand(dz: Tensor, plan: TritonPlan, use_tma: bool):
+    """(dz's kernel operand, DZ_TMA): a TMA descriptor of block_n x block_v tiles when the
+    plan bulk-stores dz and x and W load by TMA, else dz itself."""
+    dz_tma = plan.dz_tma and use_tma
+    if dz_tma:
+        n, cols = dz.shape
+        return TensorDescriptor(dz, [n, cols], [dz.stride(0), 1], [plan.block_n, plan.block_v]), True
+    return dz, dz_tma
+
+
+def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int]:
+    """(programs of the dlogits kernel over an (n, cols) chunk, row blocks): one per tile,
+    or when persistent (``plan.dlogits_programs``) at most that many per SM."""
+    row_blocks = triton.cdiv(n, plan.block_n)
+    tiles = row_blocks * triton.cdiv(cols, plan.block_v)
+    if plan.dlogits_programs:  # persistent: each program loops over tiles
+        tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(device))
+    return tiles, row_blocks
