@@ -42,7 +42,14 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import (
+    custom_op,
+    fake_grad_outputs,
+    grad_outputs,
+    guard_double_backward,
+    named,
+    zero_grads,
+)
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
@@ -192,8 +199,7 @@ def _backward(
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
-        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
-        db = torch.zeros_like(bias) if bias is not None else None
+        dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         impl = load_backend(__package__, backend)
         extra = {}
@@ -215,12 +221,7 @@ def _backward(
                     x, weight, bias, target, class_weight, softcap, lse, coef,
                     need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
                 )
-    nothing = x.new_empty(0)
-    return (
-        dx if need_dx else nothing,
-        dw if need_dw else nothing.clone(),
-        db if need_db else nothing.clone(),
-    )
+    return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 
 
 lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
@@ -230,12 +231,7 @@ lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
 def _(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
       ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
       need_dx, need_dw, need_db, tp_group="", vocab_size=-1, partial_dx=False):
-    nothing = x.new_empty(0)
-    return (
-        torch.empty_like(x) if need_dx else nothing,
-        torch.empty_like(weight) if need_dw else nothing.clone(),
-        torch.empty_like(bias) if need_db else nothing.clone(),
-    )
+    return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
 
 
 def _grad_in_forward_strategy():

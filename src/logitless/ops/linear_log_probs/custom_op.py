@@ -25,13 +25,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import (
+    custom_op,
+    fake_grad_outputs,
+    grad_outputs,
+    guard_double_backward,
+    named,
+    zero_grads,
+)
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.options import LogProbOptions, VocabParallelOptions
@@ -141,8 +147,7 @@ def _backward(
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
-        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
-        db = torch.zeros_like(bias) if bias is not None else None
+        dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         with no_autocast(x.device):
             impl = load_backend(__package__, backend)
@@ -160,8 +165,7 @@ def _backward(
                                          grad_entropy if entropy else None, v, opts, lse)
                 dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
                                            need_dw=need_dw, need_db=need_db, budget=budget, **extra)
-    nothing = x.new_empty(0)
-    return (dx if need_dx else nothing, dw if need_dw else nothing.clone(), db if need_db else nothing.clone())
+    return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 
 
 llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
@@ -171,12 +175,7 @@ llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
 def _(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, keep, keep_max, plan,
       temperature, entropy, softcap, ignore_index, backend, budget, need_dx, need_dw, need_db,
       tp_group="", vocab_size=-1, partial_dx=False):
-    nothing = x.new_empty(0)
-    return (
-        torch.empty_like(x) if need_dx else nothing,
-        torch.empty_like(weight) if need_dw else nothing.clone(),
-        torch.empty_like(bias) if need_db else nothing.clone(),
-    )
+    return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
 
 
 def _setup_context(ctx, inputs, output):
