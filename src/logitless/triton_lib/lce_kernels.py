@@ -10,8 +10,14 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.ce_math import dz_tile, load_row_coefficients, online_lse_update, side_stats_update
-from logitless.triton_lib.gemm import grouped_tile, logits_tile
-from logitless.triton_lib.tile_io import load_kept_tile, recomputed_tile, store_dz_tile, store_kept_tile
+from logitless.triton_lib.gemm import grouped_tile
+from logitless.triton_lib.tile_io import (
+    block_tile,
+    load_kept_tile,
+    recomputed_tile,
+    store_dz_tile,
+    store_kept_tile,
+)
 
 
 @triton.jit
@@ -59,12 +65,9 @@ def forward_stats_kernel(
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
-        offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_ok = offs_v < V
-        z = logits_tile(
-            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
-            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        offs_v, col_ok, z = block_tile(
+            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m, s, e, m_safe, tile_max = online_lse_update(z, m, s)

@@ -1,6 +1,8 @@
 """Shared Triton code of the fused linear ops' kept columns and d(logits) chunks: where
 a tile of the (N, V) grid lies, and its stores and loads of the kept buffer and of dz.
 
+    block_tile        a forward's tile: vocabulary block ``block`` of row block pid_n,
+                      its columns, their mask and logits z (one GEMM tile)
     recomputed_tile   one tile of a dlogits kernel's chunk [v_start, v_end): its place
                       (``grouped_tile`` order), masks and logits z (one GEMM tile)
     store_dz_tile     dz of that tile into the chunk buffer (TMA bulk store or masked)
@@ -18,6 +20,25 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.gemm import grouped_tile, logits_tile
+
+
+@triton.jit
+def block_tile(
+    x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """(offs_v, col_ok, z): the columns of vocabulary block ``block``, which of them are
+    below V, and the (BLOCK_N, BLOCK_V) fp32 logits of row block ``pid_n`` there
+    (soft-capped with HAS_SOFTCAP; columns past V are the caller's to mask)."""
+    offs_v = block * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = offs_v < V
+    z = logits_tile(
+        x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, block * BLOCK_V, N, V, H,
+        stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+    )
+    return offs_v, col_ok, z
 
 
 @triton.jit
