@@ -10,6 +10,8 @@
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
     backward_chunks / dz_buffer /  the backward's column chunks, its dz buffer, dz's TMA
       dz_operand / dlogits_tiles   descriptor and the dlogits kernel's grid
+    chunked_backward               the backward's loop over those chunks (the op launches
+                                   its own kernels)
 
 No host syncs; no atomics: results are bitwise repeatable.
 """
@@ -211,3 +213,51 @@ def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int
     if plan.dlogits_programs:  # persistent: each program loops over tiles
         tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(device))
     return tiles, row_blocks
+
+
+def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan, kept,
+                     kept_dlogits, dlogits, *, need_dx: bool, need_dw: bool, need_db: bool,
+                     dx_acc: bool = False):
+    """dx, dW, db of a fused linear op's Triton backward, column chunk by chunk
+    (``backward_chunks``): the kept columns (``kept`` = (buffer, tile maxima) from the
+    forward, or None) become dz in place by ``kept_dlogits(dz, tile_max, grid)``; the
+    others are recomputed into one padded dz buffer by ``dlogits(dz, v0, v1, x_op=, w_op=,
+    use_tma=, dz_op=, dz_tma=, grid=, group_n=, flatten=)`` (the op's kernel launches).
+    Each chunk of dz feeds ``chunk_gradients`` (dW, db rows written once; dx into an
+    fp32 accumulator when there are several chunks). ``dx_acc``: dx as the fp32
+    accumulator (also for one chunk), not cast to x's dtype (a partial sum that the
+    caller reduces first: vocab parallelism). Temporaries: one dz chunk (the plan's
+    vocab_chunk columns) and the (N, H) fp32 accumulator."""
+    keep_acc = dx_acc
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_cols = plan.keep_cols if kept is not None else 0
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
+    chunks = backward_chunks(plan, v, keep_cols)
+    dx = dx_acc = dz_buf = None
+    if need_dx and (keep_acc or len(chunks) > 1):
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    x_op, w_op, use_tma = operands(x, weight, plan)
+    for v0, v1 in chunks:
+        if v0 == 0 and keep_cols:
+            keep_buf, tile_max = kept
+            dz = keep_buf[:, :keep_cols]
+            kept_dlogits(dz, tile_max, (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v)))
+        else:
+            if dz_buf is None:
+                dz_buf = dz_buffer(plan, n, v, keep_cols, x)
+            dz = dz_buf[:, : v1 - v0]
+            dz_op, dz_tma = dz_operand(dz, plan, use_tma)
+            tiles, row_blocks = dlogits_tiles(plan, n, v1 - v0, x.device)
+            dlogits(dz, v0, v1, x_op=x_op, w_op=w_op, use_tma=use_tma, dz_op=dz_op, dz_tma=dz_tma, grid=(tiles,),
+                    group_n=plan.group_n or row_blocks, flatten=plan.flatten and plan.dlogits_programs > 0)
+        dx_chunk = chunk_gradients(
+            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
+            dx_acc, need_dx)
+        if dx_chunk is not None:
+            dx = dx_chunk
+    if dx_acc is not None:
+        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
+    return dx, dw, db

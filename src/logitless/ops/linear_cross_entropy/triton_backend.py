@@ -167,59 +167,33 @@ def backward(
     buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
     the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial sum
     that the caller reduces first: vocab parallelism)."""
-    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     # The forward's plan (the same arguments give the same plan) when it kept columns.
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
-    keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
-    chunks = launch.backward_chunks(plan, v, keep_cols)
-    one_chunk = len(chunks) == 1
-    dx = None
-    dx_acc = None
-    if need_dx and (keep_acc or not one_chunk):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    dz_buf = None
-    x_op, w_op, use_tma = launch.operands(x, weight, plan)
     flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
-    for v0, v1 in chunks:
-        if v0 == 0 and keep_cols:
-            keep_buf, tile_max = kept
-            dz = keep_buf[:, :keep_cols]
-            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
-            K.kept_dlogits_kernel[grid](
-                dz, tile_max, cw_arg, target, lse, coef, n, v, keep_cols, dz.stride(0),
-                float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
-                HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
-                num_warps=plan.num_warps,
-            )
-        else:
-            if dz_buf is None:
-                dz_buf = launch.dz_buffer(plan, n, v, keep_cols, x)
-            dz = dz_buf[:, : v1 - v0]
-            dz_op, dz_tma = launch.dz_operand(dz, plan, use_tma)
-            tiles, row_blocks = launch.dlogits_tiles(plan, n, v1 - v0, x.device)
-            launch.launch_kernel(
-                K.dlogits_kernel, (tiles,),
-                x_op, w_op, bias if bias is not None else x, cw_arg,
-                target, lse, coef, dz_op,
-                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-                v0, v1, float(softcap or 1.0), plan.group_n or row_blocks,
-                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
-                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-                num_warps=plan.num_warps, num_stages=plan.num_stages,
-            )
-        dx_chunk = launch.chunk_gradients(
-            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
-            dx_acc, need_dx)
-        if dx_chunk is not None:
-            dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
-    return dx, dw, db
 
+    def kept_dlogits(dz, tile_max, grid):
+        K.kept_dlogits_kernel[grid](
+            dz, tile_max, cw_arg, target, lse, coef, n, v, dz.shape[1], dz.stride(0),
+            float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
+            HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
+            num_warps=plan.num_warps,
+        )
+
+    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
+        launch.launch_kernel(
+            K.dlogits_kernel, grid,
+            x_op, w_op, bias if bias is not None else x, cw_arg,
+            target, lse, coef, dz_op,
+            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            v0, v1, float(softcap or 1.0), group_n,
+            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+
+    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
+                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)

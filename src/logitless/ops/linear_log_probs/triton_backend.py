@@ -115,52 +115,31 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
     chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
     parallelism)."""
-    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False)
-    keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
     lse = lse.contiguous()
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    chunks = launch.backward_chunks(plan, v, keep_cols)
-    dx = dx_acc = dz_buf = None
-    if need_dx and (keep_acc or len(chunks) > 1):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    x_op, w_op, use_tma = launch.operands(x, weight, plan)
     flags = _flags(bias, opts, x.dtype)
-    for v0, v1 in chunks:
-        if v0 == 0 and keep_cols:
-            keep_buf, tile_max = kept
-            dz = keep_buf[:, :keep_cols]
-            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
-            K.logp_kept_dlogits_kernel[grid](
-                dz, tile_max, tokens, lse, coef, n, keep_cols, dz.stride(0),
-                float(opts.softcap or 1.0), float(opts.temperature),
-                HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-            )
-        else:
-            if dz_buf is None:
-                dz_buf = launch.dz_buffer(plan, n, v, keep_cols, x)
-            dz = dz_buf[:, : v1 - v0]
-            dz_op, dz_tma = launch.dz_operand(dz, plan, use_tma)
-            tiles, row_blocks = launch.dlogits_tiles(plan, n, v1 - v0, x.device)
-            launch.launch_kernel(
-                K.logp_dlogits_kernel, (tiles,),
-                x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
-                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-                v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, plan.group_n or row_blocks,
-                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
-                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-                num_warps=plan.num_warps, num_stages=plan.num_stages,
-            )
-        dx_chunk = launch.chunk_gradients(
-            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
-            dx_acc, need_dx)
-        if dx_chunk is not None:
-            dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
-    return dx, dw, db
+
+    def kept_dlogits(dz, tile_max, grid):
+        K.logp_kept_dlogits_kernel[grid](
+            dz, tile_max, tokens, lse, coef, n, dz.shape[1], dz.stride(0),
+            float(opts.softcap or 1.0), float(opts.temperature),
+            HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        )
+
+    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
+        launch.launch_kernel(
+            K.logp_dlogits_kernel, grid,
+            x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
+            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, group_n,
+            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+
+    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
+                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
