@@ -4,8 +4,10 @@
     python benchmarks/check_bitwise.py compare A B   # every tensor of A equal to B's, bit for bit
 
 Cases: linear_cross_entropy (Triton and torch backends; budgets that keep all, part or
-none of the logits; the gradient-in-forward strategy forced), cross_entropy, jsd and
-linear_jsd, with every option, in bf16 and fp32. Only the public API (and the
+none of the logits; the gradient-in-forward strategy forced), cross_entropy, jsd,
+linear_jsd and linear_log_probs (budgets as linear_cross_entropy's, with and without
+entropy, temperature and soft-cap; on trees that have it), with every option, in bf16
+and fp32. Only the public API (and the
 strategy override, found under its old or new name) is used, so the same script runs
 against the code before and after a change. On a CPU the Triton kernels run on the
 interpreter (TRITON_INTERPRET=1, set here) at small sizes; on a GPU at larger ones.
@@ -117,6 +119,19 @@ def run_linear_jsd(dtype, backend, beta, seed):
     return [loss, *torch.autograd.grad(loss, (d["x"], d["w"], d["b"]))]
 
 
+def run_linear_log_probs(dtype, backend, budget_name, opts, seed):
+    n, h, v = (300, 136, 1500) if GPU else (29, 40, 257)
+    full = n * v * 2
+    budget = {"keep": 4 * full, "part": full // 3 + 4 * n * h, "recompute": 2000}[budget_name]
+    d = inputs(n, h, v, dtype, seed)
+    kw = dict(entropy=True, temperature=0.7, softcap=6.0) if opts == "all" else {}
+    out = logitless.linear_log_probs(d["x"], d["w"], d["t"], d["b"], backend=backend, memory_budget=budget, **kw)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    gen = torch.Generator().manual_seed(seed)
+    obj = sum((o * torch.randn(o.shape, generator=gen).to(DEV)).sum() for o in outs)
+    return [*outs, *torch.autograd.grad(obj, (d["x"], d["w"], d["b"]))]
+
+
 def all_results():
     out = {}
     for i, (name, c) in enumerate(lce_cases()):
@@ -127,6 +142,13 @@ def all_results():
             for beta in (0.0, 0.5, 1.0):
                 out[f"jsd/{backend}/{dtype}/{beta}"] = run_jsd(dtype, backend, beta, seed=2)
                 out[f"linear_jsd/{backend}/{dtype}/{beta}"] = run_linear_jsd(dtype, backend, beta, seed=3)
+    if hasattr(logitless, "linear_log_probs"):
+        for dtype in (torch.bfloat16, torch.float32):
+            for backend in ("triton", "torch"):
+                for budget_name in ("keep", "part", "recompute"):
+                    for opts in ("plain", "all"):
+                        out[f"llp/{backend}/{dtype}/{budget_name}/{opts}"] = run_linear_log_probs(
+                            dtype, backend, budget_name, opts, seed=5)
     return {k: [t.detach().cpu() for t in v] for k, v in out.items()}
 
 

@@ -15,8 +15,6 @@ losses). Three set-ups:
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import sys
 
 import pytest
@@ -24,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import logitless
+from tests._distributed import spawn
 
 WORLD = 2
 V, H = 37, 16
@@ -61,67 +60,54 @@ def _batch():
     return ids, labels
 
 
-def _worker(rank: int, port: int, setup: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+def _worker(rank: int, world: int, device, setup: str):
+    """One rank (gloo on the CPU: ``spawn`` sets up and tears down the group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-        torch.manual_seed(0)
-        model = LM(use_method=setup == "registered")
-        ref = copy.deepcopy(model)
-        mesh = init_device_mesh("cpu", (WORLD,))
-        if setup != "root":
-            fully_shard(model.head, mesh=mesh)
-        if setup == "registered":
-            register_fsdp_forward_method(model.head, "loss")
-        fully_shard(model, mesh=mesh)
+    torch.manual_seed(0)
+    model = LM(use_method=setup == "registered")
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    if setup != "root":
+        fully_shard(model.head, mesh=mesh)
+    if setup == "registered":
+        register_fsdp_forward_method(model.head, "loss")
+    fully_shard(model, mesh=mesh)
 
-        ids, labels = _batch()
-        half = ids.shape[0] // WORLD
-        mine = slice(rank * half, (rank + 1) * half)
-        if setup == "head-sharded":
-            try:
-                model(ids[mine], labels[mine])
-            except TypeError as e:
-                assert "DTensor" in str(e) and "register_fsdp_forward_method" in str(e), str(e)
-            else:
-                raise AssertionError("a sharded DTensor weight did not raise")
-            # The weight outside any forward is the sharded DTensor too: same error.
-            h = torch.randn(2, 3, H)
-            try:
-                logitless.linear_cross_entropy(h, model.head.weight, labels[:2, :3])
-            except TypeError as e:
-                assert "DTensor" in str(e)
-            else:
-                raise AssertionError("a sharded DTensor weight did not raise")
-            return
+    ids, labels = _batch()
+    half = ids.shape[0] // WORLD
+    mine = slice(rank * half, (rank + 1) * half)
+    if setup == "head-sharded":
+        try:
+            model(ids[mine], labels[mine])
+        except TypeError as e:
+            assert "DTensor" in str(e) and "register_fsdp_forward_method" in str(e), str(e)
+        else:
+            raise AssertionError("a sharded DTensor weight did not raise")
+        # The weight outside any forward is the sharded DTensor too: same error.
+        h = torch.randn(2, 3, H)
+        try:
+            logitless.linear_cross_entropy(h, model.head.weight, labels[:2, :3])
+        except TypeError as e:
+            assert "DTensor" in str(e)
+        else:
+            raise AssertionError("a sharded DTensor weight did not raise")
+        return
 
-        loss = model(ids[mine], labels[mine])
-        loss.backward()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        mean_loss /= WORLD
+    loss = model(ids[mine], labels[mine])
+    loss.backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= WORLD
 
-        ref_losses = [ref(ids[r * half:(r + 1) * half], labels[r * half:(r + 1) * half]) for r in range(WORLD)]
-        ref_loss = sum(ref_losses) / WORLD
-        ref_loss.backward()
-        torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    finally:
-        # Both ranks reach here before either tears gloo down (a rank destroying the group
-        # while the other still has a collective in flight aborted the process, rarely).
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ref_losses = [ref(ids[r * half:(r + 1) * half], labels[r * half:(r + 1) * half]) for r in range(WORLD)]
+    ref_loss = sum(ref_losses) / WORLD
+    ref_loss.backward()
+    torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo on Windows is not set up here")
@@ -132,4 +118,4 @@ def test_fsdp2_head(setup):
 
     if not hasattr(fsdp, "fully_shard") or not hasattr(fsdp, "register_fsdp_forward_method"):
         pytest.skip("FSDP2 (fully_shard, register_fsdp_forward_method) needs torch >= 2.6")
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), setup), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, setup, backend="gloo")

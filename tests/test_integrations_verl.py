@@ -107,20 +107,20 @@ def _tp_worker(rank, world, device):
     gradient all-reduced, weight's gradient this rank's rows."""
     import torch.distributed as dist
 
-    from tests.test_tensor_parallel import _blocks, _same_on_every_rank
+    from tests._distributed import blocks, same_on_every_rank
 
     hidden, weight, labels = _inputs(shape=(2, 5), h=24, v=101, dtype=torch.float64, seed=4)
     hidden, weight = hidden.detach().to(device), weight.detach().to(device)
     labels = labels.to(device)
-    mine = _blocks([51, 50], rank)
+    mine = blocks([51, 50], rank)
     for reduction in ("none", "mean"):
         hl, wl = hidden.clone().requires_grad_(), weight[mine].clone().requires_grad_()
         logp, ent = linear_cross_entropy(hl, wl, labels, 0.8, reduction, dist_process_group=dist.group.WORLD)
         hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         logp1, ent1 = linear_cross_entropy(hs, ws, labels, 0.8, reduction)
         assert logp.shape == logp1.shape and ent.shape == ent1.shape
-        _same_on_every_rank("logprobs", logp.detach().reshape(-1))
-        _same_on_every_rank("entropy", ent.detach())
+        same_on_every_rank("logprobs", logp.detach().reshape(-1))
+        same_on_every_rank("entropy", ent.detach())
         torch.testing.assert_close(logp, logp1, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(ent, ent1, rtol=1e-12, atol=1e-12)
         up = torch.linspace(-1, 1, ent.numel(), dtype=ent.dtype, device=device)
@@ -131,7 +131,7 @@ def _tp_worker(rank, world, device):
 
 
 def test_dist_process_group_two_ranks():
-    """Gloo, 2 ranks (NCCL with 2 GPUs): the spawn helper of test_tensor_parallel."""
-    from tests.test_tensor_parallel import _spawn
+    """Gloo, 2 ranks (NCCL with 2 GPUs): the spawn helper of tests/_distributed.py."""
+    from tests._distributed import spawn
 
-    _spawn(_tp_worker, 2)
+    spawn(_tp_worker, 2)

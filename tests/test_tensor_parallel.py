@@ -12,11 +12,7 @@ is one spawn that runs many cases (process start-up dominates on the CPU).
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import sys
-import traceback
 
 import pytest
 import torch
@@ -24,84 +20,10 @@ import torch.distributed as dist
 
 import logitless
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from tests._distributed import DIST_MARKS, NCCL, blocks, head_inputs, same_on_every_rank, spawn
 from tests.helpers import assert_close_to_ref
 
-pytestmark = [
-    pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
-    pytest.mark.skipif(sys.platform == "win32", reason="gloo on Windows is not set up here"),
-]
-
-NCCL = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, *args):
-    """Runs ``fn(rank, world, device, *args)`` in ``world`` processes: NCCL with one GPU
-    each when there are enough GPUs, else gloo on the CPU."""
-    nccl = NCCL and torch.cuda.device_count() >= world
-    if not nccl and not dist.is_gloo_available():
-        pytest.skip("needs gloo (CPU) or enough CUDA GPUs with NCCL")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_run, args=(world, _free_port(), fn, args, nccl), nprocs=world, join=True)
-
-
-def _run(rank: int, world: int, port: int, fn, args, nccl: bool):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # A rank that fails leaves the others waiting in a collective: time out, do not hang.
-    timeout = datetime.timedelta(seconds=90)
-    if nccl:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
-                                timeout=timeout)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    try:
-        fn(rank, world, torch.device("cuda", rank) if nccl else torch.device("cpu"), *args)
-    except BaseException:
-        traceback.print_exc()
-        raise  # no barrier: the other ranks may be inside a collective
-    # Every rank reaches here before any tears the group down.
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without the interpreter's teardown: a C++ thread still joinable at exit
-    # (gloo's, the interpreter's) aborted one CI run ("terminate called without an active
-    # exception") after every check had passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _blocks(rows: list[int], rank: int) -> slice:
-    start = sum(rows[:rank])
-    return slice(start, start + rows[rank])
-
-
-def _inputs(seed, shape, h, v_rows, v_real, dtype, device, *, bias=False, cw=False, ignore=-100):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, h, generator=g, dtype=torch.float64)
-    w = torch.randn(v_rows, h, generator=g, dtype=torch.float64) * h ** -0.5 * 2
-    b = torch.randn(v_rows, generator=g, dtype=torch.float64) * 0.5 if bias else None
-    t = torch.randint(0, v_real, shape, generator=g)
-    if t.numel() > 2:
-        t.view(-1)[1] = ignore
-    c = torch.rand(v_real, generator=g, dtype=torch.float64) + 0.5 if cw else None
-    to = dict(dtype=dtype, device=device)
-    return (x.to(**to), w.to(**to), None if b is None else b.to(**to), t.to(device),
-            None if c is None else c.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype))
-
-
-def _same_on_every_rank(name, t: torch.Tensor):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    for p in parts:
-        assert torch.equal(p.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
-            f"{name} differs between ranks"
+pytestmark = DIST_MARKS
 
 
 def _check_case(rank, device, rows, case):
@@ -112,14 +34,14 @@ def _check_case(rank, device, rows, case):
     h = case.get("h", 13)
     v_rows = sum(rows)
     v_real = case.get("vocab_size") or v_rows
-    x, w, b, t, cw = _inputs(case.get("seed", 0), shape, h, v_rows, v_real, dtype, device,
-                             bias=case.get("bias", False), cw=case.get("cw", False),
+    x, w, b, t, cw = head_inputs(case.get("seed", 0), shape, h, v_rows, v_real, dtype, device,
+                                  bias=case.get("bias", False), cw=case.get("cw", False),
                              ignore=case.get("ignore_index", -100))
     kw = {k: case[k] for k in ("reduction", "label_smoothing", "softcap", "z_loss", "shift", "ignore_index")
           if k in case}
     stats = case.get("stats", False)
     backend = case.get("backend", "torch")
-    mine = _blocks(rows, rank)
+    mine = blocks(rows, rank)
     xl = x.clone().requires_grad_()
     wl = w[mine].clone().requires_grad_()
     bl = b[mine].clone().requires_grad_() if b is not None else None
@@ -140,7 +62,7 @@ def _check_case(rank, device, rows, case):
     ref, ref_lse, ref_correct = linear_cross_entropy_reference(
         xr, wr, t, br, class_weight=None if cw is None else cw.double(), **kw)
     name = case["name"]
-    _same_on_every_rank(f"{name}: loss", loss.detach())
+    same_on_every_rank(f"{name}: loss", loss.detach())
     assert_close_to_ref(f"{name}: loss", loss, loss1, ref, dtype)
     if stats:
         assert_close_to_ref(f"{name}: lse", st.lse, st1.lse, ref_lse, dtype)
@@ -160,7 +82,7 @@ def _check_case(rank, device, rows, case):
         dist.all_reduce(dx)
         dx = dx.to(dtype)
     else:
-        _same_on_every_rank(f"{name}: dx", dx)
+        same_on_every_rank(f"{name}: dx", dx)
     assert_close_to_ref(f"{name}: dx", dx, xs.grad, xr.grad, dtype)
     real_mine = slice(mine.start, min(mine.stop, v_real))
     n_real = max(0, real_mine.stop - real_mine.start)
@@ -197,10 +119,10 @@ def _cases_worker(rank, world, device, rows_list, cases, subset=None):
                 _check_case(rank, device, rows, case)
 
 
-def test_world3_uneven_blocks():
+def test_world3_unevenblocks():
     """V = 37 over 3 ranks as torch's Shard(0) splits it (13, 13, 11): every case; with an
     empty rank (20, 0, 17): a few."""
-    _spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
+    spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
            ("sum-every-option", "stats-fp32", "partial-dx", "none-shift-3d"))
 
 
@@ -209,7 +131,7 @@ def test_world2_padded_vocab():
     rows, which must neither enter the softmax nor get a gradient); and 44 rows of which
     rank 1's all are padding."""
     cases = [dict(c, vocab_size=37) for c in CASES if c["name"] in ("sum-every-option", "stats-fp32", "partial-dx")]
-    _spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
+    spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
 
 
 def _errors_worker(rank, world, device):
@@ -251,7 +173,7 @@ def _merge_worker(rank, world, device):
     z[3] = float("-inf")
     z[2, 4] = z[2, 7] = z[2].max() + 1  # a tie: the first index wins
     z = z.to(device)
-    cols = _blocks(rows, rank)
+    cols = blocks(rows, rank)
     zl = z[:, cols]
     lse_l = torch.logsumexp(zl, dim=1) if zl.shape[1] else torch.full((4,), float("-inf"), dtype=z.dtype,
                                                                          device=device)
@@ -272,12 +194,12 @@ def _merge_worker(rank, world, device):
 
 
 def test_errors():
-    _spawn(_errors_worker, 2)
+    spawn(_errors_worker, 2)
 
 
 def test_merge_shards():
     """The merge collectives alone, 3 ranks (one without columns)."""
-    _spawn(_merge_worker, 3)
+    spawn(_merge_worker, 3)
 
 
 def _dtensor_worker(rank, world, device):
@@ -285,7 +207,7 @@ def _dtensor_worker(rank, world, device):
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh(device.type, (world,))
-    x, w, b, t, cw = _inputs(3, (2, 6), 12, 37, 37, torch.float64, device, bias=True, cw=True)
+    x, w, b, t, cw = head_inputs(3, (2, 6), 12, 37, 37, torch.float64, device, bias=True, cw=True)
     kw = dict(z_loss=1e-3, label_smoothing=0.1, shift=True)
     xr, wr, br = (u.clone().requires_grad_() for u in (x, w, b))
     ref = linear_cross_entropy_reference(xr, wr, t, br, class_weight=cw, **kw)[0]
@@ -339,13 +261,13 @@ def _dtensor_worker(rank, world, device):
 
 def test_dtensor():
     pytest.importorskip("torch.distributed.tensor", reason="DTensor needs torch >= 2.4")
-    _spawn(_dtensor_worker, 2)
+    spawn(_dtensor_worker, 2)
 
 
 def _compile_worker(rank, world, device):
     pg = dist.group.WORLD
-    x, w, _, t, _ = _inputs(4, (7,), 10, 23, 23, torch.float32, device)
-    mine = _blocks([12, 11], rank)
+    x, w, _, t, _ = head_inputs(4, (7,), 10, 23, 23, torch.float32, device)
+    mine = blocks([12, 11], rank)
     counts = torch._dynamo.utils.counters
     counts.clear()
 
@@ -365,7 +287,7 @@ def _compile_worker(rank, world, device):
 
 
 def test_compile_fullgraph():
-    _spawn(_compile_worker, 2)
+    spawn(_compile_worker, 2)
 
 
 def _triton_worker(rank, world, device):
@@ -380,7 +302,7 @@ def _triton_worker(rank, world, device):
                     reason="the Triton backend needs CUDA or TRITON_INTERPRET=1")
 def test_triton_backend():
     pytest.importorskip("triton", reason="needs triton")
-    _spawn(_triton_worker, 2)
+    spawn(_triton_worker, 2)
 
 
 def _cuda_graph_worker(rank, world, device):
@@ -391,7 +313,7 @@ def _cuda_graph_worker(rank, world, device):
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(700, 136, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(sum(rows), 136, device=device, generator=g) * 0.1).to(torch.bfloat16)
-    w = w[_blocks(rows, rank)].clone().requires_grad_()
+    w = w[blocks(rows, rank)].clone().requires_grad_()
     t = torch.randint(0, sum(rows), (700,), device=device, generator=g)
     t[::7] = -100
 
@@ -425,4 +347,4 @@ def _cuda_graph_worker(rank, world, device):
 
 @pytest.mark.skipif(not NCCL, reason="CUDA graphs of NCCL collectives need >= 2 GPUs")
 def test_cuda_graph_capture():
-    _spawn(_cuda_graph_worker, 2)
+    spawn(_cuda_graph_worker, 2)

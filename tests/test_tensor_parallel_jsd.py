@@ -1,6 +1,6 @@
 """Vocab-parallel linear_jsd: both heads split over 2 or 3 processes (gloo on the CPU,
 NCCL with >= 2 GPUs), against the float64 reference on the full heads and the
-one-process op. The spawn machinery is test_tensor_parallel's."""
+one-process op. The spawn machinery is tests/_distributed.py's."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch.distributed as dist
 
 import logitless
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
+from tests._distributed import DIST_MARKS, NCCL, blocks, same_on_every_rank, spawn
 from tests.helpers import assert_close_to_ref
-from tests.test_tensor_parallel import NCCL, _blocks, _same_on_every_rank, _spawn, pytestmark  # noqa: F401
+
+pytestmark = DIST_MARKS
 
 CASES = [
     dict(name="mixture"),
@@ -46,7 +48,7 @@ def _case(rank, device, rows, case):
     t = t.to(device)
     kw = {k: case[k] for k in ("beta", "temperature", "reduction", "student_softcap", "teacher_softcap",
                                "hard_label_weight", "shift") if k in case}
-    mine = _blocks(rows, rank)
+    mine = blocks(rows, rank)
     real = slice(0, v_real)
     xl, wl = xs.clone().requires_grad_(), ws[mine].clone().requires_grad_()
     bl = bs[mine].clone().requires_grad_() if bs is not None else None
@@ -63,7 +65,7 @@ def _case(rank, device, rows, case):
     ref = linear_jsd_reference(xr, wr, xt, wt[real], t, student_bias=br,
                                teacher_bias=None if bt is None else bt[real], **kw)
     name = case["name"]
-    _same_on_every_rank(f"{name}: loss", loss.detach())
+    same_on_every_rank(f"{name}: loss", loss.detach())
     assert_close_to_ref(f"{name}: loss", loss, loss1, ref, dtype)
     if loss.numel() == 0:
         return
@@ -92,7 +94,7 @@ def _worker(rank, world, device, rows_list, cases):
 
 
 def test_jsd_world3_uneven():
-    _spawn(_worker, 3, [[11, 11, 9], [16, 0, 15]], CASES)
+    spawn(_worker, 3, [[11, 11, 9], [16, 0, 15]], CASES)
 
 
 def _dtensor_case(rank, world, device):
@@ -134,4 +136,4 @@ def test_jsd_world2_padded_and_dtensor():
     if NCCL or os.environ.get("TRITON_INTERPRET") == "1":  # the Triton backend (interpreter on the CPU)
         cases.append(dict(name="triton", dtype=torch.float32, backend="triton", beta=0.5, hard_label_weight=0.5,
                           shape=(5,), vocab_size=27))
-    _spawn(_padded_and_dtensor, 2, [[16, 16]], cases)
+    spawn(_padded_and_dtensor, 2, [[16, 16]], cases)

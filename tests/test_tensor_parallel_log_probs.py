@@ -7,7 +7,7 @@ reference on the full weight (``assert_close_to_ref``, the one-process op in the
 dtype as the yardstick); both outputs must be bitwise identical on every rank.
 
 Over gloo on the CPU (NCCL with one GPU per rank when CUDA has enough GPUs: the spawn
-helper of test_tensor_parallel). Each test is one spawn that runs many cases.
+helper of tests/_distributed.py). Each test is one spawn that runs many cases.
 """
 
 from __future__ import annotations
@@ -20,22 +20,12 @@ import torch.distributed as dist
 
 import logitless
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
+from tests._distributed import DIST_MARKS, NCCL, blocks, head_inputs, same_on_every_rank, spawn
 from tests.helpers import assert_close_to_ref
-from tests.test_tensor_parallel import NCCL, _blocks, _same_on_every_rank, _spawn, pytestmark  # noqa: F401
+
+pytestmark = DIST_MARKS
 
 OPTION_KEYS = ("temperature", "softcap", "ignore_index", "entropy")
-
-
-def _inputs(seed, shape, h, v_rows, v_real, dtype, device, *, bias=False, ignore=-100):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, h, generator=g, dtype=torch.float64)
-    w = torch.randn(v_rows, h, generator=g, dtype=torch.float64) * h ** -0.5 * 2
-    b = torch.randn(v_rows, generator=g, dtype=torch.float64) * 0.5 if bias else None
-    t = torch.randint(0, v_real, shape, generator=g)
-    if t.numel() > 2:
-        t.view(-1)[1] = ignore
-    to = dict(dtype=dtype, device=device)
-    return x.to(**to), w.to(**to), None if b is None else b.to(**to), t.to(device)
 
 
 def _outputs(out, entropy):
@@ -50,12 +40,12 @@ def _check_case(rank, device, rows, case):
     h = case.get("h", 13)
     v_rows = sum(rows)
     v_real = case.get("vocab_size") or v_rows
-    x, w, b, t = _inputs(case.get("seed", 0), shape, h, v_rows, v_real, dtype, device,
-                         bias=case.get("bias", False), ignore=case.get("ignore_index", -100))
+    x, w, b, t, _ = head_inputs(case.get("seed", 0), shape, h, v_rows, v_real, dtype, device,
+                                bias=case.get("bias", False), ignore=case.get("ignore_index", -100))
     kw = {k: case[k] for k in OPTION_KEYS if k in case}
     entropy = case.get("entropy", False)
     backend = case.get("backend", "torch")
-    mine = _blocks(rows, rank)
+    mine = blocks(rows, rank)
     xl = x.clone().requires_grad_()
     wl = w[mine].clone().requires_grad_()
     bl = b[mine].clone().requires_grad_() if b is not None else None
@@ -74,10 +64,10 @@ def _check_case(rank, device, rows, case):
     ref_lp, ref_ent = linear_log_probs_reference(xr, wr, t, br, **rkw)
     name = case["name"]
     assert logp.dtype == logp1.dtype and logp.shape == t.shape, name
-    _same_on_every_rank(f"{name}: logp", logp.detach())
+    same_on_every_rank(f"{name}: logp", logp.detach())
     assert_close_to_ref(f"{name}: logp", logp, logp1, ref_lp, dtype)
     if entropy:
-        _same_on_every_rank(f"{name}: entropy", ent.detach())
+        same_on_every_rank(f"{name}: entropy", ent.detach())
         assert_close_to_ref(f"{name}: entropy", ent, ent1, ref_ent, dtype)
     if logp.numel() == 0:
         return
@@ -100,7 +90,7 @@ def _check_case(rank, device, rows, case):
         dist.all_reduce(dx)
         dx = dx.to(dtype)
     else:
-        _same_on_every_rank(f"{name}: dx", dx)
+        same_on_every_rank(f"{name}: dx", dx)
     assert_close_to_ref(f"{name}: dx", dx, xs.grad, xr.grad, dtype)
     real_mine = slice(mine.start, min(mine.stop, v_real))
     n_real = max(0, real_mine.stop - real_mine.start)
@@ -142,9 +132,9 @@ def _cases_worker(rank, world, device, rows_list, cases, subset=None):
                 _check_case(rank, device, rows, case)
 
 
-def test_world3_uneven_blocks():
+def test_world3_unevenblocks():
     """V = 37 over 3 ranks (13, 13, 11): every case; with an empty rank (20, 0, 17): a few."""
-    _spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
+    spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
            ("every-option-3d", "fp32-entropy", "partial-dx"))
 
 
@@ -152,7 +142,7 @@ def test_world2_padded_vocab():
     """Megatron-style padding: 40 rows (20 + 20) of which 37 are real classes; and 44 rows
     of which rank 1's 7 are all padding. Padding rows are no class and get no gradient."""
     cases = [dict(c, vocab_size=37) for c in CASES if c["name"] in ("every-option-3d", "fp32-entropy", "partial-dx")]
-    _spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
+    spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
 
 
 def _merge_worker(rank, world, device):
@@ -165,7 +155,7 @@ def _merge_worker(rank, world, device):
     g = torch.Generator().manual_seed(3)
     a = torch.randn(3, sum(rows), generator=g, dtype=torch.float64) * 4
     a[2, :9] = float("-inf")  # rank 0's columns of row 2 are all -inf
-    cols = _blocks(rows, rank)
+    cols = blocks(rows, rank)
     al = a[:, cols].to(device)
     if al.shape[1]:
         lse_l = torch.logsumexp(al, dim=1)
@@ -189,7 +179,7 @@ def _merge_worker(rank, world, device):
 
 
 def test_merge_online():
-    _spawn(_merge_worker, 3)
+    spawn(_merge_worker, 3)
 
 
 def _errors_worker(rank, world, device):
@@ -230,7 +220,7 @@ def _errors_worker(rank, world, device):
 
 
 def test_errors():
-    _spawn(_errors_worker, 2)
+    spawn(_errors_worker, 2)
 
 
 def _compile_worker(rank, world, device):
@@ -239,8 +229,8 @@ def _compile_worker(rank, world, device):
     and with partial_dx; the Triton backend (interpreter on the CPU) with a padded
     vocabulary (the fake's run-time-sized kept buffers) and with dynamic=True."""
     pg = dist.group.WORLD
-    x, w, b, t = _inputs(4, (7,), 16, 24, 23, torch.float32, device, bias=True)
-    mine = _blocks([12, 12], rank)
+    x, w, b, t, _ = head_inputs(4, (7,), 16, 24, 23, torch.float32, device, bias=True)
+    mine = blocks([12, 12], rank)
     counts = torch._dynamo.utils.counters
     counts.clear()
 
@@ -271,12 +261,12 @@ def _compile_worker(rank, world, device):
         torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-6)
         for got, want in ((xl.grad, xe.grad), (wl.grad, we.grad), (bl.grad, be.grad)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        _same_on_every_rank("compiled loss", loss.detach())
+        same_on_every_rank("compiled loss", loss.detach())
     assert not counts["graph_break"], dict(counts["graph_break"])
 
 
 def test_compile_fullgraph_inductor():
-    _spawn(_compile_worker, 2)
+    spawn(_compile_worker, 2)
 
 
 def _dtensor_worker(rank, world, device):
@@ -286,7 +276,7 @@ def _dtensor_worker(rank, world, device):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh(device.type, (world,))
-    x, w, b, t = _inputs(3, (2, 6), 12, 37, 37, torch.float64, device, bias=True)
+    x, w, b, t, _ = head_inputs(3, (2, 6), 12, 37, 37, torch.float64, device, bias=True)
     xr, wr, br = (u.clone().requires_grad_() for u in (x, w, b))
     ref_lp, ref_ent = linear_log_probs_reference(xr, wr, t, br, temperature=0.8)
     (ref_lp.sum() + 0.5 * ref_ent.sum()).backward()
@@ -312,7 +302,7 @@ def _dtensor_worker(rank, world, device):
 
 def test_dtensor():
     pytest.importorskip("torch.distributed.tensor", reason="DTensor needs torch >= 2.4")
-    _spawn(_dtensor_worker, 2)
+    spawn(_dtensor_worker, 2)
 
 
 def _triton_worker(rank, world, device):
@@ -327,4 +317,4 @@ def _triton_worker(rank, world, device):
                     reason="the Triton backend needs CUDA or TRITON_INTERPRET=1")
 def test_triton_backend():
     pytest.importorskip("triton", reason="needs triton")
-    _spawn(_triton_worker, 2)
+    spawn(_triton_worker, 2)

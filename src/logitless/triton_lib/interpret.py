@@ -8,8 +8,11 @@ Two pieces, framework-free (numpy only):
     modules already imported (the compiled kernels stay compiled in the same process).
     ``names`` are imported in order with each earlier copy visible to the later ones'
     absolute imports (``from logitless.triton_lib.ce_math import ...``), because an
-    interpreted kernel can only call interpreted helpers. The real ``sys.modules``
-    entries are restored afterwards. Cached per tuple of names.
+    interpreted kernel can only call interpreted helpers; each is preceded by the
+    ``logitless.triton_lib`` modules it imports (read from its source, recursively)
+    that ``names`` leave out, so a kernel module that starts using another helper
+    module needs no change in its callers' lists. The real ``sys.modules`` entries
+    are restored afterwards. Cached per tuple of names.
 
 ``HostArray(ndarray)``
     A numpy array as the interpreter's launcher expects a tensor (``data_ptr``,
@@ -22,6 +25,7 @@ operations: fine for tests at tiny shapes, far too slow for real ones.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import sys
@@ -40,21 +44,59 @@ _TRITON_DTYPES = {
 }
 
 
+#: The package whose modules ``interpreted_modules`` adds as dependencies (not this one).
+_HELPERS = "logitless.triton_lib."
+
+
+def _spec(name: str):
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module named {name!r}")
+    return spec
+
+
+def _with_dependencies(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` in order, each preceded by the ``logitless.triton_lib`` modules its
+    source imports (recursively, depth first) that are not already in the list."""
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str):
+        if name in seen:
+            return
+        seen.add(name)
+        origin = _spec(name).origin
+        if origin and origin.endswith(".py"):
+            with open(origin, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), filename=origin)
+            for node in ast.walk(tree):
+                mods = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for m in mods:
+                    if m.startswith(_HELPERS) and m != __name__:
+                        visit(m)
+        out.append(name)
+
+    for n in names:
+        visit(n)
+    return tuple(out)
+
+
 def interpreted_modules(names: tuple[str, ...]) -> dict:
-    """{name: interpreted copy} of the modules ``names`` (see the module docstring)."""
+    """{name: interpreted copy} of the modules ``names`` and of the ``logitless.triton_lib``
+    modules they import (see the module docstring)."""
     names = tuple(names)
     with _LOCK:
         if names in _CACHE:
             return _CACHE[names]
+        names_given, names = names, _with_dependencies(names)
         saved = {n: sys.modules.get(n) for n in names}
         copies = {}
         try:
             with triton.knobs.runtime.scope():
                 triton.knobs.runtime.interpret = True
                 for n in names:
-                    spec = importlib.util.find_spec(n)
-                    if spec is None or spec.loader is None:
-                        raise ImportError(f"no module named {n!r}")
+                    spec = _spec(n)
                     mod = importlib.util.module_from_spec(spec)
                     sys.modules[n] = mod  # later copies import this one
                     spec.loader.exec_module(mod)
@@ -65,7 +107,7 @@ def interpreted_modules(names: tuple[str, ...]) -> dict:
                     sys.modules.pop(n, None)
                 else:
                     sys.modules[n] = m
-        _CACHE[names] = copies
+        _CACHE[names_given] = copies
         return copies
 
 

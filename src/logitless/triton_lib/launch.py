@@ -6,20 +6,30 @@
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
+    plan_to_tensor / _from_tensor  a TritonPlan as a CPU int64 tensor (a custom op's output)
+    kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
+    backward_chunks / dz_buffer /  the backward's column chunks, its dz buffer, dz's TMA
+      dz_operand / dlogits_tiles   descriptor and the dlogits kernel's grid
+    chunked_backward               the backward's loop over those chunks (the op launches
+                                   its own kernels)
 
 No host syncs; no atomics: results are bitwise repeatable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
 import torch
+import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from logitless.planning import plans as _plans
 from logitless.planning.overrides import current as _overrides
+from logitless.planning.plans import TritonPlan
 
 
 def tf32_allowed() -> bool:
@@ -129,3 +139,125 @@ def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Ten
         return dz @ w_rows
     dx_accumulate(dx_acc, dz, w_rows)
     return None
+
+
+# ------------------------------------------------- kept columns, dz chunks (every linear op)
+
+#: Length of ``plan_to_tensor``'s result.
+PLAN_SIZE = len(dataclasses.fields(TritonPlan))
+
+
+def plan_to_tensor(plan: TritonPlan) -> Tensor:
+    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
+    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+
+
+def plan_from_tensor(t: Tensor) -> TritonPlan:
+    """The plan ``plan_to_tensor`` wrote."""
+    values = t.tolist()  # a CPU tensor: no device sync
+    fields = dataclasses.fields(TritonPlan)
+    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
+
+
+def kept_shapes_of(plan: TritonPlan, n: int):
+    """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
+    to 8 elements (16 bytes, so that tiles can be bulk-stored), and the per-tile maxima."""
+    row = triton.cdiv(plan.keep_cols, 8) * 8
+    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
+
+
+def keep_buffers(plan: TritonPlan, n: int, x: Tensor, use_tma: bool):
+    """(buffer (n, row), its (n, keep_cols) view, fp32 tile maxima, the view's kernel
+    operand: a TMA descriptor of block_n x block_v tiles when ``use_tma``) of the
+    ``kept_shapes_of`` shapes: what a forward keeping columns writes."""
+    (_, row), max_shape = kept_shapes_of(plan, n)
+    keep_buf = padded_buffer(n, row, x)
+    keep = keep_buf[:, : plan.keep_cols]
+    keep_max = torch.empty(max_shape, dtype=torch.float32, device=x.device)
+    keep_op = keep
+    if use_tma:
+        keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+    return keep_buf, keep, keep_max, keep_op
+
+
+def backward_chunks(plan: TritonPlan, v: int, keep_cols: int) -> list[tuple[int, int]]:
+    """The backward's column ranges [v0, v1): the kept columns (one chunk, when any),
+    then chunks of ``plan.vocab_chunk`` recomputed columns."""
+    chunks = [(0, keep_cols)] if keep_cols else []
+    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
+    return chunks
+
+
+def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor) -> Tensor:
+    """The (n, width) buffer of one recomputed dz chunk, rows padded to 16 bytes so that
+    dz tiles can be bulk-stored (TMA)."""
+    width = min(plan.vocab_chunk, v - keep_cols)
+    return padded_buffer(n, triton.cdiv(width, 8) * 8, x)
+
+
+def dz_operand(dz: Tensor, plan: TritonPlan, use_tma: bool):
+    """(dz's kernel operand, DZ_TMA): a TMA descriptor of block_n x block_v tiles when the
+    plan bulk-stores dz and x and W load by TMA, else dz itself."""
+    dz_tma = plan.dz_tma and use_tma
+    if dz_tma:
+        n, cols = dz.shape
+        return TensorDescriptor(dz, [n, cols], [dz.stride(0), 1], [plan.block_n, plan.block_v]), True
+    return dz, dz_tma
+
+
+def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int]:
+    """(programs of the dlogits kernel over an (n, cols) chunk, row blocks): one per tile,
+    or when persistent (``plan.dlogits_programs``) at most that many per SM."""
+    row_blocks = triton.cdiv(n, plan.block_n)
+    tiles = row_blocks * triton.cdiv(cols, plan.block_v)
+    if plan.dlogits_programs:  # persistent: each program loops over tiles
+        tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(device))
+    return tiles, row_blocks
+
+
+def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan, kept,
+                     kept_dlogits, dlogits, *, need_dx: bool, need_dw: bool, need_db: bool,
+                     dx_acc: bool = False):
+    """dx, dW, db of a fused linear op's Triton backward, column chunk by chunk
+    (``backward_chunks``): the kept columns (``kept`` = (buffer, tile maxima) from the
+    forward, or None) become dz in place by ``kept_dlogits(dz, tile_max, grid)``; the
+    others are recomputed into one padded dz buffer by ``dlogits(dz, v0, v1, x_op=, w_op=,
+    use_tma=, dz_op=, dz_tma=, grid=, group_n=, flatten=)`` (the op's kernel launches).
+    Each chunk of dz feeds ``chunk_gradients`` (dW, db rows written once; dx into an
+    fp32 accumulator when there are several chunks). ``dx_acc``: dx as the fp32
+    accumulator (also for one chunk), not cast to x's dtype (a partial sum that the
+    caller reduces first: vocab parallelism). Temporaries: one dz chunk (the plan's
+    vocab_chunk columns) and the (N, H) fp32 accumulator."""
+    keep_acc = dx_acc
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_cols = plan.keep_cols if kept is not None else 0
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
+    chunks = backward_chunks(plan, v, keep_cols)
+    dx = dx_acc = dz_buf = None
+    if need_dx and (keep_acc or len(chunks) > 1):
+        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    x_op, w_op, use_tma = operands(x, weight, plan)
+    for v0, v1 in chunks:
+        if v0 == 0 and keep_cols:
+            keep_buf, tile_max = kept
+            dz = keep_buf[:, :keep_cols]
+            kept_dlogits(dz, tile_max, (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v)))
+        else:
+            if dz_buf is None:
+                dz_buf = dz_buffer(plan, n, v, keep_cols, x)
+            dz = dz_buf[:, : v1 - v0]
+            dz_op, dz_tma = dz_operand(dz, plan, use_tma)
+            tiles, row_blocks = dlogits_tiles(plan, n, v1 - v0, x.device)
+            dlogits(dz, v0, v1, x_op=x_op, w_op=w_op, use_tma=use_tma, dz_op=dz_op, dz_tma=dz_tma, grid=(tiles,),
+                    group_n=plan.group_n or row_blocks, flatten=plan.flatten and plan.dlogits_programs > 0)
+        dx_chunk = chunk_gradients(
+            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
+            dx_acc, need_dx)
+        if dx_chunk is not None:
+            dx = dx_chunk
+    if dx_acc is not None:
+        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
+    return dx, dw, db

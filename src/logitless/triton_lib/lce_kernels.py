@@ -1,7 +1,8 @@
 """Triton kernels of linear_cross_entropy, shared by the PyTorch op and the JAX "triton"
 backend (framework-free: imports only triton and ``triton_lib``). One kernel per idea;
 the math is in ``logitless.formulas.cross_entropy`` (Triton twin ``triton_lib.ce_math``),
-the tile of logits each program computes in ``triton_lib.gemm`` and the launch sizes in
+the tile of logits each program computes in ``triton_lib.gemm``, the kept-column and dz
+tile stores and loads in ``triton_lib.tile_io`` and the launch sizes in
 ``logitless.planning.plans`` (torch) and ``logitless.jax.planning`` (JAX).
 """
 
@@ -9,7 +10,14 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.ce_math import dz_tile, load_row_coefficients, online_lse_update, side_stats_update
-from logitless.triton_lib.gemm import grouped_tile, logits_tile
+from logitless.triton_lib.gemm import grouped_tile
+from logitless.triton_lib.tile_io import (
+    block_tile,
+    load_kept_tile,
+    recomputed_tile,
+    store_dz_tile,
+    store_kept_tile,
+)
 
 
 @triton.jit
@@ -57,24 +65,17 @@ def forward_stats_kernel(
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
-        offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_ok = offs_v < V
-        z = logits_tile(
-            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
-            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        offs_v, col_ok, z = block_tile(
+            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
         if KEEP:
             block = first_block + i
-            if block < keep_blocks:
-                if USE_TMA:  # keep_ptr is a descriptor: an asynchronous bulk store
-                    keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
-                else:
-                    keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-                    tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-                tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
+            if block < keep_blocks:  # (with USE_TMA keep_ptr is a descriptor: a bulk store)
+                store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, block, pid_n, offs_n, offs_v, row_ok, col_ok,
+                                N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
         z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
         smooth, best, best_idx = side_stats_update(
             z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
@@ -116,24 +117,16 @@ def dlogits_kernel(
     # One tile per program, or (persistent: fewer programs than tiles) a pipelined loop
     # over tiles, whose next loads are in flight during a tile's epilogue and store.
     for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
-        pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_ok = offs_n < N
-        col_ok = offs_v < v_end
-        z = logits_tile(
-            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
-            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+        pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z = recomputed_tile(
+            tile, x_ptr, w_ptr, b_ptr, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            v_start, v_end, softcap, row_blocks, col_blocks, group_n,
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
         p = tl.exp(z - lse[:, None])
         dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
-        if DZ_TMA:
-            dz_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(dz_ptr.dtype))
-        else:
-            dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
-            tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        store_dz_tile(dz, dz_ptr, pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, v_start, stride_dzn,
+                      DZ_TMA, BLOCK_N, BLOCK_V)
 
 
 @triton.jit
@@ -148,15 +141,8 @@ def kept_dlogits_kernel(
     p = e * exp(m - lse); z = log(e) + m is needed only with a soft-cap. No GEMM: one
     read and one write of the (N, keep_cols) buffer. BLOCK_V must be the forward's.
     """
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_ok = offs_n < N
-    mask = row_ok[:, None] & (offs_v < keep_cols)[None, :]
-    ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
+    e, m, offs_n, offs_v, row_ok, mask, ptrs = load_kept_tile(
+        keep_ptr, keep_max_ptr, N, keep_cols, stride_keep, BLOCK_N, BLOCK_V)
     lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     z = p  # unused without a soft-cap

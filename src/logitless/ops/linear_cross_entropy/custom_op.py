@@ -42,8 +42,16 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import (
+    custom_op,
+    fake_grad_outputs,
+    grad_outputs,
+    guard_double_backward,
+    named,
+    zero_grads,
+)
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
@@ -118,17 +126,10 @@ def _outputs(x, target, loss, lse, argmax, w_t, kept, grads):
     sd = compute_dtype(x.dtype)
     argmax = argmax if argmax is not None else target.new_empty(0, dtype=torch.int64)
     if kept is None:
-        kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
-                torch.empty(0, dtype=torch.int64))
+        kept = nothing_kept(x)
     grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
     return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
 
-
-#: Shape of the keep buffers when nothing is kept (the plan output is then empty). Not
-#: (0, 0): inductor's in-place reuse of an empty 2-D buffer of dynamic size computes its
-#: size as u1 - max(1, u1) + u0 * max(1, u1) = -1 (torch 2.11, "numel: integer
-#: multiplication overflow").
-NOTHING_KEPT = (1, 1)
 
 lce_forward = custom_op("lce_forward", _forward)
 
@@ -140,8 +141,8 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
     n, (v, h) = x.shape[0], weight.shape
     sd = compute_dtype(x.dtype)
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
-    keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
     grads = [x.new_empty(0) for _ in range(3)]
+    kept = fake_kept_tensors(x)
     if grad_in_forward > 0 and n > 0:  # (eager only: the public function passes 0 when compiling)
         f32 = torch.float32
         grads = [
@@ -151,26 +152,16 @@ def _(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoo
             weight.new_empty(v, dtype=f32) if need_db else grads[2],
         ]
     elif backend == "triton" and need_grad and not (tp_group and isinstance(v, int) and v == 0):
-        if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
-            from .triton_backend import PLAN_SIZE, kept_shapes
+        from .triton_backend import PLAN_SIZE, kept_shapes
 
-            shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, softcap, need_grad)
-            if shapes is not None:
-                (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
-        else:  # symbolic sizes, or a padded vocab-parallel head (this rank's real rows are
-            # known at run time): the plan's choice is a size only known at run time
-            ctx = torch.library.get_ctx()
-            keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-            max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-            plan_size = ctx.new_dynamic_size()
+        kept = fake_kept(x, weight, tp_group, vocab_size, PLAN_SIZE, lambda n, v, h: kept_shapes(
+            n, v, h, x.dtype, budget, x.device, softcap, need_grad))
     return (
         loss,
         x.new_empty(n, dtype=sd),
         x.new_empty(n if need_argmax else 0, dtype=torch.int64),
         x.new_empty(n, dtype=sd),
-        x.new_empty(keep_shape),
-        x.new_empty(max_shape, dtype=torch.float32),
-        torch.empty(plan_size, dtype=torch.int64, device="cpu"),
+        *kept,
         *grads,
     )
 
@@ -208,8 +199,7 @@ def _backward(
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
-        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
-        db = torch.zeros_like(bias) if bias is not None else None
+        dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         impl = load_backend(__package__, backend)
         extra = {}
@@ -231,12 +221,7 @@ def _backward(
                     x, weight, bias, target, class_weight, softcap, lse, coef,
                     need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
                 )
-    nothing = x.new_empty(0)
-    return (
-        dx if need_dx else nothing,
-        dw if need_dw else nothing.clone(),
-        db if need_db else nothing.clone(),
-    )
+    return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 
 
 lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
@@ -246,12 +231,7 @@ lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
 def _(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
       ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget,
       need_dx, need_dw, need_db, tp_group="", vocab_size=-1, partial_dx=False):
-    nothing = x.new_empty(0)
-    return (
-        torch.empty_like(x) if need_dx else nothing,
-        torch.empty_like(weight) if need_dw else nothing.clone(),
-        torch.empty_like(bias) if need_db else nothing.clone(),
-    )
+    return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
 
 
 def _grad_in_forward_strategy():
@@ -292,7 +272,7 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     keep, keep_max, plan = ctx.kept
     if grad_loss is None:  # gradients are not materialised: the loss got none
         grad_loss = torch.zeros(lse.shape if ctx.opts.reduction == "none" else (), dtype=lse.dtype, device=x.device)
-    ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
+    ctx.kept = nothing_kept(keep)
     forward_grads, ctx.grads_in_forward = ctx.grads_in_forward, None
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.cross_entropy import TokenStats, dlogits_
-from logitless.planning.plans import torch_plan
+from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 
 
 def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
@@ -36,16 +36,6 @@ def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
     if b_v is not None:
         z += b_v
     return apply_softcap(z, softcap, inplace=True)
-
-
-def _plan(x: Tensor, v: int, budget: int, *, tiles: int, accumulators: int):
-    """torch_plan with the bytes a step of this backend holds besides its tiles."""
-    n, h = x.shape
-    cd = compute_dtype(x.dtype)
-    cs = torch.finfo(cd).bits // 8
-    upcast = x.dtype != cd  # 16-bit inputs: chunks of x and W are copied to fp32
-    return torch_plan(n, v, h, cs, budget, tiles=tiles, row_bytes=h * cs * upcast,
-                      col_bytes=h * cs * (upcast + accumulators) + 2 * cs)
 
 
 def forward(
@@ -65,7 +55,7 @@ def forward(
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
-    plan = _plan(x, v, budget, tiles=1, accumulators=0)
+    plan = linear_torch_plan(x, v, budget, tiles=1, accumulators=0)
     lse = torch.empty(n, dtype=cd, device=x.device)
     tgt = torch.empty(n, dtype=cd, device=x.device)
     smooth = torch.empty(n, dtype=cd, device=x.device) if need_smooth else None
@@ -129,43 +119,17 @@ def backward(
 ):
     """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
     for fp64), not cast to x's dtype (a partial sum that the caller reduces first)."""
-    n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
-    exact = x.dtype == cd  # fp32/fp64: accumulate straight into the outputs
-    plan = _plan(x, v, budget, tiles=1 + (softcap is not None), accumulators=0 if exact else int(need_dw))
+    exact = x.dtype == cd
+    plan = linear_torch_plan(x, v, budget, tiles=1 + (softcap is not None), accumulators=0 if exact else int(need_dw))
     lse = lse.to(cd)
     coef = coef.to(cd)
     cw = class_weight.to(cd) if class_weight is not None else None
-    keep_acc, dx_acc = dx_acc, None
-    if need_dx:
-        dx_acc = torch.zeros(n, h, dtype=cd, device=x.device)  # dx itself when exact
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    for v0 in range(0, v, plan.vocab_chunk):
-        v1 = min(v, v0 + plan.vocab_chunk)
-        w_v = weight[v0:v1].to(cd)
-        b_v = bias[v0:v1].to(cd) if bias is not None else None
-        dw_acc = None
-        if need_dw:
-            dw_acc = dw[v0:v1].zero_() if exact else torch.zeros(v1 - v0, h, dtype=cd, device=x.device)
-        db_acc = torch.zeros(v1 - v0, dtype=cd, device=x.device) if need_db else None
-        for n0 in range(0, n, plan.token_chunk):
-            n1 = min(n, n0 + plan.token_chunk)
-            x_c = x[n0:n1].to(cd)
-            z = _logits_tile(x_c, w_v, b_v, softcap)
-            dz = dlogits_(z, lse[n0:n1], coef[:, n0:n1], target[n0:n1], v0, cw, softcap)
-            if need_dx:
-                dx_acc[n0:n1].addmm_(dz, w_v)
-            if need_dw:
-                dw_acc.addmm_(dz.T, x_c)
-            if need_db:
-                db_acc += dz.sum(dim=0)
-            del z, dz, x_c
-        if need_dw and not exact:
-            dw[v0:v1] = dw_acc
-        if need_db:
-            db[v0:v1] = db_acc
-        del w_v, b_v, dw_acc
-    dx = (dx_acc if keep_acc else dx_acc.to(x.dtype)) if need_dx else None
-    return dx, dw, db
+
+    def dz_of(x_c, w_v, b_v, n0, n1, v0):  # dz in place of the recomputed tile
+        z = _logits_tile(x_c, w_v, b_v, softcap)
+        return dlogits_(z, lse[n0:n1], coef[:, n0:n1], target[n0:n1], v0, cw, softcap)
+
+    return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                            dx_acc=dx_acc)

@@ -19,18 +19,16 @@ are bitwise repeatable.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 import triton
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logitless.formulas.cross_entropy import TokenStats
-from logitless.planning import plans as _plans
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import launch
+from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F401  (the custom op's)
 
 from . import triton_kernels as K
 
@@ -77,14 +75,7 @@ def forward(
     x_op, w_op, use_tma = launch.operands(x, weight, plan)
     keep_op = None
     if keep_blocks:
-        # Rows padded to 16 bytes so that the kept tiles can be bulk-stored (TMA).
-        (_, row), max_shape = _kept_shapes_of(plan, n)
-        keep_buf = launch.padded_buffer(n, row, x)
-        keep = keep_buf[:, : plan.keep_cols]
-        keep_max = torch.empty(max_shape, **f32)
-        keep_op = keep
-        if use_tma:
-            keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     row_blocks = triton.cdiv(n, plan.block_n)
     grid = (row_blocks * splits,)
     launch.launch_kernel(
@@ -125,27 +116,12 @@ class _Kept(tuple):
     (N, keep_cols) view of the buffer, tile maxima) to code within one call."""
 
     def __new__(cls, buf: Tensor, tile_max: Tensor, plan: TritonPlan):
-        kept = super().__new__(cls, (buf, tile_max, plan_to_tensor(plan)))
+        kept = super().__new__(cls, (buf, tile_max, launch.plan_to_tensor(plan)))
         kept.keep_cols = plan.keep_cols
         return kept
 
     def take(self):
         return self[0][:, : self.keep_cols], self[1]
-
-
-#: Length of ``plan_to_tensor``'s result.
-PLAN_SIZE = len(dataclasses.fields(TritonPlan))
-
-
-def plan_to_tensor(plan: TritonPlan) -> Tensor:
-    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
-    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
-
-
-def plan_from_tensor(t: Tensor) -> TritonPlan:
-    values = t.tolist()  # a CPU tensor: no device sync
-    fields = dataclasses.fields(TritonPlan)
-    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
 
 
 def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
@@ -158,13 +134,6 @@ def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool)
     return need_grad and not (dtype == torch.float16 and softcap is not None)
 
 
-def _kept_shapes_of(plan: TritonPlan, n: int):
-    """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
-    to 8 elements (16 bytes, so that tiles can be bulk-stored), and the per-tile maxima."""
-    row = triton.cdiv(plan.keep_cols, 8) * 8
-    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
-
-
 def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
                 softcap: Optional[float], need_grad: bool):
     """Shapes of the tensors ``forward`` keeps for the backward (the custom op's fake
@@ -173,7 +142,7 @@ def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
     if n == 0 or not keep_allowed:
         return None
     plan = _plan(n, v, h, dtype, budget, device, keep_allowed=True)
-    return _kept_shapes_of(plan, n) if plan.keep_cols else None
+    return launch.kept_shapes_of(plan, n) if plan.keep_cols else None
 
 
 def backward(
@@ -198,69 +167,33 @@ def backward(
     buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
     the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial sum
     that the caller reduces first: vocab parallelism)."""
-    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     # The forward's plan (the same arguments give the same plan) when it kept columns.
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
-    keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
-    chunks = [(0, keep_cols)] if keep_cols else []
-    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
-    one_chunk = len(chunks) == 1
-    dx = None
-    dx_acc = None
-    if need_dx and (keep_acc or not one_chunk):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    dz_buf = None
-    x_op, w_op, use_tma = launch.operands(x, weight, plan)
     flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
-    for v0, v1 in chunks:
-        if v0 == 0 and keep_cols:
-            keep_buf, tile_max = kept
-            dz = keep_buf[:, :keep_cols]
-            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
-            K.kept_dlogits_kernel[grid](
-                dz, tile_max, cw_arg, target, lse, coef, n, v, keep_cols, dz.stride(0),
-                float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
-                HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
-                num_warps=plan.num_warps,
-            )
-        else:
-            if dz_buf is None:
-                # Rows padded to 16 bytes so that dz tiles can be bulk-stored (TMA).
-                width = min(plan.vocab_chunk, v - keep_cols)
-                dz_buf = launch.padded_buffer(n, triton.cdiv(width, 8) * 8, x)
-            dz = dz_buf[:, : v1 - v0]
-            dz_op = dz
-            dz_tma = plan.dz_tma and use_tma
-            if dz_tma:
-                dz_op = TensorDescriptor(dz, [n, v1 - v0], [dz.stride(0), 1], [plan.block_n, plan.block_v])
-            row_blocks = triton.cdiv(n, plan.block_n)
-            tiles = row_blocks * triton.cdiv(v1 - v0, plan.block_v)
-            if plan.dlogits_programs:  # persistent: each program loops over tiles
-                tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(x.device))
-            grid = (tiles,)
-            launch.launch_kernel(
-                K.dlogits_kernel, grid,
-                x_op, w_op, bias if bias is not None else x, cw_arg,
-                target, lse, coef, dz_op,
-                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-                v0, v1, float(softcap or 1.0), plan.group_n or row_blocks,
-                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
-                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-                num_warps=plan.num_warps, num_stages=plan.num_stages,
-            )
-        dx_chunk = launch.chunk_gradients(
-            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
-            dx_acc, need_dx)
-        if dx_chunk is not None:
-            dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
-    return dx, dw, db
 
+    def kept_dlogits(dz, tile_max, grid):
+        K.kept_dlogits_kernel[grid](
+            dz, tile_max, cw_arg, target, lse, coef, n, v, dz.shape[1], dz.stride(0),
+            float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
+            HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
+            num_warps=plan.num_warps,
+        )
+
+    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
+        launch.launch_kernel(
+            K.dlogits_kernel, grid,
+            x_op, w_op, bias if bias is not None else x, cw_arg,
+            target, lse, coef, dz_op,
+            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            v0, v1, float(softcap or 1.0), group_n,
+            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+
+    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
+                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, token_loss, upstream
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import (
+    custom_op,
+    fake_grad_outputs,
+    grad_outputs,
+    guard_double_backward,
+    named,
+    zero_grads,
+)
 from logitless.ops.common.dispatch import backend_module
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
@@ -86,10 +92,8 @@ def _backward(
     """(dx, dW, db) of the student; an empty tensor for each one not asked for."""
     opts = JSDOptions(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
     need_db = need_db and student_bias is not None
-    none = student_x.new_empty(0)
     if student_x.shape[0] == 0:
-        dx, dw = torch.zeros_like(student_x), torch.zeros_like(student_weight)
-        db = torch.zeros_like(student_bias) if need_db else none
+        dx, dw, db = zero_grads(student_x, student_weight, student_bias)
     else:
         g = upstream(grad_loss, target, ignore_index)
         impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
@@ -105,8 +109,7 @@ def _backward(
                 dx, dw, db = impl.backward(
                     g, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias,
                     target, stats, opts, budget, need_dx, need_dw, need_db)
-    return (dx if need_dx else none.clone(), dw if need_dw else none.clone(),
-            db if need_db else none.clone())
+    return grad_outputs(student_x, dx, dw, db, need_dx, need_dw, need_db)
 
 
 linear_jsd_backward_op = custom_op("linear_jsd_backward", _backward)
@@ -117,10 +120,8 @@ def _(grad_loss, student_x, student_weight, student_bias, teacher_x, teacher_wei
       beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight, budget, backend,
       need_dx, need_dw, need_db, tp_group="", vocab_size=-1, partial_dx=False):
     # Named, with the defaults: a compiled graph leaves defaulted arguments out of the call.
-    none = student_x.new_empty(0)
-    return (torch.empty_like(student_x) if need_dx else none,
-            torch.empty_like(student_weight) if need_dw else none.clone(),
-            torch.empty_like(student_bias) if need_db and student_bias is not None else none.clone())
+    return fake_grad_outputs(student_x, student_weight, student_bias, need_dx, need_dw,
+                             need_db and student_bias is not None)
 
 
 _TENSORS = ("student_x", "student_weight", "student_bias", "teacher_x", "teacher_weight", "teacher_bias", "target")

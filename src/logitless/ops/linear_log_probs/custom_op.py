@@ -25,23 +25,26 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import (
+    custom_op,
+    fake_grad_outputs,
+    grad_outputs,
+    guard_double_backward,
+    named,
+    zero_grads,
+)
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.options import LogProbOptions, VocabParallelOptions
 
 from .token_checks import check_tokens_in_range
 
 OP = "linear_log_probs"
-
-
-#: Shape of the keep buffers when nothing is kept (see linear_cross_entropy: not (0, 0)).
-NOTHING_KEPT = (1, 1)
 
 
 def _forward(
@@ -86,8 +89,7 @@ def _forward(
             lse = stats.lse
     ent = ent.to(sd) if ent is not None else x.new_empty(0, dtype=sd)
     if kept is None:
-        kept = (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
-                torch.empty(0, dtype=torch.int64))
+        kept = nothing_kept(x)
     return logp.to(sd), ent, lse.to(sd), kept[0], kept[1], kept[2]
 
 
@@ -97,30 +99,20 @@ llp_forward = custom_op("llp_forward", _forward)
 @llp_forward.register_fake
 def _(x, weight, bias, tokens, temperature, entropy, softcap, ignore_index, backend, budget, need_grad,
       tp_group="", vocab_size=-1, partial_dx=False):
-    n, (v, h) = x.shape[0], weight.shape
+    n = x.shape[0]
     sd = compute_dtype(x.dtype)
-    keep_shape, max_shape, plan_size = NOTHING_KEPT, NOTHING_KEPT, 0
+    kept = fake_kept_tensors(x)
     if backend == "triton" and need_grad:
-        if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
-            from .triton_backend import PLAN_SIZE, kept_shapes
+        from .triton_backend import PLAN_SIZE, kept_shapes
 
-            opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
-            shapes = kept_shapes(n, v, h, x.dtype, budget, x.device, opts, need_grad)
-            if shapes is not None:
-                (keep_shape, max_shape), plan_size = shapes, PLAN_SIZE
-        else:  # symbolic sizes, or a padded vocab-parallel head (this rank's real rows are
-            # known at run time): what the plan keeps is only known at run time
-            ctx = torch.library.get_ctx()
-            keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-            max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-            plan_size = ctx.new_dynamic_size()
+        opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+        kept = fake_kept(x, weight, tp_group, vocab_size, PLAN_SIZE, lambda n, v, h: kept_shapes(
+            n, v, h, x.dtype, budget, x.device, opts, need_grad))
     return (
         x.new_empty(n, dtype=sd),
         x.new_empty(n if entropy else 0, dtype=sd),
         x.new_empty(n, dtype=sd),
-        x.new_empty(keep_shape),
-        x.new_empty(max_shape, dtype=torch.float32),
-        torch.empty(plan_size, dtype=torch.int64, device="cpu"),
+        *kept,
     )
 
 
@@ -155,8 +147,7 @@ def _backward(
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
-        dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
-        db = torch.zeros_like(bias) if bias is not None else None
+        dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         with no_autocast(x.device):
             impl = load_backend(__package__, backend)
@@ -174,8 +165,7 @@ def _backward(
                                          grad_entropy if entropy else None, v, opts, lse)
                 dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
                                            need_dw=need_dw, need_db=need_db, budget=budget, **extra)
-    nothing = x.new_empty(0)
-    return (dx if need_dx else nothing, dw if need_dw else nothing.clone(), db if need_db else nothing.clone())
+    return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 
 
 llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
@@ -185,12 +175,7 @@ llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
 def _(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, keep, keep_max, plan,
       temperature, entropy, softcap, ignore_index, backend, budget, need_dx, need_dw, need_db,
       tp_group="", vocab_size=-1, partial_dx=False):
-    nothing = x.new_empty(0)
-    return (
-        torch.empty_like(x) if need_dx else nothing,
-        torch.empty_like(weight) if need_dw else nothing.clone(),
-        torch.empty_like(bias) if need_db else nothing.clone(),
-    )
+    return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
 
 
 def _setup_context(ctx, inputs, output):
@@ -208,7 +193,7 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     x, weight, bias, tokens, lse, ent = ctx.saved_tensors
     keep, keep_max, plan = ctx.kept
-    ctx.kept = (keep.new_empty(NOTHING_KEPT), keep_max.new_empty(NOTHING_KEPT), plan.new_empty(0))
+    ctx.kept = nothing_kept(keep)
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
         return (None,) * ctx.num_inputs

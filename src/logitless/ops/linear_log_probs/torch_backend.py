@@ -21,8 +21,8 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_
+from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
-from logitless.planning.plans import torch_plan
 
 
 def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
@@ -32,22 +32,13 @@ def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbO
     return scaled_logits_(apply_softcap(z, opts.softcap, inplace=True), opts)
 
 
-def _plan(x: Tensor, v: int, budget: int, *, tiles: int, accumulators: int):
-    n, h = x.shape
-    cd = compute_dtype(x.dtype)
-    cs = torch.finfo(cd).bits // 8
-    upcast = x.dtype != cd
-    return torch_plan(n, v, h, cs, budget, tiles=tiles, row_bytes=h * cs * upcast,
-                      col_bytes=h * cs * (upcast + accumulators) + 2 * cs)
-
-
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
             budget: int, need_grad: bool = False):
     """(LogProbStats, None): this backend keeps nothing for the backward."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
-    plan = _plan(x, v, budget, tiles=2 + opts.entropy, accumulators=0)
+    plan = linear_torch_plan(x, v, budget, tiles=2 + opts.entropy, accumulators=0)
     lse = torch.empty(n, dtype=cd, device=x.device)
     tgt = torch.empty(n, dtype=cd, device=x.device)
     ent = torch.empty(n, dtype=cd, device=x.device) if opts.entropy else None
@@ -81,40 +72,16 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
     for fp64), not cast to x's dtype (a partial sum the caller reduces first: vocab
     parallelism)."""
-    keep_acc = dx_acc
-    n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
     exact = x.dtype == cd
     tiles = 1 + (opts.softcap is not None) + opts.entropy
-    plan = _plan(x, v, budget, tiles=tiles, accumulators=0 if exact else int(need_dw))
+    plan = linear_torch_plan(x, v, budget, tiles=tiles, accumulators=0 if exact else int(need_dw))
     lse = lse.to(cd)
     coef = coef.to(cd)
-    dx_acc = torch.zeros(n, h, dtype=cd, device=x.device) if need_dx else None
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    for v0 in range(0, v, plan.vocab_chunk):
-        v1 = min(v, v0 + plan.vocab_chunk)
-        w_v = weight[v0:v1].to(cd)
-        b_v = bias[v0:v1].to(cd) if bias is not None else None
-        dw_acc = None
-        if need_dw:
-            dw_acc = dw[v0:v1].zero_() if exact else torch.zeros(v1 - v0, h, dtype=cd, device=x.device)
-        db_acc = torch.zeros(v1 - v0, dtype=cd, device=x.device) if need_db else None
-        for n0 in range(0, n, plan.token_chunk):
-            n1 = min(n, n0 + plan.token_chunk)
-            x_c = x[n0:n1].to(cd)
-            dz = dlogits_(_scaled_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], v0, opts)
-            if need_dx:
-                dx_acc[n0:n1].addmm_(dz, w_v)
-            if need_dw:
-                dw_acc.addmm_(dz.T, x_c)
-            if need_db:
-                db_acc += dz.sum(dim=0)
-            del dz, x_c
-        if need_dw and not exact:
-            dw[v0:v1] = dw_acc
-        if need_db:
-            db[v0:v1] = db_acc
-    dx = (dx_acc if keep_acc else dx_acc.to(x.dtype)) if need_dx else None
-    return dx, dw, db
+
+    def dz_of(x_c, w_v, b_v, n0, n1, v0):  # dz in place of the recomputed tile
+        return dlogits_(_scaled_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], v0, opts)
+
+    return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                            dx_acc=dx_acc)

@@ -18,19 +18,17 @@ atomics (bitwise repeatable); no host syncs.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 import triton
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
-from logitless.planning import plans as _plans
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import launch
+from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F401  (the custom op's)
 
 from . import triton_kernels as K
 
@@ -55,32 +53,13 @@ def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep:
     return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep)
 
 
-def _kept_shapes_of(plan: TritonPlan, n: int):
-    row = triton.cdiv(plan.keep_cols, 8) * 8  # rows padded to 16 bytes (TMA stores)
-    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
-
-
 def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, opts: LogProbOptions,
                 need_grad: bool):
     """Shapes of the buffers ``forward`` keeps (the custom op's fake uses them), or None."""
     if n == 0 or not keep_allowed(dtype, opts, need_grad):
         return None
     plan = _plan(n, v, h, dtype, budget, device, True)
-    return _kept_shapes_of(plan, n) if plan.keep_cols else None
-
-
-#: Length of ``plan_to_tensor``'s result.
-PLAN_SIZE = len(dataclasses.fields(TritonPlan))
-
-
-def plan_to_tensor(plan: TritonPlan) -> Tensor:
-    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
-    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
-
-
-def plan_from_tensor(t: Tensor) -> TritonPlan:
-    fields = dataclasses.fields(TritonPlan)
-    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, t.tolist())])
+    return launch.kept_shapes_of(plan, n) if plan.keep_cols else None
 
 
 def _flags(bias, opts: LogProbOptions, dtype):
@@ -108,13 +87,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     keep = keep_max = keep_buf = None
     keep_op = x
     if keep_blocks:
-        (_, row), max_shape = _kept_shapes_of(plan, n)
-        keep_buf = launch.padded_buffer(n, row, x)
-        keep = keep_buf[:, : plan.keep_cols]
-        keep_max = torch.empty(max_shape, **f32)
-        keep_op = keep
-        if use_tma:
-            keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     row_blocks = triton.cdiv(n, plan.block_n)
     launch.launch_kernel(
         K.logp_forward_kernel, (row_blocks * splits,),
@@ -130,7 +103,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     )
     lse, ent = merge_splits(part_max, part_sum, part_u if opts.entropy else None)
     stats = LogProbStats(lse=lse, target=part_tgt.sum(dim=0), entropy=ent)
-    kept = (keep_buf, keep_max, plan_to_tensor(plan)) if keep is not None else None
+    kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
     return stats, kept
 
 
@@ -142,60 +115,31 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
     chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
     parallelism)."""
-    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False)
-    keep_cols = plan.keep_cols if kept is not None else 0
     coef = coef.contiguous()
     lse = lse.contiguous()
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    chunks = [(0, keep_cols)] if keep_cols else []
-    chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
-    dx = dx_acc = dz_buf = None
-    if need_dx and (keep_acc or len(chunks) > 1):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    x_op, w_op, use_tma = launch.operands(x, weight, plan)
     flags = _flags(bias, opts, x.dtype)
-    for v0, v1 in chunks:
-        if v0 == 0 and keep_cols:
-            keep_buf, tile_max = kept
-            dz = keep_buf[:, :keep_cols]
-            grid = (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v))
-            K.logp_kept_dlogits_kernel[grid](
-                dz, tile_max, tokens, lse, coef, n, keep_cols, dz.stride(0),
-                float(opts.softcap or 1.0), float(opts.temperature),
-                HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-            )
-        else:
-            if dz_buf is None:
-                width = min(plan.vocab_chunk, v - keep_cols)
-                dz_buf = launch.padded_buffer(n, triton.cdiv(width, 8) * 8, x)
-            dz = dz_buf[:, : v1 - v0]
-            dz_tma = plan.dz_tma and use_tma
-            dz_op = dz
-            if dz_tma:
-                dz_op = TensorDescriptor(dz, [n, v1 - v0], [dz.stride(0), 1], [plan.block_n, plan.block_v])
-            row_blocks = triton.cdiv(n, plan.block_n)
-            tiles = row_blocks * triton.cdiv(v1 - v0, plan.block_v)
-            if plan.dlogits_programs:
-                tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(x.device))
-            launch.launch_kernel(
-                K.logp_dlogits_kernel, (tiles,),
-                x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
-                n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-                v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, plan.group_n or row_blocks,
-                **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
-                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-                num_warps=plan.num_warps, num_stages=plan.num_stages,
-            )
-        dx_chunk = launch.chunk_gradients(
-            dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
-            dx_acc, need_dx)
-        if dx_chunk is not None:
-            dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
-    return dx, dw, db
+
+    def kept_dlogits(dz, tile_max, grid):
+        K.logp_kept_dlogits_kernel[grid](
+            dz, tile_max, tokens, lse, coef, n, dz.shape[1], dz.stride(0),
+            float(opts.softcap or 1.0), float(opts.temperature),
+            HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        )
+
+    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
+        launch.launch_kernel(
+            K.logp_dlogits_kernel, grid,
+            x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
+            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, group_n,
+            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+
+    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
+                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
