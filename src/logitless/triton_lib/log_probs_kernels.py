@@ -2,15 +2,23 @@
 PyTorch op (``ops/linear_log_probs``) and the JAX "triton" backend
 (``jax/ops/linear_log_probs/triton.py``) launch these same kernels. The math is in
 ``logitless.formulas.log_probs`` (Triton twin ``triton_lib.log_probs_math``), the tile
-of logits in ``triton_lib.gemm``, the launch sizes in ``planning.plans.triton_plan``
-(shared with linear_cross_entropy).
+of logits in ``triton_lib.gemm``, the kept/dz tile stores and loads in
+``triton_lib.tile_io``, the launch sizes in ``planning.plans.triton_plan`` (shared with
+linear_cross_entropy).
 """
 
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.gemm import grouped_tile, logits_tile
+from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.log_probs_math import load_logp_rows, logp_dz_tile, online_entropy_update
+from logitless.triton_lib.tile_io import (
+    block_tile,
+    load_kept_tile,
+    recomputed_tile,
+    store_dz_tile,
+    store_kept_tile,
+)
 
 
 @triton.jit
@@ -49,24 +57,17 @@ def logp_forward_kernel(
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
-        offs_v = (first_block + i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_ok = offs_v < V
-        z = logits_tile(
-            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, (first_block + i) * BLOCK_V, N, V, H,
-            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        offs_v, col_ok, z = block_tile(
+            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if KEEP:
             block = first_block + i
             if block < keep_blocks:
-                if USE_TMA:
-                    keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
-                else:
-                    keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-                    tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-                tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
+                store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, block, pid_n, offs_n, offs_v, row_ok, col_ok,
+                                N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
         # After the KEEP stores: with the token's sum before them, triton 3.6's
         # TritonGPUFuseNestedLoops pass fails on KEEP + FLATTEN ("scf.if ... 5 operands,
         # target successor needs 7"; reproduced with an sm_90 AOT compile on the CPU).
@@ -96,25 +97,17 @@ def logp_dlogits_kernel(
     row_blocks = tl.cdiv(N, BLOCK_N)
     col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
-        pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_ok = offs_n < N
-        col_ok = offs_v < v_end
-        z = logits_tile(
-            x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
-            stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+        pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z = recomputed_tile(
+            tile, x_ptr, w_ptr, b_ptr, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            v_start, v_end, softcap, row_blocks, col_blocks, group_n,
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
         logp = z * inv_temp - lse[:, None]
         p = tl.exp(logp)
         dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)
-        if DZ_TMA:
-            dz_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(dz_ptr.dtype))
-        else:
-            dz_ptrs = dz_ptr + offs_n.to(tl.int64)[:, None] * stride_dzn + (offs_v - v_start)[None, :]
-            tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        store_dz_tile(dz, dz_ptr, pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, v_start, stride_dzn,
+                      DZ_TMA, BLOCK_N, BLOCK_V)
 
 
 @triton.jit
@@ -128,15 +121,8 @@ def logp_kept_dlogits_kernel(
     log p = log e + m - lse only with entropy / a soft-cap (the planner keeps no columns
     where e could underflow and a soft-cap needs z = T (log p + lse)). No GEMM:
     one read and one write of the kept buffer. BLOCK_V must be the forward's."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_ok = offs_n < N
-    mask = row_ok[:, None] & (offs_v < keep_cols)[None, :]
-    ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
+    e, m, offs_n, offs_v, row_ok, mask, ptrs = load_kept_tile(
+        keep_ptr, keep_max_ptr, N, keep_cols, stride_keep, BLOCK_N, BLOCK_V)
     lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     logp = p  # unused without entropy or a soft-cap
