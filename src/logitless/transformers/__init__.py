@@ -4,7 +4,7 @@
     model = AutoModelForCausalLM.from_pretrained(...)
     lt.patch(model)                          # this instance; returns the model
     lt.patch(AutoModelForCausalLM)           # or: every supported model loaded from now on
-    ...train as usual (Trainer, TRL, torch.compile, your own loop)...
+    ...train as usual (Trainer, torch.compile, your own loop; TRL: see below)...
     lt.unpatch(model)
 
 In training mode with ``labels`` the patched forward returns transformers' own output
@@ -18,12 +18,15 @@ models); each class's forward source is checked at patch time (``source_check``)
 anything unexpected is refused with the reason. ``patch.py`` describes the mechanism,
 ``head.py`` the heads (nn.Linear, PEFT LoRA, modules_to_save), ``loss.py`` the loss.
 ``causal_lm_loss`` gives the same loss from hidden states for trainers that run the
-backbone themselves.
+backbone themselves. TRL's trainers run their own fused head, which bypasses the
+patch: a patched model warns once (``PatchBypassedWarning``) and names
+``logitless.integrations.trl.patch_sft`` / ``patch_grpo`` / ``patch_gkd``.
 """
 
 from __future__ import annotations
 
+from .bypass import PatchBypassedWarning
 from .patch import causal_lm_loss, is_patched, patch, unpatch
 from .registry import SUPPORTED
 
-__all__ = ["patch", "unpatch", "is_patched", "causal_lm_loss", "SUPPORTED"]
+__all__ = ["patch", "unpatch", "is_patched", "causal_lm_loss", "SUPPORTED", "PatchBypassedWarning"]
