@@ -13,5 +13,6 @@ Backend interface (2-D arrays; everything after ``*`` static):
     dz = p (A + C log p) - B [c == t] (x cap'), dx = dz w, dw = dz^T x, db = sum dz,
     accumulated in fp32 and cast once to the inputs' dtypes.
 
-Backends: "xla" (plain JAX, chunked). "mosaic_gpu" is not written yet for this op.
+Backends: "xla" (plain JAX, chunked); "mosaic_gpu" (Pallas Mosaic GPU kernels on SM90,
+``logitless.jax.mosaic_lib``; bf16/f16), selected by name.
 """

@@ -7,6 +7,7 @@ twin of ``logitless.linear_log_probs`` (PyTorch); math in
 from __future__ import annotations
 
 import importlib
+import math
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -17,9 +18,9 @@ from logitless.jax import log_probs_formulas as lpf
 from logitless.options import LogProbOptions, check_memory_budget
 
 #: Backends by name: module path (relative to this package).
-BACKENDS = {"xla": ".xla"}
+BACKENDS = {"xla": ".xla", "mosaic_gpu": ".mosaic_gpu"}
 #: Backends of linear_cross_entropy not written for this op yet.
-NOT_YET = ("mosaic_gpu",)
+NOT_YET = ()
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
@@ -119,8 +120,9 @@ def linear_log_probs(
         ignore_index: tokens equal to it give 0 for both outputs and no gradient.
         memory_budget: bytes of temporaries (default 256 MiB), as for
             ``linear_cross_entropy``.
-        implementation: None or "xla" (the only backend of this op so far;
-            "mosaic_gpu" raises ValueError).
+        implementation: None (= "xla"), "xla", or "mosaic_gpu" (Pallas Mosaic GPU
+            kernels, SM90; bf16/f16 inputs only, else ValueError; bias, H % 64 != 0 or
+            V % 8 != 0 cost a padded copy of the weight per call).
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -162,6 +164,11 @@ def linear_log_probs(
             raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; "
                             "they must match")
 
+    check = getattr(backend_module(backend), "is_supported", None)
+    if check is not None and not check((math.prod(x.shape[:-1]), hidden), tuple(weight.shape), x.dtype,
+                                       softcap=softcap, has_bias=bias is not None):
+        raise ValueError(f"implementation={backend!r} does not support x {tuple(x.shape)} "
+                         f"{jnp.dtype(x.dtype).name}: {getattr(backend_module(backend), 'UNSUPPORTED_HINT', '')}")
     out_shape = tuple(tokens.shape)
     x2d = jnp.reshape(x, (-1, hidden))
     flat = jnp.reshape(tokens, (-1,)).astype(jnp.int32)
