@@ -124,14 +124,18 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, config: 
             a = jnp.where(valid, a, -jnp.inf)
         m_new = jnp.maximum(m, a.max(axis=1))
         scale = jnp.exp2((m - m_new) * LOG2E)
-        # e^(a - m') as 2^(a log2 e - m' log2 e): one FMA + ex2 per element.
-        p = jnp.exp2(a * LOG2E - ml.bcast(m_new * LOG2E, a.shape))
         if entropy:
-            pd = p * (a - ml.bcast(m_new, a.shape))
+            # d = a - m' first, so that a is dead while p and p d are formed (registers).
+            d = a - ml.bcast(m_new, a.shape)
+            p = jnp.exp2(d * LOG2E)
+            pd = p * d
             if valid is not None:
                 pd = jnp.where(valid, pd, 0.0)  # 0 * -inf in masked columns
             corr = jnp.where(s > 0.0, (m - m_new) * s, 0.0)  # -inf * 0 on the first tile
             u = scale * (u + corr) + pd.sum(axis=1)
+        else:
+            # e^(a - m') as 2^(a log2 e - m' log2 e): one FMA + ex2 per element.
+            p = jnp.exp2(a * LOG2E - ml.bcast(m_new * LOG2E, a.shape))
         s = s * scale + p.sum(axis=1)
         return m_new, s, u, at
 
