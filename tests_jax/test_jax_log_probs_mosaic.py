@@ -328,3 +328,15 @@ def test_lowers_for_cuda_options(kw, monkeypatch):
     text = jax.jit(jax.value_and_grad(f, argnums=argnums)).trace(x, w, b).lower(
         lowering_platforms=("cuda",)).as_text()
     assert 2 <= text.count("custom_call @mosaic_gpu") <= 3
+
+
+def test_vmap_matches_per_example_calls():
+    """jax.vmap over a batch of (x, tokens): the Mosaic kernels under the batching rule."""
+    x, w, t, _ = inputs(16, 64, 96, "bfloat16", seed=13)
+    xs, ts = jnp.stack([x, (2 * x).astype(x.dtype)]), jnp.stack([t, t[::-1]])
+    f = lambda x, t: linear_log_probs(x, w, t, entropy=True, temperature=0.9, implementation="mosaic_gpu")
+    lp_b, h_b = jax.jit(jax.vmap(f))(xs, ts)
+    for i in range(2):
+        lp, h = f(xs[i], ts[i])
+        np.testing.assert_allclose(np.asarray(lp_b[i]), np.asarray(lp), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(h_b[i]), np.asarray(h), rtol=1e-6, atol=1e-6)
