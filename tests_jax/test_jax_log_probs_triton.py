@@ -221,7 +221,7 @@ def test_float64_is_refused():
 
 def test_automatic_choice(monkeypatch):
     # The policy of linear_cross_entropy: triton on NVIDIA GPUs (mosaic_gpu first on
-    # SM90 once this op has it), never the interpreter; xla elsewhere.
+    # SM90 once this op has a sharded path: by name only now), never the interpreter; xla elsewhere.
     args = ((4, 8), (31, 8), jnp.bfloat16, None, False)
     if not ON_GPU:
         assert api.choose_backend(None, *args) == "xla"
@@ -230,7 +230,7 @@ def test_automatic_choice(monkeypatch):
                                       np.asarray(linear_log_probs(x, w, t, implementation="xla")))
     triton_mod = api.backend_module("triton")
     monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
-    for sm90 in (False, True):  # A100, L4, RTX; H100 (no mosaic_gpu for this op yet)
+    for sm90 in (False, True):  # A100, L4, RTX; H100 (mosaic_gpu is not automatic for this op)
         monkeypatch.setattr(backends, "_is_sm90", lambda: sm90)
         monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: True)
         assert api.choose_backend(None, *args) == "triton"

@@ -16,8 +16,10 @@ Backend interface (2-D arrays; everything after ``*`` static):
 Backends (``backends.BACKENDS``; automatic choice ``backends.choose_backend``, the
 policy shared with linear_cross_entropy): "xla" (plain JAX, chunked) and "triton" (the
 PyTorch op's Triton kernels through jax-triton; Triton's interpreter without a GPU;
-optional ``is_supported`` hook as for linear_cross_entropy). "mosaic_gpu" is not written
-yet for this op.
+optional ``is_supported`` hook as for linear_cross_entropy) and "mosaic_gpu" (Pallas
+Mosaic GPU kernels on SM90, ``logitless.jax.mosaic_lib``; bf16/f16), selected by name
+only: not in the automatic choice (``backends.AUTOMATIC``) until it can run per device
+under sharding (no ``can_partition`` yet).
 
 ``can_partition() -> bool`` (optional): whether the backend may run per device on
 several devices (``sharded.py``: custom_partitioning / shard_map); without it only

@@ -118,8 +118,9 @@ def linear_log_probs(
             installed, else "xla"), "xla" (plain JAX, any platform) or "triton" (the
             PyTorch op's Triton kernels through jax-triton, SM80+ GPUs, bf16/f16/f32;
             on a machine without GPU Triton's CPU interpreter, very slow: tests only;
-            fp64 raises ValueError). "mosaic_gpu" is not written for this op yet
-            (ValueError).
+            fp64 raises ValueError) or "mosaic_gpu" (Pallas Mosaic GPU kernels, SM90,
+            by name only; bf16/f16 inputs only, else ValueError; bias, H % 64 != 0 or
+            V % 8 != 0 cost a padded copy of the weight per call).
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.

@@ -1,6 +1,7 @@
 """The backends of logitless.jax.linear_log_probs by name, and the automatic choice: the
 JAX ops' shared policy (``logitless/jax/ops/common/choice.py``): on an NVIDIA GPU
-"mosaic_gpu" (SM90; once this op has it) or "triton" (jax-triton installed), else "xla"."""
+"triton" (jax-triton installed), else "xla". "mosaic_gpu" (SM90) is selectable by name but
+not automatic (``AUTOMATIC``): it has no per-device (sharded) path yet."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import importlib
 from logitless.jax.ops.common import choice
 
 #: Backends by name: module path (relative to this package).
-BACKENDS = {"xla": ".xla", "triton": ".triton"}
+BACKENDS = {"xla": ".xla", "triton": ".triton", "mosaic_gpu": ".mosaic_gpu"}
+#: The ones the automatic choice may pick.
+AUTOMATIC = ("xla", "triton")
 #: Backends of linear_cross_entropy not written for this op yet.
-NOT_YET = ("mosaic_gpu",)
+NOT_YET = ()
 
 
 def backend_module(name: str):
@@ -34,5 +37,5 @@ def _is_nvidia_gpu() -> bool:
 def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias) -> str:
     """The explicit backend (checked: ValueError saying why it does not fit), or the
     automatic one (the module docstring's policy)."""
-    return choice.choose(implementation, backend_module, BACKENDS, x2d_shape, w_shape, dtype, softcap,
+    return choice.choose(implementation, backend_module, AUTOMATIC, x2d_shape, w_shape, dtype, softcap,
                          has_bias, nvidia=lambda: _is_nvidia_gpu(), sm90=lambda: _is_sm90())

@@ -1,0 +1,503 @@
+"""Shared Pallas Mosaic GPU machinery (SM90) of the JAX ops' "mosaic_gpu" backends:
+the warp-specialised GEMM-tile main loop and the two kernel shapes built on it.
+
+``stats_partials`` (forward): one kernel, a GEMM whose epilogue never leaves the chip.
+    Grid (token blocks, vocab splits); each CTA owns ``2 * block_n`` rows (two compute
+    warpgroups of ``block_n`` rows each) and walks its vocab split in tiles of
+    ``block_v`` columns. A third (memory) warpgroup streams x[rows, k] and W[cols, k]
+    tiles with TMA into a ``stages``-deep ring of shared-memory slots; the compute
+    warpgroups issue WGMMA (x tile @ W tile^T, fp32 accumulator in registers) and hand
+    each (block_n, block_v) tile of logits to the op's ``fold``, which updates running
+    per-row statistics (row vectors in registers). Warpgroup 1 runs ``lag`` ring steps
+    behind warpgroup 0, so that one's epilogue overlaps the other's WGMMAs. Columns
+    >= v occur only in the last tile of the vocabulary; ``fold`` gets a ``valid`` mask
+    there (None elsewhere). Each CTA writes, per row, ``n_out`` fp32 partials:
+    O(N x splits) floats, merged by the op in JAX. Memory traffic: that of one GEMM.
+
+``dz_call`` (backward): one tile per CTA over a chunk of vocab columns (the chunk
+    offset is a kernel input): recompute the logits tile (same main loop), turn it into
+    d(logits) with the op's ``epilogue`` (per-row fp32 inputs ``rowdat`` and the target),
+    zero columns >= v, write it in the input dtype. ``chunked_backward`` drives it:
+    per vocab chunk, XLA GEMMs take dW[chunk] = dz^T x and dx += dz W[chunk] (fp32
+    accumulation); "4 GEMMs" with the forward.
+
+Limits: bf16/f16, H a multiple of 64, W's rows (``w.shape[0]``) a multiple of 8 (TMA
+into swizzled tiles), N a multiple of 8 (``pad_rows8``). Under ``interpret`` (Mosaic
+GPU's interpret mode, ``plgpu.InterpretGPUParams``) the kernels run on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK_K = 64  # 64 bf16 = 128 bytes: one 128-byte swizzle row.
+NUM_COMPUTE_WGS = 2
+# Register split of the 64K-register file (setmaxnreg): 2 x 128 x 232 + 128 x 40 <= 65536.
+COMPUTE_REGS, MEMORY_REGS = 232, 40
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMEM_BYTES = 220 * 1024  # of the H100's 227 KiB per block, with room for barriers
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Tile sizes of the kernels (heuristics; ``default_config`` picks them)."""
+
+    block_n: int = 128  # rows per compute warpgroup (a CTA has two)
+    block_v: int = 128  # vocab columns per tile
+    stages: int = 4  # depth of the TMA ring
+    splits: int | None = None  # vocab splits of the forward grid (None: automatic)
+    # Forward only: warpgroup 1 starts ``lag`` ring steps after warpgroup 0 (< stages),
+    # so that one's epilogue (softmax statistics) overlaps the other's WGMMAs.
+    lag: int = 2
+
+
+def default_config(n: int, v: int, h: int) -> FwdConfig:
+    """256-row CTA tiles (2 x 128 x 128 accumulators); 128-row tiles for few tokens."""
+    if n <= 128:
+        return FwdConfig(block_n=64, block_v=256)
+    return FwdConfig()
+
+
+def num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", 132) or 132)
+    except Exception:  # pragma: no cover - no devices
+        pass
+    return 132
+
+
+def interpret_params(flag: bool | None):
+    """Mosaic GPU's interpret mode when ``flag`` (None: when jax's default backend is
+    not a GPU); None (compile for the GPU) otherwise."""
+    use = flag if flag is not None else jax.default_backend() != "gpu"
+    return plgpu.InterpretGPUParams() if use else None
+
+
+def pad_rows8(x):
+    """x with its rows zero-padded to a multiple of 8 (a TMA constraint); no-op if aligned."""
+    n = x.shape[0]
+    n8 = -(-n // 8) * 8
+    return x if n8 == n else jnp.pad(x, ((0, n8 - n), (0, 0)))
+
+
+def rows_padded(n, cfg: FwdConfig):
+    block_rows = NUM_COMPUTE_WGS * cfg.block_n
+    return pl.cdiv(n, block_rows) * block_rows
+
+
+def bcast(r, shape):
+    """A per-row vector (WGMMA row layout) broadcast along the columns of a tile."""
+    return lax.broadcast_in_dim(r, shape, [0])
+
+
+def softcapped(z, softcap):
+    """s * tanh(z / s), with tanh(u) = 1 - 2 / (exp(2u) + 1) on the exact-enough ex2
+    (Mosaic's approximate tanh has ~1e-3 relative error; this form is within a few
+    fp32 ulps of s, i.e. ~1e-6 absolute for s = 30)."""
+    if softcap is None:
+        return z
+    e = jnp.exp2(z * (2.0 * LOG2E / softcap))
+    return softcap - (2.0 * softcap) / (e + 1.0)
+
+
+def smem_transforms(dtype):
+    swizzle = plgpu.find_swizzle(BLOCK_K * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, extra: int) -> int:
+    """Deepest ring (<= stages, <= steps) whose slots plus ``extra`` bytes fit in SMEM."""
+    per_stage = (block_rows + block_v) * BLOCK_K * jnp.dtype(dtype).itemsize
+    fit = (SMEM_BYTES - extra) // per_stage
+    if fit < 1:
+        raise ValueError(f"mosaic_gpu: tiles {block_rows}x{block_v} do not fit in shared memory")
+    return int(max(1, min(stages, steps, fit)))
+
+
+# ---------------------------------------------------------------------------------
+# Shared main loop: one (block_n, block_v) tile of logits of one compute warpgroup.
+# ---------------------------------------------------------------------------------
+
+
+def tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stages, block_n, block_v,
+                go=None, go_step=-1):
+    """z = x[rows] @ W[cols]^T for one tile; ring steps step0 .. step0 + k_iters - 1.
+
+    The WGMMA of step k is in flight while we wait for step k+1's data; the slot of
+    step k-1 is released once at most one WGMMA is pending.
+    """
+
+    def compute(acc_ref):
+        def k_body(k, _):
+            step = step0 + k
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            plgpu.wgmma(
+                acc_ref,
+                x_smem.at[slot, pl.ds(wg * block_n, block_n)],
+                w_smem.at[slot].transpose((1, 0)),
+            )
+            if go is not None:  # warpgroup 0 lets warpgroup 1 start (see FwdConfig.lag)
+                @pl.when(jnp.logical_and(wg == 0, step == go_step))
+                def _go():
+                    plgpu.barrier_arrive(go)
+
+            plgpu.wgmma_wait(1)
+
+            @pl.when(k > 0)
+            def _release_prev():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1 + stages, stages)])
+
+            return None
+
+        lax.fori_loop(0, k_iters, k_body, None)
+        z = acc_ref[...]  # waits for every outstanding WGMMA
+        plgpu.barrier_arrive(consumed.at[lax.rem(step0 + k_iters - 1, stages)])
+        return z
+
+    return pl.run_scoped(compute, plgpu.ACC((block_n, block_v), jnp.float32))
+
+
+def memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_vb, *, k_iters, stages,
+                block_rows, block_v):
+    """Memory warpgroup: streams (x, W) tiles for vocab tiles vb0 .. vb0+num_vb-1."""
+    total = num_vb * k_iters
+
+    def body(step, _):
+        slot = lax.rem(step, stages)
+        vb = vb0 + lax.div(step, k_iters)
+        k = lax.rem(step, k_iters)
+
+        @pl.when(step >= stages)
+        def _wait_free():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        plgpu.copy_gmem_to_smem(
+            x_ref.at[pl.ds(row0, block_rows), pl.ds(k * BLOCK_K, BLOCK_K)],
+            x_smem.at[slot],
+            produced.at[slot],
+        )
+        plgpu.copy_gmem_to_smem(
+            w_ref.at[pl.ds(vb * block_v, block_v), pl.ds(k * BLOCK_K, BLOCK_K)],
+            w_smem.at[slot],
+            produced.at[slot],
+        )
+        return None
+
+    lax.fori_loop(0, total, body, None)
+
+    # Drain: wait for the last uses of every slot so that no barrier is left mid-phase.
+    def drain(step, _):
+        @pl.when(step >= 0)
+        def _():
+            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+        return None
+
+    lax.fori_loop(total - jnp.minimum(total, stages), total, drain, None)
+
+
+def scratch(dtype, block_rows, block_v, stages):
+    transforms = smem_transforms(dtype)
+    return dict(
+        x_smem=plgpu.SMEM((stages, block_rows, BLOCK_K), dtype, transforms=transforms),
+        w_smem=plgpu.SMEM((stages, block_v, BLOCK_K), dtype, transforms=transforms),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Forward: per-row statistics over vocab splits
+# ---------------------------------------------------------------------------------
+
+
+def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tuple, fold, finish,
+                   interpret=None):
+    """Per-row partial statistics of z = x W^T over vocab splits: ``n_out`` arrays
+    (splits, N) fp32 (rows of a split that ``finish`` leaves as None are not written).
+
+    x (N, H) with N % 8 == 0, w (Vw, H) with Vw % 8 == 0 and v <= Vw the columns that
+    count; target (N,) int. Per compute warpgroup the carry is a tuple of per-row fp32
+    vectors, initialised to the floats ``init``; for each tile of logits,
+    ``fold(z, cols, hit, valid, carry) -> carry`` with z the fp32 (block_n, block_v)
+    tile, cols its column iota (tile-relative), hit = (cols == target column), valid the
+    column mask (cols < v - tile start) in the vocabulary's last tile, else None.
+    ``finish(carry)`` gives the ``n_out`` row vectors to write (None: skip).
+    """
+    n, h = x.shape
+    vw = w.shape[0]
+    block_n, block_v, stages = cfg.block_n, cfg.block_v, cfg.stages
+    block_rows = NUM_COMPUTE_WGS * block_n
+    k_iters = h // BLOCK_K
+    num_nb = pl.cdiv(n, block_rows)
+    num_vb_total = pl.cdiv(v, block_v)
+    splits = cfg.splits
+    if splits is None:
+        # One wave: token blocks x splits <= number of SMs (one CTA per SM: the ring
+        # takes most of the shared memory); a partial second wave would cost up to 2x.
+        splits = max(1, min(num_vb_total, num_sms() // num_nb))
+    vb_per_split = pl.cdiv(num_vb_total, splits)
+    splits = pl.cdiv(num_vb_total, vb_per_split)
+    n_pad = num_nb * block_rows
+    stages = fit_stages(stages, k_iters * vb_per_split, x.dtype, block_rows, block_v,
+                        extra=NUM_COMPUTE_WGS * block_n * (4 * n_out + 4))
+    # The go signal is sent at ring step lag - 1 of warpgroup 0, which every CTA reaches.
+    lag = max(0, min(cfg.lag, stages - 1, k_iters * (num_vb_total - (splits - 1) * vb_per_split)))
+    tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - target.shape[0]))
+    del vw
+
+    def kernel(x_ref, w_ref, t_ref, outs, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar, go_bar):
+        nb = lax.axis_index("n")
+        sp = lax.axis_index("s")
+        wg = lax.axis_index("wg")
+        row0 = nb * block_rows
+        vb0 = sp * vb_per_split
+        num_vb = jnp.minimum(vb_per_split, num_vb_total - vb0)
+
+        @pl.when(wg < NUM_COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+            rows = pl.ds(row0 + wg * block_n, block_n)
+            plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], t_bar.at[wg])
+            plgpu.barrier_wait(t_bar.at[wg])
+            tgt_rows = plgpu.load(t_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+            red = plgpu.Layout.WGMMA.reduce(1)
+            carry0 = tuple(plgpu.layout_cast(jnp.full((block_n,), val, jnp.float32), red) for val in init)
+
+            def v_body(j, carry, masked):
+                vb = vb0 + j
+                z = tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
+                                k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v,
+                                go=go_bar.at[0] if lag else None, go_step=lag - 1)
+                cols = plgpu.broadcasted_iota(jnp.int32, (block_n, block_v), 1, layout=plgpu.Layout.WGMMA)
+                # only the tile holding column v - 1 has columns >= v
+                valid = (cols < (v - vb * block_v)) if masked else None
+                hit = cols == bcast(tgt_rows - vb * block_v, z.shape)
+                return tuple(fold(z, cols, hit, valid, carry))
+
+            if lag:
+                @pl.when(wg == 1)
+                def _wait_go():
+                    plgpu.barrier_wait(go_bar.at[0])
+
+            # Full tiles first (no column mask), then at most one ragged tile.
+            num_full = jnp.clip(v // block_v - vb0, 0, num_vb)
+            carry = lax.fori_loop(0, num_full, functools.partial(v_body, masked=False), carry0)
+            carry = lax.fori_loop(num_full, num_vb, functools.partial(v_body, masked=True), carry)
+            out_rows = pl.ds(row0 + wg * block_n, block_n)
+            vals = finish(carry)
+            for i, val in enumerate(vals):
+                if val is not None:
+                    stat_smem[wg, i] = val
+            plgpu.commit_smem()
+            for i, val in enumerate(vals):
+                if val is not None:
+                    plgpu.copy_smem_to_gmem(stat_smem.at[wg, i], outs[i].at[sp, out_rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == NUM_COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+            memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_vb,
+                        k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
+
+    def entry(x_ref, w_ref, t_ref, *outs):
+        s = scratch(x.dtype, block_rows, block_v, stages)
+        pl.run_scoped(
+            lambda *refs: kernel(x_ref, w_ref, t_ref, outs, *refs),
+            s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
+            plgpu.SMEM((NUM_COMPUTE_WGS, n_out, block_n), jnp.float32),
+            plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.int32),
+            plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=1),
+            collective_axes="wg",
+        )
+
+    part = jax.ShapeDtypeStruct((splits, n_pad), jnp.float32)
+    parts = plgpu.kernel(
+        entry,
+        out_type=(part,) * n_out,
+        grid=(num_nb, splits),
+        grid_names=("n", "s"),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(x, w, tgt)
+    n = target.shape[0]
+    return tuple(p[:, :n] for p in parts)
+
+
+# ---------------------------------------------------------------------------------
+# Backward: d(logits) chunks + XLA GEMMs
+# ---------------------------------------------------------------------------------
+
+
+def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, epilogue, interpret=None):
+    """d(logits) of columns [cblock[0] * block_v, ... + chunk) of all rows: (N, chunk) in
+    x.dtype, zero at columns >= v. rowdat (R, rows_padded) fp32 and tgt (rows_padded,)
+    int32 are per-row inputs; ``epilogue(z, rows, hit) -> dz`` (fp32 tile) with z the
+    fp32 logits tile, rows the R per-row vectors, hit = (cols == target column)."""
+    n, h = x.shape
+    n_rows = rowdat.shape[0]
+    block_n, block_v, stages = cfg.block_n, cfg.block_v, cfg.stages
+    if chunk % block_v:
+        raise ValueError(f"chunk {chunk} must be a multiple of block_v={block_v}")
+    block_rows = NUM_COMPUTE_WGS * block_n
+    k_iters = h // BLOCK_K
+    num_nb = pl.cdiv(n, block_rows)
+    num_cb = chunk // block_v
+    dtype = x.dtype
+    stages = fit_stages(stages, k_iters, dtype, block_rows, block_v,
+                        extra=NUM_COMPUTE_WGS * block_n * (block_v * jnp.dtype(dtype).itemsize + 4 * n_rows + 4))
+    out_transforms = smem_transforms(dtype)
+
+    def kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, x_smem, w_smem, produced, consumed, r_smem, t_smem, bar,
+               o_smem):
+        nb = lax.axis_index("n")
+        cb = lax.axis_index("c")
+        wg = lax.axis_index("wg")
+        row0 = nb * block_rows
+        vb = c_ref[0] + cb  # vocab tile of this CTA (the chunk offset is a kernel input)
+
+        @pl.when(wg < NUM_COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+            rows = pl.ds(row0 + wg * block_n, block_n)
+            for i in range(n_rows):
+                plgpu.copy_gmem_to_smem(r_ref.at[i, rows], r_smem.at[wg, i], bar.at[wg])
+            plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], bar.at[wg])
+            # The row inputs arrive while the main loop runs; waited for after it.
+            z = tile_logits(x_smem, w_smem, produced, consumed, wg, 0,
+                            k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
+            plgpu.barrier_wait(bar.at[wg])
+            red = plgpu.Layout.WGMMA.reduce(1)
+            row_vals = [plgpu.load(r_smem.at[wg, i], layout=red) for i in range(n_rows)]
+            t_r = plgpu.load(t_smem.at[wg], layout=red)
+            shape = (block_n, block_v)
+            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            valid = cols < (v - vb * block_v)
+            dz = epilogue(z, row_vals, cols == bcast(t_r - vb * block_v, shape))
+            dz = jnp.where(valid, dz, 0.0)
+            o_smem[wg] = dz.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], dz_ref.at[rows, pl.ds(cb * block_v, block_v)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == NUM_COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+            memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb, 1,
+                        k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
+
+    def entry(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref):
+        s = scratch(dtype, block_rows, block_v, stages)
+        pl.run_scoped(
+            lambda *refs: kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, *refs),
+            s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
+            plgpu.SMEM((NUM_COMPUTE_WGS, n_rows, block_n), jnp.float32),
+            plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.int32),
+            plgpu.Barrier(num_arrivals=n_rows + 1, num_barriers=NUM_COMPUTE_WGS),
+            plgpu.SMEM((NUM_COMPUTE_WGS, block_n, block_v), dtype, transforms=out_transforms),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((n, chunk), dtype),
+        grid=(num_nb, num_cb),
+        grid_names=("n", "c"),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(cblock, x, w, rowdat, tgt)
+
+
+def chunk_columns(n: int, v: int, h: int, itemsize: int, budget, block_v: int) -> int:
+    """Columns of one backward chunk, from the budget. Temporaries of the backward
+    (bytes; dW and dx themselves are outputs, written in place chunk by chunk):
+        4 n h                 the fp32 dx accumulator (fixed)
+        itemsize n C          the dz chunk
+        itemsize C h          the W slice the dx GEMM reads
+        itemsize C h          the dW chunk before its in-place update into dW
+    so C = (budget - 4 n h) / (itemsize (n + 2 h)), at least a quarter of the budget
+    for the chunk terms and at least one tile of columns."""
+    budget = 256 * 2**20 if budget is None else int(budget)
+    avail = max(budget - 4 * n * h, budget // 4)
+    c = avail // max(1, itemsize * (n + 2 * h))
+    c = max(block_v, c // block_v * block_v)
+    return min(c, pl.cdiv(v, block_v) * block_v)
+
+
+def row_inputs(target, rows, n_pad):
+    """Per-row inputs of ``dz_call``, padded (with zeros) to ``n_pad`` rows: the (R, N)
+    fp32 rows and the target (int32). Built once per backward, shared by every chunk."""
+    n = target.shape[0]
+    rowdat = rows.astype(jnp.float32)
+    return (jnp.pad(rowdat, ((0, 0), (0, n_pad - n))),
+            jnp.pad(target.astype(jnp.int32), (0, n_pad - n)))
+
+
+def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budget, epilogue, interpret=None,
+                     vary=None):
+    """(dx fp32 (N8, H), dW in w.dtype): d(logits) chunks from ``dz_call`` feeding XLA
+    GEMMs. x8 (N8, H) row-padded; w (Vw, H), columns >= v masked to zero; n the
+    unpadded token count (sizes the chunk from ``budget``, see ``chunk_columns``).
+    ``vary(dx, dw)``: the carries marked as varying like the inputs (inside shard_map)."""
+    _, h = x8.shape
+    vw = w.shape[0]
+    chunk = chunk_columns(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, cfg.block_v)
+    bv = cfg.block_v
+    # Prefer a chunk that divides the vocabulary (in column tiles): then the dW chunks
+    # stack into dW with a free reshape instead of a concatenation (a copy of dW).
+    nblk = pl.cdiv(vw, bv)
+    cb = chunk // bv
+    for d in range(cb, max(1, cb // 2) - 1, -1):
+        if nblk % d == 0:
+            cb = d
+            break
+    chunk = cb * bv
+    nfull = vw // chunk
+    rem = vw - nfull * chunk
+
+    def one_chunk(dx, dw, c0, width, cw):
+        # The offset is an input of the kernel, so one compiled kernel serves every chunk.
+        cblock = jnp.reshape(c0 // bv, (1,)).astype(jnp.int32)
+        dz = dz_call(x8, w, rowdat, tgt, cblock, v=v, chunk=width, cfg=cfg, epilogue=epilogue,
+                     interpret=interpret)
+        if cw != width:
+            dz = dz[:, :cw]
+        w_c = lax.dynamic_slice_in_dim(w, c0, cw, axis=0)
+        dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
+        # One GEMM with fp32 accumulation writes the chunk in w.dtype (no fp32 dW chunk);
+        # the update is in place in the loop's carry: no stacking, no concatenation.
+        dw_c = lax.dot_general(dz, x8, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
+        return dx, lax.dynamic_update_slice_in_dim(dw, dw_c, c0, axis=0)
+
+    dx = jnp.zeros(x8.shape, jnp.float32)
+    dw = jnp.zeros(w.shape, w.dtype)
+    if vary is not None:
+        dx, dw = vary(dx, dw)
+    if nfull == 1:
+        dx, dw = one_chunk(dx, dw, jnp.int32(0), chunk, chunk)
+    elif nfull:
+        # A loop (not unrolled): one Mosaic kernel to compile however many chunks.
+        dx, dw = lax.fori_loop(0, nfull, lambda i, c: one_chunk(*c, i * chunk, chunk, chunk), (dx, dw))
+    if rem:
+        dx, dw = one_chunk(dx, dw, jnp.int32(nfull * chunk), pl.cdiv(rem, bv) * bv, rem)
+    return dx, dw
