@@ -21,6 +21,10 @@ cuBLAS GEMM at H = 4096, but 1.17-1.24x at H = 2048 and at V = 32000. This probe
               items whose count fills the grid evenly (items per program max / mean
               <= 1.03 where possible) with at least SMs / group splits, so the resident
               programs keep the grouped order's L2 footprint (<= ``group`` row blocks).
+  persist_nt  ``persist`` without the target logit in the epilogue (it costs a compare,
+              a select and an add per element, about as much as the exponential's
+              share of the SFU): the merge gets z_t as its own fp32 dot x_i . W[t_i]
+              (2 H bytes of W per token). Measures what the target costs the epilogue.
   dlogits     the backward's recompute kernel (``dlogits_kernel`` of
               ``triton_lib/lce_kernels.py``): each item is one 128 x 256 tile of
               z = x W^T, recomputed and turned into dz = p * A - B [c == t] - C
@@ -87,6 +91,8 @@ VARIANTS = {
     "sw": dict(kind="sw", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8),
     "persist": dict(kind="persist", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, splits="planner"),
     "persist_fill": dict(kind="persist", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, splits="fill"),
+    "persist_nt": dict(kind="persist", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, splits="planner",
+                       target=False),
     "dlogits": dict(kind="dlogits", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, persistent=True),
     "dlogits_np": dict(kind="dlogits", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8,
                        persistent=False),
@@ -179,15 +185,32 @@ def _prologue(x_desc, w_desc, x_bufs, w_bufs, bars, ksteps, G, items, row_blocks
     return lw, lj, lk, loff, lfirst, lnb
 
 
+@gluon.jit
+def _tile_update_nt(acc, m, s, col0, V, BV: gl.constexpr, layout: gl.constexpr):
+    """``_tile_update`` without the target logit (3 fewer operations per element:
+    compare, select, add)."""
+    LOG2E: gl.constexpr = 1.4426950408889634
+    z = acc
+    if col0 + BV > V:
+        cols = gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+        z = gl.where(gl.expand_dims(cols < V - col0, 0), z, float("-inf"))
+    m_new = gl.maximum(m, gl.max(z, axis=1))
+    e = gl.exp2(z * LOG2E - gl.expand_dims(m_new * LOG2E, 1))
+    s = s * gl.exp2((m - m_new) * LOG2E) + gl.sum(e, axis=1)
+    return m_new, s
+
+
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def lce_stats_persist_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
                              N, V, vblocks, splits, row_blocks, group, items,
                              STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             num_warps: gl.constexpr, TARGET: gl.constexpr = True):
     """Persistent forward statistics: items (row block, split) p, p + G, ...; per item the
     online (max, sum exp, target logit) over its vocabulary blocks, stored as the split's
     fp32 partials (as ``forward_stats_kernel``). Traffic: the GEMM's (x once per split,
-    W once per row block, through L2 in grouped order) + 12 bytes per (token, split)."""
+    W once per row block, through L2 in grouped order) + 12 bytes per (token, split).
+    TARGET=False: no target logit in the epilogue (part_t untouched; the caller gets it
+    as a separate dot x_i . W[t_i]: 2 H bytes of W per token)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BV: gl.constexpr = w_desc.block_type.shape[0]
@@ -214,7 +237,10 @@ def lce_stats_persist_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
         for j in range(nblocks):
             acc, it, cur = _mainloop(x_desc, w_desc, x_bufs, w_bufs, bars, it, nblocks, ksteps, layout, cur, G,
                                      items, row_blocks, splits, vblocks, group, STAGES)
-            m, s, t = pg._tile_update(acc, m, s, t, tgt, (first + j) * BV, V, BV, layout)
+            if TARGET:
+                m, s, t = pg._tile_update(acc, m, s, t, tgt, (first + j) * BV, V, BV, layout)
+            else:
+                m, s = _tile_update_nt(acc, m, s, (first + j) * BV, V, BV, layout)
         pg._store_partials(m, s, t, part_m, part_s, part_t, split, off_m, N, BM, layout)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -283,18 +309,31 @@ def planner_splits(N: int, V: int, H: int, sms: int, cfg: dict) -> int:
         return plans.triton_plan(N, V, H, 2, 1 << 40, torch.device("cpu"), tiles=tiles).vocab_splits
 
 
+def program_blocks(row_blocks: int, vblocks: int, splits: int, group: int, grid: int, per_item: float = 0.0):
+    """Vocabulary blocks each persistent program runs (+ per_item for each of its items)
+    when program p takes the items p, p + grid, ... in ``grouped_tile`` order: a
+    (grid,) float64 tensor."""
+    w = torch.arange(row_blocks * splits, dtype=torch.int64)
+    per_group = group * splits
+    first = (w // per_group) * group
+    size = torch.clamp(row_blocks - first, max=group)
+    c = (w % per_group) // size
+    nb = ((c + 1) * vblocks) // splits - (c * vblocks) // splits
+    return torch.bincount(w % grid, weights=nb.double() + per_item, minlength=grid)
+
+
 def fill_splits(row_blocks: int, vblocks: int, sms: int, group: int) -> int:
     """Splits for a persistent grid of min(sms, items) programs: minimise the most
-    blocks any program runs (max items per program x blocks per split, +0.15 block per
-    item for its targets / partial store), with splits >= sms / group (the resident
-    programs then span <= group row blocks: the grouped order's L2 footprint) and
-    >= 4 blocks per split; ties to fewer splits."""
+    blocks any program runs (+0.15 block per item for its targets, partial store and
+    the tile boundary), with splits >= sms / group (the resident programs then span
+    <= group row blocks: the grouped order's L2 footprint) and >= 4 blocks per split;
+    ties to fewer splits. Measured in the first probe: ``sw`` ran at 0.97x cuBLAS where
+    its waves were full and 1.02-1.17x where they were 95% full."""
     lo = min(vblocks, max(1, math.ceil(sms / max(1, min(group, row_blocks)))))
     best = None
     for splits in range(lo, max(lo, vblocks // 4) + 1):
-        items = row_blocks * splits
-        per_prog = -(-items // min(sms, items))
-        cost = per_prog * (-(-vblocks // splits) + 0.15)
+        grid = min(sms, row_blocks * splits)
+        cost = program_blocks(row_blocks, vblocks, splits, group, grid, 0.15).max().item()
         if best is None or cost < best[0] - 1e-9:
             best = (cost, splits)
     return best[1]
@@ -305,7 +344,10 @@ def instr_n(cfg) -> int:
 
 
 def constexprs(cfg) -> dict:
-    return dict(STAGES=cfg["stages"], WARPS_M=cfg["warps_m"], INSTR_N=instr_n(cfg), num_warps=cfg["num_warps"])
+    c = dict(STAGES=cfg["stages"], WARPS_M=cfg["warps_m"], INSTR_N=instr_n(cfg), num_warps=cfg["num_warps"])
+    if cfg.get("target") is False:
+        c["TARGET"] = False
+    return c
 
 
 class Plan:
@@ -313,7 +355,7 @@ class Plan:
 
     def __init__(self, name, N, H, V, sms, device):
         cfg = VARIANTS[name]
-        self.cfg = cfg
+        self.cfg, self.sms = cfg, sms
         self.row_blocks = -(-N // cfg["BM"])
         self.vblocks = -(-V // cfg["BV"])
         self.group = pg.group_rows(sms, cfg["BM"], cfg["BV"])
@@ -330,10 +372,19 @@ class Plan:
         self.grid = min(sms, self.items) if persistent else self.items
 
     def info(self) -> dict:
+        """The plan and its fill: mean / most blocks per program (1.0 = every SM busy to
+        the end; for ``sw``, one program per item, waves of #SMs programs)."""
         per_prog = -(-self.items // self.grid)
+        blocks = program_blocks(self.row_blocks, self.vblocks, self.splits, self.group, self.grid)
+        if self.cfg["kind"] == "sw":  # waves: each as long as its longest program
+            sms = self.sms
+            most = sum(blocks[i:i + sms].max().item() for i in range(0, self.grid, sms))
+            fill = self.row_blocks * self.vblocks / sms / most
+        else:
+            fill = self.row_blocks * self.vblocks / self.grid / blocks.max().item()
         return dict(splits=self.splits, items=self.items, programs=self.grid, group=self.group,
                     max_items_per_program=per_prog, max_blocks_per_split=-(-self.vblocks // self.splits),
-                    balance=round(per_prog * self.grid / self.items, 4))
+                    fill=round(fill, 4))
 
 
 class Runner:
@@ -352,7 +403,7 @@ class Runner:
         wl = gl.NVMMASharedLayout.get_default_for([cfg["BV"], cfg["BK"]], gl.bfloat16)
         self.x_desc = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]], xl)
         self.w_desc = TensorDescriptor.from_tensor(W, [cfg["BV"], cfg["BK"]], wl)
-        self.target = target
+        self.target, self.x, self.W = target, x, W
         self.kw = constexprs(cfg)
         if cfg["kind"] == "dlogits":
             self.lse, self.coef = lse, coef
@@ -383,6 +434,8 @@ class Runner:
             return self.dz
         M = self.pm.max(0).values
         lse = M + torch.log((self.ps * torch.exp(self.pm - M)).sum(0))
+        if self.cfg.get("target") is False:  # the target logit as its own fp32 dot
+            return lse, torch.linalg.vecdot(self.x.float(), self.W[self.target].float())
         return lse, self.pt.sum(0)
 
 
@@ -649,6 +702,27 @@ def smoke(variants, sms=132) -> None:
             print(f"{name:>13} {N}x{H}x{V}: {info}")
 
 
+def sass_mix(cubin: bytes) -> dict:
+    """Static SASS instruction counts (cuobjdump from the triton wheel) of the opcodes
+    that make up the softmax epilogue: one unrolled tile's worth per thread, so with 8
+    warps (2 per scheduler) the epilogue issues ~2 x (their sum) cycles per scheduler."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            out = subprocess.run([exe, "-sass", f.name], capture_output=True, text=True, timeout=300).stdout
+        ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", out))
+        keep = ["MUFU", "FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "ISETP", "FSETP", "SHFL", "HGMMA", "STG", "F2FP", "SYNCS", "BAR"]
+        return {k: ops.get(k, 0) for k in keep} | {"total": sum(ops.values())}
+    except Exception as exc:  # noqa: BLE001
+        return dict(error=pg.short(exc))
+
+
 def compile_variants(variants, dump=None) -> dict:
     """AOT compile each kernel for sm_90a on the CPU (Gluon front end, TTGIR, PTX, the
     wheel's ptxas): ok, registers, spills, shared memory, wgmma / TMA counts."""
@@ -692,6 +766,8 @@ def compile_variants(variants, dump=None) -> dict:
                         wgmma_shape=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
                         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
             info.update(pg.ptxas_info(ptx))
+            if "cubin" in k.asm:
+                info["sass"] = sass_mix(k.asm["cubin"])
             if dump:
                 os.makedirs(dump, exist_ok=True)
                 for ext in ("ttgir", "ptx"):
