@@ -726,8 +726,10 @@ def sass_mix(cubin: bytes) -> dict:
             f.write(cubin)
             f.flush()
             out = subprocess.run([exe, "-sass", f.name], capture_output=True, text=True, timeout=300).stdout
-        ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", out))
-        keep = ["MUFU", "FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "ISETP", "FSETP", "SHFL", "HGMMA", "STG", "F2FP", "SYNCS", "BAR"]
+        line = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+        ops = collections.Counter(m.group(1).split(".")[0] for m in line.finditer(out))
+        keep = ["MUFU", "FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "ISETP", "FSETP", "SHFL", "HGMMA", "STG", "F2FP",
+                "SYNCS", "BAR"]
         return {k: ops.get(k, 0) for k in keep} | {"total": sum(ops.values())}
     except Exception as exc:  # noqa: BLE001
         return dict(error=pg.short(exc))

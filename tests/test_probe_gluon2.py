@@ -1,0 +1,125 @@
+"""The second Gluon probe's host side (``benchmarks/probe_gluon2.py``), on the CPU: the
+Gluon kernels have no interpreter, so what can be checked here is their schedule
+(replayed step for step in Python), their plans, the checks the GPU run relies on, and
+that they compile for sm_90a without spills."""
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+
+gluon = pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
+
+
+@pytest.fixture(scope="module")
+def p2():
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location("probe_gluon2", os.path.join(BENCH, "probe_gluon2.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(BENCH)
+
+
+SMALL = [(1, 64, 300), (300, 100, 3000), (1000, 1000, 50257), (300, 2048, 32000), (129, 16, 257 * 7)]
+
+
+@pytest.mark.parametrize("name", ["persist", "persist_fill", "persist_nt", "dlogits", "dlogits_np"])
+@pytest.mark.parametrize("shape", SMALL)
+@pytest.mark.parametrize("sms", [132, 5])
+def test_persistent_schedule_replay(p2, name, shape, sms):
+    """Every consumed ring step finds its own load, every tile is covered once, nothing
+    is loaded past a program's end (asserted inside ``simulate``)."""
+    N, H, V = shape
+    plan = p2.Plan(name, N, H, V, sms, torch.device("cpu"))
+    ksteps = math.ceil(H / p2.VARIANTS[name]["BK"])
+    out = p2.simulate(plan, ksteps)
+    assert out["max_blocks_per_program"] >= out["mean"]
+
+
+def test_schedule_replay_catches_a_wrong_cursor(p2, monkeypatch):
+    plan = p2.Plan("persist", 300, 100, 3000, 5, torch.device("cpu"))
+    real = p2._grouped_py
+    calls = {"n": 0}
+
+    def off_by_one(pid, *a):  # the consumer's 7th item lookup is wrong
+        calls["n"] += 1
+        r, c = real(pid, *a)
+        return (r, c) if calls["n"] != 7 else (r, (c + 1) % plan.splits)
+
+    monkeypatch.setattr(p2, "_grouped_py", off_by_one)
+    with pytest.raises(AssertionError):
+        p2.simulate(plan, 2)
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048, 128256), (8192, 4096, 128256), (16384, 2048, 32000)])
+def test_fill_splits(p2, shape):
+    """The grid-filling splits fill the persistent grid at least as well as the planner's
+    and keep >= SMs / group splits (the grouped order's L2 footprint)."""
+    N, H, V = shape
+    fill = p2.Plan("persist_fill", N, H, V, 132, torch.device("cpu"))
+    planner = p2.Plan("persist", N, H, V, 132, torch.device("cpu"))
+    assert fill.splits >= math.ceil(132 / fill.group)
+    assert fill.info()["fill"] >= planner.info()["fill"] - 1e-9
+    blocks = p2.program_blocks(fill.row_blocks, fill.vblocks, fill.splits, fill.group, fill.grid)
+    assert blocks.sum().item() == fill.row_blocks * fill.vblocks
+
+
+def test_dz_reference_and_check(p2):
+    """float64 dz against softmax, the library's Triton dlogits launcher (interpreter)
+    against it, and the check failing on a wrong target column or off-target entry."""
+    N, H, V = 37, 48, 301
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(N, H, generator=g) / 4).to(torch.bfloat16)
+    W = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    t = torch.randint(0, V, (N, ), generator=g)
+    z = x.double() @ W.double().T
+    lse = torch.logsumexp(z, 1).float()
+    coef = p2.coefficients(N, t, "cpu")
+    rows = torch.tensor([0, 5, 36])
+    ref = p2.dz_reference(x, W, t, lse[rows].double(), coef, rows)
+    a, b, c = coef.double()
+    want = torch.softmax(z, 1) * a[:, None] - c[:, None]
+    want[torch.arange(N), t] -= b
+    torch.testing.assert_close(ref, want[rows], rtol=1e-6, atol=1e-9)
+
+    dz = p2.triton_dlogits(x, W, t, lse, coef)()
+    res = p2.check_dz(dz, ref, rows, dz, t)
+    assert res["ok"] and res["dz_maxdiff_lib"] == 0.0, res
+    bad = dz.clone()
+    bad[5, t[5]] *= 0.5
+    assert not p2.check_dz(bad, ref, rows, target=t)["ok"]
+    bad = dz.clone()
+    o = dz[0].float().abs()
+    o[t[0]] = 0
+    bad[0, o.argmax()] *= 1.5
+    assert not p2.check_dz(bad, ref, rows, target=t)["ok"]
+
+
+def test_compiles_for_sm90a_without_spills():
+    """AOT compile (Gluon front end -> PTX -> the wheel's ptxas) in a subprocess: the
+    suite's TRITON_INTERPRET=1 (conftest) turns kernels defined at import into
+    interpreted ones."""
+    import ast
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "probe_gluon2.py"), "--compile", "--variant",
+                           "persist,persist_nt,dlogits"], capture_output=True, text=True, env=env, timeout=600)
+    res = {line.split(":", 1)[0]: ast.literal_eval(line.split(":", 1)[1].strip())
+           for line in proc.stdout.splitlines() if line.split(":", 1)[0] in ("persist", "persist_nt", "dlogits")}
+    assert proc.returncode == 0 and len(res) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, r in res.items():
+        assert r["ok"], (name, r)
+        if r.get("spill_bytes") is None:
+            pytest.skip(f"ptxas did not run: {r.get('ptxas_error')}")
+        assert r["spill_bytes"] == 0, (name, r)
+        assert r["wgmma_shape"] == ["m64n256k16"], (name, r)
+        assert r["shared"] <= 227 * 1024, (name, r)
