@@ -25,6 +25,11 @@ cuBLAS GEMM at H = 4096, but 1.17-1.24x at H = 2048 and at V = 32000. This probe
               a select and an add per element, about as much as the exponential's
               share of the SFU): the merge gets z_t as its own fp32 dot x_i . W[t_i]
               (2 H bytes of W per token). Measures what the target costs the epilogue.
+  overlap     hides the softmax epilogue without partitions: 128 x 128 tiles so that two
+              fp32 accumulators fit in the registers (64 each); per tile the first
+              AHEAD = 3 wgmma steps of the next tile are issued, then a wait that leaves
+              only those outstanding, then the previous tile's epilogue (and its item's
+              store) runs under them; 6-slot ring, grid-filling splits.
   dlogits     the backward's recompute kernel (``dlogits_kernel`` of
               ``triton_lib/lce_kernels.py``): each item is one 128 x 256 tile of
               z = x W^T, recomputed and turned into dz = p * A - B [c == t] - C
@@ -93,6 +98,7 @@ VARIANTS = {
     "persist_fill": dict(kind="persist", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, splits="fill"),
     "persist_nt": dict(kind="persist", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, splits="planner",
                        target=False),
+    "overlap": dict(kind="overlap", BM=128, BV=128, BK=64, stages=6, num_warps=8, warps_m=8, splits="fill", ahead=3),
     "dlogits": dict(kind="dlogits", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, persistent=True),
     "dlogits_np": dict(kind="dlogits", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8,
                        persistent=False),
@@ -294,7 +300,120 @@ def lce_dlogits_persist_kernel(x_desc, w_desc, target_ptr, lse_ptr, coef_ptr, dz
         mbarrier.invalidate(bars.index(i))
 
 
-KERNELS = {"sw": pg.lce_stats_sw_kernel, "persist": lce_stats_persist_kernel, "dlogits": lce_dlogits_persist_kernel}
+@gluon.jit
+def _tile_cursor(w, j, off, first, nb, G, items, row_blocks, splits, vblocks, group, BM: gl.constexpr):
+    """A tile-granular cursor (item w, block j of it): the next tile. Returns also
+    whether (w, j) was the last block of its item."""
+    last = j + 1 == nb
+    j += 1
+    if last:
+        j = 0
+        w += G
+        off, first, nb = _item(w, items, row_blocks, splits, vblocks, group, BM)
+    return w, j, off, first, nb, last
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
+def lce_stats_overlap_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
+                             N, V, vblocks, splits, row_blocks, group, items,
+                             STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
+                             AHEAD: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent forward statistics with the softmax epilogue of tile q run while the
+    first AHEAD wgmma steps of tile q + 1 are on the tensor cores (one 8-warp partition,
+    no warp specialisation): two fp32 accumulators (BV <= 192 so that both fit in the
+    registers). Per tile: issue AHEAD steps of the new tile without waiting, wait until
+    only those are outstanding (the previous tile's last wgmma is done), refill the freed
+    slot, run the previous tile's epilogue (and its item's partial store if it was the
+    item's last tile), then the rest of the K loop as ``persist``. Needs ksteps >= AHEAD
+    and AHEAD <= STAGES - 1 (the host checks). Same partials as ``persist``."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BV: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, num_warps // WARPS_M], instr_shape=[16, INSTR_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    ksteps = gl.cdiv(x_desc.shape[1], BK)
+    total = 0
+    for w in range(pid, items, G):
+        total += _item(w, items, row_blocks, splits, vblocks, group, BM)[2]
+
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    lw, lj, lk, loff, lfirst, lnb = _prologue(x_desc, w_desc, x_bufs, w_bufs, bars, ksteps, G, items, row_blocks,
+                                              splits, vblocks, group, STAGES)
+    loaded = STAGES - 1  # steps whose loads were issued
+    # Consumer cursor (the tile being multiplied) and epilogue cursor (the tile before it).
+    cw = pid
+    cj = 0
+    coff, cfirst, cnb = _item(cw, items, row_blocks, splits, vblocks, group, BM)
+    ew = cw
+    ej = cj
+    eoff = coff
+    efirst = cfirst
+    enb = cnb
+    tgt = pg._load_targets(target_ptr, eoff, N, BM, layout)
+    m = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
+    s = gl.zeros([BM], gl.float32, layout=row_layout)
+    t = gl.zeros([BM], gl.float32, layout=row_layout)
+    prev = gl.zeros([BM, BV], gl.float32, layout=layout)
+    it = 0
+    for q in range(total):
+        # Phase A: AHEAD steps of this tile, no waits (their slots were loaded already).
+        acc = gl.zeros([BM, BV], gl.float32, layout=layout)
+        for k in gl.static_range(AHEAD):
+            slot = (it + k) % STAGES
+            mbarrier.wait(bars.index(slot), ((it + k) // STAGES) & 1)
+            acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, use_acc=k > 0,
+                                is_async=True)
+        # Only this tile's AHEAD groups may be outstanding: the previous tile is done.
+        acc, prev = warpgroup_mma_wait(num_outstanding=AHEAD, deps=(acc, prev))
+        while loaded < it + STAGES:  # refill the slots of completed steps
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, loaded % STAGES, loff, lfirst + lj, lk, lw < items)
+            lw, lj, lk, loff, lfirst, lnb = _advance(lw, lj, lk, loff, lfirst, lnb, ksteps, G, items, row_blocks,
+                                                     splits, vblocks, group, BM)
+            loaded += 1
+        if q > 0:  # the previous tile's epilogue, under this tile's first AHEAD steps
+            m, s, t = pg._tile_update(prev, m, s, t, tgt, (efirst + ej) * BV, V, BV, layout)
+            if ej + 1 == enb:  # the item's last tile: its partials
+                split = (pg._grouped(ew, row_blocks, splits, group))[1]
+                pg._store_partials(m, s, t, part_m, part_s, part_t, split, eoff, N, BM, layout)
+            ew, ej, eoff, efirst, enb, done = _tile_cursor(ew, ej, eoff, efirst, enb, G, items, row_blocks, splits,
+                                                            vblocks, group, BM)
+            if done:
+                tgt = pg._load_targets(target_ptr, eoff, N, BM, layout)
+                m = gl.full([BM], float("-inf"), gl.float32, layout=row_layout)
+                s = gl.zeros([BM], gl.float32, layout=row_layout)
+                t = gl.zeros([BM], gl.float32, layout=row_layout)
+        it += AHEAD
+        # Phase B: the rest of the K loop, one group in flight, refills as ``persist``.
+        for _k in range(AHEAD, ksteps):
+            slot = it % STAGES
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            while loaded < it + STAGES:
+                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, loaded % STAGES, loff, lfirst + lj, lk, lw < items)
+                lw, lj, lk, loff, lfirst, lnb = _advance(lw, lj, lk, loff, lfirst, lnb, ksteps, G, items,
+                                                         row_blocks, splits, vblocks, group, BM)
+                loaded += 1
+            it += 1
+        prev = acc  # its last wgmma may still run: the next tile's phase A waits for it
+    # The last tile's epilogue and its item's store.
+    prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
+    if total > 0:
+        m, s, t = pg._tile_update(prev, m, s, t, tgt, (efirst + ej) * BV, V, BV, layout)
+        split = (pg._grouped(ew, row_blocks, splits, group))[1]
+        pg._store_partials(m, s, t, part_m, part_s, part_t, split, eoff, N, BM, layout)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+KERNELS = {"sw": pg.lce_stats_sw_kernel, "persist": lce_stats_persist_kernel, "overlap": lce_stats_overlap_kernel,
+           "dlogits": lce_dlogits_persist_kernel}
 
 
 # ----------------------------------------------------------------------------- plans
@@ -347,6 +466,8 @@ def constexprs(cfg) -> dict:
     c = dict(STAGES=cfg["stages"], WARPS_M=cfg["warps_m"], INSTR_N=instr_n(cfg), num_warps=cfg["num_warps"])
     if cfg.get("target") is False:
         c["TARGET"] = False
+    if "ahead" in cfg:
+        c["AHEAD"] = cfg["ahead"]
     return c
 
 
@@ -362,13 +483,13 @@ class Plan:
         kind = cfg["kind"]
         if kind == "sw":
             self.splits, _ = pg.choose_splits(self.row_blocks, self.vblocks, sms, 4)
-        elif kind == "persist":
+        elif kind in ("persist", "overlap"):
             self.splits = (planner_splits(N, V, H, sms, cfg) if cfg["splits"] == "planner"
                            else fill_splits(self.row_blocks, self.vblocks, sms, self.group))
         else:
             self.splits = self.vblocks  # one tile per item
         self.items = self.row_blocks * self.splits
-        persistent = kind == "persist" or (kind == "dlogits" and cfg["persistent"])
+        persistent = kind in ("persist", "overlap") or (kind == "dlogits" and cfg["persistent"])
         self.grid = min(sms, self.items) if persistent else self.items
 
     def info(self) -> dict:
@@ -399,6 +520,9 @@ class Runner:
         V = W.shape[0]
         self.N, self.V = N, V
         self.plan = Plan(name, N, H, V, sms, x.device)
+        if "ahead" in cfg and not (cfg["ahead"] < -(-H // cfg["BK"]) and cfg["ahead"] < cfg["stages"]):
+            raise ValueError(f"{name}: needs more than {cfg['ahead']} steps of H (H > {cfg['ahead'] * cfg['BK']}) "
+                             f"and ahead < stages")
         xl = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BK"]], gl.bfloat16)
         wl = gl.NVMMASharedLayout.get_default_for([cfg["BV"], cfg["BK"]], gl.bfloat16)
         self.x_desc = TensorDescriptor.from_tensor(x, [cfg["BM"], cfg["BK"]], xl)
@@ -419,8 +543,8 @@ class Runner:
         if kind == "sw":
             KERNELS["sw"][(p.grid, )](self.x_desc, self.w_desc, self.target, self.pm, self.ps, self.pt,
                                       self.N, self.V, p.vblocks, p.splits, p.row_blocks, p.group, **self.kw)
-        elif kind == "persist":
-            KERNELS["persist"][(p.grid, )](self.x_desc, self.w_desc, self.target, self.pm, self.ps, self.pt,
+        elif kind in ("persist", "overlap"):
+            KERNELS[kind][(p.grid, )](self.x_desc, self.w_desc, self.target, self.pm, self.ps, self.pt,
                                            self.N, self.V, p.vblocks, p.splits, p.row_blocks, p.group, p.items,
                                            **self.kw)
         else:
@@ -699,6 +823,67 @@ def simulate(plan, ksteps, stages=4) -> dict:
     return dict(max_blocks_per_program=most, mean=round(rb * vb / G, 2))
 
 
+def simulate_overlap(plan, ksteps, stages, ahead) -> dict:
+    """``lce_stats_overlap_kernel``'s schedule replayed in Python: loads in cursor order
+    into slot (step % stages), refilled only once the step that held the slot has
+    completed (steps complete at the waits: phase A's wait leaves the tile's first
+    ``ahead`` steps outstanding, phase B's the newest one); every wgmma finds its own
+    step's load; each tile's epilogue runs once, in tile order, on the tile the
+    consumer multiplied before; items' partials stored once each, after their last
+    tile's epilogue."""
+    rb, sp, vb, grp, items, G = plan.row_blocks, plan.splits, plan.vblocks, plan.group, plan.items, plan.grid
+    assert ahead < ksteps and ahead < stages
+
+    def item(w):
+        r, c = _grouped_py(min(w, items - 1), rb, sp, grp)
+        first = c * vb // sp
+        return r, first, (c + 1) * vb // sp - first
+
+    stored, seen = [], set()
+    for pid in range(G):
+        order = [(w, j) for w in range(pid, items, G) for j in range(item(w)[2])]
+        steps = [(w, j, k) for (w, j) in order for k in range(ksteps)]
+        slots, done = {}, -1  # slot -> step index; steps <= done have completed
+        loaded = 0
+
+        def refill(limit):
+            nonlocal loaded
+            while loaded < limit:
+                old = slots.get(loaded % stages)
+                assert old is None or old <= done, ("slot refilled under a running wgmma", pid, loaded)
+                if loaded < len(steps):
+                    slots[loaded % stages] = loaded
+                loaded += 1
+
+        refill(stages - 1)
+        it = 0
+        epi = []
+        for q in range(len(order)):
+            for k in range(ahead):
+                assert slots.get((it + k) % stages) == it + k, ("phase A slot", pid, it + k)
+            done = it - 1  # wait(ahead): all but this tile's first ahead steps
+            refill(it + stages)
+            if q > 0:
+                epi.append(order[q - 1])
+            it += ahead
+            for _k in range(ahead, ksteps):
+                assert slots.get(it % stages) == it, ("phase B slot", pid, it)
+                done = it - 1  # wait(1)
+                refill(it + stages)
+                it += 1
+        if order:
+            epi.append(order[-1])
+        assert epi == order
+        for (w, j) in epi:
+            r, first, nb = item(w)
+            seen.add((r, first + j))
+            if j + 1 == nb:
+                stored.append(w)
+        assert loaded >= len(steps)
+    assert len(seen) == rb * vb and sorted(stored) == list(range(items))
+    return dict(ok=True)
+
+
 def smoke(variants, sms=132) -> None:
     """Plans of every variant at every shape and the persistent schedule replayed in
     Python at the check shapes and a few small ones (the Gluon kernels have no CPU
@@ -707,8 +892,13 @@ def smoke(variants, sms=132) -> None:
         for (N, H, V) in CHECK_SHAPES + SHAPES + [(1, 64, 300), (300, 100, 3000)]:
             p = Plan(name, N, H, V, sms, torch.device("cpu"))
             info = p.info()
-            if VARIANTS[name]["kind"] != "sw" and N * V <= 1000 * 50257:
-                info["simulated"] = simulate(p, -(-H // VARIANTS[name]["BK"]))
+            cfg = VARIANTS[name]
+            ksteps = -(-H // cfg["BK"])
+            if cfg["kind"] == "overlap":
+                if N * V <= 1000 * 50257 and ksteps > cfg["ahead"]:
+                    info["simulated"] = simulate_overlap(p, ksteps, cfg["stages"], cfg["ahead"])
+            elif cfg["kind"] != "sw" and N * V <= 1000 * 50257:
+                info["simulated"] = simulate(p, ksteps)
             print(f"{name:>13} {N}x{H}x{V}: {info}")
 
 

@@ -44,6 +44,30 @@ def test_persistent_schedule_replay(p2, name, shape, sms):
     assert out["max_blocks_per_program"] >= out["mean"]
 
 
+@pytest.mark.parametrize("shape", SMALL)
+@pytest.mark.parametrize("sms", [132, 5])
+def test_overlap_schedule_replay(p2, shape, sms):
+    """The epilogue-overlap kernel: no slot refilled under a running wgmma, every
+    wgmma on its own step's load, epilogues in tile order, every item stored once."""
+    N, H, V = shape
+    cfg = p2.VARIANTS["overlap"]
+    plan = p2.Plan("overlap", N, H, V, sms, torch.device("cpu"))
+    for ksteps in (cfg["ahead"] + 1, max(cfg["ahead"] + 1, math.ceil(H / cfg["BK"]))):
+        assert p2.simulate_overlap(plan, ksteps, cfg["stages"], cfg["ahead"])["ok"]
+
+
+def test_overlap_replay_catches_an_early_refill(p2):
+    import inspect
+    src = inspect.getsource(p2.simulate_overlap)
+    wrong = "refill(it + stages + 1)\n            if q"
+    assert "refill(it + stages)\n            if q" in src
+    ns = dict(vars(p2))
+    exec(src.replace("refill(it + stages)\n            if q", wrong), ns)
+    plan = p2.Plan("overlap", 300, 100, 3000, 5, torch.device("cpu"))
+    with pytest.raises(AssertionError, match="running wgmma"):
+        ns["simulate_overlap"](plan, 5, 6, 3)
+
+
 def test_schedule_replay_catches_a_wrong_cursor(p2, monkeypatch):
     plan = p2.Plan("persist", 300, 100, 3000, 5, torch.device("cpu"))
     real = p2._grouped_py
@@ -110,16 +134,17 @@ def test_compiles_for_sm90a_without_spills():
     import ast
     import subprocess
 
+    names = ("persist", "persist_nt", "overlap", "dlogits")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "probe_gluon2.py"), "--compile", "--variant",
-                           "persist,persist_nt,dlogits"], capture_output=True, text=True, env=env, timeout=600)
+                           ",".join(names)], capture_output=True, text=True, env=env, timeout=600)
     res = {line.split(":", 1)[0]: ast.literal_eval(line.split(":", 1)[1].strip())
-           for line in proc.stdout.splitlines() if line.split(":", 1)[0] in ("persist", "persist_nt", "dlogits")}
-    assert proc.returncode == 0 and len(res) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+           for line in proc.stdout.splitlines() if line.split(":", 1)[0] in names}
+    assert proc.returncode == 0 and len(res) == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name, r in res.items():
         assert r["ok"], (name, r)
         if r.get("spill_bytes") is None:
             pytest.skip(f"ptxas did not run: {r.get('ptxas_error')}")
         assert r["spill_bytes"] == 0, (name, r)
-        assert r["wgmma_shape"] == ["m64n256k16"], (name, r)
+        assert r["wgmma_shape"] == ["m64n128k16" if name == "overlap" else "m64n256k16"], (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)

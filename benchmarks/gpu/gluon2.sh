@@ -24,7 +24,7 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   python3 $P --compile 2>&1 | tee -a "$OUT/gluon2-checks.log" | cut -c1-300
   exit 0
 fi
-VARIANTS="sw persist persist_fill persist_nt dlogits dlogits_np"
+VARIANTS="sw persist persist_fill persist_nt overlap dlogits dlogits_np"
 CHK=/tmp/gluon2-check
 mkdir -p $CHK
 for v in $VARIANTS; do
