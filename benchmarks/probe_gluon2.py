@@ -995,6 +995,9 @@ def main() -> int:
     ap.add_argument("--check-only", action="store_true",
                     help="only the small correctness shapes, float64 only (exit 2 if a variant fails)")
     ap.add_argument("--no-check-shapes", action="store_true")
+    ap.add_argument("--warm-lib", action="store_true",
+                    help="only run the library's Triton kernels once at every shape (fills the triton cache: the "
+                    "GPU script runs this next to the checks, so the timed run does not compile)")
     ap.add_argument("--table-from", default=None, metavar="JSON")
     ap.add_argument("--markdown", default=None, metavar="MD", help="with --table-from: also write a markdown table")
     args = ap.parse_args()
@@ -1036,6 +1039,20 @@ def main() -> int:
         print("no CUDA: skipped")
         return 0
 
+    if args.warm_lib:
+        for (N, H, V) in CHECK_SHAPES + shapes:
+            try:
+                import logitless
+                x, W, target = pg.inputs(N, H, V)
+                lse, _ = pg.lib_stats(x, W, target)
+                logitless.linear_cross_entropy(x, W, target)
+                triton_dlogits(x, W, target, lse.contiguous(), coefficients(N, target, x.device))()
+                torch.cuda.synchronize()
+                print(f"warm {N}x{H}x{V}: ok", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"warm {N}x{H}x{V}: {pg.short(exc)}", flush=True)
+            torch.cuda.empty_cache()
+        return 0
     reps = max(10, args.reps)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = dict(device=torch.cuda.get_device_name(), sms=sms, torch=torch.__version__, triton=triton.__version__,

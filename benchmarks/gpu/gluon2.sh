@@ -6,7 +6,8 @@
 # AOT compile with ptxas) and stops.
 # 1. each variant alone on the small correctness shapes (float64), each in its own process
 #    under a 100 s timeout, all at once (a hung kernel takes only itself down; this also
-#    fills the triton cache)                      -> $OUT/gluon2-checks.log
+#    fills the triton cache), and meanwhile the library's Triton kernels run once at every
+#    shape (compiled before the timed run)      -> $OUT/gluon2-checks.log
 # 2. the check shapes with the library comparison and the five timed shapes, with the
 #    variants that neither hung nor crashed in 1 (wrong ones are still timed, flagged BAD)
 #                                                  -> $OUT/probe_gluon2.json, .log
@@ -27,11 +28,16 @@ fi
 VARIANTS="sw persist persist_fill persist_nt overlap dlogits dlogits_np"
 CHK=/tmp/gluon2-check
 mkdir -p $CHK
+# The library's Triton kernels compiled at every shape meanwhile (the timed run then only
+# reads the triton cache).
+( timeout 110 python3 $P --warm-lib > "$CHK/warm.log" 2>&1 ) &
+
 for v in $VARIANTS; do
   ( timeout 100 python3 $P --check-only --variant "$v" --out $CHK > "$CHK/$v.log" 2>&1; echo $? > "$CHK/$v.rc" ) &
 done
 wait
 run=""
+echo "== library warm-up: $(grep -c ': ok' "$CHK/warm.log") shapes ok"; grep -v ": ok" "$CHK/warm.log" | tail -n 5 | cut -c1-300
 : > "$OUT/gluon2-checks.log"
 for v in $VARIANTS; do
   rc=$(cat "$CHK/$v.rc")
@@ -40,7 +46,8 @@ for v in $VARIANTS; do
   grep -E "^(check|  $v|check-only)" "$CHK/$v.log" | cut -c1-300
   if [ "$rc" = 0 ] || [ "$rc" = 2 ]; then run="$run${run:+,}$v"; else tail -n 12 "$CHK/$v.log" | cut -c1-300; fi
 done
-left=$(( 235 - ($(date +%s) - start) ))
+{ echo "== library warm-up"; cat "$CHK/warm.log"; } >> "$OUT/gluon2-checks.log"
+left=$(( 240 - ($(date +%s) - start) ))
 [ $left -lt 60 ] && left=60
 echo "== timed run: variants '${run}', ${left} s left ($(( $(date +%s) - start )) s so far)"
 timeout $left python3 $P --out "$OUT" --reps 20 --variant "${run:-,}" 2>&1 \
