@@ -320,12 +320,13 @@ def lce_stats_overlap_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
                              AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Persistent forward statistics with the softmax epilogue of tile q run while the
     first AHEAD wgmma steps of tile q + 1 are on the tensor cores (one 8-warp partition,
-    no warp specialisation): two fp32 accumulators (BV <= 192 so that both fit in the
-    registers). Per tile: issue AHEAD steps of the new tile without waiting, wait until
-    only those are outstanding (the previous tile's last wgmma is done), refill the freed
-    slot, run the previous tile's epilogue (and its item's partial store if it was the
-    item's last tile), then the rest of the K loop as ``persist``. Needs ksteps >= AHEAD
-    and AHEAD <= STAGES - 1 (the host checks). Same partials as ``persist``."""
+    no warp specialisation): two fp32 accumulators (BV = 128 so that both fit in the
+    registers). Per tile: issue AHEAD steps of the new tile without waiting, run the
+    previous tile's epilogue (and its item's partial store if it was the item's last
+    tile), then the rest of the K loop as ``persist`` and a full wait at the tile's end
+    (reading registers of a wgmma still in flight would make ptxas serialise them all).
+    Needs ksteps > AHEAD and AHEAD < STAGES (the host checks). Same partials as
+    ``persist``."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BV: gl.constexpr = w_desc.block_type.shape[0]
@@ -369,9 +370,10 @@ def lce_stats_overlap_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
             mbarrier.wait(bars.index(slot), ((it + k) // STAGES) & 1)
             acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, use_acc=k > 0,
                                 is_async=True)
-        # Only this tile's AHEAD groups may be outstanding: the previous tile is done.
-        acc, prev = warpgroup_mma_wait(num_outstanding=AHEAD, deps=(acc, prev))
-        while loaded < it + STAGES:  # refill the slots of completed steps
+        # Returns at once (only these AHEAD groups are outstanding: the previous tile was
+        # waited for at its end); it makes acc a plain tensor for the loop below.
+        acc = warpgroup_mma_wait(num_outstanding=AHEAD, deps=(acc, ))
+        while loaded < it + STAGES:  # the first tile: the ring's last free slot
             _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, loaded % STAGES, loff, lfirst + lj, lk, lw < items)
             lw, lj, lk, loff, lfirst, lnb = _advance(lw, lj, lk, loff, lfirst, lnb, ksteps, G, items, row_blocks,
                                                      splits, vblocks, group, BM)
@@ -401,9 +403,17 @@ def lce_stats_overlap_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
                                                          row_blocks, splits, vblocks, group, BM)
                 loaded += 1
             it += 1
-        prev = acc  # its last wgmma may still run: the next tile's phase A waits for it
+        # The tile done (the tensor pipe drains here, as in ``persist``): the epilogue
+        # will read prev while the next tile's wgmma run, and ptxas serialises every
+        # wgmma if registers of one still in flight are read (C7514).
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        while loaded < it + STAGES:  # the last step's slot is free too
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, loaded % STAGES, loff, lfirst + lj, lk, lw < items)
+            lw, lj, lk, loff, lfirst, lnb = _advance(lw, lj, lk, loff, lfirst, lnb, ksteps, G, items, row_blocks,
+                                                     splits, vblocks, group, BM)
+            loaded += 1
+        prev = acc
     # The last tile's epilogue and its item's store.
-    prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
     if total > 0:
         m, s, t = pg._tile_update(prev, m, s, t, tgt, (efirst + ej) * BV, V, BV, layout)
         split = (pg._grouped(ew, row_blocks, splits, group))[1]
@@ -826,8 +836,8 @@ def simulate(plan, ksteps, stages=4) -> dict:
 def simulate_overlap(plan, ksteps, stages, ahead) -> dict:
     """``lce_stats_overlap_kernel``'s schedule replayed in Python: loads in cursor order
     into slot (step % stages), refilled only once the step that held the slot has
-    completed (steps complete at the waits: phase A's wait leaves the tile's first
-    ``ahead`` steps outstanding, phase B's the newest one); every wgmma finds its own
+    completed (steps complete at the waits: phase B's leave the newest step
+    outstanding, the tile's last none; phase A waits for nothing); every wgmma finds its own
     step's load; each tile's epilogue runs once, in tile order, on the tile the
     consumer multiplied before; items' partials stored once each, after their last
     tile's epilogue."""
@@ -859,10 +869,9 @@ def simulate_overlap(plan, ksteps, stages, ahead) -> dict:
         it = 0
         epi = []
         for q in range(len(order)):
-            for k in range(ahead):
+            for k in range(ahead):  # phase A: no waits
                 assert slots.get((it + k) % stages) == it + k, ("phase A slot", pid, it + k)
-            done = it - 1  # wait(ahead): all but this tile's first ahead steps
-            refill(it + stages)
+            refill(it + stages)  # steps < it completed at the previous tile's end
             if q > 0:
                 epi.append(order[q - 1])
             it += ahead
@@ -871,6 +880,8 @@ def simulate_overlap(plan, ksteps, stages, ahead) -> dict:
                 done = it - 1  # wait(1)
                 refill(it + stages)
                 it += 1
+            done = it - 1  # wait(0) at the tile's end
+            refill(it + stages)
         if order:
             epi.append(order[-1])
         assert epi == order
@@ -900,6 +911,24 @@ def smoke(variants, sms=132) -> None:
             elif cfg["kind"] != "sw" and N * V <= 1000 * 50257:
                 info["simulated"] = simulate(p, ksteps)
             print(f"{name:>13} {N}x{H}x{V}: {info}")
+
+
+def wgmma_serialized(ptx: str):
+    """True if ptxas reports that it serialised the wgmma (C7514/C7515...: e.g. registers
+    of a wgmma in flight read by other instructions), which removes all MMA overlap."""
+    import subprocess
+    import tempfile
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True, timeout=300).stderr
+        return "serialized" in out
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def sass_mix(cubin: bytes) -> dict:
@@ -968,6 +997,7 @@ def compile_variants(variants, dump=None) -> dict:
                         wgmma_shape=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
                         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
             info.update(pg.ptxas_info(ptx))
+            info["wgmma_serialized"] = wgmma_serialized(ptx)
             if "cubin" in k.asm:
                 info["sass"] = sass_mix(k.asm["cubin"])
             if dump:

@@ -56,13 +56,24 @@ def test_overlap_schedule_replay(p2, shape, sms):
         assert p2.simulate_overlap(plan, ksteps, cfg["stages"], cfg["ahead"])["ok"]
 
 
+def test_overlap_schedule_any_depth(p2):
+    """The replay holds for every ring depth and look-ahead with ahead < stages and
+    ahead < ksteps (the host's condition), not only the variant's 6 / 3."""
+    for shape in [(300, 100, 3000), (1, 64, 300)]:
+        plan = p2.Plan("overlap", *shape, 5, torch.device("cpu"))
+        for stages in range(2, 8):
+            for ahead in range(1, stages):
+                for ksteps in range(ahead + 1, ahead + 4):
+                    assert p2.simulate_overlap(plan, ksteps, stages, ahead)["ok"]
+
+
 def test_overlap_replay_catches_an_early_refill(p2):
     import inspect
     src = inspect.getsource(p2.simulate_overlap)
-    wrong = "refill(it + stages + 1)\n            if q"
-    assert "refill(it + stages)\n            if q" in src
+    right = "refill(it + stages)\n                it += 1"
+    assert right in src
     ns = dict(vars(p2))
-    exec(src.replace("refill(it + stages)\n            if q", wrong), ns)
+    exec(src.replace(right, "refill(it + stages + 1)\n                it += 1"), ns)
     plan = p2.Plan("overlap", 300, 100, 3000, 5, torch.device("cpu"))
     with pytest.raises(AssertionError, match="running wgmma"):
         ns["simulate_overlap"](plan, 5, 6, 3)
@@ -148,3 +159,4 @@ def test_compiles_for_sm90a_without_spills():
         assert r["spill_bytes"] == 0, (name, r)
         assert r["wgmma_shape"] == ["m64n128k16" if name == "overlap" else "m64n256k16"], (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
+        assert r["wgmma_serialized"] is False, (name, r)  # ptxas C7514: no MMA overlap left
