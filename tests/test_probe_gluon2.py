@@ -160,3 +160,78 @@ def test_compiles_for_sm90a_without_spills():
         assert r["wgmma_shape"] == ["m64n128k16" if name == "overlap" else "m64n256k16"], (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
         assert r["wgmma_serialized"] is False, (name, r)  # ptxas C7514: no MMA overlap left
+
+
+def _emulated_launch(self):
+    """A torch stand-in for the kernels (same partials / dz from the same plan), so the
+    host side (descriptors, plan, buffers, merge, checks) runs end to end on the CPU."""
+    p, cfg = self.plan, self.cfg
+    z = self.x.double() @ self.W.double().T
+    if cfg["kind"] == "dlogits":
+        lse = self.lse.double()
+        a, b, c = self.coef.double()
+        dz = torch.exp(z - lse[:, None]) * a[:, None] - c[:, None]
+        dz[torch.arange(self.N), self.target] -= b
+        self.dz.copy_(dz)
+        return
+    for split in range(p.splits):
+        first = split * p.vblocks // p.splits
+        last = (split + 1) * p.vblocks // p.splits
+        lo, hi = first * cfg["BV"], min(last * cfg["BV"], self.V)
+        zs = z[:, lo:hi]
+        m = zs.max(1).values
+        self.pm[split] = m.float()
+        self.ps[split] = torch.exp(zs - m[:, None]).sum(1).float()
+        inside = (self.target >= lo) & (self.target < hi)
+        zt = z.gather(1, self.target[:, None]).squeeze(1)
+        if cfg.get("target") is not False:
+            self.pt[split] = torch.where(inside, zt, 0.0).float()
+
+
+@pytest.mark.parametrize("name", ["sw", "persist", "persist_fill", "persist_nt", "overlap"])
+def test_forward_host_side_with_emulated_kernel(p2, name, monkeypatch):
+    """Runner + merge + the float64 check the GPU run applies, with the kernel emulated:
+    the merge of the plan's partials gives lse and z_t within the check's bound, and a
+    wrong partial is flagged."""
+    sys.path.insert(0, BENCH)
+    import probe_gluon as pg
+    sys.path.remove(BENCH)
+    monkeypatch.setattr(p2.Runner, "launch", _emulated_launch)
+    N, H, V = 300, 256, 3001
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(N, H, generator=g) / 8).to(torch.bfloat16)
+    W = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    t = torch.randint(0, V, (N, ), generator=g)
+    r = p2.Runner(name, x, W, t, 5)
+    rows = torch.arange(0, N, 7)
+    ref = (rows, *pg.reference_rows(x, W, t, rows))
+    res = pg.check(r(), ref, None, None)
+    assert res["ok"] and res["lse_err_f64"] < 1e-6, res
+    lse, zt = r()
+    assert not pg.check((lse + 0.01, zt), ref, None, None)["ok"]
+
+
+@pytest.mark.parametrize("name", ["dlogits", "dlogits_np"])
+def test_dlogits_host_side_with_emulated_kernel(p2, name, monkeypatch):
+    monkeypatch.setattr(p2.Runner, "launch", _emulated_launch)
+    N, H, V = 70, 64, 1001
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(N, H, generator=g) / 8).to(torch.bfloat16)
+    W = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    t = torch.randint(0, V, (N, ), generator=g)
+    lse = torch.logsumexp(x.double() @ W.double().T, 1).float()
+    coef = p2.coefficients(N, t, "cpu")
+    r = p2.Runner(name, x, W, t, 5, lse, coef)
+    rows = torch.tensor([0, 33, 69])
+    ref = p2.dz_reference(x, W, t, lse[rows].double(), coef, rows)
+    res = p2.check_dz(r(), ref, rows, None, t)
+    assert res["ok"], res
+
+
+def test_overlap_refuses_short_hidden(p2):
+    """H <= AHEAD * BK would leave the look-ahead waiting on loads never issued (a hang
+    on the GPU): the host refuses it with a clear error."""
+    x = torch.zeros(16, 192, dtype=torch.bfloat16)
+    W = torch.zeros(300, 192, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="steps of H"):
+        p2.Runner("overlap", x, W, torch.zeros(16, dtype=torch.int64), 5)
