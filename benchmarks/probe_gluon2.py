@@ -38,8 +38,10 @@ cuBLAS GEMM at H = 4096, but 1.17-1.24x at H = 2048 and at V = 32000. This probe
               are then two cuBLAS GEMMs on dz, not timed here). Persistent (grid =
               #SMs), same cursor; the next tile's loads are in flight during a tile's
               exp + store.
-  dlogits_np  the same kernel with one program per tile (grid = tiles): what
-              persistence buys.
+  dlogits_tma ``dlogits`` with dz written through shared memory by a TMA bulk store that
+              overlaps the next tile's MMAs (3 ring slots + the 64 KB dz tile).
+  dlogits_np  the same kernel as ``dlogits`` with one program per tile (grid = tiles):
+              what persistence buys.
 
 The persistent kernels do not overlap the epilogue with tensor-core work (only with
 loads): a second 128 x 256 fp32 accumulator does not fit in the registers (128 per
@@ -78,6 +80,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -100,11 +103,13 @@ VARIANTS = {
                        target=False),
     "overlap": dict(kind="overlap", BM=128, BV=128, BK=64, stages=6, num_warps=8, warps_m=8, splits="fill", ahead=3),
     "dlogits": dict(kind="dlogits", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8, persistent=True),
+    "dlogits_tma": dict(kind="dlogits_tma", BM=128, BV=256, BK=64, stages=3, num_warps=8, warps_m=8,
+                        persistent=True),
     "dlogits_np": dict(kind="dlogits", BM=128, BV=256, BK=64, stages=4, num_warps=8, warps_m=8,
                        persistent=False),
 }
-FORWARD = [v for v, c in VARIANTS.items() if c["kind"] != "dlogits"]
-DLOGITS = [v for v, c in VARIANTS.items() if c["kind"] == "dlogits"]
+FORWARD = [v for v, c in VARIANTS.items() if not c["kind"].startswith("dlogits")]
+DLOGITS = [v for v, c in VARIANTS.items() if c["kind"].startswith("dlogits")]
 
 _RUNTIME_INTS = ["N", "V", "vblocks", "splits", "row_blocks", "group", "items"]
 
@@ -422,8 +427,59 @@ def lce_stats_overlap_kernel(x_desc, w_desc, target_ptr, part_m, part_s, part_t,
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
+def lce_dlogits_tma_kernel(x_desc, w_desc, target_ptr, lse_ptr, coef_ptr, dz_desc,
+                           N, V, vblocks, splits, row_blocks, group, items,
+                           STAGES: gl.constexpr, WARPS_M: gl.constexpr, INSTR_N: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """``lce_dlogits_persist_kernel`` with dz stored by TMA: the tile goes to shared
+    memory (64 KB of bf16) and one bulk store writes it while the next tile's wgmma run
+    (the store is waited for only before the buffer is rewritten, one tile later). dz's
+    descriptor clips rows >= N and columns >= V; its rows must be 16-byte aligned (a
+    padded buffer). 3 ring slots (144 KB) + the dz tile: 208 KB of shared memory."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BV: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    LOG2E: gl.constexpr = 1.4426950408889634
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, num_warps // WARPS_M], instr_shape=[16, INSTR_N, 16])
+    G = gl.num_programs(0)
+    ksteps = gl.cdiv(x_desc.shape[1], BK)
+
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    dz_smem = gl.allocate_shared_memory(dz_desc.dtype, dz_desc.block_type.shape, dz_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    cur = _prologue(x_desc, w_desc, x_bufs, w_bufs, bars, ksteps, G, items, row_blocks, splits, vblocks, group,
+                    STAGES)
+    it = 0
+    for w in range(gl.program_id(0), items, G):
+        off_m, first, nblocks = _item(w, items, row_blocks, splits, vblocks, group, BM)
+        acc, it, cur = _mainloop(x_desc, w_desc, x_bufs, w_bufs, bars, it, nblocks, ksteps, layout, cur, G,
+                                 items, row_blocks, splits, vblocks, group, STAGES)
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols = first * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, layout))
+        row_ok = rows < N
+        lse = gl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        a = gl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+        b = gl.load(coef_ptr + N + rows, mask=row_ok, other=0.0)
+        c = gl.load(coef_ptr + 2 * N + rows, mask=row_ok, other=0.0)
+        tgt = gl.load(target_ptr + rows, mask=row_ok, other=-1).to(gl.int32)
+        p = gl.exp2(acc * LOG2E - gl.expand_dims(lse * LOG2E, 1))
+        hit = gl.expand_dims(cols, 0) == gl.expand_dims(tgt, 1)
+        dz = p * gl.expand_dims(a, 1) - gl.where(hit, gl.expand_dims(b, 1), 0.0) - gl.expand_dims(c, 1)
+        tma.store_wait(0)  # the previous tile's store has read the buffer
+        dz_smem.store(dz.to(dz_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dz_desc, [off_m, first * BV], dz_smem)
+    tma.store_wait(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
 KERNELS = {"sw": pg.lce_stats_sw_kernel, "persist": lce_stats_persist_kernel, "overlap": lce_stats_overlap_kernel,
-           "dlogits": lce_dlogits_persist_kernel}
+           "dlogits": lce_dlogits_persist_kernel, "dlogits_tma": lce_dlogits_tma_kernel}
 
 
 # ----------------------------------------------------------------------------- plans
@@ -499,7 +555,7 @@ class Plan:
         else:
             self.splits = self.vblocks  # one tile per item
         self.items = self.row_blocks * self.splits
-        persistent = kind in ("persist", "overlap") or (kind == "dlogits" and cfg["persistent"])
+        persistent = kind in ("persist", "overlap") or (kind.startswith("dlogits") and cfg["persistent"])
         self.grid = min(sms, self.items) if persistent else self.items
 
     def info(self) -> dict:
@@ -542,6 +598,12 @@ class Runner:
         if cfg["kind"] == "dlogits":
             self.lse, self.coef = lse, coef
             self.dz = torch.empty(N, V, device=x.device, dtype=torch.bfloat16)
+        elif cfg["kind"] == "dlogits_tma":
+            self.lse, self.coef = lse, coef
+            # Rows padded to 16 bytes (TMA's global stride); the descriptor covers [N, V].
+            self.dz = torch.empty(N, -(-V // 8) * 8, device=x.device, dtype=torch.bfloat16)[:, :V]
+            dl = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BV"]], gl.bfloat16)
+            self.dz_desc = TensorDescriptor(self.dz, [N, V], [self.dz.stride(0), 1], [cfg["BM"], cfg["BV"]], dl)
         else:
             self.pm = torch.empty(self.plan.splits, N, device=x.device, dtype=torch.float32)
             self.ps = torch.empty_like(self.pm)
@@ -558,13 +620,14 @@ class Runner:
                                            self.N, self.V, p.vblocks, p.splits, p.row_blocks, p.group, p.items,
                                            **self.kw)
         else:
-            KERNELS["dlogits"][(p.grid, )](self.x_desc, self.w_desc, self.target, self.lse, self.coef, self.dz,
-                                           self.N, self.V, p.vblocks, p.splits, p.row_blocks, p.group, p.items,
-                                           **self.kw)
+            dz = self.dz_desc if kind == "dlogits_tma" else self.dz
+            KERNELS[kind][(p.grid, )](self.x_desc, self.w_desc, self.target, self.lse, self.coef, dz,
+                                      self.N, self.V, p.vblocks, p.splits, p.row_blocks, p.group, p.items,
+                                      **self.kw)
 
     def __call__(self):
         self.launch()
-        if self.cfg["kind"] == "dlogits":
+        if self.cfg["kind"].startswith("dlogits"):
             return self.dz
         M = self.pm.max(0).values
         lse = M + torch.log((self.ps * torch.exp(self.pm - M)).sum(0))
@@ -668,7 +731,7 @@ def run_shape(N, H, V, variants, reps, sms, timed=True, with_lib=True) -> dict:
             out["lib_check"] = pg.check((lib_lse, lib_zt), ref, None, None)
         except Exception as exc:  # noqa: BLE001
             out["lib_error"] = pg.short(exc)
-    dl = [v for v in variants if VARIANTS[v]["kind"] == "dlogits"]
+    dl = [v for v in variants if VARIANTS[v]["kind"].startswith("dlogits")]
     lse = coef = dz_ref = lib_dz_run = lib_dz = None
     if dl:
         # The dz kernels' lse: the library's when it ran, else torch's fp32 one (rows in
@@ -691,7 +754,7 @@ def run_shape(N, H, V, variants, reps, sms, timed=True, with_lib=True) -> dict:
         buf = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
         out["cublas_ms"] = pg.time_ms(lambda: torch.mm(x, W.T, out=buf), reps)
         del buf
-        if any(VARIANTS[v]["kind"] != "dlogits" for v in variants):
+        if any(not VARIANTS[v]["kind"].startswith("dlogits") for v in variants):
             try:
                 out["triton_ms"] = pg.time_ms(lambda: logitless.linear_cross_entropy(x, W, target), reps)
             except Exception as exc:  # noqa: BLE001
@@ -703,7 +766,7 @@ def run_shape(N, H, V, variants, reps, sms, timed=True, with_lib=True) -> dict:
         try:
             g = Runner(name, x, W, target, sms, lse, coef)
             rec["plan"] = g.plan.info()
-            if VARIANTS[name]["kind"] == "dlogits":
+            if VARIANTS[name]["kind"].startswith("dlogits"):
                 rec["check"] = check_dz(g(), dz_ref, rows, lib_dz, target)
             else:
                 rec["check"] = pg.check(g(), ref, lib_lse, lib_zt)
@@ -985,6 +1048,10 @@ def compile_variants(variants, dump=None) -> dict:
                     sig[a] = "*i64"
                 elif a == "dz_ptr":
                     sig[a] = "*bf16"
+                elif a == "dz_desc":
+                    dl = gl.NVMMASharedLayout.get_default_for([cfg["BM"], cfg["BV"]], gl.bfloat16)
+                    sig[a] = mangle_type(TensorDescriptor.from_tensor(
+                        torch.empty(256, 512, dtype=torch.bfloat16), [cfg["BM"], cfg["BV"]], dl))
                 elif a.endswith("_ptr") or a.startswith("part_"):
                     sig[a] = "*fp32"
                 else:

@@ -31,7 +31,7 @@ def p2():
 SMALL = [(1, 64, 300), (300, 100, 3000), (1000, 1000, 50257), (300, 2048, 32000), (129, 16, 257 * 7)]
 
 
-@pytest.mark.parametrize("name", ["persist", "persist_fill", "persist_nt", "dlogits", "dlogits_np"])
+@pytest.mark.parametrize("name", ["persist", "persist_fill", "persist_nt", "dlogits", "dlogits_tma", "dlogits_np"])
 @pytest.mark.parametrize("shape", SMALL)
 @pytest.mark.parametrize("sms", [132, 5])
 def test_persistent_schedule_replay(p2, name, shape, sms):
@@ -145,13 +145,13 @@ def test_compiles_for_sm90a_without_spills():
     import ast
     import subprocess
 
-    names = ("persist", "persist_nt", "overlap", "dlogits")
+    names = ("persist", "persist_nt", "overlap", "dlogits", "dlogits_tma")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "probe_gluon2.py"), "--compile", "--variant",
                            ",".join(names)], capture_output=True, text=True, env=env, timeout=600)
     res = {line.split(":", 1)[0]: ast.literal_eval(line.split(":", 1)[1].strip())
            for line in proc.stdout.splitlines() if line.split(":", 1)[0] in names}
-    assert proc.returncode == 0 and len(res) == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and len(res) == len(names), proc.stdout[-3000:] + proc.stderr[-3000:]
     for name, r in res.items():
         assert r["ok"], (name, r)
         if r.get("spill_bytes") is None:
@@ -167,7 +167,7 @@ def _emulated_launch(self):
     host side (descriptors, plan, buffers, merge, checks) runs end to end on the CPU."""
     p, cfg = self.plan, self.cfg
     z = self.x.double() @ self.W.double().T
-    if cfg["kind"] == "dlogits":
+    if cfg["kind"].startswith("dlogits"):
         lse = self.lse.double()
         a, b, c = self.coef.double()
         dz = torch.exp(z - lse[:, None]) * a[:, None] - c[:, None]
@@ -211,7 +211,7 @@ def test_forward_host_side_with_emulated_kernel(p2, name, monkeypatch):
     assert not pg.check((lse + 0.01, zt), ref, None, None)["ok"]
 
 
-@pytest.mark.parametrize("name", ["dlogits", "dlogits_np"])
+@pytest.mark.parametrize("name", ["dlogits", "dlogits_tma", "dlogits_np"])
 def test_dlogits_host_side_with_emulated_kernel(p2, name, monkeypatch):
     monkeypatch.setattr(p2.Runner, "launch", _emulated_launch)
     N, H, V = 70, 64, 1001

@@ -25,7 +25,7 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   python3 $P --compile 2>&1 | tee -a "$OUT/gluon2-checks.log" | cut -c1-300
   exit 0
 fi
-VARIANTS="sw persist persist_fill persist_nt overlap dlogits dlogits_np"
+VARIANTS="sw persist persist_fill persist_nt overlap dlogits dlogits_tma dlogits_np"
 CHK=/tmp/gluon2-check
 mkdir -p $CHK
 # The library's Triton kernels compiled at every shape meanwhile (the timed run then only
