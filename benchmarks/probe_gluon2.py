@@ -717,6 +717,34 @@ def check_dz(dz, ref, rows, lib_dz=None, target=None) -> dict:
 
 
 # ----------------------------------------------------------------------------- one shape
+def time_interleaved(fns: dict, reps: int, warmup: int = 3):
+    """Median GPU time (ms) of each callable, all timed in the same rounds: each round
+    calls every callable once (order rotated round by round), an event pair around each
+    call, calls back to back, one synchronisation at the end. Returns (ms, errors): a
+    callable that raises in its warm-up is dropped with its error."""
+    import statistics
+    ok, errors = {}, {}
+    for k, f in fns.items():
+        try:
+            for _ in range(warmup):
+                f()
+            ok[k] = f
+        except Exception as exc:  # noqa: BLE001
+            errors[k] = pg.short(exc)
+    torch.cuda.synchronize()
+    names = list(ok)
+    events = {k: [] for k in names}
+    for r in range(reps):
+        for i in range(len(names)):
+            k = names[(i + r) % len(names)]
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            ok[k]()
+            b.record()
+            events[k].append((a, b))
+    torch.cuda.synchronize()
+    return {k: statistics.median(a.elapsed_time(b) for a, b in ev) for k, ev in events.items()}, errors
+
 def run_shape(N, H, V, variants, reps, sms, timed=True, with_lib=True) -> dict:
     import logitless
     x, W, target = pg.inputs(N, H, V)
@@ -750,17 +778,7 @@ def run_shape(N, H, V, variants, reps, sms, timed=True, with_lib=True) -> dict:
             except Exception as exc:  # noqa: BLE001
                 out["lib_dz_error"] = pg.short(exc)
                 lib_dz_run = None
-    if timed:
-        buf = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-        out["cublas_ms"] = pg.time_ms(lambda: torch.mm(x, W.T, out=buf), reps)
-        del buf
-        if any(not VARIANTS[v]["kind"].startswith("dlogits") for v in variants):
-            try:
-                out["triton_ms"] = pg.time_ms(lambda: logitless.linear_cross_entropy(x, W, target), reps)
-            except Exception as exc:  # noqa: BLE001
-                out["triton_error"] = pg.short(exc)
-        if lib_dz_run is not None:
-            out["triton_dlogits_ms"] = pg.time_ms(lib_dz_run, reps)
+    runners = {}
     for name in variants:
         rec = out["variants"].setdefault(name, {})
         try:
@@ -771,14 +789,42 @@ def run_shape(N, H, V, variants, reps, sms, timed=True, with_lib=True) -> dict:
             else:
                 rec["check"] = pg.check(g(), ref, lib_lse, lib_zt)
             torch.cuda.synchronize()
-            if timed:
-                rec["ms"] = pg.time_ms(g, reps)
-                rec["kernel_ms"] = pg.time_ms(g.launch, reps)
-            del g
+            runners[name] = g
         except Exception as exc:  # noqa: BLE001
             rec["error"] = pg.short(exc)
             traceback.print_exc(limit=3)
-        torch.cuda.empty_cache()
+    if timed:
+        # Everything timed in the same rounds (one call of each per round, the order
+        # rotated), so that clock drift between measurements cancels out of the ratios:
+        # timed one after the other, a variant's kernel-only time came out 10% above
+        # its time with the merge in the first run.
+        buf = torch.empty(N, V, device=x.device, dtype=torch.bfloat16)
+        fns = {"cublas": lambda: torch.mm(x, W.T, out=buf)}
+        if any(not VARIANTS[v]["kind"].startswith("dlogits") for v in variants):
+            fns["triton"] = lambda: logitless.linear_cross_entropy(x, W, target)
+        if lib_dz_run is not None:
+            fns["triton_dlogits"] = lib_dz_run
+        for name, g in runners.items():
+            fns[name] = g
+            if not VARIANTS[name]["kind"].startswith("dlogits"):
+                fns[name + "/kernel"] = g.launch
+        ms, errors = time_interleaved(fns, reps)
+        del buf
+        for k, v in ms.items():
+            if k in ("cublas", "triton", "triton_dlogits"):
+                out[f"{k}_ms"] = v
+            elif k.endswith("/kernel"):
+                out["variants"][k[:-7]]["kernel_ms"] = v
+            else:
+                out["variants"][k]["ms"] = v
+                out["variants"][k].setdefault("kernel_ms", v)
+        for k, e in errors.items():
+            if k in ("cublas", "triton", "triton_dlogits"):
+                out[f"{k}_error"] = e
+            else:
+                out["variants"][k.split("/")[0]]["error"] = e
+    del runners
+    torch.cuda.empty_cache()
     if timed and "cublas_ms" in out:
         unit = out["cublas_ms"]
         out["tflops_cublas"] = out["gflop"] / unit
@@ -1155,7 +1201,8 @@ def main() -> int:
     meta = dict(device=torch.cuda.get_device_name(), sms=sms, torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 command=" ".join(["python"] + sys.argv), reps=reps, l2_flushed=False,
-                timing="CUDA events around each call, calls back to back, 3 warm-ups, median; forward 'ms' = "
+                timing="CUDA events around each call, calls back to back, 3 warm-ups, median; every function of a "
+                "shape timed in the same rounds (order rotated); forward 'ms' = "
                 "kernel + torch merge, 'kernel_ms' = kernel alone; triton = logitless.linear_cross_entropy "
                 "forward (mean); triton_dlogits = the library's dlogits_kernel over all columns")
     print(json.dumps(meta), flush=True)

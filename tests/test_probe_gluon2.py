@@ -235,3 +235,58 @@ def test_overlap_refuses_short_hidden(p2):
     W = torch.zeros(300, 192, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="steps of H"):
         p2.Runner("overlap", x, W, torch.zeros(16, dtype=torch.int64), 5)
+
+
+class _FakeEvent:
+    """torch.cuda.Event stand-in on the CPU: wall-clock stamps."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        import time
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_run_shape_end_to_end_on_cpu(p2, monkeypatch):
+    """``run_shape`` as the GPU run calls it (checks against float64 and the library,
+    interleaved timing, ratios), on the CPU: the kernels emulated, the library's Triton
+    dlogits on the interpreter, CUDA events replaced by wall-clock stamps. Every variant
+    checks ok and gets a time; a variant whose launch raises gets its error recorded."""
+    sys.path.insert(0, BENCH)
+    import probe_gluon as pg
+    sys.path.remove(BENCH)
+    real_inputs = pg.inputs
+
+    def cpu_inputs(N, H, V, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(N, H, generator=g) / math.sqrt(H) * 2).to(torch.bfloat16)
+        W = torch.randn(V, H, generator=g).to(torch.bfloat16)
+        return x, W, torch.randint(0, V, (N, ), generator=g)
+
+    assert real_inputs is not None
+    monkeypatch.setattr(pg, "inputs", cpu_inputs)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(p2.Runner, "launch", _emulated_launch)
+    names = ["sw", "persist_fill", "persist_nt", "overlap", "dlogits_tma"]
+    out = p2.run_shape(20, 200, 301, names, 3, 5)
+    assert "lib_check" in out and out["lib_check"]["ok"], out.get("lib_check", out.get("lib_error"))
+    assert out["lib_dz_check"]["ok"], out.get("lib_dz_check", out.get("lib_dz_error"))
+    assert out["cublas_ms"] > 0 and out["triton_ratio"] > 0 and out["triton_dlogits_ratio"] > 0
+    for name in names:
+        rec = out["variants"][name]
+        assert rec["check"]["ok"], (name, rec)
+        assert rec["ratio"] > 0 and rec["kernel_ratio"] > 0, (name, rec)
+    assert "| 20 x 200 x 301 |" in p2.table([out], names, markdown=True)
+
+    def broken(self):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(p2.Runner, "launch", broken)
+    out = p2.run_shape(20, 200, 301, ["persist"], 3, 5, with_lib=False)
+    assert "launch failed" in out["variants"]["persist"]["error"]

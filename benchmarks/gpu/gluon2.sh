@@ -50,7 +50,7 @@ done
 left=$(( 240 - ($(date +%s) - start) ))
 [ $left -lt 60 ] && left=60
 echo "== timed run: variants '${run}', ${left} s left ($(( $(date +%s) - start )) s so far)"
-timeout $left python3 $P --out "$OUT" --reps 20 --variant "${run:-,}" 2>&1 \
+timeout $left python3 $P --out "$OUT" --reps 30 --variant "${run:-,}" 2>&1 \
     | tee "$OUT/probe_gluon2.log" | grep -v "^{" | cut -c1-400
 echo "total $(( $(date +%s) - start )) s"
 [ -f "$OUT/probe_gluon2.json" ] && python3 $P --table-from "$OUT/probe_gluon2.json" --markdown "$OUT/gluon2.md"
