@@ -15,6 +15,12 @@ BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 
 gluon = pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
 
+#: Tests that launch the library's Triton kernels on CPU tensors (the suite's CPU mode).
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="launches the library's Triton kernels on CPU tensors: needs Triton's interpreter (the "
+           "suite's CPU mode); on a GPU benchmarks/gpu/gluon2.sh checks the real kernels")
+
 
 @pytest.fixture(scope="module")
 def p2():
@@ -107,6 +113,7 @@ def test_fill_splits(p2, shape):
     assert blocks.sum().item() == fill.row_blocks * fill.vblocks
 
 
+@needs_interpreter
 def test_dz_reference_and_check(p2):
     """float64 dz against softmax, the library's Triton dlogits launcher (interpreter)
     against it, and the check failing on a wrong target column or off-target entry."""
@@ -251,6 +258,7 @@ class _FakeEvent:
         return (other.t - self.t) * 1e3
 
 
+@needs_interpreter
 def test_run_shape_end_to_end_on_cpu(p2, monkeypatch):
     """``run_shape`` as the GPU run calls it (checks against float64 and the library,
     interleaved timing, ratios), on the CPU: the kernels emulated, the library's Triton
