@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import formulas as lm
+from logitless.jax.ops.common.validate import check_float
 from logitless.jax.ops.linear_cross_entropy import sharded
 from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -25,8 +26,6 @@ from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-
     choose_backend,
 )
 from logitless.options import CrossEntropyOptions, check_memory_budget
-
-FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
 class _Config(NamedTuple):
@@ -148,13 +147,6 @@ def _lce_bwd(cfg, res, cotangents):
 _lce.defvjp(_lce_fwd, _lce_bwd)
 
 
-def _check_float(name, a):
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-        raise TypeError(f"{name} must be a jax or numpy array, got {type(a).__name__}")
-    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {jnp.dtype(a.dtype).name}")
-
-
 def linear_cross_entropy(
     x,
     weight,
@@ -267,8 +259,8 @@ def linear_cross_entropy(
         raise ValueError("class_weight is not supported with vocab_axis_name (a vocabulary split inside "
                          "shard_map); pass the whole weight or no class weights")
     budget = check_memory_budget(memory_budget)
-    _check_float("x", x)
-    _check_float("weight", weight)
+    check_float("x", x)
+    check_float("weight", weight)
     if weight_layout not in ("vh", "hv"):
         raise ValueError(f'weight_layout must be "vh" (V, H) or "hv" (H, V), got {weight_layout!r}')
     if x.ndim < 1:
@@ -290,14 +282,14 @@ def linear_cross_entropy(
         raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(x.shape[:-1])} "
                          "(the leading dimensions of x)")
     if bias is not None:
-        _check_float("bias", bias)
+        check_float("bias", bias)
         if tuple(bias.shape) != (local_classes,):
             raise ValueError(f"bias must have shape ({local_classes},), got {tuple(bias.shape)}")
         if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
             raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is "
                             f"{jnp.dtype(weight.dtype).name}; they must match")
     if class_weight is not None:
-        _check_float("class_weight", class_weight)
+        check_float("class_weight", class_weight)
         if tuple(class_weight.shape) != (num_classes,):
             raise ValueError(f"class_weight must have shape ({num_classes},), got {tuple(class_weight.shape)}")
         class_weight = jax.lax.stop_gradient(jnp.asarray(class_weight, jnp.float32))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.ops.common.validate import check_float
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -21,8 +22,6 @@ from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-expo
     choose_backend,
 )
 from logitless.options import LogProbOptions, check_memory_budget
-
-FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 
 
 class _Config(NamedTuple):
@@ -61,13 +60,6 @@ def _llp_bwd(cfg, res, cotangents):
 
 
 _llp.defvjp(_llp_fwd, _llp_bwd)
-
-
-def _check_float(name, a):
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-        raise TypeError(f"{name} must be a jax or numpy array, got {type(a).__name__}")
-    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {jnp.dtype(a.dtype).name}")
 
 
 def linear_log_probs(
@@ -135,8 +127,8 @@ def linear_log_probs(
     budget = check_memory_budget(memory_budget)
     if implementation is not None:
         backend_module(implementation)
-    _check_float("x", x)
-    _check_float("weight", weight)
+    check_float("x", x)
+    check_float("weight", weight)
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension (..., H)")
     if weight.ndim != 2:
@@ -154,7 +146,7 @@ def linear_log_probs(
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(x.shape[:-1])} "
                          "(the leading dimensions of x)")
     if bias is not None:
-        _check_float("bias", bias)
+        check_float("bias", bias)
         if tuple(bias.shape) != (num_classes,):
             raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
         if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
