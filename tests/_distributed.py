@@ -110,3 +110,23 @@ def head_inputs(seed, shape, h, v_rows, v_real, dtype, device, *, bias=False, cw
     to = dict(dtype=dtype, device=device)
     return (x.to(**to), w.to(**to), None if b is None else b.to(**to), t.to(device),
             None if c is None else c.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype))
+
+
+def check_vocab_parallel_errors(op, x, w, t, pg, device):
+    """The errors every vocab-parallel op (``op(x, w, t, **kw)``, ``w`` this rank's rows)
+    must raise alike: a too-small ``vocab_size``, out-of-range or padding targets (CPU:
+    the check reads values), a non-group ``process_group``, ``partial_dx`` without a
+    group, ``vocab_size=0``."""
+    with pytest.raises(ValueError, match="vocab_size=12 exceeds"):
+        op(x, w, t, process_group=pg, vocab_size=12)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="outside"):
+            op(x, w, torch.tensor([0, 11, 1, 2]), process_group=pg)
+        with pytest.raises(ValueError, match="outside"):  # a padding class is no target
+            op(x, w, t, process_group=pg, vocab_size=10)
+    with pytest.raises(TypeError, match="process_group"):
+        op(x, w, t, process_group="tp")
+    with pytest.raises(ValueError, match="partial_dx"):
+        op(x, w, t, partial_dx=True)
+    with pytest.raises(ValueError, match="vocab_size"):
+        op(x, w, t, process_group=pg, vocab_size=0)

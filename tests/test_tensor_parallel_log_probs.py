@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 import logitless
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
-from tests._distributed import DIST_MARKS, NCCL, blocks, head_inputs, same_on_every_rank, spawn
+from tests._distributed import (
+    DIST_MARKS,
+    NCCL,
+    blocks,
+    check_vocab_parallel_errors,
+    head_inputs,
+    same_on_every_rank,
+    spawn,
+)
 from tests.helpers import assert_close_to_ref
 
 pytestmark = DIST_MARKS
@@ -187,21 +195,9 @@ def _errors_worker(rank, world, device):
     x = torch.randn(4, 8, device=device)
     w = torch.randn(5 + rank, 8, device=device)
     t = torch.tensor([0, 3, 10, -100], device=device)
-    with pytest.raises(ValueError, match="vocab_size=12 exceeds"):
-        logitless.linear_log_probs(x, w, t, process_group=pg, vocab_size=12)
-    if device.type == "cpu":
-        with pytest.raises(ValueError, match="outside"):
-            logitless.linear_log_probs(x, w, torch.tensor([0, 11, 1, 2]), process_group=pg)
-        with pytest.raises(ValueError, match="outside"):  # a padding class is no token
-            logitless.linear_log_probs(x, w, t, process_group=pg, vocab_size=10)
-    with pytest.raises(TypeError, match="process_group"):
-        logitless.linear_log_probs(x, w, t, process_group="tp")
-    with pytest.raises(ValueError, match="partial_dx"):
-        logitless.linear_log_probs(x, w, t, partial_dx=True)
+    check_vocab_parallel_errors(logitless.linear_log_probs, x, w, t, pg, device)
     with pytest.raises(TypeError, match="partial_dx"):
         logitless.linear_log_probs(x, w, t, process_group=pg, partial_dx=1)
-    with pytest.raises(ValueError, match="vocab_size"):
-        logitless.linear_log_probs(x, w, t, process_group=pg, vocab_size=0)
     with pytest.raises(ValueError, match="temperature"):
         logitless.linear_log_probs(x, w, t, process_group=pg, temperature=0.0)
     with pytest.raises(ValueError, match="tokens"):
