@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import report
+from .rl import reference as rl_reference
 from .timing import gemm_ms, peak_extra_bytes, release_memory, time_ms
 
 #: (name, tokens, hidden, vocab) at bf16: the issue's two shapes.
@@ -179,18 +180,6 @@ def _reference_loss(x, w, target) -> float:
     return total / x.shape[0]
 
 
-def _reference_logp(x, w, target, temperature=TEMPERATURE):
-    """Per-token log p(target) and entropy at ``temperature`` in float64 (rank 0)."""
-    wd = w.double()
-    lps, ents = [], []
-    for n0 in range(0, x.shape[0], 1024):
-        a = torch.log_softmax((x[n0:n0 + 1024].double() @ wd.T) / temperature, dim=-1)
-        lps.append(a.gather(1, target[n0:n0 + 1024, None])[:, 0])
-        ents.append(-(a.exp() * a).sum(-1))
-        del a
-    return torch.cat(lps), torch.cat(ents)
-
-
 def _max_over_ranks(value, device):
     t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64, device=device)
     if value is None:
@@ -241,7 +230,7 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
     logp_case = any(m in LOGP_METHODS for m in methods)
     ce_case = any(m not in LOGP_METHODS for m in methods)
     ref = _reference_loss(x, w, target) if rank == 0 and ce_case else 0.0
-    ref_logp = _reference_logp(x, w, target) if rank == 0 and logp_case else None
+    ref_logp = rl_reference(x, w, target, TEMPERATURE) if rank == 0 and logp_case else None
     # Upstream gradients of the two log-prob outputs (the same on every rank).
     g1 = torch.rand(n, device=device, generator=g)
     g2 = torch.rand(n, device=device, generator=g) * 0.1
