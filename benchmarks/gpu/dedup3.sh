@@ -71,7 +71,7 @@ echo "=== summary (dedup3) ==="
 printf '| part | result |\n|---|---|\n'
 printf '| smoke %s | %s |\n' linear_cross_entropy "$(grep -m1 -E '^smoke' "$OUT/d3-setup.log" | cut -c1-150)"
 printf '| smoke %s | %s |\n' linear_log_probs "$(grep -E '^smoke' "$OUT/d3-setup.log" | sed -n 2p | cut -c1-150)"
-while read -r line; do printf '| pytest | %s |\n' "$line"; done < <(grep -E "^pytest \(" "$OUT/d3-pytest.log")
+while read -r line; do printf '| pytest | %s |\n' "$line"; done < <(grep -E "^pytest \(|^=+ .*(passed|failed)" "$OUT/d3-pytest.log")
 while read -r line; do printf '| bench | %s |\n' "$line"; done < <(grep -E "_bench exit:" "$OUT/d3-bench.log")
 printf '| failures | %s |\n' "$(grep -cE "^(FAILED|ERROR)" "$OUT/d3-pytest.log") tests, $(grep -c "FAILED (" "$OUT/d3-bench.log") bench cases"
 echo "total $(( $(date +%s) - start )) s"
