@@ -689,19 +689,24 @@ def smoke(variants) -> None:
         assert smem_bytes(cfg) <= 227 * 1024, name
 
 
-def ptxas_info(ptx: str) -> dict:
-    """Registers and spills from ``ptxas -v`` (the ptxas in the triton wheel) on the PTX."""
-    import re
+def ptxas_log(ptx: str) -> str:
+    """What ``ptxas -v --gpu-name sm_90a`` (the ptxas in the triton wheel) says on the PTX."""
     import subprocess
     import tempfile
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        return subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, timeout=300).stderr
+
+
+def ptxas_info(ptx: str) -> dict:
+    """Registers and spills from ``ptxas -v`` (the ptxas in the triton wheel) on the PTX."""
+    import re
     try:
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            out = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True, timeout=300).stderr
+        out = ptxas_log(ptx)
         regs = re.search(r"Used (\d+) registers", out)
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
         return dict(ptxas_regs=int(regs.group(1)) if regs else None,
