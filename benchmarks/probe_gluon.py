@@ -45,17 +45,16 @@ GEMM unit gets the same warm L2). Ratios are to cuBLAS
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import traceback
 
 import torch
 import triton
+from _probe_common import probe_meta, write_json  # the probes' folder is on sys.path
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -690,19 +689,24 @@ def smoke(variants) -> None:
         assert smem_bytes(cfg) <= 227 * 1024, name
 
 
-def ptxas_info(ptx: str) -> dict:
-    """Registers and spills from ``ptxas -v`` (the ptxas in the triton wheel) on the PTX."""
-    import re
+def ptxas_log(ptx: str) -> str:
+    """What ``ptxas -v --gpu-name sm_90a`` (the ptxas in the triton wheel) says on the PTX."""
     import subprocess
     import tempfile
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        return subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, timeout=300).stderr
+
+
+def ptxas_info(ptx: str) -> dict:
+    """Registers and spills from ``ptxas -v`` (the ptxas in the triton wheel) on the PTX."""
+    import re
     try:
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            out = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True, timeout=300).stderr
+        out = ptxas_log(ptx)
         regs = re.search(r"Used (\d+) registers", out)
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
         return dict(ptxas_regs=int(regs.group(1)) if regs else None,
@@ -816,9 +820,7 @@ def main() -> int:
 
     reps = max(10, args.reps)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    meta = dict(device=torch.cuda.get_device_name(), sms=sms, torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=" ".join([os.path.basename(sys.executable)] + sys.argv), reps=reps, l2_flushed=False,
+    meta = probe_meta(device=torch.cuda.get_device_name(), sms=sms, reps=reps, l2_flushed=False,
                 timing="CUDA events around each call, calls back to back, 3 warm-up calls, median; "
                 "gluon 'ms' = kernel + torch merge of the partials, 'kernel_ms' = kernel alone; "
                 "triton = logitless.linear_cross_entropy forward, reduction mean")
@@ -829,8 +831,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
 
     def save():
-        with open(path, "w") as f:
-            json.dump(dict(meta=meta, variants=VARIANTS, results=results), f, indent=1)
+        write_json(path, dict(meta=meta, variants=VARIANTS, results=results))
 
     if not args.no_check_shapes:
         for (N, H, V) in CHECK_SHAPES:

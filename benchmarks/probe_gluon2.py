@@ -67,11 +67,9 @@ out=bf16)`` (which also writes an (N, V) bf16 tensor: the dlogits kernels' unit 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 import traceback
 
@@ -90,6 +88,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe_gluon as pg  # noqa: E402  (the first probe: sw kernel, checks, timing)
+from _probe_common import probe_meta, write_json  # noqa: E402
 
 SHAPES = pg.SHAPES + [(16384, 4096, 128256)]
 CHECK_SHAPES = pg.CHECK_SHAPES
@@ -1025,17 +1024,8 @@ def smoke(variants, sms=132) -> None:
 def wgmma_serialized(ptx: str):
     """True if ptxas reports that it serialised the wgmma (C7514/C7515...: e.g. registers
     of a wgmma in flight read by other instructions), which removes all MMA overlap."""
-    import subprocess
-    import tempfile
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     try:
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            out = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True, timeout=300).stderr
-        return "serialized" in out
+        return "serialized" in pg.ptxas_log(ptx)
     except Exception:  # noqa: BLE001
         return None
 
@@ -1198,9 +1188,7 @@ def main() -> int:
         return 0
     reps = max(10, args.reps)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    meta = dict(device=torch.cuda.get_device_name(), sms=sms, torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=" ".join(["python"] + sys.argv), reps=reps, l2_flushed=False,
+    meta = probe_meta(device=torch.cuda.get_device_name(), sms=sms, reps=reps, l2_flushed=False,
                 timing="CUDA events around each call, calls back to back, 3 warm-ups, median; every function of a "
                 "shape timed in the same rounds (order rotated); forward 'ms' = "
                 "kernel + torch merge, 'kernel_ms' = kernel alone; triton = logitless.linear_cross_entropy "
@@ -1212,8 +1200,7 @@ def main() -> int:
                         else f"probe_gluon2_check_{'_'.join(variants)}.json")
 
     def save():
-        with open(path, "w") as f:
-            json.dump(dict(meta=meta, variants=VARIANTS, results=results), f, indent=1)
+        write_json(path, dict(meta=meta, variants=VARIANTS, results=results))
 
     if not args.no_check_shapes:
         for (N, H, V) in CHECK_SHAPES:

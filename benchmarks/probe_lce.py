@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
-import sys
-import time
 
 import torch
 import triton
+from _probe_common import probe_meta, write_json  # the probes' folder is on sys.path
 from triton.testing import do_bench
 
 import logitless
@@ -151,14 +148,11 @@ def main():
             profile(name, *SHAPES[name])
         return
     rows = []
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                command=" ".join(sys.argv))
+    meta = probe_meta(device=torch.cuda.get_device_name())
     print(meta, flush=True)
     for name in args.shapes.split(","):
         probe(name, *SHAPES[name], rows)
-        with open(f"{args.out}/probe_lce.json", "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_json(f"{args.out}/probe_lce.json", dict(meta, rows=rows))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
-import platform
-import sys
 import time
 
 import torch
-import triton
+from _probe_common import probe_meta, write_json  # the probes' folder is on sys.path
 from triton.testing import do_bench
 
 import logitless
@@ -184,16 +181,13 @@ def main():
     args = ap.parse_args()
     shipped = dict(_plans.KERNEL_OPTIONS, _rows=None)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    meta = dict(device=dev, torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                command=" ".join(sys.argv), shipped_options=shipped, quick=args.quick)
+    meta = probe_meta(device=dev, shipped_options=shipped, quick=args.quick)
     print(meta, flush=True)
     rows = []
     tag = "H200" if "H200" in dev else "H100" if "H100" in dev else dev.replace(" ", "_")
     for name in args.shapes.split(","):
         probe(name, *SHAPES[name], rows, meta)
-        with open(f"{args.out}/probe-schedule{'-quick' if args.quick else ''}-{tag}.json", "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_json(f"{args.out}/probe-schedule{'-quick' if args.quick else ''}-{tag}.json", dict(meta, rows=rows))
 
 
 if __name__ == "__main__":

@@ -24,97 +24,34 @@ from logitless.jax.ops.linear_log_probs import mosaic_gpu as mg  # noqa: E402  (
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.options import LogProbOptions  # noqa: E402
 
-from .helpers import assert_close_to_ref, captured_constants, inputs  # noqa: E402
+from .helpers import (  # noqa: E402
+    LOG_PROB_OPTIONS,
+    assert_close_to_ref,
+    captured_constants,
+    check_log_probs,
+    inputs,
+    log_prob_reference_kw,
+    log_probs_reference64,
+    mosaic_platform,
+    project,
+    upstream,
+)
 
-
-def _platform():
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return "interpret"
-    cc = str(getattr(dev, "compute_capability", ""))
-    return "sm90" if cc.startswith("9") else "other-gpu"
-
-
-PLATFORM = _platform()
+PLATFORM = mosaic_platform()
 pytestmark = pytest.mark.skipif(
     PLATFORM == "other-gpu", reason="mosaic_gpu kernels need an SM90 GPU (or the CPU interpreter)")
 gpu_only = pytest.mark.skipif(
     PLATFORM != "sm90", reason="larger case: too slow for Mosaic GPU's CPU interpreter; runs on an SM90 GPU")
 
-OPTIONS = {
-    "plain": {},
-    "temperature": dict(temperature=0.7),
-    "entropy": dict(entropy=True),
-    "softcap": dict(softcap=3.0),
-    "ignore_index": dict(ignore_index=5),
-    "all": dict(temperature=1.3, entropy=True, softcap=4.0),
-}
+OPTIONS = LOG_PROB_OPTIONS
 #: Small tiles: several tiles, splits and chunks at small shapes (fast in the interpreter).
 SMALL = mg.FwdConfig(block_n=64, block_v=64, stages=2, lag=0)
 
 
-def _upstream(shape, seed=7):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
-
-
-def _project(outs, g1, g2):
-    total = jnp.sum(outs[0].astype(jnp.float32) * g1)
-    if len(outs) > 1:
-        total = total + jnp.sum(outs[1].astype(jnp.float32) * g2)
-    return total
-
-
-def _ref_kw(kw):
-    return {k: v for k, v in kw.items() if k in ("temperature", "softcap", "ignore_index")}
-
-
-def _reference64(x, w, t, b, kw, g1, g2):
-    ent = kw.get("entropy", False)
-    with jax.enable_x64(True):
-        as64 = lambda a: None if a is None else jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32), np.float64))
-        x64, w64, b64 = as64(x), as64(w), as64(b)
-        t64 = jnp.asarray(np.asarray(t))
-
-        def f(x, w, b):
-            lp, h = linear_log_probs_reference(x, w, t64, b, **_ref_kw(kw))
-            return (lp, h) if ent else (lp,)
-
-        argnums = (0, 1) if b is None else (0, 1, 2)
-        outs = f(x64, w64, b64)
-        grads = jax.grad(lambda *a: _project(f(*a), jnp.asarray(g1, jnp.float64), jnp.asarray(g2, jnp.float64)),
-                         argnums=argnums)(x64, w64, b64)
-        return [np.asarray(o) for o in outs], [np.asarray(g) for g in grads]
-
-
 def _check(x, w, t, b, dtype, kw, budget=None):
-    """Outputs and gradients (random upstream on both outputs) of the mosaic_gpu backend
-    vs float64, with plain JAX in the same dtype (logits materialised) as the yardstick."""
-    ent = kw.get("entropy", False)
-    g1, g2 = _upstream(t.shape)
-    argnums = (0, 1) if b is None else (0, 1, 2)
-
-    def ours(x, w, b):
-        out = linear_log_probs(x, w, t, b, memory_budget=budget, implementation="mosaic_gpu", **kw)
-        return out if ent else (out,)
-
-    def plain(x, w, b):
-        lp, h = linear_log_probs_reference(x, w, t, b, dtype=x.dtype, **_ref_kw(kw))
-        return (lp, h) if ent else (lp,)
-
-    outs = jax.jit(ours)(x, w, b)
-    grads = jax.jit(jax.grad(lambda *a: _project(ours(*a), g1, g2), argnums=argnums))(x, w, b)
-    pouts = plain(x, w, b)
-    pgrads = jax.grad(lambda *a: _project(plain(*a), g1, g2), argnums=argnums)(x, w, b)
-    routs, rgrads = _reference64(x, w, t, b, kw, g1, g2)
-    assert len(outs) == (2 if ent else 1)
-    for name, o, p, r in zip(("logp", "entropy"), outs, pouts, routs):
-        assert o.dtype == jnp.float32 and o.shape == t.shape, name
-        assert_close_to_ref(name, o, p, r, dtype)
-    for name, g, p, r, a in zip(("dx", "dw", "db"), grads, pgrads, rgrads, (x, w, b)):
-        assert g.dtype == a.dtype and g.shape == a.shape, name
-        assert_close_to_ref(name, g, p, r, dtype)
-    return outs, grads
+    """Outputs and gradients (random upstream on both outputs, the op under jax.jit) of
+    the mosaic_gpu backend vs float64, plain JAX in the same dtype as the yardstick."""
+    return check_log_probs(x, w, t, b, dtype, kw, budget, implementation="mosaic_gpu", jit=True)
 
 
 # -------------------------------------------------------------------------- the public op
@@ -249,16 +186,16 @@ def test_backward_small_tiles_several_chunks(entropy):
     x, w, t, b = inputs(n, h, v, "bfloat16", seed=9, bias=True, ignore=(5,))
     opts = LogProbOptions.checked(temperature=0.8, entropy=entropy, softcap=6.0)
     kw = dict(temperature=0.8, entropy=entropy, softcap=6.0)
-    g1, g2 = _upstream((n,))
+    g1, g2 = upstream((n,))
 
     from logitless.jax import log_probs_formulas as lpf
 
     lse, at, ent = mg.forward(x, w, b, t, opts=opts, config=SMALL)
     coef = lpf.grad_coefficients(ent, t, jnp.asarray(g1), jnp.asarray(g2) if entropy else None, v, opts)
     dx, dw, db = jax.jit(lambda x, w, b: mg.backward(x, w, b, t, lse, coef, opts=opts, budget=1, config=SMALL))(x, w, b)
-    _, (rdx, rdw, rdb) = _reference64(x, w, t, b, kw, g1, g2)
-    plain = lambda x, w, b: linear_log_probs_reference(x, w, t, b, dtype=x.dtype, **_ref_kw(kw))
-    pgrads = jax.grad(lambda *a: _project(plain(*a)[: 2 if entropy else 1], g1, g2), argnums=(0, 1, 2))(x, w, b)
+    _, (rdx, rdw, rdb) = log_probs_reference64(x, w, t, b, kw, g1, g2)
+    plain = lambda x, w, b: linear_log_probs_reference(x, w, t, b, dtype=x.dtype, **log_prob_reference_kw(kw))
+    pgrads = jax.grad(lambda *a: project(plain(*a)[: 2 if entropy else 1], g1, g2), argnums=(0, 1, 2))(x, w, b)
     for name, g, p, r, a in zip(("dx", "dw", "db"), (dx, dw, db), pgrads, (rdx, rdw, rdb), (x, w, b)):
         assert g.dtype == a.dtype and g.shape == a.shape, name
         assert_close_to_ref(name, g, p, r, "bfloat16")

@@ -11,51 +11,36 @@ skip with that reason (on 2 GPUs the meshes are (2, 1) / (1, 2)).
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from logitless.jax import linear_log_probs
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference
 
-from .helpers import assert_close_to_ref, inputs
+from .helpers import (
+    DATA,
+    LAYOUTS,
+    MODEL,
+    NDEV,
+    assert_close_to_ref,
+    hlo_array_shapes,
+    hlo_collectives,
+    inputs,
+    log_probs_reference64,
+    make_mesh,
+    needs_devices,
+    put,
+    upstream,
+)
 
-NDEV = len(jax.devices())
-needs_devices = pytest.mark.skipif(NDEV < 2, reason="needs >= 2 devices (CPU: conftest sets 8 host devices)")
-DATA, MODEL = ("d", "t")
 #: Forces several column and row chunks per device at the test shapes.
 SMALL_BUDGET = 40_000
 
 
-def _mesh(kind: str, layout: str = "2d"):
-    """A (data, model) mesh: 4 x 2 with 8 devices, (n/2) x 2 with 4+; with 2 devices both
-    on the axis the layout splits."""
-    types = (AxisType.Auto if kind == "auto" else AxisType.Explicit,) * 2
-    if NDEV >= 8:
-        shape = (4, 2)
-    elif NDEV >= 4:
-        shape = (NDEV // 2, 2)
-    elif layout in ("data", "tokens_2axes", "fsdp"):
-        shape = (NDEV, 1)
-    else:
-        shape = (1, NDEV)
-    return jax.make_mesh(shape, (DATA, MODEL), axis_types=types, devices=jax.devices()[:shape[0] * shape[1]])
-
-
-#: (x spec, weight spec).
-LAYOUTS = {
-    "data": (P(DATA), P()),
-    "tensor": (P(), P(MODEL)),
-    "2d": (P(DATA), P(MODEL)),
-    "tokens_2axes": (P((DATA, MODEL)), P()),
-    "fsdp": (P(DATA), P(DATA)),
-    "hidden": (P(None, MODEL), P(None, MODEL)),
-}
 OPTIONS = {
     "plain": dict(),
     "temperature": dict(temperature=0.7),
@@ -65,10 +50,6 @@ OPTIONS = {
     "ignore_index": dict(ignore_index=5),
     "all": dict(temperature=1.3, entropy=True, softcap=4.0, bias=True, ignore_index=5),
 }
-
-
-def _put(mesh, a, *spec):
-    return None if a is None else jax.device_put(a, NamedSharding(mesh, P(*spec)))
 
 
 def _inputs(n, h, v, dtype, bias, seed, lead=None, ignore_index=-100):
@@ -92,19 +73,14 @@ def _sharded(mesh, layout, arrays):
     hid = xs[1] if len(xs) > 1 else None
     lead = (tok,) + (None,) * (t.ndim - 1)
     xspec = (tok,) + (None,) * (x.ndim - 2) + (hid,)
-    return _put(mesh, x, *xspec), _put(mesh, w, *ws), _put(mesh, t, *lead), _put(mesh, b, voc)
-
-
-def _upstream(shape, seed=7):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32), jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return put(mesh, x, *xspec), put(mesh, w, *ws), put(mesh, t, *lead), put(mesh, b, voc)
 
 
 def _value_and_grad(kw, t, has_bias, budget=None):
     """jit(value_and_grad) of sum(g1 logp) + sum(g2 H) and the outputs, as a function of
     (x, w, b, t)."""
     ent = kw.get("entropy", False)
-    g1, g2 = _upstream(t.shape)
+    g1, g2 = (jnp.asarray(g) for g in upstream(t.shape))
 
     def f(x, w, b, t):
         out = linear_log_probs(x, w, t, b, memory_budget=budget, **kw)
@@ -114,23 +90,6 @@ def _value_and_grad(kw, t, has_bias, budget=None):
 
     argnums = (0, 1, 2) if has_bias else (0, 1)
     return jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True)), (g1, g2)
-
-
-def _ref64(arrays, kw, g1, g2):
-    x, w, t, b = arrays
-    rkw = {k: v for k, v in kw.items() if k in ("temperature", "softcap", "ignore_index")}
-    ent = kw.get("entropy", False)
-    with jax.enable_x64(True):
-        c = lambda a: None if a is None else jnp.asarray(np.asarray(jnp.asarray(a, jnp.float32), np.float64))
-        x64, w64, b64 = c(x), c(w), c(b)
-
-        def f(x, w, b):
-            lp, h = linear_log_probs_reference(x, w, jnp.asarray(np.asarray(t)), b, **rkw)
-            return jnp.sum(lp * c(g1)) + (jnp.sum(h * c(g2)) if ent else 0.0), (lp, h) if ent else (lp,)
-
-        argnums = (0, 1) if b is None else (0, 1, 2)
-        (_, outs), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(x64, w64, b64)
-        return [np.asarray(o) for o in outs], [np.asarray(g) for g in grads]
 
 
 def _check(arrays, sharded_args, kw, dtype, budget=SMALL_BUDGET, exact_sharding=True):
@@ -143,7 +102,7 @@ def _check(arrays, sharded_args, kw, dtype, budget=SMALL_BUDGET, exact_sharding=
     (_, uouts), ugrads = jax.jit(jax.value_and_grad(
         lambda x, w, b: _single(x, w, b, t, kw, budget, g1, g2), argnums=(0, 1, 2) if b is not None else (0, 1),
         has_aux=True))(x, w, b)
-    routs, rgrads = _ref64(arrays, kw, g1, g2)
+    routs, rgrads = log_probs_reference64(*arrays, kw, g1, g2)
     rtol = 1e-5 if dtype == "float32" else 2e-2
     for name, o, u, r in zip(("logp", "entropy"), outs, uouts, routs):
         assert o.shape == t.shape, name
@@ -176,7 +135,7 @@ def _kw(option):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("option", ["plain", "all"])
 def test_jit_sharded_against_unsharded_and_float64(mesh_kind, layout, option):
-    mesh = _mesh(mesh_kind, layout)
+    mesh = make_mesh(mesh_kind, layout)
     kw, bias = _kw(option)
     # N and V divide by every mesh axis; V odd per shard (268 / 4 = 67).
     arrays = _inputs(32, 24, 268, "float32", bias, seed=3, ignore_index=kw.get("ignore_index", -100))
@@ -187,7 +146,7 @@ def test_jit_sharded_against_unsharded_and_float64(mesh_kind, layout, option):
 @pytest.mark.parametrize("layout", ["data", "tensor", "2d"])
 @pytest.mark.parametrize("option", [o for o in OPTIONS if o not in ("plain", "all")])
 def test_each_option_alone_sharded(layout, option):
-    mesh = _mesh("auto", layout)
+    mesh = make_mesh("auto", layout)
     kw, bias = _kw(option)
     arrays = _inputs(16, 20, 132, "float32", bias, seed=11, ignore_index=kw.get("ignore_index", -100))
     _check(arrays, _sharded(mesh, layout, arrays), kw, "float32")
@@ -200,12 +159,12 @@ def test_vocab_not_divisible_by_the_mesh(layout):
     (device_put / Explicit types refuse it), but inside jit a sharding constraint may ask
     for it (XLA pads). The op then computes the vocabulary replicated along that axis
     (as linear_cross_entropy): the same values and gradients as unsharded."""
-    mesh = _mesh("auto", layout)
+    mesh = make_mesh("auto", layout)
     kw, bias = _kw("all")
     x, w, t, b = _inputs(16, 24, 269, "float32", bias, seed=5, ignore_index=kw["ignore_index"])
     xs_spec, ws_spec = LAYOUTS[layout]
-    xs, ts = _put(mesh, x, *xs_spec), _put(mesh, t, xs_spec[0] if len(xs_spec) else None)
-    g1, g2 = _upstream(t.shape)
+    xs, ts = put(mesh, x, *xs_spec), put(mesh, t, xs_spec[0] if len(xs_spec) else None)
+    g1, g2 = (jnp.asarray(g) for g in upstream(t.shape))
 
     def f(x, w, b, t, constrain):
         if constrain:
@@ -220,7 +179,7 @@ def test_vocab_not_divisible_by_the_mesh(layout):
     np.testing.assert_allclose(float(val), float(rval), rtol=1e-5)
     for g, r in zip(grads, rgrads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
-    _, r64 = _ref64((x, w, t, b), kw, g1, g2)
+    _, r64 = log_probs_reference64(x, w, t, b, kw, g1, g2)
     for name, g, r in zip(("dx", "dw", "db"), grads, r64):
         assert_close_to_ref(name, g, None, r, "float32")
 
@@ -228,7 +187,7 @@ def test_vocab_not_divisible_by_the_mesh(layout):
 @needs_devices
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_bf16_3d_sharded(mesh_kind):
-    mesh = _mesh(mesh_kind, "2d")
+    mesh = make_mesh(mesh_kind, "2d")
     kw = dict(temperature=0.8, entropy=True, softcap=5.0)
     arrays = _inputs(0, 24, 268, "bfloat16", False, seed=9, lead=(8, 4))
     _check(arrays, _sharded(mesh, "2d", arrays), kw, "bfloat16")
@@ -238,22 +197,8 @@ def test_bf16_3d_sharded(mesh_kind):
 # Compiled HLO
 # ------------------------------------------------------------------------------------
 
-_COLL = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                   r"(?:-start)?\(")
-_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
-
-
-def _collectives(text):
-    """[(kind, [shape, ...])] of the collectives in compiled HLO text."""
-    out = []
-    for m in _COLL.finditer(text):
-        shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(m.group(1))]
-        out.append((m.group(2), shapes))
-    return out
-
-
 def _compiled(layout, entropy=True, bias=False, budget=60_000):
-    mesh = _mesh("auto", layout)
+    mesh = make_mesh("auto", layout)
     n, h, v = 64, 32, 1024
     arrays = _inputs(n, h, v, "float32", bias, seed=1)
     xs, ws, ts, bs = _sharded(mesh, layout, arrays)
@@ -270,7 +215,7 @@ def test_hlo_no_all_gather_and_small_collectives(layout):
     nothing of the weight's size moves but dW's data-parallel all-reduce (XLA's GPU
     combiner may pack collectives into one flat array: bounds allow for it)."""
     mesh, (n, h, v), text = _compiled(layout)
-    colls = _collectives(text)
+    colls = hlo_collectives(text)
     assert colls, "expected the merge / gradient collectives"
     nvoc = mesh.shape[MODEL] if layout != "data" else 1
     ntok = mesh.shape[DATA] if layout != "tensor" else 1
@@ -283,7 +228,7 @@ def test_hlo_no_all_gather_and_small_collectives(layout):
             else:
                 # per-token (the merge's (N_l,) and (3, N_l)) or dx (N_l x H), possibly combined
                 assert size <= (n // ntok) * (h + 4) + 8, (kind, s)
-    shapes = {tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(text)}
+    shapes = hlo_array_shapes(text)
     # (weight-shaped chunks such as (V_chunk, H) are fine: only arrays without an H dim count)
     big = [s for s in shapes if np.prod(s) >= (n // ntok) * (v // nvoc) and h not in s]
     assert not big, f"a tokens x vocab array was materialised: {big}"
@@ -296,7 +241,7 @@ def test_hlo_tensor_parallel_merge_is_one_max_and_one_sum():
     all-reduced elements <= 4 N + N H (+ 8 for scalars), dW never reduced. On the CPU,
     where XLA does not flatten-combine all-reduces, the (3, N) SUM is there as such."""
     mesh, (n, h, v), text = _compiled("tensor")
-    reduces = [s for kind, shapes in _collectives(text) if kind == "all-reduce" for s in shapes]
+    reduces = [s for kind, shapes in hlo_collectives(text) if kind == "all-reduce" for s in shapes]
     total = sum(int(np.prod(s)) for s in reduces)
     assert 4 * n + n * h <= total <= 4 * n + n * h + 8, (total, reduces)
     if jax.devices()[0].platform == "cpu":
@@ -306,7 +251,7 @@ def test_hlo_tensor_parallel_merge_is_one_max_and_one_sum():
 
 @needs_devices
 def test_hlo_fsdp_reduce_scatters_dw():
-    mesh = _mesh("auto", "fsdp")
+    mesh = make_mesh("auto", "fsdp")
     arrays = _inputs(64, 32, 1024, "float32", False, seed=2)
     args = _sharded(mesh, "fsdp", arrays)
     # The xla backend on every platform (as linear_cross_entropy's FSDP HLO test: the text of
@@ -315,7 +260,7 @@ def test_hlo_fsdp_reduce_scatters_dw():
     xs, ws, ts, bs = args
     (_, _), grads = fn(xs, ws, bs, ts)
     assert grads[1].sharding.spec[0] == DATA  # dW keeps the weight's split
-    colls = _collectives(fn.lower(xs, ws, bs, ts).compile().as_text())
+    colls = hlo_collectives(fn.lower(xs, ws, bs, ts).compile().as_text())
     assert any(kind == "reduce-scatter" for kind, _ in colls), colls
 
 
@@ -341,7 +286,7 @@ def test_vmap_and_replicated_jit_still_work():
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 def test_gradient_from_one_output_only(layout):
     """entropy=True but only log p feeds the loss (and the other way round)."""
-    mesh = _mesh("auto", layout)
+    mesh = make_mesh("auto", layout)
     x, w, t, _ = _inputs(16, 24, 268, "float32", False, seed=6)
     xs, ws, ts, _ = _sharded(mesh, layout, (x, w, t, None))
     for pick in (0, 1):
@@ -384,7 +329,7 @@ def test_bench_log_prob_rows_smoke(tmp_path):
 def test_inside_a_users_shard_map_runs_locally():
     """Inside a shard_map whose axes are all manual the op is the single-device op on the
     local block (no partitioning of its own)."""
-    mesh = _mesh("auto", "data")
+    mesh = make_mesh("auto", "data")
     x, w, t, _ = _inputs(32, 16, 60, "float32", False, seed=8)
     f = jax.shard_map(lambda x, w, t: linear_log_probs(x, w, t, temperature=0.9, entropy=True),
                       mesh=mesh, in_specs=(P(DATA), P(), P(DATA)), out_specs=(P(DATA), P(DATA)), check_vma=False)
@@ -412,7 +357,7 @@ def test_gpu_backend_per_shard(backend, layout):
     module = backends.backend_module(backend)
     if not getattr(module, "can_partition", lambda: False)():
         pytest.skip(f"{backend} cannot run partitioned here (needs a GPU, not the interpreter)")
-    mesh = _mesh("auto", layout)
+    mesh = make_mesh("auto", layout)
     kw = dict(temperature=0.7, entropy=True, implementation=backend)
     arrays = _inputs(64, 128, 1024, "bfloat16", False, seed=12)
     _check(arrays, _sharded(mesh, layout, arrays), kw, "bfloat16", budget=None)

@@ -10,18 +10,26 @@ reason, without it). The criterion is ``helpers.assert_close_to_ref``: |ours - f
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="the triton backend needs the triton package (pip install triton)")
+from .helpers import (
+    LOG_PROB_OPTIONS,
+    MAX_SHARED,
+    assert_jit_matches_eager_and_repeats,
+    assert_unsupported_without_jax_triton_on_a_gpu,
+    check_log_probs,
+    compile_launches_through_jax_triton,
+    inputs,
+    log_probs_reference64,
+    needs_triton,
+    run_without_torch,
+    upstream,
+)
+
+pytestmark = needs_triton
 
 from logitless.jax import linear_log_probs  # noqa: E402
 from logitless.jax import log_probs_formulas as lpf  # noqa: E402
@@ -29,26 +37,15 @@ from logitless.jax.ops.linear_log_probs import api, backends  # noqa: E402
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402
 
-from .helpers import inputs  # noqa: E402
-from .test_linear_log_probs import _check as _check_impl  # noqa: E402
-from .test_linear_log_probs import _reference64, _upstream  # noqa: E402
-
 ON_GPU = jax.devices()[0].platform == "gpu"
-OPTIONS = {
-    "plain": {},
-    "temperature": dict(temperature=0.7),
-    "entropy": dict(entropy=True),
-    "softcap": dict(softcap=3.0),
-    "ignore_index": dict(ignore_index=5),
-    "all": dict(temperature=1.3, entropy=True, softcap=4.0),
-}
+OPTIONS = LOG_PROB_OPTIONS
 #: Forces several backward column chunks (a fori_loop) and a ragged tail at the test
 #: shapes on the interpreter's tiles (block_v = 32: chunks of 64 to 96 columns).
 SMALL_BUDGET = 20_000
 
 
 def _check(x, w, t, b, dtype, kw, budget=SMALL_BUDGET):
-    return _check_impl(x, w, t, b, dtype, kw, budget, implementation="triton")
+    return check_log_probs(x, w, t, b, dtype, kw, budget, implementation="triton")
 
 
 def test_uses_the_kernels_and_chunks_at_the_small_budget():
@@ -141,7 +138,7 @@ def test_gradient_of_one_output_alone():
 def test_matches_the_xla_backend():
     x, w, t, b = inputs(19, 24, 157, seed=6, bias=True, ignore=(1,))
     kw = dict(entropy=True, temperature=0.7, softcap=6.0, memory_budget=SMALL_BUDGET)
-    g1, g2 = (jnp.asarray(a) for a in _upstream(t.shape))
+    g1, g2 = (jnp.asarray(a) for a in upstream(t.shape))
 
     def loss(impl):
         return lambda x, w, b: sum(jnp.sum(o * g) for o, g in
@@ -158,17 +155,11 @@ def test_matches_the_xla_backend():
 
 def test_jit_vmap_and_bitwise_repeatable():
     x, w, t, b = inputs(10, 16, 83, "bfloat16", seed=1, bias=True, ignore=(1,))
-    g1, g2 = (jnp.asarray(a) for a in _upstream(t.shape))
+    g1, g2 = (jnp.asarray(a) for a in upstream(t.shape))
     f = lambda x, w, b: linear_log_probs(x, w, t, b, entropy=True, temperature=0.9, implementation="triton",
                                          memory_budget=SMALL_BUDGET)
     step = jax.value_and_grad(lambda *a: jnp.sum(f(*a)[0] * g1) + jnp.sum(f(*a)[1] * g2), argnums=(0, 1, 2))
-    eager = step(x, w, b)
-    jitted = jax.jit(step)(x, w, b)
-    again = jax.jit(step)(x, w, b)
-    for a, c, d in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted),
-                       jax.tree_util.tree_leaves(again)):
-        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(d, np.float32))
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-2, atol=1e-2)
+    assert_jit_matches_eager_and_repeats(step, x, w, b)
     # vmap: the kernels run once per batch element (sequential_vmap)
     xs, ts = inputs(0, 8, 37, lead=(3, 4), seed=3, ignore=(2,))[::2]
     wv = inputs(1, 8, 37, seed=9)[1]
@@ -240,9 +231,7 @@ def test_automatic_choice(monkeypatch):
 
 def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
     triton_mod = api.backend_module("triton")
-    monkeypatch.setattr(triton_mod, "_platform", lambda: "gpu")
-    monkeypatch.setattr(triton_mod, "_jax_triton", lambda: None)
-    assert not triton_mod.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, triton_mod)
     monkeypatch.setattr(triton_mod, "_platform", lambda: "cpu")
     monkeypatch.setattr(triton_mod, "_has_triton", lambda: False)
     x, w, t, _ = inputs(4, 8, 23)
@@ -252,13 +241,7 @@ def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
 
 def test_kernels_import_without_torch():
     # The moved kernels and the backend are framework-free: no torch anywhere.
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch' or name.startswith('torch.'):\n"
-        "            raise ImportError(\"No module named 'torch'\", name='torch')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    out = run_without_torch(
         "import logitless.triton_lib.log_probs_kernels\n"
         "import jax.numpy as jnp\n"
         "from logitless.jax import linear_log_probs\n"
@@ -266,12 +249,7 @@ def test_kernels_import_without_torch():
         "print(float(linear_log_probs(x, w, t, entropy=True, implementation='triton')[1][0]))\n"
         "assert 'torch' not in sys.modules\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    if not ON_GPU:
-        env.setdefault("JAX_PLATFORMS", "cpu")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert abs(float(r.stdout.strip()) - np.log(5)) < 1e-6
+    assert abs(float(out.strip()) - np.log(5)) < 1e-6
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled kernels through jax-triton)")
@@ -286,35 +264,9 @@ def test_gpu_at_a_medium_shape(dtype):
 def test_gpu_bf16_temperature_is_exact():
     x, w, t, _ = inputs(512, 128, 5003, "bfloat16", seed=9, scale=2.0)
     lp, h = linear_log_probs(x, w, t, entropy=True, temperature=0.7, implementation="triton")
-    (rlp, rh), _ = _reference64(x, w, t, None, dict(entropy=True, temperature=0.7), *_upstream(t.shape))
+    (rlp, rh), _ = log_probs_reference64(x, w, t, None, dict(entropy=True, temperature=0.7), *upstream(t.shape))
     assert np.abs(np.asarray(lp, np.float64) - rlp).max() < 1e-4
     assert np.abs(np.asarray(h, np.float64) - rh).max() < 1e-4
-
-
-#: Shared memory a block may use, by compute capability (CUDA's opt-in maximum).
-MAX_SHARED = {80: 166912, 86: 101376, 90: 232448}
-
-
-def _jax_triton_lib():
-    """jax_triton.triton_lib, loaded from its file where the package refuses to import
-    (a CPU-only jaxlib): its compile path (Triton -> PTX) needs no GPU."""
-    spec = importlib.util.find_spec("jax_triton")
-    if spec is None:
-        pytest.skip("jax-triton is not installed (pip install jax-triton==0.3.1)")
-    try:
-        from jax_triton import triton_lib
-        return triton_lib
-    except ImportError:
-        pass
-    name = "_jax_triton_lib_for_tests"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(spec.submodule_search_locations[0], "triton_lib.py")
-    lib_spec = importlib.util.spec_from_file_location(name, path)
-    lib = importlib.util.module_from_spec(lib_spec)
-    sys.modules[name] = lib
-    lib_spec.loader.exec_module(lib)
-    return lib
 
 
 @pytest.mark.parametrize("cc", sorted(MAX_SHARED))
@@ -322,36 +274,12 @@ def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatc
     # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
     # launches the backend makes at an RL shape (qwen3-8b, 8k tokens: entropy, soft-cap,
     # bias, T = 0.7), for A100, RTX 30/40 and H100 targets: no GPU needed.
-    jt = _jax_triton_lib()
     from logitless.jax.ops.linear_log_probs import triton as backend
     from logitless.jax.ops.linear_log_probs import triton_kernels
     from logitless.triton_lib import log_probs_kernels
 
-    shared, names = [], []
-    compile_ptx = jt.compile_ttir_to_ptx_inplace
-
-    def spy(ttir, be, options, cc_, platform):
-        res = compile_ptx(ttir, be, options, cc_)
-        shared.append(res.shared_mem_bytes)
-        return res
-
-    def fake_launch(kernel_name, grid, plan, out_specs, arrays, consts):
-        kernel = getattr(log_probs_kernels, kernel_name, None) or getattr(triton_kernels, kernel_name)
-        names.append(kernel_name)
-        types = [jt.get_triton_type(jax.core.ShapedArray(a.shape, a.dtype)) for a in (*arrays, *out_specs)]
-        try:
-            jt.get_or_create_triton_kernel(
-                jt.get_cuda_backend, "cuda", kernel, types, (), num_warps=plan.num_warps,
-                num_stages=plan.num_stages, num_ctas=1, compute_capability=cc, enable_fp_fusion=True,
-                metaparams=dict(consts), dump=False)
-        except AttributeError as exc:  # jaxlib's TritonKernel: GPU builds only, after the PTX
-            assert "TritonKernel" in str(exc), exc
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_specs)
-
-    monkeypatch.setattr(jt, "compile_ttir_inplace", spy)
-    monkeypatch.setattr(backend, "_interpret", lambda: False)
-    monkeypatch.setattr(backend, "_device_info", lambda: (cc, 108))
-    monkeypatch.setattr(backend, "_launch", fake_launch)
+    shared, names = compile_launches_through_jax_triton(monkeypatch, backend, (log_probs_kernels, triton_kernels),
+                                                        cc)
     n, h, v = 8192, 4096, 151936
     bf = jnp.bfloat16
     x, w = jax.ShapeDtypeStruct((n, h), bf), jax.ShapeDtypeStruct((v, h), bf)

@@ -12,58 +12,35 @@ mesh where 8 devices are not there).
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from logitless.jax import linear_cross_entropy
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref
 
-from .helpers import assert_close_to_ref, inputs, xla_materialised
+from .helpers import (
+    DATA,
+    LAYOUTS,
+    MODEL,
+    NDEV,
+    assert_close_to_ref,
+    hlo_array_shapes,
+    hlo_collectives,
+    inputs,
+    make_mesh,
+    needs_devices,
+    put,
+    xla_materialised,
+)
 
-NDEV = len(jax.devices())
-needs_devices = pytest.mark.skipif(NDEV < 2, reason="needs >= 2 devices (CPU: conftest sets 8 host devices)")
-DATA, MODEL = ("d", "t")
-
-
-def _mesh(kind: str, layout: str = "2d"):
-    """A (data, model) mesh of all devices: 4 x 2 with 8, (n/2) x 2 with 4+; with 2
-    devices, both on the axis the layout splits (2 x 1 for token layouts, 1 x 2 else)."""
-    types = (AxisType.Auto if kind == "auto" else AxisType.Explicit,) * 2
-    if NDEV >= 8:
-        shape = (4, 2)
-    elif NDEV >= 4:
-        shape = (NDEV // 2, 2)
-    elif layout in ("data", "tokens_2axes", "fsdp"):
-        shape = (NDEV, 1)
-    else:
-        shape = (1, NDEV)
-    return jax.make_mesh(shape, (DATA, MODEL), axis_types=types, devices=jax.devices()[:shape[0] * shape[1]])
-
-
-#: (x spec, weight spec): data parallel, tensor parallel, both, tokens over both axes,
-#: FSDP-like (the same axis on tokens and vocabulary), H sharded (resharded by XLA).
-LAYOUTS = {
-    "data": (P(DATA), P()),
-    "tensor": (P(), P(MODEL)),
-    "2d": (P(DATA), P(MODEL)),
-    "tokens_2axes": (P((DATA, MODEL)), P()),
-    "fsdp": (P(DATA), P(DATA)),
-    "hidden": (P(None, MODEL), P(None, MODEL)),
-}
 OPTIONS = {
     "plain": dict(),
     "all": dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, bias=True),
 }
-
-
-def _put(mesh, a, *spec):
-    return None if a is None else jax.device_put(a, NamedSharding(mesh, P(*spec)))
 
 
 def _sharded_inputs(mesh, layout, n, h, v, dtype, bias, seed=0):
@@ -71,7 +48,7 @@ def _sharded_inputs(mesh, layout, n, h, v, dtype, bias, seed=0):
     xs, ws = LAYOUTS[layout]
     tok = xs[0] if len(xs) else None
     voc = ws[0] if len(ws) else None
-    args = (_put(mesh, x, *xs), _put(mesh, w, *ws), _put(mesh, t, tok), _put(mesh, b, voc))
+    args = (put(mesh, x, *xs), put(mesh, w, *ws), put(mesh, t, tok), put(mesh, b, voc))
     return (x, w, t, b), args
 
 
@@ -113,7 +90,7 @@ def _loss_and_grads(args, kw):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_jit_sharded_against_float64(mesh_kind, layout, option):
-    mesh = _mesh(mesh_kind, layout)
+    mesh = make_mesh(mesh_kind, layout)
     kw = dict(OPTIONS[option])
     bias = kw.pop("bias", False)
     # Both sizes divide by every mesh axis; V odd per shard (268 / 4 = 67, 268 / 2 = 134).
@@ -133,11 +110,11 @@ def test_jit_sharded_against_float64(mesh_kind, layout, option):
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_jit_sharded_bf16_and_3d(mesh_kind):
     """bf16, (B, S, H) inputs with the batch sharded, weight split over the vocabulary."""
-    mesh = _mesh(mesh_kind)
+    mesh = make_mesh(mesh_kind)
     x, w, t, _ = inputs(0, 40, 262, "bfloat16", lead=(8, 5), seed=3)
-    xs = _put(mesh, x, DATA)
-    ts = _put(mesh, t, DATA)
-    ws = _put(mesh, w, MODEL)
+    xs = put(mesh, x, DATA)
+    ts = put(mesh, t, DATA)
+    ws = put(mesh, w, MODEL)
     f = lambda x, w: linear_cross_entropy(x, w, ts, label_smoothing=0.05)
     loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ws)
     rloss, _, rgrads = linear_cross_entropy_ref(x, w, t, label_smoothing=0.05)
@@ -153,34 +130,16 @@ def test_jit_sharded_bf16_and_3d(mesh_kind):
 # Compiled HLO: which collectives, on what shapes
 # ------------------------------------------------------------------------------------
 
-_COLL = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                   r"(?:-start)?\(")
-_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
-
-
-def _collectives(text):
-    """[(kind, [shape, ...])] of the collectives in compiled HLO text."""
-    out = []
-    for m in _COLL.finditer(text):
-        shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(m.group(1))]
-        out.append((m.group(2), shapes))
-    return out
-
-
-def _arrays(text):
-    return {tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(text)}
-
-
 @needs_devices
 @pytest.mark.parametrize("layout", ["data", "tensor", "2d"])
 def test_hlo_collectives(layout):
-    mesh = _mesh("auto", layout)
+    mesh = make_mesh("auto", layout)
     n, h, v = 64, 32, 1024
     _, args = _sharded_inputs(mesh, layout, n, h, v, "float32", False)
     fn, _ = _loss_and_grads(args, dict(reduction="mean", memory_budget=60_000))
     x, w, t, b = args
     text = fn.lower(x, w, b).compile().as_text()
-    colls = _collectives(text)
+    colls = hlo_collectives(text)
     ntok = mesh.shape[DATA] if layout != "tensor" else 1
     nvoc = mesh.shape[MODEL] if layout != "data" else 1
     for kind, shapes in colls:
@@ -199,7 +158,7 @@ def test_hlo_collectives(layout):
             for s in shapes:
                 assert int(np.prod(s)) <= 2 or s in {(v, h)}, (kind, s)
     # No tokens x vocab array anywhere (global or per device).
-    for s in _arrays(text):
+    for s in hlo_array_shapes(text):
         big = len(s) == 2 and s[0] >= n // ntok and s[1] >= v // nvoc
         assert not big, s
     assert any(kind == "all-reduce" for kind, _ in colls)
@@ -228,12 +187,12 @@ def _shard_map_loss(mesh, kw, token=True, vocab=True, check_vma=True):
 @pytest.mark.parametrize("axes", ["token", "vocab", "both"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_shard_map_global_values_and_grads(axes, reduction):
-    mesh = _mesh("explicit")
+    mesh = make_mesh("explicit")
     token, vocab = axes in ("token", "both"), axes in ("vocab", "both")
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
     x, w, t, b = inputs(32, 24, 134, "float32", bias=True, ignore=(2, 9), seed=7)
     tok, voc = (DATA if token else None), (MODEL if vocab else None)
-    xs, ws, ts, bs = _put(mesh, x, tok, None), _put(mesh, w, voc, None), _put(mesh, t, tok), _put(mesh, b, voc)
+    xs, ws, ts, bs = put(mesh, x, tok, None), put(mesh, w, voc, None), put(mesh, t, tok), put(mesh, b, voc)
     sm = _shard_map_loss(mesh, kw, token, vocab)
 
     def f(x, w, b):
@@ -255,7 +214,7 @@ def test_shard_map_global_values_and_grads(axes, reduction):
 
 @needs_devices
 def test_shard_map_unbound_axis_names_raise():
-    mesh = _mesh("explicit")
+    mesh = make_mesh("explicit")
     x, w, t, _ = inputs(8, 16, 64, seed=1)
     for arg in ("vocab_axis_name", "token_axis_name"):
         f = jax.shard_map(lambda x, w, t, arg=arg: linear_cross_entropy(x, w, t, **{arg: "nope"}), mesh=mesh,
@@ -333,7 +292,7 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
     mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu",
                              reason="this jax has no Pallas Mosaic GPU")
     monkeypatch.setattr(mg, "INTERPRET", False)
-    mesh = _mesh("explicit")
+    mesh = make_mesh("explicit")
     nd, nt = mesh.shape[DATA], mesh.shape[MODEL]
     n, h, v = 16 * nd, 128, 256 * nt
     x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(DATA)))
@@ -353,7 +312,7 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_mosaic_sharded_on_gpus(layout, mesh_kind):
-    mesh = _mesh(mesh_kind, layout)
+    mesh = make_mesh(mesh_kind, layout)
     ref_args, args = _sharded_inputs(mesh, layout, 1024, 256, 4096 + 512, "bfloat16", False, seed=5)
     x, w, t, _ = ref_args
     kw = dict(reduction="mean", implementation="mosaic_gpu", label_smoothing=0.1)
@@ -373,11 +332,11 @@ def test_tokamax_dropin_inside_shard_map_check_vma():
     devices (shard_map's typing), as a replicated parameter's must be."""
     from logitless.jax import linear_softmax_cross_entropy_loss
 
-    mesh = _mesh("explicit")
+    mesh = make_mesh("explicit")
     x, w, t, _ = inputs(32, 24, 300, seed=9)
     kernel = w.T  # (H, V)
-    xs, ts = _put(mesh, x, DATA), _put(mesh, t, DATA)
-    ks = _put(mesh, kernel)
+    xs, ts = put(mesh, x, DATA), put(mesh, t, DATA)
+    ks = put(mesh, kernel)
 
     def local(x, k, t):
         return jax.lax.psum(linear_softmax_cross_entropy_loss(x, t, k), DATA)
@@ -395,11 +354,11 @@ def test_tokamax_dropin_inside_shard_map_check_vma():
 def test_maxtext_style_kernel_hv(mesh_kind):
     """MaxText's layout: activations (batch, seq, embed) with the batch over "d", the
     LM-head kernel (embed, vocab) with embed over "d" (FSDP) and vocab over "t"."""
-    mesh = _mesh(mesh_kind)
+    mesh = make_mesh(mesh_kind)
     x, w, t, _ = inputs(0, 32, 268, "float32", lead=(8, 3), ignore=(5,), seed=12)
     kernel = w.T
-    xs, ts = _put(mesh, x, DATA), _put(mesh, t, DATA)
-    ks = _put(mesh, kernel, DATA, MODEL)
+    xs, ts = put(mesh, x, DATA), put(mesh, t, DATA)
+    ks = put(mesh, kernel, DATA, MODEL)
     f = lambda x, k: linear_cross_entropy(x, k, ts, weight_layout="hv", z_loss=1e-4)
     loss, (gx, gk) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ks)
     assert gk.shape == kernel.shape and gx.shape == x.shape
@@ -429,7 +388,7 @@ def test_mosaic_backward_chunk_counts_its_temporaries():
 def test_hlo_fsdp_reduce_scatters_dw():
     """FSDP (tokens and the weight's vocabulary over the same axis): W is gathered for the
     computation, dW reduce-scattered back to the weight's split (never all-reduced)."""
-    mesh = _mesh("auto", "fsdp")
+    mesh = make_mesh("auto", "fsdp")
     n, h, v = 64, 32, 1024
     ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
     # The xla backend on every platform: on the H200s the default (Mosaic) compiled with no
@@ -440,7 +399,7 @@ def test_hlo_fsdp_reduce_scatters_dw():
     _check(loss, grads, ref_args, dict(reduction="mean"), "float32")
     assert grads[1].sharding.spec[0] == DATA  # dW keeps the weight's split
     x, w, _, b = args
-    colls = _collectives(fn.lower(x, w, b).compile().as_text())
+    colls = hlo_collectives(fn.lower(x, w, b).compile().as_text())
     assert any(kind == "reduce-scatter" for kind, _ in colls), colls
     for kind, shapes in colls:
         if kind == "all-reduce":
@@ -453,12 +412,12 @@ def test_hlo_fsdp_reduce_scatters_dw():
 def test_class_weight_and_shift_under_sharded_jit(mesh_kind, layout):
     """class_weight (no vocabulary split: the op then runs unsplit along the vocabulary)
     and shift=True, sharded inputs, against the single-device result."""
-    mesh = _mesh(mesh_kind, layout)
+    mesh = make_mesh(mesh_kind, layout)
     x, w, t, _ = inputs(0, 24, 268, "float32", lead=(8, 4), ignore=(3,), seed=21)
     cw = jnp.asarray(np.random.default_rng(2).uniform(0.5, 2.0, 268), jnp.float32)
     xs_spec, ws_spec = LAYOUTS[layout]
-    xs, ws = _put(mesh, x, *xs_spec), _put(mesh, w, *ws_spec)
-    ts = _put(mesh, t, xs_spec[0] if len(xs_spec) else None)
+    xs, ws = put(mesh, x, *xs_spec), put(mesh, w, *ws_spec)
+    ts = put(mesh, t, xs_spec[0] if len(xs_spec) else None)
     kw = dict(class_weight=cw, shift=True, label_smoothing=0.1)
     f = lambda x, w, t: linear_cross_entropy(x, w, t, **kw)
     loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ws, ts)

@@ -7,59 +7,39 @@ Needs the triton package (skipped, with the reason, without it).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="the triton backend needs the triton package (pip install triton)")
+from .helpers import (
+    LCE_OPTIONS,
+    MAX_SHARED,
+    assert_jit_matches_eager_and_repeats,
+    assert_unsupported_without_jax_triton_on_a_gpu,
+    check_linear_cross_entropy,
+    compile_launches_through_jax_triton,
+    inputs,
+    needs_triton,
+    run_without_torch,
+)
+
+pytestmark = needs_triton
 
 from logitless.jax import linear_cross_entropy  # noqa: E402
 from logitless.jax.ops.linear_cross_entropy import api, backends  # noqa: E402
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402
 
-from .helpers import assert_close_to_ref, inputs, xla_materialised  # noqa: E402
-
 ON_GPU = jax.devices()[0].platform == "gpu"
-OPTIONS = {
-    "plain": {},
-    "smooth": dict(label_smoothing=0.1),
-    "zloss": dict(z_loss=1e-3),
-    "softcap": dict(softcap=3.0),
-    "all": dict(label_smoothing=0.2, z_loss=1e-2, softcap=4.0),
-}
+OPTIONS = LCE_OPTIONS
 #: Forces several backward column chunks (a fori_loop) and a ragged tail at the test
 #: shapes on the interpreter's tiles (block_v = 32: chunks of 64 columns).
 SMALL_BUDGET = 20_000
 
 
 def _check(x, w, t, b, dtype, kw, budget=None, layout="vh"):
-    wl = w if layout == "vh" else w.T
-    argnums = (0, 1) if b is None else (0, 1, 2)
-    f = lambda x, w, b: linear_cross_entropy(x, w, t, b, memory_budget=budget, weight_layout=layout,
-                                             implementation="triton", **kw)
-    red = kw.get("reduction", "mean")
-    g_out = np.arange(1, t.size + 1).reshape(t.shape) / t.size if red == "none" else None
-    proj = (lambda loss: jnp.sum(loss * jnp.asarray(g_out, jnp.float32))) if red == "none" else (lambda loss: loss)
-    loss = f(x, wl, b)
-    grads = jax.grad(lambda *a: proj(f(*a)), argnums=argnums)(x, wl, b)
-    naive = lambda x, w, b: xla_materialised(x, w if layout == "vh" else w.T, t, b, **kw)
-    nloss = naive(x, wl, b)
-    ngrads = jax.grad(lambda *a: proj(naive(*a)), argnums=argnums)(x, wl, b)
-    rloss, _, rgrads = linear_cross_entropy_ref(x, wl, t, b, weight_layout=layout, grad_out=g_out, **kw)
-    assert loss.dtype == jnp.float32
-    assert_close_to_ref("loss", loss, nloss, rloss, dtype)
-    for name, g, ng, rg, p in zip(("dx", "dw", "db"), grads, ngrads, rgrads, (x, wl, b)):
-        assert g.dtype == p.dtype and g.shape == p.shape, name
-        assert_close_to_ref(name, g, ng, rg, dtype)
-    return loss, grads
+    return check_linear_cross_entropy(x, w, t, b, dtype, kw, budget, layout, implementation="triton")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -128,14 +108,7 @@ def test_jit_and_bitwise_repeatable():
     x, w, t, b = inputs(10, 16, 83, "bfloat16", bias=True, ignore=(1,))
     f = lambda x, w, b: linear_cross_entropy(x, w, t, b, label_smoothing=0.1, implementation="triton",
                                              memory_budget=SMALL_BUDGET)
-    step = jax.value_and_grad(f, argnums=(0, 1, 2))
-    eager = step(x, w, b)
-    jitted = jax.jit(step)(x, w, b)
-    again = jax.jit(step)(x, w, b)
-    for a, c, d in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted),
-                       jax.tree_util.tree_leaves(again)):
-        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(d, np.float32))
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-2, atol=1e-2)
+    assert_jit_matches_eager_and_repeats(jax.value_and_grad(f, argnums=(0, 1, 2)), x, w, b)
 
 
 def test_tokamax_drop_in():
@@ -167,10 +140,7 @@ def test_automatic_choice(monkeypatch):
 
 
 def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
-    triton_mod = api.backend_module("triton")
-    monkeypatch.setattr(triton_mod, "_platform", lambda: "gpu")
-    monkeypatch.setattr(triton_mod, "_jax_triton", lambda: None)
-    assert not triton_mod.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, api.backend_module("triton"))
 
 
 def test_plan_memory_at_the_tokamax_shapes():
@@ -192,13 +162,7 @@ def test_plan_memory_at_the_tokamax_shapes():
 
 def test_kernels_import_without_torch():
     # The shared kernels and the interpreter helpers are framework-free.
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch' or name.startswith('torch.'):\n"
-        "            raise ImportError(\"No module named 'torch'\", name='torch')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    out = run_without_torch(
         "import logitless.triton_lib.lce_kernels, logitless.triton_lib.interpret\n"
         "import jax.numpy as jnp\n"
         "from logitless.jax import linear_cross_entropy\n"
@@ -206,12 +170,7 @@ def test_kernels_import_without_torch():
         "print(float(linear_cross_entropy(x, w, t, implementation='triton')))\n"
         "assert 'torch' not in sys.modules\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    if not ON_GPU:
-        env.setdefault("JAX_PLATFORMS", "cpu")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert abs(float(r.stdout.strip()) - np.log(5)) < 1e-6
+    assert abs(float(out.strip()) - np.log(5)) < 1e-6
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled kernels through jax-triton)")
@@ -233,62 +192,15 @@ def test_vmap_runs_per_element():
         np.testing.assert_allclose(np.asarray(gx[i]), rdx, rtol=1e-4, atol=1e-6)
 
 
-#: Shared memory a block may use, by compute capability (CUDA's opt-in maximum).
-MAX_SHARED = {80: 166912, 86: 101376, 90: 232448}
-
-
-def _jax_triton_lib():
-    """jax_triton.triton_lib, loaded from its file where the package refuses to import
-    (a CPU-only jaxlib): its compile path (Triton -> PTX) needs no GPU."""
-    spec = importlib.util.find_spec("jax_triton")
-    if spec is None:
-        pytest.skip("jax-triton is not installed (pip install jax-triton==0.3.1)")
-    try:
-        from jax_triton import triton_lib
-        return triton_lib
-    except ImportError:
-        pass
-    path = os.path.join(spec.submodule_search_locations[0], "triton_lib.py")
-    lib_spec = importlib.util.spec_from_file_location("_jax_triton_lib_for_tests", path)
-    lib = importlib.util.module_from_spec(lib_spec)
-    sys.modules[lib_spec.name] = lib
-    lib_spec.loader.exec_module(lib)
-    return lib
-
-
 @pytest.mark.parametrize("cc", sorted(MAX_SHARED))
 def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatch):
     # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
     # launches the backend makes at a tokamax shape, for A100, RTX 30/40 and H100 targets.
-    jt = _jax_triton_lib()
     from logitless.jax.ops.linear_cross_entropy import triton as backend
     from logitless.jax.ops.linear_cross_entropy import triton_kernels
     from logitless.triton_lib import lce_kernels
 
-    shared = []
-    compile_ptx = jt.compile_ttir_to_ptx_inplace
-
-    def spy(ttir, be, options, cc_, platform):
-        res = compile_ptx(ttir, be, options, cc_)
-        shared.append(res.shared_mem_bytes)
-        return res
-
-    def fake_launch(kernel_name, grid, plan, out_specs, arrays, consts):
-        kernel = getattr(lce_kernels, kernel_name, None) or getattr(triton_kernels, kernel_name)
-        types = [jt.get_triton_type(jax.core.ShapedArray(a.shape, a.dtype)) for a in (*arrays, *out_specs)]
-        try:
-            jt.get_or_create_triton_kernel(
-                jt.get_cuda_backend, "cuda", kernel, types, (), num_warps=plan.num_warps,
-                num_stages=plan.num_stages, num_ctas=1, compute_capability=cc, enable_fp_fusion=True,
-                metaparams=dict(consts), dump=False)
-        except AttributeError as exc:  # jaxlib's TritonKernel: GPU builds only, after the PTX
-            assert "TritonKernel" in str(exc), exc
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_specs)
-
-    monkeypatch.setattr(jt, "compile_ttir_inplace", spy)
-    monkeypatch.setattr(backend, "_interpret", lambda: False)
-    monkeypatch.setattr(backend, "_device_info", lambda: (cc, 108))
-    monkeypatch.setattr(backend, "_launch", fake_launch)
+    shared, _ = compile_launches_through_jax_triton(monkeypatch, backend, (lce_kernels, triton_kernels), cc)
     n, h, v = 4096, 4096, 128256
     bf = jnp.bfloat16
     x, w = jax.ShapeDtypeStruct((n, h), bf), jax.ShapeDtypeStruct((h, v), bf)  # flax's (H, V)

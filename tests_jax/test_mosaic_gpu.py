@@ -22,16 +22,9 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                     reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
 from logitless.jax.ops.linear_cross_entropy import mosaic_gpu as mg  # noqa: E402  (a failure here is a bug)
 
+from .helpers import mosaic_platform  # noqa: E402
 
-def _platform():
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return "interpret"
-    cc = str(getattr(dev, "compute_capability", ""))
-    return "sm90" if cc.startswith("9") else "other-gpu"
-
-
-PLATFORM = _platform()
+PLATFORM = mosaic_platform()
 pytestmark = pytest.mark.skipif(
     PLATFORM == "other-gpu", reason="mosaic_gpu kernels need an SM90 GPU (or the CPU interpreter)"
 )

@@ -14,10 +14,9 @@
 #                                                              -> $OUT/distill-probe.log
 # 5 files come back. Each part runs under its own timeout; one failing part does not stop the next.
 set +e
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-.out/distill}
-mkdir -p "$OUT"
+. benchmarks/gpu/lib.sh
+gpu_env .out/distill
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1
 

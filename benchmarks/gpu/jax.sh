@@ -10,10 +10,8 @@
 # --max-minutes, so a cut-off run still leaves a table (marked partial).
 set +e
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-.out/jax}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-PY="${PYTHON:-python3}"
+. benchmarks/gpu/lib.sh
+gpu_env .out/jax
 
 # Peers (tokamax and its deps) from .peers/, plus the xprof stub tokamax imports at load.
 PEERS="${PEERS:-/tmp/peers}"

@@ -19,7 +19,6 @@ import datetime
 import importlib.util
 import json
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _jax_bench_common import median_ms
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,15 +42,8 @@ def _shapes(cpu: bool):
     return mod.CPU_SHAPES if cpu else mod.SHAPES
 
 
-def _median_ms(fn, args, warmup=2, reps=7):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _median_ms(fn, args):
+    return median_ms(fn, *args, iters=7, warmup=2)
 
 
 def _inputs(s, seed=0):

@@ -8,17 +8,16 @@
 # this first), pytest-lp.log, pytest-lce.log, bench.log, jax-log-probs-mosaic.{json,md}.
 # TESTS_ONLY=1: steps 1-2 only (~2.5 min).
 set +e
-OUT=${OUT:-/tmp/jax-lp-mosaic-out}
-mkdir -p "$OUT" benchmarks/results
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
+cd "$(dirname "$0")/../.."
+. benchmarks/gpu/lib.sh
+gpu_env /tmp/jax-lp-mosaic-out
+mkdir -p benchmarks/results
 if [ -n "$SMOKE" ]; then T1=600; T2=5; T3=600; K="-k lowers or is_supported or empty"; BENCH="--smoke"
 else T1=100; T2=50; T3=110; K=""; BENCH=""; fi
 
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices()); d=jax.devices()[0]; print('cc', getattr(d,'compute_capability',None), 'sms', getattr(d,'core_count',None))" 2>&1
+  jax_versions
 } > "$OUT/summary.log" 2>&1
 cat "$OUT/summary.log"
 

@@ -19,12 +19,11 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import numpy as np
+from _jax_bench_common import after_each_case, median_ms, run_case
 
 SHAPES = {
     "qwen3-8b-8k": (8192, 4096, 151936),
@@ -36,35 +35,8 @@ TEMPERATURE = 0.7
 ROWS, COLS = 32, 256
 
 
-def timeit(fn, *args, iters=5, warmup=1):
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
-SAVE = None
-
-
-def run_case(name, fn, res, key):
-    print(f"  [{name}] starting", flush=True)
-    t0 = time.perf_counter()
-    try:
-        res[key] = fn()
-        print(f"  [{name}] ok ({time.perf_counter() - t0:.1f}s): {res[key]}", flush=True)
-    except Exception as e:  # noqa: BLE001 - diagnostics of one-shot GPU runs
-        res[key] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
-        print(f"  [{name}] FAILED ({time.perf_counter() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
-    if SAVE is not None:
-        SAVE()
+def timeit(fn, *args):
+    return median_ms(fn, *args, iters=5, warmup=1)
 
 
 def _ref_rows(x, w, t, g1, g2, rows):
@@ -218,8 +190,8 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv)}, "shapes": {}}
     print(results["meta"], flush=True)
-    global SAVE
-    SAVE = lambda: write_table(results, args.out)
+    save = lambda: write_table(results, args.out)
+    after_each_case(save)
     for label in (["tiny"] if args.smoke else args.shapes.split(",")):
         n, h, v = SHAPES[label]
         print(f"== {label} ({n}, {h}, {v}) bf16 T={TEMPERATURE}", flush=True)
@@ -229,7 +201,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             results["shapes"][label]["error"] = f"{type(e).__name__}: {e}"
-        SAVE()
+        save()
     write_table(results, args.out, final=True)
 
 

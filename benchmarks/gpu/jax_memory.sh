@@ -8,11 +8,8 @@
 # Writes to $OUT (<= 3 files): jax-memory.log, latest-jax-<GPU>.json/.md.
 set +e
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-.out/jax_memory}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+. benchmarks/gpu/lib.sh
+gpu_env .out/jax_memory
 if [ -n "$SMOKE" ]; then
     export JAX_PLATFORMS=cpu
     ARGS=(--cpu --methods gemm,logitless-xla --reps 2 --warmup 1 --no-errors)

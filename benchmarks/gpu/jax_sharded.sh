@@ -9,11 +9,8 @@
 # latest-jax-sharded-<GPU>.json/.md. A failing part does not stop the other.
 set +e
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-.out/jax_sharded}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+. benchmarks/gpu/lib.sh
+gpu_env .out/jax_sharded
 BENCH_ARGS=()
 if [ -n "$SMOKE" ]; then
     export XLA_FLAGS="--xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu
@@ -25,14 +22,9 @@ fi
 echo "=== tests_jax/test_jax_sharded.py on all devices: Mosaic, HLO, shard_map first (cap 70 s), then the rest (cap 60 s) ==="
 FIRST="mosaic or hlo or shard_map or tokamax"
 [ -n "$SMOKE" ] && FIRST="hlo or shard_map or lowers"
-timeout -s INT -k 5 70 "$PY" -m pytest tests_jax/test_jax_sharded.py -k "$FIRST" -v -ra -p no:cacheprovider \
-    --durations=6 2>&1 | tee -a "$OUT/jax-sharded-pytest.log" | grep -vE " PASSED|^WARNING:absl" | tail -25
-echo "pytest (first) exit: ${PIPESTATUS[0]} (2 or 124: cut off)" | tee -a "$OUT/jax-sharded-pytest.log"
-if [ -z "$SMOKE" ]; then
-    timeout -s INT -k 5 60 "$PY" -m pytest tests_jax/test_jax_sharded.py -k "not ($FIRST)" -v -ra -p no:cacheprovider \
-        --durations=6 2>&1 | tee -a "$OUT/jax-sharded-pytest.log" | grep -vE " PASSED|^WARNING:absl" | tail -25
-    echo "pytest (rest) exit: ${PIPESTATUS[0]} (2 or 124: cut off)" | tee -a "$OUT/jax-sharded-pytest.log"
-fi
+LOG="$OUT/jax-sharded-pytest.log"
+TAIL=25 capped_pytest 70 "$LOG" first tests_jax/test_jax_sharded.py -k "$FIRST" --durations=6
+[ -n "$SMOKE" ] || TAIL=25 capped_pytest 60 "$LOG" rest tests_jax/test_jax_sharded.py -k "not ($FIRST)" --durations=6
 
 echo "=== jax-sharded suite: llama3.1-8b head, 8192 tokens, bf16 (cap 200 s) ==="
 [ -n "$SMOKE" ] || rm -f benchmarks/results/latest-jax-sharded-*.json benchmarks/results/latest-jax-sharded-*.md
@@ -44,7 +36,7 @@ for f in benchmarks/results/latest-jax-sharded-*.json benchmarks/results/latest-
 done
 
 echo "=== summary ==="
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/jax-sharded-pytest.log" | tail -15
+pytest_summary "$LOG"
 md=$(ls -t benchmarks/results/latest-jax-sharded-*.md 2>/dev/null | head -1)
 [ -n "$md" ] && grep -E "^\||one device's" "$md" | cut -c1-260
 exit 0

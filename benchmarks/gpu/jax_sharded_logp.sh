@@ -10,11 +10,8 @@
 # latest-jax-sharded-logp-<GPU>.json/.md. A failing part does not stop the other.
 set +e
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-.out/jax_sharded_logp}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+. benchmarks/gpu/lib.sh
+gpu_env .out/jax_sharded_logp
 BENCH_ARGS=()
 FIRST="hlo or bench or shard_map or gpu_backend"
 REST="not ($FIRST) and not (explicit and plain)"
@@ -28,13 +25,9 @@ LOG="$OUT/jax-sharded-logp-pytest.log"
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
 
 echo "=== tests_jax/test_jax_log_probs_sharded.py on all devices: HLO, bench smoke, shard_map (cap 60 s) ==="
-timeout -s INT -k 5 60 "$PY" -m pytest tests_jax/test_jax_log_probs_sharded.py -k "$FIRST" -v -ra \
-    -p no:cacheprovider --durations=4 2>&1 | tee -a "$LOG" | grep -vE " PASSED|^WARNING:absl" | tail -20
-echo "pytest (first) exit: ${PIPESTATUS[0]} (2 or 124: cut off)" | tee -a "$LOG"
+TAIL=20 capped_pytest 60 "$LOG" first tests_jax/test_jax_log_probs_sharded.py -k "$FIRST" --durations=4
 echo "=== the rest: values and gradients vs unsharded and float64 (cap 80 s) ==="
-timeout -s INT -k 5 80 "$PY" -m pytest tests_jax/test_jax_log_probs_sharded.py -k "$REST" -v -ra \
-    -p no:cacheprovider --durations=4 2>&1 | tee -a "$LOG" | grep -vE " PASSED|^WARNING:absl" | tail -20
-echo "pytest (rest) exit: ${PIPESTATUS[0]} (2 or 124: cut off)" | tee -a "$LOG"
+TAIL=20 capped_pytest 80 "$LOG" rest tests_jax/test_jax_log_probs_sharded.py -k "$REST" --durations=4
 
 echo "=== jax-sharded suite, log-prob rows: llama3.1-8b head, 8192 tokens, bf16 (cap 120 s) ==="
 [ -n "$SMOKE" ] || rm -f benchmarks/results/latest-jax-sharded-logp-*.json benchmarks/results/latest-jax-sharded-logp-*.md
@@ -47,7 +40,7 @@ for f in benchmarks/results/latest-jax-sharded-logp-*.json benchmarks/results/la
 done
 
 echo "=== summary ==="
-grep -E "^(FAILED|ERROR)|passed|failed" "$LOG" | tail -15
+pytest_summary "$LOG"
 md=$(ls -t benchmarks/results/latest-jax-sharded-logp-*.md 2>/dev/null | head -1)
 [ -n "$md" ] && grep -E "^\||one device's" "$md" | cut -c1-260
 exit 0

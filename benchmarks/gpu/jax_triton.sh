@@ -16,66 +16,19 @@
 # bench's CPU shapes (the triton rows are skipped there, with a note).
 set +e
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-.out/jax_triton}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-PY="${PYTHON:-python3}"
-JT=/tmp/jt-peers
-export PYTHONPATH="src:$JT${PYTHONPATH:+:$PYTHONPATH}"
+. benchmarks/gpu/lib.sh
+gpu_env .out/jax_triton /tmp/jt-peers
 
 {
 echo "=== setup ==="
-if ! "$PY" -c "import jax_triton" >/dev/null 2>&1; then
-    wheels=$(ls .whl/jax_triton-*.whl .whl/absl_py-*.whl .peers/jax_triton-*.whl .peers/absl_py-*.whl 2>/dev/null)
-    if [ -n "$wheels" ]; then
-        # shellcheck disable=SC2086
-        "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$JT" $wheels 2>&1 | tail -2
-    else
-        echo "no jax_triton wheel in .whl/ or .peers/: the triton rows will be skipped"
-    fi
-fi
-"$PY" - <<'PY'
-import importlib
-out = []
-for m in ("jax", "jaxlib", "triton", "jax_triton", "absl"):
-    try:
-        out.append(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}")
-    except Exception as exc:  # noqa: BLE001
-        out.append(f"{m} MISSING ({type(exc).__name__}: {str(exc)[:120]})")
-import jax
-d = jax.devices()[0]
-print("devices:", jax.devices(), "| kind:", getattr(d, "device_kind", "?"),
-      "| cc:", getattr(d, "compute_capability", "-"), "| SMs:", getattr(d, "core_count", "-"))
-print("versions:", ", ".join(out))
-PY
+jax_triton_setup /tmp/jt-peers
+jax_versions
 echo "=== smoke: implementation='triton' fwd+bwd ==="
-timeout -k 5 40 "$PY" - <<'PY'
-import time, traceback
-import jax, jax.numpy as jnp, numpy as np
-from logitless.jax import linear_cross_entropy
-from logitless.jax.ops.linear_cross_entropy import api
-from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref
-try:
-    rng = np.random.default_rng(0)
-    n, h, v = (300, 128, 5003) if jax.devices()[0].platform == "gpu" else (20, 16, 101)  # CPU: the interpreter
-    x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((v, h)) / 8, jnp.bfloat16)
-    t = jnp.asarray(rng.integers(0, v, n), jnp.int32)
-    print("automatic choice:", api.choose_backend(None, (n, h), (v, h), jnp.bfloat16, None, False))
-    f = jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, t, implementation="triton"), argnums=(0, 1)))
-    t0 = time.time()
-    loss, (dx, dw) = jax.block_until_ready(f(x, w))
-    ref, _, (rdx, rdw, _) = linear_cross_entropy_ref(x, w, t)
-    print(f"smoke ok in {time.time() - t0:.1f} s: loss {float(loss):.6f} ref {ref:.6f} |err| {abs(float(loss) - ref):.2e}"
-          f" dx err {np.abs(np.asarray(dx, np.float64) - rdx).max():.2e} dw err {np.abs(np.asarray(dw, np.float64) - rdw).max():.2e}")
-except Exception:
-    traceback.print_exc()
-    print("smoke FAILED")
-PY
+timeout -k 5 40 "$PY" benchmarks/gpu/jax_triton_smoke.py linear_cross_entropy
 echo "smoke exit: $?"
 } 2>&1 | tee "$OUT/jt-setup.log" | grep -vE "^WARNING:absl"
 
-ON_GPU=$("$PY" -c "import jax; print(int(jax.devices()[0].platform == 'gpu'))" 2>/dev/null)
+ON_GPU=$(jax_on_gpu)
 if [ "${SMOKE:-0}" = "1" ] || [ "$ON_GPU" != "1" ]; then
     echo "=== CPU smoke mode: interpreter tests (subset) ==="
     SEL=(-k "not options_against and not class_weight_against")
@@ -86,10 +39,8 @@ else
 fi
 
 echo "=== tests_jax (triton backend + options) on $( [ "$ON_GPU" = 1 ] && echo GPU || echo CPU ) (cap 110 s) ==="
-timeout -s INT -k 5 110 "$PY" -m pytest tests_jax/test_jax_triton.py tests_jax/test_jax_options.py "${SEL[@]}" \
-    -v -ra -p no:cacheprovider --durations=8 2>&1 \
-    | tee "$OUT/jt-pytest.log" | grep -vE " PASSED|^WARNING:absl" | tail -30
-echo "pytest exit: ${PIPESTATUS[0]} (2 or 124: cut off at 110 s)" | tee -a "$OUT/jt-pytest.log"
+: > "$OUT/jt-pytest.log"
+capped_pytest 110 "$OUT/jt-pytest.log" "" tests_jax/test_jax_triton.py tests_jax/test_jax_options.py "${SEL[@]}" --durations=8
 
 echo "=== jax suite: gemm + logitless-triton (cap 140 s) ==="
 BOUT=/tmp/jt-bench-out
@@ -103,7 +54,7 @@ done
 
 echo "=== summary ==="
 grep -E "^smoke|automatic choice|versions:|devices:" "$OUT/jt-setup.log"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/jt-pytest.log" | tail -15
+pytest_summary "$OUT/jt-pytest.log"
 md=$(ls -t "$OUT"/jax-triton-*.md 2>/dev/null | head -1)
 [ -n "$md" ] && grep -E "^\| (shape|---)|gemm|logitless-triton|logitless-xla" "$md" | cut -d'|' -f2-12
 exit 0

@@ -6,14 +6,14 @@
 # Writes to $OUT: mosaic-pytest.log, mosaic-bench.log, mosaic-bench.json, mosaic-bench.md,
 # mosaic-env.log (copies of the JSON/markdown also in benchmarks/results/).
 set +e
-OUT=${OUT:-/tmp/mosaic-out}
-mkdir -p "$OUT" benchmarks/results
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
+cd "$(dirname "$0")/../.."
+. benchmarks/gpu/lib.sh
+gpu_env /tmp/mosaic-out
+mkdir -p benchmarks/results
 
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices()); d=jax.devices()[0]; print('cc', getattr(d,'compute_capability',None), 'sms', getattr(d,'core_count',None))" 2>&1
+  jax_versions 2>&1
 } | tee "$OUT/mosaic-env.log"
 
 echo "== 1/2 tests (tests_jax/test_mosaic_gpu.py on the GPU)"

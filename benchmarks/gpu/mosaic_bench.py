@@ -16,12 +16,11 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import numpy as np
+from _jax_bench_common import after_each_case, median_ms, run_case
 
 SHAPES = {
     "llama3.1-8b": (4096, 4096, 128256),
@@ -31,38 +30,8 @@ SHAPES = {
 }
 
 
-def timeit(fn, *args, iters=6, warmup=1):
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3  # ms
-
-
-#: Called after every case (writes the JSON and the table so far): if a kernel hangs and
-#: the script's timeout kills the run, everything measured before it is kept.
-SAVE = None
-
-
-def run_case(name, fn, results, key):
-    print(f"  [{name}] starting", flush=True)
-    t0 = time.perf_counter()
-    try:
-        out = fn()
-        results[key] = out
-        print(f"  [{name}] ok ({time.perf_counter() - t0:.1f}s): {out}", flush=True)
-    except Exception as e:  # noqa: BLE001 - diagnostics for one-shot GPU runs
-        results[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-        print(f"  [{name}] FAILED ({time.perf_counter() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
-    if SAVE is not None:
-        SAVE()
+def timeit(fn, *args):
+    return median_ms(fn, *args, iters=6, warmup=1)
 
 
 def bench_shape(label, n, h, v, mg, res, rows=32, cols=256):
@@ -239,14 +208,13 @@ def main():
     }
     print(meta, flush=True)
     results = {"meta": meta, "shapes": {}}
-    global SAVE
 
     def save():
         with open(os.path.join(args.out, "mosaic-bench.json"), "w") as fh:
             json.dump(results, fh, indent=1, default=str)
         write_table(results, meta, args.out)
 
-    SAVE = save
+    after_each_case(save)
     for label in args.shapes.split(","):
         n, h, v = SHAPES[label]
         print(f"== {label} ({n}, {h}, {v}) bf16", flush=True)

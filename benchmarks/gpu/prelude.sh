@@ -5,6 +5,8 @@
 # into /tmp/peers, adds a stub for tokamax's xprof import, sets PYTHONPATH and prints the
 # versions. Safe to source twice.
 export PYTHONUNBUFFERED=1
+# NVLink multicast off (NCCL and torch symmetric memory): see the machines' notes.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d .peers ] && [ ! -e /tmp/peers/.done ]; then

@@ -15,8 +15,8 @@
 set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/prelude.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-rl TRITON_CACHE_DIR=/tmp/triton-rl
+. benchmarks/gpu/lib.sh
+torch_caches rl
 start=$(date +%s)
 GPU=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tail -n 2
@@ -33,29 +33,7 @@ tail -n 15 "$OUT/rl-pytest.log"
 echo "tests took $(( $(date +%s) - start )) s"
 
 echo "== verl =="
-VERL_PATH=""
-if ! python3 -c "import verl.utils.kernel.linear_cross_entropy" >/dev/null 2>&1; then
-  for d in "$VERL_KERNEL_DIR" /tmp/peers .peers; do
-    if [ -n "$d" ] && ls "$d"/verl/utils/kernel/*.py >/dev/null 2>&1; then
-      rm -rf /tmp/verl-stub && mkdir -p /tmp/verl-stub/verl/utils/kernel
-      cp "$d"/verl/utils/kernel/*.py /tmp/verl-stub/verl/utils/kernel/
-      touch /tmp/verl-stub/verl/__init__.py /tmp/verl-stub/verl/utils/__init__.py
-      cat > /tmp/verl-stub/verl/utils/device.py <<'PY'
-import torch
-is_cuda_available = torch.cuda.is_available()
-def is_npu_available(): return False
-def get_device_name(): return "cuda"
-def get_torch_device(): return torch.cuda
-def get_device_id(): return torch.cuda.current_device()
-def get_nccl_backend(): return "nccl"
-def get_device_capability(device_id=0): return torch.cuda.get_device_capability(device_id)
-PY
-      VERL_PATH="/tmp/verl-stub:"
-      echo "verl kernel files from $d"
-      break
-    fi
-  done
-fi
+verl_kernels
 PYTHONPATH="$VERL_PATH$PYTHONPATH" python3 -c "import verl.utils.kernel.linear_cross_entropy as m; print('verl kernel importable:', m.__file__)" 2>&1 | tail -n 1
 
 echo "== bench --suite rl =="

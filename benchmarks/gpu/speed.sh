@@ -17,10 +17,9 @@
 # At most 8 files come back: speed-pytest.log, speed-probe.log, probe-strategies-<dev>.json,
 # speed-models.log, latest-models-<dev>.json/.md, speed-compare.md, speed-tune.log.
 set +e
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-.out/speed}
-mkdir -p "$OUT"
+. benchmarks/gpu/lib.sh
+gpu_env .out/speed
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1
 cp benchmarks/results/latest-lce-H100.json /tmp/speed-old-lce-H100.json 2>/dev/null

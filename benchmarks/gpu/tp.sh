@@ -11,12 +11,9 @@
 # On a machine without 2 GPUs both parts run in their CPU/gloo smoke mode.
 # 4 files come back. Each part runs under its own timeout; one failing part does not stop the next.
 set +e
-export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-.out/tp}
-mkdir -p "$OUT"
+. benchmarks/gpu/lib.sh
+gpu_env .out/tp
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | head -n 3
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-tp}
