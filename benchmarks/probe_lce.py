@@ -18,9 +18,10 @@ from _probe_common import probe_meta, write_json  # the probes' folder is on sys
 from triton.testing import do_bench
 
 import logitless
-from logitless.formulas.cross_entropy import LossOptions, grad_coefficients
+from logitless.formulas.cross_entropy import grad_coefficients
 from logitless.ops.linear_cross_entropy import triton_backend as TB
 from logitless.ops.linear_cross_entropy import triton_kernels as K
+from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
 
 SHAPES = {
@@ -49,7 +50,7 @@ def probe(name, n, h, v, rows):
     rec = dict(shape=name, n=n, h=h, v=v, gemm_ms=gemm)
     print(f"\n{name} N={n} H={h} V={v}: GEMM {gemm:.3f} ms", flush=True)
     stats, _ = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, budget=1 << 28)
-    coef = grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=dev), v, None, LossOptions())
+    coef = grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=dev), v, None, CrossEntropyOptions())
     dz = torch.empty(n, v, device=dev, dtype=torch.bfloat16)
     for tiles in TILES:
       for tma in (True, False):

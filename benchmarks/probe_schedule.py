@@ -24,8 +24,9 @@ from _probe_common import probe_meta, write_json  # the probes' folder is on sys
 from triton.testing import do_bench
 
 import logitless
-from logitless.formulas.cross_entropy import LossOptions, grad_coefficients
+from logitless.formulas.cross_entropy import grad_coefficients
 from logitless.ops.linear_cross_entropy import triton_backend as TB
+from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import override
 
@@ -103,7 +104,7 @@ def probe(name, n, h, v, rows, meta):
     print(f"\n{name} N={n} H={h} V={v}", flush=True)
     set_options(PLAIN)
     stats, _ = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, budget=1 << 28)
-    coef = grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=dev), v, None, LossOptions())
+    coef = grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=dev), v, None, CrossEntropyOptions())
     budget = _plans.DEFAULT_MEMORY_BUDGET
     runs = {}  # (stage, variant) -> (callable, plan, bitwise_same)
     ref = {}
