@@ -85,5 +85,196 @@ def test_memo_is_bounded_and_cleared():
     assert all(len(m) <= _memo.MAX_ENTRIES for m in _memo._MEMOS)
 
 
+# --------------------------------------------------------------------------- fused epilogues
+
+EPILOGUE_CASES = [
+    dict(),
+    dict(reduction="sum"),
+    dict(reduction="none"),
+    dict(label_smoothing=0.1),
+    dict(class_weight=True),
+    dict(z_loss=1e-3),
+    dict(ignore_index=3),
+    dict(label_smoothing=0.2, class_weight=True, z_loss=1e-2, reduction="sum"),
+    dict(label_smoothing=0.05, class_weight=True, z_loss=1e-4, reduction="none", ignore_index=0),
+    dict(label_smoothing=0.3, class_weight=True, reduction="mean", z_loss=0.5),
+]
+
+
+def _epilogue_inputs(n, v, splits, case, g):
+    part_max = torch.randn(splits, n, generator=g) * 3
+    part_max[0, :1] = float("-inf")  # a split with no column for the first token
+    part_sum = torch.rand(splits, n, generator=g) * 5 + 0.5
+    part_sum[0, :1] = 0.0
+    part_tgt = torch.randn(splits, n, generator=g)
+    part_smooth = torch.randn(splits, n, generator=g) * 10
+    target = torch.randint(0, v, (n,), generator=g)
+    ignore = case.get("ignore_index", -100)
+    target[torch.rand(n, generator=g) < 0.2] = ignore
+    if n > 4:
+        target[2] = v + 5  # out of range: NaN loss and coefficients
+    cw = torch.rand(v, generator=g) + 0.25 if case.get("class_weight") else None
+    from logitless.options import CrossEntropyOptions
+
+    opts = CrossEntropyOptions.checked(ignore_index=ignore, reduction=case.get("reduction", "mean"),
+                                       label_smoothing=case.get("label_smoothing", 0.0),
+                                       z_loss=case.get("z_loss", 0.0))
+    return part_max, part_sum, part_tgt, part_smooth, target, cw, opts
+
+
+@pytest.mark.parametrize("case", EPILOGUE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+@pytest.mark.parametrize("n,splits", [(1, 1), (7, 3), (1500, 2)])
+def test_fused_epilogues_match_the_torch_formulas(case, n, splits):
+    """``ce_epilogue`` (one Triton launch each) against the spec, ``formulas``: the forward's
+    split merge + token_loss + reduce, and the backward's upstream_per_token +
+    grad_coefficients (+ a gradient of lse). Per-token values are bitwise the formulas'
+    given the same lse; the sums over tokens agree to fp32 rounding."""
+    from logitless.formulas.common import merge_splits, reduce
+    from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
+    from logitless.triton_lib import ce_epilogue
+
+    g = torch.Generator().manual_seed(n * 31 + splits)
+    v = 101
+    part_max, part_sum, part_tgt, part_smooth, target, cw, opts = _epilogue_inputs(n, v, splits, case, g)
+    smooth = part_smooth if opts.needs_smooth_sum else None
+    lse, loss, w_t = ce_epilogue.forward_loss(part_max, part_sum, part_tgt, smooth, target, cw, opts, v)
+    ref_lse = merge_splits(part_max, part_sum)
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-6, atol=2e-6)
+    stats = TokenStats(lse, part_tgt.sum(0), smooth.sum(0) if smooth is not None else None, None)
+    ref_tok, ref_wt = token_loss(stats, target, v, cw, opts)
+    assert torch.equal(w_t, ref_wt)
+    ref_loss = reduce(ref_tok, ref_wt, opts.reduction)
+    if opts.reduction == "none":
+        assert torch.equal(loss.isnan(), ref_loss.isnan()) and (n <= 4 or loss[2].isnan())
+        ok = ~ref_loss.isnan()
+        assert torch.equal(loss[ok], ref_loss[ok])  # bitwise, per token
+    else:
+        assert loss.shape == ()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # backward: the gradient of the reduced loss (strided for "none") and of lse
+    for with_lse in (False, True):
+        if opts.reduction == "none":
+            grad = torch.randn(1, generator=g).expand(n)  # e.g. loss.sum().backward(): stride 0
+        else:
+            grad = torch.randn((), generator=g)
+        grad_lse = torch.randn(2 * n, generator=g)[::2] if with_lse else None
+        coef = ce_epilogue.grad_coefficients(grad, grad_lse, lse, w_t, target, cw, opts, v)
+        ref = grad_coefficients(lse, target, upstream_per_token(grad, ref_wt, opts.reduction), v, cw, opts)
+        if grad_lse is not None:
+            ref[0] += grad_lse
+        assert torch.equal(coef.isnan(), ref.isnan())
+        ok = ~ref.isnan()
+        if opts.reduction == "mean":  # g = grad / sum w_t: the sum's order differs
+            torch.testing.assert_close(coef[ok], ref[ok], rtol=1e-6, atol=1e-6 * ref[ok].abs().max().item())
+        else:
+            assert torch.equal(coef[ok], ref[ok])
+
+
+def test_epilogue_edge_cases():
+    """Every token ignored: "mean" is 0/0 = NaN (as torch) and the coefficients are 0;
+    NaN statistics propagate to lse (the max over splits propagates NaN)."""
+    from logitless.options import CrossEntropyOptions
+    from logitless.triton_lib import ce_epilogue
+
+    opts = CrossEntropyOptions.checked()
+    pm, ps, pt = torch.zeros(2, 5), torch.ones(2, 5), torch.zeros(2, 5)
+    target = torch.full((5,), -100)
+    lse, loss, w_t = ce_epilogue.forward_loss(pm, ps, pt, None, target, None, opts, 11)
+    assert loss.isnan() and torch.equal(w_t, torch.zeros(5))
+    torch.testing.assert_close(lse, torch.full((5,), 2.0).log())
+    coef = ce_epilogue.grad_coefficients(torch.tensor(1.0), None, lse, w_t, target, None, opts, 11)
+    assert torch.equal(coef, torch.zeros(3, 5))
+    pm[1, 3] = float("nan")
+    lse, _, _ = ce_epilogue.forward_loss(pm, ps, pt, None, torch.zeros(5, dtype=torch.long), None, opts, 11)
+    assert lse[3].isnan() and not lse[:3].isnan().any()
+
+
+# --------------------------------------------------------------------------- eager fast path
+
+FAST_PATH_CASES = [
+    dict(),
+    dict(reduction="none", label_smoothing=0.1, z_loss=1e-3, softcap=20.0),
+    dict(reduction="sum", class_weight=True, ignore_index=2, return_stats=True),
+    dict(memory_budget=1 << 12, bias=True),  # recomputed chunks, not kept columns
+]
+
+
+def _graph_nodes(fn, depth=4):
+    if fn is None or depth == 0:
+        return []
+    return [type(fn).__name__] + [m for nxt, _ in fn.next_functions for m in _graph_nodes(nxt, depth - 1)]
+
+
+@pytest.mark.parametrize("case", FAST_PATH_CASES, ids=str)
+def test_eager_fast_path_is_bitwise_the_custom_op(case):
+    """The public function's eager fast path (a plain autograd.Function around the custom
+    ops' implementations) against the custom ops (``override(eager_fast_path=False)``):
+    the same loss, statistics and gradients bitwise, through a second backward
+    (retain_graph) and a gradient of the returned lse."""
+    import logitless
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 37, 24, 97
+    case = dict(case)
+    x0 = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    w0 = (torch.randn(v, h, generator=g) * 0.3).to(torch.bfloat16)
+    b0 = torch.randn(v, generator=g).to(torch.bfloat16) if case.pop("bias", False) else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = case.get("ignore_index", -100)
+    if case.pop("class_weight", False):
+        case["class_weight"] = torch.rand(v, generator=g) + 0.5
+
+    def run(fast):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        b = b0.clone().requires_grad_(True) if b0 is not None else None
+        with override(eager_fast_path=fast):
+            out = logitless.linear_cross_entropy(x, w, t, b, backend="triton", **case)
+            loss, stats = out if case.get("return_stats") else (out, None)
+            kind = " ".join(_graph_nodes(loss.grad_fn))
+            total = loss.sum() + (stats.lse.sum() * 0.25 if stats is not None else 0)
+            total.backward(retain_graph=True)
+            first = [p.grad.clone() for p in (x, w, b) if p is not None]
+            total.backward()  # recomputes (the kept columns served the first backward)
+            second = [p.grad for p in (x, w, b) if p is not None]
+        res = [loss.detach(), *first, *second]
+        if stats is not None:
+            res += [stats.lse.detach(), stats.correct, stats.num_tokens]
+        return res, kind
+
+    fast, kind_fast = run(True)
+    slow, kind_slow = run(False)
+    assert "Eager" in kind_fast and "Eager" not in kind_slow, (kind_fast, kind_slow)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+def test_eager_fast_path_is_off_where_it_must_be():
+    """Dispatch modes, subclasses and torch.compile get the custom op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from logitless.ops.common.autograd import eager_fast_path_ok
+
+    x = torch.randn(3)
+    assert eager_fast_path_ok((x, torch.nn.Parameter(x), 1, None))
+    with override(eager_fast_path=False):
+        assert not eager_fast_path_ok((x,))
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert not eager_fast_path_ok((x,))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert not eager_fast_path_ok((fake,))
+    assert not eager_fast_path_ok((x.as_subclass(type("Sub", (torch.Tensor,), {})),))
+    seen = []
+    torch.compile(lambda: seen.append(eager_fast_path_ok((x,))), backend="eager", fullgraph=False)()
+    assert seen == [False] or seen == []  # traced (False) or skipped by dynamo
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
