@@ -44,6 +44,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.paused = False  # inside a kernel launch (the interpreter's own copies)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from logitless.ops.common.autograd import EAGER
@@ -53,7 +54,7 @@ class OpCounter(TorchDispatchMode):
             with self:
                 return impl(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in NOT_KERNELS:
+        if not func.is_view and name not in NOT_KERNELS and not self.paused:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -76,10 +77,44 @@ def no_op_kernels(launches: collections.Counter | None = None):
         InterpretedFunction.run = real
 
 
-def count_ops(step) -> tuple[collections.Counter, collections.Counter]:
-    """(ATen ops, Triton launches) of one call of ``step`` (kernels as no-ops)."""
+@contextlib.contextmanager
+def counted_kernels(launches: collections.Counter, counter: OpCounter | None = None):
+    """Triton launches run (compiled or interpreted), counted by kernel name; ``counter``
+    pauses during each (the interpreter copies arguments with torch ops)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    reals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def wrap(real):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                launches[self.fn.__name__] += 1
+            if counter is not None:
+                counter.paused = True
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                if counter is not None:
+                    counter.paused = False
+        return run
+
+    for cls, real in reals.items():
+        cls.run = wrap(real)
+    try:
+        yield launches
+    finally:
+        for cls, real in reals.items():
+            cls.run = real
+
+
+def count_ops(step, run_kernels: bool = False) -> tuple[collections.Counter, collections.Counter]:
+    """(ATen ops, Triton launches) of one call of ``step``: kernels as no-ops, or run
+    (``run_kernels``: on a GPU, or where the results matter)."""
     launches = collections.Counter()
-    with no_op_kernels(launches), OpCounter() as counter:
+    counter = OpCounter()
+    kernels = counted_kernels(launches, counter) if run_kernels else no_op_kernels(launches)
+    with kernels, counter:
         step()
     return counter.ops, launches
 

@@ -276,5 +276,57 @@ def test_eager_fast_path_is_off_where_it_must_be():
     assert seen == [False] or seen == []  # traced (False) or skipped by dynamo
 
 
+# --------------------------------------------------------------------------- launch count
+
+
+def _probe_host():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probe_host.py")
+    spec = importlib.util.spec_from_file_location("probe_host", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: Device ops (ATen compute ops + Triton launches) per eager forward+backward of
+#: linear_cross_entropy, at most. Before issue 23 item 3: 58 ATen ops + 2 launches on the
+#: CPU (52 CUDA kernels on the H100). The CPU count includes 7 ops of the CPU-only
+#: target range check (``validate.check_targets_in_range``), which the GPU skips.
+MAX_OPS = {"plain": (16, 4), "all_options": (23, 4)}
+
+
+@pytest.mark.parametrize("which", sorted(MAX_OPS))
+def test_launch_count_per_forward_backward(which):
+    """A regression guard on the number of device ops one f+b issues (the small-shape
+    cost: each is a launch and tens of microseconds of host work)."""
+    import logitless
+    from tests.conftest import DEVICE
+
+    probe = _probe_host()
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 45, 24, 101
+    x = torch.randn(n, h, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE, torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    kw = {}
+    if which == "all_options":
+        kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=30.0, class_weight=torch.rand(v, device=DEVICE) + 0.5,
+                  ignore_index=3, return_stats=True)
+
+    def step():
+        out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+
+    ops, launches = probe.count_ops(step, run_kernels=True)
+    aten, triton_launches = sum(ops.values()), sum(launches.values())
+    bound_aten, bound_triton = MAX_OPS[which]
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    assert aten <= bound_aten and triton_launches <= bound_triton, (dict(ops), dict(launches))
+    assert launches["ce_forward_epilogue_kernel"] == 1 and launches["ce_grad_coefficients_kernel"] == 1
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))

@@ -12,7 +12,6 @@ out of range and returns the normalised value or dataclass.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -81,18 +80,13 @@ class _Args:
     def args(self) -> tuple:
         # The fields' values in order (not dataclasses.astuple: it deep-copies each value,
         # ~0.03 ms per call on the eager hot path).
-        return tuple(getattr(self, name) for name in _field_names(type(self)))
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     @classmethod
     def from_args(cls, named: dict):
         """The options from a mapping of argument names to values (a custom op's inputs,
         ``ops.common.autograd.named``), which holds the fields under their own names."""
-        return cls(**{name: named[name] for name in _field_names(cls)})
-
-
-@functools.cache
-def _field_names(cls) -> tuple:
-    return tuple(f.name for f in dataclasses.fields(cls))
+        return cls(**{f.name: named[f.name] for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)

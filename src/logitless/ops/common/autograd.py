@@ -59,7 +59,7 @@ def eager_fast_path_ok(inputs: tuple) -> bool:
     off (``overrides.override(eager_fast_path=False)``)."""
     from logitless.planning.overrides import current
 
-    if not current().eager_fast_path or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not current().eager_fast_path:  # (compiling first: dynamo stops there)
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
