@@ -248,6 +248,38 @@ def test_eager_fast_path_is_bitwise_the_custom_op(case):
         assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a[~a.isnan()], b[~b.isnan()])
 
 
+@pytest.mark.parametrize("case", [dict(), dict(entropy=True, temperature=0.7, softcap=15.0),
+                                  dict(memory_budget=1 << 12, ignore_index=5)], ids=str)
+def test_eager_fast_path_log_probs_is_bitwise_the_custom_op(case):
+    """linear_log_probs' eager fast path against its custom ops: bitwise, two backwards."""
+    import logitless
+
+    g = torch.Generator().manual_seed(4)
+    n, h, v = 29, 24, 89
+    x0 = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    w0 = (torch.randn(v, h, generator=g) * 0.3).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::4] = case.get("ignore_index", -100)
+
+    def run(fast):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        with override(eager_fast_path=fast):
+            out = logitless.linear_log_probs(x, w, t, backend="triton", **case)
+            logp, ent = out if isinstance(out, tuple) else (out, None)
+            kind = " ".join(_graph_nodes(logp.grad_fn))
+            total = (logp * torch.linspace(0, 1, n)).sum() + (ent.sum() * 0.5 if ent is not None else 0)
+            total.backward(retain_graph=True)
+            first = [x.grad.clone(), w.grad.clone()]
+            total.backward()
+        return [logp.detach(), *([ent.detach()] if ent is not None else []), *first, x.grad, w.grad], kind
+
+    fast, kind_fast = run(True)
+    slow, kind_slow = run(False)
+    assert "Eager" in kind_fast and "Eager" not in kind_slow, (kind_fast, kind_slow)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+
+
 def test_eager_fast_path_is_off_where_it_must_be():
     """Dispatch modes, subclasses and torch.compile get the custom op."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -31,6 +31,7 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
+    EagerOp,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -197,7 +198,8 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
         return (None,) * ctx.num_inputs
-    grads = llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
+    op = _backward if getattr(ctx, "eager", False) else llp_backward  # (EagerOp: the same computation)
+    grads = op(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
                          *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db,
                          *ctx.tp.args())
     grads = (grads[0] if need_dx else None, grads[1] if need_dw else None, grads[2] if need_db else None)
@@ -206,3 +208,5 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
 
 
 llp_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+#: What the public function calls: ``llp_forward``, through a plain autograd.Function in eager mode.
+llp_forward_eager = EagerOp(llp_forward, _forward, _setup_context, _autograd_backward)
