@@ -170,6 +170,52 @@ def test_fused_epilogues_match_the_torch_formulas(case, n, splits):
             assert torch.equal(coef[ok], ref[ok])
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("n,splits", [(1, 1), (7, 3), (1500, 2)])
+def test_fused_log_prob_epilogues_match_the_formulas(entropy, n, splits):
+    """``log_probs_epilogue`` against ``formulas.log_probs``: merge_splits + token_outputs,
+    and grad_coefficients for each combination of upstream gradients (strided ones too)."""
+    from logitless.formulas import log_probs as F
+    from logitless.options import LogProbOptions
+    from logitless.triton_lib import log_probs_epilogue
+
+    g = torch.Generator().manual_seed(7 * n + splits)
+    v = 101
+    part_max = torch.randn(splits, n, generator=g) * 3
+    part_max[0, :1] = float("-inf")
+    part_sum = torch.rand(splits, n, generator=g) * 5 + 0.5
+    part_sum[0, :1] = 0.0
+    part_u = -torch.rand(splits, n, generator=g) * 2
+    part_tgt = torch.randn(splits, n, generator=g)
+    tokens = torch.randint(0, v, (n,), generator=g)
+    tokens[torch.rand(n, generator=g) < 0.2] = 4
+    if n > 4:
+        tokens[2] = -3  # out of range
+    opts = LogProbOptions(temperature=0.7, entropy=entropy, softcap=None, ignore_index=4)
+    logp, ent, lse = log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if entropy else None, part_tgt,
+                                                        tokens, opts, v)
+    ref_lse, ref_ent = F.merge_splits(part_max, part_sum, part_u if entropy else None)
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-6, atol=2e-6)
+    ref_logp, ref_ent_out = F.token_outputs(F.LogProbStats(lse, part_tgt.sum(0), ent if entropy else None),
+                                            tokens, v, opts)
+    assert torch.equal(logp.isnan(), ref_logp.isnan())
+    assert torch.equal(logp.nan_to_num(), ref_logp.nan_to_num())  # bitwise given lse
+    if entropy:
+        ok = ~ref_ent_out.isnan()
+        assert torch.equal(ent.isnan(), ref_ent_out.isnan() | ent.isnan()) and ent[ok].isfinite().all()
+        clean = F.token_outputs(F.LogProbStats(ref_lse, part_tgt.sum(0), ref_ent), tokens, v, opts)[1]
+        torch.testing.assert_close(ent, clean, rtol=1e-5, atol=1e-5, equal_nan=True)
+    else:
+        assert ent is None
+    g_full = torch.randn(2 * n, generator=g)[::2]
+    g_h_full = torch.randn(1, generator=g).expand(n)
+    for g_lp, g_h in ((g_full, None), (None, g_h_full), (g_full, g_h_full)):
+        coef = log_probs_epilogue.grad_coefficients(ent, tokens, g_lp, g_h, v, opts)
+        ref = F.grad_coefficients(ent, tokens, g_lp, g_h if entropy else None, v, opts, lse)
+        assert torch.equal(coef.isnan(), ref.isnan())
+        assert torch.equal(coef.nan_to_num(), ref.nan_to_num())  # bitwise
+
+
 def test_epilogue_edge_cases():
     """Every token ignored: "mean" is 0/0 = NaN (as torch) and the coefficients are 0;
     NaN statistics propagate to lse (the max over splits propagates NaN)."""

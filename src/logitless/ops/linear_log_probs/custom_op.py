@@ -83,6 +83,9 @@ def _forward(
         elif n == 0:
             logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
             ent = x.new_empty(0, dtype=sd) if entropy else None
+        elif backend == "triton":  # merge + token_outputs in one launch (log_probs_epilogue)
+            (logp, ent, lse), kept = load_backend(__package__, backend).forward(
+                x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad, outputs=True)
         else:
             stats, kept = load_backend(__package__, backend).forward(
                 x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad)
@@ -162,8 +165,12 @@ def _backward(
                     impl, grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, opts, tp,
                     budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
             else:
-                coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
-                                         grad_entropy if entropy else None, v, opts, lse)
+                if backend == "triton":  # the same coefficients in one launch (log_probs_epilogue)
+                    coef = impl.grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
+                                                  grad_entropy if entropy else None, v, opts)
+                else:
+                    coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
+                                             grad_entropy if entropy else None, v, opts, lse)
                 dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
                                            need_dw=need_dw, need_db=need_db, budget=budget, **extra)
     return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
