@@ -1,5 +1,5 @@
 """AOT compile (sm_90, no GPU needed) of the fused cross-entropy epilogue kernels
-(``triton_lib.ce_epilogue``) for every constexpr combination, without fp contraction
+(``triton_lib.ce_epilogue``, ``triton_lib.log_probs_epilogue``) for every constexpr combination, without fp contraction
 (as they are launched); fails on a Triton compile error, and checks the PTX has no
 fused multiply-add (the per-token values must be bitwise the torch formulas').
 
@@ -16,10 +16,10 @@ os.environ.pop("TRITON_INTERPRET", None)  # this compiles
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from logitless.triton_lib import ce_epilogue  # noqa: E402
+from logitless.triton_lib import ce_epilogue, log_probs_epilogue  # noqa: E402
 
-FLOAT_ARGS = {"one_minus_eps", "eps_over_v", "w_sum", "z_loss", "smooth_a", "two_z_loss"}
-FP32_PTRS = {"part_max", "part_sum", "part_tgt", "part_smooth"}
+FLOAT_ARGS = {"one_minus_eps", "eps_over_v", "w_sum", "z_loss", "smooth_a", "two_z_loss", "inv_t"}
+FP32_PTRS = {"part_max", "part_sum", "part_tgt", "part_smooth", "part_u"}
 
 
 def signature(kernel, constexprs):
@@ -27,7 +27,7 @@ def signature(kernel, constexprs):
     for a in kernel.arg_names:
         if a in constexprs:
             sig[a] = "constexpr"
-        elif a == "target_ptr":
+        elif a in ("target_ptr", "tokens_ptr"):
             sig[a] = "*i64"
         elif a.endswith("_ptr") or a in FP32_PTRS:
             sig[a] = "*fp32"
@@ -42,7 +42,8 @@ def signature(kernel, constexprs):
 
 def main() -> int:
     target = GPUTarget("cuda", 90, 32)
-    for kernel in (ce_epilogue.ce_forward_epilogue_kernel, ce_epilogue.ce_grad_coefficients_kernel):
+    for kernel in (ce_epilogue.ce_forward_epilogue_kernel, ce_epilogue.ce_grad_coefficients_kernel,
+                   log_probs_epilogue.logp_forward_epilogue_kernel, log_probs_epilogue.logp_grad_coefficients_kernel):
         flags = [a for a in kernel.arg_names if a.isupper() and a != "BLOCK"]
         choices = [[0, 1, 2] if f == "REDUCTION" else [False, True] for f in flags]
         count = fma = 0
