@@ -44,7 +44,7 @@ def main() -> int:
     target = GPUTarget("cuda", 90, 32)
     for kernel in (ce_epilogue.ce_forward_epilogue_kernel, ce_epilogue.ce_grad_coefficients_kernel,
                    log_probs_epilogue.logp_forward_epilogue_kernel, log_probs_epilogue.logp_grad_coefficients_kernel):
-        flags = [a for a in kernel.arg_names if a.isupper() and a != "BLOCK"]
+        flags = [kernel.arg_names[i] for i in kernel.constexprs if kernel.arg_names[i] != "BLOCK"]
         choices = [[0, 1, 2] if f == "REDUCTION" else [False, True] for f in flags]
         count = fma = 0
         for values in itertools.product(*choices):
