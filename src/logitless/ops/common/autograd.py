@@ -92,6 +92,19 @@ class _EagerFunction(torch.autograd.Function):
         return (*result, None)
 
 
+def below_autograd(fn: Callable) -> Callable:
+    """``fn`` run as the dispatcher runs a custom op's implementation: recording no
+    autograd history (a backward with create_graph=True runs with grad mode on, and the
+    inputs require grad). ``EagerOp``'s backward calls the backward op's implementation so."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 class EagerOp:
     """A forward custom op with its autograd (``register_autograd``'s ``setup_context``
     and ``backward``), callable as the op. Eager calls (``eager_fast_path_ok``) run

@@ -44,6 +44,7 @@ from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, toke
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
     EagerOp,
+    below_autograd,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -237,6 +238,7 @@ def _backward(
 
 
 lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
+_eager_backward = below_autograd(_backward)  # what lce_backward runs, for the eager fast path
 
 
 @lce_backward.register_fake
@@ -290,7 +292,7 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     if not (need_dx or need_dw or need_db):
         return (None,) * ctx.num_inputs
 
-    op = _backward if getattr(ctx, "eager", False) else lce_backward  # (EagerOp: the same computation)
+    op = _eager_backward if getattr(ctx, "eager", False) else lce_backward  # (EagerOp: the same computation)
 
     def backward(g_loss, g_lse, kept):
         return op(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t, *kept,

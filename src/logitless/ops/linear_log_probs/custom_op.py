@@ -32,6 +32,7 @@ from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
     EagerOp,
+    below_autograd,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -177,6 +178,7 @@ def _backward(
 
 
 llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
+_eager_backward = below_autograd(_backward)  # what llp_backward runs, for the eager fast path
 
 
 @llp_backward.register_fake
@@ -205,7 +207,7 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
         return (None,) * ctx.num_inputs
-    op = _backward if getattr(ctx, "eager", False) else llp_backward  # (EagerOp: the same computation)
+    op = _eager_backward if getattr(ctx, "eager", False) else llp_backward  # (EagerOp: the same computation)
     grads = op(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
                          *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db,
                          *ctx.tp.args())
