@@ -25,7 +25,8 @@ import platform
 import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+if __name__ == "__main__":  # run as a script: the interpreter (imported by a test: the suite decides)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

@@ -12,6 +12,7 @@ from logitless.planning import memo as _memo
 from logitless.planning import plans as _plans
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
+from tests.conftest import DEVICE  # the GPU when there is one, else the CPU (interpreter)
 
 CPU = torch.device("cpu")
 
@@ -119,7 +120,8 @@ def _epilogue_inputs(n, v, splits, case, g):
     opts = CrossEntropyOptions.checked(ignore_index=ignore, reduction=case.get("reduction", "mean"),
                                        label_smoothing=case.get("label_smoothing", 0.0),
                                        z_loss=case.get("z_loss", 0.0))
-    return part_max, part_sum, part_tgt, part_smooth, target, cw, opts
+    dev = [t.to(DEVICE) if t is not None else None for t in (part_max, part_sum, part_tgt, part_smooth, target, cw)]
+    return (*dev, opts)
 
 
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
@@ -154,10 +156,10 @@ def test_fused_epilogues_match_the_torch_formulas(case, n, splits):
     # backward: the gradient of the reduced loss (strided for "none") and of lse
     for with_lse in (False, True):
         if opts.reduction == "none":
-            grad = torch.randn(1, generator=g).expand(n)  # e.g. loss.sum().backward(): stride 0
+            grad = torch.randn(1, generator=g).to(DEVICE).expand(n)  # e.g. loss.sum().backward(): stride 0
         else:
-            grad = torch.randn((), generator=g)
-        grad_lse = torch.randn(2 * n, generator=g)[::2] if with_lse else None
+            grad = torch.randn((), generator=g).to(DEVICE)
+        grad_lse = torch.randn(2 * n, generator=g).to(DEVICE)[::2] if with_lse else None
         coef = ce_epilogue.grad_coefficients(grad, grad_lse, lse, w_t, target, cw, opts, v)
         ref = grad_coefficients(lse, target, upstream_per_token(grad, ref_wt, opts.reduction), v, cw, opts)
         if grad_lse is not None:
@@ -191,6 +193,8 @@ def test_fused_log_prob_epilogues_match_the_formulas(entropy, n, splits):
     tokens[torch.rand(n, generator=g) < 0.2] = 4
     if n > 4:
         tokens[2] = -3  # out of range
+    part_max, part_sum, part_u, part_tgt, tokens = (t.to(DEVICE) for t in (part_max, part_sum, part_u, part_tgt,
+                                                                            tokens))
     opts = LogProbOptions(temperature=0.7, entropy=entropy, softcap=None, ignore_index=4)
     logp, ent, lse = log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if entropy else None, part_tgt,
                                                         tokens, opts, v)
@@ -207,8 +211,8 @@ def test_fused_log_prob_epilogues_match_the_formulas(entropy, n, splits):
         torch.testing.assert_close(ent, clean, rtol=1e-5, atol=1e-5, equal_nan=True)
     else:
         assert ent is None
-    g_full = torch.randn(2 * n, generator=g)[::2]
-    g_h_full = torch.randn(1, generator=g).expand(n)
+    g_full = torch.randn(2 * n, generator=g).to(DEVICE)[::2]
+    g_h_full = torch.randn(1, generator=g).to(DEVICE).expand(n)
     for g_lp, g_h in ((g_full, None), (None, g_h_full), (g_full, g_h_full)):
         coef = log_probs_epilogue.grad_coefficients(ent, tokens, g_lp, g_h, v, opts)
         ref = F.grad_coefficients(ent, tokens, g_lp, g_h if entropy else None, v, opts, lse)
@@ -223,15 +227,17 @@ def test_epilogue_edge_cases():
     from logitless.triton_lib import ce_epilogue
 
     opts = CrossEntropyOptions.checked()
-    pm, ps, pt = torch.zeros(2, 5), torch.ones(2, 5), torch.zeros(2, 5)
-    target = torch.full((5,), -100)
+    pm, ps, pt = (torch.zeros(2, 5, device=DEVICE), torch.ones(2, 5, device=DEVICE),
+                  torch.zeros(2, 5, device=DEVICE))
+    target = torch.full((5,), -100, device=DEVICE)
     lse, loss, w_t = ce_epilogue.forward_loss(pm, ps, pt, None, target, None, opts, 11)
-    assert loss.isnan() and torch.equal(w_t, torch.zeros(5))
-    torch.testing.assert_close(lse, torch.full((5,), 2.0).log())
-    coef = ce_epilogue.grad_coefficients(torch.tensor(1.0), None, lse, w_t, target, None, opts, 11)
-    assert torch.equal(coef, torch.zeros(3, 5))
+    assert loss.isnan() and torch.equal(w_t, torch.zeros(5, device=DEVICE))
+    torch.testing.assert_close(lse, torch.full((5,), 2.0, device=DEVICE).log())
+    coef = ce_epilogue.grad_coefficients(torch.tensor(1.0, device=DEVICE), None, lse, w_t, target, None, opts, 11)
+    assert torch.equal(coef, torch.zeros(3, 5, device=DEVICE))
     pm[1, 3] = float("nan")
-    lse, _, _ = ce_epilogue.forward_loss(pm, ps, pt, None, torch.zeros(5, dtype=torch.long), None, opts, 11)
+    lse, _, _ = ce_epilogue.forward_loss(pm, ps, pt, None, torch.zeros(5, dtype=torch.long, device=DEVICE), None,
+                                         opts, 11)
     assert lse[3].isnan() and not lse[:3].isnan().any()
 
 
@@ -262,13 +268,13 @@ def test_eager_fast_path_is_bitwise_the_custom_op(case):
     g = torch.Generator().manual_seed(3)
     n, h, v = 37, 24, 97
     case = dict(case)
-    x0 = torch.randn(n, h, generator=g).to(torch.bfloat16)
-    w0 = (torch.randn(v, h, generator=g) * 0.3).to(torch.bfloat16)
-    b0 = torch.randn(v, generator=g).to(torch.bfloat16) if case.pop("bias", False) else None
-    t = torch.randint(0, v, (n,), generator=g)
+    x0 = torch.randn(n, h, generator=g).to(DEVICE, torch.bfloat16)
+    w0 = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE, torch.bfloat16)
+    b0 = torch.randn(v, generator=g).to(DEVICE, torch.bfloat16) if case.pop("bias", False) else None
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     t[::5] = case.get("ignore_index", -100)
     if case.pop("class_weight", False):
-        case["class_weight"] = torch.rand(v, generator=g) + 0.5
+        case["class_weight"] = (torch.rand(v, generator=g) + 0.5).to(DEVICE)
 
     def run(fast):
         x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
@@ -302,9 +308,9 @@ def test_eager_fast_path_log_probs_is_bitwise_the_custom_op(case):
 
     g = torch.Generator().manual_seed(4)
     n, h, v = 29, 24, 89
-    x0 = torch.randn(n, h, generator=g).to(torch.bfloat16)
-    w0 = (torch.randn(v, h, generator=g) * 0.3).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), generator=g)
+    x0 = torch.randn(n, h, generator=g).to(DEVICE, torch.bfloat16)
+    w0 = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE, torch.bfloat16)
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     t[::4] = case.get("ignore_index", -100)
 
     def run(fast):
@@ -313,7 +319,7 @@ def test_eager_fast_path_log_probs_is_bitwise_the_custom_op(case):
             out = logitless.linear_log_probs(x, w, t, backend="triton", **case)
             logp, ent = out if isinstance(out, tuple) else (out, None)
             kind = " ".join(_graph_nodes(logp.grad_fn))
-            total = (logp * torch.linspace(0, 1, n)).sum() + (ent.sum() * 0.5 if ent is not None else 0)
+            total = (logp * torch.linspace(0, 1, n, device=DEVICE)).sum() + (ent.sum() * 0.5 if ent is not None else 0)
             total.backward(retain_graph=True)
             first = [x.grad.clone(), w.grad.clone()]
             total.backward()
