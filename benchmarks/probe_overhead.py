@@ -34,14 +34,19 @@ SHAPES = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", help="TOKENS:HIDDEN:VOCAB[,...] instead of the default shapes")
     args = ap.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = {f"{n}x{h}x{v}": (n, h, v) for n, h, v in
+                  (tuple(int(d) for d in s.split(":")) for s in args.shapes.split(","))}
     dev = torch.device("cuda")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),
                 command=" ".join(sys.argv))
     print(meta, flush=True)
     rows = []
-    for name, (n, h, v) in SHAPES.items():
+    for name, (n, h, v) in shapes.items():
         x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(v, h, device=dev) * h**-0.5).to(torch.bfloat16).requires_grad_(True)
         t = torch.randint(0, v, (n,), device=dev)

@@ -78,7 +78,9 @@ class _Args:
     """``args()``: the fields in order, as a torch custom op takes them."""
 
     def args(self) -> tuple:
-        return dataclasses.astuple(self)
+        # The fields' values in order (not dataclasses.astuple: it deep-copies each value,
+        # ~0.03 ms per call on the eager hot path).
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     @classmethod
     def from_args(cls, named: dict):

@@ -25,6 +25,10 @@ is the shipped behaviour:
                     plans (e.g. force one kept tile and narrow chunks in a test)
     num_sms         multiprocessors the planner assumes (None: the device's own)
     device_model    a ``cost_model.DeviceModel`` for the planner (None: the device's class)
+    eager_fast_path eager calls of the fused linear ops run their custom ops' Python
+                    implementations through a plain autograd.Function (False: through
+                    the torch.library custom ops, as under torch.compile; the same
+                    results bitwise: ``ops.common.autograd.EagerOp``)
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Overrides:
     plan: Optional[Callable] = None
     num_sms: Optional[int] = None
     device_model: Any = None
+    eager_fast_path: bool = True
 
 
 #: The default is a frozen dataclass: never mutated, only replaced (``override``).

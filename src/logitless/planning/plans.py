@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported for the planners' users)
+from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
 
 
@@ -132,6 +133,7 @@ WAVES = 16
 MIN_CHUNK = 4096
 
 
+@memoised
 def triton_plan(
     num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
     tiles=None, keep_allowed: bool = False,
@@ -263,6 +265,7 @@ def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v,
     return c.keep_cols, _clamp(c.vocab_chunk, block_v, padded)
 
 
+@memoised
 def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_grad=True,
                  grad_in_forward_ok=True, keep_allowed=True, weight_fp32=False):
     """The cost model's choice for linear_cross_entropy: a ``_cost_model.Candidate``
@@ -364,6 +367,7 @@ class LinearJSDPlan:
     tiles: TritonPlan
 
 
+@memoised
 def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
                     device) -> LinearJSDPlan:
     cuda = device.type == "cuda"

@@ -76,6 +76,9 @@ def clear() -> None:
     """Forget the files read so far (after the tuner wrote a new cache)."""
     _read.cache_clear()
     _device_tables.cache_clear()
+    from logitless.planning import memo
+
+    memo.clear()  # plans made from the old tables
 
 
 def _lookup(table: dict, key: str) -> Optional[tuple]:

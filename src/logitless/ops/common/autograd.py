@@ -47,6 +47,84 @@ def named(fn: Callable, inputs: tuple) -> dict:
     return out
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_INFRA_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
+                     if hasattr(torch._C._TorchDispatchModeKey, k))
+
+
+def eager_fast_path_ok(inputs: tuple) -> bool:
+    """Whether a plain autograd.Function may stand in for a custom op: an eager call on
+    plain tensors, outside torch.compile, dispatch modes (FakeTensor, tracing, the tests'
+    recorders), functorch transforms and tensor subclasses (DTensor...), and not turned
+    off (``overrides.override(eager_fast_path=False)``)."""
+    from logitless.planning.overrides import current
+
+    if torch.compiler.is_compiling() or not current().eager_fast_path:  # (compiling first: dynamo stops there)
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+        return False
+    if any(torch._C._get_dispatch_mode(k) is not None for k in _INFRA_MODES):
+        return False
+    return all(type(a) in _PLAIN for a in inputs if isinstance(a, torch.Tensor))
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The autograd of an ``EagerOp`` (its last argument): the custom op's Python
+    implementation, ``setup_context`` and backward, without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        op, inputs = args[-1], args[:-1]
+        out = op.impl(*inputs)
+        ctx.eager = True  # the backward calls the backward op's implementation directly
+        op.setup_context(ctx, inputs, out)
+        ctx.eager_backward = op.backward
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        prev = ctx.needs_input_grad
+        ctx.needs_input_grad = prev[:-1]  # as the inputs of the custom op (not the EagerOp)
+        try:
+            result = ctx.eager_backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = prev
+        return (*result, None)
+
+
+def below_autograd(fn: Callable) -> Callable:
+    """``fn`` run as the dispatcher runs a custom op's implementation: recording no
+    autograd history (a backward with create_graph=True runs with grad mode on, and the
+    inputs require grad). ``EagerOp``'s backward calls the backward op's implementation so."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+class EagerOp:
+    """A forward custom op with its autograd (``register_autograd``'s ``setup_context``
+    and ``backward``), callable as the op. Eager calls (``eager_fast_path_ok``) run
+    ``impl`` (the op's Python implementation, ``EAGER``) inside a plain
+    autograd.Function: the same computation, so the same results bitwise, without the
+    torch.library layer's per-call work (schema default filling, aliasing checks,
+    redispatch: ~0.2 ms per call of an op with ~20 arguments on the CPU,
+    ``benchmarks/probe_host.py``). Anything else (torch.compile, fake tensors, dispatch
+    modes, subclasses) calls the custom op. ``backward`` runs with ``ctx.eager`` set on
+    the fast path: it then calls the backward op's implementation, not the op."""
+
+    def __init__(self, op, impl: Callable, setup_context: Callable, backward: Callable):
+        self.op, self.impl, self.setup_context, self.backward = op, impl, setup_context, backward
+
+    def __call__(self, *inputs):
+        if eager_fast_path_ok(inputs):
+            return _EagerFunction.apply(*inputs, self)
+        return self.op(*inputs)
+
+
 class NoDoubleBackward(torch.autograd.Function):
     """Identity on first-order gradients computed with create_graph=True; differentiating
     them again raises one clear error."""

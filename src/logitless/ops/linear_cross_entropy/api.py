@@ -18,7 +18,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
-from .custom_op import grad_in_forward_chunk, lce_forward
+from .custom_op import grad_in_forward_chunk, lce_forward_eager
 
 
 def linear_cross_entropy(
@@ -188,7 +188,7 @@ def linear_cross_entropy(
     in_forward = 0
     if grad_wanted and not torch.compiler.is_compiling() and not tp.parallel:
         in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
-    loss, lse, argmax, *_ = lce_forward(
+    loss, lse, argmax, *_ = lce_forward_eager(
         x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
         return_stats, grad_wanted, in_forward, *need, *tp.args(),
     )

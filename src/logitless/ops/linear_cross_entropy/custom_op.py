@@ -43,6 +43,8 @@ from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
+    EagerOp,
+    below_autograd,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -100,6 +102,7 @@ def _forward(
                 budget=budget, need_argmax=need_argmax, need_grad=need_grad)
         return _outputs(x, target, loss, lse, argmax if need_argmax else None, w_t, kept, None)
     check_targets_in_range(target, v, ignore_index)
+    loss = None
     with no_autocast(x.device):
         if n == 0:
             empty = x.new_empty(0, dtype=sd)
@@ -110,14 +113,21 @@ def _forward(
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
                 need_dw=need_dw, need_db=need_db, budget=budget,
             )
+        elif backend == "triton":  # the loss epilogue fused into one launch (ce_epilogue)
+            stats, kept, loss, w_t = load_backend(__package__, backend).forward(
+                x, weight, bias, target, class_weight, softcap,
+                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
+                need_grad=need_grad, loss_opts=opts,
+            )
         else:
             stats, kept = load_backend(__package__, backend).forward(
                 x, weight, bias, target, class_weight, softcap,
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
                 need_grad=need_grad,
             )
-        loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-        loss = reduce(loss_tok, w_t, reduction)
+        if loss is None:
+            loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
+            loss = reduce(loss_tok, w_t, reduction)
     return _outputs(x, target, loss, stats.lse, stats.argmax if need_argmax else None, w_t, kept, grads)
 
 
@@ -213,10 +223,13 @@ def _backward(
                     impl, grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts, tp,
                     budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
             else:
-                g = upstream_per_token(grad_loss, w_t, reduction)
-                coef = grad_coefficients(lse, target, g, v, class_weight, opts)
-                if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
-                    coef[0] += grad_lse.to(coef.dtype)
+                if backend == "triton":  # the same coefficients in one launch (ce_epilogue)
+                    coef = impl.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts, v)
+                else:
+                    g = upstream_per_token(grad_loss, w_t, reduction)
+                    coef = grad_coefficients(lse, target, g, v, class_weight, opts)
+                    if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
+                        coef[0] += grad_lse.to(coef.dtype)
                 dx, dw, db = impl.backward(
                     x, weight, bias, target, class_weight, softcap, lse, coef,
                     need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
@@ -225,6 +238,7 @@ def _backward(
 
 
 lce_backward = custom_op("lce_backward", _backward, mutates_args=("keep",))
+_eager_backward = below_autograd(_backward)  # what lce_backward runs, for the eager fast path
 
 
 @lce_backward.register_fake
@@ -278,8 +292,10 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     if not (need_dx or need_dw or need_db):
         return (None,) * ctx.num_inputs
 
+    op = _eager_backward if getattr(ctx, "eager", False) else lce_backward  # (EagerOp: the same computation)
+
     def backward(g_loss, g_lse, kept):
-        return lce_backward(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t, *kept,
+        return op(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t, *kept,
                             *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db,
                             *ctx.tp.args())
 
@@ -299,3 +315,5 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
 
 
 lce_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+#: What the public function calls: ``lce_forward``, through a plain autograd.Function in eager mode.
+lce_forward_eager = EagerOp(lce_forward, _forward, _setup_context, _autograd_backward)

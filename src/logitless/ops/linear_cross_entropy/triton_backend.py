@@ -26,8 +26,9 @@ import triton
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
+from logitless.options import CrossEntropyOptions
 from logitless.planning.plans import TritonPlan, triton_plan
-from logitless.triton_lib import launch
+from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F401  (the custom op's)
 
 from . import triton_kernels as K
@@ -55,9 +56,12 @@ def forward(
     budget: int,
     need_grad: bool = False,
     plan: Optional[TritonPlan] = None,
+    loss_opts: Optional[CrossEntropyOptions] = None,
 ):
     """Returns (TokenStats, kept): kept is None or the tensors ``kept_shapes`` describes,
-    which ``backward`` turns into dz in place (so it can use them once)."""
+    which ``backward`` turns into dz in place (so it can use them once). With
+    ``loss_opts`` (N > 0): (TokenStats with lse and argmax only, kept, loss, w_t), the
+    split merge, per-token loss and reduction in one launch (``ce_epilogue.forward_loss``)."""
     n, h = x.shape
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
@@ -92,21 +96,34 @@ def forward(
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
+    kept = _Kept(keep_buf, keep_max, plan) if keep is not None else None
+    if loss_opts is not None:
+        lse, loss, w_t = ce_epilogue.forward_loss(part_max, part_sum, part_tgt, part_smooth if need_smooth else None,
+                                                  target, class_weight, loss_opts, v)
+        argmax = _merge_argmax(part_best, part_arg) if need_argmax else None
+        return TokenStats(lse=lse, target_logit=None, smooth_sum=None, argmax=argmax), kept, loss, w_t
     # Merge the splits: lse = M + log sum_j s_j exp(m_j - M). max() propagates NaN.
     big_m = part_max.max(dim=0).values
     m_safe = torch.where(big_m == float("-inf"), torch.zeros_like(big_m), big_m)
     lse = m_safe + torch.log((part_sum * torch.exp(part_max - m_safe)).sum(dim=0))
-    argmax = None
-    if need_argmax:
-        first = part_best.argmax(dim=0, keepdim=True)  # first split holding the maximum
-        argmax = part_arg.gather(0, first)[0].long()
     stats = TokenStats(
         lse=lse,
         target_logit=part_tgt.sum(dim=0),
         smooth_sum=part_smooth.sum(dim=0) if need_smooth else None,
-        argmax=argmax,
+        argmax=_merge_argmax(part_best, part_arg) if need_argmax else None,
     )
-    return stats, _Kept(keep_buf, keep_max, plan) if keep is not None else None
+    return stats, kept
+
+
+def _merge_argmax(part_best: Tensor, part_arg: Tensor) -> Tensor:
+    first = part_best.argmax(dim=0, keepdim=True)  # first split holding the maximum
+    return part_arg.gather(0, first)[0].long()
+
+
+def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor, target: Tensor,
+                      class_weight: Optional[Tensor], opts: CrossEntropyOptions, num_classes: int) -> Tensor:
+    """The backward's (3, N) A, B, C in one launch (``ce_epilogue.grad_coefficients``)."""
+    return ce_epilogue.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts, num_classes)
 
 
 class _Kept(tuple):

@@ -14,7 +14,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import resolve_backend
 from logitless.options import LogProbOptions, check_memory_budget
 
-from .custom_op import llp_forward
+from .custom_op import llp_forward_eager
 
 
 def linear_log_probs(
@@ -118,7 +118,7 @@ def linear_log_probs(
         x2d = x2d.contiguous()
     flat = tokens.reshape(-1).long()
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    logp, ent, *_ = llp_forward(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
+    logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
                                 *tp.args())
     logp = logp.reshape(out_shape)
     if not opts.entropy:

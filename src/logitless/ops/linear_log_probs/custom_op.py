@@ -31,6 +31,8 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
+    EagerOp,
+    below_autograd,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -82,6 +84,9 @@ def _forward(
         elif n == 0:
             logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
             ent = x.new_empty(0, dtype=sd) if entropy else None
+        elif backend == "triton":  # merge + token_outputs in one launch (log_probs_epilogue)
+            (logp, ent, lse), kept = load_backend(__package__, backend).forward(
+                x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad, outputs=True)
         else:
             stats, kept = load_backend(__package__, backend).forward(
                 x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad)
@@ -161,14 +166,19 @@ def _backward(
                     impl, grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, opts, tp,
                     budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
             else:
-                coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
-                                         grad_entropy if entropy else None, v, opts, lse)
+                if backend == "triton":  # the same coefficients in one launch (log_probs_epilogue)
+                    coef = impl.grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
+                                                  grad_entropy if entropy else None, v, opts)
+                else:
+                    coef = grad_coefficients(entropy_out if entropy else None, tokens, grad_logp,
+                                             grad_entropy if entropy else None, v, opts, lse)
                 dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
                                            need_dw=need_dw, need_db=need_db, budget=budget, **extra)
     return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 
 
 llp_backward = custom_op("llp_backward", _backward, mutates_args=("keep",))
+_eager_backward = below_autograd(_backward)  # what llp_backward runs, for the eager fast path
 
 
 @llp_backward.register_fake
@@ -197,7 +207,8 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     if not (need_dx or need_dw or need_db) or (grad_logp is None and grad_entropy is None):
         return (None,) * ctx.num_inputs
-    grads = llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
+    op = _eager_backward if getattr(ctx, "eager", False) else llp_backward  # (EagerOp: the same computation)
+    grads = op(grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, keep, keep_max, plan,
                          *ctx.opts.args(), ctx.backend, ctx.budget, need_dx, need_dw, need_db,
                          *ctx.tp.args())
     grads = (grads[0] if need_dx else None, grads[1] if need_dw else None, grads[2] if need_db else None)
@@ -206,3 +217,5 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
 
 
 llp_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+#: What the public function calls: ``llp_forward``, through a plain autograd.Function in eager mode.
+llp_forward_eager = EagerOp(llp_forward, _forward, _setup_context, _autograd_backward)

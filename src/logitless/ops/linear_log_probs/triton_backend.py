@@ -27,7 +27,7 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
 from logitless.planning.plans import TritonPlan, triton_plan
-from logitless.triton_lib import launch
+from logitless.triton_lib import launch, log_probs_epilogue
 from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F401  (the custom op's)
 
 from . import triton_kernels as K
@@ -68,9 +68,11 @@ def _flags(bias, opts: LogProbOptions, dtype):
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None):
+            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None, outputs: bool = False):
     """(LogProbStats, kept): kept is None or (buffer, tile maxima, plan tensor), which
-    ``backward`` turns into dz in place (one backward only)."""
+    ``backward`` turns into dz in place (one backward only). ``outputs`` (N > 0): ((logp,
+    entropy or None, lse), kept) instead, the merge and ``token_outputs`` in one launch
+    (``log_probs_epilogue.forward_outputs``)."""
     n, h = x.shape
     v = weight.shape[0]
     keep_ok = keep_allowed(x.dtype, opts, need_grad)
@@ -101,10 +103,19 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
+    kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
+    if outputs:
+        return log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
+                                                  tokens, opts, v), kept
     lse, ent = merge_splits(part_max, part_sum, part_u if opts.entropy else None)
     stats = LogProbStats(lse=lse, target=part_tgt.sum(dim=0), entropy=ent)
-    kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
     return stats, kept
+
+
+def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor], g_h: Optional[Tensor],
+                      num_classes: int, opts: LogProbOptions) -> Tensor:
+    """The backward's (3, N) A, B, C in one launch (``log_probs_epilogue.grad_coefficients``)."""
+    return log_probs_epilogue.grad_coefficients(entropy, tokens, g_lp, g_h, num_classes, opts)
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
