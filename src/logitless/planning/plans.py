@@ -334,6 +334,34 @@ def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETrit
 # --------------------------------------------------------------------------- distillation
 
 
+@dataclass(frozen=True)
+class JSDStatsPlan:
+    """Launch of the distillation row statistics (``triton_lib.jsd_rows.row_stats``):
+    block_n x block_v tiles (``ce_triton_plan``), each row split over ``splits``
+    programs of ``blocks_per_split`` column blocks each (1: one program per row block)."""
+
+    block_n: int
+    block_v: int
+    num_warps: int
+    splits: int
+    blocks_per_split: int
+
+
+def jsd_stats_plan(num_tokens: int, vocab: int, itemsize: int, device) -> JSDStatsPlan:
+    """Split rows when there are too few row blocks for ~WAVES programs per SM (a few
+    hundred rows of a 128k+ vocabulary: linear_jsd's chunks), so the sweeps run at
+    bandwidth instead of one long latency-bound program per row; no split (the single
+    kernel, bitwise as before) when the row blocks alone fill the device."""
+    t = ce_triton_plan(num_tokens, vocab, itemsize, device)
+    row_blocks = math.ceil(max(1, num_tokens) / t.block_n)
+    vocab_blocks = math.ceil(max(1, vocab) / t.block_v)
+    want = _clamp(math.ceil(WAVES * num_sms(device) / row_blocks), 1, vocab_blocks)
+    per_split = math.ceil(vocab_blocks / want)
+    return JSDStatsPlan(block_n=t.block_n, block_v=t.block_v, num_warps=t.num_warps,
+                        splits=math.ceil(vocab_blocks / per_split), blocks_per_split=per_split)
+
+
+
 def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
     """Rows per chunk of the PyTorch backends of jsd / linear_jsd (full rows of both
     logits): about 12 (rows x V) temporaries in the compute dtype (both upcast logits,
@@ -370,8 +398,12 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     tiles = _overrides().tiles or (JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     rows = budget // max(1, 8 * vocab)
-    if cuda and rows >= 128:
-        rows = rows // 128 * 128  # whole GEMM tiles
+    if cuda and rows >= 16:
+        # Multiples of 16, not of 128-row GEMM tiles: each chunk's two GEMMs read both
+        # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
+        # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
+        # took 1.7x the weight traffic (32 chunks of 4096 tokens instead of 19).
+        rows = rows // 16 * 16
     rows = _clamp(rows, 1, max(1, num_tokens))
     padded_vocab = math.ceil(vocab / block_v) * block_v
     min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))

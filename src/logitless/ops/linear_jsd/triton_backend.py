@@ -24,9 +24,9 @@ import triton
 from torch import Tensor
 
 from logitless.options import JSDOptions
-from logitless.planning.plans import ce_triton_plan, linear_jsd_plan
+from logitless.planning.plans import jsd_stats_plan, linear_jsd_plan
 from logitless.triton_lib import launch
-from logitless.triton_lib.jsd_rows import jsd_forward_kernel, scalar_args
+from logitless.triton_lib.jsd_rows import row_stats, scalar_args
 
 from . import triton_kernels as K
 
@@ -49,18 +49,14 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
     zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
     zt = torch.empty_like(zs)
-    fwd = scalar_args(opts)
-    rp = ce_triton_plan(min(rows, n), v, 4, xs.device)  # the jsd kernel's tiles, for fp32 logits
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         r = n1 - n0
         chunk_stats = torch.empty(6, r, dtype=torch.float32, device=xs.device)
         _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
         _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        jsd_forward_kernel[(triton.cdiv(r, rp.block_n),)](
-            zs, zt, target[n0:n1], chunk_stats, r, v, zs.stride(0), 1, zt.stride(0), 1, **fwd,
-            BLOCK_N=rp.block_n, BLOCK_V=rp.block_v, num_warps=rp.num_warps,
-        )
+        # the statistics' launch for fp32 logits of r rows (rows split when few)
+        row_stats(zs[:r], zt[:r], target[n0:n1], chunk_stats, opts, jsd_stats_plan(r, v, 4, xs.device))
         stats[:, n0:n1] = chunk_stats
     return stats
 
