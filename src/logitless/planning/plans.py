@@ -417,3 +417,23 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
                       num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk,
                       **kernel_options(num_tokens, block_n, block_v, device))  # group_n is used
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)
+
+
+def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
+                        device, *, weight_fp32: bool = False):
+    """The cost model's choice for linear_jsd (``cost_model.choose_jsd``): a Candidate with
+    strategy "recompute" (the default two-pass design) or "grad_in_forward" and its
+    token chunk. The gradient-in-forward strategy is chosen on GPUs only (the CPU
+    interpreter uses it when forced: ``override(strategy=("grad_in_forward", tokens))``),
+    and only when the vocabulary is a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path)."""
+    from logitless.planning import cost_model as _cost_model
+
+    forced = _overrides().strategy
+    if forced is not None:
+        name, token_chunk = forced
+        return _cost_model.Candidate(name, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
+    gif_ok = device.type == "cuda" and vocab % ODD_V_ALIGN == 0
+    return _cost_model.choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
+                                  device_model=_device_model(device), grad_in_forward=gif_ok,
+                                  weight_fp32=weight_fp32)
+
