@@ -41,8 +41,9 @@ def test_matches_float64(calls, beta, option, reduction):
     """Every option alone and combined, each divergence mode, both reductions; 3 chunks of
     a (3, 7) input (the last one ragged) with a temperature."""
     opts = dict(OPTIONS[option], beta=beta, temperature=1.7)
+    seed = int(beta * 10) * 100 + list(OPTIONS).index(option)
     with override(strategy=("grad_in_forward", 8)):
-        check("triton", torch.bfloat16, (3, 7), 24, 40, 101, opts, reduction, seed=hash((beta, option)) % 1000)
+        check("triton", torch.bfloat16, (3, 7), 24, 40, 101, opts, reduction, seed=seed)
     assert calls == [8]
 
 
