@@ -3,18 +3,21 @@
 GEMM count, against the floor of four (student logits, teacher logits, student dx,
 student dW), in units where a GEMM over H costs H:
 
-forward  (2 GEMMs): for each chunk of ``plan.forward_rows`` tokens, cuBLAS writes both
-         heads' fp32 logits (rows x V each, the budget's size), then
-         ``jsd_forward_kernel`` (shared with ``jsd``) reduces them to the (6, N) row
-         statistics: lse of both, S = KL(p || m), K = KL(q || m), lse at T = 1 and the
-         target logit. Full rows are needed because S enters every element's gradient.
+forward  (2 GEMMs): for each chunk of ``plan.forward_rows`` tokens (a multiple of 16:
+         each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
+         logits (rows x V each, the budget's size), then ``jsd_rows.row_stats`` (shared
+         with ``jsd``; each row split over several programs when the rows are few,
+         ``plans.jsd_stats_plan``) reduces them to the (6, N) row statistics: lse of
+         both, S = KL(p || m), K = KL(q || m), lse at T = 1 and the target logit. Full
+         rows are needed because S enters every element's gradient.
 backward (4 GEMMs): for each chunk [v0, v1) of ``plan.vocab_chunk`` columns,
          ``jsd_dlogits_kernel`` recomputes both heads' tiles (fused, in registers) and
          writes dz in the input dtype; then dW_s[v0:v1] = dz^T x_s, db_s = column sums
          (fp32), dx_s += dz W_s[v0:v1] into an fp32 (N, H_s) accumulator (cuBLAS).
 Total: 2 (H_s + H_t) + 2 H_s against the floor 3 H_s + H_t: 1.5x for equal hidden
 sizes, 1.6x for a teacher twice as wide. No (N, V) tensor beyond the budget's chunks,
-no atomics (bitwise repeatable), no host syncs.
+no atomics (bitwise repeatable), no host syncs. With a large budget the planner may pick
+the gradient-in-forward strategy instead (``triton_grad_in_forward``: 4 GEMMs).
 """
 
 from __future__ import annotations
