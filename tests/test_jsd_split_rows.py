@@ -107,10 +107,11 @@ def test_plan_splits_only_when_rows_are_few():
     with override(num_sms=132):
         few = jsd_stats_plan(216, 151936, 4, cuda)
         many = jsd_stats_plan(16384, 151936, 4, cuda)
+        jsd_bf16 = jsd_stats_plan(4096, 151936, 2, cuda)  # the jsd op on 4096 rows of bf16 logits
     assert few.splits > 1 and few.splits * few.blocks_per_split * few.block_v >= 151936
     assert (few.splits - 1) * few.blocks_per_split * few.block_v < 151936  # no empty split
     assert math.ceil(216 / few.block_n) * few.splits >= 16 * 132 // 2
-    assert many.splits == 1
+    assert many.splits == 1 and jsd_bf16.splits == 1
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])

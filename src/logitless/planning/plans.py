@@ -355,7 +355,9 @@ def jsd_stats_plan(num_tokens: int, vocab: int, itemsize: int, device) -> JSDSta
     t = ce_triton_plan(num_tokens, vocab, itemsize, device)
     row_blocks = math.ceil(max(1, num_tokens) / t.block_n)
     vocab_blocks = math.ceil(max(1, vocab) / t.block_v)
-    want = _clamp(math.ceil(WAVES * num_sms(device) / row_blocks), 1, vocab_blocks)
+    programs = WAVES * num_sms(device)
+    # at least WAVES / 2 row programs per SM already: one program per row block
+    want = 1 if 2 * row_blocks >= programs else _clamp(math.ceil(programs / row_blocks), 1, vocab_blocks)
     per_split = math.ceil(vocab_blocks / want)
     return JSDStatsPlan(block_n=t.block_n, block_v=t.block_v, num_warps=t.num_warps,
                         splits=math.ceil(vocab_blocks / per_split), blocks_per_split=per_split)
