@@ -328,3 +328,107 @@ def predict_all(n, h, v, itemsize, budget, *, device_model=DEFAULT, **kw) -> dic
             out[c.strategy] = c
     out["forward"] = predict_forward(device_model, n, h, v, itemsize)
     return out
+
+
+# --------------------------------------------------------------------------- linear_jsd
+#
+# Strategies of linear_jsd's Triton backend (``plans.linear_jsd_strategy``):
+#
+# - ``recompute``: forward per chunk of ``token_chunk`` rows, cuBLAS writes both heads'
+#   fp32 logits (8 R V bytes), the row statistics read them twice; backward per
+#   4096-column chunk, the fused two-head dz kernel recomputes both tiles, cuBLAS dW and
+#   dx (fp32 dx accumulator). 6 GEMMs. Memory: max(forward chunk, backward 4 N H_s +
+#   one dz chunk): the two are never alive together.
+# - ``grad_in_forward``: the same forward chunks, then (upstream gradient known up to
+#   grad_output: "mean"/"sum") dz of the chunk from the fp32 logits (one read of both,
+#   one write in the input dtype), dx rows = dz W_s, dW_s += dz^T x_s (fp32 accumulator
+#   4 V H_s unless one chunk covers every token or the weight is fp32); backward scales.
+#   4 GEMMs. Memory: the chunk's 8 R V + s R V bytes + the accumulator.
+#
+# Candidates are a fixed family per shape (token chunks on powers of two and N), filtered
+# by memory: the chosen predicted time never rises as the budget grows (tests check it).
+
+
+def _jsd_chunk_forward_s(dev, m, hs, ht, v, itemsize, stat_reads) -> float:
+    """One forward chunk of m rows: two fp32-output logits GEMMs and the statistics'
+    reads (``stat_reads`` passes over both fp32 chunks, split-row kernels at bandwidth)."""
+    t = gemm_s(dev, m, v, hs, itemsize, out_itemsize=4) + gemm_s(dev, m, v, ht, itemsize, out_itemsize=4)
+    return t + stat_reads * 8.0 * m * v / dev.hbm_bw + 3 * dev.launch_s
+
+
+def jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk, stat_reads=2) -> float:
+    chunks = math.ceil(n / token_chunk)
+    t = 0.0
+    for i in range(chunks):
+        t += _jsd_chunk_forward_s(dev, min(token_chunk, n - i * token_chunk), hs, ht, v, itemsize, stat_reads)
+    return t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
+
+
+def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=4096) -> Candidate:
+    fwd = jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk)
+    # The fused two-head dz kernel: both heads' GEMM FLOPs (measured ~1.4x cuBLAS on the
+    # same FLOPs at 4096 x 4096 <- 8192, PERFORMANCE.md "Distillation") + the dz write.
+    flops = 2.0 * n * v * (hs + ht)
+    bwd = max(1.4 * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, vocab_chunk, 128, 128)),
+              itemsize * n * v / dev.hbm_bw)
+    chunks = math.ceil(v / vocab_chunk)
+    for i in range(chunks):
+        c = min(vocab_chunk, v - i * vocab_chunk)
+        bwd += gemm_s(dev, c, hs, n, itemsize) + gemm_s(dev, n, hs, c, itemsize, out_itemsize=0) + 4 * dev.launch_s
+    if chunks > 1:
+        bwd += chunks * 8.0 * n * hs / dev.acc_bw + 6.0 * n * hs / dev.hbm_bw
+    bwd += _fixed(dev, n)
+    acc = 4 * n * hs if chunks > 1 and itemsize != 4 else 0
+    memory = max(8 * min(token_chunk, n) * v, acc + itemsize * n * min(vocab_chunk, v))
+    return Candidate("recompute", token_chunk=min(token_chunk, n), vocab_chunk=vocab_chunk, memory=memory,
+                     time_s=fwd + bwd, fwd_s=fwd)
+
+
+def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight_fp32=False) -> Candidate:
+    chunks = math.ceil(n / token_chunk)
+    t = 0.0
+    for i in range(chunks):
+        m = min(token_chunk, n - i * token_chunk)
+        t += _jsd_chunk_forward_s(dev, m, hs, ht, v, itemsize, 2)
+        t += (8.0 + itemsize) * m * v / dev.hbm_bw + dev.launch_s  # dz from both fp32 chunks
+        t += gemm_s(dev, m, hs, v, itemsize)  # dx rows
+        t += gemm_s(dev, v, hs, m, itemsize, out_itemsize=4 if chunks > 1 else itemsize)  # dW (+=)
+        if chunks > 1 and i > 0:
+            t += 8.0 * v * hs / dev.hbm_bw  # fp32 read-modify-write of the accumulator
+        t += 4 * dev.launch_s + dev.fixed_s
+    acc = 4 * v * hs if (chunks > 1 and not weight_fp32) else 0
+    if acc:
+        t += 6.0 * v * hs / dev.hbm_bw  # fp32 -> input dtype
+    fwd = t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
+    bwd = 2.0 * itemsize * (n * hs + v * hs) / dev.hbm_bw + 2 * dev.launch_s  # scale by grad_output
+    m = min(token_chunk, n)
+    memory = (8 + itemsize) * m * v + acc
+    return Candidate("grad_in_forward", token_chunk=m, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
+
+
+def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forward=True, weight_fp32=False):
+    """The fixed family of linear_jsd plans of a shape (independent of the budget)."""
+    dev = device_model
+    # multiples of 16 up to 1024 rows (the forward chunk the plan takes from the budget,
+    # ``plans.linear_jsd_plan``), then powers of two, and every token at once
+    sizes = {n} | {t for t in range(16, min(n, 1024) + 1, 16)}
+    t = 2048
+    while t < n:
+        sizes.add(t)
+        t *= 2
+    out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, t) for t in sorted(sizes)]
+    if grad_in_forward:
+        out += [predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, t, weight_fp32)
+                for t in sorted(sizes) if t >= min(n, 128)]
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_jsd(n, hs, ht, v, itemsize, budget, *, device_model=DEFAULT, grad_in_forward=True,
+               weight_fp32=False) -> Candidate:
+    """The fastest predicted linear_jsd plan whose memory fits ``budget`` (raised to the
+    least memory of the family, the recompute plan's floor). Ties: recompute first."""
+    cands = jsd_candidates(n, hs, ht, v, itemsize, device_model=device_model, grad_in_forward=grad_in_forward,
+                           weight_fp32=weight_fp32)
+    budget = max(budget, min(c.memory for c in cands))
+    return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)

@@ -17,7 +17,8 @@ is the shipped behaviour:
     model_plans     the cost model picks kept columns and chunk widths on GPUs (False:
                     the greedy rule, keep as many columns as fit)
     strategy        (name, token_chunk): the strategy ``plans.lce_strategy`` returns
-                    when a gradient is wanted, e.g. ("grad_in_forward", 64)
+                    when a gradient is wanted, e.g. ("grad_in_forward", 64); also
+                    ``plans.linear_jsd_strategy``'s ("grad_in_forward" or "recompute")
     tiles           (block_n, block_v, block_h, num_warps, num_stages) for every plan
     tf32_round      fp32 at matmul precision "high": round operands to TF32 in the
                     kernel (as cuBLAS); False lets the tensor cores truncate them

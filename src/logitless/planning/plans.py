@@ -337,6 +337,35 @@ def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETrit
 # --------------------------------------------------------------------------- distillation
 
 
+@dataclass(frozen=True)
+class JSDStatsPlan:
+    """Launch of the distillation row statistics (``triton_lib.jsd_rows.row_stats``):
+    block_n x block_v tiles (``ce_triton_plan``), each row split over ``splits``
+    programs of ``blocks_per_split`` column blocks each (1: one program per row block)."""
+
+    block_n: int
+    block_v: int
+    num_warps: int
+    splits: int
+    blocks_per_split: int
+
+
+def jsd_stats_plan(num_tokens: int, vocab: int, itemsize: int, device) -> JSDStatsPlan:
+    """Split rows when there are too few row blocks for ~WAVES programs per SM (a few
+    hundred rows of a 128k+ vocabulary: linear_jsd's chunks), so the sweeps run at
+    bandwidth instead of one long latency-bound program per row; no split (the single
+    kernel, bitwise as before) when the row blocks alone fill the device."""
+    t = ce_triton_plan(num_tokens, vocab, itemsize, device)
+    row_blocks = math.ceil(max(1, num_tokens) / t.block_n)
+    vocab_blocks = math.ceil(max(1, vocab) / t.block_v)
+    programs = WAVES * num_sms(device)
+    # at least WAVES / 2 row programs per SM already: one program per row block
+    want = 1 if 2 * row_blocks >= programs else _clamp(math.ceil(programs / row_blocks), 1, vocab_blocks)
+    per_split = math.ceil(vocab_blocks / want)
+    return JSDStatsPlan(block_n=t.block_n, block_v=t.block_v, num_warps=t.num_warps,
+                        splits=math.ceil(vocab_blocks / per_split), blocks_per_split=per_split)
+
+
 def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
     """Rows per chunk of the PyTorch backends of jsd / linear_jsd (full rows of both
     logits): about 12 (rows x V) temporaries in the compute dtype (both upcast logits,
@@ -374,8 +403,12 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     tiles = _overrides().tiles or (JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     rows = budget // max(1, 8 * vocab)
-    if cuda and rows >= 128:
-        rows = rows // 128 * 128  # whole GEMM tiles
+    if cuda and rows >= 16:
+        # Multiples of 16, not of 128-row GEMM tiles: each chunk's two GEMMs read both
+        # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
+        # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
+        # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208).
+        rows = rows // 16 * 16
     rows = _clamp(rows, 1, max(1, num_tokens))
     padded_vocab = math.ceil(vocab / block_v) * block_v
     min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
@@ -389,3 +422,23 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
                       num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk,
                       **kernel_options(num_tokens, block_n, block_v, device))  # group_n is used
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)
+
+
+def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
+                        device, *, weight_fp32: bool = False):
+    """The cost model's choice for linear_jsd (``cost_model.choose_jsd``): a Candidate with
+    strategy "recompute" (the default two-pass design) or "grad_in_forward" and its
+    token chunk. The gradient-in-forward strategy is chosen on GPUs only (the CPU
+    interpreter uses it when forced: ``override(strategy=("grad_in_forward", tokens))``),
+    and only when the vocabulary is a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path)."""
+    from logitless.planning import cost_model as _cost_model
+
+    forced = _overrides().strategy
+    if forced is not None:
+        name, token_chunk = forced
+        return _cost_model.Candidate(name, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
+    gif_ok = device.type == "cuda" and vocab % ODD_V_ALIGN == 0
+    return _cost_model.choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
+                                  device_model=_device_model(device), grad_in_forward=gif_ok,
+                                  weight_fp32=weight_fp32)
+

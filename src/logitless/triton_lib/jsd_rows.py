@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.ce_math import online_lse_update, softcap_tile
-from logitless.triton_lib.jsd_math import log_mixture, plogratio
+from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio
 
 
 def scalar_args(opts) -> dict:
@@ -121,3 +121,256 @@ def jsd_forward_kernel(
             z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
     tl.store(stats_ptr + 4 * N + offs_n, lse1, mask=row_ok)
     tl.store(stats_ptr + 5 * N + offs_n, z_t, mask=row_ok)
+
+
+@triton.jit
+def jsd_backward_kernel(
+    zs_ptr, zt_ptr, dz_ptr, target_ptr, stats_ptr, g_ptr,
+    N, V, stride_sn, stride_sv, stride_tn, stride_tv, stride_dn, stride_dv,
+    inv_t, wp, hlw, log_beta, log_1mbeta, cap_s, cap_t,
+    MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dz = d loss / d student logits for one BLOCK_N x BLOCK_V tile, in dz's dtype,
+    from the forward's statistics and the per-token upstream gradient g
+    (``_triton_jsd_math.jsd_dz_tile``). Traffic: both tiles read once, dz written once."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    rows = offs_n.to(tl.int64)[:, None]
+    zs = load_capped(zs_ptr + rows * stride_sn, offs_v, stride_sv, row_ok, V, 0.0, cap_s, HAS_CAP_S)
+    zt = load_capped(zt_ptr + rows * stride_tn, offs_v, stride_tv, row_ok, V, 0.0, cap_t, HAS_CAP_T)
+    lse_s, lse_t, s_row, lse1, g, target = load_jsd_row_stats(stats_ptr, g_ptr, target_ptr, offs_n, row_ok, N)
+    dz = jsd_dz_tile(zs, zt, offs_v, target, lse_s, lse_t, s_row, lse1, g,
+                     inv_t, wp, hlw, log_beta, log_1mbeta, cap_s, MODE, HAS_HARD, HAS_CAP_S)
+    mask = row_ok[:, None] & (offs_v < V)[None, :]
+    tl.store(dz_ptr + rows * stride_dn + offs_v.to(tl.int64)[None, :] * stride_dv,
+             dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- split rows
+#
+# The same statistics with each row split over ``splits`` programs (grid row blocks x
+# splits), for few rows of a long vocabulary (linear_jsd's chunks of ~200 rows of 128k+
+# columns, where one program per row block left the device latency-bound): phase 1
+# writes per split the online-mergeable partials (max, sum-exp of both heads, of the
+# student at T = 1, and the KL limits' rescaled sum), phase 2 (0 < beta < 1 only) merges
+# them into both lse and sums S and K over its columns, phase 3 merges the splits into
+# the (6, N) statistics. Partials are (PARTS, splits, N) fp32 (a few KB per row chunk).
+# Summation order differs from ``jsd_forward_kernel`` (per split, then across splits, in
+# split order): the same fp32 accuracy, deterministic, not bitwise the same numbers.
+
+#: Partials per (split, row) of phase 1: m_s, s_s, m_t, s_t, m_1, s_1, w.
+PARTS = 7
+
+
+@triton.jit
+def _split_columns(pid_v, V, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+    v_lo = pid_v * BLOCKS_PER_SPLIT * BLOCK_V
+    v_hi = tl.minimum(V, v_lo + BLOCKS_PER_SPLIT * BLOCK_V)
+    return v_lo, v_hi
+
+
+@triton.jit
+def jsd_partial_kernel(
+    zs_ptr, zt_ptr, part_ptr,
+    N, V, stride_sn, stride_sv, stride_tn, stride_tv,
+    inv_t, cap_s, cap_t,
+    MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+):
+    """Phase 1, program (i, j): rows of block i, columns of split j. Writes the online
+    partials (m_s, s_s, m_t, s_t, m_1, s_1, w) of ``jsd_forward_kernel``'s first sweep
+    to part[:, j, rows] (w: the KL limits' sum, rescaled by the weighting head's max).
+    Traffic: both logits' columns of the split read once."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    cols = tl.arange(0, BLOCK_V)
+    neg = float("-inf")
+    v_lo, v_hi = _split_columns(pid_v, V, BLOCK_V, BLOCKS_PER_SPLIT)
+
+    m_s = tl.full((BLOCK_N,), neg, tl.float32)
+    s_s = tl.zeros((BLOCK_N,), tl.float32)
+    m_t = tl.full((BLOCK_N,), neg, tl.float32)
+    s_t = tl.zeros((BLOCK_N,), tl.float32)
+    m_1 = tl.full((BLOCK_N,), neg, tl.float32)
+    s_1 = tl.zeros((BLOCK_N,), tl.float32)
+    w = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        zs = load_capped(rows_s, v0 + cols, stride_sv, row_ok, v_hi, neg, cap_s, HAS_CAP_S)
+        a = zs * inv_t
+        b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, v_hi, neg, cap_t, HAS_CAP_T) * inv_t
+        m_s_old = m_s
+        m_t_old = m_t
+        m_s, s_s, e_s, ms_safe, _ = online_lse_update(a, m_s, s_s)
+        m_t, s_t, e_t, mt_safe, _ = online_lse_update(b, m_t, s_t)
+        if MODE == 1:
+            w = w * tl.exp(m_t_old - mt_safe) + tl.sum(tl.where(e_t == 0.0, 0.0, e_t * (b - a)), 1)
+        if MODE == 2:
+            w = w * tl.exp(m_s_old - ms_safe) + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * (a - b)), 1)
+        if HAS_HARD:
+            m_1, s_1, _, _, _ = online_lse_update(zs, m_1, s_1)
+    out = part_ptr + pid_v * N + offs_n
+    plane = splits * N
+    tl.store(out, m_s, mask=row_ok)
+    tl.store(out + plane, s_s, mask=row_ok)
+    tl.store(out + 2 * plane, m_t, mask=row_ok)
+    tl.store(out + 3 * plane, s_t, mask=row_ok)
+    if HAS_HARD:
+        tl.store(out + 4 * plane, m_1, mask=row_ok)
+        tl.store(out + 5 * plane, s_1, mask=row_ok)
+    if MODE != 0:
+        tl.store(out + 6 * plane, w, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(part_ptr, q_m, q_s, q_w, offs_n, row_ok, N, splits, WITH_W: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Merge the splits' (max, sum) of partial row q_m, q_s (and a sum q_w rescaled by the
+    same max): returns (m, s, w), as one online sweep over all columns would."""
+    plane = splits * N
+    base = part_ptr + offs_n
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    for j in range(0, splits):
+        m = tl.maximum(m, tl.load(base + q_m * plane + j * N, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    w = tl.zeros((BLOCK_N,), tl.float32)
+    for j in range(0, splits):
+        f = tl.exp(tl.load(base + q_m * plane + j * N, mask=row_ok, other=float("-inf")) - m_safe)
+        s += tl.load(base + q_s * plane + j * N, mask=row_ok, other=0.0) * f
+        if WITH_W:
+            w += tl.load(base + q_w * plane + j * N, mask=row_ok, other=0.0) * f
+    return m, s, w
+
+
+@triton.jit
+def _lse(m, s):
+    return tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+
+
+@triton.jit
+def jsd_divergence_kernel(
+    zs_ptr, zt_ptr, part_ptr, sk_ptr,
+    N, V, stride_sn, stride_sv, stride_tn, stride_tv,
+    inv_t, log_beta, log_1mbeta, cap_s, cap_t,
+    MODE: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+):
+    """Phase 2 (0 < beta < 1), program (i, j): both lse from the merged phase-1 partials,
+    then S and K summed over split j's columns into sk[:, j, rows] (2, splits, N).
+    Traffic: the split's columns of both logits read a second time."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    cols = tl.arange(0, BLOCK_V)
+    neg = float("-inf")
+    m_s, s_s, _ = _merge_splits(part_ptr, 0, 1, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
+    m_t, s_t, _ = _merge_splits(part_ptr, 2, 3, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
+    lse_s = _lse(m_s, s_s)
+    lse_t = _lse(m_t, s_t)
+    v_lo, v_hi = _split_columns(pid_v, V, BLOCK_V, BLOCKS_PER_SPLIT)
+    acc_s = tl.zeros((BLOCK_N,), tl.float32)
+    acc_k = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        a = load_capped(rows_s, v0 + cols, stride_sv, row_ok, v_hi, neg, cap_s, HAS_CAP_S)
+        b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, v_hi, neg, cap_t, HAS_CAP_T)
+        lp = a * inv_t - lse_s[:, None]
+        lq = b * inv_t - lse_t[:, None]
+        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
+        acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
+        acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
+    tl.store(sk_ptr + pid_v * N + offs_n, acc_s, mask=row_ok)
+    tl.store(sk_ptr + (splits + pid_v) * N + offs_n, acc_k, mask=row_ok)
+
+
+@triton.jit
+def jsd_finish_kernel(
+    zs_ptr, target_ptr, part_ptr, sk_ptr, stats_ptr,
+    N, V, splits, stride_sn, stride_sv, cap_s,
+    MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Phase 3: the (6, N) statistics of ``jsd_forward_kernel`` from the splits'
+    partials (S and K summed in split order; the KL limits' sums merged online)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    m_s, s_s, w_s = _merge_splits(part_ptr, 0, 1, 6, offs_n, row_ok, N, splits, MODE == 2, BLOCK_N)
+    m_t, s_t, w_t = _merge_splits(part_ptr, 2, 3, 6, offs_n, row_ok, N, splits, MODE == 1, BLOCK_N)
+    lse_s = _lse(m_s, s_s)
+    lse_t = _lse(m_t, s_t)
+    acc_s = tl.zeros((BLOCK_N,), tl.float32)
+    acc_k = tl.zeros((BLOCK_N,), tl.float32)
+    if MODE == 1:
+        acc_k = w_t / s_t - lse_t + lse_s
+    elif MODE == 2:
+        acc_s = w_s / s_s - lse_s + lse_t
+    else:
+        for j in range(0, splits):
+            acc_s += tl.load(sk_ptr + j * N + offs_n, mask=row_ok, other=0.0)
+            acc_k += tl.load(sk_ptr + (splits + j) * N + offs_n, mask=row_ok, other=0.0)
+    tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
+    tl.store(stats_ptr + N + offs_n, lse_t, mask=row_ok)
+    tl.store(stats_ptr + 2 * N + offs_n, acc_s, mask=row_ok)
+    tl.store(stats_ptr + 3 * N + offs_n, acc_k, mask=row_ok)
+    lse1 = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_HARD:
+        m_1, s_1, _ = _merge_splits(part_ptr, 4, 5, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
+        lse1 = _lse(m_1, s_1)
+        target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+        t_ok = row_ok & (target >= 0) & (target < V)
+        z_t = tl.load(zs_ptr + offs_n.to(tl.int64) * stride_sn + target.to(tl.int64) * stride_sv,
+                      mask=t_ok, other=0.0).to(tl.float32)
+        if HAS_CAP_S:
+            z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
+    tl.store(stats_ptr + 4 * N + offs_n, lse1, mask=row_ok)
+    tl.store(stats_ptr + 5 * N + offs_n, z_t, mask=row_ok)
+
+
+def row_stats(zs, zt, target, stats, opts, plan) -> None:
+    """stats (6, N) fp32 of the logits zs, zt (N, V; any strides) with ``plan`` (a
+    ``planning.plans.JSDStatsPlan``): one program per row block when ``plan.splits`` is
+    1 (``jsd_forward_kernel``), else the three split phases above."""
+    import torch
+
+    n, v = zs.shape
+    sargs = scalar_args(opts)
+    strides = (zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1))
+    row_blocks = triton.cdiv(n, plan.block_n)
+    if plan.splits == 1:
+        jsd_forward_kernel[(row_blocks,)](
+            zs, zt, target, stats, n, v, *strides, **sargs,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
+        return
+    splits = plan.splits
+    part = torch.empty(PARTS, splits, n, dtype=torch.float32, device=zs.device)
+    mode, hard = sargs["MODE"], sargs["HAS_HARD"]
+    caps = dict(HAS_CAP_S=sargs["HAS_CAP_S"], HAS_CAP_T=sargs["HAS_CAP_T"])
+    tiles = dict(BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCKS_PER_SPLIT=plan.blocks_per_split,
+                 num_warps=plan.num_warps)
+    jsd_partial_kernel[(row_blocks, splits)](
+        zs, zt, part, n, v, *strides, sargs["inv_t"], sargs["cap_s"], sargs["cap_t"],
+        MODE=mode, HAS_HARD=hard, **caps, **tiles)
+    sk = part  # unused by the KL limits' phase 3
+    if mode == 0:
+        sk = torch.empty(2, splits, n, dtype=torch.float32, device=zs.device)
+        jsd_divergence_kernel[(row_blocks, splits)](
+            zs, zt, part, sk, n, v, *strides, sargs["inv_t"], sargs["log_beta"], sargs["log_1mbeta"],
+            sargs["cap_s"], sargs["cap_t"], MODE=mode, **caps, **tiles)
+    fin_block = min(128, triton.next_power_of_2(n))
+    jsd_finish_kernel[(triton.cdiv(n, fin_block),)](
+        zs, target, part, sk, stats, n, v, splits, zs.stride(0), zs.stride(1), sargs["cap_s"],
+        MODE=mode, HAS_HARD=hard, HAS_CAP_S=sargs["HAS_CAP_S"], BLOCK_N=fin_block, num_warps=4)

@@ -1,7 +1,9 @@
 """Triton backend of jsd (CUDA tensors; CPU under TRITON_INTERPRET=1).
 
-forward:  ``jsd_forward_kernel``, one program per ``block_n`` rows: both logits read
-          twice (lse sweep, divergence sweep), the (6, N) fp32 statistics written.
+forward:  ``jsd_rows.row_stats``: both logits read twice (lse sweep, divergence sweep;
+          once for the KL limits), the (6, N) fp32 statistics written; one program per
+          ``block_n`` rows, or each row split over several programs when the rows alone
+          are too few to fill the device (``plans.jsd_stats_plan``).
 backward: ``jsd_backward_kernel`` over (row blocks x vocab blocks): both logits read
           once, the student's gradient written once.
 Logits are read through their strides (no copy). No atomics (bitwise repeatable), no
@@ -15,21 +17,17 @@ import triton
 from torch import Tensor
 
 from logitless.options import JSDOptions
-from logitless.planning.plans import ce_triton_plan
-from logitless.triton_lib.jsd_rows import jsd_forward_kernel, scalar_args
+from logitless.planning.plans import ce_triton_plan, jsd_stats_plan
+from logitless.triton_lib.jsd_rows import row_stats, scalar_args
 
 from . import triton_kernels as K
 
 
 def forward(zs: Tensor, zt: Tensor, target: Tensor, opts: JSDOptions, budget: int) -> Tensor:
     n, v = zs.shape
-    plan = ce_triton_plan(n, v, max(zs.element_size(), zt.element_size()), zs.device)
+    plan = jsd_stats_plan(n, v, max(zs.element_size(), zt.element_size()), zs.device)
     stats = torch.empty(6, n, dtype=torch.float32, device=zs.device)
-    jsd_forward_kernel[(triton.cdiv(n, plan.block_n),)](
-        zs, zt, target.contiguous(), stats, n, v,
-        zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1), **scalar_args(opts),
-        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-    )
+    row_stats(zs, zt, target.contiguous(), stats, opts, plan)
     return stats
 
 

@@ -23,7 +23,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import BACKENDS
 from logitless.options import JSDOptions, check_memory_budget
 
-from .custom_op import linear_jsd_forward_op
+from .custom_op import grad_in_forward_chunk, linear_jsd_forward_op, linear_jsd_gif_forward_op
 
 
 def linear_jsd(
@@ -79,7 +79,13 @@ def linear_jsd(
             ignore_index and the hard label); the last position counts for nothing
             and, with reduction="none", is dropped (T - 1 positions).
         memory_budget: bytes of temporaries (default 256 MiB). Triton: the forward
-            materialises both heads' fp32 logits for budget / (8 V) tokens at a time;
+            materialises both heads' fp32 logits for budget / (8 V) tokens at a time
+            (then reduced to row statistics, each row split over several programs);
+            with a budget that holds a token chunk's logits and dz ((8 + itemsize) x
+            rows x V bytes) plus an fp32 dW accumulator (4 V H_s; none for fp32
+            weights or one chunk), the cost model may pick gradient-in-forward
+            ("mean"/"sum", eager): the forward also computes the student's gradients
+            from those logits (4 GEMMs in all instead of 6), the backward scales them;
             the backward needs an fp32 dx accumulator (4 x tokens x H_s bytes) plus a
             dz chunk of at least 4096 columns (tokens x 4096 x itemsize); when that
             minimum exceeds the budget, the minimum is used.
@@ -178,6 +184,17 @@ def linear_jsd(
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
     xt = xt if xt.stride(-1) == 1 else xt.contiguous()
     flat_target = target.reshape(-1).long()
+    # The Triton planner's gradient-in-forward strategy (eager only; "mean"/"sum"; one
+    # device's heads): the forward also computes the student's gradients.
+    grad_wanted = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (xs, student_weight, student_bias))
+    if (grad_wanted and reduction != "none" and not tp.parallel and not torch.compiler.is_compiling()):
+        chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget)
+        if chunk:
+            need = [t is not None and t.requires_grad for t in (xs, student_weight, student_bias)]
+            return linear_jsd_gif_forward_op(
+                xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
+                *opts.args(), reduction, memory_budget, chunk, *need)[0]
     loss_tok, _ = linear_jsd_forward_op(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
         *opts.args(), memory_budget, backend, *tp.args())

@@ -21,7 +21,7 @@ from typing import Optional
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
-from logitless.formulas.jsd import NUM_STATS, token_loss, upstream
+from logitless.formulas.jsd import NUM_STATS, reduce, token_loss, upstream
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
     custom_op,
@@ -149,3 +149,100 @@ def _autograd_backward(ctx, grad_loss, _grad_stats):
 
 
 linear_jsd_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- gradient in the forward
+#
+#    logitless::linear_jsd_gif_forward(<the forward's tensors>, <options>, reduction, budget,
+#        token_chunk, need_dx, need_dw, need_db) -> loss (reduced), statistics (6, N), gx, gw, gb
+#
+# The Triton backend's gradient-in-forward strategy (``triton_grad_in_forward``): the
+# forward also computes the student's gradients for grad_output = 1 ("mean"/"sum"), the
+# backward only scales them. Eager only: the public function never picks it under
+# torch.compile, with vocabulary parallelism or for reduction="none".
+
+
+def _grad_in_forward_strategy():
+    from . import triton_grad_in_forward
+
+    return triton_grad_in_forward
+
+
+def grad_in_forward_chunk(backend: str, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
+                          budget: int) -> int:
+    """Tokens per chunk when the Triton planner picks gradient-in-forward, else 0."""
+    from logitless.ops.common.dispatch import resolve_backend
+
+    if student_x.shape[0] == 0 or resolve_backend(backend, student_x.device, student_x.dtype) != "triton":
+        return 0
+    return _grad_in_forward_strategy().grad_in_forward_chunk(student_x, student_weight, teacher_x, budget)
+
+
+def _gif_forward(
+    student_x: Tensor, student_weight: Tensor, student_bias: Optional[Tensor],
+    teacher_x: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor],
+    target: Tensor, beta: float, temperature: float, ignore_index: int,
+    student_softcap: Optional[float], teacher_softcap: Optional[float],
+    hard_label_weight: float, reduction: str, budget: int, token_chunk: int,
+    need_dx: bool, need_dw: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(reduced loss, statistics (6, N), gx, gw, gb); the gradients for grad_output = 1
+    (empty where not asked for; gw fp32 unless one chunk covers every token)."""
+    opts = JSDOptions(beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight)
+    v = student_weight.shape[0]
+    dtype = compute_dtype(student_x.dtype)
+    if opts.hard_label_weight != 0.0:
+        check_targets_in_range(target, v, ignore_index)  # CPU only: no sync
+    need_db = need_db and student_bias is not None
+    with no_autocast(student_x.device):
+        stats, grads = _grad_in_forward_strategy().forward_with_grad(
+            student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, opts,
+            reduction, token_chunk=token_chunk, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+    loss = reduce(token_loss(stats, target, v, opts), target, reduction, ignore_index)
+    grads = [g if g is not None else student_x.new_empty(0) for g in grads]
+    return (loss.to(dtype), stats.to(dtype), *grads)
+
+
+linear_jsd_gif_forward_op = custom_op("linear_jsd_gif_forward", _gif_forward)
+
+
+@linear_jsd_gif_forward_op.register_fake
+def _(student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, beta,
+      temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight, reduction, budget,
+      token_chunk, need_dx, need_dw, need_db):
+    import torch
+
+    dtype = compute_dtype(student_x.dtype)
+    n, (v, h) = student_x.shape[0], student_weight.shape
+    one = token_chunk >= n or student_weight.dtype == torch.float32
+    return (student_x.new_empty((), dtype=dtype), student_x.new_empty(NUM_STATS, n, dtype=dtype),
+            torch.empty_like(student_x) if need_dx else student_x.new_empty(0),
+            (torch.empty_like(student_weight) if one else student_weight.new_empty(v, h, dtype=torch.float32))
+            if need_dw else student_x.new_empty(0),
+            student_weight.new_empty(v, dtype=torch.float32) if need_db and student_bias is not None
+            else student_x.new_empty(0))
+
+
+def _gif_setup_context(ctx, inputs, output):
+    a = named(_gif_forward, inputs)
+    _, stats, gx, gw, gb = output
+    ctx.x_dtype, ctx.w_dtype = a["student_x"].dtype, a["student_weight"].dtype
+    ctx.num_inputs = len(inputs)
+    ctx.grads = (gx, gw, gb)  # not saved tensors: the one backward scales them in place
+    ctx.mark_non_differentiable(stats, gx, gw, gb)
+    ctx.set_materialize_grads(False)
+
+
+def _gif_backward(ctx, grad_loss, *_):
+    grads, ctx.grads = ctx.grads, None
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    if grad_loss is None or grads is None or not (need_dx or need_dw or need_db):
+        return (None,) * ctx.num_inputs
+    present = [g if g.numel() else None for g in grads]
+    dx, dw, db = _grad_in_forward_strategy().scale_grads(present, grad_loss, ctx.x_dtype, ctx.w_dtype)
+    out = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+    out = guard_double_backward(OP, out, grad_loss)
+    return out + (None,) * (ctx.num_inputs - 3)
+
+
+linear_jsd_gif_forward_op.register_autograd(_gif_backward, setup_context=_gif_setup_context)

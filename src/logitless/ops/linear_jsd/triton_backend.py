@@ -3,18 +3,21 @@
 GEMM count, against the floor of four (student logits, teacher logits, student dx,
 student dW), in units where a GEMM over H costs H:
 
-forward  (2 GEMMs): for each chunk of ``plan.forward_rows`` tokens, cuBLAS writes both
-         heads' fp32 logits (rows x V each, the budget's size), then
-         ``jsd_forward_kernel`` (shared with ``jsd``) reduces them to the (6, N) row
-         statistics: lse of both, S = KL(p || m), K = KL(q || m), lse at T = 1 and the
-         target logit. Full rows are needed because S enters every element's gradient.
+forward  (2 GEMMs): for each chunk of ``plan.forward_rows`` tokens (a multiple of 16:
+         each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
+         logits (rows x V each, the budget's size), then ``jsd_rows.row_stats`` (shared
+         with ``jsd``; each row split over several programs when the rows are few,
+         ``plans.jsd_stats_plan``) reduces them to the (6, N) row statistics: lse of
+         both, S = KL(p || m), K = KL(q || m), lse at T = 1 and the target logit. Full
+         rows are needed because S enters every element's gradient.
 backward (4 GEMMs): for each chunk [v0, v1) of ``plan.vocab_chunk`` columns,
          ``jsd_dlogits_kernel`` recomputes both heads' tiles (fused, in registers) and
          writes dz in the input dtype; then dW_s[v0:v1] = dz^T x_s, db_s = column sums
          (fp32), dx_s += dz W_s[v0:v1] into an fp32 (N, H_s) accumulator (cuBLAS).
 Total: 2 (H_s + H_t) + 2 H_s against the floor 3 H_s + H_t: 1.5x for equal hidden
 sizes, 1.6x for a teacher twice as wide. No (N, V) tensor beyond the budget's chunks,
-no atomics (bitwise repeatable), no host syncs.
+no atomics (bitwise repeatable), no host syncs. With a large budget the planner may pick
+the gradient-in-forward strategy instead (``triton_grad_in_forward``: 4 GEMMs).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import triton
 from torch import Tensor
 
 from logitless.options import JSDOptions
-from logitless.planning.plans import ce_triton_plan, linear_jsd_plan
+from logitless.planning.plans import jsd_stats_plan, linear_jsd_plan
 from logitless.triton_lib import launch
-from logitless.triton_lib.jsd_rows import jsd_forward_kernel, scalar_args
+from logitless.triton_lib.jsd_rows import row_stats, scalar_args
 
 from . import triton_kernels as K
 
@@ -49,18 +52,14 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
     zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
     zt = torch.empty_like(zs)
-    fwd = scalar_args(opts)
-    rp = ce_triton_plan(min(rows, n), v, 4, xs.device)  # the jsd kernel's tiles, for fp32 logits
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         r = n1 - n0
         chunk_stats = torch.empty(6, r, dtype=torch.float32, device=xs.device)
         _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
         _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        jsd_forward_kernel[(triton.cdiv(r, rp.block_n),)](
-            zs, zt, target[n0:n1], chunk_stats, r, v, zs.stride(0), 1, zt.stride(0), 1, **fwd,
-            BLOCK_N=rp.block_n, BLOCK_V=rp.block_v, num_warps=rp.num_warps,
-        )
+        # the statistics' launch for fp32 logits of r rows (rows split when few)
+        row_stats(zs[:r], zt[:r], target[n0:n1], chunk_stats, opts, jsd_stats_plan(r, v, 4, xs.device))
         stats[:, n0:n1] = chunk_stats
     return stats
 

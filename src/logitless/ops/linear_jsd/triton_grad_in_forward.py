@@ -1,0 +1,126 @@
+"""Gradient-in-forward strategy of linear_jsd's Triton backend (``cost_model``:
+"grad_in_forward", chosen by ``plans.linear_jsd_strategy``).
+
+For reductions "mean" and "sum" each token's upstream gradient is grad_output times a
+factor known before the forward (1 for "sum", 1 / #non-ignored tokens for "mean"; 0 at
+ignored tokens). The forward already holds both heads' fp32 logits of a token chunk
+[n0, n1) for the row statistics, so it finishes the gradient there:
+
+    zs, zt  = x_s W_s^T (+ b_s), x_t W_t^T (+ b_t)   fp32, rows x V each (cuBLAS)
+    stats   = row_stats(zs, zt)                      (split-row kernels, jsd_rows)
+    dz      = jsd_backward_kernel(zs, zt, stats, g)  both chunks read once, dz written
+                                                     once in the input dtype
+    dx[n0:n1] = dz W_s                               (one GEMM, fp32 accumulation)
+    dW_s     += dz^T x_s[n0:n1]                      (fp32 accumulator across chunks)
+    db_s     += column sums of dz                    (fp32)
+
+4 GEMMs in all (student and teacher logits, dx, dW: the floor) against the recompute
+design's 6, plus bandwidth: both fp32 chunks are read three times (lse, divergence, dz).
+Temporary memory: the chunk's two fp32 logits and its dz ((8 + itemsize) rows x V bytes)
+plus the fp32 dW accumulator (4 V H_s bytes) when there is more than one chunk and the
+weight is not fp32 already. The backward multiplies by grad_output (``scale_grads``):
+dx is rounded twice when grad_output != 1 (dx of the forward in the input dtype, then
+scaled); dW and db are scaled in fp32 and rounded once. No atomics; chunks run in a
+fixed order: bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from logitless.formulas.jsd import NUM_STATS
+from logitless.options import JSDOptions
+from logitless.planning.plans import jsd_stats_plan, linear_jsd_strategy
+from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
+
+from .triton_backend import _logits_fp32
+
+
+def grad_in_forward_chunk(xs: Tensor, ws: Tensor, xt: Tensor, budget: int) -> int:
+    """Tokens per chunk when the planner picks gradient-in-forward for this call, else 0."""
+    n, hs = xs.shape
+    if n == 0:
+        return 0
+    c = linear_jsd_strategy(n, ws.shape[0], hs, xt.shape[1], xs.element_size(), budget, xs.device,
+                            weight_fp32=ws.dtype == torch.float32)
+    return c.token_chunk if c.strategy == "grad_in_forward" else 0
+
+
+def unit_upstream(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """d reduced loss / d per-token loss for grad_output = 1 (fp32, no host sync):
+    1 ("sum") or 1 / #non-ignored ("mean") at non-ignored tokens, 0 at ignored ones."""
+    valid = target != ignore_index
+    one = torch.ones(target.shape, dtype=torch.float32, device=target.device)
+    if reduction == "mean":
+        one = one / valid.sum().clamp_min(1).to(torch.float32)
+    return torch.where(valid, one, torch.zeros_like(one))
+
+
+def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reduction: str, *, token_chunk: int,
+                      need_dx: bool, need_dw: bool, need_db: bool):
+    """Statistics (6, N) fp32 of every token, and (dx, dw, db) for grad_output = 1: dx in
+    x's dtype; dw fp32 (in the weight's dtype when one chunk covers every token); db
+    fp32; None where not needed. ``scale_grads`` finishes them."""
+    n, h = xs.shape
+    v = ws.shape[0]
+    dev = xs.device
+    g = unit_upstream(target, opts.ignore_index, reduction)
+    chunks = [(n0, min(n, n0 + token_chunk)) for n0 in range(0, n, token_chunk)]
+    one = len(chunks) == 1
+    rows = min(token_chunk, n)
+    stats = torch.empty(NUM_STATS, n, dtype=torch.float32, device=dev)
+    zs = torch.empty(rows, v, dtype=torch.float32, device=dev)
+    zt = torch.empty_like(zs)
+    dz_buf = torch.empty(rows, v, dtype=xs.dtype, device=dev)
+    dx = torch.empty_like(xs) if need_dx else None
+    dw = None
+    if need_dw:
+        dw = torch.empty_like(ws) if (one or ws.dtype == torch.float32) else torch.zeros(
+            v, h, dtype=torch.float32, device=dev)
+        if not one and ws.dtype == torch.float32:
+            dw.zero_()
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
+    sargs = scalar_args(opts)
+    for n0, n1 in chunks:
+        r = n1 - n0
+        a, b, dz = zs[:r], zt[:r], dz_buf[:r]
+        _logits_fp32(xs[n0:n1], ws, bs, a)
+        _logits_fp32(xt[n0:n1], wt, bt, b)
+        chunk_stats = torch.empty(NUM_STATS, r, dtype=torch.float32, device=dev)
+        tc = target[n0:n1]
+        plan = jsd_stats_plan(r, v, 4, dev)
+        row_stats(a, b, tc, chunk_stats, opts, plan)
+        stats[:, n0:n1] = chunk_stats
+        grid = (triton.cdiv(r, plan.block_n), triton.cdiv(v, plan.block_v))
+        jsd_backward_kernel[grid](
+            a, b, dz, tc, chunk_stats, g[n0:n1], r, v, a.stride(0), 1, b.stride(0), 1, dz.stride(0), 1,
+            wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        )
+        if need_dx:
+            torch.mm(dz, ws, out=dx[n0:n1])
+        if need_dw:
+            if one:
+                torch.mm(dz.T, xs[n0:n1], out=dw)
+            elif dw.is_cuda and dz.dtype != torch.float32:
+                torch.addmm(dw, dz.T, xs[n0:n1], out_dtype=torch.float32, out=dw)
+            elif dw.is_cuda:
+                torch.addmm(dw, dz.T, xs[n0:n1], out=dw)
+            else:  # the interpreter on CPU
+                dw += dz.T.float() @ xs[n0:n1].float()
+        if need_db:
+            db += dz.sum(dim=0, dtype=torch.float32)
+    return stats, (dx, dw, db)
+
+
+def scale_grads(grads, grad_output: Tensor, x_dtype, w_dtype):
+    """The backward of the strategy: multiply the forward's gradients by grad_output
+    (a scalar), in place, each product computed in fp32 and rounded once."""
+    dx, dw, db = grads
+    g = grad_output.float()
+    out_dx = dx.mul_(g).to(x_dtype) if dx is not None else None
+    out_dw = dw.mul_(g).to(w_dtype) if dw is not None else None
+    out_db = db.mul_(g).to(w_dtype) if db is not None else None
+    return out_dx, out_dw, out_db
