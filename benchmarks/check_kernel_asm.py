@@ -64,9 +64,11 @@ def signature(fn, dtype, c):
                    "keep_ptr": (c["BLOCK_N"], c["BLOCK_V"])}
     sig, consts = {}, {}
     kept_kernel = "H" not in fn.arg_names  # the kept-dlogits kernels take plain pointers
+    # Constexprs a config does not name take their defaults (as at a launch that omits them).
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     for a in fn.arg_names:
-        if a in c:
-            sig[a], consts[a] = "constexpr", c[a]
+        if a in c or a in defaults:
+            sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
         elif a.endswith("_ptr"):
             if a in IN_DTYPE:
                 use_desc = (tma and a in desc_blocks and not kept_kernel) or (a == "dz_ptr" and c["DZ_TMA"])

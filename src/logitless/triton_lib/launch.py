@@ -261,3 +261,43 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     if dx_acc is not None:
         dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
     return dx, dw, db
+
+
+# ------------------------------------------------- fp32 at "high": operands rounded to TF32 once
+
+def tf32_prerounded(dtype: torch.dtype) -> bool:
+    """Whether fp32 operands are rounded to TF32 by ``round_to_tf32`` into scratch buffers
+    before the fused GEMM kernels, which then multiply them with DOT_PRECISION "tf32"
+    (exact on TF32 values: the products of "tf32-round", through TMA). True for fp32 at
+    matmul precision "high"/"medium" unless ``override(tf32_preround=False)`` (the
+    kernels then round in registers) or ``override(tf32_round=False)`` (truncation)."""
+    return dtype == torch.float32 and _overrides().tf32_preround and dot_precision(dtype) == "tf32-round"
+
+
+def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``src`` (fp32, 2-D, any strides) rounded to the nearest TF32 (as cuBLAS and the
+    kernels' "tf32-round") into ``out`` (contiguous, src's shape; allocated if None):
+    one Triton kernel, one read and one write per element. No host sync."""
+    from logitless.triton_lib.gemm import round_to_tf32_kernel
+
+    rows, cols = src.shape
+    if out is None:
+        out = torch.empty(rows, cols, dtype=torch.float32, device=src.device)
+    if rows and cols:
+        if src.is_cuda:
+            block_r, block_c, warps = 16, 256, 4
+        else:  # the interpreter: few programs
+            block_r, block_c, warps = 64, 64, 1
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        round_to_tf32_kernel[grid](src, out, rows, cols, src.stride(0), src.stride(1),
+                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
+
+
+def forward_w_chunks(plan: TritonPlan, v: int) -> list[tuple[int, int, int]]:
+    """(first split, splits, first column) of each launch of a forward over W in chunks of
+    ``plan.w_chunk`` rows (a whole number of vocabulary splits; one launch when it
+    covers V)."""
+    split_cols = triton.cdiv(triton.cdiv(v, plan.block_v), plan.vocab_splits) * plan.block_v
+    per = max(1, plan.w_chunk // split_cols)
+    return [(s0, min(per, plan.vocab_splits - s0), s0 * split_cols) for s0 in range(0, plan.vocab_splits, per)]
