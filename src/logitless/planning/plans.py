@@ -152,9 +152,11 @@ def triton_plan(
     ``keep_allowed``: a backward will follow and may use columns kept by the forward.
 
     ``prerounded`` (fp32 at matmul precision "high"): the operands are rounded to TF32
-    into scratch buffers that count against the budget: x whole (4 N H bytes) and W in
+    into scratch buffers that count against the budget: x whole (4 N H bytes, while at
+    most half the budget; else an x-sized temporary beside it, as the fp32 dx
+    accumulator of 16-bit inputs) and W in
     chunks (4 H bytes per row): ``w_chunk`` rows per forward launch (what the budget
-    leaves after x and the kept columns, at least one split of block_v columns), and
+    leaves after x and the kept columns, at least the backward's chunk floor), and
     per recomputed backward chunk its vocab_chunk rows, budgeted with its dz columns.
     The forward's splits are then sized by the W chunk (enough programs per launch)."""
     if tiles is None:
@@ -162,10 +164,11 @@ def triton_plan(
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
-    # Scratch of the pre-rounded operands: x (taken off the budget), W rows (per column).
+    # Scratch of the pre-rounded operands: x (taken off the budget while it is at most
+    # half of it; larger, an x-sized temporary as the 16-bit dx accumulator), W rows.
     w_col = 4 * hidden if prerounded else 0
-    if prerounded:
-        budget = max(0, budget - 4 * num_tokens * hidden)
+    if prerounded and 4 * num_tokens * hidden <= budget // 2:
+        budget -= 4 * num_tokens * hidden
     # Many programs per SM so that the last wave is a small fraction of the work (with
     # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: PERFORMANCE.md).
     want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
@@ -215,7 +218,7 @@ def triton_plan(
     w_chunk = 0
     if prerounded:
         w_chunk, vocab_splits = _forward_w_chunk(
-            budget - per_col * keep_cols, w_col, block_v, vocab_blocks, row_blocks, device)
+            budget - per_col * keep_cols, w_col, block_v, vocab_blocks, row_blocks, device, min_cols)
     plan = TritonPlan(
         block_n=block_n,
         block_v=block_v,
@@ -245,16 +248,18 @@ def _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget, block_v, mi
     return keep_cols, vocab_chunk
 
 
-def _forward_w_chunk(left, w_col, block_v, vocab_blocks, row_blocks, device):
+def _forward_w_chunk(left, w_col, block_v, vocab_blocks, row_blocks, device, min_cols):
     """(w_chunk, vocab_splits) of a forward over W rounded to TF32 in chunks: the rows
-    ``left`` bytes hold (at least one tile), whole splits of blocks_per_split tiles, the
-    splits sized as in ``triton_plan`` but over one chunk (WAVES programs per SM in
-    each launch)."""
-    chunk_blocks = _clamp(int(max(0, left) // max(1, w_col * block_v)), 1, vocab_blocks)
+    ``left`` bytes hold (at least min_cols, the backward's chunk floor: launches of
+    enough programs), whole splits of blocks_per_split tiles, the splits sized as in
+    ``triton_plan`` but over one chunk (WAVES programs per SM in each launch)."""
+    floor = math.ceil(min_cols / block_v)
+    chunk_blocks = _clamp(int(max(0, left) // max(1, w_col * block_v)), floor, vocab_blocks)
     want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
     per_split = math.ceil(chunk_blocks / _clamp(want, 1, chunk_blocks))
     splits = math.ceil(vocab_blocks / per_split)
-    chunk_blocks = max(1, chunk_blocks // per_split) * per_split
+    if chunk_blocks < vocab_blocks:  # whole splits per launch (else all of W at once)
+        chunk_blocks = max(chunk_blocks // per_split, math.ceil(floor / per_split)) * per_split
     return min(chunk_blocks, vocab_blocks) * block_v, splits
 
 

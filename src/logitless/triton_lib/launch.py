@@ -298,6 +298,8 @@ def forward_w_chunks(plan: TritonPlan, v: int) -> list[tuple[int, int, int]]:
     """(first split, splits, first column) of each launch of a forward over W in chunks of
     ``plan.w_chunk`` rows (a whole number of vocabulary splits; one launch when it
     covers V)."""
+    if plan.w_chunk >= v:
+        return [(0, plan.vocab_splits, 0)]
     split_cols = triton.cdiv(triton.cdiv(v, plan.block_v), plan.vocab_splits) * plan.block_v
     per = max(1, plan.w_chunk // split_cols)
     return [(s0, min(per, plan.vocab_splits - s0), s0 * split_cols) for s0 in range(0, plan.vocab_splits, per)]

@@ -219,7 +219,8 @@ def backward(
         if prerounded:  # the chunk's rows of W rounded into the scratch buffer, x once
             if not scratch:
                 scratch["x"] = launch.round_to_tf32(x)
-                scratch["w"] = torch.empty(min(v, plan.vocab_chunk), h, dtype=torch.float32, device=x.device)
+                rows = min(plan.vocab_chunk, v - (plan.keep_cols if kept is not None else 0))  # as dz's
+                scratch["w"] = torch.empty(rows, h, dtype=torch.float32, device=x.device)
             xs = scratch["x"]
             ws = launch.round_to_tf32(weight[v0:v1], scratch["w"][: v1 - v0])
             x_op, w_op, use_tma = launch.operands(xs, ws, plan)
