@@ -303,3 +303,50 @@ def forward_w_chunks(plan: TritonPlan, v: int) -> list[tuple[int, int, int]]:
     split_cols = triton.cdiv(triton.cdiv(v, plan.block_v), plan.vocab_splits) * plan.block_v
     per = max(1, plan.w_chunk // split_cols)
     return [(s0, min(per, plan.vocab_splits - s0), s0 * split_cols) for s0 in range(0, plan.vocab_splits, per)]
+
+
+def forward_launches(x: Tensor, weight: Tensor, plan: TritonPlan, prerounded: bool):
+    """(USE_TMA, steps) of a fused forward over vocabulary splits. Without ``prerounded``
+    one step on x and W. With it, x is rounded to TF32 once and each step rounds its
+    chunk of W (``forward_w_chunks``) into one scratch buffer first. A step() returns
+    (x operand, W operand, x, W rows used (for strides), splits in the launch, the
+    kernel's extra arguments: split0 and W_CHUNK when W goes in several chunks)."""
+    v, h = weight.shape
+    if not prerounded:
+        x_op, w_op, use_tma = operands(x, weight, plan)
+        return use_tma, [lambda: (x_op, w_op, x, weight, plan.vocab_splits, {})]
+    xr = round_to_tf32(x)
+    chunks = forward_w_chunks(plan, v)
+    rows = min(v, chunks[1][2]) if len(chunks) > 1 else v  # one chunk's rows (plan.w_chunk at most)
+    scratch = torch.empty(rows, h, dtype=torch.float32, device=x.device)
+    use_tma = operands(xr, scratch, plan)[2]
+
+    def step(i):
+        split0, splits, c0 = chunks[i]
+        c1 = min(v, chunks[i + 1][2]) if i + 1 < len(chunks) else v
+        w_rows = round_to_tf32(weight[c0:c1], scratch[: c1 - c0])
+        x_op, w_op, _ = operands(xr, w_rows, plan)
+        extra = dict(split0=split0, W_CHUNK=True) if len(chunks) > 1 else {}
+        return x_op, w_op, xr, w_rows, splits, extra
+
+    return use_tma, [lambda i=i: step(i) for i in range(len(chunks))]
+
+
+def prerounded_dlogits_operands(x: Tensor, weight: Tensor, plan: TritonPlan, keep_cols: int, scratch: dict):
+    """A backward's rounded operands for the recomputed chunk [v0, v1): returns
+    round(v0, v1) -> (x operand, W operand, USE_TMA, x rounded, W rows rounded): x is
+    rounded once (at the first chunk) and each chunk's rows of W into one scratch
+    buffer of min(plan.vocab_chunk, V - keep_cols) rows (dz's width), kept in
+    ``scratch`` (a dict owned by the caller's backward)."""
+    v, h = weight.shape
+
+    def rounded(v0, v1):
+        if not scratch:
+            scratch["x"] = round_to_tf32(x)
+            rows = min(plan.vocab_chunk, v - keep_cols)
+            scratch["w"] = torch.empty(rows, h, dtype=torch.float32, device=x.device)
+        ws = round_to_tf32(weight[v0:v1], scratch["w"][: v1 - v0])
+        x_op, w_op, use_tma = operands(scratch["x"], ws, plan)
+        return x_op, w_op, use_tma, scratch["x"], ws
+
+    return rounded

@@ -87,25 +87,14 @@ def forward(
     keep = keep_max = None
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
-    xr = launch.round_to_tf32(x) if prerounded else x
-    chunks = launch.forward_w_chunks(plan, v) if prerounded else [(0, splits, 0)]
-    w_scratch = None
-    if prerounded:
-        rows = chunks[1][2] if len(chunks) > 1 else v  # one chunk's rows (plan.w_chunk at most)
-        w_scratch = torch.empty(min(v, rows), h, dtype=torch.float32, device=x.device)
-    x_op, w_op, use_tma = launch.operands(xr, weight if w_scratch is None else w_scratch, plan)
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
     keep_op = None
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     row_blocks = triton.cdiv(n, plan.block_n)
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
-    for i, (split0, launch_splits, c0) in enumerate(chunks):
-        w_rows = weight
-        if prerounded:
-            c1 = min(v, chunks[i + 1][2]) if i + 1 < len(chunks) else v
-            w_rows = launch.round_to_tf32(weight[c0:c1], w_scratch[: c1 - c0])
-            if len(chunks) > 1:
-                x_op, w_op, use_tma = launch.operands(xr, w_rows, plan)
+    for step in steps:
+        x_op, w_op, xr, w_rows, launch_splits, extra = step()
         launch.launch_kernel(
             K.forward_stats_kernel, (row_blocks * launch_splits,),
             x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
@@ -118,7 +107,7 @@ def forward(
             FLATTEN=plan.flatten, **flags,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
-            **(dict(split0=split0, W_CHUNK=True) if len(chunks) > 1 else {}),
+            **extra,
         )
     # Merge the splits: lse = M + log sum_j s_j exp(m_j - M). max() propagates NaN.
     big_m = part_max.max(dim=0).values
@@ -204,7 +193,8 @@ def backward(
     cw_arg = class_weight if class_weight is not None else x
     prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
-    scratch = {}  # fp32 at "high": x rounded once (at the first recomputed chunk), one W chunk
+    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
+    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0, {})
 
     def kept_dlogits(dz, tile_max, grid):
         K.kept_dlogits_kernel[grid](
@@ -216,14 +206,8 @@ def backward(
 
     def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
         xs, ws = x, weight
-        if prerounded:  # the chunk's rows of W rounded into the scratch buffer, x once
-            if not scratch:
-                scratch["x"] = launch.round_to_tf32(x)
-                rows = min(plan.vocab_chunk, v - (plan.keep_cols if kept is not None else 0))  # as dz's
-                scratch["w"] = torch.empty(rows, h, dtype=torch.float32, device=x.device)
-            xs = scratch["x"]
-            ws = launch.round_to_tf32(weight[v0:v1], scratch["w"][: v1 - v0])
-            x_op, w_op, use_tma = launch.operands(xs, ws, plan)
+        if prerounded:
+            x_op, w_op, use_tma, xs, ws = rounded(v0, v1)
         launch.launch_kernel(
             K.dlogits_kernel, grid,
             x_op, w_op, bias if bias is not None else x, cw_arg,
