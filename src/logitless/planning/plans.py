@@ -135,7 +135,9 @@ CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
 #: ran the forward at 0.92x a cuBLAS TF32 GEMM on an H100 (4096 x 4096 x 128256;
 #: 128 x 128 x 32, 4 stages: 1.06x; 3 stages: 1.30x); with kept columns the fp32 TMA
 #: store of a 128 x 256 tile (128 KiB) would leave room for 2 stages only, so 128 x 128
-#: (4 x 32 KiB + 64 KiB): not measured yet (PERFORMANCE.md, issue 23 item 2).
+#: (4 x 32 KiB + 64 KiB): not measured yet (PERFORMANCE.md, issue 23 item 2). The
+#: backward's dlogits kernel takes the gradient's tiles too: at 128 x 256 its sm_90
+#: build needs 320 KiB of shared memory (its dz epilogue), at 128 x 128 192 KiB.
 CUDA_TILES_TF32 = {False: (128, 256, 32, 8, 4), True: (128, 128, 32, 8, 4)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 #: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
@@ -146,7 +148,7 @@ MIN_CHUNK = 4096
 
 def triton_plan(
     num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
-    tiles=None, keep_allowed: bool = False, prerounded: bool = False,
+    tiles=None, keep_allowed: bool = False, prerounded: bool = False, backward: bool = False,
 ) -> TritonPlan:
     """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
     ``keep_allowed``: a backward will follow and may use columns kept by the forward.
@@ -158,9 +160,11 @@ def triton_plan(
     chunks (4 H bytes per row): ``w_chunk`` rows per forward launch (what the budget
     leaves after x and the kept columns, at least the backward's chunk floor), and
     per recomputed backward chunk its vocab_chunk rows, budgeted with its dz columns.
-    The forward's splits are then sized by the W chunk (enough programs per launch)."""
+    The forward's splits are then sized by the W chunk (enough programs per launch).
+    ``backward``: the plan of a backward (pre-rounded tiles: the gradient's, as with
+    ``keep_allowed``; nothing else changes)."""
     if tiles is None:
-        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded, keep_allowed)
+        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded, keep_allowed or backward)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)

@@ -141,10 +141,11 @@ class _Kept(tuple):
         return self[0][:, : self.keep_cols], self[1]
 
 
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool,
+          backward: bool = False) -> TritonPlan:
     """The plan of one call; forward, backward and ``kept_shapes`` must agree on it."""
     return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed,
-                       prerounded=launch.tf32_prerounded(dtype))
+                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
 
 
 def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool) -> bool:
@@ -188,7 +189,7 @@ def backward(
     n, h = x.shape
     v = weight.shape[0]
     # The forward's plan (the same arguments give the same plan) when it kept columns.
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None, backward=True)
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
     prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once

@@ -49,9 +49,10 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
     return True
 
 
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool) -> TritonPlan:
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool,
+          backward: bool = False) -> TritonPlan:
     return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep,
-                       prerounded=launch.tf32_prerounded(dtype))
+                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
 
 
 def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, opts: LogProbOptions,
@@ -129,7 +130,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     parallelism)."""
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False, backward=True)
     coef = coef.contiguous()
     lse = lse.contiguous()
     prerounded = _prerounded(plan, x.dtype)
