@@ -210,3 +210,36 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
         plan = launch.plan_from_tensor(kept[2])
     assert plan.w_chunk > 0 and plan.keep_cols > 0
     assert shapes == (tuple(kept[0].shape), tuple(kept[1].shape))
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(entropy=True, softcap=4.0, temperature=0.7, bias=True)])
+@pytest.mark.parametrize("keep", [0, 32])
+def test_log_probs_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatch, opts, keep):
+    """linear_log_probs takes the same pre-rounded path (chunked W, split0 > 0): log-probs,
+    entropy and gradients bitwise those of the in-kernel rounding under the same plan."""
+    x, w, t, _ = _inputs(37, 40, 131, torch.float32, seed=21)
+    kw = dict(opts)
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(131, generator=torch.Generator().manual_seed(1)).to(DEVICE).requires_grad_(True)
+
+    def reshape(p):
+        return dataclasses.replace(p, vocab_splits=3, keep_cols=keep, vocab_chunk=64, w_chunk=64)
+
+    def run(pre):
+        with override(tf32_preround=pre, plan=reshape):
+            out = logitless.linear_log_probs(x, w, t, backend="triton", **kw)
+            outs = out if isinstance(out, tuple) else (out,)
+            loss = sum((o * (i + 1.5)).sum() for i, o in enumerate(outs))
+            inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
+            return outs, torch.autograd.grad(loss, inputs)
+
+    seen = _recorder(monkeypatch)
+    with matmul_precision("high"):
+        a_out, a_g = run(True)
+        pre = list(seen)
+        b_out, b_g = run(False)
+    for p, q in zip(a_out + a_g, b_out + b_g):
+        assert torch.equal(p, q), (p - q).abs().max()
+    fwd = [s for s in pre if s[0] == "logp_forward_kernel"]
+    assert [(s[1], s[2], s[3]) for s in fwd] == [("tf32", True, 0), ("tf32", True, 1), ("tf32", True, 2)]
+    assert all(s[1] == "tf32-round" for s in seen[len(pre):])
