@@ -61,7 +61,9 @@ def _recorder(monkeypatch):
 
 
 def _run(x, w, t, pre, reshape, **kw):
-    with override(tf32_preround=pre, plan=reshape):
+    # The interpreter's tiles also on a GPU when the plan is forced (its splits/chunks).
+    tiles = _plans.INTERPRETER_TILES if reshape is not None else None
+    with override(tf32_preround=pre, plan=reshape, tiles=tiles):
         out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
         grads = torch.autograd.grad(out.sum(), inputs)
@@ -226,7 +228,7 @@ def test_log_probs_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatc
         return dataclasses.replace(p, vocab_splits=3, keep_cols=keep, vocab_chunk=64, w_chunk=64)
 
     def run(pre):
-        with override(tf32_preround=pre, plan=reshape):
+        with override(tf32_preround=pre, plan=reshape, tiles=_plans.INTERPRETER_TILES):
             out = logitless.linear_log_probs(x, w, t, backend="triton", **kw)
             outs = out if isinstance(out, tuple) else (out,)
             loss = sum((o * (i + 1.5)).sum() for i, o in enumerate(outs))
