@@ -61,9 +61,8 @@ def _recorder(monkeypatch):
 
 
 def _run(x, w, t, pre, reshape, **kw):
-    # The interpreter's tiles also on a GPU when the plan is forced (its splits/chunks).
-    tiles = _plans.INTERPRETER_TILES if reshape is not None else None
-    with override(tf32_preround=pre, plan=reshape, tiles=tiles):
+    # The interpreter's tiles also on a GPU: both paths then get the same tiles and plan.
+    with override(tf32_preround=pre, plan=reshape, tiles=_plans.INTERPRETER_TILES):
         out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
         grads = torch.autograd.grad(out.sum(), inputs)
