@@ -23,7 +23,9 @@ the script runs. Writes probe-tf32-<GPU>.json to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import platform
 import sys
@@ -49,6 +51,16 @@ def _bench(fn, rep_ms, smoke):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+
+
+def _tiles_per_program(k, v):
+    """override(plan=...): forward splits of k vocabulary tiles each (pre-rounded plans
+    only; each W chunk then holds w_chunk // (k tiles) whole splits)."""
+    def reshape(p):
+        if not p.w_chunk:
+            return p
+        return dataclasses.replace(p, vocab_splits=math.ceil(math.ceil(v / p.block_v) / k))
+    return reshape
 
 
 def lce(*args, **kw):
@@ -95,6 +107,9 @@ def main():
         "pre 4GiB (W whole)": (dict(), big),
         "pre tiles(128,256,32,8,4)": (dict(tiles=(128, 256, 32, 8, 4)), None),
         "pre tiles(128,128,32,8,4)": (dict(tiles=(128, 128, 32, 8, 4)), None),
+        # the forward's splits: tiles per program within each W chunk (default: WAVES rule)
+        "pre 2 tiles/program": (dict(plan=_tiles_per_program(2, v)), None),
+        "pre 4 tiles/program": (dict(plan=_tiles_per_program(4, v)), None),
         "in-kernel rounding (before)": (dict(tf32_preround=False), None),
         "in-kernel rounding 4GiB": (dict(tf32_preround=False), big),
     }
@@ -116,6 +131,8 @@ def main():
         logitless.linear_cross_entropy(xg, wg, t, memory_budget=budget, backend="triton").backward()
 
     for name, (ov, budget) in variants.items():
+        if "tiles/program" in name:  # forward-only variants
+            continue
         with override(**ov):
             timed(f"fb[{name}]", lambda b=budget: fb(b), rep_ms=400)
     for name, ov in (("pre", {}), ("in-kernel", dict(tf32_preround=False))):

@@ -32,16 +32,16 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/tf32-gpu.txt"
 
 echo "== tests (CUDA) =="
-PYTHONPATH=src timeout 100 $PY -m pytest -q -rs tests/test_tf32_prerounded.py tests/test_precision.py \
+PYTHONPATH=src timeout 90 $PY -m pytest -q -rs tests/test_tf32_prerounded.py tests/test_precision.py \
     -k "not cpu_torch_backend and not float64" 2>&1 | tee "$OUT/tf32-pytest.log" | tail -n 15
 echo "tests took $(( $(date +%s) - start )) s"
 
 echo "== probe (4096 x 4096 x 128256 fp32 'high') =="
-PYTHONPATH=src timeout 110 $PY benchmarks/probe_tf32.py --out "$OUT" 2>&1 | tee "$OUT/tf32-probe.log" | tail -n 3
+PYTHONPATH=src timeout 130 $PY benchmarks/probe_tf32.py --out "$OUT" 2>&1 | tee "$OUT/tf32-probe.log" | tail -n 3
 echo "probe done at $(( $(date +%s) - start )) s"
 
 echo "== precision benchmark (short) =="
-PYTHONPATH=src timeout 80 $PY -m logitless_bench --suite precision --warmup 1 --reps 3 --max-minutes 1.1 \
+PYTHONPATH=src timeout 70 $PY -m logitless_bench --suite precision --warmup 1 --reps 3 --max-minutes 0.9 \
     --out "$OUT/bench-results" 2>&1 | tee "$OUT/tf32-bench.log" | grep -v "^\[plot\]" | tail -n 5
 for f in "$OUT"/bench-results/latest-precision-*.json "$OUT"/bench-results/latest-precision-*.md; do
     [ -f "$f" ] && cp "$f" "$OUT/tf32-$(basename "$f")"
