@@ -244,3 +244,45 @@ def test_log_probs_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatc
     fwd = [s for s in pre if s[0] == "logp_forward_kernel"]
     assert [(s[1], s[2], s[3]) for s in fwd] == [("tf32", True, 0), ("tf32", True, 1), ("tf32", True, 2)]
     assert all(s[1] == "tf32-round" for s in seen[len(pre):])
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_log_probs"])
+def test_backward_on_another_thread_follows_the_forward_overrides(monkeypatch, op):
+    """Autograd runs a CUDA backward on a device thread of its own, outside the caller's
+    ``override(...)`` context (the GPU failure of the in-kernel path: its backward took
+    the pre-rounded one). Emulated here: the backward runs in a fresh thread with an empty
+    context. It must still plan and round as its forward did: "tf32-round" in every
+    kernel under ``override(tf32_preround=False)``, the forced tiles (BLOCK_V 64 here,
+    not the interpreter's 32), and the same gradients as a backward in the caller's context."""
+    import contextvars
+    import threading
+
+    seen = []
+    real = launch.launch_kernel
+
+    def spy(kernel, grid, *args, num_stages, **kwargs):
+        seen.append((kernel.fn.__name__, kwargs.get("DOT_PRECISION"), kwargs.get("BLOCK_V")))
+        return real(kernel, grid, *args, num_stages=num_stages, **kwargs)
+
+    monkeypatch.setattr(launch, "launch_kernel", spy)
+    x, w, t, _ = _inputs(20, 24, 97, torch.float32, seed=3)
+    fn = getattr(logitless, op)
+
+    def grads(thread):
+        with override(tf32_preround=False, model_plans=False, tiles=(16, 64, 16, 4, 1)):
+            loss = fn(x, w, t, backend="triton", memory_budget=2000).sum()  # keeps no column
+            if not thread:
+                return torch.autograd.grad(loss, (x, w))
+            out = []
+            worker = threading.Thread(target=contextvars.Context().run,
+                                      args=(lambda: out.append(torch.autograd.grad(loss, (x, w))),))
+            worker.start()
+            worker.join()
+            return out[0]
+
+    with matmul_precision("high"):
+        a = grads(thread=True)
+        backward = [s for s in seen if s[0] in ("dlogits_kernel", "logp_dlogits_kernel")]
+        b = grads(thread=False)
+    assert backward and all(s[1:] == ("tf32-round", 64) for s in seen), seen
+    assert all(torch.equal(p, q) for p, q in zip(a, b))

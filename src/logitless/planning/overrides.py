@@ -7,8 +7,10 @@
 The library itself never sets one: with no override active, every plan follows the
 shape, dtype, budget and device class alone (``plans``, ``cost_model``, ``tuned``).
 Overrides nest (an inner one replaces the fields it names) and are per thread and per
-asyncio task (a ``contextvars.ContextVar``), not module globals. Each field's default
-is the shipped behaviour:
+asyncio task (a ``contextvars.ContextVar``), not module globals. A call's backward runs
+under the overrides of its forward (``restored``; the ops capture them in their autograd
+context): autograd runs CUDA backwards on a thread of its own, where the caller's
+context is not in effect. Each field's default is the shipped behaviour:
 
     kernel_options  scheduling switches of the fused GEMM kernels (``plans.KERNEL_OPTIONS``:
                     group, flatten, dz_tma, dlogits_programs); a dict of those to change
@@ -75,5 +77,16 @@ def override(**fields):
     token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **fields))
     try:
         yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def restored(saved: Overrides):
+    """Context in which ``saved`` (an earlier ``current()``, all of its fields) is in
+    effect: a backward runs under its forward's overrides, whichever thread runs it."""
+    token = _CURRENT.set(saved)
+    try:
+        yield saved
     finally:
         _CURRENT.reset(token)
