@@ -202,13 +202,23 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     the kept buffers it announces are the ones the forward returns."""
     from logitless.ops.linear_cross_entropy import triton_backend as tb
 
+    from logitless.planning import cost_model as _cost_model
+
     x, w, t, _ = _inputs(37, 40, 131, torch.float32, seed=2)
-    with matmul_precision("high"):
-        budget = 4 * 37 * 40 + 37 * 4 * 64 + 37 * 4 * 64 + 4 * 40 * 64
+    budget = 4 * 37 * 40 + 37 * 4 * 64 + 37 * 4 * 64 + 4 * 40 * 64
+    # The interpreter's tiles and the budget rule on every device: with an H100's own
+    # tiles (128 x 128 in fp32) this budget holds no kept tile, and the case is the kept
+    # buffers. On an emulated H100 the forced plan keeps columns too:
+    forced = dict(tiles=_plans.INTERPRETER_TILES, model_plans=False)
+    with matmul_precision("high"), override(num_sms=132, device_model=_cost_model.DEFAULT, **forced):
+        gpu_plan = tb._plan(37, 131, 40, torch.float32, budget, _GPU, keep_allowed=True)
+    assert gpu_plan.w_chunk > 0 and gpu_plan.keep_cols > 0, gpu_plan
+    with matmul_precision("high"), override(**forced):
         shapes = tb.kept_shapes(37, 131, 40, torch.float32, budget, x.device, None, True)
         _, kept = tb.forward(x.detach(), w.detach(), None, t, None, None, need_smooth=False, need_argmax=False,
                              budget=budget, need_grad=True)
-        plan = launch.plan_from_tensor(kept[2])
+    assert kept is not None and shapes is not None, "the plan keeps no column"
+    plan = launch.plan_from_tensor(kept[2])
     assert plan.w_chunk > 0 and plan.keep_cols > 0
     assert shapes == (tuple(kept[0].shape), tuple(kept[1].shape))
 
