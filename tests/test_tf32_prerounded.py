@@ -83,7 +83,11 @@ def test_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatch, opts, l
     """Same tiles, same plan (forced: splits, kept columns, backward chunks and, for the
     pre-rounded path, the W chunk of each forward launch): loss and every gradient are
     bitwise those of the in-kernel rounding, with each option set, V prime (131), H not
-    a multiple of 16 (40), and the chunked launches really ran (W_CHUNK, split0 > 0)."""
+    a multiple of 16 (40), and the chunked launches really ran (W_CHUNK, split0 > 0).
+    Bitwise on a GPU too: at the interpreter's tiles both paths' tl.dot lower to the same
+    mma.sync m16n8k8 tf32 on register operands (``test_tf32_paths_lower_alike_on_sm90``),
+    on identical TF32-exact values. The reference path's backward must run "tf32-round"
+    under the forward's overrides (autograd's CUDA thread: ``under_forward_overrides``)."""
     x, w, t, _ = _inputs(37, 40, 131, torch.float32, seed=11 + opts)
     g = torch.Generator().manual_seed(opts)
     kw = dict(OPTION_SETS[opts])
@@ -201,7 +205,6 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     """kept_shapes (the custom op's fake implementation) follows the pre-rounded plan:
     the kept buffers it announces are the ones the forward returns."""
     from logitless.ops.linear_cross_entropy import triton_backend as tb
-
     from logitless.planning import cost_model as _cost_model
 
     x, w, t, _ = _inputs(37, 40, 131, torch.float32, seed=2)
@@ -296,3 +299,23 @@ def test_backward_on_another_thread_follows_the_forward_overrides(monkeypatch, o
         b = grads(thread=False)
     assert backward and all(s[1:] == ("tf32-round", 64) for s in seen), seen
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_tf32_paths_lower_alike_on_sm90():
+    """The premise of the bitwise tests on a GPU, checked on the CPU: an AOT compile for
+    sm_90 (Triton's bundled ptxas) of the forward and dlogits kernels of both ops at the
+    interpreter's tiles gives the same MMA instruction and operand sources for the
+    pre-rounded ("tf32") and the in-kernel ("tf32-round") paths
+    (benchmarks/check_tf32_lowering.py; it exits 1 otherwise)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "check_tf32_lowering.py")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split(None, 4) for line in out.stdout.splitlines()[1:] if line.split()[1:2] == ["interpreter"]]
+    assert len(rows) == 8 and all("mma.sync.aligned.m16n8k8" in r[4] and r[3] == "registers" for r in rows), out.stdout
