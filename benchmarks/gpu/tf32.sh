@@ -4,6 +4,7 @@
 # operands through TMA).
 #   OUT=<dir> bash benchmarks/gpu/tf32.sh        (from the repo root; ~4 min on an H100, at most 5)
 #   SMOKE=1 OUT=<dir> bash benchmarks/gpu/tf32.sh  (CPU: the tests on the interpreter + a tiny probe)
+#   TESTS_ONLY=1 OUT=<dir> bash benchmarks/gpu/tf32.sh  (part 1 alone: ~1 min on an H100)
 # 1. tests/test_tf32_prerounded.py + the fp32 tests of tests/test_precision.py on CUDA
 #    (bitwise pre-rounded vs in-kernel rounding on the GPU for linear_cross_entropy and
 #    linear_log_probs, accuracy vs float64 at each setting, tiles fit shared memory)
@@ -32,9 +33,16 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/tf32-gpu.txt"
 
 echo "== tests (CUDA) =="
-PYTHONPATH=src timeout 90 $PY -m pytest -q -rs tests/test_tf32_prerounded.py tests/test_precision.py \
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n 4"
+PYTHONPATH=src timeout 150 $PY -m pytest -q -rs $XDIST tests/test_tf32_prerounded.py tests/test_precision.py \
     -k "not cpu_torch_backend and not float64" 2>&1 | tee "$OUT/tf32-pytest.log" | tail -n 15
 echo "tests took $(( $(date +%s) - start )) s"
+if [ -n "$TESTS_ONLY" ]; then
+    echo "== summary: tests =="
+    grep -E "passed|failed|error" "$OUT/tf32-pytest.log" | tail -n 3
+    exit 0
+fi
 
 echo "== probe (4096 x 4096 x 128256 fp32 'high') =="
 PYTHONPATH=src timeout 130 $PY benchmarks/probe_tf32.py --out "$OUT" 2>&1 | tee "$OUT/tf32-probe.log" | tail -n 3
