@@ -38,6 +38,15 @@ CONFIGS = {
         HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=False, NEED_SMOOTH=True, NEED_ARGMAX=False, KEEP=False,
         ENTROPY=True, DOT_PRECISION="tf32x3", USE_TMA=False, DZ_TMA=False, FLATTEN=True,
         BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 2),
+    # fp32 at "high" on operands pre-rounded to TF32, W in chunks (plans.CUDA_TILES_TF32).
+    "fp32-tf32-wchunk-tma": ("fp32", dict(
+        HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, NEED_SMOOTH=False, NEED_ARGMAX=False, KEEP=False,
+        ENTROPY=False, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=False, FLATTEN=True, W_CHUNK=True,
+        BLOCK_N=128, BLOCK_V=256, BLOCK_H=32), 8, 4),
+    "fp32-tf32-wchunk-tma-keep": ("fp32", dict(
+        HAS_BIAS=False, HAS_SOFTCAP=True, HAS_CW=True, NEED_SMOOTH=True, NEED_ARGMAX=True, KEEP=True,
+        ENTROPY=True, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=False, FLATTEN=True, W_CHUNK=True,
+        BLOCK_N=128, BLOCK_V=128, BLOCK_H=32), 8, 4),
 }
 
 KERNELS = {
@@ -64,9 +73,11 @@ def signature(fn, dtype, c):
                    "keep_ptr": (c["BLOCK_N"], c["BLOCK_V"])}
     sig, consts = {}, {}
     kept_kernel = "H" not in fn.arg_names  # the kept-dlogits kernels take plain pointers
+    # Constexprs a config does not name take their defaults (as at a launch that omits them).
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     for a in fn.arg_names:
-        if a in c:
-            sig[a], consts[a] = "constexpr", c[a]
+        if a in c or a in defaults:
+            sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
         elif a.endswith("_ptr"):
             if a in IN_DTYPE:
                 use_desc = (tma and a in desc_blocks and not kept_kernel) or (a == "dz_ptr" and c["DZ_TMA"])

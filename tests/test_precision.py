@@ -88,10 +88,13 @@ def test_dot_precision_with_torch_new_precision_api():
     assert out.stdout.split() == ["tf32-round", "tf32x3"]
 
 
-@pytest.mark.parametrize("setting,expected", [("highest", "tf32x3"), ("high", "tf32-round")])
-def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected):
+@pytest.mark.parametrize("setting,expected,preround", [
+    ("highest", "tf32x3", True), ("high", "tf32", True), ("high", "tf32-round", False)])
+def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected, preround):
     """Every GEMM kernel launched for fp32 inputs (forward and recomputing backward)
-    gets the DOT_PRECISION of torch's setting at the time of the call; never "ieee"."""
+    gets the DOT_PRECISION of torch's setting at the time of the call; never "ieee".
+    At "high" the operands are rounded to TF32 beforehand ("tf32" on TF32-exact
+    values), or in the kernels ("tf32-round") under ``override(tf32_preround=False)``."""
     from logitless.ops.linear_cross_entropy import triton_backend
 
     seen = []
@@ -111,7 +114,7 @@ def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected):
     # On GPUs the cost model may keep all 97 columns at the minimum budget (no dlogits
     # launch); the budget rule without it keeps none at 2000 bytes.
     x, w, t, _ = _inputs(20, 24, 97, torch.float32, seed=1)
-    with matmul_precision(setting), override(model_plans=False):
+    with matmul_precision(setting), override(model_plans=False, tf32_preround=preround):
         # A budget of 2000 bytes keeps no column: the backward recomputes every chunk.
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton", memory_budget=2000)
         loss.backward()

@@ -10,7 +10,8 @@ Per LM-head shape three modes, each its own case (and its own GEMM unit):
                    Llama under HF Trainer(bf16=True) calls its head: unit = one bf16 GEMM
 
 Methods: ``logitless`` (the public API, no casts), ``logitless-tf32-truncate`` (fp32-high
-rows only: without rounding the operands to TF32 first) and ``torch-eager``
+rows only: without rounding the operands to TF32 first), ``logitless-tf32-in-kernel``
+(fp32-high rows only: rounding in the kernels' registers, as before issue 23 item 2) and ``torch-eager``
 (``F.cross_entropy(x @ W.T, y)``; under autocast ``F.cross_entropy(head(h).float(), y)``).
 Rows have the lce suite's columns (``lce.measure``: fwd and fwd+bwd time and their
 ratios to 1 and 3 GEMMs of the case's unit, peak extra memory, errors against one
@@ -99,7 +100,7 @@ def _logitless(case, device):
     return fn
 
 
-def _logitless_truncate(case, device):
+def _logitless_truncate(case, device, **overrides):
     """The fp32-high rows only: TF32 products of the raw fp32 operands (the tensor cores
     truncate them) instead of operands rounded to TF32 first: what the rounding costs."""
     if torch.device(device).type != "cuda":
@@ -110,9 +111,15 @@ def _logitless_truncate(case, device):
     from logitless.planning.overrides import override
 
     def fn(x, w, t):
-        with override(tf32_round=False):
+        with override(**(overrides or dict(tf32_round=False))):
             return linear_cross_entropy(x, w, t)
     return fn
+
+
+def _logitless_in_kernel(case, device):
+    """The fp32-high rows only: operands rounded to TF32 in the kernels' registers (the
+    path before issue 23 item 2) instead of rounded into scratch buffers beforehand."""
+    return _logitless_truncate(case, device, tf32_preround=False)
 
 
 def _torch_eager(case, device):
@@ -131,6 +138,9 @@ def methods():
         Method("logitless-tf32-truncate", _logitless_truncate, peer=False, gpu_only=True,
                description="fp32-high rows: logitless with TF32 products of the raw fp32 operands (truncated by "
                            "the tensor cores) instead of rounded ones"),
+        Method("logitless-tf32-in-kernel", _logitless_in_kernel, peer=False, gpu_only=True,
+               description="fp32-high rows: logitless rounding the operands to TF32 in the kernels' registers "
+                           "(before issue 23 item 2) instead of into scratch buffers first"),
         Method("torch-eager", _torch_eager,
                description="F.cross_entropy(F.linear(h, W).float(), y): fp32 logits at the matmul precision "
                            "setting; under autocast bf16 logits upcast to fp32"),

@@ -7,8 +7,10 @@
 The library itself never sets one: with no override active, every plan follows the
 shape, dtype, budget and device class alone (``plans``, ``cost_model``, ``tuned``).
 Overrides nest (an inner one replaces the fields it names) and are per thread and per
-asyncio task (a ``contextvars.ContextVar``), not module globals. Each field's default
-is the shipped behaviour:
+asyncio task (a ``contextvars.ContextVar``), not module globals. A call's backward runs
+under the overrides of its forward (``restored``; the ops capture them in their autograd
+context): autograd runs CUDA backwards on a thread of its own, where the caller's
+context is not in effect. Each field's default is the shipped behaviour:
 
     kernel_options  scheduling switches of the fused GEMM kernels (``plans.KERNEL_OPTIONS``:
                     group, flatten, dz_tma, dlogits_programs); a dict of those to change
@@ -22,6 +24,9 @@ is the shipped behaviour:
     tiles           (block_n, block_v, block_h, num_warps, num_stages) for every plan
     tf32_round      fp32 at matmul precision "high": round operands to TF32 in the
                     kernel (as cuBLAS); False lets the tensor cores truncate them
+    tf32_preround   fp32 at "high": round x and W to TF32 into scratch buffers first (W in
+                    vocabulary chunks) and multiply them by TMA (the shipped path); False:
+                    round them in the kernels' registers (the path before issue 23)
     plan            a function TritonPlan -> TritonPlan applied to linear_cross_entropy's
                     plans (e.g. force one kept tile and narrow chunks in a test)
     num_sms         multiprocessors the planner assumes (None: the device's own)
@@ -50,6 +55,7 @@ class Overrides:
     strategy: Optional[tuple] = None
     tiles: Optional[tuple] = None
     tf32_round: bool = True
+    tf32_preround: bool = True
     plan: Optional[Callable] = None
     num_sms: Optional[int] = None
     device_model: Any = None
@@ -77,5 +83,16 @@ def override(**fields):
     token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **fields))
     try:
         yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def restored(saved: Overrides):
+    """Context in which ``saved`` (an earlier ``current()``, all of its fields) is in
+    effect: a backward runs under its forward's overrides, whichever thread runs it."""
+    token = _CURRENT.set(saved)
+    try:
+        yield saved
     finally:
         _CURRENT.reset(token)

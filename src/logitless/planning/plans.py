@@ -89,6 +89,10 @@ class TritonPlan:
     dz_tma: the dlogits kernel bulk-stores its dz tiles (TMA).
     dlogits_programs: programs of the dlogits kernel per SM when persistent (each
         loops over tiles); 0: one program per tile.
+    w_chunk: fp32 at matmul precision "high" (``launch.tf32_prerounded``): rows of W
+        rounded to TF32 into a scratch buffer per forward launch (a whole number of
+        vocabulary splits; the backward rounds vocab_chunk rows per recomputed
+        chunk). 0: no scratch, the kernels round (or take) the operands themselves.
     """
 
     block_n: int
@@ -104,6 +108,7 @@ class TritonPlan:
     flatten: bool = False
     dz_tma: bool = False
     dlogits_programs: int = 0
+    w_chunk: int = 0
 
 
 def num_sms(device) -> int:
@@ -126,6 +131,15 @@ def num_sms(device) -> int:
 #: split copies of the operands (up to 64 KiB): under the 227 KiB of an H100's SM. The
 #: backend retries with fewer stages if a GPU has less (``triton_lib.launch.launch``).
 CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
+#: fp32 at "high" on operands pre-rounded to TF32 (``TritonPlan.w_chunk``), by whether
+#: the forward keeps columns: without, 128 x 256 x 32 tiles and 4 stages (4 x 48 KiB)
+#: ran the forward at 0.92x a cuBLAS TF32 GEMM on an H100 (4096 x 4096 x 128256;
+#: 128 x 128 x 32, 4 stages: 1.06x; 3 stages: 1.30x); with kept columns the fp32 TMA
+#: store of a 128 x 256 tile (128 KiB) would leave room for 2 stages only, so 128 x 128
+#: (4 x 32 KiB + 64 KiB): not measured yet (PERFORMANCE.md, issue 23 item 2). The
+#: backward's dlogits kernel takes the gradient's tiles too: at 128 x 256 its sm_90
+#: build needs 320 KiB of shared memory (its dz epilogue), at 128 x 128 192 KiB.
+CUDA_TILES_TF32 = {False: (128, 256, 32, 8, 4), True: (128, 128, 32, 8, 4)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
 #: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
 WAVES = 16
@@ -136,15 +150,31 @@ MIN_CHUNK = 4096
 @memoised
 def triton_plan(
     num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
-    tiles=None, keep_allowed: bool = False,
+    tiles=None, keep_allowed: bool = False, prerounded: bool = False, backward: bool = False,
 ) -> TritonPlan:
     """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
-    ``keep_allowed``: a backward will follow and may use columns kept by the forward."""
+    ``keep_allowed``: a backward will follow and may use columns kept by the forward.
+
+    ``prerounded`` (fp32 at matmul precision "high"): the operands are rounded to TF32
+    into scratch buffers that count against the budget: x whole (4 N H bytes, while at
+    most half the budget; else an x-sized temporary beside it, as the fp32 dx
+    accumulator of 16-bit inputs) and W in
+    chunks (4 H bytes per row): ``w_chunk`` rows per forward launch (what the budget
+    leaves after x and the kept columns, at least the backward's chunk floor), and
+    per recomputed backward chunk its vocab_chunk rows, budgeted with its dz columns.
+    The forward's splits are then sized by the W chunk (enough programs per launch).
+    ``backward``: the plan of a backward (pre-rounded tiles: the gradient's, as with
+    ``keep_allowed``; nothing else changes)."""
     if tiles is None:
-        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device)
+        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded, keep_allowed or backward)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
+    # Scratch of the pre-rounded operands: x (taken off the budget while it is at most
+    # half of it; larger, an x-sized temporary as the 16-bit dx accumulator), W rows.
+    w_col = 4 * hidden if prerounded else 0
+    if prerounded and 4 * num_tokens * hidden <= budget // 2:
+        budget -= 4 * num_tokens * hidden
     # Many programs per SM so that the last wave is a small fraction of the work (with
     # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: PERFORMANCE.md).
     want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
@@ -166,26 +196,35 @@ def triton_plan(
     # 4096-column chunk of dz (32 MiB at 4096 tokens) stays in L2 between the kernel
     # that writes it and the two matmuls that read it; ~11k columns ran 5% slower
     # (PERFORMANCE.md). What the budget has left goes to kept columns instead.
+    chunk_col = itemsize * num_tokens + w_col  # a recomputed column: dz (+ its row of W)
     keep_cols = 0
     if keep_allowed:
-        if budget >= per_col * vocab:
+        if budget >= per_col * vocab + w_col * min_cols:
             keep_cols = vocab
         else:
-            left = budget - acc - num_tokens * itemsize * min_cols
+            left = budget - acc - chunk_col * min_cols
             keep_cols = _clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
     left = budget - acc - per_col * keep_cols
-    cols = int(max(left, 0) // max(1, itemsize * num_tokens))
+    cols = int(max(left, 0) // max(1, chunk_col))
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
     vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
     if device.type == "cuda" and _overrides().model_plans:  # GPUs: the cost model's choice
         keep_cols, vocab_chunk = _model_columns(
-            num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed)
+            num_tokens, vocab, hidden, itemsize, budget - w_col * min_cols, device, block_v, min_cols,
+            keep_allowed)
+        if prerounded:  # the model does not know the W chunk: shrink to the budget
+            keep_cols, vocab_chunk = _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget,
+                                                  block_v, min_cols, vocab)
     if device.type == "cuda" and keep_cols >= vocab and vocab % ODD_V_ALIGN:
         # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
         # 41 ms against 5 ms, PERFORMANCE.md): keep whole tiles, recompute the ragged tail.
         keep_cols = vocab // block_v * block_v
         vocab_chunk = _clamp(vocab_chunk, block_v, padded_vocab)
+    w_chunk = 0
+    if prerounded:
+        w_chunk, vocab_splits = _forward_w_chunk(
+            budget - per_col * keep_cols, w_col, block_v, vocab_blocks, row_blocks, device, min_cols)
     plan = TritonPlan(
         block_n=block_n,
         block_v=block_v,
@@ -196,9 +235,38 @@ def triton_plan(
         vocab_chunk=vocab_chunk,
         keep_cols=keep_cols,
         **kernel_options(num_tokens, block_n, block_v, device),
+        w_chunk=w_chunk,
     )
     reshape = _overrides().plan
     return reshape(plan) if reshape is not None else plan
+
+
+def _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget, block_v, min_cols, vocab):
+    """(keep_cols, vocab_chunk) shrunk until kept columns + one recomputed chunk (dz and
+    its rounded rows of W) fit ``budget``: the chunk first, down to min_cols, then the
+    kept columns (whole tiles)."""
+    if keep_cols >= vocab:
+        return keep_cols, vocab_chunk
+    fit = int(max(0, budget - per_col * keep_cols) // max(1, chunk_col)) // block_v * block_v
+    vocab_chunk = max(min(vocab_chunk, fit), min_cols)
+    if per_col * keep_cols + chunk_col * vocab_chunk > budget:
+        keep_cols = int(max(0, budget - chunk_col * vocab_chunk) // per_col) // block_v * block_v
+    return keep_cols, vocab_chunk
+
+
+def _forward_w_chunk(left, w_col, block_v, vocab_blocks, row_blocks, device, min_cols):
+    """(w_chunk, vocab_splits) of a forward over W rounded to TF32 in chunks: the rows
+    ``left`` bytes hold (at least min_cols, the backward's chunk floor: launches of
+    enough programs), whole splits of blocks_per_split tiles, the splits sized as in
+    ``triton_plan`` but over one chunk (WAVES programs per SM in each launch)."""
+    floor = math.ceil(min_cols / block_v)
+    chunk_blocks = _clamp(int(max(0, left) // max(1, w_col * block_v)), floor, vocab_blocks)
+    want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
+    per_split = math.ceil(chunk_blocks / _clamp(want, 1, chunk_blocks))
+    splits = math.ceil(vocab_blocks / per_split)
+    if chunk_blocks < vocab_blocks:  # whole splits per launch (else all of W at once)
+        chunk_blocks = max(chunk_blocks // per_split, math.ceil(floor / per_split)) * per_split
+    return min(chunk_blocks, vocab_blocks) * block_v, splits
 
 
 #: Persistent dlogits programs from this many row blocks on: with fewer, a chunk has
@@ -233,10 +301,16 @@ def kernel_options(num_tokens: int, block_n: int, block_v: int, device) -> dict:
                 dlogits_programs=int(programs))
 
 
-def _tiles(num_tokens, vocab, hidden, itemsize, device):
-    """Forced, tuned (this machine's cache) or shipped tiles (``tuned``), else the tables above."""
+def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=False):
+    """Forced, tuned (this machine's cache) or shipped tiles (``tuned``), else the tables
+    above; fp32 on pre-rounded operands: forced or ``CUDA_TILES_TF32`` (not tuned yet)."""
     from logitless.planning import tuned as _tuned
 
+    if prerounded:
+        forced = _overrides().tiles
+        if forced is not None:
+            return forced
+        return CUDA_TILES_TF32[bool(keep)] if device.type == "cuda" else INTERPRETER_TILES
     found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
     if found is not None:
         return found

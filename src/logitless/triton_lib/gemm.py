@@ -25,6 +25,23 @@ def round_to_tf32(v):
 
 
 @triton.jit
+def round_to_tf32_kernel(src_ptr, dst_ptr, rows, cols, stride_r, stride_c,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst = ``round_to_tf32``(src) for an fp32 (rows, cols) matrix (any strides) into a
+    contiguous one: one read and one write per element (memory bound: a pass over a
+    2 GB W is about a copy's time). The fused kernels then multiply TF32-exact operands
+    with DOT_PRECISION "tf32", the tensor cores' truncation being exact on them: the
+    same products as "tf32-round", with the operands loaded by TMA straight into the
+    MMAs instead of through registers."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r < rows)[:, None] & (offs_c < cols)[None, :]
+    r64 = offs_r.to(tl.int64)[:, None]
+    v = tl.load(src_ptr + r64 * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0)
+    tl.store(dst_ptr + r64 * cols + offs_c[None, :], round_to_tf32(v), mask=mask)
+
+
+@triton.jit
 def dot(a, b_t, acc, DOT_PRECISION: tl.constexpr):
     """acc += a @ b_t^T with fp32 accumulation. For fp32 inputs DOT_PRECISION follows
     torch's fp32 matmul precision (``launch.dot_precision``):
@@ -67,11 +84,14 @@ def logits_tile(
     stride_xn, stride_xh, stride_wv, stride_wh, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, w_row0=0,
 ):
     """z[n0:n0+BLOCK_N, v0:v0+BLOCK_V] = x W^T (+ b), soft-capped; fp32 (BLOCK_N, BLOCK_V).
 
-    Reads BLOCK_N x H of x and BLOCK_V x H of W. With USE_TMA, x_ptr and w_ptr are
+    Reads BLOCK_N x H of x and BLOCK_V x H of W. ``w_row0``: w_ptr holds the rows of W
+    from column w_row0 on (a chunk of W, e.g. rounded to TF32 into a scratch buffer);
+    columns, bias and masks stay in global indices (the default 0 compiles to the code
+    without the offset). With USE_TMA, x_ptr and w_ptr are
     host-made tensor descriptors (Hopper's bulk tensor copies, zero-filled out of
     bounds); otherwise pointers with masked loads and 64-bit offsets (N*H and V*H
     beyond 2**31 are safe). Rows/columns out of range hold junk (callers mask).
@@ -81,13 +101,13 @@ def logits_tile(
     col_ok = offs_v < V
     if USE_TMA:
         for h0 in range(0, H, BLOCK_H):
-            acc = dot(x_ptr.load([n0, h0]), w_ptr.load([v0, h0]), acc, DOT_PRECISION)
+            acc = dot(x_ptr.load([n0, h0]), w_ptr.load([v0 - w_row0, h0]), acc, DOT_PRECISION)
     else:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_h = tl.arange(0, BLOCK_H)
         row_ok = offs_n < N
         x_rows = x_ptr + offs_n.to(tl.int64)[:, None] * stride_xn
-        w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv
+        w_rows = w_ptr + (offs_v - w_row0).to(tl.int64)[:, None] * stride_wv
         for h0 in range(0, H, BLOCK_H):
             h = h0 + offs_h
             h_ok = h < H

@@ -261,3 +261,92 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     if dx_acc is not None:
         dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
     return dx, dw, db
+
+
+# ------------------------------------------------- fp32 at "high": operands rounded to TF32 once
+
+def tf32_prerounded(dtype: torch.dtype) -> bool:
+    """Whether fp32 operands are rounded to TF32 by ``round_to_tf32`` into scratch buffers
+    before the fused GEMM kernels, which then multiply them with DOT_PRECISION "tf32"
+    (exact on TF32 values: the products of "tf32-round", through TMA). True for fp32 at
+    matmul precision "high"/"medium" unless ``override(tf32_preround=False)`` (the
+    kernels then round in registers) or ``override(tf32_round=False)`` (truncation)."""
+    return dtype == torch.float32 and _overrides().tf32_preround and dot_precision(dtype) == "tf32-round"
+
+
+def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``src`` (fp32, 2-D, any strides) rounded to the nearest TF32 (as cuBLAS and the
+    kernels' "tf32-round") into ``out`` (contiguous, src's shape; allocated if None):
+    one Triton kernel, one read and one write per element. No host sync."""
+    from logitless.triton_lib.gemm import round_to_tf32_kernel
+
+    rows, cols = src.shape
+    if out is None:
+        out = torch.empty(rows, cols, dtype=torch.float32, device=src.device)
+    if rows and cols:
+        if src.is_cuda:
+            block_r, block_c, warps = 16, 256, 4
+        else:  # the interpreter: few programs
+            block_r, block_c, warps = 64, 64, 1
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+        round_to_tf32_kernel[grid](src, out, rows, cols, src.stride(0), src.stride(1),
+                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
+
+
+def forward_w_chunks(plan: TritonPlan, v: int) -> list[tuple[int, int, int]]:
+    """(first split, splits, first column) of each launch of a forward over W in chunks of
+    ``plan.w_chunk`` rows (a whole number of vocabulary splits; one launch when it
+    covers V)."""
+    if plan.w_chunk >= v:
+        return [(0, plan.vocab_splits, 0)]
+    split_cols = triton.cdiv(triton.cdiv(v, plan.block_v), plan.vocab_splits) * plan.block_v
+    per = max(1, plan.w_chunk // split_cols)
+    return [(s0, min(per, plan.vocab_splits - s0), s0 * split_cols) for s0 in range(0, plan.vocab_splits, per)]
+
+
+def forward_launches(x: Tensor, weight: Tensor, plan: TritonPlan, prerounded: bool):
+    """(USE_TMA, steps) of a fused forward over vocabulary splits. Without ``prerounded``
+    one step on x and W. With it, x is rounded to TF32 once and each step rounds its
+    chunk of W (``forward_w_chunks``) into one scratch buffer first. A step() returns
+    (x operand, W operand, x, W rows used (for strides), splits in the launch, the
+    kernel's extra arguments: split0 and W_CHUNK when W goes in several chunks)."""
+    v, h = weight.shape
+    if not prerounded:
+        x_op, w_op, use_tma = operands(x, weight, plan)
+        return use_tma, [lambda: (x_op, w_op, x, weight, plan.vocab_splits, {})]
+    xr = round_to_tf32(x)
+    chunks = forward_w_chunks(plan, v)
+    rows = min(v, chunks[1][2]) if len(chunks) > 1 else v  # one chunk's rows (plan.w_chunk at most)
+    scratch = torch.empty(rows, h, dtype=torch.float32, device=x.device)
+    use_tma = operands(xr, scratch, plan)[2]
+
+    def step(i):
+        split0, splits, c0 = chunks[i]
+        c1 = min(v, chunks[i + 1][2]) if i + 1 < len(chunks) else v
+        w_rows = round_to_tf32(weight[c0:c1], scratch[: c1 - c0])
+        x_op, w_op, _ = operands(xr, w_rows, plan)
+        extra = dict(split0=split0, W_CHUNK=True) if len(chunks) > 1 else {}
+        return x_op, w_op, xr, w_rows, splits, extra
+
+    return use_tma, [lambda i=i: step(i) for i in range(len(chunks))]
+
+
+def prerounded_dlogits_operands(x: Tensor, weight: Tensor, plan: TritonPlan, keep_cols: int, scratch: dict):
+    """A backward's rounded operands for the recomputed chunk [v0, v1): returns
+    round(v0, v1) -> (x operand, W operand, USE_TMA, x rounded, W rows rounded): x is
+    rounded once (at the first chunk) and each chunk's rows of W into one scratch
+    buffer of min(plan.vocab_chunk, V - keep_cols) rows (dz's width), kept in
+    ``scratch`` (a dict owned by the caller's backward)."""
+    v, h = weight.shape
+
+    def rounded(v0, v1):
+        if not scratch:
+            scratch["x"] = round_to_tf32(x)
+            rows = min(plan.vocab_chunk, v - keep_cols)
+            scratch["w"] = torch.empty(rows, h, dtype=torch.float32, device=x.device)
+        ws = round_to_tf32(weight[v0:v1], scratch["w"][: v1 - v0])
+        x_op, w_op, use_tma = operands(scratch["x"], ws, plan)
+        return x_op, w_op, use_tma, scratch["x"], ws
+
+    return rounded

@@ -31,7 +31,7 @@ def forward_stats_kernel(
     NEED_SMOOTH: tl.constexpr, NEED_ARGMAX: tl.constexpr, KEEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, split0=0, W_CHUNK: tl.constexpr = False,
 ):
     """Online softmax statistics of rows of z over one split of the vocabulary.
 
@@ -49,8 +49,18 @@ def forward_stats_kernel(
 
     FLATTEN: one software-pipelined loop over (vocabulary block, step of H), so the
     next tile's first loads are in flight during a tile's softmax epilogue.
+
+    W_CHUNK (a chunk of the vocabulary per launch): the grid covers ``splits`` splits
+    from split ``split0`` on and w_ptr holds W from that split's first column on (e.g.
+    rounded to TF32 into a scratch buffer); columns, outputs and kept tiles stay in
+    global indices. Without it split0 is unused (the code is the unchunked kernel's).
     """
     pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
+    if W_CHUNK:
+        split += split0
+        w_row0 = split0 * blocks_per_split * BLOCK_V
+    else:
+        w_row0 = 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_n < N
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
@@ -67,7 +77,7 @@ def forward_stats_kernel(
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v, col_ok, z = block_tile(
             x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
@@ -100,7 +110,7 @@ def dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False, W_CHUNK: tl.constexpr = False,
 ):
     """dz = d loss / d logits for columns [v_start, v_end), written in dz's dtype.
 
@@ -110,8 +120,13 @@ def dlogits_kernel(
     GEMM's reads plus one write of the (N, v_end - v_start) chunk. Programs go in
     ``grouped_tile`` order; DZ_TMA: dz_ptr is a tensor descriptor (a bulk store).
     With fewer programs than tiles each program loops over tiles (persistent);
-    FLATTEN pipelines that loop with the loop over H.
+    FLATTEN pipelines that loop with the loop over H. W_CHUNK: w_ptr holds W's rows
+    [v_start, v_end) only (e.g. rounded to TF32 into a scratch buffer).
     """
+    if W_CHUNK:
+        w_row0 = v_start
+    else:
+        w_row0 = 0
     row_blocks = tl.cdiv(N, BLOCK_N)
     col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     # One tile per program, or (persistent: fewer programs than tiles) a pipelined loop
@@ -120,7 +135,7 @@ def dlogits_kernel(
         pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z = recomputed_tile(
             tile, x_ptr, w_ptr, b_ptr, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
             v_start, v_end, softcap, row_blocks, col_blocks, group_n,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
         p = tl.exp(z - lse[:, None])

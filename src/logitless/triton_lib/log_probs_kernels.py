@@ -30,7 +30,7 @@ def logp_forward_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, split0=0, W_CHUNK: tl.constexpr = False,
 ):
     """Online statistics of a = softcap(x W^T + b) / T over one split of the vocabulary.
 
@@ -41,8 +41,15 @@ def logp_forward_kernel(
     rounded after a division). Traffic: the GEMM's reads plus O(N * splits) partials.
     KEEP: for blocks below keep_blocks also store e = exp(a - m) in keep's dtype and m
     (per token and block), so that the backward needs no GEMM for them.
+    W_CHUNK: the launch covers ``splits`` splits from ``split0`` on, w_ptr holding W from
+    that split's first column on (``lce_kernels.forward_stats_kernel``'s).
     """
     pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
+    if W_CHUNK:
+        split += split0
+        w_row0 = split0 * blocks_per_split * BLOCK_V
+    else:
+        w_row0 = 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_n < N
     token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
@@ -59,7 +66,7 @@ def logp_forward_kernel(
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v, col_ok, z = block_tile(
             x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
@@ -89,18 +96,23 @@ def logp_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False, W_CHUNK: tl.constexpr = False,
 ):
     """dz for columns [v_start, v_end), recomputing the GEMM tile: log p = a - lse,
     dz = p (A + C log p) - B [j == t] (times the soft-cap factor). Traffic: the GEMM's
-    reads plus one write of the chunk. Persistent when there are fewer programs than tiles."""
+    reads plus one write of the chunk. Persistent when there are fewer programs than tiles.
+    W_CHUNK: w_ptr holds W's rows [v_start, v_end) only (e.g. rounded to TF32)."""
+    if W_CHUNK:
+        w_row0 = v_start
+    else:
+        w_row0 = 0
     row_blocks = tl.cdiv(N, BLOCK_N)
     col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
         pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z = recomputed_tile(
             tile, x_ptr, w_ptr, b_ptr, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
             v_start, v_end, softcap, row_blocks, col_blocks, group_n,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
         logp = z * inv_temp - lse[:, None]

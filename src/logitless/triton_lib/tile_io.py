@@ -27,16 +27,18 @@ def block_tile(
     x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    w_row0=0,
 ):
     """(offs_v, col_ok, z): the columns of vocabulary block ``block``, which of them are
     below V, and the (BLOCK_N, BLOCK_V) fp32 logits of row block ``pid_n`` there
-    (soft-capped with HAS_SOFTCAP; columns past V are the caller's to mask)."""
+    (soft-capped with HAS_SOFTCAP; columns past V are the caller's to mask).
+    ``w_row0``: w_ptr holds W from that column on (``gemm.logits_tile``)."""
     offs_v = block * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = offs_v < V
     z = logits_tile(
         x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, block * BLOCK_V, N, V, H,
         stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
     )
     return offs_v, col_ok, z
 
@@ -47,10 +49,12 @@ def recomputed_tile(
     v_start, v_end, softcap, row_blocks, col_blocks, group_n,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    w_row0=0,
 ):
     """Tile ``tile`` of the chunk of columns [v_start, v_end) (``grouped_tile`` order,
     ``group_n`` row blocks at a time): (pid_n, pid_v, offs_n, offs_v, row_ok, col_ok,
-    z) with z the (BLOCK_N, BLOCK_V) fp32 logits (soft-capped with HAS_SOFTCAP)."""
+    z) with z the (BLOCK_N, BLOCK_V) fp32 logits (soft-capped with HAS_SOFTCAP).
+    ``w_row0``: w_ptr holds W from that column on (``gemm.logits_tile``)."""
     pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -59,7 +63,7 @@ def recomputed_tile(
     z = logits_tile(
         x_ptr, w_ptr, b_ptr, pid_n * BLOCK_N, v_start + pid_v * BLOCK_V, N, V, H,
         stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
     )
     return pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z
 

@@ -4,7 +4,8 @@ Each op is a forward and a backward custom op whose arguments are tensors, then 
 fields of its options dataclass (``logitless.options``, under their own names), then
 execution arguments (backend, budget, flags). ``named`` reads a custom op's inputs by
 argument name in ``setup_context``; ``guard_double_backward`` makes a second-order
-gradient raise one clear error; ``EAGER`` maps each custom op to its Python
+gradient raise one clear error; ``under_forward_overrides`` runs a backward under the
+planner overrides of its forward; ``EAGER`` maps each custom op to its Python
 implementation (tests run them under dispatch modes, which otherwise see a custom op
 as one opaque call).
 """
@@ -18,6 +19,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from logitless.planning import overrides as _overrides
 
 #: "logitless::<name>" -> the Python implementation behind the custom op.
 EAGER: dict[str, Callable] = {}
@@ -123,6 +126,27 @@ class EagerOp:
         if eager_fast_path_ok(inputs):
             return _EagerFunction.apply(*inputs, self)
         return self.op(*inputs)
+
+
+def under_forward_overrides(setup_context: Callable, backward: Callable) -> tuple[Callable, Callable]:
+    """(setup_context, backward) of ``register_autograd`` such that the backward runs under
+    the planner overrides (``logitless.planning.overrides``) in effect at the forward.
+    Autograd runs the backward of CUDA tensors on a device thread of its own, where the
+    caller's ``override(...)`` context is not in effect (it is on CPU, in the caller's
+    thread): without this a backward that re-plans (no kept columns) or reads an
+    override (``tf32_preround``, tiles, ``plan``) would follow the defaults on GPUs only."""
+
+    @functools.wraps(setup_context)
+    def setup(ctx, inputs, output):
+        ctx.overrides = _overrides.current()
+        return setup_context(ctx, inputs, output)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        with _overrides.restored(ctx.overrides):
+            return backward(ctx, *grads)
+
+    return setup, run
 
 
 class NoDoubleBackward(torch.autograd.Function):

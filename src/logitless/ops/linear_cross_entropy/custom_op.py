@@ -50,6 +50,7 @@ from logitless.ops.common.autograd import (
     grad_outputs,
     guard_double_backward,
     named,
+    under_forward_overrides,
     zero_grads,
 )
 from logitless.ops.common.dispatch import load_backend
@@ -314,6 +315,8 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     return grads + (None,) * (ctx.num_inputs - 3)
 
 
-lce_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_setup, _backward_of_ctx = under_forward_overrides(_setup_context, _autograd_backward)
+lce_forward.register_autograd(_backward_of_ctx, setup_context=_setup)
 #: What the public function calls: ``lce_forward``, through a plain autograd.Function in eager mode.
-lce_forward_eager = EagerOp(lce_forward, _forward, _setup_context, _autograd_backward)
+lce_forward_eager = EagerOp(lce_forward, _forward, _setup, _backward_of_ctx)

@@ -11,8 +11,15 @@ backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
          (written once, fp32 accumulation inside the matmul), db[v0:v1] = column sums
          of dz in fp32, and dx += dz W[v0:v1] into an fp32 (N, H) accumulator (plain
          dx = dz W when one chunk covers V).
+fp32 at matmul precision "high" (``launch.tf32_prerounded``): x is rounded to TF32 once
+per call into a scratch buffer and W chunk by chunk (``plan.w_chunk`` rows per forward
+launch, each recomputed chunk's rows in the backward), by ``launch.round_to_tf32`` (one
+read and one write); the kernels then multiply TF32-exact operands with DOT_PRECISION
+"tf32" (truncation is exact on them: the products of rounding in the kernel, bitwise,
+with the operands loaded by TMA straight into the tensor cores).
 No tensor of N x V elements unless the budget allows it: temporaries are the kept
-columns and one dz chunk, sized by the memory budget (``_plans.triton_plan``). No
+columns and one dz chunk (and the rounded x and W chunk), sized by the memory budget
+(``_plans.triton_plan``). No
 atomics: every output element is written by one program or one matmul, so results
 are bitwise repeatable.
 """
@@ -34,13 +41,19 @@ from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F40
 from . import triton_kernels as K
 
 
-def _flags(bias, class_weight, softcap, dtype):
+def _flags(bias, class_weight, softcap, dtype, prerounded=False):
     return dict(
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_CW=class_weight is not None,
-        DOT_PRECISION=launch.dot_precision(dtype),
+        DOT_PRECISION="tf32" if prerounded else launch.dot_precision(dtype),
     )
+
+
+def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
+    """The plan rounds the operands into scratch buffers (``TritonPlan.w_chunk``) and
+    torch's setting still asks for rounded TF32 products."""
+    return plan.w_chunk > 0 and launch.tf32_prerounded(dtype)
 
 
 def forward(
@@ -76,26 +89,30 @@ def forward(
     part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
     keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v)
     keep = keep_max = None
-    x_op, w_op, use_tma = launch.operands(x, weight, plan)
+    prerounded = _prerounded(plan, x.dtype)
+    # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
     keep_op = None
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     row_blocks = triton.cdiv(n, plan.block_n)
-    grid = (row_blocks * splits,)
-    launch.launch_kernel(
-        K.forward_stats_kernel, grid,
-        x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
-        target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
-        keep_op if keep is not None else x, keep_max if keep_max is not None else x,
-        n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        keep.stride(0) if keep is not None else 0,
-        blocks_per_split, keep_blocks, float(softcap or 1.0), splits, plan.group_n or row_blocks,
-        NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None, USE_TMA=use_tma,
-        FLATTEN=plan.flatten,
-        **_flags(bias, class_weight, softcap, x.dtype),
-        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
+    for step in steps:
+        x_op, w_op, xr, w_rows, launch_splits, extra = step()
+        launch.launch_kernel(
+            K.forward_stats_kernel, (row_blocks * launch_splits,),
+            x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
+            target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
+            keep_op if keep is not None else x, keep_max if keep_max is not None else x,
+            n, v, h, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
+            keep.stride(0) if keep is not None else 0,
+            blocks_per_split, keep_blocks, float(softcap or 1.0), launch_splits, plan.group_n or row_blocks,
+            NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None, USE_TMA=use_tma,
+            FLATTEN=plan.flatten, **flags,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            **extra,
+        )
     kept = _Kept(keep_buf, keep_max, plan) if keep is not None else None
     if loss_opts is not None:
         lse, loss, w_t = ce_epilogue.forward_loss(part_max, part_sum, part_tgt, part_smooth if need_smooth else None,
@@ -141,9 +158,11 @@ class _Kept(tuple):
         return self[0][:, : self.keep_cols], self[1]
 
 
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool) -> TritonPlan:
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool,
+          backward: bool = False) -> TritonPlan:
     """The plan of one call; forward, backward and ``kept_shapes`` must agree on it."""
-    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed)
+    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed,
+                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
 
 
 def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool) -> bool:
@@ -187,10 +206,13 @@ def backward(
     n, h = x.shape
     v = weight.shape[0]
     # The forward's plan (the same arguments give the same plan) when it kept columns.
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None, backward=True)
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
-    flags = _flags(bias, class_weight, softcap, x.dtype)  # reads the fp32 matmul precision once
+    prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
+    flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
+    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
+    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0, {})
 
     def kept_dlogits(dz, tile_max, grid):
         K.kept_dlogits_kernel[grid](
@@ -201,13 +223,16 @@ def backward(
         )
 
     def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
+        xs, ws = x, weight
+        if prerounded:
+            x_op, w_op, use_tma, xs, ws = rounded(v0, v1)
         launch.launch_kernel(
             K.dlogits_kernel, grid,
             x_op, w_op, bias if bias is not None else x, cw_arg,
             target, lse, coef, dz_op,
-            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),
             v0, v1, float(softcap or 1.0), group_n,
-            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten,
+            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten, W_CHUNK=prerounded,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )

@@ -38,6 +38,7 @@ from logitless.ops.common.autograd import (
     grad_outputs,
     guard_double_backward,
     named,
+    under_forward_overrides,
     zero_grads,
 )
 from logitless.ops.common.dispatch import load_backend
@@ -216,6 +217,8 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     return grads + (None,) * (ctx.num_inputs - 3)
 
 
-llp_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_setup, _backward_of_ctx = under_forward_overrides(_setup_context, _autograd_backward)
+llp_forward.register_autograd(_backward_of_ctx, setup_context=_setup)
 #: What the public function calls: ``llp_forward``, through a plain autograd.Function in eager mode.
-llp_forward_eager = EagerOp(llp_forward, _forward, _setup_context, _autograd_backward)
+llp_forward_eager = EagerOp(llp_forward, _forward, _setup, _backward_of_ctx)

@@ -49,8 +49,10 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
     return True
 
 
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool) -> TritonPlan:
-    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep)
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool,
+          backward: bool = False) -> TritonPlan:
+    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep,
+                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
 
 
 def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, opts: LogProbOptions,
@@ -62,9 +64,15 @@ def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
     return launch.kept_shapes_of(plan, n) if plan.keep_cols else None
 
 
-def _flags(bias, opts: LogProbOptions, dtype):
+def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
     return dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-                DOT_PRECISION=launch.dot_precision(dtype))
+                DOT_PRECISION="tf32" if prerounded else launch.dot_precision(dtype))
+
+
+def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
+    """fp32 at "high" with a plan that rounds the operands into scratch buffers first
+    (``TritonPlan.w_chunk``; as linear_cross_entropy's Triton backend)."""
+    return plan.w_chunk > 0 and launch.tf32_prerounded(dtype)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
@@ -85,24 +93,29 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     part_tgt = torch.empty(splits, n, **f32)
     part_u = torch.empty(splits, n, **f32) if opts.entropy else part_max
     keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
-    x_op, w_op, use_tma = launch.operands(x, weight, plan)
+    prerounded = _prerounded(plan, x.dtype)
+    # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
     keep = keep_max = keep_buf = None
     keep_op = x
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     row_blocks = triton.cdiv(n, plan.block_n)
-    launch.launch_kernel(
-        K.logp_forward_kernel, (row_blocks * splits,),
-        x_op, w_op, bias if bias is not None else x, tokens,
-        part_max, part_sum, part_u, part_tgt, keep_op, keep_max if keep_max is not None else x,
-        n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        keep.stride(0) if keep is not None else 0,
-        blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, splits,
-        plan.group_n or row_blocks,
-        KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **_flags(bias, opts, x.dtype),
-        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    flags = _flags(bias, opts, x.dtype, prerounded)
+    for step in steps:
+        x_op, w_op, xr, w_rows, launch_splits, extra = step()
+        launch.launch_kernel(
+            K.logp_forward_kernel, (row_blocks * launch_splits,),
+            x_op, w_op, bias if bias is not None else x, tokens,
+            part_max, part_sum, part_u, part_tgt, keep_op, keep_max if keep_max is not None else x,
+            n, v, h, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
+            keep.stride(0) if keep is not None else 0,
+            blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, launch_splits,
+            plan.group_n or row_blocks,
+            KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **flags,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
+        )
     kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
     if outputs:
         return log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
@@ -128,10 +141,13 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     parallelism)."""
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False)
+    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False, backward=True)
     coef = coef.contiguous()
     lse = lse.contiguous()
-    flags = _flags(bias, opts, x.dtype)
+    prerounded = _prerounded(plan, x.dtype)
+    flags = _flags(bias, opts, x.dtype, prerounded)
+    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
+    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0, {})
 
     def kept_dlogits(dz, tile_max, grid):
         K.logp_kept_dlogits_kernel[grid](
@@ -142,12 +158,15 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         )
 
     def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
+        xs, ws = x, weight
+        if prerounded:
+            x_op, w_op, use_tma, xs, ws = rounded(v0, v1)
         launch.launch_kernel(
             K.logp_dlogits_kernel, grid,
             x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
-            n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),
             v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, group_n,
-            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten,
+            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten, W_CHUNK=prerounded,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )

@@ -148,7 +148,7 @@ def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget
                             weight_layout, plan)
     consts.update(stride_keep=0, blocks_per_split=blocks_per_split, keep_blocks=0, splits=splits,
                   group_n=min(plan.group_n, row_blocks), NEED_SMOOTH=need_smooth,
-                  NEED_ARGMAX=False, KEEP=False, USE_TMA=False)
+                  NEED_ARGMAX=False, KEEP=False, USE_TMA=False, split0=0, W_CHUNK=False)
     part_max, part_sum, part_tgt, part_smooth, *_ = _launch(
         "forward_stats_kernel", (row_blocks * splits,), plan, outs,
         (x2d, w, b, cw, target.astype(jnp.int32)), consts)

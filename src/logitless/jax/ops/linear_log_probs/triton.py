@@ -121,7 +121,7 @@ def _forward(x2d, w, bias, tokens, *, opts, budget):
     outs = (part, part, part if opts.entropy else dummy, part, dummy, dummy)  # max, sum, u, a_t, keep, keep_max
     consts = _common_consts(x2d, w, bias, opts, plan)
     consts.update(stride_keep=0, blocks_per_split=blocks_per_split, keep_blocks=0, splits=splits,
-                  KEEP=False, USE_TMA=False)
+                  KEEP=False, USE_TMA=False, split0=0, W_CHUNK=False)
     part_max, part_sum, part_u, part_tgt, *_ = _launch(
         "logp_forward_kernel", (row_blocks * splits,), plan, outs,
         (x2d, w, b, tokens.astype(jnp.int32)), consts)
