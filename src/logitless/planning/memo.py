@@ -42,7 +42,9 @@ def _device_key(device):
     if kind == "cuda" and index is None:
         import torch
 
-        index = torch.cuda.current_device()
+        # A machine without CUDA plans for a described GPU (tests, a CPU-side planner):
+        # there "cuda" is device 0.
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     return (kind, index)
 
 
