@@ -26,7 +26,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named, under_forward_overrides
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import CrossEntropyOptions
@@ -158,7 +158,9 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
     return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
-ce_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_setup, _backward = under_forward_overrides(_setup_context, _autograd_backward)
+ce_forward.register_autograd(_backward, setup_context=_setup)
 
 
 _SPENT = (

@@ -22,7 +22,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, token_loss, upstream
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named, under_forward_overrides
 from logitless.ops.common.dispatch import backend_module
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions
@@ -102,4 +102,6 @@ def _autograd_backward(ctx, grad_loss, _grad_stats):
     return (d_student,) + (None,) * (ctx.num_inputs - 1)
 
 
-jsd_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_setup, _backward = under_forward_overrides(_setup_context, _autograd_backward)
+jsd_forward_op.register_autograd(_backward, setup_context=_setup)

@@ -29,6 +29,7 @@ from logitless.ops.common.autograd import (
     grad_outputs,
     guard_double_backward,
     named,
+    under_forward_overrides,
     zero_grads,
 )
 from logitless.ops.common.dispatch import backend_module
@@ -148,7 +149,9 @@ def _autograd_backward(ctx, grad_loss, _grad_stats):
     return grads + (None,) * (ctx.num_inputs - 3)
 
 
-linear_jsd_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_setup, _backward = under_forward_overrides(_setup_context, _autograd_backward)
+linear_jsd_forward_op.register_autograd(_backward, setup_context=_setup)
 
 
 # --------------------------------------------------------------------------- gradient in the forward
@@ -245,4 +248,6 @@ def _gif_backward(ctx, grad_loss, *_):
     return out + (None,) * (ctx.num_inputs - 3)
 
 
-linear_jsd_gif_forward_op.register_autograd(_gif_backward, setup_context=_gif_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_gif_setup, _gif_backward_of_ctx = under_forward_overrides(_gif_setup_context, _gif_backward)
+linear_jsd_gif_forward_op.register_autograd(_gif_backward_of_ctx, setup_context=_gif_setup)

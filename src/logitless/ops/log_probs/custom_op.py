@@ -20,7 +20,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named
+from logitless.ops.common.autograd import custom_op, guard_double_backward, named, under_forward_overrides
 from logitless.ops.common.dispatch import load_backend
 from logitless.options import LogProbOptions
 
@@ -108,4 +108,6 @@ def _autograd_backward(ctx, grad_logp, grad_entropy, *_):
     return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
-lp_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
+_setup, _backward = under_forward_overrides(_setup_context, _autograd_backward)
+lp_forward.register_autograd(_backward, setup_context=_setup)
