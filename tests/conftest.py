@@ -5,6 +5,7 @@ before any test module imports logitless' Triton backends.
 """
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +13,13 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# torch.compile's on-disk caches key a graph by the custom ops' names, not by their fake
+# implementations: a graph compiled before a change of an op's outputs (e.g. one more
+# TritonPlan field) would be replayed with the old shapes ("expected size 14==13"). The
+# suite compiles into a fresh folder of its own unless one is given.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="logitless-tests-inductor-")
 
 #: Device the tests run on: the GPU when there is one, else the CPU (interpreter).
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
