@@ -54,6 +54,7 @@ from logitless.ops.common.autograd import (
     zero_grads,
 )
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
@@ -304,7 +305,7 @@ def _autograd_backward(ctx, grad_loss, grad_lse, *_):
         # Gradient-in-forward (eager): scale the forward's gradients by grad_output, in place;
         # a gradient of lse (rare: the caller's own use of stats.lse) comes on top.
         present = [g if g.numel() else None for g in forward_grads]
-        grads = _grad_in_forward_strategy().scale_grads(present, grad_loss, x.dtype, weight.dtype)
+        grads = scale_grads(present, grad_loss, x.dtype, weight.dtype)
         if grad_lse is not None:
             extra = backward(torch.zeros_like(grad_loss), grad_lse, ctx.kept)
             grads = tuple(g + e if g is not None else None for g, e in zip(grads, extra))

@@ -53,7 +53,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
                       need_argmax: bool, need_dx: bool, need_dw: bool, need_db: bool, budget: int):
     """TokenStats of every token, and (dx, dw_acc, db_acc) for grad_output = 1:
     dx in x's dtype; dw_acc and db_acc fp32 (dw_acc in weight's dtype when one chunk
-    covers every token); None where not needed. ``scale_grads`` finishes them."""
+    covers every token); None where not needed. ``ops.common.grad_in_forward.scale_grads`` finishes them."""
     n, h = x.shape
     v = weight.shape[0]
     softcap = opts.softcap
@@ -105,16 +105,3 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
         argmax=torch.cat([p.argmax for p in parts]) if need_argmax else None,
     )
     return stats, (dx, dw, db)
-
-
-def scale_grads(grads, grad_output: Tensor, x_dtype, w_dtype):
-    """The backward of the strategy: multiply the forward's gradients by grad_output.
-
-    In place (no fp32 copy of a 16-bit gradient: the product is computed in fp32 per
-    element and rounded once); the buffers must not be used again."""
-    dx, dw, db = grads
-    g = grad_output.float()
-    out_dx = dx.mul_(g).to(x_dtype) if dx is not None else None
-    out_dw = dw.mul_(g).to(w_dtype) if dw is not None else None
-    out_db = db.mul_(g).to(w_dtype) if db is not None else None
-    return out_dx, out_dw, out_db

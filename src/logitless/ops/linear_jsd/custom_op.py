@@ -33,6 +33,7 @@ from logitless.ops.common.autograd import (
     zero_grads,
 )
 from logitless.ops.common.dispatch import backend_module
+from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
 
@@ -242,7 +243,7 @@ def _gif_backward(ctx, grad_loss, *_):
     if grad_loss is None or grads is None or not (need_dx or need_dw or need_db):
         return (None,) * ctx.num_inputs
     present = [g if g.numel() else None for g in grads]
-    dx, dw, db = _grad_in_forward_strategy().scale_grads(present, grad_loss, ctx.x_dtype, ctx.w_dtype)
+    dx, dw, db = scale_grads(present, grad_loss, ctx.x_dtype, ctx.w_dtype)
     out = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
     out = guard_double_backward(OP, out, grad_loss)
     return out + (None,) * (ctx.num_inputs - 3)

@@ -62,7 +62,7 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
                       need_dx: bool, need_dw: bool, need_db: bool):
     """Statistics (6, N) fp32 of every token, and (dx, dw, db) for grad_output = 1: dx in
     x's dtype; dw fp32 (in the weight's dtype when one chunk covers every token); db
-    fp32; None where not needed. ``scale_grads`` finishes them."""
+    fp32; None where not needed. ``ops.common.grad_in_forward.scale_grads`` finishes them."""
     n, h = xs.shape
     v = ws.shape[0]
     dev = xs.device
@@ -113,14 +113,3 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         if need_db:
             db += dz.sum(dim=0, dtype=torch.float32)
     return stats, (dx, dw, db)
-
-
-def scale_grads(grads, grad_output: Tensor, x_dtype, w_dtype):
-    """The backward of the strategy: multiply the forward's gradients by grad_output
-    (a scalar), in place, each product computed in fp32 and rounded once."""
-    dx, dw, db = grads
-    g = grad_output.float()
-    out_dx = dx.mul_(g).to(x_dtype) if dx is not None else None
-    out_dw = dw.mul_(g).to(w_dtype) if dw is not None else None
-    out_db = db.mul_(g).to(w_dtype) if db is not None else None
-    return out_dx, out_dw, out_db
