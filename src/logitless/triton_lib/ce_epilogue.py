@@ -44,6 +44,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import _class_weight_sum
 from logitless.options import CrossEntropyOptions
+from logitless.triton_lib.ce_math import splits_max
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 #: Tokens per step of the one program's loop.
@@ -75,11 +76,7 @@ def ce_forward_epilogue_kernel(
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         ok = offs < N
-        big_m = tl.load(part_max + offs, mask=ok, other=0.0)
-        for s in range(1, SPLITS):
-            big_m = tl.maximum(big_m, tl.load(part_max + s * N + offs, mask=ok, other=0.0),
-                               propagate_nan=tl.PropagateNan.ALL)
-        m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
+        m_safe = splits_max(part_max, offs, ok, N, SPLITS)
         total = tl.zeros((BLOCK,), tl.float32)
         tgt = tl.zeros((BLOCK,), tl.float32)
         smooth = tl.zeros((BLOCK,), tl.float32)

@@ -75,3 +75,15 @@ def load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N):
     c = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
     return lse, a, b, c, target
+
+
+@triton.jit
+def splits_max(part_max, offs, ok, N, SPLITS):
+    """M = max over the vocabulary splits of the per-split maxima part_max[s, offs] ((SPLITS,
+    N) fp32, row-major), NaN propagated, with -inf (a row no split saw) replaced by 0: the
+    shift of the merge lse = M + log sum_s s_s exp(m_s - M) (``formulas.merge_splits``)."""
+    big_m = tl.load(part_max + offs, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        big_m = tl.maximum(big_m, tl.load(part_max + s * N + offs, mask=ok, other=0.0),
+                           propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(big_m == float("-inf"), 0.0, big_m)

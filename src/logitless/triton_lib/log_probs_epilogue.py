@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from logitless.options import LogProbOptions
+from logitless.triton_lib.ce_math import splits_max
 
 BLOCK = 1024
 
@@ -39,11 +40,7 @@ def logp_forward_epilogue_kernel(
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    big_m = tl.load(part_max + offs, mask=ok, other=0.0)
-    for s in range(1, SPLITS):
-        big_m = tl.maximum(big_m, tl.load(part_max + s * N + offs, mask=ok, other=0.0),
-                           propagate_nan=tl.PropagateNan.ALL)
-    m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
+    m_safe = splits_max(part_max, offs, ok, N, SPLITS)
     total = tl.zeros((BLOCK,), tl.float32)
     u = tl.zeros((BLOCK,), tl.float32)
     tgt = tl.zeros((BLOCK,), tl.float32)
