@@ -332,13 +332,14 @@ def forward_launches(x: Tensor, weight: Tensor, plan: TritonPlan, prerounded: bo
     return use_tma, [lambda i=i: step(i) for i in range(len(chunks))]
 
 
-def prerounded_dlogits_operands(x: Tensor, weight: Tensor, plan: TritonPlan, keep_cols: int, scratch: dict):
+def prerounded_dlogits_operands(x: Tensor, weight: Tensor, plan: TritonPlan, keep_cols: int):
     """A backward's rounded operands for the recomputed chunk [v0, v1): returns
     round(v0, v1) -> (x operand, W operand, USE_TMA, x rounded, W rows rounded): x is
     rounded once (at the first chunk) and each chunk's rows of W into one scratch
-    buffer of min(plan.vocab_chunk, V - keep_cols) rows (dz's width), kept in
-    ``scratch`` (a dict owned by the caller's backward)."""
+    buffer of min(plan.vocab_chunk, V - keep_cols) rows (dz's width), both held by the
+    returned function for the backward's chunk loop."""
     v, h = weight.shape
+    scratch: dict = {}
 
     def rounded(v0, v1):
         if not scratch:

@@ -212,7 +212,7 @@ def backward(
     prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
     # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
-    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0, {})
+    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
 
     def kept_dlogits(dz, tile_max, grid):
         K.kept_dlogits_kernel[grid](

@@ -147,7 +147,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     prerounded = _prerounded(plan, x.dtype)
     flags = _flags(bias, opts, x.dtype, prerounded)
     # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
-    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0, {})
+    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
 
     def kept_dlogits(dz, tile_max, grid):
         K.logp_kept_dlogits_kernel[grid](
