@@ -169,7 +169,7 @@ _GPU = types.SimpleNamespace(type="cuda", index=0)
 @pytest.mark.parametrize("budget", [2**20, 256 * 2**20, 2**31, 2**34])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("model_plans", [False, True])
-def test_prerounded_plan_counts_the_scratch(n, h, v, budget, keep, model_plans):
+def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep, model_plans):
     """The planner (an H100 as it sees one, greedy and cost-model rules) with the scratch
     of the pre-rounded operands: x (4 N H bytes, when at most half the budget) + kept
     columns + one recomputed chunk (dz and its rounded W rows) <= budget, and x + kept
@@ -178,6 +178,7 @@ def test_prerounded_plan_counts_the_scratch(n, h, v, budget, keep, model_plans):
     CUDA_TILES_TF32's."""
     from logitless.planning import cost_model as _cost_model
 
+    monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the shipped tables (no GPU to name a tuned cache)
     with override(num_sms=132, device_model=_cost_model.DEFAULT, model_plans=model_plans, tf32_preround=True):
         p = _plans.triton_plan(n, v, h, 4, budget, _GPU, keep_allowed=keep, prerounded=True)
     assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == _plans.CUDA_TILES_TF32[keep]
