@@ -6,8 +6,10 @@ predictions (``plans.tf32_choice``: both plans priced by ``cost_model.predict_tf
     PYTHONPATH=src python benchmarks/probe_tf32plan.py --out DIR [--smoke] [--budget-s S]
 
 Cases: the precision suite's three shapes (2048x2048x32000, 4096x2048x128256,
-llama3.1-8b 4096x4096x128256) at the default 256 MiB budget, and 2048x2048x32000 at
-1 GiB (where the model predicts the switch to pre-rounded), each forward only (no input
+llama3.1-8b 4096x4096x128256) at the default 256 MiB budget, 2048x2048x32000 at 1 GiB
+(where the model predicts the switch to pre-rounded) and 512 tokens of llama3.1-8b (few
+tokens: the model predicts in-kernel, the rounding pass over W costing about a forward),
+each forward only (no input
 requires grad) and forward+backward; per case: one cuBLAS TF32 GEMM x @ W^T (the unit),
 the default (planner's path), forced pre-rounded, forced in-kernel (ms, median of
 ``triton.testing.do_bench``), the predicted ms of both, and whether the three losses are
@@ -64,7 +66,8 @@ def main():
         cases = [("2048x2048x32000", 2048, 2048, 32000, DEFAULT_MEMORY_BUDGET),
                  ("4096x2048x128256", 4096, 2048, 128256, DEFAULT_MEMORY_BUDGET),
                  ("llama3.1-8b", 4096, 4096, 128256, DEFAULT_MEMORY_BUDGET),
-                 ("2048x2048x32000", 2048, 2048, 32000, 1 << 30)]
+                 ("2048x2048x32000", 2048, 2048, 32000, 1 << 30),
+                 ("512x4096x128256", 512, 4096, 128256, DEFAULT_MEMORY_BUDGET)]
     else:  # the interpreter: tiny shapes, budgets on both sides of the logits' size
         cases = [("smoke-16x16x200", 16, 16, 200, 1 << 20)]
     meta = probe_meta(device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)")

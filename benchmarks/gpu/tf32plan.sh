@@ -8,7 +8,7 @@
 #    the suite's shapes on an emulated H100, forward/backward on one path, tuned tiles per
 #    path; both forced paths bitwise equal on the GPU) -> $OUT/tf32plan-pytest.log (cap 55 s)
 # 2. benchmarks/probe_tf32plan.py: the precision suite's three shapes at the default budget
-#    (+ 2048x2048x32000 at 1 GiB), forward and forward+backward: the planner's default vs
+#    (+ 2048x2048x32000 at 1 GiB, 512x4096x128256), forward and forward+backward: the planner's default vs
 #    forced pre-rounded vs forced in-kernel, the cost model's predictions, the losses
 #    bitwise equal -> $OUT/tf32plan-probe.log, $OUT/probe-tf32plan-*.json (cap 85 s)
 # Files in $OUT (<= 8): tf32plan-gpu.txt, tf32plan-pytest.log, tf32plan-probe.log,
