@@ -178,22 +178,28 @@ def test_overrides_force_a_path_and_key_the_memo(h100):
     would take the in-kernel one (and ``False`` the reverse), also after the default plan
     was memoised (the memo is keyed by the override); a DeviceModel that makes the
     pre-rounded kernels slow flips the choice (keyed by the model too)."""
+    gpu = torch.device("cuda")  # hashable (the memo keys it as ("cuda", 0)); nothing runs on it
+
+    def plan(n, v, h, budget, **kw):
+        return _plans.triton_plan(n, v, h, 4, budget, gpu, prerounded=True, **kw)
+
     args = (2048, 32000, 2048, DEFAULT_MEMORY_BUDGET)
-    assert _plan(*args, keep_allowed=True).w_chunk == 0  # chosen: in-kernel
+    first = plan(*args, keep_allowed=True)
+    assert first.w_chunk == 0 and plan(*args, keep_allowed=True) is first  # chosen: in-kernel; memoised
     with override(tf32_preround=True):
-        assert _plan(*args, keep_allowed=True).w_chunk > 0
-    assert _plan(*args, keep_allowed=True).w_chunk == 0
+        assert plan(*args, keep_allowed=True).w_chunk > 0
+    assert plan(*args, keep_allowed=True) is first
     big = (4096, 128256, 4096, DEFAULT_MEMORY_BUDGET)
-    assert _plan(*big, keep_allowed=True).w_chunk > 0  # chosen: pre-rounded
+    assert plan(*big, keep_allowed=True).w_chunk > 0  # chosen: pre-rounded
     with override(tf32_preround=False), matmul_precision("high"):
         assert not launch.tf32_prerounded(torch.float32)  # the backends pass prerounded=False
-        assert _plans.triton_plan(*big[:3], 4, big[3], _GPU, keep_allowed=True).w_chunk == 0
+        assert _plans.triton_plan(*big[:3], 4, big[3], gpu, keep_allowed=True).w_chunk == 0
     slow = dataclasses.replace(_cost_model.H100, tf32_fwd_prerounded=3.0, tf32_fwd_prerounded_narrow=3.0,
                                tf32_dlogits_prerounded=3.0)
     with override(device_model=slow):
-        assert _plan(*big, keep_allowed=True).w_chunk == 0
-        assert not _plans.tf32_choice(*big, _GPU, grad=True).prerounded
-    assert _plan(*big, keep_allowed=True).w_chunk > 0
+        assert plan(*big, keep_allowed=True).w_chunk == 0
+        assert not _plans.tf32_choice(*big, gpu, grad=True).prerounded
+    assert plan(*big, keep_allowed=True).w_chunk > 0
     with matmul_precision("high"):
         assert launch.tf32_prerounded(torch.float32)  # the default: the plan decides
         with override(tf32_preround=True):

@@ -10,7 +10,7 @@
 # 2. benchmarks/probe_tf32plan.py: the precision suite's three shapes at the default budget
 #    (+ 2048x2048x32000 at 1 GiB, 512x4096x128256), forward and forward+backward: the planner's default vs
 #    forced pre-rounded vs forced in-kernel, the cost model's predictions, the losses
-#    bitwise equal -> $OUT/tf32plan-probe.log, $OUT/probe-tf32plan-*.json (cap 85 s)
+#    bitwise equal -> $OUT/tf32plan-probe.log, $OUT/probe-tf32plan-*.json (cap 80 s)
 # Files in $OUT (<= 8): tf32plan-gpu.txt, tf32plan-pytest.log, tf32plan-probe.log,
 # probe-tf32plan-*.json. A failing part does not stop the other. Summary table last.
 set +e
@@ -36,9 +36,9 @@ else
         tests/test_tf32_plan_choice.py tests/test_tf32_prerounded.py
     echo "tests took $(( $(date +%s) - start )) s"
     echo "== probe: planner's path vs forced paths (fp32 'high') =="
-    timeout -k 5 85 "$PY" benchmarks/probe_tf32plan.py --out "$OUT" --budget-s 60 2>&1 \
+    timeout -k 5 80 "$PY" benchmarks/probe_tf32plan.py --out "$OUT" --budget-s 55 2>&1 \
         | tee "$OUT/tf32plan-probe.log" | grep -v "^===\|^shape\|^wrote" | tail -n 10
-    echo "probe: exit ${PIPESTATUS[0]} (124: cut off at 85 s)" | tee -a "$OUT/tf32plan-probe.log"
+    echo "probe: exit ${PIPESTATUS[0]} (124: cut off at 80 s)" | tee -a "$OUT/tf32plan-probe.log"
 fi
 
 echo "total $(( $(date +%s) - start )) s; files in $OUT:"
