@@ -143,7 +143,8 @@ def test_prerounded_3d_one_token_and_empty():
 
 def test_prerounded_only_at_high_with_rounding():
     """"highest" (3xTF32), the truncating override and 16-bit inputs plan no scratch; at
-    "high" fp32 plans a W chunk."""
+    "high" fp32 plans a W chunk when pre-rounding is forced (by default the planner
+    chooses: tests/test_tf32_plan_choice.py)."""
     cpu = torch.device("cpu")
     args = (64, 1000, 48, 4, 2**20, cpu)
     with matmul_precision("high"):
@@ -153,7 +154,9 @@ def test_prerounded_only_at_high_with_rounding():
             assert not launch.tf32_prerounded(torch.float32)
         with override(tf32_preround=False):
             assert not launch.tf32_prerounded(torch.float32)
-        assert _plans.triton_plan(*args, prerounded=True).w_chunk > 0
+        with override(tf32_preround=True):
+            assert launch.tf32_prerounded(torch.float32)
+            assert _plans.triton_plan(*args, prerounded=True).w_chunk > 0
     with matmul_precision("highest"):
         assert not launch.tf32_prerounded(torch.float32)
     assert _plans.triton_plan(*args).w_chunk == 0
@@ -166,7 +169,7 @@ _GPU = types.SimpleNamespace(type="cuda", index=0)
 @pytest.mark.parametrize("budget", [2**20, 256 * 2**20, 2**31, 2**34])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("model_plans", [False, True])
-def test_prerounded_plan_counts_the_scratch(n, h, v, budget, keep, model_plans):
+def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep, model_plans):
     """The planner (an H100 as it sees one, greedy and cost-model rules) with the scratch
     of the pre-rounded operands: x (4 N H bytes, when at most half the budget) + kept
     columns + one recomputed chunk (dz and its rounded W rows) <= budget, and x + kept
@@ -175,7 +178,8 @@ def test_prerounded_plan_counts_the_scratch(n, h, v, budget, keep, model_plans):
     CUDA_TILES_TF32's."""
     from logitless.planning import cost_model as _cost_model
 
-    with override(num_sms=132, device_model=_cost_model.DEFAULT, model_plans=model_plans):
+    monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the shipped tables (no GPU to name a tuned cache)
+    with override(num_sms=132, device_model=_cost_model.DEFAULT, model_plans=model_plans, tf32_preround=True):
         p = _plans.triton_plan(n, v, h, 4, budget, _GPU, keep_allowed=keep, prerounded=True)
     assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == _plans.CUDA_TILES_TF32[keep]
     vocab_blocks = math.ceil(v / p.block_v)
@@ -212,7 +216,7 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     # The interpreter's tiles and the budget rule on every device: with an H100's own
     # tiles (128 x 128 in fp32) this budget holds no kept tile, and the case is the kept
     # buffers. On an emulated H100 the forced plan keeps columns too:
-    forced = dict(tiles=_plans.INTERPRETER_TILES, model_plans=False)
+    forced = dict(tiles=_plans.INTERPRETER_TILES, model_plans=False, tf32_preround=True)
     with matmul_precision("high"), override(num_sms=132, device_model=_cost_model.DEFAULT, **forced):
         gpu_plan = tb._plan(37, 131, 40, torch.float32, budget, _GPU, keep_allowed=True)
     assert gpu_plan.w_chunk > 0 and gpu_plan.keep_cols > 0, gpu_plan

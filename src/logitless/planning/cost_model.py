@@ -89,6 +89,33 @@ class DeviceModel:
     fixed_fwd_s: float = 0.05e-3
     fixed_s: float = 0.15e-3
     fixed_per_token_s: float = 6e-8
+    # fp32 at matmul precision "high" (TF32): the fused kernels' time over one cuBLAS
+    # TF32 GEMM of the same FLOPs (``predict_tf32``), by where the operands are rounded.
+    #: rounded in the kernels' registers ("tf32-round": off the TMA -> wgmma path):
+    #: forward 25.1 ms = 2.155x a 11.66 ms GEMM at 4096 x 4096 x 128256 (probe-tf32-H100).
+    tf32_fwd_in_kernel: float = 2.10
+    #: pre-rounded operands (scratch buffers, TMA), 128 x 256 tiles (no gradient):
+    #: 12.6 ms with W whole = 1.081x, less the rounding passes (0.127x + x).
+    tf32_fwd_prerounded: float = 0.95
+    #: pre-rounded, the gradient's 128 x 128 tiles: 14.23 ms = 1.221x, less the rounding.
+    tf32_fwd_prerounded_narrow: float = 1.09
+    #: the dlogits kernel on recomputed columns, rounding in registers / pre-rounded
+    #: (fitted to the forward+backward rows: ``benchmarks/results/`` tf32plan, PERFORMANCE.md).
+    tf32_dlogits_in_kernel: float = 2.3
+    tf32_dlogits_prerounded: float = 1.4
+    #: fp32 kept columns (128 x 128 tiles): the forward's store and the backward's pass
+    #: over them, fitted with the rest (the 16-bit rates above over-predict fp32 by ~10%
+    #: at 4 GiB, where every column is kept).
+    tf32_keep_store_bw: float = 0.7e12
+    tf32_kept_pass_bw: float = 1.3e12
+    #: one rounding pass (read + write fp32): 1.478 ms for 2.1 GB of W (W.clone() 1.389 ms).
+    round_bw: float = 2.85e12
+    #: each W chunk rounded beside a launch of the pre-rounded path (forward launch or
+    #: recomputed chunk): the rounding launch, its host time, a partly idle tail wave.
+    tf32_chunk_s: float = 100e-6
+    #: per call and pass (forward; backward when it recomputes) of the pre-rounded path:
+    #: the x rounding launch, scratch allocation, descriptors built per chunk on the host.
+    tf32_prerounded_fixed_s: float = 0.2e-3
 
 
 H100 = DeviceModel("H100", sms=132)
@@ -432,3 +459,62 @@ def choose_jsd(n, hs, ht, v, itemsize, budget, *, device_model=DEFAULT, grad_in_
                            weight_fp32=weight_fp32)
     budget = max(budget, min(c.memory for c in cands))
     return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)
+
+
+# --------------------------------------------------------------------------- fp32 at "high"
+#
+# fp32 inputs at matmul precision "high" run one TF32 product per multiply-add, on
+# operands rounded to TF32 either in the kernels' registers (the "in-kernel" plan) or
+# beforehand into scratch buffers (the "pre-rounded" plan: x once per call and again in
+# the backward, W in chunks of ``w_chunk`` rows per forward launch and per recomputed
+# backward chunk; ``plans.triton_plan``). Pre-rounded kernels load TF32-exact operands by
+# TMA and run about twice as fast, but the scratch (4 N H + 4 H per W row) comes off the
+# memory budget, so near the logits' size the plan keeps fewer columns and recomputes
+# the others chunk by chunk. ``predict_tf32`` prices a plan of either kind from its
+# columns; ``plans.triton_plan`` takes the cheaper (``override(tf32_preround=...)``
+# forces one). Results are bitwise the same either way: only the time differs.
+
+
+def predict_tf32(dev: DeviceModel, n: int, h: int, v: int, *, prerounded: bool, keep_cols: int,
+                 vocab_chunk: int, w_chunk: int, block_v: int, grad: bool) -> Candidate:
+    """Predicted forward (and, with ``grad``, forward + backward) time of an fp32 plan at
+    "high": the 16-bit model's terms (``predict_forward`` / ``predict_keep`` /
+    ``predict_partial``: kept-column store and pass, cuBLAS dW and dx per chunk, fp32 dx
+    accumulation) with the fused kernels' factors of the TF32 path, plus for the
+    pre-rounded plan its rounding passes, each one read and one write at ``round_bw``:
+
+        forward   x (8 N H bytes) once + all of W (8 V H) in ceil(V / w_chunk) chunks
+        backward  x once more + the W rows of the recomputed columns (8 H (V - kept)),
+                  one chunk per recomputed chunk
+
+    and ``tf32_chunk_s`` per rounded W chunk. ``keep_cols``, ``vocab_chunk``,
+    ``w_chunk`` and ``block_v`` are the plan's (``plans.TritonPlan``)."""
+    if prerounded:
+        fwd_f = dev.tf32_fwd_prerounded if block_v >= 256 else dev.tf32_fwd_prerounded_narrow
+        dl_f = dev.tf32_dlogits_prerounded
+    else:
+        fwd_f, dl_f = dev.tf32_fwd_in_kernel, dev.tf32_dlogits_in_kernel
+    d = replace(dev, fused_forward=fwd_f, fused_dlogits=dl_f, keep_store_bw=dev.tf32_keep_store_bw,
+                kept_pass_bw=dev.tf32_kept_pass_bw)
+    if not grad:
+        c = predict_forward(d, n, h, v, 4)
+    elif keep_cols >= v:
+        c = predict_keep(d, n, h, v, 4, block_v)
+    else:
+        c = predict_partial(d, n, h, v, 4, keep_cols, max(block_v, vocab_chunk), block_v)
+    fwd, total = c.fwd_s, c.time_s
+    label = "pre-rounded" if prerounded else "in-kernel"
+    if prerounded and n and v:
+        chunks = math.ceil(v / max(1, w_chunk)) if w_chunk < v else 1
+        extra = 8.0 * h * (n + v) / dev.round_bw + (chunks + 1) * dev.launch_s
+        extra += chunks * dev.tf32_chunk_s + (chunks - 1) * dev.launch_s  # a forward launch per chunk
+        extra += dev.tf32_prerounded_fixed_s
+        fwd += extra
+        total += extra
+        rec = v - min(keep_cols, v) if grad else 0
+        if rec > 0:
+            rec_chunks = math.ceil(rec / max(block_v, vocab_chunk))
+            total += 8.0 * h * (n + rec) / dev.round_bw + (rec_chunks + 1) * dev.launch_s
+            total += rec_chunks * dev.tf32_chunk_s + dev.tf32_prerounded_fixed_s
+    return Candidate(label, keep_cols=keep_cols, vocab_chunk=vocab_chunk, memory=c.memory,
+                     time_s=total if grad else fwd, fwd_s=fwd)

@@ -24,9 +24,10 @@ context is not in effect. Each field's default is the shipped behaviour:
     tiles           (block_n, block_v, block_h, num_warps, num_stages) for every plan
     tf32_round      fp32 at matmul precision "high": round operands to TF32 in the
                     kernel (as cuBLAS); False lets the tensor cores truncate them
-    tf32_preround   fp32 at "high": round x and W to TF32 into scratch buffers first (W in
-                    vocabulary chunks) and multiply them by TMA (the shipped path); False:
-                    round them in the kernels' registers (the path before issue 23)
+    tf32_preround   fp32 at "high": None (shipped): the planner prices both paths and
+                    takes the cheaper (``plans.tf32_choice``); True: round x and W to TF32
+                    into scratch buffers first (W in vocabulary chunks) and multiply them
+                    by TMA; False: round them in the kernels' registers (same results)
     plan            a function TritonPlan -> TritonPlan applied to linear_cross_entropy's
                     plans (e.g. force one kept tile and narrow chunks in a test)
     num_sms         multiprocessors the planner assumes (None: the device's own)
@@ -55,7 +56,7 @@ class Overrides:
     strategy: Optional[tuple] = None
     tiles: Optional[tuple] = None
     tf32_round: bool = True
-    tf32_preround: bool = True
+    tf32_preround: Optional[bool] = None
     plan: Optional[Callable] = None
     num_sms: Optional[int] = None
     device_model: Any = None

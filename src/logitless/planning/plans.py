@@ -155,7 +155,27 @@ def triton_plan(
     """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
     ``keep_allowed``: a backward will follow and may use columns kept by the forward.
 
-    ``prerounded`` (fp32 at matmul precision "high"): the operands are rounded to TF32
+    ``prerounded`` (fp32 at matmul precision "high", ``launch.tf32_prerounded``): the
+    operands may be rounded to TF32 into scratch buffers first. Whether they are is the
+    planner's choice (``tf32_choice``: the cost model prices this pre-rounded plan
+    against the in-kernel one and takes the cheaper), unless
+    ``override(tf32_preround=True)`` forces it; the in-kernel plan is the plan of
+    ``prerounded=False`` (``w_chunk == 0``: the kernels round in registers). Forward and
+    backward of one call make the same choice (both price the forward's plans)."""
+    if prerounded and itemsize == 4 and _overrides().tf32_preround is None:
+        prerounded = tf32_choice(num_tokens, vocab, hidden, budget, device, tiles,
+                                 keep_allowed or backward).prerounded
+    return _triton_plan(num_tokens, vocab, hidden, itemsize, budget, device, tiles, keep_allowed, prerounded,
+                        backward)
+
+
+def _triton_plan(
+    num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
+    tiles=None, keep_allowed: bool = False, prerounded: bool = False, backward: bool = False,
+) -> TritonPlan:
+    """``triton_plan`` with ``prerounded`` decided.
+
+    ``prerounded``: the operands are rounded to TF32
     into scratch buffers that count against the budget: x whole (4 N H bytes, while at
     most half the budget; else an x-sized temporary beside it, as the fp32 dx
     accumulator of 16-bit inputs) and W in
@@ -241,6 +261,54 @@ def triton_plan(
     return reshape(plan) if reshape is not None else plan
 
 
+@dataclass(frozen=True)
+class TF32Choice:
+    """The planner's choice for fp32 at matmul precision "high" (``tf32_choice``): the
+    pre-rounded and in-kernel plans of a call, their predicted times
+    (``cost_model.Candidate``: ``fwd_s``, ``time_s`` = forward + backward when a
+    backward follows) and which one runs."""
+
+    prerounded: bool
+    pre_plan: TritonPlan
+    in_kernel_plan: TritonPlan
+    pre: object  # cost_model.Candidate
+    in_kernel: object
+
+    @property
+    def plan(self) -> TritonPlan:
+        return self.pre_plan if self.prerounded else self.in_kernel_plan
+
+
+@memoised
+def tf32_choice(num_tokens: int, vocab: int, hidden: int, budget: int, device, tiles=None,
+                grad: bool = True) -> TF32Choice:
+    """Pre-rounded or in-kernel rounding for fp32 inputs at "high", by the cost model
+    (``cost_model.predict_tf32``): both plans are made for the call as its forward sees
+    it (``keep_allowed=grad``: a backward follows) and priced on the forward alone, or
+    forward + backward with ``grad``; the cheaper wins (ties: pre-rounded). The price
+    of the pre-rounded plan counts its rounding passes (x once per pass, W whole in the
+    forward's chunks and the recomputed columns' rows in the backward), a launch and
+    ``tf32_chunk_s`` per W chunk, and what its scratch takes from the budget: fewer
+    kept columns, so more columns recomputed chunk by chunk. The backward asks with
+    ``grad=True`` too (``triton_plan(..., backward=True)``), so both passes of a call
+    take the same path. Deterministic: shape, budget and device class only.
+
+    ``override(tf32_preround=True/False)`` bypasses this (``triton_plan``)."""
+    from logitless.planning import cost_model as _cost_model
+
+    dev = _device_model(device)
+    plans, prices = {}, {}
+    for pre in (True, False):
+        p = _triton_plan(num_tokens, vocab, hidden, 4, budget, device, tiles, keep_allowed=grad, prerounded=pre)
+        plans[pre] = p
+        prices[pre] = _cost_model.predict_tf32(
+            dev, num_tokens, hidden, vocab, prerounded=pre, keep_cols=p.keep_cols, vocab_chunk=p.vocab_chunk,
+            w_chunk=p.w_chunk, block_v=p.block_v, grad=grad)
+    chosen = prices[True].time_s <= prices[False].time_s
+    return TF32Choice(prerounded=chosen, pre_plan=plans[True], in_kernel_plan=plans[False], pre=prices[True],
+                      in_kernel=prices[False])
+
+
 def _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget, block_v, min_cols, vocab):
     """(keep_cols, vocab_chunk) shrunk until kept columns + one recomputed chunk (dz and
     its rounded rows of W) fit ``budget``: the chunk first, down to min_cols, then the
@@ -303,14 +371,21 @@ def kernel_options(num_tokens: int, block_n: int, block_v: int, device) -> dict:
 
 def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=False):
     """Forced, tuned (this machine's cache) or shipped tiles (``tuned``), else the tables
-    above; fp32 on pre-rounded operands: forced or ``CUDA_TILES_TF32`` (not tuned yet)."""
+    above; fp32 on pre-rounded operands: forced, tuned under their own key
+    (``tuned.config_key(..., prerounded=True)``, plans with a backward) or
+    ``CUDA_TILES_TF32``."""
     from logitless.planning import tuned as _tuned
 
     if prerounded:
         forced = _overrides().tiles
         if forced is not None:
             return forced
-        return CUDA_TILES_TF32[bool(keep)] if device.type == "cuda" else INTERPRETER_TILES
+        if device.type != "cuda":
+            return INTERPRETER_TILES
+        # The tuner's pre-rounded entries (their own key: never the in-kernel path's
+        # tiles, nor the reverse) are for plans with a backward, what the tuner times.
+        found = _tuned.tiles_for(device, 4, num_tokens, hidden, vocab, prerounded=True) if keep else None
+        return found or CUDA_TILES_TF32[bool(keep)]
     found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
     if found is not None:
         return found

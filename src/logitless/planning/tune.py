@@ -30,6 +30,20 @@ CANDIDATES = {
         (64, 256, 64, 4, 3), (128, 256, 32, 8, 4)],
     4: [(128, 128, 32, 8, 3), (128, 128, 32, 8, 2), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)],
 }
+#: fp32 at matmul precision "high" on operands rounded to TF32 beforehand (TMA, 4 stages
+#: of 32-wide steps: ``plans.CUDA_TILES_TF32``); tuned under their own key
+#: (``tuned.PREROUNDED_CLASS``), the in-kernel path under "32-bit".
+CANDIDATES_PREROUNDED = [(128, 128, 32, 8, 4), (128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)]
+
+
+def fp32_paths() -> list[tuple[bool, dict]]:
+    """(prerounded, overrides) of the fp32 paths to tune at torch's current matmul
+    precision: at "high"/"medium" both the pre-rounded and the in-kernel rounding path,
+    each forced (``override(tf32_preround=...)``) so that the tiles timed are the path's
+    and land under its own key; at "highest" (3xTF32) the one path."""
+    if torch.get_float32_matmul_precision() == "highest":
+        return [(False, {})]
+    return [(True, dict(tf32_preround=True)), (False, dict(tf32_preround=False))]
 #: One representative shape per class when none are given: (tokens, hidden, vocab).
 DEFAULT_SHAPES = [(4096, 4096, 128256), (8192, 1152, 131072), (512, 4096, 128256), (16384, 4096, 128256)]
 
@@ -48,8 +62,9 @@ def _time_ms(fn, reps: int, device) -> float:
     return statistics.median(times)
 
 
-def measure(shape, tiles, dtype=torch.bfloat16, device=None, reps: int = 5, budget=None) -> float:
-    """Median ms of loss + backward with ``tiles`` forced (raises if they do not run)."""
+def measure(shape, tiles, dtype=torch.bfloat16, device=None, reps: int = 5, budget=None, **overrides) -> float:
+    """Median ms of loss + backward with ``tiles`` (and ``overrides``, e.g. an fp32
+    path: ``tf32_preround=True``) forced (raises if they do not run)."""
     import logitless
 
     device = torch.device(device or "cuda")
@@ -62,7 +77,7 @@ def measure(shape, tiles, dtype=torch.bfloat16, device=None, reps: int = 5, budg
 
     def step():
         x.grad = w.grad = None
-        with override(tiles=tiles):
+        with override(tiles=tiles, **overrides):
             loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, backend=backend)
         loss.backward()
 
@@ -78,14 +93,15 @@ def tune(shapes=None, dtypes=(torch.bfloat16,), candidates=None, device=None, re
     results: dict = {}
     for dtype in dtypes:
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        for shape in shapes:
-            key = _tuned.config_key(itemsize, *shape)
+        paths = fp32_paths() if itemsize == 4 else [(False, {})]
+        for shape, (prerounded, forced) in ((s, p) for s in shapes for p in paths):
+            key = _tuned.config_key(itemsize, *shape, prerounded=prerounded)
             if key in results:
                 continue  # one shape per class
             timings = {}
-            for tiles in (candidates or CANDIDATES[itemsize]):
+            for tiles in (candidates or (CANDIDATES_PREROUNDED if prerounded else CANDIDATES[itemsize])):
                 try:
-                    timings[tiles] = measure(shape, tiles, dtype, device, reps)
+                    timings[tiles] = measure(shape, tiles, dtype, device, reps, **forced)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip it
                     if verbose:
                         print(f"  {key} {shape} {tiles}: skipped ({type(exc).__name__}: {str(exc)[:120]})", flush=True)

@@ -11,7 +11,9 @@ num_stages) on a GPU, first match wins:
 4. ``_plans.CUDA_TILES`` by itemsize.
 
 Set ``LOGITLESS_TUNED=0`` to skip 2 and 3. Keys are ``"<dtype class>/<shape class>"``
-(``16-bit`` for bf16/fp16, ``32-bit``; ``shape_class`` below; ``*`` matches any).
+(``16-bit`` for bf16/fp16, ``32-bit``, and ``32-bit-tf32-prerounded`` for fp32 at matmul
+precision "high" on operands rounded to TF32 beforehand; ``shape_class`` below; ``*``
+matches any).
 
 Determinism: a config is chosen from the device class, dtype and shape only, never by
 timing at run time. The same config gives bitwise identical results run to run; two
@@ -45,8 +47,16 @@ def shape_class(num_tokens: int, hidden: int, vocab: int) -> str:
     return f"{t}-{h}"
 
 
-def config_key(itemsize: int, num_tokens: int, hidden: int, vocab: int) -> str:
-    return f"{dtype_class(itemsize)}/{shape_class(num_tokens, hidden, vocab)}"
+#: The dtype class of fp32 plans on operands rounded to TF32 beforehand (matmul
+#: precision "high", ``plans.TritonPlan.w_chunk``): other kernels' tiles than "32-bit"
+#: (3xTF32 at "highest", TF32 rounded in registers), so a key of their own, never
+#: matched by "32-bit/*" (nor the reverse).
+PREROUNDED_CLASS = "32-bit-tf32-prerounded"
+
+
+def config_key(itemsize: int, num_tokens: int, hidden: int, vocab: int, prerounded: bool = False) -> str:
+    cls = PREROUNDED_CLASS if prerounded and itemsize == 4 else dtype_class(itemsize)
+    return f"{cls}/{shape_class(num_tokens, hidden, vocab)}"
 
 
 def _slug(text: str) -> str:
@@ -100,9 +110,11 @@ def _device_tables(device_key: str, cache_file: str, device_class: str) -> tuple
     return tuple(tables)
 
 
-def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int) -> Optional[tuple]:
+def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int,
+              prerounded: bool = False) -> Optional[tuple]:
     """Tiles from the forced context, this machine's cache or the shipped file; None
-    when none applies (the caller falls back to ``_plans.CUDA_TILES``)."""
+    when none applies (the caller falls back to ``_plans.CUDA_TILES``). ``prerounded``:
+    the fp32 pre-rounded path's entries (``PREROUNDED_CLASS``) instead of "32-bit"."""
     forced = _overrides().tiles
     if forced is not None:
         return forced
@@ -114,7 +126,7 @@ def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int) -
 
     name = torch.cuda.get_device_name(device)
     tables = _device_tables(name, str(cache_path(device)), device_class(name))
-    key = config_key(itemsize, num_tokens, hidden, vocab)
+    key = config_key(itemsize, num_tokens, hidden, vocab, prerounded)
     for table in tables:
         found = _lookup(table, key)
         if found is not None:

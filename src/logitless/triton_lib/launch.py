@@ -266,12 +266,14 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
 # ------------------------------------------------- fp32 at "high": operands rounded to TF32 once
 
 def tf32_prerounded(dtype: torch.dtype) -> bool:
-    """Whether fp32 operands are rounded to TF32 by ``round_to_tf32`` into scratch buffers
-    before the fused GEMM kernels, which then multiply them with DOT_PRECISION "tf32"
-    (exact on TF32 values: the products of "tf32-round", through TMA). True for fp32 at
-    matmul precision "high"/"medium" unless ``override(tf32_preround=False)`` (the
-    kernels then round in registers) or ``override(tf32_round=False)`` (truncation)."""
-    return dtype == torch.float32 and _overrides().tf32_preround and dot_precision(dtype) == "tf32-round"
+    """Whether fp32 operands may be rounded to TF32 by ``round_to_tf32`` into scratch
+    buffers before the fused GEMM kernels, which then multiply them with DOT_PRECISION
+    "tf32" (exact on TF32 values: the products of "tf32-round", through TMA). True for
+    fp32 at matmul precision "high"/"medium" unless ``override(tf32_preround=False)``
+    (the kernels then round in registers) or ``override(tf32_round=False)``
+    (truncation). The plan decides (``plans.triton_plan``: ``w_chunk > 0``)."""
+    return (dtype == torch.float32 and _overrides().tf32_preround is not False
+            and dot_precision(dtype) == "tf32-round")
 
 
 def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:
