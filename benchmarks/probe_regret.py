@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import statistics
@@ -348,10 +349,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
         _, fb, _ = make_steps(next(c for c, role, _ in sel if role == "chosen"))
         fb()
         summary["profile"] = kernel_breakdown(fb, device)
-    del x, w, gemm_out, ref
-    if cuda:
-        torch.cuda.empty_cache()
-    return summary, entries
+    return summary, entries  # x, W, the GEMM output and the closures go with this frame
 
 
 # --------------------------------------------------------------------------- report
@@ -437,6 +435,9 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         s["seconds"] = time.time() - t0
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         summaries.append(s)
         entries += es
         if "chosen" in s:
