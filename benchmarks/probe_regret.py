@@ -3,7 +3,8 @@ plan that fits the memory budget?
 
 For each shape (the six anchors and a few small-H model heads), bf16, at the default
 budget (256 MiB), it takes the cost model's candidates (``cost_model.candidates``, plus
-partial plans with 8192/16384-wide chunks that the family leaves out above ~60% of L2),
+with ``DeviceModel.wide_chunks = 2``: also the 2x and 4x wider chunks that the shipped
+family leaves out above ~60% of L2, e.g. 8192 and 16384 columns at 4096 tokens),
 keeps those that fit the budget (raised to the floor plan's memory, as ``choose`` does)
 and of them: the planner's choice and up to ``--others`` promising alternatives (the
 best of each chunk width, the floor, half the kept columns, gradient-in-forward and
@@ -98,18 +99,11 @@ def select_candidates(n, h, v, itemsize, budget, *, device_model=cm.DEFAULT, blo
     fitting alternatives ("alt"), then up to ``over`` plans over the budget ("over",
     only while fewer than three fit). Labels are distinct. Pure: no device needed."""
     dev = device_model
-    pool = list(cm.candidates(n, h, v, itemsize, device_model=dev, block_v=block_v, min_chunk=min_chunk,
-                              grad_in_forward=grad_in_forward))
-    padded = math.ceil(v / block_v) * block_v
-    widths = [w for w in (min_chunk, 2 * min_chunk, 4 * min_chunk) if w < padded] or [min(min_chunk, padded)]
-    keeps = sorted({(v * i // cm.KEEP_STEPS) // block_v * block_v for i in range(cm.KEEP_STEPS)})
-    seen = {c.label for c in pool}
-    for w in widths:  # wide chunks the family leaves out (dz chunk > 60% of L2)
-        for k in keeps:
-            c = cm.predict_partial(dev, n, h, v, itemsize, k, w, block_v)
-            if c.label not in seen:
-                seen.add(c.label)
-                pool.append(c)
+    # the family with two more chunk doublings past the L2 rule (DeviceModel.wide_chunks)
+    wide = dataclasses.replace(dev, wide_chunks=max(dev.wide_chunks, 2))
+    pool = [c for c in cm.candidates(n, h, v, itemsize, device_model=wide, block_v=block_v, min_chunk=min_chunk,
+                                     grad_in_forward=grad_in_forward)]
+    widths = sorted({c.vocab_chunk for c in pool if c.strategy == "partial"})[:3]
     floor = cm.minimum(n, h, v, itemsize, device_model=dev, block_v=block_v, min_chunk=min_chunk)
     limit = max(budget, floor.memory)
     chosen = cm.choose(n, h, v, itemsize, budget, device_model=dev, grad_in_forward=grad_in_forward,
@@ -156,6 +150,30 @@ def force(c: cm.Candidate, v: int, block_v: int) -> dict:
 
     reshape.__qualname__ = f"force_{c.label}"
     return dict(strategy=("partial", 0), plan=reshape)
+
+
+def plan_bytes(plan, n: int, h: int, v: int, itemsize: int, strategy: str, token_chunk: int = 0) -> int:
+    """Bytes of the temporaries the Triton backend allocates for ``plan`` beyond inputs,
+    outputs and gradients, from the library's own buffer shapes (``launch``): kept
+    columns (rows padded to 16 bytes) and their fp32 tile maxima, one recomputed dz
+    chunk, the fp32 dx accumulator when there are several chunks; gradient-in-forward:
+    one token chunk's kept logits and the fp32 dW accumulator across chunks."""
+    from logitless.triton_lib import launch
+
+    def kept(p, rows):
+        if not p.keep_cols:
+            return 0
+        (r, c), (tiles, r2) = launch.kept_shapes_of(p, rows)
+        return r * c * itemsize + tiles * r2 * 4
+
+    if strategy == "grad_in_forward":
+        m = min(token_chunk or n, n)
+        acc = 4 * v * h if m < n and itemsize != 4 else 0
+        return kept(dataclasses.replace(plan, keep_cols=v), m) + acc
+    chunks = launch.backward_chunks(plan, v, plan.keep_cols)
+    dz = n * (-(-min(plan.vocab_chunk, v - plan.keep_cols) // 8) * 8) * itemsize if plan.keep_cols < v else 0
+    acc = 4 * n * h if len(chunks) > 1 and itemsize != 4 else 0
+    return kept(plan, n) + dz + acc
 
 
 # --------------------------------------------------------------------------- timing
@@ -269,6 +287,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
 
     entries = []
     ref = None
+    gemm()  # cuBLAS' workspace exists before the first peak is measured
     for c, role, fits in sel:
         kw, fb, fwd = make_steps(c)
         e = dict(shape=name, n=n, h=h, v=v, itemsize=itemsize, budget=budget, label=c.label, role=role,
@@ -279,6 +298,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
             with override(**kw):
                 plan = _plans.triton_plan(n, v, h, itemsize, budget, device, keep_allowed=True)
             e["plan"] = dict(keep_cols=plan.keep_cols, vocab_chunk=plan.vocab_chunk, block_v=plan.block_v)
+            e["plan_mib"] = plan_bytes(plan, n, h, v, itemsize, c.strategy, c.token_chunk) / 2**20
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -335,7 +355,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
             e["pred_fwd_over_meas"] = e["pred_fwd_ms"] / e["fwd_ms"]
     fitting = [e for e in entries if e["ok"] and e["fits"]]
     chosen = next((e for e in entries if e["role"] == "chosen"), None)
-    summary = dict(shape=name, n=n, h=h, v=v, budget=budget, gemm_ms=gmed, gemm_ms_all=gemm_ms,
+    summary = dict(shape=name, n=n, h=h, v=v, budget=budget, **pa, gemm_ms=gmed, gemm_ms_all=gemm_ms,
                    pred_gemm_ms=cm.gemm_s(dev_model, n, v, h, itemsize) * 1e3)
     if fitting and chosen is not None and chosen["ok"]:
         best = min(fitting, key=lambda e: e["fb_ms"])
@@ -408,7 +428,7 @@ def main(argv=None):
     args.profile_shapes = args.profile_shapes.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
-        shapes = dict(SMOKE_SHAPES)
+        shapes = {k: s for k, s in SMOKE_SHAPES.items() if not args.shapes or k in args.shapes.split(",")}
         args.profile_shapes = list(SMOKE_SHAPES)[:1]
         args.rounds = min(args.rounds, 2)
         args.gemm_reps = 1

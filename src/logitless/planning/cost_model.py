@@ -89,6 +89,13 @@ class DeviceModel:
     fixed_fwd_s: float = 0.05e-3
     fixed_s: float = 0.15e-3
     fixed_per_token_s: float = 6e-8
+    #: Doublings of the recomputed chunk width allowed past the L2 rule below (0: the
+    #: shipped family, chunks while the dz chunk fits ~60% of L2; 2: also 2x and 4x that
+    #: width, e.g. 8192 and 16384 columns at 4096 tokens). The wider chunks' time counts
+    #: dW and dx re-reading dz from HBM; they save accumulator passes and launches, most
+    #: at small H (issue 23: benchmarks/probe_regret.py measures them; the refit,
+    #: benchmarks/fit_cost_model.py, says whether to turn them on).
+    wide_chunks: int = 0
 
 
 H100 = DeviceModel("H100", sms=132)
@@ -261,6 +268,13 @@ def predict_grad_in_forward(dev, n, h, v, itemsize, token_chunk, weight_fp32=Fal
 # --------------------------------------------------------------------------- the planner
 
 
+def _wide_widths(dev, first, padded) -> set:
+    """Chunk widths past the L2 rule: ``dev.wide_chunks`` doublings from ``first`` (the
+    first width the rule left out), below the padded vocabulary."""
+    return {first << i for i in range(dev.wide_chunks) if (first << i) < padded}
+
+
+
 def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096,
                grad_in_forward=True, weight_fp32=False, keep=True):
     """The fixed family of candidate plans of a shape (independent of the budget)."""
@@ -276,6 +290,7 @@ def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chun
     while c < padded and itemsize * n * c <= 0.6 * dev.l2_bytes:
         widths.add(c)
         c *= 2
+    widths |= _wide_widths(dev, c, padded)
     # kept columns: 64ths of the vocabulary (multiples of block_v), 0 included
     keeps = sorted({(v * i // KEEP_STEPS) // block_v * block_v for i in range(KEEP_STEPS)} if keep else {0})
     for k in keeps:
