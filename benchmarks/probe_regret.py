@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import math
 import os
 import statistics
@@ -299,6 +300,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
                 plan = _plans.triton_plan(n, v, h, itemsize, budget, device, keep_allowed=True)
             e["plan"] = dict(keep_cols=plan.keep_cols, vocab_chunk=plan.vocab_chunk, block_v=plan.block_v)
             e["plan_mib"] = plan_bytes(plan, n, h, v, itemsize, c.strategy, c.token_chunk) / 2**20
+            x.grad = w.grad = None  # freed before the baseline: fb() allocates them anew
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -411,6 +413,42 @@ def table(summaries, entries) -> str:
     return "\n".join(lines)
 
 
+def short(label: str) -> str:
+    return (label.replace("partial(keep=", "p(k=").replace(",chunk=", ",c=")
+            .replace("grad_in_forward(tokens=", "gif(t="))
+
+
+def compact(summaries, entries) -> str:
+    """The short form for a log's last screen: one line per shape, then per candidate."""
+    lines = [f"{'shape':16s} {'chosen':18s} {'x3GEMM':>6s} {'best measured':18s} {'x3GEMM':>6s} {'regret':>7s} "
+             "same budget"]
+    for s in summaries:
+        if "chosen" in s:
+            lines.append(f"{s['shape'][:16]:16s} {short(s['chosen']):18s} {s['chosen_x3']:6.3f} {short(s['best']):18s} "
+                         f"{s['best_x3']:6.3f} {s['regret_pct']:+6.1f}% {s['all_same']!s:5s} {s['within_budget']}")
+        else:
+            lines.append(f"{s['shape'][:16]:16s} {s.get('error', s.get('skipped', 'no result'))[:90]}")
+    lines.append(f"{'shape':12s} {'candidate':18s} r {'MiB mdl/peak':>12s} {'pred':>7s} {'meas':>7s} {'p/m':>5s} "
+                 f"{'fwd p/m':>7s} {'x3':>5s} same")
+    for e in entries:
+        head = f"{e['shape'][:12]:12s} {short(e['label']):18s} {e['role'][0]}"
+        if not e["ok"]:
+            lines.append(f"{head} FAILED {e['error'][:70]}")
+            continue
+        peak = e.get("peak_extra_mib")
+        mem = f"{e['memory_model_mib']:.0f}/{'-' if peak is None else f'{peak:.0f}'}"
+        lines.append(f"{head} {mem:>12s} {e['pred_ms']:7.2f} {e['fb_ms']:7.2f} {e['pred_over_meas']:5.2f} "
+                     f"{e['pred_fwd_over_meas']:7.2f} {e['x3gemm']:5.3f} {e.get('same')}")
+    for s in summaries:
+        p = s.get("profile")
+        if p:
+            parts = ", ".join(f"{k} {c['us'] / 1e3:.2f} ms/{c['count']}"
+                              for k, c in sorted(p["classes"].items(), key=lambda kv: -kv[1]["us"])[:7])
+            lines.append(f"profile {s['shape']} ({short(s['chosen'])}, GEMM {s['gemm_ms']:.2f} ms): "
+                         f"{p['total_us'] / 1e3:.2f} ms = {parts}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -424,7 +462,13 @@ def main(argv=None):
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--profile-shapes", default=",".join(PROFILE_SHAPES))
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
+    ap.add_argument("--render", default=None, help="print the compact table of this regret.json and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            d = json.load(f)
+        print(compact(d["shapes"], d["rows"]))
+        return d["shapes"], d["rows"]
     args.profile_shapes = args.profile_shapes.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
@@ -472,6 +516,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "regret.md"), "w") as f:
         f.write(f"# Planner regret, {meta['device']}, {meta['date']}\n\n`{meta['command']}`\n\n{md}\n")
     print(md, flush=True)
+    print("== compact ==\n" + compact(summaries, entries) + "\n== end ==", flush=True)
     return summaries, entries
 
 
