@@ -41,7 +41,7 @@ from logitless.planning import cost_model as cm  # noqa: E402
 
 #: Constants fitted by default: the rates and bandwidths the bf16 plans' times depend on.
 FIELDS = ("gemm_flops_16", "fused_forward", "fused_dlogits", "keep_store_bw", "kept_pass_bw", "acc_bw",
-          "hbm_bw", "fixed_s")
+          "hbm_bw", "fixed_s", "l2_reread")
 
 
 def predict(dev: cm.DeviceModel, row: dict) -> cm.Candidate:
@@ -193,6 +193,24 @@ def main(argv=None):
         print(f"  {b['shape']:18s} {b['choice']} ({ms(b['measured_ms'])}) -> {a['choice']} ({ms(a['measured_ms'])})"
               f" | best measured {b['best']} ({ms(b['best_ms'])})")
     report["choices"] = dict(before=before, after=after)
+    # Wider chunks (DeviceModel.wide_chunks = 2): recommended when, under the refit, the
+    # planner's choices with them were timed and are faster in sum than without.
+    wide = dataclasses.replace(new, wide_chunks=2)
+    with_wide = choices(wide, shapes, rows)
+    pairs = [(a["measured_ms"], w["measured_ms"]) for a, w in zip(after, with_wide)]
+    timed = [(a, w) for a, w in pairs if a is not None and w is not None]
+    print("\nwith wide_chunks=2 under the refit:")
+    for a, w in zip(after, with_wide):
+        def ms(x):
+            return "untimed" if x is None else f"{x:.3f} ms"
+        print(f"  {w['shape']:18s} {w['choice']} ({ms(w['measured_ms'])}) vs {a['choice']} ({ms(a['measured_ms'])})")
+    gain = (sum(a for a, _ in timed) / sum(w for _, w in timed) - 1) if timed else None
+    recommend = bool(timed) and len(timed) == len(pairs) and gain > 0.01
+    report.update(choices_wide=with_wide, wide_gain=gain, wide_recommended=recommend)
+    if recommend:
+        report["line"] = one_line(wide, base.name)
+    print(f"  wide chunks: {'untimed' if gain is None else f'{100 * gain:+.1f}% in sum'} over {len(timed)}/{len(pairs)}"
+          f" timed shapes -> {'recommended (in the line below)' if recommend else 'not recommended'}")
     print("\napply (src/logitless/planning/cost_model.py, replacing the H100 line):")
     print("    " + report["line"])
     if args.json_out:

@@ -231,3 +231,77 @@ def test_probe_smoke_writes_regret(probe, tmp_path):
     data = json.loads((tmp_path / "regret.json").read_text())
     assert data["rows"] and data["shapes"][0]["chosen"] == s["chosen"]
     assert (tmp_path / "regret.md").read_text().count("| smoke-c |") == len(rows) + 1
+
+
+# --------------------------------------------------------------------------- wide chunks
+
+
+def test_wide_chunks_are_off_in_the_shipped_models():
+    """DeviceModel.wide_chunks = 0 ships: the family keeps the L2 rule (a dz chunk of at
+    most ~60% of L2, or the floor width) until a measurement turns it on."""
+    from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+
+    for dev in cm.DEVICE_MODELS.values():
+        assert dev.wide_chunks == 0 and dev.l2_reread == 2.0
+        for s in MODEL_SHAPES:
+            for c in cm.candidates(s.tokens, s.hidden, s.vocab, 2, device_model=dev):
+                if c.strategy == "partial":
+                    assert c.vocab_chunk <= 4096 or 2 * s.tokens * c.vocab_chunk <= 0.6 * dev.l2_bytes, (s, c)
+
+
+@pytest.mark.parametrize("wide", [1, 2, 3])
+def test_wide_chunks_keep_the_planner_monotone_and_within_budget(wide):
+    """With wider chunks in the family the choice still never gets slower as the budget
+    grows, fits the budget (or is the floor), and the family grows only by widths that
+    are doublings past the L2 rule."""
+    from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+
+    dev = dataclasses.replace(cm.H100, wide_chunks=wide)
+    for s in MODEL_SHAPES:
+        n, h, v = s.tokens, s.hidden, s.vocab
+        base = {c.label for c in cm.candidates(n, h, v, 2, device_model=cm.H100)}
+        more = [c for c in cm.candidates(n, h, v, 2, device_model=dev) if c.label not in base]
+        widths = {c.vocab_chunk for c in more}
+        assert len(widths) <= wide and all(w % 4096 == 0 and 2 * n * w > 0.6 * dev.l2_bytes for w in widths)
+        floor = cm.minimum(n, h, v, 2, device_model=dev)
+        prev = math.inf
+        for b in sorted([2**e for e in range(20, 34)] + [n * v * 2, floor.memory]):
+            c = cm.choose(n, h, v, 2, b, device_model=dev)
+            assert c.time_s <= prev * (1 + 1e-12) and c.memory <= max(b, floor.memory), (s.name, b, c.label)
+            prev = c.time_s
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the cost model plans columns on GPUs only (the CPU interpreter uses the "
+                                          "greedy rule); the interpreter case is the forced-candidate test above")
+def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
+    """override(device_model=H100 with wide_chunks=2) at 4096 x 512 x 65536, 256 MiB: the
+    planner takes a chunk past the L2 rule; loss and gradients equal the shipped plan's
+    up to bf16 rounding and the reference's tolerance; peak memory within the budget."""
+    n, h, v, budget = 4096, 512, 65536, 256 << 20
+    wide = dataclasses.replace(cm.H100, wide_chunks=2)
+    g = torch.Generator().manual_seed(7)
+    x64 = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w64 = torch.randn(v, h, generator=g, dtype=torch.float64) * h**-0.5 * 2
+    t = torch.randint(0, v, (n,), generator=g)
+    xr, wr = x64.cuda().requires_grad_(True), w64.cuda().requires_grad_(True)
+    ref = linear_cross_entropy_reference(xr, wr, t.cuda(), dtype=torch.float64)[0]
+    ref_grads = torch.autograd.grad(ref, (xr, wr))
+    xb, wb = x64.bfloat16().cuda().requires_grad_(True), w64.bfloat16().cuda().requires_grad_(True)
+    same = linear_cross_entropy_reference(xb, wb, t.cuda(), dtype=torch.bfloat16)[0]
+    same_grads = torch.autograd.grad(same, (xb, wb))
+    x, w, td = xb.detach().requires_grad_(True), wb.detach().requires_grad_(True), t.cuda()
+    with override(device_model=wide):
+        plan = _plans.triton_plan(n, v, h, 2, budget, x.device, keep_allowed=True)
+        torch.autograd.grad(logitless.linear_cross_entropy(x, w, td, memory_budget=budget), (x, w))  # warm
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = logitless.linear_cross_entropy(x, w, td, memory_budget=budget)
+        dx, dw = torch.autograd.grad(loss, (x, w))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes
+    assert 2 * n * plan.vocab_chunk > 0.6 * cm.H100.l2_bytes, plan
+    assert peak <= budget, (peak, budget)
+    for name, ours, s_, r in (("loss", loss, same, ref), ("dx", dx, same_grads[0], ref_grads[0]),
+                              ("dW", dw, same_grads[1], ref_grads[1])):
+        assert_close_to_ref(f"wide {name}", ours.detach().cpu(), s_.detach().cpu(), r.detach().cpu(), torch.bfloat16)

@@ -96,6 +96,9 @@ class DeviceModel:
     #: at small H (issue 23: benchmarks/probe_regret.py measures them; the refit,
     #: benchmarks/fit_cost_model.py, says whether to turn them on).
     wide_chunks: int = 0
+    #: HBM bytes per dz byte when a chunk exceeds ~60% of L2 (dW and dx each re-read
+    #: it: 2; a separate constant so that the refit can size it from wide-chunk timings).
+    l2_reread: float = 2.0
 
 
 H100 = DeviceModel("H100", sms=132)
@@ -233,7 +236,7 @@ def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256)
         bwd += len(widths) * 8.0 * n * h / dev.acc_bw + 6.0 * n * h / dev.hbm_bw  # fp32 dx passes + cast
     dz_chunk = itemsize * n * vocab_chunk
     if dz_chunk > 0.6 * dev.l2_bytes:  # dW and dx re-read the chunk from HBM
-        bwd += 2.0 * itemsize * n * rec / dev.hbm_bw
+        bwd += dev.l2_reread * itemsize * n * rec / dev.hbm_bw
     bwd += _fixed(dev, n)
     # fp32 dx accumulator across chunks; fp32 inputs accumulate into dx itself.
     acc = 4 * n * h if len(widths) > 1 and itemsize != 4 else 0
