@@ -237,7 +237,8 @@ def kernel_breakdown(step, device, top=14) -> dict:
     def klass(name):
         lo = name.lower()
         for key, cls in (("forward_stats", "fwd fused"), ("kept_dlogits", "kept dlogits"),
-                         ("dlogits", "dlogits fused"), ("gemm", "cuBLAS GEMM"), ("nvjet", "cuBLAS GEMM"),
+                         ("dlogits", "dlogits fused"), ("epilogue", "O(N) epilogues"),
+                         ("coefficients", "O(N) epilogues"), ("gemm", "cuBLAS GEMM"), ("nvjet", "cuBLAS GEMM"),
                          ("xmma", "cuBLAS GEMM"), ("cutlass", "cuBLAS GEMM"), ("memset", "memset"),
                          ("reduce", "reductions"), ("elementwise", "elementwise"), ("copy", "copies")):
             if key in lo:
