@@ -301,6 +301,13 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
                 plan = _plans.triton_plan(n, v, h, itemsize, budget, device, keep_allowed=True)
             e["plan"] = dict(keep_cols=plan.keep_cols, vocab_chunk=plan.vocab_chunk, block_v=plan.block_v)
             e["plan_mib"] = plan_bytes(plan, n, h, v, itemsize, c.strategy, c.token_chunk) / 2**20
+            if role == "chosen" and cuda:  # what the library runs with no override
+                d_plan = _plans.triton_plan(n, v, h, itemsize, budget, device, keep_allowed=True)
+                d_strat = _plans.lce_strategy(n, v, h, itemsize, budget, device)
+                e["default_matches"] = bool(
+                    d_strat.label == c.label if c.strategy == "grad_in_forward" else
+                    d_strat.strategy != "grad_in_forward"
+                    and (d_plan.keep_cols, d_plan.vocab_chunk) == (plan.keep_cols, plan.vocab_chunk))
             x.grad = w.grad = None  # freed before the baseline: fb() allocates them anew
             if cuda:
                 torch.cuda.synchronize()
@@ -366,6 +373,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
                        best=best["label"], best_ms=best["fb_ms"], best_x3=best["x3gemm"],
                        regret_pct=100 * (chosen["fb_ms"] / best["fb_ms"] - 1),
                        all_same=all(e.get("same", False) for e in entries if e["ok"]),
+                   default_matches=chosen.get("default_matches"),
                        within_budget=all(e.get("peak_extra_mib", 0) <= max(budget, e["memory_model_mib"] * 2**20)
                                          / 2**20 * 1.02 + 1 for e in fitting))
     if args.profile and name in args.profile_shapes and chosen is not None and chosen["ok"]:
