@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 23 (helper "regret"): does linear_cross_entropy's planner pick the fastest plan that
-# fits the default 256 MiB budget? One H100, <= 200 s (caps 130 + 15 + 50 s):
+# fits the default 256 MiB budget? One H100, <= 200 s (caps 115 + 12 + 45 s):
 #   OUT=<dir> bash benchmarks/gpu/regret.sh              (from the repo root)
 #   SMOKE=1 OUT=<dir> bash benchmarks/gpu/regret.sh      (CPU: interpreter, tiny shapes)
 # 1. benchmarks/probe_regret.py: per shape (gemma3-4b, gpt-oss-120b, qwen3-8b, llama3.1-8b,
@@ -30,14 +30,14 @@ if [ -n "$SMOKE" ]; then
   export TRITON_INTERPRET=1
 else
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv,noheader 2>&1 | head -2
-  PROBE_ARGS="--rounds 5 --time-limit 95"
+  PROBE_ARGS="--rounds 5 --time-limit 80"
   FIT_ARGS=""
   TESTS="tests/test_regret.py tests/test_cost_model.py"
 fi
 
 echo "== 1. probe_regret [$(elapsed)] =="
 # shellcheck disable=SC2086
-timeout -s INT -k 10 130 "$PY" benchmarks/probe_regret.py --out "$OUT" $PROBE_ARGS > "$OUT/probe.log" 2>&1
+timeout -s INT -k 5 115 "$PY" benchmarks/probe_regret.py --out "$OUT" $PROBE_ARGS > "$OUT/probe.log" 2>&1
 RC[probe]=$?
 grep -E "regret|FAILED|skipped|Error" "$OUT/probe.log" | grep -v "^|" | tail -n 14
 echo "probe done [$(elapsed)]"
@@ -45,7 +45,7 @@ echo "probe done [$(elapsed)]"
 echo "== 2. fit_cost_model [$(elapsed)] =="
 if [ -s "$OUT/regret.json" ]; then
   # shellcheck disable=SC2086
-  timeout -k 5 15 "$PY" benchmarks/fit_cost_model.py "$OUT/regret.json" --json-out "$OUT/fit.json" $FIT_ARGS \
+  timeout -k 3 12 "$PY" benchmarks/fit_cost_model.py "$OUT/regret.json" --json-out "$OUT/fit.json" $FIT_ARGS \
       > "$OUT/fit.log" 2>&1
   RC[fit]=$?
 else
@@ -55,7 +55,7 @@ echo "fit done [$(elapsed)]"
 
 echo "== 3. tests [$(elapsed)] =="
 # shellcheck disable=SC2086
-timeout -s INT -k 5 50 "$PY" -m pytest $TESTS -q -rs -p no:cacheprovider \
+timeout -s INT -k 5 45 "$PY" -m pytest $TESTS -q -rs -p no:cacheprovider \
     -k "not grad_in_forward" > "$OUT/tests.log" 2>&1
 RC[tests]=$?
 echo "tests done [$(elapsed)]"
@@ -69,7 +69,7 @@ echo "   (r: c chosen / a alternative / o over the budget; p/m: predicted / meas
 if grep -q "^== compact ==" "$OUT/probe.log"; then
   sed -n '/^== compact ==/,/^== end ==/p' "$OUT/probe.log" | grep -v "^== " | cut -c1-230 | head -n 90
 else  # cut off before its end: the JSON has every finished shape
-  timeout 20 "$PY" benchmarks/probe_regret.py --render "$OUT/regret.json" 2>&1 | cut -c1-230 | head -n 90
+  timeout 10 "$PY" benchmarks/probe_regret.py --render "$OUT/regret.json" 2>&1 | cut -c1-230 | head -n 90
 fi
 echo "-- fit ($OUT/fit.log)"
 tail -n 30 "$OUT/fit.log" | cut -c1-300
