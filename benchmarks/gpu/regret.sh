@@ -74,6 +74,6 @@ else  # cut off before its end: the JSON has every finished shape
   timeout 10 "$PY" benchmarks/probe_regret.py --render "$OUT/regret.json" 2>&1 | cut -c1-230 | head -n 90
 fi
 echo "-- fit ($OUT/fit.log)"
-tail -n 30 "$OUT/fit.log" | cut -c1-300
+grep -v "^$" "$OUT/fit.log" | cut -c1-160 | head -n 45
 echo "-- tests: $(tail -n 1 "$OUT/tests.log")"
 grep -E "^FAILED|^ERROR|^SKIPPED" "$OUT/tests.log" | head -n 8 | cut -c1-250
