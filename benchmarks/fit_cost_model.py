@@ -41,7 +41,7 @@ from logitless.planning import cost_model as cm  # noqa: E402
 
 #: Constants fitted by default: the rates and bandwidths the bf16 plans' times depend on.
 FIELDS = ("gemm_flops_16", "fused_forward", "fused_dlogits", "keep_store_bw", "kept_pass_bw", "acc_bw",
-          "hbm_bw", "fixed_s", "l2_reread")
+          "hbm_bw", "fixed_s", "l2_reread", "gemm_wave")
 
 
 def predict(dev: cm.DeviceModel, row: dict) -> cm.Candidate:

@@ -242,7 +242,7 @@ def test_wide_chunks_are_off_in_the_shipped_models():
     from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
 
     for dev in cm.DEVICE_MODELS.values():
-        assert dev.wide_chunks == 0 and dev.l2_reread == 2.0
+        assert dev.wide_chunks == 0 and dev.l2_reread == 2.0 and dev.gemm_wave == 1.0
         for s in MODEL_SHAPES:
             for c in cm.candidates(s.tokens, s.hidden, s.vocab, 2, device_model=dev):
                 if c.strategy == "partial":

@@ -99,6 +99,11 @@ class DeviceModel:
     #: HBM bytes per dz byte when a chunk exceeds ~60% of L2 (dW and dx each re-read
     #: it: 2; a separate constant so that the refit can size it from wide-chunk timings).
     l2_reread: float = 2.0
+    #: Weight of the wave-quantisation loss of cuBLAS GEMMs (``gemm_s``: efficiency **
+    #: gemm_wave; 1: 128 x 256 tiles as now). The profile of gemma3-4b's 4096-column chunks
+    #: (issue 23) ran dW at one GEMM's speed where 128 x 256 tiles predict 81% busy SMs:
+    #: cuBLAS picks other tiles. A fitted constant (benchmarks/fit_cost_model.py).
+    gemm_wave: float = 1.0
 
 
 H100 = DeviceModel("H100", sms=132)
@@ -170,7 +175,8 @@ def gemm_s(dev: DeviceModel, m: int, n: int, k: int, itemsize: int, out_itemsize
     out_itemsize = itemsize if out_itemsize is None else out_itemsize
     flops = 2.0 * m * n * k
     bytes_ = itemsize * (m * k + n * k) + out_itemsize * m * n
-    return max(flops / (_rate(dev, itemsize) * _wave_eff(dev, m, n)), bytes_ / dev.hbm_bw) + dev.launch_s
+    eff = _wave_eff(dev, m, n) ** dev.gemm_wave
+    return max(flops / (_rate(dev, itemsize) * eff), bytes_ / dev.hbm_bw) + dev.launch_s
 
 
 def fused_forward_s(dev, n, h, v, itemsize) -> float:
