@@ -32,7 +32,7 @@ if [ -n "$SMOKE" ]; then  # the interpreter on a shared CPU: longer caps, two ti
   export TRITON_INTERPRET=1
 else
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv,noheader 2>&1 | head -2
-  PROBE_ARGS="--rounds 5 --time-limit 80"
+  PROBE_ARGS="--rounds 7 --time-limit 80"
   FIT_ARGS=""
   TESTS="tests/test_regret.py tests/test_cost_model.py"
 fi
