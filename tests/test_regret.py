@@ -300,7 +300,8 @@ def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
         dx, dw = torch.autograd.grad(loss, (x, w))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes
-    assert 2 * n * plan.vocab_chunk > 0.6 * cm.H100.l2_bytes, plan
+    shipped = _plans.triton_plan(n, v, h, 2, budget, x.device, keep_allowed=True)
+    assert shipped.vocab_chunk == 4096 and plan.vocab_chunk > 4096, (shipped, plan)  # past the L2 rule
     assert peak <= budget, (peak, budget)
     for name, ours, s_, r in (("loss", loss, same, ref), ("dx", dx, same_grads[0], ref_grads[0]),
                               ("dW", dw, same_grads[1], ref_grads[1])):
