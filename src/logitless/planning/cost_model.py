@@ -117,6 +117,22 @@ class DeviceModel:
     #: the x rounding launch, scratch allocation, descriptors built per chunk on the host.
     tf32_prerounded_fixed_s: float = 0.2e-3
 
+    #: Doublings of the recomputed chunk width allowed past the L2 rule below (0: the
+    #: shipped family, chunks while the dz chunk fits ~60% of L2; 2: also 2x and 4x that
+    #: width, e.g. 8192 and 16384 columns at 4096 tokens). The wider chunks' time counts
+    #: dW and dx re-reading dz from HBM; they save accumulator passes and launches, most
+    #: at small H (issue 23: benchmarks/probe_regret.py measures them; the refit,
+    #: benchmarks/fit_cost_model.py, says whether to turn them on).
+    wide_chunks: int = 0
+    #: HBM bytes per dz byte when a chunk exceeds ~60% of L2 (dW and dx each re-read
+    #: it: 2; a separate constant so that the refit can size it from wide-chunk timings).
+    l2_reread: float = 2.0
+    #: Weight of the wave-quantisation loss of cuBLAS GEMMs (``gemm_s``: efficiency **
+    #: gemm_wave; 1: 128 x 256 tiles as now). The profile of gemma3-4b's 4096-column chunks
+    #: (issue 23) ran dW at one GEMM's speed where 128 x 256 tiles predict 81% busy SMs:
+    #: cuBLAS picks other tiles. A fitted constant (benchmarks/fit_cost_model.py).
+    gemm_wave: float = 1.0
+
 
 H100 = DeviceModel("H100", sms=132)
 H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12)
@@ -187,7 +203,8 @@ def gemm_s(dev: DeviceModel, m: int, n: int, k: int, itemsize: int, out_itemsize
     out_itemsize = itemsize if out_itemsize is None else out_itemsize
     flops = 2.0 * m * n * k
     bytes_ = itemsize * (m * k + n * k) + out_itemsize * m * n
-    return max(flops / (_rate(dev, itemsize) * _wave_eff(dev, m, n)), bytes_ / dev.hbm_bw) + dev.launch_s
+    eff = _wave_eff(dev, m, n) ** dev.gemm_wave
+    return max(flops / (_rate(dev, itemsize) * eff), bytes_ / dev.hbm_bw) + dev.launch_s
 
 
 def fused_forward_s(dev, n, h, v, itemsize) -> float:
@@ -253,7 +270,7 @@ def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256)
         bwd += len(widths) * 8.0 * n * h / dev.acc_bw + 6.0 * n * h / dev.hbm_bw  # fp32 dx passes + cast
     dz_chunk = itemsize * n * vocab_chunk
     if dz_chunk > 0.6 * dev.l2_bytes:  # dW and dx re-read the chunk from HBM
-        bwd += 2.0 * itemsize * n * rec / dev.hbm_bw
+        bwd += dev.l2_reread * itemsize * n * rec / dev.hbm_bw
     bwd += _fixed(dev, n)
     # fp32 dx accumulator across chunks; fp32 inputs accumulate into dx itself.
     acc = 4 * n * h if len(widths) > 1 and itemsize != 4 else 0
@@ -288,6 +305,13 @@ def predict_grad_in_forward(dev, n, h, v, itemsize, token_chunk, weight_fp32=Fal
 # --------------------------------------------------------------------------- the planner
 
 
+def _wide_widths(dev, first, padded) -> set:
+    """Chunk widths past the L2 rule: ``dev.wide_chunks`` doublings from ``first`` (the
+    first width the rule left out), below the padded vocabulary."""
+    return {first << i for i in range(dev.wide_chunks) if (first << i) < padded}
+
+
+
 def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096,
                grad_in_forward=True, weight_fp32=False, keep=True):
     """The fixed family of candidate plans of a shape (independent of the budget)."""
@@ -303,6 +327,7 @@ def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chun
     while c < padded and itemsize * n * c <= 0.6 * dev.l2_bytes:
         widths.add(c)
         c *= 2
+    widths |= _wide_widths(dev, c, padded)
     # kept columns: 64ths of the vocabulary (multiples of block_v), 0 included
     keeps = sorted({(v * i // KEEP_STEPS) // block_v * block_v for i in range(KEEP_STEPS)} if keep else {0})
     for k in keeps:
