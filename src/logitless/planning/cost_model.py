@@ -134,7 +134,9 @@ class DeviceModel:
     gemm_wave: float = 1.0
 
 
-H100 = DeviceModel("H100", sms=132)
+#: wide_chunks=2: the planner regret probe (issue 23, probe-regret-H100-2026-11-23) measured 4096-column
+#: chunks 2-11% slower than 8192-16384-column ones at 256 MiB on 7 of 9 shapes (mean regret 5.0% -> 1.8%).
+H100 = DeviceModel("H100", sms=132, wide_chunks=2)
 H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12)
 #: Any other GPU: H100's constants (the choice is relative, so ratios matter more than
 #: absolute rates). The CPU interpreter uses this too; its plans are only for tests.
