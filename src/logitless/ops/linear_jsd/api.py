@@ -23,7 +23,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import BACKENDS
 from logitless.options import JSDOptions, check_memory_budget
 
-from .custom_op import grad_in_forward_chunk, linear_jsd_forward_op, linear_jsd_gif_forward_op
+from .custom_op import grad_in_forward_chunk, linear_jsd_forward_eager, linear_jsd_gif_forward_eager
 
 
 def linear_jsd(
@@ -192,10 +192,10 @@ def linear_jsd(
         chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget)
         if chunk:
             need = [t is not None and t.requires_grad for t in (xs, student_weight, student_bias)]
-            return linear_jsd_gif_forward_op(
+            return linear_jsd_gif_forward_eager(
                 xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
                 *opts.args(), reduction, memory_budget, chunk, *need)[0]
-    loss_tok, _ = linear_jsd_forward_op(
+    loss_tok, _ = linear_jsd_forward_eager(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
         *opts.args(), memory_budget, backend, *tp.args())
     loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)

@@ -24,6 +24,8 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, reduce, token_loss, upstream
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
+    EagerOp,
+    below_autograd,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -115,6 +117,7 @@ def _backward(
 
 
 linear_jsd_backward_op = custom_op("linear_jsd_backward", _backward)
+_eager_backward = below_autograd(_backward)  # what linear_jsd_backward_op runs, for the eager fast path
 
 
 @linear_jsd_backward_op.register_fake
@@ -142,7 +145,8 @@ def _autograd_backward(ctx, grad_loss, _grad_stats):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     grads = (None, None, None)
     if need_dx or need_dw or need_db:
-        dx, dw, db = linear_jsd_backward_op(
+        op = _eager_backward if getattr(ctx, "eager", False) else linear_jsd_backward_op  # (EagerOp: the same)
+        dx, dw, db = op(
             grad_loss, xs, ws, bs, xt, wt, bt, target, stats, *ctx.opts.args(), ctx.budget,
             ctx.backend, need_dx, need_dw, need_db, *ctx.tp.args())
         grads = (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
@@ -151,8 +155,11 @@ def _autograd_backward(ctx, grad_loss, _grad_stats):
 
 
 # The backward plans (and reads ``override(...)``) as its forward did, on any thread.
-_setup, _backward = under_forward_overrides(_setup_context, _autograd_backward)
-linear_jsd_forward_op.register_autograd(_backward, setup_context=_setup)
+_setup, _backward_of_ctx = under_forward_overrides(_setup_context, _autograd_backward)
+linear_jsd_forward_op.register_autograd(_backward_of_ctx, setup_context=_setup)
+#: What the public function calls: ``linear_jsd_forward_op``, through a plain
+#: autograd.Function in eager mode (``EagerOp``: the same computation, bitwise).
+linear_jsd_forward_eager = EagerOp(linear_jsd_forward_op, _forward, _setup, _backward_of_ctx)
 
 
 # --------------------------------------------------------------------------- gradient in the forward
@@ -252,3 +259,4 @@ def _gif_backward(ctx, grad_loss, *_):
 # The backward plans (and reads ``override(...)``) as its forward did, on any thread.
 _gif_setup, _gif_backward_of_ctx = under_forward_overrides(_gif_setup_context, _gif_backward)
 linear_jsd_gif_forward_op.register_autograd(_gif_backward_of_ctx, setup_context=_gif_setup)
+linear_jsd_gif_forward_eager = EagerOp(linear_jsd_gif_forward_op, _gif_forward, _gif_setup, _gif_backward_of_ctx)
