@@ -168,7 +168,22 @@ PARTS = 7
 
 
 @triton.jit
+def _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N: tl.constexpr):
+    """The row set-up of program (i, j) of a split phase (grid row blocks x splits):
+    (j, the number of splits, row offsets, row mask, both heads' row pointers)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    return pid_v, splits, offs_n, row_ok, rows_s, rows_t
+
+
+@triton.jit
 def _split_columns(pid_v, V, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+    """Columns [v_lo, v_hi) of split pid_v (BLOCKS_PER_SPLIT blocks of BLOCK_V)."""
     v_lo = pid_v * BLOCKS_PER_SPLIT * BLOCK_V
     v_hi = tl.minimum(V, v_lo + BLOCKS_PER_SPLIT * BLOCK_V)
     return v_lo, v_hi
@@ -186,13 +201,7 @@ def jsd_partial_kernel(
     partials (m_s, s_s, m_t, s_t, m_1, s_1, w) of ``jsd_forward_kernel``'s first sweep
     to part[:, j, rows] (w: the KL limits' sum, rescaled by the weighting head's max).
     Traffic: both logits' columns of the split read once."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    splits = tl.num_programs(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
-    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    pid_v, splits, offs_n, row_ok, rows_s, rows_t = _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
     neg = float("-inf")
     v_lo, v_hi = _split_columns(pid_v, V, BLOCK_V, BLOCKS_PER_SPLIT)
@@ -268,13 +277,7 @@ def jsd_divergence_kernel(
     """Phase 2 (0 < beta < 1), program (i, j): both lse from the merged phase-1 partials,
     then S and K summed over split j's columns into sk[:, j, rows] (2, splits, N).
     Traffic: the split's columns of both logits read a second time."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    splits = tl.num_programs(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
-    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    pid_v, splits, offs_n, row_ok, rows_s, rows_t = _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
     neg = float("-inf")
     m_s, s_s, _ = _merge_splits(part_ptr, 0, 1, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
