@@ -37,7 +37,7 @@ if [ -z "$SMOKE" ] && $PY -c "import xdist" 2>/dev/null; then NPROC="-n 4"; fi
 echo "pytest ${NPROC:-serial (no pytest-xdist)}"
 
 echo "== 1. new tests (cap 55 s) =="
-timeout -s INT -k 10 55 $PY -m pytest -q -rs -p no:cacheprovider $NPROC $TESTS_NEW 2>&1 \
+timeout -s INT -k 5 55 $PY -m pytest -q -rs -p no:cacheprovider $NPROC $TESTS_NEW 2>&1 \
     | tee "$OUT/jsd2-tests-new.log" | grep -vE "Warning|TensorHandle|op\(" | tail -n 8
 echo "new tests done at $(( $(date +%s) - start )) s"
 
