@@ -281,6 +281,9 @@ def jsd2(a) -> None:
         record["rows"][name] = row
         print(name + ": " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in row.items()), flush=True)
+        if a.json:  # after every row: a run cut off by its time limit still leaves the rows done
+            with open(a.json, "w") as f:
+                json.dump(record, f, indent=1)
 
     def timed(shape, dtype, setting="highest", preround=True, fast=True, errors=False, floor=True):
         row = dict(shape=shape.label, dtype=dtype, precision=setting)
@@ -340,6 +343,9 @@ def jsd2(a) -> None:
             print(f"  {r['ms']:9.3f} ms  {r['calls']:4d}x  {r['kernel']}")
         print(f"  {prof['others_ms']:9.3f} ms  ({prof['others']} other kernels)", flush=True)
         record["profile"] = prof
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(record, f, indent=1)
         if a.profile_json:
             with open(a.profile_json, "w") as f:
                 json.dump(prof, f, indent=1)
@@ -361,9 +367,6 @@ def jsd2(a) -> None:
     emit(f"bf16 {small} tokens fast path", timed(few, "bfloat16", floor=True))
     emit(f"bf16 {small} tokens custom ops", timed(few, "bfloat16", fast=False, floor=False))
     # (the fast path's gain is host time: on a GPU it shows while the launches outrun the kernels)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

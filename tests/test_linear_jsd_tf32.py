@@ -21,7 +21,7 @@ from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.helpers import assert_close_to_ref
+from tests.helpers import assert_close_to_ref, max_err
 from tests.test_linear_jsd import OPTIONS, make_inputs
 from tests.test_precision import _round_to_tf32, matmul_precision
 
@@ -146,6 +146,11 @@ def test_high_matches_float64_within_torchs_own_high_error(reduction, budget):
                                     teacher_bias=bt, **kw)
         same_in = (args[0], args[1], bs)
         same_g = torch.autograd.grad(same, same_in, grad_out)
-    assert_close_to_ref("loss", ours, same, ref, torch.float32)
-    for name, o, s, r in zip(("dx", "dW", "db"), ours_g, same_g, refs):
-        assert_close_to_ref(name, o, s, r, torch.float32)
+    for name, o, s, r in zip(("loss", "dx", "dW", "db"), (ours, *ours_g), (same, *same_g), (ref, *refs)):
+        if HAS_CUDA:  # Triton's and cuBLAS' TF32 products round alike but accumulate in other
+            # orders: twice torch's error, as tests/test_precision.py's GPU bar at "high"
+            scale = max(r.double().abs().max().item(), 1e-2)
+            e_ours, e_same = max_err(o, r), max_err(s, r)
+            assert e_ours <= 2 * e_same + 2e-5 * scale, f"{name}: {e_ours:.3g} vs torch {e_same:.3g}"
+        else:
+            assert_close_to_ref(name, o, s, r, torch.float32)
