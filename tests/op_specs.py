@@ -454,7 +454,7 @@ def _ljsd_opcheck(backend):
     case = _ljsd_make({"lead": (5,), "hidden": 8, "teacher_hidden": 6, "vocab": 13}, torch.float32, opts, seed=10)
     xs, ws, xt, wt, target = case.args
     bs, bt = case.kwargs["student_bias"], case.kwargs["teacher_bias"]
-    options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
+    options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, "none", 1 << 20, backend)  # (JSDOptions, reduction, budget, backend)
     fwd = (xs, ws, bs, xt, wt, bt, target) + options
     yield torch.ops.logitless.linear_jsd_forward.default, fwd, None
     _, stats = torch.ops.logitless.linear_jsd_forward(*fwd)

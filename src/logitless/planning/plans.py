@@ -547,7 +547,13 @@ class LinearJSDPlan:
 
 @memoised
 def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
-                    device) -> LinearJSDPlan:
+                    device, *, hidden_t: int = 0, prerounded: bool = False) -> LinearJSDPlan:
+    """``prerounded`` (fp32 at matmul precision "high", ``launch.tf32_prerounded``): the
+    backward rounds both x's to TF32 once (4 N (H_s + H_t) bytes, taken off the budget
+    while at most half of it) and each recomputed chunk's rows of both weights (4 (H_s +
+    H_t) bytes per column, budgeted with the chunk's dz) into scratch buffers, as
+    ``triton_plan`` does; ``tiles.w_chunk`` is then the chunk's rows (0: no scratch).
+    The forward's logits are cuBLAS GEMMs, which round at "high" themselves."""
     cuda = device.type == "cuda"
     tiles = _overrides().tiles or (JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
@@ -564,12 +570,17 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
     # dz chunk at 4096 tokens stays in L2: PERFORMANCE.md); narrower only if the budget
     # after the fp32 dx accumulator says so, never below min_cols.
+    w_col = 4 * (hidden_s + hidden_t) if prerounded else 0
+    x_scratch = 4 * num_tokens * (hidden_s + hidden_t) if prerounded else 0
+    if x_scratch and x_scratch <= budget // 2:
+        budget -= x_scratch
     left = budget - 4 * num_tokens * hidden_s
-    cols = int(max(left, 0) // max(1, itemsize * num_tokens))
+    cols = int(max(left, 0) // max(1, itemsize * num_tokens + w_col))
     vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
     plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
                       num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk,
-                      **kernel_options(num_tokens, block_n, block_v, device))  # group_n is used
+                      **kernel_options(num_tokens, block_n, block_v, device),  # group_n is used
+                      w_chunk=vocab_chunk if prerounded else 0)
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)
 
 

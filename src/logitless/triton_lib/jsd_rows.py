@@ -44,12 +44,12 @@ def load_capped(rows, offs_v, stride_v, row_ok, V, other, cap, HAS_CAP: tl.const
 @triton.jit
 def jsd_forward_kernel(
     zs_ptr, zt_ptr, target_ptr, stats_ptr,
-    N, V, stride_sn, stride_sv, stride_tn, stride_tv,
+    N, V, stride_sn, stride_sv, stride_tn, stride_tv, stride_stat,
     inv_t, log_beta, log_1mbeta, cap_s, cap_t,
     MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Row statistics (6, N) of ``_jsd_math``: lse(zs/T), lse(zt/T), S = sum p (lp - lm),
+    """Row statistics (6, N; rows ``stride_stat`` apart) of ``_jsd_math``: lse(zs/T), lse(zt/T), S = sum p (lp - lm),
     K = sum q (lq - lm), lse(zs) and zs[target] (the last two only with HAS_HARD).
 
     Program i owns rows [i*BLOCK_N, (i+1)*BLOCK_N). Sweep 1 over the vocabulary: online
@@ -106,9 +106,9 @@ def jsd_forward_kernel(
             acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
 
     tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
-    tl.store(stats_ptr + N + offs_n, lse_t, mask=row_ok)
-    tl.store(stats_ptr + 2 * N + offs_n, acc_s, mask=row_ok)
-    tl.store(stats_ptr + 3 * N + offs_n, acc_k, mask=row_ok)
+    tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
+    tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
+    tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
     lse1 = tl.zeros((BLOCK_N,), tl.float32)
     z_t = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_HARD:
@@ -119,20 +119,20 @@ def jsd_forward_kernel(
                       mask=t_ok, other=0.0).to(tl.float32)
         if HAS_CAP_S:
             z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
-    tl.store(stats_ptr + 4 * N + offs_n, lse1, mask=row_ok)
-    tl.store(stats_ptr + 5 * N + offs_n, z_t, mask=row_ok)
+    tl.store(stats_ptr + 4 * stride_stat + offs_n, lse1, mask=row_ok)
+    tl.store(stats_ptr + 5 * stride_stat + offs_n, z_t, mask=row_ok)
 
 
 @triton.jit
 def jsd_backward_kernel(
     zs_ptr, zt_ptr, dz_ptr, target_ptr, stats_ptr, g_ptr,
-    N, V, stride_sn, stride_sv, stride_tn, stride_tv, stride_dn, stride_dv,
+    N, V, stride_sn, stride_sv, stride_tn, stride_tv, stride_dn, stride_dv, stride_stat,
     inv_t, wp, hlw, log_beta, log_1mbeta, cap_s, cap_t,
     MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dz = d loss / d student logits for one BLOCK_N x BLOCK_V tile, in dz's dtype,
-    from the forward's statistics and the per-token upstream gradient g
+    from the forward's statistics (rows ``stride_stat`` apart) and the per-token upstream gradient g
     (``_triton_jsd_math.jsd_dz_tile``). Traffic: both tiles read once, dz written once."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -142,7 +142,8 @@ def jsd_backward_kernel(
     rows = offs_n.to(tl.int64)[:, None]
     zs = load_capped(zs_ptr + rows * stride_sn, offs_v, stride_sv, row_ok, V, 0.0, cap_s, HAS_CAP_S)
     zt = load_capped(zt_ptr + rows * stride_tn, offs_v, stride_tv, row_ok, V, 0.0, cap_t, HAS_CAP_T)
-    lse_s, lse_t, s_row, lse1, g, target = load_jsd_row_stats(stats_ptr, g_ptr, target_ptr, offs_n, row_ok, N)
+    lse_s, lse_t, s_row, lse1, g, target = load_jsd_row_stats(stats_ptr, g_ptr, target_ptr, offs_n, row_ok,
+                                                              stride_stat)
     dz = jsd_dz_tile(zs, zt, offs_v, target, lse_s, lse_t, s_row, lse1, g,
                      inv_t, wp, hlw, log_beta, log_1mbeta, cap_s, MODE, HAS_HARD, HAS_CAP_S)
     mask = row_ok[:, None] & (offs_v < V)[None, :]
@@ -167,7 +168,22 @@ PARTS = 7
 
 
 @triton.jit
+def _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N: tl.constexpr):
+    """The row set-up of program (i, j) of a split phase (grid row blocks x splits):
+    (j, the number of splits, row offsets, row mask, both heads' row pointers)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
+    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    return pid_v, splits, offs_n, row_ok, rows_s, rows_t
+
+
+@triton.jit
 def _split_columns(pid_v, V, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+    """Columns [v_lo, v_hi) of split pid_v (BLOCKS_PER_SPLIT blocks of BLOCK_V)."""
     v_lo = pid_v * BLOCKS_PER_SPLIT * BLOCK_V
     v_hi = tl.minimum(V, v_lo + BLOCKS_PER_SPLIT * BLOCK_V)
     return v_lo, v_hi
@@ -185,13 +201,7 @@ def jsd_partial_kernel(
     partials (m_s, s_s, m_t, s_t, m_1, s_1, w) of ``jsd_forward_kernel``'s first sweep
     to part[:, j, rows] (w: the KL limits' sum, rescaled by the weighting head's max).
     Traffic: both logits' columns of the split read once."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    splits = tl.num_programs(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
-    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    pid_v, splits, offs_n, row_ok, rows_s, rows_t = _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
     neg = float("-inf")
     v_lo, v_hi = _split_columns(pid_v, V, BLOCK_V, BLOCKS_PER_SPLIT)
@@ -267,13 +277,7 @@ def jsd_divergence_kernel(
     """Phase 2 (0 < beta < 1), program (i, j): both lse from the merged phase-1 partials,
     then S and K summed over split j's columns into sk[:, j, rows] (2, splits, N).
     Traffic: the split's columns of both logits read a second time."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    splits = tl.num_programs(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    rows_s = zs_ptr + offs_n.to(tl.int64)[:, None] * stride_sn
-    rows_t = zt_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    pid_v, splits, offs_n, row_ok, rows_s, rows_t = _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
     neg = float("-inf")
     m_s, s_s, _ = _merge_splits(part_ptr, 0, 1, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
@@ -298,12 +302,12 @@ def jsd_divergence_kernel(
 @triton.jit
 def jsd_finish_kernel(
     zs_ptr, target_ptr, part_ptr, sk_ptr, stats_ptr,
-    N, V, splits, stride_sn, stride_sv, cap_s,
+    N, V, splits, stride_sn, stride_sv, stride_stat, cap_s,
     MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Phase 3: the (6, N) statistics of ``jsd_forward_kernel`` from the splits'
-    partials (S and K summed in split order; the KL limits' sums merged online)."""
+    """Phase 3: the (6, N) statistics of ``jsd_forward_kernel`` (rows ``stride_stat``
+    apart) from the splits' partials (S and K summed in split order; the KL limits' sums merged online)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_n < N
@@ -322,9 +326,9 @@ def jsd_finish_kernel(
             acc_s += tl.load(sk_ptr + j * N + offs_n, mask=row_ok, other=0.0)
             acc_k += tl.load(sk_ptr + (splits + j) * N + offs_n, mask=row_ok, other=0.0)
     tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
-    tl.store(stats_ptr + N + offs_n, lse_t, mask=row_ok)
-    tl.store(stats_ptr + 2 * N + offs_n, acc_s, mask=row_ok)
-    tl.store(stats_ptr + 3 * N + offs_n, acc_k, mask=row_ok)
+    tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
+    tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
+    tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
     lse1 = tl.zeros((BLOCK_N,), tl.float32)
     z_t = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_HARD:
@@ -336,23 +340,25 @@ def jsd_finish_kernel(
                       mask=t_ok, other=0.0).to(tl.float32)
         if HAS_CAP_S:
             z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
-    tl.store(stats_ptr + 4 * N + offs_n, lse1, mask=row_ok)
-    tl.store(stats_ptr + 5 * N + offs_n, z_t, mask=row_ok)
+    tl.store(stats_ptr + 4 * stride_stat + offs_n, lse1, mask=row_ok)
+    tl.store(stats_ptr + 5 * stride_stat + offs_n, z_t, mask=row_ok)
 
 
 def row_stats(zs, zt, target, stats, opts, plan) -> None:
-    """stats (6, N) fp32 of the logits zs, zt (N, V; any strides) with ``plan`` (a
+    """stats (6, N) fp32 (rows may be strided, e.g. columns of a larger statistics
+    tensor; columns contiguous) of the logits zs, zt (N, V; any strides) with ``plan`` (a
     ``planning.plans.JSDStatsPlan``): one program per row block when ``plan.splits`` is
     1 (``jsd_forward_kernel``), else the three split phases above."""
     import torch
 
     n, v = zs.shape
+    assert stats.stride(1) == 1
     sargs = scalar_args(opts)
     strides = (zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1))
     row_blocks = triton.cdiv(n, plan.block_n)
     if plan.splits == 1:
         jsd_forward_kernel[(row_blocks,)](
-            zs, zt, target, stats, n, v, *strides, **sargs,
+            zs, zt, target, stats, n, v, *strides, stats.stride(0), **sargs,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
         return
     splits = plan.splits
@@ -372,5 +378,5 @@ def row_stats(zs, zt, target, stats, opts, plan) -> None:
             sargs["cap_s"], sargs["cap_t"], MODE=mode, **caps, **tiles)
     fin_block = min(128, triton.next_power_of_2(n))
     jsd_finish_kernel[(triton.cdiv(n, fin_block),)](
-        zs, target, part, sk, stats, n, v, splits, zs.stride(0), zs.stride(1), sargs["cap_s"],
+        zs, target, part, sk, stats, n, v, splits, zs.stride(0), zs.stride(1), stats.stride(0), sargs["cap_s"],
         MODE=mode, HAS_HARD=hard, HAS_CAP_S=sargs["HAS_CAP_S"], BLOCK_N=fin_block, num_warps=4)

@@ -39,7 +39,7 @@ def backward(g: Tensor, zs: Tensor, zt: Tensor, target: Tensor, stats: Tensor,
     grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v, plan.block_v))
     K.jsd_backward_kernel[grid](
         zs, zt, dz, target.contiguous(), stats.float().contiguous(), g.float().contiguous(), n, v,
-        zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1), dz.stride(0), dz.stride(1),
+        zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1), dz.stride(0), dz.stride(1), n,
         wp=opts.weights[1], hlw=opts.hard_label_weight, **scalar_args(opts),
         BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )

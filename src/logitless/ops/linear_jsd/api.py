@@ -4,8 +4,10 @@ The loss equals ``jsd(student_x @ student_weight.T + student_bias, teacher_x @
 teacher_weight.T + teacher_bias, target, ...)`` without either head's (tokens x vocab)
 logits ever being stored.
 
-torch.compile: the work is two custom ops (``custom_op.py``); validation, autocast casts
-and the reduction are plain Python/torch around them, so ``fullgraph=True`` works.
+torch.compile: the work is two custom ops (``custom_op.py``; in eager mode a plain
+autograd.Function around their implementations, bitwise the same); validation and
+autocast casts are plain Python/torch around them, so ``fullgraph=True`` works. The
+reduction is inside the ops (fused with the loss epilogue on the Triton backend).
 """
 
 from __future__ import annotations
@@ -17,13 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from logitless.distributed import api as _tp
-from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import BACKENDS
 from logitless.options import JSDOptions, check_memory_budget
 
-from .custom_op import grad_in_forward_chunk, linear_jsd_forward_op, linear_jsd_gif_forward_op
+from .custom_op import grad_in_forward_chunk, linear_jsd_forward_eager, linear_jsd_gif_forward_eager
 
 
 def linear_jsd(
@@ -192,13 +193,12 @@ def linear_jsd(
         chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget)
         if chunk:
             need = [t is not None and t.requires_grad for t in (xs, student_weight, student_bias)]
-            return linear_jsd_gif_forward_op(
+            return linear_jsd_gif_forward_eager(
                 xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
                 *opts.args(), reduction, memory_budget, chunk, *need)[0]
-    loss_tok, _ = linear_jsd_forward_op(
+    loss, _ = linear_jsd_forward_eager(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-        *opts.args(), memory_budget, backend, *tp.args())
-    loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
+        *opts.args(), reduction, memory_budget, backend, *tp.args())
     if reduction == "none":
         loss = loss.reshape(lead)
         return loss[..., :-1] if shift else loss

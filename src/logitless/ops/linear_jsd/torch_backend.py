@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
-from logitless.formulas.jsd import dlogits, row_stats
+from logitless.formulas.jsd import dlogits, reduce, row_stats, token_loss
+from logitless.formulas.jsd import upstream as _upstream
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_torch_rows, torch_plan
 
@@ -92,3 +93,22 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
             db[v0:v1] = db_acc
     dx = (dx_acc if keep_acc else dx_acc.to(xs.dtype)) if need_dx else None
     return dx, dw, db
+
+
+def forward_loss(stats: Tensor, target: Tensor, num_classes: int, opts: JSDOptions, reduction: str) -> Tensor:
+    """The loss (reduced, or per token for "none") from the (6, N) statistics: the
+    formulas (``token_loss`` then ``reduce``). The Triton backend fuses them (``jsd_epilogue``)."""
+    return reduce(token_loss(stats, target, num_classes, opts), target, reduction, opts.ignore_index)
+
+
+def upstream(grad: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """The per-token upstream gradient of a gradient of the reduced loss (what autograd
+    through ``reduce`` gives: grad; grad for each token of "sum"; grad / #non-ignored
+    for "mean"), 0 at ignored tokens (``formulas.jsd.upstream``)."""
+    if reduction == "none":
+        g = grad.reshape(-1)
+    elif reduction == "sum":
+        g = grad.expand(target.shape)
+    else:
+        g = (grad / (target != ignore_index).to(grad.dtype).sum()).expand(target.shape)
+    return _upstream(g, target, ignore_index)

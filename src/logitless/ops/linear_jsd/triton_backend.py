@@ -18,6 +18,13 @@ Total: 2 (H_s + H_t) + 2 H_s against the floor 3 H_s + H_t: 1.5x for equal hidde
 sizes, 1.6x for a teacher twice as wide. No (N, V) tensor beyond the budget's chunks,
 no atomics (bitwise repeatable), no host syncs. With a large budget the planner may pick
 the gradient-in-forward strategy instead (``triton_grad_in_forward``: 4 GEMMs).
+fp32 at matmul precision "high" (``launch.tf32_prerounded``): the backward rounds both
+x's to TF32 once and each chunk's rows of both weights into scratch buffers
+(``launch.prerounded_dlogits_operands``; budgeted by ``linear_jsd_plan``), and the
+kernel multiplies those TF32-exact operands with DOT_PRECISION "tf32" (the products of
+rounding in registers, with TMA loads straight into the tensor cores). The forward's
+and the dx/dW GEMMs are cuBLAS, which rounds at "high" itself. The loss epilogue and
+the upstream gradient are one launch each (``triton_lib.jsd_epilogue``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch import Tensor
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_stats_plan, linear_jsd_plan
 from logitless.triton_lib import launch
+from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (the backend's epilogues)
 from logitless.triton_lib.jsd_rows import row_stats, scalar_args
 
 from . import triton_kernels as K
@@ -55,12 +63,11 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         r = n1 - n0
-        chunk_stats = torch.empty(6, r, dtype=torch.float32, device=xs.device)
         _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
         _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        # the statistics' launch for fp32 logits of r rows (rows split when few)
-        row_stats(zs[:r], zt[:r], target[n0:n1], chunk_stats, opts, jsd_stats_plan(r, v, 4, xs.device))
-        stats[:, n0:n1] = chunk_stats
+        # the statistics' launches for fp32 logits of r rows (rows split when few), written
+        # in place into columns [n0, n1) of the statistics
+        row_stats(zs[:r], zt[:r], target[n0:n1], stats[:, n0:n1], opts, jsd_stats_plan(r, v, 4, xs.device))
     return stats
 
 
@@ -71,8 +78,15 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
-    plan = linear_jsd_plan(n, v, h, xs.element_size(), budget, xs.device)
+    plan = linear_jsd_plan(n, v, h, xs.element_size(), budget, xs.device, hidden_t=xt.shape[1],
+                           prerounded=launch.tf32_prerounded(xs.dtype))
     tiles = plan.tiles
+    # fp32 at "high": both x's rounded to TF32 once, each chunk's rows of both weights
+    # (scratch buffers; the kernel then multiplies TF32-exact operands with "tf32").
+    prerounded = tiles.w_chunk > 0 and launch.tf32_prerounded(xs.dtype)
+    if prerounded:
+        round_s = launch.prerounded_dlogits_operands(xs, ws, tiles, 0)
+        round_t = launch.prerounded_dlogits_operands(xt, wt, tiles, 0)
     g = g.float().contiguous()
     stats = stats.float().contiguous()
     target = target.contiguous()
@@ -91,20 +105,28 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     if not use_tma:
         xs_op, ws_op, xt_op, wt_op = xs, ws, xt, wt
     sargs = scalar_args(opts)
+    dot_precision = "tf32" if prerounded else launch.dot_precision(xs.dtype)
     for v0, v1 in chunks:
         dz = dz_buf[:, : v1 - v0]
         row_blocks = triton.cdiv(n, tiles.block_n)
         grid = (row_blocks * triton.cdiv(v1 - v0, tiles.block_v),)
+        a_s, a_ws, a_t, a_wt = xs, ws, xt, wt  # (for the strides)
+        if prerounded:
+            xs_op, ws_op, tma_s, a_s, a_ws = round_s(v0, v1)
+            xt_op, wt_op, tma_t, a_t, a_wt = round_t(v0, v1)
+            use_tma = tma_s and tma_t
+            if not use_tma:
+                xs_op, ws_op, xt_op, wt_op = a_s, a_ws, a_t, a_wt
         K.jsd_dlogits_kernel[grid](
             xs_op, ws_op, bs if bs is not None else xs, xt_op, wt_op, bt if bt is not None else xt,
             target, stats, g, dz,
-            n, v, h, xt.shape[1], xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),
-            xt.stride(0), xt.stride(1), wt.stride(0), wt.stride(1), dz.stride(0),
+            n, v, h, xt.shape[1], a_s.stride(0), a_s.stride(1), a_ws.stride(0), a_ws.stride(1),
+            a_t.stride(0), a_t.stride(1), a_wt.stride(0), a_wt.stride(1), dz.stride(0),
             v0, v1, wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs, group_n=tiles.group_n or row_blocks,
             HAS_BIAS_S=bs is not None, HAS_BIAS_T=bt is not None,
-            DOT_PRECISION=launch.dot_precision(xs.dtype), USE_TMA=use_tma,
+            DOT_PRECISION=dot_precision, USE_TMA=use_tma,
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, W_CHUNK=prerounded,
         )
         dx_chunk = launch.chunk_gradients(
             dz, xs, ws[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,

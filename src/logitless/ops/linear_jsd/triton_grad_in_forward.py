@@ -33,6 +33,7 @@ from torch import Tensor
 from logitless.formulas.jsd import NUM_STATS
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_stats_plan, linear_jsd_strategy
+from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (forward_loss: custom_op)
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 
 from .triton_backend import _logits_fp32
@@ -48,16 +49,6 @@ def grad_in_forward_chunk(xs: Tensor, ws: Tensor, xt: Tensor, budget: int) -> in
     return c.token_chunk if c.strategy == "grad_in_forward" else 0
 
 
-def unit_upstream(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    """d reduced loss / d per-token loss for grad_output = 1 (fp32, no host sync):
-    1 ("sum") or 1 / #non-ignored ("mean") at non-ignored tokens, 0 at ignored ones."""
-    valid = target != ignore_index
-    one = torch.ones(target.shape, dtype=torch.float32, device=target.device)
-    if reduction == "mean":
-        one = one / valid.sum().clamp_min(1).to(torch.float32)
-    return torch.where(valid, one, torch.zeros_like(one))
-
-
 def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reduction: str, *, token_chunk: int,
                       need_dx: bool, need_dw: bool, need_db: bool):
     """Statistics (6, N) fp32 of every token, and (dx, dw, db) for grad_output = 1: dx in
@@ -66,7 +57,7 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
     n, h = xs.shape
     v = ws.shape[0]
     dev = xs.device
-    g = unit_upstream(target, opts.ignore_index, reduction)
+    g = upstream(None, target, opts.ignore_index, reduction)  # grad_output = 1: one launch (jsd_epilogue)
     chunks = [(n0, min(n, n0 + token_chunk)) for n0 in range(0, n, token_chunk)]
     one = len(chunks) == 1
     rows = min(token_chunk, n)
@@ -88,14 +79,13 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         a, b, dz = zs[:r], zt[:r], dz_buf[:r]
         _logits_fp32(xs[n0:n1], ws, bs, a)
         _logits_fp32(xt[n0:n1], wt, bt, b)
-        chunk_stats = torch.empty(NUM_STATS, r, dtype=torch.float32, device=dev)
+        chunk_stats = stats[:, n0:n1]  # (written in place: rows n apart)
         tc = target[n0:n1]
         plan = jsd_stats_plan(r, v, 4, dev)
         row_stats(a, b, tc, chunk_stats, opts, plan)
-        stats[:, n0:n1] = chunk_stats
         grid = (triton.cdiv(r, plan.block_n), triton.cdiv(v, plan.block_v))
         jsd_backward_kernel[grid](
-            a, b, dz, tc, chunk_stats, g[n0:n1], r, v, a.stride(0), 1, b.stride(0), 1, dz.stride(0), 1,
+            a, b, dz, tc, chunk_stats, g[n0:n1], r, v, a.stride(0), 1, b.stride(0), 1, dz.stride(0), 1, n,
             wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
         )
