@@ -189,6 +189,27 @@ def test_noisy_slower_row_is_not_no_regression(old, tmp_path):
     assert cli_main(["compare", str(op), str(np_), "--fail-on-noisy", "--max-spread", "0.5"]) == 0
 
 
+def test_console_script_entry_point_runs_compare(old, tmp_path):
+    """pyproject's ``logitless-bench = logitless_bench.__main__:main`` names a function
+    that exists (it was defined only under ``if __name__ == "__main__"``)."""
+    from logitless_bench.__main__ import main as script_main
+
+    op, np_ = tmp_path / "old.json", tmp_path / "new.json"
+    op.write_text(json.dumps(old))
+    np_.write_text(json.dumps(old))
+    assert script_main(["compare", str(op), str(np_), "--fail-on-regression", "--fail-on-noisy"]) == 0
+    assert (tmp_path / "new.vs.old.md").exists()
+
+
+def test_jax_timing_imports_no_torch_suite():
+    """benchmarks/gpu/_jax_bench_common imports logitless_bench.jax_timing: that must not
+    pull in the torch suites (the package's ``main`` imports cli.py on call only)."""
+    code = ("import sys, logitless_bench.jax_timing\n"
+            "assert 'torch' not in sys.modules and 'logitless_bench.cli' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_recorded_issue23_runs_flag_the_16k_forward():
     """The recorded H100 runs of issue 23 (llama3.1-8b-16k forward 26.0 -> 31.2 ms, spread
     0.25): the forward shows up as too noisy to judge instead of "none"."""
