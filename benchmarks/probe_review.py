@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ if "--smoke" in sys.argv:  # before triton is imported: its kernels then run on 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from _probe_common import probe_meta, write_json  # noqa: E402
 
 import logitless  # noqa: E402
 
@@ -75,13 +75,13 @@ def main() -> int:
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
-    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu (smoke)", torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(),
-                date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
+    meta = probe_meta(None if cuda else "cpu (smoke)")
     print(meta, flush=True)
     n, h, v = (4096, 4096, 128256) if cuda else (24, 20, 131)
     rec = recorded() if cuda else {}
     rows = []
+    tag = "smoke" if not cuda else ("H200" if "H200" in meta["device"] else "H100")
+    path = Path(a.out) / f"review-probe-{tag}.json"
     for dt in a.dtypes.split(","):
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
         torch.set_float32_matmul_precision("high")
@@ -120,14 +120,12 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 (one failing case must not stop the others)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
+                write_json(str(path), dict(meta, rows=rows, threshold=THRESHOLD))  # kept if cut off
                 print(f"  {op} {dt:9s} {metric:3s} " + (row.get("error") or f"{row['ms']:9.3f} ms"), flush=True)
         if cuda:  # (the next dtype's tensors replace these)
             torch.cuda.empty_cache()
     torch.set_float32_matmul_precision("highest")
-    tag = "smoke" if not cuda else ("H200" if "H200" in meta["device"] else "H100")
-    os.makedirs(a.out, exist_ok=True)
-    path = Path(a.out) / f"review-probe-{tag}.json"
-    path.write_text(json.dumps(dict(meta, rows=rows, threshold=THRESHOLD), indent=1))
+    write_json(str(path), dict(meta, rows=rows, threshold=THRESHOLD))
 
     def f3(v):
         return "-" if v is None else f"{v:.3f}"
