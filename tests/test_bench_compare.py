@@ -137,6 +137,91 @@ def test_spread_is_noise(old):
     assert not compare.compare(old, new)["regressions"]
 
 
+def test_forward_regression_is_judged_alone(old, tmp_path):
+    """A forward 20% slower in a step that did not move (the backward got faster): a
+    forward regression, listed under its metric, though the step is not one."""
+    s1, _, _ = _pick(old)
+    new = copy.deepcopy(old)
+    row = _row(new, s1, "logitless")
+    fwd_old = row["fwd_ms"]
+    _scale(row, fwd=1.2)  # same step: the backward got faster by what the forward lost
+    c = compare.compare(old, new)
+    assert {(q["shape"], q["method"], q["metric"]) for q in c["regressions"]} == {(s1, "logitless", "fwd")}
+    assert [q["shape"] for q in c["regressions_by_metric"]["fwd"]] == [s1]
+    assert not c["regressions_by_metric"]["step"] and not c["noisy"]
+    assert row["fwd_ms"] == pytest.approx(1.2 * fwd_old)
+    md = compare.render(c)
+    assert "per metric: forward 1, backward 0, step (fwd+bwd) 0" in md
+    assert "### forward (1)" in md and "### step" not in md
+
+
+def test_noisy_slower_row_is_not_no_regression(old, tmp_path):
+    """Issue 23's case: forward +20% with a 25% recorded spread is not a regression
+    beyond noise, and not "none" either: it is listed as too noisy to judge."""
+    s1, s2, _ = _pick(old)
+    new = copy.deepcopy(old)
+    row = _row(new, s1, "logitless")
+    _scale(row, fwd=1.2)
+    row["fwd_spread"] = 0.25
+    noisy_fast = _row(new, s2, "logitless")  # noisy but faster: nothing to say
+    _scale(noisy_fast, fwd=0.9, step=0.9)
+    noisy_fast["fwd_spread"] = noisy_fast["fwdbwd_spread"] = 0.3
+    c = compare.compare(old, new)
+    assert not c["regressions"]
+    assert [(q["shape"], q["method"], q["metric"]) for q in c["noisy"]] == [(s1, "logitless", "fwd")]
+    assert c["noisy"][0]["ratio"] == pytest.approx(1.2)
+    md = compare.render(c)
+    assert "## Too noisy to judge (1)" in md
+    assert "none beyond noise, but 1 slower metric(s) too noisy to judge" in md
+    assert "1.200 ?" in md
+    # below --max-spread the same row is a plain regression; a wider threshold clears it
+    assert [q["metric"] for q in compare.compare(old, new, max_spread=0.3)["regressions"]] == []
+    row["fwd_spread"] = 0.05
+    assert [q["metric"] for q in compare.compare(old, new)["regressions"]] == ["fwd"]
+    assert not compare.compare(old, new, threshold=0.25)["regressions"]
+    # the command's exit status
+    row["fwd_spread"] = 0.25
+    op, np_ = tmp_path / "old.json", tmp_path / "new.json"
+    op.write_text(json.dumps(old))
+    np_.write_text(json.dumps(new))
+    assert cli_main(["compare", str(op), str(np_), "--fail-on-regression"]) == 0
+    assert cli_main(["compare", str(op), str(np_), "--fail-on-noisy"]) == 1
+    assert cli_main(["compare", str(op), str(np_), "--fail-on-noisy", "--max-spread", "0.5"]) == 0
+
+
+def test_console_script_entry_point_runs_compare(old, tmp_path):
+    """pyproject's ``logitless-bench = logitless_bench.__main__:main`` names a function
+    that exists (it was defined only under ``if __name__ == "__main__"``)."""
+    from logitless_bench.__main__ import main as script_main
+
+    op, np_ = tmp_path / "old.json", tmp_path / "new.json"
+    op.write_text(json.dumps(old))
+    np_.write_text(json.dumps(old))
+    assert script_main(["compare", str(op), str(np_), "--fail-on-regression", "--fail-on-noisy"]) == 0
+    assert (tmp_path / "new.vs.old.md").exists()
+
+
+def test_jax_timing_imports_no_torch_suite():
+    """benchmarks/gpu/_jax_bench_common imports logitless_bench.jax_timing: that must not
+    pull in the torch suites (the package's ``main`` imports cli.py on call only)."""
+    code = ("import sys, logitless_bench.jax_timing\n"
+            "assert 'torch' not in sys.modules and 'logitless_bench.cli' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_recorded_issue23_runs_flag_the_16k_forward():
+    """The recorded H100 runs of issue 23 (llama3.1-8b-16k forward 26.0 -> 31.2 ms, spread
+    0.25): the forward shows up as too noisy to judge instead of "none"."""
+    base = RESULTS.parent
+    old_p, new_p = base / "lce-H100-final-2026-11-22.json", base / "lce-issue23-H100-2026-11-23.json"
+    if not (old_p.exists() and new_p.exists()):
+        pytest.skip("recorded issue-23 result files not in this checkout")
+    c = compare.compare(compare.load(old_p), compare.load(new_p))
+    flagged = {(q["shape"], q["method"], q["metric"]) for q in c["regressions"] + c["noisy"]}
+    assert ("llama3.1-8b-16k", "logitless", "fwd") in flagged
+
+
 def test_different_suites_refused(old):
     other = copy.deepcopy(old)
     other["suite"] = "ce"

@@ -1,31 +1,25 @@
 """What the JAX bench scripts of benchmarks/gpu share: the median wall time of a jitted
-call, and running one case so that a failure is reported and the run goes on. Imported as
+call (``logitless_bench.jax_timing``'s, with src/ on PYTHONPATH as gpu_env puts it), and
+running one case so that a failure is reported and the run goes on. Imported as
 ``_jax_bench_common`` by a script run as ``python benchmarks/gpu/X.py`` (its folder is
 then on sys.path)."""
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 import traceback
+
+from logitless_bench.jax_timing import median_ms as _median_ms
 
 _after_case = None
 
 
 def median_ms(fn, *args, iters=5, warmup=1):
     """Median ms of ``jax.block_until_ready(fn(*args))`` over ``iters`` calls after
-    ``warmup`` calls (the first compiles); host wall time, calls back to back."""
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    ``warmup`` calls (the first compiles); host wall time, calls back to back
+    (``logitless_bench.jax_timing.median_ms``, the JAX suites' own)."""
+    return _median_ms(fn, args, warmup, iters)
 
 
 def after_each_case(save) -> None:

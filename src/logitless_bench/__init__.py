@@ -9,15 +9,25 @@ Where to look:
     reference.py  float64 references, chunked over tokens, for the error columns
     report.py     JSON / markdown files and the printed tables; plot.py: the PNG
     jax_suite.py  suite jax: the JAX op vs XLA with logits, tokamax, a GEMM (no torch needed)
+    jax_sharded.py  suite jax-sharded: the JAX op under NamedSharding on all local devices
+    jax_timing.py the JAX suites' (and benchmarks/gpu JAX scripts') median time and environment
+    compare.py    ``compare OLD.json NEW.json``: the regression report between two runs
 The lce shapes are in ``logitless/linear_cross_entropy/bench_shapes.py``.
 """
 
-try:
-    from .cli import main
-except ImportError as _exc:  # no torch: only ``--suite jax`` runs (see __main__.py)
-    if _exc.name != "torch":
-        raise
-    from .jax_suite import main
-    del _exc
+
+
+def main(argv=None) -> int:
+    """The command line (``cli.main``; without torch, ``jax_suite.main``: only the JAX
+    suites run). Imported on call, so that ``import logitless_bench.<module>`` (e.g.
+    ``jax_timing`` from a JAX-only script) does not import torch and the torch suites."""
+    try:
+        from .cli import main as cli_main
+    except ImportError as exc:  # no torch: only ``--suite jax`` / ``jax-sharded`` run
+        if exc.name != "torch":
+            raise
+        from .jax_suite import main as cli_main
+    return cli_main(argv)
+
 
 __all__ = ["main"]

@@ -12,10 +12,14 @@ them over the (shape, method) rows both measured with status "ok":
   rows: peers did not change between the runs, so their geomean is the drift of the
   machine, the figure to read ours against;
 - a per-shape (per-model) table, the top improvements, and every regression beyond
-  noise. **Noise**: a ratio counts as a regression when it exceeds
-  1 + max(--threshold (default 3%), the rows' own recorded spread (``*_spread``
-  keys: relative inter-quartile range, when the files have them), |peer drift - 1|
-  of that metric);
+  noise, judged for forward, backward and step each and listed per metric (a slower
+  forward hidden in an unchanged step is still a regression). **Noise**: a ratio
+  counts as a regression when it exceeds 1 + max(--threshold (default 3%), the rows'
+  own recorded spread (``*_spread`` keys: relative inter-quartile range, old + new,
+  when the files have them), |peer drift - 1| of that metric);
+- **too noisy to judge**: a metric whose recorded spread (old + new) is above
+  --max-spread (default 10%) and whose ratio is above 1 + max(threshold, drift) is
+  neither a regression nor "no regression": it is listed apart (measure it again);
 - correctness changes: a row ok -> failed/skipped (or back), and an error column
   (|loss - ref|, dx/dW/grad relative error) that grew by more than 2x and beyond a
   small floor;
@@ -23,7 +27,8 @@ them over the (shape, method) rows both measured with status "ok":
 
 The markdown is printed and written beside NEW.json as
 ``<new stem>.vs.<old stem>.md``. Exit status 0, or 1 with ``--fail-on-regression``
-when a regression or a correctness change is found.
+when a regression or a correctness change is found (with ``--fail-on-noisy`` also when
+a metric is too noisy to judge).
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ from pathlib import Path
 
 #: Relative change below which a ratio is never called a regression.
 DEFAULT_THRESHOLD = 0.03
+#: Recorded spread (old + new, relative) above which a slower ratio cannot be judged.
+DEFAULT_MAX_SPREAD = 0.10
 #: Error columns and the absolute floor below which their growth is not reported.
 ERROR_COLUMNS = {"loss_abs_err": 1e-5, "dx_rel_err": 1e-3, "dw_rel_err": 1e-3, "grad_rel_err": 1e-3}
 METRICS = ("fwd", "bwd", "step")
+METRIC_NAMES = {"fwd": "forward", "bwd": "backward", "step": "step (fwd+bwd)"}
 
 
 def _num(v):
@@ -87,8 +95,26 @@ def geomean(values) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
+def judge(ratio: float | None, spread: float, drift: float | None, threshold: float,
+          max_spread: float) -> tuple[str, float]:
+    """(verdict, noise) of one metric of one row: "regression" when ratio > 1 + noise,
+    noise = max(threshold, spread, |drift - 1|); "noisy" when it is not but the ratio is
+    above 1 + max(threshold, |drift - 1|) and the spread is above max_spread (a slowdown
+    the row's own spread can neither confirm nor rule out); else "ok" (or "-" without
+    a ratio)."""
+    machine = max(threshold, abs(drift - 1) if drift else 0.0)
+    noise = max(machine, spread)
+    if ratio is None:
+        return "-", noise
+    if ratio > 1 + noise:
+        return "regression", noise
+    if ratio > 1 + machine and spread > max_spread:
+        return "noisy", noise
+    return "ok", noise
+
+
 def compare(old: dict, new: dict, *, basis: str = "unit", threshold: float = DEFAULT_THRESHOLD,
-            top: int = 5) -> dict:
+            top: int = 5, max_spread: float = DEFAULT_MAX_SPREAD) -> dict:
     """The comparison as data (``render`` turns it into markdown)."""
     if old["suite"] != new["suite"]:
         raise SystemExit(f"different suites: {old['suite']} vs {new['suite']}")
@@ -117,16 +143,20 @@ def compare(old: dict, new: dict, *, basis: str = "unit", threshold: float = DEF
     geo = {m: gm(ours, m) for m in METRICS}
     drift = {m: gm(peers, m) for m in METRICS}
 
-    regressions = []
+    regressions, noisy = [], []
     for p in ours:
+        p["verdict"] = {}
         for m in METRICS:
             r = p["ratios"][m]
-            if r is None:
-                continue
-            noise = max(threshold, p["spread"][m], abs(drift[m] - 1) if drift[m] else 0.0)
-            if r > 1 + noise:
+            verdict, noise = judge(r, p["spread"][m], drift[m], threshold, max_spread)
+            p["verdict"][m] = verdict
+            if verdict == "regression":
                 regressions.append({**p, "metric": m, "ratio": r, "noise": noise})
+            elif verdict == "noisy":
+                noisy.append({**p, "metric": m, "ratio": r, "noise": noise})
     regressions.sort(key=lambda q: -q["ratio"])
+    noisy.sort(key=lambda q: -q["ratio"])
+    by_metric = {m: [q for q in regressions if q["metric"] == m] for m in METRICS}
     improvements = sorted((p for p in ours if p["ratios"]["step"] is not None), key=lambda q: q["ratios"]["step"])
     improvements = [p for p in improvements if p["ratios"]["step"] < 1 - threshold][:top]
 
@@ -156,11 +186,12 @@ def compare(old: dict, new: dict, *, basis: str = "unit", threshold: float = DEF
                 correctness.append({"shape": key[0], "method": key[1], "change": f"{col} {eo:.1e} -> {en:.1e}",
                                     "reason": ""})
     return {
-        "suite": new["suite"], "basis": basis, "threshold": threshold,
+        "suite": new["suite"], "basis": basis, "threshold": threshold, "max_spread": max_spread,
         "old": _describe(old), "new": _describe(new),
         "common": len(common), "compared": len(pairs), "ours": len(ours), "peers": len(peers),
         "geomean": geo, "drift": drift, "per_shape": shape_rows, "pairs": pairs,
-        "regressions": regressions, "improvements": improvements, "correctness": correctness,
+        "regressions": regressions, "regressions_by_metric": by_metric, "noisy": noisy,
+        "improvements": improvements, "correctness": correctness,
         "only_old": only_old, "only_new": only_new,
     }
 
@@ -196,7 +227,8 @@ def render(c: dict, old_path="OLD", new_path="NEW") -> str:
            f"- rows: {c['common']} in both, {c['compared']} ok in both ({c['ours']} logitless, {c['peers']} peers); "
            f"{len(c['only_old'])} only in old, {len(c['only_new'])} only in new",
            f"- noise: a ratio above 1 + max({100 * c['threshold']:.0f}%, the rows' recorded spread, "
-           f"the peers' drift) is a regression", "",
+           f"the peers' drift) is a regression; a slower ratio whose rows' spread is above "
+           f"{100 * c['max_spread']:.0f}% is too noisy to judge", "",
            "## Geomean (logitless rows)", ""]
     out += _table(["", "forward", "backward", "step (fwd+bwd)"],
                   [["logitless new/old", _r(g["fwd"]), _r(g["bwd"]), _r(g["step"])],
@@ -204,11 +236,26 @@ def render(c: dict, old_path="OLD", new_path="NEW") -> str:
     out += ["", "## Per model (geomean over logitless methods)", ""]
     out += _table(["shape", "methods", "forward", "backward", "step"],
                   [[s["shape"], s["methods"], _r(s["fwd"]), _r(s["bwd"]), _r(s["step"])] for s in c["per_shape"]])
-    out += ["", f"## Regressions beyond noise ({len(c['regressions'])})", ""]
-    if c["regressions"]:
-        out += _table(["shape", "method", "metric", "new/old", "noise"],
-                      [[q["shape"], q["method"], q["metric"], f"{_r(q['ratio'])} ({_pct(q['ratio'])})",
-                        f"{100 * q['noise']:.1f}%"] for q in c["regressions"]])
+    by_metric = c["regressions_by_metric"]
+    out += ["", f"## Regressions beyond noise ({len(c['regressions'])})", "",
+            "per metric: " + ", ".join(f"{METRIC_NAMES[m]} {len(by_metric[m])}" for m in METRICS), ""]
+    for m in METRICS:
+        if by_metric[m]:
+            out += [f"### {METRIC_NAMES[m]} ({len(by_metric[m])})", ""]
+            out += _table(["shape", "method", "new/old", "noise"],
+                          [[q["shape"], q["method"], f"{_r(q['ratio'])} ({_pct(q['ratio'])})",
+                            f"{100 * q['noise']:.1f}%"] for q in by_metric[m]])
+            out.append("")
+    if not c["regressions"]:
+        out.append("none beyond noise" + (f", but {len(c['noisy'])} slower metric(s) too noisy to judge (below)"
+                                          if c["noisy"] else ""))
+    out += ["", f"## Too noisy to judge ({len(c['noisy'])})", ""]
+    if c["noisy"]:
+        out += [f"Slower than 1 + max(threshold, drift) with a recorded spread (old + new) above "
+                f"{100 * c['max_spread']:.0f}%: neither a regression nor none; measure again.", ""]
+        out += _table(["shape", "method", "metric", "new/old", "spread (old + new)"],
+                      [[q["shape"], q["method"], METRIC_NAMES[q["metric"]], f"{_r(q['ratio'])} ({_pct(q['ratio'])})",
+                        f"{100 * q['spread'][q['metric']]:.1f}%"] for q in c["noisy"]])
     else:
         out.append("none")
     out += ["", "## Top improvements (step)", ""]
@@ -228,10 +275,12 @@ def render(c: dict, old_path="OLD", new_path="NEW") -> str:
         out += ["", "## Rows in one file only", ""]
         out += [f"- only old: {s} / {m}" for s, m in c["only_old"]]
         out += [f"- only new: {s} / {m}" for s, m in c["only_new"]]
-    out += ["", "## Every compared row", ""]
+    mark = {"regression": " !", "noisy": " ?"}
+    out += ["", "## Every compared row", "", "(! a regression, ? too noisy to judge)", ""]
     out += _table(["shape", "method", "forward", "backward", "step"],
-                  [[p["shape"], p["method"] + (" (peer)" if p["peer"] else ""), _r(p["ratios"]["fwd"]),
-                    _r(p["ratios"]["bwd"]), _r(p["ratios"]["step"])] for p in c["pairs"]])
+                  [[p["shape"], p["method"] + (" (peer)" if p["peer"] else "")]
+                   + [_r(p["ratios"][m]) + mark.get(p.get("verdict", {}).get(m), "") for m in METRICS]
+                   for p in c["pairs"]])
     return "\n".join(out) + "\n"
 
 
@@ -249,17 +298,25 @@ def main(argv=None) -> int:
                    help="compare ratios to the run's own unit (default) or raw milliseconds")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
                    help="relative change below which nothing is a regression (default %(default)s)")
+    p.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
+                   help="recorded spread (old + new) above which a slower ratio is too noisy to judge "
+                        "(default %(default)s)")
     p.add_argument("--top", type=int, default=5, help="improvements listed (default %(default)s)")
     p.add_argument("--out", help="markdown path (default: <new stem>.vs.<old stem>.md beside NEW)")
     p.add_argument("--fail-on-regression", action="store_true",
                    help="exit 1 when a regression or a correctness change is found")
+    p.add_argument("--fail-on-noisy", action="store_true",
+                   help="exit 1 also when a slower metric is too noisy to judge")
     args = p.parse_args(argv)
-    c = compare(load(args.old), load(args.new), basis=args.basis, threshold=args.threshold, top=args.top)
+    c = compare(load(args.old), load(args.new), basis=args.basis, threshold=args.threshold, top=args.top,
+                max_spread=args.max_spread)
     text = render(c, args.old, args.new)
     print(text)
     path = Path(args.out) if args.out else output_path(args.new, args.old)
     path.write_text(text)
     print(f"wrote {path}")
     if args.fail_on_regression and (c["regressions"] or c["correctness"]):
+        return 1
+    if args.fail_on_noisy and c["noisy"]:
         return 1
     return 0

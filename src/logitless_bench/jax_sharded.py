@@ -35,13 +35,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
-import statistics
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from .jax_timing import environment as jax_environment
+from .jax_timing import median_ms as _median_ms
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -76,19 +77,6 @@ def build_parser():
     return p
 
 
-def _median_ms(fn, args, warmup, reps):
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 _COLL = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
                    r"reduce-scatter)(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
@@ -115,18 +103,8 @@ def _fmt_coll(c: dict) -> str:
 
 def environment(argv):
     import jax
-    import jaxlib
 
-    devs = jax.devices()
-    dev = devs[0]
-    return {
-        "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
-        "devices": len(devs), "platform": dev.platform,
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m logitless_bench " + " ".join(argv),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
+    return {**jax_environment(argv), "devices": len(jax.devices()), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _loss_fn(method):
@@ -218,13 +196,6 @@ def save(data, out_dir):
     return paths
 
 
-def _is_sm90():
-    import jax
-
-    d = jax.devices()[0]
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
-
-
 def run(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -234,6 +205,8 @@ def run(argv=None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from logitless.jax.ops.common.choice import is_sm90
+
     t_start = time.perf_counter()
     cpu = args.cpu or jax.devices()[0].platform == "cpu"
     base = CPU_SHAPE if cpu else DEFAULT_SHAPE
@@ -241,7 +214,7 @@ def run(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     # Default: the automatic choice only where it is not already one of the others.
     methods = args.methods.split(",") if args.methods else (
-        ["xla-logits", "logitless-xla", "logitless-mosaic"] if _is_sm90() else ["xla-logits", "logitless-xla",
+        ["xla-logits", "logitless-xla", "logitless-mosaic"] if is_sm90() else ["xla-logits", "logitless-xla",
                                                                                "logitless"])
     modes = [m for m in args.modes.split(",") if m]
     ndev = len(jax.devices())

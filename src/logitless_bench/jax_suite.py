@@ -28,15 +28,15 @@ written. Compile times are printed per method (column "compile s": fwd + fwd+bwd
 from __future__ import annotations
 
 import argparse
-import datetime
 import fnmatch
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from .jax_timing import environment as jax_environment
+from .jax_timing import median_ms as _median_ms
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -98,19 +98,6 @@ def build_parser():
     return p
 
 
-def _median_ms(fn, args, warmup, reps):
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _tokamax():
     try:
         from tokamax._src.ops.linear_softmax_cross_entropy_loss import api as tk
@@ -138,8 +125,8 @@ def _loss_fns(method):
                 from logitless.jax.ops.linear_cross_entropy import mosaic_gpu  # noqa: F401
             except ImportError as exc:
                 raise Skip(f"mosaic_gpu backend not importable ({type(exc).__name__})") from exc
-            from logitless.jax.ops.linear_cross_entropy.api import _is_sm90
-            if not _is_sm90():
+            from logitless.jax.ops.common.choice import is_sm90
+            if not is_sm90():
                 raise Skip("mosaic_gpu needs an SM90 GPU")
         return (lambda x, w, wt, t: linear_cross_entropy(x, w, t, implementation=impl),
                 lambda x, w, wt, t: linear_cross_entropy(x, w, t, reduction="none", implementation=impl))
@@ -200,7 +187,6 @@ def _shapes(cpu, names, quick):
 
 def environment(argv):
     import jax
-    import jaxlib
 
     dev = jax.devices()[0]
     peers = {}
@@ -209,16 +195,8 @@ def environment(argv):
             peers[mod] = __import__(mod).__version__
         except Exception:
             pass
-    return {
-        "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
-        "platform": dev.platform,
-        "compute_capability": str(getattr(dev, "compute_capability", "")),
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-        "python": platform.python_version(),
-        "peers": peers,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m logitless_bench " + " ".join(argv),
-    }
+    return {**jax_environment(argv), "compute_capability": str(getattr(dev, "compute_capability", "")),
+            "peers": peers}
 
 
 COLUMNS = ("shape", "method", "fwd ms", "fwd+bwd ms", "fwd/1 GEMM", "f+b/3 GEMMs", "temp MiB",

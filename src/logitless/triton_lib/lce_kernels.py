@@ -123,10 +123,6 @@ def dlogits_kernel(
     FLATTEN pipelines that loop with the loop over H. W_CHUNK: w_ptr holds W's rows
     [v_start, v_end) only (e.g. rounded to TF32 into a scratch buffer).
     """
-    if W_CHUNK:
-        w_row0 = v_start
-    else:
-        w_row0 = 0
     row_blocks = tl.cdiv(N, BLOCK_N)
     col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     # One tile per program, or (persistent: fewer programs than tiles) a pipelined loop
@@ -135,7 +131,7 @@ def dlogits_kernel(
         pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z = recomputed_tile(
             tile, x_ptr, w_ptr, b_ptr, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
             v_start, v_end, softcap, row_blocks, col_blocks, group_n,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, W_CHUNK,
         )
         lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
         p = tl.exp(z - lse[:, None])

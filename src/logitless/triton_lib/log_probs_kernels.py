@@ -102,17 +102,13 @@ def logp_dlogits_kernel(
     dz = p (A + C log p) - B [j == t] (times the soft-cap factor). Traffic: the GEMM's
     reads plus one write of the chunk. Persistent when there are fewer programs than tiles.
     W_CHUNK: w_ptr holds W's rows [v_start, v_end) only (e.g. rounded to TF32)."""
-    if W_CHUNK:
-        w_row0 = v_start
-    else:
-        w_row0 = 0
     row_blocks = tl.cdiv(N, BLOCK_N)
     col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
         pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, z = recomputed_tile(
             tile, x_ptr, w_ptr, b_ptr, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
             v_start, v_end, softcap, row_blocks, col_blocks, group_n,
-            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
+            HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, W_CHUNK,
         )
         lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
         logp = z * inv_temp - lse[:, None]

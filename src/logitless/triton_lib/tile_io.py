@@ -49,12 +49,18 @@ def recomputed_tile(
     v_start, v_end, softcap, row_blocks, col_blocks, group_n,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    w_row0=0,
+    W_CHUNK: tl.constexpr = False,
 ):
     """Tile ``tile`` of the chunk of columns [v_start, v_end) (``grouped_tile`` order,
     ``group_n`` row blocks at a time): (pid_n, pid_v, offs_n, offs_v, row_ok, col_ok,
     z) with z the (BLOCK_N, BLOCK_V) fp32 logits (soft-capped with HAS_SOFTCAP).
-    ``w_row0``: w_ptr holds W from that column on (``gemm.logits_tile``)."""
+    W_CHUNK: w_ptr holds W's rows [v_start, v_end) only (e.g. rounded to TF32 into a
+    scratch buffer), so W is read from column v_start on (``gemm.logits_tile``'s
+    ``w_row0``); without it w_ptr is all of W (the offset compiles away)."""
+    if W_CHUNK:
+        w_row0 = v_start
+    else:
+        w_row0 = 0
     pid_n, pid_v = grouped_tile(tile, row_blocks, col_blocks, group_n)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)

@@ -55,17 +55,16 @@ def check_class_vector(name: str, t: Optional[Tensor], num_classes: int) -> None
         raise ValueError(f"{name} must have shape ({num_classes},), got {tuple(t.shape)}")
 
 
-def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int) -> None:
-    """Raise on a target outside [0, num_classes) that is not ignore_index (CPU only)."""
+def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int, name: str = "target") -> None:
+    """ValueError (naming ``name``: "target", "tokens") for a class index outside
+    [0, num_classes) that is not ignore_index. CPU tensors only: on a GPU the check
+    would be a host sync (the token's outputs are NaN there, as the ops document)."""
     if target.device.type != "cpu" or target.numel() == 0:
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
     if bool(bad.any()):
         value = int(target[bad][0])
-        raise ValueError(
-            f"target contains {value}, outside [0, {num_classes}) and not "
-            f"ignore_index={ignore_index}"
-        )
+        raise ValueError(f"{name} contains {value}, outside [0, {num_classes}) and not ignore_index={ignore_index}")
 
 
 def _dtensor_type():

@@ -17,7 +17,7 @@ same defaults (inductor drops defaulted arguments from the calls it emits).
 for the backward and the plan that laid them out (``NOTHING_KEPT``-shaped dummies and
 an empty plan when none): the first backward consumes them in place, a second one
 (retain_graph=True) recomputes. Implementations run eagerly (also under torch.compile,
-which sees only the fakes), so the CPU token-range check (``token_checks``) lives in
+which sees only the fakes), so the CPU token-range check (``validate.check_targets_in_range``) lives in
 them. Double backward raises.
 """
 
@@ -43,9 +43,8 @@ from logitless.ops.common.autograd import (
 )
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
+from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions, VocabParallelOptions
-
-from .token_checks import check_tokens_in_range
 
 OP = "linear_log_probs"
 
@@ -74,7 +73,7 @@ def _forward(
     sd = compute_dtype(x.dtype)
     kept = None
     if not tp.parallel:
-        check_tokens_in_range(tokens, v, ignore_index)
+        check_targets_in_range(tokens, v, ignore_index, name="tokens")
     with no_autocast(x.device):
         if tp.parallel:
             from . import vocab_parallel

@@ -32,9 +32,8 @@ from torch import Tensor
 from logitless.distributed import all_reduce_, merge_online, vocab_shard
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import LogProbStats, finish, grad_coefficients, partials_of, token_outputs
+from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions, VocabParallelOptions
-
-from .token_checks import check_tokens_in_range
 
 
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
@@ -42,7 +41,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     """(logp, entropy or None, lse, kept or None): the custom op's forward under TP."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     v = shard.vocab_size
-    check_tokens_in_range(tokens, v, opts.ignore_index)
+    check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
     n = x.shape[0]
     sd = compute_dtype(x.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)

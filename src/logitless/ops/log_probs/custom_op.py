@@ -22,20 +22,10 @@ from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import custom_op, guard_double_backward, named, under_forward_overrides
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
 
 OP = "log_probs"
-
-
-def check_tokens_in_range(tokens: Tensor, num_classes: int, ignore_index: int) -> None:
-    """ValueError for a token outside [0, V) that is not ignore_index (CPU tensors only:
-    on a GPU the check would be a host sync; the token's outputs are NaN there)."""
-    if tokens.device.type != "cpu" or tokens.numel() == 0:
-        return
-    bad = (tokens != ignore_index) & ((tokens < 0) | (tokens >= num_classes))
-    if bool(bad.any()):
-        raise ValueError(f"tokens contains {int(tokens[bad][0])}, outside [0, {num_classes}) and not "
-                         f"ignore_index={ignore_index}")
 
 
 def _forward(logits: Tensor, tokens: Tensor, temperature: float, entropy: bool, softcap: Optional[float],
@@ -43,7 +33,7 @@ def _forward(logits: Tensor, tokens: Tensor, temperature: float, entropy: bool, 
     """logits (N, V), tokens (N,) int64 -> logp (N,), entropy (N,) or (0,), lse (N,)."""
     opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
     n, v = logits.shape
-    check_tokens_in_range(tokens, v, ignore_index)
+    check_targets_in_range(tokens, v, ignore_index, name="tokens")
     sd = compute_dtype(logits.dtype)
     if n == 0:
         empty = logits.new_empty(0, dtype=sd)

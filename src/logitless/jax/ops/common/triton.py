@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from logitless.jax.ops.common.chunks import chunk_loop
 from logitless.jax.planning import TritonPlan, triton_plan
 
 F32 = jnp.float32
@@ -166,8 +167,7 @@ def chunked_gradients(x2d, w, bias, chunk: int, dz_of, *, weight_layout: str = "
     n, h = x2d.shape
     vaxis = 0 if weight_layout == "vh" else 1
     vocab = w.shape[vaxis]
-    n_full, tail = divmod(vocab, chunk)
-    one_chunk = n_full == 1 and tail == 0
+    one_chunk = vocab == chunk
 
     def step(v0, width, carry):
         dx, dw, db = carry
@@ -194,11 +194,5 @@ def chunked_gradients(x2d, w, bias, chunk: int, dz_of, *, weight_layout: str = "
     carry = (jnp.zeros((n, h), F32), dw0, db0)
     if carry_type is not None:
         carry = carry_type(carry)
-    if n_full == 1:
-        carry = step(0, chunk, carry)
-    elif n_full > 1:
-        carry = lax.fori_loop(0, n_full, lambda i, c: step(i * chunk, chunk, c), carry)
-    if tail:
-        carry = step(n_full * chunk, tail, carry)
-    dx, dw, db = carry
+    dx, dw, db = chunk_loop(vocab, chunk, step, carry)
     return dx.astype(x2d.dtype), dw, db

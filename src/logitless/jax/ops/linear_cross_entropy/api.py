@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import formulas as lm
-from logitless.jax.ops.common.validate import check_float
+from logitless.jax.ops.common.validate import check_float, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
 from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -259,35 +259,9 @@ def linear_cross_entropy(
         raise ValueError("class_weight is not supported with vocab_axis_name (a vocabulary split inside "
                          "shard_map); pass the whole weight or no class weights")
     budget = check_memory_budget(memory_budget)
-    check_float("x", x)
-    check_float("weight", weight)
-    if weight_layout not in ("vh", "hv"):
-        raise ValueError(f'weight_layout must be "vh" (V, H) or "hv" (H, V), got {weight_layout!r}')
-    if x.ndim < 1:
-        raise ValueError("x must have at least one dimension (..., H)")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
-    local_classes, hidden = weight.shape if weight_layout == "vh" else weight.shape[::-1]
-    num_classes = local_classes * sharded.axis_size(vocab_axes)
-    if num_classes == 0:
-        raise ValueError("weight has no classes: the vocabulary is empty")
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} "
-                         f"(weight_layout={weight_layout!r})")
-    if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
-        raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
-    if not hasattr(target, "dtype") or not jnp.issubdtype(target.dtype, jnp.integer):
-        raise TypeError(f"target must be an integer array, got {getattr(target, 'dtype', type(target).__name__)}")
-    if tuple(target.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(x.shape[:-1])} "
-                         "(the leading dimensions of x)")
-    if bias is not None:
-        check_float("bias", bias)
-        if tuple(bias.shape) != (local_classes,):
-            raise ValueError(f"bias must have shape ({local_classes},), got {tuple(bias.shape)}")
-        if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
-            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is "
-                            f"{jnp.dtype(weight.dtype).name}; they must match")
+    local_classes, num_classes, hidden = check_linear_inputs(
+        x, weight, target, bias, labels_name="target", weight_layout=weight_layout,
+        vocab_shards=sharded.axis_size(vocab_axes))
     if class_weight is not None:
         check_float("class_weight", class_weight)
         if tuple(class_weight.shape) != (num_classes,):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.formulas import dlogits, softcap_logits
+from logitless.jax.ops.common.chunks import chunk_loop, put, take
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 from logitless.jax.planning import xla_plan
 
@@ -37,19 +38,6 @@ _F32 = jnp.float32
 NATIVE_HV = True
 #: forward and backward accept ``class_weight=`` (a (V,) array, w_c in the formulas).
 CLASS_WEIGHTS = True
-
-
-def _loop(total: int, size: int, body, carry):
-    """Run ``body(start, size, carry)`` over [0, total) in steps of ``size``: a fori_loop
-    over the full steps, then one statically shaped step for the remainder."""
-    n_full, tail = divmod(total, size)
-    if n_full == 1:
-        carry = body(0, size, carry)
-    elif n_full > 1:
-        carry = lax.fori_loop(0, n_full, lambda i, c: body(i * size, size, c), carry)
-    if tail:
-        carry = body(n_full * size, tail, carry)
-    return carry
 
 
 #: Contracting dimensions of the three GEMMs by weight layout (a w tile is (v, H) for
@@ -66,14 +54,6 @@ def _logits(x, w, b, softcap, layout="vh"):
     if b is not None:
         z = z + b.astype(_F32)[None, :]
     return softcap_logits(z, softcap)
-
-
-def _slice(a, start, size, axis=0):
-    return lax.dynamic_slice_in_dim(a, start, size, axis)
-
-
-def _update(a, part, start, axis=0):
-    return lax.dynamic_update_slice_in_dim(a, part, start, axis)
 
 
 def _varying_like(carry, *refs):
@@ -100,26 +80,26 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
     target = target.astype(jnp.int32)
 
     def col_step(c0, vc, carry):
-        wj = _slice(w, c0, vc, vaxis)
-        bj = None if bias is None else _slice(bias, c0, vc)
-        cwj = None if class_weight is None else _slice(class_weight, c0, vc).astype(_F32)
+        wj = take(w, c0, vc, vaxis)
+        bj = None if bias is None else take(bias, c0, vc)
+        cwj = None if class_weight is None else take(class_weight, c0, vc).astype(_F32)
         cols = c0 + jnp.arange(vc, dtype=jnp.int32)
 
         def row_step(r0, nr, carry):
             lse, zt, ss = carry
-            z = _logits(_slice(x2d, r0, nr), wj, bj, softcap, weight_layout)
+            z = _logits(take(x2d, r0, nr), wj, bj, softcap, weight_layout)
             m = jnp.max(z, axis=1)
             m = jnp.where(m == -jnp.inf, 0.0, m)  # all -inf: lse -inf; +inf: NaN
             chunk_lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=1))
-            hit = cols[None, :] == _slice(target, r0, nr)[:, None]
-            lse = _update(lse, jnp.logaddexp(_slice(lse, r0, nr), chunk_lse), r0)
-            zt = _update(zt, _slice(zt, r0, nr) + jnp.sum(jnp.where(hit, z, 0.0), axis=1), r0)
+            hit = cols[None, :] == take(target, r0, nr)[:, None]
+            lse = put(lse, jnp.logaddexp(take(lse, r0, nr), chunk_lse), r0)
+            zt = put(zt, take(zt, r0, nr) + jnp.sum(jnp.where(hit, z, 0.0), axis=1), r0)
             if ss is not None:
                 zw = z if cwj is None else z * cwj[None, :]
-                ss = _update(ss, _slice(ss, r0, nr) + jnp.sum(zw, axis=1), r0)
+                ss = put(ss, take(ss, r0, nr) + jnp.sum(zw, axis=1), r0)
             return lse, zt, ss
 
-        return _loop(n, plan.token_chunk, row_step, carry)
+        return chunk_loop(n, plan.token_chunk, row_step, carry)
 
     init = (
         jnp.full((n,), -jnp.inf, _F32),
@@ -127,7 +107,7 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
         jnp.zeros((n,), _F32) if need_smooth else None,
     )
     init = _varying_like(init, x2d, w, bias, target)
-    return _loop(vocab, plan.vocab_chunk, col_step, init)
+    return chunk_loop(vocab, plan.vocab_chunk, col_step, init)
 
 
 def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
@@ -141,19 +121,19 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
 
     def col_step(c0, vc, carry):
         dx, dw, db = carry
-        wj = _slice(w, c0, vc, vaxis)
-        bj = None if bias is None else _slice(bias, c0, vc)
-        cwj = None if class_weight is None else _slice(class_weight, c0, vc)
+        wj = take(w, c0, vc, vaxis)
+        bj = None if bias is None else take(bias, c0, vc)
+        cwj = None if class_weight is None else take(class_weight, c0, vc)
 
         def row_step(r0, nr, carry):
             dx, dwj, dbj = carry
-            xr = _slice(x2d, r0, nr)
+            xr = take(x2d, r0, nr)
             z = _logits(xr, wj, bj, softcap, weight_layout)
-            dz = dlogits(z, _slice(lse, r0, nr), _slice(coef, r0, nr, axis=1),
-                         _slice(target, r0, nr), c0, softcap, cwj)
+            dz = dlogits(z, take(lse, r0, nr), take(coef, r0, nr, axis=1),
+                         take(target, r0, nr), c0, softcap, cwj)
             dzl = dz.astype(x2d.dtype)
             dxr = lax.dot_general(dzl, wj, _DX_DIMS[weight_layout], preferred_element_type=_F32)
-            dx = _update(dx, _slice(dx, r0, nr) + dxr, r0)
+            dx = put(dx, take(dx, r0, nr) + dxr, r0)
             if weight_layout == "vh":
                 dwj = dwj + lax.dot_general(dzl, xr, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
             else:
@@ -165,10 +145,10 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
         dwj = jnp.zeros((vc, h) if weight_layout == "vh" else (h, vc), _F32)
         dbj = None if db is None else jnp.zeros((vc,), _F32)
         dwj, dbj = _varying_like((dwj, dbj), x2d, w, bias, target, lse, coef)
-        dx, dwj, dbj = _loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
-        dw = _update(dw, dwj.astype(w.dtype), c0, vaxis)
+        dx, dwj, dbj = chunk_loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
+        dw = put(dw, dwj.astype(w.dtype), c0, vaxis)
         if db is not None:
-            db = _update(db, dbj.astype(db.dtype), c0)
+            db = put(db, dbj.astype(db.dtype), c0)
         return dx, dw, db
 
     init = (
@@ -177,5 +157,5 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
         None if bias is None else jnp.zeros(bias.shape, bias.dtype),
     )
     init = _varying_like(init, x2d, w, bias, target, lse, coef)
-    dx, dw, db = _loop(vocab, plan.vocab_chunk, col_step, init)
+    dx, dw, db = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
     return dx.astype(x2d.dtype), dw, db

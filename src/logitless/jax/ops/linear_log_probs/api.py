@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax import log_probs_formulas as lpf
-from logitless.jax.ops.common.validate import check_float
+from logitless.jax.ops.common.validate import check_linear_inputs
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -127,31 +127,7 @@ def linear_log_probs(
     budget = check_memory_budget(memory_budget)
     if implementation is not None:
         backend_module(implementation)
-    check_float("x", x)
-    check_float("weight", weight)
-    if x.ndim < 1:
-        raise ValueError("x must have at least one dimension (..., H)")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must be 2-D (V, H), got shape {tuple(weight.shape)}")
-    num_classes, hidden = weight.shape
-    if num_classes == 0:
-        raise ValueError("weight has no rows: the vocabulary is empty")
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
-    if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
-        raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
-    if not hasattr(tokens, "dtype") or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be an integer array, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
-    if tuple(tokens.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(x.shape[:-1])} "
-                         "(the leading dimensions of x)")
-    if bias is not None:
-        check_float("bias", bias)
-        if tuple(bias.shape) != (num_classes,):
-            raise ValueError(f"bias must have shape ({num_classes},), got {tuple(bias.shape)}")
-        if jnp.dtype(bias.dtype) != jnp.dtype(weight.dtype):
-            raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; "
-                            "they must match")
+    _, num_classes, hidden = check_linear_inputs(x, weight, tokens, bias, labels_name="tokens")
 
     out_shape = tuple(tokens.shape)
     x2d = jnp.reshape(x, (-1, hidden))

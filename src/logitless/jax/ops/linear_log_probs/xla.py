@@ -25,33 +25,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.ops.common.chunks import chunk_loop, put, take
 from logitless.jax.planning import xla_plan
 from logitless.options import LogProbOptions
 
 _Z_DIMS = (((1,), (1,)), ((), ()))   # x @ w^T
 _DX_DIMS = (((1,), (0,)), ((), ()))  # dz @ w
 _DW_DIMS = (((0,), (0,)), ((), ()))  # dz^T @ x
-
-
-def _loop(total: int, size: int, body, carry):
-    """``body(start, size, carry)`` over [0, total) in steps of ``size``: a fori_loop
-    over the full steps, then one statically shaped step for the remainder."""
-    n_full, tail = divmod(total, size)
-    if n_full == 1:
-        carry = body(0, size, carry)
-    elif n_full > 1:
-        carry = lax.fori_loop(0, n_full, lambda i, c: body(i * size, size, c), carry)
-    if tail:
-        carry = body(n_full * size, tail, carry)
-    return carry
-
-
-def _slice(a, start, size, axis=0):
-    return lax.dynamic_slice_in_dim(a, start, size, axis)
-
-
-def _update(a, part, start, axis=0):
-    return lax.dynamic_update_slice_in_dim(a, part, start, axis)
 
 
 def _scaled(x, w, b, opts):
@@ -75,27 +55,27 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int):
     tokens = tokens.astype(jnp.int32)
 
     def col_step(c0, vc, carry):
-        wj = _slice(w, c0, vc)
-        bj = None if bias is None else _slice(bias, c0, vc)
+        wj = take(w, c0, vc)
+        bj = None if bias is None else take(bias, c0, vc)
         cols = c0 + jnp.arange(vc, dtype=jnp.int32)
 
         def row_step(r0, nr, carry):
             m, s, u, at = carry
-            a = _scaled(_slice(x2d, r0, nr), wj, bj, opts)
-            hit = cols[None, :] == _slice(tokens, r0, nr)[:, None]
-            at = _update(at, _slice(at, r0, nr) + jnp.sum(jnp.where(hit, a, 0.0), axis=1), r0)
-            mr, sr, ur = lpf.online_update(a, _slice(m, r0, nr), _slice(s, r0, nr),
-                                           None if u is None else _slice(u, r0, nr))
-            m, s = _update(m, mr, r0), _update(s, sr, r0)
+            a = _scaled(take(x2d, r0, nr), wj, bj, opts)
+            hit = cols[None, :] == take(tokens, r0, nr)[:, None]
+            at = put(at, take(at, r0, nr) + jnp.sum(jnp.where(hit, a, 0.0), axis=1), r0)
+            mr, sr, ur = lpf.online_update(a, take(m, r0, nr), take(s, r0, nr),
+                                           None if u is None else take(u, r0, nr))
+            m, s = put(m, mr, r0), put(s, sr, r0)
             if u is not None:
-                u = _update(u, ur, r0)
+                u = put(u, ur, r0)
             return m, s, u, at
 
-        return _loop(n, plan.token_chunk, row_step, carry)
+        return chunk_loop(n, plan.token_chunk, row_step, carry)
 
     init = (jnp.full((n,), -jnp.inf, cdt), jnp.zeros((n,), cdt),
             jnp.zeros((n,), cdt) if opts.entropy else None, jnp.zeros((n,), cdt))
-    m, s, u, at = _loop(vocab, plan.vocab_chunk, col_step, init)
+    m, s, u, at = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
     lse, ent = lpf.finish(m, s, u)
     return lse, at, ent
 
@@ -109,17 +89,17 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: i
 
     def col_step(c0, vc, carry):
         dx, dw, db = carry
-        wj = _slice(w, c0, vc)
-        bj = None if bias is None else _slice(bias, c0, vc)
+        wj = take(w, c0, vc)
+        bj = None if bias is None else take(bias, c0, vc)
 
         def row_step(r0, nr, carry):
             dx, dwj, dbj = carry
-            xr = _slice(x2d, r0, nr)
+            xr = take(x2d, r0, nr)
             a = _scaled(xr, wj, bj, opts)
-            dz = lpf.dlogits(a, _slice(lse, r0, nr), _slice(coef, r0, nr, axis=1),
-                             _slice(tokens, r0, nr), c0, opts)
+            dz = lpf.dlogits(a, take(lse, r0, nr), take(coef, r0, nr, axis=1),
+                             take(tokens, r0, nr), c0, opts)
             dzl = dz.astype(x2d.dtype)
-            dx = _update(dx, _slice(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS, preferred_element_type=cdt), r0)
+            dx = put(dx, take(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS, preferred_element_type=cdt), r0)
             dwj = dwj + lax.dot_general(dzl, xr, _DW_DIMS, preferred_element_type=cdt)
             if dbj is not None:
                 dbj = dbj + jnp.sum(dz, axis=0)
@@ -127,13 +107,13 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: i
 
         dwj = jnp.zeros((vc, h), cdt)
         dbj = None if db is None else jnp.zeros((vc,), cdt)
-        dx, dwj, dbj = _loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
-        dw = _update(dw, dwj.astype(w.dtype), c0)
+        dx, dwj, dbj = chunk_loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
+        dw = put(dw, dwj.astype(w.dtype), c0)
         if db is not None:
-            db = _update(db, dbj.astype(db.dtype), c0)
+            db = put(db, dbj.astype(db.dtype), c0)
         return dx, dw, db
 
     init = (jnp.zeros((n, h), cdt), jnp.zeros(w.shape, w.dtype),
             None if bias is None else jnp.zeros(bias.shape, bias.dtype))
-    dx, dw, db = _loop(vocab, plan.vocab_chunk, col_step, init)
+    dx, dw, db = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
     return dx.astype(x2d.dtype), dw, db
