@@ -185,7 +185,13 @@ def test_fused_loss_epilogue_matches_the_formulas(case, reduction, n):
     strided = torch.zeros(6, n + 5, device=DEVICE)[:, 2:n + 2]  # columns of a larger statistics tensor
     strided.copy_(stats)
     again = forward_loss(strided, target, v, opts, reduction)
-    assert torch.equal(again.isnan(), ours.isnan()) and torch.equal(again[~again.isnan()], ours[~ours.isnan()])
+    assert torch.equal(again.isnan(), ours.isnan())
+    if reduction == "none":  # per token: bitwise
+        assert torch.equal(again[~again.isnan()], ours[~ours.isnan()])
+    elif not exact.isnan():  # a sum: on a GPU the load layout (so the order of the sum) may
+        # follow the strides' alignment; within the same bound as the contiguous call
+        tol = 4 * torch.finfo(torch.float32).eps * max(1.0, float(exact.abs()))
+        assert abs(float(again) - float(exact)) <= abs(float(spec) - float(exact)) + tol
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
