@@ -60,9 +60,8 @@ def eager_fast_path_ok(inputs: tuple) -> bool:
     plain tensors, outside torch.compile, dispatch modes (FakeTensor, tracing, the tests'
     recorders), functorch transforms and tensor subclasses (DTensor...), and not turned
     off (``overrides.override(eager_fast_path=False)``)."""
-    from logitless.planning.overrides import current
-
-    if torch.compiler.is_compiling() or not current().eager_fast_path:  # (compiling first: dynamo stops there)
+    # (compiling first: dynamo stops there)
+    if torch.compiler.is_compiling() or not _overrides.current().eager_fast_path:
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
@@ -102,6 +101,8 @@ def below_autograd(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # (a plain backward: grad mode is off already)
+            return fn(*args, **kwargs)
         with torch.no_grad():
             return fn(*args, **kwargs)
 
@@ -143,6 +144,8 @@ def under_forward_overrides(setup_context: Callable, backward: Callable) -> tupl
 
     @functools.wraps(backward)
     def run(ctx, *grads):
+        if _overrides.current() is ctx.overrides:  # the forward's thread or no override at all
+            return backward(ctx, *grads)
         with _overrides.restored(ctx.overrides):
             return backward(ctx, *grads)
 
@@ -185,8 +188,7 @@ def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Opti
     """The (dx, dw, db) outputs of a backward custom op: each gradient where needed, else
     a size-0 tensor of x's dtype and device (distinct ones: a custom op's outputs may
     not alias each other)."""
-    nothing = x.new_empty(0)
-    return (dx if need_dx else nothing, dw if need_dw else nothing.clone(), db if need_db else nothing.clone())
+    return (dx if need_dx else x.new_empty(0), dw if need_dw else x.new_empty(0), db if need_db else x.new_empty(0))
 
 
 def fake_grad_outputs(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_dx: bool, need_dw: bool,
