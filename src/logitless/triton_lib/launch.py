@@ -1,6 +1,8 @@
 """Torch-side helpers of the Triton kernels, shared by every op's Triton backend.
 
     tf32_allowed / dot_precision   fp32 operands follow torch's matmul precision
+    run_kernel                     kernel[grid](...) with Triton's per-launch argument
+                                   binding done once per launch key (``launch_key``)
     launch_kernel                  a launch that retries with fewer pipeline stages
                                    where the tiles do not fit the shared memory
     operands                       TMA tensor descriptors of x and W (or the tensors)
@@ -29,14 +31,18 @@ calls, allocations, launches per forward+backward; ``tests/test_host_overhead.py
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import inspect
 import os
 from typing import Optional
 
 import torch
 from torch import Tensor
+from triton import knobs
 from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logitless.planning import plans as _plans
@@ -85,6 +91,97 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # ignored for 16-bit inputs
 
 
+# ------------------------------------------------- launches without Triton's per-call binding
+
+#: LOGITLESS_FAST_LAUNCH=0 (read at import) sends every launch through ``kernel[grid]``.
+FAST_LAUNCH = os.environ.get("LOGITLESS_FAST_LAUNCH", "1") != "0"
+#: Launches by path ("fast": a cached compiled kernel, "triton": ``kernel[grid]``), for
+#: tests and probes; no other use.
+LAUNCHES: collections.Counter = collections.Counter()
+#: launch_key(...) -> (compiled kernel, (name, default) of the parameters after the
+#: positional arguments). Bounded: cleared past ``MAX_FAST_ENTRIES``.
+_FAST: dict = {}
+MAX_FAST_ENTRIES = 4096
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+def _arg_key(a):
+    """What Triton's specialisation of one kernel argument can depend on, or more: an
+    int's value (Triton: 1, multiple of 16, 32/64-bit), a tensor's dtype and 16-byte
+    alignment, a TMA descriptor's dtype, block shape and padding; floats are never
+    specialised (their type only); bools, strings and None as themselves (bools tagged:
+    True == 1 in a dict key). Anything else raises TypeError (then no fast path)."""
+    t = type(a)
+    if t is int or t is str or a is None:
+        return a
+    if t is float:
+        return float
+    if t is bool:
+        return (bool, a)
+    if t is TensorDescriptor:
+        return (TensorDescriptor, a.base.dtype, tuple(a.block_shape), a.padding)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    raise TypeError(f"no launch key for {t.__name__}")
+
+
+def launch_key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
+    """The key under which ``run_kernel`` reuses a compiled kernel: equal keys imply the
+    same Triton specialisation and options (``tests/test_host_overhead.py`` checks this
+    against Triton's own binder), so the cached kernel is the one ``kernel[grid]`` would
+    pick. Keyword values (constexprs, num_warps, ...) are keyed as arguments."""
+    return (id(kernel), device, *[_arg_key(a) for a in args],
+            *[(k, _arg_key(v)) for k, v in kwargs.items()])
+
+
+def bound_values(args: tuple, kwargs: dict, tail: tuple) -> tuple:
+    """Every parameter's value in signature order, as ``JITFunction.run`` passes its bound
+    arguments to the launcher (constexprs included: the launcher skips them): ``args``,
+    then for each (name, default) of ``tail`` (the later parameters) its keyword value
+    or default."""
+    return (*args, *[kwargs[name] if name in kwargs else default for name, default in tail])
+
+
+def run_kernel(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``: the same compiled kernel, launched the same way
+    (Triton's launcher: tensor-map descriptors filled, launch hooks called, on the
+    current stream, so CUDA-graph capture works as before), without the per-launch
+    argument binding and cache-key string of ``JITFunction.run`` (its binder costs ~65
+    us for a 40-argument kernel on the CPU of the development machine). The first
+    launch of each ``launch_key`` goes through ``kernel[grid]`` (compiling if needed)
+    and keeps the compiled kernel; later ones call it directly. The interpreter
+    (TRITON_INTERPRET=1) and LOGITLESS_FAST_LAUNCH=0 always take ``kernel[grid]``."""
+    if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple):
+        LAUNCHES["triton"] += 1
+        return kernel[grid](*args, **kwargs)
+    device = torch.cuda.current_device()
+    try:
+        key = launch_key(kernel, device, args, kwargs)
+    except TypeError:
+        key = None
+    entry = _FAST.get(key) if key is not None else None
+    if entry is None:
+        LAUNCHES["triton"] += 1
+        compiled = kernel[grid](*args, **kwargs)
+        tail = tuple((p.name, p.default) for p in list(kernel.signature.parameters.values())[len(args):])
+        if (key is not None and hasattr(compiled, "packed_metadata")
+                and all(name in kwargs or default is not _NO_DEFAULT for name, default in tail)):
+            if len(_FAST) >= MAX_FAST_ENTRIES:
+                _FAST.clear()
+            _FAST[key] = (compiled, tail)
+        return compiled
+    compiled, tail = entry
+    LAUNCHES["fast"] += 1
+    full = bound_values(args, kwargs, tail)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    size = len(grid)
+    meta = compiled.launch_metadata(grid, stream, *full)
+    compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, meta, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+                 *full)
+    return compiled
+
+
 #: (id of the kernel (a module-level object), requested num_stages, constexpr flags) -> num_stages that fit this GPU's
 #: shared memory.
 _STAGES_THAT_FIT: dict = {}
@@ -100,7 +197,7 @@ def launch_kernel(kernel, grid, *args, num_stages: int, **kwargs):
     stages = _STAGES_THAT_FIT.get(key, num_stages)
     while True:
         try:
-            kernel[grid](*args, num_stages=stages, **kwargs)
+            run_kernel(kernel, grid, *args, num_stages=stages, **kwargs)
             if stages != num_stages:
                 _STAGES_THAT_FIT[key] = stages
             return
@@ -348,8 +445,8 @@ def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:
         else:  # the interpreter: few programs
             block_r, block_c, warps = 64, 64, 1
         grid = (cdiv(rows, block_r), cdiv(cols, block_c))
-        round_to_tf32_kernel[grid](src, out, rows, cols, src.stride(0), src.stride(1),
-                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        run_kernel(round_to_tf32_kernel, grid, src, out, rows, cols, src.stride(0), src.stride(1),
+                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 
 

@@ -213,7 +213,8 @@ def backward(
     rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
 
     def kept_dlogits(dz, tile_max, grid):
-        K.kept_dlogits_kernel[grid](
+        launch.run_kernel(
+            K.kept_dlogits_kernel, grid,
             dz, tile_max, cw_arg, target, lse, coef, n, v, dz.shape[1], dz.stride(0),
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,

@@ -148,7 +148,8 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
 
     def kept_dlogits(dz, tile_max, grid):
-        K.logp_kept_dlogits_kernel[grid](
+        launch.run_kernel(
+            K.logp_kept_dlogits_kernel, grid,
             dz, tile_max, tokens, lse, coef, n, dz.shape[1], dz.stride(0),
             float(opts.softcap or 1.0), float(opts.temperature),
             HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
