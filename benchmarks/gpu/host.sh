@@ -10,7 +10,7 @@
 # 3. probe_host.py on this machine's CPU (kernels as no-ops): host ms, allocations, Python
 #    calls, launches per f+b (512 tokens, hidden 64 and 16)   -> $OUT/host.log, host.json
 # 4. tests on CUDA: the launch path (fast launch bitwise + taken, launch counts, key
-#    soundness), CUDA-graph capture and compile tests, then the LCE / log-prob op tests
+#    soundness), CUDA-graph capture and a compiled step, then the LCE / log-prob op tests
 #                                                              -> $OUT/tests.log
 # A failing part does not stop the others; a summary table is printed last. <= 7 files.
 set +e
@@ -43,7 +43,9 @@ echo "host probe done [$(( $(date +%s) - start )) s]"
 
 NPROC=""; [ -z "$SMOKE" ] && "$PY" -c "import xdist" 2>/dev/null && NPROC="-n 4"
 if [ -z "$SMOKE" ]; then
-  timeout -s INT -k 5 35 "$PY" -m pytest tests/test_host_overhead.py tests/test_training_loops.py -q $NPROC \
+  timeout -s INT -k 5 35 "$PY" -m pytest tests/test_host_overhead.py \
+      tests/test_training_loops.py::test_cuda_graph_capture_replays_the_eager_step \
+      tests/test_training_loops.py::test_compiled_step_has_no_host_sync -q $NPROC \
       -p no:cacheprovider -rs > "$OUT/tests.log" 2>&1
   RC[tests_launch]=$?
   echo "launch/graph tests done [$(( $(date +%s) - start )) s]"
