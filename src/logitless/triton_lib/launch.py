@@ -172,8 +172,11 @@ def run_kernel(kernel, grid, *args, **kwargs):
     argument binding and cache-key string of ``JITFunction.run`` (its binder costs ~65
     us for a 40-argument kernel on the CPU of the development machine). The first
     launch of each ``launch_key`` goes through ``kernel[grid]`` (compiling if needed)
-    and keeps the compiled kernel; later ones call it directly. The interpreter
-    (TRITON_INTERPRET=1) and LOGITLESS_FAST_LAUNCH=0 always take ``kernel[grid]``."""
+    and keeps the compiled kernel; later ones call it directly. Triton settings that
+    ``JITFunction.run`` reads per launch (TRITON_DEBUG, the instrumentation mode) count
+    as of a key's first launch. The interpreter (TRITON_INTERPRET=1), autotuned or
+    other kernel objects, callable grids and LOGITLESS_FAST_LAUNCH=0 always take
+    ``kernel[grid]``."""
     if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple):
         LAUNCHES["triton"] += 1
         return kernel[grid](*args, **kwargs)
