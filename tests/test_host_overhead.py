@@ -444,7 +444,9 @@ def test_python_calls_and_allocations_per_forward_backward(op):
 
 def _random_launch_args(params, g, pool_t, pool_i, pool_c):
     """Positional values for the params before the first constexpr, keywords from there
-    on (as the backends call the kernels)."""
+    on (as the backends call the kernels); one call in four passes everything by
+    position (constexprs too)."""
+    positional = g.random() < 0.25
     args, kwargs = [], {}
     for p in params:
         if p.is_constexpr:
@@ -453,7 +455,7 @@ def _random_launch_args(params, g, pool_t, pool_i, pool_c):
             value = pool_t[g.randrange(len(pool_t))]
         else:
             value = pool_i[g.randrange(len(pool_i))]
-        if kwargs or p.is_constexpr:
+        if not positional and (kwargs or p.is_constexpr):
             kwargs[p.name] = value
         else:
             args.append(value)
@@ -491,7 +493,7 @@ def test_launch_key_implies_tritons_specialisation(kernel):
     pool_t += [launch.descriptor(flat[torch.bfloat16][off:off + 1024].view(16, 64), (16, 64), (64, 1), bs)
                for bs in ((16, 64), (16, 32)) for off in (0, 64)] + [None]
     pool_i = [0, 1, 2, 15, 16, 17, 48, 2**31 - 1, 2**31, 2**40, -1, 1.0, 0.5, 2.0, True, False]
-    pool_c = [True, False, 0, 1, 16, 64, "tf32", "tf32x3"]
+    pool_c = [True, False, 0, 1, 16, 64, "tf32", "tf32x3", 0.5, 2.0, None]
     same = {}  # our key -> the pool values that have it
     for value in pool_t + pool_i + pool_c:
         same.setdefault(launch.launch_key(jit, 0, (value,), {}), []).append(value)

@@ -144,17 +144,32 @@ def launch_key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
             add((a.dtype, a.data_ptr() % 16 == 0))
         else:
             add(_arg_key(a))
+    positions = _constexpr_positions(kernel)
+    if positions and positions[0] < len(args):  # constexprs passed by position: by value and type
+        for i in positions:
+            if i < len(args):
+                add((i, type(args[i]), args[i]))
     types = tuple(map(type, kwargs.values()))
     if _PLAIN_KWARGS.issuperset(types):  # constexprs and options: keyed by value and type
         return (*key, tuple(kwargs.items()), types)
     for k, a in kwargs.items():
         add(k)
-        add(_arg_key(a))
+        add((float, a) if type(a) is float else _arg_key(a))  # (a float constexpr: its value)
     return tuple(key)
 
 
 #: Keyword value types keyed as (value, type): (True, bool) and (1, int) differ.
 _PLAIN_KWARGS = frozenset((int, bool, str, type(None)))
+#: id(kernel) -> (kernel, positions of its constexpr parameters).
+_CONSTEXPR_POSITIONS: dict = {}
+
+
+def _constexpr_positions(kernel) -> tuple:
+    entry = _CONSTEXPR_POSITIONS.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        entry = _CONSTEXPR_POSITIONS[id(kernel)] = (
+            kernel, tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr))
+    return entry[1]
 
 
 def bound_values(args: tuple, kwargs: dict, tail: tuple) -> tuple:
@@ -183,9 +198,9 @@ def run_kernel(kernel, grid, *args, **kwargs):
     device = torch.cuda.current_device()
     try:
         key = launch_key(kernel, device, args, kwargs)
-    except TypeError:
-        key = None
-    entry = _FAST.get(key) if key is not None else None
+        entry = _FAST.get(key)
+    except TypeError:  # an argument without a key, or an unhashable constexpr
+        key = entry = None
     if entry is None:
         LAUNCHES["triton"] += 1
         compiled = kernel[grid](*args, **kwargs)
