@@ -10,7 +10,14 @@ On a GPU each ATen compute op is (about) one CUDA kernel.
 
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/probe_host.py [--tokens 512,1024,2048] [--json OUT]
 
-Also importable: ``count_ops(fn)`` and ``no_op_kernels()`` (tests/test_host_overhead.py).
+Also counts, per forward+backward, the allocations (ATen ``empty*`` ops) and the Python
+function calls (``sys.setprofile`` "call" events with no-op kernels: a deterministic
+measure of the Python work, which the timings on a shared machine are not), and with
+``--tiny`` runs a second table at hidden 16, vocab 128, where the CPU's own GEMMs and
+epilogue arithmetic cost nothing, so that host ms is the host path alone.
+
+Also importable: ``count_ops(fn)``, ``count_host(fn)`` and ``no_op_kernels()``
+(tests/test_host_overhead.py).
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import logitless  # noqa: E402
 
+#: ATen ops that allocate uninitialised memory (no kernel).
+ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 #: ATen ops that launch no kernel (views, metadata, allocation of uninitialised memory).
-NOT_KERNELS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
-               "lift_fresh", "_to_copy_noop", "is_same_size", "sym_size", "sym_stride", "sym_numel",
-               "set_", "_local_scalar_dense"}
+NOT_KERNELS = ALLOCATIONS | {"detach", "alias", "lift_fresh", "_to_copy_noop", "is_same_size", "sym_size",
+                             "sym_stride", "sym_numel", "set_", "_local_scalar_dense"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -45,6 +53,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.allocs = collections.Counter()  # ALLOCATIONS by name
         self.paused = False  # inside a kernel launch (the interpreter's own copies)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -57,6 +66,8 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if not func.is_view and name not in NOT_KERNELS and not self.paused:
             self.ops[name] += 1
+        if name in ALLOCATIONS and not self.paused:
+            self.allocs[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -100,13 +111,26 @@ def counted_kernels(launches: collections.Counter, counter: OpCounter | None = N
                     counter.paused = False
         return run
 
+    from logitless.triton_lib import launch as L
+
+    real_run_kernel = L.run_kernel
+
+    def run_kernel(kernel, grid, *args, **kwargs):  # launches of cached compiled kernels (GPU)
+        fast = L.LAUNCHES["fast"]
+        out = real_run_kernel(kernel, grid, *args, **kwargs)
+        if L.LAUNCHES["fast"] != fast:
+            launches[kernel.fn.__name__] += 1
+        return out
+
     for cls, real in reals.items():
         cls.run = wrap(real)
+    L.run_kernel = run_kernel
     try:
         yield launches
     finally:
         for cls, real in reals.items():
             cls.run = real
+        L.run_kernel = real_run_kernel
 
 
 def count_ops(step, run_kernels: bool = False) -> tuple[collections.Counter, collections.Counter]:
@@ -118,6 +142,37 @@ def count_ops(step, run_kernels: bool = False) -> tuple[collections.Counter, col
     with kernels, counter:
         step()
     return counter.ops, launches
+
+
+def python_calls(step) -> int:
+    """Python function calls ("call" profile events) in one call of ``step``, kernels as
+    no-ops (deterministic: the same code path gives the same count)."""
+    calls = [0]
+
+    def prof(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    with no_op_kernels():
+        sys.setprofile(prof)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+    return calls[0] - 1  # (the profiler sees step() itself)
+
+
+def count_host(step, run_kernels: bool = False) -> dict:
+    """Per call of ``step``: ATen compute ops, allocations, Triton launches (each a count
+    and by name) and Python function calls (``python_calls``)."""
+    launches = collections.Counter()
+    counter = OpCounter()
+    kernels = counted_kernels(launches, counter) if run_kernels else no_op_kernels(launches)
+    with kernels, counter:
+        step()
+    return dict(aten_ops=sum(counter.ops.values()), allocations=sum(counter.allocs.values()),
+                triton_launches=sum(launches.values()), python_calls=python_calls(step),
+                ops=dict(counter.ops.most_common()), allocs=dict(counter.allocs), launches=dict(launches))
 
 
 def make_steps(n: int, h: int = 64, v: int = 1024, dtype=torch.bfloat16):
@@ -149,9 +204,9 @@ def make_steps(n: int, h: int = 64, v: int = 1024, dtype=torch.bfloat16):
                 linear_jsd=jsd)
 
 
-def host_ms(step, reps: int) -> float:
-    """Median CPU milliseconds (this thread's CPU time: robust to a shared, busy machine)
-    per call of ``step`` with no-op kernels."""
+def host_ms(step, reps: int, stat: str = "median") -> float:
+    """Median (or "min") CPU milliseconds (this thread's CPU time: robust to a shared,
+    busy machine) per call of ``step`` with no-op kernels."""
     with no_op_kernels():
         for _ in range(10):
             step()
@@ -165,7 +220,7 @@ def host_ms(step, reps: int) -> float:
                 times.append((time.thread_time() - t0) * 1e3)
         finally:
             gc.enable()
-    return sorted(times)[len(times) // 2]
+    return min(times) if stat == "min" else sorted(times)[len(times) // 2]
 
 
 def custom_op_cost(reps: int = 2000) -> dict:
@@ -234,6 +289,8 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tiny", action="store_true", help="also hidden 16, vocab 128: the host path alone")
+    ap.add_argument("--ops", default="", help="comma-separated subset of the ops (default: all)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # host work is single-threaded; the machine may be shared
@@ -241,17 +298,25 @@ def main(argv=None):
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
     print(meta, flush=True)
     rows = []
-    for n in (int(t) for t in args.tokens.split(",")):
-        for name, step in make_steps(n, args.hidden, args.vocab).items():
-            ops, launches = count_ops(step)
-            ms = host_ms(step, args.reps)
-            rows.append(dict(op=name, tokens=n, hidden=args.hidden, vocab=args.vocab, host_ms=round(ms, 3),
-                             aten_ops=sum(ops.values()), triton_launches=sum(launches.values()),
-                             ops=dict(ops.most_common()), launches=dict(launches)))
+    sizes = [(args.hidden, args.vocab)] + ([(16, 128)] if args.tiny else [])
+    wanted = set(filter(None, args.ops.split(",")))
+    for hidden, vocab in sizes:
+        for n in (int(t) for t in args.tokens.split(",")):
+            for name, step in make_steps(n, hidden, vocab).items():
+                if wanted and name not in wanted:
+                    continue
+                counts = count_host(step)
+                ms = host_ms(step, args.reps)
+                ms_min = host_ms(step, args.reps, "min")
+                rows.append(dict(op=name, tokens=n, hidden=hidden, vocab=vocab, host_ms=round(ms, 3),
+                                 host_ms_min=round(ms_min, 3), **counts))
     cost = custom_op_cost()
-    print(f"\n{'op':<22} {'tokens':>6} {'host ms (CPU)':>13} {'aten ops':>9} {'triton':>7}")
+    print(f"\n{'op':<22} {'N x H x V':>14} {'host ms (med/min)':>18} {'aten ops':>9} {'allocs':>7} {'triton':>7}"
+          f" {'py calls':>9}")
     for r in rows:
-        print(f"{r['op']:<22} {r['tokens']:>6} {r['host_ms']:>13.3f} {r['aten_ops']:>9} {r['triton_launches']:>7}")
+        print(f"{r['op']:<22} {r['tokens']:>5} x{r['hidden']:>3} x{r['vocab']:>5} {r['host_ms']:>8.3f} /"
+              f"{r['host_ms_min']:>7.3f} {r['aten_ops']:>9} {r['allocations']:>7} {r['triton_launches']:>7}"
+              f" {r['python_calls']:>9}")
     print(f"\ncustom-op layer (trivial op, f+b): {cost}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,8 @@
 """Torch-side helpers of the Triton kernels, shared by every op's Triton backend.
 
     tf32_allowed / dot_precision   fp32 operands follow torch's matmul precision
+    run_kernel                     kernel[grid](...) with Triton's per-launch argument
+                                   binding done once per launch key (``launch_key``)
     launch_kernel                  a launch that retries with fewer pipeline stages
                                    where the tiles do not fit the shared memory
     operands                       TMA tensor descriptors of x and W (or the tensors)
@@ -8,28 +10,49 @@
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
     plan_to_tensor / _from_tensor  a TritonPlan as a CPU int64 tensor (a custom op's output)
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
+    partials                       a forward's (S, N) partial statistics, one allocation
+    descriptor                     a TMA descriptor, validated once per layout
     backward_chunks / dz_buffer /  the backward's column chunks, its dz buffer, dz's TMA
       dz_operand / dlogits_tiles   descriptor and the dlogits kernel's grid
     chunked_backward               the backward's loop over those chunks (the op launches
                                    its own kernels)
 
 No host syncs; no atomics: results are bitwise repeatable.
+
+Host time (issue 23 item 3): at 512-2048 tokens an eager call is bound by the host, so
+what is pure per (plan, shape, layout) is computed once: ``cdiv`` is plain integer
+arithmetic (``triton.cdiv`` is a ``constexpr_function``: ~2 us per call on the host),
+``descriptor`` checks a layout's TMA constraints once and then builds descriptors
+without Triton's per-object validation, ``plan_to_tensor`` / ``plan_from_tensor``
+convert through memoised tuples, and the backward builds x's and W's descriptors only
+when a chunk is recomputed. ``benchmarks/probe_host.py`` counts what is left (Python
+calls, allocations, launches per forward+backward; ``tests/test_host_overhead.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import inspect
 import os
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
+from triton import knobs
+from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.plans import TritonPlan
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of positive Python ints (``triton.cdiv`` without its constexpr layer)."""
+    return -(-a // b)
 
 
 def tf32_allowed() -> bool:
@@ -68,8 +91,140 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # ignored for 16-bit inputs
 
 
-#: (kernel name, requested num_stages, constexpr flags) -> num_stages that fit this
-#: GPU's shared memory.
+# ------------------------------------------------- launches without Triton's per-call binding
+
+#: LOGITLESS_FAST_LAUNCH=0 (read at import) sends every launch through ``kernel[grid]``.
+FAST_LAUNCH = os.environ.get("LOGITLESS_FAST_LAUNCH", "1") != "0"
+#: Launches by path ("fast": a cached compiled kernel, "triton": ``kernel[grid]``), for
+#: tests and probes; no other use.
+LAUNCHES: collections.Counter = collections.Counter()
+#: launch_key(...) -> (compiled kernel, (name, default) of the parameters after the
+#: positional arguments). Bounded: cleared past ``MAX_FAST_ENTRIES``.
+_FAST: dict = {}
+MAX_FAST_ENTRIES = 4096
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+def _arg_key(a):
+    """What Triton's specialisation of one kernel argument can depend on, or more: an
+    int's value (Triton: 1, multiple of 16, 32/64-bit), a tensor's dtype and 16-byte
+    alignment, a TMA descriptor's dtype, block shape and padding; floats are never
+    specialised (their type only); bools, strings and None as themselves (bools tagged:
+    True == 1 in a dict key). Anything else raises TypeError (then no fast path).
+    (``launch_key`` inlines the common cases.)"""
+    t = type(a)
+    if t is int or t is str or a is None:
+        return a
+    if t is float:
+        return float
+    if t is bool:
+        return (bool, a)
+    if t is TensorDescriptor:
+        return (TensorDescriptor, a.base.dtype, tuple(a.block_shape), a.padding)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    raise TypeError(f"no launch key for {t.__name__}")
+
+
+def launch_key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
+    """The key under which ``run_kernel`` reuses a compiled kernel: equal keys imply the
+    same Triton specialisation and options (``tests/test_host_overhead.py`` checks this
+    against Triton's own binder), so the cached kernel is the one ``kernel[grid]`` would
+    pick. Keyword values (constexprs, num_warps, ...) are keyed as arguments, after
+    their names. One loop with the common types inline (~40 arguments per launch)."""
+    key = [id(kernel), device]
+    add = key.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            add(a)
+        elif t is float:
+            add(float)
+        elif t is torch.Tensor or t is torch.nn.Parameter:
+            add((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            add(_arg_key(a))
+    positions = _constexpr_positions(kernel)
+    if positions and positions[0] < len(args):  # constexprs passed by position: by value and type
+        for i in positions:
+            if i < len(args):
+                add((i, type(args[i]), args[i]))
+    types = tuple(map(type, kwargs.values()))
+    if _PLAIN_KWARGS.issuperset(types):  # constexprs and options: keyed by value and type
+        return (*key, tuple(kwargs.items()), types)
+    for k, a in kwargs.items():
+        add(k)
+        add((float, a) if type(a) is float else _arg_key(a))  # (a float constexpr: its value)
+    return tuple(key)
+
+
+#: Keyword value types keyed as (value, type): (True, bool) and (1, int) differ.
+_PLAIN_KWARGS = frozenset((int, bool, str, type(None)))
+#: id(kernel) -> (kernel, positions of its constexpr parameters).
+_CONSTEXPR_POSITIONS: dict = {}
+
+
+def _constexpr_positions(kernel) -> tuple:
+    entry = _CONSTEXPR_POSITIONS.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        entry = _CONSTEXPR_POSITIONS[id(kernel)] = (
+            kernel, tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr))
+    return entry[1]
+
+
+def bound_values(args: tuple, kwargs: dict, tail: tuple) -> tuple:
+    """Every parameter's value in signature order, as ``JITFunction.run`` passes its bound
+    arguments to the launcher (constexprs included: the launcher skips them): ``args``,
+    then for each (name, default) of ``tail`` (the later parameters) its keyword value
+    or default."""
+    return (*args, *[kwargs[name] if name in kwargs else default for name, default in tail])
+
+
+def run_kernel(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``: the same compiled kernel, launched the same way
+    (Triton's launcher: tensor-map descriptors filled, launch hooks called, on the
+    current stream, so CUDA-graph capture works as before), without the per-launch
+    argument binding and cache-key string of ``JITFunction.run`` (its binder costs ~65
+    us for a 40-argument kernel on the CPU of the development machine). The first
+    launch of each ``launch_key`` goes through ``kernel[grid]`` (compiling if needed)
+    and keeps the compiled kernel; later ones call it directly. Triton settings that
+    ``JITFunction.run`` reads per launch (TRITON_DEBUG, the instrumentation mode) count
+    as of a key's first launch. The interpreter (TRITON_INTERPRET=1), autotuned or
+    other kernel objects, callable grids and LOGITLESS_FAST_LAUNCH=0 always take
+    ``kernel[grid]``."""
+    if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple):
+        LAUNCHES["triton"] += 1
+        return kernel[grid](*args, **kwargs)
+    device = torch.cuda.current_device()
+    try:
+        key = launch_key(kernel, device, args, kwargs)
+        entry = _FAST.get(key)
+    except TypeError:  # an argument without a key, or an unhashable constexpr
+        key = entry = None
+    if entry is None:
+        LAUNCHES["triton"] += 1
+        compiled = kernel[grid](*args, **kwargs)
+        tail = tuple((p.name, p.default) for p in list(kernel.signature.parameters.values())[len(args):])
+        if (key is not None and hasattr(compiled, "packed_metadata")
+                and all(name in kwargs or default is not _NO_DEFAULT for name, default in tail)):
+            if len(_FAST) >= MAX_FAST_ENTRIES:
+                _FAST.clear()
+            _FAST[key] = (compiled, tail)
+        return compiled
+    compiled, tail = entry
+    LAUNCHES["fast"] += 1
+    full = bound_values(args, kwargs, tail)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    size = len(grid)
+    meta = compiled.launch_metadata(grid, stream, *full)
+    compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, meta, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+                 *full)
+    return compiled
+
+
+#: (id of the kernel (a module-level object), requested num_stages, constexpr flags) -> num_stages that fit this GPU's
+#: shared memory.
 _STAGES_THAT_FIT: dict = {}
 
 
@@ -77,15 +232,15 @@ def launch_kernel(kernel, grid, *args, num_stages: int, **kwargs):
     """kernel[grid](*args, num_stages=..., **kwargs); if the tiles' pipeline does not fit
     the GPU's shared memory (Triton's OutOfResources, raised on the host before the
     launch), retries with fewer stages and remembers what fit. No device sync."""
-    from triton.runtime.errors import OutOfResources
-
-    flags = tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))  # the constexprs
-    key = (getattr(getattr(kernel, "fn", None), "__name__", str(kernel)), num_stages, flags)
+    # The constexprs (upper-case keywords) in call order: a call site passes them in one
+    # order, so no sort is needed (another order only makes another entry).
+    key = (id(kernel), num_stages, *[(k, v) for k, v in kwargs.items() if k.isupper()])
     stages = _STAGES_THAT_FIT.get(key, num_stages)
     while True:
         try:
-            kernel[grid](*args, num_stages=stages, **kwargs)
-            _STAGES_THAT_FIT[key] = stages
+            run_kernel(kernel, grid, *args, num_stages=stages, **kwargs)
+            if stages != num_stages:
+                _STAGES_THAT_FIT[key] = stages
             return
         except OutOfResources:
             if stages <= 1:
@@ -101,18 +256,40 @@ def padded_buffer(n: int, row: int, like: Tensor) -> Tensor:
     return alloc(n, row, dtype=like.dtype, device=like.device)
 
 
+def _aligned(t: Tensor) -> bool:
+    """Rows contiguous and 16-byte aligned (what a TMA bulk copy needs)."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def operands(x: Tensor, weight: Tensor, plan):
     """(x, W, USE_TMA): tensor descriptors when the plan allows TMA and rows are
     16-byte aligned and contiguous (what the bulk tensor copy needs), else the tensors."""
-    aligned = all(
-        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (x, weight)
-    )
-    if not (plan.tma and aligned):
+    if not (plan.tma and _aligned(x) and _aligned(weight)):
         return x, weight, False
-    x_desc = TensorDescriptor.from_tensor(x, [plan.block_n, plan.block_h])
-    w_desc = TensorDescriptor.from_tensor(weight, [plan.block_v, plan.block_h])
+    x_desc = descriptor(x, tuple(x.shape), (x.stride(0), 1), (plan.block_n, plan.block_h))
+    w_desc = descriptor(weight, tuple(weight.shape), (weight.stride(0), 1), (plan.block_v, plan.block_h))
     return x_desc, w_desc, True
+
+
+#: Layouts (dtype, shape, strides, block shape) whose descriptors passed Triton's checks.
+_CHECKED_LAYOUTS: set = set()
+
+
+def descriptor(base: Tensor, shape: tuple, strides: tuple, block_shape: tuple) -> TensorDescriptor:
+    """``TensorDescriptor(base, shape, strides, block_shape)``. Triton's constructor
+    checks the layout (rank, block shape, 16-byte strides, positive sizes, base
+    alignment) in Python for every object; here that runs once per layout and base
+    alignment class, later descriptors of the layout are filled in directly (the same
+    object: the CUDA tensor map is built at launch from its fields, as always)."""
+    key = (base.dtype, shape, strides, block_shape, base.data_ptr() % 16 == 0)
+    if key not in _CHECKED_LAYOUTS:
+        desc = TensorDescriptor(base, list(shape), list(strides), list(block_shape))
+        _CHECKED_LAYOUTS.add(key)
+        return desc
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
+                         padding="zero")
+    return desc
 
 
 def dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
@@ -149,12 +326,21 @@ PLAN_SIZE = len(dataclasses.fields(TritonPlan))
 
 def plan_to_tensor(plan: TritonPlan) -> Tensor:
     """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
-    return torch.tensor([int(v) for v in dataclasses.astuple(plan)], dtype=torch.int64)
+    return torch.tensor(_plan_values(plan), dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_values(plan: TritonPlan) -> tuple:
+    return tuple(int(getattr(plan, f.name)) for f in dataclasses.fields(TritonPlan))
 
 
 def plan_from_tensor(t: Tensor) -> TritonPlan:
     """The plan ``plan_to_tensor`` wrote."""
-    values = t.tolist()  # a CPU tensor: no device sync
+    return _plan_of_values(tuple(t.tolist()))  # a CPU tensor: no device sync
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_of_values(values: tuple) -> TritonPlan:
     fields = dataclasses.fields(TritonPlan)
     return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
 
@@ -162,8 +348,8 @@ def plan_from_tensor(t: Tensor) -> TritonPlan:
 def kept_shapes_of(plan: TritonPlan, n: int):
     """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
     to 8 elements (16 bytes, so that tiles can be bulk-stored), and the per-tile maxima."""
-    row = triton.cdiv(plan.keep_cols, 8) * 8
-    return (n, row), (triton.cdiv(plan.keep_cols, plan.block_v), n)
+    row = cdiv(plan.keep_cols, 8) * 8
+    return (n, row), (cdiv(plan.keep_cols, plan.block_v), n)
 
 
 def keep_buffers(plan: TritonPlan, n: int, x: Tensor, use_tma: bool):
@@ -176,8 +362,18 @@ def keep_buffers(plan: TritonPlan, n: int, x: Tensor, use_tma: bool):
     keep_max = torch.empty(max_shape, dtype=torch.float32, device=x.device)
     keep_op = keep
     if use_tma:
-        keep_op = TensorDescriptor(keep, [n, plan.keep_cols], [row, 1], [plan.block_n, plan.block_v])
+        keep_op = descriptor(keep, (n, plan.keep_cols), (row, 1), (plan.block_n, plan.block_v))
     return keep_buf, keep, keep_max, keep_op
+
+
+def partials(count: int, splits: int, n: int, device) -> tuple:
+    """``count`` (splits, n) fp32 buffers (a forward's partial statistics) carved out of
+    one allocation, each contiguous and 16-byte aligned (as separate allocations would
+    be: Triton specialises kernels on pointer alignment)."""
+    size = splits * n
+    row = cdiv(size, 4) * 4
+    buf = torch.empty(count * row, dtype=torch.float32, device=device)
+    return buf.as_strided((count, splits, n), (row, n, 1)).unbind(0)
 
 
 def backward_chunks(plan: TritonPlan, v: int, keep_cols: int) -> list[tuple[int, int]]:
@@ -192,7 +388,7 @@ def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor) -> Te
     """The (n, width) buffer of one recomputed dz chunk, rows padded to 16 bytes so that
     dz tiles can be bulk-stored (TMA)."""
     width = min(plan.vocab_chunk, v - keep_cols)
-    return padded_buffer(n, triton.cdiv(width, 8) * 8, x)
+    return padded_buffer(n, cdiv(width, 8) * 8, x)
 
 
 def dz_operand(dz: Tensor, plan: TritonPlan, use_tma: bool):
@@ -201,15 +397,15 @@ def dz_operand(dz: Tensor, plan: TritonPlan, use_tma: bool):
     dz_tma = plan.dz_tma and use_tma
     if dz_tma:
         n, cols = dz.shape
-        return TensorDescriptor(dz, [n, cols], [dz.stride(0), 1], [plan.block_n, plan.block_v]), True
+        return descriptor(dz, (n, cols), (dz.stride(0), 1), (plan.block_n, plan.block_v)), True
     return dz, dz_tma
 
 
 def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int]:
     """(programs of the dlogits kernel over an (n, cols) chunk, row blocks): one per tile,
     or when persistent (``plan.dlogits_programs``) at most that many per SM."""
-    row_blocks = triton.cdiv(n, plan.block_n)
-    tiles = row_blocks * triton.cdiv(cols, plan.block_v)
+    row_blocks = cdiv(n, plan.block_n)
+    tiles = row_blocks * cdiv(cols, plan.block_v)
     if plan.dlogits_programs:  # persistent: each program loops over tiles
         tiles = min(tiles, plan.dlogits_programs * _plans.num_sms(device))
     return tiles, row_blocks
@@ -239,14 +435,15 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     dx = dx_acc = dz_buf = None
     if need_dx and (keep_acc or len(chunks) > 1):
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-    x_op, w_op, use_tma = operands(x, weight, plan)
+    x_op = w_op = use_tma = None  # (built at the first recomputed chunk: none when every column was kept)
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
             keep_buf, tile_max = kept
             dz = keep_buf[:, :keep_cols]
-            kept_dlogits(dz, tile_max, (triton.cdiv(n, plan.block_n), triton.cdiv(keep_cols, plan.block_v)))
+            kept_dlogits(dz, tile_max, (cdiv(n, plan.block_n), cdiv(keep_cols, plan.block_v)))
         else:
             if dz_buf is None:
+                x_op, w_op, use_tma = operands(x, weight, plan)
                 dz_buf = dz_buffer(plan, n, v, keep_cols, x)
             dz = dz_buf[:, : v1 - v0]
             dz_op, dz_tma = dz_operand(dz, plan, use_tma)
@@ -290,9 +487,9 @@ def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:
             block_r, block_c, warps = 16, 256, 4
         else:  # the interpreter: few programs
             block_r, block_c, warps = 64, 64, 1
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
-        round_to_tf32_kernel[grid](src, out, rows, cols, src.stride(0), src.stride(1),
-                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        grid = (cdiv(rows, block_r), cdiv(cols, block_c))
+        run_kernel(round_to_tf32_kernel, grid, src, out, rows, cols, src.stride(0), src.stride(1),
+                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 
 
@@ -302,7 +499,7 @@ def forward_w_chunks(plan: TritonPlan, v: int) -> list[tuple[int, int, int]]:
     covers V)."""
     if plan.w_chunk >= v:
         return [(0, plan.vocab_splits, 0)]
-    split_cols = triton.cdiv(triton.cdiv(v, plan.block_v), plan.vocab_splits) * plan.block_v
+    split_cols = cdiv(cdiv(v, plan.block_v), plan.vocab_splits) * plan.block_v
     per = max(1, plan.w_chunk // split_cols)
     return [(s0, min(per, plan.vocab_splits - s0), s0 * split_cols) for s0 in range(0, plan.vocab_splits, per)]
 

@@ -34,15 +34,16 @@ def custom_op(name: str, fn: Callable, *, mutates_args=()):
 
 @functools.cache
 def _parameters(fn: Callable) -> tuple:
-    return tuple(inspect.signature(fn).parameters.values())
+    params = tuple(inspect.signature(fn).parameters.values())
+    return tuple(p.name for p in params), params
 
 
 def named(fn: Callable, inputs: tuple) -> dict:
     """A custom op's inputs by the argument names of its implementation ``fn``; trailing
     arguments left out of ``inputs`` (a compiled graph drops defaulted ones) get ``fn``'s
     defaults."""
-    params = _parameters(fn)
-    out = dict(zip((p.name for p in params), inputs))
+    names, params = _parameters(fn)
+    out = dict(zip(names, inputs))
     for p in params[len(inputs):]:
         if p.default is inspect.Parameter.empty:
             raise TypeError(f"{fn.__name__}: argument {p.name!r} missing")
@@ -60,39 +61,47 @@ def eager_fast_path_ok(inputs: tuple) -> bool:
     plain tensors, outside torch.compile, dispatch modes (FakeTensor, tracing, the tests'
     recorders), functorch transforms and tensor subclasses (DTensor...), and not turned
     off (``overrides.override(eager_fast_path=False)``)."""
-    from logitless.planning.overrides import current
-
-    if torch.compiler.is_compiling() or not current().eager_fast_path:  # (compiling first: dynamo stops there)
+    # (compiling first: dynamo stops there)
+    if torch.compiler.is_compiling() or not _overrides.current().eager_fast_path:
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
-    if any(torch._C._get_dispatch_mode(k) is not None for k in _INFRA_MODES):
-        return False
-    return all(type(a) in _PLAIN for a in inputs if isinstance(a, torch.Tensor))
+    for k in _INFRA_MODES:
+        if torch._C._get_dispatch_mode(k) is not None:
+            return False
+    for a in inputs:  # (a loop, not all(<generator>): this runs per call, ~20 inputs)
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
 
 
 class _EagerFunction(torch.autograd.Function):
-    """The autograd of an ``EagerOp`` (its last argument): the custom op's Python
-    implementation, ``setup_context`` and backward, without the dispatcher."""
+    """The autograd of an ``EagerOp``: the custom op's Python implementation,
+    ``setup_context`` and backward, without the dispatcher. Arguments: the op, its
+    inputs (a tuple), the positions of the tensors among them, then those tensors (the
+    only arguments autograd looks at: ~5 instead of the op's ~20)."""
 
     @staticmethod
-    def forward(ctx, *args):
-        op, inputs = args[-1], args[:-1]
+    def forward(ctx, op, inputs, tensor_pos, *tensors):
         out = op.impl(*inputs)
         ctx.eager = True  # the backward calls the backward op's implementation directly
+        ctx.tensor_pos, ctx.eager_num_inputs = tensor_pos, len(inputs)
         op.setup_context(ctx, inputs, out)
         ctx.eager_backward = op.backward
         return out
 
     @staticmethod
     def backward(ctx, *grads):
-        prev = ctx.needs_input_grad
-        ctx.needs_input_grad = prev[:-1]  # as the inputs of the custom op (not the EagerOp)
+        prev = ctx.needs_input_grad  # (op, inputs, tensor_pos, *tensors)
+        needs = [False] * ctx.eager_num_inputs
+        for i, pos in enumerate(ctx.tensor_pos):
+            needs[pos] = prev[3 + i]
+        ctx.needs_input_grad = tuple(needs)  # as the inputs of the custom op
         try:
             result = ctx.eager_backward(ctx, *grads)
         finally:
             ctx.needs_input_grad = prev
-        return (*result, None)
+        return (None, None, None, *[result[pos] for pos in ctx.tensor_pos])
 
 
 def below_autograd(fn: Callable) -> Callable:
@@ -102,6 +111,8 @@ def below_autograd(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # (a plain backward: grad mode is off already)
+            return fn(*args, **kwargs)
         with torch.no_grad():
             return fn(*args, **kwargs)
 
@@ -124,7 +135,8 @@ class EagerOp:
 
     def __call__(self, *inputs):
         if eager_fast_path_ok(inputs):
-            return _EagerFunction.apply(*inputs, self)
+            pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+            return _EagerFunction.apply(self, inputs, pos, *[inputs[i] for i in pos])
         return self.op(*inputs)
 
 
@@ -143,6 +155,8 @@ def under_forward_overrides(setup_context: Callable, backward: Callable) -> tupl
 
     @functools.wraps(backward)
     def run(ctx, *grads):
+        if _overrides.current() is ctx.overrides:  # the forward's thread or no override at all
+            return backward(ctx, *grads)
         with _overrides.restored(ctx.overrides):
             return backward(ctx, *grads)
 
@@ -185,8 +199,7 @@ def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Opti
     """The (dx, dw, db) outputs of a backward custom op: each gradient where needed, else
     a size-0 tensor of x's dtype and device (distinct ones: a custom op's outputs may
     not alias each other)."""
-    nothing = x.new_empty(0)
-    return (dx if need_dx else nothing, dw if need_dw else nothing.clone(), db if need_db else nothing.clone())
+    return (dx if need_dx else x.new_empty(0), dw if need_dw else x.new_empty(0), db if need_db else x.new_empty(0))
 
 
 def fake_grad_outputs(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_dx: bool, need_dw: bool,

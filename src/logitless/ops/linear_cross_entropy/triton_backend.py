@@ -29,14 +29,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.options import CrossEntropyOptions
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import ce_epilogue, launch
-from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F401  (the custom op's)
+from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
 
 from . import triton_kernels as K
 
@@ -79,15 +78,14 @@ def forward(
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
     splits = plan.vocab_splits
-    blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    part_max = torch.empty(splits, n, **f32)
-    part_sum = torch.empty(splits, n, **f32)
-    part_tgt = torch.empty(splits, n, **f32)
-    part_smooth = torch.empty(splits, n, **f32) if need_smooth else part_max
-    part_best = torch.empty(splits, n, **f32) if need_argmax else part_max
-    part_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device) if need_argmax else part_max
-    keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v)
+    blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
+    # One allocation for the partial statistics (max, sum, target logit, then smoothing
+    # sum and the argmax pair when asked for); absent ones alias part_max (never read).
+    parts = launch.partials(3 + need_smooth + 2 * need_argmax, splits, n, x.device)
+    part_max, part_sum, part_tgt = parts[:3]
+    part_smooth = parts[3] if need_smooth else part_max
+    part_best, part_arg = (parts[-2], parts[-1].view(torch.int32)) if need_argmax else (part_max, part_max)
+    keep_blocks = cdiv(plan.keep_cols, plan.block_v)
     keep = keep_max = None
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
@@ -95,7 +93,7 @@ def forward(
     keep_op = None
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
-    row_blocks = triton.cdiv(n, plan.block_n)
+    row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
@@ -215,7 +213,8 @@ def backward(
     rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
 
     def kept_dlogits(dz, tile_max, grid):
-        K.kept_dlogits_kernel[grid](
+        launch.run_kernel(
+            K.kept_dlogits_kernel, grid,
             dz, tile_max, cw_arg, target, lse, coef, n, v, dz.shape[1], dz.stride(0),
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,

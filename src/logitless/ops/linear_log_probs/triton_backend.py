@@ -21,14 +21,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import launch, log_probs_epilogue
-from logitless.triton_lib.launch import PLAN_SIZE, plan_from_tensor  # noqa: F401  (the custom op's)
+from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
 
 from . import triton_kernels as K
 
@@ -86,13 +85,12 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     keep_ok = keep_allowed(x.dtype, opts, need_grad)
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
     splits = plan.vocab_splits
-    blocks_per_split = triton.cdiv(triton.cdiv(v, plan.block_v), splits)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    part_max = torch.empty(splits, n, **f32)
-    part_sum = torch.empty(splits, n, **f32)
-    part_tgt = torch.empty(splits, n, **f32)
-    part_u = torch.empty(splits, n, **f32) if opts.entropy else part_max
-    keep_blocks = triton.cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
+    blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
+    # One allocation for the partial statistics (max, sum, token logit, entropy term).
+    parts = launch.partials(3 + opts.entropy, splits, n, x.device)
+    part_max, part_sum, part_tgt = parts[:3]
+    part_u = parts[3] if opts.entropy else part_max
+    keep_blocks = cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
@@ -100,7 +98,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     keep_op = x
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
-    row_blocks = triton.cdiv(n, plan.block_n)
+    row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, opts, x.dtype, prerounded)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
@@ -150,7 +148,8 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
 
     def kept_dlogits(dz, tile_max, grid):
-        K.logp_kept_dlogits_kernel[grid](
+        launch.run_kernel(
+            K.logp_kept_dlogits_kernel, grid,
             dz, tile_max, tokens, lse, coef, n, dz.shape[1], dz.stride(0),
             float(opts.softcap or 1.0), float(opts.temperature),
             HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
