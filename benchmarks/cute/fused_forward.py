@@ -202,7 +202,7 @@ class FusedForwardSm90:
     @cute.jit
     def produce(self, ring, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, v_lo, total):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for it in cutlass.range(total, unroll=1):
+        for _it in cutlass.range(total, unroll=1):
             self.load_stage(ring, state, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, v_lo)
             state.advance()
 
@@ -268,7 +268,10 @@ class FusedForwardSm90:
                     release.advance()
                 read.advance()
                 if cutlass.const_expr(inline_producer is not None):
-                    if warp_idx == 0 and prod.count < total:
+                    # refill only a slot already released: a blocked warp 0 would stall
+                    # its warpgroup's next wgmma (sync.aligned) and deadlock the CTA
+                    if warp_idx == 0 and prod.count < total \
+                            and prod.count < release.count + self.stages:
                         self.load_stage(ring, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, v_lo)
                         prod.advance()
             cute.nvgpu.warpgroup.wait_group(0)
@@ -328,13 +331,12 @@ class FusedForwardSm90:
 _COMPILED: dict = {}
 
 
-def compile_forward(hidden: int, stages: int = 4, specialised: bool = True, stream=None,
-                    fake_addresses: bool = False):
+def compile_forward(hidden: int, stages: int = 4, specialised: bool = True, stream=None):
     """cute.compile the kernel for one hidden size (N, V, splits stay runtime values).
 
-    With ``fake_addresses`` the pointers are made from dummy 1024-aligned integers: enough
-    to run the whole lowering on a machine without a GPU (the host JIT then stops for lack
-    of libcuda)."""
+    The pointers given to cute.compile only carry types (dtype, address space, alignment):
+    dummy addresses, so the whole lowering also runs on a machine without a GPU (the host
+    JIT then stops for lack of libcuda)."""
     from cutlass.cute.runtime import make_ptr
 
     key = (hidden, stages, specialised)
