@@ -71,6 +71,14 @@ def _captured_ptx(hidden: int, specialised: bool, stages: int):
 
 def _tool(name):
     cands = [shutil.which(name), f"/usr/local/bin/{name}", f"/usr/local/cuda/bin/{name}"]
+    try:  # triton ships ptxas / cuobjdump in backends/nvidia/bin
+        import importlib.util
+
+        spec = importlib.util.find_spec("triton")
+        if spec and spec.origin:
+            cands.append(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", name))
+    except Exception:  # noqa: BLE001
+        pass
     cands += glob.glob(f"/work/main/.venv/lib/python3*/site-packages/triton/backends/nvidia/bin/{name}")
     for c in cands:
         if c and os.path.exists(c):

@@ -62,10 +62,10 @@ def reference(x, w, target, ignore_index=-100):
 
 def make_inputs(n, h, v, device, seed=0, ignore_every=7):
     torch = importlib.import_module("torch")
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = (torch.randn(n, h, generator=g) * 1.0).to(torch.bfloat16).to(device)
-    w = (torch.randn(v, h, generator=g) / h ** 0.5 * 2).to(torch.bfloat16).to(device)
-    target = torch.randint(0, v, (n,), generator=g).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: 8192 x 7168 x 128256
+    x = torch.randn(n, h, generator=g, device=device).to(torch.bfloat16)
+    w = (torch.randn(v, h, generator=g, device=device) / h ** 0.5 * 2).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), generator=g, device=device)
     target[::ignore_every] = -100
     return x, w, target
 
