@@ -39,11 +39,13 @@ def _captured_ptx(hidden: int, specialised: bool, stages: int):
     import fused_forward as ff
     from cutlass.base_dsl import compiler as dsl_compiler
 
-    modules = []
+    modules, smem = [], []
     orig = dsl_compiler.Compiler.compile
 
     def compile_isa(self, module, pipeline, *args, **kwargs):
         pipeline = pipeline.replace("cubin-format=bin", "cubin-format=isa")
+        launch = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", str(module))
+        smem.append(int(launch.group(1)) if launch else None)
         result = orig(self, module, pipeline, *args, **kwargs)
         modules.append(str(module))
         return result
@@ -58,7 +60,7 @@ def _captured_ptx(hidden: int, specialised: bool, stages: int):
     finally:
         dsl_compiler.Compiler.compile = orig
     if not modules:
-        return None, err
+        return None, err, None
     text = modules[-1]
     i = text.index('assembly = "') + len('assembly = "')
     j = i
@@ -66,7 +68,7 @@ def _captured_ptx(hidden: int, specialised: bool, stages: int):
         j += 2 if text[j] == "\\" else 1
     ptx = re.sub(r"\\([0-9A-Fa-f]{2}|\\)",
                  lambda m: "\\" if m.group(1) == "\\" else chr(int(m.group(1), 16)), text[i:j])
-    return ptx.rstrip("\0"), err
+    return ptx.rstrip("\0"), err, smem[-1]
 
 
 def _tool(name):
@@ -103,8 +105,9 @@ PTX_PATTERNS = {
 
 def check_one(hidden: int, specialised: bool, stages: int) -> dict:
     t0 = time.perf_counter()
-    ptx, err = _captured_ptx(hidden, specialised, stages)
+    ptx, err, smem_bytes = _captured_ptx(hidden, specialised, stages)
     rec = {"hidden": hidden, "specialised": specialised, "stages": stages,
+           "dynamic_smem_bytes": smem_bytes,
            "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
     if ptx is None:
         rec["ok"] = False
@@ -117,6 +120,7 @@ def check_one(hidden: int, specialised: bool, stages: int) -> dict:
         "4 wgmma m64n256k16 per k slab": counts["wgmma_m64n256k16_bf16"] == 4,
         "TMA loads of x and w": counts["tma_load_2d"] == (2 if specialised else 4),
         "mbarrier expect_tx": counts["mbarrier_expect_tx"] >= 1,
+        "dynamic smem fits sm_90 (227 KiB)": smem_bytes is not None and smem_bytes <= 227 * 1024,
         "setmaxnreg iff specialised": (counts["setmaxnreg_inc"] > 0) == specialised,
         "only the 6 partial stores reach global memory": counts["st_global"] == 6,
         "128 exp2 per tile + 2 rescales": counts["ex2_approx"] == 130,
@@ -228,13 +232,14 @@ def main() -> int:
     ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"])
     print()
     print(f"{'H':>6} {'spec':>5} {'thr':>4} {'wgmma':>5} {'tma':>4} {'regs':>5} {'spill':>5} "
-          f"{'HGMMA':>5} {'ok':>3}")
+          f"{'HGMMA':>5} {'smem':>7} {'ok':>3}")
     for r in out["kernels"]:
         sc = r.get("sass_counts", {})
         print(f"{r['hidden']:>6} {str(r['specialised']):>5} {r.get('threads')!s:>4} "
               f"{r.get('ptx_counts', {}).get('wgmma_m64n256k16_bf16')!s:>5} "
               f"{r.get('ptx_counts', {}).get('tma_load_2d')!s:>4} {r.get('registers')!s:>5} "
               f"{r.get('spill_stores')!s:>5} {sc.get('HGMMA.64x256x16.F32.BF16')!s:>5} "
+              f"{r.get('dynamic_smem_bytes')!s:>7} "
               f"{'yes' if r['ok'] else 'NO':>3}")
     print("all checks:", "PASS" if ok else "FAIL")
     if args.json:

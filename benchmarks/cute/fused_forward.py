@@ -126,8 +126,7 @@ class FusedForwardSm90:
                     mT, mM, mE, mG, vocab, splits).launch(
             grid=(row_blocks, splits, 1),
             block=(self.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
+            stream=stream,  # dynamic smem: the DSL takes the SmemAllocator's total (~193 KiB)
         )
 
     # ---------------------------------------------------------------- device side
