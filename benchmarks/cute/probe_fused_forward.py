@@ -32,9 +32,10 @@ def torch_partials(x, w, target, splits, tile_n=256):
     n, v = z.shape
     vt = v // tile_n
     per = (vt + splits - 1) // splits
-    m = torch.full((n, splits), float("-inf"), dtype=torch.float64)
-    e = torch.zeros(n, splits, dtype=torch.float64)
-    t = torch.zeros(n, splits, dtype=torch.float64)
+    kw = {"dtype": torch.float64, "device": z.device}
+    m = torch.full((n, splits), float("-inf"), **kw)
+    e = torch.zeros(n, splits, **kw)
+    t = torch.zeros(n, splits, **kw)
     for s in range(splits):
         lo, hi = s * per * tile_n, min((s + 1) * per, vt) * tile_n
         if hi <= lo:
@@ -115,6 +116,15 @@ def correctness(ff) -> list:
                 torch.cuda.synchronize()
                 lse, loss = ff.merge_partials(m, e, t, target)
                 rl, rloss, lb, lossb = reference(x, w, target)
+                # the partials themselves, for debugging a failure (max over rows and splits)
+                pm, pe, pt = torch_partials(x, w, target, splits)
+                fin = torch.isfinite(pm)
+                rec["partials_err"] = {
+                    "m_abs": (m.double() - pm)[fin].abs().max().item() if fin.any() else 0.0,
+                    "m_inf_match": bool((torch.isfinite(m) == fin).all().item()),
+                    "e_rel": ((e.double() - pe).abs() / pe.clamp(min=1e-30))[fin].max().item()
+                    if fin.any() else 0.0,
+                    "t_abs": (t.double() - pt).abs().max().item()}
                 err_l = (lse.double() - rl).abs()
                 err_loss = (loss.double() - rloss).abs()
                 bound_l = (lb - rl).abs() + 1e-4
