@@ -9,7 +9,8 @@
 2. timing (triton.testing.do_bench median, ms) vs cuBLAS ``x @ w.T`` (bf16 out) and vs
    logitless's Triton forward (``linear_cross_entropy(..., reduction='none')`` under no_grad)
    at 4096 x 4096 x 128256 and 8192 x 7168 x 128256 (splits swept), with TFLOP/s.
-Without CUDA it only self-tests ``merge_partials`` on partials computed by torch (SMOKE).
+Without CUDA (SMOKE) it self-tests ``merge_partials`` on partials computed by torch and runs the
+correctness harness with those partials standing in for the kernel.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def smoke() -> dict:
         out[f"{n}x{h}x{v}/s{splits}"] = max((lse - rl).abs().max().item(),
                                             (loss - rloss).abs().max().item())
     out["ok"] = all(val < 1e-9 for val in out.values())
+    # the GPU correctness harness itself, with torch's float64 partials standing in for the kernel
+    stand_in = type("StandIn", (), {
+        "fused_forward_partials": staticmethod(lambda x, w, t, s, specialised=True: tuple(
+            a.float() for a in torch_partials(x, w, t, s))),
+        "merge_partials": staticmethod(merge)})
+    rows = correctness(stand_in, "cpu", [(128, 64, 256, 1), (256, 96, 1024, 3)])
+    out["harness_ok"] = all(r["ok"] for r in rows)
+    out["ok"] = out["ok"] and out["harness_ok"]
     return out
 
 
@@ -102,18 +111,20 @@ def _load_ff(optional=False):
         raise RuntimeError(f"fused_forward (cutlass DSL) did not import: {exc}") from exc
 
 
-def correctness(ff) -> list:
+def correctness(ff, device="cuda", cases=None) -> list:
     torch = importlib.import_module("torch")
     rows = []
-    cases = [(128, 64, 256, 1), (256, 256, 1024, 3), (384, 576, 2304, 4), (512, 1024, 8192, 7),
-             (1024, 4096, 32000 // 256 * 256, 16), (256, 7168, 4096, 2)]
+    cases = cases or [(128, 64, 256, 1), (256, 256, 1024, 3), (384, 576, 2304, 4),
+                      (512, 1024, 8192, 7), (1024, 4096, 32000 // 256 * 256, 16),
+                      (256, 7168, 4096, 2)]
     for spec in (True, False):
         for n, h, v, splits in cases:
             rec = {"n": n, "h": h, "v": v, "splits": splits, "specialised": spec}
             try:
-                x, w, target = make_inputs(n, h, v, "cuda", seed=n + h + v)
+                x, w, target = make_inputs(n, h, v, device, seed=n + h + v)
                 m, e, t = ff.fused_forward_partials(x, w, target, splits, specialised=spec)
-                torch.cuda.synchronize()
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 lse, loss = ff.merge_partials(m, e, t, target)
                 rl, rloss, lb, lossb = reference(x, w, target)
                 # the partials themselves, for debugging a failure (max over rows and splits)
