@@ -99,7 +99,7 @@ def smoke() -> dict:
     rows = correctness(stand_in, "cpu", [(128, 64, 256, 1), (256, 96, 1024, 3)])
     out["harness_ok"] = all(r["ok"] for r in rows)
     out["ok"] = out["ok"] and out["harness_ok"]
-    return out
+    return out, rows
 
 
 def _load_ff(optional=False):
@@ -207,7 +207,7 @@ def main() -> int:
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "torch": torch.__version__}
     if not torch.cuda.is_available():
-        out["smoke"] = smoke()
+        out["smoke"], out["correctness"] = smoke()
         print(json.dumps(out))
         ok = out["smoke"]["ok"]
     else:

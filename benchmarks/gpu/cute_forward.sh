@@ -35,7 +35,40 @@ else
     echo "timing exit: $?" | tee -a "$OUT/cute-forward-summary.txt"
 fi
 echo "wall: $(( $(date +%s) - S )) s"
-echo "== compile check (tail)"; grep -v "^JIT\|libcuda\|Could not\|CUDA_TOOLKIT" "$OUT/cute-compile.log" | tail -n 10
+echo "== compile check (table)"; grep -A9 "^     H  spec" "$OUT/cute-compile.log"
 for f in cute-probe cute-correctness cute-timing; do
-    [ -f "$OUT/$f.log" ] && { echo "== $f (tail)"; tail -c 3500 "$OUT/$f.log"; }
+    [ -f "$OUT/$f.log" ] && { echo "== $f (log tail)"; tail -c 1500 "$OUT/$f.log"; echo; }
 done
+echo "== summary"
+"$PY" - "$OUT" <<'PYEOF'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(out, name)))
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name}: not readable ({type(exc).__name__})")
+        return None
+smoke = os.path.exists(os.path.join(out, "cute-probe.json"))
+c = load("cute-probe.json" if smoke else "cute-correctness.json")
+if c:
+    print(f"{'variant':>7} {'N x H x V':>18} {'splits':>6} {'lse err':>9} {'bf16 err':>9} ok")
+    for r in c.get("correctness", []):
+        shape = f"{r['n']}x{r['h']}x{r['v']}"
+        print(f"{'ws' if r['specialised'] else 'inline':>7} {shape:>18} {r['splits']:>6} "
+              f"{r.get('max_err_lse', float('nan')):9.2e} {r.get('torch_bf16_err_lse', float('nan')):9.2e} "
+              f"{'yes' if r.get('ok') else 'NO ' + r.get('error', '')[:80]}")
+t = None if smoke else load("cute-timing.json")
+if t:
+    for r in t.get("timing", []):
+        base = r.get("cublas_ms")
+        print(f"{r['n']}x{r['h']}x{r['v']}: cuBLAS {base:.3f} ms ({r.get('cublas_tflops', 0):.0f} TF/s), "
+              f"triton fwd {r.get('triton_ms', float('nan')) / base:.3f}x")
+        for k, v in r.items():
+            if k.startswith("cute_") and k.endswith("_ms"):
+                print(f"   {k[:-3]:>14}: {v:.3f} ms = {v / base:.3f}x cuBLAS")
+            elif k.endswith("_error"):
+                print(f"   {k}: {v[:120]}")
+if smoke and c:
+    print("smoke (CPU; harness rows above used torch partials):", json.dumps(c.get("smoke"))[:300])
+PYEOF
