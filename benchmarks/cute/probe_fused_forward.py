@@ -111,7 +111,7 @@ def _load_ff(optional=False):
         raise RuntimeError(f"fused_forward (cutlass DSL) did not import: {exc}") from exc
 
 
-def correctness(ff, device="cuda", cases=None) -> list:
+def correctness(ff, device="cuda", cases=None, save=None) -> list:
     torch = importlib.import_module("torch")
     rows = []
     cases = cases or [(128, 64, 256, 1), (256, 256, 1024, 3), (384, 576, 2304, 4),
@@ -150,10 +150,12 @@ def correctness(ff, device="cuda", cases=None) -> list:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             print(json.dumps(rec), flush=True)
             rows.append(rec)
+            if save:  # a part killed by its timeout still leaves the rows done
+                save(rows)
     return rows
 
 
-def timing(ff, quick=False) -> list:
+def timing(ff, quick=False, save=None) -> list:
     torch = importlib.import_module("torch")
     do_bench = importlib.import_module("triton.testing").do_bench
     try:
@@ -194,6 +196,8 @@ def timing(ff, quick=False) -> list:
                     rec[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         print(json.dumps(rec), flush=True)
         rows.append(rec)
+        if save:
+            save(rows)
     return rows
 
 
@@ -215,10 +219,18 @@ def main() -> int:
         ff = _load_ff()
         cutlass = importlib.import_module("cutlass")
         out["cutlass"] = getattr(cutlass, "__version__", "?")
+        def saver(key):
+            def save(rows):
+                out[key] = rows
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(out, f, indent=1)
+            return save
+
         if args.part in ("all", "correctness"):
-            out["correctness"] = correctness(ff)
+            out["correctness"] = correctness(ff, save=saver("correctness"))
         if args.part in ("all", "timing"):
-            out["timing"] = timing(ff, args.quick)
+            out["timing"] = timing(ff, args.quick, save=saver("timing"))
         ok = all(r.get("ok") for r in out.get("correctness", [])) if "correctness" in out else True
     if args.json:
         with open(args.json, "w") as f:
