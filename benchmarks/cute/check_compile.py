@@ -1,0 +1,252 @@
+"""Compile-check the CuTe DSL fused forward (benchmarks/cute/fused_forward.py) for sm_90a on a CPU.
+
+    PYTHONPATH=<nvidia-cutlass-dsl 4.2.1 python_packages>:<its deps> CUTE_DSL_ARCH=sm_90a \\
+        python benchmarks/cute/check_compile.py [--hidden 256,4096,7168] [--json out.json]
+
+For every (hidden size, specialised or not) it runs ``cute.compile`` with the device binary
+requested as PTX text (``cubin-format=isa`` in the DSL's ``cute-to-nvvm`` pass pipeline),
+takes the PTX out of the lowered module (the host JIT then fails for lack of libcuda: the
+expected stop on a machine without a GPU), and reports:
+  * the PTX instructions that make the kernel what it claims to be: wgmma m64n256k16 bf16,
+    TMA (cp.async.bulk.tensor) with mbarrier transaction counts, setmaxnreg (warp
+    specialisation), ex2.approx (epilogue), and the absence of any global store of logits
+    (only the 6 fp32 stores of the partials);
+  * ptxas -v (registers, spills, shared memory) and the SASS opcodes (HGMMA, UTMALDG,
+    USETMAXREG, MUFU.EX2) when ptxas/cuobjdump are found (/usr/local/bin, triton's bin);
+  * the wgmma accumulator layout the epilogue relies on (thread t's element i lies on row
+    slot (i // 2) % 2, quads of lanes share rows), checked on the static layout algebra.
+Exit status 1 if a compile fails to reach the host JIT or a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def _captured_ptx(hidden: int, specialised: bool, stages: int):
+    import fused_forward as ff
+    from cutlass.base_dsl import compiler as dsl_compiler
+
+    modules, smem = [], []
+    orig = dsl_compiler.Compiler.compile
+
+    def compile_isa(self, module, pipeline, *args, **kwargs):
+        pipeline = pipeline.replace("cubin-format=bin", "cubin-format=isa")
+        launch = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", str(module))
+        smem.append(int(launch.group(1)) if launch else None)
+        result = orig(self, module, pipeline, *args, **kwargs)
+        modules.append(str(module))
+        return result
+
+    dsl_compiler.Compiler.compile = compile_isa
+    err = None
+    try:
+        ff._COMPILED.clear()
+        ff.compile_forward(hidden, stages=stages, specialised=specialised)
+    except Exception as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    finally:
+        dsl_compiler.Compiler.compile = orig
+    if not modules:
+        return None, err, None
+    text = modules[-1]
+    i = text.index('assembly = "') + len('assembly = "')
+    j = i
+    while text[j] != '"':
+        j += 2 if text[j] == "\\" else 1
+    ptx = re.sub(r"\\([0-9A-Fa-f]{2}|\\)",
+                 lambda m: "\\" if m.group(1) == "\\" else chr(int(m.group(1), 16)), text[i:j])
+    return ptx.rstrip("\0"), err, smem[-1]
+
+
+def _tool(name):
+    cands = [shutil.which(name), f"/usr/local/bin/{name}", f"/usr/local/cuda/bin/{name}"]
+    try:  # triton ships ptxas / cuobjdump in backends/nvidia/bin
+        import importlib.util
+
+        spec = importlib.util.find_spec("triton")
+        if spec and spec.origin:
+            cands.append(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", name))
+    except Exception:  # noqa: BLE001
+        pass
+    cands += glob.glob(f"/work/main/.venv/lib/python3*/site-packages/triton/backends/nvidia/bin/{name}")
+    for c in cands:
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+PTX_PATTERNS = {
+    "wgmma_m64n256k16_bf16": r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16",
+    "wgmma_commit": r"wgmma\.commit_group",
+    "wgmma_wait": r"wgmma\.wait_group",
+    "tma_load_2d": r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
+    "mbarrier_expect_tx": r"mbarrier\.arrive\.expect_tx",
+    "mbarrier_try_wait": r"mbarrier\.try_wait",
+    "setmaxnreg_inc": r"setmaxnreg\.inc",
+    "setmaxnreg_dec": r"setmaxnreg\.dec",
+    "ex2_approx": r"ex2\.approx",
+    "shfl_bfly": r"shfl\.sync\.bfly",
+    "st_global": r"st\.global",
+}
+
+
+def check_one(hidden: int, specialised: bool, stages: int) -> dict:
+    t0 = time.perf_counter()
+    ptx, err, smem_bytes = _captured_ptx(hidden, specialised, stages)
+    rec = {"hidden": hidden, "specialised": specialised, "stages": stages,
+           "dynamic_smem_bytes": smem_bytes,
+           "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
+    if ptx is None:
+        rec["ok"] = False
+        return rec
+    counts = {k: len(re.findall(p, ptx)) for k, p in PTX_PATTERNS.items()}
+    rec["ptx_counts"] = counts
+    m = re.search(r"\.reqntid (\d+)", ptx)
+    rec["threads"] = int(m.group(1)) if m else None
+    checks = {
+        "4 wgmma m64n256k16 per k slab": counts["wgmma_m64n256k16_bf16"] == 4,
+        "TMA loads of x and w": counts["tma_load_2d"] == (2 if specialised else 4),
+        "mbarrier expect_tx": counts["mbarrier_expect_tx"] >= 1,
+        "dynamic smem fits sm_90 (227 KiB)": smem_bytes is not None and smem_bytes <= 227 * 1024,
+        "setmaxnreg iff specialised": (counts["setmaxnreg_inc"] > 0) == specialised,
+        "only the 6 partial stores reach global memory": counts["st_global"] == 6,
+        "128 exp2 per tile + 2 rescales": counts["ex2_approx"] == 130,
+        "host JIT was the only stop": err is None or "Unknown function" in err
+        or "libcuda" in err or "cuLaunchKernel" in err,
+    }
+    rec["checks"] = checks
+    ptxas = _tool("ptxas")
+    if ptxas:
+        with tempfile.TemporaryDirectory() as d:
+            src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin],
+                               capture_output=True, text=True, timeout=300)
+            info = r.stdout + r.stderr
+            rec["ptxas_rc"] = r.returncode
+            for key, pat in (("registers", r"Used (\d+) registers"),
+                             ("spill_stores", r"(\d+) bytes spill stores"),
+                             ("spill_loads", r"(\d+) bytes spill loads")):
+                mm = re.search(pat, info)
+                rec[key] = int(mm.group(1)) if mm else None
+            if r.returncode != 0:
+                rec["ptxas_error"] = info[-400:]
+            cuobjdump = _tool("cuobjdump")
+            if cuobjdump and r.returncode == 0:
+                s = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                                   timeout=300).stdout
+                rec["sass_counts"] = {k: len(re.findall(p, s)) for k, p in (
+                    ("HGMMA.64x256x16.F32.BF16", r"HGMMA\.64x256x16\.F32\.BF16"),
+                    ("UTMALDG", r"UTMALDG"), ("USETMAXREG", r"USETMAXREG"),
+                    ("MUFU.EX2", r"MUFU\.EX2"), ("STL (spill)", r"\bSTL\b"))}
+        checks["ptxas assembles for sm_90a"] = rec.get("ptxas_rc") == 0
+        checks["no spills"] = rec.get("spill_stores") == 0 and rec.get("spill_loads") == 0
+    rec["ok"] = all(checks.values())
+    return rec
+
+
+_LAYOUT_FOUND: dict = {}
+_THREADS = tuple(range(256))
+
+
+def _layout_probe():
+    """Evaluated at trace time (module level and a tuple loop: the DSL keeps it in Python)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    @cute.jit
+    def probe():
+        major = utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, major, major, cutlass.Float32, (2, 1, 1),
+            tiler_mn=(64, 256))
+        ident = cute.make_identity_tensor((128, 256))
+        for t in _THREADS:
+            c = tiled_mma.get_slice(t).partition_C(ident)
+            _LAYOUT_FOUND[t] = [c[i] for i in _THREADS[:128]]
+
+    return cute.compile, probe
+
+
+def check_layout() -> dict:
+    """The epilogue's assumption on the wgmma C layout, on the static layout algebra."""
+    found = _LAYOUT_FOUND
+    found.clear()
+    compile_fn, probe = _layout_probe()
+    try:
+        compile_fn(probe)
+    except Exception as exc:  # noqa: BLE001  (host JIT without libcuda: layouts were evaluated)
+        err = f"{type(exc).__name__}: {str(exc)[:200]}"
+    else:
+        err = None
+    if len(found) != 256:
+        return {"ok": False, "why": f"layout probe evaluated {len(found)} threads", "error": err}
+    bad = []
+    cover = set()
+    found = {t: [tuple(int(v) for v in rc) for rc in coords] for t, coords in found.items()}
+    for t, coords in found.items():
+        rows = {0: coords[0][0], 1: coords[2][0]}
+        for i, (r, c) in enumerate(coords):
+            cover.add((r, c))
+            if r != rows[(i // 2) % 2]:
+                bad.append((t, i, "row slot"))
+        quad = found[t - t % 4]
+        if [rc[0] for rc in coords] != [rc[0] for rc in quad]:
+            bad.append((t, "quad rows differ"))
+        if t // 128 != coords[0][0] // 64:
+            bad.append((t, "warpgroup owns rows wg*64..wg*64+63"))
+    return {"ok": not bad and len(cover) == 128 * 256, "elements_per_thread": len(found[0]),
+            "tile_covered_once": len(cover) == 128 * 256, "violations": bad[:5]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", default="256,4096,7168")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    out = {"arch": os.environ["CUTE_DSL_ARCH"], "layout": check_layout(), "kernels": []}
+    print("wgmma C layout assumption:", json.dumps(out["layout"]))
+    for h in [int(v) for v in args.hidden.split(",")]:
+        for spec in (True, False):
+            rec = check_one(h, spec, args.stages)
+            out["kernels"].append(rec)
+            print(json.dumps(rec))
+    ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"])
+    print()
+    print(f"{'H':>6} {'spec':>5} {'thr':>4} {'wgmma':>5} {'tma':>4} {'regs':>5} {'spill':>5} "
+          f"{'HGMMA':>5} {'smem':>7} {'ok':>3}")
+    for r in out["kernels"]:
+        sc = r.get("sass_counts", {})
+        print(f"{r['hidden']:>6} {str(r['specialised']):>5} {r.get('threads')!s:>4} "
+              f"{r.get('ptx_counts', {}).get('wgmma_m64n256k16_bf16')!s:>5} "
+              f"{r.get('ptx_counts', {}).get('tma_load_2d')!s:>4} {r.get('registers')!s:>5} "
+              f"{r.get('spill_stores')!s:>5} {sc.get('HGMMA.64x256x16.F32.BF16')!s:>5} "
+              f"{r.get('dynamic_smem_bytes')!s:>7} "
+              f"{'yes' if r['ok'] else 'NO':>3}")
+    print("all checks:", "PASS" if ok else "FAIL")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
