@@ -34,6 +34,7 @@ from logitless.planning.overrides import override
 from logitless.planning.plans import JSD_CUDA_TILES
 from logitless_bench import timing
 from logitless_bench.distill import gemm_floor_ms, make_inputs
+from logitless_bench.precision import matmul_precision
 
 CONFIGS = [None, (128, 64, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 2), (128, 128, 32, 8, 4)]
 
@@ -201,21 +202,6 @@ def issue23(a) -> None:
             json.dump(record, f, indent=1)
 
 
-def _precision(setting):
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(setting)
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(before)
-
-    return ctx()
-
-
 def profile_forward(step, dev, top: int = 14) -> dict:
     """One call of ``step`` (a forward) under torch.profiler after a warm-up: per kernel
     name, its launches and total device ms, sorted by time; plus the sum over kernels."""
@@ -301,7 +287,7 @@ def jsd2(a) -> None:
             def step():
                 fwd_grad().backward()
 
-            with _precision(setting), override(tf32_preround=preround, eager_fast_path=fast):
+            with matmul_precision(setting), override(tf32_preround=preround, eager_fast_path=fast):
                 if floor and dev.type == "cuda":
                     row["floor_ms"] = gemm_floor_ms(xs, ws, xt, wt, warmup=2, reps=max(3, reps))["floor"]
                 with torch.no_grad():

@@ -70,3 +70,15 @@ class AllocationRecorder(TorchDispatchMode):
             if self.threshold is not None and t.numel() >= self.threshold:
                 self.big.append(str(func))
         return out
+
+
+def load_benchmark(name: str):
+    """The module benchmarks/<name>.py (the probes are scripts, not a package)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -14,6 +14,7 @@ from logitless.planning import plans as _plans
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE  # the GPU when there is one, else the CPU (interpreter)
+from tests.helpers import load_benchmark
 
 CPU = torch.device("cpu")
 
@@ -364,15 +365,6 @@ def test_eager_fast_path_is_off_where_it_must_be():
 # --------------------------------------------------------------------------- launch count
 
 
-def _probe_host():
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probe_host.py")
-    spec = importlib.util.spec_from_file_location("probe_host", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 #: Device ops (ATen compute ops + Triton launches) per eager forward+backward of
@@ -389,7 +381,7 @@ def test_launch_count_per_forward_backward(which):
     import logitless
     from tests.conftest import DEVICE
 
-    probe = _probe_host()
+    probe = load_benchmark("probe_host")
     g = torch.Generator().manual_seed(0)
     n, h, v = 45, 24, 101
     x = torch.randn(n, h, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True)
@@ -431,7 +423,7 @@ MAX_HOST_WORK = {"linear_cross_entropy": (380, 15), "linear_log_probs": (330, 11
 def test_python_calls_and_allocations_per_forward_backward(op):
     """A regression guard on the host work of one f+b (no timing): the Python function
     calls (``sys.setprofile`` events: deterministic) and the allocations it makes."""
-    probe = _probe_host()
+    probe = load_benchmark("probe_host")
     step = probe.make_steps(64, 16, 128)[op]
     for _ in range(2):  # plans memoised, kernels' launch keys known
         step()

@@ -9,15 +9,13 @@ interpreter (conftest.py), at small sizes.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 import logitless
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
+from tests.helpers import load_benchmark
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
 # --------------------------------------------------------------------------- eager fast path
@@ -93,12 +91,6 @@ def test_compile_takes_the_custom_op():
 # --------------------------------------------------------------------------- launch count
 
 
-def _probe_host():
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probe_host.py")
-    spec = importlib.util.spec_from_file_location("probe_host", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 #: Device ops per eager forward+backward of linear_jsd (bf16, Triton, 45 tokens, one
@@ -114,7 +106,7 @@ def test_launch_count_per_forward_backward(which):
     """A regression guard on the device ops one f+b issues: the loss and its reduction
     are one launch (``jsd_loss_epilogue_kernel``), the upstream gradient one
     (``jsd_upstream_kernel``), the statistics are written in place (no copy)."""
-    probe = _probe_host()
+    probe = load_benchmark("probe_host")
     g = torch.Generator().manual_seed(0)
     n, hs, ht, v = 45, 24, 40, 101
     x = torch.randn(n, hs, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True)
