@@ -78,8 +78,11 @@ def check_memory_budget(value: Optional[int]) -> int:
 _FIELD_NAMES: dict = {}
 
 
-def _field_names(cls) -> tuple:
-    names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+def _field_names(cls, instance=None) -> tuple:
+    """``cls``'s field names, remembered. (From the instance when there is one: under
+    torch.compile, dynamo traces ``dataclasses.fields`` of instances, not of classes. The
+    library's classes are filled in at import, below.)"""
+    names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls if instance is None else instance))
     return names
 
 
@@ -94,7 +97,7 @@ class _Args:
 
     def args(self) -> tuple:
         """The fields' values in order."""
-        names = _FIELD_NAMES.get(type(self)) or _field_names(type(self))
+        names = _FIELD_NAMES.get(type(self)) or _field_names(type(self), self)
         return tuple([getattr(self, name) for name in names])
 
     @classmethod
@@ -231,3 +234,8 @@ class VocabParallelOptions(_Args):
     @property
     def parallel(self) -> bool:
         return self.tp_group != ""
+
+
+for _cls in (CrossEntropyOptions, JSDOptions, LogProbOptions, VocabParallelOptions):
+    _field_names(_cls)
+del _cls
