@@ -413,8 +413,11 @@ def test_launch_count_per_forward_backward(which):
 
 #: Python function calls and allocations (ATen empty*) per eager forward+backward at most,
 #: kernels as no-ops (interpreter). Before this guard (d48626d): linear_cross_entropy 589
-#: calls and 17 allocations, linear_log_probs 524 and 13 (``benchmarks/probe_host.py``).
-MAX_HOST_WORK = {"linear_cross_entropy": (380, 15), "linear_log_probs": (330, 11)}
+#: calls and 17 allocations, linear_log_probs 524 and 13 (``benchmarks/probe_host.py``);
+#: after the fast launches (68cb997) 342 / 15, 299 / 11 and linear_jsd 391 / 10; after the
+#: options, memo, load_backend and validation cuts (docs/host_time.md, second part) 200 / 15,
+#: 190 / 11 and 238 / 10 on Python 3.11 (3.12 inlines comprehensions: fewer).
+MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 11), "linear_jsd": (255, 10)}
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -628,3 +631,178 @@ def test_fast_launch_is_taken_and_bitwise(op):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+# --------------------------------------------------------------------------- cheap host helpers
+
+def test_options_args_round_trip_every_class():
+    """``args()`` gives every field in ``dataclasses.fields`` order and ``from_args`` rebuilds
+    an equal object (the per-class getters), for every options class and a subclass with a
+    field more (its own getters, not its parent's)."""
+    import dataclasses
+
+    from logitless import options as O
+
+    values = {
+        O.CrossEntropyOptions: dict(ignore_index=3, reduction="sum", label_smoothing=0.25, softcap=30.0,
+                                    z_loss=1e-4),
+        O.JSDOptions: dict(beta=0.3, temperature=2.0, ignore_index=-1, student_softcap=5.0, teacher_softcap=None,
+                           hard_label_weight=0.5),
+        O.LogProbOptions: dict(temperature=0.7, entropy=True, softcap=20.0, ignore_index=7),
+        O.VocabParallelOptions: dict(tp_group="tp0", vocab_size=1000, partial_dx=True),
+    }
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider(O.CrossEntropyOptions):
+        extra: int = 5
+
+    @dataclasses.dataclass(frozen=True)
+    class One(O._Args):
+        only: str = "a"
+
+    values[Wider] = dict(values[O.CrossEntropyOptions], extra=9)
+    values[One] = dict(only="b")
+    for cls, kw in values.items():
+        for opts in (cls(), cls(**kw)):
+            expected = tuple(getattr(opts, f.name) for f in dataclasses.fields(cls))
+            assert opts.args() == expected and type(opts.args()) is tuple
+            named = {f.name: getattr(opts, f.name) for f in dataclasses.fields(cls)}
+            named["not_a_field"] = object()  # a custom op's other inputs are ignored
+            rebuilt = cls.from_args(named)
+            assert type(rebuilt) is cls and rebuilt == opts
+    assert O.CrossEntropyOptions(**values[O.CrossEntropyOptions]).args() == (3, "sum", 0.25, 30.0, 1e-4)
+    with pytest.raises(KeyError):
+        O.CrossEntropyOptions.from_args({"ignore_index": 1})
+
+
+def test_memo_state_key_follows_the_environment(monkeypatch):
+    """The planner's key reads the environment at every call (``os.environ``'s own dict):
+    setting, changing or deleting each variable, or the fp32 matmul precision, changes it;
+    an ``os.environ`` replaced by another mapping is read too."""
+    keys = set()
+    for i, name in enumerate(_memo.ENV_NAMES):
+        monkeypatch.setenv(name, f"/tmp/{name}-a")
+        k1 = _memo._state_key()
+        monkeypatch.setenv(name, f"/tmp/{name}-b")
+        k2 = _memo._state_key()
+        monkeypatch.delenv(name)
+        k3 = _memo._state_key()
+        assert len({k1, k2, k3}) == 3 and k3[i] is None and not keys & {k1, k2}, (name, k1, k2, k3)
+        assert k1[:i] == k2[:i] == k3[:i] and k1[i + 1:] == k2[i + 1:] == k3[i + 1:]  # only this variable
+        keys |= {k1, k2, k3}
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high" if before != "high" else "highest")
+        assert _memo._state_key()[-1] == torch.get_float32_matmul_precision()
+        assert _memo._state_key() not in keys
+    finally:
+        torch.set_float32_matmul_precision(before)
+    fake = {"LOGITLESS_TUNED": "0", "HOME": "/nowhere"}
+    monkeypatch.setattr(os, "environ", fake)
+    assert _memo._state_key()[:3] == ("0", None, "/nowhere")
+
+
+def test_memo_plans_follow_the_environment_of_each_call(monkeypatch, tmp_path):
+    """End to end: a memoised GPU plan made with LOGITLESS_TUNED unset reads the tuned cache
+    of LOGITLESS_CACHE_DIR; the same call after ``setenv("LOGITLESS_TUNED", "0")`` plans
+    with the shipped tile table, and after ``delenv`` the cached plan comes back."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.delenv("LOGITLESS_TUNED", raising=False)
+    monkeypatch.setenv("LOGITLESS_CACHE_DIR", str(tmp_path))
+    path = _tuned.cache_path(torch.device("cuda", 0))
+    path.write_text(json.dumps({"configs": {"16-bit/n1k-h2k": {"tiles": [64, 128, 32, 4, 2]}}}))
+    _tuned.clear()
+    args = (512, 32000, 1024, 2, 1 << 30, torch.device("cuda", 0))
+    try:
+        with override(num_sms=132, model_plans=False):
+            p1 = _plans.triton_plan(*args, keep_allowed=True)
+            assert (p1.block_n, p1.block_v, p1.block_h) == (64, 128, 32)
+            monkeypatch.setenv("LOGITLESS_TUNED", "0")
+            p2 = _plans.triton_plan(*args, keep_allowed=True)
+            assert (p2.block_n, p2.block_v) == _plans.CUDA_TILES[2][:2] != (64, 128)
+            monkeypatch.delenv("LOGITLESS_TUNED")
+            assert _plans.triton_plan(*args, keep_allowed=True) is p1
+    finally:
+        _tuned.clear()
+
+
+def test_memo_keys_default_and_equal_overrides_alike():
+    """Outside any override the memo keys the overrides by identity (``overrides.DEFAULT``);
+    an equal ``override()`` with no field plans the same, a changed one plans anew."""
+    from logitless.planning import overrides as _ov
+
+    assert _ov.current() is _ov.DEFAULT
+    args = (300, 1001, 72, 2, 1 << 20, CPU)
+    p0 = _plans.triton_plan(*args, keep_allowed=True)
+    with override() as same:
+        assert same == _ov.DEFAULT and same is not _ov.DEFAULT
+        assert _plans.triton_plan(*args, keep_allowed=True) == p0
+    with override(tiles=(32, 64, 16, 4, 1)):
+        assert _plans.triton_plan(*args, keep_allowed=True).block_v == 64
+    assert _plans.triton_plan(*args, keep_allowed=True) is p0
+
+
+def test_memo_device_keys():
+    """Devices in the key: an index-less CUDA device is the current one (device 0 without
+    CUDA), so "cuda" and "cuda:0" share a plan there; CPU and other indices do not."""
+    calls = []
+
+    @_memo.memoised
+    def f(n, device, flag=False):
+        calls.append((n, device, flag))
+        return object()
+
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)
+    a = f(1, cuda0)
+    assert f(1, cuda0) is a and len(calls) == 1
+    if not torch.cuda.is_available() or torch.cuda.current_device() == 0:
+        assert f(1, cuda) is a and len(calls) == 1
+    assert f(1, cuda1) is not a and f(1, CPU) is not a
+    assert f(1, device=cuda0) is f(1, device=cuda0) and f(1, cuda0, flag=True) is not a
+    assert f(1, flag=True, device=CPU) is f(1, device=CPU, flag=True)  # keyword order does not matter
+
+
+def test_load_backend_is_import_module(tmp_path, monkeypatch):
+    """``load_backend`` returns what ``importlib.import_module`` would: it imports a module
+    not imported yet and then serves the one in ``sys.modules``."""
+    import importlib
+    import sys
+
+    from logitless.ops.common.dispatch import load_backend
+
+    for op in ("linear_cross_entropy", "linear_log_probs", "linear_jsd", "cross_entropy"):
+        for name in ("torch", "triton"):
+            package = f"logitless.ops.{op}"
+            assert load_backend(package, name) is importlib.import_module(f"{package}.{name}_backend")
+    pkg = tmp_path / "host2_fake_ops"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fake_backend.py").write_text("TOKEN = object()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        first = load_backend("host2_fake_ops", "fake")
+        assert sys.modules["host2_fake_ops.fake_backend"] is first
+        assert load_backend("host2_fake_ops", "fake") is first
+        replaced = type(sys)("replaced")
+        sys.modules["host2_fake_ops.fake_backend"] = replaced
+        assert load_backend("host2_fake_ops", "fake") is replaced
+        assert importlib.import_module("host2_fake_ops.fake_backend") is replaced
+        with pytest.raises(ModuleNotFoundError):
+            load_backend("host2_fake_ops", "missing")
+    finally:
+        sys.modules.pop("host2_fake_ops.fake_backend", None)
+        sys.modules.pop("host2_fake_ops", None)
+
+def test_cast_like_linear_outside_and_inside_autocast():
+    """Outside autocast the tensors come back as they are (the same objects); under CPU
+    autocast the castable floats are cast, float64 and None are left alone."""
+    from logitless.ops.common.autocast import cast_like_linear
+
+    x, w = torch.randn(3, 4), torch.randn(5, 4, dtype=torch.bfloat16)
+    d = torch.randn(5, dtype=torch.float64)
+    out = cast_like_linear(x, w, None)
+    assert out[0] is x and out[1] is w and out[2] is None and len(out) == 3
+    assert cast_like_linear(None, x)[1] is x
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cx, cw, cb, cd = cast_like_linear(x, w, None, d)
+    assert cx.dtype == torch.bfloat16 and cw is w and cb is None and cd is d

@@ -74,19 +74,38 @@ def check_memory_budget(value: Optional[int]) -> int:
     return value
 
 
+#: Per options class, its field names in order (``_field_names``: computed once per class).
+_FIELD_NAMES: dict = {}
+
+
+def _field_names(cls, instance=None) -> tuple:
+    """``cls``'s field names, remembered. (From the instance when there is one: under
+    torch.compile, dynamo traces ``dataclasses.fields`` of instances, not of classes. The
+    library's classes are filled in at import, below.)"""
+    names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls if instance is None else instance))
+    return names
+
+
 class _Args:
-    """``args()``: the fields in order, as a torch custom op takes them."""
+    """``args()``: the fields in order, as a torch custom op takes them.
+
+    Both directions run on the eager hot path (once or twice per call), so the field
+    names are looked up once per class (``_field_names``), not with ``dataclasses.fields``
+    and a generator per call (nor ``dataclasses.astuple``: it deep-copies each value).
+    Plain list comprehensions (not ``operator`` getters): the public functions call
+    ``args()`` under torch.compile too, which traces them."""
 
     def args(self) -> tuple:
-        # The fields' values in order (not dataclasses.astuple: it deep-copies each value,
-        # ~0.03 ms per call on the eager hot path).
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The fields' values in order."""
+        names = _FIELD_NAMES.get(type(self)) or _field_names(type(self), self)
+        return tuple([getattr(self, name) for name in names])
 
     @classmethod
     def from_args(cls, named: dict):
         """The options from a mapping of argument names to values (a custom op's inputs,
         ``ops.common.autograd.named``), which holds the fields under their own names."""
-        return cls(**{f.name: named[f.name] for f in dataclasses.fields(cls)})
+        names = _FIELD_NAMES.get(cls) or _field_names(cls)
+        return cls(*[named[name] for name in names])
 
 
 @dataclass(frozen=True)
@@ -215,3 +234,8 @@ class VocabParallelOptions(_Args):
     @property
     def parallel(self) -> bool:
         return self.tp_group != ""
+
+
+for _cls in (CrossEntropyOptions, JSDOptions, LogProbOptions, VocabParallelOptions):
+    _field_names(_cls)
+del _cls

@@ -90,6 +90,8 @@ def local_head(op: str, names: tuple[str, str, str], x: Tensor, weight: Tensor, 
 
 def plain(t: Optional[Tensor]) -> Optional[Tensor]:
     """A DTensor's full value as a plain tensor (targets, class weights); others unchanged."""
-    if t is not None and is_dtensor(t):
+    if t is None or type(t) is Tensor:  # (the common case, without the DTensor lookup)
+        return t
+    if is_dtensor(t):
         return t.full_tensor()
     return t

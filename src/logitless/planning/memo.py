@@ -28,10 +28,22 @@ import functools
 import os
 from collections.abc import Callable
 
-from logitless.planning.overrides import current as _overrides
+from logitless.planning.overrides import _CURRENT as _OVERRIDES
+from logitless.planning.overrides import DEFAULT as _DEFAULT_OVERRIDES
 
 MAX_ENTRIES = 4096
 _MEMOS: list[dict] = []
+
+#: The environment variables the tuned-config lookup reads (``tuned.tiles_for``,
+#: ``tuned.cache_path``: ``Path.home()`` reads ``HOME``).
+ENV_NAMES = ("LOGITLESS_TUNED", "LOGITLESS_CACHE_DIR", "HOME")
+#: The same names as keys of ``os.environ._data`` (CPython's dict behind ``os.environ``:
+#: bytes on POSIX, upper-case str on Windows), read without ``os.environ``'s Python-level
+#: ``get``/``__getitem__``/``encode``/``decode`` (~5 Python calls per variable). Setting
+#: or deleting ``os.environ[...]`` (``monkeypatch.setenv``, ``delenv``) updates ``_data``.
+_ENV_KEYS = tuple(map(os.environ.encodekey, ENV_NAMES)) if hasattr(os.environ, "encodekey") else None
+#: torch's fp32 matmul precision getter, bound at the first plan (torch is not imported here).
+_precision = None
 
 
 def _device_key(device):
@@ -48,31 +60,59 @@ def _device_key(device):
     return (kind, index)
 
 
-def _state_key():
+def _bind_precision():
+    global _precision
     import torch
 
+    # ``torch.get_float32_matmul_precision`` is a Python wrapper of this C function.
+    _precision = getattr(torch._C, "_get_float32_matmul_precision", None) or torch.get_float32_matmul_precision
+    return _precision
+
+
+def _state_key() -> tuple:
+    """The environment (``ENV_NAMES``, values as ``os.environ`` holds them) and fp32 matmul
+    precision: read at every planner call (a dictionary lookup each), so a change between
+    calls (a test's ``monkeypatch.setenv``) gives a new key."""
     env = os.environ
-    return (env.get("LOGITLESS_TUNED"), env.get("LOGITLESS_CACHE_DIR"), env.get("HOME"),
-            torch.get_float32_matmul_precision())
+    data = getattr(env, "_data", None)
+    if data is not None and _ENV_KEYS is not None:
+        values = tuple(map(data.get, _ENV_KEYS))
+    else:  # os.environ replaced by another mapping
+        values = tuple(map(env.get, ENV_NAMES))
+    return values + ((_precision or _bind_precision())(),)
 
 
 def memoised(fn: Callable) -> Callable:
     """``fn`` with its results kept by (arguments, device, overrides, state) as above.
-    Arguments that are torch devices are keyed by ``(type, index)``."""
+    Arguments that are torch devices are keyed by ``(type, index)``.
+
+    A hit costs two Python calls (the wrapper, ``_state_key``) and a dictionary lookup:
+    the key is built inline (no generator, no call per argument, the state read through
+    C functions), and
+    the overrides outside any ``override(...)`` (``overrides.DEFAULT``, by identity) are
+    keyed as None, so that the frozen dataclass' Python ``__hash__`` runs only under an
+    override."""
     memo: dict = {}
     _MEMOS.append(memo)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # Devices as _device_key has them, inline: one with an index (or not CUDA) needs no call.
+        key_args = tuple([
+            a if type(a).__name__ != "device" else
+            (a.type, a.index) if a.index is not None or a.type != "cuda" else _device_key(a)
+            for a in args])
+        if kwargs:
+            key_kwargs = tuple([(k, v if type(v).__name__ != "device" else _device_key(v))
+                                for k, v in sorted(kwargs.items())])
+        else:
+            key_kwargs = ()
+        overrides = _OVERRIDES.get()
+        key = (key_args, key_kwargs, None if overrides is _DEFAULT_OVERRIDES else overrides, _state_key())
         try:
-            key = (tuple(_device_key(a) if type(a).__name__ == "device" else a for a in args),
-                   tuple(sorted((k, _device_key(v) if type(v).__name__ == "device" else v)
-                                for k, v in kwargs.items())),
-                   _overrides(), _state_key())
-            hash(key)
+            found = memo.get(key)
         except TypeError:  # an unhashable override or argument: plan afresh
             return fn(*args, **kwargs)
-        found = memo.get(key)
         if found is None:
             if len(memo) >= MAX_ENTRIES:
                 memo.clear()

@@ -63,8 +63,10 @@ class Overrides:
     eager_fast_path: bool = True
 
 
-#: The default is a frozen dataclass: never mutated, only replaced (``override``).
-_CURRENT: contextvars.ContextVar = contextvars.ContextVar("logitless_overrides", default=Overrides())  # noqa: B039
+#: The overrides outside any ``override(...)``: a frozen dataclass, never mutated, only
+#: replaced (``override``). ``planning.memo`` keys plans made under it by identity.
+DEFAULT = Overrides()
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("logitless_overrides", default=DEFAULT)  # noqa: B039
 
 
 def current() -> Overrides:

@@ -39,9 +39,11 @@ def cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
 def cast_like_linear(*tensors: Optional[Tensor]) -> tuple:
     """The tensors as ``F.linear`` sees them under autocast (the device of the first
     tensor decides), unchanged outside autocast."""
-    device = next(t for t in tensors if t is not None).device
-    amp = autocast_dtype(device)
-    return tuple(cast(t, amp) for t in tensors)
+    first = tensors[0] if tensors[0] is not None else next(t for t in tensors if t is not None)
+    amp = autocast_dtype(first.device)
+    if amp is None:  # outside autocast (the common case): no per-tensor call
+        return tensors
+    return tuple([cast(t, amp) for t in tensors])
 
 
 def disabled(device: torch.device):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -43,8 +44,15 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
 
 
 def load_backend(op_package: str, name: str):
-    """The module ``{op_package}.{name}_backend`` of a resolved backend name."""
-    return importlib.import_module(f"{op_package}.{name}_backend")
+    """The module ``{op_package}.{name}_backend`` of a resolved backend name.
+
+    Runs in every forward and backward: after the first import the module comes from
+    ``sys.modules`` (as ``importlib.import_module`` would return it, without its ~5 Python
+    calls of import machinery)."""
+    module = sys.modules.get(f"{op_package}.{name}_backend")
+    if module is None:
+        module = importlib.import_module(f"{op_package}.{name}_backend")
+    return module
 
 
 def backend_module(op_package: str, name: str, device: torch.device, dtype: torch.dtype):

@@ -67,11 +67,17 @@ def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int, 
         raise ValueError(f"{name} contains {value}, outside [0, {num_classes}) and not ignore_index={ignore_index}")
 
 
+_DTENSOR: list = []  # DTensor's class, once found (it does not change while the process lives)
+
+
 def _dtensor_type():
     """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise)."""
+    if _DTENSOR:
+        return _DTENSOR[0]
     for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "DTensor"):
+            _DTENSOR.append(module.DTensor)
             return module.DTensor
     return None
 

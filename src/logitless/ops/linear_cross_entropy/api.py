@@ -145,16 +145,17 @@ def linear_cross_entropy(
     x, weight, bias, tp = _tp.prepare("linear_cross_entropy", ("x", "weight", "bias"), x, weight, bias,
                                       process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
     target, class_weight = _tp.plain(target), _tp.plain(class_weight)
-    _validate.check_not_dtensor("linear_cross_entropy", x=x, weight=weight, bias=bias)
+    # (x, weight and bias are plain tensors now: prepare made DTensors local or raised.)
+    parallel = tp.parallel
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
     # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
     # casts: each input's gradient comes back in its own dtype); the loss stays fp32.
     x, weight, bias = cast_like_linear(x, weight, bias)
     num_classes, hidden = _validate.check_linear_operands("linear_cross_entropy", x, weight, bias,
-                                                         allow_empty=tp.parallel)
+                                                         allow_empty=parallel)
     _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
-    if tp.parallel:  # the full vector: its length is checked in the op (the ranks know V together)
+    if parallel:  # the full vector: its length is checked in the op (the ranks know V together)
         if class_weight is not None:
             _validate.check_float("class_weight", class_weight)
     else:
@@ -180,13 +181,14 @@ def linear_cross_entropy(
     flat_target = target.reshape(-1).long()
 
     # Under no_grad (eval) nothing is kept for a backward, whatever requires_grad says.
-    grad_wanted = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
-    need = [grad_wanted and t is not None and t.requires_grad for t in (x2d, weight, bias)]
+    # (Written out, no generators: this runs at every call.)
+    has_bias_grad = bias is not None and bias.requires_grad
+    grad_wanted = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or has_bias_grad)
+    need = (grad_wanted and x2d.requires_grad, grad_wanted and weight.requires_grad, grad_wanted and has_bias_grad)
     # The Triton planner's gradient-in-forward strategy (eager only: under torch.compile
     # the keep/recompute strategies serve, as the strategy returns extra state).
     in_forward = 0
-    if grad_wanted and not torch.compiler.is_compiling() and not tp.parallel:
+    if grad_wanted and not torch.compiler.is_compiling() and not parallel:
         in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
     loss, lse, argmax, *_ = lce_forward_eager(
         x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,

@@ -187,8 +187,8 @@ def linear_jsd(
     flat_target = target.reshape(-1).long()
     # The Triton planner's gradient-in-forward strategy (eager only; "mean"/"sum"; one
     # device's heads): the forward also computes the student's gradients.
-    grad_wanted = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (xs, student_weight, student_bias))
+    grad_wanted = torch.is_grad_enabled() and (xs.requires_grad or student_weight.requires_grad
+                                               or (student_bias is not None and student_bias.requires_grad))
     if (grad_wanted and reduction != "none" and not tp.parallel and not torch.compiler.is_compiling()):
         chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget)
         if chunk:

@@ -102,7 +102,7 @@ def linear_log_probs(
     x, weight, bias, tp = _tp.prepare("linear_log_probs", ("x", "weight", "bias"), x, weight, bias,
                                       process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
     tokens = _tp.plain(tokens)
-    _validate.check_not_dtensor("linear_log_probs", x=x, weight=weight, bias=bias)
+    # (x, weight and bias are plain tensors now: prepare made DTensors local or raised.)
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
     x, weight, bias = cast_like_linear(x, weight, bias)
@@ -117,7 +117,8 @@ def linear_log_probs(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     flat = tokens.reshape(-1).long()
-    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad))
     logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
                                 *tp.args())
     logp = logp.reshape(out_shape)
