@@ -629,8 +629,6 @@ def test_fast_launch_is_taken_and_bitwise(op):
     for a, b in zip([out, x.grad, w.grad], first):
         assert torch.equal(a, b)
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
 
 
 # --------------------------------------------------------------------------- cheap host helpers
@@ -806,3 +804,7 @@ def test_cast_like_linear_outside_and_inside_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cx, cw, cb, cd = cast_like_linear(x, w, None, d)
     assert cx.dtype == torch.bfloat16 and cw is w and cb is None and cd is d
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
