@@ -1,4 +1,5 @@
-"""Are two trees' split-row JSD kernels (triton_lib/jsd_rows.py: phase 1 and phase 2) the
+"""Are two trees' row-statistics JSD kernels (triton_lib/jsd_rows.py: the one-pass forward
+and the split phases 1, 2 and 3) the
 same machine code? AOT compile for sm_90 on the CPU (the configurations of
 ``check_jsd_rows_asm.py`` plus a 4-row block), PTX with line info stripped:
 
@@ -29,6 +30,8 @@ def save(path: str) -> int:
             base = dict(MODE=mode, HAS_CAP_S=hard, HAS_CAP_T=hard)
             jobs = [(R.jsd_partial_kernel, dict(base, HAS_HARD=hard, BLOCK_N=1, BLOCK_V=4096, BLOCKS_PER_SPLIT=4), 8),
                     (R.jsd_partial_kernel, dict(base, HAS_HARD=hard, BLOCK_N=4, BLOCK_V=1024, BLOCKS_PER_SPLIT=2), 4)]
+            jobs += [(R.jsd_finish_kernel, dict(MODE=mode, HAS_HARD=hard, HAS_CAP_S=hard, BLOCK_N=128), 4),
+                     (R.jsd_forward_kernel, dict(base, HAS_HARD=hard, BLOCK_N=1, BLOCK_V=4096), 8)]
             if mode == 0:
                 jobs += [(R.jsd_divergence_kernel, dict(base, BLOCK_N=1, BLOCK_V=4096, BLOCKS_PER_SPLIT=4), 8),
                          (R.jsd_divergence_kernel, dict(base, BLOCK_N=4, BLOCK_V=1024, BLOCKS_PER_SPLIT=2), 4)]

@@ -109,18 +109,8 @@ def jsd_forward_kernel(
     tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
     tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
     tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
-    lse1 = tl.zeros((BLOCK_N,), tl.float32)
-    z_t = tl.zeros((BLOCK_N,), tl.float32)
-    if HAS_HARD:
-        lse1 = tl.where(m_1 == neg, 0.0, m_1) + tl.log(s_1)
-        target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
-        t_ok = row_ok & (target >= 0) & (target < V)
-        z_t = tl.load(zs_ptr + offs_n.to(tl.int64) * stride_sn + target.to(tl.int64) * stride_sv,
-                      mask=t_ok, other=0.0).to(tl.float32)
-        if HAS_CAP_S:
-            z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
-    tl.store(stats_ptr + 4 * stride_stat + offs_n, lse1, mask=row_ok)
-    tl.store(stats_ptr + 5 * stride_stat + offs_n, z_t, mask=row_ok)
+    _store_hard_label(stats_ptr, stride_stat, offs_n, row_ok, m_1, s_1,
+                      target_ptr, zs_ptr, stride_sn, stride_sv, V, cap_s, HAS_HARD, HAS_CAP_S, BLOCK_N)
 
 
 @triton.jit
@@ -262,6 +252,29 @@ def _merge_splits(part_ptr, q_m, q_s, q_w, offs_n, row_ok, N, splits, WITH_W: tl
 
 
 @triton.jit
+def _store_hard_label(stats_ptr, stride_stat, offs_n, row_ok, m_1, s_1,
+                      target_ptr, zs_ptr, stride_sn, stride_sv, V, cap_s,
+                      HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows 4 and 5 of the (6, N) statistics (rows ``stride_stat`` apart): with a hard label
+    the student's lse at temperature 1 (from its max ``m_1`` and sum ``s_1``) and its
+    (soft-capped) target logit read from the student's logits ``zs`` (0 at ignored or
+    out-of-range targets); zeros without one. Rows 0-3 (both heads' lse, the divergence
+    sums) are stored by the kernels before their hard-label statistics are merged."""
+    lse1 = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_HARD:
+        lse1 = _lse(m_1, s_1)
+        target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+        t_ok = row_ok & (target >= 0) & (target < V)
+        z_t = tl.load(zs_ptr + offs_n.to(tl.int64) * stride_sn + target.to(tl.int64) * stride_sv,
+                      mask=t_ok, other=0.0).to(tl.float32)
+        if HAS_CAP_S:
+            z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
+    tl.store(stats_ptr + 4 * stride_stat + offs_n, lse1, mask=row_ok)
+    tl.store(stats_ptr + 5 * stride_stat + offs_n, z_t, mask=row_ok)
+
+
+@triton.jit
 def _lse(m, s):
     return tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
 
@@ -329,19 +342,12 @@ def jsd_finish_kernel(
     tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
     tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
     tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
-    lse1 = tl.zeros((BLOCK_N,), tl.float32)
-    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    m_1 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s_1 = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_HARD:
         m_1, s_1, _ = _merge_splits(part_ptr, 4, 5, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
-        lse1 = _lse(m_1, s_1)
-        target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
-        t_ok = row_ok & (target >= 0) & (target < V)
-        z_t = tl.load(zs_ptr + offs_n.to(tl.int64) * stride_sn + target.to(tl.int64) * stride_sv,
-                      mask=t_ok, other=0.0).to(tl.float32)
-        if HAS_CAP_S:
-            z_t = tl.where(t_ok, softcap_tile(z_t, cap_s), 0.0)
-    tl.store(stats_ptr + 4 * stride_stat + offs_n, lse1, mask=row_ok)
-    tl.store(stats_ptr + 5 * stride_stat + offs_n, z_t, mask=row_ok)
+    _store_hard_label(stats_ptr, stride_stat, offs_n, row_ok, m_1, s_1,
+                      target_ptr, zs_ptr, stride_sn, stride_sv, V, cap_s, HAS_HARD, HAS_CAP_S, BLOCK_N)
 
 
 def row_stats(zs, zt, target, stats, opts, plan) -> None:
