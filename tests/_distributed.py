@@ -16,6 +16,7 @@ import datetime
 import os
 import socket
 import sys
+import tempfile
 import traceback
 from typing import Optional
 
@@ -37,7 +38,8 @@ TIMEOUT = datetime.timedelta(seconds=90)
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for MASTER_PORT)."""
+    """A TCP port free on 127.0.0.1 right now (for MASTER_PORT). Racy: another process may
+    take it before the caller binds it (pytest-xdist workers do); ``spawn`` uses a file."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,17 +54,21 @@ def spawn(fn, world: int, *args, backend: Optional[str] = None):
         pytest.skip("needs gloo (CPU) or enough CUDA GPUs with NCCL")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_run, args=(world, free_port(), fn, args, nccl), nprocs=world, join=True)
+    # The ranks meet through a file of a fresh directory, not a TCP port: a port found free can
+    # be taken by another test process before rank 0 listens on it (EADDRINUSE under xdist).
+    with tempfile.TemporaryDirectory(prefix="logitless-dist-") as tmp:
+        store = os.path.join(tmp, "store")
+        torch.multiprocessing.spawn(_run, args=(world, store, fn, args, nccl), nprocs=world, join=True)
 
 
-def _run(rank: int, world: int, port: int, fn, args, nccl: bool):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _run(rank: int, world: int, store_path: str, fn, args, nccl: bool):
+    store = dist.FileStore(store_path, world)
     if nccl:
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
-                                timeout=TIMEOUT)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank), timeout=TIMEOUT)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         fn(rank, world, torch.device("cuda", rank) if nccl else torch.device("cpu"), *args)
     except BaseException:

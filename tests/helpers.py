@@ -82,3 +82,12 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def one_gpu(args):
+    """A transformers TrainingArguments using one GPU, as ``CUDA_VISIBLE_DEVICES=0`` would, on a
+    machine where the process sees several: TRL's trainers refuse the ``nn.DataParallel`` that
+    Trainer otherwise wraps the model in (their users launch one process per GPU)."""
+    if args.n_gpu > 1:
+        args._n_gpu = 1
+    return args

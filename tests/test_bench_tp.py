@@ -4,9 +4,9 @@ baseline must be right for its timings to mean anything."""
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -20,13 +20,11 @@ def one_rank_group():
     if dist.is_initialized():
         yield dist.group.WORLD
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=1))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with tempfile.TemporaryDirectory(prefix="logitless-tp-") as tmp:  # a file, not a racy free port
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=1))
+        yield dist.group.WORLD
+        dist.destroy_process_group()
 
 
 def test_megatron_style_log_probs_match_autograd(one_rank_group):

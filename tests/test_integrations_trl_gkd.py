@@ -19,6 +19,8 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: E402
 import logitless.integrations.trl as lt_trl  # noqa: E402
 from logitless.ops.linear_jsd import api as jsd_api  # noqa: E402
 
+from .helpers import one_gpu  # noqa: E402
+
 WORDS = [f"w{i}" for i in range(90)]
 VOCAB = 93
 
@@ -156,6 +158,7 @@ def _gkd_trainer(tmp_path, name, peft=False, teacher_kw=None, cuda=False, bf16=F
                      learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=not cuda,
                      bf16=bf16, fp16=False, seed=7, max_length=32, max_new_tokens=4, dataloader_num_workers=0,
                      **cfg)
+    one_gpu(args)
     return GKDTrainer(model=tiny_llama(3, 32), teacher_model=tiny_llama(4, 48, layers=1, **(teacher_kw or {})),
                       args=args, train_dataset=_chat_dataset(), processing_class=_tokenizer(), **extra)
 
@@ -237,6 +240,7 @@ def _train_distillation(tmp_path, patched, entropy=True, cuda=False, **cfg):
                               per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
                               save_strategy="no", report_to="none", use_cpu=not cuda, bf16=False, fp16=False,
                               seed=7, max_completion_length=5, dataloader_num_workers=0, **cfg)
+    one_gpu(args)
     student = tiny_llama(3, 32)
     with torch.no_grad():  # EOS often: completions of different lengths, so the completion mask matters
         student.lm_head.weight[2] *= 6

@@ -497,3 +497,93 @@ def test_train_bench_moe_harness_cpu(tmp_path):
     assert runs["logitless-autocast"]["logits_none"] is True and runs["hf-autocast"]["logits_none"] is False
     assert abs(runs["hf-autocast"]["losses"][0] - runs["logitless-autocast"]["losses"][0]) < 2e-2
     assert data["settings"]["model_class"] == "Qwen3MoeForCausalLM"
+
+
+# ---------------------------------------------------------------------- nn.DataParallel
+
+
+def _data_parallel_copies(model, n):
+    """What nn.DataParallel's ``replicate`` does, without GPUs: every module's
+    ``_replicate_for_data_parallel()``, children wired to the copies, parameters set as plain
+    attributes (torch sets broadcast copies; fresh leaves here, so a gradient shows whose
+    weights a forward read)."""
+    modules = list(model.modules())
+    index = {m: i for i, m in enumerate(modules)}
+    copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(n)]
+    leaves = [{} for _ in range(n)]
+    for j in range(n):
+        for i, m in enumerate(modules):
+            r = copies[j][i]
+            for key, child in m._modules.items():
+                r._modules[key] = None if child is None else copies[j][index[child]]
+            for key, p in m._parameters.items():
+                if p is None:
+                    setattr(r, key, None)
+                else:
+                    leaf = p.detach().clone().requires_grad_()
+                    setattr(r, key, leaf)
+                    leaves[j][(i, key)] = leaf
+    return [c[0] for c in copies], leaves
+
+
+def test_data_parallel_copies_run_at_once():
+    """nn.DataParallel (HF Trainer with several GPUs in one process) copies the patched model per
+    GPU and runs the copies in threads: each copy computes HF's loss on its shard with its own
+    weights (not the original's), also concurrently; eval mode gives the model's logits."""
+    import threading
+
+    ref = tiny("LlamaForCausalLM", seed=2)
+    model = lt.patch(tiny("LlamaForCausalLM", seed=2))
+    ids, labels, _ = batch(seed=5, b=4)
+    copies, leaves = _data_parallel_copies(model, 2)
+    assert all(lt.is_patched(c) for c in copies)
+    for _ in range(3):  # several rounds: a shared state would race
+        losses = [None, None]
+        errors = []
+        start = threading.Barrier(2)
+
+        def run(j):
+            try:
+                start.wait()
+                losses[j] = copies[j](input_ids=ids[2 * j:2 * j + 2], labels=labels[2 * j:2 * j + 2]).loss
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(j,)) for j in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for j in range(2):
+            want = ref(input_ids=ids[2 * j:2 * j + 2], labels=labels[2 * j:2 * j + 2]).loss
+            torch.testing.assert_close(losses[j], want, rtol=1e-5, atol=1e-6)
+    sum(losses).backward()
+    head = list(model.modules()).index(model.get_output_embeddings())
+    for j in range(2):
+        assert leaves[j][(head, "weight")].grad is not None  # the copy's head weight was read
+    assert all(p.grad is None for p in model.parameters())  # the original's never
+    for c in copies:
+        c.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(copies[1](input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
+    lt.unpatch(model)
+    assert "_replicate_for_data_parallel" not in vars(model)
+    assert "_replicate_for_data_parallel" not in vars(model.get_output_embeddings())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel over GPUs needs at least 2 CUDA GPUs")
+def test_data_parallel_two_gpus():
+    """torch's own nn.DataParallel on 2 GPUs: the patched loss and gradients equal HF's."""
+    ref = tiny("LlamaForCausalLM", seed=2).to("cuda:0")
+    model = lt.patch(tiny("LlamaForCausalLM", seed=2).to("cuda:0"))
+    ids, labels, _ = batch(seed=5, b=4)
+    losses = []
+    for m in (ref, model):
+        loss = torch.nn.DataParallel(m, device_ids=[0, 1])(input_ids=ids, labels=labels).loss
+        assert loss.shape == (2,)  # one loss per GPU, as DataParallel gathers them
+        loss.sum().backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -298,11 +298,10 @@ def test_causal_lm_loss_from_hidden_states(patched, monkeypatch):
 WORLD = 2
 
 
-def _fsdp_worker(rank: int, port: int, order: str):
+def _fsdp_worker(rank: int, store_path: str, order: str):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -350,7 +349,5 @@ def test_fsdp2_sharded_layers_and_head(order):
 
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_fsdp_worker, args=(port, order), nprocs=WORLD, join=True)
+    with tempfile.TemporaryDirectory(prefix="logitless-fsdp-") as tmp:  # a file, not a racy free port
+        torch.multiprocessing.spawn(_fsdp_worker, args=(os.path.join(tmp, "store"), order), nprocs=WORLD, join=True)

@@ -26,10 +26,15 @@ LM head) bypasses all of this: a forward pre-hook on the backbone warns once, na
 fix (``bypass.py``).
 The state lives in the instance's ``__dict__``: ``copy.deepcopy`` (TRL's reference
 models) gives an independent patched copy; pickling is not supported while patched.
+``nn.DataParallel`` (what HF's Trainer uses when one process sees several GPUs) copies each
+module per GPU and runs the copies in threads: the patched model and head carry their own
+``_replicate_for_data_parallel``, so each copy gets its own state and forwards bound to
+itself (``_replicate_model``, ``_replicate_head``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import types
@@ -53,6 +58,7 @@ ALLOWED_OPTIONS = ("memory_budget", "backend", "z_loss", "label_smoothing")
 _STATE = "_logitless_patch"  # on the model: the _State
 _HEAD_STATE = "_logitless_head"  # on the head: the same _State
 _CLASS_STATE = "_logitless_class_patch"  # on a class patched by patch(cls)
+_REPLICATE = "_replicate_for_data_parallel"  # on the model and head: nn.DataParallel's copy (see below)
 
 
 class _State:
@@ -176,6 +182,7 @@ def _install_head(head: nn.Module, state: _State) -> None:
     if vars(head).get(_HEAD_STATE) is state:
         return
     object.__setattr__(head, "forward", types.MethodType(_head_forward, head))
+    object.__setattr__(head, _REPLICATE, types.MethodType(_replicate_head, head))
     object.__setattr__(head, _HEAD_STATE, state)
 
 
@@ -183,6 +190,49 @@ def _uninstall_head(head: nn.Module, state: _State) -> None:
     if vars(head).get(_HEAD_STATE) is state:
         object.__delattr__(head, "forward")
         object.__delattr__(head, _HEAD_STATE)
+        if _REPLICATE in vars(head):
+            object.__delattr__(head, _REPLICATE)
+
+
+# ---------------------------------------------------------------------- nn.DataParallel
+
+
+def _rebound(fn, old: nn.Module, new: nn.Module):
+    """``fn`` bound to ``new`` instead if it is a method bound to ``old``; else ``fn``."""
+    if isinstance(fn, types.MethodType) and fn.__self__ is old:
+        return types.MethodType(fn.__func__, new)
+    return fn
+
+
+def _replica(module: nn.Module, names: tuple) -> nn.Module:
+    """torch's own per-device shallow copy of ``module``, with the instance methods ``names``
+    (bound to ``module`` in the copied ``__dict__``) bound to the copy."""
+    replica = type(module)._replicate_for_data_parallel(module)
+    for name in names:
+        fn = vars(replica).get(name)
+        if fn is not None:
+            object.__setattr__(replica, name, _rebound(fn, module, replica))
+    return replica
+
+
+def _replicate_head(self: nn.Module) -> nn.Module:
+    """A patched head's copy for nn.DataParallel: its forward reads the copy's weight. The
+    copy keeps the original's state until its model copy's first patched call installs the
+    copy's own (``_call``: a head whose state is not the model's is re-installed)."""
+    return _replica(self, ("forward", _REPLICATE))
+
+
+def _replicate_model(self: nn.Module) -> nn.Module:
+    """A patched model's copy for nn.DataParallel: its own _State (the copies run at once,
+    in threads: one ``job`` each), forwards bound to the copy (the patched one, accelerate's
+    ``_original_forward``, a forward of the instance kept as ``state.original``), and no
+    bypass guard (the original's warns)."""
+    replica = _replica(self, ("forward", "_original_forward", _REPLICATE))
+    state = copy.copy(vars(self)[_STATE])
+    state.job = state.result = state.guard = None
+    state.original = _rebound(state.original, self, replica)
+    object.__setattr__(replica, _STATE, state)
+    return replica
 
 
 @torch.compiler.disable
@@ -349,6 +399,7 @@ def _patch_instance(model, options: dict):
     state = _State(options, original, params, var_kw)
     _install_head(inner.get_output_embeddings(), state)
     object.__setattr__(inner, "forward", types.MethodType(_forward_for(type(inner), sig), inner))
+    object.__setattr__(inner, _REPLICATE, types.MethodType(_replicate_model, inner))
     object.__setattr__(inner, _STATE, state)
     state.guard = _bypass.install(inner, state)
     return model
@@ -367,6 +418,8 @@ def _unpatch_instance(model):
         object.__setattr__(inner, "forward", state.original)
     else:
         object.__delattr__(inner, "forward")
+    if _REPLICATE in vars(inner):
+        object.__delattr__(inner, _REPLICATE)
     object.__delattr__(inner, _STATE)
     return model
 

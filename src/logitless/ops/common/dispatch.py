@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 
 import torch
 
@@ -46,13 +45,20 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
 def load_backend(op_package: str, name: str):
     """The module ``{op_package}.{name}_backend`` of a resolved backend name.
 
-    Runs in every forward and backward: after the first import the module comes from
-    ``sys.modules`` (as ``importlib.import_module`` would return it, without its ~5 Python
-    calls of import machinery)."""
-    module = sys.modules.get(f"{op_package}.{name}_backend")
+    Runs in every forward and backward: after the first import the module comes from a dict
+    (without ``importlib.import_module``'s ~5 Python calls of import machinery). Not from
+    ``sys.modules``: a module another thread is still importing is there half-initialised
+    (nn.DataParallel runs the first steps of its copies at once, in threads); the import
+    machinery waits for it, and only complete modules enter the dict."""
+    key = f"{op_package}.{name}_backend"
+    module = _LOADED.get(key)
     if module is None:
-        module = importlib.import_module(f"{op_package}.{name}_backend")
+        module = _LOADED[key] = importlib.import_module(key)
     return module
+
+
+#: ``load_backend``'s modules, each entered after its import completed.
+_LOADED: dict = {}
 
 
 def backend_module(op_package: str, name: str, device: torch.device, dtype: torch.dtype):

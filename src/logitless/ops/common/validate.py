@@ -71,13 +71,17 @@ _DTENSOR: list = []  # DTensor's class, once found (it does not change while the
 
 
 def _dtensor_type():
-    """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise)."""
-    if _DTENSOR:
+    """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise).
+    Cached for eager calls only: a compiled graph that read the cache would be guarded on
+    it and recompiled once it fills (the first compiled step of a process did that)."""
+    compiling = torch.compiler.is_compiling()
+    if _DTENSOR and not compiling:
         return _DTENSOR[0]
     for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "DTensor"):
-            _DTENSOR.append(module.DTensor)
+            if not compiling:
+                _DTENSOR.append(module.DTensor)
             return module.DTensor
     return None
 
