@@ -79,20 +79,30 @@ def timeline(trace: dict, label: str, gap_us: float = 20.0) -> dict:
     r0 = min(e["ts"] for e in ranges)
     r1 = max(e["ts"] + e["dur"] for e in ranges)
     host_calls = [e for e in ev if e.get("cat") in HOST_CATS]
-    launch_of = {e["args"]["correlation"]: e for e in host_calls
-                 if "correlation" in e.get("args", {}) and r0 <= e["ts"] <= r1}
-    dev = sorted((e for e in ev if e.get("cat") in DEVICE_CATS
-                  and e.get("args", {}).get("correlation") in launch_of), key=lambda e: e["ts"])
+    any_launch = {e["args"]["correlation"]: e for e in host_calls if "correlation" in e.get("args", {})}
+    launch_of = {c: e for c, e in any_launch.items() if r0 <= e["ts"] <= r1}
+    # device work launched inside the range; work whose launch the trace lacks counts when
+    # it starts inside the range or within 1 s after it (its queue delay then unknown)
+    dev = sorted((e for e in ev if e.get("cat") in DEVICE_CATS and (
+        e.get("args", {}).get("correlation") in launch_of
+        or (e.get("args", {}).get("correlation") not in any_launch and r0 <= e["ts"] <= r1 + 1e6))),
+        key=lambda e: e["ts"])
+    unlaunched = 0
     cpu_ops = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") != label]
     rows, prev_end = [], None
     starved = other = 0.0
     gaps = []
     for e in dev:
-        lau = launch_of[e["args"]["correlation"]]
-        lau_end = lau["ts"] + lau["dur"]
+        lau = launch_of.get(e.get("args", {}).get("correlation"))
+        if lau is None:  # (no launch record: treated as launched before the GPU ran dry)
+            unlaunched += 1
+            lau = dict(ts=e["ts"], dur=0.0, name="?")
+            lau_end = -float("inf")
+        else:
+            lau_end = lau["ts"] + lau["dur"]
         gap = 0.0 if prev_end is None else max(0.0, e["ts"] - prev_end)
         row = dict(name=e["name"][:70], cat=e["cat"], start_us=round(e["ts"] - r0, 2), dur_us=round(e["dur"], 2),
-                   gap_us=round(gap, 2), queue_us=round(e["ts"] - lau_end, 2),
+                   gap_us=round(gap, 2), queue_us=round(e["ts"] - lau_end, 2) if lau["name"] != "?" else None,
                    launched_us=round(lau["ts"] - r0, 2), launch_call=lau["name"])
         if prev_end is not None and gap > 0:
             if lau_end >= prev_end:  # launched after the GPU ran dry: waiting on the host
@@ -121,7 +131,7 @@ def timeline(trace: dict, label: str, gap_us: float = 20.0) -> dict:
     return dict(host_range_us=round(r1 - r0, 1), span_us=round(span, 1), busy_us=round(busy, 1),
                 idle_us=round(span - busy, 1), idle_host_starved_us=round(starved, 1),
                 idle_other_us=round(other, 1), first_kernel_after_us=round(dev[0]["ts"] - r0, 1) if dev else None,
-                activities=len(dev), gaps=gaps, rows=rows,
+                activities=len(dev), without_launch_record=unlaunched, gaps=gaps, rows=rows,
                 kernels=sorted(([k, c, round(d, 1)] for k, (c, d) in by_kernel.items()), key=lambda r: -r[2]),
                 runtime_calls=dict(calls.most_common()),
                 syncing_calls={k: v for k, v in calls.items() if any(k.startswith(s) for s in SYNCING)})
@@ -272,6 +282,7 @@ def main():
                         f"{tl.get('idle_us', 0) / 1e3:.3f} (host-starved {tl.get('idle_host_starved_us', 0) / 1e3:.3f}"
                         f", other {tl.get('idle_other_us', 0) / 1e3:.3f}), first kernel at "
                         f"{(tl.get('first_kernel_after_us') or 0) / 1e3:.3f} ms, {tl.get('activities')} activities"
+                        f" ({tl.get('without_launch_record')} without a launch record)"
                         f" | sync warnings {rec['sync_warnings']}, syncing calls {tl.get('syncing_calls')}")
                 print(head, flush=True)
                 for gp in tl.get("gaps", [])[:12]:
@@ -285,8 +296,9 @@ def main():
                     print(f"   {'#':>4} {'start us':>10} {'dur us':>9} {'gap us':>8} {'queue us':>9} "
                           f"{'launched':>9}  name", file=log)
                     for i, r in enumerate(rows):
+                        q = "-" if r["queue_us"] is None else f"{r['queue_us']:.1f}"
                         print(f"   {i:4d} {r['start_us']:10.1f} {r['dur_us']:9.1f} {r['gap_us']:8.1f} "
-                              f"{r['queue_us']:9.1f} {r['launched_us']:9.1f}  {r['name']} [{r['launch_call']}]",
+                              f"{q:>9} {r['launched_us']:9.1f}  {r['name']} [{r['launch_call']}]",
                               file=log)
                     for gp in tl.get("gaps", []):
                         print(f"   gap {gp}", file=log)

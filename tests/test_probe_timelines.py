@@ -45,14 +45,18 @@ def test_timeline_gaps_queue_and_starved_idle(probe):
         # D launched at 606, before C ends, but starts 40 us after C (not host-starved)
         _x("cudaMemsetAsync", "cuda_runtime", 606.0, 2.0, corr=5),
         _x("Memset (Device)", "gpu_memset", 700.0, 10.0, corr=5),
+        # E: no launch record in the trace (e.g. a driver call not recorded), inside the range
+        _x("E", "kernel", 760.0, 10.0, corr=9),
+        _x("gpu annotation", "gpu_user_annotation", 100.0, 900.0),  # not device work
     ]
     tl = probe.timeline(dict(traceEvents=ev), "fwd", gap_us=20.0)
     names = [r["name"] for r in tl["rows"]]
-    assert names == ["A", "B", "C", "Memset (Device)"]
-    assert [r["gap_us"] for r in tl["rows"]] == [0.0, 0.0, 190.0, 40.0]
-    assert [r["queue_us"] for r in tl["rows"]] == [5.0, 186.0, 5.0, 92.0]
-    assert tl["busy_us"] == 360.0 and tl["span_us"] == 590.0 and tl["idle_us"] == 230.0
-    assert tl["idle_host_starved_us"] == 190.0 and tl["idle_other_us"] == 40.0
+    assert names == ["A", "B", "C", "Memset (Device)", "E"]
+    assert [r["gap_us"] for r in tl["rows"]] == [0.0, 0.0, 190.0, 40.0, 50.0]
+    assert [r["queue_us"] for r in tl["rows"]] == [5.0, 186.0, 5.0, 92.0, None]
+    assert tl["busy_us"] == 370.0 and tl["span_us"] == 650.0 and tl["idle_us"] == 280.0
+    assert tl["idle_host_starved_us"] == 190.0 and tl["idle_other_us"] == 90.0
+    assert tl["without_launch_record"] == 1
     assert tl["first_kernel_after_us"] == 20.0
     assert tl["syncing_calls"] == {"cudaStreamSynchronize": 1}
     assert tl["runtime_calls"]["cudaLaunchKernel"] == 2
