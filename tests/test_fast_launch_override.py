@@ -116,3 +116,58 @@ def test_linear_jsd_launches_are_fast_and_bitwise(budget):
         assert launch.LAUNCHES["fast"] == before
     for a, b, c in zip(first, second, slow):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("kernel", ["jsd_partial_kernel", "jsd_divergence_kernel", "jsd_finish_kernel",
+                                    "jsd_loss_epilogue_kernel", "jsd_upstream_kernel", "jsd_dlogits_kernel",
+                                    "jsd_backward_kernel"])
+def test_launch_key_implies_tritons_specialisation_for_jsd_kernels(kernel):
+    """linear_jsd's kernels now launch through ``run_kernel``: equal ``launch_key`` must
+    imply equal Triton specialisation and options (Triton's own binder for sm_90, on the
+    CPU), and the fast path must hand the launcher the values ``JITFunction.run`` would;
+    over random arguments (tensors of several dtypes and alignments, TMA descriptors, ints
+    around 1 / 16 / 2^31, floats (the kernels' scalar options), bools, None)."""
+    import random
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from logitless.ops.linear_jsd import triton_kernels as LK
+    from logitless.triton_lib import jsd_epilogue, jsd_rows, launch
+    from tests.test_host_overhead import _random_launch_args
+
+    fn = next(getattr(m, kernel) for m in (jsd_rows, jsd_epilogue, LK) if hasattr(m, kernel))
+    jit = JITFunction(getattr(fn, "fn", fn))
+    binder = create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
+    flat = {dt: torch.zeros(4096, dtype=dt) for dt in (torch.bfloat16, torch.float32, torch.int64)}
+    pool_t = [flat[dt][off:off + 512] for dt in flat for off in (0, 1, 8, 16)]
+    pool_t += [flat[dt][16:528].view(8, 64) for dt in flat]
+    pool_t += [launch.descriptor(flat[torch.bfloat16][off:off + 1024].view(16, 64), (16, 64), (64, 1), bs)
+               for bs in ((16, 64), (16, 32)) for off in (0, 64)] + [None]
+    pool_i = [0, 1, 2, 16, 17, 2**31 - 1, 2**31, -1, 1.0, 0.5, -0.25, True, False]
+    pool_c = [True, False, 0, 1, 2, 16, 64, "tf32", "tf32x3", None]
+    same = {}
+    for value in pool_t + pool_i + pool_c:
+        same.setdefault(launch.launch_key(jit, 0, (value,), {}), []).append(value)
+    g = random.Random(kernel)
+    seen: dict = {}
+    collisions = 0
+    for _ in range(150):
+        base_args, base_kwargs = _random_launch_args(jit.params, g, pool_t, pool_i, pool_c)
+        for _ in range(5):
+            def swap(a):
+                return g.choice(same.get(launch.launch_key(jit, 0, (a,), {}), [a]))
+
+            args = [swap(a) for a in base_args]
+            kwargs = {k: swap(a) for k, a in base_kwargs.items()}
+            ours = launch.launch_key(jit, 0, tuple(args), kwargs)
+            bound, spec, options = binder(*args, **kwargs)
+            tail = tuple((p.name, p.default) for p in list(jit.signature.parameters.values())[len(args):])
+            assert launch.bound_values(tuple(args), kwargs, tail) == tuple(bound.values())
+            theirs = (str(spec), str(options))
+            if ours in seen:
+                collisions += 1
+                assert seen[ours] == theirs, (args, kwargs)
+            seen[ours] = theirs
+    assert collisions > 50
