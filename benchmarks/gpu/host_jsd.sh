@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 23 item 3 (helper "hostjsd"): the fast-launch A/B in one process, and linear_jsd's
-# forward timeline. One H100, ~3 min, at most 200 s (caps 60 + 75 + the rest of 195 s):
+# forward timeline. One H100, ~3 min, at most 200 s (caps 70 + 80 + the rest of 195 s):
 #   OUT=<dir> bash benchmarks/gpu/host_jsd.sh            (SMOKE=1: CPU smoke run, ~2 min)
 # 1. probe_launch_ab.py at 512x4096x32000 and 1024x2048x32000, eager f+b and forward-only:
 #    fast launch on (default) / on under an override / off (override(fast_launch=False)),
@@ -32,16 +32,16 @@ if [ -n "$SMOKE" ]; then
 else
     SM=""
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader 2>&1
-    TESTS_A="tests/test_fast_launch_override.py tests/test_probe_timelines.py tests/test_host_overhead.py tests/test_linear_jsd_fused.py"
+    TESTS_A="tests/test_fast_launch_override.py tests/test_probe_timelines.py tests/test_linear_jsd_fused.py tests/test_host_overhead.py"
     TESTS_B="tests/test_linear_jsd.py tests/test_jsd_split_rows.py tests/test_linear_jsd_grad_in_forward.py tests/test_jsd.py tests/test_linear_jsd_tf32.py"
 fi
 
-echo "== 1. fast-launch A/B, one process (cap 60 s) [$(since) s]"
-timeout -s INT -k 5 60 "$PY" benchmarks/probe_launch_ab.py $SM --shapes 512:4096:32000,1024:2048:32000 \
+echo "== 1. fast-launch A/B, one process (cap 70 s) [$(since) s]"
+timeout -s INT -k 5 70 "$PY" benchmarks/probe_launch_ab.py $SM --shapes 512:4096:32000,1024:2048:32000 \
     --rounds 15 --k 20 --profile --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1
 RC[ab]=$?; T[ab]=$(since)
 
-echo "== 2. linear_jsd timeline (cap 75 s) [$(since) s]"
+echo "== 2. linear_jsd timeline (cap 80 s) [$(since) s]"
 SMI_PID=""
 if [ -z "$SMOKE" ] && command -v nvidia-smi >/dev/null; then
     Q="timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu"
@@ -49,7 +49,7 @@ if [ -z "$SMOKE" ] && command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu="$Q" --format=csv -lms 100 > "$OUT/smi.csv" 2>&1 &
     SMI_PID=$!
 fi
-timeout -s INT -k 5 75 "$PY" benchmarks/probe_jsd_timeline.py $SM --json "$OUT/timeline.json" \
+timeout -s INT -k 5 80 "$PY" benchmarks/probe_jsd_timeline.py $SM --json "$OUT/timeline.json" \
     --log "$OUT/timeline-rows.log" 2>&1 | grep -vE "Warning|USDT|warnings.warn|TensorHandle" > "$OUT/timeline.log"
 RC[timeline]=${PIPESTATUS[0]}; T[timeline]=$(since)
 [ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null
