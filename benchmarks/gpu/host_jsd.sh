@@ -81,8 +81,8 @@ echo "   (rc 124 / 130 / 2: cut off by its cap)"
 echo "-- 1. A/B (ms, median over rounds [p10,p90] in ab.log): on = default, ovr = on under an override, off = kernel[grid]"
 grep -E "^\{'device'" "$OUT/ab.log" | cut -c1-200
 sed -n '/== A\/B summary/,$p' "$OUT/ab.log" | cut -c1-420
-grep -E "^[0-9]+x[0-9]+x[0-9]+ +(fb|fwd) +(on|on_ovr|off) " "$OUT/ab.log" | sed -E 's/ \| launches/\n      launches/' \
-    | grep -E "launches" | sort -u | head -n 6
+grep -E "^[0-9]+x[0-9]+x[0-9]+ +(fb|fwd) +(on|on_ovr|off) " "$OUT/ab.log" \
+    | sed -E 's/^([^ ]+ +[^ ]+ +[^ ]+) .* \| (launches .*)$/   \1 \2/' | head -n 12
 grep -E "^-- cProfile" "$OUT/ab.log"
 grep -E "Error|Traceback" "$OUT/ab.log" | head -n 4
 echo "-- 2. linear_jsd timeline (kgrid = every launch through kernel[grid], fast = cached launches)"
