@@ -91,9 +91,10 @@ echo "   largest gaps, 8k->4k forward (us before activity #; host-starved; what 
 grep -A 6 -E "^llama-8k->4k fwd (kgrid|fast):" "$OUT/timeline.log" | grep -E "^llama|gap" | cut -c1-330 | head -n 14
 grep -E "Error|Traceback" "$OUT/timeline.log" | head -n 4
 if [ -s "$OUT/smi.csv" ]; then
-    echo "   nvidia-smi during part 2 (SM MHz min/median/max, W max):"
-    awk -F', ' 'NR>1 && $2+0>0 {print $2+0, $4+0}' "$OUT/smi.csv" | sort -n | awk '{c[NR]=$1; if ($2>w) w=$2}
+    echo "   nvidia-smi during part 2, samples at >= 50% utilisation (SM MHz min/median/max, W max):"
+    awk -F', ' 'NR>1 && $6+0>=50 {print $2+0, $4+0}' "$OUT/smi.csv" | sort -n | awk '{c[NR]=$1; if ($2>w) w=$2}
         END {if (NR) printf "   %d samples: SM %d / %d / %d MHz, power max %.0f W\n", NR, c[1], c[int((NR+1)/2)], c[NR], w}'
+    awk -F', ' 'NR>1 && $6+0>=50 && NF>=7 {print $7}' "$OUT/smi.csv" | sort | uniq -c | sort -rn | head -n 3
 fi
 echo "-- 3. tests:"
 grep -E "passed|failed|error|skipped|no tests ran" "$OUT/tests.log" | grep -vE "^(FAILED|ERROR)" | tail -n 4
