@@ -6,6 +6,13 @@ the same step captured in a CUDA graph and replayed (no host work per step: the 
 time a training loop sees when the host runs ahead). Also checks that the graph's
 loss and gradients equal eager's.
 
+What the columns are: "eager" is ``triton.testing.do_bench``'s median of CUDA-event spans,
+each after a 256 MB L2 flush (host-bound calls: the host's time per call minus the ~0.09
+ms flush the GPU runs meanwhile); "host" is the *mean* wall time of 50 back-to-back calls
+(no sync at the end); both are one measurement each. Do not compare them across processes
+(e.g. LOGITLESS_FAST_LAUNCH=0 in another run): ``benchmarks/probe_launch_ab.py`` is the
+in-process, interleaved A/B of the launch path (docs/host_jsd.md).
+
     python benchmarks/probe_overhead.py --out $OUT
 """
 

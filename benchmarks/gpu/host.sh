@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 23 item 3, the rest (helper "host"): host time of small eager calls. One H100,
-# ~2 min, at most 150 s (caps 55 + 20 + 15 + 35 + 25 s):
+# ~4 min, at most 420 s (caps 55 + 20 + 15 + 90 + 240 s; the test caps were 35 and 25 s until
+# session 5: "58 passed in 34.69 s" was then cut off, and the op tests never finished):
 #   OUT=<dir> bash benchmarks/gpu/host.sh            (SMOKE=1: CPU smoke run, ~1 min)
 # 1. probe_overhead.py at 512:4096:32000, 1024:4096:128256, 2048:2048:128256: eager f+b,
 #    host ms/call, kernels, CUDA graph (== eager bitwise)      -> $OUT/overhead.log, probe-overhead-*.json
@@ -43,13 +44,13 @@ echo "host probe done [$(( $(date +%s) - start )) s]"
 
 NPROC=""; [ -z "$SMOKE" ] && "$PY" -c "import xdist" 2>/dev/null && NPROC="-n 4"
 if [ -z "$SMOKE" ]; then
-  timeout -s INT -k 5 35 "$PY" -m pytest tests/test_host_overhead.py \
+  timeout -s INT -k 5 90 "$PY" -m pytest tests/test_host_overhead.py \
       tests/test_training_loops.py::test_cuda_graph_capture_replays_the_eager_step \
       tests/test_training_loops.py::test_compiled_step_has_no_host_sync -q $NPROC \
       -p no:cacheprovider -rs > "$OUT/tests.log" 2>&1
   RC[tests_launch]=$?
   echo "launch/graph tests done [$(( $(date +%s) - start )) s]"
-  timeout -s INT -k 5 25 "$PY" -m pytest tests/test_linear_cross_entropy.py tests/test_linear_log_probs.py -q $NPROC \
+  timeout -s INT -k 5 240 "$PY" -m pytest tests/test_linear_cross_entropy.py tests/test_linear_log_probs.py -q $NPROC \
       -p no:cacheprovider -rs >> "$OUT/tests.log" 2>&1
   RC[tests_ops]=$?
 else

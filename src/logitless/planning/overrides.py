@@ -36,6 +36,11 @@ context is not in effect. Each field's default is the shipped behaviour:
                     implementations through a plain autograd.Function (False: through
                     the torch.library custom ops, as under torch.compile; the same
                     results bitwise: ``ops.common.autograd.EagerOp``)
+    fast_launch     repeated Triton launches call the cached compiled kernel directly
+                    (``triton_lib.launch.run_kernel``; False: every launch through
+                    ``kernel[grid]``, as LOGITLESS_FAST_LAUNCH=0 does for the whole
+                    process; the same kernels and results bitwise). For the in-process
+                    A/B of ``benchmarks/probe_launch_ab.py``.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Overrides:
     num_sms: Optional[int] = None
     device_model: Any = None
     eager_fast_path: bool = True
+    fast_launch: bool = True
 
 
 #: The overrides outside any ``override(...)``: a frozen dataclass, never mutated, only

@@ -190,9 +190,9 @@ def run_kernel(kernel, grid, *args, **kwargs):
     and keeps the compiled kernel; later ones call it directly. Triton settings that
     ``JITFunction.run`` reads per launch (TRITON_DEBUG, the instrumentation mode) count
     as of a key's first launch. The interpreter (TRITON_INTERPRET=1), autotuned or
-    other kernel objects, callable grids and LOGITLESS_FAST_LAUNCH=0 always take
-    ``kernel[grid]``."""
-    if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple):
+    other kernel objects, callable grids, LOGITLESS_FAST_LAUNCH=0 and
+    ``override(fast_launch=False)`` always take ``kernel[grid]``."""
+    if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple and _overrides().fast_launch):
         LAUNCHES["triton"] += 1
         return kernel[grid](*args, **kwargs)
     device = torch.cuda.current_device()

@@ -30,7 +30,6 @@ the upstream gradient are one launch each (``triton_lib.jsd_epilogue``).
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from logitless.options import JSDOptions
@@ -108,8 +107,8 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     dot_precision = "tf32" if prerounded else launch.dot_precision(xs.dtype)
     for v0, v1 in chunks:
         dz = dz_buf[:, : v1 - v0]
-        row_blocks = triton.cdiv(n, tiles.block_n)
-        grid = (row_blocks * triton.cdiv(v1 - v0, tiles.block_v),)
+        row_blocks = launch.cdiv(n, tiles.block_n)
+        grid = (row_blocks * launch.cdiv(v1 - v0, tiles.block_v),)
         a_s, a_ws, a_t, a_wt = xs, ws, xt, wt  # (for the strides)
         if prerounded:
             xs_op, ws_op, tma_s, a_s, a_ws = round_s(v0, v1)
@@ -117,7 +116,8 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
             use_tma = tma_s and tma_t
             if not use_tma:
                 xs_op, ws_op, xt_op, wt_op = a_s, a_ws, a_t, a_wt
-        K.jsd_dlogits_kernel[grid](
+        launch.run_kernel(
+            K.jsd_dlogits_kernel, grid,
             xs_op, ws_op, bs if bs is not None else xs, xt_op, wt_op, bt if bt is not None else xt,
             target, stats, g, dz,
             n, v, h, xt.shape[1], a_s.stride(0), a_s.stride(1), a_ws.stride(0), a_ws.stride(1),

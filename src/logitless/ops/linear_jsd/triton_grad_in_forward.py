@@ -27,7 +27,6 @@ fixed order: bitwise repeatable.
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from logitless.formulas.jsd import NUM_STATS
@@ -35,6 +34,7 @@ from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_stats_plan, linear_jsd_strategy
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (forward_loss: custom_op)
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
+from logitless.triton_lib.launch import cdiv, run_kernel
 
 from .triton_backend import _logits_fp32
 
@@ -83,8 +83,9 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         tc = target[n0:n1]
         plan = jsd_stats_plan(r, v, 4, dev)
         row_stats(a, b, tc, chunk_stats, opts, plan)
-        grid = (triton.cdiv(r, plan.block_n), triton.cdiv(v, plan.block_v))
-        jsd_backward_kernel[grid](
+        grid = (cdiv(r, plan.block_n), cdiv(v, plan.block_v))
+        run_kernel(
+            jsd_backward_kernel, grid,
             a, b, dz, tc, chunk_stats, g[n0:n1], r, v, a.stride(0), 1, b.stride(0), 1, dz.stride(0), 1, n,
             wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
