@@ -198,6 +198,12 @@ def timing(dl, quick=False, save=None) -> list:
             else:
                 rec["dx_gemm_ms"] = do_bench(lambda: torch.addmm(  # noqa: B023
                     acc, dz, wc, out_dtype=torch.float32, out=acc), return_mode="median")
+            try:
+                rec.update(_profiled_triton_dlogits(x, w, target.long(), c))
+            except Exception as exc:  # noqa: BLE001
+                rec["triton_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if save:
+                save(rows + [rec])
             variants = [("tma", 3, 0), ("tma", 3, -1), ("direct", 4, 0), ("direct", 3, 0)]
             if quick:
                 variants = variants[:1]
@@ -214,12 +220,10 @@ def timing(dl, quick=False, save=None) -> list:
                         x, w, v0, v0 + c, lse, coef, target, dz, **kw), return_mode="median")  # noqa: B023
                     rec[key + "_ms"] = ms
                     rec[key + "_tflops"] = flops / ms * 1e-9
+                    if save:  # a hang in a later variant keeps what was measured
+                        save(rows + [rec])
                 except Exception as exc:  # noqa: BLE001
                     rec[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            try:
-                rec.update(_profiled_triton_dlogits(x, w, target.long(), c))
-            except Exception as exc:  # noqa: BLE001
-                rec["triton_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             gemm3 = 3 * rec["cublas_ms"]
             two = rec["dw_gemm_ms"] + rec["dx_gemm_ms"]
             cute = [rec[k] for k in rec if k.startswith("cute_") and k.endswith("_ms")]
