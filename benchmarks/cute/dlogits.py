@@ -336,7 +336,8 @@ class DlogitsSm90:
                 cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
                                       space=cute.arch.SharedSpace.shared_cta)
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-                if lt == 0:
+                # (a half entirely below row N has nothing to store: N = 1, say)
+                if lt == 0 and (tm * 2 + wg) * HALF_M < n_rows:
                     cute.copy(tma_c, tCsC[(None, wg)], tCgC[(None, tm * 2 + wg, tn)])
                     cute.arch.cp_async_bulk_commit_group()
             else:
