@@ -58,6 +58,29 @@ def _cuda_driver() -> bool:
     return True
 
 
+_CONTEXT: list = []
+
+
+def _cuda_context() -> str:
+    """Make the device's primary context current (GPU machine, no torch here): the DSL loads
+    each compiled module with cuModuleLoadData, which needs a current context, and creates
+    none itself (without one the load fails inside the DSL's module walk: "Exception raised
+    in callback", what the first GPU run of this check reported)."""
+    if _CONTEXT:
+        return _CONTEXT[0]
+    try:
+        import cuda.bindings.driver as drv
+
+        (err,) = drv.cuInit(0)
+        err, dev = drv.cuDeviceGet(0)
+        err, ctx = drv.cuDevicePrimaryCtxRetain(dev)
+        (err,) = drv.cuCtxSetCurrent(ctx)
+        _CONTEXT.append(f"primary context of device 0: {err}")
+    except Exception as exc:  # noqa: BLE001
+        _CONTEXT.append(f"no context ({_first_line(exc)})")
+    return _CONTEXT[0]
+
+
 def _host_jit_stop(err) -> bool:
     """The only failure allowed on a machine without a GPU: the host JIT's missing libcuda."""
     return err is not None and ("Unknown function" in err or "libcuda" in err
@@ -118,6 +141,7 @@ def _compile_stop_check(rec, build, err) -> tuple:
     the PTX-capturing compile's own error is expected (the driver is handed PTX as a cubin),
     so a second, unmodified compile must succeed and load."""
     if _cuda_driver():
+        rec["cuda_context"] = _cuda_context()
         ok, real_err = _compiles_for_real(build)
         rec["gpu_compile_error"] = real_err
         return "compiles and loads on this GPU (cubin)", ok
@@ -360,6 +384,7 @@ def main() -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     kernels = args.kernels.split(",")
     out = {"arch": os.environ["CUTE_DSL_ARCH"], "gpu_driver": _cuda_driver(),
+           "cuda_context": _cuda_context() if _cuda_driver() else None,
            "layout": check_layout(), "kernels": []}
     print("wgmma C layout assumption:", json.dumps(out["layout"]))
 
