@@ -204,7 +204,7 @@ def timing(dl, quick=False, save=None) -> list:
                 rec["triton_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             if save:
                 save(rows + [rec])
-            variants = [("tma", 3, 0), ("tma", 3, -1), ("direct", 4, 0), ("direct", 3, 0)]
+            variants = [("tma", 3, 0), ("tma", 3, -1), ("direct", 4, 0)]  # (ep, stages, grid)
             if quick:
                 variants = variants[:1]
             for ep, stages, ctas in variants:
