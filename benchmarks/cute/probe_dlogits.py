@@ -138,7 +138,9 @@ def _profiled_triton_dlogits(x, w, target, chunk):
     def step():
         xr.grad = wr.grad = None
         with override(plan=plan):
-            logitless.linear_cross_entropy(xr, wr, target).backward()
+            # reduction "none": no gradient-in-forward strategy, so the backward recomputes
+            logitless.linear_cross_entropy(xr, wr, target, reduction="none",
+                                           backend="triton").sum().backward()
 
     for _ in range(2):
         step()
