@@ -276,7 +276,8 @@ def check_dlogits(hidden: int, epilogue: str, stages: int) -> dict:
     rec["ptx_counts"] = counts
     m = re.search(r"\.reqntid (\d+)", ptx)
     rec["threads"] = int(m.group(1)) if m else None
-    tma = epilogue == "tma"
+    tma = epilogue != "direct"
+    blocks = 2 if epilogue == "tma128" else 1  # TMA stores per warpgroup and tile
     checks = {
         "384 threads (producer + 2 consumer warpgroups)": rec["threads"] == 384,
         "4 wgmma m64n256k16 per k slab": counts["wgmma_m64n256k16_bf16"] == 4,
@@ -291,12 +292,13 @@ def check_dlogits(hidden: int, epilogue: str, stages: int) -> dict:
     }
     if tma:
         checks.update({
-            "TMA store of the dz tile": counts["tma_store_2d"] >= 1,
+            "TMA store of the dz tile (4 boxes of 64 x 64 per 256 columns)":
+            counts["tma_store_2d"] == 4,
             "bulk commit + wait.read before reuse": counts["bulk_commit"] >= 1
             and counts["bulk_wait_read"] >= 1,
             "fence.proxy.async.shared::cta before the store": counts["fence_proxy_async_shared"] >= 1,
             "a warpgroup's named barrier (128 threads) around the smem writes":
-            counts["bar_sync_named"] >= 2,
+            counts["bar_sync_named"] == 2 * blocks,
             "128 bf16 smem stores per tile": counts["st_shared_b16"] == 128,
             "no global store of dz": counts["st_global"] == 0,
         })
@@ -360,6 +362,8 @@ def check_layout() -> dict:
             cover.add((r, c))
             if r != rows[(i // 2) % 2]:
                 bad.append((t, i, "row slot"))
+            if c // 128 != i // 64:  # the dlogits "tma128" epilogue's two column blocks
+                bad.append((t, i, "column block of 128"))
         quad = found[t - t % 4]
         if [rc[0] for rc in coords] != [rc[0] for rc in quad]:
             bad.append((t, "quad rows differ"))
@@ -377,8 +381,8 @@ def main() -> int:
     ap.add_argument("--hidden", default="256,4096,7168", help="the forward's hidden sizes")
     ap.add_argument("--stages", type=int, default=4, help="the forward's ring depth")
     ap.add_argument("--dlogits-hidden", default="64,4096,7168")
-    ap.add_argument("--dlogits-stages", type=int, default=3)
-    ap.add_argument("--dlogits-epilogues", default="tma,direct")
+    ap.add_argument("--dlogits-configs", default="tma:3,tma128:4,direct:3",
+                    help="epilogue:stages pairs of the dlogits kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -398,9 +402,9 @@ def main() -> int:
         todo += [(check_one, h, spec, args.stages) for h in [int(v) for v in args.hidden.split(",")]
                  for spec in (True, False)]
     if "dlogits" in kernels:
-        todo += [(check_dlogits, h, ep, args.dlogits_stages)
+        todo += [(check_dlogits, h, ep, int(st))
                  for h in [int(v) for v in args.dlogits_hidden.split(",")]
-                 for ep in args.dlogits_epilogues.split(",")]
+                 for ep, st in (cfg.split(":") for cfg in args.dlogits_configs.split(","))]
     for fn, *a in todo:
         try:
             rec = fn(*a)

@@ -57,7 +57,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 TILE_M, TILE_N, TILE_K = 128, 256, 64
 HALF_M = TILE_M // 2
 LOG2E = math.log2(math.e)
-EPILOGUES = ("tma", "direct")
+EPILOGUES = ("tma", "tma128", "direct")
+SMEM_LIMIT = 227 * 1024  # sm_90 dynamic shared memory per block
 
 
 class DlogitsSm90:
@@ -68,15 +69,21 @@ class DlogitsSm90:
             raise ValueError(f"hidden must be a multiple of {TILE_K}, got {hidden}")
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-        if epilogue == "tma" and stages > 3:
-            raise ValueError("the TMA epilogue's 64 KiB tile leaves room for at most 3 stages")
+        self.tma = epilogue != "direct"
+        # columns of one TMA store box row: the whole 256 ("tma", a 64 KiB epilogue tile) or
+        # 128 ("tma128": two stores per tile through a 32 KiB tile, room for a 4th stage)
+        self.epi_cols = 128 if epilogue == "tma128" else TILE_N
+        self.c_elems = HALF_M * self.epi_cols * 2 if self.tma else 8  # bf16 epilogue tile
+        smem = stages * (TILE_M + TILE_N) * TILE_K * 2 + self.c_elems * 2 + 1024
+        if smem > SMEM_LIMIT:
+            raise ValueError(f"{stages} stages with the {epilogue!r} epilogue need {smem} bytes "
+                             f"of shared memory, over {SMEM_LIMIT}")
         self.hidden = hidden
         self.stages = stages
         self.epilogue = epilogue
         self.group_m = group_m
         self.k_tiles = hidden // TILE_K
         self.threads = 384
-        self.c_elems = HALF_M * TILE_N * 2 if epilogue == "tma" else 8  # bf16 epilogue tile
         self.ab_dtype = cutlass.BFloat16
 
     # ------------------------------------------------------------------ host side
@@ -117,8 +124,8 @@ class DlogitsSm90:
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(kind, self.ab_dtype)
         sa_layout = cute.tile_to_shape(atom, (TILE_M, TILE_K, self.stages), order=(0, 1, 2))
         sb_layout = cute.tile_to_shape(atom, (TILE_N, TILE_K, self.stages), order=(0, 1, 2))
-        # the epilogue tile: one 64 x 256 bf16 half per consumer warpgroup, 128-byte swizzle
-        sc_layout = cute.tile_to_shape(atom, (HALF_M, TILE_N, 2), order=(0, 1, 2))
+        # the epilogue tile: one 64 x epi_cols bf16 block per consumer warpgroup, 128-byte swizzle
+        sc_layout = cute.tile_to_shape(atom, (HALF_M, self.epi_cols, 2), order=(0, 1, 2))
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -127,7 +134,7 @@ class DlogitsSm90:
             g2s, mW, cute.slice_(sb_layout, (None, None, 0)), (TILE_N, TILE_K))
         tma_c, tma_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
-            cute.slice_(sc_layout, (None, None, 0)), (HALF_M, TILE_N))
+            cute.slice_(sc_layout, (None, None, 0)), (HALF_M, self.epi_cols))
         c_elems = self.c_elems
 
         @cute.struct
@@ -186,7 +193,7 @@ class DlogitsSm90:
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            if cutlass.const_expr(self.epilogue == "tma"):
+            if cutlass.const_expr(self.tma):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
         row_blocks = (n_rows + TILE_M - 1) // TILE_M
@@ -244,9 +251,9 @@ class DlogitsSm90:
     @cute.jit
     def consumer_wg(self, tiled_mma, ring, sA, sB, storage, sc_layout, tma_c, mDt, mL, mG, mT,
                     mD, n_rows, cols, v0, bid, nctas, tiles, row_blocks, col_blocks, ctid):
-        if cutlass.const_expr(self.epilogue == "tma"):
+        if cutlass.const_expr(self.tma):
             sC = storage.sC.get_tensor(sc_layout.outer, swizzle=sc_layout.inner)
-            gD = cute.local_tile(mDt, (HALF_M, TILE_N), (None, None))
+            gD = cute.local_tile(mDt, (HALF_M, self.epi_cols), (None, None))
             tCsC, tCgC = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(gD, 0, 2))
@@ -326,27 +333,34 @@ class DlogitsSm90:
             dz = cute.make_fragment(tCcC.shape, self.ab_dtype)
             dz.store(acc.load().to(self.ab_dtype))
 
-            if cutlass.const_expr(self.epilogue == "tma"):
-                # the buffer is free once the previous tile's bulk store has read it
-                if lt == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-                for i in cutlass.range_constexpr(n_acc):
-                    sC[(tCcC[i][0] - wg * HALF_M, tCcC[i][1], wg)] = dz[i]
-                cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
-                                      space=cute.arch.SharedSpace.shared_cta)
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-                # (a half entirely below row N has nothing to store: N = 1, say)
-                if lt == 0 and (tm * 2 + wg) * HALF_M < n_rows:
-                    cute.copy(tma_c, tCsC[(None, wg)], tCgC[(None, tm * 2 + wg, tn)])
-                    cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.tma):
+                # element i of the wgmma C layout lies in column 8 (i // 4) + 2 (lane % 4) + i % 2
+                # of the tile: column block b of epi_cols holds elements [b per, (b + 1) per)
+                # (check_compile.py checks it on the layout algebra)
+                blocks = TILE_N // self.epi_cols
+                per = n_acc // blocks
+                for b in cutlass.range_constexpr(blocks):
+                    # the buffer is free once the previous bulk store has read it
+                    if lt == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+                    for i in cutlass.range_constexpr(b * per, (b + 1) * per):
+                        sC[(tCcC[i][0] - wg * HALF_M, tCcC[i][1] - b * self.epi_cols, wg)] = dz[i]
+                    cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
+                                          space=cute.arch.SharedSpace.shared_cta)
+                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+                    # (a block wholly below row N or right of column C has nothing to store)
+                    cb = tn * blocks + b
+                    if lt == 0 and (tm * 2 + wg) * HALF_M < n_rows and cb * self.epi_cols < cols:
+                        cute.copy(tma_c, tCsC[(None, wg)], tCgC[(None, tm * 2 + wg, cb)])
+                        cute.arch.cp_async_bulk_commit_group()
             else:
                 for i in cutlass.range_constexpr(n_acc):
                     row = row0 if cutlass.const_expr((i // 2) % 2 == 0) else row1
                     col = col_base + tCcC[i][1]
                     if row < n_rows and col < cols:
                         mD[row, col] = dz[i]
-        if cutlass.const_expr(self.epilogue == "tma"):
+        if cutlass.const_expr(self.tma):
             if lt == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
 
