@@ -31,8 +31,11 @@ side, so the CTAs running at once share x and w tiles in L2), 384 threads:
         one thread issues a TMA bulk-tensor store (clipped at N and C by the hardware),
         which stays in flight while the warpgroup starts the next tile's mainloop (the
         buffer is reused only after ``cp.async.bulk.wait_group.read 0``);
+      - ``epilogue="tma128"``: the same through a 32 KiB buffer, two 64 x 128 stores per
+        warpgroup and tile (element i lies in column block i // 64), room for 4 stages;
       - ``epilogue="direct"``: stores each element with a masked st.global (fallback).
-Shared memory: ``stages`` x 48 KiB ring + 64 KiB epilogue tile (tma): 3 stages = 208 KiB.
+Shared memory: ``stages`` x 48 KiB ring + the epilogue buffer: tma 3 stages = 208 KiB,
+tma128 4 stages = 224 KiB (+1 KiB of barriers and alignment; the limit is 227 KiB).
 
 Constraints of this probe: H a multiple of 64 (a compile-time constant), any N >= 1 and
 C >= 1 (ragged edges: TMA zero-fills loads, clips stores), x and w contiguous row-major,
