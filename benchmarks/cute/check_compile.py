@@ -1,12 +1,12 @@
-"""Compile-check the CuTe DSL fused forward (benchmarks/cute/fused_forward.py) for sm_90a on a CPU.
+"""Compile-check the CuTe DSL kernels (benchmarks/cute/fused_forward.py, dlogits.py) for sm_90a.
 
     PYTHONPATH=<nvidia-cutlass-dsl 4.2.1 python_packages>:<its deps> CUTE_DSL_ARCH=sm_90a \\
-        python benchmarks/cute/check_compile.py [--hidden 256,4096,7168] [--json out.json]
+        python benchmarks/cute/check_compile.py [--kernels forward,dlogits] \\
+        [--hidden 256,4096,7168] [--dlogits-hidden 64,4096,7168] [--json out.json]
 
 For every (hidden size, specialised or not) it runs ``cute.compile`` with the device binary
 requested as PTX text (``cubin-format=isa`` in the DSL's ``cute-to-nvvm`` pass pipeline),
-takes the PTX out of the lowered module (the host JIT then fails for lack of libcuda: the
-expected stop on a machine without a GPU), and reports:
+takes the PTX out of the lowered module, and reports:
   * the PTX instructions that make the kernel what it claims to be: wgmma m64n256k16 bf16,
     TMA (cp.async.bulk.tensor) with mbarrier transaction counts, setmaxnreg (warp
     specialisation), ex2.approx (epilogue), and the absence of any global store of logits
@@ -15,7 +15,15 @@ expected stop on a machine without a GPU), and reports:
     USETMAXREG, MUFU.EX2) when ptxas/cuobjdump are found (/usr/local/bin, triton's bin);
   * the wgmma accumulator layout the epilogue relies on (thread t's element i lies on row
     slot (i // 2) % 2, quads of lanes share rows), checked on the static layout algebra.
-Exit status 1 if a compile fails to reach the host JIT or a check fails.
+For the d(logits) kernel (--kernels dlogits; per H and epilogue): 384 threads, 4 wgmma, 2
+TMA load sites, setmaxnreg, 128 ex2 and 128 bf16 roundings per tile, and either the TMA
+store path (128 st.shared.b16, fence.proxy.async, the warpgroup's named barriers, bulk
+commit / wait.read, no st.global) or 128 masked st.global (direct epilogue).
+Where the compile stops: the PTX-capturing compile is stopped by this script right after the
+DSL's pass pipeline (no host JIT, no module load: the same on both machines) and must not fail
+before; on a GPU machine an unmodified compile of the same configuration must also succeed and
+load (after the script made the primary CUDA context current: the DSL creates none).
+Exit status 1 if a compile stops elsewhere or a check fails.
 """
 
 from __future__ import annotations
@@ -33,10 +41,58 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# a module loaded from the DSL's file cache skips the compile this script captures the PTX of
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 
 
-def _captured_ptx(hidden: int, specialised: bool, stages: int):
-    import fused_forward as ff
+def _cuda_driver() -> bool:
+    """True where libcuda loads (a GPU machine): there the host JIT does not stop, and the
+    PTX-capturing compile fails later, when the driver is handed PTX text as a cubin."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+_CONTEXT: list = []
+
+
+def _cuda_context() -> str:
+    """Make the device's primary context current (GPU machine, no torch here): the DSL loads
+    each compiled module with cuModuleLoadData, which needs a current context, and creates
+    none itself (without one the load fails inside the DSL's module walk: "Exception raised
+    in callback", what the first GPU run of this check reported)."""
+    if _CONTEXT:
+        return _CONTEXT[0]
+    try:
+        import cuda.bindings.driver as drv
+
+        (err,) = drv.cuInit(0)
+        err, dev = drv.cuDeviceGet(0)
+        err, ctx = drv.cuDevicePrimaryCtxRetain(dev)
+        (err,) = drv.cuCtxSetCurrent(ctx)
+        _CONTEXT.append(f"primary context of device 0: {err}")
+    except Exception as exc:  # noqa: BLE001
+        _CONTEXT.append(f"no context ({_first_line(exc)})")
+    return _CONTEXT[0]
+
+
+def _first_line(exc) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+class _PtxCaptured(Exception):
+    """Raised right after the MLIR pipeline produced the PTX: nothing is loaded or JIT-ed."""
+
+
+def _captured_ptx(build):
+    """Run ``build()`` (a cute.compile) with the device code requested as PTX text, stopping it
+    once the pass pipeline has run (before the host JIT and any module load: the same stop on a
+    CPU and on a GPU machine); return (ptx, error or None, dynamic smem bytes of the launch).
+    The error is None when the only stop was this one."""
     from cutlass.base_dsl import compiler as dsl_compiler
 
     modules, smem = [], []
@@ -46,17 +102,16 @@ def _captured_ptx(hidden: int, specialised: bool, stages: int):
         pipeline = pipeline.replace("cubin-format=bin", "cubin-format=isa")
         launch = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", str(module))
         smem.append(int(launch.group(1)) if launch else None)
-        result = orig(self, module, pipeline, *args, **kwargs)
+        orig(self, module, pipeline, *args, **kwargs)
         modules.append(str(module))
-        return result
+        raise _PtxCaptured("PTX captured")
 
     dsl_compiler.Compiler.compile = compile_isa
     err = None
     try:
-        ff._COMPILED.clear()
-        ff.compile_forward(hidden, stages=stages, specialised=specialised)
+        build()
     except Exception as exc:  # noqa: BLE001
-        err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        err = None if modules and "PTX captured" in str(exc) else _first_line(exc)
     finally:
         dsl_compiler.Compiler.compile = orig
     if not modules:
@@ -69,6 +124,29 @@ def _captured_ptx(hidden: int, specialised: bool, stages: int):
     ptx = re.sub(r"\\([0-9A-Fa-f]{2}|\\)",
                  lambda m: "\\" if m.group(1) == "\\" else chr(int(m.group(1), 16)), text[i:j])
     return ptx.rstrip("\0"), err, smem[-1]
+
+
+def _compiles_for_real(build) -> tuple:
+    """On a GPU machine: the plain compile (cubin, loaded by the driver) must raise nothing."""
+    try:
+        build()
+    except Exception as exc:  # noqa: BLE001
+        return False, _first_line(exc)
+    return True, None
+
+
+def _compile_stop_check(rec, build, err) -> tuple:
+    """(check name, passed). Both machines: the PTX-capturing compile stopped only where this
+    script stops it (after the pass pipeline, before any host JIT or module load). On a GPU
+    machine also: an unmodified compile (cubin, host JIT, module load into the primary
+    context) succeeds. (The old check accepted the host JIT's missing libcuda as the stop and
+    so could not pass on a GPU machine, where the host JIT goes on and loads.)"""
+    if _cuda_driver():
+        rec["cuda_context"] = _cuda_context()
+        ok, real_err = _compiles_for_real(build)
+        rec["gpu_compile_error"] = real_err
+        return "lowered to PTX, and compiles + loads on this GPU", err is None and ok
+    return "lowered to PTX with no error (no GPU here: nothing loaded)", err is None
 
 
 def _tool(name):
@@ -100,12 +178,26 @@ PTX_PATTERNS = {
     "ex2_approx": r"ex2\.approx",
     "shfl_bfly": r"shfl\.sync\.bfly",
     "st_global": r"st\.global",
+    "tma_store_2d": r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta",
+    "bulk_commit": r"cp\.async\.bulk\.commit_group",
+    "bulk_wait_read": r"cp\.async\.bulk\.wait_group\.read",
+    "fence_proxy_async_shared": r"fence\.proxy\.async\.shared::cta",
+    "bar_sync_named": r"bar(rier)?\.sync(\.aligned)?\s+(%r\d+|[12]),\s*128;",
+    "st_shared_b16": r"st\.shared(::cta)?\.b16",
+    "cvt_bf16x2": r"cvt\.rn\.bf16x2\.f32",
+    "cvt_bf16": r"cvt\.rn\.bf16\.f32",
 }
 
 
 def check_one(hidden: int, specialised: bool, stages: int) -> dict:
+    import fused_forward as ff
+
+    def build():
+        ff._COMPILED.clear()
+        ff.compile_forward(hidden, stages=stages, specialised=specialised)
+
     t0 = time.perf_counter()
-    ptx, err, smem_bytes = _captured_ptx(hidden, specialised, stages)
+    ptx, err, smem_bytes = _captured_ptx(build)
     rec = {"hidden": hidden, "specialised": specialised, "stages": stages,
            "dynamic_smem_bytes": smem_bytes,
            "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
@@ -124,10 +216,17 @@ def check_one(hidden: int, specialised: bool, stages: int) -> dict:
         "setmaxnreg iff specialised": (counts["setmaxnreg_inc"] > 0) == specialised,
         "only the 6 partial stores reach global memory": counts["st_global"] == 6,
         "128 exp2 per tile + 2 rescales": counts["ex2_approx"] == 130,
-        "host JIT was the only stop": err is None or "Unknown function" in err
-        or "libcuda" in err or "cuLaunchKernel" in err,
     }
+    name, ok = _compile_stop_check(rec, build, err)
+    checks[name] = ok
     rec["checks"] = checks
+    _ptxas(rec, ptx, checks)
+    rec["ok"] = all(checks.values())
+    return rec
+
+
+def _ptxas(rec, ptx, checks):
+    """ptxas -v and cuobjdump -sass of the PTX, where the tools are found."""
     ptxas = _tool("ptxas")
     if ptxas:
         with tempfile.TemporaryDirectory() as d:
@@ -152,9 +251,67 @@ def check_one(hidden: int, specialised: bool, stages: int) -> dict:
                 rec["sass_counts"] = {k: len(re.findall(p, s)) for k, p in (
                     ("HGMMA.64x256x16.F32.BF16", r"HGMMA\.64x256x16\.F32\.BF16"),
                     ("UTMALDG", r"UTMALDG"), ("USETMAXREG", r"USETMAXREG"),
-                    ("MUFU.EX2", r"MUFU\.EX2"), ("STL (spill)", r"\bSTL\b"))}
+                    ("MUFU.EX2", r"MUFU\.EX2"), ("STL (spill)", r"\bSTL\b"),
+                    ("UTMASTG", r"UTMASTG"), ("STG", r"\bSTG\."), ("STS", r"\bSTS\b"))}
         checks["ptxas assembles for sm_90a"] = rec.get("ptxas_rc") == 0
         checks["no spills"] = rec.get("spill_stores") == 0 and rec.get("spill_loads") == 0
+
+
+def check_dlogits(hidden: int, epilogue: str, stages: int) -> dict:
+    """The d(logits) kernel (benchmarks/cute/dlogits.py) for one (H, epilogue)."""
+    import dlogits as dl
+
+    def build():
+        dl._COMPILED.clear()
+        dl.compile_dlogits(hidden, stages=stages, epilogue=epilogue)
+
+    t0 = time.perf_counter()
+    ptx, err, smem_bytes = _captured_ptx(build)
+    rec = {"kernel": "dlogits", "hidden": hidden, "epilogue": epilogue, "stages": stages,
+           "dynamic_smem_bytes": smem_bytes,
+           "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
+    if ptx is None:
+        rec["ok"] = False
+        return rec
+    counts = {k: len(re.findall(p, ptx)) for k, p in PTX_PATTERNS.items()}
+    rec["ptx_counts"] = counts
+    m = re.search(r"\.reqntid (\d+)", ptx)
+    rec["threads"] = int(m.group(1)) if m else None
+    tma = epilogue != "direct"
+    blocks = 2 if epilogue == "tma128" else 1  # TMA stores per warpgroup and tile
+    checks = {
+        "384 threads (producer + 2 consumer warpgroups)": rec["threads"] == 384,
+        "4 wgmma m64n256k16 per k slab": counts["wgmma_m64n256k16_bf16"] == 4,
+        "2 TMA load sites (x, w), producer only": counts["tma_load_2d"] == 2,
+        "mbarrier expect_tx": counts["mbarrier_expect_tx"] >= 1,
+        "setmaxnreg (warp specialised)": counts["setmaxnreg_inc"] > 0
+        and counts["setmaxnreg_dec"] > 0,
+        "128 exp2 per tile (one per accumulator)": counts["ex2_approx"] == 128,
+        "128 accumulators rounded to bf16 (cvt.rn)": counts["cvt_bf16"] + 2 * counts["cvt_bf16x2"]
+        == 128,
+        "dynamic smem fits sm_90 (227 KiB)": smem_bytes is not None and smem_bytes <= 227 * 1024,
+    }
+    if tma:
+        checks.update({
+            "TMA store of the dz tile (4 boxes of 64 x 64 per 256 columns)":
+            counts["tma_store_2d"] == 4,
+            "bulk commit + wait.read before reuse": counts["bulk_commit"] >= 1
+            and counts["bulk_wait_read"] >= 1,
+            "fence.proxy.async.shared::cta before the store": counts["fence_proxy_async_shared"] >= 1,
+            "a warpgroup's named barrier (128 threads) around the smem writes":
+            counts["bar_sync_named"] == 2 * blocks,
+            "128 bf16 smem stores per tile": counts["st_shared_b16"] == 128,
+            "no global store of dz": counts["st_global"] == 0,
+        })
+    else:
+        checks.update({
+            "no TMA store": counts["tma_store_2d"] == 0,
+            "128 masked bf16 global stores per tile": counts["st_global"] == 128,
+        })
+    name, ok = _compile_stop_check(rec, build, err)
+    checks[name] = ok
+    rec["checks"] = checks
+    _ptxas(rec, ptx, checks)
     rec["ok"] = all(checks.values())
     return rec
 
@@ -206,6 +363,8 @@ def check_layout() -> dict:
             cover.add((r, c))
             if r != rows[(i // 2) % 2]:
                 bad.append((t, i, "row slot"))
+            if c // 128 != i // 64:  # the dlogits "tma128" epilogue's two column blocks
+                bad.append((t, i, "column block of 128"))
         quad = found[t - t % 4]
         if [rc[0] for rc in coords] != [rc[0] for rc in quad]:
             bad.append((t, "quad rows differ"))
@@ -217,34 +376,63 @@ def check_layout() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", default="256,4096,7168")
-    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--kernels", default="forward",
+                    help="forward and/or dlogits, comma-separated (default: forward, as "
+                         "cute_forward.sh expects; cute_dlogits.sh passes dlogits)")
+    ap.add_argument("--hidden", default="256,4096,7168", help="the forward's hidden sizes")
+    ap.add_argument("--stages", type=int, default=4, help="the forward's ring depth")
+    ap.add_argument("--dlogits-hidden", default="64,4096,7168")
+    ap.add_argument("--dlogits-configs", default="tma:3,tma128:4,direct:3",
+                    help="epilogue:stages pairs of the dlogits kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    out = {"arch": os.environ["CUTE_DSL_ARCH"], "layout": check_layout(), "kernels": []}
+    kernels = args.kernels.split(",")
+    out = {"arch": os.environ["CUTE_DSL_ARCH"], "gpu_driver": _cuda_driver(),
+           "cuda_context": _cuda_context() if _cuda_driver() else None,
+           "layout": check_layout(), "kernels": []}
     print("wgmma C layout assumption:", json.dumps(out["layout"]))
-    for h in [int(v) for v in args.hidden.split(",")]:
-        for spec in (True, False):
-            rec = check_one(h, spec, args.stages)
-            out["kernels"].append(rec)
-            print(json.dumps(rec))
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+    todo = []
+    if "forward" in kernels:
+        todo += [(check_one, h, spec, args.stages) for h in [int(v) for v in args.hidden.split(",")]
+                 for spec in (True, False)]
+    if "dlogits" in kernels:
+        todo += [(check_dlogits, h, ep, int(st))
+                 for h in [int(v) for v in args.dlogits_hidden.split(",")]
+                 for ep, st in (cfg.split(":") for cfg in args.dlogits_configs.split(","))]
+    for fn, *a in todo:
+        try:
+            rec = fn(*a)
+        except Exception as exc:  # noqa: BLE001  (one configuration's failure is reported, not fatal)
+            rec = {"kernel": fn.__name__, "args": a, "ok": False, "error": _first_line(exc)}
+        rec.setdefault("kernel", "forward")
+        out["kernels"].append(rec)
+        print(json.dumps(rec), flush=True)
+        save()  # a run killed by its timeout keeps the configurations done
     ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"])
     print()
     print(f"{'H':>6} {'spec':>5} {'thr':>4} {'wgmma':>5} {'tma':>4} {'regs':>5} {'spill':>5} "
-          f"{'HGMMA':>5} {'smem':>7} {'ok':>3}")
+          f"{'HGMMA':>5} {'smem':>7} {'ok':>3} kernel (spec: forward ws / inline, dlogits epilogue)")
     for r in out["kernels"]:
         sc = r.get("sass_counts", {})
-        print(f"{r['hidden']:>6} {str(r['specialised']):>5} {r.get('threads')!s:>4} "
+        variant = r.get("epilogue", {True: "ws", False: "inl"}.get(r.get("specialised"), "?"))
+        failed = [k for k, v in r.get("checks", {}).items() if not v]
+        print(f"{r.get('hidden')!s:>6} {variant:>5} {r.get('threads')!s:>4} "
               f"{r.get('ptx_counts', {}).get('wgmma_m64n256k16_bf16')!s:>5} "
               f"{r.get('ptx_counts', {}).get('tma_load_2d')!s:>4} {r.get('registers')!s:>5} "
               f"{r.get('spill_stores')!s:>5} {sc.get('HGMMA.64x256x16.F32.BF16')!s:>5} "
               f"{r.get('dynamic_smem_bytes')!s:>7} "
-              f"{'yes' if r['ok'] else 'NO':>3}")
+              f"{'yes' if r['ok'] else 'NO':>3} {r['kernel']}"
+              + (f"  FAILED: {failed} {r.get('error') or r.get('gpu_compile_error') or ''}"
+                 if not r["ok"] else ""))
     print("all checks:", "PASS" if ok else "FAIL")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save()
     return 0 if ok else 1
 
 
