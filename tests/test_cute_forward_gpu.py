@@ -16,8 +16,7 @@ from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_re
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.planning import cute
 from logitless.planning.overrides import override
-
-from .helpers import assert_close_to_ref
+from tests.helpers import assert_close_to_ref
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = [
