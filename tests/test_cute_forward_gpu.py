@@ -47,6 +47,35 @@ class Launches(list):
         return [d["op"] for d in self]
 
 
+@pytest.mark.parametrize("n, h, v, splits", [(1, 72, 1000, 3), (129, 136, 32003, 7), (256, 4096, 257, 2),
+                                           (300, 8, 600, 5)])
+@pytest.mark.parametrize("smooth, entropy, scale", [(False, False, 1.0), (True, True, 1 / 0.7)])
+def test_raw_partials_match_the_model(n, h, v, splits, smooth, entropy, scale):
+    """The kernel's (splits, N) partials vs ``cute_lib.reference`` in float64 (empty
+    splits included: (v_tiles, splits) = (4, 3) leaves the last split empty)."""
+    from logitless.cute_lib import launch as cute_launch
+    from logitless.cute_lib.reference import forward_partials
+    from logitless.triton_lib.launch import partials
+
+    x, w, t = inputs(n, h, v)
+    bufs = partials(5, splits, n, x.device)
+    for b in bufs:
+        b.fill_(float("nan"))
+    cute_launch.forward_partials("test", x, w, t, bufs[:3], splits, scale=scale,
+                                 smooth=bufs[3] if smooth else None, entropy=bufs[4] if entropy else None)
+    torch.cuda.synchronize()
+    want = forward_partials(x, w, t, splits, scale=scale, smooth=smooth, entropy=entropy)
+    for name, got, ref in zip("metqu", bufs, want):
+        if ref is None:
+            continue
+        got = got.double()
+        assert not torch.isnan(got).any(), f"{name}: unwritten (NaN) entries"
+        inf = torch.isinf(ref)
+        assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], ref[inf]), f"{name}: -inf pattern"
+        err = ((got - ref).abs() / (1 + ref.abs()))[~inf].max().item() if (~inf).any() else 0.0
+        assert err < 1e-4, f"partial {name}: relative error {err:.3g}"
+
+
 def ce_case(n, h, v, dtype=torch.bfloat16, **kw):
     x, w, t = inputs(n, h, v, dtype)
     seen = Launches()
