@@ -6,7 +6,7 @@
 #       importable (no torch needed), PYTHON=a Python with torch)
 # Parts (each under its own hard cap; a failing part does not stop the others):
 #   1. check_lib_compile.py: sm_90a PTX/ptxas checks of 9 library configurations       <= 40 s
-#   2. pytest tests/test_cute_planning.py tests/test_cute_forward_gpu.py (GPU: CuTe vs
+#   2. pytest tests/test_cute_{planning,partials,forward_gpu}.py (GPU: raw partials and CuTe vs
 #      float64 / Triton, probe hook, graph capture, torch.compile)                      <= 130 s
 #   3. bench_cutelib.py: forward-only CE and log-probs, CuTe vs Triton vs cuBLAS, 6 shapes <= 115 s
 # Files under $OUT (5): cutelib-compile.{log,json}, cutelib-tests.log, cutelib-bench.{log,json}
@@ -31,7 +31,7 @@ timeout -k 5 40 "$PYC" benchmarks/cute/check_lib_compile.py --json "$OUT/cutelib
     > "$OUT/cutelib-compile.log" 2>&1
 echo "compile check exit: $?"
 
-TAIL=25 capped_pytest 130 "$OUT/cutelib-tests.log" "cute tests" tests/test_cute_planning.py tests/test_cute_forward_gpu.py
+TAIL=25 capped_pytest 130 "$OUT/cutelib-tests.log" "cute tests" tests/test_cute_planning.py tests/test_cute_partials.py tests/test_cute_forward_gpu.py
 
 if [ -n "$SMOKE" ]; then
     TRITON_INTERPRET=1 timeout -k 5 60 "$PY" benchmarks/cute/bench_cutelib.py --smoke \
