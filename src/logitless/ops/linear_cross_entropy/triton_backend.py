@@ -97,14 +97,13 @@ def forward(
     keep = keep_max = None
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
-    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
     if cute is not None:  # (keep_cols == 0: nothing kept)
         from logitless.cute_lib import launch as cute_launch
 
         cute_launch.forward_partials("linear_cross_entropy", x, weight, target, (part_max, part_sum, part_tgt),
                                      splits, smooth=part_smooth if need_smooth else None,
                                      stages=cute.stages, specialised=cute.specialised)
-        steps = ()
     keep_op = None
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)

@@ -100,7 +100,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     keep_blocks = cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
-    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
     if cute is not None:  # (nothing kept)
         from logitless.cute_lib import launch as cute_launch
 
@@ -108,7 +108,6 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
                                      splits, scale=1.0 / opts.temperature,
                                      entropy=part_u if opts.entropy else None,
                                      stages=cute.stages, specialised=cute.specialised)
-        steps = ()
         keep_blocks = 0
     keep = keep_max = keep_buf = None
     keep_op = x
