@@ -28,6 +28,7 @@ LAYERS = [
     ("formulas", ["logitless.formulas", "logitless.formulas.*"]),
     ("planning", ["logitless.planning", "logitless.planning.*"]),
     ("triton_lib", ["logitless.triton_lib", "logitless.triton_lib.*"]),
+    ("cute_lib", ["logitless.cute_lib", "logitless.cute_lib.*"]),
     ("ops/common", ["logitless.ops", "logitless.ops.common", "logitless.ops.common.*"]),
     # vocab-parallel glue shared by every op (groups, merge collectives, DTensor): the ops call it
     ("distributed", ["logitless.distributed", "logitless.distributed.*"]),

@@ -32,6 +32,12 @@ context is not in effect. Each field's default is the shipped behaviour:
                     plans (e.g. force one kept tile and narrow chunks in a test)
     num_sms         multiprocessors the planner assumes (None: the device's own)
     device_model    a ``cost_model.DeviceModel`` for the planner (None: the device's class)
+    cute            the CuTe DSL forward kernel on Hopper (``planning.cute``): None (shipped):
+                    wherever supported unless LOGITLESS_CUTE=0; False: never; True:
+                    wherever supported, whatever the environment variable says
+    cute_available  None: check that ``cutlass.cute`` imports (once); True/False: assume it
+    cute_probe      a function called with a dict (op, n, v, h, splits, dtype, flags) at
+                    each CuTe kernel launch (tests and probes: proof the path was taken)
     eager_fast_path eager calls of the fused linear ops run their custom ops' Python
                     implementations through a plain autograd.Function (False: through
                     the torch.library custom ops, as under torch.compile; the same
@@ -67,6 +73,10 @@ class Overrides:
     device_model: Any = None
     eager_fast_path: bool = True
     fast_launch: bool = True
+
+    cute: Optional[bool] = None
+    cute_available: Optional[bool] = None
+    cute_probe: Optional[Callable] = None
 
 
 #: The overrides outside any ``override(...)``: a frozen dataclass, never mutated, only

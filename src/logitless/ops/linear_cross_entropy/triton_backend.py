@@ -2,6 +2,9 @@
 
 forward  (1 GEMM): ``forward_stats_kernel`` over (row blocks x vocab splits) writes
          O(N * splits) partial statistics, merged here with O(N * splits) torch ops.
+         On Hopper with the optional CuTe DSL, ``planning.cute.forward_plan`` may pick
+         the warp-specialised ``cute_lib.forward_stats`` kernel instead (same partials;
+         bf16/fp16, no bias/soft-cap/argmax, nothing kept for the backward).
          When a backward will follow, it also keeps exp(z - m) for the first
          ``plan.keep_cols`` vocabulary columns that the budget holds (all of them when
          the budget is at least the logits' size in the input dtype).
@@ -33,6 +36,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.options import CrossEntropyOptions
+from logitless.planning import cute as cute_planning
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
@@ -77,7 +81,11 @@ def forward(
     n, h = x.shape
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
-    splits = plan.vocab_splits
+    # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
+    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols, bias=bias, softcap=softcap,
+                                      need_argmax=need_argmax,
+                                      weighted_smooth=need_smooth and class_weight is not None)
+    splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, target logit, then smoothing
     # sum and the argmax pair when asked for); absent ones alias part_max (never read).
@@ -89,7 +97,13 @@ def forward(
     keep = keep_max = None
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
-    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
+    if cute is not None:  # (keep_cols == 0: nothing kept)
+        from logitless.cute_lib import launch as cute_launch
+
+        cute_launch.forward_partials("linear_cross_entropy", x, weight, target, (part_max, part_sum, part_tgt),
+                                     splits, smooth=part_smooth if need_smooth else None,
+                                     stages=cute.stages, specialised=cute.specialised)
     keep_op = None
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)

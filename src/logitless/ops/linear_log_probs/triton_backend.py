@@ -6,6 +6,9 @@ forward  (1 GEMM): ``logp_forward_kernel`` over (row blocks x vocabulary splits)
          a backward will follow it also keeps e = exp(a - m) for the leading
          ``plan.keep_cols`` columns that the budget holds (all of them when the budget
          is at least the logits in the input dtype), so they need no second GEMM.
+         On Hopper with the optional CuTe DSL, ``planning.cute.forward_plan`` may pick
+         the warp-specialised ``cute_lib.forward_stats`` kernel instead (same partials;
+         bf16/fp16, no bias/soft-cap, nothing kept for the backward).
 backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
          (``logp_kept_dlogits_kernel``), the others are recomputed chunk by chunk
          (``logp_dlogits_kernel``); each chunk of dz feeds dW = dz^T x, db = column sums
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
+from logitless.planning import cute as cute_planning
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import launch, log_probs_epilogue
 from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
@@ -84,7 +88,10 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     v = weight.shape[0]
     keep_ok = keep_allowed(x.dtype, opts, need_grad)
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
-    splits = plan.vocab_splits
+    # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
+    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0, bias=bias,
+                                      softcap=opts.softcap)
+    splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, token logit, entropy term).
     parts = launch.partials(3 + opts.entropy, splits, n, x.device)
@@ -93,7 +100,15 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     keep_blocks = cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
-    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
+    if cute is not None:  # (nothing kept)
+        from logitless.cute_lib import launch as cute_launch
+
+        cute_launch.forward_partials("linear_log_probs", x, weight, tokens, (part_max, part_sum, part_tgt),
+                                     splits, scale=1.0 / opts.temperature,
+                                     entropy=part_u if opts.entropy else None,
+                                     stages=cute.stages, specialised=cute.specialised)
+        keep_blocks = 0
     keep = keep_max = keep_buf = None
     keep_op = x
     if keep_blocks:

@@ -1,0 +1,114 @@
+"""The CuTe DSL forward's selection logic (``planning.cute``), on the CPU: no GPU, no DSL.
+
+Every fact is an argument of the pure functions, and availability comes through
+``override(cute_available=...)``; the GPU tests (tests/test_cute_forward_gpu.py) check
+the kernel itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import logitless
+from logitless.planning import cute
+from logitless.planning.overrides import current, override
+
+H100 = dict(capability=(9, 0), available=True, num_sms=132, dtype="bfloat16", layout_ok=True)
+
+
+def facts(**kw):
+    return {**dict(H100, n=4096, v=128256, h=4096), **kw}
+
+
+def test_supported_call_gets_a_plan():
+    plan = cute.choose(**facts())
+    assert plan == cute.CutePlan(splits=8, stages=4, specialised=True)
+
+
+@pytest.mark.parametrize("change", [
+    dict(capability=(8, 0)), dict(capability=(10, 0)), dict(capability=None), dict(available=False),
+    dict(dtype="float32"), dict(n=0), dict(v=0), dict(h=100), dict(h=4), dict(layout_ok=False),
+    dict(bias=True), dict(softcap=True), dict(argmax=True), dict(weighted_smooth=True), dict(keep_cols=256),
+])
+def test_each_unsupported_fact_falls_back(change):
+    f = facts(**change)
+    kw = {k: f[k] for k in ("capability", "available", "dtype", "n", "v", "h", "layout_ok")}
+    kw.update({k: v for k, v in change.items() if k not in kw})
+    assert isinstance(cute.unsupported(**kw), str)
+    assert cute.choose(**f) is None
+
+
+def test_fp16_and_ragged_shapes_are_supported():
+    for kw in (dict(dtype="float16"), dict(n=1, v=32003, h=72), dict(n=129, v=1, h=8)):
+        assert cute.choose(**facts(**kw)) is not None, kw
+
+
+@pytest.mark.parametrize("n, v, want", [
+    (4096, 128256, 8),    # measured best on the H100: 256 CTAs
+    (8192, 128256, 4),    # measured best: 256 CTAs (8 splits, 512 CTAs, was 1.41x cuBLAS)
+    (16384, 128256, 2),
+    (2048, 128256, 16),
+    (1000, 32003, 33),
+    (1, 300, 2),          # never more splits than 256-column tiles
+    (100000, 128256, 1),  # many row blocks: one split
+])
+def test_splits_fill_about_two_waves(n, v, want):
+    assert cute.splits_for(n, v, 132) == want
+
+
+def test_switches():
+    assert cute.choose(**facts(), env_is_off=True) is None
+    with override(cute=True):
+        assert cute.choose(**facts(), env_is_off=True) is not None  # an explicit override wins
+    with override(cute=False):
+        assert cute.choose(**facts()) is None
+    with override(cute_available=False):
+        assert cute.choose(**facts()) is None
+    with override(cute_available=True):
+        assert cute.choose(**facts(available=False)) is not None
+    # an override aimed at the Triton kernel keeps it, unless CuTe is asked for
+    with override(tiles=(16, 16, 16, 4, 2)):
+        assert cute.choose(**facts()) is None
+        with override(cute=True):
+            assert cute.choose(**facts()) is not None
+    assert current().cute is None
+
+
+def test_env_var(monkeypatch):
+    monkeypatch.setenv(cute.ENV, "0")
+    assert cute.env_off()
+    monkeypatch.setenv(cute.ENV, "1")
+    assert not cute.env_off()
+    monkeypatch.delenv(cute.ENV)
+    assert not cute.env_off()
+
+
+def test_cpu_tensors_never_take_the_cute_path():
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    w = torch.randn(40, 16, dtype=torch.bfloat16)
+    t = torch.randint(0, 40, (3,))
+    seen = []
+    backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"  # (a GPU machine: torch on CPU)
+    with override(cute=True, cute_available=True, cute_probe=seen.append):
+        assert cute.forward_plan(x, w) is None
+        loss = logitless.linear_cross_entropy(x, w, t, backend=backend)
+        ref = logitless.linear_cross_entropy(x.double(), w.double(), t, backend="torch")
+    assert seen == []
+    assert abs(loss.item() - ref.item()) < 0.05
+
+
+def test_import_logitless_does_not_import_cutlass():
+    code = "import sys, logitless; import logitless.ops.linear_cross_entropy.triton_backend; " \
+           "print(any(m == 'cutlass' or m.startswith('cutlass.') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_unknown_override_still_rejected():
+    with pytest.raises(TypeError):
+        with override(cute_typo=True):
+            pass
