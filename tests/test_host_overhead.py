@@ -761,10 +761,12 @@ def test_memo_device_keys():
 
 
 def test_load_backend_is_import_module(tmp_path, monkeypatch):
-    """``load_backend`` returns what ``importlib.import_module`` would: it imports a module
-    not imported yet and then serves the one in ``sys.modules``."""
+    """``load_backend`` returns what ``importlib.import_module`` would, imports a module not
+    imported yet, and serves it from then on; threads loading one backend at once (the copies
+    of nn.DataParallel) all get the complete module, never a half-imported one."""
     import importlib
     import sys
+    import threading
 
     from logitless.ops.common.dispatch import load_backend
 
@@ -776,20 +778,31 @@ def test_load_backend_is_import_module(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "fake_backend.py").write_text("TOKEN = object()\n")
+    # slow to import: TOKEN appears only after a pause, while the module is already in sys.modules
+    (pkg / "slow_backend.py").write_text("import time\ntime.sleep(0.3)\nTOKEN = object()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         first = load_backend("host2_fake_ops", "fake")
         assert sys.modules["host2_fake_ops.fake_backend"] is first
         assert load_backend("host2_fake_ops", "fake") is first
-        replaced = type(sys)("replaced")
-        sys.modules["host2_fake_ops.fake_backend"] = replaced
-        assert load_backend("host2_fake_ops", "fake") is replaced
-        assert importlib.import_module("host2_fake_ops.fake_backend") is replaced
         with pytest.raises(ModuleNotFoundError):
             load_backend("host2_fake_ops", "missing")
+        got, start = [], threading.Barrier(4)
+
+        def load():
+            start.wait()
+            got.append(getattr(load_backend("host2_fake_ops", "slow"), "TOKEN", None))
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 4 and got[0] is not None and all(t is got[0] for t in got)
     finally:
-        sys.modules.pop("host2_fake_ops.fake_backend", None)
-        sys.modules.pop("host2_fake_ops", None)
+        for name in ("host2_fake_ops.fake_backend", "host2_fake_ops.slow_backend", "host2_fake_ops"):
+            sys.modules.pop(name, None)
+
 
 def test_cast_like_linear_outside_and_inside_autocast():
     """Outside autocast the tensors come back as they are (the same objects); under CPU
