@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 23 item 1: the CuTe DSL forward as a library backend (src/logitless/cute_lib) on the H100 (<= 300 s).
+# Issue 23 item 1: the CuTe DSL forward as a library backend (src/logitless/cute_lib) on the H100 (<= 460 s).
 #   OUT=<dir> bash benchmarks/gpu/cutelib.sh            (carry [".cute"]: the DSL tarball, as cute_forward.sh)
 #   SMOKE=1 OUT=<dir> bash benchmarks/gpu/cutelib.sh    (CPU: compile check of the library kernel
 #       configurations + the CPU tests + the bench harness; PYTHON_CUTE=a Python 3.12 with the DSL
 #       importable (no torch needed), PYTHON=a Python with torch)
 # Parts (each under its own hard cap; a failing part does not stop the others):
-#   1. check_lib_compile.py: sm_90a PTX/ptxas checks of 9 library configurations       <= 40 s
+#   1. check_lib_compile.py: sm_90a PTX/ptxas checks of 9 library configurations       <= 90 s
 #   2. pytest tests/test_cute_{planning,partials,forward_gpu}.py (GPU: raw partials and CuTe vs
-#      float64 / Triton, probe hook, graph capture, torch.compile)                      <= 130 s
+#      float64 / Triton, probe hook, graph capture, torch.compile)                      <= 240 s (87 tests, ~3 s of DSL compile per new configuration: 130 s cut it at 91% on the H100)
 #   3. bench_cutelib.py: forward-only CE and log-probs, CuTe vs Triton vs cuBLAS, 6 shapes <= 115 s
 # Files under $OUT (5): cutelib-compile.{log,json}, cutelib-tests.log, cutelib-bench.{log,json}
 # (the bench JSON is also copied to benchmarks/results/cutelib_forward_h100.json on the GPU run).
@@ -27,11 +27,11 @@ S=$(date +%s)
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" 2>&1 | tail -1
 "$PY" -c "from logitless.planning.cute import dsl_importable; print('cutlass.cute importable:', dsl_importable())" 2>&1 | tail -1
 
-timeout -k 5 40 "$PYC" benchmarks/cute/check_lib_compile.py --json "$OUT/cutelib-compile.json" \
+timeout -k 5 90 "$PYC" benchmarks/cute/check_lib_compile.py --json "$OUT/cutelib-compile.json" \
     > "$OUT/cutelib-compile.log" 2>&1
 echo "compile check exit: $?"
 
-TAIL=25 capped_pytest 130 "$OUT/cutelib-tests.log" "cute tests" tests/test_cute_planning.py tests/test_cute_partials.py tests/test_cute_forward_gpu.py
+TAIL=25 capped_pytest 240 "$OUT/cutelib-tests.log" "cute tests" tests/test_cute_planning.py tests/test_cute_partials.py tests/test_cute_forward_gpu.py
 
 if [ -n "$SMOKE" ]; then
     TRITON_INTERPRET=1 timeout -k 5 60 "$PY" benchmarks/cute/bench_cutelib.py --smoke \

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from logitless.formulas.jsd import K_ROW, LSE1, S_ROW, ZTGT
 from logitless.options import JSDOptions
-from logitless.triton_lib.launch import run_kernel
+from logitless.triton_lib import launch
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 #: Tokens per step of the one program's loop.
@@ -115,7 +115,7 @@ def forward_loss(stats: Tensor, target: Tensor, num_classes: int, opts: JSDOptio
     wq, wp, _ = opts.weights
     target = target.contiguous()
     loss = stats.new_empty((n,) if reduction == "none" else ())
-    run_kernel(
+    launch.run_kernel(
         jsd_loss_epilogue_kernel, (1,),
         stats, stats.stride(0), target, loss, n, num_classes, opts.ignore_index, wq, wp,
         float(opts.hard_label_weight), K_ROW=K_ROW, S_ROW=S_ROW, LSE1=LSE1, ZTGT=ZTGT,
@@ -135,7 +135,7 @@ def upstream(grad: Optional[Tensor], target: Tensor, ignore_index: int, reductio
     if grad is not None and red == 0:
         grad = grad.reshape(-1)
     if n:
-        run_kernel(
+        launch.run_kernel(
             jsd_upstream_kernel, (1,),
             grad if grad is not None else g, grad.stride(0) if grad is not None and red == 0 else 0,
             target, g, n, ignore_index, HAS_GRAD=grad is not None, REDUCTION=red, BLOCK=BLOCK,

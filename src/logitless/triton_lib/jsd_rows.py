@@ -8,9 +8,10 @@ import math
 import triton
 import triton.language as tl
 
+from logitless.triton_lib import launch
 from logitless.triton_lib.ce_math import online_lse_update, softcap_tile
 from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio
-from logitless.triton_lib.launch import cdiv, run_kernel
+from logitless.triton_lib.launch import cdiv
 
 
 def scalar_args(opts) -> dict:
@@ -364,7 +365,7 @@ def row_stats(zs, zt, target, stats, opts, plan) -> None:
     strides = (zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1))
     row_blocks = cdiv(n, plan.block_n)
     if plan.splits == 1:
-        run_kernel(
+        launch.run_kernel(
             jsd_forward_kernel, (row_blocks,),
             zs, zt, target, stats, n, v, *strides, stats.stride(0), **sargs,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
@@ -375,19 +376,19 @@ def row_stats(zs, zt, target, stats, opts, plan) -> None:
     caps = dict(HAS_CAP_S=sargs["HAS_CAP_S"], HAS_CAP_T=sargs["HAS_CAP_T"])
     tiles = dict(BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCKS_PER_SPLIT=plan.blocks_per_split,
                  num_warps=plan.num_warps)
-    run_kernel(
+    launch.run_kernel(
         jsd_partial_kernel, (row_blocks, splits),
         zs, zt, part, n, v, *strides, sargs["inv_t"], sargs["cap_s"], sargs["cap_t"],
         MODE=mode, HAS_HARD=hard, **caps, **tiles)
     sk = part  # unused by the KL limits' phase 3
     if mode == 0:
         sk = torch.empty(2, splits, n, dtype=torch.float32, device=zs.device)
-        run_kernel(
+        launch.run_kernel(
             jsd_divergence_kernel, (row_blocks, splits),
             zs, zt, part, sk, n, v, *strides, sargs["inv_t"], sargs["log_beta"], sargs["log_1mbeta"],
             sargs["cap_s"], sargs["cap_t"], MODE=mode, **caps, **tiles)
     fin_block = min(128, 1 << (n - 1).bit_length())  # (triton.next_power_of_2, n >= 1)
-    run_kernel(
+    launch.run_kernel(
         jsd_finish_kernel, (cdiv(n, fin_block),),
         zs, target, part, sk, stats, n, v, splits, zs.stride(0), zs.stride(1), stats.stride(0), sargs["cap_s"],
         MODE=mode, HAS_HARD=hard, HAS_CAP_S=sargs["HAS_CAP_S"], BLOCK_N=fin_block, num_warps=4)

@@ -32,9 +32,10 @@ from torch import Tensor
 from logitless.formulas.jsd import NUM_STATS
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_stats_plan, linear_jsd_strategy
+from logitless.triton_lib import launch
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (forward_loss: custom_op)
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
-from logitless.triton_lib.launch import cdiv, run_kernel
+from logitless.triton_lib.launch import cdiv
 
 from .triton_backend import _logits_fp32
 
@@ -84,7 +85,7 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         plan = jsd_stats_plan(r, v, 4, dev)
         row_stats(a, b, tc, chunk_stats, opts, plan)
         grid = (cdiv(r, plan.block_n), cdiv(v, plan.block_v))
-        run_kernel(
+        launch.run_kernel(
             jsd_backward_kernel, grid,
             a, b, dz, tc, chunk_stats, g[n0:n1], r, v, a.stride(0), 1, b.stride(0), 1, dz.stride(0), 1, n,
             wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
