@@ -91,3 +91,38 @@ def one_gpu(args):
     if args.n_gpu > 1:
         args._n_gpu = 1
     return args
+
+
+def fake_triton_launches(monkeypatch, kernel, stream: int = 77):
+    """Triton's ``JITFunction.run`` and the CUDA stream faked, so ``launch.run_kernel``'s two
+    paths run on a CPU: returns (a JITFunction of ``kernel``, the launches through the cached
+    compiled kernel (each its launcher's arguments), the grids launched through
+    ``kernel[grid]``). The fake compiled kernel's launch metadata is ("meta", grid, stream)."""
+    from triton.runtime.jit import JITFunction
+
+    from logitless.triton_lib import launch
+
+    jit = JITFunction(getattr(kernel, "fn", kernel))
+    launched, slow = [], []
+
+    class Compiled:
+        packed_metadata, function = "packed", "function"
+
+        def launch_metadata(self, grid, stream, *args):
+            return ("meta", grid, stream)
+
+        def run(self, *args):
+            launched.append(args)
+
+    compiled = Compiled()
+
+    def jit_run(self, *args, grid, warmup, **kwargs):
+        slow.append(grid)
+        return compiled
+
+    monkeypatch.setattr(JITFunction, "run", jit_run)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream, raising=False)
+    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(launch, "_FAST", {})
+    return jit, launched, slow

@@ -9,38 +9,14 @@ import torch
 
 from logitless.planning.overrides import override
 
+from .helpers import fake_triton_launches
+
 
 def _fake_triton(monkeypatch):
-    """JITFunction.run and the CUDA stream faked (CPU): returns (jit kernel, the launches
-    through the cached compiled kernel, the launches through kernel[grid])."""
-    from triton.runtime.jit import JITFunction
+    """linear_jsd's finish kernel with Triton faked (CPU): ``helpers.fake_triton_launches``."""
+    from logitless.triton_lib import jsd_rows
 
-    from logitless.triton_lib import jsd_rows, launch
-
-    jit = JITFunction(getattr(jsd_rows.jsd_finish_kernel, "fn", jsd_rows.jsd_finish_kernel))
-    launched, slow = [], []
-
-    class Compiled:
-        packed_metadata, function = "packed", "function"
-
-        def launch_metadata(self, grid, stream, *args):
-            return None
-
-        def run(self, *args):
-            launched.append(args)
-
-    compiled = Compiled()
-
-    def jit_run(self, *args, grid, warmup, **kwargs):
-        slow.append(grid)
-        return compiled
-
-    monkeypatch.setattr(JITFunction, "run", jit_run)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_FAST", {})
-    return jit, launched, slow
+    return fake_triton_launches(monkeypatch, jsd_rows.jsd_finish_kernel, stream=7)
 
 
 def test_override_sends_every_launch_through_kernel_grid(monkeypatch):

@@ -14,7 +14,7 @@ from logitless.planning import plans as _plans
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE  # the GPU when there is one, else the CPU (interpreter)
-from tests.helpers import load_benchmark
+from tests.helpers import fake_triton_launches, load_benchmark
 
 CPU = torch.device("cpu")
 
@@ -522,34 +522,11 @@ def test_run_kernel_fast_path_launches_what_jit_run_would(monkeypatch):
     launcher with (grid, stream, function, metadata, hooks, every parameter in order);
     a new alignment, dtype or int goes through ``kernel[grid]`` again."""
     from triton import knobs
-    from triton.runtime.jit import JITFunction
 
     from logitless.ops.linear_cross_entropy import triton_kernels as K
     from logitless.triton_lib import launch
 
-    jit = JITFunction(getattr(K.kept_dlogits_kernel, "fn", K.kept_dlogits_kernel))
-    launched, slow = [], []
-
-    class Compiled:
-        packed_metadata, function = "packed", "function"
-
-        def launch_metadata(self, grid, stream, *args):
-            return ("meta", grid, stream)
-
-        def run(self, *args):
-            launched.append(args)
-
-    compiled = Compiled()
-
-    def jit_run(self, *args, grid, warmup, **kwargs):
-        slow.append(grid)
-        return compiled
-
-    monkeypatch.setattr(JITFunction, "run", jit_run)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_FAST", {})
+    jit, launched, slow = fake_triton_launches(monkeypatch, K.kept_dlogits_kernel, stream=77)
 
     def args_of(offset=0, n=45, dtype=torch.bfloat16):
         dz = torch.zeros(4096, dtype=dtype)[offset:offset + n * 64].view(n, 64)
