@@ -18,15 +18,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from check_compile import _captured_ptx, _tool  # noqa: E402  (PTX capture, ptxas / cuobjdump lookup)
+from check_compile import _captured_ptx, _ptxas  # noqa: E402  (PTX capture; ptxas -v, cuobjdump)
 
 
 def captured_ptx(**cfg):
@@ -69,23 +67,7 @@ def check_one(cfg: dict) -> dict:
         "dynamic smem fits sm_90 (227 KiB)": smem is not None and smem <= 227 * 1024,
         "the pass pipeline was the only stop": err is None,
     }
-    ptxas = _tool("ptxas")
-    if ptxas:
-        with tempfile.TemporaryDirectory() as d:
-            src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-            with open(src, "w") as f:
-                f.write(ptx)
-            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
-                               timeout=300)
-            info = r.stdout + r.stderr
-            for key, pat in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
-                             ("spill_loads", r"(\d+) bytes spill loads")):
-                mm = re.search(pat, info)
-                rec[key] = int(mm.group(1)) if mm else None
-            checks["ptxas assembles for sm_90a"] = r.returncode == 0
-            checks["no spills"] = rec.get("spill_stores") == 0 and rec.get("spill_loads") == 0
-            if r.returncode:
-                rec["ptxas_error"] = info[-400:]
+    _ptxas(rec, ptx, checks)  # registers and spills by ptxas -v, SASS counts by cuobjdump (where found)
     rec["checks"] = checks
     rec["ok"] = all(checks.values())
     return rec
