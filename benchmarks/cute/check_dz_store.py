@@ -50,9 +50,8 @@ class _Captured(Exception):
 def capture(hidden: int, epilogue: str, exact_tail: bool, stages: int) -> tuple:
     """(host LLVM function text, PTX) of one configuration, the compile stopped after the
     DSL's pass pipeline (the same stop as check_compile.py)."""
-    from cutlass.base_dsl import compiler as dsl_compiler
-
     import dlogits as dl
+    from cutlass.base_dsl import compiler as dsl_compiler
 
     mods = []
     orig = dsl_compiler.Compiler.compile
