@@ -41,11 +41,13 @@ the store of the last column block write up to 7 columns past C (what the first 
 measured at C = 4099: the padding columns 4099..4103 of a row-padded buffer overwritten,
 values correct; a dz chunk that is a column slice of a wider buffer would have the next
 chunk's first columns clobbered). The tensor map's column extent is therefore C8 (at least
-8, where no store is issued when C8 = 0) and the last column tile's threads write the columns
-[C8, C) of their rows with masked st.global (at most 7 columns, one uniform branch per tile
-elsewhere). (The lowered host code encodes the extent that make_tiled_tma_atom is given:
-the descriptor was not the culprit; ``exact_tail=False`` keeps the old extent C for the GPU
-probe's diagnosis.)
+8, where no store is issued when C8 = 0) and the columns [C8, C) (at most 7) are read back
+from the epilogue's shared tile by the warpgroup that wrote it, after its barrier, and stored
+with masked st.global (2 threads per row, 4 columns each; only the column block holding C8
+has any, one uniform branch per block elsewhere; no spills, where storing the tail from the
+accumulator registers spilled 132 bytes). (The lowered host code encodes the extent that
+make_tiled_tma_atom is given, benchmarks/cute/check_dz_store.py: the first run's map had
+extent C, not the row stride; ``exact_tail=False`` keeps it for the GPU probe's diagnosis.)
 Shared memory: ``stages`` x 48 KiB ring + the epilogue buffer: tma 3 stages = 208 KiB,
 tma128 4 stages = 224 KiB (+1 KiB of barriers and alignment; the limit is 227 KiB).
 
