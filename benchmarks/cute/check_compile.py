@@ -301,7 +301,9 @@ def check_dlogits(hidden: int, epilogue: str, stages: int) -> dict:
             "a warpgroup's named barrier (128 threads) around the smem writes":
             counts["bar_sync_named"] == 2 * blocks,
             "128 bf16 smem stores per tile": counts["st_shared_b16"] == 128,
-            "no global store of dz": counts["st_global"] == 0,
+            # the ragged tail [C8, C) only (dlogits.py "Ragged C"): 4 per thread and block
+            "no global store of dz but the ragged tail's (4 per block)":
+            counts["st_global"] == 4 * blocks,
         })
     else:
         checks.update({

@@ -28,12 +28,26 @@ side, so the CTAs running at once share x and w tiles in L2), 384 threads:
     column by compare-select), converts to bf16 and
       - ``epilogue="tma"``: writes them into its warpgroup's 64 x 256 bf16 half of a
         shared-memory tile (128-byte swizzle, conflict-free), fences the async proxy and
-        one thread issues a TMA bulk-tensor store (clipped at N and C by the hardware),
-        which stays in flight while the warpgroup starts the next tile's mainloop (the
-        buffer is reused only after ``cp.async.bulk.wait_group.read 0``);
+        one thread issues a TMA bulk-tensor store (clipped at N and at C8 = C rounded down
+        to a multiple of 8 by the hardware, see "Ragged C" below), which stays in flight
+        while the warpgroup starts the next tile's mainloop (the buffer is reused only
+        after ``cp.async.bulk.wait_group.read 0``);
       - ``epilogue="tma128"``: the same through a 32 KiB buffer, two 64 x 128 stores per
         warpgroup and tile (element i lies in column block i // 64), room for 4 stages;
       - ``epilogue="direct"``: stores each element with a masked st.global (fallback).
+Ragged C (``exact_tail``, on by default): a TMA store writes whole 16-byte chunks of the
+innermost dimension, so a tensor map whose column extent C is not a multiple of 8 bf16 lets
+the store of the last column block write up to 7 columns past C (what the first H100 run
+measured at C = 4099: the padding columns 4099..4103 of a row-padded buffer overwritten,
+values correct; a dz chunk that is a column slice of a wider buffer would have the next
+chunk's first columns clobbered). The tensor map's column extent is therefore C8 (at least
+8, where no store is issued when C8 = 0) and the columns [C8, C) (at most 7) are read back
+from the epilogue's shared tile by the warpgroup that wrote it, after its barrier, and stored
+with masked st.global (2 threads per row, 4 columns each; only the column block holding C8
+has any, one uniform branch per block elsewhere; no spills, where storing the tail from the
+accumulator registers spilled 132 bytes). (The lowered host code encodes the extent that
+make_tiled_tma_atom is given, benchmarks/cute/check_dz_store.py: the first run's map had
+extent C, not the row stride; ``exact_tail=False`` keeps it for the GPU probe's diagnosis.)
 Shared memory: ``stages`` x 48 KiB ring + the epilogue buffer: tma 3 stages = 208 KiB,
 tma128 4 stages = 224 KiB (+1 KiB of barriers and alignment; the limit is 227 KiB).
 
@@ -67,12 +81,14 @@ SMEM_LIMIT = 227 * 1024  # sm_90 dynamic shared memory per block
 class DlogitsSm90:
     """Compile-time configuration: hidden size, ring depth, epilogue, tile group height."""
 
-    def __init__(self, hidden: int, stages: int = 3, epilogue: str = "tma", group_m: int = 16):
+    def __init__(self, hidden: int, stages: int = 3, epilogue: str = "tma", group_m: int = 16,
+                 exact_tail: bool = True):
         if hidden % TILE_K:
             raise ValueError(f"hidden must be a multiple of {TILE_K}, got {hidden}")
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         self.tma = epilogue != "direct"
+        self.exact_tail = exact_tail and self.tma
         # columns of one TMA store box row: the whole 256 ("tma", a 64 KiB epilogue tile) or
         # 128 ("tma128": two stores per tile through a 32 KiB tile, room for a 4th stage)
         self.epi_cols = 128 if epilogue == "tma128" else TILE_N
@@ -104,6 +120,7 @@ class DlogitsSm90:
         ldz: cutlass.Int32,
         v0: cutlass.Int32,
         ctas: cutlass.Int32,
+        tma_cols: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         H = self.hidden
@@ -113,6 +130,9 @@ class DlogitsSm90:
         mG = cute.make_tensor(g_ptr, cute.make_layout(n_rows))
         mT = cute.make_tensor(t_ptr, cute.make_layout(n_rows))
         mD = cute.make_tensor(dz_ptr, cute.make_layout((n_rows, cols), stride=(ldz, 1)))
+        # the TMA store's view: tma_cols columns (C8 = C // 8 * 8, at least 8, with
+        # exact_tail; C without), so that no 16-byte chunk it writes reaches past C
+        mDs = cute.make_tensor(dz_ptr, cute.make_layout((n_rows, tma_cols), stride=(ldz, 1)))
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -136,7 +156,7 @@ class DlogitsSm90:
         tma_b, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, mW, cute.slice_(sb_layout, (None, None, 0)), (TILE_N, TILE_K))
         tma_c, tma_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD,
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mDs,
             cute.slice_(sc_layout, (None, None, 0)), (HALF_M, self.epi_cols))
         c_elems = self.c_elems
 
@@ -286,6 +306,8 @@ class DlogitsSm90:
         r0 = tCcC[0][0]
         r1 = tCcC[2][0]
 
+        # the TMA store covers columns [0, c8) (16-byte chunks that end at or before C)
+        c8 = cols // 8 * 8 if self.exact_tail else cols
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for tile in cutlass.range(bid, tiles, nctas, unroll=1):
@@ -352,9 +374,22 @@ class DlogitsSm90:
                     cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared,
                                           space=cute.arch.SharedSpace.shared_cta)
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
+                    if cutlass.const_expr(self.exact_tail):
+                        # columns [C8, C) (see "Ragged C"): read back from this block's shared
+                        # tile (written and fenced above, reused only after the next barrier)
+                        # and stored directly, 2 threads per row, 4 columns each; only the
+                        # block holding column C8 of the last column tile has any
+                        tc = c8 - col_base - b * self.epi_cols
+                        if c8 < cols and tc >= 0 and tc < self.epi_cols:
+                            r = lt // 2
+                            row = (tm * 2 + wg) * HALF_M + r
+                            for k in cutlass.range_constexpr(4):
+                                j = (lt % 2) * 4 + k
+                                if row < n_rows and c8 + j < cols:
+                                    mD[row, c8 + j] = sC[(r, tc + j, wg)]
                     # (a block wholly below row N or right of column C has nothing to store)
                     cb = tn * blocks + b
-                    if lt == 0 and (tm * 2 + wg) * HALF_M < n_rows and cb * self.epi_cols < cols:
+                    if lt == 0 and (tm * 2 + wg) * HALF_M < n_rows and cb * self.epi_cols < c8:
                         cute.copy(tma_c, tCsC[(None, wg)], tCgC[(None, tm * 2 + wg, cb)])
                         cute.arch.cp_async_bulk_commit_group()
             else:
@@ -372,7 +407,7 @@ _COMPILED: dict = {}
 
 
 def compile_dlogits(hidden: int, stages: int = 3, epilogue: str = "tma", group_m: int = 16,
-                    stream=None):
+                    stream=None, exact_tail: bool = True):
     """cute.compile the kernel for one hidden size (N, C, ldz, v0, ctas stay runtime values).
 
     The pointers given to cute.compile only carry types (dtype, address space, alignment):
@@ -380,7 +415,7 @@ def compile_dlogits(hidden: int, stages: int = 3, epilogue: str = "tma", group_m
     JIT then stops for lack of libcuda)."""
     from cutlass.cute.runtime import make_ptr
 
-    key = (hidden, stages, epilogue, group_m)
+    key = (hidden, stages, epilogue, group_m, exact_tail)
     if key in _COMPILED:
         return _COMPILED[key]
     gmem = cute.AddressSpace.gmem
@@ -393,10 +428,11 @@ def compile_dlogits(hidden: int, stages: int = 3, epilogue: str = "tma", group_m
         make_ptr(cutlass.Int32, base * 5, gmem, assumed_align=16),
         make_ptr(cutlass.BFloat16, base * 6, gmem, assumed_align=16),
     ]
-    kern = DlogitsSm90(hidden, stages, epilogue, group_m)
+    kern = DlogitsSm90(hidden, stages, epilogue, group_m, exact_tail)
     stream = cuda.CUstream(0) if stream is None else stream
     compiled = cute.compile(kern, *ptrs, cutlass.Int32(TILE_M), cutlass.Int32(TILE_N),
-                            cutlass.Int32(TILE_N), cutlass.Int32(0), cutlass.Int32(1), stream)
+                            cutlass.Int32(TILE_N), cutlass.Int32(0), cutlass.Int32(1),
+                            cutlass.Int32(TILE_N), stream)
     _COMPILED[key] = compiled
     return compiled
 
@@ -408,10 +444,20 @@ def dz_buffer(n: int, c: int, device=None):
     return torch.empty(n, ld, device=device, dtype=torch.bfloat16)[:, :c]
 
 
+def tma_store_cols(c: int, exact_tail: bool = True) -> int:
+    """The TMA store's column extent for a chunk of C columns: C8 = C // 8 * 8 (at least 8: a
+    tensor map needs one; the kernel issues no store when C8 = 0), C without exact_tail."""
+    return max(c // 8 * 8, 8) if exact_tail else c
+
+
 def dlogits_chunk(x, w, v0: int, v1: int, lse, g, target, dz=None, *, stages: int = 3,
-                  epilogue: str = "tma", group_m: int = 16, ctas: int = 0):
+                  epilogue: str = "tma", group_m: int = 16, ctas: int = 0,
+                  exact_tail: bool = True):
     """dz (N, v1 - v0) bf16 for CUDA torch tensors x (N, H), w (V, H) bf16, lse, g (N,) fp32,
-    target (N,) integer. ``ctas``: persistent CTAs (0: one per SM, at most one per tile)."""
+    target (N,) integer. ``ctas``: persistent CTAs (0: one per SM, at most one per tile).
+    ``dz`` may be a column slice of a wider buffer (row stride % 8 == 0, data pointer 16-byte
+    aligned): nothing outside its N x C elements is written (``exact_tail=False`` only for
+    the probe's diagnosis: the TMA epilogues then write up to 7 columns past a ragged C)."""
     torch = importlib.import_module("torch")
     from cutlass.cute.runtime import make_ptr
 
@@ -433,13 +479,15 @@ def dlogits_chunk(x, w, v0: int, v1: int, lse, g, target, dz=None, *, stages: in
         dz = dz_buffer(n, c, x.device)
     if dz.shape != (n, c) or dz.stride(1) != 1 or dz.stride(0) % 8 or dz.dtype != torch.bfloat16:
         raise ValueError("dz must be bf16 (N, C) with unit column stride and row stride % 8 == 0")
+    if dz.data_ptr() % 16:
+        raise ValueError("dz's data pointer must be 16-byte aligned (a column offset % 8 == 0)")
     if n == 0:
         return dz
     tiles = -(-n // TILE_M) * -(-c // TILE_N)
     if ctas <= 0:
         ctas = torch.cuda.get_device_properties(x.device).multi_processor_count
     ctas = min(ctas, tiles)
-    compiled = compile_dlogits(h, stages, epilogue, group_m)
+    compiled = compile_dlogits(h, stages, epilogue, group_m, exact_tail=exact_tail)
     gmem = cute.AddressSpace.gmem
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     compiled(
@@ -450,6 +498,6 @@ def dlogits_chunk(x, w, v0: int, v1: int, lse, g, target, dz=None, *, stages: in
         make_ptr(cutlass.Int32, tgt.data_ptr(), gmem, assumed_align=16),
         make_ptr(cutlass.BFloat16, dz.data_ptr(), gmem, assumed_align=16),
         cutlass.Int32(n), cutlass.Int32(c), cutlass.Int32(dz.stride(0)), cutlass.Int32(v0),
-        cutlass.Int32(ctas), stream,
+        cutlass.Int32(ctas), cutlass.Int32(tma_store_cols(c, exact_tail)), stream,
     )
     return dz

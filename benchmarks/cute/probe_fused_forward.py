@@ -6,11 +6,14 @@
    (uneven splits, an empty split, ignore_index rows), both kernel variants (warp-specialised
    and the inline-producer fallback); criterion per row: |ours - ref| <= |torch bf16 logits
    path - ref| + 1e-4 (the bf16 torch path: logits = x @ w.T in bf16, logsumexp in fp32);
-2. timing (triton.testing.do_bench median, ms) vs cuBLAS ``x @ w.T`` (bf16 out) and vs
-   logitless's Triton forward (``linear_cross_entropy(..., reduction='none')`` under no_grad)
-   at 4096 x 4096 x 128256 and 8192 x 7168 x 128256 (splits swept), with TFLOP/s.
+2. timing vs cuBLAS ``x @ w.T`` (bf16 out) and vs logitless's Triton forward
+   (``linear_cross_entropy(..., reduction='none')`` under no_grad) at 4096 x 4096 x 128256 and
+   8192 x 7168 x 128256 (splits swept), with TFLOP/s, INTERLEAVED (interleave.py: every
+   candidate and the baseline once per round, do_bench medians, medians over --rounds rounds,
+   spreads, throughput vs cuBLAS from per-round ratios).
 Without CUDA (SMOKE) it self-tests ``merge_partials`` on partials computed by torch and runs the
-correctness harness with those partials standing in for the kernel.
+correctness harness with those partials standing in for the kernel, and the timing harness's
+rounds on the stand-in (CPU wall clock).
 """
 
 from __future__ import annotations
@@ -98,7 +101,14 @@ def smoke() -> dict:
         "merge_partials": staticmethod(merge)})
     rows = correctness(stand_in, "cpu", [(128, 64, 256, 1), (256, 96, 1024, 3)])
     out["harness_ok"] = all(r["ok"] for r in rows)
-    out["ok"] = out["ok"] and out["harness_ok"]
+    # the interleaved timing harness, on the stand-in with CPU wall-clock timing
+    il = importlib.import_module("interleave")
+    trows = timing(stand_in, quick=True, rounds=3, shapes=[(64, 64, 512)], device="cpu",
+                   bench=il.cpu_bench(3))
+    out["timing_harness_ok"] = all(
+        r.get("rounds") == 3 and "cublas_ms" in r and "cute_ws_s8_throughput_vs_cublas" in r
+        and "error" not in r for r in trows) and il.self_test()["ok"]
+    out["ok"] = out["ok"] and out["harness_ok"] and out["timing_harness_ok"]
     return out, rows
 
 
@@ -155,45 +165,77 @@ def correctness(ff, device="cuda", cases=None, save=None) -> list:
     return rows
 
 
-def timing(ff, quick=False, save=None) -> list:
+def timing(ff, quick=False, save=None, rounds=5, budget_s=60.0, shapes=None, device="cuda",
+           bench=None) -> list:
+    """Per shape: cuBLAS (the baseline), the Triton forward and the CuTe variants, each timed
+    once per round (interleave.interleaved: do_bench median per measurement, the order
+    rotated per round), medians over rounds, spreads, and per-round ratios to cuBLAS (the
+    first H100 run timed cuBLAS once, first, ~10% slow: 675 vs 743 TFLOP/s an hour later).
+    ``budget_s``: each shape's rounds get budget_s / len(shapes) seconds from their start (a
+    new round starts only within it; the first always runs)."""
     torch = importlib.import_module("torch")
-    do_bench = importlib.import_module("triton.testing").do_bench
+    il = importlib.import_module("interleave")
+    bench = bench or il.gpu_bench(warmup=25, rep=100)
     try:
         lce = importlib.import_module("logitless").linear_cross_entropy
     except Exception as exc:  # noqa: BLE001
         lce = None
         print("logitless did not import:", exc)
     rows = []
-    shapes = [(4096, 4096, 128256), (8192, 7168, 128256)]
+    shapes = shapes or [(4096, 4096, 128256), (8192, 7168, 128256)]
     for n, h, v in shapes:
-        x, w, target = make_inputs(n, h, v, "cuda", ignore_every=10**9)
-        flops = 2.0 * n * h * v
-        rec = {"n": n, "h": h, "v": v}
-        v_pad = v // 256 * 256  # the kernel needs V % 256 == 0: time it on the 128000 head
-        w_k = w[:v_pad].contiguous()
-        t_k = target.clamp(max=v_pad - 1)
-        rec["cublas_ms"] = do_bench(lambda: x @ w.T, return_mode="median")
-        rec["cublas_tflops"] = flops / rec["cublas_ms"] * 1e-9
-        if lce is not None:
-            with torch.no_grad():
-                rec["triton_ms"] = do_bench(
-                    lambda: lce(x, w, target, reduction="none"), return_mode="median")
-            rec["triton_tflops"] = flops / rec["triton_ms"] * 1e-9
-        rec["cute_v"] = v_pad
-        for spec in ((True,) if quick else (True, False)):
-            for splits in ((8,) if quick else (1, 4, 8, 16)):
-                key = f"cute_{'ws' if spec else 'inl'}_s{splits}"
-                try:
-                    t0 = time.perf_counter()
-                    ff.fused_forward_partials(x, w_k, t_k, splits, specialised=spec)
-                    torch.cuda.synchronize()
-                    rec[key + "_first_s"] = round(time.perf_counter() - t0, 2)
-                    ms = do_bench(lambda: ff.fused_forward_partials(  # noqa: B023
-                        x, w_k, t_k, splits, specialised=spec), return_mode="median")  # noqa: B023
-                    rec[key + "_ms"] = ms
-                    rec[key + "_tflops"] = 2.0 * n * h * v_pad / ms * 1e-9
-                except Exception as exc:  # noqa: BLE001
-                    rec[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rec = {"n": n, "h": h, "v": v, "rounds_wanted": rounds}
+        try:
+            x, w, target = make_inputs(n, h, v, device, ignore_every=10**9)
+            flops = 2.0 * n * h * v
+            v_pad = v // 256 * 256  # the kernel needs V % 256 == 0: time it on the 128000 head
+            w_k = w[:v_pad].contiguous()
+            t_k = target.clamp(max=v_pad - 1)
+            rec["cute_v"] = v_pad
+            measures = {"cublas": lambda: bench(lambda: x @ w.T)}  # noqa: B023
+            work = {"cublas": flops}
+            if lce is not None:
+                def triton_fwd():
+                    with torch.no_grad():
+                        return lce(x, w, target, reduction="none")  # noqa: B023
+
+                triton_fwd()
+                measures["triton"] = lambda f=triton_fwd: bench(f)
+                work["triton"] = flops
+            for spec in ((True,) if quick else (True, False)):
+                for splits in ((8,) if quick else (1, 4, 8, 16)):
+                    key = f"cute_{'ws' if spec else 'inl'}_s{splits}"
+                    try:  # the first call compiles: outside the rounds
+                        t0 = time.perf_counter()
+                        ff.fused_forward_partials(x, w_k, t_k, splits, specialised=spec)
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        rec[key + "_first_s"] = round(time.perf_counter() - t0, 2)
+                        measures[key] = (lambda sp=splits, spc=spec: bench(  # noqa: B023
+                            lambda: ff.fused_forward_partials(x, w_k, t_k, sp, specialised=spc)))  # noqa: B023
+                        work[key] = 2.0 * n * h * v_pad
+                    except Exception as exc:  # noqa: BLE001
+                        rec[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            # each shape's rounds get budget_s / shapes seconds from their start
+            deadline = time.monotonic() + budget_s / len(shapes)
+            res = il.interleaved(measures, rounds=rounds, baseline="cublas", deadline=deadline)
+            rec["rounds"] = res.pop("_rounds")
+            for name, r in res.items():
+                if "ms" in r:
+                    rec[name + "_ms"] = r["ms"]
+                    rec[name + "_spread"] = r["spread"]
+                    rec[name + "_tflops"] = work[name] / r["ms"] * 1e-9
+                if "ratio" in r:
+                    # time ratio per round -> throughput ratio (the CuTe rows do v_pad / v of
+                    # the work): median, and its range over rounds
+                    scale = work[name] / flops
+                    rec[name + "_throughput_vs_cublas"] = scale / r["ratio"]
+                    rec[name + "_throughput_vs_cublas_range"] = [scale / r["ratio_max"],
+                                                                 scale / r["ratio_min"]]
+                if "error" in r:
+                    rec[name + "_error"] = r["error"]
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         print(json.dumps(rec), flush=True)
         rows.append(rec)
         if save:
@@ -206,6 +248,10 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--part", choices=["all", "correctness", "timing"], default="all")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (interleaved)")
+    ap.add_argument("--budget", type=float, default=60.0,
+                    help="timing: seconds of rounds (split evenly between the shapes; a new "
+                         "round starts only within its shape's share; one always runs)")
     args = ap.parse_args()
     torch = importlib.import_module("torch")
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -230,7 +276,8 @@ def main() -> int:
         if args.part in ("all", "correctness"):
             out["correctness"] = correctness(ff, save=saver("correctness"))
         if args.part in ("all", "timing"):
-            out["timing"] = timing(ff, args.quick, save=saver("timing"))
+            out["timing"] = timing(ff, args.quick, save=saver("timing"), rounds=args.rounds,
+                                   budget_s=args.budget)
         ok = all(r.get("ok") for r in out.get("correctness", [])) if "correctness" in out else True
     if args.json:
         with open(args.json, "w") as f:
