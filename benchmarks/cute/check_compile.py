@@ -3,6 +3,7 @@
     PYTHONPATH=<nvidia-cutlass-dsl 4.2.1 python_packages>:<its deps> CUTE_DSL_ARCH=sm_90a \\
         python benchmarks/cute/check_compile.py [--kernels forward,dlogits] \\
         [--hidden 256,4096,7168] [--dlogits-hidden 64,4096,7168] [--json out.json]
+        [--kernels pingpong --pingpong-hidden 256,4096,7168 --pingpong-configs 5:40:232,4:40:232]
 
 For every (hidden size, specialised or not) it runs ``cute.compile`` with the device binary
 requested as PTX text (``cubin-format=isa`` in the DSL's ``cute-to-nvvm`` pass pipeline),
@@ -19,6 +20,10 @@ For the d(logits) kernel (--kernels dlogits; per H and epilogue): 384 threads, 4
 TMA load sites, setmaxnreg, 128 ex2 and 128 bf16 roundings per tile, and either the TMA
 store path (128 st.shared.b16, fence.proxy.async, the warpgroup's named barriers, bulk
 commit / wait.read, no st.global) or 128 masked st.global (direct epilogue).
+For the consumer ping-pong forward (--kernels pingpong; fused_forward_pingpong.py): 384
+threads, 4 wgmma m64n256k16 per k slab (one warpgroup per 64 x 256 tile), 2 TMA load sites,
+the setmaxnreg pair asked for, the ordering barrier (one bar.sync + one bar.arrive over 256
+threads), 6 partial stores, 130 ex2, smem; and the one-warpgroup wgmma C layout.
 Where the compile stops: the PTX-capturing compile is stopped by this script right after the
 DSL's pass pipeline (no host JIT, no module load: the same on both machines) and must not fail
 before; on a GPU machine an unmodified compile of the same configuration must also succeed and
@@ -186,6 +191,8 @@ PTX_PATTERNS = {
     "st_shared_b16": r"st\.shared(::cta)?\.b16",
     "cvt_bf16x2": r"cvt\.rn\.bf16x2\.f32",
     "cvt_bf16": r"cvt\.rn\.bf16\.f32",
+    "bar_sync_256": r"bar(rier)?\.sync(\.aligned)?\s+(%r\d+|\d+),\s*256;",
+    "bar_arrive_256": r"bar(rier)?\.arrive(\.aligned)?\s+(%r\d+|\d+),\s*256;",
 }
 
 
@@ -316,6 +323,49 @@ def check_dlogits(hidden: int, epilogue: str, stages: int) -> dict:
     return rec
 
 
+def check_pingpong(hidden: int, stages: int, regs: tuple) -> dict:
+    """The consumer ping-pong forward (benchmarks/cute/fused_forward_pingpong.py)."""
+    import fused_forward_pingpong as pp
+
+    def build():
+        pp._COMPILED.clear()
+        pp.compile_forward(hidden, stages=stages, regs=regs)
+
+    t0 = time.perf_counter()
+    ptx, err, smem_bytes = _captured_ptx(build)
+    rec = {"kernel": "pingpong", "hidden": hidden, "stages": stages, "regs": list(regs),
+           "dynamic_smem_bytes": smem_bytes,
+           "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
+    if ptx is None:
+        rec["ok"] = False
+        return rec
+    counts = {k: len(re.findall(p, ptx)) for k, p in PTX_PATTERNS.items()}
+    rec["ptx_counts"] = counts
+    m = re.search(r"\.reqntid (\d+)", ptx)
+    rec["threads"] = int(m.group(1)) if m else None
+    rec["setmaxnreg"] = re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    checks = {
+        "384 threads (producer + 2 consumer warpgroups)": rec["threads"] == 384,
+        "4 wgmma m64n256k16 per k slab (one warpgroup per tile)":
+        counts["wgmma_m64n256k16_bf16"] == 4,
+        "2 TMA load sites (x, w), producer only": counts["tma_load_2d"] == 2,
+        "mbarrier expect_tx": counts["mbarrier_expect_tx"] >= 1,
+        f"setmaxnreg dec {regs[0]} / inc {regs[1]}":
+        sorted(rec["setmaxnreg"]) == sorted([str(regs[0]), str(regs[1])]),
+        "ordering barrier: one bar.sync and one bar.arrive over 256 threads":
+        counts["bar_sync_256"] == 1 and counts["bar_arrive_256"] == 1,
+        "only the 6 partial stores reach global memory": counts["st_global"] == 6,
+        "128 exp2 per tile + 2 rescales": counts["ex2_approx"] == 130,
+        "dynamic smem fits sm_90 (227 KiB)": smem_bytes is not None and smem_bytes <= 227 * 1024,
+    }
+    name, ok = _compile_stop_check(rec, build, err)
+    checks[name] = ok
+    rec["checks"] = checks
+    _ptxas(rec, ptx, checks)
+    rec["ok"] = all(checks.values())
+    return rec
+
+
 _LAYOUT_FOUND: dict = {}
 _THREADS = tuple(range(256))
 
@@ -374,16 +424,78 @@ def check_layout() -> dict:
             "tile_covered_once": len(cover) == 128 * 256, "violations": bad[:5]}
 
 
+_LAYOUT_PP: dict = {}
+_THREADS_PP = tuple(range(128))
+
+
+def _layout_probe_pingpong():
+    """The ping-pong kernel's tiled MMA: one warpgroup, one m64n256k16 atom, a 64 x 256 tile."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    @cute.jit
+    def probe():
+        major = utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, major, major, cutlass.Float32, (1, 1, 1),
+            tiler_mn=(64, 256))
+        ident = cute.make_identity_tensor((64, 256))
+        for t in _THREADS_PP:
+            c = tiled_mma.get_slice(t).partition_C(ident)
+            _LAYOUT_PP[t] = [c[i] for i in _THREADS_PP]
+
+    return cute.compile, probe
+
+
+def check_layout_pingpong() -> dict:
+    """Ping-pong epilogue's assumption: each of the 128 threads of a consumer warpgroup holds
+    128 elements of the 64 x 256 tile on 2 rows (element i on row slot (i // 2) % 2), the 4
+    lanes of a quad share their rows, and the warpgroup covers the tile exactly once."""
+    found = _LAYOUT_PP
+    found.clear()
+    compile_fn, probe = _layout_probe_pingpong()
+    try:
+        compile_fn(probe)
+    except Exception as exc:  # noqa: BLE001  (host JIT without libcuda: layouts were evaluated)
+        err = _first_line(exc)
+    else:
+        err = None
+    if len(found) != 128:
+        return {"ok": False, "why": f"layout probe evaluated {len(found)} threads", "error": err}
+    bad, cover = [], set()
+    found = {t: [tuple(int(v) for v in rc) for rc in coords] for t, coords in found.items()}
+    for t, coords in found.items():
+        rows = {0: coords[0][0], 1: coords[2][0]}
+        if rows[0] == rows[1]:
+            bad.append((t, "two distinct rows"))
+        for i, (r, c) in enumerate(coords):
+            cover.add((r, c))
+            if r != rows[(i // 2) % 2]:
+                bad.append((t, i, "row slot"))
+        quad = found[t - t % 4]
+        if [rc[0] for rc in coords] != [rc[0] for rc in quad]:
+            bad.append((t, "quad rows differ"))
+    return {"ok": not bad and len(cover) == 64 * 256, "elements_per_thread": len(found[0]),
+            "tile_covered_once": len(cover) == 64 * 256, "violations": bad[:5]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="forward",
-                    help="forward and/or dlogits, comma-separated (default: forward, as "
-                         "cute_forward.sh expects; cute_dlogits.sh passes dlogits)")
+                    help="forward, dlogits and/or pingpong, comma-separated (default: "
+                         "forward, as cute_forward.sh expects; cute_dlogits.sh passes dlogits, "
+                         "cute_pingpong.sh pingpong)")
     ap.add_argument("--hidden", default="256,4096,7168", help="the forward's hidden sizes")
     ap.add_argument("--stages", type=int, default=4, help="the forward's ring depth")
     ap.add_argument("--dlogits-hidden", default="64,4096,7168")
     ap.add_argument("--dlogits-configs", default="tma:3,tma128:4,direct:3",
                     help="epilogue:stages pairs of the dlogits kernel")
+    ap.add_argument("--pingpong-hidden", default="256,4096,7168")
+    ap.add_argument("--pingpong-configs", default="5:40:232,4:40:232",
+                    help="stages:producer_regs:consumer_regs of the ping-pong forward; the "
+                         "first at every --pingpong-hidden, the others at the largest")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -392,6 +504,9 @@ def main() -> int:
            "cuda_context": _cuda_context() if _cuda_driver() else None,
            "layout": check_layout(), "kernels": []}
     print("wgmma C layout assumption:", json.dumps(out["layout"]))
+    if "pingpong" in kernels:
+        out["layout_pingpong"] = check_layout_pingpong()
+        print("ping-pong (one warpgroup, 64 x 256) C layout:", json.dumps(out["layout_pingpong"]))
 
     def save():
         if args.json:
@@ -406,6 +521,11 @@ def main() -> int:
         todo += [(check_dlogits, h, ep, int(st))
                  for h in [int(v) for v in args.dlogits_hidden.split(",")]
                  for ep, st in (cfg.split(":") for cfg in args.dlogits_configs.split(","))]
+    if "pingpong" in kernels:
+        pp_hidden = [int(v) for v in args.pingpong_hidden.split(",")]
+        cfgs = [tuple(int(x) for x in c.split(":")) for c in args.pingpong_configs.split(",")]
+        todo += [(check_pingpong, h, cfgs[0][0], cfgs[0][1:]) for h in pp_hidden]
+        todo += [(check_pingpong, max(pp_hidden), c[0], c[1:]) for c in cfgs[1:]]
     for fn, *a in todo:
         try:
             rec = fn(*a)
@@ -415,13 +535,16 @@ def main() -> int:
         out["kernels"].append(rec)
         print(json.dumps(rec), flush=True)
         save()  # a run killed by its timeout keeps the configurations done
-    ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"])
+    ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"]) \
+        and out.get("layout_pingpong", {"ok": True})["ok"]
     print()
     print(f"{'H':>6} {'spec':>5} {'thr':>4} {'wgmma':>5} {'tma':>4} {'regs':>5} {'spill':>5} "
           f"{'HGMMA':>5} {'smem':>7} {'ok':>3} kernel (spec: forward ws / inline, dlogits epilogue)")
     for r in out["kernels"]:
         sc = r.get("sass_counts", {})
         variant = r.get("epilogue", {True: "ws", False: "inl"}.get(r.get("specialised"), "?"))
+        if r.get("kernel") == "pingpong":
+            variant = f"pp{r.get('stages')}"
         failed = [k for k, v in r.get("checks", {}).items() if not v]
         print(f"{r.get('hidden')!s:>6} {variant:>5} {r.get('threads')!s:>4} "
               f"{r.get('ptx_counts', {}).get('wgmma_m64n256k16_bf16')!s:>5} "
