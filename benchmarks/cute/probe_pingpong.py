@@ -167,8 +167,17 @@ def smoke() -> dict:
     out = {"harness_ok": all(r["ok"] for r in good),
            "harness_catches_a_wrong_column": not any(r["ok"] for r in bad),
            "merge_err_float64": merge_err, "torch": torch.__version__}
-    out["ok"] = out["harness_ok"] and out["harness_catches_a_wrong_column"] and merge_err < 1e-9
-    return out, good
+    # the timing harness itself, on tiny CPU shapes with the stand-in kernel and a CPU clock
+    trows = timing(stand_in(False), rounds=2, budget_s=60, ff=stand_in(False), device="cpu",
+                   shapes=[((128, 64, 1024), (1, 2, 4))], bench=_cpu_bench)
+    want = {"cublas", "triton", f"cute_ws_s{library_splits(128, v=1024)}", "pp5_s1", "pp5_s2",
+            "pp5_s4", "pp4_s2", "pp5r240_s2"}
+    got = {k[:-3] for k in trows[0] if k.endswith("_ms") and not k.endswith("_rounds_ms")}
+    out["timing_dry_run"] = {"contenders": sorted(got), "missing": sorted(want - got),
+                             "errors": {k: v for k, v in trows[0].items() if k.endswith("_error")}}
+    out["ok"] = out["harness_ok"] and out["harness_catches_a_wrong_column"] and merge_err < 1e-9 \
+        and not out["timing_dry_run"]["missing"] and "cublas_x_cublas" in trows[0]
+    return out, good, trows
 
 
 def library_splits(n, sms=132, tile_m=128, tile_n=256, v=128000):
@@ -176,10 +185,24 @@ def library_splits(n, sms=132, tile_m=128, tile_n=256, v=128000):
     return max(1, min((2 * sms) // ((n + tile_m - 1) // tile_m), (v + tile_n - 1) // tile_n))
 
 
-def timing(pp, rounds=5, budget_s=150.0, save=None) -> list:
+def _cpu_bench(fn, warmup=0, rep=0, return_mode="median"):
+    """The dry run's stand-in for do_bench (CPU): median of 3 timed calls, in ms."""
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def timing(pp, rounds=5, budget_s=150.0, save=None, ff="load", device="cuda", shapes=None,
+           bench=None) -> list:
+    """Interleaved timing (see the module docstring). ``device``/``shapes``/``bench``/``ff``
+    replace the GPU pieces in the CPU dry run of this harness (SMOKE)."""
     torch = importlib.import_module("torch")
-    do_bench = importlib.import_module("triton.testing").do_bench
-    ff = _load("fused_forward", optional=True)
+    do_bench = bench or importlib.import_module("triton.testing").do_bench
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ff = _load("fused_forward", optional=True) if ff == "load" else ff
     try:
         lce = importlib.import_module("logitless").linear_cross_entropy
     except Exception as exc:  # noqa: BLE001
@@ -187,13 +210,13 @@ def timing(pp, rounds=5, budget_s=150.0, save=None) -> list:
         print("logitless did not import:", exc)
     t_start = time.perf_counter()
     rows = []
-    shapes = [((4096, 4096, 128000), (2, 4, 8)), ((8192, 7168, 128000), (1, 2, 4)),
-              ((2048, 2048, 128000), (4, 8, 16))]
+    shapes = shapes or [((4096, 4096, 128000), (2, 4, 8)), ((8192, 7168, 128000), (1, 2, 4)),
+                        ((2048, 2048, 128000), (4, 8, 16))]
     for (n, h, v), pp_splits in shapes:
         if time.perf_counter() - t_start > budget_s:
             rows.append({"n": n, "h": h, "v": v, "skipped": "time budget"})
             continue
-        x, w, target = make_inputs(n, h, v, "cuda", ignore_every=10**9)
+        x, w, target = make_inputs(n, h, v, device, ignore_every=10**9)
         t32 = target.to(torch.int32)  # the CuTe launchers' dtype: no conversion kernel timed
         flops = 2.0 * n * h * v
         rec = {"n": n, "h": h, "v": v, "rounds": rounds}
@@ -204,7 +227,7 @@ def timing(pp, rounds=5, budget_s=150.0, save=None) -> list:
                     return lce(x, w, target, reduction="none")
             fns["triton"] = triton_fwd
         if ff is not None:
-            s_ws = library_splits(n)
+            s_ws = library_splits(n, v=v)
             fns[f"cute_ws_s{s_ws}"] = lambda s=s_ws: ff.fused_forward_partials(x, w, t32, s)
         for s in pp_splits:
             fns[f"pp5_s{s}"] = lambda s=s: pp.fused_forward_partials(x, w, t32, s)
@@ -217,7 +240,7 @@ def timing(pp, rounds=5, budget_s=150.0, save=None) -> list:
             try:
                 t0 = time.perf_counter()
                 fn()
-                torch.cuda.synchronize()
+                sync()
                 rec[f"{k}_first_s"] = round(time.perf_counter() - t0, 2)
             except Exception as exc:  # noqa: BLE001
                 rec[f"{k}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -241,7 +264,8 @@ def timing(pp, rounds=5, budget_s=150.0, save=None) -> list:
                     rec[f"{k}_x_cublas"] = rec[f"{k}_ms"] / base
         print(json.dumps(rec), flush=True)
         rows.append(rec)
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         if save:
             save(rows)
     return rows
@@ -265,7 +289,7 @@ def main() -> int:
                 json.dump(out, f, indent=1)
 
     if not torch.cuda.is_available():
-        out["smoke"], out["correctness"] = smoke()
+        out["smoke"], out["correctness"], out["timing"] = smoke()
         print(json.dumps(out))
         save_all()
         return 0 if out["smoke"]["ok"] else 1

@@ -5,6 +5,7 @@
 #   SMOKE=1 OUT=<dir> bash benchmarks/gpu/cute_pingpong.sh  (CPU: compile check + probe self-test;
 #       PYTHON_CUTE=a Python 3.12 with the DSL importable, PYTHON=a Python with torch)
 # Parts (each under its own timeout; a failing part does not stop the others):
+#   0. sim_pingpong_sync.py: the ring / ordering-barrier protocol model (no deadlock, no ABA) ~1 s
 #   1. check_compile.py --kernels pingpong: sm_90a PTX/SASS checks + load on the GPU     <= 35 s
 #   2. probe_pingpong.py correctness vs float64 (10 shapes, ring 5 / 4, setmaxnreg 240)  <= 65 s
 #   3. probe_pingpong.py timing, baselines interleaved in rounds (cuBLAS, Triton forward,
@@ -24,6 +25,8 @@ export CUTE_DSL_ARCH=sm_90a
 SUM="$OUT/cute-pp-summary.txt"
 : > "$SUM"
 S=$(date +%s)
+echo "sync model (benchmarks/cute/sim_pingpong_sync.py): $(timeout -k 2 20 "$PY" \
+    benchmarks/cute/sim_pingpong_sync.py 2>&1 | tail -c 400)" | tee -a "$SUM"
 timeout -k 5 35 "$PYC" benchmarks/cute/check_compile.py --kernels pingpong \
     --json "$OUT/cute-pp-compile.json" > "$OUT/cute-pp-compile.log" 2>&1
 echo "compile check exit: $? ($(( $(date +%s) - S )) s)" | tee -a "$SUM"
@@ -71,7 +74,9 @@ if c:
               f"{r.get('torch_bf16_err_lse', float('nan')):9.2e} {pe.get('m_abs', float('nan')):9.2e} "
               f"{pe.get('e_rel', float('nan')):9.2e} "
               f"{'yes' if r.get('ok') else 'NO ' + (r.get('error') or str(r.get('bad_rows')) + ' bad rows')[:90]}")
-t = load("cute-pp-timing.json") if os.path.exists(os.path.join(out, "cute-pp-timing.json")) else None
+t = load("cute-pp-timing.json") if os.path.exists(os.path.join(out, "cute-pp-timing.json")) else c
+if t is c and c and c.get("timing"):
+    print("timing harness dry run (CPU clock, stand-in kernels: the numbers mean nothing):")
 if t:
     print(f"timing on {t.get('device')} (torch {t.get('torch')}, triton {t.get('triton')}, "
           f"cutlass {t.get('cutlass')}): median of per-round do_bench medians, V = 128000")
