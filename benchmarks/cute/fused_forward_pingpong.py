@@ -62,9 +62,15 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
-TILE_M, TILE_N, TILE_K = 64, 256, 64  # one consumer warpgroup's whole tile
+TILE_K = 64
+TILES = ((64, 256), (128, 128))  # a consumer warpgroup's whole tile (m64n256k16 / 2 x m64n128k16)
 LOG2E = math.log2(math.e)
 ORDER_BAR = 2  # named barriers ORDER_BAR + g: "warpgroup g issued its tile's last wgmma"
+
+
+def _slot4(i: int) -> int:
+    """Row slot (0..3) of accumulator element i of a thread in the 128 x 128 tile (2 x m64n128)."""
+    return 2 * (i // 64) + (i // 2) % 2
 
 
 class FusedForwardPingpongSm90:
@@ -79,7 +85,10 @@ class FusedForwardPingpongSm90:
     warpgroup before the tile starts."""
 
     def __init__(self, hidden: int, stages: int = 5,
-                 producer_regs: int = 40, consumer_regs: int = 232):
+                 producer_regs: int = 40, consumer_regs: int = 232, tile: tuple = (64, 256)):
+        if tuple(tile) not in TILES:
+            raise ValueError(f"tile must be one of {TILES}, got {tile}")
+        self.tile_m, self.tile_n = tile
         if hidden % TILE_K:
             raise ValueError(f"hidden must be a multiple of {TILE_K}, got {hidden}")
         if 128 * producer_regs + 256 * consumer_regs > 65536:
@@ -125,18 +134,18 @@ class FusedForwardPingpongSm90:
             utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
             cutlass.Float32,
             (1, 1, 1),
-            tiler_mn=(64, TILE_N),
+            tiler_mn=(64, self.tile_n),
         )
         kind = sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, TILE_K)
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(kind, self.ab_dtype)
-        sa_layout = cute.tile_to_shape(atom, (TILE_M, TILE_K, self.stages), order=(0, 1, 2))
-        sb_layout = cute.tile_to_shape(atom, (TILE_N, TILE_K, self.stages), order=(0, 1, 2))
+        sa_layout = cute.tile_to_shape(atom, (self.tile_m, TILE_K, self.stages), order=(0, 1, 2))
+        sb_layout = cute.tile_to_shape(atom, (self.tile_n, TILE_K, self.stages), order=(0, 1, 2))
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, mX, cute.slice_(sa_layout, (None, None, 0)), (TILE_M, TILE_K))
+            g2s, mX, cute.slice_(sa_layout, (None, None, 0)), (self.tile_m, TILE_K))
         tma_b, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, mW, cute.slice_(sb_layout, (None, None, 0)), (TILE_N, TILE_K))
+            g2s, mW, cute.slice_(sb_layout, (None, None, 0)), (self.tile_n, TILE_K))
 
         @cute.struct
         class SharedStorage:
@@ -147,7 +156,7 @@ class FusedForwardPingpongSm90:
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(sb_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        row_blocks = (n_rows + TILE_M - 1) // TILE_M
+        row_blocks = (n_rows + self.tile_m - 1) // self.tile_m
         self.kernel(tiled_mma, tma_a, tma_x, tma_b, tma_w, sa_layout, sb_layout,
                     mT, mM, mE, mG, vocab, splits).launch(
             grid=(row_blocks, splits, 1),
@@ -181,7 +190,7 @@ class FusedForwardPingpongSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
         # vocabulary tiles of this split: [v_lo, v_lo + n_here)
-        v_tiles = vocab // TILE_N
+        v_tiles = vocab // self.tile_n
         per_split = (v_tiles + splits - 1) // splits
         v_lo = bs * per_split
         n_here = cutlass.max(cutlass.min(per_split, v_tiles - v_lo), 0)
@@ -203,8 +212,8 @@ class FusedForwardPingpongSm90:
         sB = storage.sB.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
 
         # global tiles: x (64, 64, k), w (256, 64, vocab tile, k)
-        gX = cute.local_tile(mX, (TILE_M, TILE_K), (bm, None))
-        gW = cute.local_tile(mW, (TILE_N, TILE_K), (None, None))
+        gX = cute.local_tile(mX, (self.tile_m, TILE_K), (bm, None))
+        gW = cute.local_tile(mW, (self.tile_n, TILE_K), (None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gX, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -216,8 +225,12 @@ class FusedForwardPingpongSm90:
                 self.produce(ring, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, v_lo, total)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self.consume(tiled_mma, ring, sA, sB, mT, mM, mE, mG, bm, bs, n_here,
-                         tidx - 128, v_lo)
+            if cutlass.const_expr(self.tile_m == 64):
+                self.consume(tiled_mma, ring, sA, sB, mT, mM, mE, mG, bm, bs, n_here,
+                             tidx - 128, v_lo)
+            else:
+                self.consume4(tiled_mma, ring, sA, sB, mT, mM, mE, mG, bm, bs, n_here,
+                              tidx - 128, v_lo)
 
     @cute.jit
     def produce(self, ring, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, v_lo, total):
@@ -251,16 +264,16 @@ class FusedForwardPingpongSm90:
         tCsB = thr_wg.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
-        # (row, col) of every accumulator element of this thread inside the 64 x 256 tile
-        tCcC = thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        # (row, col) of every accumulator element of this thread inside its tile
+        tCcC = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         acc = cute.make_fragment(tCcC.shape, cutlass.Float32)
         n_acc = cute.size(acc)
         k_blocks = cute.size(tCrA, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         # the thread's two rows (wgmma C layout: element i sits on row slot (i // 2) % 2)
-        row0 = bm * TILE_M + tCcC[0][0]
-        row1 = bm * TILE_M + tCcC[2][0]
+        row0 = bm * self.tile_m + tCcC[0][0]
+        row1 = bm * self.tile_m + tCcC[2][0]
         tgt0 = mT[row0]
         tgt1 = mT[row1]
         neg_inf = cutlass.Float32(-math.inf)
@@ -305,7 +318,7 @@ class FusedForwardPingpongSm90:
 
             # epilogue (under the other warpgroup's mainloop): online (max, sum exp) per row
             # and the target logit; no logits written
-            col0 = (v_lo + j) * TILE_N
+            col0 = (v_lo + j) * self.tile_n
             t0 = neg_inf
             t1 = neg_inf
             for i in cutlass.range_constexpr(n_acc):
@@ -355,17 +368,120 @@ class FusedForwardPingpongSm90:
             mG[row1, col] = g1
 
 
+    @cute.jit
+    def consume4(self, tiled_mma, ring, sA, sB, mT, mM, mE, mG, bm, bs, n_here, ctid, v_lo):
+        """``consume`` for the 128 x 128 tile (2 x m64n128k16 per k block): each thread holds
+        4 rows x 32 columns; element i lies on row slot 2 (i // 64) + (i // 2) % 2 (checked on
+        the layout algebra by check_compile.py). Same ring / ordering protocol."""
+        wg = ctid // 128
+        lt = ctid % 128
+        thr_wg = tiled_mma.get_slice(0)
+        thr = tiled_mma.get_slice(lt)
+        tCsA = thr_wg.partition_A(sA)
+        tCsB = thr_wg.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        tCcC = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc = cute.make_fragment(tCcC.shape, cutlass.Float32)
+        n_acc = cute.size(acc)
+        k_blocks = cute.size(tCrA, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+        first = [0, 2, 64, 66]  # an element of each row slot
+        rows = [bm * self.tile_m + tCcC[first[r]][0] for r in range(4)]
+        tgts = [mT[rows[r]] for r in range(4)]
+        neg_inf = cutlass.Float32(-math.inf)
+        zero = cutlass.Float32(0.0)
+        m0, m1, m2, m3 = neg_inf, neg_inf, neg_inf, neg_inf
+        e0, e1, e2, e3 = zero, zero, zero, zero
+        g0, g1, g2, g3 = zero, zero, zero, zero
+
+        c0 = wg * self.k_tiles
+        read = pipeline.PipelineState(self.stages, c0, c0 % self.stages, (c0 // self.stages) % 2)
+        release = pipeline.PipelineState(self.stages, c0, c0 % self.stages,
+                                         (c0 // self.stages) % 2)
+        mine = (n_here - wg + 1) // 2
+        wait_bar = ORDER_BAR + 1 - wg
+        arrive_bar = ORDER_BAR + wg
+
+        for it in cutlass.range(mine, unroll=1):
+            j = it * 2 + wg
+            acc.fill(0.0)
+            if j > 0:
+                cute.arch.barrier(barrier_id=wait_bar, number_of_threads=256)
+            for kt in cutlass.range(self.k_tiles, unroll=1):
+                ring.consumer_wait(read)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                              tCrB[(None, None, kb, read.index)], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                if kt > 0:
+                    ring.consumer_release(release)
+                    release.advance()
+                read.advance()
+            if j + 1 < n_here:
+                cute.arch.barrier_arrive(barrier_id=arrive_bar, number_of_threads=256)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ring.consumer_release(release)
+            release.advance()
+            self.skip_tile(read)
+            self.skip_tile(release)
+
+            # epilogue: 4 rows per thread, the quad (4 lanes) shares them
+            col0 = (v_lo + j) * self.tile_n
+            mo = [m0, m1, m2, m3]
+            eo = [e0, e1, e2, e3]
+            go = [g0, g1, g2, g3]
+            t = [neg_inf, neg_inf, neg_inf, neg_inf]
+            for i in cutlass.range_constexpr(n_acc):
+                t[_slot4(i)] = cute.arch.fmax(t[_slot4(i)], acc[i])
+            for r in cutlass.range_constexpr(4):
+                for off in cutlass.range_constexpr(2):
+                    t[r] = cute.arch.fmax(t[r], cute.arch.shuffle_sync_bfly(t[r], 1 << off))
+            nn = [cute.arch.fmax(mo[r], t[r]) for r in range(4)]
+            b = [nn[r] * LOG2E for r in range(4)]
+            sm = [zero, zero, zero, zero]
+            for i in cutlass.range_constexpr(n_acc):
+                z = acc[i]
+                r = _slot4(i)
+                sm[r] = sm[r] + cute.arch.exp2(z * LOG2E - b[r])
+                go[r] = cutlass.select_(col0 + tCcC[i][1] == tgts[r], z, go[r])
+            for r in cutlass.range_constexpr(4):
+                for off in cutlass.range_constexpr(2):
+                    sm[r] = sm[r] + cute.arch.shuffle_sync_bfly(sm[r], 1 << off)
+                eo[r] = eo[r] * cute.arch.exp2(mo[r] * LOG2E - b[r]) + sm[r]
+            m0, m1, m2, m3 = nn[0], nn[1], nn[2], nn[3]
+            e0, e1, e2, e3 = eo[0], eo[1], eo[2], eo[3]
+            g0, g1, g2, g3 = go[0], go[1], go[2], go[3]
+
+        go = [g0, g1, g2, g3]
+        for r in cutlass.range_constexpr(4):
+            for off in cutlass.range_constexpr(2):
+                go[r] = go[r] + cute.arch.shuffle_sync_bfly(go[r], 1 << off)
+        col = bs * 2 + wg
+        if lt % 4 == 0:
+            mo = [m0, m1, m2, m3]
+            eo = [e0, e1, e2, e3]
+            for r in cutlass.range_constexpr(4):
+                mM[rows[r], col] = mo[r]
+                mE[rows[r], col] = eo[r]
+                mG[rows[r], col] = go[r]
+
+
 _COMPILED: dict = {}
 
 
-def compile_forward(hidden: int, stages: int = 5, regs: tuple = (40, 232), stream=None):
+def compile_forward(hidden: int, stages: int = 5, regs: tuple = (40, 232), tile: tuple = (64, 256),
+                    stream=None):
     """cute.compile the kernel for one hidden size (N, V, splits stay runtime values).
 
     The pointers given to cute.compile only carry types (dtype, address space, alignment):
     dummy addresses, so the whole lowering also runs on a machine without a GPU."""
     from cutlass.cute.runtime import make_ptr
 
-    key = (hidden, stages, tuple(regs))
+    key = (hidden, stages, tuple(regs), tuple(tile))
     if key in _COMPILED:
         return _COMPILED[key]
     gmem = cute.AddressSpace.gmem
@@ -378,15 +494,16 @@ def compile_forward(hidden: int, stages: int = 5, regs: tuple = (40, 232), strea
         make_ptr(cutlass.Float32, base * 5, gmem, assumed_align=16),
         make_ptr(cutlass.Float32, base * 6, gmem, assumed_align=16),
     ]
-    kern = FusedForwardPingpongSm90(hidden, stages, *regs)
+    kern = FusedForwardPingpongSm90(hidden, stages, *regs, tile=tuple(tile))
     stream = cuda.CUstream(0) if stream is None else stream
-    compiled = cute.compile(kern, *ptrs, cutlass.Int32(TILE_M), cutlass.Int32(TILE_N),
+    compiled = cute.compile(kern, *ptrs, cutlass.Int32(tile[0]), cutlass.Int32(tile[1]),
                             cutlass.Int32(1), stream)
     _COMPILED[key] = compiled
     return compiled
 
 
-def fused_forward_partials(x, w, target, splits: int, stages: int = 5, regs: tuple = (40, 232)):
+def fused_forward_partials(x, w, target, splits: int, stages: int = 5, regs: tuple = (40, 232),
+                           tile: tuple = (64, 256)):
     """Run the kernel on CUDA torch tensors; returns (m, e, t), each (N, 2 * splits) fp32
     (column 2 s + g: split s, consumer warpgroup g; ``merge_partials`` combines them)."""
     torch = importlib.import_module("torch")
@@ -396,8 +513,9 @@ def fused_forward_partials(x, w, target, splits: int, stages: int = 5, regs: tup
     v = w.shape[0]
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError("x and w must be bfloat16")
-    if n % TILE_M or v % TILE_N or h % TILE_K or w.shape[1] != h:
-        raise ValueError(f"shapes must be multiples of ({TILE_M}, {TILE_N}, {TILE_K}): "
+    tm, tn = tile
+    if n % tm or v % tn or h % TILE_K or w.shape[1] != h:
+        raise ValueError(f"shapes must be multiples of ({tm}, {tn}, {TILE_K}): "
                          f"x {tuple(x.shape)}, w {tuple(w.shape)}")
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
@@ -405,7 +523,7 @@ def fused_forward_partials(x, w, target, splits: int, stages: int = 5, regs: tup
     w = w.contiguous()
     tgt = target.to(torch.int32).contiguous()
     parts = torch.empty(3, n, 2 * splits, device=x.device, dtype=torch.float32)
-    compiled = compile_forward(h, stages, regs)
+    compiled = compile_forward(h, stages, regs, tile)
     gmem = cute.AddressSpace.gmem
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     compiled(
