@@ -5,7 +5,9 @@
 
 1. correctness vs torch float64 of lse and the per-row loss at the cooperative probe's 6
    shapes plus ping-pong edge cases (a split of one tile: warpgroup B idle; odd tile counts per
-   split; an empty split), ring depths 5 and 4 and the setmaxnreg 24/240 split; criterion per
+   split; an empty split; V % 256 != 0 for the 128 x 128 tile), both tiles (64 x 256, 5
+   stages: "pp5"; 128 x 128, 6 stages: "pp128"), and at H = 4096 ring depth 4, the setmaxnreg
+   24/240 split and the 7-stage 128 x 128 ring; criterion per
    row as probe_fused_forward.py: |ours - ref| <= |torch bf16 logits path - ref| + 1e-4; the
    partials themselves are compared to float64 ones in the kernel's (N, 2 * splits) layout
    (column 2 s + g) to say where a failure comes from;
@@ -14,7 +16,8 @@
    cuBLAS ``x @ w.T`` (bf16 out), logitless's Triton forward
    (``linear_cross_entropy(..., reduction='none')`` under no_grad), the cooperative CuTe
    kernel (fused_forward.py, warp-specialised, the library planner's splits) and the ping-pong
-   kernel at a few splits / variants; the table reports each contender's median over rounds
+   kernel at a few splits / variants (64 x 256: pp5 at 3 splits, pp4 and pp5r240 at the middle
+   one; 128 x 128: pp128 at 2 splits); the table reports each contender's median over rounds
    and its ratio to cuBLAS's median (a baseline timed once, first, ran 10% slow on the H100 in
    session 5). All contenders run on V = 128000 (the CuTe kernels need V % 256 == 0; 128256 is
    not), so the ratios compare the same work; TFLOP/s are 2 N H V / time.
@@ -44,9 +47,18 @@ CASES = [(128, 64, 256, 1), (256, 256, 1024, 3), (384, 576, 2304, 4), (512, 1024
          # ping-pong edge cases: N = 64 (one row block) and one tile per split (B idle),
          # 5 tiles per split (A 3, B 2), 11 tiles over 4 splits (3, 3, 3, 2), 3 tiles over
          # 5 splits (ceil -> 1 per split, splits 3, 4 empty)
-         (64, 64, 1024, 4), (192, 4096, 2560, 2), (320, 128, 2816, 4), (128, 256, 768, 5)]
+         (64, 64, 1024, 4), (192, 4096, 2560, 2), (320, 128, 2816, 4), (128, 256, 768, 5),
+         # V % 256 != 0: the 128 x 128 tile only (9 vocabulary tiles of 128 over 2 splits)
+         (256, 4096, 1152, 2)]
 VARIANTS = {"pp5": {"stages": 5, "regs": (40, 232)}, "pp4": {"stages": 4, "regs": (40, 232)},
-            "pp5r240": {"stages": 5, "regs": (24, 240)}}
+            "pp5r240": {"stages": 5, "regs": (24, 240)},
+            "pp128": {"stages": 6, "regs": (40, 232), "tile": (128, 128)},
+            "pp128s7": {"stages": 7, "regs": (40, 232), "tile": (128, 128)}}
+
+
+def _fits(variant, case) -> bool:
+    tm, tn = VARIANTS[variant].get("tile", (64, 256))
+    return case[0] % tm == 0 and case[2] % tn == 0
 
 
 def pingpong_partials(x, w, target, splits, tile_n=256):
@@ -101,8 +113,9 @@ def correctness(pp, device="cuda", cases=None, variants=None, save=None) -> list
     torch = importlib.import_module("torch")
     rows = []
     cases = cases or CASES
-    variants = variants or [("pp5", c) for c in cases] + [
-        (v, c) for v in ("pp4", "pp5r240") for c in cases if c[1] in (64, 4096, 7168)]
+    variants = variants or [(v, c) for v in ("pp5", "pp128") for c in cases] + [
+        (v, c) for v in ("pp4", "pp5r240", "pp128s7") for c in cases if c[1] == 4096]
+    variants = [(v, c) for v, c in variants if _fits(v, c)]
     for variant, (n, h, v, splits) in variants:
         rec = {"variant": variant, "n": n, "h": h, "v": v, "splits": splits}
         try:
@@ -112,7 +125,8 @@ def correctness(pp, device="cuda", cases=None, variants=None, save=None) -> list
                 torch.cuda.synchronize()
             lse, loss = pp.merge_partials(m, e, t, target)
             rl, rloss, lb, lossb = reference(x, w, target)
-            pm, pe, pt = pingpong_partials(x, w, target, splits)
+            pm, pe, pt = pingpong_partials(x, w, target, splits,
+                                           VARIANTS[variant].get("tile", (64, 256))[1])
             fin = torch.isfinite(pm)
             rec["partials_err"] = {
                 "m_abs": (m.double() - pm)[fin].abs().max().item() if fin.any() else 0.0,
@@ -146,8 +160,8 @@ def smoke() -> dict:
     cases = [(64, 64, 1024, 4), (128, 96, 2816, 3), (128, 64, 768, 5)]
 
     def stand_in(bad: bool):
-        def partials(x, w, t, s, **_):
-            m, e, tt = (a.float() for a in pingpong_partials(x, w, t, s))
+        def partials(x, w, t, s, tile=(64, 256), **_):
+            m, e, tt = (a.float() for a in pingpong_partials(x, w, t, s, tile[1]))
             if bad:  # one non-empty column (warpgroup B's where there is one) loses its sum
                 full = [int(c) for c in (e.sum(dim=0) > 0).nonzero()[:, 0]]
                 col = ([c for c in full if c % 2] or full)[0]
@@ -157,8 +171,10 @@ def smoke() -> dict:
         return type("StandIn", (), {"fused_forward_partials": staticmethod(partials),
                                     "merge_partials": staticmethod(merge)})
 
-    good = correctness(stand_in(False), "cpu", variants=[("pp5", c) for c in cases])
-    bad = correctness(stand_in(True), "cpu", variants=[("pp5", c) for c in cases])
+    cases.append((128, 64, 1152, 2))  # V % 256 != 0: pp128 only
+    variants = [(v, c) for v in ("pp5", "pp128") for c in cases if _fits(v, c)]
+    good = correctness(stand_in(False), "cpu", variants=variants)
+    bad = correctness(stand_in(True), "cpu", variants=variants)
     # the 2x-splits layout merged equals the plain one-column-per-split reference
     x, w, target = make_inputs(128, 64, 2816, "cpu")
     lse, loss = merge(*pingpong_partials(x, w, target, 3), target)
@@ -169,9 +185,9 @@ def smoke() -> dict:
            "merge_err_float64": merge_err, "torch": torch.__version__}
     # the timing harness itself, on tiny CPU shapes with the stand-in kernel and a CPU clock
     trows = timing(stand_in(False), rounds=2, budget_s=60, ff=stand_in(False), device="cpu",
-                   shapes=[((128, 64, 1024), (1, 2, 4))], bench=_cpu_bench)
+                   shapes=[((128, 64, 1024), (1, 2, 4), (2, 4))], bench=_cpu_bench)
     want = {"cublas", "triton", f"cute_ws_s{library_splits(128, v=1024)}", "pp5_s1", "pp5_s2",
-            "pp5_s4", "pp4_s2", "pp5r240_s2"}
+            "pp5_s4", "pp4_s2", "pp5r240_s2", "pp128_s2", "pp128_s4"}
     got = {k[:-3] for k in trows[0] if k.endswith("_ms") and not k.endswith("_rounds_ms")}
     out["timing_dry_run"] = {"contenders": sorted(got), "missing": sorted(want - got),
                              "errors": {k: v for k, v in trows[0].items() if k.endswith("_error")}}
@@ -210,9 +226,11 @@ def timing(pp, rounds=5, budget_s=150.0, save=None, ff="load", device="cuda", sh
         print("logitless did not import:", exc)
     t_start = time.perf_counter()
     rows = []
-    shapes = shapes or [((4096, 4096, 128000), (2, 4, 8)), ((8192, 7168, 128000), (1, 2, 4)),
-                        ((2048, 2048, 128000), (4, 8, 16))]
-    for (n, h, v), pp_splits in shapes:
+    # (shape, ping-pong 64 x 256 splits, 128 x 128 splits): ~128-512 CTAs of one per SM
+    shapes = shapes or [((4096, 4096, 128000), (2, 4, 8), (4, 8)),
+                        ((8192, 7168, 128000), (1, 2, 4), (2, 4)),
+                        ((2048, 2048, 128000), (4, 8, 16), (8, 16))]
+    for (n, h, v), pp_splits, pp128_splits in shapes:
         if time.perf_counter() - t_start > budget_s:
             rows.append({"n": n, "h": h, "v": v, "skipped": "time budget"})
             continue
@@ -235,6 +253,9 @@ def timing(pp, rounds=5, budget_s=150.0, save=None, ff="load", device="cuda", sh
         for var in ("pp4", "pp5r240"):
             fns[f"{var}_s{mid}"] = lambda var=var: pp.fused_forward_partials(
                 x, w, t32, mid, **VARIANTS[var])
+        for s in pp128_splits:
+            fns[f"pp128_s{s}"] = lambda s=s: pp.fused_forward_partials(
+                x, w, t32, s, **VARIANTS["pp128"])
         times: dict = {k: [] for k in fns}
         for k, fn in list(fns.items()):  # first call: compile (CuTe) / autotune (Triton)
             try:
