@@ -14,7 +14,8 @@
 2. timing with the baselines INTERLEAVED: per shape, ``--rounds`` rounds, each timing every
    contender once with triton.testing.do_bench (median of its runs), in the same order:
    cuBLAS ``x @ w.T`` (bf16 out), logitless's Triton forward
-   (``linear_cross_entropy(..., reduction='none')`` under no_grad), the cooperative CuTe
+   (``linear_cross_entropy(..., reduction='none')`` under no_grad and ``override(cute=False)``:
+   with the DSL importable the planner would pick its CuTe backend), the cooperative CuTe
    kernel (fused_forward.py, warp-specialised, the library planner's splits) and the ping-pong
    kernel at a few splits / variants (64 x 256: pp5 at 3 splits, pp4 and pp5r240 at the middle
    one at the first shape; 128 x 128: pp128 at 2 splits); the table reports each contender's median over rounds
@@ -220,8 +221,12 @@ def timing(pp, rounds=5, budget_s=150.0, save=None, ff="load", device="cuda", sh
     do_bench = bench or importlib.import_module("triton.testing").do_bench
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ff = _load("fused_forward", optional=True) if ff == "load" else ff
+    # the library's Triton kernel, not its CuTe backend (which the planner picks for a
+    # forward-only call on Hopper when cutlass.cute imports, as it does here)
+    os.environ["LOGITLESS_CUTE"] = "0"
     try:
         lce = importlib.import_module("logitless").linear_cross_entropy
+        override = importlib.import_module("logitless.planning.overrides").override
     except Exception as exc:  # noqa: BLE001
         lce = None
         print("logitless did not import:", exc)
@@ -243,7 +248,7 @@ def timing(pp, rounds=5, budget_s=150.0, save=None, ff="load", device="cuda", sh
         fns = {"cublas": lambda: x @ w.T}
         if lce is not None:
             def triton_fwd():
-                with torch.no_grad():
+                with torch.no_grad(), override(cute=False):  # a fresh context per call
                     return lce(x, w, target, reduction="none")
             fns["triton"] = triton_fwd
         if ff is not None:
