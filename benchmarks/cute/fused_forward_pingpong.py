@@ -39,12 +39,17 @@ level with the Triton forward). Here (CUTLASS's sm90 "pingpong" schedule, our co
     "2x splits" choice: no shared-memory merge between the warpgroups, the torch merge
     combines them exactly as it combines splits).
 
-Memory traffic: x is read once per (64-row block, vocabulary tile) from L2 (V / 256 times),
-w once per 64-row block (N / 64 times: twice the cooperative kernel's, the price of 64-row
-tiles; 51 flop per byte of smem fill instead of 85); 24 bytes per row and split written.
+The second tile, ``tile=(128, 128)``: one CTA per (128-row block, split), each warpgroup a
+whole 128 x 128 tile on 2 x wgmma m64n128k16 per k block (still 128 accumulators per thread,
+now 4 rows x 32 columns: ``consume4``), 32 KiB a stage (6 stages = 192 KiB), V % 128 suffices.
 
-Constraints of this probe: N a multiple of 64, V a multiple of 256, H a multiple of 64
-(compile-time constant), x and w contiguous row-major, 16-byte aligned; forward only.
+Memory traffic (smem fill per flop): 64 x 256 tiles read x once per (64-row block, vocabulary
+tile) and w once per 64-row block (N / 64 times: twice the cooperative kernel's; 51 flop per
+byte of fill instead of 85); 128 x 128 tiles read w N / 128 times and x V / 128 times (64 flop
+per byte); 12 bytes per row and partial column written.
+
+Constraints of this probe: N a multiple of the tile's rows, V of its columns, H a multiple of
+64 (compile-time constant), x and w contiguous row-major bf16, 16-byte aligned; forward only.
 
 The DSL's preprocessor re-executes the imports it finds in this module when it compiles a
 kernel: import torch only through importlib inside functions.
