@@ -12,7 +12,7 @@
 #      ring 4, setmaxnreg 24/240, 7-stage 128x128 at H = 4096; 24 runs)                  <= 75 s
 #   3. probe_pingpong.py timing, baselines interleaved in 5 rounds (cuBLAS, Triton forward,
 #      cooperative CuTe, ping-pong 64x256 at 3 splits + 2 variants, 128x128 at 2 splits;
-#      4096x4096, 2048x2048, 8192x7168 x 128000)                                        <= 110 s
+#      4096x4096, 2048x2048, 8192x7168 x 128000)                                        <= 105 s
 # Files under $OUT (7): cute-pp-{compile,correctness,timing}.{json,log}, cute-pp-summary.txt
 set +e
 cd "$(dirname "$0")/../.."
@@ -43,7 +43,7 @@ else
         --json "$OUT/cute-pp-correctness.json" > "$OUT/cute-pp-correctness.log" 2>&1
     rc=$?
     echo "correctness exit: $rc ($(( $(date +%s) - S )) s)$([ $rc = 124 ] && echo ' TIMED OUT: a hang (ring phases / ordering barrier)?')" | tee -a "$SUM"
-    timeout -k 5 110 "$PY" benchmarks/cute/probe_pingpong.py --part timing --rounds 5 --budget-s 80 \
+    timeout -k 5 105 "$PY" benchmarks/cute/probe_pingpong.py --part timing --rounds 5 --budget-s 75 \
         --json "$OUT/cute-pp-timing.json" > "$OUT/cute-pp-timing.log" 2>&1
     echo "timing exit: $? ($(( $(date +%s) - S )) s)" | tee -a "$SUM"
 fi
