@@ -3,6 +3,7 @@
     PYTHONPATH=<nvidia-cutlass-dsl 4.2.1 python_packages>:<its deps> CUTE_DSL_ARCH=sm_90a \\
         python benchmarks/cute/check_compile.py [--kernels forward,dlogits] \\
         [--hidden 256,4096,7168] [--dlogits-hidden 64,4096,7168] [--json out.json]
+        [--kernels pingpong --pingpong-hidden 256,4096,7168 --pingpong-configs 64x256:5:40:232,...]
 
 For every (hidden size, specialised or not) it runs ``cute.compile`` with the device binary
 requested as PTX text (``cubin-format=isa`` in the DSL's ``cute-to-nvvm`` pass pipeline),
@@ -19,6 +20,11 @@ For the d(logits) kernel (--kernels dlogits; per H and epilogue): 384 threads, 4
 TMA load sites, setmaxnreg, 128 ex2 and 128 bf16 roundings per tile, and either the TMA
 store path (128 st.shared.b16, fence.proxy.async, the warpgroup's named barriers, bulk
 commit / wait.read, no st.global) or 128 masked st.global (direct epilogue).
+For the consumer ping-pong forward (--kernels pingpong; fused_forward_pingpong.py): 384
+threads, per k slab 4 wgmma m64n256k16 (64 x 256 tile per warpgroup) or 8 m64n128k16
+(128 x 128), 2 TMA load sites, the setmaxnreg pair asked for, the ordering barrier (one
+bar.sync + one bar.arrive over 256 threads), 3 partial stores per row slot, 128 ex2 + one per
+row slot, smem; and the one-warpgroup wgmma C layouts of both tiles.
 Where the compile stops: the PTX-capturing compile is stopped by this script right after the
 DSL's pass pipeline (no host JIT, no module load: the same on both machines) and must not fail
 before; on a GPU machine an unmodified compile of the same configuration must also succeed and
@@ -186,6 +192,9 @@ PTX_PATTERNS = {
     "st_shared_b16": r"st\.shared(::cta)?\.b16",
     "cvt_bf16x2": r"cvt\.rn\.bf16x2\.f32",
     "cvt_bf16": r"cvt\.rn\.bf16\.f32",
+    "wgmma_m64n128k16_bf16": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16",
+    "bar_sync_256": r"bar(rier)?\.sync(\.aligned)?\s+(%r\d+|\d+),\s*256;",
+    "bar_arrive_256": r"bar(rier)?\.arrive(\.aligned)?\s+(%r\d+|\d+),\s*256;",
 }
 
 
@@ -250,6 +259,7 @@ def _ptxas(rec, ptx, checks):
                                    timeout=300).stdout
                 rec["sass_counts"] = {k: len(re.findall(p, s)) for k, p in (
                     ("HGMMA.64x256x16.F32.BF16", r"HGMMA\.64x256x16\.F32\.BF16"),
+                    ("HGMMA.64x128x16.F32.BF16", r"HGMMA\.64x128x16\.F32\.BF16"),
                     ("UTMALDG", r"UTMALDG"), ("USETMAXREG", r"USETMAXREG"),
                     ("MUFU.EX2", r"MUFU\.EX2"), ("STL (spill)", r"\bSTL\b"),
                     ("UTMASTG", r"UTMASTG"), ("STG", r"\bSTG\."), ("STS", r"\bSTS\b"))}
@@ -318,6 +328,54 @@ def check_dlogits(hidden: int, epilogue: str, stages: int) -> dict:
     return rec
 
 
+def check_pingpong(hidden: int, stages: int, regs: tuple, tile: tuple = (64, 256)) -> dict:
+    """The consumer ping-pong forward (benchmarks/cute/fused_forward_pingpong.py)."""
+    import fused_forward_pingpong as pp
+
+    def build():
+        pp._COMPILED.clear()
+        pp.compile_forward(hidden, stages=stages, regs=regs, tile=tile)
+
+    t0 = time.perf_counter()
+    ptx, err, smem_bytes = _captured_ptx(build)
+    rec = {"kernel": "pingpong", "hidden": hidden, "stages": stages, "regs": list(regs),
+           "tile": list(tile),
+           "dynamic_smem_bytes": smem_bytes,
+           "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
+    if ptx is None:
+        rec["ok"] = False
+        return rec
+    counts = {k: len(re.findall(p, ptx)) for k, p in PTX_PATTERNS.items()}
+    rec["ptx_counts"] = counts
+    m = re.search(r"\.reqntid (\d+)", ptx)
+    rec["threads"] = int(m.group(1)) if m else None
+    rec["setmaxnreg"] = re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    rows = tile[0] // 64 * 2  # rows per thread
+    wgmma_ok = (counts["wgmma_m64n256k16_bf16"] == 4 and counts["wgmma_m64n128k16_bf16"] == 0) \
+        if tile == (64, 256) else \
+        (counts["wgmma_m64n128k16_bf16"] == 8 and counts["wgmma_m64n256k16_bf16"] == 0)
+    checks = {
+        "384 threads (producer + 2 consumer warpgroups)": rec["threads"] == 384,
+        "per k slab: 4 wgmma m64n256k16 (64 x 256) or 8 m64n128k16 (128 x 128), one warpgroup":
+        wgmma_ok,
+        "2 TMA load sites (x, w), producer only": counts["tma_load_2d"] == 2,
+        "mbarrier expect_tx": counts["mbarrier_expect_tx"] >= 1,
+        f"setmaxnreg dec {regs[0]} / inc {regs[1]}":
+        sorted(rec["setmaxnreg"]) == sorted([str(regs[0]), str(regs[1])]),
+        "ordering barrier: one bar.sync and one bar.arrive over 256 threads":
+        counts["bar_sync_256"] == 1 and counts["bar_arrive_256"] == 1,
+        f"only the {3 * rows} partial stores reach global memory": counts["st_global"] == 3 * rows,
+        f"128 exp2 per tile + {rows} rescales": counts["ex2_approx"] == 128 + rows,
+        "dynamic smem fits sm_90 (227 KiB)": smem_bytes is not None and smem_bytes <= 227 * 1024,
+    }
+    name, ok = _compile_stop_check(rec, build, err)
+    checks[name] = ok
+    rec["checks"] = checks
+    _ptxas(rec, ptx, checks)
+    rec["ok"] = all(checks.values())
+    return rec
+
+
 _LAYOUT_FOUND: dict = {}
 _THREADS = tuple(range(256))
 
@@ -376,16 +434,94 @@ def check_layout() -> dict:
             "tile_covered_once": len(cover) == 128 * 256, "violations": bad[:5]}
 
 
+_LAYOUT_PP: dict = {}
+_THREADS_PP = tuple(range(128))
+_PP_TILE: list = [(64, 256)]
+
+
+def _layout_probe_pingpong():
+    """The ping-pong kernel's tiled MMA: one warpgroup, m64n256k16 on a 64 x 256 tile or
+    2 x m64n128k16 on a 128 x 128 tile (the tile is read from _PP_TILE at trace time)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    @cute.jit
+    def probe():
+        major = utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, major, major, cutlass.Float32, (1, 1, 1),
+            tiler_mn=(64, _PP_TILE[0][1]))
+        ident = cute.make_identity_tensor(_PP_TILE[0])
+        for t in _THREADS_PP:
+            c = tiled_mma.get_slice(t).partition_C(ident)
+            _LAYOUT_PP[t] = [c[i] for i in _THREADS_PP]
+
+    return cute.compile, probe
+
+
+def check_layout_pingpong(tile=(64, 256)) -> dict:
+    """Ping-pong epilogue's assumption: each of the 128 threads of a consumer warpgroup holds
+    128 elements of its tile; 64 x 256: on 2 rows, element i on row slot (i // 2) % 2;
+    128 x 128: on 4 rows, element i on row slot 2 (i // 64) + (i // 2) % 2; the rows of
+    different slots differ, the 4 lanes of a quad share their rows, and the warpgroup covers
+    the tile exactly once."""
+    found = _LAYOUT_PP
+    found.clear()
+    _PP_TILE[0] = tuple(tile)
+
+    def slot(i):
+        return (i // 2) % 2 if tile[0] == 64 else 2 * (i // 64) + (i // 2) % 2
+
+    n_slots = 2 if tile[0] == 64 else 4
+    compile_fn, probe = _layout_probe_pingpong()
+    try:
+        compile_fn(probe)
+    except Exception as exc:  # noqa: BLE001  (host JIT without libcuda: layouts were evaluated)
+        err = _first_line(exc)
+    else:
+        err = None
+    if len(found) != 128:
+        return {"ok": False, "why": f"layout probe evaluated {len(found)} threads", "error": err}
+    bad, cover = [], set()
+    found = {t: [tuple(int(v) for v in rc) for rc in coords] for t, coords in found.items()}
+    for t, coords in found.items():
+        rows = {}
+        for i, (r, _c) in enumerate(coords):
+            rows.setdefault(slot(i), r)
+        if len(set(rows.values())) != n_slots:
+            bad.append((t, f"{n_slots} distinct rows"))
+        for i, (r, c) in enumerate(coords):
+            cover.add((r, c))
+            if r != rows[slot(i)]:
+                bad.append((t, i, "row slot"))
+        quad = found[t - t % 4]
+        if [rc[0] for rc in coords] != [rc[0] for rc in quad]:
+            bad.append((t, "quad rows differ"))
+    size = tile[0] * tile[1]
+    return {"tile": list(tile), "ok": not bad and len(cover) == size and len(found[0]) == 128,
+            "elements_per_thread": len(found[0]), "tile_covered_once": len(cover) == size,
+            "violations": bad[:5]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="forward",
-                    help="forward and/or dlogits, comma-separated (default: forward, as "
-                         "cute_forward.sh expects; cute_dlogits.sh passes dlogits)")
+                    help="forward, dlogits and/or pingpong, comma-separated (default: "
+                         "forward, as cute_forward.sh expects; cute_dlogits.sh passes dlogits, "
+                         "cute_pingpong.sh pingpong)")
     ap.add_argument("--hidden", default="256,4096,7168", help="the forward's hidden sizes")
     ap.add_argument("--stages", type=int, default=4, help="the forward's ring depth")
     ap.add_argument("--dlogits-hidden", default="64,4096,7168")
     ap.add_argument("--dlogits-configs", default="tma:3,tma128:4,direct:3",
                     help="epilogue:stages pairs of the dlogits kernel")
+    ap.add_argument("--pingpong-hidden", default="256,4096,7168")
+    ap.add_argument("--pingpong-configs", default="64x256:5:40:232,128x128:6:40:232",
+                    help="MxN:stages:producer_regs:consumer_regs of the ping-pong forward, "
+                         "each at every --pingpong-hidden")
+    ap.add_argument("--pingpong-extra", default="64x256:4:40:232,64x256:5:24:240,128x128:7:40:232",
+                    help="more configurations, at the largest --pingpong-hidden only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -394,6 +530,10 @@ def main() -> int:
            "cuda_context": _cuda_context() if _cuda_driver() else None,
            "layout": check_layout(), "kernels": []}
     print("wgmma C layout assumption:", json.dumps(out["layout"]))
+    if "pingpong" in kernels:
+        lays = [check_layout_pingpong(t) for t in ((64, 256), (128, 128))]
+        out["layout_pingpong"] = {"ok": all(x["ok"] for x in lays), "tiles": lays}
+        print("ping-pong (one warpgroup per tile) C layouts:", json.dumps(out["layout_pingpong"]))
 
     def save():
         if args.json:
@@ -408,6 +548,20 @@ def main() -> int:
         todo += [(check_dlogits, h, ep, int(st))
                  for h in [int(v) for v in args.dlogits_hidden.split(",")]
                  for ep, st in (cfg.split(":") for cfg in args.dlogits_configs.split(","))]
+    if "pingpong" in kernels:
+        pp_hidden = [int(v) for v in args.pingpong_hidden.split(",")]
+        def parse(spec):
+            if not spec:
+                return []
+            out_cfgs = []
+            for c in spec.split(","):
+                tile, st, pr, cr = c.split(":")
+                out_cfgs.append((int(st), (int(pr), int(cr)),
+                                 tuple(int(v) for v in tile.split("x"))))
+            return out_cfgs
+
+        todo += [(check_pingpong, h, *c) for c in parse(args.pingpong_configs) for h in pp_hidden]
+        todo += [(check_pingpong, max(pp_hidden), *c) for c in parse(args.pingpong_extra)]
     for fn, *a in todo:
         try:
             rec = fn(*a)
@@ -417,18 +571,23 @@ def main() -> int:
         out["kernels"].append(rec)
         print(json.dumps(rec), flush=True)
         save()  # a run killed by its timeout keeps the configurations done
-    ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"])
+    ok = out["layout"]["ok"] and all(r["ok"] for r in out["kernels"]) \
+        and out.get("layout_pingpong", {"ok": True})["ok"]
     print()
     print(f"{'H':>6} {'spec':>5} {'thr':>4} {'wgmma':>5} {'tma':>4} {'regs':>5} {'spill':>5} "
           f"{'HGMMA':>5} {'smem':>7} {'ok':>3} kernel (spec: forward ws / inline, dlogits epilogue)")
     for r in out["kernels"]:
         sc = r.get("sass_counts", {})
+        pc = r.get("ptx_counts", {})
         variant = r.get("epilogue", {True: "ws", False: "inl"}.get(r.get("specialised"), "?"))
+        if r.get("kernel") == "pingpong":
+            variant = f"{r.get('tile', ['?'])[0]}/{r.get('stages')}"
         failed = [k for k, v in r.get("checks", {}).items() if not v]
         print(f"{r.get('hidden')!s:>6} {variant:>5} {r.get('threads')!s:>4} "
-              f"{r.get('ptx_counts', {}).get('wgmma_m64n256k16_bf16')!s:>5} "
+              f"{pc.get('wgmma_m64n256k16_bf16', 0) + pc.get('wgmma_m64n128k16_bf16', 0)!s:>5} "
               f"{r.get('ptx_counts', {}).get('tma_load_2d')!s:>4} {r.get('registers')!s:>5} "
-              f"{r.get('spill_stores')!s:>5} {sc.get('HGMMA.64x256x16.F32.BF16')!s:>5} "
+              f"{r.get('spill_stores')!s:>5} "
+              f"{sc.get('HGMMA.64x256x16.F32.BF16', 0) + sc.get('HGMMA.64x128x16.F32.BF16', 0)!s:>5} "
               f"{r.get('dynamic_smem_bytes')!s:>7} "
               f"{'yes' if r['ok'] else 'NO':>3} {r['kernel']}"
               + (f"  FAILED: {failed} {r.get('error') or r.get('gpu_compile_error') or ''}"
