@@ -22,14 +22,8 @@ set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
 gpu_env .out/cute-dlogits /tmp/cute-dsl
-T=/tmp/cute-dsl
-PYC="${PYTHON_CUTE:-$PY}"
 S=$(date +%s)  # (before the DSL's unpacking: the store check gets what is left of 142 s)
-if [ -z "$SMOKE" ] && ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
-    mkdir -p $T && tar xJf .cute/nvidia_cutlass_dsl-*.tar.xz -C $T
-fi
-export PYTHONPATH="$PYTHONPATH:$T/nvidia_cutlass_dsl/python_packages"
-export CUTE_DSL_ARCH=sm_90a
+cute_dsl_env
 if [ -n "$SMOKE" ]; then
     timeout -k 5 90 "$PYC" benchmarks/cute/check_dz_store.py --json "$OUT/dz-store.json" \
         > "$OUT/dz-store.log" 2>&1

@@ -12,11 +12,7 @@ set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
 gpu_env .out/cute /tmp/cute-dsl
-T=/tmp/cute-dsl
-if ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
-    mkdir -p $T && tar xJf .cute/nvidia_cutlass_dsl-*.tar.xz -C $T
-fi
-export PYTHONPATH="$PYTHONPATH:$T/nvidia_cutlass_dsl/python_packages"
+cute_dsl_env
 "$PY" -m pip show cuda-bindings 2>/dev/null | grep -E "^(Name|Version)"
 timeout -k 5 120 "$PY" benchmarks/probe_cute_dsl.py 2>&1 | tail -n 30 | tee "$OUT/cute-dsl.log"
 echo "probe exit: ${PIPESTATUS[0]}"

@@ -11,13 +11,7 @@ set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
 gpu_env .out/cute-forward /tmp/cute-dsl
-T=/tmp/cute-dsl
-PYC="${PYTHON_CUTE:-$PY}"
-if [ -z "$SMOKE" ] && ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
-    mkdir -p $T && tar xJf .cute/nvidia_cutlass_dsl-*.tar.xz -C $T
-fi
-export PYTHONPATH="$PYTHONPATH:$T/nvidia_cutlass_dsl/python_packages"
-export CUTE_DSL_ARCH=sm_90a
+cute_dsl_env
 S=$(date +%s)
 timeout -k 5 30 "$PYC" benchmarks/cute/check_compile.py --json "$OUT/cute-compile.json" \
     > "$OUT/cute-compile.log" 2>&1

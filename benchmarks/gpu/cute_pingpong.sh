@@ -18,13 +18,7 @@ set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
 gpu_env .out/cute-pingpong /tmp/cute-dsl
-T=/tmp/cute-dsl
-PYC="${PYTHON_CUTE:-$PY}"
-if [ -z "$SMOKE" ] && ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
-    mkdir -p $T && tar xJf .cute/nvidia_cutlass_dsl-*.tar.xz -C $T
-fi
-export PYTHONPATH="$PYTHONPATH:$T/nvidia_cutlass_dsl/python_packages"
-export CUTE_DSL_ARCH=sm_90a
+cute_dsl_env
 SUM="$OUT/cute-pp-summary.txt"
 : > "$SUM"
 S=$(date +%s)

@@ -16,13 +16,7 @@ cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
 gpu_env .out/cutelib /tmp/cute-dsl
 torch_caches cutelib
-T=/tmp/cute-dsl
-PYC="${PYTHON_CUTE:-$PY}"
-if [ -z "$SMOKE" ] && ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
-    mkdir -p $T && tar xJf .cute/nvidia_cutlass_dsl-*.tar.xz -C $T
-fi
-export PYTHONPATH="$PYTHONPATH:$T/nvidia_cutlass_dsl/python_packages"
-export CUTE_DSL_ARCH=sm_90a
+cute_dsl_env
 S=$(date +%s)
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" 2>&1 | tail -1
 "$PY" -c "from logitless.planning.cute import dsl_importable; print('cutlass.cute importable:', dsl_importable())" 2>&1 | tail -1

@@ -111,3 +111,18 @@ PY
         fi
     done
 }
+
+# cute_dsl_env: the CuTe DSL (nvidia-cutlass-dsl 4.2.1) importable in a GPU script. Unless
+# cutlass.cute imports already, or SMOKE is set (CPU runs bring a Python with the DSL through
+# PYTHON_CUTE), it unpacks the carried tarball .cute/nvidia_cutlass_dsl-*.tar.xz (carry
+# [".cute"]; docs/cute_dsl.md says how it is made) into /tmp/cute-dsl. Sets PYC (the Python
+# for DSL-only scripts: ${PYTHON_CUTE:-$PY}), the DSL's packages last on PYTHONPATH and
+# CUTE_DSL_ARCH=sm_90a. Call after `gpu_env DEFAULT_OUT /tmp/cute-dsl`.
+cute_dsl_env() {
+    local dir=/tmp/cute-dsl
+    PYC="${PYTHON_CUTE:-$PY}"
+    if [ -z "$SMOKE" ] && ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
+        mkdir -p "$dir" && tar xJf .cute/nvidia_cutlass_dsl-*.tar.xz -C "$dir"
+    fi
+    export PYTHONPATH="$PYTHONPATH:$dir/nvidia_cutlass_dsl/python_packages" CUTE_DSL_ARCH=sm_90a
+}
