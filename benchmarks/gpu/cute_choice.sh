@@ -9,8 +9,11 @@
 #   3. the lce suite with the DSL installed: logitless (default budget), logitless@logits and
 #      torch-compile, f+b and forward                                             <= 280 s
 #   4. bench compare against session 4's run (lce-compile-issue23-s4-H100-2026-11-23.json)
-# Files under $OUT (6): choice-anchors.{log,json}, choice-models.{log,json}, lce-s6.log, s6.tgz
-# (the suite's json/md and the compare report).
+#   5. probe_raster.py: the CuTe forward's CTA order and splits at large N (interleaved)  <= 170 s
+# PARTS="anchors models lce raster" (default: anchors models lce) picks parts; the lce suite
+# gets whatever is left of 560 s.
+# Files under $OUT (<= 8): choice-anchors.{log,json}, choice-models.{log,json}, lce-s6.log, s6.tgz
+# (the suite's json/md and the compare report), raster.{log,json}.
 set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
@@ -25,14 +28,26 @@ if [ -n "$SMOKE" ]; then
         > "$OUT/choice-anchors.log" 2>&1
     echo "smoke exit: $?"; tail -3 "$OUT/choice-anchors.log"; exit 0
 fi
-timeout -k 5 110 "$PY" benchmarks/cute/bench_cutelib.py --shapes anchors --max-seconds 95 \
-    --json "$OUT/choice-anchors.json" > "$OUT/choice-anchors.log" 2>&1
-echo "anchors exit: $? (124: cut off) at $(( $(date +%s) - S )) s"
-grep -A12 "N x H x V" "$OUT/choice-anchors.log"
-timeout -k 5 150 "$PY" benchmarks/cute/bench_cutelib.py --shapes models --no-logp --rounds 4 --max-seconds 135 \
-    --json "$OUT/choice-models.json" > "$OUT/choice-models.log" 2>&1
-echo "models exit: $? (124: cut off) at $(( $(date +%s) - S )) s"
-grep -A30 "N x H x V" "$OUT/choice-models.log"
+PARTS="${PARTS:-anchors models lce}"
+has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+if has raster; then
+    timeout -k 5 170 "$PY" benchmarks/cute/probe_raster.py --budget-s 150 --json "$OUT/raster.json" \
+        > "$OUT/raster.log" 2>&1
+    echo "raster exit: $? (124: cut off) at $(( $(date +%s) - S )) s"; cat "$OUT/raster.log" | grep -v Warning
+fi
+if has anchors; then
+    timeout -k 5 110 "$PY" benchmarks/cute/bench_cutelib.py --shapes anchors --max-seconds 95 \
+        --json "$OUT/choice-anchors.json" > "$OUT/choice-anchors.log" 2>&1
+    echo "anchors exit: $? (124: cut off) at $(( $(date +%s) - S )) s"
+    grep -A12 "N x H x V" "$OUT/choice-anchors.log"
+fi
+if has models; then
+    timeout -k 5 150 "$PY" benchmarks/cute/bench_cutelib.py --shapes models --no-logp --rounds 4 --max-seconds 135 \
+        --json "$OUT/choice-models.json" > "$OUT/choice-models.log" 2>&1
+    echo "models exit: $? (124: cut off) at $(( $(date +%s) - S )) s"
+    grep -A30 "N x H x V" "$OUT/choice-models.log"
+fi
+has lce || { echo "wall: $(( $(date +%s) - S )) s"; exit 0; }
 left=$(( 560 - ($(date +%s) - S) ))
 mins=$("$PY" -c "print(round(max(1.0, ($left - 45) / 60), 2))")
 mkdir -p "$OUT/bench"

@@ -25,6 +25,9 @@ def plot(data: dict, paths) -> Optional[str]:
     except ImportError:
         return ("matplotlib is not installed: no PNG. Install it and run "
                 "`python -m logitless_bench --from-json FILE.json` to draw it later.")
+    except Exception as exc:  # noqa: BLE001  (a broken install, e.g. clashing binary modules on the path)
+        return (f"matplotlib does not import ({type(exc).__name__}: {str(exc)[:120]}): no PNG. Run "
+                "`python -m logitless_bench --from-json FILE.json` elsewhere to draw it.")
     fig = (_lce if data["suite"] in ("lce", "precision") else _ce)(data, plt)
     if fig is None:
         return "nothing measured yet: no PNG"
