@@ -102,7 +102,8 @@ def main() -> int:
           f"{'st':>3} {'ok':>3}")
     for r in recs:
         print(f"{r['hidden']:>6} {r['dtype']:>9} {int(r['smooth']):>3} {int(r['entropy']):>3} "
-              f"{str(r['specialised']):>5} {int(r['split_major']):>4} {r.get('registers')!s:>5} {r.get('spill_stores')!s:>5} "
+              f"{str(r['specialised']):>5} {int(r['split_major']):>4} {r.get('registers')!s:>5} "
+              f"{r.get('spill_stores')!s:>5} "
               f"{r.get('dynamic_smem_bytes')!s:>7} {r.get('ptx_counts', {}).get('st_global')!s:>3} "
               f"{'yes' if r['ok'] else 'NO':>3}")
         if not r["ok"]:

@@ -16,6 +16,23 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
     inside the kernel (the weighted smoothing sum), and no kept columns (the plan's
     ``keep_cols`` == 0: no gradient to come, or a budget below one kept tile).
 
+Where Triton is faster (the automatic choice only; ``override(cute=True)`` forces CuTe):
+``triton_faster`` says so, from two facts measured on the H100 (session 6, forward only,
+interleaved with cuBLAS and the Triton kernel: ``benchmarks/gpu/cute_choice.sh``, files
+``benchmarks/results/cute-choice-{anchors,models}-H100-2026-11-23.json``, 32 shapes):
+
+  * the x blocks of the CTAs in flight do not fit in L2: min(row blocks, SMs) x 128 x H x 2
+    bytes > the device's L2 (50 MiB on the H100). Each CTA re-reads its 128-row x block once
+    per 256-column vocabulary tile; when they cannot stay in L2 the kernel loses 4-15% to
+    Triton (8192 x 7168: 1.085-1.095x cuBLAS vs 1.044; 16384 x 4096: 1.11-1.19x vs 1.03;
+    32768 x 2048 1.12 vs 1.11; 8192 x 4096 x 32768 1.10 vs 1.09), while every shape under the
+    line wins or ties (512 x 4096 x 128256: 1.03 vs 1.63; 4096 x 4096 x 32000: 0.99 vs 1.21).
+    A split-major grid order (CTAs in flight sharing row blocks) did not help: 1.2-1.8x
+    (``benchmarks/cute/probe_raster.py``);
+  * fewer than 128 k slabs (64-wide steps of H) per CTA: the pipeline fill and the epilogue
+    are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Triton's 0.44x; 8192 x 768 x 50257,
+    600 slabs a CTA, wins 0.14 vs 0.22).
+
 Splits: the kernel runs one CTA per (128-row block, split) and one CTA per SM (193 KiB of
 shared memory), without a persistent scheduler. Measured on the H100 (2026-11-23,
 ``benchmarks/gpu/cute_forward.sh``): about two full waves is best, 4096 x 4096 x 128256
@@ -37,8 +54,12 @@ from typing import Optional
 from logitless.planning.overrides import current as _overrides
 
 ENV = "LOGITLESS_CUTE"
-TILE_M, TILE_N = 128, 256
+TILE_M, TILE_N, TILE_K = 128, 256, 64
 WAVES = 2
+#: L2 bytes assumed when the device does not say (the H100's and H200's 50 MiB).
+L2_DEFAULT = 50 * 2**20
+#: Fewer k slabs per CTA than this: Triton (module docstring).
+MIN_SLABS_PER_CTA = 128
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,23 @@ def splits_for(n: int, v: int, num_sms: int) -> int:
     row_blocks = -(-n // TILE_M)
     v_tiles = -(-v // TILE_N)
     return max(1, min(v_tiles, (WAVES * num_sms) // row_blocks))
+
+
+def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None,
+                  itemsize: int = 2) -> Optional[str]:
+    """Why the Triton forward is expected to be faster than the CuTe kernel at this shape
+    (module docstring: measured), or None. Pure (tests)."""
+    l2 = l2_bytes or L2_DEFAULT
+    row_blocks = -(-n // TILE_M)
+    in_flight = min(row_blocks, num_sms) * TILE_M * h * itemsize
+    if in_flight > l2:
+        return (f"the x blocks in flight ({in_flight / 2**20:.0f} MiB) exceed L2 ({l2 / 2**20:.0f} MiB): "
+                "Triton measured faster")
+    v_tiles = -(-v // TILE_N)
+    slabs = -(-v_tiles // splits_for(n, v, num_sms)) * -(-h // TILE_K)
+    if slabs < MIN_SLABS_PER_CTA:
+        return f"{slabs} k slabs per CTA (< {MIN_SLABS_PER_CTA}): Triton measured faster"
+    return None
 
 
 def unsupported(*, capability: tuple, available: bool, dtype: str, n: int, v: int, h: int,
@@ -112,9 +150,10 @@ def enabled(ov, env_is_off: bool) -> bool:
 
 
 def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: int, h: int, layout_ok: bool,
-           ov=None, env_is_off: bool = False, **options) -> Optional[CutePlan]:
-    """The decision from explicit facts (``unsupported``'s, the SM count, the overrides
-    ``ov`` and the environment switch): a ``CutePlan`` or None. Pure (tests)."""
+           ov=None, env_is_off: bool = False, l2_bytes: Optional[int] = None, **options) -> Optional[CutePlan]:
+    """The decision from explicit facts (``unsupported``'s, the SM count, the L2 size, the
+    overrides ``ov`` and the environment switch): a ``CutePlan`` or None. Without
+    ``override(cute=True)``, shapes where ``triton_faster`` says so keep Triton. Pure (tests)."""
     ov = ov if ov is not None else _overrides()
     if not enabled(ov, env_is_off):
         return None
@@ -122,6 +161,8 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
         available = ov.cute_available
     if unsupported(capability=capability, available=available, dtype=dtype, n=n, v=v, h=h, layout_ok=layout_ok,
                    **options) is not None:
+        return None
+    if ov.cute is None and triton_faster(n=n, v=v, h=h, num_sms=num_sms, l2_bytes=l2_bytes) is not None:
         return None
     return CutePlan(splits=splits_for(n, v, num_sms))
 
@@ -144,7 +185,8 @@ def forward_plan(x, weight, *, keep_cols: int = 0, bias=None, softcap=None, need
                  and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
     from logitless.planning.plans import num_sms
 
-    return choose(capability=capability, available=available, num_sms=num_sms(x.device),
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    return choose(capability=capability, available=available, num_sms=num_sms(x.device), l2_bytes=l2,
                   dtype=str(x.dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, ov=ov,
                   bias=bias is not None, softcap=softcap is not None, argmax=need_argmax,
                   weighted_smooth=weighted_smooth, keep_cols=keep_cols)
