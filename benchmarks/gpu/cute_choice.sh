@@ -10,10 +10,12 @@
 #      torch-compile, f+b and forward                                             <= 280 s
 #   4. bench compare against session 4's run (lce-compile-issue23-s4-H100-2026-11-23.json)
 #   5. probe_raster.py: the CuTe forward's CTA order and splits at large N (interleaved)  <= 170 s
-# PARTS="anchors models lce raster" (default: anchors models lce) picks parts; the lce suite
+#   6. probe_lce_ab.py: f+b and forward, logitless (default budget), logitless@logits and
+#      torch.compile INTERLEAVED per shape (the logits-budget target)                   <= 300 s
+# PARTS="anchors models lce raster ab" (default: anchors models lce) picks parts; the lce suite
 # gets whatever is left of 560 s.
 # Files under $OUT (<= 8): choice-anchors.{log,json}, choice-models.{log,json}, lce-s6.log, s6.tgz
-# (the suite's json/md and the compare report), raster.{log,json}.
+# (the suite's json/md and the compare report), raster.{log,json}, ab.{log,json}.
 set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
@@ -34,6 +36,10 @@ if has raster; then
     timeout -k 5 170 "$PY" benchmarks/cute/probe_raster.py --budget-s 150 --json "$OUT/raster.json" \
         > "$OUT/raster.log" 2>&1
     echo "raster exit: $? (124: cut off) at $(( $(date +%s) - S )) s"; cat "$OUT/raster.log" | grep -v Warning
+fi
+if has ab; then
+    timeout -k 5 300 "$PY" benchmarks/probe_lce_ab.py --budget-s 250 --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1
+    echo "ab exit: $? (124: cut off) at $(( $(date +%s) - S )) s"; grep -v Warning "$OUT/ab.log" | tail -40
 fi
 if has anchors; then
     timeout -k 5 110 "$PY" benchmarks/cute/bench_cutelib.py --shapes anchors --max-seconds 95 \
