@@ -28,6 +28,7 @@ SHAPES = {
     "llama3.1-8b": (4096, 4096, 128256),
     "gemma3-4b": (4096, 2560, 262144),
     "deepseek-v3": (8192, 7168, 128256),
+    "llama3.1-8b-16k": (16384, 4096, 128256),
 }
 TILES = [
     (128, 256, 64, 8, 3),
@@ -119,22 +120,31 @@ def probe(name, n, h, v, rows):
               f"fwd+bwd {fb:.3f} ms ({fb / (3 * gemm):.2f}x 3 GEMMs)  peak extra {peak:.0f} MiB", flush=True)
 
 
-def profile(name, n, h, v):
-    """Per-kernel CUDA time of one forward+backward at two budgets (torch.profiler)."""
+def profile(name, n, h, v, budgets=("default", "logits"), with_compile=False):
+    """Per-kernel CUDA time of one forward+backward at the ``budgets`` (torch.profiler);
+    ``with_compile``: also torch.compile of F.cross_entropy(x @ W.T, t) (the logits-budget
+    yardstick), profiled the same way."""
     dev = torch.device("cuda")
     x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(v, h, device=dev) * h**-0.5).to(torch.bfloat16).requires_grad_(True)
     t = torch.randint(0, v, (n,), device=dev)
-    for label, budget in [("default", None), ("logits", n * v * 2 + n * v * 4 // 256)]:
+    sizes = {"default": None, "logits": n * v * 2 + n * v * 4 // 256}
+    fns = {f"budget {b}": (lambda b=b: logitless.linear_cross_entropy(x, w, t, memory_budget=sizes[b]))
+           for b in budgets}
+    if with_compile:
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w, t: torch.nn.functional.cross_entropy(x @ w.T, t), dynamic=False)
+        fns["torch.compile"] = lambda: compiled(x, w, t)
+    for label, fn in fns.items():
         for _ in range(2):  # warm-up (compilation)
             x.grad = w.grad = None
-            logitless.linear_cross_entropy(x, w, t, memory_budget=budget).backward()
+            fn().backward()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             x.grad = w.grad = None
-            logitless.linear_cross_entropy(x, w, t, memory_budget=budget).backward()
+            fn().backward()
             torch.cuda.synchronize()
-        print(f"\nprofile {name} budget {label}:")
+        print(f"\nprofile {name} {label}:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
@@ -143,10 +153,12 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--profile", action="store_true", help="per-kernel times only")
+    ap.add_argument("--budgets", default="default,logits", help="with --profile: default, logits")
+    ap.add_argument("--compile", action="store_true", help="with --profile: also torch.compile on logits")
     args = ap.parse_args()
     if args.profile:
         for name in args.shapes.split(","):
-            profile(name, *SHAPES[name])
+            profile(name, *SHAPES[name], budgets=tuple(args.budgets.split(",")), with_compile=args.compile)
         return
     rows = []
     meta = probe_meta(device=torch.cuda.get_device_name())
