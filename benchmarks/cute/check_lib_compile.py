@@ -76,13 +76,13 @@ def check_one(cfg: dict) -> dict:
 def configs(quick: bool):
     """The library's configurations: the planner's (specialised, 4 stages) at ragged and
     model hidden sizes, each flag alone and together, fp16, and the inline-producer variant."""
-    base = dict(dtype="bfloat16", smooth=False, entropy=False, stages=4, specialised=True, split_major=False)
+    base = dict(dtype="bfloat16", smooth=False, entropy=False, stages=4, specialised=True, group=0)
     out = [dict(base, hidden=4096), dict(base, hidden=72, smooth=True),
            dict(base, hidden=4096, entropy=True), dict(base, hidden=2560, smooth=True, entropy=True)]
     if not quick:
         out += [dict(base, hidden=7168), dict(base, hidden=2048), dict(base, hidden=8),
                 dict(base, hidden=4096, dtype="float16"), dict(base, hidden=4104, specialised=False),
-                dict(base, hidden=4096, split_major=True)]
+                dict(base, hidden=4096, group=16)]
     return out
 
 
@@ -98,11 +98,11 @@ def main() -> int:
         recs.append(rec)
         print(json.dumps(rec))
     print()
-    print(f"{'H':>6} {'dtype':>9} {'sm':>3} {'ent':>3} {'spec':>5} {'smaj':>4} {'regs':>5} {'spill':>5} {'smem':>7} "
+    print(f"{'H':>6} {'dtype':>9} {'sm':>3} {'ent':>3} {'spec':>5} {'grp':>4} {'regs':>5} {'spill':>5} {'smem':>7} "
           f"{'st':>3} {'ok':>3}")
     for r in recs:
         print(f"{r['hidden']:>6} {r['dtype']:>9} {int(r['smooth']):>3} {int(r['entropy']):>3} "
-              f"{str(r['specialised']):>5} {int(r['split_major']):>4} {r.get('registers')!s:>5} "
+              f"{str(r['specialised']):>5} {r['group']:>4} {r.get('registers')!s:>5} "
               f"{r.get('spill_stores')!s:>5} "
               f"{r.get('dynamic_smem_bytes')!s:>7} {r.get('ptx_counts', {}).get('st_global')!s:>3} "
               f"{'yes' if r['ok'] else 'NO':>3}")

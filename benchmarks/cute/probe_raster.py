@@ -8,14 +8,16 @@ of one split. Each CTA re-reads its x block (128 x H) once per 256-column vocabu
 so those blocks must stay in L2: 132 x 128 x H x 2 bytes is 132 MiB at H = 4096, far above
 the H100's 50 MiB, and the first GPU table (session 6, ``cute_choice.sh``) shows the CuTe
 forward losing to Triton exactly where N is large (16384 x 4096: 1.11-1.19x cuBLAS vs 1.03).
-Prediction: with ``split_major`` (grid (splits, row blocks): CTAs launched together share
-row blocks) and enough splits that 132 / splits row blocks of x fit in L2 beside the W
-tiles in flight, the large-N rows drop to the 4096-token ratio (~1.0x); at small N nothing
-changes (all row blocks fit already).
+First run (session 6): a split-major grid (CTAs in flight share row blocks) with more splits
+was predicted to fix it and measured 1.2-1.8x cuBLAS (worse). Yet the Triton kernel orders its
+programs ``group`` row blocks at a time (``triton_lib.gemm.grouped_tile``: 16 row blocks x the
+splits, row block fastest) and reaches 1.03x at 16384 x 4096. This run: the CuTe kernel in the
+same grouped order (``forward_stats`` ``group`` = G, a 1-D grid; G = 1 is split-major).
 
 Per shape, contenders timed INTERLEAVED (``interleave.interleaved``; each ratio is the
 median over rounds of the per-round ratio to cuBLAS ``x @ W.T``): the library's rule
-(``planning.cute.splits_for``, row-major grid) and (order, splits) for splits in 2..32.
+(``planning.cute.splits_for``, plain grid "g0") and (group G, splits S) for G in 8, 16, 32 and
+S in the rule's, 16, 32.
 Correctness: each contender's partials merged to lse must equal the rule's bitwise when the
 splits match and to 1e-5 otherwise (the same kernel: a different grid order changes no
 arithmetic). Without CUDA: prints the plan and exits 0 (nothing to time).
@@ -36,8 +38,9 @@ sys.path.insert(0, HERE)
 import interleave  # noqa: E402
 
 SHAPES = [(16384, 4096, 128256), (8192, 7168, 128256), (32768, 2048, 128256), (8192, 4096, 32768),
-          (8192, 3072, 128256), (4096, 4096, 128256), (4096, 2560, 262144), (2048, 4096, 128256)]
-SPLITS = (2, 4, 8, 16, 32)
+          (8192, 3072, 128256), (4096, 4096, 128256)]
+GROUPS = (8, 16, 32)
+SPLITS = (16, 32)
 
 
 def main() -> int:
@@ -49,9 +52,8 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("no CUDA: nothing to time; contenders per shape:",
-              {f"{n}x{h}x{v}": [("rows", s) for s in SPLITS] + [("splits", s) for s in SPLITS]
-               for n, h, v in SHAPES})
+        print("no CUDA: nothing to time; contenders per shape: (group, splits) for groups", GROUPS,
+              "and splits (the rule's,)", SPLITS)
         return 0
     import triton
 
@@ -78,15 +80,15 @@ def main() -> int:
         t = torch.randint(0, v, (n,), device=dev, generator=g, dtype=torch.int32)
         rule = cp.splits_for(n, v, sms)
         v_tiles = -(-v // cp.TILE_N)
-        cands = {("rows", rule)} | {(o, s) for o in ("rows", "splits") for s in SPLITS if s <= v_tiles}
-        cands = sorted(cands, key=lambda c: (c[0], c[1]))
+        cands = {(0, rule)} | {(g, s) for g in GROUPS for s in (rule,) + SPLITS if s <= v_tiles}
+        cands = sorted(cands)
         row = {"n": n, "h": h, "v": v, "rule_splits": rule, "check": {}}
 
-        def runner(order, s):
+        def runner(group, s):
             parts = partials(3, s, n, dev)
 
             def fn():
-                cl.forward_partials("probe", x, w, t, parts, s, split_major=order == "splits")
+                cl.forward_partials("probe", x, w, t, parts, s, group=group)
             return fn, parts
 
         def lse_of(parts):
@@ -97,23 +99,24 @@ def main() -> int:
         measures = {"cublas": lambda: bench(lambda: x @ w.T)}
         ref = None
         for order, s in cands:
-            fn, parts = runner(order, s)
+            order = f"g{order}"
+            fn, parts = runner(int(order[1:]), s)
             try:
                 fn()
                 torch.cuda.synchronize()
                 lse = lse_of(parts)
                 if ref is None:
-                    ref_fn, ref_parts = runner("rows", rule)
+                    ref_fn, ref_parts = runner(0, rule)
                     ref_fn()
                     ref = lse_of(ref_parts)
                 err = (lse - ref).abs().max().item()
-                row["check"][f"{order}{s}"] = err
+                row["check"][f"{order}s{s}"] = err
                 if err > 1e-3:  # (fp32 sums in another order: S = 1 sums 128k terms in one CTA)
-                    row[f"{order}{s}_error"] = f"lse differs from the rule's by {err}"
+                    row[f"{order}s{s}_error"] = f"lse differs from the rule's by {err}"
                     continue
-                measures[f"{order}{s}"] = (lambda fn=fn: bench(fn))
+                measures[f"{order}s{s}"] = (lambda fn=fn: bench(fn))
             except Exception as exc:  # noqa: BLE001
-                row[f"{order}{s}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                row[f"{order}s{s}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         res = interleave.interleaved(measures, rounds=args.rounds, baseline="cublas")
         row["rounds"] = res.pop("_rounds")
         row["cublas_ms"] = res["cublas"].get("ms")
@@ -121,8 +124,8 @@ def main() -> int:
                          for k, rec in res.items() if k != "cublas"}
         out["rows"].append(row)
         best = min(row["ratios"].items(), key=lambda kv: kv[1]["ratio"] or 9)
-        print(f"{n}x{h}x{v}: cuBLAS {row['cublas_ms']:.3f} ms; rule rows{rule} "
-              f"{row['ratios'].get(f'rows{rule}', {}).get('ratio')}; best {best[0]} {best[1]['ratio']:.3f}", flush=True)
+        print(f"{n}x{h}x{v}: cuBLAS {row['cublas_ms']:.3f} ms; rule g0s{rule} "
+              f"{row['ratios'].get(f'g0s{rule}', {}).get('ratio')}; best {best[0]} {best[1]['ratio']:.3f}", flush=True)
         print("   " + "  ".join(f"{k} {r['ratio']:.3f}" for k, r in row["ratios"].items() if r["ratio"]), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -28,9 +28,10 @@ Memory traffic: x and W read through TMA once per (128-row block, 256-column til
 (x re-read from L2 per vocabulary tile, W per row block), 4 to 5 fp32 per (row, split)
 written; no (N, V) tensor.
 
-Structure (one CTA per (128-row block, split), grid (ceil(N/128), splits), or with
-``split_major`` (splits, ceil(N/128)): the CTAs launched together then share row blocks of x
-(fewer distinct x blocks live in L2; each CTA re-reads its x block once per vocabulary tile)):
+Structure (one CTA per (128-row block, split), grid (ceil(N/128), splits): row blocks
+fastest; or with ``group`` = G > 0 a 1-D grid in ``triton_lib.gemm.grouped_tile``'s order, G
+row blocks at a time (row block fastest inside a group, then the split), so that the CTAs in
+flight share few x blocks (G = 1: split fastest)):
   * warpgroup 0 produces: one elected thread of warp 0 issues TMA loads of x (128 x 64)
     and W (256 x 64) tiles into a ``stages``-deep shared-memory ring (48 KiB a stage)
     guarded by mbarriers (``cutlass.pipeline.PipelineTmaAsync``); setmaxnreg 40.
@@ -73,7 +74,7 @@ class ForwardStatsSm90:
     """Compile-time configuration: hidden size, operand dtype, optional statistics, pipeline."""
 
     def __init__(self, hidden: int, dtype: str = "bfloat16", smooth: bool = False, entropy: bool = False,
-                 stages: int = 4, specialised: bool = True, split_major: bool = False):
+                 stages: int = 4, specialised: bool = True, group: int = 0):
         if hidden < 8 or hidden % 8:
             raise ValueError(f"hidden must be a positive multiple of 8 (TMA strides), got {hidden}")
         if dtype not in DTYPES:
@@ -81,7 +82,7 @@ class ForwardStatsSm90:
         self.hidden = hidden
         self.stages = stages
         self.specialised = specialised
-        self.split_major = split_major
+        self.group = group
         self.smooth = smooth
         self.entropy = entropy
         self.k_tiles = (hidden + TILE_K - 1) // TILE_K
@@ -145,7 +146,7 @@ class ForwardStatsSm90:
 
         self.shared_storage = SharedStorage
         row_blocks = (n_rows + TILE_M - 1) // TILE_M
-        grid = (splits, row_blocks, 1) if cutlass.const_expr(self.split_major) else (row_blocks, splits, 1)
+        grid = (row_blocks * splits, 1, 1) if cutlass.const_expr(self.group > 0) else (row_blocks, splits, 1)
         self.kernel(tiled_mma, tma_a, tma_x, tma_b, tma_w, sa_layout, sb_layout,
                     mT, parts[0], parts[1], parts[2], parts[3], parts[4],
                     scale, n_rows, vocab, splits).launch(
@@ -178,8 +179,14 @@ class ForwardStatsSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bm, bs, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.split_major):
-            bs, bm, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.group > 0):  # grouped order (triton_lib.gemm.grouped_tile)
+            pid = bm
+            row_blocks = (n_rows + TILE_M - 1) // TILE_M
+            per_group = self.group * splits
+            first = (pid // per_group) * self.group
+            size = cutlass.min(row_blocks - first, self.group)
+            bm = first + (pid % per_group) % size
+            bs = (pid % per_group) // size
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -445,14 +452,14 @@ _COMPILED: dict = {}
 
 
 def compile_forward(hidden: int, dtype: str = "bfloat16", smooth: bool = False, entropy: bool = False,
-                    stages: int = 4, specialised: bool = True, split_major: bool = False):
+                    stages: int = 4, specialised: bool = True, group: int = 0):
     """``cute.compile`` the kernel for one configuration (N, V, splits, scale stay runtime
     values), cached. The pointers given to cute.compile carry only types (dtype, address
     space, 16-byte alignment): dummy addresses, so the lowering also runs without a GPU
     (the host JIT then stops for lack of libcuda). The stream is a runtime argument."""
     from cutlass.cute.runtime import make_ptr
 
-    key = (hidden, dtype, smooth, entropy, stages, specialised, split_major)
+    key = (hidden, dtype, smooth, entropy, stages, specialised, group)
     if key in _COMPILED:
         return _COMPILED[key]
     gmem = cute.AddressSpace.gmem
@@ -461,7 +468,7 @@ def compile_forward(hidden: int, dtype: str = "bfloat16", smooth: bool = False, 
     ptrs = [make_ptr(ab, base, gmem, assumed_align=16), make_ptr(ab, base * 2, gmem, assumed_align=16),
             make_ptr(cutlass.Int32, base * 3, gmem, assumed_align=4)]
     ptrs += [make_ptr(cutlass.Float32, base * (4 + i), gmem, assumed_align=4) for i in range(5)]
-    kern = ForwardStatsSm90(hidden, dtype, smooth, entropy, stages, specialised, split_major)
+    kern = ForwardStatsSm90(hidden, dtype, smooth, entropy, stages, specialised, group)
     compiled = cute.compile(kern, *ptrs, cutlass.Float32(1.0), cutlass.Int32(TILE_M), cutlass.Int32(TILE_N),
                             cutlass.Int32(1), cuda.CUstream(0))
     _COMPILED[key] = compiled

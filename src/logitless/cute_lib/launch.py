@@ -18,7 +18,7 @@ from logitless.planning.overrides import current as _overrides
 
 def forward_partials(op: str, x: Tensor, weight: Tensor, target: Tensor, parts, splits: int, *,
                      scale: float = 1.0, smooth: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
-                     stages: int = 4, specialised: bool = True, split_major: bool = False) -> None:
+                     stages: int = 4, specialised: bool = True, group: int = 0) -> None:
     """Fill ``parts`` = (max, sum, target) (each (splits, N) fp32, ``triton_lib.launch.
     partials``) and the optional ``smooth`` (sum of a) and ``entropy`` (sum e (a - m))
     partials of a = scale * x W^T over ``splits`` vocabulary splits (``forward_stats``).
@@ -29,7 +29,7 @@ def forward_partials(op: str, x: Tensor, weight: Tensor, target: Tensor, parts, 
     v = weight.shape[0]
     dtype = str(x.dtype).removeprefix("torch.")
     compiled = fs.compile_forward(h, dtype, smooth is not None, entropy is not None, stages, specialised,
-                                  split_major)
+                                  group)
     tgt = target if target.dtype == torch.int32 and target.is_contiguous() else target.to(torch.int32).contiguous()
     part_max, part_sum, part_tgt = parts
     addrs = [p.data_ptr() for p in (part_max, part_sum, part_tgt,
@@ -38,7 +38,7 @@ def forward_partials(op: str, x: Tensor, weight: Tensor, target: Tensor, parts, 
     probe = _overrides().cute_probe
     if probe is not None:
         probe(dict(op=op, n=n, v=v, h=h, splits=splits, dtype=dtype, smooth=smooth is not None,
-                   entropy=entropy is not None, scale=scale, split_major=split_major))
+                   entropy=entropy is not None, scale=scale, group=group))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with torch.cuda.device(x.device):
         fs.launch(compiled, x.data_ptr(), weight.data_ptr(), tgt.data_ptr(), addrs, float(scale), n, v, splits,
