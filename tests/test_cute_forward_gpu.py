@@ -80,6 +80,31 @@ def test_raw_partials_match_the_model(n, h, v, splits, smooth, entropy, scale):
         assert err < 1e-4, f"partial {name}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("n, h, v, splits, group", [
+    (3000, 72, 32003, 16, 16),  # 24 row blocks: a full group of 16, then a ragged one of 8
+    (129, 136, 1000, 3, 16),    # fewer row blocks (2) than the group
+    (300, 8, 600, 3, 1),        # group 1: split fastest
+])
+def test_grouped_order_gives_the_plain_grids_partials(n, h, v, splits, group):
+    """``group`` changes which CTA computes which (row block, split) only: the partials are
+    bitwise those of the plain grid, every (split, row) written once (NaN-filled first)."""
+    from logitless.cute_lib import launch as cute_launch
+    from logitless.triton_lib.launch import partials
+
+    x, w, t = inputs(n, h, v)
+    got = []
+    for g in (0, group):
+        bufs = partials(3, splits, n, x.device)
+        for b in bufs:
+            b.fill_(float("nan"))
+        cute_launch.forward_partials("test", x, w, t, bufs, splits, group=g)
+        got.append(bufs)
+    torch.cuda.synchronize()
+    for name, plain, grouped in zip("met", *got):
+        assert not torch.isnan(grouped).any(), f"{name}: unwritten entries in the grouped order"
+        assert torch.equal(plain, grouped), f"{name}: grouped order differs from the plain grid"
+
+
 def ce_case(n, h, v, dtype=torch.bfloat16, **kw):
     x, w, t = inputs(n, h, v, dtype)
     if "ignore_index" in kw:  # the ignored rows carry the given index (-100 would be out of range)

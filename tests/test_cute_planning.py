@@ -51,38 +51,46 @@ def test_fp16_and_ragged_shapes_are_supported():
             assert cute.choose(**f) is not None, kw
 
 
-# The H100 table behind ``triton_faster`` (session 6, interleaved forward, x cuBLAS: CuTe vs
-# Triton): every shape where one was clearly faster, and the ties on either side.
-@pytest.mark.parametrize("n, h, v, cute_wins", [
-    (512, 4096, 128256, True),     # 1.03 vs 1.63
-    (2048, 2048, 128256, True),    # 0.93 vs 1.25
-    (2048, 4096, 128256, True),    # 1.00 vs 1.11
-    (4096, 4096, 32000, True),     # 0.99 vs 1.21
-    (4096, 4096, 128256, True),    # 1.00 vs 1.07
-    (4096, 5120, 131072, True),    # 1.00 vs 1.05
-    (8192, 1152, 262144, True),    # 0.99 vs 1.09
-    (8192, 896, 151936, True),     # 1.06 vs 1.19
-    (8192, 768, 50257, True),      # 0.14 vs 0.22 (cuBLAS slow at odd V)
-    (2048, 2048, 50304, True),     # 1.13 vs 1.48
-    (8192, 7168, 128256, False),   # 1.09 vs 1.04: x in flight 117 MiB
-    (16384, 4096, 128256, False),  # 1.11-1.19 vs 1.03
-    (32768, 2048, 128256, False),  # 1.12 vs 1.11
-    (8192, 4096, 32768, False),    # 1.10 vs 1.09
-    (1024, 768, 50257, False),     # 0.63 vs 0.44: 72 k slabs per CTA
+# The H100 tables behind ``plan_for`` and ``triton_faster`` (session 6, interleaved forward, x
+# cuBLAS: CuTe vs Triton; the large-N rows with the grouped order, probe_raster.py).
+@pytest.mark.parametrize("n, h, v, cute_chosen, grouped", [
+    (512, 4096, 128256, True, False),     # 1.03 vs 1.63
+    (2048, 2048, 128256, True, False),    # 0.93 vs 1.25
+    (2048, 4096, 128256, True, False),    # 1.00 vs 1.11
+    (4096, 4096, 32000, True, False),     # 0.99 vs 1.21
+    (4096, 4096, 128256, True, False),    # 1.00-1.03 vs 1.07
+    (4096, 5120, 131072, True, False),    # 1.00 vs 1.05
+    (8192, 1152, 262144, True, False),    # 0.99 vs 1.09
+    (8192, 896, 151936, True, False),     # 1.06 vs 1.19
+    (8192, 768, 50257, True, False),      # 0.14 vs 0.22 (cuBLAS slow at odd V)
+    (2048, 2048, 50304, True, False),     # 1.13 vs 1.48
+    (16384, 4096, 128256, True, True),    # grouped 1.01 (plain 1.10-1.19) vs 1.03
+    (32768, 2048, 128256, True, True),    # grouped 0.99 (plain 1.08-1.12) vs 1.11
+    (8192, 4096, 32768, True, True),      # grouped 1.01 (plain 1.05-1.10) vs 1.09
+    (8192, 7168, 128256, True, True),     # grouped 1.04 (plain 1.08-1.09) vs 1.04
+    (1024, 768, 50257, False, False),     # 0.63 vs 0.44: 72 k slabs per CTA
 ])
-def test_triton_faster_matches_the_measured_table(n, h, v, cute_wins):
-    why = cute.triton_faster(n=n, v=v, h=h, num_sms=132, l2_bytes=50 * 2**20)
-    assert (why is None) == cute_wins, why
-    plan = cute.choose(**facts(n=n, v=v, h=h), l2_bytes=50 * 2**20)
-    assert (plan is not None) == cute_wins
-    with override(cute=True):  # forced: the rule does not apply
-        assert cute.choose(**facts(n=n, v=v, h=h), l2_bytes=50 * 2**20) is not None
+def test_plan_matches_the_measured_table(n, h, v, cute_chosen, grouped):
+    l2 = 50 * 2**20
+    why = cute.triton_faster(n=n, v=v, h=h, num_sms=132, l2_bytes=l2)
+    assert (why is None) == cute_chosen, why
+    plan = cute.choose(**facts(n=n, v=v, h=h), l2_bytes=l2)
+    assert (plan is not None) == cute_chosen
+    with override(cute=True):  # forced: the Triton preference does not apply, the order does
+        plan = cute.choose(**facts(n=n, v=v, h=h), l2_bytes=l2)
+    assert (plan.group > 0) == grouped
+    if grouped:
+        assert plan.group == cute.GROUP and plan.splits >= cute.GROUP_SPLITS
+    else:
+        assert plan.splits == cute.splits_for(n, v, 132)
 
 
-def test_triton_faster_scales_with_l2():
-    # 8192 x 7168: 117 MiB of x in flight; a (hypothetical) 128 MiB L2 would keep it
-    assert cute.triton_faster(n=8192, v=128256, h=7168, num_sms=132, l2_bytes=50 * 2**20) is not None
-    assert cute.triton_faster(n=8192, v=128256, h=7168, num_sms=132, l2_bytes=128 * 2**20) is None
+def test_grouped_order_follows_l2():
+    # 8192 x 7168: 117 MiB of x in flight; a (hypothetical) 128 MiB L2 would keep the plain grid
+    assert cute.plan_for(8192, 128256, 7168, 132, 50 * 2**20).group == cute.GROUP
+    assert cute.plan_for(8192, 128256, 7168, 132, 128 * 2**20) == cute.CutePlan(splits=4)
+    # never more splits than vocabulary tiles
+    assert cute.plan_for(16384, 1000, 4096, 132, 50 * 2**20).splits == 4
 
 
 @pytest.mark.parametrize("n, v, want", [

@@ -16,22 +16,23 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
     inside the kernel (the weighted smoothing sum), and no kept columns (the plan's
     ``keep_cols`` == 0: no gradient to come, or a budget below one kept tile).
 
-Where Triton is faster (the automatic choice only; ``override(cute=True)`` forces CuTe):
-``triton_faster`` says so, from two facts measured on the H100 (session 6, forward only,
-interleaved with cuBLAS and the Triton kernel: ``benchmarks/gpu/cute_choice.sh``, files
-``benchmarks/results/cute-choice-{anchors,models}-H100-2026-11-23.json``, 32 shapes):
+CTA order and splits (``plan_for``): the kernel runs one CTA per (128-row block, split); each
+CTA re-reads its 128-row x block once per 256-column vocabulary tile. When the x blocks of the
+CTAs in flight, min(row blocks, SMs) x 128 x H x 2 bytes, exceed the device's L2 (50 MiB on
+the H100), the plain grid (row blocks fastest) lost 4-15% to the Triton kernel (session 6,
+forward only, interleaved with cuBLAS and Triton: ``benchmarks/gpu/cute_choice.sh``, files
+``benchmarks/results/cute-choice-{anchors,models}-H100-2026-11-23.json``: 8192 x 7168
+1.085-1.095x cuBLAS vs Triton 1.044; 16384 x 4096 1.11-1.19 vs 1.03). There the plan takes
+Triton's grouped order (``GROUP`` = 16 row blocks at a time, row block fastest inside a
+group, then the split; ``triton_lib.gemm.grouped_tile``) with at least ``GROUP_SPLITS`` = 16
+splits: measured (``benchmarks/cute/probe_raster.py``, ``probe-raster-grouped-H100-*``)
+16384 x 4096 1.104 -> 1.013x cuBLAS, 32768 x 2048 1.082 -> 0.987, 8192 x 4096 x 32768
+1.049 -> 1.013, 8192 x 7168 1.077 -> 1.044. (A split-major order, group 1, was 1.2-1.8x.)
 
-  * the x blocks of the CTAs in flight do not fit in L2: min(row blocks, SMs) x 128 x H x 2
-    bytes > the device's L2 (50 MiB on the H100). Each CTA re-reads its 128-row x block once
-    per 256-column vocabulary tile; when they cannot stay in L2 the kernel loses 4-15% to
-    Triton (8192 x 7168: 1.085-1.095x cuBLAS vs 1.044; 16384 x 4096: 1.11-1.19x vs 1.03;
-    32768 x 2048 1.12 vs 1.11; 8192 x 4096 x 32768 1.10 vs 1.09), while every shape under the
-    line wins or ties (512 x 4096 x 128256: 1.03 vs 1.63; 4096 x 4096 x 32000: 0.99 vs 1.21).
-    A split-major grid order (CTAs in flight sharing row blocks) did not help: 1.2-1.8x
-    (``benchmarks/cute/probe_raster.py``);
-  * fewer than 128 k slabs (64-wide steps of H) per CTA: the pipeline fill and the epilogue
-    are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Triton's 0.44x; 8192 x 768 x 50257,
-    600 slabs a CTA, wins 0.14 vs 0.22).
+Where Triton is faster (the automatic choice only; ``override(cute=True)`` forces CuTe):
+``triton_faster``: fewer than 128 k slabs (64-wide steps of H) per CTA, where the pipeline
+fill and the epilogue are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Triton's 0.44x;
+8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V).
 
 Splits: the kernel runs one CTA per (128-row block, split) and one CTA per SM (193 KiB of
 shared memory), without a persistent scheduler. Measured on the H100 (2026-11-23,
@@ -60,6 +61,8 @@ WAVES = 2
 L2_DEFAULT = 50 * 2**20
 #: Fewer k slabs per CTA than this: Triton (module docstring).
 MIN_SLABS_PER_CTA = 128
+#: The grouped CTA order where x in flight exceeds L2: row blocks per group, least splits.
+GROUP, GROUP_SPLITS = 16, 16
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class CutePlan:
     splits: int
     stages: int = 4
     specialised: bool = True
+    group: int = 0  # 0: grid (row blocks, splits); G > 0: grouped order (``forward_stats``)
 
 
 @functools.cache
@@ -90,18 +94,27 @@ def splits_for(n: int, v: int, num_sms: int) -> int:
     return max(1, min(v_tiles, (WAVES * num_sms) // row_blocks))
 
 
-def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None,
-                  itemsize: int = 2) -> Optional[str]:
+def x_in_flight(n: int, h: int, num_sms: int, itemsize: int = 2) -> int:
+    """Bytes of x the CTAs in flight read (one 128-row block each, one CTA per SM)."""
+    return min(-(-n // TILE_M), num_sms) * TILE_M * h * itemsize
+
+
+def plan_for(n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None) -> CutePlan:
+    """Splits and CTA order for N x H x V (module docstring): the plain grid with
+    ``splits_for``'s splits, or, when x in flight exceeds L2, the grouped order with at
+    least ``GROUP_SPLITS`` splits (at most the vocabulary's tiles)."""
+    splits = splits_for(n, v, num_sms)
+    if x_in_flight(n, h, num_sms) > (l2_bytes or L2_DEFAULT):
+        return CutePlan(splits=min(-(-v // TILE_N), max(splits, GROUP_SPLITS)), group=GROUP)
+    return CutePlan(splits=splits)
+
+
+def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None) -> Optional[str]:
     """Why the Triton forward is expected to be faster than the CuTe kernel at this shape
     (module docstring: measured), or None. Pure (tests)."""
-    l2 = l2_bytes or L2_DEFAULT
-    row_blocks = -(-n // TILE_M)
-    in_flight = min(row_blocks, num_sms) * TILE_M * h * itemsize
-    if in_flight > l2:
-        return (f"the x blocks in flight ({in_flight / 2**20:.0f} MiB) exceed L2 ({l2 / 2**20:.0f} MiB): "
-                "Triton measured faster")
+    plan = plan_for(n, v, h, num_sms, l2_bytes)
     v_tiles = -(-v // TILE_N)
-    slabs = -(-v_tiles // splits_for(n, v, num_sms)) * -(-h // TILE_K)
+    slabs = -(-v_tiles // plan.splits) * -(-h // TILE_K)
     if slabs < MIN_SLABS_PER_CTA:
         return f"{slabs} k slabs per CTA (< {MIN_SLABS_PER_CTA}): Triton measured faster"
     return None
@@ -164,7 +177,7 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
         return None
     if ov.cute is None and triton_faster(n=n, v=v, h=h, num_sms=num_sms, l2_bytes=l2_bytes) is not None:
         return None
-    return CutePlan(splits=splits_for(n, v, num_sms))
+    return plan_for(n, v, h, num_sms, l2_bytes)
 
 
 def forward_plan(x, weight, *, keep_cols: int = 0, bias=None, softcap=None, need_argmax: bool = False,

@@ -103,7 +103,7 @@ def forward(
 
         cute_launch.forward_partials("linear_cross_entropy", x, weight, target, (part_max, part_sum, part_tgt),
                                      splits, smooth=part_smooth if need_smooth else None,
-                                     stages=cute.stages, specialised=cute.specialised)
+                                     stages=cute.stages, specialised=cute.specialised, group=cute.group)
     keep_op = None
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)

@@ -107,7 +107,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         cute_launch.forward_partials("linear_log_probs", x, weight, tokens, (part_max, part_sum, part_tgt),
                                      splits, scale=1.0 / opts.temperature,
                                      entropy=part_u if opts.entropy else None,
-                                     stages=cute.stages, specialised=cute.specialised)
+                                     stages=cute.stages, specialised=cute.specialised, group=cute.group)
         keep_blocks = 0
     keep = keep_max = keep_buf = None
     keep_op = x
