@@ -85,6 +85,14 @@ def test_plan_matches_the_measured_table(n, h, v, cute_chosen, grouped):
         assert plan.splits == cute.splits_for(n, v, 132)
 
 
+def test_entropy_keeps_triton_where_the_order_is_grouped():
+    l2 = 50 * 2**20
+    for n, h, v in ((8192, 7168, 128256), (16384, 4096, 128256)):
+        assert cute.triton_faster(n=n, v=v, h=h, num_sms=132, l2_bytes=l2, entropy=True) is not None
+        assert cute.choose(**facts(n=n, v=v, h=h), l2_bytes=l2, entropy=True) is None
+    assert cute.choose(**facts(), l2_bytes=l2, entropy=True) is not None  # 4096 tokens: CuTe
+
+
 def test_grouped_order_follows_l2():
     # 8192 x 7168: 117 MiB of x in flight; a (hypothetical) 128 MiB L2 would keep the plain grid
     assert cute.plan_for(8192, 128256, 7168, 132, 50 * 2**20).group == cute.GROUP

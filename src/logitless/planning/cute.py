@@ -32,7 +32,10 @@ splits: measured (``benchmarks/cute/probe_raster.py``, ``probe-raster-grouped-H1
 Where Triton is faster (the automatic choice only; ``override(cute=True)`` forces CuTe):
 ``triton_faster``: fewer than 128 k slabs (64-wide steps of H) per CTA, where the pipeline
 fill and the epilogue are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Triton's 0.44x;
-8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V).
+8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V); and the
+entropy term (linear_log_probs(entropy=True)) where the grouped order is needed: its longer
+epilogue, not overlapped with the next tile's MMA, kept it behind (8192 x 7168: 1.097x vs
+0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073).
 
 Splits: the kernel runs one CTA per (128-row block, split) and one CTA per SM (193 KiB of
 shared memory), without a persistent scheduler. Measured on the H100 (2026-11-23,
@@ -109,10 +112,13 @@ def plan_for(n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = Non
     return CutePlan(splits=splits)
 
 
-def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None) -> Optional[str]:
+def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None,
+                  entropy: bool = False) -> Optional[str]:
     """Why the Triton forward is expected to be faster than the CuTe kernel at this shape
     (module docstring: measured), or None. Pure (tests)."""
     plan = plan_for(n, v, h, num_sms, l2_bytes)
+    if entropy and plan.group:
+        return "the entropy term where the grouped order is needed: Triton measured faster"
     v_tiles = -(-v // TILE_N)
     slabs = -(-v_tiles // plan.splits) * -(-h // TILE_K)
     if slabs < MIN_SLABS_PER_CTA:
@@ -163,7 +169,8 @@ def enabled(ov, env_is_off: bool) -> bool:
 
 
 def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: int, h: int, layout_ok: bool,
-           ov=None, env_is_off: bool = False, l2_bytes: Optional[int] = None, **options) -> Optional[CutePlan]:
+           ov=None, env_is_off: bool = False, l2_bytes: Optional[int] = None, entropy: bool = False,
+           **options) -> Optional[CutePlan]:
     """The decision from explicit facts (``unsupported``'s, the SM count, the L2 size, the
     overrides ``ov`` and the environment switch): a ``CutePlan`` or None. Without
     ``override(cute=True)``, shapes where ``triton_faster`` says so keep Triton. Pure (tests)."""
@@ -175,13 +182,14 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
     if unsupported(capability=capability, available=available, dtype=dtype, n=n, v=v, h=h, layout_ok=layout_ok,
                    **options) is not None:
         return None
-    if ov.cute is None and triton_faster(n=n, v=v, h=h, num_sms=num_sms, l2_bytes=l2_bytes) is not None:
+    if ov.cute is None and triton_faster(n=n, v=v, h=h, num_sms=num_sms, l2_bytes=l2_bytes,
+                                         entropy=entropy) is not None:
         return None
     return plan_for(n, v, h, num_sms, l2_bytes)
 
 
 def forward_plan(x, weight, *, keep_cols: int = 0, bias=None, softcap=None, need_argmax: bool = False,
-                 weighted_smooth: bool = False) -> Optional[CutePlan]:
+                 weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
     """The CuTe plan of one forward (module docstring), or None: the Triton kernel runs."""
     ov = _overrides()
     if x.device.type != "cuda" or not enabled(ov, env_off()):  # cheap exits first
@@ -202,4 +210,4 @@ def forward_plan(x, weight, *, keep_cols: int = 0, bias=None, softcap=None, need
     return choose(capability=capability, available=available, num_sms=num_sms(x.device), l2_bytes=l2,
                   dtype=str(x.dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, ov=ov,
                   bias=bias is not None, softcap=softcap is not None, argmax=need_argmax,
-                  weighted_smooth=weighted_smooth, keep_cols=keep_cols)
+                  weighted_smooth=weighted_smooth, keep_cols=keep_cols, entropy=entropy)

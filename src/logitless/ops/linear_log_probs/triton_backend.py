@@ -90,7 +90,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
     cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0, bias=bias,
-                                      softcap=opts.softcap)
+                                      softcap=opts.softcap, entropy=opts.entropy)
     splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, token logit, entropy term).
