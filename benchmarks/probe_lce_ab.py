@@ -11,7 +11,9 @@ times every contender once (the GEMM unit ``x @ W.T``, each method's forward+bac
 forward), in an order rotated per round (``benchmarks/cute/interleave.py``), and a ratio is the
 median over rounds of the ratio of the same round. Methods are the bench's own adapters
 (``logitless_bench.peers``: ``logitless`` = default budget, ``logitless@logits``,
-``torch-compile`` = torch.compile of F.cross_entropy(x @ W.T, t)), timed by the bench's
+``torch-compile`` = torch.compile of F.cross_entropy(x @ W.T, t)); a name ending in ``/triton``
+(e.g. ``logitless/triton``) is that method with the CuTe DSL forward switched off
+(``override(cute=False)``: the A/B of the CuTe path inside training); timed by the bench's
 ``timing.time_ms_spread`` (CUDA events, L2 flushed, gradients set to None between calls).
 
 Prints per shape: f+b / 3 GEMMs per method, and logitless@logits / torch-compile (f+b, forward)
@@ -32,6 +34,15 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute"))
 import interleave  # noqa: E402
+
+
+def _without_cute(fn):
+    from logitless.planning.overrides import override
+
+    def run(*args):
+        with override(cute=False):
+            return fn(*args)
+    return run
 
 
 def main() -> int:
@@ -82,11 +93,14 @@ def main() -> int:
         row = {"shape": shape.name, "tokens": shape.tokens, "hidden": shape.hidden, "vocab": shape.vocab,
                "errors": {}}
         for name in names:
+            base, _, variant = name.partition("/")
             try:
-                fn = catalogue[name].make(shape, dev)
+                fn = catalogue[base].make(shape, dev)
             except Exception as exc:  # noqa: BLE001  (peers.Skip, a missing method)
                 row["errors"][name] = f"{type(exc).__name__}: {exc}"
                 continue
+            if variant == "triton":
+                fn = _without_cute(fn)
 
             def fb(fn=fn):
                 def step():
