@@ -74,7 +74,7 @@ class ForwardStatsSm90:
     """Compile-time configuration: hidden size, operand dtype, optional statistics, pipeline."""
 
     def __init__(self, hidden: int, dtype: str = "bfloat16", smooth: bool = False, entropy: bool = False,
-                 stages: int = 4, specialised: bool = True, group: int = 0):
+                 stages: int = 4, specialised: bool = True, group: int = 0, keep_block: int = 0):
         if hidden < 8 or hidden % 8:
             raise ValueError(f"hidden must be a positive multiple of 8 (TMA strides), got {hidden}")
         if dtype not in DTYPES:
@@ -83,6 +83,9 @@ class ForwardStatsSm90:
         self.stages = stages
         self.specialised = specialised
         self.group = group
+        if keep_block and (keep_block % 8 or TILE_N % keep_block):
+            raise ValueError(f"keep_block must divide {TILE_N} (and be a multiple of 8), got {keep_block}")
+        self.keep_block = keep_block  # 0: nothing kept; else the kept maxima's column block
         self.smooth = smooth
         self.entropy = entropy
         self.k_tiles = (hidden + TILE_K - 1) // TILE_K
@@ -103,10 +106,14 @@ class ForwardStatsSm90:
         g_ptr: cute.Pointer,
         q_ptr: cute.Pointer,
         u_ptr: cute.Pointer,
+        k_ptr: cute.Pointer,
+        km_ptr: cute.Pointer,
         scale: cutlass.Float32,
         n_rows: cutlass.Int32,
         vocab: cutlass.Int32,
         splits: cutlass.Int32,
+        keep_cols: cutlass.Int32,
+        keep_stride: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         H = self.hidden
@@ -115,6 +122,11 @@ class ForwardStatsSm90:
         mT = cute.make_tensor(t_ptr, cute.make_layout(n_rows))
         part_layout = cute.make_layout((splits, n_rows), stride=(n_rows, 1))
         parts = tuple(cute.make_tensor(p, part_layout) for p in (m_ptr, e_ptr, g_ptr, q_ptr, u_ptr))
+        mK, mKM = parts[0], parts[0]  # (unused without KEEP)
+        if cutlass.const_expr(self.keep_block > 0):
+            mK = cute.make_tensor(k_ptr, cute.make_layout((n_rows, keep_cols), stride=(keep_stride, 1)))
+            keep_blocks = (keep_cols + self.keep_block - 1) // self.keep_block
+            mKM = cute.make_tensor(km_ptr, cute.make_layout((keep_blocks, n_rows), stride=(n_rows, 1)))
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -148,8 +160,8 @@ class ForwardStatsSm90:
         row_blocks = (n_rows + TILE_M - 1) // TILE_M
         grid = (row_blocks * splits, 1, 1) if cutlass.const_expr(self.group > 0) else (row_blocks, splits, 1)
         self.kernel(tiled_mma, tma_a, tma_x, tma_b, tma_w, sa_layout, sb_layout,
-                    mT, parts[0], parts[1], parts[2], parts[3], parts[4],
-                    scale, n_rows, vocab, splits).launch(
+                    mT, parts[0], parts[1], parts[2], parts[3], parts[4], mK, mKM,
+                    scale, n_rows, vocab, splits, keep_cols).launch(
             grid=grid,
             block=(self.threads, 1, 1),
             stream=stream,  # dynamic smem: the DSL takes the SmemAllocator's total (~193 KiB)
@@ -172,10 +184,13 @@ class ForwardStatsSm90:
         mG: cute.Tensor,
         mQ: cute.Tensor,
         mU: cute.Tensor,
+        mK: cute.Tensor,
+        mKM: cute.Tensor,
         scale: cutlass.Float32,
         n_rows: cutlass.Int32,
         vocab: cutlass.Int32,
         splits: cutlass.Int32,
+        keep_cols: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bm, bs, _ = cute.arch.block_idx()
@@ -222,7 +237,7 @@ class ForwardStatsSm90:
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gW, 0, 2))
 
-        outs = (mT, mM, mE, mG, mQ, mU, scale, n_rows, vocab)
+        outs = (mT, mM, mE, mG, mQ, mU, scale, n_rows, vocab, (mK, mKM, keep_cols))
         is_producer_wg = tidx < self.consumer_base
         if cutlass.const_expr(self.specialised):
             if is_producer_wg:
@@ -257,7 +272,7 @@ class ForwardStatsSm90:
     @cute.jit
     def consume(self, tiled_mma, ring, sA, sB, outs, bm, bs, v_lo, n_here,
                 ctid, warp_idx, inline_producer):
-        mT, mM, mE, mG, mQ, mU, scale, n_rows, vocab = outs
+        mT, mM, mE, mG, mQ, mU, scale, n_rows, vocab, kept = outs
         wg = ctid // 128
         thr_wg = tiled_mma.get_slice(wg * 128)
         thr = tiled_mma.get_slice(ctid)
@@ -340,12 +355,31 @@ class ForwardStatsSm90:
             # the ragged last tile masks columns >= V (a second copy of the epilogue: masking
             # the accumulator in place under a runtime branch spills 44 bytes at 168 registers)
             state = (m0, m1, e0, e1, g0, g1, u0, u1)
-            if col0 + TILE_N > vocab:
-                m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                    acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True)
+            if cutlass.const_expr(self.keep_block > 0):
+                # KEEP: tiles starting below keep_cols also store exp(a - m) and m (two more
+                # epilogue copies, chosen by a runtime branch, so that other tiles pay nothing)
+                rows = (row0, row1, ctid % 4 == 0)
+                if col0 < kept[2]:
+                    if col0 + TILE_N > vocab:
+                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True, kept, rows, n_rows)
+                    else:
+                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False, kept, rows, n_rows)
+                else:
+                    if col0 + TILE_N > vocab:
+                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True)
+                    else:
+                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False)
             else:
-                m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                    acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False)
+                if col0 + TILE_N > vocab:
+                    m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                        acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True)
+                else:
+                    m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                        acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False)
 
         # the target logit sits in one thread of the quad (others hold 0): sum the quad
         for off in cutlass.range_constexpr(2):
@@ -374,9 +408,14 @@ class ForwardStatsSm90:
 
 
     @cute.jit
-    def tile_update(self, acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, masked: cutlass.Constexpr):
+    def tile_update(self, acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, masked: cutlass.Constexpr,
+                    kept=None, rows=None, n_rows=None):
         """One vocabulary tile's online update of the two rows' (m, e, g, u); ``masked``:
-        columns >= V count as -inf (the ragged last tile)."""
+        columns >= V count as -inf (the ragged last tile). ``kept`` = (keep, keep_max,
+        keep_cols) (a tile starting below keep_cols): also store p = exp(a - m') for columns
+        < keep_cols of rows < N into keep (operand dtype) and m' (the new running max, a's
+        units) into keep_max[block, row] for each ``keep_block``-column block of the tile
+        that starts below keep_cols (one lane of each quad: ``rows`` = (row0, row1, lead))."""
         m0, m1, e0, e1, g0, g1, u0, u1 = state
         neg_inf = cutlass.Float32(-math.inf)
         n_acc = cute.size(acc)
@@ -397,6 +436,17 @@ class ForwardStatsSm90:
         # scale > 0: max(scale * acc) = scale * max(acc); a tile has a column < V
         n0 = cute.arch.fmax(m0, t0 * scale)
         n1 = cute.arch.fmax(m1, t1 * scale)
+        if cutlass.const_expr(kept is not None):
+            mK, mKM, keep_cols = kept
+            row0, row1, lead = rows
+            if lead:
+                for j in cutlass.range_constexpr(TILE_N // self.keep_block):
+                    c = col0 + j * self.keep_block
+                    if c < keep_cols:
+                        if row0 < n_rows:
+                            mKM[c // self.keep_block, row0] = n0
+                        if row1 < n_rows:
+                            mKM[c // self.keep_block, row1] = n1
         s0 = cutlass.Float32(0.0)
         s1 = cutlass.Float32(0.0)
         y0 = cutlass.Float32(0.0)
@@ -413,6 +463,14 @@ class ForwardStatsSm90:
             if cutlass.const_expr(self.entropy):
                 y = cute.arch.fmax(y, cutlass.Float32(_Y_FLOOR))
             p = cute.arch.exp2(y)
+            if cutlass.const_expr(kept is not None):
+                if col < keep_cols:
+                    if cutlass.const_expr((i // 2) % 2 == 0):
+                        if row0 < n_rows:
+                            mK[row0, col] = p.to(self.ab_dtype)
+                    else:
+                        if row1 < n_rows:
+                            mK[row1, col] = p.to(self.ab_dtype)
             if cutlass.const_expr((i // 2) % 2 == 0):
                 s0 = s0 + p
                 if cutlass.const_expr(self.entropy):
@@ -452,14 +510,14 @@ _COMPILED: dict = {}
 
 
 def compile_forward(hidden: int, dtype: str = "bfloat16", smooth: bool = False, entropy: bool = False,
-                    stages: int = 4, specialised: bool = True, group: int = 0):
+                    stages: int = 4, specialised: bool = True, group: int = 0, keep_block: int = 0):
     """``cute.compile`` the kernel for one configuration (N, V, splits, scale stay runtime
     values), cached. The pointers given to cute.compile carry only types (dtype, address
     space, 16-byte alignment): dummy addresses, so the lowering also runs without a GPU
     (the host JIT then stops for lack of libcuda). The stream is a runtime argument."""
     from cutlass.cute.runtime import make_ptr
 
-    key = (hidden, dtype, smooth, entropy, stages, specialised, group)
+    key = (hidden, dtype, smooth, entropy, stages, specialised, group, keep_block)
     if key in _COMPILED:
         return _COMPILED[key]
     gmem = cute.AddressSpace.gmem
@@ -468,18 +526,22 @@ def compile_forward(hidden: int, dtype: str = "bfloat16", smooth: bool = False, 
     ptrs = [make_ptr(ab, base, gmem, assumed_align=16), make_ptr(ab, base * 2, gmem, assumed_align=16),
             make_ptr(cutlass.Int32, base * 3, gmem, assumed_align=4)]
     ptrs += [make_ptr(cutlass.Float32, base * (4 + i), gmem, assumed_align=4) for i in range(5)]
-    kern = ForwardStatsSm90(hidden, dtype, smooth, entropy, stages, specialised, group)
+    ptrs += [make_ptr(ab, base * 9, gmem, assumed_align=4), make_ptr(cutlass.Float32, base * 10, gmem, assumed_align=4)]
+    kern = ForwardStatsSm90(hidden, dtype, smooth, entropy, stages, specialised, group, keep_block)
     compiled = cute.compile(kern, *ptrs, cutlass.Float32(1.0), cutlass.Int32(TILE_M), cutlass.Int32(TILE_N),
-                            cutlass.Int32(1), cuda.CUstream(0))
+                            cutlass.Int32(1), cutlass.Int32(TILE_N if keep_block else 0),
+                            cutlass.Int32(TILE_N), cuda.CUstream(0))
     _COMPILED[key] = compiled
     return compiled
 
 
 def launch(compiled, x_addr: int, w_addr: int, t_addr: int, part_addrs, scale: float, n: int, v: int,
-           splits: int, stream_handle: int, dtype: str = "bfloat16"):
+           splits: int, stream_handle: int, dtype: str = "bfloat16", keep=(0, 0, 0, 0)):
     """Launch a compiled kernel on raw device addresses (x, w 16-byte aligned; target
     int32; five fp32 partial buffers (splits, n), unused ones may repeat the first) on
-    the CUDA stream ``stream_handle``."""
+    the CUDA stream ``stream_handle``. ``keep`` = (keep address (operand dtype, rows of
+    ``keep_stride`` elements), keep_max address (fp32 (ceil(keep_cols / keep_block), n)),
+    keep_cols, keep_stride) for a kernel compiled with ``keep_block`` (else unused)."""
     from cutlass.cute.runtime import make_ptr
 
     gmem = cute.AddressSpace.gmem
@@ -489,6 +551,9 @@ def launch(compiled, x_addr: int, w_addr: int, t_addr: int, part_addrs, scale: f
         make_ptr(ab, w_addr, gmem, assumed_align=16),
         make_ptr(cutlass.Int32, t_addr, gmem, assumed_align=4),
         *[make_ptr(cutlass.Float32, a, gmem, assumed_align=4) for a in part_addrs],
+        make_ptr(ab, keep[0] or x_addr, gmem, assumed_align=4),
+        make_ptr(cutlass.Float32, keep[1] or part_addrs[0], gmem, assumed_align=4),
         cutlass.Float32(scale), cutlass.Int32(n), cutlass.Int32(v), cutlass.Int32(splits),
+        cutlass.Int32(keep[2]), cutlass.Int32(keep[3]),
         cuda.CUstream(stream_handle),
     )
