@@ -251,3 +251,111 @@ def test_bitwise_repeatable():
         a = logitless.linear_cross_entropy(x, w, t, reduction="none")
         b = logitless.linear_cross_entropy(x, w, t, reduction="none")
     assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------- kept columns (session 6)
+
+def partial_budget(n, h, v, keep_allowed=True):
+    """A memory budget whose Triton plan keeps some but not all columns, and its plan."""
+    from logitless.ops.linear_cross_entropy import triton_backend as TB
+
+    for mib in (1, 2, 3, 4, 6, 8, 12, 16):
+        plan = TB._plan(n, v, h, torch.bfloat16, mib << 20, torch.device("cuda"), keep_allowed)
+        if 0 < plan.keep_cols < v:
+            return mib << 20, plan
+    pytest.fail(f"no budget of 1-16 MiB keeps part of {n} x {v}")
+
+
+@pytest.mark.parametrize("n, h, v, budget", [
+    (129, 136, 32003, None),         # every column kept (ragged V: the last kept tile is partial)
+    (1, 72, 1000, None),
+    (300, 4096, 32003, "partial"),   # some columns kept, the rest recomputed by Triton
+    (129, 72, 50000, "partial"),
+])
+@pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1, z_loss=1e-4)])
+def test_training_forward_keeps_columns_like_triton(n, h, v, budget, kw):
+    """A gradient to come with a budget that holds logits: the CuTe forward writes the kept
+    exp(a - m) and maxima; the Triton backward turns them into dz. Loss, dx and dW vs float64
+    against torch bf16's error, and vs the run with the Triton forward."""
+    x, w, t = inputs(n, h, v)
+    if budget == "partial":
+        budget, _ = partial_budget(n, h, v)
+
+    def run(use_cute):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        seen = Launches()
+        with override(cute=use_cute, cute_probe=seen.append):
+            loss = logitless.linear_cross_entropy(xs, ws, t, memory_budget=budget, **kw)
+            loss.backward()
+        return loss.detach(), xs.grad, ws.grad, seen
+
+    loss, dx, dw, seen = run(True)
+    assert seen.ops() == ["linear_cross_entropy"] and seen[0]["keep_cols"] > 0, seen
+    tri_loss, tri_dx, tri_dw, _ = run(False)
+    refs = {}
+    for dt in (torch.float64, torch.bfloat16):
+        xr = (x.double() if dt == torch.float64 else x.clone()).requires_grad_()
+        wr = (w.double() if dt == torch.float64 else w.clone()).requires_grad_()
+        lr = linear_cross_entropy_reference(xr, wr, t, dtype=dt, **kw)[0]
+        lr.backward()
+        refs[dt] = (lr.detach(), xr.grad, wr.grad)
+    for i, (name, ours, tri) in enumerate((("loss", loss, tri_loss), ("dx", dx, tri_dx), ("dW", dw, tri_dw))):
+        assert_close_to_ref(f"cute {name}", ours, refs[torch.bfloat16][i], refs[torch.float64][i], torch.bfloat16)
+        assert_close_to_ref(f"cute vs triton {name}", ours, tri, refs[torch.float64][i], torch.bfloat16)
+
+
+def test_kept_buffer_is_exp_of_a_minus_its_maxima():
+    """The kept buffer itself: e[r, c] = exp(a[r, c] - m[c // block_v, r]) (bf16 rounding),
+    and each m lies between the block's own max and the row's max (a running max)."""
+    from logitless.ops.linear_cross_entropy import triton_backend as TB
+
+    n, h, v = 300, 136, 5003
+    x, w, t = inputs(n, h, v)
+    budget, plan = partial_budget(n, h, v)
+    seen = Launches()
+    with override(cute=True, cute_probe=seen.append):
+        _, kept = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, budget=budget,
+                             need_grad=True, plan=plan)
+    assert seen and seen[0]["keep_cols"] == plan.keep_cols
+    keep_buf, keep_max = kept[0], kept[1]
+    kc, bv = plan.keep_cols, plan.block_v
+    z = x.double() @ w.double().T
+    e = keep_buf[:, :kc].double()
+    m = keep_max.double()  # (blocks, n)
+    m_cols = m.T.repeat_interleave(bv, dim=1)[:, :kc]
+    want = torch.exp(z[:, :kc] - m_cols)
+    assert ((e - want).abs() <= 2 ** -8 * want + 1e-6).all(), (e - want).abs().max().item()
+    block_max = torch.stack([z[:, b * bv:min(kc, (b + 1) * bv)].max(1).values for b in range(m.shape[0])])
+    assert (m >= block_max - 1e-3).all() and (m <= z.max(1).values + 1e-3).all()
+
+
+@pytest.mark.parametrize("n, h, v, budget", [(129, 136, 32003, None), (300, 4096, 32003, "partial")])
+def test_log_probs_training_keeps_columns(n, h, v, budget):
+    """linear_log_probs with entropy at T = 0.7, backward through log p and entropy: the CuTe
+    forward keeps exp(a - m) (a = z / T); dx and dW vs float64 and vs the Triton forward's."""
+    x, w, t = inputs(n, h, v, ignore=False)
+    if budget == "partial":
+        budget, _ = partial_budget(n, h, v)
+
+    def run(use_cute, dt=None):
+        xs = (x.double() if dt == torch.float64 else x.clone()).requires_grad_()
+        ws = (w.double() if dt == torch.float64 else w.clone()).requires_grad_()
+        if dt is not None:
+            lp, ent = linear_log_probs_reference(xs, ws, t, temperature=0.7, dtype=dt)
+            seen = None
+        else:
+            seen = Launches()
+            with override(cute=use_cute, cute_probe=seen.append):
+                lp, ent = logitless.linear_log_probs(xs, ws, t, temperature=0.7, entropy=True, memory_budget=budget)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        return xs.grad, ws.grad, seen
+
+    dx, dw, seen = run(True)
+    assert seen.ops() == ["linear_log_probs"] and seen[0]["keep_cols"] > 0, seen
+    tdx, tdw, _ = run(False)
+    rdx, rdw, _ = run(None, torch.float64)
+    bdx, bdw, _ = run(None, torch.bfloat16)
+    assert_close_to_ref("cute dx", dx, bdx, rdx, torch.bfloat16)
+    assert_close_to_ref("cute dW", dw, bdw, rdw, torch.bfloat16)
+    assert_close_to_ref("cute vs triton dx", dx, tdx, rdx, torch.bfloat16)
+    assert_close_to_ref("cute vs triton dW", dw, tdw, rdw, torch.bfloat16)

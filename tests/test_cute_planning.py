@@ -32,7 +32,8 @@ def test_supported_call_gets_a_plan():
 @pytest.mark.parametrize("change", [
     dict(capability=(8, 0)), dict(capability=(10, 0)), dict(capability=None), dict(available=False),
     dict(dtype="float32"), dict(n=0), dict(v=0), dict(h=100), dict(h=4), dict(layout_ok=False),
-    dict(bias=True), dict(softcap=True), dict(argmax=True), dict(weighted_smooth=True), dict(keep_cols=256),
+    dict(bias=True), dict(softcap=True), dict(argmax=True), dict(weighted_smooth=True),
+    dict(keep_cols=256, keep_block=96), dict(keep_cols=256, keep_block=512), dict(keep_cols=256),
 ])
 def test_each_unsupported_fact_falls_back(change):
     f = facts(**change)
@@ -40,6 +41,11 @@ def test_each_unsupported_fact_falls_back(change):
     kw.update({k: v for k, v in change.items() if k not in kw})
     assert isinstance(cute.unsupported(**kw), str)
     assert cute.choose(**f) is None
+
+
+def test_kept_columns_in_blocks_dividing_the_tile_are_supported():
+    for block in (64, 128, 256):
+        assert cute.choose(**facts(keep_cols=7936, keep_block=block)) is not None
 
 
 def test_fp16_and_ragged_shapes_are_supported():

@@ -13,8 +13,10 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
   * x and W of one dtype, bfloat16 or float16, row-major with unit last stride and
     16-byte aligned, H % 8 == 0 (TMA's 16-byte stride rule), N >= 1, V >= 1;
   * options the kernel computes: no bias, no soft-cap, no argmax, no class weights
-    inside the kernel (the weighted smoothing sum), and no kept columns (the plan's
-    ``keep_cols`` == 0: no gradient to come, or a budget below one kept tile).
+    inside the kernel (the weighted smoothing sum); kept columns (the plan's ``keep_cols``
+    > 0: a gradient to come and a budget holding some logits) in blocks of ``keep_block``
+    columns (the Triton plan's block_v) that divide the kernel's 256-column tile: the
+    kernel then stores exp(a - m) and m where the Triton forward would (session 6).
 
 CTA order and splits (``plan_for``): the kernel runs one CTA per (128-row block, split); each
 CTA re-reads its 128-row x block once per 256-column vocabulary tile. When the x blocks of the
@@ -128,7 +130,7 @@ def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[in
 
 def unsupported(*, capability: tuple, available: bool, dtype: str, n: int, v: int, h: int,
                 layout_ok: bool, bias: bool = False, softcap: bool = False, argmax: bool = False,
-                weighted_smooth: bool = False, keep_cols: int = 0) -> Optional[str]:
+                weighted_smooth: bool = False, keep_cols: int = 0, keep_block: int = 0) -> Optional[str]:
     """Why the CuTe kernel cannot run this call (a short reason), or None when it can.
     Pure: every fact is an argument (tests call it without a GPU or the DSL)."""
     if capability is None or capability[0] != 9:
@@ -147,8 +149,8 @@ def unsupported(*, capability: tuple, available: bool, dtype: str, n: int, v: in
                        (weighted_smooth, "class-weighted label smoothing")):
         if flag:
             return f"{what} not in the CuTe kernel"
-    if keep_cols:
-        return "the plan keeps columns for the backward"
+    if keep_cols and (keep_block < 8 or keep_block % 8 or TILE_N % keep_block):
+        return f"kept columns in blocks of {keep_block} (must divide {TILE_N})"
     return None
 
 
@@ -188,8 +190,8 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
     return plan_for(n, v, h, num_sms, l2_bytes)
 
 
-def forward_plan(x, weight, *, keep_cols: int = 0, bias=None, softcap=None, need_argmax: bool = False,
-                 weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
+def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=None, softcap=None,
+                 need_argmax: bool = False, weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
     """The CuTe plan of one forward (module docstring), or None: the Triton kernel runs."""
     ov = _overrides()
     if x.device.type != "cuda" or not enabled(ov, env_off()):  # cheap exits first
@@ -210,4 +212,4 @@ def forward_plan(x, weight, *, keep_cols: int = 0, bias=None, softcap=None, need
     return choose(capability=capability, available=available, num_sms=num_sms(x.device), l2_bytes=l2,
                   dtype=str(x.dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, ov=ov,
                   bias=bias is not None, softcap=softcap is not None, argmax=need_argmax,
-                  weighted_smooth=weighted_smooth, keep_cols=keep_cols, entropy=entropy)
+                  weighted_smooth=weighted_smooth, keep_cols=keep_cols, keep_block=keep_block, entropy=entropy)

@@ -82,7 +82,8 @@ def forward(
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols, bias=bias, softcap=softcap,
+    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols, keep_block=plan.block_v, bias=bias,
+                                      softcap=softcap,
                                       need_argmax=need_argmax,
                                       weighted_smooth=need_smooth and class_weight is not None)
     splits = cute.splits if cute is not None else plan.vocab_splits
@@ -98,15 +99,16 @@ def forward(
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
-    if cute is not None:  # (keep_cols == 0: nothing kept)
+    keep_op = None
+    if keep_blocks:
+        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+    if cute is not None:  # (kept columns in the same buffers, as the Triton kernel keeps them)
         from logitless.cute_lib import launch as cute_launch
 
         cute_launch.forward_partials("linear_cross_entropy", x, weight, target, (part_max, part_sum, part_tgt),
                                      splits, smooth=part_smooth if need_smooth else None,
-                                     stages=cute.stages, specialised=cute.specialised, group=cute.group)
-    keep_op = None
-    if keep_blocks:
-        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+                                     stages=cute.stages, specialised=cute.specialised, group=cute.group,
+                                     keep=(keep, keep_max, plan.block_v) if keep is not None else None)
     row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
     for step in steps:

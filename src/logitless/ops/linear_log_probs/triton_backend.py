@@ -89,8 +89,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     keep_ok = keep_allowed(x.dtype, opts, need_grad)
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0, bias=bias,
-                                      softcap=opts.softcap, entropy=opts.entropy)
+    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0,
+                                      keep_block=plan.block_v, bias=bias, softcap=opts.softcap,
+                                      entropy=opts.entropy)
     splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, token logit, entropy term).
@@ -101,18 +102,18 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
-    if cute is not None:  # (nothing kept)
+    keep = keep_max = keep_buf = None
+    keep_op = x
+    if keep_blocks:
+        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+    if cute is not None:  # (kept columns in the same buffers, as the Triton kernel keeps them)
         from logitless.cute_lib import launch as cute_launch
 
         cute_launch.forward_partials("linear_log_probs", x, weight, tokens, (part_max, part_sum, part_tgt),
                                      splits, scale=1.0 / opts.temperature,
                                      entropy=part_u if opts.entropy else None,
-                                     stages=cute.stages, specialised=cute.specialised, group=cute.group)
-        keep_blocks = 0
-    keep = keep_max = keep_buf = None
-    keep_op = x
-    if keep_blocks:
-        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+                                     stages=cute.stages, specialised=cute.specialised, group=cute.group,
+                                     keep=(keep, keep_max, plan.block_v) if keep is not None else None)
     row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, opts, x.dtype, prerounded)
     for step in steps:
