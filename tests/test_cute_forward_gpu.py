@@ -259,18 +259,19 @@ def partial_budget(n, h, v, keep_allowed=True):
     """A memory budget whose Triton plan keeps some but not all columns, and its plan."""
     from logitless.ops.linear_cross_entropy import triton_backend as TB
 
-    for mib in (1, 2, 3, 4, 6, 8, 12, 16):
+    for mib in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
         plan = TB._plan(n, v, h, torch.bfloat16, mib << 20, torch.device("cuda"), keep_allowed)
         if 0 < plan.keep_cols < v:
             return mib << 20, plan
-    pytest.fail(f"no budget of 1-16 MiB keeps part of {n} x {v}")
+    pytest.fail(f"no budget of 1-64 MiB keeps part of {n} x {v}")
 
 
 @pytest.mark.parametrize("n, h, v, budget", [
     (129, 136, 32003, None),         # every column kept (ragged V: the last kept tile is partial)
     (1, 72, 1000, None),
-    (300, 4096, 32003, "partial"),   # some columns kept, the rest recomputed by Triton
-    (129, 72, 50000, "partial"),
+    (300, 4096, 32003, "partial"),   # 32000 of 32003 kept (H100 plan), 3 recomputed by Triton
+    (1024, 4096, 32003, "partial"),  # 7936 kept
+    (300, 136, 5003, "partial"),     # 4864 kept
 ])
 @pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1, z_loss=1e-4)])
 def test_training_forward_keeps_columns_like_triton(n, h, v, budget, kw):
