@@ -37,7 +37,17 @@ fill and the epilogue are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Tri
 8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V); and the
 entropy term (linear_log_probs(entropy=True)) where the grouped order is needed: its longer
 epilogue, not overlapped with the next tile's MMA, kept it behind (8192 x 7168: 1.097x vs
-0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073).
+0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073); and
+a forward that keeps more than a quarter of the columns (a budget holding most logits) at
+more than 1024 tokens: the kernel stores the kept exp(a - m) element by element from
+registers (2-byte stores, 128 per thread per tile), which cost more than the Triton
+kernel's TMA tile stores. Measured f+b interleaved with the Triton forward (``probe_lce_ab.py``,
+``probe-lce-ab-keep-H100-2026-11-23.json``, x three GEMMs): at the logits budget 1.169 vs
+1.129 (llama3), 1.202 vs 1.137 (qwen3), 1.082 vs 1.040 (gemma3), 1.216 vs 1.161 (gpt-oss),
+1.118 vs 1.090 (16k), ties at 2048 x 4096 and 4096 x 4096 x 32000, but 1.145 vs 1.320 at
+512 tokens (Triton's forward is 1.7x a GEMM there); at the default budget (0-6% kept) it is
+the faster path: 1.415 vs 1.502 (qwen3), 1.434 vs 1.558 (gpt-oss), 1.384 vs 1.429
+(deepseek-v3), 1.149 vs 1.331 (512 tokens), gemma3 1.445 vs 1.388 the exception.
 
 Splits: the kernel runs one CTA per (128-row block, split) and one CTA per SM (193 KiB of
 shared memory), without a persistent scheduler. Measured on the H100 (2026-11-23,
@@ -66,6 +76,8 @@ WAVES = 2
 L2_DEFAULT = 50 * 2**20
 #: Fewer k slabs per CTA than this: Triton (module docstring).
 MIN_SLABS_PER_CTA = 128
+#: Kept columns above this share of V, at more than KEEP_SMALL_N tokens: Triton (module docstring).
+KEEP_SHARE, KEEP_SMALL_N = 0.25, 1024
 #: The grouped CTA order where x in flight exceeds L2: row blocks per group, least splits.
 GROUP, GROUP_SPLITS = 16, 16
 
@@ -115,9 +127,11 @@ def plan_for(n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = Non
 
 
 def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[int] = None,
-                  entropy: bool = False) -> Optional[str]:
+                  entropy: bool = False, keep_cols: int = 0) -> Optional[str]:
     """Why the Triton forward is expected to be faster than the CuTe kernel at this shape
     (module docstring: measured), or None. Pure (tests)."""
+    if keep_cols > v * KEEP_SHARE and n > KEEP_SMALL_N:
+        return "most columns kept: the CuTe kernel's element-wise keep stores measured slower"
     plan = plan_for(n, v, h, num_sms, l2_bytes)
     if entropy and plan.group:
         return "the entropy term where the grouped order is needed: Triton measured faster"
@@ -184,8 +198,8 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
     if unsupported(capability=capability, available=available, dtype=dtype, n=n, v=v, h=h, layout_ok=layout_ok,
                    **options) is not None:
         return None
-    if ov.cute is None and triton_faster(n=n, v=v, h=h, num_sms=num_sms, l2_bytes=l2_bytes,
-                                         entropy=entropy) is not None:
+    if ov.cute is None and triton_faster(n=n, v=v, h=h, num_sms=num_sms, l2_bytes=l2_bytes, entropy=entropy,
+                                         keep_cols=options.get("keep_cols", 0)) is not None:
         return None
     return plan_for(n, v, h, num_sms, l2_bytes)
 
