@@ -358,28 +358,15 @@ class ForwardStatsSm90:
             if cutlass.const_expr(self.keep_block > 0):
                 # KEEP: tiles starting below keep_cols also store exp(a - m) and m (two more
                 # epilogue copies, chosen by a runtime branch, so that other tiles pay nothing)
-                rows = (row0, row1, ctid % 4 == 0)
                 if col0 < kept[2]:
-                    if col0 + TILE_N > vocab:
-                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True, kept, rows, n_rows)
-                    else:
-                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False, kept, rows, n_rows)
+                    m0, m1, e0, e1, g0, g1, u0, u1 = self.epilogue(
+                        acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, kept, (row0, row1, ctid % 4 == 0),
+                        n_rows)
                 else:
-                    if col0 + TILE_N > vocab:
-                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True)
-                    else:
-                        m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                            acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False)
+                    m0, m1, e0, e1, g0, g1, u0, u1 = self.epilogue(
+                        acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state)
             else:
-                if col0 + TILE_N > vocab:
-                    m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                        acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True)
-                else:
-                    m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
-                        acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False)
+                m0, m1, e0, e1, g0, g1, u0, u1 = self.epilogue(acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state)
 
         # the target logit sits in one thread of the quad (others hold 0): sum the quad
         for off in cutlass.range_constexpr(2):
@@ -406,6 +393,19 @@ class ForwardStatsSm90:
                 if cutlass.const_expr(self.entropy):
                     mU[bs, row1] = u1
 
+
+    @cute.jit
+    def epilogue(self, acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, kept=None, rows=None, n_rows=None):
+        """``tile_update`` of one tile: the ragged last tile (columns >= V) through its own
+        copy (a runtime branch)."""
+        m0, m1, e0, e1, g0, g1, u0, u1 = state
+        if col0 + TILE_N > vocab:
+            m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, True, kept, rows, n_rows)
+        else:
+            m0, m1, e0, e1, g0, g1, u0, u1 = self.tile_update(
+                acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, False, kept, rows, n_rows)
+        return m0, m1, e0, e1, g0, g1, u0, u1
 
     @cute.jit
     def tile_update(self, acc, tCcC, col0, vocab, tgt0, tgt1, c2, scale, state, masked: cutlass.Constexpr,
