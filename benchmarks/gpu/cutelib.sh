@@ -5,10 +5,10 @@
 #       configurations + the CPU tests + the bench harness; PYTHON_CUTE=a Python 3.12 with the DSL
 #       importable (no torch needed), PYTHON=a Python with torch)
 # Parts (each under its own hard cap; a failing part does not stop the others):
-#   1. check_lib_compile.py: sm_90a PTX/ptxas checks of 9 library configurations       <= 90 s
+#   1. check_lib_compile.py: sm_90a PTX/ptxas checks of 13 library configurations      <= 90 s
 #   2. pytest tests/test_cute_{planning,partials,forward_gpu}.py (GPU: raw partials, grouped order, kept columns, CuTe vs
 #      float64 / Triton, probe hook, graph capture, torch.compile)  <= 320 s (~110 tests: 116 s + 104 s serial on the H100, session 6)
-#   3. bench_cutelib.py: forward-only CE and log-probs, CuTe vs Triton vs cuBLAS, 6 shapes <= 115 s
+#   3. bench_cutelib.py: forward-only CE and log-probs, CuTe vs Triton vs cuBLAS interleaved, 8 shapes <= 115 s
 # Files under $OUT (5): cutelib-compile.{log,json}, cutelib-tests.log, cutelib-bench.{log,json}
 # (the bench JSON is also copied to benchmarks/results/cutelib_forward_h100.json on the GPU run).
 set +e
