@@ -1,4 +1,8 @@
-"""Compile-check the CuTe DSL kernels (benchmarks/cute/fused_forward.py, dlogits.py) for sm_90a.
+"""Compile-check the CuTe DSL probe kernels (benchmarks/cute/dlogits.py, fused_forward_pingpong.py) for sm_90a.
+
+(The library's forward, ``logitless.cute_lib.forward_stats``, has its own check,
+``check_lib_compile.py``; the session-5 probe copy of it, ``fused_forward.py``, was retired in
+session 6: git history up to cbde95b.)
 
     PYTHONPATH=<nvidia-cutlass-dsl 4.2.1 python_packages>:<its deps> CUTE_DSL_ARCH=sm_90a \\
         python benchmarks/cute/check_compile.py [--kernels forward,dlogits] \\
@@ -196,42 +200,6 @@ PTX_PATTERNS = {
     "bar_sync_256": r"bar(rier)?\.sync(\.aligned)?\s+(%r\d+|\d+),\s*256;",
     "bar_arrive_256": r"bar(rier)?\.arrive(\.aligned)?\s+(%r\d+|\d+),\s*256;",
 }
-
-
-def check_one(hidden: int, specialised: bool, stages: int) -> dict:
-    import fused_forward as ff
-
-    def build():
-        ff._COMPILED.clear()
-        ff.compile_forward(hidden, stages=stages, specialised=specialised)
-
-    t0 = time.perf_counter()
-    ptx, err, smem_bytes = _captured_ptx(build)
-    rec = {"hidden": hidden, "specialised": specialised, "stages": stages,
-           "dynamic_smem_bytes": smem_bytes,
-           "compile_s": round(time.perf_counter() - t0, 2), "stopped_at": err}
-    if ptx is None:
-        rec["ok"] = False
-        return rec
-    counts = {k: len(re.findall(p, ptx)) for k, p in PTX_PATTERNS.items()}
-    rec["ptx_counts"] = counts
-    m = re.search(r"\.reqntid (\d+)", ptx)
-    rec["threads"] = int(m.group(1)) if m else None
-    checks = {
-        "4 wgmma m64n256k16 per k slab": counts["wgmma_m64n256k16_bf16"] == 4,
-        "TMA loads of x and w": counts["tma_load_2d"] == (2 if specialised else 4),
-        "mbarrier expect_tx": counts["mbarrier_expect_tx"] >= 1,
-        "dynamic smem fits sm_90 (227 KiB)": smem_bytes is not None and smem_bytes <= 227 * 1024,
-        "setmaxnreg iff specialised": (counts["setmaxnreg_inc"] > 0) == specialised,
-        "only the 6 partial stores reach global memory": counts["st_global"] == 6,
-        "128 exp2 per tile + 2 rescales": counts["ex2_approx"] == 130,
-    }
-    name, ok = _compile_stop_check(rec, build, err)
-    checks[name] = ok
-    rec["checks"] = checks
-    _ptxas(rec, ptx, checks)
-    rec["ok"] = all(checks.values())
-    return rec
 
 
 def _ptxas(rec, ptx, checks):
@@ -507,12 +475,9 @@ def check_layout_pingpong(tile=(64, 256)) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default="forward",
-                    help="forward, dlogits and/or pingpong, comma-separated (default: "
-                         "forward, as cute_forward.sh expects; cute_dlogits.sh passes dlogits, "
+    ap.add_argument("--kernels", default="dlogits",
+                    help="dlogits and/or pingpong, comma-separated (cute_dlogits.sh passes dlogits, "
                          "cute_pingpong.sh pingpong)")
-    ap.add_argument("--hidden", default="256,4096,7168", help="the forward's hidden sizes")
-    ap.add_argument("--stages", type=int, default=4, help="the forward's ring depth")
     ap.add_argument("--dlogits-hidden", default="64,4096,7168")
     ap.add_argument("--dlogits-configs", default="tma:3,tma128:4,direct:3",
                     help="epilogue:stages pairs of the dlogits kernel")
@@ -542,8 +507,8 @@ def main() -> int:
 
     todo = []
     if "forward" in kernels:
-        todo += [(check_one, h, spec, args.stages) for h in [int(v) for v in args.hidden.split(",")]
-                 for spec in (True, False)]
+        raise SystemExit("--kernels forward: retired in session 6; the library's forward is checked by "
+                         "check_lib_compile.py")
     if "dlogits" in kernels:
         todo += [(check_dlogits, h, ep, int(st))
                  for h in [int(v) for v in args.dlogits_hidden.split(",")]
