@@ -1,5 +1,5 @@
-"""AOT-compile linear_jsd's fused backward kernel (``ops/linear_jsd/triton_kernels.py``:
-``jsd_dlogits_kernel``) and the fused epilogues (``triton_lib/jsd_epilogue.py``) for
+"""AOT-compile linear_jsd's fused kernels (``ops/linear_jsd/triton_kernels.py``:
+``jsd_dlogits_kernel``, ``jsd_kl_forward_kernel``) and the fused epilogues (``triton_lib/jsd_epilogue.py``) for
 sm_90 on the CPU (no GPU needed): compile errors, shared memory, spills, and the PTX to
 compare two trees (a change that must leave a configuration's code alone):
 
@@ -8,7 +8,8 @@ compare two trees (a change that must leave a configuration's code alone):
 
 Configurations: bf16 at the H100 tiles with TMA and with pointers (every flag), fp32 at
 "highest" (3xTF32), fp32 at "high" rounding in registers ("tf32-round") and on
-pre-rounded W chunks ("tf32", W_CHUNK: new, absent from older trees).
+pre-rounded W chunks ("tf32", W_CHUNK: new, absent from older trees); the KL limits' fused
+forward (``jsd_kl_forward_kernel``) at bf16, both modes, TMA and pointers.
 """
 
 import hashlib
@@ -56,35 +57,52 @@ def _compile(fn, sig, consts, warps, stages):
                 shared=getattr(k.metadata, "shared", None), spills=".local" in ptx)
 
 
+#: The KL limits' fused forward (``jsd_kl_forward_kernel``; absent from older trees): bf16 at
+#: the H100 tiles (4 stages, shipped), both modes, TMA and pointers (every flag).
+KL_CONFIGS = {
+    f"kl-forward-mode{m}-{kind}": ("bf16", dict(flags, MODE=m, DOT_PRECISION="tf32", USE_TMA=kind == "tma",
+                                                BLOCK_N=128, BLOCK_V=128, BLOCK_H=64), 8, 4)
+    for m in (1, 2) for kind, flags in (("tma", BASE), ("ptrs-all", ALL))
+}
+
+
+def _configure(fn, dtype, c):
+    """(signature, constexprs) of ``fn`` for configuration ``c``: constexprs a configuration
+    does not name take their defaults (as a launch omitting them)."""
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    sig, consts = {}, {}
+    for a in fn.arg_names:
+        if a in c or a in defaults:
+            sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
+        elif a in ("xs_ptr", "xt_ptr", "ws_ptr", "wt_ptr"):
+            block = (c["BLOCK_N"] if a[0] == "x" else c["BLOCK_V"], c["BLOCK_H"])
+            sig[a] = f"tensordesc<{dtype}[{block[0]}, {block[1]}]>" if c["USE_TMA"] else f"*{dtype}"
+        elif a in ("bs_ptr", "bt_ptr", "dz_ptr"):
+            sig[a] = f"*{dtype}"
+        elif a.endswith("_ptr"):
+            sig[a] = "*i64" if a == "target_ptr" else "*fp32"
+        else:
+            sig[a] = "fp32" if a in FLOATS else "i32"
+    return sig, consts
+
+
 def save(path):
-    from logitless.ops.linear_jsd.triton_kernels import jsd_dlogits_kernel as fn
+    from logitless.ops.linear_jsd import triton_kernels as K
 
     out = {}
-    names = set(fn.arg_names)
-    # Constexprs a configuration does not name take their defaults (as a launch omitting them).
-    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    for cname, (dtype, c, warps, stages) in CONFIGS.items():
-        if "W_CHUNK" in c and "W_CHUNK" not in names:
-            out[cname] = dict(error="no W_CHUNK in this tree")
-            continue
-        sig, consts = {}, {}
-        for a in fn.arg_names:
-            if a in c or a in defaults:
-                sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
-            elif a in ("xs_ptr", "xt_ptr", "ws_ptr", "wt_ptr"):
-                block = (c["BLOCK_N"] if a[0] == "x" else c["BLOCK_V"], c["BLOCK_H"])
-                sig[a] = f"tensordesc<{dtype}[{block[0]}, {block[1]}]>" if c["USE_TMA"] else f"*{dtype}"
-            elif a in ("bs_ptr", "bt_ptr", "dz_ptr"):
-                sig[a] = f"*{dtype}"
-            elif a.endswith("_ptr"):
-                sig[a] = "*i64" if a == "target_ptr" else "*fp32"
-            else:
-                sig[a] = "fp32" if a in FLOATS else "i32"
-        try:
-            out[cname] = _compile(fn, sig, consts, warps, stages)
-        except Exception as e:  # noqa: BLE001 (report every configuration)
-            out[cname] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        print(cname, out[cname], flush=True)
+    jobs = [(K.jsd_dlogits_kernel, CONFIGS)]
+    if hasattr(K, "jsd_kl_forward_kernel"):
+        jobs.append((K.jsd_kl_forward_kernel, KL_CONFIGS))
+    for fn, configs in jobs:
+        for cname, (dtype, c, warps, stages) in configs.items():
+            if "W_CHUNK" in c and "W_CHUNK" not in fn.arg_names:
+                out[cname] = dict(error="no W_CHUNK in this tree")
+                continue
+            try:
+                out[cname] = _compile(fn, *_configure(fn, dtype, c), warps, stages)
+            except Exception as e:  # noqa: BLE001 (report every configuration)
+                out[cname] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            print(cname, out[cname], flush=True)
     try:
         from logitless.triton_lib import jsd_epilogue as E
     except ImportError:

@@ -80,6 +80,13 @@ class DeviceModel:
     #: forward 1.06-1.23x (profile 6.54 ms vs GEMM ~5.6), dlogits 1.16x.
     fused_forward: float = 1.12
     fused_dlogits: float = 1.16
+    #: linear_jsd's fused KL-limit forward (two 128 x 128 logits tiles per block, two K
+    #: loops, 4 stages) over cuBLAS on its FLOPs: 1.29-1.31x where both x's fit in L2
+    #: (N (H_s + H_t) itemsize <= ``l2_bytes``: 4096 x (2048 + 2048), 4096 x (896 + 3584)),
+    #: ``jsd_kl_forward_l2miss`` 1.38-1.52x where they do not (4096 and 16384 x (4096 +
+    #: 8192)); H100, ``probe-jsd-kl-4stages-H100-2026-11-24`` (PERFORMANCE.md, session 7).
+    jsd_kl_forward: float = 1.30
+    jsd_kl_forward_l2miss: float = 1.45
     #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
     #: (11k-column chunks ran 5% slower: PERFORMANCE.md section 8).
     l2_bytes: float = 50e6
@@ -418,8 +425,36 @@ def jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk, stat_reads=2) -> flo
     return t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
 
 
-def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=4096) -> Candidate:
-    fwd = jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk)
+def jsd_kl_forward_s(dev, n, hs, ht, v, itemsize) -> float:
+    """The KL limits' fused forward (``jsd_kl_forward_kernel``): both heads' GEMM FLOPs
+    at ``jsd_kl_forward`` x cuBLAS' rate (``jsd_kl_forward_l2miss`` when both x's exceed
+    L2: each vocabulary block re-reads its rows' x tiles), the merge launch and the
+    per-call terms."""
+    flops = 2.0 * n * v * (hs + ht)
+    factor = dev.jsd_kl_forward if n * (hs + ht) * itemsize <= dev.l2_bytes else dev.jsd_kl_forward_l2miss
+    t = factor * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, v, 128, 128))
+    return t + 2 * dev.launch_s + dev.fixed_fwd_s + dev.fixed_per_token_s * n
+
+
+def jsd_kl_fused_faster(dev, n, hs, ht, v, itemsize, token_chunk) -> bool:
+    """For the KL limits: is the fused forward predicted faster than the chunked one at
+    ``token_chunk`` rows per chunk (its statistics read each fp32 chunk once)? Yes where
+    the chunks' GEMMs are weight-read-bound (small hidden sizes: 2048 <- 2048 measured
+    0.66x the chunked forward, 896 <- 3584 0.69x, f+b 0.83-0.84x); no at wide heads
+    (4096 <- 8192: 0.99-1.01x at 4096 tokens, 1.06-1.10x at 16384; H100, 4 stages)."""
+    return jsd_kl_forward_s(dev, n, hs, ht, v, itemsize) < jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk,
+                                                                        stat_reads=1)
+
+
+def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=4096,
+                          fused_forward=False) -> Candidate:
+    """``fused_forward``: the KL limits' one-kernel forward (no fp32 logit chunks: the
+    token chunk is then every token and costs no memory)."""
+    if fused_forward:
+        token_chunk = n
+        fwd = jsd_kl_forward_s(dev, n, hs, ht, v, itemsize)
+    else:
+        fwd = jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk)
     # The fused two-head dz kernel: both heads' GEMM FLOPs (measured ~1.4x cuBLAS on the
     # same FLOPs at 4096 x 4096 <- 8192, PERFORMANCE.md "Distillation") + the dz write.
     flops = 2.0 * n * v * (hs + ht)
@@ -433,7 +468,8 @@ def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=
         bwd += chunks * 8.0 * n * hs / dev.acc_bw + 6.0 * n * hs / dev.hbm_bw
     bwd += _fixed(dev, n)
     acc = 4 * n * hs if chunks > 1 and itemsize != 4 else 0
-    memory = max(8 * min(token_chunk, n) * v, acc + itemsize * n * min(vocab_chunk, v))
+    fwd_memory = 0 if fused_forward else 8 * min(token_chunk, n) * v
+    memory = max(fwd_memory, acc + itemsize * n * min(vocab_chunk, v))
     return Candidate("recompute", token_chunk=min(token_chunk, n), vocab_chunk=vocab_chunk, memory=memory,
                      time_s=fwd + bwd, fwd_s=fwd)
 
@@ -460,8 +496,10 @@ def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight
     return Candidate("grad_in_forward", token_chunk=m, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
 
 
-def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forward=True, weight_fp32=False):
-    """The fixed family of linear_jsd plans of a shape (independent of the budget)."""
+def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forward=True, weight_fp32=False,
+                   fused_forward=False):
+    """The fixed family of linear_jsd plans of a shape (independent of the budget);
+    ``fused_forward``: the recompute plan's forward is the KL limits' fused kernel."""
     dev = device_model
     # multiples of 16 up to 1024 rows (the forward chunk the plan takes from the budget,
     # ``plans.linear_jsd_plan``), then powers of two, and every token at once
@@ -470,7 +508,10 @@ def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forw
     while t < n:
         sizes.add(t)
         t *= 2
-    out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, t) for t in sorted(sizes)]
+    if fused_forward:
+        out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, n, fused_forward=True)]
+    else:
+        out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, t) for t in sorted(sizes)]
     if grad_in_forward:
         out += [predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, t, weight_fp32)
                 for t in sorted(sizes) if t >= min(n, 128)]
@@ -479,11 +520,11 @@ def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forw
 
 @functools.lru_cache(maxsize=1024)
 def choose_jsd(n, hs, ht, v, itemsize, budget, *, device_model=DEFAULT, grad_in_forward=True,
-               weight_fp32=False) -> Candidate:
+               weight_fp32=False, fused_forward=False) -> Candidate:
     """The fastest predicted linear_jsd plan whose memory fits ``budget`` (raised to the
     least memory of the family, the recompute plan's floor). Ties: recompute first."""
     cands = jsd_candidates(n, hs, ht, v, itemsize, device_model=device_model, grad_in_forward=grad_in_forward,
-                           weight_fp32=weight_fp32)
+                           weight_fp32=weight_fp32, fused_forward=fused_forward)
     budget = max(budget, min(c.memory for c in cands))
     return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)
 

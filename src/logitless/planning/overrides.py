@@ -42,6 +42,12 @@ context is not in effect. Each field's default is the shipped behaviour:
                     implementations through a plain autograd.Function (False: through
                     the torch.library custom ops, as under torch.compile; the same
                     results bitwise: ``ops.common.autograd.EagerOp``)
+    jsd_fused_forward  linear_jsd's Triton forward for the KL limits (beta 0 or 1, 16-bit
+                    inputs): None (shipped): the cost model picks the fused kernel (row
+                    statistics from GEMM tiles, no logits in memory) or cuBLAS fp32 logit
+                    chunks + the statistics kernels (``plans.jsd_kl_fused``); True / False:
+                    always / never the fused kernel (results agree to fp32 rounding, not
+                    bitwise)
     fast_launch     repeated Triton launches call the cached compiled kernel directly
                     (``triton_lib.launch.run_kernel``; False: every launch through
                     ``kernel[grid]``, as LOGITLESS_FAST_LAUNCH=0 does for the whole
@@ -73,6 +79,7 @@ class Overrides:
     device_model: Any = None
     eager_fast_path: bool = True
     fast_launch: bool = True
+    jsd_fused_forward: Optional[bool] = None
 
     cute: Optional[bool] = None
     cute_available: Optional[bool] = None

@@ -523,9 +523,12 @@ def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> i
 
 
 #: Tiles (block_n, block_v, block_h, num_warps, num_stages) of linear_jsd's backward
-#: kernel, which holds a student and a teacher tile at once (two fp32 accumulators:
-#: half of linear_cross_entropy's block_v keeps them in registers).
-JSD_CUDA_TILES = {2: (128, 128, 64, 8, 3), 4: (64, 128, 32, 8, 2)}
+#: kernel and of the KL limits' fused forward, which hold a student and a teacher tile at
+#: once (two fp32 accumulators: half of linear_cross_entropy's block_v keeps them in
+#: registers). 16-bit: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3
+#: at beta 0.5 and 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better
+#: (H100, ``probe-jsd-kl-stages-fb-`` and ``-tiles-4stages-H100-2026-11-24``; PERFORMANCE.md).
+JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
 
 
 @dataclass(frozen=True)
@@ -537,12 +540,15 @@ class LinearJSDPlan:
         row statistics by the (bandwidth-bound) jsd forward kernel.
     vocab_chunk: columns of dz recomputed at once in the backward (a multiple of
         block_v), in the input dtype; dx accumulates in fp32 (tokens x H_student).
-    tiles: a ``TritonPlan`` for the fused student+teacher logits tiles of the backward.
+    tiles: a ``TritonPlan`` for the fused student+teacher logits tiles of the backward,
+        and of the KL limits' fused forward (``tiles.vocab_splits``: its splits of the
+        vocabulary, ``blocks_per_split`` blocks of block_v columns each).
     """
 
     forward_rows: int
     vocab_chunk: int
     tiles: TritonPlan
+    blocks_per_split: int = 1
 
 
 @memoised
@@ -577,15 +583,39 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     left = budget - 4 * num_tokens * hidden_s
     cols = int(max(left, 0) // max(1, itemsize * num_tokens + w_col))
     vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
+    # The KL limits' fused forward (``jsd_kl_forward_kernel``): splits of the vocabulary
+    # for ~WAVES programs per SM, as linear_cross_entropy's forward.
+    row_blocks = math.ceil(max(1, num_tokens) / block_n)
+    vocab_blocks = math.ceil(max(1, vocab) / block_v)
+    want = math.ceil(WAVES * num_sms(device) / row_blocks)
+    blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
     plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
-                      num_stages=num_stages, vocab_splits=1, vocab_chunk=vocab_chunk,
+                      num_stages=num_stages, vocab_splits=math.ceil(vocab_blocks / blocks_per_split),
+                      vocab_chunk=vocab_chunk,
                       **kernel_options(num_tokens, block_n, block_v, device),  # group_n is used
                       w_chunk=vocab_chunk if prerounded else 0)
-    return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan)
+    return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan, blocks_per_split=blocks_per_split)
+
+
+@memoised
+def jsd_kl_fused(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
+                 device) -> bool:
+    """For the KL limits on 16-bit inputs: does linear_jsd's forward take the fused kernel
+    (``jsd_kl_forward_kernel``) rather than cuBLAS fp32 logit chunks of ``linear_jsd_plan``'s
+    forward_rows? ``override(jsd_fused_forward=True/False)`` decides; by default the cost
+    model (``cost_model.jsd_kl_fused_faster``)."""
+    forced = _overrides().jsd_fused_forward
+    if forced is not None:
+        return forced
+    rows = linear_jsd_plan(num_tokens, vocab, hidden_s, itemsize, budget, device).forward_rows
+    from logitless.planning import cost_model as _cost_model
+
+    return _cost_model.jsd_kl_fused_faster(_device_model(device), num_tokens, hidden_s, hidden_t, vocab, itemsize,
+                                           rows)
 
 
 def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
-                        device, *, weight_fp32: bool = False):
+                        device, *, weight_fp32: bool = False, fused_forward: bool = False):
     """The cost model's choice for linear_jsd (``cost_model.choose_jsd``): a Candidate with
     strategy "recompute" (the default two-pass design) or "grad_in_forward" and its
     token chunk. The gradient-in-forward strategy is chosen on GPUs only (the CPU
@@ -600,5 +630,5 @@ def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: in
     gif_ok = device.type == "cuda" and vocab % ODD_V_ALIGN == 0
     return _cost_model.choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
                                   device_model=_device_model(device), grad_in_forward=gif_ok,
-                                  weight_fp32=weight_fp32)
+                                  weight_fp32=weight_fp32, fused_forward=fused_forward)
 

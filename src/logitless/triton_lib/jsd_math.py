@@ -8,6 +8,8 @@ beta == 0 (forward KL, lm := lp), 2 for beta == 1 (reverse KL, lm := lq).
 import triton
 import triton.language as tl
 
+from logitless.triton_lib.ce_math import online_lse_update
+
 
 @triton.jit
 def log_mixture(lp, lq, log_beta, log_1mbeta, MODE: tl.constexpr):
@@ -22,6 +24,28 @@ def log_mixture(lp, lq, log_beta, log_1mbeta, MODE: tl.constexpr):
         mx = tl.maximum(u, w)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         return mx + tl.log(tl.exp(u - mx) + tl.exp(w - mx))
+
+
+@triton.jit
+def stats_update(zs, a, b, m_s, s_s, m_t, s_t, m_1, s_1, w, MODE: tl.constexpr, HAS_HARD: tl.constexpr):
+    """One online step of the row statistics' first sweep over a (BLOCK_N, BLOCK_V) tile:
+    zs the student's soft-capped fp32 logits, a = zs / T and b the teacher's at
+    temperature T (-inf where masked). Updates the running max and sum of exponentials
+    of both heads at T (m_s, s_s, m_t, s_t), of the student at T = 1 (m_1, s_1;
+    HAS_HARD) and, for the KL limits, the divergence sum w rescaled by the weighting
+    head's max (MODE 1: sum e^(b - m_t) (b - a); MODE 2: sum e^(a - m_s) (a - b)).
+    Returns the updated (m_s, s_s, m_t, s_t, m_1, s_1, w)."""
+    m_s_old = m_s
+    m_t_old = m_t
+    m_s, s_s, e_s, ms_safe, _ = online_lse_update(a, m_s, s_s)
+    m_t, s_t, e_t, mt_safe, _ = online_lse_update(b, m_t, s_t)
+    if MODE == 1:  # forward KL: K = E_q[b - a] - lse(b) + lse(a), one sweep
+        w = w * tl.exp(m_t_old - mt_safe) + tl.sum(tl.where(e_t == 0.0, 0.0, e_t * (b - a)), 1)
+    if MODE == 2:  # reverse KL: S = E_p[a - b] - lse(a) + lse(b), one sweep
+        w = w * tl.exp(m_s_old - ms_safe) + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * (a - b)), 1)
+    if HAS_HARD:
+        m_1, s_1, _, _, _ = online_lse_update(zs, m_1, s_1)
+    return m_s, s_s, m_t, s_t, m_1, s_1, w
 
 
 @triton.jit

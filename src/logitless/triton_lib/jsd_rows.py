@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib import launch
-from logitless.triton_lib.ce_math import online_lse_update, softcap_tile
-from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio
+from logitless.triton_lib.ce_math import softcap_tile
+from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio, stats_update
 from logitless.triton_lib.launch import cdiv
 
 
@@ -78,16 +78,7 @@ def jsd_forward_kernel(
         zs = load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
         a = zs * inv_t
         b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, V, neg, cap_t, HAS_CAP_T) * inv_t
-        m_s_old = m_s
-        m_t_old = m_t
-        m_s, s_s, e_s, ms_safe, _ = online_lse_update(a, m_s, s_s)
-        m_t, s_t, e_t, mt_safe, _ = online_lse_update(b, m_t, s_t)
-        if MODE == 1:  # forward KL: K = E_q[b - a] - lse(b) + lse(a), one sweep
-            w = w * tl.exp(m_t_old - mt_safe) + tl.sum(tl.where(e_t == 0.0, 0.0, e_t * (b - a)), 1)
-        if MODE == 2:  # reverse KL: S = E_p[a - b] - lse(a) + lse(b), one sweep
-            w = w * tl.exp(m_s_old - ms_safe) + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * (a - b)), 1)
-        if HAS_HARD:
-            m_1, s_1, _, _, _ = online_lse_update(zs, m_1, s_1)
+        m_s, s_s, m_t, s_t, m_1, s_1, w = stats_update(zs, a, b, m_s, s_s, m_t, s_t, m_1, s_1, w, MODE, HAS_HARD)
     lse_s = tl.where(m_s == neg, 0.0, m_s) + tl.log(s_s)
     lse_t = tl.where(m_t == neg, 0.0, m_t) + tl.log(s_t)
 
@@ -209,16 +200,7 @@ def jsd_partial_kernel(
         zs = load_capped(rows_s, v0 + cols, stride_sv, row_ok, v_hi, neg, cap_s, HAS_CAP_S)
         a = zs * inv_t
         b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, v_hi, neg, cap_t, HAS_CAP_T) * inv_t
-        m_s_old = m_s
-        m_t_old = m_t
-        m_s, s_s, e_s, ms_safe, _ = online_lse_update(a, m_s, s_s)
-        m_t, s_t, e_t, mt_safe, _ = online_lse_update(b, m_t, s_t)
-        if MODE == 1:
-            w = w * tl.exp(m_t_old - mt_safe) + tl.sum(tl.where(e_t == 0.0, 0.0, e_t * (b - a)), 1)
-        if MODE == 2:
-            w = w * tl.exp(m_s_old - ms_safe) + tl.sum(tl.where(e_s == 0.0, 0.0, e_s * (a - b)), 1)
-        if HAS_HARD:
-            m_1, s_1, _, _, _ = online_lse_update(zs, m_1, s_1)
+        m_s, s_s, m_t, s_t, m_1, s_1, w = stats_update(zs, a, b, m_s, s_s, m_t, s_t, m_1, s_1, w, MODE, HAS_HARD)
     out = part_ptr + pid_v * N + offs_n
     plane = splits * N
     tl.store(out, m_s, mask=row_ok)
@@ -387,8 +369,25 @@ def row_stats(zs, zt, target, stats, opts, plan) -> None:
             jsd_divergence_kernel, (row_blocks, splits),
             zs, zt, part, sk, n, v, *strides, sargs["inv_t"], sargs["log_beta"], sargs["log_1mbeta"],
             sargs["cap_s"], sargs["cap_t"], MODE=mode, **caps, **tiles)
+    _finish(zs, zs.stride(0), zs.stride(1), sargs["HAS_CAP_S"], target, part, sk, stats, sargs, n, v, splits)
+
+
+def _finish(zs, stride_sn, stride_sv, cap_target, target, part, sk, stats, sargs, n, v, splits) -> None:
+    """Phase 3's launch: the (6, N) statistics from the splits' partials; the target logit
+    read at zs[n * stride_sn + target * stride_sv] (soft-capped there if ``cap_target``)."""
     fin_block = min(128, 1 << (n - 1).bit_length())  # (triton.next_power_of_2, n >= 1)
     launch.run_kernel(
         jsd_finish_kernel, (cdiv(n, fin_block),),
-        zs, target, part, sk, stats, n, v, splits, zs.stride(0), zs.stride(1), stats.stride(0), sargs["cap_s"],
-        MODE=mode, HAS_HARD=hard, HAS_CAP_S=sargs["HAS_CAP_S"], BLOCK_N=fin_block, num_warps=4)
+        zs, target, part, sk, stats, n, v, splits, stride_sn, stride_sv, stats.stride(0), sargs["cap_s"],
+        MODE=sargs["MODE"], HAS_HARD=sargs["HAS_HARD"], HAS_CAP_S=cap_target, BLOCK_N=fin_block, num_warps=4)
+
+
+def finish_kl_partials(part, z_target, target, stats, opts, vocab: int) -> None:
+    """Phase 3 for partials written straight from the hidden states (the KL limits,
+    ``ops.linear_jsd.triton_kernels.jsd_kl_forward_kernel``): part (PARTS, splits, N) in
+    ``jsd_partial_kernel``'s layout, z_target (N,) the soft-capped target logits (read
+    only where the target is in [0, vocab))."""
+    sargs = scalar_args(opts)
+    assert sargs["MODE"] != 0 and stats.stride(1) == 1
+    n = part.shape[2]
+    _finish(z_target, 1, 0, False, target, part, part, stats, sargs, n, vocab, part.shape[1])

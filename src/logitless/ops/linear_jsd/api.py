@@ -190,7 +190,7 @@ def linear_jsd(
     grad_wanted = torch.is_grad_enabled() and (xs.requires_grad or student_weight.requires_grad
                                                or (student_bias is not None and student_bias.requires_grad))
     if (grad_wanted and reduction != "none" and not tp.parallel and not torch.compiler.is_compiling()):
-        chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget)
+        chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget, opts)
         if chunk:
             need = [t is not None and t.requires_grad for t in (xs, student_weight, student_bias)]
             return linear_jsd_gif_forward_eager(

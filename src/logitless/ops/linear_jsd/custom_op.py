@@ -193,13 +193,13 @@ def _grad_in_forward_strategy():
 
 
 def grad_in_forward_chunk(backend: str, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
-                          budget: int) -> int:
+                          budget: int, opts: JSDOptions) -> int:
     """Tokens per chunk when the Triton planner picks gradient-in-forward, else 0."""
     from logitless.ops.common.dispatch import resolve_backend
 
     if student_x.shape[0] == 0 or resolve_backend(backend, student_x.device, student_x.dtype) != "triton":
         return 0
-    return _grad_in_forward_strategy().grad_in_forward_chunk(student_x, student_weight, teacher_x, budget)
+    return _grad_in_forward_strategy().grad_in_forward_chunk(student_x, student_weight, teacher_x, budget, opts)
 
 
 def _gif_forward(

@@ -3,7 +3,11 @@
 GEMM count, against the floor of four (student logits, teacher logits, student dx,
 student dW), in units where a GEMM over H costs H:
 
-forward  (2 GEMMs): for each chunk of ``plan.forward_rows`` tokens (a multiple of 16:
+forward  (2 GEMMs): the KL limits (beta 0 or 1) on 16-bit inputs, where the cost model
+         says so (``fused_forward``): one fused kernel (``jsd_kl_forward_kernel``)
+         computes both heads' logits tiles and their online row statistics for a split
+         of the vocabulary per program, nothing (N, V)-sized in memory;
+         ``jsd_rows.finish_kl_partials`` merges the splits. Otherwise, for each chunk of ``plan.forward_rows`` tokens (a multiple of 16:
          each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
          logits (rows x V each, the budget's size), then ``jsd_rows.row_stats`` (shared
          with ``jsd``; each row split over several programs when the rows are few,
@@ -33,10 +37,10 @@ import torch
 from torch import Tensor
 
 from logitless.options import JSDOptions
-from logitless.planning.plans import jsd_stats_plan, linear_jsd_plan
+from logitless.planning.plans import jsd_kl_fused, jsd_stats_plan, linear_jsd_plan
 from logitless.triton_lib import launch
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (the backend's epilogues)
-from logitless.triton_lib.jsd_rows import row_stats, scalar_args
+from logitless.triton_lib.jsd_rows import PARTS, finish_kl_partials, row_stats, scalar_args
 
 from . import triton_kernels as K
 
@@ -51,10 +55,22 @@ def _logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:
         out += b.float()
 
 
+def fused_forward(xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, budget: int) -> bool:
+    """Does the forward take the fused kernel? Only the KL limits (beta 0 or 1: every
+    statistic is an online sum) on 16-bit inputs (fp32 keeps cuBLAS, which rounds to TF32
+    at "high" itself), and there where ``plans.jsd_kl_fused`` says (the cost model: where
+    the chunks' GEMMs would be weight-read-bound; ``override(jsd_fused_forward=...)``)."""
+    if opts.beta not in (0.0, 1.0) or xs.dtype not in (torch.bfloat16, torch.float16) or xs.shape[0] == 0:
+        return False
+    return jsd_kl_fused(xs.shape[0], ws.shape[0], xs.shape[1], xt.shape[1], xs.element_size(), budget, xs.device)
+
+
 def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
     n = xs.shape[0]
     v = ws.shape[0]
     plan = linear_jsd_plan(n, v, xs.shape[1], xs.element_size(), budget, xs.device)
+    if fused_forward(xs, ws, xt, opts, budget):
+        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, plan)
     rows = plan.forward_rows
     stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
     zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
@@ -67,6 +83,39 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
         # the statistics' launches for fp32 logits of r rows (rows split when few), written
         # in place into columns [n0, n1) of the statistics
         row_stats(zs[:r], zt[:r], target[n0:n1], stats[:, n0:n1], opts, jsd_stats_plan(r, v, 4, xs.device))
+    return stats
+
+
+def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan) -> Tensor:
+    """The KL limits' statistics (6, N) from one fused launch and the splits' merge.
+    Temporary memory: 7 floats per token and split (plus one per token)."""
+    n, v = xs.shape[0], ws.shape[0]
+    tiles = plan.tiles
+    splits = tiles.vocab_splits
+    part = torch.empty(PARTS, splits, n, dtype=torch.float32, device=xs.device)
+    z_target = torch.empty(n, dtype=torch.float32, device=xs.device)
+    stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
+    target = target.contiguous()
+    xs_op, ws_op, tma_s = launch.operands(xs, ws, tiles)
+    xt_op, wt_op, tma_t = launch.operands(xt, wt, tiles)
+    use_tma = tma_s and tma_t
+    if not use_tma:
+        xs_op, ws_op, xt_op, wt_op = xs, ws, xt, wt
+    sargs = scalar_args(opts)
+    row_blocks = launch.cdiv(n, tiles.block_n)
+    launch.run_kernel(
+        K.jsd_kl_forward_kernel, (row_blocks * splits,),
+        xs_op, ws_op, bs if bs is not None else xs, xt_op, wt_op, bt if bt is not None else xt, target, part, z_target,
+        n, v, xs.shape[1], xt.shape[1], xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),
+        xt.stride(0), xt.stride(1), wt.stride(0), wt.stride(1),
+        plan.blocks_per_split, splits, tiles.group_n or row_blocks, sargs["inv_t"], sargs["cap_s"], sargs["cap_t"],
+        MODE=sargs["MODE"], HAS_HARD=sargs["HAS_HARD"], HAS_CAP_S=sargs["HAS_CAP_S"], HAS_CAP_T=sargs["HAS_CAP_T"],
+        HAS_BIAS_S=bs is not None, HAS_BIAS_T=bt is not None,
+        DOT_PRECISION=launch.dot_precision(xs.dtype), USE_TMA=use_tma,
+        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    finish_kl_partials(part, z_target, target, stats, opts, v)
     return stats
 
 

@@ -37,16 +37,18 @@ from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F4
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 from logitless.triton_lib.launch import cdiv
 
-from .triton_backend import _logits_fp32
+from .triton_backend import _logits_fp32, fused_forward
 
 
-def grad_in_forward_chunk(xs: Tensor, ws: Tensor, xt: Tensor, budget: int) -> int:
-    """Tokens per chunk when the planner picks gradient-in-forward for this call, else 0."""
+def grad_in_forward_chunk(xs: Tensor, ws: Tensor, xt: Tensor, budget: int, opts: JSDOptions) -> int:
+    """Tokens per chunk when the planner picks gradient-in-forward for this call, else 0
+    (the recompute plan priced with the forward it would run: ``fused_forward``)."""
     n, hs = xs.shape
     if n == 0:
         return 0
     c = linear_jsd_strategy(n, ws.shape[0], hs, xt.shape[1], xs.element_size(), budget, xs.device,
-                            weight_fp32=ws.dtype == torch.float32)
+                            weight_fp32=ws.dtype == torch.float32,
+                            fused_forward=fused_forward(xs, ws, xt, opts, budget))
     return c.token_chunk if c.strategy == "grad_in_forward" else 0
 
 
