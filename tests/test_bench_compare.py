@@ -259,3 +259,24 @@ def test_models_suite_cpu_run_writes_predictions(tmp_path):
     assert row["pred_strategy"] and row["pred_ms"] > 0 and row["pred_fwd_ms"] > 0
     assert "planner (H100 cost model): predicted vs measured" in proc.stdout
     assert "predicted fwd / f+b ms" in (tmp_path / "latest-models-cpu.md").read_text()
+
+
+def test_distill_files_compare_on_their_own_floor():
+    """The distill suite times f+b only, against the four-GEMM floor of each row: a step
+    ratio per row on the floor's units (a row whose floor moved with it is unchanged), none
+    for forward / backward. (Its rows have no ``fwd_ms``: before, every ratio was "-".)"""
+    old_p = RESULTS.parent / "distill-issue23-H100-2026-11-23.json"
+    if not old_p.exists():
+        pytest.skip("recorded distill result file not in this checkout")
+    old = compare.load(old_p)
+    new = copy.deepcopy(old)
+    ok = [r for r in new["rows"] if r["status"] == "ok" and r["method"] == "logitless"]
+    ok[0]["fwdbwd_ms"] *= 1.2                      # slower on the same floor: a regression
+    ok[1]["fwdbwd_ms"] *= 0.9
+    ok[1]["floor_ms"] *= 0.9                       # the machine ran faster: no change
+    c = compare.compare(old, new)
+    by_row = {(r["shape"], r["method"]): r for r in c["pairs"]}
+    assert by_row[(ok[0]["shape"], "logitless")]["ratios"]["step"] == pytest.approx(1.2)
+    assert by_row[(ok[1]["shape"], "logitless")]["ratios"]["step"] == pytest.approx(1.0)
+    assert by_row[(ok[0]["shape"], "logitless")]["ratios"]["fwd"] is None
+    assert [(q["shape"], q["metric"]) for q in c["regressions"]] == [(ok[0]["shape"], "step")]

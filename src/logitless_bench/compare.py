@@ -5,7 +5,8 @@ them over the (shape, method) rows both measured with status "ok":
 
 - ratios NEW / OLD (below 1 = faster) of forward, backward (= fwd+bwd - fwd) and step
   (fwd+bwd) times; by default on the run's own units (``--basis unit``: fwd / 1 GEMM
-  and fwd+bwd / 3 GEMMs for lce, the copy-bandwidth fractions for ce), because the
+  and fwd+bwd / 3 GEMMs for lce, f+b / the four-GEMM floor for distill (which times
+  no forward alone: step only), the copy-bandwidth fractions for ce), because the
   cuBLAS unit itself moves by up to 10% between runs of one day; ``--basis ms``
   compares raw milliseconds;
 - the geomean of each ratio over logitless's rows, and separately over the peers'
@@ -66,6 +67,8 @@ def _times(row: dict, data: dict, basis: str) -> dict:
     if basis == "unit":
         if data["suite"] == "lce":
             unit = _num(row.get("gemm_ms")) or _num(data.get("units", {}).get("gemm_ms", {}).get(row["shape"]))
+        elif data["suite"] == "distill":  # the row's own four-GEMM floor, measured in the same run
+            unit = _num(row.get("floor_ms"))
         else:  # ce: time x copy bandwidth = bytes-equivalent; any fixed unit of the run works
             copy = _num(data.get("units", {}).get("copy_GBps"))
             unit = 1.0 / copy if copy else None
@@ -218,8 +221,8 @@ def _table(header, rows) -> list:
 
 
 def render(c: dict, old_path="OLD", new_path="NEW") -> str:
-    basis = "run units (fwd / 1 GEMM, fwd+bwd / 3 GEMMs)" if c["basis"] == "unit" and c["suite"] == "lce" else (
-        "run units (time x copy bandwidth)" if c["basis"] == "unit" else "milliseconds")
+    units = {"lce": "run units (fwd / 1 GEMM, fwd+bwd / 3 GEMMs)", "distill": "run units (f+b / the four-GEMM floor)"}
+    basis = units.get(c["suite"], "run units (time x copy bandwidth)") if c["basis"] == "unit" else "milliseconds"
     g, d = c["geomean"], c["drift"]
     out = [f"# logitless bench compare ({c['suite']})", "",
            f"- old: `{old_path}` ({c['old']})", f"- new: `{new_path}` ({c['new']})",
