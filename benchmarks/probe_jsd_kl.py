@@ -55,7 +55,7 @@ def main() -> int:
     from logitless.planning import cost_model
     from logitless.planning.overrides import override
     from logitless_bench import timing
-    from logitless_bench.distill import gemm_floor_ms, make_inputs
+    from logitless_bench.distill import make_inputs
     from logitless.ops.linear_jsd.bench_shapes import DistillShape
 
     dev = torch.device("cuda" if cuda else "cpu")
@@ -73,12 +73,7 @@ def main() -> int:
         shape = DistillShape(label, n, hs, ht, v)
         xs, ws, xt, wt, t = make_inputs(shape, dev, 0)
         xg, wg = xs.detach().requires_grad_(), ws.detach().requires_grad_()
-        measures = {}
-        if cuda:
-            with torch.no_grad():
-                dz = torch.randn(n, v, device=dev, dtype=xs.dtype)
-                measures["floor"] = lambda: (bench(lambda: xs @ ws.T) + bench(lambda: xt @ wt.T)
-                                             + bench(lambda: dz @ ws) + bench(lambda: dz.T @ xs))
+        measures = {"floor": _floor(bench, xs, ws, xt, wt)} if cuda else {}
         for beta in betas:
             for fused in (True, False):
                 name = f"beta{beta:g}/{'fused' if fused else 'chunked'}"
@@ -214,12 +209,7 @@ def _stages_fb(a, shapes, dev, bench, record, deadline, cuda) -> int:
             xg.grad = wg.grad = None
             with override(tiles=cfg, jsd_fused_forward=True if beta in (0.0, 1.0) else None):
                 logitless.linear_jsd(xg, wg, xt, wt, t, beta=beta, backend="triton").backward()
-        measures = {}
-        if cuda:
-            with torch.no_grad():
-                dz = torch.randn(n, v, device=dev, dtype=xs.dtype)
-            measures["floor"] = lambda: (bench(lambda: xs @ ws.T) + bench(lambda: xt @ wt.T)
-                                         + bench(lambda: dz @ ws) + bench(lambda: dz.T @ xs))
+        measures = {"floor": _floor(bench, xs, ws, xt, wt)} if cuda else {}
         for beta in (1.0, 0.5):
             for cfg in tiles:
                 measures[f"beta{beta:g} {cfg}"] = lambda b=beta, c=cfg: bench(lambda: step(b, c))
@@ -245,6 +235,17 @@ def _stages_fb(a, shapes, dev, bench, record, deadline, cuda) -> int:
             write_json(a.json, record)
         del xs, ws, xt, wt, xg, wg
     return 0
+
+
+def _floor(bench, xs, ws, xt, wt):
+    """The four cuBLAS GEMMs of the floor (student and teacher logits, dx, dW), timed as one
+    measure: a callable returning the sum of their medians."""
+    import torch
+
+    with torch.no_grad():
+        dz = torch.randn(xs.shape[0], ws.shape[0], device=xs.device, dtype=xs.dtype)
+    return lambda: (bench(lambda: xs @ ws.T) + bench(lambda: xt @ wt.T) + bench(lambda: dz @ ws)
+                    + bench(lambda: dz.T @ xs))
 
 
 def _has_cuda() -> bool:

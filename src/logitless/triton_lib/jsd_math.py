@@ -27,6 +27,16 @@ def log_mixture(lp, lq, log_beta, log_1mbeta, MODE: tl.constexpr):
 
 
 @triton.jit
+def stats_init(BLOCK_N: tl.constexpr):
+    """The running statistics of ``stats_update`` before any column: maxima -inf, sums 0.
+    Returns (m_s, s_s, m_t, s_t, m_1, s_1, w), each (BLOCK_N,) fp32."""
+    neg = float("-inf")
+    m = tl.full((BLOCK_N,), neg, tl.float32)
+    z = tl.zeros((BLOCK_N,), tl.float32)
+    return m, z, m, z, m, z, z
+
+
+@triton.jit
 def stats_update(zs, a, b, m_s, s_s, m_t, s_t, m_1, s_1, w, MODE: tl.constexpr, HAS_HARD: tl.constexpr):
     """One online step of the row statistics' first sweep over a (BLOCK_N, BLOCK_V) tile:
     zs the student's soft-capped fp32 logits, a = zs / T and b the teacher's at

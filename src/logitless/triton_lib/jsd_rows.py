@@ -10,7 +10,8 @@ import triton.language as tl
 
 from logitless.triton_lib import launch
 from logitless.triton_lib.ce_math import softcap_tile
-from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio, stats_update
+from logitless.triton_lib.jsd_math import (jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio, stats_init,
+                                            stats_update)
 from logitless.triton_lib.launch import cdiv
 
 
@@ -67,13 +68,7 @@ def jsd_forward_kernel(
     cols = tl.arange(0, BLOCK_V)
     neg = float("-inf")
 
-    m_s = tl.full((BLOCK_N,), neg, tl.float32)
-    s_s = tl.zeros((BLOCK_N,), tl.float32)
-    m_t = tl.full((BLOCK_N,), neg, tl.float32)
-    s_t = tl.zeros((BLOCK_N,), tl.float32)
-    m_1 = tl.full((BLOCK_N,), neg, tl.float32)
-    s_1 = tl.zeros((BLOCK_N,), tl.float32)
-    w = tl.zeros((BLOCK_N,), tl.float32)  # KL limits: sum e^(x - m) (b - a), x the weighting head
+    m_s, s_s, m_t, s_t, m_1, s_1, w = stats_init(BLOCK_N)  # w, KL limits: sum e^(x - m) (b - a), x the weighting head
     for v0 in range(0, V, BLOCK_V):
         zs = load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
         a = zs * inv_t
@@ -189,13 +184,7 @@ def jsd_partial_kernel(
     neg = float("-inf")
     v_lo, v_hi = _split_columns(pid_v, V, BLOCK_V, BLOCKS_PER_SPLIT)
 
-    m_s = tl.full((BLOCK_N,), neg, tl.float32)
-    s_s = tl.zeros((BLOCK_N,), tl.float32)
-    m_t = tl.full((BLOCK_N,), neg, tl.float32)
-    s_t = tl.zeros((BLOCK_N,), tl.float32)
-    m_1 = tl.full((BLOCK_N,), neg, tl.float32)
-    s_1 = tl.zeros((BLOCK_N,), tl.float32)
-    w = tl.zeros((BLOCK_N,), tl.float32)
+    m_s, s_s, m_t, s_t, m_1, s_1, w = stats_init(BLOCK_N)
     for v0 in range(v_lo, v_hi, BLOCK_V):
         zs = load_capped(rows_s, v0 + cols, stride_sv, row_ok, v_hi, neg, cap_s, HAS_CAP_S)
         a = zs * inv_t

@@ -55,6 +55,16 @@ def _logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:
         out += b.float()
 
 
+def _operands(xs, ws, xt, wt, tiles):
+    """(xs, ws, xt, wt as the kernels take them, use_tma): TMA descriptors for both heads
+    when both allow them, else the plain tensors for both."""
+    xs_op, ws_op, tma_s = launch.operands(xs, ws, tiles)
+    xt_op, wt_op, tma_t = launch.operands(xt, wt, tiles)
+    if tma_s and tma_t:
+        return xs_op, ws_op, xt_op, wt_op, True
+    return xs, ws, xt, wt, False
+
+
 def fused_forward(xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, budget: int) -> bool:
     """Does the forward take the fused kernel? Only the KL limits (beta 0 or 1: every
     statistic is an online sum) on 16-bit inputs (fp32 keeps cuBLAS, which rounds to TF32
@@ -96,11 +106,7 @@ def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan) -> Te
     z_target = torch.empty(n, dtype=torch.float32, device=xs.device)
     stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
     target = target.contiguous()
-    xs_op, ws_op, tma_s = launch.operands(xs, ws, tiles)
-    xt_op, wt_op, tma_t = launch.operands(xt, wt, tiles)
-    use_tma = tma_s and tma_t
-    if not use_tma:
-        xs_op, ws_op, xt_op, wt_op = xs, ws, xt, wt
+    xs_op, ws_op, xt_op, wt_op, use_tma = _operands(xs, ws, xt, wt, tiles)
     sargs = scalar_args(opts)
     row_blocks = launch.cdiv(n, tiles.block_n)
     launch.run_kernel(
@@ -147,11 +153,7 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     if need_dx and (keep_acc or not one_chunk):
         dx_acc = torch.zeros(n, h, dtype=torch.float32, device=xs.device)
     dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
-    xs_op, ws_op, tma_s = launch.operands(xs, ws, tiles)
-    xt_op, wt_op, tma_t = launch.operands(xt, wt, tiles)
-    use_tma = tma_s and tma_t
-    if not use_tma:
-        xs_op, ws_op, xt_op, wt_op = xs, ws, xt, wt
+    xs_op, ws_op, xt_op, wt_op, use_tma = _operands(xs, ws, xt, wt, tiles)
     sargs = scalar_args(opts)
     dot_precision = "tf32" if prerounded else launch.dot_precision(xs.dtype)
     for v0, v1 in chunks:

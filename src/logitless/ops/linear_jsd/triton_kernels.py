@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.gemm import grouped_tile, logits_tile
-from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, stats_update
+from logitless.triton_lib.jsd_math import jsd_dz_tile, load_jsd_row_stats, stats_init, stats_update
 
 
 @triton.jit
@@ -96,13 +96,7 @@ def jsd_kl_forward_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     row_ok = offs_n < N
     neg = float("-inf")
-    m_s = tl.full((BLOCK_N,), neg, tl.float32)
-    s_s = tl.zeros((BLOCK_N,), tl.float32)
-    m_t = tl.full((BLOCK_N,), neg, tl.float32)
-    s_t = tl.zeros((BLOCK_N,), tl.float32)
-    m_1 = tl.full((BLOCK_N,), neg, tl.float32)
-    s_1 = tl.zeros((BLOCK_N,), tl.float32)
-    w = tl.zeros((BLOCK_N,), tl.float32)
+    m_s, s_s, m_t, s_t, m_1, s_1, w = stats_init(BLOCK_N)
     z_tg = tl.zeros((BLOCK_N,), tl.float32)
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
     first_block = split * blocks_per_split
