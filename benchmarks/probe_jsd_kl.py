@@ -1,7 +1,7 @@
 """linear_jsd's fused forward for the KL limits against the chunked forward, interleaved.
 
     python benchmarks/probe_jsd_kl.py [--shapes A,B,C,D] [--betas 0,1] [--rounds 5] [--json out.json]
-                                      [--tile-sweep | --stages-fb]
+                                      [--tile-sweep | --stages-fb | --group-sweep]
 
 For beta 0 (forward KL) and 1 (reverse KL) on 16-bit inputs the Triton forward computes both
 heads' logits tiles and the online row statistics in one kernel (``jsd_kl_forward_kernel``);
@@ -43,8 +43,10 @@ def main() -> int:
     ap.add_argument("--tile-sweep", action="store_true",
                     help="instead: the fused forward (beta 1, no grad) under each of TILES, against the chunked one")
     ap.add_argument("--stages-fb", action="store_true",
-                    help="instead: forward+backward (beta 1 fused, beta 0.5) under each of STAGES_TILES, "
-                         "against the first")
+                    help="instead: forward+backward (beta 1 fused, beta 0.5) and the fused forward under each "
+                         "of STAGES_TILES, against the first")
+    ap.add_argument("--group-sweep", action="store_true",
+                    help="instead: the same under each row-block group of GROUPS (override group_rows)")
     a = ap.parse_args()
     cuda = "TRITON_INTERPRET" not in os.environ and _has_cuda()
     if not cuda:
@@ -67,8 +69,8 @@ def main() -> int:
     deadline = time.monotonic() + a.budget_s
     if a.tile_sweep:
         return _tile_sweep(a, shapes, dev, bench, record, deadline, cuda)
-    if a.stages_fb:
-        return _stages_fb(a, shapes, dev, bench, record, deadline, cuda)
+    if a.stages_fb or a.group_sweep:
+        return _sweep_fb(a, shapes, dev, bench, record, deadline, cuda)
     for label, (n, hs, ht, v) in shapes.items():
         shape = DistillShape(label, n, hs, ht, v)
         xs, ws, xt, wt, t = make_inputs(shape, dev, 0)
@@ -187,12 +189,26 @@ def _tile_sweep(a, shapes, dev, bench, record, deadline, cuda) -> int:
 
 #: --stages-fb: linear_jsd's tiles (forward and backward kernels) with 3, 4 and 5 stages.
 STAGES_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5)]
+#: --group-sweep: row blocks per group of the program order (forward and backward kernels;
+#: the first is the working-set rule's 11 on an H100 at 128 x 128 tiles).
+GROUPS = [11, 4, 6, 8, 16, 32]
 
 
-def _stages_fb(a, shapes, dev, bench, record, deadline, cuda) -> int:
-    """Forward+backward at the default budget under each of STAGES_TILES (both the fused
-    forward, forced for beta 1, and the two-head dz kernel of the backward use them), and
-    the floor; ratios to the first configuration per round."""
+def _sweep_configs(a, cuda):
+    """(title, [(name, override fields)]) of --stages-fb or --group-sweep; the first is the
+    ratios' base."""
+    if a.group_sweep:
+        groups = GROUPS if cuda else [2, 1]
+        return "group sweep", [(f"G={g}", dict(group_rows=g)) for g in groups]
+    tiles = STAGES_TILES if cuda else [(16, 32, 16, 4, 1), (16, 32, 16, 4, 2)]
+    return "stages", [(f"{t[4]} stages {t}", dict(tiles=t)) for t in tiles]
+
+
+def _sweep_fb(a, shapes, dev, bench, record, deadline, cuda) -> int:
+    """Forward+backward at the default budget (beta 1 with the fused forward forced, beta
+    0.5) and the fused forward alone (beta 1) under each configuration of
+    ``_sweep_configs`` (they reach the fused forward and the backward's two-head dz kernel
+    alike), with the floor; ratios to the first configuration per round."""
     import logitless
     from logitless.planning.overrides import override
     from logitless_bench.distill import make_inputs
@@ -200,37 +216,49 @@ def _stages_fb(a, shapes, dev, bench, record, deadline, cuda) -> int:
 
     import torch
 
-    tiles = STAGES_TILES if cuda else [(16, 32, 16, 4, 1), (16, 32, 16, 4, 2)]
+    title, configs = _sweep_configs(a, cuda)
     for label, (n, hs, ht, v) in shapes.items():
         xs, ws, xt, wt, t = make_inputs(DistillShape(label, n, hs, ht, v), dev, 0)
         xg, wg = xs.detach().requires_grad_(), ws.detach().requires_grad_()
 
-        def step(beta, cfg):
+        def step(beta, ov):
             xg.grad = wg.grad = None
-            with override(tiles=cfg, jsd_fused_forward=True if beta in (0.0, 1.0) else None):
+            with override(**ov, jsd_fused_forward=True if beta in (0.0, 1.0) else None):
                 logitless.linear_jsd(xg, wg, xt, wt, t, beta=beta, backend="triton").backward()
+
+        def fwd(ov):
+            with override(**ov, jsd_fused_forward=True), torch.no_grad():
+                logitless.linear_jsd(xs, ws, xt, wt, t, beta=1.0, backend="triton")
+        def chunked():
+            with override(jsd_fused_forward=False), torch.no_grad():
+                logitless.linear_jsd(xs, ws, xt, wt, t, beta=1.0, backend="triton")
         measures = {"floor": _floor(bench, xs, ws, xt, wt)} if cuda else {}
-        for beta in (1.0, 0.5):
-            for cfg in tiles:
-                measures[f"beta{beta:g} {cfg}"] = lambda b=beta, c=cfg: bench(lambda: step(b, c))
+        measures["beta 1 fwd chunked (shipped tiles and order)"] = lambda: bench(chunked)
+        kinds = {"beta 1 f+b": lambda ov: step(1.0, ov), "beta 0.5 f+b": lambda ov: step(0.5, ov),
+                 "beta 1 fwd": fwd}
+        for kind, fn in kinds.items():
+            for name, ov in configs:
+                measures[f"{kind} {name}"] = lambda f=fn, o=ov: bench(lambda: f(o))
         res = interleave.interleaved(measures, rounds=a.rounds if cuda else 1, deadline=deadline if cuda else None)
         fl = res.get("floor", {}).get("ms")
-        print(f"\nstages f+b {label}: {n} tokens, H {hs} <- {ht}, V {v}"
-              + (f"; floor {fl:.2f} ms" if fl else ""), flush=True)
-        for beta in (1.0, 0.5):
-            base = res[f"beta{beta:g} {tiles[0]}"]
-            for cfg in tiles:
-                r = res[f"beta{beta:g} {cfg}"]
-                if not r.get("samples"):
-                    print(f"beta {beta:g} {cfg}: error {r.get('error', '')[:160]}")
+        print(f"\n{title} {label}: {n} tokens, H {hs} <- {ht}, V {v}" + (f"; floor {fl:.2f} ms" if fl else ""),
+              flush=True)
+        ch = res["beta 1 fwd chunked (shipped tiles and order)"]
+        print(f"beta 1 fwd chunked (shipped tiles and order): {ch.get('ms', float('nan')):.2f} ms", flush=True)
+        for kind in kinds:
+            base = res[f"{kind} {configs[0][0]}"]
+            for name, _ in configs:
+                r = res[f"{kind} {name}"]
+                if not r.get("samples") or not base.get("samples"):
+                    print(f"{kind} {name}: error {r.get('error', base.get('error', ''))[:160]}")
                     continue
                 per = sorted(x / y for x, y in zip(r["samples"], base["samples"]))
-                xf = f", {r['ms'] / fl:.3f}x floor" if fl else ""
-                print(f"beta {beta:g} {cfg}: f+b {r['ms']:.2f} ms{xf}; / {tiles[0][4]} stages "
+                xf = f", {r['ms'] / fl:.3f}x floor" if fl and "f+b" in kind else ""
+                print(f"{kind} {name}: {r['ms']:.2f} ms{xf}; / {configs[0][0]} "
                       f"{per[len(per) // 2]:.3f} ({per[0]:.3f}-{per[-1]:.3f})", flush=True)
         record["shapes"][label] = dict(tokens=n, hs=hs, ht=ht, vocab=v,
-                                       stages_fb={k: {kk: vv for kk, vv in r.items()}
-                                                  for k, r in res.items() if k != "_rounds"})
+                                       sweep={k: {kk: vv for kk, vv in r.items()}
+                                              for k, r in res.items() if k != "_rounds"})
         if a.json:
             write_json(a.json, record)
         del xs, ws, xt, wt, xg, wg

@@ -11,12 +11,13 @@
 #   tiles   probe_jsd_kl.py --tile-sweep: the fused forward under each of its TILES, A, B, C <= 130 s
 #   stages  probe_jsd_kl.py --stages-fb: f+b at 3 / 4 / 5 stages (beta 1 fused, beta 0.5), A, B, C
 #                                                                                        <= 200 s
+#   groups  probe_jsd_kl.py --group-sweep: the same under row-block groups 4-32, A, B, D    <= 200 s
 #   old     the other linear_jsd test files on CUDA (their beta 0 / 1 cases run the fused forward)
 #   distill the distill suite (beta 0.5), logitless only, then bench compare against the last
 #           recorded H100 run (benchmarks/results/latest-distill-H100.json)
 # "old" and "distill" get what is left of 560 s (old first).
-# Files under $OUT (<= 8): jsd-kl-tests.log, probe.{log,json}, tiles.{log,json}, stages.{log,json},
-# jsd-kl-tests-old.log, distill.tgz.
+# Files under $OUT (<= 8 per call): jsd-kl-tests.log, probe.{log,json}, tiles.{log,json}, stages.{log,json},
+# groups.{log,json}, jsd-kl-tests-old.log, distill.tgz.
 set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/lib.sh
@@ -61,6 +62,11 @@ if has stages; then
     timeout -s INT -k 5 200 $PY benchmarks/probe_jsd_kl.py --stages-fb --shapes A,B,C --rounds 4 --budget-s 160 \
         --json "$OUT/stages.json" > "$OUT/stages.log" 2>&1
     echo "== stages exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/stages.log" | tail -n 24
+fi
+if has groups; then
+    timeout -s INT -k 5 200 $PY benchmarks/probe_jsd_kl.py --group-sweep --shapes A,B,D --rounds 3 --budget-s 150 \
+        --json "$OUT/groups.json" > "$OUT/groups.log" 2>&1
+    echo "== groups exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/groups.log" | tail -n 60
 fi
 if has old; then
     cap=$(left); has distill && cap=$(( cap - 150 ))
