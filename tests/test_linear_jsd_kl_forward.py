@@ -185,6 +185,31 @@ def test_fused_forward_on_the_gpu_at_a_real_split_count(beta, fused_calls):
     assert fused_calls
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_fused_forward_under_torch_compile(beta, fused_calls):
+    """Inductor, fullgraph, through the custom ops (as a compiled training step calls it):
+    the fused forward runs and loss and student gradients equal the eager call's, in bf16
+    under autocast from fp32 hidden states and weights (the mixed-precision way)."""
+    xs, ws, xt, wt, target, _ = make_inputs((2, 5), 24, 40, 101, torch.float32, {}, seed=23)
+    dev = xs.device.type
+
+    def f(*a):
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            return logitless.linear_jsd(*a, beta=beta, hard_label_weight=0.25, backend="triton")
+
+    with override(jsd_fused_forward=True):
+        le = f(xs, ws, xt, wt, target)
+        ge = torch.autograd.grad(le, (xs, ws))
+        torch._dynamo.reset()
+        lc = torch.compile(f, fullgraph=True)(xs, ws, xt, wt, target)
+        gc = torch.autograd.grad(lc, (xs, ws))
+    assert len(fused_calls) == 2
+    assert lc.dtype == torch.float32 and gc[0].dtype == torch.float32
+    torch.testing.assert_close(lc, le)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- the planner
 
 
