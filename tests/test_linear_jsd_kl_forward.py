@@ -95,6 +95,18 @@ def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
         assert jsd_kl_fused(n, v, hs, ht, 2, 256 << 20, dev) is (not fused)
 
 
+def test_override_switches_take_booleans_only():
+    """A switch given a non-boolean (``"no"`` is truthy: it would force the fused path) is
+    refused with the field's name; None is allowed where None means the planner's choice."""
+    for field, bad in (("jsd_fused_forward", "no"), ("jsd_fused_forward", 0), ("fast_launch", None),
+                       ("cute", 1)):
+        with pytest.raises(TypeError, match=field):
+            with override(**{field: bad}):
+                pass
+    with override(jsd_fused_forward=None, cute=None, fast_launch=False) as o:
+        assert o.jsd_fused_forward is None and o.fast_launch is False
+
+
 # --------------------------------------------------------------------------- against float64
 
 CASES = ["plain", "ignore", "bias", "softcaps", "hard", "shift", "no-target", "all"]

@@ -104,6 +104,11 @@ def override(**fields):
     if unknown:
         raise TypeError(f"unknown override(s) {sorted(unknown)}; known: "
                         f"{[f.name for f in dataclasses.fields(Overrides)]}")
+    for f in dataclasses.fields(Overrides):  # switches take True / False (None: the planner's choice)
+        if f.name in fields and f.type in ("bool", "Optional[bool]"):
+            v = fields[f.name]
+            if not (isinstance(v, bool) or (v is None and f.type != "bool")):
+                raise TypeError(f"override {f.name}={v!r}: expected {f.type}")
     if fields.get("tiles") is not None:
         fields["tiles"] = tuple(int(t) for t in fields["tiles"])
     token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **fields))
