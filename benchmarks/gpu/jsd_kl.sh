@@ -48,26 +48,18 @@ if has tests; then
     timeout -s INT -k 5 100 $PY -m pytest -q -rs -p no:cacheprovider $NPROC $TESTS_NEW > "$OUT/jsd-kl-tests.log" 2>&1
     echo "== tests exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/jsd-kl-tests.log" | tail -n 8
 fi
-if has probe; then
-    timeout -s INT -k 5 300 $PY benchmarks/probe_jsd_kl.py --shapes $SHAPES --rounds 5 --budget-s 240 \
-        --json "$OUT/probe.json" > "$OUT/probe.log" 2>&1
-    echo "== probe exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/probe.log" | tail -n 40
-fi
-if has tiles; then
-    timeout -s INT -k 5 130 $PY benchmarks/probe_jsd_kl.py --tile-sweep --shapes A,B,C --rounds 5 --budget-s 100 \
-        --json "$OUT/tiles.json" > "$OUT/tiles.log" 2>&1
-    echo "== tiles exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/tiles.log" | tail -n 30
-fi
-if has stages; then
-    timeout -s INT -k 5 200 $PY benchmarks/probe_jsd_kl.py --stages-fb --shapes A,B,C --rounds 4 --budget-s 160 \
-        --json "$OUT/stages.json" > "$OUT/stages.log" 2>&1
-    echo "== stages exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/stages.log" | tail -n 24
-fi
-if has groups; then
-    timeout -s INT -k 5 200 $PY benchmarks/probe_jsd_kl.py --group-sweep --shapes A,B,D --rounds 3 --budget-s 150 \
-        --json "$OUT/groups.json" > "$OUT/groups.log" 2>&1
-    echo "== groups exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/groups.log" | tail -n 60
-fi
+# probe NAME CAP TAIL ARGS...: probe_jsd_kl.py ARGS under a hard cap of CAP s (its rounds stop
+# 40-60 s earlier), output to $OUT/NAME.{log,json}, the last TAIL lines shown.
+probe() {
+    local name="$1" cap="$2" lines="$3"
+    shift 3
+    timeout -s INT -k 5 "$cap" $PY benchmarks/probe_jsd_kl.py "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    echo "== $name exit $? at $(( $(date +%s) - S )) s"; quiet < "$OUT/$name.log" | tail -n "$lines"
+}
+has probe && probe probe 300 40 --shapes $SHAPES --rounds 5 --budget-s 240
+has tiles && probe tiles 130 30 --tile-sweep --shapes A,B,C --rounds 5 --budget-s 100
+has stages && probe stages 200 24 --stages-fb --shapes A,B,C --rounds 4 --budget-s 160
+has groups && probe groups 200 60 --group-sweep --shapes A,B,D --rounds 3 --budget-s 150
 if has old; then
     cap=$(left); has distill && cap=$(( cap - 150 ))
     if [ "$cap" -gt 15 ]; then
