@@ -1,6 +1,6 @@
 """TRL distillation loss step, TRL's own against ``logitless.integrations.trl.patch_gkd``.
 
-    PYTHONPATH=src python benchmarks/trl_gkd_bench.py --out DIR [--smoke]
+    PYTHONPATH=src python benchmarks/trl_gkd_bench.py --out DIR [--smoke] [--beta 0.5]
 
 For GKDTrainer (trl.experimental.gkd: full logits of both models) and DistillationTrainer
 (TRL's chunked hidden-state loss), one loss step = the trainer's loss function + backward
@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", default="gkd,distillation")
+    ap.add_argument("--beta", type=float, default=0.5,
+                    help="both trainers' beta (0 / 1: the KL limits, whose bf16 forward may take the fused kernel)")
     a = ap.parse_args()
     import transformers
     import trl
@@ -127,7 +129,7 @@ def main() -> None:
     if "gkd" in a.only:
         for patched in (False, True):
             try:
-                args = GKDConfig(output_dir=f"{tmp}/gkd", lmbda=0.0, **common)
+                args = GKDConfig(output_dir=f"{tmp}/gkd", lmbda=0.0, beta=a.beta, **common)
                 tr = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=chat,
                                 processing_class=tokenizer("right"))
                 if patched:
@@ -142,7 +144,7 @@ def main() -> None:
                         h_t = teacher.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
                         zs = h_s.float() @ student.lm_head.weight.float().T
                         zt = h_t.float() @ teacher.lm_head.weight.float().T
-                        extra["ref_fp32"] = float(GKDTrainer.generalized_jsd_loss(zs, zt, labels[:, 1:], beta=0.5))
+                        extra["ref_fp32"] = float(GKDTrainer.generalized_jsd_loss(zs, zt, labels[:, 1:], beta=a.beta))
                         del zs, zt
                 row("GKDTrainer", "logitless" if patched else "trl", ms, peak, loss, **extra)
                 del tr
@@ -154,7 +156,7 @@ def main() -> None:
     if "distillation" in a.only:
         for patched in (False, True):
             try:
-                args = DistillationConfig(output_dir=f"{tmp}/dist", beta=0.5, temperature=1.0,
+                args = DistillationConfig(output_dir=f"{tmp}/dist", beta=a.beta, temperature=1.0,
                                           max_completion_length=length - half, **common)
                 tr = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=prompts,
                                          processing_class=tokenizer("left"))
@@ -178,7 +180,7 @@ def main() -> None:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 shape=dict(batch=b, length=length, student_hidden=hs, teacher_hidden=ht, vocab=vocab, layers=layers,
-                           dtype=str(dtype), beta=0.5))
+                           dtype=str(dtype), beta=a.beta))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "trl_gkd.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -292,6 +292,29 @@ def test_gkd_trainer_cuda(tmp_path, cfg, counter):
 
 
 @cuda_only
+@pytest.mark.parametrize("cfg", [{"beta": 0.0}, {"beta": 1.0, "seq_kd": True}], ids=["fkl", "rkl_seqkd"])
+def test_gkd_trainer_cuda_bf16_fused_kl_forward(tmp_path, cfg, counter):
+    """bf16 autocast at a KL limit: every training step's forward takes the fused
+    KL-limit kernel (Triton backend, no fp32 logit chunks); the losses stay within bf16
+    GEMM rounding of TRL's on bf16 logits."""
+    from unittest import mock
+
+    from logitless.ops.linear_jsd import triton_backend
+    from logitless.planning.overrides import override
+
+    theirs = _train_gkd(tmp_path, False, cuda=True, bf16=True, **cfg)
+    with override(jsd_fused_forward=True), \
+            mock.patch.object(triton_backend, "_forward_fused", wraps=triton_backend._forward_fused) as fused:
+        ours = _train_gkd(tmp_path, True, cuda=True, bf16=True, **cfg)
+    assert len(counter) >= 3 and fused.call_count >= 3
+    assert all(c.args[0].dtype == torch.bfloat16 for c in fused.call_args_list)
+    assert len(ours) == len(theirs) == 3
+    for o, t in zip(ours, theirs):
+        assert o == pytest.approx(t, rel=2e-3)
+    assert len(set(ours)) > 1 and all(o > 0.01 for o in ours)
+
+
+@cuda_only
 def test_distillation_trainer_cuda(tmp_path, counter):
     theirs = _train_distillation(tmp_path, False, cuda=True, beta=0.4, temperature=0.7)
     ours = _train_distillation(tmp_path, True, cuda=True, beta=0.4, temperature=0.7)

@@ -4,7 +4,9 @@ one-process op. The spawn machinery is tests/_distributed.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 import logitless
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
+from logitless.planning.overrides import override
 from tests._distributed import DIST_MARKS, NCCL, blocks, same_on_every_rank, spawn
 from tests.helpers import assert_close_to_ref
 
@@ -24,7 +27,29 @@ CASES = [
     dict(name="softcaps-partial-dx", beta=0.3, student_softcap=3.0, teacher_softcap=4.0, partial_dx=True),
     dict(name="fp32-hard-labels", dtype=torch.float32, beta=0.7, hard_label_weight=1.0),
     dict(name="empty", shape=(0,), reduction="sum"),
+    # the KL limits merge each rank's own divergence (no second pass): ignore_index -1 is
+    # also the local id of a target that another rank holds
+    dict(name="forward-kl-ignore-minus-one", beta=0.0, hard_label_weight=0.7, ignore_index=-1, temperature=0.7,
+         shape=(3, 5)),
+    dict(name="reverse-kl-two-pass", beta=1.0, hard_label_weight=0.4, bias=True, two_pass=True),
 ]
+
+
+def _path(case):
+    """The forward's path under TP: at the KL limits the merge of each rank's divergence
+    (the second pass over the columns fails the test if it runs), or with ``two_pass``
+    that second pass, as 0 < beta < 1 always takes."""
+    from logitless.ops.linear_jsd import vocab_parallel
+
+    stack = contextlib.ExitStack()
+    if case.get("fused"):  # the Triton backend's fused KL-limit forward on each rank's columns
+        stack.enter_context(override(jsd_fused_forward=True))
+    if case.get("two_pass"):
+        stack.enter_context(override(jsd_tp_merge=False))
+    elif case.get("beta") in (0.0, 1.0):
+        stack.enter_context(mock.patch.object(vocab_parallel, "_column_sums",
+                                              side_effect=AssertionError("second pass over the columns at a KL limit")))
+    return stack
 
 
 def _case(rank, device, rows, case):
@@ -44,17 +69,20 @@ def _case(rank, device, rows, case):
     bt = (torch.randn(v_rows, generator=g, dtype=torch.float64) * 0.5).to(**to) if case.get("bias") else None
     t = torch.randint(0, v_real, shape, generator=g)
     if t.numel() > 2:
-        t.view(-1)[1] = -100
+        t.view(-1)[1] = case.get("ignore_index", -100)
     t = t.to(device)
     kw = {k: case[k] for k in ("beta", "temperature", "reduction", "student_softcap", "teacher_softcap",
-                               "hard_label_weight", "shift") if k in case}
+                               "hard_label_weight", "shift", "ignore_index") if k in case}
     mine = blocks(rows, rank)
     real = slice(0, v_real)
     xl, wl = xs.clone().requires_grad_(), ws[mine].clone().requires_grad_()
     bl = bs[mine].clone().requires_grad_() if bs is not None else None
-    loss = logitless.linear_jsd(xl, wl, xt, wt[mine], t, student_bias=bl, teacher_bias=None if bt is None else bt[mine],
-                                backend=case.get("backend", "torch"), process_group=pg,
-                                vocab_size=case.get("vocab_size"), partial_dx=case.get("partial_dx", False), **kw)
+    with _path(case):
+        loss = logitless.linear_jsd(xl, wl, xt, wt[mine], t, student_bias=bl,
+                                    teacher_bias=None if bt is None else bt[mine],
+                                    backend=case.get("backend", "torch"), process_group=pg,
+                                    vocab_size=case.get("vocab_size"), partial_dx=case.get("partial_dx", False),
+                                    **kw)
     x1, w1 = xs.clone().requires_grad_(), ws[real].clone().requires_grad_()
     b1 = bs[real].clone().requires_grad_() if bs is not None else None
     loss1 = logitless.linear_jsd(x1, w1, xt, wt[real], t, student_bias=b1,
@@ -136,4 +164,33 @@ def test_jsd_world2_padded_and_dtensor():
     if NCCL or os.environ.get("TRITON_INTERPRET") == "1":  # the Triton backend (interpreter on the CPU)
         cases.append(dict(name="triton", dtype=torch.float32, backend="triton", beta=0.5, hard_label_weight=0.5,
                           shape=(5,), vocab_size=27))
+        cases.append(dict(name="triton-fused-forward-kl", dtype=torch.bfloat16, backend="triton", beta=0.0,
+                          hard_label_weight=0.5, temperature=1.5, fused=True, shape=(6,), vocab_size=27))
     spawn(_padded_and_dtensor, 2, [[16, 16]], cases)
+
+
+@pytest.mark.skipif(NCCL, reason="the probe's CPU mode (interpreter over gloo); on a GPU it times the real kernels")
+def test_probe_tp_jsd_harness(tmp_path):
+    """``benchmarks/probe_tp_jsd.py`` on its tiny CPU shape: it runs every method, the merge
+    and the two passes give the same per-token losses, and it writes its JSON."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "probe.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(root / "src") + os.pathsep + str(root))
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "probe_tp_jsd.py"), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
+    assert rows["beta0/loss_rel_diff"] < 1e-5 and rows["beta1/loss_rel_diff"] < 1e-5
+    for b in ("0", "1", "0.5"):
+        for m in ("merge", "1-gpu") + (("two-pass",) if b != "0.5" else ()):
+            assert rows[f"beta{b}/{m}"]["fb"] > 0 and not rows[f"beta{b}/{m}"]["errors"], (b, m)

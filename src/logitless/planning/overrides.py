@@ -48,6 +48,11 @@ context is not in effect. Each field's default is the shipped behaviour:
                     chunks + the statistics kernels (``plans.jsd_kl_fused``); True / False:
                     always / never the fused kernel (results agree to fp32 rounding, not
                     bitwise)
+    jsd_tp_merge    vocab-parallel linear_jsd at the KL limits (beta 0 or 1): True (shipped):
+                    each rank's own divergence sum is merged with the log-sum-exps (one
+                    pass over the columns, ``ops.linear_jsd.vocab_parallel``); False: the
+                    second pass over this rank's columns with the merged log-sum-exps that
+                    0 < beta < 1 needs (the same statistics to fp32 rounding)
     fast_launch     repeated Triton launches call the cached compiled kernel directly
                     (``triton_lib.launch.run_kernel``; False: every launch through
                     ``kernel[grid]``, as LOGITLESS_FAST_LAUNCH=0 does for the whole
@@ -80,6 +85,7 @@ class Overrides:
     eager_fast_path: bool = True
     fast_launch: bool = True
     jsd_fused_forward: Optional[bool] = None
+    jsd_tp_merge: bool = True
 
     cute: Optional[bool] = None
     cute_available: Optional[bool] = None

@@ -6,11 +6,18 @@ same on every rank. The custom ops call these functions when their ``tp_group`` 
 
 forward:  pass 1, the backend's statistics over this rank's real rows: the local
           lse(zs / T), lse(zt / T) and lse(zs); collectives 1 and 2 merge them (MAX,
-          then SUM of exp(lse_r - M)). The mixture m = beta q + (1 - beta) p needs the
-          GLOBAL p and q, so S = sum_c p_c (lp_c - lm_c), K = sum_c q_c (lq_c - lm_c)
-          and the target logit zs[t] are sums over columns taken in pass 2 (tiles of
-          both heads' logits recomputed in torch, 2 more GEMMs of this rank's columns)
-          with the merged lse's, then added by collective 3 (a SUM of 3 x N floats).
+          then SUM of exp(lse_r - M)).
+          The KL limits (beta 0 or 1; ``_merge_kl_limits``): nothing more. With the
+          rank's own softmaxes p^r, q^r, K = KL(q || p) splits over the ranks as
+          K = sum_r w_r (K_r + lse_t^r - lse_s^r) - (lse_t - lse_s), w_r = exp(lse_t^r
+          - lse_t) (sum_r w_r = 1, q_c = w_r q^r_c on rank r's columns), i.e. a mean
+          under the teacher that collective 2 takes with the lse's (beta 1: S alike,
+          under the student); the target logit is a SUM (only its rank holds it).
+          0 < beta < 1: the mixture m = beta q + (1 - beta) p needs the GLOBAL p and q,
+          so S = sum_c p_c (lp_c - lm_c), K = sum_c q_c (lq_c - lm_c) and the target
+          logit zs[t] are sums over columns taken in pass 2 (tiles of both heads'
+          logits recomputed in torch, 2 more GEMMs of this rank's columns) with the
+          merged lse's, then added by collective 3 (a SUM of 3 x N floats).
 backward: the backend's backward on the local rows with the merged statistics gives
           this rank's rows of dW and db exactly and a partial dx (fp32), all-reduced
           (unless ``partial_dx``) and cast once.
@@ -28,6 +35,7 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import K_ROW, LSE1, LSE_S, LSE_T, NUM_STATS, S_ROW, ZTGT, log_mixture, token_loss
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
+from logitless.planning.overrides import current as _overrides
 from logitless.planning.plans import torch_plan
 
 from .torch_backend import _tile
@@ -59,6 +67,35 @@ def _column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions,
     return out
 
 
+def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Tensor:
+    """The full rows' (6, N) statistics at beta 0 or 1 from each rank's statistics of its
+    own columns (``local``, the backend's forward over them; all -inf on a rank without
+    columns), in the two collectives of ``merge_shards`` (module docstring).
+
+    beta 0: the divergence is K = KL(q || p), a mean under the teacher (lse index 1) of
+    K_r + lse_t^r - lse_s^r, less lse_t - lse_s of the full rows; beta 1: S = KL(p || q)
+    under the student alike. The other divergence row stays 0 (its weight is 0). The
+    difference of the two lse's costs about |lse| x eps absolute (1e-6 in fp32 at
+    lse ~ 12), as the finish of the split statistics on one GPU (``jsd_finish_kernel``).
+    The target logit: this rank's where it holds the target (``local_t`` >= 0), summed.
+    """
+    forward_kl = opts.beta == 0.0
+    own, other, row = (LSE_T, LSE_S, K_ROW) if forward_kl else (LSE_S, LSE_T, S_ROW)
+    value = local[row] + local[own] - local[other]
+    lse_rows = [local[LSE_S], local[LSE_T]]
+    sums = []
+    if opts.needs_lse1:
+        lse_rows.append(local[LSE1])
+        sums.append(torch.where(local_t >= 0, local[ZTGT], torch.zeros_like(local[ZTGT])))
+    merged = merge_shards(pg, lse_rows, sums=sums, means=[(value, 1 if forward_kl else 0)])
+    stats = torch.zeros_like(local)
+    stats[LSE_S], stats[LSE_T] = merged.lse[0], merged.lse[1]
+    stats[row] = merged.means[0] - (stats[own] - stats[other])
+    if opts.needs_lse1:
+        stats[LSE1], stats[ZTGT] = merged.lse[2], merged.sums[0]
+    return stats
+
+
 def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabParallelOptions,
             budget: int) -> tuple[Tensor, Tensor]:
     """(per-token loss (N,), merged statistics (6, N)): the forward op under TP."""
@@ -80,6 +117,9 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
         local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, opts, budget).to(dtype)
     else:
         local = torch.full((NUM_STATS, n), float("-inf"), dtype=dtype, device=xs.device)
+    if opts.beta in (0.0, 1.0) and _overrides().jsd_tp_merge:
+        stats = _merge_kl_limits(shard.group, local, local_t, opts)
+        return token_loss(stats, target, v, opts).to(dtype), stats
     if opts.needs_lse1:
         lse_rows = [local[LSE_S], local[LSE_T], local[LSE1]]
     else:

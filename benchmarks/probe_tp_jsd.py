@@ -1,0 +1,179 @@
+"""Vocab-parallel linear_jsd at the KL limits: one pass (the merge) against two, per rank.
+
+    python benchmarks/probe_tp_jsd.py [--shapes A,B] [--tp 2] [--betas 0,1,0.5] [--rounds 5] [--json out.json]
+
+A rank of a TP group of ``--tp`` GPUs holds V / tp rows of both heads. At beta 0 or 1 the
+forward now merges each rank's own divergence sum with the log-sum-exps
+(``ops.linear_jsd.vocab_parallel._merge_kl_limits``: the backend's forward over the rank's
+columns, then the two small collectives); ``override(jsd_tp_merge=False)`` gives the
+second pass over the rank's columns with the merged lse's (2 more GEMMs in torch tiles),
+which 0 < beta < 1 always takes. This probe times that per-rank work on ONE GPU: a
+one-process group (NCCL on CUDA, gloo on the CPU) whose only rank holds the V / tp rows,
+so the collectives cost nothing here (on a real group they move 3-4 x N floats). Each
+round times, interleaved (``benchmarks/cute/interleave.py``): the four cuBLAS GEMMs of the
+rank's floor, then per beta the forward (no grad) and forward+backward of: ``merge``
+(shipped at the KL limits), ``two-pass`` (forced), and ``1-gpu`` (the op on the same local
+head without a group: what the rank's work would cost with no TP at all). Ratios are the
+median over rounds of the same round's ratio. Also per beta: the per-token losses' largest
+relative difference merge vs two-pass (fp32 rounding expected). Default budget (256 MiB).
+Without CUDA: a tiny shape on the interpreter over gloo (harness check only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cute"))
+import interleave  # noqa: E402
+from _probe_common import probe_meta, write_json  # noqa: E402
+
+#: (tokens, student H, teacher H, full V) as probe_jsd_kl's A and B.
+SHAPES = {"A": (4096, 4096, 8192, 128256), "B": (4096, 2048, 2048, 151936)}
+METHODS = ("merge", "two-pass", "1-gpu")
+
+
+def _group(cuda: bool):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="A,B")
+    ap.add_argument("--tp", type=int, default=2, help="the TP size whose one rank is simulated")
+    ap.add_argument("--betas", default="0,1,0.5")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting rounds after this")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    cuda = "TRITON_INTERPRET" not in os.environ and torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import logitless
+    from logitless.ops.linear_jsd.bench_shapes import DistillShape
+    from logitless.planning.overrides import override
+    from logitless_bench.distill import make_inputs
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    pg = _group(cuda)
+    shapes = {k: SHAPES[k] for k in a.shapes.split(",")} if cuda else {"tiny": (24, 16, 24, 400)}
+    betas = [float(b) for b in a.betas.split(",")]
+    bench = interleave.gpu_bench(warmup=3, rep=30) if cuda else interleave.cpu_bench(reps=1)
+    record = probe_meta(budget_mib=256, tp=a.tp, rounds=a.rounds, shapes={},
+                        note="one GPU, a one-process group holding V / tp rows: the per-rank work, "
+                             "collectives not measured" if cuda else "CPU interpreter over gloo: harness only")
+    deadline = time.monotonic() + a.budget_s
+    for label, (n, hs, ht, v_full) in shapes.items():
+        v = -(-v_full // a.tp)
+        xs, ws, xt, wt, t = make_inputs(DistillShape(label, n, hs, ht, v), dev, 0)
+        xg, wg = xs.detach().requires_grad_(), ws.detach().requires_grad_()
+
+        def call(x, w, beta, method, **kw):
+            group = None if method == "1-gpu" else pg
+            with override(jsd_tp_merge=method != "two-pass"):
+                return logitless.linear_jsd(x, w, xt, wt, t, beta=beta, backend="triton", process_group=group, **kw)
+
+        measures = {}
+        if cuda:
+            with torch.no_grad():
+                dz = torch.randn(n, v, device=dev, dtype=xs.dtype)
+            measures["floor"] = lambda: (bench(lambda: xs @ ws.T) + bench(lambda: xt @ wt.T) + bench(lambda: dz @ ws)
+                                         + bench(lambda: dz.T @ xs))
+        for beta in betas:
+            for method in METHODS:
+                if method == "two-pass" and beta not in (0.0, 1.0):
+                    continue  # (the merge is not defined there: "merge" is the two-pass path)
+
+                def fwd(beta=beta, method=method):
+                    with torch.no_grad():
+                        call(xs, ws, beta, method)
+
+                def step(beta=beta, method=method):
+                    xg.grad = wg.grad = None
+                    call(xg, wg, beta, method).backward()
+
+                measures[f"beta{beta:g}/{method}/fwd"] = lambda f=fwd: bench(f)
+                measures[f"beta{beta:g}/{method}/fb"] = lambda s=step: bench(s)
+        res = interleave.interleaved(measures, rounds=a.rounds if cuda else 1, deadline=deadline if cuda else None)
+        rows = {}
+
+        def ratio(num, den):
+            ns, ds = res.get(num, {}).get("samples") or [], res.get(den, {}).get("samples") or []
+            r = sorted(x / y for x, y in zip(ns, ds))
+            return r[len(r) // 2] if r else None
+
+        for beta in betas:
+            for method in METHODS:
+                key = f"beta{beta:g}/{method}"
+                if f"{key}/fwd" not in res:
+                    continue
+                row = {k: res[f"{key}/{k}"].get("ms") for k in ("fwd", "fb")}
+                row["errors"] = {k: res[f"{key}/{k}"]["error"] for k in ("fwd", "fb") if "error" in res[f"{key}/{k}"]}
+                if cuda:
+                    row["fb_x_floor"] = ratio(f"{key}/fb", "floor")
+                if method != "1-gpu":
+                    row["fwd_x_1gpu"] = ratio(f"{key}/fwd", f"beta{beta:g}/1-gpu/fwd")
+                    row["fb_x_1gpu"] = ratio(f"{key}/fb", f"beta{beta:g}/1-gpu/fb")
+                rows[key] = row
+            if beta in (0.0, 1.0):
+                rows[f"beta{beta:g}/merge_over_two_pass"] = dict(
+                    fwd=ratio(f"beta{beta:g}/merge/fwd", f"beta{beta:g}/two-pass/fwd"),
+                    fb=ratio(f"beta{beta:g}/merge/fb", f"beta{beta:g}/two-pass/fb"))
+                with torch.no_grad():
+                    lm = call(xs, ws, beta, "merge", reduction="none")
+                    l2 = call(xs, ws, beta, "two-pass", reduction="none")
+                rows[f"beta{beta:g}/loss_rel_diff"] = ((lm - l2).abs().max() / l2.abs().max().clamp_min(1e-30)).item()
+        if cuda:
+            rows["floor_ms"] = res["floor"]["ms"]
+        record["shapes"][label] = dict(tokens=n, hs=hs, ht=ht, vocab_full=v_full, vocab_local=v, rows=rows,
+                                       rounds=res.get("_rounds"))
+        _print(label, n, hs, ht, v_full, v, a.tp, rows, betas)
+        if a.json:
+            write_json(a.json, record)
+        del xs, ws, xt, wt, xg, wg
+        if cuda:
+            torch.cuda.empty_cache()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def _print(label, n, hs, ht, v_full, v, tp, rows, betas) -> None:
+    fl = rows.get("floor_ms")
+    print(f"\n{label}: one rank of TP={tp}: {n} tokens, H {hs} <- {ht}, V {v_full} ({v} per rank)"
+          + (f"; rank floor (4 cuBLAS GEMMs) {fl:.2f} ms" if fl else ""), flush=True)
+    print("| beta | method | fwd ms | f+b ms | f+b / floor | fwd / 1-gpu | f+b / 1-gpu |")
+    print("|---|---|---|---|---|---|---|")
+    for beta in betas:
+        for method in METHODS:
+            r = rows.get(f"beta{beta:g}/{method}")
+            if r is None:
+                continue
+            print(f"| {beta:g} | {method} | {_f(r['fwd'])} | {_f(r['fb'])} | {_f(r.get('fb_x_floor'), '{:.3f}')} | "
+                  f"{_f(r.get('fwd_x_1gpu'), '{:.3f}')} | {_f(r.get('fb_x_1gpu'), '{:.3f}')} |"
+                  + (f" errors {r['errors']}" if r["errors"] else ""))
+        m = rows.get(f"beta{beta:g}/merge_over_two_pass")
+        if m:
+            print(f"| {beta:g} | merge / two-pass | {_f(m['fwd'], '{:.3f}')} | {_f(m['fb'], '{:.3f}')} | | | |"
+                  f"  loss rel diff {rows[f'beta{beta:g}/loss_rel_diff']:.2e}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
