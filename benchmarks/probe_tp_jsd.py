@@ -1,22 +1,25 @@
-"""Vocab-parallel linear_jsd at the KL limits: one pass (the merge) against two, per rank.
+"""Vocab-parallel linear_jsd per rank: the KL limits' one pass (the merge) against two, and
+the second pass of 0 < beta < 1, against the op on the same columns without a group.
 
     python benchmarks/probe_tp_jsd.py [--shapes A,B] [--tp 2] [--betas 0,1,0.5] [--rounds 5] [--json out.json]
 
 A rank of a TP group of ``--tp`` GPUs holds V / tp rows of both heads. At beta 0 or 1 the
-forward now merges each rank's own divergence sum with the log-sum-exps
+forward merges each rank's own divergence sum with the log-sum-exps
 (``ops.linear_jsd.vocab_parallel._merge_kl_limits``: the backend's forward over the rank's
-columns, then the two small collectives); ``override(jsd_tp_merge=False)`` gives the
-second pass over the rank's columns with the merged lse's (2 more GEMMs in torch tiles),
-which 0 < beta < 1 always takes. This probe times that per-rank work on ONE GPU: a
-one-process group (NCCL on CUDA, gloo on the CPU) whose only rank holds the V / tp rows,
-so the collectives cost nothing here (on a real group they move 3-4 x N floats). Each
-round times, interleaved (``benchmarks/cute/interleave.py``): the four cuBLAS GEMMs of the
-rank's floor, then per beta the forward (no grad) and forward+backward of: ``merge``
-(shipped at the KL limits), ``two-pass`` (forced), and ``1-gpu`` (the op on the same local
-head without a group: what the rank's work would cost with no TP at all). Ratios are the
-median over rounds of the same round's ratio. Also per beta: the per-token losses' largest
-relative difference merge vs two-pass (fp32 rounding expected). Default budget (256 MiB).
-Without CUDA: a tiny shape on the interpreter over gloo (harness check only).
+columns, then the two small collectives); ``override(jsd_tp_merge=False)`` forces the
+second pass over the rank's columns with the merged lse's, which 0 < beta < 1 always
+takes (the backend's ``column_sums``; on the Triton backend cuBLAS logit chunks and one
+Triton sweep). This probe times that per-rank work on ONE GPU: a one-process group
+(NCCL on CUDA, gloo on the CPU) whose only rank holds the V / tp rows, so the
+collectives cost nothing here (on a real group they move 3-4 x N floats). Each round
+times, interleaved (``benchmarks/cute/interleave.py``): the four cuBLAS GEMMs of the
+rank's floor, then per beta the forward (no grad) and forward+backward of: ``tp`` (the
+shipped path: the merge at the KL limits, two passes elsewhere), ``two-pass`` (forced;
+KL limits only), and ``1-gpu`` (the op on the same local head without a group: what the
+rank's work would cost with no TP at all). Ratios are the median over rounds of the same
+round's ratio. Also per KL limit: the per-token losses' largest relative difference tp vs
+two-pass (fp32 rounding expected). Default budget (256 MiB). Without CUDA: a tiny shape
+on the interpreter over gloo (harness check only).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from _probe_common import probe_meta, write_json  # noqa: E402
 
 #: (tokens, student H, teacher H, full V) as probe_jsd_kl's A and B.
 SHAPES = {"A": (4096, 4096, 8192, 128256), "B": (4096, 2048, 2048, 151936)}
-METHODS = ("merge", "two-pass", "1-gpu")
+METHODS = ("tp", "two-pass", "1-gpu")
 
 
 def _group(cuda: bool):
@@ -93,7 +96,7 @@ def main() -> int:
         for beta in betas:
             for method in METHODS:
                 if method == "two-pass" and beta not in (0.0, 1.0):
-                    continue  # (the merge is not defined there: "merge" is the two-pass path)
+                    continue  # (no merge there: "tp" is the two-pass path)
 
                 def fwd(beta=beta, method=method):
                     with torch.no_grad():
@@ -127,11 +130,11 @@ def main() -> int:
                     row["fb_x_1gpu"] = ratio(f"{key}/fb", f"beta{beta:g}/1-gpu/fb")
                 rows[key] = row
             if beta in (0.0, 1.0):
-                rows[f"beta{beta:g}/merge_over_two_pass"] = dict(
-                    fwd=ratio(f"beta{beta:g}/merge/fwd", f"beta{beta:g}/two-pass/fwd"),
-                    fb=ratio(f"beta{beta:g}/merge/fb", f"beta{beta:g}/two-pass/fb"))
+                rows[f"beta{beta:g}/tp_over_two_pass"] = dict(
+                    fwd=ratio(f"beta{beta:g}/tp/fwd", f"beta{beta:g}/two-pass/fwd"),
+                    fb=ratio(f"beta{beta:g}/tp/fb", f"beta{beta:g}/two-pass/fb"))
                 with torch.no_grad():
-                    lm = call(xs, ws, beta, "merge", reduction="none")
+                    lm = call(xs, ws, beta, "tp", reduction="none")
                     l2 = call(xs, ws, beta, "two-pass", reduction="none")
                 rows[f"beta{beta:g}/loss_rel_diff"] = ((lm - l2).abs().max() / l2.abs().max().clamp_min(1e-30)).item()
         if cuda:
@@ -168,9 +171,9 @@ def _print(label, n, hs, ht, v_full, v, tp, rows, betas) -> None:
             print(f"| {beta:g} | {method} | {_f(r['fwd'])} | {_f(r['fb'])} | {_f(r.get('fb_x_floor'), '{:.3f}')} | "
                   f"{_f(r.get('fwd_x_1gpu'), '{:.3f}')} | {_f(r.get('fb_x_1gpu'), '{:.3f}')} |"
                   + (f" errors {r['errors']}" if r["errors"] else ""))
-        m = rows.get(f"beta{beta:g}/merge_over_two_pass")
+        m = rows.get(f"beta{beta:g}/tp_over_two_pass")
         if m:
-            print(f"| {beta:g} | merge / two-pass | {_f(m['fwd'], '{:.3f}')} | {_f(m['fb'], '{:.3f}')} | | | |"
+            print(f"| {beta:g} | tp / two-pass | {_f(m['fwd'], '{:.3f}')} | {_f(m['fb'], '{:.3f}')} | | | |"
                   f"  loss rel diff {rows[f'beta{beta:g}/loss_rel_diff']:.2e}")
     sys.stdout.flush()
 

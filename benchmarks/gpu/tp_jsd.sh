@@ -6,7 +6,7 @@
 #                                                                   multiprocess wheels)
 #   SMOKE=1 OUT=<dir> bash benchmarks/gpu/tp_jsd.sh                  (CPU: interpreter, tiny shapes)
 # Parts (PARTS, default "tests probe trl"; each under its own cap, <= 540 s in all):
-#   tests  tests/test_tensor_parallel_jsd.py (gloo on one GPU's machine; NCCL and the Triton
+#   tests  tests/test_tensor_parallel_jsd.py, test_linear_jsd_column_sums.py (gloo on one GPU's machine; NCCL and the Triton
 #          backend with >= 2 GPUs), tests/test_integrations_trl_gkd.py (CUDA trainer runs, the
 #          bf16 KL-limit ones through the fused forward)                       <= 200 s
 #   probe  benchmarks/probe_tp_jsd.py: one rank of TP=2 (V / 2 rows of both heads), merge vs
@@ -33,7 +33,7 @@ if [ -n "$SMOKE" ]; then
     SMOKE_ARG="--smoke"
 else
     nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv 2>&1
-    TESTS="tests/test_tensor_parallel_jsd.py tests/test_integrations_trl_gkd.py"
+    TESTS="tests/test_tensor_parallel_jsd.py tests/test_linear_jsd_column_sums.py tests/test_integrations_trl_gkd.py"
     SMOKE_ARG=""
 fi
 

@@ -371,6 +371,33 @@ def _finish(zs, stride_sn, stride_sv, cap_target, target, part, sk, stats, sargs
         MODE=sargs["MODE"], HAS_HARD=sargs["HAS_HARD"], HAS_CAP_S=cap_target, BLOCK_N=fin_block, num_warps=4)
 
 
+def divergence_sums(zs, zt, lse_s, lse_t, opts, plan):
+    """(2, N) fp32: S and K (any beta; lm of the module's formulas) of the logits zs, zt
+    (N, V; any strides) with GIVEN row log-sum-exps lse_s = lse(a), lse_t = lse(b) of
+    full rows that these columns are a part of (vocabulary parallelism: the merged lse's
+    of all ranks; a -inf lse, a row of -inf logits, is taken as 0). Phase 2 of the
+    split statistics (``jsd_divergence_kernel``) fed a one-split partial (m = lse, s = 1;
+    the other splits empty), so its merge gives back exactly those lse's; the splits' sums
+    are then added in split order (no atomics). Traffic: both logits read once."""
+    import torch
+
+    n, v = zs.shape
+    sargs = scalar_args(opts)
+    splits = plan.splits
+    part = torch.zeros(4, splits, n, dtype=torch.float32, device=zs.device)
+    part[0::2] = float("-inf")
+    part[0, 0], part[1, 0], part[2, 0], part[3, 0] = lse_s, 1.0, lse_t, 1.0
+    sk = torch.empty(2, splits, n, dtype=torch.float32, device=zs.device)
+    launch.run_kernel(
+        jsd_divergence_kernel, (cdiv(n, plan.block_n), splits),
+        zs, zt, part, sk, n, v, zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1),
+        sargs["inv_t"], sargs["log_beta"], sargs["log_1mbeta"], sargs["cap_s"], sargs["cap_t"],
+        MODE=sargs["MODE"], HAS_CAP_S=sargs["HAS_CAP_S"], HAS_CAP_T=sargs["HAS_CAP_T"],
+        BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCKS_PER_SPLIT=plan.blocks_per_split,
+        num_warps=plan.num_warps)
+    return sk.sum(dim=1)
+
+
 def finish_kl_partials(part, z_target, target, stats, opts, vocab: int) -> None:
     """Phase 3 for partials written straight from the hidden states (the KL limits,
     ``ops.linear_jsd.triton_kernels.jsd_kl_forward_kernel``): part (PARTS, splits, N) in

@@ -6,7 +6,8 @@ forward:  per chunk of tokens (``_plans.jsd_torch_rows``), both heads' logits of
 backward: for each vocabulary chunk, for each token chunk (``_plans.torch_plan``):
           recompute both tiles, dz from the saved statistics (``_jsd_math.dlogits``),
           dW_s[v] += dz^T x_s, db_s[v] += column sums, dx_s (fp32) += dz W_s[v].
-No tensor of tokens x vocab elements unless the budget holds it.
+No tensor of tokens x vocab elements unless the budget holds it. ``column_sums``: the
+second pass of vocabulary parallelism for 0 < beta < 1 (``vocab_parallel``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
-from logitless.formulas.jsd import dlogits, reduce, row_stats, token_loss
+from logitless.formulas.jsd import dlogits, log_mixture, reduce, row_stats, token_loss
 from logitless.formulas.jsd import upstream as _upstream
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_torch_rows, torch_plan
@@ -112,3 +113,32 @@ def upstream(grad: Tensor, target: Tensor, ignore_index: int, reduction: str) ->
     else:
         g = (grad / (target != ignore_index).to(grad.dtype).sum()).expand(target.shape)
     return _upstream(g, target, ignore_index)
+
+
+def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
+    """(3, N) in lse_s' dtype: S, K and the student's soft-capped logit at
+    ``target`` (0 where the target is not among these columns), summed over these columns
+    only, with GIVEN log-sum-exps of the full rows (vocabulary parallelism's second pass:
+    the merged lse's of all ranks). Tiles of both heads in the statistics' dtype."""
+    n, v = xs.shape[0], ws.shape[0]
+    cd = lse_s.dtype
+    out = torch.zeros(3, n, dtype=cd, device=xs.device)
+    if v == 0:
+        return out
+    plan = torch_plan(n, v, max(xs.shape[1], xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 8))
+    t = opts.temperature
+    for n0 in range(0, n, plan.token_chunk):
+        n1 = min(n, n0 + plan.token_chunk)
+        ls, lt, tg = lse_s[n0:n1, None], lse_t[n0:n1, None], target[n0:n1, None]
+        for v0 in range(0, v, plan.vocab_chunk):
+            v1 = min(v, v0 + plan.vocab_chunk)
+            zs = _tile(xs[n0:n1], ws, bs, v0, v1, opts.student_softcap, cd)
+            zt = _tile(xt[n0:n1], wt, bt, v0, v1, opts.teacher_softcap, cd)
+            lp, lq = zs / t - ls, zt / t - lt
+            lm = log_mixture(lp, lq, opts.beta)
+            p, q = lp.exp(), lq.exp()
+            out[0, n0:n1] += torch.where(p == 0, torch.zeros_like(p), p * (lp - lm)).sum(dim=1)
+            out[1, n0:n1] += torch.where(q == 0, torch.zeros_like(q), q * (lq - lm)).sum(dim=1)
+            cols = torch.arange(v0, v1, device=xs.device)[None, :]
+            out[2, n0:n1] += torch.where(cols == tg, zs, torch.zeros_like(zs)).sum(dim=1)
+    return out

@@ -29,6 +29,8 @@ kernel multiplies those TF32-exact operands with DOT_PRECISION "tf32" (the produ
 rounding in registers, with TMA loads straight into the tensor cores). The forward's
 and the dx/dW GEMMs are cuBLAS, which rounds at "high" itself. The loss epilogue and
 the upstream gradient are one launch each (``triton_lib.jsd_epilogue``).
+Vocabulary parallelism (``vocab_parallel``) also calls ``column_sums``: its second pass
+for 0 < beta < 1 (the divergence sums of this rank's columns with the merged lse's).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from logitless.formulas.common import apply_softcap
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_kl_fused, jsd_stats_plan, linear_jsd_plan
 from logitless.triton_lib import launch
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (the backend's epilogues)
-from logitless.triton_lib.jsd_rows import PARTS, finish_kl_partials, row_stats, scalar_args
+from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
 
 from . import triton_kernels as K
 
@@ -94,6 +97,36 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
         # in place into columns [n0, n1) of the statistics
         row_stats(zs[:r], zt[:r], target[n0:n1], stats[:, n0:n1], opts, jsd_stats_plan(r, v, 4, xs.device))
     return stats
+
+
+def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
+    """(3, N) fp32: S, K and the student's soft-capped logit at ``target``
+    (0 where the target is not among these columns), summed over these columns only, with
+    GIVEN log-sum-exps of the full rows (vocabulary parallelism's second pass: the merged
+    lse's of all ranks). Per chunk of the forward's rows: both heads' fp32 logits by
+    cuBLAS (the chunked forward's buffers and GEMMs), then one sweep of the split
+    statistics' phase-2 kernel with those lse's (``jsd_rows.divergence_sums``)."""
+    n, v = xs.shape[0], ws.shape[0]
+    out = torch.zeros(3, n, dtype=torch.float32, device=xs.device)
+    if v == 0 or n == 0:
+        return out
+    rows = linear_jsd_plan(n, v, xs.shape[1], xs.element_size(), budget, xs.device).forward_rows
+    zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
+    zt = torch.empty_like(zs)
+    lse_s, lse_t = lse_s.float(), lse_t.float()
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        r = n1 - n0
+        _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
+        _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
+        out[:2, n0:n1] = divergence_sums(zs[:r], zt[:r], lse_s[n0:n1], lse_t[n0:n1], opts,
+                                         jsd_stats_plan(r, v, 4, xs.device))
+        t = target[n0:n1]
+        held = (t >= 0) & (t < v)
+        z_t = apply_softcap(zs[:r].gather(1, torch.where(held, t, torch.zeros_like(t))[:, None])[:, 0],
+                            opts.student_softcap)
+        out[2, n0:n1] = torch.where(held, z_t, torch.zeros_like(z_t))
+    return out
 
 
 def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan) -> Tensor:

@@ -15,9 +15,9 @@ forward:  pass 1, the backend's statistics over this rank's real rows: the local
           under the student); the target logit is a SUM (only its rank holds it).
           0 < beta < 1: the mixture m = beta q + (1 - beta) p needs the GLOBAL p and q,
           so S = sum_c p_c (lp_c - lm_c), K = sum_c q_c (lq_c - lm_c) and the target
-          logit zs[t] are sums over columns taken in pass 2 (tiles of both heads'
-          logits recomputed in torch, 2 more GEMMs of this rank's columns) with the
-          merged lse's, then added by collective 3 (a SUM of 3 x N floats).
+          logit zs[t] are sums over columns taken in pass 2 (both heads' logits of this
+          rank's columns recomputed: 2 more GEMMs, the backend's ``column_sums``) with
+          the merged lse's, then added by collective 3 (a SUM of 3 x N floats).
 backward: the backend's backward on the local rows with the merged statistics gives
           this rank's rows of dW and db exactly and a partial dx (fp32), all-reduced
           (unless ``partial_dx``) and cast once.
@@ -32,39 +32,16 @@ from torch import Tensor
 
 from logitless.distributed import all_reduce_, merge_shards, vocab_shard
 from logitless.formulas.common import compute_dtype
-from logitless.formulas.jsd import K_ROW, LSE1, LSE_S, LSE_T, NUM_STATS, S_ROW, ZTGT, log_mixture, token_loss
+from logitless.formulas.jsd import K_ROW, LSE1, LSE_S, LSE_T, NUM_STATS, S_ROW, ZTGT, token_loss
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
 from logitless.planning.overrides import current as _overrides
-from logitless.planning.plans import torch_plan
-
-from .torch_backend import _tile
 
 
-def _column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
-    """(3, N): S, K and zs at the target over this rank's columns (pass 2), in tiles."""
-    n, v = xs.shape[0], ws.shape[0]
-    cd = lse_s.dtype
-    out = torch.zeros(3, n, dtype=cd, device=xs.device)
-    if v == 0:
-        return out
-    plan = torch_plan(n, v, max(xs.shape[1], xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 8))
-    t = opts.temperature
-    for n0 in range(0, n, plan.token_chunk):
-        n1 = min(n, n0 + plan.token_chunk)
-        ls, lt, tg = lse_s[n0:n1, None], lse_t[n0:n1, None], target[n0:n1, None]
-        for v0 in range(0, v, plan.vocab_chunk):
-            v1 = min(v, v0 + plan.vocab_chunk)
-            zs = _tile(xs[n0:n1], ws, bs, v0, v1, opts.student_softcap, cd)
-            zt = _tile(xt[n0:n1], wt, bt, v0, v1, opts.teacher_softcap, cd)
-            lp, lq = zs / t - ls, zt / t - lt
-            lm = log_mixture(lp, lq, opts.beta)
-            p, q = lp.exp(), lq.exp()
-            out[0, n0:n1] += torch.where(p == 0, torch.zeros_like(p), p * (lp - lm)).sum(dim=1)
-            out[1, n0:n1] += torch.where(q == 0, torch.zeros_like(q), q * (lq - lm)).sum(dim=1)
-            cols = torch.arange(v0, v1, device=xs.device)[None, :]
-            out[2, n0:n1] += torch.where(cols == tg, zs, torch.zeros_like(zs)).sum(dim=1)
-    return out
+def _column_sums(impl, xs, ws, bs, xt, wt, bt, local_t, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
+    """(3, N): S, K and zs at the target over this rank's columns (pass 2: 0 < beta < 1, or forced), by
+    the backend (``column_sums``: torch tiles, or cuBLAS logit chunks + a Triton sweep)."""
+    return impl.column_sums(xs, ws, bs, xt, wt, bt, local_t, lse_s, lse_t, opts, budget)
 
 
 def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Tensor:
@@ -125,7 +102,7 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     else:
         lse_rows = [local[LSE_S], local[LSE_T]]
     merged = merge_shards(shard.group, lse_rows)
-    sums = _column_sums(xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, budget)
+    sums = _column_sums(impl, xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, budget)
     all_reduce_(sums, shard.group)
     stats = torch.zeros(NUM_STATS, n, dtype=dtype, device=xs.device)
     stats[LSE_S], stats[LSE_T], stats[S_ROW], stats[K_ROW] = merged.lse[0], merged.lse[1], sums[0], sums[1]
