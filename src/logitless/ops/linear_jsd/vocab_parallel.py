@@ -5,8 +5,9 @@ and of the teacher's full weight; the hidden states and the (global) targets are
 same on every rank. The custom ops call these functions when their ``tp_group`` is set.
 
 forward:  pass 1, the backend's statistics over this rank's real rows: the local
-          lse(zs / T), lse(zt / T) and lse(zs); collectives 1 and 2 merge them (MAX,
-          then SUM of exp(lse_r - M)).
+          lse(zs / T), lse(zt / T) and lse(zs) (for 0 < beta < 1 those of the forward
+          KL, the cheaper statistics that hold them); collectives 1 and 2 merge them
+          (MAX, then SUM of exp(lse_r - M)).
           The KL limits (beta 0 or 1; ``_merge_kl_limits``): nothing more. With the
           rank's own softmaxes p^r, q^r, K = KL(q || p) splits over the ranks as
           K = sum_r w_r (K_r + lse_t^r - lse_s^r) - (lse_t - lse_s), w_r = exp(lse_t^r
@@ -25,6 +26,7 @@ backward: the backend's backward on the local rows with the merged statistics gi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -91,7 +93,11 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     ws, bs, wt, bt = (shard.real_rows(t) for t in (ws, bs, wt, bt))
     local_t = shard.local_target(target)
     if ws.shape[0]:
-        local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, opts, budget).to(dtype)
+        # 0 < beta < 1 takes only the lse's (and the target logit) from pass 1: it runs as
+        # the forward KL, whose statistics hold them and cost less (online sums; on the
+        # Triton backend the fused forward where the cost model picks it)
+        first = opts if opts.beta in (0.0, 1.0) else dataclasses.replace(opts, beta=0.0)
+        local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, first, budget).to(dtype)
     else:
         local = torch.full((NUM_STATS, n), float("-inf"), dtype=dtype, device=xs.device)
     if opts.beta in (0.0, 1.0) and _overrides().jsd_tp_merge:
