@@ -110,7 +110,8 @@ def main() -> int:
                             logitless.linear_jsd(xg, wg, xt, wt, t, beta=beta, backend="triton").backward()
                     _, peak = timing.peak_extra_bytes(one, device=dev, exclude_bytes=0)
                     row["peak_extra_mib"] = None if peak is None else peak / 2**20
-                pred = cost_model.predict_jsd_recompute(cost_model.H100, n, hs, ht, v, 2, 256 * 2**20 // (8 * v),
+                pred = cost_model.predict_jsd_recompute(cost_model.device_model(dev), n, hs, ht, v, 2,
+                                                        256 * 2**20 // (8 * v),
                                                         fused_forward=fused)
                 row.update(pred_fwd_ms=pred.fwd_s * 1e3, pred_fb_ms=pred.time_s * 1e3)
                 rows[name] = row
@@ -129,6 +130,9 @@ def main() -> int:
             rows[f"beta{beta:g}/loss_rel_diff"] = ((lf - lc).abs().max() / lc.abs().max().clamp_min(1e-30)).item()
         if cuda:
             rows["floor_ms"] = res["floor"]["ms"]
+        from logitless.planning.plans import jsd_kl_fused
+
+        rows["planner_fused"] = jsd_kl_fused(n, v, hs, ht, 2, 256 * 2**20, dev)  # this device's model
         record["shapes"][label] = dict(tokens=n, hs=hs, ht=ht, vocab=v, rows=rows, rounds=res.get("_rounds"))
         _print(label, shape, rows, betas, res)
         if a.json:
@@ -285,7 +289,8 @@ def _has_cuda() -> bool:
 def _print(label, shape, rows, betas, res) -> None:
     fl = rows.get("floor_ms")
     print(f"\n{label}: {shape.tokens} tokens, H {shape.hidden_s} <- {shape.hidden_t}, V {shape.vocab}"
-          + (f"; floor (4 cuBLAS GEMMs) {fl:.2f} ms" if fl else ""), flush=True)
+          + (f"; floor (4 cuBLAS GEMMs) {fl:.2f} ms" if fl else "")
+          + f"; the planner's forward: {'fused' if rows.get('planner_fused') else 'chunked'}", flush=True)
     print("| beta | forward | fwd ms | f+b ms | f+b / floor | peak MiB | pred fwd / f+b ms |")
     print("|---|---|---|---|---|---|---|")
     for beta in betas:
