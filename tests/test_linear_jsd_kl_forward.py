@@ -95,6 +95,26 @@ def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
         assert jsd_kl_fused(n, v, hs, ht, 2, 256 << 20, dev) is (not fused)
 
 
+@pytest.mark.parametrize("shape, fused", [
+    ((4096, 2048, 2048, 151936), True),    # H200: forward 0.79x the chunked one, f+b 0.91x
+    ((4096, 896, 3584, 151936), True),     # 0.80x, f+b 0.91x
+    ((4096, 4096, 8192, 128256), False),   # 0.94-0.97x, f+b 0.99x: a tie, kept chunked
+    ((16384, 4096, 8192, 128256), False),  # 0.98x, f+b 0.99x: a tie
+])
+def test_the_h200_model_picks_the_measured_faster_forward(shape, fused):
+    """The H200's model (``cost_model.H200``: the fused forward's L2-miss factor and the
+    chunked forward's stream bandwidth measured there, ``probe-jsd-kl-H200-2026-11-24``)
+    at the probe's four shapes; with the H100's jsd fields it chose the chunked forward
+    at all four, 8-9% slower f+b at the small heads."""
+    n, hs, ht, v = shape
+    rows = linear_jsd_plan(n, v, hs, 2, 256 << 20, torch.device("cpu")).forward_rows
+    assert cost_model.jsd_kl_fused_faster(cost_model.H200, n, hs, ht, v, 2, rows) is fused
+    # and the predicted forwards within 15% of the measured ones where the choice is made
+    if fused:
+        measured = {2048: 8.96, 896: 9.88}[hs]
+        assert cost_model.jsd_kl_forward_s(cost_model.H200, n, hs, ht, v, 2) * 1e3 == pytest.approx(measured, rel=0.15)
+
+
 def test_override_switches_take_booleans_only():
     """A switch given a non-boolean (``"no"`` is truthy: it would force the fused path) is
     refused with the field's name; None is allowed where None means the planner's choice."""

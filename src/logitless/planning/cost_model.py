@@ -87,6 +87,12 @@ class DeviceModel:
     #: 8192)); H100, ``probe-jsd-kl-4stages-H100-2026-11-24`` (PERFORMANCE.md, session 7).
     jsd_kl_forward: float = 1.30
     jsd_kl_forward_l2miss: float = 1.45
+    #: linear_jsd's chunked forward (a few hundred rows per chunk: its fp32-output GEMMs
+    #: stream both weights once per chunk, then the statistics read the chunks): the
+    #: bandwidth those streams reach (None: ``hbm_bw``). H200: 3.4 TB/s, not its copy
+    #: rate: 2048 <- 2048, V 151936 went 13.5 -> 11.4 ms from the H100 (1.19x, not 1.43x;
+    #: ``probe-jsd-kl-H200-2026-11-24``, PERFORMANCE.md session 8).
+    jsd_stream_bw: float = None
     #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
     #: (11k-column chunks ran 5% slower: PERFORMANCE.md section 8).
     l2_bytes: float = 50e6
@@ -144,7 +150,12 @@ class DeviceModel:
 #: wide_chunks=2: the planner regret probe (issue 23, probe-regret-H100-2026-11-23) measured 4096-column
 #: chunks 2-11% slower than 8192-16384-column ones at 256 MiB on 7 of 9 shapes (mean regret 5.0% -> 1.8%).
 H100 = DeviceModel("H100", sms=132, wide_chunks=2)
-H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12)
+#: H200: the H100's tensor cores, 1.43x its copy bandwidth. The linear_jsd fields are
+#: measured (session 8: the KL fused forward's L2-miss factor falls with the bandwidth,
+#: 1.31 vs 1.45; the chunked forward's streams reach 3.4 TB/s); the others scale by the
+#: bandwidth, not refitted.
+H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12,
+               jsd_kl_forward_l2miss=1.31, jsd_stream_bw=3.4e12)
 #: Any other GPU: H100's constants (the choice is relative, so ratios matter more than
 #: absolute rates). The CPU interpreter uses this too; its plans are only for tests.
 DEFAULT = H100
@@ -413,6 +424,8 @@ def predict_all(n, h, v, itemsize, budget, *, device_model=DEFAULT, **kw) -> dic
 def _jsd_chunk_forward_s(dev, m, hs, ht, v, itemsize, stat_reads) -> float:
     """One forward chunk of m rows: two fp32-output logits GEMMs and the statistics'
     reads (``stat_reads`` passes over both fp32 chunks, split-row kernels at bandwidth)."""
+    if dev.jsd_stream_bw is not None:
+        dev = replace(dev, hbm_bw=dev.jsd_stream_bw)
     t = gemm_s(dev, m, v, hs, itemsize, out_itemsize=4) + gemm_s(dev, m, v, ht, itemsize, out_itemsize=4)
     return t + stat_reads * 8.0 * m * v / dev.hbm_bw + 3 * dev.launch_s
 
