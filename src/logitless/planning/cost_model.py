@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import Optional
 
 STRATEGIES = ("keep", "partial", "grad_in_forward", "forward")
 #: Kept-column candidates of "partial": multiples of 1/KEEP_STEPS of the vocabulary.
@@ -92,7 +93,7 @@ class DeviceModel:
     #: bandwidth those streams reach (None: ``hbm_bw``). H200: 3.4 TB/s, not its copy
     #: rate: 2048 <- 2048, V 151936 went 13.5 -> 11.4 ms from the H100 (1.19x, not 1.43x;
     #: ``probe-jsd-kl-H200-2026-11-24``, PERFORMANCE.md session 8).
-    jsd_stream_bw: float = None
+    jsd_stream_bw: Optional[float] = None
     #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
     #: (11k-column chunks ran 5% slower: PERFORMANCE.md section 8).
     l2_bytes: float = 50e6

@@ -40,12 +40,6 @@ from logitless.options import JSDOptions, VocabParallelOptions
 from logitless.planning.overrides import current as _overrides
 
 
-def _column_sums(impl, xs, ws, bs, xt, wt, bt, local_t, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
-    """(3, N): S, K and zs at the target over this rank's columns (pass 2: 0 < beta < 1, or forced), by
-    the backend (``column_sums``: torch tiles, or cuBLAS logit chunks + a Triton sweep)."""
-    return impl.column_sums(xs, ws, bs, xt, wt, bt, local_t, lse_s, lse_t, opts, budget)
-
-
 def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Tensor:
     """The full rows' (6, N) statistics at beta 0 or 1 from each rank's statistics of its
     own columns (``local``, the backend's forward over them; all -inf on a rank without
@@ -108,7 +102,7 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     else:
         lse_rows = [local[LSE_S], local[LSE_T]]
     merged = merge_shards(shard.group, lse_rows)
-    sums = _column_sums(impl, xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, budget)
+    sums = impl.column_sums(xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, budget)
     all_reduce_(sums, shard.group)
     stats = torch.zeros(NUM_STATS, n, dtype=dtype, device=xs.device)
     stats[LSE_S], stats[LSE_T], stats[S_ROW], stats[K_ROW] = merged.lse[0], merged.lse[1], sums[0], sums[1]
