@@ -129,8 +129,12 @@ def one_line(dev: cm.DeviceModel, base_name: str = "H100") -> str:
     """The line that defines the refitted model in cost_model.py (changed fields only,
     3 significant digits)."""
     default = cm.DeviceModel(dev.name, sms=dev.sms)
-    kw = [f"{f.name}={getattr(dev, f.name):.3g}" for f in dataclasses.fields(dev)
-          if f.name not in ("name", "sms") and f"{getattr(dev, f.name):.3g}" != f"{getattr(default, f.name):.3g}"]
+
+    def text(value) -> str:  # numbers to 3 digits; None (a field that falls back to another) as is
+        return "None" if value is None else f"{value:.3g}"
+
+    kw = [f"{f.name}={text(getattr(dev, f.name))}" for f in dataclasses.fields(dev)
+          if f.name not in ("name", "sms") and text(getattr(dev, f.name)) != text(getattr(default, f.name))]
     return f'{base_name} = DeviceModel("{dev.name}", sms={dev.sms}' + "".join(", " + k for k in kw) + ")"
 
 
