@@ -154,12 +154,43 @@ def _dtensor_case(rank, world, device):
     assert_close_to_ref("dtensor jsd: dw", wd.grad.full_tensor(), None, wr.grad, torch.float64)
 
 
+def _compile_case(rank, device):
+    """torch.compile(fullgraph=True) of the TP op (the merge at beta 0 with hard labels, and
+    the mixture's two passes): no graph break, results bitwise those of eager."""
+    pg = dist.group.WORLD
+    g = torch.Generator().manual_seed(11)
+    xs, xt = torch.randn(7, 10, generator=g), torch.randn(7, 14, generator=g)
+    ws, wt = torch.randn(23, 10, generator=g), torch.randn(23, 14, generator=g)
+    t = torch.randint(0, 23, (7,), generator=g)
+    xs, xt, ws, wt, t = (u.to(device) for u in (xs, xt, ws, wt, t))
+    mine = blocks([12, 11], rank)
+    counts = torch._dynamo.utils.counters
+    for kw in (dict(beta=0.0, hard_label_weight=0.5), dict(beta=0.4, temperature=0.8)):
+        counts.clear()
+
+        def loss_fn(x, w, kw=kw):
+            return logitless.linear_jsd(x, w, xt, wt[mine], t, process_group=pg, backend="torch", **kw)
+
+        compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+        xc, wc = xs.clone().requires_grad_(), ws[mine].clone().requires_grad_()
+        loss = compiled(xc, wc)
+        loss.backward()
+        xe, we = xs.clone().requires_grad_(), ws[mine].clone().requires_grad_()
+        eager = loss_fn(xe, we)
+        eager.backward()
+        assert torch.equal(loss, eager), kw
+        assert torch.equal(xc.grad, xe.grad) and torch.equal(wc.grad, we.grad), kw
+        assert not counts["graph_break"], dict(counts["graph_break"])
+        torch._dynamo.reset()
+
+
 def _padded_and_dtensor(rank, world, device, rows_list, cases):
     _worker(rank, world, device, rows_list, cases)
     _dtensor_case(rank, world, device)
+    _compile_case(rank, device)
 
 
-def test_jsd_world2_padded_and_dtensor():
+def test_jsd_world2_padded_dtensor_and_compile():
     pytest.importorskip("torch.distributed.tensor", reason="DTensor needs torch >= 2.4")
     cases = [dict(c, vocab_size=27) for c in CASES if c["name"] in ("mixture", "forward-kl-hard-labels")]
     if NCCL or os.environ.get("TRITON_INTERPRET") == "1":  # the Triton backend (interpreter on the CPU)
