@@ -17,8 +17,8 @@ rank's floor, then per beta the forward (no grad) and forward+backward of: ``tp`
 shipped path: the merge at the KL limits, two passes elsewhere), ``two-pass`` (forced;
 KL limits only), and ``1-gpu`` (the op on the same local head without a group: what the
 rank's work would cost with no TP at all). Ratios are the median over rounds of the same
-round's ratio. Also the per-token losses' largest relative difference tp vs 1-gpu, and
-at the KL limits tp vs two-pass (fp32 rounding expected). Default budget (256 MiB). Without CUDA: a tiny shape
+round's ratio. Also the per-token losses' and the gradients' (dx, dW) largest relative
+difference tp vs 1-gpu, and the losses' at the KL limits tp vs two-pass (fp32 rounding expected). Default budget (256 MiB). Without CUDA: a tiny shape
 on the interpreter over gloo (harness check only).
 """
 
@@ -133,6 +133,15 @@ def main() -> int:
                 lt = call(xs, ws, beta, "tp", reduction="none")
                 l1 = call(xs, ws, beta, "1-gpu", reduction="none")
             rows[f"beta{beta:g}/loss_rel_diff_1gpu"] = ((lt - l1).abs().max() / l1.abs().max().clamp_min(1e-30)).item()
+            grads = {}
+            for method in ("tp", "1-gpu"):
+                xg.grad = wg.grad = None
+                call(xg, wg, beta, method).backward()
+                grads[method] = (xg.grad.float(), wg.grad.float())
+            rows[f"beta{beta:g}/grad_rel_diff_1gpu"] = {
+                name: ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                for name, a, b in (("dx", grads["tp"][0], grads["1-gpu"][0]), ("dw", grads["tp"][1], grads["1-gpu"][1]))}
+            del grads
             if beta in (0.0, 1.0):
                 rows[f"beta{beta:g}/tp_over_two_pass"] = dict(
                     fwd=ratio(f"beta{beta:g}/tp/fwd", f"beta{beta:g}/two-pass/fwd"),
@@ -175,7 +184,9 @@ def _print(label, n, hs, ht, v_full, v, tp, rows, betas) -> None:
             print(f"| {beta:g} | {method} | {_f(r['fwd'])} | {_f(r['fb'])} | {_f(r.get('fb_x_floor'), '{:.3f}')} | "
                   f"{_f(r.get('fwd_x_1gpu'), '{:.3f}')} | {_f(r.get('fb_x_1gpu'), '{:.3f}')} |"
                   + (f" errors {r['errors']}" if r["errors"] else ""))
-        print(f"| {beta:g} | tp vs 1-gpu | | | | | |  loss rel diff {rows[f'beta{beta:g}/loss_rel_diff_1gpu']:.2e}")
+        gd = rows[f"beta{beta:g}/grad_rel_diff_1gpu"]
+        print(f"| {beta:g} | tp vs 1-gpu | | | | | |  loss rel diff {rows[f'beta{beta:g}/loss_rel_diff_1gpu']:.2e}, "
+              f"dx {gd['dx']:.2e}, dW {gd['dw']:.2e}")
         m = rows.get(f"beta{beta:g}/tp_over_two_pass")
         if m:
             print(f"| {beta:g} | tp / two-pass | {_f(m['fwd'], '{:.3f}')} | {_f(m['fb'], '{:.3f}')} | | | |"

@@ -228,5 +228,6 @@ def test_probe_tp_jsd_harness(tmp_path):
     assert rows["beta0/loss_rel_diff"] < 1e-5 and rows["beta1/loss_rel_diff"] < 1e-5
     for b in ("0", "1", "0.5"):
         assert rows[f"beta{b}/loss_rel_diff_1gpu"] < 1e-5, b
+        assert max(rows[f"beta{b}/grad_rel_diff_1gpu"].values()) < 1e-5, b
         for m in ("tp", "1-gpu") + (("two-pass",) if b != "0.5" else ()):
             assert rows[f"beta{b}/{m}"]["fb"] > 0 and not rows[f"beta{b}/{m}"]["errors"], (b, m)
