@@ -40,13 +40,51 @@ METHODS = ("tp", "two-pass", "1-gpu")
 
 
 def _group(cuda: bool):
+    """The process group: torchrun's (WORLD_SIZE > 1: a real TP group, one GPU per rank),
+    else a one-process group."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     return dist.group.WORLD
+
+
+def _synced(bench, world: int):
+    """``fn -> ms`` for a group of ``world`` processes: a fixed number of calls timed on
+    each rank (do_bench picks its repetitions per rank, which would desynchronise the
+    collectives), the slowest rank's median."""
+    if world == 1:
+        return bench
+    import torch
+    import torch.distributed as dist
+
+    def timed(fn, warmup=3, reps=15):
+        for _ in range(warmup):
+            fn()
+        samples = []
+        for _ in range(reps):
+            if torch.cuda.is_available():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        ms = torch.tensor([sorted(samples)[len(samples) // 2]], dtype=torch.float64)
+        if torch.cuda.is_available():
+            ms = ms.cuda()
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        return float(ms.item())
+
+    return timed
 
 
 def main() -> int:
@@ -68,18 +106,34 @@ def main() -> int:
     from logitless.planning.overrides import override
     from logitless_bench.distill import make_inputs
 
-    dev = torch.device("cuda" if cuda else "cpu")
+    import torch.distributed as dist
+
+    if cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     pg = _group(cuda)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = world if world > 1 else a.tp
     shapes = {k: SHAPES[k] for k in a.shapes.split(",")} if cuda else {"tiny": (24, 16, 24, 400)}
     betas = [float(b) for b in a.betas.split(",")]
-    bench = interleave.gpu_bench(warmup=3, rep=30) if cuda else interleave.cpu_bench(reps=1)
-    record = probe_meta(budget_mib=256, tp=a.tp, rounds=a.rounds, shapes={},
-                        note="one GPU, a one-process group holding V / tp rows: the per-rank work, "
-                             "collectives not measured" if cuda else "CPU interpreter over gloo: harness only")
+    bench = _synced(interleave.gpu_bench(warmup=3, rep=30) if cuda else interleave.cpu_bench(reps=1), world)
+    if world > 1:
+        note = f"{world} processes, one GPU each: the slowest rank's time, collectives included"
+    else:
+        note = "one GPU, a one-process group holding V / tp rows: the per-rank work, collectives not measured"
+    record = probe_meta(budget_mib=256, tp=tp, world=world, rounds=a.rounds, shapes={},
+                        note=note if cuda else "CPU interpreter over gloo: harness only")
     deadline = time.monotonic() + a.budget_s
     for label, (n, hs, ht, v_full) in shapes.items():
-        v = -(-v_full // a.tp)
-        xs, ws, xt, wt, t = make_inputs(DistillShape(label, n, hs, ht, v), dev, 0)
+        v = -(-v_full // tp)
+        if world > 1:  # the full heads on every rank (same seed), then this rank's rows
+            xs, ws_full, xt, wt_full, t = make_inputs(DistillShape(label, n, hs, ht, v_full), dev, 0)
+            mine = slice(rank * v, min(v_full, (rank + 1) * v))
+            ws, wt = ws_full[mine].contiguous(), wt_full[mine].contiguous()
+        else:
+            xs, ws, xt, wt, t = make_inputs(DistillShape(label, n, hs, ht, v), dev, 0)
+            ws_full = wt_full = None
+        v = ws.shape[0]
         xg, wg = xs.detach().requires_grad_(), ws.detach().requires_grad_()
 
         def call(x, w, beta, method, **kw):
@@ -108,7 +162,9 @@ def main() -> int:
 
                 measures[f"beta{beta:g}/{method}/fwd"] = lambda f=fwd: bench(f)
                 measures[f"beta{beta:g}/{method}/fb"] = lambda s=step: bench(s)
-        res = interleave.interleaved(measures, rounds=a.rounds if cuda else 1, deadline=deadline if cuda else None)
+        # (several processes: no deadline, so that every rank runs the same rounds)
+        res = interleave.interleaved(measures, rounds=a.rounds if cuda else 1,
+                                     deadline=deadline if cuda and world == 1 else None)
         rows = {}
 
         def ratio(num, den):
@@ -129,19 +185,23 @@ def main() -> int:
                     row["fwd_x_1gpu"] = ratio(f"{key}/fwd", f"beta{beta:g}/1-gpu/fwd")
                     row["fb_x_1gpu"] = ratio(f"{key}/fb", f"beta{beta:g}/1-gpu/fb")
                 rows[key] = row
+            # the TP op against the op without a group: on the same columns (one process), or
+            # on the full heads (several: the TP op's dx is the full one, its dW this rank's rows)
+            w_ref, wt_ref = (ws, wt) if world == 1 else (ws_full, wt_full)
             with torch.no_grad():
                 lt = call(xs, ws, beta, "tp", reduction="none")
-                l1 = call(xs, ws, beta, "1-gpu", reduction="none")
+                l1 = logitless.linear_jsd(xs, w_ref, xt, wt_ref, t, beta=beta, backend="triton", reduction="none")
             rows[f"beta{beta:g}/loss_rel_diff_1gpu"] = ((lt - l1).abs().max() / l1.abs().max().clamp_min(1e-30)).item()
-            grads = {}
-            for method in ("tp", "1-gpu"):
-                xg.grad = wg.grad = None
-                call(xg, wg, beta, method).backward()
-                grads[method] = (xg.grad.float(), wg.grad.float())
+            xg.grad = wg.grad = None
+            call(xg, wg, beta, "tp").backward()
+            dx_tp, dw_tp = xg.grad.float(), wg.grad.float()
+            x1, w1 = xs.detach().requires_grad_(), w_ref.detach().requires_grad_()
+            logitless.linear_jsd(x1, w1, xt, wt_ref, t, beta=beta, backend="triton").backward()
+            dw_1 = w1.grad.float() if world == 1 else w1.grad.float()[rank * -(-v_full // tp):][:v]
             rows[f"beta{beta:g}/grad_rel_diff_1gpu"] = {
                 name: ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                for name, a, b in (("dx", grads["tp"][0], grads["1-gpu"][0]), ("dw", grads["tp"][1], grads["1-gpu"][1]))}
-            del grads
+                for name, a, b in (("dx", dx_tp, x1.grad.float()), ("dw", dw_tp, dw_1))}
+            del dx_tp, dw_tp, x1, w1, dw_1
             if beta in (0.0, 1.0):
                 rows[f"beta{beta:g}/tp_over_two_pass"] = dict(
                     fwd=ratio(f"beta{beta:g}/tp/fwd", f"beta{beta:g}/two-pass/fwd"),
@@ -154,10 +214,11 @@ def main() -> int:
             rows["floor_ms"] = res["floor"]["ms"]
         record["shapes"][label] = dict(tokens=n, hs=hs, ht=ht, vocab_full=v_full, vocab_local=v, rows=rows,
                                        rounds=res.get("_rounds"))
-        _print(label, n, hs, ht, v_full, v, a.tp, rows, betas)
-        if a.json:
-            write_json(a.json, record)
-        del xs, ws, xt, wt, xg, wg
+        if rank == 0:
+            _print(label, n, hs, ht, v_full, v, tp, rows, betas, world)
+            if a.json:
+                write_json(a.json, record)
+        del xs, ws, xt, wt, xg, wg, ws_full, wt_full
         if cuda:
             torch.cuda.empty_cache()
     import torch.distributed as dist
@@ -170,9 +231,11 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def _print(label, n, hs, ht, v_full, v, tp, rows, betas) -> None:
+def _print(label, n, hs, ht, v_full, v, tp, rows, betas, world) -> None:
     fl = rows.get("floor_ms")
-    print(f"\n{label}: one rank of TP={tp}: {n} tokens, H {hs} <- {ht}, V {v_full} ({v} per rank)"
+    who = f"TP={tp} over {world} processes (rank 0's columns; times: the slowest rank)" if world > 1 else \
+        f"one rank of TP={tp}"
+    print(f"\n{label}: {who}: {n} tokens, H {hs} <- {ht}, V {v_full} ({v} per rank)"
           + (f"; rank floor (4 cuBLAS GEMMs) {fl:.2f} ms" if fl else ""), flush=True)
     print("| beta | method | fwd ms | f+b ms | f+b / floor | fwd / 1-gpu | f+b / 1-gpu |")
     print("|---|---|---|---|---|---|---|")

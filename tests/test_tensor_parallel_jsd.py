@@ -231,3 +231,29 @@ def test_probe_tp_jsd_harness(tmp_path):
         assert max(rows[f"beta{b}/grad_rel_diff_1gpu"].values()) < 1e-5, b
         for m in ("tp", "1-gpu") + (("two-pass",) if b != "0.5" else ()):
             assert rows[f"beta{b}/{m}"]["fb"] > 0 and not rows[f"beta{b}/{m}"]["errors"], (b, m)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe's CPU mode (interpreter over gloo, which needs the "
+                    "CPU machine's numpy < 2.3); on a GPU machine benchmarks/gpu/tp.sh runs it over NCCL")
+def test_probe_tp_jsd_harness_two_processes(tmp_path):
+    """``benchmarks/probe_tp_jsd.py`` under torchrun with 2 processes (the 2-GPU mode, here
+    over gloo): the ranks stay in step (fixed repetitions, no deadline), rank 0 writes the
+    JSON, and the TP op matches the op on the full heads."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "probe.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src") + os.pathsep + str(root))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(root / "benchmarks" / "probe_tp_jsd.py"), "--betas", "0", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["world"] == 2 and record["tp"] == 2
+    rows = record["shapes"]["tiny"]["rows"]
+    assert rows["beta0/loss_rel_diff_1gpu"] < 1e-5 and max(rows["beta0/grad_rel_diff_1gpu"].values()) < 1e-5
+    assert all(rows[f"beta0/{m}"]["fb"] > 0 and not rows[f"beta0/{m}"]["errors"] for m in ("tp", "two-pass", "1-gpu"))
+
