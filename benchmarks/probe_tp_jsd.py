@@ -1,25 +1,35 @@
 """Vocab-parallel linear_jsd per rank: the KL limits' one pass (the merge) against two, and
-the second pass of 0 < beta < 1, against the op on the same columns without a group.
+the second pass of 0 < beta < 1, against the op without a group.
 
     python benchmarks/probe_tp_jsd.py [--shapes A,B] [--tp 2] [--betas 0,1,0.5] [--rounds 5] [--json out.json]
+    torchrun --nproc_per_node N benchmarks/probe_tp_jsd.py [...]       (a real TP group of N GPUs)
 
-A rank of a TP group of ``--tp`` GPUs holds V / tp rows of both heads. At beta 0 or 1 the
-forward merges each rank's own divergence sum with the log-sum-exps
+A rank of a TP group holds V / tp rows of both heads. At beta 0 or 1 the forward merges
+each rank's own divergence sum with the log-sum-exps
 (``ops.linear_jsd.vocab_parallel._merge_kl_limits``: the backend's forward over the rank's
 columns, then the two small collectives); ``override(jsd_tp_merge=False)`` forces the
 second pass over the rank's columns with the merged lse's, which 0 < beta < 1 always
 takes (the backend's ``column_sums``; on the Triton backend cuBLAS logit chunks and one
-Triton sweep). This probe times that per-rank work on ONE GPU: a one-process group
-(NCCL on CUDA, gloo on the CPU) whose only rank holds the V / tp rows, so the
-collectives cost nothing here (on a real group they move 3-4 x N floats). Each round
-times, interleaved (``benchmarks/cute/interleave.py``): the four cuBLAS GEMMs of the
-rank's floor, then per beta the forward (no grad) and forward+backward of: ``tp`` (the
-shipped path: the merge at the KL limits, two passes elsewhere), ``two-pass`` (forced;
-KL limits only), and ``1-gpu`` (the op on the same local head without a group: what the
-rank's work would cost with no TP at all). Ratios are the median over rounds of the same
-round's ratio. Also the per-token losses' and the gradients' (dx, dW) largest relative
-difference tp vs 1-gpu, and the losses' at the KL limits tp vs two-pass (fp32 rounding expected). Default budget (256 MiB). Without CUDA: a tiny shape
-on the interpreter over gloo (harness check only).
+Triton sweep).
+
+One process (default): the per-rank work on ONE GPU, a one-process group (NCCL on CUDA,
+gloo on the CPU) whose only rank holds the V / tp rows, so the collectives cost nothing
+(on a real group they move 3-4 x N floats). Under torchrun (WORLD_SIZE > 1, tp = the
+world size): every rank builds the full heads (same seed) and keeps its block of rows;
+each measure runs a fixed number of calls on every rank (do_bench would pick its
+repetitions per rank and desynchronise the collectives), and the slowest rank's median is
+reported; no deadline (every rank runs the same rounds); rank 0 prints and writes.
+
+Each round times, interleaved (``benchmarks/cute/interleave.py``): the four cuBLAS GEMMs of
+the rank's floor, then per beta the forward (no grad) and forward+backward of: ``tp`` (the
+shipped path: the merge at the KL limits, two passes elsewhere), ``two-pass`` (forced; KL
+limits only), and ``1-gpu`` (the op on the rank's columns without a group: the rank's work
+with no TP). Ratios are the median over rounds of the same round's ratio. Checks: the
+per-token losses' and the gradients' (dx, dW) largest relative difference of the TP op
+against the op without a group (one process: on the same columns; several: on the full
+heads), and the losses' at the KL limits tp vs two-pass (fp32 rounding expected). Default
+budget (256 MiB). Without CUDA: a tiny shape on the interpreter over gloo (harness check
+only).
 """
 
 from __future__ import annotations
