@@ -63,34 +63,19 @@ def _group(cuda: bool):
     return dist.group.WORLD
 
 
-def _synced(bench, world: int):
+def _synced(bench, world: int, device):
     """``fn -> ms`` for a group of ``world`` processes: a fixed number of calls timed on
-    each rank (do_bench picks its repetitions per rank, which would desynchronise the
-    collectives), the slowest rank's median."""
+    each rank (``logitless_bench.timing.time_ms``; do_bench picks its repetitions per rank,
+    which would desynchronise the collectives), the slowest rank's median."""
     if world == 1:
         return bench
     import torch
     import torch.distributed as dist
+    from logitless_bench.timing import time_ms
 
-    def timed(fn, warmup=3, reps=15):
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for _ in range(reps):
-            if torch.cuda.is_available():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e3)
-        ms = torch.tensor([sorted(samples)[len(samples) // 2]], dtype=torch.float64)
-        if torch.cuda.is_available():
-            ms = ms.cuda()
+    def timed(fn):
+        ms = torch.tensor([time_ms(fn, device=device, warmup=3, reps=15)], dtype=torch.float64,
+                          device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         return float(ms.item())
 
@@ -126,7 +111,7 @@ def main() -> int:
     tp = world if world > 1 else a.tp
     shapes = {k: SHAPES[k] for k in a.shapes.split(",")} if cuda else {"tiny": (24, 16, 24, 400)}
     betas = [float(b) for b in a.betas.split(",")]
-    bench = _synced(interleave.gpu_bench(warmup=3, rep=30) if cuda else interleave.cpu_bench(reps=1), world)
+    bench = _synced(interleave.gpu_bench(warmup=3, rep=30) if cuda else interleave.cpu_bench(reps=1), world, dev)
     if world > 1:
         note = f"{world} processes, one GPU each: the slowest rank's time, collectives included"
     else:
