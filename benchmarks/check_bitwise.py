@@ -2,6 +2,8 @@
 
     python benchmarks/check_bitwise.py save FILE     # run every case, save the tensors
     python benchmarks/check_bitwise.py compare A B   # every tensor of A equal to B's, bit for bit
+    python benchmarks/check_bitwise.py digest FILE   # run every case, save a SHA-256 per tensor (JSON, small:
+                                                     # a GPU run's tensors are ~90 MB); compare takes either kind
 
 Cases: linear_cross_entropy (Triton and torch backends; budgets that keep all, part or
 none of the logits; the gradient-in-forward strategy forced), cross_entropy, jsd,
@@ -152,16 +154,46 @@ def all_results():
     return {k: [t.detach().cpu() for t in v] for k, v in out.items()}
 
 
+def digest(tensors) -> list[str]:
+    """One SHA-256 per tensor, over its dtype, shape and bytes."""
+    import hashlib
+
+    out = []
+    for t in tensors:
+        h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        out.append(h.hexdigest())
+    return out
+
+
+def load(path):
+    """Saved results as {case: [digest, ...]} (a digest file, or tensors digested here)."""
+    if path.endswith(".json"):
+        import json
+
+        with open(path) as f:
+            return json.load(f)
+    return {k: digest(v) for k, v in torch.load(path).items()}
+
+
 def main(argv):
+    if argv[:1] == ["digest"] and len(argv) == 2:
+        import json
+
+        res = {k: digest(v) for k, v in all_results().items()}
+        with open(argv[1], "w") as f:
+            json.dump({"device": str(torch.cuda.get_device_name() if GPU else "cpu"), **res}, f, indent=0)
+        print(f"digested {len(res)} cases on {DEV} to {argv[1]}")
+        return 0
     if argv[:1] == ["save"] and len(argv) == 2:
         res = all_results()
         torch.save(res, argv[1])
         print(f"saved {len(res)} cases ({sum(len(v) for v in res.values())} tensors) on {DEV} to {argv[1]}")
         return 0
     if argv[:1] == ["compare"] and len(argv) == 3:
-        a, b = torch.load(argv[1]), torch.load(argv[2])
-        bad = [k for k in a if k not in b or len(a[k]) != len(b[k])
-               or not all(torch.equal(x, y) for x, y in zip(a[k], b[k]))]
+        a, b = load(argv[1]), load(argv[2])
+        a.pop("device", None), b.pop("device", None)
+        bad = [k for k in a if k not in b or a[k] != b[k]]
         missing = sorted(set(b) - set(a))
         print(f"{len(a) - len(bad)}/{len(a)} cases bitwise equal" + (f"; differ: {bad}" if bad else "")
               + (f"; only in {argv[2]}: {missing}" if missing else ""))
