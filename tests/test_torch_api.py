@@ -349,3 +349,20 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
 
+
+
+def test_autocast():
+    """Under autocast (fp32 parameters, bf16 compute) the loss is fp32 as torch's, and the
+    gradients come back in the parameters' dtype."""
+    x, w, t, b, cw = _inputs(N, H, V, torch.float32, bias=True, class_weight=True, ignore=-100)
+    ref_loss, ref_grads = _run(ORIGINAL_F, x, w, t, b, cw, torch.float64, {})
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        same_loss, same_grads = _run(ORIGINAL_F, x, w, t, b, cw, torch.float32, {})
+        with logitless.patch_torch(), LogitlessOps() as ops:
+            loss, grads = _run(F.linear_cross_entropy, x, w, t, b, cw, torch.float32, {})
+    assert "logitless::lce_forward" in ops.ops
+    assert loss.dtype == same_loss.dtype == torch.float32
+    assert_close_to_ref("loss", loss, same_loss, ref_loss, torch.bfloat16)
+    for name, ours, same, ref in zip(("d_input", "d_linear_weight", "d_linear_bias"), grads, same_grads, ref_grads):
+        assert ours.dtype == torch.float32, name
+        assert_close_to_ref(name, ours, same, ref, torch.bfloat16)
