@@ -366,3 +366,42 @@ def test_autocast():
     for name, ours, same, ref in zip(("d_input", "d_linear_weight", "d_linear_bias"), grads, same_grads, ref_grads):
         assert ours.dtype == torch.float32, name
         assert_close_to_ref(name, ours, same, ref, torch.bfloat16)
+
+
+def test_tensor_subclass_goes_to_torch():
+    """A Tensor subclass (here one with no __torch_function__ override, as DTensor) is
+    handed to torch's own function; nn.Parameter is a plain tensor for the patch."""
+
+    class Sub(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+    x, w, t = torch.randn(N, H), torch.randn(V, H), torch.randint(0, V, (N,))
+    for xs, ws, logitless_ran in ((x.as_subclass(Sub), w, False), (x, torch.nn.Parameter(w), True)):
+        with logitless.patch_torch(), LogitlessOps() as ops:
+            got = F.linear_cross_entropy(xs, ws, t)
+        assert bool(ops.ops) is logitless_ran
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), ORIGINAL_F(x, w, t))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_small_memory_budget_chunks_and_matches(reduction, monkeypatch):
+    """patch_torch(memory_budget=...) reaches logitless (a budget far below the logits
+    makes it chunk over the vocabulary); the results stay torch's."""
+    n, h, v = 33, 24, 1031
+    x, w, t, b, cw = _inputs(n, h, v, torch.float32, bias=True, class_weight=True, ignore=-100, seed=3)
+    kwargs = {"reduction": reduction, "label_smoothing": 0.05}
+    ref_loss, ref_grads = _run(ORIGINAL_F, x, w, t, b, cw, torch.float64, kwargs)
+    seen = []
+    op = torch_api._logitless_lce
+
+    def spy(*args, **kw):
+        seen.append(kw["memory_budget"])
+        return op(*args, **kw)
+
+    monkeypatch.setattr(torch_api, "_logitless_lce", spy)
+    with logitless.patch_torch(memory_budget=8192):
+        loss, grads = _run(F.linear_cross_entropy, x, w, t, b, cw, torch.float32, kwargs)
+    assert seen == [8192]
+    assert_close_to_ref("loss", loss, None, ref_loss, torch.float32)
+    for name, ours, ref in zip(("d_input", "d_linear_weight", "d_linear_bias"), grads, ref_grads):
+        assert_close_to_ref(name, ours, None, ref, torch.float32)

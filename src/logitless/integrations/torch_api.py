@@ -21,10 +21,11 @@ its last dimension), ``input`` of shape (N, H) or unbatched (H,), a 2-D ``linear
 of the first three under autocast) on one device. Every other call goes to torch's own
 function unchanged, which computes it or raises torch's error: probability (soft)
 targets, K-dimensional losses (a (V, d1.., H) ``linear_weight``), uint8 targets, bad
-shapes or dtypes, Tensor subclasses that override ``__torch_function__`` (DTensor among
-them). On the CPU a target outside [0, V) that is not ``ignore_index`` is also handed to
-torch (its ``IndexError``); on a GPU (or inside a compiled graph) logitless does not
-check (a check would stall on a host sync): that token's loss is NaN.
+shapes or dtypes, Tensor subclasses (DTensor among them: for a vocabulary-parallel head
+call ``logitless.linear_cross_entropy`` itself, docs/tensor_parallel.md). On the CPU a
+target outside [0, V) that is not ``ignore_index`` is also handed to torch (its
+``IndexError``); on a GPU logitless does not check (a check would stall on a host sync):
+that token's loss is NaN, where torch's kernel raises a device-side assert.
 
 Differences from torch's function on the logitless path: the loss is computed in fp32
 and rounded once to the input dtype (torch's bf16/fp16 reference path rounds the logits),
@@ -63,6 +64,7 @@ __all__ = ["patch_torch", "unpatch_torch", "is_patched"]
 _REDUCTIONS = ("mean", "sum", "none")
 _LOW = (torch.float16, torch.bfloat16, torch.float32)  # what autocast casts
 _FLOATS = _LOW + (torch.float64,)
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,10 @@ def _autocast_on(device: torch.device) -> bool:
 def _on_logitless_path(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                        label_smoothing, options) -> bool:
     """Whether logitless computes this call with torch's semantics (else torch's own function runs)."""
-    tensors = (input, linear_weight, target)
-    if not all(isinstance(t, Tensor) for t in tensors):
-        return False
+    # Plain tensors only: a subclass (DTensor, which takes no __torch_function__ route,
+    # among them) keeps torch's semantics through torch's own function.
     optional = tuple(t for t in (linear_bias, weight) if t is not None)
-    if not all(isinstance(t, Tensor) for t in optional):
+    if not all(type(t) in _PLAIN for t in (input, linear_weight, target, *optional)):
         return False
     if has_torch_function_variadic(input, linear_weight, target, linear_bias, weight):
         return False
