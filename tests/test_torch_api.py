@@ -405,3 +405,22 @@ def test_small_memory_budget_chunks_and_matches(reduction, monkeypatch):
     assert_close_to_ref("loss", loss, None, ref_loss, torch.float32)
     for name, ours, ref in zip(("d_input", "d_linear_weight", "d_linear_bias"), grads, ref_grads):
         assert_close_to_ref(name, ours, None, ref, torch.float32)
+
+
+def test_options_never_fail_and_retain_graph():
+    """Any LinearCrossEntropyOptions is accepted (ignored); a second backward works."""
+    x = torch.randn(N, H, requires_grad=True)
+    w, t = torch.randn(V, H), torch.randint(0, V, (N,))
+    expected = ORIGINAL_F(x, w, t)
+    for options in (torch.nn.LinearCrossEntropyOptions(),
+                    torch.nn.LinearCrossEntropyOptions(batch_chunk_size=1, acc_policy="compact"),
+                    torch.nn.LinearCrossEntropyOptions(chunking_method="aspect_ratio:4", acc_dtype=torch.float64)):
+        x.grad = None
+        with logitless.patch_torch(), LogitlessOps() as ops:
+            loss = F.linear_cross_entropy(x, w, t, options=options)
+            loss.backward(retain_graph=True)
+            first = x.grad.clone()
+            loss.backward()
+        assert ops.ops
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(x.grad, 2 * first)
