@@ -231,6 +231,7 @@ BAD_INPUTS = {
     "soft target with ignore_index": lambda x, w, t: dict(target=torch.rand(N, V).softmax(-1), ignore_index=-100),
     "integer input": lambda x, w, t: dict(input=x.long(), linear_weight=w.long()),
     "1-D weight": lambda x, w, t: dict(linear_weight=w[0]),
+    "class weight requires grad": lambda x, w, t: dict(weight=torch.rand(V, requires_grad=True)),
 }
 
 

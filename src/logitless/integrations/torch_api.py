@@ -15,15 +15,16 @@ Arguments keep torch's meaning: ``weight`` is the per-class weight (logitless ca
 -100 for class-index targets.
 
 Which calls run on logitless: class-index targets (int64, the shape of ``input`` without
-its last dimension), ``input`` of shape (N, H) or unbatched (H,), a 2-D ``linear_weight``
-(V, H), ``linear_bias`` and ``weight`` of shape (V,), reduction "mean"/"sum"/"none",
-``label_smoothing`` in [0, 1], float16/bfloat16/float32/float64 tensors of one dtype (any
-of the first three under autocast) on one device. Every other call goes to torch's own
-function unchanged, which computes it or raises torch's error: probability (soft)
-targets, K-dimensional losses (a (V, d1.., H) ``linear_weight``), uint8 targets, bad
-shapes or dtypes, Tensor subclasses (DTensor among them: for a vocabulary-parallel head
-call ``logitless.linear_cross_entropy`` itself, docs/tensor_parallel.md). On the CPU a
-target outside [0, V) that is not ``ignore_index`` is also handed to torch (its
+its last dimension), ``input`` of shape (N, H) or unbatched (H,), a 2-D
+``linear_weight`` (V, H), ``linear_bias`` and ``weight`` of shape (V,), reduction
+"mean"/"sum"/"none", ``label_smoothing`` in [0, 1], float16/bfloat16/float32/float64
+tensors of one dtype (any of the first three under autocast) on one device. Every other
+call goes to torch's own function unchanged, which computes it or raises torch's error:
+probability (soft) targets, K-dimensional losses (a (V, d1.., H) ``linear_weight``),
+uint8 targets, bad shapes or dtypes, a class ``weight`` that requires grad, Tensor
+subclasses (DTensor among them: for a vocabulary-parallel head call
+``logitless.linear_cross_entropy`` itself, docs/tensor_parallel.md). On the CPU a target
+outside [0, V) that is not ``ignore_index`` is also handed to torch (its
 ``IndexError``); on a GPU logitless does not check (a check would stall on a host sync):
 that token's loss is NaN, where torch's kernel raises a device-side assert.
 
@@ -112,6 +113,8 @@ def _on_logitless_path(input, linear_weight, target, linear_bias, weight, reduct
         return False
     if has_torch_function_variadic(input, linear_weight, target, linear_bias, weight):
         return False
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        return False  # torch: "not differentiable with respect to argument 'weight'"
     if options is not None and not isinstance(options, torch.nn.LinearCrossEntropyOptions):
         return False
     if reduction not in _REDUCTIONS:
