@@ -15,6 +15,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
 else:
     del _torch
     from .formulas.cross_entropy import LossStats
+    from .integrations.torch_api import patch_torch, unpatch_torch
     from .ops.cross_entropy import CrossEntropyLoss, cross_entropy
     from .ops.jsd import JSDLoss, jsd
     from .ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
@@ -22,7 +23,6 @@ else:
     from .ops.linear_log_probs import LinearLogProbs, linear_log_probs
     from .ops.log_probs import LogProbs, log_probs
     from .planning.plans import DEFAULT_MEMORY_BUDGET
-    from .integrations.torch_api import patch_torch, unpatch_torch
 
     __all__ = [
         "linear_cross_entropy",

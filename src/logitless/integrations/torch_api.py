@@ -178,7 +178,7 @@ class _Patch:
     def __init__(self, previous: Optional[_Settings]):
         self._previous = previous
 
-    def __enter__(self) -> "_Patch":
+    def __enter__(self) -> _Patch:
         return self
 
     def __exit__(self, *exc) -> None:
