@@ -20,6 +20,9 @@ from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_re
 from logitless_bench import peers, reference, report
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+#: torch's own F.linear_cross_entropy (torch >= 2.13) and its rows in the lce suite.
+HAS_TORCH_LCE = hasattr(torch.nn.functional, "linear_cross_entropy")
+TORCH_API_ROWS = {"torch-lce", "torch-lce-chunk1024", "logitless-torch-api"}
 
 RUN = """\
 import sys
@@ -88,8 +91,11 @@ def test_cpu_run_lce_files(cpu_run):
     shape = data["shapes"]["cpu-tiny"]
     assert shape["gemm_ms"] > 0 and math.isfinite(shape["ref_loss"])
     rows = {r["method"]: r for r in data["rows"]}
-    assert {"logitless", "logitless@logits", "torch-eager"} <= set(rows)
+    assert {"logitless", "logitless@logits", "torch-eager"} | TORCH_API_ROWS <= set(rows)
     for name, r in rows.items():
+        if name in TORCH_API_ROWS and not HAS_TORCH_LCE:  # torch < 2.13: said, not crashed
+            assert r["status"] == "skipped" and r["reason"].startswith("n/a (torch < 2.13)"), (name, r)
+            continue
         assert r["status"] == "ok", (name, r["reason"])
         for key in ("fwd_ms", "fwdbwd_ms", "fwd_per_gemm", "fwdbwd_per_3gemm", "loss", "loss_abs_err",
                     "dx_rel_err", "dw_rel_err"):
@@ -238,3 +244,35 @@ def test_summary_warns_next_to_the_table():
     data["meta"]["device_info"]["load_average_1min"] = 0.5
     data["rows"][0].update(fwd_per_gemm=1.2, fwd_spread=0.01)
     assert "!!!" not in report.summary(data)
+
+
+def test_torch_api_rows_without_the_api(monkeypatch):
+    """On torch < 2.13 (no F.linear_cross_entropy) the rows are skipped with "n/a (torch < 2.13)"."""
+    methods = {m.name: m for m in peers.lce_methods(["default"], cpu=True, peers=True)}
+    assert TORCH_API_ROWS <= set(methods)
+    assert not methods["logitless-torch-api"].peer and methods["torch-lce"].peer
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy", raising=False)
+    for name in TORCH_API_ROWS:
+        with pytest.raises(peers.Skip, match=r"^n/a \(torch < 2\.13\)"):
+            methods[name].make(None, "cpu")
+
+
+@pytest.mark.skipif(not HAS_TORCH_LCE, reason="torch < 2.13 has no F.linear_cross_entropy")
+def test_torch_api_rows_compute_the_loss(monkeypatch):
+    """torch-lce rows call torch's own function; the logitless row runs logitless and leaves torch unpatched."""
+    import logitless.integrations.torch_api as torch_api
+
+    x, w, t = torch.randn(40, 24), torch.randn(53, 24), torch.randint(0, 53, (40,))
+    expected = torch.nn.functional.cross_entropy(x @ w.T, t)
+    for name in sorted(TORCH_API_ROWS):
+        method = next(m for m in peers.lce_methods([], cpu=True, peers=True) if m.name == name)
+        fn = method.make(None, "cpu")
+        torch.testing.assert_close(fn(x, w, t), expected, rtol=1e-5, atol=1e-5)
+        assert not torch_api.is_patched()
+    original = torch.nn.functional.linear_cross_entropy
+    seen = []
+    op = torch_api._logitless_lce
+    monkeypatch.setattr(torch_api, "_logitless_lce", lambda *a, **k: seen.append(1) or op(*a, **k))
+    fn = next(m for m in peers.lce_methods([], cpu=True, peers=True) if m.name == "logitless-torch-api")
+    fn.make(None, "cpu")(x, w, t)
+    assert seen == [1] and torch.nn.functional.linear_cross_entropy is original

@@ -15,6 +15,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
 else:
     del _torch
     from .formulas.cross_entropy import LossStats
+    from .integrations.torch_api import patch_torch, unpatch_torch
     from .ops.cross_entropy import CrossEntropyLoss, cross_entropy
     from .ops.jsd import JSDLoss, jsd
     from .ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
@@ -38,6 +39,8 @@ else:
         "LogProbs",
         "LossStats",
         "DEFAULT_MEMORY_BUDGET",
+        "patch_torch",
+        "unpatch_torch",
     ]
 
 __version__ = "0.1.0"

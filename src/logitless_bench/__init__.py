@@ -3,7 +3,8 @@
 Where to look:
     cli.py        the command line, the CPU fallback, the final tables (__main__.py calls it)
     timing.py     how time (CUDA events / perf_counter), peak memory and the units are measured
-    peers.py      one adapter per method (logitless budgets, torch eager/compile, liger, cce)
+    peers.py      one adapter per method (logitless budgets, torch eager/compile, liger, cce,
+                  torch's own F.linear_cross_entropy and logitless behind it via patch_torch)
     lce.py        suite lce: fused linear cross-entropy, per shape and method
     ce.py         suite ce: cross-entropy on materialised logits (bandwidth-bound)
     reference.py  float64 references, chunked over tokens, for the error columns

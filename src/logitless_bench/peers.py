@@ -3,6 +3,9 @@
 An adapter ``make(case, device)`` returns the loss function the suite times:
 
     lce suite: fn(x, weight, target) -> mean loss     x (B, H), weight (V, H), target (B,)
+               (logitless at each budget; torch eager and compiled, liger, cce; torch's own
+               F.linear_cross_entropy with its chunked options, and logitless behind it
+               through patch_torch: "n/a (torch < 2.13)" on older torch)
     ce suite:  fn(logits, target)    -> mean loss     logits (N, V)
 
 or raises ``Skip(reason)`` when the method cannot run here (library not installed,
@@ -156,10 +159,55 @@ LCE_PEERS: tuple[Method, ...] = (
 )
 
 
+# torch's own F.linear_cross_entropy (torch >= 2.13), and logitless behind it (patch_torch).
+
+TORCH_API_MISSING = "n/a (torch < 2.13): torch {} has no torch.nn.functional.linear_cross_entropy"
+
+
+def _torch_lce():
+    f = getattr(F, "linear_cross_entropy", None)
+    if f is None or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        raise Skip(TORCH_API_MISSING.format(torch.__version__))
+    return f
+
+
+def _make_torch_api_lce(**options):
+    def make(shape, device):
+        f = _torch_lce()
+        opts = torch.nn.LinearCrossEntropyOptions(**options)
+        return lambda x, w, t: f(x, w, t, options=opts)
+
+    return make
+
+
+def _make_logitless_torch_api(shape, device):
+    _torch_lce()
+    import logitless
+
+    backend = "auto" if _on_gpu(device) else "torch"  # the CPU run: PyTorch chunks
+
+    def fn(x, w, t):
+        # Patched for the call only, so that the torch-lce rows keep torch's own function.
+        with logitless.patch_torch(backend=backend):
+            return F.linear_cross_entropy(x, w, t)
+
+    return fn
+
+
+TORCH_API_LCE: tuple[Method, ...] = (
+    Method("torch-lce", _make_torch_api_lce(),
+           description="F.linear_cross_entropy(x, W, t, options=LinearCrossEntropyOptions()) (torch >= 2.13)"),
+    Method("torch-lce-chunk1024", _make_torch_api_lce(batch_chunk_size=1024),
+           description="F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(batch_chunk_size=1024))"),
+    Method("logitless-torch-api", _make_logitless_torch_api, peer=False,
+           description="F.linear_cross_entropy(x, W, t) under logitless.patch_torch() (default memory budget)"),
+)
+
+
 def lce_methods(budgets, *, cpu: bool, peers: bool) -> list[Method]:
     methods = [logitless_lce(b) for b in budgets]
     if peers:
-        methods += [m for m in LCE_PEERS if not (cpu and m.gpu_only)]
+        methods += [m for m in LCE_PEERS + TORCH_API_LCE if not (cpu and m.gpu_only)]
     return methods
 
 

@@ -7,8 +7,18 @@ trainer it serves: each works with that trainer installed or not.
   log-probs and entropy from logitless (no logits).
 - ``logitless.integrations.hf_log_probs``: per-token log-probs (and entropy) of the
   given tokens under an HF causal LM, from its last hidden states, without logits.
+- ``logitless.integrations.torch_api`` (``logitless.patch_torch``): torch's own
+  ``F.linear_cross_entropy`` / ``nn.LinearCrossEntropyLoss`` (torch >= 2.13) on logitless.
 """
 
-from .hf import hf_log_probs
-
 __all__ = ["hf_log_probs"]
+
+
+def __getattr__(name):
+    # hf_log_probs on first use: its module imports logitless.transformers (which imports
+    # torch._dynamo), and ``import logitless`` imports this package for patch_torch.
+    if name == "hf_log_probs":
+        from .hf import hf_log_probs
+
+        return hf_log_probs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
