@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+from logitless_bench.shapes import MODEL_SHAPES
 from logitless_bench import compare, shapes
 from logitless_bench.cli import main as cli_main
 
