@@ -86,7 +86,7 @@ def test_other_calls_keep_the_unfused_forward(case, fused_calls):
 ])
 def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
     """The default choice (``plans.jsd_kl_fused``, H100 constants) at the four shapes of
-    ``benchmarks/probe_jsd_kl.py`` (default budget, 4 stages:
+    the KL probe (docs/history.md; default budget, 4 stages:
     ``probe-jsd-kl-4stages-H100-2026-11-24``); an override wins over it."""
     n, hs, ht, v = shape
     dev = torch.device("cpu")  # (the interpreter plans with the H100 model)

@@ -220,7 +220,7 @@ def test_fit_keeps_unconstrained_constants(fitter):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the probe's --smoke mode runs the Triton kernels on CPU tensors: needs Triton's "
-                           "interpreter (the suite's CPU mode); on a GPU benchmarks/gpu/regret.sh runs the probe")
+                           "interpreter (the suite's CPU mode); on a GPU: bash benchmarks/gpu/suite.sh models")
 def test_probe_smoke_writes_regret(probe, tmp_path):
     summaries, rows = probe.main(["--smoke", "--shapes", "smoke-c", "--rounds", "1", "--no-profile",
                                   "--out", str(tmp_path)])
