@@ -1,0 +1,153 @@
+"""Are two trees' Triton kernels the same machine code? An AOT compile for sm_90 (no GPU
+needed: Triton's bundled ptxas) of the fused linear ops' kernels under a few constexpr
+configurations, and the PTX (line info stripped) compared.
+
+    python benchmarks/check_kernel_asm.py save FILE     # compile this tree's kernels
+    python benchmarks/check_kernel_asm.py compare A B   # same PTX, kernel by kernel
+
+Run with PYTHONPATH pointing at the tree (src/). Kernels: linear_cross_entropy's
+(``triton_lib.lce_kernels``) and linear_log_probs' (``triton_lib.log_probs_kernels`` or,
+before that move, ``ops.linear_log_probs.triton_kernels``). A pure refactor of kernel
+code (helpers that Triton inlines) must leave the PTX unchanged: then every result on
+the GPU is bitwise the same. TRITON_INTERPRET must not be set (this compiles).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")
+
+CONFIGS = {
+    # name: (dtype, constexprs, num_warps, num_stages)
+    "bf16-ptrs-all-flags": ("bf16", dict(
+        HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=True, NEED_SMOOTH=True, NEED_ARGMAX=True, KEEP=True,
+        ENTROPY=True, DOT_PRECISION="tf32", USE_TMA=False, DZ_TMA=False, FLATTEN=False,
+        BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 3),
+    "bf16-tma-flatten": ("bf16", dict(
+        HAS_BIAS=False, HAS_SOFTCAP=False, HAS_CW=False, NEED_SMOOTH=False, NEED_ARGMAX=False, KEEP=True,
+        ENTROPY=False, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=True, FLATTEN=True,
+        BLOCK_N=128, BLOCK_V=128, BLOCK_H=64), 8, 3),
+    "fp32-tf32x3-softcap": ("fp32", dict(
+        HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=False, NEED_SMOOTH=True, NEED_ARGMAX=False, KEEP=False,
+        ENTROPY=True, DOT_PRECISION="tf32x3", USE_TMA=False, DZ_TMA=False, FLATTEN=True,
+        BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 2),
+    # fp32 at "high" on operands pre-rounded to TF32, W in chunks (plans.CUDA_TILES_TF32).
+    "fp32-tf32-wchunk-tma": ("fp32", dict(
+        HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, NEED_SMOOTH=False, NEED_ARGMAX=False, KEEP=False,
+        ENTROPY=False, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=False, FLATTEN=True, W_CHUNK=True,
+        BLOCK_N=128, BLOCK_V=256, BLOCK_H=32), 8, 4),
+    "fp32-tf32-wchunk-tma-keep": ("fp32", dict(
+        HAS_BIAS=False, HAS_SOFTCAP=True, HAS_CW=True, NEED_SMOOTH=True, NEED_ARGMAX=True, KEEP=True,
+        ENTROPY=True, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=False, FLATTEN=True, W_CHUNK=True,
+        BLOCK_N=128, BLOCK_V=128, BLOCK_H=32), 8, 4),
+}
+
+KERNELS = {
+    "lce": (["logitless.triton_lib.lce_kernels"],
+            ["forward_stats_kernel", "dlogits_kernel", "kept_dlogits_kernel"]),
+    "llp": (["logitless.triton_lib.log_probs_kernels", "logitless.ops.linear_log_probs.triton_kernels"],
+            ["logp_forward_kernel", "logp_dlogits_kernel", "logp_kept_dlogits_kernel"]),
+}
+
+#: Pointer arguments in the input dtype (or descriptors with TMA); other pointers are fp32
+#: unless named here.
+IN_DTYPE = {"x_ptr", "w_ptr", "b_ptr", "keep_ptr", "dz_ptr"}
+OTHER_PTR = {"target_ptr": "*i64", "token_ptr": "*i64", "part_arg_ptr": "*i32"}
+FLOATS = {"softcap", "inv_temp", "temperature"}
+
+
+def _desc(dtype, block):
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}]>"
+
+
+def signature(fn, dtype, c):
+    tma = c["USE_TMA"]
+    desc_blocks = {"x_ptr": (c["BLOCK_N"], c["BLOCK_H"]), "w_ptr": (c["BLOCK_V"], c["BLOCK_H"]),
+                   "keep_ptr": (c["BLOCK_N"], c["BLOCK_V"])}
+    sig, consts = {}, {}
+    kept_kernel = "H" not in fn.arg_names  # the kept-dlogits kernels take plain pointers
+    # Constexprs a config does not name take their defaults (as at a launch that omits them).
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    for a in fn.arg_names:
+        if a in c or a in defaults:
+            sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
+        elif a.endswith("_ptr"):
+            if a in IN_DTYPE:
+                use_desc = (tma and a in desc_blocks and not kept_kernel) or (a == "dz_ptr" and c["DZ_TMA"])
+                block = desc_blocks.get(a, (c["BLOCK_N"], c["BLOCK_V"]))
+                sig[a] = _desc(dtype, block) if use_desc else f"*{dtype}"
+            else:
+                sig[a] = OTHER_PTR.get(a, "*fp32")
+        else:
+            sig[a] = "fp32" if a in FLOATS else "i32"
+    return sig, consts
+
+
+def strip(ptx: str) -> str:
+    ptx = re.sub(r"^\s*\.(loc|file)\b.*$", "", ptx, flags=re.M)
+    ptx = re.sub(r"\.section\s+\.debug_\w+\s*\{.*?\}", "", ptx, flags=re.S)
+    return "\n".join(line.rstrip() for line in ptx.splitlines() if line.strip())
+
+
+def compile_all():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = {}
+    for op, (modules, names) in KERNELS.items():
+        mod = None
+        for m in modules:
+            try:
+                mod = importlib.import_module(m)
+                break
+            except ImportError:
+                continue
+        if mod is None:
+            print(f"{op}: no module among {modules}", file=sys.stderr)
+            continue
+        for name in names:
+            fn = getattr(mod, name)
+            for cname, (dtype, c, warps, stages) in CONFIGS.items():
+                key = f"{op}/{name}/{cname}"
+                sig, consts = signature(fn, dtype, c)
+                try:
+                    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                       options=dict(num_warps=warps, num_stages=stages))
+                    ptx = strip(k.asm["ptx"])
+                    out[key] = dict(sha=hashlib.sha256(ptx.encode()).hexdigest(), lines=ptx.count("\n") + 1,
+                                    shared=getattr(k.metadata, "shared", None))
+                except Exception as e:  # noqa: BLE001 (a config a kernel cannot take is reported, not fatal)
+                    out[key] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+                print(key, out[key], flush=True)
+    return out
+
+
+def main(argv):
+    if argv[:1] == ["save"] and len(argv) == 2:
+        res = compile_all()
+        with open(argv[1], "w") as f:
+            json.dump(res, f, indent=1, sort_keys=True)
+        return 0
+    if argv[:1] == ["compare"] and len(argv) == 3:
+        a, b = (json.load(open(p)) for p in argv[1:])
+        keys = sorted(set(a) & set(b))
+        same = [k for k in keys if "sha" in a[k] and a[k] == b[k]]
+        bad = [k for k in keys if k not in same]
+        print(f"{len(same)}/{len(keys)} kernel configs compile to the same PTX"
+              + (f"; differ or fail: {bad}" if bad else "")
+              + (f"; only in one: {sorted(set(a) ^ set(b))}" if set(a) ^ set(b) else ""))
+        return 1 if bad or not keys else 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
