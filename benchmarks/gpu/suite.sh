@@ -54,7 +54,7 @@ fi
 timeout -k 10 $(( ${MINUTES:-6} * 60 + 90 )) "$PY" -m logitless_bench "${ARGS[@]}" "$@" > "$OUT/$SUITE-bench.log" 2>&1
 echo "bench exit $? (130: partial, 124: killed) after $(( $(date +%s) - start )) s"
 grep -E "^Traceback|Error" "$OUT/$SUITE-bench.log" | tail -n 5
-rm -f "$OUT"/"$SUITE"-*-20*.json "$OUT"/"$SUITE"-*-20*.md   # dated copies duplicate latest-*
+rm -f "$OUT"/"$SUITE"-*-20*.json "$OUT"/"$SUITE"-*-20*.md "$OUT"/"$SUITE"-*-20*.png   # dated copies duplicate latest-*
 if [ -z "$SMOKE" ]; then
   mkdir -p benchmarks/results
   for f in "$OUT"/latest-"$SUITE"-*.json "$OUT"/latest-"$SUITE"-*.md; do [ -f "$f" ] && cp "$f" benchmarks/results/; done
