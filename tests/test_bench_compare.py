@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+from logitless_bench.shapes import MODEL_SHAPES
 from logitless_bench import compare, shapes
 from logitless_bench.cli import main as cli_main
 
@@ -202,7 +202,7 @@ def test_console_script_entry_point_runs_compare(old, tmp_path):
 
 
 def test_jax_timing_imports_no_torch_suite():
-    """benchmarks/gpu/_jax_bench_common imports logitless_bench.jax_timing: that must not
+    """A JAX-only process imports logitless_bench.jax_timing: that must not
     pull in the torch suites (the package's ``main`` imports cli.py on call only)."""
     code = ("import sys, logitless_bench.jax_timing\n"
             "assert 'torch' not in sys.modules and 'logitless_bench.cli' not in sys.modules")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import logitless
-from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES, SHAPES
+from logitless_bench.shapes import MODEL_SHAPES, SHAPES
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import override

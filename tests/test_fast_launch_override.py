@@ -1,5 +1,5 @@
 """``override(fast_launch=False)``: the launch path as a per-context switch (the in-process
-A/B of benchmarks/probe_launch_ab.py), and linear_jsd's launches through
+A/B of a probe listed in docs/history.md), and linear_jsd's launches through
 ``launch.run_kernel`` (the cached compiled kernels: the same results bitwise)."""
 
 from __future__ import annotations

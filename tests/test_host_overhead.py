@@ -415,7 +415,7 @@ def test_launch_count_per_forward_backward(which):
 #: kernels as no-ops (interpreter). Before this guard (d48626d): linear_cross_entropy 589
 #: calls and 17 allocations, linear_log_probs 524 and 13 (``benchmarks/probe_host.py``);
 #: after the fast launches (68cb997) 342 / 15, 299 / 11 and linear_jsd 391 / 10; after the
-#: options, memo, load_backend and validation cuts (docs/host_time.md, second part) 200 / 15,
+#: options, memo, load_backend and validation cuts (docs/design.md, host overhead) 200 / 15,
 #: 190 / 11 and 238 / 10 on Python 3.11 (3.12 inlines comprehensions: fewer).
 MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 11), "linear_jsd": (255, 10)}
 

@@ -86,7 +86,7 @@ def test_other_calls_keep_the_unfused_forward(case, fused_calls):
 ])
 def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
     """The default choice (``plans.jsd_kl_fused``, H100 constants) at the four shapes of
-    ``benchmarks/probe_jsd_kl.py`` (default budget, 4 stages:
+    the KL probe (docs/history.md; default budget, 4 stages:
     ``probe-jsd-kl-4stages-H100-2026-11-24``); an override wins over it."""
     n, hs, ht, v = shape
     dev = torch.device("cpu")  # (the interpreter plans with the H100 model)
@@ -285,33 +285,3 @@ def test_strategy_sees_the_fused_forward(monkeypatch):
     with override(jsd_fused_forward=False):
         grad_in_forward_chunk(x, w, x, 1 << 20, JSDOptions(beta=1.0))
     assert seen == [True, False, False]
-
-
-# --------------------------------------------------------------------------- the probe's harness
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="the probe's CPU mode (interpreter); on a GPU benchmarks/gpu/jsd_kl.sh runs it")
-@pytest.mark.parametrize("mode", ["", "--group-sweep"])
-def test_probe_harness_on_the_interpreter(mode, tmp_path):
-    """``benchmarks/probe_jsd_kl.py`` on its tiny CPU shape: it runs, the per-token losses of
-    the two forwards agree (the main mode), every sweep entry is timed (the sweep mode), and
-    it writes its JSON."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "probe.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src") + os.pathsep + str(root))
-    args = [sys.executable, str(root / "benchmarks" / "probe_jsd_kl.py"), "--json", str(out)] + ([mode] if mode else [])
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    shape = json.loads(out.read_text())["shapes"]["tiny"]
-    if mode:
-        assert len(shape["sweep"]) == 3 * 2 + 1 and all(r.get("samples") for r in shape["sweep"].values())
-    else:
-        rows = shape["rows"]
-        assert rows["beta0/loss_rel_diff"] < 1e-5 and rows["beta1/loss_rel_diff"] < 1e-5
-        assert all(rows[f"beta{b}/{k}"]["fb"] > 0 for b in (0, 1) for k in ("fused", "chunked"))

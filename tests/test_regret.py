@@ -220,7 +220,7 @@ def test_fit_keeps_unconstrained_constants(fitter):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the probe's --smoke mode runs the Triton kernels on CPU tensors: needs Triton's "
-                           "interpreter (the suite's CPU mode); on a GPU benchmarks/gpu/regret.sh runs the probe")
+                           "interpreter (the suite's CPU mode); on a GPU: bash benchmarks/gpu/suite.sh models")
 def test_probe_smoke_writes_regret(probe, tmp_path):
     summaries, rows = probe.main(["--smoke", "--shapes", "smoke-c", "--rounds", "1", "--no-profile",
                                   "--out", str(tmp_path)])
@@ -242,7 +242,7 @@ def test_shipped_models_allow_two_chunk_doublings_measured_on_the_h100():
     faster than 4096 at 256 MiB on 7 of 9 shapes. Nothing wider than that enters the family,
     the re-read and wave constants stay the physical ones, and at the two shapes with the
     largest measured regret (gemma3-4b, gpt-oss-120b) the planner now takes 16384 columns."""
-    from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+    from logitless_bench.shapes import MODEL_SHAPES
 
     for dev in cm.DEVICE_MODELS.values():
         assert dev.wide_chunks == 2 and dev.l2_reread == 2.0 and dev.gemm_wave == 1.0
@@ -262,7 +262,7 @@ def test_wide_chunks_keep_the_planner_monotone_and_within_budget(wide):
     """With wider chunks in the family the choice still never gets slower as the budget
     grows, fits the budget (or is the floor), and the family grows only by widths that
     are doublings past the L2 rule."""
-    from logitless.ops.linear_cross_entropy.bench_shapes import MODEL_SHAPES
+    from logitless_bench.shapes import MODEL_SHAPES
 
     dev = dataclasses.replace(cm.H100, wide_chunks=wide)
     for s in MODEL_SHAPES:

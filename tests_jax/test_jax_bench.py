@@ -14,10 +14,10 @@ from logitless_bench import jax_suite
 
 
 def test_jax_suite_smoke(tmp_path, monkeypatch):
-    from logitless.jax.ops.linear_cross_entropy import bench_shapes
+    from logitless_bench import shapes as bench_shapes
 
     tiny = (bench_shapes.JaxShape("cpu-tiny", 32, 16, 257, "float32"),)
-    monkeypatch.setattr(bench_shapes, "CPU_SHAPES", tiny)
+    monkeypatch.setattr(bench_shapes, "CPU_JAX_SHAPES", tiny)
     # The float64 reference weight (257 x 16 x 8 bytes = 33 KB) must be an argument of
     # the jitted reference, never a captured constant (gigabytes at the real shapes).
     old = jax.config.jax_captured_constants_warn_bytes
@@ -52,11 +52,11 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
 def test_jax_suite_time_limits(tmp_path, monkeypatch):
     """A method slower than --method-seconds is skipped on the next shapes; files are
     written and the run says it is partial."""
-    from logitless.jax.ops.linear_cross_entropy import bench_shapes
+    from logitless_bench import shapes as bench_shapes
 
     tiny = (bench_shapes.JaxShape("cpu-a", 16, 16, 129, "float32"),
             bench_shapes.JaxShape("cpu-b", 24, 16, 131, "float32"))
-    monkeypatch.setattr(bench_shapes, "CPU_SHAPES", tiny)
+    monkeypatch.setattr(bench_shapes, "CPU_JAX_SHAPES", tiny)
     rc = jax_suite.main(["--suite", "jax", "--cpu", "--out", str(tmp_path), "--warmup", "0", "--reps", "1",
                          "--methods", "xla-logits", "--method-seconds", "0", "--no-errors"])
     assert rc == 130

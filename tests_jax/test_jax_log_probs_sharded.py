@@ -298,7 +298,7 @@ def test_gradient_from_one_output_only(layout):
 
 
 def test_bench_log_prob_rows_smoke(tmp_path):
-    """The jax-sharded suite's log-prob rows (benchmarks/gpu/jax_sharded_logp.sh) on the
+    """The jax-sharded suite's log-prob rows (bash benchmarks/gpu/suite.sh jax-sharded) on the
     CPU's host devices: the one-device row, data and tensor parallel, equal to XLA with
     the logits, no all-gather in the compiled HLO."""
     import json

@@ -393,7 +393,7 @@ def test_hlo_fsdp_reduce_scatters_dw():
     ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
     # The xla backend on every platform: on the H200s the default (Mosaic) compiled with no
     # visible dW reduce-scatter in the HLO text (values right; not yet understood, see
-    # docs/PERFORMANCE.md), so this test pins the backend whose partitioning it documents.
+    # docs/design.md, JAX backends), so this test pins the backend whose partitioning it documents.
     kw = dict(reduction="mean", implementation="xla")
     fn, (loss, grads) = _loss_and_grads(args, kw)
     _check(loss, grads, ref_args, dict(reduction="mean"), "float32")

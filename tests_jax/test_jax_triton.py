@@ -144,7 +144,7 @@ def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
 
 
 def test_plan_memory_at_the_tokamax_shapes():
-    from logitless.jax.ops.linear_cross_entropy.bench_shapes import SHAPES
+    from logitless_bench.shapes import JAX_SHAPES as SHAPES
 
     budget = 256 * 2**20
     for s in SHAPES:

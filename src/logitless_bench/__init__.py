@@ -11,9 +11,9 @@ Where to look:
     report.py     JSON / markdown files and the printed tables; plot.py: the PNG
     jax_suite.py  suite jax: the JAX op vs XLA with logits, tokamax, a GEMM (no torch needed)
     jax_sharded.py  suite jax-sharded: the JAX op under NamedSharding on all local devices
-    jax_timing.py the JAX suites' (and benchmarks/gpu JAX scripts') median time and environment
+    jax_timing.py the JAX suites' median time and environment
     compare.py    ``compare OLD.json NEW.json``: the regression report between two runs
-The lce shapes are in ``logitless/linear_cross_entropy/bench_shapes.py``.
+    shapes.py     every suite's shapes (lce, models, distill, rl, jax) and the --shapes selection
 """
 
 

@@ -1,6 +1,6 @@
 """Suite ``distill``: fused linear distillation (generalized JSD, beta 0.5, T 1).
 
-Per shape (``linear_jsd/bench_shapes.py``): random bf16 inputs (x ~ N(0, 1), W ~
+Per shape (``logitless_bench/shapes.py``): random bf16 inputs (x ~ N(0, 1), W ~
 N(0, 1/H) for student and teacher, targets uniform, none ignored), the GEMM floor (four
 cuBLAS GEMMs timed in this run: student logits x_s W_s^T, teacher logits x_t W_t^T,
 dx = dz W_s, dW = dz^T x_s), the float64 reference (chunks of tokens); then per method:
@@ -296,7 +296,7 @@ def run_cli(args, cpu: bool) -> int:
     """``python -m logitless_bench --suite distill ...`` (options of cli.py)."""
     import time
 
-    from logitless.ops.linear_jsd.bench_shapes import CPU_SHAPES, SHAPES
+    from .shapes import CPU_DISTILL_SHAPES as CPU_SHAPES, DISTILL_SHAPES as SHAPES
 
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shapes = CPU_SHAPES if cpu else SHAPES

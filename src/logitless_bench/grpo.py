@@ -570,14 +570,7 @@ def print_table(data) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def _version(dist: str):
-    """Installed version of a distribution, None when absent."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+_version = report._version  # installed version of a distribution, None when absent
 
 
 def _on_sigterm(signum, frame):  # a time limit's kill: unwind so partial results are saved

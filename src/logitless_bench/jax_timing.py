@@ -1,5 +1,4 @@
-"""What the JAX benchmarks share (``jax_suite``, ``jax_sharded`` and the scripts of
-benchmarks/gpu through ``_jax_bench_common``): the median wall time of a jitted call and
+"""What the JAX benchmarks share (``jax_suite``, ``jax_sharded``): the median wall time of a jitted call and
 the environment fields every JAX result file records. Needs only jax; importing it
 imports neither torch nor the torch suites (``logitless_bench/__init__`` is lazy)."""
 

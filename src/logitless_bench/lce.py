@@ -84,7 +84,7 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
 
 
 def predict(shape, method, device) -> dict:
-    """The planner's choice and predicted times for a logitless row (``_cost_model``);
+    """The planner's choice and predicted times for a logitless row (``planning.cost_model``);
     {} for peers. Off a GPU the H100 constants are used (a label, not a prediction)."""
     if method.peer or not method.name.startswith("logitless"):
         return {}

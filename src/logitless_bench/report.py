@@ -417,7 +417,7 @@ def summary(data) -> str:
 
 
 def _predictions(data) -> str:
-    """The planner's predicted times (``_cost_model``) beside the measured ones."""
+    """The planner's predicted times (``planning.cost_model``) beside the measured ones."""
     rows = [[r["shape"], r["method"], r["pred_strategy"], _f(r.get("pred_fwd_ms"), ".2f"), _f(r.get("fwd_ms"), ".2f"),
              _f(r.get("pred_ms"), ".2f"), _f(r.get("fwdbwd_ms"), ".2f"),
              _f(r["fwdbwd_ms"] / r["pred_ms"] if _num(r.get("fwdbwd_ms")) and _num(r.get("pred_ms")) else None, ".2f")]

@@ -1,6 +1,6 @@
 """Suite ``rl``: token log-probs and entropy at a temperature (RL post-training's LM head).
 
-Per shape (``linear_log_probs/bench_shapes.py``: bf16, T = 0.7): random inputs (x ~
+Per shape (``logitless_bench/shapes.py``: bf16, T = 0.7): random inputs (x ~
 N(0, 1), W ~ N(0, 1/H), tokens uniform), the unit (one cuBLAS ``x @ W.T``), the float64
 reference (computed on the device in chunks of tokens); then per method: forward time
 (no_grad) / 1 GEMM, forward+backward time with upstream gradients on both outputs /
@@ -231,7 +231,7 @@ def save(data, out_dir) -> list:
 
 def run_cli(args, cpu: bool) -> int:
     """``python -m logitless_bench --suite rl ...`` (options of cli.py)."""
-    from logitless.ops.linear_log_probs.bench_shapes import CPU_SHAPES, SHAPES
+    from .shapes import CPU_RL_SHAPES as CPU_SHAPES, RL_SHAPES as SHAPES
 
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     pool = SHAPES + CPU_SHAPES

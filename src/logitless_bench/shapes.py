@@ -1,17 +1,181 @@
-"""The cases of both suites and how ``--shapes`` selects them.
+"""Every benchmark shape, as data, and how ``--shapes`` selects them.
 
-lce shapes live beside the op (``logitless.ops.linear_cross_entropy.bench_shapes``); the
-cross-entropy-on-logits cases (issue 4) are defined here.
+- lce / models / precision: ``LceShape`` -- ``SHAPES`` (the anchor LM heads of docs/ANCHORS.md),
+  ``EXTRA_SHAPES``, ``MODEL_SHAPES`` (suite models), ``CPU_SHAPES`` (the CPU smoke case);
+- ce: ``CeCase`` -- cross-entropy on materialised logits (``CE_CASES``);
+- distill: ``DistillShape`` -- ``DISTILL_SHAPES`` / ``CPU_DISTILL_SHAPES``;
+- rl: ``RLShape`` -- ``RL_SHAPES`` / ``CPU_RL_SHAPES``;
+- jax / jax-sharded: ``JaxShape`` -- ``JAX_SHAPES`` / ``CPU_JAX_SHAPES``.
+
+Pure data (no torch, no jax): the JAX suites import it without torch.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from logitless.ops.linear_cross_entropy.bench_shapes import CPU_SHAPES, EXTRA_SHAPES, MODEL_SHAPES, SHAPES, LceShape
+__all__ = [
+    "LceShape", "CeCase", "DistillShape", "RLShape", "JaxShape",
+    "lce_shapes", "ce_cases", "default_names", "known_names", "unmatched", "select",
+]
 
-__all__ = ["LceShape", "CeCase", "lce_shapes", "ce_cases", "default_names", "known_names", "unmatched", "select"]
+
+# --- lce (suites lce, models, precision) ---
+
+@dataclass(frozen=True)
+class LceShape:
+    """One benchmark case: x is (tokens, hidden), weight is (vocab, hidden)."""
+
+    name: str
+    tokens: int  # B
+    hidden: int  # H
+    vocab: int  # V
+    dtype: str = "bfloat16"  # a torch dtype name
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.tokens}, {self.hidden}, {self.vocab})"
+
+
+#: The anchor shapes (docs/ANCHORS.md), in the order of its table.
+SHAPES: tuple[LceShape, ...] = (
+    LceShape("llama3.1-8b", 4096, 4096, 128256),
+    LceShape("qwen3-8b", 4096, 4096, 151936),
+    LceShape("gemma3-4b", 4096, 2560, 262144),
+    LceShape("gpt-oss-120b", 4096, 2880, 201088),
+    LceShape("deepseek-v3", 8192, 7168, 128256),
+    LceShape("llama3.1-8b-16k", 16384, 4096, 128256),
+)
+
+#: Shapes of the tokamax write-up that ANCHORS.md lists but does not measure.
+EXTRA_SHAPES: tuple[LceShape, ...] = (LceShape("gemma3-7b", 4096, 3840, 262144),)
+
+#: Suite "models" (``python -m logitless_bench --suite models``): the anchors plus real
+#: LM heads over the range the planner must cover (tokens 512-32768, V 32000-262144,
+#: H 768-8192, odd and prime vocabularies, small batches). (tokens, hidden, vocab)
+#: from each model's config.json; token counts are typical micro-batches.
+MODEL_SHAPES: tuple[LceShape, ...] = SHAPES + (
+    LceShape("llama3.1-8b-512", 512, 4096, 128256),  # small batch
+    LceShape("llama3.1-8b-2k", 2048, 4096, 128256),
+    LceShape("llama3.1-70b", 4096, 8192, 128256),
+    LceShape("llama3.2-1b-32k", 32768, 2048, 128256),
+    LceShape("llama3.2-3b", 8192, 3072, 128256),
+    LceShape("llama2-7b", 4096, 4096, 32000),
+    LceShape("mistral-7b-v0.3", 8192, 4096, 32768),
+    LceShape("mistral-nemo-12b", 4096, 5120, 131072),
+    LceShape("phi3-mini", 4096, 3072, 32064),
+    LceShape("gpt2", 8192, 768, 50257),  # odd V, small H
+    LceShape("gpt2-1k", 1024, 768, 50257),
+    LceShape("pythia-1.4b", 2048, 2048, 50304),
+    LceShape("qwen2.5-0.5b", 8192, 896, 151936),
+    LceShape("qwen2.5-7b", 4096, 3584, 152064),
+    LceShape("qwen3-tok-151665", 4096, 2048, 151665),  # V = tokenizer length (odd)
+    LceShape("gemma2-2b", 4096, 2304, 256000),
+    LceShape("gemma3-1b", 8192, 1152, 262144),
+    LceShape("gemma3-27b", 2048, 5376, 262144),
+    LceShape("olmo2-7b", 4096, 4096, 100352),
+    LceShape("prime-100003", 3000, 2000, 100003),  # prime V, tokens/H not powers of two
+)
+MODEL_SHAPE_NAMES = frozenset(s.name for s in MODEL_SHAPES)
+
+#: The small case run on a machine without a GPU (a smoke run, not the benchmark); fp32,
+#: as bf16 matmuls on CPUs are emulated and warm up for dozens of calls.
+CPU_SHAPES: tuple[LceShape, ...] = (LceShape("cpu-tiny", 256, 64, 1000, "float32"),)
+
+
+# --- distill (suite distill): a teacher head into a student head of the same vocabulary, bf16 ---
+
+@dataclass(frozen=True)
+class DistillShape:
+    """student_x (tokens, hidden_s), student_weight (vocab, hidden_s), and the teacher's
+    (tokens, hidden_t), (vocab, hidden_t)."""
+
+    name: str
+    tokens: int
+    hidden_s: int
+    hidden_t: int
+    vocab: int
+    dtype: str = "bfloat16"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.tokens}, {self.hidden_s}<-{self.hidden_t}, {self.vocab})"
+
+
+DISTILL_SHAPES: tuple[DistillShape, ...] = (
+    DistillShape("llama-8k->4k", 4096, 4096, 8192, 128256),
+    DistillShape("qwen-2k->2k", 4096, 2048, 2048, 151936),
+    DistillShape("llama-8k->4k-16k", 16384, 4096, 8192, 128256),
+)
+
+#: The small case run on a machine without a GPU (a smoke run, not the benchmark).
+CPU_DISTILL_SHAPES: tuple[DistillShape, ...] = (DistillShape("cpu-tiny", 128, 32, 48, 1000, "float32"),)
+
+
+# --- rl (suite rl): RL post-training LM heads, one long sequence per micro-batch, bf16 ---
+
+@dataclass(frozen=True)
+class RLShape:
+    """x is (tokens, hidden), weight (vocab, hidden); log-probs at ``temperature``."""
+
+    name: str
+    tokens: int
+    hidden: int
+    vocab: int
+    dtype: str = "bfloat16"
+    temperature: float = 0.7
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.tokens}, {self.hidden}, {self.vocab})"
+
+
+RL_SHAPES: tuple[RLShape, ...] = (
+    RLShape("qwen3-8b-8k", 8192, 4096, 151936),
+    RLShape("qwen2.5-7b-16k", 16384, 3584, 152064),
+    RLShape("llama3.1-8b-8k", 8192, 4096, 128256),
+)
+
+#: A smoke case without a GPU (fp32: CPU bf16 matmuls are emulated).
+CPU_RL_SHAPES: tuple[RLShape, ...] = (RLShape("cpu-tiny", 128, 64, 1003, "float32"),)
+
+
+# --- jax (suites jax, jax-sharded): the tokamax write-up's six, bf16 ---
+
+class JaxShape(NamedTuple):
+    """x is (tokens, hidden), weight (vocab, hidden)."""
+
+    name: str
+    tokens: int
+    hidden: int
+    vocab: int
+    dtype: str = "bfloat16"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.tokens}, {self.hidden}, {self.vocab})"
+
+
+JAX_SHAPES: tuple[JaxShape, ...] = (
+    JaxShape("llama3.1-8b", 4096, 4096, 128256),
+    JaxShape("qwen3-8b", 4096, 4096, 151936),
+    JaxShape("gemma3-4b", 4096, 2560, 262144),
+    JaxShape("gpt-oss-120b", 4096, 2880, 201088),
+    JaxShape("deepseek-v3", 8192, 7168, 128256),
+    JaxShape("gemma3-7b", 4096, 3840, 262144),
+)
+
+#: Small fp32 cases for a CPU smoke run (a harness check, not the benchmark); the
+#: second one has a prime vocabulary.
+CPU_JAX_SHAPES: tuple[JaxShape, ...] = (
+    JaxShape("cpu-small", 512, 256, 8192, "float32"),
+    JaxShape("cpu-prime", 256, 128, 4099, "float32"),
+)
+
+
+# --- ce (suite ce): cross-entropy on (tokens, vocab) logits ---
 
 
 @dataclass(frozen=True)

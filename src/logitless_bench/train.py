@@ -672,9 +672,7 @@ def main(argv=None) -> int:
         "active": args.active, "modes": modes, "methods": methods, "seed": args.seed, "big_mode": args.big_mode,
         "transformers": transformers.__version__, "max_minutes": args.max_minutes}}
     if any(m in TRL_METHODS for m in methods):
-        from .grpo import _version
-
-        data["settings"]["trl"] = _version("trl")
+        data["settings"]["trl"] = report._version("trl")
     print(f"device: {meta['device']} | torch {meta['torch']} | transformers {transformers.__version__} | "
           f"peers: {meta['peers']}")
     out_dir = args.out or "benchmarks/results"

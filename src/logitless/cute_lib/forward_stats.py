@@ -46,7 +46,7 @@ flight share few x blocks (G = 1: split fastest)):
 
 The DSL's preprocessor re-executes this module's imports when it compiles a kernel:
 this module imports cutlass only (never torch). Measured origin: the probe
-``benchmarks/cute/fused_forward.py`` (N % 128 = V % 256 = H % 64 = 0, bf16, no scale/
+``fused_forward.py`` probe, git history (N % 128 = V % 256 = H % 64 = 0, bf16, no scale/
 smoothing/entropy), generalised here.
 """
 

@@ -1,7 +1,7 @@
 """The distillation (generalized Jensen-Shannon) formulas, written once for the torch side.
 
 Both ops (``jsd`` on logits, ``linear_jsd`` from hidden states) and both backends use
-this module (the Triton kernels use its twin, ``_triton_jsd_math``). Notation, per
+this module (the Triton kernels use its twin, ``triton_lib.jsd_math``). Notation, per
 token (a row), for class c:
 
     zs_c, zt_c  student / teacher logits after their optional soft-caps s * tanh(z / s)

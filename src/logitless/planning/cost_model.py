@@ -7,7 +7,7 @@ and a device class, every candidate plan gets a predicted time from three terms,
            + launches * LAUNCH + FIXED
 
 and a memory need (bytes beyond inputs, outputs and gradients, counted as
-``_plans.triton_plan`` allocates them). The planner (``choose``) returns the fastest
+``plans.triton_plan`` allocates them). The planner (``choose``) returns the fastest
 candidate whose memory fits the budget, or the least-memory candidate when none fits.
 
 Strategies (``Candidate.strategy``):
@@ -40,7 +40,7 @@ checks it on every suite shape.
 The plan depends on the shape, dtype, budget and device class only: never on a
 timing taken at run time (same inputs -> same plan -> bitwise the same results).
 
-Constants: measured on one H100 SXM (docs/PERFORMANCE.md, sections 5-9 and "Cost
+Constants: measured on one H100 SXM (docs/design.md, sections 5-9 and "Cost
 model"); H200 has the H100's tensor cores and 1.43x its memory bandwidth (not yet
 measured: the GPU script prints predicted vs measured so it can be refitted).
 """
@@ -85,17 +85,17 @@ class DeviceModel:
     #: loops, 4 stages) over cuBLAS on its FLOPs: 1.29-1.31x where both x's fit in L2
     #: (N (H_s + H_t) itemsize <= ``l2_bytes``: 4096 x (2048 + 2048), 4096 x (896 + 3584)),
     #: ``jsd_kl_forward_l2miss`` 1.38-1.52x where they do not (4096 and 16384 x (4096 +
-    #: 8192)); H100, ``probe-jsd-kl-4stages-H100-2026-11-24`` (PERFORMANCE.md, session 7).
+    #: 8192)); H100, ``probe-jsd-kl-4stages-H100-2026-11-24`` (docs/design.md, session 7).
     jsd_kl_forward: float = 1.30
     jsd_kl_forward_l2miss: float = 1.45
     #: linear_jsd's chunked forward (a few hundred rows per chunk: its fp32-output GEMMs
     #: stream both weights once per chunk, then the statistics read the chunks): the
     #: bandwidth those streams reach (None: ``hbm_bw``). H200: 3.4 TB/s, not its copy
     #: rate: 2048 <- 2048, V 151936 went 13.5 -> 11.4 ms from the H100 (1.19x, not 1.43x;
-    #: ``probe-jsd-kl-H200-2026-11-24``, PERFORMANCE.md session 8).
+    #: ``probe-jsd-kl-H200-2026-11-24``, docs/design.md session 8).
     jsd_stream_bw: Optional[float] = None
     #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
-    #: (11k-column chunks ran 5% slower: PERFORMANCE.md section 8).
+    #: (11k-column chunks ran 5% slower: docs/design.md section 8).
     l2_bytes: float = 50e6
     launch_s: float = 6e-6
     #: Per-call overhead of the O(N) torch ops (split merge, coefficients, casts):
@@ -114,7 +114,7 @@ class DeviceModel:
     #: pre-rounded, the gradient's 128 x 128 tiles: 14.23 ms = 1.221x, less the rounding.
     tf32_fwd_prerounded_narrow: float = 1.09
     #: the dlogits kernel on recomputed columns, rounding in registers / pre-rounded
-    #: (fitted to the forward+backward rows: ``benchmarks/results/`` tf32plan, PERFORMANCE.md).
+    #: (fitted to the forward+backward rows: ``benchmarks/results/`` tf32plan, docs/design.md).
     tf32_dlogits_in_kernel: float = 2.3
     tf32_dlogits_prerounded: float = 1.4
     #: fp32 kept columns (128 x 128 tiles): the forward's store and the backward's pass
@@ -230,7 +230,7 @@ def gemm_s(dev: DeviceModel, m: int, n: int, k: int, itemsize: int, out_itemsize
 
 def fused_forward_s(dev, n, h, v, itemsize) -> float:
     """forward_stats_kernel: the GEMM's FLOPs (split over the vocabulary so waves are
-    full: _plans.WAVES) and reads, no logits written."""
+    full: plans.WAVES) and reads, no logits written."""
     flops = 2.0 * n * h * v
     bytes_ = itemsize * (n * h + v * h * math.ceil(n / 128))  # W once per row block (L2 absorbs most)
     return max(dev.fused_forward * flops / _rate(dev, itemsize), bytes_ / (4 * dev.hbm_bw)) + dev.launch_s
@@ -470,7 +470,7 @@ def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=
     else:
         fwd = jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk)
     # The fused two-head dz kernel: both heads' GEMM FLOPs (measured ~1.4x cuBLAS on the
-    # same FLOPs at 4096 x 4096 <- 8192, PERFORMANCE.md "Distillation") + the dz write.
+    # same FLOPs at 4096 x 4096 <- 8192, docs/design.md "Distillation") + the dz write.
     flops = 2.0 * n * v * (hs + ht)
     bwd = max(1.4 * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, vocab_chunk, 128, 128)),
               itemsize * n * v / dev.hbm_bw)

@@ -22,12 +22,12 @@ CTA order and splits (``plan_for``): the kernel runs one CTA per (128-row block,
 CTA re-reads its 128-row x block once per 256-column vocabulary tile. When the x blocks of the
 CTAs in flight, min(row blocks, SMs) x 128 x H x 2 bytes, exceed the device's L2 (50 MiB on
 the H100), the plain grid (row blocks fastest) lost 4-15% to the Triton kernel (session 6,
-forward only, interleaved with cuBLAS and Triton: ``benchmarks/gpu/cute_choice.sh``, files
+forward only, interleaved with cuBLAS and Triton: docs/design.md "CuTe forward", files
 ``benchmarks/results/cute-choice-{anchors,models}-H100-2026-11-23.json``: 8192 x 7168
 1.085-1.095x cuBLAS vs Triton 1.044; 16384 x 4096 1.11-1.19 vs 1.03). There the plan takes
 Triton's grouped order (``GROUP`` = 16 row blocks at a time, row block fastest inside a
 group, then the split; ``triton_lib.gemm.grouped_tile``) with at least ``GROUP_SPLITS`` = 16
-splits: measured (``benchmarks/cute/probe_raster.py``, ``probe-raster-grouped-H100-*``)
+splits: measured (a probe listed in docs/history.md, ``probe-raster-grouped-H100-*``)
 16384 x 4096 1.104 -> 1.013x cuBLAS, 32768 x 2048 1.082 -> 0.987, 8192 x 4096 x 32768
 1.049 -> 1.013, 8192 x 7168 1.077 -> 1.044. (A split-major order, group 1, was 1.2-1.8x.)
 
@@ -41,7 +41,7 @@ epilogue, not overlapped with the next tile's MMA, kept it behind (8192 x 7168: 
 a forward that keeps more than a quarter of the columns (a budget holding most logits) at
 more than 1024 tokens: the kernel stores the kept exp(a - m) element by element from
 registers (2-byte stores, 128 per thread per tile), which cost more than the Triton
-kernel's TMA tile stores. Measured f+b interleaved with the Triton forward (``probe_lce_ab.py``,
+kernel's TMA tile stores. Measured f+b interleaved with the Triton forward (docs/history.md,
 ``probe-lce-ab-keep-H100-2026-11-23.json``, x three GEMMs): at the logits budget 1.169 vs
 1.129 (llama3), 1.202 vs 1.137 (qwen3), 1.082 vs 1.040 (gemma3), 1.216 vs 1.161 (gpt-oss),
 1.118 vs 1.090 (16k), ties at 2048 x 4096 and 4096 x 4096 x 32000, but 1.145 vs 1.320 at
@@ -51,7 +51,7 @@ the faster path: 1.415 vs 1.502 (qwen3), 1.434 vs 1.558 (gpt-oss), 1.384 vs 1.42
 
 Splits: the kernel runs one CTA per (128-row block, split) and one CTA per SM (193 KiB of
 shared memory), without a persistent scheduler. Measured on the H100 (2026-11-23,
-``benchmarks/gpu/cute_forward.sh``): about two full waves is best, 4096 x 4096 x 128256
+docs/design.md "CuTe forward"): about two full waves is best, 4096 x 4096 x 128256
 splits 8 (256 CTAs) 0.96-0.98x cuBLAS vs splits 4 and 16 worse, 8192 x 7168 x 128256
 splits 4 (256 CTAs) 0.98x vs splits 8 (512 CTAs) 1.41x, splits 1 1.5-2.9x (too few
 CTAs). So splits = floor(2 * SMs / row blocks), at least 1, at most the vocabulary's

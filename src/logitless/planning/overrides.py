@@ -57,7 +57,7 @@ context is not in effect. Each field's default is the shipped behaviour:
                     (``triton_lib.launch.run_kernel``; False: every launch through
                     ``kernel[grid]``, as LOGITLESS_FAST_LAUNCH=0 does for the whole
                     process; the same kernels and results bitwise). For the in-process
-                    A/B of ``benchmarks/probe_launch_ab.py``.
+                    A/B of a probe listed in docs/history.md.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
 #: ran the forward at 0.92x a cuBLAS TF32 GEMM on an H100 (4096 x 4096 x 128256;
 #: 128 x 128 x 32, 4 stages: 1.06x; 3 stages: 1.30x); with kept columns the fp32 TMA
 #: store of a 128 x 256 tile (128 KiB) would leave room for 2 stages only, so 128 x 128
-#: (4 x 32 KiB + 64 KiB): not measured yet (PERFORMANCE.md, issue 23 item 2). The
+#: (4 x 32 KiB + 64 KiB): not measured yet (docs/design.md, issue 23 item 2). The
 #: backward's dlogits kernel takes the gradient's tiles too: at 128 x 256 its sm_90
 #: build needs 320 KiB of shared memory (its dz epilogue), at 128 x 128 192 KiB.
 CUDA_TILES_TF32 = {False: (128, 256, 32, 8, 4), True: (128, 128, 32, 8, 4)}
@@ -196,7 +196,7 @@ def _triton_plan(
     if prerounded and 4 * num_tokens * hidden <= budget // 2:
         budget -= 4 * num_tokens * hidden
     # Many programs per SM so that the last wave is a small fraction of the work (with
-    # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: PERFORMANCE.md).
+    # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: docs/design.md).
     want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
     blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
     vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
@@ -215,7 +215,7 @@ def _triton_plan(
     # Wider recomputed chunks mean fewer passes over the fp32 dx accumulator, but a
     # 4096-column chunk of dz (32 MiB at 4096 tokens) stays in L2 between the kernel
     # that writes it and the two matmuls that read it; ~11k columns ran 5% slower
-    # (PERFORMANCE.md). What the budget has left goes to kept columns instead.
+    # (docs/design.md). What the budget has left goes to kept columns instead.
     chunk_col = itemsize * num_tokens + w_col  # a recomputed column: dz (+ its row of W)
     keep_cols = 0
     if keep_allowed:
@@ -238,7 +238,7 @@ def _triton_plan(
                                                   block_v, min_cols, vocab)
     if device.type == "cuda" and keep_cols >= vocab and vocab % ODD_V_ALIGN:
         # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
-        # 41 ms against 5 ms, PERFORMANCE.md): keep whole tiles, recompute the ragged tail.
+        # 41 ms against 5 ms, docs/design.md): keep whole tiles, recompute the ragged tail.
         keep_cols = vocab // block_v * block_v
         vocab_chunk = _clamp(vocab_chunk, block_v, padded_vocab)
     w_chunk = 0
@@ -342,7 +342,7 @@ def _forward_w_chunk(left, w_col, block_v, vocab_blocks, row_blocks, device, min
 PERSISTENT_MIN_ROW_BLOCKS = 16
 
 #: The GEMM kernels' scheduling options: on/off switches of ``kernel_options`` (the
-#: probe ``benchmarks/probe_schedule.py`` flips them with ``overrides.override``).
+#: probes flip them with ``overrides.override``; docs/design.md "Forward kernel").
 KERNEL_OPTIONS = dict(group=True, flatten=True, dz_tma=False, dlogits_programs=1)
 
 
@@ -352,7 +352,7 @@ def group_rows(block_n: int, block_v: int, device) -> int:
     read G * block_n rows of x and (SMs / G) * block_v rows of W, H elements each: the
     L2 working set, least at G = sqrt(SMs * block_v / block_n) (16 on an H100 with
     128 x 256 tiles: 34 MB at H = 4096; "all rows" at 16k tokens needed 128 MB of x and
-    ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: PERFORMANCE.md section 16)."""
+    ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: docs/design.md section 16)."""
     return max(1, round(math.sqrt(num_sms(device) * block_v / block_n)))
 
 
@@ -417,7 +417,7 @@ def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v,
 @memoised
 def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_grad=True,
                  grad_in_forward_ok=True, keep_allowed=True, weight_fp32=False):
-    """The cost model's choice for linear_cross_entropy: a ``_cost_model.Candidate``
+    """The cost model's choice for linear_cross_entropy: a ``cost_model.Candidate``
     (strategy "keep" / "partial" / "grad_in_forward" / "forward", its chunking, memory
     and predicted time). Deterministic: shape, dtype, budget and device class only.
 
@@ -527,7 +527,7 @@ def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> i
 #: once (two fp32 accumulators: half of linear_cross_entropy's block_v keeps them in
 #: registers). 16-bit: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3
 #: at beta 0.5 and 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better
-#: (H100, ``probe-jsd-kl-stages-fb-`` and ``-tiles-4stages-H100-2026-11-24``; PERFORMANCE.md).
+#: (H100, ``probe-jsd-kl-stages-fb-`` and ``-tiles-4stages-H100-2026-11-24``; docs/design.md).
 JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
 
 
@@ -574,7 +574,7 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     padded_vocab = math.ceil(vocab / block_v) * block_v
     min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
     # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
-    # dz chunk at 4096 tokens stays in L2: PERFORMANCE.md); narrower only if the budget
+    # dz chunk at 4096 tokens stays in L2: docs/design.md); narrower only if the budget
     # after the fp32 dx accumulator says so, never below min_cols.
     w_col = 4 * (hidden_s + hidden_t) if prerounded else 0
     x_scratch = 4 * num_tokens * (hidden_s + hidden_t) if prerounded else 0

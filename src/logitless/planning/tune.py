@@ -3,8 +3,8 @@
 Measures a small candidate space of tiles (block_n, block_v, block_h, num_warps,
 num_stages) once on this GPU, for the shape classes of the shapes given, by timing
 the public op's forward + backward at the default budget, and writes the fastest per
-(dtype class, shape class) to this machine's cache (``_tuned.cache_path``: keyed by GPU
-name, torch and triton versions). Later plans read it (``_tuned.tiles_for``). Nothing
+(dtype class, shape class) to this machine's cache (``tuned.cache_path``: keyed by GPU
+name, torch and triton versions). Later plans read it (``tuned.tiles_for``). Nothing
 is ever tuned implicitly: the library only reads files.
 
 A candidate that fails (e.g. out of shared memory) is skipped. The cache is merged:
@@ -23,7 +23,7 @@ import torch
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 
-#: Candidates by itemsize. 16-bit: the sweep of PERFORMANCE.md section 3 around the
+#: Candidates by itemsize. 16-bit: the sweep of docs/design.md section 3 around the
 #: shipped 128x256x64/8/3; 32-bit: TF32 tiles with a 32-wide K step.
 CANDIDATES = {
     2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),

@@ -1,6 +1,6 @@
 """Tuned Triton tile configurations, as data: shipped per GPU class, cached per machine.
 
-Where ``_plans.triton_plan`` gets its tiles (block_n, block_v, block_h, num_warps,
+Where ``plans.triton_plan`` gets its tiles (block_n, block_v, block_h, num_warps,
 num_stages) on a GPU, first match wins:
 
 1. ``overrides.override(tiles=...)`` (the tuner and tests; never set by the library);
@@ -8,7 +8,7 @@ num_stages) on a GPU, first match wins:
    ``~/.cache/logitless/<gpu>-torch<version>-triton<version>.json``, written only by
    ``python -m logitless.planning.tune`` (opt-in, never during training);
 3. the file shipped in the package for the GPU class, ``logitless/configs/<class>.json``;
-4. ``_plans.CUDA_TILES`` by itemsize.
+4. ``plans.CUDA_TILES`` by itemsize.
 
 Set ``LOGITLESS_TUNED=0`` to skip 2 and 3. Keys are ``"<dtype class>/<shape class>"``
 (``16-bit`` for bf16/fp16, ``32-bit``, and ``32-bit-tf32-prerounded`` for fp32 at matmul
@@ -113,7 +113,7 @@ def _device_tables(device_key: str, cache_file: str, device_class: str) -> tuple
 def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int,
               prerounded: bool = False) -> Optional[tuple]:
     """Tiles from the forced context, this machine's cache or the shipped file; None
-    when none applies (the caller falls back to ``_plans.CUDA_TILES``). ``prerounded``:
+    when none applies (the caller falls back to ``plans.CUDA_TILES``). ``prerounded``:
     the fp32 pre-rounded path's entries (``PREROUNDED_CLASS``) instead of "32-bit"."""
     forced = _overrides().tiles
     if forced is not None:

@@ -1,4 +1,4 @@
-"""The Triton form of ``_loss_math``'s per-element formulas, shared by every op's kernels."""
+"""The Triton form of ``formulas.cross_entropy``'s per-element formulas, shared by every op's kernels."""
 
 import triton
 import triton.language as tl
@@ -14,7 +14,7 @@ def softcap_tile(z, softcap):
 def dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap,
             HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, BLOCK_V: tl.constexpr):
     """dz_c = p_c * A - B * [c == t] - C * w_c, times 1 - (z_c/s)^2 with a soft-cap
-    (``_loss_math``'s one gradient line). p, z: (BLOCK_N, BLOCK_V) fp32, z the capped
+    (``formulas.cross_entropy``'s one gradient line). p, z: (BLOCK_N, BLOCK_V) fp32, z the capped
     logits (only read with HAS_SOFTCAP); a, b, c, target per row; w_c = 1 without
     class weights."""
     if HAS_CW:
@@ -68,7 +68,7 @@ def side_stats_update(z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
 @triton.jit
 def load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N):
     """Per-row inputs of ``dz_tile``: lse, A, B, C (coef is the (3, N) fp32 tensor of
-    ``_loss_math.grad_coefficients``) and the target; neutral values past N."""
+    ``formulas.cross_entropy.grad_coefficients``) and the target; neutral values past N."""
     lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
     a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
     b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)

@@ -1,5 +1,5 @@
-"""The Triton form of ``_jsd_math``'s per-element formulas, shared by the jsd and
-linear_jsd kernels (the twin of ``_triton_math`` for cross-entropy).
+"""The Triton form of ``formulas.jsd``'s per-element formulas, shared by the jsd and
+linear_jsd kernels (the twin of ``ce_math`` for cross-entropy).
 
 MODE (a constexpr) picks the divergence: 0 for 0 < beta < 1 (the mixture), 1 for
 beta == 0 (forward KL, lm := lp), 2 for beta == 1 (reverse KL, lm := lq).
@@ -68,7 +68,7 @@ def plogratio(p, lp, lm):
 def jsd_dz_tile(zs, zt, offs_v, target, lse_s, lse_t, s_row, lse1, g,
                 inv_t, wp, hlw, log_beta, log_1mbeta, softcap_s,
                 MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """d loss / d pre-cap student logits of a (BLOCK_N, BLOCK_V) tile (``_jsd_math``):
+    """d loss / d pre-cap student logits of a (BLOCK_N, BLOCK_V) tile (``formulas.jsd``):
 
         dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
              * (1 - (zs / s)^2)

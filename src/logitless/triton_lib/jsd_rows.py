@@ -16,7 +16,7 @@ from logitless.triton_lib.launch import cdiv
 
 
 def scalar_args(opts) -> dict:
-    """The float and constexpr arguments every JSD kernel takes (``_triton_jsd_math``)."""
+    """The float and constexpr arguments every JSD kernel takes (``jsd_math``)."""
     beta = opts.beta
     mode = 1 if beta == 0.0 else 2 if beta == 1.0 else 0
     mid = mode == 0
@@ -52,7 +52,7 @@ def jsd_forward_kernel(
     MODE: tl.constexpr, HAS_HARD: tl.constexpr, HAS_CAP_S: tl.constexpr, HAS_CAP_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Row statistics (6, N; rows ``stride_stat`` apart) of ``_jsd_math``: lse(zs/T), lse(zt/T), S = sum p (lp - lm),
+    """Row statistics (6, N; rows ``stride_stat`` apart) of ``formulas.jsd``: lse(zs/T), lse(zt/T), S = sum p (lp - lm),
     K = sum q (lq - lm), lse(zs) and zs[target] (the last two only with HAS_HARD).
 
     Program i owns rows [i*BLOCK_N, (i+1)*BLOCK_N). Sweep 1 over the vocabulary: online
@@ -111,7 +111,7 @@ def jsd_backward_kernel(
 ):
     """dz = d loss / d student logits for one BLOCK_N x BLOCK_V tile, in dz's dtype,
     from the forward's statistics (rows ``stride_stat`` apart) and the per-token upstream gradient g
-    (``_triton_jsd_math.jsd_dz_tile``). Traffic: both tiles read once, dz written once."""
+    (``jsd_math.jsd_dz_tile``). Traffic: both tiles read once, dz written once."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

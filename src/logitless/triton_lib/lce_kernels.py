@@ -116,7 +116,7 @@ def dlogits_kernel(
 
     Recomputes the tile of z (one GEMM tile) and applies, with p = exp(z - lse),
         dz_c = p_c * A - B * [c == t] - C * w_c   (times 1 - (z_c/s)^2 with a soft-cap)
-    from the per-token coefficients coef = (A, B, C) of ``_loss_math``. Traffic: the
+    from the per-token coefficients coef = (A, B, C) of ``formulas.cross_entropy``. Traffic: the
     GEMM's reads plus one write of the (N, v_end - v_start) chunk. Programs go in
     ``grouped_tile`` order; DZ_TMA: dz_ptr is a tensor descriptor (a bulk store).
     With fewer programs than tiles each program loops over tiles (persistent);

@@ -1,13 +1,13 @@
 """Pure-PyTorch backend of cross_entropy: the same math, a chunk of rows at a time.
 
 Runs on any device (it is the CPU path). One chunk of rows at a time is copied to fp32
-(fp64 for fp64 logits); ``_plans.ce_torch_plan`` sizes the chunks so that their
+(fp64 for fp64 logits); ``planning.plans.ce_torch_plan`` sizes the chunks so that their
 temporaries fit the memory budget (at least one row), so the logits are upcast whole
 only when that fits the budget.
 
 forward:  per chunk: soft-cap, max, lse = m + log sum exp(z - m), the target logit,
           sum_c w_c z_c and the first argmax.
-backward: per chunk: dz recomputed from the saved lse (``_loss_math.dlogits_``) and
+backward: per chunk: dz recomputed from the saved lse (``formulas.cross_entropy.dlogits_``) and
           written into ``out``, which may be the logits themselves (inplace_backward:
           each chunk is read, upcast, then overwritten).
 """

@@ -46,7 +46,7 @@ def jsd(
     KL(q || p) for beta = 0 (forward KL) and KL(p || q) for beta = 1 (reverse KL); no
     T**2 factor; plus ``hard_label_weight * cross_entropy(softcap(student), target)``
     (temperature 1). The convention of TRL's ``generalized_jsd_loss`` and liger's JSD.
-    Statistics and sums are fp32 (fp64 for fp64 inputs); derivation in ``_jsd_math``.
+    Statistics and sums are fp32 (fp64 for fp64 inputs); derivation in ``formulas.jsd``.
 
     Args:
         student_logits: (..., V) float16/bfloat16/float32 (float64 on backend="torch").

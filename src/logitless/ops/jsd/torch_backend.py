@@ -1,9 +1,9 @@
-"""Pure-PyTorch backend of jsd: ``_jsd_math`` on chunks of rows (any device).
+"""Pure-PyTorch backend of jsd: ``formulas.jsd`` on chunks of rows (any device).
 
 forward:  per chunk of rows, upcast both logits (fp32, fp64 for fp64), soft-cap, the
-          row statistics of ``_jsd_math.row_stats``.
+          row statistics of ``formulas.jsd.row_stats``.
 backward: per chunk of rows, d loss / d student logits from the saved statistics.
-Chunks are sized by the memory budget (``_plans.jsd_torch_rows``): never a full
+Chunks are sized by the memory budget (``planning.plans.jsd_torch_rows``): never a full
 tokens x vocab temporary beyond the chunk.
 """
 
@@ -19,7 +19,7 @@ from logitless.planning.plans import jsd_torch_rows
 
 
 def forward(zs: Tensor, zt: Tensor, target: Tensor, opts: JSDOptions, budget: int) -> Tensor:
-    """(6, N) statistics (``_jsd_math``) in the compute dtype."""
+    """(6, N) statistics (``formulas.jsd``) in the compute dtype."""
     n, v = zs.shape
     cd = compute_dtype(zs.dtype, zt.dtype)
     rows = jsd_torch_rows(n, v, torch.finfo(cd).bits // 8, budget)

@@ -1,6 +1,6 @@
 """Triton kernels of jsd on logits the caller holds (in ``triton_lib.jsd_rows``, shared with
 linear_jsd's fp32 logit chunks). One kernel per idea; the math is in
-``logitless.formulas.jsd`` (Triton twin: ``_triton_jsd_math``), launch sizes in ``_plans``.
+``logitless.formulas.jsd`` (Triton twin: ``triton_lib.jsd_math``), launch sizes in ``planning.plans``.
 
 Shapes: student logits zs and teacher logits zt (N, V), each addressed through its own
 (row stride, column stride) and dtype. Offsets are 64-bit. Both kernels are

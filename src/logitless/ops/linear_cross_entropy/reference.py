@@ -1,7 +1,7 @@
 """Float64 reference of linear_cross_entropy: the plain definition, logits materialised.
 
 The logits x @ W.T + b, then the cross_entropy reference, which calls torch's own
-``F.cross_entropy``: independent of ``_loss_math`` on purpose, so that tests compare
+``F.cross_entropy``: independent of ``formulas.cross_entropy`` on purpose, so that tests compare
 every backend against torch's semantics, not against our formulas. With ``dtype`` set
 to the inputs' dtype it is "plain torch in the same dtype", the tests' yardstick.
 Use only at test sizes (it allocates the full logits).

@@ -1,7 +1,7 @@
 """Pure-PyTorch backend of linear_cross_entropy: the same math in bounded tiles.
 
 Runs on any device (it is the CPU path). Logits are computed tile by tile,
-token_chunk x vocab_chunk at a time (``_plans.torch_plan``), in fp32 (fp64 for fp64
+token_chunk x vocab_chunk at a time (``planning.plans.torch_plan``), in fp32 (fp64 for fp64
 inputs), so no tensor of tokens x vocab elements is ever allocated.
 
 forward:  for each token chunk, for each vocab chunk: z = x_c W_v^T (+ b_v), soft-cap,

@@ -22,7 +22,7 @@ read and one write); the kernels then multiply TF32-exact operands with DOT_PREC
 with the operands loaded by TMA straight into the tensor cores).
 No tensor of N x V elements unless the budget allows it: temporaries are the kept
 columns and one dz chunk (and the rounded x and W chunk), sized by the memory budget
-(``_plans.triton_plan``). No
+(``planning.plans.triton_plan``). No
 atomics: every output element is written by one program or one matmul, so results
 are bitwise repeatable.
 """

@@ -1,4 +1,4 @@
-"""Gradient-in-forward strategy of the Triton backend (``_cost_model``: "grad_in_forward").
+"""Gradient-in-forward strategy of the Triton backend (``planning.cost_model``: "grad_in_forward").
 
 For reductions "mean" and "sum" the upstream gradient of each token's loss is
 grad_output times a factor known before the forward (1 for "sum", 1 / sum of w_t for

@@ -1,10 +1,10 @@
-"""Pure-PyTorch backend of linear_jsd: ``_jsd_math`` on bounded tiles (any device).
+"""Pure-PyTorch backend of linear_jsd: ``formulas.jsd`` on bounded tiles (any device).
 
-forward:  per chunk of tokens (``_plans.jsd_torch_rows``), both heads' logits of the
+forward:  per chunk of tokens (``planning.plans.jsd_torch_rows``), both heads' logits of the
           chunk (rows x V, fp32; fp64 for fp64), filled vocabulary slice by slice so
-          that the upcast weight slice stays small, then ``_jsd_math.row_stats``.
-backward: for each vocabulary chunk, for each token chunk (``_plans.torch_plan``):
-          recompute both tiles, dz from the saved statistics (``_jsd_math.dlogits``),
+          that the upcast weight slice stays small, then ``formulas.jsd.row_stats``.
+backward: for each vocabulary chunk, for each token chunk (``planning.plans.torch_plan``):
+          recompute both tiles, dz from the saved statistics (``formulas.jsd.dlogits``),
           dW_s[v] += dz^T x_s, db_s[v] += column sums, dx_s (fp32) += dz W_s[v].
 No tensor of tokens x vocab elements unless the budget holds it. ``column_sums``: the
 second pass of vocabulary parallelism for 0 < beta < 1 (``vocab_parallel``).
@@ -37,7 +37,7 @@ def _vocab_step(v: int, h: int, itemsize: int, budget: int) -> int:
 
 
 def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
-    """(6, N) statistics (``_jsd_math``) in the compute dtype."""
+    """(6, N) statistics (``formulas.jsd``) in the compute dtype."""
     n = xs.shape[0]
     v = ws.shape[0]
     cd = compute_dtype(xs.dtype)

@@ -5,7 +5,7 @@ Backend interface
 Every backend is a module ``logitless/jax/linear_cross_entropy/<name>.py`` (``xla.py``,
 ``mosaic_gpu.py``, ``triton.py``) registered by name in ``backends.BACKENDS`` (module path + an
 ``is_supported`` hook). The public function validates, flattens to 2-D, computes the
-loss from the statistics (``logitless/jax/_loss_math.py``) and wraps everything in one
+loss from the statistics (``logitless/jax/formulas.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
 arguments after ``*`` are static Python values (hashable; the functions are traced
 under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
@@ -28,7 +28,7 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
 
 ``backward(x2d, w, bias, target, lse, coef, *, softcap, budget) -> (dx, dw, db)``
     lse:  (N,) f32 from forward; coef: (3, N) f32 rows [A, B, C] from
-    ``_loss_math.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
+    ``formulas.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
     out-of-range targets). With p_c = exp(z_c - lse):
         dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
         dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype;

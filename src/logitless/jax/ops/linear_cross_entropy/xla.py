@@ -1,6 +1,6 @@
 """The "xla" backend: chunked linear cross-entropy in plain JAX (CPU, GPU, TPU).
 
-Math (see ``logitless/jax/_loss_math.py``): per token, lse, z_t and (label smoothing)
+Math (see ``logitless/jax/formulas.py``): per token, lse, z_t and (label smoothing)
 sum_c z_c of the soft-capped logits z = cap(x @ w.T + b), computed tile by tile:
 
     forward   for each column chunk j (fori_loop), for each row chunk i:
@@ -14,7 +14,7 @@ sum_c z_c of the soft-capped logits z = cap(x @ w.T + b), computed tile by tile:
 
 The last column (and row) chunk may be shorter: it is a separate, statically shaped
 step after the loop, so padded columns never exist and never enter the log-sum-exp.
-Memory: one tile of logits and its temporaries (``_plans.xla_plan`` sizes it from the
+Memory: one tile of logits and its temporaries (``planning.xla_plan`` sizes it from the
 budget), the fp32 dx accumulator (N x H) and one fp32 dW chunk; never N x V.
 Dots accumulate in fp32 (``preferred_element_type``); dz is cast to the input dtype
 before the gradient GEMMs (as the PyTorch side), so bf16 inputs run bf16 GEMMs.
