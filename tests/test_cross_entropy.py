@@ -381,3 +381,20 @@ def test_soft_targets_softcap_z_loss_low_precision_and_module():
     mod = CrossEntropyLoss(label_smoothing=0.1, reduction="sum")
     torch.testing.assert_close(mod(z, y), F.cross_entropy(z, y, label_smoothing=0.1, reduction="sum"),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_soft_targets_check_options():
+    z, y = _soft_inputs((3, 7), seed=1)
+    with pytest.raises(ValueError, match="backend"):
+        cross_entropy(z, y, backend="cuda")
+    with pytest.raises(ValueError, match="memory_budget"):
+        cross_entropy(z, y, memory_budget=0)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        cross_entropy(z, y, inplace_backward=True)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy(z, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="class_weight"):
+        cross_entropy(z, y, weight=torch.ones(6, dtype=torch.float64))
+    cw = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    cross_entropy(z, y, weight=cw).backward()
+    assert cw.grad is None  # class weights receive no gradient, as with class indices

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import resolve_backend
+from logitless.ops.common.dispatch import BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import InplaceCrossEntropy, ce_forward
@@ -99,8 +99,9 @@ def cross_entropy(
             for label_smoothing eps and class_weight w; "mean" divides by the number of
             tokens, not by the weights; ignore_index plays no part; (V,) logits and (N, V)
             need no class_dim, 3+ dims need class_dim=-1 or 1). Soft targets run in plain
-            torch (an fp32 copy of the logits; no memory_budget chunking), receive a
-            gradient as in torch, and support neither return_stats nor inplace_backward.
+            torch whatever ``backend`` (an fp32 copy of the logits; no memory_budget
+            chunking), receive a gradient as in torch, and support neither return_stats
+            nor inplace_backward.
         ignore_index: targets equal to it contribute no loss and no gradient.
         reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
             "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
@@ -159,6 +160,9 @@ def cross_entropy(
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (..., V)")
     if isinstance(target, Tensor) and target.is_floating_point():
+        check_memory_budget(memory_budget)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         return _soft_target_cross_entropy(logits, target, class_weight, opts, class_dim, return_stats,
                                           inplace_backward)
     logits = _classes_last(logits, target, class_dim)
@@ -234,7 +238,7 @@ def _soft_target_cross_entropy(logits: Tensor, target: Tensor, class_weight: Opt
     if opts.label_smoothing > 0:
         y = y * (1.0 - opts.label_smoothing) + opts.label_smoothing / num_classes
     if class_weight is not None:
-        y = y * class_weight.to(dtype)
+        y = y * class_weight.detach().to(dtype)  # no gradient, as the class indices' path
     loss = -(y * (z - lse)).sum(-1)
     if opts.z_loss != 0.0:
         loss = loss + opts.z_loss * lse[..., 0] ** 2
