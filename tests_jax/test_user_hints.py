@@ -98,3 +98,19 @@ def test_tokamax_drop_in_keeps_its_out_of_range_semantics():
     x, w, t = _inputs()
     loss = linear_softmax_cross_entropy_loss(x, t.at[1].set(-100), w.T)  # padding label: zero loss
     assert np.isfinite(float(loss))
+
+
+def test_torch_ops_without_torch_say_what_to_install():
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here (tests/test_install_hints.py simulates its absence)")
+    import logitless
+
+    with pytest.raises(ModuleNotFoundError, match="pip install torch.*logitless.jax") as err:
+        logitless.linear_cross_entropy
+    assert err.value.name == "torch"
+    with pytest.raises(ImportError, match="logitless.LinearJSDLoss needs PyTorch"):
+        from logitless import LinearJSDLoss  # noqa: F401
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        logitless.nope
