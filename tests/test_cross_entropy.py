@@ -318,3 +318,83 @@ def test_stats_lse_is_differentiable(backend, inplace):
     ref = torch.nn.functional.cross_entropy(zd, target) + (torch.logsumexp(zd, -1) * r.double()).sum()
     (expected,) = torch.autograd.grad(ref, logits)
     torch.testing.assert_close(ours.double(), expected.double(), rtol=1e-5, atol=1e-6)
+
+
+# ---- class-probability (soft) targets: torch's semantics ----
+
+def _soft_inputs(shape, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
+    y = torch.rand(*shape, generator=g, dtype=torch.float64).softmax(-1 if len(shape) < 3 else 1)
+    return z, y.to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.2}, {"class_weight": True},
+                                  {"label_smoothing": 0.15, "class_weight": True}])
+@pytest.mark.parametrize("shape", [(7, 13), (1, 13), (13,), (0, 13)])
+def test_soft_targets_match_torch_float64(shape, opts, reduction):
+    z, y = _soft_inputs(shape, seed=len(shape) * 10 + shape[0])
+    kw = {"label_smoothing": opts.get("label_smoothing", 0.0)}
+    if opts.get("class_weight"):
+        kw["weight"] = torch.rand(shape[-1], generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
+    ours = cross_entropy(z, y, reduction=reduction, **kw)
+    z2, y2 = z.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+    ref = F.cross_entropy(z2, y2, reduction=reduction, **kw)
+    assert ours.shape == ref.shape and ours.dtype == torch.float64
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12, equal_nan=True)
+    if z.numel():
+        up = torch.randn(ours.shape, dtype=torch.float64)
+        gz, gy = torch.autograd.grad((ours * up).sum(), (z, y))
+        rz, ry = torch.autograd.grad((ref * up).sum(), (z2, y2))
+        torch.testing.assert_close(gz, rz, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gy, ry, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("class_dim", [1, -1])
+def test_soft_targets_3d_layouts(class_dim):
+    z, y = _soft_inputs((3, 11, 4), seed=5)  # torch's (N, C, d)
+    ref = F.cross_entropy(z, y, reduction="none", label_smoothing=0.1)
+    if class_dim == 1:
+        ours = cross_entropy(z, y, reduction="none", label_smoothing=0.1, class_dim=1)
+    else:
+        ours = cross_entropy(z.movedim(1, -1), y.movedim(1, -1), reduction="none", label_smoothing=0.1,
+                             class_dim=-1)
+    assert ours.shape == ref.shape == (3, 4)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_soft_targets_softcap_z_loss_low_precision_and_module():
+    z, y = _soft_inputs((5, 17), seed=8)
+    ours = cross_entropy(z, y, softcap=3.0, z_loss=1e-2)
+    zc = 3.0 * torch.tanh(z / 3.0)
+    lse = torch.logsumexp(zc, -1)
+    ref = F.cross_entropy(zc, y, reduction="none") + 1e-2 * lse ** 2
+    torch.testing.assert_close(ours, ref.mean(), rtol=1e-12, atol=1e-12)
+    zb = z.detach().to(torch.bfloat16).requires_grad_()
+    lb = cross_entropy(zb, y.detach().to(torch.bfloat16))
+    assert lb.dtype == torch.float32
+    rb = F.cross_entropy(zb.detach().double(), y.detach().to(torch.bfloat16).double())
+    assert abs(lb.double() - rb) < 1e-5
+    lb.backward()
+    assert zb.grad.dtype == torch.bfloat16
+    mod = CrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(mod(z, y), F.cross_entropy(z, y, label_smoothing=0.1, reduction="sum"),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_soft_targets_check_options():
+    z, y = _soft_inputs((3, 7), seed=1)
+    with pytest.raises(ValueError, match="backend"):
+        cross_entropy(z, y, backend="cuda")
+    with pytest.raises(ValueError, match="memory_budget"):
+        cross_entropy(z, y, memory_budget=0)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        cross_entropy(z, y, inplace_backward=True)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy(z, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="class_weight"):
+        cross_entropy(z, y, weight=torch.ones(6, dtype=torch.float64))
+    cw = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    cross_entropy(z, y, weight=cw).backward()
+    assert cw.grad is None  # class weights receive no gradient, as with class indices

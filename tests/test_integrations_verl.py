@@ -102,32 +102,49 @@ def test_against_verls_own_kernel():
 
 
 def _tp_worker(rank, world, device):
-    """verl's dist_process_group: this rank's rows of the weight; the same numbers as the
-    unsharded call (logprobs and entropy bitwise identical on every rank), hidden's
-    gradient all-reduced, weight's gradient this rank's rows."""
+    """verl's TP contract (verl's tests/utils/test_special_linear_cross_entropy_tp.py,
+    ported to gloo): each rank holds its rows of the weight, hidden and labels are the
+    same everywhere; logprobs and entropy equal the unsharded call (bitwise the same on
+    every rank); hidden's gradient is this rank's PARTIAL gradient, which the caller
+    all-reduces ("all-reduce on hidden is conducted outside the kernel") to get the
+    unsharded gradient; weight's gradient is this rank's rows of the unsharded one."""
     import torch.distributed as dist
 
     from tests._distributed import blocks, same_on_every_rank
 
-    hidden, weight, labels = _inputs(shape=(2, 5), h=24, v=101, dtype=torch.float64, seed=4)
-    hidden, weight = hidden.detach().to(device), weight.detach().to(device)
-    labels = labels.to(device)
-    mine = blocks([51, 50], rank)
-    for reduction in ("none", "mean"):
-        hl, wl = hidden.clone().requires_grad_(), weight[mine].clone().requires_grad_()
-        logp, ent = linear_cross_entropy(hl, wl, labels, 0.8, reduction, dist_process_group=dist.group.WORLD)
-        hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        logp1, ent1 = linear_cross_entropy(hs, ws, labels, 0.8, reduction)
-        assert logp.shape == logp1.shape and ent.shape == ent1.shape
-        same_on_every_rank("logprobs", logp.detach().reshape(-1))
-        same_on_every_rank("entropy", ent.detach())
-        torch.testing.assert_close(logp, logp1, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(ent, ent1, rtol=1e-12, atol=1e-12)
-        up = torch.linspace(-1, 1, ent.numel(), dtype=ent.dtype, device=device)
-        (logp.sum() + (ent * up).sum()).backward()
-        (logp1.sum() + (ent1 * up).sum()).backward()
-        torch.testing.assert_close(hl.grad, hs.grad, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(wl.grad, ws.grad[mine], rtol=1e-10, atol=1e-12)
+    group = dist.group.WORLD
+    for rows, shape in (([51, 50], (2, 5)), ([40] * world, (1, 7))):  # uneven; verl's equal blocks, 3-D
+        hidden, weight, labels = _inputs(shape=shape, h=24, v=sum(rows), dtype=torch.float64, seed=4)
+        hidden, weight, labels = hidden.detach().to(device), weight.detach().to(device), labels.to(device)
+        mine = blocks(rows, rank)
+        n = labels.numel()
+        g = torch.Generator().manual_seed(7)  # verl broadcasts its upstream gradients: same seed
+        g_entropy = (torch.rand(n, generator=g, dtype=torch.float64) - 0.5).to(device)
+        g_logprobs = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(device)
+        for reduction in ("none", "mean"):
+            hl, wl = hidden.clone().requires_grad_(), weight[mine].clone().requires_grad_()
+            logp, ent = linear_cross_entropy(hl, wl, labels, 1.5, reduction, dist_process_group=group)
+            hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            logp1, ent1 = linear_cross_entropy(hs, ws, labels, 1.5, reduction)
+            assert logp.shape == logp1.shape and ent.shape == ent1.shape
+            same_on_every_rank("logprobs", logp.detach().reshape(-1))
+            same_on_every_rank("entropy", ent.detach())
+            torch.testing.assert_close(logp, logp1, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(ent, ent1, rtol=1e-12, atol=1e-12)
+            gl = g_logprobs if reduction == "none" else g_logprobs[0]
+            tp_dh, tp_dw = torch.autograd.grad((ent, logp), (hl, wl), (g_entropy, gl))
+            dh, dw = torch.autograd.grad((ent1, logp1), (hs, ws), (g_entropy, gl))
+            # before the caller's reduction: the gradient through this rank's rows only
+            hp = hidden.clone().requires_grad_()
+            a = torch.cat([hp @ weight[:mine.start].T, hp @ weight[mine].T, hp @ weight[mine.stop:].T], -1)
+            a = torch.cat([a[..., :mine.start].detach(), a[..., mine], a[..., mine.stop:].detach()], -1)
+            rlp, rent = _plain_verl(a, torch.eye(a.shape[-1], dtype=a.dtype), labels, 1.5, reduction)
+            (part,) = torch.autograd.grad((rent, rlp), (hp,), (g_entropy, gl))
+            assert tp_dh.shape == hidden.shape
+            torch.testing.assert_close(tp_dh, part, rtol=1e-10, atol=1e-12)
+            dist.all_reduce(tp_dh, op=dist.ReduceOp.SUM, group=group)  # the caller's reduction
+            torch.testing.assert_close(tp_dh, dh, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(tp_dw, dw[mine], rtol=1e-10, atol=1e-12)
 
 
 def test_dist_process_group_two_ranks():

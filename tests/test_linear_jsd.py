@@ -273,12 +273,52 @@ def test_module_matches_function():
     assert "beta=0.3" in repr(mod)
 
 
-def test_teacher_requiring_grad_raises_and_no_grad_is_fine():
-    xs, ws, xt, wt, target, _ = make_inputs((4,), 8, 8, 10, torch.float32, {}, seed=9, device="cpu")
-    with pytest.raises(ValueError, match="teacher_weight requires grad"):
-        logitless.linear_jsd(xs, ws, xt, wt.requires_grad_(), target)
+@pytest.mark.parametrize("module", [False, True])
+def test_teacher_is_a_constant_by_default(module):
+    """An ordinary teacher head (weight and bias nn.Parameters, hidden states computed with
+    grad enabled): the loss equals the one of detached teacher tensors, bitwise, and only
+    the student gets gradients (the float64 reference with a constant teacher)."""
+    from logitless.ops.linear_jsd.reference import linear_jsd_reference
+
+    xs, ws, xt, wt, target, _ = make_inputs((2, 5), 8, 6, 11, torch.float64, {}, seed=9, device="cpu")
+    head = torch.nn.Linear(6, 11, dtype=torch.float64)
     with torch.no_grad():
-        assert torch.isfinite(logitless.linear_jsd(xs, ws, xt, wt, target))
+        head.weight.copy_(wt)
+    body = torch.nn.Linear(6, 6, dtype=torch.float64)
+    teacher_x = body(xt)  # requires grad: the teacher's forward ran with grad enabled
+    assert teacher_x.requires_grad and head.weight.requires_grad and head.bias.requires_grad
+    xs.requires_grad_()
+    ws.requires_grad_()
+    kw = dict(beta=0.3, temperature=1.3, backend="torch")
+    if module:
+        loss = logitless.LinearJSDLoss(**kw)(xs, ws, teacher_x, head.weight, target, None, head.bias)
+    else:
+        loss = logitless.linear_jsd(xs, ws, teacher_x, head.weight, target, teacher_bias=head.bias, **kw)
+    plain = logitless.linear_jsd(xs, ws, teacher_x.detach(), head.weight.detach(), target,
+                                 teacher_bias=head.bias.detach(), **kw)
+    assert torch.equal(loss, plain)
+    loss.backward()
+    assert head.weight.grad is None and head.bias.grad is None and body.weight.grad is None
+    xr, wr = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
+    ref = linear_jsd_reference(xr, wr, teacher_x.detach(), head.weight.detach(), target,
+                               teacher_bias=head.bias.detach(), beta=0.3, temperature=1.3)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ws.grad, wr.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_teacher_grad_opt_in_refuses_what_it_cannot_compute():
+    xs, ws, xt, wt, target, _ = make_inputs((4,), 8, 8, 10, torch.float32, {}, seed=9, device="cpu")
+    with pytest.raises(NotImplementedError, match="teacher_weight requires grad"):
+        logitless.linear_jsd(xs, ws, xt, wt.clone().requires_grad_(), target, teacher_grad=True)
+    with pytest.raises(NotImplementedError, match="teacher_bias requires grad"):
+        logitless.LinearJSDLoss(teacher_grad=True)(xs, ws, xt, wt, target, None, torch.zeros(10, requires_grad=True))
+    # nothing to compute: constant teacher tensors, or grad disabled
+    a = logitless.linear_jsd(xs, ws, xt, wt, target, teacher_grad=True)
+    with torch.no_grad():
+        b = logitless.linear_jsd(xs, ws, xt, wt.clone().requires_grad_(), target, teacher_grad=True)
+    assert torch.equal(a, b) and torch.isfinite(a)
 
 
 def test_out_of_range_target_with_hard_labels_raises_on_cpu():

@@ -115,10 +115,10 @@ def test_special_values():
     assert not np.asarray(f(x, tall)[0]).any()
     assert not np.asarray(jax.grad(lambda x: jnp.sum(f(x, tall)[1]))(x)).any()
     # out of range: NaN for that token only (outputs and gradients)
-    bad = t.at[2].set(31).at[3].set(-3)
-    lp, h = (np.asarray(a) for a in f(x, bad))
+    bad = t.at[2].set(31).at[3].set(-3)  # traced (a jit argument): concrete CPU tokens would raise
+    lp, h = (np.asarray(a) for a in jax.jit(f)(x, bad))
     assert np.isnan(lp[[2, 3]]).all() and np.isnan(h[[2, 3]]).all() and np.isfinite(lp[[1, 5]]).all()
-    dx = np.asarray(jax.grad(lambda x: jnp.sum(f(x, bad)[0]))(x))
+    dx = np.asarray(jax.jit(jax.grad(lambda x, t: jnp.sum(f(x, t)[0])))(x, bad))
     assert np.isnan(dx[[2, 3]]).all() and np.isfinite(dx[[0, 1, 4, 5]]).all()
     # inf / NaN inputs give NaN for their token
     assert np.isnan(np.asarray(f(x.at[1, 0].set(jnp.nan), t)[0])[1])

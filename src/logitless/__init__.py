@@ -12,6 +12,21 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
         raise
     __all__: list = []
     del _exc
+
+    #: The PyTorch ops' names: without torch, asking for one says what to install.
+    _TORCH_NAMES = frozenset({
+        "linear_cross_entropy", "LinearCrossEntropyLoss", "cross_entropy", "CrossEntropyLoss", "linear_jsd",
+        "LinearJSDLoss", "jsd", "JSDLoss", "linear_log_probs", "LinearLogProbs", "log_probs", "LogProbs",
+        "LossStats", "DEFAULT_MEMORY_BUDGET"})
+
+    def __getattr__(name: str):
+        """``logitless.X`` (and ``from logitless import X``) for a PyTorch op without torch:
+        a ModuleNotFoundError (an ImportError, name "torch") that says what to install."""
+        if name in _TORCH_NAMES:
+            raise ModuleNotFoundError(
+                f"logitless.{name} needs PyTorch: pip install torch (or pip install logitless[torch]); "
+                "the JAX ops are in logitless.jax", name="torch")
+        raise AttributeError(f"module 'logitless' has no attribute {name!r}")
 else:
     del _torch
     from .formulas.cross_entropy import LossStats

@@ -15,6 +15,11 @@ verl's conventions, kept here (read from verl 0.9.1's kernel source):
 - ``reduction``: "none" (per token), "sum" (scalar sum of the log-probs over all N
   tokens), "mean" (that sum / N); case-insensitive; the entropy is never reduced.
 - Gradients flow from both outputs to hidden and weight (no bias in verl's op).
+- With ``dist_process_group`` (a head split by vocabulary over the group's ranks),
+  hidden's gradient is this rank's PARTIAL gradient (the sum over its own rows), as
+  verl's kernel returns it: the caller all-reduces it (Megatron's copy-to-tensor-parallel
+  region does in verl's TP training; verl's TP test calls ``dist.all_reduce``). weight's
+  gradient is this rank's rows, complete.
 
 Differences, on purpose: the division by the temperature is done on the fp32 logits
 as in verl, and the statistics are exact fp32 (verl's error vs float64 ~3e-5,
@@ -54,8 +59,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
             ``weight`` is split by vocabulary (verl's tensor-parallel head): ``weight`` is
             then this rank's contiguous block of rows, ``hidden`` and ``labels`` (global
             ids) the same on every rank; forwarded as ``process_group=`` to
-            ``logitless.linear_log_probs`` (outputs identical on every rank, hidden's
-            gradient all-reduced, weight's gradient this rank's rows).
+            ``logitless.linear_log_probs`` with ``partial_dx=True`` (outputs identical on
+            every rank; hidden's gradient this rank's partial sum, to be all-reduced by
+            the caller as verl's own kernel requires; weight's gradient this rank's rows).
 
     Returns:
         (logprobs, entropy): logprobs (N,) fp32 or a 0-d fp32 tensor for "sum"/"mean";
@@ -74,7 +80,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
     logprobs, entropy = linear_log_probs(hidden2d, weight, flat, temperature=temperature, entropy=True,
-                                         process_group=dist_process_group)
+                                         process_group=dist_process_group,
+                                         partial_dx=dist_process_group is not None)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":

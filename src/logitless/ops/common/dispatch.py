@@ -23,7 +23,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend ("triton" or "torch") for a backend name and the inputs, or a clear error.
 
     "auto": Triton for CUDA tensors of 16/32-bit floats when triton is installed, else
-    PyTorch. "triton" on CPU tensors needs TRITON_INTERPRET=1 (the interpreter).
+    PyTorch. "triton" needs the triton package (else ModuleNotFoundError naming
+    ``pip install triton``) and, on CPU tensors, TRITON_INTERPRET=1 (the interpreter).
     """
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
@@ -31,13 +32,18 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         cuda_ok = device.type == "cuda" and dtype != torch.float64
         name = "triton" if cuda_ok and HAS_TRITON else "torch"
     if name == "triton":
+        if not HAS_TRITON:
+            raise ModuleNotFoundError(
+                "backend='triton' needs the triton package: pip install triton (on a CPU, then set "
+                "TRITON_INTERPRET=1 for its interpreter); or use backend='torch' (or 'auto')", name="triton")
         if dtype == torch.float64:
             raise TypeError("backend='triton' supports float16, bfloat16 and float32; "
                             "use backend='torch' for float64")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (got {device}); set "
-                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
+                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter (slow: tests only), "
+                "or use backend='torch'"
             )
     return name
 

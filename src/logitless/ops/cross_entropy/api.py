@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import resolve_backend
+from logitless.ops.common.dispatch import BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import InplaceCrossEntropy, ce_forward
@@ -93,7 +93,15 @@ def cross_entropy(
             (B, T, V) tensor) they are first copied by ``reshape``. torch's layout
             (N, C, d1, ...) with target (N, d1, ...) is accepted too (see ``class_dim``;
             the logits are then copied once, as classes-last).
-        target: (...) int64 or int32 class indices, the leading shape of ``logits``.
+        target: (...) int64 or int32 class indices, the leading shape of ``logits``; or
+            class probabilities, a float tensor of the logits' shape (torch's soft
+            targets: loss = -sum_c w_c y'_c log_softmax(z)_c with y' = (1 - eps) y + eps / C
+            for label_smoothing eps and class_weight w; "mean" divides by the number of
+            tokens, not by the weights; ignore_index plays no part; (V,) logits and (N, V)
+            need no class_dim, 3+ dims need class_dim=-1 or 1). Soft targets run in plain
+            torch whatever ``backend`` (an fp32 copy of the logits; no memory_budget
+            chunking), receive a gradient as in torch, and support neither return_stats
+            nor inplace_backward.
         ignore_index: targets equal to it contribute no loss and no gradient.
         reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
             "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
@@ -151,6 +159,12 @@ def cross_entropy(
     _validate.check_float("logits", logits)
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (..., V)")
+    if isinstance(target, Tensor) and target.is_floating_point():
+        check_memory_budget(memory_budget)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return _soft_target_cross_entropy(logits, target, class_weight, opts, class_dim, return_stats,
+                                          inplace_backward)
     logits = _classes_last(logits, target, class_dim)
     num_classes = logits.shape[-1]
     if num_classes == 0:
@@ -188,6 +202,51 @@ def cross_entropy(
     return loss, LossStats(
         stats.lse.reshape(target.shape), stats.correct.reshape(target.shape), stats.num_tokens
     )
+
+
+def _soft_target_cross_entropy(logits: Tensor, target: Tensor, class_weight: Optional[Tensor],
+                               opts: CrossEntropyOptions, class_dim: Optional[int], return_stats: bool,
+                               inplace_backward: bool) -> Tensor:
+    """Class-probability targets, torch's formula, in plain torch (fp32, fp64 for fp64):
+    y' = (1 - eps) y + eps / C, loss = -sum_c w_c y'_c log_softmax(z)_c per token, plus
+    z_loss * lse**2; "mean" divides the sum by the number of tokens (not by the weights)."""
+    if return_stats or inplace_backward:
+        raise ValueError("cross_entropy with class-probability (float) targets supports neither "
+                         "return_stats nor inplace_backward; pass int64 class indices for those")
+    if target.shape != logits.shape:
+        raise ValueError(f"float target (class probabilities) must have the logits' shape "
+                         f"{tuple(logits.shape)}, got {tuple(target.shape)}; class indices must be int64 or int32")
+    if logits.dim() >= 3 and class_dim is None:
+        raise ValueError(f"class-probability targets of shape {tuple(target.shape)}: pass class_dim=-1 "
+                         "(classes last, (..., V)) or class_dim=1 (torch's (N, C, d1, ...))")
+    if class_dim is not None:
+        if class_dim not in (1, -1) or (class_dim == 1 and logits.dim() < 2):
+            raise ValueError(f"class_dim must be -1, or 1 for logits of 2+ dims, got {class_dim}")
+        if class_dim == 1:
+            logits, target = logits.movedim(1, -1), target.movedim(1, -1)
+    num_classes = logits.shape[-1]
+    if num_classes == 0:
+        raise ValueError("logits have size 0 in the last dimension: the vocabulary is empty")
+    _validate.check_class_vector("class_weight", class_weight, num_classes)
+    _validate.check_same_device(logits=logits, target=target, class_weight=class_weight)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(dtype)
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    y = target.to(dtype)
+    if opts.label_smoothing > 0:
+        y = y * (1.0 - opts.label_smoothing) + opts.label_smoothing / num_classes
+    if class_weight is not None:
+        y = y * class_weight.detach().to(dtype)  # no gradient, as the class indices' path
+    loss = -(y * (z - lse)).sum(-1)
+    if opts.z_loss != 0.0:
+        loss = loss + opts.z_loss * lse[..., 0] ** 2
+    if opts.reduction == "none":
+        return loss  # the token shape: (...) classes-last, (N, d1, ...) for class_dim=1
+    if opts.reduction == "sum":
+        return loss.sum()
+    return loss.sum() / loss.numel() if loss.numel() else loss.sum() * float("nan")
 
 
 class CrossEntropyLoss(nn.Module):

@@ -154,6 +154,10 @@ def linear_cross_entropy(
     x, weight, bias = cast_like_linear(x, weight, bias)
     num_classes, hidden = _validate.check_linear_operands("linear_cross_entropy", x, weight, bias,
                                                          allow_empty=parallel)
+    if isinstance(target, Tensor) and target.is_floating_point():
+        raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}: class-probability "
+                        "targets are not supported by the fused op; compute the logits and call "
+                        "logitless.cross_entropy(logits, probs), which takes them")
     _validate.check_target(target, x.shape[:-1], "the leading dimensions of x")
     if parallel:  # the full vector: its length is checked in the op (the ranks know V together)
         if class_weight is not None:

@@ -49,6 +49,7 @@ def linear_jsd(
     process_group=None,
     vocab_size: Optional[int] = None,
     partial_dx: bool = False,
+    teacher_grad: bool = False,
 ) -> Tensor:
     """Distillation loss of a student and a teacher LM head, without their logits.
 
@@ -65,8 +66,9 @@ def linear_jsd(
         teacher_x: (..., H_t) with the same leading shape; teacher_weight: (V, H_t).
             Hidden sizes may differ; vocabularies must match. All six tensors share
             one dtype and device (under autocast all are cast to its dtype, as
-            ``F.linear``). The teacher gets no gradient: a teacher tensor that
-            requires grad (with grad enabled) raises; detach it or use no_grad.
+            ``F.linear``). The teacher is a constant (see ``teacher_grad``): an
+            ordinary teacher head whose weight is an ``nn.Parameter``, or teacher
+            hidden states computed with grad enabled, can be passed as they are.
         target: optional (...) int64/int32 labels: tokens equal to ``ignore_index``
             count for nothing, and the hard-label term uses them. None: every token
             counts (hard_label_weight must be 0).
@@ -105,13 +107,19 @@ def linear_jsd(
             full weights are excluded and get zero gradient. None: every row.
         partial_dx: with vocab-parallel heads, return this rank's partial gradient of
             student_x instead of the all-reduced one.
+        teacher_grad: False (default): teacher_x, teacher_weight and teacher_bias are
+            constants (detached; what every distillation trainer does), whether they
+            require grad or not. True: ask for the teacher's gradients, which this op
+            does not compute: a teacher tensor that requires grad (with grad enabled)
+            then raises ``NotImplementedError`` instead of getting no gradient.
 
     Returns the loss (fp32 scalar, or per token for "none"; fp64 for fp64 inputs).
-    Gradients reach student_x, student_weight and student_bias.
+    Gradients reach student_x, student_weight and student_bias, never the teacher.
 
     Errors: wrong ranks, shapes, dtypes or devices, mismatched vocabularies, options
-    out of range, a teacher that requires grad, and hard labels without a target raise
-    ``ValueError``/``TypeError``. With hard labels, a target outside [0, V) that is not
+    out of range, and hard labels without a target raise ``ValueError``/``TypeError``;
+    a teacher tensor that requires grad with ``teacher_grad=True`` raises
+    ``NotImplementedError``. With hard labels, a target outside [0, V) that is not
     ignore_index raises on the CPU and makes that token's loss NaN on a GPU. NaN
     inputs give NaN. Empty inputs: "mean" NaN with zero gradients, "sum" 0.
     """
@@ -154,8 +162,9 @@ def linear_jsd(
     _validate.check_same_device(student_x=student_x, student_weight=student_weight,
                                 teacher_x=teacher_x, teacher_weight=teacher_weight, target=target,
                                 student_bias=student_bias, teacher_bias=teacher_bias)
-    _validate.check_teacher_frozen(teacher_x=teacher_x, teacher_weight=teacher_weight,
-                                   teacher_bias=teacher_bias)
+    teacher_x, teacher_weight, teacher_bias = _teacher_constant(teacher_grad, teacher_x=teacher_x,
+                                                               teacher_weight=teacher_weight,
+                                                               teacher_bias=teacher_bias)
     student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias = cast_like_linear(
         student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias)
     dtypes = {t.dtype for t in (student_x, student_weight, student_bias, teacher_x,
@@ -205,19 +214,37 @@ def linear_jsd(
     return loss
 
 
+def _teacher_constant(teacher_grad: bool, **tensors: Optional[Tensor]) -> tuple:
+    """The teacher's tensors as constants: detached (teacher_grad=False), or refused
+    when one would want a gradient the op does not compute (teacher_grad=True)."""
+    if not isinstance(teacher_grad, bool):
+        raise TypeError(f"teacher_grad must be a bool, got {teacher_grad!r}")
+    if teacher_grad and torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if t is not None and t.requires_grad:
+                raise NotImplementedError(
+                    f"linear_jsd(teacher_grad=True): {name} requires grad, but linear_jsd computes "
+                    "no gradient for the teacher (only for the student). Leave teacher_grad=False "
+                    "(the teacher is then a constant), or compute both heads' logits and a torch loss "
+                    "if the teacher must be trained")
+    return tuple(t.detach() if t is not None and t.requires_grad else t for t in tensors.values())
+
+
 class LinearJSDLoss(nn.Module):
     """Module form of :func:`linear_jsd`: holds the options, takes tensors.
 
     ``loss_fn = LinearJSDLoss(beta=0.5, temperature=1.0)``;
     ``loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden,
-    teacher.lm_head.weight, labels)``. See the function for every argument and error.
+    teacher.lm_head.weight, labels)``; the teacher is a constant (``teacher_grad``). See
+    the function for every argument and error.
     """
 
     def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
                  reduction: str = "mean", student_softcap: Optional[float] = None,
                  teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
                  shift: bool = False, memory_budget: Optional[int] = None, backend: str = "auto",
-                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False):
+                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False,
+                 teacher_grad: bool = False):
         super().__init__()
         JSDOptions.checked(
             beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
@@ -227,7 +254,8 @@ class LinearJSDLoss(nn.Module):
             beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
             student_softcap=student_softcap, teacher_softcap=teacher_softcap,
             hard_label_weight=hard_label_weight, shift=shift, memory_budget=memory_budget,
-            backend=backend, process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+            backend=backend, process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx,
+            teacher_grad=teacher_grad)
 
     def forward(self, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
                 teacher_weight: Tensor, target: Optional[Tensor] = None,

@@ -36,6 +36,33 @@ def is_nvidia_gpu() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "x"))[:1].isdigit()
 
 
+#: The interpret-mode warning is given once per process.
+_WARNED_INTERPRET: list = []
+
+MOSAIC_NEEDS = ("implementation='mosaic_gpu' needs an SM90 (Hopper, e.g. H100/H200) NVIDIA GPU; use "
+                "implementation=None (automatic: the best backend this device has), 'xla' (any device) "
+                "or 'triton' (any NVIDIA GPU, with jax-triton installed)")
+
+
+def check_mosaic_device(nvidia=is_nvidia_gpu, sm90=is_sm90) -> None:
+    """An explicit "mosaic_gpu" on the wrong device: a GPU that is not SM90 raises
+    ValueError (its kernels would not compile); a machine without a GPU gets ONE
+    RuntimeWarning, as the kernels then run in Mosaic GPU's interpret mode (simulated
+    threads on the CPU: correct, very slow, for tests only)."""
+    if sm90():
+        return
+    try:
+        platform = jax.devices()[0].platform
+    except RuntimeError:
+        platform = "none"
+    if platform == "gpu" or nvidia():
+        raise ValueError(f"{MOSAIC_NEEDS}; this GPU is not SM90")
+    if not _WARNED_INTERPRET:
+        _WARNED_INTERPRET.append(True)
+        warnings.warn(f"{MOSAIC_NEEDS}. There is no GPU here ({platform}): the kernels run in Mosaic "
+                      "GPU's interpret mode on the CPU (very slow: tests only)", RuntimeWarning, stacklevel=4)
+
+
 def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False) -> bool:
     """Whether a backend module takes the case (its optional ``is_supported`` and
     ``CLASS_WEIGHTS`` attributes)."""
@@ -53,6 +80,8 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
     ``has_class_weight``: None for ops without class weights (not in the error);
     ``nvidia``/``sm90``: the device predicates (callables)."""
     cw = bool(has_class_weight)
+    if implementation == "mosaic_gpu":
+        check_mosaic_device(nvidia, sm90)
     if implementation is not None:
         module = backend_module(implementation)
         if not supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw):

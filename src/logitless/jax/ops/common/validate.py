@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 #: Floating dtypes the JAX ops take for x, weight and bias.
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -17,14 +19,16 @@ def check_float(name, a) -> None:
 
 
 def check_linear_inputs(x, weight, labels, bias, *, labels_name: str, weight_layout: str = "vh",
-                        vocab_shards: int = 1) -> tuple[int, int, int]:
+                        vocab_shards: int = 1, layout_arg: bool = True) -> tuple[int, int, int]:
     """The checks every fused linear op makes of x (..., H), weight ((V, H) for
     ``weight_layout="vh"``, (H, V) for "hv"), the integer labels (``labels_name``:
     "target", "tokens"; shape x.shape[:-1]) and the optional bias (V_local,): float
     dtypes, ranks, matching hidden sizes and dtypes, a non-empty vocabulary. TypeError or
     ValueError naming the argument, at trace time (shapes and dtypes only, no values).
     ``vocab_shards``: how many shards the weight is of (a vocabulary split inside
-    shard_map). Returns (local_classes, num_classes = local x shards, hidden)."""
+    shard_map). ``layout_arg``: whether the op takes ``weight_layout=`` (the hint for a
+    weight of the other layout names it, else ``weight.T``). Returns (local_classes,
+    num_classes = local x shards, hidden)."""
     check_float("x", x)
     check_float("weight", weight)
     layouts = {"vh": "(V, H)", "hv": "(H, V)"}
@@ -39,8 +43,15 @@ def check_linear_inputs(x, weight, labels, bias, *, labels_name: str, weight_lay
     if num_classes == 0:
         raise ValueError("weight has no classes: the vocabulary is empty")
     if x.shape[-1] != hidden:
+        other = "hv" if weight_layout == "vh" else "vh"
+        hint = ""
+        if weight.shape[0 if weight_layout == "vh" else 1] == x.shape[-1]:
+            # the shape fits the other layout: e.g. a flax Dense kernel (H, V) passed as (V, H)
+            hint = (f"; it looks like a {layouts[other]} weight"
+                    + (" (e.g. a flax Dense kernel)" if other == "hv" else "")
+                    + (f": pass weight_layout={other!r}" if layout_arg else ": pass weight.T"))
         raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} "
-                         f"{layouts[weight_layout]}")
+                         f"{layouts[weight_layout]}{hint}")
     if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
         raise TypeError(f"x is {jnp.dtype(x.dtype).name} but weight is {jnp.dtype(weight.dtype).name}; they must match")
     if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -57,3 +68,32 @@ def check_linear_inputs(x, weight, labels, bias, *, labels_name: str, weight_lay
             raise TypeError(f"bias is {jnp.dtype(bias.dtype).name} but weight is "
                             f"{jnp.dtype(weight.dtype).name}; they must match")
     return local_classes, num_classes, hidden
+
+
+def _concrete_on_cpu(a) -> bool:
+    """Whether ``a``'s values can be read now without a device sync: a numpy array, or a
+    concrete (not traced) jax array whose shards all live on CPU devices."""
+    if isinstance(a, np.ndarray):
+        return True
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+        return False
+    try:
+        return a.is_fully_addressable and all(d.platform == "cpu" for d in a.devices())
+    except Exception:  # a deleted or otherwise unreadable array: leave it to the op
+        return False
+
+
+def check_labels_in_range(labels, num_classes: int, ignore_index: int, name: str) -> None:
+    """ValueError (naming ``name``) for a label outside [0, num_classes) that is not
+    ignore_index, when the labels are concrete CPU values (not tracers: eager calls on
+    a CPU, numpy arrays, constants a traced function closes over). Traced labels (jit
+    arguments, inside ``shard_map``) and labels on a GPU (where reading them would be a
+    host sync) are not checked: that token's outputs are NaN, as the ops document."""
+    if getattr(labels, "size", 0) == 0 or not _concrete_on_cpu(labels):
+        return
+    values = np.asarray(labels)
+    bad = (values != ignore_index) & ((values < 0) | (values >= num_classes))
+    if bad.any():
+        raise ValueError(f"{name} contains {int(values[bad][0])}, outside [0, {num_classes}) and not "
+                         f"ignore_index={ignore_index} (eager CPU check; under jax.jit, or on a GPU, "
+                         "that token's outputs would be NaN)")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import formulas as lm
-from logitless.jax.ops.common.validate import check_float, check_linear_inputs
+from logitless.jax.ops.common.validate import check_float, check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
 from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -240,9 +240,14 @@ def linear_cross_entropy(
 
     Errors and special values:
         Wrong ranks, shapes or dtypes, unknown options and options out of range raise
-        ``ValueError``/``TypeError`` at trace time. A target outside [0, V) that is not
-        ``ignore_index`` gives that token a NaN loss (and NaN gradients), so the
-        reduced loss is NaN: values are never checked on the host. NaN or inf inputs
+        ``ValueError``/``TypeError`` at trace time; a weight whose shape fits the other
+        ``weight_layout`` (e.g. a flax (H, V) kernel passed as "vh") says so. A target
+        outside [0, V) that is not ``ignore_index`` raises ``ValueError`` when the
+        target is concrete on the CPU (not a tracer: an eager call on a CPU, a numpy
+        array, a constant closed over by a jitted function); a traced target (an
+        argument of ``jax.jit``, inside ``shard_map``) or one on a GPU (no host sync)
+        is not checked: that token's loss (and gradients) is NaN, so the reduced loss
+        is NaN. NaN or inf inputs
         give a NaN loss. Empty inputs and all-ignored batches behave as torch: "mean"
         is NaN with zero gradients, "sum" is 0.
     """
@@ -262,6 +267,7 @@ def linear_cross_entropy(
     local_classes, num_classes, hidden = check_linear_inputs(
         x, weight, target, bias, labels_name="target", weight_layout=weight_layout,
         vocab_shards=sharded.axis_size(vocab_axes))
+    check_labels_in_range(target, num_classes, opts.ignore_index, "target")
     if class_weight is not None:
         check_float("class_weight", class_weight)
         if tuple(class_weight.shape) != (num_classes,):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax import log_probs_formulas as lpf
-from logitless.jax.ops.common.validate import check_linear_inputs
+from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -119,15 +119,20 @@ def linear_log_probs(
 
     Errors and special values: bad ranks, shapes, dtypes or options raise
     ``ValueError``/``TypeError`` naming the argument, at trace time. A token outside
-    [0, V) that is not ``ignore_index`` gives NaN outputs (and NaN gradients) for that
-    token: values are never checked on the host. Empty inputs give empty outputs.
+    [0, V) that is not ``ignore_index`` raises ``ValueError`` when the tokens are
+    concrete on the CPU (not a tracer: an eager call on a CPU, a numpy array, a
+    constant closed over by a jitted function); traced tokens (an argument of
+    ``jax.jit``) or tokens on a GPU (no host sync) are not checked: that token's
+    outputs (and gradients) are NaN. Empty inputs give empty outputs.
     """
     opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap,
                                   ignore_index=ignore_index)
     budget = check_memory_budget(memory_budget)
     if implementation is not None:
         backend_module(implementation)
-    _, num_classes, hidden = check_linear_inputs(x, weight, tokens, bias, labels_name="tokens")
+    _, num_classes, hidden = check_linear_inputs(x, weight, tokens, bias, labels_name="tokens",
+                                                 layout_arg=False)
+    check_labels_in_range(tokens, num_classes, opts.ignore_index, "tokens")
 
     out_shape = tuple(tokens.shape)
     x2d = jnp.reshape(x, (-1, hidden))
