@@ -17,10 +17,10 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
     _TORCH_NAMES = frozenset({
         "linear_cross_entropy", "LinearCrossEntropyLoss", "cross_entropy", "CrossEntropyLoss", "linear_jsd",
         "LinearJSDLoss", "jsd", "JSDLoss", "linear_log_probs", "LinearLogProbs", "log_probs", "LogProbs",
-        "LossStats", "DEFAULT_MEMORY_BUDGET"})
+        "LossStats", "DEFAULT_MEMORY_BUDGET", "patch_torch", "unpatch_torch"})
 
     def __getattr__(name: str):
-        """``logitless.X`` (and ``from logitless import X``) for a PyTorch op without torch:
+        """``logitless.<name>`` (and ``from logitless import <name>``) for a PyTorch op without torch:
         a ModuleNotFoundError (an ImportError, name "torch") that says what to install."""
         if name in _TORCH_NAMES:
             raise ModuleNotFoundError(
