@@ -8,13 +8,13 @@ metadata; and a kernel module whose compile or first launch raises. In every cas
 ``forward_plan`` / ``cute_lib.launch.ready`` give the Triton path, the calls of
 linear_cross_entropy and linear_log_probs equal the Triton path's bitwise, and exactly
 one ``CuteFallbackWarning`` names the cause. The planner sees an H100 through
-``planning.cute.device_facts`` (replaced here), the kernels run on the Triton
-interpreter (tests/conftest.py)."""
+``planning.cute.device_facts`` (replaced here); the Triton kernels run on the CPU
+interpreter (tests/conftest.py), or on the GPU where there is one (the fake kernel module
+then gets CUDA addresses; it never launches anything)."""
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 import warnings
@@ -27,7 +27,9 @@ from logitless.cute_lib import launch as cute_launch
 from logitless.planning import cute
 from logitless.planning.overrides import override
 
-BACKEND = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"
+from tests.conftest import DEVICE
+
+BACKEND = "triton"  # (the Triton interpreter on a CPU: tests/conftest.py)
 H100_FACTS = ((9, 0), 132, 50 * 2**20)
 ROOTS = ("cutlass", "cuda")
 
@@ -46,6 +48,9 @@ def fake_dsl(tmp_path, monkeypatch):
     saved = {k: m for k, m in sys.modules.items() if k.split(".")[0] in ROOTS}
     for k in saved:
         del sys.modules[k]
+    # the real kernel module (a GPU machine with the DSL imported it) must not serve the fakes
+    monkeypatch.delitem(sys.modules, "logitless.cute_lib.forward_stats", raising=False)
+    monkeypatch.delattr(logitless.cute_lib, "forward_stats", raising=False)
     monkeypatch.setattr(cute, "device_facts", lambda device: H100_FACTS)
     monkeypatch.setattr(cute, "_WARNED", set())
     monkeypatch.setattr(cute_launch, "_STATE", {})
@@ -79,7 +84,7 @@ def inputs(n=5, h=24, v=77):
     w = (torch.randn(v, h, generator=g) / h ** 0.5).to(torch.bfloat16)
     t = torch.randint(0, v, (n,), generator=g)
     t[1] = -100
-    return x, w, t
+    return x.to(DEVICE), w.to(DEVICE), t.to(DEVICE)
 
 
 def calls(x, w, t):
