@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The library's CuTe forward compiled by nvidia-cutlass-dsl 4.2.1 vs 4.8.1 on one H100, in one session:
+# bench_cutelib.py (CE forward x one cuBLAS GEMM, CuTe vs Triton interleaved) in alternating processes
+# 4.2.1, 4.8.1, 4.2.1, 4.8.1. Needs 4.8.1 installed by `. .dsl2/install.sh` (/tmp/dsl/site-packages)
+# and 4.2.1 unpacked from a tarball of its site-packages folder (nvidia_cutlass_dsl + dist-info) into
+# /tmp/d421. From the worktree root:  OUT=<dir> bash benchmarks/gpu/cute_dsl_ab.sh [SHAPES]   (<= 300 s)
+set +e
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1
+shapes=${1:-4096x4096x128256,8192x7168x128256,16384x4096x128256}
+base=$PWD/src:$PWD
+p421=/tmp/d421/nvidia_cutlass_dsl/python_packages:/tmp/d421
+p481=/tmp/dsl/site-packages/nvidia_cutlass_dsl/dsl_packages:/tmp/dsl/site-packages
+for i in 1 2; do
+  for ver in 421 481; do
+    eval "pp=\$p$ver"
+    PYTHONPATH=$base:$pp timeout -k 5 70 python3 benchmarks/cute/bench_cutelib.py --shapes "$shapes" --no-logp \
+        --rounds 5 --rep 60 --json "$OUT/ab-$ver-$i.json" > "$OUT/ab-$ver-$i.log" 2>&1
+    echo "== $ver run $i exit $?"; grep -A4 "N x H x V" "$OUT/ab-$ver-$i.log" | tail -n +2
+  done
+done
