@@ -76,12 +76,8 @@ def main() -> int:
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
            "dsl_importable": cute_planning.dsl_importable(), "timing": "interleaved rounds (interleave.py)",
            "rounds": args.rounds, "rows": []}
-    try:
-        import cutlass
-
-        out["versions"]["nvidia-cutlass-dsl"] = getattr(cutlass, "__version__", "?")
-    except Exception as exc:  # noqa: BLE001
-        out["versions"]["nvidia-cutlass-dsl"] = f"missing ({type(exc).__name__})"
+    out["versions"]["nvidia-cutlass-dsl"] = cute_planning.dsl_version() or "missing"
+    out["dsl_problem"] = cute_planning.dsl_problem()
     bench = interleave.gpu_bench(rep=args.rep) if dev == "cuda" else interleave.cpu_bench(reps=2)
 
     for n, h, v in shapes:

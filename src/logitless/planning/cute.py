@@ -43,7 +43,16 @@ fill and the epilogue are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Tri
 8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V); and the
 entropy term (linear_log_probs(entropy=True)) where the grouped order is needed: its longer
 epilogue, not overlapped with the next tile's MMA, kept it behind (8192 x 7168: 1.097x vs
-0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073); and
+0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073); any
+forward whose x in flight exceeds ``TRITON_X_OVER_L2`` = 2 times L2 (the grouped order's
+x traffic no longer fits): there the kernel fell behind Triton in every run of 2026-11-24
+(cross-entropy forward x cuBLAS; DSL 4.8.1, four runs: 8192 x 7168 x 128256 1.075-1.115 vs
+0.999-1.077, 16384 x 4096 x 128256 1.027-1.125 vs 0.995-1.071; DSL 4.2.1 in the same session,
+two runs: 1.038-1.071 vs 1.004-1.020 and 1.072-1.092 vs 1.039), where session 6 had measured
+ties or a 2% win. (4.8.1 compiles the same code 1-7% slower than 4.2.1: A/B in one session,
+``benchmarks/gpu/cute_dsl_ab.sh``, ``cute-dsl-ab-H100-2026-11-24.json``; its PTX still
+assembles to 168 registers and no spills, as 4.2.1's did.) The grouped shapes won by 8-10% in session 6 (32768 x 2048,
+8192 x 4096 x 32768: x in flight 1.3 times L2) keep CuTe (not re-measured with 4.8.1); and
 a forward that keeps more than a quarter of the columns (a budget holding most logits) at
 more than 1024 tokens: the kernel stores the kept exp(a - m) element by element from
 registers (2-byte stores, 128 per thread per tile), which cost more than the Triton
@@ -90,6 +99,8 @@ MIN_SLABS_PER_CTA = 128
 KEEP_SHARE, KEEP_SMALL_N = 0.25, 1024
 #: The grouped CTA order where x in flight exceeds L2: row blocks per group, least splits.
 GROUP, GROUP_SPLITS = 16, 16
+#: x in flight above this many times L2: Triton (module docstring).
+TRITON_X_OVER_L2 = 2.0
 
 
 @dataclass(frozen=True)
@@ -237,6 +248,8 @@ def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[in
     plan = plan_for(n, v, h, num_sms, l2_bytes)
     if entropy and plan.group:
         return "the entropy term where the grouped order is needed: Triton measured faster"
+    if plan.group and x_in_flight(n, h, num_sms) > TRITON_X_OVER_L2 * (l2_bytes or L2_DEFAULT):
+        return f"x in flight over {TRITON_X_OVER_L2:g} times L2: Triton measured faster"
     v_tiles = -(-v // TILE_N)
     slabs = -(-v_tiles // plan.splits) * -(-h // TILE_K)
     if slabs < MIN_SLABS_PER_CTA:
