@@ -4,6 +4,11 @@
 # 4.2.1, 4.8.1, 4.2.1, 4.8.1. Needs 4.8.1 installed by `. .dsl2/install.sh` (/tmp/dsl/site-packages)
 # and 4.2.1 unpacked from a tarball of its site-packages folder (nvidia_cutlass_dsl + dist-info) into
 # /tmp/d421. From the worktree root:  OUT=<dir> bash benchmarks/gpu/cute_dsl_ab.sh [SHAPES]   (<= 300 s)
+# The 4.2.1 tarball (43 MB): in a Python 3.12 site-packages with `pip install nvidia-cutlass-dsl==4.2.1`,
+#   tar cf - nvidia_cutlass_dsl nvidia_cutlass_dsl-4.2.1.dist-info | xz -T2 -9 --block-size=48MiB > X/dsl421.tar.xz
+# with X a git-ignored folder of its own; three calls back to back (each machine stays warm ~30 s):
+# carry [X] `mkdir -p /tmp/d421 && tar xJf X/dsl421.tar.xz -C /tmp/d421`; carry [".dsl1"]
+# `bash .dsl1/stash.sh`; carry [".dsl2", the tree] `. .dsl2/install.sh && ... cute_dsl_ab.sh`.
 set +e
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
