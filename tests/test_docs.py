@@ -32,8 +32,6 @@ SRC = ROOT / "src"
 #: Documents not scanned, each with its reason.
 SKIP_DOCS = {
     "docs/history.md": "lists deleted files on purpose (each one `git show` away)",
-    "docs/cute_dsl.md": "its content belongs to the CuTe DSL port (another branch); its references "
-    "to the deleted docs/PERFORMANCE.md are fixed there",
 }
 
 #: Paths and names another branch adds: not checked here; drop them once merged.

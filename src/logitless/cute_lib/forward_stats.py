@@ -52,7 +52,9 @@ smoothing/entropy), generalised here.
 
 from __future__ import annotations
 
+import importlib
 import math
+import warnings
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -68,6 +70,22 @@ LN2 = math.log(2.0)
 #: in masked columns.
 _Y_FLOOR = -256.0
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+# Names that moved between DSL releases (the same operations; 4.2.1 has only the old names,
+# 4.7 removed ``cute.make_fragment``, 4.8 deprecates the others' old homes):
+#: a register tensor of a shape (4.2: ``cute.make_fragment``)
+_make_rmem_tensor = getattr(cute, "make_rmem_tensor", None) or getattr(cute, "make_fragment")
+#: setmaxnreg.inc / .dec (4.2: ``warpgroup_reg_alloc`` / ``warpgroup_reg_dealloc``)
+_reg_increase = getattr(cute.arch, "setmaxregister_increase", None) or getattr(cute.arch, "warpgroup_reg_alloc")
+_reg_decrease = getattr(cute.arch, "setmaxregister_decrease", None) or getattr(cute.arch, "warpgroup_reg_dealloc")
+# 4.8: cutlass.tensor_utils.LayoutEnum, cutlass.memory.SmemAllocator (4.2: in cutlass.utils).
+# importlib, not import statements: the DSL's preprocessor re-runs every import statement of
+# this module (even one under try) when it compiles, and 4.2 has neither module.
+try:
+    _LayoutEnum = importlib.import_module("cutlass.tensor_utils").LayoutEnum
+    _SmemAllocator = importlib.import_module("cutlass.memory").SmemAllocator
+except (ImportError, AttributeError):
+    _LayoutEnum, _SmemAllocator = utils.LayoutEnum, utils.SmemAllocator
 
 
 class ForwardStatsSm90:
@@ -131,13 +149,13 @@ class ForwardStatsSm90:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
-            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            _LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            _LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
             cutlass.Float32,
             (self.consumer_wgs, 1, 1),
             tiler_mn=(64, TILE_N),
         )
-        kind = sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, TILE_K)
+        kind = sm90_utils.get_smem_layout_atom(_LayoutEnum.ROW_MAJOR, self.ab_dtype, TILE_K)
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(kind, self.ab_dtype)
         sa_layout = cute.tile_to_shape(atom, (TILE_M, TILE_K, self.stages), order=(0, 1, 2))
         sb_layout = cute.tile_to_shape(atom, (TILE_N, TILE_K, self.stages), order=(0, 1, 2))
@@ -214,7 +232,7 @@ class ForwardStatsSm90:
         n_here = cutlass.max(cutlass.min(per_split, v_tiles - v_lo), 0)
         total = n_here * self.k_tiles
 
-        smem = utils.SmemAllocator()
+        smem = _SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sa_layout, (None, None, 0))) \
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(sb_layout, (None, None, 0)))
@@ -241,11 +259,11 @@ class ForwardStatsSm90:
         is_producer_wg = tidx < self.consumer_base
         if cutlass.const_expr(self.specialised):
             if is_producer_wg:
-                cute.arch.warpgroup_reg_dealloc(40)
+                _reg_decrease(40)
                 if warp_idx == 0:
                     self.produce(ring, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, v_lo, total)
             else:
-                cute.arch.warpgroup_reg_alloc(232)
+                _reg_increase(232)
                 self.consume(tiled_mma, ring, sA, sB, outs, bm, bs, v_lo, n_here,
                              tidx - self.consumer_base, warp_idx, None)
         else:
@@ -282,7 +300,7 @@ class ForwardStatsSm90:
         tCrB = tiled_mma.make_fragment_B(tCsB)
         # (row, col) of every accumulator element of this thread inside the 128 x 256 tile
         tCcC = thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-        acc = cute.make_fragment(tCcC.shape, cutlass.Float32)
+        acc = _make_rmem_tensor(tCcC.shape, cutlass.Float32)
         n_acc = cute.size(acc)
         k_blocks = cute.size(tCrA, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -528,9 +546,14 @@ def compile_forward(hidden: int, dtype: str = "bfloat16", smooth: bool = False, 
     ptrs += [make_ptr(cutlass.Float32, base * (4 + i), gmem, assumed_align=4) for i in range(5)]
     ptrs += [make_ptr(ab, base * 9, gmem, assumed_align=4), make_ptr(cutlass.Float32, base * 10, gmem, assumed_align=4)]
     kern = ForwardStatsSm90(hidden, dtype, smooth, entropy, stages, specialised, group, keep_block)
-    compiled = cute.compile(kern, *ptrs, cutlass.Float32(1.0), cutlass.Int32(TILE_M), cutlass.Int32(TILE_N),
-                            cutlass.Int32(1), cutlass.Int32(TILE_N if keep_block else 0),
-                            cutlass.Int32(TILE_N), cuda.CUstream(0))
+    with warnings.catch_warnings():
+        # 4.8 deprecates cute.arch.exp2 (kept: the exact ex2.approx.ftz the kernel was measured
+        # with) and flags the epilogue's 128-step constexpr loops (unrolled on purpose)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message="This static loop has")
+        compiled = cute.compile(kern, *ptrs, cutlass.Float32(1.0), cutlass.Int32(TILE_M), cutlass.Int32(TILE_N),
+                                cutlass.Int32(1), cutlass.Int32(TILE_N if keep_block else 0),
+                                cutlass.Int32(TILE_N), cuda.CUstream(0))
     _COMPILED[key] = compiled
     return compiled
 

@@ -7,9 +7,15 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
     ``LOGITLESS_CUTE=0`` (read per call; ``override(cute=True)`` ignores it), or an
     override aimed at the Triton plan (tiles, plan, kernel_options, strategy);
   * a CUDA device of compute capability 9.x (sm_90a: wgmma, TMA, setmaxnreg);
-  * the DSL is importable (``cutlass.cute``, from the optional ``nvidia-cutlass-dsl``
-    4.2.1: ``pip install logitless[hopper]``), checked lazily once per process, never
-    at ``import logitless``; ``override(cute_available=...)`` replaces the check (tests);
+  * the DSL is usable (``dsl_problem``): the optional ``nvidia-cutlass-dsl`` (``pip install
+    'logitless[hopper]'``) installed at a supported version (``DSL_MIN`` <= version <
+    ``DSL_BELOW`` by its package metadata) and ``cutlass.cute`` importable, checked lazily
+    once per process and only when a plan would take the kernel, never at ``import
+    logitless``; ``override(cute_available=...)`` replaces the check (tests). Then the
+    kernel must compile and launch (``cute_lib.launch.ready``, once per compiled
+    configuration). Any of these failing means the Triton forward, with one
+    ``CuteFallbackWarning`` per process and cause (``warn_fallback``): an optional
+    accelerator never breaks a call;
   * x and W of one dtype, bfloat16 or float16, row-major with unit last stride and
     16-byte aligned, H % 8 == 0 (TMA's 16-byte stride rule), N >= 1, V >= 1;
   * options the kernel computes: no bias, no soft-cap, no argmax, no class weights
@@ -37,7 +43,16 @@ fill and the epilogue are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Tri
 8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V); and the
 entropy term (linear_log_probs(entropy=True)) where the grouped order is needed: its longer
 epilogue, not overlapped with the next tile's MMA, kept it behind (8192 x 7168: 1.097x vs
-0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073); and
+0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073); any
+forward whose x in flight exceeds ``TRITON_X_OVER_L2`` = 2 times L2 (the grouped order's
+x traffic no longer fits): there the kernel fell behind Triton in every run of 2026-11-24
+(cross-entropy forward x cuBLAS; DSL 4.8.1, four runs: 8192 x 7168 x 128256 1.075-1.115 vs
+0.999-1.077, 16384 x 4096 x 128256 1.027-1.125 vs 0.995-1.071; DSL 4.2.1 in the same session,
+two runs: 1.038-1.071 vs 1.004-1.020 and 1.072-1.092 vs 1.039), where session 6 had measured
+ties or a 2% win. (4.8.1 compiles the same code 1-7% slower than 4.2.1: A/B in one session,
+``benchmarks/results/cute-dsl-ab-H100-2026-11-24.json``; its PTX still
+assembles to 168 registers and no spills, as 4.2.1's did.) The grouped shapes won by 8-10% in session 6 (32768 x 2048,
+8192 x 4096 x 32768: x in flight 1.3 times L2) keep CuTe (not re-measured with 4.8.1); and
 a forward that keeps more than a quarter of the columns (a budget holding most logits) at
 more than 1024 tokens: the kernel stores the kept exp(a - m) element by element from
 registers (2-byte stores, 128 per thread per tile), which cost more than the Triton
@@ -62,8 +77,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import re
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -80,6 +99,8 @@ MIN_SLABS_PER_CTA = 128
 KEEP_SHARE, KEEP_SMALL_N = 0.25, 1024
 #: The grouped CTA order where x in flight exceeds L2: row blocks per group, least splits.
 GROUP, GROUP_SPLITS = 16, 16
+#: x in flight above this many times L2: Triton (module docstring).
+TRITON_X_OVER_L2 = 2.0
 
 
 @dataclass(frozen=True)
@@ -90,15 +111,107 @@ class CutePlan:
     group: int = 0  # 0: grid (row blocks, splits); G > 0: grouped order (``forward_stats``)
 
 
-@functools.cache
-def dsl_importable() -> bool:
-    """Whether ``cutlass.cute`` and the CUDA driver bindings import (once per process)."""
-    if importlib.util.find_spec("cutlass") is None:
-        return False
+#: The nvidia-cutlass-dsl releases the kernel is used with: DSL_MIN <= version < DSL_BELOW.
+#: Verified: 4.2.1 and 4.8.1 (4.7.1 and 4.8.1 are what quack >= 0.6, Liger's and
+#: FlashAttention's CuTe kernels require); the releases between compile the same code (the
+#: renamed DSL functions are looked up by either name: ``cute_lib.forward_stats``), and a
+#: compile or launch failure of any release falls back (``cute_lib.launch.ready``).
+#: 5.x: not yet released; its API may change, so it is refused until verified.
+DSL_MIN, DSL_BELOW = (4, 2, 1), (5,)
+DSL_DIST = "nvidia-cutlass-dsl"
+#: What to install for the kernel (the ``hopper`` extra of pyproject.toml).
+DSL_INSTALL = "pip install 'logitless[hopper]' (nvidia-cutlass-dsl>=4.7,<5; Python >= 3.12)"
+
+
+class CuteFallbackWarning(UserWarning):
+    """The CuTe DSL forward was planned but cannot run (``dsl_problem``, a failed compile or
+    launch): the Triton forward runs instead. Issued once per process and cause."""
+
+
+_WARNED: set = set()
+
+
+def warn_fallback(cause: str) -> None:
+    """Warn once per process per ``cause`` that the Triton forward runs instead of CuTe's."""
+    if cause in _WARNED:
+        return
+    _WARNED.add(cause)
+    warnings.warn(f"logitless: the CuTe DSL Hopper forward is off ({cause}); the Triton forward runs "
+                  f"instead (same results to fp32 rounding). For the CuTe kernel: {DSL_INSTALL}; "
+                  f"to silence this: LOGITLESS_CUTE=0.", CuteFallbackWarning, stacklevel=3)
+
+
+def parse_version(text: str) -> tuple:
+    """(major, minor, patch, ...) of a version string's leading numbers ("4.8.1.dev0" ->
+    (4, 8, 1)); () when it starts with none."""
+    m = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(p) for p in m.group(0).split(".")) if m else ()
+
+
+def version_problem(version: Optional[str]) -> Optional[str]:
+    """Why DSL release ``version`` is not used (too old, too new), or None. Pure (tests);
+    an unknown version (None) passes: the compile and launch checks decide."""
+    if version is None:
+        return None
+    v = parse_version(version)
+    lo = ".".join(map(str, DSL_MIN))
+    hi = ".".join(map(str, DSL_BELOW))
+    if not v:
+        return f"{DSL_DIST} version {version!r} not understood (supported: >={lo},<{hi})"
+    if v < DSL_MIN:
+        return f"{DSL_DIST} {version} is too old (supported: >={lo},<{hi})"
+    if v >= DSL_BELOW:
+        return f"{DSL_DIST} {version} is newer than the verified releases (supported: >={lo},<{hi})"
+    return None
+
+
+def dsl_version() -> Optional[str]:
+    """The installed nvidia-cutlass-dsl's version from its package metadata (no import of
+    cutlass), else ``cutlass.__version__`` (a source tree on the path), else None."""
     try:
-        importlib.import_module("cutlass.cute")
-        importlib.import_module("cuda.bindings.driver")
-    except Exception:  # noqa: BLE001  (a broken or partial install means: not available)
+        return importlib.metadata.version(DSL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return getattr(importlib.import_module("cutlass"), "__version__", None)
+    except Exception:  # noqa: BLE001  (dsl_problem reports the import failure)
+        return None
+
+
+def _present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec: present
+        return name in sys.modules
+
+
+@functools.cache
+def dsl_problem() -> Optional[str]:
+    """Why the CuTe DSL cannot be used in this process (absent, too old, too new, fails to
+    import), or None; decided once per process (cached), without importing torch."""
+    if not _present("cutlass"):
+        return f"{DSL_DIST} is not installed"
+    problem = version_problem(dsl_version())
+    if problem is not None:
+        return problem
+    for module in ("cutlass.cute", "cuda.bindings.driver"):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001  (a broken or partial install means: not available)
+            return f"import {module} failed: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def dsl_importable() -> bool:
+    """Whether the DSL is usable in this process (``dsl_problem`` is None; once per process)."""
+    return dsl_problem() is None
+
+
+def dsl_usable_or_warn() -> bool:
+    """``dsl_importable()``, warning once (``warn_fallback``) with the cause when not."""
+    problem = dsl_problem()
+    if problem is not None:
+        warn_fallback(problem)
         return False
     return True
 
@@ -135,6 +248,8 @@ def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[in
     plan = plan_for(n, v, h, num_sms, l2_bytes)
     if entropy and plan.group:
         return "the entropy term where the grouped order is needed: Triton measured faster"
+    if plan.group and x_in_flight(n, h, num_sms) > TRITON_X_OVER_L2 * (l2_bytes or L2_DEFAULT):
+        return f"x in flight over {TRITON_X_OVER_L2:g} times L2: Triton measured faster"
     v_tiles = -(-v // TILE_N)
     slabs = -(-v_tiles // plan.splits) * -(-h // TILE_K)
     if slabs < MIN_SLABS_PER_CTA:
@@ -208,22 +323,37 @@ def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=Non
                  need_argmax: bool = False, weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
     """The CuTe plan of one forward (module docstring), or None: the Triton kernel runs."""
     ov = _overrides()
-    if x.device.type != "cuda" or not enabled(ov, env_off()):  # cheap exits first
+    if not enabled(ov, env_off()):  # cheap exits first
         return None
-    import torch
 
-    capability = tuple(torch.cuda.get_device_capability(x.device))
-    if capability[0] != 9:  # no DSL import off Hopper
+    facts = device_facts(x.device)
+    if facts is None:  # no DSL import off Hopper
         return None
-    available = ov.cute_available if ov.cute_available is not None else dsl_importable()
+    capability, sms, l2 = facts
     n, h = x.shape
     v = weight.shape[0]
     layout_ok = (x.dtype == weight.dtype and x.stride() == (h, 1) and weight.stride() == (h, 1)
                  and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
-    from logitless.planning.plans import num_sms
-
-    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
-    return choose(capability=capability, available=available, num_sms=num_sms(x.device), l2_bytes=l2,
+    # The DSL's own check (and its one warning) only where the plan would take the kernel.
+    plan = choose(capability=capability, available=True, num_sms=sms, l2_bytes=l2,
                   dtype=str(x.dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, ov=ov,
                   bias=bias is not None, softcap=softcap is not None, argmax=need_argmax,
                   weighted_smooth=weighted_smooth, keep_cols=keep_cols, keep_block=keep_block, entropy=entropy)
+    if plan is None or ov.cute_available is not None:  # (cute_available: choose applied it)
+        return plan
+    return plan if dsl_usable_or_warn() else None
+
+
+def device_facts(device) -> Optional[tuple]:
+    """(capability, SMs, L2 bytes) of a CUDA device of compute capability 9.x, else None
+    (tests replace this function to plan for an H100 on the CPU)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability[0] != 9:
+        return None
+    from logitless.planning.plans import num_sms
+
+    return capability, num_sms(device), torch.cuda.get_device_properties(device).L2_cache_size

@@ -86,6 +86,11 @@ def forward(
                                       softcap=softcap,
                                       need_argmax=need_argmax,
                                       weighted_smooth=need_smooth and class_weight is not None)
+    if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
+        from logitless.cute_lib import launch as cute_launch
+
+        cute = cute_launch.ready(cute, x, weight, smooth=need_smooth,
+                                 keep_block=plan.block_v if cdiv(plan.keep_cols, plan.block_v) else 0)
     splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, target logit, then smoothing
@@ -103,8 +108,6 @@ def forward(
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     if cute is not None:  # (kept columns in the same buffers, as the Triton kernel keeps them)
-        from logitless.cute_lib import launch as cute_launch
-
         cute_launch.forward_partials("linear_cross_entropy", x, weight, target, (part_max, part_sum, part_tgt),
                                      splits, smooth=part_smooth if need_smooth else None,
                                      stages=cute.stages, specialised=cute.specialised, group=cute.group,

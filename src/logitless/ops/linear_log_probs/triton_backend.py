@@ -92,6 +92,11 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0,
                                       keep_block=plan.block_v, bias=bias, softcap=opts.softcap,
                                       entropy=opts.entropy)
+    if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
+        from logitless.cute_lib import launch as cute_launch
+
+        cute = cute_launch.ready(cute, x, weight, entropy=opts.entropy,
+                                 keep_block=plan.block_v if keep_ok and cdiv(plan.keep_cols, plan.block_v) else 0)
     splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, token logit, entropy term).
@@ -107,8 +112,6 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     if keep_blocks:
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     if cute is not None:  # (kept columns in the same buffers, as the Triton kernel keeps them)
-        from logitless.cute_lib import launch as cute_launch
-
         cute_launch.forward_partials("linear_log_probs", x, weight, tokens, (part_max, part_sum, part_tgt),
                                      splits, scale=1.0 / opts.temperature,
                                      entropy=part_u if opts.entropy else None,
