@@ -517,8 +517,8 @@ LINEAR_JSD = OpSpec(
 # reaches both outputs); its reference does the same.
 
 
-def _lp_outputs(logp, entropy, **kw):
-    return torch.stack((logp, entropy), -1) if kw.get("entropy") else logp
+def _lp_outputs(logp, ent, **kw):
+    return torch.stack((logp, ent), -1) if kw.get("entropy") else logp
 
 
 def _lp_fn(logits, tokens, *, reduction="none", memory_budget=None, **kw):

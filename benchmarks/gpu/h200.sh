@@ -3,7 +3,7 @@
 #   OUT=<dir> bash benchmarks/gpu/h200.sh        (about 9.5 min)
 # 1. probe_schedule.py --quick: plain vs shipped schedule, 6 shapes -> probe-schedule-quick-H200.json
 # 2. python -m logitless_bench --suite models --no-peers (4.5 min)  -> latest-models-H200.json/.md
-# 3. python -m logitless.planning.tune on 3 shape classes, what time is left -> tune-H200.log (+ its cache)
+# 3. python -m logitless.tune on 3 shape classes, what time is left -> tune-H200.log (+ its cache)
 set +e
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/prelude.sh
@@ -18,7 +18,7 @@ timeout 300 python3 -m logitless_bench --suite models --no-peers --budgets defau
 cp /tmp/res/latest-models-* "$OUT/" 2>/dev/null
 left=$(( ${LIMIT:-580} - ($(date +%s) - start) ))
 if [ $left -gt 40 ]; then
-    LOGITLESS_CACHE_DIR="$OUT/tune-cache" timeout $left python3 -m logitless.planning.tune \
+    LOGITLESS_CACHE_DIR="$OUT/tune-cache" timeout $left python3 -m logitless.tune \
         --shapes 4096:4096:128256,16384:4096:128256,8192:1152:131072 --reps 3 2>&1 | tee "$OUT/tune-H200.log" | tail -n 20
 fi
 echo "total $(( $(date +%s) - start )) s"

@@ -12,7 +12,7 @@
 #                                                            -> $OUT/speed-models.log, models-*.json/.md
 # 4. compare against the recorded anchors run (benchmarks/results/latest-lce-H100.json)
 #                                                            -> $OUT/speed-compare.md
-# 5. python -m logitless.planning.tune on 2 shapes, whatever time is left (cache under $OUT)
+# 5. python -m logitless.tune on 2 shapes, whatever time is left (cache under $OUT)
 #                                                            -> $OUT/speed-tune.log (the cache file appended)
 # At most 8 files come back: speed-pytest.log, speed-probe.log, probe-strategies-<dev>.json,
 # speed-models.log, latest-models-<dev>.json/.md, speed-compare.md, speed-tune.log.
@@ -56,7 +56,7 @@ fi
 echo "== tuner (opt-in; its cache goes to /tmp, not used by the runs above) =="
 left=$(( 515 - ($(date +%s) - start) ))
 if [ $left -gt 40 ]; then
-    LOGITLESS_CACHE_DIR=/tmp/speed-tune-cache PYTHONPATH=src timeout $left python3 -m logitless.planning.tune \
+    LOGITLESS_CACHE_DIR=/tmp/speed-tune-cache PYTHONPATH=src timeout $left python3 -m logitless.tune \
         --shapes 4096:4096:128256,8192:1152:131072 --reps 3 2>&1 | tee "$OUT/speed-tune.log" | tail -n 16
     cat /tmp/speed-tune-cache/*.json >> "$OUT/speed-tune.log" 2>/dev/null
 else
