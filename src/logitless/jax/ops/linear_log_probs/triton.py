@@ -148,8 +148,8 @@ def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget):
 
     def dz_of(v0, width):
         tiles = row_blocks * -(-width // plan.block_v)
-        if plan.persistent:
-            tiles = min(tiles, _device_info()[1])
+        if plan.dlogits_programs:  # persistent: that many programs per SM, each looping over tiles
+            tiles = min(tiles, plan.dlogits_programs * _device_info()[1])
         out = (jax.ShapeDtypeStruct((n, width), x2d.dtype),)
         (dz,) = _launch("logp_dlogits_chunk_kernel", (tiles,), plan, out,
                         (x2d, w, b, tokens, lse, coef, jnp.reshape(v0, (1,)).astype(jnp.int32)),
