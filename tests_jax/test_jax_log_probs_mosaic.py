@@ -188,7 +188,7 @@ def test_backward_small_tiles_several_chunks(entropy):
     kw = dict(temperature=0.8, entropy=entropy, softcap=6.0)
     g1, g2 = upstream((n,))
 
-    from logitless.jax import log_probs_formulas as lpf
+    from logitless.jax.formulas import log_probs as lpf
 
     lse, at, ent = mg.forward(x, w, b, t, opts=opts, config=SMALL)
     coef = lpf.grad_coefficients(ent, t, jnp.asarray(g1), jnp.asarray(g2) if entropy else None, v, opts)

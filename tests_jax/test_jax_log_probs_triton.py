@@ -32,7 +32,7 @@ from .helpers import (
 pytestmark = needs_triton
 
 from logitless.jax import linear_log_probs  # noqa: E402
-from logitless.jax import log_probs_formulas as lpf  # noqa: E402
+from logitless.jax.formulas import log_probs as lpf  # noqa: E402
 from logitless.jax.ops.linear_log_probs import api, backends  # noqa: E402
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402

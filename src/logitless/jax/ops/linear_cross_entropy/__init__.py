@@ -38,7 +38,7 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
 ``CLASS_WEIGHTS = True`` (optional module constant): forward and backward also accept
 a keyword ``class_weight=`` (a (V,) fp32 array w_c; the api passes it only when the
 user gave class weights). Then smooth_sum = sum_c w_c z_c, and the backward's line is
-dz_c = p_c * A - B * [c == t] - C * w_c (``formulas.py``: A and B carry w_t). Without
+dz_c = p_c * A - B * [c == t] - C * w_c (``formulas/cross_entropy.py``: A and B carry w_t). Without
 the constant the backend never sees class weights: the automatic choice skips it and
 an explicit choice raises ValueError. (xla and triton have it; mosaic_gpu not.)
 

@@ -9,7 +9,7 @@ Triton's interpreter through ``jax.pure_callback`` with numpy buffers
 (``logitless.triton_lib.interpret``): exact, and slow (tests at tiny shapes only).
 docs/PERFORMANCE.md (section "JAX on every NVIDIA GPU") says why not Pallas Triton.
 
-Math (``logitless/jax/formulas.py``), z = cap(x @ w.T + b), p_c = exp(z_c - lse):
+Math (``logitless/jax/formulas/cross_entropy.py``), z = cap(x @ w.T + b), p_c = exp(z_c - lse):
 
     forward   (1 GEMM) ``forward_stats_kernel`` over (row blocks x vocabulary splits)
               writes per split and token the running max, sum of exp, z_t and

@@ -28,7 +28,7 @@ from typing import Optional
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.formulas import dlogits, softcap_logits
+from logitless.jax.formulas.cross_entropy import dlogits, softcap_logits
 from logitless.jax.ops.common.chunks import chunk_loop, put, take
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 from logitless.jax.planning import xla_plan
