@@ -34,7 +34,7 @@ cuBLAS GEMM at H = 4096, but 1.17-1.24x at H = 2048 and at V = 32000. This probe
               ``triton_lib/lce_kernels.py``): each item is one 128 x 256 tile of
               z = x W^T, recomputed and turned into dz = p * A - B [c == t] - C
               (p = exp(z - lse); A, B, C the per-token coefficients, a (3, N) fp32
-              tensor as ``_loss_math.grad_coefficients`` gives), stored in bf16 (dX and dW
+              tensor as ``formulas.cross_entropy.grad_coefficients`` gives), stored in bf16 (dX and dW
               are then two cuBLAS GEMMs on dz, not timed here). Persistent (grid =
               #SMs), same cursor; the next tile's loads are in flight during a tile's
               exp + store.
@@ -638,7 +638,7 @@ class Runner:
 # ----------------------------------------------------------------------------- checks
 def coefficients(N, target, device, seed=2):
     """(3, N) fp32 (A, B, C): A = B = g (a mean-like scale, varying per token so a wrong
-    row shows), C small (label-smoothing-like), as ``_loss_math.grad_coefficients``."""
+    row shows), C small (label-smoothing-like), as ``formulas.cross_entropy.grad_coefficients``."""
     g = torch.Generator(device=device).manual_seed(seed)
     a = (0.5 + torch.rand(N, device=device, generator=g)) / N
     c = 0.1 * a / 1000

@@ -50,7 +50,8 @@ JAX_SIDE = ["logitless.jax", "logitless.jax.*"]
 JAX_MAY_IMPORT = ["logitless", "logitless.options", "logitless.jax", "logitless.jax.*"]
 TORCH_FRAMEWORKS = {"torch", "triton"}
 #: The JAX modules that may import triton (and torch-free triton_lib modules): the "triton" backend.
-JAX_TRITON = ["logitless.jax.ops.*.triton", "logitless.jax.ops.*.triton_kernels"]
+JAX_TRITON = ["logitless.jax.ops.common.triton", "logitless.jax.ops.*.triton_backend",
+              "logitless.jax.ops.*.triton_kernels"]
 JAX_FRAMEWORKS = {"jax", "jaxlib"}
 
 #: Packages the library must never import.

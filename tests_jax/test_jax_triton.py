@@ -211,7 +211,7 @@ def test_vmap_runs_per_element():
 def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatch):
     # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
     # launches the backend makes at a tokamax shape, for A100, RTX 30/40 and H100 targets.
-    from logitless.jax.ops.linear_cross_entropy import triton as backend
+    from logitless.jax.ops.linear_cross_entropy import triton_backend as backend
     from logitless.jax.ops.linear_cross_entropy import triton_kernels
     from logitless.triton_lib import lce_kernels
 

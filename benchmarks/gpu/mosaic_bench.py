@@ -197,7 +197,7 @@ def main():
 
     import jax
 
-    from logitless.jax.ops.linear_cross_entropy import mosaic_gpu as mg
+    from logitless.jax.ops.linear_cross_entropy import mosaic_gpu_backend as mg
 
     dev = jax.devices()[0]
     meta = {

@@ -95,7 +95,7 @@ def ce_backward_kernel(
     """dz = d loss / d logits for one BLOCK_N x BLOCK_V tile, in dz's dtype.
 
     Recomputes p = exp(z - lse) from the saved lse and applies, with coef = (A, B, C)
-    a (3, N) fp32 tensor from ``_loss_math.grad_coefficients``,
+    a (3, N) fp32 tensor from ``formulas.cross_entropy.grad_coefficients``,
         dz_c = p_c * A - B * [c == t] - C * w_c   (times 1 - (z_c/s)^2 with a soft-cap,
                                                    z_c the capped logit)
     Traffic: the tile of z read once, the tile of dz written once, O(BLOCK_N) stats.

@@ -2,10 +2,11 @@
 
 Backend interface
 =================
-Every backend is a module ``logitless/jax/linear_cross_entropy/<name>.py`` (``xla.py``,
-``mosaic_gpu.py``, ``triton.py``) registered by name in ``backends.BACKENDS`` (module path + an
+Every backend is a module ``logitless/jax/ops/linear_cross_entropy/<name>_backend.py``
+(``xla_backend.py``, ``mosaic_gpu_backend.py``, ``triton_backend.py``: the torch side's
+``<name>_backend.py`` naming) registered by name in ``backends.BACKENDS`` (module path + an
 ``is_supported`` hook). The public function validates, flattens to 2-D, computes the
-loss from the statistics (``logitless/jax/_loss_math.py``) and wraps everything in one
+loss from the statistics (``logitless/jax/formulas/cross_entropy.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
 arguments after ``*`` are static Python values (hashable; the functions are traced
 under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
@@ -28,7 +29,7 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
 
 ``backward(x2d, w, bias, target, lse, coef, *, softcap, budget) -> (dx, dw, db)``
     lse:  (N,) f32 from forward; coef: (3, N) f32 rows [A, B, C] from
-    ``_loss_math.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
+    ``formulas.cross_entropy.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
     out-of-range targets). With p_c = exp(z_c - lse):
         dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
         dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype;
@@ -61,7 +62,7 @@ shard's first class (targets outside the local [0, V) match no column: a backend
 target_logit there is masked to 0 by the caller, and its backward must treat them as
 "no target column", which the dz formula does) and merges the statistics and
 gradients with collectives. Loop carries that start as constants must be typed like
-the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla.py).
+the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla_backend.py).
 
 Automatic choice (``implementation=None``), on an NVIDIA GPU: "mosaic_gpu" when its
 compute capability is 9.x, the module imports and ``is_supported`` says yes; else

@@ -1,6 +1,6 @@
 """The "xla" backend: chunked linear cross-entropy in plain JAX (CPU, GPU, TPU).
 
-Math (see ``logitless/jax/_loss_math.py``): per token, lse, z_t and (label smoothing)
+Math (see ``logitless/jax/formulas/cross_entropy.py``): per token, lse, z_t and (label smoothing)
 sum_c z_c of the soft-capped logits z = cap(x @ w.T + b), computed tile by tile:
 
     forward   for each column chunk j (fori_loop), for each row chunk i:
