@@ -7,6 +7,10 @@ message), which custom ops ``torch.library.opcheck`` checks with which arguments
 which (tokens x vocab) allocations are allowed. A new op joins the contract by adding
 one spec to ``SPECS``.
 
+Custom ops are reached by name (``custom_op("lce_forward")``, i.e.
+``torch.ops.logitless.lce_forward.default``), never through the modules that define
+them: ``CUSTOM_OPS`` lists every name the specs use, in one place.
+
 Sizes are tiny: the Triton backend runs on the CPU interpreter when there is no GPU.
 """
 
@@ -21,11 +25,22 @@ import torch
 
 import logitless
 from logitless.ops.common.reference import cross_entropy_reference, jsd_reference
-from logitless.ops.cross_entropy import custom_op as ce_ops
-from logitless.ops.linear_cross_entropy import custom_op as lce_ops
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
+from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
+from logitless.ops.log_probs.reference import log_probs_reference
 from tests.conftest import DEVICE
+
+#: The custom ops (namespace ``logitless``) that the specs' opcheck calls use, by name.
+CUSTOM_OPS = ("ce_forward", "ce_backward", "lce_forward", "lce_backward", "jsd_forward", "jsd_backward",
+              "linear_jsd_forward", "linear_jsd_backward", "lp_forward", "lp_backward", "llp_forward",
+              "llp_backward")
+
+
+def custom_op(name: str):
+    """The overload ``torch.ops.logitless.<name>.default`` (registered by ``import logitless``)."""
+    assert name in CUSTOM_OPS, f"add {name} to CUSTOM_OPS"
+    return getattr(torch.ops.logitless, name).default
 
 #: Keys of an option dict that start with "_" describe the inputs, not the op's keyword
 #: arguments: "_ignore" (fraction of ignored targets), "_bias", "_class_weight", "_no_target".
@@ -72,6 +87,10 @@ class OpSpec:
     stats: bool = False
     #: lse in fp32 exactly (the logits are given), else within the input dtype's error.
     lse_exact: bool = False
+    #: The reductions the op takes; ("none",): per-token outputs, no ``reduction`` argument.
+    reductions: tuple = ("mean", "sum", "none")
+    #: The backends the allocation check holds to "no (N x V) tensor" at ``alloc_size``.
+    alloc_backends: tuple = ("torch", "triton")
 
     def __post_init__(self):
         # Read-only: the op files reuse these dicts; a test that changed one would change
@@ -166,15 +185,15 @@ def _lce_opcheck(backend):
     forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for need_grad in (True, False):
         args = (x, w, b, t, cw, *options, need_grad, 0, True, True, True)
-        yield lce_ops.lce_forward, args, forward_utils
-        loss, lse, argmax, w_t, keep, keep_max, plan, *_ = lce_ops.lce_forward(*args)
+        yield custom_op("lce_forward"), args, forward_utils
+        loss, lse, argmax, w_t, keep, keep_max, plan, *_ = custom_op("lce_forward")(*args)
         if backend == "triton" and need_grad:
             assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
         else:
             assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
         grad_loss = torch.rand((), device=DEVICE) + 0.5
         grad_lse = torch.randn(lse.shape, device=DEVICE)  # the per-token lse is differentiable
-        yield lce_ops.lce_backward, (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw,
+        yield custom_op("lce_backward"), (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw,
                                      lse.detach(), w_t, keep, keep_max, plan, *options[:-1],
                                      True, True, True), None
 
@@ -268,12 +287,12 @@ def _ce_opcheck(backend):
     cw = (torch.rand(37, generator=g) + 0.5).to(DEVICE)
     for reduction in ("mean", "none"):
         options = (-100, reduction, 0.1, 5.0, 1e-3, backend, 4096)
-        yield ce_ops.ce_forward, (logits, t, cw, *options, True), None
-        yield ce_ops.ce_forward, (logits.detach().T.contiguous().T, t, None, *options, False), None
-        _, lse, _, w_t = ce_ops.ce_forward(logits, t, cw, *options, False)
+        yield custom_op("ce_forward"), (logits, t, cw, *options, True), None
+        yield custom_op("ce_forward"), (logits.detach().T.contiguous().T, t, None, *options, False), None
+        _, lse, _, w_t = custom_op("ce_forward")(logits, t, cw, *options, False)
         grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
         for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
-            yield ce_ops.ce_backward, (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
+            yield custom_op("ce_backward"), (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
                                        *options), None
 
 
@@ -354,9 +373,9 @@ def _jsd_opcheck(backend):
     case = _jsd_make({"lead": (6,), "vocab": 19}, torch.float32, _JSD_ALL, seed=10)
     zs, zt, target = case.args
     opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
-    yield torch.ops.logitless.jsd_forward.default, (zs, zt, target) + opts, None
-    _, stats = torch.ops.logitless.jsd_forward(zs, zt, target, *opts)
-    yield (torch.ops.logitless.jsd_backward.default,
+    yield custom_op("jsd_forward"), (zs, zt, target) + opts, None
+    _, stats = custom_op("jsd_forward")(zs, zt, target, *opts)
+    yield (custom_op("jsd_backward"),
            (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach()) + opts, None)
 
 
@@ -462,11 +481,11 @@ def _ljsd_opcheck(backend):
     bs, bt = case.kwargs["student_bias"], case.kwargs["teacher_bias"]
     options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, "none", 1 << 20, backend)  # (JSDOptions, reduction, budget, backend)
     fwd = (xs, ws, bs, xt, wt, bt, target) + options
-    yield torch.ops.logitless.linear_jsd_forward.default, fwd, None
-    _, stats = torch.ops.logitless.linear_jsd_forward(*fwd)
+    yield custom_op("linear_jsd_forward"), fwd, None
+    _, stats = custom_op("linear_jsd_forward")(*fwd)
     bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
            stats.detach()) + options + (True, True, True)
-    yield torch.ops.logitless.linear_jsd_backward.default, bwd, None
+    yield custom_op("linear_jsd_backward"), bwd, None
 
 
 LINEAR_JSD = OpSpec(
@@ -498,6 +517,227 @@ LINEAR_JSD = OpSpec(
 )
 
 
+# ----------------------------------------------------------------------- log_probs
+# Per-token outputs, no reduction: the spec's ``fn`` returns logp, or with entropy=True
+# logp and entropy stacked on a last axis of 2 (so that one random upstream gradient
+# reaches both outputs); its reference does the same.
+
+
+def _lp_outputs(logp, ent, **kw):
+    return torch.stack((logp, ent), -1) if kw.get("entropy") else logp
+
+
+def _lp_fn(logits, tokens, *, reduction="none", memory_budget=None, **kw):
+    """log_probs as the contract calls it (reduction "none" only; it takes no budget)."""
+    assert reduction == "none", reduction
+    out = logitless.log_probs(logits, tokens, **kw)
+    return torch.stack(out, -1) if kw.get("entropy") else out
+
+
+def _lp_make(size, dtype, opts, seed, device=DEVICE):
+    lead, vocab = size["lead"], size["vocab"]
+    g = _gen(seed)
+    kw = _kw(opts)
+    if kw.get("ignore_index", -100) >= vocab:  # (a class of tiny vocabularies)
+        kw["ignore_index"] = -100
+    logits = (torch.randn(*lead, vocab, generator=g) * 3.0).to(dtype)
+    tokens = _targets(lead, vocab, opts, g, kw.get("ignore_index", -100))
+    logits = logits.to(device).requires_grad_()
+    return Case((logits, tokens.to(device)), kw, (logits,))
+
+
+def _lp_reference(case, reduction, dtype=torch.float64):
+    assert reduction == "none", reduction
+    kw = {k: v for k, v in case.kwargs.items() if k != "entropy"}
+    return _lp_outputs(*log_probs_reference(*case.args, dtype=dtype, **kw), **case.kwargs), None, None
+
+
+def _lp_bad_calls():
+    z, t = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    f = logitless.log_probs
+    return {
+        "temperature": (lambda: f(z, t, temperature=0.0), ValueError, "temperature must be a positive finite"),
+        "temperature-inf": (lambda: f(z, t, temperature=float("inf")), ValueError, "temperature"),
+        "temperature-type": (lambda: f(z, t, temperature="1"), TypeError, "temperature must be a float"),
+        "entropy": (lambda: f(z, t, entropy=1), TypeError, "entropy must be a bool"),
+        "ignore_index": (lambda: f(z, t, ignore_index=1.5), TypeError, "ignore_index must be an int"),
+        "logits-dtype": (lambda: f(z.int(), t), TypeError, "logits must be float16"),
+        "logits-type": (lambda: f(z.tolist(), t), TypeError, "logits must be a torch.Tensor"),
+        "logits-0d": (lambda: f(z[0, 0], t[0]), ValueError, r"logits must have shape \(..., V\)"),
+        "empty-vocab": (lambda: f(z[:, :0], t), ValueError, "V >= 1"),
+        "tokens-type": (lambda: f(z, t.tolist()), TypeError, "tokens must be a torch.Tensor"),
+        "tokens-dtype": (lambda: f(z, t.float()), TypeError, "int64 or int32"),
+        "tokens-shape": (lambda: f(z, t[:3]), ValueError, "tokens has shape"),
+        "tokens-rank": (lambda: f(z, t[:, None]), ValueError, "tokens has shape"),
+        "device": (lambda: f(z, t.to("meta")), ValueError, "one device"),
+        "backend": (lambda: f(z, t, backend="cuda"), ValueError, "backend must be one of"),
+        "triton-fp64": (lambda: f(z.double(), t, backend="triton"), TypeError, "float64"),
+        "out-of-range-token": (lambda: f(z, t + 10), ValueError, r"tokens contains 10, outside \[0, 10\)"),
+        "negative-token": (lambda: f(z, t - 1), ValueError, "outside"),
+    }
+
+
+def _lp_opcheck(backend):
+    case = _lp_make({"lead": (6,), "vocab": 37}, torch.float32, {"_ignore": 0.3}, seed=5)
+    z, t = case.args
+    for entropy in (True, False):
+        options = (0.7, entropy, None, -100, backend, 1 << 20)  # (LogProbOptions, backend, budget)
+        yield custom_op("lp_forward"), (z, t) + options, None
+        logp, ent, lse = custom_op("lp_forward")(z, t, *options)
+        grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
+        for grad_logp in (torch.randn(logp.shape, device=DEVICE), None if entropy else logp.detach()):
+            yield (custom_op("lp_backward"),
+                   (grad_logp, grad_ent, z.detach(), t, lse, ent.detach()) + options, None)
+
+
+_LP_ALL = {"_ignore": 0.3, "temperature": 0.7, "entropy": True, "ignore_index": 5}
+
+LOG_PROBS = OpSpec(
+    name="log_probs",
+    fn=_lp_fn,
+    reference=_lp_reference,
+    make=_lp_make,
+    options={
+        "plain": {},
+        "ignore": {"_ignore": 0.3},
+        "temperature": {"temperature": 1.7},
+        "entropy": {"entropy": True},
+        "ignore_index": {"_ignore": 0.3, "ignore_index": 3},
+        "all": _LP_ALL,
+    },
+    base_size={"lead": (3, 11), "vocab": 97},
+    sizes={
+        "one-token": ({"lead": (1,), "vocab": 101}, ("ignore", "all"), "none"),
+        "prime-V-3d": ({"lead": (2, 3), "vocab": 1009}, ("ignore", "all"), "none"),
+        "1d-logits": ({"lead": (), "vocab": 37}, ("ignore", "all"), "none"),
+        "one-class": ({"lead": (6,), "vocab": 1}, ("ignore", "all"), "none"),
+        "two-classes": ({"lead": (5,), "vocab": 2}, ("ignore", "all"), "none"),
+        "N40-V300": ({"lead": (40,), "vocab": 300}, ("ignore", "all"), "none"),
+    },
+    bad_calls=_lp_bad_calls,
+    opcheck=_lp_opcheck,
+    alloc_size={"lead": (40,), "vocab": 160},
+    grad_allocs=("aten.empty_like.default",),
+    # The torch backend upcasts rows in chunks of the default budget (256 MiB; log_probs
+    # takes no memory_budget): at test sizes one chunk holds every row.
+    alloc_backends=("triton",),
+    reductions=("none",),
+)
+
+
+# ----------------------------------------------------------------------- linear_log_probs
+
+
+def _llp_fn(x, weight, tokens, bias=None, *, reduction="none", **kw):
+    """linear_log_probs as the contract calls it (reduction "none" only)."""
+    assert reduction == "none", reduction
+    out = logitless.linear_log_probs(x, weight, tokens, bias, **kw)
+    return torch.stack(out, -1) if kw.get("entropy") else out
+
+
+def _llp_make(size, dtype, opts, seed, device=DEVICE):
+    case = _lce_make(size, dtype, {k: v for k, v in opts.items() if k != "_class_weight"}, seed, device)
+    x, w, t, b = case.args
+    kw = _kw(opts)
+    if kw.get("ignore_index", -100) != -100:  # (the targets above use -100)
+        t = torch.where(t == -100, kw["ignore_index"], t)
+    return Case((x, w, t, b), kw, case.grads)
+
+
+def _llp_reference(case, reduction, dtype=torch.float64):
+    assert reduction == "none", reduction
+    kw = {k: v for k, v in case.kwargs.items() if k not in ("entropy", "memory_budget")}
+    return _lp_outputs(*linear_log_probs_reference(*case.args, dtype=dtype, **kw), **case.kwargs), None, None
+
+
+def _llp_bad_calls():
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    f = logitless.linear_log_probs
+    return {
+        "temperature": (lambda: f(x, w, t, temperature=0.0), ValueError, "temperature must be a positive finite"),
+        "temperature-type": (lambda: f(x, w, t, temperature="1"), TypeError, "temperature must be a float"),
+        "entropy": (lambda: f(x, w, t, entropy="yes"), TypeError, "entropy must be a bool"),
+        "softcap": (lambda: f(x, w, t, softcap=0.0), ValueError, "softcap must be a positive finite"),
+        "softcap-negative": (lambda: f(x, w, t, softcap=-1.0), ValueError, "softcap"),
+        "ignore_index": (lambda: f(x, w, t, ignore_index=1.5), TypeError, "ignore_index must be an int"),
+        "hidden": (lambda: f(x, torch.randn(10, 7), t), ValueError, "hidden size 8"),
+        "weight-rank": (lambda: f(x, torch.randn(10, 8, 1), t), ValueError, "weight must be 2-D"),
+        "x-0d": (lambda: f(x[0, 0], w, t[0]), ValueError, "x must have at least one dimension"),
+        "tokens-shape": (lambda: f(x, w, t[:3]), ValueError, "tokens has shape"),
+        "tokens-dtype": (lambda: f(x, w, t.float()), TypeError, "int64 or int32"),
+        "tokens-type": (lambda: f(x, w, t.tolist()), TypeError, "tokens must be a torch.Tensor"),
+        "x-dtype": (lambda: f(x.int(), w, t), TypeError, "x must be float16"),
+        "weight-dtype": (lambda: f(x, w.int(), t), TypeError, "weight must be float16"),
+        "dtype-mismatch": (lambda: f(x, w.double(), t), TypeError, "must match"),
+        "bias-shape": (lambda: f(x, w, t, torch.randn(9)), ValueError, "bias must have shape"),
+        "bias-dtype": (lambda: f(x, w, t, torch.randn(10).half()), TypeError, "bias is"),
+        "empty-vocab": (lambda: f(x, torch.randn(0, 8), t), ValueError, "vocabulary is empty"),
+        "backend": (lambda: f(x, w, t, backend="cuda"), ValueError, "backend must be one of"),
+        "triton-fp64": (lambda: f(x.double(), w.double(), t, backend="triton"), TypeError, "float64"),
+        "budget": (lambda: f(x, w, t, memory_budget=0), ValueError, "memory_budget"),
+        "device": (lambda: f(x, w.to("meta"), t), ValueError, "one device"),
+        "vocab_size": (lambda: f(x, w, t, vocab_size=11), ValueError, "vocab_size=11 exceeds"),
+        "out-of-range-token": (lambda: f(x, w, t + 10), ValueError, r"tokens contains 10, outside \[0, 10\)"),
+        "negative-token": (lambda: f(x, w, t - 1), ValueError, "outside"),
+    }
+
+
+def _llp_opcheck(backend):
+    # V = 104: a multiple of 8, so that the GPU plan may keep columns (ODD_V_ALIGN).
+    case = _llp_make({"lead": (13,), "hidden": 24, "vocab": 104}, torch.float32, {"_ignore": 0.2, "_bias": True},
+                     seed=5)
+    x, w, t, b = case.args
+    forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # (see _lce_opcheck)
+    for need_grad, entropy in ((True, True), (True, False), (False, True)):
+        options = (0.7, entropy, 4.0, -100, backend, 6_000)  # (LogProbOptions, backend, budget)
+        args = (x, w, b, t, *options, need_grad)
+        yield custom_op("llp_forward"), args, forward_utils
+        logp, ent, lse, keep, keep_max, plan = custom_op("llp_forward")(*args)
+        if backend == "triton" and need_grad:
+            assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
+        else:
+            assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
+        grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
+        yield custom_op("llp_backward"), (torch.randn(logp.shape, device=DEVICE), grad_ent, x.detach(), w.detach(),
+                                          b.detach(), t, lse, ent.detach(), keep, keep_max, plan, *options,
+                                          True, True, True), None
+
+
+_LLP_ALL = {"_ignore": 0.3, "_bias": True, "temperature": 0.7, "entropy": True, "softcap": 4.0,
+            "ignore_index": 7}
+
+LINEAR_LOG_PROBS = OpSpec(
+    name="linear_log_probs",
+    fn=_llp_fn,
+    reference=_llp_reference,
+    make=_llp_make,
+    options={
+        "plain": {},
+        "ignore": {"_ignore": 0.3},
+        "bias": {"_bias": True},
+        "temperature": {"temperature": 1.7},
+        "entropy": {"entropy": True},
+        "softcap": {"softcap": 4.0},
+        "ignore_index": {"_ignore": 0.3, "ignore_index": 3},
+        # a budget that keeps some columns of exp(a - m) (Triton) and chunks the vocabulary
+        "budget": {"_ignore": 0.2, "entropy": True, "memory_budget": 6_000},
+        "all": _LLP_ALL,
+    },
+    base_size={"lead": (3, 13), "hidden": 24, "vocab": 101},
+    sizes={
+        "one-token": ({"lead": (1,), "hidden": 24, "vocab": 101}, ("ignore", "all"), "none"),
+        "prime-V-odd-H-3d": ({"lead": (2, 5), "hidden": 20, "vocab": 1009}, ("ignore", "all"), "none"),
+        "H17": ({"lead": (33,), "hidden": 17, "vocab": 67}, ("ignore", "all"), "none"),
+        "tiny": ({"lead": (1, 1), "hidden": 8, "vocab": 3}, ("ignore",), "none"),
+    },
+    bad_calls=_llp_bad_calls,
+    opcheck=_llp_opcheck,
+    alloc_size={"lead": (48,), "hidden": 16, "vocab": 160},
+    reductions=("none",),
+)
+
+
 #: Every op of the contract. A new op joins by adding its spec here.
-SPECS: dict[str, OpSpec] = {s.name: s for s in (LINEAR_CROSS_ENTROPY, CROSS_ENTROPY, JSD, LINEAR_JSD)}
+SPECS: dict[str, OpSpec] = {s.name: s for s in (LINEAR_CROSS_ENTROPY, CROSS_ENTROPY, JSD, LINEAR_JSD,
+                                                        LOG_PROBS, LINEAR_LOG_PROBS)}
 

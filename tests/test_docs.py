@@ -185,7 +185,7 @@ def test_markdown_links_resolve(missing):
 
 #: ``_name.attr`` / ``_name.py`` in a docstring: a private module of an older layout unless a
 #: module of that name exists or the same file binds the name (an import alias).
-PRIVATE_RE = re.compile(r"(?<![\w.])(_[a-z][a-z0-9_]*)(?:\.py\b|\.(?=[A-Za-z_]))")
+PRIVATE_RE = re.compile(r"(?<![\w.>}])(_[a-z][a-z0-9_]*)(?:\.py\b|\.(?=[A-Za-z_]))")
 
 
 def test_no_private_module_names_of_an_older_layout():
@@ -234,7 +234,7 @@ def test_readme_layout_lists_the_layers():
 
     expected = set()
     for layer, _ in LAYERS:
-        expected.add({"options": "options.py", "package": "__init__.py"}.get(layer, layer + "/"))
+        expected.add({"options": "options.py", "package": "__init__.py", "tools": "tune.py"}.get(layer, layer + "/"))
     listed = set()
     inside = False
     for line in _layout_block((ROOT / "README.md").read_text()):

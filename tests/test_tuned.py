@@ -1,4 +1,4 @@
-"""Tuned tiles as data (``_tuned``, ``logitless.planning.tune``): lookup order and determinism.
+"""Tuned tiles as data (``_tuned``, ``logitless.tune``): lookup order and determinism.
 
 What "deterministic" means here: the tiles come from the device class, dtype and shape
 only (never from a timing at run time); the same tiles give bitwise identical results;
@@ -14,7 +14,7 @@ import torch
 
 import logitless
 from logitless.planning import plans as _plans
-from logitless.planning import tune as tuner
+from logitless import tune as tuner
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitless.jax import formulas as jf
+from logitless.jax.formulas import cross_entropy as jf
 from logitless.options import CrossEntropyOptions
 
 

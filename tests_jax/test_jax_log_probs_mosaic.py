@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                     reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
 from logitless.jax import linear_log_probs  # noqa: E402
-from logitless.jax.ops.linear_log_probs import mosaic_gpu as mg  # noqa: E402  (a failure here is a bug)
+from logitless.jax.ops.linear_log_probs import mosaic_gpu_backend as mg  # noqa: E402  (a failure here is a bug)
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.options import LogProbOptions  # noqa: E402
 
@@ -189,7 +189,7 @@ def test_backward_small_tiles_several_chunks(entropy):
     kw = dict(temperature=0.8, entropy=entropy, softcap=6.0)
     g1, g2 = upstream((n,))
 
-    from logitless.jax import log_probs_formulas as lpf
+    from logitless.jax.formulas import log_probs as lpf
 
     lse, at, ent = mg.forward(x, w, b, t, opts=opts, config=SMALL)
     coef = lpf.grad_coefficients(ent, t, jnp.asarray(g1), jnp.asarray(g2) if entropy else None, v, opts)

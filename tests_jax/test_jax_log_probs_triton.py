@@ -32,7 +32,7 @@ from .helpers import (
 pytestmark = needs_triton
 
 from logitless.jax import linear_log_probs  # noqa: E402
-from logitless.jax import log_probs_formulas as lpf  # noqa: E402
+from logitless.jax.formulas import log_probs as lpf  # noqa: E402
 from logitless.jax.ops.linear_log_probs import api, backends  # noqa: E402
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402
@@ -274,7 +274,7 @@ def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatc
     # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
     # launches the backend makes at an RL shape (qwen3-8b, 8k tokens: entropy, soft-cap,
     # bias, T = 0.7), for A100, RTX 30/40 and H100 targets: no GPU needed.
-    from logitless.jax.ops.linear_log_probs import triton as backend
+    from logitless.jax.ops.linear_log_probs import triton_backend as backend
     from logitless.jax.ops.linear_log_probs import triton_kernels
     from logitless.triton_lib import log_probs_kernels
 

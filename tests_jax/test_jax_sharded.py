@@ -289,7 +289,7 @@ def _is_sm90():
 def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
     """Explicit mesh (tokens over "d", vocabulary over "t"): the fwd+bwd lowered for CUDA
     on any machine calls the Mosaic kernels on each device's shard (local shapes)."""
-    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu",
+    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu_backend",
                              reason="this jax has no Pallas Mosaic GPU")
     monkeypatch.setattr(mg, "INTERPRET", False)
     mesh = make_mesh("explicit")
@@ -371,7 +371,7 @@ def test_maxtext_style_kernel_hv(mesh_kind):
 def test_mosaic_backward_chunk_counts_its_temporaries():
     """The Mosaic backward's chunk: the dz chunk, the W slice and the dW chunk fit in the
     budget left after the fp32 dx accumulator (when that leaves at least a tile)."""
-    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu",
+    mg = pytest.importorskip("logitless.jax.ops.linear_cross_entropy.mosaic_gpu_backend",
                              reason="this jax has no Pallas Mosaic GPU")
     budget = 256 * 2**20
     for n, h, v in [(4096, 4096, 128256), (8192, 7168, 128256), (4096, 2560, 262144), (8192, 4096, 64128)]:

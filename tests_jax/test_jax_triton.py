@@ -160,6 +160,21 @@ def test_plan_memory_at_the_tokamax_shapes():
     assert whole.vocab_chunk >= 1000  # one chunk when the budget holds it
 
 
+def test_plan_takes_the_shared_tiles():
+    # The JAX plan is the torch side's TritonPlan, from its tables (logitless.planning.tiles).
+    from logitless.planning import tiles
+
+    p = triton_plan(4096, 128256, 4096, 2, 256 * 2**20, interpret=False, compute_capability=90, num_sms=132)
+    assert type(p) is tiles.TritonPlan
+    assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == tiles.CUDA_TILES[2]
+    assert p.group_n == tiles.group_rows_for(132, p.block_n, p.block_v) and p.dlogits_programs == 1
+    assert (p.keep_cols, p.dz_tma, p.w_chunk) == (0, False, 0)  # torch-only fields stay at their defaults
+    small = triton_plan(64, 1000, 32, 4, 2**30, interpret=False, compute_capability=89, num_sms=58)
+    assert (small.block_n, small.block_v) == tiles.CUDA_TILES_SMALL_SMEM[4][:2] and small.dlogits_programs == 0
+    interp = triton_plan(64, 1000, 32, 4, 2**30, interpret=True)
+    assert (interp.block_n, interp.block_v, interp.block_h) == tiles.INTERPRETER_TILES[:3] and interp.group_n == 1
+
+
 def test_kernels_import_without_torch():
     # The shared kernels and the interpreter helpers are framework-free.
     out = run_without_torch(
@@ -196,7 +211,7 @@ def test_vmap_runs_per_element():
 def test_kernels_compile_through_jax_triton_and_fit_shared_memory(cc, monkeypatch):
     # jax-triton's own compile path (kernel arguments, constexprs, Triton -> PTX) on the
     # launches the backend makes at a tokamax shape, for A100, RTX 30/40 and H100 targets.
-    from logitless.jax.ops.linear_cross_entropy import triton as backend
+    from logitless.jax.ops.linear_cross_entropy import triton_backend as backend
     from logitless.jax.ops.linear_cross_entropy import triton_kernels
     from logitless.triton_lib import lce_kernels
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                     reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
-from logitless.jax.ops.linear_cross_entropy import mosaic_gpu as mg  # noqa: E402  (a failure here is a bug)
+from logitless.jax.ops.linear_cross_entropy import mosaic_gpu_backend as mg  # noqa: E402  (a failure here is a bug)
 
 from .helpers import mosaic_platform  # noqa: E402
 

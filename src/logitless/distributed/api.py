@@ -9,10 +9,10 @@ from typing import Optional
 
 from torch import Tensor
 
-from logitless.ops.common.validate import _dtensor_type
 from logitless.options import VocabParallelOptions, check_vocab_size
 
 from . import dtensor as _dtensor
+from .dtensor import dtensor_type
 from .layout import group_name
 
 
@@ -38,7 +38,7 @@ def prepare(op: str, names: tuple[str, str, str], x: Tensor, weight: Tensor, bia
     vsize = check_vocab_size(vocab_size)
     if not isinstance(partial_dx, bool):
         raise TypeError(f"{op}: partial_dx must be a bool, got {type(partial_dx).__name__}")
-    dtensor = _dtensor_type()  # (None until torch.distributed.tensor is imported)
+    dtensor = dtensor_type()  # (None until torch.distributed.tensor is imported)
     if dtensor is not None and (isinstance(x, dtensor) or isinstance(weight, dtensor) or isinstance(bias, dtensor)):
         if process_group is not None:
             raise ValueError(f"{op}: pass either DTensor inputs or process_group=, not both (the DTensors' mesh "

@@ -14,20 +14,39 @@ A ``weight`` DTensor ``Shard(0)`` on a 1-D mesh (the head's rows split over the 
 
 weight's and bias's gradients come back as DTensors ``Shard(0)`` like the parameters.
 A ``Shard(0)`` weight with a plain ``x`` is FSDP2's layout (each rank a different x,
-outside the module's forward), refused with the FSDP error.
+outside the module's forward), refused with the FSDP error. ``dtensor_type`` (DTensor's
+class, once loaded) also serves ``ops.common.validate``'s DTensor check.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
+import torch
 from torch import Tensor
 
-from logitless.ops.common.validate import _dtensor_type
+_DTENSOR: list = []  # DTensor's class, once found (it does not change while the process lives)
+
+
+def dtensor_type():
+    """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise).
+    Cached for eager calls only: a compiled graph that read the cache would be guarded on
+    it and recompiled once it fills (the first compiled step of a process did that)."""
+    compiling = torch.compiler.is_compiling()
+    if _DTENSOR and not compiling:
+        return _DTENSOR[0]
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            if not compiling:
+                _DTENSOR.append(module.DTensor)
+            return module.DTensor
+    return None
 
 
 def is_dtensor(t) -> bool:
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
 

@@ -1,4 +1,5 @@
-"""The math of every op, written once for PyTorch (the JAX twin: ``logitless.jax.formulas``).
+"""The math of every op, written once for PyTorch (the JAX twin: ``logitless.jax.formulas``,
+under the same module names).
 
 The docstrings are the specification: every backend (PyTorch tiles, Triton kernels)
 reduces each token's row of logits to a few fp32 statistics, and these modules turn

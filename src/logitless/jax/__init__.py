@@ -8,12 +8,13 @@ Backends: "xla" (plain JAX, chunked: CPU, GPU, TPU), "mosaic_gpu" (Pallas Mosaic
 kernels for SM90, when present) and "triton" (the PyTorch op's Triton kernels through
 jax-triton, SM80+ NVIDIA GPUs; Triton's interpreter on CPUs, for tests). Under a sharded
 ``jax.jit`` or inside ``jax.shard_map`` (``vocab_axis_name=``, ``token_axis_name=``) each
-device computes its own shard. Layout mirrors the PyTorch side: ``formulas.py``,
-``planning.py`` (chunk sizes from the shared planner), ``ops/<op>/`` (api, reference, one
-file per backend, bench shapes): linear_cross_entropy and linear_log_probs.
+device computes its own shard. Layout mirrors the PyTorch side: ``formulas/``
+(cross_entropy, log_probs), ``planning.py`` (chunk sizes; the Triton tiles and plan from
+the shared ``logitless.planning.tiles``), ``ops/<op>/`` (api, reference, one file per
+backend, bench shapes): linear_cross_entropy and linear_log_probs.
 """
 
-from .formulas import LossStats
+from .formulas.cross_entropy import LossStats
 from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
 from .ops.linear_log_probs.api import linear_log_probs
 from .planning import DEFAULT_MEMORY_BUDGET

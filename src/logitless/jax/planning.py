@@ -9,6 +9,19 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (the same default as the PyTorch side)
+from logitless.planning.tiles import (
+    BIG_SMEM_CC,
+    CUDA_TILES,
+    CUDA_TILES_SMALL_SMEM,
+    INTERPRETER_TILES,
+    MIN_CHUNK,
+    PERSISTENT_MIN_ROW_BLOCKS,
+    WAVES,
+    TritonPlan,
+    group_rows_for,
+)
+
+__all__ = ["DEFAULT_MEMORY_BUDGET", "TritonPlan", "XlaPlan", "triton_plan", "xla_plan"]
 
 #: Column chunks are a multiple of this (and at least this), unless V is smaller.
 VOCAB_ALIGN = 128
@@ -59,64 +72,37 @@ def xla_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: in
     return XlaPlan(token_chunk=max(1, n), vocab_chunk=max(1, v))
 
 
-class TritonPlan(NamedTuple):
-    """Launch sizes of the "triton" backend (the shared kernels of
-    ``logitless.triton_lib.lce_kernels``): tiles, forward vocabulary splits, backward
-    column chunk, program order and pipelining."""
-
-    block_n: int
-    block_v: int
-    block_h: int
-    num_warps: int
-    num_stages: int
-    vocab_splits: int  # forward: programs per row block, each over a slice of the vocabulary
-    vocab_chunk: int  # backward: dz columns per step (a multiple of block_v, or all of V)
-    group_n: int  # row blocks per group of the grouped program order
-    flatten: bool  # software-pipeline the loops over tiles and H
-    persistent: bool  # dlogits: one program per SM, looping over tiles
-
-
-#: Tiles (block_n, block_v, block_h, num_warps, num_stages) by input itemsize, for GPUs
-#: with >= 160 KiB of shared memory per block (A100 SM80, H100/H200 SM90, B200 SM100):
-#: the PyTorch side's Hopper tiles (``planning.plans.CUDA_TILES``); 128 x 256 x 64 bf16
-#: tiles with 3 stages take 144 KiB.
-TRITON_TILES_BIG_SMEM = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
-#: The same for GPUs with about 100 KiB per block (SM86/SM89 RTX 30/40, SM120 RTX 50,
-#: L4, A10): 48 KiB of pipelined tiles.
-TRITON_TILES_SMALL_SMEM = {2: (128, 128, 32, 8, 3), 4: (64, 128, 32, 4, 2)}
-#: Triton's CPU interpreter: small tiles that still exercise every mask.
-TRITON_TILES_INTERPRETER = (16, 32, 16, 4, 1)
-#: Compute capabilities (major * 10 + minor) with >= 160 KiB of shared memory per block.
-BIG_SMEM_CC = (80, 87, 90, 100, 103)
-#: Forward programs per SM wanted (vocabulary splits fill the GPU at few row blocks).
-TRITON_WAVES = 16
-#: Smallest backward column chunk on GPUs (narrower dz chunks make the gradient GEMMs slow).
-TRITON_MIN_CHUNK = 4096
-#: dlogits runs persistent (one program per SM) from this many row blocks on.
-PERSISTENT_MIN_ROW_BLOCKS = 16
+#: The "triton" backend's tables are the torch side's (``logitless.planning.tiles``):
+#: ``CUDA_TILES`` where ``BIG_SMEM_CC`` (>= 160 KiB of shared memory per block),
+#: ``CUDA_TILES_SMALL_SMEM`` on other GPUs, ``INTERPRETER_TILES`` on Triton's CPU
+#: interpreter; ``WAVES`` forward programs per SM, backward chunks of at least
+#: ``MIN_CHUNK`` columns on GPUs, a persistent dlogits kernel (one program per SM) from
+#: ``PERSISTENT_MIN_ROW_BLOCKS`` row blocks on, ``group_rows_for`` row blocks per group.
 
 
 def triton_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, *,
                 interpret: bool, compute_capability: int = 90, num_sms: int = 132) -> TritonPlan:
-    """The "triton" backend's plan; pure arithmetic of static sizes.
+    """The "triton" backend's plan (``logitless.planning.tiles.TritonPlan``, the torch
+    side's; keep_cols, tma, dz_tma and w_chunk stay at their defaults); pure arithmetic
+    of static sizes.
 
     Memory of the backward (the forward keeps only O(tokens x splits) fp32 partials):
     the fp32 dx accumulator (4 x tokens x hidden bytes, when more than one chunk) and
     per chunk of c columns a dz buffer (tokens x c x itemsize) plus the fp32 dW chunk
     XLA's GEMM writes before the cast (c x hidden x 4). c is the widest multiple of
-    block_v that fits the budget, at least TRITON_MIN_CHUNK (GPUs) or 2 x block_v (the
+    block_v that fits the budget, at least MIN_CHUNK (GPUs) or 2 x block_v (the
     interpreter): below that minimum the budget is exceeded by it.
     """
     if interpret:
-        tiles = TRITON_TILES_INTERPRETER
+        tiles = INTERPRETER_TILES
     elif compute_capability in BIG_SMEM_CC:
-        tiles = TRITON_TILES_BIG_SMEM[itemsize]
+        tiles = CUDA_TILES[itemsize]
     else:
-        tiles = TRITON_TILES_SMALL_SMEM[itemsize]
+        tiles = CUDA_TILES_SMALL_SMEM[itemsize]
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = -(-num_tokens // block_n)
     vocab_blocks = -(-vocab // block_v)
-    want = -(-TRITON_WAVES * num_sms // max(1, row_blocks))
+    want = -(-WAVES * num_sms // max(1, row_blocks))
     blocks_per_split = -(-vocab_blocks // max(1, min(want, vocab_blocks)))
     splits = -(-vocab_blocks // blocks_per_split)
     padded = vocab_blocks * block_v
@@ -126,9 +112,9 @@ def triton_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget:
         chunk = padded  # one chunk covers V: dx = dz @ w, no accumulator
     else:
         chunk = max(0, budget - acc) // per_col // block_v * block_v
-    min_chunk = 2 * block_v if interpret else TRITON_MIN_CHUNK
+    min_chunk = 2 * block_v if interpret else MIN_CHUNK
     chunk = max(min(min_chunk, padded), min(chunk, padded))
-    group_n = 1 if interpret else max(1, round((num_sms * block_v / block_n) ** 0.5))
-    return TritonPlan(block_n, block_v, block_h, num_warps, num_stages, splits, chunk, group_n,
-                      flatten=not interpret,
-                      persistent=not interpret and row_blocks >= PERSISTENT_MIN_ROW_BLOCKS)
+    group_n = 1 if interpret else group_rows_for(num_sms, block_n, block_v)
+    persistent = not interpret and row_blocks >= PERSISTENT_MIN_ROW_BLOCKS
+    return TritonPlan(block_n, block_v, block_h, num_warps, num_stages, splits, chunk,
+                      group_n=group_n, flatten=not interpret, dlogits_programs=1 if persistent else 0)

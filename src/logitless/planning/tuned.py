@@ -6,7 +6,7 @@ num_stages) on a GPU, first match wins:
 1. ``overrides.override(tiles=...)`` (the tuner and tests; never set by the library);
 2. the tuner's cache on this machine, ``$LOGITLESS_CACHE_DIR`` or
    ``~/.cache/logitless/<gpu>-torch<version>-triton<version>.json``, written only by
-   ``python -m logitless.planning.tune`` (opt-in, never during training);
+   ``python -m logitless.tune`` (opt-in, never during training);
 3. the file shipped in the package for the GPU class, ``logitless/configs/<class>.json``;
 4. ``plans.CUDA_TILES`` by itemsize.
 

@@ -8,11 +8,12 @@ scalar options are in ``logitless.options``.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from logitless.distributed.dtensor import dtensor_type as _dtensor_type
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -65,25 +66,6 @@ def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int, 
     if bool(bad.any()):
         value = int(target[bad][0])
         raise ValueError(f"{name} contains {value}, outside [0, {num_classes}) and not ignore_index={ignore_index}")
-
-
-_DTENSOR: list = []  # DTensor's class, once found (it does not change while the process lives)
-
-
-def _dtensor_type():
-    """DTensor's class if torch.distributed.tensor is loaded (no DTensor exists otherwise).
-    Cached for eager calls only: a compiled graph that read the cache would be guarded on
-    it and recompiled once it fills (the first compiled step of a process did that)."""
-    compiling = torch.compiler.is_compiling()
-    if _DTENSOR and not compiling:
-        return _DTENSOR[0]
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "DTensor"):
-            if not compiling:
-                _DTENSOR.append(module.DTensor)
-            return module.DTensor
-    return None
 
 
 def check_not_dtensor(op: str, **tensors: Optional[Tensor]) -> None:

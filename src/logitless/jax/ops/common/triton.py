@@ -1,4 +1,4 @@
-"""Runtime shared by the JAX "triton" backends (``ops/<op>/triton.py``): the Triton
+"""Runtime shared by the JAX "triton" backends (``ops/<op>/triton_backend.py``): the Triton
 kernels of ``logitless.triton_lib`` (the PyTorch ops' own) launched from JAX.
 
 Route: on an NVIDIA GPU ``jax_triton.triton_call`` (the optional dependency

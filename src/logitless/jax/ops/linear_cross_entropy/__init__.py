@@ -2,10 +2,11 @@
 
 Backend interface
 =================
-Every backend is a module ``logitless/jax/linear_cross_entropy/<name>.py`` (``xla.py``,
-``mosaic_gpu.py``, ``triton.py``) registered by name in ``backends.BACKENDS`` (module path + an
+Every backend is a module ``logitless/jax/ops/linear_cross_entropy/<name>_backend.py``
+(``xla_backend.py``, ``mosaic_gpu_backend.py``, ``triton_backend.py``: the torch side's
+``<name>_backend.py`` naming) registered by name in ``backends.BACKENDS`` (module path + an
 ``is_supported`` hook). The public function validates, flattens to 2-D, computes the
-loss from the statistics (``logitless/jax/formulas.py``) and wraps everything in one
+loss from the statistics (``logitless/jax/formulas/cross_entropy.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
 arguments after ``*`` are static Python values (hashable; the functions are traced
 under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
@@ -28,7 +29,7 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
 
 ``backward(x2d, w, bias, target, lse, coef, *, softcap, budget) -> (dx, dw, db)``
     lse:  (N,) f32 from forward; coef: (3, N) f32 rows [A, B, C] from
-    ``formulas.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
+    ``formulas.cross_entropy.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
     out-of-range targets). With p_c = exp(z_c - lse):
         dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
         dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype;
@@ -38,7 +39,7 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
 ``CLASS_WEIGHTS = True`` (optional module constant): forward and backward also accept
 a keyword ``class_weight=`` (a (V,) fp32 array w_c; the api passes it only when the
 user gave class weights). Then smooth_sum = sum_c w_c z_c, and the backward's line is
-dz_c = p_c * A - B * [c == t] - C * w_c (``formulas.py``: A and B carry w_t). Without
+dz_c = p_c * A - B * [c == t] - C * w_c (``formulas/cross_entropy.py``: A and B carry w_t). Without
 the constant the backend never sees class weights: the automatic choice skips it and
 an explicit choice raises ValueError. (xla and triton have it; mosaic_gpu not.)
 
@@ -61,7 +62,7 @@ shard's first class (targets outside the local [0, V) match no column: a backend
 target_logit there is masked to 0 by the caller, and its backward must treat them as
 "no target column", which the dz formula does) and merges the statistics and
 gradients with collectives. Loop carries that start as constants must be typed like
-the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla.py).
+the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla_backend.py).
 
 Automatic choice (``implementation=None``), on an NVIDIA GPU: "mosaic_gpu" when its
 compute capability is 9.x, the module imports and ``is_supported`` says yes; else

@@ -11,9 +11,9 @@ from logitless.jax.ops.common.choice import supported as _supported  # noqa: F40
 
 #: Backends by name: module path (relative to this package). "mosaic_gpu" is optional.
 BACKENDS = {
-    "xla": ".xla",
-    "mosaic_gpu": ".mosaic_gpu",
-    "triton": ".triton",
+    "xla": ".xla_backend",
+    "mosaic_gpu": ".mosaic_gpu_backend",
+    "triton": ".triton_backend",
 }
 
 

@@ -1,7 +1,7 @@
 """Float64 NumPy reference of the JAX linear cross-entropy (loss and gradients).
 
 Materialises the logits: for tests and error columns at small or chunked shapes only.
-Same math as ``logitless/jax/formulas.py``, written independently in NumPy.
+Same math as ``logitless/jax/formulas/cross_entropy.py``, written independently in NumPy.
 """
 
 from __future__ import annotations

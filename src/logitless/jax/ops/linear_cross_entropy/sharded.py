@@ -179,7 +179,7 @@ def explicit_call(op, mesh, axes: Axes, x2d, w, target, bias, *, vaxis: int, non
                          token_axis_name=axes.token or None, vocab_axis_name=axes.vocab or None, **kw)
         return loss, stats
 
-    from logitless.jax.formulas import LossStats
+    from logitless.jax.formulas.cross_entropy import LossStats
 
     out_specs = (P(tok) if none else P(), LossStats(lse=P(tok), num_tokens=P()))
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)

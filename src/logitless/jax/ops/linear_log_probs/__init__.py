@@ -9,7 +9,7 @@ Backend interface (2-D arrays; everything after ``*`` static):
     lse and a_t of a = softcap(x w^T + b) / T, and H (None without ``opts.entropy``).
 
 ``backward(x2d, w, bias, tokens, lse, coef, *, opts, budget) -> (dx, dw, db)``
-    coef: (3, N) fp32 rows [A, B, C] of ``logitless.jax.log_probs_formulas``;
+    coef: (3, N) fp32 rows [A, B, C] of ``logitless.jax.formulas.log_probs``;
     dz = p (A + C log p) - B [c == t] (x cap'), dx = dz w, dw = dz^T x, db = sum dz,
     accumulated in fp32 and cast once to the inputs' dtypes.
 

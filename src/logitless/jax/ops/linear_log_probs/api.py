@@ -1,7 +1,7 @@
 """Public API of linear_log_probs for JAX: per-token log-probabilities (and entropy) at a
 temperature from the hidden states and the LM-head weight, without the logits. The
 twin of ``logitless.linear_log_probs`` (PyTorch); math in
-``logitless/jax/log_probs_formulas.py``, backend interface in this package's __init__.
+``logitless/jax/formulas/log_probs.py``, backend interface in this package's __init__.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)

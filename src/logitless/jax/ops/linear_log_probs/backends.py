@@ -10,7 +10,7 @@ import importlib
 from logitless.jax.ops.common import choice
 
 #: Backends by name: module path (relative to this package).
-BACKENDS = {"xla": ".xla", "triton": ".triton", "mosaic_gpu": ".mosaic_gpu"}
+BACKENDS = {"xla": ".xla_backend", "triton": ".triton_backend", "mosaic_gpu": ".mosaic_gpu_backend"}
 #: The ones the automatic choice may pick.
 AUTOMATIC = ("xla", "triton")
 #: Backends of linear_cross_entropy not written for this op yet.

@@ -1,5 +1,5 @@
 """Reference of linear_log_probs in plain jnp: logits materialised, then
-``jax.nn.log_softmax`` (independent of ``log_probs_formulas``); differentiable with
+``jax.nn.log_softmax`` (independent of ``formulas.log_probs``); differentiable with
 jax.grad. Run it on float64 arrays under ``jax.enable_x64(True)`` for the float64
 reference, or on the inputs' dtype for "plain JAX in the same dtype". Test sizes only.
 """

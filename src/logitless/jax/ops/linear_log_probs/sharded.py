@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.formulas import log_probs as lpf
 from logitless.jax import sharding as shd
 from logitless.jax.ops.linear_log_probs.backends import backend_module
 from logitless.options import LogProbOptions

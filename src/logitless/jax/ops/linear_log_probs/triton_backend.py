@@ -7,12 +7,12 @@ Route (shared with linear_cross_entropy's backend: ``logitless/jax/ops/common/tr
 custom calls inside the api's ``jax.custom_vjp``; without a GPU the same kernels run on
 Triton's interpreter through ``jax.pure_callback`` (exact, slow: tests at tiny shapes).
 
-Math (``logitless/jax/log_probs_formulas.py``), a = softcap(x @ w.T + b) / T:
+Math (``logitless/jax/formulas/log_probs.py``), a = softcap(x @ w.T + b) / T:
 
     forward   (1 GEMM) ``logp_forward_kernel`` over (row blocks x vocabulary splits)
               writes per split and token the running max m, s = sum exp(a - m),
               u = sum exp(a - m)(a - m) (entropy only) and a_t (fp32); merged here
-              (``log_probs_formulas.merge_splits``) with O(tokens x splits) jnp ops.
+              (``formulas.log_probs.merge_splits``) with O(tokens x splits) jnp ops.
     backward  (3 GEMMs) per chunk of c columns (a ``lax.fori_loop``; the last, shorter
               chunk is a separate static step): ``logp_dlogits_chunk_kernel``
               recomputes the chunk's a (GEMM 1) and writes dz = p (A + C log p) - B [c == t]
@@ -40,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.common import triton as rt
 from logitless.jax.ops.common.triton import UNSUPPORTED_HINT  # noqa: F401 (the api's error hint)
 from logitless.jax.ops.common.triton import device_info as _device_info
@@ -148,8 +148,8 @@ def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget):
 
     def dz_of(v0, width):
         tiles = row_blocks * -(-width // plan.block_v)
-        if plan.persistent:
-            tiles = min(tiles, _device_info()[1])
+        if plan.dlogits_programs:  # persistent: that many programs per SM, each looping over tiles
+            tiles = min(tiles, plan.dlogits_programs * _device_info()[1])
         out = (jax.ShapeDtypeStruct((n, width), x2d.dtype),)
         (dz,) = _launch("logp_dlogits_chunk_kernel", (tiles,), plan, out,
                         (x2d, w, b, tokens, lse, coef, jnp.reshape(v0, (1,)).astype(jnp.int32)),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax import log_probs_formulas as lpf
+from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.common.chunks import chunk_loop, put, take
 from logitless.jax.planning import xla_plan
 from logitless.options import LogProbOptions

@@ -19,7 +19,7 @@ Backward (``backward``): "4 GEMMs" (recompute + 2 XLA GEMMs, plus the forward). 
     chunk the dz kernel recomputes the logits tile and writes, in the input dtype,
         dz_c = p_c (A + C log p_c) - B [c == t],   log p_c = a_c - lse
     times (1 - (softcap(z_c)/s)^2) with a soft-cap ((A, B, C) per token from
-    ``log_probs_formulas.grad_coefficients``, 1/T folded in; C = 0 term skipped without
+    ``formulas.log_probs.grad_coefficients``, 1/T folded in; C = 0 term skipped without
     entropy); zero at columns >= V. XLA then takes dW[chunk] = dz^T x, dx += dz W[chunk]
     (fp32 accumulation). Temporaries: the fp32 dx accumulator, one dz chunk, one W
     slice and one dW chunk, sized from the memory budget (``mosaic_lib.chunk_columns``).
@@ -39,7 +39,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas import merge_lse_splits
+from logitless.jax.formulas.cross_entropy import merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.options import LogProbOptions
 

@@ -9,7 +9,7 @@ Triton's interpreter through ``jax.pure_callback`` with numpy buffers
 (``logitless.triton_lib.interpret``): exact, and slow (tests at tiny shapes only).
 docs/design.md (section "JAX on every NVIDIA GPU") says why not Pallas Triton.
 
-Math (``logitless/jax/formulas.py``), z = cap(x @ w.T + b), p_c = exp(z_c - lse):
+Math (``logitless/jax/formulas/cross_entropy.py``), z = cap(x @ w.T + b), p_c = exp(z_c - lse):
 
     forward   (1 GEMM) ``forward_stats_kernel`` over (row blocks x vocabulary splits)
               writes per split and token the running max, sum of exp, z_t and
@@ -183,8 +183,8 @@ def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget,
 
     def dz_of(v0, width):
         tiles = row_blocks * -(-width // plan.block_v)
-        if plan.persistent:
-            tiles = min(tiles, _device_info()[1])
+        if plan.dlogits_programs:  # persistent: that many programs per SM, each looping over tiles
+            tiles = min(tiles, plan.dlogits_programs * _device_info()[1])
         out = (jax.ShapeDtypeStruct((n, width), x2d.dtype),)
         (dz,) = _launch("dlogits_chunk_kernel", (tiles,), plan, out,
                         (x2d, w, b, cw, target, lse, coef, jnp.reshape(v0, (1,)).astype(jnp.int32)),

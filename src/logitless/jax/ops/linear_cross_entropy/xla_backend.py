@@ -1,6 +1,6 @@
 """The "xla" backend: chunked linear cross-entropy in plain JAX (CPU, GPU, TPU).
 
-Math (see ``logitless/jax/formulas.py``): per token, lse, z_t and (label smoothing)
+Math (see ``logitless/jax/formulas/cross_entropy.py``): per token, lse, z_t and (label smoothing)
 sum_c z_c of the soft-capped logits z = cap(x @ w.T + b), computed tile by tile:
 
     forward   for each column chunk j (fori_loop), for each row chunk i:
@@ -28,7 +28,7 @@ from typing import Optional
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.formulas import dlogits, softcap_logits
+from logitless.jax.formulas.cross_entropy import dlogits, softcap_logits
 from logitless.jax.ops.common.chunks import chunk_loop, put, take
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 from logitless.jax.planning import xla_plan

@@ -47,7 +47,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas import merge_lse_splits
+from logitless.jax.formulas.cross_entropy import merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 

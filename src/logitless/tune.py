@@ -1,4 +1,4 @@
-"""Opt-in tuner of the Triton tiles: ``python -m logitless.planning.tune`` or ``logitless.planning.tune.tune()``.
+"""Opt-in tuner of the Triton tiles: ``python -m logitless.tune`` or ``logitless.tune.tune()``.
 
 Measures a small candidate space of tiles (block_n, block_v, block_h, num_warps,
 num_stages) once on this GPU, for the shape classes of the shapes given, by timing
@@ -135,7 +135,7 @@ def tune(shapes=None, dtypes=(torch.bfloat16,), candidates=None, device=None, re
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m logitless.planning.tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m logitless.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", help="TOKENS:HIDDEN:VOCAB[,...] (default: one per shape class)")
     p.add_argument("--dtypes", default="bfloat16", help="bfloat16,float16,float32 (default %(default)s)")
     p.add_argument("--reps", type=int, default=5)
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")] if args.shapes else None
     dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",")]
     if not torch.cuda.is_available():
-        raise SystemExit("python -m logitless.planning.tune needs a CUDA GPU")
+        raise SystemExit("python -m logitless.tune needs a CUDA GPU")
     tune(shapes, dtypes, reps=args.reps, write=not args.dry_run)
     return 0
 
