@@ -356,8 +356,8 @@ def linear_softmax_cross_entropy_loss(
     as in tokamax 0.0.17 (NotImplementedError otherwise); fp32 inputs follow
     ``jax_default_matmul_precision``. ``implementation``: as in
     :func:`linear_cross_entropy` (tokamax's names "xla"/"chunked_xla" both mean our
-    "xla" backend; "mosaic_tpu" is not available; tokamax's Triton backend is our
-    "triton").
+    "xla" backend; "mosaic_tpu" is our Pallas TPU backend, TPU interpret mode off a
+    TPU; tokamax's Triton backend is our "triton").
     """
     if precision is not None:
         raise NotImplementedError("Customization of precision is currently not supported (as in tokamax).")

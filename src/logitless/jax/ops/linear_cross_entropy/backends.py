@@ -14,6 +14,7 @@ BACKENDS = {
     "xla": ".xla",
     "mosaic_gpu": ".mosaic_gpu",
     "triton": ".triton",
+    "mosaic_tpu": ".mosaic_tpu",
 }
 
 
