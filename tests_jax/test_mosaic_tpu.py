@@ -121,9 +121,9 @@ def test_against_tokamax_tpu_kernel_in_interpret_mode():
 ])
 def test_linear_log_probs_vs_float64(dtype, opts, budget):
     opts = dict(opts)
-    x, w, t, b = inputs(None, 28, 127, dtype, seed=7, bias=opts.pop("bias", False), ignore=(2,), lead=(3, 5))
-    g1 = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5)), jnp.float32)
-    g2 = jnp.asarray(np.random.default_rng(2).standard_normal((3, 5)), jnp.float32)
+    x, w, t, b = inputs(None, 28, 131, dtype, seed=7, bias=opts.pop("bias", False), ignore=(2,), lead=(3, 7))
+    g1 = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7)), jnp.float32)
+    g2 = jnp.asarray(np.random.default_rng(2).standard_normal((3, 7)), jnp.float32)
     entropy = opts.pop("entropy")
 
     def f(x, w, b, impl):
@@ -171,8 +171,18 @@ def test_automatic_choice(monkeypatch):
     assert ce_backends.choose_backend(None, *args) == "mosaic_tpu"
     assert ce_backends.choose_backend(None, *args, has_class_weight=True) == "mosaic_tpu"
     assert lp_backends.choose_backend(None, *args) == "mosaic_tpu"
-    # float64 (log-probs) has no TPU kernel: xla, and an explicit request says why.
-    f64 = ((64, 128), (1000, 128), jnp.float64, None, False)
-    assert lp_backends.choose_backend(None, *f64) == "xla"
-    with pytest.raises(ValueError, match="bf16/f16/f32"):
-        lp_backends.choose_backend("mosaic_tpu", *f64)
+    # float64 (log-probs) and float16 have no TPU kernel: xla, and an explicit request says why.
+    for dt in (jnp.float64, jnp.float16):
+        other = ((64, 128), (1000, 128), dt, None, False)
+        assert lp_backends.choose_backend(None, *other) == "xla"
+        with pytest.raises(ValueError, match="bf16/f32"):
+            lp_backends.choose_backend("mosaic_tpu", *other)
+    assert ce_backends.choose_backend(None, (8, 16), (32, 16), jnp.float16, None, False) == "xla"
+
+
+def test_empty_inputs():
+    x, w, t, _ = inputs(0, 16, 37, "float32")
+    loss = linear_cross_entropy(x, w, t, reduction="none", implementation="mosaic_tpu")
+    assert loss.shape == (0,)
+    lp, h = linear_log_probs(x, w, t, entropy=True, implementation="mosaic_tpu")
+    assert lp.shape == h.shape == (0,)

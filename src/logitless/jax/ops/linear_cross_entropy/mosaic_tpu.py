@@ -12,7 +12,7 @@ Backward: two kernels, each recomputing the logits tile:
     dtype before the gradient GEMMs, as the other backends.
     Cost: 5 GEMM-equivalents in all (forward 1, backward 2 recomputes + 2).
 Options: softcap, bias, class weights (``CLASS_WEIGHTS``), label smoothing, both weight
-layouts without a transposed copy (``NATIVE_HV``); bf16/f16/f32 inputs, any N, V, H.
+layouts without a transposed copy (``NATIVE_HV``); bf16/f32 inputs, any N, V, H.
 HBM temporaries: none beyond the outputs and O(N) row vectors; the memory budget
 caps the kernels' VMEM (tiles: ``mosaic_tpu_lib.choose_tiles``).
 On a platform other than TPU the kernels run in Pallas' TPU interpret mode (CPU tests).
@@ -37,7 +37,7 @@ def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> 
             and x2d_shape[1] == w_shape[1] and x2d_shape[0] >= 1 and w_shape[0] >= 1)
 
 
-UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f16/f32 inputs; use implementation='xla'"
+UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f32 inputs; use implementation='xla'"
 
 
 def can_partition() -> bool:

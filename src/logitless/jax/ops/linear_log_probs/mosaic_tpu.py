@@ -7,7 +7,7 @@ Forward: grid (row blocks "parallel", vocab tiles "arbitrary"); per step
     online update of ``log_probs_formulas``), a_t += a[c == t]; columns >= V masked.
 Backward: the dX and dW kernels of the library with the epilogue
     dz = p (A + C log p) - B [c == t]  (x (1 - (z/s)^2) with a softcap).
-bf16/f16/f32 inputs (no fp64: TPUs have none), any N, V, H; every option (bias,
+bf16/f32 inputs (no fp64: TPUs have none), any N, V, H; every option (bias,
 softcap, temperature, entropy). HBM temporaries: O(N) only; the budget caps VMEM.
 On a platform other than TPU the kernels run in Pallas' TPU interpret mode.
 """
@@ -20,7 +20,7 @@ from logitless.jax import mosaic_tpu_lib as tl
 from logitless.options import LogProbOptions
 
 _F32 = jnp.float32
-UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f16/f32 inputs; use implementation='xla'"
+UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f32 inputs; use implementation='xla'"
 
 
 def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
