@@ -186,3 +186,30 @@ def test_empty_inputs():
     assert loss.shape == (0,)
     lp, h = linear_log_probs(x, w, t, entropy=True, implementation="mosaic_tpu")
     assert lp.shape == h.shape == (0,)
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_lowers_for_tpu(monkeypatch, layout):
+    """The real kernels (not the interpreter) lower to Mosaic TPU at a production shape
+    on this CPU-only machine: block shapes, layouts of the in-kernel ops and the grid
+    are accepted by Pallas' TPU lowering (Mosaic's own compiler, in libtpu, is not run)."""
+    monkeypatch.setattr(tl, "INTERPRET", False)
+    n, v, h = 4096, 32003, 4096
+    sds = jax.ShapeDtypeStruct
+    w = sds((v, h) if layout == "vh" else (h, v), jnp.bfloat16)
+
+    def ce(x, w, b, t):
+        return linear_cross_entropy(x, w, t, b, softcap=30.0, label_smoothing=0.1, weight_layout=layout,
+                                    implementation="mosaic_tpu")
+
+    args = (sds((n, h), jnp.bfloat16), w, sds((v,), jnp.bfloat16), sds((n,), jnp.int32))
+    text = jax.jit(jax.grad(ce, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3  # forward, dX, dW
+    if layout == "vh":
+        def lp(x, w, t):
+            out, ent = linear_log_probs(x, w, t, entropy=True, temperature=0.7, implementation="mosaic_tpu")
+            return out.sum() + ent.sum()
+
+        text = jax.jit(jax.grad(lp, argnums=(0, 1))).trace(args[0], w, args[3]).lower(
+            lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 3

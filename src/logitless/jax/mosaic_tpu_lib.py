@@ -59,11 +59,15 @@ class Tiles:
     bv: int
 
 
+#: None: TPU interpret mode exactly when jax's default backend is not a TPU; True/False
+#: force it (tests set False to lower the real kernels for TPU on a CPU-only machine).
+INTERPRET: bool | None = None
+
+
 def interpret_params():
     """TPU interpret mode (``pltpu.InterpretParams``) unless jax runs on a TPU."""
-    if jax.default_backend() == "tpu":
-        return None
-    return pltpu.InterpretParams()
+    interpret = jax.default_backend() != "tpu" if INTERPRET is None else INTERPRET
+    return pltpu.InterpretParams() if interpret else None
 
 
 def vmem_bytes(bn: int, bv: int, h: int, itemsize: int) -> int:
