@@ -213,3 +213,28 @@ def test_lowers_for_tpu(monkeypatch, layout):
         text = jax.jit(jax.grad(lp, argnums=(0, 1))).trace(args[0], w, args[3]).lower(
             lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") == 3
+
+
+def test_vmap_and_out_of_range_targets():
+    x, w, t, _ = inputs(None, 16, 37, "float32", seed=9, lead=(2, 6))
+    t = t.at[0, 2].set(40)  # outside [0, V): NaN loss for that token only
+    ce = lambda impl: jax.vmap(lambda x, t: linear_cross_entropy(x, w, t, reduction="none",
+                                                                 implementation=impl))(x, t)
+    ours, xla = np.asarray(ce("mosaic_tpu")), np.asarray(ce("xla"))
+    assert np.isnan(ours[0, 2]) and np.isfinite(np.delete(ours.reshape(-1), 2)).all()
+    np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5)
+    lp = lambda impl: jax.vmap(lambda x, t: linear_log_probs(x, w, t, entropy=True, implementation=impl))(x, t)
+    for a, c in zip(lp("mosaic_tpu"), lp("xla")):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_lowers_for_tpu(monkeypatch):
+    """Under jax.vmap the real kernels get a batch grid axis; Mosaic's lowering extends
+    dimension_semantics for it."""
+    monkeypatch.setattr(tl, "INTERPRET", False)
+    sds = jax.ShapeDtypeStruct
+    f = jax.vmap(lambda x, w, t: linear_cross_entropy(x, w, t, implementation="mosaic_tpu"), in_axes=(0, None, 0))
+    args = (sds((2, 256, 256), jnp.bfloat16), sds((1000, 256), jnp.bfloat16), sds((2, 256), jnp.int32))
+    text = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1))).trace(*args).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3
