@@ -238,3 +238,30 @@ def test_vmap_lowers_for_tpu(monkeypatch):
     text = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1))).trace(*args).lower(
         lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 3
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (conftest's host devices)")
+def test_inside_shard_map_check_vma():
+    """Per device inside jax.shard_map (check_vma=True), tokens and vocabulary split:
+    the kernels' outputs are typed as varying like their inputs."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    x, w, t, b = inputs(32, 24, 134, "float32", seed=11, bias=True, ignore=(3,))
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+
+    def local(x, w, t, b):
+        return linear_cross_entropy(x, w, t, b, token_axis_name="data", vocab_axis_name="model",
+                                    implementation="mosaic_tpu", **kw)
+
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(P("data", None), P("model", None), P("data"), P("model")),
+                       out_specs=P(), check_vma=True)
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+    ts = put(t, "data")
+    loss, grads = jax.jit(jax.value_and_grad(lambda x, w, b: sm(x, w, ts, b), argnums=(0, 1, 2)))(
+        put(x, "data", None), put(w, "model", None), put(b, "model"))
+    r_loss, _, rgrads = linear_cross_entropy_ref(x, w, t, b, **kw)
+    _close("loss", loss, r_loss, "float32")
+    for name, g, rg in zip(("dx", "dw", "db"), grads, rgrads):
+        _close(name, g, rg, "float32")

@@ -40,6 +40,8 @@ import jax.experimental.pallas.tpu as pltpu
 import jax.numpy as jnp
 from jax import lax
 
+from logitless.jax.sharding import to_varying, varying
+
 _F32 = jnp.float32
 #: bf16 and f32 (TPUs have no fast f16: f16 inputs take the "xla" backend).
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -153,6 +155,22 @@ def _unpack(refs, has_bias, has_cw):
     return b, c, refs
 
 
+def _typed_like(*arrays):
+    """(arrays, struct): the inputs marked as varying over the union of their manual
+    mesh axes (inside ``jax.shard_map`` with check_vma), and ``struct(shape, dtype)``
+    making output ShapeDtypeStructs typed the same (pallas_call needs it there)."""
+    axes = tuple(sorted(frozenset().union(*(varying(a) for a in arrays if a is not None))))
+    arrays = [to_varying(a, axes) if a is not None else None for a in arrays]
+    mat = getattr(jax.typeof(arrays[0]), "manual_axis_type", None)
+
+    def struct(shape, dtype):
+        if mat is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+    return arrays, struct
+
+
 def _tile_context(i, j, bn, bv, n, v, target_ref):
     """Column ids (1, bv), target hit mask (bn, bv), valid-column mask or None."""
     cols = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
@@ -175,6 +193,7 @@ def stats_call(x, w, bias, cw, target, *, layout: str, tiles: Tiles, n_stats: in
     bn, bv = tiles.bn, tiles.bv
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
     has_b, has_c = bias is not None, cw is not None
+    (x, w, target, bias, cw), struct = _typed_like(x, w, target, bias, cw)
     opt, opt_specs = _optional_inputs(bias, cw, bv, lambda i, j: j)
 
     def kernel(x_ref, w_ref, t_ref, *refs):
@@ -207,7 +226,7 @@ def stats_call(x, w, bias, cw, target, *, layout: str, tiles: Tiles, n_stats: in
         in_specs=[pl.BlockSpec((bn, h), lambda i, j: (i, 0)), _w_spec(layout, bv, h, lambda i, j: j),
                   _row_spec(bn, 1, lambda i, j: i)] + opt_specs,
         out_specs=[_row_spec(bn, 1, lambda i, j: i)] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((n, 1), _F32)] * n_out,
+        out_shape=[struct((n, 1), _F32)] * n_out,
         scratch_shapes=[pltpu.VMEM((bn, 1), _F32)] * n_stats,
         compiler_params=_compiler_params(("parallel", "arbitrary")),
         interpret=interpret_params(),
@@ -238,6 +257,7 @@ def dx_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilog
     bn, bv = tiles.bn, tiles.bv
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
     has_b, has_c = bias is not None, cw is not None
+    (x, w, target, rowdat, bias, cw), struct = _typed_like(x, w, target, rowdat, bias, cw)
     opt, opt_specs = _optional_inputs(bias, cw, bv, lambda i, j: j)
     r = rowdat.shape[1]
 
@@ -271,7 +291,7 @@ def dx_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilog
         in_specs=[pl.BlockSpec((bn, h), lambda i, j: (i, 0)), _w_spec(layout, bv, h, lambda i, j: j),
                   _row_spec(bn, 1, lambda i, j: i), _row_spec(bn, r, lambda i, j: i)] + opt_specs,
         out_specs=pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((n, h), x.dtype),
+        out_shape=struct((n, h), x.dtype),
         scratch_shapes=[pltpu.VMEM((bn, h), _F32)],
         compiler_params=_compiler_params(("parallel", "arbitrary")),
         interpret=interpret_params(),
@@ -286,6 +306,7 @@ def dw_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilog
     bn, bv = tiles.bn, tiles.bv
     grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))
     has_b, has_c = bias is not None, cw is not None
+    (x, w, target, rowdat, bias, cw), struct = _typed_like(x, w, target, rowdat, bias, cw)
     opt, opt_specs = _optional_inputs(bias, cw, bv, lambda j, i: j)
     r = rowdat.shape[1]
 
@@ -325,11 +346,11 @@ def dw_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilog
 
     acc_shape = (bv, h) if layout == "vh" else (h, bv)
     out_specs = [_w_spec(layout, bv, h, lambda j, i: j)]
-    out_shape = [jax.ShapeDtypeStruct(w.shape, w.dtype)]
+    out_shape = [struct(w.shape, w.dtype)]
     scratch = [pltpu.VMEM(acc_shape, _F32)]
     if has_b:
         out_specs.append(_vec_spec(bv, lambda j, i: j))
-        out_shape.append(jax.ShapeDtypeStruct((1, v), bias.dtype))
+        out_shape.append(struct((1, v), bias.dtype))
         scratch.append(pltpu.VMEM((1, bv), _F32))
     out = pl.pallas_call(
         kernel,
