@@ -27,6 +27,11 @@ from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_refere
 
 from .helpers import inputs  # noqa: E402
 
+#: Tests that execute the kernels: on a TPU for real, on a CPU in TPU interpret mode;
+#: not on a GPU machine (TPU interpret mode there is untested: the lowering tests run).
+runs_kernels = pytest.mark.skipif(jax.default_backend() == "gpu",
+                                  reason="mosaic_tpu's kernels are tested on a CPU (interpret mode) or a TPU")
+
 #: Forces tiles of 8 rows x 128 columns at H <= 48 (fp32): several of each, ragged.
 SMALL_BUDGET = 150_000
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
@@ -69,6 +74,7 @@ CE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CE_CASES))
+@runs_kernels
 def test_linear_cross_entropy_vs_float64_and_xla(case):
     lead, v, h, dtype, opts, budget = CE_CASES[case]
     opts = dict(opts)
@@ -96,6 +102,7 @@ def test_linear_cross_entropy_vs_float64_and_xla(case):
         _close(name + " vs xla", g, np.asarray(jnp.asarray(gx, jnp.float32)), dtype)
 
 
+@runs_kernels
 def test_tokamax_drop_in():
     x, w, t, _ = inputs(10, 24, 139, "float32", seed=5)
     t = t.at[3].set(-100)
@@ -107,6 +114,7 @@ def test_tokamax_drop_in():
             _close(f"tokamax {red}", a, np.asarray(c), "float32")
 
 
+@runs_kernels
 def test_against_tokamax_tpu_kernel_in_interpret_mode():
     tokamax = pytest.importorskip("tokamax", reason="tokamax is not installed here")
     x, w, t, _ = inputs(16, 128, 256, "float32", seed=6)
@@ -119,6 +127,7 @@ def test_against_tokamax_tpu_kernel_in_interpret_mode():
     ("float32", dict(entropy=True, temperature=0.7, softcap=2.5, bias=True), SMALL_BUDGET),
     ("bfloat16", dict(entropy=False), None),
 ])
+@runs_kernels
 def test_linear_log_probs_vs_float64(dtype, opts, budget):
     opts = dict(opts)
     x, w, t, b = inputs(None, 28, 131, dtype, seed=7, bias=opts.pop("bias", False), ignore=(2,), lead=(3, 7))
@@ -164,9 +173,9 @@ def test_tiles_follow_the_budget():
 
 def test_automatic_choice(monkeypatch):
     args = ((64, 128), (1000, 128), jnp.bfloat16, None, False)
-    # On this CPU: never chosen automatically.
-    assert ce_backends.choose_backend(None, *args) == "xla"
-    assert lp_backends.choose_backend(None, *args) == "xla"
+    if jax.default_backend() == "cpu":  # never chosen automatically off a TPU
+        assert ce_backends.choose_backend(None, *args) == "xla"
+        assert lp_backends.choose_backend(None, *args) == "xla"
     monkeypatch.setattr(choice, "is_tpu", lambda: True)
     assert ce_backends.choose_backend(None, *args) == "mosaic_tpu"
     assert ce_backends.choose_backend(None, *args, has_class_weight=True) == "mosaic_tpu"
@@ -180,6 +189,7 @@ def test_automatic_choice(monkeypatch):
     assert ce_backends.choose_backend(None, (8, 16), (32, 16), jnp.float16, None, False) == "xla"
 
 
+@runs_kernels
 def test_empty_inputs():
     x, w, t, _ = inputs(0, 16, 37, "float32")
     loss = linear_cross_entropy(x, w, t, reduction="none", implementation="mosaic_tpu")
@@ -215,6 +225,7 @@ def test_lowers_for_tpu(monkeypatch, layout):
         assert text.count("tpu_custom_call") == 3
 
 
+@runs_kernels
 def test_vmap_and_out_of_range_targets():
     x, w, t, _ = inputs(None, 16, 37, "float32", seed=9, lead=(2, 6))
     t = t.at[0, 2].set(40)  # outside [0, V): NaN loss for that token only
@@ -240,6 +251,7 @@ def test_vmap_lowers_for_tpu(monkeypatch):
     assert text.count("tpu_custom_call") == 3
 
 
+@runs_kernels
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (conftest's host devices)")
 def test_inside_shard_map_check_vma():
     """Per device inside jax.shard_map (check_vma=True), tokens and vocabulary split:
