@@ -26,7 +26,9 @@ Weight layouts: "vh" (V, H) blocks (bv, H); "hv" (H, V) blocks (H, bv): the GEMM
 contract the matching axes, no transposed copy.
 
 On a platform other than TPU the kernels run in Pallas' TPU interpret mode
-(``pltpu.InterpretParams``) on the CPU: slow, for tests only.
+(``pltpu.InterpretParams``) on the CPU: slow, for tests only (``INTERPRET`` overrides
+the choice). Inside ``jax.shard_map`` with check_vma the outputs are typed as varying
+over the inputs' manual axes. Not measured on a TPU: designed, interpreted and lowered.
 """
 
 from __future__ import annotations
