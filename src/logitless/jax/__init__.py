@@ -6,7 +6,8 @@
 ``linear_softmax_cross_entropy_loss`` is a drop-in for tokamax's op of that name.
 Backends: "xla" (plain JAX, chunked: CPU, GPU, TPU), "mosaic_gpu" (Pallas Mosaic GPU
 kernels for SM90, when present) and "triton" (the PyTorch op's Triton kernels through
-jax-triton, SM80+ NVIDIA GPUs; Triton's interpreter on CPUs, for tests). Under a sharded
+jax-triton, SM80+ NVIDIA GPUs; Triton's interpreter on CPUs, for tests) and "mosaic_tpu"
+(Pallas TPU kernels, automatic on TPUs; TPU interpret mode elsewhere). Under a sharded
 ``jax.jit`` or inside ``jax.shard_map`` (``vocab_axis_name=``, ``token_axis_name=``) each
 device computes its own shard. Layout mirrors the PyTorch side: ``formulas/``
 (cross_entropy, log_probs), ``planning.py`` (chunk sizes; the Triton tiles and plan from

@@ -2,7 +2,8 @@
 
 ``implementation=None``: on an NVIDIA GPU the first of "mosaic_gpu" (SM90 only) and
 "triton" that the op registers, that imports and whose ``is_supported`` accepts the
-case; otherwise, and on every other platform (CPU, TPU, ROCm), "xla". An explicit name
+case; on a TPU "mosaic_tpu" under the same conditions; otherwise, and on every other
+platform (CPU, ROCm), "xla". An explicit name
 is checked the same way and refused with a ValueError that says why.
 """
 
@@ -25,6 +26,14 @@ def is_sm90() -> bool:
     if dev.platform != "gpu":
         return False
     return str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def is_tpu() -> bool:
+    """jax's default backend is a TPU."""
+    try:
+        return jax.default_backend() == "tpu"
+    except RuntimeError:
+        return False
 
 
 def is_nvidia_gpu() -> bool:
@@ -74,11 +83,12 @@ def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_we
 
 
 def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias,
-           has_class_weight=None, *, nvidia=is_nvidia_gpu, sm90=is_sm90) -> str:
+           has_class_weight=None, *, nvidia=is_nvidia_gpu, sm90=is_sm90, tpu=None) -> str:
     """The backend name (the module docstring's policy). ``backend_module(name)``
     imports a backend of the op; ``registered``: its backend names;
     ``has_class_weight``: None for ops without class weights (not in the error);
-    ``nvidia``/``sm90``: the device predicates (callables)."""
+    ``nvidia``/``sm90``/``tpu``: the device predicates (callables; ``tpu`` None:
+    ``is_tpu``)."""
     cw = bool(has_class_weight)
     if implementation == "mosaic_gpu":
         check_mosaic_device(nvidia, sm90)
@@ -91,10 +101,20 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
                 + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
                 + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
         return implementation
+    if (is_tpu if tpu is None else tpu)():
+        return _first_usable(("mosaic_tpu",), backend_module, registered, x2d_shape, w_shape, dtype, softcap,
+                             has_bias, cw)
     if not nvidia():
         return "xla"
-    for name in PREFERENCE:
-        if name not in registered or (name == "mosaic_gpu" and not sm90()):
+    return _first_usable([n for n in PREFERENCE if n != "mosaic_gpu" or sm90()], backend_module, registered,
+                         x2d_shape, w_shape, dtype, softcap, has_bias, cw)
+
+
+def _first_usable(names, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias, cw) -> str:
+    """The first of ``names`` that the op registers, that imports and that supports the
+    case; else "xla"."""
+    for name in names:
+        if name not in registered:
             continue
         try:
             module = backend_module(name)
@@ -102,7 +122,7 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
             continue
         except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
             warnings.warn(f"logitless.jax: the {name} backend failed to import ({exc!r}); trying the next",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
             continue
         if supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw):
             return name

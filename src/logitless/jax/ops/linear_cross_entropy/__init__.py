@@ -67,5 +67,6 @@ the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla_ba
 Automatic choice (``implementation=None``), on an NVIDIA GPU: "mosaic_gpu" when its
 compute capability is 9.x, the module imports and ``is_supported`` says yes; else
 "triton" when it imports and ``is_supported`` says yes (which needs the optional
-``jax-triton`` package); otherwise, and on every other platform, "xla".
+``jax-triton`` package); on a TPU, "mosaic_tpu" (Pallas TPU kernels; selectable by
+name elsewhere, where they run in Pallas' TPU interpret mode); otherwise "xla".
 """

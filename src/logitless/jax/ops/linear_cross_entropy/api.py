@@ -214,10 +214,11 @@ def linear_cross_entropy(
             smallest is used. Never a tokens x vocab array.
         implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
             and the case is supported; else "triton" on any NVIDIA GPU when the
-            optional jax-triton package is installed; else "xla"), "xla",
-            "mosaic_gpu" or "triton" (Triton kernels, SM80+ GPUs; on a machine
-            without GPU it runs on Triton's CPU interpreter, which is very slow: tests
-            only).
+            optional jax-triton package is installed; "mosaic_tpu" on a TPU; else
+            "xla"), "xla", "mosaic_gpu", "triton" (Triton kernels, SM80+ GPUs; on a
+            machine without GPU it runs on Triton's CPU interpreter, which is very
+            slow: tests only) or "mosaic_tpu" (Pallas TPU kernels; TPU interpret mode
+            off a TPU, slow: tests only).
         vocab_axis_name: inside ``jax.shard_map`` only: the mesh axis name (or tuple of
             names) over which ``weight`` (and ``bias``) is split along the vocabulary,
             in order (member i holds classes [i V_l, (i + 1) V_l)). The local call then
@@ -362,8 +363,8 @@ def linear_softmax_cross_entropy_loss(
     as in tokamax 0.0.17 (NotImplementedError otherwise); fp32 inputs follow
     ``jax_default_matmul_precision``. ``implementation``: as in
     :func:`linear_cross_entropy` (tokamax's names "xla"/"chunked_xla" both mean our
-    "xla" backend; "mosaic_tpu" is not available; tokamax's Triton backend is our
-    "triton").
+    "xla" backend; "mosaic_tpu" is our Pallas TPU backend, TPU interpret mode off a
+    TPU; tokamax's Triton backend is our "triton").
     """
     if precision is not None:
         raise NotImplementedError("Customization of precision is currently not supported (as in tokamax).")

@@ -14,6 +14,7 @@ BACKENDS = {
     "xla": ".xla_backend",
     "mosaic_gpu": ".mosaic_gpu_backend",
     "triton": ".triton_backend",
+    "mosaic_tpu": ".mosaic_tpu_backend",
 }
 
 

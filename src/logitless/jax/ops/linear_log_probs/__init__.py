@@ -19,7 +19,8 @@ PyTorch op's Triton kernels through jax-triton; Triton's interpreter without a G
 optional ``is_supported`` hook as for linear_cross_entropy) and "mosaic_gpu" (Pallas
 Mosaic GPU kernels on SM90, ``logitless.jax.mosaic_lib``; bf16/f16), selected by name
 only: not in the automatic choice (``backends.AUTOMATIC``) until it can run per device
-under sharding (no ``can_partition`` yet).
+under sharding (no ``can_partition`` yet), and "mosaic_tpu" (Pallas TPU kernels,
+``logitless.jax.mosaic_tpu_lib``; automatic on a TPU, TPU interpret mode elsewhere).
 
 ``can_partition() -> bool`` (optional): whether the backend may run per device on
 several devices (``sharded.py``: custom_partitioning / shard_map); without it only

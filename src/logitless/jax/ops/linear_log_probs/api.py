@@ -107,7 +107,9 @@ def linear_log_probs(
             ``linear_cross_entropy``.
         implementation: None (automatic, the policy of ``linear_cross_entropy``:
             "triton" on an NVIDIA GPU when the optional jax-triton package is
-            installed, else "xla"), "xla" (plain JAX, any platform) or "triton" (the
+            installed, "mosaic_tpu" on a TPU, else "xla"), "xla" (plain JAX, any
+            platform), "mosaic_tpu" (Pallas TPU kernels, bf16/f32; TPU interpret
+            mode off a TPU, slow: tests only) or "triton" (the
             PyTorch op's Triton kernels through jax-triton, SM80+ GPUs, bf16/f16/f32;
             on a machine without GPU Triton's CPU interpreter, very slow: tests only;
             fp64 raises ValueError) or "mosaic_gpu" (Pallas Mosaic GPU kernels, SM90,

@@ -1,7 +1,7 @@
 """The backends of logitless.jax.linear_log_probs by name, and the automatic choice: the
 JAX ops' shared policy (``logitless/jax/ops/common/choice.py``): on an NVIDIA GPU
-"triton" (jax-triton installed), else "xla". "mosaic_gpu" (SM90) is selectable by name but
-not automatic (``AUTOMATIC``): it has no per-device (sharded) path yet."""
+"triton" (jax-triton installed), on a TPU "mosaic_tpu", else "xla". "mosaic_gpu" (SM90)
+is selectable by name but not automatic (``AUTOMATIC``): it has no per-device (sharded) path yet."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import importlib
 from logitless.jax.ops.common import choice
 
 #: Backends by name: module path (relative to this package).
-BACKENDS = {"xla": ".xla_backend", "triton": ".triton_backend", "mosaic_gpu": ".mosaic_gpu_backend"}
+BACKENDS = {"xla": ".xla_backend", "triton": ".triton_backend", "mosaic_gpu": ".mosaic_gpu_backend",
+            "mosaic_tpu": ".mosaic_tpu_backend"}
 #: The ones the automatic choice may pick.
-AUTOMATIC = ("xla", "triton")
+AUTOMATIC = ("xla", "triton", "mosaic_tpu")
 #: Backends of linear_cross_entropy not written for this op yet.
 NOT_YET = ()
 
