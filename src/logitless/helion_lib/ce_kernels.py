@@ -21,7 +21,9 @@ import torch
 import helion
 import helion.language as hl
 
-_SETTINGS = dict(static_shapes=False, autotune_effort="none")
+from logitless.helion_lib.runtime import kernel_settings
+
+_SETTINGS = kernel_settings()
 
 
 @helion.kernel(**_SETTINGS)

@@ -31,9 +31,9 @@ KERNEL_DIMS = {
     "logp_forward": ("n", "v", "h"),
     "logp_dx": ("n", "k", "v", "h"),
     "logp_dw": ("v", "k", "n", "h"),
-    "jsd_forward": ("n", "v", "h", "v", "h"),
-    "jsd_dx": ("n", "k", "v", "h"),
-    "jsd_dw": ("v", "k", "n", "h"),
+    "jsd_forward": ("n", "v", "h", "h", "v", "h", "h"),  # two sweeps; student then teacher hidden
+    "jsd_dx": ("n", "k", "v", "h", "h"),
+    "jsd_dw": ("v", "k", "n", "h", "h"),
 }
 
 #: Default block size per dim (capped by the problem size, at least 16).

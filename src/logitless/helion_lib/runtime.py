@@ -86,6 +86,19 @@ def launch(kernel, args: tuple, config: dict):
     return bound(*args)
 
 
+def kernel_settings() -> dict:
+    """The settings every kernel of helion_lib is decorated with: shapes not specialised,
+    no autotuning (``launch`` sets the config), and Helion's ref mode when HELION_INTERPRET
+    is set, given explicitly so that a TRITON_INTERPRET=1 of the same process (the Triton
+    kernels' CPU interpreter in the tests) does not make Helion refuse to decorate them."""
+    import os
+
+    from helion.runtime.settings import RefMode
+
+    interpret = os.environ.get("HELION_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    return dict(static_shapes=False, autotune_effort="none", ref_mode=RefMode.EAGER if interpret else RefMode.OFF)
+
+
 def interpreting(bound) -> bool:
     """Whether Helion runs this bound kernel in its eager ref mode (HELION_INTERPRET=1)."""
     from helion.runtime.settings import RefMode
