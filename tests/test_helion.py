@@ -34,6 +34,13 @@ TOL = dict(rtol=2e-4, atol=2e-5)
 SIZES = [(13, 20, 37), (1, 7, 5), (0, 20, 37)]
 
 
+@pytest.fixture(autouse=True)
+def _small_tiles():
+    """Tiles of 8 in the ref mode: several vocabulary, row and hidden tiles, the last partial."""
+    with runtime.interpret_block_size(8):
+        yield
+
+
 def _data(n, h, v, seed, ignore=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g)
@@ -96,6 +103,21 @@ def test_linear_cross_entropy(case, size):
         torch.testing.assert_close(db.double(), br.grad, **TOL)
     else:
         assert db is None
+
+
+def test_argmax_first_of_ties_across_tiles():
+    """Equal row maxima in two vocabulary tiles: the first column wins (torch.argmax),
+    as return_stats' ``correct`` needs. Integer-valued inputs: the logits are exact."""
+    n, h, v = 5, 6, 37
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randint(-2, 3, (n, h), generator=gen).float().to(DEVICE)
+    w = torch.randint(-2, 3, (v, h), generator=gen).float()
+    w[3] = w[29] = 3 * x.sign()[0].cpu()  # columns 3 and 29 (tiles 0 and 3) tie for row 0
+    w = w.to(DEVICE)
+    t = torch.tensor([3, 29, 0, 1, 2], device=DEVICE)
+    stats = hce.lce_forward(x, w, None, t, None, CrossEntropyOptions(), need_argmax=True)
+    assert torch.equal(stats.argmax, torch.argmax(x @ w.T, dim=1))
+    assert stats.argmax[0] == 3
 
 
 # ----------------------------------------------------------------------------- log-probs

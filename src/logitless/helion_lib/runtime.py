@@ -13,6 +13,7 @@ kernel on CPU tensors (fp32 accumulation, or fp64 for fp64 inputs).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
@@ -104,6 +105,27 @@ def interpreting(bound) -> bool:
     from helion.runtime.settings import RefMode
 
     return bound.kernel.settings.ref_mode != RefMode.OFF
+
+
+@contextlib.contextmanager
+def interpret_block_size(size: int):
+    """Within this context, Helion's ref mode splits every ``hl.tile`` loop that has no
+    explicit block size into tiles of ``size`` (it otherwise runs each loop as ONE tile
+    of the whole range, so that a CPU run would never exercise the online merges across
+    vocabulary tiles, the accumulation of dX over vocabulary tiles or of dW over row
+    tiles, nor partial last tiles). For tests; wraps ``hl.tile``'s ref implementation."""
+    import helion.language as hl
+
+    original = hl.tile._ref_fn
+
+    def tiled(begin_or_end, end_or_none=None, block_size=None):
+        return original(begin_or_end, end_or_none, size if block_size is None else block_size)
+
+    hl.tile._ref_fn = tiled
+    try:
+        yield
+    finally:
+        hl.tile._ref_fn = original
 
 
 def triton_code(kernel, args: tuple, config: dict) -> str:
