@@ -120,6 +120,18 @@ def test_argmax_first_of_ties_across_tiles():
     assert stats.argmax[0] == 3
 
 
+def test_backward_skips_unneeded_kernels():
+    x, w, b, t = _data(9, 12, 17, seed=12)
+    opts = CrossEntropyOptions()
+    stats = hce.lce_forward(x, w, b, t, None, opts)
+    coef = torch.rand(3, 9).to(DEVICE)
+    dx, dw, db = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts)
+    only_dx = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts, need_dw=False)
+    only_dw = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts, need_dx=False)
+    assert only_dx[1] is None and only_dx[2] is None and torch.equal(only_dx[0], dx)
+    assert only_dw[0] is None and torch.equal(only_dw[1], dw) and torch.equal(only_dw[2], db)
+
+
 # ----------------------------------------------------------------------------- log-probs
 
 LP_CASES = {

@@ -61,10 +61,13 @@ def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
 
 def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                  class_weight: Optional[Tensor], lse: Tensor, coef: Tensor, opts: CrossEntropyOptions,
-                 configs_: Optional[tuple[dict, dict]] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                 configs_: Optional[tuple[dict, dict]] = None, need_dx: bool = True, need_dw: bool = True,
+                 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dx, dW, db or None) for the per-token coefficients ``coef`` ((3, N): A, B, C of
     ``formulas.cross_entropy``, 0 at ignored tokens); dx, dW in x's / W's dtype, db in fp32
-    (the caller casts it to the bias dtype)."""
+    (the caller casts it to the bias dtype).
+    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    """
     require()
     from logitless.helion_lib.ce_kernels import ce_dw, ce_dx
 
@@ -74,6 +77,6 @@ def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tens
     sizes = _sizes(x, weight)
     cfg_dx, cfg_dw = configs_ or (configs.pick("ce_dx", sizes, x.device), configs.pick("ce_dw", sizes, x.device))
     args = backward_args(x, weight, bias, target, class_weight, lse, coef, opts)
-    dx = launch(ce_dx, args, cfg_dx)
-    dw, db = launch(ce_dw, args, cfg_dw)
+    dx = launch(ce_dx, args, cfg_dx) if need_dx else None
+    dw, db = launch(ce_dw, args, cfg_dw) if need_dw else (None, None)
     return dx, dw, (db if bias is not None else None)

@@ -68,8 +68,11 @@ def jsd_forward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Te
 
 def jsd_backward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
                  target: Optional[Tensor], stats: Tensor, g: Tensor, opts: JSDOptions,
-                 configs_: Optional[tuple[dict, dict]] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The student's (dx, dW, db or None); db in fp32. g: (N,) upstream gradient per token."""
+                 configs_: Optional[tuple[dict, dict]] = None, need_dx: bool = True, need_dw: bool = True,
+                 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The student's (dx, dW, db or None); db in fp32. g: (N,) upstream gradient per token.
+    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    """
     require()
     from logitless.helion_lib import jsd_kernels as K
 
@@ -80,6 +83,6 @@ def jsd_backward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: T
     sizes = _sizes(xs, ws)
     cfg_dx, cfg_dw = configs_ or (configs.pick("jsd_dx", sizes, xs.device), configs.pick("jsd_dw", sizes, xs.device))
     args = backward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), stats, g, opts)
-    dx = launch(K.jsd_dx, args, cfg_dx)
-    dw, db = launch(K.jsd_dw, args, cfg_dw)
+    dx = launch(K.jsd_dx, args, cfg_dx) if need_dx else None
+    dw, db = launch(K.jsd_dw, args, cfg_dw) if need_dw else (None, None)
     return dx, dw, (db if bs is not None else None)

@@ -53,9 +53,12 @@ def logp_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tens
 
 
 def logp_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, lse: Tensor, coef: Tensor,
-                  opts: LogProbOptions, configs_: Optional[tuple[dict, dict]] = None
-                  ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(dx, dW, db or None); db in fp32."""
+                  opts: LogProbOptions, configs_: Optional[tuple[dict, dict]] = None,
+                  need_dx: bool = True, need_dw: bool = True
+                  ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(dx, dW, db or None); db in fp32.
+    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    """
     require()
     from logitless.helion_lib import log_probs_kernels as K
 
@@ -65,6 +68,6 @@ def logp_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sizes = _sizes(x, weight)
     cfg_dx, cfg_dw = configs_ or (configs.pick("logp_dx", sizes, x.device), configs.pick("logp_dw", sizes, x.device))
     args = backward_args(x, weight, bias, tokens, lse, coef, opts)
-    dx = launch(K.logp_dx, args, cfg_dx)
-    dw, db = launch(K.logp_dw, args, cfg_dw)
+    dx = launch(K.logp_dx, args, cfg_dx) if need_dx else None
+    dw, db = launch(K.logp_dw, args, cfg_dw) if need_dw else (None, None)
     return dx, dw, (db if bias is not None else None)
