@@ -319,3 +319,59 @@ def test_configs_pick():
     assert cfg["block_sizes"] == [16, 128, 16]
     assert configs.pick("ce_dx", {"n": 10**6, "v": 10**5, "h": 4096})["block_sizes"] == [64, 128, 128, 64]
     assert configs.device_class(torch.device("cpu")) == "cpu"
+
+
+# ----------------------------------------------------------------------------- bf16, no target
+
+
+def test_bf16_inputs_all_options():
+    """bf16 x and W (fp32 accumulation; d(logits) rounded to bf16 before the dX / dW matmuls,
+    as the Triton kernels do): the three ops with every option on, against float64."""
+    tol = dict(rtol=3e-2, atol=3e-3)
+    n, h, v = 13, 20, 37
+    x, w, b, xt, wt, bt, t = _jsd_data(n, h, v, seed=13)
+    x16, w16, xt16, wt16 = (a.bfloat16() for a in (x, w, xt, wt))
+    xr, wr, br = _leaf(x16, w16, b)
+    # cross-entropy
+    opts = CrossEntropyOptions(label_smoothing=0.1, softcap=2.5, z_loss=1e-3)
+    stats = hce.lce_forward(x16, w16, b, t, None, opts)
+    loss_tok, w_t = ce_f.token_loss(stats, t, v, None, opts)
+    ref, _, _ = linear_cross_entropy_reference(xr, wr, t, br, label_smoothing=0.1, softcap=2.5, z_loss=1e-3)
+    torch.testing.assert_close((loss_tok.sum() / w_t.sum()).double(), ref, **tol)
+    ref.backward()
+    coef = ce_f.grad_coefficients(stats.lse, t, ce_f.upstream_per_token(torch.ones(()), w_t, "mean"), v, None, opts)
+    dx, dw, db = hce.lce_backward(x16, w16, b, t, None, stats.lse, coef, opts)
+    assert dx.dtype == dw.dtype == torch.bfloat16
+    for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        torch.testing.assert_close(got.double(), want, **tol)
+    # log-probs
+    lopts = LogProbOptions(entropy=True, temperature=1.3, softcap=3.0)
+    st = hlp.logp_forward(x16, w16, b, t, lopts)
+    logp, ent = lp_f.token_outputs(st, t, v, lopts)
+    ref_lp, ref_ent = linear_log_probs_reference(x16, w16, t, b, temperature=1.3, softcap=3.0)
+    torch.testing.assert_close(logp.double(), ref_lp, **tol)
+    torch.testing.assert_close(ent.double(), ref_ent, **tol)
+    # JSD
+    jopts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=2.5, hard_label_weight=0.3)
+    loss, jst = _jsd_loss(x16, w16, b, xt16, wt16, bt, t, jopts)
+    xr2, wr2 = _leaf(x16, w16)
+    jref = linear_jsd_reference(xr2, wr2, xt16, wt16, t, student_bias=b, teacher_bias=bt, reduction="sum",
+                                beta=0.3, temperature=1.5, student_softcap=2.5, hard_label_weight=0.3)
+    torch.testing.assert_close(loss.double(), jref, **tol)
+    jref.backward()
+    g = jsd_f.upstream(torch.ones(n), t, jopts.ignore_index)
+    jdx, jdw, _ = hjsd.jsd_backward(x16, w16, b, xt16, wt16, bt, t, jst, g, jopts)
+    torch.testing.assert_close(jdx.double(), xr2.grad, **tol)
+    torch.testing.assert_close(jdw.double(), wr2.grad, **tol)
+
+
+def test_jsd_without_target():
+    n, h, v = 7, 10, 19
+    x, w, _, xt, wt, _, _ = _jsd_data(n, h, v, seed=14)
+    opts = JSDOptions(beta=0.5)
+    loss, stats = _jsd_loss(x, w, None, xt, wt, None, torch.zeros(n, dtype=torch.int64), opts)
+    nt = hjsd.jsd_forward(x, w, None, xt, wt, None, None, opts)
+    torch.testing.assert_close(nt, stats)
+    ref = linear_jsd_reference(x, w, xt, wt, None, reduction="sum", beta=0.5)
+    torch.testing.assert_close(jsd_f.token_loss(nt, torch.zeros(n, dtype=torch.int64), v, opts).sum().double(),
+                               ref, **TOL)
