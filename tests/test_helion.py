@@ -265,7 +265,7 @@ def _compiled(kernel):
     import helion
     from helion.runtime.settings import RefMode
 
-    return helion.kernel(kernel.fn, static_shapes=False, autotune_effort="none", ref_mode=RefMode.OFF)
+    return helion.kernel(kernel.fn, **{**runtime.kernel_settings(), "ref_mode": RefMode.OFF})
 
 
 def _lowering_cases():
@@ -274,8 +274,8 @@ def _lowering_cases():
     n, h, v = 13, 20, 37
     x, w, b, xt, wt, bt, t = _jsd_data(n, h, v, seed=9)
     cw = torch.rand(v).to(DEVICE)
-    lse, coef, g = torch.zeros(n), torch.zeros(3, n), torch.zeros(n)
-    stats = torch.zeros(6, n)
+    lse, coef, g = (torch.zeros(shape, device=DEVICE) for shape in ((n,), (3, n), (n,)))
+    stats = torch.zeros(6, n, device=DEVICE)
     ce_all = CrossEntropyOptions(label_smoothing=0.1, softcap=2.0, z_loss=1e-3)
     ce_plain = CrossEntropyOptions()
     lp_all, lp_plain = LogProbOptions(entropy=True, softcap=2.0, temperature=0.7), LogProbOptions()
@@ -311,6 +311,7 @@ def test_kernels_lower_to_triton():
         assert len(cfg["block_sizes"]) == len(configs.KERNEL_DIMS[name])
         code = runtime.triton_code(_compiled(kernel), args, cfg)
         assert "@triton.jit" in code and "tl.dot" in code, name
+        assert "input_precision='tf32x3'" in code, name  # fp32 inputs: about fp32 accuracy
 
 
 def test_configs_pick():
@@ -339,7 +340,7 @@ def test_bf16_inputs_all_options():
     ref, _, _ = linear_cross_entropy_reference(xr, wr, t, br, label_smoothing=0.1, softcap=2.5, z_loss=1e-3)
     torch.testing.assert_close((loss_tok.sum() / w_t.sum()).double(), ref, **tol)
     ref.backward()
-    coef = ce_f.grad_coefficients(stats.lse, t, ce_f.upstream_per_token(torch.ones(()), w_t, "mean"), v, None, opts)
+    coef = ce_f.grad_coefficients(stats.lse, t, ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean"), v, None, opts)
     dx, dw, db = hce.lce_backward(x16, w16, b, t, None, stats.lse, coef, opts)
     assert dx.dtype == dw.dtype == torch.bfloat16
     for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
@@ -359,7 +360,7 @@ def test_bf16_inputs_all_options():
                                 beta=0.3, temperature=1.5, student_softcap=2.5, hard_label_weight=0.3)
     torch.testing.assert_close(loss.double(), jref, **tol)
     jref.backward()
-    g = jsd_f.upstream(torch.ones(n), t, jopts.ignore_index)
+    g = jsd_f.upstream(torch.ones(n, device=DEVICE), t, jopts.ignore_index)
     jdx, jdw, _ = hjsd.jsd_backward(x16, w16, b, xt16, wt16, bt, t, jst, g, jopts)
     torch.testing.assert_close(jdx.double(), xr2.grad, **tol)
     torch.testing.assert_close(jdw.double(), wr2.grad, **tol)
@@ -369,9 +370,9 @@ def test_jsd_without_target():
     n, h, v = 7, 10, 19
     x, w, _, xt, wt, _, _ = _jsd_data(n, h, v, seed=14)
     opts = JSDOptions(beta=0.5)
-    loss, stats = _jsd_loss(x, w, None, xt, wt, None, torch.zeros(n, dtype=torch.int64), opts)
+    loss, stats = _jsd_loss(x, w, None, xt, wt, None, torch.zeros(n, dtype=torch.int64, device=DEVICE), opts)
     nt = hjsd.jsd_forward(x, w, None, xt, wt, None, None, opts)
     torch.testing.assert_close(nt, stats)
     ref = linear_jsd_reference(x, w, xt, wt, None, reduction="sum", beta=0.5)
-    torch.testing.assert_close(jsd_f.token_loss(nt, torch.zeros(n, dtype=torch.int64), v, opts).sum().double(),
+    torch.testing.assert_close(jsd_f.token_loss(nt, torch.zeros(n, dtype=torch.int64, device=DEVICE), v, opts).sum().double(),
                                ref, **TOL)

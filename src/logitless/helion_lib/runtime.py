@@ -89,7 +89,7 @@ def launch(kernel, args: tuple, config: dict):
 
 def kernel_settings() -> dict:
     """The settings every kernel of helion_lib is decorated with: shapes not specialised,
-    no autotuning (``launch`` sets the config), and Helion's ref mode when HELION_INTERPRET
+    fp32 dots in tf32x3, no autotuning (``launch`` sets the config), and Helion's ref mode when HELION_INTERPRET
     is set, given explicitly so that a TRITON_INTERPRET=1 of the same process (the Triton
     kernels' CPU interpreter in the tests) does not make Helion refuse to decorate them."""
     import os
@@ -97,7 +97,11 @@ def kernel_settings() -> dict:
     from helion.runtime.settings import RefMode
 
     interpret = os.environ.get("HELION_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-    return dict(static_shapes=False, autotune_effort="none", ref_mode=RefMode.EAGER if interpret else RefMode.OFF)
+    # fp32 inputs: three TF32 products per dot (about fp32 accuracy on tensor cores), what the
+    # Triton kernels do at torch's default fp32 matmul precision ("highest"); 16-bit inputs
+    # ignore it. (Following torch's "high" (one TF32 product) would take a second set of kernels.)
+    return dict(static_shapes=False, autotune_effort="none", dot_precision="tf32x3",
+                ref_mode=RefMode.EAGER if interpret else RefMode.OFF)
 
 
 def interpreting(bound) -> bool:
