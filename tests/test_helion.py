@@ -376,3 +376,29 @@ def test_jsd_without_target():
     ref = linear_jsd_reference(x, w, xt, wt, None, reduction="sum", beta=0.5)
     torch.testing.assert_close(jsd_f.token_loss(nt, torch.zeros(n, dtype=torch.int64, device=DEVICE), v, opts).sum().double(),
                                ref, **TOL)
+
+
+def test_minus_inf_bias_masks_classes():
+    """A -inf bias (padded vocabulary) masks classes, a whole first vocabulary tile included:
+    the online statistics start from an all -inf tile without NaN."""
+    n, h, v = 9, 12, 29
+    x, w, b, t = _data(n, h, v, seed=15, ignore=False)
+    b[:10] = float("-inf")
+    t = t.clamp(min=10)
+    opts = CrossEntropyOptions()
+    stats = hce.lce_forward(x, w, b, t, None, opts, need_argmax=True)
+    loss_tok, w_t = ce_f.token_loss(stats, t, v, None, opts)
+    xr, wr = _leaf(x, w)
+    ref, _, _ = linear_cross_entropy_reference(xr, wr, t, b.double())
+    torch.testing.assert_close((loss_tok.sum() / w_t.sum()).double(), ref, **TOL)
+    ref.backward()
+    coef = ce_f.grad_coefficients(stats.lse, t, ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean"),
+                                  v, None, opts)
+    dx, dw, _ = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts)
+    torch.testing.assert_close(dx.double(), xr.grad, **TOL)
+    torch.testing.assert_close(dw.double(), wr.grad, **TOL)
+    lopts = LogProbOptions(temperature=0.9)
+    st = hlp.logp_forward(x, w, b, t, lopts)
+    logp, _ = lp_f.token_outputs(st, t, v, lopts)
+    ref_lp, _ = linear_log_probs_reference(x, w, t, b, temperature=0.9)
+    torch.testing.assert_close(logp.double(), ref_lp, **TOL)
