@@ -47,7 +47,7 @@ def require() -> None:
 @functools.lru_cache(maxsize=None)
 def _register_cpu_mm_dtype() -> None:
     """A CPU kernel for aten::mm.dtype / aten::bmm.dtype (only where torch has none)."""
-    lib = torch.library.Library("aten", "IMPL")  # noqa: F841 - kept alive by the cache
+    lib = torch.library.Library("aten", "IMPL")  # kept alive in _LIBS: dropping it unregisters
 
     def mm_dtype(a, b, out_dtype):
         acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
