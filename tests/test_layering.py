@@ -31,6 +31,7 @@ LAYERS = [
     ("planning", ["logitless.planning", "logitless.planning.*"]),
     ("triton_lib", ["logitless.triton_lib", "logitless.triton_lib.*"]),
     ("cute_lib", ["logitless.cute_lib", "logitless.cute_lib.*"]),
+    ("helion_lib", ["logitless.helion_lib", "logitless.helion_lib.*"]),
     # vocab-parallel glue shared by every op (groups, merge collectives, DTensor): the ops
     # call it, and ops/common's input checks ask it what a DTensor is
     ("distributed", ["logitless.distributed", "logitless.distributed.*"]),
@@ -48,7 +49,7 @@ LAYERS = [
 #: torch-free Triton kernels of triton_lib, for its "triton" backend: JAX_TRITON).
 JAX_SIDE = ["logitless.jax", "logitless.jax.*"]
 JAX_MAY_IMPORT = ["logitless", "logitless.options", "logitless.jax", "logitless.jax.*"]
-TORCH_FRAMEWORKS = {"torch", "triton"}
+TORCH_FRAMEWORKS = {"torch", "triton", "helion"}
 #: The JAX modules that may import triton (and torch-free triton_lib modules): the "triton" backend.
 JAX_TRITON = ["logitless.jax.ops.common.triton", "logitless.jax.ops.*.triton_backend",
               "logitless.jax.ops.*.triton_kernels"]

@@ -1,0 +1,263 @@
+"""Helion kernels of linear_jsd: both heads' logits tile by tile, never a logits tile in HBM.
+
+The math is ``logitless.formulas.jsd``'s (Triton twin: ``triton_lib.jsd_math``); MODE 0 is
+0 < beta < 1 (the mixture), 1 beta == 0 (forward KL, lm := lp), 2 beta == 1 (reverse KL,
+lm := lq).
+- ``jsd_forward``: per row tile, a first sweep over vocabulary tiles (online lse of
+  a = zs / T and b = zt / T, and with the hard-label term lse(zs) and zs[target]), then a
+  second sweep (the mixture needs both lse first) for S = sum p (lp - lm) and
+  K = sum q (lq - lm): the (6, N) statistics of ``formulas.jsd`` (LSE_S, LSE_T, S, K, LSE1,
+  ZTGT). Both heads' logits are recomputed in the second sweep, never stored.
+- ``jsd_dx`` / ``jsd_dw``: the student's gradient only (the teacher gets none):
+  dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
+  (1 - (zs / s)^2), fed into dX (over vocabulary tiles) and dW, db (over row tiles).
+  NOT (1 - beta) (p - m) / T (Helion's example), which finite differences reject.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import helion
+import helion.language as hl
+
+from logitless.helion_lib.runtime import kernel_settings
+
+_SETTINGS = kernel_settings()
+
+
+@helion.kernel(**_SETTINGS)
+def jsd_forward(
+    xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
+    xt: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor,
+    inv_t: float, cap_s: float, cap_t: float, log_beta: float, log_1mbeta: float,
+    MODE: hl.constexpr, HAS_HARD: hl.constexpr, HAS_CAP_S: hl.constexpr, HAS_CAP_T: hl.constexpr,
+) -> torch.Tensor:
+    n, hs = xs.size()
+    ht = xt.size(1)
+    v = ws.size(0)
+    stats = torch.empty([6, n], dtype=torch.float32, device=xs.device)
+    for tile_n in hl.tile(n):
+        tgt = target[tile_n]
+        m_s = hl.full([tile_n], float("-inf"), dtype=torch.float32)
+        s_s = hl.zeros([tile_n], dtype=torch.float32)
+        m_t = hl.full([tile_n], float("-inf"), dtype=torch.float32)
+        s_t = hl.zeros([tile_n], dtype=torch.float32)
+        m_1 = hl.full([tile_n], float("-inf"), dtype=torch.float32)
+        s_1 = hl.zeros([tile_n], dtype=torch.float32)
+        ztgt = hl.zeros([tile_n], dtype=torch.float32)
+        for tile_v in hl.tile(v):
+            zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+            for tile_h in hl.tile(hs):
+                zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
+            zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+            for tile_g in hl.tile(ht):
+                zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
+            if bs is not None:
+                zs = zs + bs[tile_v].to(torch.float32)[None, :]
+            if bt is not None:
+                zt = zt + bt[tile_v].to(torch.float32)[None, :]
+            if HAS_CAP_S:
+                zs = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs / cap_s) + 1.0))
+            if HAS_CAP_T:
+                zt = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt / cap_t) + 1.0))
+            cols = tile_v.index
+            col_ok = (cols < v)[None, :]
+            zs = torch.where(col_ok, zs, float("-inf"))
+            a = zs * inv_t
+            b = torch.where(col_ok, zt * inv_t, float("-inf"))
+            mn = torch.maximum(m_s, torch.amax(a, dim=1))
+            ms = torch.where(mn == float("-inf"), 0.0, mn)
+            s_s = s_s * torch.exp(m_s - ms) + torch.sum(torch.exp(a - ms[:, None]), dim=1)
+            m_s = mn
+            mn_t = torch.maximum(m_t, torch.amax(b, dim=1))
+            mt = torch.where(mn_t == float("-inf"), 0.0, mn_t)
+            s_t = s_t * torch.exp(m_t - mt) + torch.sum(torch.exp(b - mt[:, None]), dim=1)
+            m_t = mn_t
+            if HAS_HARD:
+                mn_1 = torch.maximum(m_1, torch.amax(zs, dim=1))
+                m1 = torch.where(mn_1 == float("-inf"), 0.0, mn_1)
+                s_1 = s_1 * torch.exp(m_1 - m1) + torch.sum(torch.exp(zs - m1[:, None]), dim=1)
+                m_1 = mn_1
+                ztgt = ztgt + torch.sum(torch.where(cols[None, :] == tgt[:, None], zs, 0.0), dim=1)
+        lse_s = torch.where(m_s == float("-inf"), 0.0, m_s) + torch.log(s_s)
+        lse_t = torch.where(m_t == float("-inf"), 0.0, m_t) + torch.log(s_t)
+        s_row = hl.zeros([tile_n], dtype=torch.float32)
+        k_row = hl.zeros([tile_n], dtype=torch.float32)
+        for tile_v2 in hl.tile(v):
+            zs2 = hl.zeros([tile_n, tile_v2], dtype=torch.float32)
+            for tile_h2 in hl.tile(hs):
+                zs2 = hl.dot(xs[tile_n, tile_h2], ws[tile_v2, tile_h2].T, acc=zs2)
+            zt2 = hl.zeros([tile_n, tile_v2], dtype=torch.float32)
+            for tile_g2 in hl.tile(ht):
+                zt2 = hl.dot(xt[tile_n, tile_g2], wt[tile_v2, tile_g2].T, acc=zt2)
+            if bs is not None:
+                zs2 = zs2 + bs[tile_v2].to(torch.float32)[None, :]
+            if bt is not None:
+                zt2 = zt2 + bt[tile_v2].to(torch.float32)[None, :]
+            if HAS_CAP_S:
+                zs2 = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs2 / cap_s) + 1.0))
+            if HAS_CAP_T:
+                zt2 = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt2 / cap_t) + 1.0))
+            ok2 = (tile_v2.index < v)[None, :]
+            lp = torch.where(ok2, zs2 * inv_t, float("-inf")) - lse_s[:, None]
+            lq = torch.where(ok2, zt2 * inv_t, float("-inf")) - lse_t[:, None]
+            if MODE == 1:
+                lm = lp
+            elif MODE == 2:
+                lm = lq
+            else:
+                u1 = lp + log_1mbeta
+                u2 = lq + log_beta
+                mx = torch.maximum(u1, u2)
+                mx = torch.where(mx == float("-inf"), 0.0, mx)
+                lm = mx + torch.log(torch.exp(u1 - mx) + torch.exp(u2 - mx))
+            p = torch.exp(lp)
+            q = torch.exp(lq)
+            s_row = s_row + torch.sum(torch.where(p == 0.0, 0.0, p * (lp - lm)), dim=1)
+            k_row = k_row + torch.sum(torch.where(q == 0.0, 0.0, q * (lq - lm)), dim=1)
+        stats[0, tile_n] = lse_s
+        stats[1, tile_n] = lse_t
+        stats[2, tile_n] = s_row
+        stats[3, tile_n] = k_row
+        if HAS_HARD:
+            stats[4, tile_n] = torch.where(m_1 == float("-inf"), 0.0, m_1) + torch.log(s_1)
+            stats[5, tile_n] = ztgt
+        else:
+            stats[4, tile_n] = hl.zeros([tile_n], dtype=torch.float32)
+            stats[5, tile_n] = hl.zeros([tile_n], dtype=torch.float32)
+    return stats
+
+
+@helion.kernel(**_SETTINGS)
+def jsd_dx(
+    xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
+    xt: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor,
+    stats: torch.Tensor, g: torch.Tensor,
+    inv_t: float, cap_s: float, cap_t: float, log_beta: float, log_1mbeta: float, wp: float, hlw: float,
+    MODE: hl.constexpr, HAS_HARD: hl.constexpr, HAS_CAP_S: hl.constexpr, HAS_CAP_T: hl.constexpr,
+) -> torch.Tensor:
+    n, hs = xs.size()
+    ht = xt.size(1)
+    v = ws.size(0)
+    dx = torch.empty_like(xs)
+    for tile_n, tile_k in hl.tile([n, hs]):
+        tgt = target[tile_n]
+        lse_s = stats[0, tile_n]
+        lse_t = stats[1, tile_n]
+        s_row = stats[2, tile_n]
+        lse1 = stats[4, tile_n]
+        gr = g[tile_n]
+        acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
+        for tile_v in hl.tile(v):
+            zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+            for tile_h in hl.tile(hs):
+                zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
+            zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+            for tile_g in hl.tile(ht):
+                zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
+            if bs is not None:
+                zs = zs + bs[tile_v].to(torch.float32)[None, :]
+            if bt is not None:
+                zt = zt + bt[tile_v].to(torch.float32)[None, :]
+            if HAS_CAP_S:
+                zs = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs / cap_s) + 1.0))
+            if HAS_CAP_T:
+                zt = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt / cap_t) + 1.0))
+            cols = tile_v.index
+            lp = zs * inv_t - lse_s[:, None]
+            lq = zt * inv_t - lse_t[:, None]
+            p = torch.exp(lp)
+            if MODE == 1:
+                da = p - torch.exp(lq)
+            else:
+                if MODE == 2:
+                    lm = lq
+                else:
+                    u1 = lp + log_1mbeta
+                    u2 = lq + log_beta
+                    mx = torch.maximum(u1, u2)
+                    mx = torch.where(mx == float("-inf"), 0.0, mx)
+                    lm = mx + torch.log(torch.exp(u1 - mx) + torch.exp(u2 - mx))
+                da = wp * torch.where(p == 0.0, 0.0, p * (lp - lm - s_row[:, None]))
+            dz = da * (gr * inv_t)[:, None]
+            if HAS_HARD:
+                p1 = torch.exp(zs - lse1[:, None])
+                hit = torch.where(cols[None, :] == tgt[:, None], 1.0, 0.0)
+                dz = dz + (hlw * gr)[:, None] * (p1 - hit)
+            if HAS_CAP_S:
+                c = zs / cap_s
+                dz = dz * (1.0 - c * c)
+            dz = torch.where((cols < v)[None, :], dz, 0.0)
+            acc = hl.dot(dz.to(ws.dtype), ws[tile_v, tile_k], acc=acc)
+        dx[tile_n, tile_k] = acc.to(dx.dtype)
+    return dx
+
+
+@helion.kernel(**_SETTINGS)
+def jsd_dw(
+    xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
+    xt: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor,
+    stats: torch.Tensor, g: torch.Tensor,
+    inv_t: float, cap_s: float, cap_t: float, log_beta: float, log_1mbeta: float, wp: float, hlw: float,
+    MODE: hl.constexpr, HAS_HARD: hl.constexpr, HAS_CAP_S: hl.constexpr, HAS_CAP_T: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, hs = xs.size()
+    ht = xt.size(1)
+    v = ws.size(0)
+    dw = torch.empty_like(ws)
+    db = torch.empty([v], dtype=torch.float32, device=ws.device)
+    for tile_v, tile_k in hl.tile([v, hs]):
+        acc = hl.zeros([tile_v, tile_k], dtype=torch.float32)
+        acc_b = hl.zeros([tile_v], dtype=torch.float32)
+        for tile_n in hl.tile(n):
+            tgt = target[tile_n]
+            lse_s = stats[0, tile_n]
+            lse_t = stats[1, tile_n]
+            s_row = stats[2, tile_n]
+            lse1 = stats[4, tile_n]
+            gr = g[tile_n]
+            zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+            for tile_h in hl.tile(hs):
+                zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
+            zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+            for tile_g in hl.tile(ht):
+                zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
+            if bs is not None:
+                zs = zs + bs[tile_v].to(torch.float32)[None, :]
+            if bt is not None:
+                zt = zt + bt[tile_v].to(torch.float32)[None, :]
+            if HAS_CAP_S:
+                zs = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs / cap_s) + 1.0))
+            if HAS_CAP_T:
+                zt = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt / cap_t) + 1.0))
+            cols = tile_v.index
+            lp = zs * inv_t - lse_s[:, None]
+            lq = zt * inv_t - lse_t[:, None]
+            p = torch.exp(lp)
+            if MODE == 1:
+                da = p - torch.exp(lq)
+            else:
+                if MODE == 2:
+                    lm = lq
+                else:
+                    u1 = lp + log_1mbeta
+                    u2 = lq + log_beta
+                    mx = torch.maximum(u1, u2)
+                    mx = torch.where(mx == float("-inf"), 0.0, mx)
+                    lm = mx + torch.log(torch.exp(u1 - mx) + torch.exp(u2 - mx))
+                da = wp * torch.where(p == 0.0, 0.0, p * (lp - lm - s_row[:, None]))
+            dz = da * (gr * inv_t)[:, None]
+            if HAS_HARD:
+                p1 = torch.exp(zs - lse1[:, None])
+                hit = torch.where(cols[None, :] == tgt[:, None], 1.0, 0.0)
+                dz = dz + (hlw * gr)[:, None] * (p1 - hit)
+            if HAS_CAP_S:
+                c = zs / cap_s
+                dz = dz * (1.0 - c * c)
+            dz = torch.where((tile_n.index < n)[:, None], dz, 0.0)
+            acc = hl.dot(dz.to(xs.dtype).T, xs[tile_n, tile_k], acc=acc)
+            acc_b = acc_b + torch.sum(dz, dim=0)
+        dw[tile_v, tile_k] = acc.to(dw.dtype)
+        db[tile_v] = acc_b  # equal values from every hidden block (see ce_kernels.ce_dw)
+    return dw, db

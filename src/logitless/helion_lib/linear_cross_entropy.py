@@ -1,0 +1,82 @@
+"""Launch functions of the Helion linear_cross_entropy kernels (``ce_kernels``).
+
+Framework side of the contract: 2-D x (N, H), weight (V, H), optional bias (V,), int64
+target (N,), optional class weights (V,); fp32 per-token statistics out, and the
+gradient coefficients in (``formulas.cross_entropy.grad_coefficients``'s (3, N) fp32).
+Everything else (the loss from the statistics, reductions, autograd) stays in the op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.cross_entropy import TokenStats
+from logitless.helion_lib import configs
+from logitless.helion_lib.runtime import launch, require
+from logitless.options import CrossEntropyOptions
+
+
+def _sizes(x: Tensor, weight: Tensor) -> dict:
+    return {"n": x.shape[0], "v": weight.shape[0], "h": x.shape[1]}
+
+
+def _cap(opts: CrossEntropyOptions) -> tuple[float, bool]:
+    return (float(opts.softcap), True) if opts.softcap is not None else (1.0, False)
+
+
+def forward_args(x, weight, bias, target, class_weight, opts, need_argmax=False) -> tuple:
+    cap, has_cap = _cap(opts)
+    cw = class_weight if (class_weight is not None and opts.needs_smooth_sum) else None
+    return (x, weight, bias, target, cw, cap, has_cap, opts.needs_smooth_sum, bool(need_argmax))
+
+
+def backward_args(x, weight, bias, target, class_weight, lse, coef, opts) -> tuple:
+    cap, has_cap = _cap(opts)
+    # C = eps / V is 0 without label smoothing: the class weights then never enter dz.
+    cw = class_weight if opts.needs_smooth_sum else None
+    return (x, weight, bias, target, cw, lse.float().contiguous(), coef.float().contiguous(), cap, has_cap)
+
+
+def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                class_weight: Optional[Tensor], opts: CrossEntropyOptions,
+                need_argmax: bool = False, config: Optional[dict] = None) -> TokenStats:
+    """Per-token statistics (lse, target logit, smoothing sum or None, argmax or None) of
+    the soft-capped logits x @ W.T + b, fp32, never materialised."""
+    require()
+    from logitless.helion_lib.ce_kernels import ce_forward
+
+    n = x.shape[0]
+    if n == 0:
+        e = x.new_empty((0,), dtype=torch.float32)
+        return TokenStats(e, e, e if opts.needs_smooth_sum else None,
+                          x.new_empty((0,), dtype=torch.int64) if need_argmax else None)
+    cfg = config or configs.pick("ce_forward", _sizes(x, weight), x.device)
+    lse, zt, smooth, am = launch(ce_forward, forward_args(x, weight, bias, target, class_weight, opts, need_argmax),
+                                 cfg)
+    return TokenStats(lse, zt, smooth if opts.needs_smooth_sum else None, am if need_argmax else None)
+
+
+def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                 class_weight: Optional[Tensor], lse: Tensor, coef: Tensor, opts: CrossEntropyOptions,
+                 configs_: Optional[tuple[dict, dict]] = None, need_dx: bool = True, need_dw: bool = True,
+                 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(dx, dW, db or None) for the per-token coefficients ``coef`` ((3, N): A, B, C of
+    ``formulas.cross_entropy``, 0 at ignored tokens); dx, dW in x's / W's dtype, db in fp32
+    (the caller casts it to the bias dtype).
+    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    """
+    require()
+    from logitless.helion_lib.ce_kernels import ce_dw, ce_dx
+
+    if x.shape[0] == 0:
+        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if bias is not None else None
+        return torch.zeros_like(x), torch.zeros_like(weight), db
+    sizes = _sizes(x, weight)
+    cfg_dx, cfg_dw = configs_ or (configs.pick("ce_dx", sizes, x.device), configs.pick("ce_dw", sizes, x.device))
+    args = backward_args(x, weight, bias, target, class_weight, lse, coef, opts)
+    dx = launch(ce_dx, args, cfg_dx) if need_dx else None
+    dw, db = launch(ce_dw, args, cfg_dw) if need_dw else (None, None)
+    return dx, dw, (db if bias is not None else None)

@@ -1,0 +1,88 @@
+"""Launch functions of the Helion linear_jsd kernels (``jsd_kernels``).
+
+Student xs (N, Hs), ws (V, Hs), optional bs; teacher xt (N, Ht), wt (V, Ht), optional bt;
+int64 target (N,) (used by the hard-label term; ignore_index tokens get g = 0 from the op).
+The forward returns the (6, N) fp32 statistics of ``formulas.jsd`` (``token_loss`` turns
+them into the loss); the backward takes them and the per-token upstream gradient g
+(``formulas.jsd.upstream``: 0 at ignored tokens) and returns the student's dx, dW, db.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.jsd import NUM_STATS
+from logitless.helion_lib import configs
+from logitless.helion_lib.runtime import launch, require
+from logitless.options import JSDOptions
+
+
+def _sizes(xs: Tensor, ws: Tensor) -> dict:
+    return {"n": xs.shape[0], "v": ws.shape[0], "h": xs.shape[1]}
+
+
+def _scalars(opts: JSDOptions) -> tuple:
+    beta = opts.beta
+    mode = 1 if beta == 0.0 else (2 if beta == 1.0 else 0)
+    log_beta = math.log(beta) if 0.0 < beta < 1.0 else 0.0
+    log_1mbeta = math.log1p(-beta) if 0.0 < beta < 1.0 else 0.0
+    cap_s = float(opts.student_softcap) if opts.student_softcap is not None else 1.0
+    cap_t = float(opts.teacher_softcap) if opts.teacher_softcap is not None else 1.0
+    scal = (1.0 / opts.temperature, cap_s, cap_t, log_beta, log_1mbeta)
+    flags = (mode, opts.needs_lse1, opts.student_softcap is not None, opts.teacher_softcap is not None)
+    return scal, flags
+
+
+def forward_args(xs, ws, bs, xt, wt, bt, target, opts) -> tuple:
+    scal, flags = _scalars(opts)
+    return (xs, ws, bs, xt, wt, bt, target, *scal, *flags)
+
+
+def backward_args(xs, ws, bs, xt, wt, bt, target, stats, g, opts) -> tuple:
+    scal, flags = _scalars(opts)
+    _, wp, _ = opts.weights
+    return (xs, ws, bs, xt, wt, bt, target, stats.float().contiguous(), g.float().contiguous(), *scal,
+            float(wp), float(opts.hard_label_weight), *flags)
+
+
+def _target(target: Optional[Tensor], n: int, device) -> Tensor:
+    return target if target is not None else torch.full((n,), -1, dtype=torch.int64, device=device)
+
+
+def jsd_forward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
+                target: Optional[Tensor], opts: JSDOptions, config: Optional[dict] = None) -> Tensor:
+    """The (6, N) fp32 statistics (rows ``formulas.jsd.LSE_S`` ... ``ZTGT``)."""
+    require()
+    from logitless.helion_lib import jsd_kernels as K
+
+    n = xs.shape[0]
+    if n == 0:
+        return xs.new_empty((NUM_STATS, 0), dtype=torch.float32)
+    cfg = config or configs.pick("jsd_forward", _sizes(xs, ws), xs.device)
+    return launch(K.jsd_forward, forward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), opts), cfg)
+
+
+def jsd_backward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
+                 target: Optional[Tensor], stats: Tensor, g: Tensor, opts: JSDOptions,
+                 configs_: Optional[tuple[dict, dict]] = None, need_dx: bool = True, need_dw: bool = True,
+                 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The student's (dx, dW, db or None); db in fp32. g: (N,) upstream gradient per token.
+    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    """
+    require()
+    from logitless.helion_lib import jsd_kernels as K
+
+    n = xs.shape[0]
+    if n == 0:
+        db = torch.zeros(ws.shape[0], dtype=torch.float32, device=xs.device) if bs is not None else None
+        return torch.zeros_like(xs), torch.zeros_like(ws), db
+    sizes = _sizes(xs, ws)
+    cfg_dx, cfg_dw = configs_ or (configs.pick("jsd_dx", sizes, xs.device), configs.pick("jsd_dw", sizes, xs.device))
+    args = backward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), stats, g, opts)
+    dx = launch(K.jsd_dx, args, cfg_dx) if need_dx else None
+    dw, db = launch(K.jsd_dw, args, cfg_dw) if need_dw else (None, None)
+    return dx, dw, (db if bs is not None else None)

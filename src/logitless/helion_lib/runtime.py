@@ -1,0 +1,140 @@
+"""Helion's import, its CPU interpreter, and the launch of a kernel with a fixed config.
+
+Helion is optional (the ``helion`` extra): ``available()`` says whether it imports, and
+nothing here imports it at module level, so ``logitless.helion_lib`` imports without it.
+
+``launch`` binds a kernel to its arguments, sets a config (never autotunes at call time:
+the config comes from ``configs.pick``) and runs it. With ``HELION_INTERPRET=1`` Helion
+runs the kernel eagerly with torch ops (its "ref mode"), which works on the CPU; its
+matmul there calls ``torch.mm(..., out_dtype=...)`` (``aten::mm.dtype``), which torch has
+no CPU kernel for, so ``launch`` registers one for CPU tensors the first time it runs a
+kernel on CPU tensors (fp32 accumulation, or fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+
+import torch
+
+#: The oldest Helion these kernels are written for.
+HELION_MIN = (1, 5)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True when helion >= 1.5 imports."""
+    if importlib.util.find_spec("helion") is None:
+        return False
+    try:
+        from importlib.metadata import version
+
+        import helion  # noqa: F401
+
+        parts = tuple(int(p) for p in version("helion").split(".")[:2])
+    except Exception:  # noqa: BLE001 - a broken install counts as absent
+        return False
+    return parts >= HELION_MIN
+
+
+def require() -> None:
+    if not available():
+        raise RuntimeError("logitless.helion_lib needs helion >= 1.5: pip install 'logitless[helion]'")
+
+
+@functools.lru_cache(maxsize=None)
+def _register_cpu_mm_dtype() -> None:
+    """A CPU kernel for aten::mm.dtype / aten::bmm.dtype (only where torch has none)."""
+    lib = torch.library.Library("aten", "IMPL")  # kept alive in _LIBS: dropping it unregisters
+
+    def mm_dtype(a, b, out_dtype):
+        acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
+        return torch.mm(a.to(acc), b.to(acc)).to(out_dtype)
+
+    def bmm_dtype(a, b, out_dtype):
+        acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
+        return torch.bmm(a.to(acc), b.to(acc)).to(out_dtype)
+
+    for name, fn, probe in (("mm.dtype", mm_dtype, lambda: torch.mm(torch.ones(1, 1), torch.ones(1, 1),
+                                                                     out_dtype=torch.float32)),
+                            ("bmm.dtype", bmm_dtype, lambda: torch.bmm(torch.ones(1, 1, 1), torch.ones(1, 1, 1),
+                                                                       out_dtype=torch.float32))):
+        try:
+            probe()
+            continue  # torch has it
+        except (NotImplementedError, RuntimeError):
+            pass
+        lib.impl(name, fn, "CPU")
+    _LIBS.append(lib)
+
+
+_LIBS: list = []
+
+
+def launch(kernel, args: tuple, config: dict):
+    """Run ``kernel`` on ``args`` with the block sizes etc. of ``config`` (a dict of
+    ``helion.Config`` fields)."""
+    import helion
+
+    if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        _register_cpu_mm_dtype()
+    bound = kernel.bind(args)
+    if interpreting(bound):
+        return bound(*args)  # ref mode: eager torch, no config
+    bound.set_config(helion.Config(**config))
+    return bound(*args)
+
+
+def kernel_settings() -> dict:
+    """The settings every kernel of helion_lib is decorated with: shapes not specialised,
+    fp32 dots in tf32x3, no autotuning (``launch`` sets the config), and Helion's ref mode when HELION_INTERPRET
+    is set, given explicitly so that a TRITON_INTERPRET=1 of the same process (the Triton
+    kernels' CPU interpreter in the tests) does not make Helion refuse to decorate them."""
+    import os
+
+    from helion.runtime.settings import RefMode
+
+    interpret = os.environ.get("HELION_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    # fp32 inputs: three TF32 products per dot (about fp32 accuracy on tensor cores), what the
+    # Triton kernels do at torch's default fp32 matmul precision ("highest"); 16-bit inputs
+    # ignore it. (Following torch's "high" (one TF32 product) would take a second set of kernels.)
+    return dict(static_shapes=False, autotune_effort="none", dot_precision="tf32x3",
+                ref_mode=RefMode.EAGER if interpret else RefMode.OFF)
+
+
+def interpreting(bound) -> bool:
+    """Whether Helion runs this bound kernel in its eager ref mode (HELION_INTERPRET=1)."""
+    from helion.runtime.settings import RefMode
+
+    return bound.kernel.settings.ref_mode != RefMode.OFF
+
+
+@contextlib.contextmanager
+def interpret_block_size(size: int):
+    """Within this context, Helion's ref mode splits every ``hl.tile`` loop that has no
+    explicit block size into tiles of ``size`` (it otherwise runs each loop as ONE tile
+    of the whole range, so that a CPU run would never exercise the online merges across
+    vocabulary tiles, the accumulation of dX over vocabulary tiles or of dW over row
+    tiles, nor partial last tiles). For tests; wraps ``hl.tile``'s ref implementation."""
+    import helion.language as hl
+
+    original = hl.tile._ref_fn
+
+    def tiled(begin_or_end, end_or_none=None, block_size=None):
+        return original(begin_or_end, end_or_none, size if block_size is None else block_size)
+
+    hl.tile._ref_fn = tiled
+    try:
+        yield
+    finally:
+        hl.tile._ref_fn = original
+
+
+def triton_code(kernel, args: tuple, config: dict) -> str:
+    """The Triton source Helion generates for ``args`` and ``config`` (works without a GPU:
+    the tests use it to check that every kernel lowers)."""
+    import helion
+
+    return kernel.bind(args).to_triton_code(helion.Config(**config))
