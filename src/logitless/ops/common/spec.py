@@ -17,7 +17,8 @@ makes:
   backward, the rest is kept on ctx; outputs named in ``consumed`` are handed to the
   first backward only (``nothing``: what a later one gets);
 - the gradient-in-forward strategy (``forward_grads``: outputs holding the gradients for
-  a unit upstream gradient, present when ``forward_grads_if(args)``): the backward scales
+  a unit upstream gradient, present when the int forward argument ``forward_grads_when``
+  is > 0 and there are tokens, or always without one): the backward scales
   them (``ops.common.grad_in_forward.scale_grads``) and runs the backward op only for
   the other incoming gradients;
 - the double-backward guard, the planner overrides in the backward
@@ -123,8 +124,11 @@ class Layout:
         return tuple(out)
 
     def group(self, flat: tuple) -> list:
-        """One value per group (options rebuilt from their fields)."""
-        return [flat[i] if cls is None else cls(*flat[i:j]) for _, i, j, cls in self.parts]
+        """One value per group (options rebuilt from their fields). (A loop: per call.)"""
+        out = []
+        for _, i, j, cls in self.parts:
+            out.append(flat[i] if cls is None else cls(*flat[i:j]))
+        return out
 
     def flatten(self, values: dict) -> list:
         """The flat arguments from one value per group name."""
@@ -182,7 +186,7 @@ class OpSpec:
     consumed: tuple = ()
     nothing: Optional[Callable] = None
     forward_grads: tuple = ()
-    forward_grads_if: Optional[Callable] = None
+    forward_grads_when: Optional[str] = None
     materialize_grads: bool = False
     zero_if_none: dict = field(default_factory=dict)
     skip_if_no_grads: bool = False
@@ -214,33 +218,52 @@ class BuiltOp:
         self.eager = EagerOp(self.forward_op, self.forward_impl, setup, backward)
 
     def _plan(self):
-        """Which forward groups and outputs the backward reads (done once)."""
+        """Which forward arguments and outputs the backward reads, as positions (done once:
+        the per-call code below is plain loops, no comprehensions: it runs on the hot path)."""
         s, fl = self.spec, self.layout
         wanted = set(self.backward_layout.group_names) if s.backward_name else set()
         self.flat_pos = {p[0]: p[1] for p in fl.parts}  # a group's first flat argument (needs_input_grad)
-        self.saved_inputs = tuple(n for n in fl.group_names if n in wanted and n in fl.tensor_groups)
-        self.kept_inputs = tuple(n for n in fl.group_names if n in wanted and n not in fl.tensor_groups)
+        self.saved_inputs = tuple(p[0] for p in fl.parts if p[0] in wanted and p[0] in fl.tensor_groups)
+        self.saved_in_pos = tuple(self.flat_pos[n] for n in self.saved_inputs)
+        self.kept_inputs = tuple(p for p in fl.parts if p[0] in wanted and p[0] not in fl.tensor_groups)
         out_names = [n for n in s.outputs if n in wanted and n not in s.consumed]
-        self.saved_outputs = tuple((s.outputs.index(n), n) for n in out_names)
+        self.saved_outputs = tuple(out_names)
+        self.saved_out_pos = tuple(s.outputs.index(n) for n in out_names)
         self.consumed_pos = tuple(s.outputs.index(n) for n in s.consumed)
         self.forward_grads_pos = tuple(s.outputs.index(n) for n in s.forward_grads)
         self.non_diff = tuple(i for i, g in enumerate(s.grads) if g is None)
+        self.diff = tuple((i, g) for i, g in enumerate(s.grads) if g is not None)
+        self.grad_flat = tuple(self.flat_pos[n] for n in s.grad_inputs)
+        self.need_flat = tuple((arg, self.flat_pos[inp]) for arg, inp in s.need.items())
+        self.when_pos = self.flat_pos[s.forward_grads_when] if s.forward_grads_when else None
+        self.dtype_pos = self.grad_flat[:2]
 
     def _setup_context(self, ctx, inputs, output):
-        s, fl = self.spec, self.layout
-        if len(inputs) != len(fl.params):
-            inputs = fl.complete(tuple(inputs), {})
-        values = dict(zip(fl.group_names, fl.group(inputs)))
-        ctx.save_for_backward(*[values[n] for n in self.saved_inputs], *[output[i] for i, _ in self.saved_outputs])
-        ctx.values = {n: values[n] for n in self.kept_inputs}
+        s = self.spec
+        if len(inputs) != len(self.layout.params):
+            inputs = self.layout.complete(tuple(inputs), {})
+        saved = []
+        for i in self.saved_in_pos:
+            saved.append(inputs[i])
+        for i in self.saved_out_pos:
+            saved.append(output[i])
+        ctx.save_for_backward(*saved)
+        values = {}
+        for name, i, j, cls in self.kept_inputs:
+            values[name] = inputs[i] if cls is None else cls(*inputs[i:j])
+        ctx.values = values
         ctx.num_inputs = len(inputs)
-        ctx.consumed = tuple(output[i] for i in self.consumed_pos) if self.consumed_pos else None
-        ctx.forward_grads = None
-        if s.forward_grads and s.forward_grads_if(values):
-            ctx.forward_grads = tuple(output[i] for i in self.forward_grads_pos)
-            ctx.dtypes = (values[s.grad_inputs[0]].dtype, values[s.grad_inputs[1]].dtype)
-        nd = [output[i] for i in self.non_diff]
-        if nd:
+        ctx.consumed = ctx.forward_grads = None
+        if self.consumed_pos:
+            ctx.consumed = tuple([output[i] for i in self.consumed_pos])
+        if self.forward_grads_pos and (self.when_pos is None or (
+                inputs[self.when_pos] > 0 and inputs[self.grad_flat[0]].shape[0] > 0)):
+            ctx.forward_grads = tuple([output[i] for i in self.forward_grads_pos])
+            ctx.dtypes = (inputs[self.dtype_pos[0]].dtype, inputs[self.dtype_pos[1]].dtype)
+        if self.non_diff:
+            nd = []
+            for i in self.non_diff:
+                nd.append(output[i])
             ctx.mark_non_differentiable(*nd)
         if not s.materialize_grads:
             ctx.set_materialize_grads(False)
@@ -251,24 +274,28 @@ class BuiltOp:
         consumed, ctx.consumed = ctx.consumed, None
         forward_grads, ctx.forward_grads = ctx.forward_grads, None
         needs = ctx.needs_input_grad
-        grad_needs = [needs[self.flat_pos[n]] for n in s.grad_inputs]
+        grad_needs = []
+        for i in self.grad_flat:
+            grad_needs.append(needs[i])
         if not any(grad_needs):
             return nones
-        if s.skip_if_no_grads and all(grads[i] is None for i, g in enumerate(s.grads) if g is not None):
+        values = dict(ctx.values)
+        some = False
+        for i, g in self.diff:
+            values[g] = grads[i]
+            some = some or grads[i] is not None
+        if s.skip_if_no_grads and not some:
             return nones
         saved = ctx.saved_tensors
-        values = dict(ctx.values)
         k = len(self.saved_inputs)
         values.update(zip(self.saved_inputs, saved[:k]))
-        values.update((n, t) for (_, n), t in zip(self.saved_outputs, saved[k:]))
-        for i, g in enumerate(s.grads):
-            if g is not None:
-                values[g] = grads[i]
-        for g, zeros in s.zero_if_none.items():
-            if values[g] is None:
-                values[g] = zeros(values)
-        for arg, inp in s.need.items():
-            values[arg] = needs[self.flat_pos[inp]]
+        values.update(zip(self.saved_outputs, saved[k:]))
+        if s.zero_if_none:
+            for g, zeros in s.zero_if_none.items():
+                if values[g] is None:
+                    values[g] = zeros(values)
+        for arg, i in self.need_flat:
+            values[arg] = needs[i]
         nothing = None
         if consumed is None and s.consumed:  # a second backward: the buffers are spent
             consumed = nothing = s.nothing(values[s.grad_inputs[0]])
@@ -281,7 +308,7 @@ class BuiltOp:
             # in place; the other incoming gradients (rare) come on top through the backward op.
             present = [g if g.numel() else None for g in forward_grads]
             out = scale_grads(present, values[first], *ctx.dtypes)
-            if any(values[g] is not None for g in s.grads[1:] if g is not None):
+            if any(values[g] is not None for _, g in self.diff[1:]):
                 values[first] = torch.zeros_like(values[first])
                 if s.consumed:
                     values.update(zip(s.consumed, nothing or s.nothing(values[s.grad_inputs[0]])))
@@ -293,12 +320,18 @@ class BuiltOp:
             out = op(*self.backward_layout.flatten(values))
             if len(s.grad_inputs) == 1:
                 out = (out,)
-        out = tuple(g if need else None for g, need in zip(out, grad_needs))
-        guard = [values[g] for g in s.grads if g is not None] + [values.get(n) for n in s.grad_inputs]
-        out = guard_double_backward(s.op, out, *guard)
+        guard = []
+        for _, g in self.diff:
+            guard.append(values[g])
+        for n in s.grad_inputs:
+            guard.append(values.get(n))
+        kept_out = []
+        for g, need in zip(out, grad_needs):
+            kept_out.append(g if need else None)
+        out = guard_double_backward(s.op, tuple(kept_out), *guard)
         result = list(nones)
-        for name, g in zip(s.grad_inputs, out):
-            result[self.flat_pos[name]] = g
+        for i, g in zip(self.grad_flat, out):
+            result[i] = g
         return tuple(result)
 
 

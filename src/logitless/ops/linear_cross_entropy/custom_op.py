@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype, reduce
-from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
+from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.dispatch import load_backend
@@ -78,22 +78,16 @@ def _forward(x: Tensor, weight: Tensor, bias, target: Tensor, class_weight, opts
             empty = x.new_empty(0, dtype=sd)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
         elif grad_in_forward > 0:
-            stats, grads = _grad_in_forward_strategy().forward_with_grad(
+            stats, grads = load_backend(__package__, backend).grad_in_forward().forward_with_grad(
                 x, weight, bias, target, class_weight, opts, token_chunk=grad_in_forward,
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
                 need_dw=need_dw, need_db=need_db, budget=budget,
             )
-        elif backend == "triton":  # the loss epilogue fused into one launch (ce_epilogue)
+        else:  # the loss with the statistics (Triton: one launch, ce_epilogue)
             stats, kept, loss, w_t = load_backend(__package__, backend).forward(
                 x, weight, bias, target, class_weight, opts.softcap,
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
                 need_grad=need_grad, loss_opts=opts,
-            )
-        else:
-            stats, kept = load_backend(__package__, backend).forward(
-                x, weight, bias, target, class_weight, opts.softcap,
-                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
-                need_grad=need_grad,
             )
         if loss is None:
             loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
@@ -126,11 +120,11 @@ def _forward_fake(x, weight, bias, target, class_weight, opts, backend, budget, 
             if need_dw else grads[1],
             weight.new_empty(v, dtype=f32) if need_db else grads[2],
         ]
-    elif backend == "triton" and need_grad and not (tp.tp_group and isinstance(v, int) and v == 0):
-        from .triton_backend import PLAN_SIZE, kept_shapes
-
-        kept = fake_kept(x, weight, tp.tp_group, tp.vocab_size, PLAN_SIZE, lambda n, v, h: kept_shapes(
-            n, v, h, x.dtype, budget, x.device, opts.softcap, need_grad))
+    elif need_grad and not (tp.tp_group and isinstance(v, int) and v == 0):
+        impl = load_backend(__package__, backend)
+        if impl.PLAN_SIZE:  # (a backend that may keep columns)
+            kept = fake_kept(x, weight, tp.tp_group, tp.vocab_size, impl.PLAN_SIZE, lambda n, v, h: impl.kept_shapes(
+                n, v, h, x.dtype, budget, x.device, opts.softcap, need_grad))
     return (
         loss,
         x.new_empty(n, dtype=sd),
@@ -162,13 +156,7 @@ def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w
                     impl, grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts, tp,
                     budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
             else:
-                if backend == "triton":  # the same coefficients in one launch (ce_epilogue)
-                    coef = impl.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts, v)
-                else:
-                    g = upstream_per_token(grad_loss, w_t, opts.reduction)
-                    coef = grad_coefficients(lse, target, g, v, class_weight, opts)
-                    if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
-                        coef[0] += grad_lse.to(coef.dtype)
+                coef = impl.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts, v)
                 dx, dw, db = impl.backward(
                     x, weight, bias, target, class_weight, opts.softcap, lse, coef,
                     need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
@@ -181,20 +169,14 @@ def _backward_fake(grad_loss, grad_lse, x, weight, bias, target, class_weight, l
     return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
 
 
-def _grad_in_forward_strategy():
-    """The Triton backend's gradient-in-forward strategy (its own module beside it)."""
-    from . import triton_grad_in_forward
-
-    return triton_grad_in_forward
-
-
 def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, opts: CrossEntropyOptions) -> int:
-    """Tokens per chunk when the Triton planner picks gradient-in-forward for this call
+    """Tokens per chunk when the backend's planner picks gradient-in-forward for this call
     (the forward also computes the gradients), else 0. Eager only: the public function
     never asks under torch.compile."""
-    if backend != "triton" or x.shape[0] == 0:
+    strategy = load_backend(__package__, backend).grad_in_forward()
+    if strategy is None or x.shape[0] == 0:
         return 0
-    return _grad_in_forward_strategy().grad_in_forward_chunk(x, weight, budget, opts, opts.softcap) or 0
+    return strategy.grad_in_forward_chunk(x, weight, budget, opts, opts.softcap) or 0
 
 
 def _zero_grad_loss(a: dict) -> Tensor:
@@ -230,7 +212,7 @@ SPEC = OpSpec(
     consumed=_KEPT,
     nothing=nothing_kept,
     forward_grads=("gx", "gw", "gb"),
-    forward_grads_if=lambda a: a["grad_in_forward"] > 0 and a["x"].shape[0] > 0,
+    forward_grads_when="grad_in_forward",
     zero_if_none={"grad_loss": _zero_grad_loss},
 )
 

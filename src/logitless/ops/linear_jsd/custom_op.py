@@ -156,12 +156,13 @@ def _grad_in_forward_strategy():
 
 def grad_in_forward_chunk(backend: str, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
                           budget: int, opts: JSDOptions) -> int:
-    """Tokens per chunk when the Triton planner picks gradient-in-forward, else 0."""
-    from logitless.ops.common.dispatch import resolve_backend
-
-    if student_x.shape[0] == 0 or resolve_backend(backend, student_x.device, student_x.dtype) != "triton":
+    """Tokens per chunk when the backend's planner picks gradient-in-forward, else 0."""
+    if student_x.shape[0] == 0:
         return 0
-    return _grad_in_forward_strategy().grad_in_forward_chunk(student_x, student_weight, teacher_x, budget, opts)
+    strategy = backend_module(__package__, backend, student_x.device, student_x.dtype).grad_in_forward()
+    if strategy is None:
+        return 0
+    return strategy.grad_in_forward_chunk(student_x, student_weight, teacher_x, budget, opts)
 
 
 def _gif_forward(student_x: Tensor, student_weight: Tensor, student_bias, teacher_x: Tensor, teacher_weight: Tensor,
@@ -207,7 +208,6 @@ GIF_SPEC = OpSpec(
     grads=("grad_loss", None, None, None, None),
     grad_inputs=_GRAD_INPUTS,
     forward_grads=("gx", "gw", "gb"),  # not saved tensors: the one backward scales them in place
-    forward_grads_if=lambda a: True,
     skip_if_no_grads=True,
 )
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
-from logitless.formulas.log_probs import grad_coefficients, token_outputs
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.dispatch import load_backend
@@ -58,14 +57,9 @@ def _forward(x: Tensor, weight: Tensor, bias, tokens: Tensor, opts: LogProbOptio
         elif n == 0:
             logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
             ent = x.new_empty(0, dtype=sd) if opts.entropy else None
-        elif backend == "triton":  # merge + token_outputs in one launch (log_probs_epilogue)
+        else:  # the merge and token_outputs (Triton: one launch, log_probs_epilogue)
             (logp, ent, lse), kept = load_backend(__package__, backend).forward(
                 x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad, outputs=True)
-        else:
-            stats, kept = load_backend(__package__, backend).forward(
-                x, weight, bias, tokens, opts, budget=budget, need_grad=need_grad)
-            logp, ent = token_outputs(stats, tokens, v, opts)
-            lse = stats.lse
     ent = ent.to(sd) if ent is not None else x.new_empty(0, dtype=sd)
     if kept is None:
         kept = nothing_kept(x)
@@ -76,10 +70,9 @@ def _forward_fake(x, weight, bias, tokens, opts, backend, budget, need_grad, tp)
     n = x.shape[0]
     sd = compute_dtype(x.dtype)
     kept = fake_kept_tensors(x)
-    if backend == "triton" and need_grad:
-        from .triton_backend import PLAN_SIZE, kept_shapes
-
-        kept = fake_kept(x, weight, tp.tp_group, tp.vocab_size, PLAN_SIZE, lambda n, v, h: kept_shapes(
+    impl = load_backend(__package__, backend)
+    if need_grad and impl.PLAN_SIZE:  # (a backend that may keep columns)
+        kept = fake_kept(x, weight, tp.tp_group, tp.vocab_size, impl.PLAN_SIZE, lambda n, v, h: impl.kept_shapes(
             n, v, h, x.dtype, budget, x.device, opts, need_grad))
     return (
         x.new_empty(n, dtype=sd),
@@ -110,12 +103,8 @@ def _backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out
                     impl, grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, opts, tp,
                     budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
             else:
-                if backend == "triton":  # the same coefficients in one launch (log_probs_epilogue)
-                    coef = impl.grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp,
-                                                  grad_entropy if opts.entropy else None, v, opts)
-                else:
-                    coef = grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp,
-                                             grad_entropy if opts.entropy else None, v, opts, lse)
+                coef = impl.grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp,
+                                              grad_entropy if opts.entropy else None, v, opts, lse)
                 dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx,
                                            need_dw=need_dw, need_db=need_db, budget=budget, **extra)
     return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)

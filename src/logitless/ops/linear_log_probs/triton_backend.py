@@ -140,8 +140,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
 
 
 def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor], g_h: Optional[Tensor],
-                      num_classes: int, opts: LogProbOptions) -> Tensor:
-    """The backward's (3, N) A, B, C in one launch (``log_probs_epilogue.grad_coefficients``)."""
+                      num_classes: int, opts: LogProbOptions, lse: Optional[Tensor] = None) -> Tensor:
+    """The backward's (3, N) A, B, C in one launch (``log_probs_epilogue.grad_coefficients``;
+    ``lse``: not needed)."""
     return log_probs_epilogue.grad_coefficients(entropy, tokens, g_lp, g_h, num_classes, opts)
 
 
