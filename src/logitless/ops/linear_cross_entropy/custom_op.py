@@ -43,7 +43,7 @@ from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.dispatch import load_backend, load_strategy
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.ops.common.validate import check_targets_in_range
@@ -78,7 +78,7 @@ def _forward(x: Tensor, weight: Tensor, bias, target: Tensor, class_weight, opts
             empty = x.new_empty(0, dtype=sd)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
         elif grad_in_forward > 0:
-            stats, grads = load_backend(__package__, backend).grad_in_forward().forward_with_grad(
+            stats, grads = load_strategy(__package__, backend, "grad_in_forward").forward_with_grad(
                 x, weight, bias, target, class_weight, opts, token_chunk=grad_in_forward,
                 need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
                 need_dw=need_dw, need_db=need_db, budget=budget,
@@ -173,7 +173,7 @@ def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, 
     """Tokens per chunk when the backend's planner picks gradient-in-forward for this call
     (the forward also computes the gradients), else 0. Eager only: the public function
     never asks under torch.compile."""
-    strategy = load_backend(__package__, backend).grad_in_forward()
+    strategy = load_strategy(__package__, backend, "grad_in_forward")
     if strategy is None or x.shape[0] == 0:
         return 0
     return strategy.grad_in_forward_chunk(x, weight, budget, opts, opts.softcap) or 0

@@ -117,11 +117,6 @@ def kept_shapes(*_) -> None:
     return None
 
 
-def grad_in_forward():
-    """This backend has no gradient-in-forward strategy."""
-    return None
-
-
 def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor, target: Tensor,
                       class_weight: Optional[Tensor], opts: CrossEntropyOptions, num_classes: int) -> Tensor:
     """The backward's (3, N) A, B, C from the formulas."""

@@ -151,13 +151,6 @@ def _merge_argmax(part_best: Tensor, part_arg: Tensor) -> Tensor:
     return part_arg.gather(0, first)[0].long()
 
 
-def grad_in_forward():
-    """The gradient-in-forward strategy (``triton_grad_in_forward``, beside this module)."""
-    from . import triton_grad_in_forward
-
-    return triton_grad_in_forward
-
-
 def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor, target: Tensor,
                       class_weight: Optional[Tensor], opts: CrossEntropyOptions, num_classes: int) -> Tensor:
     """The backward's (3, N) A, B, C in one launch (``ce_epilogue.grad_coefficients``)."""

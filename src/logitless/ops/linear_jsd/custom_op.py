@@ -25,7 +25,7 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, reduce, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.dispatch import backend_module
+from logitless.ops.common.dispatch import backend_module, load_strategy, resolve_backend
 from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
@@ -148,18 +148,13 @@ linear_jsd_forward_eager = _built.eager
 # reduction="none".
 
 
-def _grad_in_forward_strategy():
-    from . import triton_grad_in_forward
-
-    return triton_grad_in_forward
-
-
 def grad_in_forward_chunk(backend: str, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
                           budget: int, opts: JSDOptions) -> int:
     """Tokens per chunk when the backend's planner picks gradient-in-forward, else 0."""
     if student_x.shape[0] == 0:
         return 0
-    strategy = backend_module(__package__, backend, student_x.device, student_x.dtype).grad_in_forward()
+    strategy = load_strategy(__package__, resolve_backend(backend, student_x.device, student_x.dtype),
+                             "grad_in_forward")
     if strategy is None:
         return 0
     return strategy.grad_in_forward_chunk(student_x, student_weight, teacher_x, budget, opts)
@@ -175,7 +170,7 @@ def _gif_forward(student_x: Tensor, student_weight: Tensor, student_bias, teache
     if opts.hard_label_weight != 0.0:
         check_targets_in_range(target, v, opts.ignore_index)  # CPU only: no sync
     need_db = need_db and student_bias is not None
-    strategy = _grad_in_forward_strategy()
+    strategy = load_strategy(__package__, "triton", "grad_in_forward")  # (the op of that strategy)
     with no_autocast(student_x.device):
         stats, grads = strategy.forward_with_grad(
             student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, opts,

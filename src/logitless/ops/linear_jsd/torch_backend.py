@@ -96,11 +96,6 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     return dx, dw, db
 
 
-def grad_in_forward():
-    """This backend has no gradient-in-forward strategy."""
-    return None
-
-
 def forward_loss(stats: Tensor, target: Tensor, num_classes: int, opts: JSDOptions, reduction: str) -> Tensor:
     """The loss (reduced, or per token for "none") from the (6, N) statistics: the
     formulas (``token_loss`` then ``reduce``). The Triton backend fuses them (``jsd_epilogue``)."""

@@ -78,13 +78,6 @@ def fused_forward(xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, budget: 
     return jsd_kl_fused(xs.shape[0], ws.shape[0], xs.shape[1], xt.shape[1], xs.element_size(), budget, xs.device)
 
 
-def grad_in_forward():
-    """The gradient-in-forward strategy (``triton_grad_in_forward``, beside this module)."""
-    from . import triton_grad_in_forward
-
-    return triton_grad_in_forward
-
-
 def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
     n = xs.shape[0]
     v = ws.shape[0]
