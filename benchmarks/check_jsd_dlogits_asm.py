@@ -1,4 +1,4 @@
-"""AOT-compile linear_jsd's fused kernels (``ops/linear_jsd/triton_kernels.py``:
+"""AOT-compile linear_jsd's fused kernels (``triton_lib/linear_jsd_kernels.py``:
 ``jsd_dlogits_kernel``, ``jsd_kl_forward_kernel``) and the fused epilogues (``triton_lib/jsd_epilogue.py``) for
 sm_90 on the CPU (no GPU needed): compile errors, shared memory, spills, and the PTX to
 compare two trees (a change that must leave a configuration's code alone):
@@ -87,7 +87,7 @@ def _configure(fn, dtype, c):
 
 
 def save(path):
-    from logitless.ops.linear_jsd import triton_kernels as K
+    from logitless.triton_lib import linear_jsd_kernels as K
 
     out = {}
     jobs = [(K.jsd_dlogits_kernel, CONFIGS)]

@@ -660,7 +660,7 @@ def triton_dlogits(x, W, target, lse, coef):
     """The library's ``dlogits_kernel`` over the whole vocabulary (one chunk), launched
     as ``triton_backend.backward`` does for a recomputed chunk, into an (N, V) bf16 dz.
     Returns a callable -> dz."""
-    from logitless.ops.linear_cross_entropy import triton_kernels as K
+    from logitless.triton_lib import lce_kernels as K
     from logitless.planning import plans
     from logitless.triton_lib import launch
     N, H = x.shape

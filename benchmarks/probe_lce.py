@@ -20,7 +20,7 @@ from triton.testing import do_bench
 import logitless
 from logitless.formulas.cross_entropy import grad_coefficients
 from logitless.ops.linear_cross_entropy import triton_backend as TB
-from logitless.ops.linear_cross_entropy import triton_kernels as K
+from logitless.triton_lib import lce_kernels as K
 from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
 

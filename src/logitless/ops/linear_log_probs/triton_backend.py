@@ -32,8 +32,7 @@ from logitless.planning import cute as cute_planning
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import launch, log_probs_epilogue
 from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
-
-from . import triton_kernels as K
+from logitless.triton_lib import log_probs_kernels as K
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
