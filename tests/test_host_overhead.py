@@ -473,7 +473,7 @@ def test_launch_key_implies_tritons_specialisation(kernel):
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from logitless.ops.linear_cross_entropy import triton_kernels as K
+    from logitless.triton_lib import lce_kernels as K
     from logitless.triton_lib import launch
 
     fn = getattr(K, kernel)
@@ -523,7 +523,7 @@ def test_run_kernel_fast_path_launches_what_jit_run_would(monkeypatch):
     a new alignment, dtype or int goes through ``kernel[grid]`` again."""
     from triton import knobs
 
-    from logitless.ops.linear_cross_entropy import triton_kernels as K
+    from logitless.triton_lib import lce_kernels as K
     from logitless.triton_lib import launch
 
     jit, launched, slow = fake_triton_launches(monkeypatch, K.kept_dlogits_kernel, stream=77)

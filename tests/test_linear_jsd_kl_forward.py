@@ -1,6 +1,6 @@
 """linear_jsd's fused forward for the KL limits (beta 0: forward KL, beta 1: reverse KL;
 16-bit inputs): both heads' logits tiles and the online row statistics in one kernel
-(``ops.linear_jsd.triton_kernels.jsd_kl_forward_kernel``), the splits merged by
+(``triton_lib.linear_jsd_kernels.jsd_kl_forward_kernel``), the splits merged by
 ``triton_lib.jsd_rows.finish_kl_partials``. Against float64, against the unfused forward
 (cuBLAS fp32 logit chunks + the statistics kernels, ``override(jsd_fused_forward=False)``),
 and the planner's choice of it (the cost model: fused where the chunks' GEMMs would be

@@ -68,7 +68,7 @@ class TritonPlan:
         backward (a multiple of block_v, or the whole vocabulary), so that they need no
         recomputed GEMM. 0 when no gradient is needed or the budget holds none.
     group_n: row blocks whose programs run next to each other (the GEMM kernels'
-        program order, ``triton_kernels.grouped_tile``); 0: all of them.
+        program order, ``triton_lib.gemm.grouped_tile``); 0: all of them.
     flatten: the forward's tile loop and its loop over H are one pipelined loop.
     dz_tma: the dlogits kernel bulk-stores its dz tiles (TMA).
     dlogits_programs: programs of the dlogits kernel per SM when persistent (each

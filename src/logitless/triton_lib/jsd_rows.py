@@ -400,7 +400,7 @@ def divergence_sums(zs, zt, lse_s, lse_t, opts, plan):
 
 def finish_kl_partials(part, z_target, target, stats, opts, vocab: int) -> None:
     """Phase 3 for partials written straight from the hidden states (the KL limits,
-    ``ops.linear_jsd.triton_kernels.jsd_kl_forward_kernel``): part (PARTS, splits, N) in
+    ``triton_lib.linear_jsd_kernels.jsd_kl_forward_kernel``): part (PARTS, splits, N) in
     ``jsd_partial_kernel``'s layout, z_target (N,) the soft-capped target logits (read
     only where the target is in [0, vocab))."""
     sargs = scalar_args(opts)

@@ -67,6 +67,24 @@ def load_backend(op_package: str, name: str):
 _LOADED: dict = {}
 
 
+def load_strategy(op_package: str, backend: str, strategy: str):
+    """The module ``{op_package}.{backend}_{strategy}`` (a strategy of a resolved backend,
+    e.g. ``triton_grad_in_forward``), or None when that backend has none. Looked up once
+    per name, then from a dict (as ``load_backend``)."""
+    key = f"{op_package}.{backend}_{strategy}"
+    try:
+        return _STRATEGIES[key]
+    except KeyError:
+        pass
+    module = importlib.import_module(key) if importlib.util.find_spec(key) is not None else None
+    _STRATEGIES[key] = module
+    return module
+
+
+#: ``load_strategy``'s answers, each entered after its import completed.
+_STRATEGIES: dict = {}
+
+
 def backend_module(op_package: str, name: str, device: torch.device, dtype: torch.dtype):
     """``resolve_backend`` then ``load_backend`` (eager callers, benchmarks)."""
     return load_backend(op_package, resolve_backend(name, device, dtype))

@@ -6,7 +6,8 @@
                            backend, budget)
         -> d loss / d logits (a new tensor, with the logits' strides where they are dense)
 
-``<options>`` are the fields of ``CrossEntropyOptions`` under their own names. The
+``<options>`` are the fields of ``CrossEntropyOptions`` under their own names; the ops,
+their fakes and autograd are built from ``SPEC`` (``ops.common.spec``). The
 per-token ``lse`` is differentiable (``grad_lse`` adds to the A coefficient).
 
 Their implementations run eagerly, also under torch.compile (which sees only the fake
@@ -18,7 +19,6 @@ Double backward is not supported: differentiating the gradient raises.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -26,8 +26,8 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward, named, under_forward_overrides
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import CrossEntropyOptions
 
@@ -70,97 +70,62 @@ def backward_impl(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, o
             logits, target, class_weight, opts.softcap, lse, coef, out, budget=budget)
 
 
-def _forward(
-    logits: Tensor,
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    softcap: Optional[float],
-    z_loss: float,
-    backend: str,
-    budget: int,
-    need_argmax: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(logits, target, class_weight, opts: CrossEntropyOptions, backend: str, budget: int,
+             need_argmax: bool):
     """logits (N, V), target (N,) int64 -> loss (() or (N,)), lse (N,), argmax, w_t (N,)."""
-    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
     return forward_impl(logits, target, class_weight, opts, backend, budget, need_argmax)
 
 
-ce_forward = custom_op("ce_forward", _forward)
-
-
-@ce_forward.register_fake
-def _(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap,
-      z_loss, backend, budget, need_argmax):
+def _forward_fake(logits, target, class_weight, opts, backend, budget, need_argmax):
     n = logits.shape[0]
     sd = compute_dtype(logits.dtype)
     return (
-        logits.new_empty((n,) if reduction == "none" else (), dtype=sd),
+        logits.new_empty((n,) if opts.reduction == "none" else (), dtype=sd),
         logits.new_empty(n, dtype=sd),
         logits.new_empty(n if need_argmax else 0, dtype=torch.int64),
         logits.new_empty(n, dtype=sd),
     )
 
 
-def _backward(
-    grad_loss: Tensor,
-    grad_lse: Optional[Tensor],
-    logits: Tensor,
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    lse: Tensor,
-    w_t: Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    softcap: Optional[float],
-    z_loss: float,
-    backend: str,
-    budget: int,
-) -> Tensor:
-    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+def _backward(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, opts: CrossEntropyOptions,
+              backend: str, budget: int) -> Tensor:
     out = torch.empty_like(logits)
     backward_impl(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, opts, backend, budget, out)
     return out
 
 
-ce_backward = custom_op("ce_backward", _backward)
-
-
-@ce_backward.register_fake
-def _(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, ignore_index, reduction,
-      label_smoothing, softcap, z_loss, backend, budget):
+def _backward_fake(grad_loss, grad_lse, logits, *_):
     return torch.empty_like(logits)
 
 
-def _setup_context(ctx, inputs, output):
-    a = named(_forward, inputs)
-    _, lse, argmax, w_t = output
-    ctx.save_for_backward(a["logits"], a["target"], a["class_weight"], lse, w_t)
-    ctx.opts = CrossEntropyOptions.from_args(a)
-    ctx.backend, ctx.budget, ctx.num_inputs = a["backend"], a["budget"], len(inputs)
-    ctx.mark_non_differentiable(argmax, w_t)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs above
+def _zero_grad_loss(a: dict) -> Tensor:
+    """The gradient of a loss that got none (gradients are not materialised)."""
+    lse = a["lse"]
+    return torch.zeros(lse.shape if a["opts"].reduction == "none" else (), dtype=lse.dtype, device=lse.device)
 
 
-def _autograd_backward(ctx, grad_loss, grad_lse, *_):
-    if not ctx.needs_input_grad[0]:
-        return (None,) * ctx.num_inputs
-    logits, target, class_weight, lse, w_t = ctx.saved_tensors
-    if grad_loss is None:  # gradients are not materialised: the loss got none
-        grad_loss = torch.zeros(lse.shape if ctx.opts.reduction == "none" else (), dtype=lse.dtype,
-                                device=logits.device)
-    grad = ce_backward(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, *ctx.opts.args(), ctx.backend,
-                       ctx.budget)
-    (grad,) = guard_double_backward(OP, (grad,), grad_loss, grad_lse, logits)
-    return (grad,) + (None,) * (ctx.num_inputs - 1)
+_EXEC = (scalar("backend", str), scalar("budget", int))
+_TENSORS = (tensor("logits"), tensor("target"), tensor("class_weight", True))
 
+SPEC = OpSpec(
+    op=OP,
+    name="ce_forward",
+    forward=(*_TENSORS, options("opts", CrossEntropyOptions), *_EXEC, scalar("need_argmax", bool)),
+    outputs=("loss", "lse", "argmax", "w_t"),
+    forward_impl=_forward,
+    forward_fake=_forward_fake,
+    backward_name="ce_backward",
+    backward=(tensor("grad_loss"), tensor("grad_lse", True), *_TENSORS, tensor("lse"), tensor("w_t"),
+              options("opts", CrossEntropyOptions), *_EXEC),
+    backward_impl=_backward,
+    backward_fake=_backward_fake,
+    grads=("grad_loss", "grad_lse", None, None),
+    grad_inputs=("logits",),
+    zero_if_none={"grad_loss": _zero_grad_loss},
+)
 
-# The backward plans (and reads ``override(...)``) as its forward did, on any thread.
-_setup, _backward = under_forward_overrides(_setup_context, _autograd_backward)
-ce_forward.register_autograd(_backward, setup_context=_setup)
+_built = build(SPEC)
+ce_forward, ce_backward = _built.forward_op, _built.backward_op
 
 
 _SPENT = (

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.planning.plans import CETritonPlan, ce_triton_plan
-
-from . import triton_kernels as K
+from logitless.triton_lib import ce_logits_kernels as K
 
 
 def _cw(class_weight: Optional[Tensor], logits: Tensor) -> Tensor:

@@ -25,9 +25,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.common import apply_softcap, compute_dtype
-from logitless.formulas.cross_entropy import TokenStats, dlogits_
+from logitless.formulas.common import apply_softcap, compute_dtype, reduce
+from logitless.formulas.cross_entropy import TokenStats, dlogits_, token_loss, upstream_per_token
+from logitless.formulas.cross_entropy import grad_coefficients as grad_coefficients_of
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
+from logitless.options import CrossEntropyOptions
 
 
 def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
@@ -50,8 +52,10 @@ def forward(
     need_argmax: bool,
     budget: int,
     need_grad: bool = False,
+    loss_opts: Optional[CrossEntropyOptions] = None,
 ):
-    """Returns (TokenStats, None): this backend keeps nothing for the backward."""
+    """Returns (TokenStats, None): this backend keeps nothing for the backward. With
+    ``loss_opts``: (TokenStats, None, loss, w_t), the loss from the formulas."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
@@ -97,7 +101,30 @@ def forward(
             smooth[n0:n1] = sm
         if need_argmax:
             amax[n0:n1] = best_i
-    return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax), None
+    stats = TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
+    if loss_opts is None:
+        return stats, None
+    loss_tok, w_t = token_loss(stats, target, v, class_weight, loss_opts)
+    return stats, None, reduce(loss_tok, w_t, loss_opts.reduction), w_t
+
+
+#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
+PLAN_SIZE = 0
+
+
+def kept_shapes(*_) -> None:
+    """This backend keeps nothing for the backward."""
+    return None
+
+
+def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor, target: Tensor,
+                      class_weight: Optional[Tensor], opts: CrossEntropyOptions, num_classes: int) -> Tensor:
+    """The backward's (3, N) A, B, C from the formulas."""
+    g = upstream_per_token(grad_loss, w_t, opts.reduction)
+    coef = grad_coefficients_of(lse, target, g, num_classes, class_weight, opts)
+    if grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
+        coef[0] += grad_lse.to(coef.dtype)
+    return coef
 
 
 def backward(

@@ -40,8 +40,7 @@ from logitless.planning import cute as cute_planning
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
-
-from . import triton_kernels as K
+from logitless.triton_lib import lce_kernels as K
 
 
 def _flags(bias, class_weight, softcap, dtype, prerounded=False):

@@ -34,7 +34,7 @@ from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, targ
 from logitless.planning.plans import lce_strategy, triton_plan
 
 from . import triton_backend
-from . import triton_kernels as K
+from logitless.triton_lib import lce_kernels as K
 
 
 def grad_in_forward_chunk(x: Tensor, weight: Tensor, budget: int, opts, softcap) -> Optional[int]:

@@ -44,8 +44,7 @@ from logitless.planning.plans import jsd_kl_fused, jsd_stats_plan, linear_jsd_pl
 from logitless.triton_lib import launch
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (the backend's epilogues)
 from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
-
-from . import triton_kernels as K
+from logitless.triton_lib import linear_jsd_kernels as K
 
 
 def _logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:

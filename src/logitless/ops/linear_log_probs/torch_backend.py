@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
-from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_
+from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_, token_outputs
+from logitless.formulas.log_probs import grad_coefficients as grad_coefficients_of
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
 
@@ -33,8 +34,9 @@ def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbO
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False):
-    """(LogProbStats, None): this backend keeps nothing for the backward."""
+            budget: int, need_grad: bool = False, outputs: bool = False):
+    """(LogProbStats, None): this backend keeps nothing for the backward. ``outputs``:
+    ((logp, entropy or None, lse), None) instead (``formulas.log_probs.token_outputs``)."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
@@ -63,7 +65,26 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         tgt[n0:n1] = a_t
         if opts.entropy:
             ent[n0:n1] = ent_c
-    return LogProbStats(lse=lse, target=tgt, entropy=ent), None
+    stats = LogProbStats(lse=lse, target=tgt, entropy=ent)
+    if outputs:
+        logp, ent = token_outputs(stats, tokens, v, opts)
+        return (logp, ent, stats.lse), None
+    return stats, None
+
+
+#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
+PLAN_SIZE = 0
+
+
+def kept_shapes(*_) -> None:
+    """This backend keeps nothing for the backward."""
+    return None
+
+
+def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor], g_h: Optional[Tensor],
+                      num_classes: int, opts: LogProbOptions, lse: Tensor) -> Tensor:
+    """The backward's (3, N) A, B, C from the formulas."""
+    return grad_coefficients_of(entropy, tokens, g_lp, g_h, num_classes, opts, lse)
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,

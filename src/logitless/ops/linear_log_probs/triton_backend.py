@@ -32,8 +32,7 @@ from logitless.planning import cute as cute_planning
 from logitless.planning.plans import TritonPlan, triton_plan
 from logitless.triton_lib import launch, log_probs_epilogue
 from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
-
-from . import triton_kernels as K
+from logitless.triton_lib import log_probs_kernels as K
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -143,8 +142,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
 
 
 def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor], g_h: Optional[Tensor],
-                      num_classes: int, opts: LogProbOptions) -> Tensor:
-    """The backward's (3, N) A, B, C in one launch (``log_probs_epilogue.grad_coefficients``)."""
+                      num_classes: int, opts: LogProbOptions, lse: Optional[Tensor] = None) -> Tensor:
+    """The backward's (3, N) A, B, C in one launch (``log_probs_epilogue.grad_coefficients``;
+    ``lse``: not needed)."""
     return log_probs_epilogue.grad_coefficients(entropy, tokens, g_lp, g_h, num_classes, opts)
 
 

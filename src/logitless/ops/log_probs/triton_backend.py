@@ -17,8 +17,7 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats
 from logitless.options import LogProbOptions
 from logitless.planning.plans import ce_triton_plan
-
-from . import triton_kernels as K
+from logitless.triton_lib import log_probs_logits_kernels as K
 
 
 def forward(logits: Tensor, tokens: Tensor, opts: LogProbOptions, *, budget: int) -> LogProbStats:
