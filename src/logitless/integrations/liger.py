@@ -167,19 +167,20 @@ def _liger_ce(
     core_reduction = "none" if use_token_scaling else reduction
     out = core(core_reduction, 0.0 if separate_z else s, need_stats)
     loss, stats = out if need_stats else (out, None)
+    dt = torch.promote_types(loss.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
 
     z_tok = None  # per-token z-loss s * lse**2 (0 at ignored), differentiable, fp32
     if stats is not None and s != 0.0:
-        lse = stats.lse.float()
+        lse = stats.lse.to(dt)
         z_tok = torch.where(valid, s * lse * lse, torch.zeros_like(lse))
     elif stats is not None:
-        z_tok = torch.zeros_like(stats.lse, dtype=torch.float32)
-    scale = target_prob().detach() if use_token_scaling else None  # p(target), 0 at ignored
+        z_tok = torch.zeros_like(stats.lse, dtype=dt)
+    scale = target_prob().detach().to(dt) if use_token_scaling else None  # p(target), 0 at ignored
 
-    n_den = n.clamp_min(1).to(torch.float32)
+    n_den = n.clamp_min(1).to(dt)
     if use_token_scaling:
         # loss: per-token (w_t * ce + z unless separated); Liger scales each token.
-        per_tok = loss.float() * scale
+        per_tok = loss.to(dt) * scale
         if reduction == "none":
             loss = per_tok
         elif reduction == "sum":
@@ -188,7 +189,7 @@ def _liger_ce(
             if ce_weight is None:
                 den = n_den
             else:
-                w_t = torch.where(valid, ce_weight.float()[target.clamp(0, ce_weight.shape[0] - 1)],
+                w_t = torch.where(valid, ce_weight.to(dt)[target.clamp(0, ce_weight.shape[0] - 1)],
                                   torch.zeros((), device=target.device))
                 den = w_t.sum()
             loss = per_tok.sum() / den
@@ -232,7 +233,7 @@ def _flce(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scal
             safe = torch.where(target_l == ignore_index, torch.zeros_like(target_l), target_l)
             logp = _linear_log_probs(_input.detach(), weight.detach(), safe,
                                      None if bias is None else bias.detach(), softcap=softcap)
-            return torch.where(target_l != ignore_index, logp.float().exp(), torch.zeros_like(logp, dtype=torch.float32))
+            return torch.where(target_l != ignore_index, logp.exp(), torch.zeros_like(logp))
 
     def argmax():
         return _argmax_linear(_input.detach().reshape(-1, _input.shape[-1]), weight.detach(),
@@ -497,13 +498,13 @@ class _LogSpaceJSD(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_q: Tensor, log_p: Tensor, valid: Optional[Tensor], beta: float, n: Tensor, rows: int):
-        v = log_q.shape[-1]
-        total = torch.zeros((), dtype=torch.float32, device=log_q.device)
+        dt = torch.promote_types(log_q.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+        total = torch.zeros((), dtype=dt, device=log_q.device)
         grad = torch.empty_like(log_q) if ctx.needs_input_grad[0] else None
-        inv_n = 1.0 / n.to(torch.float32)
+        inv_n = 1.0 / n.clamp_min(1).to(dt)
         for r0 in range(0, log_q.shape[0], rows):
-            x = log_q[r0:r0 + rows].float()
-            y = log_p[r0:r0 + rows].float()
+            x = log_q[r0:r0 + rows].to(dt)
+            y = log_p[r0:r0 + rows].to(dt)
             if beta == 0.0:  # forward KL(P || Q)
                 p = y.exp()
                 loss, dx = p * (y - x), -p
@@ -524,7 +525,6 @@ class _LogSpaceJSD(torch.autograd.Function):
             total = total + loss.sum()
             if grad is not None:
                 grad[r0:r0 + rows] = (dx * inv_n).to(grad.dtype)
-        del v
         ctx.save_for_backward(grad)
         return torch.where(n > 0, total * inv_n, torch.zeros_like(total))
 
