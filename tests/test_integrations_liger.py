@@ -186,11 +186,17 @@ def test_ignore_index_other_than_default_and_predicted_tokens():
     assert torch.equal(out.predicted_tokens, ref[3])
 
 
-def test_predicted_tokens_tie_takes_first_index():
+@pytest.mark.parametrize("chunk", [None, 4])  # one chunk; chunks of 2 columns (ties across chunks)
+def test_predicted_tokens_tie_takes_first_index(monkeypatch, chunk):
+    if chunk:
+        monkeypatch.setattr(liger, "_ARGMAX_CHUNK_ELEMENTS", chunk)
     x = torch.zeros(2, H, dtype=torch.float64)
     w = torch.randn(V, H, dtype=torch.float64)
     out = liger.liger_fused_linear_cross_entropy(x, w, torch.tensor([3, -100]), return_predicted_tokens=True)
     assert out.predicted_tokens.tolist() == [0, -1]  # all logits equal: first index, as Liger
+    x, w, b, t, _ = _data(bias=True)  # and chunked == plain argmax on random data
+    out = liger.liger_fused_linear_cross_entropy(x, w, t, b, softcap=2.0, return_predicted_tokens=True)
+    assert torch.equal(out.predicted_tokens, _reference(x, w, t, b, softcap=2.0)[3])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
