@@ -184,7 +184,8 @@ def main() -> int:
         "counts": counts, "peer_internal": internal, "failures": failures,
         "pytest_rc": proc.returncode,
     }
-    out = args.out or ROOT / "benchmarks" / "results" / f"peer-tests-{args.peer}-{'cuda' if cuda else 'cpu'}-{date}.json"
+    dev = "cuda" if cuda else "cpu"
+    out = args.out or ROOT / "benchmarks" / "results" / f"peer-tests-{args.peer}-{dev}-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"{args.peer}: {counts} -> {out}")

@@ -67,7 +67,10 @@ def _reference(x, w, t, bias=None, ce_weight=None, ignore_index=-100, lse_square
             loss, zloss = (ce * p).sum() / wsum + (zl * p).sum() / n, (zl * p).sum() / n
     pred = torch.where(valid, z.argmax(-1), torch.full_like(t, -1))
     correct = (pred == t) & valid
-    acc = correct.double() if reduction == "none" else correct.double().sum() / n if n else torch.tensor(math.nan, dtype=torch.float64)
+    if reduction == "none":
+        acc = correct.double()
+    else:
+        acc = correct.double().sum() / n if n else torch.tensor(math.nan, dtype=torch.float64)
     return loss, zloss, acc, pred
 
 

@@ -75,7 +75,7 @@ class VocabParallelOptions:
     reduce_e_grad: bool = True
 
     @classmethod
-    def from_vocab(cls, vocab_size: int, group=None, reduce_e_grad: bool = True) -> "VocabParallelOptions":
+    def from_vocab(cls, vocab_size: int, group=None, reduce_e_grad: bool = True) -> VocabParallelOptions:
         rank = torch.distributed.get_rank(group)
         world_size = torch.distributed.get_world_size(group)
         start = rank * (vocab_size // world_size) + min(rank, vocab_size % world_size)
