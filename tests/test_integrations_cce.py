@@ -154,3 +154,29 @@ def test_matches_cut_cross_entropy_torch_compile(reduction, shift):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(ours.sum(), [e, c]), torch.autograd.grad(theirs.sum(), [e, c])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _vocab_parallel_worker(rank, world, device, reduce_e_grad):
+    import torch.distributed as dist
+
+    e, c, b, t = _data(bias=True)
+    vp = cce.VocabParallelOptions.from_vocab(V, reduce_e_grad=reduce_e_grad)
+    c_local = c.detach()[vp.start:vp.stop].clone().requires_grad_()
+    b_local = b.detach()[vp.start:vp.stop].clone().requires_grad_()
+    loss = cce.linear_cross_entropy(e, c_local, t, b_local, shift=1, vocab_parallel_options=vp)
+    ref = _reference(e, c, t, b, shift=1)[0]
+    torch.testing.assert_close(loss, ref, rtol=1e-9, atol=1e-9)
+    de, dc, db = torch.autograd.grad(loss, [e, c_local, b_local])
+    rde, rdc, rdb = torch.autograd.grad(ref, [e, c, b])
+    torch.testing.assert_close(dc, rdc[vp.start:vp.stop], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(db, rdb[vp.start:vp.stop], rtol=1e-9, atol=1e-9)
+    if not reduce_e_grad:  # each rank keeps its partial gradient of e: they sum to the full one
+        dist.all_reduce(de)
+    torch.testing.assert_close(de, rde, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("reduce_e_grad", [True, False])
+def test_vocab_parallel_options_two_ranks(reduce_e_grad):
+    from tests._distributed import spawn
+
+    spawn(_vocab_parallel_worker, 2, reduce_e_grad, backend="gloo")
