@@ -108,17 +108,18 @@ def _argmax_linear(x2d: Tensor, weight: Tensor, bias: Optional[Tensor], softcap:
         return arg
     cols = max(1, min(v, _ARGMAX_CHUNK_ELEMENTS // max(1, min(n, 4096))))
     rows = max(1, min(n, _ARGMAX_CHUNK_ELEMENTS // cols))
-    for r0 in range(0, n, rows):
-        xr = x2d[r0:r0 + rows].float()
-        for c0 in range(0, v, cols):
-            z = xr @ weight[c0:c0 + cols].float().T
-            if bias is not None:
-                z += bias[c0:c0 + cols].float()
-            z = _softcap(z, softcap)
-            m, i = z.max(dim=-1)  # first maximum within the chunk
-            better = m > best[r0:r0 + rows]  # strict: an earlier chunk keeps a tie
-            best[r0:r0 + rows] = torch.where(better, m, best[r0:r0 + rows])
-            arg[r0:r0 + rows] = torch.where(better, i + c0, arg[r0:r0 + rows])
+    with torch.autocast(x2d.device.type, enabled=False):  # fp32 products, also under autocast
+        for r0 in range(0, n, rows):
+            xr = x2d[r0:r0 + rows].float()
+            for c0 in range(0, v, cols):
+                z = xr @ weight[c0:c0 + cols].float().T
+                if bias is not None:
+                    z += bias[c0:c0 + cols].float()
+                z = _softcap(z, softcap)
+                m, i = z.max(dim=-1)  # first maximum within the chunk
+                better = m > best[r0:r0 + rows]  # strict: an earlier chunk keeps a tie
+                best[r0:r0 + rows] = torch.where(better, m, best[r0:r0 + rows])
+                arg[r0:r0 + rows] = torch.where(better, i + c0, arg[r0:r0 + rows])
     return arg
 
 
