@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Per peer: its test files (relative to --tests), and the alias plugin's body.
 PEERS = {
     "liger": {
-        "files": ["test/transformers/test_cross_entropy.py", "test/transformers/test_fused_linear_cross_entropy.py",
-                  "test/transformers/test_jsd.py", "test/transformers/test_fused_linear_jsd.py"],
+        "files": ["test/transformers/test_jsd.py", "test/transformers/test_fused_linear_jsd.py",
+                  "test/transformers/test_fused_linear_cross_entropy.py", "test/transformers/test_cross_entropy.py"],
         "support": ["test/__init__.py", "test/utils.py", "test/conftest.py", "test/transformers/__init__.py"],
         "plugin": '''
 import liger_kernel.ops as _ops
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--tests", type=Path, required=True, help="folder with the peer's test files (git-ignored)")
     ap.add_argument("--peer-path", type=Path, required=True, help="where the peer package is importable from")
     ap.add_argument("-k", default=None, help="pytest -k expression (a subset)")
-    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per test file")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -134,41 +134,44 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix=f"peer-tests-{args.peer}-"))
     edits = _copy_tests(args.peer, args.tests.resolve(), work, cuda)
     (work / "logitless_peer_alias.py").write_text(PEERS[args.peer]["plugin"])
-    junit = work / "junit.xml"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(work), str(ROOT / "src"), str(args.peer_path.resolve()),
                                          env.get("PYTHONPATH", "")])
     if not cuda:
         env.setdefault("TRITON_INTERPRET", "1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "logitless_peer_alias",
-           f"--junitxml={junit}", "-o", "junit_family=xunit1", *PEERS[args.peer]["files"]]
-    if args.k:
-        cmd += ["-k", args.k]
-    print(" ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=work, env=env, timeout=args.timeout, capture_output=True, text=True)
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    print(tail)
-    if not junit.exists():
-        print("pytest wrote no report", file=sys.stderr)
-        return 2
-
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failures, internal = [], []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        if PEERS[args.peer]["internal"].search(name):
-            internal.append(name)
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if case.find("skipped") is not None:
-            counts["skipped"] += 1
-        elif bad is not None:
-            counts["failed" if bad.tag == "failure" else "errors"] += 1
-            text = (bad.get("message") or "") + "\n" + (bad.text or "")
-            lines = [ln for ln in text.splitlines() if re.search(r"(Mismatch|Greatest|differ|Error|assert|"
-                                                                    r"Expected|diff|close)", ln, re.I)]
-            failures.append({"test": name, "message": "\n".join(lines[:12])[:2000]})
-        else:
-            counts["passed"] += 1
+    failures, internal, crashed = [], [], []
+    for test_file in PEERS[args.peer]["files"]:  # one process per file: a crash costs one file
+        junit = work / (Path(test_file).stem + ".xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "logitless_peer_alias",
+               f"--junitxml={junit}", "-o", "junit_family=xunit1", test_file]
+        if args.k:
+            cmd += ["-k", args.k]
+        print(" ".join(cmd), flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=work, env=env, timeout=args.timeout, capture_output=True, text=True)
+            rc, tail = proc.returncode, proc.stdout[-1500:] + proc.stderr[-1500:]
+        except subprocess.TimeoutExpired as exc:
+            rc, tail = "timeout", str(exc.stdout or "")[-1500:]
+        print(tail, flush=True)
+        if not junit.exists():
+            crashed.append({"file": test_file, "returncode": rc, "tail": tail[-800:]})
+            continue
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            if PEERS[args.peer]["internal"].search(name):
+                internal.append(name)
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            if case.find("skipped") is not None:
+                counts["skipped"] += 1
+            elif bad is not None:
+                counts["failed" if bad.tag == "failure" else "errors"] += 1
+                text = (bad.get("message") or "") + "\n" + (bad.text or "")
+                lines = [ln for ln in text.splitlines() if re.search(
+                    r"(Mismatch|Greatest|differ|Error|assert|Expected|diff|close)", ln, re.I)]
+                failures.append({"test": name, "message": "\n".join(lines[:12])[:2000]})
+            else:
+                counts["passed"] += 1
 
     version = subprocess.run([sys.executable, "-c", "import importlib.metadata as m, sys; "
                               f"print(m.version({'liger-kernel' if args.peer == 'liger' else 'cut-cross-entropy'!r}))"],
@@ -181,8 +184,7 @@ def main() -> int:
         "peer": args.peer, "peer_version": version, "device": "cuda" if cuda else "cpu (Triton interpreter)",
         "torch": torch.__version__, "date": date, "command": " ".join(sys.argv),
         "test_files": PEERS[args.peer]["files"], "k": args.k, "edits": edits,
-        "counts": counts, "peer_internal": internal, "failures": failures,
-        "pytest_rc": proc.returncode,
+        "counts": counts, "crashed_files": crashed, "peer_internal": internal, "failures": failures,
     }
     dev = "cuda" if cuda else "cpu"
     out = args.out or ROOT / "benchmarks" / "results" / f"peer-tests-{args.peer}-{dev}-{date}.json"
