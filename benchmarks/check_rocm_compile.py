@@ -13,9 +13,9 @@ bias, softcap, class weights, label smoothing, z-loss, argmax (return_stats), ke
 columns, gradient in the forward, entropy, temperature, JSD beta 0.5 / 0 / 1, hard
 labels; fp32 at matmul precision "highest" and "high") with the plans an AMD GPU gets
 (``planning.rocm``: its tile tables, no TMA; the row kernels' tiles as on a GPU) and
-records each launch: kernel, argument types, constexprs, launch options. ``compile``
-compiles each unique launch (a separate process: without the interpreter) for each
-target, with the dot precision ``planning.rocm.dot_precision`` gives there, and writes
+records each launch: kernel, argument types, constexprs (the dot precision is
+``planning.rocm.dot_precision``'s for the target), launch options. ``compile`` compiles
+each unique launch (a separate process: without the interpreter) for its target, and writes
 per launch: ok, VGPRs / AGPRs / spills, LDS bytes (checked against the target's LDS),
 the MFMA instructions; or the error. Exits 1 when any launch fails to compile or needs
 more LDS than the target has. ``tiles`` compiles the fused GEMM kernels at candidate
@@ -103,6 +103,13 @@ def capture(full: bool, archs=ARCHS):
         mod.ce_triton_plan = gpu_ce_plan
     # Plans adapted as on an AMD GPU (rocm.adapt_plan: no TMA) although the device is the CPU.
     real_arch = rocm.arch
+    # The dot precision as on the AMD GPU (launch.dot_precision's HIP branch). On the
+    # interpreter bf16 dots then multiply garbage (its bf16 bug, see gemm.dot): the launches,
+    # not the values, are what is recorded.
+    from logitless.planning.overrides import current as overrides
+    from logitless.triton_lib import launch
+
+    real_precision = launch.dot_precision
     memo.clear()
 
     records, seen = [], set()
@@ -125,6 +132,8 @@ def capture(full: bool, archs=ARCHS):
     try:
       for arch in archs:
         rocm.arch = lambda device, arch=arch: arch
+        launch.dot_precision = lambda dtype, arch=arch: rocm.dot_precision(
+            dtype == torch.float32, launch.tf32_allowed(), overrides().tf32_round, arch_name=arch)
         for label, dt, prec, op, kw in _cases(full):
             dtype = getattr(torch, dt)
             itemsize = dtype.itemsize
@@ -145,6 +154,7 @@ def capture(full: bool, archs=ARCHS):
         for mod in (plans, ce_b, jsd_b, lp_b):
             mod.ce_triton_plan = real_ce_plan
         rocm.arch = real_arch
+        launch.dot_precision = real_precision
         memo.clear()
     return records
 
@@ -251,17 +261,8 @@ def _type_of(a):
 
 # ----------------------------------------------------------------------------- compile
 
-def hip_precision(prec, arch: str, dtype: str):
-    """The DOT_PRECISION a launch takes on ``arch`` (``planning.rocm.dot_precision``), from
-    the one captured on the interpreter; None: the planner never makes this launch there
-    (fp32 on operands pre-rounded to TF32, where the target has no TF32)."""
-    if dtype != "float32":
-        return "ieee"
-    if prec == "tf32x3":  # fp32 at "highest"
-        return "ieee"
-    if prec in ("tf32-round", "tf32"):  # fp32 at "high" (in-kernel rounding / pre-rounded operands)
-        return prec if arch == "gfx942" else None
-    return prec
+#: Dot precisions Triton's AMD backend accepts, by target (gfx942: xf32 MFMA for "tf32").
+HIP_PRECISIONS = {"gfx942": {"ieee", "tf32", "tf32-round"}, "gfx950": {"ieee"}}
 
 
 def _stats(k) -> dict:
@@ -288,11 +289,8 @@ def compile_one(rec, arch):
     mod, name = rec["kernel"].split(":")
     fn = getattr(importlib.import_module(mod), name)
     consts = dict(rec["constexprs"])
-    if "DOT_PRECISION" in consts:
-        p = hip_precision(consts["DOT_PRECISION"], arch, rec["dtype"])
-        if p is None:
-            return dict(skipped=f"not planned on {arch}: DOT_PRECISION {consts['DOT_PRECISION']!r} (no TF32)")
-        consts["DOT_PRECISION"] = p
+    if "DOT_PRECISION" in consts and consts["DOT_PRECISION"] not in HIP_PRECISIONS[arch]:
+        raise ValueError(f"DOT_PRECISION {consts['DOT_PRECISION']!r} planned for {arch}")
     sig = dict(rec["signature"])
     t0 = time.time()
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("hip", arch, rocm.WAVEFRONT),

@@ -53,11 +53,12 @@ ROCM_TILES = {
     "gfx950": {2: (128, 64, 64, 4, 2), 4: (128, 64, 32, 4, 2)},
 }
 #: linear_jsd's backward and KL-limit forward kernels (a student and a teacher tile at
-#: once: two fp32 accumulators), by itemsize. gfx950's 16-bit KL forward spilled 116
-#: VGPRs at 8 wavefronts (gfx942: 162 VGPRs, none): 4 there.
+#: once: two fp32 accumulators), by itemsize. gfx950's 16-bit KL forward at 128 x 64 x 64
+#: spilled 116 VGPRs with 8 wavefronts and 197 with 4 (gfx942: 162 VGPRs, none); at
+#: 128 x 64 x 32 and 8 wavefronts it takes 224, none.
 JSD_ROCM_TILES = {
     "gfx942": {2: (128, 64, 64, 8, 2), 4: (64, 64, 32, 4, 2)},
-    "gfx950": {2: (128, 64, 64, 4, 2), 4: (64, 64, 32, 4, 2)},
+    "gfx950": {2: (128, 64, 32, 8, 2), 4: (64, 64, 32, 4, 2)},
 }
 
 
@@ -108,19 +109,21 @@ def adapt_plan(plan, device):
     return dataclasses.replace(plan, tma=False, dz_tma=False)
 
 
-def dot_precision(dtype_is_fp32: bool, tf32_allowed: bool, tf32_round: bool, device=None) -> str:
+def dot_precision(dtype_is_fp32: bool, tf32_allowed: bool, tf32_round: bool, device=None,
+                  arch_name: Optional[str] = None) -> str:
     """tl.dot's ``input_precision`` on an AMD GPU. 16-bit inputs: "ieee" (ignored by the
     bf16/fp16 MFMAs; Triton's gfx950 backend rejects "tf32" even there). fp32 at matmul
     precision "highest": "ieee" (fp32 MFMA: fp32 products, at least 3xTF32's accuracy).
     fp32 at "high"/"medium": "tf32-round" on gfx942 (operands rounded to TF32, xf32 MFMA:
     the products cuBLAS and the NVIDIA path give), "tf32" under
-    ``override(tf32_round=False)``; "ieee" on gfx950 and other AMD GPUs (no xf32)."""
+    ``override(tf32_round=False)``; "ieee" on gfx950 and other AMD GPUs (no xf32).
+    ``arch_name``: the architecture (default: ``device``'s, or the current device's)."""
     if not dtype_is_fp32 or not tf32_allowed:
         return "ieee"
-    import torch
+    if arch_name is None:
+        import torch
 
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if arch(device) != "gfx942":
+        arch_name = arch(device if device is not None else torch.device("cuda", torch.cuda.current_device()))
+    if arch_name != "gfx942":
         return "ieee"
     return "tf32-round" if tf32_round else "tf32"
