@@ -55,7 +55,7 @@ def _cases(full: bool):
         ("llp-entropy", "llp", dict(entropy=True, temperature=0.7, softcap=20.0, bias=True)),
         ("llp-recompute", "llp", dict(budget="none", entropy=True)),
         ("ljsd-0.5", "ljsd", dict(beta=0.5, hard_label_weight=0.3)),
-        ("ljsd-kl", "ljsd", dict(beta=0.0, softcap=25.0)),
+        ("ljsd-kl", "ljsd", dict(beta=0.0, softcap=25.0, bias=True)),
         ("ljsd-split", "ljsd", dict(beta=0.5, v=5003)),
         ("ce", "ce", dict(label_smoothing=0.1, z_loss=1e-4, softcap=10.0, return_stats=True)),
         ("lp", "lp", dict(entropy=True, temperature=0.8)),
@@ -66,6 +66,7 @@ def _cases(full: bool):
         ("lce-cw-smooth", "lce", dict(class_weight=True, label_smoothing=0.2)),
         ("llp-plain", "llp", dict()),
         ("ljsd-rkl", "ljsd", dict(beta=1.0, hard_label_weight=0.5)),
+        ("ljsd-rkl-bias", "ljsd", dict(beta=1.0, hard_label_weight=0.5, bias=True, softcap=20.0)),
         ("ljsd-gif", "ljsd", dict(beta=0.5, strategy=("grad_in_forward", 16))),
         ("ce-cw", "ce", dict(class_weight=True, reduction="sum")),
         ("jsd-kl", "jsd", dict(beta=1.0, softcap=15.0)),
@@ -175,7 +176,10 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
     elif budget == "none":  # nothing kept: every column recomputed chunk by chunk
         mem = 1
     if kw.pop("bias", False):
-        kw["bias"] = r(v)
+        if op == "ljsd":
+            kw.update(student_bias=r(v), teacher_bias=r(v, grad=False))
+        else:
+            kw["bias"] = r(v)
     if kw.pop("class_weight", False):
         kw["class_weight"] = torch.rand(v, generator=g) + 0.5
     with override(**ov):
