@@ -8,9 +8,10 @@ the plans without TMA, the dot precision and that the CuTe (Hopper) gate stays s
 The compile test runs ``benchmarks/check_rocm_compile.py``: it records every kernel
 launch of the ops (CPU interpreter, AMD plans) and compiles each for gfx942 and gfx950
 with Triton's AMD backend; every launch must compile, fit the target's LDS and spill no
-VGPR. CI compiles a subset of the op calls that still launches every kernel (a few
-minutes); ``LOGITLESS_ROCM_FULL=1`` runs the whole matrix (bf16, fp16, fp32 at "highest"
-and "high", more option combinations; benchmarks/results/rocm-compile-cpu-*.json).
+VGPR. CI compiles a subset of the op calls that still launches every kernel (about 2
+minutes on two shared CPU cores, empty Triton cache); ``LOGITLESS_ROCM_FULL=1`` runs the
+whole matrix (bf16, fp16, fp32 at "highest" and "high", more option combinations; about
+12 minutes; benchmarks/results/rocm-compile-cpu-*.json).
 """
 
 from __future__ import annotations
