@@ -157,10 +157,32 @@ H100 = DeviceModel("H100", sms=132, wide_chunks=2)
 #: bandwidth, not refitted.
 H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12,
                jsd_kl_forward_l2miss=1.31, jsd_stream_bw=3.4e12)
+#: AMD Instinct MI300X (gfx942, CDNA3; chosen by ``torch.cuda.get_device_properties(d).
+#: gcnArchName`` under ROCm: ``planning.rocm.arch``). AMD's data sheet: 304 CUs, 1307.4
+#: TFLOP/s peak dense bf16/fp16, 653.7 TFLOP/s TF32 (xf32), 163.4 TFLOP/s fp32 matrix,
+#: 5.3 TB/s HBM3, 4 MB L2 per XCD (8 XCDs) and a 256 MB Infinity Cache. Not measured
+#: here (no AMD GPU): the GEMM rate is taken at half the peak (public hipBLASLt bf16
+#: GEMMs reach ~45-55% of it at large shapes), the copy rate at 75% of the peak, the
+#: other bandwidths scaled from the H100's by the copy rate; the fused-kernel factors
+#: are the H100's (the kernels lose TMA/wgmma and gain nothing: a guess to refit with
+#: ``benchmarks/fit_cost_model.py`` on the hardware). ``l2_bytes``: the Infinity Cache
+#: (a dz chunk re-read by the dW and dx GEMMs stays there, not in the 4 MB L2s).
+MI300X = replace(H100, name="MI300X", sms=304, gemm_flops_16=650e12, gemm_flops_32=325e12, hbm_bw=4.0e12,
+                 keep_store_bw=1.7e12, kept_pass_bw=3.5e12, acc_bw=5.9e12, round_bw=3.8e12,
+                 l2_bytes=256e6, wide_chunks=0)
+#: AMD Instinct MI355X (gfx950, CDNA4). AMD's data sheet: 256 CUs, 2516.6 TFLOP/s peak
+#: dense bf16/fp16 (MI350X 2306.9), 157.3 TFLOP/s fp32 matrix and no TF32 (fp32 at
+#: "high" runs fp32 MFMAs: ``gemm_flops_32`` at that rate), 8 TB/s HBM3E, 256 MB
+#: Infinity Cache, 160 KiB LDS per CU. Same assumptions as MI300X (half the GEMM peak,
+#: 75% of the copy peak), not measured.
+MI355X = replace(MI300X, name="MI355X", sms=256, gemm_flops_16=1250e12, gemm_flops_32=80e12, hbm_bw=6.0e12,
+                 keep_store_bw=2.6e12, kept_pass_bw=5.2e12, acc_bw=8.8e12, round_bw=5.7e12)
 #: Any other GPU: H100's constants (the choice is relative, so ratios matter more than
 #: absolute rates). The CPU interpreter uses this too; its plans are only for tests.
 DEFAULT = H100
-DEVICE_MODELS = {"H100": H100, "H200": H200}
+DEVICE_MODELS = {"H100": H100, "H200": H200, "MI300X": MI300X, "MI355X": MI355X}
+#: AMD architectures (``gcnArchName``) -> device class; other AMD GPUs get DEFAULT.
+ROCM_ARCH_CLASSES = {"gfx942": "MI300X", "gfx950": "MI355X"}
 
 
 def device_class(name: str) -> str:
@@ -175,6 +197,11 @@ def device_class(name: str) -> str:
 def device_model(device=None) -> DeviceModel:
     if device is None or getattr(device, "type", "cpu") != "cuda":
         return DEFAULT
+    from logitless.planning import rocm
+
+    amd = rocm.arch(device)
+    if amd is not None:  # ROCm: by architecture (names vary: "AMD Instinct MI300X", "AMD Radeon Graphics")
+        return DEVICE_MODELS.get(ROCM_ARCH_CLASSES.get(amd, ""), DEFAULT)
     import torch
 
     return DEVICE_MODELS.get(device_class(torch.cuda.get_device_name(device)), DEFAULT)

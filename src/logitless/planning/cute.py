@@ -349,6 +349,10 @@ def device_facts(device) -> Optional[tuple]:
     (tests replace this function to plan for an H100 on the CPU)."""
     if device.type != "cuda":
         return None
+    from logitless.planning import rocm
+
+    if rocm.is_hip():  # ROCm reports gfx942 as capability (9, 4): not a Hopper
+        return None
     import torch
 
     capability = tuple(torch.cuda.get_device_capability(device))

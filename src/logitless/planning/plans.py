@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported for the planners' users)
 from logitless.planning.memo import memoised
+from logitless.planning import rocm as _rocm
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables and the plan live there)
     CUDA_TILES,
@@ -202,6 +203,7 @@ def _triton_plan(
         **kernel_options(num_tokens, block_n, block_v, device),
         w_chunk=w_chunk,
     )
+    plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
     reshape = _overrides().plan
     return reshape(plan) if reshape is not None else plan
 
@@ -326,11 +328,13 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=F
         # The tuner's pre-rounded entries (their own key: never the in-kernel path's
         # tiles, nor the reverse) are for plans with a backward, what the tuner times.
         found = _tuned.tiles_for(device, 4, num_tokens, hidden, vocab, prerounded=True) if keep else None
-        return found or CUDA_TILES_TF32[bool(keep)]
+        return found or _rocm.tiles(device, 4) or CUDA_TILES_TF32[bool(keep)]
     found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
     if found is not None:
         return found
-    return CUDA_TILES[itemsize] if device.type == "cuda" else INTERPRETER_TILES
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    return _rocm.tiles(device, itemsize) or CUDA_TILES[itemsize]  # AMD GPUs: planning.rocm's table
 
 
 #: Kept columns (and gradient-in-forward, which keeps every column of a token chunk) need
@@ -502,7 +506,8 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     ``triton_plan`` does; ``tiles.w_chunk`` is then the chunk's rows (0: no scratch).
     The forward's logits are cuBLAS GEMMs, which round at "high" themselves."""
     cuda = device.type == "cuda"
-    tiles = _overrides().tiles or (JSD_CUDA_TILES[itemsize] if cuda else INTERPRETER_TILES)
+    tiles = _overrides().tiles or (
+        (_rocm.tiles(device, itemsize, jsd=True) or JSD_CUDA_TILES[itemsize]) if cuda else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     rows = budget // max(1, 8 * vocab)
     if cuda and rows >= 16:
@@ -535,6 +540,7 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
                       vocab_chunk=vocab_chunk,
                       **kernel_options(num_tokens, block_n, block_v, device),  # group_n is used
                       w_chunk=vocab_chunk if prerounded else 0)
+    plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan, blocks_per_split=blocks_per_split)
 
 

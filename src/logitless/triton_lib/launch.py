@@ -46,6 +46,7 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logitless.planning import plans as _plans
+from logitless.planning import rocm as _rocm
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.plans import TritonPlan
 
@@ -71,6 +72,10 @@ def tf32_allowed() -> bool:
         return prec == "tf32"
 
 
+#: PyTorch built for ROCm: the kernels run on AMD GPUs (``planning.rocm``).
+_HIP = getattr(torch.version, "hip", None) is not None
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
 
@@ -80,8 +85,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     "logitless-tf32-truncate" rows measure) or, at "highest", "tf32x3" (each operand split into a TF32
     head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
     tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
-    16-bit inputs ignore the setting.
+    16-bit inputs ignore the setting. AMD GPUs (ROCm): ``planning.rocm.dot_precision``
+    ("ieee", or "tf32-round" for fp32 at "high" on gfx942; never "tf32x3").
     """
+    if _HIP:
+        return _rocm.dot_precision(dtype == torch.float32, tf32_allowed(), _overrides().tf32_round)
     if dtype == torch.float32:
         if not tf32_allowed():
             return "tf32x3"

@@ -1,0 +1,211 @@
+"""AMD GPUs (ROCm) without one: the planner on a fake gfx942 / gfx950 device, and the torch
+ops' Triton kernels compiled ahead of time for those targets on the CPU.
+
+The planner tests fake what PyTorch on ROCm reports (``torch.version.hip`` set, a device of
+type "cuda" whose properties carry ``gcnArchName``) and check the device model, tiles,
+the plans without TMA, the dot precision and that the CuTe (Hopper) gate stays shut.
+
+The compile test runs ``benchmarks/check_rocm_compile.py``: it records every kernel
+launch of the ops (CPU interpreter, AMD plans) and compiles each for gfx942 and gfx950
+with Triton's AMD backend; every launch must compile, fit the target's LDS and spill no
+VGPR. CI compiles a subset of the op calls that still launches every kernel (about 2
+minutes on two shared CPU cores, empty Triton cache); ``LOGITLESS_ROCM_FULL=1`` runs the
+whole matrix (bf16, fp16, fp32 at "highest" and "high", more option combinations; about
+12 minutes; benchmarks/results/rocm-compile-cpu-*.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from logitless.planning import cost_model, cute, memo, plans, rocm
+from logitless.triton_lib import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 1 << 30
+
+
+def fake_props(arch: str):
+    name, cus = {"gfx942": ("AMD Instinct MI300X", 304), "gfx950": ("AMD Instinct MI355X", 256),
+                 "gfx90a": ("AMD Instinct MI250X / MI250", 110)}[arch]
+    return types.SimpleNamespace(name=name, gcnArchName=f"{arch}:sramecc+:xnack-", multi_processor_count=cus,
+                                 L2_cache_size=4 << 20, major=9, minor=4)
+
+
+@pytest.fixture
+def amd(monkeypatch):
+    """set(arch) makes torch look like ROCm with that GPU as cuda:0."""
+
+    def set_arch(arch):
+        props = fake_props(arch)
+        monkeypatch.setattr(torch.version, "hip", "6.4.43482", raising=False)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: props.name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 4))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setenv("LOGITLESS_TUNED", "0")  # no tuner cache of this machine
+        rocm._arch_of.cache_clear()
+        memo.clear()
+        return torch.device("cuda", 0)
+
+    yield set_arch
+    rocm._arch_of.cache_clear()
+    memo.clear()
+
+
+@pytest.mark.parametrize("arch,model", [("gfx942", cost_model.MI300X), ("gfx950", cost_model.MI355X),
+                                        ("gfx90a", cost_model.DEFAULT)])
+def test_device_model_by_arch(amd, arch, model):
+    dev = amd(arch)
+    assert rocm.arch(dev) == arch
+    assert cost_model.device_model(dev) is model
+    assert plans.num_sms(dev) == fake_props(arch).multi_processor_count
+
+
+def test_amd_models_from_public_specs():
+    """The models' rates stay below the data sheets' peaks (GEMM rate at about half)."""
+    for m, cus, peak16, hbm in ((cost_model.MI300X, 304, 1307.4e12, 5.3e12),
+                                (cost_model.MI355X, 256, 2516.6e12, 8.0e12)):
+        assert m.sms == cus and 0.4 * peak16 <= m.gemm_flops_16 <= 0.6 * peak16
+        assert 0.6 * hbm <= m.hbm_bw < hbm
+    assert cost_model.MI355X.gemm_flops_32 < cost_model.MI300X.gemm_flops_32  # gfx950: no TF32
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_amd_plans_take_amd_tiles_without_tma(amd, arch, itemsize):
+    dev = amd(arch)
+    for n, budget, keep in ((4096, 4 * GiB, True), (4096, 256 << 20, True), (512, GiB, False)):
+        p = plans.triton_plan(n, 128256, 4096, itemsize, budget, dev, keep_allowed=keep)
+        assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == rocm.ROCM_TILES[arch][itemsize]
+        assert not p.tma and not p.dz_tma
+        assert p.vocab_splits >= 1 and p.vocab_chunk % p.block_v == 0
+    j = plans.linear_jsd_plan(4096, 151936, 2048, itemsize, GiB, dev, hidden_t=2048).tiles
+    assert (j.block_n, j.block_v, j.block_h, j.num_warps, j.num_stages) == rocm.JSD_ROCM_TILES[arch][itemsize]
+    assert not j.tma and not j.dz_tma
+    s = plans.lce_strategy(4096, 128256, 4096, itemsize, GiB, dev)
+    assert s.strategy in cost_model.STRATEGIES
+
+
+def test_fp32_high_on_amd(amd):
+    """fp32 at "high": the pre-rounded plan only where TF32 exists (gfx942)."""
+    dev = amd("gfx942")
+    c = plans.tf32_choice(4096, 128256, 4096, 4 * GiB, dev)
+    assert not c.pre_plan.tma and not c.in_kernel_plan.tma
+    assert c.pre_plan.block_v == rocm.ROCM_TILES["gfx942"][4][1]
+
+
+def test_launch_takes_pointers_on_amd(amd):
+    """The launch code's operands: tensors, USE_TMA False, dz without a descriptor."""
+    dev = amd("gfx942")
+    p = plans.triton_plan(4096, 128256, 4096, 2, 4 * GiB, dev, keep_allowed=True)
+    x, w = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    x_op, w_op, use_tma = launch.operands(x, w, p)
+    assert x_op is x and w_op is w and use_tma is False
+    dz = torch.zeros(64, 128, dtype=torch.bfloat16)
+    assert launch.dz_operand(dz, p, use_tma) == (dz, False)
+    assert launch.keep_buffers(p, 64, x, use_tma)[3].__class__ is torch.Tensor
+
+
+@pytest.mark.parametrize("arch,fp32_high", [("gfx942", "tf32-round"), ("gfx950", "ieee"), ("gfx90a", "ieee")])
+def test_dot_precision_on_amd(amd, monkeypatch, arch, fp32_high):
+    """Never "tf32x3" (NVIDIA-only) on HIP; "tf32" only where the MFMA has xf32."""
+    dev = amd(arch)
+    monkeypatch.setattr(launch, "_HIP", True)
+    assert launch.dot_precision(torch.bfloat16) == "ieee"
+    assert launch.dot_precision(torch.float16) == "ieee"
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert launch.dot_precision(torch.float32) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert launch.dot_precision(torch.float32) == fp32_high
+        assert launch.tf32_prerounded(torch.float32) == (fp32_high == "tf32-round")
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    assert rocm.dot_precision(True, True, False, dev) == ("tf32" if arch == "gfx942" else "ieee")
+
+
+def test_cute_gate_shut_on_amd(amd):
+    """ROCm reports gfx942 as compute capability (9, 4): not a Hopper."""
+    assert cute.device_facts(amd("gfx942")) is None
+
+
+def test_nvidia_plans_unchanged(monkeypatch):
+    """Without ROCm the AMD tables never apply: H100 tiles, TMA on, NVIDIA dot precision."""
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setenv("LOGITLESS_TUNED", "0")
+    memo.clear()
+    try:
+        dev = torch.device("cuda", 0)
+        assert rocm.arch(dev) is None and cost_model.device_model(dev) is cost_model.H100
+        p = plans.triton_plan(4096, 128256, 4096, 2, 4 * GiB, dev, keep_allowed=True)
+        assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == plans.CUDA_TILES[2] and p.tma
+        assert plans.linear_jsd_plan(4096, 151936, 2048, 2, GiB, dev, hidden_t=2048).tiles.tma
+    finally:
+        memo.clear()
+    assert launch._HIP is False and launch.dot_precision(torch.float32) in ("tf32x3", "tf32-round", "tf32")
+
+
+# ----------------------------------------------------------------------------- AOT compiles
+
+def _script(*args, timeout=1800):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "check_rocm_compile.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_every_kernel_compiles_for_gfx942_and_gfx950(tmp_path):
+    """Every launch the ops make with AMD plans compiles for both targets, fits the LDS and
+    spills no VGPR; no launch takes a TMA descriptor (the capture raises on one) or an
+    NVIDIA-only dot precision; every Triton kernel of the torch ops is among them."""
+    full = os.environ.get("LOGITLESS_ROCM_FULL") == "1"
+    specs, out = tmp_path / "specs.json", tmp_path / "compiled.json"
+    r = _script("capture", str(specs), *(["--full"] if full else []))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = json.loads(specs.read_text())
+    assert all(rec["constexprs"].get("USE_TMA", False) is False for rec in recs)
+    assert all(rec["constexprs"].get("DZ_TMA", False) is False for rec in recs)
+    launched = {rec["kernel"].split(":")[1] for rec in recs}
+    assert launched >= _torch_kernels(), sorted(_torch_kernels() - launched)
+    r = _script("compile", str(specs), str(out))
+    res = json.loads(out.read_text())
+    summary = res["summary"]
+    assert r.returncode == 0 and not summary["failed"], summary["failed"] or r.stderr[-3000:]
+    compiled = [e for e in res["results"] if "vgpr" in e]
+    assert {e["arch"] for e in compiled} == {"gfx942", "gfx950"}
+    assert all(e["lds_ok"] for e in compiled)
+    spills = [f"{e['arch']} {e['kernel']} {e['case']} {e['dtype']}: {e['vgpr_spill']}"
+              for e in compiled if e["vgpr_spill"]]
+    assert not spills, spills
+    dots = {e.get("dot_precision") for e in compiled} - {None}
+    assert dots <= {"ieee", "tf32", "tf32-round"}
+    assert all(e.get("dot_precision") in (None, "ieee") for e in compiled if e["arch"] == "gfx950")
+    mfma = {m for e in compiled for m in e["mfma"]}
+    assert any("bf16" in m for m in mfma) and any("xf32" in m for m in mfma), mfma
+
+
+def _torch_kernels() -> set:
+    """Names of the @triton.jit functions ending in "_kernel" under the torch side."""
+    import ast
+    import pathlib
+
+    names = set()
+    src = pathlib.Path(ROOT) / "src" / "logitless"
+    for path in list((src / "triton_lib").glob("*.py")) + list((src / "ops").glob("*/*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                names.add(node.name)
+    return names
