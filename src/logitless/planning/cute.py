@@ -323,11 +323,8 @@ def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=Non
                  need_argmax: bool = False, weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
     """The CuTe plan of one forward (module docstring), or None: the Triton kernel runs."""
     ov = _overrides()
-    if not enabled(ov, env_off()):  # cheap exits first
-        return None
-
-    facts = device_facts(x.device)
-    if facts is None:  # no DSL import off Hopper
+    facts = device_facts(x.device)  # first: on a CPU or off Hopper, the only call made here
+    if facts is None or not enabled(ov, env_off()):  # no DSL import off Hopper
         return None
     capability, sms, l2 = facts
     n, h = x.shape
