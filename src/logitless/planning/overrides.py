@@ -53,6 +53,9 @@ context is not in effect. Each field's default is the shipped behaviour:
                     pass over the columns, ``ops.linear_jsd.vocab_parallel``); False: the
                     second pass over this rank's columns with the merged log-sum-exps that
                     0 < beta < 1 needs (the same statistics to fp32 rounding)
+    split_model     the 16-bit fused forward's vocabulary splits from the program-cost model
+                    (``tiles.forward_blocks_per_split``; False: the WAVES rule alone, as
+                    before it: the same statistics up to the fp32 order of the split merge)
     fast_launch     repeated Triton launches call the cached compiled kernel directly
                     (``triton_lib.launch.run_kernel``; False: every launch through
                     ``kernel[grid]``, as LOGITLESS_FAST_LAUNCH=0 does for the whole
@@ -86,6 +89,7 @@ class Overrides:
     fast_launch: bool = True
     jsd_fused_forward: Optional[bool] = None
     jsd_tp_merge: bool = True
+    split_model: bool = True
 
     cute: Optional[bool] = None
     cute_available: Optional[bool] = None

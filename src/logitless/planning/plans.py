@@ -21,6 +21,7 @@ from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables a
     PERSISTENT_MIN_ROW_BLOCKS,
     WAVES,
     TritonPlan,
+    forward_blocks_per_split,
     group_rows_for,
 )
 
@@ -145,6 +146,9 @@ def _triton_plan(
     # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: docs/design.md).
     want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
     blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
+    if device.type == "cuda" and itemsize == 2 and _overrides().split_model:
+        blocks_per_split = forward_blocks_per_split(row_blocks, vocab_blocks, math.ceil(hidden / block_h),
+                                                    num_sms(device), blocks_per_split)
     vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
 
     # Backward. Kept columns cost itemsize + 4/block_v bytes per token each and save a

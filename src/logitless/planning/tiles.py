@@ -43,6 +43,34 @@ BIG_SMEM_CC = (80, 87, 90, 100, 103)
 #: Persistent dlogits programs from this many row blocks on: with fewer, a chunk has
 #: too few tiles per SM and the loop lost (512 tokens: 1.32x a GEMM against 1.17x).
 PERSISTENT_MIN_ROW_BLOCKS = 16
+#: Fixed cost of one forward program of the 16-bit fused GEMM kernel (pipeline fill, the
+#: epilogue, its partial statistics), in steps of its K loop (BLOCK_H columns of H):
+#: fitted on an H100 over 30 shapes (512-8192 tokens, H 768-8192, V 32k-262k; docs/design.md).
+PROGRAM_STEPS = 32
+#: Vocabulary tiles per forward program that ``forward_blocks_per_split`` weighs.
+SPLIT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+#: Predicted gain below which the WAVES rule's split stands (the model's noise).
+SPLIT_MIN_GAIN = 0.05
+
+
+def forward_blocks_per_split(row_blocks: int, vocab_blocks: int, k_steps: int, num_sms: int,
+                             waves_rule: int) -> int:
+    """Vocabulary tiles per program of the fused forward (16-bit, one program per SM).
+
+    Each program pays a fixed cost (``PROGRAM_STEPS``) beside its tiles, and the grid runs
+    in whole waves of ``num_sms`` programs: the predicted time is
+    ``ceil(programs / num_sms) * (tiles_per_program * k_steps + PROGRAM_STEPS)``. The
+    WAVES rule (``waves_rule``: tiles per program for ~WAVES programs per SM) stands unless
+    a candidate is predicted ``SPLIT_MIN_GAIN`` faster: with few row blocks it gave each
+    program one tile (512 x 4096 x 128256: 2.24x a GEMM; 16 tiles per program 1.35x)."""
+
+    def cost(per_split: int) -> int:
+        splits = math.ceil(vocab_blocks / per_split)
+        per_split = math.ceil(vocab_blocks / splits)
+        return math.ceil(row_blocks * splits / num_sms) * (per_split * k_steps + PROGRAM_STEPS)
+
+    best = min((c for c in SPLIT_CANDIDATES if c <= vocab_blocks), key=cost, default=waves_rule)
+    return best if cost(best) < (1 - SPLIT_MIN_GAIN) * cost(waves_rule) else waves_rule
 
 
 def group_rows_for(num_sms: int, block_n: int, block_v: int) -> int:
