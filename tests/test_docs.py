@@ -262,3 +262,16 @@ def test_readme_results_table_is_generated():
     assert mod.BEGIN in readme and mod.END in readme
     assert mod.render(readme, mod.table()) == readme
     assert "| llama3.1-8b (4096, 4096, 128256) |" in mod.table()
+
+
+def test_the_house_stays_small():
+    """The size limits of issue 35: README <= 250 lines, docs/ <= 3,000, benchmarks/ (code) <=
+    6,000; no dated session logs in docs/."""
+    root = ROOT
+    count = lambda files: sum(len(f.read_text().splitlines()) for f in files)  # noqa: E731
+    assert count([root / "README.md"]) <= 250
+    assert count(sorted((root / "docs").rglob("*.md"))) <= 3000
+    bench = [f for f in (root / "benchmarks").rglob("*") if f.suffix in (".py", ".sh") and "results" not in f.parts]
+    assert count(bench) <= 6000
+    dated = [f.name for f in (root / "docs").rglob("*.md") if re.search(r"20\d\d-\d\d-\d\d", f.name)]
+    assert not dated, dated
