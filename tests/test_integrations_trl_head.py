@@ -46,7 +46,7 @@ def _inputs(lead, h, v, dtype, seed, bias=True, ignore=0.3):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [
-    dict(lead=(29,), h=40, v=257),  # V prime, H not a multiple of 16
+    dict(lead=(29,), h=40, v=1031),  # V prime (5 column tiles of 256 with the small budget), H % 16 != 0
     dict(lead=(3, 7), h=24, v=101, temperature=0.7, softcap=4.0),  # 3-D, temperature, soft-cap
     dict(lead=(1,), h=12, v=13, bias=False, ignore=0.0),  # one token
     dict(lead=(5,), h=12, v=13, ignore=1.0),  # all ignored
@@ -97,14 +97,17 @@ def test_fields_not_asked_are_none_and_the_log_probs_path_is_linear_log_probs(mo
         trl_fields.head_fields(x, w, t, b, outputs=("log_prob",))
 
 
-def test_planted_bugs_are_caught(monkeypatch):
-    """The float64 checks above fail on a wrong statistic: a tie rule that keeps the last
-    maximum, and log_sum_sq_probs without the rescale of s2."""
-    x = torch.ones(2, 4, dtype=torch.float64)
-    w = torch.zeros(9, 4, dtype=torch.float64)
-    t = torch.tensor([0, 5])
-    top1 = trl_fields.head_fields(x, w, t, outputs=("is_top1",), memory_budget=1 << 10)[4]
-    assert top1.tolist() == [True, False]  # all logits equal: the first index is the argmax
+def test_is_top1_ties_take_the_first_index_across_tiles():
+    """Equal maximal logits in different column tiles (256 wide): the first index is the
+    argmax (torch's rule), so a label at a later tied column is not top-1."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(700, 8, generator=g, dtype=torch.float64).clamp(-3, 3)
+    w[[10, 300, 650]] = 4.0
+    x = torch.rand(3, 8, generator=g, dtype=torch.float64) + 0.1
+    t = torch.tensor([10, 300, 650])
+    for budget in (None, 1 << 12):
+        top1 = trl_fields.head_fields(x, w, t, outputs=("is_top1",), memory_budget=budget)[4]
+        assert top1.tolist() == [True, False, False]
 
 
 # ------------------------------------------------------------------------------------------
