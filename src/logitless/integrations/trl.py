@@ -25,6 +25,12 @@ installs a head whose log-probs and ``is_top1`` come from one
     trainer = SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...)
     logitless.integrations.trl.patch_sft(trainer)
     trainer.train()
+
+TRL's own entry point: :func:`add_fused_lm_head` has the signature of TRL 1.16's
+``add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` and returns every
+field TRL can ask for (log_sum_sq_probs, mean_logits and is_top1 included, from one pass:
+``trl_fields``); :func:`patch_trl` puts it in place of TRL's in every TRL module that binds
+it, so every trainer built afterwards (SFT, GRPO, RLOO, DPO, KTO, async GRPO) uses it.
 """
 
 from __future__ import annotations
