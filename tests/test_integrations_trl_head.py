@@ -186,6 +186,25 @@ def test_mixed_dtypes_as_trl(fp32_head):
     assert torch.isfinite(ours.lm_head.weight.grad).all()
 
 
+@pytest.mark.parametrize("is_top1", [False, True])
+def test_patch_sft_grpo_head_accepts_trls_mixed_dtypes(is_top1):
+    """add_logitless_lm_head (patch_sft / patch_grpo): a bf16 backbone with an fp32 head
+    outside autocast is TRL's call, computed in the hidden states' dtype as TRL (it used to
+    raise TypeError)."""
+    ids, labels = _batch(seed=1)
+    theirs, ours = (tiny_llama(seed=3, vocab=93).to(torch.bfloat16) for _ in range(2))
+    for m in (theirs, ours):
+        m.lm_head.float()
+    trl_utils.add_fused_lm_head(theirs, outputs=("log_probs", "entropy", "is_top1"))
+    lt_trl.add_logitless_lm_head(ours, is_top1=is_top1)
+    t_out = theirs(input_ids=ids, labels=labels, fused_lm_head=True)
+    o_out = ours(input_ids=ids, labels=labels, fused_lm_head=True)
+    for name in ("log_probs", "entropy"):
+        torch.testing.assert_close(getattr(o_out, name).float(), getattr(t_out, name).float(), rtol=3e-2, atol=3e-2)
+    o_out.loss.backward()
+    assert ours.lm_head.weight.grad.dtype == torch.float32
+
+
 def test_refusals_and_shift_labels():
     m = tiny_llama(seed=3, vocab=93)
     with pytest.raises(ValueError, match="unknown fused LM head output"):

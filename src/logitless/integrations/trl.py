@@ -96,23 +96,24 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
             labels = shift_labels
         head = _hf.lm_head(self)
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+        hw, hb = _head_in_compute_dtype(hidden, head.weight, head.bias, cast_lm_head_to_fp32)
         opts = _hf.head_options(self)
         mask = labels != -100
         top1 = None
         if is_top1:
-            nll, stats = _lce_api.linear_cross_entropy(hidden, head.weight, labels, head.bias, ignore_index=-100,
+            nll, stats = _lce_api.linear_cross_entropy(hidden, hw, labels, hb, ignore_index=-100,
                                                        reduction="none", return_stats=True, **opts)
             log_probs, top1 = -nll, stats.correct
             if entropy:
                 with torch.no_grad():
-                    ent = _hf.linear_log_probs(hidden.detach(), head.weight.detach(), labels,
-                                               None if head.bias is None else head.bias.detach(), entropy=True,
+                    ent = _hf.linear_log_probs(hidden.detach(), hw.detach(), labels,
+                                               None if hb is None else hb.detach(), entropy=True,
                                                ignore_index=-100, **opts)[1]
             else:
                 _warn_no_entropy()
                 ent = torch.full(labels.shape, float("nan"), device=labels.device)
         else:
-            x, w, b = hidden, head.weight, head.bias
+            x, w, b = hidden, hw, hb
             ctx = contextlib.nullcontext()
             if cast_lm_head_to_fp32:
                 x, w, b = x.float(), w.float(), None if b is None else b.float()
@@ -126,6 +127,16 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
                                log_sum_sq_probs=None, mean_logits=None, is_top1=top1, label_mask=mask, aux_loss=None)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _head_in_compute_dtype(hidden, weight, bias, cast_lm_head_to_fp32: bool):
+    """TRL's mixed-dtype rule outside autocast: the head is cast (autograd-tracked) to the
+    hidden states' dtype, e.g. an fp32 head under a bf16 backbone (TRL computes in the
+    hidden states' dtype). Under autocast, or with cast_lm_head_to_fp32, unchanged (the
+    ops cast as F.linear does; the fp32 path casts both)."""
+    if cast_lm_head_to_fp32 or torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
+        return weight, bias
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
 
 
 _warned = False
