@@ -370,3 +370,25 @@ def test_kto_trainer(tmp_path, patched):
     trainer.train()
     _finite_logs(trainer)
     assert any("mean_logits" in o for o in patched)
+
+
+def test_patched_model_under_patch_trl_does_not_warn(tmp_path, patched):
+    """lt.patch(model) and patch_trl(): the trainer's head is logitless's, so the bypass
+    detector (PatchBypassedWarning) stays silent."""
+    import warnings
+
+    import logitless.transformers as lt
+    from logitless.transformers.bypass import PatchBypassedWarning
+    from trl import SFTConfig, SFTTrainer
+
+    g = torch.Generator().manual_seed(0)
+    ds = datasets.Dataset.from_list([{"text": _text(g, 4 + i % 7)} for i in range(8)])
+    model = tiny_llama(seed=3, vocab=93)
+    lt.patch(model)
+    trainer = SFTTrainer(model=model, train_dataset=ds, processing_class=_tokenizer(),
+                         args=SFTConfig(max_length=32, **_common(tmp_path, steps=1)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert [w for w in seen if issubclass(w.category, PatchBypassedWarning)] == []
+    assert patched
