@@ -53,6 +53,11 @@ def check_against_reference(backend, dtype, lead, vocab, opts, reduction, seed, 
     assert_close_to_ref("lse", stats.lse, None, ref_lse, torch.float32)
     assert torch.equal(stats.correct.cpu(), ref_correct.cpu())  # same values in: same argmax
     assert stats.num_tokens.item() == (target != kw.get("ignore_index", -100)).sum().item()
+    z = logits.detach().double()
+    if kw.get("softcap") is not None:
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    ref_argmax = torch.where(target != kw.get("ignore_index", -100), z.argmax(dim=-1), -1)
+    assert stats.argmax.dtype == torch.int64 and torch.equal(stats.argmax.cpu(), ref_argmax.cpu())
 
     g = torch.Generator().manual_seed(seed + 1)
     grad_out = (torch.randn(loss.shape, generator=g) if reduction == "none" else torch.rand((), generator=g) + 0.5)

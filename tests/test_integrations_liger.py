@@ -192,10 +192,8 @@ def test_ignore_index_other_than_default_and_predicted_tokens():
     assert torch.equal(out.predicted_tokens, ref[3])
 
 
-@pytest.mark.parametrize("chunk", [None, 4])  # one chunk; chunks of 2 columns (ties across chunks)
-def test_predicted_tokens_tie_takes_first_index(monkeypatch, chunk):
-    if chunk:
-        monkeypatch.setattr(liger, "_ARGMAX_CHUNK_ELEMENTS", chunk)
+def test_predicted_tokens_tie_takes_first_index():
+    # (ties across the op's column chunks: test_linear_cross_entropy's argmax tie test)
     x = torch.zeros(2, H, dtype=torch.float64)
     w = torch.randn(V, H, dtype=torch.float64)
     out = liger.liger_fused_linear_cross_entropy(x, w, torch.tensor([3, -100]), return_predicted_tokens=True)
@@ -203,6 +201,15 @@ def test_predicted_tokens_tie_takes_first_index(monkeypatch, chunk):
     x, w, b, t, _ = _data(bias=True)  # and chunked == plain argmax on random data
     out = liger.liger_fused_linear_cross_entropy(x, w, t, b, softcap=2.0, return_predicted_tokens=True)
     assert torch.equal(out.predicted_tokens, _reference(x, w, t, b, softcap=2.0)[3])
+    # the loss's own pass: no second pass over the head for the predicted tokens
+    calls = []
+    orig = liger._lce
+    liger._lce = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        liger.liger_fused_linear_cross_entropy(x, w, t, b, return_predicted_tokens=True, return_z_loss=True)
+    finally:
+        liger._lce = orig
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -65,9 +65,15 @@ def check_against_reference(backend, dtype, lead, hidden, vocab, opts, reduction
     assert_close_to_ref("loss", loss, same, ref, dtype)
     assert loss.dtype == torch.float32
     assert_close_to_ref("lse", stats.lse, None, ref_lse, torch.float32 if dtype == torch.float32 else dtype)
+    valid_targets = target[..., 1:] if kw.get("shift") else target
     if dtype == torch.float32:  # 16-bit ties/near-ties may legitimately flip the argmax
         assert torch.equal(stats.correct.cpu(), ref_correct.cpu())
-    valid_targets = target[..., 1:] if kw.get("shift") else target
+        z = x.detach().double() @ w.detach().double().T + (0.0 if bias is None else bias.detach().double())
+        if kw.get("softcap") is not None:
+            z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+        z = z[..., :-1, :] if kw.get("shift") else z
+        ref_argmax = torch.where(valid_targets != -100, z.argmax(dim=-1), -1)
+        assert stats.argmax.dtype == torch.int64 and torch.equal(stats.argmax.cpu(), ref_argmax.cpu())
     assert stats.num_tokens.item() == (valid_targets != -100).sum().item()
 
     grad_out = torch.randn(loss.shape, dtype=torch.float32, device=DEVICE) if reduction == "none" else None
@@ -309,3 +315,24 @@ def test_stats_lse_is_differentiable(backend, budget):
         refs = torch.autograd.grad(combine(ref, ref_lse), (x, w, bias), retain_graph=True)
         for name, o, e in zip(("dx", "dW", "db"), ours, refs):
             assert_close_to_ref(name, o, None, e, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stats_argmax_ties_take_the_first_index_across_chunks(backend):
+    """Equal maxima in different column chunks (a budget of a few columns): the first
+    index wins, as torch.argmax; -1 at ignored tokens; shift drops the last position."""
+    h, v = 8, 203
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(v, h, generator=g).clamp(-3.0, 3.0)
+    w[150] = w[7] = w[190] = 4.0  # three equal rows above all others: equal maximal logits
+    x = torch.rand(2, 5, h, generator=g) + 0.1  # positive
+    target = torch.randint(0, v, (2, 5), generator=g)
+    target[0, 2] = -100
+    for budget in (None, 1 << 12):
+        _, st = logitless.linear_cross_entropy(x.to(DEVICE), w.to(DEVICE), target.to(DEVICE), backend=backend,
+                                               return_stats=True, memory_budget=budget)
+        expect = torch.where(target != -100, 7, -1)
+        assert torch.equal(st.argmax.cpu(), expect)
+        _, st = logitless.linear_cross_entropy(x.to(DEVICE), w.to(DEVICE), target.to(DEVICE), backend=backend,
+                                               return_stats=True, memory_budget=budget, shift=True)
+        assert st.argmax.shape == (2, 4) and torch.equal(st.argmax.cpu(), torch.where(target[:, 1:] != -100, 7, -1))

@@ -58,6 +58,12 @@ def check_against_reference(spec: OpSpec, backend, dtype, size, option, reductio
         if spec.lse_exact or dtype in (torch.float32, torch.float64):  # 16-bit near-ties may flip the argmax
             assert torch.equal(stats.correct.cpu(), ref_correct.cpu())
         assert stats.num_tokens.item() == case.num_tokens
+        # argmax (float64 ids in test_cross_entropy / test_linear_cross_entropy): -1 exactly
+        # at the ignored tokens, a class elsewhere, the target where ``correct``.
+        am = stats.argmax
+        assert am.dtype == torch.int64 and am.shape == stats.correct.shape
+        assert int((am >= 0).sum()) == case.num_tokens and bool((am >= -1).all())
+        assert bool((am[stats.correct] >= 0).all())
 
     g = torch.Generator().manual_seed(seed + 1)
     grad_out = torch.randn(loss.shape, generator=g) if reduction == "none" else torch.rand((), generator=g) + 0.5

@@ -75,6 +75,7 @@ def _check_case(rank, device, rows, case):
     if stats:
         assert_close_to_ref(f"{name}: lse", st.lse, st1.lse, ref_lse, dtype)
         assert torch.equal(st.correct, st1.correct), f"{name}: correct"
+        assert torch.equal(st.argmax, st1.argmax), f"{name}: argmax"
         assert torch.equal(st.correct.cpu(), ref_correct.cpu()), f"{name}: correct vs reference"
         assert int(st.num_tokens) == int(st1.num_tokens)
     if loss.numel() == 0:

@@ -432,3 +432,15 @@ def assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, triton_backend):
     monkeypatch.setattr(triton_backend, "_platform", lambda: "gpu")
     monkeypatch.setattr(triton_backend, "_jax_triton", lambda: None)
     assert not triton_backend.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+
+
+def argmax_ref(x, w, t, b=None, *, softcap=None, ignore_index=-100, **_):
+    """LossStats.argmax in float64 numpy: the first index of each token's largest
+    (soft-capped) logit, -1 at ignored tokens; x (..., H), w (V, H)."""
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    if softcap is not None:
+        z = softcap * np.tanh(z / softcap)
+    t = np.asarray(t)
+    return np.where(t != ignore_index, z.argmax(-1), -1)

@@ -14,7 +14,7 @@ from logitless.jax import linear_cross_entropy
 from logitless.jax.ops.linear_cross_entropy import api
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref
 
-from .helpers import assert_close_to_ref, assert_matches_finite_differences, inputs
+from .helpers import argmax_ref, assert_close_to_ref, assert_matches_finite_differences, inputs
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -215,3 +215,49 @@ def test_triton_without_its_packages_raises_saying_what_to_install(monkeypatch):
         linear_cross_entropy(x, w, t, implementation="triton")
     if not ON_GPU:
         assert api.choose_backend(None, (4, 8), (23, 8), jnp.float32, None, False) == "xla"
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("case", ["plain", "bias-softcap-smoothing", "one-token", "3d-shift", "hv", "class-weight"])
+def test_stats_argmax_against_float64(backend, case):
+    """LossStats.argmax: the first index of the largest (soft-capped) logit, int32, -1 at
+    ignored tokens, from the statistics' pass (odd V, H not a multiple of 16, chunks of a
+    few columns through a small budget)."""
+    lead = {"one-token": (1,), "3d-shift": (3, 5)}.get(case, (23,))
+    ignore = () if case == "one-token" else (0, 4)
+    x, w, t, b = inputs(0, 20, 211, lead=lead, bias=case == "bias-softcap-smoothing", ignore=ignore, seed=5)
+    kw = {"bias-softcap-smoothing": dict(softcap=2.5, label_smoothing=0.1), "3d-shift": dict(shift=True)}.get(case, {})
+    weight, layout = (w.T, "hv") if case == "hv" else (w, "vh")
+    if case == "class-weight":
+        kw["class_weight"] = jnp.linspace(0.5, 1.5, 211, dtype=jnp.float32)
+    for budget in (None, 1 << 12):
+        loss, st = linear_cross_entropy(x, weight, t, b, return_stats=True, implementation=backend,
+                                        memory_budget=budget, weight_layout=layout, **kw)
+        xr, tr = (x[..., :-1, :], t[..., 1:]) if kw.get("shift") else (x, t)
+        assert st.argmax.dtype == jnp.int32 and st.argmax.shape == tr.shape
+        assert np.array_equal(np.asarray(st.argmax), argmax_ref(xr, w, tr, b, **kw))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_stats_argmax_ties_take_the_first_index(backend):
+    w = np.clip(np.random.default_rng(2).standard_normal((601, 8)), -3, 3).astype(np.float32)
+    w[[300, 9, 590]] = 4.0  # equal maximal logits for positive x, in different column chunks (>= 128 wide)
+    x = jnp.asarray(np.random.default_rng(3).random((6, 8)) + 0.1, jnp.float32)
+    t = jnp.asarray([1, 2, -100, 4, 5, 6], jnp.int32)
+    for budget in (None, 1 << 12):
+        _, st = linear_cross_entropy(x, jnp.asarray(w), t, return_stats=True, implementation=backend,
+                                     memory_budget=budget)
+        assert np.asarray(st.argmax).tolist() == [9, 9, -1, 9, 9, 9]
+
+
+def test_stats_argmax_backend_choice():
+    """Backends without the argmax (ARGMAX unset: mosaic_gpu, mosaic_tpu) are skipped
+    by the automatic choice with return_stats, and refused by name with a message."""
+    from logitless.jax.ops.linear_cross_entropy import backends
+
+    assert getattr(backends.backend_module("xla"), "ARGMAX", False)
+    assert not getattr(backends.backend_module("mosaic_tpu"), "ARGMAX", False)
+    x, w, t, _ = inputs(4, 8, 13)
+    with pytest.raises(ValueError, match="argmax"):
+        linear_cross_entropy(x, w, t, return_stats=True, implementation="mosaic_tpu")
+    linear_cross_entropy(x, w, t, implementation="mosaic_tpu")  # without stats: as before

@@ -27,6 +27,7 @@ from .helpers import (
     LAYOUTS,
     MODEL,
     NDEV,
+    argmax_ref,
     assert_close_to_ref,
     hlo_array_shapes,
     hlo_collectives,
@@ -68,6 +69,8 @@ def _check(loss, grads, ref_args, kw, dtype, stats=None):
     if stats is not None:
         assert_close_to_ref("lse", stats.lse, None, rlse, dtype)
         assert int(stats.num_tokens) == int(np.sum(np.asarray(t) != kw.get("ignore_index", -100)))
+        if dtype == "float32":  # (16-bit near-ties may flip)
+            assert np.array_equal(np.asarray(stats.argmax), argmax_ref(x, w, t, b, **kw))
 
 
 def _loss_and_grads(args, kw):
@@ -178,10 +181,10 @@ def _shard_map_loss(mesh, kw, token=True, vocab=True, check_vma=True):
     def local(x, w, t, b):
         loss, stats = linear_cross_entropy(x, w, t, b, return_stats=True, token_axis_name=tok,
                                            vocab_axis_name=voc, **kw)
-        return loss, stats.lse, stats.num_tokens
+        return loss, stats.lse, stats.num_tokens, stats.argmax
 
     in_specs = (P(tok, None), P(voc, None), P(tok), P(voc))
-    out_specs = (P(tok) if kw.get("reduction") == "none" else P(), P(tok), P())
+    out_specs = (P(tok) if kw.get("reduction") == "none" else P(), P(tok), P(), P(tok))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
 
 
@@ -198,10 +201,11 @@ def test_shard_map_global_values_and_grads(axes, reduction):
     sm = _shard_map_loss(mesh, kw, token, vocab)
 
     def f(x, w, b):
-        loss, lse, cnt = sm(x, w, ts, b)
-        return loss, (lse, cnt)
+        loss, lse, cnt, am = sm(x, w, ts, b)
+        return loss, (lse, cnt, am)
 
-    (loss, (lse, cnt)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(xs, ws, bs)
+    (loss, (lse, cnt, am)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(xs, ws, bs)
+    assert np.array_equal(np.asarray(am), argmax_ref(x, w, t, b, **kw))  # merged over the vocab shards
     if not token:
         # Without token_axis_name each member of the data axis would see its own tokens:
         # here the tokens are not split, so the values are global anyway.

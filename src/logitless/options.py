@@ -12,6 +12,7 @@ out of range and returns the normalised value or dataclass.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -239,3 +240,28 @@ class VocabParallelOptions(_Args):
 for _cls in (CrossEntropyOptions, JSDOptions, LogProbOptions, VocabParallelOptions):
     _field_names(_cls)
 del _cls
+
+
+#: The PyTorch ops' target check on a GPU (``check_targets_on_gpu``); the environment
+#: variable LOGITLESS_CHECK_TARGETS=1 turns it on at import.
+_CHECK_TARGETS_ON_GPU = [os.environ.get("LOGITLESS_CHECK_TARGETS", "0") not in ("", "0")]
+
+
+def check_targets_on_gpu(enabled: bool = True) -> bool:
+    """Opt in (``enabled=True``) or out of checking the PyTorch ops' class indices
+    (targets, tokens, labels) on a GPU: a value outside [0, V) that is not
+    ``ignore_index`` then raises ``ValueError`` naming the value and its flat position,
+    as the CPU always does, instead of giving that token a NaN loss. The check is one
+    reduction and one host sync per call (off by default: the hot path never syncs);
+    for debugging a data pipeline, not for CUDA-graph capture. Returns the previous
+    setting. Also on at import with the environment variable LOGITLESS_CHECK_TARGETS=1."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    previous = _CHECK_TARGETS_ON_GPU[0]
+    _CHECK_TARGETS_ON_GPU[0] = enabled
+    return previous
+
+
+def targets_checked_on_gpu() -> bool:
+    """Whether ``check_targets_on_gpu`` is on."""
+    return _CHECK_TARGETS_ON_GPU[0]

@@ -64,11 +64,15 @@ class LossStats(NamedTuple):
     correct: bool, shape of the target: argmax of the logits equals the target
         (first maximum on ties, as ``torch.argmax``); False at ignored tokens.
     num_tokens: int64 scalar tensor, the number of non-ignored tokens.
+    argmax: int64, shape of the target: the predicted class, the index of each token's
+        largest (soft-capped) logit (first maximum on ties, as ``torch.argmax``); -1 at
+        ignored tokens. From the same pass as ``correct`` (Liger's predicted tokens).
     """
 
     lse: Tensor
     correct: Tensor
     num_tokens: Tensor
+    argmax: Tensor
 
     @property
     def accuracy(self) -> Tensor:
@@ -167,7 +171,8 @@ def loss_stats(stats: TokenStats, target: Tensor, opts: CrossEntropyOptions) -> 
     """The extra outputs of ``return_stats=True`` (flat; the caller reshapes)."""
     valid = target != opts.ignore_index
     correct = (stats.argmax == target) & valid
-    return LossStats(lse=stats.lse, correct=correct, num_tokens=valid.sum())
+    argmax = torch.where(valid, stats.argmax, torch.full_like(stats.argmax, -1))
+    return LossStats(lse=stats.lse, correct=correct, num_tokens=valid.sum(), argmax=argmax)
 
 
 def dlogits_(

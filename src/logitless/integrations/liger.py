@@ -30,9 +30,8 @@ fused loss accumulates gradients in fp32 whatever ``accum_dtype`` says (they com
 in the parameters' dtype, as Liger's); ``chunk_mem_const`` is accepted and unused (the
 chunking follows logitless's memory budget); the logits-input loss never overwrites its
 input with the gradient; inputs may be (..., H) (or (..., V)), not only 2-D.
-``predicted_tokens`` costs one more pass over the head (an fp32 argmax in chunks of
-bounded memory), since logitless's statistics carry whether the argmax is right, not
-its id; the other outputs come from the loss's own pass.
+Every output (``predicted_tokens`` included: ``LossStats.argmax``) comes from the
+loss's own pass over the vocabulary.
 """
 
 from __future__ import annotations
@@ -64,10 +63,6 @@ __all__ = [
     "liger_jsd",
 ]
 
-#: Rows x columns of fp32 logits one chunk of the predicted-tokens argmax may hold.
-_ARGMAX_CHUNK_ELEMENTS = 1 << 24
-
-
 @dataclass
 class CrossEntropyOutput:
     """What Liger's cross-entropy losses return when a ``return_*`` flag is set."""
@@ -93,51 +88,9 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be True or False. Got: {value!r}")
 
 
-def _softcap(z: Tensor, softcap: Optional[float]) -> Tensor:
-    return z if softcap is None else torch.tanh(z / softcap) * softcap
-
-
-@torch.no_grad()
-def _argmax_linear(x2d: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float]) -> Tensor:
-    """First argmax of softcap(x @ weight.T + bias) per row, fp32, in chunks of rows and
-    of columns (never a tokens x vocab tensor)."""
-    n, v = x2d.shape[0], weight.shape[0]
-    best = torch.full((n,), float("-inf"), dtype=torch.float32, device=x2d.device)
-    arg = torch.zeros(n, dtype=torch.int64, device=x2d.device)
-    if n == 0:
-        return arg
-    cols = max(1, min(v, _ARGMAX_CHUNK_ELEMENTS // max(1, min(n, 4096))))
-    rows = max(1, min(n, _ARGMAX_CHUNK_ELEMENTS // cols))
-    with torch.autocast(x2d.device.type, enabled=False):  # fp32 products, also under autocast
-        for r0 in range(0, n, rows):
-            xr = x2d[r0:r0 + rows].float()
-            for c0 in range(0, v, cols):
-                z = xr @ weight[c0:c0 + cols].float().T
-                if bias is not None:
-                    z += bias[c0:c0 + cols].float()
-                z = _softcap(z, softcap)
-                m, i = z.max(dim=-1)  # first maximum within the chunk
-                better = m > best[r0:r0 + rows]  # strict: an earlier chunk keeps a tie
-                best[r0:r0 + rows] = torch.where(better, m, best[r0:r0 + rows])
-                arg[r0:r0 + rows] = torch.where(better, i + c0, arg[r0:r0 + rows])
-    return arg
-
-
-@torch.no_grad()
-def _argmax_logits(logits2d: Tensor, softcap: Optional[float]) -> Tensor:
-    """First argmax of softcap(logits) per row, fp32, in chunks of rows."""
-    n, v = logits2d.shape
-    out = torch.empty(n, dtype=torch.int64, device=logits2d.device)
-    rows = max(1, _ARGMAX_CHUNK_ELEMENTS // max(v, 1))
-    for r0 in range(0, n, rows):
-        out[r0:r0 + rows] = _softcap(logits2d[r0:r0 + rows].float(), softcap).argmax(dim=-1)
-    return out
-
-
 def _liger_ce(
     core,
     target_prob,
-    argmax,
     in_dtype: torch.dtype,
     target: Tensor,
     ce_weight: Optional[Tensor],
@@ -164,7 +117,7 @@ def _liger_ce(
     # cross-entropy by the weight sum; logitless divides both by the weight sum, so
     # there the z-loss is added here from the (differentiable) per-token lse.
     separate_z = s != 0.0 and ce_weight is not None and reduction == "mean"
-    need_stats = return_z_loss or return_token_accuracy or separate_z
+    need_stats = return_z_loss or return_token_accuracy or return_predicted_tokens or separate_z
     core_reduction = "none" if use_token_scaling else reduction
     out = core(core_reduction, 0.0 if separate_z else s, need_stats)
     loss, stats = out if need_stats else (out, None)
@@ -215,7 +168,7 @@ def _liger_ce(
         token_accuracy = acc if reduction == "none" else acc.sum() / n  # NaN over no token, as Liger
     predicted = None
     if return_predicted_tokens:
-        predicted = torch.where(valid, argmax().reshape(target.shape), torch.full_like(target, -1, dtype=torch.int64))
+        predicted = stats.argmax  # -1 at ignored tokens
     return loss, z_loss, token_accuracy, predicted
 
 
@@ -236,11 +189,7 @@ def _flce(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scal
                                      None if bias is None else bias.detach(), softcap=softcap)
             return torch.where(target_l != ignore_index, logp.exp(), torch.zeros_like(logp))
 
-    def argmax():
-        return _argmax_linear(_input.detach().reshape(-1, _input.shape[-1]), weight.detach(),
-                              None if bias is None else bias.detach(), softcap)
-
-    return _liger_ce(core, target_prob, argmax, _input.dtype, target_l, ce_weight, ignore_index,
+    return _liger_ce(core, target_prob, _input.dtype, target_l, ce_weight, ignore_index,
                      lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
                      use_token_scaling, return_token_accuracy, return_predicted_tokens)
 
@@ -347,10 +296,7 @@ def _ce_logits(_input, target, weight, ignore_index, lse_square_scale, label_smo
         return _ce(_input, target_l, ignore_index=ignore_index, reduction=red, label_smoothing=label_smoothing,
                    class_weight=weight, softcap=softcap, z_loss=z, return_stats=stats)
 
-    def argmax():
-        return _argmax_logits(_input.detach().reshape(-1, _input.shape[-1]), softcap)
-
-    loss, z_loss, acc, pred = _liger_ce(core, None, argmax, _input.dtype, target_l, weight, ignore_index,
+    loss, z_loss, acc, pred = _liger_ce(core, None, _input.dtype, target_l, weight, ignore_index,
                                         lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
                                         False, return_token_accuracy, return_predicted_tokens)
     return loss.to(_input.dtype), z_loss, acc, pred  # Liger's loss is in the logits' dtype

@@ -25,11 +25,18 @@ installs a head whose log-probs and ``is_top1`` come from one
     trainer = SFTTrainer(model=..., args=SFTConfig(...), train_dataset=...)
     logitless.integrations.trl.patch_sft(trainer)
     trainer.train()
+
+TRL's own entry point: :func:`add_fused_lm_head` has the signature of TRL 1.16's
+``add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` and returns every
+field TRL can ask for (log_sum_sq_probs, mean_logits and is_top1 included, from one pass:
+``trl_fields``); :func:`patch_trl` puts it in place of TRL's in every TRL module that binds
+it, so every trainer built afterwards (SFT, GRPO, RLOO, DPO, KTO, async GRPO) uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 import warnings
 from typing import Any, Optional
@@ -89,23 +96,24 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
             labels = shift_labels
         head = _hf.lm_head(self)
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+        hw, hb = _head_in_compute_dtype(hidden, head.weight, head.bias, cast_lm_head_to_fp32)
         opts = _hf.head_options(self)
         mask = labels != -100
         top1 = None
         if is_top1:
-            nll, stats = _lce_api.linear_cross_entropy(hidden, head.weight, labels, head.bias, ignore_index=-100,
+            nll, stats = _lce_api.linear_cross_entropy(hidden, hw, labels, hb, ignore_index=-100,
                                                        reduction="none", return_stats=True, **opts)
             log_probs, top1 = -nll, stats.correct
             if entropy:
                 with torch.no_grad():
-                    ent = _hf.linear_log_probs(hidden.detach(), head.weight.detach(), labels,
-                                               None if head.bias is None else head.bias.detach(), entropy=True,
+                    ent = _hf.linear_log_probs(hidden.detach(), hw.detach(), labels,
+                                               None if hb is None else hb.detach(), entropy=True,
                                                ignore_index=-100, **opts)[1]
             else:
                 _warn_no_entropy()
                 ent = torch.full(labels.shape, float("nan"), device=labels.device)
         else:
-            x, w, b = hidden, head.weight, head.bias
+            x, w, b = hidden, hw, hb
             ctx = contextlib.nullcontext()
             if cast_lm_head_to_fp32:
                 x, w, b = x.float(), w.float(), None if b is None else b.float()
@@ -119,6 +127,16 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
                                log_sum_sq_probs=None, mean_logits=None, is_top1=top1, label_mask=mask, aux_loss=None)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _head_in_compute_dtype(hidden, weight, bias, cast_lm_head_to_fp32: bool):
+    """TRL's mixed-dtype rule outside autocast: the head is cast (autograd-tracked) to the
+    hidden states' dtype, e.g. an fp32 head under a bf16 backbone (TRL computes in the
+    hidden states' dtype). Under autocast, or with cast_lm_head_to_fp32, unchanged (the
+    ops cast as F.linear does; the fp32 path casts both)."""
+    if cast_lm_head_to_fp32 or torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
+        return weight, bias
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
 
 
 _warned = False
@@ -425,3 +443,142 @@ def patch_gkd(trainer, entropy: bool = True) -> None:
     else:
         trainer._logitless_entropy = bool(entropy)
         trainer._compute_loss = types.MethodType(_distillation_compute_loss, trainer)
+
+
+# --------------------------------------------------------------------------------------------
+# TRL's own entry point: add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)
+# --------------------------------------------------------------------------------------------
+
+#: The TRL modules that bind ``add_fused_lm_head`` at import (TRL 1.16): every trainer
+#: that installs a fused head (SFT, GRPO, RLOO, DPO, KTO, async GRPO).
+TRL_MODULES = ("trl.trainer.utils", "trl.trainer", "trl.trainer.sft_trainer", "trl.trainer.grpo_trainer",
+               "trl.trainer.rloo_trainer", "trl.trainer.dpo_trainer", "trl.trainer.kto_trainer",
+               "trl.experimental.async_grpo.async_grpo_trainer")
+
+_ORIGINALS: dict = {}
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """TRL's: the autocast dtype when autocast is on for x's device, else x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                      outputs: tuple = ("log_probs",)) -> None:
+    """TRL 1.16's ``trl.trainer.utils.add_fused_lm_head``, same signature and protocol,
+    computed by logitless: ``model(..., labels=labels, fused_lm_head=True)`` returns
+    TRL's ``FusedCausalLMOutput`` (loss, log_probs, entropy, log_sum_sq_probs,
+    mean_logits, is_top1, label_mask; the fields not in ``outputs`` None, log_probs
+    always), without the (tokens x vocab) logits; any other call (generation,
+    ``fused_lm_head=False``) goes to the previous forward.
+
+    As TRL: labels shifted by one (``shift_labels`` taken as they are), every field 0
+    (False) where the label is -100, loss = -sum(log_probs) / (number of labelled tokens,
+    at least 1, or ``num_items_in_batch``), logits divided by ``temperature`` after the
+    model's ``final_logit_softcapping``. Dtypes as TRL's: the head runs in the compute
+    dtype, the autocast dtype under autocast, else the hidden states' dtype, the weight
+    (and bias) cast to it (autograd-tracked: an fp32 head weight with bf16 hidden states
+    outside autocast gets its fp32 gradient); ``cast_lm_head_to_fp32=True``: hidden states
+    and head in fp32, outside autocast. An FSDP2 DTensor head is gathered
+    (``full_tensor``) as TRL does. Fields (``trl_fields``): log_probs and entropy alone
+    come from ``linear_log_probs`` (one pass, its kernels); any other field asks for the
+    one-pass path of all five (``trl_fields.head_fields``).
+
+    Refused (ValueError, at the call): MoE router aux losses (``output_router_logits``),
+    models that scale logits other than by ``final_logit_softcapping``
+    (``logit_scale``, ``logits_scaling``, ...), an unknown output name.
+    """
+    from .trl_fields import check_outputs, head_fields
+
+    outputs = check_outputs(outputs)
+    _hf.head_options(model)  # refuse unsupported logit scalings now, not mid-training
+    if getattr(_hf.text_config(model), "output_router_logits", False):
+        raise ValueError("MoE router aux losses are not supported by the logitless fused head; "
+                         "set output_router_logits=False or use TRL's own head")
+    temperature = float(temperature)
+    previous = model.forward
+
+    @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
+    def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None,
+                num_items_in_batch: Optional[Any] = None, **kwargs):
+        if not fused_lm_head:
+            for k, v in (("labels", labels), ("shift_labels", shift_labels),
+                         ("num_items_in_batch", num_items_in_batch)):
+                if v is not None:
+                    kwargs[k] = v
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        out = _run_backbone(self, _hf.backbone(self), *args, **kwargs)  # (not a bypass of patch(model))
+        hidden = out.last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        head = _hf.lm_head(self)
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2: a sharded DTensor head, gathered as TRL does
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+        mask = labels != -100
+        ctx = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            ctx = torch.autocast(hidden.device.type, enabled=False)
+        with ctx:
+            cd = _compute_dtype(hidden)
+            x, w = hidden.to(cd), weight.to(cd)
+            b = None if bias is None else bias.to(cd)
+            with torch.autocast(x.device.type, enabled=False):  # (already in the compute dtype)
+                fields = head_fields(x, w, labels, b, temperature=temperature, outputs=outputs,
+                                     ignore_index=-100, **_hf.head_options(self))
+        log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = fields
+        denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return _output_class()(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=entropy,
+                               log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
+                               label_mask=mask, aux_loss=None)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def patch_trl() -> None:
+    """Make TRL's own ``add_fused_lm_head`` logitless's, in every TRL module that binds it
+    (``TRL_MODULES``): each trainer created afterwards (SFTTrainer, GRPOTrainer,
+    RLOOTrainer, DPOTrainer, KTOTrainer, AsyncGRPOTrainer) installs the logitless head
+    with the arguments it passes TRL's (temperature, cast_lm_head_to_fp32, outputs)::
+
+        import logitless.integrations.trl as lt_trl
+        lt_trl.patch_trl()
+        trainer = DPOTrainer(...)  # its fused head is logitless's
+        trainer.train()
+
+    Idempotent; :func:`unpatch_trl` restores TRL's function. Modules of TRL not
+    importable here are skipped; ImportError if TRL itself is not installed."""
+    import importlib
+
+    importlib.import_module("trl")
+    modules = []
+    for name in TRL_MODULES:  # all imported first: a module imported later would bind the replacement
+        try:
+            modules.append((name, importlib.import_module(name)))
+        except Exception:  # not in this TRL version, or its optional dependencies missing
+            continue
+    for name, module in modules:
+        current = getattr(module, "add_fused_lm_head", None)
+        if current is None or current is add_fused_lm_head:
+            continue
+        _ORIGINALS[name] = current
+        module.add_fused_lm_head = add_fused_lm_head
+
+
+def unpatch_trl() -> None:
+    """Restore TRL's ``add_fused_lm_head`` where :func:`patch_trl` replaced it."""
+    import sys
+
+    for name, original in list(_ORIGINALS.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.add_fused_lm_head = original
+        del _ORIGINALS[name]

@@ -47,10 +47,14 @@ class LossStats(NamedTuple):
 
     lse: float32, shape of the target: log-sum-exp of each token's (soft-capped) logits.
     num_tokens: int32 scalar, the number of non-ignored tokens.
+    argmax: int32, shape of the target: the predicted class, the index of each token's
+        largest (soft-capped) logit (first maximum on ties, as ``jnp.argmax``); -1 at
+        ignored tokens. From the statistics' own pass over the vocabulary.
     """
 
     lse: jax.Array
     num_tokens: jax.Array
+    argmax: jax.Array
 
 
 def _masks(target, num_classes: int, opts: CrossEntropyOptions):
@@ -151,6 +155,13 @@ def dlogits(z_capped, lse, coef, target, col0, softcap: Optional[float], class_w
     if softcap is not None:
         dz = dz * (1.0 - (z_capped / softcap) ** 2)
     return dz
+
+
+def merge_argmax(part_best, part_arg):
+    """The argmax of rows reduced in parts along axis 0 (each part's maximum and the
+    global index of its first maximum): the first part holding the largest maximum."""
+    first = jnp.argmax(part_best, axis=0)
+    return jnp.take_along_axis(part_arg, first[None, :], axis=0)[0].astype(jnp.int32)
 
 
 def merge_lse_splits(part_lse):

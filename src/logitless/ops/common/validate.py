@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from logitless.distributed.dtensor import dtensor_type as _dtensor_type
+from logitless.options import _CHECK_TARGETS_ON_GPU  # (a list read in place: no call on the hot path)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -57,15 +58,19 @@ def check_class_vector(name: str, t: Optional[Tensor], num_classes: int) -> None
 
 
 def check_targets_in_range(target: Tensor, num_classes: int, ignore_index: int, name: str = "target") -> None:
-    """ValueError (naming ``name``: "target", "tokens") for a class index outside
-    [0, num_classes) that is not ignore_index. CPU tensors only: on a GPU the check
-    would be a host sync (the token's outputs are NaN there, as the ops document)."""
-    if target.device.type != "cpu" or target.numel() == 0:
+    """ValueError (naming ``name``: "target", "tokens", the value and its flat position)
+    for a class index outside [0, num_classes) that is not ignore_index. CPU tensors, and
+    GPU tensors when ``logitless.options.check_targets_on_gpu()`` is on: by default a GPU
+    is not checked, the check being a host sync (the token's outputs are NaN there, as
+    the ops document)."""
+    if target.numel() == 0 or (target.device.type != "cpu" and not _CHECK_TARGETS_ON_GPU[0]):
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
     if bool(bad.any()):
-        value = int(target[bad][0])
-        raise ValueError(f"{name} contains {value}, outside [0, {num_classes}) and not ignore_index={ignore_index}")
+        position = int(bad.reshape(-1).nonzero()[0])
+        value = int(target.reshape(-1)[position])
+        raise ValueError(f"{name} contains {value}, outside [0, {num_classes}) and not "
+                         f"ignore_index={ignore_index}, at position {position} (flat index)")
 
 
 def check_not_dtensor(op: str, **tensors: Optional[Tensor]) -> None:

@@ -111,7 +111,8 @@ def cross_entropy(
         softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
         z_loss: coefficient of the z-loss term lse**2 (0 disables it).
         return_stats: also return a ``LossStats`` (per-token lse, per-token
-            argmax == target, number of non-ignored tokens) computed in the same pass.
+            argmax == target, number of non-ignored tokens, per-token argmax id, -1 at
+            ignored tokens) computed in the same pass.
         inplace_backward: (eager mode only: under torch.compile it raises RuntimeError)
             the backward writes the gradient over the logits' own memory
             and returns that buffer as their gradient, so backward allocates nothing of
@@ -200,7 +201,8 @@ def cross_entropy(
         return loss
     stats = loss_stats(TokenStats(lse, None, None, argmax), flat_target, opts)
     return loss, LossStats(
-        stats.lse.reshape(target.shape), stats.correct.reshape(target.shape), stats.num_tokens
+        stats.lse.reshape(target.shape), stats.correct.reshape(target.shape), stats.num_tokens,
+        stats.argmax.reshape(target.shape),
     )
 
 

@@ -94,7 +94,8 @@ def linear_cross_entropy(
             ``x`` is not copied. With reduction="none" the result has T-1 positions
             (none for T = 0 or 1; "mean" is then NaN and "sum" 0, as torch's).
         return_stats: also return a ``LossStats`` (per-token lse, per-token
-            argmax == target, number of non-ignored tokens) computed in the same pass.
+            argmax == target, number of non-ignored tokens, per-token argmax id, -1 at
+            ignored tokens) computed in the same pass.
         memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
             (default 256 MiB). It sizes the chunks: with a budget of at least the
             logits in the input dtype (tokens x V x itemsize) the Triton backend keeps
@@ -208,7 +209,7 @@ def linear_cross_entropy(
     if not return_stats:
         return loss
     stats = loss_stats(TokenStats(lse, None, None, argmax), flat_target, opts)
-    return loss, LossStats(per_token(stats.lse), per_token(stats.correct), stats.num_tokens)
+    return loss, LossStats(per_token(stats.lse), per_token(stats.correct), stats.num_tokens, per_token(stats.argmax))
 
 
 class LinearCrossEntropyLoss(nn.Module):

@@ -72,10 +72,13 @@ def check_mosaic_device(nvidia=is_nvidia_gpu, sm90=is_sm90) -> None:
                       "GPU's interpret mode on the CPU (very slow: tests only)", RuntimeWarning, stacklevel=4)
 
 
-def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False) -> bool:
-    """Whether a backend module takes the case (its optional ``is_supported`` and
-    ``CLASS_WEIGHTS`` attributes)."""
+def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False,
+              need_argmax=False) -> bool:
+    """Whether a backend module takes the case (its optional ``is_supported``,
+    ``CLASS_WEIGHTS`` and ``ARGMAX`` attributes)."""
     if has_class_weight and not getattr(module, "CLASS_WEIGHTS", False):
+        return False
+    if need_argmax and not getattr(module, "ARGMAX", False):
         return False
     check = getattr(module, "is_supported", None)
     return True if check is None else bool(
@@ -83,10 +86,11 @@ def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_we
 
 
 def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias,
-           has_class_weight=None, *, nvidia=is_nvidia_gpu, sm90=is_sm90, tpu=None) -> str:
+           has_class_weight=None, *, need_argmax=False, nvidia=is_nvidia_gpu, sm90=is_sm90, tpu=None) -> str:
     """The backend name (the module docstring's policy). ``backend_module(name)``
     imports a backend of the op; ``registered``: its backend names;
     ``has_class_weight``: None for ops without class weights (not in the error);
+    ``need_argmax``: only backends that compute the argmax (``ARGMAX``; return_stats);
     ``nvidia``/``sm90``/``tpu``: the device predicates (callables; ``tpu`` None:
     ``is_tpu``)."""
     cw = bool(has_class_weight)
@@ -94,23 +98,27 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
         check_mosaic_device(nvidia, sm90)
     if implementation is not None:
         module = backend_module(implementation)
-        if not supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw):
+        if not supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax):
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
                 f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}"
                 + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
+                + (", return_stats=True (it does not compute the argmax that LossStats.argmax returns: "
+                   "use 'triton' or 'xla', or return_stats=False)"
+                   if need_argmax and not getattr(module, "ARGMAX", False) else "")
                 + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
         return implementation
     if (is_tpu if tpu is None else tpu)():
         return _first_usable(("mosaic_tpu",), backend_module, registered, x2d_shape, w_shape, dtype, softcap,
-                             has_bias, cw)
+                             has_bias, cw, need_argmax)
     if not nvidia():
         return "xla"
     return _first_usable([n for n in PREFERENCE if n != "mosaic_gpu" or sm90()], backend_module, registered,
-                         x2d_shape, w_shape, dtype, softcap, has_bias, cw)
+                         x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax)
 
 
-def _first_usable(names, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias, cw) -> str:
+def _first_usable(names, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias, cw,
+                  need_argmax=False) -> str:
     """The first of ``names`` that the op registers, that imports and that supports the
     case; else "xla"."""
     for name in names:
@@ -124,6 +132,6 @@ def _first_usable(names, backend_module, registered, x2d_shape, w_shape, dtype, 
             warnings.warn(f"logitless.jax: the {name} backend failed to import ({exc!r}); trying the next",
                           RuntimeWarning, stacklevel=5)
             continue
-        if supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw):
+        if supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax):
             return name
     return "xla"

@@ -43,6 +43,16 @@ dz_c = p_c * A - B * [c == t] - C * w_c (``formulas/cross_entropy.py``: A and B 
 the constant the backend never sees class weights: the automatic choice skips it and
 an explicit choice raises ValueError. (xla and triton have it; mosaic_gpu not.)
 
+``ARGMAX = True`` (optional module constant): forward also accepts ``need_argmax=True``
+(the api passes it only for ``return_stats``) and then returns two more (N,) arrays,
+``(lse, target_logit, smooth_sum, best, argmax)``: best = max_c z_c (float32) and argmax
+= the first c where z_c is that maximum (int32, local column ids; ties: the lowest id,
+as ``jnp.argmax``), from the same pass over the columns. Without the constant the
+automatic choice skips the backend when ``return_stats=True`` and an explicit choice
+raises ValueError. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
+kernels keep no running argmax.) Under vocabulary sharding the api merges the
+devices' (best, argmax) pairs: the first device holding the largest maximum.
+
 ``NATIVE_HV = True`` (optional module constant): forward and backward also accept a
 keyword ``weight_layout="hv"`` with w of shape (H, V) (and return dw (H, V)); the api
 then passes flax-style kernels without a transposed copy. Without it, the api passes

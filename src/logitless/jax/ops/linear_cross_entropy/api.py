@@ -39,6 +39,7 @@ class _Config(NamedTuple):
     token_axes: tuple = ()  # shard_map: mesh axes splitting the tokens (token_axis_name)
     vocab_axes: tuple = ()  # shard_map: mesh axes splitting the vocabulary (vocab_axis_name)
     partition: bool = False  # jit on several devices: custom_partitioning per device
+    argmax: bool = False  # return_stats: the statistics also give each token's argmax
 
     @property
     def manual(self) -> bool:
@@ -46,7 +47,7 @@ class _Config(NamedTuple):
 
     def static(self, has_bias: bool) -> sharded._Static:
         return sharded._Static(self.backend, self.opts.softcap, self.opts.needs_smooth_sum, self.budget,
-                               self.layout_kw, has_bias)
+                               self.layout_kw, has_bias, self.argmax)
 
 
 def _cw_kw(class_weight) -> dict:
@@ -67,31 +68,39 @@ def _denominator(target, class_weight, cfg: _Config):
 
 
 def _stats(x2d, w, bias, target, class_weight, cfg: _Config):
-    """(lse, z_t, S|None) per token, on whichever path the config names."""
+    """(lse, z_t, S|None, argmax|None) per token, on whichever path the config names
+    (the argmax with ``cfg.argmax``: the first index of each row's maximum)."""
     opts = cfg.opts
     if cfg.manual:
         args = [sharded.to_varying(a, cfg.token_axes) for a in (x2d, target)]
-        return sharded.local_forward(backend_module(cfg.backend), args[0], w, bias, args[1], softcap=opts.softcap,
-                                     need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                     layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
-                                     vocab_axes=cfg.vocab_axes)
-    if cfg.partition:
+        out = sharded.local_forward(backend_module(cfg.backend), args[0], w, bias, args[1], softcap=opts.softcap,
+                                    need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
+                                    layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
+                                    vocab_axes=cfg.vocab_axes, need_argmax=cfg.argmax)
+    elif cfg.partition:
         fn = sharded.forward_fn(cfg.static(bias is not None))
         out = fn(*[a for a in (x2d, w, bias, target) if a is not None])
-        return out if len(out) == 3 else (*out, None)
-    return backend_module(cfg.backend).forward(x2d, w, bias, target, softcap=opts.softcap,
-                                               need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                               **dict(cfg.layout_kw), **_cw_kw(class_weight))
+        if not opts.needs_smooth_sum:
+            out = (out[0], out[1], None, *out[2:])
+    else:
+        kw = {"need_argmax": True} if cfg.argmax else {}
+        out = backend_module(cfg.backend).forward(x2d, w, bias, target, softcap=opts.softcap,
+                                                  need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
+                                                  **dict(cfg.layout_kw), **_cw_kw(class_weight), **kw)
+    lse, zt, ss = out[:3]
+    return lse, zt, ss, (out[4] if cfg.argmax else None)
 
 
 def _stats_and_loss(x2d, w, bias, target, class_weight, cfg: _Config):
+    """(loss, lse) and, with ``cfg.argmax``, the argmax (-1 at ignored tokens)."""
     opts = cfg.opts
-    lse, zt, ss = _stats(x2d, w, bias, target, class_weight, cfg)
+    lse, zt, ss, arg = _stats(x2d, w, bias, target, class_weight, cfg)
     loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts, class_weight)
+    extra = () if arg is None else (jnp.where(target != opts.ignore_index, arg.astype(jnp.int32), -1),)
     if not cfg.token_axes or opts.reduction == "none":
-        return lm.reduce_loss(loss_tok, target, opts, class_weight), lse
+        return (lm.reduce_loss(loss_tok, target, opts, class_weight), lse, *extra)
     loss = _total(loss_tok, cfg)
-    return (loss / _denominator(target, class_weight, cfg) if opts.reduction == "mean" else loss), lse
+    return ((loss / _denominator(target, class_weight, cfg) if opts.reduction == "mean" else loss), lse, *extra)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -100,8 +109,8 @@ def _lce(x2d, w, bias, target, class_weight, cfg: _Config):
 
 
 def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
-    loss, lse = _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
-    return (loss, lse), (x2d, w, bias, target, class_weight, lse)
+    out = _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
+    return out, (x2d, w, bias, target, class_weight, out[1])
 
 
 def _fit(ct, primal):
@@ -114,7 +123,7 @@ def _fit(ct, primal):
 
 def _lce_bwd(cfg, res, cotangents):
     x2d, w, bias, target, class_weight, lse = res
-    g_loss, g_lse = cotangents
+    g_loss, g_lse = cotangents[:2]  # (the argmax, an integer output, has no cotangent to use)
     opts = cfg.opts
     if opts.reduction == "mean" and cfg.token_axes:
         g = jnp.broadcast_to(jnp.asarray(g_loss, jnp.float32) / _denominator(target, class_weight, cfg),
@@ -203,9 +212,13 @@ def linear_cross_entropy(
             ignore_index; x is not copied, only the small target). "none" and the
             stats then have T - 1 positions (none for T <= 1; "mean" is then NaN and
             "sum" 0, as torch).
-        return_stats: also return ``LossStats(lse, num_tokens)``: the per-token
-            log-sum-exp (fp32, shape of target; differentiable: d lse / d z_c = p_c)
-            and the number of non-ignored tokens.
+        return_stats: also return ``LossStats(lse, num_tokens, argmax)``: the
+            per-token log-sum-exp (fp32, shape of target; differentiable: d lse / d
+            z_c = p_c), the number of non-ignored tokens and the per-token argmax of
+            the logits (int32, first maximum on ties, -1 at ignored tokens), all from
+            the one pass over the vocabulary. The backends that compute the argmax are
+            "xla" and "triton": with return_stats the automatic choice skips
+            "mosaic_gpu" and "mosaic_tpu", and naming one of them raises ValueError.
         weight_layout: "vh" or "hv" (see weight).
         memory_budget: bytes of temporary memory the op may use (default 256 MiB). It
             sizes the chunks of the "xla" backend: one tile of logits of at most about
@@ -301,11 +314,13 @@ def linear_cross_entropy(
                   class_weight=class_weight, softcap=softcap, z_loss=z_loss, weight_layout=weight_layout,
                   memory_budget=memory_budget, implementation=implementation)
         loss, stats = sharded.explicit_call(linear_cross_entropy, mesh, axes, x2d, weight, flat_target, bias,
-                                            vaxis=vaxis, none=opts.reduction == "none", **kw)
-        lse, num_tokens = stats.lse, stats.num_tokens
+                                            vaxis=vaxis, none=opts.reduction == "none", stats=return_stats, **kw)
+        if stats is not None:
+            lse, num_tokens, argmax = stats.lse, stats.num_tokens, stats.argmax
     elif n == 0:
         loss = jnp.zeros((0,), jnp.float32)
         lse = loss
+        argmax = jnp.zeros((0,), jnp.int32)
         if token_axes and opts.reduction != "none":  # other devices may have tokens
             lss = lax.psum(jnp.sum(loss), token_axes)
             cnt = lax.psum(jnp.sum(flat_target != opts.ignore_index).astype(jnp.float32), token_axes)
@@ -314,7 +329,7 @@ def linear_cross_entropy(
             loss = lm.reduce_loss(loss, flat_target, opts)
     else:
         backend = choose_backend(implementation, x2d.shape, (local_classes, hidden), x2d.dtype,
-                                 opts.softcap, bias is not None, class_weight is not None)
+                                 opts.softcap, bias is not None, class_weight is not None, need_argmax=return_stats)
         w, layout_kw = weight, ()
         if weight_layout == "hv":
             if getattr(backend_module(backend), "NATIVE_HV", False):
@@ -324,8 +339,10 @@ def linear_cross_entropy(
         manual = bool(token_axes or vocab_axes)
         partition = (not manual and class_weight is None and sharded.use_partitioning()
                      and getattr(backend_module(backend), "can_partition", lambda: True)())
-        cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition)
-        loss, lse = _lce(x2d, w, bias, flat_target, class_weight, cfg)
+        cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition,
+                      argmax=bool(return_stats))
+        loss, lse, *argmax = _lce(x2d, w, bias, flat_target, class_weight, cfg)
+        argmax = argmax[0] if argmax else None
 
     def per_token(t):
         t = jnp.reshape(t, out_shape)
@@ -340,7 +357,7 @@ def linear_cross_entropy(
         if token_axes:
             num_tokens = lax.psum(num_tokens, token_axes)
     # lse is differentiable (d lse / d z_c = p_c; the custom_vjp adds it to the A term).
-    return loss, lm.LossStats(lse=per_token(lse), num_tokens=num_tokens)
+    return loss, lm.LossStats(lse=per_token(lse), num_tokens=num_tokens, argmax=per_token(argmax))
 
 
 def linear_softmax_cross_entropy_loss(

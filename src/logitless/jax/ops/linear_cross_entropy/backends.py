@@ -33,10 +33,10 @@ def _is_nvidia_gpu() -> bool:
 
 
 def choose_backend(implementation, x2d_shape, w_shape, dtype, softcap, has_bias,
-                   has_class_weight=False) -> str:
+                   has_class_weight=False, need_argmax=False) -> str:
     """The backend name: the explicit one (checked), or the first of "mosaic_gpu" (SM90
     GPUs) and "triton" (any NVIDIA GPU, with jax-triton installed) that imports and
-    supports the case (class weights included), else "xla"."""
+    supports the case (class weights and, for return_stats, the argmax included), else "xla"."""
     return choice.choose(implementation, backend_module, BACKENDS, x2d_shape, w_shape, dtype, softcap,
-                         has_bias, bool(has_class_weight), nvidia=lambda: _is_nvidia_gpu(),
+                         has_bias, bool(has_class_weight), need_argmax=need_argmax, nvidia=lambda: _is_nvidia_gpu(),
                          sm90=lambda: _is_sm90())

@@ -65,23 +65,35 @@ from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends an
     use_partitioning,
     varying,
     vocab_merge,
+    vocab_offset,
     w_entries,
 )
 
 
-def local_forward(module, x2d, w, bias, target, *, softcap, need_smooth, budget, layout_kw, vocab_axes):
-    """Global statistics (lse, z_t, S|None) of this device's tokens; the local columns are
-    reduced by ``module.forward`` and merged over ``vocab_axes`` (O(tokens) collectives)."""
+def local_forward(module, x2d, w, bias, target, *, softcap, need_smooth, budget, layout_kw, vocab_axes,
+                  need_argmax=False):
+    """Global statistics (lse, z_t, S|None) of this device's tokens, and with
+    ``need_argmax`` (row maximum, first index of it) as well; the local columns are
+    reduced by ``module.forward`` and merged over ``vocab_axes`` (O(tokens) collectives;
+    the argmax: one more MAX and a MIN over the devices holding the maximum)."""
     vaxis = 1 if dict(layout_kw).get("weight_layout") == "hv" else 0
     t, in_range = local_targets(target, vocab_axes, w.shape[vaxis])
-    lse, zt, ss = module.forward(x2d, w, bias, t, softcap=softcap, need_smooth=need_smooth, budget=budget,
-                                 **dict(layout_kw))
+    kw = dict(layout_kw, need_argmax=True) if need_argmax else dict(layout_kw)
+    lse, zt, ss, *arg = module.forward(x2d, w, bias, t, softcap=softcap, need_smooth=need_smooth, budget=budget,
+                                       **kw)
     if not vocab_axes:
-        return lse, zt, ss
+        return (lse, zt, ss, *arg)
     zt = jnp.where(in_range, zt, 0.0)
     # one MAX and one packed SUM: [exp(lse_l - M), z_t,l (, S_l)]
     m, sums = vocab_merge(lse, vocab_axes, lambda d: [jnp.exp(d), zt] + ([] if ss is None else [ss]))
-    return m + jnp.log(sums[0]), sums[1], (None if ss is None else sums[2])
+    out = (m + jnp.log(sums[0]), sums[1], (None if ss is None else sums[2]))
+    if need_argmax:  # the first device (lowest column ids) holding the largest maximum
+        best, idx = arg
+        idx = idx + vocab_offset(vocab_axes, w.shape[vaxis]).astype(idx.dtype)
+        top = lax.pmax(best, vocab_axes)
+        idx = lax.pmin(jnp.where(best == top, idx, jnp.iinfo(idx.dtype).max), vocab_axes)
+        out = out + (top, idx)
+    return out
 
 
 def local_backward(module, x2d, w, bias, target, lse, coef, *, softcap, budget, layout_kw, vocab_axes,
@@ -108,13 +120,15 @@ class _Static(NamedTuple):
     budget: int
     layout_kw: tuple
     has_bias: bool
+    need_argmax: bool = False
 
 
 def _local_module(static: _Static, x_shape, w_shape, dtype):
     """The backend for these per-device shapes: the chosen one if it supports them, else xla."""
     module = backends.backend_module(static.backend)
     vh = w_shape if dict(static.layout_kw).get("weight_layout") != "hv" else w_shape[::-1]
-    if backends._supported(module, tuple(x_shape), tuple(vh), dtype, static.softcap, static.has_bias):
+    if backends._supported(module, tuple(x_shape), tuple(vh), dtype, static.softcap, static.has_bias,
+                           need_argmax=static.need_argmax):
         return module
     return backends.backend_module("xla")
 
@@ -125,7 +139,7 @@ def _vaxis(static: _Static) -> int:
 
 @functools.cache
 def forward_fn(static: _Static):
-    """fn(x2d, w, [bias,] target) -> (lse, z_t[, S]) partitioned per device."""
+    """fn(x2d, w, [bias,] target) -> (lse, z_t[, S][, best, argmax]) partitioned per device."""
     nout = 3 if static.need_smooth else 2
 
     def local(args, axes, scatter):
@@ -135,11 +149,13 @@ def forward_fn(static: _Static):
             (x2d, w, target), bias = args, None
         module = _local_module(static, x2d.shape, w.shape, x2d.dtype)
         out = local_forward(module, x2d, w, bias, target, softcap=static.softcap, need_smooth=static.need_smooth,
-                            budget=static.budget, layout_kw=static.layout_kw, vocab_axes=axes.vocab)
-        return tuple(out[:nout])
+                            budget=static.budget, layout_kw=static.layout_kw, vocab_axes=axes.vocab,
+                            need_argmax=static.need_argmax)
+        return tuple(out[:nout]) + tuple(out[3:])
 
     kinds = ("x", "w") + (("b",) if static.has_bias else ()) + ("n",)
-    return partitioned(local, in_kinds=kinds, out_kinds=("n",) * nout, vaxis=_vaxis(static))
+    return partitioned(local, in_kinds=kinds, out_kinds=("n",) * (nout + 2 * static.need_argmax),
+                       vaxis=_vaxis(static))
 
 
 @functools.cache
@@ -163,9 +179,11 @@ def backward_fn(static: _Static):
                        vaxis=_vaxis(static))
 
 
-def explicit_call(op, mesh, axes: Axes, x2d, w, target, bias, *, vaxis: int, none: bool, **kw):
+def explicit_call(op, mesh, axes: Axes, x2d, w, target, bias, *, vaxis: int, none: bool, stats: bool = True,
+                  **kw):
     """``op`` (the public function) under ``jax.shard_map`` over ``mesh``: inputs resharded
-    to (tokens, vocab) splits (H never split), per-device call with the axis names."""
+    to (tokens, vocab) splits (H never split), per-device call with the axis names.
+    Returns (loss, LossStats), or (loss, None) with ``stats=False``."""
     from jax.sharding import PartitionSpec as P
 
     tok, voc = spec_entry(axes.token), spec_entry(axes.vocab)
@@ -175,11 +193,12 @@ def explicit_call(op, mesh, axes: Axes, x2d, w, target, bias, *, vaxis: int, non
     args = [jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
 
     def local(x2d, w, target, *b):
-        loss, stats = op(x2d, w, target, b[0] if b else None, return_stats=True,
-                         token_axis_name=axes.token or None, vocab_axis_name=axes.vocab or None, **kw)
-        return loss, stats
+        return op(x2d, w, target, b[0] if b else None, return_stats=stats,
+                  token_axis_name=axes.token or None, vocab_axis_name=axes.vocab or None, **kw)
 
     from logitless.jax.formulas.cross_entropy import LossStats
 
-    out_specs = (P(tok) if none else P(), LossStats(lse=P(tok), num_tokens=P()))
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
+    loss_spec = P(tok) if none else P()
+    out_specs = (loss_spec, LossStats(lse=P(tok), num_tokens=P(), argmax=P(tok))) if stats else loss_spec
+    out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
+    return out if stats else (out, None)

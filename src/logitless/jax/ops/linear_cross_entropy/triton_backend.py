@@ -45,6 +45,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from logitless.jax.formulas.cross_entropy import merge_argmax
 from logitless.jax.ops.common import triton as rt
 from logitless.jax.ops.common.triton import UNSUPPORTED_HINT  # noqa: F401 (the api's error hint)
 from logitless.jax.ops.common.triton import device_info as _device_info
@@ -60,6 +61,8 @@ _F32 = jnp.float32
 NATIVE_HV = True
 #: forward and backward accept ``class_weight=`` (a (V,) array, w_c in the formulas).
 CLASS_WEIGHTS = True
+#: forward accepts ``need_argmax=True`` (the kernel's per-split maximum and first index).
+ARGMAX = True
 
 #: Modules of the kernels, in import order (each imports the earlier ones).
 _KERNEL_MODULES = (
@@ -122,15 +125,17 @@ _sequential_under_vmap = rt.sequential_under_vmap
 
 
 def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
-            weight_layout: str = "vh", class_weight=None):
+            weight_layout: str = "vh", class_weight=None, need_argmax: bool = False):
     """The interface's forward (``weight_layout="hv"``: w is (H, V), no copy;
-    ``class_weight``: (V,) weights, smooth_sum = sum_c w_c z_c)."""
+    ``class_weight``: (V,) weights, smooth_sum = sum_c w_c z_c; ``need_argmax``: also
+    the row maximum and its first index, merged over the splits as the PyTorch op)."""
     run = functools.partial(_forward, softcap=softcap, need_smooth=need_smooth, budget=budget,
-                            weight_layout=weight_layout)
+                            weight_layout=weight_layout, need_argmax=need_argmax)
     return _sequential_under_vmap(run)(x2d, w, bias, target, class_weight)
 
 
-def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget, weight_layout):
+def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget, weight_layout,
+             need_argmax=False):
     n = x2d.shape[0]
     vocab = w.shape[0] if weight_layout == "vh" else w.shape[1]
     plan = _plan(x2d, vocab, budget)
@@ -143,13 +148,15 @@ def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget
     dummy = f32((1,))
     outs = (f32((splits, n)), f32((splits, n)), f32((splits, n)),
             f32((splits, n)) if need_smooth else dummy,
-            dummy, jax.ShapeDtypeStruct((1,), jnp.int32), dummy, dummy)  # best, arg, keep, keep_max
+            f32((splits, n)) if need_argmax else dummy,  # best: each split's row maximum
+            jax.ShapeDtypeStruct((splits, n) if need_argmax else (1,), jnp.int32),  # arg: its first index
+            dummy, dummy)  # keep, keep_max
     consts = _common_consts(x2d, w, vocab, softcap, bias is not None, class_weight is not None,
                             weight_layout, plan)
     consts.update(stride_keep=0, blocks_per_split=blocks_per_split, keep_blocks=0, splits=splits,
                   group_n=min(plan.group_n, row_blocks), NEED_SMOOTH=need_smooth,
-                  NEED_ARGMAX=False, KEEP=False, USE_TMA=False, split0=0, W_CHUNK=False)
-    part_max, part_sum, part_tgt, part_smooth, *_ = _launch(
+                  NEED_ARGMAX=need_argmax, KEEP=False, USE_TMA=False, split0=0, W_CHUNK=False)
+    part_max, part_sum, part_tgt, part_smooth, part_best, part_arg, *_ = _launch(
         "forward_stats_kernel", (row_blocks * splits,), plan, outs,
         (x2d, w, b, cw, target.astype(jnp.int32)), consts)
     # Merge the splits as the PyTorch op: lse = M + log sum_j s_j exp(m_j - M), M = 0
@@ -158,6 +165,8 @@ def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget
     m_safe = jnp.where(big_m == -jnp.inf, 0.0, big_m)
     lse = m_safe + jnp.log(jnp.sum(part_sum * jnp.exp(part_max - m_safe), axis=0))
     smooth = part_smooth.sum(axis=0) if need_smooth else None
+    if need_argmax:
+        return lse, part_tgt.sum(axis=0), smooth, part_best.max(axis=0), merge_argmax(part_best, part_arg)
     return lse, part_tgt.sum(axis=0), smooth
 
 

@@ -38,6 +38,8 @@ _F32 = jnp.float32
 NATIVE_HV = True
 #: forward and backward accept ``class_weight=`` (a (V,) array, w_c in the formulas).
 CLASS_WEIGHTS = True
+#: forward accepts ``need_argmax=True`` (the row maximum and its first index).
+ARGMAX = True
 
 
 #: Contracting dimensions of the three GEMMs by weight layout (a w tile is (v, H) for
@@ -69,10 +71,11 @@ def _plan(x2d, vocab, budget):
 
 
 def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
-            weight_layout: str = "vh", class_weight=None):
+            weight_layout: str = "vh", class_weight=None, need_argmax: bool = False):
     """The interface's forward; ``weight_layout="hv"`` (an extension of this backend)
     takes w as (H, V) without a transposed copy; ``class_weight`` (V,): smooth_sum is
-    sum_c w_c z_c."""
+    sum_c w_c z_c; ``need_argmax``: also the row maximum and its first index (a strict
+    ``>`` across column chunks keeps the earliest of equal maxima)."""
     n = x2d.shape[0]
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
@@ -86,9 +89,14 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
         cols = c0 + jnp.arange(vc, dtype=jnp.int32)
 
         def row_step(r0, nr, carry):
-            lse, zt, ss = carry
+            lse, zt, ss, best, arg = carry
             z = _logits(take(x2d, r0, nr), wj, bj, softcap, weight_layout)
             m = jnp.max(z, axis=1)
+            if best is not None:
+                better = m > take(best, r0, nr)  # strict: an earlier chunk keeps a tie
+                best = put(best, jnp.where(better, m, take(best, r0, nr)), r0)
+                first = jnp.argmax(z, axis=1).astype(jnp.int32) + c0
+                arg = put(arg, jnp.where(better, first, take(arg, r0, nr)), r0)
             m = jnp.where(m == -jnp.inf, 0.0, m)  # all -inf: lse -inf; +inf: NaN
             chunk_lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=1))
             hit = cols[None, :] == take(target, r0, nr)[:, None]
@@ -97,7 +105,7 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
             if ss is not None:
                 zw = z if cwj is None else z * cwj[None, :]
                 ss = put(ss, take(ss, r0, nr) + jnp.sum(zw, axis=1), r0)
-            return lse, zt, ss
+            return lse, zt, ss, best, arg
 
         return chunk_loop(n, plan.token_chunk, row_step, carry)
 
@@ -105,9 +113,12 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
         jnp.full((n,), -jnp.inf, _F32),
         jnp.zeros((n,), _F32),
         jnp.zeros((n,), _F32) if need_smooth else None,
+        jnp.full((n,), -jnp.inf, _F32) if need_argmax else None,
+        jnp.zeros((n,), jnp.int32) if need_argmax else None,
     )
     init = _varying_like(init, x2d, w, bias, target)
-    return chunk_loop(vocab, plan.vocab_chunk, col_step, init)
+    out = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
+    return out if need_argmax else out[:3]
 
 
 def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
