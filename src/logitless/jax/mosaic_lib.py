@@ -526,7 +526,10 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
             dz = dz[:, :cw]
         w_c = lax.dynamic_slice_in_dim(w, c0, cw, axis=vaxis)
         # dx += dz @ W[chunk] ("vh": W[chunk] (cw, H); "hv": (H, cw), contracted on its columns).
-        dx = dx + lax.dot_general(dz, w_c, (((1,), (vaxis,)), ((), ())), preferred_element_type=jnp.float32)
+        if layout == "vh":
+            dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
+        else:
+            dx = dx + lax.dot_general(dz, w_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         # One GEMM with fp32 accumulation writes the chunk in w.dtype (no fp32 dW chunk);
         # the update is in place in the loop's carry: no stacking, no concatenation.
         # "vh": dz^T x (cw, H); "hv": x^T dz (H, cw).

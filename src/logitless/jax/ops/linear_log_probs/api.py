@@ -119,7 +119,8 @@ def linear_log_probs(
             on a machine without GPU Triton's CPU interpreter, very slow: tests only;
             fp64 raises ValueError) or "mosaic_gpu" (Pallas Mosaic GPU kernels, SM90,
             by name only; bf16/f16 inputs only, else ValueError; bias, H % 64 != 0 or
-            V % 8 != 0 cost a padded copy of the weight per call).
+            V % 8 != 0 (V % 64 != 0 for an (H, V) weight) cost a padded copy of the
+            weight per call).
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
