@@ -320,3 +320,34 @@ def test_xla_hv_has_no_weight_transpose(op, grad, budget):
     t_vh = vh.memory_analysis().temp_size_in_bytes
     # A transposed copy of the weight would be h * v * 4 bytes (4.3 MB) more.
     assert t_hv <= t_vh + 64 * 1024, f"hv temporaries {t_hv} > vh {t_vh} (+64 KiB)"
+
+
+# ------------------------------------------------------------------------------------------
+# Mosaic GPU: the (H, V) kernels lower for CUDA (TMA tiling, WGMMA B layout, shared memory)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(4096, 4096, 128256), (1000, 512, 4000)], ids=["llama", "v%64!=0"])
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_log_probs"])
+def test_mosaic_gpu_hv_lowers_for_cuda(op, shape, monkeypatch):
+    """fwd+bwd through the public op with an (H, V) kernel, lowered (not run) for CUDA on
+    any machine: the (BLOCK_K, block_v) TMA tiles and the MN-major WGMMA B operand pass
+    Mosaic GPU's lowering checks; V = 4000 (not a multiple of 64) takes the padded path."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu", reason="this jax has no Pallas Mosaic GPU")
+    from logitless.jax.ops.linear_cross_entropy import mosaic_gpu_backend as lce_mg
+    from logitless.jax.ops.linear_log_probs import mosaic_gpu_backend as llp_mg
+
+    monkeypatch.setattr(lce_mg, "INTERPRET", False)
+    monkeypatch.setattr(llp_mg, "INTERPRET", False)
+    n, h, v = shape
+    x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((h, v), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+    if op == "linear_cross_entropy":
+        f = lambda x, k, t: linear_cross_entropy(x, k, t, weight_layout="hv", implementation="mosaic_gpu",
+                                                 label_smoothing=0.1)
+    else:
+        f = lambda x, k, t: jnp.sum(linear_log_probs(x, k, t, weight_layout="hv", implementation="mosaic_gpu",
+                                                     entropy=True)[1])
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(x, k, t).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
