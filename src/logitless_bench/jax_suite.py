@@ -231,8 +231,8 @@ def markdown(data) -> str:
              "Ratios are against `jnp.dot(x, w.T)` of the same shape, measured in the same run "
              "(fwd/1 GEMM; fwd+bwd over 3 GEMMs). temp MiB: XLA's compiled temporary bytes of the jitted "
              "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
-             "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs float64; max tok "
-             "err: largest per-token loss error vs float64.", "",
+             "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs "
+             "float64; max tok err: largest per-token loss error vs float64.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in data["rows"]:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")

@@ -267,8 +267,9 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     (splits, N) fp32 (rows of a split that ``finish`` leaves as None are not written).
 
     x (N, H) with N % 8 == 0, w (Vw, H) (``layout`` "vh") or (H, Vw) ("hv") with
-    Vw % 8 == 0 and v <= Vw the columns that count; target (N,) int. Per compute warpgroup the carry is a tuple of per-row fp32
-    vectors, initialised to the floats ``init``; for each tile of logits,
+    Vw % 8 == 0 (``hv_columns`` for "hv") and v <= Vw the columns that count; target
+    (N,) int. Per compute warpgroup the carry is a tuple of per-row fp32 vectors,
+    initialised to the floats ``init``; for each tile of logits,
     ``fold(z, cols, hit, valid, carry) -> carry`` with z the fp32 (block_n, block_v)
     tile, cols its column iota (tile-relative), hit = (cols == target column), valid the
     column mask (cols < v - tile start) in the vocabulary's last tile, else None.

@@ -11,7 +11,8 @@ loss from the statistics (``logitless/jax/formulas/cross_entropy.py``) and wraps
 arguments after ``*`` are static Python values (hashable; the functions are traced
 under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
 
-``forward(x2d, w, bias, target, *, softcap, need_smooth, budget, weight_layout="vh") -> (lse, target_logit, smooth_sum)``
+``forward(x2d, w, bias, target, *, softcap, need_smooth, budget, weight_layout="vh")``
+``-> (lse, target_logit, smooth_sum)``
     x2d:     (N, H) bf16/f16/f32, N >= 1
     w:       (V, H), same dtype as x2d; (H, V) with ``weight_layout="hv"`` (see
              ``NATIVE_HV`` below)
