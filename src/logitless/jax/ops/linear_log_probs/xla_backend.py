@@ -111,8 +111,8 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: i
             dz = lpf.dlogits(a, take(lse, r0, nr), take(coef, r0, nr, axis=1),
                              take(tokens, r0, nr), c0, opts)
             dzl = dz.astype(x2d.dtype)
-            dxr = lax.dot_general(dzl, wj, _DX_DIMS[weight_layout], preferred_element_type=cdt)
-            dx = put(dx, take(dx, r0, nr) + dxr, r0)
+            dx = put(dx, take(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS[weight_layout],
+                                                            preferred_element_type=cdt), r0)
             pair = (dzl, xr) if weight_layout == "vh" else (xr, dzl)
             dwj = dwj + lax.dot_general(*pair, _DW_DIMS, preferred_element_type=cdt)
             if dbj is not None:
