@@ -27,7 +27,7 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rc = jax_suite.main(["--suite", "jax", "--cpu", "--quick", "--out", str(tmp_path),
-                                 "--methods", "logitless-xla,xla-logits,logitless-mosaic",
+                                 "--methods", "logitless-xla,logitless-xla-hv,xla-logits,logitless-mosaic",
                                  "--max-minutes", "5"])
     finally:
         jax.config.update("jax_captured_constants_warn_bytes", old)
@@ -39,7 +39,12 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "latest-jax-cpu.json").read_text())
     assert data["complete"] and data["meta"]["tag"] == "cpu"
     rows = {r["method"]: r for r in data["rows"]}
-    assert set(rows) == {"gemm", "logitless-xla", "xla-logits", "logitless-mosaic"}
+    assert set(rows) == {"gemm", "logitless-xla", "logitless-xla-hv", "xla-logits", "logitless-mosaic"}
+    # The flax (H, V) kernel: read in place, no more temporaries than the (V, H) weight.
+    hv = rows["logitless-xla-hv"]
+    assert hv["|loss-ref|"] < 1e-5 and hv["fwd ms"] > 0
+    for col in ("fwd temp MiB", "temp MiB"):
+        assert hv[col] <= rows["logitless-xla"][col] + 0.0625, col
     ours = rows["logitless-xla"]
     assert ours["fwd ms"] > 0 and ours["fwd+bwd ms"] > 0 and ours["f+b/3 GEMMs"] > 0
     assert ours["compile s"] > 0

@@ -215,14 +215,15 @@ def test_lowers_for_tpu(monkeypatch, layout):
     args = (sds((n, h), jnp.bfloat16), w, sds((v,), jnp.bfloat16), sds((n,), jnp.int32))
     text = jax.jit(jax.grad(ce, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 3  # forward, dX, dW
-    if layout == "vh":
-        def lp(x, w, t):
-            out, ent = linear_log_probs(x, w, t, entropy=True, temperature=0.7, implementation="mosaic_tpu")
-            return out.sum() + ent.sum()
 
-        text = jax.jit(jax.grad(lp, argnums=(0, 1))).trace(args[0], w, args[3]).lower(
-            lowering_platforms=("tpu",)).as_text()
-        assert text.count("tpu_custom_call") == 3
+    def lp(x, w, t):
+        out, ent = linear_log_probs(x, w, t, entropy=True, temperature=0.7, weight_layout=layout,
+                                    implementation="mosaic_tpu")
+        return out.sum() + ent.sum()
+
+    text = jax.jit(jax.grad(lp, argnums=(0, 1))).trace(args[0], w, args[3]).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3
 
 
 @runs_kernels

@@ -7,12 +7,16 @@ Methods (each skipped with a note when unavailable):
     logitless-mosaic  the same with implementation="mosaic_gpu" (SM90 GPUs, when present)
     logitless-triton  the same with implementation="triton" (NVIDIA GPUs with jax-triton;
                       skipped on CPUs, where the kernels would run on Triton's interpreter)
+    logitless-*-hv    each of the three with the weight as a flax (H, V) kernel
+                      (``weight_layout="hv"``, tokamax's layout): the same kernels reading
+                      (H, V) in place; its temp MiB columns against the (V, H) row show
+                      that no transposed copy of the weight is made
     xla-logits        optax-style: fp32 logits x @ w.T materialised, log_softmax, mean
     tokamax-xla       tokamax.linear_softmax_cross_entropy_loss(implementation="xla")
     tokamax-chunked   the same with implementation="chunked_xla"
 Metrics per shape and method: fwd and fwd+bwd medians (jit, block_until_ready, warm-ups),
-fwd / 1 GEMM and fwd+bwd / 3 GEMMs, XLA's compiled temporary bytes of the fwd+bwd
-(``memory_analysis().temp_size_in_bytes``), |mean loss - ref| and the largest per-token
+fwd / 1 GEMM and fwd+bwd / 3 GEMMs, XLA's compiled temporary bytes of the fwd and of
+the fwd+bwd (``memory_analysis().temp_size_in_bytes``), |mean loss - ref| and the largest per-token
 |loss - ref| against a float64 reference (jax with x64, chunks of tokens).
 Files: benchmarks/results/jax-<tag>-<date>.json/.md (+ latest-jax-<tag>.*, + .png), where
 <tag> is the GPU's short name (H100), or "cpu" for a ``--cpu`` run or a machine without GPU.
@@ -40,14 +44,14 @@ from .jax_timing import median_ms as _median_ms
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "logitless-triton", "xla-logits", "tokamax-xla",
-           "tokamax-chunked")
+METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "logitless-triton", "logitless-xla-hv",
+           "logitless-mosaic-hv", "logitless-triton-hv", "xla-logits", "tokamax-xla", "tokamax-chunked")
 #: Run when --methods is not given: tokamax's "xla" backend materialises the logits as
 #: xla-logits does (same cost); ask for it with --methods all or by name.
 #: logitless-mosaic last: should a kernel hang on a new GPU, the shape's other rows are
 #: already written (the files are saved after every row).
-DEFAULT_METHODS = ("gemm", "logitless-xla", "xla-logits", "tokamax-chunked", "logitless-triton",
-                   "logitless-mosaic")
+DEFAULT_METHODS = ("gemm", "logitless-xla", "logitless-xla-hv", "xla-logits", "tokamax-chunked",
+                   "logitless-triton", "logitless-triton-hv", "logitless-mosaic", "logitless-mosaic-hv")
 #: Seconds kept for writing the files when --max-minutes is given.
 _RESERVE_S = 15.0
 
@@ -111,23 +115,29 @@ def _loss_fns(method):
     import jax
     import jax.numpy as jnp
 
-    if method in ("logitless-xla", "logitless-mosaic", "logitless-triton"):
+    hv = method.endswith("-hv")
+    base = method[:-3] if hv else method
+    if base in ("logitless-xla", "logitless-mosaic", "logitless-triton"):
         from logitless.jax import linear_cross_entropy
-        impl = {"logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu", "logitless-triton": "triton"}[method]
+        impl = {"logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu", "logitless-triton": "triton"}[base]
         if impl == "triton":
             if jax.devices()[0].platform != "gpu":
                 raise Skip("triton on a CPU runs on Triton's interpreter: tests only")
-            from logitless.jax.ops.linear_cross_entropy import triton as triton_backend
+            from logitless.jax.ops.linear_cross_entropy import triton_backend
             if triton_backend._jax_triton() is None:
                 raise Skip("jax-triton not importable (pip install jax-triton)")
         if impl == "mosaic_gpu":
             try:
-                from logitless.jax.ops.linear_cross_entropy import mosaic_gpu  # noqa: F401
+                from logitless.jax.ops.linear_cross_entropy import mosaic_gpu_backend  # noqa: F401
             except ImportError as exc:
                 raise Skip(f"mosaic_gpu backend not importable ({type(exc).__name__})") from exc
             from logitless.jax.ops.common.choice import is_sm90
             if not is_sm90():
                 raise Skip("mosaic_gpu needs an SM90 GPU")
+        if hv:  # the flax (H, V) kernel, read in place
+            return (lambda x, w, wt, t: linear_cross_entropy(x, wt, t, weight_layout="hv", implementation=impl),
+                    lambda x, w, wt, t: linear_cross_entropy(x, wt, t, reduction="none", weight_layout="hv",
+                                                             implementation=impl))
         return (lambda x, w, wt, t: linear_cross_entropy(x, w, t, implementation=impl),
                 lambda x, w, wt, t: linear_cross_entropy(x, w, t, reduction="none", implementation=impl))
     if method == "xla-logits":
@@ -199,7 +209,7 @@ def environment(argv):
             "peers": peers}
 
 
-COLUMNS = ("shape", "method", "fwd ms", "fwd+bwd ms", "fwd/1 GEMM", "f+b/3 GEMMs", "temp MiB",
+COLUMNS = ("shape", "method", "fwd ms", "fwd+bwd ms", "fwd/1 GEMM", "f+b/3 GEMMs", "fwd temp MiB", "temp MiB",
            "|loss-ref|", "max tok err", "compile s", "note")
 
 
@@ -220,8 +230,9 @@ def markdown(data) -> str:
              f"{'' if data.get('complete') else ' — **partial**'}", "",
              "Ratios are against `jnp.dot(x, w.T)` of the same shape, measured in the same run "
              "(fwd/1 GEMM; fwd+bwd over 3 GEMMs). temp MiB: XLA's compiled temporary bytes of the jitted "
-             "fwd+bwd (`memory_analysis().temp_size_in_bytes`). |loss-ref|: mean loss vs float64; max tok "
-             "err: largest per-token loss error vs float64.", "",
+             "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
+             "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs "
+             "float64; max tok err: largest per-token loss error vs float64.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in data["rows"]:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
@@ -297,17 +308,20 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row):
         row["fwd/1 GEMM"] = 1.0
         row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / gemm_ms / 1e9:.3g} TFLOP/s"
         return wt, gemm_ms
-    if m.startswith("tokamax") and wt is None:
-        _tokamax()
-        wt = jnp.asarray(w.T)
-    mean_fn, tok_fn = _loss_fns(m)
+    mean_fn, tok_fn = _loss_fns(m)  # Skip (before the (H, V) copy is made)
+    hv = m.startswith("tokamax") or m.endswith("-hv")
+    if hv and wt is None:
+        wt = jnp.asarray(w.T)  # (H, V), as a flax kernel / tokamax's weights: made once per shape
     args_ = (x, w, wt, t)
-    grad_of = (0, 1) if m.startswith("logitless") or m == "xla-logits" else (0, 2)
+    grad_of = (0, 2) if hv else (0, 1)
     # Compiled once each; the memory analysis comes from the same executable.
     t0 = time.perf_counter()
     fwd = jax.jit(mean_fn).lower(*args_).compile()
     fb = jax.jit(jax.value_and_grad(mean_fn, argnums=grad_of)).lower(*args_).compile()
     row["compile s"] = time.perf_counter() - t0
+    fmem = fwd.memory_analysis()
+    if fmem is not None:
+        row["fwd temp MiB"] = fmem.temp_size_in_bytes / 2**20
     loss = float(fwd(*args_))
     row["fwd ms"] = _median_ms(fwd, args_, warmup, reps)
     row["fwd+bwd ms"] = _median_ms(fb, args_, warmup, reps)

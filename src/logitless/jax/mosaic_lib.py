@@ -21,8 +21,17 @@ the warp-specialised GEMM-tile main loop and the two kernel shapes built on it.
     per vocab chunk, XLA GEMMs take dW[chunk] = dz^T x and dx += dz W[chunk] (fp32
     accumulation); "4 GEMMs" with the forward.
 
-Limits: bf16/f16, H a multiple of 64, W's rows (``w.shape[0]``) a multiple of 8 (TMA
-into swizzled tiles), N a multiple of 8 (``pad_rows8``). Under ``interpret`` (Mosaic
+Weight layouts (``layout``): "vh", W (V, H) as a torch ``nn.Linear``: the TMA reads
+(block_v, BLOCK_K) tiles and the WGMMA takes the transposed view of the tile as its B
+operand; "hv", W (H, V) as a flax ``Dense`` kernel: the TMA reads (BLOCK_K, block_v)
+tiles, which are WGMMA's B operand as they are (K-major and MN-major B are both native
+for 16-bit types). Same arithmetic either way (the same products summed in the same
+k order); no transposed copy of W, and dW comes back in W's layout.
+
+Limits: bf16/f16, H a multiple of 64, V a multiple of 8 for a (V, H) weight and of 64
+for an (H, V) one (TMA into 128-byte swizzled tiles tiles the minor dimension by 64
+elements: ``pad_hv`` pads the columns of an (H, V) weight otherwise, a copy), N a
+multiple of 8 (``pad_rows8``). Under ``interpret`` (Mosaic
 GPU's interpret mode, ``plgpu.InterpretGPUParams``) the kernels run on a CPU.
 """
 
@@ -91,6 +100,20 @@ def pad_rows8(x):
     return x if n8 == n else jnp.pad(x, ((0, n8 - n), (0, 0)))
 
 
+def hv_columns(v: int) -> int:
+    """Columns an (H, V) weight needs for the TMA (its minor dimension is tiled by 64
+    elements): V itself when V <= 64 or V % 64 == 0, else V rounded up to 64."""
+    return v if v <= BLOCK_K or v % BLOCK_K == 0 else -(-v // BLOCK_K) * BLOCK_K
+
+
+def pad_hv(w):
+    """An (H, V) weight with zero columns up to ``hv_columns(V)`` (no-op, no copy, when
+    V already tiles; the kernels mask columns >= V)."""
+    v = w.shape[1]
+    vp = hv_columns(v)
+    return w if vp == v else jnp.pad(w, ((0, 0), (0, vp - v)))
+
+
 def rows_padded(n, cfg: FwdConfig):
     block_rows = NUM_COMPUTE_WGS * cfg.block_n
     return pl.cdiv(n, block_rows) * block_rows
@@ -132,8 +155,10 @@ def fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, ex
 
 
 def tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stages, block_n, block_v,
-                go=None, go_step=-1):
+                go=None, go_step=-1, layout="vh"):
     """z = x[rows] @ W[cols]^T for one tile; ring steps step0 .. step0 + k_iters - 1.
+    A W slot is (block_v, BLOCK_K) for ``layout`` "vh" (B is its transposed view) and
+    (BLOCK_K, block_v) for "hv" (B as it is).
 
     The WGMMA of step k is in flight while we wait for step k+1's data; the slot of
     step k-1 is released once at most one WGMMA is pending.
@@ -144,10 +169,11 @@ def tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stage
             step = step0 + k
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced.at[slot])
+            w_tile = w_smem.at[slot]
             plgpu.wgmma(
                 acc_ref,
                 x_smem.at[slot, pl.ds(wg * block_n, block_n)],
-                w_smem.at[slot].transpose((1, 0)),
+                w_tile.transpose((1, 0)) if layout == "vh" else w_tile,
             )
             if go is not None:  # warpgroup 0 lets warpgroup 1 start (see FwdConfig.lag)
                 @pl.when(jnp.logical_and(wg == 0, step == go_step))
@@ -171,8 +197,10 @@ def tile_logits(x_smem, w_smem, produced, consumed, wg, step0, *, k_iters, stage
 
 
 def memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_vb, *, k_iters, stages,
-                block_rows, block_v):
-    """Memory warpgroup: streams (x, W) tiles for vocab tiles vb0 .. vb0+num_vb-1."""
+                block_rows, block_v, layout="vh"):
+    """Memory warpgroup: streams (x, W) tiles for vocab tiles vb0 .. vb0+num_vb-1 (W
+    tiles (block_v, BLOCK_K) of a (V, H) weight for ``layout`` "vh", (BLOCK_K, block_v)
+    of an (H, V) one for "hv")."""
     total = num_vb * k_iters
 
     def body(step, _):
@@ -189,8 +217,9 @@ def memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num
             x_smem.at[slot],
             produced.at[slot],
         )
+        cols, ks = pl.ds(vb * block_v, block_v), pl.ds(k * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(
-            w_ref.at[pl.ds(vb * block_v, block_v), pl.ds(k * BLOCK_K, BLOCK_K)],
+            w_ref.at[cols, ks] if layout == "vh" else w_ref.at[ks, cols],
             w_smem.at[slot],
             produced.at[slot],
         )
@@ -209,11 +238,19 @@ def memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num
     lax.fori_loop(total - jnp.minimum(total, stages), total, drain, None)
 
 
-def scratch(dtype, block_rows, block_v, stages):
+def w_axis(layout: str) -> int:
+    """The vocabulary axis of a weight in ``layout`` ("vh": 0, "hv": 1)."""
+    if layout not in ("vh", "hv"):
+        raise ValueError(f'layout must be "vh" or "hv", got {layout!r}')
+    return 0 if layout == "vh" else 1
+
+
+def scratch(dtype, block_rows, block_v, stages, layout="vh"):
     transforms = smem_transforms(dtype)
+    w_tile = (block_v, BLOCK_K) if layout == "vh" else (BLOCK_K, block_v)
     return dict(
         x_smem=plgpu.SMEM((stages, block_rows, BLOCK_K), dtype, transforms=transforms),
-        w_smem=plgpu.SMEM((stages, block_v, BLOCK_K), dtype, transforms=transforms),
+        w_smem=plgpu.SMEM((stages,) + w_tile, dtype, transforms=transforms),
         produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
     )
@@ -225,20 +262,21 @@ def scratch(dtype, block_rows, block_v, stages):
 
 
 def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tuple, fold, finish,
-                   interpret=None):
+                   interpret=None, layout="vh"):
     """Per-row partial statistics of z = x W^T over vocab splits: ``n_out`` arrays
     (splits, N) fp32 (rows of a split that ``finish`` leaves as None are not written).
 
-    x (N, H) with N % 8 == 0, w (Vw, H) with Vw % 8 == 0 and v <= Vw the columns that
-    count; target (N,) int. Per compute warpgroup the carry is a tuple of per-row fp32
-    vectors, initialised to the floats ``init``; for each tile of logits,
+    x (N, H) with N % 8 == 0, w (Vw, H) (``layout`` "vh") or (H, Vw) ("hv") with
+    Vw % 8 == 0 (``hv_columns`` for "hv") and v <= Vw the columns that count; target
+    (N,) int. Per compute warpgroup the carry is a tuple of per-row fp32 vectors,
+    initialised to the floats ``init``; for each tile of logits,
     ``fold(z, cols, hit, valid, carry) -> carry`` with z the fp32 (block_n, block_v)
     tile, cols its column iota (tile-relative), hit = (cols == target column), valid the
     column mask (cols < v - tile start) in the vocabulary's last tile, else None.
     ``finish(carry)`` gives the ``n_out`` row vectors to write (None: skip).
     """
     n, h = x.shape
-    vw = w.shape[0]
+    vw = w.shape[w_axis(layout)]
     block_n, block_v, stages = cfg.block_n, cfg.block_v, cfg.stages
     block_rows = NUM_COMPUTE_WGS * block_n
     k_iters = h // BLOCK_K
@@ -282,7 +320,7 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
                 vb = vb0 + j
                 z = tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
                                 k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v,
-                                go=go_bar.at[0] if lag else None, go_step=lag - 1)
+                                go=go_bar.at[0] if lag else None, go_step=lag - 1, layout=layout)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_n, block_v), 1, layout=plgpu.Layout.WGMMA)
                 # only the tile holding column v - 1 has columns >= v
                 valid = (cols < (v - vb * block_v)) if masked else None
@@ -313,10 +351,10 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
         def _memory():
             plgpu.set_max_registers(MEMORY_REGS, action="decrease")
             memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_vb,
-                        k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
+                        k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v, layout=layout)
 
     def entry(x_ref, w_ref, t_ref, *outs):
-        s = scratch(x.dtype, block_rows, block_v, stages)
+        s = scratch(x.dtype, block_rows, block_v, stages, layout)
         pl.run_scoped(
             lambda *refs: kernel(x_ref, w_ref, t_ref, outs, *refs),
             s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
@@ -347,11 +385,14 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
 # ---------------------------------------------------------------------------------
 
 
-def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, epilogue, interpret=None):
+def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, epilogue, interpret=None,
+            layout="vh"):
     """d(logits) of columns [cblock[0] * block_v, ... + chunk) of all rows: (N, chunk) in
     x.dtype, zero at columns >= v. rowdat (R, rows_padded) fp32 and tgt (rows_padded,)
     int32 are per-row inputs; ``epilogue(z, rows, hit) -> dz`` (fp32 tile) with z the
-    fp32 logits tile, rows the R per-row vectors, hit = (cols == target column)."""
+    fp32 logits tile, rows the R per-row vectors, hit = (cols == target column). w in
+    ``layout`` ("vh": (Vw, H), "hv": (H, Vw))."""
+    w_axis(layout)
     n, h = x.shape
     n_rows = rowdat.shape[0]
     block_n, block_v, stages = cfg.block_n, cfg.block_v, cfg.stages
@@ -383,7 +424,7 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
             plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], bar.at[wg])
             # The row inputs arrive while the main loop runs; waited for after it.
             z = tile_logits(x_smem, w_smem, produced, consumed, wg, 0,
-                            k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v)
+                            k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v, layout=layout)
             plgpu.barrier_wait(bar.at[wg])
             red = plgpu.Layout.WGMMA.reduce(1)
             row_vals = [plgpu.load(r_smem.at[wg, i], layout=red) for i in range(n_rows)]
@@ -402,10 +443,10 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
         def _memory():
             plgpu.set_max_registers(MEMORY_REGS, action="decrease")
             memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb, 1,
-                        k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v)
+                        k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v, layout=layout)
 
     def entry(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref):
-        s = scratch(dtype, block_rows, block_v, stages)
+        s = scratch(dtype, block_rows, block_v, stages, layout)
         pl.run_scoped(
             lambda *refs: kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, *refs),
             s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
@@ -454,13 +495,15 @@ def row_inputs(target, rows, n_pad):
 
 
 def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budget, epilogue, interpret=None,
-                     vary=None):
-    """(dx fp32 (N8, H), dW in w.dtype): d(logits) chunks from ``dz_call`` feeding XLA
-    GEMMs. x8 (N8, H) row-padded; w (Vw, H), columns >= v masked to zero; n the
-    unpadded token count (sizes the chunk from ``budget``, see ``chunk_columns``).
-    ``vary(dx, dw)``: the carries marked as varying like the inputs (inside shard_map)."""
+                     vary=None, layout="vh"):
+    """(dx fp32 (N8, H), dW in w.dtype and w's layout): d(logits) chunks from ``dz_call``
+    feeding XLA GEMMs. x8 (N8, H) row-padded; w (Vw, H) for ``layout`` "vh" or (H, Vw)
+    for "hv", columns >= v masked to zero; n the unpadded token count (sizes the chunk
+    from ``budget``, see ``chunk_columns``). ``vary(dx, dw)``: the carries marked as
+    varying like the inputs (inside shard_map)."""
     _, h = x8.shape
-    vw = w.shape[0]
+    vaxis = w_axis(layout)
+    vw = w.shape[vaxis]
     chunk = chunk_columns(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, cfg.block_v)
     bv = cfg.block_v
     # Prefer a chunk that divides the vocabulary (in column tiles): then the dW chunks
@@ -479,15 +522,21 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
         # The offset is an input of the kernel, so one compiled kernel serves every chunk.
         cblock = jnp.reshape(c0 // bv, (1,)).astype(jnp.int32)
         dz = dz_call(x8, w, rowdat, tgt, cblock, v=v, chunk=width, cfg=cfg, epilogue=epilogue,
-                     interpret=interpret)
+                     interpret=interpret, layout=layout)
         if cw != width:
             dz = dz[:, :cw]
-        w_c = lax.dynamic_slice_in_dim(w, c0, cw, axis=0)
-        dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
+        w_c = lax.dynamic_slice_in_dim(w, c0, cw, axis=vaxis)
+        # dx += dz @ W[chunk] ("vh": W[chunk] (cw, H); "hv": (H, cw), contracted on its columns).
+        if layout == "vh":
+            dx = dx + jnp.dot(dz, w_c, preferred_element_type=jnp.float32)
+        else:
+            dx = dx + lax.dot_general(dz, w_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         # One GEMM with fp32 accumulation writes the chunk in w.dtype (no fp32 dW chunk);
         # the update is in place in the loop's carry: no stacking, no concatenation.
-        dw_c = lax.dot_general(dz, x8, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
-        return dx, lax.dynamic_update_slice_in_dim(dw, dw_c, c0, axis=0)
+        # "vh": dz^T x (cw, H); "hv": x^T dz (H, cw).
+        pair = (dz, x8) if layout == "vh" else (x8, dz)
+        dw_c = lax.dot_general(*pair, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
+        return dx, lax.dynamic_update_slice_in_dim(dw, dw_c, c0, axis=vaxis)
 
     dx = jnp.zeros(x8.shape, jnp.float32)
     dw = jnp.zeros(w.shape, w.dtype)

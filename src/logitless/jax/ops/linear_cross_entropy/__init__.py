@@ -11,10 +11,11 @@ loss from the statistics (``logitless/jax/formulas/cross_entropy.py``) and wraps
 arguments after ``*`` are static Python values (hashable; the functions are traced
 under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
 
-``forward(x2d, w, bias, target, *, softcap, need_smooth, budget) -> (lse, target_logit, smooth_sum)``
+``forward(x2d, w, bias, target, *, softcap, need_smooth, budget, weight_layout="vh")``
+``-> (lse, target_logit, smooth_sum)``
     x2d:     (N, H) bf16/f16/f32, N >= 1
-    w:       (V, H), same dtype as x2d (the api passes an "hv" weight as ``weight.T``;
-             its gradient flows back through that transpose)
+    w:       (V, H), same dtype as x2d; (H, V) with ``weight_layout="hv"`` (see
+             ``NATIVE_HV`` below)
     bias:    (V,) same dtype as w, or None
     target:  (N,) int32; ignored or out-of-range targets may hold any value: the
              backend must not fail on them (target_logit there may be anything finite
@@ -27,12 +28,13 @@ under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values
         target_logit = z_t                              (z at the target column)
         smooth_sum   = sum_c z_c, or None when not need_smooth
 
-``backward(x2d, w, bias, target, lse, coef, *, softcap, budget) -> (dx, dw, db)``
+``backward(x2d, w, bias, target, lse, coef, *, softcap, budget, weight_layout="vh") -> (dx, dw, db)``
     lse:  (N,) f32 from forward; coef: (3, N) f32 rows [A, B, C] from
     ``formulas.cross_entropy.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
     out-of-range targets). With p_c = exp(z_c - lse):
         dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
-        dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype;
+        dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype
+        ((H, V) = x2d.T @ dz for ``weight_layout="hv"``: dw always has w's layout);
         db = sum_n dz (V,) in bias.dtype, or None when bias is None.
     Accumulate in fp32 and cast once.
 
@@ -53,10 +55,15 @@ raises ValueError. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
 kernels keep no running argmax.) Under vocabulary sharding the api merges the
 devices' (best, argmax) pairs: the first device holding the largest maximum.
 
-``NATIVE_HV = True`` (optional module constant): forward and backward also accept a
-keyword ``weight_layout="hv"`` with w of shape (H, V) (and return dw (H, V)); the api
-then passes flax-style kernels without a transposed copy. Without it, the api passes
-``weight.T``.
+
+``NATIVE_HV = True`` (module constant): forward and backward also accept a keyword
+``weight_layout="hv"`` with w of shape (H, V), the caller's flax-style kernel as it is,
+read in place (no transposed copy in the backend either: XLA dot_general dimensions,
+Triton strides, Mosaic TMA/WGMMA tiles, Mosaic TPU blocks), and return dw (H, V). Every
+backend here has it (xla, triton, mosaic_gpu, mosaic_tpu; the same contract for
+linear_log_probs' backends), so no call transposes the weight under jit, grad, vmap or
+sharding (``tests_jax/test_weight_layout.py``). A backend without it would get
+``weight.T`` from the api (a copy) with its gradient flowing back through the transpose.
 
 ``is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool`` (optional
 module-level function): False makes ``implementation=None`` fall back to "xla"; an

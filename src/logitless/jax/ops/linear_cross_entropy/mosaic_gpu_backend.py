@@ -31,6 +31,12 @@ Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
     Cost: recompute (1 GEMM) + 2 GEMMs; with the forward, 4 GEMM-equivalents, plus XLA's
     copies of the W slices when there are several chunks.
 
+Weight layouts: W (V, H) or, with ``weight_layout="hv"`` (``NATIVE_HV``), a flax-style
+(H, V) kernel read in place: the TMA streams (H, V) tiles that WGMMA takes as its B
+operand directly (``mosaic_lib``), and dW comes back (H, V); no transposed copy (an
+(H, V) weight with V % 64 != 0 gets its columns zero-padded to a multiple of 64, a
+copy: ``mosaic_lib.pad_hv``; LM vocabularies are multiples of 64).
+
 Limits (``is_supported``): bf16/f16 inputs, H a multiple of 64, V a multiple of 8 (TMA
 into swizzled tiles), no bias (the api falls back to "xla" otherwise). Ragged V (vs the
 tiles) is masked in-kernel; N is padded to a multiple of 8 rows (a copy of x only when
@@ -52,6 +58,9 @@ from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 
 __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk"]
+
+#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
+NATIVE_HV = True
 
 _SUPPORTED_DTYPES = ml.SUPPORTED_DTYPES
 _pad_rows8 = ml.pad_rows8
@@ -76,10 +85,15 @@ def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> 
     return h == h2 and h % BLOCK_K == 0 and h > 0 and n >= 1 and v >= 1 and v % 8 == 0
 
 
-def _check(x2d, w, bias):
+def _vh_shape(w, weight_layout):
+    """(V, H) of w in ``weight_layout``."""
+    return tuple(w.shape) if weight_layout == "vh" else tuple(w.shape[::-1])
+
+
+def _check(x2d, w, bias, weight_layout="vh"):
     if bias is not None:
         raise ValueError("mosaic_gpu: bias is not supported (use implementation='xla')")
-    if not is_supported(x2d.shape, w.shape, x2d.dtype) or w.dtype != x2d.dtype:
+    if not is_supported(x2d.shape, _vh_shape(w, weight_layout), x2d.dtype) or w.dtype != x2d.dtype:
         raise ValueError(
             f"mosaic_gpu: unsupported case x {x2d.shape} {x2d.dtype}, w {w.shape} {w.dtype} "
             f"(needs bf16/f16, H % {BLOCK_K} == 0, V % 8 == 0; use implementation='xla')")
@@ -109,7 +123,7 @@ def _interpret_params():
 # ---------------------------------------------------------------------------------
 
 
-def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
+def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, layout="vh"):
     """Per split: log-sum-exp m + log l, target logit, sum of logits (label smoothing)."""
 
     def fold(z, cols, hit, valid, carry):
@@ -130,16 +144,23 @@ def _forward_partials(x, w, target, *, softcap, need_smooth, cfg: FwdConfig):
         m, l, tl, ss = carry
         return m + jnp.log2(l) * LN2, tl, (ss if need_smooth else None)
 
-    return ml.stats_partials(x, w, target, v=w.shape[0], cfg=cfg, n_out=3, init=(-jnp.inf, 0.0, 0.0, 0.0),
-                             fold=fold, finish=finish, interpret=_interpret_params())
+    return ml.stats_partials(x, w, target, v=v, cfg=cfg, n_out=3,
+                             init=(-jnp.inf, 0.0, 0.0, 0.0), fold=fold, finish=finish,
+                             interpret=_interpret_params(), layout=layout)
 
 
-def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=None, config: FwdConfig | None = None):
-    """(lse, target_logit, smooth_sum|None), each (N,) float32; see the package docstring."""
-    _check(x2d, w, bias)
+def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=None, config: FwdConfig | None = None,
+            weight_layout: str = "vh"):
+    """(lse, target_logit, smooth_sum|None), each (N,) float32; see the package docstring.
+    ``weight_layout="hv"``: w is (H, V), read in place."""
+    _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
-    cfg = config or _default_config(n, w.shape[0], h)
-    lse_p, tl_p, ss_p = _forward_partials(_pad_rows8(x2d), w, target, softcap=softcap, need_smooth=need_smooth, cfg=cfg)
+    v = _vh_shape(w, weight_layout)[0]
+    cfg = config or _default_config(n, v, h)
+    if weight_layout == "hv":
+        w = ml.pad_hv(w)
+    lse_p, tl_p, ss_p = _forward_partials(_pad_rows8(x2d), w, target, v=v, softcap=softcap, need_smooth=need_smooth,
+                                          cfg=cfg, layout=weight_layout)
     lse = merge_lse_splits(lse_p)
     tl = tl_p.sum(axis=0)
     ss = ss_p.sum(axis=0) if need_smooth else None
@@ -175,28 +196,34 @@ def _epilogue(softcap):
     return epilogue
 
 
-def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdConfig | None = None):
-    """d(logits) for columns [c0, c0 + chunk) of all N rows: (N, chunk) in x.dtype.
+def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdConfig | None = None,
+             weight_layout: str = "vh"):
+    """d(logits) for columns [c0, c0 + chunk) of all N rows: (N, chunk) in x.dtype (w in
+    ``weight_layout``).
 
     Columns >= V are zero. ``chunk`` and ``c0`` must be multiples of ``cfg.block_v``;
     ``c0`` may be a traced int32 scalar (one compiled kernel serves every chunk).
     N must be a multiple of 8 (``_pad_rows8``).
     """
     n, h = x.shape
-    cfg = cfg or _default_config(n, w.shape[0], h)
+    v = _vh_shape(w, weight_layout)[0]
+    cfg = cfg or _default_config(n, v, h)
     if isinstance(c0, int) and c0 % cfg.block_v:
         raise ValueError(f"offset {c0} must be a multiple of block_v={cfg.block_v}")
     rowdat, tgt = _row_inputs(target, lse, coef, ml.rows_padded(n, cfg))
+    if weight_layout == "hv":
+        w = ml.pad_hv(w)
     cblock = (jnp.asarray(c0, jnp.int32) // cfg.block_v).reshape(1)
-    return ml.dz_call(x, w, rowdat, tgt, cblock, v=w.shape[0], chunk=chunk, cfg=cfg, epilogue=_epilogue(softcap),
-                      interpret=_interpret_params())
+    return ml.dz_call(x, w, rowdat, tgt, cblock, v=v, chunk=chunk, cfg=cfg, epilogue=_epilogue(softcap),
+                      interpret=_interpret_params(), layout=weight_layout)
 
 
-def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, config: FwdConfig | None = None):
-    """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs."""
-    _check(x2d, w, bias)
+def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, config: FwdConfig | None = None,
+             weight_layout: str = "vh"):
+    """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs; dw in w's layout."""
+    _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
-    v = w.shape[0]
+    v = _vh_shape(w, weight_layout)[0]
     cfg = config or _default_config(n, v, h)
     # Padded token rows (x = 0, coef = 0) get dz = 0, so they add nothing to dW.
     x8 = _pad_rows8(x2d)
@@ -206,12 +233,15 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
         lse = jnp.pad(lse, (0, n8 - n))
         coef = jnp.pad(coef, ((0, 0), (0, n8 - n)))
     rowdat, tgt = _row_inputs(target, lse, coef, ml.rows_padded(n8, cfg))
+    wk = ml.pad_hv(w) if weight_layout == "hv" else w
 
     def vary(dx, dw):
         # Inside shard_map (check_vma): the carries vary over the axes the inputs vary over.
         axes = tuple(sorted(varying(x8) | varying(w) | varying(rowdat) | varying(tgt)))
         return to_varying(dx, axes), to_varying(dw, axes)
 
-    dx, dw = ml.chunked_backward(x8, w, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(softcap),
-                                 interpret=_interpret_params(), vary=vary)
+    dx, dw = ml.chunked_backward(x8, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(softcap),
+                                 interpret=_interpret_params(), vary=vary, layout=weight_layout)
+    if wk is not w:
+        dw = dw[:, :v]
     return dx[:n].astype(x2d.dtype), dw, None

@@ -31,10 +31,12 @@ class _Config(NamedTuple):
     backend: str
     budget: int
     num_classes: int
+    layout_kw: tuple = ()  # (("weight_layout", "hv"),) for backends that take (H, V) natively
 
 
 def _outputs(x2d, w, bias, tokens, cfg: _Config):
-    lse, at, ent = backend_module(cfg.backend).forward(x2d, w, bias, tokens, opts=cfg.opts, budget=cfg.budget)
+    lse, at, ent = backend_module(cfg.backend).forward(x2d, w, bias, tokens, opts=cfg.opts, budget=cfg.budget,
+                                                       **dict(cfg.layout_kw))
     logp, h = lpf.token_outputs(lse, at, ent, tokens, cfg.num_classes, cfg.opts)
     return (logp, h) if cfg.opts.entropy else (logp,), lse, h
 
@@ -55,7 +57,7 @@ def _llp_bwd(cfg, res, cotangents):
     g_h = cotangents[1] if cfg.opts.entropy else None
     coef = lpf.grad_coefficients(h, tokens, g_lp, g_h, cfg.num_classes, cfg.opts, dtype=lse.dtype)
     dx, dw, db = backend_module(cfg.backend).backward(x2d, w, bias, tokens, lse, coef, opts=cfg.opts,
-                                                      budget=cfg.budget)
+                                                      budget=cfg.budget, **dict(cfg.layout_kw))
     return dx, dw, db, None
 
 
@@ -72,6 +74,7 @@ def linear_log_probs(
     entropy: bool = False,
     softcap: Optional[float] = None,
     ignore_index: int = -100,
+    weight_layout: str = "vh",
     memory_budget: Optional[int] = None,
     implementation: Optional[str] = None,
 ):
@@ -95,14 +98,16 @@ def linear_log_probs(
 
     Args:
         x: (..., H) hidden states, bfloat16/float16/float32 (float64 with x64 enabled).
-        weight: (V, H) LM-head weight (torch ``nn.Linear`` layout; pass ``kernel.T`` for
-            a flax (H, V) kernel), same dtype as x.
+        weight: (V, H) LM-head weight (torch ``nn.Linear`` layout) with
+            ``weight_layout="vh"``, or (H, V) with "hv" (a flax ``Dense`` kernel, read
+            in place: no transposed copy; its gradient is (H, V)); same dtype as x.
         tokens: (...) integer token ids, the leading shape of x.
         bias: optional (V,), same dtype as weight.
         temperature: finite float > 0 (else ValueError).
         entropy: also return the entropy of softmax(a) per token.
         softcap: optional s > 0: logits become s * tanh(z / s) before the temperature.
         ignore_index: tokens equal to it give 0 for both outputs and no gradient.
+        weight_layout: "vh" or "hv" (see weight).
         memory_budget: bytes of temporaries (default 256 MiB), as for
             ``linear_cross_entropy``.
         implementation: None (automatic, the policy of ``linear_cross_entropy``:
@@ -114,7 +119,8 @@ def linear_log_probs(
             on a machine without GPU Triton's CPU interpreter, very slow: tests only;
             fp64 raises ValueError) or "mosaic_gpu" (Pallas Mosaic GPU kernels, SM90,
             by name only; bf16/f16 inputs only, else ValueError; bias, H % 64 != 0 or
-            V % 8 != 0 cost a padded copy of the weight per call).
+            V % 8 != 0 (V % 64 != 0 for an (H, V) weight) cost a padded copy of the
+            weight per call).
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -133,7 +139,7 @@ def linear_log_probs(
     if implementation is not None:
         backend_module(implementation)
     _, num_classes, hidden = check_linear_inputs(x, weight, tokens, bias, labels_name="tokens",
-                                                 layout_arg=False)
+                                                 weight_layout=weight_layout)
     check_labels_in_range(tokens, num_classes, opts.ignore_index, "tokens")
 
     out_shape = tuple(tokens.shape)
@@ -142,9 +148,15 @@ def linear_log_probs(
     if x2d.shape[0] == 0:
         empty = jnp.zeros(out_shape, lpf.compute_dtype(x.dtype))
         return (empty, empty) if opts.entropy else empty
-    backend = choose_backend(implementation, x2d.shape, tuple(weight.shape), x2d.dtype, opts.softcap,
-                             bias is not None)
-    cfg = _Config(opts, backend, budget, num_classes)
+    vh_shape = tuple(weight.shape) if weight_layout == "vh" else tuple(weight.shape[::-1])
+    backend = choose_backend(implementation, x2d.shape, vh_shape, x2d.dtype, opts.softcap, bias is not None)
+    layout_kw = ()
+    if weight_layout == "hv":
+        if getattr(backend_module(backend), "NATIVE_HV", False):
+            layout_kw = (("weight_layout", "hv"),)
+        else:
+            weight = weight.T  # (V, H) for the backend; the gradient flows back through .T
+    cfg = _Config(opts, backend, budget, num_classes, layout_kw)
     # Several devices (sharded jit, Explicit mesh): per device, see sharded.py.
     out = (sharded.runner(x2d, weight, cfg) or _llp)(x2d, weight, bias, flat, cfg)
     out = tuple(jnp.reshape(o, out_shape) for o in out)

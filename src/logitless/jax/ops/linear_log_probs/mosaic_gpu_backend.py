@@ -24,6 +24,11 @@ Backward (``backward``): "4 GEMMs" (recompute + 2 XLA GEMMs, plus the forward). 
     (fp32 accumulation). Temporaries: the fp32 dx accumulator, one dz chunk, one W
     slice and one dW chunk, sized from the memory budget (``mosaic_lib.chunk_columns``).
 
+Weight layouts: W (V, H), or with ``weight_layout="hv"`` (``NATIVE_HV``) a flax-style
+(H, V) kernel read in place (``mosaic_lib``: (H, V) tiles are WGMMA's B operand as
+they are); dW comes back in W's layout, no transposed copy. The padding below applies
+to an (H, V) weight also when V % 64 != 0 (``mosaic_lib.hv_columns``).
+
 Bias, H not a multiple of 64, V not a multiple of 8: W (and x) are padded once per call
 to [W | b | 0] (H rounded up to a multiple of 64 plus one 64-column block for the bias
 column, V to a multiple of 8) and x to [x | 1 | 0]: the GEMM then adds the bias, the
@@ -49,6 +54,9 @@ __all__ = ["forward", "backward", "is_supported", "is_fast", "FwdConfig"]
 #: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
 INTERPRET: bool | None = None
 
+#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
+NATIVE_HV = True
+
 UNSUPPORTED_HINT = "mosaic_gpu needs bfloat16 or float16 x and weight (use implementation='xla')"
 
 
@@ -72,30 +80,42 @@ def is_fast(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
             and x2d_shape[1] % BLOCK_K == 0 and w_shape[0] % 8 == 0)
 
 
-def _check(x2d, w, bias):
-    if not is_supported(x2d.shape, w.shape, x2d.dtype) or w.dtype != x2d.dtype:
-        raise ValueError(f"mosaic_gpu: unsupported case x {x2d.shape} {x2d.dtype}, w {w.shape} {w.dtype}: "
-                         f"{UNSUPPORTED_HINT}")
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype):
-        raise ValueError(f"mosaic_gpu: bias must be ({w.shape[0]},) {w.dtype}, got {bias.shape} {bias.dtype}")
+def _vocab(w, weight_layout):
+    return w.shape[ml.w_axis(weight_layout)]
 
 
-def _aligned(x2d, w, bias):
+def _check(x2d, w, bias, weight_layout="vh"):
+    vh = tuple(w.shape) if weight_layout == "vh" else tuple(w.shape[::-1])
+    if not is_supported(x2d.shape, vh, x2d.dtype) or w.dtype != x2d.dtype:
+        raise ValueError(f"mosaic_gpu: unsupported case x {x2d.shape} {x2d.dtype}, w {w.shape} {w.dtype} "
+                         f"({weight_layout}): {UNSUPPORTED_HINT}")
+    if bias is not None and (bias.shape != (vh[0],) or bias.dtype != w.dtype):
+        raise ValueError(f"mosaic_gpu: bias must be ({vh[0]},) {w.dtype}, got {bias.shape} {bias.dtype}")
+
+
+def _aligned(x2d, w, bias, weight_layout="vh"):
     """(x, W) the kernels can read: rows of x padded to 8; with a bias or unaligned H or
-    V, [x | 1 | 0] and [W | b | 0] (see the module docstring)."""
+    V, [x | 1 | 0] and [W | b | 0] (see the module docstring; for "hv" the bias is row h
+    of the padded (H', V') weight)."""
     x8 = ml.pad_rows8(x2d)
     n, h = x2d.shape
-    v = w.shape[0]
-    if bias is None and h % BLOCK_K == 0 and v % 8 == 0:
+    v = _vocab(w, weight_layout)
+    if bias is None and h % BLOCK_K == 0 and (v % 8 == 0 if weight_layout == "vh" else ml.hv_columns(v) == v):
         return x8, w
     hp = -(-h // BLOCK_K) * BLOCK_K
     if bias is not None:
         hp += BLOCK_K if hp == h else 0  # room for the bias column at index h
-    vp = -(-v // 8) * 8
-    wp = jnp.pad(w, ((0, vp - v), (0, hp - h)))
+    vp = -(-v // 8) * 8 if weight_layout == "vh" else ml.hv_columns(-(-v // 8) * 8)
     xp = jnp.pad(x8, ((0, 0), (0, hp - h)))
+    if weight_layout == "vh":
+        wp = jnp.pad(w, ((0, vp - v), (0, hp - h)))
+        if bias is not None:
+            wp = wp.at[:v, h].set(bias)
+    else:
+        wp = jnp.pad(w, ((0, hp - h), (0, vp - v)))
+        if bias is not None:
+            wp = wp.at[h, :v].set(bias)
     if bias is not None:
-        wp = wp.at[:v, h].set(bias)
         xp = xp.at[:n, h].set(jnp.ones((), x2d.dtype))
     return xp, wp
 
@@ -104,13 +124,15 @@ def _config(n, v, h, config):
     return config or ml.default_config(n, v, h)
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, config: FwdConfig | None = None):
-    """(lse, a_t, H or None), each (N,) fp32, of a = softcap(x w^T + b) / T."""
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, config: FwdConfig | None = None,
+            weight_layout: str = "vh"):
+    """(lse, a_t, H or None), each (N,) fp32, of a = softcap(x w^T + b) / T (w (H, V)
+    with ``weight_layout="hv"``)."""
     del budget  # the forward's temporaries are O(N x splits)
-    _check(x2d, w, bias)
+    _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
-    v = w.shape[0]
-    xk, wk = _aligned(x2d, w, bias)
+    v = _vocab(w, weight_layout)
+    xk, wk = _aligned(x2d, w, bias, weight_layout)
     cfg = _config(n, v, h, config)
     softcap, inv_t, entropy = opts.softcap, 1.0 / opts.temperature, opts.entropy
 
@@ -145,7 +167,8 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, config: 
         return m + log_s, (log_s - u / s if entropy else None), at
 
     lse_p, h_p, at_p = ml.stats_partials(xk, wk, tokens, v=v, cfg=cfg, n_out=3, init=(-jnp.inf, 0.0, 0.0, 0.0),
-                                         fold=fold, finish=finish, interpret=_interpret_params())
+                                         fold=fold, finish=finish, interpret=_interpret_params(),
+                                         layout=weight_layout)
     lse = merge_lse_splits(lse_p)
     ent = None
     if entropy:
@@ -175,22 +198,26 @@ def _epilogue(opts: LogProbOptions):
     return epilogue
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None, config: FwdConfig | None = None):
-    """(dx, dw, db or None) in the inputs' dtypes; see the module docstring."""
-    _check(x2d, w, bias)
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None, config: FwdConfig | None = None,
+             weight_layout: str = "vh"):
+    """(dx, dw, db or None) in the inputs' dtypes, dw in w's layout; see the module docstring."""
+    _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
-    v = w.shape[0]
-    xk, wk = _aligned(x2d, w, bias)
+    v = _vocab(w, weight_layout)
+    xk, wk = _aligned(x2d, w, bias, weight_layout)
     cfg = _config(n, v, h, config)
     # Padded token rows (x = 0, coefficients 0) get dz = 0: nothing added to dW.
     rows = jnp.concatenate([lse[None].astype(jnp.float32), coef.astype(jnp.float32)], axis=0)
     rowdat, tgt = ml.row_inputs(tokens, rows, ml.rows_padded(xk.shape[0], cfg))
     dx, dw = ml.chunked_backward(xk, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(opts),
-                                 interpret=_interpret_params())
+                                 interpret=_interpret_params(), layout=weight_layout)
     dx = dx[:n, :h].astype(x2d.dtype)
     db = None
     if wk is not w:
-        if bias is not None:
-            db = dw[:v, h].astype(bias.dtype)
-        dw = dw[:v, :h]
+        if weight_layout == "vh":
+            db = None if bias is None else dw[:v, h].astype(bias.dtype)
+            dw = dw[:v, :h]
+        else:
+            db = None if bias is None else dw[h, :v].astype(bias.dtype)
+            dw = dw[:h, :v]
     return dx, dw, db

@@ -10,6 +10,8 @@ Backward: the dX and dW kernels of the library with the epilogue
 bf16/f32 inputs (no fp64: TPUs have none), any N, V, H; every option (bias,
 softcap, temperature, entropy). HBM temporaries: O(N) only; the budget caps VMEM.
 On a platform other than TPU the kernels run in Pallas' TPU interpret mode.
+Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): (H, bv)
+blocks of the library's "hv" layout, dW in w's layout; no transposed copy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from logitless.jax import mosaic_tpu_lib as tl
 from logitless.options import LogProbOptions
 
 _F32 = jnp.float32
+#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
+NATIVE_HV = True
 UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f32 inputs; use implementation='xla'"
 
 
@@ -42,12 +46,13 @@ def _scaled(z, opts: LogProbOptions):
     return z
 
 
-def _tiles(x2d, w, budget):
+def _tiles(x2d, w, budget, weight_layout="vh"):
     n, h = x2d.shape
-    return tl.choose_tiles(n, w.shape[0], h, jnp.dtype(x2d.dtype).itemsize, budget)
+    v = w.shape[0] if weight_layout == "vh" else w.shape[1]
+    return tl.choose_tiles(n, v, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None):
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, weight_layout: str = "vh"):
     """(lse, a_t, H|None), each (N,) float32."""
     ent = bool(opts.entropy)
 
@@ -74,7 +79,8 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None):
         log_s = jnp.log(s)
         return jnp.where(m == -jnp.inf, 0.0, m) + log_s, at, (log_s - u / s if ent else at)
 
-    lse, at, h = tl.stats_call(x2d, w, bias, None, tokens, layout="vh", tiles=_tiles(x2d, w, budget), n_stats=4,
+    lse, at, h = tl.stats_call(x2d, w, bias, None, tokens, layout=weight_layout,
+                               tiles=_tiles(x2d, w, budget, weight_layout), n_stats=4,
                                init=(-jnp.inf, 0.0, 0.0, 0.0), fold=fold, finish=finish, n_out=3)
     return lse, at, (h if ent else None)
 
@@ -96,10 +102,10 @@ def _epilogue(opts: LogProbOptions):
     return epilogue
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None):
-    """(dx, dw, db) in the inputs' dtypes (db None without bias)."""
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None, weight_layout: str = "vh"):
+    """(dx, dw, db) in the inputs' dtypes (db None without bias), dw in w's layout."""
     rowdat = jnp.concatenate([lse[None].astype(_F32), coef.astype(_F32)], axis=0).T  # (N, 4)
-    kw = dict(layout="vh", tiles=_tiles(x2d, w, budget), epilogue=_epilogue(opts))
+    kw = dict(layout=weight_layout, tiles=_tiles(x2d, w, budget, weight_layout), epilogue=_epilogue(opts))
     dx = tl.dx_call(x2d, w, bias, None, tokens, rowdat, **kw)
     dw, db = tl.dw_call(x2d, w, bias, None, tokens, rowdat, **kw)
     return dx, dw, db

@@ -24,6 +24,9 @@ statistics and the backward run per device (``custom_partitioning`` on an Auto m
   operand); a vocabulary that does not divide by the vocab axes' size is computed
   replicated along them (W gathered), as for linear_cross_entropy.
 
+An (H, V) weight (``weight_layout="hv"``) is split along its columns the same way and
+passed to the backend as it is (its ``weight_layout="hv"``); dW keeps that layout.
+
 Memory per device: the backend's own (its chunks are planned from the local shapes, so
 ``memory_budget`` is per device) plus O(tokens) for the merge.
 """
@@ -57,28 +60,36 @@ def _can_partition(name: str) -> bool:
     return name == "xla" if can is None else bool(can())
 
 
-def _local_module(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_bias: bool):
+def _vaxis(layout_kw: tuple) -> int:
+    """The vocabulary axis of the weight: 1 for an (H, V) weight passed natively."""
+    return 1 if dict(layout_kw).get("weight_layout") == "hv" else 0
+
+
+def _local_module(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_bias: bool, layout_kw=()):
     """The backend for these per-device shapes: the chosen one, or "xla" where its
-    ``is_supported(x2d_shape, w_shape, dtype, softcap=, has_bias=)`` refuses them."""
+    ``is_supported(x2d_shape, w_shape (V, H), dtype, softcap=, has_bias=)`` refuses them."""
     module = _backend(name)
     check = getattr(module, "is_supported", None)
-    if check is not None and not check(tuple(x_shape), tuple(w_shape), dtype, softcap=opts.softcap,
+    vh = tuple(w_shape) if not _vaxis(layout_kw) else tuple(w_shape)[::-1]
+    if check is not None and not check(tuple(x_shape), vh, dtype, softcap=opts.softcap,
                                        has_bias=has_bias):
         return _backend("xla")
     return module
 
 
-def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, vocab_axes: tuple):
+def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, vocab_axes: tuple,
+                  layout_kw: tuple = ()):
     """(lse, a_t, H|None) of this device's tokens over all classes: the local columns by
     ``module.forward``, merged over ``vocab_axes`` (module docstring)."""
+    lkw = dict(layout_kw)
     if not vocab_axes:
-        return module.forward(x2d, w, bias, tokens, opts=opts, budget=budget)
-    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[0])
+        return module.forward(x2d, w, bias, tokens, opts=opts, budget=budget, **lkw)
+    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(layout_kw)])
     # A token off this device's columns is -1 here, and so is the backend's ignore_index:
     # a local id can never collide with it (the statistics of ignored tokens are masked
     # from the global tokens afterwards).
     lopts = dataclasses.replace(opts, ignore_index=-1)
-    lse_l, at_l, h_l = module.forward(x2d, w, bias, jnp.where(in_range, t, -1), opts=lopts, budget=budget)
+    lse_l, at_l, h_l = module.forward(x2d, w, bias, jnp.where(in_range, t, -1), opts=lopts, budget=budget, **lkw)
     at_l = jnp.where(in_range, at_l, 0.0)
 
     def parts(d):
@@ -92,13 +103,15 @@ def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget:
 
 
 def local_backward(module, x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int,
-                   vocab_axes: tuple):
+                   vocab_axes: tuple, layout_kw: tuple = ()):
     """(dx, dW_l, db_l) with the global lse and coefficients; dx summed over ``vocab_axes``."""
+    lkw = dict(layout_kw)
     if not vocab_axes:
-        return module.backward(x2d, w, bias, tokens, lse, coef, opts=opts, budget=budget)
-    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[0])
+        return module.backward(x2d, w, bias, tokens, lse, coef, opts=opts, budget=budget, **lkw)
+    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(layout_kw)])
     lopts = dataclasses.replace(opts, ignore_index=-1)
-    dx, dw, db = module.backward(x2d, w, bias, jnp.where(in_range, t, -1), lse, coef, opts=lopts, budget=budget)
+    dx, dw, db = module.backward(x2d, w, bias, jnp.where(in_range, t, -1), lse, coef, opts=lopts, budget=budget,
+                                 **lkw)
     return lax.psum(dx, vocab_axes), dw, db
 
 
@@ -107,6 +120,7 @@ class _Static(NamedTuple):
     backend: str
     budget: int
     has_bias: bool
+    layout_kw: tuple = ()
 
 
 def _split(args, has_bias: bool):
@@ -119,9 +133,11 @@ def _split(args, has_bias: bool):
 def _fwd_local(static: _Static):
     def local(args, axes, scatter):
         x2d, w, bias, tokens = _split(args, static.has_bias)
-        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None)
+        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None,
+                               static.layout_kw)
         lse, at, ent = local_forward(module, x2d, w, bias, tokens, opts=static.opts,
-                                     budget=static.budget, vocab_axes=axes.vocab)
+                                     budget=static.budget, vocab_axes=axes.vocab,
+                                     layout_kw=_native_kw(module, static.layout_kw))
         return (lse, at) if ent is None else (lse, at, ent)
 
     return local
@@ -130,13 +146,23 @@ def _fwd_local(static: _Static):
 def _bwd_local(static: _Static):
     def local(args, axes, scatter):
         x2d, w, bias, tokens, lse, coef = _split(args, static.has_bias)
-        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None)
+        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None,
+                               static.layout_kw)
         dx, dw, db = local_backward(module, x2d, w, bias, tokens, lse, coef, opts=static.opts,
-                                    budget=static.budget, vocab_axes=axes.vocab)
+                                    budget=static.budget, vocab_axes=axes.vocab,
+                                    layout_kw=_native_kw(module, static.layout_kw))
         dw, db = shd.reduce_weight_grads(dw, db, axes.token, scatter)
         return (dx, dw, db) if static.has_bias else (dx, dw)
 
     return local
+
+
+def _native_kw(module, layout_kw: tuple) -> tuple:
+    """``layout_kw`` for a backend that takes (H, V) natively; the api only passes an
+    (H, V) weight here with such a backend chosen, and the "xla" fallback is one too."""
+    if layout_kw and not getattr(module, "NATIVE_HV", False):  # pragma: no cover - every backend is
+        raise ValueError(f"{module.__name__} cannot take an (H, V) weight")
+    return layout_kw
 
 
 def _kinds(static: _Static):
@@ -149,14 +175,16 @@ def _kinds(static: _Static):
 @functools.cache
 def _partitioned(static: _Static):
     (fi, fo), (bi, bo) = _kinds(static)
-    return (shd.partitioned(_fwd_local(static), in_kinds=fi, out_kinds=fo),
-            shd.partitioned(_bwd_local(static), in_kinds=bi, out_kinds=bo))
+    vaxis = _vaxis(static.layout_kw)
+    return (shd.partitioned(_fwd_local(static), in_kinds=fi, out_kinds=fo, vaxis=vaxis),
+            shd.partitioned(_bwd_local(static), in_kinds=bi, out_kinds=bo, vaxis=vaxis))
 
 
 def _mapped(static: _Static, mesh, axes: shd.Axes, scatter):
     (fi, fo), (bi, bo) = _kinds(static)
-    return (shd.mapped(_fwd_local(static), mesh, axes, in_kinds=fi, out_kinds=fo),
-            shd.mapped(_bwd_local(static), mesh, axes, in_kinds=bi, out_kinds=bo, scatter=scatter))
+    vaxis = _vaxis(static.layout_kw)
+    return (shd.mapped(_fwd_local(static), mesh, axes, in_kinds=fi, out_kinds=fo, vaxis=vaxis),
+            shd.mapped(_bwd_local(static), mesh, axes, in_kinds=bi, out_kinds=bo, vaxis=vaxis, scatter=scatter))
 
 
 class _Sharded(NamedTuple):
@@ -168,7 +196,7 @@ class _Sharded(NamedTuple):
 
 
 def _fns(sc: _Sharded, has_bias: bool):
-    static = _Static(sc.cfg.opts, sc.cfg.backend, sc.cfg.budget, has_bias)
+    static = _Static(sc.cfg.opts, sc.cfg.backend, sc.cfg.budget, has_bias, tuple(getattr(sc.cfg, "layout_kw", ())))
     if sc.explicit is None:
         return _partitioned(static)
     return _mapped(static, *sc.explicit)
@@ -232,21 +260,22 @@ def runner(x2d, weight, cfg):
     be partitioned)."""
     if not _can_partition(cfg.backend):
         return None
-    explicit = shd.explicit_axes(x2d, weight, 0)
+    vaxis = _vaxis(getattr(cfg, "layout_kw", ()))
+    explicit = shd.explicit_axes(x2d, weight, vaxis)
     if explicit is not None:
         mesh, axes = explicit
-        scatter = _explicit_scatter(mesh, weight, axes)
+        scatter = _explicit_scatter(mesh, weight, axes, vaxis)
         return lambda x2d, w, b, t, cfg: _sharded_llp(x2d, w, b, t, _Sharded(cfg, (mesh, axes, scatter)))
     if not shd.use_partitioning():
         return None
     return lambda x2d, w, b, t, cfg: _sharded_llp(x2d, w, b, t, _Sharded(cfg))
 
 
-def _explicit_scatter(mesh, weight, axes: shd.Axes):
+def _explicit_scatter(mesh, weight, axes: shd.Axes, vaxis: int = 0):
     """The FSDP split of dW (``sharding.fsdp_scatter``) from the weight's sharding type."""
 
     class _Info(NamedTuple):
         shape: tuple
         sharding: object
 
-    return shd.fsdp_scatter(mesh, _Info(tuple(weight.shape), jax.typeof(weight).sharding), axes, 0)
+    return shd.fsdp_scatter(mesh, _Info(tuple(weight.shape), jax.typeof(weight).sharding), axes, vaxis)

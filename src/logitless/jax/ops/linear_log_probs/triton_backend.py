@@ -31,6 +31,9 @@ exp(a - m) columns (as linear_cross_entropy's JAX triton backend: see
 docs/design.md, "JAX: the triton backend"), so the backward always recomputes the
 logits: 4 GEMMs per step in all. Under ``jax.vmap`` the kernels run once per batch
 element (``sequential_vmap``).
+Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): the
+kernels read the weight through its strides (a transposed load, no copy) and the
+gradient GEMMs contract the other dimension; dW comes back in w's layout.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from logitless.jax.planning import TritonPlan
 from logitless.options import LogProbOptions
 
 _F32 = jnp.float32
+#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
+NATIVE_HV = True
 
 #: Modules of the kernels, in import order (each imports the earlier ones).
 _KERNEL_MODULES = (
@@ -86,12 +91,16 @@ def _launch(kernel_name, grid, plan: TritonPlan, out_specs, arrays, consts):
                      interpreted=_interpret())
 
 
-def _common_consts(x2d, w, bias, opts: LogProbOptions, plan: TritonPlan):
+def _vocab(w, weight_layout):
+    return w.shape[0 if weight_layout == "vh" else 1]
+
+
+def _common_consts(x2d, w, bias, opts: LogProbOptions, plan: TritonPlan, weight_layout="vh"):
     n, h = x2d.shape
-    stride_wv, stride_wh = rt.weight_strides(w, "vh")
+    stride_wv, stride_wh = rt.weight_strides(w, weight_layout)
     row_blocks = -(-n // plan.block_n)
     return dict(
-        N=n, V=w.shape[0], H=h, stride_xn=h, stride_xh=1, stride_wv=stride_wv, stride_wh=stride_wh,
+        N=n, V=_vocab(w, weight_layout), H=h, stride_xn=h, stride_xh=1, stride_wv=stride_wv, stride_wh=stride_wh,
         softcap=float(opts.softcap or 1.0), inv_temp=1.0 / opts.temperature,
         group_n=min(plan.group_n, row_blocks),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
@@ -100,15 +109,16 @@ def _common_consts(x2d, w, bias, opts: LogProbOptions, plan: TritonPlan):
     )
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int):
-    """The interface's forward: (lse, a_t, H or None), fp32 per token."""
-    run = functools.partial(_forward, opts=opts, budget=budget)
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
+    """The interface's forward: (lse, a_t, H or None), fp32 per token (w (H, V) with
+    ``weight_layout="hv"``)."""
+    run = functools.partial(_forward, opts=opts, budget=budget, weight_layout=weight_layout)
     return rt.sequential_under_vmap(run)(x2d, w, bias, tokens)
 
 
-def _forward(x2d, w, bias, tokens, *, opts, budget):
+def _forward(x2d, w, bias, tokens, *, opts, budget, weight_layout):
     n = x2d.shape[0]
-    vocab = w.shape[0]
+    vocab = _vocab(w, weight_layout)
     plan = _plan(x2d, vocab, budget)
     splits = plan.vocab_splits
     vocab_blocks = -(-vocab // plan.block_v)
@@ -119,7 +129,7 @@ def _forward(x2d, w, bias, tokens, *, opts, budget):
     dummy = f32((1,))
     part = f32((splits, n))
     outs = (part, part, part if opts.entropy else dummy, part, dummy, dummy)  # max, sum, u, a_t, keep, keep_max
-    consts = _common_consts(x2d, w, bias, opts, plan)
+    consts = _common_consts(x2d, w, bias, opts, plan, weight_layout)
     consts.update(stride_keep=0, blocks_per_split=blocks_per_split, keep_blocks=0, splits=splits,
                   KEEP=False, USE_TMA=False, split0=0, W_CHUNK=False)
     part_max, part_sum, part_u, part_tgt, *_ = _launch(
@@ -129,21 +139,21 @@ def _forward(x2d, w, bias, tokens, *, opts, budget):
     return lse, part_tgt.sum(axis=0), ent
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int):
-    """The interface's backward: (dx, dw, db) in the inputs' dtypes."""
-    run = functools.partial(_backward, opts=opts, budget=budget)
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
+    """The interface's backward: (dx, dw, db) in the inputs' dtypes, dw in w's layout."""
+    run = functools.partial(_backward, opts=opts, budget=budget, weight_layout=weight_layout)
     return rt.sequential_under_vmap(run)(x2d, w, bias, tokens, lse, coef)
 
 
-def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget):
+def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget, weight_layout):
     n = x2d.shape[0]
-    vocab = w.shape[0]
+    vocab = _vocab(w, weight_layout)
     plan = _plan(x2d, vocab, budget)
     tokens = tokens.astype(jnp.int32)
     lse = lse.astype(_F32)
     coef = coef.astype(_F32)
     b = bias if bias is not None else x2d
-    consts = _common_consts(x2d, w, bias, opts, plan)
+    consts = _common_consts(x2d, w, bias, opts, plan, weight_layout)
     row_blocks = -(-n // plan.block_n)
 
     def dz_of(v0, width):
@@ -156,4 +166,4 @@ def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget):
                         dict(consts, width=width))
         return dz
 
-    return rt.chunked_gradients(x2d, w, bias, min(plan.vocab_chunk, vocab), dz_of)
+    return rt.chunked_gradients(x2d, w, bias, min(plan.vocab_chunk, vocab), dz_of, weight_layout=weight_layout)

@@ -17,6 +17,10 @@ budget, as for linear_cross_entropy), the fp32 dx accumulator (N x H) and one fp
 chunk; never N x V. The ragged last chunk is a separate statically shaped step, so
 padded columns never enter the statistics. Dots accumulate in fp32; dz is cast to the
 input dtype before the gradient GEMMs.
+
+Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): the same
+GEMMs with the other contracting dimension of the w tile (``dot_general``), dW in w's
+layout; no transposed copy.
 """
 
 from __future__ import annotations
@@ -29,14 +33,19 @@ from logitless.jax.ops.common.chunks import chunk_loop, put, take
 from logitless.jax.planning import xla_plan
 from logitless.options import LogProbOptions
 
-_Z_DIMS = (((1,), (1,)), ((), ()))   # x @ w^T
-_DX_DIMS = (((1,), (0,)), ((), ()))  # dz @ w
-_DW_DIMS = (((0,), (0,)), ((), ()))  # dz^T @ x
+#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
+NATIVE_HV = True
+
+#: Contracting dimensions by weight layout (a w tile is (v, H) for "vh", (H, v) for "hv").
+_W_AXIS = {"vh": 0, "hv": 1}  # the vocabulary axis of w
+_Z_DIMS = {"vh": (((1,), (1,)), ((), ())), "hv": (((1,), (0,)), ((), ()))}   # x @ w^T
+_DX_DIMS = {"vh": (((1,), (0,)), ((), ())), "hv": (((1,), (1,)), ((), ()))}  # dz @ w
+_DW_DIMS = (((0,), (0,)), ((), ()))  # dz^T @ x ("vh"), x^T @ dz ("hv")
 
 
-def _scaled(x, w, b, opts):
+def _scaled(x, w, b, opts, layout="vh"):
     cdt = lpf.compute_dtype(x.dtype)
-    z = lax.dot_general(x, w, _Z_DIMS, preferred_element_type=cdt)
+    z = lax.dot_general(x, w, _Z_DIMS[layout], preferred_element_type=cdt)
     if b is not None:
         z = z + b.astype(cdt)[None, :]
     return lpf.scaled_logits(z, opts)
@@ -47,21 +56,22 @@ def _plan(x2d, vocab, budget):
     return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int):
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
     n = x2d.shape[0]
-    vocab = w.shape[0]
+    vaxis = _W_AXIS[weight_layout]
+    vocab = w.shape[vaxis]
     plan = _plan(x2d, vocab, budget)
     cdt = lpf.compute_dtype(x2d.dtype)
     tokens = tokens.astype(jnp.int32)
 
     def col_step(c0, vc, carry):
-        wj = take(w, c0, vc)
+        wj = take(w, c0, vc, vaxis)
         bj = None if bias is None else take(bias, c0, vc)
         cols = c0 + jnp.arange(vc, dtype=jnp.int32)
 
         def row_step(r0, nr, carry):
             m, s, u, at = carry
-            a = _scaled(take(x2d, r0, nr), wj, bj, opts)
+            a = _scaled(take(x2d, r0, nr), wj, bj, opts, weight_layout)
             hit = cols[None, :] == take(tokens, r0, nr)[:, None]
             at = put(at, take(at, r0, nr) + jnp.sum(jnp.where(hit, a, 0.0), axis=1), r0)
             mr, sr, ur = lpf.online_update(a, take(m, r0, nr), take(s, r0, nr),
@@ -80,35 +90,39 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int):
     return lse, at, ent
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int):
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
+    """dw has the layout of w."""
     n, h = x2d.shape
-    vocab = w.shape[0]
+    vaxis = _W_AXIS[weight_layout]
+    vocab = w.shape[vaxis]
     plan = _plan(x2d, vocab, budget)
     cdt = lpf.compute_dtype(x2d.dtype)
     tokens = tokens.astype(jnp.int32)
 
     def col_step(c0, vc, carry):
         dx, dw, db = carry
-        wj = take(w, c0, vc)
+        wj = take(w, c0, vc, vaxis)
         bj = None if bias is None else take(bias, c0, vc)
 
         def row_step(r0, nr, carry):
             dx, dwj, dbj = carry
             xr = take(x2d, r0, nr)
-            a = _scaled(xr, wj, bj, opts)
+            a = _scaled(xr, wj, bj, opts, weight_layout)
             dz = lpf.dlogits(a, take(lse, r0, nr), take(coef, r0, nr, axis=1),
                              take(tokens, r0, nr), c0, opts)
             dzl = dz.astype(x2d.dtype)
-            dx = put(dx, take(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS, preferred_element_type=cdt), r0)
-            dwj = dwj + lax.dot_general(dzl, xr, _DW_DIMS, preferred_element_type=cdt)
+            dx = put(dx, take(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS[weight_layout],
+                                                            preferred_element_type=cdt), r0)
+            pair = (dzl, xr) if weight_layout == "vh" else (xr, dzl)
+            dwj = dwj + lax.dot_general(*pair, _DW_DIMS, preferred_element_type=cdt)
             if dbj is not None:
                 dbj = dbj + jnp.sum(dz, axis=0)
             return dx, dwj, dbj
 
-        dwj = jnp.zeros((vc, h), cdt)
+        dwj = jnp.zeros((vc, h) if weight_layout == "vh" else (h, vc), cdt)
         dbj = None if db is None else jnp.zeros((vc,), cdt)
         dx, dwj, dbj = chunk_loop(n, plan.token_chunk, row_step, (dx, dwj, dbj))
-        dw = put(dw, dwj.astype(w.dtype), c0)
+        dw = put(dw, dwj.astype(w.dtype), c0, vaxis)
         if db is not None:
             db = put(db, dbj.astype(db.dtype), c0)
         return dx, dw, db
