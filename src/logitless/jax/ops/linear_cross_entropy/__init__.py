@@ -55,7 +55,6 @@ raises ValueError. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
 kernels keep no running argmax.) Under vocabulary sharding the api merges the
 devices' (best, argmax) pairs: the first device holding the largest maximum.
 
-
 ``NATIVE_HV = True`` (module constant): forward and backward also accept a keyword
 ``weight_layout="hv"`` with w of shape (H, V), the caller's flax-style kernel as it is,
 read in place (no transposed copy in the backend either: XLA dot_general dimensions,
