@@ -7,7 +7,7 @@ The public functions against the float64 references through the contract suite's
 the three ops, fp32 and bf16, odd sizes (V prime, H not a multiple of 16, one token, 3-D,
 tiny), empty and all-ignored inputs, ``torch.library.opcheck`` (the fakes agree with what
 the Helion backend returns); vocabulary parallelism (two gloo ranks); the Helion kernels
-really run (launches counted); without a usable Helion, one warning naming the cause and
+really run (launches counted); torch.compile(fullgraph=True); without a usable Helion, one warning naming the cause and
 the torch backend's numbers; bad input. Skipped with a reason when helion >= 1.5 is not
 importable (the fallback tests run without it).
 """
@@ -195,6 +195,25 @@ def test_modules_take_helion():
         got = module(*args)
         module.kwargs["backend"] = "torch"
         torch.testing.assert_close(got, module(*args), rtol=1e-4, atol=1e-5)
+
+
+@needs_helion
+def test_compile_fullgraph(launches):
+    """torch.compile(fullgraph=True): Helion is chosen inside the custom ops (never traced),
+    so the graph has no break; eager's numbers and gradients."""
+    calls, leaves = _small_calls()
+
+    def f(backend):
+        return sum(calls[op](backend) for op in LINEAR_OPS)
+
+    compiled = torch.compile(lambda: f(BACKEND), fullgraph=True, backend="aot_eager")
+    loss = compiled()
+    grads = torch.autograd.grad(loss, leaves)
+    assert launches.get("ce_forward") == launches.get("jsd_dw") == 1, launches
+    eager = f(BACKEND)
+    assert torch.equal(loss, eager)
+    for got, want in zip(grads, torch.autograd.grad(eager, leaves)):  # (the three ops' sums in another order)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ without a usable Helion
