@@ -224,15 +224,19 @@ def no_helion(monkeypatch):
     """Helion unusable: ``runtime.available()`` False, a fresh warning state."""
     monkeypatch.setattr(runtime, "available", lambda: False)
     monkeypatch.setattr(helion_choice, "_WARNED", set())
+    monkeypatch.setattr(helion_choice, "_REASON", [])
 
 
 @pytest.mark.parametrize("op", LINEAR_OPS)
 def test_fallback_one_warning_torch_numbers(op, no_helion, monkeypatch):
     """The torch backend runs (on the CPU; Triton on CUDA), bitwise its numbers, with one
-    HelionFallbackWarning for two calls naming the cause and the install command."""
+    HelionFallbackWarning for two calls naming the cause and the install command; the cause
+    is probed once."""
     if DEVICE.type == "cuda":
         pytest.skip("the CPU fallback (torch backend); on CUDA it is the Triton backend")
-    monkeypatch.setattr(helion_choice, "unavailable_reason", lambda: "helion failed to import (ImportError: x)")
+    probes = []
+    monkeypatch.setattr(helion_choice, "unavailable_reason",
+                        lambda: probes.append(1) or "helion failed to import (ImportError: x)")
     calls, leaves = _small_calls()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -243,6 +247,7 @@ def test_fallback_one_warning_torch_numbers(op, no_helion, monkeypatch):
     assert len(mine) == 1, [str(w.message) for w in seen]
     text = str(mine[0].message)
     assert "ImportError: x" in text and "pip install 'logitless[helion]'" in text and "torch backend" in text
+    assert len(probes) == 1
     want = calls[op]("torch")
     assert torch.equal(loss, want)
     for got, exp in zip(grads, torch.autograd.grad(want, leaves)):
@@ -270,6 +275,37 @@ def test_unavailable_reason_keeps_the_import_error(no_helion, monkeypatch):
     assert reason == f"helion failed to import (ImportError: {message})"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert helion_choice.unavailable_reason() == "helion is not installed"
+
+
+@needs_helion
+def test_gpu_kernel_failure_falls_back(monkeypatch):
+    """On a GPU (compiled kernels) a Helion kernel that fails to compile or launch: one
+    warning quoting the error, the other backend for this and later calls; out of memory
+    propagates. (run_or_fallback on a CUDA device object: nothing runs on a GPU here.)"""
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.setattr(helion_choice, "_FAILED", [])
+    monkeypatch.setattr(helion_choice, "_WARNED", set())
+    cuda = torch.device("cuda", 0)
+    package = "logitless.ops.linear_cross_entropy"
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        helion_choice.run_or_fallback(package, cuda, oom, lambda impl: pytest.fail("fell back on OOM"))
+
+    def broken():
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = helion_choice.run_or_fallback(package, cuda, broken, lambda impl: impl.__name__)
+        again = helion_choice.run_or_fallback(package, cuda, lambda: pytest.fail("Helion after a failure"),
+                                              lambda impl: impl.__name__)
+    other = helion_choice.fallback_name(cuda)
+    assert got == again == f"{package}.{other}_backend"
+    mine = [str(w.message) for w in seen if issubclass(w.category, helion_choice.HelionFallbackWarning)]
+    assert len(mine) == 1 and "RuntimeError: PassManager::run failed)" in mine[0], mine
 
 
 def test_fallback_backend_by_device():

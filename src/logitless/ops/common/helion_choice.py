@@ -33,11 +33,13 @@ class HelionFallbackWarning(UserWarning):
 _WARNED: set = set()
 #: The cause of a Helion kernel that failed on a GPU: later calls fall back at once.
 _FAILED: list = []
+#: ``unavailable_reason()``'s answer once asked (a failing import is not retried per call).
+_REASON: list = []
 
 
 def unavailable_reason() -> Optional[str]:
     """None when helion >= 1.5 imports (``runtime.available()``), else why not, with the
-    import error's text."""
+    import error's text (asked afresh: ``cause()`` keeps the first answer)."""
     if runtime.available():
         return None
     if importlib.util.find_spec("helion") is None:
@@ -54,18 +56,29 @@ def unavailable_reason() -> Optional[str]:
     return f"helion {found} is older than {'.'.join(map(str, runtime.HELION_MIN))}"
 
 
+def cause() -> Optional[str]:
+    """Why Helion cannot run calls of this process, or None when it can."""
+    if _FAILED:
+        return _FAILED[0]
+    if runtime.available():  # (cached)
+        return None
+    if not _REASON:
+        _REASON.append(unavailable_reason())
+    return _REASON[0]
+
+
 def fallback_name(device: torch.device) -> str:
     """The backend that runs in Helion's place: "triton" on CUDA tensors when triton is
     installed, else "torch"."""
     return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
 
 
-def warn_fallback(cause: str, name: str) -> None:
+def warn_fallback(why: str, name: str) -> None:
     """Warn once per process per cause that backend ``name`` runs instead of Helion."""
-    if cause in _WARNED:
+    if why in _WARNED:
         return
-    _WARNED.add(cause)
-    warnings.warn(f"logitless: backend='helion' cannot run ({cause}); the {name} backend runs instead. "
+    _WARNED.add(why)
+    warnings.warn(f"logitless: backend='helion' cannot run ({why}); the {name} backend runs instead. "
                   f"For the Helion kernels: {INSTALL} (helion >= 1.5 with a torch it supports).",
                   HelionFallbackWarning, stacklevel=4)
 
@@ -78,15 +91,15 @@ def fallback(op_package: str, device: torch.device):
     """None when Helion runs this call, else the backend module that runs it instead
     (warning once per cause). CPU tensors need HELION_INTERPRET=1 (Helion's eager ref
     mode, read when the kernels are decorated): ValueError without it."""
-    cause = _FAILED[0] if _FAILED else unavailable_reason()
-    if cause is None:
+    why = cause()
+    if why is None:
         if device.type != "cuda" and not _interpret():
             raise ValueError(f"backend='helion' needs CUDA tensors (got {device}); set HELION_INTERPRET=1 "
                              "before logitless imports its Helion kernels to run them eagerly on the CPU "
                              "(slow: tests only), or use backend='torch'")
         return None
     name = fallback_name(device)
-    warn_fallback(cause, name)
+    warn_fallback(why, name)
     return load_backend(op_package, name)
 
 
