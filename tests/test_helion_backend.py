@@ -256,7 +256,7 @@ def test_fallback_one_warning_torch_numbers(op, no_helion, monkeypatch):
 
 def test_unavailable_reason_keeps_the_import_error(no_helion, monkeypatch):
     """A helion that fails to import (as helion 1.5.1 with torch 2.11): the reason quotes
-    the error; not installed: says so."""
+    the error; too old, or not installed: says so."""
     import builtins
     import importlib.util
 
@@ -273,6 +273,11 @@ def test_unavailable_reason_keeps_the_import_error(no_helion, monkeypatch):
     reason = helion_choice.unavailable_reason()
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert reason == f"helion failed to import (ImportError: {message})"
+    if HELION:  # imports, but older than 1.5
+        import importlib.metadata
+
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.4.2")
+        assert helion_choice.unavailable_reason() == "helion 1.4.2 is older than 1.5"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert helion_choice.unavailable_reason() == "helion is not installed"
 
