@@ -14,20 +14,27 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
+#: The fused linear ops' backends: BACKENDS and "helion" (``ops/<op>/helion_backend.py``,
+#: chosen only by name; without a usable Helion it runs another backend: ``helion_choice``).
+LINEAR_BACKENDS = (*BACKENDS, "helion")
 
 #: Whether triton is installed (decided once, at import).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend ("triton" or "torch") for a backend name and the inputs, or a clear error.
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, backends: tuple = BACKENDS) -> str:
+    """The backend ("triton", "torch", or "helion" where ``backends`` has it) for a backend
+    name and the inputs, or a clear error.
 
     "auto": Triton for CUDA tensors of 16/32-bit floats when triton is installed, else
     PyTorch. "triton" needs the triton package (else ModuleNotFoundError naming
     ``pip install triton``) and, on CPU tensors, TRITON_INTERPRET=1 (the interpreter).
+    "helion" takes 16/32-bit floats; whether Helion can run is decided in the op.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name not in backends:
+        raise ValueError(f"backend must be one of {backends}, got {name!r}")
+    if name == "helion" and dtype == torch.float64:
+        raise TypeError("backend='helion' supports float16, bfloat16 and float32; use backend='torch' for float64")
     if name == "auto":
         cuda_ok = device.type == "cuda" and dtype != torch.float64
         name = "triton" if cuda_ok and HAS_TRITON else "torch"
@@ -86,5 +93,6 @@ _STRATEGIES: dict = {}
 
 
 def backend_module(op_package: str, name: str, device: torch.device, dtype: torch.dtype):
-    """``resolve_backend`` then ``load_backend`` (eager callers, benchmarks)."""
-    return load_backend(op_package, resolve_backend(name, device, dtype))
+    """``resolve_backend`` then ``load_backend`` (eager callers, benchmarks). Takes
+    LINEAR_BACKENDS: a public function that has no "helion" refuses it before."""
+    return load_backend(op_package, resolve_backend(name, device, dtype, LINEAR_BACKENDS))

@@ -15,7 +15,7 @@ from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.dispatch import resolve_backend
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import grad_in_forward_chunk, lce_forward_eager
@@ -104,7 +104,8 @@ def linear_cross_entropy(
             tensor. The backward needs at least an fp32 dx accumulator (4 x tokens x
             H bytes) plus one chunk of 4096 columns (tokens x 4096 x itemsize); when
             that minimum exceeds the budget, the minimum is used.
-        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton", "torch" or
+            "helion" (docs/helion.md; never chosen by "auto").
         process_group: a ``torch.distributed.ProcessGroup`` over which the head is
             split by vocabulary: ``weight`` (and ``bias``) are this rank's contiguous
             block of rows of the full (V, H) weight (the blocks, in the group's rank
@@ -172,7 +173,7 @@ def linear_cross_entropy(
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
     memory_budget = check_memory_budget(memory_budget)
-    impl = resolve_backend(backend, x.device, x.dtype)
+    impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
 
     out_shape = target.shape
     if shift and target.shape[-1] > 0:

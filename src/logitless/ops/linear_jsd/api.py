@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.dispatch import BACKENDS
+from logitless.ops.common.dispatch import LINEAR_BACKENDS
 from logitless.options import JSDOptions, check_memory_budget
 
 from .custom_op import grad_in_forward_chunk, linear_jsd_forward_eager, linear_jsd_gif_forward_eager
@@ -92,7 +92,8 @@ def linear_jsd(
             the backward needs an fp32 dx accumulator (4 x tokens x H_s bytes) plus a
             dz chunk of at least 4096 columns (tokens x 4096 x itemsize); when that
             minimum exceeds the budget, the minimum is used.
-        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton", "torch" or
+            "helion" (docs/helion.md; never chosen by "auto").
         process_group: both heads split over the vocabulary across this
             ``torch.distributed`` group (tensor parallelism): student_weight and
             teacher_weight (and biases) are this rank's blocks of the same rows of the
@@ -175,8 +176,8 @@ def linear_jsd(
     if shift and student_x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
     memory_budget = check_memory_budget(memory_budget)
-    if backend not in BACKENDS:  # the rest is checked inside the op (no import under compile)
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in LINEAR_BACKENDS:  # the rest is checked inside the op (no import under compile)
+        raise ValueError(f"backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     lead = student_x.shape[:-1]
     if target is None:
         if opts.hard_label_weight != 0.0:
@@ -198,7 +199,8 @@ def linear_jsd(
     # device's heads): the forward also computes the student's gradients.
     grad_wanted = torch.is_grad_enabled() and (xs.requires_grad or student_weight.requires_grad
                                                or (student_bias is not None and student_bias.requires_grad))
-    if (grad_wanted and reduction != "none" and not tp.parallel and not torch.compiler.is_compiling()):
+    if (grad_wanted and reduction != "none" and not tp.parallel and backend != "helion"
+            and not torch.compiler.is_compiling()):
         chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget, opts)
         if chunk:
             need = [t is not None and t.requires_grad for t in (xs, student_weight, student_bias)]

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.dispatch import resolve_backend
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.options import LogProbOptions, check_memory_budget
 
 from .custom_op import llp_forward_eager
@@ -74,7 +74,8 @@ def linear_log_probs(
         memory_budget: bytes of temporaries (default 256 MiB), as for
             ``linear_cross_entropy``: with at least tokens x V x itemsize bytes the
             backward needs no recomputed GEMM.
-        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton", "torch" or
+            "helion" (docs/helion.md; never chosen by "auto").
         process_group: a ``torch.distributed.ProcessGroup`` over which the head is split
             by vocabulary: ``weight`` (and ``bias``) are this rank's contiguous block of
             rows of the full (V, H) weight (blocks in the group's rank order; sizes may
@@ -110,7 +111,7 @@ def linear_log_probs(
     _check_tokens(tokens, x.shape[:-1])
     _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
     memory_budget = check_memory_budget(memory_budget)
-    impl = resolve_backend(backend, x.device, x.dtype)
+    impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
 
     out_shape = tokens.shape
     x2d = x.reshape(-1, hidden)

@@ -1,0 +1,124 @@
+"""backend="helion" of the fused linear ops: whether Helion runs a call, and what runs when not.
+
+An explicit ``backend="helion"`` runs ``ops/<op>/helion_backend.py`` on the kernels of
+``logitless.helion_lib`` ("auto" never picks it). When Helion cannot run -- not installed,
+older than 1.5, failing to import (helion 1.5.1 does not import with torch 2.11), or, on a
+GPU, a kernel failing to compile or launch -- the op's Triton backend runs on CUDA tensors
+(its torch backend where triton is absent) and its torch backend on CPU tensors, with one
+``HelionFallbackWarning`` per process and cause naming the cause and the install command.
+The choice is made inside the custom ops (eager code that torch.compile never traces).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from logitless.helion_lib import runtime
+from logitless.ops.common.dispatch import HAS_TRITON, load_backend
+
+#: What to install for the Helion backend (the ``helion`` extra of pyproject.toml).
+INSTALL = "pip install 'logitless[helion]'"
+
+
+class HelionFallbackWarning(UserWarning):
+    """backend="helion" was asked for but Helion cannot run: the Triton (CUDA) or torch
+    (CPU) backend runs instead. Issued once per process and cause."""
+
+
+_WARNED: set = set()
+#: The cause of a Helion kernel that failed on a GPU: later calls fall back at once.
+_FAILED: list = []
+#: ``unavailable_reason()``'s answer once asked (a failing import is not retried per call).
+_REASON: list = []
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when helion >= 1.5 imports (``runtime.available()``), else why not, with the
+    import error's text (asked afresh: ``cause()`` keeps the first answer)."""
+    if runtime.available():
+        return None
+    if importlib.util.find_spec("helion") is None:
+        return "helion is not installed"
+    try:
+        from importlib.metadata import version
+
+        import helion  # noqa: F401
+
+        found = version("helion")
+    except Exception as e:  # noqa: BLE001 - the text is the point
+        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return f"helion failed to import ({type(e).__name__}: {text})"
+    return f"helion {found} is older than {'.'.join(map(str, runtime.HELION_MIN))}"
+
+
+def cause() -> Optional[str]:
+    """Why Helion cannot run calls of this process, or None when it can."""
+    if _FAILED:
+        return _FAILED[0]
+    if runtime.available():  # (cached)
+        return None
+    if not _REASON:
+        _REASON.append(unavailable_reason())
+    return _REASON[0]
+
+
+def fallback_name(device: torch.device) -> str:
+    """The backend that runs in Helion's place: "triton" on CUDA tensors when triton is
+    installed, else "torch"."""
+    return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+
+
+def warn_fallback(why: str, name: str) -> None:
+    """Warn once per process per cause that backend ``name`` runs instead of Helion."""
+    if why in _WARNED:
+        return
+    _WARNED.add(why)
+    warnings.warn(f"logitless: backend='helion' cannot run ({why}); the {name} backend runs instead. "
+                  f"For the Helion kernels: {INSTALL} (helion >= 1.5 with a torch it supports).",
+                  HelionFallbackWarning, stacklevel=4)
+
+
+def _interpret() -> bool:
+    return os.environ.get("HELION_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def fallback(op_package: str, device: torch.device):
+    """None when Helion runs this call, else the backend module that runs it instead
+    (warning once per cause). CPU tensors need HELION_INTERPRET=1 (Helion's eager ref
+    mode, read when the kernels are decorated): ValueError without it."""
+    why = cause()
+    if why is None:
+        if device.type != "cuda" and not _interpret():
+            raise ValueError(f"backend='helion' needs CUDA tensors (got {device}); set HELION_INTERPRET=1 "
+                             "before logitless imports its Helion kernels to run them eagerly on the CPU "
+                             "(slow: tests only), or use backend='torch'")
+        return None
+    name = fallback_name(device)
+    warn_fallback(why, name)
+    return load_backend(op_package, name)
+
+
+def run_or_fallback(op_package: str, device: torch.device, helion_path: Callable, other_path: Callable):
+    """``helion_path()`` when Helion runs this call, else ``other_path(module)`` with the
+    backend module that runs instead. On a GPU, a Helion kernel that fails to compile or
+    launch (any error but running out of memory) is recorded as the cause, warned about
+    once, and the other backend runs this and every later call; under HELION_INTERPRET=1
+    (the CPU tests) errors propagate."""
+    other = fallback(op_package, device)
+    if other is not None:
+        return other_path(other)
+    if device.type != "cuda" or _interpret():
+        return helion_path()
+    try:
+        return helion_path()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an optional dependency never breaks a call
+        text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        _FAILED.append(f"a Helion kernel failed on {device}: {type(e).__name__}: {text}")
+    return other_path(fallback(op_package, device))

@@ -1,0 +1,125 @@
+"""Helion backend of linear_cross_entropy (``backend="helion"``; docs/helion.md).
+
+forward:  one Helion kernel (``helion_lib.ce_kernels.ce_forward``): per row tile an online
+          log-sum-exp over vocabulary tiles with the target logit, sum_c w_c z_c (label
+          smoothing) and the first argmax; the loss from those statistics with the formulas
+          (``formulas.cross_entropy.token_loss``), as the torch backend.
+backward: the formulas' (3, N) coefficients, then two kernels that recompute the logits
+          tiles (``ce_dx``: dX; ``ce_dw``: dW and db). Nothing is kept between them.
+
+Every option of the op: bias, soft-cap, class weights, label smoothing, z-loss (through
+the coefficients), ignore_index, reductions, return_stats' argmax, vocabulary parallelism
+(``vocab_parallel`` calls this module's forward/backward on a rank's rows). One exception
+to the kernels: a vocab-parallel dx of 16-bit inputs, which must stay an fp32 partial sum
+until the all-reduce (``dx_acc``), comes from the torch/Triton backend (the kernel writes
+dx in x's dtype). Kernels compute in fp32; fp64 inputs are refused (``resolve_backend``).
+Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
+(``ops.common.helion_choice``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import reduce
+from logitless.formulas.cross_entropy import token_loss
+from logitless.helion_lib import linear_cross_entropy as kernels
+from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.helion_choice import fallback_name, run_or_fallback
+from logitless.options import CrossEntropyOptions
+
+from .torch_backend import grad_coefficients  # noqa: F401  (the formulas: the same for every device)
+
+#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
+PLAN_SIZE = 0
+
+
+def kept_shapes(*_) -> None:
+    """This backend keeps nothing for the backward."""
+    return None
+
+
+def _launch_opts(softcap: Optional[float], smooth: bool) -> CrossEntropyOptions:
+    """Options carrying what the kernels read: the soft-cap, and whether the smoothing sum
+    (forward) or the class weights in dz's C term (backward) are wanted."""
+    return CrossEntropyOptions(label_smoothing=0.5 if smooth else 0.0, softcap=softcap)
+
+
+def forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    *,
+    need_smooth: bool,
+    need_argmax: bool,
+    budget: int,
+    need_grad: bool = False,
+    loss_opts: Optional[CrossEntropyOptions] = None,
+):
+    """(TokenStats, None): fp32 statistics, nothing kept. With ``loss_opts``: (TokenStats,
+    None, loss, w_t), the loss from the formulas. ``budget`` and ``need_grad`` only reach a
+    fallback backend (which then keeps nothing either)."""
+    def helion_path():
+        stats = kernels.lce_forward(x, weight, bias, target, class_weight, _launch_opts(softcap, need_smooth),
+                                    need_argmax=need_argmax)
+        if loss_opts is None:
+            return stats, None
+        loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, loss_opts)
+        return stats, None, reduce(loss_tok, w_t, loss_opts.reduction), w_t
+
+    def other_path(impl):
+        return impl.forward(x, weight, bias, target, class_weight, softcap, need_smooth=need_smooth,
+                            need_argmax=need_argmax, budget=budget, need_grad=False, loss_opts=loss_opts)
+
+    return run_or_fallback(__package__, x.device, helion_path, other_path)
+
+
+def backward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    class_weight: Optional[Tensor],
+    softcap: Optional[float],
+    lse: Tensor,
+    coef: Tensor,
+    *,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+    budget: int,
+    kept=None,
+    dx_acc: bool = False,
+):
+    """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
+    not cast to x's dtype (a partial sum that the caller reduces first)."""
+    def helion_path():
+        dx = None
+        kernel_dx = need_dx
+        if need_dx and dx_acc and x.dtype != torch.float32:  # (module docstring)
+            other = load_backend(__package__, fallback_name(x.device))
+            dx = other.backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=True,
+                                need_dw=False, need_db=False, budget=budget, dx_acc=True)[0]
+            kernel_dx = False
+        if not (kernel_dx or need_dw or need_db):
+            return dx, None, None
+        # C (the class-weighted smoothing term) is 0 without label smoothing: with class
+        # weights the kernels read them, and C w_c adds nothing then.
+        opts = _launch_opts(softcap, class_weight is not None)
+        hdx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef, opts,
+                                           need_dx=kernel_dx, need_dw=need_dw or need_db)
+        if kernel_dx:
+            dx = hdx.float() if dx_acc else hdx
+        return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+
+    def other_path(impl):
+        return impl.backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=need_dx,
+                             need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=dx_acc)
+
+    return run_or_fallback(__package__, x.device, helion_path, other_path)

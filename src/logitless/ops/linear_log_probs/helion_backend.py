@@ -1,0 +1,83 @@
+"""Helion backend of linear_log_probs (``backend="helion"``; docs/helion.md).
+
+forward:  one Helion kernel (``helion_lib.log_probs_kernels.logp_forward``): per row tile
+          the online (m, s, u) over vocabulary tiles of a = softcap(x W^T + b) / T and the
+          token's a; log-probs and entropy from them with the formulas
+          (``formulas.log_probs.token_outputs``), as the torch backend.
+backward: the formulas' (3, N) coefficients, then two kernels recomputing the tiles
+          (``logp_dx``: dX; ``logp_dw``: dW and db). Nothing is kept between them.
+
+Every option of the op: temperature, entropy, soft-cap, bias, ignore_index, vocabulary
+parallelism (``vocab_parallel`` calls this module on a rank's rows; its dx of 16-bit
+inputs, an fp32 partial sum until the all-reduce, comes from the torch/Triton backend).
+Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
+(``ops.common.helion_choice``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.log_probs import token_outputs
+from logitless.helion_lib import linear_log_probs as kernels
+from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.helion_choice import fallback_name, run_or_fallback
+from logitless.options import LogProbOptions
+
+from .torch_backend import grad_coefficients  # noqa: F401  (the formulas: the same for every device)
+
+#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
+PLAN_SIZE = 0
+
+
+def kept_shapes(*_) -> None:
+    """This backend keeps nothing for the backward."""
+    return None
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
+            budget: int, need_grad: bool = False, outputs: bool = False):
+    """(LogProbStats, None) (fp32, nothing kept). ``outputs``: ((logp, entropy or None,
+    lse), None) instead. ``budget`` and ``need_grad`` only reach a fallback backend."""
+    def helion_path():
+        stats = kernels.logp_forward(x, weight, bias, tokens, opts)
+        if outputs:
+            logp, ent = token_outputs(stats, tokens, weight.shape[0], opts)
+            return (logp, ent, stats.lse), None
+        return stats, None
+
+    def other_path(impl):
+        return impl.forward(x, weight, bias, tokens, opts, budget=budget, need_grad=False, outputs=outputs)
+
+    return run_or_fallback(__package__, x.device, helion_path, other_path)
+
+
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
+             kept=None, plan=None, dx_acc: bool = False):
+    """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
+    not cast to x's dtype (a partial sum the caller reduces first: vocab parallelism)."""
+    def helion_path():
+        dx = None
+        kernel_dx = need_dx
+        if need_dx and dx_acc and x.dtype != torch.float32:  # (module docstring)
+            other = load_backend(__package__, fallback_name(x.device))
+            dx = other.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=True, need_dw=False,
+                                need_db=False, budget=budget, dx_acc=True)[0]
+            kernel_dx = False
+        if not (kernel_dx or need_dw or need_db):
+            return dx, None, None
+        hdx, dw, db = kernels.logp_backward(x, weight, bias, tokens, lse, coef, opts, need_dx=kernel_dx,
+                                            need_dw=need_dw or need_db)
+        if kernel_dx:
+            dx = hdx.float() if dx_acc else hdx
+        return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+
+    def other_path(impl):
+        return impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
+                             need_db=need_db, budget=budget, dx_acc=dx_acc)
+
+    return run_or_fallback(__package__, x.device, helion_path, other_path)

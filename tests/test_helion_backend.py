@@ -1,0 +1,383 @@
+"""backend="helion" of linear_cross_entropy, linear_log_probs and linear_jsd (docs/helion.md),
+on the CPU under HELION_INTERPRET=1 (Helion's eager ref mode, every ``hl.tile`` loop split
+into tiles of 8: several vocabulary, row and hidden tiles, the last one partial).
+
+The public functions against the float64 references through the contract suite's checks
+(tests/test_op_contract.py, tests/op_specs.py): values and gradients for every option of
+the three ops, fp32 and bf16, odd sizes (V prime, H not a multiple of 16, one token, 3-D,
+tiny), empty and all-ignored inputs, ``torch.library.opcheck`` (the fakes agree with what
+the Helion backend returns); vocabulary parallelism (two gloo ranks); the Helion kernels
+really run (launches counted); torch.compile(fullgraph=True); without a usable Helion, one warning naming the cause and
+the torch backend's numbers; bad input. Skipped with a reason when helion >= 1.5 is not
+importable (the fallback tests run without it).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("HELION_INTERPRET", "1")  # read when the kernels are decorated
+
+import logitless  # noqa: E402
+from logitless.helion_lib import runtime  # noqa: E402
+from logitless.ops.common import dispatch, helion_choice  # noqa: E402
+from tests.conftest import DEVICE  # noqa: E402
+from tests.op_specs import SPECS  # noqa: E402
+from tests.test_op_contract import check_against_reference  # noqa: E402
+
+HELION = runtime.available()
+needs_helion = pytest.mark.skipif(not HELION, reason="helion >= 1.5 is not importable "
+                                  "(pip install 'logitless[helion]')")
+
+LINEAR_OPS = ("linear_cross_entropy", "linear_log_probs", "linear_jsd")
+BACKEND = "helion"
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles():
+    """Tiles of 8 in the ref mode (module docstring)."""
+    if not HELION:
+        yield
+        return
+    with runtime.interpret_block_size(8):
+        yield
+
+
+@pytest.fixture()
+def launches(monkeypatch):
+    """Counts of the Helion kernel launches by kernel name (the launch functions' ``launch``)."""
+    from logitless.helion_lib import linear_cross_entropy, linear_jsd, linear_log_probs
+
+    counts: dict = {}
+    for module in (linear_cross_entropy, linear_jsd, linear_log_probs):
+        original = module.launch
+
+        def counted(kernel, args, config, _original=original):
+            name = getattr(kernel, "name", None) or kernel.fn.__name__
+            counts[name] = counts.get(name, 0) + 1
+            return _original(kernel, args, config)
+
+        monkeypatch.setattr(module, "launch", counted)
+    return counts
+
+
+def _params(per_spec):
+    return [pytest.param(name, *rest, id="-".join([name, *map(str, rest)]))
+            for name in LINEAR_OPS for rest in per_spec(SPECS[name])]
+
+
+def _reduction(spec, option: str) -> str:
+    """One reduction per option, in turn (the interpreter is slow): every one is covered."""
+    return spec.reductions[list(spec.options).index(option) % len(spec.reductions)]
+
+
+# ------------------------------------------------------------------ values and gradients
+
+
+@needs_helion
+@pytest.mark.parametrize("op,option", _params(lambda spec: [(o,) for o in spec.options]))
+def test_each_option_fp32(op, option):
+    spec = SPECS[op]
+    check_against_reference(spec, BACKEND, torch.float32, spec.base_size, option, _reduction(spec, option), seed=23)
+
+
+@needs_helion
+@pytest.mark.parametrize("op", LINEAR_OPS)
+def test_all_options_every_reduction(op):
+    spec = SPECS[op]
+    for reduction in spec.reductions:
+        check_against_reference(spec, BACKEND, torch.float32, spec.base_size, "all", reduction, seed=29)
+
+
+@needs_helion
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", LINEAR_OPS)
+def test_16bit_all_options(op, dtype):
+    spec = SPECS[op]
+    check_against_reference(spec, BACKEND, dtype, spec.base_size, "all", spec.reductions[0], seed=31)
+
+
+@needs_helion
+@pytest.mark.parametrize("op,size", _params(lambda spec: [(s,) for s in spec.sizes]))
+def test_odd_sizes(op, size):
+    """V prime, H not a multiple of 16, one token, 3-D, tiny vocabularies (tiles of 32:
+    V = 1009 is 32 vocabulary tiles, the last of 17 columns)."""
+    spec = SPECS[op]
+    shape, options, reduction = spec.sizes[size]
+    with runtime.interpret_block_size(32):
+        for option in options:
+            check_against_reference(spec, BACKEND, torch.float32, shape, option, reduction, seed=3)
+
+
+@needs_helion
+@pytest.mark.parametrize("op", LINEAR_OPS)
+def test_empty_and_all_ignored(op):
+    spec = SPECS[op]
+    reduction = spec.reductions[0]
+    for lead, ignore in (((0,), 0.0), ((0, 3), 0.0), ((5,), 1.0)):
+        case = spec.make(dict(spec.base_size, lead=lead), torch.float32, {"_ignore": ignore}, seed=9)
+        loss = spec.fn(*case.args, reduction=reduction, backend=BACKEND, **case.kwargs)
+        if reduction == "mean":
+            assert loss.shape == () and torch.isnan(loss)
+        else:
+            assert loss.shape == lead and not loss.any()
+        grads = torch.autograd.grad(loss, case.grads, torch.ones_like(loss))
+        for g, t in zip(grads, case.grads):
+            assert g.shape == t.shape and not g.any()
+
+
+@needs_helion
+@pytest.mark.parametrize("op", LINEAR_OPS)
+def test_opcheck(op):
+    """Schema, fakes and autograd registration of the custom ops with backend="helion"."""
+    calls = 0
+    with runtime.interpret_block_size(32):
+        for custom_op, args, utils in SPECS[op].opcheck(BACKEND):
+            torch.library.opcheck(custom_op, args, **({} if utils is None else {"test_utils": utils}))
+            calls += 1
+    assert calls >= 2
+
+
+# ------------------------------------------------------------------ the kernels run
+
+
+def _small_calls():
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(2, 5, 20, generator=g).to(DEVICE).requires_grad_()
+    w = (torch.randn(37, 20, generator=g) * 0.3).to(DEVICE).requires_grad_()
+    b = torch.randn(37, generator=g).to(DEVICE).requires_grad_()
+    t = torch.randint(0, 37, (2, 5), generator=g).to(DEVICE)
+    xt = torch.randn(2, 5, 23, generator=g).to(DEVICE)
+    wt = (torch.randn(37, 23, generator=g) * 0.3).to(DEVICE)
+    return {
+        "linear_cross_entropy": lambda backend: logitless.linear_cross_entropy(
+            x, w, t, b, label_smoothing=0.1, softcap=3.0, z_loss=1e-3, return_stats=True, backend=backend)[0],
+        "linear_log_probs": lambda backend: sum(o.sum() for o in logitless.linear_log_probs(
+            x, w, t, b, entropy=True, temperature=0.8, backend=backend)),
+        "linear_jsd": lambda backend: logitless.linear_jsd(
+            x, w, xt, wt, t, student_bias=b, beta=0.3, hard_label_weight=0.2, backend=backend),
+    }, (x, w, b)
+
+
+@needs_helion
+@pytest.mark.parametrize("op,kernels", [("linear_cross_entropy", ("ce_forward", "ce_dx", "ce_dw")),
+                                        ("linear_log_probs", ("logp_forward", "logp_dx", "logp_dw")),
+                                        ("linear_jsd", ("jsd_forward", "jsd_dx", "jsd_dw"))])
+def test_helion_kernels_run(op, kernels, launches):
+    """Forward and backward launch the op's three Helion kernels once each (no fallback),
+    and the results match the torch backend's."""
+    calls, leaves = _small_calls()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", helion_choice.HelionFallbackWarning)
+        loss = calls[op](BACKEND)
+        grads = torch.autograd.grad(loss, leaves)
+    assert {k: launches.get(k, 0) for k in kernels} == dict.fromkeys(kernels, 1), launches
+    want = calls[op]("torch")
+    want_grads = torch.autograd.grad(want, leaves)
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+
+
+@needs_helion
+def test_modules_take_helion():
+    g = torch.Generator().manual_seed(43)
+    x, w = torch.randn(6, 12, generator=g).to(DEVICE), torch.randn(19, 12, generator=g).to(DEVICE)
+    t = torch.randint(0, 19, (6,), generator=g).to(DEVICE)
+    for module, args in ((logitless.LinearCrossEntropyLoss(backend=BACKEND), (x, w, t)),
+                         (logitless.LinearLogProbs(backend=BACKEND), (x, w, t)),
+                         (logitless.LinearJSDLoss(backend=BACKEND), (x, w, x * 0.5, w, t))):
+        got = module(*args)
+        module.kwargs["backend"] = "torch"
+        torch.testing.assert_close(got, module(*args), rtol=1e-4, atol=1e-5)
+
+
+@needs_helion
+def test_compile_fullgraph(launches):
+    """torch.compile(fullgraph=True): Helion is chosen inside the custom ops (never traced),
+    so the graph has no break; eager's numbers and gradients."""
+    calls, leaves = _small_calls()
+
+    def f(backend):
+        return sum(calls[op](backend) for op in LINEAR_OPS)
+
+    compiled = torch.compile(lambda: f(BACKEND), fullgraph=True, backend="aot_eager")
+    loss = compiled()
+    grads = torch.autograd.grad(loss, leaves)
+    assert launches.get("ce_forward") == launches.get("jsd_dw") == 1, launches
+    eager = f(BACKEND)
+    assert torch.equal(loss, eager)
+    for got, want in zip(grads, torch.autograd.grad(eager, leaves)):  # (the three ops' sums in another order)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ without a usable Helion
+
+
+@pytest.fixture()
+def no_helion(monkeypatch):
+    """Helion unusable: ``runtime.available()`` False, a fresh warning state."""
+    monkeypatch.setattr(runtime, "available", lambda: False)
+    monkeypatch.setattr(helion_choice, "_WARNED", set())
+    monkeypatch.setattr(helion_choice, "_REASON", [])
+
+
+@pytest.mark.parametrize("op", LINEAR_OPS)
+def test_fallback_one_warning_torch_numbers(op, no_helion, monkeypatch):
+    """The torch backend runs (on the CPU; Triton on CUDA), bitwise its numbers, with one
+    HelionFallbackWarning for two calls naming the cause and the install command; the cause
+    is probed once."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the CPU fallback (torch backend); on CUDA it is the Triton backend")
+    probes = []
+    monkeypatch.setattr(helion_choice, "unavailable_reason",
+                        lambda: probes.append(1) or "helion failed to import (ImportError: x)")
+    calls, leaves = _small_calls()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss = calls[op](BACKEND)
+        grads = torch.autograd.grad(loss, leaves)
+        calls[op](BACKEND)
+    mine = [w for w in seen if issubclass(w.category, helion_choice.HelionFallbackWarning)]
+    assert len(mine) == 1, [str(w.message) for w in seen]
+    text = str(mine[0].message)
+    assert "ImportError: x" in text and "pip install 'logitless[helion]'" in text and "torch backend" in text
+    assert len(probes) == 1
+    want = calls[op]("torch")
+    assert torch.equal(loss, want)
+    for got, exp in zip(grads, torch.autograd.grad(want, leaves)):
+        assert torch.equal(got, exp)
+
+
+def test_unavailable_reason_keeps_the_import_error(no_helion, monkeypatch):
+    """A helion that fails to import (as helion 1.5.1 with torch 2.11): the reason quotes
+    the error; too old, or not installed: says so."""
+    import builtins
+    import importlib.util
+
+    message = "cannot import name 'IntelGPUError' from 'torch._inductor.runtime.triton_compat'"
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name == "helion" or name.startswith("helion."):
+            raise ImportError(message)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # "installed"
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    reason = helion_choice.unavailable_reason()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert reason == f"helion failed to import (ImportError: {message})"
+    if HELION:  # imports, but older than 1.5
+        import importlib.metadata
+
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.4.2")
+        assert helion_choice.unavailable_reason() == "helion 1.4.2 is older than 1.5"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert helion_choice.unavailable_reason() == "helion is not installed"
+
+
+@needs_helion
+def test_gpu_kernel_failure_falls_back(monkeypatch):
+    """On a GPU (compiled kernels) a Helion kernel that fails to compile or launch: one
+    warning quoting the error, the other backend for this and later calls; out of memory
+    propagates. (run_or_fallback on a CUDA device object: nothing runs on a GPU here.)"""
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.setattr(helion_choice, "_FAILED", [])
+    monkeypatch.setattr(helion_choice, "_WARNED", set())
+    cuda = torch.device("cuda", 0)
+    package = "logitless.ops.linear_cross_entropy"
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        helion_choice.run_or_fallback(package, cuda, oom, lambda impl: pytest.fail("fell back on OOM"))
+
+    def broken():
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = helion_choice.run_or_fallback(package, cuda, broken, lambda impl: impl.__name__)
+        again = helion_choice.run_or_fallback(package, cuda, lambda: pytest.fail("Helion after a failure"),
+                                              lambda impl: impl.__name__)
+    other = helion_choice.fallback_name(cuda)
+    assert got == again == f"{package}.{other}_backend"
+    mine = [str(w.message) for w in seen if issubclass(w.category, helion_choice.HelionFallbackWarning)]
+    assert len(mine) == 1 and "RuntimeError: PassManager::run failed)" in mine[0], mine
+
+
+def test_fallback_backend_by_device():
+    assert helion_choice.fallback_name(torch.device("cpu")) == "torch"
+    assert helion_choice.fallback_name(torch.device("cuda", 0)) == ("triton" if dispatch.HAS_TRITON else "torch")
+
+
+# ------------------------------------------------------------------ choice and bad input
+
+
+def test_auto_never_picks_helion():
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert dispatch.resolve_backend("auto", device, dtype, dispatch.LINEAR_BACKENDS) != "helion"
+
+
+def test_bad_input():
+    x, w, t = torch.randn(3, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64), torch.tensor([0, 1, 2])
+    with pytest.raises(TypeError, match="backend='helion' supports float16, bfloat16 and float32"):
+        logitless.linear_cross_entropy(x, w, t, backend=BACKEND)
+    with pytest.raises(TypeError, match="backend='helion' supports"):
+        logitless.linear_log_probs(x, w, t, backend=BACKEND)
+    with pytest.raises(TypeError, match="backend='helion' supports"):
+        logitless.linear_jsd(x, w, x, w, t, backend=BACKEND)
+    # ops without a Helion backend refuse the name
+    with pytest.raises(ValueError, match="backend must be one of"):
+        logitless.cross_entropy(torch.randn(3, 5), t, backend=BACKEND)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        logitless.log_probs(torch.randn(3, 5), t, backend=BACKEND)
+
+
+@needs_helion
+def test_cpu_without_interpret_raises(monkeypatch):
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    x, w, t = torch.randn(3, 8), torch.randn(5, 8), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="HELION_INTERPRET=1"):
+        logitless.linear_cross_entropy(x, w, t, backend=BACKEND)
+
+
+# ------------------------------------------------------------------ vocabulary parallelism
+
+
+def _tp_worker(rank, world, device):
+    from tests import test_tensor_parallel as tp_ce
+    from tests import test_tensor_parallel_jsd as tp_jsd
+    from tests import test_tensor_parallel_log_probs as tp_lp
+
+    rows = [17, 16]
+    for case in (dict(name="helion-every-option", dtype=torch.float32, backend=BACKEND, reduction="sum",
+                      bias=True, cw=True, label_smoothing=0.1, z_loss=1e-3, softcap=3.0, stats=True),
+                 dict(name="helion-bf16-padded", dtype=torch.bfloat16, backend=BACKEND, h=16, bias=True,
+                      vocab_size=30)):
+        tp_ce._check_case(rank, device, rows, case)
+    for case in (dict(name="helion-entropy", dtype=torch.float32, backend=BACKEND, bias=True, entropy=True,
+                      temperature=0.7, softcap=3.0),
+                 dict(name="helion-bf16-partial", dtype=torch.bfloat16, backend=BACKEND, h=16, entropy=True,
+                      partial_dx=True)):
+        tp_lp._check_case(rank, device, rows, case)
+    for case in (dict(name="helion-mixture", dtype=torch.float32, backend=BACKEND, beta=0.3, bias=True,
+                      hard_label_weight=0.4, student_softcap=3.0),
+                 dict(name="helion-kl-bf16", dtype=torch.bfloat16, backend=BACKEND, beta=0.0)):
+        tp_jsd._case(rank, device, rows, case)
+
+
+@needs_helion
+def test_vocab_parallel():
+    """Two ranks (gloo on the CPU): each op against the one-process op and the reference."""
+    from tests._distributed import spawn
+
+    spawn(_tp_worker, 2)
