@@ -49,7 +49,8 @@ class LossStats(NamedTuple):
     num_tokens: int32 scalar, the number of non-ignored tokens.
     argmax: int32, shape of the target: the predicted class, the index of each token's
         largest (soft-capped) logit (first maximum on ties, as ``jnp.argmax``); -1 at
-        ignored tokens. From the statistics' own pass over the vocabulary.
+        ignored tokens. From the statistics' own pass over the vocabulary; None when an
+        explicitly named backend keeps no running argmax (mosaic_gpu, mosaic_tpu).
     """
 
     lse: jax.Array

@@ -90,7 +90,8 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
     """The backend name (the module docstring's policy). ``backend_module(name)``
     imports a backend of the op; ``registered``: its backend names;
     ``has_class_weight``: None for ops without class weights (not in the error);
-    ``need_argmax``: only backends that compute the argmax (``ARGMAX``; return_stats);
+    ``need_argmax``: the automatic choice takes only backends that compute the argmax
+    (``ARGMAX``; return_stats);
     ``nvidia``/``sm90``/``tpu``: the device predicates (callables; ``tpu`` None:
     ``is_tpu``)."""
     cw = bool(has_class_weight)
@@ -103,9 +104,6 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
                 f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}"
                 + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
-                + (", return_stats=True (it does not compute the argmax that LossStats.argmax returns: "
-                   "use 'triton' or 'xla', or return_stats=False)"
-                   if need_argmax and not getattr(module, "ARGMAX", False) else "")
                 + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
         return implementation
     if (is_tpu if tpu is None else tpu)():

@@ -50,8 +50,8 @@ an explicit choice raises ValueError. (xla and triton have it; mosaic_gpu not.)
 ``(lse, target_logit, smooth_sum, best, argmax)``: best = max_c z_c (float32) and argmax
 = the first c where z_c is that maximum (int32, local column ids; ties: the lowest id,
 as ``jnp.argmax``), from the same pass over the columns. Without the constant the
-automatic choice skips the backend when ``return_stats=True`` and an explicit choice
-raises ValueError. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
+automatic choice skips the backend when ``return_stats=True``; an explicit choice runs
+it and ``LossStats.argmax`` is None. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
 kernels keep no running argmax.) Under vocabulary sharding the api merges the
 devices' (best, argmax) pairs: the first device holding the largest maximum.
 

@@ -218,7 +218,8 @@ def linear_cross_entropy(
             the logits (int32, first maximum on ties, -1 at ignored tokens), all from
             the one pass over the vocabulary. The backends that compute the argmax are
             "xla" and "triton": with return_stats the automatic choice skips
-            "mosaic_gpu" and "mosaic_tpu", and naming one of them raises ValueError.
+            "mosaic_gpu" and "mosaic_tpu"; named explicitly, they run and the argmax
+            is None (their kernels keep no running argmax).
         weight_layout: "vh" or "hv" (see weight).
         memory_budget: bytes of temporary memory the op may use (default 256 MiB). It
             sizes the chunks of the "xla" backend: one tile of logits of at most about
@@ -329,7 +330,8 @@ def linear_cross_entropy(
             loss = lm.reduce_loss(loss, flat_target, opts)
     else:
         backend = choose_backend(implementation, x2d.shape, (local_classes, hidden), x2d.dtype,
-                                 opts.softcap, bias is not None, class_weight is not None, need_argmax=return_stats)
+                                 opts.softcap, bias is not None, class_weight is not None,
+                                 need_argmax=return_stats and implementation is None)
         w, layout_kw = weight, ()
         if weight_layout == "hv":
             if getattr(backend_module(backend), "NATIVE_HV", False):
@@ -340,11 +342,13 @@ def linear_cross_entropy(
         partition = (not manual and class_weight is None and sharded.use_partitioning()
                      and getattr(backend_module(backend), "can_partition", lambda: True)())
         cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition,
-                      argmax=bool(return_stats))
+                      argmax=bool(return_stats) and getattr(backend_module(backend), "ARGMAX", False))
         loss, lse, *argmax = _lce(x2d, w, bias, flat_target, class_weight, cfg)
         argmax = argmax[0] if argmax else None
 
     def per_token(t):
+        if t is None:
+            return None
         t = jnp.reshape(t, out_shape)
         return t[..., :-1] if shift else t
 
