@@ -38,7 +38,7 @@ def backward(args: tuple, name: str, configs_=None, need_dx: bool = True, need_d
         db = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if bias is not None else None
         return torch.zeros_like(x), torch.zeros_like(weight), db
     sizes = configs.sizes(x, weight)
-    cfg_dx, cfg_dw = configs_ or (configs.pick(f"{name}_dx", sizes, x.device), configs.pick(f"{name}_dw", sizes, x.device))
+    cfg_dx, cfg_dw = configs_ or tuple(configs.pick(f"{name}_{part}", sizes, x.device) for part in ("dx", "dw"))
     dx = launch(linear_dx, args, cfg_dx) if need_dx else None
     dw, db = launch(linear_dw, args, cfg_dw) if need_dw else (None, None)
     return dx, dw, (db if bias is not None else None)
