@@ -269,7 +269,7 @@ def _compiled(kernel):
 
 
 def _lowering_cases():
-    from logitless.helion_lib import ce_kernels, jsd_kernels, log_probs_kernels
+    from logitless.helion_lib import ce_kernels, grad_kernels, jsd_kernels, log_probs_kernels
 
     n, h, v = 13, 20, 37
     x, w, b, xt, wt, bt, t = _jsd_data(n, h, v, seed=9)
@@ -284,13 +284,13 @@ def _lowering_cases():
     for name, kernel, args in [
         ("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, b, t, cw, ce_all, True)),
         ("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, ce_plain)),
-        ("ce_dx", ce_kernels.ce_dx, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
-        ("ce_dw", ce_kernels.ce_dw, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
-        ("ce_dw", ce_kernels.ce_dw, hce.backward_args(x, w, None, t, None, lse, coef, ce_plain)),
+        ("ce_dx", grad_kernels.linear_dx, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
+        ("ce_dw", grad_kernels.linear_dw, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
+        ("ce_dw", grad_kernels.linear_dw, hce.backward_args(x, w, None, t, None, lse, coef, ce_plain)),
         ("logp_forward", log_probs_kernels.logp_forward, hlp.forward_args(x, w, b, t, lp_all)),
         ("logp_forward", log_probs_kernels.logp_forward, hlp.forward_args(x, w, None, t, lp_plain)),
-        ("logp_dx", log_probs_kernels.logp_dx, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
-        ("logp_dw", log_probs_kernels.logp_dw, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
+        ("logp_dx", grad_kernels.linear_dx, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
+        ("logp_dw", grad_kernels.linear_dw, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
     ]:
         cases.append((name, kernel, args, sizes))
     for beta in (0.3, 0.0, 1.0):

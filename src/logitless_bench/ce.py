@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import reference, report, timing
-from .runner import Config, Progress, describe, phase, run_methods
+from .runner import Config, Progress, describe, memory_and_loss, phase, run_methods
 
 
 def measure(fn, logits, t, clobbers: bool, copy_bps: float, ref_loss, cfg: Config, row: dict) -> None:
@@ -52,19 +52,13 @@ def measure(fn, logits, t, clobbers: bool, copy_bps: float, ref_loss, cfg: Confi
         return
     _bandwidth(row, "fwdbwd", 3 * nbytes, copy_bps)
 
-    measured = phase(row, "memory", dev,
-                     lambda: timing.peak_extra_bytes(step, device=dev, setup=setup, exclude_bytes=nbytes))
-    if measured is not None:
-        loss, extra = measured
-        row["peak_extra_mib"] = None if extra is None else extra / 2**20
-        row["loss"] = float(loss.detach().float().item())
-        if ref_loss is not None:
-            row["loss_abs_err"] = abs(row["loss"] - ref_loss)
-            if lg.grad is None:
-                row["errors"].append("errors: the method gave no gradient")
-            else:
-                row["grad_rel_err"] = phase(row, "grad error", dev,
-                                            lambda: reference.ce_grad_rel_err(lg.grad, cfg.seed, t))
+    if memory_and_loss(row, step, setup, dev, nbytes) and ref_loss is not None:
+        row["loss_abs_err"] = abs(row["loss"] - ref_loss)
+        if lg.grad is None:
+            row["errors"].append("errors: the method gave no gradient")
+        else:
+            row["grad_rel_err"] = phase(row, "grad error", dev,
+                                        lambda: reference.ce_grad_rel_err(lg.grad, cfg.seed, t))
     lg.grad = None
 
 

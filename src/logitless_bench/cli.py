@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from . import peers, precision, report, shapes
+from . import peers, precision, report, shapes, timing
+from .common import line_buffered_stdout, split
 from .runner import Config
 
 EXAMPLES = """\
@@ -84,10 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split(text):
-    return [s.strip() for s in text.split(",") if s.strip()] if text else []
-
-
 def _method_lists(budgets, cpu, with_peers):
     return {
         "lce": peers.lce_methods(budgets, cpu=cpu, peers=with_peers),
@@ -156,10 +153,7 @@ def _main(argv=None) -> int:
 
         return jax_main(argv)
     args = build_parser().parse_args(argv)
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-    except (AttributeError, ValueError):
-        pass
+    line_buffered_stdout()
     out_dir = args.out or "benchmarks/results"
     if args.from_json:
         return _from_json(args.from_json, args.out)
@@ -184,13 +178,13 @@ def _main(argv=None) -> int:
         from . import tp
 
         return tp.run_cli(args, cpu)
-    budgets = _split(args.budgets) or ["default"]
+    budgets = split(args.budgets) or ["default"]
     for b in budgets:
         peers.budget_bytes(b, 1, 1, 2)  # fail early on a malformed budget
     if args.list:
         return _list(cpu, budgets)
 
-    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    device = timing.bench_device(cpu)
     quick = args.quick
     cfg = Config(
         device=device,
@@ -202,12 +196,12 @@ def _main(argv=None) -> int:
         budgets=budgets,
     )
 
-    shape_names = _split(args.shapes)
+    shape_names = split(args.shapes)
     unknown = shapes.unmatched(shape_names, cpu) if args.suite != "precision" else []
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(shapes.known_names(cpu))}")
     method_lists = _method_lists(budgets, cpu, not args.no_peers)
-    method_names = _split(args.methods)
+    method_names = split(args.methods)
     all_names = {m.name for ms in _method_lists(budgets, False, True).values() for m in ms}
     unknown = [n for n in method_names if n not in all_names]
     if unknown:

@@ -15,18 +15,16 @@ case runs on the CPU, loudly labelled.
 
 from __future__ import annotations
 
-import datetime
-import json
+import importlib
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import report, timing
 from .peers import Skip
-from .runner import describe
+from .runner import describe, fill_row, run_shapes, grad_leaves, memory_and_loss, phase, select
 
 BETA = 0.5
 TEMPERATURE = 1.0
@@ -153,27 +151,26 @@ def _torch_compile(shape, device):
     return torch.compile(naive_jsd)
 
 
-def _liger_fused(shape, device):
+def _liger(module: str, name: str, device):
+    """liger-kernel's class ``module.name``; ``Skip`` off CUDA or when it does not import."""
     if device.type != "cuda":
         raise Skip("liger-kernel needs CUDA")
     try:
-        from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
-    except ImportError as exc:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
         raise Skip(f"liger-kernel not importable ({exc})") from None
-    mod = LigerFusedLinearJSD(jsd_beta=BETA, temperature=TEMPERATURE)
+
+
+def _liger_fused(shape, device):
+    mod = _liger("liger_kernel.transformers.fused_linear_jsd", "LigerFusedLinearJSD", device)(
+        jsd_beta=BETA, temperature=TEMPERATURE)
     return lambda xs, ws, xt, wt, t: mod(xs, ws, xt, wt, t)
 
 
 def _liger_chunked(shape, device):
-    if device.type != "cuda":
-        raise Skip("liger-kernel needs CUDA")
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-    except ImportError as exc:
-        raise Skip(f"liger-kernel not importable ({exc})") from None
+    cls = _liger("liger_kernel.chunked_loss", "LigerFusedLinearJSDLoss", device)
     torch._dynamo.reset()
-    mod = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA,
-                                  temperature=TEMPERATURE)
+    mod = cls(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, temperature=TEMPERATURE)
     return lambda xs, ws, xt, wt, t: mod(xs, ws, xt, wt, t)
 
 
@@ -205,47 +202,27 @@ METHODS: dict[str, tuple[Callable, str]] = {
 # --------------------------------------------------------------------------- measuring
 
 
-def _phase(row, name, device, fn):
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - a failing method is a result
-        row["errors"].append(f"{name}: {describe(exc)}")
-        timing.release_memory(device)
-        return None
-
-
 def measure(fn, inputs, floor, ref, device, warmup, reps, row) -> None:
     xs, ws, xt, wt, t = inputs
-    xg = xs.detach().requires_grad_(True)
-    wg = ws.detach().requires_grad_(True)
-
-    def setup():
-        xg.grad = None
-        wg.grad = None
+    xg, wg, setup = grad_leaves(xs, ws)
 
     def step():
         loss = fn(xg, wg, xt, wt, t)
         loss.backward()
         return loss
 
-    row["fwdbwd_ms"] = _phase(row, "forward+backward", device,
+    row["fwdbwd_ms"] = phase(row, "forward+backward", device,
                               lambda: timing.time_ms(step, device=device, setup=setup, warmup=warmup, reps=reps))
     if row["fwdbwd_ms"] is None:
         setup()
         return
     row["fwdbwd_per_floor"] = row["fwdbwd_ms"] / floor
     grads = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
-    out = _phase(row, "memory", device,
-                 lambda: timing.peak_extra_bytes(step, device=device, setup=setup, exclude_bytes=grads))
-    if out is not None:
-        loss, extra = out
-        row["peak_extra_mib"] = None if extra is None else extra / 2**20
-        row["loss"] = float(loss.detach().float().item())
-        if ref is not None:
-            row["loss_abs_err"] = abs(row["loss"] - ref[0])
-            if xg.grad is not None and wg.grad is not None:
-                row["dx_rel_err"] = _phase(row, "dx error", device, lambda: rel_err(xg.grad, ref[1]))
-                row["dw_rel_err"] = _phase(row, "dW error", device, lambda: rel_err(wg.grad, ref[2]))
+    if memory_and_loss(row, step, setup, device, grads) and ref is not None:
+        row["loss_abs_err"] = abs(row["loss"] - ref[0])
+        if xg.grad is not None and wg.grad is not None:
+            row["dx_rel_err"] = phase(row, "dx error", device, lambda: rel_err(xg.grad, ref[1]))
+            row["dw_rel_err"] = phase(row, "dW error", device, lambda: rel_err(wg.grad, ref[2]))
     setup()
 
 
@@ -269,24 +246,9 @@ def table(rows) -> str:
 
 
 def save(data, out_dir) -> list:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = data["meta"]["device_tag"]
-    day = datetime.date.today().isoformat()
-    md = [f"# distill: {data['title']}", "", f"{data['meta']['device']} | torch {data['meta']['torch']} | "
-          f"triton {data['meta']['triton']} | {data['meta']['date']}", "", f"`{data['meta']['command']}`", ""]
-    if not data["meta"]["gpu"]:
-        md += ["```", report.CPU_BANNER, "```", ""]
-    md += [f"**!!! {w}**" for w in data.get("unit_warnings", [])]
-    md += ["GEMM floors (ms): " + ", ".join(f"{k}: {v['floor']:.3f}" for k, v in data["floors"].items()), "",
-           table(data["rows"]), "", METRICS, ""]
-    md += [f"- note: {n}" for n in data["notes"]]
-    written = []
-    for stem in (f"distill-{tag}-{day}", f"latest-distill-{tag}"):
-        (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
-        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
-        written += [out / f"{stem}.json", out / f"{stem}.md"]
-    return written
+    lines = [f"**!!! {w}**" for w in data.get("unit_warnings", [])]
+    lines += ["GEMM floors (ms): " + ", ".join(f"{k}: {v['floor']:.3f}" for k, v in data["floors"].items()), ""]
+    return report.save_suite(data, out_dir, report.suite_markdown(data, lines, table(data["rows"]), METRICS))
 
 
 # --------------------------------------------------------------------------- entry point
@@ -298,86 +260,47 @@ def run_cli(args, cpu: bool) -> int:
 
     from .shapes import CPU_DISTILL_SHAPES as CPU_SHAPES, DISTILL_SHAPES as SHAPES
 
-    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
-    shapes = CPU_SHAPES if cpu else SHAPES
-    wanted = [s.strip() for s in (args.shapes or "").split(",") if s.strip()]
-    if wanted:
-        unknown = [w for w in wanted if w not in {s.name for s in SHAPES + CPU_SHAPES}]
-        if unknown:
-            raise SystemExit(f"unknown distill shape(s) {unknown}; known: {[s.name for s in SHAPES + CPU_SHAPES]}")
-        shapes = [s for s in SHAPES + CPU_SHAPES if s.name in wanted]
-    if args.quick:
-        shapes = shapes[:1]
-    methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
-    if args.no_peers:
-        methods = ["logitless"]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"unknown distill method(s) {unknown}; known: {list(METHODS)}")
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
-
-    if cpu:
-        print(report.CPU_BANNER, flush=True)
+    device, shapes, methods, (warmup, reps, deadline) = select(args, cpu, SHAPES, CPU_SHAPES, METHODS, "distill")
     meta = report.environment(device)
     print(f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | peers: {meta['peers']}",
           flush=True)
-    data = {"suite": "distill", "title": "fused linear distillation, generalized JSD (beta 0.5, T 1), fwd+bwd",
-            "meta": meta, "settings": {"warmup": warmup, "reps": reps, "seed": args.seed},
-            "methods": {m: METHODS[m][1] for m in methods}, "floors": {}, "rows": [], "notes": [],
-            "complete": False}
+    data = report.suite_data("distill", "fused linear distillation, generalized JSD (beta 0.5, T 1), fwd+bwd", meta,
+                             (warmup, reps, args.seed), {m: METHODS[m][1] for m in methods}, floors={})
     out_dir = args.out or "benchmarks/results"
-    try:
-        for shape in shapes:
-            inputs = make_inputs(shape, device, args.seed)
-            floor = gemm_floor_ms(*inputs[:4], warmup=warmup, reps=reps)
-            unit_warnings = [f"{shape.name}: {w}" for w in floor.pop("warnings", [])]
-            data["floors"][shape.name] = floor
-            data.setdefault("unit_warnings", []).extend(unit_warnings)
-            print(f"== distill {shape.label} {shape.dtype}: floor {floor['floor']:.3f} ms "
-                  f"({', '.join(f'{k} {v:.3f}' for k, v in floor.items() if k != 'floor')})", flush=True)
-            for w in unit_warnings:
-                print(f"!!! {w}", flush=True)
-            ref = None
-            if not args.no_errors:
-                try:
-                    ref = jsd_reference(*inputs[:4])
-                except Exception as exc:  # noqa: BLE001
-                    data["notes"].append(f"{shape.name}: float64 reference failed ({describe(exc)})")
-                timing.release_memory(device)
-            for name in methods:
-                row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
-                       "floor_ms": floor["floor"]}
-                if deadline is not None and time.monotonic() > deadline:
-                    row.update(status="skipped", reason="time limit (--max-minutes) reached")
-                else:
-                    try:
-                        fn = METHODS[name][0](shape, device)
-                    except Skip as exc:
-                        row.update(status="skipped", reason=str(exc))
-                    except Exception as exc:  # noqa: BLE001
-                        row.update(status="failed", reason=f"set-up: {describe(exc)}")
-                    else:
-                        measure(fn, inputs, floor["floor"], ref, device, warmup, reps, row)
-                        del fn
-                if row["status"] == "ok" and row["errors"]:
-                    row.update(status="failed", reason="; ".join(row["errors"]))
-                data["rows"].append(row)
-                print(f"  {name:<14} {row['status']:<8} f+b {_fmt(row.get('fwdbwd_ms'), '.2f')} ms = "
-                      f"{_fmt(row.get('fwdbwd_per_floor'), '.2f')} x floor, peak "
-                      f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, "
-                      f"|loss-ref| {_fmt(row.get('loss_abs_err'), '.1e')}, "
-                      f"dx {_fmt(row.get('dx_rel_err'), '.1e')}, dW {_fmt(row.get('dw_rel_err'), '.1e')} "
-                      f"{row['reason'][:160]}", flush=True)
-                timing.release_memory(device)
-            del inputs, ref
+
+    def run_shape(shape):
+        inputs = make_inputs(shape, device, args.seed)
+        floor = gemm_floor_ms(*inputs[:4], warmup=warmup, reps=reps)
+        unit_warnings = [f"{shape.name}: {w}" for w in floor.pop("warnings", [])]
+        data["floors"][shape.name] = floor
+        data.setdefault("unit_warnings", []).extend(unit_warnings)
+        print(f"== distill {shape.label} {shape.dtype}: floor {floor['floor']:.3f} ms "
+              f"({', '.join(f'{k} {v:.3f}' for k, v in floor.items() if k != 'floor')})", flush=True)
+        for w in unit_warnings:
+            print(f"!!! {w}", flush=True)
+        ref = None
+        if not args.no_errors:
+            try:
+                ref = jsd_reference(*inputs[:4])
+            except Exception as exc:  # noqa: BLE001
+                data["notes"].append(f"{shape.name}: float64 reference failed ({describe(exc)})")
             timing.release_memory(device)
-            save(data, out_dir)
-        data["complete"] = True
-    except KeyboardInterrupt as exc:
-        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
-    written = save(data, out_dir)
+        for name in methods:
+            row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
+                   "floor_ms": floor["floor"]}
+            fill_row(row, lambda: METHODS[name][0](shape, device),
+                     lambda fn: measure(fn, inputs, floor["floor"], ref, device, warmup, reps, row),
+                     out_of_time=deadline is not None and time.monotonic() > deadline)
+            data["rows"].append(row)
+            print(f"  {name:<14} {row['status']:<8} f+b {_fmt(row.get('fwdbwd_ms'), '.2f')} ms = "
+                  f"{_fmt(row.get('fwdbwd_per_floor'), '.2f')} x floor, peak "
+                  f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, "
+                  f"|loss-ref| {_fmt(row.get('loss_abs_err'), '.1e')}, "
+                  f"dx {_fmt(row.get('dx_rel_err'), '.1e')}, dW {_fmt(row.get('dw_rel_err'), '.1e')} "
+                  f"{row['reason'][:160]}", flush=True)
+            timing.release_memory(device)
+
+    written = run_shapes(data, shapes, run_shape, save, out_dir, device)
     if cpu:  # before the numbers it introduces
         print("\n" + report.CPU_BANNER)
     for w in data.get("unit_warnings", []):

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import math
 import signal
@@ -60,11 +59,11 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from . import report, timing
+from .common import add_run_options, line_buffered_stdout
 
 EXAMPLES = """\
 examples:
@@ -136,11 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--entropy-coef", type=float, default=0.01, help="entropy bonus (default %(default)s)")
     p.add_argument("--epsilon", type=float, default=0.2, help="clip range of the ratio (default %(default)s)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default %(default)s)")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="time guard: skip the remaining methods after M minutes, save what was measured")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu", action="store_true", help="the small CPU run even if there is a GPU")
-    p.add_argument("--out", metavar="DIR", help="directory of the result files (default: benchmarks/results)")
+    add_run_options(p, "time guard: skip the remaining methods after M minutes, save what was measured")
     return p
 
 
@@ -530,27 +525,13 @@ def markdown(data) -> str:
             "the bf16 logits): it measures agreement, not error; --mode fp32 compares to fp32 rounding.",
             "", table(data["rows"]), ""]
     out += ["Methods:", ""] + [f"- {k}: {v}" for k, v in data["methods"].items()]
-    if data.get("targets"):
-        out += ["", "Targets (issue 20):", "", "| target | measured | met |", "|---|---|---|"]
-        out += [f"| {t} | {_fmt(v, '.4f')} | {'-' if ok is None else ('yes' if ok else 'NO')} |"
-                for t, v, ok in data["targets"]]
-    if data.get("notes"):
-        out += ["", "Notes:"] + [f"- {n}" for n in data["notes"]]
+    out += report.targets_and_notes(data, "issue 20")
     return "\n".join(out) + "\n"
 
 
 def save(data, out_dir) -> list:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     summarize(data)
-    tag = data["meta"]["device_tag"]
-    day = datetime.date.today().isoformat()
-    written = []
-    for stem in (f"grpo-{tag}-{day}", f"latest-grpo-{tag}"):
-        (out / f"{stem}.json").write_text(json.dumps(report._clean(data), indent=1, default=str))
-        (out / f"{stem}.md").write_text(markdown(data))
-        written += [out / f"{stem}.json", out / f"{stem}.md"]
-    return written
+    return report.save_suite(data, out_dir, markdown(data), clean=True)
 
 
 def print_table(data) -> None:
@@ -579,16 +560,13 @@ def _on_sigterm(signum, frame):  # a time limit's kill: unwind so partial result
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-    except (AttributeError, ValueError):
-        pass
+    line_buffered_stdout()
     import transformers
 
     from .train import CPU_MODEL, GPU_MODEL
 
     cpu = args.cpu or not torch.cuda.is_available()
-    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    device = timing.bench_device(cpu)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import re
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
+from .common import table_report, write_results
 from .jax_timing import environment as jax_environment
 from .jax_timing import median_ms as _median_ms
 
@@ -172,28 +171,16 @@ def markdown(data) -> str:
              "temp MiB/dev: XLA's compiled temporary bytes per device of the jitted fwd+bwd "
              "(`memory_analysis().temp_size_in_bytes`); collectives: kinds x count (largest operand) in "
              "the compiled HLO; vs 1-dev op (logp rows): fwd+bwd time / the same op's on one device "
-             "(the \"1 device\" row); |loss-xla| of a logp row: against logp-xla-logits.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in data["rows"]:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
-    for note in data.get("notes", []):
-        lines.append(f"\n- {note}")
-    return "\n".join(lines) + "\n"
+             "(the \"1 device\" row); |loss-xla| of a logp row: against logp-xla-logits.", ""]
+    return table_report(lines, COLUMNS, data["rows"], _fmt, data.get("notes", []))
 
 
 def save(data, out_dir):
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tag = data["meta"]["device"].split()[-1] if data["meta"]["platform"] != "cpu" else "cpu"
     tag = re.sub(r"[^A-Za-z0-9]+", "", tag) or "dev"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    paths = []
     base = data["settings"].get("name", "jax-sharded")
-    for name in (f"{base}-{tag}-{stamp}", f"latest-{base}-{tag}"):
-        (out / f"{name}.json").write_text(json.dumps(data, indent=1))
-        (out / f"{name}.md").write_text(markdown(data))
-        paths.append(out / f"{name}.md")
-    return paths
+    return write_results(out_dir, (f"{base}-{tag}-{stamp}", f"latest-{base}-{tag}"), data, markdown(data))[1::2]
 
 
 def run(argv=None) -> int:

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from .common import line_buffered_stdout, table_report, write_results
 from .jax_timing import environment as jax_environment
 from .jax_timing import median_ms as _median_ms
 
@@ -232,13 +232,8 @@ def markdown(data) -> str:
              "(fwd/1 GEMM; fwd+bwd over 3 GEMMs). temp MiB: XLA's compiled temporary bytes of the jitted "
              "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
              "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs "
-             "float64; max tok err: largest per-token loss error vs float64.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in data["rows"]:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
-    for n in data.get("notes", []):
-        lines.append(f"\n- {n}")
-    return "\n".join(lines) + "\n"
+             "float64; max tok err: largest per-token loss error vs float64.", ""]
+    return table_report(lines, COLUMNS, data["rows"], _fmt, data.get("notes", []))
 
 
 def _plot(data, path):
@@ -275,11 +270,9 @@ def save(data, out_dir, plot=True):
     tag = data["meta"].get("tag") or ("cpu" if data["meta"]["platform"] == "cpu" else
                                        (data["meta"]["device"].replace("NVIDIA ", "").split() or ["gpu"])[0])
     day = data["meta"]["date"][:10]
-    written = []
-    for stem in (f"jax-{tag}-{day}", f"latest-jax-{tag}"):
-        (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
-        (out / f"{stem}.md").write_text(markdown(data))
-        written += [out / f"{stem}.json", out / f"{stem}.md"]
+    stems = (f"jax-{tag}-{day}", f"latest-jax-{tag}")
+    written = write_results(out, stems, data, markdown(data))
+    for stem in stems:
         png = _plot(data, out / f"{stem}.png") if plot else None
         if png:
             written.append(png)
@@ -344,10 +337,7 @@ def run(argv=None) -> int:
     if argv[:1] == ["bench"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-    except (AttributeError, ValueError):
-        pass
+    line_buffered_stdout()
     t_start = time.monotonic()
     import jax
     import jax.numpy as jnp

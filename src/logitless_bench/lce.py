@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import reference, report, timing
-from .runner import Config, Progress, describe, phase, run_methods
+from .runner import Config, Progress, describe, grad_leaves, memory_and_loss, phase, run_methods
 
 
 def make_inputs(shape, device, seed: int):
@@ -41,12 +41,7 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
 
     # Forward + backward: x and W leaves requiring grad; grads set to None before each
     # call (untimed) so every call allocates dx and dW afresh, as a training step does.
-    xg = x.detach().requires_grad_(True)
-    wg = w.detach().requires_grad_(True)
-
-    def setup():
-        xg.grad = None
-        wg.grad = None
+    xg, wg, setup = grad_leaves(x, w)
 
     def step():
         loss = fn(xg, wg, t)
@@ -66,20 +61,14 @@ def measure(fn, x, w, t, gemm_ms, ref, cfg: Config, row: dict) -> None:
     # One more call: peak memory beyond inputs and the two gradients, then the errors
     # of that call's loss and gradients against the float64 reference.
     grads_bytes = xg.numel() * xg.element_size() + wg.numel() * wg.element_size()
-    measured = phase(row, "memory", dev,
-                     lambda: timing.peak_extra_bytes(step, device=dev, setup=setup, exclude_bytes=grads_bytes))
-    if measured is not None:
-        loss, extra = measured
-        row["peak_extra_mib"] = None if extra is None else extra / 2**20
-        row["loss"] = float(loss.detach().float().item())
-        if ref is not None:
-            ref_loss, ref_dx, ref_dw = ref
-            row["loss_abs_err"] = abs(row["loss"] - ref_loss)
-            if xg.grad is None or wg.grad is None:
-                row["errors"].append("errors: the method gave no gradient for x or W")
-            else:
-                row["dx_rel_err"] = phase(row, "dx error", dev, lambda: reference.rel_err(xg.grad, ref_dx))
-                row["dw_rel_err"] = phase(row, "dW error", dev, lambda: reference.rel_err(wg.grad, ref_dw))
+    if memory_and_loss(row, step, setup, dev, grads_bytes) and ref is not None:
+        ref_loss, ref_dx, ref_dw = ref
+        row["loss_abs_err"] = abs(row["loss"] - ref_loss)
+        if xg.grad is None or wg.grad is None:
+            row["errors"].append("errors: the method gave no gradient for x or W")
+        else:
+            row["dx_rel_err"] = phase(row, "dx error", dev, lambda: reference.rel_err(xg.grad, ref_dx))
+            row["dw_rel_err"] = phase(row, "dW error", dev, lambda: reference.rel_err(wg.grad, ref_dw))
     setup()  # drop the gradients
 
 

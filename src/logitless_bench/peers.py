@@ -119,20 +119,26 @@ def _eager_lce(x, w, t):
     return F.cross_entropy(x @ w.T, t)  # bf16 logits, as a user writes it
 
 
-def _make_eager_lce(shape, device):
-    return _eager_lce
+def _torch_and_liger(eager, liger_function: str) -> tuple:
+    """The set-ups of three peers of one loss: ``eager`` torch, torch.compile of it (GPU
+    only), and liger-kernel's ``liger_kernel.transformers.functional.<liger_function>``."""
+    def make_eager(case, device):
+        return eager
+
+    def make_compile(case, device):
+        _need_gpu(device)
+        return _compiled(eager)
+
+    def make_liger(case, device):
+        _need_gpu(device)
+        f = getattr(_import("liger_kernel.transformers.functional", "liger-kernel"), liger_function)
+        return lambda *tensors: f(*tensors)
+
+    return make_eager, make_compile, make_liger
 
 
-def _make_compile_lce(shape, device):
-    _need_gpu(device)
-    return _compiled(_eager_lce)
-
-
-def _make_liger_lce(shape, device):
-    _need_gpu(device)
-    functional = _import("liger_kernel.transformers.functional", "liger-kernel")
-    f = functional.liger_fused_linear_cross_entropy  # (input, weight, target, bias=None, ...)
-    return lambda x, w, t: f(x, w, t)
+# liger_fused_linear_cross_entropy(input, weight, target, bias=None, ...)
+_make_eager_lce, _make_compile_lce, _make_liger_lce = _torch_and_liger(_eager_lce, "liger_fused_linear_cross_entropy")
 
 
 def _make_cce(filter_eps):
@@ -240,20 +246,8 @@ def _eager_ce(logits, t):
     return F.cross_entropy(logits, t)
 
 
-def _make_eager_ce(case, device):
-    return _eager_ce
-
-
-def _make_compile_ce(case, device):
-    _need_gpu(device)
-    return _compiled(_eager_ce)
-
-
-def _make_liger_ce(case, device):
-    _need_gpu(device)
-    functional = _import("liger_kernel.transformers.functional", "liger-kernel")
-    f = functional.liger_cross_entropy  # writes the gradient into its input in the forward
-    return lambda logits, t: f(logits, t)
+# liger_cross_entropy writes the gradient into its input in the forward.
+_make_eager_ce, _make_compile_ce, _make_liger_ce = _torch_and_liger(_eager_ce, "liger_cross_entropy")
 
 
 def ce_methods(*, cpu: bool, peers: bool) -> list[Method]:

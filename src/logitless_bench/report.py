@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .common import write_results
+
 TITLES = {
     "lce": "fused linear cross-entropy (x @ W.T -> mean cross-entropy)",
     "ce": "cross-entropy on materialised logits",
@@ -142,6 +144,53 @@ def environment(device: torch.device) -> dict:
 
 
 # --------------------------------------------------------------------------- results
+
+
+def suite_data(suite: str, title: str, meta: dict, settings: tuple, methods: dict, **units) -> dict:
+    """A suite's results (distill, rl) before its first row: ``settings`` (warmup, reps,
+    seed), ``methods`` name -> description, ``units`` its per-shape units (e.g. floors={});
+    rows and notes empty, not complete."""
+    return {"suite": suite, "title": title, "meta": meta, "settings": dict(zip(("warmup", "reps", "seed"), settings)),
+            "methods": methods, **units, "rows": [], "notes": [], "complete": False}
+
+
+def suite_head(data) -> list:
+    """The first markdown lines of a suite's report (distill, rl): "# <suite>: <title>",
+    device and versions, the command, and on a CPU the banner that says so."""
+    m = data["meta"]
+    md = [f"# {data['suite']}: {data['title']}", "", f"{m['device']} | torch {m['torch']} | "
+          f"triton {m['triton']} | {m['date']}", "", f"`{m['command']}`", ""]
+    if not m["gpu"]:
+        md += ["```", CPU_BANNER, "```", ""]
+    return md
+
+
+def suite_markdown(data, lines, table: str, metrics: str) -> str:
+    """A suite's report (distill, rl): ``suite_head``, the suite's ``lines``, its table,
+    its metrics' definitions, then the notes."""
+    md = suite_head(data) + list(lines) + [table, "", metrics, ""] + [f"- note: {n}" for n in data["notes"]]
+    return "\n".join(md) + "\n"
+
+
+def save_suite(data, out_dir, markdown: str, *, clean: bool = False) -> list:
+    """``<suite>-<device>-<today>.json/.md`` and ``latest-<suite>-<device>.json/.md`` of a
+    suite's ``data`` (``clean``: NaN and inf written as strings); the paths written."""
+    suite, tag = data["suite"], data["meta"]["device_tag"]
+    stems = (f"{suite}-{tag}-{datetime.date.today().isoformat()}", f"latest-{suite}-{tag}")
+    return write_results(out_dir, stems, _clean(data) if clean else data, markdown, default=str)
+
+
+def targets_and_notes(data, issue: str) -> list:
+    """The markdown lines of a training suite's targets (a table: target, measured, met)
+    and notes, each only where the data has some."""
+    out = []
+    if data.get("targets"):
+        out += ["", f"Targets ({issue}):", "", "| target | measured | met |", "|---|---|---|"]
+        out += [f"| {t} | {'-' if v is None or v != v else format(v, '.4f')} | "
+                f"{'-' if ok is None else ('yes' if ok else 'NO')} |" for t, v, ok in data["targets"]]
+    if data.get("notes"):
+        out += ["", "Notes:"] + [f"- {n}" for n in data["notes"]]
+    return out
 
 
 def _clean(v):

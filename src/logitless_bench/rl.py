@@ -15,16 +15,13 @@ one tiny case runs on the CPU, loudly labelled.
 
 from __future__ import annotations
 
-import datetime
-import json
 import time
-from pathlib import Path
 
 import torch
 
-from . import report, timing
+from . import report, runner, timing
 from .peers import Skip
-from .runner import describe
+from .runner import describe, fill_row, run_shapes, select
 
 METRICS = """\
 Metrics (rl): x (N,H) ~N(0,1), W (V,H) ~N(0,1/H) in the shape's dtype, tokens uniform, temperature 0.7; every
@@ -138,12 +135,7 @@ def measure(fn, inputs, gemm_ms, ref, temperature, device, warmup, reps, row) ->
     tm = dict(device=device, warmup=warmup, reps=reps)
 
     def phase(name, f):
-        try:
-            return f()
-        except Exception as exc:  # noqa: BLE001 - a failure is a result
-            row["errors"].append(f"{name}: {describe(exc)}")
-            timing.release_memory(device)
-            return None
+        return runner.phase(row, name, device, f)
 
     def forward():
         with torch.no_grad():
@@ -207,23 +199,8 @@ def table(rows) -> str:
 
 
 def save(data, out_dir) -> list:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = data["meta"]["device_tag"]
-    day = datetime.date.today().isoformat()
-    md = [f"# rl: {data['title']}", "", f"{data['meta']['device']} | torch {data['meta']['torch']} | "
-          f"triton {data['meta']['triton']} | {data['meta']['date']}", "", f"`{data['meta']['command']}`", ""]
-    if not data["meta"]["gpu"]:
-        md += ["```", report.CPU_BANNER, "```", ""]
-    md += ["GEMM units (ms): " + ", ".join(f"{k}: {v:.3f}" for k, v in data["gemm_ms"].items()), "",
-           table(data["rows"]), "", METRICS, ""]
-    md += [f"- note: {n}" for n in data["notes"]]
-    written = []
-    for stem in (f"rl-{tag}-{day}", f"latest-rl-{tag}"):
-        (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
-        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
-        written += [out / f"{stem}.json", out / f"{stem}.md"]
-    return written
+    units = "GEMM units (ms): " + ", ".join(f"{k}: {v:.3f}" for k, v in data["gemm_ms"].items())
+    return report.save_suite(data, out_dir, report.suite_markdown(data, [units, ""], table(data["rows"]), METRICS))
 
 
 # --------------------------------------------------------------------------- entry point
@@ -233,78 +210,39 @@ def run_cli(args, cpu: bool) -> int:
     """``python -m logitless_bench --suite rl ...`` (options of cli.py)."""
     from .shapes import CPU_RL_SHAPES as CPU_SHAPES, RL_SHAPES as SHAPES
 
-    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
-    pool = SHAPES + CPU_SHAPES
-    shapes = CPU_SHAPES if cpu else SHAPES
-    wanted = [s.strip() for s in (args.shapes or "").split(",") if s.strip()]
-    if wanted:
-        unknown = [w for w in wanted if w not in {s.name for s in pool}]
-        if unknown:
-            raise SystemExit(f"unknown rl shape(s) {unknown}; known: {[s.name for s in pool]}")
-        shapes = [s for s in pool if s.name in wanted]
-    if args.quick:
-        shapes = shapes[:1]
-    methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
-    if args.no_peers:
-        methods = [m for m in methods if m.startswith("logitless")]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"unknown rl method(s) {unknown}; known: {list(METHODS)}")
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
-    if cpu:
-        print(report.CPU_BANNER, flush=True)
+    device, shapes, methods, (warmup, reps, deadline) = select(args, cpu, SHAPES, CPU_SHAPES, METHODS, "rl")
     meta = report.environment(device)
     print(f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']}", flush=True)
-    data = {"suite": "rl", "title": "token log-probs + entropy at T=0.7, upstream gradients on both outputs",
-            "meta": meta, "settings": {"warmup": warmup, "reps": reps, "seed": args.seed},
-            "methods": {m: METHODS[m][1] for m in methods}, "gemm_ms": {}, "rows": [], "notes": [],
-            "complete": False}
+    data = report.suite_data("rl", "token log-probs + entropy at T=0.7, upstream gradients on both outputs", meta,
+                             (warmup, reps, args.seed), {m: METHODS[m][1] for m in methods}, gemm_ms={})
     out_dir = args.out or "benchmarks/results"
-    try:
-        for shape in shapes:
-            inputs = make_inputs(shape, device, args.seed)
-            gemm_ms = timing.gemm_ms(inputs[0], inputs[1], warmup=warmup, reps=reps)
-            data["gemm_ms"][shape.name] = gemm_ms
-            print(f"== rl {shape.label} {shape.dtype} T={shape.temperature}: 1 GEMM = {gemm_ms:.3f} ms", flush=True)
-            ref = None
-            if not args.no_errors:
-                try:
-                    ref = reference(*inputs[:3], shape.temperature)
-                except Exception as exc:  # noqa: BLE001
-                    data["notes"].append(f"{shape.name}: float64 reference failed ({describe(exc)})")
-                timing.release_memory(device)
-            for name in methods:
-                row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
-                       "gemm_ms": gemm_ms}
-                if deadline is not None and time.monotonic() > deadline:
-                    row.update(status="skipped", reason="time limit (--max-minutes) reached")
-                else:
-                    try:
-                        fn = METHODS[name][0](shape, device)
-                    except Skip as exc:
-                        row.update(status="skipped", reason=str(exc))
-                    except Exception as exc:  # noqa: BLE001
-                        row.update(status="failed", reason=f"set-up: {describe(exc)}")
-                    else:
-                        measure(fn, inputs, gemm_ms, ref, shape.temperature, device, warmup, reps, row)
-                        del fn
-                if row["status"] == "ok" and row["errors"]:
-                    row.update(status="failed", reason="; ".join(row["errors"]))
-                data["rows"].append(row)
-                print(f"  {name:<17} {row['status']:<8} fwd {_fmt(row.get('fwd_per_gemm'), '.2f')}x GEMM, "
-                      f"f+b {_fmt(row.get('fwdbwd_per_3gemm'), '.2f')}x 3 GEMMs, peak "
-                      f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, logp err {_fmt(row.get('logp_err'), '.1e')}, "
-                      f"H err {_fmt(row.get('entropy_err'), '.1e')} {row['reason'][:160]}", flush=True)
-                timing.release_memory(device)
-            del inputs, ref
+
+    def run_shape(shape):
+        inputs = make_inputs(shape, device, args.seed)
+        gemm_ms = timing.gemm_ms(inputs[0], inputs[1], warmup=warmup, reps=reps)
+        data["gemm_ms"][shape.name] = gemm_ms
+        print(f"== rl {shape.label} {shape.dtype} T={shape.temperature}: 1 GEMM = {gemm_ms:.3f} ms", flush=True)
+        ref = None
+        if not args.no_errors:
+            try:
+                ref = reference(*inputs[:3], shape.temperature)
+            except Exception as exc:  # noqa: BLE001
+                data["notes"].append(f"{shape.name}: float64 reference failed ({describe(exc)})")
             timing.release_memory(device)
-            save(data, out_dir)
-        data["complete"] = True
-    except KeyboardInterrupt as exc:
-        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
-    written = save(data, out_dir)
+        for name in methods:
+            row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
+                   "gemm_ms": gemm_ms}
+            fill_row(row, lambda: METHODS[name][0](shape, device),
+                     lambda fn: measure(fn, inputs, gemm_ms, ref, shape.temperature, device, warmup, reps, row),
+                     out_of_time=deadline is not None and time.monotonic() > deadline)
+            data["rows"].append(row)
+            print(f"  {name:<17} {row['status']:<8} fwd {_fmt(row.get('fwd_per_gemm'), '.2f')}x GEMM, "
+                  f"f+b {_fmt(row.get('fwdbwd_per_3gemm'), '.2f')}x 3 GEMMs, peak "
+                  f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, logp err {_fmt(row.get('logp_err'), '.1e')}, "
+                  f"H err {_fmt(row.get('entropy_err'), '.1e')} {row['reason'][:160]}", flush=True)
+            timing.release_memory(device)
+
+    written = run_shapes(data, shapes, run_shape, save, out_dir, device)
     print("\n" + table(data["rows"]), flush=True)
     print("written: " + ", ".join(str(p) for p in written), flush=True)
     return 0

@@ -50,6 +50,33 @@ def phase(row: dict, name: str, device, fn: Callable):
         return None
 
 
+def grad_leaves(*tensors) -> tuple:
+    """The tensors as leaves that require grad (same storage), then a function that sets
+    their gradients to None (the untimed set-up before each forward+backward, so every
+    call allocates the gradients afresh, as a training step does)."""
+    leaves = [t.detach().requires_grad_(True) for t in tensors]
+
+    def clear_grads():
+        for leaf in leaves:
+            leaf.grad = None
+
+    return (*leaves, clear_grads)
+
+
+def memory_and_loss(row: dict, step: Callable, setup: Callable, device, exclude_bytes: int) -> bool:
+    """One more call of ``step`` (after ``setup``): its peak memory beyond what it held
+    before and ``exclude_bytes`` (``row["peak_extra_mib"]``) and its loss (``row["loss"]``).
+    False when the call failed (the error is in the row)."""
+    measured = phase(row, "memory", device,
+                     lambda: timing.peak_extra_bytes(step, device=device, setup=setup, exclude_bytes=exclude_bytes))
+    if measured is None:
+        return False
+    loss, extra = measured
+    row["peak_extra_mib"] = None if extra is None else extra / 2**20
+    row["loss"] = float(loss.detach().float().item())
+    return True
+
+
 def run_methods(suite: str, case, methods, cfg: Config, results, progress: Progress, measure: Callable,
                 *, skip_reason: Optional[str] = None, extra: Optional[dict] = None) -> None:
     """Measures every method on one case; each gives one row, whatever happens to it.
@@ -58,31 +85,75 @@ def run_methods(suite: str, case, methods, cfg: Config, results, progress: Progr
     ``method.make`` returned. A method that cannot run here is "skipped" with the reason;
     one whose set-up or measurement raises is "failed" with the error.
     """
-    from .peers import Skip
     from .report import format_row
 
     for method in methods:
         row = {"suite": suite, "shape": case.name, "method": method.name, "peer": method.peer,
                "status": "ok", "reason": "", "errors": [], **(extra or {})}
-        if skip_reason is not None:
-            row.update(status="skipped", reason=skip_reason)
-        elif cfg.out_of_time():
-            row.update(status="skipped", reason="time limit (--max-minutes) reached")
-        else:
-            try:
-                fn = method.make(case, cfg.device)
-            except Skip as exc:
-                row.update(status="skipped", reason=str(exc))
-            except Exception as exc:  # noqa: BLE001
-                row.update(status="failed", reason=f"set-up: {describe(exc)}")
-            else:
-                measure(fn, method, row)
-                del fn
-        if row["status"] == "ok" and row["errors"]:
-            row.update(status="failed", reason="; ".join(row["errors"]))
+        fill_row(row, lambda: method.make(case, cfg.device), lambda fn: measure(fn, method, row),
+                 skip_reason=skip_reason, out_of_time=cfg.out_of_time())
         results.add(row)
         progress.step(format_row(row))
         timing.release_memory(cfg.device)
+
+
+def fill_row(row: dict, make: Callable, measure: Callable, *, skip_reason: Optional[str] = None,
+             out_of_time: bool = False) -> None:
+    """One method's row: "skipped" with ``skip_reason``, when out of time, or when its
+    set-up ``make()`` raises ``Skip``; "failed" when the set-up raises anything else or
+    ``measure(fn)`` (the loss function ``make`` returned) left errors in ``row["errors"]``."""
+    from .peers import Skip
+
+    if skip_reason is not None:
+        row.update(status="skipped", reason=skip_reason)
+    elif out_of_time:
+        row.update(status="skipped", reason="time limit (--max-minutes) reached")
+    else:
+        try:
+            fn = make()
+        except Skip as exc:
+            row.update(status="skipped", reason=str(exc))
+        except Exception as exc:  # noqa: BLE001
+            row.update(status="failed", reason=f"set-up: {describe(exc)}")
+        else:
+            measure(fn)
+            del fn
+    if row["status"] == "ok" and row["errors"]:
+        row.update(status="failed", reason="; ".join(row["errors"]))
+
+
+def select(args, cpu: bool, shapes, cpu_shapes, methods, suite: str) -> tuple:
+    """A suite's selection from its options (distill, rl): (device, shapes, method names,
+    (warmup, reps, deadline)). --shapes picks from both tables (default: the CPU's or the
+    GPU's), --quick keeps the first; --methods (default all), --no-peers keeps the
+    logitless ones. On a CPU it prints the banner that says so."""
+    from . import report
+    from .common import chosen, repetitions
+
+    pool = shapes + cpu_shapes
+    wanted = chosen(args.shapes, [s.name for s in pool], f"{suite} shape")
+    picked = [s for s in pool if s.name in wanted] if wanted else (cpu_shapes if cpu else shapes)
+    names = [m for m in chosen(args.methods, list(methods), f"{suite} method") or list(methods)
+             if not args.no_peers or m.startswith("logitless")]
+    if cpu:
+        print(report.CPU_BANNER, flush=True)
+    return timing.bench_device(cpu), picked[:1] if args.quick else picked, names, repetitions(args)
+
+
+def run_shapes(data: dict, shapes, run_shape: Callable, save: Callable, out_dir, device) -> list:
+    """``run_shape(shape)`` for each shape, the memory released and ``save(data, out_dir)``
+    after each (a killed run leaves what it measured); a KeyboardInterrupt (also a time
+    limit's SIGTERM) ends the run with a note. ``data["complete"]`` says whether every
+    shape ran. Returns the files of the last save."""
+    try:
+        for shape in shapes:
+            run_shape(shape)
+            timing.release_memory(device)
+            save(data, out_dir)
+        data["complete"] = True
+    except KeyboardInterrupt as exc:
+        data["notes"].append(f"interrupted ({exc or 'KeyboardInterrupt'}): partial results")
+    return save(data, out_dir)
 
 
 class Progress:

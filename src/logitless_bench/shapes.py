@@ -22,6 +22,11 @@ __all__ = [
 ]
 
 
+def _label(shape) -> str:
+    """"name (tokens, hidden, vocab)": the label of a shape with one hidden size."""
+    return f"{shape.name} ({shape.tokens}, {shape.hidden}, {shape.vocab})"
+
+
 # --- lce (suites lce, models, precision) ---
 
 @dataclass(frozen=True)
@@ -34,9 +39,7 @@ class LceShape:
     vocab: int  # V
     dtype: str = "bfloat16"  # a torch dtype name
 
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({self.tokens}, {self.hidden}, {self.vocab})"
+    label = property(_label)
 
 
 #: The anchor shapes (docs/ANCHORS.md), in the order of its table.
@@ -127,9 +130,7 @@ class RLShape:
     dtype: str = "bfloat16"
     temperature: float = 0.7
 
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({self.tokens}, {self.hidden}, {self.vocab})"
+    label = property(_label)
 
 
 RL_SHAPES: tuple[RLShape, ...] = (
@@ -153,19 +154,12 @@ class JaxShape(NamedTuple):
     vocab: int
     dtype: str = "bfloat16"
 
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({self.tokens}, {self.hidden}, {self.vocab})"
+    label = property(_label)
 
 
-JAX_SHAPES: tuple[JaxShape, ...] = (
-    JaxShape("llama3.1-8b", 4096, 4096, 128256),
-    JaxShape("qwen3-8b", 4096, 4096, 151936),
-    JaxShape("gemma3-4b", 4096, 2560, 262144),
-    JaxShape("gpt-oss-120b", 4096, 2880, 201088),
-    JaxShape("deepseek-v3", 8192, 7168, 128256),
-    JaxShape("gemma3-7b", 4096, 3840, 262144),
-)
+#: The first five anchors and the write-up's gemma3-7b.
+JAX_SHAPES: tuple[JaxShape, ...] = tuple(JaxShape(s.name, s.tokens, s.hidden, s.vocab)
+                                         for s in SHAPES[:5] + EXTRA_SHAPES)
 
 #: Small fp32 cases for a CPU smoke run (a harness check, not the benchmark); the
 #: second one has a prime vocabulary.

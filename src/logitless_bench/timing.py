@@ -25,6 +25,11 @@ L2_FLUSH_BYTES = 256 * 2**20
 _flush_buffers: dict = {}
 
 
+def bench_device(cpu: bool) -> torch.device:
+    """The device a suite runs on: the CPU, or the current CUDA device."""
+    return torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+
+
 def is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 

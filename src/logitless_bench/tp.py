@@ -83,19 +83,25 @@ class _CopyToTP(torch.autograd.Function):
         return g, None
 
 
+def _shifted_local(z, target, start, pg):
+    """(z - the global row max, the target's local column (0 where another rank holds
+    it), whether this rank holds it, the row indices) of the local logits ``z`` (N, V_r)
+    whose columns start at global class ``start``; one all-reduce MAX over ``pg``."""
+    m = z.max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+    local = target - start
+    inside = (local >= 0) & (local < z.shape[1])
+    idx = torch.where(inside, local, torch.zeros_like(local))
+    return z - m[:, None], idx, inside, torch.arange(z.shape[0], device=z.device)
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Megatron's _VocabParallelCrossEntropy on fp32 local logits (N, V_r)."""
 
     @staticmethod
     def forward(ctx, logits, target, start, pg):
-        m = logits.max(dim=-1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
-        logits = logits - m[:, None]
-        local = target - start
-        inside = (local >= 0) & (local < logits.shape[1])
-        idx = torch.where(inside, local, torch.zeros_like(local))
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        predicted = torch.where(inside, logits[rows, idx], torch.zeros_like(m))
+        logits, idx, inside, rows = _shifted_local(logits, target, start, pg)
+        predicted = torch.where(inside, logits[rows, idx], 0.0)
         dist.all_reduce(predicted, group=pg)
         exp = logits.exp_()
         sum_exp = exp.sum(dim=-1)
@@ -127,16 +133,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, target, start, pg):
-        m = a.max(dim=-1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
-        a = a - m[:, None]
-        local = target - start
-        inside = (local >= 0) & (local < a.shape[1])
-        idx = torch.where(inside, local, torch.zeros_like(local))
-        rows = torch.arange(a.shape[0], device=a.device)
+        a, idx, inside, rows = _shifted_local(a, target, start, pg)
         e = a.exp()
-        packed = torch.stack([e.sum(dim=-1), (e * a).sum(dim=-1),
-                              torch.where(inside, a[rows, idx], torch.zeros_like(m))])
+        packed = torch.stack([e.sum(dim=-1), (e * a).sum(dim=-1), torch.where(inside, a[rows, idx], 0.0)])
         dist.all_reduce(packed, group=pg)
         s, u, at = packed.unbind(0)
         logs = torch.log(s)

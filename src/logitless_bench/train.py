@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from . import report
+from . import report, timing
+from .common import add_run_options, line_buffered_stdout
 
 EXAMPLES = """\
 examples:
@@ -115,11 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--big-batches-ckpt", default="8,16,32,48,64,96,128",
                    help="the same with gradient checkpointing (empty: skip) (default %(default)s)")
     p.add_argument("--big-mode", default="autocast", choices=("autocast", "bf16"))
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="time guard: stop (and save what was measured) after M minutes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu", action="store_true", help="the small CPU run even if there is a GPU")
-    p.add_argument("--out", metavar="DIR", help="directory of the result files (default: benchmarks/results)")
+    add_run_options(p, "time guard: stop (and save what was measured) after M minutes")
     return p
 
 
@@ -527,12 +524,7 @@ def markdown(data) -> str:
             out.append(f"| {b['method']} | {ck} | {b['max_tokens']} | {peak} | "
                        f"{_fmt(last.get('ms'), '.0f')} | "
                        f"{nofit[0]['tokens'] if nofit else 'none (largest size tried fits)'} |")
-    if data.get("targets"):
-        out += ["", "Targets (issue 9):", "", "| target | measured | met |", "|---|---|---|"]
-        out += [f"| {t} | {_fmt(v, '.4f')} | {'-' if ok is None else ('yes' if ok else 'NO')} |"
-                for t, v, ok in data["targets"]]
-    if data.get("notes"):
-        out += ["", "Notes:"] + [f"- {n}" for n in data["notes"]]
+    out += report.targets_and_notes(data, "issue 9")
     out.append("")
     return "\n".join(out)
 
@@ -629,14 +621,11 @@ def print_table(data):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-    except (AttributeError, ValueError):
-        pass
+    line_buffered_stdout()
     import transformers
 
     cpu = args.cpu or not torch.cuda.is_available()
-    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    device = timing.bench_device(cpu)
     if cpu:
         print(report.CPU_BANNER)
     label, cls_name, _, gpu_cfg, cpu_cfg, _ = MODELS[args.model]

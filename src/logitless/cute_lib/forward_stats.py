@@ -394,22 +394,25 @@ class ForwardStatsSm90:
                 q0 = q0 + cute.arch.shuffle_sync_bfly(q0, 1 << off)
                 q1 = q1 + cute.arch.shuffle_sync_bfly(q1, 1 << off)
         if ctid % 4 == 0:
-            if row0 < n_rows:
-                mM[bs, row0] = m0
-                mE[bs, row0] = e0
-                mG[bs, row0] = g0 * scale
-                if cutlass.const_expr(self.smooth):
-                    mQ[bs, row0] = q0 * scale
-                if cutlass.const_expr(self.entropy):
-                    mU[bs, row0] = u0
-            if row1 < n_rows:
-                mM[bs, row1] = m1
-                mE[bs, row1] = e1
-                mG[bs, row1] = g1 * scale
-                if cutlass.const_expr(self.smooth):
-                    mQ[bs, row1] = q1 * scale
-                if cutlass.const_expr(self.entropy):
-                    mU[bs, row1] = u1
+            outs_row = (mM, mE, mG, mQ, mU, bs, scale, n_rows)
+            self.store_row(outs_row, row0, (m0, e0, g0, q0, u0))
+            self.store_row(outs_row, row1, (m1, e1, g1, q1, u1))
+
+    @cute.jit
+    def store_row(self, outs_row, row, stats):
+        """One row's statistics (m, e, g, q, u) into slice ``bs`` of the outputs, where the
+        row exists (row < n_rows): g and q times ``scale``, q with label smoothing only,
+        u with the entropy only."""
+        mM, mE, mG, mQ, mU, bs, scale, n_rows = outs_row
+        m, e, g, q, u = stats
+        if row < n_rows:
+            mM[bs, row] = m
+            mE[bs, row] = e
+            mG[bs, row] = g * scale
+            if cutlass.const_expr(self.smooth):
+                mQ[bs, row] = q * scale
+            if cutlass.const_expr(self.entropy):
+                mU[bs, row] = u
 
 
     @cute.jit

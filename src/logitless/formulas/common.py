@@ -36,6 +36,18 @@ def apply_softcap(z: Tensor, cap: Optional[float], *, inplace: bool = False) -> 
     return cap * torch.tanh(z / cap)
 
 
+def sub_at_target_(tile: Tensor, target: Tensor, col0: int, b: Tensor) -> Tensor:
+    """``tile[r, target[r] - col0] -= b[r]`` in place, for the rows whose target lies in
+    this tile of columns col0.. (the - B [c == t] term of the kernels' epilogues): one
+    element per row, the others untouched."""
+    width = tile.shape[1]
+    local = target - col0
+    inside = (local >= 0) & (local < width)
+    idx = local.clamp(0, width - 1)[:, None]
+    hit = torch.where(inside, b, torch.zeros_like(b))[:, None]
+    return tile.scatter_(1, idx, tile.gather(1, idx) - hit)
+
+
 def reduce(loss: Tensor, weight: Tensor, reduction: str) -> Tensor:
     """"none": per token; "sum"; "mean": sum / sum of the per-token denominator weights
     (1 per counted token, or its class weight: torch's convention; 0/0 = NaN for none)."""

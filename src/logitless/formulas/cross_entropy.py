@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.common import compute_dtype
+from logitless.formulas.common import compute_dtype, sub_at_target_
 from logitless.options import CrossEntropyOptions
 
 
@@ -195,15 +195,9 @@ def dlogits_(
     if softcap is not None:
         factor = torch.div(z, softcap).square_().neg_().add_(1.0)
     z.sub_(lse[:, None]).exp_().mul_(a[:, None])
-    # - B at the target's column when it lies in this tile: one element per row.
-    width = z.shape[1]
-    local = target - col0
-    inside = (local >= 0) & (local < width)
-    idx = local.clamp(0, width - 1)[:, None]
-    hit = torch.where(inside, b, torch.zeros_like(b))[:, None]
-    z.scatter_(1, idx, z.gather(1, idx) - hit)
+    sub_at_target_(z, target, col0, b)  # - B at the target's column when it lies in this tile
     if class_weight is not None:
-        z.addcmul_(c[:, None], class_weight[col0 : col0 + width].to(z.dtype)[None, :], value=-1.0)
+        z.addcmul_(c[:, None], class_weight[col0 : col0 + z.shape[1]].to(z.dtype)[None, :], value=-1.0)
     else:
         z.sub_(c[:, None])
     if factor is not None:

@@ -57,7 +57,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.common import compute_dtype
+from logitless.formulas.common import compute_dtype, sub_at_target_
 from logitless.options import LogProbOptions
 
 
@@ -178,12 +178,7 @@ def dlogits_(a: Tensor, lse: Tensor, coef: Tensor, tokens: Tensor, col0: int, op
         del p
     else:
         a.exp_().mul_(a_coef[:, None])
-    width = a.shape[1]
-    local = tokens - col0
-    inside = (local >= 0) & (local < width)
-    idx = local.clamp(0, width - 1)[:, None]
-    hit = torch.where(inside, b, torch.zeros_like(b))[:, None]
-    a.scatter_(1, idx, a.gather(1, idx) - hit)
+    sub_at_target_(a, tokens, col0, b)
     if factor is not None:
         a.mul_(factor)
     return a

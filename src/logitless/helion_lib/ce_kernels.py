@@ -1,14 +1,10 @@
-"""Helion kernels of linear_cross_entropy: x @ W.T (+ b) tile by tile, never a logits tile in HBM.
+"""Helion forward kernel of linear_cross_entropy: x @ W.T (+ b) tile by tile, never a logits tile in HBM.
 
 The math is ``logitless.formulas.cross_entropy``'s (Triton twin: ``triton_lib.ce_math``):
-- ``ce_forward``: per row tile, an online log-sum-exp over vocabulary tiles of the
-  soft-capped logits z, with the target logit, sum_c w_c z_c (label smoothing) and the
-  first argmax (return_stats) -> ``formulas.cross_entropy.TokenStats``;
-- ``ce_dx`` / ``ce_dw``: the backward's recompute of z, then the one gradient line
-  dz_c = (p_c A - B [c == t] - C w_c) (1 - (z_c / s)^2) with A, B, C from
-  ``formulas.cross_entropy.grad_coefficients`` ((3, N) fp32, 0 at ignored tokens),
-  fed straight into dX (accumulated over vocabulary tiles, per (row, hidden) block) and
-  into dW and db (accumulated over row tiles, per (vocabulary, hidden) block). No atomics.
+``ce_forward``, per row tile, an online log-sum-exp over vocabulary tiles of the
+soft-capped logits z, with the target logit, sum_c w_c z_c (label smoothing) and the
+first argmax (return_stats) -> ``formulas.cross_entropy.TokenStats``. The backward is
+``grad_kernels``' (shared with linear_log_probs).
 
 Optional tensors (bias, class weight) are ``None`` or a tensor; the flags are
 ``hl.constexpr`` so that each combination compiles its own kernel.
@@ -22,6 +18,7 @@ import helion
 import helion.language as hl
 
 from logitless.helion_lib.runtime import kernel_settings
+from logitless.helion_lib.tile_math import hit_mask, lse_of, lse_step, logits_epilogue
 
 _SETTINGS = kernel_settings()
 
@@ -50,20 +47,13 @@ def ce_forward(
             z = hl.zeros([tile_n, tile_v], dtype=torch.float32)
             for tile_h in hl.tile(h):
                 z = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=z)
-            if bias is not None:
-                z = z + bias[tile_v].to(torch.float32)[None, :]
-            if HAS_SOFTCAP:
-                z = softcap * (1.0 - 2.0 / (torch.exp(2.0 * z / softcap) + 1.0))
+            z = logits_epilogue(z, bias, tile_v, softcap, HAS_SOFTCAP)
             cols = tile_v.index
             col_ok = cols < v
             z = torch.where(col_ok[None, :], z, float("-inf"))
             tile_max = torch.amax(z, dim=1)
-            m_new = torch.maximum(m, tile_max)
-            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * torch.exp(m - m_safe) + torch.sum(torch.exp(z - m_safe[:, None]), dim=1)
-            m = m_new
-            hit = cols[None, :] == t[:, None]
-            zt = zt + torch.sum(torch.where(hit, z, 0.0), dim=1)
+            m, s = lse_step(m, s, z, tile_max)
+            zt = zt + torch.sum(torch.where(hit_mask(tile_v, t), z, 0.0), dim=1)
             if NEED_SMOOTH:
                 if cw is not None:
                     wc = cw[tile_v].to(torch.float32)
@@ -75,95 +65,8 @@ def ce_forward(
                 better = tile_max > best
                 best_idx = torch.where(better, idx, best_idx)
                 best = torch.where(better, tile_max, best)
-        m_fin = torch.where(m == float("-inf"), 0.0, m)
-        lse[tile_n] = m_fin + torch.log(s)
+        lse[tile_n] = lse_of(m, s)
         zt_out[tile_n] = zt
         smooth_out[tile_n] = smooth
         argmax_out[tile_n] = best_idx
     return lse, zt_out, smooth_out, argmax_out
-
-
-@helion.kernel(**_SETTINGS)
-def ce_dx(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-    cw: torch.Tensor | None, lse: torch.Tensor, coef: torch.Tensor, softcap: float,
-    HAS_SOFTCAP: hl.constexpr,
-) -> torch.Tensor:
-    n, h = x.size()
-    v = w.size(0)
-    dx = torch.empty_like(x)
-    for tile_n, tile_k in hl.tile([n, h]):
-        t = target[tile_n]
-        row_lse = lse[tile_n]
-        ca = coef[0, tile_n]
-        cb = coef[1, tile_n]
-        cc = coef[2, tile_n]
-        acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
-        for tile_v in hl.tile(v):
-            z = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_h in hl.tile(h):
-                z = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=z)
-            if bias is not None:
-                z = z + bias[tile_v].to(torch.float32)[None, :]
-            if HAS_SOFTCAP:
-                z = softcap * (1.0 - 2.0 / (torch.exp(2.0 * z / softcap) + 1.0))
-            cols = tile_v.index
-            p = torch.exp(z - row_lse[:, None])
-            dz = p * ca[:, None] - torch.where(cols[None, :] == t[:, None], cb[:, None], 0.0)
-            if cw is not None:
-                dz = dz - cc[:, None] * cw[tile_v].to(torch.float32)[None, :]
-            else:
-                dz = dz - cc[:, None]
-            if HAS_SOFTCAP:
-                capped = z / softcap
-                dz = dz * (1.0 - capped * capped)
-            dz = torch.where((cols < v)[None, :], dz, 0.0)
-            acc = hl.dot(dz.to(w.dtype), w[tile_v, tile_k], acc=acc)
-        dx[tile_n, tile_k] = acc.to(dx.dtype)
-    return dx
-
-
-@helion.kernel(**_SETTINGS)
-def ce_dw(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-    cw: torch.Tensor | None, lse: torch.Tensor, coef: torch.Tensor, softcap: float,
-    HAS_SOFTCAP: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n, h = x.size()
-    v = w.size(0)
-    dw = torch.empty_like(w)
-    db = torch.empty([v], dtype=torch.float32, device=w.device)
-    for tile_v, tile_k in hl.tile([v, h]):
-        acc = hl.zeros([tile_v, tile_k], dtype=torch.float32)
-        acc_b = hl.zeros([tile_v], dtype=torch.float32)
-        for tile_n in hl.tile(n):
-            t = target[tile_n]
-            row_lse = lse[tile_n]
-            ca = coef[0, tile_n]
-            cb = coef[1, tile_n]
-            cc = coef[2, tile_n]
-            z = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_h in hl.tile(h):
-                z = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=z)
-            if bias is not None:
-                z = z + bias[tile_v].to(torch.float32)[None, :]
-            if HAS_SOFTCAP:
-                z = softcap * (1.0 - 2.0 / (torch.exp(2.0 * z / softcap) + 1.0))
-            cols = tile_v.index
-            p = torch.exp(z - row_lse[:, None])
-            dz = p * ca[:, None] - torch.where(cols[None, :] == t[:, None], cb[:, None], 0.0)
-            if cw is not None:
-                dz = dz - cc[:, None] * cw[tile_v].to(torch.float32)[None, :]
-            else:
-                dz = dz - cc[:, None]
-            if HAS_SOFTCAP:
-                capped = z / softcap
-                dz = dz * (1.0 - capped * capped)
-            dz = torch.where((tile_n.index < n)[:, None], dz, 0.0)
-            acc = hl.dot(dz.to(x.dtype).T, x[tile_n, tile_k], acc=acc)
-            acc_b = acc_b + torch.sum(dz, dim=0)
-        dw[tile_v, tile_k] = acc.to(dw.dtype)
-        # Every hidden block of a vocabulary block computes the same db (same order): the
-        # duplicate stores write equal values, so db needs neither a flag nor atomics.
-        db[tile_v] = acc_b
-    return dw, db

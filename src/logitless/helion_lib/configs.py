@@ -66,6 +66,12 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
     return p
 
 
+def sizes(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The sizes a config is picked for: tokens n, vocabulary v, hidden h (of the student
+    for linear_jsd) of 2-D x (N, H) and weight (V, H)."""
+    return {"n": x.shape[0], "v": weight.shape[0], "h": x.shape[1]}
+
+
 def default_config(kernel: str, sizes: dict) -> dict:
     """The heuristic: each dim's default block, capped by the next power of two of its size
     (at least 16, tl.dot's minimum); 4 warps, fewer stages on small problems."""

@@ -22,8 +22,48 @@ import helion
 import helion.language as hl
 
 from logitless.helion_lib.runtime import kernel_settings
+from logitless.helion_lib.tile_math import cap_grad, hit_mask, lse_of, lse_step, mixture_log, softcap
 
 _SETTINGS = kernel_settings()
+
+
+def both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T):
+    """Both heads' tiles of x @ W.T plus their biases (when given), soft-capped."""
+    if bs is not None:
+        zs = zs + bs[tile_v].to(torch.float32).unsqueeze(0)
+    if bt is not None:
+        zt = zt + bt[tile_v].to(torch.float32).unsqueeze(0)
+    if HAS_CAP_S:
+        zs = softcap(zs, cap_s)
+    if HAS_CAP_T:
+        zt = softcap(zt, cap_t)
+    return zs, zt
+
+
+def row_inputs(target, stats, g, tile_n):
+    """The per-row inputs of a backward tile: target, lse_s, lse_t, S, lse1 (the forward's
+    statistics) and the upstream gradient g of the rows ``tile_n``."""
+    return target[tile_n], stats[0, tile_n], stats[1, tile_n], stats[2, tile_n], stats[4, tile_n], g[tile_n]
+
+
+def dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, MODE, HAS_HARD, HAS_CAP_S):
+    """The student's gradient line of the module docstring on one tile of both heads'
+    soft-capped logits (``rows``: ``row_inputs``)."""
+    tgt, lse_s, lse_t, s_row, lse1, gr = rows
+    lp = zs * inv_t - lse_s.unsqueeze(1)
+    lq = zt * inv_t - lse_t.unsqueeze(1)
+    p = torch.exp(lp)
+    if MODE == 1:
+        da = p - torch.exp(lq)
+    else:
+        lm = mixture_log(lp, lq, log_beta, log_1mbeta, MODE)
+        da = wp * torch.where(p == 0.0, 0.0, p * (lp - lm - s_row.unsqueeze(1)))
+    dz = da * (gr * inv_t).unsqueeze(1)
+    if HAS_HARD:
+        p1 = torch.exp(zs - lse1.unsqueeze(1))
+        hit = torch.where(hit_mask(tile_v, tgt), 1.0, 0.0)
+        dz = dz + (hlw * gr).unsqueeze(1) * (p1 - hit)
+    return cap_grad(dz, zs, cap_s, HAS_CAP_S)
 
 
 @helion.kernel(**_SETTINGS)
@@ -53,35 +93,18 @@ def jsd_forward(
             zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
             for tile_g in hl.tile(ht):
                 zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-            if bs is not None:
-                zs = zs + bs[tile_v].to(torch.float32)[None, :]
-            if bt is not None:
-                zt = zt + bt[tile_v].to(torch.float32)[None, :]
-            if HAS_CAP_S:
-                zs = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs / cap_s) + 1.0))
-            if HAS_CAP_T:
-                zt = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt / cap_t) + 1.0))
-            cols = tile_v.index
-            col_ok = (cols < v)[None, :]
+            zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
+            col_ok = (tile_v.index < v)[None, :]
             zs = torch.where(col_ok, zs, float("-inf"))
             a = zs * inv_t
             b = torch.where(col_ok, zt * inv_t, float("-inf"))
-            mn = torch.maximum(m_s, torch.amax(a, dim=1))
-            ms = torch.where(mn == float("-inf"), 0.0, mn)
-            s_s = s_s * torch.exp(m_s - ms) + torch.sum(torch.exp(a - ms[:, None]), dim=1)
-            m_s = mn
-            mn_t = torch.maximum(m_t, torch.amax(b, dim=1))
-            mt = torch.where(mn_t == float("-inf"), 0.0, mn_t)
-            s_t = s_t * torch.exp(m_t - mt) + torch.sum(torch.exp(b - mt[:, None]), dim=1)
-            m_t = mn_t
+            m_s, s_s = lse_step(m_s, s_s, a, torch.amax(a, dim=1))
+            m_t, s_t = lse_step(m_t, s_t, b, torch.amax(b, dim=1))
             if HAS_HARD:
-                mn_1 = torch.maximum(m_1, torch.amax(zs, dim=1))
-                m1 = torch.where(mn_1 == float("-inf"), 0.0, mn_1)
-                s_1 = s_1 * torch.exp(m_1 - m1) + torch.sum(torch.exp(zs - m1[:, None]), dim=1)
-                m_1 = mn_1
-                ztgt = ztgt + torch.sum(torch.where(cols[None, :] == tgt[:, None], zs, 0.0), dim=1)
-        lse_s = torch.where(m_s == float("-inf"), 0.0, m_s) + torch.log(s_s)
-        lse_t = torch.where(m_t == float("-inf"), 0.0, m_t) + torch.log(s_t)
+                m_1, s_1 = lse_step(m_1, s_1, zs, torch.amax(zs, dim=1))
+                ztgt = ztgt + torch.sum(torch.where(hit_mask(tile_v, tgt), zs, 0.0), dim=1)
+        lse_s = lse_of(m_s, s_s)
+        lse_t = lse_of(m_t, s_t)
         s_row = hl.zeros([tile_n], dtype=torch.float32)
         k_row = hl.zeros([tile_n], dtype=torch.float32)
         for tile_v2 in hl.tile(v):
@@ -91,27 +114,11 @@ def jsd_forward(
             zt2 = hl.zeros([tile_n, tile_v2], dtype=torch.float32)
             for tile_g2 in hl.tile(ht):
                 zt2 = hl.dot(xt[tile_n, tile_g2], wt[tile_v2, tile_g2].T, acc=zt2)
-            if bs is not None:
-                zs2 = zs2 + bs[tile_v2].to(torch.float32)[None, :]
-            if bt is not None:
-                zt2 = zt2 + bt[tile_v2].to(torch.float32)[None, :]
-            if HAS_CAP_S:
-                zs2 = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs2 / cap_s) + 1.0))
-            if HAS_CAP_T:
-                zt2 = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt2 / cap_t) + 1.0))
+            zs2, zt2 = both_epilogues(zs2, zt2, bs, bt, tile_v2, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
             ok2 = (tile_v2.index < v)[None, :]
             lp = torch.where(ok2, zs2 * inv_t, float("-inf")) - lse_s[:, None]
             lq = torch.where(ok2, zt2 * inv_t, float("-inf")) - lse_t[:, None]
-            if MODE == 1:
-                lm = lp
-            elif MODE == 2:
-                lm = lq
-            else:
-                u1 = lp + log_1mbeta
-                u2 = lq + log_beta
-                mx = torch.maximum(u1, u2)
-                mx = torch.where(mx == float("-inf"), 0.0, mx)
-                lm = mx + torch.log(torch.exp(u1 - mx) + torch.exp(u2 - mx))
+            lm = mixture_log(lp, lq, log_beta, log_1mbeta, MODE)
             p = torch.exp(lp)
             q = torch.exp(lq)
             s_row = s_row + torch.sum(torch.where(p == 0.0, 0.0, p * (lp - lm)), dim=1)
@@ -121,7 +128,7 @@ def jsd_forward(
         stats[2, tile_n] = s_row
         stats[3, tile_n] = k_row
         if HAS_HARD:
-            stats[4, tile_n] = torch.where(m_1 == float("-inf"), 0.0, m_1) + torch.log(s_1)
+            stats[4, tile_n] = lse_of(m_1, s_1)
             stats[5, tile_n] = ztgt
         else:
             stats[4, tile_n] = hl.zeros([tile_n], dtype=torch.float32)
@@ -142,12 +149,7 @@ def jsd_dx(
     v = ws.size(0)
     dx = torch.empty_like(xs)
     for tile_n, tile_k in hl.tile([n, hs]):
-        tgt = target[tile_n]
-        lse_s = stats[0, tile_n]
-        lse_t = stats[1, tile_n]
-        s_row = stats[2, tile_n]
-        lse1 = stats[4, tile_n]
-        gr = g[tile_n]
+        rows = row_inputs(target, stats, g, tile_n)
         acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
         for tile_v in hl.tile(v):
             zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
@@ -156,39 +158,10 @@ def jsd_dx(
             zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
             for tile_g in hl.tile(ht):
                 zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-            if bs is not None:
-                zs = zs + bs[tile_v].to(torch.float32)[None, :]
-            if bt is not None:
-                zt = zt + bt[tile_v].to(torch.float32)[None, :]
-            if HAS_CAP_S:
-                zs = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs / cap_s) + 1.0))
-            if HAS_CAP_T:
-                zt = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt / cap_t) + 1.0))
-            cols = tile_v.index
-            lp = zs * inv_t - lse_s[:, None]
-            lq = zt * inv_t - lse_t[:, None]
-            p = torch.exp(lp)
-            if MODE == 1:
-                da = p - torch.exp(lq)
-            else:
-                if MODE == 2:
-                    lm = lq
-                else:
-                    u1 = lp + log_1mbeta
-                    u2 = lq + log_beta
-                    mx = torch.maximum(u1, u2)
-                    mx = torch.where(mx == float("-inf"), 0.0, mx)
-                    lm = mx + torch.log(torch.exp(u1 - mx) + torch.exp(u2 - mx))
-                da = wp * torch.where(p == 0.0, 0.0, p * (lp - lm - s_row[:, None]))
-            dz = da * (gr * inv_t)[:, None]
-            if HAS_HARD:
-                p1 = torch.exp(zs - lse1[:, None])
-                hit = torch.where(cols[None, :] == tgt[:, None], 1.0, 0.0)
-                dz = dz + (hlw * gr)[:, None] * (p1 - hit)
-            if HAS_CAP_S:
-                c = zs / cap_s
-                dz = dz * (1.0 - c * c)
-            dz = torch.where((cols < v)[None, :], dz, 0.0)
+            zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
+            dz = dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, MODE, HAS_HARD,
+                         HAS_CAP_S)
+            dz = torch.where((tile_v.index < v)[None, :], dz, 0.0)
             acc = hl.dot(dz.to(ws.dtype), ws[tile_v, tile_k], acc=acc)
         dx[tile_n, tile_k] = acc.to(dx.dtype)
     return dx
@@ -211,53 +184,19 @@ def jsd_dw(
         acc = hl.zeros([tile_v, tile_k], dtype=torch.float32)
         acc_b = hl.zeros([tile_v], dtype=torch.float32)
         for tile_n in hl.tile(n):
-            tgt = target[tile_n]
-            lse_s = stats[0, tile_n]
-            lse_t = stats[1, tile_n]
-            s_row = stats[2, tile_n]
-            lse1 = stats[4, tile_n]
-            gr = g[tile_n]
+            rows = row_inputs(target, stats, g, tile_n)
             zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
             for tile_h in hl.tile(hs):
                 zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
             zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
             for tile_g in hl.tile(ht):
                 zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-            if bs is not None:
-                zs = zs + bs[tile_v].to(torch.float32)[None, :]
-            if bt is not None:
-                zt = zt + bt[tile_v].to(torch.float32)[None, :]
-            if HAS_CAP_S:
-                zs = cap_s * (1.0 - 2.0 / (torch.exp(2.0 * zs / cap_s) + 1.0))
-            if HAS_CAP_T:
-                zt = cap_t * (1.0 - 2.0 / (torch.exp(2.0 * zt / cap_t) + 1.0))
-            cols = tile_v.index
-            lp = zs * inv_t - lse_s[:, None]
-            lq = zt * inv_t - lse_t[:, None]
-            p = torch.exp(lp)
-            if MODE == 1:
-                da = p - torch.exp(lq)
-            else:
-                if MODE == 2:
-                    lm = lq
-                else:
-                    u1 = lp + log_1mbeta
-                    u2 = lq + log_beta
-                    mx = torch.maximum(u1, u2)
-                    mx = torch.where(mx == float("-inf"), 0.0, mx)
-                    lm = mx + torch.log(torch.exp(u1 - mx) + torch.exp(u2 - mx))
-                da = wp * torch.where(p == 0.0, 0.0, p * (lp - lm - s_row[:, None]))
-            dz = da * (gr * inv_t)[:, None]
-            if HAS_HARD:
-                p1 = torch.exp(zs - lse1[:, None])
-                hit = torch.where(cols[None, :] == tgt[:, None], 1.0, 0.0)
-                dz = dz + (hlw * gr)[:, None] * (p1 - hit)
-            if HAS_CAP_S:
-                c = zs / cap_s
-                dz = dz * (1.0 - c * c)
+            zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
+            dz = dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, MODE, HAS_HARD,
+                         HAS_CAP_S)
             dz = torch.where((tile_n.index < n)[:, None], dz, 0.0)
             acc = hl.dot(dz.to(xs.dtype).T, xs[tile_n, tile_k], acc=acc)
             acc_b = acc_b + torch.sum(dz, dim=0)
         dw[tile_v, tile_k] = acc.to(dw.dtype)
-        db[tile_v] = acc_b  # equal values from every hidden block (see ce_kernels.ce_dw)
+        db[tile_v] = acc_b  # equal values from every hidden block (see grad_kernels.linear_dw)
     return dw, db

@@ -1,4 +1,4 @@
-"""Launch functions of the Helion linear_cross_entropy kernels (``ce_kernels``).
+"""Launch functions of the Helion linear_cross_entropy kernels (``ce_kernels``, ``grad_kernels``).
 
 Framework side of the contract: 2-D x (N, H), weight (V, H), optional bias (V,), int64
 target (N,), optional class weights (V,); fp32 per-token statistics out, and the
@@ -19,10 +19,6 @@ from logitless.helion_lib.runtime import launch, require
 from logitless.options import CrossEntropyOptions
 
 
-def _sizes(x: Tensor, weight: Tensor) -> dict:
-    return {"n": x.shape[0], "v": weight.shape[0], "h": x.shape[1]}
-
-
 def _cap(opts: CrossEntropyOptions) -> tuple[float, bool]:
     return (float(opts.softcap), True) if opts.softcap is not None else (1.0, False)
 
@@ -34,10 +30,12 @@ def forward_args(x, weight, bias, target, class_weight, opts, need_argmax=False)
 
 
 def backward_args(x, weight, bias, target, class_weight, lse, coef, opts) -> tuple:
+    """The arguments of ``grad_kernels.linear_dx`` / ``linear_dw`` (LOG_PROBS False)."""
     cap, has_cap = _cap(opts)
     # C = eps / V is 0 without label smoothing: the class weights then never enter dz.
     cw = class_weight if opts.needs_smooth_sum else None
-    return (x, weight, bias, target, cw, lse.float().contiguous(), coef.float().contiguous(), cap, has_cap)
+    return (x, weight, bias, target, cw, lse.float().contiguous(), coef.float().contiguous(), cap, 1.0, has_cap,
+            False, False)
 
 
 def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
@@ -53,7 +51,7 @@ def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
         e = x.new_empty((0,), dtype=torch.float32)
         return TokenStats(e, e, e if opts.needs_smooth_sum else None,
                           x.new_empty((0,), dtype=torch.int64) if need_argmax else None)
-    cfg = config or configs.pick("ce_forward", _sizes(x, weight), x.device)
+    cfg = config or configs.pick("ce_forward", configs.sizes(x, weight), x.device)
     lse, zt, smooth, am = launch(ce_forward, forward_args(x, weight, bias, target, class_weight, opts, need_argmax),
                                  cfg)
     return TokenStats(lse, zt, smooth if opts.needs_smooth_sum else None, am if need_argmax else None)
@@ -69,14 +67,7 @@ def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tens
     ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
     """
     require()
-    from logitless.helion_lib.ce_kernels import ce_dw, ce_dx
+    from logitless.helion_lib.grad_kernels import backward
 
-    if x.shape[0] == 0:
-        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if bias is not None else None
-        return torch.zeros_like(x), torch.zeros_like(weight), db
-    sizes = _sizes(x, weight)
-    cfg_dx, cfg_dw = configs_ or (configs.pick("ce_dx", sizes, x.device), configs.pick("ce_dw", sizes, x.device))
-    args = backward_args(x, weight, bias, target, class_weight, lse, coef, opts)
-    dx = launch(ce_dx, args, cfg_dx) if need_dx else None
-    dw, db = launch(ce_dw, args, cfg_dw) if need_dw else (None, None)
-    return dx, dw, (db if bias is not None else None)
+    return backward(backward_args(x, weight, bias, target, class_weight, lse, coef, opts), "ce", configs_,
+                    need_dx, need_dw)

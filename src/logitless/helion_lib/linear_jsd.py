@@ -21,10 +21,6 @@ from logitless.helion_lib.runtime import launch, require
 from logitless.options import JSDOptions
 
 
-def _sizes(xs: Tensor, ws: Tensor) -> dict:
-    return {"n": xs.shape[0], "v": ws.shape[0], "h": xs.shape[1]}
-
-
 def _scalars(opts: JSDOptions) -> tuple:
     beta = opts.beta
     mode = 1 if beta == 0.0 else (2 if beta == 1.0 else 0)
@@ -62,7 +58,7 @@ def jsd_forward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Te
     n = xs.shape[0]
     if n == 0:
         return xs.new_empty((NUM_STATS, 0), dtype=torch.float32)
-    cfg = config or configs.pick("jsd_forward", _sizes(xs, ws), xs.device)
+    cfg = config or configs.pick("jsd_forward", configs.sizes(xs, ws), xs.device)
     return launch(K.jsd_forward, forward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), opts), cfg)
 
 
@@ -80,7 +76,7 @@ def jsd_backward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: T
     if n == 0:
         db = torch.zeros(ws.shape[0], dtype=torch.float32, device=xs.device) if bs is not None else None
         return torch.zeros_like(xs), torch.zeros_like(ws), db
-    sizes = _sizes(xs, ws)
+    sizes = configs.sizes(xs, ws)
     cfg_dx, cfg_dw = configs_ or (configs.pick("jsd_dx", sizes, xs.device), configs.pick("jsd_dw", sizes, xs.device))
     args = backward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), stats, g, opts)
     dx = launch(K.jsd_dx, args, cfg_dx) if need_dx else None

@@ -82,6 +82,16 @@ def _check_options(label_smoothing, reduction, softcap) -> None:
         raise ValueError(f"softcap must greater than 0.0 or None. Got: {softcap}")
 
 
+def _keep_options(module: nn.Module, options: dict) -> None:
+    """A Liger cross-entropy module's constructor arguments (the ``locals()`` of its
+    ``__init__``), checked as Liger checks them, then kept as attributes of the same
+    names, as Liger's modules keep them."""
+    _check_options(options["label_smoothing"], options["reduction"], options["softcap"])
+    for name, value in options.items():
+        if name not in ("self", "__class__"):
+            setattr(module, name, value)
+
+
 def _check_flags(**flags) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -268,18 +278,7 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
         return_predicted_tokens: bool = False,
     ):
         super().__init__()
-        _check_options(label_smoothing, reduction, softcap)
-        self.ce_weight = ce_weight
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.accum_dtype = accum_dtype
-        self.use_token_scaling = use_token_scaling
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
+        _keep_options(self, locals())
 
     def forward(self, lin_weight, _input, target, bias=None):
         out = _flce(_input, lin_weight, target, bias, self.ce_weight, self.ignore_index, self.lse_square_scale,
@@ -352,16 +351,7 @@ class LigerCrossEntropyLoss(nn.Module):
         return_predicted_tokens: bool = False,
     ):
         super().__init__()
-        _check_options(label_smoothing, reduction, softcap)
-        self.weight = weight
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
+        _keep_options(self, locals())
 
     def forward(self, _input: Tensor, target: Tensor):
         out = _ce_logits(_input, target, self.weight, self.ignore_index, self.lse_square_scale,

@@ -251,17 +251,23 @@ def _dz_tile(x_ref, w_ref, b_ref, c_ref, t_ref, r_ref, i, j, *, bn, bv, n, v, la
     return dz
 
 
+def _backward_operands(x, w, bias, cw, target, rowdat, layout: str, tiles: Tiles, col_index: Callable):
+    """What dx_call and dw_call start from: the sizes (n, h, v, bn, bv), whether bias and
+    class weights are given, the number R of rowdat's columns, the operands typed by
+    ``_typed_like`` (x, w, target, rowdat, bias, cw), its ``struct``, and the optional
+    inputs with their specs (``col_index``: the grid indices to the vocabulary tile)."""
+    sizes = (*x.shape, w.shape[0] if layout == "vh" else w.shape[1], tiles.bn, tiles.bv)
+    flags = (bias is not None, cw is not None, rowdat.shape[1])
+    arrays, struct = _typed_like(x, w, target, rowdat, bias, cw)
+    return sizes, flags, arrays, struct, _optional_inputs(arrays[4], arrays[5], tiles.bv, col_index)
+
+
 def dx_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilogue: Callable):
     """dx = dz @ W (N, H) in x.dtype; ``epilogue(z, hit, rows, cw_tile) -> dz`` (fp32,
     (bn, bv)), rows: tuple of the (bn, 1) columns of ``rowdat`` (N, R) fp32."""
-    n, h = x.shape
-    v = w.shape[0] if layout == "vh" else w.shape[1]
-    bn, bv = tiles.bn, tiles.bv
+    (n, h, v, bn, bv), (has_b, has_c, r), (x, w, target, rowdat, bias, cw), struct, (opt, opt_specs) = \
+        _backward_operands(x, w, bias, cw, target, rowdat, layout, tiles, lambda i, j: j)
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
-    has_b, has_c = bias is not None, cw is not None
-    (x, w, target, rowdat, bias, cw), struct = _typed_like(x, w, target, rowdat, bias, cw)
-    opt, opt_specs = _optional_inputs(bias, cw, bv, lambda i, j: j)
-    r = rowdat.shape[1]
 
     def kernel(x_ref, w_ref, t_ref, r_ref, *refs):
         b_ref, c_ref, (dx_ref, acc) = _unpack(refs, has_b, has_c)
@@ -303,14 +309,9 @@ def dx_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilog
 def dw_call(x, w, bias, cw, target, rowdat, *, layout: str, tiles: Tiles, epilogue: Callable):
     """(dw in w's layout and dtype, db (V,) in bias.dtype or None): dW_j = dz^T @ x,
     db_j = sum over rows of dz; grid (vocab tiles, row blocks)."""
-    n, h = x.shape
-    v = w.shape[0] if layout == "vh" else w.shape[1]
-    bn, bv = tiles.bn, tiles.bv
+    (n, h, v, bn, bv), (has_b, has_c, r), (x, w, target, rowdat, bias, cw), struct, (opt, opt_specs) = \
+        _backward_operands(x, w, bias, cw, target, rowdat, layout, tiles, lambda j, i: j)
     grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))
-    has_b, has_c = bias is not None, cw is not None
-    (x, w, target, rowdat, bias, cw), struct = _typed_like(x, w, target, rowdat, bias, cw)
-    opt, opt_specs = _optional_inputs(bias, cw, bv, lambda j, i: j)
-    r = rowdat.shape[1]
 
     def kernel(x_ref, w_ref, t_ref, r_ref, *refs):
         b_ref, c_ref, refs = _unpack(refs, has_b, has_c)

@@ -1,7 +1,8 @@
-"""Heuristics of the JAX backends in one place: memory budget and chunk sizes.
-
-Everything that decides *how* (not *what*) is computed lives here, so that tuning
-never touches the math or the kernels.
+"""How the JAX backends split their work: the xla backend's token and vocabulary chunks
+under the memory budget (``xla_plan``), the triton backend's tiles and chunks
+(``triton_plan``, from the tables of ``logitless.planning.tiles`` that the PyTorch
+planner shares). Nothing here changes what is computed, so tuning never touches the
+math or the kernels.
 """
 
 from __future__ import annotations
@@ -9,17 +10,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (the same default as the PyTorch side)
-from logitless.planning.tiles import (
-    BIG_SMEM_CC,
-    CUDA_TILES,
-    CUDA_TILES_SMALL_SMEM,
-    INTERPRETER_TILES,
-    MIN_CHUNK,
-    PERSISTENT_MIN_ROW_BLOCKS,
-    WAVES,
-    TritonPlan,
-    group_rows_for,
-)
+from logitless.planning.tiles import (BIG_SMEM_CC, CUDA_TILES, CUDA_TILES_SMALL_SMEM, INTERPRETER_TILES, MIN_CHUNK,
+                                      PERSISTENT_MIN_ROW_BLOCKS, WAVES, TritonPlan, group_rows_for)
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "TritonPlan", "XlaPlan", "triton_plan", "xla_plan"]
 

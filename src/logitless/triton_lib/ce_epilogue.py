@@ -60,6 +60,17 @@ def _target_weight(t, valid, cw_ptr, V, HAS_CW: tl.constexpr):
 
 
 @triton.jit
+def store_reduced(loss_ptr, acc_loss, acc_w, REDUCTION: tl.constexpr):
+    """The end of a one-program loss epilogue: the sum of the per-token losses
+    accumulated in ``acc_loss`` (REDUCTION 1, "sum"), or that sum over the sum of the
+    weights in ``acc_w`` (2, "mean"), stored at ``loss_ptr``; nothing for 0 ("none")."""
+    if REDUCTION == 1:
+        tl.store(loss_ptr, tl.sum(acc_loss, 0))
+    if REDUCTION == 2:
+        tl.store(loss_ptr, tl.sum(acc_loss, 0) / tl.sum(acc_w, 0))
+
+
+@triton.jit
 def ce_forward_epilogue_kernel(
     part_max, part_sum, part_tgt, part_smooth, target_ptr, cw_ptr,
     lse_ptr, loss_ptr, wt_ptr, w_sum_ptr,
@@ -105,10 +116,7 @@ def ce_forward_epilogue_kernel(
         else:
             acc_loss += tl.where(ok, loss, 0.0)
             acc_w += tl.where(ok, w_t, 0.0)
-    if REDUCTION == 1:
-        tl.store(loss_ptr, tl.sum(acc_loss, 0))
-    if REDUCTION == 2:
-        tl.store(loss_ptr, tl.sum(acc_loss, 0) / tl.sum(acc_w, 0))
+    store_reduced(loss_ptr, acc_loss, acc_w, REDUCTION)
 
 
 @triton.jit

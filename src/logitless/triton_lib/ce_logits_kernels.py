@@ -12,10 +12,12 @@ import triton.language as tl
 
 from logitless.triton_lib.ce_math import (
     dz_tile,
+    logits_tile,
     load_row_coefficients,
     online_lse_update,
     side_stats_update,
     softcap_tile,
+    target_rows,
 )
 
 
@@ -39,17 +41,7 @@ def ce_forward_kernel(
     Rows whose logits are all -inf so far keep a shift of 0 (no inf - inf); NaN
     anywhere in a row makes its sum, hence its lse, NaN.
     """
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
-    rows = z_ptr + offs_n.to(tl.int64)[:, None] * stride_n
-    cols = tl.arange(0, BLOCK_V)
-
-    # The target logit: one load per row rather than a compare per element.
-    t_ok = row_ok & (target >= 0) & (target < V)
-    z_t = tl.load(z_ptr + offs_n.to(tl.int64) * stride_n + target.to(tl.int64) * stride_v,
-                  mask=t_ok, other=0.0).to(tl.float32)
+    offs_n, row_ok, rows, cols, t_ok, z_t = target_rows(z_ptr, target_ptr, N, V, stride_n, stride_v, BLOCK_N, BLOCK_V)
     if HAS_SOFTCAP:
         z_t = tl.where(t_ok, softcap_tile(z_t, softcap), 0.0)
 
@@ -102,18 +94,8 @@ def ce_backward_kernel(
     dz may be z itself (inplace_backward): each element is read, then overwritten, by
     the one program that owns it.
     """
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_ok = offs_n < N
-    col_ok = offs_v < V
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    cols = offs_v.to(tl.int64)[None, :]
-    z = tl.load(z_ptr + rows * stride_zn + cols * stride_zv, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        z = softcap_tile(z, softcap)
+    z, offs_n, offs_v, row_ok, mask, rows, cols = logits_tile(z_ptr, N, V, stride_zn, stride_zv, softcap,
+                                                              HAS_SOFTCAP, BLOCK_N, BLOCK_V)
     lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     p = tl.exp(z - lse[:, None])
     dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)

@@ -11,6 +11,40 @@ def softcap_tile(z, softcap):
 
 
 @triton.jit
+def target_rows(z_ptr, target_ptr, N, V, stride_n, stride_v, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The start of a row-block kernel on logits the caller holds (program i: rows
+    [i*BLOCK_N, (i+1)*BLOCK_N)): (row offsets, row mask, the rows' pointers, the column
+    offsets of one tile, whether the target is in [0, V), the target logit in fp32, 0
+    where not; one load per row rather than a compare per element)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
+    rows = z_ptr + offs_n.to(tl.int64)[:, None] * stride_n
+    t_ok = row_ok & (target >= 0) & (target < V)
+    z_t = tl.load(z_ptr + offs_n.to(tl.int64) * stride_n + target.to(tl.int64) * stride_v,
+                  mask=t_ok, other=0.0).to(tl.float32)
+    return offs_n, row_ok, rows, tl.arange(0, BLOCK_V), t_ok, z_t
+
+
+@triton.jit
+def logits_tile(z_ptr, N, V, stride_n, stride_v, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """The tile (program_id(0), program_id(1)) of logits the caller holds, fp32 and
+    soft-capped (HAS_SOFTCAP), 0 outside the N x V logits; with its row and column offsets,
+    row mask, tile mask and the int64 row / column indices (to address dz the same way)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = offs_n < N
+    mask = row_ok[:, None] & (offs_v < V)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    cols = offs_v.to(tl.int64)[None, :]
+    z = tl.load(z_ptr + rows * stride_n + cols * stride_v, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap_tile(z, softcap)
+    return z, offs_n, offs_v, row_ok, mask, rows, cols
+
+
+@triton.jit
 def dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap,
             HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, BLOCK_V: tl.constexpr):
     """dz_c = p_c * A - B * [c == t] - C * w_c, times 1 - (z_c/s)^2 with a soft-cap

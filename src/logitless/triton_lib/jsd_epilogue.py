@@ -35,6 +35,7 @@ from torch import Tensor
 from logitless.formulas.jsd import K_ROW, LSE1, S_ROW, ZTGT
 from logitless.options import JSDOptions
 from logitless.triton_lib import launch
+from logitless.triton_lib.ce_epilogue import store_reduced
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 #: Tokens per step of the one program's loop.
@@ -72,10 +73,7 @@ def jsd_loss_epilogue_kernel(
         else:
             acc_loss += tl.where(ok, loss, 0.0)
             acc_w += tl.where(ok & valid, 1.0, 0.0)
-    if REDUCTION == 1:
-        tl.store(loss_ptr, tl.sum(acc_loss, 0))
-    if REDUCTION == 2:
-        tl.store(loss_ptr, tl.sum(acc_loss, 0) / tl.sum(acc_w, 0))
+    store_reduced(loss_ptr, acc_loss, acc_w, REDUCTION)
 
 
 @triton.jit

@@ -45,6 +45,48 @@ def load_capped(rows, offs_v, stride_v, row_ok, V, other, cap, HAS_CAP: tl.const
 
 
 @triton.jit
+def mixture_sums(rows_s, rows_t, cols, v_lo, v_hi, stride_sv, stride_tv, row_ok, lse_s, lse_t, cap_s, cap_t,
+                 inv_t, log_beta, log_1mbeta, MODE: tl.constexpr, HAS_CAP_S: tl.constexpr,
+                 HAS_CAP_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(S, K) = (sum p (lp - lm), sum q (lq - lm)) over the columns [v_lo, v_hi) of both
+    heads' rows, lse_s and lse_t known: the mixture's sweep (0 < beta < 1)."""
+    acc_s = tl.zeros((BLOCK_N,), tl.float32)
+    acc_k = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        a = load_capped(rows_s, v0 + cols, stride_sv, row_ok, v_hi, float("-inf"), cap_s, HAS_CAP_S)
+        b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, v_hi, float("-inf"), cap_t, HAS_CAP_T)
+        lp = a * inv_t - lse_s[:, None]
+        lq = b * inv_t - lse_t[:, None]
+        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
+        acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
+        acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
+    return acc_s, acc_k
+
+
+@triton.jit
+def _kl_limits(w_s, w_t, s_s, s_t, lse_s, lse_t, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(S, K) of the KL limits from the online sums w = sum e^(a - m) (a - m): MODE 1
+    (forward KL) K = w_t / s_t - lse_t + lse_s, MODE 2 (reverse KL) S = w_s / s_s - lse_s
+    + lse_t; the other one (both for the mixture, MODE 0) 0."""
+    acc_s = tl.zeros((BLOCK_N,), tl.float32)
+    acc_k = tl.zeros((BLOCK_N,), tl.float32)
+    if MODE == 1:
+        acc_k = w_t / s_t - lse_t + lse_s
+    if MODE == 2:
+        acc_s = w_s / s_s - lse_s + lse_t
+    return acc_s, acc_k
+
+
+@triton.jit
+def _store_divergence(stats_ptr, stride_stat, offs_n, row_ok, lse_s, lse_t, acc_s, acc_k):
+    """Rows 0-3 of the (6, N) statistics (``stride_stat`` apart): lse_s, lse_t, S, K."""
+    tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
+    tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
+    tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
+    tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
+
+
+@triton.jit
 def jsd_forward_kernel(
     zs_ptr, zt_ptr, target_ptr, stats_ptr,
     N, V, stride_sn, stride_sv, stride_tn, stride_tv, stride_stat,
@@ -77,26 +119,14 @@ def jsd_forward_kernel(
     lse_s = tl.where(m_s == neg, 0.0, m_s) + tl.log(s_s)
     lse_t = tl.where(m_t == neg, 0.0, m_t) + tl.log(s_t)
 
-    acc_s = tl.zeros((BLOCK_N,), tl.float32)
-    acc_k = tl.zeros((BLOCK_N,), tl.float32)
-    if MODE == 1:
-        acc_k = w / s_t - lse_t + lse_s
-    elif MODE == 2:
-        acc_s = w / s_s - lse_s + lse_t
+    if MODE != 0:
+        acc_s, acc_k = _kl_limits(w, w, s_s, s_t, lse_s, lse_t, MODE, BLOCK_N)
     else:  # the mixture is not an online quantity: a second sweep with both lse known
-        for v0 in range(0, V, BLOCK_V):
-            a = load_capped(rows_s, v0 + cols, stride_sv, row_ok, V, neg, cap_s, HAS_CAP_S)
-            b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, V, neg, cap_t, HAS_CAP_T)
-            lp = a * inv_t - lse_s[:, None]
-            lq = b * inv_t - lse_t[:, None]
-            lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
-            acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
-            acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
+        acc_s, acc_k = mixture_sums(rows_s, rows_t, cols, 0, V, stride_sv, stride_tv, row_ok, lse_s, lse_t,
+                                    cap_s, cap_t, inv_t, log_beta, log_1mbeta, MODE, HAS_CAP_S, HAS_CAP_T,
+                                    BLOCK_N, BLOCK_V)
 
-    tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
-    tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
-    tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
-    tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
+    _store_divergence(stats_ptr, stride_stat, offs_n, row_ok, lse_s, lse_t, acc_s, acc_k)
     _store_hard_label(stats_ptr, stride_stat, offs_n, row_ok, m_1, s_1,
                       target_ptr, zs_ptr, stride_sn, stride_sv, V, cap_s, HAS_HARD, HAS_CAP_S, BLOCK_N)
 
@@ -265,22 +295,14 @@ def jsd_divergence_kernel(
     Traffic: the split's columns of both logits read a second time."""
     pid_v, splits, offs_n, row_ok, rows_s, rows_t = _split_rows(zs_ptr, zt_ptr, N, stride_sn, stride_tn, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
-    neg = float("-inf")
     m_s, s_s, _ = _merge_splits(part_ptr, 0, 1, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
     m_t, s_t, _ = _merge_splits(part_ptr, 2, 3, 0, offs_n, row_ok, N, splits, False, BLOCK_N)
     lse_s = _lse(m_s, s_s)
     lse_t = _lse(m_t, s_t)
     v_lo, v_hi = _split_columns(pid_v, V, BLOCK_V, BLOCKS_PER_SPLIT)
-    acc_s = tl.zeros((BLOCK_N,), tl.float32)
-    acc_k = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(v_lo, v_hi, BLOCK_V):
-        a = load_capped(rows_s, v0 + cols, stride_sv, row_ok, v_hi, neg, cap_s, HAS_CAP_S)
-        b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, v_hi, neg, cap_t, HAS_CAP_T)
-        lp = a * inv_t - lse_s[:, None]
-        lq = b * inv_t - lse_t[:, None]
-        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
-        acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
-        acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
+    acc_s, acc_k = mixture_sums(rows_s, rows_t, cols, v_lo, v_hi, stride_sv, stride_tv, row_ok, lse_s, lse_t,
+                                cap_s, cap_t, inv_t, log_beta, log_1mbeta, MODE, HAS_CAP_S, HAS_CAP_T,
+                                BLOCK_N, BLOCK_V)
     tl.store(sk_ptr + pid_v * N + offs_n, acc_s, mask=row_ok)
     tl.store(sk_ptr + (splits + pid_v) * N + offs_n, acc_k, mask=row_ok)
 
@@ -301,20 +323,12 @@ def jsd_finish_kernel(
     m_t, s_t, w_t = _merge_splits(part_ptr, 2, 3, 6, offs_n, row_ok, N, splits, MODE == 1, BLOCK_N)
     lse_s = _lse(m_s, s_s)
     lse_t = _lse(m_t, s_t)
-    acc_s = tl.zeros((BLOCK_N,), tl.float32)
-    acc_k = tl.zeros((BLOCK_N,), tl.float32)
-    if MODE == 1:
-        acc_k = w_t / s_t - lse_t + lse_s
-    elif MODE == 2:
-        acc_s = w_s / s_s - lse_s + lse_t
-    else:
+    acc_s, acc_k = _kl_limits(w_s, w_t, s_s, s_t, lse_s, lse_t, MODE, BLOCK_N)
+    if MODE == 0:
         for j in range(0, splits):
             acc_s += tl.load(sk_ptr + j * N + offs_n, mask=row_ok, other=0.0)
             acc_k += tl.load(sk_ptr + (splits + j) * N + offs_n, mask=row_ok, other=0.0)
-    tl.store(stats_ptr + offs_n, lse_s, mask=row_ok)
-    tl.store(stats_ptr + stride_stat + offs_n, lse_t, mask=row_ok)
-    tl.store(stats_ptr + 2 * stride_stat + offs_n, acc_s, mask=row_ok)
-    tl.store(stats_ptr + 3 * stride_stat + offs_n, acc_k, mask=row_ok)
+    _store_divergence(stats_ptr, stride_stat, offs_n, row_ok, lse_s, lse_t, acc_s, acc_k)
     m_1 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s_1 = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_HARD:

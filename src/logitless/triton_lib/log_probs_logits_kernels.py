@@ -6,7 +6,7 @@ The math is ``formulas.log_probs`` (Triton twin ``triton_lib.log_probs_math``)."
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.ce_math import softcap_tile
+from logitless.triton_lib.ce_math import logits_tile, softcap_tile, target_rows
 from logitless.triton_lib.log_probs_math import load_logp_rows, logp_dz_tile, online_entropy_update
 
 
@@ -20,15 +20,7 @@ def lp_forward_kernel(
     """Per-row lse, a at the token and (ENTROPY) the entropy of softmax(a), a =
     softcap(z) / T, in one streaming pass with the next tile's load in flight.
     Writes O(N) fp32 outputs; a token out of range reads 0 (the formulas make it NaN)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
-    rows = z_ptr + offs_n.to(tl.int64)[:, None] * stride_n
-    cols = tl.arange(0, BLOCK_V)
-    t_ok = row_ok & (token >= 0) & (token < V)
-    z_t = tl.load(z_ptr + offs_n.to(tl.int64) * stride_n + token.to(tl.int64) * stride_v,
-                  mask=t_ok, other=0.0).to(tl.float32)
+    offs_n, row_ok, rows, cols, t_ok, z_t = target_rows(z_ptr, token_ptr, N, V, stride_n, stride_v, BLOCK_N, BLOCK_V)
     if HAS_SOFTCAP:
         z_t = softcap_tile(z_t, softcap)
     a_t = tl.where(t_ok, z_t * inv_temp, 0.0)
@@ -66,17 +58,8 @@ def lp_backward_kernel(
 ):
     """d / d logits for one BLOCK_N x BLOCK_V tile: log p = a - lse, dz = p (A + C log p)
     - B [j == t] (times the soft-cap factor). One read of z, one write of dz."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_ok = offs_n < N
-    mask = row_ok[:, None] & (offs_v < V)[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    cols = offs_v.to(tl.int64)[None, :]
-    z = tl.load(z_ptr + rows * stride_zn + cols * stride_zv, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        z = softcap_tile(z, softcap)
+    z, offs_n, offs_v, row_ok, mask, rows, cols = logits_tile(z_ptr, N, V, stride_zn, stride_zv, softcap,
+                                                              HAS_SOFTCAP, BLOCK_N, BLOCK_V)
     lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     logp = z * inv_temp - lse[:, None]
     p = tl.exp(logp)

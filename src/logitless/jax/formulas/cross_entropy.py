@@ -1,35 +1,19 @@
 """The cross-entropy formulas for JAX, written once (the JAX twin of
-``logitless/formulas/cross_entropy.py``, class weights included).
+``logitless.formulas.cross_entropy``, class weights included).
 
-A backend reduces each token's row of logits to fp32 statistics; everything else is
-computed here with O(tokens) work:
-
-    z_c   = logit of class c, after the optional soft-cap  z_c = s * tanh(z_c / s)
-    lse   = log sum_c exp(z_c)
-    z_t   = z at the target class t
-    S     = sum_c w_c z_c                 (only with label smoothing; w_c = class weight or 1)
-
-Loss of a token (eps = label_smoothing, V = number of classes, W = sum_c w_c):
-
-    loss = (1 - eps) * w_t * (lse - z_t)             cross-entropy, as torch's nll
-         + (eps / V) * (W * lse - S)                 = (eps / V) * sum_c w_c (lse - z_c)
-         + z_loss * lse**2                           z-loss (PaLM), not class-weighted
+A backend reduces each token's row of logits to fp32 statistics (lse, the target's
+logit z_t, and with label smoothing S = sum_c w_c z_c); everything else is computed
+here with O(tokens) work, with the loss and gradient that
+``logitless.formulas.cross_entropy``'s docstring derives: per token
+(1 - eps) w_t (lse - z_t) + (eps / V) (W lse - S) + z_loss lse**2, and
+dz_c = p_c A - B [c == t] - C w_c (times (1 - (z_c / s)**2) with a soft-cap), the one
+line backends evaluate, A, B, C from ``grad_coefficients``.
 
 "mean" divides the sum over non-ignored tokens by the sum of w_t over them (their count
 without class weights), exactly as ``torch.nn.functional.cross_entropy(weight=...)``;
 the z-loss sum is divided by the same denominator (NaN when it is 0, as torch's 0/0).
 Ignored tokens have loss 0 and gradient 0. A target outside [0, V) that is not
 ``ignore_index`` gives that token a NaN loss and NaN gradient rows.
-
-Gradient with respect to the (soft-capped) logit z_c for an upstream gradient g of the
-token's loss (p_c = exp(z_c - lse)):
-
-    dz_c = p_c * A - B * [c == t] - C * w_c
-    A = g * ((1 - eps) * w_t + (eps / V) * W + 2 * z_loss * lse)
-    B = g * (1 - eps) * w_t
-    C = g * eps / V
-
-times (1 - (z_c / s)**2) with a soft-cap. Backends evaluate only that line.
 """
 
 from __future__ import annotations

@@ -15,21 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from logitless.options import CrossEntropyOptions, JSDOptions
 
-def cross_entropy_reference(
-    logits: Tensor,
-    target: Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    class_weight: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    z_loss: float = 0.0,
-    dtype: torch.dtype = torch.float64,
-):
+
+def cross_entropy_reference(logits: Tensor, target: Tensor, *, class_weight: Optional[Tensor] = None,
+                            dtype: torch.dtype = torch.float64, **options):
     """Returns (loss, lse, correct) computed in ``dtype`` (lse and correct per token, in
-    the shape of target). Differentiable with respect to logits."""
+    the shape of target). Differentiable with respect to logits. ``options``: the fields
+    of ``logitless.options.CrossEntropyOptions`` (ignore_index, reduction,
+    label_smoothing, softcap, z_loss), with its defaults."""
+    o = CrossEntropyOptions(**options)
+    ignore_index, reduction, label_smoothing, softcap, z_loss = o.args()
     z = logits.to(dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -57,22 +53,14 @@ def _cap(z: Tensor, cap: Optional[float]) -> Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
 
 
-def jsd_reference(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    target: Optional[Tensor] = None,
-    *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    student_softcap: Optional[float] = None,
-    teacher_softcap: Optional[float] = None,
-    hard_label_weight: float = 0.0,
-    dtype: torch.dtype = torch.float64,
-) -> Tensor:
+def jsd_reference(student_logits: Tensor, teacher_logits: Tensor, target: Optional[Tensor] = None, *,
+                  reduction: str = "mean", dtype: torch.dtype = torch.float64, **options) -> Tensor:
     """The loss in ``dtype`` (per token in target's shape for "none"); differentiable
-    with respect to both logits."""
+    with respect to both logits. ``options``: the fields of
+    ``logitless.options.JSDOptions`` (beta, temperature, ignore_index, the softcaps,
+    hard_label_weight), with its defaults."""
+    beta, temperature, ignore_index, student_softcap, teacher_softcap, hard_label_weight = \
+        JSDOptions(**options).args()
     zs = _cap(student_logits.to(dtype), student_softcap)
     zt = _cap(teacher_logits.to(dtype), teacher_softcap)
     lp = F.log_softmax(zs / temperature, dim=-1)

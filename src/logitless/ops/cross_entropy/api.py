@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
+from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.dispatch import BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
@@ -54,6 +55,7 @@ def _disjoint(t: Tensor) -> bool:
     return (sv > 0 and sn >= v * sv) or (sn > 0 and sv >= n * sn)
 
 
+@shared_doc
 def cross_entropy(
     logits: Tensor,
     target: Tensor,
@@ -102,17 +104,8 @@ def cross_entropy(
             torch whatever ``backend`` (an fp32 copy of the logits; no memory_budget
             chunking), receive a gradient as in torch, and support neither return_stats
             nor inplace_backward.
-        ignore_index: targets equal to it contribute no loss and no gradient.
-        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
-            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
-        label_smoothing: in [0, 1], as in ``F.cross_entropy``.
-        class_weight: optional (V,) per-class weight, as ``weight=`` of ``F.cross_entropy``
-            (receives no gradient). ``weight=`` is accepted as its alias.
-        softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
-        z_loss: coefficient of the z-loss term lse**2 (0 disables it).
-        return_stats: also return a ``LossStats`` (per-token lse, per-token
-            argmax == target, number of non-ignored tokens, per-token argmax id, -1 at
-            ignored tokens) computed in the same pass.
+        {ce_options}
+        {return_stats}
         inplace_backward: (eager mode only: under torch.compile it raises RuntimeError)
             the backward writes the gradient over the logits' own memory
             and returns that buffer as their gradient, so backward allocates nothing of
@@ -127,7 +120,7 @@ def cross_entropy(
         memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
             (default 256 MiB); sizes the row chunks of the torch backend (at least one
             row), which never makes an fp32 copy of all the logits.
-        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        {backend}
         weight: alias of ``class_weight`` (the name ``F.cross_entropy`` uses).
         class_dim: where the classes are: -1 (the (..., V) layout), 1 (torch's
             (N, C, d1, ...) layout), or None: inferred from target's shape, (..., V) when
@@ -135,18 +128,7 @@ def cross_entropy(
             without dimension 1; a ``ValueError`` when both fit and differ (e.g. (N, C, d)
             logits with C == d).
 
-    Returns:
-        The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
-        ``return_stats=True``.
-
-    Errors and special values:
-        Wrong ranks, shapes, dtypes or devices, an unknown reduction or backend, and
-        options out of range raise ``ValueError``/``TypeError``. A target outside
-        [0, V) that is not ``ignore_index`` raises ``ValueError`` on the CPU; on a GPU
-        (where checking would stall on a host sync) that token's loss is NaN, and so
-        is the reduced loss. NaN or inf in the logits give a NaN loss, never a finite
-        one. Empty inputs and batches with every token ignored behave as torch:
-        "mean" gives NaN with zero gradients, "sum" gives 0.
+    {ce_returns}
     """
     opts = CrossEntropyOptions.checked(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
+from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
@@ -21,6 +22,7 @@ from logitless.options import CrossEntropyOptions, check_memory_budget
 from .custom_op import grad_in_forward_chunk, lce_forward_eager
 
 
+@shared_doc
 def linear_cross_entropy(
     x: Tensor,
     weight: Tensor,
@@ -81,21 +83,12 @@ def linear_cross_entropy(
             aside) and device as x.
         target: (...) int64 or int32 class indices, the leading shape of ``x``.
         bias: optional (V,), same dtype as ``weight``.
-        ignore_index: targets equal to it contribute no loss and no gradient.
-        reduction: "mean" (over non-ignored tokens, weighted by class_weight as torch),
-            "sum" or "none" (per-token loss in the shape of target, 0 at ignored tokens).
-        label_smoothing: in [0, 1], as in ``F.cross_entropy``.
-        class_weight: optional (V,) per-class weight, as ``weight=`` of ``F.cross_entropy``
-            (receives no gradient).
-        softcap: optional s > 0: logits become s * tanh(z / s) (Gemma 2).
-        z_loss: coefficient of the z-loss term lse**2 (0 disables it).
+        {ce_options}
         shift: causal-LM shift: position t of ``x`` predicts ``target`` at t+1 along the
             last dim of ``target`` (the sequence); the last position predicts nothing.
             ``x`` is not copied. With reduction="none" the result has T-1 positions
             (none for T = 0 or 1; "mean" is then NaN and "sum" 0, as torch's).
-        return_stats: also return a ``LossStats`` (per-token lse, per-token
-            argmax == target, number of non-ignored tokens, per-token argmax id, -1 at
-            ignored tokens) computed in the same pass.
+        {return_stats}
         memory_budget: bytes of temporary memory beyond inputs, outputs and gradients
             (default 256 MiB). It sizes the chunks: with a budget of at least the
             logits in the input dtype (tokens x V x itemsize) the Triton backend keeps
@@ -127,18 +120,7 @@ def linear_cross_entropy(
             of x (the sum over its columns) instead of the all-reduced one, for
             frameworks that reduce it themselves (Megatron's column-parallel head).
 
-    Returns:
-        The loss (a scalar, or per-token for "none"), or ``(loss, stats)`` with
-        ``return_stats=True``.
-
-    Errors and special values:
-        Wrong ranks, shapes, dtypes or devices, an unknown reduction or backend, and
-        options out of range raise ``ValueError``/``TypeError``. A target outside
-        [0, V) that is not ``ignore_index`` raises ``ValueError`` on the CPU; on a GPU
-        (where checking would stall on a host sync) that token's loss is NaN, and so
-        is the reduced loss. NaN or inf in the inputs give a NaN loss, never a finite
-        one. Empty inputs and batches with every token ignored behave as torch:
-        "mean" gives NaN with zero gradients, "sum" gives 0.
+    {ce_returns}
     """
     opts = CrossEntropyOptions.checked(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,

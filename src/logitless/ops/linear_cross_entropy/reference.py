@@ -17,30 +17,14 @@ from torch import Tensor
 from logitless.ops.common.reference import cross_entropy_reference
 
 
-def linear_cross_entropy_reference(
-    x: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor] = None,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    class_weight: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    z_loss: float = 0.0,
-    shift: bool = False,
-    dtype: torch.dtype = torch.float64,
-):
+def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                                   shift: bool = False, dtype: torch.dtype = torch.float64, **kw):
     """Returns (loss, lse, correct) in ``dtype`` (lse, correct per token, shape of the
-    loss positions). Differentiable with respect to x, weight and bias."""
+    loss positions). Differentiable with respect to x, weight and bias. ``kw``: the
+    options of ``cross_entropy_reference`` (class_weight and the cross-entropy options)."""
     logits = x.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         logits = logits + bias.to(dtype)
     if shift:
         logits, target = logits[..., :-1, :], target[..., 1:]
-    return cross_entropy_reference(
-        logits, target, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=label_smoothing, class_weight=class_weight, softcap=softcap,
-        z_loss=z_loss, dtype=dtype,
-    )
+    return cross_entropy_reference(logits, target, dtype=dtype, **kw)

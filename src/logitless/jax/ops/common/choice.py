@@ -9,6 +9,7 @@ is checked the same way and refused with a ValueError that says why.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import jax
@@ -16,6 +17,14 @@ import jax.numpy as jnp
 
 #: Accelerated backends in the order the automatic choice tries them.
 PREFERENCE = ("mosaic_gpu", "triton")
+
+
+def import_backend(backends: dict, name: str, package: str):
+    """The module of backend ``name``: ``backends`` maps names to module paths relative to
+    ``package`` (an op's package); ValueError naming the choices for any other name."""
+    if name not in backends:
+        raise ValueError(f"implementation must be None or one of {tuple(backends)}, got {name!r}")
+    return importlib.import_module(backends[name], package)
 
 
 def is_sm90() -> bool:

@@ -4,8 +4,6 @@ is the JAX ops' shared one (``logitless/jax/ops/common/choice.py``)."""
 
 from __future__ import annotations
 
-import importlib
-
 from logitless.jax.ops.common import choice
 from logitless.jax.ops.common.choice import supported as _supported  # noqa: F401 (re-exported)
 
@@ -19,9 +17,7 @@ BACKENDS = {
 
 
 def backend_module(name: str):
-    if name not in BACKENDS:
-        raise ValueError(f"implementation must be None or one of {tuple(BACKENDS)}, got {name!r}")
-    return importlib.import_module(BACKENDS[name], __package__)
+    return choice.import_backend(BACKENDS, name, __package__)
 
 
 def _is_sm90() -> bool:

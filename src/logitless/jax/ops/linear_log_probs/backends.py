@@ -5,8 +5,6 @@ is selectable by name but not automatic (``AUTOMATIC``): it has no per-device (s
 
 from __future__ import annotations
 
-import importlib
-
 from logitless.jax.ops.common import choice
 
 #: Backends by name: module path (relative to this package).
@@ -22,9 +20,7 @@ def backend_module(name: str):
     if name in NOT_YET:
         raise ValueError(f"implementation {name!r} is not available for linear_log_probs yet; "
                          f"use implementation=None or one of {tuple(BACKENDS)}")
-    if name not in BACKENDS:
-        raise ValueError(f"implementation must be None or one of {tuple(BACKENDS)}, got {name!r}")
-    return importlib.import_module(BACKENDS[name], __package__)
+    return choice.import_backend(BACKENDS, name, __package__)
 
 
 def _is_sm90() -> bool:
