@@ -1,0 +1,217 @@
+"""linear_log_probs with truncated sampling (top-k / top-p / min-p) and/or
+``batch_invariant=True``: one autograd.Function over the backends' forward and backward.
+
+Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
+the hidden states (``thresholds``: chunked GEMMs in torch, a running top-C per row, no
+(tokens x vocab) tensor beyond one tile within the budget), then the backend's usual
+forward and backward run with that per-token tau (``tau=``: columns a < tau drop out of
+the statistics and of dz). The forward keeps nothing for the backward (it recomputes):
+3 GEMM passes in the forward+backward besides the threshold pass (1 GEMM pass; rows
+whose kept set is not settled by their candidates run again with 4x as many: top-p over
+a flat row, a wide min-p set). The fallback checks the rows on the host (one sync per
+pass).
+
+Batch invariance: the rows go through the backends in blocks of a fixed size
+(``invariant_rows``: it depends on the backend and device only), the last block padded
+with zero rows, so every GEMM, plan and reduction of a row has the same shape whatever
+the batch, and a row's bits do not depend on its position (row results of a GEMM of one
+shape do not depend on the row's place in it). Cost: up to one block of padding rows
+and, per block, one more add of dW (V x H); no kept columns for the backward (one
+recomputed GEMM more than the default path).
+
+torch.compile: this path is an autograd.Function over eager code (not custom ops).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import apply_softcap, compute_dtype
+from logitless.formulas.log_probs import online_update, scaled_logits_
+from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, merge_candidates, resolve
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.torch_tiles import linear_torch_plan
+from logitless.ops.common.validate import check_targets_in_range
+from logitless.options import LogProbOptions
+
+#: Rows per block with batch_invariant=True: (backend, device type) -> rows.
+INVARIANT_ROWS = {("torch", "cpu"): 64, ("torch", "cuda"): 1024, ("triton", "cuda"): 2048, ("triton", "cpu"): 16}
+
+
+def invariant_rows(backend: str, device: torch.device) -> int:
+    return INVARIANT_ROWS.get((backend, device.type), 1024)
+
+
+def _tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
+    z = x_c @ w_v.T
+    if b_v is not None:
+        z += b_v
+    return scaled_logits_(apply_softcap(z, opts.softcap, inplace=True), opts)
+
+
+def _candidates(x_c: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, c: int,
+                vocab_chunk: int):
+    """(top-c descending, row max, sum exp(a - max)) of x_c's rows over all columns."""
+    cd = x_c.dtype
+    v = weight.shape[0]
+    cand = None
+    m = torch.full((x_c.shape[0],), -math.inf, dtype=cd, device=x_c.device)
+    s = torch.zeros_like(m)
+    for v0 in range(0, v, vocab_chunk):
+        v1 = min(v, v0 + vocab_chunk)
+        a = _tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+        cand = merge_candidates(cand, a, c)
+        m, s, _ = online_update(a, m, s, None)
+    return cand, m, s
+
+
+def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc: Truncation,
+               budget: int) -> Tensor:
+    """Per-token tau (N,) in the compute dtype (-inf: nothing truncated)."""
+    n = x.shape[0]
+    v = weight.shape[0]
+    cd = compute_dtype(x.dtype)
+    cs = torch.finfo(cd).bits // 8
+    tau = torch.full((n,), -math.inf, dtype=cd, device=x.device)
+    if n == 0:
+        return tau
+    plan = linear_torch_plan(x, v, budget, tiles=3, accumulators=0)
+    kmax = int(trunc.top_k.max())  # (host sync: the candidates' count)
+    c = min(v, max(MIN_CANDIDATES, kmax + 1))
+    rows = torch.arange(n, device=x.device)
+    first = True
+    while True:
+        # rows per step: the tile, the candidates and their merge within the budget
+        step = plan.token_chunk if first else max(
+            1, min(plan.token_chunk, budget // (cs * 3 * (c + plan.vocab_chunk))))
+        pending = []
+        for r0 in range(0, rows.numel(), step):
+            idx = rows[r0:r0 + step]
+            x_c = x[idx].to(cd)
+            if idx.numel() < step and (rows.numel() > step or not first):  # one shape (batch invariance)
+                x_c = torch.cat([x_c, x_c.new_zeros(step - idx.numel(), x_c.shape[1])])
+            cand, m, s = _candidates(x_c, weight, bias, opts, c, plan.vocab_chunk)
+            k = idx.numel()
+            t, ok = resolve(cand[:k], m[:k], s[:k], v, trunc.rows(idx))
+            tau[idx] = torch.where(ok, t, tau[idx])
+            pending.append(idx[~ok])
+        rows = torch.cat(pending)
+        if rows.numel() == 0 or c >= v:  # (host sync: the fallback's check)
+            return tau
+        c = min(v, 4 * c)
+        first = False
+
+
+class _TruncatedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, tokens, trunc_args, opts, impl, budget, block):
+        trunc = Truncation(*trunc_args) if trunc_args is not None else None
+        n, v = x.shape[0], weight.shape[0]
+        check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
+        backend = load_backend(__package__, impl)
+        sd = compute_dtype(x.dtype)
+        with no_autocast(x.device):
+            blocks = _blocks(n, block)
+            logp = x.new_empty(n, dtype=sd)
+            ent = x.new_empty(n, dtype=sd) if opts.entropy else None
+            lse = x.new_empty(n, dtype=sd)
+            taus = x.new_empty(n, dtype=sd) if trunc is not None else None
+            for n0, n1, pad in blocks:
+                xb, tb = _padded(x, tokens, n0, n1, pad, opts.ignore_index)
+                tau = None
+                if trunc is not None:
+                    tr = _padded_trunc(trunc, n0, n1, pad)
+                    tau = thresholds(xb, weight, bias, opts, tr, budget)
+                    taus[n0:n1] = tau[:n1 - n0]
+                if xb.shape[0] == 0:
+                    continue
+                (lp, en, ls), _ = backend.forward(xb, weight, bias, tb, opts, budget=budget, need_grad=False,
+                                                  outputs=True, tau=tau)
+                logp[n0:n1] = lp[:n1 - n0].to(sd)
+                lse[n0:n1] = ls[:n1 - n0].to(sd)
+                if ent is not None:
+                    ent[n0:n1] = en[:n1 - n0].to(sd)
+        ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
+        ctx.args = (opts, impl, budget, block, bias is not None)
+        if ent is None:
+            ent = x.new_empty(0, dtype=sd)
+        ctx.mark_non_differentiable(lse)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h):
+        x, weight, bias, tokens, lse, ent, taus, logp = ctx.saved_tensors
+        opts, impl, budget, block, has_bias = ctx.args
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        n, v = x.shape[0], weight.shape[0]
+        backend = load_backend(__package__, impl)
+        if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
+            g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
+        dx = torch.zeros_like(x) if need_dx else None
+        dw = db = None
+        with no_autocast(x.device):
+            for n0, n1, pad in _blocks(n, block):
+                xb, tb = _padded(x, tokens, n0, n1, pad, opts.ignore_index)
+                if xb.shape[0] == 0:
+                    continue
+                gl = _pad_vec(g_lp, n0, n1, pad) if g_lp is not None else None
+                gh = _pad_vec(g_h, n0, n1, pad) if (g_h is not None and opts.entropy) else None
+                en = _pad_vec(ent, n0, n1, pad) if ent is not None else None
+                ls = _pad_vec(lse, n0, n1, pad)
+                tau = _pad_vec(taus, n0, n1, pad, -math.inf) if taus is not None else None
+                coef = backend.grad_coefficients(en, tb, gl, gh, v, opts, ls)
+                bx, bw, bb = backend.backward(xb, weight, bias, tb, opts, ls, coef, need_dx=need_dx,
+                                              need_dw=need_dw, need_db=need_db and has_bias, budget=budget,
+                                              tau=tau)
+                if need_dx:
+                    dx[n0:n1] = bx[:n1 - n0]
+                if need_dw:
+                    dw = bw if dw is None else dw.add_(bw)
+                if need_db and has_bias:
+                    db = bb if db is None else db.add_(bb)
+        if need_dw and dw is None:
+            dw = torch.zeros_like(weight)
+        if need_db and has_bias and db is None:
+            db = torch.zeros_like(bias)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _blocks(n: int, block: Optional[int]):
+    """(n0, n1, padding rows) of the row blocks: one block of n rows without ``block``."""
+    if not block:
+        return [(0, n, 0)]
+    return [(n0, min(n, n0 + block), max(0, n0 + block - n)) for n0 in range(0, n, block)]
+
+
+def _padded(x: Tensor, tokens: Tensor, n0: int, n1: int, pad: int, ignore_index: int):
+    xb, tb = x[n0:n1], tokens[n0:n1]
+    if pad:
+        xb = torch.cat([xb, xb.new_zeros(pad, x.shape[1])])
+        tb = torch.cat([tb, tb.new_full((pad,), ignore_index)])
+    return xb, tb
+
+
+def _pad_vec(t: Tensor, n0: int, n1: int, pad: int, fill: float = 0.0) -> Tensor:
+    t = t[n0:n1]
+    if pad:
+        t = torch.cat([t, t.new_full((pad,), fill)])
+    return t
+
+
+def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
+    return Truncation(_pad_vec(trunc.top_k, n0, n1, pad), _pad_vec(trunc.top_p, n0, n1, pad, 1.0),
+                      _pad_vec(trunc.min_p, n0, n1, pad))
+
+
+def linear_log_probs_truncated(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
+                               trunc: Optional[Truncation], opts: LogProbOptions, impl: str, budget: int,
+                               batch_invariant: bool):
+    """(logp, entropy or an empty tensor) of x (N, H), tokens (N,) int64."""
+    block = invariant_rows(impl, x.device) if batch_invariant else None
+    args = (trunc.top_k, trunc.top_p, trunc.min_p) if trunc is not None else None
+    return _TruncatedLogProbs.apply(x, weight, bias, tokens, args, opts, impl, budget, block)
