@@ -31,7 +31,7 @@ def linear_log_probs_reference(x: Tensor, weight: Tensor, tokens: Tensor, bias: 
     return torch.where(valid, picked, zero), torch.where(valid, ent, zero)
 
 
-def truncated_keep_reference(a: Tensor, top_k, top_p, min_p) -> Tensor:
+def truncated_keep_reference(a: Tensor, top_k=None, top_p=1.0, min_p=0.0) -> Tensor:
     """Kept mask (N, V) of scaled logits ``a`` (N, V) in float64, written plainly after
     vLLM's sampler: min-p (probs < min_p * max prob masked), then top-k (sorted
     ascending, values below the k-th largest masked), then top-p (softmax of what is
@@ -81,12 +81,14 @@ def truncated_log_probs_reference(x: Tensor, weight: Tensor, tokens: Tensor, bia
         z = softcap * torch.tanh(z / softcap)
     a = (z / temperature).reshape(-1, z.shape[-1])
     keep = truncated_keep_reference(a.detach(), top_k, top_p, min_p)
-    lp = F.log_softmax(a.masked_fill(~keep, -math.inf), dim=-1)
+    lse = torch.logsumexp(a.masked_fill(~keep, -math.inf), dim=-1, keepdim=True)
+    lp = torch.where(keep, a - lse, torch.zeros_like(a))  # (no -inf: no NaN gradients)
     flat = tokens.reshape(-1)
     valid = flat != ignore_index
-    picked = lp.gather(-1, torch.where(valid, flat, 0).long().unsqueeze(-1)).squeeze(-1)
-    p = lp.exp()
-    ent = -torch.where(keep, p * lp, torch.zeros_like(lp)).sum(-1)
+    idx = torch.where(valid, flat, 0).long().unsqueeze(-1)
+    picked = lp.gather(-1, idx).squeeze(-1)
+    picked = torch.where(keep.gather(-1, idx).squeeze(-1), picked, torch.full_like(picked, -math.inf))
+    ent = -(lp.exp() * keep * lp).sum(-1)
     zero = torch.zeros((), dtype=dtype, device=lp.device)
     return (torch.where(valid, picked, zero).reshape(tokens.shape),
             torch.where(valid, ent, zero).reshape(tokens.shape))
