@@ -35,17 +35,12 @@ from logitless.formulas.log_probs import online_update, scaled_logits_
 from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, merge_candidates, resolve
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.dispatch import load_backend
+from logitless.ops.common.invariant import blocks as _blocks
+from logitless.ops.common.invariant import invariant_rows
+from logitless.ops.common.invariant import pad_rows
 from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
-
-#: Rows per block with batch_invariant=True: (backend, device type) -> rows.
-INVARIANT_ROWS = {("torch", "cpu"): 64, ("torch", "cuda"): 1024, ("triton", "cuda"): 2048, ("triton", "cpu"): 16}
-
-
-def invariant_rows(backend: str, device: torch.device) -> int:
-    return INVARIANT_ROWS.get((backend, device.type), 1024)
-
 
 def _tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
     z = x_c @ w_v.T
@@ -181,26 +176,12 @@ class _TruncatedLogProbs(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
-def _blocks(n: int, block: Optional[int]):
-    """(n0, n1, padding rows) of the row blocks: one block of n rows without ``block``."""
-    if not block:
-        return [(0, n, 0)]
-    return [(n0, min(n, n0 + block), max(0, n0 + block - n)) for n0 in range(0, n, block)]
-
-
 def _padded(x: Tensor, tokens: Tensor, n0: int, n1: int, pad: int, ignore_index: int):
-    xb, tb = x[n0:n1], tokens[n0:n1]
-    if pad:
-        xb = torch.cat([xb, xb.new_zeros(pad, x.shape[1])])
-        tb = torch.cat([tb, tb.new_full((pad,), ignore_index)])
-    return xb, tb
+    return pad_rows(x, n0, n1, pad), pad_rows(tokens, n0, n1, pad, ignore_index)
 
 
 def _pad_vec(t: Tensor, n0: int, n1: int, pad: int, fill: float = 0.0) -> Tensor:
-    t = t[n0:n1]
-    if pad:
-        t = torch.cat([t, t.new_full((pad,), fill)])
-    return t
+    return pad_rows(t, n0, n1, pad, fill)
 
 
 def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
