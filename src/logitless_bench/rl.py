@@ -9,7 +9,8 @@ reference (computed on the device in chunks of tokens); then per method: forward
 Methods: logitless.linear_log_probs (default budget; a logits-sized budget), torch eager
 on the logits (bf16 logits, fp32 log_softmax of logits / T), the same under
 torch.compile, verl's fused kernel (``verl.utils.kernel.linear_cross_entropy``, when
-importable). ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU
+importable); truncated sampling (top-k / top-p / min-p, and a logits-based sort mask for
+comparison) and ``batch_invariant=True`` rows (no error column for truncated rows). ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU
 one tiny case runs on the CPU, loudly labelled.
 """
 
@@ -93,6 +94,40 @@ def _logitless(budget):
     return make
 
 
+def _logitless_with(**extra):
+    """linear_log_probs with truncation and/or batch_invariant (default budget)."""
+    def make(shape, device):
+        import logitless
+
+        def fn(x, w, t):
+            return logitless.linear_log_probs(x, w, t, temperature=shape.temperature, entropy=True, **extra)
+        return fn
+    return make
+
+
+def _torch_truncated_on_logits(x, w, t, temperature, top_k, top_p):
+    """The logits-based way: vLLM's sort-based top-k / top-p mask on fp32 logits / T."""
+    a = (x @ w.T).float() / temperature
+    srt, idx = a.sort(dim=-1)
+    v = a.shape[-1]
+    if top_k:
+        srt = srt.masked_fill(srt < srt[:, v - top_k:v - top_k + 1], float("-inf"))
+    if top_p < 1:
+        drop = srt.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        srt = srt.masked_fill(drop, float("-inf"))
+    masked = torch.empty_like(a).scatter_(-1, idx, srt)
+    ls = torch.log_softmax(masked, dim=-1)
+    lp = ls.gather(-1, t[:, None])[:, 0]
+    p = ls.exp()
+    ent = -(torch.where(p > 0, p * ls, torch.zeros_like(p))).sum(-1)
+    return lp, ent
+
+
+def _eager_truncated(shape, device):
+    return lambda x, w, t: _torch_truncated_on_logits(x, w, t, shape.temperature, 50, 0.9)
+
+
 def _logits_budget(shape):
     itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
     return shape.tokens * shape.vocab * itemsize + 64 * 2**20
@@ -127,7 +162,19 @@ METHODS = {
     "torch-eager": (_eager, "x @ W.T in bf16, fp32 log_softmax(logits / T), gather, entropy"),
     "torch-compile": (_compiled, "the same under torch.compile"),
     "verl": (_verl, "verl.utils.kernel.linear_cross_entropy (fused Triton, when installed)"),
+    # truncated sampling (issue 38): errors against the untruncated float64 reference are not reported
+    "logitless-topk64": (_logitless_with(top_k=64), "linear_log_probs(top_k=64)"),
+    "logitless-minp0.05": (_logitless_with(min_p=0.05), "linear_log_probs(min_p=0.05)"),
+    "logitless-topp0.95": (_logitless_with(top_p=0.95), "linear_log_probs(top_p=0.95)"),
+    "logitless-k50p0.9": (_logitless_with(top_k=50, top_p=0.9), "linear_log_probs(top_k=50, top_p=0.9)"),
+    "torch-eager-k50p0.9": (_eager_truncated, "bf16 logits, vLLM's sort-based top-k=50/top-p=0.9 mask, fp32"),
+    "logitless-invariant": (_logitless_with(batch_invariant=True), "linear_log_probs(batch_invariant=True)"),
+    "logitless-invariant-k50p0.9": (_logitless_with(batch_invariant=True, top_k=50, top_p=0.9),
+                                    "linear_log_probs(batch_invariant=True, top_k=50, top_p=0.9)"),
 }
+
+#: Methods whose distribution is truncated: no error against the untruncated reference.
+TRUNCATED = {m for m in METHODS if "top" in m or "minp" in m or "k50" in m}
 
 
 # --------------------------------------------------------------------------- measurement
@@ -288,7 +335,8 @@ def run_cli(args, cpu: bool) -> int:
                     except Exception as exc:  # noqa: BLE001
                         row.update(status="failed", reason=f"set-up: {describe(exc)}")
                     else:
-                        measure(fn, inputs, gemm_ms, ref, shape.temperature, device, warmup, reps, row)
+                        measure(fn, inputs, gemm_ms, None if name in TRUNCATED else ref, shape.temperature,
+                                device, warmup, reps, row)
                         del fn
                 if row["status"] == "ok" and row["errors"]:
                     row.update(status="failed", reason="; ".join(row["errors"]))
