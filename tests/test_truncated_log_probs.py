@@ -221,3 +221,14 @@ def test_log_probs_from_logits(backend):
     rl, re = truncated_log_probs_reference(None, None, t, logits=zr, temperature=0.9, **trunc)
     (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl).sum() + re.sum()).backward()
     assert (z.grad.cpu().double() - zr.grad).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_inputs(backend):
+    """16-bit inputs (the threshold pass's GEMM in the input dtype on Triton): the
+    reference on the same bf16 values in float64."""
+    trunc = dict(top_k=10, top_p=0.9, min_p=0.02)
+    x, w, b, t = _inputs((2, 7), 32, 131, seed=12, trunc=trunc, dtype=torch.bfloat16)
+    lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.9, backend=backend, **trunc)
+    rl, re = truncated_log_probs_reference(x.cpu().double(), w.cpu().double(), t.cpu(), temperature=0.9, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re, tol=2e-4)

@@ -130,8 +130,11 @@ def linear_log_probs(
     _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
     memory_budget = check_memory_budget(memory_budget)
     impl = resolve_backend(backend, x.device, x.dtype)
-    trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
-    if not isinstance(batch_invariant, bool):
+    trunc = None  # (the default call adds no Python call here: the host-overhead bound)
+    if top_k is not None or top_p.__class__ is not float or top_p != 1.0 or min_p.__class__ is not float \
+            or min_p != 0.0:
+        trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
+    if batch_invariant is not False and batch_invariant is not True:
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
 
     out_shape = tokens.shape

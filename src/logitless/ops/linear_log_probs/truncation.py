@@ -50,24 +50,45 @@ def _tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions)
 
 
 def _candidates(x_c: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, c: int,
-                vocab_chunk: int):
-    """(top-c descending, row max, sum exp(a - max)) of x_c's rows over all columns."""
-    cd = x_c.dtype
+                vocab_chunk: int, tile_of=None):
+    """(top-c descending, row max, sum exp(a - max)) of x_c's rows over all columns;
+    ``tile_of(x_c, v0, v1)``: the tile of a (default: a torch GEMM in x_c's dtype)."""
+    cd = compute_dtype(x_c.dtype)
     v = weight.shape[0]
     cand = None
     m = torch.full((x_c.shape[0],), -math.inf, dtype=cd, device=x_c.device)
     s = torch.zeros_like(m)
     for v0 in range(0, v, vocab_chunk):
         v1 = min(v, v0 + vocab_chunk)
-        a = _tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+        if tile_of is not None:
+            a = tile_of(x_c, v0, v1)
+        else:
+            a = _tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
         cand = merge_candidates(cand, a, c)
         m, s, _ = online_update(a, m, s, None)
     return cand, m, s
 
 
+def _triton_tiles(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, budget: int):
+    """(tile_of, vocab chunk) of the Triton backend: the forward kernel's tile code."""
+    from logitless.triton_lib.log_probs_threshold import scaled_logits
+
+    from . import triton_backend
+
+    n, h = x.shape
+    plan = triton_backend._plan(n, weight.shape[0], h, x.dtype, budget, x.device, False)
+
+    def tile_of(x_c, v0, v1):
+        return scaled_logits(x_c, weight, bias, opts.softcap, opts.temperature, v0, v1, plan)
+
+    return tile_of, plan.block_v
+
+
 def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc: Truncation,
-               budget: int) -> Tensor:
-    """Per-token tau (N,) in the compute dtype (-inf: nothing truncated)."""
+               budget: int, impl: str = "torch") -> Tensor:
+    """Per-token tau (N,) in the compute dtype (-inf: nothing truncated). ``impl``
+    "triton": the tiles of a from the forward kernel's tile code (its GEMM: 16-bit
+    operands, fp32 accumulation), else torch GEMMs in the compute dtype."""
     n = x.shape[0]
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
@@ -76,6 +97,10 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
     if n == 0:
         return tau
     plan = linear_torch_plan(x, v, budget, tiles=3, accumulators=0)
+    tile_of, vocab_chunk = None, plan.vocab_chunk
+    if impl == "triton":
+        tile_of, block_v = _triton_tiles(x, weight, bias, opts, budget)
+        vocab_chunk = max(block_v, plan.vocab_chunk // block_v * block_v)
     kmax = int(trunc.top_k.max())  # (host sync: the candidates' count)
     c = min(v, max(MIN_CANDIDATES, kmax + 1))
     rows = torch.arange(n, device=x.device)
@@ -87,10 +112,10 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
         pending = []
         for r0 in range(0, rows.numel(), step):
             idx = rows[r0:r0 + step]
-            x_c = x[idx].to(cd)
+            x_c = x[idx] if tile_of is not None else x[idx].to(cd)
             if idx.numel() < step and (rows.numel() > step or not first):  # one shape (batch invariance)
                 x_c = torch.cat([x_c, x_c.new_zeros(step - idx.numel(), x_c.shape[1])])
-            cand, m, s = _candidates(x_c, weight, bias, opts, c, plan.vocab_chunk)
+            cand, m, s = _candidates(x_c, weight, bias, opts, c, vocab_chunk, tile_of)
             k = idx.numel()
             t, ok = resolve(cand[:k], m[:k], s[:k], v, trunc.rows(idx))
             tau[idx] = torch.where(ok, t, tau[idx])
@@ -121,7 +146,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 tau = None
                 if trunc is not None:
                     tr = _padded_trunc(trunc, n0, n1, pad)
-                    tau = thresholds(xb, weight, bias, opts, tr, budget)
+                    tau = thresholds(xb, weight, bias, opts, tr, budget, impl)
                     taus[n0:n1] = tau[:n1 - n0]
                 if xb.shape[0] == 0:
                     continue

@@ -75,7 +75,10 @@ def log_probs(
                          "(the leading dimensions of logits)")
     _validate.check_same_device(logits=logits, tokens=tokens)
     impl = resolve_backend(backend, logits.device, logits.dtype)
-    trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
+    trunc = None
+    if top_k is not None or top_p.__class__ is not float or top_p != 1.0 or min_p.__class__ is not float \
+            or min_p != 0.0:
+        trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
     if trunc is not None or batch_invariant is not False:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
