@@ -10,8 +10,9 @@ Methods: logitless.linear_log_probs (default budget; a logits-sized budget), tor
 on the logits (bf16 logits, fp32 log_softmax of logits / T), the same under
 torch.compile, verl's fused kernel (``verl.utils.kernel.linear_cross_entropy``, when
 importable); truncated sampling (top-k / top-p / min-p, and a logits-based sort mask for
-comparison) and ``batch_invariant=True`` rows (no error column for truncated rows). ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU
-one tiny case runs on the CPU, loudly labelled.
+comparison) and ``batch_invariant=True`` rows (no error column for truncated rows).
+``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU one tiny
+case runs on the CPU, loudly labelled.
 """
 
 from __future__ import annotations

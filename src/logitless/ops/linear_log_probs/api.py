@@ -131,7 +131,7 @@ def linear_log_probs(
     memory_budget = check_memory_budget(memory_budget)
     impl = resolve_backend(backend, x.device, x.dtype)
     trunc = None  # (the default call adds no Python call here: the host-overhead bound)
-    if top_k is not None or top_p.__class__ is not float or top_p != 1.0 or min_p.__class__ is not float \
+    if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
             or min_p != 0.0:
         trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
     if batch_invariant is not False and batch_invariant is not True:

@@ -15,9 +15,10 @@ Batch invariance: the rows go through the backends in blocks of a fixed size
 (``invariant_rows``: it depends on the backend and device only), the last block padded
 with zero rows, so every GEMM, plan and reduction of a row has the same shape whatever
 the batch, and a row's bits do not depend on its position (row results of a GEMM of one
-shape do not depend on the row's place in it). Cost: up to one block of padding rows
-and, per block, one more add of dW (V x H); no kept columns for the backward (one
-recomputed GEMM more than the default path).
+shape do not depend on the row's place in it). Cost: up to one block of padding rows;
+per block one more add of dW (V x H; into an fp32 V x H sum for 16-bit inputs with
+several blocks); no kept columns for the backward (one recomputed GEMM more than the
+default path).
 
 torch.compile: this path is an autograd.Function over eager code (not custom ops).
 """
@@ -160,7 +161,6 @@ class _TruncatedLogProbs(torch.autograd.Function):
         ctx.args = (opts, impl, budget, block, bias is not None)
         if ent is None:
             ent = x.new_empty(0, dtype=sd)
-        ctx.mark_non_differentiable(lse)
         return logp, ent
 
     @staticmethod
@@ -170,6 +170,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         n, v = x.shape[0], weight.shape[0]
         backend = load_backend(__package__, impl)
+        sd = compute_dtype(x.dtype)
         if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
             g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
         dx = torch.zeros_like(x) if need_dx else None
@@ -190,14 +191,15 @@ class _TruncatedLogProbs(torch.autograd.Function):
                                               tau=tau)
                 if need_dx:
                     dx[n0:n1] = bx[:n1 - n0]
+                # several blocks: dW and db summed in fp32 (16-bit inputs), cast once
                 if need_dw:
-                    dw = bw if dw is None else dw.add_(bw)
+                    dw = bw if dw is None else (dw.float() if dw.dtype != sd else dw).add_(bw)
                 if need_db and has_bias:
-                    db = bb if db is None else db.add_(bb)
-        if need_dw and dw is None:
-            dw = torch.zeros_like(weight)
-        if need_db and has_bias and db is None:
-            db = torch.zeros_like(bias)
+                    db = bb if db is None else (db.float() if db.dtype != sd else db).add_(bb)
+        if need_dw:
+            dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
+        if need_db and has_bias:
+            db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
         return dx, dw, db, None, None, None, None, None, None
 
 

@@ -76,7 +76,7 @@ def log_probs(
     _validate.check_same_device(logits=logits, tokens=tokens)
     impl = resolve_backend(backend, logits.device, logits.dtype)
     trunc = None
-    if top_k is not None or top_p.__class__ is not float or top_p != 1.0 or min_p.__class__ is not float \
+    if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
             or min_p != 0.0:
         trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
     if trunc is not None or batch_invariant is not False:
