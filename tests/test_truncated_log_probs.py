@@ -232,3 +232,25 @@ def test_bf16_inputs(backend):
     lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.9, backend=backend, **trunc)
     rl, re = truncated_log_probs_reference(x.cpu().double(), w.cpu().double(), t.cpu(), temperature=0.9, **trunc)
     _check(lp.cpu(), ent.cpu(), rl, re, tol=2e-4)
+
+
+@pytest.mark.parametrize("budget", [None, 6_000])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_triton_kept_and_recomputed_columns(budget, softcap):
+    """The Triton backward with the forward's kept columns (e = 0 outside the set), with
+    some recomputed (a small budget), and with a soft-cap (nothing kept)."""
+    trunc = dict(top_k=9, min_p=0.01)
+    x, w, b, t = _inputs((13,), 24, 211, seed=21, bias=True, trunc=trunc, kept_tokens=0.8, softcap=softcap)
+    x, w, b = (u.requires_grad_() for u in (x, w, b))
+    lp, ent = logitless.linear_log_probs(x, w, t, b, entropy=True, softcap=softcap, backend="triton",
+                                         memory_budget=budget, **trunc)
+    g = torch.Generator().manual_seed(3)
+    g1, g2 = torch.randn(13, generator=g).to(DEVICE), torch.randn(13, generator=g).to(DEVICE)
+    (torch.where(torch.isinf(lp), torch.zeros_like(lp), lp) * g1 + ent * g2).sum().backward()
+    xr, wr, br = (u.detach().cpu().double().requires_grad_() for u in (x, w, b))
+    rl, re = truncated_log_probs_reference(xr, wr, t.cpu(), br, softcap=softcap, **trunc)
+    _check(lp.detach().cpu(), ent.detach().cpu(), rl.detach(), re.detach())
+    gr = g1.cpu().double(), g2.cpu().double()
+    (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl) * gr[0] + re * gr[1]).sum().backward()
+    for ours, ref in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert (ours.cpu().double() - ref).abs().max() < 1e-4

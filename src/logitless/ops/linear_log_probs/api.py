@@ -100,13 +100,14 @@ def linear_log_probs(
             ``min_p`` 0 are off; out of range: ValueError. log p is -inf for a token
             outside the kept set (no gradient there), ``entropy`` that of the truncated
             distribution, gradients flow through the kept set. Cost: one threshold GEMM
-            pass more, nothing kept for the backward (``ops.linear_log_probs.truncation``);
-            not with ``process_group``.
+            pass more (``ops.linear_log_probs.truncation``; with a soft-cap nothing is
+            kept for the backward); not with ``process_group``.
         batch_invariant: every per-token output bitwise the same whatever the batch
             size, the token's position and its neighbours: the rows go through fixed-size
             blocks (the last padded). Cost: up to one block of padding rows (2048 on
-            Triton, 1024/64 on the torch path on CUDA/CPU), one recomputed GEMM in the
-            backward (nothing kept) and one dW add per block. Not with ``process_group``.
+            Triton, 1024/64 on the torch path on CUDA/CPU); with several blocks one
+            recomputed GEMM in the backward (nothing kept) and one dW add per block. Not
+            with ``process_group``.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.

@@ -84,10 +84,12 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     ``backward`` turns into dz in place (one backward only). ``outputs`` (N > 0): ((logp,
     entropy or None, lse), kept) instead, the merge and ``token_outputs`` in one launch
     (``log_probs_epilogue.forward_outputs``). ``tau`` (N,) fp32: a per-token threshold,
-    columns a < tau left out (truncated sampling; Triton only, nothing kept)."""
+    columns a < tau left out (truncated sampling; kept e = 0 there; nothing kept with a
+    soft-cap)."""
     n, h = x.shape
     v = weight.shape[0]
-    keep_ok = keep_allowed(x.dtype, opts, need_grad) and tau is None
+    # (with tau: kept e = 0 outside the set; a soft-cap's factor from log e would be NaN there)
+    keep_ok = keep_allowed(x.dtype, opts, need_grad) and (tau is None or opts.softcap is None)
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
     cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0,
@@ -165,8 +167,8 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     """dx, dW, db. ``kept`` (buffer, tile maxima) with the forward's ``plan``: its
     buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
     chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
-    parallelism). ``tau``: the forward's per-token threshold (dz = 0 where a < tau;
-    nothing kept)."""
+    parallelism). ``tau``: the forward's per-token threshold (dz = 0 where a < tau in
+    the recomputed columns; the kept ones hold e = 0 there)."""
     thr = _threshold_args(tau)
     n, h = x.shape
     v = weight.shape[0]

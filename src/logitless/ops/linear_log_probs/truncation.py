@@ -2,14 +2,15 @@
 ``batch_invariant=True``: one autograd.Function over the backends' forward and backward.
 
 Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
-the hidden states (``thresholds``: chunked GEMMs in torch, a running top-C per row, no
-(tokens x vocab) tensor beyond one tile within the budget), then the backend's usual
-forward and backward run with that per-token tau (``tau=``: columns a < tau drop out of
-the statistics and of dz). The forward keeps nothing for the backward (it recomputes):
-3 GEMM passes in the forward+backward besides the threshold pass (1 GEMM pass; rows
-whose kept set is not settled by their candidates run again with 4x as many: top-p over
-a flat row, a wide min-p set). The fallback checks the rows on the host (one sync per
-pass).
+the hidden states (``thresholds``: chunked GEMMs, torch's or, on the Triton backend, the
+forward kernel's tile code; a running top-C per row; no (tokens x vocab) tensor beyond
+one chunk within the budget), then the backend's usual forward and backward run with
+that per-token tau (``tau=``: columns a < tau drop out of the statistics and of dz).
+GEMM passes: the threshold pass (1; rows whose kept set their candidates do not settle
+run again with 4x as many: top-p over a flat row, a wide min-p set) plus those of the
+default op (Triton: 3 when the budget keeps the columns, which it does not with a
+soft-cap, or with several blocks under batch_invariant). Host syncs: the largest top_k,
+and per pass the check of the rows left.
 
 Batch invariance: the rows go through the backends in blocks of a fixed size
 (``invariant_rows``: it depends on the backend and device only), the last block padded
@@ -17,8 +18,8 @@ with zero rows, so every GEMM, plan and reduction of a row has the same shape wh
 the batch, and a row's bits do not depend on its position (row results of a GEMM of one
 shape do not depend on the row's place in it). Cost: up to one block of padding rows;
 per block one more add of dW (V x H; into an fp32 V x H sum for 16-bit inputs with
-several blocks); no kept columns for the backward (one recomputed GEMM more than the
-default path).
+several blocks); with several blocks no kept columns for the backward (one recomputed
+GEMM more than the default path).
 
 torch.compile: this path is an autograd.Function over eager code (not custom ops).
 """
@@ -138,6 +139,9 @@ class _TruncatedLogProbs(torch.autograd.Function):
         sd = compute_dtype(x.dtype)
         with no_autocast(x.device):
             blocks = _blocks(n, block)
+            # one block: the backend may keep columns for the backward (as the default op)
+            keep = len(blocks) == 1 and any(ctx.needs_input_grad[:3]) and backend.PLAN_SIZE > 0
+            kept = None
             logp = x.new_empty(n, dtype=sd)
             ent = x.new_empty(n, dtype=sd) if opts.entropy else None
             lse = x.new_empty(n, dtype=sd)
@@ -151,14 +155,15 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     taus[n0:n1] = tau[:n1 - n0]
                 if xb.shape[0] == 0:
                     continue
-                (lp, en, ls), _ = backend.forward(xb, weight, bias, tb, opts, budget=budget, need_grad=False,
-                                                  outputs=True, tau=tau)
+                (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, budget=budget, need_grad=keep,
+                                                     outputs=True, tau=tau)
                 logp[n0:n1] = lp[:n1 - n0].to(sd)
                 lse[n0:n1] = ls[:n1 - n0].to(sd)
                 if ent is not None:
                     ent[n0:n1] = en[:n1 - n0].to(sd)
         ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
         ctx.args = (opts, impl, budget, block, bias is not None)
+        ctx.kept = kept  # (consumed by the first backward, as the custom op's)
         if ent is None:
             ent = x.new_empty(0, dtype=sd)
         return logp, ent
@@ -186,9 +191,14 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 ls = _pad_vec(lse, n0, n1, pad)
                 tau = _pad_vec(taus, n0, n1, pad, -math.inf) if taus is not None else None
                 coef = backend.grad_coefficients(en, tb, gl, gh, v, opts, ls)
+                extra = {}
+                if ctx.kept is not None:
+                    keep_buf, keep_max, plan = ctx.kept
+                    extra = dict(kept=(keep_buf, keep_max), plan=backend.plan_from_tensor(plan))
+                    ctx.kept = None
                 bx, bw, bb = backend.backward(xb, weight, bias, tb, opts, ls, coef, need_dx=need_dx,
                                               need_dw=need_dw, need_db=need_db and has_bias, budget=budget,
-                                              tau=tau)
+                                              tau=tau, **extra)
                 if need_dx:
                     dx[n0:n1] = bx[:n1 - n0]
                 # several blocks: dW and db summed in fp32 (16-bit inputs), cast once
