@@ -105,9 +105,8 @@ def linear_log_probs(
         batch_invariant: every per-token output bitwise the same whatever the batch
             size, the token's position and its neighbours: the rows go through fixed-size
             blocks (the last padded). Cost: up to one block of padding rows (2048 on
-            Triton, 1024/64 on the torch path on CUDA/CPU); with several blocks one
-            recomputed GEMM in the backward (nothing kept) and one dW add per block. Not
-            with ``process_group``.
+            Triton, 1024/64 on the torch path on CUDA/CPU), one recomputed GEMM in the
+            backward (nothing kept) and one dW add per block. Not with ``process_group``.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.

@@ -9,7 +9,7 @@ that per-token tau (``tau=``: columns a < tau drop out of the statistics and of 
 GEMM passes: the threshold pass (1; rows whose kept set their candidates do not settle
 run again with 4x as many: top-p over a flat row, a wide min-p set) plus those of the
 default op (Triton: 3 when the budget keeps the columns, which it does not with a
-soft-cap, or with several blocks under batch_invariant). Host syncs: the largest top_k,
+soft-cap, nor under batch_invariant). Host syncs: the largest top_k,
 and per pass the check of the rows left.
 
 Batch invariance: the rows go through the backends in blocks of a fixed size
@@ -18,8 +18,8 @@ with zero rows, so every GEMM, plan and reduction of a row has the same shape wh
 the batch, and a row's bits do not depend on its position (row results of a GEMM of one
 shape do not depend on the row's place in it). Cost: up to one block of padding rows;
 per block one more add of dW (V x H; into an fp32 V x H sum for 16-bit inputs with
-several blocks); with several blocks no kept columns for the backward (one recomputed
-GEMM more than the default path).
+several blocks); no kept columns for the backward (one recomputed GEMM more than the
+default path: a plan that keeps may tile differently).
 
 torch.compile: this path is an autograd.Function over eager code (not custom ops).
 """
@@ -139,8 +139,10 @@ class _TruncatedLogProbs(torch.autograd.Function):
         sd = compute_dtype(x.dtype)
         with no_autocast(x.device):
             blocks = _blocks(n, block)
-            # one block: the backend may keep columns for the backward (as the default op)
-            keep = len(blocks) == 1 and any(ctx.needs_input_grad[:3]) and backend.PLAN_SIZE > 0
+            # not blocked: the backend may keep columns for the backward (as the default op);
+            # blocked (batch_invariant), never: a plan that keeps may tile differently, and the
+            # plan must not follow the number of blocks
+            keep = not block and any(ctx.needs_input_grad[:3]) and backend.PLAN_SIZE > 0
             kept = None
             logp = x.new_empty(n, dtype=sd)
             ent = x.new_empty(n, dtype=sd) if opts.entropy else None
