@@ -53,9 +53,11 @@ class Truncation:
     top_k: Tensor
     top_p: Tensor
     min_p: Tensor
+    k_max: Optional[int] = None  # the largest top_k when known on the host (a Python number)
 
     def rows(self, idx) -> "Truncation":
-        return Truncation(self.top_k[idx], self.top_p[idx], self.min_p[idx])
+        """These rows (an index tensor or a slice)."""
+        return Truncation(self.top_k[idx], self.top_p[idx], self.min_p[idx], self.k_max)
 
 
 def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi: float, lo_open: bool,
@@ -103,10 +105,12 @@ def check(top_k, top_p, min_p, shape: torch.Size, device) -> Optional[Truncation
     if k is None and p is None and mp is None:
         return None
     n = math.prod(shape)
+    k_max = 0 if top_k is None else (int(top_k) if isinstance(top_k, (int, float)) else None)
     return Truncation(
         top_k=k if k is not None else torch.zeros(n, dtype=torch.int64, device=device),
         top_p=p if p is not None else torch.ones(n, dtype=torch.float64, device=device),
         min_p=mp if mp is not None else torch.zeros(n, dtype=torch.float64, device=device),
+        k_max=k_max,
     )
 
 

@@ -103,36 +103,37 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
     if impl == "triton":
         tile_of, block_v = _triton_tiles(x, weight, bias, opts, budget)
         vocab_chunk = max(block_v, plan.vocab_chunk // block_v * block_v)
-    kmax = int(trunc.top_k.max())  # (host sync: the candidates' count)
+    # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left)
+    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
     c = min(v, max(MIN_CANDIDATES, kmax + 1))
-    rows = torch.arange(n, device=x.device)
-    first = True
+    rows = None  # the first pass: every row, in order
     while True:
         # rows per step: the tile, the candidates and their merge within the budget
-        step = plan.token_chunk if first else max(
+        step = plan.token_chunk if rows is None else max(
             1, min(plan.token_chunk, budget // (cs * 3 * (c + plan.vocab_chunk))))
-        pending = []
-        for r0 in range(0, rows.numel(), step):
-            idx = rows[r0:r0 + step]
+        total = n if rows is None else rows.numel()
+        oks = []
+        for r0 in range(0, total, step):
+            idx = slice(r0, min(n, r0 + step)) if rows is None else rows[r0:r0 + step]
             x_c = x[idx] if tile_of is not None else x[idx].to(cd)
-            if idx.numel() < step and (rows.numel() > step or not first):  # one shape (batch invariance)
-                x_c = torch.cat([x_c, x_c.new_zeros(step - idx.numel(), x_c.shape[1])])
+            k = x_c.shape[0]
+            if k < step and (total > step or rows is not None):  # one shape (batch invariance)
+                x_c = torch.cat([x_c, x_c.new_zeros(step - k, x_c.shape[1])])
             cand, m, s = _candidates(x_c, weight, bias, opts, c, vocab_chunk, tile_of)
-            k = idx.numel()
             t, ok = resolve(cand[:k], m[:k], s[:k], v, trunc.rows(idx))
             tau[idx] = torch.where(ok, t, tau[idx])
-            pending.append(idx[~ok])
-        rows = torch.cat(pending)
-        if rows.numel() == 0 or c >= v:  # (host sync: the fallback's check)
+            oks.append(ok)
+        ok = torch.cat(oks)
+        if c >= v or bool(ok.all()):
             return tau
+        rows = (torch.arange(n, device=x.device) if rows is None else rows)[~ok]
         c = min(v, 4 * c)
-        first = False
 
 
 class _TruncatedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, tokens, trunc_args, opts, impl, budget, block):
-        trunc = Truncation(*trunc_args) if trunc_args is not None else None
+        trunc = Truncation(*trunc_args[:3], k_max=trunc_args[3]) if trunc_args is not None else None
         n, v = x.shape[0], weight.shape[0]
         check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
         backend = load_backend(__package__, impl)
@@ -225,7 +226,7 @@ def _pad_vec(t: Tensor, n0: int, n1: int, pad: int, fill: float = 0.0) -> Tensor
 
 def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
     return Truncation(_pad_vec(trunc.top_k, n0, n1, pad), _pad_vec(trunc.top_p, n0, n1, pad, 1.0),
-                      _pad_vec(trunc.min_p, n0, n1, pad))
+                      _pad_vec(trunc.min_p, n0, n1, pad), trunc.k_max)
 
 
 def linear_log_probs_truncated(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
@@ -233,5 +234,5 @@ def linear_log_probs_truncated(x: Tensor, weight: Tensor, bias: Optional[Tensor]
                                batch_invariant: bool):
     """(logp, entropy or an empty tensor) of x (N, H), tokens (N,) int64."""
     block = invariant_rows(impl, x.device) if batch_invariant else None
-    args = (trunc.top_k, trunc.top_p, trunc.min_p) if trunc is not None else None
+    args = (trunc.top_k, trunc.top_p, trunc.min_p, trunc.k_max) if trunc is not None else None
     return _TruncatedLogProbs.apply(x, weight, bias, tokens, args, opts, impl, budget, block)

@@ -30,7 +30,7 @@ ROWS = 64
 def thresholds(a: Tensor, trunc: Truncation) -> Tensor:
     """tau (rows,) of scaled logits a (rows, V) (-inf: nothing truncated)."""
     n, v = a.shape
-    c = min(v, max(MIN_CANDIDATES, int(trunc.top_k.max()) + 1))
+    c = min(v, max(MIN_CANDIDATES, (trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())) + 1))
     m = a.max(1).values
     s = torch.exp(a - m[:, None]).sum(1)
     tau = torch.full((n,), -math.inf, dtype=a.dtype, device=a.device)
@@ -82,7 +82,7 @@ def log_probs_truncated(logits: Tensor, tokens: Tensor, trunc: Optional[Truncati
     for n0 in range(0, n, ROWS):
         n1 = min(n, n0 + ROWS)
         z, t = logits[n0:n1], tokens[n0:n1]
-        tr = Truncation(trunc.top_k[n0:n1], trunc.top_p[n0:n1], trunc.min_p[n0:n1]) if trunc is not None else None
+        tr = trunc.rows(slice(n0, n1)) if trunc is not None else None
         pad = ROWS - (n1 - n0) if batch_invariant else 0
         if pad:
             z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
@@ -90,7 +90,7 @@ def log_probs_truncated(logits: Tensor, tokens: Tensor, trunc: Optional[Truncati
             if tr is not None:
                 tr = Truncation(torch.cat([tr.top_k, tr.top_k.new_zeros(pad)]),
                                 torch.cat([tr.top_p, tr.top_p.new_ones(pad)]),
-                                torch.cat([tr.min_p, tr.min_p.new_zeros(pad)]))
+                                torch.cat([tr.min_p, tr.min_p.new_zeros(pad)]), tr.k_max)
         lp, ent = _block(z, t, tr, temperature, ignore_index, entropy)
         lps.append(lp[:n1 - n0])
         if entropy:
