@@ -33,6 +33,7 @@ top-p over a flat row, a wide min-p set).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -68,7 +69,7 @@ def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi:
         return None
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number or a tensor, got bool")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # (Python and numpy numbers)
         v = float(value)
         ok = (lo < v if lo_open else lo <= v) and v <= hi and math.isfinite(v)
         if not ok:
@@ -105,7 +106,7 @@ def check(top_k, top_p, min_p, shape: torch.Size, device) -> Optional[Truncation
     if k is None and p is None and mp is None:
         return None
     n = math.prod(shape)
-    k_max = 0 if top_k is None else (int(top_k) if isinstance(top_k, (int, float)) else None)
+    k_max = 0 if top_k is None else (int(top_k) if isinstance(top_k, numbers.Real) else None)
     return Truncation(
         top_k=k if k is not None else torch.zeros(n, dtype=torch.int64, device=device),
         top_p=p if p is not None else torch.ones(n, dtype=torch.float64, device=device),

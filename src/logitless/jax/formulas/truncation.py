@@ -7,6 +7,7 @@ settle, the bisection of ``ops/linear_log_probs/truncation.py``."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,7 @@ def check_param(name, value, shape, lo, hi, lo_open, off, hint, integer=False):
         return None
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number or an array, got bool")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real) and not hasattr(value, "shape"):  # (Python numbers)
         v = float(value)
         if not math.isfinite(v) or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
             raise ValueError(f"{name} must be in {rng} ({hint}), got {value}")
@@ -70,7 +71,7 @@ def check(top_k, top_p, min_p, shape):
     n = int(np.prod(shape))
     if k is None:
         c = MIN_CANDIDATES
-    elif isinstance(top_k, (int, float)):
+    elif isinstance(top_k, numbers.Real) and not hasattr(top_k, "shape"):
         c = max(MIN_CANDIDATES, int(top_k) + 1)
     else:
         c = ARRAY_TOP_K_CANDIDATES
