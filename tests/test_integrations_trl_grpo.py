@@ -163,3 +163,35 @@ def test_grpo_on_a_plainly_patched_model_warns_and_patch_grpo_fixes_it(tmp_path,
     for o, t in zip(ours, theirs):
         for key in COMPARED:
             assert o[key] == pytest.approx(t[key], rel=1e-5, abs=1e-5), key
+
+
+def test_grpo_truncated_sampling_log_probs(tmp_path, counter):
+    """A trainer sampling with top-k / top-p: the policy's log-probs come from the
+    truncated distribution (the reference model's stay untruncated); finite losses."""
+    ours, seen = _train(tmp_path, True, steps=2, top_k=7, top_p=0.9)
+    policy = [c for c in counter if c["entropy"]]
+    ref = [c for c in counter if not c["entropy"]]
+    assert policy and ref
+    assert all(c.get("top_k") == 7 and c.get("top_p") == pytest.approx(0.9) for c in policy)
+    assert all("top_k" not in c and "top_p" not in c for c in ref)
+    assert all(math.isfinite(o["loss"]) and math.isfinite(o["entropy"]) for o in ours)
+
+
+def test_grpo_sampling_options_and_determinism():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(top_k=0, top_p=0.95, min_p=None, generation_kwargs={"top_k": 20, "min_p": 0.0},
+                           full_determinism=True)
+    trainer = SimpleNamespace(args=args, top_k=0, top_p=0.95, min_p=None)
+    assert lt_trl.grpo_sampling_options(trainer) == {"top_k": 20, "top_p": 0.95}
+    args.generation_kwargs = None
+    assert lt_trl.grpo_sampling_options(trainer) == {"top_p": 0.95}
+    trainer.top_p = 1.0
+    assert lt_trl.grpo_sampling_options(trainer) == {}
+
+
+def test_grpo_truncation_off_and_batch_invariant(tmp_path, counter, monkeypatch):
+    real = lt_trl.patch_grpo
+    monkeypatch.setattr(lt_trl, "patch_grpo", lambda tr: real(tr, truncated_log_probs=False, batch_invariant=True))
+    ours, _ = _train(tmp_path, True, steps=1, top_k=7)
+    assert counter and all("top_k" not in c and c.get("batch_invariant") is True for c in counter)

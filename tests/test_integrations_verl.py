@@ -152,3 +152,22 @@ def test_dist_process_group_two_ranks():
     from tests._distributed import spawn
 
     spawn(_tp_worker, 2)
+
+
+def test_verl_drop_in_truncated_and_invariant():
+    """The keyword-only extras reach linear_log_probs (top-k / top-p, batch invariance)."""
+    import logitless
+    from logitless.integrations.verl import linear_cross_entropy as verl_lce
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 16, generator=g)
+    w = torch.randn(41, 16, generator=g)
+    labels = torch.randint(0, 41, (2, 5), generator=g)
+    lp, ent = verl_lce(h, w, labels, 0.8, top_k=4, top_p=0.9, batch_invariant=True)
+    ref_lp, ref_ent = logitless.linear_log_probs(h.reshape(-1, 16), w, labels.reshape(-1), temperature=0.8,
+                                                 entropy=True, top_k=4, top_p=0.9)
+    assert torch.equal(torch.isinf(lp), torch.isinf(ref_lp))
+    fin = torch.isfinite(ref_lp)
+    assert torch.allclose(lp[fin], ref_lp[fin]) and torch.allclose(ent, ref_ent)
+    plain, _ = verl_lce(h, w, labels, 0.8)
+    assert torch.isfinite(plain).all()

@@ -9,8 +9,10 @@ reference (computed on the device in chunks of tokens); then per method: forward
 Methods: logitless.linear_log_probs (default budget; a logits-sized budget), torch eager
 on the logits (bf16 logits, fp32 log_softmax of logits / T), the same under
 torch.compile, verl's fused kernel (``verl.utils.kernel.linear_cross_entropy``, when
-importable). ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU
-one tiny case runs on the CPU, loudly labelled.
+importable); truncated sampling (top-k / top-p / min-p, and a logits-based sort mask for
+comparison) and ``batch_invariant=True`` rows (no error column for truncated rows).
+``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU one tiny
+case runs on the CPU, loudly labelled.
 """
 
 from __future__ import annotations
@@ -118,13 +120,59 @@ def _verl(shape, device):
     return fn
 
 
+def _logitless_with(**extra):
+    """linear_log_probs with truncation and/or batch_invariant (default budget)."""
+    def make(shape, device):
+        import logitless
+
+        def fn(x, w, t):
+            return logitless.linear_log_probs(x, w, t, temperature=shape.temperature, entropy=True, **extra)
+        return fn
+    return make
+
+
+def _torch_truncated_on_logits(x, w, t, temperature, top_k, top_p):
+    """The logits-based way: vLLM's sort-based top-k / top-p mask on fp32 logits / T."""
+    a = (x @ w.T).float() / temperature
+    srt, idx = a.sort(dim=-1)
+    v = a.shape[-1]
+    if top_k:
+        srt = srt.masked_fill(srt < srt[:, v - top_k:v - top_k + 1], float("-inf"))
+    if top_p < 1:
+        drop = srt.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        srt = srt.masked_fill(drop, float("-inf"))
+    masked = torch.empty_like(a).scatter_(-1, idx, srt)
+    ls = torch.log_softmax(masked, dim=-1)
+    lp = ls.gather(-1, t[:, None])[:, 0]
+    p = ls.exp()
+    ent = -(torch.where(p > 0, p * ls, torch.zeros_like(p))).sum(-1)
+    return lp, ent
+
+
+def _eager_truncated(shape, device):
+    return lambda x, w, t: _torch_truncated_on_logits(x, w, t, shape.temperature, 50, 0.9)
+
+
 METHODS = {
     "logitless": (_logitless(None), "logitless.linear_log_probs(entropy=True), default budget (256 MiB)"),
     "logitless@logits": (_logitless(_logits_budget), "logitless.linear_log_probs, budget = bf16 logits + 64 MiB"),
     "torch-eager": (_eager, "x @ W.T in bf16, fp32 log_softmax(logits / T), gather, entropy"),
     "torch-compile": (_compiled, "the same under torch.compile"),
     "verl": (_verl, "verl.utils.kernel.linear_cross_entropy (fused Triton, when installed)"),
+    # truncated sampling (issue 38): errors against the untruncated float64 reference are not reported
+    "logitless-topk64": (_logitless_with(top_k=64), "linear_log_probs(top_k=64)"),
+    "logitless-minp0.05": (_logitless_with(min_p=0.05), "linear_log_probs(min_p=0.05)"),
+    "logitless-topp0.95": (_logitless_with(top_p=0.95), "linear_log_probs(top_p=0.95)"),
+    "logitless-k50p0.9": (_logitless_with(top_k=50, top_p=0.9), "linear_log_probs(top_k=50, top_p=0.9)"),
+    "torch-eager-k50p0.9": (_eager_truncated, "bf16 logits, vLLM's sort-based top-k=50/top-p=0.9 mask, fp32"),
+    "logitless-invariant": (_logitless_with(batch_invariant=True), "linear_log_probs(batch_invariant=True)"),
+    "logitless-invariant-k50p0.9": (_logitless_with(batch_invariant=True, top_k=50, top_p=0.9),
+                                    "linear_log_probs(batch_invariant=True, top_k=50, top_p=0.9)"),
 }
+
+#: Methods whose distribution is truncated: no error against the untruncated reference.
+TRUNCATED = {m for m in METHODS if "top" in m or "minp" in m or "k50" in m}
 
 
 # --------------------------------------------------------------------------- measurement
@@ -233,7 +281,8 @@ def run_cli(args, cpu: bool) -> int:
             row = {"shape": shape.name, "method": name, "status": "ok", "reason": "", "errors": [],
                    "gemm_ms": gemm_ms}
             fill_row(row, lambda: METHODS[name][0](shape, device),
-                     lambda fn: measure(fn, inputs, gemm_ms, ref, shape.temperature, device, warmup, reps, row),
+                     lambda fn: measure(fn, inputs, gemm_ms, None if name in TRUNCATED else ref, shape.temperature,
+                                       device, warmup, reps, row),
                      out_of_time=deadline is not None and time.monotonic() > deadline)
             data["rows"].append(row)
             print(f"  {name:<17} {row['status']:<8} fwd {_fmt(row.get('fwd_per_gemm'), '.2f')}x GEMM, "

@@ -120,7 +120,8 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
                 ctx = torch.autocast(x.device.type, enabled=False)
             with ctx:
                 res = _hf.linear_log_probs(x, w, labels, b, temperature=temperature, entropy=entropy,
-                                           ignore_index=-100, **opts)
+                                           ignore_index=-100, **opts,
+                                           **getattr(self, "_logitless_sampling", {}))  # (patch_grpo's)
             log_probs, ent = res if entropy else (res, None)
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return _output_class()(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=ent,
@@ -177,16 +178,56 @@ def patch_sft(trainer, entropy: bool = True) -> None:
     add_logitless_lm_head(_unwrapped(trainer.model), 1.0, entropy=entropy, is_top1=True)
 
 
-def patch_grpo(trainer) -> None:
+def patch_grpo(trainer, truncated_log_probs: bool = True, batch_invariant: Optional[bool] = None) -> None:
     """Route a TRL ``GRPOTrainer``'s (or ``RLOOTrainer``'s) per-token log-probs and
     entropy, for the policy and the reference model, through logitless. Call after
-    constructing the trainer, before ``train()``."""
+    constructing the trainer, before ``train()``.
+
+    ``truncated_log_probs`` (default True): when the trainer samples with top-k, top-p
+    or min-p (``GRPOConfig.top_k/top_p/min_p``, or the same keys of
+    ``generation_kwargs``, which override them as in TRL), the policy's log-probs (the
+    current and the old policy's, one forward) are those of the distribution vLLM
+    samples from (``linear_log_probs(top_k=, top_p=, min_p=)``: min-p, top-k, top-p in
+    vLLM's order; HF ``generate`` applies min-p last, which differs only when min-p and
+    top-p are combined), so the importance ratio compares like with like. A sampled
+    token outside the trainer's kept set (a policy/sampler mismatch) gets log p = -inf.
+    The reference model's log-probs (the KL term) stay untruncated. False: today's
+    untruncated log-probs. ``batch_invariant``: per-token log-probs bitwise independent
+    of the micro-batch (``linear_log_probs(batch_invariant=True)``); None (default):
+    when the trainer asks for determinism (``args.full_determinism``).
+    """
     temperature = float(getattr(trainer, "temperature", getattr(trainer.args, "temperature", 1.0)))
     fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
-    add_logitless_lm_head(_unwrapped(trainer.model), temperature, cast_lm_head_to_fp32=fp32)
+    policy = _unwrapped(trainer.model)
+    add_logitless_lm_head(policy, temperature, cast_lm_head_to_fp32=fp32)
+    sampling = grpo_sampling_options(trainer) if truncated_log_probs else {}
+    if batch_invariant is None:
+        batch_invariant = bool(getattr(trainer.args, "full_determinism", False))
+    if batch_invariant:
+        sampling["batch_invariant"] = True
+    policy._logitless_sampling = sampling
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
         add_logitless_lm_head(ref, temperature, entropy=False, cast_lm_head_to_fp32=fp32)
+        ref._logitless_sampling = {"batch_invariant": True} if batch_invariant else {}
+
+
+def grpo_sampling_options(trainer) -> dict:
+    """{top_k, top_p, min_p} the trainer samples with (only those that truncate): the
+    trainer's attributes (GRPOConfig's), overridden by ``args.generation_kwargs``."""
+    args = trainer.args
+    values = {k: getattr(trainer, k, getattr(args, k, None)) for k in ("top_k", "top_p", "min_p")}
+    extra = getattr(args, "generation_kwargs", None)
+    if isinstance(extra, dict):
+        values.update({k: extra[k] for k in ("top_k", "top_p", "min_p") if k in extra})
+    out = {}
+    if values["top_k"] not in (None, 0, -1):
+        out["top_k"] = int(values["top_k"])
+    if values["top_p"] is not None and float(values["top_p"]) < 1.0:
+        out["top_p"] = float(values["top_p"])
+    if values["min_p"] not in (None, 0, 0.0):
+        out["min_p"] = float(values["min_p"])
+    return out
 
 
 # --------------------------------------------------------------------------------------------

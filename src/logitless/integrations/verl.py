@@ -40,7 +40,8 @@ _REDUCTIONS = ("none", "sum", "mean")
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
-                         reduction: str = "none", dist_process_group=None) -> tuple[Tensor, Tensor]:
+                         reduction: str = "none", dist_process_group=None, *, top_k=None, top_p=1.0,
+                         min_p=0.0, batch_invariant: bool = False) -> tuple[Tensor, Tensor]:
     """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction,
     dist_process_group) -> (logprobs, entropy)`` (module docstring: conventions).
 
@@ -62,6 +63,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
             ``logitless.linear_log_probs`` with ``partial_dx=True`` (outputs identical on
             every rank; hidden's gradient this rank's partial sum, to be all-reduced by
             the caller as verl's own kernel requires; weight's gradient this rank's rows).
+        top_k, top_p, min_p, batch_invariant: keyword-only, beyond verl's signature
+            (verl's kernel has none; its rollout config's ``top_k``/``top_p`` can be
+            passed here): ``logitless.linear_log_probs``'s truncated sampling and
+            batch invariance (not with ``dist_process_group``).
 
     Returns:
         (logprobs, entropy): logprobs (N,) fp32 or a 0-d fp32 tensor for "sum"/"mean";
@@ -81,9 +86,24 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     flat = labels.reshape(-1)
     logprobs, entropy = linear_log_probs(hidden2d, weight, flat, temperature=temperature, entropy=True,
                                          process_group=dist_process_group,
-                                         partial_dx=dist_process_group is not None)
+                                         partial_dx=dist_process_group is not None,
+                                         **_extras(top_k, top_p, min_p, batch_invariant))
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
         logprobs = logprobs.sum() / flat.numel()  # 0 / 0 = NaN for no tokens, as verl
     return logprobs, entropy
+
+
+def _extras(top_k, top_p, min_p, batch_invariant) -> dict:
+    """The truncation / invariance keywords that are set (none: verl's call unchanged)."""
+    out = {}
+    if top_k is not None:
+        out["top_k"] = top_k
+    if not (isinstance(top_p, (int, float)) and top_p == 1.0):
+        out["top_p"] = top_p
+    if not (isinstance(min_p, (int, float)) and min_p == 0.0):
+        out["min_p"] = min_p
+    if batch_invariant:
+        out["batch_invariant"] = batch_invariant
+    return out

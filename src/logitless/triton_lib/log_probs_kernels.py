@@ -31,6 +31,7 @@ def logp_forward_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     FLATTEN: tl.constexpr = False, split0=0, W_CHUNK: tl.constexpr = False,
+    tau_ptr=None, HAS_THRESHOLD: tl.constexpr = False,
 ):
     """Online statistics of a = softcap(x W^T + b) / T over one split of the vocabulary.
 
@@ -43,6 +44,8 @@ def logp_forward_kernel(
     (per token and block), so that the backward needs no GEMM for them.
     W_CHUNK: the launch covers ``splits`` splits from ``split0`` on, w_ptr holding W from
     that split's first column on (``lce_kernels.forward_stats_kernel``'s).
+    HAS_THRESHOLD: columns with a < tau (per token, tau_ptr) are left out (-inf), the
+    token's a too (truncated sampling, ``formulas.truncation``).
     """
     pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
     if W_CHUNK:
@@ -55,6 +58,8 @@ def logp_forward_kernel(
     token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
     # A token outside [0, V) (another shard's, or invalid) matches no column, not even padding.
     token = tl.where((token >= 0) & (token < V), token, -1)
+    if HAS_THRESHOLD:
+        tau = tl.load(tau_ptr + offs_n, mask=row_ok, other=float("-inf"))
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -69,6 +74,8 @@ def logp_forward_kernel(
             softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
+        if HAS_THRESHOLD:
+            a = tl.where(a >= tau[:, None], a, float("-inf"))
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if KEEP:
             block = first_block + i
@@ -97,11 +104,14 @@ def logp_dlogits_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     DZ_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False, W_CHUNK: tl.constexpr = False,
+    tau_ptr=None, HAS_THRESHOLD: tl.constexpr = False,
 ):
     """dz for columns [v_start, v_end), recomputing the GEMM tile: log p = a - lse,
     dz = p (A + C log p) - B [j == t] (times the soft-cap factor). Traffic: the GEMM's
     reads plus one write of the chunk. Persistent when there are fewer programs than tiles.
-    W_CHUNK: w_ptr holds W's rows [v_start, v_end) only (e.g. rounded to TF32)."""
+    W_CHUNK: w_ptr holds W's rows [v_start, v_end) only (e.g. rounded to TF32).
+    HAS_THRESHOLD: dz = 0 where a < tau (per token, tau_ptr; lse and A, B, C are those
+    of the truncated rows)."""
     row_blocks = tl.cdiv(N, BLOCK_N)
     col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, tl.num_programs(0), flatten=FLATTEN):
@@ -114,6 +124,9 @@ def logp_dlogits_kernel(
         logp = z * inv_temp - lse[:, None]
         p = tl.exp(logp)
         dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)
+        if HAS_THRESHOLD:
+            tau = tl.load(tau_ptr + offs_n, mask=row_ok, other=float("-inf"))
+            dz = tl.where(z * inv_temp >= tau[:, None], dz, 0.0)
         store_dz_tile(dz, dz_ptr, pid_n, pid_v, offs_n, offs_v, row_ok, col_ok, v_start, stride_dzn,
                       DZ_TMA, BLOCK_N, BLOCK_V)
 

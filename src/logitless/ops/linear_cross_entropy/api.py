@@ -42,6 +42,7 @@ def linear_cross_entropy(
     process_group=None,
     vocab_size: Optional[int] = None,
     partial_dx: bool = False,
+    batch_invariant: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LossStats]]:
     """Cross-entropy of ``x @ weight.T + bias`` against ``target``, without the logits.
 
@@ -126,6 +127,19 @@ def linear_cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
+    if batch_invariant is not False:
+        if batch_invariant is not True:
+            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+        dt = _tp.dtensor_type()
+        if process_group is not None or (dt is not None and (isinstance(x, dt) or isinstance(weight, dt))):
+            raise ValueError("batch_invariant=True is not supported with a vocab-parallel head "
+                             "(process_group or DTensor inputs)")
+        from .batch_invariant import blocked
+
+        return blocked(linear_cross_entropy, x, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+                       class_weight=class_weight, shift=shift, return_stats=return_stats, backend=backend,
+                       kwargs=dict(label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                                   memory_budget=memory_budget, vocab_size=vocab_size))
     x, weight, bias, tp = _tp.prepare("linear_cross_entropy", ("x", "weight", "bias"), x, weight, bias,
                                       process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
     target, class_weight = _tp.plain(target), _tp.plain(class_weight)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from logitless.distributed import api as _tp
+from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
@@ -32,6 +33,10 @@ def linear_log_probs(
     process_group=None,
     vocab_size: Optional[int] = None,
     partial_dx: bool = False,
+    top_k=None,
+    top_p=1.0,
+    min_p=0.0,
+    batch_invariant: bool = False,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """log softmax(a)[token] per token, a = softcap(x @ weight.T + bias) / temperature,
     without the (tokens x vocab) logits; with ``entropy=True`` also the entropy of
@@ -89,6 +94,20 @@ def linear_log_probs(
             below it). None: every row is a class.
         partial_dx: with a vocab-parallel head, return this rank's partial gradient of
             x (the sum over its columns) instead of the all-reduced one.
+        top_k, top_p, min_p: the distribution vLLM samples from (truncated sampling):
+            min-p, then top-k, then top-p over a, renormalised
+            (``logitless.formulas.truncation``). Each a Python number or a per-token
+            tensor (tokens' shape or (N,)); ``top_k`` 0/None, ``top_p`` 1 and
+            ``min_p`` 0 are off; out of range: ValueError. log p is -inf for a token
+            outside the kept set (no gradient there), ``entropy`` that of the truncated
+            distribution, gradients flow through the kept set. Cost: one threshold GEMM
+            pass more (``ops.linear_log_probs.truncation``; with a soft-cap nothing is
+            kept for the backward); not with ``process_group``.
+        batch_invariant: every per-token output bitwise the same whatever the batch
+            size, the token's position and its neighbours: the rows go through fixed-size
+            blocks (the last padded). Cost: up to one block of padding rows (2048 on
+            Triton, 1024/64 on the torch path on CUDA/CPU), one recomputed GEMM in the
+            backward (nothing kept) and one dW add per block. Not with ``process_group``.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -112,6 +131,12 @@ def linear_log_probs(
     _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
     memory_budget = check_memory_budget(memory_budget)
     impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
+    trunc = None  # (the default call adds no Python call here: the host-overhead bound)
+    if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
+            or min_p != 0.0:
+        trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
+    if batch_invariant is not False and batch_invariant is not True:
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
 
     out_shape = tokens.shape
     x2d = x.reshape(-1, hidden)
@@ -120,6 +145,16 @@ def linear_log_probs(
     flat = tokens.reshape(-1).long()
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
+    if trunc is not None or batch_invariant:
+        if tp.parallel:
+            raise ValueError("top_k/top_p/min_p and batch_invariant=True are not supported with a vocab-parallel "
+                             "head (process_group or DTensor inputs): gather the head or call without them")
+        from .truncation import linear_log_probs_truncated
+
+        logp, ent = linear_log_probs_truncated(x2d, weight, bias, flat, trunc, opts, impl, memory_budget,
+                                               batch_invariant)
+        logp = logp.reshape(out_shape)
+        return (logp, ent.reshape(out_shape)) if opts.entropy else logp
     logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
                                 *tp.args())
     logp = logp.reshape(out_shape)
@@ -147,12 +182,17 @@ class LinearLogProbs(nn.Module):
 
     def __init__(self, *, temperature: float = 1.0, entropy: bool = False, softcap: Optional[float] = None,
                  ignore_index: int = -100, memory_budget: Optional[int] = None, backend: str = "auto",
-                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False):
+                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False,
+                 top_k=None, top_p=1.0, min_p=0.0, batch_invariant: bool = False):
         super().__init__()
         LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index)
         self.kwargs = dict(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index,
                            memory_budget=memory_budget, backend=backend, process_group=process_group,
                            vocab_size=vocab_size, partial_dx=partial_dx)
+        # (truncation and invariance only when asked: the default call stays as it was)
+        extra = dict(top_k=top_k, top_p=top_p, min_p=min_p, batch_invariant=batch_invariant)
+        defaults = dict(top_k=None, top_p=1.0, min_p=0.0, batch_invariant=False)
+        self.kwargs.update({k: v for k, v in extra.items() if v is not defaults[k] and v != defaults[k]})
 
     def forward(self, x: Tensor, weight: Tensor, tokens: Tensor, bias: Optional[Tensor] = None):
         return linear_log_probs(x, weight, tokens, bias, **self.kwargs)

@@ -34,9 +34,11 @@ def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbO
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, outputs: bool = False):
+            budget: int, need_grad: bool = False, outputs: bool = False, tau: Optional[Tensor] = None):
     """(LogProbStats, None): this backend keeps nothing for the backward. ``outputs``:
-    ((logp, entropy or None, lse), None) instead (``formulas.log_probs.token_outputs``)."""
+    ((logp, entropy or None, lse), None) instead (``formulas.log_probs.token_outputs``).
+    ``tau`` (N,): a per-token threshold, columns with a < tau left out (truncated
+    sampling, ``formulas.truncation``; a token left out gets a = -inf)."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
@@ -54,6 +56,8 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         for v0 in range(0, v, plan.vocab_chunk):
             v1 = min(v, v0 + plan.vocab_chunk)
             a = _scaled_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+            if tau is not None:
+                a.masked_fill_(a < tau[n0:n1, None].to(cd), float("-inf"))
             local = t_c - v0
             inside = (local >= 0) & (local < v1 - v0)
             picked = a.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
@@ -89,10 +93,11 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept=None, plan=None, dx_acc: bool = False):
+             kept=None, plan=None, dx_acc: bool = False, tau: Optional[Tensor] = None):
     """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
     for fp64), not cast to x's dtype (a partial sum the caller reduces first: vocab
-    parallelism)."""
+    parallelism). ``tau``: the forward's per-token threshold (dz = 0 where a < tau; lse
+    and coef those of the truncated rows)."""
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
     exact = x.dtype == cd
@@ -102,7 +107,10 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     coef = coef.to(cd)
 
     def dz_of(x_c, w_v, b_v, n0, n1, v0):  # dz in place of the recomputed tile
-        return dlogits_(_scaled_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], v0, opts)
+        a = _scaled_tile(x_c, w_v, b_v, opts)
+        out = a < tau[n0:n1, None].to(cd) if tau is not None else None
+        dz = dlogits_(a, lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], v0, opts)
+        return dz.masked_fill_(out, 0.0) if out is not None else dz
 
     return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                             dx_acc=dx_acc)

@@ -78,19 +78,23 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None, outputs: bool = False):
+            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None, outputs: bool = False,
+            tau: Optional[Tensor] = None):
     """(LogProbStats, kept): kept is None or (buffer, tile maxima, plan tensor), which
     ``backward`` turns into dz in place (one backward only). ``outputs`` (N > 0): ((logp,
     entropy or None, lse), kept) instead, the merge and ``token_outputs`` in one launch
-    (``log_probs_epilogue.forward_outputs``)."""
+    (``log_probs_epilogue.forward_outputs``). ``tau`` (N,) fp32: a per-token threshold,
+    columns a < tau left out (truncated sampling; kept e = 0 there; nothing kept with a
+    soft-cap)."""
     n, h = x.shape
     v = weight.shape[0]
-    keep_ok = keep_allowed(x.dtype, opts, need_grad)
+    # (with tau: kept e = 0 outside the set; a soft-cap's factor from log e would be NaN there)
+    keep_ok = keep_allowed(x.dtype, opts, need_grad) and (tau is None or opts.softcap is None)
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
     cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0,
                                       keep_block=plan.block_v, bias=bias, softcap=opts.softcap,
-                                      entropy=opts.entropy)
+                                      entropy=opts.entropy) if tau is None else None
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
@@ -118,6 +122,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
                                      keep=(keep, keep_max, plan.block_v) if keep is not None else None)
     row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, opts, x.dtype, prerounded)
+    thr = _threshold_args(tau)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
         launch.launch_kernel(
@@ -130,7 +135,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
             plan.group_n or row_blocks,
             KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **flags,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **extra, **thr,
         )
     kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
     if outputs:
@@ -139,6 +144,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     lse, ent = merge_splits(part_max, part_sum, part_u if opts.entropy else None)
     stats = LogProbStats(lse=lse, target=part_tgt.sum(dim=0), entropy=ent)
     return stats, kept
+
+
+def _threshold_args(tau: Optional[Tensor]) -> dict:
+    """The kernels' threshold arguments (none without one: the default launches unchanged)."""
+    if tau is None:
+        return {}
+    return dict(tau_ptr=tau.to(torch.float32).contiguous(), HAS_THRESHOLD=True)
 
 
 def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor], g_h: Optional[Tensor],
@@ -151,11 +163,13 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
              kept: Optional[tuple[Tensor, Tensor]] = None, plan: Optional[TritonPlan] = None,
-             dx_acc: bool = False):
+             dx_acc: bool = False, tau: Optional[Tensor] = None):
     """dx, dW, db. ``kept`` (buffer, tile maxima) with the forward's ``plan``: its
     buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
     chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
-    parallelism)."""
+    parallelism). ``tau``: the forward's per-token threshold (dz = 0 where a < tau in
+    the recomputed columns; the kept ones hold e = 0 there)."""
+    thr = _threshold_args(tau)
     n, h = x.shape
     v = weight.shape[0]
     plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False, backward=True)
@@ -186,7 +200,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
             v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, group_n,
             **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten, W_CHUNK=prerounded,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **thr,
         )
 
     return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,

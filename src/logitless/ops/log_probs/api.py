@@ -7,6 +7,7 @@ from typing import Union
 
 from torch import Tensor, nn
 
+from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.dispatch import resolve_backend
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
@@ -22,6 +23,10 @@ def log_probs(
     entropy: bool = False,
     ignore_index: int = -100,
     backend: str = "auto",
+    top_k=None,
+    top_p=1.0,
+    min_p=0.0,
+    batch_invariant: bool = False,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """log softmax(logits / T)[token] per token, and with ``entropy=True`` the entropy
     of softmax(logits / T): TRL's ``selective_log_softmax`` and ``entropy_from_logits``
@@ -43,6 +48,12 @@ def log_probs(
         entropy: also return the entropy per token.
         ignore_index: tokens equal to it give 0 for both outputs and no gradient.
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+        top_k, top_p, min_p: the distribution vLLM samples from, as in
+            ``linear_log_probs`` (numbers or per-token tensors; off: 0/None, 1, 0).
+        batch_invariant: per-token outputs bitwise the same whatever the batch.
+            With either, plain torch ops on blocks of 64 rows differentiated by
+            autograd (``ops.log_probs.truncation``; any backend name): a few passes
+            over the logits and about 3x the logits in fp32 kept for the backward.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -64,6 +75,22 @@ def log_probs(
                          "(the leading dimensions of logits)")
     _validate.check_same_device(logits=logits, tokens=tokens)
     impl = resolve_backend(backend, logits.device, logits.dtype)
+    trunc = None
+    if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
+            or min_p != 0.0:
+        trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
+    if trunc is not None or batch_invariant is not False:
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+        from logitless.ops.common.validate import check_targets_in_range
+
+        from .truncation import log_probs_truncated
+
+        check_targets_in_range(tokens, logits.shape[-1], ignore_index, name="tokens")
+        logp, ent = log_probs_truncated(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long(), trunc,
+                                        opts.temperature, opts.ignore_index, opts.entropy, batch_invariant)
+        logp = logp.reshape(tokens.shape)
+        return (logp, ent.reshape(tokens.shape)) if opts.entropy else logp
     flat = logits.reshape(-1, logits.shape[-1])
     if impl == "torch" and flat.stride(-1) != 1:
         flat = flat.contiguous()

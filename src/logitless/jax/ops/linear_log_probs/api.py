@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax.formulas import log_probs as lpf
+from logitless.jax.formulas import truncation as _truncation
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
@@ -77,6 +78,10 @@ def linear_log_probs(
     weight_layout: str = "vh",
     memory_budget: Optional[int] = None,
     implementation: Optional[str] = None,
+    top_k=None,
+    top_p=1.0,
+    min_p=0.0,
+    batch_invariant: bool = False,
 ):
     """log softmax(a)[token] per token, a = softcap(x @ weight.T + bias) / temperature,
     without the (tokens x vocab) logits; with ``entropy=True`` also the entropy of
@@ -121,6 +126,16 @@ def linear_log_probs(
             by name only; bf16/f16 inputs only, else ValueError; bias, H % 64 != 0 or
             V % 8 != 0 (V % 64 != 0 for an (H, V) weight) cost a padded copy of the
             weight per call).
+        top_k, top_p, min_p: the distribution vLLM samples from (min-p, then top-k,
+            then top-p, renormalised; ``logitless.formulas.truncation``): Python numbers
+            or per-token arrays (tokens' shape or (N,)); ``top_k`` 0/None, ``top_p`` 1,
+            ``min_p`` 0 are off; out of range: ValueError (arrays: when concrete).
+            log p is -inf outside the kept set (no gradient there); ``entropy`` is the
+            truncated distribution's. "xla" backend only (another ``implementation``
+            named: ValueError; automatic: "xla"). Cost and method:
+            ``jax/ops/linear_log_probs/truncation.py``.
+        batch_invariant: per-token outputs bitwise the same whatever the batch (rows
+            in fixed blocks of 1024, 64 on a CPU, the last padded; "xla" only).
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -143,11 +158,28 @@ def linear_log_probs(
     check_labels_in_range(tokens, num_classes, opts.ignore_index, "tokens")
 
     out_shape = tuple(tokens.shape)
+    trunc = _truncation.check(top_k, top_p, min_p, out_shape)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     x2d = jnp.reshape(x, (-1, hidden))
     flat = jnp.reshape(tokens, (-1,)).astype(jnp.int32)
     if x2d.shape[0] == 0:
         empty = jnp.zeros(out_shape, lpf.compute_dtype(x.dtype))
         return (empty, empty) if opts.entropy else empty
+    if trunc is not None or batch_invariant:
+        if implementation not in (None, "xla"):
+            raise ValueError(f"top_k/top_p/min_p and batch_invariant=True run on implementation='xla' only, got "
+                             f"{implementation!r}: pass implementation='xla' (or None)")
+        from logitless.jax.ops.linear_log_probs import truncation as _trunc_op
+
+        if weight_layout == "hv":  # (the truncated path reads (V, H): a transposed copy)
+            weight = weight.T
+        cfg = _trunc_op.Config(opts, budget, num_classes, trunc[1] if trunc is not None else 0)
+        logp, ent = _trunc_op.linear_log_probs_truncated(x2d, weight, bias, flat,
+                                                         trunc[0] if trunc is not None else None, cfg,
+                                                         batch_invariant)
+        logp, ent = jnp.reshape(logp, out_shape), jnp.reshape(ent, out_shape)
+        return (logp, ent) if opts.entropy else logp
     vh_shape = tuple(weight.shape) if weight_layout == "vh" else tuple(weight.shape[::-1])
     backend = choose_backend(implementation, x2d.shape, vh_shape, x2d.dtype, opts.softcap, bias is not None)
     layout_kw = ()

@@ -56,7 +56,9 @@ def _plan(x2d, vocab, budget):
     return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh", tau=None):
+    """(lse, a at the token, H or None). ``tau`` (N,): a per-token threshold, columns
+    with a < tau left out (truncated sampling; a token left out gets a = -inf)."""
     n = x2d.shape[0]
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
@@ -72,6 +74,8 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_l
         def row_step(r0, nr, carry):
             m, s, u, at = carry
             a = _scaled(take(x2d, r0, nr), wj, bj, opts, weight_layout)
+            if tau is not None:
+                a = jnp.where(a >= take(tau, r0, nr)[:, None], a, -jnp.inf)
             hit = cols[None, :] == take(tokens, r0, nr)[:, None]
             at = put(at, take(at, r0, nr) + jnp.sum(jnp.where(hit, a, 0.0), axis=1), r0)
             mr, sr, ur = lpf.online_update(a, take(m, r0, nr), take(s, r0, nr),
@@ -90,8 +94,9 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_l
     return lse, at, ent
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
-    """dw has the layout of w."""
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh",
+             tau=None):
+    """dx, dw (in the layout of w), db; ``tau``: the forward's threshold (dz = 0 where a < tau)."""
     n, h = x2d.shape
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
@@ -110,6 +115,8 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: i
             a = _scaled(xr, wj, bj, opts, weight_layout)
             dz = lpf.dlogits(a, take(lse, r0, nr), take(coef, r0, nr, axis=1),
                              take(tokens, r0, nr), c0, opts)
+            if tau is not None:
+                dz = jnp.where(a >= take(tau, r0, nr)[:, None], dz, 0.0)
             dzl = dz.astype(x2d.dtype)
             dx = put(dx, take(dx, r0, nr) + lax.dot_general(dzl, wj, _DX_DIMS[weight_layout],
                                                             preferred_element_type=cdt), r0)

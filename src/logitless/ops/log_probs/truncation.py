@@ -1,0 +1,102 @@
+"""log_probs (from logits) with truncated sampling (top-k / top-p / min-p,
+``formulas.truncation``) and/or ``batch_invariant=True``: plain torch ops on blocks of
+rows, differentiated by autograd.
+
+Each block: a = logits / T in the compute dtype; tau per row from its candidates
+(``formulas.truncation.resolve``, more candidates for the rows it leaves open); the
+kept logits' logsumexp, log p at the token (-inf outside the kept set, with no
+gradient there) and the truncated entropy. With ``batch_invariant`` the blocks have a
+fixed number of rows (``ROWS``, the last one padded), so a row's bits do not depend
+on the batch. Memory: autograd keeps a few fp32 (rows x V) tensors per block (about
+3x the logits in fp32), where the default path keeps none; time: a few passes over the
+logits instead of one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import compute_dtype
+from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, resolve
+
+#: Rows per block (a fixed shape with batch_invariant=True).
+ROWS = 64
+
+
+def thresholds(a: Tensor, trunc: Truncation) -> Tensor:
+    """tau (rows,) of scaled logits a (rows, V) (-inf: nothing truncated)."""
+    n, v = a.shape
+    c = min(v, max(MIN_CANDIDATES, (trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())) + 1))
+    m = a.max(1).values
+    s = torch.exp(a - m[:, None]).sum(1)
+    tau = torch.full((n,), -math.inf, dtype=a.dtype, device=a.device)
+    open_ = torch.ones(n, dtype=torch.bool, device=a.device)
+    while True:
+        t, ok = resolve(a.topk(c, dim=1).values, m, s, v, trunc)
+        tau = torch.where(open_ & ok, t, tau)
+        open_ = open_ & ~ok
+        if c >= v or not bool(open_.any()):  # (host sync: the fallback's check)
+            return tau
+        c = min(v, 4 * c)
+
+
+def _block(z: Tensor, tokens: Tensor, trunc: Optional[Truncation], temperature: float, ignore_index: int,
+           entropy: bool):
+    a = z.to(compute_dtype(z.dtype)) / temperature
+    v = a.shape[1]
+    if trunc is not None:
+        tau = thresholds(a.detach(), trunc)
+        keep = a.detach() >= tau[:, None]
+        masked = a.masked_fill(~keep, -math.inf)
+    else:
+        keep, masked = None, a
+    lse = torch.logsumexp(masked, dim=1, keepdim=True)
+    logp = masked - lse if keep is None else torch.where(keep, a - lse, torch.zeros_like(a))
+    valid = tokens != ignore_index
+    idx = torch.where(valid, tokens, 0).clamp(0, v - 1)[:, None]
+    picked = logp.gather(1, idx)[:, 0]
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    if keep is not None:
+        kept_t = keep.gather(1, idx)[:, 0]
+        picked = torch.where(kept_t, picked, torch.full_like(picked, -math.inf))
+    lp = torch.where(valid, picked, zero)
+    bad = valid & ((tokens < 0) | (tokens >= v))
+    lp = torch.where(bad, torch.full_like(lp, math.nan), lp)
+    ent = None
+    if entropy:
+        p = torch.exp(logp) if keep is None else torch.exp(logp) * keep
+        ent = -(torch.where(p > 0, p * logp, torch.zeros_like(p)) if keep is None else p * logp).sum(1)
+        ent = torch.where(bad, torch.full_like(ent, math.nan), torch.where(valid, ent, zero))
+    return lp, ent
+
+
+def log_probs_truncated(logits: Tensor, tokens: Tensor, trunc: Optional[Truncation], temperature: float,
+                        ignore_index: int, entropy: bool, batch_invariant: bool):
+    """(logp, entropy or None) of logits (N, V), tokens (N,) int64."""
+    n = logits.shape[0]
+    lps, ents = [], []
+    for n0 in range(0, n, ROWS):
+        n1 = min(n, n0 + ROWS)
+        z, t = logits[n0:n1], tokens[n0:n1]
+        tr = trunc.rows(slice(n0, n1)) if trunc is not None else None
+        pad = ROWS - (n1 - n0) if batch_invariant else 0
+        if pad:
+            z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            t = torch.cat([t, t.new_full((pad,), ignore_index)])
+            if tr is not None:
+                tr = Truncation(torch.cat([tr.top_k, tr.top_k.new_zeros(pad)]),
+                                torch.cat([tr.top_p, tr.top_p.new_ones(pad)]),
+                                torch.cat([tr.min_p, tr.min_p.new_zeros(pad)]), tr.k_max)
+        lp, ent = _block(z, t, tr, temperature, ignore_index, entropy)
+        lps.append(lp[:n1 - n0])
+        if entropy:
+            ents.append(ent[:n1 - n0])
+    cd = compute_dtype(logits.dtype)
+    if n == 0:
+        empty = logits.new_zeros(0, dtype=cd) + logits.sum() * 0
+        return empty, (empty if entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)

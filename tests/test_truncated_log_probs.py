@@ -1,0 +1,256 @@
+"""Truncated sampling (top_k / top_p / min_p) in linear_log_probs and log_probs against
+the float64 sort-based reference (vLLM's sampler, written plainly).
+
+On the GPU when there is one; otherwise the Triton backend runs on the CPU interpreter
+at small sizes (V prime, H not a multiple of 16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import logitless
+from logitless.formulas import truncation
+from logitless.ops.linear_log_probs.reference import truncated_keep_reference, truncated_log_probs_reference
+from tests.conftest import DEVICE
+
+BACKENDS = ["torch", "triton"]
+
+CASES = {
+    "top_k": dict(top_k=7),
+    "top_k_1": dict(top_k=1),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.05),
+    "k_p": dict(top_k=12, top_p=0.7),
+    "all": dict(top_k=20, top_p=0.9, min_p=0.02),
+    "k_over_v": dict(top_k=10_000, top_p=0.95),
+}
+
+
+def _inputs(lead, h, v, seed, dtype=torch.float32, scale=3.0, bias=False, kept_tokens=0.6, trunc=None,
+            temperature=1.0, softcap=None):
+    """x, w, (bias), tokens: a share of the tokens drawn from the kept set (so that both
+    finite and -inf outputs are tested)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * h ** -0.5 * scale
+    b = torch.randn(v, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    tokens = torch.randint(0, v, lead, generator=g)
+    if trunc is not None and tokens.numel():
+        z = x.reshape(-1, h) @ w.T + (b if b is not None else 0)
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        keep = truncated_keep_reference(z / temperature, **trunc)
+        pick = torch.multinomial(keep.double(), 1, generator=g)[:, 0].reshape(lead)
+        use = torch.rand(lead, generator=g) < kept_tokens
+        tokens = torch.where(use, pick, tokens)
+    cast = lambda t: t.to(dtype).to(DEVICE) if t is not None else None  # noqa: E731
+    return cast(x), cast(w), cast(b), tokens.to(DEVICE)
+
+
+def _check(lp, ent, ref_lp, ref_ent, tol=1e-4):
+    fin = torch.isfinite(ref_lp)
+    assert torch.equal(torch.isfinite(lp), fin), (lp, ref_lp)
+    assert (lp[~fin] == -math.inf).all()
+    if fin.any():
+        assert (lp[fin].double() - ref_lp[fin]).abs().max() <= tol
+    if ent is not None:
+        assert (ent.double() - ref_ent).abs().max() <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_alone_and_combined(backend, case):
+    trunc = CASES[case]
+    x, w, b, t = _inputs((9,), 21, 97, seed=len(case), trunc=trunc)
+    lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, backend=backend, **trunc)
+    rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_temperature_softcap_bias_ignore(backend):
+    trunc = dict(top_k=9, top_p=0.85, min_p=0.01)
+    opts = dict(temperature=0.6, softcap=4.0)
+    x, w, b, t = _inputs((2, 5), 23, 89, seed=3, bias=True, trunc=trunc, **opts)
+    t[0, 1] = -100
+    lp, ent = logitless.linear_log_probs(x, w, t, b, entropy=True, backend=backend, **opts, **trunc)
+    assert lp.shape == t.shape and lp[0, 1] == 0 and ent[0, 1] == 0
+    rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), b.cpu(), **opts, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_token_tensors(backend):
+    lead = (3, 4)
+    g = torch.Generator().manual_seed(5)
+    top_k = torch.randint(0, 15, lead, generator=g)
+    top_p = torch.rand(lead, generator=g, dtype=torch.float64) * 0.6 + 0.4
+    top_p[0, 0] = 1.0
+    min_p = torch.rand(lead, generator=g, dtype=torch.float64) * 0.1
+    min_p[1, :2] = 0.0
+    trunc = dict(top_k=top_k, top_p=top_p, min_p=min_p)
+    x, w, b, t = _inputs(lead, 19, 101, seed=6, trunc=trunc, temperature=0.8)
+    dev = {k: v.to(DEVICE) for k, v in trunc.items()}
+    lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.8, backend=backend, **dev)
+    rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), temperature=0.8, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re)
+    # (N,) tensors give the same
+    flat = {k: v.reshape(-1) for k, v in dev.items()}
+    lp2 = logitless.linear_log_probs(x, w, t, temperature=0.8, backend=backend, **flat)
+    assert torch.equal(lp2, lp)
+
+
+@pytest.mark.parametrize("case", ["top_p_flat", "min_p_flat", "top_k_big"])
+def test_fallback_more_candidates(case):
+    """Kept sets larger than the first pass's candidates: the fallback passes."""
+    trunc = {"top_p_flat": dict(top_p=0.97), "min_p_flat": dict(min_p=0.2),
+             "top_k_big": dict(top_k=300, top_p=0.999)}[case]
+    x, w, b, t = _inputs((4,), 17, 1009, seed=11, scale=0.3, trunc=trunc)
+    lp, ent = logitless.linear_log_probs(x.double(), w.double(), t, entropy=True, backend="torch", **trunc)
+    rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re, tol=1e-10)
+    keep = truncated_keep_reference(x.cpu().double() @ w.cpu().double().T, **trunc)
+    assert keep.sum(1).min() > truncation.MIN_CANDIDATES  # (the case does need the fallback)
+
+
+def test_gradients_finite_differences():
+    trunc = dict(top_k=6, top_p=0.9, min_p=0.01)
+    x, w, b, t = _inputs((5,), 7, 31, seed=2, bias=True, trunc=trunc, kept_tokens=0.7, temperature=0.7,
+                         softcap=3.0)
+    x, w, b = (u.double().cpu().requires_grad_() for u in (x, w, b))
+    t = t.cpu()
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_h = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)
+
+    def f(x, w, b):
+        lp, ent = logitless.linear_log_probs(x, w, t, b, entropy=True, temperature=0.7, softcap=3.0,
+                                             backend="torch", **trunc)
+        return torch.where(torch.isinf(lp), torch.zeros_like(lp), lp), ent
+
+    assert torch.autograd.gradcheck(f, (x, w, b), eps=1e-6, atol=1e-6)
+    # and the same gradients as the float64 reference's autograd
+    lp, ent = f(x, w, b)
+    ours = torch.autograd.grad((lp * g_lp).sum() + (ent * g_h).sum(), (x, w, b))
+    rl, re = truncated_log_probs_reference(x, w, t, b, temperature=0.7, softcap=3.0, **trunc)
+    rl = torch.where(torch.isinf(rl), torch.zeros_like(rl), rl)
+    theirs = torch.autograd.grad((rl * g_lp).sum() + (re * g_h).sum(), (x, w, b))
+    for a, r in zip(ours, theirs):
+        assert (a - r).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_fp32_against_reference(backend):
+    trunc = dict(top_k=8, top_p=0.8)
+    x, w, b, t = _inputs((6,), 21, 97, seed=8, bias=True, trunc=trunc, kept_tokens=0.7)
+    x, w, b = (u.requires_grad_() for u in (x, w, b))
+    lp, ent = logitless.linear_log_probs(x, w, t, b, entropy=True, backend=backend, **trunc)
+    (torch.where(torch.isinf(lp), torch.zeros_like(lp), lp).sum() + ent.sum()).backward()
+    xr, wr, br = (u.detach().cpu().double().requires_grad_() for u in (x, w, b))
+    rl, re = truncated_log_probs_reference(xr, wr, t.cpu(), br, **trunc)
+    (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl).sum() + re.sum()).backward()
+    for ours, ref in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert (ours.cpu().double() - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_odd_sizes(backend):
+    trunc = dict(top_k=3, top_p=0.9)
+    x, w, b, t = _inputs((1,), 5, 2, seed=1, trunc=trunc)  # one token, V = 2 (top_k >= V: off)
+    lp = logitless.linear_log_probs(x, w, t, backend=backend, **trunc)
+    rl, _ = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), **trunc)
+    _check(lp.cpu(), None, rl, None)
+    x, w, b, t = _inputs((0,), 5, 13, seed=1)
+    lp, ent = logitless.linear_log_probs(x.requires_grad_(), w, t, entropy=True, backend=backend, **trunc)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    lp.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_off_values_are_the_default_path():
+    x, w, b, t = _inputs((4,), 9, 29, seed=4)
+    plain = logitless.linear_log_probs(x, w, t, backend="torch")
+    off = logitless.linear_log_probs(x, w, t, backend="torch", top_k=0, top_p=1.0, min_p=0.0)
+    assert torch.equal(plain, off)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(top_k=-1), "top_k"), (dict(top_k=1.5), "top_k"), (dict(top_p=0.0), r"top_p must be in \(0"),
+    (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
+    (dict(top_p=float("nan")), "top_p"), (dict(top_k=torch.tensor([1, 2])), "shape"),
+    (dict(min_p=torch.tensor([0.1, 0.2, 2.0])), "min_p"), (dict(top_k=torch.tensor([1.0, 2.0, 3.0])), "integer"),
+])
+def test_bad_values(kw, msg):
+    x, w, b, t = _inputs((3,), 5, 7, seed=1)
+    with pytest.raises((ValueError, TypeError), match=msg):
+        logitless.linear_log_probs(x.cpu(), w.cpu(), t.cpu(), backend="torch", **kw)
+
+
+def test_resolve_midpoint_and_fallback_flag():
+    """tau lies strictly between the last kept and the first dropped value; a row whose
+    kept set reaches past the candidates is not resolved."""
+    cand = torch.tensor([[5.0, 4.0, 4.0, 1.0], [3.0, 2.9, 2.8, 2.7]])
+    m = cand[:, 0]
+    s = torch.tensor([10.0, 100.0])
+    tr = truncation.Truncation(torch.tensor([2, 0]), torch.tensor([1.0, 0.99], dtype=torch.float64),
+                               torch.zeros(2, dtype=torch.float64))
+    tau, ok = truncation.resolve(cand, m, s, 1000, tr)
+    assert tau[0] == 2.5 and ok[0]  # top-2 keeps the tie at 4
+    assert not ok[1]  # top-p 0.99 of a flat row: past the 4 candidates
+
+
+# ---- log_probs (from logits) ----
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_probs_from_logits(backend):
+    trunc = dict(top_k=10, top_p=0.85, min_p=0.01)
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 4, 103, generator=g, dtype=torch.float64) * 3
+    keep = truncated_keep_reference(logits.reshape(-1, 103) / 0.9, **trunc)
+    t = torch.multinomial(keep.double(), 1, generator=g)[:, 0].reshape(3, 4)
+    t[0, :2] = torch.randint(0, 103, (2,), generator=g)
+    z = logits.float().to(DEVICE).requires_grad_()
+    lp, ent = logitless.log_probs(z, t.to(DEVICE), temperature=0.9, entropy=True, backend=backend, **trunc)
+    rl, re = truncated_log_probs_reference(None, None, t, logits=logits, temperature=0.9, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re)
+    (torch.where(torch.isinf(lp), torch.zeros_like(lp), lp).sum() + ent.sum()).backward()
+    zr = logits.clone().requires_grad_()
+    rl, re = truncated_log_probs_reference(None, None, t, logits=zr, temperature=0.9, **trunc)
+    (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl).sum() + re.sum()).backward()
+    assert (z.grad.cpu().double() - zr.grad).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_inputs(backend):
+    """16-bit inputs (the threshold pass's GEMM in the input dtype on Triton): the
+    reference on the same bf16 values in float64."""
+    trunc = dict(top_k=10, top_p=0.9, min_p=0.02)
+    x, w, b, t = _inputs((2, 7), 32, 131, seed=12, trunc=trunc, dtype=torch.bfloat16)
+    lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.9, backend=backend, **trunc)
+    rl, re = truncated_log_probs_reference(x.cpu().double(), w.cpu().double(), t.cpu(), temperature=0.9, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re, tol=2e-4)
+
+
+@pytest.mark.parametrize("budget", [None, 6_000])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_triton_kept_and_recomputed_columns(budget, softcap):
+    """The Triton backward with the forward's kept columns (e = 0 outside the set), with
+    some recomputed (a small budget), and with a soft-cap (nothing kept)."""
+    trunc = dict(top_k=9, min_p=0.01)
+    x, w, b, t = _inputs((13,), 24, 211, seed=21, bias=True, trunc=trunc, kept_tokens=0.8, softcap=softcap)
+    x, w, b = (u.requires_grad_() for u in (x, w, b))
+    lp, ent = logitless.linear_log_probs(x, w, t, b, entropy=True, softcap=softcap, backend="triton",
+                                         memory_budget=budget, **trunc)
+    g = torch.Generator().manual_seed(3)
+    g1, g2 = torch.randn(13, generator=g).to(DEVICE), torch.randn(13, generator=g).to(DEVICE)
+    (torch.where(torch.isinf(lp), torch.zeros_like(lp), lp) * g1 + ent * g2).sum().backward()
+    xr, wr, br = (u.detach().cpu().double().requires_grad_() for u in (x, w, b))
+    rl, re = truncated_log_probs_reference(xr, wr, t.cpu(), br, softcap=softcap, **trunc)
+    _check(lp.detach().cpu(), ent.detach().cpu(), rl.detach(), re.detach())
+    gr = g1.cpu().double(), g2.cpu().double()
+    (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl) * gr[0] + re * gr[1]).sum().backward()
+    for ours, ref in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert (ours.cpu().double() - ref).abs().max() < 1e-4
