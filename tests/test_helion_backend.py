@@ -51,10 +51,10 @@ def _small_tiles():
 @pytest.fixture()
 def launches(monkeypatch):
     """Counts of the Helion kernel launches by kernel name (the launch functions' ``launch``)."""
-    from logitless.helion_lib import linear_cross_entropy, linear_jsd, linear_log_probs
+    from logitless.helion_lib import grad_kernels, linear_cross_entropy, linear_jsd, linear_log_probs
 
     counts: dict = {}
-    for module in (linear_cross_entropy, linear_jsd, linear_log_probs):
+    for module in (linear_cross_entropy, linear_jsd, linear_log_probs, grad_kernels):
         original = module.launch
 
         def counted(kernel, args, config, _original=original):
@@ -165,8 +165,8 @@ def _small_calls():
 
 
 @needs_helion
-@pytest.mark.parametrize("op,kernels", [("linear_cross_entropy", ("ce_forward", "ce_dx", "ce_dw")),
-                                        ("linear_log_probs", ("logp_forward", "logp_dx", "logp_dw")),
+@pytest.mark.parametrize("op,kernels", [("linear_cross_entropy", ("ce_forward", "linear_dx", "linear_dw")),
+                                        ("linear_log_probs", ("logp_forward", "linear_dx", "linear_dw")),
                                         ("linear_jsd", ("jsd_forward", "jsd_dx", "jsd_dw"))])
 def test_helion_kernels_run(op, kernels, launches):
     """Forward and backward launch the op's three Helion kernels once each (no fallback),

@@ -5,7 +5,7 @@ forward:  one Helion kernel (``helion_lib.ce_kernels.ce_forward``): per row tile
           smoothing) and the first argmax; the loss from those statistics with the formulas
           (``formulas.cross_entropy.token_loss``), as the torch backend.
 backward: the formulas' (3, N) coefficients, then two kernels that recompute the logits
-          tiles (``ce_dx``: dX; ``ce_dw``: dW and db). Nothing is kept between them.
+          tiles (``helion_lib.grad_kernels.linear_dx``: dX; ``linear_dw``: dW and db). Nothing is kept between them.
 
 Every option of the op: bias, soft-cap, class weights, label smoothing, z-loss (through
 the coefficients), ignore_index, reductions, return_stats' argmax, vocabulary parallelism

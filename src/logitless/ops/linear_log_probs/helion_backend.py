@@ -5,7 +5,7 @@ forward:  one Helion kernel (``helion_lib.log_probs_kernels.logp_forward``): per
           token's a; log-probs and entropy from them with the formulas
           (``formulas.log_probs.token_outputs``), as the torch backend.
 backward: the formulas' (3, N) coefficients, then two kernels recomputing the tiles
-          (``logp_dx``: dX; ``logp_dw``: dW and db). Nothing is kept between them.
+          (``helion_lib.grad_kernels.linear_dx``: dX; ``linear_dw``: dW and db). Nothing is kept between them.
 
 Every option of the op: temperature, entropy, soft-cap, bias, ignore_index, vocabulary
 parallelism (``vocab_parallel`` calls this module on a rank's rows; its dx of 16-bit
