@@ -49,8 +49,9 @@ PERSISTENT_MIN_ROW_BLOCKS = 16
 PROGRAM_STEPS = 32
 #: Vocabulary tiles per forward program that ``forward_blocks_per_split`` weighs.
 SPLIT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
-#: Predicted gain below which the WAVES rule's split stands (the model's noise).
-SPLIT_MIN_GAIN = 0.05
+#: Predicted gain below which the WAVES rule's split stands: below 10% the A/B at the models
+#: suite's shapes was within run-to-run noise (split-ab-H100-2026-11-25.json).
+SPLIT_MIN_GAIN = 0.10
 
 
 def forward_blocks_per_split(row_blocks: int, vocab_blocks: int, k_steps: int, num_sms: int,
@@ -70,7 +71,7 @@ def forward_blocks_per_split(row_blocks: int, vocab_blocks: int, k_steps: int, n
         return math.ceil(row_blocks * splits / num_sms) * (per_split * k_steps + PROGRAM_STEPS)
 
     best = min((c for c in SPLIT_CANDIDATES if c <= vocab_blocks), key=cost, default=waves_rule)
-    return best if cost(best) < (1 - SPLIT_MIN_GAIN) * cost(waves_rule) else waves_rule
+    return best if cost(best) <= (1 - SPLIT_MIN_GAIN) * cost(waves_rule) else waves_rule
 
 
 def group_rows_for(num_sms: int, block_n: int, block_v: int) -> int:
