@@ -51,7 +51,7 @@ def blocked(op, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor
                  return_stats=return_stats, backend=backend, **kwargs)
         if return_stats:
             loss, st = out
-            return loss, st.lse, st.correct
+            return loss, st.lse, st.correct, st.argmax
         return (out,)
 
     parts = []
@@ -85,4 +85,4 @@ def blocked(op, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor
         out = loss.sum() / den
     if not return_stats:
         return out
-    return out, LossStats(per_token(cols[1]), per_token(cols[2]), valid.sum())
+    return out, LossStats(per_token(cols[1]), per_token(cols[2]), valid.sum(), per_token(cols[3]))
