@@ -8,7 +8,6 @@
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
-    plan_to_tensor / _from_tensor  a TritonPlan as a CPU int64 tensor (a custom op's output)
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
     partials                       a forward's (S, N) partial statistics, one allocation
     descriptor                     a TMA descriptor, validated once per layout
@@ -23,17 +22,14 @@ Host time (issue 23 item 3): at 512-2048 tokens an eager call is bound by the ho
 what is pure per (plan, shape, layout) is computed once: ``cdiv`` is plain integer
 arithmetic (``triton.cdiv`` is a ``constexpr_function``: ~2 us per call on the host),
 ``descriptor`` checks a layout's TMA constraints once and then builds descriptors
-without Triton's per-object validation, ``plan_to_tensor`` / ``plan_from_tensor``
-convert through memoised tuples, and the backward builds x's and W's descriptors only
-when a chunk is recomputed. ``benchmarks/probe_host.py`` counts what is left (Python
+without Triton's per-object validation, and the backward builds x's and W's
+descriptors only when a chunk is recomputed. ``benchmarks/probe_host.py`` counts what is left (Python
 calls, allocations, launches per forward+backward; ``tests/test_host_overhead.py``).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import inspect
 import os
 from typing import Optional
@@ -327,31 +323,6 @@ def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Ten
 
 
 # ------------------------------------------------- kept columns, dz chunks (every linear op)
-
-#: Length of ``plan_to_tensor``'s result.
-PLAN_SIZE = len(dataclasses.fields(TritonPlan))
-
-
-def plan_to_tensor(plan: TritonPlan) -> Tensor:
-    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
-    return torch.tensor(_plan_values(plan), dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan_values(plan: TritonPlan) -> tuple:
-    return tuple(int(getattr(plan, f.name)) for f in dataclasses.fields(TritonPlan))
-
-
-def plan_from_tensor(t: Tensor) -> TritonPlan:
-    """The plan ``plan_to_tensor`` wrote."""
-    return _plan_of_values(tuple(t.tolist()))  # a CPU tensor: no device sync
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan_of_values(values: tuple) -> TritonPlan:
-    fields = dataclasses.fields(TritonPlan)
-    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
-
 
 def kept_shapes_of(plan: TritonPlan, n: int):
     """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded

@@ -51,7 +51,7 @@ def forward(
     need_smooth: bool,
     need_argmax: bool,
     budget: int,
-    need_grad: bool = False,
+    plan=None,
     loss_opts: Optional[CrossEntropyOptions] = None,
 ):
     """Returns (TokenStats, None): this backend keeps nothing for the backward. With
@@ -108,11 +108,13 @@ def forward(
     return stats, None, reduce(loss_tok, w_t, loss_opts.reduction), w_t
 
 
-#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
-PLAN_SIZE = 0
+def plan(*_, **__) -> None:
+    """No plan crosses to the backward: this backend sizes its tiles from the budget in
+    the forward and in the backward (``ops.common.torch_tiles``) and keeps nothing."""
+    return None
 
 
-def kept_shapes(*_) -> None:
+def kept_shapes(plan, n: int) -> None:
     """This backend keeps nothing for the backward."""
     return None
 
@@ -141,6 +143,7 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
+    plan=None,
     kept=None,
     dx_acc: bool = False,
 ):

@@ -21,6 +21,7 @@ atomics (bitwise repeatable); no host syncs.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -29,9 +30,9 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
-from logitless.planning.plans import TritonPlan, triton_plan
+from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue
-from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
+from logitless.triton_lib.launch import cdiv
 from logitless.triton_lib import log_probs_kernels as K
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
@@ -51,19 +52,31 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
     return True
 
 
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool,
-          backward: bool = False) -> TritonPlan:
-    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep,
-                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
+def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+         need_grad: bool, cute: bool = True) -> LinearPlan:
+    """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
+    op and used by everything after it. ``cute=False``: no CuTe choice (the fake
+    implementation: it needs the tensors' memory)."""
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_ok = keep_allowed(x.dtype, opts, need_grad)
+    p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep_ok,
+                    prerounded=launch.tf32_prerounded(x.dtype))
+    if not cute:
+        return p
+    # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
+    c = cute_planning.forward_plan(x, weight, keep_cols=p.forward.keep_cols if keep_ok else 0,
+                                   keep_block=p.forward.block_v, bias=bias, softcap=opts.softcap,
+                                   entropy=opts.entropy)
+    return p if c is None else replace(p, cute=c)
 
 
-def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, opts: LogProbOptions,
-                need_grad: bool):
-    """Shapes of the buffers ``forward`` keeps (the custom op's fake uses them), or None."""
-    if n == 0 or not keep_allowed(dtype, opts, need_grad):
+def kept_shapes(plan: Optional[LinearPlan], n: int):
+    """Shapes of the buffers ``forward`` keeps under ``plan`` (the custom op's fake uses
+    them), or None."""
+    if plan is None or not plan.keeps:
         return None
-    plan = _plan(n, v, h, dtype, budget, device, True)
-    return launch.kept_shapes_of(plan, n) if plan.keep_cols else None
+    return launch.kept_shapes_of(plan.forward, n)
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -78,19 +91,14 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None, outputs: bool = False):
-    """(LogProbStats, kept): kept is None or (buffer, tile maxima, plan tensor), which
-    ``backward`` turns into dz in place (one backward only). ``outputs`` (N > 0): ((logp,
-    entropy or None, lse), kept) instead, the merge and ``token_outputs`` in one launch
-    (``log_probs_epilogue.forward_outputs``)."""
+            plan: LinearPlan, budget: Optional[int] = None, outputs: bool = False):
+    """(LogProbStats, kept) under the call's ``plan`` (``budget``: planned already): kept is
+    None or (buffer, tile maxima), which ``backward`` turns into dz in place (one backward
+    only). ``outputs`` (N > 0): ((logp, entropy or None, lse), kept) instead, the merge
+    and ``token_outputs`` in one launch (``log_probs_epilogue.forward_outputs``)."""
     n, h = x.shape
     v = weight.shape[0]
-    keep_ok = keep_allowed(x.dtype, opts, need_grad)
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
-    # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0,
-                                      keep_block=plan.block_v, bias=bias, softcap=opts.softcap,
-                                      entropy=opts.entropy)
+    keep_ok, cute, plan = plan.keeps, plan.cute, plan.forward
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
@@ -132,7 +140,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
         )
-    kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
+    kept = (keep_buf, keep_max) if keep is not None else None
     if outputs:
         return log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
                                                   tokens, opts, v), kept
@@ -149,16 +157,15 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept: Optional[tuple[Tensor, Tensor]] = None, plan: Optional[TritonPlan] = None,
-             dx_acc: bool = False):
-    """dx, dW, db. ``kept`` (buffer, tile maxima) with the forward's ``plan``: its
-    buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
-    chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
-    parallelism)."""
+             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, plan: LinearPlan,
+             budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None, dx_acc: bool = False):
+    """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``
+    (buffer, tile maxima) laid out by the plan: the buffer is overwritten with dz.
+    ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's dtype
+    (a partial sum the caller reduces first: vocab parallelism)."""
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False, backward=True)
+    plan = plan.forward if kept is not None else plan.backward
     coef = coef.contiguous()
     lse = lse.contiguous()
     prerounded = _prerounded(plan, x.dtype)

@@ -38,14 +38,15 @@ from logitless.options import LogProbOptions, VocabParallelOptions
 
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
             tp: VocabParallelOptions, *, budget: int, need_grad: bool):
-    """(logp, entropy or None, lse, kept or None): the custom op's forward under TP."""
+    """(logp, entropy or None, lse, kept or None, plan or None): the custom op's forward
+    under TP (``plan``: the backend's plan of this rank's rows)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     v = shard.vocab_size
     check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
     n = x.shape[0]
     sd = compute_dtype(x.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
-    kept = None
+    kept = plan = None
     if n == 0:  # the same on every rank: no collective
         empty = x.new_empty(0, dtype=sd)
         stats = LogProbStats(empty, empty, empty if opts.entropy else None)
@@ -56,21 +57,22 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             u = s if opts.entropy else None
             a_t = s
         else:
-            local, kept = impl.forward(x, w, b, shard.local_target(tokens), opts, budget=budget,
-                                       need_grad=need_grad)
+            plan = impl.plan(x, w, b, opts, budget=budget, need_grad=need_grad)
+            local, kept = impl.forward(x, w, b, shard.local_target(tokens), opts, budget=budget, plan=plan)
             m, s, u = partials_of(local.lse.to(sd), local.entropy.to(sd) if opts.entropy else None)
             a_t = local.target.to(sd)  # a NaN lse makes e^(m - M) s NaN: the SUM spreads it
         big, s, u, (a_t,) = merge_online(shard.group, m, s, u, [a_t])
         lse, ent = finish(big, s, u)
         stats = LogProbStats(lse=lse, target=a_t, entropy=ent)
     logp, ent = token_outputs(stats, tokens, v, opts)
-    return logp, ent, stats.lse, kept
+    return logp, ent, stats.lse, kept, plan
 
 
 def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Tensor, opts: LogProbOptions,
-             tp: VocabParallelOptions, *, budget: int, need_dx: bool, need_dw: bool, need_db: bool, extra: dict):
-    """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP."""
+             tp: VocabParallelOptions, *, budget: int, need_dx: bool, need_dw: bool, need_db: bool, plan, kept):
+    """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP
+    (``plan``, ``kept``: the forward's, or None)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)  # cached: no collective
     coef = grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp,
                              grad_entropy if opts.entropy else None, shard.vocab_size, opts, lse)
@@ -82,7 +84,8 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
         db = b.new_zeros(b.shape) if need_db else None
     else:
         dx, dw, db = impl.backward(x, w, b, shard.local_target(tokens), opts, lse, coef, need_dx=need_dx,
-                                   need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=True, **extra)
+                                   need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept,
+                                   dx_acc=True)
     if need_dx:
         if not tp.partial_dx:
             all_reduce_(dx, shard.group)
