@@ -170,31 +170,12 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     lse = lse.contiguous()
     prerounded = _prerounded(plan, x.dtype)
     flags = _flags(bias, opts, x.dtype, prerounded)
-    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
-    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
-
-    def kept_dlogits(dz, tile_max, grid):
-        launch.run_kernel(
-            K.logp_kept_dlogits_kernel, grid,
-            dz, tile_max, tokens, lse, coef, n, dz.shape[1], dz.stride(0),
-            float(opts.softcap or 1.0), float(opts.temperature),
-            HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-        )
-
-    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
-        xs, ws = x, weight
-        if prerounded:
-            x_op, w_op, use_tma, xs, ws = rounded(v0, v1)
-        launch.launch_kernel(
-            K.logp_dlogits_kernel, grid,
-            x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
-            n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),
-            v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, group_n,
-            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten, W_CHUNK=prerounded,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
-
-    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
-                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+    kernels = launch.DlogitsKernels(
+        kept_kernel=K.logp_kept_dlogits_kernel, kept_head=(tokens, lse, coef, n),
+        kept_tail=(float(opts.softcap or 1.0), float(opts.temperature)),
+        kept_flags=dict(HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy),
+        kernel=K.logp_dlogits_kernel, inputs=(bias if bias is not None else x, tokens, lse, coef),
+        scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=flags, prerounded=prerounded,
+    )
+    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+                                   need_db=need_db, dx_acc=dx_acc)
