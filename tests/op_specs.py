@@ -485,7 +485,7 @@ def _ljsd_opcheck(backend):
     options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, "none", 1 << 20, backend)  # (JSDOptions, reduction, budget, backend)
     fwd = (xs, ws, bs, xt, wt, bt, target) + options
     yield custom_op("linear_jsd_forward"), fwd, None
-    _, stats = custom_op("linear_jsd_forward")(*fwd)
+    stats = custom_op("linear_jsd_forward")(*fwd)[1]
     bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
            stats.detach()) + options + (True, True, True)
     yield custom_op("linear_jsd_backward"), bwd, None
