@@ -22,7 +22,9 @@ read and one write); the kernels then multiply TF32-exact operands with DOT_PREC
 with the operands loaded by TMA straight into the tensor cores).
 No tensor of N x V elements unless the budget allows it: temporaries are the kept
 columns and one dz chunk (and the rounded x and W chunk), sized by the memory budget
-(``planning.plans.triton_plan``). No
+(``planning.plans.triton_plan``). One plan per call (``plan``: a
+``planning.plans.LinearPlan``, made by the forward custom op; the forward, the
+gradient-in-forward strategy and the backward follow it). No
 atomics: every output element is written by one program or one matmul, so results
 are bitwise repeatable.
 """

@@ -27,10 +27,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.distributed import VocabShard, all_reduce_, merge_argmax, merge_shards, vocab_shard
+from logitless.distributed import VocabShard, merge_argmax, merge_shards, vocab_shard
 from logitless.formulas.common import apply_softcap, compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.validate import check_targets_in_range
+from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 
@@ -116,16 +117,9 @@ def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, wei
         coef[0] += grad_lse.to(coef.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
     if w.shape[0] == 0:
-        cd = compute_dtype(x.dtype)
-        dx = torch.zeros(x.shape, dtype=cd, device=x.device) if need_dx else None
-        dw = w.new_zeros(w.shape) if need_dw else None
-        db = b.new_zeros(b.shape) if need_db else None
+        dx, dw, db = no_class_grads(x, w, b, need_dx, need_dw, need_db)
     else:
         dx, dw, db = impl.backward(
             x, w, b, shard.local_target(target), shard.class_slice(class_weight), opts.softcap, lse, coef,
             need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept, dx_acc=True)
-    if need_dx:
-        if not tp.partial_dx:
-            all_reduce_(dx, shard.group)
-        dx = dx.to(x.dtype)
-    return dx, shard.pad_rows(dw), shard.pad_rows(db)
+    return rank_grads(shard, x, dx, dw, db, tp.partial_dx)

@@ -14,9 +14,11 @@ backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
          (``logp_dlogits_kernel``); each chunk of dz feeds dW = dz^T x, db = column sums
          and dx += dz W (``triton_lib.launch.chunk_gradients``, an fp32 dx accumulator
          when there are several chunks).
-Plans come from ``planning.plans.triton_plan`` (the same tiles, splits, kept columns and
-chunks as linear_cross_entropy). No (N, V) tensor unless the budget allows it; no
-atomics (bitwise repeatable); no host syncs.
+One plan per call (``plan``: a ``planning.plans.LinearPlan`` from ``plans.linear_plan``,
+the same tiles, splits, kept columns and chunks as linear_cross_entropy, and the CuTe
+choice), made by the forward custom op and followed by the forward and the backward.
+No (N, V) tensor unless the budget allows it; no atomics (bitwise repeatable); no host
+syncs.
 """
 
 from __future__ import annotations
