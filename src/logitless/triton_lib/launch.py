@@ -8,6 +8,8 @@
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
+    gradient_buffers / finished_dx the outputs (and fp32 dx accumulator) of a chunked
+                                   backward, and its dx after the last chunk
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
     partials                       a forward's (S, N) partial statistics, one allocation
     descriptor                     a TMA descriptor, validated once per layout
@@ -304,6 +306,28 @@ def dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
         acc += dz.float() @ w.float()
 
 
+def gradient_buffers(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunks: int, *, need_dx: bool,
+                     need_dw: bool, need_db: bool, keep_acc: bool) -> tuple:
+    """(dW, db, dx accumulator) of a backward over ``chunks`` column chunks: dW and db
+    (None where not needed) are written chunk by chunk (``chunk_gradients``); the fp32
+    (N, H) accumulator of dx when it needs one (several chunks, or ``keep_acc``: dx as
+    the accumulator), else None."""
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    acc = None
+    if need_dx and (keep_acc or chunks > 1):
+        acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    return dw, db, acc
+
+
+def finished_dx(dx: Optional[Tensor], acc: Optional[Tensor], keep_acc: bool, dtype: torch.dtype):
+    """dx after the last chunk: the accumulator (as it is with ``keep_acc``, else cast once
+    to ``dtype``), or the one chunk's dx (``chunk_gradients``' return) without one."""
+    if acc is None:
+        return dx
+    return acc if keep_acc else acc.to(dtype)
+
+
 def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Tensor],
                      db_rows: Optional[Tensor], dx_acc: Optional[Tensor], need_dx: bool):
     """The GEMMs fed by one chunk of dz (N, v1 - v0), for columns [v0, v1) of W:
@@ -433,13 +457,11 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     v = weight.shape[0]
     k = kernels
     keep_cols = plan.keep_cols if kept is not None else 0
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
     # Chunks of columns: the kept ones (one chunk), then recomputed ones.
     chunks = backward_chunks(plan, v, keep_cols)
-    dx = dx_acc = dz_buf = None
-    if need_dx and (keep_acc or len(chunks) > 1):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    dw, db, dx_acc = gradient_buffers(x, weight, bias, len(chunks), need_dx=need_dx, need_dw=need_dw,
+                                      need_db=need_db, keep_acc=keep_acc)
+    dx = dz_buf = None
     # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
     rounded = prerounded_dlogits_operands(x, weight, plan, keep_cols) if k.prerounded else None
     x_op = w_op = use_tma = None  # (built at the first recomputed chunk: none when every column was kept)
@@ -474,9 +496,7 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
             dx_acc, need_dx)
         if dx_chunk is not None:
             dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
-    return dx, dw, db
+    return finished_dx(dx, dx_acc, keep_acc, x.dtype), dw, db
 
 
 # ------------------------------------------------- fp32 at "high": operands rounded to TF32 once

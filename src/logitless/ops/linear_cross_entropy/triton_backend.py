@@ -104,20 +104,9 @@ def kept_shapes(plan: Optional[LinearPlan], n: int):
     return launch.kept_shapes_of(plan.forward, n)
 
 
-def forward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    *,
-    need_smooth: bool,
-    need_argmax: bool,
-    plan: LinearPlan,
-    budget: Optional[int] = None,
-    loss_opts: Optional[CrossEntropyOptions] = None,
-):
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+            softcap: Optional[float], *, need_smooth: bool, need_argmax: bool, plan: LinearPlan,
+            budget: Optional[int] = None, loss_opts: Optional[CrossEntropyOptions] = None):
     """Under the call's ``plan`` (``budget``: planned already), returns (TokenStats,
     kept): kept is None or (buffer, tile maxima) of the
     ``kept_shapes`` shapes, which ``backward`` turns into dz in place (so it can use
@@ -217,24 +206,10 @@ def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool)
     return need_grad and not (dtype == torch.float16 and softcap is not None)
 
 
-def backward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    lse: Tensor,
-    coef: Tensor,
-    *,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-    plan: LinearPlan,
-    budget: Optional[int] = None,
-    kept: Optional[tuple[Tensor, Tensor]] = None,
-    dx_acc: bool = False,
-):
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+             softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
+             plan: LinearPlan, budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None,
+             dx_acc: bool = False):
     """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``: what
     ``forward`` returned for this call (or None); its first
     buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
