@@ -24,11 +24,13 @@ from typing import Optional
 import torch
 
 import logitless
+from logitless.ops.common import plan_codec
 from logitless.ops.common.reference import cross_entropy_reference, jsd_reference
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.ops.log_probs.reference import log_probs_reference
+from logitless.planning.plans import LinearPlan
 from tests.conftest import DEVICE
 
 #: The custom ops (namespace ``logitless``) that the specs' opcheck calls use, by name.
@@ -184,13 +186,14 @@ def _lce_opcheck(backend):
     # test_training_loops.py cover that path (fullgraph, dynamic, kept columns).
     forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for need_grad in (True, False):
-        args = (x, w, b, t, cw, *options, need_grad, 0, True, True, True)
+        args = (x, w, b, t, cw, *options, need_grad, False, True, True, True)
         yield custom_op("lce_forward"), args, forward_utils
         loss, lse, argmax, w_t, keep, keep_max, plan, *_ = custom_op("lce_forward")(*args)
+        decoded = plan_codec.decode(plan, LinearPlan)  # (the custom op carries the plan encoded)
         if backend == "triton" and need_grad:
-            assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
+            assert 1 < keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
         else:
-            assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
+            assert keep.shape == (1, 1) and (decoded is None or not decoded.keeps)  # nothing kept
         grad_loss = torch.rand((), device=DEVICE) + 0.5
         grad_lse = torch.randn(lse.shape, device=DEVICE)  # the per-token lse is differentiable
         yield custom_op("lce_backward"), (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw,
@@ -482,7 +485,7 @@ def _ljsd_opcheck(backend):
     options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, "none", 1 << 20, backend)  # (JSDOptions, reduction, budget, backend)
     fwd = (xs, ws, bs, xt, wt, bt, target) + options
     yield custom_op("linear_jsd_forward"), fwd, None
-    _, stats = custom_op("linear_jsd_forward")(*fwd)
+    stats = custom_op("linear_jsd_forward")(*fwd)[1]
     bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
            stats.detach()) + options + (True, True, True)
     yield custom_op("linear_jsd_backward"), bwd, None
@@ -693,10 +696,11 @@ def _llp_opcheck(backend):
         args = (x, w, b, t, *options, need_grad)
         yield custom_op("llp_forward"), args, forward_utils
         logp, ent, lse, keep, keep_max, plan = custom_op("llp_forward")(*args)
+        decoded = plan_codec.decode(plan, LinearPlan)
         if backend == "triton" and need_grad:
-            assert 0 < keep.shape[1] < 104 + 8 and plan.numel() > 0  # the budget keeps some columns
+            assert 1 < keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
         else:
-            assert plan.numel() == 0 and keep.shape == (1, 1)  # nothing kept
+            assert keep.shape == (1, 1) and (decoded is None or not decoded.keeps)  # nothing kept
         grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
         yield custom_op("llp_backward"), (torch.randn(logp.shape, device=DEVICE), grad_ent, x.detach(), w.detach(),
                                           b.detach(), t, lse, ent.detach(), keep, keep_max, plan, *options,

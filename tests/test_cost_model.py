@@ -166,17 +166,25 @@ def test_grad_in_forward_scales_by_grad_output_and_is_repeatable():
 
 
 def test_grad_in_forward_not_for_fp16_softcap():
-    """fp16 cannot keep exp(z - m) with a soft-cap: the strategy is refused there."""
-    from logitless.ops.linear_cross_entropy.triton_grad_in_forward import grad_in_forward_chunk
+    """fp16 cannot keep exp(z - m) with a soft-cap: the strategy is refused there (the
+    call's plan, ``triton_backend.plan``); nor is it used where the caller does not allow it."""
+    from logitless.ops.linear_cross_entropy.triton_backend import plan
     from logitless.options import CrossEntropyOptions as LossOptions
 
     x = torch.zeros(4, 8, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(16, 8, dtype=torch.float16, device=DEVICE)
+
+    def chunk(x, w, opts, allowed=True, need_grad=True):
+        return plan(x, w, None, None, opts, budget=2**20, need_grad=need_grad, need_argmax=False,
+                    grad_in_forward=allowed).grad_in_forward
+
     with override(strategy=("grad_in_forward", 2)):
-        assert grad_in_forward_chunk(x, w, 2**20, LossOptions(softcap=5.0), 5.0) is None
-        assert grad_in_forward_chunk(x, w, 2**20, LossOptions(reduction="none"), None) is None
-        assert grad_in_forward_chunk(x, w, 2**20, LossOptions(), None) == 2
-        assert grad_in_forward_chunk(x.float(), w.float(), 2**20, LossOptions(softcap=5.0), 5.0) == 2
+        assert chunk(x, w, LossOptions(softcap=5.0)) == 0
+        assert chunk(x, w, LossOptions(reduction="none")) == 0
+        assert chunk(x, w, LossOptions()) == 2
+        assert chunk(x, w, LossOptions(), allowed=False) == 0
+        assert chunk(x, w, LossOptions(), need_grad=False) == 0
+        assert chunk(x.float(), w.float(), LossOptions(softcap=5.0)) == 2
 
 
 def test_grad_in_forward_all_ignored_gives_zero_grads():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import logitless
+from logitless.options import CrossEntropyOptions
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.planning import cute
@@ -257,11 +258,12 @@ def test_bitwise_repeatable():
 
 def partial_budget(n, h, v, keep_allowed=True):
     """A memory budget whose Triton plan keeps some but not all columns, and its plan."""
-    from logitless.ops.linear_cross_entropy import triton_backend as TB
+    from logitless.planning.plans import linear_plan
 
     for mib in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        plan = TB._plan(n, v, h, torch.bfloat16, mib << 20, torch.device("cuda"), keep_allowed)
-        if 0 < plan.keep_cols < v:
+        plan = linear_plan(n, v, h, 2, mib << 20, torch.device("cuda"), keep_allowed=keep_allowed,
+                           prerounded=False)
+        if 0 < plan.forward.keep_cols < v:
             return mib << 20, plan
     pytest.fail(f"no budget of 1-64 MiB keeps part of {n} x {v}")
 
@@ -315,8 +317,9 @@ def test_kept_buffer_is_exp_of_a_minus_its_maxima():
     budget, plan = partial_budget(n, h, v)
     seen = Launches()
     with override(cute=True, cute_probe=seen.append):
-        _, kept = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, budget=budget,
-                             need_grad=True, plan=plan)
+        call = TB.plan(x, w, None, None, CrossEntropyOptions(), budget=budget, need_grad=True, need_argmax=False)
+        _, kept = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, plan=call)
+    plan = plan.forward
     assert seen and seen[0]["keep_cols"] == plan.keep_cols
     keep_buf, keep_max = kept[0], kept[1]
     kc, bv = plan.keep_cols, plan.block_v

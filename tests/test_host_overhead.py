@@ -416,8 +416,10 @@ def test_launch_count_per_forward_backward(which):
 #: calls and 17 allocations, linear_log_probs 524 and 13 (``benchmarks/probe_host.py``);
 #: after the fast launches (68cb997) 342 / 15, 299 / 11 and linear_jsd 391 / 10; after the
 #: options, memo, load_backend and validation cuts (docs/design.md, host overhead) 200 / 15,
-#: 190 / 11 and 238 / 10 on Python 3.11 (3.12 inlines comprehensions: fewer).
-MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 11), "linear_jsd": (255, 10)}
+#: 190 / 11 and 238 / 10 on Python 3.11 (3.12 inlines comprehensions: fewer). linear_jsd's
+#: forward op then took over its gradient-in-forward strategy: three more (size-0)
+#: gradient outputs when the strategy is not used, as linear_cross_entropy's (13 allocations).
+MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 11), "linear_jsd": (255, 13)}
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

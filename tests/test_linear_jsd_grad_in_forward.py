@@ -160,3 +160,29 @@ def test_default_plan_forward_rows_match_the_budget():
     with override(num_sms=132):
         plan = linear_jsd_plan(4096, 151936, 2048, 2, 256 << 20, torch.device("cuda"))
     assert c.token_chunk == plan.forward_rows == 208
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_strategy_of_the_forward_op(calls, allowed):
+    """The strategy is one of the forward custom op's: its bool argument allows it, the
+    planner picks it (forced here); the gradient outputs are there only then, the fake
+    gives their exact shapes (opcheck) and the backward scales them. Not allowed: empty
+    gradient outputs and the usual backward, with the same loss."""
+    from logitless.ops.linear_jsd import custom_op as ops
+
+    xs, ws, xt, wt, t, kw = make_inputs((9,), 16, 12, 37, torch.float32, {"_bias": True}, seed=4)
+    bs, bt = kw["student_bias"], kw["teacher_bias"]
+    args = (xs, ws, bs, xt, wt, bt, t, 0.5, 1.0, -100, None, None, 0.0, "sum", 1 << 20, "triton", allowed,
+            True, True, True)
+    with override(strategy=("grad_in_forward", 4)):
+        torch.library.opcheck(ops.linear_jsd_forward_op, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        loss, _, gx, gw, gb = ops.linear_jsd_forward_op(*args)
+    assert (gx.shape, gw.shape, gb.shape) == ((xs.shape, ws.shape, bs.shape) if allowed else ((0,),) * 3)
+    assert bool(calls) == allowed and set(calls) <= {4}
+    grads = torch.autograd.grad(loss * 0.5, (xs, ws, bs))
+    ref = logitless.linear_jsd(xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt, reduction="sum",
+                               backend="triton")
+    torch.testing.assert_close(loss, ref)
+    for a, e in zip(grads, torch.autograd.grad(ref * 0.5, (xs, ws, bs))):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)

@@ -14,7 +14,9 @@ import torch
 import logitless
 from logitless.formulas.log_probs import finish, merge_splits, online_update
 from logitless.ops.linear_log_probs import custom_op as llp_ops
+from logitless.ops.common import plan_codec
 from logitless.ops.linear_log_probs import triton_backend as llp_triton
+from logitless.planning.plans import LinearPlan
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.options import LogProbOptions
 from logitless.planning.overrides import override
@@ -104,14 +106,20 @@ def test_budgets_keep_some_or_none(backend, budget):
 
 def test_triton_keeps_columns_when_the_budget_allows():
     opts = LogProbOptions(0.7, True, None, -100)
+
+    def shapes(dtype, budget, opts, need_grad):
+        x, w = torch.zeros(23, 40, dtype=dtype, device=DEVICE), torch.zeros(257, 40, dtype=dtype, device=DEVICE)
+        plan = llp_triton.plan(x, w, None, opts, budget=budget, need_grad=need_grad)
+        return llp_triton.kept_shapes(plan, 23)
+
     with override(model_plans=False):  # the greedy rule: keep what fits (GPUs: not the cost model's pick)
-        shapes = llp_triton.kept_shapes(23, 257, 40, torch.float32, 30_000, DEVICE, opts, True)
-    assert shapes is not None and shapes[0][1] > 0
+        kept = shapes(torch.float32, 30_000, opts, True)
+    assert kept is not None and kept[0][1] > 0
     # fp16 with entropy or a soft-cap, or no gradient: nothing kept (log e would underflow)
-    assert llp_triton.kept_shapes(23, 257, 40, torch.float16, 10**9, DEVICE, opts, True) is None
-    assert llp_triton.kept_shapes(23, 257, 40, torch.float32, 10**9, DEVICE, opts, False) is None
+    assert shapes(torch.float16, 10**9, opts, True) is None
+    assert shapes(torch.float32, 10**9, opts, False) is None
     wide_cap = LogProbOptions(0.5, True, 30.0, -100)  # exp(-2 s / T) underflows
-    assert llp_triton.kept_shapes(23, 257, 40, torch.bfloat16, 10**9, DEVICE, wide_cap, True) is None
+    assert shapes(torch.bfloat16, 10**9, wide_cap, True) is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -250,7 +258,7 @@ def test_no_grad_keeps_nothing_and_entropy_false_returns_a_tensor():
     x, w, t, _, _ = make_inputs((12,), 16, 41, torch.float32, {}, seed=6)
     with torch.no_grad():
         out = llp_ops.llp_forward(x, w, None, t, 1.0, False, None, -100, "triton", 10**8, False)
-    assert out[3].shape == (1, 1) and out[5].numel() == 0 and out[1].numel() == 0
+    assert out[3].shape == (1, 1) and not plan_codec.decode(out[5], LinearPlan).keeps and out[1].numel() == 0
     lp = logitless.linear_log_probs(x, w, t)
     assert isinstance(lp, torch.Tensor) and lp.shape == (12,)
 
@@ -332,10 +340,11 @@ def test_opcheck(backend, need_grad):
     torch.library.opcheck(llp_ops.llp_forward, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     lp, ent, lse, keep, keep_max, plan = llp_ops.llp_forward(*args)
+    decoded = plan_codec.decode(plan, LinearPlan)
     if backend == "triton" and need_grad:
-        assert keep.shape[1] > 0 and plan.numel() > 0
+        assert keep.shape[1] > 1 and decoded.keeps
     else:
-        assert plan.numel() == 0
+        assert keep.shape == (1, 1) and (decoded is None or not decoded.keeps)
     g_lp, g_h = torch.randn_like(lp), torch.randn_like(ent)
     bargs = (g_lp, g_h, x.detach(), w.detach(), b.detach(), t, lse, ent.detach(), keep, keep_max, plan,
              0.7, True, 4.0, -100, backend, 6_000, True, True, True)
@@ -376,7 +385,9 @@ def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
     x, w, b = x.detach(), w.detach(), b.detach()
     t[4] = -100
     bounds = [(0, 30), (30, 31), (31, 71)]
-    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, budget=2**20)[0] for v0, v1 in bounds]
+    plans = [impl.plan(x, w[v0:v1], b[v0:v1], opts, budget=2**20, need_grad=False) for v0, v1 in bounds]
+    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, budget=2**20, plan=p)[0]
+             for (v0, v1), p in zip(bounds, plans)]
     m, s, u = (torch.stack(z) for z in zip(*[partials_of(p.lse, p.entropy) for p in parts]))
     lse, ent = merge_splits(m, s, u)
     stats = LogProbStats(lse, sum(p.target for p in parts), ent)
@@ -389,9 +400,9 @@ def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
     coef = grad_coefficients(ent, t, g_lp, g_h, 71, opts, lse)
     dx = torch.zeros_like(x)
     dw, db = [], []
-    for v0, v1 in bounds:
+    for (v0, v1), plan in zip(bounds, plans):
         gx, gw, gb = impl.backward(x, w[v0:v1], b[v0:v1], t - v0, opts, lse, coef, need_dx=True, need_dw=True,
-                                   need_db=True, budget=2**20)
+                                   need_db=True, budget=2**20, plan=plan)
         dx += gx
         dw.append(gw)
         db.append(gb)

@@ -15,17 +15,28 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, nothing_kept
+from logitless.ops.common import plan_codec
+from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, kept_buffers, nothing_kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.planning.plans import TorchPlan, TritonPlan
 
 
 def test_nothing_kept_dummies():
     x = torch.randn(3, 5, dtype=torch.bfloat16)
-    keep, keep_max, plan = nothing_kept(x)
+    keep, keep_max = nothing_kept(x)
     assert keep.shape == NOTHING_KEPT and keep.dtype == torch.bfloat16
     assert keep_max.shape == NOTHING_KEPT and keep_max.dtype == torch.float32
-    assert plan.shape == (0,) and plan.dtype == torch.int64 and plan.device.type == "cpu"
+
+
+def test_kept_buffers_only_real_ones_of_a_keeping_plan():
+    from logitless.planning.plans import LinearPlan
+
+    t = TritonPlan(block_n=16, block_v=32, block_h=16, num_warps=4, num_stages=2, vocab_splits=1, vocab_chunk=64)
+    keeps, none = LinearPlan(t, t, keeps=True), LinearPlan(t, t, keeps=False)
+    buf, tile_max = torch.empty(5, 8), torch.empty(1, 5)
+    assert kept_buffers(keeps, buf, tile_max) == (buf, tile_max)
+    assert kept_buffers(none, buf, tile_max) is None and kept_buffers(None, buf, tile_max) is None
+    assert kept_buffers(keeps, *nothing_kept(buf)) is None  # spent by an earlier backward
 
 
 def test_fake_kept_concrete_and_none():
@@ -37,13 +48,12 @@ def test_fake_kept_concrete_and_none():
             calls.append((n, v, h))
             return (n, 16), (2, n)
 
-        keep, keep_max, plan = fake_kept(x, w, "", -1, 9, shapes)
+        keep, keep_max = fake_kept(x, w, "", -1, shapes)
         assert calls == [(7, 11, 4)]
         assert keep.shape == (7, 16) and keep.dtype == x.dtype
         assert keep_max.shape == (2, 7) and keep_max.dtype == torch.float32
-        assert plan.shape == (9,) and plan.device.type == "cpu"
-        keep, keep_max, plan = fake_kept(x, w, "", -1, 9, lambda n, v, h: None)
-        assert keep.shape == NOTHING_KEPT and keep_max.shape == NOTHING_KEPT and plan.shape == (0,)
+        keep, keep_max = fake_kept(x, w, "", -1, lambda n, v, h: None)
+        assert keep.shape == NOTHING_KEPT and keep_max.shape == NOTHING_KEPT
 
 
 def test_grad_outputs_distinct_empties():
@@ -96,15 +106,28 @@ def test_linear_torch_plan_counts_the_upcast():
     assert p16.token_chunk * p16.vocab_chunk <= p32.token_chunk * p32.vocab_chunk
 
 
-def test_plan_tensor_round_trip():
-    launch = pytest.importorskip("logitless.triton_lib.launch", reason="needs triton")
-    plan = TritonPlan(block_n=32, block_v=64, block_h=16, num_warps=4, num_stages=2, vocab_splits=3,
-                      vocab_chunk=128, keep_cols=64, tma=False, group_n=2, flatten=True, dz_tma=True,
-                      dlogits_programs=2)
-    t = launch.plan_to_tensor(plan)
-    assert t.dtype == torch.int64 and t.device.type == "cpu" and t.numel() == launch.PLAN_SIZE
-    assert launch.plan_from_tensor(t) == plan
-    assert launch.PLAN_SIZE == len(dataclasses.fields(TritonPlan))
+def test_plan_codec_round_trip():
+    """Any plan (nested and optional dataclasses, ints, bools, None) through one CPU int64
+    tensor of a fixed size per class, and back to an equal object."""
+    from logitless.planning.cute import CutePlan
+    from logitless.planning.plans import LinearPlan
+
+    t = TritonPlan(block_n=32, block_v=64, block_h=16, num_warps=4, num_stages=2, vocab_splits=3,
+                   vocab_chunk=128, keep_cols=64, tma=False, group_n=2, flatten=True, dz_tma=True,
+                   dlogits_programs=2, w_chunk=7)
+    t2 = dataclasses.replace(t, keep_cols=0, tma=True)
+    size = plan_codec.size(LinearPlan)
+    assert size == 1 + 2 * 15 + 2 + 2 * 15 + 3 * 5
+    for plan in (LinearPlan(t, t2), LinearPlan(t, t2, keeps=True, cute=CutePlan(splits=3, group=16)),
+                 LinearPlan(t, t2, grad_in_forward=5, chunk=t2, tail=t, tail_cute=CutePlan(2, 3, False)), None):
+        enc = plan_codec.encode(plan, LinearPlan)
+        assert enc.dtype == torch.int64 and enc.device.type == "cpu" and enc.shape == (size,)
+        back = plan_codec.decode(enc, LinearPlan)
+        assert back == plan and (plan is None or type(back.forward.tma) is bool)
+    fake = plan_codec.fake(LinearPlan)
+    assert fake.shape == (size,) and fake.dtype == torch.int64 and fake.device.type == "cpu"
+    with pytest.raises(ValueError, match="fields"):
+        plan_codec.decode(torch.zeros(3, dtype=torch.int64), LinearPlan)
 
 
 def test_backward_chunks_and_kept_shapes():

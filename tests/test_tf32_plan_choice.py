@@ -157,20 +157,18 @@ def test_fitted_constants_reproduce_the_h100_measurements(h100):
 @pytest.mark.parametrize("n,h,v", [(2048, 2048, 32000), (4096, 4096, 128256), (1, 64, 1000), (777, 1000, 50257)])
 @pytest.mark.parametrize("budget", [1 << 20, 64 << 20, 256 << 20, 4 << 30])
 def test_forward_and_backward_take_the_same_path(h100, n, h, v, budget):
-    """A call's backward re-plans when its forward kept no column (``keep_allowed=False,
-    backward=True``) or takes the forward's plan: both must be on the same path, and the
-    backward's plan keeps nothing itself. The fake implementation (``kept_shapes``) plans
-    as the forward does."""
-    from logitless.ops.linear_cross_entropy import triton_backend as tb
+    """A call's plan (``LinearPlan``) holds the forward's plan and the backward's for when
+    no kept column is there (``keep_allowed=False, backward=True``): both must be on the
+    same path, and the backward's plan keeps nothing itself (the backends' ``plan``
+    returns this plan: the forward, the fake and the backward use it)."""
 
     fwd = _plan(n, v, h, budget, keep_allowed=True)
     bwd = _plan(n, v, h, budget, keep_allowed=False, backward=True)
     assert (fwd.w_chunk > 0) == (bwd.w_chunk > 0), (fwd, bwd)
     assert bwd.keep_cols == 0
     assert (fwd.w_chunk > 0) == _plans.tf32_choice(n, v, h, budget, _GPU, grad=True).prerounded
-    with matmul_precision("high"):
-        assert tb._plan(n, v, h, torch.float32, budget, _GPU, keep_allowed=True) == fwd
-        assert tb._plan(n, v, h, torch.float32, budget, _GPU, keep_allowed=False, backward=True) == bwd
+    p = _plans.linear_plan(n, v, h, 4, budget, _GPU, keep_allowed=True, prerounded=True)
+    assert (p.forward, p.backward, p.keeps) == (fwd, bwd, fwd.keep_cols > 0)
 
 
 def test_overrides_force_a_path_and_key_the_memo(h100):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import logitless
+from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import override
 from logitless.triton_lib import launch
@@ -207,7 +208,7 @@ def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep, 
 
 def test_prerounded_plan_same_for_fake_forward_and_backward():
     """kept_shapes (the custom op's fake implementation) follows the pre-rounded plan:
-    the kept buffers it announces are the ones the forward returns."""
+    the kept buffers it announces are the ones the forward returns under the same plan."""
     from logitless.ops.linear_cross_entropy import triton_backend as tb
     from logitless.planning import cost_model as _cost_model
 
@@ -218,15 +219,15 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     # buffers. On an emulated H100 the forced plan keeps columns too:
     forced = dict(tiles=_plans.INTERPRETER_TILES, model_plans=False, tf32_preround=True)
     with matmul_precision("high"), override(num_sms=132, device_model=_cost_model.DEFAULT, **forced):
-        gpu_plan = tb._plan(37, 131, 40, torch.float32, budget, _GPU, keep_allowed=True)
+        gpu_plan = _plans.linear_plan(37, 131, 40, 4, budget, _GPU, keep_allowed=True, prerounded=True).forward
     assert gpu_plan.w_chunk > 0 and gpu_plan.keep_cols > 0, gpu_plan
     with matmul_precision("high"), override(**forced):
-        shapes = tb.kept_shapes(37, 131, 40, torch.float32, budget, x.device, None, True)
+        plan = tb.plan(x, w, None, None, CrossEntropyOptions(), budget=budget, need_grad=True, need_argmax=False)
+        shapes = tb.kept_shapes(plan, 37)
         _, kept = tb.forward(x.detach(), w.detach(), None, t, None, None, need_smooth=False, need_argmax=False,
-                             budget=budget, need_grad=True)
+                             plan=plan)
     assert kept is not None and shapes is not None, "the plan keeps no column"
-    plan = launch.plan_from_tensor(kept[2])
-    assert plan.w_chunk > 0 and plan.keep_cols > 0
+    assert plan.keeps and plan.forward.w_chunk > 0 and plan.forward.keep_cols > 0
     assert shapes == (tuple(kept[0].shape), tuple(kept[1].shape))
 
 

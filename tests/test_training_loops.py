@@ -316,13 +316,14 @@ def test_inference_uses_the_forward_that_keeps_nothing(monkeypatch):
     from logitless.ops.linear_cross_entropy import triton_backend
 
     seen = []
-    real = triton_backend.forward
+    real = triton_backend.plan
 
     def spy(*args, **kw):
-        seen.append(kw["need_grad"])
+        if kw.get("cute", True):  # (the forward's plan; the fake plans without the CuTe choice)
+            seen.append(kw["need_grad"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(triton_backend, "forward", spy)
+    monkeypatch.setattr(triton_backend, "plan", spy)
     model = _LCEModel(backend="triton").to(DEVICE)
     ids = torch.randint(0, 61, (2, 6)).to(DEVICE)
     compiled = torch.compile(model, fullgraph=True)
@@ -372,15 +373,20 @@ def test_backward_runs_with_the_forwards_plan():
 def test_grad_in_forward_through_the_op(chunk):
     """The Triton planner's gradient-in-forward strategy (eager): the op's extra outputs,
     scaled by the backward, give the gradients of the usual path."""
+    from logitless.planning.overrides import override
+
     x, w, b, t = _lce_inputs((13,), 24, 101, seed=12)
     cw = (torch.rand(101, generator=_gen(12)) + 0.5).to(DEVICE)
     options = (-100, "mean", 0.1, 4.0, 1e-3, "triton", 1 << 20, False, True)
-    args = (x, w, b, t, cw, *options, chunk, True, True, True)
-    torch.library.opcheck(lce_ops.lce_forward, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    loss = lce_ops.lce_forward(*args)[0]
+    args = (x, w, b, t, cw, *options, True, True, True, True)  # (the strategy allowed; the plan forced)
+    with override(strategy=("grad_in_forward", chunk)):
+        torch.library.opcheck(lce_ops.lce_forward, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        out = lce_ops.lce_forward(*args)
+    loss = out[0]
+    assert out[7].shape == x.shape  # gx: the forward used the strategy
     grads = torch.autograd.grad(loss * 0.5, (x, w, b))
-    usual = lce_ops.lce_forward(*args[:14], 0, True, True, True)[0]
+    usual = lce_ops.lce_forward(*args[:14], False, True, True, True)[0]
     expected = torch.autograd.grad(usual * 0.5, (x, w, b))
     torch.testing.assert_close(loss, usual)
     for a, e in zip(grads, expected):
@@ -486,7 +492,7 @@ def test_backward_gets_no_zero_filled_gradients_for_side_outputs():
     budget = 1 << 30  # keeps every column on the Triton backend
     loss, stats = linear_cross_entropy(x, w, t, b, backend="triton", memory_budget=budget, return_stats=True)
     kept = lce_ops.lce_forward(x.detach(), w.detach(), b.detach(), t, None, -100, "mean", 0.0, None, 0.0,
-                               "triton", budget, False, True, 0, True, True, True)[4]
+                               "triton", budget, False, True, False, True, True, True)[4]
     assert kept.shape[0] == 40 and kept.shape[1] >= 104  # the forward did keep columns
 
     class Zeros(TorchDispatchMode):

@@ -83,10 +83,10 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 from logitless.planning.overrides import current as _overrides
+from logitless.planning.tiles import CutePlan  # noqa: F401  (re-exported: the plan lives there)
 
 ENV = "LOGITLESS_CUTE"
 TILE_M, TILE_N, TILE_K = 128, 256, 64
@@ -101,14 +101,6 @@ KEEP_SHARE, KEEP_SMALL_N = 0.25, 1024
 GROUP, GROUP_SPLITS = 16, 16
 #: x in flight above this many times L2: Triton (module docstring).
 TRITON_X_OVER_L2 = 2.0
-
-
-@dataclass(frozen=True)
-class CutePlan:
-    splits: int
-    stages: int = 4
-    specialised: bool = True
-    group: int = 0  # 0: grid (row blocks, splits); G > 0: grouped order (``forward_stats``)
 
 
 #: The nvidia-cutlass-dsl releases the kernel is used with: DSL_MIN <= version < DSL_BELOW.

@@ -7,13 +7,15 @@ never touches the math or the kernels.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported for the planners' users)
 from logitless.planning.memo import memoised
 from logitless.planning import rocm as _rocm
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables and the plan live there)
+    CutePlan,
     CUDA_TILES,
     CUDA_TILES_TF32,
     INTERPRETER_TILES,
@@ -391,6 +393,68 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
         num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
         need_grad=need_grad, grad_in_forward=grad_in_forward_ok and cuda, keep=keep_allowed,
         weight_fp32=weight_fp32, block_v=block_v, min_chunk=min_chunk)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The plan of one call of linear_cross_entropy or linear_log_probs on the Triton
+    backend: decided once, in the forward custom op's implementation (the backend's
+    ``plan``), and handed as is to the fake (kept shapes), the forward, the
+    gradient-in-forward strategy and the backward (``ops.common.plan_codec`` where it
+    crosses a custom op as a tensor).
+
+    forward: the forward's launches; with ``keeps`` it keeps exp(z - m) of its first
+        ``forward.keep_cols`` columns for the backward, which then runs on this plan.
+    backward: the backward's plan when no kept column is there (the forward kept none,
+        or a second backward after the first spent them): every column recomputed.
+    keeps: the forward keeps columns (a gradient follows, dtype and options allow it,
+        the budget holds some).
+    grad_in_forward: tokens per chunk of the gradient-in-forward strategy (0: not
+        used); ``chunk``: a chunk's plan (every column kept), ``tail``: the last,
+        shorter chunk's (None when one size serves every chunk).
+    cute, chunk_cute, tail_cute: the CuTe DSL forward's plan (``planning.cute``) of the
+        forward, of a chunk and of the tail chunk, or None (the Triton kernel).
+    """
+
+    forward: TritonPlan
+    backward: TritonPlan
+    keeps: bool = False
+    grad_in_forward: int = 0
+    chunk: Optional[TritonPlan] = None
+    tail: Optional[TritonPlan] = None
+    cute: Optional[CutePlan] = None
+    chunk_cute: Optional[CutePlan] = None
+    tail_cute: Optional[CutePlan] = None
+
+
+@memoised
+def linear_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device, *,
+                keep_allowed: bool, prerounded: bool, grad_in_forward: bool = False,
+                weight_fp32: bool = False) -> LinearPlan:
+    """The Triton part of a ``LinearPlan`` (the CuTe choice needs the tensors: the
+    backends add it). ``keep_allowed``: a backward follows and the forward may keep
+    columns; ``prerounded``: ``launch.tf32_prerounded`` of the dtype;
+    ``grad_in_forward``: the caller allows that strategy (eager, a reduced loss, kept
+    columns allowed), which ``lce_strategy`` then picks or not."""
+    forward = triton_plan(num_tokens, vocab, hidden, itemsize, budget, device, keep_allowed=keep_allowed,
+                          prerounded=prerounded)
+    backward = triton_plan(num_tokens, vocab, hidden, itemsize, budget, device, keep_allowed=False,
+                           prerounded=prerounded, backward=True)
+    keeps = keep_allowed and forward.keep_cols > 0
+    if grad_in_forward and num_tokens > 0:
+        c = lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, need_grad=True,
+                         grad_in_forward_ok=True, keep_allowed=True, weight_fp32=weight_fp32)
+        if c.strategy == "grad_in_forward":
+            chunk = min(c.token_chunk, num_tokens)
+            tail = num_tokens % chunk
+
+            def every_column(rows):  # (the in-kernel tf32 plan: the chunks' forward rounds in registers)
+                p = triton_plan(rows, vocab, hidden, itemsize, budget, device, keep_allowed=True)
+                return replace(p, keep_cols=vocab)
+
+            return LinearPlan(forward, backward, keeps, grad_in_forward=chunk, chunk=every_column(chunk),
+                              tail=every_column(tail) if tail else None)
+    return LinearPlan(forward, backward, keeps)
 
 
 # --------------------------------------------------------------------------- cross_entropy

@@ -122,3 +122,15 @@ class TritonPlan:
     dz_tma: bool = False
     dlogits_programs: int = 0
     w_chunk: int = 0
+
+
+@dataclass(frozen=True)
+class CutePlan:
+    """Launch of the CuTe DSL forward (``planning.cute``, ``cute_lib.forward_stats``):
+    vocabulary splits, pipeline stages, warp specialisation and the CTA order (group 0:
+    grid (row blocks, splits); G > 0: the grouped order)."""
+
+    splits: int
+    stages: int = 4
+    specialised: bool = True
+    group: int = 0

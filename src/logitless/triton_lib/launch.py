@@ -8,14 +8,15 @@
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
-    plan_to_tensor / _from_tensor  a TritonPlan as a CPU int64 tensor (a custom op's output)
+    gradient_buffers / finished_dx the outputs (and fp32 dx accumulator) of a chunked
+                                   backward, and its dx after the last chunk
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
     partials                       a forward's (S, N) partial statistics, one allocation
     descriptor                     a TMA descriptor, validated once per layout
     backward_chunks / dz_buffer /  the backward's column chunks, its dz buffer, dz's TMA
       dz_operand / dlogits_tiles   descriptor and the dlogits kernel's grid
-    chunked_backward               the backward's loop over those chunks (the op launches
-                                   its own kernels)
+    DlogitsKernels /               the backward's loop over those chunks, launching the
+      chunked_backward             kernels an op describes (no callbacks)
 
 No host syncs; no atomics: results are bitwise repeatable.
 
@@ -23,20 +24,17 @@ Host time (issue 23 item 3): at 512-2048 tokens an eager call is bound by the ho
 what is pure per (plan, shape, layout) is computed once: ``cdiv`` is plain integer
 arithmetic (``triton.cdiv`` is a ``constexpr_function``: ~2 us per call on the host),
 ``descriptor`` checks a layout's TMA constraints once and then builds descriptors
-without Triton's per-object validation, ``plan_to_tensor`` / ``plan_from_tensor``
-convert through memoised tuples, and the backward builds x's and W's descriptors only
-when a chunk is recomputed. ``benchmarks/probe_host.py`` counts what is left (Python
+without Triton's per-object validation, and the backward builds x's and W's
+descriptors only when a chunk is recomputed. ``benchmarks/probe_host.py`` counts what is left (Python
 calls, allocations, launches per forward+backward; ``tests/test_host_overhead.py``).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import inspect
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -308,6 +306,28 @@ def dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:
         acc += dz.float() @ w.float()
 
 
+def gradient_buffers(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunks: int, *, need_dx: bool,
+                     need_dw: bool, need_db: bool, keep_acc: bool) -> tuple:
+    """(dW, db, dx accumulator) of a backward over ``chunks`` column chunks: dW and db
+    (None where not needed) are written chunk by chunk (``chunk_gradients``); the fp32
+    (N, H) accumulator of dx when it needs one (several chunks, or ``keep_acc``: dx as
+    the accumulator), else None."""
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    acc = None
+    if need_dx and (keep_acc or chunks > 1):
+        acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    return dw, db, acc
+
+
+def finished_dx(dx: Optional[Tensor], acc: Optional[Tensor], keep_acc: bool, dtype: torch.dtype):
+    """dx after the last chunk: the accumulator (as it is with ``keep_acc``, else cast once
+    to ``dtype``), or the one chunk's dx (``chunk_gradients``' return) without one."""
+    if acc is None:
+        return dx
+    return acc if keep_acc else acc.to(dtype)
+
+
 def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Tensor],
                      db_rows: Optional[Tensor], dx_acc: Optional[Tensor], need_dx: bool):
     """The GEMMs fed by one chunk of dz (N, v1 - v0), for columns [v0, v1) of W:
@@ -327,31 +347,6 @@ def chunk_gradients(dz: Tensor, x: Tensor, w_rows: Tensor, dw_rows: Optional[Ten
 
 
 # ------------------------------------------------- kept columns, dz chunks (every linear op)
-
-#: Length of ``plan_to_tensor``'s result.
-PLAN_SIZE = len(dataclasses.fields(TritonPlan))
-
-
-def plan_to_tensor(plan: TritonPlan) -> Tensor:
-    """The plan's fields as a CPU int64 tensor (a custom op's output; no device sync)."""
-    return torch.tensor(_plan_values(plan), dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan_values(plan: TritonPlan) -> tuple:
-    return tuple(int(getattr(plan, f.name)) for f in dataclasses.fields(TritonPlan))
-
-
-def plan_from_tensor(t: Tensor) -> TritonPlan:
-    """The plan ``plan_to_tensor`` wrote."""
-    return _plan_of_values(tuple(t.tolist()))  # a CPU tensor: no device sync
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan_of_values(values: tuple) -> TritonPlan:
-    fields = dataclasses.fields(TritonPlan)
-    return TritonPlan(*[bool(v) if f.type in (bool, "bool") else v for f, v in zip(fields, values)])
-
 
 def kept_shapes_of(plan: TritonPlan, n: int):
     """Shapes of the kept buffers: exp(z - m) of the first keep_cols columns, rows padded
@@ -419,36 +414,64 @@ def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int
     return tiles, row_blocks
 
 
+class DlogitsKernels(NamedTuple):
+    """What a fused linear op's Triton backward launches per column chunk, described for
+    ``chunked_backward`` (which owns the loop and the launches; no callbacks):
+
+        kept_kernel[(row blocks, kept tiles)](dz, tile_max, *kept_head, width,
+            dz row stride, *kept_tail, **kept_flags, BLOCK_N, BLOCK_V, num_warps)
+        kernel[(programs,)](x operand, W operand, *inputs, dz operand, n, v, h,
+            x strides, W strides, dz row stride, v0, v1, *scalars, group_n, **flags,
+            USE_TMA, DZ_TMA, FLATTEN, W_CHUNK, BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
+            num_stages)
+
+    ``kept_kernel`` turns the kept columns into dz in place; ``kernel`` recomputes a
+    chunk's dz; ``prerounded``: its operands are rounded to TF32 into scratch buffers
+    first (``prerounded_dlogits_operands``, W_CHUNK)."""
+
+    kept_kernel: object
+    kept_head: tuple
+    kept_tail: tuple
+    kept_flags: dict
+    kernel: object
+    inputs: tuple
+    scalars: tuple
+    flags: dict
+    prerounded: bool
+
+
 def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan, kept,
-                     kept_dlogits, dlogits, *, need_dx: bool, need_dw: bool, need_db: bool,
+                     kernels: DlogitsKernels, *, need_dx: bool, need_dw: bool, need_db: bool,
                      dx_acc: bool = False):
     """dx, dW, db of a fused linear op's Triton backward, column chunk by chunk
     (``backward_chunks``): the kept columns (``kept`` = (buffer, tile maxima) from the
-    forward, or None) become dz in place by ``kept_dlogits(dz, tile_max, grid)``; the
-    others are recomputed into one padded dz buffer by ``dlogits(dz, v0, v1, x_op=, w_op=,
-    use_tma=, dz_op=, dz_tma=, grid=, group_n=, flatten=)`` (the op's kernel launches).
-    Each chunk of dz feeds ``chunk_gradients`` (dW, db rows written once; dx into an
-    fp32 accumulator when there are several chunks). ``dx_acc``: dx as the fp32
-    accumulator (also for one chunk), not cast to x's dtype (a partial sum that the
-    caller reduces first: vocab parallelism). Temporaries: one dz chunk (the plan's
-    vocab_chunk columns) and the (N, H) fp32 accumulator."""
+    forward, or None) become dz in place (``kernels.kept_kernel``); the others are
+    recomputed into one padded dz buffer (``kernels.kernel``). Each chunk of dz feeds
+    ``chunk_gradients`` (dW, db rows written once; dx into an fp32 accumulator when
+    there are several chunks). ``dx_acc``: dx as the fp32 accumulator (also for one
+    chunk), not cast to x's dtype (a partial sum that the caller reduces first: vocab
+    parallelism). Temporaries: one dz chunk (the plan's vocab_chunk columns) and the
+    (N, H) fp32 accumulator (and the rounded operands with ``kernels.prerounded``)."""
     keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
+    k = kernels
     keep_cols = plan.keep_cols if kept is not None else 0
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
     # Chunks of columns: the kept ones (one chunk), then recomputed ones.
     chunks = backward_chunks(plan, v, keep_cols)
-    dx = dx_acc = dz_buf = None
-    if need_dx and (keep_acc or len(chunks) > 1):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    dw, db, dx_acc = gradient_buffers(x, weight, bias, len(chunks), need_dx=need_dx, need_dw=need_dw,
+                                      need_db=need_db, keep_acc=keep_acc)
+    dx = dz_buf = None
+    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
+    rounded = prerounded_dlogits_operands(x, weight, plan, keep_cols) if k.prerounded else None
     x_op = w_op = use_tma = None  # (built at the first recomputed chunk: none when every column was kept)
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
             keep_buf, tile_max = kept
             dz = keep_buf[:, :keep_cols]
-            kept_dlogits(dz, tile_max, (cdiv(n, plan.block_n), cdiv(keep_cols, plan.block_v)))
+            run_kernel(k.kept_kernel, (cdiv(n, plan.block_n), cdiv(keep_cols, plan.block_v)),
+                       dz, tile_max, *k.kept_head, dz.shape[1], dz.stride(0), *k.kept_tail, **k.kept_flags,
+                       BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
         else:
             if dz_buf is None:
                 x_op, w_op, use_tma = operands(x, weight, plan)
@@ -456,16 +479,24 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
             dz = dz_buf[:, : v1 - v0]
             dz_op, dz_tma = dz_operand(dz, plan, use_tma)
             tiles, row_blocks = dlogits_tiles(plan, n, v1 - v0, x.device)
-            dlogits(dz, v0, v1, x_op=x_op, w_op=w_op, use_tma=use_tma, dz_op=dz_op, dz_tma=dz_tma, grid=(tiles,),
-                    group_n=plan.group_n or row_blocks, flatten=plan.flatten and plan.dlogits_programs > 0)
+            kx, kw, k_tma, xs, ws = x_op, w_op, use_tma, x, weight
+            if rounded is not None:
+                kx, kw, k_tma, xs, ws = rounded(v0, v1)
+            launch_kernel(
+                k.kernel, (tiles,),
+                kx, kw, *k.inputs, dz_op,
+                n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),
+                v0, v1, *k.scalars, plan.group_n or row_blocks,
+                **k.flags, USE_TMA=k_tma, DZ_TMA=dz_tma, FLATTEN=plan.flatten and plan.dlogits_programs > 0,
+                W_CHUNK=k.prerounded, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
+                num_warps=plan.num_warps, num_stages=plan.num_stages,
+            )
         dx_chunk = chunk_gradients(
             dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
             dx_acc, need_dx)
         if dx_chunk is not None:
             dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(x.dtype)
-    return dx, dw, db
+    return finished_dx(dx, dx_acc, keep_acc, x.dtype), dw, db
 
 
 # ------------------------------------------------- fp32 at "high": operands rounded to TF32 once

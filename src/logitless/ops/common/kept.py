@@ -1,10 +1,11 @@
 """The buffers a forward custom op keeps for its backward, shared by the ops that keep
 columns of exp(z - m) (linear_cross_entropy, linear_log_probs).
 
-A forward custom op returns ``keep`` (the kept columns, in x's dtype), ``keep_max``
-(fp32 tile maxima) and ``plan`` (the launch plan's fields, a CPU int64 tensor); when it
-keeps nothing these are ``NOTHING_KEPT``-shaped dummies and an empty plan. ``nothing_kept``
-builds the dummies (eager), ``fake_kept`` the three outputs of a fake implementation.
+A forward custom op returns ``keep`` (the kept columns, in x's dtype) and ``keep_max``
+(fp32 tile maxima), laid out by the call's plan (its ``plan`` output,
+``planning.plans.LinearPlan``); when it keeps nothing these are ``NOTHING_KEPT``-shaped
+dummies. ``nothing_kept`` builds the dummies (eager), ``fake_kept`` the two outputs of
+a fake implementation, ``kept_buffers`` tells the backward whether it has real ones.
 No device work: only allocations of the shapes the backend reports.
 """
 
@@ -16,10 +17,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-#: Shape of the keep buffers when nothing is kept (the plan output is then empty). Not
-#: (0, 0): inductor's in-place reuse of an empty 2-D buffer of dynamic size computes its
-#: size as u1 - max(1, u1) + u0 * max(1, u1) = -1 (torch 2.11, "numel: integer
-#: multiplication overflow").
+#: Shape of the keep buffers when nothing is kept. Not (0, 0): inductor's in-place reuse
+#: of an empty 2-D buffer of dynamic size computes its size as u1 - max(1, u1) + u0 *
+#: max(1, u1) = -1 (torch 2.11, "numel: integer multiplication overflow"). Never the
+#: shape of real kept columns (rows padded to 8 elements).
 NOTHING_KEPT = (1, 1)
 
 #: (n, v, h) -> ((keep rows, keep row length), tile-maxima shape), or None when the
@@ -27,39 +28,42 @@ NOTHING_KEPT = (1, 1)
 KeptShapes = Callable[[int, int, int], Optional[tuple[tuple, tuple]]]
 
 
-def nothing_kept(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(keep, keep_max, plan) when the forward kept nothing: dummies of ``NOTHING_KEPT``
-    shape on x's device (x's dtype, fp32) and an empty CPU int64 plan."""
-    return (x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32),
-            torch.empty(0, dtype=torch.int64))
+def nothing_kept(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(keep, keep_max) when the forward kept nothing: dummies of ``NOTHING_KEPT`` shape
+    on x's device (x's dtype, fp32)."""
+    return x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32)
 
 
-def fake_kept(x: Tensor, weight: Tensor, tp_group: str, vocab_size: int, plan_size: int,
-              kept_shapes: KeptShapes) -> tuple[Tensor, Tensor, Tensor]:
-    """The fake (keep, keep_max, plan) of a forward whose backend may keep columns.
+def kept_buffers(plan, keep: Tensor, keep_max: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    """(keep, keep_max) for a backward when the forward kept columns under ``plan`` (its
+    ``keeps``) and they are still there, else None: the forward kept none, or an earlier
+    backward spent them (a later one gets the ``NOTHING_KEPT`` dummies)."""
+    if plan is None or not plan.keeps or keep.shape == NOTHING_KEPT:
+        return None
+    return keep, keep_max
+
+
+def fake_kept(x: Tensor, weight: Tensor, tp_group: str, vocab_size: int,
+              kept_shapes: KeptShapes) -> tuple[Tensor, Tensor]:
+    """The fake (keep, keep_max) of a forward whose backend may keep columns.
 
     With concrete sizes (and no padded vocab-parallel head) ``kept_shapes(n, v, h)``
-    gives the shapes (None: nothing kept) and the plan has ``plan_size`` fields; with symbolic sizes, or a padded
+    gives the shapes (None: nothing kept); with symbolic sizes, or a padded
     vocab-parallel head (``tp_group`` and ``vocab_size >= 0``: this rank's real rows
     are only known at run time), every size is a new dynamic size."""
     n, (v, h) = x.shape[0], weight.shape
     keep_shape = max_shape = NOTHING_KEPT
     if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
         shapes = kept_shapes(n, v, h)
-        if shapes is None:
-            plan_size = 0
-        else:
+        if shapes is not None:
             keep_shape, max_shape = shapes
     else:
         ctx = torch.library.get_ctx()
         keep_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
         max_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size())
-        plan_size = ctx.new_dynamic_size()
-    return fake_kept_tensors(x, keep_shape, max_shape, plan_size)
+    return fake_kept_tensors(x, keep_shape, max_shape)
 
 
-def fake_kept_tensors(x: Tensor, keep_shape=NOTHING_KEPT, max_shape=NOTHING_KEPT,
-                      plan_size=0) -> tuple[Tensor, Tensor, Tensor]:
-    """Fake (keep, keep_max, plan) of the given shapes (defaults: nothing kept)."""
-    return (x.new_empty(keep_shape), x.new_empty(max_shape, dtype=torch.float32),
-            torch.empty(plan_size, dtype=torch.int64, device="cpu"))
+def fake_kept_tensors(x: Tensor, keep_shape=NOTHING_KEPT, max_shape=NOTHING_KEPT) -> tuple[Tensor, Tensor]:
+    """Fake (keep, keep_max) of the given shapes (defaults: nothing kept)."""
+    return x.new_empty(keep_shape), x.new_empty(max_shape, dtype=torch.float32)

@@ -16,11 +16,18 @@ makes:
   (``needs_input_grad`` of that forward input); tensors among them are saved for the
   backward, the rest is kept on ctx; outputs named in ``consumed`` are handed to the
   first backward only (``nothing``: what a later one gets);
+- the call's plan (``plan_cls``: the output named ``plan`` holds the frozen dataclass
+  the forward decided, or None): on the eager fast path the object itself reaches the
+  backward on the autograd context; the custom ops carry it as a CPU int64 tensor
+  (``plan_codec``: encoded after the forward's implementation, a fixed-size fake, decoded
+  before the backward's implementation sees it), so the op's own code only ever sees
+  the object;
 - the gradient-in-forward strategy (``forward_grads``: outputs holding the gradients for
-  a unit upstream gradient, present when the int forward argument ``forward_grads_when``
-  is > 0 and there are tokens, or always without one): the backward scales
-  them (``ops.common.grad_in_forward.scale_grads``) and runs the backward op only for
-  the other incoming gradients;
+  a unit upstream gradient; the bool forward argument ``forward_grads_when`` allows the
+  strategy, and the forward used it when one of those outputs is not empty; without
+  that argument, always): the backward scales them
+  (``ops.common.grad_in_forward.scale_grads``) and runs the backward op only for the
+  other incoming gradients;
 - the double-backward guard, the planner overrides in the backward
   (``autograd.under_forward_overrides``) and the eager fast path (``autograd.EagerOp``:
   the backward calls the backward op's implementation directly).
@@ -40,6 +47,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from logitless.ops.common import plan_codec
 from logitless.ops.common.autograd import EagerOp, below_autograd, custom_op, guard_double_backward, \
     under_forward_overrides
 from logitless.ops.common.grad_in_forward import scale_grads
@@ -167,7 +175,8 @@ class OpSpec:
     whose ``needs_input_grad`` it is; materialize_grads: autograd zero-fills gradients of
     unused outputs (else None); zero_if_none: incoming gradient name -> (values -> the
     zeros it stands for when None); skip_if_no_grads: the gradients are None when every
-    incoming gradient is."""
+    incoming gradient is; plan_cls: the class of the call's plan, held by the output
+    named "plan" (module docstring)."""
 
     op: str
     name: str
@@ -190,6 +199,11 @@ class OpSpec:
     materialize_grads: bool = False
     zero_if_none: dict = field(default_factory=dict)
     skip_if_no_grads: bool = False
+    plan_cls: Optional[type] = None
+
+
+#: The output (and backward argument) that holds the call's plan (``OpSpec.plan_cls``).
+PLAN = "plan"
 
 
 class BuiltOp:
@@ -201,14 +215,19 @@ class BuiltOp:
         self.spec = s = spec
         self.layout = fl = Layout(s.forward)
         k = len(s.outputs)
-        self.forward_impl = fl.wrap(s.forward_impl, f"{s.name}_impl", k)
-        self.forward_op = custom_op(s.name, self.forward_impl)
-        self.forward_op.register_fake(fl.wrap(s.forward_fake, f"{s.name}_fake", k))
+        self.forward_impl = fl.wrap(s.forward_impl, f"{s.name}_impl", k)  # (the plan as an object)
+        impl, fake = s.forward_impl, s.forward_fake
+        if s.plan_cls is not None:
+            impl = self._encoding(impl, plan_codec.encode)
+            fake = self._encoding(fake, lambda _, cls: plan_codec.fake(cls))
+        self.forward_op = custom_op(s.name, fl.wrap(impl, f"{s.name}_impl", k))
+        self.forward_op.register_fake(fl.wrap(fake, f"{s.name}_fake", k))
         self.backward_op = self.backward_eager = None
         if s.backward_name is not None:
             bl = self.backward_layout = Layout(s.backward)
             nb = len(s.grad_inputs)
-            impl = bl.wrap(s.backward_impl, f"{s.backward_name}_impl", nb)
+            body = s.backward_impl if s.plan_cls is None else self._decoding(s.backward_impl, bl)
+            impl = bl.wrap(body, f"{s.backward_name}_impl", nb)
             self.backward_op = custom_op(s.backward_name, impl, mutates_args=s.mutates)
             self.backward_op.register_fake(bl.wrap(s.backward_fake, f"{s.backward_name}_fake", nb))
             self.backward_eager = below_autograd(impl)
@@ -216,6 +235,32 @@ class BuiltOp:
         setup, backward = under_forward_overrides(self._setup_context, self._backward)
         self.forward_op.register_autograd(backward, setup_context=setup)
         self.eager = EagerOp(self.forward_op, self.forward_impl, setup, backward)
+
+    def _encoding(self, body: Callable, encode: Callable) -> Callable:
+        """``body`` (a forward implementation or fake) with its plan output encoded."""
+        pos, cls = self.spec.outputs.index(PLAN), self.spec.plan_cls
+
+        def run(*groups):
+            out = list(body(*groups))
+            out[pos] = encode(out[pos], cls)
+            return tuple(out)
+
+        run.__doc__ = body.__doc__
+        return run
+
+    def _decoding(self, body: Callable, layout: Layout) -> Callable:
+        """``body`` (the backward implementation) with its plan argument decoded when it
+        comes as a tensor (the custom op; the eager fast path passes the object)."""
+        pos, cls = layout.group_names.index(PLAN), self.spec.plan_cls
+
+        def run(*groups):
+            if isinstance(groups[pos], Tensor):
+                groups = list(groups)
+                groups[pos] = plan_codec.decode(groups[pos], cls)
+            return body(*groups)
+
+        run.__doc__ = body.__doc__
+        return run
 
     def _plan(self):
         """Which forward arguments and outputs the backward reads, as positions (done once:
@@ -226,7 +271,7 @@ class BuiltOp:
         self.saved_inputs = tuple(p[0] for p in fl.parts if p[0] in wanted and p[0] in fl.tensor_groups)
         self.saved_in_pos = tuple(self.flat_pos[n] for n in self.saved_inputs)
         self.kept_inputs = tuple(p for p in fl.parts if p[0] in wanted and p[0] not in fl.tensor_groups)
-        out_names = [n for n in s.outputs if n in wanted and n not in s.consumed]
+        out_names = [n for n in s.outputs if n in wanted and n not in s.consumed and n != PLAN]
         self.saved_outputs = tuple(out_names)
         self.saved_out_pos = tuple(s.outputs.index(n) for n in out_names)
         self.consumed_pos = tuple(s.outputs.index(n) for n in s.consumed)
@@ -236,6 +281,7 @@ class BuiltOp:
         self.grad_flat = tuple(self.flat_pos[n] for n in s.grad_inputs)
         self.need_flat = tuple((arg, self.flat_pos[inp]) for arg, inp in s.need.items())
         self.when_pos = self.flat_pos[s.forward_grads_when] if s.forward_grads_when else None
+        self.plan_pos = s.outputs.index(PLAN) if s.plan_cls is not None else None
         self.dtype_pos = self.grad_flat[:2]
 
     def _setup_context(self, ctx, inputs, output):
@@ -254,19 +300,30 @@ class BuiltOp:
         ctx.values = values
         ctx.num_inputs = len(inputs)
         ctx.consumed = ctx.forward_grads = None
+        if self.plan_pos is not None:  # (not a saved tensor: the object, or its CPU encoding)
+            ctx.plan = output[self.plan_pos]
         if self.consumed_pos:
             ctx.consumed = tuple([output[i] for i in self.consumed_pos])
         if self.forward_grads_pos and (self.when_pos is None or (
-                inputs[self.when_pos] > 0 and inputs[self.grad_flat[0]].shape[0] > 0)):
+                inputs[self.when_pos] and self._forward_grads_used(output))):
             ctx.forward_grads = tuple([output[i] for i in self.forward_grads_pos])
             ctx.dtypes = (inputs[self.dtype_pos[0]].dtype, inputs[self.dtype_pos[1]].dtype)
         if self.non_diff:
             nd = []
             for i in self.non_diff:
-                nd.append(output[i])
+                if isinstance(output[i], Tensor):  # (the eager fast path's plan is an object)
+                    nd.append(output[i])
             ctx.mark_non_differentiable(*nd)
         if not s.materialize_grads:
             ctx.set_materialize_grads(False)
+
+    def _forward_grads_used(self, output) -> bool:
+        """The forward used the gradient-in-forward strategy: one of its gradient outputs
+        is not empty (the strategy allowed, eager only)."""
+        for i in self.forward_grads_pos:
+            if output[i].numel():
+                return True
+        return False
 
     def _backward(self, ctx, *grads):
         s = self.spec
@@ -296,6 +353,8 @@ class BuiltOp:
                     values[g] = zeros(values)
         for arg, i in self.need_flat:
             values[arg] = needs[i]
+        if self.plan_pos is not None:
+            values[PLAN] = ctx.plan
         nothing = None
         if consumed is None and s.consumed:  # a second backward: the buffers are spent
             consumed = nothing = s.nothing(values[s.grad_inputs[0]])

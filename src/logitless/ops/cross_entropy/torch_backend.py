@@ -34,17 +34,8 @@ def _chunks(logits: Tensor, budget: int, rows: Optional[int]):
         yield r0, r1, logits[r0:r1].to(cd, copy=True)
 
 
-def forward(
-    logits: Tensor,
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    *,
-    need_smooth: bool,
-    need_argmax: bool,
-    budget: int,
-    plan: Optional[int] = None,
-) -> TokenStats:
+def forward(logits: Tensor, target: Tensor, class_weight: Optional[Tensor], softcap: Optional[float], *,
+            need_smooth: bool, need_argmax: bool, budget: int, plan: Optional[int] = None) -> TokenStats:
     n, v = logits.shape
     cd = compute_dtype(logits.dtype)
     lse = torch.empty(n, dtype=cd, device=logits.device)
@@ -66,18 +57,8 @@ def forward(
     return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
 
 
-def backward(
-    logits: Tensor,
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    lse: Tensor,
-    coef: Tensor,
-    out: Tensor,
-    *,
-    budget: int,
-    plan: Optional[int] = None,
-) -> None:
+def backward(logits: Tensor, target: Tensor, class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor,
+             coef: Tensor, out: Tensor, *, budget: int, plan: Optional[int] = None) -> None:
     """Writes d loss / d logits into ``out`` (N, V), which may be ``logits`` itself."""
     cd = compute_dtype(logits.dtype)
     lse, coef = lse.to(cd), coef.to(cd)

@@ -26,17 +26,8 @@ def _cw(class_weight: Optional[Tensor], logits: Tensor) -> Tensor:
     return class_weight.contiguous() if class_weight is not None else logits  # dummy pointer
 
 
-def forward(
-    logits: Tensor,
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    *,
-    need_smooth: bool,
-    need_argmax: bool,
-    budget: int,
-    plan: Optional[CETritonPlan] = None,
-) -> TokenStats:
+def forward(logits: Tensor, target: Tensor, class_weight: Optional[Tensor], softcap: Optional[float], *,
+            need_smooth: bool, need_argmax: bool, budget: int, plan: Optional[CETritonPlan] = None) -> TokenStats:
     n, v = logits.shape
     plan = plan or ce_triton_plan(n, v, logits.element_size(), logits.device)
     target = target.contiguous()
@@ -56,18 +47,8 @@ def forward(
     return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=argmax)
 
 
-def backward(
-    logits: Tensor,
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    lse: Tensor,
-    coef: Tensor,
-    out: Tensor,
-    *,
-    budget: int,
-    plan: Optional[CETritonPlan] = None,
-) -> None:
+def backward(logits: Tensor, target: Tensor, class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor,
+             coef: Tensor, out: Tensor, *, budget: int, plan: Optional[CETritonPlan] = None) -> None:
     """Writes d loss / d logits into ``out`` (N, V), which may be ``logits`` itself."""
     n, v = logits.shape
     plan = plan or ce_triton_plan(n, v, logits.element_size(), logits.device)

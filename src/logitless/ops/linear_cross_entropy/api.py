@@ -19,7 +19,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
-from .custom_op import grad_in_forward_chunk, lce_forward_eager
+from .custom_op import lce_forward_eager
 
 
 @shared_doc
@@ -187,11 +187,10 @@ def linear_cross_entropy(
     has_bias_grad = bias is not None and bias.requires_grad
     grad_wanted = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or has_bias_grad)
     need = (grad_wanted and x2d.requires_grad, grad_wanted and weight.requires_grad, grad_wanted and has_bias_grad)
-    # The Triton planner's gradient-in-forward strategy (eager only: under torch.compile
-    # the keep/recompute strategies serve, as the strategy returns extra state).
-    in_forward = 0
-    if grad_wanted and not torch.compiler.is_compiling() and not parallel:
-        in_forward = grad_in_forward_chunk(impl, x2d, weight, memory_budget, opts)
+    # The Triton planner's gradient-in-forward strategy is allowed in eager mode only
+    # (under torch.compile the keep/recompute strategies serve, as the strategy returns
+    # extra state); the op's plan decides whether to use it.
+    in_forward = grad_wanted and not parallel and not torch.compiler.is_compiling()
     loss, lse, argmax, *_ = lce_forward_eager(
         x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
         return_stats, grad_wanted, in_forward, *need, *tp.args(),

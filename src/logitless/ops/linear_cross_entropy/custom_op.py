@@ -19,15 +19,18 @@ differentiable (``grad_lse``: d lse / d z_c = p_c adds to the A coefficient), so
 
 Their implementations run eagerly, also under torch.compile (which sees only the fake
 implementations: output shapes and dtypes), so they may branch on data: the CPU
-target-range check lives here. ``keep``/``keep_max`` are the columns of exp(z - m) the
-Triton backend kept for the backward (``NOTHING_KEPT``-shaped dummies and an empty
-``plan`` when it kept none): the backward turns
-them into dz in place (declared as a mutation), so they serve one backward, with the
-forward's launch plan (``plan``: its fields in a CPU int64 tensor, read without a
-device sync: the plan may depend on tuned or forced tiles at the time of the forward); the
-autograd glue hands them to the first backward only, a second one (retain_graph=True)
-recomputes instead. Absent outputs (argmax without return_stats, gradients not
-needed) are tensors of size 0. Options are plain ints/floats/strings.
+target-range check lives here. The forward's implementation plans the call once (the
+backend's ``plan``: a ``planning.plans.LinearPlan``, or None), and everything after
+follows that plan: its launches, the gradient-in-forward strategy (``grad_in_forward``
+only allows it; the plan picks it), the fake's kept shapes and the backward. ``plan``
+is that object (the scaffolding carries it as a CPU int64 tensor across the custom ops,
+``ops.common.plan_codec``, and hands the backward the object). ``keep``/``keep_max``
+are the columns of exp(z - m) the Triton backend kept for the backward
+(``NOTHING_KEPT``-shaped dummies when it kept none): the backward turns them into dz in
+place (declared as a mutation), so they serve one backward; the autograd glue hands
+them to the first backward only, a second one (retain_graph=True) recomputes instead.
+Absent outputs (argmax without return_stats, gradients not needed) are tensors of
+size 0. Options are plain ints/floats/strings.
 
 The ops, their fakes and autograd (with the gradient-in-forward strategy's scaling) are
 built from ``SPEC`` (``ops.common.spec``). Double backward is not supported:
@@ -44,65 +47,73 @@ from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.dispatch import load_backend, load_strategy
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, nothing_kept
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, kept_buffers, nothing_kept
 from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
+from logitless.planning.plans import LinearPlan
 
 OP = "linear_cross_entropy"
 
 
 def _forward(x: Tensor, weight: Tensor, bias, target: Tensor, class_weight, opts: CrossEntropyOptions,
-             backend: str, budget: int, need_argmax: bool, need_grad: bool, grad_in_forward: int, need_dx: bool,
+             backend: str, budget: int, need_argmax: bool, need_grad: bool, grad_in_forward: bool, need_dx: bool,
              need_dw: bool, need_db: bool, tp: VocabParallelOptions):
     """x (N, H), weight (V, H), target (N,) int64 -> loss (() or (N,)), lse (N,),
     argmax (N,) or (0,), w_t (N,), keep, keep_max, plan (see the module docstring), and
-    gx, gw, gb: with ``grad_in_forward`` > 0 (tokens per chunk of the Triton backend's
-    gradient-in-forward strategy) the gradients for grad_output = 1 that the backward
-    scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb fp32)."""
+    gx, gw, gb: when ``grad_in_forward`` allows it and the call's plan picks it (the
+    backend's gradient-in-forward strategy), the gradients for grad_output = 1 that the
+    backward scales (gx in x's dtype; gw in weight's dtype for one chunk, else fp32; gb
+    fp32), else empty."""
     n, v = x.shape[0], weight.shape[0]
     sd = compute_dtype(x.dtype)
-    kept = grads = None
+    impl = load_backend(__package__, backend)
+    kept = grads = plan = None
     if tp.parallel:
         from . import vocab_parallel
 
         with no_autocast(x.device):
-            loss, lse, argmax, w_t, kept = vocab_parallel.forward(
-                load_backend(__package__, backend), x, weight, bias, target, class_weight, opts, tp,
+            loss, lse, argmax, w_t, kept, plan = vocab_parallel.forward(
+                impl, x, weight, bias, target, class_weight, opts, tp,
                 budget=budget, need_argmax=need_argmax, need_grad=need_grad)
-        return _outputs(x, target, loss, lse, argmax if need_argmax else None, w_t, kept, None)
+        return _outputs(x, target, loss, lse, argmax if need_argmax else None, w_t, kept, plan, None)
     check_targets_in_range(target, v, opts.ignore_index)
     loss = None
     with no_autocast(x.device):
         if n == 0:
             empty = x.new_empty(0, dtype=sd)
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
-        elif grad_in_forward > 0:
-            stats, grads = load_strategy(__package__, backend, "grad_in_forward").forward_with_grad(
-                x, weight, bias, target, class_weight, opts, token_chunk=grad_in_forward,
-                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
-                need_dw=need_dw, need_db=need_db, budget=budget,
-            )
-        else:  # the loss with the statistics (Triton: one launch, ce_epilogue)
-            stats, kept, loss, w_t = load_backend(__package__, backend).forward(
-                x, weight, bias, target, class_weight, opts.softcap,
-                need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget,
-                need_grad=need_grad, loss_opts=opts,
-            )
+        else:
+            # The call's plan, once: the forward, its strategy and the backward follow it.
+            plan = impl.plan(x, weight, bias, class_weight, opts, budget=budget, need_grad=need_grad,
+                             need_argmax=need_argmax, grad_in_forward=grad_in_forward)
+            if plan is not None and plan.grad_in_forward:
+                stats, grads = load_strategy(__package__, backend, "grad_in_forward").forward_with_grad(
+                    x, weight, bias, target, class_weight, opts, plan=plan,
+                    need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, need_dx=need_dx,
+                    need_dw=need_dw, need_db=need_db,
+                )
+            else:  # the loss with the statistics (Triton: one launch, ce_epilogue)
+                stats, kept, loss, w_t = impl.forward(
+                    x, weight, bias, target, class_weight, opts.softcap,
+                    need_smooth=opts.needs_smooth_sum, need_argmax=need_argmax, budget=budget, plan=plan,
+                    loss_opts=opts,
+                )
         if loss is None:
             loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
             loss = reduce(loss_tok, w_t, opts.reduction)
-    return _outputs(x, target, loss, stats.lse, stats.argmax if need_argmax else None, w_t, kept, grads)
+    return _outputs(x, target, loss, stats.lse, stats.argmax if need_argmax else None, w_t, kept, plan, grads)
 
 
-def _outputs(x, target, loss, lse, argmax, w_t, kept, grads):
-    """The forward op's outputs (module docstring) from its results."""
+def _outputs(x, target, loss, lse, argmax, w_t, kept, plan, grads):
+    """The forward op's outputs (module docstring) from its results (``plan``: the object;
+    the scaffolding encodes it where the custom op runs)."""
     sd = compute_dtype(x.dtype)
     argmax = argmax if argmax is not None else target.new_empty(0, dtype=torch.int64)
     if kept is None:
         kept = nothing_kept(x)
     grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
-    return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], kept[2], *grads)
+    return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], plan, *grads)
 
 
 def _forward_fake(x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, need_grad,
@@ -112,25 +123,30 @@ def _forward_fake(x, weight, bias, target, class_weight, opts, backend, budget, 
     loss = x.new_empty((n,) if opts.reduction == "none" else (), dtype=sd)
     grads = [x.new_empty(0) for _ in range(3)]
     kept = fake_kept_tensors(x)
-    if grad_in_forward > 0 and n > 0:  # (eager only: the public function passes 0 when compiling)
+    impl = load_backend(__package__, backend)
+
+    def plan():  # (as the forward plans; concrete sizes only)
+        return impl.plan(x, weight, bias, class_weight, opts, budget=budget, need_grad=need_grad,
+                         need_argmax=need_argmax, grad_in_forward=grad_in_forward, cute=False)
+
+    gif = grad_in_forward and n > 0 and plan() is not None and plan().grad_in_forward  # (eager only)
+    if gif:
         f32 = torch.float32
         grads = [
             torch.empty_like(x) if need_dx else grads[0],
-            (torch.empty_like(weight) if grad_in_forward >= n else weight.new_empty(v, h, dtype=f32))
+            (torch.empty_like(weight) if plan().grad_in_forward >= n else weight.new_empty(v, h, dtype=f32))
             if need_dw else grads[1],
             weight.new_empty(v, dtype=f32) if need_db else grads[2],
         ]
     elif need_grad and not (tp.tp_group and isinstance(v, int) and v == 0):
-        impl = load_backend(__package__, backend)
-        if impl.PLAN_SIZE:  # (a backend that may keep columns)
-            kept = fake_kept(x, weight, tp.tp_group, tp.vocab_size, impl.PLAN_SIZE, lambda n, v, h: impl.kept_shapes(
-                n, v, h, x.dtype, budget, x.device, opts.softcap, need_grad))
+        kept = fake_kept(x, weight, tp.tp_group, tp.vocab_size, lambda n, v, h: impl.kept_shapes(plan(), n))
     return (
         loss,
         x.new_empty(n, dtype=sd),
         x.new_empty(n if need_argmax else 0, dtype=torch.int64),
         x.new_empty(n, dtype=sd),
         *kept,
+        None,  # the plan (the scaffolding's fixed-size tensor)
         *grads,
     )
 
@@ -138,28 +154,27 @@ def _forward_fake(x, weight, bias, target, class_weight, opts, backend, budget, 
 def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
               opts: CrossEntropyOptions, backend: str, budget: int, need_dx: bool, need_dw: bool, need_db: bool,
               tp: VocabParallelOptions):
-    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz."""
+    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not empty) with dz.
+    ``plan``: the forward's (the object: the scaffolding decoded it)."""
     n, v = x.shape[0], weight.shape[0]
     dx = dw = db = None
     if n == 0:
         dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         impl = load_backend(__package__, backend)
-        extra = {}
-        if plan.numel():  # the forward kept columns: its buffers, and its plan (which laid them out)
-            extra = dict(kept=(keep, keep_max), plan=impl.plan_from_tensor(plan))
+        kept = kept_buffers(plan, keep, keep_max)  # the forward's buffers, laid out by its plan
         with no_autocast(x.device):
             if tp.parallel:
                 from . import vocab_parallel
 
                 dx, dw, db = vocab_parallel.backward(
                     impl, grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts, tp,
-                    budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, extra=extra)
+                    budget=budget, need_dx=need_dx, need_dw=need_dw, need_db=need_db, plan=plan, kept=kept)
             else:
                 coef = impl.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts, v)
                 dx, dw, db = impl.backward(
                     x, weight, bias, target, class_weight, opts.softcap, lse, coef,
-                    need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, **extra,
+                    need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept,
                 )
     return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 
@@ -167,16 +182,6 @@ def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w
 def _backward_fake(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, plan,
                    opts, backend, budget, need_dx, need_dw, need_db, tp):
     return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
-
-
-def grad_in_forward_chunk(backend: str, x: Tensor, weight: Tensor, budget: int, opts: CrossEntropyOptions) -> int:
-    """Tokens per chunk when the backend's planner picks gradient-in-forward for this call
-    (the forward also computes the gradients), else 0. Eager only: the public function
-    never asks under torch.compile."""
-    strategy = load_strategy(__package__, backend, "grad_in_forward")
-    if strategy is None or x.shape[0] == 0:
-        return 0
-    return strategy.grad_in_forward_chunk(x, weight, budget, opts, opts.softcap) or 0
 
 
 def _zero_grad_loss(a: dict) -> Tensor:
@@ -188,20 +193,21 @@ def _zero_grad_loss(a: dict) -> Tensor:
 _HEAD = (tensor("x"), tensor("weight"), tensor("bias", True), tensor("target"), tensor("class_weight", True))
 _EXEC = (scalar("backend", str), scalar("budget", int))
 _NEED = (scalar("need_dx", bool), scalar("need_dw", bool), scalar("need_db", bool))
-_KEPT = ("keep", "keep_max", "plan")
+_KEPT = ("keep", "keep_max")
 _TP = options("tp", VocabParallelOptions, defaulted=True)
 
 SPEC = OpSpec(
     op=OP,
     name="lce_forward",
     forward=(*_HEAD, options("opts", CrossEntropyOptions), *_EXEC, scalar("need_argmax", bool),
-             scalar("need_grad", bool), scalar("grad_in_forward", int), *_NEED, _TP),
-    outputs=("loss", "lse", "argmax", "w_t", *_KEPT, "gx", "gw", "gb"),
+             scalar("need_grad", bool), scalar("grad_in_forward", bool), *_NEED, _TP),
+    outputs=("loss", "lse", "argmax", "w_t", *_KEPT, "plan", "gx", "gw", "gb"),
     forward_impl=_forward,
     forward_fake=_forward_fake,
     backward_name="lce_backward",
     backward=(tensor("grad_loss"), tensor("grad_lse", True), *_HEAD, tensor("lse"), tensor("w_t"),
-              *(tensor(k) for k in _KEPT), options("opts", CrossEntropyOptions), *_EXEC, *_NEED, _TP),
+              *(tensor(k) for k in _KEPT), tensor("plan"), options("opts", CrossEntropyOptions), *_EXEC, *_NEED,
+              _TP),
     backward_impl=_backward,
     backward_fake=_backward_fake,
     grads=("grad_loss", "grad_lse") + (None,) * 8,
@@ -214,6 +220,7 @@ SPEC = OpSpec(
     forward_grads=("gx", "gw", "gb"),
     forward_grads_when="grad_in_forward",
     zero_if_none={"grad_loss": _zero_grad_loss},
+    plan_cls=LinearPlan,
 )
 
 _built = build(SPEC)

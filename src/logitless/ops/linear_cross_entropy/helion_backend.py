@@ -33,13 +33,21 @@ from logitless.options import CrossEntropyOptions
 
 from .torch_backend import grad_coefficients  # noqa: F401  (the formulas: the same for every device)
 
-#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
-PLAN_SIZE = 0
+def plan(*_, **__) -> None:
+    """No plan crosses to the backward: the kernels take their configs per launch
+    (``helion_lib.configs``) and keep nothing (a fallback backend plans for itself)."""
+    return None
 
 
-def kept_shapes(*_) -> None:
+def kept_shapes(plan, n: int) -> None:
     """This backend keeps nothing for the backward."""
     return None
+
+
+def _other_plan(impl, x, weight, bias, class_weight, softcap, budget, need_argmax=False, smooth=False):
+    """The fallback backend's plan of this call (nothing kept)."""
+    return impl.plan(x, weight, bias, class_weight, _launch_opts(softcap, smooth), budget=budget, need_grad=False,
+                     need_argmax=need_argmax)
 
 
 def _launch_opts(softcap: Optional[float], smooth: bool) -> CrossEntropyOptions:
@@ -59,12 +67,12 @@ def forward(
     need_smooth: bool,
     need_argmax: bool,
     budget: int,
-    need_grad: bool = False,
+    plan=None,
     loss_opts: Optional[CrossEntropyOptions] = None,
 ):
     """(TokenStats, None): fp32 statistics, nothing kept. With ``loss_opts``: (TokenStats,
-    None, loss, w_t), the loss from the formulas. ``budget`` and ``need_grad`` only reach a
-    fallback backend (which then keeps nothing either)."""
+    None, loss, w_t), the loss from the formulas. ``budget`` only reaches a fallback
+    backend (which then keeps nothing either)."""
     def helion_path():
         stats = kernels.lce_forward(x, weight, bias, target, class_weight, _launch_opts(softcap, need_smooth),
                                     need_argmax=need_argmax)
@@ -75,7 +83,9 @@ def forward(
 
     def other_path(impl):
         return impl.forward(x, weight, bias, target, class_weight, softcap, need_smooth=need_smooth,
-                            need_argmax=need_argmax, budget=budget, need_grad=False, loss_opts=loss_opts)
+                            need_argmax=need_argmax, budget=budget, loss_opts=loss_opts,
+                            plan=_other_plan(impl, x, weight, bias, class_weight, softcap, budget, need_argmax,
+                                             need_smooth))
 
     return run_or_fallback(__package__, x.device, helion_path, other_path)
 
@@ -94,6 +104,7 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
+    plan=None,
     kept=None,
     dx_acc: bool = False,
 ):
@@ -105,7 +116,8 @@ def backward(
         if need_dx and dx_acc and x.dtype != torch.float32:  # (module docstring)
             other = load_backend(__package__, fallback_name(x.device))
             dx = other.backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=True,
-                                need_dw=False, need_db=False, budget=budget, dx_acc=True)[0]
+                                need_dw=False, need_db=False, budget=budget, dx_acc=True,
+                                plan=_other_plan(other, x, weight, bias, class_weight, softcap, budget))[0]
             kernel_dx = False
         if not (kernel_dx or need_dw or need_db):
             return dx, None, None
@@ -120,6 +132,7 @@ def backward(
 
     def other_path(impl):
         return impl.backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=need_dx,
-                             need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=dx_acc)
+                             need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=dx_acc,
+                             plan=_other_plan(impl, x, weight, bias, class_weight, softcap, budget))
 
     return run_or_fallback(__package__, x.device, helion_path, other_path)

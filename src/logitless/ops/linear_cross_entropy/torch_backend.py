@@ -40,20 +40,9 @@ def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
     return apply_softcap(z, softcap, inplace=True)
 
 
-def forward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    *,
-    need_smooth: bool,
-    need_argmax: bool,
-    budget: int,
-    need_grad: bool = False,
-    loss_opts: Optional[CrossEntropyOptions] = None,
-):
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+            softcap: Optional[float], *, need_smooth: bool, need_argmax: bool, budget: int, plan=None,
+            loss_opts: Optional[CrossEntropyOptions] = None):
     """Returns (TokenStats, None): this backend keeps nothing for the backward. With
     ``loss_opts``: (TokenStats, None, loss, w_t), the loss from the formulas."""
     n, h = x.shape
@@ -108,11 +97,13 @@ def forward(
     return stats, None, reduce(loss_tok, w_t, loss_opts.reduction), w_t
 
 
-#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
-PLAN_SIZE = 0
+def plan(*_, **__) -> None:
+    """No plan crosses to the backward: this backend sizes its tiles from the budget in
+    the forward and in the backward (``ops.common.torch_tiles``) and keeps nothing."""
+    return None
 
 
-def kept_shapes(*_) -> None:
+def kept_shapes(plan, n: int) -> None:
     """This backend keeps nothing for the backward."""
     return None
 
@@ -127,23 +118,9 @@ def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor
     return coef
 
 
-def backward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    lse: Tensor,
-    coef: Tensor,
-    *,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-    budget: int,
-    kept=None,
-    dx_acc: bool = False,
-):
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+             softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
+             budget: int, plan=None, kept=None, dx_acc: bool = False):
     """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
     for fp64), not cast to x's dtype (a partial sum that the caller reduces first)."""
     v = weight.shape[0]

@@ -22,13 +22,16 @@ read and one write); the kernels then multiply TF32-exact operands with DOT_PREC
 with the operands loaded by TMA straight into the tensor cores).
 No tensor of N x V elements unless the budget allows it: temporaries are the kept
 columns and one dz chunk (and the rounded x and W chunk), sized by the memory budget
-(``planning.plans.triton_plan``). No
+(``planning.plans.triton_plan``). One plan per call (``plan``: a
+``planning.plans.LinearPlan``, made by the forward custom op; the forward, the
+gradient-in-forward strategy and the backward follow it). No
 atomics: every output element is written by one program or one matmul, so results
 are bitwise repeatable.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -37,9 +40,9 @@ from torch import Tensor
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
-from logitless.planning.plans import TritonPlan, triton_plan
+from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import ce_epilogue, launch
-from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
+from logitless.triton_lib.launch import cdiv
 from logitless.triton_lib import lce_kernels as K
 
 
@@ -58,38 +61,77 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
     return plan.w_chunk > 0 and launch.tf32_prerounded(dtype)
 
 
-def forward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    *,
-    need_smooth: bool,
-    need_argmax: bool,
-    budget: int,
-    need_grad: bool = False,
-    plan: Optional[TritonPlan] = None,
-    loss_opts: Optional[CrossEntropyOptions] = None,
-):
-    """Returns (TokenStats, kept): kept is None or the tensors ``kept_shapes`` describes,
-    which ``backward`` turns into dz in place (so it can use them once). With
-    ``loss_opts`` (N > 0): (TokenStats with lse and argmax only, kept, loss, w_t), the
-    split merge, per-token loss and reduction in one launch (``ce_epilogue.forward_loss``)."""
+def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+         opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
+         grad_in_forward: bool = False, cute: bool = True) -> LinearPlan:
+    """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
+    op and used by everything after it. ``grad_in_forward``: the caller allows that
+    strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
+    implementation: it needs the tensors' memory)."""
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, _keep_allowed(x.dtype, softcap, need_grad))
+    keep = _keep_allowed(x.dtype, opts.softcap, need_grad)
+    p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep,
+                    prerounded=launch.tf32_prerounded(x.dtype),
+                    grad_in_forward=grad_in_forward and keep and opts.reduction != "none",
+                    weight_fp32=weight.dtype == torch.float32)
+    if not cute:
+        return p
+    need_smooth = opts.needs_smooth_sum
+    args = dict(bias=bias, softcap=opts.softcap, need_argmax=need_argmax,
+                weighted_smooth=need_smooth and class_weight is not None)
+    if p.grad_in_forward:  # each chunk's forward (keeps every column)
+        chunk_cute = cute_planning.forward_plan(x[:p.grad_in_forward], weight, keep_cols=v,
+                                                keep_block=p.chunk.block_v, **args)
+        tail_cute = None
+        if p.tail is not None:
+            tail_cute = cute_planning.forward_plan(x[n - n % p.grad_in_forward:], weight, keep_cols=v,
+                                                   keep_block=p.tail.block_v, **args)
+        if chunk_cute is None and tail_cute is None:
+            return p
+        return replace(p, chunk_cute=chunk_cute, tail_cute=tail_cute)
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols, keep_block=plan.block_v, bias=bias,
-                                      softcap=softcap,
-                                      need_argmax=need_argmax,
-                                      weighted_smooth=need_smooth and class_weight is not None)
+    c = cute_planning.forward_plan(x, weight, keep_cols=p.forward.keep_cols if p.keeps else 0,
+                                   keep_block=p.forward.block_v, **args)
+    return p if c is None else replace(p, cute=c)
+
+
+def kept_shapes(plan: Optional[LinearPlan], n: int):
+    """Shapes of the tensors ``forward`` keeps for the backward under ``plan`` (the custom
+    op's fake implementation uses them), or None when it keeps nothing."""
+    if plan is None or not plan.keeps or plan.grad_in_forward:
+        return None
+    return launch.kept_shapes_of(plan.forward, n)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+            softcap: Optional[float], *, need_smooth: bool, need_argmax: bool, plan: LinearPlan,
+            budget: Optional[int] = None, loss_opts: Optional[CrossEntropyOptions] = None):
+    """Under the call's ``plan`` (``budget``: planned already), returns (TokenStats,
+    kept): kept is None or (buffer, tile maxima) of the
+    ``kept_shapes`` shapes, which ``backward`` turns into dz in place (so it can use
+    them once). With ``loss_opts`` (N > 0): (TokenStats with lse and argmax only, kept,
+    loss, w_t), the split merge, per-token loss and reduction in one launch
+    (``ce_epilogue.forward_loss``)."""
+    return forward_launches(x, weight, bias, target, class_weight, softcap, need_smooth=need_smooth,
+                            need_argmax=need_argmax, tiles=plan.forward, keep=plan.keeps, cute=plan.cute,
+                            loss_opts=loss_opts)
+
+
+def forward_launches(x, weight, bias, target, class_weight, softcap, *, need_smooth: bool, need_argmax: bool,
+                     tiles: TritonPlan, keep: bool, cute, loss_opts: Optional[CrossEntropyOptions] = None):
+    """``forward`` on one ``TritonPlan`` (``tiles``; ``keep``: keep its ``keep_cols``
+    columns) and CuTe plan (or None): also each token chunk of the gradient-in-forward
+    strategy (``triton_grad_in_forward``)."""
+    plan = tiles
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_cols = plan.keep_cols if keep else 0
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
         cute = cute_launch.ready(cute, x, weight, smooth=need_smooth,
-                                 keep_block=plan.block_v if cdiv(plan.keep_cols, plan.block_v) else 0)
+                                 keep_block=plan.block_v if cdiv(keep_cols, plan.block_v) else 0)
     splits = cute.splits if cute is not None else plan.vocab_splits
     blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
     # One allocation for the partial statistics (max, sum, target logit, then smoothing
@@ -98,7 +140,7 @@ def forward(
     part_max, part_sum, part_tgt = parts[:3]
     part_smooth = parts[3] if need_smooth else part_max
     part_best, part_arg = (parts[-2], parts[-1].view(torch.int32)) if need_argmax else (part_max, part_max)
-    keep_blocks = cdiv(plan.keep_cols, plan.block_v)
+    keep_blocks = cdiv(keep_cols, plan.block_v)
     keep = keep_max = None
     prerounded = _prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
@@ -129,7 +171,7 @@ def forward(
             num_warps=plan.num_warps, num_stages=plan.num_stages,
             **extra,
         )
-    kept = _Kept(keep_buf, keep_max, plan) if keep is not None else None
+    kept = (keep_buf, keep_max) if keep is not None else None
     if loss_opts is not None:
         lse, loss, w_t = ce_epilogue.forward_loss(part_max, part_sum, part_tgt, part_smooth if need_smooth else None,
                                                   target, class_weight, loss_opts, v)
@@ -159,100 +201,34 @@ def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor
     return ce_epilogue.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts, num_classes)
 
 
-class _Kept(tuple):
-    """(exp tiles (N, row) buffer, tile maxima, the plan as a CPU int64 tensor): the
-    tensors the custom op returns; the backward turns the buffer into dz in place and
-    runs with the forward's plan (``plan_from_tensor``). ``take()`` gives (the
-    (N, keep_cols) view of the buffer, tile maxima) to code within one call."""
-
-    def __new__(cls, buf: Tensor, tile_max: Tensor, plan: TritonPlan):
-        kept = super().__new__(cls, (buf, tile_max, launch.plan_to_tensor(plan)))
-        kept.keep_cols = plan.keep_cols
-        return kept
-
-    def take(self):
-        return self[0][:, : self.keep_cols], self[1]
-
-
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep_allowed: bool,
-          backward: bool = False) -> TritonPlan:
-    """The plan of one call; forward, backward and ``kept_shapes`` must agree on it."""
-    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed,
-                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
-
-
 def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool) -> bool:
     # fp16 cannot hold exp(z - m) down to exp(-2 * softcap): recompute those instead.
     return need_grad and not (dtype == torch.float16 and softcap is not None)
 
 
-def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device,
-                softcap: Optional[float], need_grad: bool):
-    """Shapes of the tensors ``forward`` keeps for the backward (the custom op's fake
-    implementation uses them), or None when it keeps nothing."""
-    keep_allowed = _keep_allowed(dtype, softcap, need_grad)
-    if n == 0 or not keep_allowed:
-        return None
-    plan = _plan(n, v, h, dtype, budget, device, keep_allowed=True)
-    return launch.kept_shapes_of(plan, n) if plan.keep_cols else None
-
-
-def backward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    lse: Tensor,
-    coef: Tensor,
-    *,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-    budget: int,
-    kept: Optional[tuple[Tensor, Tensor]] = None,
-    plan: Optional[TritonPlan] = None,
-    dx_acc: bool = False,
-):
-    """dx, dW, db. ``kept``: what ``forward`` returned for this call (or None); its first
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+             softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
+             plan: LinearPlan, budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None,
+             dx_acc: bool = False):
+    """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``: what
+    ``forward`` returned for this call (or None); its first
     buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
     the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial sum
     that the caller reduces first: vocab parallelism)."""
     n, h = x.shape
     v = weight.shape[0]
-    # The forward's plan (the same arguments give the same plan) when it kept columns.
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_allowed=kept is not None, backward=True)
+    # The forward's plan when it kept columns (they are laid out by it), else the backward's.
+    plan = plan.forward if kept is not None else plan.backward
     coef = coef.contiguous()
     cw_arg = class_weight if class_weight is not None else x
     prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
-    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
-    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
-
-    def kept_dlogits(dz, tile_max, grid):
-        launch.run_kernel(
-            K.kept_dlogits_kernel, grid,
-            dz, tile_max, cw_arg, target, lse, coef, n, v, dz.shape[1], dz.stride(0),
-            float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
-            HAS_CW=class_weight is not None, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v,
-            num_warps=plan.num_warps,
-        )
-
-    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
-        xs, ws = x, weight
-        if prerounded:
-            x_op, w_op, use_tma, xs, ws = rounded(v0, v1)
-        launch.launch_kernel(
-            K.dlogits_kernel, grid,
-            x_op, w_op, bias if bias is not None else x, cw_arg,
-            target, lse, coef, dz_op,
-            n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),
-            v0, v1, float(softcap or 1.0), group_n,
-            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten, W_CHUNK=prerounded,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
-
-    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
-                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+    kernels = launch.DlogitsKernels(
+        kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
+        kept_tail=(float(softcap or 1.0),),
+        kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
+        kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
+        scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
+    )
+    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+                                   need_db=need_db, dx_acc=dx_acc)

@@ -23,35 +23,20 @@ No atomics; chunks run in a fixed order: bitwise repeatable.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Optional
-
 import torch
 import triton
-from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, target_weight, upstream_per_token
-from logitless.planning.plans import lce_strategy, triton_plan
+from logitless.planning.plans import LinearPlan
 
 from . import triton_backend
 from logitless.triton_lib import lce_kernels as K
 
 
-def grad_in_forward_chunk(x: Tensor, weight: Tensor, budget: int, opts, softcap) -> Optional[int]:
-    """Tokens per chunk if the planner picks gradient-in-forward for this call, else None."""
-    n, h = x.shape
-    v = weight.shape[0]
-    keep_ok = not (x.dtype == torch.float16 and softcap is not None)  # exp(z - m) underflows fp16
-    if opts.reduction == "none" or not keep_ok or n == 0:
-        return None
-    c = lce_strategy(n, v, h, x.element_size(), budget, x.device, need_grad=True,
-                     grad_in_forward_ok=True, keep_allowed=True, weight_fp32=weight.dtype == torch.float32)
-    return c.token_chunk if c.strategy == "grad_in_forward" else None
-
-
-def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chunk: int, need_smooth: bool,
-                      need_argmax: bool, need_dx: bool, need_dw: bool, need_db: bool, budget: int):
-    """TokenStats of every token, and (dx, dw_acc, db_acc) for grad_output = 1:
+def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: LinearPlan, need_smooth: bool,
+                      need_argmax: bool, need_dx: bool, need_dw: bool, need_db: bool):
+    """With ``plan.grad_in_forward`` tokens per chunk (``plan.chunk``/``plan.tail``: their
+    launches): TokenStats of every token, and (dx, dw_acc, db_acc) for grad_output = 1:
     dx in x's dtype; dw_acc and db_acc fp32 (dw_acc in weight's dtype when one chunk
     covers every token); None where not needed. ``ops.common.grad_in_forward.scale_grads`` finishes them."""
     n, h = x.shape
@@ -60,6 +45,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
     valid = target != opts.ignore_index
     w_t = target_weight(target, class_weight, valid)
     g = upstream_per_token(torch.ones((), device=x.device), w_t, opts.reduction)
+    token_chunk = plan.grad_in_forward
     chunks = [(n0, min(n, n0 + token_chunk)) for n0 in range(0, n, token_chunk)]
     one = len(chunks) == 1
     dx = torch.empty_like(x) if need_dx else None
@@ -71,18 +57,19 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
     parts = []
     for n0, n1 in chunks:
         xc, tc = x[n0:n1], target[n0:n1]
-        base = triton_plan(n1 - n0, v, h, x.element_size(), budget, x.device, keep_allowed=True)
-        plan = replace(base, keep_cols=v)
-        stats, cache = triton_backend.forward(xc, weight, bias, tc, class_weight, softcap, need_smooth=need_smooth,
-                                     need_argmax=need_argmax, budget=budget, need_grad=True, plan=plan)
+        full = n1 - n0 == token_chunk or plan.tail is None
+        tiles, cute = (plan.chunk, plan.chunk_cute) if full else (plan.tail, plan.tail_cute)
+        stats, (keep_buf, tile_max) = triton_backend.forward_launches(
+            xc, weight, bias, tc, class_weight, softcap, need_smooth=need_smooth, need_argmax=need_argmax,
+            tiles=tiles, keep=True, cute=cute)
         parts.append(stats)
         coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()
-        dz, tile_max = cache.take()
-        grid = (triton.cdiv(n1 - n0, plan.block_n), triton.cdiv(v, plan.block_v))
+        dz = keep_buf[:, :tiles.keep_cols]
+        grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(v, tiles.block_v))
         K.kept_dlogits_kernel[grid](
             dz, tile_max, cw_arg, tc, stats.lse, coef, n1 - n0, v, v, dz.stride(0),
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, num_warps=tiles.num_warps,
         )
         if need_dx:
             torch.mm(dz, weight, out=dx[n0:n1])
@@ -97,7 +84,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, token_chun
                 dw += dz.T.float() @ xc.float()
         if need_db:
             db += dz.sum(dim=0, dtype=torch.float32)
-        del dz, tile_max, cache
+        del dz, tile_max, keep_buf
     stats = TokenStats(
         lse=torch.cat([p.lse for p in parts]),
         target_logit=torch.cat([p.target_logit for p in parts]),

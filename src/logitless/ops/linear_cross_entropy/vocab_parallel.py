@@ -27,10 +27,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.distributed import VocabShard, all_reduce_, merge_argmax, merge_shards, vocab_shard
+from logitless.distributed import VocabShard, merge_argmax, merge_shards, vocab_shard
 from logitless.formulas.common import apply_softcap, compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.validate import check_targets_in_range
+from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 
@@ -63,7 +64,8 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
             budget: int, need_argmax: bool, need_grad: bool):
-    """(loss, lse, argmax or None, w_t, kept or None): the custom op's forward under TP."""
+    """(loss, lse, argmax or None, w_t, kept or None, plan or None): the custom op's
+    forward under TP (``plan``: the backend's plan of this rank's rows)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     v = shard.vocab_size
     check_targets_in_range(target, v, opts.ignore_index)
@@ -72,7 +74,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     sd = compute_dtype(x.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
     cw, t = shard.class_slice(class_weight), shard.local_target(target)
-    kept = None
+    kept = plan = None
     if n == 0:  # the same on every rank: no collective
         empty = x.new_empty(0, dtype=sd)
         stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
@@ -83,8 +85,9 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
             local = TokenStats(lse, zero, zero if opts.needs_smooth_sum else None,
                                torch.zeros(n, dtype=torch.int64, device=x.device) if need_argmax else None)
         else:
+            plan = impl.plan(x, w, b, cw, opts, budget=budget, need_grad=need_grad, need_argmax=need_argmax)
             local, kept = impl.forward(x, w, b, t, cw, opts.softcap, need_smooth=opts.needs_smooth_sum,
-                                       need_argmax=need_argmax, budget=budget, need_grad=need_grad)
+                                       need_argmax=need_argmax, budget=budget, plan=plan)
         sd = local.lse.dtype
         sums = [local.target_logit.to(sd)] + ([local.smooth_sum.to(sd)] if opts.needs_smooth_sum else [])
         best = None
@@ -97,14 +100,15 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
             argmax = merge_argmax(shard.group, best, local.argmax + shard.start, merged.maxes[0])
         stats = TokenStats(merged.lse[0], merged.sums[0], merged.sums[1] if opts.needs_smooth_sum else None, argmax)
     loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-    return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept
+    return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept, plan
 
 
 def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor], lse: Tensor, w_t: Tensor,
              opts: CrossEntropyOptions, tp: VocabParallelOptions, *, budget: int, need_dx: bool,
-             need_dw: bool, need_db: bool, extra: dict):
-    """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP."""
+             need_dw: bool, need_db: bool, plan, kept):
+    """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP
+    (``plan``, ``kept``: the forward's, or None)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)  # cached: no collective
     class_weight = full_class_weight(class_weight, shard)
     g = upstream_per_token(grad_loss, w_t, opts.reduction)
@@ -113,16 +117,9 @@ def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, wei
         coef[0] += grad_lse.to(coef.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
     if w.shape[0] == 0:
-        cd = compute_dtype(x.dtype)
-        dx = torch.zeros(x.shape, dtype=cd, device=x.device) if need_dx else None
-        dw = w.new_zeros(w.shape) if need_dw else None
-        db = b.new_zeros(b.shape) if need_db else None
+        dx, dw, db = no_class_grads(x, w, b, need_dx, need_dw, need_db)
     else:
         dx, dw, db = impl.backward(
             x, w, b, shard.local_target(target), shard.class_slice(class_weight), opts.softcap, lse, coef,
-            need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=True, **extra)
-    if need_dx:
-        if not tp.partial_dx:
-            all_reduce_(dx, shard.group)
-        dx = dx.to(x.dtype)
-    return dx, shard.pad_rows(dw), shard.pad_rows(db)
+            need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept, dx_acc=True)
+    return rank_grads(shard, x, dx, dw, db, tp.partial_dx)

@@ -24,7 +24,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS
 from logitless.options import JSDOptions, check_memory_budget
 
-from .custom_op import grad_in_forward_chunk, linear_jsd_forward_eager, linear_jsd_gif_forward_eager
+from .custom_op import linear_jsd_forward_eager
 
 
 def linear_jsd(
@@ -195,21 +195,15 @@ def linear_jsd(
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
     xt = xt if xt.stride(-1) == 1 else xt.contiguous()
     flat_target = target.reshape(-1).long()
-    # The Triton planner's gradient-in-forward strategy (eager only; "mean"/"sum"; one
-    # device's heads): the forward also computes the student's gradients.
-    grad_wanted = torch.is_grad_enabled() and (xs.requires_grad or student_weight.requires_grad
-                                               or (student_bias is not None and student_bias.requires_grad))
-    if (grad_wanted and reduction != "none" and not tp.parallel and backend != "helion"
-            and not torch.compiler.is_compiling()):
-        chunk = grad_in_forward_chunk(backend, xs, student_weight, xt, memory_budget, opts)
-        if chunk:
-            need = [t is not None and t.requires_grad for t in (xs, student_weight, student_bias)]
-            return linear_jsd_gif_forward_eager(
-                xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-                *opts.args(), reduction, memory_budget, chunk, *need)[0]
-    loss, _ = linear_jsd_forward_eager(
+    # The Triton planner's gradient-in-forward strategy is allowed in eager mode only
+    # ("mean"/"sum"; one device's heads); the op's planner decides whether the forward
+    # also computes the student's gradients.
+    need = (xs.requires_grad, student_weight.requires_grad, student_bias is not None and student_bias.requires_grad)
+    in_forward = (torch.is_grad_enabled() and (need[0] or need[1] or need[2]) and reduction != "none"
+                  and not tp.parallel and backend != "helion" and not torch.compiler.is_compiling())
+    loss = linear_jsd_forward_eager(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-        *opts.args(), reduction, memory_budget, backend, *tp.args())
+        *opts.args(), reduction, memory_budget, backend, in_forward, *need, *tp.args())[0]
     if reduction == "none":
         loss = loss.reshape(lead)
         return loss[..., :-1] if shift else loss

@@ -2,8 +2,8 @@
 
     logitless::linear_jsd_forward(student_x, student_weight, student_bias, teacher_x,
         teacher_weight, teacher_bias, target, <options>, reduction, budget, backend,
-        <vocab parallel>)
-        -> per-token loss (N,), statistics (6, N)
+        grad_in_forward, need_dx, need_dw, need_db, <vocab parallel>)
+        -> loss (per token (N,) for "none"), statistics (6, N), gx, gw, gb
     logitless::linear_jsd_backward(grad_loss, <the forward's tensors>, stats, <options>, reduction,
         budget, backend, need_dx, need_dw, need_db, <vocab parallel>) -> the student's dx, dW, db
 
@@ -12,8 +12,12 @@ parallel>`` those of ``VocabParallelOptions`` (tp_group, vocab_size, partial_dx)
 a ``tp_group`` both weights are this rank's blocks of rows of vocab-parallel heads
 (``vocab_parallel``). Validation,
 autocast casts and the reduction are plain Python/torch around the ops (``api.py``),
-so ``fullgraph=True`` works. The ops, their fakes and autograd are built from ``SPEC``
-and ``GIF_SPEC`` (``ops.common.spec``). Double backward is not supported.
+so ``fullgraph=True`` works. ``grad_in_forward`` allows the backend's gradient-in-forward
+strategy (``<backend>_grad_in_forward``; the public function allows it in eager mode for
+"mean"/"sum" on one device's heads, and the strategy's planner decides): the forward then
+also returns the student's gradients for grad_output = 1 (gx, gw, gb; empty otherwise)
+and the backward only scales them (``OpSpec.forward_grads``). The ops, their fakes and
+autograd are built from ``SPEC`` (``ops.common.spec``). Double backward is not supported.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, reduce, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.dispatch import backend_module, load_strategy, resolve_backend
+from logitless.ops.common.dispatch import backend_module, load_backend, load_strategy, resolve_backend
 from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
@@ -35,10 +39,14 @@ OP = "linear_jsd"
 
 def _forward(student_x: Tensor, student_weight: Tensor, student_bias, teacher_x: Tensor, teacher_weight: Tensor,
              teacher_bias, target: Tensor, opts: JSDOptions, reduction: str, budget: int, backend: str,
-             tp: VocabParallelOptions):
-    """(loss: () for "mean"/"sum", per token (N,) for "none"; statistics (6, N)) for 2-D
-    x's; fp32 (fp64 for fp64). The Triton backend computes the loss from the statistics
-    in one launch (``triton_lib.jsd_epilogue``), the torch backend with the formulas."""
+             grad_in_forward: bool, need_dx: bool, need_dw: bool, need_db: bool, tp: VocabParallelOptions):
+    """(loss: () for "mean"/"sum", per token (N,) for "none"; statistics (6, N); gx, gw, gb)
+    for 2-D x's; fp32 (fp64 for fp64). The Triton backend computes the loss from the
+    statistics in one launch (``triton_lib.jsd_epilogue``), the torch backend with the
+    formulas. gx, gw, gb: when ``grad_in_forward`` allows it and the backend's planner
+    picks that strategy (``<backend>_grad_in_forward``), the student's gradients for
+    grad_output = 1 (gw fp32 unless one chunk covers every token), which the backward
+    only scales; else (and where not asked for) empty."""
     if tp.tp_group:
         from . import vocab_parallel
 
@@ -47,28 +55,64 @@ def _forward(student_x: Tensor, student_weight: Tensor, student_bias, teacher_x:
             loss_tok, stats = vocab_parallel.forward(
                 impl, student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target,
                 opts, tp, budget)
-        return reduce(loss_tok, target, reduction, opts.ignore_index), stats
+        return (reduce(loss_tok, target, reduction, opts.ignore_index), stats,
+                *[student_x.new_empty(0) for _ in range(3)])
     n, v = student_x.shape[0], student_weight.shape[0]
     dtype = compute_dtype(student_x.dtype)
     if opts.hard_label_weight != 0.0:
         check_targets_in_range(target, v, opts.ignore_index)  # CPU only: no sync
     if n == 0:
         stats = student_x.new_zeros(NUM_STATS, 0, dtype=dtype)
-        return reduce(token_loss(stats, target, v, opts), target, reduction, opts.ignore_index), stats
-    impl = backend_module(__package__, backend, student_x.device, student_x.dtype)
+        loss = reduce(token_loss(stats, target, v, opts), target, reduction, opts.ignore_index)
+        return (loss, stats, *[student_x.new_empty(0) for _ in range(3)])
+    name = resolve_backend(backend, student_x.device, student_x.dtype)
+    impl = load_backend(__package__, name)
+    grads = (None, None, None)
     with no_autocast(student_x.device):
-        stats = impl.forward(student_x, student_weight, student_bias, teacher_x, teacher_weight,
-                             teacher_bias, target, opts, budget)
+        chunk = _grad_in_forward_chunk(name, student_x, student_weight, teacher_x, opts, reduction, budget,
+                                       grad_in_forward)
+        if chunk:  # the gradient-in-forward strategy
+            stats, grads = load_strategy(__package__, name, "grad_in_forward").forward_with_grad(
+                student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, opts,
+                reduction, token_chunk=chunk, need_dx=need_dx, need_dw=need_dw,
+                need_db=need_db and student_bias is not None)
+        else:
+            stats = impl.forward(student_x, student_weight, student_bias, teacher_x, teacher_weight,
+                                 teacher_bias, target, opts, budget)
         loss = impl.forward_loss(stats, target, v, opts, reduction)
-    return loss.to(dtype), stats.to(dtype)
+    grads = [g if g is not None else student_x.new_empty(0) for g in grads]
+    return (loss.to(dtype), stats.to(dtype), *grads)
+
+
+def _grad_in_forward_chunk(backend: str, student_x, student_weight, teacher_x, opts, reduction: str, budget: int,
+                           allowed: bool) -> int:
+    """Tokens per chunk of the backend's gradient-in-forward strategy when the call allows
+    it ("mean"/"sum") and its planner picks it, else 0."""
+    if not allowed or reduction == "none" or student_x.shape[0] == 0:
+        return 0
+    strategy = load_strategy(__package__, backend, "grad_in_forward")
+    if strategy is None:
+        return 0
+    return strategy.grad_in_forward_chunk(student_x, student_weight, teacher_x, budget, opts)
 
 
 def _forward_fake(student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, opts,
-                  reduction, *_):
+                  reduction, budget, backend, grad_in_forward, need_dx, need_dw, need_db, tp):
     dtype = compute_dtype(student_x.dtype)
-    n = student_x.shape[0]
+    n, (v, h) = student_x.shape[0], student_weight.shape
     loss = student_x.new_empty((n,) if reduction == "none" else (), dtype=dtype)
-    return loss, student_x.new_empty(NUM_STATS, n, dtype=dtype)
+    grads = [student_x.new_empty(0) for _ in range(3)]
+    if grad_in_forward and not tp.tp_group and n > 0:  # (eager only: the public function allows it then)
+        name = resolve_backend(backend, student_x.device, student_x.dtype)
+        chunk = _grad_in_forward_chunk(name, student_x, student_weight, teacher_x, opts, reduction, budget, True)
+        if chunk:
+            one = chunk >= n or student_weight.dtype == torch.float32
+            f32 = torch.float32
+            grads = [torch.empty_like(student_x) if need_dx else grads[0],
+                     (torch.empty_like(student_weight) if one else student_weight.new_empty(v, h, dtype=f32))
+                     if need_dw else grads[1],
+                     student_weight.new_empty(v, dtype=f32) if need_db and student_bias is not None else grads[2]]
+    return (loss, student_x.new_empty(NUM_STATS, n, dtype=dtype), *grads)
 
 
 def _backward(grad_loss: Tensor, student_x: Tensor, student_weight: Tensor, student_bias, teacher_x: Tensor,
@@ -107,15 +151,16 @@ _HEADS = (tensor("student_x"), tensor("student_weight"), tensor("student_bias", 
           tensor("teacher_weight"), tensor("teacher_bias", True), tensor("target"))
 _OPTS = options("opts", JSDOptions)
 _NEED = (scalar("need_dx", bool), scalar("need_dw", bool), scalar("need_db", bool))
-_NEEDS = {"need_dx": "student_x", "need_dw": "student_weight", "need_db": "student_bias"}
-_GRAD_INPUTS = ("student_x", "student_weight", "student_bias")
 _TP = options("tp", VocabParallelOptions, defaulted=True)
 
 SPEC = OpSpec(
     op=OP,
     name="linear_jsd_forward",
-    forward=(*_HEADS, _OPTS, scalar("reduction", str), scalar("budget", int), scalar("backend", str), _TP),
-    outputs=("loss", "stats"),
+    # (grad_in_forward and the need flags defaulted: before the defaulted vocab-parallel group)
+    forward=(*_HEADS, _OPTS, scalar("reduction", str), scalar("budget", int), scalar("backend", str),
+             scalar("grad_in_forward", bool, False), scalar("need_dx", bool, False), scalar("need_dw", bool, False),
+             scalar("need_db", bool, False), _TP),
+    outputs=("loss", "stats", "gx", "gw", "gb"),
     forward_impl=_forward,
     forward_fake=_forward_fake,
     backward_name="linear_jsd_backward",
@@ -123,9 +168,12 @@ SPEC = OpSpec(
               scalar("backend", str), *_NEED, _TP),
     backward_impl=_backward,
     backward_fake=_backward_fake,
-    grads=("grad_loss", None),
-    grad_inputs=_GRAD_INPUTS,
-    need=_NEEDS,
+    grads=("grad_loss", None, None, None, None),
+    grad_inputs=("student_x", "student_weight", "student_bias"),
+    need={"need_dx": "student_x", "need_dw": "student_weight", "need_db": "student_bias"},
+    # Gradient-in-forward: not saved tensors, the one backward scales them in place.
+    forward_grads=("gx", "gw", "gb"),
+    forward_grads_when="grad_in_forward",
     skip_if_no_grads=True,
 )
 
@@ -134,78 +182,3 @@ linear_jsd_forward_op, linear_jsd_backward_op = _built.forward_op, _built.backwa
 #: What the public function calls: ``linear_jsd_forward_op``, through a plain
 #: autograd.Function in eager mode (``EagerOp``: the same computation, bitwise).
 linear_jsd_forward_eager = _built.eager
-
-
-# --------------------------------------------------------------------------- gradient in the forward
-#
-#    logitless::linear_jsd_gif_forward(<the forward's tensors>, <options>, reduction, budget,
-#        token_chunk, need_dx, need_dw, need_db) -> loss (reduced), statistics (6, N), gx, gw, gb
-#
-# The Triton backend's gradient-in-forward strategy (``triton_grad_in_forward``): the
-# forward also computes the student's gradients for grad_output = 1 ("mean"/"sum"), the
-# backward only scales them (``OpSpec.forward_grads``: no backward op). Eager only: the
-# public function never picks it under torch.compile, with vocabulary parallelism or for
-# reduction="none".
-
-
-def grad_in_forward_chunk(backend: str, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
-                          budget: int, opts: JSDOptions) -> int:
-    """Tokens per chunk when the backend's planner picks gradient-in-forward, else 0."""
-    if student_x.shape[0] == 0:
-        return 0
-    strategy = load_strategy(__package__, resolve_backend(backend, student_x.device, student_x.dtype),
-                             "grad_in_forward")
-    if strategy is None:
-        return 0
-    return strategy.grad_in_forward_chunk(student_x, student_weight, teacher_x, budget, opts)
-
-
-def _gif_forward(student_x: Tensor, student_weight: Tensor, student_bias, teacher_x: Tensor, teacher_weight: Tensor,
-                 teacher_bias, target: Tensor, opts: JSDOptions, reduction: str, budget: int, token_chunk: int,
-                 need_dx: bool, need_dw: bool, need_db: bool):
-    """(reduced loss, statistics (6, N), gx, gw, gb); the gradients for grad_output = 1
-    (empty where not asked for; gw fp32 unless one chunk covers every token)."""
-    v = student_weight.shape[0]
-    dtype = compute_dtype(student_x.dtype)
-    if opts.hard_label_weight != 0.0:
-        check_targets_in_range(target, v, opts.ignore_index)  # CPU only: no sync
-    need_db = need_db and student_bias is not None
-    strategy = load_strategy(__package__, "triton", "grad_in_forward")  # (the op of that strategy)
-    with no_autocast(student_x.device):
-        stats, grads = strategy.forward_with_grad(
-            student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, opts,
-            reduction, token_chunk=token_chunk, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-        loss = strategy.forward_loss(stats, target, v, opts, reduction)
-    grads = [g if g is not None else student_x.new_empty(0) for g in grads]
-    return (loss.to(dtype), stats.to(dtype), *grads)
-
-
-def _gif_forward_fake(student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target, opts,
-                      reduction, budget, token_chunk, need_dx, need_dw, need_db):
-    dtype = compute_dtype(student_x.dtype)
-    n, (v, h) = student_x.shape[0], student_weight.shape
-    one = token_chunk >= n or student_weight.dtype == torch.float32
-    return (student_x.new_empty((), dtype=dtype), student_x.new_empty(NUM_STATS, n, dtype=dtype),
-            torch.empty_like(student_x) if need_dx else student_x.new_empty(0),
-            (torch.empty_like(student_weight) if one else student_weight.new_empty(v, h, dtype=torch.float32))
-            if need_dw else student_x.new_empty(0),
-            student_weight.new_empty(v, dtype=torch.float32) if need_db and student_bias is not None
-            else student_x.new_empty(0))
-
-
-GIF_SPEC = OpSpec(
-    op=OP,
-    name="linear_jsd_gif_forward",
-    forward=(*_HEADS, _OPTS, scalar("reduction", str), scalar("budget", int), scalar("token_chunk", int), *_NEED),
-    outputs=("loss", "stats", "gx", "gw", "gb"),
-    forward_impl=_gif_forward,
-    forward_fake=_gif_forward_fake,
-    grads=("grad_loss", None, None, None, None),
-    grad_inputs=_GRAD_INPUTS,
-    forward_grads=("gx", "gw", "gb"),  # not saved tensors: the one backward scales them in place
-    skip_if_no_grads=True,
-)
-
-_gif_built = build(GIF_SPEC)
-linear_jsd_gif_forward_op = _gif_built.forward_op
-linear_jsd_gif_forward_eager = _gif_built.eager

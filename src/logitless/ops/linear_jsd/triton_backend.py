@@ -176,14 +176,10 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     g = g.float().contiguous()
     stats = stats.float().contiguous()
     target = target.contiguous()
-    dw = torch.empty_like(ws) if need_dw else None
-    db = torch.empty_like(bs) if need_db else None
     chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(0, v, plan.vocab_chunk)]
-    one_chunk = len(chunks) == 1
+    dw, db, dx_acc = launch.gradient_buffers(xs, ws, bs, len(chunks), need_dx=need_dx, need_dw=need_dw,
+                                             need_db=need_db, keep_acc=keep_acc)
     dx = None
-    dx_acc = None
-    if need_dx and (keep_acc or not one_chunk):
-        dx_acc = torch.zeros(n, h, dtype=torch.float32, device=xs.device)
     dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
     xs_op, ws_op, xt_op, wt_op, use_tma = _operands(xs, ws, xt, wt, tiles)
     sargs = scalar_args(opts)
@@ -216,6 +212,4 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
             dx_acc, need_dx)
         if dx_chunk is not None:
             dx = dx_chunk
-    if dx_acc is not None:
-        dx = dx_acc if keep_acc else dx_acc.to(xs.dtype)
-    return dx, dw, db
+    return launch.finished_dx(dx, dx_acc, keep_acc, xs.dtype), dw, db

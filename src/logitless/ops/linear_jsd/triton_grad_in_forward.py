@@ -33,7 +33,7 @@ from logitless.formulas.jsd import NUM_STATS
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_stats_plan, linear_jsd_strategy
 from logitless.triton_lib import launch
-from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (forward_loss: custom_op)
+from logitless.triton_lib.jsd_epilogue import upstream
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 from logitless.triton_lib.launch import cdiv
 

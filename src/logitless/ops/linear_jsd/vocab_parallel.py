@@ -36,6 +36,7 @@ from logitless.distributed import all_reduce_, merge_shards, vocab_shard
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import K_ROW, LSE1, LSE_S, LSE_T, NUM_STATS, S_ROW, ZTGT, token_loss
 from logitless.ops.common.validate import check_targets_in_range
+from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import JSDOptions, VocabParallelOptions
 from logitless.planning.overrides import current as _overrides
 
@@ -120,11 +121,5 @@ def backward(impl, g: Tensor, xs, ws, bs: Optional[Tensor], xt, wt, bt, target, 
         dx, dw, db = impl.backward(g, xs, ws_r, bs_r, xt, wt_r, bt_r, shard.local_target(target), stats, opts,
                                    budget, need_dx, need_dw, need_db, dx_acc=True)
     else:
-        dx = torch.zeros(xs.shape, dtype=compute_dtype(xs.dtype), device=xs.device) if need_dx else None
-        dw = ws_r.new_zeros(ws_r.shape) if need_dw else None
-        db = bs_r.new_zeros(bs_r.shape) if need_db else None
-    if need_dx:
-        if not tp.partial_dx:
-            all_reduce_(dx, shard.group)
-        dx = dx.to(xs.dtype)
-    return dx, shard.pad_rows(dw), shard.pad_rows(db)
+        dx, dw, db = no_class_grads(xs, ws_r, bs_r, need_dx, need_dw, need_db)
+    return rank_grads(shard, xs, dx, dw, db, tp.partial_dx)

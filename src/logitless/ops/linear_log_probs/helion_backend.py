@@ -29,19 +29,26 @@ from logitless.options import LogProbOptions
 
 from .torch_backend import grad_coefficients  # noqa: F401  (the formulas: the same for every device)
 
-#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
-PLAN_SIZE = 0
+def plan(*_, **__) -> None:
+    """No plan crosses to the backward: the kernels take their configs per launch
+    (``helion_lib.configs``) and keep nothing (a fallback backend plans for itself)."""
+    return None
 
 
-def kept_shapes(*_) -> None:
+def kept_shapes(plan, n: int) -> None:
     """This backend keeps nothing for the backward."""
     return None
 
 
+def _other_plan(impl, x, weight, bias, opts, budget):
+    """The fallback backend's plan of this call (nothing kept)."""
+    return impl.plan(x, weight, bias, opts, budget=budget, need_grad=False)
+
+
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, outputs: bool = False):
+            budget: int, plan=None, outputs: bool = False):
     """(LogProbStats, None) (fp32, nothing kept). ``outputs``: ((logp, entropy or None,
-    lse), None) instead. ``budget`` and ``need_grad`` only reach a fallback backend."""
+    lse), None) instead. ``budget`` only reaches a fallback backend."""
     def helion_path():
         stats = kernels.logp_forward(x, weight, bias, tokens, opts)
         if outputs:
@@ -50,7 +57,8 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         return stats, None
 
     def other_path(impl):
-        return impl.forward(x, weight, bias, tokens, opts, budget=budget, need_grad=False, outputs=outputs)
+        return impl.forward(x, weight, bias, tokens, opts, budget=budget, outputs=outputs,
+                            plan=_other_plan(impl, x, weight, bias, opts, budget))
 
     return run_or_fallback(__package__, x.device, helion_path, other_path)
 
@@ -66,7 +74,8 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         if need_dx and dx_acc and x.dtype != torch.float32:  # (module docstring)
             other = load_backend(__package__, fallback_name(x.device))
             dx = other.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=True, need_dw=False,
-                                need_db=False, budget=budget, dx_acc=True)[0]
+                                need_db=False, budget=budget, dx_acc=True,
+                                plan=_other_plan(other, x, weight, bias, opts, budget))[0]
             kernel_dx = False
         if not (kernel_dx or need_dw or need_db):
             return dx, None, None
@@ -78,6 +87,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
 
     def other_path(impl):
         return impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
-                             need_db=need_db, budget=budget, dx_acc=dx_acc)
+                             need_db=need_db, budget=budget, dx_acc=dx_acc,
+                             plan=_other_plan(impl, x, weight, bias, opts, budget))
 
     return run_or_fallback(__package__, x.device, helion_path, other_path)

@@ -34,7 +34,7 @@ def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbO
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, outputs: bool = False, tau: Optional[Tensor] = None):
+            budget: int, plan=None, outputs: bool = False, tau: Optional[Tensor] = None):
     """(LogProbStats, None): this backend keeps nothing for the backward. ``outputs``:
     ((logp, entropy or None, lse), None) instead (``formulas.log_probs.token_outputs``).
     ``tau`` (N,): a per-token threshold, columns with a < tau left out (truncated
@@ -76,11 +76,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     return stats, None
 
 
-#: Fields of the plan a forward hands its backward: none, this backend keeps nothing.
-PLAN_SIZE = 0
+def plan(*_, **__) -> None:
+    """No plan crosses to the backward: this backend sizes its tiles from the budget in
+    the forward and in the backward (``ops.common.torch_tiles``) and keeps nothing."""
+    return None
 
 
-def kept_shapes(*_) -> None:
+def kept_shapes(plan, n: int) -> None:
     """This backend keeps nothing for the backward."""
     return None
 

@@ -14,13 +14,16 @@ backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
          (``logp_dlogits_kernel``); each chunk of dz feeds dW = dz^T x, db = column sums
          and dx += dz W (``triton_lib.launch.chunk_gradients``, an fp32 dx accumulator
          when there are several chunks).
-Plans come from ``planning.plans.triton_plan`` (the same tiles, splits, kept columns and
-chunks as linear_cross_entropy). No (N, V) tensor unless the budget allows it; no
-atomics (bitwise repeatable); no host syncs.
+One plan per call (``plan``: a ``planning.plans.LinearPlan`` from ``plans.linear_plan``,
+the same tiles, splits, kept columns and chunks as linear_cross_entropy, and the CuTe
+choice), made by the forward custom op and followed by the forward and the backward.
+No (N, V) tensor unless the budget allows it; no atomics (bitwise repeatable); no host
+syncs.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -29,9 +32,9 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
-from logitless.planning.plans import TritonPlan, triton_plan
+from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue
-from logitless.triton_lib.launch import PLAN_SIZE, cdiv, plan_from_tensor  # noqa: F401  (the custom op's)
+from logitless.triton_lib.launch import cdiv
 from logitless.triton_lib import log_probs_kernels as K
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
@@ -51,19 +54,31 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
     return True
 
 
-def _plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, keep: bool,
-          backward: bool = False) -> TritonPlan:
-    return triton_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep,
-                       prerounded=launch.tf32_prerounded(dtype), backward=backward)
+def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+         need_grad: bool, cute: bool = True) -> LinearPlan:
+    """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
+    op and used by everything after it. ``cute=False``: no CuTe choice (the fake
+    implementation: it needs the tensors' memory)."""
+    n, h = x.shape
+    v = weight.shape[0]
+    keep_ok = keep_allowed(x.dtype, opts, need_grad)
+    p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep_ok,
+                    prerounded=launch.tf32_prerounded(x.dtype))
+    if not cute:
+        return p
+    # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
+    c = cute_planning.forward_plan(x, weight, keep_cols=p.forward.keep_cols if keep_ok else 0,
+                                   keep_block=p.forward.block_v, bias=bias, softcap=opts.softcap,
+                                   entropy=opts.entropy)
+    return p if c is None else replace(p, cute=c)
 
 
-def kept_shapes(n: int, v: int, h: int, dtype: torch.dtype, budget: int, device, opts: LogProbOptions,
-                need_grad: bool):
-    """Shapes of the buffers ``forward`` keeps (the custom op's fake uses them), or None."""
-    if n == 0 or not keep_allowed(dtype, opts, need_grad):
+def kept_shapes(plan: Optional[LinearPlan], n: int):
+    """Shapes of the buffers ``forward`` keeps under ``plan`` (the custom op's fake uses
+    them), or None."""
+    if plan is None or not plan.keeps:
         return None
-    plan = _plan(n, v, h, dtype, budget, device, True)
-    return launch.kept_shapes_of(plan, n) if plan.keep_cols else None
+    return launch.kept_shapes_of(plan.forward, n)
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -78,23 +93,17 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, need_grad: bool = False, plan: Optional[TritonPlan] = None, outputs: bool = False,
-            tau: Optional[Tensor] = None):
-    """(LogProbStats, kept): kept is None or (buffer, tile maxima, plan tensor), which
-    ``backward`` turns into dz in place (one backward only). ``outputs`` (N > 0): ((logp,
-    entropy or None, lse), kept) instead, the merge and ``token_outputs`` in one launch
-    (``log_probs_epilogue.forward_outputs``). ``tau`` (N,) fp32: a per-token threshold,
-    columns a < tau left out (truncated sampling; kept e = 0 there; nothing kept with a
-    soft-cap)."""
+            plan: LinearPlan, budget: Optional[int] = None, outputs: bool = False, tau: Optional[Tensor] = None):
+    """(LogProbStats, kept) under the call's ``plan`` (``budget``: planned already): kept is
+    None or (buffer, tile maxima), which ``backward`` turns into dz in place (one backward
+    only). ``outputs`` (N > 0): ((logp, entropy or None, lse), kept) instead, the merge
+    and ``token_outputs`` in one launch (``log_probs_epilogue.forward_outputs``). ``tau``
+    (N,) fp32: a per-token threshold, columns a < tau left out (truncated sampling; kept
+    e = 0 there); its caller (``ops.linear_log_probs.truncation``) plans without CuTe and,
+    with a soft-cap, without kept columns (the soft-cap's factor from log e would be NaN)."""
     n, h = x.shape
     v = weight.shape[0]
-    # (with tau: kept e = 0 outside the set; a soft-cap's factor from log e would be NaN there)
-    keep_ok = keep_allowed(x.dtype, opts, need_grad) and (tau is None or opts.softcap is None)
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, keep_ok)
-    # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    cute = cute_planning.forward_plan(x, weight, keep_cols=plan.keep_cols if keep_ok else 0,
-                                      keep_block=plan.block_v, bias=bias, softcap=opts.softcap,
-                                      entropy=opts.entropy) if tau is None else None
+    keep_ok, cute, plan = plan.keeps, (plan.cute if tau is None else None), plan.forward
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
@@ -137,7 +146,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **extra, **thr,
         )
-    kept = (keep_buf, keep_max, launch.plan_to_tensor(plan)) if keep is not None else None
+    kept = (keep_buf, keep_max) if keep is not None else None
     if outputs:
         return log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
                                                   tokens, opts, v), kept
@@ -161,47 +170,30 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept: Optional[tuple[Tensor, Tensor]] = None, plan: Optional[TritonPlan] = None,
-             dx_acc: bool = False, tau: Optional[Tensor] = None):
-    """dx, dW, db. ``kept`` (buffer, tile maxima) with the forward's ``plan``: its
-    buffer is overwritten with dz. ``dx_acc``: dx as the fp32 accumulator (also for one
-    chunk), not cast to x's dtype (a partial sum the caller reduces first: vocab
-    parallelism). ``tau``: the forward's per-token threshold (dz = 0 where a < tau in
-    the recomputed columns; the kept ones hold e = 0 there)."""
+             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, plan: LinearPlan,
+             budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None, dx_acc: bool = False,
+             tau: Optional[Tensor] = None):
+    """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``
+    (buffer, tile maxima) laid out by the plan: the buffer is overwritten with dz.
+    ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's dtype
+    (a partial sum the caller reduces first: vocab parallelism). ``tau``: the forward's
+    per-token threshold (dz = 0 where a < tau in the recomputed columns; the kept ones
+    hold e = 0 there)."""
     thr = _threshold_args(tau)
     n, h = x.shape
     v = weight.shape[0]
-    plan = plan or _plan(n, v, h, x.dtype, budget, x.device, False, backward=True)
+    plan = plan.forward if kept is not None else plan.backward
     coef = coef.contiguous()
     lse = lse.contiguous()
     prerounded = _prerounded(plan, x.dtype)
     flags = _flags(bias, opts, x.dtype, prerounded)
-    # fp32 at "high": x rounded once (at the first recomputed chunk), each chunk's W rows.
-    rounded = launch.prerounded_dlogits_operands(x, weight, plan, plan.keep_cols if kept is not None else 0)
-
-    def kept_dlogits(dz, tile_max, grid):
-        launch.run_kernel(
-            K.logp_kept_dlogits_kernel, grid,
-            dz, tile_max, tokens, lse, coef, n, dz.shape[1], dz.stride(0),
-            float(opts.softcap or 1.0), float(opts.temperature),
-            HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-        )
-
-    def dlogits(dz, v0, v1, *, x_op, w_op, use_tma, dz_op, dz_tma, grid, group_n, flatten):
-        xs, ws = x, weight
-        if prerounded:
-            x_op, w_op, use_tma, xs, ws = rounded(v0, v1)
-        launch.launch_kernel(
-            K.logp_dlogits_kernel, grid,
-            x_op, w_op, bias if bias is not None else x, tokens, lse, coef, dz_op,
-            n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),
-            v0, v1, float(opts.softcap or 1.0), 1.0 / opts.temperature, group_n,
-            **flags, USE_TMA=use_tma, DZ_TMA=dz_tma, FLATTEN=flatten, W_CHUNK=prerounded,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **thr,
-        )
-
-    return launch.chunked_backward(x, weight, bias, plan, kept, kept_dlogits, dlogits, need_dx=need_dx,
-                                   need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+    kernels = launch.DlogitsKernels(
+        kept_kernel=K.logp_kept_dlogits_kernel, kept_head=(tokens, lse, coef, n),
+        kept_tail=(float(opts.softcap or 1.0), float(opts.temperature)),
+        kept_flags=dict(HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy),
+        kernel=K.logp_dlogits_kernel, inputs=(bias if bias is not None else x, tokens, lse, coef),
+        scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=dict(flags, **thr),
+        prerounded=prerounded,
+    )
+    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+                                   need_db=need_db, dx_acc=dx_acc)

@@ -78,7 +78,7 @@ def _triton_tiles(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogPr
     from . import triton_backend
 
     n, h = x.shape
-    plan = triton_backend._plan(n, weight.shape[0], h, x.dtype, budget, x.device, False)
+    plan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False).forward
 
     def tile_of(x_c, v0, v1):
         return scaled_logits(x_c, weight, bias, opts.softcap, opts.temperature, v0, v1, plan)
@@ -143,7 +143,8 @@ class _TruncatedLogProbs(torch.autograd.Function):
             # not blocked: the backend may keep columns for the backward (as the default op);
             # blocked (batch_invariant), never: a plan that keeps may tile differently, and the
             # plan must not follow the number of blocks
-            keep = not block and any(ctx.needs_input_grad[:3]) and backend.PLAN_SIZE > 0
+            # (a soft-cap with a threshold keeps nothing: ``triton_backend.forward``'s tau)
+            keep = not block and any(ctx.needs_input_grad[:3]) and (trunc is None or opts.softcap is None)
             kept = None
             logp = x.new_empty(n, dtype=sd)
             ent = x.new_empty(n, dtype=sd) if opts.entropy else None
@@ -158,8 +159,10 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     taus[n0:n1] = tau[:n1 - n0]
                 if xb.shape[0] == 0:
                     continue
-                (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, budget=budget, need_grad=keep,
+                plan = backend.plan(xb, weight, bias, opts, budget=budget, need_grad=keep, cute=False)
+                (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, plan=plan, budget=budget,
                                                      outputs=True, tau=tau)
+                kept = (kept, plan) if kept is not None else None
                 logp[n0:n1] = lp[:n1 - n0].to(sd)
                 lse[n0:n1] = ls[:n1 - n0].to(sd)
                 if ent is not None:
@@ -194,11 +197,12 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 ls = _pad_vec(lse, n0, n1, pad)
                 tau = _pad_vec(taus, n0, n1, pad, -math.inf) if taus is not None else None
                 coef = backend.grad_coefficients(en, tb, gl, gh, v, opts, ls)
-                extra = {}
-                if ctx.kept is not None:
-                    keep_buf, keep_max, plan = ctx.kept
-                    extra = dict(kept=(keep_buf, keep_max), plan=backend.plan_from_tensor(plan))
+                if ctx.kept is not None:  # the forward's buffers and its plan (one block)
+                    extra = dict(kept=ctx.kept[0], plan=ctx.kept[1])
                     ctx.kept = None
+                else:
+                    extra = dict(plan=backend.plan(xb, weight, bias, opts, budget=budget, need_grad=False,
+                                                   cute=False))
                 bx, bw, bb = backend.backward(xb, weight, bias, tb, opts, ls, coef, need_dx=need_dx,
                                               need_dw=need_dw, need_db=need_db and has_bias, budget=budget,
                                               tau=tau, **extra)

@@ -29,23 +29,25 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.distributed import all_reduce_, merge_online, vocab_shard
+from logitless.distributed import merge_online, vocab_shard
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import LogProbStats, finish, grad_coefficients, partials_of, token_outputs
 from logitless.ops.common.validate import check_targets_in_range
+from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import LogProbOptions, VocabParallelOptions
 
 
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
             tp: VocabParallelOptions, *, budget: int, need_grad: bool):
-    """(logp, entropy or None, lse, kept or None): the custom op's forward under TP."""
+    """(logp, entropy or None, lse, kept or None, plan or None): the custom op's forward
+    under TP (``plan``: the backend's plan of this rank's rows)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     v = shard.vocab_size
     check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
     n = x.shape[0]
     sd = compute_dtype(x.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
-    kept = None
+    kept = plan = None
     if n == 0:  # the same on every rank: no collective
         empty = x.new_empty(0, dtype=sd)
         stats = LogProbStats(empty, empty, empty if opts.entropy else None)
@@ -56,35 +58,30 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             u = s if opts.entropy else None
             a_t = s
         else:
-            local, kept = impl.forward(x, w, b, shard.local_target(tokens), opts, budget=budget,
-                                       need_grad=need_grad)
+            plan = impl.plan(x, w, b, opts, budget=budget, need_grad=need_grad)
+            local, kept = impl.forward(x, w, b, shard.local_target(tokens), opts, budget=budget, plan=plan)
             m, s, u = partials_of(local.lse.to(sd), local.entropy.to(sd) if opts.entropy else None)
             a_t = local.target.to(sd)  # a NaN lse makes e^(m - M) s NaN: the SUM spreads it
         big, s, u, (a_t,) = merge_online(shard.group, m, s, u, [a_t])
         lse, ent = finish(big, s, u)
         stats = LogProbStats(lse=lse, target=a_t, entropy=ent)
     logp, ent = token_outputs(stats, tokens, v, opts)
-    return logp, ent, stats.lse, kept
+    return logp, ent, stats.lse, kept, plan
 
 
 def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Tensor, opts: LogProbOptions,
-             tp: VocabParallelOptions, *, budget: int, need_dx: bool, need_dw: bool, need_db: bool, extra: dict):
-    """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP."""
+             tp: VocabParallelOptions, *, budget: int, need_dx: bool, need_dw: bool, need_db: bool, plan, kept):
+    """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP
+    (``plan``, ``kept``: the forward's, or None)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)  # cached: no collective
     coef = grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp,
                              grad_entropy if opts.entropy else None, shard.vocab_size, opts, lse)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
     if w.shape[0] == 0:
-        cd = compute_dtype(x.dtype)
-        dx = torch.zeros(x.shape, dtype=cd, device=x.device) if need_dx else None
-        dw = w.new_zeros(w.shape) if need_dw else None
-        db = b.new_zeros(b.shape) if need_db else None
+        dx, dw, db = no_class_grads(x, w, b, need_dx, need_dw, need_db)
     else:
         dx, dw, db = impl.backward(x, w, b, shard.local_target(tokens), opts, lse, coef, need_dx=need_dx,
-                                   need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=True, **extra)
-    if need_dx:
-        if not tp.partial_dx:
-            all_reduce_(dx, shard.group)
-        dx = dx.to(x.dtype)
-    return dx, shard.pad_rows(dw), shard.pad_rows(db)
+                                   need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept,
+                                   dx_acc=True)
+    return rank_grads(shard, x, dx, dw, db, tp.partial_dx)
