@@ -29,7 +29,7 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, reduce, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.dispatch import backend_module, load_backend, load_strategy, resolve_backend
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, backend_module, load_backend, load_strategy, resolve_backend
 from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
@@ -65,7 +65,7 @@ def _forward(student_x: Tensor, student_weight: Tensor, student_bias, teacher_x:
         stats = student_x.new_zeros(NUM_STATS, 0, dtype=dtype)
         loss = reduce(token_loss(stats, target, v, opts), target, reduction, opts.ignore_index)
         return (loss, stats, *[student_x.new_empty(0) for _ in range(3)])
-    name = resolve_backend(backend, student_x.device, student_x.dtype)
+    name = resolve_backend(backend, student_x.device, student_x.dtype, LINEAR_BACKENDS)
     impl = load_backend(__package__, name)
     grads = (None, None, None)
     with no_autocast(student_x.device):
@@ -103,7 +103,7 @@ def _forward_fake(student_x, student_weight, student_bias, teacher_x, teacher_we
     loss = student_x.new_empty((n,) if reduction == "none" else (), dtype=dtype)
     grads = [student_x.new_empty(0) for _ in range(3)]
     if grad_in_forward and not tp.tp_group and n > 0:  # (eager only: the public function allows it then)
-        name = resolve_backend(backend, student_x.device, student_x.dtype)
+        name = resolve_backend(backend, student_x.device, student_x.dtype, LINEAR_BACKENDS)
         chunk = _grad_in_forward_chunk(name, student_x, student_weight, teacher_x, opts, reduction, budget, True)
         if chunk:
             one = chunk >= n or student_weight.dtype == torch.float32
