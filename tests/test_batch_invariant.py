@@ -124,6 +124,7 @@ def test_log_probs():
     t = t.cpu()
 
     def fn(idx):
+        idx = idx.cpu()  # (the logits are on the CPU: the torch path's blocks there)
         return logitless.log_probs(logits[idx], t[idx], entropy=True, temperature=0.9, backend="torch",
                                    batch_invariant=True, top_p=0.9)
 
