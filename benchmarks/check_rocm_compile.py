@@ -54,6 +54,7 @@ def _cases(full: bool):
         ("lce-gif", "lce", dict(strategy=("grad_in_forward", 16), bias=True, softcap=30.0)),
         ("llp-entropy", "llp", dict(entropy=True, temperature=0.7, softcap=20.0, bias=True)),
         ("llp-recompute", "llp", dict(budget="none", entropy=True)),
+        ("llp-topk", "llp", dict(top_k=5, top_p=0.9, entropy=True)),
         ("ljsd-0.5", "ljsd", dict(beta=0.5, hard_label_weight=0.3)),
         ("ljsd-kl", "ljsd", dict(beta=0.0, softcap=25.0, bias=True)),
         ("ljsd-split", "ljsd", dict(beta=0.5, v=5003)),
