@@ -27,18 +27,9 @@ from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.helion_choice import fallback_name, run_or_fallback
 from logitless.options import LogProbOptions
 
-from .torch_backend import grad_coefficients  # noqa: F401  (the formulas: the same for every device)
-
-def plan(*_, **__) -> None:
-    """No plan crosses to the backward: the kernels take their configs per launch
-    (``helion_lib.configs``) and keep nothing (a fallback backend plans for itself)."""
-    return None
-
-
-def kept_shapes(plan, n: int) -> None:
-    """This backend keeps nothing for the backward."""
-    return None
-
+# The formulas, and no plan or kept buffers crossing to the backward: as the torch backend (the
+# kernels take their configs per launch, ``helion_lib.configs``; a fallback backend plans for itself).
+from .torch_backend import grad_coefficients, kept_shapes, plan  # noqa: F401
 
 def _other_plan(impl, x, weight, bias, opts, budget):
     """The fallback backend's plan of this call (nothing kept)."""
