@@ -57,6 +57,26 @@ def _output_class():
         return types.SimpleNamespace
 
 
+def _unfused(previous, args, kwargs, labels, shift_labels, num_items_in_batch):
+    """A head's forward without ``fused_lm_head``: the model's own, with the label
+    arguments that were given."""
+    for k, v in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):
+        if v is not None:
+            kwargs[k] = v
+    return previous(*args, **kwargs)
+
+
+def _shifted_hidden(model, args, kwargs, labels, shift_labels):
+    """(hidden, labels) of a fused head: the backbone's last hidden states (no cache; not a
+    bypass of ``patch(model)``) and the labels they predict (shifted by one unless
+    ``shift_labels`` is given)."""
+    kwargs["use_cache"] = False
+    hidden = _run_backbone(model, _hf.backbone(model), *args, **kwargs).last_hidden_state
+    if shift_labels is None:
+        return hidden[:, :-1], labels[:, 1:]
+    return hidden, shift_labels
+
+
 def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True, is_top1: bool = False,
                           cast_lm_head_to_fp32: bool = False) -> None:
     """Make ``model(..., labels=labels, fused_lm_head=True)`` return per-token log-probs
@@ -82,18 +102,8 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
     def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None,
                 num_items_in_batch: Optional[Any] = None, **kwargs):
         if not fused_lm_head:
-            passed = (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch))
-            for k, v in passed:
-                if v is not None:
-                    kwargs[k] = v
-            return previous(*args, **kwargs)
-        kwargs["use_cache"] = False
-        out = _run_backbone(self, _hf.backbone(self), *args, **kwargs)  # (not a bypass of patch(model))
-        hidden = out.last_hidden_state
-        if shift_labels is None:
-            hidden, labels = hidden[:, :-1], labels[:, 1:]
-        else:
-            labels = shift_labels
+            return _unfused(previous, args, kwargs, labels, shift_labels, num_items_in_batch)
+        hidden, labels = _shifted_hidden(self, args, kwargs, labels, shift_labels)
         head = _hf.lm_head(self)
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
         hw, hb = _head_in_compute_dtype(hidden, head.weight, head.bias, cast_lm_head_to_fp32)
@@ -545,18 +555,8 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None,
                 num_items_in_batch: Optional[Any] = None, **kwargs):
         if not fused_lm_head:
-            for k, v in (("labels", labels), ("shift_labels", shift_labels),
-                         ("num_items_in_batch", num_items_in_batch)):
-                if v is not None:
-                    kwargs[k] = v
-            return previous(*args, **kwargs)
-        kwargs["use_cache"] = False
-        out = _run_backbone(self, _hf.backbone(self), *args, **kwargs)  # (not a bypass of patch(model))
-        hidden = out.last_hidden_state
-        if shift_labels is None:
-            hidden, labels = hidden[:, :-1], labels[:, 1:]
-        else:
-            labels = shift_labels
+            return _unfused(previous, args, kwargs, labels, shift_labels, num_items_in_batch)
+        hidden, labels = _shifted_hidden(self, args, kwargs, labels, shift_labels)
         head = _hf.lm_head(self)
         weight, bias = head.weight, head.bias
         if hasattr(weight, "full_tensor"):  # FSDP2: a sharded DTensor head, gathered as TRL does
