@@ -32,7 +32,8 @@ passes (eager torch, and their bytes at the measured copy bandwidth: the floor o
 pass), logitless' bf16 op forward+backward, and the predicted FP8 f+b / bf16 op.
 
     python benchmarks/probe_fp8.py --out $OUT          # H100: (a) + (b), ~1.5 min
-    python benchmarks/probe_fp8.py --cpu --out /tmp/fp8  # accuracy only, small shapes
+    python benchmarks/probe_fp8.py --out $OUT --only ceiling   # (b) alone
+    python benchmarks/probe_fp8.py --cpu --out /tmp/fp8  # accuracy only, small shapes (~6 min, 2 cores)
 
 Writes ``fp8-probe.json`` to --out.
 """
@@ -288,17 +289,25 @@ def gemm_ceiling(n, h, v, dev, reps):
         row["bf16_ms"] = _cuda_time(lambda: torch.mm(a, b), reps)
         for label, recipe, fast in (("fp8_row_ms", "row", False), ("fp8_row_fast_ms", "row", True),
                                     ("fp8_block_ms", "block", False)):
-            ops = None
-            try:
-                ops = _scaled_operands(a, b, recipe, b_block)
-                fn = lambda: torch._scaled_mm(ops[0], ops[2], ops[1], ops[3],  # noqa: E731
-                                              out_dtype=torch.bfloat16, use_fast_accum=fast)
-                fn()
-                row[label] = _cuda_time(fn, reps)
-            except Exception as exc:  # a recipe this torch/cuBLAS does not take: say which
-                row[label] = None
-                row[label.replace("_ms", "_error")] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            del ops
+            # blockwise dW wants X in 1 x 128 tiles along the tokens; where this torch/cuBLAS
+            # refuses that pair, 128 x 128 blocks on X time the same GEMM (noted)
+            tries = [b_block] + ([(128, 128)] if recipe == "block" and b_block != (128, 128) else [])
+            row[label] = None
+            for bb in tries:
+                ops = None
+                try:
+                    ops = _scaled_operands(a, b, recipe, bb)
+                    fn = lambda: torch._scaled_mm(ops[0], ops[2], ops[1], ops[3],  # noqa: E731
+                                                  out_dtype=torch.bfloat16, use_fast_accum=fast)
+                    fn()
+                    row[label] = _cuda_time(fn, reps)
+                    if recipe == "block":
+                        row["fp8_block_b_block"] = list(bb)
+                    break
+                except Exception as exc:  # a recipe this torch/cuBLAS does not take: say which
+                    row[label.replace("_ms", "_error")] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                finally:
+                    del ops
         for recipe in ("row", "block"):
             ms = row.get(f"fp8_{recipe}_ms")
             row[f"fp8_{recipe}_speedup"] = row["bf16_ms"] / ms if ms else None
@@ -403,6 +412,7 @@ def main(argv=None):
     ap.add_argument("--cpu", action="store_true", help="accuracy only, small shapes (no GPU needed)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--only", choices=["accuracy", "ceiling"], help="one of the two parts (GPU)")
     ap.add_argument("--cpu-shapes", default="512,1024,8191;256,4096,2053", help="N,H,V;... for the CPU accuracy")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.cpu
@@ -415,6 +425,8 @@ def main(argv=None):
     if gpu:
         cases = [((1024, 4096, 32003), range(args.seeds), None),
                  (ANCHORS["8192x4096x128256"], range(1), ANCHOR_METHODS)]
+    if args.only == "ceiling":
+        cases = []
     for shape, seeds, methods in cases:
         for kind in ("random", "peaked", "aligned"):
             out["accuracy"].append(accuracy_case(kind, *shape, seeds, dev, methods))
@@ -423,7 +435,7 @@ def main(argv=None):
             write_json(path, out)
             if gpu:
                 torch.cuda.empty_cache()
-    if gpu:
+    if gpu and args.only != "accuracy":
         out["emulation_check"] = emulation_check(dev)
         for name, (n, h, v) in ANCHORS.items():
             row = ceiling_row(name, n, h, v, dev, args.reps)
