@@ -317,8 +317,13 @@ def gemm_ceiling(n, h, v, dev, reps):
     return rows
 
 
-def emulation_check(dev, n=1024, h=4096, v=8192):
+#: The shape at which torch._scaled_mm is compared with the emulation.
+EMULATION_SHAPE = (1024, 4096, 8192)
+
+
+def emulation_check(dev):
     """torch._scaled_mm (block, row) against the emulation (fp32 GEMM of dequantised operands)."""
+    n, h, v = EMULATION_SHAPE
     x = torch.randn(n, h, device=dev).bfloat16()
     w = (torch.randn(v, h, device=dev) / math.sqrt(h)).bfloat16()
     emu = {"row": fake_quant(x, (1, -1)) @ fake_quant(w, (1, -1)).T,
@@ -338,9 +343,9 @@ def emulation_check(dev, n=1024, h=4096, v=8192):
     return out
 
 
-def quant_passes(n, h, v, dev, reps, chunk=4096, copy_elems=1 << 29):
+def quant_passes(n, h, v, dev, reps, chunk=4096):
     """Eager torch times of the quantisation passes, with their bytes at copy bandwidth."""
-    buf = torch.empty(copy_elems, device=dev, dtype=torch.bfloat16)
+    buf = torch.empty(min(1 << 29, v * h), device=dev, dtype=torch.bfloat16)
     copy_ms = _cuda_time(lambda: buf.clone(), reps)
     bw = 2 * buf.numel() * 2 / (copy_ms * 1e-3)   # bytes/s, read + write
     del buf
@@ -404,6 +409,8 @@ def ceiling_row(name, n, h, v, dev, reps, **quant_kw):
 
 #: The methods of the accuracy rows at the anchor (the GPU run's time).
 ANCHOR_METHODS = ["torch-bf16", "logitless-bf16", "fp8-block-e4m3", "fp8-row-e4m3", "fp8-backward-only"]
+#: The GPU's accuracy cases: (shape, every seed or one, methods (None: all)).
+GPU_ACCURACY = [((1024, 4096, 32003), True, None), ((8192, 4096, 128256), False, ANCHOR_METHODS)]
 
 
 def main(argv=None):
@@ -417,16 +424,24 @@ def main(argv=None):
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.cpu
     dev = "cuda" if gpu else "cpu"
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False        # the emulation's fp32 GEMMs stay fp32
+    try:
+        _run(args, gpu, dev)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _run(args, gpu, dev):
     out = dict(meta=probe_meta(), accuracy=[], ceiling=[])
     path = os.path.join(args.out, "fp8-probe.json")
     t0 = time.time()
-    cases = [(tuple(int(s) for s in sh.split(",")), range(args.seeds), None) for sh in args.cpu_shapes.split(";")]
-    if gpu:
-        cases = [((1024, 4096, 32003), range(args.seeds), None),
-                 (ANCHORS["8192x4096x128256"], range(1), ANCHOR_METHODS)]
     if args.only == "ceiling":
         cases = []
+    elif gpu:
+        cases = [(shape, range(args.seeds if all_seeds else 1), methods) for shape, all_seeds, methods in GPU_ACCURACY]
+    else:
+        cases = [(tuple(int(s) for s in sh.split(",")), range(args.seeds), None) for sh in args.cpu_shapes.split(";")]
     for shape, seeds, methods in cases:
         for kind in ("random", "peaked", "aligned"):
             out["accuracy"].append(accuracy_case(kind, *shape, seeds, dev, methods))
@@ -440,7 +455,7 @@ def main(argv=None):
         for name, (n, h, v) in ANCHORS.items():
             row = ceiling_row(name, n, h, v, dev, args.reps)
             out["ceiling"].append(row)
-            print(name, dict(op_fb_ms=round(op_fb, 2), **{f"{r}/{k}": round(p["vs_bf16_op"], 3)
+            print(name, dict(op_fb_ms=round(row["bf16_op_fb_ms"], 2), **{f"{r}/{k}": round(p["vs_bf16_op"], 3)
                   for r, d in row["predicted"].items() for k, p in d.items()}), f"{time.time() - t0:.0f}s", flush=True)
             write_json(path, out)
             torch.cuda.empty_cache()

@@ -158,7 +158,7 @@ def test_ceiling_row_on_cpu(probe, monkeypatch):
         fn()
         return (time.perf_counter() - t0) * 1e3
     monkeypatch.setattr(probe, "_cuda_time", wall)
-    row = probe.ceiling_row("tiny", 256, 256, 384, "cpu", 1, chunk=128, copy_elems=1 << 16)
+    row = probe.ceiling_row("tiny", 256, 256, 384, "cpu", 1, chunk=128)
     assert [g["gemm"] for g in row["gemms"]] == ["logits", "dx", "dw"]
     assert [(g["m"], g["k"], g["n"]) for g in row["gemms"]] == [(256, 256, 384), (256, 384, 256), (384, 256, 256)]
     if row["gemms"][0]["fp8_row_ms"] is None:
@@ -171,3 +171,30 @@ def test_ceiling_row_on_cpu(probe, monkeypatch):
     assert set(row["predicted"]) == expect
     assert set(row["predicted"]["row"]) == {"three_gemms", "four_gemms", "backward_only"}
     assert row["bf16_op_fb_ms"] > 0 and len(row["quant"]["passes"]) == 3
+
+
+def test_gpu_branch_on_cpu(probe, monkeypatch, tmp_path):
+    """main's GPU run through the CPU: tiny shapes, a wall-clock timer."""
+    import argparse
+    import time
+
+    def wall(fn, reps, warmup=0):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    monkeypatch.setattr(probe, "_cuda_time", wall)
+    monkeypatch.setattr(probe, "ANCHORS", {"a": (128, 256, 384), "b": (256, 128, 256)})
+    monkeypatch.setattr(probe, "EMULATION_SHAPE", (64, 256, 128))
+    small = [((32, 256, 131), True, None), ((64, 128, 257), False, ["torch-bf16", "fp8-row-e4m3"])]
+    monkeypatch.setattr(probe, "GPU_ACCURACY", small)
+    monkeypatch.setattr(probe.torch.cuda, "empty_cache", lambda: None)
+    args = argparse.Namespace(out=str(tmp_path), seeds=2, reps=1, only=None, cpu_shapes="")
+    probe._run(args, True, "cpu")
+    out = json.loads((tmp_path / "fp8-probe.json").read_text())
+    cases = [(c["shape"], c["seeds"]) for c in out["accuracy"]]
+    assert cases == [([32, 256, 131], [0, 1])] * 3 + [([64, 128, 257], [0])] * 3
+    assert set(out["accuracy"][-1]["errors"]) == {"torch-bf16", "fp8-row-e4m3"}
+    assert [r["shape"] for r in out["ceiling"]] == ["a", "b"]
+    assert set(out["emulation_check"]) == {"row", "block"}
+    if "error" not in out["emulation_check"]["row"]:   # CPU rowwise _scaled_mm = the emulation
+        assert out["emulation_check"]["row"]["max_abs_diff"] < 1e-4 * out["emulation_check"]["row"]["ref_max"]
