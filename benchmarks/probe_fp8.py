@@ -281,33 +281,48 @@ def _scaled_operands(a, b, recipe, b_block=(128, 128)):
     return qa, sa, qbt.T, sbt.T.contiguous()    # 1 x 128: scale_b (K/128, N) row-major
 
 
+def _time_scaled_mm(a, b, recipe, fast, b_block, reps):
+    """(ms or None, what was timed, errors) of torch._scaled_mm on a @ b quantised per recipe.
+    Where this torch/cuBLAS refuses a blockwise layout, the same GEMM is timed with K
+    zero-padded to a multiple of 512 (16-byte aligned scale rows: K = V = 128256 gives 1002
+    scales a row), then, for dW, with 128 x 128 blocks on X."""
+    tries = [(b_block, 0)]
+    if recipe == "block":
+        kp = -a.shape[1] % 512
+        tries += [(b_block, kp)] * (kp > 0)
+        if b_block != (128, 128):
+            tries += [((128, 128), 0)] + [((128, 128), kp)] * (kp > 0)
+    errors = []
+    for bb, kp in tries:
+        ops = None
+        try:
+            ops = _scaled_operands(F.pad(a, (0, kp)) if kp else a, F.pad(b.T, (0, kp)).T if kp else b, recipe, bb)
+            fn = lambda: torch._scaled_mm(ops[0], ops[2], ops[1], ops[3],  # noqa: E731
+                                          out_dtype=torch.bfloat16, use_fast_accum=fast)
+            fn()
+            return _cuda_time(fn, reps), dict(b_block=list(bb), k_padded_by=kp), errors
+        except Exception as exc:  # a layout this torch/cuBLAS does not take: say which
+            errors.append(f"b_block={list(bb)} k_padded_by={kp}: {type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            del ops
+    return None, None, errors
+
+
 def gemm_ceiling(n, h, v, dev, reps):
-    """bf16 matmul and torch._scaled_mm (row, row + fast accumulation, block) per GEMM, in ms."""
+    """bf16 matmul and torch._scaled_mm (row, row + fast accumulation, block) per GEMM, in ms;
+    ``*_errors``: the layouts refused on the way (``fp8_block_timed``: what was timed)."""
     rows = []
     for name, a, b, b_block in _sm90_operands(n, h, v, dev):
         row = dict(gemm=name, m=a.shape[0], k=a.shape[1], n=b.shape[1])
         row["bf16_ms"] = _cuda_time(lambda: torch.mm(a, b), reps)
-        for label, recipe, fast in (("fp8_row_ms", "row", False), ("fp8_row_fast_ms", "row", True),
-                                    ("fp8_block_ms", "block", False)):
-            # blockwise dW wants X in 1 x 128 tiles along the tokens; where this torch/cuBLAS
-            # refuses that pair, 128 x 128 blocks on X time the same GEMM (noted)
-            tries = [b_block] + ([(128, 128)] if recipe == "block" and b_block != (128, 128) else [])
-            row[label] = None
-            for bb in tries:
-                ops = None
-                try:
-                    ops = _scaled_operands(a, b, recipe, bb)
-                    fn = lambda: torch._scaled_mm(ops[0], ops[2], ops[1], ops[3],  # noqa: E731
-                                                  out_dtype=torch.bfloat16, use_fast_accum=fast)
-                    fn()
-                    row[label] = _cuda_time(fn, reps)
-                    if recipe == "block":
-                        row["fp8_block_b_block"] = list(bb)
-                    break
-                except Exception as exc:  # a recipe this torch/cuBLAS does not take: say which
-                    row[label.replace("_ms", "_error")] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                finally:
-                    del ops
+        for label, recipe, fast in (("fp8_row", "row", False), ("fp8_row_fast", "row", True),
+                                    ("fp8_block", "block", False)):
+            ms, timed, errors = _time_scaled_mm(a, b, recipe, fast, b_block, reps)
+            row[f"{label}_ms"] = ms
+            if recipe == "block":
+                row["fp8_block_timed"] = timed
+            if errors:
+                row[f"{label}_errors"] = errors
         for recipe in ("row", "block"):
             ms = row.get(f"fp8_{recipe}_ms")
             row[f"fp8_{recipe}_speedup"] = row["bf16_ms"] / ms if ms else None

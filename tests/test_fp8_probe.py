@@ -158,15 +158,19 @@ def test_ceiling_row_on_cpu(probe, monkeypatch):
         fn()
         return (time.perf_counter() - t0) * 1e3
     monkeypatch.setattr(probe, "_cuda_time", wall)
-    row = probe.ceiling_row("tiny", 256, 256, 384, "cpu", 1, chunk=128)
+    row = probe.ceiling_row("tiny", 256, 200, 384, "cpu", 1, chunk=128)
     assert [g["gemm"] for g in row["gemms"]] == ["logits", "dx", "dw"]
-    assert [(g["m"], g["k"], g["n"]) for g in row["gemms"]] == [(256, 256, 384), (256, 384, 256), (384, 256, 256)]
+    assert [(g["m"], g["k"], g["n"]) for g in row["gemms"]] == [(256, 200, 384), (256, 384, 200), (384, 256, 200)]
     if row["gemms"][0]["fp8_row_ms"] is None:
         pytest.skip(f"this torch's CPU _scaled_mm takes no rowwise scales: {row['gemms'][0]['fp8_row_error']}"[:200])
     for g in row["gemms"]:
         assert g["bf16_ms"] > 0 and g["fp8_row_ms"] > 0 and g["fp8_row_speedup"] > 0
-        # a recipe the device does not take (blockwise on a CPU): no time, its error recorded
-        assert (g["fp8_block_ms"] is None) == ("fp8_block_error" in g)
+        # a recipe the device does not take (blockwise on a CPU): no time, each layout tried recorded
+        if g["fp8_block_ms"] is None:
+            assert g["fp8_block_timed"] is None and len(g["fp8_block_errors"]) == (4 if g["gemm"] == "dw" else 2)
+            assert all("Invalid scaling" in e or "Error" in e for e in g["fp8_block_errors"])
+        else:
+            assert g["fp8_block_timed"]["b_block"] in ([128, 128], [1, 128])
     expect = {"row"} | ({"block"} if all(g["fp8_block_ms"] for g in row["gemms"]) else set())
     assert set(row["predicted"]) == expect
     assert set(row["predicted"]["row"]) == {"three_gemms", "four_gemms", "backward_only"}
