@@ -1,6 +1,7 @@
 """FP8 head (issue 39, item 3): can an FP8 LM head meet the targets? Two measurements.
 
-(a) Accuracy (CPU at small shapes, GPU also at 8192 x 4096 x 128256). From bf16 inputs x
+(a) Accuracy (CPU: small shapes; GPU: 1024 x 4096 x 32003 and, one seed, 8192 x 4096 x
+128256). From bf16 inputs x
 (N, H) and W (V, H), the mean cross-entropy and its gradients dX, dW in float64 are the
 reference; against it: torch bf16 (bf16 logits, F.cross_entropy on them in fp32, autograd's
 bf16 backward), logitless' bf16 op, and FP8 emulations. An emulation quantises each GEMM's
@@ -15,7 +16,8 @@ partial sums to fp32, as DeepGEMM does every 128; cuBLAS' fast accumulation only
 - ``row``: one scale per row of each operand along the whole contraction dimension
   (torch._scaled_mm's rowwise recipe);
 - dZ in e4m3 or e5m2 (the forward's operands always e4m3); ``pow2``: scales rounded up to
-  powers of two (MX-style).
+  powers of two (MX-style); ``fp8-backward-only``: the forward exact (the bf16 op's loss),
+  only dX and dW from FP8 operands.
 
 Data: ``random`` (x ~ N(0, 1) like an RMS-normed hidden state, W ~ N(0, 1/H), uniform
 targets); ``peaked`` (16 rows of W scaled by 8, so a few tokens dominate; targets sampled
@@ -29,7 +31,8 @@ blockwise 1x128 / 128x128 where this torch and cuBLAS take it on the device) for
 three GEMMs (logits x W^T, dX = dZ W, dW = dZ^T X in the layouts cuBLAS needs on sm90) at
 8192 x 4096 x 128256 and 16384 x 4096 x 151936 against bf16 torch.matmul, the quantisation
 passes (eager torch, and their bytes at the measured copy bandwidth: the floor of a fused
-pass), logitless' bf16 op forward+backward, and the predicted FP8 f+b / bf16 op.
+pass), logitless' bf16 op forward+backward, and the predicted FP8 f+b / bf16 op; and
+torch._scaled_mm's output against the emulation's (``emulation_check``).
 
     python benchmarks/probe_fp8.py --out $OUT          # H100: (a) + (b), ~1.5 min
     python benchmarks/probe_fp8.py --out $OUT --only ceiling   # (b) alone
