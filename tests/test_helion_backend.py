@@ -444,3 +444,50 @@ def test_vocab_parallel(monkeypatch):
     if not (NCCL and torch.cuda.device_count() >= 2):
         monkeypatch.setenv("HELION_INTERPRET", "1")
     spawn(_tp_worker, 2)
+
+
+# ------------------------------------------------------------------ tuned configs
+
+
+def test_tuned_configs_lookup(tmp_path, monkeypatch):
+    """What ``benchmarks/helion_gpu.py merge`` writes (``config_file``) is what
+    ``configs.pick`` reads: per device class (an H100 here, faked), the user folder
+    (LOGITLESS_HELION_CONFIGS) before the package's, the log-probs backward sharing the
+    tuned dX / dW configs, token bounds, and the heuristic where nothing matches."""
+    import json
+
+    from benchmarks.helion_gpu import config_file
+    from logitless.helion_lib import configs
+
+    fwd = {"block_sizes": [128, 256, 64], "num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor"}
+    dx = {"block_sizes": [64, 256, 128, 64], "num_warps": 8, "num_stages": 4, "pid_type": "persistent_blocked"}
+    shape = dict(tokens=8192, hidden=4096, vocab=128256, dtype="bfloat16", autotuner="PatternSearch",
+                 device_class="nvidia-h100")
+    user, package = tmp_path / "user", tmp_path / "package"
+    user.mkdir(), package.mkdir()
+    (user / "nvidia-h100.json").write_text(json.dumps(config_file([dict(shape, kernel="ce_forward", config=fwd),
+                                                                   dict(shape, kernel="ce_dx", config=dx)])))
+    shipped = {"block_sizes": [32, 64, 32], "num_warps": 4, "num_stages": 2}
+    (package / "nvidia-h100.json").write_text(json.dumps({
+        "ce_forward": [{"min_tokens": 1024, "config": shipped}],
+        "logp_forward": [{"max_tokens": 64, "config": shipped}]}))
+    monkeypatch.setattr(configs, "_DIR", package)
+    monkeypatch.setattr(configs, "device_class", lambda d: "nvidia-h100" if d.type == "cuda" else d.type)
+    configs._load.cache_clear()
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    big, small = {"n": 8192, "v": 128256, "h": 4096}, {"n": 20, "v": 1009, "h": 20}
+    try:
+        monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
+        assert configs.pick("ce_forward", big, cuda) == shipped  # the package's file
+        assert configs.pick("ce_forward", small, cuda) == configs.default_config("ce_forward", small)  # min_tokens
+        assert configs.pick("logp_forward", small, cuda) == shipped
+        assert configs.pick("logp_forward", big, cuda) == configs.default_config("logp_forward", big)  # max_tokens
+        monkeypatch.setenv(configs.USER_DIR_ENV, str(user))
+        assert configs.pick("ce_forward", big, cuda) == fwd  # the user's tuning wins
+        assert configs.pick("ce_forward", small, cuda) == fwd  # tuned entries hold for every shape
+        assert configs.pick("ce_dx", big, cuda) == configs.pick("logp_dx", big, cuda) == dx
+        assert configs.pick("logp_forward", small, cuda) == shipped  # not tuned: the package's
+        assert configs.pick("ce_dw", big, cuda) == configs.default_config("ce_dw", big)
+        assert configs.pick("ce_forward", big, cpu) == configs.default_config("ce_forward", big)  # other class
+    finally:
+        configs._load.cache_clear()
