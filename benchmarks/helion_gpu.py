@@ -91,6 +91,8 @@ def info() -> dict:
            "cause": helion_choice.cause(), "shim_warning": shim[0] if shim else None,
            "torch_cuda": torch.version.cuda}
     print(json.dumps(out, indent=1))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "info.json").write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -146,7 +148,8 @@ def tune(kernel: str) -> dict:
         reference.set_config(helion.Config(**default))
     settings = {**runtime.kernel_settings(), "autotune_effort": "quick", "autotune_budget_seconds": budget,
                 "autotune_seed_configs": [helion.Config(**default)], "autotune_progress_bar": False,
-                "autotune_baseline_fn": lambda *a: reference(*a)}
+                "autotune_baseline_fn": lambda *a: reference(*a),
+                "autotune_log": str(OUT / f"autotune-{kernel}")}  # every config tried: autotune-KERNEL.csv
     tuned = helion.kernel(base.fn, **settings)
     t0 = time.perf_counter()
     if SMOKE:  # no autotuning on the CPU: Helion's own default config, lowered to Triton source
@@ -186,8 +189,43 @@ def config_file(results: list) -> dict:
     return out
 
 
+def best_of_log(kernel: str, csv_path: Path) -> dict | None:
+    """The fastest config of a search log (``autotune-KERNEL.csv``, written as the search
+    goes) with status "ok": the result of a tuning process stopped before it finished
+    (not re-verified by Helion's final selection)."""
+    import csv
+
+    best = None
+    with open(csv_path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("status") != "ok" or not row.get("perf_ms"):
+                continue
+            if best is None or float(row["perf_ms"]) < float(best["perf_ms"]):
+                best = row
+    if best is None:
+        return None
+    # the column is ``str(helion.Config)``: "Config(block_sizes=[64, 128], indexing='...', ...)"
+    config = eval(best["config"], {"__builtins__": {}}, {"Config": dict, "helion": type("H", (), {"Config": dict})})  # noqa: S307
+    return {"kernel": kernel, "config": config, "perf_ms": float(best["perf_ms"]),
+            "autotuner": f"stopped early: best 'ok' row of {csv_path.name}"}
+
+
 def merge() -> dict:
     results = [json.loads(Path(p).read_text()) for p in sorted(glob.glob(str(OUT / "tune-*.json")))]
+    from logitless.helion_lib import configs
+
+    done = {r["kernel"] for r in results}
+    n, h, v = SHAPES["lce"]
+    for kernel in TUNE_KERNELS:
+        path = OUT / f"autotune-{kernel}.csv"
+        if kernel not in done and path.exists():
+            found = best_of_log(kernel, path)
+            if found is not None:
+                found.update(tokens=int(os.environ.get("TUNE_TOKENS", n)), hidden=h, vocab=v,
+                             dtype=str(DTYPE).replace("torch.", ""), tuned_ms=found["perf_ms"],
+                             device_class=configs.device_class(DEVICE))
+                print(f"merge: {kernel} from its search log ({found['perf_ms']} ms)")
+                results.append(found)
     if not results:
         print("merge: no tune-*.json in", OUT)
         return {}
@@ -221,7 +259,8 @@ def _cases():
 
     def call_distill(backend, grad):
         xs, ws = (a.detach().requires_grad_(grad) for a in dis[:2])
-        return logitless.linear_jsd(xs, ws, dis[2], dis[3], dis[4], beta=0.5, temperature=1.0, backend=backend), (xs, ws)
+        loss = logitless.linear_jsd(xs, ws, dis[2], dis[3], dis[4], beta=0.5, temperature=1.0, backend=backend)
+        return loss, (xs, ws)
 
     n, h, v = SHAPES["rl"]
     g = _generator(3)
@@ -255,7 +294,8 @@ def _measure(call, backend: str, deadline: float) -> dict:
         row["first_call_s"] = round(time.perf_counter() - t0, 2)  # compiles included
     fell = [str(w.message) for w in seen if issubclass(w.category, HelionFallbackWarning)]
     row["fallback"] = fell[0] if fell else None
-    # one more untimed call, then reps to fit the time left (at least 3, at most 10)
+    # one more untimed call (the warm-up of the forward+backward timing), then as many reps
+    # as fit the time left (at least 3, at most 10)
     t0 = time.perf_counter()
     loss2, leaves2 = call(backend, True)
     torch.autograd.grad(loss2, leaves2)
@@ -272,7 +312,7 @@ def _measure(call, backend: str, deadline: float) -> dict:
         torch.autograd.grad(loss_, leaves_)
 
     row["fwd_ms"], row["fwd_spread"] = (round(x, 3) for x in time_ms_spread(fwd, device=DEVICE, warmup=1, reps=reps))
-    row["fb_ms"], row["fb_spread"] = (round(x, 3) for x in time_ms_spread(fb, device=DEVICE, warmup=1, reps=reps))
+    row["fb_ms"], row["fb_spread"] = (round(x, 3) for x in time_ms_spread(fb, device=DEVICE, warmup=0, reps=reps))
     row["reps"] = reps
     if DEVICE.type == "cuda":
         grad_bytes = sum(t.numel() * t.element_size() for t in leaves)
@@ -328,7 +368,8 @@ def bench() -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / name).write_text(json.dumps(report, indent=1, default=str))
     print("bench ->", OUT / name)
-    print(f"{'suite':8} {'method':13} {'fwd ms':>9} {'f+b ms':>9} {'fwd x':>6} {'f+b x':>6} {'MiB':>7}  agreement / note")
+    print(f"{'suite':8} {'method':13} {'fwd ms':>9} {'f+b ms':>9} {'fwd x':>6} {'f+b x':>6} {'MiB':>7}  "
+          "agreement / note")
     for r in report["rows"]:
         note = r.get("error") or (("FELL BACK: " + r["fallback"][:60]) if r.get("fallback") else "")
         agree = r.get("vs_" + OTHER)

@@ -491,3 +491,30 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
         assert configs.pick("ce_forward", big, cpu) == configs.default_config("ce_forward", big)  # other class
     finally:
         configs._load.cache_clear()
+
+
+@needs_helion
+def test_tuned_config_from_a_stopped_search(tmp_path):
+    """A tuning process stopped before its end: ``best_of_log`` takes the fastest "ok" row
+    of Helion's search log (its CSV columns, its ``Config`` repr) as the kernel's config."""
+    import csv
+
+    import helion
+
+    from benchmarks.helion_gpu import best_of_log
+
+    rows = [("error", "", helion.Config(block_sizes=[16, 16, 16], num_warps=4)),
+            ("ok", "3.5", helion.Config(block_sizes=[64, 128, 64], num_warps=4, num_stages=2)),
+            ("ok", "2.25", helion.Config(block_sizes=[128, 256, 64], num_warps=8, num_stages=3,
+                                         indexing="tensor_descriptor", l2_groupings=[4])),
+            ("accuracy_error", "1.0", helion.Config(block_sizes=[256, 256, 64], num_warps=8))]
+    path = tmp_path / "autotune-ce_forward.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("run_id", "timestamp_s", "config_id", "generation", "status", "perf_ms", "compile_time_s",
+                    "config"))
+        for i, (status, perf, cfg) in enumerate(rows):
+            w.writerow(("r", "1.0", f"c{i}", 0, status, perf, "2.0", str(cfg)))
+    found = best_of_log("ce_forward", path)
+    assert found["perf_ms"] == 2.25
+    assert helion.Config(**found["config"]) == rows[2][2]
