@@ -135,7 +135,7 @@ def tune(kernel: str) -> dict:
 
     base, args, (n, h, v) = _tune_args(kernel)
     default = configs.default_config(kernel, {"n": n, "v": v, "h": h})
-    budget = int(os.environ.get("TUNE_BUDGET", "50"))
+    budget = int(os.environ.get("TUNE_BUDGET", "40"))
     if importlib.util.find_spec("sklearn") is None:
         os.environ.setdefault("HELION_AUTOTUNER", "PatternSearch")
     result = {"kernel": kernel, "tokens": n, "hidden": h, "vocab": v, "dtype": str(DTYPE).replace("torch.", ""),
@@ -324,7 +324,7 @@ def _measure(call, backend: str, deadline: float) -> dict:
 def bench() -> dict:
     from logitless.helion_lib import configs
 
-    seconds = float(os.environ.get("BENCH_SECONDS", "150"))
+    seconds = float(os.environ.get("BENCH_SECONDS", "120"))
     start = time.perf_counter()
     tuned_dir = OUT / "configs"
     tuned = tuned_dir.is_dir() and any(tuned_dir.glob("*.json"))

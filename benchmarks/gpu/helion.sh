@@ -6,9 +6,10 @@
 # Steps (PARTS, default "info tune bench tests"; benchmarks/helion_gpu.py says what each does):
 #   info   versions, device, whether Helion runs (torch 2.11 needs runtime's shim: its warning is printed)
 #   tune   Helion's autotuner on ce_forward, ce_dx, ce_dw at 8192x4096x128256 bf16 (TUNE_TOKENS to
-#          change the tokens), TUNE_BUDGET s each (50) -> $OUT/tune-*.json, $OUT/configs/<class>.json
+#          change the tokens), TUNE_BUDGET s each (40; the process is stopped at +45 s: then the
+#          fastest config of its search log counts) -> $OUT/tune-*.json, autotune-*.csv, configs/<class>.json
 #   bench  helion, helion-tuned (those configs) and triton at the lce, distill and rl anchors,
-#          BENCH_SECONDS (150) -> $OUT/helion-h100.json
+#          BENCH_SECONDS (120, plus compiles) -> $OUT/helion-h100.json
 #   tests  tests/test_helion_backend.py then tests/test_helion.py on CUDA (what time is left,
 #          interrupted with SIGINT so that pytest still prints its summary) -> $OUT/tests*.log
 set +e
@@ -34,9 +35,9 @@ for part in $PARTS; do
     case $part in
     info) timeout -k 5 120 $PY benchmarks/helion_gpu.py info 2>&1 | tee "$OUT/info.log" | grep -v Warning ;;
     tune)
-        B=${TUNE_BUDGET:-50}
+        B=${TUNE_BUDGET:-40}
         for k in ce_forward ce_dx ce_dw; do
-            T=$(( 2 * B + 40 )); [ "$T" -gt "$(left)" ] && T=$(left)
+            T=$(( B + 45 )); [ "$T" -gt "$(left)" ] && T=$(left)
             [ "$T" -lt 20 ] && { echo "tune $k: no time left"; continue; }
             timeout -k 5 "$T" $PY benchmarks/helion_gpu.py tune $k > "$OUT/tune-$k.log" 2>&1
             echo "tune $k: exit $? at $(( $(date +%s) - S )) s"
@@ -44,7 +45,8 @@ for part in $PARTS; do
         done
         $PY benchmarks/helion_gpu.py merge 2>&1 | tail -3 ;;
     bench)
-        T=$(( ${BENCH_SECONDS:-150} + 90 )); [ "$T" -gt "$(left)" ] && T=$(left)
+        export BENCH_SECONDS=${BENCH_SECONDS:-120}
+        T=$(( BENCH_SECONDS + 90 )); [ "$T" -gt "$(left)" ] && T=$(left)
         timeout -k 5 -s INT "$T" $PY benchmarks/helion_gpu.py bench > "$OUT/bench.log" 2>&1
         echo "bench: exit $? at $(( $(date +%s) - S )) s"
         grep -v -i warn "$OUT/bench.log" | tail -16 ;;
