@@ -281,6 +281,7 @@ def _rel(a, b) -> float:
 
 
 def _measure(call, backend: str, deadline: float) -> dict:
+    from logitless.ops.common import helion_choice
     from logitless.ops.common.helion_choice import HelionFallbackWarning
     from logitless_bench.timing import peak_extra_bytes, time_ms_spread
 
@@ -293,7 +294,9 @@ def _measure(call, backend: str, deadline: float) -> dict:
         _sync()
         row["first_call_s"] = round(time.perf_counter() - t0, 2)  # compiles included
     fell = [str(w.message) for w in seen if issubclass(w.category, HelionFallbackWarning)]
-    row["fallback"] = fell[0] if fell else None
+    # (warned once per process and cause: a later row that falls back for the same cause has
+    # only helion_choice.cause() to say so)
+    row["fallback"] = (fell[0] if fell else helion_choice.cause()) if backend == "helion" else None
     # one more untimed call (the warm-up of the forward+backward timing), then as many reps
     # as fit the time left (at least 3, at most 10)
     t0 = time.perf_counter()
