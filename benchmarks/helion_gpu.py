@@ -5,6 +5,8 @@
                                                          ce_dx, ce_dw) at one shape -> $OUT/tune-KERNEL.json
     python benchmarks/helion_gpu.py merge                $OUT/tune-*.json -> $OUT/configs/<device class>.json
     python benchmarks/helion_gpu.py bench                helion vs triton at the anchors -> $OUT/helion-<class>.json
+    python benchmarks/helion_gpu.py lowerings            the lce kernels through Helion's CuTe and Pallas
+                                                         code generators -> $OUT/lowerings.json
 
 SMOKE=1: the CPU path (HELION_INTERPRET=1, tiny fp32 shapes; "torch" stands in for "triton";
 ``tune`` takes Helion's default config of the kernel instead of autotuning, and checks that it
@@ -237,6 +239,47 @@ def merge() -> dict:
     return content
 
 
+# ----------------------------------------------------------------------------- other lowerings
+
+
+def lowerings() -> dict:
+    """Helion's CuTe and Pallas lowerings of the three lce kernels (code generation only, bf16,
+    64 x 64 x 256, the heuristic's configs): "OK, <lines>" or the first line of the error.
+    Needs nvidia-cutlass-dsl >= 4.7 and apache-tvm-ffi (cute), jax (pallas) importable; on a
+    torch without CUDA 13 the cute backend's CUDA check is skipped (nothing is launched)."""
+    import helion
+    import helion._compat
+    from helion.runtime.settings import RefMode
+
+    from logitless.helion_lib import ce_kernels, configs, grad_kernels, runtime
+    from logitless.helion_lib import linear_cross_entropy as hce
+    from logitless.options import CrossEntropyOptions
+
+    if not helion._compat.requires_cuda_version("13"):
+        helion._compat.requires_cuda_version = lambda v: True  # code generation only
+    n, h, v = 64, 64, 256
+    x, w = torch.randn(n, h, dtype=torch.bfloat16), torch.randn(v, h, dtype=torch.bfloat16)
+    t, opts = torch.randint(0, v, (n,)), CrossEntropyOptions()
+    lse, coef = torch.zeros(n), torch.zeros(3, n)
+    cases = [("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts)),
+             ("ce_dx", grad_kernels.linear_dx, hce.backward_args(x, w, None, t, None, lse, coef, opts)),
+             ("ce_dw", grad_kernels.linear_dw, hce.backward_args(x, w, None, t, None, lse, coef, opts))]
+    out = {}
+    for backend in ("cute", "pallas"):
+        for name, base, args in cases:
+            try:
+                kernel = helion.kernel(base.fn, **{**runtime.kernel_settings(), "ref_mode": RefMode.OFF,
+                                                   "backend": backend})
+                cfg = helion.Config(**configs.default_config(name, {"n": n, "v": v, "h": h}))
+                out[f"{backend} {name}"] = f"OK, {len(kernel.bind(args).to_triton_code(cfg).splitlines())} lines"
+            except Exception as e:  # noqa: BLE001 - the error is the result
+                out[f"{backend} {name}"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            print(f"{backend} {name}: {out[f'{backend} {name}']}", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "lowerings.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
 # ----------------------------------------------------------------------------- bench
 
 
@@ -389,4 +432,4 @@ if __name__ == "__main__":
     if step == "tune":
         tune(sys.argv[2])
     else:
-        {"info": info, "merge": merge, "bench": bench}[step]()
+        {"info": info, "merge": merge, "bench": bench, "lowerings": lowerings}[step]()

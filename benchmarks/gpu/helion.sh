@@ -10,6 +10,7 @@
 #          fastest config of its search log counts) -> $OUT/tune-*.json, autotune-*.csv, configs/<class>.json
 #   bench  helion, helion-tuned (those configs) and triton at the lce, distill and rl anchors,
 #          BENCH_SECONDS (120, plus compiles) -> $OUT/helion-h100.json
+#   lowerings (not in the default PARTS) the lce kernels through Helion's CuTe and Pallas code generators
 #   tests  tests/test_helion_backend.py then tests/test_helion.py on CUDA (what time is left,
 #          interrupted with SIGINT so that pytest still prints its summary) -> $OUT/tests*.log
 set +e
@@ -50,6 +51,7 @@ for part in $PARTS; do
         timeout -k 5 -s INT "$T" $PY benchmarks/helion_gpu.py bench > "$OUT/bench.log" 2>&1
         echo "bench: exit $? at $(( $(date +%s) - S )) s"
         grep -v -i warn "$OUT/bench.log" | tail -16 ;;
+    lowerings) timeout -k 5 300 $PY benchmarks/helion_gpu.py lowerings 2>&1 | grep -E "^(cute|pallas) " ;;
     tests)
         for f in tests/test_helion_backend.py tests/test_helion.py; do
             T=$(left); [ "$T" -lt 30 ] && { echo "$f: no time left"; continue; }
