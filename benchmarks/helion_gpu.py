@@ -130,10 +130,11 @@ def tune(kernel: str) -> dict:
     config, and both configs timed."""
     import importlib.util
 
-    import helion
-
     from logitless.helion_lib import configs, runtime
     from logitless_bench.timing import time_ms
+
+    runtime.require()  # imports helion after runtime's torch shims (torch 2.11)
+    import helion
 
     base, args, (n, h, v) = _tune_args(kernel)
     default = configs.default_config(kernel, {"n": n, "v": v, "h": h})
@@ -247,11 +248,14 @@ def lowerings() -> dict:
     64 x 64 x 256, the heuristic's configs): "OK, <lines>" or the first line of the error.
     Needs nvidia-cutlass-dsl >= 4.7 and apache-tvm-ffi (cute), jax (pallas) importable; on a
     torch without CUDA 13 the cute backend's CUDA check is skipped (nothing is launched)."""
+    from logitless.helion_lib import runtime
+
+    runtime.require()  # imports helion after runtime's torch shims (torch 2.11)
     import helion
     import helion._compat
     from helion.runtime.settings import RefMode
 
-    from logitless.helion_lib import ce_kernels, configs, grad_kernels, runtime
+    from logitless.helion_lib import ce_kernels, configs, grad_kernels
     from logitless.helion_lib import linear_cross_entropy as hce
     from logitless.options import CrossEntropyOptions
 
