@@ -1,6 +1,7 @@
 """backend="helion" of linear_cross_entropy, linear_log_probs and linear_jsd (docs/helion.md),
 on the CPU under HELION_INTERPRET=1 (Helion's eager ref mode, every ``hl.tile`` loop split
-into tiles of 8: several vocabulary, row and hidden tiles, the last one partial).
+into tiles of 8: several vocabulary, row and hidden tiles, the last one partial), and with
+the compiled kernels on CUDA (blocks of 16: tests/_helion_tiles.py).
 
 The public functions against the float64 references through the contract suite's checks
 (tests/test_op_contract.py, tests/op_specs.py): values and gradients for every option of
@@ -39,12 +40,14 @@ BACKEND = "helion"
 
 
 @pytest.fixture(autouse=True)
-def _small_tiles():
-    """Tiles of 8 in the ref mode (module docstring)."""
+def _small_tiles(monkeypatch):
+    """Tiles of 8 in the ref mode, blocks of 16 on CUDA (tests/_helion_tiles.py)."""
     if not HELION:
         yield
         return
-    with runtime.interpret_block_size(8):
+    from tests._helion_tiles import small_tiles
+
+    with small_tiles(monkeypatch, 8):
         yield
 
 
@@ -518,3 +521,21 @@ def test_tuned_config_from_a_stopped_search(tmp_path):
     found = best_of_log("ce_forward", path)
     assert found["perf_ms"] == 2.25
     assert helion.Config(**found["config"]) == rows[2][2]
+
+
+@needs_helion
+def test_small_tiles_on_cuda(monkeypatch):
+    """On CUDA the tests' launches get blocks of 16 in every loop (tests/_helion_tiles.py),
+    whatever config the lookup gave; the rest of the config is kept."""
+    from logitless.helion_lib import grad_kernels, linear_cross_entropy
+    from tests._helion_tiles import small_tiles
+
+    seen = []
+    for module in (linear_cross_entropy, grad_kernels):
+        monkeypatch.setattr(module, "launch", lambda kernel, args, config: seen.append(config))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with small_tiles(monkeypatch):
+        linear_cross_entropy.launch("k", (), {"block_sizes": [64, 128, 64], "num_warps": 8})
+        grad_kernels.launch("k", (), {"block_sizes": [64, 128, 128, 64], "num_warps": 4, "indexing": "pointer"})
+    assert seen == [{"block_sizes": [16, 16, 16], "num_warps": 8},
+                    {"block_sizes": [16, 16, 16, 16], "num_warps": 4, "indexing": "pointer"}]
