@@ -138,7 +138,7 @@ def tune(kernel: str) -> dict:
 
     base, args, (n, h, v) = _tune_args(kernel)
     default = configs.default_config(kernel, {"n": n, "v": v, "h": h})
-    budget = int(os.environ.get("TUNE_BUDGET", "40"))
+    budget = int(os.environ.get("TUNE_BUDGET", "30"))
     if importlib.util.find_spec("sklearn") is None:
         os.environ.setdefault("HELION_AUTOTUNER", "PatternSearch")
     result = {"kernel": kernel, "tokens": n, "hidden": h, "vocab": v, "dtype": str(DTYPE).replace("torch.", ""),
@@ -371,19 +371,11 @@ def _measure(call, backend: str, deadline: float) -> dict:
     return row, (loss.detach(), [gr.detach() for gr in grads])
 
 
-def bench() -> dict:
+def _bench_rows(report: dict, cases: dict, methods: list, tuned_dir: Path, start: float, per_case: float):
+    """Measures every (suite, method) into ``report["rows"]``, the suite's first method as
+    the reference of the others' agreement; writes the report after each row."""
     from logitless.helion_lib import configs
 
-    seconds = float(os.environ.get("BENCH_SECONDS", "120"))
-    start = time.perf_counter()
-    tuned_dir = OUT / "configs"
-    tuned = tuned_dir.is_dir() and any(tuned_dir.glob("*.json"))
-    methods = [OTHER, "helion"] + (["helion-tuned"] if tuned else [])
-    report = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
-              "device_class": configs.device_class(DEVICE), "torch": torch.__version__, "dtype": str(DTYPE),
-              "shapes": SHAPES, "methods": methods, "rows": []}
-    cases = _cases()
-    per_case = seconds / (len(cases) * len(methods))
     for suite, call in cases.items():
         ref = None
         for i, method in enumerate(methods):
@@ -404,8 +396,36 @@ def bench() -> dict:
             row.update(suite=suite, method=method)
             report["rows"].append(row)
             print(json.dumps(row, default=str), flush=True)
+            _write(report)
             if DEVICE.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _write(report: dict) -> Path:
+    name = "helion-cpu.json" if SMOKE else f"helion-{report['device_class'].replace('nvidia-', '')}.json"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(json.dumps(report, indent=1, default=str))
+    return OUT / name
+
+
+def bench() -> dict:
+    from logitless.helion_lib import configs
+
+    seconds = float(os.environ.get("BENCH_SECONDS", "120"))
+    start = time.perf_counter()
+    tuned_dir = OUT / "configs"
+    tuned = tuned_dir.is_dir() and any(tuned_dir.glob("*.json"))
+    methods = [OTHER, "helion"] + (["helion-tuned"] if tuned else [])
+    report = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+              "device_class": configs.device_class(DEVICE), "torch": torch.__version__, "dtype": str(DTYPE),
+              "shapes": SHAPES, "methods": methods, "rows": []}
+    cases = _cases()
+    per_case = seconds / (len(cases) * len(methods))
+    try:
+        _bench_rows(report, cases, methods, tuned_dir, start, per_case)
+    except KeyboardInterrupt:  # (helion.sh's time limit: SIGINT) the rows measured so far are reported
+        report["interrupted"] = True
+        print("bench: interrupted", flush=True)
     os.environ.pop(configs.USER_DIR_ENV, None)
     for suite in cases:
         rows = {r["method"]: r for r in report["rows"] if r["suite"] == suite and "fb_ms" in r}
@@ -414,10 +434,7 @@ def bench() -> dict:
                 if m != OTHER:
                     r["fwd_ratio"] = round(r["fwd_ms"] / rows[OTHER]["fwd_ms"], 3)
                     r["fb_ratio"] = round(r["fb_ms"] / rows[OTHER]["fb_ms"], 3)
-    name = "helion-cpu.json" if SMOKE else f"helion-{report['device_class'].replace('nvidia-', '')}.json"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / name).write_text(json.dumps(report, indent=1, default=str))
-    print("bench ->", OUT / name)
+    print("bench ->", _write(report))
     print(f"{'suite':8} {'method':13} {'fwd ms':>9} {'f+b ms':>9} {'fwd x':>6} {'f+b x':>6} {'MiB':>7}  "
           "agreement / note")
     for r in report["rows"]:
