@@ -1,6 +1,6 @@
 """The Helion kernels (logitless.helion_lib) against the float64 references, on the CPU
-under HELION_INTERPRET=1 (Helion's eager ref mode), and their lowering to Triton source
-(no GPU needed). Skipped with a reason when helion >= 1.5 is not importable."""
+under HELION_INTERPRET=1 (Helion's eager ref mode) or compiled on CUDA, and their lowering to
+Triton source (no GPU needed). Skipped with a reason when helion >= 1.5 is not importable."""
 
 import math
 import os
@@ -35,9 +35,12 @@ SIZES = [(13, 20, 37), (1, 7, 5), (0, 20, 37)]
 
 
 @pytest.fixture(autouse=True)
-def _small_tiles():
-    """Tiles of 8 in the ref mode: several vocabulary, row and hidden tiles, the last partial."""
-    with runtime.interpret_block_size(8):
+def _small_tiles(monkeypatch):
+    """Tiles of 8 in the ref mode, blocks of 16 on CUDA (tests/_helion_tiles.py): several
+    vocabulary, row and hidden tiles, the last partial."""
+    from tests._helion_tiles import small_tiles
+
+    with small_tiles(monkeypatch, 8):
         yield
 
 

@@ -1,6 +1,7 @@
 """backend="helion" of linear_cross_entropy, linear_log_probs and linear_jsd (docs/helion.md),
 on the CPU under HELION_INTERPRET=1 (Helion's eager ref mode, every ``hl.tile`` loop split
-into tiles of 8: several vocabulary, row and hidden tiles, the last one partial).
+into tiles of 8: several vocabulary, row and hidden tiles, the last one partial), and with
+the compiled kernels on CUDA (blocks of 16: tests/_helion_tiles.py).
 
 The public functions against the float64 references through the contract suite's checks
 (tests/test_op_contract.py, tests/op_specs.py): values and gradients for every option of
@@ -39,12 +40,14 @@ BACKEND = "helion"
 
 
 @pytest.fixture(autouse=True)
-def _small_tiles():
-    """Tiles of 8 in the ref mode (module docstring)."""
+def _small_tiles(monkeypatch):
+    """Tiles of 8 in the ref mode, blocks of 16 on CUDA (tests/_helion_tiles.py)."""
     if not HELION:
         yield
         return
-    with runtime.interpret_block_size(8):
+    from tests._helion_tiles import small_tiles
+
+    with small_tiles(monkeypatch, 8):
         yield
 
 
@@ -255,7 +258,7 @@ def test_fallback_one_warning_torch_numbers(op, no_helion, monkeypatch):
 
 
 def test_unavailable_reason_keeps_the_import_error(no_helion, monkeypatch):
-    """A helion that fails to import (as helion 1.5.1 with torch 2.11): the reason quotes
+    """A helion that fails to import (as helion 1.5.1 on torch 2.11 without runtime's shim): the reason quotes
     the error; too old, or not installed: says so."""
     import builtins
     import importlib.util
@@ -311,6 +314,65 @@ def test_gpu_kernel_failure_falls_back(monkeypatch):
     assert got == again == f"{package}.{other}_backend"
     mine = [str(w.message) for w in seen if issubclass(w.category, helion_choice.HelionFallbackWarning)]
     assert len(mine) == 1 and "RuntimeError: PassManager::run failed)" in mine[0], mine
+
+
+_SHIM_PROBE = """
+import warnings
+import torch._inductor.runtime.triton_compat as tc
+if hasattr(tc, "IntelGPUError"):
+    del tc.IntelGPUError  # as torch 2.11, which lacks it
+try:
+    import helion  # noqa: F401
+    print("plain import: ok")
+except ImportError as e:
+    print("plain import:", e)
+from logitless.helion_lib import runtime
+from logitless.ops.common import helion_choice
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    ok = runtime.available() and runtime.available() and helion_choice.cause() is None
+mine = [str(w.message) for w in seen if issubclass(w.category, runtime.HelionTorchShimWarning)]
+print("available:", ok, "| warnings:", len(mine), "| stand-in:", issubclass(tc.IntelGPUError, Exception),
+      "| helion sees it:", __import__("helion.autotuner.logger").autotuner.logger.IntelGPUError is tc.IntelGPUError)
+print("message:", mine[0] if mine else "")
+"""
+
+
+@needs_helion
+def test_torch_shim_makes_helion_import():
+    """helion 1.5.1 imports IntelGPUError from torch._inductor.runtime.triton_compat, which
+    torch 2.11 lacks: in a fresh process without that name (as on torch 2.11) a plain
+    ``import helion`` fails, and ``runtime.available()`` defines a stand-in first, imports
+    helion and says so in one HelionTorchShimWarning (two calls)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", _SHIM_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plain import: cannot import name 'IntelGPUError'" in out, out
+    assert "available: True | warnings: 1 | stand-in: True | helion sees it: True" in out, out
+    assert "torch._inductor.runtime.triton_compat.IntelGPUError" in out and "helion 1.5" in out, out
+
+
+def test_torch_shim_noop_where_torch_has_the_names(monkeypatch):
+    """Where torch defines every name of TORCH_SHIMS (torch >= 2.12) the shim adds nothing;
+    a name it lacks is added once, as an Exception subclass."""
+    import importlib
+    import types
+
+    module = types.ModuleType("fake_triton_compat")
+    monkeypatch.setattr(runtime, "TORCH_SHIMS", (("fake_triton_compat", "IntelGPUError"),
+                                                 ("no.such.module", "X")))
+    monkeypatch.setitem(__import__("sys").modules, "fake_triton_compat", module)
+    assert runtime.shim_torch() == ["fake_triton_compat.IntelGPUError"]
+    assert issubclass(module.IntelGPUError, Exception)
+    assert runtime.shim_torch() == []
+    real = importlib.import_module("torch._inductor.runtime.triton_compat")
+    if hasattr(real, "IntelGPUError"):  # torch >= 2.12 (or already shimmed): nothing to do
+        monkeypatch.setattr(runtime, "TORCH_SHIMS", (("torch._inductor.runtime.triton_compat", "IntelGPUError"),))
+        assert runtime.shim_torch() == []
 
 
 def test_fallback_backend_by_device():
@@ -376,8 +438,104 @@ def _tp_worker(rank, world, device):
 
 
 @needs_helion
-def test_vocab_parallel():
-    """Two ranks (gloo on the CPU): each op against the one-process op and the reference."""
-    from tests._distributed import spawn
+def test_vocab_parallel(monkeypatch):
+    """Two ranks (NCCL with two GPUs, else gloo on the CPU): each op against the one-process
+    op and the reference. The CPU ranks run the kernels in Helion's ref mode, also when this
+    process has one GPU (its kernels are compiled, the ranks' are decorated afresh)."""
+    from tests._distributed import NCCL, spawn
 
+    if not (NCCL and torch.cuda.device_count() >= 2):
+        monkeypatch.setenv("HELION_INTERPRET", "1")
     spawn(_tp_worker, 2)
+
+
+# ------------------------------------------------------------------ tuned configs
+
+
+def test_tuned_configs_lookup(tmp_path, monkeypatch):
+    """What ``benchmarks/helion_gpu.py merge`` writes (``config_file``) is what
+    ``configs.pick`` reads: per device class (an H100 here, faked), the user folder
+    (LOGITLESS_HELION_CONFIGS) before the package's, the log-probs backward sharing the
+    tuned dX / dW configs, token bounds, and the heuristic where nothing matches."""
+    import json
+
+    from benchmarks.helion_gpu import config_file
+    from logitless.helion_lib import configs
+
+    fwd = {"block_sizes": [128, 256, 64], "num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor"}
+    dx = {"block_sizes": [64, 256, 128, 64], "num_warps": 8, "num_stages": 4, "pid_type": "persistent_blocked"}
+    shape = dict(tokens=8192, hidden=4096, vocab=128256, dtype="bfloat16", autotuner="PatternSearch",
+                 device_class="nvidia-h100")
+    user, package = tmp_path / "user", tmp_path / "package"
+    user.mkdir(), package.mkdir()
+    (user / "nvidia-h100.json").write_text(json.dumps(config_file([dict(shape, kernel="ce_forward", config=fwd),
+                                                                   dict(shape, kernel="ce_dx", config=dx)])))
+    shipped = {"block_sizes": [32, 64, 32], "num_warps": 4, "num_stages": 2}
+    (package / "nvidia-h100.json").write_text(json.dumps({
+        "ce_forward": [{"min_tokens": 1024, "config": shipped}],
+        "logp_forward": [{"max_tokens": 64, "config": shipped}]}))
+    monkeypatch.setattr(configs, "_DIR", package)
+    monkeypatch.setattr(configs, "device_class", lambda d: "nvidia-h100" if d.type == "cuda" else d.type)
+    configs._load.cache_clear()
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    big, small = {"n": 8192, "v": 128256, "h": 4096}, {"n": 20, "v": 1009, "h": 20}
+    try:
+        monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
+        assert configs.pick("ce_forward", big, cuda) == shipped  # the package's file
+        assert configs.pick("ce_forward", small, cuda) == configs.default_config("ce_forward", small)  # min_tokens
+        assert configs.pick("logp_forward", small, cuda) == shipped
+        assert configs.pick("logp_forward", big, cuda) == configs.default_config("logp_forward", big)  # max_tokens
+        monkeypatch.setenv(configs.USER_DIR_ENV, str(user))
+        assert configs.pick("ce_forward", big, cuda) == fwd  # the user's tuning wins
+        assert configs.pick("ce_forward", small, cuda) == fwd  # tuned entries hold for every shape
+        assert configs.pick("ce_dx", big, cuda) == configs.pick("logp_dx", big, cuda) == dx
+        assert configs.pick("logp_forward", small, cuda) == shipped  # not tuned: the package's
+        assert configs.pick("ce_dw", big, cuda) == configs.default_config("ce_dw", big)
+        assert configs.pick("ce_forward", big, cpu) == configs.default_config("ce_forward", big)  # other class
+    finally:
+        configs._load.cache_clear()
+
+
+@needs_helion
+def test_tuned_config_from_a_stopped_search(tmp_path):
+    """A tuning process stopped before its end: ``best_of_log`` takes the fastest "ok" row
+    of Helion's search log (its CSV columns, its ``Config`` repr) as the kernel's config."""
+    import csv
+
+    import helion
+
+    from benchmarks.helion_gpu import best_of_log
+
+    rows = [("error", "", helion.Config(block_sizes=[16, 16, 16], num_warps=4)),
+            ("ok", "3.5", helion.Config(block_sizes=[64, 128, 64], num_warps=4, num_stages=2)),
+            ("ok", "2.25", helion.Config(block_sizes=[128, 256, 64], num_warps=8, num_stages=3,
+                                         indexing="tensor_descriptor", l2_groupings=[4])),
+            ("accuracy_error", "1.0", helion.Config(block_sizes=[256, 256, 64], num_warps=8))]
+    path = tmp_path / "autotune-ce_forward.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("run_id", "timestamp_s", "config_id", "generation", "status", "perf_ms", "compile_time_s",
+                    "config"))
+        for i, (status, perf, cfg) in enumerate(rows):
+            w.writerow(("r", "1.0", f"c{i}", 0, status, perf, "2.0", str(cfg)))
+    found = best_of_log("ce_forward", path)
+    assert found["perf_ms"] == 2.25
+    assert helion.Config(**found["config"]) == rows[2][2]
+
+
+@needs_helion
+def test_small_tiles_on_cuda(monkeypatch):
+    """On CUDA the tests' launches get blocks of 16 in every loop (tests/_helion_tiles.py),
+    whatever config the lookup gave; the rest of the config is kept."""
+    from logitless.helion_lib import grad_kernels, linear_cross_entropy
+    from tests._helion_tiles import small_tiles
+
+    seen = []
+    for module in (linear_cross_entropy, grad_kernels):
+        monkeypatch.setattr(module, "launch", lambda kernel, args, config: seen.append(config))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with small_tiles(monkeypatch):
+        linear_cross_entropy.launch("k", (), {"block_sizes": [64, 128, 64], "num_warps": 8})
+        grad_kernels.launch("k", (), {"block_sizes": [64, 128, 128, 64], "num_warps": 4, "indexing": "pointer"})
+    assert seen == [{"block_sizes": [16, 16, 16], "num_warps": 8},
+                    {"block_sizes": [16, 16, 16, 16], "num_warps": 4, "indexing": "pointer"}]

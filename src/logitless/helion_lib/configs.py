@@ -4,22 +4,30 @@ at call time.
 
 ``configs/<device class>.json`` (device class: ``device_class()``, e.g. ``"nvidia-h100"``;
 ``"default.json"`` for every device) maps a kernel name to a list of entries
-``{"max_tokens": int or null, "max_hidden": int or null, "config": {...}}``, tried in order;
-the first whose bounds hold wins. The config dict holds ``helion.Config`` fields
-(``block_sizes`` in the order of the kernel's ``hl.tile`` loops, ``num_warps``,
-``num_stages``). The files hold no tuned entries yet (GPU tuning is a later step).
+``{"min_tokens": int, "max_tokens": int or null, "max_hidden": int or null, "config": {...}}``
+(each bound optional; tokens and hidden of ``sizes()``), tried in order; the first whose
+bounds hold wins. The config dict holds ``helion.Config`` fields (``block_sizes`` in the
+order of the kernel's ``hl.tile`` loops, ``num_warps``, ``num_stages``, and whatever else
+Helion's autotuner returns: ``benchmarks/helion_gpu.py tune`` writes such files). A folder
+named by ``LOGITLESS_HELION_CONFIGS`` (files of the same names) is read before the
+package's, per device class: a user's own tuning wins over the shipped one (each file is
+read once per process).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 _DIR = Path(__file__).parent / "configs"
+
+#: The environment variable naming a folder of tuned configs read before the package's.
+USER_DIR_ENV = "LOGITLESS_HELION_CONFIGS"
 
 #: The ``hl.tile`` loops of each kernel, in order, as the names of the dims they tile:
 #: "n" tokens, "v" vocabulary, "h" hidden (the reduction of the matmul), "k" hidden (an
@@ -52,11 +60,28 @@ def device_class(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _load(cls: str) -> dict:
-    path = _DIR / f"{cls}.json"
+def _load(cls: str, folder: Optional[str] = None) -> dict:
+    path = Path(folder or _DIR) / f"{cls}.json"
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+def _sources(device: Optional[torch.device]) -> list:
+    """(class, folder) in the order they are tried: the user folder's device class, the
+    package's device class, the user folder's default, the package's default."""
+    user = os.environ.get(USER_DIR_ENV) or None
+    classes = (device_class(device), "default") if device is not None else ("default",)
+    return [(cls, folder) for cls in classes for folder in ((user, None) if user else (None,))]
+
+
+def _holds(entry: dict, sizes: dict) -> bool:
+    for key, size, below in (("min_tokens", sizes["n"], False), ("max_tokens", sizes["n"], True),
+                             ("max_hidden", sizes["h"], True)):
+        bound = entry.get(key)
+        if bound is not None and (size > bound if below else size < bound):
+            return False
+    return True
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -81,13 +106,10 @@ def default_config(kernel: str, sizes: dict) -> dict:
 
 
 def pick(kernel: str, sizes: dict, device: Optional[torch.device] = None) -> dict:
-    """A tuned config matching (device class, tokens, hidden) if one is stored, else the default."""
-    classes = (device_class(device), "default") if device is not None else ("default",)
-    for cls in classes:
-        for entry in _load(cls).get(kernel, ()):
-            if entry.get("max_tokens") is not None and sizes["n"] > entry["max_tokens"]:
-                continue
-            if entry.get("max_hidden") is not None and sizes["h"] > entry["max_hidden"]:
-                continue
-            return dict(entry["config"])
+    """A tuned config matching (device class, tokens, hidden) if one is stored (the user
+    folder first, module docstring), else the default."""
+    for cls, folder in _sources(device):
+        for entry in _load(cls, folder).get(kernel, ()):
+            if _holds(entry, sizes):
+                return dict(entry["config"])
     return default_config(kernel, sizes)

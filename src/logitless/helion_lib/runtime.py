@@ -2,6 +2,10 @@
 
 Helion is optional (the ``helion`` extra): ``available()`` says whether it imports, and
 nothing here imports it at module level, so ``logitless.helion_lib`` imports without it.
+helion 1.5.1 supports torch 2.9 and later but imports ``IntelGPUError`` from
+``torch._inductor.runtime.triton_compat``, which torch 2.11 lacks (added in 2.12):
+``available()`` defines the missing names (``TORCH_SHIMS``) before importing helion, with
+one ``HelionTorchShimWarning``.
 
 ``launch`` binds a kernel to its arguments, sets a config (never autotunes at call time:
 the config comes from ``configs.pick``) and runs it. With ``HELION_INTERPRET=1`` Helion
@@ -22,21 +26,61 @@ import torch
 #: The oldest Helion these kernels are written for.
 HELION_MIN = (1, 5)
 
+#: (module, name) that helion imports at import time and that torch releases it supports
+#: may lack: torch 2.11's ``triton_compat`` has no ``IntelGPUError`` (helion's autotuner
+#: logger imports it to class Intel GPU build errors as expected ones). The stand-in is what
+#: torch >= 2.12 itself defines where its triton has no such error: an ``Exception``
+#: subclass, never raised on other GPUs.
+TORCH_SHIMS = (("torch._inductor.runtime.triton_compat", "IntelGPUError"),)
+
+
+class HelionTorchShimWarning(UserWarning):
+    """This torch lacks a name that helion imports (``TORCH_SHIMS``): logitless defined a
+    stand-in so that helion imports. Issued once per process."""
+
+
+def shim_torch() -> list:
+    """Defines the names of ``TORCH_SHIMS`` that this torch lacks (its module imports but
+    has no such attribute); returns them as "module.name" (empty on torch >= 2.12)."""
+    import importlib
+
+    added = []
+    for module_name, name in TORCH_SHIMS:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 - then helion's own import error says why
+            continue
+        if not hasattr(module, name):
+            setattr(module, name, type(name, (Exception,), {"__module__": module_name}))
+            added.append(f"{module_name}.{name}")
+    return added
+
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when helion >= 1.5 imports."""
+    """True when helion >= 1.5 imports (after ``shim_torch()``; one
+    ``HelionTorchShimWarning`` when it defined a name)."""
     if importlib.util.find_spec("helion") is None:
         return False
     try:
         from importlib.metadata import version
 
+        found = version("helion")
+        parts = tuple(int(p) for p in found.split(".")[:2])
+        if parts < HELION_MIN:
+            return False
+        added = shim_torch()
         import helion  # noqa: F401
-
-        parts = tuple(int(p) for p in version("helion").split(".")[:2])
     except Exception:  # noqa: BLE001 - a broken install counts as absent
         return False
-    return parts >= HELION_MIN
+    if added:
+        import warnings
+
+        warnings.warn(f"logitless: torch {torch.__version__} lacks {', '.join(added)}, which helion {found} "
+                      "imports; logitless defined a stand-in (an Exception subclass that nothing raises: the "
+                      "error of Intel GPU triton builds) so that helion imports. torch >= 2.12 has it.",
+                      HelionTorchShimWarning, stacklevel=2)
+    return True
 
 
 def require() -> None:

@@ -2,7 +2,7 @@
 
 An explicit ``backend="helion"`` runs ``ops/<op>/helion_backend.py`` on the kernels of
 ``logitless.helion_lib`` ("auto" never picks it). When Helion cannot run -- not installed,
-older than 1.5, failing to import (helion 1.5.1 does not import with torch 2.11), or, on a
+older than 1.5, failing to import (after ``helion_lib.runtime``'s torch shims), or, on a
 GPU, a kernel failing to compile or launch -- the op's Triton backend runs on CUDA tensors
 (its torch backend where triton is absent) and its torch backend on CPU tensors, with one
 ``HelionFallbackWarning`` per process and cause naming the cause and the install command.
