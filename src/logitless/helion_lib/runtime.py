@@ -51,7 +51,7 @@ def shim_torch() -> list:
         except Exception:  # noqa: BLE001 - then helion's own import error says why
             continue
         if not hasattr(module, name):
-            setattr(module, name, type(name, (Exception,), {"__module__": module_name}))
+            setattr(module, name, type(name, (Exception,), {"__module__": module_name, "logitless_shim": True}))
             added.append(f"{module_name}.{name}")
     return added
 
@@ -131,6 +131,14 @@ def launch(kernel, args: tuple, config: dict):
     return bound(*args)
 
 
+def shimmed() -> bool:
+    """Whether ``shim_torch`` defined a name in this process (a process Helion spawns
+    would import helion without it: its autotuner must then benchmark in-process)."""
+    import sys
+
+    return any(getattr(getattr(sys.modules.get(m), n, None), "logitless_shim", False) for m, n in TORCH_SHIMS)
+
+
 def kernel_settings() -> dict:
     """The settings every kernel of helion_lib is decorated with: shapes not specialised,
     fp32 dots in tf32x3, no autotuning (``launch`` sets the config), and Helion's ref mode when HELION_INTERPRET
@@ -144,8 +152,11 @@ def kernel_settings() -> dict:
     # fp32 inputs: three TF32 products per dot (about fp32 accuracy on tensor cores), what the
     # Triton kernels do at torch's default fp32 matmul precision ("highest"); 16-bit inputs
     # ignore it. (Following torch's "high" (one TF32 product) would take a second set of kernels.)
-    return dict(static_shapes=False, autotune_effort="none", dot_precision="tf32x3",
-                ref_mode=RefMode.EAGER if interpret else RefMode.OFF)
+    settings = dict(static_shapes=False, autotune_effort="none", dot_precision="tf32x3",
+                    ref_mode=RefMode.EAGER if interpret else RefMode.OFF)
+    if shimmed():  # (spawned benchmark workers would fail to import helion: measured on torch 2.11)
+        settings["autotune_benchmark_subprocess"] = False
+    return settings
 
 
 def interpreting(bound) -> bool:
