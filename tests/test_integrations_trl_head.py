@@ -52,13 +52,16 @@ def _inputs(lead, h, v, dtype, seed, bias=True, ignore=0.3):
     dict(lead=(5,), h=12, v=13, ignore=1.0),  # all ignored
     dict(lead=(0,), h=12, v=13),  # empty
 ], ids=["odd", "3d-temp-softcap", "one-token", "all-ignored", "empty"])
-@pytest.mark.parametrize("budget", [None, 1 << 12])  # one tile; many row and column tiles
-def test_every_field_against_float64(dtype, case, budget):
+@pytest.mark.parametrize("budget", [None, 1 << 12])  # one tile / every column kept; many tiles / recomputed
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # _AllFields; the kernels' FIELDS (interpreter)
+def test_every_field_against_float64(dtype, case, budget, backend):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernels take 16/32-bit floats")
     case = dict(case)
     kw = {k: case.pop(k) for k in ("temperature", "softcap") if k in case}
     x, w, b, t = _inputs(case["lead"], case["h"], case["v"], dtype, seed=1, bias=case.get("bias", True),
                          ignore=case.get("ignore", 0.3))
-    got = trl_fields.head_fields(x, w, t, b, outputs=ALL, memory_budget=budget, **kw)
+    got = trl_fields.head_fields(x, w, t, b, outputs=ALL, memory_budget=budget, backend=backend, **kw)
     ref = _reference(x, w, b, t, **kw)
     tol = 1e-12 if dtype == torch.float64 else 2e-5  # statistics are fp32 from the inputs' values
     for name, g, r in zip(ALL[:4], got[:4], ref[:4]):
@@ -97,17 +100,69 @@ def test_fields_not_asked_are_none_and_the_log_probs_path_is_linear_log_probs(mo
         trl_fields.head_fields(x, w, t, b, outputs=("log_prob",))
 
 
-def test_is_top1_ties_take_the_first_index_across_tiles():
-    """Equal maximal logits in different column tiles (256 wide): the first index is the
-    argmax (torch's rule), so a label at a later tied column is not top-1."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_is_top1_ties_take_the_first_index_across_tiles(backend):
+    """Equal maximal logits in different column tiles (256 wide on the torch route, 32 on
+    the interpreter's plans) and vocabulary splits (one split; the plan's splits): the
+    first index is the argmax (torch's rule), so a label at a later tied column is not top-1."""
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(700, 8, generator=g, dtype=torch.float64).clamp(-3, 3)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    w = torch.randn(700, 8, generator=g, dtype=dtype).clamp(-3, 3)
     w[[10, 300, 650]] = 4.0
-    x = torch.rand(3, 8, generator=g, dtype=torch.float64) + 0.1
+    x = torch.rand(3, 8, generator=g, dtype=dtype) + 0.1
     t = torch.tensor([10, 300, 650])
-    for budget in (None, 1 << 12):
-        top1 = trl_fields.head_fields(x, w, t, outputs=("is_top1",), memory_budget=budget)[4]
+    for budget, splits in ((None, None), (1 << 12, None), (None, 1), (None, 2)):
+        with _splits(splits):
+            top1 = trl_fields.head_fields(x, w, t, outputs=("is_top1",), memory_budget=budget, backend=backend)[4]
         assert top1.tolist() == [True, False, False]
+
+
+def _splits(splits):
+    """The Triton plans with ``splits`` vocabulary splits (None: the planner's)."""
+    import contextlib
+    import dataclasses
+
+    from logitless.planning.overrides import override
+
+    if splits is None:
+        return contextlib.nullcontext()
+    return override(plan=lambda p: dataclasses.replace(p, vocab_splits=splits))
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_triton_route_every_field(splits, entropy):
+    """The kernels' FIELDS route (interpreter): V prime, H odd, a non-default ignore_index
+    (a real class id), temperature and soft-cap, labels at the argmax for half the tokens
+    (is_top1 True there), vocabulary splits forced; gradients of log_probs (and entropy)
+    against float64; _AllFields not called."""
+    x, w, b, t = _inputs((2, 19), 37, 211, torch.float32, seed=5, ignore=0.0)
+    kw = dict(temperature=0.8, softcap=6.0)
+    z = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    top = (6.0 * torch.tanh(z / 6.0)).argmax(-1)
+    t = torch.where(torch.arange(19) % 2 == 0, top, t)
+    t[0, 3] = t[1, 4] = 7  # ignore_index=7 below: 0 / False there
+    ref = _reference(x, w, b, torch.where(t == 7, -100, t), **kw)
+    outputs = ALL if entropy else ("log_probs", "log_sum_sq_probs", "mean_logits", "is_top1")
+    real = trl_fields._AllFields.apply
+    trl_fields._AllFields.apply = None  # (the torch route would fail here)
+    try:
+        with _splits(splits):
+            got = trl_fields.head_fields(x, w, t, b, outputs=outputs, ignore_index=7, backend="triton", **kw)
+    finally:
+        trl_fields._AllFields.apply = real
+    assert (got[1] is None) != entropy
+    for name, g_, r in zip(ALL[:4], got[:4], ref[:4]):
+        if g_ is not None:
+            err = (g_.double() - r).abs().max().item()
+            assert err <= 2e-5 * max(1.0, r.abs().max().item()), (name, err)
+    assert torch.equal(got[4], ref[4]) and got[4].sum() >= 15
+    g = torch.Generator().manual_seed(6)
+    g_lp, g_h = (torch.randn(t.shape, generator=g, dtype=torch.float64) for _ in range(2))
+    loss = (got[0].double() * g_lp).sum() + ((got[1].double() * g_h).sum() if entropy else 0.0)
+    ref_loss = (ref[0] * g_lp).sum() + ((ref[1] * g_h).sum() if entropy else 0.0)
+    for o, r in zip(torch.autograd.grad(loss, (x, w, b)), torch.autograd.grad(ref_loss, (x, w, b))):
+        assert (o.double() - r).abs().max().item() <= 2e-5 * max(1.0, r.abs().max().item())
 
 
 # ------------------------------------------------------------------------------------------
