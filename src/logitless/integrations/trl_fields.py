@@ -171,13 +171,12 @@ class _TritonFields(torch.autograd.Function):
     (else that output is an empty tensor)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, opts: LogProbOptions, budget: int):
+    def forward(ctx, x, weight, bias, labels, opts: LogProbOptions, budget: int, need_grad: bool):
         from logitless.ops.linear_log_probs import triton_backend as tb
 
         check_targets_in_range(labels, weight.shape[0], opts.ignore_index, name="labels")
         with no_autocast(x.device):
-            plan = tb.plan(x, weight, bias, opts, budget=budget, need_grad=any(ctx.needs_input_grad[:3]),
-                           cute=False)
+            plan = tb.plan(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=False)
             (logp, ent, lse, sq, mean, top1), kept = tb.forward(x, weight, bias, labels, opts, plan=plan,
                                                                  budget=budget, outputs=True, fields=True)
         if ent is None:
@@ -197,13 +196,13 @@ class _TritonFields(torch.autograd.Function):
         if not opts.entropy:
             g_h = None
         if g_lp is None and g_h is None or not (need_dx or need_dw or need_db):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         kept, ctx.kept = ctx.kept, None
         with no_autocast(x.device):
             coef = tb.grad_coefficients(ent if opts.entropy else None, labels, g_lp, g_h, weight.shape[0], opts)
             dx, dw, db = tb.backward(x, weight, bias, labels, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
                                      need_db=bool(need_db) and bias is not None, plan=ctx.plan, kept=kept)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
@@ -237,7 +236,8 @@ def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor
             x2d = x2d.contiguous()
         opts = LogProbOptions.checked(temperature=temperature, entropy=want["entropy"], softcap=softcap,
                                       ignore_index=ignore_index)
-        fields = _TritonFields.apply(x2d, weight, bias, flat, opts, budget)
+        need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        fields = _TritonFields.apply(x2d, weight, bias, flat, opts, budget, need_grad)
     else:
         opts = LogProbOptions.checked(temperature=temperature, entropy=True, softcap=softcap,
                                       ignore_index=ignore_index)
