@@ -75,8 +75,13 @@ def signature(fn, dtype, c):
     kept_kernel = "H" not in fn.arg_names  # the kept-dlogits kernels take plain pointers
     # Constexprs a config does not name take their defaults (as at a launch that omits them).
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    # Pointers that default to None (optional inputs of a constexpr-gated feature) are
+    # None, as at a launch that omits them.
+    absent = {p.name for p in fn.params if not p.is_constexpr and p.has_default and p.default is None}
     for a in fn.arg_names:
-        if a in c or a in defaults:
+        if a in absent and a not in c:
+            sig[a], consts[a] = "constexpr", None
+        elif a in c or a in defaults:
             sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
         elif a.endswith("_ptr"):
             if a in IN_DTYPE:

@@ -10,9 +10,9 @@ make, with the tiles and kernel options the planner chooses on those GPUs.
 Run with PYTHONPATH pointing at the tree (src/). ``capture`` runs the ops on the CPU
 interpreter (TRITON_INTERPRET=1, small odd shapes, bf16/fp16/fp32 and the main options:
 bias, softcap, class weights, label smoothing, z-loss, argmax (return_stats), kept
-columns, gradient in the forward, entropy, temperature, JSD beta 0.5 / 0 / 1, hard
-labels; fp32 at matmul precision "highest" and "high") with the plans an AMD GPU gets
-(``planning.rocm``: its tile tables, no TMA; the row kernels' tiles as on a GPU) and
+columns, gradient in the forward, entropy, temperature, TRL's head fields, JSD beta
+0.5 / 0 / 1, hard labels; fp32 at matmul precision "highest" and "high") with the plans
+an AMD GPU gets (``planning.rocm``: its tile tables, no TMA; the row kernels' tiles as on a GPU) and
 records each launch: kernel, argument types, constexprs (the dot precision is
 ``planning.rocm.dot_precision``'s for the target), launch options. ``compile`` compiles
 each unique launch (a separate process: without the interpreter) for its target, and writes
@@ -55,6 +55,7 @@ def _cases(full: bool):
         ("llp-entropy", "llp", dict(entropy=True, temperature=0.7, softcap=20.0, bias=True)),
         ("llp-recompute", "llp", dict(budget="none", entropy=True)),
         ("llp-topk", "llp", dict(top_k=5, top_p=0.9, entropy=True)),
+        ("trl-fields", "trl", dict(bias=True, softcap=20.0, temperature=0.7)),  # FIELDS + its epilogue
         ("ljsd-0.5", "ljsd", dict(beta=0.5, hard_label_weight=0.3)),
         ("ljsd-kl", "ljsd", dict(beta=0.0, softcap=25.0, bias=True)),
         ("ljsd-split", "ljsd", dict(beta=0.5, v=5003)),
@@ -190,6 +191,12 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
         elif op == "llp":
             x, w = r(n, h), r(v, h, scale=0.2)
             res = L.linear_log_probs(x, w, target.clamp(min=0), memory_budget=mem, backend="triton", **kw)
+        elif op == "trl":  # TRL's five head fields (integrations.trl_fields): the forward's FIELDS
+            from logitless.integrations import trl_fields
+
+            x, w = r(n, h), r(v, h, scale=0.2)
+            res = trl_fields.head_fields(x, w, target, outputs=trl_fields.FIELDS, memory_budget=mem,
+                                         backend="triton", **kw)
         elif op == "ljsd":
             cap = kw.pop("softcap", None)
             xs, ws, xt, wt = r(n, h), r(v, h, scale=0.2), r(n, ht, grad=False), r(v, ht, scale=0.2, grad=False)

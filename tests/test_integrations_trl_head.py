@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from logitless.integrations import trl_fields
+from tests.conftest import DEVICE
 
 ALL = trl_fields.FIELDS
 
@@ -34,14 +35,15 @@ def _reference(x, w, b, t, temperature=1.0, softcap=None):
     return (*fields, (a.argmax(-1) == t) & valid)
 
 
-def _inputs(lead, h, v, dtype, seed, bias=True, ignore=0.3):
+def _inputs(lead, h, v, dtype, seed, bias=True, ignore=0.3, device="cpu"):
+    """Inputs on ``device`` (the Triton route: DEVICE, the GPU or the CPU interpreter)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, h, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(v, h, generator=g) * h**-0.5 * 3).to(dtype).requires_grad_()
-    b = (torch.randn(v, generator=g) * 0.5).to(dtype).requires_grad_() if bias else None
+    x = torch.randn(*lead, h, generator=g).to(dtype).to(device).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * h**-0.5 * 3).to(dtype).to(device).requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype).to(device).requires_grad_() if bias else None
     t = torch.randint(0, v, lead, generator=g)
     t[torch.rand(lead, generator=g) < ignore] = -100
-    return x, w, b, t
+    return x, w, b, t.to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -52,13 +54,16 @@ def _inputs(lead, h, v, dtype, seed, bias=True, ignore=0.3):
     dict(lead=(5,), h=12, v=13, ignore=1.0),  # all ignored
     dict(lead=(0,), h=12, v=13),  # empty
 ], ids=["odd", "3d-temp-softcap", "one-token", "all-ignored", "empty"])
-@pytest.mark.parametrize("budget", [None, 1 << 12])  # one tile; many row and column tiles
-def test_every_field_against_float64(dtype, case, budget):
+@pytest.mark.parametrize("budget", [None, 1 << 12])  # one tile / every column kept; many tiles / recomputed
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # _AllFields; the kernels' FIELDS (interpreter)
+def test_every_field_against_float64(dtype, case, budget, backend):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton kernels take 16/32-bit floats")
     case = dict(case)
     kw = {k: case.pop(k) for k in ("temperature", "softcap") if k in case}
     x, w, b, t = _inputs(case["lead"], case["h"], case["v"], dtype, seed=1, bias=case.get("bias", True),
-                         ignore=case.get("ignore", 0.3))
-    got = trl_fields.head_fields(x, w, t, b, outputs=ALL, memory_budget=budget, **kw)
+                         ignore=case.get("ignore", 0.3), device=DEVICE if backend == "triton" else "cpu")
+    got = trl_fields.head_fields(x, w, t, b, outputs=ALL, memory_budget=budget, backend=backend, **kw)
     ref = _reference(x, w, b, t, **kw)
     tol = 1e-12 if dtype == torch.float64 else 2e-5  # statistics are fp32 from the inputs' values
     for name, g, r in zip(ALL[:4], got[:4], ref[:4]):
@@ -70,8 +75,7 @@ def test_every_field_against_float64(dtype, case, budget):
     if x.numel() == 0:
         return
     g = torch.Generator().manual_seed(2)
-    g_lp, g_h = torch.randn(t.shape, generator=g, dtype=torch.float64), torch.randn(t.shape, generator=g,
-                                                                                    dtype=torch.float64)
+    g_lp, g_h = (torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device) for _ in range(2))
     params = [p for p in (x, w, b) if p is not None]
     ours = torch.autograd.grad((got[0].double() * g_lp).sum() + (got[1].double() * g_h).sum(), params)
     refs = torch.autograd.grad((ref[0] * g_lp).sum() + (ref[1] * g_h).sum(), params)
@@ -97,17 +101,75 @@ def test_fields_not_asked_are_none_and_the_log_probs_path_is_linear_log_probs(mo
         trl_fields.head_fields(x, w, t, b, outputs=("log_prob",))
 
 
-def test_is_top1_ties_take_the_first_index_across_tiles():
-    """Equal maximal logits in different column tiles (256 wide): the first index is the
-    argmax (torch's rule), so a label at a later tied column is not top-1."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_is_top1_ties_take_the_first_index_across_tiles(backend):
+    """Equal maximal logits in different column tiles (256 wide on the torch route, 32 on
+    the interpreter's plans) and vocabulary splits (one split; the plan's splits): the
+    first index is the argmax (torch's rule), so a label at a later tied column is not top-1."""
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(700, 8, generator=g, dtype=torch.float64).clamp(-3, 3)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    dev = DEVICE if backend == "triton" else "cpu"
+    w = torch.randn(700, 8, generator=g, dtype=dtype).clamp(-3, 3)
     w[[10, 300, 650]] = 4.0
-    x = torch.rand(3, 8, generator=g, dtype=torch.float64) + 0.1
-    t = torch.tensor([10, 300, 650])
-    for budget in (None, 1 << 12):
-        top1 = trl_fields.head_fields(x, w, t, outputs=("is_top1",), memory_budget=budget)[4]
+    x = torch.rand(3, 8, generator=g, dtype=dtype) + 0.1
+    x, w, t = x.to(dev), w.to(dev), torch.tensor([10, 300, 650], device=dev)
+    for budget, splits in ((None, None), (1 << 12, None), (None, 1), (None, 2)):
+        with _splits(splits):
+            top1 = trl_fields.head_fields(x, w, t, outputs=("is_top1",), memory_budget=budget, backend=backend)[4]
         assert top1.tolist() == [True, False, False]
+
+
+def _splits(splits):
+    """The Triton plans with ``splits`` vocabulary splits (None: the planner's)."""
+    import contextlib
+    import dataclasses
+
+    from logitless.planning.overrides import override
+
+    if splits is None:
+        return contextlib.nullcontext()
+    return override(plan=lambda p: dataclasses.replace(p, vocab_splits=splits))
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_triton_route_every_field(splits, entropy):
+    """The kernels' FIELDS route (interpreter): V prime, H odd, a non-default ignore_index
+    (a real class id), temperature and soft-cap, labels at the argmax for half the tokens
+    (is_top1 True there), vocabulary splits forced; gradients of log_probs (and entropy)
+    against float64; _AllFields not called."""
+    x, w, b, t = _inputs((2, 19), 37, 211, torch.float32, seed=5, ignore=0.0, device=DEVICE)
+    kw = dict(temperature=0.8, softcap=6.0)
+    z = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    top = (6.0 * torch.tanh(z / 6.0)).argmax(-1)
+    t = torch.where(torch.arange(19, device=t.device) % 2 == 0, top, t)
+    t[0, 3] = t[1, 4] = 7  # ignore_index=7 below: 0 / False there
+    ref = _reference(x, w, b, torch.where(t == 7, -100, t), **kw)
+    outputs = ALL if entropy else ("log_probs", "log_sum_sq_probs", "mean_logits", "is_top1")
+    real = trl_fields._AllFields.apply
+    trl_fields._AllFields.apply = None  # (the torch route would fail here)
+    try:
+        with _splits(splits):
+            got = trl_fields.head_fields(x, w, t, b, outputs=outputs, ignore_index=7, backend="triton", **kw)
+    finally:
+        trl_fields._AllFields.apply = real
+    assert (got[1] is None) != entropy
+    for name, g_, r in zip(ALL[:4], got[:4], ref[:4]):
+        if g_ is not None:
+            err = (g_.double() - r).abs().max().item()
+            assert err <= 2e-5 * max(1.0, r.abs().max().item()), (name, err)
+    assert torch.equal(got[4], ref[4]) and got[4].sum() >= 15
+    if splits is None:  # without a gradient to come (nothing kept for a backward): the same fields
+        with torch.no_grad():
+            again = trl_fields.head_fields(x, w, t, b, outputs=outputs, ignore_index=7, backend="triton", **kw)
+        for g_, a_ in zip(got, again):
+            assert (g_ is None and a_ is None) or torch.equal(g_, a_)
+    g = torch.Generator().manual_seed(6)
+    g_lp, g_h = (torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device) for _ in range(2))
+    loss = (got[0].double() * g_lp).sum() + ((got[1].double() * g_h).sum() if entropy else 0.0)
+    ref_loss = (ref[0] * g_lp).sum() + ((ref[1] * g_h).sum() if entropy else 0.0)
+    for o, r in zip(torch.autograd.grad(loss, (x, w, b)), torch.autograd.grad(ref_loss, (x, w, b))):
+        assert (o.double() - r).abs().max().item() <= 2e-5 * max(1.0, r.abs().max().item())
 
 
 # ------------------------------------------------------------------------------------------

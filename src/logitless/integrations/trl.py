@@ -535,7 +535,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     and head in fp32, outside autocast. An FSDP2 DTensor head is gathered
     (``full_tensor``) as TRL does. Fields (``trl_fields``): log_probs and entropy alone
     come from ``linear_log_probs`` (one pass, its kernels); any other field asks for the
-    one-pass path of all five (``trl_fields.head_fields``).
+    one-pass path of all five (``trl_fields.head_fields``: the same kernels on a GPU).
 
     Refused (ValueError, at the call): MoE router aux losses (``output_router_logits``),
     models that scale logits other than by ``final_logit_softcapping``

@@ -17,14 +17,16 @@ Routes (:func:`head_fields`):
 
 * ``outputs`` within {log_probs, entropy}: ``logitless.linear_log_probs`` (its Triton
   kernels on a GPU): one pass.
-* any other field: :class:`_AllFields`, one pass in bounded PyTorch tiles (fp32 logits
-  from the inputs' values, fp32 GEMMs) that keeps, per token, the online statistics of
-  ``formulas.log_probs`` (running max m, s = sum e^(a - m), u = sum e^(a - m)(a - m))
-  plus s2 = sum e^(2(a - m)) (rescaled by e^(2(m - m')) when m grows: lse2 = 2m + log s2),
-  the plain sum of a, and the running (max, first index). Its backward recomputes the
-  tiles (``formulas.log_probs.dlogits_``). On a GPU these are cuBLAS fp32 GEMMs and
-  torch element-wise passes, not the Triton kernels: correct and bounded in memory,
-  slower than ``linear_log_probs`` (a kernel with these statistics is not written yet).
+* any other field, where ``linear_log_probs`` would run Triton (CUDA, 16/32-bit floats;
+  the interpreter with ``backend="triton"``): :class:`_TritonFields`, linear_log_probs'
+  own forward kernel with its ``FIELDS`` statistics (``triton_lib.log_probs_fields``):
+  per token and vocabulary split also s2 = sum e^(2(a - m)) (rescaled by e^(2(m - m'))
+  when the max grows), the sum of a and the first argmax, merged over the splits as lse
+  is; its backward is linear_log_probs' (the same lse, entropy and kept columns).
+* elsewhere (CPU, float64): :class:`_AllFields`, the same statistics in bounded PyTorch
+  tiles (fp32 logits from the inputs' values, fp32 GEMMs) beside those of
+  ``formulas.log_probs`` (running max m, s = sum e^(a - m), u = sum e^(a - m)(a - m));
+  its backward recomputes the tiles (``formulas.log_probs.dlogits_``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap
 from logitless.formulas.log_probs import dlogits_, grad_coefficients, scaled_logits_
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
+from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.linear_log_probs import linear_log_probs as _linear_log_probs
 from logitless.options import LogProbOptions, check_memory_budget
 
@@ -159,22 +164,64 @@ class _AllFields(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+class _TritonFields(torch.autograd.Function):
+    """The five fields from linear_log_probs' Triton forward with ``fields=True`` (one
+    GEMM pass); gradients of log_probs and entropy by its backward (the last three
+    outputs are not differentiable). Entropy is computed only when ``opts.entropy``
+    (else that output is an empty tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, opts: LogProbOptions, budget: int, need_grad: bool):
+        from logitless.ops.linear_log_probs import triton_backend as tb
+
+        check_targets_in_range(labels, weight.shape[0], opts.ignore_index, name="labels")
+        with no_autocast(x.device):
+            plan = tb.plan(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=False)
+            (logp, ent, lse, sq, mean, top1), kept = tb.forward(x, weight, bias, labels, opts, plan=plan,
+                                                                 budget=budget, outputs=True, fields=True)
+        if ent is None:
+            ent = logp.new_empty(0)
+        ctx.save_for_backward(x, weight, bias, labels, lse, ent)
+        ctx.opts, ctx.plan, ctx.kept = opts, plan, kept  # (kept: consumed by the first backward)
+        ctx.mark_non_differentiable(sq, mean, top1)
+        return logp, ent, sq, mean, top1
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h, *_):
+        from logitless.ops.linear_log_probs import triton_backend as tb
+
+        x, weight, bias, labels, lse, ent = ctx.saved_tensors
+        opts = ctx.opts
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if not opts.entropy:
+            g_h = None
+        if g_lp is None and g_h is None or not (need_dx or need_dw or need_db):
+            return None, None, None, None, None, None, None
+        kept, ctx.kept = ctx.kept, None
+        with no_autocast(x.device):
+            coef = tb.grad_coefficients(ent if opts.entropy else None, labels, g_lp, g_h, weight.shape[0], opts)
+            dx, dw, db = tb.backward(x, weight, bias, labels, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
+                                     need_db=bool(need_db) and bias is not None, plan=ctx.plan, kept=kept)
+        return dx, dw, db, None, None, None, None
+
+
 def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                 temperature: float = 1.0, softcap: Optional[float] = None, outputs=("log_probs",),
-                ignore_index: int = -100, memory_budget: Optional[int] = None):
+                ignore_index: int = -100, memory_budget: Optional[int] = None, backend: str = "auto"):
     """TRL's five per-token fields (module docstring) of x (..., H) against labels (...),
     in ``FIELDS`` order, None for the ones not in ``outputs``; ``log_probs`` always.
-    x, weight and bias must share a dtype (the caller casts: TRL's compute dtype)."""
+    x, weight and bias must share a dtype (the caller casts: TRL's compute dtype).
+    ``backend``: as ``linear_log_probs``' ("auto": Triton on CUDA, else PyTorch; "torch";
+    "triton", also the CPU interpreter); it picks the route of the extra fields too."""
     outputs = check_outputs(outputs)
     want = {f: f in outputs or f == "log_probs" for f in FIELDS}
     if not any(want[f] for f in FIELDS[2:]):
         res = _linear_log_probs(x, weight, labels, bias, temperature=temperature, entropy=want["entropy"],
-                                softcap=softcap, ignore_index=ignore_index, memory_budget=memory_budget)
+                                softcap=softcap, ignore_index=ignore_index, memory_budget=memory_budget,
+                                backend=backend)
         logp, ent = res if want["entropy"] else (res, None)
         return logp, ent, None, None, None
     budget = check_memory_budget(memory_budget)
-    opts = LogProbOptions.checked(temperature=temperature, entropy=True, softcap=softcap,
-                                  ignore_index=ignore_index)
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
                         + ("" if bias is None else f", {bias.dtype}"))
@@ -183,9 +230,19 @@ def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor
                          "do not fit: x (..., H), weight (V, H), labels (...)")
     flat = labels.reshape(-1).long()
     x2d = x.reshape(-1, x.shape[-1])
-    fields = _AllFields.apply(x2d, weight, bias, flat, opts, budget)
-    fields = [f.reshape(labels.shape) for f in fields]
-    return tuple(f if want[name] else None for name, f in zip(FIELDS, fields))
+    impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
+    if impl == "triton" and x2d.shape[0] > 0:
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        opts = LogProbOptions.checked(temperature=temperature, entropy=want["entropy"], softcap=softcap,
+                                      ignore_index=ignore_index)
+        need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        fields = _TritonFields.apply(x2d, weight, bias, flat, opts, budget, need_grad)
+    else:
+        opts = LogProbOptions.checked(temperature=temperature, entropy=True, softcap=softcap,
+                                      ignore_index=ignore_index)
+        fields = _AllFields.apply(x2d, weight, bias, flat, opts, budget)
+    return tuple(f.reshape(labels.shape) if want[name] else None for name, f in zip(FIELDS, fields))
 
 
 __all__ = ["FIELDS", "head_fields", "check_outputs"]

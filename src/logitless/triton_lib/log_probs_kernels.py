@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.gemm import grouped_tile
+from logitless.triton_lib.log_probs_fields import fields_update
 from logitless.triton_lib.log_probs_math import load_logp_rows, logp_dz_tile, online_entropy_update
 from logitless.triton_lib.tile_io import (
     block_tile,
@@ -32,6 +33,7 @@ def logp_forward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     FLATTEN: tl.constexpr = False, split0=0, W_CHUNK: tl.constexpr = False,
     tau_ptr=None, HAS_THRESHOLD: tl.constexpr = False,
+    part_s2_ptr=None, part_zsum_ptr=None, part_best_ptr=None, part_arg_ptr=None, FIELDS: tl.constexpr = False,
 ):
     """Online statistics of a = softcap(x W^T + b) / T over one split of the vocabulary.
 
@@ -65,6 +67,11 @@ def logp_forward_kernel(
     s = tl.zeros((BLOCK_N,), tl.float32)
     u = tl.zeros((BLOCK_N,), tl.float32)
     a_t = tl.zeros((BLOCK_N,), tl.float32)
+    if FIELDS:
+        s2 = tl.zeros((BLOCK_N,), tl.float32)
+        zsum = tl.zeros((BLOCK_N,), tl.float32)
+        best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        best_idx = tl.zeros((BLOCK_N,), tl.int32)
 
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
@@ -76,6 +83,7 @@ def logp_forward_kernel(
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
         if HAS_THRESHOLD:
             a = tl.where(a >= tau[:, None], a, float("-inf"))
+        m_prev = m
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if KEEP:
             block = first_block + i
@@ -86,6 +94,9 @@ def logp_forward_kernel(
         # TritonGPUFuseNestedLoops pass fails on KEEP + FLATTEN ("scf.if ... 5 operands,
         # target successor needs 7"; reproduced with an sm_90 AOT compile on the CPU).
         a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
+        if FIELDS:
+            s2, zsum, best, best_idx = fields_update(a, m_prev, m_safe, e, offs_v, s2, zsum, best, best_idx, V,
+                                                     BLOCK_V)
 
     out = split.to(tl.int64) * N + offs_n
     tl.store(part_max_ptr + out, m, mask=row_ok)
@@ -93,6 +104,11 @@ def logp_forward_kernel(
     tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
     if ENTROPY:
         tl.store(part_u_ptr + out, u, mask=row_ok)
+    if FIELDS:
+        tl.store(part_s2_ptr + out, s2, mask=row_ok)
+        tl.store(part_zsum_ptr + out, zsum, mask=row_ok)
+        tl.store(part_best_ptr + out, best, mask=row_ok)
+        tl.store(part_arg_ptr + out, best_idx, mask=row_ok)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
-from logitless.triton_lib import launch, log_probs_epilogue
+from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
 from logitless.triton_lib.launch import cdiv
 from logitless.triton_lib import log_probs_kernels as K
 
@@ -93,17 +93,21 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            plan: LinearPlan, budget: Optional[int] = None, outputs: bool = False, tau: Optional[Tensor] = None):
+            plan: LinearPlan, budget: Optional[int] = None, outputs: bool = False, tau: Optional[Tensor] = None,
+            fields: bool = False):
     """(LogProbStats, kept) under the call's ``plan`` (``budget``: planned already): kept is
     None or (buffer, tile maxima), which ``backward`` turns into dz in place (one backward
     only). ``outputs`` (N > 0): ((logp, entropy or None, lse), kept) instead, the merge
     and ``token_outputs`` in one launch (``log_probs_epilogue.forward_outputs``). ``tau``
     (N,) fp32: a per-token threshold, columns a < tau left out (truncated sampling; kept
     e = 0 there); its caller (``ops.linear_log_probs.truncation``) plans without CuTe and,
-    with a soft-cap, without kept columns (the soft-cap's factor from log e would be NaN)."""
+    with a soft-cap, without kept columns (the soft-cap's factor from log e would be NaN).
+    ``fields`` (with ``outputs``; no CuTe, no ``tau``): TRL's extra fields from the same pass,
+    ((logp, entropy or None, lse, log_sum_sq_probs, mean_logits, is_top1 as bool), kept)
+    (``triton_lib.log_probs_fields``)."""
     n, h = x.shape
     v = weight.shape[0]
-    keep_ok, cute, plan = plan.keeps, (plan.cute if tau is None else None), plan.forward
+    keep_ok, cute, plan = plan.keeps, (plan.cute if tau is None and not fields else None), plan.forward
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
@@ -132,6 +136,11 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, opts, x.dtype, prerounded)
     thr = _threshold_args(tau)
+    if fields:
+        fparts = launch.partials(3, splits, n, x.device)
+        f_arg = torch.empty(splits, n, dtype=torch.int32, device=x.device)
+        thr = dict(thr, part_s2_ptr=fparts[0], part_zsum_ptr=fparts[1], part_best_ptr=fparts[2], part_arg_ptr=f_arg,
+                   FIELDS=True)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
         launch.launch_kernel(
@@ -148,11 +157,29 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         )
     kept = (keep_buf, keep_max) if keep is not None else None
     if outputs:
-        return log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
-                                                  tokens, opts, v), kept
+        res = log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
+                                                 tokens, opts, v)
+        if fields:
+            res = (*res, *_field_outputs(part_max, part_sum, fparts, f_arg, tokens, opts, v))
+        return res, kept
     lse, ent = merge_splits(part_max, part_sum, part_u if opts.entropy else None)
     stats = LogProbStats(lse=lse, target=part_tgt.sum(dim=0), entropy=ent)
     return stats, kept
+
+
+def _field_outputs(part_max: Tensor, part_sum: Tensor, fparts, f_arg: Tensor, tokens: Tensor, opts: LogProbOptions,
+                   v: int):
+    """(log_sum_sq_probs, mean_logits, is_top1) (N,) from the splits' partials: one launch."""
+    n = tokens.shape[0]
+    sq = torch.empty(n, dtype=torch.float32, device=tokens.device)
+    mean = torch.empty_like(sq)
+    top1 = torch.empty(n, dtype=torch.int8, device=tokens.device)
+    block = log_probs_epilogue.BLOCK
+    log_probs_fields.fields_epilogue_kernel[(cdiv(n, block),)](
+        part_max, part_sum, *fparts, f_arg, tokens.contiguous(), sq, mean, top1, n, v, part_max.shape[0],
+        opts.ignore_index, BLOCK=block, num_warps=4,
+    )
+    return sq, mean, top1.view(torch.bool)
 
 
 def _threshold_args(tau: Optional[Tensor]) -> dict:
