@@ -127,24 +127,16 @@ def linear_cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
     )
-    if batch_invariant is not False:
-        if batch_invariant is not True:
-            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-        dt = _tp.dtensor_type()
-        if process_group is not None or (dt is not None and (isinstance(x, dt) or isinstance(weight, dt))):
-            raise ValueError("batch_invariant=True is not supported with a vocab-parallel head "
-                             "(process_group or DTensor inputs)")
-        from .batch_invariant import blocked
-
-        return blocked(linear_cross_entropy, x, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
-                       class_weight=class_weight, shift=shift, return_stats=return_stats, backend=backend,
-                       kwargs=dict(label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                                   memory_budget=memory_budget, vocab_size=vocab_size))
+    if batch_invariant is not False and batch_invariant is not True:
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     x, weight, bias, tp = _tp.prepare("linear_cross_entropy", ("x", "weight", "bias"), x, weight, bias,
                                       process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
     target, class_weight = _tp.plain(target), _tp.plain(class_weight)
     # (x, weight and bias are plain tensors now: prepare made DTensors local or raised.)
     parallel = tp.parallel
+    if batch_invariant and parallel:
+        raise ValueError("batch_invariant=True is not supported with a vocab-parallel head "
+                         "(process_group or DTensor inputs)")
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
     # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
@@ -191,10 +183,16 @@ def linear_cross_entropy(
     # (under torch.compile the keep/recompute strategies serve, as the strategy returns
     # extra state); the op's plan decides whether to use it.
     in_forward = grad_wanted and not parallel and not torch.compiler.is_compiling()
-    loss, lse, argmax, *_ = lce_forward_eager(
-        x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
-        return_stats, grad_wanted, in_forward, *need, *tp.args(),
-    )
+    if batch_invariant:
+        from .batch_invariant import blocked
+
+        loss, lse, argmax = blocked(x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget,
+                                    return_stats)
+    else:
+        loss, lse, argmax, *_ = lce_forward_eager(
+            x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
+            return_stats, grad_wanted, in_forward, *need, *tp.args(),
+        )
 
     def per_token(t: Tensor) -> Tensor:
         t = t.reshape(out_shape)

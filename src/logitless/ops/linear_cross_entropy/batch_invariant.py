@@ -1,88 +1,90 @@
-"""linear_cross_entropy with ``batch_invariant=True``: the op on fixed-size row blocks
-(``ops.common.invariant``), each under activation checkpointing.
+"""linear_cross_entropy with ``batch_invariant=True``: the forward on fixed-size row
+blocks (``ops.common.invariant``), the backward once over the whole batch.
 
-Per block the op runs with reduction="none" (and the stats when asked) on the block's
-rows, the last block padded with zero rows of ignored targets; ``torch.utils.checkpoint``
-keeps only the block's inputs, and the backward re-runs that block's forward (bitwise
-the same) before its own backward, so the memory stays one block's budget. The
-per-token loss, lse and argmax of a row are then the same bits whatever the batch. The
+The forward runs the op's forward implementation (``custom_op._forward``, reduction
+"none", no gradient planned: nothing kept, no gradient-in-forward) on blocks of
+``invariant_rows`` rows, the last block padded with zero rows of ignored targets, so
+every GEMM, plan and reduction of a row has the same shape whatever the batch: the
+per-token loss, lse and argmax of a row are the same bits whatever the batch size, the
+row's position and its neighbours (with or without a gradient to follow). The
 reductions ("mean", "sum") add the per-token losses afterwards (their bits may follow
-the batch; the per-token values do not). Cost: up to one block of padding rows, one
-more forward per block (the recompute) and one dW add per block.
+the batch; the per-token values do not).
+
+The backward is the default op's (``custom_op._backward``: the backend's
+``grad_coefficients`` and ``backward``) run once over the whole batch with the blocked
+forward's lse, the gradients of the per-token losses and of the lse (``grad_lse``):
+one dW, no forward re-run. Gradients are deterministic run to run, not batch-invariant
+(as linear_log_probs'). Cost against the default op: up to one block of padding rows in
+the forward, and no kept columns for the backward (one recomputed GEMM more than the
+default path when its budget keeps columns); memory as the default op's.
+
+torch.compile: this path is an autograd.Function over eager code (not custom ops).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
-from logitless.formulas.cross_entropy import LossStats
-from logitless.ops.common.dispatch import resolve_backend
+from logitless.formulas.common import reduce
+from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.invariant import blocks, invariant_rows, pad_rows
+from logitless.ops.common.kept import nothing_kept
+from logitless.options import CrossEntropyOptions, VocabParallelOptions
+
+from . import custom_op
+
+_SINGLE = VocabParallelOptions()
 
 
-def blocked(op, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], *, ignore_index: int,
-            reduction: str, class_weight: Optional[Tensor], shift: bool, return_stats: bool, backend: str,
-            kwargs: dict):
-    """``op`` (the public linear_cross_entropy) on blocks; the same outputs as one call."""
-    if not isinstance(x, Tensor) or not isinstance(target, Tensor) or x.dim() < 1:
-        raise TypeError("x and target must be tensors, x of shape (..., H)")
-    if shift:
-        if x.dim() < 2:
-            raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
-        if target.shape[-1] > 0:
-            pad = target.new_full(target.shape[:-1] + (1,), ignore_index)
-            target = torch.cat([target[..., 1:], pad], dim=-1)
-    if target.shape != x.shape[:-1]:
-        raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(x.shape[:-1])} "
-                         "(the leading dimensions of x)")
-    out_shape = target.shape
-    x2d = x.reshape(-1, x.shape[-1])
-    flat = target.reshape(-1)
-    n = x2d.shape[0]
-    impl = resolve_backend(backend, x.device, x.dtype if x.is_floating_point() else torch.float32)
-    block = invariant_rows(impl, x.device)
+class _Blocked(torch.autograd.Function):
+    """(x, weight, bias, target, class_weight, opts (reduction "none"), backend, budget,
+    need_argmax) -> per-token loss, lse, argmax (or empty), w_t."""
 
-    def run(xb, w, b, tb):
-        out = op(xb, w, tb, b, ignore_index=ignore_index, reduction="none", class_weight=class_weight,
-                 return_stats=return_stats, backend=backend, **kwargs)
-        if return_stats:
-            loss, st = out
-            return loss, st.lse, st.correct, st.argmax
-        return (out,)
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax):
+        parts = []
+        for n0, n1, pad in blocks(x.shape[0], invariant_rows(backend, x.device)) or [(0, 0, 0)]:
+            xb, tb = pad_rows(x, n0, n1, pad), pad_rows(target, n0, n1, pad, opts.ignore_index)
+            out = custom_op._forward(xb, weight, bias, tb, class_weight, opts, backend, budget, need_argmax,
+                                     False, False, False, False, False, _SINGLE)
+            parts.append([t[:n1 - n0] for t in out[:4]])  # loss, lse, argmax, w_t
+        loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
+        ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
+        ctx.args = (opts, backend, budget)
+        ctx.mark_non_differentiable(argmax, w_t)
+        ctx.set_materialize_grads(False)
+        return loss, lse, argmax, w_t
 
-    parts = []
-    for n0, n1, pad in blocks(n, block):
-        xb, tb = pad_rows(x2d, n0, n1, pad), pad_rows(flat, n0, n1, pad, ignore_index)
-        if torch.is_grad_enabled():
-            out = checkpoint(run, xb, weight, bias, tb, use_reentrant=False)
-        else:
-            out = run(xb, weight, bias, tb)
-        parts.append(tuple(t[:n1 - n0] for t in out))
-    if n == 0:
-        parts = [run(x2d, weight, bias, flat)]
-    cols = [torch.cat(c) for c in zip(*parts)]
-    loss = cols[0]
-    valid = flat != ignore_index
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_loss, g_lse, _g_argmax, _g_wt):
+        x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
+        opts, backend, budget = ctx.args
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if g_loss is None:
+            g_loss = torch.zeros_like(lse)
+        plan = None
+        if x.shape[0] > 0:  # the backward's plan over the whole batch (nothing kept: it recomputes)
+            plan = load_backend(custom_op.__package__, backend).plan(
+                x, weight, bias, class_weight, opts, budget=budget, need_grad=False, need_argmax=False,
+                cute=False)
+        dx, dw, db = custom_op._backward(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t,
+                                         *nothing_kept(x), plan, opts, backend, budget, need_dx, need_dw,
+                                         need_db, _SINGLE)
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                None, None, None, None, None, None)
 
-    def per_token(t: Tensor) -> Tensor:
-        t = t.reshape(out_shape)
-        return t[..., :-1] if shift else t
 
-    if reduction == "none":
-        out = per_token(loss)
-    elif reduction == "sum":
-        out = loss.sum()
-    else:
-        if class_weight is not None:
-            den = torch.where(valid, class_weight[torch.where(valid, flat, 0).long()].to(loss.dtype),
-                              torch.zeros((), dtype=loss.dtype, device=loss.device)).sum()
-        else:
-            den = valid.sum().to(loss.dtype)
-        out = loss.sum() / den
-    if not return_stats:
-        return out
-    return out, LossStats(per_token(cols[1]), per_token(cols[2]), valid.sum(), per_token(cols[3]))
+def blocked(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+            opts: CrossEntropyOptions, backend: str, budget: int, need_argmax: bool):
+    """(loss reduced as ``opts.reduction``, lse (N,), argmax (N,) or (0,)) of x (N, H),
+    target (N,) int64, with the arguments the public function checked and prepared
+    (autocast casts, shift, vocab_size's slice); the module docstring."""
+    loss, lse, argmax, w_t = _Blocked.apply(x, weight, bias, target, class_weight,
+                                            replace(opts, reduction="none"), backend, budget, need_argmax)
+    return reduce(loss, w_t, opts.reduction), lse, argmax
