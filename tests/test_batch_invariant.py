@@ -129,3 +129,112 @@ def test_log_probs():
                                    batch_invariant=True, top_p=0.9)
 
     _rows_equal(fn, "torch")
+
+
+# Each option alone: values and gradients of batch_invariant=True against the default
+# path (one backward over the batch, with the blocked forward's statistics).
+OPTION_CASES = {
+    "plain": {},
+    "bias": {"bias": True},
+    "class_weight": {"class_weight": True},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "label_smoothing_class_weight": {"label_smoothing": 0.1, "class_weight": True},
+    "z_loss": {"z_loss": 1e-2},
+    "softcap": {"softcap": 4.0},
+    "ignore_index": {"ignore_index": 7},
+    "shift": {"shift": True},
+    "lse_grad": {"lse_grad": True},
+    "memory_budget": {"memory_budget": 1},
+    "vocab_size": {"vocab_size": 53},
+    "mean": {"reduction": "mean"},
+    "sum": {"reduction": "sum"},
+    "autocast": {"autocast": True},
+}
+
+
+def _option_run(backend, case, inv, x, w, b, t, r):
+    opt = dict(OPTION_CASES[case])
+    lse_grad, autocast = opt.pop("lse_grad", False), opt.pop("autocast", False)
+    use_bias = opt.pop("bias", False)
+    if opt.pop("class_weight", False):
+        opt["class_weight"] = torch.rand(w.shape[0], generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
+    opt.setdefault("reduction", "none")
+    xs, ws, bs = (u.clone().requires_grad_() for u in (x, w, b))
+    if opt.get("shift"):
+        xs_in, t_in = xs.reshape(3, -1, x.shape[-1]), t.reshape(3, -1)
+    else:
+        xs_in, t_in = xs, t
+    with torch.autocast(DEVICE.type if hasattr(DEVICE, "type") else str(DEVICE), dtype=torch.bfloat16,
+                        enabled=autocast):
+        loss, st = logitless.linear_cross_entropy(xs_in, ws, t_in, bs if use_bias else None, return_stats=True,
+                                                  backend=backend, batch_invariant=inv, **opt)
+    total = (loss * r[:loss.numel()].reshape(loss.shape)).sum() if loss.dim() else loss
+    if lse_grad:
+        total = total + 0.3 * (st.lse * r.flip(0)[:st.lse.numel()].reshape(st.lse.shape)).sum()
+    total.backward()
+    return [loss, st.lse, st.correct, xs.grad, ws.grad] + ([bs.grad] if use_bias else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_linear_cross_entropy_option_gradients_match_default(backend, case):
+    block = invariant.invariant_rows(backend, DEVICE)
+    x, w, b, t = _data(3 * (block // 2 + 1), 21, 61, seed=6)  # 3 sequences (shift), over one block
+    t[::5] = 7 if case == "ignore_index" else -100
+    if case == "vocab_size":
+        t = t % 53
+    r = torch.rand(t.numel(), generator=torch.Generator().manual_seed(2)).to(DEVICE) + 0.5
+    ref = _option_run(backend, case, False, x, w, b, t, r)
+    got = _option_run(backend, case, True, x, w, b, t, r)
+    tol = 2e-2 if case == "autocast" else 1e-4  # (bf16 gradients)
+    for name, a, c in zip(["loss", "lse", "correct", "dx", "dw", "db"], ref, got):
+        assert a.shape == c.shape and a.dtype == c.dtype, name
+        err = (a.double() - c.double()).abs().max().item() if a.numel() else 0.0
+        assert err <= tol * max(1.0, a.double().abs().max().item()), (case, name, err)
+    if case == "vocab_size":
+        assert got[4][53:].abs().max() == 0  # the padding rows: no class, zero gradient
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_one_backward_same_bits_with_grad(backend, monkeypatch):
+    """Under a gradient the per-token outputs are the no-grad bits; the backward runs the
+    backend's backward once over the batch (one dW), whatever the number of blocks."""
+    from logitless.ops.common.dispatch import load_backend
+    from logitless.ops.linear_cross_entropy import custom_op
+
+    block = invariant.invariant_rows(backend, DEVICE)
+    x, w, b, t = _data(2 * block + 5, 21, 61, seed=7)
+    kw = dict(reduction="none", return_stats=True, softcap=5.0, z_loss=1e-3, backend=backend, batch_invariant=True)
+    with torch.no_grad():
+        loss0, st0 = logitless.linear_cross_entropy(x, w, t, b, **kw)
+    impl = load_backend("logitless.ops.linear_cross_entropy", backend)
+    calls, fwd = [], []
+    real, real_fwd = impl.backward, custom_op._forward
+    monkeypatch.setattr(impl, "backward", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(custom_op, "_forward", lambda *a, **k: fwd.append(a[0].shape[0]) or real_fwd(*a, **k))
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, st = logitless.linear_cross_entropy(xs, ws, t, b, **kw)
+    assert torch.equal(loss, loss0) and torch.equal(st.lse, st0.lse) and torch.equal(st.argmax, st0.argmax)
+    assert fwd == [block] * 3  # fixed-size blocks, the last one padded
+    loss.sum().backward()
+    assert calls == [x.shape[0]] and fwd == [block] * 3  # one backward, no forward re-run
+    assert xs.grad.shape == x.shape and ws.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_empty_and_errors(backend):
+    x, w, b, t = _data(0, 21, 61, seed=8)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = logitless.linear_cross_entropy(xs, ws, t, b, reduction="sum", backend=backend, batch_invariant=True)
+    loss.backward()
+    assert loss.item() == 0 and xs.grad.shape == x.shape and ws.grad.abs().max() == 0
+    with pytest.raises(TypeError, match="batch_invariant"):
+        logitless.linear_cross_entropy(x, w, t, backend=backend, batch_invariant=1)
+    with pytest.raises(ValueError, match="target"):
+        logitless.linear_cross_entropy(x, w, t[:, None], backend=backend, batch_invariant=True)
+    x2, w2, _, t2 = _data(3, 21, 61, seed=8)
+    with pytest.raises(RuntimeError):
+        xs = x2.clone().requires_grad_()
+        loss = logitless.linear_cross_entropy(xs, w2, t2, backend=backend, batch_invariant=True)
+        (g,) = torch.autograd.grad(loss, xs, create_graph=True)
+        g.sum().backward()
