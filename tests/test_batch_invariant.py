@@ -149,6 +149,8 @@ OPTION_CASES = {
     "mean": {"reduction": "mean"},
     "sum": {"reduction": "sum"},
     "autocast": {"autocast": True},
+    "combined": {"bias": True, "class_weight": True, "label_smoothing": 0.1, "z_loss": 1e-2, "softcap": 4.0,
+                 "shift": True, "lse_grad": True, "memory_budget": 1, "vocab_size": 53, "reduction": "mean"},
 }
 
 
@@ -157,7 +159,7 @@ def _option_run(backend, case, inv, x, w, b, t, r):
     lse_grad, autocast = opt.pop("lse_grad", False), opt.pop("autocast", False)
     use_bias = opt.pop("bias", False)
     if opt.pop("class_weight", False):
-        opt["class_weight"] = torch.rand(w.shape[0], generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
+        opt["class_weight"] = torch.rand(opt.get("vocab_size", w.shape[0]), generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
     opt.setdefault("reduction", "none")
     xs, ws, bs = (u.clone().requires_grad_() for u in (x, w, b))
     if opt.get("shift"):
@@ -181,8 +183,8 @@ def test_linear_cross_entropy_option_gradients_match_default(backend, case):
     block = invariant.invariant_rows(backend, DEVICE)
     x, w, b, t = _data(3 * (block // 2 + 1), 21, 61, seed=6)  # 3 sequences (shift), over one block
     t[::5] = 7 if case == "ignore_index" else -100
-    if case == "vocab_size":
-        t = t % 53
+    if case in ("vocab_size", "combined"):
+        t = torch.where(t < 0, t, t % 53)
     r = torch.rand(t.numel(), generator=torch.Generator().manual_seed(2)).to(DEVICE) + 0.5
     ref = _option_run(backend, case, False, x, w, b, t, r)
     got = _option_run(backend, case, True, x, w, b, t, r)
@@ -191,7 +193,7 @@ def test_linear_cross_entropy_option_gradients_match_default(backend, case):
         assert a.shape == c.shape and a.dtype == c.dtype, name
         err = (a.double() - c.double()).abs().max().item() if a.numel() else 0.0
         assert err <= tol * max(1.0, a.double().abs().max().item()), (case, name, err)
-    if case == "vocab_size":
+    if case in ("vocab_size", "combined"):
         assert got[4][53:].abs().max() == 0  # the padding rows: no class, zero gradient
 
 

@@ -120,6 +120,11 @@ def linear_cross_entropy(
         partial_dx: with a vocab-parallel head, return this rank's partial gradient
             of x (the sum over its columns) instead of the all-reduced one, for
             frameworks that reduce it themselves (Megatron's column-parallel head).
+        batch_invariant: the per-token loss and ``stats`` bitwise the same whatever the
+            batch (its size, the token's position, its neighbours): the forward runs on
+            row blocks of a fixed size; the backward is the default one, once over the
+            batch (gradients deterministic, not batch-invariant); the reductions add the
+            per-token losses. Not with a vocab-parallel head (``ValueError``); docs/rl.md.
 
     {ce_returns}
     """
