@@ -149,6 +149,7 @@ OPTION_CASES = {
     "mean": {"reduction": "mean"},
     "sum": {"reduction": "sum"},
     "autocast": {"autocast": True},
+    "float64": {"dtype": torch.float64},
     "combined": {"bias": True, "class_weight": True, "label_smoothing": 0.1, "z_loss": 1e-2, "softcap": 4.0,
                  "shift": True, "lse_grad": True, "memory_budget": 1, "vocab_size": 53, "reduction": "mean"},
 }
@@ -158,6 +159,8 @@ def _option_run(backend, case, inv, x, w, b, t, r):
     opt = dict(OPTION_CASES[case])
     lse_grad, autocast = opt.pop("lse_grad", False), opt.pop("autocast", False)
     use_bias = opt.pop("bias", False)
+    dtype = opt.pop("dtype", x.dtype)
+    x, w, b = (u.to(dtype) for u in (x, w, b))
     if opt.pop("class_weight", False):
         opt["class_weight"] = torch.rand(opt.get("vocab_size", w.shape[0]), generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
     opt.setdefault("reduction", "none")
@@ -180,6 +183,8 @@ def _option_run(backend, case, inv, x, w, b, t, r):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(OPTION_CASES))
 def test_linear_cross_entropy_option_gradients_match_default(backend, case):
+    if case == "float64" and backend != "torch":
+        pytest.skip("float64 runs on the torch backend only")
     block = invariant.invariant_rows(backend, DEVICE)
     x, w, b, t = _data(3 * (block // 2 + 1), 21, 61, seed=6)  # 3 sequences (shift), over one block
     t[::5] = 7 if case == "ignore_index" else -100
@@ -240,3 +245,18 @@ def test_linear_cross_entropy_empty_and_errors(backend):
         loss = logitless.linear_cross_entropy(xs, w2, t2, backend=backend, batch_invariant=True)
         (g,) = torch.autograd.grad(loss, xs, create_graph=True)
         g.sum().backward()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_linear_cross_entropy_vocab_parallel_refused(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        x, w, _, t = _data(3, 8, 11, seed=9)
+        with pytest.raises(ValueError, match="batch_invariant=True is not supported with a vocab-parallel"):
+            logitless.linear_cross_entropy(x.cpu(), w.cpu(), t.cpu(), process_group=dist.group.WORLD,
+                                           batch_invariant=True)
+    finally:
+        dist.destroy_process_group()
