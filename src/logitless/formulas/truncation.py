@@ -166,7 +166,9 @@ def resolve(cand: Tensor, row_max: Tensor, row_sum: Tensor, v: int, trunc: Trunc
     last = c64.gather(1, (r_p.clamp(1, c) - 1)[:, None])
     r_p = torch.where(r_p == unknown, r_p, count(c64 >= last))  # ties at the last kept value stay
     r = torch.where(p_on, r_p, n1)
-    resolved = (r < c) | (complete & (r <= v)) | (r == v)
+    everything = (trunc.min_p <= 0) & ~k_on & ~p_on  # (the row keeps all V columns)
+    r = torch.where(everything, full, r)
+    resolved = (r < c) | (complete & (r <= v)) | everything
     i = r.clamp(1, c)
     lo = cand.gather(1, i.clamp(max=c - 1)[:, None])[:, 0]
     hi = cand.gather(1, (i - 1)[:, None])[:, 0]
