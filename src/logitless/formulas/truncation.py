@@ -143,13 +143,15 @@ def resolve(cand: Tensor, row_max: Tensor, row_sum: Tensor, v: int, trunc: Trunc
     # min-p
     log_mp = torch.where(trunc.min_p > 0, trunc.min_p.clamp_min(1e-300).log(), torch.full_like(trunc.min_p,
                                                                                                -math.inf))
-    n_m = torch.where(trunc.min_p > 0, count(c64 >= m + log_mp[:, None]), full)
+    off = torch.full_like(full, v + 2)  # (a step that is off: neither its count nor unknown)
+    n_m = torch.where(trunc.min_p > 0, count(c64 >= m + log_mp[:, None]), off)
     # top-k (k >= V: off)
     k = trunc.top_k
     k_on = (k > 0) & (k < v)
     kth = c64.gather(1, (k.clamp(1, c) - 1)[:, None])
-    n_k = torch.where(k_on, count(c64 >= kth), full)
+    n_k = torch.where(k_on, count(c64 >= kth), off)
     n1 = torch.minimum(n_m, n_k)
+    n1 = torch.where(n1 == v + 2, full, n1)  # (both off: K1 is the whole row)
     # top-p over K1 (the first n1 of the row, renormalised)
     p = trunc.top_p
     p_on = p < 1
