@@ -118,7 +118,7 @@ def mass_kernel(
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
         d = a - m[:, None]
         e = tl.exp(d)
-        for j in tl.static_range(T):
+        for j in range(0, T):  # (a loop, not unrolled: T tile reductions would spill)
             sel = cols[None, :] == j
             t_j = tl.max(tl.where(sel, thr, float("-inf")), 1)
             ge = a >= t_j[:, None]
