@@ -300,12 +300,18 @@ def test_triton_candidates_kernel_against_topk(splits):
     assert (s - torch.exp(a - a.max(1, keepdim=True).values).sum(1)).abs().max() < 1e-3
     assert (a_t.double() - a.gather(1, t[:, None])[:, 0]).abs().max() < 1e-5
     hi = ((ref[:, 10] + ref[:, 11]) / 2).float()
-    cand2, *_ = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, False, hi=hi), 64)
+    cand2, m2, s2, u2, _ = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True, hi=hi), 64)
     ref2 = torch.where(a < hi.double()[:, None], a, -math.inf).topk(64, dim=1).values
     assert (cand2.double() - ref2).abs().max() < 1e-5
+    above = torch.where(a >= hi.double()[:, None], a, -math.inf)  # (its max, sum, u: of a >= hi)
+    e = torch.exp(above - above.max(1, keepdim=True).values)
+    assert (m2.double() - above.max(1).values).abs().max() < 1e-5
+    assert (s2 - e.sum(1)).abs().max() < 1e-4
+    ref_u = torch.where(e > 0, e * (above - above.max(1, keepdim=True).values), torch.zeros_like(e)).sum(1)
+    assert (u2 - ref_u).abs().max() < 1e-4
     # the mass kernel: counts and masses above given thresholds
     thr = ((ref[:, 0::2] + ref[:, 1::2]) / 2).float()  # (between values: no float ties)
-    cnt, mass, _ = LC.masses(x, w, b, plan, 5.0, 0.7, m, thr, False)
+    cnt, mass = LC.masses(x, w, b, plan, 5.0, 0.7, m, thr)
     ge = a[:, None, :] >= thr.double()[:, :, None]
     assert torch.equal(cnt.sum(0).long(), ge.sum(2))
     e = torch.exp(a - m.double()[:, None])[:, None, :]
@@ -340,7 +346,7 @@ def test_triton_routes(route, monkeypatch):
     if route == "in_candidates":
         assert calls == dict(candidates=1, masses=0, forward=0) and keep.max() < 64
     elif route == "min_p_wide":
-        assert calls == dict(candidates=1, masses=1, forward=0) and keep.min() > 64
+        assert calls == dict(candidates=2, masses=0, forward=0) and keep.min() > 64
     elif route == "top_p_search":
         assert calls["masses"] >= 2 and calls["candidates"] >= 2 and keep.min() > 64
     elif route == "min_p_wide_top_p":

@@ -25,9 +25,15 @@ top-p: masses exp(c_i - max) / Z1 with Z1 the sum over K1, from the candidates w
 lies inside them, s when K1 is the whole row). tau is the MIDPOINT (c_{r-1} + c_r) / 2
 (-inf when r = V): a second computation of a (another GEMM, another tile shape) keeps
 the same set unless two values lie within its rounding of each other (a float tie,
-where vLLM's own order is arbitrary too). A row is resolved when r < C (c_r is known) or
-C = V; otherwise its pass runs again with 4x the candidates (the chunked fallback:
-top-p over a flat row, a wide min-p set).
+where vLLM's own order is arbitrary too). A row is resolved when r < C (c_r is known), C = V, or nothing is truncated; otherwise
+the torch path runs its pass again with 4x the candidates (top-p over a flat row, a wide
+min-p set). The Triton path instead (``ops/linear_log_probs/truncation.search_triton``):
+min-p's tau = max + log min_p is exact; top-p first needs Z1 (``resolve(z1=)``), then a
+mass search narrows [lo, hi) around the crossing (counts and masses above thresholds)
+until fewer than C values lie in it, and ``crossing`` finds tau among the C largest
+values below hi. ``kept_mass``, ``rebase`` and ``outputs_of`` give log p, H and lse from
+the kept set's sums W = sum exp(a - max), U = sum exp(a - max)(a - max):
+lse = max + log W, H = log W - U / W.
 """
 
 from __future__ import annotations

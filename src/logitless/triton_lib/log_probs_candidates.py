@@ -7,13 +7,14 @@ are written: each program keeps what it needs in registers.
                         a = softcap(z) / T per row (descending; C a power of two <= BLOCK_V),
                         the split's max m, s = sum exp(a - m), u = sum exp(a - m)(a - m)
                         (ENTROPY) and a at the token. HAS_UPPER: the candidates are taken
-                        among a < hi (per row) only (the mass search's last pass).
+                        among a < hi (per row) only, m, s and u over a >= hi (the mass
+                        search's last pass).
                         A tile none of whose rows has a value above its C-th candidate
                         skips the merge (one scalar branch).
     mass_kernel         per (row block, vocabulary split), for T per-row thresholds t_j:
-                        the count of a >= t_j, W_j = sum exp(a - m) and (ENTROPY)
-                        U_j = sum exp(a - m)(a - m) over a >= t_j, m given per row (the
-                        top-p mass search: where the prefix mass crosses top_p * Z1).
+                        the count of a >= t_j and W_j = sum exp(a - m) over a >= t_j, m
+                        given per row (the top-p mass search: where the prefix mass
+                        crosses top_p * Z1).
 
 Outputs per split ((splits, N[, C or T]) buffers), merged by the caller in torch
 (O(N * splits * C) work). Traffic: the GEMM's reads plus those small buffers. The merge
@@ -41,7 +42,8 @@ def candidates_kernel(
     C: tl.constexpr,
 ):
     """Program (i, split): rows [i BLOCK_N, ...) over the split's vocabulary blocks;
-    cand (splits, N, C) descending (-inf where fewer than C values), partials (splits, N)."""
+    cand (splits, N, C) descending (-inf where fewer than C values), partials (splits, N)
+    (HAS_UPPER: m, s, u of the values a >= hi)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,7 +71,10 @@ def candidates_kernel(
         ac = a
         if HAS_UPPER:
             ac = tl.where(a < hi[:, None], a, float("-inf"))
-        m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
+            m, s, u, e, m_safe = online_entropy_update(tl.where(a >= hi[:, None], a, float("-inf")), m, s, u,
+                                                       ENTROPY)
+        else:
+            m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if tl.sum((tl.max(ac, 1) > floor).to(tl.int32), 0) > 0:
             top = tl.topk(ac, C, dim=1)
             cand = tl.sort(tl.maximum(cand, tl.flip(top, 1)), dim=1, descending=True)
@@ -87,15 +92,15 @@ def candidates_kernel(
 
 @triton.jit
 def mass_kernel(
-    x_ptr, w_ptr, b_ptr, m_ptr, thr_ptr, cnt_ptr, mass_ptr, umass_ptr,
+    x_ptr, w_ptr, b_ptr, m_ptr, thr_ptr, cnt_ptr, mass_ptr,
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, blocks_per_split, softcap, inv_temp,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     T: tl.constexpr,
 ):
     """Program (i, split): per row and threshold t_j (thr (N, T) fp32), the count of
-    a >= t_j (cnt (splits, N, T) int32), sum exp(a - m) (mass) and sum exp(a - m)(a - m)
-    (umass, ENTROPY) over the split, m (N,) given."""
+    a >= t_j (cnt (splits, N, T) int32) and sum exp(a - m) (mass) over the split, m (N,)
+    given."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +111,6 @@ def mass_kernel(
                   other=float("inf"))
     cnt = tl.zeros((BLOCK_N, T), tl.int32)
     mass = tl.zeros((BLOCK_N, T), tl.float32)
-    umass = tl.zeros((BLOCK_N, T), tl.float32)
 
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
@@ -116,22 +120,17 @@ def mass_kernel(
             softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, False, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
-        d = a - m[:, None]
-        e = tl.exp(d)
+        e = tl.exp(a - m[:, None])
         for j in range(0, T):  # (a loop, not unrolled: T tile reductions would spill)
             sel = cols[None, :] == j
             t_j = tl.max(tl.where(sel, thr, float("-inf")), 1)
             ge = a >= t_j[:, None]
             cnt += tl.where(sel, tl.sum(ge.to(tl.int32), 1)[:, None], 0)
             mass += tl.where(sel, tl.sum(tl.where(ge, e, 0.0), 1)[:, None], 0.0)
-            if ENTROPY:
-                umass += tl.where(sel, tl.sum(tl.where(ge & (e > 0.0), e * d, 0.0), 1)[:, None], 0.0)
 
     out = (split.to(tl.int64) * N + offs_n)[:, None] * T + cols[None, :]
     tl.store(cnt_ptr + out, cnt, mask=row_ok[:, None])
     tl.store(mass_ptr + out, mass, mask=row_ok[:, None])
-    if ENTROPY:
-        tl.store(umass_ptr + out, umass, mask=row_ok[:, None])
 
 
 def _common(x, weight, bias, plan, softcap, temperature, block_v):
@@ -154,7 +153,8 @@ def _common(x, weight, bias, plan, softcap, temperature, block_v):
 def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: int, entropy: bool, hi=None):
     """Per split: (cand (splits, n, c) descending, max, sum, u or None, a at the token),
     fp32, of x's rows under the forward ``plan``'s tiles and splits (block_v raised to c
-    when c is larger). ``hi`` (n,) fp32: candidates among a < hi only."""
+    when c is larger). ``hi`` (n,) fp32: candidates among a < hi only, the max, sum and
+    u over a >= hi."""
     block_v = max(plan.block_v, c)
     n, splits, grid, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v)
     cand = torch.empty(splits, n, c, dtype=torch.float32, device=x.device)
@@ -168,18 +168,16 @@ def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: in
     return cand, parts[0], parts[1], (parts[2] if entropy else None), parts[3]
 
 
-def masses(x, weight, bias, plan, softcap, temperature: float, m, thr, entropy: bool):
-    """Per split: (count int32, mass, umass or None), each (splits, n, T), of a >= thr
-    (n, T) fp32 per row, masses exp(a - m) with m (n,) fp32 given."""
+def masses(x, weight, bias, plan, softcap, temperature: float, m, thr):
+    """Per split: (count int32, mass), each (splits, n, T), of a >= thr (n, T) fp32 per
+    row, masses exp(a - m) with m (n,) fp32 given."""
     t = thr.shape[1]
     n, splits, grid, args, flags = _common(x, weight, bias, plan, softcap, temperature, plan.block_v)
     cnt = torch.empty(splits, n, t, dtype=torch.int32, device=x.device)
     mass = torch.empty(splits, n, t, dtype=torch.float32, device=x.device)
-    umass = torch.empty_like(mass) if entropy else None
     if n:
         launch.launch_kernel(
             mass_kernel, grid, x, weight, bias if bias is not None else x,
-            m.to(torch.float32).contiguous(), thr.to(torch.float32).contiguous(), cnt, mass,
-            umass if entropy else mass, *args, ENTROPY=entropy, T=t, **flags,
+            m.to(torch.float32).contiguous(), thr.to(torch.float32).contiguous(), cnt, mass, *args, T=t, **flags,
         )
-    return cnt, mass, umass
+    return cnt, mass

@@ -2,14 +2,17 @@
 ``batch_invariant=True``: one autograd.Function over the backends' forward and backward.
 
 Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
-the hidden states (``thresholds``: chunked GEMMs, torch's or, on the Triton backend, the
-forward kernel's tile code; a running top-C per row; no (tokens x vocab) tensor beyond
-one chunk within the budget), then the backend's usual forward and backward run with
-that per-token tau (``tau=``: columns a < tau drop out of the statistics and of dz).
-GEMM passes: the threshold pass (1; rows whose kept set their candidates do not settle
-run again with 4x as many: top-p over a flat row, a wide min-p set) plus those of the
-default op (Triton: 3 when the budget keeps the columns, which it does not with a
-soft-cap, nor under batch_invariant). Host syncs: the largest top_k,
+the hidden states. Triton backend (``search_triton``, top_k < MAX_CANDIDATES): the
+candidates kernel (a running top-C per row, the row's max, sum and token logit; no
+logits), then per row: the kept set inside the candidates, or min-p's exact tau, or a
+top-p mass search; each route also gives the row's log p, entropy and lse, so no forward
+follows (GEMM passes of the forward: 1, 2, 2 + the narrowings). Otherwise (torch, a
+larger top_k, rows the search leaves: ties past the candidates) ``thresholds``: chunked
+GEMMs (torch's or the forward kernel's tile code) with a running top-C per row, rows not
+settled run again with 4x as many, then the backend's forward with that per-token tau
+(``tau=``: columns a < tau drop out of the statistics and of dz). The backward is the
+default op's with tau (Triton: 3 GEMMs; 2 when the forward ran and kept columns, which
+it does not with a soft-cap nor under batch_invariant). Host syncs: the largest top_k,
 and per pass the check of the rows left.
 
 Batch invariance: the rows go through the backends in blocks of a fixed size
@@ -300,6 +303,20 @@ def candidate_count(k_max: int) -> int:
     return c
 
 
+def rebase(m_part: Tensor, s_part: Tensor, u_part: Optional[Tensor], m: Tensor):
+    """(W, U) float64 relative to m of a part's (max, s, u): W = s e^(m_part - m),
+    U = e^(m_part - m) (u + (m_part - m) s); 0 for an empty part."""
+    d = m_part.double() - m.double()
+    empty = (m_part == -math.inf) | (s_part <= 0)
+    d = torch.where(empty, torch.zeros_like(d), d)
+    scale = torch.exp(d)
+    w = torch.where(empty, torch.zeros_like(d), s_part.double() * scale)
+    if u_part is None:
+        return w, torch.zeros_like(w)
+    u = torch.where(empty, torch.zeros_like(d), scale * (u_part.double() + d * s_part.double()))
+    return w, u
+
+
 def _merged_candidates(parts, c: int):
     cand, pm, ps, pu, pt = parts
     splits, n, _ = cand.shape
@@ -362,25 +379,27 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     thr[:, 0] = torch.where(p_on, lo, tau1)
     top_t = torch.full_like(lo, math.inf)  # the bracket's top: +inf on the first pass
     zeros = torch.zeros(rows.numel(), dtype=torch.float64, device=x.device)
-    w_top, u_top, n_top = zeros, zeros, zeros.long()
+    w_top, n_top = zeros, zeros.long()
     z1 = torch.where(mp_on, torch.full_like(zeros, math.nan), s[rows])
     w_k = zeros.clone()
     u_k = zeros.clone()
     tau_r = tau[rows].clone()
-    done = ~p_on & mp_on  # after the first pass
+    done = ~p_on & mp_on
     active = p_on.clone()
     xs = x[rows]
+    if bool(done.any()):  # (host sync) min-p alone: the set a >= tau1, its sums from one pass
+        drows = done.nonzero()[:, 0]
+        _, m_hi, s_hi, u_hi, _ = _merged_candidates(
+            LC.candidates(xs[drows], weight, bias, tokens[rows[drows]], plan, sc, temp, c, ent_on,
+                          hi=tau1[drows].contiguous()), c)
+        w_k[drows], u_k[drows] = rebase(m_hi, s_hi, u_hi, mr[drows])
+        tau_r[drows] = tau1[drows]
     first = True
-    for _ in range(MAX_MASS_PASSES):
-        cnt, mass, umass = LC.masses(xs, weight, bias, plan, sc, temp, mr, thr, ent_on)
+    for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
+        cnt, mass = LC.masses(xs, weight, bias, plan, sc, temp, mr, thr)
         cnt, mass = cnt.sum(0).long(), mass.double().sum(0)
-        umass = umass.double().sum(0) if ent_on else torch.zeros_like(mass)
         if first:
             first = False
-            # min-p alone: the set at tau1, its sums from the first threshold
-            tau_r = torch.where(done, tau1, tau_r)
-            w_k = torch.where(done, mass[:, 0], w_k)
-            u_k = torch.where(done, umass[:, 0], u_k)
             # Z1 of a wide min-p set; then the crossing may lie inside the candidates
             z1 = torch.where(mp_on & p_on, mass[:, 0], z1)
             t2, ok2 = resolve(cand[rows], mr, s[rows], v, tr, z1=z1)
@@ -396,7 +415,6 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         j = ge.sum(1) - 1  # (W is non-increasing in j)
         ext_t = torch.cat([thr.double(), top_t.double()[:, None]], 1)
         ext_w = torch.cat([mass, w_top[:, None]], 1)
-        ext_u = torch.cat([umass, u_top[:, None]], 1)
         ext_n = torch.cat([cnt, n_top[:, None]], 1)
         below = j < 0  # the crossing below t_0: the next bracket [t_0 - depth, t_0)
         jj = j.clamp_min(0)
@@ -406,7 +424,6 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         inside = torch.where(below, torch.full_like(j, v + 1), ext_n.gather(1, jj[:, None])[:, 0]
                              - ext_n.gather(1, up)[:, 0])
         w_top = torch.where(active, ext_w.gather(1, up)[:, 0], w_top)
-        u_top = torch.where(active, ext_u.gather(1, up)[:, 0], u_top)
         n_top = torch.where(active, ext_n.gather(1, up)[:, 0], n_top)
         top_t = torch.where(active, new_hi.float(), top_t)
         stuck = active & ~torch.isfinite(new_hi)  # (ties at the C-th candidate)
@@ -415,10 +432,11 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         settled = active & (inside < cc) & torch.isfinite(new_hi)
         if bool(settled.any()):  # (host sync) the exact crossing from the values below the bracket's top
             srows = settled.nonzero()[:, 0]
-            cand2, *_ = _merged_candidates(
-                LC.candidates(xs[srows], weight, bias, tokens[rows[srows]], plan, sc, temp, c, False,
+            cand2, m_hi, s_hi, u_hi, _ = _merged_candidates(
+                LC.candidates(xs[srows], weight, bias, tokens[rows[srows]], plan, sc, temp, c, ent_on,
                               hi=top_t[srows].contiguous()), c)
-            t3, w3, u3 = crossing(cand2[:, :cc], mr[srows], w_top[srows], u_top[srows], target[srows])
+            w3, u3 = rebase(m_hi, s_hi, u_hi, mr[srows])  # the sums over a >= the bracket's top
+            t3, w3, u3 = crossing(cand2[:, :cc], mr[srows], w3, u3, target[srows])
             tau_r[srows] = t3.float()
             w_k[srows] = w3
             u_k[srows] = u3
