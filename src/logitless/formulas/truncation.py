@@ -200,6 +200,20 @@ def merge_parts(part_max: Tensor, part_sum: Tensor, part_u: Optional[Tensor]):
     return m, s, u
 
 
+def rebase(m_part: Tensor, s_part: Tensor, u_part: Optional[Tensor], m: Tensor):
+    """(W, U) float64 relative to m of a part's (max, s, u): W = s e^(m_part - m),
+    U = e^(m_part - m) (u + (m_part - m) s); 0 for an empty part."""
+    d = m_part.double() - m.double()
+    empty = (m_part == -math.inf) | (s_part <= 0)
+    d = torch.where(empty, torch.zeros_like(d), d)
+    scale = torch.exp(d)
+    w = torch.where(empty, torch.zeros_like(d), s_part.double() * scale)
+    if u_part is None:
+        return w, torch.zeros_like(w)
+    u = torch.where(empty, torch.zeros_like(d), scale * (u_part.double() + d * s_part.double()))
+    return w, u
+
+
 def kept_mass(cand: Tensor, row_max: Tensor, tau: Tensor):
     """(W, U) float64: sum over the candidates >= tau of exp(c - max) and exp(c - max)(c - max)."""
     d = cand.double() - row_max.double()[:, None]

@@ -45,6 +45,7 @@ from logitless.formulas.truncation import (
     merge_candidates,
     merge_parts,
     outputs_of,
+    rebase,
     resolve,
 )
 from logitless.ops.common.autocast import disabled as no_autocast
@@ -301,20 +302,6 @@ def candidate_count(k_max: int) -> int:
     while c < k_max + 1:
         c *= 2
     return c
-
-
-def rebase(m_part: Tensor, s_part: Tensor, u_part: Optional[Tensor], m: Tensor):
-    """(W, U) float64 relative to m of a part's (max, s, u): W = s e^(m_part - m),
-    U = e^(m_part - m) (u + (m_part - m) s); 0 for an empty part."""
-    d = m_part.double() - m.double()
-    empty = (m_part == -math.inf) | (s_part <= 0)
-    d = torch.where(empty, torch.zeros_like(d), d)
-    scale = torch.exp(d)
-    w = torch.where(empty, torch.zeros_like(d), s_part.double() * scale)
-    if u_part is None:
-        return w, torch.zeros_like(w)
-    u = torch.where(empty, torch.zeros_like(d), scale * (u_part.double() + d * s_part.double()))
-    return w, u
 
 
 def _merged_candidates(parts, c: int):
