@@ -383,3 +383,27 @@ def test_wide_min_p_then_top_p_inside(backend):
     _check(lp.cpu(), ent.cpu(), rl, re)
     mp = truncated_keep_reference(x.cpu().double() @ w.cpu().double().T / 0.9, min_p=0.02).sum(1)
     assert mp.max() > truncation.MIN_CANDIDATES
+
+
+def test_triton_search_batch_invariant(monkeypatch):
+    """batch_invariant=True through the mass search and min-p's bounded pass: a row's
+    outputs are bitwise the same alone, in a small batch, inside a batch of more than one
+    block and at its end (the search of a row follows from the row alone)."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+    from tests.test_batch_invariant import _rows_equal
+
+    from logitless.ops.common import invariant
+
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
+    n = invariant.invariant_rows("triton", torch.device(DEVICE)) + 8
+    x, w, b, t = _inputs((n,), 13, 521, seed=47, scale=0.3)
+    g = torch.Generator().manual_seed(2)
+    top_p = (torch.rand(n, generator=g, dtype=torch.float64) * 0.3 + 0.6).to(DEVICE)
+    min_p = torch.zeros(n, dtype=torch.float64).to(DEVICE)
+    min_p[1], min_p[2], top_p[2] = 0.05, 0.3, 1.0  # row 1: min-p under top-p; row 2: min-p alone
+
+    def fn(idx):
+        return logitless.linear_log_probs(x[idx], w, t[idx], entropy=True, backend="triton", batch_invariant=True,
+                                          top_p=top_p[idx], min_p=min_p[idx])
+
+    _rows_equal(fn, "triton")
