@@ -396,7 +396,7 @@ def test_triton_search_batch_invariant(monkeypatch):
 
     monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
     n = invariant.invariant_rows("triton", torch.device(DEVICE)) + 8
-    x, w, b, t = _inputs((n,), 13, 521, seed=47, scale=0.3)
+    x, w, b, t = _inputs((n,), 13, 257, seed=47, scale=0.3)
     g = torch.Generator().manual_seed(2)
     top_p = (torch.rand(n, generator=g, dtype=torch.float64) * 0.3 + 0.6).to(DEVICE)
     min_p = torch.zeros(n, dtype=torch.float64).to(DEVICE)
