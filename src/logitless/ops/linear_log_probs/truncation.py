@@ -319,12 +319,14 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
                   trunc: Truncation, budget: int):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
-    those that need the chunked fallback (ties past the candidates; the caller finds
-    their tau and runs the     forward with it: ``left``, their indices, else None). Routes per row: the kept set inside the C candidates (1 GEMM pass);
-    tau known, the set larger (min-p alone: 2 passes, the second the masses at tau);
-    top-p past the candidates: mass passes narrowing a bracket that holds the crossing
-    until it holds < C values, then the candidates below its top (2 + the narrowings).
-    Host syncs: the largest top_k (a tensor) and one per pass (the rows left)."""
+    those that need the chunked fallback (ties past the candidates, or past
+    MAX_MASS_PASSES; the caller finds their tau and runs the forward with it), ``left``
+    their indices (else None). GEMM passes per row: the kept set inside the C candidates:
+    1; min-p alone with a larger set (tau = max + log min_p exact): 2, the second the
+    sums over a >= tau (the candidates kernel with a bound); top-p past the candidates:
+    the mass passes (on the rows still searching) narrowing a bracket that holds the
+    crossing until it holds < C values, then the candidates below its top: 2 + the
+    narrowings. Host syncs: a few per pass (the rows left)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -383,8 +385,11 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         tau_r[drows] = tau1[drows]
     first = True
     for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
-        cnt, mass = LC.masses(xs, weight, bias, plan, sc, temp, mr, thr)
-        cnt, mass = cnt.sum(0).long(), mass.double().sum(0)
+        arows = active.nonzero()[:, 0]  # (the rows still searching only)
+        cnt_a, mass_a = LC.masses(xs[arows], weight, bias, plan, sc, temp, mr[arows], thr[arows])
+        cnt = torch.zeros(rows.numel(), t, dtype=torch.int64, device=x.device)
+        mass = torch.zeros(rows.numel(), t, dtype=torch.float64, device=x.device)
+        cnt[arows], mass[arows] = cnt_a.sum(0).long(), mass_a.double().sum(0)
         if first:
             first = False
             # Z1 of a wide min-p set; then the crossing may lie inside the candidates
