@@ -56,6 +56,10 @@ def _cases(full: bool):
         ("llp-recompute", "llp", dict(budget="none", entropy=True)),
         ("llp-topk", "llp", dict(top_k=5, top_p=0.9, entropy=True)),
         ("trl-fields", "trl", dict(bias=True, softcap=20.0, temperature=0.7)),  # FIELDS + its epilogue
+        # top-p past the candidates (the mass search, the candidates below a bound), and a top_k
+        # too large for the candidates kernel (the chunked threshold pass's scaled_logits_kernel)
+        ("llp-topp-search", "llp", dict(top_p=0.99, min_p=0.001, temperature=5.0, entropy=True)),
+        ("llp-topk-big", "llp", dict(top_k=300, top_p=0.9, v=521)),
         ("ljsd-0.5", "ljsd", dict(beta=0.5, hard_label_weight=0.3)),
         ("ljsd-kl", "ljsd", dict(beta=0.0, softcap=25.0, bias=True)),
         ("ljsd-split", "ljsd", dict(beta=0.5, v=5003)),
@@ -74,7 +78,8 @@ def _cases(full: bool):
         ("jsd-kl", "jsd", dict(beta=1.0, softcap=15.0)),
     ]
     if not full:
-        fused = ("lce-all", "lce-recompute", "llp-entropy", "llp-recompute", "ljsd-0.5", "ljsd-kl")
+        fused = ("lce-all", "lce-recompute", "llp-entropy", "llp-recompute", "ljsd-0.5", "ljsd-kl",
+                 "llp-topp-search")  # (the last: the interpreter's bf16 dots give no flat rows)
         return ([(label, "bfloat16", "highest", op, kw) for label, op, kw in base]
                 + [(label, "float32", "high", op, kw) for label, op, kw in base if label in fused])
     out = []

@@ -254,3 +254,156 @@ def test_triton_kept_and_recomputed_columns(budget, softcap):
     (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl) * gr[0] + re * gr[1]).sum().backward()
     for ours, ref in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
         assert (ours.cpu().double() - ref).abs().max() < 1e-4
+
+
+# ---- the Triton threshold pass: candidates kernel, routes ----
+
+def _calls(monkeypatch):
+    """Counts of the Triton threshold pass's launches and of the forward with tau."""
+    from logitless.ops.linear_log_probs import triton_backend
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    calls = dict(candidates=0, masses=0, forward=0)
+
+    def counted(name, f):
+        def g(*a, **k):
+            calls[name] += 1
+            return f(*a, **k)
+        return g
+
+    monkeypatch.setattr(LC, "candidates", counted("candidates", LC.candidates))
+    monkeypatch.setattr(LC, "masses", counted("masses", LC.masses))
+    monkeypatch.setattr(triton_backend, "forward", counted("forward", triton_backend.forward))
+    return calls
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_candidates_kernel_against_topk(splits):
+    """The kernel's running top-C per split, merged, is torch.topk of a (and the upper
+    bound hi restricts it to a < hi); its max, sum and token logit are a's."""
+    from dataclasses import replace
+
+    from logitless.ops.linear_log_probs import triton_backend
+    from logitless.ops.linear_log_probs.truncation import _merged_candidates
+    from logitless.options import LogProbOptions
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    x, w, b, t = _inputs((7,), 19, 523, seed=31, bias=True)
+    opts = LogProbOptions(temperature=0.7, softcap=5.0)
+    plan = triton_backend.plan(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
+    plan = replace(plan, vocab_splits=splits)
+    a = 5.0 * torch.tanh((x.double() @ w.double().T + b.double()) / 5.0) / 0.7
+    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True), 64)
+    ref = a.topk(64, dim=1).values
+    assert (cand.double() - ref).abs().max() < 1e-5
+    assert (m.double() - a.max(1).values).abs().max() < 1e-5
+    assert (s - torch.exp(a - a.max(1, keepdim=True).values).sum(1)).abs().max() < 1e-3
+    assert (a_t.double() - a.gather(1, t[:, None])[:, 0]).abs().max() < 1e-5
+    hi = ((ref[:, 10] + ref[:, 11]) / 2).float()
+    cand2, m2, s2, u2, _ = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True, hi=hi), 64)
+    ref2 = torch.where(a < hi.double()[:, None], a, -math.inf).topk(64, dim=1).values
+    assert (cand2.double() - ref2).abs().max() < 1e-5
+    above = torch.where(a >= hi.double()[:, None], a, -math.inf)  # (its max, sum, u: of a >= hi)
+    e = torch.exp(above - above.max(1, keepdim=True).values)
+    assert (m2.double() - above.max(1).values).abs().max() < 1e-5
+    assert (s2 - e.sum(1)).abs().max() < 1e-4
+    ref_u = torch.where(e > 0, e * (above - above.max(1, keepdim=True).values), torch.zeros_like(e)).sum(1)
+    assert (u2 - ref_u).abs().max() < 1e-4
+    # the mass kernel: counts and masses above given thresholds
+    thr = ((ref[:, 0::2] + ref[:, 1::2]) / 2).float()  # (between values: no float ties)
+    cnt, mass = LC.masses(x, w, b, plan, 5.0, 0.7, m, thr)
+    ge = a[:, None, :] >= thr.double()[:, :, None]
+    assert torch.equal(cnt.sum(0).long(), ge.sum(2))
+    e = torch.exp(a - m.double()[:, None])[:, None, :]
+    assert (mass.double().sum(0) - (e * ge).sum(2)).abs().max() < 1e-4
+
+
+ROUTES = {
+    # (truncation, scale of W, V): the launches each route takes
+    "in_candidates": (dict(top_k=7, top_p=0.9), 3.0, 1031),
+    "min_p_wide": (dict(min_p=0.3), 0.3, 1009),
+    "top_p_search": (dict(top_p=0.9), 0.3, 2003),
+    "min_p_wide_top_p": (dict(min_p=0.2, top_p=0.6), 0.3, 1013),
+    "min_p_wide_top_p_inside": (dict(min_p=0.02, top_p=0.5), 3.0, 1013),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_triton_routes(route, monkeypatch):
+    """Each route of the Triton threshold pass gives the float64 reference's log-probs
+    and entropy, with no forward after it, in the launches it should take."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+
+    trunc, scale, v = ROUTES[route]
+    x, w, b, t = _inputs((5,), 13, v, seed=41, scale=scale, trunc=trunc, temperature=0.9)
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)  # (more narrowings, a faster interpreter)
+    calls = _calls(monkeypatch)
+    lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.9, backend="triton", **trunc)
+    rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), temperature=0.9, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re)
+    keep = truncated_keep_reference(x.cpu().double() @ w.cpu().double().T / 0.9, **trunc).sum(1)
+    assert calls["forward"] == 0
+    if route == "in_candidates":
+        assert calls == dict(candidates=1, masses=0, forward=0) and keep.max() < 64
+    elif route == "min_p_wide":
+        assert calls == dict(candidates=2, masses=0, forward=0) and keep.min() > 64
+    elif route == "top_p_search":
+        assert calls["masses"] >= 2 and calls["candidates"] >= 2 and keep.min() > 64
+    elif route == "min_p_wide_top_p":
+        assert calls["masses"] >= 1 and calls["candidates"] >= 2 and keep.min() > 64
+    else:  # the crossing inside the candidates once the min-p set's mass is known
+        assert calls == dict(candidates=1, masses=1, forward=0)
+
+
+def test_triton_search_gradients(monkeypatch):
+    """The backward after the mass search (tau from it, lse from its sums)."""
+    trunc = dict(top_p=0.8, min_p=0.1)
+    x, w, b, t = _inputs((6,), 13, 1021, seed=43, scale=0.3, bias=True, trunc=trunc, kept_tokens=0.9)
+    x, w, b = (u.requires_grad_() for u in (x, w, b))
+    calls = _calls(monkeypatch)
+    lp, ent = logitless.linear_log_probs(x, w, t, b, entropy=True, backend="triton", **trunc)
+    assert calls["masses"] >= 1 and calls["forward"] == 0
+    (torch.where(torch.isinf(lp), torch.zeros_like(lp), lp).sum() + ent.sum()).backward()
+    xr, wr, br = (u.detach().cpu().double().requires_grad_() for u in (x, w, b))
+    rl, re = truncated_log_probs_reference(xr, wr, t.cpu(), br, **trunc)
+    _check(lp.detach().cpu(), ent.detach().cpu(), rl.detach(), re.detach())
+    (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl).sum() + re.sum()).backward()
+    for ours, ref in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        assert (ours.cpu().double() - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wide_min_p_then_top_p_inside(backend):
+    """min-p keeps more than the candidates, top-p then ends inside them: K1's mass is
+    not the row's (it was taken as the row's when top-k was off)."""
+    trunc = dict(min_p=0.02, top_p=0.5)
+    x, w, b, t = _inputs((5,), 13, 1013, seed=41, scale=3.0, trunc=trunc, temperature=0.9)
+    lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.9, backend=backend, **trunc)
+    rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), temperature=0.9, **trunc)
+    _check(lp.cpu(), ent.cpu(), rl, re)
+    mp = truncated_keep_reference(x.cpu().double() @ w.cpu().double().T / 0.9, min_p=0.02).sum(1)
+    assert mp.max() > truncation.MIN_CANDIDATES
+
+
+def test_triton_search_batch_invariant(monkeypatch):
+    """batch_invariant=True through the mass search and min-p's bounded pass: a row's
+    outputs are bitwise the same alone, in a small batch, inside a batch of more than one
+    block and at its end (the search of a row follows from the row alone)."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+    from tests.test_batch_invariant import _rows_equal
+
+    from logitless.ops.common import invariant
+
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
+    n = invariant.invariant_rows("triton", torch.device(DEVICE)) + 8
+    x, w, b, t = _inputs((n,), 13, 257, seed=47, scale=0.3)
+    g = torch.Generator().manual_seed(2)
+    top_p = (torch.rand(n, generator=g, dtype=torch.float64) * 0.3 + 0.6).to(DEVICE)
+    min_p = torch.zeros(n, dtype=torch.float64).to(DEVICE)
+    min_p[1], min_p[2], top_p[2] = 0.05, 0.3, 1.0  # row 1: min-p under top-p; row 2: min-p alone
+
+    def fn(idx):
+        return logitless.linear_log_probs(x[idx], w, t[idx], entropy=True, backend="triton", batch_invariant=True,
+                                          top_p=top_p[idx], min_p=min_p[idx])
+
+    _rows_equal(fn, "triton")

@@ -10,7 +10,8 @@ Methods: logitless.linear_log_probs (default budget; a logits-sized budget), tor
 on the logits (bf16 logits, fp32 log_softmax of logits / T), the same under
 torch.compile, verl's fused kernel (``verl.utils.kernel.linear_cross_entropy``, when
 importable); truncated sampling (top-k / top-p / min-p, and a logits-based sort mask for
-comparison) and ``batch_invariant=True`` rows (no error column for truncated rows).
+comparison), the untruncated and top-p calls on peaked rows (the same inputs at T = 0.1)
+and ``batch_invariant=True`` rows (no error column for truncated or peaked rows).
 ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU one tiny
 case runs on the CPU, loudly labelled.
 """
@@ -120,13 +121,16 @@ def _verl(shape, device):
     return fn
 
 
-def _logitless_with(**extra):
-    """linear_log_probs with truncation and/or batch_invariant (default budget)."""
+def _logitless_with(temperature=None, **extra):
+    """linear_log_probs with truncation and/or batch_invariant (default budget);
+    ``temperature``: instead of the shape's (PEAKED: rows with a few dominant tokens)."""
     def make(shape, device):
         import logitless
 
+        temp = temperature or shape.temperature
+
         def fn(x, w, t):
-            return logitless.linear_log_probs(x, w, t, temperature=shape.temperature, entropy=True, **extra)
+            return logitless.linear_log_probs(x, w, t, temperature=temp, entropy=True, **extra)
         return fn
     return make
 
@@ -154,6 +158,10 @@ def _eager_truncated(shape, device):
     return lambda x, w, t: _torch_truncated_on_logits(x, w, t, shape.temperature, 50, 0.9)
 
 
+#: The temperature of the peaked rows: z ~ N(0, 1) over V = 152k columns, a = z / 0.1 leaves
+#: a handful of tokens with most of the mass.
+PEAKED = 0.1
+
 METHODS = {
     "logitless": (_logitless(None), "logitless.linear_log_probs(entropy=True), default budget (256 MiB)"),
     "logitless@logits": (_logitless(_logits_budget), "logitless.linear_log_probs, budget = bf16 logits + 64 MiB"),
@@ -166,13 +174,18 @@ METHODS = {
     "logitless-topp0.95": (_logitless_with(top_p=0.95), "linear_log_probs(top_p=0.95)"),
     "logitless-k50p0.9": (_logitless_with(top_k=50, top_p=0.9), "linear_log_probs(top_k=50, top_p=0.9)"),
     "torch-eager-k50p0.9": (_eager_truncated, "bf16 logits, vLLM's sort-based top-k=50/top-p=0.9 mask, fp32"),
+    # peaked rows, as an LM's (a few dominant tokens): the same inputs at T = PEAKED (N(0,1) logits at
+    # T = 0.7 are flat rows, the worst case of top-p / min-p)
+    "logitless-peaked": (_logitless_with(temperature=PEAKED), f"linear_log_probs at T = {PEAKED} (peaked rows)"),
+    "logitless-topp0.95-peaked": (_logitless_with(temperature=PEAKED, top_p=0.95),
+                                  f"linear_log_probs(top_p=0.95) at T = {PEAKED} (peaked rows)"),
     "logitless-invariant": (_logitless_with(batch_invariant=True), "linear_log_probs(batch_invariant=True)"),
     "logitless-invariant-k50p0.9": (_logitless_with(batch_invariant=True, top_k=50, top_p=0.9),
                                     "linear_log_probs(batch_invariant=True, top_k=50, top_p=0.9)"),
 }
 
-#: Methods whose distribution is truncated: no error against the untruncated reference.
-TRUNCATED = {m for m in METHODS if "top" in m or "minp" in m or "k50" in m}
+#: Methods whose distribution is truncated or at another temperature: no error against the reference.
+TRUNCATED = {m for m in METHODS if "top" in m or "minp" in m or "k50" in m or "peaked" in m}
 
 
 # --------------------------------------------------------------------------- measurement

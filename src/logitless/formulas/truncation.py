@@ -25,9 +25,15 @@ top-p: masses exp(c_i - max) / Z1 with Z1 the sum over K1, from the candidates w
 lies inside them, s when K1 is the whole row). tau is the MIDPOINT (c_{r-1} + c_r) / 2
 (-inf when r = V): a second computation of a (another GEMM, another tile shape) keeps
 the same set unless two values lie within its rounding of each other (a float tie,
-where vLLM's own order is arbitrary too). A row is resolved when r < C (c_r is known) or
-C = V; otherwise its pass runs again with 4x the candidates (the chunked fallback:
-top-p over a flat row, a wide min-p set).
+where vLLM's own order is arbitrary too). A row is resolved when r < C (c_r is known), C = V, or nothing is truncated; otherwise
+the torch path runs its pass again with 4x the candidates (top-p over a flat row, a wide
+min-p set). The Triton path instead (``ops/linear_log_probs/truncation.search_triton``):
+min-p's tau = max + log min_p is exact; top-p first needs Z1 (``resolve(z1=)``), then a
+mass search narrows [lo, hi) around the crossing (counts and masses above thresholds)
+until fewer than C values lie in it, and ``crossing`` finds tau among the C largest
+values below hi. ``kept_mass``, ``rebase`` and ``outputs_of`` give log p, H and lse from
+the kept set's sums W = sum exp(a - max), U = sum exp(a - max)(a - max):
+lse = max + log W, H = log W - U / W.
 """
 
 from __future__ import annotations
@@ -121,9 +127,13 @@ def merge_candidates(cand: Optional[Tensor], a: Tensor, c: int) -> Tensor:
     return both.topk(min(c, both.shape[1]), dim=1).values
 
 
-def resolve(cand: Tensor, row_max: Tensor, row_sum: Tensor, v: int, trunc: Truncation):
+def resolve(cand: Tensor, row_max: Tensor, row_sum: Tensor, v: int, trunc: Truncation,
+            z1: Optional[Tensor] = None):
     """(tau, resolved) per row from the descending candidates ``cand`` (n, C), the row
-    max and s = sum_j exp(a_j - max) over all V columns (module docstring)."""
+    max and s = sum_j exp(a_j - max) over all V columns (module docstring). ``z1`` (n,):
+    the kept mass of min-p and top-k, sum over K1 of exp(a - max), where known from
+    elsewhere (NaN where not: the mass search's first pass); a row that keeps all V
+    columns is resolved with tau = -inf."""
     n, c = cand.shape
     complete = c >= v
     unknown = v + 1  # a count not known from the candidates (>= C)
@@ -139,29 +149,119 @@ def resolve(cand: Tensor, row_max: Tensor, row_sum: Tensor, v: int, trunc: Trunc
     # min-p
     log_mp = torch.where(trunc.min_p > 0, trunc.min_p.clamp_min(1e-300).log(), torch.full_like(trunc.min_p,
                                                                                                -math.inf))
-    n_m = torch.where(trunc.min_p > 0, count(c64 >= m + log_mp[:, None]), full)
+    off = torch.full_like(full, v + 2)  # (a step that is off: neither its count nor unknown)
+    n_m = torch.where(trunc.min_p > 0, count(c64 >= m + log_mp[:, None]), off)
     # top-k (k >= V: off)
     k = trunc.top_k
     k_on = (k > 0) & (k < v)
     kth = c64.gather(1, (k.clamp(1, c) - 1)[:, None])
-    n_k = torch.where(k_on, count(c64 >= kth), full)
+    n_k = torch.where(k_on, count(c64 >= kth), off)
     n1 = torch.minimum(n_m, n_k)
+    n1 = torch.where(n1 == v + 2, full, n1)  # (both off: K1 is the whole row)
     # top-p over K1 (the first n1 of the row, renormalised)
     p = trunc.top_p
     p_on = p < 1
     w = torch.exp(c64 - m)
     in_k1 = idx[None, :] < n1[:, None]
     w = torch.where(in_k1, w, torch.zeros_like(w))
-    z1 = torch.where(n1 <= c, w.sum(1), row_sum.double())
+    z1_known = torch.zeros(n, dtype=torch.bool, device=cand.device) if z1 is None else ~torch.isnan(z1)
+    z1 = torch.where(n1 <= c, w.sum(1), torch.where(z1_known, z1.double(), row_sum.double())
+                     if z1 is not None else row_sum.double())
     before = (torch.cumsum(w, 1) - w) / z1[:, None]  # prefix mass before each candidate
     r_p = ((before < p[:, None]) & in_k1).sum(1).clamp_min(1)
-    r_p = torch.where(((r_p >= c) & (n1 > c)) | (n1 == unknown), torch.full_like(r_p, unknown), r_p)
+    r_p = torch.where(((r_p >= c) & (n1 > c)) | ((n1 == unknown) & ~z1_known), torch.full_like(r_p, unknown),
+                      r_p)
     last = c64.gather(1, (r_p.clamp(1, c) - 1)[:, None])
     r_p = torch.where(r_p == unknown, r_p, count(c64 >= last))  # ties at the last kept value stay
     r = torch.where(p_on, r_p, n1)
-    resolved = (r < c) | (complete & (r <= v))
+    everything = (trunc.min_p <= 0) & ~k_on & ~p_on  # (the row keeps all V columns)
+    r = torch.where(everything, full, r)
+    resolved = (r < c) | (complete & (r <= v)) | everything
     i = r.clamp(1, c)
     lo = cand.gather(1, i.clamp(max=c - 1)[:, None])[:, 0]
     hi = cand.gather(1, (i - 1)[:, None])[:, 0]
     tau = torch.where(r < c, hi + (lo - hi) / 2, torch.full_like(hi, -math.inf))
     return tau, resolved
+
+
+def merge_parts(part_max: Tensor, part_sum: Tensor, part_u: Optional[Tensor]):
+    """(m, s, u or None) of a row from per-split (splits, n) partials (as
+    ``log_probs.merge_splits``, without finishing): m the max (the input dtype), s and u
+    float64, relative to m."""
+    m = part_max.max(dim=0).values
+    m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    d = part_max.double() - m_safe.double()[None]
+    scale = torch.exp(d)
+    s = (part_sum.double() * scale).sum(0)
+    u = None
+    if part_u is not None:
+        corr = torch.where(part_sum > 0, d * part_sum.double(), torch.zeros_like(d))
+        u = (scale * (part_u.double() + corr)).sum(0)
+    return m, s, u
+
+
+def rebase(m_part: Tensor, s_part: Tensor, u_part: Optional[Tensor], m: Tensor):
+    """(W, U) float64 relative to m of a part's (max, s, u): W = s e^(m_part - m),
+    U = e^(m_part - m) (u + (m_part - m) s); 0 for an empty part."""
+    d = m_part.double() - m.double()
+    empty = (m_part == -math.inf) | (s_part <= 0)
+    d = torch.where(empty, torch.zeros_like(d), d)
+    scale = torch.exp(d)
+    w = torch.where(empty, torch.zeros_like(d), s_part.double() * scale)
+    if u_part is None:
+        return w, torch.zeros_like(w)
+    u = torch.where(empty, torch.zeros_like(d), scale * (u_part.double() + d * s_part.double()))
+    return w, u
+
+
+def kept_mass(cand: Tensor, row_max: Tensor, tau: Tensor):
+    """(W, U) float64: sum over the candidates >= tau of exp(c - max) and exp(c - max)(c - max)."""
+    d = cand.double() - row_max.double()[:, None]
+    keep = cand >= tau[:, None]
+    e = torch.where(keep, torch.exp(d), torch.zeros_like(d))
+    u = torch.where(e > 0, e * d, torch.zeros_like(d))
+    return e.sum(1), u.sum(1)
+
+
+def crossing(cand: Tensor, row_max: Tensor, w_top: Tensor, u_top: Tensor, target: Tensor):
+    """Top-p's end inside ``cand`` (n, C descending): the values below an upper bound hi,
+    all those of the bracket [lo, hi) and at least one below lo (or -inf); ``w_top``,
+    ``u_top``: the mass sums of a >= hi; ``target`` = top_p * Z1. Returns (tau, W, U) of
+    the kept set {a >= tau}: the tokens whose prefix mass before them is < target, ties at
+    the last kept value kept, tau the midpoint below it."""
+    n, c = cand.shape
+    d = cand.double() - row_max.double()[:, None]
+    e = torch.where(cand > -math.inf, torch.exp(d), torch.zeros_like(d))
+    before = w_top.double()[:, None] + torch.cumsum(e, 1) - e
+    r = ((before < target.double()[:, None]) & (cand > -math.inf)).sum(1).clamp(1, c)
+    last = cand.gather(1, (r - 1)[:, None])
+    r = (cand >= last).sum(1)
+    hi = cand.gather(1, (r - 1)[:, None])[:, 0]
+    lo = cand.gather(1, r.clamp(max=c - 1)[:, None])[:, 0]
+    tau = torch.where(r < c, hi + (lo - hi) / 2, hi)
+    keep = cand >= tau[:, None]
+    w = w_top.double() + torch.where(keep, e, torch.zeros_like(e)).sum(1)
+    u = u_top.double() + torch.where(keep & (e > 0), e * d, torch.zeros_like(d)).sum(1)
+    return tau, w, u
+
+
+def outputs_of(row_max: Tensor, w: Tensor, u: Optional[Tensor], a_t: Tensor, tau: Tensor, tokens: Tensor,
+               v: int, ignore_index: int, dtype: torch.dtype):
+    """(logp, H or None, lse) in ``dtype`` from the kept set's sums W = sum exp(a - max),
+    U = sum exp(a - max)(a - max) over a >= tau and the token's a: log p = a_t - lse
+    (-inf when a_t < tau), H = log W - U / W; 0 at ignored tokens, NaN at out-of-range ones
+    (as ``log_probs.token_outputs``)."""
+    m = row_max.double()
+    m = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    lse = m + torch.log(w)
+    a64 = a_t.double()
+    logp = torch.where(a_t >= tau, a64 - lse, torch.full_like(lse, -math.inf))
+    ent = torch.log(w) - u / w if u is not None else None
+    valid = tokens != ignore_index
+    bad = valid & ((tokens < 0) | (tokens >= v))
+
+    def clean(t: Tensor) -> Tensor:
+        t = torch.where(valid, t, torch.zeros_like(t))
+        return torch.where(bad, torch.full_like(t, math.nan), t).to(dtype)
+
+    return clean(logp), (clean(ent) if ent is not None else None), lse.to(dtype)

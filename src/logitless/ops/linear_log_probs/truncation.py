@@ -2,14 +2,17 @@
 ``batch_invariant=True``: one autograd.Function over the backends' forward and backward.
 
 Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
-the hidden states (``thresholds``: chunked GEMMs, torch's or, on the Triton backend, the
-forward kernel's tile code; a running top-C per row; no (tokens x vocab) tensor beyond
-one chunk within the budget), then the backend's usual forward and backward run with
-that per-token tau (``tau=``: columns a < tau drop out of the statistics and of dz).
-GEMM passes: the threshold pass (1; rows whose kept set their candidates do not settle
-run again with 4x as many: top-p over a flat row, a wide min-p set) plus those of the
-default op (Triton: 3 when the budget keeps the columns, which it does not with a
-soft-cap, nor under batch_invariant). Host syncs: the largest top_k,
+the hidden states. Triton backend (``search_triton``, top_k < MAX_CANDIDATES): the
+candidates kernel (a running top-C per row, the row's max, sum and token logit; no
+logits), then per row: the kept set inside the candidates, or min-p's exact tau, or a
+top-p mass search; each route also gives the row's log p, entropy and lse, so no forward
+follows (GEMM passes of the forward: 1, 2, 2 + the narrowings). Otherwise (torch, a
+larger top_k, rows the search leaves: ties past the candidates) ``thresholds``: chunked
+GEMMs (torch's or the forward kernel's tile code) with a running top-C per row, rows not
+settled run again with 4x as many, then the backend's forward with that per-token tau
+(``tau=``: columns a < tau drop out of the statistics and of dz). The backward is the
+default op's with tau (Triton: 3 GEMMs; 2 when the forward ran and kept columns, which
+it does not with a soft-cap nor under batch_invariant). Host syncs: the largest top_k,
 and per pass the check of the rows left.
 
 Batch invariance: the forward's rows go through the backends in blocks of a fixed size
@@ -36,7 +39,17 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.log_probs import online_update, scaled_logits_
-from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, merge_candidates, resolve
+from logitless.formulas.truncation import (
+    MIN_CANDIDATES,
+    Truncation,
+    crossing,
+    kept_mass,
+    merge_candidates,
+    merge_parts,
+    outputs_of,
+    rebase,
+    resolve,
+)
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.invariant import blocks as _blocks
@@ -136,6 +149,11 @@ class _TruncatedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, tokens, trunc_args, opts, impl, budget, block):
         trunc = Truncation(*trunc_args[:3], k_max=trunc_args[3]) if trunc_args is not None else None
+        if trunc is not None and trunc.k_max is None and x.shape[0]:  # (host sync: the largest top_k)
+            k_max = int(trunc.top_k.max())
+            if block and k_max < MAX_CANDIDATES:  # one C whatever the neighbours' top_k (batch invariance)
+                k_max = MAX_CANDIDATES - 1
+            trunc = Truncation(trunc.top_k, trunc.top_p, trunc.min_p, k_max)
         n, v = x.shape[0], weight.shape[0]
         check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
         backend = load_backend(__package__, impl)
@@ -154,17 +172,27 @@ class _TruncatedLogProbs(torch.autograd.Function):
             taus = x.new_empty(n, dtype=sd) if trunc is not None else None
             for n0, n1, pad in blocks:
                 xb, tb = _padded(x, tokens, n0, n1, pad, opts.ignore_index)
-                tau = None
+                tau = outs = left = None
                 if trunc is not None:
                     tr = _padded_trunc(trunc, n0, n1, pad)
-                    tau = thresholds(xb, weight, bias, opts, tr, budget, impl)
+                    if xb.shape[0] and _searches(impl, tr):
+                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget)
+                        if left is not None:  # (the chunked fallback for these rows)
+                            tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
+                    else:
+                        tau = thresholds(xb, weight, bias, opts, tr, budget, impl)
                     taus[n0:n1] = tau[:n1 - n0]
                 if xb.shape[0] == 0:
                     continue
-                plan = backend.plan(xb, weight, bias, opts, budget=budget, need_grad=keep, cute=False)
-                (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, plan=plan, budget=budget,
-                                                     outputs=True, tau=tau)
-                kept = (kept, plan) if kept is not None else None
+                if outs is not None and left is None:  # every row's outputs from the threshold pass
+                    lp, en, ls = outs
+                else:
+                    plan = backend.plan(xb, weight, bias, opts, budget=budget, need_grad=keep, cute=False)
+                    (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, plan=plan, budget=budget,
+                                                         outputs=True, tau=tau)
+                    kept = (kept, plan) if kept is not None else None
+                    if outs is not None:  # the threshold pass's outputs, but for the fallback's rows
+                        lp, en, ls = (_take(o, f, left) for o, f in zip(outs, (lp, en, ls)))
                 logp[n0:n1] = lp[:n1 - n0].to(sd)
                 lse[n0:n1] = ls[:n1 - n0].to(sd)
                 if ent is not None:
@@ -223,6 +251,23 @@ class _TruncatedLogProbs(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+def _searches(impl: str, trunc: Truncation) -> bool:
+    """Whether the threshold pass is the Triton candidates/mass search (``search_triton``):
+    the Triton backend with top_k < MAX_CANDIDATES (else the chunked pass)."""
+    if impl != "triton":
+        return False
+    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
+    return candidate_count(kmax) <= MAX_CANDIDATES
+
+
+def _take(ours: Optional[Tensor], theirs: Optional[Tensor], rows: Tensor) -> Optional[Tensor]:
+    if ours is None:
+        return None
+    ours = ours.clone()
+    ours[rows] = theirs[rows].to(ours.dtype)
+    return ours
+
+
 def _padded(x: Tensor, tokens: Tensor, n0: int, n1: int, pad: int, ignore_index: int):
     return pad_rows(x, n0, n1, pad), pad_rows(tokens, n0, n1, pad, ignore_index)
 
@@ -243,3 +288,164 @@ def linear_log_probs_truncated(x: Tensor, weight: Tensor, bias: Optional[Tensor]
     block = invariant_rows(impl, x.device) if batch_invariant else None
     args = (trunc.top_k, trunc.top_p, trunc.min_p, trunc.k_max) if trunc is not None else None
     return _TruncatedLogProbs.apply(x, weight, bias, tokens, args, opts, impl, budget, block)
+
+
+#: The Triton threshold pass: candidates at most (a power of two), thresholds per mass
+#: pass, mass passes before the rows left go to the chunked fallback, and the first
+#: bracket's depth below the row max when min-p does not bound it.
+MAX_CANDIDATES = 256
+MASS_THRESHOLDS = 32
+MAX_MASS_PASSES = 6
+_DEPTH = 24.0
+
+
+def candidate_count(k_max: int) -> int:
+    """C of the Triton threshold pass: the least power of two >= max(MIN_CANDIDATES, k_max + 1)."""
+    c = MIN_CANDIDATES
+    while c < k_max + 1:
+        c *= 2
+    return c
+
+
+def _merged_candidates(parts, c: int):
+    cand, pm, ps, pu, pt = parts
+    splits, n, _ = cand.shape
+    if splits > 1:
+        cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
+    else:
+        cand = cand[0]
+    m, s, u = merge_parts(pm, ps, pu)
+    return cand, m, s, u, pt.sum(0)
+
+
+def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                  trunc: Truncation, budget: int):
+    """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
+    (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
+    those that need the chunked fallback (ties past the candidates, or past
+    MAX_MASS_PASSES; the caller finds their tau and runs the forward with it), ``left``
+    their indices (else None). GEMM passes per row: the kept set inside the C candidates:
+    1; min-p alone with a larger set (tau = max + log min_p exact): 2, the second the
+    sums over a >= tau (the candidates kernel with a bound); top-p past the candidates:
+    the mass passes (on the rows still searching) narrowing a bracket that holds the
+    crossing until it holds < C values, then the candidates below its top: 2 + the
+    narrowings. Host syncs: a few per pass (the rows left)."""
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    from . import triton_backend
+
+    n, v = x.shape[0], weight.shape[0]
+    sd = compute_dtype(x.dtype)
+    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
+    c = candidate_count(kmax)
+    plan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False).forward
+    ent_on = opts.entropy
+    sc, temp = opts.softcap, opts.temperature
+    tokens = tokens.contiguous()
+    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on), c)
+    cc = min(c, v)
+    cand = cand[:, :cc]
+    tau, ok = resolve(cand, m, s, v, trunc)
+    w_c, u_c = kept_mass(cand, m, tau)
+    all_in = tau == -math.inf
+    w = torch.where(all_in, s, w_c)
+    uu = torch.where(all_in, u, u_c) if ent_on else None
+    tau = tau.float()
+    if bool(ok.all()):  # (host sync: the rows left)
+        return tau, outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd), None
+    # rows left: tau known (min-p alone) or a top-p crossing to find (mass search)
+    rows = (~ok).nonzero()[:, 0]
+    tr = trunc.rows(rows)
+    mr = m[rows]
+    p_on = tr.top_p < 1
+    mp_on = tr.min_p > 0
+    log_mp = torch.where(mp_on, tr.min_p.clamp_min(1e-300).log(), torch.full_like(tr.min_p, -math.inf))
+    tau1 = (mr.double() + log_mp).float()  # min-p's exact threshold (-inf: off)
+    fallback = ~p_on & ~mp_on  # (ties at the k-th value past the candidates)
+    t = MASS_THRESHOLDS
+    lo = torch.where(mp_on, tau1, mr - _DEPTH)
+    hi = torch.maximum(cand[rows, cc - 1], lo)
+    steps = torch.arange(t, device=x.device, dtype=torch.float64) / (t - 1)
+    thr = lo.double()[:, None] + (hi - lo).double()[:, None] * steps[None, :]
+    thr = torch.where(p_on[:, None], thr, tau1.double()[:, None]).float()
+    thr[:, 0] = torch.where(p_on, lo, tau1)
+    top_t = torch.full_like(lo, math.inf)  # the bracket's top: +inf on the first pass
+    zeros = torch.zeros(rows.numel(), dtype=torch.float64, device=x.device)
+    w_top, n_top = zeros, zeros.long()
+    z1 = torch.where(mp_on, torch.full_like(zeros, math.nan), s[rows])
+    w_k = zeros.clone()
+    u_k = zeros.clone()
+    tau_r = tau[rows].clone()
+    done = ~p_on & mp_on
+    active = p_on.clone()
+    xs = x[rows]
+    if bool(done.any()):  # (host sync) min-p alone: the set a >= tau1, its sums from one pass
+        drows = done.nonzero()[:, 0]
+        _, m_hi, s_hi, u_hi, _ = _merged_candidates(
+            LC.candidates(xs[drows], weight, bias, tokens[rows[drows]], plan, sc, temp, c, ent_on,
+                          hi=tau1[drows].contiguous()), c)
+        w_k[drows], u_k[drows] = rebase(m_hi, s_hi, u_hi, mr[drows])
+        tau_r[drows] = tau1[drows]
+    first = True
+    for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
+        arows = active.nonzero()[:, 0]  # (the rows still searching only)
+        cnt_a, mass_a = LC.masses(xs[arows], weight, bias, plan, sc, temp, mr[arows], thr[arows])
+        cnt = torch.zeros(rows.numel(), t, dtype=torch.int64, device=x.device)
+        mass = torch.zeros(rows.numel(), t, dtype=torch.float64, device=x.device)
+        cnt[arows], mass[arows] = cnt_a.sum(0).long(), mass_a.double().sum(0)
+        if first:
+            first = False
+            # Z1 of a wide min-p set; then the crossing may lie inside the candidates
+            z1 = torch.where(mp_on & p_on, mass[:, 0], z1)
+            t2, ok2 = resolve(cand[rows], mr, s[rows], v, tr, z1=z1)
+            ok2 = ok2 & p_on
+            w2, u2 = kept_mass(cand[rows], mr, t2)
+            tau_r = torch.where(ok2, t2.float(), tau_r)
+            w_k = torch.where(ok2, w2, w_k)
+            u_k = torch.where(ok2, u2, u_k)
+            active = active & ~ok2
+        target = tr.top_p * z1
+        # the bracket [t_j, t_{j+1}) holding the crossing: the largest j with W_j >= target
+        ge = mass >= target[:, None]
+        j = ge.sum(1) - 1  # (W is non-increasing in j)
+        ext_t = torch.cat([thr.double(), top_t.double()[:, None]], 1)
+        ext_w = torch.cat([mass, w_top[:, None]], 1)
+        ext_n = torch.cat([cnt, n_top[:, None]], 1)
+        below = j < 0  # the crossing below t_0: the next bracket [t_0 - depth, t_0)
+        jj = j.clamp_min(0)
+        new_lo = torch.where(below, ext_t[:, 0] - _DEPTH, ext_t.gather(1, jj[:, None])[:, 0])
+        up = torch.where(below, torch.zeros_like(jj), jj + 1)[:, None]
+        new_hi = ext_t.gather(1, up)[:, 0]
+        inside = torch.where(below, torch.full_like(j, v + 1), ext_n.gather(1, jj[:, None])[:, 0]
+                             - ext_n.gather(1, up)[:, 0])
+        w_top = torch.where(active, ext_w.gather(1, up)[:, 0], w_top)
+        n_top = torch.where(active, ext_n.gather(1, up)[:, 0], n_top)
+        top_t = torch.where(active, new_hi.float(), top_t)
+        stuck = active & ~torch.isfinite(new_hi)  # (ties at the C-th candidate)
+        fallback = fallback | stuck
+        active = active & ~stuck
+        settled = active & (inside < cc) & torch.isfinite(new_hi)
+        if bool(settled.any()):  # (host sync) the exact crossing from the values below the bracket's top
+            srows = settled.nonzero()[:, 0]
+            cand2, m_hi, s_hi, u_hi, _ = _merged_candidates(
+                LC.candidates(xs[srows], weight, bias, tokens[rows[srows]], plan, sc, temp, c, ent_on,
+                              hi=top_t[srows].contiguous()), c)
+            w3, u3 = rebase(m_hi, s_hi, u_hi, mr[srows])  # the sums over a >= the bracket's top
+            t3, w3, u3 = crossing(cand2[:, :cc], mr[srows], w3, u3, target[srows])
+            tau_r[srows] = t3.float()
+            w_k[srows] = w3
+            u_k[srows] = u3
+            active = active & ~settled
+        if not bool(active.any()):
+            break
+        lo_next = new_lo
+        steps_t = torch.arange(t, device=x.device, dtype=torch.float64) / t
+        nxt = lo_next[:, None] + (new_hi - lo_next)[:, None] * steps_t[None, :]
+        thr = torch.where(active[:, None], nxt, thr.double()).float()
+    left = active | fallback
+    tau[rows] = tau_r
+    w[rows] = w_k
+    if ent_on:
+        uu[rows] = u_k
+    outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
+    return tau, outs, (rows[left] if bool(left.any()) else None)
