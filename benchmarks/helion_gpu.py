@@ -182,9 +182,12 @@ def config_file(results: list) -> dict:
     """The ``helion_lib/configs/<device class>.json`` content of tuning results: per kernel
     (and the kernels sharing its config, ``SHARED``) one entry for every shape, with where
     it was tuned as ``tuned_at`` (``configs.pick`` reads ``config`` and the bounds only)."""
+    from logitless.helion_lib import configs
+
     out: dict = {}
     for r in sorted(results, key=lambda r: r["kernel"]):
-        entry = {"min_tokens": None, "max_tokens": None, "max_hidden": None, "config": r["config"],
+        config = {k: v for k, v in r["config"].items() if k in configs.PORTABLE_FIELDS}
+        entry = {"min_tokens": None, "max_tokens": None, "max_hidden": None, "config": config,
                  "tuned_at": f"{r['tokens']}x{r['hidden']}x{r['vocab']} {r['dtype']}, {r['autotuner']}, "
                              f"{r.get('default_ms')} -> {r.get('tuned_ms')} ms"}
         for name in (r["kernel"],) + SHARED.get(r["kernel"], ()):

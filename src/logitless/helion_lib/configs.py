@@ -105,11 +105,19 @@ def default_config(kernel: str, sizes: dict) -> dict:
     return {"block_sizes": blocks, "num_warps": 4, "num_stages": 2}
 
 
+#: The fields of a stored config that fit every variant of its kernel. The others
+#: (``indexing``, ``load_eviction_policies``, ...) have one entry per load or store, and a
+#: kernel's variants (bias, soft-cap, ...) differ in those counts: a tuned ``indexing`` of 7
+#: failed the variant with 8 on the H100 ("exceeds indexing config length"); Helion's
+#: defaults fill them.
+PORTABLE_FIELDS = ("block_sizes", "num_warps", "num_stages", "pid_type", "l2_groupings", "loop_orders")
+
+
 def pick(kernel: str, sizes: dict, device: Optional[torch.device] = None) -> dict:
     """A tuned config matching (device class, tokens, hidden) if one is stored (the user
-    folder first, module docstring), else the default."""
+    folder first, module docstring; its ``PORTABLE_FIELDS`` only), else the default."""
     for cls, folder in _sources(device):
         for entry in _load(cls, folder).get(kernel, ()):
             if _holds(entry, sizes):
-                return dict(entry["config"])
+                return {k: v for k, v in entry["config"].items() if k in PORTABLE_FIELDS}
     return default_config(kernel, sizes)
