@@ -13,6 +13,7 @@ draws of a split LM head and its inputs, cast afterwards).
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import socket
 import sys
@@ -32,6 +33,12 @@ DIST_MARKS = [
 
 #: Whether NCCL with one GPU per rank is possible at all (``spawn`` checks the count).
 NCCL = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+
+#: The mark of a test whose ranks run the Triton backend: NCCL ranks on GPUs, or gloo
+#: ranks with Triton's interpreter on the CPU (tests/conftest.py sets it without CUDA).
+TRITON_RANKS = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or (not NCCL and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="the Triton backend needs triton, and CUDA or TRITON_INTERPRET=1")
 
 #: A failing rank leaves the others waiting in a collective: they time out, not hang.
 TIMEOUT = datetime.timedelta(seconds=90)
@@ -89,6 +96,16 @@ def blocks(rows: list[int], rank: int) -> slice:
     """The slice of ``rank``'s contiguous block when the ranks hold ``rows`` rows each."""
     start = sum(rows[:rank])
     return slice(start, start + rows[rank])
+
+
+def cases_worker(rank, world, device, check, rows_list, cases, subset=None):
+    """``check(rank, device, rows, case)`` for every case on the first split of the rows
+    (``rows_list[0]``), and on the other splits for the cases named in ``subset`` (all
+    when None): the body of a vocab-parallel test module's ``spawn``."""
+    for i, rows in enumerate(rows_list):
+        for case in cases:
+            if i == 0 or subset is None or case["name"] in subset:
+                check(rank, device, rows, case)
 
 
 def same_on_every_rank(name: str, t: torch.Tensor):

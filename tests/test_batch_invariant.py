@@ -245,18 +245,3 @@ def test_linear_cross_entropy_empty_and_errors(backend):
         loss = logitless.linear_cross_entropy(xs, w2, t2, backend=backend, batch_invariant=True)
         (g,) = torch.autograd.grad(loss, xs, create_graph=True)
         g.sum().backward()
-
-
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="needs torch.distributed with gloo")
-def test_linear_cross_entropy_vocab_parallel_refused(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        x, w, _, t = _data(3, 8, 11, seed=9)
-        with pytest.raises(ValueError, match="batch_invariant=True is not supported with a vocab-parallel"):
-            logitless.linear_cross_entropy(x.cpu(), w.cpu(), t.cpu(), process_group=dist.group.WORLD,
-                                           batch_invariant=True)
-    finally:
-        dist.destroy_process_group()

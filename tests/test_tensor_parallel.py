@@ -12,8 +12,6 @@ is one spawn that runs many cases (process start-up dominates on the CPU).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +21,9 @@ from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_re
 from tests._distributed import (
     DIST_MARKS,
     NCCL,
+    TRITON_RANKS,
     blocks,
+    cases_worker,
     check_vocab_parallel_errors,
     head_inputs,
     same_on_every_rank,
@@ -45,8 +45,8 @@ def _check_case(rank, device, rows, case):
     x, w, b, t, cw = head_inputs(case.get("seed", 0), shape, h, v_rows, v_real, dtype, device,
                                   bias=case.get("bias", False), cw=case.get("cw", False),
                              ignore=case.get("ignore_index", -100))
-    kw = {k: case[k] for k in ("reduction", "label_smoothing", "softcap", "z_loss", "shift", "ignore_index")
-          if k in case}
+    kw = {k: case[k] for k in ("reduction", "label_smoothing", "softcap", "z_loss", "shift", "ignore_index",
+                               "batch_invariant") if k in case}
     stats = case.get("stats", False)
     backend = case.get("backend", "torch")
     mine = blocks(rows, rank)
@@ -68,7 +68,8 @@ def _check_case(rank, device, rows, case):
     wr = w[real].double().clone().requires_grad_()
     br = b[real].double().clone().requires_grad_() if b is not None else None
     ref, ref_lse, ref_correct = linear_cross_entropy_reference(
-        xr, wr, t, br, class_weight=None if cw is None else cw.double(), **kw)
+        xr, wr, t, br, class_weight=None if cw is None else cw.double(),
+        **{k: v for k, v in kw.items() if k != "batch_invariant"})
     name = case["name"]
     same_on_every_rank(f"{name}: loss", loss.detach())
     assert_close_to_ref(f"{name}: loss", loss, loss1, ref, dtype)
@@ -121,17 +122,10 @@ CASES = [
 ]
 
 
-def _cases_worker(rank, world, device, rows_list, cases, subset=None):
-    for i, rows in enumerate(rows_list):
-        for case in cases:
-            if i == 0 or subset is None or case["name"] in subset:
-                _check_case(rank, device, rows, case)
-
-
 def test_world3_unevenblocks():
     """V = 37 over 3 ranks as torch's Shard(0) splits it (13, 13, 11): every case; with an
     empty rank (20, 0, 17): a few."""
-    spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
+    spawn(cases_worker, 3, _check_case, [[13, 13, 11], [20, 0, 17]], CASES,
            ("sum-every-option", "stats-fp32", "partial-dx", "none-shift-3d"))
 
 
@@ -140,7 +134,7 @@ def test_world2_padded_vocab():
     rows, which must neither enter the softmax nor get a gradient); and 44 rows of which
     rank 1's all are padding."""
     cases = [dict(c, vocab_size=37) for c in CASES if c["name"] in ("sum-every-option", "stats-fp32", "partial-dx")]
-    spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
+    spawn(cases_worker, 2, _check_case, [[20, 20], [37, 7]], cases)
 
 
 def _errors_worker(rank, world, device):
@@ -295,10 +289,8 @@ def _triton_worker(rank, world, device):
         _check_case(rank, device, [17, 16], case)
 
 
-@pytest.mark.skipif(not NCCL and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the Triton backend needs CUDA or TRITON_INTERPRET=1")
+@TRITON_RANKS
 def test_triton_backend():
-    pytest.importorskip("triton", reason="needs triton")
     spawn(_triton_worker, 2)
 
 
@@ -345,3 +337,44 @@ def _cuda_graph_worker(rank, world, device):
 @pytest.mark.skipif(not NCCL, reason="CUDA graphs of NCCL collectives need >= 2 GPUs")
 def test_cuda_graph_capture():
     spawn(_cuda_graph_worker, 2)
+
+
+#: batch_invariant=True over a vocab-parallel head: values, stats and gradients as the
+#: reference's (``_check_case``), then a row's bits alone and inside other batches.
+INVARIANT_CASES = [
+    dict(name="invariant-every-option", batch_invariant=True, reduction="none", label_smoothing=0.1, z_loss=1e-3,
+         softcap=3.0, bias=True, cw=True, stats=True, dtype=torch.float32),
+    dict(name="invariant-mean-fp64", batch_invariant=True, shape=(2, 5), stats=True),
+    dict(name="invariant-empty", batch_invariant=True, shape=(0,), reduction="sum", stats=True,
+         dtype=torch.float32),
+]
+
+
+def _invariant_worker(rank, world, device, rows):
+    cases_worker(rank, world, device, _check_case, [rows], INVARIANT_CASES)
+    from logitless.ops.common import invariant
+
+    pg = dist.group.WORLD
+    n = invariant.invariant_rows("torch", device) + 9
+    x, w, b, t, cw = head_inputs(4, (n,), 24, sum(rows), sum(rows), torch.float32, device, bias=True, cw=True)
+    mine = blocks(rows, rank)
+    seen = {}
+    for order in ([0], [1, 0], [2, 1, 0, 3, 4], list(range(3, n)) + [2, 0, 1]):
+        idx = torch.tensor(order, device=device)
+        loss, st = logitless.linear_cross_entropy(x[idx], w[mine], t[idx], b[mine], class_weight=cw,
+                                                  reduction="none", label_smoothing=0.1, z_loss=1e-3,
+                                                  return_stats=True, process_group=pg, batch_invariant=True)
+        for pos, row in enumerate(order):
+            if row < 3:
+                got = torch.stack([loss[pos], st.lse[pos], st.argmax[pos].double().float()])
+                if row in seen:
+                    assert torch.equal(seen[row].view(torch.int32), got.view(torch.int32)), (row, order[:4])
+                else:
+                    seen[row] = got
+    assert set(seen) == {0, 1, 2}
+    same_on_every_rank("invariant rows", torch.stack([seen[r] for r in range(3)]))
+
+
+@pytest.mark.parametrize("rows", [[40, 33], [30, 0, 43]], ids=["world2", "world3-empty-rank"])
+def test_batch_invariant(rows):
+    spawn(_invariant_worker, len(rows), rows)

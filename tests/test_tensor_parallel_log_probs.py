@@ -22,8 +22,9 @@ import logitless
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from tests._distributed import (
     DIST_MARKS,
-    NCCL,
+    TRITON_RANKS,
     blocks,
+    cases_worker,
     check_vocab_parallel_errors,
     head_inputs,
     same_on_every_rank,
@@ -133,16 +134,9 @@ CASES = [
 ]
 
 
-def _cases_worker(rank, world, device, rows_list, cases, subset=None):
-    for i, rows in enumerate(rows_list):
-        for case in cases:
-            if i == 0 or subset is None or case["name"] in subset:
-                _check_case(rank, device, rows, case)
-
-
 def test_world3_unevenblocks():
     """V = 37 over 3 ranks (13, 13, 11): every case; with an empty rank (20, 0, 17): a few."""
-    spawn(_cases_worker, 3, [[13, 13, 11], [20, 0, 17]], CASES,
+    spawn(cases_worker, 3, _check_case, [[13, 13, 11], [20, 0, 17]], CASES,
            ("every-option-3d", "fp32-entropy", "partial-dx"))
 
 
@@ -150,7 +144,7 @@ def test_world2_padded_vocab():
     """Megatron-style padding: 40 rows (20 + 20) of which 37 are real classes; and 44 rows
     of which rank 1's 7 are all padding. Padding rows are no class and get no gradient."""
     cases = [dict(c, vocab_size=37) for c in CASES if c["name"] in ("every-option-3d", "fp32-entropy", "partial-dx")]
-    spawn(_cases_worker, 2, [[20, 20], [37, 7]], cases)
+    spawn(cases_worker, 2, _check_case, [[20, 20], [37, 7]], cases)
 
 
 def _merge_worker(rank, world, device):
@@ -310,8 +304,6 @@ def _triton_worker(rank, world, device):
         _check_case(rank, device, [17, 16], case)
 
 
-@pytest.mark.skipif(not NCCL and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the Triton backend needs CUDA or TRITON_INTERPRET=1")
+@TRITON_RANKS
 def test_triton_backend():
-    pytest.importorskip("triton", reason="needs triton")
     spawn(_triton_worker, 2)

@@ -11,7 +11,8 @@ on the logits (bf16 logits, fp32 log_softmax of logits / T), the same under
 torch.compile, verl's fused kernel (``verl.utils.kernel.linear_cross_entropy``, when
 importable); truncated sampling (top-k / top-p / min-p, and a logits-based sort mask for
 comparison), the untruncated and top-p calls on peaked rows (the same inputs at T = 0.1)
-and ``batch_invariant=True`` rows (no error column for truncated or peaked rows).
+and ``batch_invariant=True`` rows (no error column for truncated or peaked rows); the
+``logitless-tp1*`` rows run the vocab-parallel path over a one-rank process group.
 ``python -m logitless_bench --suite rl`` (options of cli.py); without a GPU one tiny
 case runs on the CPU, loudly labelled.
 """
@@ -135,6 +136,20 @@ def _logitless_with(temperature=None, **extra):
     return make
 
 
+def _tp1(**extra):
+    """linear_log_probs over a vocab-parallel head of ONE rank (a world-1 process group:
+    NCCL on a GPU, gloo on the CPU): the tensor-parallel code path's own cost on one GPU
+    (its threshold pass is the chunked one with the candidates all-gathered)."""
+    def make(shape, device):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+        return _logitless_with(process_group=dist.group.WORLD, **extra)(shape, device)
+    return make
+
+
 def _torch_truncated_on_logits(x, w, t, temperature, top_k, top_p):
     """The logits-based way: vLLM's sort-based top-k / top-p mask on fp32 logits / T."""
     a = (x @ w.T).float() / temperature
@@ -182,6 +197,10 @@ METHODS = {
     "logitless-invariant": (_logitless_with(batch_invariant=True), "linear_log_probs(batch_invariant=True)"),
     "logitless-invariant-k50p0.9": (_logitless_with(batch_invariant=True, top_k=50, top_p=0.9),
                                     "linear_log_probs(batch_invariant=True, top_k=50, top_p=0.9)"),
+    "logitless-tp1": (_tp1(), "linear_log_probs(process_group=<1 rank>)"),
+    "logitless-tp1-k50p0.9": (_tp1(top_k=50, top_p=0.9), "linear_log_probs(process_group=<1 rank>, top_k=50, top_p=0.9)"),
+    "logitless-tp1-invariant": (_tp1(batch_invariant=True),
+                                "linear_log_probs(process_group=<1 rank>, batch_invariant=True)"),
 }
 
 #: Methods whose distribution is truncated or at another temperature: no error against the reference.

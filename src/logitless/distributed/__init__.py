@@ -46,6 +46,7 @@ How an op gets ``process_group=`` (linear_cross_entropy, linear_jsd, linear_log_
 """
 
 from .layout import VocabShard, vocab_shard
-from .merge import Merged, all_reduce_, merge_argmax, merge_online, merge_shards
+from .merge import Merged, all_reduce_, gather_rows, merge_argmax, merge_online, merge_shards, sum_in_rank_order
 
-__all__ = ["VocabShard", "vocab_shard", "Merged", "merge_shards", "merge_argmax", "merge_online", "all_reduce_"]
+__all__ = ["VocabShard", "vocab_shard", "Merged", "merge_shards", "merge_argmax", "merge_online", "all_reduce_",
+           "gather_rows", "sum_in_rank_order"]

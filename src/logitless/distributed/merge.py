@@ -31,7 +31,8 @@ def _all_reduce(t: Tensor, op, pg) -> None:
 
 
 def merge_shards(pg, lse: Sequence[Tensor], *, sums: Sequence[Tensor] = (),
-                 means: Sequence[tuple[Tensor, int]] = (), maxes: Sequence[Tensor] = ()) -> Merged:
+                 means: Sequence[tuple[Tensor, int]] = (), maxes: Sequence[Tensor] = (),
+                 ordered: bool = False) -> Merged:
     """Merge each rank's statistics of its columns into the full rows' (two collectives).
 
     lse:   log-sum-exps over this rank's columns, one (N,) tensor per distribution (-inf
@@ -46,6 +47,7 @@ def merge_shards(pg, lse: Sequence[Tensor], *, sums: Sequence[Tensor] = (),
 
     Collective 1: MAX of the stacked lse's and maxes; collective 2: SUM of the stacked
     exp(lse_r - M), sums and weighted means. All tensors share one float dtype.
+    ``ordered``: the SUM added in rank order (``sum_in_rank_order``; batch invariance).
     """
     import torch.distributed as dist
 
@@ -57,7 +59,10 @@ def merge_shards(pg, lse: Sequence[Tensor], *, sums: Sequence[Tensor] = (),
     weights = torch.exp(torch.stack(list(lse)) - safe)
     weighted = [torch.where(weights[j] == 0, torch.zeros_like(v), weights[j] * v) for v, j in means]
     packed = torch.cat([weights, *(t[None] for t in (*sums, *weighted))])
-    _all_reduce(packed, dist.ReduceOp.SUM, pg)
+    if ordered:
+        packed = sum_in_rank_order(packed, pg)
+    else:
+        _all_reduce(packed, dist.ReduceOp.SUM, pg)
     total = packed[:k]
     merged_lse = safe + torch.log(total)
     summed = [packed[k + i] for i in range(len(sums))]
@@ -86,7 +91,32 @@ def all_reduce_(t: Tensor, pg) -> Tensor:
     return t
 
 
-def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[Tensor] = ()):
+def sum_in_rank_order(t: Tensor, pg) -> Tensor:
+    """The elementwise sum over the group of every rank's ``t``, added in rank order
+    (((t_0 + t_1) + t_2) + ...) after an all-gather: each element's bits depend on the
+    ranks' values only, not on the tensor's size or the collective's algorithm (an
+    all-reduce's order may follow the message size: batch invariance needs this)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(parts, t.contiguous(), group=pg)
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def gather_rows(t: Tensor, pg) -> Tensor:
+    """(N, K) from every rank -> (N, world * K): the ranks' columns side by side, in rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(parts, t.contiguous(), group=pg)
+    return torch.cat(parts, dim=1)
+
+
+def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[Tensor] = (), *,
+                 ordered: bool = False):
     """Merge each rank's online softmax statistics (``formulas.log_probs``) of its columns
     into the full rows' (two collectives): (M, s, u or None, sums).
 
@@ -97,6 +127,7 @@ def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[T
     e^(m - M) (u + (m - M) s) and the sums (M taken as 0 where every rank has -inf).
     ``formulas.log_probs.finish(M, s, u)`` then gives the full rows' lse and entropy;
     the differences m - M keep the entropy free of cancellation between large numbers.
+    ``ordered``: the SUM added in rank order (``sum_in_rank_order``; batch invariance).
     """
     import torch.distributed as dist
 
@@ -110,6 +141,9 @@ def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[T
         corr = torch.where(s > 0, d * s, torch.zeros_like(s))
         parts.append(scale * (u + corr))
     packed = torch.stack([*parts, *sums])
-    _all_reduce(packed, dist.ReduceOp.SUM, pg)
+    if ordered:
+        packed = sum_in_rank_order(packed, pg)
+    else:
+        _all_reduce(packed, dist.ReduceOp.SUM, pg)
     k = len(parts)
     return big, packed[0], (packed[1] if u is not None else None), [packed[k + i] for i in range(len(sums))]

@@ -124,7 +124,8 @@ def linear_cross_entropy(
             batch (its size, the token's position, its neighbours): the forward runs on
             row blocks of a fixed size; the backward is the default one, once over the
             batch (gradients deterministic, not batch-invariant); the reductions add the
-            per-token losses. Not with a vocab-parallel head (``ValueError``); docs/rl.md.
+            per-token losses; over a vocab-parallel head the ranks' sums are added in rank
+            order; docs/rl.md.
 
     {ce_returns}
     """
@@ -139,9 +140,6 @@ def linear_cross_entropy(
     target, class_weight = _tp.plain(target), _tp.plain(class_weight)
     # (x, weight and bias are plain tensors now: prepare made DTensors local or raised.)
     parallel = tp.parallel
-    if batch_invariant and parallel:
-        raise ValueError("batch_invariant=True is not supported with a vocab-parallel head "
-                         "(process_group or DTensor inputs)")
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
     # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
@@ -192,7 +190,7 @@ def linear_cross_entropy(
         from .batch_invariant import blocked
 
         loss, lse, argmax = blocked(x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget,
-                                    return_stats)
+                                    return_stats, tp)
     else:
         loss, lse, argmax, *_ = lce_forward_eager(
             x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,

@@ -63,9 +63,10 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
 
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
-            budget: int, need_argmax: bool, need_grad: bool):
+            budget: int, need_argmax: bool, need_grad: bool, ordered: bool = False):
     """(loss, lse, argmax or None, w_t, kept or None, plan or None): the custom op's
-    forward under TP (``plan``: the backend's plan of this rank's rows)."""
+    forward under TP (``plan``: the backend's plan of this rank's rows). ``ordered``: the
+    merge's SUM in rank order (``batch_invariant``)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     v = shard.vocab_size
     check_targets_in_range(target, v, opts.ignore_index)
@@ -94,7 +95,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
         if need_argmax:
             best = (_row_max(x, w, b, local.argmax, opts.softcap, sd) if w.shape[0]
                     else torch.full((n,), float("-inf"), dtype=sd, device=x.device))
-        merged = merge_shards(shard.group, [local.lse], sums=sums, maxes=[best] if need_argmax else [])
+        merged = merge_shards(shard.group, [local.lse], sums=sums, maxes=[best] if need_argmax else [],
+                              ordered=ordered)
         argmax = None
         if need_argmax:
             argmax = merge_argmax(shard.group, best, local.argmax + shard.start, merged.maxes[0])

@@ -12,7 +12,7 @@ from logitless.distributed import api as _tp
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, load_backend, resolve_backend
 from logitless.options import LogProbOptions, check_memory_budget
 
 from .custom_op import llp_forward_eager
@@ -102,12 +102,14 @@ def linear_log_probs(
             outside the kept set (no gradient there), ``entropy`` that of the truncated
             distribution, gradients flow through the kept set. Cost: one threshold GEMM
             pass more (``ops.linear_log_probs.truncation``; with a soft-cap nothing is
-            kept for the backward); not with ``process_group``.
+            kept for the backward); with ``process_group`` the threshold pass
+            all-gathers each rank's top-C candidates per token (C >= 64, > top_k).
         batch_invariant: every per-token output bitwise the same whatever the batch
             size, the token's position and its neighbours: the rows go through fixed-size
             blocks (the last padded). Cost: up to one block of padding rows (2048 on
             Triton, 1024/64 on the torch path on CUDA/CPU), one recomputed GEMM in the
-            backward (nothing kept) and one dW add per block. Not with ``process_group``.
+            backward (nothing kept) and one dW add per block. With ``process_group`` the
+            ranks' statistics are added in rank order after an all-gather.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -146,13 +148,19 @@ def linear_log_probs(
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
     if trunc is not None or batch_invariant:
-        if tp.parallel:
-            raise ValueError("top_k/top_p/min_p and batch_invariant=True are not supported with a vocab-parallel "
-                             "head (process_group or DTensor inputs): gather the head or call without them")
         from .truncation import linear_log_probs_truncated
 
+        if impl == "helion":  # (the Helion kernels take no threshold: its fallback backend)
+            from logitless.ops.common.helion_choice import fallback_name
+
+            impl = fallback_name(x.device)
+        sharded = None
+        if tp.parallel:
+            from .vocab_parallel import ShardedBackend
+
+            sharded = ShardedBackend(impl, load_backend(__package__, impl), tp, weight, x.device, batch_invariant)
         logp, ent = linear_log_probs_truncated(x2d, weight, bias, flat, trunc, opts, impl, memory_budget,
-                                               batch_invariant)
+                                               batch_invariant, sharded)
         logp = logp.reshape(out_shape)
         return (logp, ent.reshape(out_shape)) if opts.entropy else logp
     logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,

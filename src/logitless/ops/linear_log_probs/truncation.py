@@ -26,6 +26,10 @@ blocked, dW would be one V x H term per block, 3.1-3.7 GB and 1.22x the default 
 an H100, ``rl-invariant-H100-2026-11-25.md``). Cost: up to one block of padding rows;
 no kept columns for the backward (one recomputed GEMM more than the default path).
 
+A vocab-parallel head: the backend is ``vocab_parallel.ShardedBackend`` (the same
+contract over this rank's rows, statistics merged over the group; thresholds by the
+chunked pass with the ranks' candidates gathered), never ``search_triton``.
+
 torch.compile: this path is an autograd.Function over eager code (not custom ops).
 """
 
@@ -72,7 +76,7 @@ def _candidates(x_c: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogPr
     ``tile_of(x_c, v0, v1)``: the tile of a (default: a torch GEMM in x_c's dtype)."""
     cd = compute_dtype(x_c.dtype)
     v = weight.shape[0]
-    cand = None
+    cand = x_c.new_empty((x_c.shape[0], 0), dtype=cd)  # (no columns: none; a rank without classes)
     m = torch.full((x_c.shape[0],), -math.inf, dtype=cd, device=x_c.device)
     s = torch.zeros_like(m)
     for v0 in range(0, v, vocab_chunk):
@@ -102,20 +106,25 @@ def _triton_tiles(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogPr
 
 
 def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc: Truncation,
-               budget: int, impl: str = "torch") -> Tensor:
+               budget: int, impl: str = "torch", *, vocab_size: Optional[int] = None, merge=None,
+               plan_rows: Optional[int] = None) -> Tensor:
     """Per-token tau (N,) in the compute dtype (-inf: nothing truncated). ``impl``
     "triton": the tiles of a from the forward kernel's tile code (its GEMM: 16-bit
-    operands, fp32 accumulation), else torch GEMMs in the compute dtype."""
+    operands, fp32 accumulation), else torch GEMMs in the compute dtype.
+    A vocab-parallel head (``vocab_parallel.ShardedBackend``): ``weight`` holds this
+    rank's columns of a ``vocab_size`` vocabulary, ``merge(cand, max, sum, C)`` gives the
+    full rows' (top-min(C, V) candidates, max, sum) from this rank's, and the steps are
+    sized for ``plan_rows`` columns (the same on every rank: one collective per step)."""
     n = x.shape[0]
-    v = weight.shape[0]
+    v = weight.shape[0] if vocab_size is None else vocab_size
     cd = compute_dtype(x.dtype)
     cs = torch.finfo(cd).bits // 8
     tau = torch.full((n,), -math.inf, dtype=cd, device=x.device)
     if n == 0:
         return tau
-    plan = linear_torch_plan(x, v, budget, tiles=3, accumulators=0)
+    plan = linear_torch_plan(x, plan_rows or weight.shape[0], budget, tiles=3, accumulators=0)
     tile_of, vocab_chunk = None, plan.vocab_chunk
-    if impl == "triton":
+    if impl == "triton" and weight.shape[0]:
         tile_of, block_v = _triton_tiles(x, weight, bias, opts, budget)
         vocab_chunk = max(block_v, plan.vocab_chunk // block_v * block_v)
     # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left)
@@ -135,6 +144,8 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
             if k < step and (total > step or rows is not None):  # one shape (batch invariance)
                 x_c = torch.cat([x_c, x_c.new_zeros(step - k, x_c.shape[1])])
             cand, m, s = _candidates(x_c, weight, bias, opts, c, vocab_chunk, tile_of)
+            if merge is not None:
+                cand, m, s = merge(cand, m, s, c)
             t, ok = resolve(cand[:k], m[:k], s[:k], v, trunc.rows(idx))
             tau[idx] = torch.where(ok, t, tau[idx])
             oks.append(ok)
@@ -147,16 +158,17 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
 
 class _TruncatedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, trunc_args, opts, impl, budget, block):
+    def forward(ctx, x, weight, bias, tokens, trunc_args, opts, impl, budget, block, sharded):
         trunc = Truncation(*trunc_args[:3], k_max=trunc_args[3]) if trunc_args is not None else None
         if trunc is not None and trunc.k_max is None and x.shape[0]:  # (host sync: the largest top_k)
             k_max = int(trunc.top_k.max())
             if block and k_max < MAX_CANDIDATES:  # one C whatever the neighbours' top_k (batch invariance)
                 k_max = MAX_CANDIDATES - 1
             trunc = Truncation(trunc.top_k, trunc.top_p, trunc.min_p, k_max)
-        n, v = x.shape[0], weight.shape[0]
+        n = x.shape[0]
+        backend = sharded if sharded is not None else load_backend(__package__, impl)
+        v = sharded.vocab_size if sharded is not None else weight.shape[0]
         check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
-        backend = load_backend(__package__, impl)
         sd = compute_dtype(x.dtype)
         with no_autocast(x.device):
             blocks = _blocks(n, block)
@@ -175,7 +187,9 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 tau = outs = left = None
                 if trunc is not None:
                     tr = _padded_trunc(trunc, n0, n1, pad)
-                    if xb.shape[0] and _searches(impl, tr):
+                    if sharded is not None:  # (the chunked pass, merged over the group)
+                        tau = sharded.thresholds(xb, weight, bias, opts, tr, budget)
+                    elif xb.shape[0] and _searches(impl, tr):
                         tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget)
                         if left is not None:  # (the chunked fallback for these rows)
                             tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
@@ -198,7 +212,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 if ent is not None:
                     ent[n0:n1] = en[:n1 - n0].to(sd)
         ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
-        ctx.args = (opts, impl, budget, block, bias is not None)
+        ctx.args = (opts, impl, budget, block, bias is not None, sharded)
         ctx.kept = kept  # (consumed by the first backward, as the custom op's)
         if ent is None:
             ent = x.new_empty(0, dtype=sd)
@@ -207,10 +221,11 @@ class _TruncatedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_h):
         x, weight, bias, tokens, lse, ent, taus, logp = ctx.saved_tensors
-        opts, impl, budget, block, has_bias = ctx.args
+        opts, impl, budget, block, has_bias, sharded = ctx.args
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        n, v = x.shape[0], weight.shape[0]
-        backend = load_backend(__package__, impl)
+        n = x.shape[0]
+        backend = sharded if sharded is not None else load_backend(__package__, impl)
+        v = sharded.vocab_size if sharded is not None else weight.shape[0]
         sd = compute_dtype(x.dtype)
         if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
             g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
@@ -248,7 +263,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
             dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
         if need_db and has_bias:
             db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _searches(impl: str, trunc: Truncation) -> bool:
@@ -283,11 +298,12 @@ def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
 
 def linear_log_probs_truncated(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
                                trunc: Optional[Truncation], opts: LogProbOptions, impl: str, budget: int,
-                               batch_invariant: bool):
-    """(logp, entropy or an empty tensor) of x (N, H), tokens (N,) int64."""
+                               batch_invariant: bool, sharded=None):
+    """(logp, entropy or an empty tensor) of x (N, H), tokens (N,) int64. ``sharded``: a
+    ``vocab_parallel.ShardedBackend`` over a vocab-parallel head (its ``impl``), or None."""
     block = invariant_rows(impl, x.device) if batch_invariant else None
     args = (trunc.top_k, trunc.top_p, trunc.min_p, trunc.k_max) if trunc is not None else None
-    return _TruncatedLogProbs.apply(x, weight, bias, tokens, args, opts, impl, budget, block)
+    return _TruncatedLogProbs.apply(x, weight, bias, tokens, args, opts, impl, budget, block, sharded)
 
 
 #: The Triton threshold pass: candidates at most (a power of two), thresholds per mass

@@ -19,22 +19,79 @@ backward: the A, B, C coefficients from the merged lse and entropy; the backend'
           collective of N x H) unless ``partial_dx``, then cast once. Padding rows get
           zero gradient.
 
+Truncated sampling and ``batch_invariant`` (``truncation._TruncatedLogProbs``) take
+``ShardedBackend``: the same contract as a backend module, over this rank's rows and the
+merged statistics. Its thresholds: each rank's top-C candidates of its columns, an
+all-gather of (tokens x C) floats and a top-C of the ranks' candidates, with the row max
+and sum merged as above; the forward and backward above with the per-token tau. Batch
+invariance: the merge's SUM added in rank order (``merge.sum_in_rank_order``), so a
+row's bits do not follow the collective's algorithm for the message size.
+
 Nothing of size tokens x vocab and no weight is ever communicated.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from logitless.distributed import merge_online, vocab_shard
+from logitless.distributed import VocabShard, gather_rows, merge_online, vocab_shard
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import LogProbStats, finish, grad_coefficients, partials_of, token_outputs
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import LogProbOptions, VocabParallelOptions
+
+from .truncation import thresholds as _thresholds
+
+
+def _merged_stats(impl, shard: VocabShard, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
+                  opts: LogProbOptions, *, plan, budget: int, tau: Optional[Tensor] = None, ordered: bool = False):
+    """(LogProbStats of the full rows, kept or None): the backend's statistics over this
+    rank's real rows merged over the group (``plan``: the backend's plan of those rows)."""
+    n = x.shape[0]
+    sd = compute_dtype(x.dtype)
+    w, b = shard.real_rows(weight), shard.real_rows(bias)
+    if n == 0:  # the same on every rank: no collective
+        empty = x.new_empty(0, dtype=sd)
+        return LogProbStats(empty, empty, empty if opts.entropy else None), None
+    kept = None
+    if w.shape[0] == 0:  # a rank without real classes: neutral statistics
+        m = torch.full((n,), float("-inf"), dtype=sd, device=x.device)
+        s = torch.zeros(n, dtype=sd, device=x.device)
+        u = s if opts.entropy else None
+        a_t = s
+    else:
+        thr = dict(tau=tau) if tau is not None else {}
+        local, kept = impl.forward(x, w, b, shard.local_target(tokens), opts, budget=budget, plan=plan, **thr)
+        lse = local.lse.to(sd)
+        m, s, u = partials_of(lse, local.entropy.to(sd) if opts.entropy else None)
+        if tau is not None:  # every column of the row below tau here: no mass (lse -inf, H NaN)
+            empty = lse == float("-inf")
+            s = torch.where(empty, torch.zeros_like(s), s)
+            u = torch.where(empty, torch.zeros_like(u), u) if u is not None else None
+        a_t = local.target.to(sd)  # a NaN lse makes e^(m - M) s NaN: the SUM spreads it
+    big, s, u, (a_t,) = merge_online(shard.group, m, s, u, [a_t], ordered=ordered)
+    lse, ent = finish(big, s, u)
+    return LogProbStats(lse=lse, target=a_t, entropy=ent), kept
+
+
+def _rank_backward(impl, shard: VocabShard, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
+                   opts: LogProbOptions, lse: Tensor, coef: Tensor, partial_dx: bool, *, need_dx: bool,
+                   need_dw: bool, need_db: bool, budget: int, plan, kept, tau: Optional[Tensor] = None):
+    """This rank's (dx, dW, db) from the merged lse and the coefficients."""
+    w, b = shard.real_rows(weight), shard.real_rows(bias)
+    if w.shape[0] == 0:
+        dx, dw, db = no_class_grads(x, w, b, need_dx, need_dw, need_db)
+    else:
+        dx, dw, db = impl.backward(x, w, b, shard.local_target(tokens), opts, lse, coef, need_dx=need_dx,
+                                   need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept,
+                                   dx_acc=True, **(dict(tau=tau) if tau is not None else {}))
+    return rank_grads(shard, x, dx, dw, db, partial_dx)
 
 
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
@@ -42,30 +99,11 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     """(logp, entropy or None, lse, kept or None, plan or None): the custom op's forward
     under TP (``plan``: the backend's plan of this rank's rows)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
-    v = shard.vocab_size
-    check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
-    n = x.shape[0]
-    sd = compute_dtype(x.dtype)
+    check_targets_in_range(tokens, shard.vocab_size, opts.ignore_index, name="tokens")
     w, b = shard.real_rows(weight), shard.real_rows(bias)
-    kept = plan = None
-    if n == 0:  # the same on every rank: no collective
-        empty = x.new_empty(0, dtype=sd)
-        stats = LogProbStats(empty, empty, empty if opts.entropy else None)
-    else:
-        if w.shape[0] == 0:  # a rank without real classes: neutral statistics
-            m = torch.full((n,), float("-inf"), dtype=sd, device=x.device)
-            s = torch.zeros(n, dtype=sd, device=x.device)
-            u = s if opts.entropy else None
-            a_t = s
-        else:
-            plan = impl.plan(x, w, b, opts, budget=budget, need_grad=need_grad)
-            local, kept = impl.forward(x, w, b, shard.local_target(tokens), opts, budget=budget, plan=plan)
-            m, s, u = partials_of(local.lse.to(sd), local.entropy.to(sd) if opts.entropy else None)
-            a_t = local.target.to(sd)  # a NaN lse makes e^(m - M) s NaN: the SUM spreads it
-        big, s, u, (a_t,) = merge_online(shard.group, m, s, u, [a_t])
-        lse, ent = finish(big, s, u)
-        stats = LogProbStats(lse=lse, target=a_t, entropy=ent)
-    logp, ent = token_outputs(stats, tokens, v, opts)
+    plan = impl.plan(x, w, b, opts, budget=budget, need_grad=need_grad) if x.shape[0] and w.shape[0] else None
+    stats, kept = _merged_stats(impl, shard, x, weight, bias, tokens, opts, plan=plan, budget=budget)
+    logp, ent = token_outputs(stats, tokens, shard.vocab_size, opts)
     return logp, ent, stats.lse, kept, plan
 
 
@@ -77,11 +115,58 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)  # cached: no collective
     coef = grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp,
                              grad_entropy if opts.entropy else None, shard.vocab_size, opts, lse)
-    w, b = shard.real_rows(weight), shard.real_rows(bias)
-    if w.shape[0] == 0:
-        dx, dw, db = no_class_grads(x, w, b, need_dx, need_dw, need_db)
-    else:
-        dx, dw, db = impl.backward(x, w, b, shard.local_target(tokens), opts, lse, coef, need_dx=need_dx,
-                                   need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept,
-                                   dx_acc=True)
-    return rank_grads(shard, x, dx, dw, db, tp.partial_dx)
+    return _rank_backward(impl, shard, x, weight, bias, tokens, opts, lse, coef, tp.partial_dx, need_dx=need_dx,
+                          need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept)
+
+
+class ShardedBackend:
+    """A backend over a vocab-parallel head for ``truncation._TruncatedLogProbs``: the
+    contract of a backend module (``plan``, ``forward(outputs=True)``,
+    ``grad_coefficients``, ``backward``) plus ``thresholds``, each over this rank's real
+    rows with the statistics merged over the group; ``vocab_size``: the full vocabulary's.
+    ``ordered``: the merges' sums in rank order (batch invariance)."""
+
+    def __init__(self, impl_name: str, impl, tp: VocabParallelOptions, weight: Tensor, device: torch.device,
+                 ordered: bool):
+        self.impl_name, self.impl, self.ordered = impl_name, impl, ordered
+        self.shard = vocab_shard(tp.tp_group, weight.shape[0], device, tp.vocab_size)
+        self.vocab_size = self.shard.vocab_size
+        self.partial_dx = tp.partial_dx
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, **kw):
+        w = self.shard.real_rows(weight)
+        return self.impl.plan(x, w, self.shard.real_rows(bias), opts, **kw) if w.shape[0] else None
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
+                plan, budget: int, outputs: bool = True, tau: Optional[Tensor] = None):
+        """((logp, entropy or None, lse), kept or None) of the full rows."""
+        stats, kept = _merged_stats(self.impl, self.shard, x, weight, bias, tokens, opts, plan=plan, budget=budget,
+                                    tau=tau, ordered=self.ordered)
+        logp, ent = token_outputs(stats, tokens, self.vocab_size, opts)
+        return (logp, ent, stats.lse), kept
+
+    def grad_coefficients(self, entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor],
+                          g_h: Optional[Tensor], num_classes: int, opts: LogProbOptions, lse: Tensor) -> Tensor:
+        return grad_coefficients(entropy, tokens, g_lp, g_h, self.vocab_size, opts, lse)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                 lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
+                 plan=None, kept=None, tau: Optional[Tensor] = None):
+        return _rank_backward(self.impl, self.shard, x, weight, bias, tokens, opts, lse, coef, self.partial_dx,
+                              need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, plan=plan,
+                              kept=kept, tau=tau)
+
+    def thresholds(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc,
+                   budget: int) -> Tensor:
+        """Per-token tau of the full rows (``truncation.thresholds`` with a merge over the group)."""
+        shard, v = self.shard, self.vocab_size
+
+        def merge(cand: Tensor, m: Tensor, s: Tensor, c: int):
+            if cand.shape[1] < c:  # (fewer local columns than candidates)
+                cand = F.pad(cand, (0, c - cand.shape[1]), value=-math.inf)
+            cand = gather_rows(cand, shard.group).topk(min(c, v), dim=1).values
+            big, s, _, _ = merge_online(shard.group, m, s, None, ordered=self.ordered)
+            return cand, big, s
+
+        return _thresholds(x, shard.real_rows(weight), shard.real_rows(bias), opts, trunc, budget, self.impl_name,
+                           vocab_size=v, merge=merge, plan_rows=shard.max_rows)
