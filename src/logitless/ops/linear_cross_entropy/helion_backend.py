@@ -12,7 +12,8 @@ backward: the formulas' (3, N) coefficients, then per vocabulary chunk (sized by
 Every option of the op: bias, soft-cap, class weights, label smoothing, z-loss (through
 the coefficients), ignore_index, reductions, return_stats' argmax, vocabulary parallelism
 (``vocab_parallel`` calls this module's forward/backward on a rank's rows; its dx stays
-the fp32 accumulator until the all-reduce, ``dx_acc``). Kernels compute in fp32; fp64 inputs are refused (``resolve_backend``).
+the fp32 accumulator until the all-reduce, ``dx_acc``). Kernels compute in fp32; fp64
+inputs are refused (``resolve_backend``).
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
 (``ops.common.helion_choice``).
 """

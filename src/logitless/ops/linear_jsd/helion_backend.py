@@ -12,7 +12,8 @@ Every option of the op: beta in [0, 1], temperature, both soft-caps, hard_label_
 biases, a teacher hidden size of its own, ignore_index, reductions. Vocabulary parallelism
 runs its first pass (per-rank statistics) and the backward on these kernels; its second
 pass for 0 < beta < 1 (``column_sums``: sums with the merged lse's of all ranks) comes
-from the torch/Triton backend; its dx stays the fp32 accumulator until the all-reduce. The gradient-in-forward strategy is the Triton backend's: never with "helion".
+from the torch/Triton backend; its dx stays the fp32 accumulator until the all-reduce. The
+gradient-in-forward strategy is the Triton backend's: never with "helion".
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
 (``ops.common.helion_choice``).
 """
