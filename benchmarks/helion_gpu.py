@@ -2,7 +2,7 @@
 
     python benchmarks/helion_gpu.py info                 versions, device, whether Helion runs (and why not)
     python benchmarks/helion_gpu.py tune KERNEL          Helion's autotuner on one lce kernel (ce_forward,
-                                                         ce_dx, ce_dw) at one shape -> $OUT/tune-KERNEL.json
+                                                         ce_dz) at one shape -> $OUT/tune-KERNEL.json
     python benchmarks/helion_gpu.py merge                $OUT/tune-*.json -> $OUT/configs/<device class>.json
     python benchmarks/helion_gpu.py bench                helion vs triton at the anchors -> $OUT/helion-<class>.json
     python benchmarks/helion_gpu.py lowerings            the lce kernels through Helion's CuTe and Pallas
@@ -19,6 +19,7 @@ inputs that need no gradient, forward+backward with them; peak extra MiB of forw
 Each Helion row carries its agreement with the other backend (max |diff| / max |value| of the
 loss and each gradient) and the fallback warning if Helion did not run (then its times are not
 Helion's). ``helion-tuned`` rows read the configs that ``merge`` wrote (``LOGITLESS_HELION_CONFIGS``).
+BENCH_METHODS (e.g. "helion-tuned") measures only those methods.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ SHAPES = {
     "distill": (128, 32, 1000, 48) if SMOKE else (4096, 4096, 128256, 8192),
     "rl": (128, 64, 1003) if SMOKE else (8192, 4096, 151936),
 }
-TUNE_KERNELS = ("ce_forward", "ce_dx", "ce_dw")
-#: Kernels that share a tuned config: the log-probs backward runs the same two kernels.
-SHARED = {"ce_dx": ("logp_dx",), "ce_dw": ("logp_dw",)}
+TUNE_KERNELS = ("ce_forward", "ce_dz")
+#: Kernels that share a tuned config: the log-probs backward runs the same kernel.
+SHARED = {"ce_dz": ("logp_dz",)}
 
 
 def _sync():
@@ -119,8 +120,10 @@ def _tune_args(kernel: str):
         return ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts), (n, h, v)
     lse = hce.lce_forward(x, w, None, t, None, opts).lse
     coef = grad_coefficients(lse, t, torch.full((n,), 1.0 / n, device=DEVICE), v, None, opts)
-    fn = grad_kernels.linear_dx if kernel == "ce_dx" else grad_kernels.linear_dw
-    return fn, hce.backward_args(x, w, None, t, None, lse, coef, opts), (n, h, v)
+    # one vocabulary chunk of the backward (what a 256 MiB budget gives at this shape)
+    c = grad_kernels.vocab_chunk(n, h, v, x.element_size(), 256 * 2**20)
+    args = hce.backward_args(x, w[:c], None, t, None, lse, coef, opts)
+    return grad_kernels.linear_dlogits, args, (n, h, c)
 
 
 def tune(kernel: str) -> dict:
@@ -145,7 +148,7 @@ def tune(kernel: str) -> dict:
               "device_class": configs.device_class(DEVICE), "default_config": default, "budget_s": budget,
               "autotuner": os.environ.get("HELION_AUTOTUNER", "LFBOTreeSearch")}
     # The accuracy baseline is our heuristic's config (Helion's own default config has 16-wide
-    # blocks: dX / dW would recompute the logits H / 16 times, tens of seconds at this shape).
+    # blocks: slow at this shape).
     reference = base.bind(args)
     if not SMOKE:
         reference.set_config(helion.Config(**default))
@@ -269,8 +272,7 @@ def lowerings() -> dict:
     t, opts = torch.randint(0, v, (n,)), CrossEntropyOptions()
     lse, coef = torch.zeros(n), torch.zeros(3, n)
     cases = [("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts)),
-             ("ce_dx", grad_kernels.linear_dx, hce.backward_args(x, w, None, t, None, lse, coef, opts)),
-             ("ce_dw", grad_kernels.linear_dw, hce.backward_args(x, w, None, t, None, lse, coef, opts))]
+             ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, None, t, None, lse, coef, opts))]
     out = {}
     for backend in ("cute", "pallas"):
         for name, base, args in cases:
@@ -419,6 +421,8 @@ def bench() -> dict:
     tuned_dir = OUT / "configs"
     tuned = tuned_dir.is_dir() and any(tuned_dir.glob("*.json"))
     methods = [OTHER, "helion"] + (["helion-tuned"] if tuned else [])
+    if os.environ.get("BENCH_METHODS"):  # e.g. "helion-tuned" alone: a failing config makes Helion fall
+        methods = os.environ["BENCH_METHODS"].split()  # back for the rest of its process, so run it apart
     report = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
               "device_class": configs.device_class(DEVICE), "torch": torch.__version__, "dtype": str(DTYPE),
               "shapes": SHAPES, "methods": methods, "rows": []}

@@ -123,6 +123,48 @@ def test_argmax_first_of_ties_across_tiles():
     assert stats.argmax[0] == 3
 
 
+def test_backward_in_vocabulary_chunks():
+    """The backward in chunks of 16 columns (V = 37: three chunks, the last partial; the
+    dX accumulator across chunks, dW / db written per chunk) gives the one-chunk gradients,
+    for the three ops with every option on; fp32 and bf16 (one cast of the fp32 accumulator:
+    the bf16 chunked dx is the one-chunk dx to bf16 rounding); ``dx_acc`` returns the fp32
+    accumulator; and the budget sizes the chunks."""
+    from logitless.helion_lib import grad_kernels
+
+    n, h, v = 13, 20, 37
+    x, w, b, xt, wt, bt, t = _jsd_data(n, h, v, seed=21)
+    cw = (torch.rand(v, generator=torch.Generator().manual_seed(22)) + 0.5).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd, xtd, wtd = (a.to(dtype) for a in (x, w, xt, wt))
+        tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        ce = CrossEntropyOptions(label_smoothing=0.1, softcap=2.5, z_loss=1e-3)
+        stats = hce.lce_forward(xd, wd, b, t, cw, ce)
+        coef = ce_f.grad_coefficients(stats.lse, t, torch.full((n,), 1.0 / n, device=DEVICE), v, cw, ce)
+        lp = LogProbOptions(entropy=True, temperature=1.3, softcap=3.0)
+        lst = hlp.logp_forward(xd, wd, b, t, lp)
+        gen = torch.Generator().manual_seed(23)
+        lcoef = lp_f.grad_coefficients(lst.entropy, t, torch.randn(n, generator=gen).to(DEVICE),
+                                       torch.randn(n, generator=gen).to(DEVICE), v, lp, like=lst.lse)
+        jo = JSDOptions(beta=0.3, temperature=1.5, student_softcap=2.5, hard_label_weight=0.3)
+        jst = hjsd.jsd_forward(xd, wd, b, xtd, wtd, bt, t, jo)
+        g = jsd_f.upstream(torch.ones(n, device=DEVICE), t, jo.ignore_index)
+        for run in (lambda **k: hce.lce_backward(xd, wd, b, t, cw, stats.lse, coef, ce, **k),
+                    lambda **k: hlp.logp_backward(xd, wd, b, t, lst.lse, lcoef, lp, **k),
+                    lambda **k: hjsd.jsd_backward(xd, wd, b, xtd, wtd, bt, t, jst, g, jo, **k)):
+            whole = run(chunk=v)
+            parts = run(chunk=16)
+            acc = run(chunk=16, dx_acc=True)[0]
+            assert parts[0].dtype == dtype and acc.dtype == torch.float32
+            torch.testing.assert_close(acc.to(dtype), parts[0], rtol=0, atol=0)
+            for got, want in zip(parts, whole):
+                torch.testing.assert_close(got.double(), want.double(), **tol)
+    assert grad_kernels.vocab_chunk(8192, 4096, 128256, 2, 256 * 2**20) == 8192
+    assert grad_kernels.vocab_chunk(8192, 4096, 128256, 2, 2**20) == grad_kernels.MIN_CHUNK  # raised to the floor
+    assert grad_kernels.vocab_chunk(8192, 4096, 128256, 2, 2**40) == 128256  # all of dz fits: one chunk
+    assert grad_kernels.vocab_chunk(8192, 4096, 128256, 2, 2**30) == grad_kernels.MAX_CHUNK
+    assert grad_kernels.vocab_chunk(13, 20, 37, 4, None) == 37
+
+
 def test_backward_skips_unneeded_kernels():
     x, w, b, t = _data(9, 12, 17, seed=12)
     opts = CrossEntropyOptions()
@@ -287,21 +329,18 @@ def _lowering_cases():
     for name, kernel, args in [
         ("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, b, t, cw, ce_all, True)),
         ("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, ce_plain)),
-        ("ce_dx", grad_kernels.linear_dx, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
-        ("ce_dw", grad_kernels.linear_dw, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
-        ("ce_dw", grad_kernels.linear_dw, hce.backward_args(x, w, None, t, None, lse, coef, ce_plain)),
+        ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
+        ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, None, t, None, lse, coef, ce_plain)),
         ("logp_forward", log_probs_kernels.logp_forward, hlp.forward_args(x, w, b, t, lp_all)),
         ("logp_forward", log_probs_kernels.logp_forward, hlp.forward_args(x, w, None, t, lp_plain)),
-        ("logp_dx", grad_kernels.linear_dx, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
-        ("logp_dw", grad_kernels.linear_dw, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
+        ("logp_dz", grad_kernels.linear_dlogits, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
     ]:
         cases.append((name, kernel, args, sizes))
     for beta in (0.3, 0.0, 1.0):
         o = JSDOptions(beta=beta, temperature=1.5, student_softcap=2.0, teacher_softcap=3.0, hard_label_weight=0.2)
         cases += [
             ("jsd_forward", jsd_kernels.jsd_forward, hjsd.forward_args(x, w, b, xt, wt, bt, t, o), sizes),
-            ("jsd_dx", jsd_kernels.jsd_dx, hjsd.backward_args(x, w, b, xt, wt, bt, t, stats, g, o), sizes),
-            ("jsd_dw", jsd_kernels.jsd_dw, hjsd.backward_args(x, w, b, xt, wt, bt, t, stats, g, o), sizes),
+            ("jsd_dz", jsd_kernels.jsd_dlogits, hjsd.backward_args(x, w, b, xt, wt, bt, t, stats, g, o), sizes),
         ]
     return cases
 
@@ -321,7 +360,8 @@ def test_configs_pick():
     sizes = {"n": 5, "v": 1000, "h": 8}
     cfg = configs.pick("ce_forward", sizes)
     assert cfg["block_sizes"] == [16, 128, 16]
-    assert configs.pick("ce_dx", {"n": 10**6, "v": 10**5, "h": 4096})["block_sizes"] == [64, 128, 128, 64]
+    assert configs.pick("ce_dz", {"n": 10**6, "v": 10**5, "h": 4096})["block_sizes"] == [64, 128, 64]
+    assert configs.pick("jsd_dz", {"n": 10**6, "v": 10**5, "h": 4096})["block_sizes"] == [64, 128, 64, 64]
     assert configs.device_class(torch.device("cpu")) == "cpu"
 
 

@@ -168,12 +168,13 @@ def _small_calls():
 
 
 @needs_helion
-@pytest.mark.parametrize("op,kernels", [("linear_cross_entropy", ("ce_forward", "linear_dx", "linear_dw")),
-                                        ("linear_log_probs", ("logp_forward", "linear_dx", "linear_dw")),
-                                        ("linear_jsd", ("jsd_forward", "jsd_dx", "jsd_dw"))])
+@pytest.mark.parametrize("op,kernels", [("linear_cross_entropy", ("ce_forward", "linear_dlogits")),
+                                        ("linear_log_probs", ("logp_forward", "linear_dlogits")),
+                                        ("linear_jsd", ("jsd_forward", "jsd_dlogits"))])
 def test_helion_kernels_run(op, kernels, launches):
-    """Forward and backward launch the op's three Helion kernels once each (no fallback),
-    and the results match the torch backend's."""
+    """Forward and backward launch the op's two Helion kernels once each (no fallback; the
+    backward's d(logits) in one vocabulary chunk at these sizes), and the results match
+    the torch backend's."""
     calls, leaves = _small_calls()
     with warnings.catch_warnings():
         warnings.simplefilter("error", helion_choice.HelionFallbackWarning)
@@ -212,7 +213,7 @@ def test_compile_fullgraph(launches):
     compiled = torch.compile(lambda: f(BACKEND), fullgraph=True, backend="aot_eager")
     loss = compiled()
     grads = torch.autograd.grad(loss, leaves)
-    assert launches.get("ce_forward") == launches.get("jsd_dw") == 1, launches
+    assert launches.get("ce_forward") == launches.get("jsd_dlogits") == 1, launches
     eager = f(BACKEND)
     assert torch.equal(loss, eager)
     for got, want in zip(grads, torch.autograd.grad(eager, leaves)):  # (the three ops' sums in another order)
@@ -469,13 +470,13 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
     from logitless.helion_lib import configs
 
     fwd = {"block_sizes": [128, 256, 64], "num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor"}
-    dx = {"block_sizes": [64, 256, 128, 64], "num_warps": 8, "num_stages": 4, "pid_type": "persistent_blocked"}
+    dz = {"block_sizes": [64, 256, 64], "num_warps": 8, "num_stages": 4, "pid_type": "persistent_blocked"}
     shape = dict(tokens=8192, hidden=4096, vocab=128256, dtype="bfloat16", autotuner="PatternSearch",
                  device_class="nvidia-h100")
     user, package = tmp_path / "user", tmp_path / "package"
     user.mkdir(), package.mkdir()
     (user / "nvidia-h100.json").write_text(json.dumps(config_file([dict(shape, kernel="ce_forward", config=fwd),
-                                                                   dict(shape, kernel="ce_dx", config=dx)])))
+                                                                   dict(shape, kernel="ce_dz", config=dz)])))
     shipped = {"block_sizes": [32, 64, 32], "num_warps": 4, "num_stages": 2}
     (package / "nvidia-h100.json").write_text(json.dumps({
         "ce_forward": [{"min_tokens": 1024, "config": shipped}],
@@ -496,9 +497,9 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
         kept = {k: v for k, v in fwd.items() if k != "indexing"}
         assert configs.pick("ce_forward", big, cuda) == kept
         assert configs.pick("ce_forward", small, cuda) == kept  # tuned entries hold for every shape
-        assert configs.pick("ce_dx", big, cuda) == configs.pick("logp_dx", big, cuda) == dx
+        assert configs.pick("ce_dz", big, cuda) == configs.pick("logp_dz", big, cuda) == dz
         assert configs.pick("logp_forward", small, cuda) == shipped  # not tuned: the package's
-        assert configs.pick("ce_dw", big, cuda) == configs.default_config("ce_dw", big)
+        assert configs.pick("jsd_dz", big, cuda) == configs.default_config("jsd_dz", big)
         assert configs.pick("ce_forward", big, cpu) == configs.default_config("ce_forward", big)  # other class
     finally:
         configs._load.cache_clear()
@@ -544,6 +545,6 @@ def test_small_tiles_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with small_tiles(monkeypatch):
         linear_cross_entropy.launch("k", (), {"block_sizes": [64, 128, 64], "num_warps": 8})
-        grad_kernels.launch("k", (), {"block_sizes": [64, 128, 128, 64], "num_warps": 4, "indexing": "pointer"})
+        grad_kernels.launch("k", (), {"block_sizes": [64, 128, 64, 64], "num_warps": 4, "indexing": "pointer"})
     assert seen == [{"block_sizes": [16, 16, 16], "num_warps": 8},
                     {"block_sizes": [16, 16, 16, 16], "num_warps": 4, "indexing": "pointer"}]

@@ -30,22 +30,19 @@ _DIR = Path(__file__).parent / "configs"
 USER_DIR_ENV = "LOGITLESS_HELION_CONFIGS"
 
 #: The ``hl.tile`` loops of each kernel, in order, as the names of the dims they tile:
-#: "n" tokens, "v" vocabulary, "h" hidden (the reduction of the matmul), "k" hidden (an
-#: output block of dX or dW).
+#: "n" tokens, "v" vocabulary (of a chunk for the ``*_dz`` backward kernels), "h" hidden
+#: (the reduction of the matmul).
 KERNEL_DIMS = {
     "ce_forward": ("n", "v", "h"),
-    "ce_dx": ("n", "k", "v", "h"),
-    "ce_dw": ("v", "k", "n", "h"),
+    "ce_dz": ("n", "v", "h"),
     "logp_forward": ("n", "v", "h"),
-    "logp_dx": ("n", "k", "v", "h"),
-    "logp_dw": ("v", "k", "n", "h"),
+    "logp_dz": ("n", "v", "h"),
     "jsd_forward": ("n", "v", "h", "h", "v", "h", "h"),  # two sweeps; student then teacher hidden
-    "jsd_dx": ("n", "k", "v", "h", "h"),
-    "jsd_dw": ("v", "k", "n", "h", "h"),
+    "jsd_dz": ("n", "v", "h", "h"),  # student then teacher hidden
 }
 
 #: Default block size per dim (capped by the problem size, at least 16).
-_DEFAULT_BLOCK = {"n": 64, "v": 128, "h": 64, "k": 128}
+_DEFAULT_BLOCK = {"n": 64, "v": 128, "h": 64}
 
 
 def device_class(device: torch.device) -> str:
@@ -100,7 +97,7 @@ def sizes(x: torch.Tensor, weight: torch.Tensor) -> dict:
 def default_config(kernel: str, sizes: dict) -> dict:
     """The heuristic: each dim's default block, capped by the next power of two of its size
     (at least 16, tl.dot's minimum); 4 warps, fewer stages on small problems."""
-    blocks = [min(_DEFAULT_BLOCK[d], _pow2_at_least(max(int(sizes[d if d != "k" else "h"]), 1)))
+    blocks = [min(_DEFAULT_BLOCK[d], _pow2_at_least(max(int(sizes[d]), 1)))
               for d in KERNEL_DIMS[kernel]]
     return {"block_sizes": blocks, "num_warps": 4, "num_stages": 2}
 

@@ -8,10 +8,11 @@ lm := lq).
   second sweep (the mixture needs both lse first) for S = sum p (lp - lm) and
   K = sum q (lq - lm): the (6, N) statistics of ``formulas.jsd`` (LSE_S, LSE_T, S, K, LSE1,
   ZTGT). Both heads' logits are recomputed in the second sweep, never stored.
-- ``jsd_dx`` / ``jsd_dw``: the student's gradient only (the teacher gets none):
-  dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
-  (1 - (zs / s)^2), fed into dX (over vocabulary tiles) and dW, db (over row tiles).
-  NOT (1 - beta) (p - m) / T (Helion's example), which finite differences reject.
+- ``jsd_dlogits``: the student's d(logits) of one vocabulary chunk (the teacher gets no
+  gradient): dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
+  (1 - (zs / s)^2) in the student's dtype, both heads' tiles recomputed; cuBLAS takes it to
+  dX, dW, db (``grad_kernels.chunked_backward``). NOT (1 - beta) (p - m) / T (Helion's
+  example), which finite differences reject.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def jsd_forward(
 
 
 @helion.kernel(**_SETTINGS)
-def jsd_dx(
+def jsd_dlogits(
     xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
     xt: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor,
     stats: torch.Tensor, g: torch.Tensor,
@@ -147,56 +148,16 @@ def jsd_dx(
     n, hs = xs.size()
     ht = xt.size(1)
     v = ws.size(0)
-    dx = torch.empty_like(xs)
-    for tile_n, tile_k in hl.tile([n, hs]):
+    dz = torch.empty([n, v], dtype=xs.dtype, device=xs.device)
+    for tile_n, tile_v in hl.tile([n, v]):
         rows = row_inputs(target, stats, g, tile_n)
-        acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
-        for tile_v in hl.tile(v):
-            zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_h in hl.tile(hs):
-                zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
-            zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_g in hl.tile(ht):
-                zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-            zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
-            dz = dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, MODE, HAS_HARD,
-                         HAS_CAP_S)
-            dz = torch.where((tile_v.index < v)[None, :], dz, 0.0)
-            acc = hl.dot(dz.to(ws.dtype), ws[tile_v, tile_k], acc=acc)
-        dx[tile_n, tile_k] = acc.to(dx.dtype)
-    return dx
-
-
-@helion.kernel(**_SETTINGS)
-def jsd_dw(
-    xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
-    xt: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor,
-    stats: torch.Tensor, g: torch.Tensor,
-    inv_t: float, cap_s: float, cap_t: float, log_beta: float, log_1mbeta: float, wp: float, hlw: float,
-    MODE: hl.constexpr, HAS_HARD: hl.constexpr, HAS_CAP_S: hl.constexpr, HAS_CAP_T: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n, hs = xs.size()
-    ht = xt.size(1)
-    v = ws.size(0)
-    dw = torch.empty_like(ws)
-    db = torch.empty([v], dtype=torch.float32, device=ws.device)
-    for tile_v, tile_k in hl.tile([v, hs]):
-        acc = hl.zeros([tile_v, tile_k], dtype=torch.float32)
-        acc_b = hl.zeros([tile_v], dtype=torch.float32)
-        for tile_n in hl.tile(n):
-            rows = row_inputs(target, stats, g, tile_n)
-            zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_h in hl.tile(hs):
-                zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
-            zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_g in hl.tile(ht):
-                zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-            zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
-            dz = dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, MODE, HAS_HARD,
-                         HAS_CAP_S)
-            dz = torch.where((tile_n.index < n)[:, None], dz, 0.0)
-            acc = hl.dot(dz.to(xs.dtype).T, xs[tile_n, tile_k], acc=acc)
-            acc_b = acc_b + torch.sum(dz, dim=0)
-        dw[tile_v, tile_k] = acc.to(dw.dtype)
-        db[tile_v] = acc_b  # equal values from every hidden block (see grad_kernels.linear_dw)
-    return dw, db
+        zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+        for tile_h in hl.tile(hs):
+            zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
+        zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+        for tile_g in hl.tile(ht):
+            zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
+        zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
+        dz[tile_n, tile_v] = dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, MODE,
+                                     HAS_HARD, HAS_CAP_S).to(dz.dtype)
+    return dz

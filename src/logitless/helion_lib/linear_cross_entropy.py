@@ -30,7 +30,7 @@ def forward_args(x, weight, bias, target, class_weight, opts, need_argmax=False)
 
 
 def backward_args(x, weight, bias, target, class_weight, lse, coef, opts) -> tuple:
-    """The arguments of ``grad_kernels.linear_dx`` / ``linear_dw`` (LOG_PROBS False)."""
+    """The arguments of ``grad_kernels.linear_dlogits`` (LOG_PROBS False), for all of V."""
     cap, has_cap = _cap(opts)
     # C = eps / V is 0 without label smoothing: the class weights then never enter dz.
     cw = class_weight if opts.needs_smooth_sum else None
@@ -59,15 +59,18 @@ def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
 
 def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                  class_weight: Optional[Tensor], lse: Tensor, coef: Tensor, opts: CrossEntropyOptions,
-                 configs_: Optional[tuple[dict, dict]] = None, need_dx: bool = True, need_dw: bool = True,
+                 config: Optional[dict] = None, need_dx: bool = True, need_dw: bool = True,
+                 budget: Optional[int] = None, chunk: Optional[int] = None, dx_acc: bool = False,
                  ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dx, dW, db or None) for the per-token coefficients ``coef`` ((3, N): A, B, C of
     ``formulas.cross_entropy``, 0 at ignored tokens); dx, dW in x's / W's dtype, db in fp32
-    (the caller casts it to the bias dtype).
-    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    (the caller casts it to the bias dtype). ``grad_kernels.backward``: dz per vocabulary
+    chunk of ``chunk`` columns (default: ``vocab_chunk`` of ``budget`` bytes), cuBLAS for
+    the gradients; ``dx_acc``: dx as the fp32 accumulator (not cast).
+    ``need_dx`` / ``need_dw`` False skip that part (None in its place; db comes with dW).
     """
     require()
     from logitless.helion_lib.grad_kernels import backward
 
-    return backward(backward_args(x, weight, bias, target, class_weight, lse, coef, opts), "ce", configs_,
-                    need_dx, need_dw)
+    return backward(backward_args(x, weight, bias, target, class_weight, lse, coef, opts), "ce", config,
+                    need_dx, need_dw, budget=budget, chunk=chunk, dx_acc=dx_acc)

@@ -64,21 +64,25 @@ def jsd_forward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Te
 
 def jsd_backward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
                  target: Optional[Tensor], stats: Tensor, g: Tensor, opts: JSDOptions,
-                 configs_: Optional[tuple[dict, dict]] = None, need_dx: bool = True, need_dw: bool = True,
+                 config: Optional[dict] = None, need_dx: bool = True, need_dw: bool = True,
+                 budget: Optional[int] = None, chunk: Optional[int] = None, dx_acc: bool = False,
                  ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The student's (dx, dW, db or None); db in fp32. g: (N,) upstream gradient per token.
-    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    ``jsd_kernels.jsd_dlogits`` per vocabulary chunk of ``chunk`` columns (default
+    ``grad_kernels.vocab_chunk`` of ``budget`` bytes), cuBLAS for the gradients
+    (``grad_kernels.chunked_backward``; ``dx_acc``: dx as its fp32 accumulator).
+    ``need_dx`` / ``need_dw`` False skip that part (None in its place; db comes with dW).
     """
     require()
     from logitless.helion_lib import jsd_kernels as K
+    from logitless.helion_lib.grad_kernels import chunked_backward, empty_gradients, vocab_chunk
 
-    n = xs.shape[0]
+    n, v = xs.shape[0], ws.shape[0]
     if n == 0:
-        db = torch.zeros(ws.shape[0], dtype=torch.float32, device=xs.device) if bs is not None else None
-        return torch.zeros_like(xs), torch.zeros_like(ws), db
-    sizes = configs.sizes(xs, ws)
-    cfg_dx, cfg_dw = configs_ or (configs.pick("jsd_dx", sizes, xs.device), configs.pick("jsd_dw", sizes, xs.device))
+        return empty_gradients(xs, ws, bs, dx_acc)
+    cfg = config or configs.pick("jsd_dz", configs.sizes(xs, ws), xs.device)
     args = backward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), stats, g, opts)
-    dx = launch(K.jsd_dx, args, cfg_dx) if need_dx else None
-    dw, db = launch(K.jsd_dw, args, cfg_dw) if need_dw else (None, None)
-    return dx, dw, (db if bs is not None else None)
+    chunk = chunk or vocab_chunk(n, xs.shape[1], v, xs.element_size(), budget)
+    # chunked: the student's and the teacher's W and bias rows; the target at 6
+    return chunked_backward(K.jsd_dlogits, args, (1, 2, 4, 5), 6, cfg, chunk, need_dx=need_dx, need_dw=need_dw,
+                            dx_acc=dx_acc)

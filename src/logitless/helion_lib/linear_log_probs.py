@@ -29,7 +29,7 @@ def forward_args(x, weight, bias, tokens, opts) -> tuple:
 
 
 def backward_args(x, weight, bias, tokens, lse, coef, opts) -> tuple:
-    """The arguments of ``grad_kernels.linear_dx`` / ``linear_dw`` (LOG_PROBS True)."""
+    """The arguments of ``grad_kernels.linear_dlogits`` (LOG_PROBS True), for all of V."""
     cap, inv_t = _scalars(opts)
     return (x, weight, bias, tokens, None, lse.float().contiguous(), coef.float().contiguous(), cap, inv_t,
             opts.softcap is not None, True, bool(opts.entropy))
@@ -50,13 +50,15 @@ def logp_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tens
 
 
 def logp_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, lse: Tensor, coef: Tensor,
-                  opts: LogProbOptions, configs_: Optional[tuple[dict, dict]] = None,
-                  need_dx: bool = True, need_dw: bool = True
+                  opts: LogProbOptions, config: Optional[dict] = None,
+                  need_dx: bool = True, need_dw: bool = True, budget: Optional[int] = None,
+                  chunk: Optional[int] = None, dx_acc: bool = False,
                   ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(dx, dW, db or None); db in fp32.
-    ``need_dx`` / ``need_dw`` False skip that kernel (None in its place; db comes with dW).
+    """(dx, dW, db or None); db in fp32. As ``linear_cross_entropy.lce_backward``
+    (``grad_kernels.backward``: dz per vocabulary chunk, cuBLAS for the gradients).
     """
     require()
     from logitless.helion_lib.grad_kernels import backward
 
-    return backward(backward_args(x, weight, bias, tokens, lse, coef, opts), "logp", configs_, need_dx, need_dw)
+    return backward(backward_args(x, weight, bias, tokens, lse, coef, opts), "logp", config, need_dx, need_dw,
+                    budget=budget, chunk=chunk, dx_acc=dx_acc)

@@ -4,15 +4,16 @@ forward:  one Helion kernel (``helion_lib.ce_kernels.ce_forward``): per row tile
           log-sum-exp over vocabulary tiles with the target logit, sum_c w_c z_c (label
           smoothing) and the first argmax; the loss from those statistics with the formulas
           (``formulas.cross_entropy.token_loss``), as the torch backend.
-backward: the formulas' (3, N) coefficients, then two kernels that recompute the logits
-          tiles (``helion_lib.grad_kernels.linear_dx``: dX; ``linear_dw``: dW and db). Nothing is kept between them.
+backward: the formulas' (3, N) coefficients, then per vocabulary chunk (sized by the memory
+          budget) one kernel that recomputes the logits tiles into d(logits)
+          (``helion_lib.grad_kernels.linear_dlogits``) and cuBLAS GEMMs for dX (fp32
+          accumulator over chunks), dW and db. Nothing is kept from the forward.
 
 Every option of the op: bias, soft-cap, class weights, label smoothing, z-loss (through
 the coefficients), ignore_index, reductions, return_stats' argmax, vocabulary parallelism
-(``vocab_parallel`` calls this module's forward/backward on a rank's rows). One exception
-to the kernels: a vocab-parallel dx of 16-bit inputs, which must stay an fp32 partial sum
-until the all-reduce (``dx_acc``), comes from the torch/Triton backend (the kernel writes
-dx in x's dtype). Kernels compute in fp32; fp64 inputs are refused (``resolve_backend``).
+(``vocab_parallel`` calls this module's forward/backward on a rank's rows; its dx stays
+the fp32 accumulator until the all-reduce, ``dx_acc``). Kernels compute in fp32; fp64
+inputs are refused (``resolve_backend``).
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
 (``ops.common.helion_choice``).
 """
@@ -21,14 +22,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import token_loss
 from logitless.helion_lib import linear_cross_entropy as kernels
-from logitless.ops.common.dispatch import load_backend
-from logitless.ops.common.helion_choice import fallback_name, run_or_fallback
+from logitless.ops.common.helion_choice import run_or_fallback
 from logitless.options import CrossEntropyOptions
 
 # The formulas, and no plan or kept buffers crossing to the backward: as the torch backend (the
@@ -102,23 +101,14 @@ def backward(
     """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
     not cast to x's dtype (a partial sum that the caller reduces first)."""
     def helion_path():
-        dx = None
-        kernel_dx = need_dx
-        if need_dx and dx_acc and x.dtype != torch.float32:  # (module docstring)
-            other = load_backend(__package__, fallback_name(x.device))
-            dx = other.backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=True,
-                                need_dw=False, need_db=False, budget=budget, dx_acc=True,
-                                plan=_other_plan(other, x, weight, bias, class_weight, softcap, budget))[0]
-            kernel_dx = False
-        if not (kernel_dx or need_dw or need_db):
-            return dx, None, None
+        if not (need_dx or need_dw or need_db):
+            return None, None, None
         # C (the class-weighted smoothing term) is 0 without label smoothing: with class
-        # weights the kernels read them, and C w_c adds nothing then.
+        # weights the kernel reads them, and C w_c adds nothing then.
         opts = _launch_opts(softcap, class_weight is not None)
-        hdx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef, opts,
-                                           need_dx=kernel_dx, need_dw=need_dw or need_db)
-        if kernel_dx:
-            dx = hdx.float() if dx_acc else hdx
+        dx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef, opts,
+                                          need_dx=need_dx, need_dw=need_dw or need_db, budget=budget,
+                                          dx_acc=dx_acc)
         return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
 
     def other_path(impl):

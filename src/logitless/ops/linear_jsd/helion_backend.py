@@ -4,22 +4,22 @@ forward:  one Helion kernel (``helion_lib.jsd_kernels.jsd_forward``): per row ti
           heads' online log-sum-exps (and the hard-label ones), then a second sweep for the
           divergence sums S and K -> the (6, N) statistics of ``formulas.jsd``; the loss from
           them with the formulas (``forward_loss``, as the torch backend).
-backward: the per-token upstream gradient (formulas), then two kernels recomputing both
-          heads' tiles (``jsd_dx``: the student's dX; ``jsd_dw``: dW and db).
+backward: the per-token upstream gradient (formulas), then per vocabulary chunk one kernel
+          recomputing both heads' tiles into the student's d(logits) (``jsd_dlogits``) and
+          cuBLAS GEMMs for dX, dW, db.
 
 Every option of the op: beta in [0, 1], temperature, both soft-caps, hard_label_weight,
 biases, a teacher hidden size of its own, ignore_index, reductions. Vocabulary parallelism
 runs its first pass (per-rank statistics) and the backward on these kernels; its second
-pass for 0 < beta < 1 (``column_sums``: sums with the merged lse's of all ranks) and a dx
-of 16-bit inputs (an fp32 partial sum until the all-reduce) come from the torch/Triton
-backend. The gradient-in-forward strategy is the Triton backend's: never with "helion".
+pass for 0 < beta < 1 (``column_sums``: sums with the merged lse's of all ranks) comes
+from the torch/Triton backend; its dx stays the fp32 accumulator until the all-reduce. The
+gradient-in-forward strategy is the Triton backend's: never with "helion".
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
 (``ops.common.helion_choice``).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from logitless.helion_lib import linear_jsd as kernels
@@ -42,19 +42,10 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
     """dx, dW, db of the student (None where not needed; db in the bias dtype);
     ``dx_acc``: dx in fp32, not cast (a partial sum the caller reduces first)."""
     def helion_path():
-        dx = None
-        kernel_dx = need_dx
-        if need_dx and dx_acc and xs.dtype != torch.float32:  # (module docstring)
-            other = load_backend(__package__, fallback_name(xs.device))
-            dx = other.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, budget, True, False, False,
-                                dx_acc=True)[0]
-            kernel_dx = False
-        if not (kernel_dx or need_dw or need_db):
-            return dx, None, None
-        hdx, dw, db = kernels.jsd_backward(xs, ws, bs, xt, wt, bt, target, stats, g, opts, need_dx=kernel_dx,
-                                           need_dw=need_dw or need_db)
-        if kernel_dx:
-            dx = hdx.float() if dx_acc else hdx
+        if not (need_dx or need_dw or need_db):
+            return None, None, None
+        dx, dw, db = kernels.jsd_backward(xs, ws, bs, xt, wt, bt, target, stats, g, opts, need_dx=need_dx,
+                                          need_dw=need_dw or need_db, budget=budget, dx_acc=dx_acc)
         return dx, dw if need_dw else None, db.to(bs.dtype) if need_db else None
 
     return run_or_fallback(__package__, xs.device, helion_path,

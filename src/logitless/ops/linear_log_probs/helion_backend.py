@@ -4,12 +4,13 @@ forward:  one Helion kernel (``helion_lib.log_probs_kernels.logp_forward``): per
           the online (m, s, u) over vocabulary tiles of a = softcap(x W^T + b) / T and the
           token's a; log-probs and entropy from them with the formulas
           (``formulas.log_probs.token_outputs``), as the torch backend.
-backward: the formulas' (3, N) coefficients, then two kernels recomputing the tiles
-          (``helion_lib.grad_kernels.linear_dx``: dX; ``linear_dw``: dW and db). Nothing is kept between them.
+backward: the formulas' (3, N) coefficients, then per vocabulary chunk one kernel
+          recomputing the tiles into d(logits) (``helion_lib.grad_kernels.linear_dlogits``)
+          and cuBLAS GEMMs for dX, dW, db. Nothing is kept from the forward.
 
 Every option of the op: temperature, entropy, soft-cap, bias, ignore_index, vocabulary
-parallelism (``vocab_parallel`` calls this module on a rank's rows; its dx of 16-bit
-inputs, an fp32 partial sum until the all-reduce, comes from the torch/Triton backend).
+parallelism (``vocab_parallel`` calls this module on a rank's rows; its dx stays the
+fp32 accumulator until the all-reduce, ``dx_acc``).
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
 (``ops.common.helion_choice``).
 """
@@ -18,13 +19,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import token_outputs
 from logitless.helion_lib import linear_log_probs as kernels
-from logitless.ops.common.dispatch import load_backend
-from logitless.ops.common.helion_choice import fallback_name, run_or_fallback
+from logitless.ops.common.helion_choice import run_or_fallback
 from logitless.options import LogProbOptions
 
 # The formulas, and no plan or kept buffers crossing to the backward: as the torch backend (the
@@ -60,20 +59,10 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
     not cast to x's dtype (a partial sum the caller reduces first: vocab parallelism)."""
     def helion_path():
-        dx = None
-        kernel_dx = need_dx
-        if need_dx and dx_acc and x.dtype != torch.float32:  # (module docstring)
-            other = load_backend(__package__, fallback_name(x.device))
-            dx = other.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=True, need_dw=False,
-                                need_db=False, budget=budget, dx_acc=True,
-                                plan=_other_plan(other, x, weight, bias, opts, budget))[0]
-            kernel_dx = False
-        if not (kernel_dx or need_dw or need_db):
-            return dx, None, None
-        hdx, dw, db = kernels.logp_backward(x, weight, bias, tokens, lse, coef, opts, need_dx=kernel_dx,
-                                            need_dw=need_dw or need_db)
-        if kernel_dx:
-            dx = hdx.float() if dx_acc else hdx
+        if not (need_dx or need_dw or need_db):
+            return None, None, None
+        dx, dw, db = kernels.logp_backward(x, weight, bias, tokens, lse, coef, opts, need_dx=need_dx,
+                                           need_dw=need_dw or need_db, budget=budget, dx_acc=dx_acc)
         return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
 
     def other_path(impl):
