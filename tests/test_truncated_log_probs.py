@@ -177,6 +177,18 @@ def test_off_values_are_the_default_path():
     assert torch.equal(plain, off)
 
 
+def test_helion_backend_runs_its_fallback():
+    """backend="helion" with truncation or batch_invariant: the Helion kernels take no
+    threshold, so the call runs the backend Helion falls back to (the same bits)."""
+    x, w, b, t = _inputs((6,), 16, 53, seed=6, trunc=dict(top_k=5))
+    other = "triton" if DEVICE.type == "cuda" else "torch"
+    for kw in (dict(top_k=5, top_p=0.9), dict(batch_invariant=True)):
+        ours = logitless.linear_log_probs(x, w, t, entropy=True, backend="helion", **kw)
+        ref = logitless.linear_log_probs(x, w, t, entropy=True, backend=other, **kw)
+        for a, c in zip(ours, ref):
+            assert torch.equal(a, c), kw
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(top_k=-1), "top_k"), (dict(top_k=1.5), "top_k"), (dict(top_p=0.0), r"top_p must be in \(0"),
     (dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
