@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", help="names, comma-separated (default: the six tokamax shapes)")
     p.add_argument("--hv", default="llama3.1-8b", help="shapes also run with an (H, V) weight")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--parts-only", action="store_true", help="only the first shape's per-part times")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     import jax
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
         if parts is None:
             parts = {"shape": s.name, **_parts(mg, ml, x, w, t, args.reps)}
             print(parts, flush=True)
+            if args.parts_only:
+                break
         for layout in ("vh", "hv") if s.name in hv else ("vh",):
             wl = w if layout == "vh" else w.T.copy()
             fwd = median_ms(jax.jit(lambda x, w, t: mg.forward(x, w, None, t, weight_layout=layout)),
