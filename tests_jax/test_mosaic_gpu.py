@@ -215,6 +215,8 @@ def test_dz_tiles_per_cta():
 
     assert ml.dz_tiles_per_cta(16, 64, 132) == 8  # 128 CTAs: one wave
     assert ml.dz_tiles_per_cta(16, 87, 132) == 11  # 8 CTAs per row block, the last with 10 tiles
+    assert ml.dz_tiles_per_cta(32, 6, 132) == 1  # deepseek-v3: 2 tiles would leave 36 SMs idle
+    assert ml.dz_tiles_per_cta(4, 106, 132) == 2  # 212 CTAs in 2 waves beat 424 in 4
     assert ml.dz_tiles_per_cta(1, 2, 132) == 1  # few tiles: one per CTA, all in one wave
     assert ml.dz_tiles_per_cta(1, 40, 132, max_tiles=4) == 1
     assert ml.dz_tiles_per_cta(32, 512, 132) == 14  # 9 waves of 14 beat 8 of 16 (the cap)

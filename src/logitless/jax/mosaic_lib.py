@@ -69,8 +69,8 @@ class FwdConfig:
     # epilogue (softmax statistics, or dz) overlaps the other's WGMMAs.
     lag: int = 2
     # Backward (``dz_call``): consecutive column tiles per CTA, so that a tile's epilogue
-    # and store overlap the next tile's loads. None: ``dz_tiles_per_cta`` picks it;
-    # 1 (with lag=0): one tile per CTA, the kernel before 2026-11-25.
+    # and store overlap the next tile's loads (with the lag). None: ``dz_tiles_per_cta``
+    # picks it; 1: one tile per CTA, no lag, the kernel before 2026-11-25.
     dz_tiles: int | None = None
 
 
@@ -148,12 +148,15 @@ def smem_transforms(dtype):
 def dz_tiles_per_cta(num_nb: int, num_cb: int, sms: int, max_tiles: int = 16) -> int:
     """Column tiles per CTA of ``dz_call``: the fewest waves of CTAs times tiles per CTA,
     plus a tenth of a tile per CTA (its pipeline fill and last epilogue, not overlapped);
-    ties go to more tiles."""
+    ties go to more tiles. Several tiles only while the CTAs still fill 90% of the SMs:
+    at deepseek-v3's shape (32 row blocks x 6 tiles) 96 CTAs of 2 tiles ran 1.6% slower
+    than 192 of one (H100, ``jax-bwd-H100-2026-11-25``)."""
     def cost(t):
         waves = -(-num_nb * (-(-num_cb // t)) // sms)
         return waves * (t + 0.1)
 
-    return min(range(min(max_tiles, num_cb), 0, -1), key=cost)
+    fill = [t for t in range(min(max_tiles, num_cb), 1, -1) if num_nb * -(-num_cb // t) >= 0.9 * sms]
+    return min(fill + [1], key=cost)
 
 
 def fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, extra: int) -> int:
@@ -431,8 +434,9 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     dtype = x.dtype
     stages = fit_stages(stages, k_iters * tiles, dtype, block_rows, block_v,
                         extra=NUM_COMPUTE_WGS * block_n * (block_v * jnp.dtype(dtype).itemsize + 4 * n_rows + 4))
-    # The go signal is sent at ring step lag - 1 of warpgroup 0's first tile.
-    lag = max(0, min(cfg.lag, stages - 1, k_iters))
+    # The go signal is sent at ring step lag - 1 of warpgroup 0's first tile; one tile
+    # per CTA runs without the lag (the kernel measured as "old").
+    lag = max(0, min(cfg.lag, stages - 1, k_iters)) if tiles > 1 else 0
     out_transforms = smem_transforms(dtype)
 
     def kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, x_smem, w_smem, produced, consumed, r_smem, t_smem, bar,
