@@ -50,7 +50,7 @@ def _parts(mg, ml, x, w, t, reps):
     coef = jnp.ones((3, n), jnp.float32) / n
     out = {"chunk": chunk, "chunks": v / chunk}
     for name, cfg in (("dz old", OLD), ("dz new", NEW)):
-        f = jax.jit(lambda x, w, t, l, c, cfg=cfg: mg.dz_chunk(x, w, t, l, c, c0=0, chunk=chunk, cfg=cfg))
+        f = jax.jit(lambda x, w, t, lse_, c, cfg=cfg: mg.dz_chunk(x, w, t, lse_, c, c0=0, chunk=chunk, cfg=cfg))
         out[name] = median_ms(f, (x, w, t, lse, coef), 2, reps) * v / chunk
     dz = jax.random.normal(jax.random.key(1), (n, chunk), jnp.bfloat16) * 1e-4
     dx = jnp.zeros((n, h), jnp.float32)
