@@ -127,8 +127,14 @@ DZ_CASES = [
 ]
 
 
+#: The backward kernel's column tiles per CTA: automatic (one at these sizes), several
+#: (the last CTA of a row block with fewer) with and without the warpgroup lag.
+DZ_CONFIGS = [SMALL, dataclasses.replace(SMALL, dz_tiles=2, lag=1), dataclasses.replace(SMALL, dz_tiles=4)]
+
+
+@pytest.mark.parametrize("cfg", DZ_CONFIGS, ids=["auto", "tiles2lag1", "tiles4"])
 @pytest.mark.parametrize("n,h,v,c0,chunk,softcap", DZ_CASES)
-def test_dz_chunk_matches_float64(n, h, v, c0, chunk, softcap):
+def test_dz_chunk_matches_float64(n, h, v, c0, chunk, softcap, cfg):
     """The backward kernel alone: d(logits) of columns [c0, c0+chunk), zero past V."""
     x, w, t = _inputs(n, h, v, seed=3)
     rng = np.random.default_rng(1)
@@ -139,7 +145,7 @@ def test_dz_chunk_matches_float64(n, h, v, c0, chunk, softcap):
     n8 = x8.shape[0]
     pad = lambda a, axis=-1: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n8 - n)])
     dz = mg.dz_chunk(x8, w, pad(t), pad(jnp.asarray(lse, jnp.float32)), pad(coef),
-                     c0=c0, chunk=chunk, softcap=softcap, cfg=SMALL)
+                     c0=c0, chunk=chunk, softcap=softcap, cfg=cfg)
     assert dz.shape == (n8, chunk) and dz.dtype == x.dtype
     ref = np.zeros((n, chunk))
     cw = min(chunk, v - c0)
@@ -176,8 +182,9 @@ BWD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, dz_tiles=3, lag=1)], ids=["auto", "tiles3lag1"])
 @pytest.mark.parametrize("n,h,v,softcap,budget", BWD_CASES)
-def test_backward_matches_float64(n, h, v, softcap, budget):
+def test_backward_matches_float64(n, h, v, softcap, budget, cfg):
     x, w, t = _inputs(n, h, v, seed=7)
     rng = np.random.default_rng(2)
     coef = rng.standard_normal((3, n))
@@ -187,7 +194,7 @@ def test_backward_matches_float64(n, h, v, softcap, budget):
     lse = _ref_lse(z)
     lse32 = jnp.asarray(lse, jnp.float32)
     dx, dw, db = jax.jit(lambda x, w, t, lse_, c: mg.backward(
-        x, w, None, t, lse_, c, softcap=softcap, budget=budget, config=SMALL))(x, w, t, lse32, coef)
+        x, w, None, t, lse_, c, softcap=softcap, budget=budget, config=cfg))(x, w, t, lse32, coef)
     assert db is None
     assert dx.shape == x.shape and dx.dtype == x.dtype
     assert dw.shape == w.shape and dw.dtype == w.dtype
@@ -200,6 +207,23 @@ def test_backward_matches_float64(n, h, v, softcap, budget):
         assert e <= eb + 2e-3 * np.abs(ref).max(), f"{name}: {e:.3g} vs same-dtype XLA {eb:.3g}"
     # The ignored token's row of dx is exactly zero.
     assert np.all(np.asarray(dx[5].astype(jnp.float32)) == 0.0)
+
+
+def test_dz_tiles_per_cta():
+    """Fewest waves x tiles per CTA; one wave of whole row blocks at the tokamax shapes."""
+    from logitless.jax import mosaic_lib as ml
+
+    assert ml.dz_tiles_per_cta(16, 64, 132) == 8  # 128 CTAs: one wave
+    assert ml.dz_tiles_per_cta(16, 87, 132) == 11  # 8 CTAs per row block, the last with 10 tiles
+    assert ml.dz_tiles_per_cta(32, 6, 132) == 1  # deepseek-v3: 2 tiles would leave 36 SMs idle
+    assert ml.dz_tiles_per_cta(4, 106, 132) == 2  # 212 CTAs in 2 waves beat 424 in 4
+    assert ml.dz_tiles_per_cta(1, 2, 132) == 1  # few tiles: one per CTA, all in one wave
+    assert ml.dz_tiles_per_cta(1, 40, 132, max_tiles=4) == 1
+    assert ml.dz_tiles_per_cta(32, 512, 132) == 14  # 9 waves of 14 beat 8 of 16 (the cap)
+    with pytest.raises(ValueError, match="dz_tiles"):
+        x, w, t = _inputs(8, 64, 128)
+        mg.dz_chunk(x, w, t, jnp.zeros(8), jnp.zeros((3, 8)), c0=0, chunk=128,
+                    cfg=dataclasses.replace(SMALL, dz_tiles=0))
 
 
 def test_is_supported():
@@ -216,8 +240,9 @@ def test_is_supported():
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096, 128256), (4096, 2560, 262144), (1000, 512, 4000)])
-@pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=2)],
-                         ids=["n128v128", "n64v256lag2"])
+@pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=2),
+                                 mg.FwdConfig(dz_tiles=1, lag=0)],
+                         ids=["n128v128", "n64v256lag2", "dz1tile"])
 def test_lowers_for_cuda(shape, cfg, monkeypatch):
     """Lower (not run) the real kernels for CUDA: layouts, TMA, shared memory budget."""
     n, h, v = shape

@@ -14,8 +14,9 @@ the warp-specialised GEMM-tile main loop and the two kernel shapes built on it.
     there (None elsewhere). Each CTA writes, per row, ``n_out`` fp32 partials:
     O(N x splits) floats, merged by the op in JAX. Memory traffic: that of one GEMM.
 
-``dz_call`` (backward): one tile per CTA over a chunk of vocab columns (the chunk
-    offset is a kernel input): recompute the logits tile (same main loop), turn it into
+``dz_call`` (backward): ``dz_tiles`` consecutive column tiles per CTA over a chunk of
+    vocab columns (the chunk offset is a kernel input; a tile's epilogue and store overlap
+    the next tile's loads): recompute the logits tile (same main loop), turn it into
     d(logits) with the op's ``epilogue`` (per-row fp32 inputs ``rowdat`` and the target),
     zero columns >= v, write it in the input dtype. ``chunked_backward`` drives it:
     per vocab chunk, XLA GEMMs take dW[chunk] = dz^T x and dx += dz W[chunk] (fp32
@@ -64,9 +65,13 @@ class FwdConfig:
     block_v: int = 128  # vocab columns per tile
     stages: int = 4  # depth of the TMA ring
     splits: int | None = None  # vocab splits of the forward grid (None: automatic)
-    # Forward only: warpgroup 1 starts ``lag`` ring steps after warpgroup 0 (< stages),
-    # so that one's epilogue (softmax statistics) overlaps the other's WGMMAs.
+    # Warpgroup 1 starts ``lag`` ring steps after warpgroup 0 (< stages), so that one's
+    # epilogue (softmax statistics, or dz) overlaps the other's WGMMAs.
     lag: int = 2
+    # Backward (``dz_call``): consecutive column tiles per CTA, so that a tile's epilogue
+    # and store overlap the next tile's loads (with the lag). None: ``dz_tiles_per_cta``
+    # picks it; 1: one tile per CTA, no lag, the kernel before 2026-11-25.
+    dz_tiles: int | None = None
 
 
 def default_config(n: int, v: int, h: int) -> FwdConfig:
@@ -138,6 +143,20 @@ def smem_transforms(dtype):
     swizzle = plgpu.find_swizzle(BLOCK_K * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def dz_tiles_per_cta(num_nb: int, num_cb: int, sms: int, max_tiles: int = 16) -> int:
+    """Column tiles per CTA of ``dz_call``: the fewest waves of CTAs times tiles per CTA,
+    plus a tenth of a tile per CTA (its pipeline fill and last epilogue, not overlapped);
+    ties go to more tiles. Several tiles only while the CTAs still fill 90% of the SMs:
+    at deepseek-v3's shape (32 row blocks x 6 tiles) 96 CTAs of 2 tiles ran 1.6% slower
+    than 192 of one (H100, ``jax-bwd-H100-2026-11-25``)."""
+    def cost(t):
+        waves = -(-num_nb * (-(-num_cb // t)) // sms)
+        return waves * (t + 0.1)
+
+    fill = [t for t in range(min(max_tiles, num_cb), 1, -1) if num_nb * -(-num_cb // t) >= 0.9 * sms]
+    return min(fill + [1], key=cost)
 
 
 def fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, extra: int) -> int:
@@ -391,7 +410,12 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     x.dtype, zero at columns >= v. rowdat (R, rows_padded) fp32 and tgt (rows_padded,)
     int32 are per-row inputs; ``epilogue(z, rows, hit) -> dz`` (fp32 tile) with z the
     fp32 logits tile, rows the R per-row vectors, hit = (cols == target column). w in
-    ``layout`` ("vh": (Vw, H), "hv": (H, Vw))."""
+    ``layout`` ("vh": (Vw, H), "hv": (H, Vw)).
+
+    Each CTA owns a row block and ``cfg.dz_tiles`` consecutive column tiles (the last
+    CTA of a row block fewer): the memory warpgroup streams the next tile's operands
+    while the compute warpgroups finish a tile (epilogue, store); warpgroup 1 runs
+    ``cfg.lag`` ring steps behind warpgroup 0, as in the forward."""
     w_axis(layout)
     n, h = x.shape
     n_rows = rowdat.shape[0]
@@ -402,18 +426,28 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     k_iters = h // BLOCK_K
     num_nb = pl.cdiv(n, block_rows)
     num_cb = chunk // block_v
+    tiles = cfg.dz_tiles if cfg.dz_tiles is not None else dz_tiles_per_cta(num_nb, num_cb, num_sms())
+    if tiles < 1:
+        raise ValueError(f"dz_tiles must be >= 1, got {tiles}")
+    tiles = min(tiles, num_cb)
+    num_cg = pl.cdiv(num_cb, tiles)
     dtype = x.dtype
-    stages = fit_stages(stages, k_iters, dtype, block_rows, block_v,
+    stages = fit_stages(stages, k_iters * tiles, dtype, block_rows, block_v,
                         extra=NUM_COMPUTE_WGS * block_n * (block_v * jnp.dtype(dtype).itemsize + 4 * n_rows + 4))
+    # The go signal is sent at ring step lag - 1 of warpgroup 0's first tile; one tile
+    # per CTA runs without the lag (the kernel measured as "old").
+    lag = max(0, min(cfg.lag, stages - 1, k_iters)) if tiles > 1 else 0
     out_transforms = smem_transforms(dtype)
 
     def kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, x_smem, w_smem, produced, consumed, r_smem, t_smem, bar,
-               o_smem):
+               go_bar, o_smem):
         nb = lax.axis_index("n")
-        cb = lax.axis_index("c")
+        cg = lax.axis_index("c")
         wg = lax.axis_index("wg")
         row0 = nb * block_rows
-        vb = c_ref[0] + cb  # vocab tile of this CTA (the chunk offset is a kernel input)
+        cb0 = cg * tiles  # first column tile of this CTA within the chunk
+        num_t = jnp.minimum(tiles, num_cb - cb0)
+        vb0 = c_ref[0] + cb0  # its vocab tile (the chunk offset is a kernel input)
 
         @pl.when(wg < NUM_COMPUTE_WGS)
         def _compute():
@@ -422,27 +456,44 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
             for i in range(n_rows):
                 plgpu.copy_gmem_to_smem(r_ref.at[i, rows], r_smem.at[wg, i], bar.at[wg])
             plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], bar.at[wg])
-            # The row inputs arrive while the main loop runs; waited for after it.
-            z = tile_logits(x_smem, w_smem, produced, consumed, wg, 0,
-                            k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v, layout=layout)
-            plgpu.barrier_wait(bar.at[wg])
-            red = plgpu.Layout.WGMMA.reduce(1)
-            row_vals = [plgpu.load(r_smem.at[wg, i], layout=red) for i in range(n_rows)]
-            t_r = plgpu.load(t_smem.at[wg], layout=red)
-            shape = (block_n, block_v)
-            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            valid = cols < (v - vb * block_v)
-            dz = epilogue(z, row_vals, cols == bcast(t_r - vb * block_v, shape))
-            dz = jnp.where(valid, dz, 0.0)
-            o_smem[wg] = dz.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], dz_ref.at[rows, pl.ds(cb * block_v, block_v)])
+            if lag:
+                @pl.when(wg == 1)
+                def _wait_go():
+                    plgpu.barrier_wait(go_bar.at[0])
+
+            def t_body(j, _):
+                vb = vb0 + j
+                z = tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
+                                k_iters=k_iters, stages=stages, block_n=block_n, block_v=block_v,
+                                go=go_bar.at[0] if lag else None, go_step=lag - 1, layout=layout)
+
+                # The row inputs arrive while the first main loop runs; waited for after it.
+                @pl.when(j == 0)
+                def _rows_arrived():
+                    plgpu.barrier_wait(bar.at[wg])
+
+                red = plgpu.Layout.WGMMA.reduce(1)
+                row_vals = [plgpu.load(r_smem.at[wg, i], layout=red) for i in range(n_rows)]
+                t_r = plgpu.load(t_smem.at[wg], layout=red)
+                shape = (block_n, block_v)
+                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                valid = cols < (v - vb * block_v)
+                dz = epilogue(z, row_vals, cols == bcast(t_r - vb * block_v, shape))
+                dz = jnp.where(valid, dz, 0.0)
+                # The previous tile's store must have read o_smem before it is overwritten.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_smem[wg] = dz.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], dz_ref.at[rows, pl.ds((cb0 + j) * block_v, block_v)])
+                return None
+
+            lax.fori_loop(0, num_t, t_body, None)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == NUM_COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(MEMORY_REGS, action="decrease")
-            memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb, 1,
+            memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_t,
                         k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v, layout=layout)
 
     def entry(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref):
@@ -453,6 +504,7 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
             plgpu.SMEM((NUM_COMPUTE_WGS, n_rows, block_n), jnp.float32),
             plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.int32),
             plgpu.Barrier(num_arrivals=n_rows + 1, num_barriers=NUM_COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=1),
             plgpu.SMEM((NUM_COMPUTE_WGS, block_n, block_v), dtype, transforms=out_transforms),
             collective_axes="wg",
         )
@@ -460,7 +512,7 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((n, chunk), dtype),
-        grid=(num_nb, num_cb),
+        grid=(num_nb, num_cg),
         grid_names=("n", "c"),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",

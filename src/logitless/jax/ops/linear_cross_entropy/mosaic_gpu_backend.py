@@ -19,7 +19,9 @@ Forward (``forward``): one kernel, a GEMM whose epilogue never leaves the chip.
     Memory traffic: that of one GEMM (x and W tiles, from L2 mostly), no logits.
 
 Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
-    ``_dz_call`` (one tile per CTA, the chunk offset a kernel input) recomputes the (N, C) logits tile by tile (same WGMMA main loop) and
+    ``mosaic_lib.dz_call`` (``FwdConfig.dz_tiles`` consecutive column tiles per CTA,
+    the chunk offset a kernel input) recomputes the (N, C) logits tile by tile (same
+    WGMMA main loop) and
     writes d(logits) in the input dtype:
         dz_c = exp(z_c - lse) * A - B * [c == t] - C    (x (1 - (z_c/s)^2) with a softcap)
     with zeros at columns >= V; XLA GEMMs then take dW[chunk] = dz^T x and
