@@ -124,6 +124,31 @@ def test_bitwise_repeatable_and_nan(backend):
     assert not torch.isnan(loss[others]).any()
 
 
+@pytest.mark.parametrize("beta", [1e-6, 0.5, 1 - 1e-6])
+def test_mixture_where_probabilities_underflow(beta):
+    """The Triton mixture lm = log(beta q + (1 - beta) p) from the probabilities
+    (``triton_lib.jsd_math.log_mixture``) where p, q or both underflow in fp32 (both
+    below e^-103 at columns 60-99; one subnormal, times an extreme beta, at 100-129 and
+    40-59): loss and dz finite and equal to float64, as where nothing underflows."""
+    g = torch.Generator().manual_seed(21)
+    zs = torch.randn(6, 150, generator=g) * 2
+    zt = torch.randn(6, 150, generator=g) * 2
+    zs[:, 40:100] = -120 + torch.randn(6, 60, generator=g)
+    zt[:, 60:130] = -95 + torch.randn(6, 70, generator=g)
+    zs[1, 5] = -88.0  # p subnormal after the lse shift; (1 - beta) p below FLT_MIN for beta near 1
+    zs = zs.to(DEVICE).requires_grad_()
+    zt = zt.to(DEVICE)
+    loss = logitless.jsd(zs, zt, beta=beta, reduction="none", backend="triton")
+    ref = jsd_reference(zs, zt, beta=beta, reduction="none")
+    assert torch.isfinite(loss).all()
+    assert_close_to_ref("loss", loss, None, ref, torch.float32)
+    go = torch.randn(loss.shape, device=DEVICE)
+    (ours,) = torch.autograd.grad(loss, zs, go)
+    (r,) = torch.autograd.grad(ref, zs, go.double())
+    assert torch.isfinite(ours).all()
+    assert_close_to_ref("dz", ours, None, r, torch.float32)
+
+
 def test_module_matches_function():
     zs, zt, target, kw = make_inputs((2, 6), 40, torch.float32, OPTIONS["all"], seed=9)
     mod = logitless.JSDLoss(backend="torch", **kw)

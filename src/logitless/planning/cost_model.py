@@ -542,8 +542,9 @@ def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forw
     """The fixed family of linear_jsd plans of a shape (independent of the budget);
     ``fused_forward``: the recompute plan's forward is the KL limits' fused kernel."""
     dev = device_model
-    # multiples of 16 up to 1024 rows (the forward chunk the plan takes from the budget,
-    # ``plans.linear_jsd_plan``), then powers of two, and every token at once
+    # multiples of 16 up to 1024 rows, then powers of two, and every token at once; the
+    # recompute plan's forward chunks also in multiples of 8 (the chunk the plan takes
+    # from the budget, ``plans.linear_jsd_plan``)
     sizes = {n} | {t for t in range(16, min(n, 1024) + 1, 16)}
     t = 2048
     while t < n:
@@ -552,7 +553,8 @@ def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forw
     if fused_forward:
         out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, n, fused_forward=True)]
     else:
-        out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, t) for t in sorted(sizes)]
+        rows = sizes | {t for t in range(8, min(n, 1024) + 1, 8)}
+        out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, t) for t in sorted(rows)]
     if grad_in_forward:
         out += [predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, t, weight_fp32)
                 for t in sorted(sizes) if t >= min(n, 128)]

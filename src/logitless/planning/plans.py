@@ -579,11 +579,12 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     block_n, block_v, block_h, num_warps, num_stages = tiles
     rows = budget // max(1, 8 * vocab)
     if cuda and rows >= 16:
-        # Multiples of 16, not of 128-row GEMM tiles: each chunk's two GEMMs read both
+        # Multiples of 8, not of 128-row GEMM tiles: each chunk's two GEMMs read both
         # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
         # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
-        # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208).
-        rows = rows // 16 * 16
+        # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208);
+        # 216 (multiples of 8, not 16) makes it 19 chunks (docs/design.md, issue 37).
+        rows = rows // 8 * 8
     rows = _clamp(rows, 1, max(1, num_tokens))
     padded_vocab = math.ceil(vocab / block_v) * block_v
     min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))

@@ -11,19 +11,27 @@ import triton.language as tl
 from logitless.triton_lib.ce_math import online_lse_update
 
 
+#: The smallest normal fp32: the mixture's floor before its log (never 0 or subnormal).
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)
+
+
 @triton.jit
-def log_mixture(lp, lq, log_beta, log_1mbeta, MODE: tl.constexpr):
-    """lm = log(beta q + (1 - beta) p), a stable log-add-exp (lp for MODE 1, lq for 2)."""
+def log_mixture(lp, lq, p, q, log_beta, log_1mbeta, MODE: tl.constexpr):
+    """lm = log(beta q + (1 - beta) p) (lp for MODE 1, lq for MODE 2; p, q unused there).
+
+    MODE 0 from the probabilities p = e^lp, q = e^lq that every caller needs anyway: in
+    [0, 1] they cannot overflow, so one log (3 MUFU ops per element with the two exp,
+    where a log-add-exp of lp, lq took 5). The sum is clamped at FLT_MIN: it only acts
+    where both underflow (both masked: -inf logits), where the callers' terms p (lp - lm)
+    and q (lq - lm) are 0 (masked) or below 1e-36 (docs/design.md, "Mixture from the
+    probabilities")."""
     if MODE == 1:
         return lp
     elif MODE == 2:
         return lq
     else:
-        u = lp + log_1mbeta
-        w = lq + log_beta
-        mx = tl.maximum(u, w)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        return mx + tl.log(tl.exp(u - mx) + tl.exp(w - mx))
+        mix = tl.exp(log_1mbeta) * p + tl.exp(log_beta) * q
+        return tl.log(tl.maximum(mix, FLT_MIN, propagate_nan=tl.PropagateNan.ALL))  # NaN stays NaN
 
 
 @triton.jit
@@ -79,8 +87,10 @@ def jsd_dz_tile(zs, zt, offs_v, target, lse_s, lse_t, s_row, lse1, g,
     p = tl.exp(lp)
     if MODE == 1:
         da = p - tl.exp(lq)
+    elif MODE == 2:
+        da = wp * tl.where(p == 0.0, 0.0, p * (lp - lq - s_row[:, None]))
     else:
-        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
+        lm = log_mixture(lp, lq, p, tl.exp(lq), log_beta, log_1mbeta, MODE)
         da = wp * tl.where(p == 0.0, 0.0, p * (lp - lm - s_row[:, None]))
     dz = da * (g * inv_t)[:, None]
     if HAS_HARD:

@@ -57,9 +57,11 @@ def mixture_sums(rows_s, rows_t, cols, v_lo, v_hi, stride_sv, stride_tv, row_ok,
         b = load_capped(rows_t, v0 + cols, stride_tv, row_ok, v_hi, float("-inf"), cap_t, HAS_CAP_T)
         lp = a * inv_t - lse_s[:, None]
         lq = b * inv_t - lse_t[:, None]
-        lm = log_mixture(lp, lq, log_beta, log_1mbeta, MODE)
-        acc_s += tl.sum(plogratio(tl.exp(lp), lp, lm), 1)
-        acc_k += tl.sum(plogratio(tl.exp(lq), lq, lm), 1)
+        p = tl.exp(lp)
+        q = tl.exp(lq)
+        lm = log_mixture(lp, lq, p, q, log_beta, log_1mbeta, MODE)
+        acc_s += tl.sum(plogratio(p, lp, lm), 1)
+        acc_k += tl.sum(plogratio(q, lq, lm), 1)
     return acc_s, acc_k
 
 

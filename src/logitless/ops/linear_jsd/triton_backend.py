@@ -7,7 +7,7 @@ forward  (2 GEMMs): the KL limits (beta 0 or 1) on 16-bit inputs, where the cost
          says so (``fused_forward``): one fused kernel (``jsd_kl_forward_kernel``)
          computes both heads' logits tiles and their online row statistics for a split
          of the vocabulary per program, nothing (N, V)-sized in memory;
-         ``jsd_rows.finish_kl_partials`` merges the splits. Otherwise, for each chunk of ``plan.forward_rows`` tokens (a multiple of 16:
+         ``jsd_rows.finish_kl_partials`` merges the splits. Otherwise, for each chunk of ``plan.forward_rows`` tokens (a multiple of 8:
          each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
          logits (rows x V each, the budget's size), then ``jsd_rows.row_stats`` (shared
          with ``jsd``; each row split over several programs when the rows are few,
