@@ -176,7 +176,8 @@ class _TruncatedLogProbs(torch.autograd.Function):
                 if trunc is not None:
                     tr = _padded_trunc(trunc, n0, n1, pad)
                     if xb.shape[0] and _searches(impl, tr):
-                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget)
+                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget,
+                                                        invariant=block is not None)
                         if left is not None:  # (the chunked fallback for these rows)
                             tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
                     else:
@@ -308,18 +309,15 @@ def candidate_count(k_max: int) -> int:
 
 
 def _merged_candidates(parts, c: int):
-    cand, pm, ps, pu, pt = parts
+    cand, pm, ps, pu, pt = parts  # (the kernel's candidates are unordered)
     splits, n, _ = cand.shape
-    if splits > 1:
-        cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
-    else:
-        cand = cand[0]
+    cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
     m, s, u = merge_parts(pm, ps, pu)
     return cand, m, s, u, pt.sum(0)
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, budget: int):
+                  trunc: Truncation, budget: int, invariant: bool = False):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -329,7 +327,9 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sums over a >= tau (the candidates kernel with a bound); top-p past the candidates:
     the mass passes (on the rows still searching) narrowing a bracket that holds the
     crossing until it holds < C values, then the candidates below its top: 2 + the
-    narrowings. Host syncs: a few per pass (the rows left)."""
+    narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
+    candidates passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
+    (a row's bits then do not depend on how many rows a later pass runs on)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -342,7 +342,13 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
-    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on), c)
+    splits = LC.splits_for(n, v, plan, c, x.device)
+
+    def splits_of(rows_of_pass: Tensor) -> int:
+        return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
+
+    cand, m, s, u, a_t = _merged_candidates(
+        LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on, splits=splits), c)
     cc = min(c, v)
     cand = cand[:, :cc]
     tau, ok = resolve(cand, m, s, v, trunc)
@@ -383,7 +389,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         drows = done.nonzero()[:, 0]
         _, m_hi, s_hi, u_hi, _ = _merged_candidates(
             LC.candidates(xs[drows], weight, bias, tokens[rows[drows]], plan, sc, temp, c, ent_on,
-                          hi=tau1[drows].contiguous()), c)
+                          hi=tau1[drows].contiguous(), splits=splits_of(drows)), c)
         w_k[drows], u_k[drows] = rebase(m_hi, s_hi, u_hi, mr[drows])
         tau_r[drows] = tau1[drows]
     first = True
@@ -429,7 +435,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             srows = settled.nonzero()[:, 0]
             cand2, m_hi, s_hi, u_hi, _ = _merged_candidates(
                 LC.candidates(xs[srows], weight, bias, tokens[rows[srows]], plan, sc, temp, c, ent_on,
-                              hi=top_t[srows].contiguous()), c)
+                              hi=top_t[srows].contiguous(), splits=splits_of(srows)), c)
             w3, u3 = rebase(m_hi, s_hi, u_hi, mr[srows])  # the sums over a >= the bracket's top
             t3, w3, u3 = crossing(cand2[:, :cc], mr[srows], w3, u3, target[srows])
             tau_r[srows] = t3.float()
