@@ -324,7 +324,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     MAX_MASS_PASSES; the caller finds their tau and runs the forward with it), ``left``
     their indices (else None). GEMM passes per row: the kept set inside the C candidates:
     1; min-p alone with a larger set (tau = max + log min_p exact): 2, the second the
-    sums over a >= tau (the candidates kernel with a bound); top-p past the candidates:
+    forward kernel with tau (its outputs; exact min-p needs the max first, so no one-pass
+    form without storing the values near it); top-p past the candidates:
     the mass passes (on the rows still searching) narrowing a bracket that holds the
     crossing until it holds < C values, then the candidates below its top: 2 + the
     narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
@@ -338,7 +339,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sd = compute_dtype(x.dtype)
     kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
     c = candidate_count(kmax)
-    plan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False).forward
+    lplan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False)
+    plan = lplan.forward
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
@@ -385,12 +387,12 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     done = ~p_on & mp_on
     active = p_on.clone()
     xs = x[rows]
-    if bool(done.any()):  # (host sync) min-p alone: the set a >= tau1, its sums from one pass
+    min_p_outs = None
+    if bool(done.any()):  # (host sync) min-p alone: the forward over a >= tau1 gives the outputs
+        # (x's plan for these rows too: a row's bits do not depend on how many rows go)
         drows = done.nonzero()[:, 0]
-        _, m_hi, s_hi, u_hi, _ = _merged_candidates(
-            LC.candidates(xs[drows], weight, bias, tokens[rows[drows]], plan, sc, temp, c, ent_on,
-                          hi=tau1[drows].contiguous(), splits=splits_of(drows)), c)
-        w_k[drows], u_k[drows] = rebase(m_hi, s_hi, u_hi, mr[drows])
+        min_p_outs, _ = triton_backend.forward(xs[drows], weight, bias, tokens[rows[drows]], opts, plan=lplan,
+                                               budget=budget, outputs=True, tau=tau1[drows].contiguous())
         tau_r[drows] = tau1[drows]
     first = True
     for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
@@ -454,4 +456,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     if ent_on:
         uu[rows] = u_k
     outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
+    if min_p_outs is not None:
+        for o, f in zip(outs, min_p_outs):
+            if o is not None:
+                o[rows[drows]] = f.to(o.dtype)
     return tau, outs, (rows[left] if bool(left.any()) else None)
