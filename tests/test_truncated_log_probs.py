@@ -305,14 +305,15 @@ def test_triton_candidates_kernel_against_topk(splits):
     plan = triton_backend.plan(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
     plan = replace(plan, vocab_splits=splits)
     a = 5.0 * torch.tanh((x.double() @ w.double().T + b.double()) / 5.0) / 0.7
-    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True), 64)
+    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True, splits=splits), 64)
     ref = a.topk(64, dim=1).values
     assert (cand.double() - ref).abs().max() < 1e-5
     assert (m.double() - a.max(1).values).abs().max() < 1e-5
     assert (s - torch.exp(a - a.max(1, keepdim=True).values).sum(1)).abs().max() < 1e-3
     assert (a_t.double() - a.gather(1, t[:, None])[:, 0]).abs().max() < 1e-5
     hi = ((ref[:, 10] + ref[:, 11]) / 2).float()
-    cand2, m2, s2, u2, _ = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True, hi=hi), 64)
+    cand2, m2, s2, u2, _ = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True, hi=hi,
+                                                            splits=splits), 64)
     ref2 = torch.where(a < hi.double()[:, None], a, -math.inf).topk(64, dim=1).values
     assert (cand2.double() - ref2).abs().max() < 1e-5
     above = torch.where(a >= hi.double()[:, None], a, -math.inf)  # (its max, sum, u: of a >= hi)
@@ -330,6 +331,44 @@ def test_triton_candidates_kernel_against_topk(splits):
     assert (mass.double().sum(0) - (e * ge).sum(2)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("c, splits, upper", [(4, 1, False), (8, 2, True), (16, 1, False)])
+def test_triton_candidates_filter_ties(c, splits, upper):
+    """The per-row filter with a small C over many tiles (63 per row: whole-tile merges
+    while more than C values of a tile pass a row's floor, then values entering one at a
+    time), every value of a row three times (W's rows in groups of three: ties at and
+    around the C-th value): the candidates are bitwise torch.topk of the kernel's own a,
+    multiplicities included; with an upper bound, of a < hi."""
+    from logitless.ops.linear_log_probs import triton_backend
+    from logitless.ops.linear_log_probs.truncation import _merged_candidates
+    from logitless.options import LogProbOptions
+    from logitless.triton_lib import log_probs_candidates as LC
+    from logitless.triton_lib.log_probs_threshold import scaled_logits
+
+    v = 2001  # (not a multiple of the tile: -inf columns in the last one)
+    x, w, b, t = _inputs((37,), 19, v // 3, seed=53, bias=True)
+    g = torch.Generator().manual_seed(5)
+    perm = torch.randperm(v, generator=g).to(DEVICE)
+    w, b = w.repeat(3, 1)[perm].contiguous(), b.repeat(3)[perm].contiguous()
+    opts = LogProbOptions(temperature=0.7)
+    plan = triton_backend.plan(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
+    assert plan.block_v >= c and math.ceil(v / plan.block_v) >= 8 * splits
+    a = scaled_logits(x, w, b, None, 0.7, 0, v, plan).float()
+    ref_a = a
+    hi = None
+    if upper:  # (a bound between two of the row's values: the 3rd and 4th distinct ones)
+        d = a.topk(12, dim=1).values
+        hi = ((d[:, 8] + d[:, 9]) / 2).contiguous()
+        ref_a = torch.where(a < hi[:, None], a, torch.full_like(a, -math.inf))
+    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, w, b, t, plan, None, 0.7, c, False, hi=hi,
+                                                          splits=splits), c)
+    ref = ref_a.topk(c, dim=1).values
+    assert torch.equal(cand, ref)
+    assert (ref[:, -1:] == ref_a).sum(1).min() >= 3  # (ties at the C-th value in every row)
+    if not upper:
+        assert torch.equal(m, a.max(1).values)
+        assert torch.equal(a_t, a.gather(1, t[:, None])[:, 0])
+
+
 ROUTES = {
     # (truncation, scale of W, V): the launches each route takes
     "in_candidates": (dict(top_k=7, top_p=0.9), 3.0, 1031),
@@ -343,7 +382,8 @@ ROUTES = {
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_triton_routes(route, monkeypatch):
     """Each route of the Triton threshold pass gives the float64 reference's log-probs
-    and entropy, with no forward after it, in the launches it should take."""
+    and entropy in the launches it should take (a forward only for min-p alone, with its
+    exact tau)."""
     from logitless.ops.linear_log_probs import truncation as tr_op
 
     trunc, scale, v = ROUTES[route]
@@ -354,11 +394,11 @@ def test_triton_routes(route, monkeypatch):
     rl, re = truncated_log_probs_reference(x.cpu(), w.cpu(), t.cpu(), temperature=0.9, **trunc)
     _check(lp.cpu(), ent.cpu(), rl, re)
     keep = truncated_keep_reference(x.cpu().double() @ w.cpu().double().T / 0.9, **trunc).sum(1)
-    assert calls["forward"] == 0
+    assert calls["forward"] == (route == "min_p_wide")
     if route == "in_candidates":
         assert calls == dict(candidates=1, masses=0, forward=0) and keep.max() < 64
-    elif route == "min_p_wide":
-        assert calls == dict(candidates=2, masses=0, forward=0) and keep.min() > 64
+    elif route == "min_p_wide":  # (the second pass: the forward with tau = max + log min_p)
+        assert calls == dict(candidates=1, masses=0, forward=1) and keep.min() > 64
     elif route == "top_p_search":
         assert calls["masses"] >= 2 and calls["candidates"] >= 2 and keep.min() > 64
     elif route == "min_p_wide_top_p":

@@ -3,34 +3,69 @@
 (``tile_io.block_tile``: the same GEMM, 16-bit operands, fp32 accumulation). No logits
 are written: each program keeps what it needs in registers.
 
-    candidates_kernel   per (row block, vocabulary split): a running top-C of
-                        a = softcap(z) / T per row (descending; C a power of two <= BLOCK_V),
+    candidates_kernel   per (row block, vocabulary split): the C largest values per row
+                        of a = softcap(z) / T (unordered; C a power of two <= BLOCK_V),
                         the split's max m, s = sum exp(a - m), u = sum exp(a - m)(a - m)
                         (ENTROPY) and a at the token. HAS_UPPER: the candidates are taken
                         among a < hi (per row) only, m, s and u over a >= hi (the mass
-                        search's last pass).
-                        A tile none of whose rows has a value above its C-th candidate
-                        skips the merge (one scalar branch).
+                        search's last pass). A per-row filter against the exact C-th
+                        candidate: most tiles of a long split insert nothing; a value
+                        that enters replaces the row's smallest candidate (no sort).
     mass_kernel         per (row block, vocabulary split), for T per-row thresholds t_j:
                         the count of a >= t_j and W_j = sum exp(a - m) over a >= t_j, m
                         given per row (the top-p mass search: where the prefix mass
                         crosses top_p * Z1).
 
 Outputs per split ((splits, N[, C or T]) buffers), merged by the caller in torch
-(O(N * splits * C) work). Traffic: the GEMM's reads plus those small buffers. The merge
-of a tile: tl.topk of the tile (C largest, descending), elementwise max with the running
-candidates reversed (a bitonic sequence holding the C largest of both), tl.sort.
+(O(N * splits * C) work). Traffic: the GEMM's reads plus those small buffers.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from logitless.triton_lib import launch
-from logitless.triton_lib.log_probs_math import online_entropy_update
+from logitless.triton_lib.log_probs_math import (
+    online_entropy_update,
+    online_start,
+    row_tokens,
+    split_blocks,
+    store_partials,
+)
 from logitless.triton_lib.tile_io import block_tile
+
+
+@triton.jit
+def _scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+                 inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(offs_v, a): vocabulary block ``block``'s columns and a = softcap(z) / T there
+    (-inf past V); USE_TMA: x_ptr and w_ptr are tensor descriptors."""
+    offs_v, col_ok, z = block_tile(
+        x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+        softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+    )
+    return offs_v, tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
+
+
+@triton.jit
+def _insert_largest(rem, cand, floor, BLOCK_V: tl.constexpr, C: tl.constexpr):
+    """One step of the per-row filter: each row's largest value left in ``rem`` leaves it
+    (one column: tied values one step each) and replaces the row's smallest candidate
+    (``floor``) when larger. The candidates stay the C largest values seen (a multiset,
+    unordered); a row with nothing left (-inf) changes nothing."""
+    cols = tl.arange(0, BLOCK_V)
+    slots = tl.arange(0, C)
+    v = tl.max(rem, 1)
+    col = tl.min(tl.where(rem == v[:, None], cols[None, :], BLOCK_V), 1)
+    rem = tl.where(cols[None, :] == col[:, None], float("-inf"), rem)
+    slot = tl.min(tl.where(cand == floor[:, None], slots[None, :], C), 1)
+    cand = tl.where((slots[None, :] == slot[:, None]) & (v > floor)[:, None], v[:, None], cand)
+    return rem, cand, tl.min(cand, 1)
 
 
 @triton.jit
@@ -38,56 +73,54 @@ def candidates_kernel(
     x_ptr, w_ptr, b_ptr, token_ptr, hi_ptr, cand_ptr, part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr,
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, blocks_per_split, softcap, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, HAS_UPPER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    C: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr,
 ):
     """Program (i, split): rows [i BLOCK_N, ...) over the split's vocabulary blocks;
-    cand (splits, N, C) descending (-inf where fewer than C values), partials (splits, N)
-    (HAS_UPPER: m, s, u of the values a >= hi)."""
+    cand (splits, N, C) the split's C largest values per row, unordered (-inf where fewer
+    than C values), partials (splits, N) (HAS_UPPER: m, s, u of the values a >= hi).
+
+    The filter: only values above a row's C-th candidate (``floor``, exact at every
+    step) can enter. A tile where some row has more than C of them (the first tiles)
+    merges at once: its tl.topk, descending, against the candidates sorted ascending
+    (the elementwise max holds the C largest of both). Otherwise each row's values above
+    its floor enter one at a time, largest first (``_insert_largest``), as many steps as
+    the row with the most (0 when none: most tiles of a long split)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
-    token = tl.where((token >= 0) & (token < V), token, -1)
+    offs_n, row_ok, token = row_tokens(token_ptr, pid_n, N, V, BLOCK_N)
     if HAS_UPPER:
         hi = tl.load(hi_ptr + offs_n, mask=row_ok, other=float("inf"))
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    u = tl.zeros((BLOCK_N,), tl.float32)
-    a_t = tl.zeros((BLOCK_N,), tl.float32)
+    m, s, u, a_t = online_start(BLOCK_N)
     cand = tl.full((BLOCK_N, C), float("-inf"), tl.float32)
     floor = tl.full((BLOCK_N,), float("-inf"), tl.float32)  # the C-th candidate per row
 
-    first_block = split * blocks_per_split
-    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in range(0, num_blocks):
-        offs_v, col_ok, z = block_tile(
-            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, False, BLOCK_N, BLOCK_V, BLOCK_H,
-        )
-        a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
+        offs_v, a = _scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh,
+                                 stride_wv, stride_wh, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+                                 USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H)
         a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
         ac = a
-        if HAS_UPPER:
-            ac = tl.where(a < hi[:, None], a, float("-inf"))
+        if HAS_UPPER:  # (the sums first: then a and ac are not both live)
             m, s, u, e, m_safe = online_entropy_update(tl.where(a >= hi[:, None], a, float("-inf")), m, s, u,
                                                        ENTROPY)
+            ac = tl.where(a < hi[:, None], a, float("-inf"))
         else:
             m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
-        if tl.sum((tl.max(ac, 1) > floor).to(tl.int32), 0) > 0:
-            top = tl.topk(ac, C, dim=1)
-            cand = tl.sort(tl.maximum(cand, tl.flip(top, 1)), dim=1, descending=True)
+        most = tl.max(tl.sum((ac > floor[:, None]).to(tl.int32), 1), 0)
+        if most > C:
+            cand = tl.maximum(tl.sort(cand, dim=1), tl.topk(ac, C, dim=1))
             floor = tl.min(cand, 1)
+        elif most > 0:
+            rem = tl.where(ac > floor[:, None], ac, float("-inf"))
+            for _ in range(0, most):
+                rem, cand, floor = _insert_largest(rem, cand, floor, BLOCK_V, C)
 
-    out = split.to(tl.int64) * N + offs_n
-    cols = tl.arange(0, C)
-    tl.store(cand_ptr + out[:, None] * C + cols[None, :], cand, mask=row_ok[:, None])
-    tl.store(part_max_ptr + out, m, mask=row_ok)
-    tl.store(part_sum_ptr + out, s, mask=row_ok)
-    tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
-    if ENTROPY:
-        tl.store(part_u_ptr + out, u, mask=row_ok)
+    out = store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u,
+                         a_t, ENTROPY)
+    slots = tl.arange(0, C)
+    tl.store(cand_ptr + out[:, None] * C + slots[None, :], cand, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -95,8 +128,8 @@ def mass_kernel(
     x_ptr, w_ptr, b_ptr, m_ptr, thr_ptr, cnt_ptr, mass_ptr,
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, blocks_per_split, softcap, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, T: tl.constexpr,
 ):
     """Program (i, split): per row and threshold t_j (thr (N, T) fp32), the count of
     a >= t_j (cnt (splits, N, T) int32) and sum exp(a - m) (mass) over the split, m (N,)
@@ -112,14 +145,11 @@ def mass_kernel(
     cnt = tl.zeros((BLOCK_N, T), tl.int32)
     mass = tl.zeros((BLOCK_N, T), tl.float32)
 
-    first_block = split * blocks_per_split
-    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in range(0, num_blocks):
-        offs_v, col_ok, z = block_tile(
-            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, False, BLOCK_N, BLOCK_V, BLOCK_H,
-        )
-        a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
+        offs_v, a = _scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh,
+                                 stride_wv, stride_wh, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+                                 USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H)
         e = tl.exp(a - m[:, None])
         for j in range(0, T):  # (a loop, not unrolled: T tile reductions would spill)
             sel = cols[None, :] == j
@@ -133,51 +163,72 @@ def mass_kernel(
     tl.store(mass_ptr + out, mass, mask=row_ok[:, None])
 
 
-def _common(x, weight, bias, plan, softcap, temperature, block_v):
+def splits_for(n: int, v: int, plan, c: int, device) -> int:
+    """Vocabulary splits of the threshold pass for n rows under the forward ``plan``'s
+    tiles: the fewest that fill the GPU in one wave (row blocks x splits <= SMs, at
+    least one). Long splits let the filter skip most tiles (a value enters a row's
+    top-C of t tiles with probability ~C / t on flat rows); the forward's plan splits
+    for many waves (~18 tiles per split on qwen3-8b-8k). A function of n: the callers
+    take it from the whole batch (a block under batch invariance), not from the rows a
+    later pass runs on."""
+    from logitless.planning.plans import num_sms
+
+    blocks = triton.cdiv(v, max(plan.block_v, c))
+    return max(1, min(blocks, num_sms(device) // max(1, triton.cdiv(n, plan.block_n))))
+
+
+def _common(x, weight, bias, plan, softcap, temperature, block_v, splits):
     n, h = x.shape
     v = weight.shape[0]
-    splits = plan.vocab_splits
     blocks = triton.cdiv(v, block_v)
     splits = min(splits, blocks)
     per_split = triton.cdiv(blocks, splits)
     splits = triton.cdiv(blocks, per_split)
     grid = (triton.cdiv(n, plan.block_n), splits)
+    # (tensor descriptors where the plan and the rows allow, as the forward's: a pipelined GEMM)
+    x_op, w_op, use_tma = launch.operands(x, weight, replace(plan, block_v=block_v))
     args = (n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), per_split,
             float(softcap or 1.0), 1.0 / temperature)
     flags = dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-                 DOT_PRECISION=launch.dot_precision(x.dtype), BLOCK_N=plan.block_n, BLOCK_V=block_v,
+                 DOT_PRECISION=launch.dot_precision(x.dtype), USE_TMA=use_tma, BLOCK_N=plan.block_n, BLOCK_V=block_v,
                  BLOCK_H=plan.block_h, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    return n, splits, grid, args, flags
+    return n, splits, grid, (x_op, w_op), args, flags
 
 
-def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: int, entropy: bool, hi=None):
-    """Per split: (cand (splits, n, c) descending, max, sum, u or None, a at the token),
-    fp32, of x's rows under the forward ``plan``'s tiles and splits (block_v raised to c
-    when c is larger). ``hi`` (n,) fp32: candidates among a < hi only, the max, sum and
-    u over a >= hi."""
+def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: int, entropy: bool, hi=None,
+               splits=None):
+    """Per split: (cand (splits, n, c) unordered, max, sum, u or None, a at the token),
+    fp32, of x's rows under the forward ``plan``'s tiles (block_v raised to c when c is
+    larger), ``splits`` vocabulary splits (None: ``splits_for`` these rows). ``hi`` (n,)
+    fp32: candidates among a < hi only, the max, sum and u over a >= hi."""
     block_v = max(plan.block_v, c)
-    n, splits, grid, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v)
+    if splits is None:
+        splits = splits_for(x.shape[0], weight.shape[0], plan, c, x.device)
+    n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v, splits)
     cand = torch.empty(splits, n, c, dtype=torch.float32, device=x.device)
     parts = launch.partials(4, splits, n, x.device)
     if n:
         launch.launch_kernel(
-            candidates_kernel, grid, x, weight, bias if bias is not None else x, tokens,
+            candidates_kernel, grid, *ops, bias if bias is not None else x, tokens,
             hi if hi is not None else x, cand, *parts, *args,
             ENTROPY=entropy, HAS_UPPER=hi is not None, C=c, **flags,
         )
     return cand, parts[0], parts[1], (parts[2] if entropy else None), parts[3]
 
 
-def masses(x, weight, bias, plan, softcap, temperature: float, m, thr):
+def masses(x, weight, bias, plan, softcap, temperature: float, m, thr, splits=None):
     """Per split: (count int32, mass), each (splits, n, T), of a >= thr (n, T) fp32 per
-    row, masses exp(a - m) with m (n,) fp32 given."""
+    row, masses exp(a - m) with m (n,) fp32 given; ``splits`` as ``candidates``'."""
     t = thr.shape[1]
-    n, splits, grid, args, flags = _common(x, weight, bias, plan, softcap, temperature, plan.block_v)
+    if splits is None:
+        splits = plan.vocab_splits
+    n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, plan.block_v,
+                                                splits)
     cnt = torch.empty(splits, n, t, dtype=torch.int32, device=x.device)
     mass = torch.empty(splits, n, t, dtype=torch.float32, device=x.device)
     if n:
         launch.launch_kernel(
-            mass_kernel, grid, x, weight, bias if bias is not None else x,
+            mass_kernel, grid, *ops, bias if bias is not None else x,
             m.to(torch.float32).contiguous(), thr.to(torch.float32).contiguous(), cnt, mass, *args, T=t, **flags,
         )
     return cnt, mass

@@ -12,7 +12,15 @@ import triton.language as tl
 
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.log_probs_fields import fields_update
-from logitless.triton_lib.log_probs_math import load_logp_rows, logp_dz_tile, online_entropy_update
+from logitless.triton_lib.log_probs_math import (
+    load_logp_rows,
+    logp_dz_tile,
+    online_entropy_update,
+    online_start,
+    row_tokens,
+    split_blocks,
+    store_partials,
+)
 from logitless.triton_lib.tile_io import (
     block_tile,
     load_kept_tile,
@@ -55,26 +63,17 @@ def logp_forward_kernel(
         w_row0 = split0 * blocks_per_split * BLOCK_V
     else:
         w_row0 = 0
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < N
-    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
-    # A token outside [0, V) (another shard's, or invalid) matches no column, not even padding.
-    token = tl.where((token >= 0) & (token < V), token, -1)
+    offs_n, row_ok, token = row_tokens(token_ptr, pid_n, N, V, BLOCK_N)
     if HAS_THRESHOLD:
         tau = tl.load(tau_ptr + offs_n, mask=row_ok, other=float("-inf"))
-
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    u = tl.zeros((BLOCK_N,), tl.float32)
-    a_t = tl.zeros((BLOCK_N,), tl.float32)
+    m, s, u, a_t = online_start(BLOCK_N)
     if FIELDS:
         s2 = tl.zeros((BLOCK_N,), tl.float32)
         zsum = tl.zeros((BLOCK_N,), tl.float32)
         best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         best_idx = tl.zeros((BLOCK_N,), tl.int32)
 
-    first_block = split * blocks_per_split
-    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v, col_ok, z = block_tile(
             x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
@@ -98,12 +97,8 @@ def logp_forward_kernel(
             s2, zsum, best, best_idx = fields_update(a, m_prev, m_safe, e, offs_v, s2, zsum, best, best_idx, V,
                                                      BLOCK_V)
 
-    out = split.to(tl.int64) * N + offs_n
-    tl.store(part_max_ptr + out, m, mask=row_ok)
-    tl.store(part_sum_ptr + out, s, mask=row_ok)
-    tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
-    if ENTROPY:
-        tl.store(part_u_ptr + out, u, mask=row_ok)
+    out = store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u,
+                         a_t, ENTROPY)
     if FIELDS:
         tl.store(part_s2_ptr + out, s2, mask=row_ok)
         tl.store(part_zsum_ptr + out, zsum, mask=row_ok)

@@ -1,8 +1,52 @@
 """The Triton form of ``formulas.log_probs``: the online statistics with the entropy
-term and the gradient epilogue, shared by the log-prob kernels (linear and on logits)."""
+term and the gradient epilogue, shared by the log-prob kernels (linear and on logits),
+and the row-block prologue / partials epilogue of the split forward kernels
+(``log_probs_kernels.logp_forward_kernel``, ``log_probs_candidates``)."""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def row_tokens(token_ptr, pid_n, N, V, BLOCK_N: tl.constexpr):
+    """(offs_n, row_ok, token) of row block pid_n. A token outside [0, V) (another
+    shard's, or invalid) becomes -1: it matches no column, not even padding."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_n < N
+    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
+    token = tl.where((token >= 0) & (token < V), token, -1)
+    return offs_n, row_ok, token
+
+
+@triton.jit
+def online_start(BLOCK_N: tl.constexpr):
+    """(m, s, u, a_t) per row before the first tile: -inf, 0, 0, 0."""
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    u = tl.zeros((BLOCK_N,), tl.float32)
+    a_t = tl.zeros((BLOCK_N,), tl.float32)
+    return m, s, u, a_t
+
+
+@triton.jit
+def split_blocks(split, blocks_per_split, V, BLOCK_V: tl.constexpr):
+    """(first block, number of blocks) of vocabulary split ``split``."""
+    first_block = split * blocks_per_split
+    num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    return first_block, num_blocks
+
+
+@triton.jit
+def store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u, a_t,
+                   ENTROPY: tl.constexpr):
+    """A split's (m, s, u with ENTROPY, a at the token) per row into (splits, N) buffers."""
+    out = split.to(tl.int64) * N + offs_n
+    tl.store(part_max_ptr + out, m, mask=row_ok)
+    tl.store(part_sum_ptr + out, s, mask=row_ok)
+    tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
+    if ENTROPY:
+        tl.store(part_u_ptr + out, u, mask=row_ok)
+    return out
 
 
 @triton.jit

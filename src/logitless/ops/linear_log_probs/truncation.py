@@ -190,7 +190,8 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     if sharded is not None:  # (the chunked pass, merged over the group)
                         tau = sharded.thresholds(xb, weight, bias, opts, tr, budget)
                     elif xb.shape[0] and _searches(impl, tr):
-                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget)
+                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget,
+                                                        invariant=block is not None)
                         if left is not None:  # (the chunked fallback for these rows)
                             tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
                     else:
@@ -324,28 +325,28 @@ def candidate_count(k_max: int) -> int:
 
 
 def _merged_candidates(parts, c: int):
-    cand, pm, ps, pu, pt = parts
+    cand, pm, ps, pu, pt = parts  # (the kernel's candidates are unordered)
     splits, n, _ = cand.shape
-    if splits > 1:
-        cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
-    else:
-        cand = cand[0]
+    cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
     m, s, u = merge_parts(pm, ps, pu)
     return cand, m, s, u, pt.sum(0)
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, budget: int):
+                  trunc: Truncation, budget: int, invariant: bool = False):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
     MAX_MASS_PASSES; the caller finds their tau and runs the forward with it), ``left``
     their indices (else None). GEMM passes per row: the kept set inside the C candidates:
     1; min-p alone with a larger set (tau = max + log min_p exact): 2, the second the
-    sums over a >= tau (the candidates kernel with a bound); top-p past the candidates:
+    forward kernel with tau (its outputs; exact min-p needs the max first, so no one-pass
+    form without storing the values near it); top-p past the candidates:
     the mass passes (on the rows still searching) narrowing a bracket that holds the
     crossing until it holds < C values, then the candidates below its top: 2 + the
-    narrowings. Host syncs: a few per pass (the rows left)."""
+    narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
+    candidates passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
+    (a row's bits then do not depend on how many rows a later pass runs on)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -354,11 +355,18 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sd = compute_dtype(x.dtype)
     kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
     c = candidate_count(kmax)
-    plan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False).forward
+    lplan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False)
+    plan = lplan.forward
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
-    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on), c)
+    splits = LC.splits_for(n, v, plan, c, x.device)
+
+    def splits_of(rows_of_pass: Tensor) -> int:
+        return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
+
+    cand, m, s, u, a_t = _merged_candidates(
+        LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on, splits=splits), c)
     cc = min(c, v)
     cand = cand[:, :cc]
     tau, ok = resolve(cand, m, s, v, trunc)
@@ -395,12 +403,12 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     done = ~p_on & mp_on
     active = p_on.clone()
     xs = x[rows]
-    if bool(done.any()):  # (host sync) min-p alone: the set a >= tau1, its sums from one pass
+    min_p_outs = None
+    if bool(done.any()):  # (host sync) min-p alone: the forward over a >= tau1 gives the outputs
+        # (x's plan for these rows too: a row's bits do not depend on how many rows go)
         drows = done.nonzero()[:, 0]
-        _, m_hi, s_hi, u_hi, _ = _merged_candidates(
-            LC.candidates(xs[drows], weight, bias, tokens[rows[drows]], plan, sc, temp, c, ent_on,
-                          hi=tau1[drows].contiguous()), c)
-        w_k[drows], u_k[drows] = rebase(m_hi, s_hi, u_hi, mr[drows])
+        min_p_outs, _ = triton_backend.forward(xs[drows], weight, bias, tokens[rows[drows]], opts, plan=lplan,
+                                               budget=budget, outputs=True, tau=tau1[drows].contiguous())
         tau_r[drows] = tau1[drows]
     first = True
     for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
@@ -445,7 +453,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             srows = settled.nonzero()[:, 0]
             cand2, m_hi, s_hi, u_hi, _ = _merged_candidates(
                 LC.candidates(xs[srows], weight, bias, tokens[rows[srows]], plan, sc, temp, c, ent_on,
-                              hi=top_t[srows].contiguous()), c)
+                              hi=top_t[srows].contiguous(), splits=splits_of(srows)), c)
             w3, u3 = rebase(m_hi, s_hi, u_hi, mr[srows])  # the sums over a >= the bracket's top
             t3, w3, u3 = crossing(cand2[:, :cc], mr[srows], w3, u3, target[srows])
             tau_r[srows] = t3.float()
@@ -464,4 +472,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     if ent_on:
         uu[rows] = u_k
     outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
+    if min_p_outs is not None:
+        for o, f in zip(outs, min_p_outs):
+            if o is not None:
+                o[rows[drows]] = f.to(o.dtype)
     return tau, outs, (rows[left] if bool(left.any()) else None)
