@@ -199,6 +199,7 @@ METHODS = {
                                     "linear_log_probs(batch_invariant=True, top_k=50, top_p=0.9)"),
     "logitless-tp1": (_tp1(), "linear_log_probs(process_group=<1 rank>)"),
     "logitless-tp1-k50p0.9": (_tp1(top_k=50, top_p=0.9), "linear_log_probs(process_group=<1 rank>, top_k=50, top_p=0.9)"),
+    "logitless-tp1-topk64": (_tp1(top_k=64), "linear_log_probs(process_group=<1 rank>, top_k=64)"),
     "logitless-tp1-invariant": (_tp1(batch_invariant=True),
                                 "linear_log_probs(process_group=<1 rank>, batch_invariant=True)"),
 }

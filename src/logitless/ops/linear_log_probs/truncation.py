@@ -107,14 +107,15 @@ def _triton_tiles(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogPr
 
 def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc: Truncation,
                budget: int, impl: str = "torch", *, vocab_size: Optional[int] = None, merge=None,
-               plan_rows: Optional[int] = None) -> Tensor:
+               plan_rows: Optional[int] = None, first_c: Optional[int] = None) -> Tensor:
     """Per-token tau (N,) in the compute dtype (-inf: nothing truncated). ``impl``
     "triton": the tiles of a from the forward kernel's tile code (its GEMM: 16-bit
     operands, fp32 accumulation), else torch GEMMs in the compute dtype.
     A vocab-parallel head (``vocab_parallel.ShardedBackend``): ``weight`` holds this
     rank's columns of a ``vocab_size`` vocabulary, ``merge(cand, max, sum, C)`` gives the
     full rows' (top-min(C, V) candidates, max, sum) from this rank's, and the steps are
-    sized for ``plan_rows`` columns (the same on every rank: one collective per step)."""
+    sized for ``plan_rows`` columns (the same on every rank: one collective per step).
+    ``first_c``: the first pass's candidates (after a pass that settled other rows)."""
     n = x.shape[0]
     v = weight.shape[0] if vocab_size is None else vocab_size
     cd = compute_dtype(x.dtype)
@@ -129,7 +130,7 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
         vocab_chunk = max(block_v, plan.vocab_chunk // block_v * block_v)
     # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left)
     kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
-    c = min(v, max(MIN_CANDIDATES, kmax + 1))
+    c = min(v, max(MIN_CANDIDATES, kmax + 1, first_c or 0))
     rows = None  # the first pass: every row, in order
     while True:
         # rows per step: the tile, the candidates and their merge within the budget

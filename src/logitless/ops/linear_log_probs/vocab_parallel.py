@@ -42,10 +42,12 @@ from torch import Tensor
 from logitless.distributed import VocabShard, gather_rows, merge_online, vocab_shard
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import LogProbStats, finish, grad_coefficients, partials_of, token_outputs
+from logitless.formulas.truncation import resolve
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import LogProbOptions, VocabParallelOptions
 
+from .truncation import MAX_CANDIDATES, _merged_candidates, candidate_count
 from .truncation import thresholds as _thresholds
 
 
@@ -158,15 +160,51 @@ class ShardedBackend:
 
     def thresholds(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc,
                    budget: int) -> Tensor:
-        """Per-token tau of the full rows (``truncation.thresholds`` with a merge over the group)."""
+        """Per-token tau of the full rows: each rank's top-C candidates, row max and sum,
+        merged over the group (``merge``), then ``formulas.truncation.resolve``. Triton (C
+        <= MAX_CANDIDATES): the first pass is the candidates kernel on this rank's rows;
+        rows it leaves (and every row otherwise) take ``truncation.thresholds``' chunked
+        passes with the same merge."""
         shard, v = self.shard, self.vocab_size
+        w, b = shard.real_rows(weight), shard.real_rows(bias)
 
         def merge(cand: Tensor, m: Tensor, s: Tensor, c: int):
             if cand.shape[1] < c:  # (fewer local columns than candidates)
                 cand = F.pad(cand, (0, c - cand.shape[1]), value=-math.inf)
-            cand = gather_rows(cand, shard.group).topk(min(c, v), dim=1).values
+            cand = gather_rows(cand.contiguous(), shard.group).topk(min(c, v), dim=1).values
             big, s, _, _ = merge_online(shard.group, m, s, None, ordered=self.ordered)
             return cand, big, s
 
-        return _thresholds(x, shard.real_rows(weight), shard.real_rows(bias), opts, trunc, budget, self.impl_name,
-                           vocab_size=v, merge=merge, plan_rows=shard.max_rows)
+        chunked = dict(vocab_size=v, merge=merge, plan_rows=shard.max_rows)
+        kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())  # (host sync)
+        c = candidate_count(kmax)
+        if self.impl_name != "triton" or c > MAX_CANDIDATES or x.shape[0] == 0:
+            return _thresholds(x, w, b, opts, trunc, budget, self.impl_name, **chunked)
+        cand, m, s = _candidates_triton(x, w, b, opts, c, budget)
+        cand, m, s = merge(cand, m, s, c)
+        tau, ok = resolve(cand, m, s, v, trunc)
+        tau = tau.to(compute_dtype(x.dtype))
+        if not bool(ok.all()):  # (host sync; the same rows on every rank) the chunked passes, 4x C
+            left = (~ok).nonzero()[:, 0]
+            tau[left] = _thresholds(x[left], w, b, opts, trunc.rows(left), budget, self.impl_name,
+                                    first_c=4 * c, **chunked)
+        return tau
+
+
+def _candidates_triton(x: Tensor, w: Tensor, b: Optional[Tensor], opts: LogProbOptions, c: int, budget: int):
+    """(top-c descending (N, c), row max, row sum) of this rank's columns, fp32, from the
+    Triton candidates kernel (``triton_lib.log_probs_candidates``; no logits); a rank
+    without columns: (-inf, -inf, 0)."""
+    n = x.shape[0]
+    if w.shape[0] == 0:
+        neg = torch.full((n,), -math.inf, dtype=torch.float32, device=x.device)
+        return neg[:, None].expand(n, c), neg, torch.zeros_like(neg)
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    from . import triton_backend
+
+    plan = triton_backend.plan(x, w, b, opts, budget=budget, need_grad=False, cute=False).forward
+    none = torch.full((n,), -1, dtype=torch.int64, device=x.device)  # (no token logit needed)
+    cand, m, s, _, _ = _merged_candidates(
+        LC.candidates(x, w, b, none, plan, opts.softcap, opts.temperature, c, False), c)
+    return cand, m, s
