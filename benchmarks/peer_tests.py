@@ -344,7 +344,9 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     record = {
         "peer": args.peer, "peer_version": version,
-        "device": "cuda" if cuda else ("cpu (Triton interpreter)" if framework == "torch" else "cpu"),
+        # without CUDA Liger's and CCE's Triton kernels run on the interpreter; the verl drop-in
+        # takes logitless's PyTorch backend there, tokamax's tests run on XLA's CPU backend
+        "device": "cuda" if cuda else ("cpu (Triton interpreter)" if args.peer in ("liger", "cce") else "cpu"),
         framework: fw_version, "date": date, "command": " ".join(sys.argv),
         "test_files": PEERS[args.peer]["files"], "k": args.k, "edits": edits,
         "env": {k: v for k, v in os.environ.items() if k.startswith("LOGITLESS_")}, "summaries": summaries,
