@@ -119,6 +119,57 @@ def _one_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
     return (*out, arg_out)
 
 
+def _fields_forward_end(ctx, saved, outputs, **attrs):
+    """The end of both fields Functions' forward: save (x, weight, bias, labels, lse,
+    entropy) and ``attrs`` on ctx, mark the last three of the five outputs (log_sum_sq_probs,
+    mean_logits, is_top1) non-differentiable, return the five."""
+    ctx.save_for_backward(*saved)
+    for name, value in attrs.items():
+        setattr(ctx, name, value)
+    ctx.mark_non_differentiable(*outputs[2:])
+    return outputs
+
+
+def _fields_backward(ctx, g_lp, g_h, n_inputs: int, grads):
+    """The backward of both fields Functions: None for all ``n_inputs`` inputs when no
+    gradient flows in or none is needed (the entropy's gradient is dropped when the forward
+    computed no entropy), else ``grads(ctx, g_lp, g_h, need) -> (dx, dw, db)`` (need: which
+    of x, weight, bias want one) and None for the other inputs."""
+    need = tuple(ctx.needs_input_grad[:3])
+    if not ctx.opts.entropy:
+        g_h = None
+    if g_lp is None and g_h is None or not any(need):
+        return (None,) * n_inputs
+    return (*grads(ctx, g_lp, g_h, need), *(None,) * (n_inputs - 3))
+
+
+def _torch_grads(ctx, g_lp, g_h, need):
+    x, weight, bias, labels, lse, ent = ctx.saved_tensors
+    opts, (need_dx, need_dw, need_db) = ctx.opts, need
+    coef = grad_coefficients(ent, labels, g_lp, g_h, weight.shape[0], opts, lse)
+    exact = x.dtype == lse.dtype
+    plan = linear_torch_plan(x, weight.shape[0], ctx.budget, tiles=2 + (opts.softcap is not None),
+                             accumulators=0 if exact else int(need_dw))
+
+    def dz_of(x_c, w_v, b_v, n0, n1, v0):
+        return dlogits_(_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], labels[n0:n1], v0, opts)
+
+    return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=bool(need_db),
+                            dx_acc=False)
+
+
+def _triton_grads(ctx, g_lp, g_h, need):
+    from logitless.ops.linear_log_probs import triton_backend as tb
+
+    x, weight, bias, labels, lse, ent = ctx.saved_tensors
+    opts, (need_dx, need_dw, need_db) = ctx.opts, need
+    kept, ctx.kept = ctx.kept, None
+    with no_autocast(x.device):
+        coef = tb.grad_coefficients(ent if opts.entropy else None, labels, g_lp, g_h, weight.shape[0], opts)
+        return tb.backward(x, weight, bias, labels, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
+                           need_db=bool(need_db) and bias is not None, plan=ctx.plan, kept=kept)
+
+
 class _AllFields(torch.autograd.Function):
     """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1) from one pass; the
     last three are not differentiable."""
@@ -138,30 +189,12 @@ class _AllFields(torch.autograd.Function):
         logp, ent = clean(a_t - lse), clean(ent)
         sq, mean = clean(lse2 - 2 * lse), clean(zsum / v)
         top1 = (arg == labels) & valid
-        ctx.save_for_backward(x, weight, bias, labels, lse, ent)
-        ctx.opts, ctx.budget = opts, budget
-        ctx.mark_non_differentiable(sq, mean, top1)
-        return logp, ent, sq, mean, top1
+        return _fields_forward_end(ctx, (x, weight, bias, labels, lse, ent), (logp, ent, sq, mean, top1),
+                                   opts=opts, budget=budget)
 
     @staticmethod
     def backward(ctx, g_lp, g_h, *_):
-        x, weight, bias, labels, lse, ent = ctx.saved_tensors
-        opts = ctx.opts
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if g_lp is None and g_h is None or not (need_dx or need_dw or need_db):
-            return None, None, None, None, None, None
-        cd = lse.dtype
-        coef = grad_coefficients(ent, labels, g_lp, g_h, weight.shape[0], opts, lse)
-        exact = x.dtype == cd
-        plan = linear_torch_plan(x, weight.shape[0], ctx.budget, tiles=2 + (opts.softcap is not None),
-                                 accumulators=0 if exact else int(need_dw))
-
-        def dz_of(x_c, w_v, b_v, n0, n1, v0):
-            return dlogits_(_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], labels[n0:n1], v0, opts)
-
-        dx, dw, db = chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw,
-                                      need_db=bool(need_db), dx_acc=False)
-        return dx, dw, db, None, None, None
+        return _fields_backward(ctx, g_lp, g_h, 6, _torch_grads)
 
 
 class _TritonFields(torch.autograd.Function):
@@ -181,28 +214,13 @@ class _TritonFields(torch.autograd.Function):
                                                                  budget=budget, outputs=True, fields=True)
         if ent is None:
             ent = logp.new_empty(0)
-        ctx.save_for_backward(x, weight, bias, labels, lse, ent)
-        ctx.opts, ctx.plan, ctx.kept = opts, plan, kept  # (kept: consumed by the first backward)
-        ctx.mark_non_differentiable(sq, mean, top1)
-        return logp, ent, sq, mean, top1
+        # (kept: consumed by the first backward)
+        return _fields_forward_end(ctx, (x, weight, bias, labels, lse, ent), (logp, ent, sq, mean, top1),
+                                   opts=opts, plan=plan, kept=kept)
 
     @staticmethod
     def backward(ctx, g_lp, g_h, *_):
-        from logitless.ops.linear_log_probs import triton_backend as tb
-
-        x, weight, bias, labels, lse, ent = ctx.saved_tensors
-        opts = ctx.opts
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if not opts.entropy:
-            g_h = None
-        if g_lp is None and g_h is None or not (need_dx or need_dw or need_db):
-            return None, None, None, None, None, None, None
-        kept, ctx.kept = ctx.kept, None
-        with no_autocast(x.device):
-            coef = tb.grad_coefficients(ent if opts.entropy else None, labels, g_lp, g_h, weight.shape[0], opts)
-            dx, dw, db = tb.backward(x, weight, bias, labels, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
-                                     need_db=bool(need_db) and bias is not None, plan=ctx.plan, kept=kept)
-        return dx, dw, db, None, None, None, None
+        return _fields_backward(ctx, g_lp, g_h, 7, _triton_grads)
 
 
 def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from logitless.options import LogProbOptions
-from logitless.triton_lib.ce_math import splits_max
+from logitless.triton_lib.log_probs_math import epilogue_block, token_value
 
 BLOCK = 1024
 
@@ -38,9 +38,7 @@ def logp_forward_epilogue_kernel(
     part_max, part_sum, part_u, part_tgt, tokens_ptr, logp_ptr, ent_ptr, lse_ptr,
     N, V, SPLITS, ignore_index, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    m_safe = splits_max(part_max, offs, ok, N, SPLITS)
+    offs, ok, m_safe, t, valid, bad = epilogue_block(part_max, tokens_ptr, N, V, SPLITS, ignore_index, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     u = tl.zeros((BLOCK,), tl.float32)
     tgt = tl.zeros((BLOCK,), tl.float32)
@@ -55,16 +53,10 @@ def logp_forward_epilogue_kernel(
             u += scale * (tl.load(part_u + s * N + offs, mask=ok, other=0.0) + corr)
     log_s = tl.log(total)
     lse = m_safe + log_s
-    t = tl.load(tokens_ptr + offs, mask=ok, other=ignore_index)
-    valid = t != ignore_index
-    bad = valid & ((t < 0) | (t >= V))
-    logp = tl.where(bad, float("nan"), tl.where(valid, tgt - lse, 0.0))
-    tl.store(logp_ptr + offs, logp, mask=ok)
+    tl.store(logp_ptr + offs, token_value(tgt - lse, valid, bad), mask=ok)
     tl.store(lse_ptr + offs, lse, mask=ok)
     if ENTROPY:
-        ent = log_s - u / total
-        ent = tl.where(bad, float("nan"), tl.where(valid, ent, 0.0))
-        tl.store(ent_ptr + offs, ent, mask=ok)
+        tl.store(ent_ptr + offs, token_value(log_s - u / total, valid, bad), mask=ok)
 
 
 @triton.jit
@@ -90,9 +82,9 @@ def logp_grad_coefficients_kernel(
     t = tl.load(tokens_ptr + offs, mask=ok, other=ignore_index)
     valid = t != ignore_index
     bad = valid & ((t < 0) | (t >= V))
-    tl.store(coef_ptr + offs, tl.where(bad, float("nan"), tl.where(valid, a, 0.0)), mask=ok)
-    tl.store(coef_ptr + N + offs, tl.where(bad, float("nan"), tl.where(valid, b, 0.0)), mask=ok)
-    tl.store(coef_ptr + 2 * N + offs, tl.where(bad, float("nan"), tl.where(valid, c, 0.0)), mask=ok)
+    tl.store(coef_ptr + offs, token_value(a, valid, bad), mask=ok)
+    tl.store(coef_ptr + N + offs, token_value(b, valid, bad), mask=ok)
+    tl.store(coef_ptr + 2 * N + offs, token_value(c, valid, bad), mask=ok)
 
 
 def forward_outputs(part_max: Tensor, part_sum: Tensor, part_u: Optional[Tensor], part_tgt: Tensor,

@@ -18,7 +18,8 @@ on ties) and the fields of each token:
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.ce_math import side_stats_update, splits_max
+from logitless.triton_lib.ce_math import side_stats_update
+from logitless.triton_lib.log_probs_math import epilogue_block, token_value
 
 
 @triton.jit
@@ -39,9 +40,7 @@ def fields_epilogue_kernel(
     N, V, SPLITS, ignore_index, BLOCK: tl.constexpr,
 ):
     """(SPLITS, N) partials -> log_sum_sq_probs, mean_logits (fp32) and is_top1 (int8) per token."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    m_safe = splits_max(part_max, offs, ok, N, SPLITS)
+    offs, ok, m_safe, t, valid, bad = epilogue_block(part_max, tokens_ptr, N, V, SPLITS, ignore_index, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     total2 = tl.zeros((BLOCK,), tl.float32)
     zsum = tl.zeros((BLOCK,), tl.float32)
@@ -56,11 +55,6 @@ def fields_epilogue_kernel(
         better = b > best  # strict: an earlier split keeps a tie (torch.argmax's first index)
         arg = tl.where(better, tl.load(part_arg + s * N + offs, mask=ok, other=0), arg)
         best = tl.where(better, b, best)
-    t = tl.load(tokens_ptr + offs, mask=ok, other=ignore_index)
-    valid = t != ignore_index
-    bad = valid & ((t < 0) | (t >= V))
-    sq = tl.log(total2) - 2.0 * tl.log(total)
-    mean = zsum / V
-    tl.store(sq_ptr + offs, tl.where(bad, float("nan"), tl.where(valid, sq, 0.0)), mask=ok)
-    tl.store(mean_ptr + offs, tl.where(bad, float("nan"), tl.where(valid, mean, 0.0)), mask=ok)
+    tl.store(sq_ptr + offs, token_value(tl.log(total2) - 2.0 * tl.log(total), valid, bad), mask=ok)
+    tl.store(mean_ptr + offs, token_value(zsum / V, valid, bad), mask=ok)
     tl.store(top1_ptr + offs, (valid & (arg.to(tl.int64) == t.to(tl.int64))).to(tl.int8), mask=ok)

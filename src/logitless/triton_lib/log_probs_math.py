@@ -6,6 +6,8 @@ and the row-block prologue / partials epilogue of the split forward kernels
 import triton
 import triton.language as tl
 
+from logitless.triton_lib.ce_math import splits_max
+
 
 @triton.jit
 def row_tokens(token_ptr, pid_n, N, V, BLOCK_N: tl.constexpr):
@@ -86,6 +88,28 @@ def logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature,
         capped = (logp + lse[:, None]) * (temperature / softcap)
         dz *= 1.0 - capped * capped
     return dz
+
+
+@triton.jit
+def epilogue_block(part_max, tokens_ptr, N, V, SPLITS, ignore_index, BLOCK: tl.constexpr):
+    """The prologue of a per-token epilogue program over (SPLITS, N) vocabulary-split
+    partials: its BLOCK token offsets, their mask, the shift m_safe of the merge
+    (``ce_math.splits_max``), and which tokens are valid (not ignore_index) and which are
+    bad (valid but outside [0, V)): the log-prob ops give 0 at ignored tokens and NaN at
+    bad ones (``token_value``)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    m_safe = splits_max(part_max, offs, ok, N, SPLITS)
+    t = tl.load(tokens_ptr + offs, mask=ok, other=ignore_index)
+    valid = t != ignore_index
+    bad = valid & ((t < 0) | (t >= V))
+    return offs, ok, m_safe, t, valid, bad
+
+
+@triton.jit
+def token_value(x, valid, bad):
+    """x at valid tokens, 0 at ignored ones, NaN at out-of-range ones."""
+    return tl.where(bad, float("nan"), tl.where(valid, x, 0.0))
 
 
 @triton.jit
