@@ -365,3 +365,22 @@ def test_log_space_jsd_matches_liger_kernel(beta):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.autograd.grad(ours, log_q)[0], torch.autograd.grad(theirs, log_q)[0],
                                rtol=1e-5, atol=1e-7)
+
+
+def test_out_of_bounds_target_is_ligers_assertion():
+    """Liger's logits-input loss raises AssertionError ("out of bounds") for a target
+    outside [0, V) that is not ignore_index; the drop-in's error is that and a ValueError;
+    ignore_index itself (negative or not) is no error."""
+    from logitless.integrations import liger
+
+    x = torch.randn(6, 11)
+    t = torch.tensor([0, 3, -7, 10, 4, 5])
+    loss_fn = liger.LigerCrossEntropyLoss(ignore_index=-7)
+    loss_fn(x, t)  # -7 is ignore_index: fine
+    bad = t.clone()
+    bad[4] = 11
+    with pytest.raises(AssertionError, match="out of bounds") as excinfo:
+        loss_fn(x, bad)
+    assert isinstance(excinfo.value, ValueError) and "flat position 4" in str(excinfo.value)
+    with pytest.raises(AssertionError, match="out of bounds"):
+        liger.liger_cross_entropy(x, torch.tensor([0, 1, 2, -1, 4, 5]))

@@ -24,8 +24,9 @@ Liger's rules where they differ from torch's; logitless's own functions keep tor
   them as free variables, as Liger does; see :class:`LigerJSD`.
 
 What differs from Liger (docs/peers.md has the full list): a target outside [0, V)
-raises ``ValueError`` on the CPU and gives a NaN loss on a GPU (Liger: an
-``AssertionError`` in ``LigerCrossEntropyLoss``, undefined in the fused loss); the
+in the fused loss raises ``ValueError`` on the CPU and gives a NaN loss on a GPU (Liger:
+undefined); in the logits-input loss it raises ``TargetOutOfBounds`` on every device, an
+``AssertionError`` as Liger's (and a ``ValueError``); the
 fused loss accumulates gradients in fp32 whatever ``accum_dtype`` says (they come back
 in the parameters' dtype, as Liger's); ``chunk_mem_const`` is accepted and unused (the
 chunking follows logitless's memory budget); the logits-input loss never overwrites its
@@ -287,9 +288,25 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
         return _output(*out, self.return_z_loss, self.return_token_accuracy, self.return_predicted_tokens)
 
 
+class TargetOutOfBounds(ValueError, AssertionError):
+    """A target outside [0, V) that is not ``ignore_index``, from the logits-input loss:
+    Liger's ``LigerCrossEntropyLoss`` raises ``AssertionError`` for it, logitless's rule is
+    ``ValueError``; this error is both, so either ``except`` catches it."""
+
+
+def _check_targets(target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Liger's check of the logits-input loss, on every device (a host sync, as Liger's)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        pos = int(bad.reshape(-1).nonzero()[0, 0])
+        raise TargetOutOfBounds(f"Target {int(target.reshape(-1)[pos])} is out of bounds: expected in [0, "
+                                f"{num_classes}) or ignore_index={ignore_index} (flat position {pos})")
+
+
 def _ce_logits(_input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
                return_z_loss, return_token_accuracy, return_predicted_tokens):
     target_l = target.long()
+    _check_targets(target_l, _input.shape[-1], ignore_index)
 
     def core(red, z, stats):
         return _ce(_input, target_l, ignore_index=ignore_index, reduction=red, label_smoothing=label_smoothing,
