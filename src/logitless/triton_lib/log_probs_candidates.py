@@ -163,6 +163,21 @@ def mass_kernel(
     tl.store(mass_ptr + out, mass, mask=row_ok[:, None])
 
 
+#: Rows per program of the candidates kernel on AMD GPUs: its (rows x C) candidates and the
+#: tile spill VGPRs at the forward plan's 128 rows (gfx942: 42, gfx950: 49 spilled with
+#: bf16, C = 64, 4 warps; none at 64 rows: ``benchmarks/check_rocm_compile.py``).
+ROCM_CANDIDATE_ROWS = 64
+
+
+def _rows_plan(plan, device):
+    """The forward ``plan`` with the candidates kernel's rows per program for ``device``."""
+    from logitless.planning import rocm
+
+    if rocm.arch(device) is not None and plan.block_n > ROCM_CANDIDATE_ROWS:
+        return replace(plan, block_n=ROCM_CANDIDATE_ROWS)
+    return plan
+
+
 def splits_for(n: int, v: int, plan, c: int, device) -> int:
     """Vocabulary splits of the threshold pass for n rows under the forward ``plan``'s
     tiles: the fewest that fill the GPU in one wave (row blocks x splits <= SMs, at
@@ -174,7 +189,8 @@ def splits_for(n: int, v: int, plan, c: int, device) -> int:
     from logitless.planning.plans import num_sms
 
     blocks = triton.cdiv(v, max(plan.block_v, c))
-    return max(1, min(blocks, num_sms(device) // max(1, triton.cdiv(n, plan.block_n))))
+    rows = _rows_plan(plan, device).block_n
+    return max(1, min(blocks, num_sms(device) // max(1, triton.cdiv(n, rows))))
 
 
 def _common(x, weight, bias, plan, softcap, temperature, block_v, splits):
@@ -202,6 +218,7 @@ def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: in
     larger), ``splits`` vocabulary splits (None: ``splits_for`` these rows). ``hi`` (n,)
     fp32: candidates among a < hi only, the max, sum and u over a >= hi."""
     block_v = max(plan.block_v, c)
+    plan = _rows_plan(plan, x.device)
     if splits is None:
         splits = splits_for(x.shape[0], weight.shape[0], plan, c, x.device)
     n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v, splits)
