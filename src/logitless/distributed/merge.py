@@ -59,10 +59,7 @@ def merge_shards(pg, lse: Sequence[Tensor], *, sums: Sequence[Tensor] = (),
     weights = torch.exp(torch.stack(list(lse)) - safe)
     weighted = [torch.where(weights[j] == 0, torch.zeros_like(v), weights[j] * v) for v, j in means]
     packed = torch.cat([weights, *(t[None] for t in (*sums, *weighted))])
-    if ordered:
-        packed = sum_in_rank_order(packed, pg)
-    else:
-        _all_reduce(packed, dist.ReduceOp.SUM, pg)
+    packed = _sum(packed, pg, ordered)
     total = packed[:k]
     merged_lse = safe + torch.log(total)
     summed = [packed[k + i] for i in range(len(sums))]
@@ -96,10 +93,7 @@ def sum_in_rank_order(t: Tensor, pg) -> Tensor:
     (((t_0 + t_1) + t_2) + ...) after an all-gather: each element's bits depend on the
     ranks' values only, not on the tensor's size or the collective's algorithm (an
     all-reduce's order may follow the message size: batch invariance needs this)."""
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(pg))]
-    dist.all_gather(parts, t.contiguous(), group=pg)
+    parts = _gather(t, pg)
     out = parts[0].clone()
     for p in parts[1:]:
         out += p
@@ -108,11 +102,26 @@ def sum_in_rank_order(t: Tensor, pg) -> Tensor:
 
 def gather_rows(t: Tensor, pg) -> Tensor:
     """(N, K) from every rank -> (N, world * K): the ranks' columns side by side, in rank order."""
+    return torch.cat(_gather(t, pg), dim=1)
+
+
+def _gather(t: Tensor, pg) -> list:
+    """Every rank's ``t``, in rank order (one all-gather)."""
     import torch.distributed as dist
 
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(pg))]
     dist.all_gather(parts, t.contiguous(), group=pg)
-    return torch.cat(parts, dim=1)
+    return parts
+
+
+def _sum(packed: Tensor, pg, ordered: bool) -> Tensor:
+    """The SUM over the group of ``packed``: an all-reduce, or in rank order (``ordered``)."""
+    import torch.distributed as dist
+
+    if ordered:
+        return sum_in_rank_order(packed, pg)
+    _all_reduce(packed, dist.ReduceOp.SUM, pg)
+    return packed
 
 
 def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[Tensor] = (), *,
@@ -141,9 +150,6 @@ def merge_online(pg, m: Tensor, s: Tensor, u: Optional[Tensor], sums: Sequence[T
         corr = torch.where(s > 0, d * s, torch.zeros_like(s))
         parts.append(scale * (u + corr))
     packed = torch.stack([*parts, *sums])
-    if ordered:
-        packed = sum_in_rank_order(packed, pg)
-    else:
-        _all_reduce(packed, dist.ReduceOp.SUM, pg)
+    packed = _sum(packed, pg, ordered)
     k = len(parts)
     return big, packed[0], (packed[1] if u is not None else None), [packed[k + i] for i in range(len(sums))]
