@@ -37,7 +37,7 @@ KERNEL_DIMS = {
     "ce_dz": ("n", "v", "h"),
     "logp_forward": ("n", "v", "h"),
     "logp_dz": ("n", "v", "h"),
-    "jsd_forward": ("n", "v", "h", "h", "v", "h", "h"),  # two sweeps; student then teacher hidden
+    "jsd_forward": ("n", "v", "h", "h"),  # both sweeps (one loop body); student then teacher hidden
     "jsd_dz": ("n", "v", "h", "h"),  # student then teacher hidden
 }
 
