@@ -511,6 +511,39 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
         configs._load.cache_clear()
 
 
+def test_shipped_configs(monkeypatch):
+    """The package's tuned files: every entry names a kernel, one block size per ``hl.tile``
+    loop of it, a dtype bound; on a (faked) H100 the 16-bit calls at the anchors' tokens
+    get them, fp32 and small calls the heuristic."""
+    import json
+
+    from logitless.helion_lib import configs
+
+    files = sorted(configs._DIR.glob("*.json"))
+    assert any(f.name == "nvidia-h100.json" for f in files)
+    for f in files:
+        for kernel, entries in json.loads(f.read_text()).items():
+            assert kernel in configs.KERNEL_DIMS, (f.name, kernel)
+            for e in entries:
+                assert len(e["config"]["block_sizes"]) == len(configs.KERNEL_DIMS[kernel]), (f.name, kernel)
+                assert set(e["dtypes"]) <= {"bfloat16", "float16", "float32"}, (f.name, kernel)
+    monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
+    monkeypatch.setattr(configs, "device_class", lambda d: "nvidia-h100" if d.type == "cuda" else d.type)
+    configs._load.cache_clear()
+    cuda = torch.device("cuda", 0)
+    shipped = json.loads((configs._DIR / "nvidia-h100.json").read_text())
+    try:
+        for kernel in ("ce_forward", "logp_forward", "ce_dz", "logp_dz", "jsd_forward", "jsd_dz"):
+            for dtype in ("bfloat16", "float16"):
+                anchor = {"n": 8192, "v": 128256, "h": 4096, "dtype": dtype}
+                assert configs.pick(kernel, anchor, cuda) == shipped[kernel][0]["config"], kernel
+            for other in ({"n": 8192, "v": 128256, "h": 4096, "dtype": "float32"},
+                          {"n": 20, "v": 1009, "h": 20, "dtype": "bfloat16"}):
+                assert configs.pick(kernel, other, cuda) == configs.default_config(kernel, other), (kernel, other)
+    finally:
+        configs._load.cache_clear()
+
+
 @needs_helion
 def test_tuned_config_from_a_stopped_search(tmp_path):
     """A tuning process stopped before its end: ``best_of_log`` takes the fastest "ok" row
