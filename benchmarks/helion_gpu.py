@@ -186,7 +186,8 @@ def tune(kernel: str) -> dict:
     if not SMOKE:
         reference.set_config(helion.Config(**default))
     settings = {**runtime.kernel_settings(), "autotune_effort": "quick", "autotune_budget_seconds": budget,
-                "autotune_seed_configs": [helion.Config(**c) for c in [default, *SEEDS.get(kernel, [])]], "autotune_progress_bar": False,
+                "autotune_seed_configs": [helion.Config(**c) for c in [default, *SEEDS.get(kernel, [])]],
+                "autotune_progress_bar": False,
                 "autotune_baseline_fn": lambda *a: reference(*a),
                 "autotune_log": str(OUT / f"autotune-{kernel}")}  # every config tried: autotune-KERNEL.csv
     tuned = helion.kernel(base.fn, **settings)

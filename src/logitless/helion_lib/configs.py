@@ -7,9 +7,10 @@ at call time.
 ``{"min_tokens": int, "max_tokens": int or null, "max_hidden": int or null, "dtypes": [str],
 "config": {...}}`` (each bound optional; tokens, hidden and the input dtype's name, e.g.
 "bfloat16", of ``sizes()``), tried in order; the first whose bounds hold wins: a config tuned
-for 16-bit inputs (its tiles and stages fill the shared memory) is not taken for fp32 ones. The config dict holds ``helion.Config`` fields (``block_sizes`` in the
-order of the kernel's ``hl.tile`` loops, ``num_warps``, ``num_stages``, and whatever else
-Helion's autotuner returns: ``benchmarks/helion_gpu.py tune`` writes such files). A folder
+for 16-bit inputs (its tiles and stages fill the shared memory) is not taken for fp32 ones.
+The config dict holds ``helion.Config`` fields (``block_sizes`` in the order of the
+kernel's ``hl.tile`` loops, ``num_warps``, ``num_stages``, and whatever else Helion's
+autotuner returns: ``benchmarks/helion_gpu.py tune`` writes such files). A folder
 named by ``LOGITLESS_HELION_CONFIGS`` (files of the same names) is read before the
 package's, per device class: a user's own tuning wins over the shipped one (each file is
 read once per process).
