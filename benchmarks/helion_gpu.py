@@ -1,8 +1,8 @@
 """backend="helion" on a GPU (issue 44): what ``benchmarks/gpu/helion.sh`` runs, one step per call.
 
     python benchmarks/helion_gpu.py info                 versions, device, whether Helion runs (and why not)
-    python benchmarks/helion_gpu.py tune KERNEL          Helion's autotuner on one lce kernel (ce_forward,
-                                                         ce_dz) at one shape -> $OUT/tune-KERNEL.json
+    python benchmarks/helion_gpu.py tune KERNEL          Helion's autotuner on one kernel (TUNE_KERNELS)
+                                                         at its suite's shape -> $OUT/tune-KERNEL.json
     python benchmarks/helion_gpu.py merge                $OUT/tune-*.json -> $OUT/configs/<device class>.json
     python benchmarks/helion_gpu.py bench                helion vs triton at the anchors -> $OUT/helion-<class>.json
     python benchmarks/helion_gpu.py lowerings            the lce kernels through Helion's CuTe and Pallas
@@ -50,9 +50,24 @@ SHAPES = {
     "distill": (128, 32, 1000, 48) if SMOKE else (4096, 4096, 128256, 8192),
     "rl": (128, 64, 1003) if SMOKE else (8192, 4096, 151936),
 }
-TUNE_KERNELS = ("ce_forward", "ce_dz")
-#: Kernels that share a tuned config: the log-probs backward runs the same kernel.
-SHARED = {"ce_dz": ("logp_dz",)}
+TUNE_KERNELS = ("ce_forward", "ce_dz", "jsd_forward", "jsd_dz")
+#: Kernels that share a tuned config: the log-probs backward runs the same kernel, the
+#: log-probs forward the same loops and tiles (its other statistics are a few more registers).
+SHARED = {"ce_dz": ("logp_dz",), "ce_forward": ("logp_forward",)}
+#: Hand-picked configs seeded into each search beside the heuristic's (block sizes in
+#: ``configs.KERNEL_DIMS`` order): wider tiles in 8 warps, and for the distill forward
+#: (4096 tokens: 64 row tiles of 64 on 132 SMs) rows of 32.
+SEEDS = {
+    "ce_forward": [dict(block_sizes=[64, 256, 64], num_warps=8, num_stages=5)],
+    "ce_dz": [dict(block_sizes=[128, 256, 64], num_warps=8, num_stages=3),
+              dict(block_sizes=[128, 128, 64], num_warps=8, num_stages=4),
+              dict(block_sizes=[64, 256, 64], num_warps=8, num_stages=4)],
+    "jsd_forward": [dict(block_sizes=[32, 128, 64, 64], num_warps=4, num_stages=3),
+                    dict(block_sizes=[32, 256, 64, 64], num_warps=8, num_stages=3),
+                    dict(block_sizes=[64, 256, 64, 64], num_warps=8, num_stages=3)],
+    "jsd_dz": [dict(block_sizes=[128, 128, 64, 64], num_warps=8, num_stages=3),
+               dict(block_sizes=[64, 256, 64, 64], num_warps=8, num_stages=3)],
+}
 
 
 def _sync():
@@ -104,24 +119,42 @@ def info() -> dict:
 
 def _tune_args(kernel: str):
     """The kernel function and its arguments at the tuning shape (TUNE_TOKENS tokens,
-    default the lce shape's): mean cross-entropy, no option."""
-    from logitless.formulas.cross_entropy import grad_coefficients
-    from logitless.helion_lib import ce_kernels, grad_kernels
-    from logitless.helion_lib import linear_cross_entropy as hce
-    from logitless.options import CrossEntropyOptions
+    default the suite's): the lce shape's mean cross-entropy, no option, for ``ce_*``; the
+    distill shape's JSD (beta 0.5, T 1) for ``jsd_*``. A ``*_dz`` kernel gets one
+    vocabulary chunk of the backward (what a 256 MiB budget gives at that shape)."""
+    from logitless.helion_lib import grad_kernels
 
-    n, h, v = SHAPES["lce"]
+    jsd = kernel.startswith("jsd")
+    n, h, v = SHAPES["distill"][:3] if jsd else SHAPES["lce"]
     n = int(os.environ.get("TUNE_TOKENS", n))
     g = _generator(0)
     x, w = _randn(g, n, h), _randn(g, v, h, scale=h ** -0.5)
     t = torch.randint(0, v, (n,), generator=g, device=DEVICE)
+    c = grad_kernels.vocab_chunk(n, h, v, x.element_size(), 256 * 2**20)
+    if jsd:
+        from logitless.helion_lib import jsd_kernels
+        from logitless.helion_lib import linear_jsd as hjsd
+        from logitless.options import JSDOptions
+
+        ht = SHAPES["distill"][3]
+        xt, wt = _randn(g, n, ht), _randn(g, v, ht, scale=ht ** -0.5)
+        opts = JSDOptions(beta=0.5)
+        if kernel == "jsd_forward":
+            return jsd_kernels.jsd_forward, hjsd.forward_args(x, w, None, xt, wt, None, t, opts), (n, h, v)
+        stats = hjsd.jsd_forward(x, w, None, xt, wt, None, t, opts)
+        args = hjsd.backward_args(x, w[:c], None, xt, wt[:c], None, t, stats, torch.full((n,), 1.0 / n, device=DEVICE),
+                                  opts)
+        return jsd_kernels.jsd_dlogits, args, (n, h, c)
+    from logitless.formulas.cross_entropy import grad_coefficients
+    from logitless.helion_lib import ce_kernels
+    from logitless.helion_lib import linear_cross_entropy as hce
+    from logitless.options import CrossEntropyOptions
+
     opts = CrossEntropyOptions()
     if kernel == "ce_forward":
         return ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts), (n, h, v)
     lse = hce.lce_forward(x, w, None, t, None, opts).lse
     coef = grad_coefficients(lse, t, torch.full((n,), 1.0 / n, device=DEVICE), v, None, opts)
-    # one vocabulary chunk of the backward (what a 256 MiB budget gives at this shape)
-    c = grad_kernels.vocab_chunk(n, h, v, x.element_size(), 256 * 2**20)
     args = hce.backward_args(x, w[:c], None, t, None, lse, coef, opts)
     return grad_kernels.linear_dlogits, args, (n, h, c)
 
@@ -153,7 +186,8 @@ def tune(kernel: str) -> dict:
     if not SMOKE:
         reference.set_config(helion.Config(**default))
     settings = {**runtime.kernel_settings(), "autotune_effort": "quick", "autotune_budget_seconds": budget,
-                "autotune_seed_configs": [helion.Config(**default)], "autotune_progress_bar": False,
+                "autotune_seed_configs": [helion.Config(**c) for c in [default, *SEEDS.get(kernel, [])]],
+                "autotune_progress_bar": False,
                 "autotune_baseline_fn": lambda *a: reference(*a),
                 "autotune_log": str(OUT / f"autotune-{kernel}")}  # every config tried: autotune-KERNEL.csv
     tuned = helion.kernel(base.fn, **settings)
@@ -181,6 +215,10 @@ def tune(kernel: str) -> dict:
     return result
 
 
+#: The dtypes a config tuned for one also fits (the same itemsize).
+SAME_SIZE = {"bfloat16": ["bfloat16", "float16"], "float16": ["bfloat16", "float16"]}
+
+
 def config_file(results: list) -> dict:
     """The ``helion_lib/configs/<device class>.json`` content of tuning results: per kernel
     (and the kernels sharing its config, ``SHARED``) one entry for every shape, with where
@@ -190,7 +228,8 @@ def config_file(results: list) -> dict:
     out: dict = {}
     for r in sorted(results, key=lambda r: r["kernel"]):
         config = {k: v for k, v in r["config"].items() if k in configs.PORTABLE_FIELDS}
-        entry = {"min_tokens": None, "max_tokens": None, "max_hidden": None, "config": config,
+        dtypes = SAME_SIZE.get(r["dtype"], [r["dtype"]])  # smem and registers fit the same itemsize
+        entry = {"min_tokens": None, "max_tokens": None, "max_hidden": None, "dtypes": dtypes, "config": config,
                  "tuned_at": f"{r['tokens']}x{r['hidden']}x{r['vocab']} {r['dtype']}, {r['autotuner']}, "
                              f"{r.get('default_ms')} -> {r.get('tuned_ms')} ms"}
         for name in (r["kernel"],) + SHARED.get(r["kernel"], ()):
@@ -224,9 +263,9 @@ def merge() -> dict:
     from logitless.helion_lib import configs
 
     done = {r["kernel"] for r in results}
-    n, h, v = SHAPES["lce"]
     for kernel in TUNE_KERNELS:
         path = OUT / f"autotune-{kernel}.csv"
+        n, h, v = SHAPES["distill" if kernel.startswith("jsd") else "lce"][:3]
         if kernel not in done and path.exists():
             found = best_of_log(kernel, path)
             if found is not None:

@@ -462,8 +462,8 @@ def test_vocab_parallel(monkeypatch):
 def test_tuned_configs_lookup(tmp_path, monkeypatch):
     """What ``benchmarks/helion_gpu.py merge`` writes (``config_file``) is what
     ``configs.pick`` reads: per device class (an H100 here, faked), the user folder
-    (LOGITLESS_HELION_CONFIGS) before the package's, the log-probs backward sharing the
-    tuned dX / dW configs, token bounds, and the heuristic where nothing matches."""
+    (LOGITLESS_HELION_CONFIGS) before the package's, the log-probs kernels sharing the
+    cross-entropy ones' tuning, token and dtype bounds, and the heuristic where nothing matches."""
     import json
 
     from benchmarks.helion_gpu import config_file
@@ -485,7 +485,9 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "device_class", lambda d: "nvidia-h100" if d.type == "cuda" else d.type)
     configs._load.cache_clear()
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    big, small = {"n": 8192, "v": 128256, "h": 4096}, {"n": 20, "v": 1009, "h": 20}
+    big = {"n": 8192, "v": 128256, "h": 4096, "dtype": "bfloat16"}
+    small = {"n": 20, "v": 1009, "h": 20, "dtype": "bfloat16"}
+    big32 = dict(big, dtype="float32")
     try:
         monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
         assert configs.pick("ce_forward", big, cuda) == shipped  # the package's file
@@ -498,9 +500,46 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
         assert configs.pick("ce_forward", big, cuda) == kept
         assert configs.pick("ce_forward", small, cuda) == kept  # tuned entries hold for every shape
         assert configs.pick("ce_dz", big, cuda) == configs.pick("logp_dz", big, cuda) == dz
-        assert configs.pick("logp_forward", small, cuda) == shipped  # not tuned: the package's
+        assert configs.pick("logp_forward", big, cuda) == kept  # shares ce_forward's tuning
+        # tuned at bf16: fp16 (same itemsize) takes it, fp32 (the shared memory) does not
+        assert configs.pick("ce_forward", dict(big, dtype="float16"), cuda) == kept
+        assert configs.pick("ce_forward", big32, cuda) == shipped  # the package's entry has no dtype bound
+        assert configs.pick("ce_dz", big32, cuda) == configs.default_config("ce_dz", big32)
         assert configs.pick("jsd_dz", big, cuda) == configs.default_config("jsd_dz", big)
         assert configs.pick("ce_forward", big, cpu) == configs.default_config("ce_forward", big)  # other class
+    finally:
+        configs._load.cache_clear()
+
+
+def test_shipped_configs(monkeypatch):
+    """The package's tuned files: every entry names a kernel, one block size per ``hl.tile``
+    loop of it, a dtype bound; on a (faked) H100 the 16-bit calls at the anchors' tokens
+    get them, fp32 and small calls the heuristic."""
+    import json
+
+    from logitless.helion_lib import configs
+
+    files = sorted(configs._DIR.glob("*.json"))
+    assert any(f.name == "nvidia-h100.json" for f in files)
+    for f in files:
+        for kernel, entries in json.loads(f.read_text()).items():
+            assert kernel in configs.KERNEL_DIMS, (f.name, kernel)
+            for e in entries:
+                assert len(e["config"]["block_sizes"]) == len(configs.KERNEL_DIMS[kernel]), (f.name, kernel)
+                assert set(e["dtypes"]) <= {"bfloat16", "float16", "float32"}, (f.name, kernel)
+    monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
+    monkeypatch.setattr(configs, "device_class", lambda d: "nvidia-h100" if d.type == "cuda" else d.type)
+    configs._load.cache_clear()
+    cuda = torch.device("cuda", 0)
+    shipped = json.loads((configs._DIR / "nvidia-h100.json").read_text())
+    try:
+        for kernel in ("ce_forward", "logp_forward", "ce_dz", "logp_dz", "jsd_forward", "jsd_dz"):
+            for dtype in ("bfloat16", "float16"):
+                anchor = {"n": 8192, "v": 128256, "h": 4096, "dtype": dtype}
+                assert configs.pick(kernel, anchor, cuda) == shipped[kernel][0]["config"], kernel
+            for other in ({"n": 8192, "v": 128256, "h": 4096, "dtype": "float32"},
+                          {"n": 20, "v": 1009, "h": 20, "dtype": "bfloat16"}):
+                assert configs.pick(kernel, other, cuda) == configs.default_config(kernel, other), (kernel, other)
     finally:
         configs._load.cache_clear()
 

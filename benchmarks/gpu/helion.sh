@@ -5,8 +5,8 @@
 #   SMOKE=1 PYTHON=<python with helion> bash benchmarks/gpu/helion.sh     # the CPU path, tiny shapes
 # Steps (PARTS, default "info tune bench tests"; benchmarks/helion_gpu.py says what each does):
 #   info   versions, device, whether Helion runs (torch 2.11 needs runtime's shim: its warning is printed)
-#   tune   Helion's autotuner on ce_forward, ce_dz at 8192x4096x128256 bf16 (TUNE_TOKENS to
-#          change the tokens), TUNE_BUDGET s each (30; the process is stopped at +45 s: then the
+#   tune   Helion's autotuner on TUNE_KERNELS (ce_forward ce_dz at the lce shape, jsd_forward
+#          jsd_dz at the distill one; bf16; TUNE_TOKENS to change the tokens), TUNE_BUDGET s each (30; the process is stopped at +45 s: then the
 #          fastest config of its search log counts) -> $OUT/tune-*.json, autotune-*.csv, configs/<class>.json
 #   bench  helion, helion-tuned (those configs) and triton at the lce, distill and rl anchors,
 #          BENCH_SECONDS (120, plus compiles) -> $OUT/helion-h100.json
@@ -37,8 +37,8 @@ for part in $PARTS; do
     info) timeout -k 5 120 $PY benchmarks/helion_gpu.py info 2>&1 | tee "$OUT/info.log" | grep -v Warning ;;
     tune)
         B=${TUNE_BUDGET:-30}
-        for k in ce_forward ce_dz; do
-            T=$(( B + 45 )); [ "$T" -gt "$(left)" ] && T=$(left)
+        for k in ${TUNE_KERNELS:-ce_forward ce_dz jsd_forward jsd_dz}; do
+            T=$(( B + ${TUNE_GRACE:-45} )); [ "$T" -gt "$(left)" ] && T=$(left)
             [ "$T" -lt 20 ] && { echo "tune $k: no time left"; continue; }
             timeout -k 5 "$T" $PY benchmarks/helion_gpu.py tune $k > "$OUT/tune-$k.log" 2>&1
             echo "tune $k: exit $? at $(( $(date +%s) - S )) s"

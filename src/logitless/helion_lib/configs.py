@@ -4,11 +4,13 @@ at call time.
 
 ``configs/<device class>.json`` (device class: ``device_class()``, e.g. ``"nvidia-h100"``;
 ``"default.json"`` for every device) maps a kernel name to a list of entries
-``{"min_tokens": int, "max_tokens": int or null, "max_hidden": int or null, "config": {...}}``
-(each bound optional; tokens and hidden of ``sizes()``), tried in order; the first whose
-bounds hold wins. The config dict holds ``helion.Config`` fields (``block_sizes`` in the
-order of the kernel's ``hl.tile`` loops, ``num_warps``, ``num_stages``, and whatever else
-Helion's autotuner returns: ``benchmarks/helion_gpu.py tune`` writes such files). A folder
+``{"min_tokens": int, "max_tokens": int or null, "max_hidden": int or null, "dtypes": [str],
+"config": {...}}`` (each bound optional; tokens, hidden and the input dtype's name, e.g.
+"bfloat16", of ``sizes()``), tried in order; the first whose bounds hold wins: a config tuned
+for 16-bit inputs (its tiles and stages fill the shared memory) is not taken for fp32 ones.
+The config dict holds ``helion.Config`` fields (``block_sizes`` in the order of the
+kernel's ``hl.tile`` loops, ``num_warps``, ``num_stages``, and whatever else Helion's
+autotuner returns: ``benchmarks/helion_gpu.py tune`` writes such files). A folder
 named by ``LOGITLESS_HELION_CONFIGS`` (files of the same names) is read before the
 package's, per device class: a user's own tuning wins over the shipped one (each file is
 read once per process).
@@ -37,7 +39,7 @@ KERNEL_DIMS = {
     "ce_dz": ("n", "v", "h"),
     "logp_forward": ("n", "v", "h"),
     "logp_dz": ("n", "v", "h"),
-    "jsd_forward": ("n", "v", "h", "h", "v", "h", "h"),  # two sweeps; student then teacher hidden
+    "jsd_forward": ("n", "v", "h", "h"),  # both sweeps (one loop body); student then teacher hidden
     "jsd_dz": ("n", "v", "h", "h"),  # student then teacher hidden
 }
 
@@ -78,7 +80,7 @@ def _holds(entry: dict, sizes: dict) -> bool:
         bound = entry.get(key)
         if bound is not None and (size > bound if below else size < bound):
             return False
-    return True
+    return "dtypes" not in entry or entry["dtypes"] is None or sizes.get("dtype") in entry["dtypes"]
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -90,8 +92,8 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 def sizes(x: torch.Tensor, weight: torch.Tensor) -> dict:
     """The sizes a config is picked for: tokens n, vocabulary v, hidden h (of the student
-    for linear_jsd) of 2-D x (N, H) and weight (V, H)."""
-    return {"n": x.shape[0], "v": weight.shape[0], "h": x.shape[1]}
+    for linear_jsd) of 2-D x (N, H) and weight (V, H), and x's dtype name."""
+    return {"n": x.shape[0], "v": weight.shape[0], "h": x.shape[1], "dtype": str(x.dtype).replace("torch.", "")}
 
 
 def default_config(kernel: str, sizes: dict) -> dict:
@@ -111,7 +113,7 @@ PORTABLE_FIELDS = ("block_sizes", "num_warps", "num_stages", "pid_type", "l2_gro
 
 
 def pick(kernel: str, sizes: dict, device: Optional[torch.device] = None) -> dict:
-    """A tuned config matching (device class, tokens, hidden) if one is stored (the user
+    """A tuned config matching (device class, tokens, hidden, dtype) if one is stored (the user
     folder first, module docstring; its ``PORTABLE_FIELDS`` only), else the default."""
     for cls, folder in _sources(device):
         for entry in _load(cls, folder).get(kernel, ()):

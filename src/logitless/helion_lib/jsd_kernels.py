@@ -7,7 +7,9 @@ lm := lq).
   a = zs / T and b = zt / T, and with the hard-label term lse(zs) and zs[target]), then a
   second sweep (the mixture needs both lse first) for S = sum p (lp - lm) and
   K = sum q (lq - lm): the (6, N) statistics of ``formulas.jsd`` (LSE_S, LSE_T, S, K, LSE1,
-  ZTGT). Both heads' logits are recomputed in the second sweep, never stored.
+  ZTGT). Both heads' logits are recomputed in the second sweep, never stored; the two
+  sweeps are one loop body under ``hl.static_range(2)`` (unrolled when compiled, with the
+  same block sizes).
 - ``jsd_dlogits``: the student's d(logits) of one vocabulary chunk (the teacher gets no
   gradient): dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
   (1 - (zs / s)^2) in the student's dtype, both heads' tiles recomputed; cuBLAS takes it to
@@ -87,43 +89,41 @@ def jsd_forward(
         m_1 = hl.full([tile_n], float("-inf"), dtype=torch.float32)
         s_1 = hl.zeros([tile_n], dtype=torch.float32)
         ztgt = hl.zeros([tile_n], dtype=torch.float32)
-        for tile_v in hl.tile(v):
-            zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_h in hl.tile(hs):
-                zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
-            zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_g in hl.tile(ht):
-                zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-            zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
-            col_ok = (tile_v.index < v)[None, :]
-            zs = torch.where(col_ok, zs, float("-inf"))
-            a = zs * inv_t
-            b = torch.where(col_ok, zt * inv_t, float("-inf"))
-            m_s, s_s = lse_step(m_s, s_s, a, torch.amax(a, dim=1))
-            m_t, s_t = lse_step(m_t, s_t, b, torch.amax(b, dim=1))
-            if HAS_HARD:
-                m_1, s_1 = lse_step(m_1, s_1, zs, torch.amax(zs, dim=1))
-                ztgt = ztgt + torch.sum(torch.where(hit_mask(tile_v, tgt), zs, 0.0), dim=1)
-        lse_s = lse_of(m_s, s_s)
-        lse_t = lse_of(m_t, s_t)
+        lse_s = hl.zeros([tile_n], dtype=torch.float32)
+        lse_t = hl.zeros([tile_n], dtype=torch.float32)
         s_row = hl.zeros([tile_n], dtype=torch.float32)
         k_row = hl.zeros([tile_n], dtype=torch.float32)
-        for tile_v2 in hl.tile(v):
-            zs2 = hl.zeros([tile_n, tile_v2], dtype=torch.float32)
-            for tile_h2 in hl.tile(hs):
-                zs2 = hl.dot(xs[tile_n, tile_h2], ws[tile_v2, tile_h2].T, acc=zs2)
-            zt2 = hl.zeros([tile_n, tile_v2], dtype=torch.float32)
-            for tile_g2 in hl.tile(ht):
-                zt2 = hl.dot(xt[tile_n, tile_g2], wt[tile_v2, tile_g2].T, acc=zt2)
-            zs2, zt2 = both_epilogues(zs2, zt2, bs, bt, tile_v2, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
-            ok2 = (tile_v2.index < v)[None, :]
-            lp = torch.where(ok2, zs2 * inv_t, float("-inf")) - lse_s[:, None]
-            lq = torch.where(ok2, zt2 * inv_t, float("-inf")) - lse_t[:, None]
-            lm = mixture_log(lp, lq, log_beta, log_1mbeta, MODE)
-            p = torch.exp(lp)
-            q = torch.exp(lq)
-            s_row = s_row + torch.sum(torch.where(p == 0.0, 0.0, p * (lp - lm)), dim=1)
-            k_row = k_row + torch.sum(torch.where(q == 0.0, 0.0, q * (lq - lm)), dim=1)
+        # one sweep body, unrolled twice at compile time (the same tiles in both sweeps)
+        for sweep in hl.static_range(2):
+            for tile_v in hl.tile(v):
+                zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+                for tile_h in hl.tile(hs):
+                    zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
+                zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+                for tile_g in hl.tile(ht):
+                    zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
+                zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
+                col_ok = (tile_v.index < v)[None, :]
+                zs = torch.where(col_ok, zs, float("-inf"))
+                a = zs * inv_t
+                b = torch.where(col_ok, zt * inv_t, float("-inf"))
+                if sweep == 0:  # online lse of both heads (and of the hard-label logits)
+                    m_s, s_s = lse_step(m_s, s_s, a, torch.amax(a, dim=1))
+                    m_t, s_t = lse_step(m_t, s_t, b, torch.amax(b, dim=1))
+                    if HAS_HARD:
+                        m_1, s_1 = lse_step(m_1, s_1, zs, torch.amax(zs, dim=1))
+                        ztgt = ztgt + torch.sum(torch.where(hit_mask(tile_v, tgt), zs, 0.0), dim=1)
+                else:  # S and K against both lse
+                    lp = a - lse_s[:, None]
+                    lq = b - lse_t[:, None]
+                    lm = mixture_log(lp, lq, log_beta, log_1mbeta, MODE)
+                    p = torch.exp(lp)
+                    q = torch.exp(lq)
+                    s_row = s_row + torch.sum(torch.where(p == 0.0, 0.0, p * (lp - lm)), dim=1)
+                    k_row = k_row + torch.sum(torch.where(q == 0.0, 0.0, q * (lq - lm)), dim=1)
+            if sweep == 0:
+                lse_s = lse_of(m_s, s_s)
+                lse_t = lse_of(m_t, s_t)
         stats[0, tile_n] = lse_s
         stats[1, tile_n] = lse_t
         stats[2, tile_n] = s_row
