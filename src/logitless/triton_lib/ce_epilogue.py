@@ -18,10 +18,11 @@ tests compare these launches with them on random statistics, every option alone 
 combined. Both kernels run as ONE program that loops over the tokens in blocks: one
 launch, no atomics, a fixed summation order (bitwise repeatable), no host sync, the
 same launch every call (CUDA-graph friendly; after the first, ``launch.run_kernel``'s cached
-kernel, without Triton's per-launch binding). Memory traffic: each reads its O(S * N) inputs once (twice for w_t under "mean" in the backward); it writes O(N). Label
-smoothing with class weights adds one torch op, W = sum_c w_c (the formulas' sum). One program
-streams ~1 MB in a few microseconds: the work is negligible next to the GEMMs up to
-hundreds of thousands of tokens, and a launch saves ~20 launches of torch ops.
+kernel, without Triton's per-launch binding). Memory traffic: each reads its O(S * N) inputs
+once (twice for w_t under "mean" in the backward); it writes O(N). Label smoothing with class
+weights adds one torch op, W = sum_c w_c (the formulas' sum). One program streams ~1 MB in a
+few microseconds: the work is negligible next to the GEMMs up to hundreds of thousands of
+tokens, and a launch saves ~20 launches of torch ops.
 
 Versus the torch formulas: per-token values use the same operations in the same
 order with the same fp32 scalars (host-side products such as (eps / V) * V are

@@ -10,9 +10,9 @@ linear_cross_entropy).
 import triton
 import triton.language as tl
 
+from logitless.triton_lib.ce_math import store_partials
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.log_probs_fields import fields_update
-from logitless.triton_lib.ce_math import store_partials
 from logitless.triton_lib.log_probs_math import (
     load_logp_rows,
     logp_dz_tile,
