@@ -29,6 +29,8 @@ LAYOUTS = {
     "tensor-hv": ((), (None, MODEL), "hv"),
     "2d-hv": ((DATA,), (None, MODEL), "hv"),
 }
+#: ... and tokens and weight over the same axis (FSDP-like), tested once.
+PLACES = {**LAYOUTS, "fsdp": ((DATA,), (DATA,), "vh")}
 
 CASES = {
     "top_k": dict(top_k=7),
@@ -66,7 +68,7 @@ def _inputs(n, h, v, seed, tr, scale=3.0, opts=OPTS, share=0.6):
 
 
 def _place(mesh, layout, x, w, b, t, tr):
-    xs, ws, wl = LAYOUTS[layout]
+    xs, ws, wl = PLACES[layout]
     tok = xs[0] if xs else None
     voc = MODEL if MODEL in ws else None
     wa = w.T if wl == "hv" else w
@@ -117,7 +119,7 @@ def _check_logp(lp, ref, tol):
 
 def _check_sharded(mesh, layout, tr, n=32, h=24, v=268, seed=5, **kw):
     """Sharded == unsharded (tight) and both within 1e-4 of float64, values and gradients."""
-    wl = LAYOUTS[layout][2]
+    wl = PLACES[layout][2]
     x, w, b, t = _inputs(n, h, v, seed, tr)
     rng = np.random.default_rng(seed + 1)
     g1, g2 = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
@@ -150,6 +152,21 @@ def _tr(case, n=32):
 @pytest.mark.parametrize("case", list(CASES))
 def test_truncated_sharded_against_unsharded_and_float64(layout, case):
     _check_sharded(make_mesh("auto", layout), layout, _tr(case))
+
+
+@needs_devices
+def test_truncated_fsdp_reduce_scatters_dw():
+    """Tokens and weight split over the same axis (FSDP): W gathered along it for the
+    computation, as FSDP does anyway, dW reduce-scattered back to the weight's split."""
+    mesh = make_mesh("auto", "fsdp")
+    _check_sharded(mesh, "fsdp", _tr("all"))
+    x, w, b, t = _inputs(32, 24, 268, 5, _tr("all"))
+    xs, ws, bs, ts, _ = _place(mesh, "fsdp", x, w, b, t, {})
+    fn = _loss_fn(_tr("all"), "vh", jnp.ones(32), jnp.ones(32))
+    (_, _), grads = fn(xs, ws, bs, ts, {})
+    assert grads[1].sharding.spec[0] == DATA
+    colls = hlo_collectives(fn.lower(xs, ws, bs, ts, {}).compile().as_text())
+    assert any(kind == "reduce-scatter" for kind, _ in colls), colls
 
 
 @needs_devices
