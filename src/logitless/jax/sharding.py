@@ -128,17 +128,34 @@ def local_targets(target, axes: tuple, local_v: int):
     return t, (t >= 0) & (t < local_v)
 
 
-def vocab_merge(lse_l, axes: tuple, parts: Callable[[jnp.ndarray], Sequence[jnp.ndarray]]):
+def sum_over(a, axes: tuple, ordered: bool = False):
+    """``a`` summed over the mesh ``axes``: one ``psum``, or with ``ordered`` an all-gather
+    and additions in device order (((a_0 + a_1) + a_2) + ...), so that each element's bits
+    depend on the devices' values only, not on the message size or the collective's
+    algorithm (batch invariance; the torch twin: ``distributed.merge.sum_in_rank_order``).
+    Exact dtypes (integers) need no order: always one psum."""
+    if not axes:
+        return a
+    if not ordered or not jnp.issubdtype(a.dtype, jnp.inexact):
+        return lax.psum(a, axes)
+    parts = lax.all_gather(a, axes)
+    out = parts[0]
+    for i in range(1, parts.shape[0]):
+        out = out + parts[i]
+    return out
+
+
+def vocab_merge(lse_l, axes: tuple, parts: Callable[[jnp.ndarray], Sequence[jnp.ndarray]], ordered: bool = False):
     """Merge per-device log-sum-exps over the vocab axes with one MAX and one SUM.
 
     ``M = pmax(lse_l)`` (0 where it is not finite), ``d = lse_l - M``; ``parts(d)`` gives
     the per-token terms to sum over the axes (the first usually ``exp(d)``, so that the
     global lse is ``M + log(sum_0)``); they are stacked and summed by one ``psum`` of
-    (k, N_l). Returns (M, sums (k, N_l)).
+    (k, N_l) (``ordered``: :func:`sum_over`'s fixed order). Returns (M, sums (k, N_l)).
     """
     m = lax.pmax(lse_l, axes)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    return m, lax.psum(jnp.stack(list(parts(lse_l - m))), axes)
+    return m, sum_over(jnp.stack(list(parts(lse_l - m))), axes, ordered)
 
 
 def reduce_weight_grads(dw, db, token_axes: tuple, scatter=None):

@@ -132,10 +132,15 @@ def linear_log_probs(
             ``min_p`` 0 are off; out of range: ValueError (arrays: when concrete).
             log p is -inf outside the kept set (no gradient there); ``entropy`` is the
             truncated distribution's. "xla" backend only (another ``implementation``
-            named: ValueError; automatic: "xla"). Cost and method:
-            ``jax/ops/linear_log_probs/truncation.py``.
-        batch_invariant: per-token outputs bitwise the same whatever the batch (rows
-            in fixed blocks of 1024, 64 on a CPU, the last padded; "xla" only).
+            named: ValueError; automatic: "xla"). Under sharded jit per device as
+            the plain op (tokens and/or vocabulary split; the vocabulary devices
+            exchange (tokens x C) candidates and O(tokens) statistics, never the
+            weight or x). Cost and method: ``jax/ops/linear_log_probs/truncation.py``.
+        batch_invariant: per-token outputs bitwise the same whatever the batch (the
+            forward's rows in fixed blocks of 1024, 64 on a CPU, the last padded; "xla"
+            only; gradients deterministic, not invariant). Sharded: on a given mesh
+            (vocabulary merges summed in device order); with only the tokens split,
+            bitwise the unsharded call's.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -172,9 +177,8 @@ def linear_log_probs(
                              f"{implementation!r}: pass implementation='xla' (or None)")
         from logitless.jax.ops.linear_log_probs import truncation as _trunc_op
 
-        if weight_layout == "hv":  # (the truncated path reads (V, H): a transposed copy)
-            weight = weight.T
-        cfg = _trunc_op.Config(opts, budget, num_classes, trunc[1] if trunc is not None else 0)
+        cfg = _trunc_op.Config(opts, budget, num_classes, trunc[1] if trunc is not None else 0,
+                               layout_kw=(("weight_layout", "hv"),) if weight_layout == "hv" else ())
         logp, ent = _trunc_op.linear_log_probs_truncated(x2d, weight, bias, flat,
                                                          trunc[0] if trunc is not None else None, cfg,
                                                          batch_invariant)

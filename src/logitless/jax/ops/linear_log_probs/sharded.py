@@ -78,10 +78,14 @@ def _local_module(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_
 
 
 def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, vocab_axes: tuple,
-                  layout_kw: tuple = ()):
+                  layout_kw: tuple = (), tau=None, ordered: bool = False):
     """(lse, a_t, H|None) of this device's tokens over all classes: the local columns by
-    ``module.forward``, merged over ``vocab_axes`` (module docstring)."""
+    ``module.forward``, merged over ``vocab_axes`` (module docstring). ``tau`` (N_l,):
+    the truncation threshold (columns a < tau left out; the "xla" backend's ``tau``);
+    ``ordered``: the SUM in device order (``sharding.sum_over``; batch invariance)."""
     lkw = dict(layout_kw)
+    if tau is not None:
+        lkw["tau"] = tau
     if not vocab_axes:
         return module.forward(x2d, w, bias, tokens, opts=opts, budget=budget, **lkw)
     t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(layout_kw)])
@@ -94,18 +98,22 @@ def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget:
 
     def parts(d):
         e = jnp.exp(d)
-        return [e, at_l] + ([] if h_l is None else [e * (d - h_l)])
+        # (a device whose columns are all below tau: lse_l -inf, H_l NaN, no mass)
+        return [e, at_l] + ([] if h_l is None else [jnp.where(e > 0, e * (d - h_l), 0.0)])
 
-    m, sums = shd.vocab_merge(lse_l, vocab_axes, parts)
+    m, sums = shd.vocab_merge(lse_l, vocab_axes, parts, ordered)
     log_s = jnp.log(sums[0])
     ent = None if h_l is None else log_s - sums[2] / sums[0]
     return m + log_s, sums[1], ent
 
 
 def local_backward(module, x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int,
-                   vocab_axes: tuple, layout_kw: tuple = ()):
-    """(dx, dW_l, db_l) with the global lse and coefficients; dx summed over ``vocab_axes``."""
+                   vocab_axes: tuple, layout_kw: tuple = (), tau=None):
+    """(dx, dW_l, db_l) with the global lse and coefficients; dx summed over ``vocab_axes``;
+    ``tau``: the forward's truncation threshold."""
     lkw = dict(layout_kw)
+    if tau is not None:
+        lkw["tau"] = tau
     if not vocab_axes:
         return module.backward(x2d, w, bias, tokens, lse, coef, opts=opts, budget=budget, **lkw)
     t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(layout_kw)])
