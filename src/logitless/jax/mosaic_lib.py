@@ -448,7 +448,9 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     Each CTA owns a row block and ``cfg.dz_tiles`` consecutive column tiles (the last
     CTA of a row block fewer): the memory warpgroup streams the next tile's operands
     while the compute warpgroups finish a tile (epilogue, store); warpgroup 1 runs
-    ``cfg.lag`` ring steps behind warpgroup 0, as in the forward."""
+    ``cfg.lag`` ring steps behind warpgroup 0, as in the forward. The dz tile goes out in
+    pieces of ``dz_store_columns`` columns through one SMEM buffer per warpgroup (a small
+    buffer leaves the ring deep)."""
     w_axis(layout)
     n, h = x.shape
     n_rows = rowdat.shape[0]
