@@ -230,22 +230,21 @@ def test_dz_tiles_per_cta():
 
 
 def test_dz_store_columns():
-    """The widest dz store piece that keeps the ring as deep as asked for."""
+    """dz store pieces: the whole tile by default; a 32-column buffer deepens the ring."""
     from logitless.jax import mosaic_lib as ml
 
     bf = jnp.bfloat16
-    # 256 x 128 tiles, 4 row inputs: a whole-tile buffer (64 KiB) leaves 3 stages, 32 columns 4.
     cfg = ml.FwdConfig()
-    assert ml.dz_store_columns(cfg, 64 * 8, bf, 256, 4) == 32
+    assert ml.dz_store_columns(cfg) == 128
+    assert ml.dz_store_columns(dataclasses.replace(cfg, dz_store=32)) == 32
+    assert ml.dz_store_columns(ml.FwdConfig(block_n=64, block_v=256, dz_store=64)) == 64
+    # 256 x 128 tiles, 4 row inputs: a whole-tile buffer (64 KiB) leaves 3 stages, 32 columns 4.
     extra = lambda p: ml.dz_smem_extra(256, p, 2, 4)
     assert ml.fit_stages(4, 512, bf, 256, 128, extra(128)) == 3
     assert ml.fit_stages(4, 512, bf, 256, 128, extra(32)) == 4
-    assert ml.dz_store_columns(ml.FwdConfig(block_n=64, block_v=256), 512, bf, 128, 4) == 64
-    assert ml.dz_store_columns(ml.FwdConfig(stages=2), 512, bf, 256, 4) == 128  # 2 stages fit anyway
-    assert ml.dz_store_columns(dataclasses.replace(cfg, dz_store=128), 512, bf, 256, 4) == 128
     for bad in (0, 8, 48, 96, 256):
         with pytest.raises(ValueError, match="dz_store"):
-            ml.dz_store_columns(dataclasses.replace(cfg, dz_store=bad), 512, bf, 256, 4)
+            ml.dz_store_columns(dataclasses.replace(cfg, dz_store=bad))
 
 
 def test_is_supported():
@@ -263,8 +262,8 @@ def test_is_supported():
 
 @pytest.mark.parametrize("shape", [(4096, 4096, 128256), (4096, 2560, 262144), (1000, 512, 4000)])
 @pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=2),
-                                 mg.FwdConfig(dz_tiles=1, lag=0, dz_store=128)],
-                         ids=["n128v128", "n64v256lag2", "dz1tile_wholestore"])
+                                 mg.FwdConfig(dz_tiles=1, lag=0), mg.FwdConfig(dz_store=32)],
+                         ids=["n128v128", "n64v256lag2", "dz1tile", "store32"])
 def test_lowers_for_cuda(shape, cfg, monkeypatch):
     """Lower (not run) the real kernels for CUDA: layouts, TMA, shared memory budget."""
     n, h, v = shape

@@ -1,11 +1,11 @@
 """Mosaic GPU backward, old vs new kernel settings in one process (issue 37).
 
-``python -m logitless_bench.jax_bwd [--shapes a,b] [--old k=v,..] [--parts all|dz|none] [--out DIR]``
-(SM90 GPU, jax only). Per tokamax shape: one GEMM (``jnp.dot(x, w.T)``), the forward, and
-fwd+bwd of ``mosaic_gpu_backend`` (forward, mean-loss coefficients, backward) with the
-backward's ``config`` = OLD (``--old``: FwdConfig fields, default ``dz_store=128``, the
-whole-tile dz store of the kernel before issue 37's store split) and NEW (the default),
-each timed twice (old, new, old, new); dx and dW of the two must be bitwise equal (same
+``python -m logitless_bench.jax_bwd [--shapes a,b] [--old k=v,..] [--new k=v,..] [--parts all|dz|none]
+[--out DIR]`` (SM90 GPU, jax only). Per tokamax shape: one GEMM (``jnp.dot(x, w.T)``), the
+forward, and fwd+bwd of ``mosaic_gpu_backend`` (forward, mean-loss coefficients, backward)
+with the backward's ``config`` = OLD and NEW (``--old``/``--new``: FwdConfig fields; default
+the default config against ``dz_store=32``, the dz tile stored in 32-column pieces), each
+timed twice (old, new, old, new); dx and dW of the two must be bitwise equal (same
 products in the same order). Temporaries: XLA's compiled memory analysis of the forward
 and of each fwd+bwd. On the first shape, one vocab chunk's parts: the dz kernel
 (old/new) and (``--parts all``) the two XLA GEMMs (dx += dz W_c, dW_c = dz^T x) and the
@@ -38,7 +38,7 @@ def _fb(mg, cfg, layout):
     return fb
 
 
-def _parts(mg, ml, x, w, t, reps, old, dz_only=False):
+def _parts(mg, ml, x, w, t, reps, old, new, dz_only=False):
     """ms of one chunk's dz kernel (old/new) and GEMMs, times the number of chunks."""
     import jax
     import jax.numpy as jnp
@@ -51,7 +51,7 @@ def _parts(mg, ml, x, w, t, reps, old, dz_only=False):
     lse = jnp.full((n,), 12.0, jnp.float32)
     coef = jnp.ones((3, n), jnp.float32) / n
     out = {"chunk": chunk, "chunks": v / chunk}
-    for name, cfg in (("dz old", old), ("dz new", NEW)):
+    for name, cfg in (("dz old", old), ("dz new", new)):
         f = jax.jit(lambda x, w, t, lse_, c, cfg=cfg: mg.dz_chunk(x, w, t, lse_, c, c0=0, chunk=chunk, cfg=cfg))
         out[name] = median_ms(f, (x, w, t, lse, coef), 2, reps) * v / chunk
     if dz_only:
@@ -90,10 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--parts-only", action="store_true", help="only the first shape's per-part times")
     p.add_argument("--parts", choices=("all", "dz", "none"), default="all",
                    help="first shape's per-part times: all, the dz kernels only, none")
-    p.add_argument("--old", default="dz_store=128", help="FwdConfig fields of OLD, k=v comma-separated")
+    p.add_argument("--old", default="", help="FwdConfig fields of OLD, k=v comma-separated")
+    p.add_argument("--new", default="dz_store=32", help="FwdConfig fields of NEW, k=v comma-separated")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
-    old_cfg = _config(args.old)
+    old_cfg, new_cfg = _config(args.old), _config(args.new)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
         t = jax.random.randint(kt, (s.tokens,), 0, s.vocab, jnp.int32)
         gemm = median_ms(jax.jit(lambda x, w: jnp.dot(x, w.T)), (x, w), 2, args.reps)
         if parts is None and args.parts != "none":
-            parts = {"shape": s.name, **_parts(mg, ml, x, w, t, args.reps, old_cfg, dz_only=args.parts == "dz")}
+            parts = {"shape": s.name,
+                     **_parts(mg, ml, x, w, t, args.reps, old_cfg, new_cfg, dz_only=args.parts == "dz")}
             print(parts, flush=True)
             if args.parts_only:
                 break
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
             wl = w if layout == "vh" else w.T.copy()
             fwd_c = jax.jit(lambda x, w, t: mg.forward(x, w, None, t, weight_layout=layout)).lower(x, wl, t).compile()
             fwd = median_ms(fwd_c, (x, wl, t), 2, args.reps)
-            fns = {k: jax.jit(_fb(mg, cfg, layout)).lower(x, wl, t).compile() for k, cfg in (("old", old_cfg), ("new", NEW))}
+            fns = {k: jax.jit(_fb(mg, cfg, layout)).lower(x, wl, t).compile()
+                   for k, cfg in (("old", old_cfg), ("new", new_cfg))}
             mib = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
             outs = {k: jax.block_until_ready(f(x, wl, t)) for k, f in fns.items()}
             same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs["old"][1:], outs["new"][1:]))
@@ -140,24 +143,24 @@ def main(argv=None) -> int:
             print(" | ".join(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS),
                   flush=True)
             del wl
-            _save(args, argv, rows, parts, old_cfg)  # after each row: a run cut short keeps what it measured
+            _save(args, argv, rows, parts, old_cfg, new_cfg)  # after each row: a run cut short keeps what it measured
         del x, w, t
-    print("\n".join(_save(args, argv, rows, parts, old_cfg)))
+    print("\n".join(_save(args, argv, rows, parts, old_cfg, new_cfg)))
     return 0 if all(r["bitwise"] for r in rows) else 1
 
 
-def _save(args, argv, rows, parts, old):
+def _save(args, argv, rows, parts, old, new):
     from .jax_suite import environment
 
     env = {**environment(argv), "command": "python -m logitless_bench.jax_bwd " + " ".join(argv)}
     tag = f"jax-bwd-{env['device'].split()[1] if len(env['device'].split()) > 1 else 'dev'}-{env['date'][:10]}"
-    data = {"meta": env, "old": repr(old), "new": repr(NEW), "rows": rows, "parts": parts}
+    data = {"meta": env, "old": repr(old), "new": repr(new), "rows": rows, "parts": parts}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump(data, f, indent=1)
     md = [f"# Mosaic GPU backward, old vs new: {env['device']}, {env['date']}", "",
           f"jax {env['jax']}; `{env['command']}`; best of two medians of {args.reps}; "
-          f"old = `{old}`, new = `{NEW}` (None: chosen by `mosaic_lib`); temp MiB: "
+          f"old = `{old}`, new = `{new}` (None: chosen by `mosaic_lib`); temp MiB: "
           "`memory_analysis().temp_size_in_bytes` of the compiled fwd and fwd+bwd", "",
           "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     md += ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS) + " |"
@@ -179,8 +182,6 @@ def _config(spec: str = ""):
         kw[k.strip()] = None if val.strip() == "None" else int(val)
     return FwdConfig(**kw)
 
-
-NEW = _config()
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -72,10 +72,11 @@ class FwdConfig:
     # and store overlap the next tile's loads (with the lag). None: ``dz_tiles_per_cta``
     # picks it; 1: one tile per CTA, no lag, the kernel before 2026-11-25.
     dz_tiles: int | None = None
-    # Backward: columns of the dz tile per TMA store (a divisor of block_v of 16, 32, 64
-    # or more elements): the store buffer is (block_n, dz_store) per warpgroup. None:
-    # ``dz_store_columns`` picks the widest that leaves the ring ``stages`` deep;
-    # block_v: the whole tile per store (the kernel before issue 37's store split).
+    # Backward: columns of the dz tile per TMA store (``dz_store_columns``). None: the
+    # whole tile (at 256 x 128 bf16 its 64 KiB buffer leaves a 3-stage ring); 16, 32 or a
+    # multiple of 64 dividing block_v: pieces through one smaller buffer (32: 16 KiB, 4
+    # stages). H100: 32 made the dz kernel alone 16% faster but fwd+bwd -1.2% to +3.1%
+    # (``jax-bwd-dzstore-H100-2026-11-25``), hence opt-in.
     dz_store: int | None = None
 
 
@@ -166,25 +167,13 @@ def dz_tiles_per_cta(num_nb: int, num_cb: int, sms: int, max_tiles: int = 16) ->
     return min(fill + [1], key=cost)
 
 
-def dz_store_columns(cfg: FwdConfig, steps: int, dtype, block_rows: int, n_rows: int) -> int:
-    """Columns per dz store (``FwdConfig.dz_store``): the widest piece (block_v, 64, 32, 16)
-    whose store buffer leaves the ring as deep as ``cfg.stages`` allows (at 256 x 128
-    tiles, bf16: a whole-tile buffer (64 KiB) left 3 stages, 32 columns (16 KiB) leave 4)."""
-    if cfg.dz_store is not None:
-        p = cfg.dz_store
-        if p not in (16, 32) and (p < 1 or p % BLOCK_K) or cfg.block_v % p:
-            raise ValueError(f"dz_store must divide block_v={cfg.block_v} and be 16, 32, 64 or a multiple "
-                             f"of 64 elements, got {p}")
-        return p
-    pieces = [p for p in (cfg.block_v, 64, 32, 16) if p <= cfg.block_v and cfg.block_v % p == 0]
-    itemsize = jnp.dtype(dtype).itemsize
-    want = fit_stages(cfg.stages, steps, dtype, block_rows, cfg.block_v, extra=dz_smem_extra(block_rows, pieces[-1],
-                                                                                              itemsize, n_rows))
-    for p in pieces:
-        if fit_stages(cfg.stages, steps, dtype, block_rows, cfg.block_v,
-                      extra=dz_smem_extra(block_rows, p, itemsize, n_rows)) >= want:
-            return p
-    return pieces[-1]
+def dz_store_columns(cfg: FwdConfig) -> int:
+    """Columns per dz store (``FwdConfig.dz_store``; None: block_v, the whole tile)."""
+    p = cfg.block_v if cfg.dz_store is None else cfg.dz_store
+    if p not in (16, 32) and (p < 1 or p % BLOCK_K) or cfg.block_v % p:
+        raise ValueError(f"dz_store must divide block_v={cfg.block_v} and be 16, 32 or a multiple "
+                         f"of 64 elements, got {p}")
+    return p
 
 
 def dz_smem_extra(block_rows: int, store_cols: int, itemsize: int, n_rows: int) -> int:
@@ -449,8 +438,8 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     CTA of a row block fewer): the memory warpgroup streams the next tile's operands
     while the compute warpgroups finish a tile (epilogue, store); warpgroup 1 runs
     ``cfg.lag`` ring steps behind warpgroup 0, as in the forward. The dz tile goes out in
-    pieces of ``dz_store_columns`` columns through one SMEM buffer per warpgroup (a small
-    buffer leaves the ring deep)."""
+    pieces of ``dz_store_columns`` columns through one SMEM buffer per warpgroup (a
+    smaller buffer leaves a deeper ring)."""
     w_axis(layout)
     n, h = x.shape
     n_rows = rowdat.shape[0]
@@ -467,7 +456,7 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     tiles = min(tiles, num_cb)
     num_cg = pl.cdiv(num_cb, tiles)
     dtype = x.dtype
-    store = dz_store_columns(cfg, k_iters * tiles, dtype, block_rows, n_rows)
+    store = dz_store_columns(cfg)
     stages = fit_stages(stages, k_iters * tiles, dtype, block_rows, block_v,
                         extra=dz_smem_extra(block_rows, store, jnp.dtype(dtype).itemsize, n_rows))
     # The go signal is sent at ring step lag - 1 of warpgroup 0's first tile; one tile
