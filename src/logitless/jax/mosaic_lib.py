@@ -146,7 +146,7 @@ def softcapped(z, softcap):
 
 
 def smem_transforms(dtype, cols: int = BLOCK_K):
-    """Tiling and swizzle of an SMEM tile whose rows hold ``cols`` elements (>= 16 bytes):
+    """Tiling and swizzle of an SMEM tile whose rows hold ``cols`` elements (>= 32 bytes):
     the widest swizzle (<= 128 bytes) that a row covers."""
     swizzle = plgpu.find_swizzle(min(cols, BLOCK_K) * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
