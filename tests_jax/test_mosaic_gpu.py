@@ -128,11 +128,13 @@ DZ_CASES = [
 
 
 #: The backward kernel's column tiles per CTA: automatic (one at these sizes), several
-#: (the last CTA of a row block with fewer) with and without the warpgroup lag.
-DZ_CONFIGS = [SMALL, dataclasses.replace(SMALL, dz_tiles=2, lag=1), dataclasses.replace(SMALL, dz_tiles=4)]
+#: (the last CTA of a row block with fewer) with and without the warpgroup lag; the
+#: tile stored in pieces of 32 and 16 columns (FwdConfig.dz_store).
+DZ_CONFIGS = [SMALL, dataclasses.replace(SMALL, dz_tiles=2, lag=1), dataclasses.replace(SMALL, dz_tiles=4),
+              dataclasses.replace(SMALL, dz_tiles=2, lag=1, dz_store=32), dataclasses.replace(SMALL, dz_store=16)]
 
 
-@pytest.mark.parametrize("cfg", DZ_CONFIGS, ids=["auto", "tiles2lag1", "tiles4"])
+@pytest.mark.parametrize("cfg", DZ_CONFIGS, ids=["auto", "tiles2lag1", "tiles4", "store32", "store16"])
 @pytest.mark.parametrize("n,h,v,c0,chunk,softcap", DZ_CASES)
 def test_dz_chunk_matches_float64(n, h, v, c0, chunk, softcap, cfg):
     """The backward kernel alone: d(logits) of columns [c0, c0+chunk), zero past V."""
@@ -182,7 +184,8 @@ BWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, dz_tiles=3, lag=1)], ids=["auto", "tiles3lag1"])
+@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, dz_tiles=3, lag=1, dz_store=32)],
+                         ids=["auto", "tiles3lag1store32"])
 @pytest.mark.parametrize("n,h,v,softcap,budget", BWD_CASES)
 def test_backward_matches_float64(n, h, v, softcap, budget, cfg):
     x, w, t = _inputs(n, h, v, seed=7)
@@ -226,6 +229,24 @@ def test_dz_tiles_per_cta():
                     cfg=dataclasses.replace(SMALL, dz_tiles=0))
 
 
+def test_dz_store_columns():
+    """dz store pieces: the whole tile by default; a 32-column buffer deepens the ring."""
+    from logitless.jax import mosaic_lib as ml
+
+    bf = jnp.bfloat16
+    cfg = ml.FwdConfig()
+    assert ml.dz_store_columns(cfg) == 128
+    assert ml.dz_store_columns(dataclasses.replace(cfg, dz_store=32)) == 32
+    assert ml.dz_store_columns(ml.FwdConfig(block_n=64, block_v=256, dz_store=64)) == 64
+    # 256 x 128 tiles, 4 row inputs: a whole-tile buffer (64 KiB) leaves 3 stages, 32 columns 4.
+    extra = lambda p: ml.dz_smem_extra(256, p, 2, 4)
+    assert ml.fit_stages(4, 512, bf, 256, 128, extra(128)) == 3
+    assert ml.fit_stages(4, 512, bf, 256, 128, extra(32)) == 4
+    for bad in (0, 8, 48, 96, 256):
+        with pytest.raises(ValueError, match="dz_store"):
+            ml.dz_store_columns(dataclasses.replace(cfg, dz_store=bad))
+
+
 def test_is_supported():
     bf = jnp.bfloat16
     assert mg.is_supported((4096, 4096), (128256, 4096), bf, softcap=None, has_bias=False)
@@ -241,8 +262,8 @@ def test_is_supported():
 
 @pytest.mark.parametrize("shape", [(4096, 4096, 128256), (4096, 2560, 262144), (1000, 512, 4000)])
 @pytest.mark.parametrize("cfg", [mg.FwdConfig(), mg.FwdConfig(block_n=64, block_v=256, lag=2),
-                                 mg.FwdConfig(dz_tiles=1, lag=0)],
-                         ids=["n128v128", "n64v256lag2", "dz1tile"])
+                                 mg.FwdConfig(dz_tiles=1, lag=0), mg.FwdConfig(dz_store=32)],
+                         ids=["n128v128", "n64v256lag2", "dz1tile", "store32"])
 def test_lowers_for_cuda(shape, cfg, monkeypatch):
     """Lower (not run) the real kernels for CUDA: layouts, TMA, shared memory budget."""
     n, h, v = shape

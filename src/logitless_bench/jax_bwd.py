@@ -1,14 +1,16 @@
 """Mosaic GPU backward, old vs new kernel settings in one process (issue 37).
 
-``python -m logitless_bench.jax_bwd [--shapes a,b] [--out DIR]`` (SM90 GPU, jax only).
-Per tokamax shape: one GEMM (``jnp.dot(x, w.T)``), the forward, and fwd+bwd of
-``mosaic_gpu_backend`` (forward, mean-loss coefficients, backward) with the backward's
-``config`` = OLD (one column tile per CTA, no warpgroup lag: the kernel before
-2026-11-25) and NEW (the default), each timed twice (old, new, old, new); dx and dW of
-the two must be bitwise equal (same products in the same order). On the first shape, one
-vocab chunk's parts: the dz kernel (old/new), the two XLA GEMMs (dx += dz W_c,
-dW_c = dz^T x) and the backward's XLA loop alone (GEMMs, W slices, in-place dW updates),
-scaled to the whole vocabulary. Writes jax-bwd-<device>-<date>.{json,md}.
+``python -m logitless_bench.jax_bwd [--shapes a,b] [--old k=v,..] [--new k=v,..] [--parts all|dz|none]
+[--out DIR]`` (SM90 GPU, jax only). Per tokamax shape: one GEMM (``jnp.dot(x, w.T)``), the
+forward, and fwd+bwd of ``mosaic_gpu_backend`` (forward, mean-loss coefficients, backward)
+with the backward's ``config`` = OLD and NEW (``--old``/``--new``: FwdConfig fields; default
+the default config against ``dz_store=32``, the dz tile stored in 32-column pieces), each
+timed twice (old, new, old, new); dx and dW of the two must be bitwise equal (same
+products in the same order). Temporaries: XLA's compiled memory analysis of the forward
+and of each fwd+bwd. On the first shape, one vocab chunk's parts: the dz kernel
+(old/new) and (``--parts all``) the two XLA GEMMs (dx += dz W_c, dW_c = dz^T x) and the
+backward's XLA loop alone (GEMMs, W slices, in-place dW updates), scaled to the whole
+vocabulary. Writes jax-bwd-<device>-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import sys
 
 COLUMNS = ("shape", "layout", "gemm ms", "fwd ms", "f+b old ms", "f+b new ms", "new/old", "fwd/1 GEMM",
-           "f+b old/3 GEMMs", "f+b new/3 GEMMs", "bitwise")
+           "f+b old/3 GEMMs", "f+b new/3 GEMMs", "fwd temp MiB", "f+b temp MiB old", "f+b temp MiB new", "bitwise")
 
 
 def _fb(mg, cfg, layout):
@@ -36,7 +38,7 @@ def _fb(mg, cfg, layout):
     return fb
 
 
-def _parts(mg, ml, x, w, t, reps):
+def _parts(mg, ml, x, w, t, reps, old, new, dz_only=False):
     """ms of one chunk's dz kernel (old/new) and GEMMs, times the number of chunks."""
     import jax
     import jax.numpy as jnp
@@ -49,9 +51,11 @@ def _parts(mg, ml, x, w, t, reps):
     lse = jnp.full((n,), 12.0, jnp.float32)
     coef = jnp.ones((3, n), jnp.float32) / n
     out = {"chunk": chunk, "chunks": v / chunk}
-    for name, cfg in (("dz old", OLD), ("dz new", NEW)):
+    for name, cfg in (("dz old", old), ("dz new", new)):
         f = jax.jit(lambda x, w, t, lse_, c, cfg=cfg: mg.dz_chunk(x, w, t, lse_, c, c0=0, chunk=chunk, cfg=cfg))
         out[name] = median_ms(f, (x, w, t, lse, coef), 2, reps) * v / chunk
+    if dz_only:
+        return out
     dz = jax.random.normal(jax.random.key(1), (n, chunk), jnp.bfloat16) * 1e-4
     dx = jnp.zeros((n, h), jnp.float32)
     c0 = jnp.int32(chunk)  # a traced offset, as in the loop
@@ -84,8 +88,13 @@ def main(argv=None) -> int:
     p.add_argument("--hv", default="llama3.1-8b", help="shapes also run with an (H, V) weight")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--parts-only", action="store_true", help="only the first shape's per-part times")
+    p.add_argument("--parts", choices=("all", "dz", "none"), default="all",
+                   help="first shape's per-part times: all, the dz kernels only, none")
+    p.add_argument("--old", default="", help="FwdConfig fields of OLD, k=v comma-separated")
+    p.add_argument("--new", default="dz_store=32", help="FwdConfig fields of NEW, k=v comma-separated")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
+    old_cfg, new_cfg = _config(args.old), _config(args.new)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -106,16 +115,19 @@ def main(argv=None) -> int:
         w = (jax.random.normal(kw, (s.vocab, s.hidden), jnp.float32) / np.sqrt(s.hidden)).astype(jnp.bfloat16)
         t = jax.random.randint(kt, (s.tokens,), 0, s.vocab, jnp.int32)
         gemm = median_ms(jax.jit(lambda x, w: jnp.dot(x, w.T)), (x, w), 2, args.reps)
-        if parts is None:
-            parts = {"shape": s.name, **_parts(mg, ml, x, w, t, args.reps)}
+        if parts is None and args.parts != "none":
+            parts = {"shape": s.name,
+                     **_parts(mg, ml, x, w, t, args.reps, old_cfg, new_cfg, dz_only=args.parts == "dz")}
             print(parts, flush=True)
             if args.parts_only:
                 break
         for layout in ("vh", "hv") if s.name in hv else ("vh",):
             wl = w if layout == "vh" else w.T.copy()
-            fwd = median_ms(jax.jit(lambda x, w, t: mg.forward(x, w, None, t, weight_layout=layout)),
-                            (x, wl, t), 2, args.reps)
-            fns = {k: jax.jit(_fb(mg, cfg, layout)) for k, cfg in (("old", OLD), ("new", NEW))}
+            fwd_c = jax.jit(lambda x, w, t: mg.forward(x, w, None, t, weight_layout=layout)).lower(x, wl, t).compile()
+            fwd = median_ms(fwd_c, (x, wl, t), 2, args.reps)
+            fns = {k: jax.jit(_fb(mg, cfg, layout)).lower(x, wl, t).compile()
+                   for k, cfg in (("old", old_cfg), ("new", new_cfg))}
+            mib = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
             outs = {k: jax.block_until_ready(f(x, wl, t)) for k, f in fns.items()}
             same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs["old"][1:], outs["new"][1:]))
             del outs
@@ -125,30 +137,31 @@ def main(argv=None) -> int:
                     ms[k].append(median_ms(f, (x, wl, t), 2, args.reps))
             old, new = min(ms["old"]), min(ms["new"])
             row = dict(zip(COLUMNS, (s.label, layout, gemm, fwd, old, new, new / old, fwd / gemm, old / (3 * gemm),
-                                     new / (3 * gemm), same)))
+                                     new / (3 * gemm), mib(fwd_c), mib(fns["old"]), mib(fns["new"]), same)))
             row["f+b old runs"], row["f+b new runs"] = ms["old"], ms["new"]
             rows.append(row)
             print(" | ".join(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS),
                   flush=True)
             del wl
-            _save(args, argv, rows, parts)  # after each row: a run cut short keeps what it measured
+            _save(args, argv, rows, parts, old_cfg, new_cfg)  # after each row: a run cut short keeps what it measured
         del x, w, t
-    print("\n".join(_save(args, argv, rows, parts)))
+    print("\n".join(_save(args, argv, rows, parts, old_cfg, new_cfg)))
     return 0 if all(r["bitwise"] for r in rows) else 1
 
 
-def _save(args, argv, rows, parts):
+def _save(args, argv, rows, parts, old, new):
     from .jax_suite import environment
 
     env = {**environment(argv), "command": "python -m logitless_bench.jax_bwd " + " ".join(argv)}
     tag = f"jax-bwd-{env['device'].split()[1] if len(env['device'].split()) > 1 else 'dev'}-{env['date'][:10]}"
-    data = {"meta": env, "old": repr(OLD), "new": repr(NEW), "rows": rows, "parts": parts}
+    data = {"meta": env, "old": repr(old), "new": repr(new), "rows": rows, "parts": parts}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, tag + ".json"), "w") as f:
         json.dump(data, f, indent=1)
     md = [f"# Mosaic GPU backward, old vs new: {env['device']}, {env['date']}", "",
           f"jax {env['jax']}; `{env['command']}`; best of two medians of {args.reps}; "
-          f"old = `{OLD}`, new = `{NEW}` (dz_tiles None: `mosaic_lib.dz_tiles_per_cta`)", "",
+          f"old = `{old}`, new = `{new}` (None: chosen by `mosaic_lib`); temp MiB: "
+          "`memory_analysis().temp_size_in_bytes` of the compiled fwd and fwd+bwd", "",
           "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     md += ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS) + " |"
            for r in rows]
@@ -159,13 +172,16 @@ def _save(args, argv, rows, parts):
     return md
 
 
-def _configs():
+def _config(spec: str = ""):
+    """A FwdConfig from "k=v,k=v" (ints; "None")."""
     from logitless.jax.mosaic_lib import FwdConfig
 
-    return FwdConfig(dz_tiles=1, lag=0), FwdConfig()
+    kw = {}
+    for item in filter(None, spec.split(",")):
+        k, _, val = item.partition("=")
+        kw[k.strip()] = None if val.strip() == "None" else int(val)
+    return FwdConfig(**kw)
 
-
-OLD, NEW = _configs()
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -72,6 +72,12 @@ class FwdConfig:
     # and store overlap the next tile's loads (with the lag). None: ``dz_tiles_per_cta``
     # picks it; 1: one tile per CTA, no lag, the kernel before 2026-11-25.
     dz_tiles: int | None = None
+    # Backward: columns of the dz tile per TMA store (``dz_store_columns``). None: the
+    # whole tile (at 256 x 128 bf16 its 64 KiB buffer leaves a 3-stage ring); 16, 32 or a
+    # multiple of 64 dividing block_v: pieces through one smaller buffer (32: 16 KiB, 4
+    # stages). H100: 32 made the dz kernel alone 16% faster but fwd+bwd -1.2% to +3.1%
+    # (``jax-bwd-dzstore-H100-2026-11-25``), hence opt-in.
+    dz_store: int | None = None
 
 
 def default_config(n: int, v: int, h: int) -> FwdConfig:
@@ -139,8 +145,10 @@ def softcapped(z, softcap):
     return softcap - (2.0 * softcap) / (e + 1.0)
 
 
-def smem_transforms(dtype):
-    swizzle = plgpu.find_swizzle(BLOCK_K * jnp.dtype(dtype).itemsize * 8)
+def smem_transforms(dtype, cols: int = BLOCK_K):
+    """Tiling and swizzle of an SMEM tile whose rows hold ``cols`` elements (>= 32 bytes):
+    the widest swizzle (<= 128 bytes) that a row covers."""
+    swizzle = plgpu.find_swizzle(min(cols, BLOCK_K) * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
@@ -157,6 +165,20 @@ def dz_tiles_per_cta(num_nb: int, num_cb: int, sms: int, max_tiles: int = 16) ->
 
     fill = [t for t in range(min(max_tiles, num_cb), 1, -1) if num_nb * -(-num_cb // t) >= 0.9 * sms]
     return min(fill + [1], key=cost)
+
+
+def dz_store_columns(cfg: FwdConfig) -> int:
+    """Columns per dz store (``FwdConfig.dz_store``; None: block_v, the whole tile)."""
+    p = cfg.block_v if cfg.dz_store is None else cfg.dz_store
+    if p not in (16, 32) and (p < 1 or p % BLOCK_K) or cfg.block_v % p:
+        raise ValueError(f"dz_store must divide block_v={cfg.block_v} and be 16, 32 or a multiple "
+                         f"of 64 elements, got {p}")
+    return p
+
+
+def dz_smem_extra(block_rows: int, store_cols: int, itemsize: int, n_rows: int) -> int:
+    """SMEM bytes of ``dz_call`` beside the ring: the store buffers and the row inputs."""
+    return block_rows * (store_cols * itemsize + 4 * n_rows + 4)
 
 
 def fit_stages(stages: int, steps: int, dtype, block_rows: int, block_v: int, extra: int) -> int:
@@ -415,7 +437,9 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     Each CTA owns a row block and ``cfg.dz_tiles`` consecutive column tiles (the last
     CTA of a row block fewer): the memory warpgroup streams the next tile's operands
     while the compute warpgroups finish a tile (epilogue, store); warpgroup 1 runs
-    ``cfg.lag`` ring steps behind warpgroup 0, as in the forward."""
+    ``cfg.lag`` ring steps behind warpgroup 0, as in the forward. The dz tile goes out in
+    pieces of ``dz_store_columns`` columns through one SMEM buffer per warpgroup (a
+    smaller buffer leaves a deeper ring)."""
     w_axis(layout)
     n, h = x.shape
     n_rows = rowdat.shape[0]
@@ -432,12 +456,13 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
     tiles = min(tiles, num_cb)
     num_cg = pl.cdiv(num_cb, tiles)
     dtype = x.dtype
+    store = dz_store_columns(cfg)
     stages = fit_stages(stages, k_iters * tiles, dtype, block_rows, block_v,
-                        extra=NUM_COMPUTE_WGS * block_n * (block_v * jnp.dtype(dtype).itemsize + 4 * n_rows + 4))
+                        extra=dz_smem_extra(block_rows, store, jnp.dtype(dtype).itemsize, n_rows))
     # The go signal is sent at ring step lag - 1 of warpgroup 0's first tile; one tile
     # per CTA runs without the lag (the kernel measured as "old").
     lag = max(0, min(cfg.lag, stages - 1, k_iters)) if tiles > 1 else 0
-    out_transforms = smem_transforms(dtype)
+    out_transforms = smem_transforms(dtype, store)
 
     def kernel(c_ref, x_ref, w_ref, r_ref, t_ref, dz_ref, x_smem, w_smem, produced, consumed, r_smem, t_smem, bar,
                go_bar, o_smem):
@@ -475,16 +500,21 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
                 red = plgpu.Layout.WGMMA.reduce(1)
                 row_vals = [plgpu.load(r_smem.at[wg, i], layout=red) for i in range(n_rows)]
                 t_r = plgpu.load(t_smem.at[wg], layout=red)
-                shape = (block_n, block_v)
+                shape = (block_n, store)
                 cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                valid = cols < (v - vb * block_v)
-                dz = epilogue(z, row_vals, cols == bcast(t_r - vb * block_v, shape))
-                dz = jnp.where(valid, dz, 0.0)
-                # The previous tile's store must have read o_smem before it is overwritten.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_smem[wg] = dz.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], dz_ref.at[rows, pl.ds((cb0 + j) * block_v, block_v)])
+                # The tile in pieces of ``store`` columns, each through the one store
+                # buffer (a smaller buffer, a deeper ring; fewer live registers).
+                for q in range(block_v // store):
+                    c0 = vb * block_v + q * store  # first vocab column of the piece
+                    zq = z if store == block_v else z[:, q * store:(q + 1) * store]
+                    dz = epilogue(zq, row_vals, cols == bcast(t_r - c0, shape))
+                    dz = jnp.where(cols < (v - c0), dz, 0.0)
+                    # The previous store must have read o_smem before it is overwritten.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = dz.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                                            dz_ref.at[rows, pl.ds((cb0 + j) * block_v + q * store, store)])
                 return None
 
             lax.fori_loop(0, num_t, t_body, None)
@@ -505,7 +535,7 @@ def dz_call(x, w, rowdat, tgt, cblock, *, v: int, chunk: int, cfg: FwdConfig, ep
             plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.int32),
             plgpu.Barrier(num_arrivals=n_rows + 1, num_barriers=NUM_COMPUTE_WGS),
             plgpu.Barrier(num_barriers=1),
-            plgpu.SMEM((NUM_COMPUTE_WGS, block_n, block_v), dtype, transforms=out_transforms),
+            plgpu.SMEM((NUM_COMPUTE_WGS, block_n, store), dtype, transforms=out_transforms),
             collective_axes="wg",
         )
 
