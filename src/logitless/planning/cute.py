@@ -85,6 +85,7 @@ import sys
 import warnings
 from typing import Optional
 
+from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.tiles import CutePlan  # noqa: F401  (re-exported: the plan lives there)
 
@@ -324,13 +325,23 @@ def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=Non
     layout_ok = (x.dtype == weight.dtype and x.stride() == (h, 1) and weight.stride() == (h, 1)
                  and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
     # The DSL's own check (and its one warning) only where the plan would take the kernel.
-    plan = choose(capability=capability, available=True, num_sms=sms, l2_bytes=l2,
-                  dtype=str(x.dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, ov=ov,
-                  bias=bias is not None, softcap=softcap is not None, argmax=need_argmax,
-                  weighted_smooth=weighted_smooth, keep_cols=keep_cols, keep_block=keep_block, entropy=entropy)
+    (plan,) = _choice(capability, sms, l2, x.dtype, n, v, h, layout_ok, bias is not None, softcap is not None,
+                      need_argmax, weighted_smooth, keep_cols, keep_block, entropy)
     if plan is None or ov.cute_available is not None:  # (cute_available: choose applied it)
         return plan
     return plan if dsl_usable_or_warn() else None
+
+
+@memoised
+def _choice(capability, sms, l2, dtype, n, v, h, layout_ok, bias, softcap, argmax, weighted_smooth, keep_cols,
+            keep_block, entropy) -> tuple:
+    """(``choose``'s decision,) for ``forward_plan``, memoised by the facts and the active
+    overrides (``memo.memoised``; a tuple, as the memo takes None for a miss): at 512-2048
+    tokens an eager call is host-bound, and deciding afresh cost tens of microseconds per call."""
+    return (choose(capability=capability, available=True, num_sms=sms, l2_bytes=l2,
+                   dtype=str(dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, bias=bias,
+                   softcap=softcap, argmax=argmax, weighted_smooth=weighted_smooth, keep_cols=keep_cols,
+                   keep_block=keep_block, entropy=entropy),)
 
 
 def device_facts(device) -> Optional[tuple]:

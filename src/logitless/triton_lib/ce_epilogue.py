@@ -17,11 +17,12 @@ The torch formulas stay the spec (the module docstring of formulas/cross_entropy
 tests compare these launches with them on random statistics, every option alone and
 combined. Both kernels run as ONE program that loops over the tokens in blocks: one
 launch, no atomics, a fixed summation order (bitwise repeatable), no host sync, the
-same launch every call (CUDA-graph friendly). Memory traffic: each reads its O(S * N)
-inputs once (twice for w_t under "mean" in the backward); it writes O(N). Label
-smoothing with class weights adds one torch op, W = sum_c w_c (the formulas' sum). One program
-streams ~1 MB in a few microseconds: the work is negligible next to the GEMMs up to
-hundreds of thousands of tokens, and a launch saves ~20 launches of torch ops.
+same launch every call (CUDA-graph friendly; after the first, ``launch.run_kernel``'s cached
+kernel, without Triton's per-launch binding). Memory traffic: each reads its O(S * N) inputs
+once (twice for w_t under "mean" in the backward); it writes O(N). Label smoothing with class
+weights adds one torch op, W = sum_c w_c (the formulas' sum). One program streams ~1 MB in a
+few microseconds: the work is negligible next to the GEMMs up to hundreds of thousands of
+tokens, and a launch saves ~20 launches of torch ops.
 
 Versus the torch formulas: per-token values use the same operations in the same
 order with the same fp32 scalars (host-side products such as (eps / V) * V are
@@ -44,6 +45,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import _class_weight_sum
 from logitless.options import CrossEntropyOptions
+from logitless.triton_lib import launch
 from logitless.triton_lib.ce_math import splits_max
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
@@ -191,7 +193,8 @@ def forward_loss(part_max: Tensor, part_sum: Tensor, part_tgt: Tensor, part_smoo
     lse = torch.empty(n, dtype=torch.float32, device=part_max.device)
     w_t = torch.empty_like(lse)
     loss = torch.empty_like(lse) if opts.reduction == "none" else lse.new_empty(())
-    ce_forward_epilogue_kernel[(1,)](
+    launch.run_kernel(
+        ce_forward_epilogue_kernel, (1,),
         part_max, part_sum, part_tgt, part_smooth if part_smooth is not None else part_max, target,
         class_weight if class_weight is not None else part_max, lse, loss, w_t,
         sc["w_sum"] if sc["w_sum"] is not None else lse,
@@ -214,7 +217,8 @@ def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor
     coef = torch.empty(3, n, dtype=torch.float32, device=lse.device)
     reduction = REDUCTIONS[opts.reduction]
     grad_loss = grad_loss.reshape(-1) if reduction == 0 else grad_loss
-    ce_grad_coefficients_kernel[(1,)](
+    launch.run_kernel(
+        ce_grad_coefficients_kernel, (1,),
         grad_loss, grad_loss.stride(0) if reduction == 0 else 0,
         grad_lse if grad_lse is not None else lse, grad_lse.stride(0) if grad_lse is not None else 0,
         lse, w_t, target, class_weight if class_weight is not None else lse,

@@ -121,3 +121,19 @@ def splits_max(part_max, offs, ok, N, SPLITS):
         big_m = tl.maximum(big_m, tl.load(part_max + s * N + offs, mask=ok, other=0.0),
                            propagate_nan=tl.PropagateNan.ALL)
     return tl.where(big_m == float("-inf"), 0.0, big_m)
+
+
+@triton.jit
+def store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u, a_t,
+                   EXTRA: tl.constexpr):
+    """A split's per-row statistics into (splits, N) fp32 buffers: the running max m, the
+    sum s, the target logit a_t and, with EXTRA, a fourth one u (the log-prob kernels'
+    entropy sum, linear_cross_entropy's smoothing sum). Returns the rows' flat offsets
+    (split * N + row) for further per-split outputs."""
+    out = split.to(tl.int64) * N + offs_n
+    tl.store(part_max_ptr + out, m, mask=row_ok)
+    tl.store(part_sum_ptr + out, s, mask=row_ok)
+    tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
+    if EXTRA:
+        tl.store(part_u_ptr + out, u, mask=row_ok)
+    return out

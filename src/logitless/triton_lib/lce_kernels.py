@@ -9,7 +9,13 @@ tile stores and loads in ``triton_lib.tile_io`` and the launch sizes in
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.ce_math import dz_tile, load_row_coefficients, online_lse_update, side_stats_update
+from logitless.triton_lib.ce_math import (
+    dz_tile,
+    load_row_coefficients,
+    online_lse_update,
+    side_stats_update,
+    store_partials,
+)
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.tile_io import (
     block_tile,
@@ -91,12 +97,8 @@ def forward_stats_kernel(
             z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
             NEED_SMOOTH, NEED_ARGMAX, HAS_CW, BLOCK_V)
 
-    out = split.to(tl.int64) * N + offs_n
-    tl.store(part_max_ptr + out, m, mask=row_ok)
-    tl.store(part_sum_ptr + out, s, mask=row_ok)
-    tl.store(part_tgt_ptr + out, z_t, mask=row_ok)
-    if NEED_SMOOTH:
-        tl.store(part_smooth_ptr + out, smooth, mask=row_ok)
+    out = store_partials(part_max_ptr, part_sum_ptr, part_smooth_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s,
+                         smooth, z_t, NEED_SMOOTH)
     if NEED_ARGMAX:
         tl.store(part_best_ptr + out, best, mask=row_ok)
         tl.store(part_arg_ptr + out, best_idx, mask=row_ok)

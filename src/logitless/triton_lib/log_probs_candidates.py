@@ -29,12 +29,12 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib import launch
+from logitless.triton_lib.ce_math import store_partials
 from logitless.triton_lib.log_probs_math import (
     online_entropy_update,
     online_start,
     row_tokens,
     split_blocks,
-    store_partials,
 )
 from logitless.triton_lib.tile_io import block_tile
 

@@ -10,6 +10,7 @@ linear_cross_entropy).
 import triton
 import triton.language as tl
 
+from logitless.triton_lib.ce_math import store_partials
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.log_probs_fields import fields_update
 from logitless.triton_lib.log_probs_math import (
@@ -19,7 +20,6 @@ from logitless.triton_lib.log_probs_math import (
     online_start,
     row_tokens,
     split_blocks,
-    store_partials,
 )
 from logitless.triton_lib.tile_io import (
     block_tile,

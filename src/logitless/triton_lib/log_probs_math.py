@@ -1,7 +1,8 @@
 """The Triton form of ``formulas.log_probs``: the online statistics with the entropy
 term and the gradient epilogue, shared by the log-prob kernels (linear and on logits),
-and the row-block prologue / partials epilogue of the split forward kernels
-(``log_probs_kernels.logp_forward_kernel``, ``log_probs_candidates``)."""
+and the row-block prologue of the split forward kernels
+(``log_probs_kernels.logp_forward_kernel``, ``log_probs_candidates``; their partials
+epilogue is ``ce_math.store_partials``)."""
 
 import triton
 import triton.language as tl
@@ -36,19 +37,6 @@ def split_blocks(split, blocks_per_split, V, BLOCK_V: tl.constexpr):
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
     return first_block, num_blocks
-
-
-@triton.jit
-def store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u, a_t,
-                   ENTROPY: tl.constexpr):
-    """A split's (m, s, u with ENTROPY, a at the token) per row into (splits, N) buffers."""
-    out = split.to(tl.int64) * N + offs_n
-    tl.store(part_max_ptr + out, m, mask=row_ok)
-    tl.store(part_sum_ptr + out, s, mask=row_ok)
-    tl.store(part_tgt_ptr + out, a_t, mask=row_ok)
-    if ENTROPY:
-        tl.store(part_u_ptr + out, u, mask=row_ok)
-    return out
 
 
 @triton.jit
