@@ -44,6 +44,16 @@ def _small_tiles(monkeypatch):
         yield
 
 
+@pytest.fixture(params=[None, 16], ids=["one-split", "span16"])
+def vocab_span(request, monkeypatch):
+    """The forward kernels' vocabulary splits: as ``configs.forward_span`` picks (one split
+    on the CPU, where it sees one SM, and at these sizes on a GPU), or 16 columns each
+    (several splits, the last partial: the partials' merge)."""
+    if request.param is not None:
+        monkeypatch.setattr(configs, "forward_span", lambda config, sizes, device=None: request.param)
+    return request.param
+
+
 def _data(n, h, v, seed, ignore=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g)
@@ -75,7 +85,7 @@ CE_CASES = {
 
 @pytest.mark.parametrize("size", SIZES, ids=str)
 @pytest.mark.parametrize("case", list(CE_CASES))
-def test_linear_cross_entropy(case, size):
+def test_linear_cross_entropy(case, size, vocab_span):
     kw = dict(CE_CASES[case])
     n, h, v = size
     x, w, b, t = _data(n, h, v, seed=1)
@@ -108,9 +118,10 @@ def test_linear_cross_entropy(case, size):
         assert db is None
 
 
-def test_argmax_first_of_ties_across_tiles():
-    """Equal row maxima in two vocabulary tiles: the first column wins (torch.argmax),
-    as return_stats' ``correct`` needs. Integer-valued inputs: the logits are exact."""
+def test_argmax_first_of_ties_across_tiles(vocab_span):
+    """Equal row maxima in two vocabulary tiles (and splits, with ``vocab_span``): the first
+    column wins (torch.argmax), as return_stats' ``correct`` needs. Integer-valued inputs:
+    the logits are exact."""
     n, h, v = 5, 6, 37
     gen = torch.Generator().manual_seed(11)
     x = torch.randint(-2, 3, (n, h), generator=gen).float().to(DEVICE)
@@ -191,7 +202,7 @@ LP_CASES = {
 
 @pytest.mark.parametrize("size", SIZES, ids=str)
 @pytest.mark.parametrize("case", list(LP_CASES))
-def test_linear_log_probs(case, size):
+def test_linear_log_probs(case, size, vocab_span):
     kw = dict(LP_CASES[case])
     n, h, v = size
     x, w, b, t = _data(n, h, v, seed=3)

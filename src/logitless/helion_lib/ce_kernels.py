@@ -1,10 +1,12 @@
 """Helion forward kernel of linear_cross_entropy: x @ W.T (+ b) tile by tile, never a logits tile in HBM.
 
 The math is ``logitless.formulas.cross_entropy``'s (Triton twin: ``triton_lib.ce_math``):
-``ce_forward``, per row tile, an online log-sum-exp over vocabulary tiles of the
-soft-capped logits z, with the target logit, sum_c w_c z_c (label smoothing) and the
-first argmax (return_stats) -> ``formulas.cross_entropy.TokenStats``. The backward is
-``grad_kernels``' (shared with linear_log_probs).
+``ce_forward``, per (row tile, vocabulary split of ``span`` columns), an online
+log-sum-exp over the split's vocabulary tiles of the soft-capped logits z, with the target
+logit, sum_c w_c z_c (label smoothing) and the first argmax (return_stats): (splits, N)
+partials that ``linear_cross_entropy.lce_forward`` merges into
+``formulas.cross_entropy.TokenStats``. The backward is ``grad_kernels``' (shared with
+linear_log_probs).
 
 Optional tensors (bias, class weight) are ``None`` or a tensor; the flags are
 ``hl.constexpr`` so that each combination compiles its own kernel.
@@ -18,7 +20,7 @@ import helion
 import helion.language as hl
 
 from logitless.helion_lib.runtime import kernel_settings
-from logitless.helion_lib.tile_math import hit_mask, lse_of, lse_step, logits_epilogue
+from logitless.helion_lib.tile_math import hit_mask, lse_step, logits_epilogue
 
 _SETTINGS = kernel_settings()
 
@@ -26,16 +28,19 @@ _SETTINGS = kernel_settings()
 @helion.kernel(**_SETTINGS)
 def ce_forward(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-    cw: torch.Tensor | None, softcap: float,
+    cw: torch.Tensor | None, softcap: float, span: int,
     HAS_SOFTCAP: hl.constexpr, NEED_SMOOTH: hl.constexpr, NEED_ARGMAX: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, h = x.size()
     v = w.size(0)
-    lse = torch.empty([n], dtype=torch.float32, device=x.device)
-    zt_out = torch.empty([n], dtype=torch.float32, device=x.device)
-    smooth_out = torch.empty([n], dtype=torch.float32, device=x.device)
-    argmax_out = torch.empty([n], dtype=torch.int64, device=x.device)
-    for tile_n in hl.tile(n):
+    splits = (v + span - 1) // span
+    m_out = torch.empty([splits, n], dtype=torch.float32, device=x.device)
+    s_out = torch.empty([splits, n], dtype=torch.float32, device=x.device)
+    zt_out = torch.empty([splits, n], dtype=torch.float32, device=x.device)
+    smooth_out = torch.empty([splits, n], dtype=torch.float32, device=x.device)
+    best_out = torch.empty([splits, n], dtype=torch.float32, device=x.device)
+    argmax_out = torch.empty([splits, n], dtype=torch.int64, device=x.device)
+    for tile_n, tile_s in hl.tile([n, splits], block_size=[None, 1]):
         t = target[tile_n]
         m = hl.full([tile_n], float("-inf"), dtype=torch.float32)
         s = hl.zeros([tile_n], dtype=torch.float32)
@@ -43,7 +48,8 @@ def ce_forward(
         smooth = hl.zeros([tile_n], dtype=torch.float32)
         best = hl.full([tile_n], float("-inf"), dtype=torch.float32)
         best_idx = hl.zeros([tile_n], dtype=torch.int64)
-        for tile_v in hl.tile(v):
+        v0 = tile_s.begin * span
+        for tile_v in hl.tile(v0, min(v0 + span, v)):
             z = hl.zeros([tile_n, tile_v], dtype=torch.float32)
             for tile_h in hl.tile(h):
                 z = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=z)
@@ -65,8 +71,10 @@ def ce_forward(
                 better = tile_max > best
                 best_idx = torch.where(better, idx, best_idx)
                 best = torch.where(better, tile_max, best)
-        lse[tile_n] = lse_of(m, s)
-        zt_out[tile_n] = zt
-        smooth_out[tile_n] = smooth
-        argmax_out[tile_n] = best_idx
-    return lse, zt_out, smooth_out, argmax_out
+        m_out[tile_s.begin, tile_n] = m
+        s_out[tile_s.begin, tile_n] = s
+        zt_out[tile_s.begin, tile_n] = zt
+        smooth_out[tile_s.begin, tile_n] = smooth
+        best_out[tile_s.begin, tile_n] = best
+        argmax_out[tile_s.begin, tile_n] = best_idx
+    return m_out, s_out, zt_out, smooth_out, best_out, argmax_out

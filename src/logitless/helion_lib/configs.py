@@ -104,6 +104,24 @@ def default_config(kernel: str, sizes: dict) -> dict:
     return {"block_sizes": blocks, "num_warps": 4, "num_stages": 2}
 
 
+def forward_span(config: dict, sizes: dict, device: Optional[torch.device] = None) -> int:
+    """Vocabulary columns per program of the forward kernels (``ce_forward``, ``logp_forward``:
+    a grid of row tiles x vocabulary splits, partials merged after): the Triton forward's
+    split model (``planning.tiles.forward_blocks_per_split``: whole waves of one program per
+    SM, a fixed cost per program) for the config's row and vocabulary tiles; a multiple of
+    the vocabulary tile. One split (all V) where the row tiles alone fill the SMs."""
+    from logitless.planning.tiles import forward_blocks_per_split
+
+    block_n, block_v, block_h = (int(b) for b in config["block_sizes"][:3])
+    v = int(sizes["v"])
+    vocab_blocks = max(1, -(-v // block_v))
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device is not None and device.type == "cuda" else 1)
+    per_split = forward_blocks_per_split(-(-int(sizes["n"]) // block_n), vocab_blocks,
+                                         max(1, -(-int(sizes["h"]) // block_h)), sms, vocab_blocks)
+    return min(per_split, vocab_blocks) * block_v
+
+
 #: The fields of a stored config that fit every variant of its kernel. The others
 #: (``indexing``, ``load_eviction_policies``, ...) have one entry per load or store, and a
 #: kernel's variants (bias, soft-cap, ...) differ in those counts: a tuned ``indexing`` of 7

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
+from logitless.formulas.log_probs import merge_splits
 from logitless.helion_lib import configs
 from logitless.helion_lib.runtime import launch, require
 from logitless.options import CrossEntropyOptions
@@ -23,10 +24,26 @@ def _cap(opts: CrossEntropyOptions) -> tuple[float, bool]:
     return (float(opts.softcap), True) if opts.softcap is not None else (1.0, False)
 
 
-def forward_args(x, weight, bias, target, class_weight, opts, need_argmax=False) -> tuple:
+def forward_args(x, weight, bias, target, class_weight, opts, need_argmax=False, span=None) -> tuple:
+    """The arguments of ``ce_kernels.ce_forward``; ``span``: columns per vocabulary split
+    (None: all V, one split)."""
     cap, has_cap = _cap(opts)
     cw = class_weight if (class_weight is not None and opts.needs_smooth_sum) else None
-    return (x, weight, bias, target, cw, cap, has_cap, opts.needs_smooth_sum, bool(need_argmax))
+    span = max(1, weight.shape[0]) if span is None else span
+    return (x, weight, bias, target, cw, cap, span, has_cap, opts.needs_smooth_sum, bool(need_argmax))
+
+
+def merge_forward(parts: tuple, num_classes: int, need_smooth: bool, need_argmax: bool) -> TokenStats:
+    """``TokenStats`` from ``ce_forward``'s (splits, N) partials: the log-sum-exp merged
+    (``formulas.log_probs.merge_splits``), target logit and smoothing sum added (the target
+    lies in one split), the first index of the largest logit."""
+    pm, ps, zt, smooth, best, am = parts
+    lse, _ = merge_splits(pm, ps, None)
+    argmax = None
+    if need_argmax:
+        top = best.amax(dim=0, keepdim=True)
+        argmax = torch.where(best == top, am, torch.full_like(am, num_classes)).amin(dim=0)
+    return TokenStats(lse, zt.sum(0), smooth.sum(0) if need_smooth else None, argmax)
 
 
 def backward_args(x, weight, bias, target, class_weight, lse, coef, opts) -> tuple:
@@ -51,10 +68,11 @@ def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
         e = x.new_empty((0,), dtype=torch.float32)
         return TokenStats(e, e, e if opts.needs_smooth_sum else None,
                           x.new_empty((0,), dtype=torch.int64) if need_argmax else None)
-    cfg = config or configs.pick("ce_forward", configs.sizes(x, weight), x.device)
-    lse, zt, smooth, am = launch(ce_forward, forward_args(x, weight, bias, target, class_weight, opts, need_argmax),
-                                 cfg)
-    return TokenStats(lse, zt, smooth if opts.needs_smooth_sum else None, am if need_argmax else None)
+    sizes = configs.sizes(x, weight)
+    cfg = config or configs.pick("ce_forward", sizes, x.device)
+    span = configs.forward_span(cfg, sizes, x.device)
+    parts = launch(ce_forward, forward_args(x, weight, bias, target, class_weight, opts, need_argmax, span), cfg)
+    return merge_forward(parts, weight.shape[0], opts.needs_smooth_sum, need_argmax)
 
 
 def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,

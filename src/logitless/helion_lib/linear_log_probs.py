@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.log_probs import LogProbStats
+from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.helion_lib import configs
 from logitless.helion_lib.runtime import launch, require
 from logitless.options import LogProbOptions
@@ -23,9 +23,12 @@ def _scalars(opts: LogProbOptions) -> tuple:
     return cap, 1.0 / opts.temperature
 
 
-def forward_args(x, weight, bias, tokens, opts) -> tuple:
+def forward_args(x, weight, bias, tokens, opts, span=None) -> tuple:
+    """The arguments of ``log_probs_kernels.logp_forward``; ``span``: columns per vocabulary
+    split (None: all V, one split)."""
     cap, inv_t = _scalars(opts)
-    return (x, weight, bias, tokens, cap, inv_t, opts.softcap is not None, bool(opts.entropy))
+    span = max(1, weight.shape[0]) if span is None else span
+    return (x, weight, bias, tokens, cap, inv_t, span, opts.softcap is not None, bool(opts.entropy))
 
 
 def backward_args(x, weight, bias, tokens, lse, coef, opts) -> tuple:
@@ -44,9 +47,12 @@ def logp_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tens
     if x.shape[0] == 0:
         e = x.new_empty((0,), dtype=torch.float32)
         return LogProbStats(e, e, e if opts.entropy else None)
-    cfg = config or configs.pick("logp_forward", configs.sizes(x, weight), x.device)
-    lse, at, ent = launch(K.logp_forward, forward_args(x, weight, bias, tokens, opts), cfg)
-    return LogProbStats(lse, at, ent if opts.entropy else None)
+    sizes = configs.sizes(x, weight)
+    cfg = config or configs.pick("logp_forward", sizes, x.device)
+    pm, ps, pu, at = launch(K.logp_forward, forward_args(x, weight, bias, tokens, opts,
+                                                         configs.forward_span(cfg, sizes, x.device)), cfg)
+    lse, ent = merge_splits(pm, ps, pu if opts.entropy else None)
+    return LogProbStats(lse, at.sum(0), ent)
 
 
 def logp_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, lse: Tensor, coef: Tensor,
