@@ -179,6 +179,9 @@ class _TruncatedLogProbs(torch.autograd.Function):
             # (a soft-cap with a threshold keeps nothing: ``triton_backend.forward``'s tau)
             keep = not block and any(ctx.needs_input_grad[:3]) and (trunc is None or opts.softcap is None)
             kept = None
+            # the sparse backward (every row's kept set inside its candidates): their columns
+            sparse = [] if (trunc is not None and sharded is None and any(ctx.needs_input_grad[:3])
+                            and _sparse_device(x.device)) else None
             logp = x.new_empty(n, dtype=sd)
             ent = x.new_empty(n, dtype=sd) if opts.entropy else None
             lse = x.new_empty(n, dtype=sd)
@@ -191,12 +194,18 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     if sharded is not None:  # (the chunked pass, merged over the group)
                         tau = sharded.thresholds(xb, weight, bias, opts, tr, budget)
                     elif xb.shape[0] and _searches(impl, tr):
-                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget,
-                                                        invariant=block is not None)
+                        tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, budget,
+                                                             invariant=block is not None,
+                                                             indices=sparse is not None)
+                        if sparse is not None and sp[0] is not None:
+                            sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
+                        else:
+                            sparse = None
                         if left is not None:  # (the chunked fallback for these rows)
                             tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
                     else:
                         tau = thresholds(xb, weight, bias, opts, tr, budget, impl)
+                        sparse = None if xb.shape[0] else sparse
                     taus[n0:n1] = tau[:n1 - n0]
                 if xb.shape[0] == 0:
                     continue
@@ -216,6 +225,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
         ctx.args = (opts, impl, budget, block, bias is not None, sharded)
         ctx.kept = kept  # (consumed by the first backward, as the custom op's)
+        ctx.sparse = tuple(torch.cat(parts) for parts in zip(*sparse)) if sparse else None
         if ent is None:
             ent = x.new_empty(0, dtype=sd)
         return logp, ent
@@ -231,6 +241,8 @@ class _TruncatedLogProbs(torch.autograd.Function):
         sd = compute_dtype(x.dtype)
         if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
             g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
+        if ctx.sparse is not None:  # every row's kept set inside its candidates: no GEMM
+            return _sparse_backward(ctx, x, weight, bias, tokens, lse, ent, g_lp, g_h, v) + (None,) * 7
         dx = torch.zeros_like(x) if need_dx else None
         dw = db = None
         with no_autocast(x.device):
@@ -266,6 +278,31 @@ class _TruncatedLogProbs(torch.autograd.Function):
         if need_db and has_bias:
             db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _sparse_device(device) -> bool:
+    """Whether the sparse backward runs (its candidates kernel variant keeps the columns):
+    not on AMD GPUs (that variant's registers are not checked there: the dense one)."""
+    from logitless.planning import rocm
+
+    return rocm.arch(device) is None
+
+
+def _sparse_backward(ctx, x, weight, bias, tokens, lse, ent, g_lp, g_h, v):
+    """(dx, dW, db) of the rows' kept candidates (``triton_lib.log_probs_sparse``)."""
+    from logitless.triton_lib import log_probs_sparse as LS
+
+    from . import triton_backend
+
+    opts = ctx.args[0]
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    cand, cols, tau = ctx.sparse
+    with no_autocast(x.device):
+        coef = triton_backend.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
+        dz, col, cnt = LS.sparse_dlogits(cand, cols, tau, tokens, lse, coef, opts.softcap, opts.temperature,
+                                         opts.entropy, v)
+        return LS.sparse_backward(x, weight, bias, dz, col, cnt, need_dx=need_dx, need_dw=need_dw,
+                                  need_db=need_db and bias is not None)
 
 
 def _searches(impl: str, trunc: Truncation) -> bool:
@@ -326,15 +363,20 @@ def candidate_count(k_max: int) -> int:
 
 
 def _merged_candidates(parts, c: int):
-    cand, pm, ps, pu, pt = parts  # (the kernel's candidates are unordered)
+    """(cand (n, c) descending, m, s, u, a at the token[, columns (n, c)]) of the
+    kernel's per-split outputs (with the candidates' columns when it gave them)."""
+    cand, pm, ps, pu, pt = parts[:5]  # (the kernel's candidates are unordered)
     splits, n, _ = cand.shape
-    cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
+    top = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1)
     m, s, u = merge_parts(pm, ps, pu)
-    return cand, m, s, u, pt.sum(0)
+    if len(parts) == 5:
+        return top.values, m, s, u, pt.sum(0)
+    cols = parts[5].permute(1, 0, 2).reshape(n, splits * c).gather(1, top.indices)
+    return top.values, m, s, u, pt.sum(0), cols
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, budget: int, invariant: bool = False):
+                  trunc: Truncation, budget: int, invariant: bool = False, indices: bool = False):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -347,7 +389,9 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     crossing until it holds < C values, then the candidates below its top: 2 + the
     narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
     candidates passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
-    (a row's bits then do not depend on how many rows a later pass runs on)."""
+    (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
+    a fourth item, ``sparse``: (cand, columns, tau) of the first pass when every row's
+    kept set lies inside its candidates (the sparse backward's), else None."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -366,8 +410,9 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     def splits_of(rows_of_pass: Tensor) -> int:
         return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
 
-    cand, m, s, u, a_t = _merged_candidates(
-        LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on, splits=splits), c)
+    first = _merged_candidates(LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on, splits=splits,
+                                             indices=indices), c)
+    cand, m, s, u, a_t = first[:5]
     cc = min(c, v)
     cand = cand[:, :cc]
     tau, ok = resolve(cand, m, s, v, trunc)
@@ -376,8 +421,14 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     w = torch.where(all_in, s, w_c)
     uu = torch.where(all_in, u, u_c) if ent_on else None
     tau = tau.float()
-    if bool(ok.all()):  # (host sync: the rows left)
-        return tau, outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd), None
+    # the kept set inside the candidates: a finite tau (r < C), or every column a candidate
+    inside = ok & (~all_in | (v <= cc))
+    all_ok, all_inside = torch.stack([ok.all(), inside.all()]).tolist()  # (host sync: the rows left)
+    if all_ok:
+        outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
+        if not indices:
+            return tau, outs, None
+        return tau, outs, None, ((cand, first[5][:, :cc], tau) if all_inside else None)
     # rows left: tau known (min-p alone) or a top-p crossing to find (mass search)
     rows = (~ok).nonzero()[:, 0]
     tr = trunc.rows(rows)
@@ -477,4 +528,5 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         for o, f in zip(outs, min_p_outs):
             if o is not None:
                 o[rows[drows]] = f.to(o.dtype)
-    return tau, outs, (rows[left] if bool(left.any()) else None)
+    left = rows[left] if bool(left.any()) else None
+    return (tau, outs, left, None) if indices else (tau, outs, left)
