@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Truncated log-probs (issue 38) on one GPU, from the worktree's root (<= ~8 min):
+# Truncated log-probs (issue 38) on one GPU, from the worktree's root (<= ~9 min):
 #   OUT=<dir> bash benchmarks/gpu/rl_truncated.sh
 # 1. the truncated / batch-invariant tests on the GPU (<= 270 s: 150 no longer covered them);
 # 2. the rl suite's truncated rows on qwen3-8b-8k (8192 x 4096 x 151936 bf16, T = 0.7: flat rows),

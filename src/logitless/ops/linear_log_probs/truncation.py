@@ -180,8 +180,7 @@ class _TruncatedLogProbs(torch.autograd.Function):
             keep = not block and any(ctx.needs_input_grad[:3]) and (trunc is None or opts.softcap is None)
             kept = None
             # the sparse backward (every row's kept set inside its candidates): their columns
-            sparse = [] if (trunc is not None and sharded is None and any(ctx.needs_input_grad[:3])
-                            and _sparse_device(x.device)) else None
+            sparse = [] if (trunc is not None and sharded is None and any(ctx.needs_input_grad[:3])) else None
             logp = x.new_empty(n, dtype=sd)
             ent = x.new_empty(n, dtype=sd) if opts.entropy else None
             lse = x.new_empty(n, dtype=sd)
@@ -278,14 +277,6 @@ class _TruncatedLogProbs(torch.autograd.Function):
         if need_db and has_bias:
             db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
         return dx, dw, db, None, None, None, None, None, None, None
-
-
-def _sparse_device(device) -> bool:
-    """Whether the sparse backward runs (its candidates kernel variant keeps the columns):
-    not on AMD GPUs (that variant's registers are not checked there: the dense one)."""
-    from logitless.planning import rocm
-
-    return rocm.arch(device) is None
 
 
 def _sparse_backward(ctx, x, weight, bias, tokens, lse, ent, g_lp, g_h, v):
