@@ -10,10 +10,12 @@ follows (GEMM passes of the forward: 1, 2, 2 + the narrowings). Otherwise (torch
 larger top_k, rows the search leaves: ties past the candidates) ``thresholds``: chunked
 GEMMs (torch's or the forward kernel's tile code) with a running top-C per row, rows not
 settled run again with 4x as many, then the backend's forward with that per-token tau
-(``tau=``: columns a < tau drop out of the statistics and of dz). The backward is the
-default op's with tau (Triton: 3 GEMMs; 2 when the forward ran and kept columns, which
-it does not with a soft-cap nor under batch_invariant). Host syncs: the largest top_k,
-and per pass the check of the rows left.
+(``tau=``: columns a < tau drop out of the statistics and of dz). The backward: when
+``search_triton`` found every row's kept set inside its first candidates (their columns
+kept by the kernel when gradients are needed), the sparse one (``triton_lib.
+log_probs_sparse``: no GEMM); else the default op's with tau (Triton: 3 GEMMs; 2 when the
+forward ran and kept columns, which it does not with a soft-cap nor under
+batch_invariant). Host syncs: the largest top_k, and per pass the check of the rows left.
 
 Batch invariance: the forward's rows go through the backends in blocks of a fixed size
 (``invariant_rows``: it depends on the backend and device only), the last block padded
