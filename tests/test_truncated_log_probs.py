@@ -589,3 +589,20 @@ def test_triton_sparse_backward_empty_and_partial_grads(monkeypatch):
         (g,) = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), (one[i],))
         assert torch.equal(g, all_g[i])
     assert calls["dense"] == 0 and calls["sparse"] == 4
+
+
+def test_triton_sparse_backward_strided_weight(monkeypatch):
+    """W as a transposed view ((H, V) storage, a tied embedding's layout): the sparse
+    backward's gradients are those of the contiguous W, and dW comes back row-major."""
+    x, w, b, t = _inputs((5,), 15, 211, seed=67, bias=True)
+    calls = _sparse_calls(monkeypatch)
+    grads = []
+    strided = w.T.contiguous().T
+    assert strided.stride() == (1, 211)
+    for wv in (w, strided):
+        xg, wg = x.clone().requires_grad_(), wv.detach().requires_grad_()
+        lp = logitless.linear_log_probs(xg, wg, t, b, backend="triton", top_k=6, temperature=0.9)
+        grads.append(torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), (xg, wg)))
+    for a, r in zip(*grads):
+        assert torch.equal(a, r)
+    assert calls == dict(sparse=2, dense=0)

@@ -112,7 +112,7 @@ def sparse_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dz: Tenso
     v, h = weight.shape
     dx = dw = db = None
     if need_dx:
-        dx = torch.empty_like(x)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (row-major whatever x's strides)
         if n:
             sparse_dx_kernel[(n, triton.cdiv(h, BLOCK_H))](
                 dz, col.to(torch.int32).contiguous(), cnt, weight, dx, h, k, weight.stride(0), weight.stride(1),
@@ -122,8 +122,8 @@ def sparse_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dz: Tenso
         rows = torch.div(perm, k, rounding_mode="floor").to(torch.int32)
         dzs = dz.reshape(-1)[perm].contiguous()
         starts = torch.searchsorted(flat, torch.arange(v + 1, device=dz.device, dtype=flat.dtype)).to(torch.int32)
-        dw = torch.empty_like(weight) if need_dw else torch.empty((v, 0), dtype=weight.dtype, device=x.device)
-        db = torch.empty_like(bias) if need_db else None
+        dw = torch.empty((v, h if need_dw else 0), dtype=weight.dtype, device=x.device)
+        db = torch.empty(v, dtype=bias.dtype, device=x.device) if need_db else None
         if v:
             sparse_dw_kernel[(v, max(1, triton.cdiv(dw.shape[1], BLOCK_H)))](
                 dzs, rows, starts, x, dw, db if need_db else dzs, dw.shape[1], x.stride(0), x.stride(1),
