@@ -495,6 +495,7 @@ SPARSE = {
     "per_token_k": (dict(top_k=(1, 30)), dict(temperature=0.8, softcap=3.0), 389, 1, True),
     "ties_at_kth": (dict(top_k=7), dict(), 262, 2, True),  # (each value twice: 8 kept)
     "ties_past_c": (dict(top_k=3), dict(), 263, 1, True),  # (80 tied largest: the dense fallback)
+    "mixed_top_p": (dict(top_p=0.8), dict(temperature=0.5), 1031, 1, True),  # (flat rows: dense, the rest sparse)
 }
 
 
@@ -505,6 +506,8 @@ def _sparse_inputs(case, n):
         trunc = dict(top_k=torch.randint(*trunc["top_k"], (n,), generator=torch.Generator().manual_seed(3)))
     x, w, b, _ = _inputs((n,), 15, v // rep, seed=59, scale=3.0, bias=has_bias)
     x, w, b = x.cpu().double(), w.cpu().double(), b.cpu().double() if b is not None else None
+    if case == "mixed_top_p":
+        x[::3] *= 0.02  # (flat rows: top-p keeps hundreds, the mass search)
     w, b = w.repeat(rep, 1), (b.repeat(rep) if b is not None else None)
     if case == "ties_past_c":
         w[:80], b[:80] = w[0], 20.0
@@ -527,6 +530,9 @@ def test_triton_sparse_backward(case, entropy, monkeypatch):
     reference's autograd, with upstream gradients on log p and entropy, ignored tokens,
     tokens outside the kept set; a directional finite difference of the reference; the
     forward's outputs bitwise those without gradients (the kernel keeping columns)."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)  # (a faster interpreter)
     n = 9
     x, w, b, t, trunc, opts = _sparse_inputs(case, n)
     dev = {k: (u.to(DEVICE) if isinstance(u, torch.Tensor) else u) for k, u in trunc.items()}
@@ -545,7 +551,7 @@ def test_triton_sparse_backward(case, entropy, monkeypatch):
         loss = loss + (ent * g_h.to(DEVICE).float()).sum()
     ins = (xg, wg) + ((bg,) if bg is not None else ())
     ours = torch.autograd.grad(loss, ins)
-    assert calls == (dict(sparse=0, dense=1) if case == "ties_past_c" else dict(sparse=1, dense=0))
+    assert calls == dict(sparse=int(case != "ties_past_c"), dense=int(case in ("ties_past_c", "mixed_top_p")))
     ref_in = tuple(u.detach().cpu().double().requires_grad_() for u in ins)
 
     def ref_loss(xr, wr, br=None):
@@ -571,24 +577,32 @@ def test_triton_sparse_backward(case, entropy, monkeypatch):
     assert abs(ours_d - fd) < 1e-3 * max(1.0, abs(fd))
 
 
-def test_triton_sparse_backward_empty_and_partial_grads(monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_triton_sparse_backward_empty_and_partial_grads(mixed, monkeypatch):
     """An empty batch gives zero gradients; only some inputs needing gradients (dx alone,
-    dW alone) gives the same ones as all."""
-    x, w, b, t = _inputs((6,), 15, 211, seed=61, bias=True)
+    dW alone, db alone) gives the same ones as all; ``mixed``: some rows through the
+    dense backward (flat rows, top-p past the candidates), dW and db summed onto."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
+    x, w, b, t = _inputs((6,), 15, 211 if not mixed else 1031, seed=61, bias=True)
+    trunc = dict(top_p=0.8, temperature=0.5) if mixed else dict(top_k=4, temperature=0.8)
+    if mixed:
+        x[::3] *= 0.02
     calls = _sparse_calls(monkeypatch)
     wg = w.clone().requires_grad_()
     lp = logitless.linear_log_probs(x[:0].clone().requires_grad_(), wg, t[:0], b, backend="triton", top_k=4)
     (dw,) = torch.autograd.grad(lp.sum(), (wg,), allow_unused=True)
     assert dw is None or (dw == 0).all()
     full = [u.clone().requires_grad_() for u in (x, w, b)]
-    lp = logitless.linear_log_probs(*full[:2], t, full[2], backend="triton", top_k=4, temperature=0.8)
+    lp = logitless.linear_log_probs(*full[:2], t, full[2], backend="triton", **trunc)
     all_g = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), full)
     for i in range(3):
         one = [u.clone().requires_grad_(j == i) for j, u in enumerate((x, w, b))]
-        lp = logitless.linear_log_probs(*one[:2], t, one[2], backend="triton", top_k=4, temperature=0.8)
+        lp = logitless.linear_log_probs(*one[:2], t, one[2], backend="triton", **trunc)
         (g,) = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), (one[i],))
-        assert torch.equal(g, all_g[i])
-    assert calls["dense"] == 0 and calls["sparse"] == 4
+        assert torch.equal(g, all_g[i]) if not mixed else (g - all_g[i]).abs().max() < 1e-6
+    assert calls == dict(sparse=4, dense=4 * mixed)
 
 
 def test_triton_sparse_backward_strided_weight(monkeypatch):

@@ -55,17 +55,21 @@ def sparse_dx_kernel(dz_ptr, col_ptr, cnt_ptr, w_ptr, dx_ptr, H, K, stride_wv, s
 
 @triton.jit
 def sparse_dw_kernel(dz_ptr, row_ptr, start_ptr, x_ptr, dw_ptr, db_ptr, H, stride_xn, stride_xh, stride_dwv,
-                     HAS_DB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr):
+                     HAS_DB: tl.constexpr, ADD: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (v, h block): dW[v, hs] = sum of dz x[row, hs] over the pairs
     [start[v], start[v + 1]) of the column-sorted lists, BLOCK_J a step; db[v] (h block 0)
-    the sum of their dz."""
+    the sum of their dz. ADD: onto dW's and db's values (the dense rows' part), in fp32."""
     v = tl.program_id(0)
     hb = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     s0 = tl.load(start_ptr + v)
     s1 = tl.load(start_ptr + v + 1)
-    acc = tl.zeros((BLOCK_H,), tl.float32)
+    row = dw_ptr + v.to(tl.int64) * stride_dwv + offs_h
+    if ADD:
+        acc = tl.load(row, mask=h_ok, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_H,), tl.float32)
     acc_b = tl.zeros((BLOCK_J,), tl.float32)
     for j0 in range(s0, s1, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
@@ -77,10 +81,13 @@ def sparse_dw_kernel(dz_ptr, row_ptr, start_ptr, x_ptr, dw_ptr, db_ptr, H, strid
         acc += tl.sum(dz[:, None] * xt, 0)
         if HAS_DB:
             acc_b += dz
-    tl.store(dw_ptr + v.to(tl.int64) * stride_dwv + offs_h, acc.to(dw_ptr.dtype.element_ty), mask=h_ok)
+    tl.store(row, acc.to(dw_ptr.dtype.element_ty), mask=h_ok)
     if HAS_DB:
         if hb == 0:
-            tl.store(db_ptr + v, tl.sum(acc_b, 0).to(db_ptr.dtype.element_ty))
+            b = tl.sum(acc_b, 0)
+            if ADD:
+                b += tl.load(db_ptr + v).to(tl.float32)
+            tl.store(db_ptr + v, b.to(db_ptr.dtype.element_ty))
 
 
 def sparse_dlogits(cand: Tensor, cols: Tensor, tau: Tensor, tokens: Tensor, lse: Tensor, coef: Tensor,
@@ -106,27 +113,34 @@ def sparse_dlogits(cand: Tensor, cols: Tensor, tau: Tensor, tokens: Tensor, lse:
 
 
 def sparse_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dz: Tensor, col: Tensor, cnt: Tensor, *,
-                    need_dx: bool, need_dw: bool, need_db: bool):
-    """(dx, dW, db) (each None when not needed) of the (dz, col, cnt) of ``sparse_dlogits``."""
+                    need_dx: bool, need_dw: bool, need_db: bool, dw: Optional[Tensor] = None,
+                    db: Optional[Tensor] = None):
+    """(dx, dW, db) (each None when not needed) of the (dz, col, cnt) of ``sparse_dlogits``;
+    ``dw``, ``db`` (row-major, the dense rows' part): summed onto, in place."""
     n, k = dz.shape
     v, h = weight.shape
-    dx = dw = db = None
+    add = dw is not None or db is not None
+    assert not add or ((dw is not None) == need_dw and (db is not None) == need_db)
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (row-major whatever x's strides)
         if n:
             sparse_dx_kernel[(n, triton.cdiv(h, BLOCK_H))](
                 dz, col.to(torch.int32).contiguous(), cnt, weight, dx, h, k, weight.stride(0), weight.stride(1),
                 dx.stride(0), BLOCK_J=BLOCK_J, BLOCK_H=BLOCK_H, num_warps=4)
+    else:
+        dx = None
     if need_dw or need_db:
         flat, perm = torch.sort(col.reshape(-1), stable=True)  # (rows ascending within a column)
         rows = torch.div(perm, k, rounding_mode="floor").to(torch.int32)
         dzs = dz.reshape(-1)[perm].contiguous()
         starts = torch.searchsorted(flat, torch.arange(v + 1, device=dz.device, dtype=flat.dtype)).to(torch.int32)
-        dw = torch.empty((v, h if need_dw else 0), dtype=weight.dtype, device=x.device)
-        db = torch.empty(v, dtype=bias.dtype, device=x.device) if need_db else None
+        if dw is None:
+            dw = torch.empty((v, h if need_dw else 0), dtype=weight.dtype, device=x.device)
+        if need_db and db is None:
+            db = torch.empty(v, dtype=bias.dtype, device=x.device)
         if v:
             sparse_dw_kernel[(v, max(1, triton.cdiv(dw.shape[1], BLOCK_H)))](
                 dzs, rows, starts, x, dw, db if need_db else dzs, dw.shape[1], x.stride(0), x.stride(1),
-                dw.stride(0), HAS_DB=need_db, BLOCK_J=BLOCK_J, BLOCK_H=BLOCK_H, num_warps=4)
+                dw.stride(0), HAS_DB=need_db, ADD=add, BLOCK_J=BLOCK_J, BLOCK_H=BLOCK_H, num_warps=4)
         dw = dw if need_dw else None
     return dx, dw, db

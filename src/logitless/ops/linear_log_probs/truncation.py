@@ -225,8 +225,13 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     ent[n0:n1] = en[:n1 - n0].to(sd)
         ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
         ctx.args = (opts, impl, budget, block, bias is not None, sharded)
+        ctx.sparse = None
+        if sparse:  # the sparse backward for the rows inside their candidates, the dense one for the rest
+            cand, cols, inside = (torch.cat(parts) for parts in zip(*sparse))
+            dense = (~inside).nonzero()[:, 0]  # (host sync: the dense rows)
+            if dense.numel() < n:
+                ctx.sparse, kept = (cand, cols, dense), None
         ctx.kept = kept  # (consumed by the first backward, as the custom op's)
-        ctx.sparse = tuple(torch.cat(parts) for parts in zip(*sparse)) if sparse else None
         if ent is None:
             ent = x.new_empty(0, dtype=sd)
         return logp, ent
@@ -242,8 +247,9 @@ class _TruncatedLogProbs(torch.autograd.Function):
         sd = compute_dtype(x.dtype)
         if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
             g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
-        if ctx.sparse is not None:  # every row's kept set inside its candidates: no GEMM
-            return _sparse_backward(ctx, x, weight, bias, tokens, lse, ent, g_lp, g_h, v) + (None,) * 7
+        if ctx.sparse is not None:  # kept sets inside the candidates: no GEMM for those rows
+            return _sparse_backward(ctx, backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h,
+                                    v) + (None,) * 7
         dx = torch.zeros_like(x) if need_dx else None
         dw = db = None
         with no_autocast(x.device):
@@ -281,21 +287,35 @@ class _TruncatedLogProbs(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def _sparse_backward(ctx, x, weight, bias, tokens, lse, ent, g_lp, g_h, v):
-    """(dx, dW, db) of the rows' kept candidates (``triton_lib.log_probs_sparse``)."""
+def _sparse_backward(ctx, backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v):
+    """(dx, dW, db): the sparse backward (``triton_lib.log_probs_sparse``) of the rows
+    whose kept set lies in their candidates, onto the dense backward of the others
+    (``dense``, indices: the backend's over those rows only, tau as the forward's)."""
     from logitless.triton_lib import log_probs_sparse as LS
 
-    from . import triton_backend
-
-    opts = ctx.args[0]
+    opts, _, budget = ctx.args[:3]
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    cand, cols, tau = ctx.sparse
+    need_db = need_db and bias is not None
+    cand, cols, dense = ctx.sparse
     with no_autocast(x.device):
-        coef = triton_backend.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
+        coef = backend.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
+        tau = taus.index_fill(0, dense, math.inf)  # (the dense rows: nothing kept here)
         dz, col, cnt = LS.sparse_dlogits(cand, cols, tau, tokens, lse, coef, opts.softcap, opts.temperature,
                                          opts.entropy, v)
-        return LS.sparse_backward(x, weight, bias, dz, col, cnt, need_dx=need_dx, need_dw=need_dw,
-                                  need_db=need_db and bias is not None)
+        bx = bw = bb = None
+        if dense.numel():
+            xd = x[dense]
+            plan = backend.plan(xd, weight, bias, opts, budget=budget, need_grad=False, cute=False)
+            bx, bw, bb = backend.backward(xd, weight, bias, tokens[dense], opts, lse[dense],
+                                          coef[:, dense].contiguous(), need_dx=need_dx, need_dw=need_dw,
+                                          need_db=need_db, budget=budget, tau=taus[dense], plan=plan)
+        dx, dw, db = LS.sparse_backward(x, weight, bias, dz, col, cnt, need_dx=need_dx, need_dw=need_dw,
+                                        need_db=need_db, dw=bw.contiguous() if bw is not None else None,
+                                        db=bb.contiguous() if bb is not None else None)
+        if bx is not None:
+            dx[dense] = bx.to(dx.dtype)
+        return (dx, dw.to(weight.dtype) if dw is not None else None,
+                db.to(bias.dtype) if db is not None else None)
 
 
 def _searches(impl: str, trunc: Truncation) -> bool:
@@ -383,8 +403,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
     candidates passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
     (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
-    a fourth item, ``sparse``: (cand, columns, tau) of the first pass when every row's
-    kept set lies inside its candidates (the sparse backward's), else None."""
+    a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
+    rows whose kept set (a >= the returned tau) lies in their candidates."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -415,13 +435,10 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     uu = torch.where(all_in, u, u_c) if ent_on else None
     tau = tau.float()
     # the kept set inside the candidates: a finite tau (r < C), or every column a candidate
-    inside = ok & (~all_in | (v <= cc))
-    all_ok, all_inside = torch.stack([ok.all(), inside.all()]).tolist()  # (host sync: the rows left)
-    if all_ok:
+    sparse = (cand, first[5][:, :cc], ok & (~all_in | (v <= cc))) if indices else None
+    if bool(ok.all()):  # (host sync: the rows left)
         outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
-        if not indices:
-            return tau, outs, None
-        return tau, outs, None, ((cand, first[5][:, :cc], tau) if all_inside else None)
+        return (tau, outs, None, sparse) if indices else (tau, outs, None)
     # rows left: tau known (min-p alone) or a top-p crossing to find (mass search)
     rows = (~ok).nonzero()[:, 0]
     tr = trunc.rows(rows)
@@ -522,4 +539,4 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             if o is not None:
                 o[rows[drows]] = f.to(o.dtype)
     left = rows[left] if bool(left.any()) else None
-    return (tau, outs, left, None) if indices else (tau, outs, left)
+    return (tau, outs, left, sparse) if indices else (tau, outs, left)
