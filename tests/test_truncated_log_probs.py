@@ -620,3 +620,26 @@ def test_triton_sparse_backward_strided_weight(monkeypatch):
     for a, r in zip(*grads):
         assert torch.equal(a, r)
     assert calls == dict(sparse=2, dense=0)
+
+
+def test_triton_fallback_rows_forward_alone(monkeypatch):
+    """Rows the search leaves (a tie of 80 values past the candidates) run the chunked pass
+    and a forward over themselves only; the other rows keep the search's outputs. Against
+    the float64 reference, log p, entropy and gradients."""
+    from logitless.ops.linear_log_probs import triton_backend
+
+    x, w, b, t, _, _ = _sparse_inputs("ties_past_c", 8)
+    top_k = torch.tensor([3, 0, 3, 0, 0, 5, 0, 0])  # (0: off, every column kept)
+    t = t.clamp_min(0)
+    rows, forward = [], triton_backend.forward
+    monkeypatch.setattr(triton_backend, "forward", lambda x, *a, **k: rows.append(x.shape[0]) or forward(x, *a, **k))
+    xg, wg, bg = (u.clone().requires_grad_() for u in (x, w, b))
+    lp, ent = logitless.linear_log_probs(xg, wg, t, bg, entropy=True, backend="triton", top_k=top_k.to(DEVICE))
+    assert rows == [3]
+    ref = [u.detach().cpu().double().requires_grad_() for u in (x, w, b)]
+    rl, re = truncated_log_probs_reference(ref[0], ref[1], t.cpu(), ref[2], top_k=top_k)
+    _check(lp.detach().cpu(), ent.detach().cpu(), rl.detach(), re.detach())
+    ours = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum() + ent.sum(), (xg, wg, bg))
+    theirs = torch.autograd.grad(torch.where(torch.isinf(rl), 0.0, rl).sum() + re.sum(), ref)
+    for a, r in zip(ours, theirs):
+        assert (a.cpu().double() - r).abs().max() < 1e-4

@@ -10,11 +10,12 @@ follows (GEMM passes of the forward: 1, 2, 2 + the narrowings). Otherwise (torch
 larger top_k, rows the search leaves: ties past the candidates) ``thresholds``: chunked
 GEMMs (torch's or the forward kernel's tile code) with a running top-C per row, rows not
 settled run again with 4x as many, then the backend's forward with that per-token tau
-(``tau=``: columns a < tau drop out of the statistics and of dz). The backward: when
-``search_triton`` found every row's kept set inside its first candidates (their columns
-kept by the kernel when gradients are needed), the sparse one (``triton_lib.
-log_probs_sparse``: no GEMM); else the default op's with tau (Triton: 3 GEMMs; 2 when the
-forward ran and kept columns, which it does not with a soft-cap nor under
+(``tau=``: columns a < tau drop out of the statistics and of dz; over the rows the search
+left only, but under batch_invariant). The backward: for the rows whose kept set
+``search_triton`` found inside their first candidates (their columns kept by the kernel
+when gradients are needed), the sparse one (``triton_lib.log_probs_sparse``: no GEMM),
+onto the default op's with tau over the other rows (Triton: 3 GEMMs; 2 when every row is
+dense and the forward ran and kept columns, which it does not with a soft-cap nor under
 batch_invariant). Host syncs: the largest top_k, and per pass the check of the rows left.
 
 Batch invariance: the forward's rows go through the backends in blocks of a fixed size
@@ -212,6 +213,13 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     continue
                 if outs is not None and left is None:  # every row's outputs from the threshold pass
                     lp, en, ls = outs
+                elif outs is not None and block is None:  # the forward over the fallback's rows only
+                    # (not under batch_invariant: a plan for these rows may tile them otherwise)
+                    xl = xb[left]
+                    plan = backend.plan(xl, weight, bias, opts, budget=budget, need_grad=False, cute=False)
+                    fl, _ = backend.forward(xl, weight, bias, tb[left], opts, plan=plan, budget=budget, outputs=True,
+                                            tau=tau[left])
+                    lp, en, ls = (_put(o, f, left) for o, f in zip(outs, fl))
                 else:
                     plan = backend.plan(xb, weight, bias, opts, budget=budget, need_grad=keep, cute=False)
                     (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, plan=plan, budget=budget,
@@ -332,6 +340,15 @@ def _take(ours: Optional[Tensor], theirs: Optional[Tensor], rows: Tensor) -> Opt
         return None
     ours = ours.clone()
     ours[rows] = theirs[rows].to(ours.dtype)
+    return ours
+
+
+def _put(ours: Optional[Tensor], rows_values: Optional[Tensor], rows: Tensor) -> Optional[Tensor]:
+    """``ours`` with its ``rows`` replaced by ``rows_values`` (one value per row)."""
+    if ours is None:
+        return None
+    ours = ours.clone()
+    ours[rows] = rows_values.to(ours.dtype)
     return ours
 
 
