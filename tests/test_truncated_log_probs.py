@@ -331,13 +331,16 @@ def test_triton_candidates_kernel_against_topk(splits):
     assert (mass.double().sum(0) - (e * ge).sum(2)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("c, splits, upper", [(4, 1, False), (8, 2, True), (16, 1, False)])
-def test_triton_candidates_filter_ties(c, splits, upper):
+@pytest.mark.parametrize("c, splits, upper, indices", [(4, 1, False, False), (8, 2, True, False),
+                                                       (16, 1, False, False), (8, 2, False, True),
+                                                       (16, 1, True, True)])
+def test_triton_candidates_filter_ties(c, splits, upper, indices):
     """The per-row filter with a small C over many tiles (63 per row: whole-tile merges
     while more than C values of a tile pass a row's floor, then values entering one at a
     time), every value of a row three times (W's rows in groups of three: ties at and
     around the C-th value): the candidates are bitwise torch.topk of the kernel's own a,
-    multiplicities included; with an upper bound, of a < hi."""
+    multiplicities included; with an upper bound, of a < hi. With the columns (the
+    sparse backward's): each is a distinct column holding its candidate's value."""
     from logitless.ops.linear_log_probs import triton_backend
     from logitless.ops.linear_log_probs.truncation import _merged_candidates
     from logitless.options import LogProbOptions
@@ -359,10 +362,14 @@ def test_triton_candidates_filter_ties(c, splits, upper):
         d = a.topk(12, dim=1).values
         hi = ((d[:, 8] + d[:, 9]) / 2).contiguous()
         ref_a = torch.where(a < hi[:, None], a, torch.full_like(a, -math.inf))
-    cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, w, b, t, plan, None, 0.7, c, False, hi=hi,
-                                                          splits=splits), c)
+    cand, m, s, u, a_t, *cols = _merged_candidates(LC.candidates(x, w, b, t, plan, None, 0.7, c, False, hi=hi,
+                                                                 splits=splits, indices=indices), c)
     ref = ref_a.topk(c, dim=1).values
     assert torch.equal(cand, ref)
+    if indices:
+        cols = cols[0].long()
+        assert torch.equal(ref_a.gather(1, cols), cand)
+        assert (cols.sort(1).values.diff(dim=1) > 0).all()  # (distinct columns)
     assert (ref[:, -1:] == ref_a).sum(1).min() >= 3  # (ties at the C-th value in every row)
     if not upper:
         assert torch.equal(m, a.max(1).values)
@@ -459,3 +466,180 @@ def test_triton_search_batch_invariant(monkeypatch):
                                           top_p=top_p[idx], min_p=min_p[idx])
 
     _rows_equal(fn, "triton")
+
+
+def _sparse_calls(monkeypatch):
+    """Counts of the sparse backward's and the dense backward's launches."""
+    from logitless.ops.linear_log_probs import triton_backend
+    from logitless.triton_lib import log_probs_sparse as LS
+
+    calls = dict(sparse=0, dense=0)
+
+    def counted(name, f):
+        def g(*a, **k):
+            calls[name] += 1
+            return f(*a, **k)
+        return g
+
+    monkeypatch.setattr(LS, "sparse_backward", counted("sparse", LS.sparse_backward))
+    monkeypatch.setattr(triton_backend, "backward", counted("dense", triton_backend.backward))
+    return calls
+
+
+SPARSE = {
+    # (truncation, options, V, W's rows repeated, bias): every row's kept set inside its candidates
+    "top_k_softcap": (dict(top_k=7), dict(temperature=0.7, softcap=4.0), 523, 1, True),
+    "k_p": (dict(top_k=20, top_p=0.8), dict(temperature=1.2), 401, 1, False),
+    "k_min_p": (dict(top_k=5, min_p=0.05), dict(), 301, 1, True),
+    "peaked_top_p": (dict(top_p=0.8), dict(temperature=0.4), 1031, 1, False),
+    "per_token_k": (dict(top_k=(1, 30)), dict(temperature=0.8, softcap=3.0), 389, 1, True),
+    "ties_at_kth": (dict(top_k=7), dict(), 262, 2, True),  # (each value twice: 8 kept)
+    "ties_past_c": (dict(top_k=3), dict(), 263, 1, True),  # (80 tied largest: the dense fallback)
+    "mixed_top_p": (dict(top_p=0.8), dict(temperature=0.5), 1031, 1, True),  # (flat rows: dense, the rest sparse)
+}
+
+
+def _sparse_inputs(case, n):
+    """x, w, b, tokens (60% drawn from the kept set, one ignored), trunc, opts."""
+    trunc, opts, v, rep, has_bias = SPARSE[case]
+    if case == "per_token_k":
+        trunc = dict(top_k=torch.randint(*trunc["top_k"], (n,), generator=torch.Generator().manual_seed(3)))
+    x, w, b, _ = _inputs((n,), 15, v // rep, seed=59, scale=3.0, bias=has_bias)
+    x, w, b = x.cpu().double(), w.cpu().double(), b.cpu().double() if b is not None else None
+    if case == "mixed_top_p":
+        x[::3] *= 0.02  # (flat rows: top-p keeps hundreds, the mass search)
+    w, b = w.repeat(rep, 1), (b.repeat(rep) if b is not None else None)
+    if case == "ties_past_c":
+        w[:80], b[:80] = w[0], 20.0
+    z = x @ w.T + (b if b is not None else 0)
+    if opts.get("softcap"):
+        z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    keep = truncated_keep_reference(z / opts.get("temperature", 1.0), **trunc)
+    g = torch.Generator().manual_seed(4)
+    t = torch.where(torch.rand(n, generator=g) < 0.6, torch.multinomial(keep.double(), 1, generator=g)[:, 0],
+                    torch.randint(0, w.shape[0], (n,), generator=g))
+    t[2] = -100
+    cast = lambda u: u.float().contiguous().to(DEVICE) if u is not None else None  # noqa: E731
+    return cast(x), cast(w), cast(b), t.to(DEVICE), trunc, opts
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+@pytest.mark.parametrize("case", list(SPARSE))
+def test_triton_sparse_backward(case, entropy, monkeypatch):
+    """The backward from the candidates' columns (no GEMM) against the float64
+    reference's autograd, with upstream gradients on log p and entropy, ignored tokens,
+    tokens outside the kept set; a directional finite difference of the reference; the
+    forward's outputs bitwise those without gradients (the kernel keeping columns)."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)  # (a faster interpreter)
+    n = 9
+    x, w, b, t, trunc, opts = _sparse_inputs(case, n)
+    dev = {k: (u.to(DEVICE) if isinstance(u, torch.Tensor) else u) for k, u in trunc.items()}
+    calls = _sparse_calls(monkeypatch)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    bg = b.clone().requires_grad_() if b is not None else None
+    out = logitless.linear_log_probs(xg, wg, t, bg, entropy=entropy, backend="triton", **opts, **dev)
+    lp, ent = out if entropy else (out, None)
+    plain = logitless.linear_log_probs(x, w, t, b, entropy=entropy, backend="triton", **opts, **dev)
+    assert torch.equal(lp, plain[0] if entropy else plain)
+    gen = torch.Generator().manual_seed(7)
+    g_lp = torch.randn(n, generator=gen, dtype=torch.float64)
+    g_h = torch.randn(n, generator=gen, dtype=torch.float64)
+    loss = (torch.where(torch.isinf(lp), torch.zeros_like(lp), lp) * g_lp.to(DEVICE).float()).sum()
+    if entropy:
+        loss = loss + (ent * g_h.to(DEVICE).float()).sum()
+    ins = (xg, wg) + ((bg,) if bg is not None else ())
+    ours = torch.autograd.grad(loss, ins)
+    assert calls == dict(sparse=int(case != "ties_past_c"), dense=int(case in ("ties_past_c", "mixed_top_p")))
+    ref_in = tuple(u.detach().cpu().double().requires_grad_() for u in ins)
+
+    def ref_loss(xr, wr, br=None):
+        rl, re = truncated_log_probs_reference(xr, wr, t.cpu(), br, **opts, **trunc)
+        f = (torch.where(torch.isinf(rl), torch.zeros_like(rl), rl) * g_lp).sum()
+        return f + (re * g_h).sum() if entropy else f
+
+    theirs = torch.autograd.grad(ref_loss(*ref_in), ref_in)
+    rl, _ = truncated_log_probs_reference(*(u.detach() for u in ref_in[:2]), t.cpu(),
+                                          ref_in[2].detach() if bg is not None else None, **opts, **trunc)
+    assert torch.isinf(rl).any() and torch.isfinite(rl[rl != 0]).any()  # (tokens in and out of the set)
+    for a, r in zip(ours, theirs):
+        assert (a.cpu().double() - r).abs().max() < 1e-4
+    # a directional finite difference of the reference (the kept sets do not change; with
+    # ties, along x only: W's equal rows stay equal)
+    d = tuple(torch.randn(u.shape, generator=gen, dtype=torch.float64) * (i == 0 or "ties" not in case)
+              for i, u in enumerate(ref_in))
+    eps = 1e-6
+    with torch.no_grad():
+        fd = (ref_loss(*(u + eps * e for u, e in zip(ref_in, d)))
+              - ref_loss(*(u - eps * e for u, e in zip(ref_in, d)))) / (2 * eps)
+    ours_d = sum((a.cpu().double() * e).sum() for a, e in zip(ours, d))
+    assert abs(ours_d - fd) < 1e-3 * max(1.0, abs(fd))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_triton_sparse_backward_empty_and_partial_grads(mixed, monkeypatch):
+    """An empty batch gives zero gradients; only some inputs needing gradients (dx alone,
+    dW alone, db alone) gives the same ones as all; ``mixed``: some rows through the
+    dense backward (flat rows, top-p past the candidates), dW and db summed onto."""
+    from logitless.ops.linear_log_probs import truncation as tr_op
+
+    monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
+    x, w, b, t = _inputs((6,), 15, 211 if not mixed else 1031, seed=61, bias=True)
+    trunc = dict(top_p=0.8, temperature=0.5) if mixed else dict(top_k=4, temperature=0.8)
+    if mixed:
+        x[::3] *= 0.02
+    calls = _sparse_calls(monkeypatch)
+    wg = w.clone().requires_grad_()
+    lp = logitless.linear_log_probs(x[:0].clone().requires_grad_(), wg, t[:0], b, backend="triton", top_k=4)
+    (dw,) = torch.autograd.grad(lp.sum(), (wg,), allow_unused=True)
+    assert dw is None or (dw == 0).all()
+    full = [u.clone().requires_grad_() for u in (x, w, b)]
+    lp = logitless.linear_log_probs(*full[:2], t, full[2], backend="triton", **trunc)
+    all_g = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), full)
+    for i in range(3):
+        one = [u.clone().requires_grad_(j == i) for j, u in enumerate((x, w, b))]
+        lp = logitless.linear_log_probs(*one[:2], t, one[2], backend="triton", **trunc)
+        (g,) = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), (one[i],))
+        assert torch.equal(g, all_g[i]) if not mixed else (g - all_g[i]).abs().max() < 1e-6
+    assert calls == dict(sparse=4, dense=4 * mixed)
+
+
+def test_triton_sparse_backward_strided_weight(monkeypatch):
+    """W as a transposed view ((H, V) storage, a tied embedding's layout): the sparse
+    backward's gradients are those of the contiguous W, and dW comes back row-major."""
+    x, w, b, t = _inputs((5,), 15, 211, seed=67, bias=True)
+    calls = _sparse_calls(monkeypatch)
+    grads = []
+    strided = w.T.contiguous().T
+    assert strided.stride() == (1, 211)
+    for wv in (w, strided):
+        xg, wg = x.clone().requires_grad_(), wv.detach().requires_grad_()
+        lp = logitless.linear_log_probs(xg, wg, t, b, backend="triton", top_k=6, temperature=0.9)
+        grads.append(torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum(), (xg, wg)))
+    for a, r in zip(*grads):
+        assert torch.equal(a, r)
+    assert calls == dict(sparse=2, dense=0)
+
+
+def test_triton_fallback_rows_forward_alone(monkeypatch):
+    """Rows the search leaves (a tie of 80 values past the candidates) run the chunked pass
+    and a forward over themselves only; the other rows keep the search's outputs. Against
+    the float64 reference, log p, entropy and gradients."""
+    from logitless.ops.linear_log_probs import triton_backend
+
+    x, w, b, t, _, _ = _sparse_inputs("ties_past_c", 8)
+    top_k = torch.tensor([3, 0, 3, 0, 0, 5, 0, 0])  # (0: off, every column kept)
+    t = t.clamp_min(0)
+    rows, forward = [], triton_backend.forward
+    monkeypatch.setattr(triton_backend, "forward", lambda x, *a, **k: rows.append(x.shape[0]) or forward(x, *a, **k))
+    xg, wg, bg = (u.clone().requires_grad_() for u in (x, w, b))
+    lp, ent = logitless.linear_log_probs(xg, wg, t, bg, entropy=True, backend="triton", top_k=top_k.to(DEVICE))
+    assert rows == [3]
+    ref = [u.detach().cpu().double().requires_grad_() for u in (x, w, b)]
+    rl, re = truncated_log_probs_reference(ref[0], ref[1], t.cpu(), ref[2], top_k=top_k)
+    _check(lp.detach().cpu(), ent.detach().cpu(), rl.detach(), re.detach())
+    ours = torch.autograd.grad(torch.where(torch.isinf(lp), 0.0, lp).sum() + ent.sum(), (xg, wg, bg))
+    theirs = torch.autograd.grad(torch.where(torch.isinf(rl), 0.0, rl).sum() + re.sum(), ref)
+    for a, r in zip(ours, theirs):
+        assert (a.cpu().double() - r).abs().max() < 1e-4

@@ -69,11 +69,27 @@ def _insert_largest(rem, cand, floor, BLOCK_V: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _insert_largest_at(rem, cand, cidx, floor, col0, BLOCK_V: tl.constexpr, C: tl.constexpr):
+    """``_insert_largest`` carrying each candidate's column (``cidx``; the tile's first
+    column ``col0``): the value entering takes its column into the slot it fills."""
+    cols = tl.arange(0, BLOCK_V)
+    slots = tl.arange(0, C)
+    v = tl.max(rem, 1)
+    col = tl.min(tl.where(rem == v[:, None], cols[None, :], BLOCK_V), 1)
+    rem = tl.where(cols[None, :] == col[:, None], float("-inf"), rem)
+    slot = tl.min(tl.where(cand == floor[:, None], slots[None, :], C), 1)
+    hit = (slots[None, :] == slot[:, None]) & (v > floor)[:, None]
+    cand = tl.where(hit, v[:, None], cand)
+    cidx = tl.where(hit, (col0 + col)[:, None], cidx)
+    return rem, cand, cidx, tl.min(cand, 1)
+
+
+@triton.jit
 def candidates_kernel(
-    x_ptr, w_ptr, b_ptr, token_ptr, hi_ptr, cand_ptr, part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr,
+    x_ptr, w_ptr, b_ptr, token_ptr, hi_ptr, cand_ptr, idx_ptr, part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr,
     N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, blocks_per_split, softcap, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, HAS_UPPER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    IDX: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr,
 ):
     """Program (i, split): rows [i BLOCK_N, ...) over the split's vocabulary blocks;
@@ -85,7 +101,10 @@ def candidates_kernel(
     merges at once: its tl.topk, descending, against the candidates sorted ascending
     (the elementwise max holds the C largest of both). Otherwise each row's values above
     its floor enter one at a time, largest first (``_insert_largest``), as many steps as
-    the row with the most (0 when none: most tiles of a long split)."""
+    the row with the most (0 when none: most tiles of a long split).
+    IDX: also each candidate's column (idx (splits, N, C) int32, -1 where none; the
+    sparse backward's); every tile then goes by insertion, min(most, C) steps (the tile's
+    C largest are all that can enter), as no tl.topk carries the columns."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n, row_ok, token = row_tokens(token_ptr, pid_n, N, V, BLOCK_N)
@@ -94,6 +113,8 @@ def candidates_kernel(
     m, s, u, a_t = online_start(BLOCK_N)
     cand = tl.full((BLOCK_N, C), float("-inf"), tl.float32)
     floor = tl.full((BLOCK_N,), float("-inf"), tl.float32)  # the C-th candidate per row
+    if IDX:
+        cidx = tl.full((BLOCK_N, C), -1, tl.int32)
 
     first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in range(0, num_blocks):
@@ -109,7 +130,13 @@ def candidates_kernel(
         else:
             m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         most = tl.max(tl.sum((ac > floor[:, None]).to(tl.int32), 1), 0)
-        if most > C:
+        if IDX:
+            if most > 0:
+                rem = tl.where(ac > floor[:, None], ac, float("-inf"))
+                col0 = (first_block + i) * BLOCK_V
+                for _ in range(0, tl.minimum(most, C)):
+                    rem, cand, cidx, floor = _insert_largest_at(rem, cand, cidx, floor, col0, BLOCK_V, C)
+        elif most > C:
             cand = tl.maximum(tl.sort(cand, dim=1), tl.topk(ac, C, dim=1))
             floor = tl.min(cand, 1)
         elif most > 0:
@@ -121,6 +148,8 @@ def candidates_kernel(
                          a_t, ENTROPY)
     slots = tl.arange(0, C)
     tl.store(cand_ptr + out[:, None] * C + slots[None, :], cand, mask=row_ok[:, None])
+    if IDX:
+        tl.store(idx_ptr + out[:, None] * C + slots[None, :], cidx, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -212,25 +241,28 @@ def _common(x, weight, bias, plan, softcap, temperature, block_v, splits):
 
 
 def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: int, entropy: bool, hi=None,
-               splits=None):
+               splits=None, indices: bool = False):
     """Per split: (cand (splits, n, c) unordered, max, sum, u or None, a at the token),
     fp32, of x's rows under the forward ``plan``'s tiles (block_v raised to c when c is
     larger), ``splits`` vocabulary splits (None: ``splits_for`` these rows). ``hi`` (n,)
-    fp32: candidates among a < hi only, the max, sum and u over a >= hi."""
+    fp32: candidates among a < hi only, the max, sum and u over a >= hi. ``indices``:
+    a sixth item, the candidates' columns (splits, n, c) int32 (-1: none)."""
     block_v = max(plan.block_v, c)
     plan = _rows_plan(plan, x.device)
     if splits is None:
         splits = splits_for(x.shape[0], weight.shape[0], plan, c, x.device)
     n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v, splits)
     cand = torch.empty(splits, n, c, dtype=torch.float32, device=x.device)
+    idx = torch.empty(splits, n, c, dtype=torch.int32, device=x.device) if indices else None
     parts = launch.partials(4, splits, n, x.device)
     if n:
         launch.launch_kernel(
             candidates_kernel, grid, *ops, bias if bias is not None else x, tokens,
-            hi if hi is not None else x, cand, *parts, *args,
-            ENTROPY=entropy, HAS_UPPER=hi is not None, C=c, **flags,
+            hi if hi is not None else x, cand, idx if indices else cand, *parts, *args,
+            ENTROPY=entropy, HAS_UPPER=hi is not None, IDX=indices, C=c, **flags,
         )
-    return cand, parts[0], parts[1], (parts[2] if entropy else None), parts[3]
+    out = (cand, parts[0], parts[1], (parts[2] if entropy else None), parts[3])
+    return out + (idx,) if indices else out
 
 
 def masses(x, weight, bias, plan, softcap, temperature: float, m, thr, splits=None):

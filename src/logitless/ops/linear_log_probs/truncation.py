@@ -10,10 +10,13 @@ follows (GEMM passes of the forward: 1, 2, 2 + the narrowings). Otherwise (torch
 larger top_k, rows the search leaves: ties past the candidates) ``thresholds``: chunked
 GEMMs (torch's or the forward kernel's tile code) with a running top-C per row, rows not
 settled run again with 4x as many, then the backend's forward with that per-token tau
-(``tau=``: columns a < tau drop out of the statistics and of dz). The backward is the
-default op's with tau (Triton: 3 GEMMs; 2 when the forward ran and kept columns, which
-it does not with a soft-cap nor under batch_invariant). Host syncs: the largest top_k,
-and per pass the check of the rows left.
+(``tau=``: columns a < tau drop out of the statistics and of dz; over the rows the search
+left only, but under batch_invariant). The backward: for the rows whose kept set
+``search_triton`` found inside their first candidates (their columns kept by the kernel
+when gradients are needed), the sparse one (``triton_lib.log_probs_sparse``: no GEMM),
+onto the default op's with tau over the other rows (Triton: 3 GEMMs; 2 when every row is
+dense and the forward ran and kept columns, which it does not with a soft-cap nor under
+batch_invariant). Host syncs: the largest top_k, and per pass the check of the rows left.
 
 Batch invariance: the forward's rows go through the backends in blocks of a fixed size
 (``invariant_rows``: it depends on the backend and device only), the last block padded
@@ -179,6 +182,8 @@ class _TruncatedLogProbs(torch.autograd.Function):
             # (a soft-cap with a threshold keeps nothing: ``triton_backend.forward``'s tau)
             keep = not block and any(ctx.needs_input_grad[:3]) and (trunc is None or opts.softcap is None)
             kept = None
+            # the sparse backward (every row's kept set inside its candidates): their columns
+            sparse = [] if (trunc is not None and sharded is None and any(ctx.needs_input_grad[:3])) else None
             logp = x.new_empty(n, dtype=sd)
             ent = x.new_empty(n, dtype=sd) if opts.entropy else None
             lse = x.new_empty(n, dtype=sd)
@@ -191,17 +196,30 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     if sharded is not None:  # (the chunked pass, merged over the group)
                         tau = sharded.thresholds(xb, weight, bias, opts, tr, budget)
                     elif xb.shape[0] and _searches(impl, tr):
-                        tau, outs, left = search_triton(xb, weight, bias, tb, opts, tr, budget,
-                                                        invariant=block is not None)
+                        tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, budget,
+                                                             invariant=block is not None,
+                                                             indices=sparse is not None)
+                        if sparse is not None and sp[0] is not None:
+                            sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
+                        else:
+                            sparse = None
                         if left is not None:  # (the chunked fallback for these rows)
                             tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
                     else:
                         tau = thresholds(xb, weight, bias, opts, tr, budget, impl)
+                        sparse = None if xb.shape[0] else sparse
                     taus[n0:n1] = tau[:n1 - n0]
                 if xb.shape[0] == 0:
                     continue
                 if outs is not None and left is None:  # every row's outputs from the threshold pass
                     lp, en, ls = outs
+                elif outs is not None and block is None:  # the forward over the fallback's rows only
+                    # (not under batch_invariant: a plan for these rows may tile them otherwise)
+                    xl = xb[left]
+                    plan = backend.plan(xl, weight, bias, opts, budget=budget, need_grad=False, cute=False)
+                    fl, _ = backend.forward(xl, weight, bias, tb[left], opts, plan=plan, budget=budget, outputs=True,
+                                            tau=tau[left])
+                    lp, en, ls = (_put(o, f, left) for o, f in zip(outs, fl))
                 else:
                     plan = backend.plan(xb, weight, bias, opts, budget=budget, need_grad=keep, cute=False)
                     (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, plan=plan, budget=budget,
@@ -215,6 +233,12 @@ class _TruncatedLogProbs(torch.autograd.Function):
                     ent[n0:n1] = en[:n1 - n0].to(sd)
         ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
         ctx.args = (opts, impl, budget, block, bias is not None, sharded)
+        ctx.sparse = None
+        if sparse:  # the sparse backward for the rows inside their candidates, the dense one for the rest
+            cand, cols, inside = (torch.cat(parts) for parts in zip(*sparse))
+            dense = (~inside).nonzero()[:, 0]  # (host sync: the dense rows)
+            if dense.numel() < n:
+                ctx.sparse, kept = (cand, cols, dense), None
         ctx.kept = kept  # (consumed by the first backward, as the custom op's)
         if ent is None:
             ent = x.new_empty(0, dtype=sd)
@@ -231,6 +255,9 @@ class _TruncatedLogProbs(torch.autograd.Function):
         sd = compute_dtype(x.dtype)
         if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
             g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
+        if ctx.sparse is not None:  # kept sets inside the candidates: no GEMM for those rows
+            return _sparse_backward(ctx, backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h,
+                                    v) + (None,) * 7
         dx = torch.zeros_like(x) if need_dx else None
         dw = db = None
         with no_autocast(x.device):
@@ -268,6 +295,37 @@ class _TruncatedLogProbs(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None
 
 
+def _sparse_backward(ctx, backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v):
+    """(dx, dW, db): the sparse backward (``triton_lib.log_probs_sparse``) of the rows
+    whose kept set lies in their candidates, onto the dense backward of the others
+    (``dense``, indices: the backend's over those rows only, tau as the forward's)."""
+    from logitless.triton_lib import log_probs_sparse as LS
+
+    opts, _, budget = ctx.args[:3]
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and bias is not None
+    cand, cols, dense = ctx.sparse
+    with no_autocast(x.device):
+        coef = backend.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
+        tau = taus.index_fill(0, dense, math.inf)  # (the dense rows: nothing kept here)
+        dz, col, cnt = LS.sparse_dlogits(cand, cols, tau, tokens, lse, coef, opts.softcap, opts.temperature,
+                                         opts.entropy, v)
+        bx = bw = bb = None
+        if dense.numel():
+            xd = x[dense]
+            plan = backend.plan(xd, weight, bias, opts, budget=budget, need_grad=False, cute=False)
+            bx, bw, bb = backend.backward(xd, weight, bias, tokens[dense], opts, lse[dense],
+                                          coef[:, dense].contiguous(), need_dx=need_dx, need_dw=need_dw,
+                                          need_db=need_db, budget=budget, tau=taus[dense], plan=plan)
+        dx, dw, db = LS.sparse_backward(x, weight, bias, dz, col, cnt, need_dx=need_dx, need_dw=need_dw,
+                                        need_db=need_db, dw=bw.contiguous() if bw is not None else None,
+                                        db=bb.contiguous() if bb is not None else None)
+        if bx is not None:
+            dx[dense] = bx.to(dx.dtype)
+        return (dx, dw.to(weight.dtype) if dw is not None else None,
+                db.to(bias.dtype) if db is not None else None)
+
+
 def _searches(impl: str, trunc: Truncation) -> bool:
     """Whether the threshold pass is the Triton candidates/mass search (``search_triton``):
     the Triton backend with top_k < MAX_CANDIDATES (else the chunked pass)."""
@@ -282,6 +340,15 @@ def _take(ours: Optional[Tensor], theirs: Optional[Tensor], rows: Tensor) -> Opt
         return None
     ours = ours.clone()
     ours[rows] = theirs[rows].to(ours.dtype)
+    return ours
+
+
+def _put(ours: Optional[Tensor], rows_values: Optional[Tensor], rows: Tensor) -> Optional[Tensor]:
+    """``ours`` with its ``rows`` replaced by ``rows_values`` (one value per row)."""
+    if ours is None:
+        return None
+    ours = ours.clone()
+    ours[rows] = rows_values.to(ours.dtype)
     return ours
 
 
@@ -326,15 +393,20 @@ def candidate_count(k_max: int) -> int:
 
 
 def _merged_candidates(parts, c: int):
-    cand, pm, ps, pu, pt = parts  # (the kernel's candidates are unordered)
+    """(cand (n, c) descending, m, s, u, a at the token[, columns (n, c)]) of the
+    kernel's per-split outputs (with the candidates' columns when it gave them)."""
+    cand, pm, ps, pu, pt = parts[:5]  # (the kernel's candidates are unordered)
     splits, n, _ = cand.shape
-    cand = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1).values
+    top = cand.permute(1, 0, 2).reshape(n, splits * c).topk(c, dim=1)
     m, s, u = merge_parts(pm, ps, pu)
-    return cand, m, s, u, pt.sum(0)
+    if len(parts) == 5:
+        return top.values, m, s, u, pt.sum(0)
+    cols = parts[5].permute(1, 0, 2).reshape(n, splits * c).gather(1, top.indices)
+    return top.values, m, s, u, pt.sum(0), cols
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, budget: int, invariant: bool = False):
+                  trunc: Truncation, budget: int, invariant: bool = False, indices: bool = False):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -347,7 +419,9 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     crossing until it holds < C values, then the candidates below its top: 2 + the
     narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
     candidates passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
-    (a row's bits then do not depend on how many rows a later pass runs on)."""
+    (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
+    a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
+    rows whose kept set (a >= the returned tau) lies in their candidates."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -366,8 +440,9 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     def splits_of(rows_of_pass: Tensor) -> int:
         return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
 
-    cand, m, s, u, a_t = _merged_candidates(
-        LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on, splits=splits), c)
+    first = _merged_candidates(LC.candidates(x, weight, bias, tokens, plan, sc, temp, c, ent_on, splits=splits,
+                                             indices=indices), c)
+    cand, m, s, u, a_t = first[:5]
     cc = min(c, v)
     cand = cand[:, :cc]
     tau, ok = resolve(cand, m, s, v, trunc)
@@ -376,8 +451,11 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     w = torch.where(all_in, s, w_c)
     uu = torch.where(all_in, u, u_c) if ent_on else None
     tau = tau.float()
+    # the kept set inside the candidates: a finite tau (r < C), or every column a candidate
+    sparse = (cand, first[5][:, :cc], ok & (~all_in | (v <= cc))) if indices else None
     if bool(ok.all()):  # (host sync: the rows left)
-        return tau, outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd), None
+        outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
+        return (tau, outs, None, sparse) if indices else (tau, outs, None)
     # rows left: tau known (min-p alone) or a top-p crossing to find (mass search)
     rows = (~ok).nonzero()[:, 0]
     tr = trunc.rows(rows)
@@ -477,4 +555,5 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         for o, f in zip(outs, min_p_outs):
             if o is not None:
                 o[rows[drows]] = f.to(o.dtype)
-    return tau, outs, (rows[left] if bool(left.any()) else None)
+    left = rows[left] if bool(left.any()) else None
+    return (tau, outs, left, sparse) if indices else (tau, outs, left)
