@@ -213,7 +213,8 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
             res = L.log_probs(r(n, v), target.clamp(min=0), backend="triton", **kw)
         elif op == "jsd":
             cap = kw.pop("softcap", None)
-            res = L.jsd(r(n, v), r(n, v, grad=False), target, student_softcap=cap, teacher_softcap=cap, backend="triton", **kw)
+            res = L.jsd(r(n, v), r(n, v, grad=False), target, student_softcap=cap, teacher_softcap=cap,
+                        backend="triton", **kw)
         out = res[0] if isinstance(res, tuple) else res
         if out.dim():
             out = out.float().sum()
@@ -405,7 +406,7 @@ def main(argv):
         summary = dict(triton=triton.__version__, archs=list(archs), launches=len(recs),
                        compiled=sum("vgpr" in r for r in results), skipped=sum("skipped" in r for r in results),
                        failed=[f"{r['arch']} {r['kernel']} {r['case']} {r['dtype']} {r['precision']}: "
-                               f"{r.get('error') or 'LDS %s' % r.get('lds')}"
+                               f"{r.get('error') or 'LDS ' + str(r.get('lds'))}"
                                for r in results if "error" in r or r.get("lds_ok") is False],
                        vgpr_spills=sorted({f"{r['arch']} {r['kernel'].split(':')[1]} {r['dtype']}: {r['vgpr_spill']}"
                                            for r in results if r.get("vgpr_spill")}))

@@ -168,7 +168,8 @@ def test_verify_correctness(case, monkeypatch):
 
     monkeypatch.setattr(torch.testing, "assert_close", recorded)
     torch.manual_seed(case)
-    _mod.TestLinearCrossEntropy(case).verify_correctness(iterations=int(os.environ.get("LOGITLESS_VERL_ITERATIONS", "2")))
+    iterations = int(os.environ.get("LOGITLESS_VERL_ITERATIONS", "2"))
+    _mod.TestLinearCrossEntropy(case).verify_correctness(iterations=iterations)
     bad = [(line, msg) for line, msg in results if msg is not None]
     summary = f"case {case}: {len(results) - len(bad)}/{len(results)} comparisons close"
     print(summary)
@@ -228,7 +229,8 @@ _chunked.linear_softmax_cross_entropy_loss_bwd_chunked_xla = _bwd
 ''',
         # the api test with test_impl="xla" compares tokamax's reference with itself; the
         # implementation-choice test inspects tokamax's dispatch (no tokamax op in the HLO)
-        "internal": re.compile(r"test_api_fwd_bwd_matches_reference_\w+_(sum|mean)_xla$|test_correct_implementation_used"),
+        "internal": re.compile(r"test_api_fwd_bwd_matches_reference_\w+_(sum|mean)_xla$"
+                               r"|test_correct_implementation_used"),
     },
 }
 
@@ -320,7 +322,8 @@ def main() -> int:
         for case in ET.parse(junit).getroot().iter("testcase"):
             name = f"{case.get('classname')}::{case.get('name')}"
             out = case.find("system-out")
-            summaries += [ln for ln in (out.text or "").splitlines() if "comparisons close" in ln] if out is not None else []
+            if out is not None:
+                summaries += [ln for ln in (out.text or "").splitlines() if "comparisons close" in ln]
             if PEERS[args.peer]["internal"].search(name):
                 internal.append(name)
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
@@ -335,7 +338,8 @@ def main() -> int:
             else:
                 counts["passed"] += 1
 
-    version = subprocess.run([args.python, "-c", f"import importlib.metadata as m; print(m.version({DIST[args.peer]!r}))"],
+    probe = f"import importlib.metadata as m; print(m.version({DIST[args.peer]!r}))"
+    version = subprocess.run([args.python, "-c", probe],
                              env=env, capture_output=True, text=True).stdout.strip()
     if args.peer in ("cce", "verl"):  # their __version__ (the repository's; verl from source has no metadata)
         module = {"cce": "cut_cross_entropy", "verl": "verl"}[args.peer]

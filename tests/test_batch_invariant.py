@@ -162,7 +162,8 @@ def _option_run(backend, case, inv, x, w, b, t, r):
     dtype = opt.pop("dtype", x.dtype)
     x, w, b = (u.to(dtype) for u in (x, w, b))
     if opt.pop("class_weight", False):
-        opt["class_weight"] = torch.rand(opt.get("vocab_size", w.shape[0]), generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
+        gen = torch.Generator().manual_seed(1)
+        opt["class_weight"] = torch.rand(opt.get("vocab_size", w.shape[0]), generator=gen).to(DEVICE) + 0.5
     opt.setdefault("reduction", "none")
     xs, ws, bs = (u.clone().requires_grad_() for u in (x, w, b))
     if opt.get("shift"):

@@ -19,7 +19,8 @@ def test_chosen_keeps_the_order_and_refuses_unknown_names():
 
 
 def test_write_results_and_table_report(tmp_path):
-    text = common.table_report(["# t", ""], ["a", "b"], [{"a": 1}, {"a": 2, "b": 3}], lambda v: "-" if v is None else str(v),
+    text = common.table_report(["# t", ""], ["a", "b"], [{"a": 1}, {"a": 2, "b": 3}],
+                               lambda v: "-" if v is None else str(v),
                                ["n1"])
     assert text == "# t\n\n| a | b |\n|---|---|\n| 1 | - |\n| 2 | 3 |\n\n- n1\n"
     paths = common.write_results(tmp_path / "out", ("s-1", "latest-s"), {"x": 1}, text)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from logitless_bench.shapes import MODEL_SHAPES
 from logitless_bench import compare, shapes
 from logitless_bench.cli import main as cli_main
+from logitless_bench.shapes import MODEL_SHAPES
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest-lce-H100.json"
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import logitless
-from logitless_bench.shapes import MODEL_SHAPES, SHAPES
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import override
+from logitless_bench.shapes import MODEL_SHAPES, SHAPES
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTIONS, check_against_reference, make_inputs
 

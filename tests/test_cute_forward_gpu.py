@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import logitless
-from logitless.options import CrossEntropyOptions
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
+from logitless.options import CrossEntropyOptions
 from logitless.planning import cute
 from logitless.planning.overrides import override
 from tests.helpers import assert_close_to_ref

@@ -26,7 +26,6 @@ import logitless
 from logitless.cute_lib import launch as cute_launch
 from logitless.planning import cute
 from logitless.planning.overrides import override
-
 from tests.conftest import DEVICE
 
 BACKEND = "triton"  # (the Triton interpreter on a CPU: tests/conftest.py)

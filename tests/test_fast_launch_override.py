@@ -113,8 +113,8 @@ def test_launch_key_implies_tritons_specialisation_for_jsd_kernels(kernel):
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from logitless.triton_lib import linear_jsd_kernels as LK
     from logitless.triton_lib import jsd_epilogue, jsd_rows, launch
+    from logitless.triton_lib import linear_jsd_kernels as LK
     from tests.test_host_overhead import _random_launch_args
 
     fn = next(getattr(m, kernel) for m in (jsd_rows, jsd_epilogue, LK) if hasattr(m, kernel))

@@ -394,7 +394,8 @@ def test_bf16_inputs_all_options():
     ref, _, _ = linear_cross_entropy_reference(xr, wr, t, br, label_smoothing=0.1, softcap=2.5, z_loss=1e-3)
     torch.testing.assert_close((loss_tok.sum() / w_t.sum()).double(), ref, **tol)
     ref.backward()
-    coef = ce_f.grad_coefficients(stats.lse, t, ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean"), v, None, opts)
+    g = ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean")
+    coef = ce_f.grad_coefficients(stats.lse, t, g, v, None, opts)
     dx, dw, db = hce.lce_backward(x16, w16, b, t, None, stats.lse, coef, opts)
     assert dx.dtype == dw.dtype == torch.bfloat16
     for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
@@ -428,7 +429,8 @@ def test_jsd_without_target():
     nt = hjsd.jsd_forward(x, w, None, xt, wt, None, None, opts)
     torch.testing.assert_close(nt, stats)
     ref = linear_jsd_reference(x, w, xt, wt, None, reduction="sum", beta=0.5)
-    torch.testing.assert_close(jsd_f.token_loss(nt, torch.zeros(n, dtype=torch.int64, device=DEVICE), v, opts).sum().double(),
+    zeros = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    torch.testing.assert_close(jsd_f.token_loss(nt, zeros, v, opts).sum().double(),
                                ref, **TOL)
 
 

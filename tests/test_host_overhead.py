@@ -475,8 +475,8 @@ def test_launch_key_implies_tritons_specialisation(kernel):
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from logitless.triton_lib import lce_kernels as K
     from logitless.triton_lib import launch
+    from logitless.triton_lib import lce_kernels as K
 
     fn = getattr(K, kernel)
     jit = JITFunction(getattr(fn, "fn", fn))  # (under the interpreter: the kernel's Python function)
@@ -525,8 +525,8 @@ def test_run_kernel_fast_path_launches_what_jit_run_would(monkeypatch):
     a new alignment, dtype or int goes through ``kernel[grid]`` again."""
     from triton import knobs
 
-    from logitless.triton_lib import lce_kernels as K
     from logitless.triton_lib import launch
+    from logitless.triton_lib import lce_kernels as K
 
     jit, launched, slow = fake_triton_launches(monkeypatch, K.kept_dlogits_kernel, stream=77)
 

@@ -439,9 +439,10 @@ def test_patched_model_under_patch_trl_does_not_warn(tmp_path, patched):
     detector (PatchBypassedWarning) stays silent."""
     import warnings
 
+    from trl import SFTConfig, SFTTrainer
+
     import logitless.transformers as lt
     from logitless.transformers.bypass import PatchBypassedWarning
-    from trl import SFTConfig, SFTTrainer
 
     g = torch.Generator().manual_seed(0)
     ds = datasets.Dataset.from_list([{"text": _text(g, 4 + i % 7)} for i in range(8)])

@@ -326,7 +326,8 @@ def test_layering_holds():
 
 PLANTS = {
     "upward": ("logitless/formulas/_plant.py", "from logitless.ops.common import validate\n", "higher layer"),
-    "distributed-upward": ("logitless/distributed/_plant.py", "def f():\n    from logitless.ops.common import validate\n",
+    "distributed-upward": ("logitless/distributed/_plant.py",
+                           "def f():\n    from logitless.ops.common import validate\n",
                            "higher layer"),
     "planning-imports-package": ("logitless/planning/_plant.py", "def f():\n    import logitless\n", "higher layer"),
     "other-op": ("logitless/ops/jsd/_plant.py", "from logitless.ops.linear_jsd import api\n",

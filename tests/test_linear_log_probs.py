@@ -13,13 +13,13 @@ import torch
 
 import logitless
 from logitless.formulas.log_probs import finish, merge_splits, online_update
-from logitless.ops.linear_log_probs import custom_op as llp_ops
 from logitless.ops.common import plan_codec
+from logitless.ops.linear_log_probs import custom_op as llp_ops
 from logitless.ops.linear_log_probs import triton_backend as llp_triton
-from logitless.planning.plans import LinearPlan
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.options import LogProbOptions
 from logitless.planning.overrides import override
+from logitless.planning.plans import LinearPlan
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref, max_err
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common import plan_codec
+from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, kept_buffers, nothing_kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.planning.plans import TorchPlan, TritonPlan

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import logitless
+from logitless import tune as tuner
 from logitless.options import DEFAULT_MEMORY_BUDGET
 from logitless.planning import cost_model as _cost_model
 from logitless.planning import plans as _plans
-from logitless import tune as tuner
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from logitless.triton_lib import launch

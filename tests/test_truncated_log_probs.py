@@ -448,10 +448,9 @@ def test_triton_search_batch_invariant(monkeypatch):
     """batch_invariant=True through the mass search and min-p's bounded pass: a row's
     outputs are bitwise the same alone, in a small batch, inside a batch of more than one
     block and at its end (the search of a row follows from the row alone)."""
+    from logitless.ops.common import invariant
     from logitless.ops.linear_log_probs import truncation as tr_op
     from tests.test_batch_invariant import _rows_equal
-
-    from logitless.ops.common import invariant
 
     monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
     n = invariant.invariant_rows("triton", torch.device(DEVICE)) + 8

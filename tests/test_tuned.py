@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import logitless
-from logitless.planning import plans as _plans
 from logitless import tune as tuner
+from logitless.planning import plans as _plans
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 
 def add_run_options(p, max_minutes_help: str) -> None:

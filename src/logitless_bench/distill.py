@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from . import report, timing
 from .peers import Skip
-from .runner import describe, fill_row, run_shapes, grad_leaves, memory_and_loss, phase, select
+from .runner import describe, fill_row, grad_leaves, memory_and_loss, phase, run_shapes, select
 
 BETA = 0.5
 TEMPERATURE = 1.0
@@ -258,7 +258,8 @@ def run_cli(args, cpu: bool) -> int:
     """``python -m logitless_bench --suite distill ...`` (options of cli.py)."""
     import time
 
-    from .shapes import CPU_DISTILL_SHAPES as CPU_SHAPES, DISTILL_SHAPES as SHAPES
+    from .shapes import CPU_DISTILL_SHAPES as CPU_SHAPES
+    from .shapes import DISTILL_SHAPES as SHAPES
 
     device, shapes, methods, (warmup, reps, deadline) = select(args, cpu, SHAPES, CPU_SHAPES, METHODS, "distill")
     meta = report.environment(device)

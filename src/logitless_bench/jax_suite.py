@@ -183,7 +183,8 @@ def _reference(x, w, t, chunk=1024):
 
 
 def _shapes(cpu, names, quick):
-    from .shapes import CPU_JAX_SHAPES as CPU_SHAPES, JAX_SHAPES as SHAPES
+    from .shapes import CPU_JAX_SHAPES as CPU_SHAPES
+    from .shapes import JAX_SHAPES as SHAPES
 
     pool = CPU_SHAPES if cpu else tuple(sorted(SHAPES, key=lambda s: s.tokens * s.hidden * s.vocab))
     if names:

@@ -198,7 +198,8 @@ METHODS = {
     "logitless-invariant-k50p0.9": (_logitless_with(batch_invariant=True, top_k=50, top_p=0.9),
                                     "linear_log_probs(batch_invariant=True, top_k=50, top_p=0.9)"),
     "logitless-tp1": (_tp1(), "linear_log_probs(process_group=<1 rank>)"),
-    "logitless-tp1-k50p0.9": (_tp1(top_k=50, top_p=0.9), "linear_log_probs(process_group=<1 rank>, top_k=50, top_p=0.9)"),
+    "logitless-tp1-k50p0.9": (_tp1(top_k=50, top_p=0.9),
+                              "linear_log_probs(process_group=<1 rank>, top_k=50, top_p=0.9)"),
     "logitless-tp1-topk64": (_tp1(top_k=64), "linear_log_probs(process_group=<1 rank>, top_k=64)"),
     "logitless-tp1-invariant": (_tp1(batch_invariant=True),
                                 "linear_log_probs(process_group=<1 rank>, batch_invariant=True)"),
@@ -289,7 +290,8 @@ def save(data, out_dir) -> list:
 
 def run_cli(args, cpu: bool) -> int:
     """``python -m logitless_bench --suite rl ...`` (options of cli.py)."""
-    from .shapes import CPU_RL_SHAPES as CPU_SHAPES, RL_SHAPES as SHAPES
+    from .shapes import CPU_RL_SHAPES as CPU_SHAPES
+    from .shapes import RL_SHAPES as SHAPES
 
     device, shapes, methods, (warmup, reps, deadline) = select(args, cpu, SHAPES, CPU_SHAPES, METHODS, "rl")
     meta = report.environment(device)

@@ -25,8 +25,8 @@ top-p: masses exp(c_i - max) / Z1 with Z1 the sum over K1, from the candidates w
 lies inside them, s when K1 is the whole row). tau is the MIDPOINT (c_{r-1} + c_r) / 2
 (-inf when r = V): a second computation of a (another GEMM, another tile shape) keeps
 the same set unless two values lie within its rounding of each other (a float tie,
-where vLLM's own order is arbitrary too). A row is resolved when r < C (c_r is known), C = V, or nothing is truncated; otherwise
-the torch path runs its pass again with 4x the candidates (top-p over a flat row, a wide
+where vLLM's own order is arbitrary too). A row is resolved when r < C (c_r is known), C = V, or nothing
+is truncated; otherwise the torch path runs its pass again with 4x the candidates (top-p over a flat row, a wide
 min-p set). The Triton path instead (``ops/linear_log_probs/truncation.search_triton``):
 min-p's tau = max + log min_p is exact; top-p first needs Z1 (``resolve(z1=)``), then a
 mass search narrows [lo, hi) around the crossing (counts and masses above thresholds)
@@ -62,7 +62,7 @@ class Truncation:
     min_p: Tensor
     k_max: Optional[int] = None  # the largest top_k when known on the host (a Python number)
 
-    def rows(self, idx) -> "Truncation":
+    def rows(self, idx) -> Truncation:
         """These rows (an index tensor or a slice)."""
         return Truncation(self.top_k[idx], self.top_p[idx], self.min_p[idx], self.k_max)
 

@@ -14,13 +14,12 @@ Optional tensors (bias, class weight) are ``None`` or a tensor; the flags are
 
 from __future__ import annotations
 
-import torch
-
 import helion
 import helion.language as hl
+import torch
 
 from logitless.helion_lib.runtime import kernel_settings
-from logitless.helion_lib.tile_math import hit_mask, lse_step, logits_epilogue
+from logitless.helion_lib.tile_math import hit_mask, logits_epilogue, lse_step
 
 _SETTINGS = kernel_settings()
 

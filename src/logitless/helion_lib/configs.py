@@ -58,7 +58,7 @@ def device_class(device: torch.device) -> str:
     return "other"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(cls: str, folder: Optional[str] = None) -> dict:
     path = Path(folder or _DIR) / f"{cls}.json"
     if not path.exists():

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-from torch import Tensor
-
 import helion
 import helion.language as hl
+import torch
+from torch import Tensor
 
 from logitless.helion_lib import configs
 from logitless.helion_lib.runtime import kernel_settings, launch

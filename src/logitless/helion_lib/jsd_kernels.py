@@ -19,10 +19,9 @@ lm := lq).
 
 from __future__ import annotations
 
-import torch
-
 import helion
 import helion.language as hl
+import torch
 
 from logitless.helion_lib.runtime import kernel_settings
 from logitless.helion_lib.tile_math import cap_grad, hit_mask, lse_of, lse_step, mixture_log, softcap

@@ -10,10 +10,9 @@ linear_cross_entropy).
 """
 from __future__ import annotations
 
-import torch
-
 import helion
 import helion.language as hl
+import torch
 
 from logitless.helion_lib.runtime import kernel_settings
 from logitless.helion_lib.tile_math import finite_max, hit_mask, logits_epilogue

@@ -56,7 +56,7 @@ def shim_torch() -> list:
     return added
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """True when helion >= 1.5 imports (after ``shim_torch()``; one
     ``HelionTorchShimWarning`` when it defined a name)."""
@@ -88,7 +88,7 @@ def require() -> None:
         raise RuntimeError("logitless.helion_lib needs helion >= 1.5: pip install 'logitless[helion]'")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _register_cpu_mm_dtype() -> None:
     """A CPU kernel for aten::mm.dtype / aten::bmm.dtype (only where torch has none)."""
     lib = torch.library.Library("aten", "IMPL")  # kept alive in _LIBS: dropping it unregisters

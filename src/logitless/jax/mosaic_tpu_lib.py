@@ -34,7 +34,7 @@ over the inputs' manual axes. Not measured on a TPU: designed, interpreted and l
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.experimental.pallas as pl

@@ -10,8 +10,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (the same default as the PyTorch side)
-from logitless.planning.tiles import (BIG_SMEM_CC, CUDA_TILES, CUDA_TILES_SMALL_SMEM, INTERPRETER_TILES, MIN_CHUNK,
-                                      PERSISTENT_MIN_ROW_BLOCKS, WAVES, TritonPlan, group_rows_for)
+from logitless.planning.tiles import (
+    BIG_SMEM_CC,
+    CUDA_TILES,
+    CUDA_TILES_SMALL_SMEM,
+    INTERPRETER_TILES,
+    MIN_CHUNK,
+    PERSISTENT_MIN_ROW_BLOCKS,
+    WAVES,
+    TritonPlan,
+    group_rows_for,
+)
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "TritonPlan", "XlaPlan", "triton_plan", "xla_plan"]
 

@@ -11,17 +11,17 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported for the planners' users)
-from logitless.planning.memo import memoised
 from logitless.planning import rocm as _rocm
+from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables and the plan live there)
-    CutePlan,
     CUDA_TILES,
     CUDA_TILES_TF32,
     INTERPRETER_TILES,
     MIN_CHUNK,
     PERSISTENT_MIN_ROW_BLOCKS,
     WAVES,
+    CutePlan,
     TritonPlan,
     forward_blocks_per_split,
     group_rows_for,

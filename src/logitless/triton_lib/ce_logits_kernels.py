@@ -12,8 +12,8 @@ import triton.language as tl
 
 from logitless.triton_lib.ce_math import (
     dz_tile,
-    logits_tile,
     load_row_coefficients,
+    logits_tile,
     online_lse_update,
     side_stats_update,
     softcap_tile,

@@ -10,7 +10,6 @@ import triton.language as tl
 
 from logitless.triton_lib.ce_math import online_lse_update
 
-
 #: The smallest normal fp32: the mixture's floor before its log (never 0 or subnormal).
 FLT_MIN = tl.constexpr(1.1754943508222875e-38)
 

@@ -10,8 +10,14 @@ import triton.language as tl
 
 from logitless.triton_lib import launch
 from logitless.triton_lib.ce_math import softcap_tile
-from logitless.triton_lib.jsd_math import (jsd_dz_tile, load_jsd_row_stats, log_mixture, plogratio, stats_init,
-                                            stats_update)
+from logitless.triton_lib.jsd_math import (
+    jsd_dz_tile,
+    load_jsd_row_stats,
+    log_mixture,
+    plogratio,
+    stats_init,
+    stats_update,
+)
 from logitless.triton_lib.launch import cdiv
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

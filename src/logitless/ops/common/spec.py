@@ -48,8 +48,13 @@ import torch
 from torch import Tensor
 
 from logitless.ops.common import plan_codec
-from logitless.ops.common.autograd import EagerOp, below_autograd, custom_op, guard_double_backward, \
-    under_forward_overrides
+from logitless.ops.common.autograd import (
+    EagerOp,
+    below_autograd,
+    custom_op,
+    guard_double_backward,
+    under_forward_overrides,
+)
 from logitless.ops.common.grad_in_forward import scale_grads
 
 _EMPTY = inspect.Parameter.empty

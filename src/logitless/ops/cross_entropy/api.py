@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.dispatch import BACKENDS, resolve_backend
+from logitless.ops.common.docs import shared_doc
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import InplaceCrossEntropy, ce_forward

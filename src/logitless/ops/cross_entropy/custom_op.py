@@ -19,7 +19,6 @@ Double backward is not supported: differentiating the gradient raises.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 

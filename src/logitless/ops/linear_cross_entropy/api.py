@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
+from logitless.ops.common.docs import shared_doc
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import lce_forward_eager

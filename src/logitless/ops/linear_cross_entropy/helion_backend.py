@@ -34,6 +34,7 @@ from logitless.options import CrossEntropyOptions
 # kernels take their configs per launch, ``helion_lib.configs``; a fallback backend plans for itself).
 from .torch_backend import grad_coefficients, kept_shapes, plan  # noqa: F401
 
+
 def _other_plan(impl, x, weight, bias, class_weight, softcap, budget, need_argmax=False, smooth=False):
     """The fallback backend's plan of this call (nothing kept)."""
     return impl.plan(x, weight, bias, class_weight, _launch_opts(softcap, smooth), budget=budget, need_grad=False,
@@ -57,7 +58,7 @@ def forward(
     need_smooth: bool,
     need_argmax: bool,
     budget: int,
-    plan=None,
+    plan=None,  # noqa: F811  (the contract's keyword; the module's ``plan`` is the torch backend's)
     loss_opts: Optional[CrossEntropyOptions] = None,
 ):
     """(TokenStats, None): fp32 statistics, nothing kept. With ``loss_opts``: (TokenStats,
@@ -94,7 +95,7 @@ def backward(
     need_dw: bool,
     need_db: bool,
     budget: int,
-    plan=None,
+    plan=None,  # noqa: F811  (the contract's keyword; the module's ``plan`` is the torch backend's)
     kept=None,
     dx_acc: bool = False,
 ):

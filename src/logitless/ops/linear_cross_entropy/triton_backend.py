@@ -42,8 +42,8 @@ from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import ce_epilogue, launch
-from logitless.triton_lib.launch import cdiv
 from logitless.triton_lib import lce_kernels as K
+from logitless.triton_lib.launch import cdiv
 
 
 def _flags(bias, class_weight, softcap, dtype, prerounded=False):

@@ -28,9 +28,9 @@ import triton
 
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, target_weight, upstream_per_token
 from logitless.planning.plans import LinearPlan
+from logitless.triton_lib import lce_kernels as K
 
 from . import triton_backend
-from logitless.triton_lib import lce_kernels as K
 
 
 def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: LinearPlan, need_smooth: bool,

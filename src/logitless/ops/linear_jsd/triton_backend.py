@@ -7,8 +7,8 @@ forward  (2 GEMMs): the KL limits (beta 0 or 1) on 16-bit inputs, where the cost
          says so (``fused_forward``): one fused kernel (``jsd_kl_forward_kernel``)
          computes both heads' logits tiles and their online row statistics for a split
          of the vocabulary per program, nothing (N, V)-sized in memory;
-         ``jsd_rows.finish_kl_partials`` merges the splits. Otherwise, for each chunk of ``plan.forward_rows`` tokens (a multiple of 8:
-         each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
+         ``jsd_rows.finish_kl_partials`` merges the splits. Otherwise, for each chunk of ``plan.forward_rows``
+         tokens (a multiple of 8: each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
          logits (rows x V each, the budget's size), then ``jsd_rows.row_stats`` (shared
          with ``jsd``; each row split over several programs when the rows are few,
          ``plans.jsd_stats_plan``) reduces them to the (6, N) row statistics: lse of
@@ -42,9 +42,9 @@ from logitless.formulas.common import apply_softcap
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_kl_fused, jsd_stats_plan, linear_jsd_plan
 from logitless.triton_lib import launch
+from logitless.triton_lib import linear_jsd_kernels as K
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (the backend's epilogues)
 from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
-from logitless.triton_lib import linear_jsd_kernels as K
 
 
 def _logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:

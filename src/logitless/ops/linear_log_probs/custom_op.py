@@ -18,7 +18,8 @@ same defaults (inductor drops defaulted arguments from the calls it emits).
 across the custom ops by the scaffolding, ``ops.common.plan_codec``, an object for the
 backward); ``keep``/``keep_max`` the columns of exp(a - m) the Triton backend kept for
 the backward, laid out by that plan (``NOTHING_KEPT``-shaped dummies when none): the
-first backward consumes them in place, a second one (retain_graph=True) recomputes. Implementations run eagerly (also under torch.compile,
+first backward consumes them in place, a second one (retain_graph=True) recomputes. Implementations run
+eagerly (also under torch.compile,
 which sees only the fakes), so the CPU token-range check (``validate.check_targets_in_range``) lives in
 them. The ops, their fakes and autograd are built from ``SPEC`` (``ops.common.spec``).
 Double backward raises.

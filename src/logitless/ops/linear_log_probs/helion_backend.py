@@ -30,13 +30,14 @@ from logitless.options import LogProbOptions
 # kernels take their configs per launch, ``helion_lib.configs``; a fallback backend plans for itself).
 from .torch_backend import grad_coefficients, kept_shapes, plan  # noqa: F401
 
+
 def _other_plan(impl, x, weight, bias, opts, budget):
     """The fallback backend's plan of this call (nothing kept)."""
     return impl.plan(x, weight, bias, opts, budget=budget, need_grad=False)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, plan=None, outputs: bool = False):
+            budget: int, plan=None, outputs: bool = False):  # noqa: F811  (the contract's keyword)
     """(LogProbStats, None) (fp32, nothing kept). ``outputs``: ((logp, entropy or None,
     lse), None) instead. ``budget`` only reaches a fallback backend."""
     def helion_path():
@@ -55,7 +56,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept=None, plan=None, dx_acc: bool = False):
+             kept=None, plan=None, dx_acc: bool = False):  # noqa: F811  (the contract's keyword)
     """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
     not cast to x's dtype (a partial sum the caller reduces first: vocab parallelism)."""
     def helion_path():

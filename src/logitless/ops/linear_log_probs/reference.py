@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

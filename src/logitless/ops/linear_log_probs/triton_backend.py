@@ -34,8 +34,8 @@ from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
-from logitless.triton_lib.launch import cdiv
 from logitless.triton_lib import log_probs_kernels as K
+from logitless.triton_lib.launch import cdiv
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -208,7 +208,6 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     hold e = 0 there)."""
     thr = _threshold_args(tau)
     n, h = x.shape
-    v = weight.shape[0]
     plan = plan.forward if kept is not None else plan.backward
     coef = coef.contiguous()
     lse = lse.contiguous()

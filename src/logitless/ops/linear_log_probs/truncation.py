@@ -60,11 +60,11 @@ from logitless.formulas.truncation import (
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.invariant import blocks as _blocks
-from logitless.ops.common.invariant import invariant_rows
-from logitless.ops.common.invariant import pad_rows
+from logitless.ops.common.invariant import invariant_rows, pad_rows
 from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
+
 
 def _tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
     z = x_c @ w_v.T

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.formulas import log_probs as lpf
 from logitless.jax import sharding as shd
+from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.linear_log_probs.backends import backend_module
 from logitless.options import LogProbOptions
 
