@@ -16,6 +16,6 @@ CHECKED = ("src", "tests", "tests_jax", "benchmarks", "scripts")
 def test_ruff_clean():
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff is not installed: pip install -e '.[test]'")
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *CHECKED], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *CHECKED], cwd=ROOT,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, f"ruff check {' '.join(CHECKED)}:\n{proc.stdout[-4000:]}{proc.stderr[-1000:]}"
