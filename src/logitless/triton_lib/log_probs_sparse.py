@@ -1,7 +1,8 @@
 """The sparse backward of truncated log-probs (``ops/linear_log_probs/truncation.py``)
-when every row's kept set lies inside its candidates (top-k <= C - 1, with or without
+for the rows whose kept set lies inside their candidates (top-k <= C - 1, with or without
 top-p / min-p on top; peaked top-p): dz is 0 outside the kept set, so no GEMM recomputes
-the logits. From the candidates' values a and columns (the candidates kernel's, IDX):
+the logits (the other rows take the dense backward, whose dW / db the dW kernel adds to:
+``ADD``). From the candidates' values a and columns (the candidates kernel's, IDX):
 
     dz_j      per kept candidate, the dense epilogue's formula (``formulas.log_probs.
               dlogits_``: p_j (A + C log p_j) - B [j == t], times the soft-cap's factor)
