@@ -51,6 +51,9 @@ SHAPES = {
     "rl": (128, 64, 1003) if SMOKE else (8192, 4096, 151936),
 }
 TUNE_KERNELS = ("ce_forward", "ce_dz", "jsd_forward", "jsd_dz")
+#: The forward's vocabulary split is an argument, not a config field: the search runs at the
+#: split ``configs.forward_span`` gives this tile (the shipped one on the H100).
+FORWARD_SPAN_TILE = {"block_sizes": [128, 256, 64]}
 #: Kernels that share a tuned config: the log-probs backward runs the same kernel, the
 #: log-probs forward the same loops and tiles (its other statistics are a few more registers).
 SHARED = {"ce_dz": ("logp_dz",), "ce_forward": ("logp_forward",)}
@@ -146,13 +149,14 @@ def _tune_args(kernel: str):
                                   opts)
         return jsd_kernels.jsd_dlogits, args, (n, h, c)
     from logitless.formulas.cross_entropy import grad_coefficients
-    from logitless.helion_lib import ce_kernels
+    from logitless.helion_lib import ce_kernels, configs
     from logitless.helion_lib import linear_cross_entropy as hce
     from logitless.options import CrossEntropyOptions
 
     opts = CrossEntropyOptions()
-    if kernel == "ce_forward":
-        return ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts), (n, h, v)
+    if kernel == "ce_forward":  # one search at one split: the shipped tile's (``configs.forward_span``)
+        span = configs.forward_span(FORWARD_SPAN_TILE, {"n": n, "v": v, "h": h}, DEVICE)
+        return ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts, span=span), (n, h, v)
     lse = hce.lce_forward(x, w, None, t, None, opts).lse
     coef = grad_coefficients(lse, t, torch.full((n,), 1.0 / n, device=DEVICE), v, None, opts)
     args = hce.backward_args(x, w[:c], None, t, None, lse, coef, opts)
