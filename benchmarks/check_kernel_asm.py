@@ -6,8 +6,10 @@ configurations, and the PTX (line info stripped) compared.
     python benchmarks/check_kernel_asm.py compare A B   # same PTX, kernel by kernel
 
 Run with PYTHONPATH pointing at the tree (src/). Kernels: linear_cross_entropy's
-(``triton_lib.lce_kernels``) and linear_log_probs' (``triton_lib.log_probs_kernels`` or,
-before that move, ``ops.linear_log_probs.triton_kernels``). A pure refactor of kernel
+(``triton_lib.lce_kernels``), linear_log_probs' (``triton_lib.log_probs_kernels`` or,
+before that move, ``ops.linear_log_probs.triton_kernels``), the truncation's threshold
+pass (``triton_lib.log_probs_candidates``) and the log-prob epilogues
+(``triton_lib.log_probs_epilogue``, ``triton_lib.log_probs_fields``). A pure refactor of kernel
 code (helpers that Triton inlines) must leave the PTX unchanged: then every result on
 the GPU is bitwise the same. TRITON_INTERPRET must not be set (this compiles).
 """
@@ -26,18 +28,20 @@ os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")
 
 CONFIGS = {
     # name: (dtype, constexprs, num_warps, num_stages)
+    # ALL_PTRS: the optional (None-default) pointers are given, as a launch with their flags on.
     "bf16-ptrs-all-flags": ("bf16", dict(
         HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=True, NEED_SMOOTH=True, NEED_ARGMAX=True, KEEP=True,
         ENTROPY=True, DOT_PRECISION="tf32", USE_TMA=False, DZ_TMA=False, FLATTEN=False,
+        FIELDS=True, HAS_THRESHOLD=True, ALL_PTRS=True, HAS_UPPER=True,
         BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 3),
     "bf16-tma-flatten": ("bf16", dict(
         HAS_BIAS=False, HAS_SOFTCAP=False, HAS_CW=False, NEED_SMOOTH=False, NEED_ARGMAX=False, KEEP=True,
         ENTROPY=False, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=True, FLATTEN=True,
-        BLOCK_N=128, BLOCK_V=128, BLOCK_H=64), 8, 3),
+        IDX=True, HAS_G_H=False, BLOCK_N=128, BLOCK_V=128, BLOCK_H=64), 8, 3),
     "fp32-tf32x3-softcap": ("fp32", dict(
         HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=False, NEED_SMOOTH=True, NEED_ARGMAX=False, KEEP=False,
         ENTROPY=True, DOT_PRECISION="tf32x3", USE_TMA=False, DZ_TMA=False, FLATTEN=True,
-        BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 2),
+        IDX=True, HAS_UPPER=True, C=64, HAS_G_LP=False, BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 2),
     # fp32 at "high" on operands pre-rounded to TF32, W in chunks (plans.CUDA_TILES_TF32).
     "fp32-tf32-wchunk-tma": ("fp32", dict(
         HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, NEED_SMOOTH=False, NEED_ARGMAX=False, KEEP=False,
@@ -50,17 +54,27 @@ CONFIGS = {
 }
 
 KERNELS = {
+    # op: (modules tried in turn, kernels[, constexprs a config may override, compile options])
     "lce": (["logitless.triton_lib.lce_kernels"],
             ["forward_stats_kernel", "dlogits_kernel", "kept_dlogits_kernel"]),
     "llp": (["logitless.triton_lib.log_probs_kernels", "logitless.ops.linear_log_probs.triton_kernels"],
             ["logp_forward_kernel", "logp_dlogits_kernel", "logp_kept_dlogits_kernel"]),
+    "cand": (["logitless.triton_lib.log_probs_candidates"], ["candidates_kernel", "mass_kernel"],
+             dict(C=16, T=4, IDX=False, HAS_UPPER=False)),
+    # (the epilogues' launches: BLOCK 1024, 4 warps, contraction off; the dtype is unused)
+    "lpe": (["logitless.triton_lib.log_probs_epilogue"],
+            ["logp_forward_epilogue_kernel", "logp_grad_coefficients_kernel"],
+            dict(BLOCK=1024, HAS_G_LP=True, HAS_G_H=True), dict(num_warps=4, enable_fp_fusion=False)),
+    "lpf": (["logitless.triton_lib.log_probs_fields"], ["fields_epilogue_kernel"],
+            dict(BLOCK=1024), dict(num_warps=4, enable_fp_fusion=False)),
 }
 
 #: Pointer arguments in the input dtype (or descriptors with TMA); other pointers are fp32
 #: unless named here.
 IN_DTYPE = {"x_ptr", "w_ptr", "b_ptr", "keep_ptr", "dz_ptr"}
-OTHER_PTR = {"target_ptr": "*i64", "token_ptr": "*i64", "part_arg_ptr": "*i32"}
-FLOATS = {"softcap", "inv_temp", "temperature"}
+OTHER_PTR = {"target_ptr": "*i64", "token_ptr": "*i64", "tokens_ptr": "*i64", "part_arg_ptr": "*i32",
+             "part_arg": "*i32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "top1_ptr": "*i8"}
+FLOATS = {"softcap", "inv_temp", "temperature", "inv_t"}
 
 
 def _desc(dtype, block):
@@ -76,14 +90,14 @@ def signature(fn, dtype, c):
     # Constexprs a config does not name take their defaults (as at a launch that omits them).
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     # Pointers that default to None (optional inputs of a constexpr-gated feature) are
-    # None, as at a launch that omits them.
+    # None, as at a launch that omits them (pointers under the config's ALL_PTRS).
     absent = {p.name for p in fn.params if not p.is_constexpr and p.has_default and p.default is None}
     for a in fn.arg_names:
-        if a in absent and a not in c:
+        if a in absent and a not in c and not c.get("ALL_PTRS"):
             sig[a], consts[a] = "constexpr", None
         elif a in c or a in defaults:
             sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
-        elif a.endswith("_ptr"):
+        elif a.endswith("_ptr") or a.startswith("part_"):
             if a in IN_DTYPE:
                 use_desc = (tma and a in desc_blocks and not kept_kernel) or (a == "dz_ptr" and c["DZ_TMA"])
                 block = desc_blocks.get(a, (c["BLOCK_N"], c["BLOCK_V"]))
@@ -107,7 +121,8 @@ def compile_all():
     from triton.compiler import ASTSource
 
     out = {}
-    for op, (modules, names) in KERNELS.items():
+    for op, (modules, names, *extra) in KERNELS.items():
+        base, opts = (list(extra) + [{}, {}])[:2]
         mod = None
         for m in modules:
             try:
@@ -122,10 +137,10 @@ def compile_all():
             fn = getattr(mod, name)
             for cname, (dtype, c, warps, stages) in CONFIGS.items():
                 key = f"{op}/{name}/{cname}"
-                sig, consts = signature(fn, dtype, c)
+                sig, consts = signature(fn, dtype, {**base, **c})
                 try:
                     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                       options=dict(num_warps=warps, num_stages=stages))
+                                       options={**dict(num_warps=warps, num_stages=stages), **opts})
                     ptx = strip(k.asm["ptx"])
                     out[key] = dict(sha=hashlib.sha256(ptx.encode()).hexdigest(), lines=ptx.count("\n") + 1,
                                     shared=getattr(k.metadata, "shared", None))
