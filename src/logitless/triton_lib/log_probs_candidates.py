@@ -57,21 +57,9 @@ def _insert_largest(rem, cand, floor, BLOCK_V: tl.constexpr, C: tl.constexpr):
     """One step of the per-row filter: each row's largest value left in ``rem`` leaves it
     (one column: tied values one step each) and replaces the row's smallest candidate
     (``floor``) when larger. The candidates stay the C largest values seen (a multiset,
-    unordered); a row with nothing left (-inf) changes nothing."""
-    cols = tl.arange(0, BLOCK_V)
-    slots = tl.arange(0, C)
-    v = tl.max(rem, 1)
-    col = tl.min(tl.where(rem == v[:, None], cols[None, :], BLOCK_V), 1)
-    rem = tl.where(cols[None, :] == col[:, None], float("-inf"), rem)
-    slot = tl.min(tl.where(cand == floor[:, None], slots[None, :], C), 1)
-    cand = tl.where((slots[None, :] == slot[:, None]) & (v > floor)[:, None], v[:, None], cand)
-    return rem, cand, tl.min(cand, 1)
-
-
-@triton.jit
-def _insert_largest_at(rem, cand, cidx, floor, col0, BLOCK_V: tl.constexpr, C: tl.constexpr):
-    """``_insert_largest`` carrying each candidate's column (``cidx``; the tile's first
-    column ``col0``): the value entering takes its column into the slot it fills."""
+    unordered); a row with nothing left (-inf) changes nothing. Returns (rem, cand, hit,
+    col): hit the slot each row's value entered (all False: none), col the tile column it
+    left; the new floor is tl.min(cand, 1)."""
     cols = tl.arange(0, BLOCK_V)
     slots = tl.arange(0, C)
     v = tl.max(rem, 1)
@@ -80,8 +68,7 @@ def _insert_largest_at(rem, cand, cidx, floor, col0, BLOCK_V: tl.constexpr, C: t
     slot = tl.min(tl.where(cand == floor[:, None], slots[None, :], C), 1)
     hit = (slots[None, :] == slot[:, None]) & (v > floor)[:, None]
     cand = tl.where(hit, v[:, None], cand)
-    cidx = tl.where(hit, (col0 + col)[:, None], cidx)
-    return rem, cand, cidx, tl.min(cand, 1)
+    return rem, cand, hit, col
 
 
 @triton.jit
@@ -134,15 +121,18 @@ def candidates_kernel(
             if most > 0:
                 rem = tl.where(ac > floor[:, None], ac, float("-inf"))
                 col0 = (first_block + i) * BLOCK_V
-                for _ in range(0, tl.minimum(most, C)):
-                    rem, cand, cidx, floor = _insert_largest_at(rem, cand, cidx, floor, col0, BLOCK_V, C)
+                for _ in range(0, tl.minimum(most, C)):  # (the value entering takes its column along)
+                    rem, cand, hit, col = _insert_largest(rem, cand, floor, BLOCK_V, C)
+                    cidx = tl.where(hit, (col0 + col)[:, None], cidx)
+                    floor = tl.min(cand, 1)
         elif most > C:
             cand = tl.maximum(tl.sort(cand, dim=1), tl.topk(ac, C, dim=1))
             floor = tl.min(cand, 1)
         elif most > 0:
             rem = tl.where(ac > floor[:, None], ac, float("-inf"))
             for _ in range(0, most):
-                rem, cand, floor = _insert_largest(rem, cand, floor, BLOCK_V, C)
+                rem, cand, _hit, _col = _insert_largest(rem, cand, floor, BLOCK_V, C)
+                floor = tl.min(cand, 1)
 
     out = store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u,
                          a_t, ENTROPY)
