@@ -1,7 +1,7 @@
 """The threshold pass of truncated log-probs on the Triton backend (``formulas.truncation``,
 ``ops/linear_log_probs/truncation.py``), from the forward kernel's tile code
-(``tile_io.block_tile``: the same GEMM, 16-bit operands, fp32 accumulation). No logits
-are written: each program keeps what it needs in registers.
+(``log_probs_math.scaled_tile``: the same GEMM, 16-bit operands, fp32 accumulation). No
+logits are written: each program keeps what it needs in registers.
 
     candidates_kernel   per (row block, vocabulary split): the C largest values per row
                         of a = softcap(z) / T (unordered; C a power of two <= BLOCK_V),
@@ -34,22 +34,9 @@ from logitless.triton_lib.log_probs_math import (
     online_entropy_update,
     online_start,
     row_tokens,
+    scaled_tile,
     split_blocks,
 )
-from logitless.triton_lib.tile_io import block_tile
-
-
-@triton.jit
-def _scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, softcap,
-                 inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(offs_v, a): vocabulary block ``block``'s columns and a = softcap(z) / T there
-    (-inf past V); USE_TMA: x_ptr and w_ptr are tensor descriptors."""
-    offs_v, col_ok, z = block_tile(
-        x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-        softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
-    )
-    return offs_v, tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
 
 
 @triton.jit
@@ -105,9 +92,10 @@ def candidates_kernel(
 
     first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in range(0, num_blocks):
-        offs_v, a = _scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh,
-                                 stride_wv, stride_wh, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
-                                 USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H)
+        offs_v, _col_ok, a = scaled_tile(
+            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
         a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
         ac = a
         if HAS_UPPER:  # (the sums first: then a and ac are not both live)
@@ -166,9 +154,10 @@ def mass_kernel(
 
     first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in range(0, num_blocks):
-        offs_v, a = _scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh,
-                                 stride_wv, stride_wh, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
-                                 USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H)
+        offs_v, _col_ok, a = scaled_tile(
+            x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+            softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
         e = tl.exp(a - m[:, None])
         for j in range(0, T):  # (a loop, not unrolled: T tile reductions would spill)
             sel = cols[None, :] == j

@@ -19,10 +19,10 @@ from logitless.triton_lib.log_probs_math import (
     online_entropy_update,
     online_start,
     row_tokens,
+    scaled_tile,
     split_blocks,
 )
 from logitless.triton_lib.tile_io import (
-    block_tile,
     load_kept_tile,
     recomputed_tile,
     store_dz_tile,
@@ -75,11 +75,10 @@ def logp_forward_kernel(
 
     first_block, num_blocks = split_blocks(split, blocks_per_split, V, BLOCK_V)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
-        offs_v, col_ok, z = block_tile(
+        offs_v, col_ok, a = scaled_tile(
             x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
-            softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
+            softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
-        a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
         if HAS_THRESHOLD:
             a = tl.where(a >= tau[:, None], a, float("-inf"))
         m_prev = m

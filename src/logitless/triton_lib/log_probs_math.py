@@ -1,6 +1,6 @@
 """The Triton form of ``formulas.log_probs``: the online statistics with the entropy
 term and the gradient epilogue, shared by the log-prob kernels (linear and on logits),
-and the row-block prologue of the split forward kernels
+and the row-block prologue and scaled tile of the split forward kernels
 (``log_probs_kernels.logp_forward_kernel``, ``log_probs_candidates``; their partials
 epilogue is ``ce_math.store_partials``)."""
 
@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.ce_math import splits_max
+from logitless.triton_lib.tile_io import block_tile
 
 
 @triton.jit
@@ -37,6 +38,21 @@ def split_blocks(split, blocks_per_split, V, BLOCK_V: tl.constexpr):
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
     return first_block, num_blocks
+
+
+@triton.jit
+def scaled_tile(x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh, softcap,
+                inv_temp, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                w_row0=0):
+    """(offs_v, col_ok, a): ``tile_io.block_tile``'s columns and mask of vocabulary block
+    ``block`` and a = softcap(z) / T there (fp32, -inf past V); USE_TMA: x_ptr and w_ptr
+    are tensor descriptors, ``w_row0`` as ``block_tile``'s."""
+    offs_v, col_ok, z = block_tile(
+        x_ptr, w_ptr, b_ptr, pid_n, block, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
+        softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
+    )
+    return offs_v, col_ok, tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
 
 
 @triton.jit
