@@ -29,7 +29,7 @@ from torch import Tensor
 
 from logitless.options import LogProbOptions
 from logitless.triton_lib import launch
-from logitless.triton_lib.log_probs_math import epilogue_block, token_value
+from logitless.triton_lib.log_probs_math import epilogue_block, merge_split, token_value
 
 BLOCK = 1024
 
@@ -44,10 +44,7 @@ def logp_forward_epilogue_kernel(
     u = tl.zeros((BLOCK,), tl.float32)
     tgt = tl.zeros((BLOCK,), tl.float32)
     for s in range(0, SPLITS):
-        d = tl.load(part_max + s * N + offs, mask=ok, other=0.0) - m_safe
-        scale = tl.exp(d)
-        ps = tl.load(part_sum + s * N + offs, mask=ok, other=0.0)
-        total += ps * scale
+        total, d, scale, ps = merge_split(part_max, part_sum, s, N, offs, ok, m_safe, total)
         tgt += tl.load(part_tgt + s * N + offs, mask=ok, other=0.0)
         if ENTROPY:
             corr = tl.where(ps > 0, d * ps, 0.0)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from logitless.triton_lib.ce_math import side_stats_update
-from logitless.triton_lib.log_probs_math import epilogue_block, token_value
+from logitless.triton_lib.log_probs_math import epilogue_block, merge_split, token_value
 
 
 @triton.jit
@@ -47,8 +47,7 @@ def fields_epilogue_kernel(
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     arg = tl.zeros((BLOCK,), tl.int32)
     for s in range(0, SPLITS):
-        scale = tl.exp(tl.load(part_max + s * N + offs, mask=ok, other=0.0) - m_safe)
-        total += tl.load(part_sum + s * N + offs, mask=ok, other=0.0) * scale
+        total, _, scale, _ = merge_split(part_max, part_sum, s, N, offs, ok, m_safe, total)
         total2 += tl.load(part_s2 + s * N + offs, mask=ok, other=0.0) * scale * scale
         zsum += tl.load(part_zsum + s * N + offs, mask=ok, other=0.0)
         b = tl.load(part_best + s * N + offs, mask=ok, other=float("-inf"))

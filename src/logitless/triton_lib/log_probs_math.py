@@ -111,6 +111,17 @@ def epilogue_block(part_max, tokens_ptr, N, V, SPLITS, ignore_index, BLOCK: tl.c
 
 
 @triton.jit
+def merge_split(part_max, part_sum, s, N, offs, ok, m_safe, total):
+    """Split s's step of the merge of (SPLITS, N) partial sums at the common shift m_safe
+    of ``epilogue_block`` (``formulas.log_probs.merge_splits``): d = m_s - m_safe and the
+    split's sum s_s at offs; returns (total + s_s e^d, d, e^d, s_s)."""
+    d = tl.load(part_max + s * N + offs, mask=ok, other=0.0) - m_safe
+    scale = tl.exp(d)
+    ps = tl.load(part_sum + s * N + offs, mask=ok, other=0.0)
+    return total + ps * scale, d, scale, ps
+
+
+@triton.jit
 def token_value(x, valid, bad):
     """x at valid tokens, 0 at ignored ones, NaN at out-of-range ones."""
     return tl.where(bad, float("nan"), tl.where(valid, x, 0.0))
