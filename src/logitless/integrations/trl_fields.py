@@ -36,13 +36,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.common import apply_softcap
-from logitless.formulas.log_probs import dlogits_, grad_coefficients, scaled_logits_
+from logitless.formulas.log_probs import dlogits_, grad_coefficients
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.linear_log_probs import linear_log_probs as _linear_log_probs
+from logitless.ops.linear_log_probs.torch_backend import scaled_tile
 from logitless.options import LogProbOptions, check_memory_budget
 
 #: TRL's ``OPTIONAL_OUTPUTS`` with log_probs: the fields in FusedCausalLMOutput's order.
@@ -58,14 +58,6 @@ def check_outputs(outputs) -> tuple:
     if unknown:
         raise ValueError(f"unknown fused LM head output(s) {unknown}; the fields are {FIELDS}")
     return outputs
-
-
-def _tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
-    """a = softcap(x_c @ w_v^T + b_v) / T in fp32 (fp64 for fp64 inputs)."""
-    z = x_c @ w_v.T
-    if b_v is not None:
-        z += b_v
-    return scaled_logits_(apply_softcap(z, opts.softcap, inplace=True), opts)
 
 
 def _one_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, opts: LogProbOptions,
@@ -86,7 +78,7 @@ def _one_pass(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
         arg = torch.zeros(n1 - n0, dtype=torch.int64, device=x.device)
         for v0 in range(0, v, plan.vocab_chunk):
             v1 = min(v, v0 + plan.vocab_chunk)
-            a = _tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+            a = scaled_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
             local = t_c - v0
             inside = (local >= 0) & (local < v1 - v0)
             picked = a.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
@@ -152,7 +144,7 @@ def _torch_grads(ctx, g_lp, g_h, need):
                              accumulators=0 if exact else int(need_dw))
 
     def dz_of(x_c, w_v, b_v, n0, n1, v0):
-        return dlogits_(_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], labels[n0:n1], v0, opts)
+        return dlogits_(scaled_tile(x_c, w_v, b_v, opts), lse[n0:n1], coef[:, n0:n1], labels[n0:n1], v0, opts)
 
     return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=bool(need_db),
                             dx_acc=False)

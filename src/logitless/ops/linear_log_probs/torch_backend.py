@@ -26,7 +26,10 @@ from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
 
 
-def _scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
+def scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
+    """a = softcap(x_c @ w_v^T + b_v) / T of a tile, in the operands' dtype (the callers'
+    compute dtype), in place after the GEMM; also the tile of ``truncation`` and
+    ``integrations.trl_fields``."""
     z = x_c @ w_v.T
     if b_v is not None:
         z += b_v
@@ -55,7 +58,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         a_t = torch.zeros_like(m)
         for v0 in range(0, v, plan.vocab_chunk):
             v1 = min(v, v0 + plan.vocab_chunk)
-            a = _scaled_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+            a = scaled_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
             if tau is not None:
                 a.masked_fill_(a < tau[n0:n1, None].to(cd), float("-inf"))
             local = t_c - v0
@@ -109,7 +112,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     coef = coef.to(cd)
 
     def dz_of(x_c, w_v, b_v, n0, n1, v0):  # dz in place of the recomputed tile
-        a = _scaled_tile(x_c, w_v, b_v, opts)
+        a = scaled_tile(x_c, w_v, b_v, opts)
         out = a < tau[n0:n1, None].to(cd) if tau is not None else None
         dz = dlogits_(a, lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], v0, opts)
         return dz.masked_fill_(out, 0.0) if out is not None else dz

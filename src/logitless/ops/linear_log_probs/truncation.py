@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from logitless.formulas.common import apply_softcap, compute_dtype
-from logitless.formulas.log_probs import online_update, scaled_logits_
+from logitless.formulas.common import compute_dtype
+from logitless.formulas.log_probs import online_update
 from logitless.formulas.truncation import (
     MIN_CANDIDATES,
     Truncation,
@@ -65,12 +65,7 @@ from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
 
-
-def _tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
-    z = x_c @ w_v.T
-    if b_v is not None:
-        z += b_v
-    return scaled_logits_(apply_softcap(z, opts.softcap, inplace=True), opts)
+from .torch_backend import scaled_tile
 
 
 def _candidates(x_c: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, c: int,
@@ -87,7 +82,7 @@ def _candidates(x_c: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogPr
         if tile_of is not None:
             a = tile_of(x_c, v0, v1)
         else:
-            a = _tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
+            a = scaled_tile(x_c, weight[v0:v1].to(cd), bias[v0:v1].to(cd) if bias is not None else None, opts)
         cand = merge_candidates(cand, a, c)
         m, s, _ = online_update(a, m, s, None)
     return cand, m, s
