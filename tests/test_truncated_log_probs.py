@@ -270,12 +270,10 @@ def test_triton_kept_and_recomputed_columns(budget, softcap):
 
 # ---- the Triton threshold pass: candidates kernel, routes ----
 
-def _calls(monkeypatch):
-    """Counts of the Triton threshold pass's launches and of the forward with tau."""
-    from logitless.ops.linear_log_probs import triton_backend
-    from logitless.triton_lib import log_probs_candidates as LC
-
-    calls = dict(candidates=0, masses=0, forward=0)
+def _counted(monkeypatch, targets):
+    """Counts of the calls of the functions ``targets`` ({name: (module, attribute)}),
+    each patched to count itself."""
+    calls = dict.fromkeys(targets, 0)
 
     def counted(name, f):
         def g(*a, **k):
@@ -283,10 +281,18 @@ def _calls(monkeypatch):
             return f(*a, **k)
         return g
 
-    monkeypatch.setattr(LC, "candidates", counted("candidates", LC.candidates))
-    monkeypatch.setattr(LC, "masses", counted("masses", LC.masses))
-    monkeypatch.setattr(triton_backend, "forward", counted("forward", triton_backend.forward))
+    for name, (module, attr) in targets.items():
+        monkeypatch.setattr(module, attr, counted(name, getattr(module, attr)))
     return calls
+
+
+def _calls(monkeypatch):
+    """Counts of the Triton threshold pass's launches and of the forward with tau."""
+    from logitless.ops.linear_log_probs import triton_backend
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    return _counted(monkeypatch, dict(candidates=(LC, "candidates"), masses=(LC, "masses"),
+                                      forward=(triton_backend, "forward")))
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -472,17 +478,7 @@ def _sparse_calls(monkeypatch):
     from logitless.ops.linear_log_probs import triton_backend
     from logitless.triton_lib import log_probs_sparse as LS
 
-    calls = dict(sparse=0, dense=0)
-
-    def counted(name, f):
-        def g(*a, **k):
-            calls[name] += 1
-            return f(*a, **k)
-        return g
-
-    monkeypatch.setattr(LS, "sparse_backward", counted("sparse", LS.sparse_backward))
-    monkeypatch.setattr(triton_backend, "backward", counted("dense", triton_backend.backward))
-    return calls
+    return _counted(monkeypatch, dict(sparse=(LS, "sparse_backward"), dense=(triton_backend, "backward")))
 
 
 SPARSE = {
