@@ -8,7 +8,8 @@ configurations, and the PTX (line info stripped) compared.
 Run with PYTHONPATH pointing at the tree (src/). Kernels: linear_cross_entropy's
 (``triton_lib.lce_kernels``), linear_log_probs' (``triton_lib.log_probs_kernels`` or,
 before that move, ``ops.linear_log_probs.triton_kernels``), the truncation's threshold
-pass (``triton_lib.log_probs_candidates``) and the log-prob epilogues
+pass (``triton_lib.log_probs_candidates``), log_probs' on logits
+(``triton_lib.log_probs_logits_kernels``) and the log-prob epilogues
 (``triton_lib.log_probs_epilogue``, ``triton_lib.log_probs_fields``). A pure refactor of kernel
 code (helpers that Triton inlines) must leave the PTX unchanged: then every result on
 the GPU is bitwise the same. TRITON_INTERPRET must not be set (this compiles).
@@ -61,6 +62,7 @@ KERNELS = {
             ["logp_forward_kernel", "logp_dlogits_kernel", "logp_kept_dlogits_kernel"]),
     "cand": (["logitless.triton_lib.log_probs_candidates"], ["candidates_kernel", "mass_kernel"],
              dict(C=16, T=4, IDX=False, HAS_UPPER=False)),
+    "lpl": (["logitless.triton_lib.log_probs_logits_kernels"], ["lp_forward_kernel", "lp_backward_kernel"]),
     # (the epilogues' launches: BLOCK 1024, 4 warps, contraction off; the dtype is unused)
     "lpe": (["logitless.triton_lib.log_probs_epilogue"],
             ["logp_forward_epilogue_kernel", "logp_grad_coefficients_kernel"],
@@ -71,7 +73,7 @@ KERNELS = {
 
 #: Pointer arguments in the input dtype (or descriptors with TMA); other pointers are fp32
 #: unless named here.
-IN_DTYPE = {"x_ptr", "w_ptr", "b_ptr", "keep_ptr", "dz_ptr"}
+IN_DTYPE = {"x_ptr", "w_ptr", "b_ptr", "keep_ptr", "dz_ptr", "z_ptr"}
 OTHER_PTR = {"target_ptr": "*i64", "token_ptr": "*i64", "tokens_ptr": "*i64", "part_arg_ptr": "*i32",
              "part_arg": "*i32", "idx_ptr": "*i32", "cnt_ptr": "*i32", "top1_ptr": "*i8"}
 FLOATS = {"softcap", "inv_temp", "temperature", "inv_t"}
@@ -86,7 +88,7 @@ def signature(fn, dtype, c):
     desc_blocks = {"x_ptr": (c["BLOCK_N"], c["BLOCK_H"]), "w_ptr": (c["BLOCK_V"], c["BLOCK_H"]),
                    "keep_ptr": (c["BLOCK_N"], c["BLOCK_V"])}
     sig, consts = {}, {}
-    kept_kernel = "H" not in fn.arg_names  # the kept-dlogits kernels take plain pointers
+    kept_kernel = "H" not in fn.arg_names  # kernels without a GEMM (kept dlogits, on logits) take plain pointers
     # Constexprs a config does not name take their defaults (as at a launch that omits them).
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     # Pointers that default to None (optional inputs of a constexpr-gated feature) are
@@ -99,7 +101,7 @@ def signature(fn, dtype, c):
             sig[a], consts[a] = "constexpr", c.get(a, defaults.get(a))
         elif a.endswith("_ptr") or a.startswith("part_"):
             if a in IN_DTYPE:
-                use_desc = (tma and a in desc_blocks and not kept_kernel) or (a == "dz_ptr" and c["DZ_TMA"])
+                use_desc = not kept_kernel and ((tma and a in desc_blocks) or (a == "dz_ptr" and c["DZ_TMA"]))
                 block = desc_blocks.get(a, (c["BLOCK_N"], c["BLOCK_V"]))
                 sig[a] = _desc(dtype, block) if use_desc else f"*{dtype}"
             else:
