@@ -101,8 +101,9 @@ def side_stats_update(z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
 
 @triton.jit
 def load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N):
-    """Per-row inputs of ``dz_tile``: lse, A, B, C (coef is the (3, N) fp32 tensor of
-    ``formulas.cross_entropy.grad_coefficients``) and the target; neutral values past N."""
+    """Per-row inputs of ``dz_tile`` (and of ``log_probs_math.logp_dz_tile``): lse, A, B, C
+    (coef is the (3, N) fp32 tensor of ``formulas.cross_entropy.grad_coefficients``, or of
+    ``formulas.log_probs.grad_coefficients``) and the target; neutral values past N."""
     lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
     a = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
     b = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)

@@ -10,11 +10,10 @@ linear_cross_entropy).
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.ce_math import store_partials
+from logitless.triton_lib.ce_math import load_row_coefficients, store_partials
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.log_probs_fields import fields_update
 from logitless.triton_lib.log_probs_math import (
-    load_logp_rows,
     logp_dz_tile,
     online_entropy_update,
     online_start,
@@ -130,7 +129,7 @@ def logp_dlogits_kernel(
             v_start, v_end, softcap, row_blocks, col_blocks, group_n,
             HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, W_CHUNK,
         )
-        lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
+        lse, ca, cb, cc, token = load_row_coefficients(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
         logp = z * inv_temp - lse[:, None]
         p = tl.exp(logp)
         dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)
@@ -154,7 +153,7 @@ def logp_kept_dlogits_kernel(
     one read and one write of the kept buffer. BLOCK_V must be the forward's."""
     e, m, offs_n, offs_v, row_ok, mask, ptrs = load_kept_tile(
         keep_ptr, keep_max_ptr, N, keep_cols, stride_keep, BLOCK_N, BLOCK_V)
-    lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
+    lse, ca, cb, cc, token = load_row_coefficients(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     logp = p  # unused without entropy or a soft-cap
     if ENTROPY or HAS_SOFTCAP:

@@ -6,8 +6,8 @@ The math is ``formulas.log_probs`` (Triton twin ``triton_lib.log_probs_math``)."
 import triton
 import triton.language as tl
 
-from logitless.triton_lib.ce_math import logits_tile, softcap_tile, target_rows
-from logitless.triton_lib.log_probs_math import load_logp_rows, logp_dz_tile, online_entropy_update
+from logitless.triton_lib.ce_math import load_row_coefficients, logits_tile, softcap_tile, target_rows
+from logitless.triton_lib.log_probs_math import logp_dz_tile, online_entropy_update
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def lp_backward_kernel(
     - B [j == t] (times the soft-cap factor). One read of z, one write of dz."""
     z, offs_n, offs_v, row_ok, mask, rows, cols = logits_tile(z_ptr, N, V, stride_zn, stride_zv, softcap,
                                                               HAS_SOFTCAP, BLOCK_N, BLOCK_V)
-    lse, ca, cb, cc, token = load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
+    lse, ca, cb, cc, token = load_row_coefficients(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     logp = z * inv_temp - lse[:, None]
     p = tl.exp(logp)
     dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, 1.0 / inv_temp, HAS_SOFTCAP, ENTROPY)

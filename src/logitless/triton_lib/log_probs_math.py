@@ -79,7 +79,8 @@ def online_entropy_update(a, m, s, u, ENTROPY: tl.constexpr):
 def logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature,
                  HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr):
     """dz_j = p_j (A + C log p_j) - B [j == t], times 1 - (z_j / s)^2 with a soft-cap;
-    (A, B, C) per row from ``formulas.log_probs.grad_coefficients`` (1/T folded in).
+    (A, B, C) per row from ``formulas.log_probs.grad_coefficients`` (1/T folded in;
+    loaded by ``ce_math.load_row_coefficients``).
     p_j = 0 gives 0 for the first term (no 0 * inf where a column is -inf). The capped
     logit is recomputed from log p, z_j = T (log p_j + lse), so that only two tiles
     (p, log p) are live at once (registers: a third fp32 tile would spill)."""
@@ -125,15 +126,3 @@ def merge_split(part_max, part_sum, s, N, offs, ok, m_safe, total):
 def token_value(x, valid, bad):
     """x at valid tokens, 0 at ignored ones, NaN at out-of-range ones."""
     return tl.where(bad, float("nan"), tl.where(valid, x, 0.0))
-
-
-@triton.jit
-def load_logp_rows(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N):
-    """Per-row inputs of ``logp_dz_tile``: lse, A, B, C (coef: (3, N) fp32) and the
-    token; neutral values past N."""
-    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-    ca = tl.load(coef_ptr + offs_n, mask=row_ok, other=0.0)
-    cb = tl.load(coef_ptr + N + offs_n, mask=row_ok, other=0.0)
-    cc = tl.load(coef_ptr + 2 * N + offs_n, mask=row_ok, other=0.0)
-    token = tl.load(token_ptr + offs_n, mask=row_ok, other=-1)
-    return lse, ca, cb, cc, token
