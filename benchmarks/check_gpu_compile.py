@@ -398,14 +398,14 @@ def compile_one(rec, arch):
 
     mod, name = rec["kernel"].split(":")
     fn = getattr(importlib.import_module(mod), name)
-    consts = dict(rec["constexprs"])
-    if "DOT_PRECISION" in consts and consts["DOT_PRECISION"] not in PRECISIONS[arch]:
-        raise ValueError(f"DOT_PRECISION {consts['DOT_PRECISION']!r} planned for {arch}")
+    dot = rec["constexprs"].get("DOT_PRECISION")
+    if dot is not None and dot not in PRECISIONS[arch]:
+        raise ValueError(f"DOT_PRECISION {dot!r} planned for {arch}")
     t0 = time.time()
     nv = arch == "sm90"
     target = GPUTarget("cuda", 90, 32) if nv else GPUTarget("hip", arch, rocm.WAVEFRONT)
     # Triton's own binding of the launch (JITFunction.run): its signature, constexprs and
-    # specialisation attributes (16-byte aligned pointers, ints divisible by 16, ints of 1).
+    # specialisation attributes (16-byte aligned pointers, ints divisible by 16).
     backend = make_backend(target)
     kwargs = {k: _dec(a) for k, a in rec["bound"].items()}
     kwargs.update(rec["options"], debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
@@ -415,8 +415,8 @@ def compile_one(rec, arch):
     out = _sm90_stats(k) if nv else _stats(k)
     out["seconds"] = round(time.time() - t0, 2)
     out["smem_ok"] = out["smem"] <= (SM90_SHARED if nv else rocm.LDS_BYTES[arch])
-    if "DOT_PRECISION" in consts:
-        out["dot_precision"] = consts["DOT_PRECISION"]
+    if dot is not None:
+        out["dot_precision"] = dot
     return out
 
 
