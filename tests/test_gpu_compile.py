@@ -9,7 +9,7 @@ The compile tests run ``benchmarks/check_gpu_compile.py``: it records every kern
 launch of the ops (CPU interpreter, the target's plans) and compiles each for gfx942 and
 gfx950 with Triton's AMD backend, and for sm90 with its NVIDIA backend (bundled ptxas);
 every launch must compile, fit the target's shared memory (LDS) and spill nothing (sm90:
-an expected failure today, ``test_no_spill_on_sm90``). CI compiles a subset of the op calls
+no more than today's ceiling per kernel, ``SM90_SPILL_CEILING``). CI compiles a subset of the op calls
 that still launches every kernel (AMD: about 2 minutes on two shared CPU cores, empty Triton
 cache; sm90: about 8); ``LOGITLESS_ROCM_FULL=1`` runs the
 whole matrix (bf16, fp16, fp32 at "highest" and "high", more option combinations; about
@@ -228,11 +228,29 @@ def test_every_kernel_compiles_for_sm90(sm90):
     assert dots <= {"tf32", "tf32x3", "tf32-round"} and "tf32" in dots, dots
 
 
-@pytest.mark.xfail(strict=True, reason="ptxas spills at the shipped H100 tiles (e.g. forward_stats_kernel at "
-                   "128 x 256 x 64, 8 warps: 255 registers, 496 bytes; docs/rocm.md); the lead decides")
-def test_no_spill_on_sm90(sm90):
-    _, res, rc = sm90
-    assert not res["summary"]["spills"] and rc == 0, res["summary"]["spills"]
+#: Bytes of local memory + stack frame per thread that ptxas (Triton 3.6's) spills at the
+#: H100's shipped tiles, the most over the CI subset's launches of each kernel (the fused
+#: GEMM kernels at 128 x 256 / 8 warps and the sparse backward's 16 x 1024 reach 255
+#: registers). Not a target: a ceiling, so that a change which spills more, or makes another
+#: kernel spill, fails here before it reaches a GPU. Lower an entry when a change spills less.
+SM90_SPILL_CEILING = {
+    "candidates_kernel": 864, "dlogits_kernel": 3584, "forward_stats_kernel": 1720, "jsd_dlogits_kernel": 864,
+    "jsd_kl_forward_kernel": 8, "kept_dlogits_kernel": 1456, "logp_dlogits_kernel": 2856,
+    "logp_forward_kernel": 1608, "logp_kept_dlogits_kernel": 1432, "mass_kernel": 544, "sparse_dw_kernel": 1192,
+    "sparse_dx_kernel": 1168,
+}
+
+
+def test_sm90_spills_within_ceiling(sm90):
+    """No kernel spills more on sm_90 than ``SM90_SPILL_CEILING`` says, and no other kernel
+    spills at all."""
+    _, res, _ = sm90
+    worst = {}
+    for e in res["results"]:
+        k = e["kernel"].split(":")[1]
+        worst[k] = max(worst.get(k, 0), e["spill"])
+    over = {k: (b, SM90_SPILL_CEILING.get(k, 0)) for k, b in worst.items() if b > SM90_SPILL_CEILING.get(k, 0)}
+    assert not over, f"(spilled bytes, ceiling) per kernel: {over}"
 
 
 def _torch_kernels() -> set:
