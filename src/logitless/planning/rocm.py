@@ -16,7 +16,7 @@ module reads it (``arch``) and gives what differs from the NVIDIA path:
 The device models (``cost_model.MI300X``, ``cost_model.MI355X``) are chosen by
 ``cost_model.device_model`` through ``arch`` too. Nothing here has run on AMD hardware:
 the kernels are compiled ahead of time on the CPU for gfx942 and gfx950
-(``benchmarks/check_rocm_compile.py``, ``tests/test_rocm_compile.py``; docs/rocm.md).
+(``benchmarks/check_gpu_compile.py``, ``tests/test_gpu_compile.py``; docs/rocm.md).
 
 Hardware facts the tiles follow (AMD CDNA3 / CDNA4 ISA guides): wavefronts of 64 lanes
 (a Triton "warp" is a wavefront: num_warps=8 is 512 threads), 512 VGPRs per lane per SIMD
@@ -41,7 +41,7 @@ WAVEFRONT = 64
 #: Tiles of the fused linear kernels (linear_cross_entropy, linear_log_probs) by input
 #: itemsize, per architecture. Chosen from AOT compiles on the CPU, not from timings (no
 #: AMD GPU has run them): the largest candidates with no VGPR spill in any kernel the ops
-#: launch with them, every flag on (``benchmarks/check_rocm_compile.py``; the registers of
+#: launch with them, every flag on (``benchmarks/check_gpu_compile.py``; the registers of
 #: each candidate in ``benchmarks/results/rocm-tiles-cpu-*``). 8 wavefronts (512 threads)
 #: leave each lane 256 VGPRs, 4 wavefronts 512 (AGPRs too): at 128 x 128 x 64 and 8
 #: wavefronts the 16-bit forward spilled 2-35 VGPRs with every flag on and the kept-columns

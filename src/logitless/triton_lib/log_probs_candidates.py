@@ -173,7 +173,7 @@ def mass_kernel(
 
 #: Rows per program of the candidates kernel on AMD GPUs: its (rows x C) candidates and the
 #: tile spill VGPRs at the forward plan's 128 rows (gfx942: 42, gfx950: 49 spilled with
-#: bf16, C = 64, 4 warps; none at 64 rows: ``benchmarks/check_rocm_compile.py``).
+#: bf16, C = 64, 4 warps; none at 64 rows: ``benchmarks/check_gpu_compile.py``).
 ROCM_CANDIDATE_ROWS = 64
 
 

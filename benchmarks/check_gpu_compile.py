@@ -1,26 +1,38 @@
-"""Do the torch ops' Triton kernels compile for AMD GPUs? An ahead-of-time compile on the
-CPU (Triton's AMD backend: LLVM AMDGPU codegen and its in-process linker, no GPU, no
-ROCm install) for gfx942 (MI300X) and gfx950 (MI355X), of every kernel launch the ops
-make, with the tiles and kernel options the planner chooses on those GPUs.
+"""Do the torch ops' Triton kernels compile for the GPUs they plan for? An ahead-of-time
+compile on the CPU (no GPU) of every kernel launch the ops make, with the tiles and kernel
+options the planner chooses on that GPU, for gfx942 (MI300X) and gfx950 (MI355X) with
+Triton's AMD backend (LLVM AMDGPU codegen, its in-process linker, no ROCm install) and for
+sm90 (H100) with Triton's NVIDIA backend and its bundled ptxas.
 
-    python benchmarks/check_rocm_compile.py capture SPECS [--full] [--arch gfx942,gfx950]
-    python benchmarks/check_rocm_compile.py compile SPECS OUT [--arch gfx942,gfx950]
-    python benchmarks/check_rocm_compile.py tiles OUT                 # tile candidates' registers
+    python benchmarks/check_gpu_compile.py capture SPECS [--full] [--arch gfx942,gfx950,sm90]
+    python benchmarks/check_gpu_compile.py compile SPECS OUT [--arch gfx942,gfx950,sm90]
+    python benchmarks/check_gpu_compile.py tiles OUT                 # AMD tile candidates' registers
 
 Run with PYTHONPATH pointing at the tree (src/). ``capture`` runs the ops on the CPU
 interpreter (TRITON_INTERPRET=1, small odd shapes, bf16/fp16/fp32 and the main options:
 bias, softcap, class weights, label smoothing, z-loss, argmax (return_stats), kept
 columns, gradient in the forward, entropy, temperature, TRL's head fields, JSD beta
 0.5 / 0 / 1, hard labels; fp32 at matmul precision "highest" and "high") with the plans
-an AMD GPU gets (``planning.rocm``: its tile tables, no TMA; the row kernels' tiles as on a GPU) and
-records each launch: kernel, argument types, constexprs (the dot precision is
-``planning.rocm.dot_precision``'s for the target), launch options. ``compile`` compiles
-each unique launch (a separate process: without the interpreter) for its target, and writes
-per launch: ok, VGPRs / AGPRs / spills, LDS bytes (checked against the target's LDS),
-the MFMA instructions; or the error. Exits 1 when any launch fails to compile or needs
-more LDS than the target has. ``tiles`` compiles the fused GEMM kernels at candidate
-tiles (how ``planning.rocm.ROCM_TILES`` were chosen). Without ``--full`` the capture
-covers a representative subset (CI).
+the target gets and records each launch: kernel, argument types (a TMA descriptor as
+``tensordesc<dtype[block]>``), constexprs, launch options. AMD: ``planning.rocm``'s tile
+tables, no TMA, its dot precisions. sm90: ``plans.CUDA_TILES`` (``CUDA_TILES_TF32`` on
+operands pre-rounded to TF32 at "high", ``JSD_CUDA_TILES`` for linear_jsd), TMA
+descriptors where rows are aligned (the interpreter runs them; one case with an odd hidden
+size takes the pointer path), persistent dlogits programs (as from 2048 tokens on; the
+``FEW_ROWS`` cases as at few tokens), the H100's dot precisions ("tf32" for 16-bit, "tf32x3"
+/ "tf32-round" for fp32), no CuTe DSL forward (not Triton). Not covered on sm90: the TMA
+bulk store of dz (``dz_tma``, off in the shipped plans) and tuned tiles other than the
+shipped H100 table. On every target the row kernels take their GPU tiles
+(``plans.ce_triton_plan``) but launches whose sizes the launch code picks from the tensors'
+device (``launch.round_to_tf32``) keep their interpreter sizes.
+``compile`` compiles each unique launch (a separate process: without the interpreter) for
+its target, and writes per launch: ok, registers (AMD: VGPRs / AGPRs; sm90: REG of
+``cuobjdump -res-usage``), spills (AMD: spilled VGPRs; sm90: local memory + stack frame
+bytes), shared memory (LDS) bytes against the target's, the MFMA instructions (AMD); or
+the error. Exits 1 when any launch fails to compile, spills on sm90 (the AMD test holds
+VGPR spills), or needs more shared memory than the target has. ``tiles`` compiles the
+fused GEMM kernels at candidate AMD tiles (how ``planning.rocm.ROCM_TILES`` were chosen).
+Without ``--full`` the capture covers a representative subset (CI).
 """
 
 from __future__ import annotations
@@ -35,15 +47,22 @@ import time
 TORCH_TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64",
                "torch.int64": "i64", "torch.int32": "i32", "torch.int16": "i16", "torch.int8": "i8",
                "torch.uint8": "u8", "torch.bool": "i1"}
-ARCHS = ("gfx942", "gfx950")
+ARCHS = ("gfx942", "gfx950", "sm90")
+#: Shared memory one block may use on an H100 (cudaDevAttrMaxSharedMemoryPerBlockOptin, 227 KiB).
+SM90_SHARED = 232448
+#: sm90 cases planned as at few tokens (one dlogits program per tile); the others persistent.
+FEW_ROWS = ("lce-partial", "llp-recompute", "ljsd-kl")
+#: Launch sizes that ``launch.round_to_tf32`` picks for CUDA tensors (the capture's are the CPU's).
+GPU_LAUNCH = {"round_to_tf32_kernel": (dict(BLOCK_R=16, BLOCK_C=256), dict(num_warps=4))}
 
 
 # ----------------------------------------------------------------------------- capture
 
-def _cases(full: bool):
+def _cases(full: bool, nv: bool = False):
     """(label, dtype name, fp32 precision, op name, kwargs) of the op calls. Without ``full``
     a subset that still launches every kernel (CI): bf16 with most options, fp32 at "high"
-    (TF32 rounding, pre-rounded operands) on the fused linear ops."""
+    (TF32 rounding, pre-rounded operands) on the fused linear ops. ``nv`` (sm90): "high"
+    is the pre-rounded path, "high-inkernel" (full) the kernels' own rounding."""
     base = [
         ("lce-plain", "lce", dict()),
         ("lce-all", "lce", dict(bias=True, softcap=30.0, label_smoothing=0.1, class_weight=True, z_loss=1e-4,
@@ -52,9 +71,12 @@ def _cases(full: bool):
         ("lce-partial", "lce", dict(budget="partial", bias=True)),
         ("lce-recompute", "lce", dict(budget="none", softcap=30.0, label_smoothing=0.1, class_weight=True)),
         ("lce-gif", "lce", dict(strategy=("grad_in_forward", 16), bias=True, softcap=30.0)),
+        ("lce-fwd", "lce", dict(grad=False, return_stats=True)),  # no backward (sm90, fp32 "high": its tiles)
+        ("lce-unaligned", "lce", dict(h=41, bias=True)),  # rows not 16-byte aligned: no TMA on sm90
         ("llp-entropy", "llp", dict(entropy=True, temperature=0.7, softcap=20.0, bias=True)),
         ("llp-recompute", "llp", dict(budget="none", entropy=True)),
         ("llp-topk", "llp", dict(top_k=5, top_p=0.9, entropy=True)),
+        ("llp-sparse-add", "llp", dict(top_p=0.9, bias=True)),  # sparse rows' dW, db added to the dense rows'
         ("trl-fields", "trl", dict(bias=True, softcap=20.0, temperature=0.7)),  # FIELDS + its epilogue
         # top-p past the candidates (the mass search, the candidates below a bound), and a top_k
         # too large for the candidates kernel (the chunked threshold pass's scaled_logits_kernel)
@@ -79,12 +101,13 @@ def _cases(full: bool):
     ]
     if not full:
         fused = ("lce-all", "lce-recompute", "llp-entropy", "llp-recompute", "ljsd-0.5", "ljsd-kl",
-                 "llp-topp-search")  # (the last: the interpreter's bf16 dots give no flat rows)
+                 "llp-topp-search", "lce-fwd")  # (the last: the interpreter's bf16 dots give no flat rows)
         return ([(label, "bfloat16", "highest", op, kw) for label, op, kw in base]
                 + [(label, "float32", "high", op, kw) for label, op, kw in base if label in fused])
     out = []
     for dt in ("bfloat16", "float16", "float32"):
-        for prec in (("highest", "high") if dt == "float32" else ("highest",)):
+        for prec in ((("highest", "high", "high-inkernel") if nv else ("highest", "high")) if dt == "float32"
+                     else ("highest",)):
             out += [(label, dt, prec, op, kw) for label, op, kw in base + extra]
     return out
 
@@ -98,7 +121,7 @@ def capture(full: bool, archs=ARCHS):
     from logitless.ops.cross_entropy import triton_backend as ce_b
     from logitless.ops.jsd import triton_backend as jsd_b
     from logitless.ops.log_probs import triton_backend as lp_b
-    from logitless.planning import memo, plans, rocm
+    from logitless.planning import memo, plans, rocm, tiles
     from logitless.planning.overrides import override
 
     # The row kernels' tiles as on a GPU (ce_triton_plan reads only device.type).
@@ -126,7 +149,7 @@ def capture(full: bool, archs=ARCHS):
 
     def run(self, *args, grid, warmup, **kwargs):
         rec = _record(self, args, kwargs, current)
-        key = json.dumps({k: rec[k] for k in ("arch", "kernel", "signature", "constexprs", "options")},
+        key = json.dumps({k: rec[k] for k in ("arch", "kernel", "signature", "constexprs", "options", "bound")},
                          sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
@@ -135,34 +158,45 @@ def capture(full: bool, archs=ARCHS):
 
     interpreter.InterpretedFunction.run = run
     no_tma = lambda p: dataclasses.replace(p, tma=False, dz_tma=False)  # noqa: E731 (what rocm.adapt_plan does)
+    min_rows = plans.PERSISTENT_MIN_ROW_BLOCKS
     g = torch.Generator().manual_seed(0)
     n, h, v, ht = 37, 40, 173, 24  # odd: masks everywhere
     try:
       for arch in archs:
-        rocm.arch = lambda device, arch=arch: arch
-        launch.dot_precision = lambda dtype, arch=arch: rocm.dot_precision(
+        nv = arch == "sm90"
+        # sm90: the NVIDIA planner as is (rocm.arch None on the CPU), TMA kept; its dot
+        # precision but for the interpreter's bf16 stand-in (``_record`` writes "tf32").
+        rocm.arch = real_arch if nv else lambda device, arch=arch: arch
+        launch.dot_precision = real_precision if nv else lambda dtype, arch=arch: rocm.dot_precision(
             dtype == torch.float32, launch.tf32_allowed(), overrides().tf32_round, arch_name=arch)
-        for label, dt, prec, op, kw in _cases(full):
+        for label, dt, prec, op, kw in _cases(full, nv):
             dtype = getattr(torch, dt)
-            itemsize = dtype.itemsize
-            tiles = rocm.ROCM_TILES[arch][4 if itemsize == 4 else 2]
-            if op == "ljsd":
-                tiles = rocm.JSD_ROCM_TILES[arch][4 if itemsize == 4 else 2]
-            current.update(arch=arch, case=label, dtype=dt, precision=prec)
-            torch.set_float32_matmul_precision(prec)
-            memo.clear()
+            i = 4 if dtype.itemsize == 4 else 2
             kw = dict(kw)
-            ov = dict(tiles=tiles, plan=no_tma)
+            if not nv:
+                tiles_ = (rocm.JSD_ROCM_TILES if op == "ljsd" else rocm.ROCM_TILES)[arch][i]
+                ov = dict(tiles=tiles_, plan=no_tma)
+            else:  # pre-rounded fp32 at "high": CUDA_TILES_TF32 (by whether a backward follows)
+                pre = dt == "float32" and prec == "high"
+                tiles_ = (plans.JSD_CUDA_TILES[i] if op == "ljsd" else
+                          tiles.CUDA_TILES_TF32[kw.get("grad", True)] if pre else tiles.CUDA_TILES[i])
+                ov = dict(tiles=tiles_, cute=False, tf32_preround=pre if dt == "float32" else None)
+            # persistent dlogits programs (sm90, as from PERSISTENT_MIN_ROW_BLOCKS row blocks)
+            plans.PERSISTENT_MIN_ROW_BLOCKS = 1 if nv and label not in FEW_ROWS else min_rows
+            current.update(arch=arch, case=label, dtype=dt, precision=prec)
+            torch.set_float32_matmul_precision(prec.split("-")[0])
+            memo.clear()
             if "strategy" in kw:
                 ov["strategy"] = kw.pop("strategy")
             budget = kw.pop("budget", None)
-            _call(L, op, dtype, n, h, ht, kw.pop("v", v), kw, budget, g, ov, override)
+            _call(L, op, dtype, n, kw.pop("h", h), ht, kw.pop("v", v), kw, budget, g, ov, override)
     finally:
         interpreter.InterpretedFunction.run = real_run
         for mod in (plans, ce_b, jsd_b, lp_b):
             mod.ce_triton_plan = real_ce_plan
         rocm.arch = real_arch
         launch.dot_precision = real_precision
+        plans.PERSISTENT_MIN_ROW_BLOCKS = min_rows
         memo.clear()
     return records
 
@@ -170,8 +204,10 @@ def capture(full: bool, archs=ARCHS):
 def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
     import torch
 
+    need = kw.pop("grad", True)  # False: a forward alone
+
     def r(*shape, scale=1.0, grad=True):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_(grad)
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_(grad and need)
 
     target = torch.randint(0, v, (n,), generator=g)
     target[3] = -100
@@ -218,7 +254,8 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
         out = res[0] if isinstance(res, tuple) else res
         if out.dim():
             out = out.float().sum()
-        out.float().backward()
+        if need:
+            out.float().backward()
 
 
 def _record(fn, args, kwargs, current):
@@ -254,8 +291,41 @@ def _record(fn, args, kwargs, current):
             signature[name], c = _type_of(a)
             if c is not _NOTHING:
                 consts[name] = c
-    return dict(kernel=f"{fn.fn.__module__}:{fn.fn.__name__}", signature=signature, constexprs=consts,
-                options=options, **current)
+    if consts.get("DOT_PRECISION") == "interpreter-bf16":  # (launch.dot_precision's stand-in)
+        consts["DOT_PRECISION"] = "tf32"
+    sizes, opts = GPU_LAUNCH.get(fn.fn.__name__, ({}, {}))
+    bound = {k: _enc(a) if k not in constexpr else consts[k] for k, a in bound.items()}
+    return dict(kernel=f"{fn.fn.__module__}:{fn.fn.__name__}", signature=signature, constexprs={**consts, **sizes},
+                options={**options, **opts}, bound={**bound, **sizes}, **current)
+
+
+def _enc(a):
+    """A runtime argument as what Triton's launch specialises on (``_dec`` rebuilds it): a
+    tensor's dtype and 16-byte alignment, a descriptor's dtype and block, an int's class (a
+    multiple of 16 or not; 32 or 64 bits; a 1 at the capture's small shapes, e.g. one
+    split, as any other int: Triton would make it a constant), a float's type."""
+    if type(a).__name__ == "TensorDescriptor":
+        return dict(desc=str(a.base.dtype)[6:], block=list(a.block_shape))
+    if hasattr(a, "data_ptr"):
+        return dict(tensor=str(a.dtype)[6:], aligned=a.data_ptr() % 16 == 0)
+    if isinstance(a, bool) or a is None or isinstance(a, str):
+        return a
+    if isinstance(a, int):
+        return (16 if a % 16 == 0 and a else 17) + (0 if -2**31 <= a < 2**31 else 2**32)
+    return 1.5 if isinstance(a, float) else a
+
+
+def _dec(a):
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(a, dict) and "desc" in a:
+        b = a["block"]
+        return TensorDescriptor(torch.empty(b, dtype=getattr(torch, a["desc"])), b, [b[1], 1], b)
+    if isinstance(a, dict):
+        t = torch.empty(64, dtype=getattr(torch, a["tensor"]))
+        return t if a["aligned"] else t[1:]
+    return a
 
 
 _NOTHING = object()
@@ -274,13 +344,15 @@ def _type_of(a):
         return ("i32" if -2**31 <= a < 2**31 else "i64"), _NOTHING
     if isinstance(a, float):
         return "fp32", _NOTHING
-    raise TypeError(f"no AOT type for {type(a).__name__} (a TMA descriptor on HIP?)")
+    if type(a).__name__ == "TensorDescriptor":
+        return f"tensordesc<{TORCH_TYPES[str(a.base.dtype)]}{list(a.block_shape)}>", _NOTHING
+    raise TypeError(f"no AOT type for {type(a).__name__}")
 
 
 # ----------------------------------------------------------------------------- compile
 
-#: Dot precisions Triton's AMD backend accepts, by target (gfx942: xf32 MFMA for "tf32").
-HIP_PRECISIONS = {"gfx942": {"ieee", "tf32", "tf32-round"}, "gfx950": {"ieee"}}
+#: Dot precisions planned per target (AMD: what Triton's backend accepts; gfx942: xf32 MFMA for "tf32").
+PRECISIONS = {"gfx942": {"ieee", "tf32", "tf32-round"}, "gfx950": {"ieee"}, "sm90": {"tf32", "tf32x3", "tf32-round"}}
 
 
 def _stats(k) -> dict:
@@ -290,34 +362,61 @@ def _stats(k) -> dict:
         m = re.search(name + r":\s*(\d+)", a)
         return int(m.group(1)) if m else None
 
-    return dict(vgpr=g("vgpr_count"), agpr=g("agpr_count"), vgpr_spill=g("vgpr_spill_count"),
-                sgpr_spill=g("sgpr_spill_count"), lds=k.metadata.shared,
+    return dict(vgpr=g("vgpr_count"), agpr=g("agpr_count"), spill=g("vgpr_spill_count"),
+                sgpr_spill=g("sgpr_spill_count"), smem=k.metadata.shared,
                 mfma=sorted(set(re.findall(r"v_mfma_\w+", a))), hsaco_bytes=len(k.asm["hsaco"]))
+
+
+def _sm90_stats(k) -> dict:
+    """Registers, spills (local memory + stack frame bytes per thread) and shared memory
+    (Triton's dynamic + the cubin's static) of ``cuobjdump -res-usage`` on the cubin."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    u = {key: int(val) for key, val in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}
+    return dict(regs=u["REG"], spill=u["STACK"] + u["LOCAL"], smem=k.metadata.shared + u["SHARED"],
+                cubin_bytes=len(k.asm["cubin"]))
 
 
 def compile_one(rec, arch):
     import importlib
 
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     from logitless.planning import rocm
 
     mod, name = rec["kernel"].split(":")
     fn = getattr(importlib.import_module(mod), name)
-    consts = dict(rec["constexprs"])
-    if "DOT_PRECISION" in consts and consts["DOT_PRECISION"] not in HIP_PRECISIONS[arch]:
-        raise ValueError(f"DOT_PRECISION {consts['DOT_PRECISION']!r} planned for {arch}")
-    sig = dict(rec["signature"])
+    dot = rec["constexprs"].get("DOT_PRECISION")
+    if dot is not None and dot not in PRECISIONS[arch]:
+        raise ValueError(f"DOT_PRECISION {dot!r} planned for {arch}")
     t0 = time.time()
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("hip", arch, rocm.WAVEFRONT),
-                       options=dict(rec["options"]))
-    out = _stats(k)
+    nv = arch == "sm90"
+    target = GPUTarget("cuda", 90, 32) if nv else GPUTarget("hip", arch, rocm.WAVEFRONT)
+    # Triton's own binding of the launch (JITFunction.run): its signature, constexprs and
+    # specialisation attributes (16-byte aligned pointers, ints divisible by 16).
+    backend = make_backend(target)
+    kwargs = {k: _dec(a) for k, a in rec["bound"].items()}
+    kwargs.update(rec["options"], debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound, spec, _ = create_function_from_signature(fn.signature, fn.params, backend)(**kwargs)
+    opts, sig, consts, attrs = fn._pack_args(backend, kwargs, bound, spec, None)
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=opts.__dict__)
+    out = _sm90_stats(k) if nv else _stats(k)
     out["seconds"] = round(time.time() - t0, 2)
-    out["lds_ok"] = out["lds"] <= rocm.LDS_BYTES[arch]
-    if "DOT_PRECISION" in consts:
-        out["dot_precision"] = consts["DOT_PRECISION"]
+    out["smem_ok"] = out["smem"] <= (SM90_SHARED if nv else rocm.LDS_BYTES[arch])
+    if dot is not None:
+        out["dot_precision"] = dot
     return out
 
 
@@ -335,15 +434,14 @@ def compile_all(records, archs):
                                 if not k.startswith("BLOCK") and isinstance(v, (bool, str))})
             try:
                 entry.update(compile_one(rec, arch))
-                if entry.get("lds_ok") is False:
-                    bad += 1
+                bad += not entry["smem_ok"] or bool(entry["spill"])
             except Exception as e:  # noqa: BLE001 (reported per launch; the others still compile)
                 entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                 bad += 1
             results.append(entry)
             print(arch, rec["kernel"].split(":")[1], rec["case"], rec["dtype"], rec["precision"],
-                  {k: entry.get(k) for k in ("error", "skipped", "vgpr", "agpr", "vgpr_spill", "lds",
-                                             "seconds") if entry.get(k) is not None}, flush=True)
+                  {k: entry.get(k) for k in ("error", "vgpr", "agpr", "regs", "spill", "smem", "seconds")
+                   if entry.get(k) is not None}, flush=True)
     return results, bad
 
 
@@ -403,13 +501,17 @@ def main(argv):
         results, bad = compile_all(recs, archs)
         import triton
 
-        summary = dict(triton=triton.__version__, archs=list(archs), launches=len(recs),
-                       compiled=sum("vgpr" in r for r in results), skipped=sum("skipped" in r for r in results),
+        ok = [r for r in results if "error" not in r]
+        by = {a: [r for r in ok if r["arch"] == a] for a in archs}
+        summary = dict(triton=triton.__version__, archs=list(archs), launches=len(recs), compiled=len(ok),
                        failed=[f"{r['arch']} {r['kernel']} {r['case']} {r['dtype']} {r['precision']}: "
-                               f"{r.get('error') or 'LDS ' + str(r.get('lds'))}"
-                               for r in results if "error" in r or r.get("lds_ok") is False],
-                       vgpr_spills=sorted({f"{r['arch']} {r['kernel'].split(':')[1]} {r['dtype']}: {r['vgpr_spill']}"
-                                           for r in results if r.get("vgpr_spill")}))
+                               f"{r.get('error') or 'shared memory ' + str(r.get('smem'))}"
+                               for r in results if "error" in r or not r["smem_ok"]],
+                       spills=sorted({f"{r['arch']} {r['kernel'].split(':')[1]} {r['case']} {r['dtype']}: {r['spill']}"
+                                      for r in ok if r["spill"]}),
+                       max_regs={a: max((r.get("regs") or r["vgpr"] for r in rs), default=None)
+                                 for a, rs in by.items()},
+                       max_smem={a: max((r["smem"] for r in rs), default=None) for a, rs in by.items()})
         with open(argv[2], "w") as f:
             json.dump(dict(summary=summary, results=results), f, indent=1, default=str)
         print(json.dumps(summary, indent=1))
