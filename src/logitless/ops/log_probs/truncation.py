@@ -1,15 +1,18 @@
 """log_probs (from logits) with truncated sampling (top-k / top-p / min-p,
 ``formulas.truncation``) and/or ``batch_invariant=True``: plain torch ops on blocks of
-rows, differentiated by autograd.
+rows inside two custom ops (``SPEC``: fixed output shapes, so torch.compile(fullgraph=True)
+traces them; the host syncs of the thresholds run inside). The backward op runs the
+forward's ops again under ``torch.func.vjp`` (the same graph: the gradients of
+differentiating the forward directly, bitwise).
 
 Each block: a = logits / T in the compute dtype; tau per row from its candidates
 (``formulas.truncation.resolve``, more candidates for the rows it leaves open); the
 kept logits' logsumexp, log p at the token (-inf outside the kept set, with no
 gradient there) and the truncated entropy. With ``batch_invariant`` the blocks have a
 fixed number of rows (``ROWS``, the last one padded), so a row's bits do not depend
-on the batch. Memory: autograd keeps a few fp32 (rows x V) tensors per block (about
-3x the logits in fp32), where the default path keeps none; time: a few passes over the
-logits instead of one.
+on the batch. Memory: nothing is kept between forward and backward but the inputs; the
+backward holds a few fp32 (rows x V) tensors per block (about 3x the logits in fp32)
+while it runs. Time: a few passes over the logits instead of one, the forward's twice.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
-from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, resolve
+from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, check_values, resolve
+from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
+from logitless.ops.common.validate import check_targets_in_range
+from logitless.options import LogProbOptions
 
 #: Rows per block (a fixed shape with batch_invariant=True).
 ROWS = 64
@@ -100,3 +106,77 @@ def log_probs_truncated(logits: Tensor, tokens: Tensor, trunc: Optional[Truncati
         empty = logits.new_zeros(0, dtype=cd) + logits.sum() * 0
         return empty, (empty if entropy else None)
     return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+def _forward(logits: Tensor, tokens: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor],
+             min_p: Optional[Tensor], opts: LogProbOptions, k_max: int, batch_invariant: bool):
+    """logits (N, V), tokens (N,) int64, the per-token truncation (None: none) -> logp
+    (N,), entropy (N,) or (0,). No autograd graph: the backward recomputes."""
+    check_targets_in_range(tokens, logits.shape[1], opts.ignore_index, name="tokens")
+    trunc = None
+    if top_k is not None:
+        if logits.device.type == "cpu":
+            check_values(top_k, top_p, min_p)
+        trunc = Truncation(top_k, top_p, min_p, k_max if k_max >= 0 else None)
+    logp, ent = log_probs_truncated(logits, tokens, trunc, opts.temperature, opts.ignore_index, opts.entropy,
+                                    batch_invariant)
+    return logp.clone() if ent is logp else logp, ent if ent is not None else logp.new_empty(0)
+
+
+def _forward_fake(logits, tokens, top_k, top_p, min_p, opts, k_max, batch_invariant):
+    n = logits.shape[0]
+    sd = compute_dtype(logits.dtype)
+    return logits.new_empty(n, dtype=sd), logits.new_empty(n if opts.entropy else 0, dtype=sd)
+
+
+def _backward(grad_logp, grad_entropy, logits, tokens, top_k, top_p, min_p, opts: LogProbOptions, k_max: int,
+              batch_invariant: bool) -> Tensor:
+    """d / d logits: the forward's torch ops run again with autograd (the same graph, so
+    the same gradients as differentiating the forward itself), nothing saved but the
+    inputs (an fp32 (rows x V) graph per block while it runs, not between the passes)."""
+    trunc = Truncation(top_k, top_p, min_p, k_max if k_max >= 0 else None) if top_k is not None else None
+    grads = tuple(g for g in (grad_logp, grad_entropy if opts.entropy else None) if g is not None)
+
+    def outputs(z):  # (those with an incoming gradient: no 0 * inf terms from the others)
+        logp, ent = log_probs_truncated(z, tokens, trunc, opts.temperature, opts.ignore_index, opts.entropy,
+                                        batch_invariant)
+        return tuple(o for o, g in ((logp, grad_logp), (ent, grad_entropy)) if g is not None and o is not None)
+
+    # torch.func: a custom op's implementation runs below the autograd dispatch keys,
+    # where torch.autograd.grad records nothing. (Its wrappers do not run under a
+    # TorchDispatchMode, e.g. opcheck's schema check: "Cannot access storage".)
+    _, vjp = torch.func.vjp(outputs, logits)
+    (g,) = vjp(grads)
+    return g if g is not None else torch.zeros_like(logits)
+
+
+def _backward_fake(grad_logp, grad_entropy, logits, *_):
+    return torch.empty_like(logits)
+
+
+_TRUNC = (tensor("top_k", True), tensor("top_p", True), tensor("min_p", True))
+_TAIL = (options("opts", LogProbOptions), scalar("k_max", int), scalar("batch_invariant", bool))
+
+#: logitless::lp_truncated_forward(logits, tokens, top_k, top_p, min_p, <options>, k_max (-1:
+#: read from top_k), batch_invariant) -> logp, entropy; logitless::lp_truncated_backward(grad_logp,
+#: grad_entropy, <the forward's arguments>) -> d / d logits. Fixed output shapes.
+SPEC = OpSpec(
+    op="log_probs",
+    name="lp_truncated_forward",
+    forward=(tensor("logits"), tensor("tokens"), *_TRUNC, *_TAIL),
+    outputs=("logp", "entropy_out"),
+    forward_impl=_forward,
+    forward_fake=_forward_fake,
+    backward_name="lp_truncated_backward",
+    backward=(tensor("grad_logp", True), tensor("grad_entropy", True), tensor("logits"), tensor("tokens"), *_TRUNC,
+              *_TAIL),
+    backward_impl=_backward,
+    backward_fake=_backward_fake,
+    grads=("grad_logp", "grad_entropy"),
+    grad_inputs=("logits",),
+    skip_if_no_grads=True,
+)
+
+_built = build(SPEC)
+lp_truncated_forward, lp_truncated_backward = _built.forward_op, _built.backward_op
+lp_truncated_forward_eager = _built.eager
