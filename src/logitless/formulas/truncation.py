@@ -77,7 +77,7 @@ def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi:
         raise TypeError(f"{name} must be a number or a tensor, got bool")
     if isinstance(value, numbers.Real):  # (Python and numpy numbers)
         v = float(value)
-        ok = (lo < v if lo_open else lo <= v) and v <= hi and math.isfinite(v)
+        ok = (lo < v if lo_open else lo <= v) and v <= hi and -math.inf < v < math.inf  # (NaN: False)
         if not ok:
             raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({hint}), got {value}")
         if name == "top_k" and v != int(v):
