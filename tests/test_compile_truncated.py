@@ -18,7 +18,7 @@ import torch
 import logitless
 from logitless.ops.common import plan_codec
 from logitless.ops.linear_cross_entropy import batch_invariant as lce_inv
-from logitless.ops.linear_log_probs import truncation as llp_tr
+from logitless.ops.linear_log_probs import truncated_op as llp_tr
 from logitless.ops.log_probs import truncation as lp_tr
 from logitless.planning.plans import LinearPlan
 from tests.conftest import DEVICE

@@ -148,7 +148,7 @@ def linear_log_probs(
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
     if trunc is not None or batch_invariant:
-        from .truncation import linear_log_probs_truncated
+        from .truncated_op import linear_log_probs_truncated
 
         if impl == "helion":  # (the Helion kernels take no threshold: its fallback backend)
             from logitless.ops.common.helion_choice import fallback_name
