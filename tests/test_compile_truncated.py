@@ -207,13 +207,10 @@ def test_opcheck_log_probs(trunc):
     tr = (k, p, torch.zeros_like(p)) if trunc else (None, None, None)
     args = (logits, t, *tr, 0.7, True, None, -100, -1, not trunc)
     torch.library.opcheck(lp_tr.lp_truncated_forward, args)
-    logp, ent = lp_tr.lp_truncated_forward(*args)
-    bargs = (torch.randn_like(logp), torch.randn_like(ent), logits.detach(), t, *tr, 0.7, True, None, -100, -1,
-             not trunc)
-    # (only the registration: the other checks run the implementation under a dispatch
-    # mode, which its torch.func.vjp does not survive, ``lp_tr._backward``; the compile
-    # tests above run it, and its fake here)
-    torch.library.opcheck(lp_tr.lp_truncated_backward, bargs, test_utils=("test_autograd_registration",))
+    logp, ent, lse, tau = (o.detach() for o in lp_tr.lp_truncated_forward(*args))
+    opts = (0.7, True, None, -100)
+    bargs = (torch.randn_like(logp), torch.randn_like(ent), logits.detach(), t, logp, ent, lse, tau, *opts)
+    torch.library.opcheck(lp_tr.lp_truncated_backward, bargs)
     assert lp_tr._backward_fake(*bargs).shape == logits.shape
 
 

@@ -86,8 +86,8 @@ def log_probs(
 
         k, p, mp, k_max = (trunc.top_k, trunc.top_p, trunc.min_p, -1 if trunc.k_max is None else trunc.k_max) \
             if trunc is not None else (None, None, None, 0)
-        logp, ent = lp_truncated_forward_eager(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long(), k, p,
-                                               mp, *opts.args(), k_max, batch_invariant)
+        logp, ent, _, _ = lp_truncated_forward_eager(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long(),
+                                                     k, p, mp, *opts.args(), k_max, batch_invariant)
         logp = logp.reshape(tokens.shape)
         return (logp, ent.reshape(tokens.shape)) if opts.entropy else logp
     flat = logits.reshape(-1, logits.shape[-1])
