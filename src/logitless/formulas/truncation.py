@@ -77,7 +77,7 @@ def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi:
         raise TypeError(f"{name} must be a number or a tensor, got bool")
     if isinstance(value, numbers.Real):  # (Python and numpy numbers)
         v = float(value)
-        ok = (lo < v if lo_open else lo <= v) and v <= hi and math.isfinite(v)
+        ok = (lo < v if lo_open else lo <= v) and v <= hi and -math.inf < v < math.inf  # (NaN: False)
         if not ok:
             raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({hint}), got {value}")
         if name == "top_k" and v != int(v):
@@ -94,14 +94,25 @@ def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi:
         raise ValueError(f"{name} is on {value.device}, the tokens on {device}: put them on one device")
     if name == "top_k" and value.is_floating_point():
         raise TypeError(f"top_k must be an integer tensor, got {value.dtype}")
-    t = value.reshape(n).to(dtype)
-    if n and value.device.type == "cpu":  # (on a GPU no host sync: out-of-range values act as clamped)
-        bad = (t <= lo) if lo_open else (t < lo)
-        bad = bad | (t > hi) | torch.isnan(t)
-        if bool(bad.any()):
-            raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({hint}); "
-                             f"got {value.reshape(-1)[bad].tolist()[:4]}")
-    return t
+    return value.reshape(n).to(dtype)
+
+
+def _check_range(name: str, t: Tensor, lo: float, hi: float, lo_open: bool, hint: str) -> None:
+    bad = (t <= lo) if lo_open else (t < lo)
+    bad = bad | (t > hi) | torch.isnan(t)
+    if bool(bad.any()):  # (host sync)
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({hint}); "
+                         f"got {t[bad].tolist()[:4]}")
+
+
+def check_values(top_k: Tensor, top_p: Tensor, min_p: Tensor) -> None:
+    """ValueError for per-token values out of range (``check``'s Truncation tensors).
+    The ops call it inside their implementations on the CPU (a host sync; under
+    torch.compile too); on a GPU out-of-range values act as clamped (no host sync)."""
+    if top_k.numel():
+        _check_range("top_k", top_k, 0, float(2 ** 62), False, "0 or None: off")
+        _check_range("top_p", top_p, 0.0, 1.0, True, "1: off")
+        _check_range("min_p", min_p, 0.0, 1.0, False, "0: off")
 
 
 def check(top_k, top_p, min_p, shape: torch.Size, device) -> Optional[Truncation]:

@@ -22,7 +22,8 @@ Over a vocab-parallel head (``vocab_parallel``) each block's statistics are merg
 the SUM added in rank order after an all-gather (``distributed.sum_in_rank_order``: an
 all-reduce's order may follow the message size); the backward is the vocab-parallel one.
 
-torch.compile: this path is an autograd.Function over eager code (not custom ops).
+The forward and backward are custom ops (``SPEC``): torch.compile(fullgraph=True) sees
+fixed output shapes.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from logitless.distributed import vocab_shard
-from logitless.formulas.common import reduce
+from logitless.formulas.common import compute_dtype, reduce
 from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.autograd import fake_grad_outputs
 from logitless.ops.common.dispatch import load_backend
 from logitless.ops.common.invariant import blocks, invariant_rows, pad_rows
 from logitless.ops.common.kept import nothing_kept
+from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 from . import custom_op, vocab_parallel
@@ -47,56 +49,93 @@ from . import custom_op, vocab_parallel
 _SINGLE = VocabParallelOptions()
 
 
-class _Blocked(torch.autograd.Function):
-    """(x, weight, bias, target, class_weight, opts (reduction "none"), backend, budget,
-    need_argmax, tp) -> per-token loss, lse, argmax (or empty), w_t."""
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+             opts: CrossEntropyOptions, backend: str, budget: int, need_argmax: bool, tp: VocabParallelOptions):
+    """-> loss reduced as ``opts.reduction`` (here: its bits do not follow a compiler's
+    reduction), per-token lse, argmax (or (0,)), w_t."""
+    reduction, opts = opts.reduction, replace(opts, reduction="none")
+    parts = []
+    for n0, n1, pad in blocks(x.shape[0], invariant_rows(backend, x.device)) or [(0, 0, 0)]:
+        xb, tb = pad_rows(x, n0, n1, pad), pad_rows(target, n0, n1, pad, opts.ignore_index)
+        if tp.parallel:  # the ranks' statistics added in rank order
+            with no_autocast(x.device):
+                loss, lse, argmax, w_t, _, _ = vocab_parallel.forward(
+                    load_backend(custom_op.__package__, backend), xb, weight, bias, tb, class_weight, opts, tp,
+                    budget=budget, need_argmax=need_argmax, need_grad=False, ordered=True)
+            if argmax is None:
+                argmax = tb.new_empty(0, dtype=torch.int64)
+            out = (loss, lse, argmax, w_t)
+        else:
+            out = custom_op._forward(xb, weight, bias, tb, class_weight, opts, backend, budget, need_argmax,
+                                     False, False, False, False, False, _SINGLE)
+        parts.append([t[:n1 - n0] for t in out[:4]])  # loss, lse, argmax, w_t
+    loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
+    return reduce(loss, w_t, reduction), lse, argmax, w_t
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, tp):
-        parts = []
-        for n0, n1, pad in blocks(x.shape[0], invariant_rows(backend, x.device)) or [(0, 0, 0)]:
-            xb, tb = pad_rows(x, n0, n1, pad), pad_rows(target, n0, n1, pad, opts.ignore_index)
-            if tp.parallel:  # the ranks' statistics added in rank order
-                with no_autocast(x.device):
-                    loss, lse, argmax, w_t, _, _ = vocab_parallel.forward(
-                        load_backend(custom_op.__package__, backend), xb, weight, bias, tb, class_weight, opts, tp,
-                        budget=budget, need_argmax=need_argmax, need_grad=False, ordered=True)
-                if argmax is None:
-                    argmax = tb.new_empty(0, dtype=torch.int64)
-                out = (loss, lse, argmax, w_t)
-            else:
-                out = custom_op._forward(xb, weight, bias, tb, class_weight, opts, backend, budget, need_argmax,
-                                         False, False, False, False, False, _SINGLE)
-            parts.append([t[:n1 - n0] for t in out[:4]])  # loss, lse, argmax, w_t
-        loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
-        ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
-        ctx.args = (opts, backend, budget, tp)
-        ctx.mark_non_differentiable(argmax, w_t)
-        ctx.set_materialize_grads(False)
-        return loss, lse, argmax, w_t
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_loss, g_lse, _g_argmax, _g_wt):
-        x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
-        opts, backend, budget, tp = ctx.args
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if g_loss is None:
-            g_loss = torch.zeros_like(lse)
-        plan = None
-        w, b, cw = weight, bias, class_weight
-        if tp.parallel:  # this rank's real rows (the vocab-parallel backward plans for them)
-            shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
-            w, b = shard.real_rows(weight), shard.real_rows(bias)
-            cw = shard.class_slice(vocab_parallel.full_class_weight(class_weight, shard))
-        if x.shape[0] > 0 and w.shape[0] > 0:  # the backward's plan over the whole batch (nothing kept)
-            plan = load_backend(custom_op.__package__, backend).plan(
-                x, w, b, cw, opts, budget=budget, need_grad=False, need_argmax=False, cute=False)
-        dx, dw, db = custom_op._backward(g_loss, g_lse, x, weight, bias, target, class_weight, lse, w_t,
-                                         *nothing_kept(x), plan, opts, backend, budget, need_dx, need_dw,
-                                         need_db, tp)
-        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-                None, None, None, None, None, None, None)
+def _forward_fake(x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, tp):
+    n = x.shape[0]
+    sd = compute_dtype(x.dtype)
+    return (x.new_empty((n,) if opts.reduction == "none" else (), dtype=sd), x.new_empty(n, dtype=sd),
+            x.new_empty(n if need_argmax else 0, dtype=torch.int64), x.new_empty(n, dtype=sd))
+
+
+def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts: CrossEntropyOptions,
+              backend: str, budget: int, need_dx: bool, need_dw: bool, need_db: bool, tp: VocabParallelOptions):
+    """dx, dw, db (size 0 where not needed): the default op's backward over the whole
+    batch, with the per-token gradient of the reduction as autograd would give it
+    (sum: expanded; mean: divided by the weights' sum, then expanded)."""
+    reduction, opts = opts.reduction, replace(opts, reduction="none")
+    if grad_loss is None:
+        grad_loss = torch.zeros_like(lse)
+    elif reduction == "sum":
+        grad_loss = grad_loss.expand(lse.shape)
+    elif reduction == "mean":
+        grad_loss = (grad_loss / w_t.sum()).expand(lse.shape)
+    plan = None
+    w, b, cw = weight, bias, class_weight
+    if tp.parallel:  # this rank's real rows (the vocab-parallel backward plans for them)
+        shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
+        w, b = shard.real_rows(weight), shard.real_rows(bias)
+        cw = shard.class_slice(vocab_parallel.full_class_weight(class_weight, shard))
+    if x.shape[0] > 0 and w.shape[0] > 0:  # the backward's plan over the whole batch (nothing kept)
+        plan = load_backend(custom_op.__package__, backend).plan(
+            x, w, b, cw, opts, budget=budget, need_grad=False, need_argmax=False, cute=False)
+    return custom_op._backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t,
+                               *nothing_kept(x), plan, opts, backend, budget, need_dx, need_dw, need_db, tp)
+
+
+def _backward_fake(grad_loss, grad_lse, x, weight, bias, *_rest):
+    *_, need_dx, need_dw, need_db, _tp = _rest
+    return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
+
+
+_HEAD = (tensor("x"), tensor("weight"), tensor("bias", True), tensor("target"), tensor("class_weight", True))
+_EXEC = (options("opts", CrossEntropyOptions), scalar("backend", str), scalar("budget", int))
+_TP = options("tp", VocabParallelOptions, defaulted=True)
+
+#: logitless::lce_invariant_forward(x, weight, bias, target, class_weight, <options>,
+#:     backend, budget, need_argmax, <vocab parallel>) -> loss, lse, argmax, w_t;
+#: logitless::lce_invariant_backward(grad_loss, grad_lse, ...) -> dx, dw, db.
+SPEC = OpSpec(
+    op="linear_cross_entropy",
+    name="lce_invariant_forward",
+    forward=(*_HEAD, *_EXEC, scalar("need_argmax", bool), _TP),
+    outputs=("loss", "lse", "argmax", "w_t"),
+    forward_impl=_forward,
+    forward_fake=_forward_fake,
+    backward_name="lce_invariant_backward",
+    backward=(tensor("grad_loss", True), tensor("grad_lse", True), *_HEAD, tensor("lse"), tensor("w_t"), *_EXEC,
+              scalar("need_dx", bool), scalar("need_dw", bool), scalar("need_db", bool), _TP),
+    backward_impl=_backward,
+    backward_fake=_backward_fake,
+    grads=("grad_loss", "grad_lse", None, None),
+    grad_inputs=("x", "weight", "bias"),
+    need={"need_dx": "x", "need_dw": "weight", "need_db": "bias"},
+)
+
+_built = build(SPEC)
+lce_invariant_forward, lce_invariant_backward = _built.forward_op, _built.backward_op
 
 
 def blocked(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
@@ -106,6 +145,6 @@ def blocked(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, c
     target (N,) int64, with the arguments the public function checked and prepared
     (autocast casts, shift, vocab_size's slice); the module docstring. ``tp``: a
     vocab-parallel head (``weight`` this rank's rows)."""
-    loss, lse, argmax, w_t = _Blocked.apply(x, weight, bias, target, class_weight,
-                                            replace(opts, reduction="none"), backend, budget, need_argmax, tp)
-    return reduce(loss, w_t, opts.reduction), lse, argmax
+    loss, lse, argmax, _ = _built.eager(x, weight, bias, target, class_weight, *opts.args(), backend, budget,
+                                        need_argmax, *tp.args())
+    return loss, lse, argmax

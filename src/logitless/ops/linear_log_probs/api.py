@@ -12,7 +12,7 @@ from logitless.distributed import api as _tp
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.dispatch import LINEAR_BACKENDS, load_backend, resolve_backend
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.options import LogProbOptions, check_memory_budget
 
 from .custom_op import llp_forward_eager
@@ -148,19 +148,14 @@ def linear_log_probs(
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
     if trunc is not None or batch_invariant:
-        from .truncation import linear_log_probs_truncated
+        from .truncated_op import linear_log_probs_truncated
 
         if impl == "helion":  # (the Helion kernels take no threshold: its fallback backend)
             from logitless.ops.common.helion_choice import fallback_name
 
             impl = fallback_name(x.device)
-        sharded = None
-        if tp.parallel:
-            from .vocab_parallel import ShardedBackend
-
-            sharded = ShardedBackend(impl, load_backend(__package__, impl), tp, weight, x.device, batch_invariant)
         logp, ent = linear_log_probs_truncated(x2d, weight, bias, flat, trunc, opts, impl, memory_budget,
-                                               batch_invariant, sharded)
+                                               batch_invariant, need_grad, tp)
         logp = logp.reshape(out_shape)
         return (logp, ent.reshape(out_shape)) if opts.entropy else logp
     logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,

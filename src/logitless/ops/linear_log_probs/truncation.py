@@ -33,7 +33,15 @@ A vocab-parallel head: the backend is ``vocab_parallel.ShardedBackend`` (the sam
 contract over this rank's rows, statistics merged over the group; thresholds by the
 chunked pass with the ranks' candidates gathered), never ``search_triton``.
 
-torch.compile: this path is an autograd.Function over eager code (not custom ops).
+torch.compile: two custom ops (``truncated_op``, built as the default op's) with fixed output
+shapes: the data-dependent steps (host syncs, row subsets, the fallback's rows) run
+inside them. What the backward needs crosses as tensors of fixed shapes: tau (N,), the
+candidates and their columns (N, W), W = min(V, C) padded to C = MAX_CANDIDATES when the
+largest per-token top_k is not read on the host (compiled calls: ``k_max`` -1; eager
+calls read it before the op, as the forward always did), and an (N,) mask of the rows
+inside their candidates (the dense rows' list is rebuilt in the backward); kept columns
+and their plan as the default op's (only where the fake can tell: not under a per-token
+top_k on Triton while compiled).
 """
 
 from __future__ import annotations
@@ -57,12 +65,8 @@ from logitless.formulas.truncation import (
     rebase,
     resolve,
 )
-from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.dispatch import load_backend
-from logitless.ops.common.invariant import blocks as _blocks
-from logitless.ops.common.invariant import invariant_rows, pad_rows
+from logitless.ops.common.invariant import pad_rows
 from logitless.ops.common.torch_tiles import linear_torch_plan
-from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
 
 from .torch_backend import scaled_tile
@@ -155,172 +159,6 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
         c = min(v, 4 * c)
 
 
-class _TruncatedLogProbs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, tokens, trunc_args, opts, impl, budget, block, sharded):
-        trunc = Truncation(*trunc_args[:3], k_max=trunc_args[3]) if trunc_args is not None else None
-        if trunc is not None and trunc.k_max is None and x.shape[0]:  # (host sync: the largest top_k)
-            k_max = int(trunc.top_k.max())
-            if block and k_max < MAX_CANDIDATES:  # one C whatever the neighbours' top_k (batch invariance)
-                k_max = MAX_CANDIDATES - 1
-            trunc = Truncation(trunc.top_k, trunc.top_p, trunc.min_p, k_max)
-        n = x.shape[0]
-        backend = sharded if sharded is not None else load_backend(__package__, impl)
-        v = sharded.vocab_size if sharded is not None else weight.shape[0]
-        check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
-        sd = compute_dtype(x.dtype)
-        with no_autocast(x.device):
-            blocks = _blocks(n, block)
-            # not blocked: the backend may keep columns for the backward (as the default op);
-            # blocked (batch_invariant), never: a plan that keeps may tile differently, and the
-            # plan must not follow the number of blocks
-            # (a soft-cap with a threshold keeps nothing: ``triton_backend.forward``'s tau)
-            keep = not block and any(ctx.needs_input_grad[:3]) and (trunc is None or opts.softcap is None)
-            kept = None
-            # the sparse backward (every row's kept set inside its candidates): their columns
-            sparse = [] if (trunc is not None and sharded is None and any(ctx.needs_input_grad[:3])) else None
-            logp = x.new_empty(n, dtype=sd)
-            ent = x.new_empty(n, dtype=sd) if opts.entropy else None
-            lse = x.new_empty(n, dtype=sd)
-            taus = x.new_empty(n, dtype=sd) if trunc is not None else None
-            for n0, n1, pad in blocks:
-                xb, tb = _padded(x, tokens, n0, n1, pad, opts.ignore_index)
-                tau = outs = left = None
-                if trunc is not None:
-                    tr = _padded_trunc(trunc, n0, n1, pad)
-                    if sharded is not None:  # (the chunked pass, merged over the group)
-                        tau = sharded.thresholds(xb, weight, bias, opts, tr, budget)
-                    elif xb.shape[0] and _searches(impl, tr):
-                        tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, budget,
-                                                             invariant=block is not None,
-                                                             indices=sparse is not None)
-                        if sparse is not None and sp[0] is not None:
-                            sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
-                        else:
-                            sparse = None
-                        if left is not None:  # (the chunked fallback for these rows)
-                            tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, impl)
-                    else:
-                        tau = thresholds(xb, weight, bias, opts, tr, budget, impl)
-                        sparse = None if xb.shape[0] else sparse
-                    taus[n0:n1] = tau[:n1 - n0]
-                if xb.shape[0] == 0:
-                    continue
-                if outs is not None and left is None:  # every row's outputs from the threshold pass
-                    lp, en, ls = outs
-                elif outs is not None and block is None:  # the forward over the fallback's rows only
-                    # (not under batch_invariant: a plan for these rows may tile them otherwise)
-                    xl = xb[left]
-                    plan = backend.plan(xl, weight, bias, opts, budget=budget, need_grad=False, cute=False)
-                    fl, _ = backend.forward(xl, weight, bias, tb[left], opts, plan=plan, budget=budget, outputs=True,
-                                            tau=tau[left])
-                    lp, en, ls = (_put(o, f, left) for o, f in zip(outs, fl))
-                else:
-                    plan = backend.plan(xb, weight, bias, opts, budget=budget, need_grad=keep, cute=False)
-                    (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, plan=plan, budget=budget,
-                                                         outputs=True, tau=tau)
-                    kept = (kept, plan) if kept is not None else None
-                    if outs is not None:  # the threshold pass's outputs, but for the fallback's rows
-                        lp, en, ls = (_take(o, f, left) for o, f in zip(outs, (lp, en, ls)))
-                logp[n0:n1] = lp[:n1 - n0].to(sd)
-                lse[n0:n1] = ls[:n1 - n0].to(sd)
-                if ent is not None:
-                    ent[n0:n1] = en[:n1 - n0].to(sd)
-        ctx.save_for_backward(x, weight, bias, tokens, lse, ent, taus, logp)
-        ctx.args = (opts, impl, budget, block, bias is not None, sharded)
-        ctx.sparse = None
-        if sparse:  # the sparse backward for the rows inside their candidates, the dense one for the rest
-            cand, cols, inside = (torch.cat(parts) for parts in zip(*sparse))
-            dense = (~inside).nonzero()[:, 0]  # (host sync: the dense rows)
-            if dense.numel() < n:
-                ctx.sparse, kept = (cand, cols, dense), None
-        ctx.kept = kept  # (consumed by the first backward, as the custom op's)
-        if ent is None:
-            ent = x.new_empty(0, dtype=sd)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_lp, g_h):
-        x, weight, bias, tokens, lse, ent, taus, logp = ctx.saved_tensors
-        opts, impl, budget, block, has_bias, sharded = ctx.args
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        n = x.shape[0]
-        backend = sharded if sharded is not None else load_backend(__package__, impl)
-        v = sharded.vocab_size if sharded is not None else weight.shape[0]
-        sd = compute_dtype(x.dtype)
-        if g_lp is not None:  # logp = -inf outside the kept set: piecewise constant there
-            g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)
-        if ctx.sparse is not None:  # kept sets inside the candidates: no GEMM for those rows
-            return _sparse_backward(ctx, backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h,
-                                    v) + (None,) * 7
-        dx = torch.zeros_like(x) if need_dx else None
-        dw = db = None
-        with no_autocast(x.device):
-            # one block (the whole batch) under batch_invariant too: the module docstring
-            for n0, n1, pad in _blocks(n, None):
-                xb, tb = _padded(x, tokens, n0, n1, pad, opts.ignore_index)
-                if xb.shape[0] == 0:
-                    continue
-                gl = _pad_vec(g_lp, n0, n1, pad) if g_lp is not None else None
-                gh = _pad_vec(g_h, n0, n1, pad) if (g_h is not None and opts.entropy) else None
-                en = _pad_vec(ent, n0, n1, pad) if ent is not None else None
-                ls = _pad_vec(lse, n0, n1, pad)
-                tau = _pad_vec(taus, n0, n1, pad, -math.inf) if taus is not None else None
-                coef = backend.grad_coefficients(en, tb, gl, gh, v, opts, ls)
-                if ctx.kept is not None:  # the forward's buffers and its plan (one block)
-                    extra = dict(kept=ctx.kept[0], plan=ctx.kept[1])
-                    ctx.kept = None
-                else:
-                    extra = dict(plan=backend.plan(xb, weight, bias, opts, budget=budget, need_grad=False,
-                                                   cute=False))
-                bx, bw, bb = backend.backward(xb, weight, bias, tb, opts, ls, coef, need_dx=need_dx,
-                                              need_dw=need_dw, need_db=need_db and has_bias, budget=budget,
-                                              tau=tau, **extra)
-                if need_dx:
-                    dx[n0:n1] = bx[:n1 - n0]
-                # several blocks: dW and db summed in fp32 (16-bit inputs), cast once
-                if need_dw:
-                    dw = bw if dw is None else (dw.float() if dw.dtype != sd else dw).add_(bw)
-                if need_db and has_bias:
-                    db = bb if db is None else (db.float() if db.dtype != sd else db).add_(bb)
-        if need_dw:
-            dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
-        if need_db and has_bias:
-            db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
-
-
-def _sparse_backward(ctx, backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v):
-    """(dx, dW, db): the sparse backward (``triton_lib.log_probs_sparse``) of the rows
-    whose kept set lies in their candidates, onto the dense backward of the others
-    (``dense``, indices: the backend's over those rows only, tau as the forward's)."""
-    from logitless.triton_lib import log_probs_sparse as LS
-
-    opts, _, budget = ctx.args[:3]
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    need_db = need_db and bias is not None
-    cand, cols, dense = ctx.sparse
-    with no_autocast(x.device):
-        coef = backend.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
-        tau = taus.index_fill(0, dense, math.inf)  # (the dense rows: nothing kept here)
-        dz, col, cnt = LS.sparse_dlogits(cand, cols, tau, tokens, lse, coef, opts.softcap, opts.temperature,
-                                         opts.entropy, v)
-        bx = bw = bb = None
-        if dense.numel():
-            xd = x[dense]
-            plan = backend.plan(xd, weight, bias, opts, budget=budget, need_grad=False, cute=False)
-            bx, bw, bb = backend.backward(xd, weight, bias, tokens[dense], opts, lse[dense],
-                                          coef[:, dense].contiguous(), need_dx=need_dx, need_dw=need_dw,
-                                          need_db=need_db, budget=budget, tau=taus[dense], plan=plan)
-        dx, dw, db = LS.sparse_backward(x, weight, bias, dz, col, cnt, need_dx=need_dx, need_dw=need_dw,
-                                        need_db=need_db, dw=bw.contiguous() if bw is not None else None,
-                                        db=bb.contiguous() if bb is not None else None)
-        if bx is not None:
-            dx[dense] = bx.to(dx.dtype)
-        return (dx, dw.to(weight.dtype) if dw is not None else None,
-                db.to(bias.dtype) if db is not None else None)
-
-
 def _searches(impl: str, trunc: Truncation) -> bool:
     """Whether the threshold pass is the Triton candidates/mass search (``search_triton``):
     the Triton backend with top_k < MAX_CANDIDATES (else the chunked pass)."""
@@ -358,16 +196,6 @@ def _pad_vec(t: Tensor, n0: int, n1: int, pad: int, fill: float = 0.0) -> Tensor
 def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
     return Truncation(_pad_vec(trunc.top_k, n0, n1, pad), _pad_vec(trunc.top_p, n0, n1, pad, 1.0),
                       _pad_vec(trunc.min_p, n0, n1, pad), trunc.k_max)
-
-
-def linear_log_probs_truncated(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor,
-                               trunc: Optional[Truncation], opts: LogProbOptions, impl: str, budget: int,
-                               batch_invariant: bool, sharded=None):
-    """(logp, entropy or an empty tensor) of x (N, H), tokens (N,) int64. ``sharded``: a
-    ``vocab_parallel.ShardedBackend`` over a vocab-parallel head (its ``impl``), or None."""
-    block = invariant_rows(impl, x.device) if batch_invariant else None
-    args = (trunc.top_k, trunc.top_p, trunc.min_p, trunc.k_max) if trunc is not None else None
-    return _TruncatedLogProbs.apply(x, weight, bias, tokens, args, opts, impl, budget, block, sharded)
 
 
 #: The Triton threshold pass: candidates at most (a power of two), thresholds per mass
@@ -552,3 +380,4 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
                 o[rows[drows]] = f.to(o.dtype)
     left = rows[left] if bool(left.any()) else None
     return (tau, outs, left, sparse) if indices else (tau, outs, left)
+

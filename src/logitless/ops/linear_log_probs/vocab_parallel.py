@@ -19,7 +19,7 @@ backward: the A, B, C coefficients from the merged lse and entropy; the backend'
           collective of N x H) unless ``partial_dx``, then cast once. Padding rows get
           zero gradient.
 
-Truncated sampling and ``batch_invariant`` (``truncation._TruncatedLogProbs``) take
+Truncated sampling and ``batch_invariant`` (``truncation``'s custom ops) take
 ``ShardedBackend``: the same contract as a backend module, over this rank's rows and the
 merged statistics. Its thresholds: each rank's top-C candidates of its columns, an
 all-gather of (tokens x C) floats and a top-C of the ranks' candidates, with the row max
@@ -122,7 +122,7 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
 
 
 class ShardedBackend:
-    """A backend over a vocab-parallel head for ``truncation._TruncatedLogProbs``: the
+    """A backend over a vocab-parallel head for ``truncation``'s custom ops: the
     contract of a backend module (``plan``, ``forward(outputs=True)``,
     ``grad_coefficients``, ``backward``) plus ``thresholds``, each over this rank's real
     rows with the statistics merged over the group; ``vocab_size``: the full vocabulary's.

@@ -82,13 +82,12 @@ def log_probs(
     if trunc is not None or batch_invariant is not False:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-        from logitless.ops.common.validate import check_targets_in_range
+        from .truncation import lp_truncated_forward_eager
 
-        from .truncation import log_probs_truncated
-
-        check_targets_in_range(tokens, logits.shape[-1], ignore_index, name="tokens")
-        logp, ent = log_probs_truncated(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long(), trunc,
-                                        opts.temperature, opts.ignore_index, opts.entropy, batch_invariant)
+        k, p, mp, k_max = (trunc.top_k, trunc.top_p, trunc.min_p, -1 if trunc.k_max is None else trunc.k_max) \
+            if trunc is not None else (None, None, None, 0)
+        logp, ent, _, _ = lp_truncated_forward_eager(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long(),
+                                                     k, p, mp, *opts.args(), k_max, batch_invariant)
         logp = logp.reshape(tokens.shape)
         return (logp, ent.reshape(tokens.shape)) if opts.entropy else logp
     flat = logits.reshape(-1, logits.shape[-1])

@@ -1,0 +1,228 @@
+"""torch.compile(fullgraph=True) of the truncated (top_k / top_p / min_p) and
+batch-invariant paths: ``linear_log_probs``, ``log_probs`` and ``linear_cross_entropy``.
+
+Those paths are custom ops with fixed output shapes (``logitless::llp_truncated_*``,
+``lp_truncated_*``, ``lce_invariant_*``): a compiled function calling them traces with no
+graph break and gives the eager outputs and gradients (x, weight, bias / logits)
+bitwise on the torch backend, and on the Triton backend (the CPU interpreter off a GPU)
+at small sizes. ``torch.library.opcheck`` checks their schemas, fakes and autograd
+registrations (a per-token ``top_k`` not read on the host, ``k_max`` -1, included:
+the fake's padded candidate width is the implementation's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import logitless
+from logitless.ops.common import plan_codec
+from logitless.ops.linear_cross_entropy import batch_invariant as lce_inv
+from logitless.ops.linear_log_probs import truncated_op as llp_tr
+from logitless.ops.log_probs import truncation as lp_tr
+from logitless.planning.plans import LinearPlan
+from tests.conftest import DEVICE
+
+
+def _data(n, h, v, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * h ** -0.5 * scale
+    b = torch.randn(v, generator=g) * 0.5
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::3] = (x @ w.T + b).argmax(1)[::3]  # (kept by any truncation: finite log-probs)
+    t[1] = -100
+    k = torch.randint(0, 9, (n,), generator=g)
+    p = torch.rand(n, generator=g, dtype=torch.float64) * 0.5 + 0.5
+    return [u.to(DEVICE) for u in (x, w, b, t, k, p)]
+
+
+def _loss(outs):
+    """A scalar of the outputs with a different weight per token (-inf outputs: 0)."""
+    g = torch.Generator().manual_seed(1)
+    total = 0.0
+    for o in outs:
+        r = torch.randn(o.shape, generator=g).to(o.device)
+        total = total + (torch.where(torch.isinf(o), torch.zeros_like(o), o) * r).sum()
+    return total
+
+
+def _eager_and_compiled(fn, inputs):
+    """(outputs, gradients) of ``fn(*inputs)`` eagerly and under torch.compile(fullgraph=True)."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        ins = [u.detach().clone().requires_grad_() for u in inputs]
+        outs = f(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads = torch.autograd.grad(_loss(outs), ins, allow_unused=True)
+        results.append(([o.detach() for o in outs], grads))
+    torch._dynamo.reset()
+    return results
+
+
+def _assert_bitwise(eager, compiled):
+    (oe, ge), (oc, gc) = eager, compiled
+    assert len(oe) == len(oc)
+    for a, c in zip(oe, oc):
+        assert torch.equal(a, c), (a, c)
+    assert ge[0] is not None
+    for a, c in zip(ge, gc):
+        assert (a is None and c is None) or torch.equal(a, c), (a - c).abs().max()
+
+
+LLP = {
+    "top_k": dict(top_k=5),
+    "top_p": dict(top_p=0.8, entropy=True),
+    "min_p": dict(min_p=0.1),
+    "all_options": dict(top_k=7, top_p=0.9, min_p=0.02, temperature=0.7, softcap=3.0, entropy=True, bias=True),
+    "per_token": dict(top_k="k", top_p="p", entropy=True, bias=True),
+    "invariant": dict(batch_invariant=True, entropy=True, bias=True),
+    "invariant_truncated": dict(batch_invariant=True, top_k="k", min_p=0.05, temperature=1.3),
+}
+
+
+def _llp(kw, backend, tokens, k, p):
+    kw = dict(kw)
+    use_bias = kw.pop("bias", False)
+    kw = {n: (k if val == "k" else p if val == "p" else val) for n, val in kw.items()}
+
+    def fn(x, w, b):
+        return logitless.linear_log_probs(x, w, tokens, b if use_bias else None, backend=backend, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("case", list(LLP))
+def test_linear_log_probs_torch(case):
+    x, w, b, t, k, p = _data(37, 16, 131, seed=3)
+    eager, compiled = _eager_and_compiled(_llp(LLP[case], "torch", t, k, p), (x, w, b))
+    _assert_bitwise(eager, compiled)
+    lp = eager[0][0]
+    if case.startswith("invariant") and case != "invariant_truncated":
+        assert torch.isfinite(lp).all()
+    else:
+        assert torch.isinf(lp).any() and torch.isfinite(lp[lp != 0]).any()  # (tokens in and out of the set)
+
+
+@pytest.mark.parametrize("case", ["top_k", "per_token", "invariant"])
+def test_linear_log_probs_triton(case):
+    """The Triton backend (the candidates pass and the sparse backward; the blocked forward)."""
+    x, w, b, t, k, p = _data(9, 13, 211, seed=5)
+    kw = LLP[case] if case != "top_k" else dict(top_k=5, entropy=True, bias=True)
+    eager, compiled = _eager_and_compiled(_llp(kw, "triton", t, k, p), (x, w, b))
+    _assert_bitwise(eager, compiled)
+
+
+def test_linear_log_probs_dynamic_shapes():
+    """dynamic=True, two batch sizes: one graph, the eager values."""
+    x, w, b, t, k, p = _data(37, 16, 131, seed=7)
+
+    def fn(x, w, t, k):
+        return logitless.linear_log_probs(x, w, t, backend="torch", top_k=k, top_p=0.9, entropy=True)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for n in (37, 20):
+        xe, xc = x[:n].clone().requires_grad_(), x[:n].clone().requires_grad_()
+        outs_e, outs_c = fn(xe, w, t[:n], k[:n]), compiled(xc, w, t[:n], k[:n])
+        for a, c in zip(outs_e, outs_c):
+            assert torch.equal(a, c)
+        (ge,), (gc,) = (torch.autograd.grad(_loss(o), (u,)) for o, u in ((outs_e, xe), (outs_c, xc)))
+        assert torch.equal(ge, gc)
+    torch._dynamo.reset()
+
+
+LP = {
+    "top_k": dict(top_k=5, entropy=True),
+    "per_token": dict(top_k="k", top_p="p", min_p=0.05, temperature=0.7),
+    "invariant": dict(batch_invariant=True, entropy=True),
+}
+
+
+@pytest.mark.parametrize("case", list(LP))
+def test_log_probs(case):
+    _, _, _, t, k, p = _data(37, 16, 131, seed=9)
+    logits = torch.randn(37, 131, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 2
+    t[::3] = logits.argmax(1)[::3]  # (kept: finite log-probs, gradients)
+    kw = {n: (k if val == "k" else p if val == "p" else val) for n, val in LP[case].items()}
+
+    def fn(z):
+        return logitless.log_probs(z, t, **kw)
+
+    eager, compiled = _eager_and_compiled(fn, (logits,))
+    _assert_bitwise(eager, compiled)
+    assert compiled[1][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend, reduction", [("torch", "mean"), ("torch", "none"), ("triton", "sum")])
+def test_linear_cross_entropy_invariant(backend, reduction):
+    x, w, b, t, _, _ = _data(21 if backend == "torch" else 9, 16, 67, seed=11)
+
+    def fn(x, w, b):
+        loss, stats = logitless.linear_cross_entropy(x, w, t, b, backend=backend, reduction=reduction, z_loss=1e-3,
+                                                     batch_invariant=True, return_stats=True)
+        return loss.reshape(-1), stats.lse
+
+    eager, compiled = _eager_and_compiled(fn, (x, w, b))
+    _assert_bitwise(eager, compiled)
+    assert all(g is not None and g.abs().sum() > 0 for g in compiled[1])
+
+
+# ---- opcheck of the custom ops ----
+
+_FORWARD_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")  # (kept columns: as lce's)
+
+
+@pytest.mark.parametrize("backend, trunc, k_max, block", [
+    ("torch", True, 5, 0), ("torch", False, 0, 64), ("torch", True, -1, 64),
+    ("triton", True, 5, 0), ("triton", True, -1, 0), ("triton", True, 300, 0),
+])
+def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
+    x, w, b, t, k, p = _data(13, 24, 104, seed=5)
+    if k_max >= 0 and trunc:
+        k = torch.full_like(k, k_max)
+    mp = torch.zeros_like(p)
+    tr = (k, p, mp) if trunc else (None, None, None)
+    for need_grad in (True, False):
+        args = (x, w, b, t, *tr, 0.7, True, None, -100, backend, 6_000, k_max, block, need_grad)
+        torch.library.opcheck(llp_tr.llp_truncated_forward, args, test_utils=_FORWARD_UTILS)
+        logp, ent, lse, tau, cand, cols, inside, keep, keep_max, plan = llp_tr.llp_truncated_forward(*args)
+        sparse = backend == "triton" and trunc and need_grad and k_max < 256
+        assert cand.shape == ((13, 104 if k_max < 0 else 64) if sparse else (0, 0))  # (C = 256 capped at V)
+        assert inside.shape == ((13,) if sparse else (0,))
+        if sparse:
+            assert inside.any() and (cols[cand == -torch.inf] == 104).all()  # (the padding: column V)
+        decoded = plan_codec.decode(plan, LinearPlan)
+        assert (keep.shape != (1, 1)) == (backend == "triton" and k_max == 300 and need_grad) == bool(
+            decoded is not None and decoded.keeps)
+        g_lp, g_h = torch.randn_like(logp), torch.randn_like(ent)
+        bargs = (g_lp, g_h, x, w, b, t, lse, ent, logp, tau, cand, cols, inside, keep, keep_max, plan, 0.7, True,
+                 None, -100, backend, 6_000, True, True, True)
+        torch.library.opcheck(llp_tr.llp_truncated_backward, bargs)
+
+
+@pytest.mark.parametrize("trunc", [True, False])
+def test_opcheck_log_probs(trunc):
+    _, _, _, t, k, p = _data(13, 24, 104, seed=5)
+    logits = torch.randn(13, 104, generator=torch.Generator().manual_seed(4)).to(DEVICE).requires_grad_()
+    tr = (k, p, torch.zeros_like(p)) if trunc else (None, None, None)
+    args = (logits, t, *tr, 0.7, True, None, -100, -1, not trunc)
+    torch.library.opcheck(lp_tr.lp_truncated_forward, args)
+    logp, ent, lse, tau = (o.detach() for o in lp_tr.lp_truncated_forward(*args))
+    opts = (0.7, True, None, -100)
+    bargs = (torch.randn_like(logp), torch.randn_like(ent), logits.detach(), t, logp, ent, lse, tau, *opts)
+    torch.library.opcheck(lp_tr.lp_truncated_backward, bargs)
+    assert lp_tr._backward_fake(*bargs).shape == logits.shape
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_opcheck_linear_cross_entropy_invariant(backend):
+    x, w, b, t, _, _ = _data(13, 24, 104, seed=5)
+    cw = torch.rand(104, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    x, w, b = (u.requires_grad_() for u in (x, w, b))
+    options = (-100, "none", 0.1, 4.0, 1e-3, backend, 6_000, True)
+    torch.library.opcheck(lce_inv.lce_invariant_forward, (x, w, b, t, cw, *options))
+    loss, lse, argmax, w_t = lce_inv.lce_invariant_forward(x, w, b, t, cw, *options)
+    assert argmax.shape == (13,)
+    bargs = (torch.randn_like(loss), torch.randn_like(lse), x.detach(), w.detach(), b.detach(), t, cw, lse.detach(),
+             w_t, *options[:-1], True, True, True)
+    torch.library.opcheck(lce_inv.lce_invariant_backward, bargs)
