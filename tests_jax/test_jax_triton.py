@@ -241,3 +241,61 @@ def test_the_interpreter_leaves_triton_language_as_it_was():
     after = {k: v for k, v in vars(tl).items() if not k.startswith("__")}
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     assert dict(vars(tl.tensor)) == before_tensor
+
+
+# ------------------------------------------- jax-triton releases for other jax/triton versions
+
+
+def test_a_jax_triton_that_fails_to_import_warns_once_and_the_choice_goes_on(monkeypatch, tmp_path):
+    # e.g. a jax-triton made for another jax: its import raises something else than ImportError
+    import sys
+    import warnings
+
+    from logitless.jax.ops.common import triton as rt
+
+    (tmp_path / "jax_triton").mkdir()
+    (tmp_path / "jax_triton" / "__init__.py").write_text("raise AttributeError('no get_compute_capability')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    triton_mod = api.backend_module("triton")
+    monkeypatch.setattr(rt, "platform", lambda: "gpu")
+    monkeypatch.setattr(triton_mod, "_platform", lambda: "gpu")
+    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(backends, "_is_sm90", lambda: False)
+    rt.jax_triton.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="jax-triton does not import here .AttributeError: no get_comp"):
+            assert api.choose_backend(None, (4, 8), (31, 8), jnp.bfloat16, None, False) == "xla"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: the second call is quiet
+            assert rt.jax_triton() is None
+            assert not triton_mod.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+    finally:
+        rt.jax_triton.cache_clear()
+
+
+@pytest.mark.parametrize("release", ["0.3", "0.4"])
+def test_launch_names_the_outputs_as_the_installed_jax_triton_does(monkeypatch, release):
+    # jax-triton 0.4 renamed triton_call's out_shape= to out_type= (out_shape= warns there)
+    import types
+
+    from logitless.jax.ops.common import triton as rt
+
+    calls = []
+
+    def call_03(*args, kernel, out_shape, grid, name="", num_warps=None, num_stages=None, **kwargs):
+        calls.append(dict(out=out_shape, kernel=kernel, **kwargs))
+        return out_shape
+
+    def call_04(*args, kernel, out_type=None, grid, name="", num_warps=None, num_stages=None, **kwargs):
+        calls.append(dict(out=out_type, kernel=kernel, **kwargs))
+        return out_type
+
+    fake = types.SimpleNamespace(triton_call=call_03 if release == "0.3" else call_04)
+    monkeypatch.setattr(rt, "jax_triton", lambda: fake)
+    plan = types.SimpleNamespace(num_warps=4, num_stages=2)
+    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+    rt.launch(("math",), "sqrt", (1,), plan, (spec,), (jnp.ones(3),), {"BLOCK": 8}, interpreted=False)
+    (got,) = calls
+    assert got["out"] == (spec,) and got["kernel"] is __import__("math").sqrt
+    assert set(got) == {"out", "kernel", "BLOCK"}  # no out_shape= left over as a kernel argument

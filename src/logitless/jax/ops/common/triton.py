@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +54,28 @@ def is_nvidia() -> bool:
 
 @functools.cache
 def jax_triton():
-    """jax_triton, or None where it does not import (not installed, or a CPU-only jax)."""
+    """jax_triton, or None: not installed; or installed but not importable with this jax,
+    jaxlib and triton (a CPU-only jaxlib, or a release made for other versions: any
+    exception); on a GPU the latter warns once (RuntimeWarning, with the cause) and the
+    automatic choice goes on without "triton": an optional dependency never breaks a call."""
+    if importlib.util.find_spec("jax_triton") is None:
+        return None
     try:
         import jax_triton
-    except ImportError:
+    except Exception as exc:
+        if platform() == "gpu":
+            warnings.warn(f"logitless: jax-triton does not import here ({type(exc).__name__}: {exc}); the JAX "
+                          "'triton' backend is off (pip install 'logitless[jax-triton]' installs a matching one)",
+                          RuntimeWarning, stacklevel=2)
         return None
     return jax_triton
+
+
+@functools.cache
+def out_keyword(triton_call) -> str:
+    """The keyword of triton_call's output shapes: ``out_shape`` up to jax-triton 0.3,
+    ``out_type`` from 0.4 (where ``out_shape`` warns as deprecated)."""
+    return "out_type" if "out_type" in inspect.signature(triton_call).parameters else "out_shape"
 
 
 @functools.cache
@@ -139,9 +157,9 @@ def launch(modules, kernel_name, grid, plan_: TritonPlan, out_specs, arrays, con
     kernel = None
     for name in modules:
         kernel = getattr(importlib.import_module(name), kernel_name, kernel)
-    return jt.triton_call(*arrays, kernel=kernel, out_shape=out_specs, grid=grid,
-                          num_warps=plan_.num_warps, num_stages=plan_.num_stages,
-                          name=f"logitless_{kernel_name}", **consts)
+    out = {out_keyword(jt.triton_call): out_specs}
+    return jt.triton_call(*arrays, kernel=kernel, grid=grid, num_warps=plan_.num_warps, num_stages=plan_.num_stages,
+                          name=f"logitless_{kernel_name}", **out, **consts)
 
 
 def weight_strides(w, weight_layout):
