@@ -12,7 +12,9 @@ pass (``triton_lib.log_probs_candidates``), log_probs' on logits
 (``triton_lib.log_probs_logits_kernels``) and the log-prob epilogues
 (``triton_lib.log_probs_epilogue``, ``triton_lib.log_probs_fields``). A pure refactor of kernel
 code (helpers that Triton inlines) must leave the PTX unchanged: then every result on
-the GPU is bitwise the same. TRITON_INTERPRET must not be set (this compiles).
+the GPU is bitwise the same. TRITON_INTERPRET must not be set (this compiles). The PTX is
+also the compiler's: files saved under different Triton versions are not compared (triton
+3.6.0 and 3.9.0 give other PTX for all 30 configs, with the same shared memory).
 """
 
 from __future__ import annotations
@@ -152,14 +154,25 @@ def compile_all():
     return out
 
 
+_TRITON = "_triton_version"  # the saved file's key for the Triton that compiled it
+
+
 def main(argv):
     if argv[:1] == ["save"] and len(argv) == 2:
+        import triton
+
         res = compile_all()
+        res[_TRITON] = triton.__version__
         with open(argv[1], "w") as f:
             json.dump(res, f, indent=1, sort_keys=True)
         return 0
     if argv[:1] == ["compare"] and len(argv) == 3:
         a, b = (json.load(open(p)) for p in argv[1:])
+        va, vb = a.pop(_TRITON, None), b.pop(_TRITON, None)
+        if va and vb and va != vb:
+            print(f"saved under triton {va} and {vb}: the PTX differs by the compiler; save both trees "
+                  f"under one Triton")
+            return 2
         keys = sorted(set(a) & set(b))
         same = [k for k in keys if "sha" in a[k] and a[k] == b[k]]
         bad = [k for k in keys if k not in same]

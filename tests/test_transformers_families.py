@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import unittest.mock
 
 import pytest
@@ -269,6 +270,31 @@ def test_family_matches_unpatched(name, monkeypatch):
         if aux is not None:
             torch.testing.assert_close(out.aux_loss, ref_out.aux_loss)
     assert [k["reduction"] for k in calls] == ["mean", "sum"]
+
+
+def test_paligemma2_softcap_as_the_installed_forward():
+    """PaliGemma 2 (a Gemma 2 text config with a soft-cap): transformers 5.23's forward caps the
+    logits, 5.17's does not (whatever the config says); the patch computes what the installed one does."""
+    from logitless.transformers import source_check
+
+    cfg = transformers.PaliGemmaConfig(
+        text_config=dict(TEXT, model_type="gemma2", head_dim=16, final_logit_softcapping=0.5),
+        vision_config=dict(SIGLIP, projection_dim=H), image_token_index=IMG, projection_dim=H, hidden_size=H)
+    images, ids = _square_images(16)
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(cfg).to(DEVICE).train()
+    labels = ids.clone()
+    labels[0, :4] = -100
+    labels[labels == IMG] = -100
+    inputs = dict(pixel_values=images["pixel_values"].to(DEVICE), input_ids=ids.to(DEVICE))
+    labels = labels.to(DEVICE)
+    capped = "final_logit_softcapping" in inspect.getsource(type(model).forward)
+    transform = source_check.forward_transform(type(model))
+    family = lt.SUPPORTED["PaliGemmaForConditionalGeneration"]
+    assert family.softcap_and_scale(model, transform) == ((0.5 if capped else None), 1.0)
+    ref = run(model, inputs, labels=labels)
+    lt.patch(model)
+    assert_same(*run(model, inputs, labels=labels), *ref)
 
 
 @pytest.mark.parametrize("name", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])

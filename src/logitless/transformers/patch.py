@@ -49,7 +49,7 @@ from . import bypass as _bypass
 from .head import head_out_features, head_refusal
 from .loss import hf_causal_lm_loss
 from .registry import ADVICE, SUPPORTED, module_name
-from .source_check import check_forward_source
+from .source_check import check_forward_source, forward_transform
 
 #: Options of ``linear_cross_entropy`` that ``patch`` accepts. The rest (reduction,
 #: ignore_index, shift, softcap) are fixed by transformers' loss and the model.
@@ -64,8 +64,9 @@ _REPLICATE = "_replicate_for_data_parallel"  # on the model and head: nn.DataPar
 class _State:
     """Shared by a patched model and its head(s); ``job`` is set only during a patched call."""
 
-    def __init__(self, options: dict, original, params: tuple, var_kw: Optional[str]):
+    def __init__(self, options: dict, original, params: tuple, var_kw: Optional[str], transform: str):
         self.options = options
+        self.transform = transform  # the family's logit transform this class's forward has (forward_transform)
         self.original = original  # the instance's own forward before patching, or None
         self.params = params  # the forward's positional-or-keyword parameter names (no self)
         self.var_kw = var_kw
@@ -270,7 +271,7 @@ def _call(self, state: _State, labels, kw: dict, reduction=None):
     head = self.get_output_embeddings()
     if getattr(head, _HEAD_STATE, None) is not state:  # a new head: LoRA added, resize_token_embeddings
         _install_head_eager(self, head, state)
-    softcap, scale = family.softcap_and_scale(self)
+    softcap, scale = family.softcap_and_scale(self, state.transform)
     kw["labels"] = None
     state.job = (head, labels, kw.get("shift_labels"), kw.get("num_items_in_batch"), kw.get("ignore_index", -100),
                  softcap, scale, reduction)
@@ -396,7 +397,7 @@ def _patch_instance(model, options: dict):
         _unpatch_instance(inner)
     original = vars(inner).get("forward")  # accelerate's wrapper, or None: the class's forward
     sig, params, var_kw = _forward_signature(original if original is not None else inner.forward)
-    state = _State(options, original, params, var_kw)
+    state = _State(options, original, params, var_kw, forward_transform(_model_class(type(inner))))
     _install_head(inner.get_output_embeddings(), state)
     object.__setattr__(inner, "forward", types.MethodType(_forward_for(type(inner), sig), inner))
     object.__setattr__(inner, _REPLICATE, types.MethodType(_replicate_model, inner))
@@ -564,7 +565,7 @@ def causal_lm_loss(model, hidden_states, labels=None, *, shift_labels=None, num_
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     family = family_of(type(inner))
-    softcap, scale = family.softcap_and_scale(inner)
+    softcap, scale = family.softcap_and_scale(inner, forward_transform(_model_class(type(inner))))
     # softcap_c(s z) / T == softcap_{c/T}(s z / T): the temperature scales x and the cap
     scale = scale / temperature
     softcap = None if softcap is None else softcap / temperature

@@ -1,7 +1,8 @@
 """The supported transformers model classes: one row per class.
 
 A row says where the class lives (``transformers.models.<module>.modeling_<module>``),
-which logit transform its forward applies between the head and the loss, and, for
+which logit transform its forward applies between the head and the loss (several where
+transformers releases differ: the source check says which one the installed forward has), and, for
 mixture-of-experts models, the expression of the router auxiliary-loss coefficient. The
 source check (``source_check.py``) verifies each class's forward against its row, so a
 row is a claim that is checked, never trusted: adding a family is one row plus one test.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional
+from typing import Optional, Union
 
 #: Logit transforms: name -> the forward's statements between ``logits = self.lm_head(...)``
 #: and ``loss = None`` (normalised with ast.unparse before comparison).
@@ -29,6 +30,14 @@ if (final_logit_softcapping := self.config.get_text_config().final_logit_softcap
     logits = torch.tanh(logits)
     logits = logits * final_logit_softcapping
 """,),
+    # PaliGemma from transformers 5.23 (a Gemma 2 text config's cap; none before, whatever the config says)
+    "softcap_text_getattr": (
+        "final_logit_softcapping = getattr(self.config.get_text_config(), 'final_logit_softcapping', None)", """
+if final_logit_softcapping is not None:
+    logits = logits / final_logit_softcapping
+    logits = torch.tanh(logits)
+    logits = logits * final_logit_softcapping
+"""),
     "cohere_scale": ("logits = logits * self.logit_scale",),
     "granite_scale": ("logits = logits / self.config.logits_scaling",),
 }
@@ -39,18 +48,29 @@ class Family:
     """One supported class: where it lives, its logit transform, its MoE auxiliary loss."""
 
     module: str  # transformers.models.<module>.modeling_<module>
-    transform: str = "none"  # a key of TRANSFORM_CODE
+    transform: Union[str, tuple[str, ...]] = "none"  # a key of TRANSFORM_CODE, or the keys of the releases' forms
     aux_coef: Optional[str] = None  # MoE: the coefficient expression in `loss += <aux_coef> * aux_loss...`
     kind: str = "causal-lm"  # causal-lm | moe | vision-language (documentation and refusal messages)
 
-    def softcap_and_scale(self, model) -> tuple[Optional[float], float]:
-        """(soft-cap or None, scale s) such that logits = softcap(s * (x @ W.T + b))."""
-        if self.transform in ("softcap", "softcap_text"):
+    @property
+    def transforms(self) -> tuple[str, ...]:
+        """The transforms a forward of this class may have (one per transformers release's form)."""
+        return (self.transform,) if isinstance(self.transform, str) else self.transform
+
+    def softcap_and_scale(self, model, transform: str) -> tuple[Optional[float], float]:
+        """(soft-cap or None, scale s) such that logits = softcap(s * (x @ W.T + b)), for the
+        ``transform`` (one of ``transforms``) that the class's forward has (``source_check.forward_transform``)."""
+        if transform not in self.transforms:
+            raise ValueError(f"{transform!r} is not one of this family's transforms {self.transforms}")
+        if transform in ("softcap", "softcap_text"):
             cap = model.config.get_text_config().final_logit_softcapping
             return (None if cap is None else float(cap)), 1.0
-        if self.transform == "cohere_scale":
+        if transform == "softcap_text_getattr":
+            cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+            return (None if cap is None else float(cap)), 1.0
+        if transform == "cohere_scale":
             return None, float(model.logit_scale)
-        if self.transform == "granite_scale":
+        if transform == "granite_scale":
             return None, 1.0 / float(model.config.logits_scaling)
         return None, 1.0
 
@@ -64,7 +84,7 @@ class Family:
 _MOE = dict(aux_coef="self.router_aux_loss_coef", kind="moe")
 _VL = dict(kind="vision-language")
 
-#: Supported classes (checked against transformers 5.17): class name -> family.
+#: Supported classes (checked against transformers 5.17 and 5.23): class name -> family.
 SUPPORTED: dict[str, Family] = {
     # dense causal LMs
     "LlamaForCausalLM": Family("llama"),
@@ -104,7 +124,7 @@ SUPPORTED: dict[str, Family] = {
     "LlavaForConditionalGeneration": Family("llava", **_VL),
     "MllamaForConditionalGeneration": Family("mllama", **_VL),
     "Mistral3ForConditionalGeneration": Family("mistral3", **_VL),
-    "PaliGemmaForConditionalGeneration": Family("paligemma", **_VL),
+    "PaliGemmaForConditionalGeneration": Family("paligemma", ("none", "softcap_text_getattr"), **_VL),
 }
 
 #: Classes people ask for that are not supported, with what to do instead.

@@ -5,7 +5,8 @@ loss instead of the logits. That is exact only if, in the forward's source:
 
 - the head is called exactly once, as ``logits = self.lm_head(...)``;
 - the statements between it and ``loss = None`` are exactly the family's known logit
-  transform (``registry.TRANSFORM_CODE``);
+  transform (``registry.TRANSFORM_CODE``), or one of its transforms where transformers
+  releases differ (``forward_transform`` says which one);
 - the loss is ``self.loss_function(logits, labels, <vocab size>, **<forward's kwargs>)``
   (positional or keyword) under ``if labels is not None:``, plus, for mixture-of-experts
   families, exactly ``loss += <coefficient> * aux_loss.to(loss.device)`` under
@@ -87,6 +88,19 @@ def _is_aux_block(stmt: ast.stmt, coef: str) -> bool:
     return False
 
 
+#: class -> the key of the transform its forward has, set by a passing ``check_forward_source``.
+_MATCHED: dict[type, str] = {}
+
+
+def forward_transform(cls: type) -> str:
+    """The key in ``TRANSFORM_CODE`` of the logit transform ``cls.forward`` applies (one of its
+    family's ``transforms``). Raises ValueError with the reason if the source check fails."""
+    reason = check_forward_source(cls)
+    if reason:
+        raise ValueError(f"{cls.__name__}: {reason}")
+    return _MATCHED[cls]
+
+
 @functools.cache
 def check_forward_source(cls: type) -> Optional[str]:
     """None if ``cls.forward`` has the structure described in the module docstring, else the reason."""
@@ -108,10 +122,11 @@ def check_forward_source(cls: type) -> Optional[str]:
     except ValueError:
         return "its forward has no `loss = None` after the head"
     between = tuple(stmts[h + 1:loss_none])
-    expected = tuple(_normalize(code) for code in TRANSFORM_CODE[family.transform])
-    if between != expected:
-        return (f"its forward transforms the logits as {list(between)}, not as the patch expects "
-                f"({list(expected)})")
+    expected = {key: tuple(_normalize(code) for code in TRANSFORM_CODE[key]) for key in family.transforms}
+    transform = next((key for key, code in expected.items() if between == code), None)
+    if transform is None:
+        wanted = " or ".join(str(list(code)) for code in expected.values())
+        return f"its forward transforms the logits as {list(between)}, not as the patch expects ({wanted})"
     after = body[loss_none + 1:]
     loss_stmts = [s for s in after if _assigns(s, "loss")]
     first = loss_stmts[0] if loss_stmts else None
@@ -130,4 +145,5 @@ def check_forward_source(cls: type) -> Optional[str]:
         return "its forward changes the logits after the loss"
     if family.aux_coef is not None and not any("aux_loss=aux_loss" in s for s in stmts[loss_none + 1:]):
         return "its forward does not return `aux_loss` in its output"
+    _MATCHED[cls] = transform
     return None

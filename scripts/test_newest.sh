@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The PyTorch side under the newest releases a user gets today (pinned as tested in the
+# `test-newest` extra of pyproject.toml: torch 2.15.0, triton 3.9.0, transformers 5.23.0, ...),
+# on the version-sensitive surface only (~10 min on 2 CPU cores; the full suite stays on the
+# `test` extra's versions, scripts/test.sh):
+#   .venv-newest  python3 (3.11) + ".[test-newest]"  -> the subset of tests/ below
+# PIP_CONSTRAINT=/dev/null: a pip config that caps torch below 2.15 (this machine's
+# /etc/xdg/pip) is overridden for this install only; other pip settings (indexes) still apply.
+# Extra arguments go to pytest. Override the interpreter with PYTHON_TORCH=...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+py="${PYTHON_TORCH:-python3}"
+echo "=== newest releases: $py -> .venv-newest ==="
+if [ ! -x .venv-newest/bin/python ]; then "$py" -m venv .venv-newest || exit 1; fi
+export PIP_CONSTRAINT=/dev/null
+.venv-newest/bin/python -m pip install -q --upgrade pip
+.venv-newest/bin/python -m pip install -q -e ".[test-newest]" || { echo "install failed"; exit 1; }
+.venv-newest/bin/python -m pip freeze | grep -iE '^(torch|triton|transformers|trl|peft|accelerate|helion)=='
+
+status=0
+run() { .venv-newest/bin/python -m pytest -q -p no:cacheprovider "$@" || status=1; }
+# The op contract: every test on the torch backend, and each op's plain and all-options case
+# (fp32) on the Triton interpreter.
+run tests/test_op_contract.py -k "(torch and not triton) or (triton and (plain or all) and float32)" "$@"
+# torch's F.linear_cross_entropy patch; tl.sort / tl.topk (truncated log-probs' candidates);
+# Helion on the CPU; the HF patch (source check, every family against the unpatched model,
+# PaliGemma 2's soft-cap); TRL's trainers through logitless.
+run tests/test_torch_api.py tests/test_truncated_log_probs.py::test_triton_candidates_kernel_against_topk \
+    tests/test_helion_backend.py tests/test_transformers.py tests/test_transformers_families.py \
+    tests/test_integrations_trl.py tests/test_integrations_trl_head.py tests/test_integrations_trl_sft.py "$@"
+echo "newest-releases subset: $([ $status -eq 0 ] && echo passed || echo FAILED)"
+exit $status
