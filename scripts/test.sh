@@ -3,7 +3,9 @@
 # CPU torch 2.13.0 wheel exists for 3.11 here, and the JAX side must work without torch):
 #   .venv      python3 (3.11) + torch 2.13.0 CPU + ".[test]"   -> python -m pytest tests
 #   .venv-jax  Python 3.12 (pyenv or python3.12), ".[jax-test]", no torch -> python -m pytest tests_jax
-# Exits 0 only if both sets ran tests and passed. Extra arguments go to both pytest runs.
+#   .venv-newest  the newest releases a user gets (torch, triton, transformers; scripts/test_newest.sh)
+#              -> the version-sensitive subset of tests/
+# Exits 0 only if all three ran tests and passed. Extra arguments go to the first two pytest runs.
 # Override the interpreters with PYTHON_TORCH=... / PYTHON_JAX=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,5 +56,7 @@ else
     echo "JAX environment: install failed"; status=1
 fi
 
-[ $status -eq 0 ] && echo "all tests passed (PyTorch and JAX)" || echo "FAILED (see above)"
+bash scripts/test_newest.sh || status=1
+
+[ $status -eq 0 ] && echo "all tests passed (PyTorch, JAX, newest releases)" || echo "FAILED (see above)"
 exit $status
