@@ -19,6 +19,7 @@ case runs on the CPU, loudly labelled.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -150,9 +151,16 @@ def _tp1(**extra):
     return make
 
 
-def _torch_truncated_on_logits(x, w, t, temperature, top_k, top_p):
-    """The logits-based way: vLLM's sort-based top-k / top-p mask on fp32 logits / T."""
+def _torch_truncated_on_logits(x, w, t, temperature, top_k, top_p, min_p=0.0):
+    """The logits-based way: vLLM's min-p mask, then its sort-based top-k / top-p mask, on
+    fp32 logits / T (min-p alone: no sort)."""
     a = (x @ w.T).float() / temperature
+    if min_p > 0:
+        a = a.masked_fill(a < a.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
+        if not top_k and top_p >= 1:
+            ls = torch.log_softmax(a, dim=-1)
+            p = ls.exp()
+            return ls.gather(-1, t[:, None])[:, 0], -(torch.where(p > 0, p * ls, torch.zeros_like(p))).sum(-1)
     srt, idx = a.sort(dim=-1)
     v = a.shape[-1]
     if top_k:
@@ -169,8 +177,10 @@ def _torch_truncated_on_logits(x, w, t, temperature, top_k, top_p):
     return lp, ent
 
 
-def _eager_truncated(shape, device):
-    return lambda x, w, t: _torch_truncated_on_logits(x, w, t, shape.temperature, 50, 0.9)
+def _eager_truncated(top_k=0, top_p=1.0, min_p=0.0):
+    def make(shape, device):
+        return lambda x, w, t: _torch_truncated_on_logits(x, w, t, shape.temperature, top_k, top_p, min_p)
+    return make
 
 
 #: The temperature of the peaked rows: z ~ N(0, 1) over V = 152k columns, a = z / 0.1 leaves
@@ -188,7 +198,9 @@ METHODS = {
     "logitless-minp0.05": (_logitless_with(min_p=0.05), "linear_log_probs(min_p=0.05)"),
     "logitless-topp0.95": (_logitless_with(top_p=0.95), "linear_log_probs(top_p=0.95)"),
     "logitless-k50p0.9": (_logitless_with(top_k=50, top_p=0.9), "linear_log_probs(top_k=50, top_p=0.9)"),
-    "torch-eager-k50p0.9": (_eager_truncated, "bf16 logits, vLLM's sort-based top-k=50/top-p=0.9 mask, fp32"),
+    "torch-eager-k50p0.9": (_eager_truncated(50, 0.9), "bf16 logits, vLLM's sort-based top-k=50/top-p=0.9 mask, fp32"),
+    "torch-eager-topp0.95": (_eager_truncated(top_p=0.95), "bf16 logits, vLLM's sort-based top-p=0.95 mask, fp32"),
+    "torch-eager-minp0.05": (_eager_truncated(min_p=0.05), "bf16 logits, vLLM's min-p=0.05 mask (no sort), fp32"),
     # peaked rows, as an LM's (a few dominant tokens): the same inputs at T = PEAKED (N(0,1) logits at
     # T = 0.7 are flat rows, the worst case of top-p / min-p)
     "logitless-peaked": (_logitless_with(temperature=PEAKED), f"linear_log_probs at T = {PEAKED} (peaked rows)"),

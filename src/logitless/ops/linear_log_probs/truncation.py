@@ -176,6 +176,12 @@ def _take(ours: Optional[Tensor], theirs: Optional[Tensor], rows: Tensor) -> Opt
     return ours
 
 
+def _rows(t: Tensor, idx: Tensor) -> Tensor:
+    """t[idx] for sorted row indices (``nonzero``'s), t itself when they are all its rows
+    (no copy of x: its bytes would sit outside the memory budget)."""
+    return t if idx.numel() == t.shape[0] else t[idx]
+
+
 def _put(ours: Optional[Tensor], rows_values: Optional[Tensor], rows: Tensor) -> Optional[Tensor]:
     """``ours`` with its ``rows`` replaced by ``rows_values`` (one value per row)."""
     if ours is None:
@@ -205,6 +211,10 @@ MAX_CANDIDATES = 256
 MASS_THRESHOLDS = 32
 MAX_MASS_PASSES = 6
 _DEPTH = 24.0
+#: The first top-p bracket's margin below its mass bound, and the half-width of the
+#: grid around the interpolated crossing (a fraction of the bracket).
+_MARGIN = 0.1
+_WINDOW = 1 / 16
 
 
 def candidate_count(k_max: int) -> int:
@@ -289,7 +299,10 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     tau1 = (mr.double() + log_mp).float()  # min-p's exact threshold (-inf: off)
     fallback = ~p_on & ~mp_on  # (ties at the k-th value past the candidates)
     t = MASS_THRESHOLDS
-    lo = torch.where(mp_on, tau1, mr - _DEPTH)
+    # top-p alone: the mass below t is < V exp(t - max), so W(t) >= top_p * Z wherever
+    # V exp(t - max) <= (1 - top_p) Z: the crossing lies above that t (less a margin)
+    lo_p = mr + (((1 - tr.top_p) * s[rows].double()).clamp_min(1e-300) / v).log().float() - _MARGIN
+    lo = torch.where(mp_on, tau1, torch.maximum(mr - _DEPTH, lo_p))
     hi = torch.maximum(cand[rows, cc - 1], lo)
     steps = torch.arange(t, device=x.device, dtype=torch.float64) / (t - 1)
     thr = lo.double()[:, None] + (hi - lo).double()[:, None] * steps[None, :]
@@ -304,18 +317,19 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     tau_r = tau[rows].clone()
     done = ~p_on & mp_on
     active = p_on.clone()
-    xs = x[rows]
+    xs = _rows(x, rows)
     min_p_outs = None
     if bool(done.any()):  # (host sync) min-p alone: the forward over a >= tau1 gives the outputs
         # (x's plan for these rows too: a row's bits do not depend on how many rows go)
         drows = done.nonzero()[:, 0]
-        min_p_outs, _ = triton_backend.forward(xs[drows], weight, bias, tokens[rows[drows]], opts, plan=lplan,
+        min_p_outs, _ = triton_backend.forward(_rows(xs, drows), weight, bias, tokens[rows[drows]], opts, plan=lplan,
                                                budget=budget, outputs=True, tau=tau1[drows].contiguous())
         tau_r[drows] = tau1[drows]
     first = True
     for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
         arows = active.nonzero()[:, 0]  # (the rows still searching only)
-        cnt_a, mass_a = LC.masses(xs[arows], weight, bias, plan, sc, temp, mr[arows], thr[arows])
+        cnt_a, mass_a = LC.masses(_rows(xs, arows), weight, bias, plan, sc, temp, mr[arows], thr[arows],
+                                  splits=splits_of(arows))
         cnt = torch.zeros(rows.numel(), t, dtype=torch.int64, device=x.device)
         mass = torch.zeros(rows.numel(), t, dtype=torch.float64, device=x.device)
         cnt[arows], mass[arows] = cnt_a.sum(0).long(), mass_a.double().sum(0)
@@ -354,7 +368,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         if bool(settled.any()):  # (host sync) the exact crossing from the values below the bracket's top
             srows = settled.nonzero()[:, 0]
             cand2, m_hi, s_hi, u_hi, _ = _merged_candidates(
-                LC.candidates(xs[srows], weight, bias, tokens[rows[srows]], plan, sc, temp, c, ent_on,
+                LC.candidates(_rows(xs, srows), weight, bias, tokens[rows[srows]], plan, sc, temp, c, ent_on,
                               hi=top_t[srows].contiguous(), splits=splits_of(srows)), c)
             w3, u3 = rebase(m_hi, s_hi, u_hi, mr[srows])  # the sums over a >= the bracket's top
             t3, w3, u3 = crossing(cand2[:, :cc], mr[srows], w3, u3, target[srows])
@@ -364,9 +378,19 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             active = active & ~settled
         if not bool(active.any()):
             break
-        lo_next = new_lo
-        steps_t = torch.arange(t, device=x.device, dtype=torch.float64) / t
-        nxt = lo_next[:, None] + (new_hi - lo_next)[:, None] * steps_t[None, :]
+        # the next thresholds: t_0 the bracket's bottom, the others a grid of +-_WINDOW of the
+        # bracket around the crossing that linear interpolation of W predicts (where W is
+        # smooth, the next bracket then holds ~1/(T * 8 _WINDOW) of this one's values, not 1/T;
+        # a crossing outside the window costs one more pass); below t_0: a uniform grid
+        width = new_hi - new_lo
+        w_lo = ext_w.gather(1, jj[:, None])[:, 0]
+        f = ((w_lo - target) / (w_lo - w_top).clamp_min(1e-300)).clamp(0, 1)
+        q0, q1 = (f - _WINDOW).clamp(0, 1), (f + _WINDOW).clamp(0, 1)
+        grid = torch.arange(t - 1, device=x.device, dtype=torch.float64) / (t - 2)
+        q = torch.cat([torch.zeros_like(f)[:, None], q0[:, None] + (q1 - q0)[:, None] * grid[None, :]], 1)
+        uniform = (torch.arange(t, device=x.device, dtype=torch.float64) / t)[None, :].expand_as(q)
+        q = torch.where(below[:, None], uniform, q)
+        nxt = new_lo[:, None] + width[:, None] * q
         thr = torch.where(active[:, None], nxt, thr.double()).float()
     left = active | fallback
     tau[rows] = tau_r
