@@ -289,6 +289,29 @@ def test_linear_jsd(case, size):
         torch.testing.assert_close(db.double(), br.grad, **TOL)
 
 
+@pytest.mark.parametrize("case", ["all", "all_kl", "reverse_kl"])
+def test_jsd_forward_in_row_chunks(case):
+    """The forward in chunks of 4 rows (13 tokens: four chunks of cuBLAS logits and
+    ``jsd_row_stats``, the last of one row) gives the one-chunk statistics and the float64
+    loss; the memory budget sizes the chunks (``plans.jsd_forward_rows``: 3 rows here)."""
+    from logitless.planning.plans import jsd_forward_rows
+
+    kw = dict(JSD_CASES[case])
+    n, h, v = 13, 20, 37
+    x, w, b, xt, wt, bt, t = _jsd_data(n, h, v, seed=31)
+    bias, tbias = (b, bt) if kw.pop("bias", False) else (None, None)
+    opts = JSDOptions(**kw)
+    whole = hjsd.jsd_forward(x, w, bias, xt, wt, tbias, t, opts, rows=n)
+    chunked = hjsd.jsd_forward(x, w, bias, xt, wt, tbias, t, opts, rows=4)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    budget = 3 * 8 * v + 5
+    assert jsd_forward_rows(n, v, budget, False) == 3
+    torch.testing.assert_close(hjsd.jsd_forward(x, w, bias, xt, wt, tbias, t, opts, budget=budget), whole,
+                               rtol=1e-6, atol=1e-6)
+    ref = linear_jsd_reference(*_leaf(x, w), xt, wt, t, student_bias=bias, teacher_bias=tbias, reduction="sum", **kw)
+    torch.testing.assert_close(jsd_f.token_loss(chunked, t, v, opts).sum().double(), ref, **TOL)
+
+
 def test_jsd_gradient_finite_differences_mixture():
     """0 < beta < 1: the kernels' dx against central differences of the kernels' own loss
     (Helion's example's (1 - beta)/T (p - m) fails this by far more than the tolerance)."""
@@ -350,7 +373,7 @@ def _lowering_cases():
     for beta in (0.3, 0.0, 1.0):
         o = JSDOptions(beta=beta, temperature=1.5, student_softcap=2.0, teacher_softcap=3.0, hard_label_weight=0.2)
         cases += [
-            ("jsd_forward", jsd_kernels.jsd_forward, hjsd.forward_args(x, w, b, xt, wt, bt, t, o), sizes),
+            ("jsd_stats", jsd_kernels.jsd_row_stats, hjsd.stats_args(x @ w.T, xt @ wt.T, t, o), sizes),
             ("jsd_dz", jsd_kernels.jsd_dlogits, hjsd.backward_args(x, w, b, xt, wt, bt, t, stats, g, o), sizes),
         ]
     return cases
@@ -358,13 +381,19 @@ def _lowering_cases():
 
 def test_kernels_lower_to_triton():
     """Every kernel (with every option on, and plain) generates Triton source with the
-    heuristic's default config: the number of block sizes matches configs.KERNEL_DIMS."""
+    heuristic's default config and with the shipped ones: the number of block sizes matches
+    configs.KERNEL_DIMS."""
+    import json
+
+    shipped = [json.loads(f.read_text()) for f in sorted(configs._DIR.glob("*.json"))]
     for name, kernel, args, sizes in _lowering_cases():
         cfg = configs.default_config(name, sizes)
         assert len(cfg["block_sizes"]) == len(configs.KERNEL_DIMS[name])
-        code = runtime.triton_code(_compiled(kernel), args, cfg)
-        assert "@triton.jit" in code and "tl.dot" in code, name
-        assert "input_precision='tf32x3'" in code, name  # fp32 inputs: about fp32 accuracy
+        for c in [cfg] + [e["config"] for f in shipped for e in f.get(name, ())]:
+            code = runtime.triton_code(_compiled(kernel), args, c)
+            assert "@triton.jit" in code, name
+            if "h" in configs.KERNEL_DIMS[name]:  # the GEMM kernels; fp32 inputs: about fp32 accuracy
+                assert "tl.dot" in code and "input_precision='tf32x3'" in code, name
 
 
 def test_configs_pick():

@@ -170,7 +170,7 @@ def _small_calls():
 @needs_helion
 @pytest.mark.parametrize("op,kernels", [("linear_cross_entropy", ("ce_forward", "linear_dlogits")),
                                         ("linear_log_probs", ("logp_forward", "linear_dlogits")),
-                                        ("linear_jsd", ("jsd_forward", "jsd_dlogits"))])
+                                        ("linear_jsd", ("jsd_row_stats", "jsd_dlogits"))])
 def test_helion_kernels_run(op, kernels, launches):
     """Forward and backward launch the op's two Helion kernels once each (no fallback; the
     backward's d(logits) in one vocabulary chunk at these sizes), and the results match
@@ -186,6 +186,39 @@ def test_helion_kernels_run(op, kernels, launches):
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
     for got, exp in zip(grads, want_grads):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+
+
+@needs_helion
+@pytest.mark.parametrize("beta", [0.3, 1.0])
+def test_jsd_forward_row_chunks_by_budget(beta, launches):
+    """linear_jsd under a memory budget of 3 tokens' fp32 logits of both heads (10 tokens
+    of a 3-D input: four row chunks, the last of one token, each one ``jsd_row_stats``
+    launch), every option on: the torch backend's loss and gradients."""
+    g = torch.Generator().manual_seed(47)
+    v = 37
+    x = torch.randn(2, 5, 20, generator=g).to(DEVICE).requires_grad_()
+    w = (torch.randn(v, 20, generator=g) * 0.3).to(DEVICE).requires_grad_()
+    b = torch.randn(v, generator=g).to(DEVICE).requires_grad_()
+    xt, wt = torch.randn(2, 5, 23, generator=g).to(DEVICE), (torch.randn(v, 23, generator=g) * 0.3).to(DEVICE)
+    t = torch.randint(0, v, (2, 5), generator=g).to(DEVICE)
+    t[0, 1] = -100
+
+    def run(backend):
+        loss = logitless.linear_jsd(x, w, xt, wt, t, student_bias=b, teacher_bias=torch.zeros(v, device=DEVICE),
+                                    beta=beta, temperature=1.5, student_softcap=2.5, teacher_softcap=4.0,
+                                    hard_label_weight=0.3, reduction="none", memory_budget=3 * 8 * v,
+                                    backend=backend)
+        return loss, torch.autograd.grad(loss.sum(), (x, w, b))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", helion_choice.HelionFallbackWarning)
+        got, got_grads = run(BACKEND)
+    assert launches.get("jsd_row_stats") == 4, launches
+    want, want_grads = run("torch")
+    assert got.shape == (2, 5) and got[0, 1] == 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
 @needs_helion
@@ -514,7 +547,8 @@ def test_tuned_configs_lookup(tmp_path, monkeypatch):
 def test_shipped_configs(monkeypatch):
     """The package's tuned files: every entry names a kernel, one block size per ``hl.tile``
     loop of it, a dtype bound; on a (faked) H100 the 16-bit calls at the anchors' tokens
-    get them, fp32 and small calls the heuristic."""
+    get them, fp32 and small calls the heuristic; the memory-bound ``jsd_stats`` (it reads
+    fp32 logit chunks whatever the inputs) its entry for every call, on every device class."""
     import json
 
     from logitless.helion_lib import configs
@@ -533,7 +567,11 @@ def test_shipped_configs(monkeypatch):
     cuda = torch.device("cuda", 0)
     shipped = json.loads((configs._DIR / "nvidia-h100.json").read_text())
     try:
-        for kernel in ("ce_forward", "logp_forward", "ce_dz", "logp_dz", "jsd_forward", "jsd_dz"):
+        for size in ({"n": 8192, "v": 128256, "h": 4096, "dtype": "float32"},
+                     {"n": 5, "v": 9, "h": 3, "dtype": "bfloat16"}):
+            assert configs.pick("jsd_stats", size, cuda) == shipped["jsd_stats"][0]["config"]
+            assert configs.pick("jsd_stats", size, torch.device("cpu"))["block_sizes"] == [1, 1024]
+        for kernel in ("ce_forward", "logp_forward", "ce_dz", "logp_dz", "jsd_dz"):
             for dtype in ("bfloat16", "float16"):
                 anchor = {"n": 8192, "v": 128256, "h": 4096, "dtype": dtype}
                 assert configs.pick(kernel, anchor, cuda) == shipped[kernel][0]["config"], kernel

@@ -5,7 +5,7 @@
 #   SMOKE=1 PYTHON=<python with helion> bash benchmarks/gpu/helion.sh     # the CPU path, tiny shapes
 # Steps (PARTS, default "info tune bench tests"; benchmarks/helion_gpu.py says what each does):
 #   info   versions, device, whether Helion runs (torch 2.11 needs runtime's shim: its warning is printed)
-#   tune   Helion's autotuner on TUNE_KERNELS (ce_forward ce_dz at the lce shape, jsd_forward
+#   tune   Helion's autotuner on TUNE_KERNELS (ce_forward ce_dz at the lce shape, jsd_stats
 #          jsd_dz at the distill one; bf16; TUNE_TOKENS to change the tokens), TUNE_BUDGET s each (30; the process is stopped at +45 s: then the
 #          fastest config of its search log counts) -> $OUT/tune-*.json, autotune-*.csv, configs/<class>.json
 #   bench  helion, helion-tuned (those configs) and triton at the lce, distill and rl anchors,
@@ -37,7 +37,7 @@ for part in $PARTS; do
     info) timeout -k 5 120 $PY benchmarks/helion_gpu.py info 2>&1 | tee "$OUT/info.log" | grep -v Warning ;;
     tune)
         B=${TUNE_BUDGET:-30}
-        for k in ${TUNE_KERNELS:-ce_forward ce_dz jsd_forward jsd_dz}; do
+        for k in ${TUNE_KERNELS:-ce_forward ce_dz jsd_stats jsd_dz}; do
             T=$(( B + ${TUNE_GRACE:-45} )); [ "$T" -gt "$(left)" ] && T=$(left)
             [ "$T" -lt 20 ] && { echo "tune $k: no time left"; continue; }
             timeout -k 5 "$T" $PY benchmarks/helion_gpu.py tune $k > "$OUT/tune-$k.log" 2>&1

@@ -39,12 +39,15 @@ KERNEL_DIMS = {
     "ce_dz": ("n", "v", "h"),
     "logp_forward": ("n", "v", "h"),
     "logp_dz": ("n", "v", "h"),
-    "jsd_forward": ("n", "v", "h", "h"),  # both sweeps (one loop body); student then teacher hidden
+    "jsd_stats": ("n", "v"),  # both sweeps (one loop body) over a chunk's fp32 logits: no GEMM
     "jsd_dz": ("n", "v", "h", "h"),  # student then teacher hidden
 }
 
 #: Default block size per dim (capped by the problem size, at least 16).
 _DEFAULT_BLOCK = {"n": 64, "v": 128, "h": 64}
+#: Kernels without a GEMM (memory-bound row reductions): their own default blocks (one row
+#: per program, a wide vocabulary tile; no tl.dot, so no minimum of 16) and warps.
+_ROW_KERNELS = {"jsd_stats": ({"n": 1, "v": 1024}, 8)}
 
 
 def device_class(device: torch.device) -> str:
@@ -98,10 +101,11 @@ def sizes(x: torch.Tensor, weight: torch.Tensor) -> dict:
 
 def default_config(kernel: str, sizes: dict) -> dict:
     """The heuristic: each dim's default block, capped by the next power of two of its size
-    (at least 16, tl.dot's minimum); 4 warps, fewer stages on small problems."""
-    blocks = [min(_DEFAULT_BLOCK[d], _pow2_at_least(max(int(sizes[d]), 1)))
-              for d in KERNEL_DIMS[kernel]]
-    return {"block_sizes": blocks, "num_warps": 4, "num_stages": 2}
+    (at least 16, tl.dot's minimum); 4 warps, fewer stages on small problems. The
+    ``_ROW_KERNELS`` take their own blocks and warps."""
+    default, warps = _ROW_KERNELS.get(kernel, (_DEFAULT_BLOCK, 4))
+    blocks = [min(default[d], _pow2_at_least(max(int(sizes[d]), 1))) for d in KERNEL_DIMS[kernel]]
+    return {"block_sizes": blocks, "num_warps": warps, "num_stages": 2}
 
 
 def forward_span(config: dict, sizes: dict, device: Optional[torch.device] = None) -> int:

@@ -1,15 +1,15 @@
-"""Helion kernels of linear_jsd: both heads' logits tile by tile, never a logits tile in HBM.
+"""Helion kernels of linear_jsd: the forward's row statistics, the backward's d(logits).
 
 The math is ``logitless.formulas.jsd``'s (Triton twin: ``triton_lib.jsd_math``); MODE 0 is
 0 < beta < 1 (the mixture), 1 beta == 0 (forward KL, lm := lp), 2 beta == 1 (reverse KL,
 lm := lq).
-- ``jsd_forward``: per row tile, a first sweep over vocabulary tiles (online lse of
-  a = zs / T and b = zt / T, and with the hard-label term lse(zs) and zs[target]), then a
-  second sweep (the mixture needs both lse first) for S = sum p (lp - lm) and
-  K = sum q (lq - lm): the (6, N) statistics of ``formulas.jsd`` (LSE_S, LSE_T, S, K, LSE1,
-  ZTGT). Both heads' logits are recomputed in the second sweep, never stored; the two
-  sweeps are one loop body under ``hl.static_range(2)`` (unrolled when compiled, with the
-  same block sizes).
+- ``jsd_row_stats``: the (6, rows) statistics of ``formulas.jsd`` (LSE_S, LSE_T, S, K,
+  LSE1, ZTGT) of a chunk of rows of both heads' fp32 logits (bias added; cuBLAS wrote
+  them: ``linear_jsd.jsd_forward``), soft-capped here. Per row tile, a first sweep over
+  vocabulary tiles (online lse of a = zs / T and b = zt / T, and with the hard-label term
+  lse(zs) and zs[target]), then a second sweep (the mixture needs both lse first) for
+  S = sum p (lp - lm) and K = sum q (lq - lm): both read the rows, no GEMM (memory-bound).
+  The two sweeps are one loop body under ``hl.static_range(2)`` (the same block sizes).
 - ``jsd_dlogits``: the student's d(logits) of one vocabulary chunk (the teacher gets no
   gradient): dz = g [ (wp p (lp - lm - S) + [beta == 0] (p - q)) / T + hlw (p1 - [c == t]) ]
   (1 - (zs / s)^2) in the student's dtype, both heads' tiles recomputed; cuBLAS takes it to
@@ -69,16 +69,13 @@ def dlogits(zs, zt, rows, tile_v, inv_t, cap_s, log_beta, log_1mbeta, wp, hlw, M
 
 
 @helion.kernel(**_SETTINGS)
-def jsd_forward(
-    xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
-    xt: torch.Tensor, wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor,
+def jsd_row_stats(
+    zs: torch.Tensor, zt: torch.Tensor, target: torch.Tensor,
     inv_t: float, cap_s: float, cap_t: float, log_beta: float, log_1mbeta: float,
     MODE: hl.constexpr, HAS_HARD: hl.constexpr, HAS_CAP_S: hl.constexpr, HAS_CAP_T: hl.constexpr,
 ) -> torch.Tensor:
-    n, hs = xs.size()
-    ht = xt.size(1)
-    v = ws.size(0)
-    stats = torch.empty([6, n], dtype=torch.float32, device=xs.device)
+    n, v = zs.size()
+    stats = torch.empty([6, n], dtype=torch.float32, device=zs.device)
     for tile_n in hl.tile(n):
         tgt = target[tile_n]
         m_s = hl.full([tile_n], float("-inf"), dtype=torch.float32)
@@ -95,23 +92,22 @@ def jsd_forward(
         # one sweep body, unrolled twice at compile time (the same tiles in both sweeps)
         for sweep in hl.static_range(2):
             for tile_v in hl.tile(v):
-                zs = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-                for tile_h in hl.tile(hs):
-                    zs = hl.dot(xs[tile_n, tile_h], ws[tile_v, tile_h].T, acc=zs)
-                zt = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-                for tile_g in hl.tile(ht):
-                    zt = hl.dot(xt[tile_n, tile_g], wt[tile_v, tile_g].T, acc=zt)
-                zs, zt = both_epilogues(zs, zt, bs, bt, tile_v, cap_s, cap_t, HAS_CAP_S, HAS_CAP_T)
                 col_ok = (tile_v.index < v)[None, :]
-                zs = torch.where(col_ok, zs, float("-inf"))
-                a = zs * inv_t
-                b = torch.where(col_ok, zt * inv_t, float("-inf"))
+                a_s = zs[tile_n, tile_v].to(torch.float32)
+                b_t = zt[tile_n, tile_v].to(torch.float32)
+                if HAS_CAP_S:
+                    a_s = softcap(a_s, cap_s)
+                if HAS_CAP_T:
+                    b_t = softcap(b_t, cap_t)
+                z1 = torch.where(col_ok, a_s, float("-inf"))
+                a = z1 * inv_t
+                b = torch.where(col_ok, b_t * inv_t, float("-inf"))
                 if sweep == 0:  # online lse of both heads (and of the hard-label logits)
                     m_s, s_s = lse_step(m_s, s_s, a, torch.amax(a, dim=1))
                     m_t, s_t = lse_step(m_t, s_t, b, torch.amax(b, dim=1))
                     if HAS_HARD:
-                        m_1, s_1 = lse_step(m_1, s_1, zs, torch.amax(zs, dim=1))
-                        ztgt = ztgt + torch.sum(torch.where(hit_mask(tile_v, tgt), zs, 0.0), dim=1)
+                        m_1, s_1 = lse_step(m_1, s_1, z1, torch.amax(z1, dim=1))
+                        ztgt = ztgt + torch.sum(torch.where(hit_mask(tile_v, tgt), z1, 0.0), dim=1)
                 else:  # S and K against both lse
                     lp = a - lse_s[:, None]
                     lq = b - lse_t[:, None]

@@ -3,8 +3,11 @@
 Student xs (N, Hs), ws (V, Hs), optional bs; teacher xt (N, Ht), wt (V, Ht), optional bt;
 int64 target (N,) (used by the hard-label term; ignore_index tokens get g = 0 from the op).
 The forward returns the (6, N) fp32 statistics of ``formulas.jsd`` (``token_loss`` turns
-them into the loss); the backward takes them and the per-token upstream gradient g
-(``formulas.jsd.upstream``: 0 at ignored tokens) and returns the student's dx, dW, db.
+them into the loss): per chunk of rows (``planning.plans.jsd_forward_rows`` of the memory
+budget, as the Triton backend's), cuBLAS writes both heads' fp32 logits once
+(``triton_lib.launch.head_logit_chunks``) and ``jsd_kernels.jsd_row_stats`` reduces them.
+The backward takes them and the per-token upstream gradient g (``formulas.jsd.upstream``:
+0 at ignored tokens) and returns the student's dx, dW, db.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from torch import Tensor
 from logitless.formulas.jsd import NUM_STATS
 from logitless.helion_lib import configs
 from logitless.helion_lib.runtime import launch, require
-from logitless.options import JSDOptions
+from logitless.options import JSDOptions, check_memory_budget
+from logitless.planning.plans import jsd_forward_rows
 
 
 def _scalars(opts: JSDOptions) -> tuple:
@@ -33,9 +37,10 @@ def _scalars(opts: JSDOptions) -> tuple:
     return scal, flags
 
 
-def forward_args(xs, ws, bs, xt, wt, bt, target, opts) -> tuple:
+def stats_args(zs, zt, target, opts) -> tuple:
+    """The arguments of ``jsd_kernels.jsd_row_stats`` for a chunk's fp32 logits zs, zt."""
     scal, flags = _scalars(opts)
-    return (xs, ws, bs, xt, wt, bt, target, *scal, *flags)
+    return (zs, zt, target, *scal, *flags)
 
 
 def backward_args(xs, ws, bs, xt, wt, bt, target, stats, g, opts) -> tuple:
@@ -50,16 +55,26 @@ def _target(target: Optional[Tensor], n: int, device) -> Tensor:
 
 
 def jsd_forward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
-                target: Optional[Tensor], opts: JSDOptions, config: Optional[dict] = None) -> Tensor:
-    """The (6, N) fp32 statistics (rows ``formulas.jsd.LSE_S`` ... ``ZTGT``)."""
+                target: Optional[Tensor], opts: JSDOptions, config: Optional[dict] = None,
+                budget: Optional[int] = None, rows: Optional[int] = None) -> Tensor:
+    """The (6, N) fp32 statistics (rows ``formulas.jsd.LSE_S`` ... ``ZTGT``), in chunks of
+    ``rows`` tokens (default ``plans.jsd_forward_rows`` of ``budget`` bytes, default
+    ``options.DEFAULT_MEMORY_BUDGET``): both heads' fp32 logits by cuBLAS, then
+    ``jsd_kernels.jsd_row_stats`` on them."""
     require()
     from logitless.helion_lib import jsd_kernels as K
+    from logitless.triton_lib.launch import head_logit_chunks
 
-    n = xs.shape[0]
+    n, v = xs.shape[0], ws.shape[0]
+    stats = torch.empty((NUM_STATS, n), dtype=torch.float32, device=xs.device)
     if n == 0:
-        return xs.new_empty((NUM_STATS, 0), dtype=torch.float32)
-    cfg = config or configs.pick("jsd_forward", configs.sizes(xs, ws), xs.device)
-    return launch(K.jsd_forward, forward_args(xs, ws, bs, xt, wt, bt, _target(target, n, xs.device), opts), cfg)
+        return stats
+    target = _target(target, n, xs.device)
+    rows = rows or jsd_forward_rows(n, v, check_memory_budget(budget), xs.device.type == "cuda")
+    cfg = config or configs.pick("jsd_stats", configs.sizes(xs, ws), xs.device)
+    for n0, n1, zs, zt in head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
+        stats[:, n0:n1] = launch(K.jsd_row_stats, stats_args(zs, zt, target[n0:n1], opts), cfg)
+    return stats
 
 
 def jsd_backward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],

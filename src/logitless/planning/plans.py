@@ -544,6 +544,20 @@ def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> i
 JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
 
 
+def jsd_forward_rows(num_tokens: int, vocab: int, budget: int, cuda: bool) -> int:
+    """Tokens per chunk of linear_jsd's chunked forward (the Triton and Helion backends):
+    both heads' fp32 logits of the chunk (8 V bytes a token) fill ``budget``."""
+    rows = budget // max(1, 8 * vocab)
+    if cuda and rows >= 16:
+        # Multiples of 8, not of 128-row GEMM tiles: each chunk's two GEMMs read both
+        # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
+        # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
+        # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208);
+        # 216 (multiples of 8, not 16) makes it 19 chunks (docs/design.md, issue 37).
+        rows = rows // 8 * 8
+    return _clamp(rows, 1, max(1, num_tokens))
+
+
 @dataclass(frozen=True)
 class LinearJSDPlan:
     """How linear_jsd's Triton backend chunks its work.
@@ -577,15 +591,7 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     tiles = _overrides().tiles or (
         (_rocm.tiles(device, itemsize, jsd=True) or JSD_CUDA_TILES[itemsize]) if cuda else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
-    rows = budget // max(1, 8 * vocab)
-    if cuda and rows >= 16:
-        # Multiples of 8, not of 128-row GEMM tiles: each chunk's two GEMMs read both
-        # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
-        # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
-        # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208);
-        # 216 (multiples of 8, not 16) makes it 19 chunks (docs/design.md, issue 37).
-        rows = rows // 8 * 8
-    rows = _clamp(rows, 1, max(1, num_tokens))
+    rows = jsd_forward_rows(num_tokens, vocab, budget, cuda)
     padded_vocab = math.ceil(vocab / block_v) * block_v
     min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
     # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB

@@ -8,6 +8,8 @@
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
+    logits_fp32 / head_logit_chunks  fp32 logits by cuBLAS; linear_jsd's row chunks of
+                                   both heads' (the Triton and Helion forwards)
     gradient_buffers / finished_dx the outputs (and fp32 dx accumulator) of a chunked
                                    backward, and its dx after the last chunk
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
@@ -296,6 +298,30 @@ def descriptor(base: Tensor, shape: tuple, strides: tuple, block_shape: tuple) -
     desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
                          padding="zero")
     return desc
+
+
+def logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:
+    """out (fp32) = x @ w.T (+ b), fp32 accumulation and output."""
+    if x.is_cuda and x.dtype != torch.float32:
+        torch.mm(x, w.T, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(x.float(), w.float().T, out=out)
+    if b is not None:
+        out += b.float()
+
+
+def head_logit_chunks(xs: Tensor, ws: Tensor, bs, xt: Tensor, wt: Tensor, bt, rows: int):
+    """Yields (n0, n1, zs, zt) per chunk [n0, n1) of ``rows`` tokens: both heads' fp32
+    logits of the chunk (bias added, not soft-capped) by cuBLAS, in two (rows, V) buffers
+    that every chunk reuses (read them before the next one)."""
+    n = xs.shape[0]
+    zs = torch.empty(min(rows, n), ws.shape[0], dtype=torch.float32, device=xs.device)
+    zt = torch.empty_like(zs)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        logits_fp32(xs[n0:n1], ws, bs, zs[: n1 - n0])
+        logits_fp32(xt[n0:n1], wt, bt, zt[: n1 - n0])
+        yield n0, n1, zs[: n1 - n0], zt[: n1 - n0]
 
 
 def dx_accumulate(acc: Tensor, dz: Tensor, w: Tensor) -> None:

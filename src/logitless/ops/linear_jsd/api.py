@@ -81,9 +81,10 @@ def linear_jsd(
         shift: causal-LM shift of the target only: position t uses target[t + 1] (for
             ignore_index and the hard label); the last position counts for nothing
             and, with reduction="none", is dropped (T - 1 positions).
-        memory_budget: bytes of temporaries (default 256 MiB). Triton: the forward
-            materialises both heads' fp32 logits for budget / (8 V) tokens at a time
-            (then reduced to row statistics, each row split over several programs);
+        memory_budget: bytes of temporaries (default 256 MiB). Triton (and Helion's
+            forward): the forward materialises both heads' fp32 logits for budget /
+            (8 V) tokens at a time (then reduced to row statistics, each row split
+            over several programs);
             with a budget that holds a token chunk's logits and dz ((8 + itemsize) x
             rows x V bytes) plus an fp32 dW accumulator (4 V H_s; none for fp32
             weights or one chunk), the cost model may pick gradient-in-forward

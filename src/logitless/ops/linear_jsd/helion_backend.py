@@ -1,7 +1,8 @@
 """Helion backend of linear_jsd (``backend="helion"``; docs/helion.md).
 
-forward:  one Helion kernel (``helion_lib.jsd_kernels.jsd_forward``): per row tile both
-          heads' online log-sum-exps (and the hard-label ones), then a second sweep for the
+forward:  per chunk of rows (the memory budget's, as the Triton backend's), cuBLAS writes
+          both heads' fp32 logits, then one Helion kernel (``helion_lib.jsd_kernels.jsd_row_stats``)
+          reads them twice: both heads' online log-sum-exps (and the hard-label ones), then the
           divergence sums S and K -> the (6, N) statistics of ``formulas.jsd``; the loss from
           them with the formulas (``forward_loss``, as the torch backend).
 backward: the per-token upstream gradient (formulas), then per vocabulary chunk one kernel
@@ -31,9 +32,9 @@ from .torch_backend import forward_loss, upstream  # noqa: F401  (the formulas: 
 
 
 def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
-    """(6, N) statistics (``formulas.jsd``), fp32. ``budget`` only reaches a fallback backend."""
+    """(6, N) statistics (``formulas.jsd``), fp32; ``budget`` sizes the row chunks."""
     return run_or_fallback(__package__, xs.device,
-                           lambda: kernels.jsd_forward(xs, ws, bs, xt, wt, bt, target, opts),
+                           lambda: kernels.jsd_forward(xs, ws, bs, xt, wt, bt, target, opts, budget=budget),
                            lambda impl: impl.forward(xs, ws, bs, xt, wt, bt, target, opts, budget))
 
 

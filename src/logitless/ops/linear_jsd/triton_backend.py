@@ -47,16 +47,6 @@ from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F4
 from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
 
 
-def _logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:
-    """out (fp32) = x @ w.T (+ b), fp32 accumulation and output."""
-    if x.is_cuda and x.dtype != torch.float32:
-        torch.mm(x, w.T, out_dtype=torch.float32, out=out)
-    else:
-        torch.mm(x.float(), w.float().T, out=out)
-    if b is not None:
-        out += b.float()
-
-
 def _operands(xs, ws, xt, wt, tiles):
     """(xs, ws, xt, wt as the kernels take them, use_tma): TMA descriptors for both heads
     when both allow them, else the plain tensors for both."""
@@ -83,18 +73,11 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     plan = linear_jsd_plan(n, v, xs.shape[1], xs.element_size(), budget, xs.device)
     if fused_forward(xs, ws, xt, opts, budget):
         return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, plan)
-    rows = plan.forward_rows
     stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
-    zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
-    zt = torch.empty_like(zs)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        r = n1 - n0
-        _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
-        _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        # the statistics' launches for fp32 logits of r rows (rows split when few), written
-        # in place into columns [n0, n1) of the statistics
-        row_stats(zs[:r], zt[:r], target[n0:n1], stats[:, n0:n1], opts, jsd_stats_plan(r, v, 4, xs.device))
+    for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, plan.forward_rows):
+        # the statistics' launches for fp32 logits of the chunk's rows (rows split when few),
+        # written in place into columns [n0, n1) of the statistics
+        row_stats(zs, zt, target[n0:n1], stats[:, n0:n1], opts, jsd_stats_plan(n1 - n0, v, 4, xs.device))
     return stats
 
 
@@ -110,19 +93,13 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     if v == 0 or n == 0:
         return out
     rows = linear_jsd_plan(n, v, xs.shape[1], xs.element_size(), budget, xs.device).forward_rows
-    zs = torch.empty(min(rows, n), v, dtype=torch.float32, device=xs.device)
-    zt = torch.empty_like(zs)
     lse_s, lse_t = lse_s.float(), lse_t.float()
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        r = n1 - n0
-        _logits_fp32(xs[n0:n1], ws, bs, zs[:r])
-        _logits_fp32(xt[n0:n1], wt, bt, zt[:r])
-        out[:2, n0:n1] = divergence_sums(zs[:r], zt[:r], lse_s[n0:n1], lse_t[n0:n1], opts,
-                                         jsd_stats_plan(r, v, 4, xs.device))
+    for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
+        out[:2, n0:n1] = divergence_sums(zs, zt, lse_s[n0:n1], lse_t[n0:n1], opts,
+                                         jsd_stats_plan(n1 - n0, v, 4, xs.device))
         t = target[n0:n1]
         held = (t >= 0) & (t < v)
-        z_t = apply_softcap(zs[:r].gather(1, torch.where(held, t, torch.zeros_like(t))[:, None])[:, 0],
+        z_t = apply_softcap(zs.gather(1, torch.where(held, t, torch.zeros_like(t))[:, None])[:, 0],
                             opts.student_softcap)
         out[2, n0:n1] = torch.where(held, z_t, torch.zeros_like(z_t))
     return out

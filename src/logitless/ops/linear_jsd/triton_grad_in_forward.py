@@ -37,7 +37,7 @@ from logitless.triton_lib.jsd_epilogue import upstream
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 from logitless.triton_lib.launch import cdiv
 
-from .triton_backend import _logits_fp32, fused_forward
+from .triton_backend import fused_forward
 
 
 def grad_in_forward_chunk(xs: Tensor, ws: Tensor, xt: Tensor, budget: int, opts: JSDOptions) -> int:
@@ -80,8 +80,8 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
     for n0, n1 in chunks:
         r = n1 - n0
         a, b, dz = zs[:r], zt[:r], dz_buf[:r]
-        _logits_fp32(xs[n0:n1], ws, bs, a)
-        _logits_fp32(xt[n0:n1], wt, bt, b)
+        launch.logits_fp32(xs[n0:n1], ws, bs, a)
+        launch.logits_fp32(xt[n0:n1], wt, bt, b)
         chunk_stats = stats[:, n0:n1]  # (written in place: rows n apart)
         tc = target[n0:n1]
         plan = jsd_stats_plan(r, v, 4, dev)
