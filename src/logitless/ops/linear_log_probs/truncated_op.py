@@ -225,8 +225,7 @@ def _backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out
         dx, dw, db = _sparse_backward(impl, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v, cand, cols,
                                       dense, opts, budget, need_dx, need_dw, need_db)
         return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
-    dx = torch.zeros_like(x) if need_dx else None
-    dw = db = None
+    dx = dw = db = None
     sd = compute_dtype(x.dtype)
     kept = kept_buffers(plan, keep, keep_max)  # the forward's buffers, laid out by its plan (one block)
     with no_autocast(x.device):
@@ -247,13 +246,19 @@ def _backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out
                 extra = dict(plan=impl.plan(xb, weight, bias, opts, budget=budget, need_grad=False, cute=False))
             bx, bw, bb = impl.backward(xb, weight, bias, tb, opts, ls, coef, need_dx=need_dx, need_dw=need_dw,
                                        need_db=need_db, budget=budget, tau=tb_tau, **extra)
-            if need_dx:
-                dx[n0:n1] = bx[:n1 - n0]
+            if need_dx:  # (one block of every row: its dx is the result, no second N x H buffer)
+                if bx.shape[0] == n and n0 == 0 and bx.dtype == x.dtype and x.is_contiguous():
+                    dx = bx
+                else:
+                    dx = torch.zeros_like(x) if dx is None else dx
+                    dx[n0:n1] = bx[:n1 - n0]
             # several blocks: dW and db summed in fp32 (16-bit inputs), cast once
             if need_dw:
                 dw = bw if dw is None else (dw.float() if dw.dtype != sd else dw).add_(bw)
             if need_db:
                 db = bb if db is None else (db.float() if db.dtype != sd else db).add_(bb)
+    if need_dx and dx is None:
+        dx = torch.zeros_like(x)
     if need_dw:
         dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
     if need_db:
