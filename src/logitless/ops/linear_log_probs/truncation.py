@@ -251,7 +251,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     the mass passes (on the rows still searching) narrowing a bracket that holds the
     crossing until it holds < C values, then the candidates below its top: 2 + the
     narrowings. Host syncs: a few per pass (the rows left). Vocabulary splits of the
-    candidates passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
+    candidates and mass passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
     (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
     a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
     rows whose kept set (a >= the returned tau) lies in their candidates."""
