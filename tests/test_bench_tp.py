@@ -59,3 +59,48 @@ def test_tp_suite_log_prob_rows_on_cpu(tmp_path):
         assert "error" not in r, (name, r)
         assert r["logp_err_fp64"] < 1e-5 and r["entropy_err_fp64"] < 1e-5, (name, r)
     assert rows["logitless-tp-logp"]["rel_err_1gpu"] < 1e-6
+
+
+def _logits_tp_jsd_rank(rank, world, device):
+    """Each rank's rows of both heads: the loss, dx (complete on every rank) and this
+    rank's dW rows of the logits-way baseline equal float64 autograd of the whole heads."""
+    from logitless.ops.linear_jsd.reference import linear_jsd_reference
+    from tests._distributed import blocks
+
+    g = torch.Generator().manual_seed(3)
+    n, h, rows = 6, 5, [7, 4]  # uneven blocks, V = 11 (prime)
+    xs, xt = torch.randn(n, h, generator=g, dtype=torch.float64), torch.randn(n, h, generator=g, dtype=torch.float64)
+    ws, wt = torch.randn(11, h, generator=g, dtype=torch.float64), torch.randn(11, h, generator=g, dtype=torch.float64)
+    mine = blocks(rows, rank)
+    xr, wr = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    ref = linear_jsd_reference(xr, wr, xt, wt, beta=tp.JSD_BETA)
+    ref.backward()
+    xl, wl = xs.clone().requires_grad_(), ws[mine].clone().requires_grad_()
+    # The baseline casts the logits to fp32: compared at fp32's precision.
+    loss = tp.logits_tp_jsd(xl, wl, xt, wt[mine], dist.group.WORLD)
+    loss.backward()
+    for got, want in ((loss, ref), (xl.grad, xr.grad), (wl.grad, wr.grad[mine])):
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6)
+
+
+def test_logits_tp_jsd_baseline_matches_float64_over_two_ranks():
+    from tests._distributed import spawn
+
+    spawn(_logits_tp_jsd_rank, 2, backend="gloo")
+
+
+def test_tp_suite_distillation_rows_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    methods = ",".join(tp.JSD_METHODS)
+    proc = subprocess.run([sys.executable, "-m", "logitless_bench", "--suite", "tp", "--cpu", "--methods", methods,
+                           "--warmup", "0", "--reps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "latest-tp-cpu.json").read_text())["rows"][0]["methods"]
+    assert set(rows) == set(tp.JSD_METHODS)
+    for name, r in rows.items():
+        assert "error" not in r, (name, r)
+        assert r["rel_err_fp64"] < 1e-5, (name, r)
+    assert rows["logitless-tp-jsd"]["rel_err_1gpu"] < 1e-6 and rows["logits-tp-jsd"]["rel_err_1gpu"] < 1e-5
+    assert "rel_err_1gpu" not in rows["logitless-tp-kl"]  # no one-GPU KL row to compare with

@@ -88,14 +88,16 @@ def test_jax_sharded_suite_smoke(tmp_path):
     data = json.loads(latest.read_text())
     assert data["complete"] and data["meta"]["devices"] == len(jax.devices())
     modes = {r["mode"] for r in data["rows"]}
-    assert {"data", "tensor"} <= modes and ("2d" in modes) == (len(jax.devices()) >= 4)
+    assert {"data", "tensor", "fsdp"} <= modes and ("2d" in modes) == (len(jax.devices()) >= 4)
     for r in data["rows"]:
         assert "note" not in r, r
         assert r["fwd+bwd ms"] > 0 and r["temp MiB/dev"] >= 0
         if r["method"] == "logitless-xla":
             assert r["|loss-xla|"] < 1e-5
-            if len(jax.devices()) > 1:
+            if len(jax.devices()) > 1 and r["mode"] != "fsdp":
                 assert "all-gather" not in r["collectives_detail"], r["collectives"]
+            elif len(jax.devices()) > 1:  # FSDP: the weight gathered, dW reduce-scattered back
+                assert "reduce-scatter" in r["collectives_detail"], r["collectives"]
     hlo = "%x = f32[64,32]{1,0} all-gather(f32[8,32]{1,0} %p), dimensions={0}\n" \
           "%y = (f32[], f32[4]) all-reduce-start(f32[] %a, f32[4] %b)"
     got = jax_sharded.collectives(hlo)

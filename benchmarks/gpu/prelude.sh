@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d .peers ] && [ ! -e /tmp/peers/.done ]; then
+if ls .peers/*.whl >/dev/null 2>&1 && [ ! -e /tmp/peers/.done ]; then
   python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/peers .peers/*.whl \
     && mkdir -p /tmp/peers/xprof/cli \
     && touch /tmp/peers/xprof/__init__.py /tmp/peers/xprof/cli/__init__.py \

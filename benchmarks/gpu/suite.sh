@@ -26,13 +26,15 @@ case "$SUITE" in
   distill)     TESTS="tests/test_jsd.py tests/test_linear_jsd.py tests/test_linear_jsd_kl_forward.py" ;;
   rl)          TESTS="tests/test_linear_log_probs.py tests/test_log_probs.py tests/test_integrations_verl.py" ;;
   grpo)        TESTS="tests/test_bench_grpo.py tests/test_integrations_trl_grpo.py" ;;
-  tp)          TESTS="tests/test_tensor_parallel.py tests/test_tensor_parallel_jsd.py tests/test_tensor_parallel_log_probs.py" ;;
+  tp)          TESTS="tests/test_tensor_parallel.py tests/test_tensor_parallel_jsd.py tests/test_tensor_parallel_log_probs.py
+                    tests/test_tensor_parallel_truncated.py tests/test_fsdp.py tests/test_bench_tp.py" ;;
   train)       TESTS="tests/test_transformers.py tests/test_transformers_families.py tests/test_training_loops.py" ;;
   jax)         TESTS="tests_jax/test_mosaic_gpu.py tests_jax/test_jax_bench.py tests_jax/test_jax_linear_cross_entropy.py" ;;
-  jax-sharded) TESTS="tests_jax/test_jax_sharded.py tests_jax/test_jax_log_probs_sharded.py" ;;
+  jax-sharded) TESTS="tests_jax/test_jax_sharded.py tests_jax/test_jax_log_probs_sharded.py
+                    tests_jax/test_truncated_log_probs_sharded.py tests_jax/test_weight_layout.py" ;;
   *) echo "unknown suite '$SUITE' (see python -m logitless_bench -h)"; exit 2 ;;
 esac
-[ "$SUITE" = rl ] && verl_kernels && export PYTHONPATH="$VERL_PATH$PYTHONPATH"
+case "$SUITE" in rl|tp) verl_kernels && export PYTHONPATH="$VERL_PATH$PYTHONPATH" ;; esac
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null | tail -n +2
 if [ "${TEST_S:-150}" != 0 ]; then

@@ -7,6 +7,9 @@ Modes (mesh over all local devices, axes ("data", "model"), Auto axis types unle
     data     x and the targets split over the tokens, the weight replicated
     tensor   the weight split over the vocabulary, x replicated
     2d       both (needs >= 4 devices)
+    fsdp     x, the targets and the weight's vocabulary over one axis ("data"): the weight is
+             gathered for the computation and dW must come back reduce-scattered (the
+             collectives column shows whether each backend's dW is)
 Methods:
     xla-logits        fp32 logits materialised, log_softmax, mean (what XLA does alone)
     logitless-xla     logitless.jax.linear_cross_entropy(implementation="xla")
@@ -45,7 +48,7 @@ from .jax_timing import median_ms as _median_ms
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-MODES = ("data", "tensor", "2d")
+MODES = ("data", "tensor", "2d", "fsdp")
 METHODS = ("xla-logits", "logitless-xla", "logitless-mosaic", "logitless", "logp-xla-logits", "logp-xla", "logp")
 #: Methods of the log-prob rows (their own reference loss and one-device baseline).
 LOGP_METHODS = ("logp-xla-logits", "logp-xla", "logp")
@@ -143,7 +146,7 @@ def _mesh(mode, explicit):
     from jax.sharding import AxisType
 
     n = len(jax.devices())
-    shape = {"data": (n, 1), "tensor": (1, n), "2d": (2, n // 2)}[mode]
+    shape = {"data": (n, 1), "tensor": (1, n), "2d": (2, n // 2), "fsdp": (n, 1)}[mode]
     types = (AxisType.Explicit if explicit else AxisType.Auto,) * 2
     return jax.make_mesh(shape, ("data", "model"), axis_types=types)
 
@@ -248,7 +251,8 @@ def run(argv=None) -> int:
         data["rows"].append(row)
         print("[jax-sharded] " + " | ".join(f"{c}={_fmt(row.get(c))}" for c in COLUMNS), flush=True)
 
-    specs = {"data": (P("data"), P()), "tensor": (P(), P("model")), "2d": (P("data"), P("model"))}
+    specs = {"data": (P("data"), P()), "tensor": (P(), P("model")), "2d": (P("data"), P("model")),
+             "fsdp": (P("data"), P("data"))}
     for mode in modes:
         if mode == "2d" and ndev < 4:
             data["notes"].append(f"2d skipped: {ndev} device(s) (needs >= 4)")

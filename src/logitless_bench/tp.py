@@ -25,8 +25,19 @@ g1, g2: the objective sum(g1 logp + g2 H)):
     verl-tp-logp           verl's fused kernel with dist_process_group (when importable)
     logitless-1gpu-logp    logitless on rank 0 with the whole weight
 
+Distillation (chosen with --methods): a student and a teacher head of the same H, both
+split over the ranks, mean generalized JSD, no hard labels:
+
+    logitless-tp-jsd       logitless.linear_jsd(beta=0.5, process_group=pg) (the mixture's
+                           two passes over the columns)
+    logitless-tp-kl        the same at beta = 0 (forward KL: one pass, each rank's divergence merged)
+    logits-tp-jsd          the logits way: local fp32 logits of both heads, the global
+                           log-softmax from an all-reduced MAX and SUM, the JSD summed over ranks
+    logitless-1gpu-jsd     logitless at beta 0.5 on rank 0 with the whole weights
+
 Columns: fwd+bwd time (the slowest rank's median) as a ratio of ONE GPU's three cuBLAS
-GEMMs of the whole problem (x W^T, dz W, dz^T x: 3 x the time of x @ W^T on rank 0);
+GEMMs of the whole problem (x W^T, dz W, dz^T x: 3 x the time of x @ W^T on rank 0; the
+distillation rows: four, the teacher's logits too);
 peak extra memory per GPU (the largest rank's, beyond inputs and the gradients the
 call returns); the loss' relative error vs a float64 reference (chunked, on rank 0)
 and vs logitless on one GPU. JSON + markdown: <out>/latest-tp-<device>.{json,md} and
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import sys
@@ -58,6 +70,14 @@ METHODS = ("logitless-tp", "logitless-tp@512MiB", "megatron-style", "dtensor-los
 #: The log-prob methods (not in the default list: pass them with --methods).
 LOGP_METHODS = ("logitless-tp-logp", "megatron-style-logp", "verl-tp-logp", "logitless-1gpu-logp")
 TEMPERATURE = 0.7
+#: The distillation methods (with --methods) and the mixture's beta of the *-jsd rows.
+JSD_METHODS = ("logitless-tp-jsd", "logitless-tp-kl", "logits-tp-jsd", "logitless-1gpu-jsd")
+JSD_BETA = 0.5
+
+
+def family(method: str) -> str:
+    """"ce", "logp" or "jsd": which loss a method computes (its unit, reference, 1-GPU row)."""
+    return "logp" if method in LOGP_METHODS else "jsd" if method in JSD_METHODS else "ce"
 
 
 def blocks(v: int, world: int) -> list[int]:
@@ -160,6 +180,56 @@ def megatron_style_logp(x, w_local, target, start, pg, temperature=TEMPERATURE):
     return _VocabParallelLogProbs.apply(logits.float() / temperature, target, start, pg)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over the ranks. Backward: ``"sum"`` all-reduces the gradient (each rank holds
+    part of d/d(sum), as for a normalizer that every rank's terms use), ``"identity"``
+    passes it on (the summed loss itself: every rank seeds its own term once)."""
+
+    @staticmethod
+    def forward(ctx, a, pg, backward):
+        ctx.pg, ctx.mode = pg, backward
+        a = a.clone()
+        dist.all_reduce(a, group=pg)
+        return a
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.mode == "sum":
+            g = g.contiguous().clone()
+            dist.all_reduce(g, group=ctx.pg)
+        return g, None, None
+
+
+def _tp_log_softmax(z, pg):
+    """log-softmax of fp32 local logits (N, V_r) over the whole split vocabulary."""
+    m = z.detach().max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+    z = z - m[:, None]
+    return z - _AllReduceSum.apply(z.exp().sum(dim=-1), pg, "sum").log()[:, None]
+
+
+def logits_tp_jsd(xs, ws_local, xt, wt_local, pg, beta=JSD_BETA):
+    """The vocab-parallel logits way: mean generalized JSD of both heads' local fp32 logits."""
+    lp = _tp_log_softmax(F.linear(_CopyToTP.apply(xs, pg), ws_local).float(), pg)
+    with torch.no_grad():
+        lq = _tp_log_softmax(F.linear(xt, wt_local).float(), pg)
+    lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+    local = beta * (lq.exp() * (lq - lm)).sum(-1) + (1 - beta) * (lp.exp() * (lp - lm)).sum(-1)
+    return _AllReduceSum.apply(local, pg, "identity").mean()
+
+
+def _jsd_loss(method, xs, ws, xt, wt, pg):
+    """The mean distillation loss of one JSD method (ws, wt: this rank's rows, or the
+    whole heads for the one-GPU row)."""
+    import logitless
+
+    if method == "logits-tp-jsd":
+        return logits_tp_jsd(xs, ws, xt, wt, pg)
+    beta = 0.0 if method == "logitless-tp-kl" else JSD_BETA
+    return logitless.linear_jsd(xs, ws, xt, wt, beta=beta,
+                                process_group=None if method == "logitless-1gpu-jsd" else pg)
+
+
 def _verl_lce():
     from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
 
@@ -177,6 +247,17 @@ def _reference_loss(x, w, target) -> float:
         total += F.cross_entropy(z, target[n0:n0 + 1024], reduction="sum").item()
         del z
     return total / x.shape[0]
+
+
+def _reference_jsd(xs, ws, xt, wt, beta) -> float:
+    """Mean generalized JSD in float64, 1024 tokens at a time (rank 0)."""
+    from logitless.ops.linear_jsd.reference import linear_jsd_reference
+
+    total = 0.0
+    for n0 in range(0, xs.shape[0], 1024):
+        total += linear_jsd_reference(xs[n0:n0 + 1024], ws, xt[n0:n0 + 1024], wt, beta=beta,
+                                      reduction="sum").item()
+    return total / xs.shape[0]
 
 
 def _max_over_ranks(value, device):
@@ -226,19 +307,27 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
     target = torch.randint(0, v, (n,), device=device, generator=g)
     w_local = w[start:start + rows[rank]].clone()
     unit = 3 * gemm_ms(x, w, warmup=warmup, reps=reps) if rank == 0 else 0.0
-    logp_case = any(m in LOGP_METHODS for m in methods)
-    ce_case = any(m not in LOGP_METHODS for m in methods)
-    ref = _reference_loss(x, w, target) if rank == 0 and ce_case else 0.0
-    ref_logp = rl_reference(x, w, target, TEMPERATURE) if rank == 0 and logp_case else None
+    families = {family(m) for m in methods}
+    ref = _reference_loss(x, w, target) if rank == 0 and "ce" in families else 0.0
+    ref_logp = rl_reference(x, w, target, TEMPERATURE) if rank == 0 and "logp" in families else None
+    xt = wt = wt_local = None
+    ref_jsd = {}  # {beta: the float64 loss}
+    if "jsd" in families:
+        xt = torch.randn(n, h, device=device, dtype=dtype, generator=g)
+        wt = torch.randn(v, h, device=device, dtype=dtype, generator=g) * h ** -0.5
+        wt_local = wt[start:start + rows[rank]].clone()
+        if rank == 0:
+            ref_jsd = {b: _reference_jsd(x, w, xt, wt, b) for b in {0.0 if m == "logitless-tp-kl" else JSD_BETA
+                                                                    for m in methods if family(m) == "jsd"}}
     # Upstream gradients of the two log-prob outputs (the same on every rank).
     g1 = torch.rand(n, device=device, generator=g)
     g2 = torch.rand(n, device=device, generator=g) * 0.1
     if device.type == "cuda" and rank != 0 and "dtensor-loss-parallel" not in methods:
-        del w  # the full weight only serves the one-GPU rows (rank 0) and the DTensor method
+        del w, wt  # the full weights only serve the one-GPU rows (rank 0) and the DTensor method
     release_memory(device)
     row = {"shape": name, "tokens": n, "hidden": h, "vocab": v, "dtype": str(dtype).replace("torch.", ""),
            "world": world, "blocks": rows, "unit_ms": unit, "reference_loss": ref, "methods": {}}
-    one_gpu = {}  # {is log-prob method: the one-GPU run's loss}
+    one_gpu = {}  # {family: the one-GPU run's loss}
     for method in methods:
         if past_deadline(deadline, device):
             row["skipped"] = f"time limit before {method}"
@@ -247,7 +336,15 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
         xg = x.clone().requires_grad_()
         fn = wg = None
         grads = 0
-        if method in LOGP_METHODS:
+        if method in JSD_METHODS:
+            one = method == "logitless-1gpu-jsd"
+            wg = (w if one else w_local).clone().requires_grad_() if (rank == 0 or not one) else None
+            wtg = wt if one else wt_local
+            grads = xg.numel() * xg.element_size() + (wg.numel() * wg.element_size() if wg is not None else 0)
+            if wg is not None:
+                fn = lambda xg=xg, wg=wg, wtg=wtg, method=method: _jsd_loss(  # noqa: E731
+                    method, xg, wg, xt, wtg, pg).backward()
+        elif method in LOGP_METHODS:
             one = method == "logitless-1gpu-logp"
             wg = (w if one else w_local).clone().requires_grad_() if (rank == 0 or not one) else None
             grads = xg.numel() * xg.element_size() + (wg.numel() * wg.element_size() if wg is not None else 0)
@@ -322,7 +419,9 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
                 _, mem = peak_extra_bytes(fn, device=device, exclude_bytes=grads)
                 # The loss of one more call (for the error columns), without its backward.
                 with torch.no_grad():
-                    if method.startswith("logitless-tp"):
+                    if method in JSD_METHODS:
+                        loss = _jsd_loss(method, x, wg, xt, wtg, pg)
+                    elif method.startswith("logitless-tp"):
                         loss = logitless.linear_cross_entropy(x, wg, target, process_group=pg)
                     elif method == "megatron-style":
                         loss = megatron_style(x, wg, target, start, pg)
@@ -334,7 +433,7 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
                         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 res["loss"] = float(loss)
             if rank == 0 and method.startswith("logitless-1gpu"):
-                one_gpu[method in LOGP_METHODS] = res["loss"]
+                one_gpu[family(method)] = res["loss"]
         except Exception as exc:  # noqa: BLE001 (a failing method must not stop the others)
             res["error"] = f"{type(exc).__name__}: {exc}"[:300]
             ms = mem = None
@@ -350,10 +449,15 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
                 + (f"  {mem / 2**20:9.0f} MiB" if mem is not None else "") + (f"  {res.get('error', '')}"))
     for method, res in row["methods"].items():
         if rank == 0 and res.get("loss") is not None:
-            res["ratio"] = res["ms"] / unit if res.get("ms") and unit else None
-            if method not in LOGP_METHODS:
+            fam = family(method)
+            # The distillation rows' unit: one GPU's four GEMMs (the teacher's logits too).
+            res["ratio"] = res["ms"] / (unit * (4 / 3 if fam == "jsd" else 1)) if res.get("ms") and unit else None
+            if fam == "ce":
                 res["rel_err_fp64"] = abs(res["loss"] - ref) / abs(ref)
-            ref1 = one_gpu.get(method in LOGP_METHODS)
+            elif fam == "jsd":
+                r64 = ref_jsd[0.0 if method == "logitless-tp-kl" else JSD_BETA]
+                res["rel_err_fp64"] = abs(res["loss"] - r64) / abs(r64)
+            ref1 = one_gpu.get(fam) if method != "logitless-tp-kl" else None
             if ref1 is not None:
                 res["rel_err_1gpu"] = abs(res["loss"] - ref1) / abs(ref1)
     return row
@@ -407,11 +511,11 @@ def _err_cell(r) -> str:
 
 def markdown(data: dict) -> str:
     meta = data["meta"]
-    lines = [f"# Vocab-parallel cross-entropy ({data['world']} ranks, {meta['device']})", "",
+    lines = [f"# Vocab-parallel losses ({data['world']} ranks, {meta['device']})", "",
              f"{meta['date']} | torch {meta['torch']} | triton {meta['triton']} | cuda {meta['cuda']} | "
              f"`{meta['command']}`", "",
              "fwd+bwd: slowest rank's median, as a ratio of one GPU's three cuBLAS GEMMs of the whole problem "
-             "(lower is better); memory: peak extra per GPU beyond inputs and returned gradients; errors: "
+             "(the *-jsd/-kl rows: four, the teacher's logits too; lower is better); memory: peak extra per GPU beyond inputs and returned gradients; errors: "
              "relative error of the loss vs float64 and vs logitless on one GPU; for the *-logp rows "
              f"(per-token log-prob and entropy at T = {TEMPERATURE}, upstream gradients on both): max abs error of "
              "both outputs vs float64, and the relative error of sum(g1 logp) / N vs logitless on one GPU.", "",
@@ -471,9 +575,10 @@ def run_cli(args, cpu: bool) -> int:
     if args.quick:
         pool = pool[:1]
     methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
-    unknown = [m for m in methods if m not in METHODS + LOGP_METHODS]
+    known = METHODS + LOGP_METHODS + JSD_METHODS
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise SystemExit(f"unknown tp method(s) {unknown}; known: {list(METHODS + LOGP_METHODS)}")
+        raise SystemExit(f"unknown tp method(s) {unknown}; known: {list(known)}")
     if args.no_peers:
         methods = [m for m in methods if m.startswith("logitless")]
     if cpu:

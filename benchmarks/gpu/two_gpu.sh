@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The multi-GPU runs (kind nvidia-h100-x2 or nvidia-h200-x2), in one or two device calls:
+#   PARTS="tests tp" bash benchmarks/gpu/two_gpu.sh      then      PARTS="jax" bash benchmarks/gpu/two_gpu.sh
+# Carry .peers (verl's kernel files for the verl-tp-logp row; see benchmarks/gpu/prelude.sh).
+#   tests  the torch TP / FSDP test files over NCCL and the JAX sharded test files on the
+#          GPUs, side by side (each capped at TEST_S seconds, default 300)
+#   tp     --suite tp, every method: cross-entropy, log-probs, distillation (MINUTES, default 4)
+#   jax    --suite jax-sharded, modes data, tensor and fsdp (2d needs 4 GPUs), every method
+# Everything lands in $OUT/two-gpu.tgz (the device returns few files) and benchmarks/results/.
+set +e
+cd "$(dirname "$0")/../.."
+. benchmarks/gpu/prelude.sh
+nvidia-smi topo -m 2>/dev/null | head -n 4
+for part in ${PARTS:-tests tp jax}; do
+  case "$part" in
+    tests)
+      t0=$(date +%s)
+      TP="tests/test_tensor_parallel.py tests/test_tensor_parallel_jsd.py tests/test_tensor_parallel_log_probs.py
+          tests/test_tensor_parallel_truncated.py tests/test_fsdp.py tests/test_bench_tp.py"
+      JX="tests_jax/test_jax_sharded.py tests_jax/test_jax_log_probs_sharded.py
+          tests_jax/test_truncated_log_probs_sharded.py tests_jax/test_weight_layout.py tests_jax/test_jax_bench.py"
+      timeout -s INT -k 5 "${TEST_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider $TP > "$OUT/tp-tests.log" 2>&1 &
+      timeout -s INT -k 5 "${TEST_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider $JX > "$OUT/jax-tests.log" 2>&1 &
+      wait
+      echo "== tests after $(( $(date +%s) - t0 )) s"
+      for f in "$OUT/tp-tests.log" "$OUT/jax-tests.log"; do echo "-- $f"; grep -hE "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; done ;;
+    tp)  TEST_S=0 MINUTES=${MINUTES:-4} bash benchmarks/gpu/suite.sh tp \
+           --methods "logitless-tp,logitless-tp@512MiB,megatron-style,dtensor-loss-parallel,logitless-1gpu,logitless-tp-logp,megatron-style-logp,verl-tp-logp,logitless-1gpu-logp,logitless-tp-jsd,logitless-tp-kl,logits-tp-jsd,logitless-1gpu-jsd" ;;
+    jax) TEST_S=0 MINUTES=${MINUTES:-6} bash benchmarks/gpu/suite.sh jax-sharded --modes data,tensor,fsdp \
+           --methods xla-logits,logitless-xla,logitless-mosaic,logitless,logp-xla-logits,logp-xla,logp ;;
+  esac
+done
+tar czf "$OUT/two-gpu.tgz" -C "$OUT" --exclude two-gpu.tgz . 2>/dev/null
+find "$OUT" -maxdepth 1 -type f ! -name two-gpu.tgz -delete
