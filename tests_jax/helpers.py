@@ -329,7 +329,7 @@ def put(mesh, a, *spec):
     return None if a is None else jax.device_put(a, NamedSharding(mesh, P(*spec)))
 
 
-_COLL = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+_COLL = re.compile(r"=\s*(\(*[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
                    r"(?:-start)?\(")
 _SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
 
@@ -343,9 +343,13 @@ def hlo_collectives(text):
     return out
 
 
+_TYPED_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
 def hlo_array_shapes(text):
-    """The set of array shapes named in HLO text."""
-    return {tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(text)}
+    """The set of array shapes named in HLO text, but byte arrays (s8/u8: the cuBLAS
+    custom calls' 32 MiB workspace on GPUs, not data)."""
+    return {tuple(int(d) for d in s.split(",") if d) for dt, s in _TYPED_SHAPE.findall(text) if dt not in ("s8", "u8")}
 
 
 # ------------------------------------------------------------------------------------

@@ -99,8 +99,11 @@ def test_jax_sharded_suite_smoke(tmp_path):
             elif len(jax.devices()) > 1:  # FSDP: the weight gathered, dW reduce-scattered back
                 assert "reduce-scatter" in r["collectives_detail"], r["collectives"]
     hlo = "%x = f32[64,32]{1,0} all-gather(f32[8,32]{1,0} %p), dimensions={0}\n" \
-          "%y = (f32[], f32[4]) all-reduce-start(f32[] %a, f32[4] %b)"
+          "%y = (f32[], f32[4]) all-reduce-start(f32[] %a, f32[4] %b)\n" \
+          "%rs = ((f32[1024,32]{1,0}), f32[512,32]{1,0}) reduce-scatter-start(%g), dimensions={0}\n" \
+          "%rd = f32[512,32]{1,0} reduce-scatter-done(%rs)"  # GPU async collectives: nested tuples
     got = jax_sharded.collectives(hlo)
     assert got == {"all-gather": {"count": 1, "largest": "f32[64,32]"},
-                   "all-reduce": {"count": 1, "largest": "f32[4]"}}
+                   "all-reduce": {"count": 1, "largest": "f32[4]"},
+                   "reduce-scatter": {"count": 1, "largest": "f32[1024,32]"}}
     assert (tmp_path / "latest-jax-sharded-cpu.md").read_text().startswith("# JAX linear cross-entropy, sharded")

@@ -199,7 +199,9 @@ def test_bf16_3d_sharded(mesh_kind):
 
 def _compiled(layout, entropy=True, bias=False, budget=60_000):
     mesh = make_mesh("auto", layout)
-    n, h, v = 64, 32, 1024
+    # n_local != h: a flat buffer of XLA's GPU all-reduce combiner holding dW (V_l * H,
+    # + scalars) must not look like a tokens x vocab array (N_l * V_l).
+    n, h, v = 96, 32, 1024
     arrays = _inputs(n, h, v, "float32", bias, seed=1)
     xs, ws, ts, bs = _sharded(mesh, layout, arrays)
     fn, _ = _value_and_grad(dict(temperature=0.7, entropy=entropy), arrays[2], bias, budget)
@@ -347,8 +349,9 @@ def _gpu_backends():
 
 @needs_devices
 @pytest.mark.parametrize("backend", _gpu_backends())
-@pytest.mark.parametrize("layout", ["data", "tensor"])
-def test_gpu_backend_per_shard(backend, layout):
+@pytest.mark.parametrize("layout", ["data", "tensor", "fsdp"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_gpu_backend_per_shard(backend, layout, mesh_kind):
     """A GPU backend per device (its kernels inside custom_partitioning), against the
     same backend unsharded and float64, bf16. Skips where the backend cannot be
     partitioned here (CPU: its interpreter's host callbacks)."""
@@ -357,7 +360,36 @@ def test_gpu_backend_per_shard(backend, layout):
     module = backends.backend_module(backend)
     if not getattr(module, "can_partition", lambda: False)():
         pytest.skip(f"{backend} cannot run partitioned here (needs a GPU, not the interpreter)")
-    mesh = make_mesh("auto", layout)
+    if not module.is_supported((64, 128), (1024, 128), jnp.bfloat16, softcap=None, has_bias=False):
+        pytest.skip(f"{backend} is not available here (the triton backend needs jax-triton on a GPU)")
+    mesh = make_mesh(mesh_kind, layout)
     kw = dict(temperature=0.7, entropy=True, implementation=backend)
     arrays = _inputs(64, 128, 1024, "bfloat16", False, seed=12)
     _check(arrays, _sharded(mesh, layout, arrays), kw, "bfloat16", budget=None)
+
+
+@needs_devices
+def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
+    """Explicit mesh (tokens over "d", vocabulary over "t"): the fwd+bwd lowered for CUDA
+    on any machine calls the Mosaic GPU kernels on each device's shard (local shapes),
+    never on the global x or W (the backend partitions; it once ran unsharded)."""
+    mg = pytest.importorskip("logitless.jax.ops.linear_log_probs.mosaic_gpu_backend",
+                             reason="this jax has no Pallas Mosaic GPU")
+    monkeypatch.setattr(mg, "INTERPRET", False)
+    mesh = make_mesh("explicit")
+    nd, nt = mesh.shape[DATA], mesh.shape[MODEL]
+    n, h, v = 64 * nd, 128, 384 * nt  # (no global size equals a local one)
+    x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(DATA)))
+    w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(MODEL)))
+    t = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
+
+    def f(x, w, t):
+        lp, ent = linear_log_probs(x, w, t, temperature=0.7, entropy=True, implementation="mosaic_gpu")
+        return jnp.sum(lp) + jnp.sum(ent)
+
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) >= 2, calls  # forward and backward kernels
+    for line in calls:
+        assert f"tensor<64x{h}xbf16>" in line and f"tensor<384x{h}xbf16>" in line, line[-300:]
+        assert f"tensor<{n}x{h}xbf16>" not in line and f"tensor<{v}x{h}xbf16>" not in line, line[-300:]

@@ -315,7 +315,7 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(not (_is_sm90() and NDEV >= 2), reason="needs >= 2 SM90 GPUs (the Mosaic kernels for real)")
-@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("layout", ["data", "tensor", "fsdp"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_mosaic_sharded_on_gpus(layout, mesh_kind):
     mesh = make_mesh(mesh_kind, layout)

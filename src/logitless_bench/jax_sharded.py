@@ -79,7 +79,7 @@ def build_parser():
     return p
 
 
-_COLL = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
+_COLL = re.compile(r"=\s*(\(*[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
                    r"reduce-scatter)(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 

@@ -64,6 +64,14 @@ def _interpret_params():
     return ml.interpret_params(INTERPRET)
 
 
+def can_partition() -> bool:
+    """Whether the kernels may run per device inside custom_partitioning / shard_map
+    (``sharded.py``, the sharded jit path): not under the interpreter, whose host
+    callbacks cannot be partitioned. Without it a sharded call ran the whole op on
+    gathered inputs (Auto meshes) or failed (Explicit ones)."""
+    return _interpret_params() is None
+
+
 def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
     """Whether the kernels run this case: bf16/f16, 2-D, matching H (any H, V, bias)."""
     del softcap, has_bias
