@@ -275,7 +275,9 @@ def test_hlo_no_gather_of_weight_x_or_logits(layout, kw):
     merges' (P, k, rows) statistics; all-reduces are per-token (N_l x H at most) or dW
     over the token axis; no tokens x vocab array."""
     mesh = make_mesh("auto", layout)
-    n, h, v = 64, 32, 1024
+    # n_local != h: a flat buffer of XLA's GPU all-reduce combiner holding dW (V_l * H,
+    # + db and scalars) must not look like a tokens x vocab array (N_l * V_l).
+    n, h, v = 96, 32, 1024
     tr = {k: kw[k] for k in ("top_k", "top_p", "min_p") if k in kw}
     x, w, b, t = _inputs(n, h, v, 2, tr)
     xs, ws, bs, ts, trs = _place(mesh, layout, x, w, b, t, tr)
