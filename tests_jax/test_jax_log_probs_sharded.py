@@ -394,4 +394,33 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
     assert len(calls) >= 2, calls  # forward and backward kernels
     for line in calls:
         assert f"tensor<64x{h}xbf16>" in line and f"tensor<384x{h}xbf16>" in line, line[-300:]
-        assert f"tensor<{n}x{h}xbf16>" not in line and f"tensor<{v}x{h}xbf16>" not in line, line[-300:]
+        assert nd == 1 or f"tensor<{n}x{h}xbf16>" not in line, line[-300:]  # (one data device: local = global)
+        assert f"tensor<{v}x{h}xbf16>" not in line, line[-300:]
+
+
+@needs_devices
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_shard_map_token_split_replicated_weight(implementation):
+    """Inside jax.shard_map (check_vma) with the tokens split and the weight and bias
+    replicated: dW and db come back summed over the devices' tokens, typed like their
+    primals (the backward once returned them per device: a custom_vjp type error)."""
+    from logitless.jax.ops.linear_log_probs import backends
+
+    check = getattr(backends.backend_module(implementation), "is_supported", None)  # (xla: every case)
+    if check is not None and not check((8, 24), (268, 24), jnp.float32, softcap=None, has_bias=True):
+        pytest.skip(f"{implementation} is not available here")
+    mesh = jax.make_mesh((NDEV,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w, t, b = inputs(4 * NDEV, 24, 268, "float32", bias=True, ignore=(1,), seed=5)
+    kw = dict(temperature=0.7, entropy=True)
+
+    g1, g2 = (jnp.asarray(g) for g in upstream(t.shape))
+
+    def local(x, w, t, b, g1, g2):
+        lp, h = linear_log_probs(x, w, t, b, implementation=implementation, **kw)
+        return jax.lax.psum(jnp.sum(lp * g1) + jnp.sum(h * g2), DATA)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(DATA), P(), P(DATA), P(), P(DATA), P(DATA)), out_specs=P())
+    grads = jax.jit(jax.grad(lambda x, w, b: f(x, w, t, b, g1, g2), argnums=(0, 1, 2)))(x, w, b)
+    _, rgrads = log_probs_reference64(x, w, t, b, kw, g1, g2)
+    for name, g, rg in zip(("dx", "dw", "db"), grads, rgrads):
+        assert_close_to_ref(name, g, None, rg, "float32")

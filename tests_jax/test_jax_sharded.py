@@ -433,3 +433,29 @@ def test_class_weight_and_shift_under_sharded_jit(mesh_kind, layout):
     np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-6)
     for g, rg in zip(grads, rgrads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(rg), rtol=1e-5, atol=1e-6)
+
+
+@needs_devices
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_shard_map_token_split_replicated_bias(implementation):
+    """Inside jax.shard_map (check_vma) with the tokens split and the weight and bias
+    replicated: dW and db are summed over every device's tokens. The Triton kernels'
+    outputs were typed invariant there, so db held this device's tokens only."""
+    from logitless.jax.ops.linear_cross_entropy import backends
+
+    if not backends._supported(backends.backend_module(implementation), (8, 24), (268, 24), jnp.float32, None,
+                               True, need_argmax=False):
+        pytest.skip(f"{implementation} is not available here")
+    mesh = jax.make_mesh((NDEV,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w, t, b = inputs(4 * NDEV, 24, 268, "float32", bias=True, ignore=(1,), seed=4)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+
+    def local(x, w, t, b):
+        return linear_cross_entropy(x, w, t, b, implementation=implementation, token_axis_name=DATA, **kw)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(DATA), P(), P(DATA), P()), out_specs=P())
+    loss, grads = jax.jit(jax.value_and_grad(lambda x, w, b: f(x, w, t, b), argnums=(0, 1, 2)))(x, w, b)
+    rloss, _, rgrads = linear_cross_entropy_ref(x, w, t, b, **kw)
+    assert_close_to_ref("loss", loss, None, rloss, "float32")
+    for name, g, rg in zip(("dx", "dw", "db"), grads, rgrads):
+        assert_close_to_ref(name, g, None, rg, "float32")

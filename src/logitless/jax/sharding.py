@@ -103,6 +103,16 @@ def reduce_to(ct, primal_axes: frozenset):
     return lax.psum(ct, extra) if extra else ct
 
 
+def fit_cotangent(ct, primal):
+    """A custom_vjp cotangent with its primal's varying-axes type (shard_map, check_vma):
+    summed over the axes along which it varies but the primal does not, marked varying
+    where the primal does."""
+    if ct is None:
+        return None
+    ct = reduce_to(ct, varying(primal))
+    return to_varying(ct, tuple(varying(primal)))
+
+
 def axis_size(axes: tuple) -> int:
     return math.prod(lax.axis_size(a) for a in axes) if axes else 1
 

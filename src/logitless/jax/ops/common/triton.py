@@ -29,6 +29,7 @@ from jax import lax
 
 from logitless.jax.ops.common.chunks import chunk_loop
 from logitless.jax.planning import TritonPlan, triton_plan
+from logitless.jax.sharding import to_varying, varying
 
 F32 = jnp.float32
 
@@ -147,6 +148,15 @@ def launch(modules, kernel_name, grid, plan_: TritonPlan, out_specs, arrays, con
     first, then outputs (``out_specs``), then ``consts`` (every other argument, by
     name; compile-time constants)."""
     out_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_specs)
+    # Inside jax.shard_map (check_vma) triton_call and pure_callback type their outputs as
+    # invariant; a kernel's outputs vary wherever its inputs do. Without this, autodiff
+    # skipped the psum of db over a token split (db summed this device's tokens only).
+    axes = tuple(sorted(frozenset().union(*(varying(a) for a in arrays))))
+    return tuple(to_varying(o, axes) for o in _launch(modules, kernel_name, grid, plan_, out_specs, arrays, consts,
+                                                      interpreted))
+
+
+def _launch(modules, kernel_name, grid, plan_: TritonPlan, out_specs, arrays, consts, interpreted: bool):
     if interpreted:
         fn = functools.partial(_host_launch, tuple(modules), kernel_name, grid, consts, out_specs)
         return jax.pure_callback(fn, out_specs, *arrays)

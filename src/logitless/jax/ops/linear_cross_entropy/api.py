@@ -19,6 +19,7 @@ from jax import lax
 from logitless.jax.formulas import cross_entropy as lm
 from logitless.jax.ops.common.validate import check_float, check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
+from logitless.jax.sharding import fit_cotangent
 from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
     _supported,
@@ -113,12 +114,7 @@ def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
     return out, (x2d, w, bias, target, class_weight, out[1])
 
 
-def _fit(ct, primal):
-    """A cotangent with the varying-axes type of its primal (shard_map, check_vma)."""
-    if ct is None:
-        return None
-    ct = sharded.reduce_to(ct, sharded.varying(primal))
-    return sharded.to_varying(ct, tuple(sharded.varying(primal)))
+_fit = fit_cotangent
 
 
 def _lce_bwd(cfg, res, cotangents):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas import truncation as _truncation
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
+from logitless.jax.sharding import fit_cotangent
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -59,7 +60,8 @@ def _llp_bwd(cfg, res, cotangents):
     coef = lpf.grad_coefficients(h, tokens, g_lp, g_h, cfg.num_classes, cfg.opts, dtype=lse.dtype)
     dx, dw, db = backend_module(cfg.backend).backward(x2d, w, bias, tokens, lse, coef, opts=cfg.opts,
                                                       budget=cfg.budget, **dict(cfg.layout_kw))
-    return dx, dw, db, None
+    # (inside shard_map: dW and db of a weight invariant over the token axes are summed)
+    return fit_cotangent(dx, x2d), fit_cotangent(dw, w), fit_cotangent(db, bias), None
 
 
 _llp.defvjp(_llp_fwd, _llp_bwd)
