@@ -361,7 +361,7 @@ def test_gpu_backend_per_shard(backend, layout, mesh_kind):
 
     module = backends.backend_module(backend)
     if not getattr(module, "can_partition", lambda: False)():
-        pytest.skip(f"{backend} cannot run partitioned here (needs a GPU, not the interpreter)")
+        pytest.skip(f"{backend} cannot run partitioned here (needs its accelerator, not the interpreter)")
     if not module.is_supported((64, 128), (1024, 128), jnp.bfloat16, softcap=None, has_bias=False):
         pytest.skip(f"{backend} is not available here (the triton backend needs jax-triton on a GPU)")
     mesh = make_mesh(mesh_kind, layout)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The multi-GPU runs (kind nvidia-h100-x2 or nvidia-h200-x2), in one or two device calls:
 #   PARTS="tests tp" bash benchmarks/gpu/two_gpu.sh      then      PARTS="jax" bash benchmarks/gpu/two_gpu.sh
-# Carry .peers (verl's kernel files for the verl-tp-logp row; see benchmarks/gpu/prelude.sh).
+# Carry .peers, filled where there is network: pip download --no-deps --python-version 3.12
+# --only-binary=:all: -d .peers jax-triton==0.3.1 verl==0.9.1 (the JAX triton backend; verl's
+# kernel for the verl-tp-logp row: benchmarks/gpu/prelude.sh installs and stubs them).
 #   tests  the torch TP / FSDP test files over NCCL and the JAX sharded test files on the
 #          GPUs, side by side (each capped at TEST_S seconds, default 300)
 #   tp     --suite tp, every method: cross-entropy, log-probs, distillation (MINUTES, default 4)

@@ -179,7 +179,9 @@ def markdown(data) -> str:
 
 
 def save(data, out_dir):
-    tag = data["meta"]["device"].split()[-1] if data["meta"]["platform"] != "cpu" else "cpu"
+    dev = data["meta"]["device"]
+    model = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Za-z]?)\b", dev)  # "NVIDIA H100 80GB HBM3" -> H100
+    tag = "cpu" if data["meta"]["platform"] == "cpu" else (model.group(1) if model else dev.split()[-1])
     tag = re.sub(r"[^A-Za-z0-9]+", "", tag) or "dev"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     base = data["settings"].get("name", "jax-sharded")

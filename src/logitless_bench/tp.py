@@ -515,7 +515,8 @@ def markdown(data: dict) -> str:
              f"{meta['date']} | torch {meta['torch']} | triton {meta['triton']} | cuda {meta['cuda']} | "
              f"`{meta['command']}`", "",
              "fwd+bwd: slowest rank's median, as a ratio of one GPU's three cuBLAS GEMMs of the whole problem "
-             "(the *-jsd/-kl rows: four, the teacher's logits too; lower is better); memory: peak extra per GPU beyond inputs and returned gradients; errors: "
+             "(the *-jsd/-kl rows: four, the teacher's logits too; lower is better); "
+             "memory: peak extra per GPU beyond inputs and returned gradients; errors: "
              "relative error of the loss vs float64 and vs logitless on one GPU; for the *-logp rows "
              f"(per-token log-prob and entropy at T = {TEMPERATURE}, upstream gradients on both): max abs error of "
              "both outputs vs float64, and the relative error of sum(g1 logp) / N vs logitless on one GPU.", "",

@@ -19,13 +19,13 @@ from jax import lax
 from logitless.jax.formulas import cross_entropy as lm
 from logitless.jax.ops.common.validate import check_float, check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
-from logitless.jax.sharding import fit_cotangent
 from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
     _supported,
     backend_module,
     choose_backend,
 )
+from logitless.jax.sharding import fit_cotangent
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas import truncation as _truncation
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
-from logitless.jax.sharding import fit_cotangent
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
     BACKENDS,
@@ -23,6 +22,7 @@ from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-expo
     backend_module,
     choose_backend,
 )
+from logitless.jax.sharding import fit_cotangent
 from logitless.options import LogProbOptions, check_memory_budget
 
 
