@@ -3,7 +3,8 @@
 #   OUT=<dir> bash benchmarks/gpu/suite.sh SUITE [more python -m logitless_bench options]
 # SUITE is one of `python -m logitless_bench --suite` (src/logitless_bench/cli.py): lce ce precision
 # models distill rl grpo tp train jax jax-sharded. Environment:
-#   MINUTES  the suite's --max-minutes (default 6; rows not reached are skipped, files still written)
+#   MINUTES  the suite's --max-minutes (default 6; rows not reached are skipped, files still written;
+#            0: the tests only)
 #   TEST_S   the tests' time cap in seconds (default 150; 0 skips the tests)
 #   PYTHON_JAX  the interpreter of the jax suites (default python3)
 #   SMOKE=1  a CPU run of the script (--quick / --cpu, a few tests): checks the script, not the GPU
@@ -31,7 +32,8 @@ case "$SUITE" in
   train)       TESTS="tests/test_transformers.py tests/test_transformers_families.py tests/test_training_loops.py" ;;
   jax)         TESTS="tests_jax/test_mosaic_gpu.py tests_jax/test_jax_bench.py tests_jax/test_jax_linear_cross_entropy.py" ;;
   jax-sharded) TESTS="tests_jax/test_jax_sharded.py tests_jax/test_jax_log_probs_sharded.py
-                    tests_jax/test_truncated_log_probs_sharded.py tests_jax/test_weight_layout.py" ;;
+                    tests_jax/test_truncated_log_probs_sharded.py tests_jax/test_weight_layout.py
+                    tests_jax/test_jax_bench.py" ;;
   *) echo "unknown suite '$SUITE' (see python -m logitless_bench -h)"; exit 2 ;;
 esac
 case "$SUITE" in rl|tp) verl_kernels && export PYTHONPATH="$VERL_PATH$PYTHONPATH" ;; esac
@@ -46,6 +48,7 @@ if [ "${TEST_S:-150}" != 0 ]; then
   echo "pytest exit ${PIPESTATUS[0]} (124: cut off) after $(( $(date +%s) - start )) s"
   grep -hE "^(FAILED|ERROR)|passed|failed" "$OUT/$SUITE-pytest.log" | tail -n 12
 fi
+[ "${MINUTES:-6}" = 0 ] && exit 0   # MINUTES=0: the tests only
 echo "== python -m logitless_bench --suite $SUITE =="
 ARGS=(--suite "$SUITE" --out "$OUT")
 if [ -n "$SMOKE" ]; then

@@ -15,17 +15,11 @@ cd "$(dirname "$0")/../.."
 nvidia-smi topo -m 2>/dev/null | head -n 4
 for part in ${PARTS:-tests tp jax}; do
   case "$part" in
-    tests)
-      t0=$(date +%s)
-      TP="tests/test_tensor_parallel.py tests/test_tensor_parallel_jsd.py tests/test_tensor_parallel_log_probs.py
-          tests/test_tensor_parallel_truncated.py tests/test_fsdp.py tests/test_bench_tp.py"
-      JX="tests_jax/test_jax_sharded.py tests_jax/test_jax_log_probs_sharded.py
-          tests_jax/test_truncated_log_probs_sharded.py tests_jax/test_weight_layout.py tests_jax/test_jax_bench.py"
-      timeout -s INT -k 5 "${TEST_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider $TP > "$OUT/tp-tests.log" 2>&1 &
-      timeout -s INT -k 5 "${TEST_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider $JX > "$OUT/jax-tests.log" 2>&1 &
+    tests)  # the two suites' test files side by side (suite.sh's lists; logs $OUT/<suite>-pytest.log)
+      TEST_S=${TEST_S:-300} MINUTES=0 bash benchmarks/gpu/suite.sh tp > "$OUT/tp-tests.out" 2>&1 &
+      TEST_S=${TEST_S:-300} MINUTES=0 bash benchmarks/gpu/suite.sh jax-sharded > "$OUT/jax-tests.out" 2>&1 &
       wait
-      echo "== tests after $(( $(date +%s) - t0 )) s"
-      for f in "$OUT/tp-tests.log" "$OUT/jax-tests.log"; do echo "-- $f"; grep -hE "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 15; done ;;
+      grep -h -A14 "^== tests" "$OUT/tp-tests.out" "$OUT/jax-tests.out" ;;
     tp)  TEST_S=0 MINUTES=${MINUTES:-4} bash benchmarks/gpu/suite.sh tp \
            --methods "logitless-tp,logitless-tp@512MiB,megatron-style,dtensor-loss-parallel,logitless-1gpu,logitless-tp-logp,megatron-style-logp,verl-tp-logp,logitless-1gpu-logp,logitless-tp-jsd,logitless-tp-kl,logits-tp-jsd,logitless-1gpu-jsd" ;;
     jax) TEST_S=0 MINUTES=${MINUTES:-6} bash benchmarks/gpu/suite.sh jax-sharded --modes data,tensor,fsdp \

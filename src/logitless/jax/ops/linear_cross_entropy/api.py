@@ -114,8 +114,6 @@ def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
     return out, (x2d, w, bias, target, class_weight, out[1])
 
 
-_fit = fit_cotangent
-
 
 def _lce_bwd(cfg, res, cotangents):
     x2d, w, bias, target, class_weight, lse = res
@@ -145,7 +143,7 @@ def _lce_bwd(cfg, res, cotangents):
                                      **dict(cfg.layout_kw), **_cw_kw(class_weight))
     # Inside shard_map (also without axis names): each cotangent typed as its primal.
     # class_weight receives no gradient (as torch's weight=).
-    return (_fit(dx, x2d), _fit(dw, w), _fit(db, bias), None,
+    return (fit_cotangent(dx, x2d), fit_cotangent(dw, w), fit_cotangent(db, bias), None,
             None if class_weight is None else jnp.zeros_like(class_weight))
 
 
