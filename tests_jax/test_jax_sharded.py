@@ -399,9 +399,8 @@ def test_hlo_fsdp_reduce_scatters_dw():
     mesh = make_mesh("auto", "fsdp")
     n, h, v = 64, 32, 1024
     ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
-    # The xla backend on every platform: on the H200s the default (Mosaic) compiled with no
-    # visible dW reduce-scatter in the HLO text (values right; not yet understood, see
-    # docs/design.md, JAX backends), so this test pins the backend whose partitioning it documents.
+    # The xla backend on every platform (fp32 at a toy shape; Mosaic partitions alike: its
+    # async reduce-scatter on 2 H100s, benchmarks/results/jax-fsdp-hlo-2xH100-2026-11-25.json).
     kw = dict(reduction="mean", implementation="xla")
     fn, (loss, grads) = _loss_and_grads(args, kw)
     _check(loss, grads, ref_args, dict(reduction="mean"), "float32")
