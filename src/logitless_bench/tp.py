@@ -75,6 +75,11 @@ JSD_METHODS = ("logitless-tp-jsd", "logitless-tp-kl", "logits-tp-jsd", "logitles
 JSD_BETA = 0.5
 
 
+def jsd_beta(method: str) -> float:
+    """The beta of a distillation method: 0 (forward KL) for logitless-tp-kl, else JSD_BETA."""
+    return 0.0 if method == "logitless-tp-kl" else JSD_BETA
+
+
 def family(method: str) -> str:
     """"ce", "logp" or "jsd": which loss a method computes (its unit, reference, 1-GPU row)."""
     return "logp" if method in LOGP_METHODS else "jsd" if method in JSD_METHODS else "ce"
@@ -225,8 +230,7 @@ def _jsd_loss(method, xs, ws, xt, wt, pg):
 
     if method == "logits-tp-jsd":
         return logits_tp_jsd(xs, ws, xt, wt, pg)
-    beta = 0.0 if method == "logitless-tp-kl" else JSD_BETA
-    return logitless.linear_jsd(xs, ws, xt, wt, beta=beta,
+    return logitless.linear_jsd(xs, ws, xt, wt, beta=jsd_beta(method),
                                 process_group=None if method == "logitless-1gpu-jsd" else pg)
 
 
@@ -317,8 +321,7 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
         wt = torch.randn(v, h, device=device, dtype=dtype, generator=g) * h ** -0.5
         wt_local = wt[start:start + rows[rank]].clone()
         if rank == 0:
-            ref_jsd = {b: _reference_jsd(x, w, xt, wt, b) for b in {0.0 if m == "logitless-tp-kl" else JSD_BETA
-                                                                    for m in methods if family(m) == "jsd"}}
+            ref_jsd = {b: _reference_jsd(x, w, xt, wt, b) for b in {jsd_beta(m) for m in methods if family(m) == "jsd"}}
     # Upstream gradients of the two log-prob outputs (the same on every rank).
     g1 = torch.rand(n, device=device, generator=g)
     g2 = torch.rand(n, device=device, generator=g) * 0.1
@@ -455,7 +458,7 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
             if fam == "ce":
                 res["rel_err_fp64"] = abs(res["loss"] - ref) / abs(ref)
             elif fam == "jsd":
-                r64 = ref_jsd[0.0 if method == "logitless-tp-kl" else JSD_BETA]
+                r64 = ref_jsd[jsd_beta(method)]
                 res["rel_err_fp64"] = abs(res["loss"] - r64) / abs(r64)
             ref1 = one_gpu.get(fam) if method != "logitless-tp-kl" else None
             if ref1 is not None:

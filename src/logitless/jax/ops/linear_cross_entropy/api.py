@@ -114,7 +114,6 @@ def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
     return out, (x2d, w, bias, target, class_weight, out[1])
 
 
-
 def _lce_bwd(cfg, res, cotangents):
     x2d, w, bias, target, class_weight, lse = res
     g_loss, g_lse = cotangents[:2]  # (the argmax, an integer output, has no cotangent to use)
