@@ -81,6 +81,72 @@ def _parts(mg, ml, x, w, t, reps, old, new, dz_only=False):
     return out
 
 
+def _unrolled(x8, w, rowdat, tgt, *, n, v, cfg, budget, epilogue, interpret=None, vary=None, layout="vh"):
+    """chunked_backward ("vh") as a Python loop: static W slices and static in-place dW
+    updates; an optimization barrier per chunk keeps one chunk's temporaries alive."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from logitless.jax import mosaic_lib as ml
+
+    vw, h = w.shape
+    bv = cfg.block_v
+    chunk = ml.backward_chunk(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, bv)
+    dx, dw = jnp.zeros(x8.shape, jnp.float32), lax.empty(w.shape, w.dtype)
+    for c0 in range(0, vw, chunk):
+        cw = min(chunk, vw - c0)
+        xb, dx, dw = lax.optimization_barrier((x8, dx, dw))  # chunk i after chunk i - 1
+        dz = ml.dz_call(xb, w, rowdat, tgt, jnp.full((1,), c0 // bv, jnp.int32), v=v, chunk=-(-cw // bv) * bv,
+                        cfg=cfg, epilogue=epilogue, interpret=interpret, layout=layout)[:, :cw]
+        dx = dx + jnp.dot(dz, w[c0:c0 + cw], preferred_element_type=jnp.float32)
+        dw = dw.at[c0:c0 + cw].set(lax.dot_general(dz, xb, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype))
+    return dx, dw
+
+
+def _loops(mg, ml, x, w, t, reps, cfg, names=("fori-zeros", "fori", "unrolled")):
+    """In place: f+b ms, compile s, temporaries and a device profile (kernels) per backward
+    loop: "fori-zeros" (dW zero-initialised, as before), "fori" (the library's), "unrolled"."""
+    import contextlib
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from .jax_timing import device_profile, median_ms
+
+    @contextlib.contextmanager
+    def loop(name):
+        real, empty = ml.chunked_backward, jax.lax.empty
+        ml.chunked_backward = _unrolled if name == "unrolled" else real
+        if name == "fori-zeros":
+            jax.lax.empty = jnp.zeros
+        try:
+            yield
+        finally:
+            ml.chunked_backward, jax.lax.empty = real, empty
+
+    out, ref = [], None
+    for lname in names:
+        t0 = time.perf_counter()
+        with loop(lname):
+            f = jax.jit(_fb(mg, cfg, "vh")).lower(x, w, t).compile()
+        compile_s = time.perf_counter() - t0
+        res = jax.block_until_ready(f(x, w, t))
+        ref = ref or res
+        same = all(bool((a == b).all()) for a, b in zip(ref[1:], res[1:]))
+        del res
+        ms = [median_ms(f, (x, w, t), 2, reps) for _ in range(2)]
+        prof = device_profile(f, (x, w, t))
+        row = {"loop": lname, "f+b ms": min(ms), "f+b runs": ms, "bitwise": same, "compile s": compile_s,
+               "temp MiB": f.memory_analysis().temp_size_in_bytes / 2**20,
+               "kernel ms": sum(r["ms"] for r in prof.get("stream", [])), "kernels": prof.get("stream", [])[:24]}
+        print({k: row[k] for k in ("loop", "f+b ms", "kernel ms", "bitwise", "compile s", "temp MiB")}, flush=True)
+        for r in row["kernels"][:12]:
+            print(f"   {r['ms']:8.3f} ms {r['calls']:6.1f}x  {r['name'][:100]}", flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -92,6 +158,8 @@ def main(argv=None) -> int:
                    help="first shape's per-part times: all, the dz kernels only, none")
     p.add_argument("--old", default="", help="FwdConfig fields of OLD, k=v comma-separated")
     p.add_argument("--new", default="dz_store=32", help="FwdConfig fields of NEW, k=v comma-separated")
+    p.add_argument("--loops", default="", help="per shape: f+b, compile time and a device profile per backward "
+                   "loop (NEW's config), comma-separated: fori-zeros, fori, unrolled")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     old_cfg, new_cfg = _config(args.old), _config(args.new)
@@ -115,6 +183,12 @@ def main(argv=None) -> int:
         w = (jax.random.normal(kw, (s.vocab, s.hidden), jnp.float32) / np.sqrt(s.hidden)).astype(jnp.bfloat16)
         t = jax.random.randint(kt, (s.tokens,), 0, s.vocab, jnp.int32)
         gemm = median_ms(jax.jit(lambda x, w: jnp.dot(x, w.T)), (x, w), 2, args.reps)
+        if args.loops:
+            loops = _loops(mg, ml, x, w, t, args.reps, new_cfg, args.loops.split(","))
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"jax-bwd-loops-{s.name}.json"), "w") as f:
+                json.dump({"shape": s.label, "gemm ms": gemm, "rows": loops}, f, indent=1)
+            continue
         if parts is None and args.parts != "none":
             parts = {"shape": s.name,
                      **_parts(mg, ml, x, w, t, args.reps, old_cfg, new_cfg, dz_only=args.parts == "dz")}

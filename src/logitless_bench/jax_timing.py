@@ -41,3 +41,52 @@ def environment(argv) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python -m logitless_bench " + " ".join(argv),
     }
+
+
+def device_profile(fn, args, steps: int = 3) -> dict:
+    """Per-step GPU time of ``fn(*args)`` by kernel and by XLA op, from a ``jax.profiler``
+    trace of ``steps`` calls (after one untimed call): see ``trace_tables``."""
+    import glob
+    import gzip
+    import json
+    import os
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                jax.block_until_ready(fn(*args))
+        files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    return trace_tables(events, steps)
+
+
+def trace_tables(events, steps: int) -> dict:
+    """From Chrome trace events of a device profile: {line kind: [{"name", "calls", "ms"}]}
+    per step, longest first, for the device processes' lines ("stream": the CUDA streams'
+    kernels, "ops": the "XLA Ops" line, "other": the rest), and "threads": their names."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
+    device = {p for p, n in procs.items() if "/device:" in n and "CPU" not in n}
+    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in meta
+               if e.get("name") == "thread_name" and e["pid"] in device}
+
+    def kind(name):
+        return "stream" if name.startswith("Stream") else "ops" if name == "XLA Ops" else "other"
+
+    tables: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in device:
+            continue
+        k = kind(threads.get((e["pid"], e.get("tid")), ""))
+        name = e.get("name", "?")
+        row = tables.setdefault(k, {}).setdefault(name, {"name": name, "calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += e.get("dur", 0) / 1e3
+    out = {k: sorted(({**r, "calls": r["calls"] / steps, "ms": r["ms"] / steps} for r in t.values()),
+                     key=lambda r: -r["ms"]) for k, t in tables.items()}
+    out["threads"] = sorted(set(threads.values()))
+    return out

@@ -567,6 +567,18 @@ def chunk_columns(n: int, v: int, h: int, itemsize: int, budget, block_v: int) -
     return min(c, pl.cdiv(v, block_v) * block_v)
 
 
+def backward_chunk(n: int, vw: int, h: int, itemsize: int, budget, bv: int) -> int:
+    """``chunked_backward``'s chunk: ``chunk_columns``, lowered (by at most half) to a
+    divisor of the vocabulary's column tiles where one exists, so that chunks end on the
+    vocabulary's last tile."""
+    cb = chunk_columns(n, vw, h, itemsize, budget, bv) // bv
+    nblk = pl.cdiv(vw, bv)
+    for d in range(cb, max(1, cb // 2) - 1, -1):
+        if nblk % d == 0:
+            return d * bv
+    return cb * bv
+
+
 def row_inputs(target, rows, n_pad):
     """Per-row inputs of ``dz_call``, padded (with zeros) to ``n_pad`` rows: the (R, N)
     fp32 rows and the target (int32). Built once per backward, shared by every chunk."""
@@ -586,17 +598,8 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
     _, h = x8.shape
     vaxis = w_axis(layout)
     vw = w.shape[vaxis]
-    chunk = chunk_columns(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, cfg.block_v)
     bv = cfg.block_v
-    # Prefer a chunk that divides the vocabulary (in column tiles): then the dW chunks
-    # stack into dW with a free reshape instead of a concatenation (a copy of dW).
-    nblk = pl.cdiv(vw, bv)
-    cb = chunk // bv
-    for d in range(cb, max(1, cb // 2) - 1, -1):
-        if nblk % d == 0:
-            cb = d
-            break
-    chunk = cb * bv
+    chunk = backward_chunk(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, bv)
     nfull = vw // chunk
     rem = vw - nfull * chunk
 
@@ -621,7 +624,9 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
         return dx, lax.dynamic_update_slice_in_dim(dw, dw_c, c0, axis=vaxis)
 
     dx = jnp.zeros(x8.shape, jnp.float32)
-    dw = jnp.zeros(w.shape, w.dtype)
+    # Every chunk writes its columns of dW, so dW starts uninitialised (on a GPU: no
+    # 1 GB memset at llama3.1-8b, 0.6 ms; on a CPU lax.empty is zeros).
+    dw = lax.empty(w.shape, w.dtype)
     if vary is not None:
         dx, dw = vary(dx, dw)
     if nfull == 1:

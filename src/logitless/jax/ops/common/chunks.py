@@ -5,6 +5,7 @@ so that no padded row or column is ever computed."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -30,3 +31,11 @@ def take(a, start, size, axis=0):
 def put(a, part, start, axis=0):
     """``a`` with ``part`` written at ``start`` along ``axis`` (``start`` may be traced)."""
     return lax.dynamic_update_slice_in_dim(a, part, start, axis)
+
+
+def uninitialised(shape, dtype):
+    """An array whose every element the caller overwrites (a chunk loop's dW): left
+    uninitialised where ``lax.empty`` does so (GPU, TPU: no memset of the whole array),
+    zeros elsewhere and on jax without ``lax.empty``."""
+    empty = getattr(lax, "empty", None)
+    return empty(shape, dtype) if empty is not None else jnp.zeros(shape, dtype)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from logitless.jax.ops.common.chunks import chunk_loop
+from logitless.jax.ops.common.chunks import chunk_loop, uninitialised
 from logitless.jax.planning import TritonPlan, triton_plan
 from logitless.jax.sharding import to_varying, varying
 
@@ -214,7 +214,7 @@ def chunked_gradients(x2d, w, bias, chunk: int, dz_of, *, weight_layout: str = "
             db = lax.dynamic_update_slice_in_dim(db, dbj.astype(db.dtype), v0, 0)
         return dx, dw, db
 
-    dw0 = jnp.zeros(w.shape, w.dtype)
+    dw0 = uninitialised(w.shape, w.dtype)  # every chunk writes its columns
     db0 = None if bias is None else jnp.zeros(bias.shape, bias.dtype)
     if one_chunk:
         dx, dw, db = step(0, vocab, (None, dw0, db0))

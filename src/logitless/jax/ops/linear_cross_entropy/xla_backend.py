@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.formulas.cross_entropy import dlogits, softcap_logits
-from logitless.jax.ops.common.chunks import chunk_loop, put, take
+from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
 from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
 from logitless.jax.planning import xla_plan
 
@@ -164,7 +164,7 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
 
     init = (
         jnp.zeros((n, h), _F32),
-        jnp.zeros(w.shape, w.dtype),
+        uninitialised(w.shape, w.dtype),  # every column chunk writes its part
         None if bias is None else jnp.zeros(bias.shape, bias.dtype),
     )
     init = _varying_like(init, x2d, w, bias, target, lse, coef)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.formulas import log_probs as lpf
-from logitless.jax.ops.common.chunks import chunk_loop, put, take
+from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
 from logitless.jax.planning import xla_plan
 from logitless.options import LogProbOptions
 
@@ -134,7 +134,7 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: i
             db = put(db, dbj.astype(db.dtype), c0)
         return dx, dw, db
 
-    init = (jnp.zeros((n, h), cdt), jnp.zeros(w.shape, w.dtype),
+    init = (jnp.zeros((n, h), cdt), uninitialised(w.shape, w.dtype),  # every column chunk writes its part
             None if bias is None else jnp.zeros(bias.shape, bias.dtype))
     dx, dw, db = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
     return dx.astype(x2d.dtype), dw, db
