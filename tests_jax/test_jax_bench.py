@@ -107,3 +107,21 @@ def test_jax_sharded_suite_smoke(tmp_path):
                    "all-reduce": {"count": 1, "largest": "f32[4]"},
                    "reduce-scatter": {"count": 1, "largest": "f32[1024,32]"}}
     assert (tmp_path / "latest-jax-sharded-cpu.md").read_text().startswith("# JAX linear cross-entropy, sharded")
+
+
+def test_trace_tables_sum_device_stream_kernels_per_step():
+    """jax_bwd --profile's table: kernels on the device's CUDA stream lines, summed by name
+    and divided by the steps; the host process and the "XLA Modules" line stay out."""
+    from logitless_bench.jax_timing import trace_tables
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14(Compute,Memset)"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Modules"}}]
+    x = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur}
+    events = meta + [x(2, 7, "gemm", 300.0), x(2, 7, "gemm", 500.0), x(2, 7, "memcpy128", 40.0),
+                     x(2, 8, "jit_fb", 2000.0), x(1, 3, "gemm", 9999.0)]
+    t = trace_tables(events, steps=2)
+    assert t["stream"] == [{"name": "gemm", "calls": 1.0, "ms": 0.4}, {"name": "memcpy128", "calls": 0.5, "ms": 0.02}]
+    assert t["other"] == [{"name": "jit_fb", "calls": 0.5, "ms": 1.0}]
+    assert t["threads"] == ["Stream #14(Compute,Memset)", "XLA Modules"]

@@ -329,3 +329,36 @@ def test_no_large_constants_captured(layout):
     # The tokamax drop-in as well (it remaps labels).
     g = lambda x, w: linear_softmax_cross_entropy_loss(x, t, w, implementation="xla")
     assert captured_constants(lambda: jax.jit(jax.value_and_grad(g, argnums=(0, 1))).lower(x, w.T)) == []
+
+
+@pytest.mark.parametrize("op", ["lce", "log_probs"])
+@pytest.mark.parametrize("implementation", ["xla", "mosaic_gpu"])
+def test_backward_leaves_dw_uninitialised_on_gpu(op, implementation, monkeypatch):
+    """Lowered for CUDA (on any machine): dW starts as an uninitialised buffer
+    (``lax.empty``: XLA's AllocateBuffer), not as zeros, which the column chunks
+    overwrite entirely; on the H100 the zeros were a 0.6-1.2 ms memset per fwd+bwd
+    (docs/jax.md). Several chunks (a small budget)."""
+    from logitless.jax import linear_log_probs
+
+    if implementation == "mosaic_gpu":
+        module = "linear_cross_entropy" if op == "lce" else "linear_log_probs"
+        mg = pytest.importorskip(f"logitless.jax.ops.{module}.mosaic_gpu_backend",
+                                 reason="this jax has no Pallas Mosaic GPU")
+        monkeypatch.setattr(mg, "INTERPRET", False)
+    n, h, v = 64, 128, 1024
+    x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((n,), jnp.int32)
+    budget = 4 * n * h + 2 * 256 * (n + 2 * h)  # 256-column chunks
+
+    def f(x, w, t):
+        if op == "lce":
+            return linear_cross_entropy(x, w, t, implementation=implementation, memory_budget=budget)
+        return jnp.sum(linear_log_probs(x, w, t, implementation=implementation, memory_budget=budget))
+
+    text = jax.jit(jax.grad(f, argnums=1)).trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
+    dw_type = f"tensor<{v}x{h}xbf16>"
+    allocs = [ln for ln in text.splitlines() if "@AllocateBuffer" in ln]
+    assert any(dw_type in ln for ln in allocs), allocs
+    zeros = [ln for ln in text.splitlines() if "broadcast_in_dim" in ln and f"-> {dw_type}" in ln]
+    assert not zeros, zeros

@@ -346,18 +346,27 @@ def _choice(capability, sms, l2, dtype, n, v, h, layout_ok, bias, softcap, argma
 
 def device_facts(device) -> Optional[tuple]:
     """(capability, SMs, L2 bytes) of a CUDA device of compute capability 9.x, else None
-    (tests replace this function to plan for an H100 on the CPU)."""
+    (tests replace this function to plan for an H100 on the CPU). Asked of torch once per
+    device, overrides (``num_sms``) and state (``memo.memoised``; ``memo.clear`` forgets
+    it): the properties do not change, and every forward on a GPU plans (torch's
+    device-property getters were ~25 us per call, docs/design.md)."""
     if device.type != "cuda":
         return None
+    return _device_facts(device)[0]
+
+
+@memoised
+def _device_facts(device) -> tuple:
+    """(``device_facts``' answer,) for a CUDA device (a tuple: the memo takes None for a miss)."""
     from logitless.planning import rocm
 
     if rocm.is_hip():  # ROCm reports gfx942 as capability (9, 4): not a Hopper
-        return None
+        return (None,)
     import torch
 
     capability = tuple(torch.cuda.get_device_capability(device))
     if capability[0] != 9:
-        return None
+        return (None,)
     from logitless.planning.plans import num_sms
 
-    return capability, num_sms(device), torch.cuda.get_device_properties(device).L2_cache_size
+    return ((capability, num_sms(device), torch.cuda.get_device_properties(device).L2_cache_size),)
