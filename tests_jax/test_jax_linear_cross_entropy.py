@@ -337,7 +337,7 @@ def test_backward_leaves_dw_uninitialised_on_gpu(op, implementation, monkeypatch
     """Lowered for CUDA (on any machine): dW starts as an uninitialised buffer
     (``lax.empty``: XLA's AllocateBuffer), not as zeros, which the column chunks
     overwrite entirely; on the H100 the zeros were a 0.6-1.2 ms memset per fwd+bwd
-    (docs/jax.md). Several chunks (a small budget)."""
+    (docs/design.md). Several chunks (a small budget)."""
     from logitless.jax import linear_log_probs
 
     if implementation == "mosaic_gpu":

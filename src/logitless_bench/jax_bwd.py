@@ -9,7 +9,7 @@ timed twice (old, new, old, new); dx and dW of the two must be bitwise equal (sa
 products in the same order). Temporaries: XLA's compiled memory analysis of the forward
 and of each fwd+bwd. Writes jax-bwd-<device>-<date>.{json,md}. ``--profile``: per shape
 only NEW's fwd+bwd, with its kernels' times from a device profile, in place (a kernel
-timed alone, one call each, had misled: docs/jax.md), to jax-bwd-profile-<shape>.json.
+timed alone, one call each, had misled: docs/design.md), to jax-bwd-profile-<shape>.json.
 """
 
 from __future__ import annotations

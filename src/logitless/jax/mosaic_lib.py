@@ -625,7 +625,9 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
 
     dx = jnp.zeros(x8.shape, jnp.float32)
     # Every chunk writes its columns of dW, so dW starts uninitialised (on a GPU: no
-    # 1 GB memset at llama3.1-8b, 0.6 ms; on a CPU lax.empty is zeros).
+    # 1 GB memset at llama3.1-8b, 0.6 ms; on a CPU lax.empty is zeros). lax.empty itself:
+    # every jax with these Mosaic GPU kernels has it (ops.common.chunks.uninitialised
+    # stands in for the other backends, which run on older jax too).
     dw = lax.empty(w.shape, w.dtype)
     if vary is not None:
         dx, dw = vary(dx, dw)
