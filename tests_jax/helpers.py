@@ -329,18 +329,12 @@ def put(mesh, a, *spec):
     return None if a is None else jax.device_put(a, NamedSharding(mesh, P(*spec)))
 
 
-_COLL = re.compile(r"=\s*(\(*[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                   r"(?:-start)?\(")
-_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
-
-
 def hlo_collectives(text):
-    """[(kind, [shape, ...])] of the collectives in compiled HLO text."""
-    out = []
-    for m in _COLL.finditer(text):
-        shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(m.group(1))]
-        out.append((m.group(2), shapes))
-    return out
+    """[(kind, [shape, ...])] of the collectives in compiled HLO text (the benchmark's
+    parser, ``logitless_bench.jax_sharded.hlo_collectives``, without the dtypes)."""
+    from logitless_bench.jax_sharded import hlo_collectives as parse
+
+    return [(kind, [shape for _, shape in shapes]) for kind, shapes in parse(text)]
 
 
 _TYPED_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")

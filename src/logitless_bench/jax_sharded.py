@@ -84,18 +84,24 @@ _COLL = re.compile(r"=\s*(\(*[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
+def hlo_collectives(hlo_text: str) -> list:
+    """[(kind, [(dtype, shape), ...])] of the collectives in compiled HLO text, async ones
+    ("-start", nested tuple shapes) included (also tests_jax's HLO checks)."""
+    return [(m.group(2), [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(m.group(1))])
+            for m in _COLL.finditer(hlo_text)]
+
+
 def collectives(hlo_text: str) -> dict:
     """{kind: {"count": k, "largest": "bf16[...]"}} of the collectives in compiled HLO."""
     counts, largest = Counter(), {}
-    for m in _COLL.finditer(hlo_text):
-        kind = m.group(2)
+    for kind, shapes in hlo_collectives(hlo_text):
         counts[kind] += 1
-        for dt, dims in _SHAPE.findall(m.group(1)):
+        for dt, shape in shapes:
             size = 1
-            for d in (int(d) for d in dims.split(",") if d):
+            for d in shape:
                 size *= d
             if size > largest.get(kind, (0, ""))[0]:
-                largest[kind] = (size, f"{dt}[{dims}]")
+                largest[kind] = (size, f"{dt}[{','.join(map(str, shape))}]")
     return {k: {"count": c, "largest": largest.get(k, (0, "-"))[1]} for k, c in sorted(counts.items())}
 
 
