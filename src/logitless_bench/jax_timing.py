@@ -1,6 +1,7 @@
-"""What the JAX benchmarks share (``jax_suite``, ``jax_sharded``): the median wall time of a jitted call and
-the environment fields every JAX result file records. Needs only jax; importing it
-imports neither torch nor the torch suites (``logitless_bench/__init__`` is lazy)."""
+"""What the JAX benchmarks share (``jax_suite``, ``jax_sharded``, ``jax_bwd``): the median wall time of a
+jitted call, its kernels' times from a device profile, and the environment fields every JAX result file
+records. Needs only jax; importing it imports neither torch nor the torch suites (``logitless_bench/__init__``
+is lazy)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,10 @@ def device_profile(fn, args, steps: int = 3) -> dict:
             for _ in range(steps):
                 jax.block_until_ready(fn(*args))
         files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+        events = []
+        if files:
+            with gzip.open(files[0]) as fh:
+                events = json.load(fh)["traceEvents"]
     return trace_tables(events, steps)
 
 
