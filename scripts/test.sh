@@ -9,6 +9,7 @@
 # Override the interpreters with PYTHON_TORCH=... / PYTHON_JAX=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/pip_retry.sh  # pip_install: retries a download that breaks off
 
 find_py312() {
     if [ -n "${PYTHON_JAX:-}" ]; then echo "$PYTHON_JAX"; return; fi
@@ -33,8 +34,8 @@ py_torch="${PYTHON_TORCH:-python3}"
 
 echo "=== PyTorch tests: $py_torch -> .venv (torch 2.13.0) ==="
 if [ ! -x .venv/bin/python ]; then "$py_torch" -m venv .venv || exit 1; fi
-.venv/bin/python -m pip install -q --upgrade pip
-if .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]"; then
+pip_install .venv/bin/python --upgrade pip
+if pip_install .venv/bin/python "torch==2.13.0" -e ".[test]"; then
     .venv/bin/python -m pytest tests "$@"
     rc=$?
     echo "PyTorch tests: exit $rc"
@@ -46,8 +47,8 @@ fi
 py_jax="$(find_py312)" || { echo "no Python >= 3.12 found for the JAX tests (set PYTHON_JAX)"; exit 1; }
 echo "=== JAX tests: $py_jax -> .venv-jax (jax 0.11.2, no torch) ==="
 if [ ! -x .venv-jax/bin/python ]; then "$py_jax" -m venv .venv-jax || exit 1; fi
-.venv-jax/bin/python -m pip install -q --upgrade pip
-if .venv-jax/bin/python -m pip install -q -e ".[jax-test]"; then
+pip_install .venv-jax/bin/python --upgrade pip
+if pip_install .venv-jax/bin/python -e ".[jax-test]"; then
     .venv-jax/bin/python -m pytest tests_jax "$@"
     rc=$?
     echo "JAX tests: exit $rc"

@@ -9,13 +9,14 @@
 # Extra arguments go to pytest. Override the interpreter with PYTHON_TORCH=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/pip_retry.sh  # pip_install: retries a download that breaks off
 
 py="${PYTHON_TORCH:-python3}"
 echo "=== newest releases: $py -> .venv-newest ==="
 if [ ! -x .venv-newest/bin/python ]; then "$py" -m venv .venv-newest || exit 1; fi
 export PIP_CONSTRAINT=/dev/null
-.venv-newest/bin/python -m pip install -q --upgrade pip
-.venv-newest/bin/python -m pip install -q -e ".[test-newest]" || { echo "install failed"; exit 1; }
+pip_install .venv-newest/bin/python --upgrade pip
+pip_install .venv-newest/bin/python -e ".[test-newest]" || { echo "install failed"; exit 1; }
 .venv-newest/bin/python -m pip freeze | grep -iE '^(torch|triton|transformers|trl|peft|accelerate|helion)=='
 
 status=0
