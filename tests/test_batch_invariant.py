@@ -9,7 +9,7 @@ import torch
 
 import logitless
 from logitless.ops.common import invariant
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, exact_for_interpreter
 
 BACKENDS = ["torch", "triton"]
 
@@ -59,6 +59,8 @@ def _rows_equal(fn, backend, n=None):
 def test_linear_log_probs(backend, trunc):
     block = invariant.invariant_rows(backend, DEVICE)
     x, w, b, t = _data(block + 8, 19, 67, seed=1)
+    if backend == "triton":  # (a CPU BLAS's bits may follow a row's place in the tile)
+        x, w, b = exact_for_interpreter(x, w, b)
 
     def fn(idx):
         return logitless.linear_log_probs(x[idx], w, t[idx], b, entropy=True, temperature=0.8, softcap=6.0,
@@ -88,6 +90,8 @@ def test_linear_log_probs_gradients_match_default(backend):
 def test_linear_cross_entropy(backend):
     block = invariant.invariant_rows(backend, DEVICE)
     x, w, b, t = _data(block + 8, 21, 61, seed=3)
+    if backend == "triton":  # (a CPU BLAS's bits may follow a row's place in the tile)
+        x, w, b = exact_for_interpreter(x, w, b)
     t[5] = -100
 
     def fn(idx):

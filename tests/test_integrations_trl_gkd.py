@@ -203,12 +203,17 @@ def test_gkd_trainer_same_losses_as_trl(tmp_path, cfg, counter):
 
 def test_gkd_trainer_bf16_autocast(tmp_path, counter):
     """accelerate's bf16 autocast: TRL's loss on bf16 logits, ours on bf16 GEMMs with fp32
-    statistics; close, not equal."""
+    statistics; close, not equal. The first step (the same weights) within rel 2e-3 of TRL's;
+    every step, both within bf16's rounding (rel 2**-8) of the fp32 run's loss. Later steps
+    follow two different bf16 gradients, so ours and TRL's part by a CPU-dependent amount of
+    that order (rel 2.2e-3 at step 3 on an AMD EPYC, under 2e-3 on another machine)."""
+    exact = _train_gkd(tmp_path / "fp32", False)
     theirs = _train_gkd(tmp_path, False, bf16=True)
     ours = _train_gkd(tmp_path, True, bf16=True)
-    assert len(counter) >= 3 and len(ours) == len(theirs) == 3
-    for o, t in zip(ours, theirs):
-        assert o == pytest.approx(t, rel=2e-3)
+    assert len(counter) >= 3 and len(ours) == len(theirs) == len(exact) == 3
+    assert ours[0] == pytest.approx(theirs[0], rel=2e-3) and ours != theirs
+    for o, t, e in zip(ours, theirs, exact):
+        assert o == pytest.approx(e, rel=2 ** -8) and t == pytest.approx(e, rel=2 ** -8)
 
 
 def test_patch_gkd_refuses_unsupported(tmp_path):
