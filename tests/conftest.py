@@ -37,9 +37,9 @@ def exact_for_interpreter(*ts):
     they are. The interpreter's ``tl.dot`` is numpy's matmul, and a CPU BLAS may give one
     row or column different bits at another place in the tile (seen on an AMD EPYC with
     AVX2: equal W rows gave unequal logits, a row's log-prob changed with its position).
-    The GPU's tile MMA does not; with these values every product and every sum of up to
-    ~1000 terms is exact in fp32, so tests of ties and of bitwise batch invariance test
-    our kernels' logic, not the CPU's BLAS. Softmax sums still round."""
+    The GPU's tile MMA does not; with these values every product, and every sum under 4096
+    in magnitude, is exact in fp32 (2**-12 steps, 24 bits), so tests of ties and of bitwise
+    batch invariance test our kernels' logic, not the CPU's BLAS. Softmax sums still round."""
     if HAS_CUDA:
         return ts
     return tuple(t if t is None else (t * 64).round() / 64 for t in ts)
