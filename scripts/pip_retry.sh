@@ -20,3 +20,24 @@ pip_install() {
     echo "pip install $* failed after 4 tries"
     return 1
 }
+
+# find_py312: a Python >= 3.12 (PYTHON_JAX, pyenv's 3.12.x, python3.12, python3.13, python3):
+# jax 0.11, megatron-core and the newest-releases leg need it.
+find_py312() {
+    if [ -n "${PYTHON_JAX:-}" ]; then echo "$PYTHON_JAX"; return; fi
+    if command -v pyenv >/dev/null 2>&1; then
+        local p
+        p="$(pyenv root)/versions/3.12.1/bin/python"
+        if [ -x "$p" ]; then echo "$p"; return; fi
+        for p in "$(pyenv root)"/versions/3.12*/bin/python; do
+            if [ -x "$p" ]; then echo "$p"; return; fi
+        done
+    fi
+    for p in python3.12 python3.13 python3; do
+        if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+            command -v "$p"; return
+        fi
+    done
+    return 1
+}
+

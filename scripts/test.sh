@@ -9,25 +9,7 @@
 # Override the interpreters with PYTHON_TORCH=... / PYTHON_JAX=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. scripts/pip_retry.sh  # pip_install: retries a download that breaks off
-
-find_py312() {
-    if [ -n "${PYTHON_JAX:-}" ]; then echo "$PYTHON_JAX"; return; fi
-    if command -v pyenv >/dev/null 2>&1; then
-        local p
-        p="$(pyenv root)/versions/3.12.1/bin/python"
-        if [ -x "$p" ]; then echo "$p"; return; fi
-        for p in "$(pyenv root)"/versions/3.12*/bin/python; do
-            if [ -x "$p" ]; then echo "$p"; return; fi
-        done
-    fi
-    for p in python3.12 python3.13 python3; do
-        if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-            command -v "$p"; return
-        fi
-    done
-    return 1
-}
+. scripts/pip_retry.sh  # pip_install: retries a download that breaks off; find_py312
 
 status=0
 py_torch="${PYTHON_TORCH:-python3}"

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The PyTorch side under the newest releases a user gets today (pinned as tested in the
-# `test-newest` extra of pyproject.toml: torch 2.15.0, triton 3.9.0, transformers 5.23.0, ...),
-# on the version-sensitive surface only (~10 min on 2 CPU cores; the full suite stays on the
-# `test` extra's versions, scripts/test.sh):
-#   .venv-newest  python3 (3.11) + ".[test-newest]"  -> the subset of tests/ below
+# `test-newest` extra of pyproject.toml: torch 2.15.0, triton 3.9.0, transformers 5.23.0,
+# megatron-core 0.19.2, torchtitan 0.3.0, ...), on the version-sensitive surface and the
+# frameworks that need Python >= 3.12 (the full suite stays on the `test` extra's versions,
+# scripts/test.sh):
+#   .venv-newest  Python 3.12 + ".[test-newest]"  -> the subset of tests/ below
 # PIP_CONSTRAINT=/dev/null: a pip config that caps torch below 2.15 (this machine's
 # /etc/xdg/pip) is overridden for this install only; other pip settings (indexes) still apply.
-# Extra arguments go to pytest. Override the interpreter with PYTHON_TORCH=...
+# Extra arguments go to pytest. Override the interpreter with PYTHON_NEWEST=...
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. scripts/pip_retry.sh  # pip_install: retries a download that breaks off
+. scripts/pip_retry.sh  # pip_install: retries a download that breaks off; find_py312
 
-py="${PYTHON_TORCH:-python3}"
+py="${PYTHON_NEWEST:-$(find_py312)}" || { echo "no Python >= 3.12 found for the newest releases (set PYTHON_NEWEST)"; exit 1; }
 echo "=== newest releases: $py -> .venv-newest ==="
 if [ ! -x .venv-newest/bin/python ]; then "$py" -m venv .venv-newest || exit 1; fi
 export PIP_CONSTRAINT=/dev/null
