@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install and run every test, in two environments (jax 0.11.2 needs Python >= 3.12, the
 # CPU torch 2.13.0 wheel exists for 3.11 here, and the JAX side must work without torch):
-#   .venv      python3 (3.11) + torch 2.13.0 CPU + ".[test]"   -> python -m pytest tests
-#   .venv-jax  Python 3.12 (pyenv or python3.12), ".[jax-test]", no torch -> python -m pytest tests_jax
+#   .venv      python3 (3.11) + torch 2.13.0 CPU + ".[test]" + benchmarks/ (logitless-bench)
+#              -> python -m pytest tests (the README's main-job command installs into this .venv too)
+#   .venv-jax  Python 3.12 (pyenv or python3.12), ".[jax-test]", no torch; benchmarks/ with --no-deps
+#              (its JAX suites need no torch) -> python -m pytest tests_jax
 #   .venv-newest  the newest releases a user gets (torch, triton, transformers; scripts/test_newest.sh)
 #              -> the version-sensitive subset of tests/
 # Exits 0 only if all three ran tests and passed. Extra arguments go to the first two pytest runs.
@@ -17,7 +19,7 @@ py_torch="${PYTHON_TORCH:-python3}"
 echo "=== PyTorch tests: $py_torch -> .venv (torch 2.13.0) ==="
 if [ ! -x .venv/bin/python ]; then "$py_torch" -m venv .venv || exit 1; fi
 pip_install .venv/bin/python --upgrade pip
-if pip_install .venv/bin/python "torch==2.13.0" -e ".[test]"; then
+if pip_install .venv/bin/python "torch==2.13.0" -e ".[test]" -e benchmarks; then
     .venv/bin/python -m pytest tests "$@"
     rc=$?
     echo "PyTorch tests: exit $rc"
@@ -30,7 +32,7 @@ py_jax="$(find_py312)" || { echo "no Python >= 3.12 found for the JAX tests (set
 echo "=== JAX tests: $py_jax -> .venv-jax (jax 0.11.2, no torch) ==="
 if [ ! -x .venv-jax/bin/python ]; then "$py_jax" -m venv .venv-jax || exit 1; fi
 pip_install .venv-jax/bin/python --upgrade pip
-if pip_install .venv-jax/bin/python -e ".[jax-test]"; then
+if pip_install .venv-jax/bin/python -e ".[jax-test]" && pip_install .venv-jax/bin/python --no-deps -e benchmarks; then
     .venv-jax/bin/python -m pytest tests_jax "$@"
     rc=$?
     echo "JAX tests: exit $rc"

@@ -4,7 +4,7 @@
 # megatron-core 0.19.2, torchtitan 0.3.0, ...), on the version-sensitive surface and the
 # frameworks that need Python >= 3.12 (the full suite stays on the `test` extra's versions,
 # scripts/test.sh):
-#   .venv-newest  Python 3.12 + ".[test-newest]"  -> the subset of tests/ below
+#   .venv-newest  Python 3.12 + ".[test-newest]" + benchmarks/ (logitless-bench)  -> the subset of tests/ below
 # PIP_CONSTRAINT=/dev/null: a pip config that caps torch below 2.15 (this machine's
 # /etc/xdg/pip) is overridden for this install only; other pip settings (indexes) still apply.
 # Extra arguments go to pytest. Override the interpreter with PYTHON_NEWEST=...
@@ -17,7 +17,7 @@ echo "=== newest releases: $py -> .venv-newest ==="
 if [ ! -x .venv-newest/bin/python ]; then "$py" -m venv .venv-newest || exit 1; fi
 export PIP_CONSTRAINT=/dev/null
 pip_install .venv-newest/bin/python --upgrade pip
-pip_install .venv-newest/bin/python -e ".[test-newest]" || { echo "install failed"; exit 1; }
+pip_install .venv-newest/bin/python -e ".[test-newest]" -e benchmarks || { echo "install failed"; exit 1; }
 .venv-newest/bin/python -m pip freeze | grep -iE '^(torch|triton|transformers|trl|peft|accelerate|helion)=='
 
 status=0

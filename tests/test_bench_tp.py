@@ -45,7 +45,7 @@ def test_megatron_style_log_probs_match_autograd(one_rank_group):
 
 
 def test_tp_suite_log_prob_rows_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", "benchmarks", os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)  # the torch path: the harness, not the kernels
     methods = "logitless-tp-logp,megatron-style-logp,logitless-1gpu-logp"
     proc = subprocess.run([sys.executable, "-m", "logitless_bench", "--suite", "tp", "--cpu", "--methods", methods,
@@ -90,7 +90,7 @@ def test_logits_tp_jsd_baseline_matches_float64_over_two_ranks():
 
 
 def test_tp_suite_distillation_rows_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["src", "benchmarks", os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
     methods = ",".join(tp.JSD_METHODS)
     proc = subprocess.run([sys.executable, "-m", "logitless_bench", "--suite", "tp", "--cpu", "--methods", methods,

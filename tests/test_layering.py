@@ -226,7 +226,7 @@ def components(edges: dict[str, list[str]]) -> list[list[str]]:
 
 REPO = SRC.parent
 #: Packages of the repository, by the folder that holds them (imported by dotted name).
-PACKAGES = [(SRC, "logitless"), (SRC, "logitless_bench"), (REPO, "tests"), (REPO, "tests_jax")]
+PACKAGES = [(SRC, "logitless"), (REPO / "benchmarks", "logitless_bench"), (REPO, "tests"), (REPO, "tests_jax")]
 #: Folders of scripts run as ``python benchmarks/x.py``: each puts its own folder on
 #: sys.path, so its modules import each other by bare name (a few also add another of
 #: these folders; a bare name is looked up in its own folder first, then in the others).
@@ -299,7 +299,7 @@ def test_a_planted_repository_cycle_is_found(tmp_path):
         shutil.copytree(folder, tmp_path / folder.relative_to(REPO), dirs_exist_ok=True)
     common = tmp_path / "benchmarks" / "_probe_common.py"
     common.write_text(common.read_text() + "\n\ndef _f():\n    import probe_regret\n")
-    timing = tmp_path / "src" / "logitless_bench" / "timing.py"
+    timing = tmp_path / "benchmarks" / "logitless_bench" / "timing.py"
     timing.write_text(timing.read_text() + "\n\ndef _g():\n    from logitless_bench import runner\n")
     found = [set(c) for c in components(repository_graph(tmp_path))]
     assert any({"benchmarks/_probe_common", "benchmarks/probe_regret"} <= c for c in found), found

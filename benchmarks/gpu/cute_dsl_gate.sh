@@ -7,7 +7,7 @@
 # plain: check_dsl_gate.py --expect fallback (no CuTe launch, one warning, Triton's numbers bitwise) <= 100 s.
 set +e
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD${PYTHONPATH:+:$PYTHONPATH}
 S=$(date +%s)
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -23,7 +23,7 @@ dsl)
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -20
     ;;
 plain)
-    export PYTHONPATH=$PWD/src:$PWD
+    export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD
     python3 -c "from logitless.planning import cute; print('dsl', cute.dsl_version(), 'problem', cute.dsl_problem())"
     timeout -k 5 100 python3 benchmarks/check_dsl_gate.py --expect fallback --json "$OUT/gate-plain.json" 2>&1 \
         | tail -n 25

@@ -28,7 +28,7 @@ if [ -z "$SMOKE" ]; then
         export PYTHONPATH=/tmp/hl/site-packages
     fi
 fi
-export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi -L 2>/dev/null
 PARTS=${PARTS:-info tune bench tests}
 for part in $PARTS; do

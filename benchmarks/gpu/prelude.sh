@@ -16,7 +16,7 @@ if ls .peers/*.whl >/dev/null 2>&1 && [ ! -e /tmp/peers/.done ]; then
     && echo 'get_kernel_stats_tool = lambda *a, **k: None' > /tmp/peers/xprof/cli/tools.py \
     && touch /tmp/peers/.done
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 [ -d /tmp/peers ] && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
 # JAX must not take 75% of the GPU from torch in the same machine.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false

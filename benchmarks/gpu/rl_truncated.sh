@@ -7,7 +7,7 @@
 # Writes $OUT/rl-trunc-pytest.log, $OUT/rl-trunc-bench.log and the suite's files under $OUT/rl.
 set +e
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=/tmp/triton-rl-trunc
 mkdir -p "$OUT/rl"
 S=$(date +%s)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One benchmark suite on a GPU machine: the suite's GPU tests, then the suite itself.
 #   OUT=<dir> bash benchmarks/gpu/suite.sh SUITE [more python -m logitless_bench options]
-# SUITE is one of `python -m logitless_bench --suite` (src/logitless_bench/cli.py): lce ce precision
+# SUITE is one of `python -m logitless_bench --suite` (benchmarks/logitless_bench/cli.py): lce ce precision
 # models distill rl grpo tp train jax jax-sharded. Environment:
 #   MINUTES  the suite's --max-minutes (default 6; rows not reached are skipped, files still written;
 #            0: the tests only)
