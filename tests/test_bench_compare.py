@@ -214,7 +214,8 @@ def test_recorded_issue23_runs_flag_the_16k_forward():
     """The recorded H100 runs of issue 23 (llama3.1-8b-16k forward 26.0 -> 31.2 ms, spread
     0.25): the forward shows up as too noisy to judge instead of "none"."""
     base = RESULTS.parent
-    old_p, new_p = base / "lce-H100-final-2026-11-22.json", base / "lce-issue23-H100-2026-11-23.json"
+    # latest-lce-H100.json is the run of 2026-11-22 (lce-H100-final-2026-11-22.json in git history).
+    old_p, new_p = base / "latest-lce-H100.json", base / "lce-issue23-H100-2026-11-23.json"
     if not (old_p.exists() and new_p.exists()):
         pytest.skip("recorded issue-23 result files not in this checkout")
     c = compare.compare(compare.load(old_p), compare.load(new_p))

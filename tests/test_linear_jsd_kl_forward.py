@@ -86,8 +86,8 @@ def test_other_calls_keep_the_unfused_forward(case, fused_calls):
 ])
 def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
     """The default choice (``plans.jsd_kl_fused``, H100 constants) at the four shapes of
-    the KL probe (docs/history.md; default budget, 4 stages:
-    ``probe-jsd-kl-4stages-H100-2026-11-24``); an override wins over it."""
+    the KL probe (a removed probe; default budget, 4 stages: ``probe-jsd-kl-4stages-H100-2026-11-24``,
+    in git history, docs/design.md#evidence); an override wins over it."""
     n, hs, ht, v = shape
     dev = torch.device("cpu")  # (the interpreter plans with the H100 model)
     assert jsd_kl_fused(n, v, hs, ht, 2, 256 << 20, dev) is fused
@@ -103,7 +103,7 @@ def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
 ])
 def test_the_h200_model_picks_the_measured_faster_forward(shape, fused):
     """The H200's model (``cost_model.H200``: the fused forward's L2-miss factor and the
-    chunked forward's stream bandwidth measured there, ``probe-jsd-kl-H200-2026-11-24``)
+    chunked forward's stream bandwidth measured there, ``probe-jsd-kl-H200-2026-11-24``, in git history)
     at the probe's four shapes; with the H100's jsd fields it chose the chunked forward
     at all four, 8-9% slower f+b at the small heads."""
     n, hs, ht, v = shape

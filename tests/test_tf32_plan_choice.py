@@ -39,7 +39,7 @@ _GPU = types.SimpleNamespace(type="cuda", index=0)
 SUITE = {"2048x2048x32000": (2048, 2048, 32000, 0.721), "4096x2048x128256": (4096, 2048, 128256, 5.988),
          "llama3.1-8b": (4096, 4096, 128256, 11.66)}
 #: Measured on the H100, 2026-11-23 (ms; precision-issue23-H100-2026-11-23.md and
-#: probe-tf32-H100-2026-11-23.log): (shape, budget MiB, pre-rounded?, with backward?).
+#: probe-tf32-H100-2026-11-23.log, in git history): (shape, budget MiB, pre-rounded?, with backward?).
 MEASURED = {
     ("2048x2048x32000", 256, True, False): 1.319, ("2048x2048x32000", 256, True, True): 5.537,
     ("2048x2048x32000", 256, False, False): 1.666, ("2048x2048x32000", 256, False, True): 3.544,

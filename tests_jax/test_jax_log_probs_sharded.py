@@ -259,7 +259,7 @@ def test_hlo_fsdp_reduce_scatters_dw():
     arrays = _inputs(64, 32, 1024, "float32", False, seed=2)
     args = _sharded(mesh, "fsdp", arrays)
     # The xla backend on every platform (as linear_cross_entropy's FSDP HLO test; the GPU
-    # kernel backends partition alike: benchmarks/results/jax-fsdp-hlo-2xH100-2026-11-25.json).
+    # kernel backends partition alike: jax-fsdp-hlo-2xH100-2026-11-25.json, in git history).
     fn = _check(arrays, args, dict(entropy=True, implementation="xla"), "float32", budget=None)
     xs, ws, ts, bs = args
     (_, _), grads = fn(xs, ws, bs, ts)

@@ -400,7 +400,7 @@ def test_hlo_fsdp_reduce_scatters_dw():
     n, h, v = 64, 32, 1024
     ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
     # The xla backend on every platform (fp32 at a toy shape; Mosaic partitions alike: its
-    # async reduce-scatter on 2 H100s, benchmarks/results/jax-fsdp-hlo-2xH100-2026-11-25.json).
+    # async reduce-scatter on 2 H100s, jax-fsdp-hlo-2xH100-2026-11-25.json in git history).
     kw = dict(reduction="mean", implementation="xla")
     fn, (loss, grads) = _loss_and_grads(args, kw)
     _check(loss, grads, ref_args, dict(reduction="mean"), "float32")
