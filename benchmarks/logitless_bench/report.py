@@ -91,7 +91,7 @@ def _version(dist: str):
 
 
 def _git() -> dict:
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parent  # git -C finds the checkout from any folder inside it
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
