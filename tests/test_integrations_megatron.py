@@ -13,6 +13,8 @@ parallel, context parallel 2.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -62,19 +64,29 @@ def _model(case, dtype):
     kw = dict(num_layers=1, hidden_size=H, num_attention_heads=2, use_cpu_initialization=True,
               params_dtype=torch.float32 if dtype == torch.bfloat16 else dtype, hidden_dropout=0.0,
               attention_dropout=0.0, tensor_model_parallel_size=case.get("tp", 1),
-              context_parallel_size=case.get("cp", 1), sequence_parallel=case.get("sp", False),
+              sequence_parallel=False,
               bf16=dtype == torch.bfloat16, init_method_std=0.5)
     if case.get("mup"):
         kw.update(use_mup=True, mup_output_mult=0.37)
     if case.get("mtp"):
         kw.update(mtp_num_layers=2, mtp_loss_scaling_factor=0.3,
                   calculate_per_token_loss=case.get("per_token", False))
+    # context parallel: parallel_state's CP group (GPTModel's pg_collection.cp, which the MTP
+    # rolls use) is 2 while the config says 1, since Megatron's local attention refuses CP
     kw.update(case.get("config", {}))
     cfg = TransformerConfig(**kw)
     spec = get_gpt_layer_local_spec()
     mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False) if case.get("mtp") else None
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=case["vocab"], max_sequence_length=64,
                      share_embeddings_and_output_weights=case.get("tied", False), mtp_block_spec=mtp_spec)
+    if case.get("sp"):
+        # Sequence parallel switched on after construction: Megatron's torch norms (no apex /
+        # TE here) refuse it, and the decoder is a stand-in. The embedding reads the config
+        # at run time (it scatters the sequence); the output layer as ColumnParallelLinear
+        # sets itself up with sequence_parallel=True.
+        cfg.sequence_parallel = True
+        model.output_layer.sequence_parallel = True
+        model.output_layer.allreduce_dgrad = False
     torch.manual_seed(99)
     model.decoder = _Decoder(torch.float32 if dtype == torch.bfloat16 else dtype)
     if case.get("mtp"):
@@ -138,8 +150,9 @@ class _Forbidden:
     """Megatron's logit path made to raise, and logitless' entry points counted."""
 
     def __init__(self, model):
-        import logitless.integrations.megatron as lm
         from megatron.core.models.common.language_module import language_module
+
+        import logitless.integrations.megatron as lm
 
         self.model, self.lm, self.lang = model, lm, language_module
         self.calls = 0
@@ -324,7 +337,7 @@ def _install_errors():
               output_processor_context={"temp": 2.0})
     # the list of pipeline chunks: install marks the post-process chunk, returns the list
     chunks = [model]
-    assert lm.install(chunks) is chunks and getattr(model, "_logitless_megatron")
+    assert lm.install(chunks) is chunks and model._logitless_megatron
 
 
 SINGLE = [
@@ -345,6 +358,11 @@ LOG_PROBS = dict(name="log_probs", vocab=38, context=dict(temperature=0.7, entro
 def _worker(rank, world, device, layout, cases):
     from megatron.core import parallel_state
 
+    # Megatron allocates a few buffers (MTP's CP roll) on the current CUDA device: here the CPU
+    torch.cuda.current_device = lambda: "cpu"
+    # and forks the CUDA RNG around the sequence-parallel embedding's dropout (0 here)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     parallel_state.initialize_model_parallel(**layout)
     try:
         for case in cases:
