@@ -309,6 +309,8 @@ def _log_probs_case(case):
 
 
 def _install_errors():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
     import logitless.integrations.megatron as lm
 
     case = dict(name="errors", vocab=37)
@@ -326,6 +328,13 @@ def _install_errors():
     model.__class__ = Other
     with pytest.raises(ValueError, match="compute_language_model_loss"):
         lm.install(model)
+    class Scaled(GPTModel):
+        def _scale_logits(self, logits):
+            return logits * 2
+
+    model.__class__ = Scaled
+    with pytest.raises(ValueError, match="_scale_logits"):
+        lm.install(model)
     model, _ = _model(case, torch.float32)
     model.parallel_output = False
     with pytest.raises(ValueError, match="parallel_output"):
@@ -335,6 +344,14 @@ def _install_errors():
         ids, pos, mask, labels, *_ = _inputs(case, 5)
         model(ids, pos, mask, labels=labels, output_processor=lm.log_probs_processor,
               output_processor_context={"temp": 2.0})
+    # no tokens: the processor's loss is (b, 0) like Megatron's, and its gradient zero
+    h = torch.zeros(0, 2, H, requires_grad=True)
+    labels = torch.zeros(2, 0, dtype=torch.long)
+    got = lm.output_processor(hidden_states=h, output_layer=model.output_layer, labels=labels, config=model.config)
+    logits, _ = model.output_layer(h)
+    assert got.shape == model.compute_language_model_loss(labels, logits).shape == (2, 0)
+    got.sum().backward()
+    assert h.grad.shape == h.shape
     # the list of pipeline chunks: install marks the post-process chunk, returns the list
     chunks = [model]
     assert lm.install(chunks) is chunks and model._logitless_megatron

@@ -179,6 +179,9 @@ def _check(gpt) -> None:
     if type(gpt).compute_language_model_loss is not LanguageModule.compute_language_model_loss:
         raise ValueError(f"{type(gpt).__name__} overrides compute_language_model_loss: logitless computes "
                          "Megatron's cross-entropy only; do not install on a model with another loss")
+    if type(gpt)._scale_logits is not LanguageModule._scale_logits:
+        raise ValueError(f"{type(gpt).__name__} overrides _scale_logits: logitless folds only MuP's "
+                         "mup_output_mult into the head; do not install on a model with another logit scaling")
     if getattr(cfg, "defer_embedding_wgrad_compute", False):
         raise ValueError("defer_embedding_wgrad_compute=True: the output layer's weight gradient is deferred to "
                          "the pipeline flush, which a logitless head does not do; set it to False to install")
