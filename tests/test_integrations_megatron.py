@@ -355,6 +355,21 @@ def _install_errors():
     # the list of pipeline chunks: install marks the post-process chunk, returns the list
     chunks = [model]
     assert lm.install(chunks) is chunks and model._logitless_megatron
+    assert isinstance(model, GPTModel) and lm.install(model) is model  # idempotent
+    with _Forbidden(model) as f:
+        ids, pos, mask, labels, *_ = _inputs(case, 5)
+        assert model(ids, pos, mask, labels=labels).shape == labels.shape and f.calls == 1
+    # log_probs_processor hands the sampler's truncation to linear_log_probs
+    seen = {}
+    real = lm.linear_log_probs
+    lm.linear_log_probs = lambda *a, **k: seen.update(k) or real(*a, **k)
+    try:
+        out = model(ids, pos, mask, labels=labels, output_processor=lm.log_probs_processor,
+                    output_processor_context=dict(temperature=2.0, top_k=5, top_p=0.9, min_p=0.05))
+    finally:
+        lm.linear_log_probs = real
+    assert set(out) == {"log_probs"} and out["log_probs"].shape == labels.shape
+    assert (seen["top_k"], seen["top_p"], seen["min_p"], seen["temperature"]) == (5, 0.9, 0.05, 2.0)
 
 
 SINGLE = [

@@ -295,24 +295,31 @@ def install(model):
             _check(gpt)
             gpts.append(gpt)
     for gpt in gpts:
-        if getattr(gpt, _MARK, False):
-            continue
-        setattr(gpt.output_layer, _MARK, True)
-        setattr(gpt, _MARK, True)
-        gpt.forward = _wrap_forward(gpt.forward)
+        if not getattr(gpt, _MARK, False):
+            setattr(gpt.output_layer, _MARK, True)
+            gpt.__class__ = _installed_class(type(gpt))
     if gpts:
         _install_mtp_dispatch()
     return model
 
 
-def _wrap_forward(forward):
-    import functools
+#: GPTModel class -> its installed subclass (one per class)
+_CLASSES: dict = {}
 
-    @functools.wraps(forward)
-    def wrapped(*args, **kwargs):
-        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
-        if labels is not None and kwargs.get("output_processor") is None:
-            kwargs["output_processor"] = output_processor
-        return forward(*args, **kwargs)
 
-    return wrapped
+def _installed_class(base):
+    """``base`` with a ``forward`` that defaults ``output_processor`` when labels are given
+    (a subclass, not an instance attribute: no bound method of one model held by it)."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        def forward(self, *args, **kwargs):
+            labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+            if labels is not None and kwargs.get("output_processor") is None:
+                kwargs["output_processor"] = output_processor
+            return base.forward(self, *args, **kwargs)
+
+        forward.__doc__ = base.forward.__doc__
+        cls = type(base.__name__, (base,), {"forward": forward, _MARK: True, "__module__": __name__,
+                                            "__qualname__": f"installed.{base.__qualname__}"})
+        _CLASSES[base] = cls
+    return cls
