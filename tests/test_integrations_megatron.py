@@ -281,31 +281,35 @@ def _float64_case(case):
 
 
 def _log_probs_case(case):
-    """log_probs_processor (fp32) against log_softmax of Megatron's own logits."""
+    """log_probs_processor against log_softmax of Megatron's own logits (fp32; bf16 under
+    Float16Module, to bf16's noise)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
     import logitless.integrations.megatron as lm
 
     ctx = case["context"]
-    model, wrapped = _model(case, torch.float32)
-    ids, pos, mask, labels, loss_mask, upstream, kw = _inputs(case, 5)
-    model.zero_grad(set_to_none=True)
-    logits = wrapped(ids, pos, mask, **kw)  # Megatron's vocab-parallel logits (b, s, V/tp)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    full = gather_from_tensor_model_parallel_region(logits, group=parallel_state.get_tensor_model_parallel_group())
-    logp = torch.log_softmax(full.double() / ctx["temperature"], -1)
-    ref = logp.gather(-1, labels[..., None])[..., 0]
-    ent = -(logp.exp() * logp).sum(-1)
-    ((ref * upstream * loss_mask).sum() + (ent * upstream.flip(-1)).sum()).backward()
-    ref_dh, ref_dw = model.decoder.out.grad.clone(), model.output_layer.weight.grad.clone()
-    with _Forbidden(model) as f:
-        out, dh, dw, _, _ = _run(case, model, wrapped, torch.float32, processor=lm.log_probs_processor,
-                                 context=ctx)
-    assert f.calls == 1
-    assert set(out) == {"log_probs", "entropy"}
-    _close("log_probs", out["log_probs"], ref, 1e-5)
-    _close("entropy", out["entropy"], ent, 1e-5)
-    _close("log_probs dhidden", dh, ref_dh, 1e-5)
-    _close("log_probs dweight", dw, ref_dw, 1e-5)
+    for dtype in case.get("dtypes", (torch.float32,)):
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+        model, wrapped = _model(case, dtype)
+        ids, pos, mask, labels, loss_mask, upstream, kw = _inputs(case, 5)
+        model.zero_grad(set_to_none=True)
+        logits = wrapped(ids, pos, mask, **kw)  # Megatron's vocab-parallel logits (b, s, V/tp)
+        full = gather_from_tensor_model_parallel_region(logits, group=parallel_state.get_tensor_model_parallel_group())
+        logp = torch.log_softmax(full.double() / ctx["temperature"], -1)
+        ref = logp.gather(-1, labels[..., None])[..., 0]
+        ent = -(logp.exp() * logp).sum(-1)
+        ((ref * upstream * loss_mask).sum() + (ent * upstream.flip(-1)).sum()).backward()
+        ref_dh, ref_dw = model.decoder.out.grad.clone(), model.output_layer.weight.grad.clone()
+        with _Forbidden(model) as f:
+            out, dh, dw, _, _ = _run(case, model, wrapped, dtype, processor=lm.log_probs_processor, context=ctx)
+        assert f.calls == 1
+        assert set(out) == {"log_probs", "entropy"}
+        assert out["log_probs"].dtype == out["entropy"].dtype == torch.float32
+        _close(f"log_probs {dtype}", out["log_probs"], ref, tol)
+        _close(f"entropy {dtype}", out["entropy"], ent, tol)
+        _close(f"log_probs dhidden {dtype}", dh, ref_dh, tol)
+        _close(f"log_probs dweight {dtype}", dw, ref_dw, tol)
 
 
 def _install_errors():
@@ -384,7 +388,8 @@ TP2 = [
     dict(name="tp2 sp", vocab=38, tp=2, sp=True, dtypes=(torch.float32, torch.bfloat16)),
     dict(name="tp2 sp tied mup mtp", vocab=38, tp=2, sp=True, tied=True, mup=True, mtp=True),
 ]
-LOG_PROBS = dict(name="log_probs", vocab=38, context=dict(temperature=0.7, entropy=True))
+LOG_PROBS = dict(name="log_probs", vocab=38, context=dict(temperature=0.7, entropy=True),
+                 dtypes=(torch.float32, torch.bfloat16))
 
 
 def _worker(rank, world, device, layout, cases):
