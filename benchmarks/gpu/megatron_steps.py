@@ -57,7 +57,8 @@ def parse():
     p.add_argument("--modes", default="unpatched,logitless")
     a = p.parse_args()
     if a.tiny:
-        a.layers, a.hidden, a.heads, a.vocab, a.seq, a.steps, a.warmup = 2, 64, 4, 1000, 64, 4, 1
+        a.layers, a.hidden, a.heads, a.vocab, a.seq = 2, 64, 4, 1000, 64
+        a.steps, a.warmup = min(a.steps, 4), 1
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     if a.sp and a.tp < 2:
         p.error("--sp needs --tp > 1")
@@ -68,8 +69,8 @@ def setup(a):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if a.device == "cuda":
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # before CUDA starts (Megatron's advice)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if "MASTER_ADDR" not in os.environ:  # one process without torchrun
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=rank, world_size=world)
