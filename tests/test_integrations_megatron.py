@@ -360,6 +360,11 @@ def _install_errors():
     chunks = [model]
     assert lm.install(chunks) is chunks and model._logitless_megatron
     assert isinstance(model, GPTModel) and lm.install(model) is model  # idempotent
+    # a pipeline stage without the output layer is left as it is
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    first = GPTModel(config=model.config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=37,
+                     max_sequence_length=64, post_process=False)
+    assert lm.install([first, model])[0] is first and type(first) is GPTModel
     with _Forbidden(model) as f:
         ids, pos, mask, labels, *_ = _inputs(case, 5)
         assert model(ids, pos, mask, labels=labels).shape == labels.shape and f.calls == 1
