@@ -76,7 +76,8 @@ def _per_token_loss(hidden_states: Tensor, output_layer, output_weight, labels: 
     x, weight, bias, group, partial = _head(output_layer, output_weight, hidden_states)
     scale = _logit_scale(config)
     if scale != 1.0:
-        x = x * scale  # (x @ W.T) * c == (c x) @ W.T
+        x = x * scale  # (x @ W.T + b) * c == (c x) @ W.T + c b
+        bias = None if bias is None else bias * scale
     target = labels.transpose(0, 1)  # (b, s) -> (s, b), like x's leading dims
     out = linear_cross_entropy(x, weight, target, bias, reduction="none", process_group=group,
                                partial_dx=partial, return_stats=stats)
