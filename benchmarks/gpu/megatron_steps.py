@@ -5,8 +5,9 @@ and the median step time; a JSON per run in $OUT (default ./out).
 Needs megatron-core (0.19.2, its wheel: no TE, no apex; Megatron's local layer specs):
 
   # where there is network, in the repository root (the wheel is cp312 manylinux):
-  pip download --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: \
-      -d .peers megatron-core==0.19.2   # (numpy and packaging too if the GPU image lacks them)
+  # (add numpy and packaging to .peers if the GPU image lacks them)
+  WHEEL="--only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.12"
+  pip download --no-deps $WHEEL -d .peers megatron-core==0.19.2
   # on the GPU machine, carrying .peers (prelude.sh installs .peers/*.whl into /tmp/peers
   # with pip install --no-deps --target and sets PYTHONPATH to src and /tmp/peers):
   . benchmarks/gpu/prelude.sh
