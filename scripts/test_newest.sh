@@ -28,10 +28,11 @@ run tests/test_op_contract.py -k "(torch and not triton) or (triton and (plain o
 # torch's F.linear_cross_entropy patch; tl.sort / tl.topk (truncated log-probs' candidates);
 # Helion on the CPU; the HF patch (source check, every family against the unpatched model,
 # PaliGemma 2's soft-cap); TRL's trainers through logitless; torch.compile(fullgraph=True) of the
-# truncated / batch-invariant custom ops.
+# truncated / batch-invariant custom ops; megatron-core's GPTModel through
+# logitless.integrations.megatron (gloo ranks: TP, SP, CP, MTP).
 run tests/test_torch_api.py tests/test_truncated_log_probs.py::test_triton_candidates_kernel_against_topk \
     tests/test_helion_backend.py tests/test_transformers.py tests/test_transformers_families.py \
     tests/test_integrations_trl.py tests/test_integrations_trl_head.py tests/test_integrations_trl_sft.py \
-    tests/test_compile_truncated.py "$@"
+    tests/test_compile_truncated.py tests/test_integrations_megatron.py "$@"
 echo "newest-releases subset: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -12,6 +12,8 @@ trainer it serves: each works with that trainer installed or not.
 - ``logitless.integrations.liger`` and ``logitless.integrations.cce``: Liger's and
   cut-cross-entropy's loss functions and modules, with their signatures and rules
   (docs/peers.md).
+- ``logitless.integrations.megatron``: megatron-core's ``GPTModel`` loss, MTP losses and
+  RL log-probs through its ``output_processor`` hook (``install(model)``; docs/megatron.md).
 """
 
 __all__ = ["hf_log_probs"]
