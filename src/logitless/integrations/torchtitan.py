@@ -239,18 +239,11 @@ def _local_weight(w: Tensor, name: str):
 
 
 def _check_vocab(global_vocab_size, rows, local_rows, group) -> None:
-    if global_vocab_size is None:
+    """The full row count against ``global_vocab_size`` where it is known without a collective
+    (spmd_types rows: logitless' own layout exchange checks the blocks)."""
+    if global_vocab_size is None or rows is None:
         return
-    if rows is None:   # spmd_types rows: torchtitan's own split of the vocabulary (ceil division)
-        import torch.distributed as dist
-
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = -(-global_vocab_size // size)
-        expected = max(0, min(global_vocab_size, chunk * (rank + 1)) - min(global_vocab_size, chunk * rank))
-        if local_rows != expected:
-            raise ValueError(f"LogitlessLoss: global_vocab_size={global_vocab_size} gives rank {rank} of "
-                             f"{size} {expected} head rows, but lm_head.weight has {local_rows}")
-    elif rows != global_vocab_size:
+    if rows != global_vocab_size:
         raise ValueError(f"LogitlessLoss: global_vocab_size={global_vocab_size} but lm_head.weight has "
                          f"{rows} rows")
 
@@ -294,7 +287,7 @@ def _check_pair(h, t, name: str) -> None:
     if not h.is_floating_point():
         raise TypeError(f"LogitlessLoss: {name} must be floating point, got {h.dtype}")
     if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"LogitlessLoss: labels must be a (batch, seq) tensor, got "
+        raise ValueError("LogitlessLoss: labels must be a (batch, seq) tensor, got "
                          + (f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__))
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise TypeError(f"LogitlessLoss: labels must be integer token ids, got {t.dtype}")
