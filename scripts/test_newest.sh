@@ -33,5 +33,7 @@ run tests/test_torch_api.py tests/test_truncated_log_probs.py::test_triton_candi
     tests/test_helion_backend.py tests/test_transformers.py tests/test_transformers_families.py \
     tests/test_integrations_trl.py tests/test_integrations_trl_head.py tests/test_integrations_trl_sft.py \
     tests/test_compile_truncated.py "$@"
+# torchtitan's trainer with LogitlessLoss against its own losses (one process, FSDP2 and TP=2 over gloo).
+run tests/test_integrations_torchtitan.py "$@"
 echo "newest-releases subset: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -335,7 +335,8 @@ def _step(trainer, tokens, labels, gvt):
     for name in ("norm.weight", "lm_head.weight"):
         g = model.get_parameter(name).grad
         grads[name] = (g.to_local() if hasattr(g, "to_local") else g).detach().clone()
-    return loss.detach(), grads
+    loss = loss.detach()
+    return (loss.full_tensor() if hasattr(loss, "full_tensor") else loss), grads
 
 
 def _batch(rank, vocab):
@@ -380,7 +381,13 @@ def _compare(rank, world, dp, tp, backend, param_dtype, vocab=V_ODD):
 
 
 def _worker(rank, world, device, cases):
+    from logitless.distributed import layout
+
     for case in cases:
+        # one TP group serves two different heads here (one per case): logitless caches the ranks'
+        # row counts per (group, local rows), so the second head would need its own group
+        # (docs/tensor_parallel.md); a training process has one head per group
+        layout._ROW_COUNTS.clear()
         _compare(rank, world, *case)
 
 

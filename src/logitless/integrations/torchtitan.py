@@ -206,10 +206,15 @@ def _head_cross_entropy_sum(head: nn.Module, xs: list[Tensor], targets: list[Ten
     if bias is not None:
         bias, _, _ = _local_weight(bias, "lm_head.bias")
     _check_vocab(loss.global_vocab_size, rows, weight.shape[0], group)
+    # spmd_types: the hidden states are typed Replicate over TP (torchtitan's pre-head norm), whose
+    # backward all-reduces their gradient, so each rank returns its partial one (as the colwise head
+    # would); a DTensor Replicate() hidden state gets the full gradient
+    partial_dx = group is not None and rows is None
     total = None
     for x, t, scale in zip(xs, targets, scales):
         term = linear_cross_entropy(x, weight, t, bias, ignore_index=IGNORE_INDEX, reduction="sum",
-                                    process_group=group, memory_budget=loss.config.memory_budget,
+                                    process_group=group, partial_dx=partial_dx,
+                                    memory_budget=loss.config.memory_budget,
                                     backend=loss.config.backend)
         if scale != 1.0:
             term = term * scale
