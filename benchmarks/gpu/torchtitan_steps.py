@@ -13,21 +13,25 @@ Commands (GPU machine; $OUT defaults to ./out):
     torchrun --nproc_per_node 2 $S --device cpu --dp 2 --vocab 1001 --seq 32 --layers 1 --steps 3 --warmup 1
     torchrun --nproc_per_node 2 $S --device cpu --tp 2 --vocab 1001 --seq 32 --layers 1 --steps 3 --warmup 1
 
-Wheels to carry (torchtitan 0.3.0 and what its training path imports that the GPU machine
-lacks; the rest of its Requires-Dist -- torchdata, torch_checkpointing, datasets, tokenizers,
-tensorboard, wandb, einops, pillow, safetensors -- is imported only by the dataloader,
-tokenizer, checkpointer and loggers this script does not build, or lazily):
-torchtitan==0.3.0, spmd_types==0.2.3, tyro (and its deps docstring-parser, typeguard,
-typing-extensions, rich, shtab, markdown-it-py, mdurl, pygments). Fetch with
-``pip download --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard
-rich shtab markdown-it-py mdurl pygments -d wheels``.
+Wheels to carry (torchtitan 0.3.0 and what ``import torchtitan.trainer`` loads, measured here
+with torch 2.15: the trainer module imports its checkpointer, dataloader, tokenizer and
+metrics even when they are not built): torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing
+torchdata tyro docstring-parser typeguard shtab rich markdown-it-py mdurl pygments datasets
+pyarrow pandas python-dateutil dill multiprocess xxhash fsspec huggingface_hub aiohttp
+aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs tokenizers tensorboard
+absl-py protobuf grpcio markdown werkzeug tensorboard-data-server (skip those the machine
+has; ``pip download --no-deps <names> -d wheels`` on a machine with network, Python 3.12).
+Not imported on this path: wandb, einops, pillow, torchao (lazy).
 
-torchtitan 0.3.0 is written against torch >= 2.12 (e.g. ``torch.distributed.fsdp.
-DataParallelMeshDims``, added to PyTorch in March 2026); with torch 2.11 its import fails.
-The script then says so in its JSON (``"torchtitan": "unavailable: ..."``) and runs the same
-comparison on a plain-PyTorch Llama (the same shapes; FSDP2 by ``fully_shard``, TP=2 by a
+torch 2.11: torchtitan 0.3.0's llama3 path imports ``torch.distributed.fsdp.DataParallelMeshDims``
+(``distributed/full_dtensor.py``), which PyTorch added in March 2026 (pytorch#176334), after
+2.11's branch cut as far as can be told here (no torch 2.11 on this machine: torch 2.13 has
+every torch name the path imports). If the import fails the script says so in its JSON
+(``"torchtitan": "unavailable: ..."``) and runs the same comparison on a plain-PyTorch Llama
+(the same shapes; FSDP2 by ``fully_shard`` with the loss as a registered head method, TP=2 by a
 ``ColwiseParallel`` head with ``loss_parallel``): torch's cross-entropy on the logits vs
-``logitless.linear_cross_entropy``. ``--impl plain`` forces that path.
+``logitless.linear_cross_entropy``. ``--impl plain`` forces that path, ``--impl torchtitan``
+refuses the fallback.
 
 Per loss: ``--steps`` steps on the same synthetic batches (a fixed set of token sequences
 drawn from a seeded bigram chain, cycled, so the loss falls); per step the loss (mean over

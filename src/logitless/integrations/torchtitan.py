@@ -31,7 +31,22 @@ under ``spmd_backend="spmd_types"`` this rank's rows with the TP group of the cu
 logitless exchanges O(tokens) statistics, never logits), CP (the local sequence chunk; the
 loss stays a local sum over ``global_valid_tokens``), and MTP lists of hidden states
 (``[main, depth 1, ...]``: the main loss plus ``mtp_scale`` times the mean of the depths'
-losses, labels rolled per depth as torchtitan's ``MTPLoss`` rolls them).
+losses, labels rolled per depth as torchtitan's ``MTPLoss`` rolls them). Under FSDP2 the
+head's group is kept unsharded from the head's backward to the final norm's, so the backward
+gathers nothing again; under ``spmd_types`` TP the hidden states are typed Replicate (their
+backward all-reduces the gradient), so each rank returns its partial gradient
+(``partial_dx=True``), as the colwise head would.
+
+Refused, each with a ``ValueError``/``TypeError`` that says why: a loss other than
+``CrossEntropyLoss`` (``logitless_loss`` on ``MSELoss``, or on a ``ChunkedLossWrapper`` around
+another loss); ``MTPLoss`` through the trainer (torchtitan 0.3.0's ``MTPDecoder.forward`` raises
+on ``_skip_lm_head``, which the trainer sets for every ``ChunkedLossWrapper``: MTP lists work
+when the loss is called directly); a head weight sharded other than over the vocabulary, or over
+it on two mesh dimensions; ``Partial`` or hidden-dimension-sharded hidden states; labels that are
+not (batch, seq) integers; a ``global_vocab_size`` that disagrees with the head; bad options.
+Not tested: pipeline parallelism (wired by the trainer as for the chunked loss, last stage),
+``full_dtensor`` (handled as ``partial_dtensor``) and CP (nothing specific to do).
+``compile.components=["loss"]`` compiles nothing: the op is already fused.
 """
 
 from __future__ import annotations
