@@ -8,10 +8,11 @@ Commands (GPU machine; $OUT defaults to ./out):
     export PYTHONPATH=$PWD/src S=benchmarks/gpu/torchtitan_steps.py
     torchrun --nproc_per_node 2 $S --dp 2                                           # FSDP2
     torchrun --nproc_per_node 2 $S --tp 2                                           # TP=2
+    # torchtitan's own spmd_types loss-parallel CE needs V divisible by TP (128256 is)
     # CPU proof at tiny size (gloo), as run on the development machine:
     python $S --device cpu --vocab 1001 --seq 32 --layers 1 --steps 3 --warmup 1
     torchrun --nproc_per_node 2 $S --device cpu --dp 2 --vocab 1001 --seq 32 --layers 1 --steps 3 --warmup 1
-    torchrun --nproc_per_node 2 $S --device cpu --tp 2 --vocab 1001 --seq 32 --layers 1 --steps 3 --warmup 1
+    torchrun --nproc_per_node 2 $S --device cpu --tp 2 --vocab 1000 --seq 32 --layers 1 --steps 3 --warmup 1
 
 Wheels to carry (torchtitan 0.3.0 and what ``import torchtitan.trainer`` loads, measured here
 with torch 2.15: the trainer module imports its checkpointer, dataloader, tokenizer and
@@ -37,7 +38,7 @@ Per loss: ``--steps`` steps on the same synthetic batches (a fixed set of token 
 drawn from a seeded bigram chain, cycled, so the loss falls); per step the loss (mean over
 tokens), and after ``--warmup`` steps the median step time and the peak memory
 (``torch.cuda.max_memory_allocated``). Steps run eagerly (no CUDA graphs, no compile) for
-both losses alike. JSON to ``$OUT/torchtitan_steps-<mode>.json``.
+both losses alike. JSON to ``$OUT/torchtitan_steps-<torchtitan|plain>-<1gpu|fsdp2|tp2>-<device>.json``.
 """
 
 from __future__ import annotations
@@ -378,7 +379,8 @@ def main():
     if rank == 0:
         d = os.environ.get("OUT", "./out")
         os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, f"torchtitan_steps-{mode}-{args.device}.json")
+        impl = "torchtitan" if why is None else "plain"
+        path = os.path.join(d, f"torchtitan_steps-{impl}-{mode}-{args.device}.json")
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
         for k, v in losses.items():
