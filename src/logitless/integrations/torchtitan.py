@@ -220,7 +220,7 @@ def _head_cross_entropy_sum(head: nn.Module, xs: list[Tensor], targets: list[Ten
     bias = getattr(head, "bias", None)
     if bias is not None:
         bias, _, _ = _local_weight(bias, "lm_head.bias")
-    _check_vocab(loss.global_vocab_size, rows, weight.shape[0], group)
+    _check_vocab(loss.global_vocab_size, rows)
     # spmd_types: the hidden states are typed Replicate over TP (torchtitan's pre-head norm), whose
     # backward all-reduces their gradient, so each rank returns its partial one (as the colwise head
     # would); a DTensor Replicate() hidden state gets the full gradient
@@ -258,7 +258,7 @@ def _local_weight(w: Tensor, name: str):
     return w, None, w.shape[0]
 
 
-def _check_vocab(global_vocab_size, rows, local_rows, group) -> None:
+def _check_vocab(global_vocab_size, rows) -> None:
     """The full row count against ``global_vocab_size`` where it is known without a collective
     (spmd_types rows: logitless' own layout exchange checks the blocks)."""
     if global_vocab_size is None or rows is None:
