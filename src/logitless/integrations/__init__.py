@@ -1,5 +1,7 @@
-"""Integrations with third-party trainers (PyTorch side). None of them imports the
-trainer it serves: each works with that trainer installed or not.
+"""Integrations with third-party trainers (PyTorch side). None of them but
+``torchtitan`` imports the trainer it serves: each works with that trainer installed or not,
+and ``logitless.integrations.torchtitan`` (a subclass of torchtitan's loss) is imported only
+by its user, never by ``import logitless``.
 
 - ``logitless.integrations.verl.linear_cross_entropy``: drop-in for verl's fused
   ``verl.utils.kernel.linear_cross_entropy`` (log-probs and entropy for PPO/GRPO).
@@ -9,6 +11,9 @@ trainer it serves: each works with that trainer installed or not.
   given tokens under an HF causal LM, from its last hidden states, without logits.
 - ``logitless.integrations.torch_api`` (``logitless.patch_torch``): torch's own
   ``F.linear_cross_entropy`` / ``nn.LinearCrossEntropyLoss`` (torch >= 2.13) on logitless.
+- ``logitless.integrations.torchtitan.LogitlessLoss``: torchtitan's cross-entropy loss
+  without logits, selected with ``--override.imports
+  logitless.integrations.torchtitan.logitless_loss`` (docs/torchtitan.md).
 - ``logitless.integrations.liger`` and ``logitless.integrations.cce``: Liger's and
   cut-cross-entropy's loss functions and modules, with their signatures and rules
   (docs/peers.md).
