@@ -86,7 +86,8 @@ def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi:
         v = float(value)
         ok = (lo < v if lo_open else lo <= v) and v <= hi and -math.inf < v < math.inf  # (NaN: False)
         if not ok:
-            raise ValueError(f"{name} must be in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}] ({hint}), got {value}")
+            raise ValueError(f"{name} must be in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}] ({hint}), "
+                             f"got {value}")
         if name == "top_k" and v != int(v):
             raise ValueError(f"top_k must be an integer >= 0 (0 or None: off), got {value}")
         if v == off:
