@@ -38,6 +38,7 @@ import inspect
 import os
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from triton import knobs
@@ -188,16 +189,6 @@ def bound_values(args: tuple, kwargs: dict, tail: tuple) -> tuple:
     return (*args, *[kwargs[name] if name in kwargs else default for name, default in tail])
 
 
-def _quiet_numpy():
-    """Around a launch on Triton's interpreter (numpy blocks): numpy's floating-point
-    warnings off, in this thread and for the launch only. The kernels compute exp(-inf),
-    log(0), inf * 0 in masked lanes and padding on purpose (a GPU says nothing); numpy's
-    RuntimeWarnings there reached the user as if something were wrong."""
-    import numpy as np
-
-    return np.errstate(all="ignore")
-
-
 def run_kernel(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``: the same compiled kernel, launched the same way
     (Triton's launcher: tensor-map descriptors filled, launch hooks called, on the
@@ -212,8 +203,12 @@ def run_kernel(kernel, grid, *args, **kwargs):
     ``override(fast_launch=False)`` always take ``kernel[grid]``."""
     if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple and _overrides().fast_launch):
         LAUNCHES["triton"] += 1
-        if type(kernel) is not JITFunction and type(kernel).__name__ == "InterpretedFunction":
-            with _quiet_numpy():
+        if type(kernel).__name__ == "InterpretedFunction":
+            # Triton's interpreter (numpy blocks): numpy's floating-point warnings off for this
+            # launch, in this thread. The kernels compute exp(-inf), log(0), inf * 0 in masked
+            # lanes and padding on purpose (a GPU says nothing); the RuntimeWarnings reached the
+            # user as if something were wrong.
+            with np.errstate(all="ignore"):
                 return kernel[grid](*args, **kwargs)
         return kernel[grid](*args, **kwargs)
     device = torch.cuda.current_device()
