@@ -9,23 +9,40 @@
 #              -> the version-sensitive subset of tests/
 # Exits 0 only if all three ran tests and passed. Extra arguments go to the first two pytest runs.
 # Override the interpreters with PYTHON_TORCH=... / PYTHON_JAX=...
+#
+# bash scripts/test.sh --quick: "did my install work" in a few minutes: builds .venv only and
+# runs QUICK below (the op contract of every op on the torch backend, one Triton-interpreter
+# case of each fused op family, the docs' paths and names); extra arguments go to that pytest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/pip_retry.sh  # pip_install: retries a download that breaks off; find_py312
 
+QUICK=(tests/test_op_contract.py tests/test_docs.py
+       tests/test_linear_cross_entropy.py::test_interpreter_launches_give_the_user_no_numpy_warnings
+       -k "not triton or linear_cross_entropy-plain-torch.float32-triton or numpy_warnings")
+
 status=0
 py_torch="${PYTHON_TORCH:-python3}"
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 
 echo "=== PyTorch tests: $py_torch -> .venv (torch 2.13.0) ==="
 if [ ! -x .venv/bin/python ]; then "$py_torch" -m venv .venv || exit 1; fi
 pip_install .venv/bin/python --upgrade pip
 if pip_install .venv/bin/python "torch==2.13.0" -e ".[test]" -e benchmarks; then
+    if [ $quick -eq 1 ]; then
+        .venv/bin/python -m pytest "${QUICK[@]}" -q "$@"
+        rc=$?
+        [ $rc -eq 0 ] && echo "quick check passed (the full suites: bash scripts/test.sh)" || echo "quick check FAILED"
+        exit $rc
+    fi
     .venv/bin/python -m pytest tests "$@"
     rc=$?
     echo "PyTorch tests: exit $rc"
     [ $rc -eq 0 ] || status=1
 else
     echo "PyTorch environment: install failed"; status=1
+    [ $quick -eq 1 ] && exit 1
 fi
 
 py_jax="$(find_py312)" || { echo "no Python >= 3.12 found for the JAX tests (set PYTHON_JAX)"; exit 1; }

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
-from logitless_bench import peers, reference, report
+from logitless_bench import peers, reference, report, shapes, timing
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 #: torch's own F.linear_cross_entropy (torch >= 2.13) and its rows in the lce suite.
@@ -53,7 +53,10 @@ def _ce_available() -> bool:
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "-c", RUN, "--cpu", "--out", str(out), "--warmup", "1", "--reps", "2"],
+        # The harness end to end on the small cases with every method (the default CPU case
+        # takes seconds a call: test_cpu_default_case_shows_memory holds its choice).
+        [sys.executable, "-c", RUN, "--cpu", "--out", str(out), "--warmup", "1", "--reps", "2",
+         "--shapes", "cpu-tiny,256x1000-fp32", "--budgets", "default,logits,64MiB"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -100,7 +103,8 @@ def test_cpu_run_lce_files(cpu_run):
         for key in ("fwd_ms", "fwdbwd_ms", "fwd_per_gemm", "fwdbwd_per_3gemm", "loss", "loss_abs_err",
                     "dx_rel_err", "dw_rel_err"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (name, key, r.get(key))
-        assert r["peak_extra_mib"] is None  # not measured on the CPU
+        # Measured on the CPU too (resident memory); the inputs are tiny (1 MiB of logits).
+        assert r["peak_extra_mib"] is None or abs(r["peak_extra_mib"]) < 64, (name, r["peak_extra_mib"])
         assert r["loss_abs_err"] < 1e-4 and r["dx_rel_err"] < 1e-4 and r["dw_rel_err"] < 1e-4, (name, r)
     md = (out / "latest-lce-cpu.md").read_text()
     assert "NO GPU FOUND" in md and "| cpu-tiny (256, 64, 1000) |" in md and "## All metrics" in md
@@ -227,6 +231,57 @@ def test_unit_is_warmed_up_and_checked():
 
     unit = timing.measure_unit("copy", noisy, 1e6, device="cpu", warmup=1, reps=3)
     assert unit.spread > timing.UNIT_SPREAD_LIMIT and "spread" in unit.warning
+
+
+def test_cpu_default_case_shows_memory():
+    """Without --shapes a CPU runs one case whose logits are ~twice the default budget (so
+    the memory column shows what the op saves), with the op and the logits way only."""
+    from logitless.planning.plans import DEFAULT_MEMORY_BUDGET
+    from logitless_bench import cli
+
+    (case,) = shapes.select(shapes.lce_shapes(True), [], cpu=True)
+    assert case.tokens * case.vocab * 4 > 1.9 * DEFAULT_MEMORY_BUDGET and case.dtype == "float32"
+    assert case.vocab == 128256
+    assert {"logitless", "torch-eager"} <= set(cli.CPU_METHODS) and cli.CPU_BUDGETS == "default"
+
+
+@pytest.mark.skipif(timing.cpu_rss_reset_peak() is None, reason="no /proc/self/clear_refs (not Linux)")
+def test_cpu_peak_memory_is_measured():
+    """On the CPU the peak is the resident high-water mark during the call: a 64 MiB
+    temporary that is written shows, the gradients' bytes are excluded, a no-op shows ~0."""
+    def temporary():
+        buf = torch.ones(16 * 2**20)  # 64 MiB, written
+        return buf.sum()
+
+    _, extra = timing.peak_extra_bytes(temporary, device="cpu")
+    assert 60 * 2**20 <= extra <= 80 * 2**20, extra / 2**20
+    _, extra = timing.peak_extra_bytes(temporary, device="cpu", exclude_bytes=64 * 2**20)
+    assert abs(extra) <= 16 * 2**20, extra / 2**20
+    _, extra = timing.peak_extra_bytes(lambda: torch.zeros(()), device="cpu")
+    assert abs(extra) <= 8 * 2**20, extra / 2**20
+
+
+def test_cpu_summary_has_notes_not_alarms():
+    """On a CPU a busy machine (load, spread of the timings) gives plain notes, and no
+    planner table (GPU predictions beside CPU times); a unit outside its class still alarms."""
+    row = {"shape": "a", "method": "logitless", "status": "ok", "fwd_per_gemm": 1.1, "fwdbwd_per_3gemm": 1.2,
+           "fwd_spread": 0.5, "pred_strategy": "keep", "pred_ms": 1.0, "pred_fwd_ms": 0.5, "fwdbwd_ms": 3.0,
+           "pred_model": "H100", "pred_off_device": True, "peak_extra_mib": 245.0}
+    data = {"suite": "lce", "meta": {"gpu": False, "device_info": {"cpu_count": 2, "load_average_1min": 7.5}},
+            "units": {"gemm_ms": {"a": 16.0}, "warnings": [
+                "UNIT LOOKS WRONG: 1 GEMM (a) = 16 ms: its timings spread by 30% (inter-quartile range / median, "
+                "limit 15%): the machine is busy or throttling."]},
+            "shapes": {"a": {"label": "a (1, 2, 3)", "gemm_ms": 16.0}}, "methods": {"logitless": ""}, "rows": [row]}
+    text = report.summary(data)
+    assert "!!!" not in text and "note: BUSY MACHINE" in text and "note: NOISY TIMINGS" in text
+    assert "note: UNIT LOOKS WRONG: 1 GEMM (a)" in text and "/ 245 |" in text
+    assert "cost model" not in text and "predicted" not in report.format_row({**row, "suite": "lce"})
+    data["units"]["warnings"] = ["UNIT LOOKS WRONG: 1 GEMM (a) = 16 ms: 1 FLOP/s is outside what this device "
+                                 "class does (4 GFLOP/s to 500 GFLOP/s)"]
+    assert "!!! UNIT LOOKS WRONG" in report.summary(data)
+    data["meta"]["gpu"] = True  # on a GPU the same warnings alarm and the planner table is shown
+    text = report.summary(data)
+    assert "!!! BUSY MACHINE" in text and "cost model" in text
 
 
 def test_summary_warns_next_to_the_table():

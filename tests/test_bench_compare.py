@@ -251,14 +251,15 @@ def test_model_suite_covers_the_range():
 def test_models_suite_cpu_run_writes_predictions(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "logitless_bench", "--suite", "models", "--cpu", "--no-peers", "--budgets",
-         "default", "--warmup", "0", "--reps", "1", "--out", str(tmp_path)],
+         "default", "--warmup", "0", "--reps", "1", "--shapes", "cpu-tiny", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "latest-models-cpu.json").read_text())
     assert data["suite"] == "lce" and data["name"] == "models"
     row = data["rows"][0]
     assert row["pred_strategy"] and row["pred_ms"] > 0 and row["pred_fwd_ms"] > 0
-    assert "planner (H100 cost model): predicted vs measured" in proc.stdout
+    # On a CPU the GPU predictions stay in the files, out of the printed summary.
+    assert "cost model" not in proc.stdout and "predicted" not in proc.stdout
     assert "predicted fwd / f+b ms" in (tmp_path / "latest-models-cpu.md").read_text()
 
 

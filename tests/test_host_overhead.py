@@ -419,7 +419,10 @@ def test_launch_count_per_forward_backward(which):
 #: 190 / 11 and 238 / 10 on Python 3.11 (3.12 inlines comprehensions: fewer). linear_jsd's
 #: forward op then took over its gradient-in-forward strategy: three more (size-0)
 #: gradient outputs when the strategy is not used, as linear_cross_entropy's (13 allocations).
-MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 11), "linear_jsd": (255, 13)}
+#: Since then each interpreted launch runs under numpy's errstate (3 calls, interpreter only:
+#: on a GPU the bounds have that slack, 12 calls for 4 launches) and linear_cross_entropy's
+#: torch_weight_hint wrapper costs 1.
+MAX_HOST_WORK = {"linear_cross_entropy": (218, 15), "linear_log_probs": (217, 11), "linear_jsd": (255, 13)}
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

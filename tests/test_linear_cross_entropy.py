@@ -336,3 +336,28 @@ def test_stats_argmax_ties_take_the_first_index_across_chunks(backend):
         _, st = logitless.linear_cross_entropy(x.to(DEVICE), w.to(DEVICE), target.to(DEVICE), backend=backend,
                                                return_stats=True, memory_budget=budget, shift=True)
         assert st.argmax.shape == (2, 4) and torch.equal(st.argmax.cpu(), torch.where(target[:, 1:] != -100, 7, -1))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="Triton's CPU interpreter (numpy) only")
+def test_interpreter_launches_give_the_user_no_numpy_warnings():
+    """The kernels compute exp(-inf), log(0) and inf * 0 in masked lanes on purpose; on
+    Triton's interpreter numpy warned about each (RuntimeWarning), which reached the user.
+    The launches silence numpy's floating-point warnings for themselves only."""
+    import warnings
+
+    import numpy as np
+
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(100, 32, requires_grad=True)
+    t = torch.randint(0, 100, (16,))
+    t[3] = -100
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # (pyproject's filterwarnings ignores them for the other tests)
+        logitless.linear_cross_entropy(x, w, t, backend="triton", softcap=5.0, z_loss=1e-3).backward()
+        logitless.linear_log_probs(x.detach(), w.detach(), t.clamp(min=0), backend="triton", top_k=5, entropy=True)
+        logitless.cross_entropy(torch.randn(16, 100), t, backend="triton")
+    assert not [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+    with warnings.catch_warnings(record=True) as caught:  # the user's own numpy is left as it was
+        warnings.simplefilter("always")
+        np.log(np.zeros(1))
+    assert [c for c in caught if issubclass(c.category, RuntimeWarning)]

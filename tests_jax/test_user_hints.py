@@ -71,6 +71,25 @@ def test_mosaic_gpu_through_the_api_on_cpu_warns(monkeypatch):
             pass  # a case the backend refuses: the warning came first
 
 
+@pytest.mark.parametrize("h, v, dtype, bias, says", [
+    (100, 64, jnp.bfloat16, False, "H=100 is not a positive multiple of 64"),
+    (64, 37, jnp.bfloat16, False, "V=37 is not a positive multiple of 8"),
+    (64, 64, jnp.float32, False, "dtype float32: it takes bfloat16 or float16"),
+    (64, 64, jnp.bfloat16, True, "bias is not supported"),
+])
+def test_mosaic_gpu_refusal_names_the_constraint(monkeypatch, h, v, dtype, bias, says):
+    """An explicit implementation="mosaic_gpu" that the kernels cannot run says which of
+    their constraints the case breaks (on a Hopper: the device check passes)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from logitless.jax.ops.linear_cross_entropy import backends
+
+    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(backends, "_is_sm90", lambda: True)
+    with pytest.raises(ValueError, match=f"{says}; use implementation='xla'"):
+        backends.choose_backend("mosaic_gpu", (8, h), (v, h), dtype, None, bias)
+    assert backends.choose_backend("mosaic_gpu", (8, 64), (64, 64), jnp.bfloat16, None, False) == "mosaic_gpu"
+
+
 @pytest.mark.parametrize("op", ["lce", "llp"])
 def test_out_of_range_label_raises_eagerly_on_cpu_and_is_nan_under_jit(op):
     if not ON_CPU:

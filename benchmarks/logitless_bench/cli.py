@@ -37,6 +37,12 @@ examples:
 """
 
 
+#: Budgets of the logitless lce rows without --budgets.
+GPU_BUDGETS, CPU_BUDGETS = "default,logits,64MiB", "default"
+#: Methods of a run without a GPU and without --methods: a CPU call of the default case
+#: takes seconds, so the run compares the op with the logits way (the rest: --methods).
+CPU_METHODS = ("logitless", "torch-eager", "logitless-inplace")
+
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
 SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp", "grpo")
 
@@ -64,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cases to run: names or shell patterns of lce shapes and/or ce cases, e.g. "
                    "llama3.1-8b,'*-fp32' (see --list)")
     p.add_argument("--methods", metavar="NAME[,NAME]", help="methods to run (see --list)")
-    p.add_argument("--budgets", default="default,logits,64MiB", metavar="B[,B]",
+    p.add_argument("--budgets", metavar="B[,B]",
                    help="memory budgets of the logitless lce rows: default, logits (= B*V*itemsize) or a size "
-                   "like 64MiB (default: %(default)s)")
+                   f"like 64MiB (default: {GPU_BUDGETS}; without a GPU: {CPU_BUDGETS})")
     p.add_argument("--no-peers", action="store_true", help="logitless only (no torch, liger, cce)")
     p.add_argument("--quick", action="store_true", help="smoke run: first case of each suite, 1 warm-up, 3 reps")
-    p.add_argument("--warmup", type=int, help="untimed calls before timing (default 3; --quick 1)")
-    p.add_argument("--reps", type=int, help="timed calls, the median is reported (default 10; --quick 3)")
+    p.add_argument("--warmup", type=int, help="untimed calls before timing (default 3; --quick or no GPU: 1)")
+    p.add_argument("--reps", type=int, help="timed calls, the median is reported (default 10; --quick 3; no GPU: 2)")
     p.add_argument("--no-errors", action="store_true", help="skip the float64 reference and the error columns")
     p.add_argument("--max-minutes", type=float, metavar="M",
                    help="after M minutes skip the remaining methods and write the files (for time-limited sessions)")
@@ -178,7 +184,8 @@ def _main(argv=None) -> int:
         from . import tp
 
         return tp.run_cli(args, cpu)
-    budgets = split(args.budgets) or ["default"]
+    cpu_defaults = cpu and not args.shapes  # the CPU-sized case: fewer calls of seconds each
+    budgets = split(args.budgets if args.budgets is not None else (CPU_BUDGETS if cpu else GPU_BUDGETS)) or ["default"]
     for b in budgets:
         peers.budget_bytes(b, 1, 1, 2)  # fail early on a malformed budget
     if args.list:
@@ -188,8 +195,8 @@ def _main(argv=None) -> int:
     quick = args.quick
     cfg = Config(
         device=device,
-        warmup=args.warmup if args.warmup is not None else (1 if quick else 3),
-        reps=args.reps if args.reps is not None else (3 if quick else 10),
+        warmup=args.warmup if args.warmup is not None else (1 if quick or cpu_defaults else 3),
+        reps=args.reps if args.reps is not None else (2 if cpu_defaults else 3 if quick else 10),
         errors=not args.no_errors,
         seed=args.seed,
         deadline=time.monotonic() + 60 * args.max_minutes if args.max_minutes else None,
@@ -201,7 +208,7 @@ def _main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(shapes.known_names(cpu))}")
     method_lists = _method_lists(budgets, cpu, not args.no_peers)
-    method_names = split(args.methods)
+    method_names = split(args.methods) or (list(CPU_METHODS) if cpu_defaults and args.suite in ("lce", "all") else [])
     all_names = {m.name for ms in _method_lists(budgets, False, True).values() for m in ms}
     unknown = [n for n in method_names if n not in all_names]
     if unknown:

@@ -91,7 +91,8 @@ def predict(shape, method, device) -> dict:
     from logitless.planning.cost_model import device_model
 
     return {"pred_strategy": grad.label, "pred_ms": grad.ms, "pred_fwd_ms": fwd.ms,
-            "pred_memory_mib": grad.memory / 2**20, "pred_model": device_model(dev).name}
+            "pred_memory_mib": grad.memory / 2**20, "pred_model": device_model(dev).name,
+            "pred_off_device": dev.type != "cuda"}
 
 
 def _safe_predict(shape, method, device) -> dict:

@@ -44,7 +44,8 @@ shapes), targets uniform in [0, V), mean reduction.
   needs at least 3 GEMMs: logits, dx, dW). Ratios are the figure of merit; ms move between runs.
 - **peak extra MiB**: one more fwd+bwd call: torch.cuda.max_memory_allocated during it minus
   memory_allocated before it (inputs, targets, reference all already there) minus the bytes of dx and dW.
-  Temporary memory of the method. Not measured on the CPU.
+  Temporary memory of the method. CPU: the process's resident memory instead (VmHWM during the call,
+  reset before it, minus VmRSS before it; allocator caches included).
 - **loss**, **|loss-ref|**: loss of that call and its absolute difference to a float64 reference;
   **dx err**, **dW err**: ||g - g_ref||_F / ||g_ref||_F of the gradients. The reference is computed on the
   device in float64, in chunks of tokens (never the whole float64 logits), closed form softmax - onehot.""",
@@ -71,13 +72,19 @@ Metrics (ce): logits (N,V) ~ N(0,1) in the listed dtype, targets uniform, mean r
   from their seeds): absolute loss difference, ||g - g_ref||_F / ||g_ref||_F.""",
 }
 
-CPU_BANNER = """\
-************************************************************************************
-* NO GPU FOUND (torch.cuda.is_available() is False, or --cpu was given).           *
-* The numbers below are CPU timings (time.perf_counter, one thread) of one SMALL   *
-* case, run to check that the harness works end to end. They are NOT the benchmark:*
-* run this command on a CUDA GPU for the numbers of the shapes of docs/ANCHORS.md. *
-************************************************************************************"""
+def _box(lines) -> str:
+    width = max(len(x) for x in lines)
+    rule = "*" * (width + 4)
+    return "\n".join([rule] + [f"* {x:<{width}} *" for x in lines] + [rule])
+
+
+CPU_BANNER = _box([
+    "NO GPU FOUND (torch.cuda.is_available() is False, or --cpu was given).",
+    "Below: a case sized for a CPU, timed on one thread (time.perf_counter); peak extra",
+    "MiB is the process's resident memory during one call. The memory column holds on",
+    "any device; the times are a CPU's. The numbers are NOT the benchmark: run this",
+    "command on a CUDA GPU for the numbers of the shapes of docs/ANCHORS.md.",
+])
 
 
 # --------------------------------------------------------------------------- environment
@@ -338,7 +345,7 @@ def format_row(row: dict) -> str:
                 f"  peak +{_mib(row.get('peak_extra_mib'))} MiB"
                 f"  |dloss| {_f(row.get('loss_abs_err'), '.1e')} dx {_f(row.get('dx_rel_err'), '.1e')}"
                 f" dW {_f(row.get('dw_rel_err'), '.1e')}")
-        if row.get("pred_strategy"):
+        if row.get("pred_strategy") and not row.get("pred_off_device"):
             text += (f"  predicted {_f(row.get('pred_fwd_ms'), '.3f')} / {_f(row.get('pred_ms'), '.3f')} ms "
                      f"({row['pred_strategy']})")
     else:
@@ -394,7 +401,7 @@ def unit_text(data, shape) -> str:
                 f"{_f(units.get('gemm_warmup_s', {}).get(shape), '.1f')} s of warm-up)")
         key = f"({shape}) ="
     warnings = [w for w in units.get("warnings", []) if key in w]
-    return text + "".join(f"\n!!! {w}" for w in warnings)
+    return text + "".join(f"\n{w}" for w in warning_lines(data, warnings))
 
 
 #: Relative spread (inter-quartile range / median) of a row's timings reported as noisy.
@@ -425,12 +432,26 @@ def unit_warnings(data) -> list:
     return warnings
 
 
+def is_noise_warning(text: str) -> bool:
+    """A warning that a busy machine gives by itself (load, spread of the timings), as
+    opposed to a unit outside its device class or a ratio no loss can reach."""
+    return text.startswith(("BUSY MACHINE", "NOISY TIMINGS", "UNIT LOOKS WRONG: forward ratios below")) or (
+        "its timings spread by" in text and "outside what this device class does" not in text)
+
+
+def warning_lines(data, warnings) -> list:
+    """``!!!`` lines; on a CPU the busy machine's own warnings are plain notes (a shared CPU
+    is noisy by nature, and the memory column does not depend on it)."""
+    cpu = not data.get("meta", {}).get("gpu", True)
+    return [f"note: {w}" if cpu and is_noise_warning(w) else f"!!! {w}" for w in warnings]
+
+
 def summary(data) -> str:
     """The compact tables (printed at the end of a run, and at the top of the .md); any
     warning about the units comes first, next to the tables it concerns."""
     shapes, methods, by = _grid(data)
     info = data["shapes"]
-    out = [f"!!! {w}" for w in unit_warnings(data)]
+    out = warning_lines(data, unit_warnings(data))
     if data["suite"] in ("lce", "precision"):
         out.append("fwd / 1 GEMM, fwd+bwd / 3 GEMMs, peak extra MiB:")
         rows = [[info.get(s, {}).get("label", s), _f(info.get(s, {}).get("gemm_ms"), ".2f")]
@@ -467,6 +488,8 @@ def summary(data) -> str:
 
 def _predictions(data) -> str:
     """The planner's predicted times (``planning.cost_model``) beside the measured ones."""
+    if not data.get("meta", {}).get("gpu", True):
+        return ""  # GPU predictions beside CPU times say nothing (the JSON and All metrics keep them)
     rows = [[r["shape"], r["method"], r["pred_strategy"], _f(r.get("pred_fwd_ms"), ".2f"), _f(r.get("fwd_ms"), ".2f"),
              _f(r.get("pred_ms"), ".2f"), _f(r.get("fwdbwd_ms"), ".2f"),
              _f(r["fwdbwd_ms"] / r["pred_ms"] if _num(r.get("fwdbwd_ms")) and _num(r.get("pred_ms")) else None, ".2f")]
@@ -474,9 +497,7 @@ def _predictions(data) -> str:
     if not rows:
         return ""
     model = next((r.get("pred_model") for r in data["rows"] if r.get("pred_model")), "?")
-    cpu = "" if data.get("meta", {}).get("gpu", True) else (
-        " (GPU predictions beside CPU times: the ratio says nothing on this machine)")
-    return (f"\nplanner ({model} cost model): predicted vs measured ms{cpu}:\n"
+    return (f"\nplanner ({model} cost model): predicted vs measured ms:\n"
             + _table(["shape", "method", "strategy", "pred fwd", "fwd", "pred f+b", "f+b", "f+b / pred"], rows))
 
 

@@ -67,6 +67,13 @@ class Truncation:
         return Truncation(self.top_k[idx], self.top_p[idx], self.min_p[idx], self.k_max)
 
 
+def _bound(v: float) -> str:
+    """A range bound as a reader writes it: 2**62, not 4.61169e+18."""
+    if v >= 2**20 and float(v).is_integer() and (int(v) & (int(v) - 1)) == 0:
+        return f"2**{int(v).bit_length() - 1}"
+    return f"{v:g}"
+
+
 def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi: float, lo_open: bool,
               off: float, hint: str) -> Optional[Tensor]:
     """(N,) tensor of the parameter, or None when it is off everywhere (a Python number)."""
@@ -79,7 +86,8 @@ def _as_param(name: str, value, shape: torch.Size, device, dtype, lo: float, hi:
         v = float(value)
         ok = (lo < v if lo_open else lo <= v) and v <= hi and -math.inf < v < math.inf  # (NaN: False)
         if not ok:
-            raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({hint}), got {value}")
+            raise ValueError(f"{name} must be in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}] ({hint}), "
+                             f"got {value}")
         if name == "top_k" and v != int(v):
             raise ValueError(f"top_k must be an integer >= 0 (0 or None: off), got {value}")
         if v == off:
@@ -101,7 +109,7 @@ def _check_range(name: str, t: Tensor, lo: float, hi: float, lo_open: bool, hint
     bad = (t <= lo) if lo_open else (t < lo)
     bad = bad | (t > hi) | torch.isnan(t)
     if bool(bad.any()):  # (host sync)
-        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({hint}); "
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}] ({hint}); "
                          f"got {t[bad].tolist()[:4]}")
 
 

@@ -157,7 +157,8 @@ def interpreted_language():
                             _LANGUAGE_COPIES[key] = InterpretedFunction(val.fn)
                         saved.append((mod, attr, val))
                         setattr(mod, attr, _LANGUAGE_COPIES[key])
-            yield
+            with np.errstate(all="ignore"):  # the kernels' inf/NaN lanes, as on a GPU (as launch.run_kernel does)
+                yield
         finally:
             interp._LangPatchScope.set_attr = set_attr
             for obj, attr, val in first_seen.values():

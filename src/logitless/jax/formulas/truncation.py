@@ -27,11 +27,16 @@ def _is_concrete(a) -> bool:
         return False
 
 
+def _bound(v) -> str:
+    """A range bound as a reader writes it: 2147483647, not 2.14748e+09."""
+    return str(int(v)) if float(v).is_integer() and abs(v) >= 1e6 else f"{v:g}"
+
+
 def check_param(name, value, shape, lo, hi, lo_open, off, hint, integer=False):
     """(N,) array of the parameter, or None when it is off (a Python number); ValueError
     for a number (or a concrete array) out of range."""
     n = int(np.prod(shape))
-    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    rng = f"{'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}]"
     if value is None:
         return None
     if isinstance(value, bool):

@@ -115,7 +115,11 @@ def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Ten
     if num_classes == 0 and not allow_empty:
         raise ValueError("weight has no rows: the vocabulary is empty")
     if x.shape[-1] != hidden:
-        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H)")
+        hint = ""
+        if num_classes == x.shape[-1]:  # an (H, V) kernel (flax, a transposed nn.Linear weight)
+            hint = (f"; it looks transposed: an (H, V) = {tuple(weight.shape)} head, where the op takes "
+                    f"(V, H) as nn.Linear.weight stores it: pass weight.T")
+        raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H){hint}")
     if x.dtype != weight.dtype:
         raise TypeError(
             f"x is {x.dtype} but weight is {weight.dtype}; they must match (or call under "
@@ -125,3 +129,21 @@ def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Ten
     if bias is not None and bias.dtype != weight.dtype:
         raise TypeError(f"bias is {bias.dtype} but weight is {weight.dtype}; they must match")
     return num_classes, hidden
+
+
+def torch_weight_hint(fn):
+    """Decorates an op whose second argument is the LM-head ``weight``: a call that also
+    passes ``weight=`` (torch's name for class weights, ``F.cross_entropy(weight=)``) gets
+    a TypeError naming ``class_weight=`` instead of Python's "multiple values"."""
+    import functools
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if "weight" in kwargs and len(args) >= 2:
+            raise TypeError(
+                f"{fn.__name__}() got weight= besides the LM-head weight (its second argument): "
+                "class weights, F.cross_entropy's weight=, are class_weight= here")
+        return fn(*args, **kwargs)
+
+    return op
+

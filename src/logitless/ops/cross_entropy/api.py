@@ -46,6 +46,34 @@ def _classes_last(logits: Tensor, target: Tensor, class_dim: Optional[int]) -> T
     return logits.movedim(1, -1) if torch_layout else logits
 
 
+INPLACE_UNDER_COMPILE = (
+    "cross_entropy(..., inplace_backward=True) is not supported under torch.compile (a compiled "
+    "graph cannot hand the logits' own buffer back as their gradient); use inplace_backward=False there")
+
+
+@torch.compiler.assume_constant_result
+def _refuse_inplace_if_fullgraph() -> bool:
+    """Under ``torch.compile(fullgraph=True)`` raises the refusal as Dynamo's user-facing
+    error type (a RuntimeError too). Run at trace time (``assume_constant_result``), it is
+    the error's first line, where a ``raise`` in traced code became Dynamo's "Observed
+    exception" with this message under its "Developer debug context". Reads Dynamo's
+    tracer (private; where that fails, the caller's graph break says it instead)."""
+    try:
+        from torch._dynamo.exc import UserError, UserErrorType
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        fullgraph = bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001 - another torch: leave it to the graph break
+        return False
+    if fullgraph:
+        class CompileRefusal(UserError, RuntimeError):
+            pass
+
+        raise CompileRefusal(UserErrorType.INVALID_INPUT, INPLACE_UNDER_COMPILE)
+    return False
+
+
 def _disjoint(t: Tensor) -> bool:
     """No two elements of the 2-D ``t`` share memory (a sufficient test: row-major-like
     or column-major-like strides), so writing a gradient over ``t`` has no races."""
@@ -130,6 +158,15 @@ def cross_entropy(
 
     {ce_returns}
     """
+    if inplace_backward is True and torch.compiler.is_compiling():
+        # Eager only: fullgraph=True gets our refusal as its error; otherwise the call is a
+        # graph break (a disabled function, never traced: no warning from the checks in it).
+        _refuse_inplace_if_fullgraph()
+        return _eager_cross_entropy(
+            logits, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            class_weight=class_weight, softcap=softcap, z_loss=z_loss, return_stats=return_stats,
+            inplace_backward=True, memory_budget=memory_budget, backend=backend, weight=weight,
+            class_dim=class_dim)
     opts = CrossEntropyOptions.checked(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss,
@@ -161,12 +198,6 @@ def cross_entropy(
     logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
     flat_target = target.reshape(-1).long()
     if inplace_backward:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "cross_entropy(..., inplace_backward=True) is not supported under "
-                "torch.compile (a compiled graph cannot hand the logits' own buffer back as "
-                "their gradient); use inplace_backward=False there"
-            )
         if not _disjoint(logits2d):
             raise ValueError(
                 f"inplace_backward=True needs logits whose elements do not overlap in memory, got "
@@ -186,6 +217,12 @@ def cross_entropy(
         stats.lse.reshape(target.shape), stats.correct.reshape(target.shape), stats.num_tokens,
         stats.argmax.reshape(target.shape),
     )
+
+
+try:  # (torch < 2.7 has no reason=)
+    _eager_cross_entropy = torch.compiler.disable(cross_entropy, reason=INPLACE_UNDER_COMPILE)
+except TypeError:
+    _eager_cross_entropy = torch.compiler.disable(cross_entropy)
 
 
 def _soft_target_cross_entropy(logits: Tensor, target: Tensor, class_weight: Optional[Tensor],

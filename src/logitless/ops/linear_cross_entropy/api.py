@@ -22,6 +22,7 @@ from logitless.options import CrossEntropyOptions, check_memory_budget
 from .custom_op import lce_forward_eager
 
 
+@_validate.torch_weight_hint
 @shared_doc
 def linear_cross_entropy(
     x: Tensor,

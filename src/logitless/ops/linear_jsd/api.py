@@ -148,8 +148,9 @@ def linear_jsd(
         if w.dim() != 2:
             raise ValueError(f"{side}_weight must be 2-D (V, H), got shape {tuple(w.shape)}")
         if x.shape[-1] != w.shape[1]:
+            hint = f"; it looks transposed ((H, V)): pass {side}_weight.T" if w.shape[0] == x.shape[-1] else ""
             raise ValueError(f"{side}_x has hidden size {x.shape[-1]} but {side}_weight is "
-                             f"{tuple(w.shape)} (V, H)")
+                             f"{tuple(w.shape)} (V, H){hint}")
     v = student_weight.shape[0]
     if v == 0 and not tp.parallel:
         raise ValueError("student_weight has no rows: the vocabulary is empty")

@@ -109,11 +109,15 @@ def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype
     if implementation is not None:
         module = backend_module(implementation)
         if not supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax):
+            why = getattr(module, "why_unsupported", None)  # the constraint it breaks, where it says
+            why = why and why(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
                 f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}"
                 + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
-                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else ""))
+                + (f": {why}" if why else "")
+                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else
+                   "; use implementation='xla'" if why else ""))
         return implementation
     if (is_tpu if tpu is None else tpu)():
         return _first_usable(("mosaic_tpu",), backend_module, registered, x2d_shape, w_shape, dtype, softcap,

@@ -71,20 +71,34 @@ _chunk_columns = ml.chunk_columns
 _softcapped = ml.softcapped
 
 
-def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
-    """Whether these kernels handle the case (else the api falls back to "xla")."""
+def why_unsupported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False):
+    """The constraint this case breaks (a phrase for the refusal), or None when these
+    kernels handle it (``w_shape`` is (V, H))."""
     del softcap
     if has_bias:
-        return False
+        return "bias is not supported"
     if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
-        return False
+        return f"dtype {jnp.dtype(dtype).name}: it takes bfloat16 or float16"
     if len(x2d_shape) != 2 or len(w_shape) != 2:
-        return False
+        return "x and weight must be 2-D"
     n, h = x2d_shape
     v, h2 = w_shape
+    if h != h2:
+        return f"x has H={h} but weight has H={h2}"
     # TMA into swizzled tiles needs the tiled GMEM dims to be multiples of 8: rows of
     # x are padded in the wrapper (cheap), rows of W never are (a copy of W per step).
-    return h == h2 and h % BLOCK_K == 0 and h > 0 and n >= 1 and v >= 1 and v % 8 == 0
+    if h <= 0 or h % BLOCK_K:
+        return f"H={h} is not a positive multiple of {BLOCK_K}"
+    if v < 1 or v % 8:
+        return f"V={v} is not a positive multiple of 8"
+    if n < 1:
+        return "there are no tokens"
+    return None
+
+
+def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
+    """Whether these kernels handle the case (else the api falls back to "xla")."""
+    return why_unsupported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias) is None
 
 
 def _vh_shape(w, weight_layout):
@@ -95,10 +109,13 @@ def _vh_shape(w, weight_layout):
 def _check(x2d, w, bias, weight_layout="vh"):
     if bias is not None:
         raise ValueError("mosaic_gpu: bias is not supported (use implementation='xla')")
-    if not is_supported(x2d.shape, _vh_shape(w, weight_layout), x2d.dtype) or w.dtype != x2d.dtype:
+    why = why_unsupported(x2d.shape, _vh_shape(w, weight_layout), x2d.dtype)
+    if why is None and w.dtype != x2d.dtype:
+        why = f"x is {x2d.dtype} but w is {w.dtype}"
+    if why is not None:
         raise ValueError(
-            f"mosaic_gpu: unsupported case x {x2d.shape} {x2d.dtype}, w {w.shape} {w.dtype} "
-            f"(needs bf16/f16, H % {BLOCK_K} == 0, V % 8 == 0; use implementation='xla')")
+            f"mosaic_gpu: unsupported case x {x2d.shape} {x2d.dtype}, w {w.shape} {w.dtype}: {why} "
+            f"(it needs bf16/f16, H % {BLOCK_K} == 0, V % 8 == 0; use implementation='xla')")
 
 
 supports = is_supported
