@@ -654,7 +654,7 @@ def test_options_args_round_trip_every_class():
 
 
 def test_memo_state_key_follows_the_environment(monkeypatch):
-    """The planner's key reads the environment at every call (``os.environ``'s own dict):
+    """The planner's key reads the environment at every call (``os.environ.get``):
     setting, changing or deleting each variable, or the fp32 matmul precision, changes it;
     an ``os.environ`` replaced by another mapping is read too."""
     keys = set()
