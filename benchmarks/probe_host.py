@@ -111,14 +111,15 @@ def counted_kernels(launches: collections.Counter, counter: OpCounter | None = N
                     counter.paused = False
         return run
 
+    from logitless.triton_lib import fast_launch as F
     from logitless.triton_lib import launch as L
 
     real_run_kernel = L.run_kernel
 
     def run_kernel(kernel, grid, *args, **kwargs):  # launches of cached compiled kernels (GPU)
-        fast = L.LAUNCHES["fast"]
+        fast = F.LAUNCHES["fast"]
         out = real_run_kernel(kernel, grid, *args, **kwargs)
-        if L.LAUNCHES["fast"] != fast:
+        if F.LAUNCHES["fast"] != fast:
             launches[kernel.fn.__name__] += 1
         return out
 

@@ -32,6 +32,6 @@ run tests/test_op_contract.py -k "(torch and not triton) or (triton and (plain o
 run tests/test_torch_api.py tests/test_truncated_log_probs.py::test_triton_candidates_kernel_against_topk \
     tests/test_helion_backend.py tests/test_transformers.py tests/test_transformers_families.py \
     tests/test_integrations_trl.py tests/test_integrations_trl_head.py tests/test_integrations_trl_sft.py \
-    tests/test_compile_truncated.py "$@"
+    tests/test_compile_truncated.py tests/test_fast_launch.py "$@"
 echo "newest-releases subset: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status
