@@ -3,14 +3,14 @@ state, so each call after the first with the same key is a dictionary lookup.
 
 At 512-2048 tokens an eager call is host-bound; planning cost ~0.6 ms per training
 step on the H100 (``tuned.cache_path`` resolves ``Path.home()`` twice per step, the
-cost model ran for each plan: benchmarks/results/probe-hopper-diag-H100-2026-11-23.log).
+cost model ran for each plan).
 
 The key of a call is everything its result depends on:
 
 - its arguments (shapes, itemsize, budget, flags) and the device, with a CUDA
   device's index made explicit (``cuda`` alone means the current device);
-- the active ``overrides.current()`` (a frozen dataclass). When one of its fields is
-  unhashable (a ``kernel_options`` dict) the call is not cached at all. A ``plan``
+- the active ``overrides.current()`` and ``overrides.what_ifs()`` (frozen dataclasses). When something in the key
+  is unhashable the call is not cached at all. A ``plan``
   callable hashes by identity; the key holds a reference to it, so the identity
   cannot be reused by another object while the entry lives;
 - the environment the tuned-config lookup reads (``LOGITLESS_TUNED``,
@@ -29,7 +29,9 @@ import os
 from collections.abc import Callable
 
 from logitless.planning.overrides import _CURRENT as _OVERRIDES
+from logitless.planning.overrides import _WHAT_IF
 from logitless.planning.overrides import DEFAULT as _DEFAULT_OVERRIDES
+from logitless.planning.overrides import NO_WHAT_IF as _NO_WHAT_IF
 
 MAX_ENTRIES = 4096
 _MEMOS: list[dict] = []
@@ -77,10 +79,11 @@ def memoised(fn: Callable) -> Callable:
     Arguments that are torch devices are keyed by ``(type, index)``.
 
     A hit costs the wrapper, ``_state_key``'s reads inline (``os.environ.get``: three or
-    four Python calls per variable) and a dictionary lookup: the key is built inline (no generator, no call
-    per argument), and the overrides outside any ``override(...)`` (``overrides.DEFAULT``, by identity) are
-    keyed as None, so that the frozen dataclass' Python ``__hash__`` runs only under an
-    override."""
+    four Python calls per variable) and a dictionary lookup: the key is built inline (no
+    generator, no call per argument), and the overrides and what-ifs outside any
+    ``override(...)`` / ``what_if(...)`` (``overrides.DEFAULT``, ``NO_WHAT_IF``, by
+    identity) are keyed as None, so that the frozen dataclasses' Python ``__hash__`` runs
+    only under one."""
     memo: dict = {}
     _MEMOS.append(memo)
 
@@ -96,9 +99,10 @@ def memoised(fn: Callable) -> Callable:
                                 for k, v in sorted(kwargs.items())])
         else:
             key_kwargs = ()
-        overrides = _OVERRIDES.get()
+        overrides, what = _OVERRIDES.get(), _WHAT_IF.get()
         # _state_key() inline (one Python call fewer per plan)
-        key = (key_args, key_kwargs, None if overrides is _DEFAULT_OVERRIDES else overrides,
+        key = (key_args, key_kwargs,
+               None if overrides is _DEFAULT_OVERRIDES and what is _NO_WHAT_IF else (overrides, what),
                (*map(os.environ.get, ENV_NAMES), (_precision or _bind_precision())()))
         try:
             found = memo.get(key)
