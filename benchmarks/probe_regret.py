@@ -35,6 +35,7 @@ JSON (``regret.json``) and the table (``regret.md``) go to --out;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -84,14 +85,13 @@ PROFILE_SHAPES = ("gemma3-4b", "gpt-oss-120b")
 
 
 
-def _settings(fields: dict) -> dict:
-    """The ``overrides.override`` fields of a forced plan (``plan`` is a what-if)."""
-    return {k: v for k, v in fields.items() if k != "plan"}
-
-
-def _what_ifs(fields: dict) -> dict:
-    """The ``overrides.what_if`` fields of a forced plan."""
-    return {k: v for k, v in fields.items() if k == "plan"}
+def forcing(fields: dict):
+    """The context of a forced plan (``force``'s fields): ``override`` of the strategy,
+    ``what_if`` of the plan."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(override(**{k: v for k, v in fields.items() if k != "plan"}))
+    stack.enter_context(what_if(**{k: v for k, v in fields.items() if k == "plan"}))
+    return stack
 
 def planner_args(n: int, h: int, v: int, itemsize: int, device) -> dict:
     """block_v, min_chunk and grad-in-forward eligibility as ``plans.lce_strategy`` takes
@@ -286,13 +286,13 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
 
         def fb():
             x.grad = w.grad = None
-            with override(**_settings(kw)), what_if(**_what_ifs(kw)):
+            with forcing(kw):
                 loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget)
                 loss.backward()
             return loss
 
         def fwd():
-            with override(**_settings(kw)), what_if(**_what_ifs(kw)):
+            with forcing(kw):
                 return logitless.linear_cross_entropy(x, w, t, memory_budget=budget)
 
         return kw, fb, fwd
@@ -312,7 +312,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
                  token_chunk=c.token_chunk, memory_model_mib=c.memory / 2**20, pred_ms=c.time_s * 1e3,
                  pred_fwd_ms=c.fwd_s * 1e3)
         try:
-            with override(**_settings(kw)), what_if(**_what_ifs(kw)):
+            with forcing(kw):
                 plan = _plans.triton_plan(n, v, h, itemsize, budget, device, keep_allowed=True)
             e["plan"] = dict(keep_cols=plan.keep_cols, vocab_chunk=plan.vocab_chunk, block_v=plan.block_v)
             e["plan_mib"] = plan_bytes(plan, n, h, v, itemsize, c.strategy, c.token_chunk) / 2**20

@@ -18,7 +18,7 @@ import logitless
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.planning import cost_model as cm
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import what_if
 
 from .conftest import DEVICE, HAS_CUDA
 from .helpers import assert_close_to_ref
@@ -120,10 +120,10 @@ def test_forced_candidates_run_their_plan_and_match_float64(probe, case):
     for c, _role, fits in sel:
         kw = probe.force(c, v, pa["block_v"])
         if HAS_CUDA:  # once untracked: cuBLAS workspaces, Triton compiles
-            with override(**kw):
+            with probe.forcing(kw):
                 torch.autograd.grad(logitless.linear_cross_entropy(x, w, td, memory_budget=budget, backend="triton"),
                                     (x, w))
-        with override(**kw):
+        with probe.forcing(kw):
             plan = _plans.triton_plan(n, v, h, 2, budget, DEVICE, keep_allowed=True)
             if HAS_CUDA:
                 torch.cuda.synchronize()
@@ -160,7 +160,7 @@ def test_force_keeps_the_planner_choice_when_it_is_the_candidate(probe):
     pa = probe.planner_args(n, h, v, 2, DEVICE)
     plain = _plans.triton_plan(n, v, h, 2, budget, DEVICE, keep_allowed=True)
     c = cm.Candidate("partial", keep_cols=plain.keep_cols, vocab_chunk=plain.vocab_chunk)
-    with override(**probe.force(c, v, pa["block_v"])):
+    with probe.forcing(probe.force(c, v, pa["block_v"])):
         forced = _plans.triton_plan(n, v, h, 2, budget, DEVICE, keep_allowed=True)
     assert forced == dataclasses.replace(plain)
 
