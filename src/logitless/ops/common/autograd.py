@@ -59,8 +59,7 @@ _INFRA_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE"
 def eager_fast_path_ok(inputs: tuple) -> bool:
     """Whether a plain autograd.Function may stand in for a custom op: an eager call on
     plain tensors, outside torch.compile, dispatch modes (FakeTensor, tracing, the tests'
-    recorders), functorch transforms and tensor subclasses (DTensor...), and not turned
-    off (``overrides.override(eager_fast_path=False)``)."""
+    recorders), functorch transforms and tensor subclasses (DTensor...)."""
     # (compiling first: dynamo stops there)
     if torch.compiler.is_compiling():
         return False
