@@ -37,7 +37,7 @@ def main() -> int:
 
     import logitless
     from logitless.planning import cute
-    from logitless.planning.overrides import override
+    from logitless.planning.overrides import override, what_if
 
     recorder = warnings.catch_warnings(record=True)
     record = recorder.__enter__()  # every warning of the run (the fallback one comes once per process)
@@ -62,7 +62,7 @@ def main() -> int:
         with torch.no_grad():
             for name, fn in ops.items():
                 seen = []
-                with override(cute_probe=seen.append):
+                with what_if(cute_probe=seen.append):
                     got = fn()
                 with override(cute=False):
                     ref = fn()
@@ -89,7 +89,7 @@ def main() -> int:
     res = {}
     for label, ov in (("auto", {}), ("triton", {"cute": False})):
         seen = []
-        with override(cute_probe=seen.append, **ov):
+        with override(**ov), what_if(cute_probe=seen.append):
             loss = logitless.linear_cross_entropy(x, w, t)
             gx, gw = torch.autograd.grad(loss, (x, w))
         res[label] = (loss.detach(), gx, gw, seen)

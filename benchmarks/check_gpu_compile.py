@@ -58,6 +58,16 @@ GPU_LAUNCH = {"round_to_tf32_kernel": (dict(BLOCK_R=16, BLOCK_C=256), dict(num_w
 
 # ----------------------------------------------------------------------------- capture
 
+
+def _settings(fields: dict) -> dict:
+    """The ``overrides.override`` fields of a forced plan (``plan`` is a what-if)."""
+    return {k: v for k, v in fields.items() if k != "plan"}
+
+
+def _what_ifs(fields: dict) -> dict:
+    """The ``overrides.what_if`` fields of a forced plan."""
+    return {k: v for k, v in fields.items() if k == "plan"}
+
 def _cases(full: bool, nv: bool = False):
     """(label, dtype name, fp32 precision, op name, kwargs) of the op calls. Without ``full``
     a subset that still launches every kernel (CI): bf16 with most options, fp32 at "high"
@@ -137,7 +147,6 @@ def capture(full: bool, archs=ARCHS):
     # The dot precision as on the AMD GPU (launch.dot_precision's HIP branch). On the
     # interpreter bf16 dots then multiply garbage (its bf16 bug, see gemm.dot): the launches,
     # not the values, are what is recorded.
-    from logitless.planning.overrides import current as overrides
     from logitless.triton_lib import launch
 
     real_precision = launch.dot_precision
@@ -168,7 +177,7 @@ def capture(full: bool, archs=ARCHS):
         # precision but for the interpreter's bf16 stand-in (``_record`` writes "tf32").
         rocm.arch = real_arch if nv else lambda device, arch=arch: arch
         launch.dot_precision = real_precision if nv else lambda dtype, arch=arch: rocm.dot_precision(
-            dtype == torch.float32, launch.tf32_allowed(), overrides().tf32_round, arch_name=arch)
+            dtype == torch.float32, launch.tf32_allowed(), arch_name=arch)
         for label, dt, prec, op, kw in _cases(full, nv):
             dtype = getattr(torch, dt)
             i = 4 if dtype.itemsize == 4 else 2
@@ -204,6 +213,8 @@ def capture(full: bool, archs=ARCHS):
 def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
     import torch
 
+    from logitless.planning.overrides import what_if
+
     need = kw.pop("grad", True)  # False: a forward alone
 
     def r(*shape, scale=1.0, grad=True):
@@ -225,7 +236,7 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
             kw["bias"] = r(v)
     if kw.pop("class_weight", False):
         kw["class_weight"] = torch.rand(v, generator=g) + 0.5
-    with override(**ov):
+    with override(**_settings(ov)), what_if(**_what_ifs(ov)):
         if op == "lce":
             x, w = r(n, h), r(v, h, scale=0.2)
             res = L.linear_cross_entropy(x, w, target, memory_budget=mem, backend="triton", **kw)

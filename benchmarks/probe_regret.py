@@ -35,6 +35,7 @@ JSON (``regret.json``) and the table (``regret.md``) go to --out;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -55,7 +56,7 @@ from _probe_common import probe_meta, write_json  # noqa: E402
 import logitless  # noqa: E402
 from logitless.planning import cost_model as cm  # noqa: E402
 from logitless.planning import plans as _plans  # noqa: E402
-from logitless.planning.overrides import override  # noqa: E402
+from logitless.planning.overrides import override, what_if  # noqa: E402
 
 DEFAULT_BUDGET = 256 << 20
 
@@ -82,6 +83,15 @@ PROFILE_SHAPES = ("gemma3-4b", "gpt-oss-120b")
 
 # --------------------------------------------------------------------------- candidates
 
+
+
+def forcing(fields: dict):
+    """The context of a forced plan (``force``'s fields): ``override`` of the strategy,
+    ``what_if`` of the plan."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(override(**{k: v for k, v in fields.items() if k != "plan"}))
+    stack.enter_context(what_if(**{k: v for k, v in fields.items() if k == "plan"}))
+    return stack
 
 def planner_args(n: int, h: int, v: int, itemsize: int, device) -> dict:
     """block_v, min_chunk and grad-in-forward eligibility as ``plans.lce_strategy`` takes
@@ -276,13 +286,13 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
 
         def fb():
             x.grad = w.grad = None
-            with override(**kw):
+            with forcing(kw):
                 loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget)
                 loss.backward()
             return loss
 
         def fwd():
-            with override(**kw):
+            with forcing(kw):
                 return logitless.linear_cross_entropy(x, w, t, memory_budget=budget)
 
         return kw, fb, fwd
@@ -302,7 +312,7 @@ def probe_shape(name, n, h, v, budget, device, args, dev_model):
                  token_chunk=c.token_chunk, memory_model_mib=c.memory / 2**20, pred_ms=c.time_s * 1e3,
                  pred_fwd_ms=c.fwd_s * 1e3)
         try:
-            with override(**kw):
+            with forcing(kw):
                 plan = _plans.triton_plan(n, v, h, itemsize, budget, device, keep_allowed=True)
             e["plan"] = dict(keep_cols=plan.keep_cols, vocab_chunk=plan.vocab_chunk, block_v=plan.block_v)
             e["plan_mib"] = plan_bytes(plan, n, h, v, itemsize, c.strategy, c.token_chunk) / 2**20

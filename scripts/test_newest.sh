@@ -33,7 +33,7 @@ run tests/test_op_contract.py -k "(torch and not triton) or (triton and (plain o
 run tests/test_torch_api.py tests/test_truncated_log_probs.py::test_triton_candidates_kernel_against_topk \
     tests/test_helion_backend.py tests/test_transformers.py tests/test_transformers_families.py \
     tests/test_integrations_trl.py tests/test_integrations_trl_head.py tests/test_integrations_trl_sft.py \
-    tests/test_compile_truncated.py "$@"
+    tests/test_compile_truncated.py tests/test_fast_launch.py "$@"
 # Megatron Core's GPTModel and torchtitan's trainer through logitless, against their own losses
 # (one process, TP / SP / CP / FSDP2 over gloo).
 run tests/test_integrations_megatron.py tests/test_integrations_torchtitan.py "$@"

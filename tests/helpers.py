@@ -94,13 +94,13 @@ def one_gpu(args):
 
 
 def fake_triton_launches(monkeypatch, kernel, stream: int = 77):
-    """Triton's ``JITFunction.run`` and the CUDA stream faked, so ``launch.run_kernel``'s two
+    """Triton's ``JITFunction.run`` and the CUDA stream faked, so ``fast_launch.run_kernel``'s two
     paths run on a CPU: returns (a JITFunction of ``kernel``, the launches through the cached
     compiled kernel (each its launcher's arguments), the grids launched through
     ``kernel[grid]``). The fake compiled kernel's launch metadata is ("meta", grid, stream)."""
     from triton.runtime.jit import JITFunction
 
-    from logitless.triton_lib import launch
+    from logitless.triton_lib import fast_launch
 
     jit = JITFunction(getattr(kernel, "fn", kernel))
     launched, slow = [], []
@@ -123,6 +123,20 @@ def fake_triton_launches(monkeypatch, kernel, stream: int = 77):
     monkeypatch.setattr(JITFunction, "run", jit_run)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream, raising=False)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_FAST", {})
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    monkeypatch.setattr(fast_launch, "_FAST", {})
     return jit, launched, slow
+
+
+def eager_fast_path(on: bool):
+    """A context in which the public ops' eager fast path is as shipped (``on``) or off
+    (every call through the torch.library custom ops, as under torch.compile): a test-only
+    patch of ``ops.common.autograd.eager_fast_path_ok``."""
+    import contextlib
+    from unittest import mock
+
+    from logitless.ops.common import autograd
+
+    if on:
+        return contextlib.nullcontext()
+    return mock.patch.object(autograd, "eager_fast_path_ok", lambda inputs: False)

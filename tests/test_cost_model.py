@@ -18,7 +18,7 @@ import torch
 import logitless
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from logitless_bench.shapes import MODEL_SHAPES, SHAPES
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTIONS, check_against_reference, make_inputs
@@ -223,8 +223,7 @@ def test_gpu_plans_keep_whole_tiles_at_odd_vocab(vocab):
 
     gpu = types.SimpleNamespace(type="cuda", index=0)
     # An H100 as the planner sees it, without one: its SM count, cost model and tiles.
-    h100 = override(num_sms=132, device_model=_cost_model.DEFAULT, tiles=_plans.CUDA_TILES[2])
-    with h100:
+    with override(tiles=_plans.CUDA_TILES[2]), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
         n, h = 8192, 768
         for budget in (256 * 2**20, n * vocab * 2 + 2**30, 8 * 2**30):
             plan = _plans.triton_plan(n, vocab, h, 2, budget, gpu, keep_allowed=True)

@@ -25,7 +25,7 @@ import torch
 import logitless
 from logitless.cute_lib import launch as cute_launch
 from logitless.planning import cute
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from tests.conftest import DEVICE
 
 BACKEND = "triton"  # (the Triton interpreter on a CPU: tests/conftest.py)
@@ -152,7 +152,7 @@ def test_the_planner_checks_the_dsl_only_where_it_would_take_the_kernel(fake_dsl
         warnings.simplefilter("always")
         assert cute.forward_plan(x, w) is None  # triton_faster at this size: no DSL check
         assert cute.forward_plan(x, w, bias=w[:, 0]) is None  # unsupported option
-        with override(cute=True, cute_available=True):  # the tests' override skips the check
+        with override(cute=True), what_if(cute_available=True):  # the tests' override skips the check
             assert cute.forward_plan(x, w) is not None
         with override(cute=True):
             assert cute.forward_plan(x, w) is None

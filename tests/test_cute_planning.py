@@ -1,7 +1,7 @@
 """The CuTe DSL forward's selection logic (``planning.cute``), on the CPU: no GPU, no DSL.
 
 Every fact is an argument of the pure functions, and availability comes through
-``override(cute_available=...)``; the GPU tests (tests/test_cute_forward_gpu.py) check
+``what_if(cute_available=...)``; the GPU tests (tests/test_cute_forward_gpu.py) check
 the kernel itself."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 import logitless
 from logitless.planning import cute
-from logitless.planning.overrides import current, override
+from logitless.planning.overrides import current, override, what_if
 
 H100 = dict(capability=(9, 0), available=True, num_sms=132, dtype="bfloat16", layout_ok=True)
 
@@ -136,9 +136,9 @@ def test_switches():
         assert cute.choose(**facts(), env_is_off=True) is not None  # an explicit override wins
     with override(cute=False):
         assert cute.choose(**facts()) is None
-    with override(cute_available=False):
+    with what_if(cute_available=False):
         assert cute.choose(**facts()) is None
-    with override(cute_available=True):
+    with what_if(cute_available=True):
         assert cute.choose(**facts(available=False)) is not None
     # an override aimed at the Triton kernel keeps it, unless CuTe is asked for
     with override(tiles=(16, 16, 16, 4, 2)):
@@ -163,7 +163,7 @@ def test_cpu_tensors_never_take_the_cute_path():
     t = torch.randint(0, 40, (3,))
     seen = []
     backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"  # (a GPU machine: torch on CPU)
-    with override(cute=True, cute_available=True, cute_probe=seen.append):
+    with override(cute=True), what_if(cute_available=True, cute_probe=seen.append):
         assert cute.forward_plan(x, w) is None
         loss = logitless.linear_cross_entropy(x, w, t, backend=backend)
         ref = logitless.linear_cross_entropy(x.double(), w.double(), t, backend="torch")

@@ -132,7 +132,7 @@ def test_dot_precision_on_amd(amd, monkeypatch, arch, fp32_high):
         assert launch.tf32_prerounded(torch.float32) == (fp32_high == "tf32-round")
     finally:
         torch.set_float32_matmul_precision(prev)
-    assert rocm.dot_precision(True, True, False, dev) == ("tf32" if arch == "gfx942" else "ieee")
+    assert rocm.dot_precision(True, True, dev) == ("tf32-round" if arch == "gfx942" else "ieee")
 
 
 def test_cute_gate_shut_on_amd(amd):

@@ -124,11 +124,11 @@ def _splits(splits):
     import contextlib
     import dataclasses
 
-    from logitless.planning.overrides import override
+    from logitless.planning.overrides import what_if
 
     if splits is None:
         return contextlib.nullcontext()
-    return override(plan=lambda p: dataclasses.replace(p, vocab_splits=splits))
+    return what_if(plan=lambda p: dataclasses.replace(p, vocab_splits=splits))
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

@@ -14,7 +14,7 @@ import torch
 import logitless
 from logitless.formulas.jsd import row_stats as reference_row_stats
 from logitless.options import JSDOptions
-from logitless.planning.overrides import override
+from logitless.planning.overrides import what_if
 from logitless.planning.plans import JSDStatsPlan, jsd_stats_plan
 from logitless.triton_lib.jsd_rows import row_stats
 from tests.conftest import DEVICE
@@ -104,7 +104,7 @@ def test_underflowing_split_and_nan_rows():
 def test_plan_splits_only_when_rows_are_few():
     """Few rows of a long vocabulary split; many rows keep one program per row block."""
     cuda = torch.device("cuda")
-    with override(num_sms=132):
+    with what_if(num_sms=132):
         few = jsd_stats_plan(216, 151936, 4, cuda)
         many = jsd_stats_plan(16384, 151936, 4, cuda)
         jsd_bf16 = jsd_stats_plan(4096, 151936, 2, cuda)  # the jsd op on 4096 rows of bf16 logits
@@ -126,7 +126,7 @@ def test_jsd_op_split_path_matches_reference(beta):
     zs, zt, target = _logits(3, v, seed=11)
     target[1] = -100
     zs, zt = zs.to(DEVICE).requires_grad_(), zt.to(DEVICE)
-    with override(num_sms=8):
+    with what_if(num_sms=8):
         assert jsd_stats_plan(3, v, 4, DEVICE).splits > 1
         loss = logitless.jsd(zs, zt, target.to(DEVICE), beta=beta, backend="triton", hard_label_weight=0.3)
     ref = jsd_reference(zs.double(), zt.double(), target.to(DEVICE), beta=beta, hard_label_weight=0.3)

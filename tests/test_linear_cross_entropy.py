@@ -16,7 +16,7 @@ import logitless
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.options import CrossEntropyOptions as LossOptions
-from logitless.planning.overrides import override
+from logitless.planning.overrides import what_if
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
 from tests.op_specs import SPECS
@@ -244,9 +244,8 @@ def test_no_host_sync_on_gpu(mode):
 KERNEL_VARIANTS = {
     "group": dict(group=True),
     "flatten": dict(flatten=True),
-    "dz_tma": dict(dz_tma=True),
     "persistent": dict(dlogits_programs=1),
-    "all": dict(group=True, flatten=True, dz_tma=True, dlogits_programs=2),
+    "all": dict(group=True, flatten=True, dlogits_programs=2),
 }
 
 
@@ -266,10 +265,17 @@ def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned):
     def one_kept_tile(p):  # one kept tile, chunks of two tiles
         return dataclasses.replace(p, keep_cols=p.block_v if p.keep_cols else 0, vocab_chunk=2 * p.block_v)
 
-    plain_schedule = dict(group=False, flatten=False, dz_tma=False, dlogits_programs=0)
+    plain_schedule = dict(group=False, flatten=False, dlogits_programs=0)
 
     def run(**schedule):
-        with override(plan=one_kept_tile, kernel_options=dict(plain_schedule, **schedule), group_rows=2):
+        o = dict(plain_schedule, **schedule)
+
+        def reshape(p):  # the schedule forced (as plans.kernel_options would set it), one kept tile
+            programs = o["dlogits_programs"] if triton.cdiv(n, p.block_n) >= _plans.PERSISTENT_MIN_ROW_BLOCKS else 0
+            return dataclasses.replace(one_kept_tile(p), group_n=2 if o["group"] else 0, flatten=o["flatten"],
+                                       dlogits_programs=programs)
+
+        with what_if(plan=reshape):
             loss, stats = logitless.linear_cross_entropy(
                 x, w, target, bias, reduction="sum", backend="triton", return_stats=True, **kw)
             plan = _plans.triton_plan(n, v, hidden, 2, 1 << 30, x.device, keep_allowed=True)
@@ -289,7 +295,7 @@ def test_group_rows_minimises_the_l2_working_set():
     from logitless.planning import plans as _plans
 
     cuda = torch.device("cuda")
-    with override(num_sms=132):
+    with what_if(num_sms=132):
         for bn, bv in [(128, 256), (128, 128), (256, 128)]:
             g = _plans.group_rows(bn, bv, cuda)
             work = [G * bn + 132 / G * bv for G in range(1, 133)]

@@ -15,7 +15,7 @@ import torch
 import logitless
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
-from tests.helpers import load_benchmark
+from tests.helpers import eager_fast_path, load_benchmark
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
 # --------------------------------------------------------------------------- eager fast path
@@ -40,7 +40,7 @@ def _run(opts, reduction, fast, extra=None):
     budget = extra if isinstance(extra, int) else None
     strategy = extra if isinstance(extra, tuple) else None
     xs, ws, xt, wt, target, kw = make_inputs((3, 7), 24, 40, 101, torch.bfloat16, opts, seed=11)
-    with override(eager_fast_path=fast, strategy=strategy):
+    with eager_fast_path(fast), override(strategy=strategy):
         loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction=reduction, backend="triton",
                                     memory_budget=budget, **kw)
         kind = " ".join(_graph_nodes(loss.grad_fn))
@@ -53,7 +53,7 @@ def _run(opts, reduction, fast, extra=None):
 @pytest.mark.parametrize("case", FAST_PATH_CASES, ids=lambda c: c[0])
 def test_eager_fast_path_is_bitwise_the_custom_op(case):
     """The public function's eager fast path against the custom ops
-    (``override(eager_fast_path=False)``): the same loss and gradients bitwise, for the
+    (``helpers.eager_fast_path(False)``): the same loss and gradients bitwise, for the
     default (recompute) plan, several chunks and gradient-in-forward."""
     name, opts, reduction, *extra = case
     if name == "all":

@@ -15,7 +15,7 @@ import logitless
 from logitless.ops.linear_jsd import triton_grad_in_forward as gif
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import cost_model
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from tests.helpers import assert_close_to_ref
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
@@ -158,7 +158,7 @@ def test_default_plan_forward_rows_match_the_budget():
     from logitless.planning.plans import linear_jsd_plan
 
     c = cost_model.choose_jsd(4096, 2048, 2048, 151936, 2, 256 << 20, device_model=cost_model.H100)
-    with override(num_sms=132):
+    with what_if(num_sms=132):
         plan = linear_jsd_plan(4096, 151936, 2048, 2, 256 << 20, torch.device("cuda"))
     assert c.token_chunk == plan.forward_rows == 216
 

@@ -20,7 +20,7 @@ from logitless.ops.linear_jsd import triton_backend
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.options import JSDOptions
 from logitless.planning import cost_model
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from logitless.planning.plans import jsd_kl_fused, linear_jsd_plan
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
@@ -118,13 +118,13 @@ def test_the_h200_model_picks_the_measured_faster_forward(shape, fused):
 def test_override_switches_take_booleans_only():
     """A switch given a non-boolean (``"no"`` is truthy: it would force the fused path) is
     refused with the field's name; None is allowed where None means the planner's choice."""
-    for field, bad in (("jsd_fused_forward", "no"), ("jsd_fused_forward", 0), ("fast_launch", None),
+    for field, bad in (("jsd_fused_forward", "no"), ("jsd_fused_forward", 0), ("tf32_preround", "yes"),
                        ("cute", 1)):
         with pytest.raises(TypeError, match=field):
             with override(**{field: bad}):
                 pass
-    with override(jsd_fused_forward=None, cute=None, fast_launch=False) as o:
-        assert o.jsd_fused_forward is None and o.fast_launch is False
+    with override(jsd_fused_forward=None, cute=None, tf32_preround=False) as o:
+        assert o.jsd_fused_forward is None and o.tf32_preround is False
 
 
 # --------------------------------------------------------------------------- against float64
@@ -165,7 +165,7 @@ def test_splits_agree_with_the_unfused_forward(sms, beta, fused_calls):
     per-token losses agree with the unfused forward to fp32 rounding, and the targets of
     every split (hard labels) are found."""
     opts = dict(OPTIONS["all"], beta=beta, shift=False)
-    with override(num_sms=sms):
+    with what_if(num_sms=sms):
         plan = linear_jsd_plan(70, 1009, 24, 2, 1 << 30, torch.device(DEVICE))
         fused, g_fused = _loss(opts, torch.bfloat16, (70,), 24, 40, 1009, "none", seed=sms)
         plain, g_plain = _loss(opts, torch.bfloat16, (70,), 24, 40, 1009, "none", seed=sms, fused=False)

@@ -19,7 +19,7 @@ import logitless
 from logitless.ops.linear_jsd import triton_backend
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref, max_err
 from tests.test_linear_jsd import OPTIONS, make_inputs
@@ -104,7 +104,7 @@ def test_prerounded_plan_counts_the_scratch(n, hs, ht, v, budget):
     rows of both weights (fp32) and the fp32 dx accumulator fit the budget (or the chunk
     is the floor), x's scratch is taken off while at most half the budget, and
     ``tiles.w_chunk`` marks the plan (the chunk's rows); without, no scratch."""
-    with override(num_sms=132):
+    with what_if(num_sms=132):
         plain = _plans.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht)
         pre = _plans.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht, prerounded=True)
     assert plain.tiles.w_chunk == 0 and pre.tiles.w_chunk == pre.vocab_chunk > 0

@@ -5,6 +5,7 @@ backend's memory budget (peak of its temporaries, measured)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import pytest
@@ -16,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 import logitless
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import max_err, run_custom_op
 
@@ -112,9 +113,10 @@ def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected, p
     for name in ("forward_stats_kernel", "dlogits_kernel"):
         monkeypatch.setattr(triton_backend.K, name, Spy(getattr(triton_backend.K, name)))
     # On GPUs the cost model may keep all 97 columns at the minimum budget (no dlogits
-    # launch); the budget rule without it keeps none at 2000 bytes.
+    # launch): the plan is made to keep none.
     x, w, t, _ = _inputs(20, 24, 97, torch.float32, seed=1)
-    with matmul_precision(setting), override(model_plans=False, tf32_preround=preround):
+    no_kept = lambda p: dataclasses.replace(p, keep_cols=0)  # noqa: E731
+    with matmul_precision(setting), override(tf32_preround=preround), what_if(plan=no_kept):
         # A budget of 2000 bytes keeps no column: the backward recomputes every chunk.
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton", memory_budget=2000)
         loss.backward()

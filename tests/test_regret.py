@@ -18,7 +18,7 @@ import logitless
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.planning import cost_model as cm
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import override
+from logitless.planning.overrides import what_if
 
 from .conftest import DEVICE, HAS_CUDA
 from .helpers import assert_close_to_ref
@@ -120,10 +120,10 @@ def test_forced_candidates_run_their_plan_and_match_float64(probe, case):
     for c, _role, fits in sel:
         kw = probe.force(c, v, pa["block_v"])
         if HAS_CUDA:  # once untracked: cuBLAS workspaces, Triton compiles
-            with override(**kw):
+            with probe.forcing(kw):
                 torch.autograd.grad(logitless.linear_cross_entropy(x, w, td, memory_budget=budget, backend="triton"),
                                     (x, w))
-        with override(**kw):
+        with probe.forcing(kw):
             plan = _plans.triton_plan(n, v, h, 2, budget, DEVICE, keep_allowed=True)
             if HAS_CUDA:
                 torch.cuda.synchronize()
@@ -160,7 +160,7 @@ def test_force_keeps_the_planner_choice_when_it_is_the_candidate(probe):
     pa = probe.planner_args(n, h, v, 2, DEVICE)
     plain = _plans.triton_plan(n, v, h, 2, budget, DEVICE, keep_allowed=True)
     c = cm.Candidate("partial", keep_cols=plain.keep_cols, vocab_chunk=plain.vocab_chunk)
-    with override(**probe.force(c, v, pa["block_v"])):
+    with probe.forcing(probe.force(c, v, pa["block_v"])):
         forced = _plans.triton_plan(n, v, h, 2, budget, DEVICE, keep_allowed=True)
     assert forced == dataclasses.replace(plain)
 
@@ -284,7 +284,7 @@ def test_wide_chunks_keep_the_planner_monotone_and_within_budget(wide):
 @pytest.mark.skipif(not HAS_CUDA, reason="the cost model plans columns on GPUs only (the CPU interpreter uses the "
                                           "greedy rule); the interpreter case is the forced-candidate test above")
 def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
-    """override(device_model=H100 with wide_chunks=2) at 4096 x 512 x 65536, 256 MiB: the
+    """what_if(device_model=H100 with wide_chunks=2) at 4096 x 512 x 65536, 256 MiB: the
     planner takes a chunk past the L2 rule; loss and gradients equal the shipped plan's
     up to bf16 rounding and the reference's tolerance; peak memory within the budget."""
     n, h, v, budget = 4096, 512, 65536, 256 << 20
@@ -300,7 +300,7 @@ def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
     same = linear_cross_entropy_reference(xb, wb, t.cuda(), dtype=torch.bfloat16)[0]
     same_grads = torch.autograd.grad(same, (xb, wb))
     x, w, td = xb.detach().requires_grad_(True), wb.detach().requires_grad_(True), t.cuda()
-    with override(device_model=wide):
+    with what_if(device_model=wide):
         plan = _plans.triton_plan(n, v, h, 2, budget, x.device, keep_allowed=True)
         torch.autograd.grad(logitless.linear_cross_entropy(x, w, td, memory_budget=budget), (x, w))  # warm
         torch.cuda.synchronize()
@@ -310,7 +310,7 @@ def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
         dx, dw = torch.autograd.grad(loss, (x, w))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes
-    with override(device_model=dataclasses.replace(cm.H100, wide_chunks=0)):
+    with what_if(device_model=dataclasses.replace(cm.H100, wide_chunks=0)):
         narrow = _plans.triton_plan(n, v, h, 2, budget, x.device, keep_allowed=True)
     assert narrow.vocab_chunk == 4096 and plan.vocab_chunk > 4096, (narrow, plan)  # past the L2 rule
     assert peak <= budget, (peak, budget)

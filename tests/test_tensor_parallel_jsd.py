@@ -31,22 +31,18 @@ CASES = [
     # also the local id of a target that another rank holds
     dict(name="forward-kl-ignore-minus-one", beta=0.0, hard_label_weight=0.7, ignore_index=-1, temperature=0.7,
          shape=(3, 5)),
-    dict(name="reverse-kl-two-pass", beta=1.0, hard_label_weight=0.4, bias=True, two_pass=True),
 ]
 
 
 def _path(case):
     """The forward's path under TP: at the KL limits the merge of each rank's divergence
-    (the second pass over the columns fails the test if it runs), or with ``two_pass``
-    that second pass, as 0 < beta < 1 always takes."""
+    (the second pass over the columns, which 0 < beta < 1 takes, fails the test if it runs)."""
     from logitless.ops.linear_jsd import torch_backend, triton_backend
 
     stack = contextlib.ExitStack()
     if case.get("fused"):  # the Triton backend's fused KL-limit forward on each rank's columns
         stack.enter_context(override(jsd_fused_forward=True))
-    if case.get("two_pass"):
-        stack.enter_context(override(jsd_tp_merge=False))
-    elif case.get("beta") in (0.0, 1.0):
+    if case.get("beta") in (0.0, 1.0):
         for backend in (torch_backend, triton_backend):
             stack.enter_context(mock.patch.object(backend, "column_sums", side_effect=AssertionError(
                 "second pass over the columns at a KL limit")))

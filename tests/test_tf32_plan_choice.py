@@ -30,7 +30,7 @@ from logitless.options import DEFAULT_MEMORY_BUDGET
 from logitless.planning import cost_model as _cost_model
 from logitless.planning import plans as _plans
 from logitless.planning import tuned as _tuned
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from logitless.triton_lib import launch
 from tests.test_precision import _inputs, matmul_precision
 
@@ -56,7 +56,7 @@ MEASURED = {
 def h100(monkeypatch):
     """The planner as it sees an H100, with the shipped tile tables (no tuned cache)."""
     monkeypatch.setenv("LOGITLESS_TUNED", "0")
-    with override(num_sms=132, device_model=_cost_model.H100):
+    with what_if(num_sms=132, device_model=_cost_model.H100):
         yield
 
 
@@ -194,7 +194,7 @@ def test_overrides_force_a_path_and_key_the_memo(h100):
         assert _plans.triton_plan(*big[:3], 4, big[3], gpu, keep_allowed=True).w_chunk == 0
     slow = dataclasses.replace(_cost_model.H100, tf32_fwd_prerounded=3.0, tf32_fwd_prerounded_narrow=3.0,
                                tf32_dlogits_prerounded=3.0)
-    with override(device_model=slow):
+    with what_if(device_model=slow):
         assert plan(*big, keep_allowed=True).w_chunk == 0
         assert not _plans.tf32_choice(*big, gpu, grad=True).prerounded
     assert plan(*big, keep_allowed=True).w_chunk > 0
@@ -212,7 +212,7 @@ def test_default_path_runs_and_matches_both_forced_paths():
     out = {}
     with matmul_precision("high"):
         for pre in (None, True, False):
-            with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES, model_plans=False):
+            with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES):
                 loss = logitless.linear_cross_entropy(x, w, t, backend="triton", memory_budget=60_000)
                 out[pre] = (loss,) + torch.autograd.grad(loss, (x, w))
     for a, b in zip(out[None], out[True]):
@@ -258,7 +258,7 @@ def test_tuned_tiles_keep_to_their_path(tmp_path, monkeypatch):
     monkeypatch.delenv("LOGITLESS_TUNED", raising=False)
     _tuned.clear()
     try:
-        with override(num_sms=132, device_model=_cost_model.H100):
+        with what_if(num_sms=132, device_model=_cost_model.H100):
             assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256) == in_kernel
             assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256, prerounded=True) == pre
             for forced, keep, want in ((True, True, pre), (True, False, _plans.CUDA_TILES_TF32[False]),

@@ -18,7 +18,7 @@ import torch
 import logitless
 from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import override
+from logitless.planning.overrides import override, what_if
 from logitless.triton_lib import launch
 from tests.conftest import DEVICE
 from tests.test_precision import _inputs, _round_to_tf32, matmul_precision
@@ -63,7 +63,7 @@ def _recorder(monkeypatch):
 
 def _run(x, w, t, pre, reshape, **kw):
     # The interpreter's tiles also on a GPU: both paths then get the same tiles and plan.
-    with override(tf32_preround=pre, plan=reshape, tiles=_plans.INTERPRETER_TILES):
+    with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES), what_if(plan=reshape):
         out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
         grads = torch.autograd.grad(out.sum(), inputs)
@@ -143,7 +143,7 @@ def test_prerounded_3d_one_token_and_empty():
 
 
 def test_prerounded_only_at_high_with_rounding():
-    """"highest" (3xTF32), the truncating override and 16-bit inputs plan no scratch; at
+    """"highest" (3xTF32) and 16-bit inputs plan no scratch; at
     "high" fp32 plans a W chunk when pre-rounding is forced (by default the planner
     chooses: tests/test_tf32_plan_choice.py)."""
     cpu = torch.device("cpu")
@@ -151,8 +151,6 @@ def test_prerounded_only_at_high_with_rounding():
     with matmul_precision("high"):
         assert launch.tf32_prerounded(torch.float32)
         assert not launch.tf32_prerounded(torch.bfloat16)
-        with override(tf32_round=False):
-            assert not launch.tf32_prerounded(torch.float32)
         with override(tf32_preround=False):
             assert not launch.tf32_prerounded(torch.float32)
         with override(tf32_preround=True):
@@ -166,12 +164,17 @@ def test_prerounded_only_at_high_with_rounding():
 _GPU = types.SimpleNamespace(type="cuda", index=0)
 
 
+def _no_kept_columns(plan):
+    """A plan that keeps no column (what a tiny budget gives; on GPUs the cost model may
+    keep some at the minimum budget)."""
+    return dataclasses.replace(plan, keep_cols=0)
+
+
 @pytest.mark.parametrize("n,h,v", [(4096, 4096, 128256), (512, 2048, 32000), (8192, 768, 50257), (16, 64, 1000)])
 @pytest.mark.parametrize("budget", [2**20, 256 * 2**20, 2**31, 2**34])
 @pytest.mark.parametrize("keep", [False, True])
-@pytest.mark.parametrize("model_plans", [False, True])
-def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep, model_plans):
-    """The planner (an H100 as it sees one, greedy and cost-model rules) with the scratch
+def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep):
+    """The planner (an H100 as it sees one: the cost model's rule) with the scratch
     of the pre-rounded operands: x (4 N H bytes, when at most half the budget) + kept
     columns + one recomputed chunk (dz and its rounded W rows) <= budget, and x + kept
     columns + the forward's W chunk <= budget, unless at the floors (min-width chunks
@@ -180,7 +183,7 @@ def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep, 
     from logitless.planning import cost_model as _cost_model
 
     monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the shipped tables (no GPU to name a tuned cache)
-    with override(num_sms=132, device_model=_cost_model.DEFAULT, model_plans=model_plans, tf32_preround=True):
+    with override(tf32_preround=True), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
         p = _plans.triton_plan(n, v, h, 4, budget, _GPU, keep_allowed=keep, prerounded=True)
     assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == _plans.CUDA_TILES_TF32[keep]
     vocab_blocks = math.ceil(v / p.block_v)
@@ -217,8 +220,8 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     # The interpreter's tiles and the budget rule on every device: with an H100's own
     # tiles (128 x 128 in fp32) this budget holds no kept tile, and the case is the kept
     # buffers. On an emulated H100 the forced plan keeps columns too:
-    forced = dict(tiles=_plans.INTERPRETER_TILES, model_plans=False, tf32_preround=True)
-    with matmul_precision("high"), override(num_sms=132, device_model=_cost_model.DEFAULT, **forced):
+    forced = dict(tiles=_plans.INTERPRETER_TILES, tf32_preround=True)
+    with matmul_precision("high"), override(**forced), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
         gpu_plan = _plans.linear_plan(37, 131, 40, 4, budget, _GPU, keep_allowed=True, prerounded=True).forward
     assert gpu_plan.w_chunk > 0 and gpu_plan.keep_cols > 0, gpu_plan
     with matmul_precision("high"), override(**forced):
@@ -245,7 +248,7 @@ def test_log_probs_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatc
         return dataclasses.replace(p, vocab_splits=3, keep_cols=keep, vocab_chunk=64, w_chunk=64)
 
     def run(pre):
-        with override(tf32_preround=pre, plan=reshape, tiles=_plans.INTERPRETER_TILES):
+        with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES), what_if(plan=reshape):
             out = logitless.linear_log_probs(x, w, t, backend="triton", **kw)
             outs = out if isinstance(out, tuple) else (out,)
             loss = sum((o * (i + 1.5)).sum() for i, o in enumerate(outs))
@@ -287,7 +290,7 @@ def test_backward_on_another_thread_follows_the_forward_overrides(monkeypatch, o
     fn = getattr(logitless, op)
 
     def grads(thread):
-        with override(tf32_preround=False, model_plans=False, tiles=(16, 64, 16, 4, 1)):
+        with override(tf32_preround=False, tiles=(16, 64, 16, 4, 1)), what_if(plan=_no_kept_columns):
             loss = fn(x, w, t, backend="triton", memory_budget=2000).sum()  # keeps no column
             if not thread:
                 return torch.autograd.grad(loss, (x, w))

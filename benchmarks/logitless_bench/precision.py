@@ -9,8 +9,7 @@ Per LM-head shape three modes, each its own case (and its own GEMM unit):
     autocast-bf16  fp32 W and fp32 hidden state called under torch.autocast(bf16), as a
                    Llama under HF Trainer(bf16=True) calls its head: unit = one bf16 GEMM
 
-Methods: ``logitless`` (the public API, no casts), ``logitless-tf32-truncate`` (fp32-high
-rows only: without rounding the operands to TF32 first), ``logitless-tf32-in-kernel``
+Methods: ``logitless`` (the public API, no casts), ``logitless-tf32-in-kernel``
 (fp32-high rows only: rounding in the kernels' registers, as before issue 23 item 2) and ``torch-eager``
 (``F.cross_entropy(x @ W.T, y)``; under autocast ``F.cross_entropy(head(h).float(), y)``).
 Rows have the lce suite's columns (``lce.measure``: fwd and fwd+bwd time and their
@@ -100,9 +99,9 @@ def _logitless(case, device):
     return fn
 
 
-def _logitless_truncate(case, device, **overrides):
-    """The fp32-high rows only: TF32 products of the raw fp32 operands (the tensor cores
-    truncate them) instead of operands rounded to TF32 first: what the rounding costs."""
+def _logitless_in_kernel(case, device):
+    """The fp32-high rows only: operands rounded to TF32 in the kernels' registers (the
+    path before issue 23 item 2) instead of rounded into scratch buffers beforehand."""
     if torch.device(device).type != "cuda":
         raise Skip("needs a CUDA GPU (the Triton backend)")
     if case.mode != "fp32-high":
@@ -111,15 +110,9 @@ def _logitless_truncate(case, device, **overrides):
     from logitless.planning.overrides import override
 
     def fn(x, w, t):
-        with override(**(overrides or dict(tf32_round=False))):
+        with override(tf32_preround=False):
             return linear_cross_entropy(x, w, t)
     return fn
-
-
-def _logitless_in_kernel(case, device):
-    """The fp32-high rows only: operands rounded to TF32 in the kernels' registers (the
-    path before issue 23 item 2) instead of rounded into scratch buffers beforehand."""
-    return _logitless_truncate(case, device, tf32_preround=False)
 
 
 def _torch_eager(case, device):
@@ -135,9 +128,6 @@ def methods():
         Method("logitless", _logitless, peer=False,
                description="logitless.linear_cross_entropy(h, W, y) on the fp32 tensors, no casts "
                            "(under autocast in the autocast rows)"),
-        Method("logitless-tf32-truncate", _logitless_truncate, peer=False, gpu_only=True,
-               description="fp32-high rows: logitless with TF32 products of the raw fp32 operands (truncated by "
-                           "the tensor cores) instead of rounded ones"),
         Method("logitless-tf32-in-kernel", _logitless_in_kernel, peer=False, gpu_only=True,
                description="fp32-high rows: logitless rounding the operands to TF32 in the kernels' registers "
                            "(before issue 23 item 2) instead of into scratch buffers first"),

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from logitless.planning import cute as _planning
-from logitless.planning.overrides import current as _overrides
+from logitless.planning.overrides import what_ifs as _what_ifs
 
 #: compile key -> None (compiled and launched once) or the failure's text (the Triton path)
 _STATE: dict = {}
@@ -108,7 +108,7 @@ def _launch(fs, key, x, weight, tgt, parts, splits, *, scale, smooth, entropy, k
     addrs = [p.data_ptr() for p in (part_max, part_sum, part_tgt,
                                     smooth if smooth is not None else part_max,
                                     entropy if entropy is not None else part_max)]
-    probe = _overrides().cute_probe if op is not None else None
+    probe = _what_ifs().cute_probe if op is not None else None
     if probe is not None:
         probe(dict(op=op, n=n, v=v, h=h, splits=splits, dtype=dtype, smooth=smooth is not None,
                    entropy=entropy is not None, scale=scale, group=key[6],

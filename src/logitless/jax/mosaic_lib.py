@@ -70,13 +70,13 @@ class FwdConfig:
     lag: int = 2
     # Backward (``dz_call``): consecutive column tiles per CTA, so that a tile's epilogue
     # and store overlap the next tile's loads (with the lag). None: ``dz_tiles_per_cta``
-    # picks it; 1: one tile per CTA, no lag, the kernel before 2026-11-25.
+    # picks it; 1: one tile per CTA, no lag (the earlier kernel).
     dz_tiles: int | None = None
     # Backward: columns of the dz tile per TMA store (``dz_store_columns``). None: the
     # whole tile (at 256 x 128 bf16 its 64 KiB buffer leaves a 3-stage ring); 16, 32 or a
     # multiple of 64 dividing block_v: pieces through one smaller buffer (32: 16 KiB, 4
     # stages). H100: 32 made the dz kernel alone 16% faster but fwd+bwd -1.2% to +3.1%
-    # (``jax-bwd-dzstore-H100-2026-11-25``), hence opt-in.
+    # (docs/design.md), hence opt-in.
     dz_store: int | None = None
 
 
@@ -158,7 +158,7 @@ def dz_tiles_per_cta(num_nb: int, num_cb: int, sms: int, max_tiles: int = 16) ->
     plus a tenth of a tile per CTA (its pipeline fill and last epilogue, not overlapped);
     ties go to more tiles. Several tiles only while the CTAs still fill 90% of the SMs:
     at deepseek-v3's shape (32 row blocks x 6 tiles) 96 CTAs of 2 tiles ran 1.6% slower
-    than 192 of one (H100, ``jax-bwd-H100-2026-11-25``)."""
+    than 192 of one (H100)."""
     def cost(t):
         waves = -(-num_nb * (-(-num_cb // t)) // sms)
         return waves * (t + 0.1)

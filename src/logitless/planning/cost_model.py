@@ -85,14 +85,14 @@ class DeviceModel:
     #: loops, 4 stages) over cuBLAS on its FLOPs: 1.29-1.31x where both x's fit in L2
     #: (N (H_s + H_t) itemsize <= ``l2_bytes``: 4096 x (2048 + 2048), 4096 x (896 + 3584)),
     #: ``jsd_kl_forward_l2miss`` 1.38-1.52x where they do not (4096 and 16384 x (4096 +
-    #: 8192)); H100, ``probe-jsd-kl-4stages-H100-2026-11-24`` (docs/design.md, session 7).
+    #: 8192)); H100 (docs/design.md).
     jsd_kl_forward: float = 1.30
     jsd_kl_forward_l2miss: float = 1.45
     #: linear_jsd's chunked forward (a few hundred rows per chunk: its fp32-output GEMMs
     #: stream both weights once per chunk, then the statistics read the chunks): the
     #: bandwidth those streams reach (None: ``hbm_bw``). H200: 3.4 TB/s, not its copy
     #: rate: 2048 <- 2048, V 151936 went 13.5 -> 11.4 ms from the H100 (1.19x, not 1.43x;
-    #: ``probe-jsd-kl-H200-2026-11-24``, docs/design.md session 8).
+    #: docs/design.md).
     jsd_stream_bw: Optional[float] = None
     #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
     #: (11k-column chunks ran 5% slower: docs/design.md section 8).
@@ -148,11 +148,11 @@ class DeviceModel:
     gemm_wave: float = 1.0
 
 
-#: wide_chunks=2: the planner regret probe (issue 23, probe-regret-H100-2026-11-23) measured 4096-column
+#: wide_chunks=2: the planner regret probe (``benchmarks/probe_regret.py``) measured 4096-column
 #: chunks 2-11% slower than 8192-16384-column ones at 256 MiB on 7 of 9 shapes (mean regret 5.0% -> 1.8%).
 H100 = DeviceModel("H100", sms=132, wide_chunks=2)
 #: H200: the H100's tensor cores, 1.43x its copy bandwidth. The linear_jsd fields are
-#: measured (session 8: the KL fused forward's L2-miss factor falls with the bandwidth,
+#: measured (the KL fused forward's L2-miss factor falls with the bandwidth,
 #: 1.31 vs 1.45; the chunked forward's streams reach 3.4 TB/s); the others scale by the
 #: bandwidth, not refitted.
 H200 = replace(H100, name="H200", hbm_bw=4.3e12, keep_store_bw=1.8e12, kept_pass_bw=3.7e12, acc_bw=6.0e12,

@@ -5,13 +5,13 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
 
   * not turned off: ``override(cute=False)``, or the environment variable
     ``LOGITLESS_CUTE=0`` (read per call; ``override(cute=True)`` ignores it), or an
-    override aimed at the Triton plan (tiles, plan, kernel_options, strategy);
+    override aimed at the Triton plan (tiles, plan, strategy);
   * a CUDA device of compute capability 9.x (sm_90a: wgmma, TMA, setmaxnreg);
   * the DSL is usable (``dsl_problem``): the optional ``nvidia-cutlass-dsl`` (``pip install
     'logitless[hopper]'``) installed at a supported version (``DSL_MIN`` <= version <
     ``DSL_BELOW`` by its package metadata) and ``cutlass.cute`` importable, checked lazily
     once per process and only when a plan would take the kernel, never at ``import
-    logitless``; ``override(cute_available=...)`` replaces the check (tests). Then the
+    logitless``; ``what_if(cute_available=...)`` replaces the check (tests). Then the
     kernel must compile and launch (``cute_lib.launch.ready``, once per compiled
     configuration). Any of these failing means the Triton forward, with one
     ``CuteFallbackWarning`` per process and cause (``warn_fallback``): an optional
@@ -22,55 +22,22 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
     inside the kernel (the weighted smoothing sum); kept columns (the plan's ``keep_cols``
     > 0: a gradient to come and a budget holding some logits) in blocks of ``keep_block``
     columns (the Triton plan's block_v) that divide the kernel's 256-column tile: the
-    kernel then stores exp(a - m) and m where the Triton forward would (session 6).
+    kernel then stores exp(a - m) and m where the Triton forward would.
 
-CTA order and splits (``plan_for``): the kernel runs one CTA per (128-row block, split); each
-CTA re-reads its 128-row x block once per 256-column vocabulary tile. When the x blocks of the
-CTAs in flight, min(row blocks, SMs) x 128 x H x 2 bytes, exceed the device's L2 (50 MiB on
-the H100), the plain grid (row blocks fastest) lost 4-15% to the Triton kernel (session 6,
-forward only, interleaved with cuBLAS and Triton: docs/design.md "CuTe forward", files
-``benchmarks/results/cute-choice-{anchors,models}-H100-2026-11-23.json``: 8192 x 7168
-1.085-1.095x cuBLAS vs Triton 1.044; 16384 x 4096 1.11-1.19 vs 1.03). There the plan takes
-Triton's grouped order (``GROUP`` = 16 row blocks at a time, row block fastest inside a
-group, then the split; ``triton_lib.gemm.grouped_tile``) with at least ``GROUP_SPLITS`` = 16
-splits: measured (a probe listed in docs/history.md, ``probe-raster-grouped-H100-*``)
-16384 x 4096 1.104 -> 1.013x cuBLAS, 32768 x 2048 1.082 -> 0.987, 8192 x 4096 x 32768
-1.049 -> 1.013, 8192 x 7168 1.077 -> 1.044. (A split-major order, group 1, was 1.2-1.8x.)
+CTA order and splits (``plan_for``): one CTA per (128-row block, split), one CTA per SM,
+each re-reading its x block once per 256-column vocabulary tile. Splits: about ``WAVES``
+full waves, floor(2 * SMs / row blocks), at least 1, at most the vocabulary's tiles. When
+the x blocks in flight (min(row blocks, SMs) x 128 x H x 2 bytes) exceed L2, Triton's
+grouped order (``GROUP`` row blocks at a time, ``triton_lib.gemm.grouped_tile``) with at
+least ``GROUP_SPLITS`` splits.
 
-Where Triton is faster (the automatic choice only; ``override(cute=True)`` forces CuTe):
-``triton_faster``: fewer than 128 k slabs (64-wide steps of H) per CTA, where the pipeline
-fill and the epilogue are not amortised (1024 x 768 x 50257: 0.63x cuBLAS vs Triton's 0.44x;
-8192 x 768 x 50257, 600 slabs a CTA, wins 0.14 vs 0.22; cuBLAS is slow at odd V); and the
-entropy term (linear_log_probs(entropy=True)) where the grouped order is needed: its longer
-epilogue, not overlapped with the next tile's MMA, kept it behind (8192 x 7168: 1.097x vs
-0.994; 16384 x 4096: 1.060 vs 0.989; at 4096 tokens it wins or ties: 1.005 vs 1.073); any
-forward whose x in flight exceeds ``TRITON_X_OVER_L2`` = 2 times L2 (the grouped order's
-x traffic no longer fits): there the kernel fell behind Triton in every run of 2026-11-24
-(cross-entropy forward x cuBLAS; DSL 4.8.1, four runs: 8192 x 7168 x 128256 1.075-1.115 vs
-0.999-1.077, 16384 x 4096 x 128256 1.027-1.125 vs 0.995-1.071; DSL 4.2.1 in the same session,
-two runs: 1.038-1.071 vs 1.004-1.020 and 1.072-1.092 vs 1.039), where session 6 had measured
-ties or a 2% win. (4.8.1 compiles the same code 1-7% slower than 4.2.1: A/B in one session,
-``benchmarks/results/cute-dsl-ab-H100-2026-11-24.json``; its PTX still
-assembles to 168 registers and no spills, as 4.2.1's did.) The grouped shapes won by 8-10% in session 6 (32768 x 2048,
-8192 x 4096 x 32768: x in flight 1.3 times L2) keep CuTe (not re-measured with 4.8.1); and
-a forward that keeps more than a quarter of the columns (a budget holding most logits) at
-more than 1024 tokens: the kernel stores the kept exp(a - m) element by element from
-registers (2-byte stores, 128 per thread per tile), which cost more than the Triton
-kernel's TMA tile stores. Measured f+b interleaved with the Triton forward (docs/history.md,
-``probe-lce-ab-keep-H100-2026-11-23.json``, x three GEMMs): at the logits budget 1.169 vs
-1.129 (llama3), 1.202 vs 1.137 (qwen3), 1.082 vs 1.040 (gemma3), 1.216 vs 1.161 (gpt-oss),
-1.118 vs 1.090 (16k), ties at 2048 x 4096 and 4096 x 4096 x 32000, but 1.145 vs 1.320 at
-512 tokens (Triton's forward is 1.7x a GEMM there); at the default budget (0-6% kept) it is
-the faster path: 1.415 vs 1.502 (qwen3), 1.434 vs 1.558 (gpt-oss), 1.384 vs 1.429
-(deepseek-v3), 1.149 vs 1.331 (512 tokens), gemma3 1.445 vs 1.388 the exception.
-
-Splits: the kernel runs one CTA per (128-row block, split) and one CTA per SM (193 KiB of
-shared memory), without a persistent scheduler. Measured on the H100 (2026-11-23,
-docs/design.md "CuTe forward"): about two full waves is best, 4096 x 4096 x 128256
-splits 8 (256 CTAs) 0.96-0.98x cuBLAS vs splits 4 and 16 worse, 8192 x 7168 x 128256
-splits 4 (256 CTAs) 0.98x vs splits 8 (512 CTAs) 1.41x, splits 1 1.5-2.9x (too few
-CTAs). So splits = floor(2 * SMs / row blocks), at least 1, at most the vocabulary's
-256-column tiles.
+Where the Triton forward is faster (``triton_faster``; the automatic choice only,
+``override(cute=True)`` forces CuTe): fewer than ``MIN_SLABS_PER_CTA`` 64-wide steps of H
+per CTA (pipeline fill and epilogue not amortised); the entropy term where the grouped
+order is needed; x in flight above ``TRITON_X_OVER_L2`` times L2; and more than
+``KEEP_SHARE`` of the columns kept at more than ``KEEP_SMALL_N`` tokens (the kernel stores
+kept values element by element, Triton by TMA tiles). The measurements behind these
+thresholds are in docs/design.md ("CuTe forward").
 """
 
 from __future__ import annotations
@@ -87,6 +54,7 @@ from typing import Optional
 
 from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
+from logitless.planning.overrides import what_ifs as _what_ifs
 from logitless.planning.tiles import CutePlan  # noqa: F401  (re-exported: the plan lives there)
 
 ENV = "LOGITLESS_CUTE"
@@ -283,13 +251,13 @@ def env_off() -> bool:
 
 def enabled(ov, env_is_off: bool) -> bool:
     """The switch alone: ``override(cute=...)`` first; unset, the environment variable, and
-    an override that shapes the Triton plan (tiles, plan, kernel_options, strategy: a
+    an override that shapes the Triton plan (tiles, plan, strategy: a
     test or probe aimed at the Triton kernel) keeps the Triton kernel."""
     if ov.cute is not None:
         return bool(ov.cute)
     if env_is_off:
         return False
-    return ov.tiles is None and ov.plan is None and ov.kernel_options is None and ov.strategy is None
+    return ov.tiles is None and _what_ifs().plan is None and ov.strategy is None
 
 
 def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: int, h: int, layout_ok: bool,
@@ -301,8 +269,9 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
     ov = ov if ov is not None else _overrides()
     if not enabled(ov, env_is_off):
         return None
-    if ov.cute_available is not None:
-        available = ov.cute_available
+    forced_available = _what_ifs().cute_available
+    if forced_available is not None:
+        available = forced_available
     if unsupported(capability=capability, available=available, dtype=dtype, n=n, v=v, h=h, layout_ok=layout_ok,
                    **options) is not None:
         return None
@@ -327,7 +296,7 @@ def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=Non
     # The DSL's own check (and its one warning) only where the plan would take the kernel.
     (plan,) = _choice(capability, sms, l2, x.dtype, n, v, h, layout_ok, bias is not None, softcap is not None,
                       need_argmax, weighted_smooth, keep_cols, keep_block, entropy)
-    if plan is None or ov.cute_available is not None:  # (cute_available: choose applied it)
+    if plan is None or _what_ifs().cute_available is not None:  # (cute_available: choose applied it)
         return plan
     return plan if dsl_usable_or_warn() else None
 

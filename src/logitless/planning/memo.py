@@ -3,14 +3,14 @@ state, so each call after the first with the same key is a dictionary lookup.
 
 At 512-2048 tokens an eager call is host-bound; planning cost ~0.6 ms per training
 step on the H100 (``tuned.cache_path`` resolves ``Path.home()`` twice per step, the
-cost model ran for each plan: benchmarks/results/probe-hopper-diag-H100-2026-11-23.log).
+cost model ran for each plan).
 
 The key of a call is everything its result depends on:
 
 - its arguments (shapes, itemsize, budget, flags) and the device, with a CUDA
   device's index made explicit (``cuda`` alone means the current device);
-- the active ``overrides.current()`` (a frozen dataclass). When one of its fields is
-  unhashable (a ``kernel_options`` dict) the call is not cached at all. A ``plan``
+- the active ``overrides.current()`` and ``overrides.what_ifs()`` (frozen dataclasses). When something in the key
+  is unhashable the call is not cached at all. A ``plan``
   callable hashes by identity; the key holds a reference to it, so the identity
   cannot be reused by another object while the entry lives;
 - the environment the tuned-config lookup reads (``LOGITLESS_TUNED``,
@@ -29,7 +29,9 @@ import os
 from collections.abc import Callable
 
 from logitless.planning.overrides import _CURRENT as _OVERRIDES
+from logitless.planning.overrides import _WHAT_IF
 from logitless.planning.overrides import DEFAULT as _DEFAULT_OVERRIDES
+from logitless.planning.overrides import NO_WHAT_IF as _NO_WHAT_IF
 
 MAX_ENTRIES = 4096
 _MEMOS: list[dict] = []
@@ -37,11 +39,6 @@ _MEMOS: list[dict] = []
 #: The environment variables the tuned-config lookup reads (``tuned.tiles_for``,
 #: ``tuned.cache_path``: ``Path.home()`` reads ``HOME``).
 ENV_NAMES = ("LOGITLESS_TUNED", "LOGITLESS_CACHE_DIR", "HOME")
-#: The same names as keys of ``os.environ._data`` (CPython's dict behind ``os.environ``:
-#: bytes on POSIX, upper-case str on Windows), read without ``os.environ``'s Python-level
-#: ``get``/``__getitem__``/``encode``/``decode`` (~5 Python calls per variable). Setting
-#: or deleting ``os.environ[...]`` (``monkeypatch.setenv``, ``delenv``) updates ``_data``.
-_ENV_KEYS = tuple(map(os.environ.encodekey, ENV_NAMES)) if hasattr(os.environ, "encodekey") else None
 #: torch's fp32 matmul precision getter, bound at the first plan (torch is not imported here).
 _precision = None
 
@@ -71,27 +68,22 @@ def _bind_precision():
 
 def _state_key() -> tuple:
     """The environment (``ENV_NAMES``, values as ``os.environ`` holds them) and fp32 matmul
-    precision: read at every planner call (a dictionary lookup each), so a change between
-    calls (a test's ``monkeypatch.setenv``) gives a new key."""
-    env = os.environ
-    data = getattr(env, "_data", None)
-    if data is not None and _ENV_KEYS is not None:
-        values = tuple(map(data.get, _ENV_KEYS))
-    else:  # os.environ replaced by another mapping
-        values = tuple(map(env.get, ENV_NAMES))
-    return values + ((_precision or _bind_precision())(),)
+    precision: read at every planner call, so a change between calls (a test's
+    ``monkeypatch.setenv``) gives a new key. ``os.environ.get`` per variable (public API;
+    ``os.environ`` replaced by another mapping is read the same way)."""
+    return (*map(os.environ.get, ENV_NAMES), (_precision or _bind_precision())())
 
 
 def memoised(fn: Callable) -> Callable:
     """``fn`` with its results kept by (arguments, device, overrides, state) as above.
     Arguments that are torch devices are keyed by ``(type, index)``.
 
-    A hit costs two Python calls (the wrapper, ``_state_key``) and a dictionary lookup:
-    the key is built inline (no generator, no call per argument, the state read through
-    C functions), and
-    the overrides outside any ``override(...)`` (``overrides.DEFAULT``, by identity) are
-    keyed as None, so that the frozen dataclass' Python ``__hash__`` runs only under an
-    override."""
+    A hit costs the wrapper, ``_state_key``'s reads inline (``os.environ.get``: three or
+    four Python calls per variable) and a dictionary lookup: the key is built inline (no
+    generator, no call per argument), and the overrides and what-ifs outside any
+    ``override(...)`` / ``what_if(...)`` (``overrides.DEFAULT``, ``NO_WHAT_IF``, by
+    identity) are keyed as None, so that the frozen dataclasses' Python ``__hash__`` runs
+    only under one."""
     memo: dict = {}
     _MEMOS.append(memo)
 
@@ -107,8 +99,11 @@ def memoised(fn: Callable) -> Callable:
                                 for k, v in sorted(kwargs.items())])
         else:
             key_kwargs = ()
-        overrides = _OVERRIDES.get()
-        key = (key_args, key_kwargs, None if overrides is _DEFAULT_OVERRIDES else overrides, _state_key())
+        overrides, what = _OVERRIDES.get(), _WHAT_IF.get()
+        # _state_key() inline (one Python call fewer per plan)
+        key = (key_args, key_kwargs,
+               None if overrides is _DEFAULT_OVERRIDES and what is _NO_WHAT_IF else (overrides, what),
+               (*map(os.environ.get, ENV_NAMES), (_precision or _bind_precision())()))
         try:
             found = memo.get(key)
         except TypeError:  # an unhashable override or argument: plan afresh

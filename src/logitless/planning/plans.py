@@ -14,6 +14,7 @@ from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported 
 from logitless.planning import rocm as _rocm
 from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
+from logitless.planning.overrides import what_ifs as _what_ifs
 from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables and the plan live there)
     CUDA_TILES,
     CUDA_TILES_TF32,
@@ -85,8 +86,8 @@ def torch_plan(
 
 
 def num_sms(device) -> int:
-    """Multiprocessors of ``device`` (an override's, if set; a few on the interpreter)."""
-    forced = _overrides().num_sms
+    """Multiprocessors of ``device`` (a what-if's, if set; a few on the interpreter)."""
+    forced = _what_ifs().num_sms
     if forced is not None:
         return forced
     import torch
@@ -148,7 +149,7 @@ def _triton_plan(
     # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: docs/design.md).
     want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
     blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
-    if device.type == "cuda" and itemsize == 2 and _overrides().split_model:
+    if device.type == "cuda" and itemsize == 2:
         blocks_per_split = forward_blocks_per_split(row_blocks, vocab_blocks, math.ceil(hidden / block_h),
                                                     num_sms(device), blocks_per_split)
     vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
@@ -181,7 +182,7 @@ def _triton_plan(
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
     vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
-    if device.type == "cuda" and _overrides().model_plans:  # GPUs: the cost model's choice
+    if device.type == "cuda":  # GPUs: the cost model's choice
         keep_cols, vocab_chunk = _model_columns(
             num_tokens, vocab, hidden, itemsize, budget - w_col * min_cols, device, block_v, min_cols,
             keep_allowed)
@@ -210,7 +211,7 @@ def _triton_plan(
         w_chunk=w_chunk,
     )
     plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
-    reshape = _overrides().plan
+    reshape = _what_ifs().plan
     return reshape(plan) if reshape is not None else plan
 
 
@@ -290,8 +291,7 @@ def _forward_w_chunk(left, w_col, block_v, vocab_blocks, row_blocks, device, min
     return min(chunk_blocks, vocab_blocks) * block_v, splits
 
 
-#: The GEMM kernels' scheduling options: on/off switches of ``kernel_options`` (the
-#: probes flip them with ``overrides.override``; docs/design.md "Forward kernel").
+#: The GEMM kernels' scheduling options (``kernel_options``; docs/design.md "Forward kernel").
 KERNEL_OPTIONS = dict(group=True, flatten=True, dz_tma=False, dlogits_programs=1)
 
 
@@ -309,10 +309,9 @@ def kernel_options(num_tokens: int, block_n: int, block_v: int, device) -> dict:
     """Program order and pipelining of the fused GEMM kernels (``TritonPlan.group_n``,
     ``flatten``, ``dz_tma``, ``dlogits_programs``). Results are the same bitwise
     whichever is chosen: only the order in which tiles run changes."""
-    forced = _overrides()
-    o = dict(KERNEL_OPTIONS, **(forced.kernel_options or {}))
+    o = KERNEL_OPTIONS
     row_blocks = math.ceil(num_tokens / block_n)
-    group_n = (forced.group_rows or group_rows(block_n, block_v, device)) if o["group"] else 0
+    group_n = group_rows(block_n, block_v, device) if o["group"] else 0
     programs = o["dlogits_programs"] if row_blocks >= PERSISTENT_MIN_ROW_BLOCKS else 0
     return dict(group_n=int(group_n), flatten=bool(o["flatten"]), dz_tma=bool(o["dz_tma"]),
                 dlogits_programs=int(programs))
@@ -350,7 +349,7 @@ ODD_V_ALIGN = 8
 def _device_model(device):
     from logitless.planning import cost_model as _cost_model
 
-    return _overrides().device_model or _cost_model.device_model(device)
+    return _what_ifs().device_model or _cost_model.device_model(device)
 
 
 def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed):
@@ -540,7 +539,7 @@ def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> i
 #: once (two fp32 accumulators: half of linear_cross_entropy's block_v keeps them in
 #: registers). 16-bit: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3
 #: at beta 0.5 and 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better
-#: (H100, ``probe-jsd-kl-stages-fb-`` and ``-tiles-4stages-H100-2026-11-24``; docs/design.md).
+#: (H100; docs/design.md).
 JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
 
 

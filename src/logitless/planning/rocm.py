@@ -110,14 +110,13 @@ def adapt_plan(plan, device):
     return dataclasses.replace(plan, tma=False, dz_tma=False)
 
 
-def dot_precision(dtype_is_fp32: bool, tf32_allowed: bool, tf32_round: bool, device=None,
+def dot_precision(dtype_is_fp32: bool, tf32_allowed: bool, device=None,
                   arch_name: Optional[str] = None) -> str:
     """tl.dot's ``input_precision`` on an AMD GPU. 16-bit inputs: "ieee" (ignored by the
     bf16/fp16 MFMAs; Triton's gfx950 backend rejects "tf32" even there). fp32 at matmul
     precision "highest": "ieee" (fp32 MFMA: fp32 products, at least 3xTF32's accuracy).
     fp32 at "high"/"medium": "tf32-round" on gfx942 (operands rounded to TF32, xf32 MFMA:
-    the products cuBLAS and the NVIDIA path give), "tf32" under
-    ``override(tf32_round=False)``; "ieee" on gfx950 and other AMD GPUs (no xf32).
+    the products cuBLAS and the NVIDIA path give); "ieee" on gfx950 and other AMD GPUs (no xf32).
     ``arch_name``: the architecture (default: ``device``'s, or the current device's)."""
     if not dtype_is_fp32 or not tf32_allowed:
         return "ieee"
@@ -127,4 +126,4 @@ def dot_precision(dtype_is_fp32: bool, tf32_allowed: bool, tf32_round: bool, dev
         arch_name = arch(device if device is not None else torch.device("cuda", torch.cuda.current_device()))
     if arch_name != "gfx942":
         return "ieee"
-    return "tf32-round" if tf32_round else "tf32"
+    return "tf32-round"

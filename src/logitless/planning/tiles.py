@@ -50,7 +50,7 @@ PROGRAM_STEPS = 32
 #: Vocabulary tiles per forward program that ``forward_blocks_per_split`` weighs.
 SPLIT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 #: Predicted gain below which the WAVES rule's split stands: below 10% the A/B at the models
-#: suite's shapes was within run-to-run noise (split-ab-H100-2026-11-25.json).
+#: suite's shapes was within run-to-run noise.
 SPLIT_MIN_GAIN = 0.10
 
 

@@ -1,8 +1,8 @@
 """Torch-side helpers of the Triton kernels, shared by every op's Triton backend.
 
     tf32_allowed / dot_precision   fp32 operands follow torch's matmul precision
-    run_kernel                     kernel[grid](...) with Triton's per-launch argument
-                                   binding done once per launch key (``launch_key``)
+    run_kernel                     kernel[grid](...), repeated launches through the cached
+                                   compiled kernel (``triton_lib.fast_launch``)
     launch_kernel                  a launch that retries with fewer pipeline stages
                                    where the tiles do not fit the shared memory
     operands                       TMA tensor descriptors of x and W (or the tensors)
@@ -14,7 +14,7 @@
                                    backward, and its dx after the last chunk
     kept_shapes_of / keep_buffers  the columns of exp(z - m) a forward keeps for its backward
     partials                       a forward's (S, N) partial statistics, one allocation
-    descriptor                     a TMA descriptor, validated once per layout
+    descriptor                     a TMA descriptor, validated once per layout (``fast_launch``)
     backward_chunks / dz_buffer /  the backward's column chunks, its dz buffer, dz's TMA
       dz_operand / dlogits_tiles   descriptor and the dlogits kernel's grid
     DlogitsKernels /               the backward's loop over those chunks, launching the
@@ -33,23 +33,18 @@ calls, allocations, launches per forward+backward; ``tests/test_host_overhead.py
 
 from __future__ import annotations
 
-import collections
-import inspect
 import os
 from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
-from triton import knobs
 from triton.runtime.errors import OutOfResources
-from triton.runtime.jit import JITFunction
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logitless.planning import plans as _plans
 from logitless.planning import rocm as _rocm
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.plans import TritonPlan
+from logitless.triton_lib.fast_launch import descriptor, run_kernel  # noqa: F401  (the ops' launches)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,162 +76,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the kernels' tl.dot, read from torch's setting at each call.
 
     fp32 inputs run on tensor cores either way: "tf32-round" (operands rounded to TF32,
-    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium"; "tf32"
-    without the rounding, under ``override(tf32_round=False)``: what the benchmark's
-    "logitless-tf32-truncate" rows measure) or, at "highest", "tf32x3" (each operand split into a TF32
+    one TF32 product, 10-bit mantissas, as cuBLAS at precision "high"/"medium") or, at
+    "highest", "tf32x3" (each operand split into a TF32
     head and a TF32 tail, three TF32 products: about the accuracy of fp32 FMA, on
     tensor cores). Never "ieee" (scalar FMA loops, 77x a cuBLAS fp32 GEMM on an H100).
     16-bit inputs ignore the setting. AMD GPUs (ROCm): ``planning.rocm.dot_precision``
     ("ieee", or "tf32-round" for fp32 at "high" on gfx942; never "tf32x3").
     """
     if _HIP:
-        return _rocm.dot_precision(dtype == torch.float32, tf32_allowed(), _overrides().tf32_round)
+        return _rocm.dot_precision(dtype == torch.float32, tf32_allowed())
     if dtype == torch.float32:
         if not tf32_allowed():
             return "tf32x3"
-        return "tf32-round" if _overrides().tf32_round else "tf32"
+        return "tf32-round"
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return "interpreter-bf16"  # see gemm.dot: works around an interpreter bug
     return "tf32"  # ignored for 16-bit inputs
-
-
-# ------------------------------------------------- launches without Triton's per-call binding
-
-#: LOGITLESS_FAST_LAUNCH=0 (read at import) sends every launch through ``kernel[grid]``.
-FAST_LAUNCH = os.environ.get("LOGITLESS_FAST_LAUNCH", "1") != "0"
-#: Launches by path ("fast": a cached compiled kernel, "triton": ``kernel[grid]``), for
-#: tests and probes; no other use.
-LAUNCHES: collections.Counter = collections.Counter()
-#: launch_key(...) -> (compiled kernel, (name, default) of the parameters after the
-#: positional arguments). Bounded: cleared past ``MAX_FAST_ENTRIES``.
-_FAST: dict = {}
-MAX_FAST_ENTRIES = 4096
-_NO_DEFAULT = inspect.Parameter.empty
-
-
-def _arg_key(a):
-    """What Triton's specialisation of one kernel argument can depend on, or more: an
-    int's value (Triton: 1, multiple of 16, 32/64-bit), a tensor's dtype and 16-byte
-    alignment, a TMA descriptor's dtype, block shape and padding; floats are never
-    specialised (their type only); bools, strings and None as themselves (bools tagged:
-    True == 1 in a dict key). Anything else raises TypeError (then no fast path).
-    (``launch_key`` inlines the common cases.)"""
-    t = type(a)
-    if t is int or t is str or a is None:
-        return a
-    if t is float:
-        return float
-    if t is bool:
-        return (bool, a)
-    if t is TensorDescriptor:
-        return (TensorDescriptor, a.base.dtype, tuple(a.block_shape), a.padding)
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    raise TypeError(f"no launch key for {t.__name__}")
-
-
-def launch_key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
-    """The key under which ``run_kernel`` reuses a compiled kernel: equal keys imply the
-    same Triton specialisation and options (``tests/test_host_overhead.py`` checks this
-    against Triton's own binder), so the cached kernel is the one ``kernel[grid]`` would
-    pick. Keyword values (constexprs, num_warps, ...) are keyed as arguments, after
-    their names. One loop with the common types inline (~40 arguments per launch)."""
-    key = [id(kernel), device]
-    add = key.append
-    for a in args:
-        t = type(a)
-        if t is int:
-            add(a)
-        elif t is float:
-            add(float)
-        elif t is torch.Tensor or t is torch.nn.Parameter:
-            add((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            add(_arg_key(a))
-    positions = _constexpr_positions(kernel)
-    if positions and positions[0] < len(args):  # constexprs passed by position: by value and type
-        for i in positions:
-            if i < len(args):
-                add((i, type(args[i]), args[i]))
-    types = tuple(map(type, kwargs.values()))
-    if _PLAIN_KWARGS.issuperset(types):  # constexprs and options: keyed by value and type
-        return (*key, tuple(kwargs.items()), types)
-    for k, a in kwargs.items():
-        add(k)
-        add((float, a) if type(a) is float else _arg_key(a))  # (a float constexpr: its value)
-    return tuple(key)
-
-
-#: Keyword value types keyed as (value, type): (True, bool) and (1, int) differ.
-_PLAIN_KWARGS = frozenset((int, bool, str, type(None)))
-#: id(kernel) -> (kernel, positions of its constexpr parameters).
-_CONSTEXPR_POSITIONS: dict = {}
-
-
-def _constexpr_positions(kernel) -> tuple:
-    entry = _CONSTEXPR_POSITIONS.get(id(kernel))
-    if entry is None or entry[0] is not kernel:
-        entry = _CONSTEXPR_POSITIONS[id(kernel)] = (
-            kernel, tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr))
-    return entry[1]
-
-
-def bound_values(args: tuple, kwargs: dict, tail: tuple) -> tuple:
-    """Every parameter's value in signature order, as ``JITFunction.run`` passes its bound
-    arguments to the launcher (constexprs included: the launcher skips them): ``args``,
-    then for each (name, default) of ``tail`` (the later parameters) its keyword value
-    or default."""
-    return (*args, *[kwargs[name] if name in kwargs else default for name, default in tail])
-
-
-def run_kernel(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``: the same compiled kernel, launched the same way
-    (Triton's launcher: tensor-map descriptors filled, launch hooks called, on the
-    current stream, so CUDA-graph capture works as before), without the per-launch
-    argument binding and cache-key string of ``JITFunction.run`` (its binder costs ~65
-    us for a 40-argument kernel on the CPU of the development machine). The first
-    launch of each ``launch_key`` goes through ``kernel[grid]`` (compiling if needed)
-    and keeps the compiled kernel; later ones call it directly. Triton settings that
-    ``JITFunction.run`` reads per launch (TRITON_DEBUG, the instrumentation mode) count
-    as of a key's first launch. The interpreter (TRITON_INTERPRET=1), autotuned or
-    other kernel objects, callable grids, LOGITLESS_FAST_LAUNCH=0 and
-    ``override(fast_launch=False)`` always take ``kernel[grid]``."""
-    if not (FAST_LAUNCH and type(kernel) is JITFunction and type(grid) is tuple and _overrides().fast_launch):
-        LAUNCHES["triton"] += 1
-        if type(kernel).__name__ == "InterpretedFunction":
-            # Triton's interpreter (numpy blocks): numpy's floating-point warnings off for this
-            # launch, in this thread. The kernels compute exp(-inf), log(0), inf * 0 in masked
-            # lanes and padding on purpose (a GPU says nothing); the RuntimeWarnings reached the
-            # user as if something were wrong.
-            with np.errstate(all="ignore"):
-                return kernel[grid](*args, **kwargs)
-        return kernel[grid](*args, **kwargs)
-    device = torch.cuda.current_device()
-    try:
-        key = launch_key(kernel, device, args, kwargs)
-        entry = _FAST.get(key)
-    except TypeError:  # an argument without a key, or an unhashable constexpr
-        key = entry = None
-    if entry is None:
-        LAUNCHES["triton"] += 1
-        compiled = kernel[grid](*args, **kwargs)
-        tail = tuple((p.name, p.default) for p in list(kernel.signature.parameters.values())[len(args):])
-        if (key is not None and hasattr(compiled, "packed_metadata")
-                and all(name in kwargs or default is not _NO_DEFAULT for name, default in tail)):
-            if len(_FAST) >= MAX_FAST_ENTRIES:
-                _FAST.clear()
-            _FAST[key] = (compiled, tail)
-        return compiled
-    compiled, tail = entry
-    LAUNCHES["fast"] += 1
-    full = bound_values(args, kwargs, tail)
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    size = len(grid)
-    meta = compiled.launch_metadata(grid, stream, *full)
-    compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, compiled.function,
-                 compiled.packed_metadata, meta, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
-                 *full)
-    return compiled
 
 
 #: (id of the kernel (a module-level object), requested num_stages, constexpr flags) -> num_stages that fit this GPU's
@@ -285,27 +140,6 @@ def operands(x: Tensor, weight: Tensor, plan):
     x_desc = descriptor(x, tuple(x.shape), (x.stride(0), 1), (plan.block_n, plan.block_h))
     w_desc = descriptor(weight, tuple(weight.shape), (weight.stride(0), 1), (plan.block_v, plan.block_h))
     return x_desc, w_desc, True
-
-
-#: Layouts (dtype, shape, strides, block shape) whose descriptors passed Triton's checks.
-_CHECKED_LAYOUTS: set = set()
-
-
-def descriptor(base: Tensor, shape: tuple, strides: tuple, block_shape: tuple) -> TensorDescriptor:
-    """``TensorDescriptor(base, shape, strides, block_shape)``. Triton's constructor
-    checks the layout (rank, block shape, 16-byte strides, positive sizes, base
-    alignment) in Python for every object; here that runs once per layout and base
-    alignment class, later descriptors of the layout are filled in directly (the same
-    object: the CUDA tensor map is built at launch from its fields, as always)."""
-    key = (base.dtype, shape, strides, block_shape, base.data_ptr() % 16 == 0)
-    if key not in _CHECKED_LAYOUTS:
-        desc = TensorDescriptor(base, list(shape), list(strides), list(block_shape))
-        _CHECKED_LAYOUTS.add(key)
-        return desc
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block_shape),
-                         padding="zero")
-    return desc
 
 
 def logits_fp32(x: Tensor, w: Tensor, b, out: Tensor) -> None:
@@ -540,8 +374,7 @@ def tf32_prerounded(dtype: torch.dtype) -> bool:
     buffers before the fused GEMM kernels, which then multiply them with DOT_PRECISION
     "tf32" (exact on TF32 values: the products of "tf32-round", through TMA). True for
     fp32 at matmul precision "high"/"medium" unless ``override(tf32_preround=False)``
-    (the kernels then round in registers) or ``override(tf32_round=False)``
-    (truncation). The plan decides (``plans.triton_plan``: ``w_chunk > 0``)."""
+    (the kernels then round in registers). The plan decides (``plans.triton_plan``: ``w_chunk > 0``)."""
     return (dtype == torch.float32 and _overrides().tf32_preround is not False
             and dot_precision(dtype) == "tf32-round")
 

@@ -196,19 +196,19 @@ def splits_for(n: int, v: int, plan, c: int, device) -> int:
     later pass runs on."""
     from logitless.planning.plans import num_sms
 
-    blocks = triton.cdiv(v, max(plan.block_v, c))
+    blocks = launch.cdiv(v, max(plan.block_v, c))
     rows = _rows_plan(plan, device).block_n
-    return max(1, min(blocks, num_sms(device) // max(1, triton.cdiv(n, rows))))
+    return max(1, min(blocks, num_sms(device) // max(1, launch.cdiv(n, rows))))
 
 
 def _common(x, weight, bias, plan, softcap, temperature, block_v, splits):
     n, h = x.shape
     v = weight.shape[0]
-    blocks = triton.cdiv(v, block_v)
+    blocks = launch.cdiv(v, block_v)
     splits = min(splits, blocks)
-    per_split = triton.cdiv(blocks, splits)
-    splits = triton.cdiv(blocks, per_split)
-    grid = (triton.cdiv(n, plan.block_n), splits)
+    per_split = launch.cdiv(blocks, splits)
+    splits = launch.cdiv(blocks, per_split)
+    grid = (launch.cdiv(n, plan.block_n), splits)
     # (tensor descriptors where the plan and the rows allow, as the forward's: a pipelined GEMM)
     x_op, w_op, use_tma = launch.operands(x, weight, replace(plan, block_v=block_v))
     args = (n, v, h, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), per_split,

@@ -95,7 +95,7 @@ def forward_outputs(part_max: Tensor, part_sum: Tensor, part_u: Optional[Tensor]
     lse = torch.empty_like(logp)
     ent = torch.empty_like(logp) if opts.entropy else None
     launch.run_kernel(
-        logp_forward_epilogue_kernel, (triton.cdiv(n, BLOCK),),
+        logp_forward_epilogue_kernel, (launch.cdiv(n, BLOCK),),
         part_max, part_sum, part_u if part_u is not None else part_max, part_tgt, tokens, logp,
         ent if ent is not None else logp, lse, n, num_classes, splits, opts.ignore_index,
         ENTROPY=opts.entropy, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False,
@@ -114,7 +114,7 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
     g_h = g_h.reshape(-1) if has_h else None
     coef = torch.empty(3, n, dtype=torch.float32, device=tokens.device)
     launch.run_kernel(
-        logp_grad_coefficients_kernel, (triton.cdiv(n, BLOCK),),
+        logp_grad_coefficients_kernel, (launch.cdiv(n, BLOCK),),
         g_lp if g_lp is not None else coef, g_lp.stride(0) if g_lp is not None else 0,
         g_h if has_h else coef, g_h.stride(0) if has_h else 0,
         entropy.contiguous() if has_h else coef, tokens, coef, n, num_classes, opts.ignore_index,

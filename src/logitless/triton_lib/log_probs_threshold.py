@@ -49,7 +49,7 @@ def scaled_logits(x: Tensor, weight: Tensor, bias, softcap, temperature: float, 
     assert v0 % plan.block_v == 0
     if out is None or out.shape != (n, v1 - v0):
         out = torch.empty(n, v1 - v0, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v1 - v0, plan.block_v))
+    grid = (launch.cdiv(n, plan.block_n), launch.cdiv(v1 - v0, plan.block_v))
     launch.launch_kernel(
         scaled_logits_kernel, grid,
         x, weight, bias if bias is not None else x, out, n, min(v, v1), h, x.stride(0), x.stride(1),

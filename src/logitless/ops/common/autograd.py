@@ -59,10 +59,9 @@ _INFRA_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE"
 def eager_fast_path_ok(inputs: tuple) -> bool:
     """Whether a plain autograd.Function may stand in for a custom op: an eager call on
     plain tensors, outside torch.compile, dispatch modes (FakeTensor, tracing, the tests'
-    recorders), functorch transforms and tensor subclasses (DTensor...), and not turned
-    off (``overrides.override(eager_fast_path=False)``)."""
+    recorders), functorch transforms and tensor subclasses (DTensor...)."""
     # (compiling first: dynamo stops there)
-    if torch.compiler.is_compiling() or not _overrides.current().eager_fast_path:
+    if torch.compiler.is_compiling():
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
@@ -146,16 +145,17 @@ def under_forward_overrides(setup_context: Callable, backward: Callable) -> tupl
     Autograd runs the backward of CUDA tensors on a device thread of its own, where the
     caller's ``override(...)`` context is not in effect (it is on CPU, in the caller's
     thread): without this a backward that re-plans (no kept columns) or reads an
-    override (``tf32_preround``, tiles, ``plan``) would follow the defaults on GPUs only."""
+    override or what-if (``tf32_preround``, tiles, ``plan``) would follow the defaults on GPUs only."""
 
     @functools.wraps(setup_context)
     def setup(ctx, inputs, output):
-        ctx.overrides = _overrides.current()
+        ctx.overrides = (_overrides.current(), _overrides.what_ifs())  # (overrides.saved(), inline)
         return setup_context(ctx, inputs, output)
 
     @functools.wraps(backward)
     def run(ctx, *grads):
-        if _overrides.current() is ctx.overrides:  # the forward's thread or no override at all
+        if _overrides.current() is ctx.overrides[0] and _overrides.what_ifs() is ctx.overrides[1]:
+            # the forward's thread or no override at all
             return backward(ctx, *grads)
         with _overrides.restored(ctx.overrides):
             return backward(ctx, *grads)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.dispatch import BACKENDS, resolve_backend
 from logitless.ops.common.docs import shared_doc
+from logitless.ops.common.module_form import ModuleForm
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import InplaceCrossEntropy, ce_forward
@@ -270,49 +271,29 @@ def _soft_target_cross_entropy(logits: Tensor, target: Tensor, class_weight: Opt
     return loss.sum() / loss.numel() if loss.numel() else loss.sum() * float("nan")
 
 
-class CrossEntropyLoss(nn.Module):
+class CrossEntropyLoss(ModuleForm):
     """Module form of :func:`cross_entropy`: holds the options, takes tensors.
 
     ``loss_fn = CrossEntropyLoss(ignore_index=-100, z_loss=1e-4)``;
-    ``loss = loss_fn(logits, labels)``. See the function for the semantics of every
-    argument and for what bad inputs do.
+    ``loss = loss_fn(logits, labels)``. Its keywords are the function's
+    (``ops.common.module_form``); see the function for the semantics of every argument
+    and for what bad inputs do.
     """
 
-    def __init__(
-        self,
-        *,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        class_weight: Optional[Tensor] = None,
-        softcap: Optional[float] = None,
-        z_loss: float = 0.0,
-        return_stats: bool = False,
-        inplace_backward: bool = False,
-        memory_budget: Optional[int] = None,
-        backend: str = "auto",
-        weight: Optional[Tensor] = None,
-        class_dim: Optional[int] = None,
-    ):
-        super().__init__()
+    function = staticmethod(cross_entropy)
+    buffers = ("class_weight",)
+
+    def check(self, values: dict) -> dict:
+        weight = values.pop("weight")
         if weight is not None:
-            if class_weight is not None:
+            if values["class_weight"] is not None:
                 raise ValueError("pass the class weights as weight= or class_weight=, not both")
-            class_weight = weight
+            values["class_weight"] = weight
         CrossEntropyOptions.checked(
-            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-            softcap=softcap, z_loss=z_loss,
+            ignore_index=values["ignore_index"], reduction=values["reduction"],
+            label_smoothing=values["label_smoothing"], softcap=values["softcap"], z_loss=values["z_loss"],
         )
-        self.register_buffer("class_weight", class_weight)
-        self.kwargs = dict(
-            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-            softcap=softcap, z_loss=z_loss, return_stats=return_stats,
-            inplace_backward=inplace_backward, memory_budget=memory_budget, backend=backend,
-            class_dim=class_dim,
-        )
+        return values
 
     def forward(self, logits: Tensor, target: Tensor):
         return cross_entropy(logits, target, class_weight=self.class_weight, **self.kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -14,11 +14,12 @@ import dataclasses
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.dispatch import BACKENDS
+from logitless.ops.common.module_form import ModuleForm
 from logitless.options import JSDOptions, check_memory_budget
 
 from .custom_op import jsd_forward_op
@@ -109,26 +110,18 @@ def jsd(
     return loss.reshape(lead) if reduction == "none" else loss
 
 
-class JSDLoss(nn.Module):
+class JSDLoss(ModuleForm):
     """Module form of :func:`jsd`: holds the options; ``loss_fn(student_logits,
-    teacher_logits, target=None)``. See the function for semantics and errors."""
+    teacher_logits, target=None)``. Its keywords are the function's
+    (``ops.common.module_form``); see the function for semantics and errors."""
 
-    def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
-                 reduction: str = "mean", student_softcap: Optional[float] = None,
-                 teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
-                 memory_budget: Optional[int] = None, backend: str = "auto"):
-        super().__init__()
-        JSDOptions.checked(
-            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-            student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            hard_label_weight=hard_label_weight)
-        self.kwargs = dict(
-            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-            student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            hard_label_weight=hard_label_weight, memory_budget=memory_budget, backend=backend)
+    function = staticmethod(jsd)
+
+    def check(self, values: dict) -> dict:
+        JSDOptions.checked(**{k: values[k] for k in (
+            "beta", "temperature", "ignore_index", "reduction", "student_softcap", "teacher_softcap",
+            "hard_label_weight")})
+        return values
 
     def forward(self, student_logits: Tensor, teacher_logits: Tensor, target: Optional[Tensor] = None):
         return jsd(student_logits, teacher_logits, target, **self.kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
@@ -17,6 +17,7 @@ from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.docs import shared_doc
+from logitless.ops.common.module_form import ModuleForm
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .custom_op import lce_forward_eager
@@ -210,46 +211,24 @@ def linear_cross_entropy(
     return loss, LossStats(per_token(stats.lse), per_token(stats.correct), stats.num_tokens, per_token(stats.argmax))
 
 
-class LinearCrossEntropyLoss(nn.Module):
+class LinearCrossEntropyLoss(ModuleForm):
     """Module form of :func:`linear_cross_entropy`: holds the options, takes tensors.
 
     ``loss_fn = LinearCrossEntropyLoss(ignore_index=-100, z_loss=1e-4)``;
-    ``loss = loss_fn(hidden, lm_head.weight, labels)``. See the function for the
-    semantics of every argument and for what bad inputs do.
+    ``loss = loss_fn(hidden, lm_head.weight, labels)``. Its keywords are the function's
+    (``ops.common.module_form``); see the function for the semantics of every argument
+    and for what bad inputs do.
     """
 
-    def __init__(
-        self,
-        *,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        class_weight: Optional[Tensor] = None,
-        softcap: Optional[float] = None,
-        z_loss: float = 0.0,
-        shift: bool = False,
-        return_stats: bool = False,
-        memory_budget: Optional[int] = None,
-        backend: str = "auto",
-        process_group=None,
-        vocab_size: Optional[int] = None,
-        partial_dx: bool = False,
-    ):
-        super().__init__()
+    function = staticmethod(linear_cross_entropy)
+    buffers = ("class_weight",)
+
+    def check(self, values: dict) -> dict:
         CrossEntropyOptions.checked(
-            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-            softcap=softcap, z_loss=z_loss,
+            ignore_index=values["ignore_index"], reduction=values["reduction"],
+            label_smoothing=values["label_smoothing"], softcap=values["softcap"], z_loss=values["z_loss"],
         )
-        self.register_buffer("class_weight", class_weight)
-        self.kwargs = dict(
-            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-            softcap=softcap, z_loss=z_loss, shift=shift, return_stats=return_stats,
-            memory_budget=memory_budget, backend=backend, process_group=process_group,
-            vocab_size=vocab_size, partial_dx=partial_dx,
-        )
+        return values
 
     def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None):
         return linear_cross_entropy(x, weight, target, bias, class_weight=self.class_weight, **self.kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

@@ -16,12 +16,13 @@ import dataclasses
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS
+from logitless.ops.common.module_form import ModuleForm
 from logitless.options import JSDOptions, check_memory_budget
 
 from .custom_op import linear_jsd_forward_eager
@@ -228,38 +229,27 @@ def _teacher_constant(teacher_grad: bool, **tensors: Optional[Tensor]) -> tuple:
     return tuple(t.detach() if t is not None and t.requires_grad else t for t in tensors.values())
 
 
-class LinearJSDLoss(nn.Module):
+class LinearJSDLoss(ModuleForm):
     """Module form of :func:`linear_jsd`: holds the options, takes tensors.
 
     ``loss_fn = LinearJSDLoss(beta=0.5, temperature=1.0)``;
     ``loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden,
-    teacher.lm_head.weight, labels)``; the teacher is a constant (``teacher_grad``). See
-    the function for every argument and error.
+    teacher.lm_head.weight, labels)``; the teacher is a constant (``teacher_grad``). Its
+    keywords are the function's but the biases, which ``forward`` takes
+    (``ops.common.module_form``); see the function for every argument and error.
     """
 
-    def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
-                 reduction: str = "mean", student_softcap: Optional[float] = None,
-                 teacher_softcap: Optional[float] = None, hard_label_weight: float = 0.0,
-                 shift: bool = False, memory_budget: Optional[int] = None, backend: str = "auto",
-                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False,
-                 teacher_grad: bool = False):
-        super().__init__()
-        JSDOptions.checked(
-            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-            student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            hard_label_weight=hard_label_weight)
-        self.kwargs = dict(
-            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-            student_softcap=student_softcap, teacher_softcap=teacher_softcap,
-            hard_label_weight=hard_label_weight, shift=shift, memory_budget=memory_budget,
-            backend=backend, process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx,
-            teacher_grad=teacher_grad)
+    function = staticmethod(linear_jsd)
+    inputs = ("student_bias", "teacher_bias")
+
+    def check(self, values: dict) -> dict:
+        JSDOptions.checked(**{k: values[k] for k in (
+            "beta", "temperature", "ignore_index", "reduction", "student_softcap", "teacher_softcap",
+            "hard_label_weight")})
+        return values
 
     def forward(self, student_x: Tensor, student_weight: Tensor, teacher_x: Tensor,
                 teacher_weight: Tensor, target: Optional[Tensor] = None,
                 student_bias: Optional[Tensor] = None, teacher_bias: Optional[Tensor] = None):
         return linear_jsd(student_x, student_weight, teacher_x, teacher_weight, target,
                           student_bias=student_bias, teacher_bias=teacher_bias, **self.kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

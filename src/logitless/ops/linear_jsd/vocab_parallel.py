@@ -38,7 +38,6 @@ from logitless.formulas.jsd import K_ROW, LSE1, LSE_S, LSE_T, NUM_STATS, S_ROW, 
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import JSDOptions, VocabParallelOptions
-from logitless.planning.overrides import current as _overrides
 
 
 def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Tensor:
@@ -95,7 +94,7 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
         local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, first, budget).to(dtype)
     else:
         local = torch.full((NUM_STATS, n), float("-inf"), dtype=dtype, device=xs.device)
-    if opts.beta in (0.0, 1.0) and _overrides().jsd_tp_merge:
+    if opts.beta in (0.0, 1.0):
         stats = _merge_kl_limits(shard.group, local, local_t, opts)
         return token_loss(stats, target, v, opts).to(dtype), stats
     if opts.needs_lse1:

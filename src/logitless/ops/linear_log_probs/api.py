@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from logitless.distributed import api as _tp
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
+from logitless.ops.common.module_form import ModuleForm
 from logitless.options import LogProbOptions, check_memory_budget
 
 from .custom_op import llp_forward_eager
@@ -176,29 +177,20 @@ def _check_tokens(tokens: Tensor, expected_shape: torch.Size) -> None:
                          "(the leading dimensions of x)")
 
 
-class LinearLogProbs(nn.Module):
+class LinearLogProbs(ModuleForm):
     """Module form of :func:`linear_log_probs`: holds the options, takes tensors.
 
     ``head = LinearLogProbs(temperature=0.7, entropy=True)``;
-    ``logp, ent = head(hidden, lm_head.weight, tokens)``.
+    ``logp, ent = head(hidden, lm_head.weight, tokens)``. Its keywords are the function's
+    (``ops.common.module_form``).
     """
 
-    def __init__(self, *, temperature: float = 1.0, entropy: bool = False, softcap: Optional[float] = None,
-                 ignore_index: int = -100, memory_budget: Optional[int] = None, backend: str = "auto",
-                 process_group=None, vocab_size: Optional[int] = None, partial_dx: bool = False,
-                 top_k=None, top_p=1.0, min_p=0.0, batch_invariant: bool = False):
-        super().__init__()
-        LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index)
-        self.kwargs = dict(temperature=temperature, entropy=entropy, softcap=softcap, ignore_index=ignore_index,
-                           memory_budget=memory_budget, backend=backend, process_group=process_group,
-                           vocab_size=vocab_size, partial_dx=partial_dx)
-        # (truncation and invariance only when asked: the default call stays as it was)
-        extra = dict(top_k=top_k, top_p=top_p, min_p=min_p, batch_invariant=batch_invariant)
-        defaults = dict(top_k=None, top_p=1.0, min_p=0.0, batch_invariant=False)
-        self.kwargs.update({k: v for k, v in extra.items() if v is not defaults[k] and v != defaults[k]})
+    function = staticmethod(linear_log_probs)
+
+    def check(self, values: dict) -> dict:
+        LogProbOptions.checked(temperature=values["temperature"], entropy=values["entropy"],
+                               softcap=values["softcap"], ignore_index=values["ignore_index"])
+        return values
 
     def forward(self, x: Tensor, weight: Tensor, tokens: Tensor, bias: Optional[Tensor] = None):
         return linear_log_probs(x, weight, tokens, bias, **self.kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

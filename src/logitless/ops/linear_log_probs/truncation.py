@@ -26,7 +26,7 @@ shape do not depend on the row's place in it). The per-token outputs (log p, ent
 are invariant; the backward is the default one over the whole batch with those
 outputs' statistics (gradients are deterministic run to run, not batch-invariant:
 blocked, dW would be one V x H term per block, 3.1-3.7 GB and 1.22x the default f+b on
-an H100, ``rl-invariant-H100-2026-11-25.md``). Cost: up to one block of padding rows;
+an H100). Cost: up to one block of padding rows;
 no kept columns for the backward (one recomputed GEMM more than the default path).
 
 A vocab-parallel head: the backend is ``vocab_parallel.ShardedBackend`` (the same

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Union
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.dispatch import resolve_backend
+from logitless.ops.common.module_form import ModuleForm
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
 
 from .custom_op import lp_forward
@@ -100,20 +101,19 @@ def log_probs(
     return logp, ent.reshape(tokens.shape)
 
 
-class LogProbs(nn.Module):
-    """Module form of :func:`log_probs`: ``LogProbs(temperature=0.7, entropy=True)(logits, tokens)``."""
+class LogProbs(ModuleForm):
+    """Module form of :func:`log_probs`: ``LogProbs(temperature=0.7, entropy=True)(logits, tokens)``;
+    its keywords are the function's (``ops.common.module_form``)."""
 
-    def __init__(self, *, temperature: float = 1.0, entropy: bool = False, ignore_index: int = -100,
-                 backend: str = "auto"):
-        super().__init__()
-        LogProbOptions.checked(temperature=temperature, entropy=entropy, ignore_index=ignore_index)
-        self.kwargs = dict(temperature=temperature, entropy=entropy, ignore_index=ignore_index, backend=backend)
+    function = staticmethod(log_probs)
+
+    def check(self, values: dict) -> dict:
+        LogProbOptions.checked(temperature=values["temperature"], entropy=values["entropy"],
+                               ignore_index=values["ignore_index"])
+        return values
 
     def forward(self, logits: Tensor, tokens: Tensor):
         return log_probs(logits, tokens, **self.kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
 
 
 
