@@ -23,7 +23,7 @@ import torch
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 
-#: Candidates by itemsize. 16-bit: the sweep of docs/design.md section 3 around the
+#: Candidates by itemsize. 16-bit: the sweep of docs/design.md "Forward kernel" around the
 #: shipped 128x256x64/8/3; 32-bit: TF32 tiles with a 32-wide K step.
 CANDIDATES = {
     2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),

@@ -36,7 +36,7 @@ from logitless.helion_lib.tile_math import cap_grad, hit_mask, logits_epilogue, 
 _SETTINGS = kernel_settings()
 
 #: Columns of a dz chunk: at least 4096 (each chunk does one fp32 read-modify-write of the
-#: dX accumulator: docs/design.md "Chunk floor"), at most 16384 (the Triton planner's widest).
+#: dX accumulator: docs/design.md "Backward"), at most 16384 (the Triton planner's widest).
 MIN_CHUNK, MAX_CHUNK = 4096, 16384
 
 

@@ -40,7 +40,7 @@ checks it on every suite shape.
 The plan depends on the shape, dtype, budget and device class only: never on a
 timing taken at run time (same inputs -> same plan -> bitwise the same results).
 
-Constants: measured on one H100 SXM (docs/design.md, sections 5-9 and "Cost
+Constants: measured on one H100 SXM (docs/design.md, "Planner and cost
 model"); H200 has the H100's tensor cores and 1.43x its memory bandwidth (not yet
 measured: the GPU script prints predicted vs measured so it can be refitted).
 """
@@ -95,7 +95,7 @@ class DeviceModel:
     #: docs/design.md).
     jsd_stream_bw: Optional[float] = None
     #: L2 bytes: a dz chunk larger than ~60% of it is re-read from HBM by dW and dx
-    #: (11k-column chunks ran 5% slower: docs/design.md section 8).
+    #: (11k-column chunks ran 5% slower: docs/design.md "Backward").
     l2_bytes: float = 50e6
     launch_s: float = 6e-6
     #: Per-call overhead of the O(N) torch ops (split merge, coefficients, casts):
@@ -106,7 +106,7 @@ class DeviceModel:
     # fp32 at matmul precision "high" (TF32): the fused kernels' time over one cuBLAS
     # TF32 GEMM of the same FLOPs (``predict_tf32``), by where the operands are rounded.
     #: rounded in the kernels' registers ("tf32-round": off the TMA -> wgmma path):
-    #: forward 25.1 ms = 2.155x a 11.66 ms GEMM at 4096 x 4096 x 128256 (probe-tf32-H100).
+    #: forward 25.1 ms = 2.155x a 11.66 ms GEMM at 4096 x 4096 x 128256 (docs/design.md "fp32 inputs").
     tf32_fwd_in_kernel: float = 2.10
     #: pre-rounded operands (scratch buffers, TMA), 128 x 256 tiles (no gradient):
     #: 12.6 ms with W whole = 1.081x, less the rounding passes (0.127x + x).

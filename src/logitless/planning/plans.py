@@ -301,7 +301,7 @@ def group_rows(block_n: int, block_v: int, device) -> int:
     read G * block_n rows of x and (SMs / G) * block_v rows of W, H elements each: the
     L2 working set, least at G = sqrt(SMs * block_v / block_n) (16 on an H100 with
     128 x 256 tiles: 34 MB at H = 4096; "all rows" at 16k tokens needed 128 MB of x and
-    ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: docs/design.md section 16)."""
+    ran the forward at 1.21-1.27x a GEMM, 1.02-1.05x grouped: docs/design.md "Forward kernel")."""
     return group_rows_for(num_sms(device), block_n, block_v)
 
 

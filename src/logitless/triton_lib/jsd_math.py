@@ -22,8 +22,8 @@ def log_mixture(lp, lq, p, q, log_beta, log_1mbeta, MODE: tl.constexpr):
     [0, 1] they cannot overflow, so one log (3 MUFU ops per element with the two exp,
     where a log-add-exp of lp, lq took 5). The sum is clamped at FLT_MIN: it only acts
     where both underflow (both masked: -inf logits), where the callers' terms p (lp - lm)
-    and q (lq - lm) are 0 (masked) or below 1e-36 (docs/design.md, "Mixture from the
-    probabilities")."""
+    and q (lq - lm) are 0 (masked) or below 1e-36 (docs/design.md,
+    "Distillation: linear_jsd")."""
     if MODE == 1:
         return lp
     elif MODE == 2:

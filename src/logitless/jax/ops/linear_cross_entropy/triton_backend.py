@@ -7,7 +7,7 @@ the math is written once) as XLA custom calls inside the api's ``jax.custom_vjp`
 machine without a GPU (where jax-triton does not import) the same kernels run on
 Triton's interpreter through ``jax.pure_callback`` with numpy buffers
 (``logitless.triton_lib.interpret``): exact, and slow (tests at tiny shapes only).
-docs/design.md (section "JAX on every NVIDIA GPU") says why not Pallas Triton.
+docs/design.md ("JAX backends") says why not Pallas Triton.
 
 Math (``logitless/jax/formulas/cross_entropy.py``), z = cap(x @ w.T + b), p_c = exp(z_c - lse):
 

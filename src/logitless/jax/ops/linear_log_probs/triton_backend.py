@@ -28,7 +28,7 @@ repeatable. fp32 inputs: TF32 with rounded operands at JAX's default matmul prec
 
 Limits: 16-bit and fp32 inputs (not fp64: ``is_supported`` says no); no TMA and no kept
 exp(a - m) columns (as linear_cross_entropy's JAX triton backend: see
-docs/design.md, "JAX: the triton backend"), so the backward always recomputes the
+docs/design.md, "JAX backends"), so the backward always recomputes the
 logits: 4 GEMMs per step in all. Under ``jax.vmap`` the kernels run once per batch
 element (``sequential_vmap``).
 Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): the
