@@ -37,13 +37,14 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import dlogits_, grad_coefficients
+from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.linear_log_probs import linear_log_probs as _linear_log_probs
 from logitless.ops.linear_log_probs.torch_backend import scaled_tile
-from logitless.options import LogProbOptions, check_memory_budget
+from logitless.options import LogProbOptions
 
 #: TRL's ``OPTIONAL_OUTPUTS`` with log_probs: the fields in FusedCausalLMOutput's order.
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -231,7 +232,7 @@ def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor
                                 backend=backend)
         logp, ent = res if want["entropy"] else (res, None)
         return logp, ent, None, None, None
-    budget = check_memory_budget(memory_budget)
+    budget = _validate.memory_budget(memory_budget, x.device)
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
                         + ("" if bias is None else f", {bias.dtype}"))

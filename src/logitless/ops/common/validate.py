@@ -14,7 +14,11 @@ import torch
 from torch import Tensor
 
 from logitless.distributed.dtensor import dtensor_type as _dtensor_type
-from logitless.options import _CHECK_TARGETS_ON_GPU  # (a list read in place: no call on the hot path)
+from logitless.options import (
+    _CHECK_TARGETS_ON_GPU,  # (a list read in place: no call on the hot path)
+    DEFAULT_MEMORY_BUDGET,
+    check_memory_budget,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -147,3 +151,31 @@ def torch_weight_hint(fn):
 
     return op
 
+
+
+#: The fused linear ops' default budget on a GPU: this share of the device's total memory
+#: (never of its free memory: the plan, and so every bit of the result, is the same in every
+#: run), at least ``options.DEFAULT_MEMORY_BUDGET``; an H100 (80 GB) gets 2.4 GiB, where every
+#: anchor shape keeps its logits' columns (docs/design.md "Kept columns and the memory budget").
+GPU_BUDGET_SHARE = 0.03
+#: CUDA device index -> total memory in bytes (a device property: read once).
+_TOTAL_MEMORY: dict = {}
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """``memory_budget=None`` of ``linear_cross_entropy``, ``linear_jsd`` and
+    ``linear_log_probs`` on ``device``: ``GPU_BUDGET_SHARE`` of a GPU's total memory (whole
+    MiB, at least ``DEFAULT_MEMORY_BUDGET``); ``DEFAULT_MEMORY_BUDGET`` on other devices."""
+    if device.type != "cuda":
+        return DEFAULT_MEMORY_BUDGET
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = _TOTAL_MEMORY.get(index)
+    if total is None:
+        total = _TOTAL_MEMORY[index] = torch.cuda.get_device_properties(index).total_memory
+    return max(DEFAULT_MEMORY_BUDGET, int(total * GPU_BUDGET_SHARE) >> 20 << 20)
+
+
+def memory_budget(value: Optional[int], device: torch.device) -> int:
+    """A fused linear op's ``memory_budget=``: a positive int as given, None the device's
+    default (``default_memory_budget``)."""
+    return default_memory_budget(device) if value is None else check_memory_budget(value)

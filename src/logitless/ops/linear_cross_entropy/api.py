@@ -18,7 +18,7 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
-from logitless.options import CrossEntropyOptions, check_memory_budget
+from logitless.options import CrossEntropyOptions
 
 from .custom_op import lce_forward_eager
 
@@ -165,7 +165,7 @@ def linear_cross_entropy(
     _validate.check_same_device(x=x, weight=weight, target=target, bias=bias, class_weight=class_weight)
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
-    memory_budget = check_memory_budget(memory_budget)
+    memory_budget = _validate.memory_budget(memory_budget, x.device)
     impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
 
     out_shape = target.shape

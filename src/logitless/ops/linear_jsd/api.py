@@ -23,7 +23,7 @@ from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS
 from logitless.ops.common.module_form import ModuleForm
-from logitless.options import JSDOptions, check_memory_budget
+from logitless.options import JSDOptions
 
 from .custom_op import linear_jsd_forward_eager
 
@@ -178,7 +178,7 @@ def linear_jsd(
                         f"{sorted(str(d) for d in dtypes)} (or run under torch.autocast)")
     if shift and student_x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
-    memory_budget = check_memory_budget(memory_budget)
+    memory_budget = _validate.memory_budget(memory_budget, student_x.device)
     if backend not in LINEAR_BACKENDS:  # the rest is checked inside the op (no import under compile)
         raise ValueError(f"backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     lead = student_x.shape[:-1]

@@ -14,7 +14,7 @@ from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.module_form import ModuleForm
-from logitless.options import LogProbOptions, check_memory_budget
+from logitless.options import LogProbOptions
 
 from .custom_op import llp_forward_eager
 
@@ -132,7 +132,7 @@ def linear_log_probs(
     _, hidden = _validate.check_linear_operands("linear_log_probs", x, weight, bias, allow_empty=tp.parallel)
     _check_tokens(tokens, x.shape[:-1])
     _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
-    memory_budget = check_memory_budget(memory_budget)
+    memory_budget = _validate.memory_budget(memory_budget, x.device)
     impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
     trunc = None  # (the default call adds no Python call here: the host-overhead bound)
     if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
