@@ -72,7 +72,7 @@ def test_plugin_without_axolotl_says_so():
         import axolotl  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError, match="needs axolotl"):
-            lt_axolotl.LogitlessPlugin
+            lt_axolotl.LogitlessPlugin()
     else:
         pytest.skip("axolotl is installed")
 
@@ -202,9 +202,9 @@ def test_axolotl_load_cfg_registers_and_refuses(tmp_path):
         except Exception as e:
             print("REFUSED", type(e).__name__, e)
         else:
-            plugin = PluginManager.get_instance().plugins[%r]
+            plugin = PluginManager.get_instance().plugins[PLUGIN]
             print("LOADED", isinstance(plugin, BasePlugin), cfg.get("logitless_memory_budget"))
-        """ % PLUGIN)
+        """).replace("PLUGIN", repr(PLUGIN))
     env = _ENV
     out = {}
     for name, extra in (("ok", f"plugins: [{PLUGIN}]\nlogitless_memory_budget: 4096\n"),

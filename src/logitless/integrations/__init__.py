@@ -9,6 +9,8 @@ trainer it serves: each works with that trainer installed or not.
   given tokens under an HF causal LM, from its last hidden states, without logits.
 - ``logitless.integrations.torch_api`` (``logitless.patch_torch``): torch's own
   ``F.linear_cross_entropy`` / ``nn.LinearCrossEntropyLoss`` (torch >= 2.13) on logitless.
+- ``logitless.integrations.axolotl.LogitlessPlugin``: the axolotl plugin (one line in the
+  YAML's ``plugins:``; axolotl is imported only when axolotl looks the plugin up).
 - ``logitless.integrations.liger`` and ``logitless.integrations.cce``: Liger's and
   cut-cross-entropy's loss functions and modules, with their signatures and rules
   (docs/peers.md).

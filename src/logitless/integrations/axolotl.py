@@ -30,8 +30,8 @@ replace the LM head's loss: ``cut_cross_entropy`` (axolotl's CutCrossEntropyPlug
 on by default once that plugin is listed), ``liger_fused_linear_cross_entropy`` and
 ``chunked_cross_entropy``.
 
-This module imports neither axolotl nor pydantic until :data:`LogitlessPlugin` or
-:data:`LogitlessArgs` is first looked up (axolotl's plugin loader does that).
+Importing this module imports axolotl's ``BasePlugin`` when axolotl is installed (never
+from ``import logitless``); without axolotl, creating the plugin raises ImportError.
 """
 
 from __future__ import annotations
@@ -138,62 +138,55 @@ def route_trl(cfg) -> bool:
     return True
 
 
-def _make_args():
-    from pydantic import BaseModel, model_validator
+try:  # pydantic comes with axolotl (its configs are pydantic models)
+    from pydantic import BaseModel as _ArgsBase
+    from pydantic import model_validator as _model_validator
+except ImportError:  # pragma: no cover - without pydantic there is no axolotl to read LogitlessArgs
+    _ArgsBase = object
 
-    class LogitlessArgs(BaseModel):
-        """axolotl config keys of the logitless plugin."""
+    def _model_validator(**_):
+        return lambda fn: fn
 
-        logitless: Optional[bool] = True
-        logitless_memory_budget: Optional[int] = None
-        logitless_backend: Optional[str] = None
-        logitless_z_loss: Optional[float] = None
-        logitless_label_smoothing: Optional[float] = None
-
-        @model_validator(mode="before")
-        @classmethod
-        def check_logitless(cls, data: Any):
-            if isinstance(data, dict):
-                check_config(data)
-            return data
-
-    LogitlessArgs.__module__ = __name__
-    return LogitlessArgs
+try:
+    from axolotl.integrations.base import BasePlugin as _PluginBase
+except ImportError:
+    _PluginBase = None
 
 
-def _make_plugin():
-    try:
-        from axolotl.integrations.base import BasePlugin
-    except ImportError as e:
-        raise ImportError(f"{PLUGIN} needs axolotl (pip install axolotl): {e}") from e
+class LogitlessArgs(_ArgsBase):
+    """axolotl config keys of the logitless plugin (returned by ``LogitlessPlugin.get_input_args``)."""
 
-    class LogitlessPlugin(BasePlugin):
-        """axolotl plugin: the model's loss (and TRL's fused head) computed by logitless (module docstring)."""
+    logitless: Optional[bool] = True
+    logitless_memory_budget: Optional[int] = None
+    logitless_backend: Optional[str] = None
+    logitless_z_loss: Optional[float] = None
+    logitless_label_smoothing: Optional[float] = None
 
-        def get_input_args(self) -> str:
-            return f"{__name__}.LogitlessArgs"
-
-        def register(self, cfg):
-            check_config(cfg)
-
-        def pre_model_load(self, cfg):
-            check_config(cfg)
-            route_trl(cfg)
-
-        def post_model_load(self, cfg, model):
-            patch_model(cfg, model)
-
-    LogitlessPlugin.__module__ = __name__
-    return LogitlessPlugin
+    @_model_validator(mode="before")
+    @classmethod
+    def check_logitless(cls, data: Any):
+        if isinstance(data, dict):
+            check_config(data)
+        return data
 
 
-_LAZY = {"LogitlessPlugin": _make_plugin, "LogitlessArgs": _make_args}
+class LogitlessPlugin(_PluginBase or object):
+    """axolotl plugin: the model's loss (and TRL's fused head) computed by logitless (module docstring)."""
 
+    def __init__(self):
+        if _PluginBase is None:
+            raise ImportError(f"{PLUGIN} needs axolotl (pip install axolotl)")
+        super().__init__()
 
-def __getattr__(name):
-    make = _LAZY.get(name)
-    if make is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = make()
-    globals()[name] = value
-    return value
+    def get_input_args(self) -> str:
+        return f"{__name__}.LogitlessArgs"
+
+    def register(self, cfg):
+        check_config(cfg)
+
+    def pre_model_load(self, cfg):
+        check_config(cfg)
+        route_trl(cfg)
+
+    def post_model_load(self, cfg, model):
+        patch_model(cfg, model)
