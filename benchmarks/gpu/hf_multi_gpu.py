@@ -6,7 +6,9 @@ The GPU machine has no network and no deepspeed. Build the wheels here (DeepSpee
 sdist on PyPI; with DS_BUILD_OPS=0 it builds a pure-Python py3-none-any wheel: its ops
 JIT-compile on first use, and ZeRO-3 with torch's AdamW needs none) and carry them::
 
-    DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 hjson msgpack py-cpuinfo ninja einops -w wheels/
+    DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 hjson py-cpuinfo einops -w wheels/
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        msgpack ninja -d wheels/
     # on the GPU machine (Python 3.12, torch 2.11 cu130, transformers 5.17, accelerate 1.15):
     pip install --no-index --no-deps wheels/*.whl && pip install --no-deps -e .
 
@@ -20,10 +22,13 @@ Runs (each writes $OUT/hf_multi_gpu-<mode>-<N>gpu-<variant>.json; ~1-2 min each)
     done
     python $S --compare          # table + max |loss difference| per set-up; exit 1 if over --tol
 
-On a CPU at a tiny size (proves the script; DS_ACCELERATOR=cpu, gloo)::
+On a CPU at a tiny size (proves the Trainer runs, the logitless check, the JSON and --compare;
+HF's Trainer sets up neither FSDP nor DeepSpeed on a CPU, so the ranks run unsharded: the
+JSON's head_sharding says so; on GPUs the script asserts the head is sharded as --mode says.
+Sharding on the CPU is tested in tests/test_deepspeed.py and tests/test_transformers_integration.py)::
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 $S --mode zero3 --variant patched --tiny
-    torchrun --nproc_per_node 2 $S --mode fsdp2 --variant patched --tiny
+    for v in plain patched; do torchrun --nproc_per_node 2 $S --mode fsdp2 --variant $v --tiny; done
+    python $S --compare
 
 Model: 6 layers, hidden 2048, vocabulary 128256 (Llama 3's), bf16; 4 sequences of 2048
 tokens per optimizer step in all (per GPU 4 / N), learnable synthetic data (arithmetic
@@ -93,7 +98,7 @@ def run(args) -> dict:
     per_device = max(1, s["seqs"] // world)
     common = dict(output_dir=os.path.join(OUT, "trainer"), per_device_train_batch_size=per_device, max_steps=steps,
                   learning_rate=3e-4, logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0,
-                  bf16=cuda, use_cpu=not cuda and args.mode != "zero3", dataloader_drop_last=True,
+                  bf16=cuda, use_cpu=not cuda, dataloader_drop_last=True,
                   lr_scheduler_type="constant",
                   gradient_checkpointing=False, remove_unused_columns=False)
     if args.mode == "zero3":
@@ -154,12 +159,16 @@ def run(args) -> dict:
         gathered = [torch.zeros_like(t) for _ in range(world)]
         torch.distributed.all_gather(gathered, t)
         peaks = [float(g) for g in gathered]
+    head = trainer.accelerator.unwrap_model(trainer.model_wrapped).lm_head.weight
+    sharding = ("zero3" if hasattr(head, "ds_id") else "fsdp2" if hasattr(head, "full_tensor") else "none")
+    if cuda:  # (HF's Trainer runs no distributed set-up on a CPU: --tiny proves the rest of the script)
+        assert sharding == args.mode or args.mode == "ddp", f"--mode {args.mode} but the head is sharded by {sharding}"
     warm = times[2:] or times
     result = {"mode": args.mode, "world": world, "variant": args.variant, "tiny": args.tiny,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "transformers": transformers.__version__, "shape": s, "steps": steps, "losses": losses,
               "step_ms_median": 1e3 * statistics.median(warm), "peak_mib_per_rank": peaks,
-              "logitless_calls": len(calls)}
+              "logitless_calls": len(calls), "head_sharding": sharding}
     try:
         import deepspeed
         result["deepspeed"] = deepspeed.__version__
