@@ -22,7 +22,7 @@ import tempfile
 import pytest
 import torch
 
-pytestmark = [
+_DS = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is optional"),
     pytest.mark.skipif(sys.platform == "win32", reason="gloo on Windows is not set up here"),
 ]
@@ -96,9 +96,23 @@ def _worker(rank: int, world: int, store_path: str, tied: bool):
         dist.destroy_process_group()
 
 
+@_DS[0]
+@_DS[1]
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_zero3_patched_equals_unpatched(world, tied):
     pytest.importorskip("transformers")
     with tempfile.TemporaryDirectory(prefix="logitless-zero3-") as tmp:
         torch.multiprocessing.spawn(_worker, args=(world, os.path.join(tmp, "store"), tied), nprocs=world, join=True)
+
+
+def test_trl_heads_refuse_a_zero3_weight():
+    """logitless' TRL heads read the weight outside the head's forward: a ZeRO-3 parameter
+    (one with ``ds_id``) is refused with the fix named, not read as an empty placeholder."""
+    from logitless.integrations import trl as lt_trl
+
+    weight = torch.nn.Parameter(torch.empty(0))
+    weight.ds_id = 3
+    with pytest.raises(ValueError, match="ZeRO-3.*TRL's own head"):
+        lt_trl._refuse_zero3(weight, "logitless add_fused_lm_head")
+    lt_trl._refuse_zero3(torch.nn.Parameter(torch.ones(2, 2)), "plain")  # no ds_id: nothing to refuse
