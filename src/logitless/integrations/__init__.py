@@ -14,6 +14,8 @@ by its user, never by ``import logitless``.
 - ``logitless.integrations.torchtitan.LogitlessLoss``: torchtitan's cross-entropy loss
   without logits, selected with ``--override.imports
   logitless.integrations.torchtitan.logitless_loss`` (docs/torchtitan.md).
+- ``logitless.integrations.axolotl.LogitlessPlugin``: the axolotl plugin (one line in the
+  YAML's ``plugins:``; axolotl is imported only when axolotl looks the plugin up).
 - ``logitless.integrations.liger`` and ``logitless.integrations.cce``: Liger's and
   cut-cross-entropy's loss functions and modules, with their signatures and rules
   (docs/peers.md).

@@ -105,6 +105,7 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
             return _unfused(previous, args, kwargs, labels, shift_labels, num_items_in_batch)
         hidden, labels = _shifted_hidden(self, args, kwargs, labels, shift_labels)
         head = _hf.lm_head(self)
+        _refuse_zero3(head.weight, "logitless TRL head")
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
         hw, hb = _head_in_compute_dtype(hidden, head.weight, head.bias, cast_lm_head_to_fp32)
         opts = _hf.head_options(self)
@@ -151,6 +152,16 @@ def _head_in_compute_dtype(hidden, weight, bias, cast_lm_head_to_fp32: bool):
 
 
 _warned = False
+
+
+def _refuse_zero3(weight, where: str) -> None:
+    """ValueError for a DeepSpeed ZeRO-3 head weight: these heads read it outside the head's
+    forward, where ZeRO-3 keeps only an empty placeholder (``logitless.transformers.patch``
+    reads it inside the head's forward and is ZeRO-3-safe)."""
+    if hasattr(weight, "ds_id"):
+        raise ValueError(f"{where}: the LM-head weight is a DeepSpeed ZeRO-3 parameter (partitioned outside the "
+                         f"head's forward); logitless' TRL heads do not gather it: use TRL's own head under "
+                         f"ZeRO-3 (do not call patch_trl / patch_sft / patch_grpo / patch_gkd), or ZeRO-2 / FSDP2")
 
 
 def _warn_no_entropy() -> None:
@@ -333,6 +344,7 @@ def _last_hidden(model, input_ids, attention_mask):
 def _head_tensors(model, teacher: bool):
     head = _hf.lm_head(model)
     weight, bias = head.weight, head.bias
+    _refuse_zero3(weight, "patch_gkd")
     if weight.numel() == 0:
         raise ValueError(f"the {'teacher' if teacher else 'student'}'s LM-head weight is empty (sharded by "
                          "DeepSpeed ZeRO-3?): patch_gkd needs the full head outside the forward")
@@ -559,6 +571,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         hidden, labels = _shifted_hidden(self, args, kwargs, labels, shift_labels)
         head = _hf.lm_head(self)
         weight, bias = head.weight, head.bias
+        _refuse_zero3(weight, "logitless add_fused_lm_head")
         if hasattr(weight, "full_tensor"):  # FSDP2: a sharded DTensor head, gathered as TRL does
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
