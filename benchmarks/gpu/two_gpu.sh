@@ -27,17 +27,23 @@ for part in ${PARTS:-tests tp jax}; do
       grep -h -A14 "^== tests" "$OUT/tp-tests.out" "$OUT/jax-tests.out" ;;
     tp)  TEST_S=0 MINUTES=${MINUTES:-4} bash benchmarks/gpu/suite.sh tp \
            --methods "logitless-tp,logitless-tp@512MiB,megatron-style,dtensor-loss-parallel,logitless-1gpu,logitless-tp-logp,megatron-style-logp,verl-tp-logp,logitless-1gpu-logp,logitless-tp-jsd,logitless-tp-kl,logits-tp-jsd,logitless-1gpu-jsd" ;;
-    frameworks)
-      M=benchmarks/gpu/megatron_steps.py T=benchmarks/gpu/torchtitan_steps.py
-      timeout 240 python3 $M > "$OUT/megatron-1gpu.log" 2>&1; echo "megatron 1 GPU: exit $?"
-      timeout 240 torchrun --nproc_per_node 2 $M --tp 2 --sp > "$OUT/megatron-tp2.log" 2>&1; echo "megatron TP=2 SP: exit $?"
-      timeout 240 python3 $T > "$OUT/titan-1gpu.log" 2>&1; echo "torchtitan 1 GPU: exit $?"
-      timeout 240 torchrun --nproc_per_node 2 $T --dp 2 > "$OUT/titan-fsdp2.log" 2>&1; echo "torchtitan FSDP2: exit $?"
-      timeout 240 torchrun --nproc_per_node 2 $T --tp 2 > "$OUT/titan-tp2.log" 2>&1; echo "torchtitan TP=2: exit $?"
-      if [ -f benchmarks/gpu/hf_multi_gpu.py ]; then
-        timeout 360 bash -c "python3 benchmarks/gpu/hf_multi_gpu.py ${HF_ARGS:-}" > "$OUT/hf-multi.log" 2>&1; echo "HF ZeRO-3 / FSDP2: exit $?"
-      fi
-      tail -n 3 "$OUT"/megatron-*.log "$OUT"/titan-*.log "$OUT"/hf-multi.log 2>/dev/null ;;
+    frameworks)  # one-GPU runs two at a time (one per GPU), then the two-GPU runs
+      M=benchmarks/gpu/megatron_steps.py T=benchmarks/gpu/torchtitan_steps.py H=benchmarks/gpu/hf_multi_gpu.py
+      one() { local gpu=$1 log=$2; shift 2; CUDA_VISIBLE_DEVICES=$gpu timeout 200 "$@" > "$OUT/$log.log" 2>&1; echo "$log: exit $?"; }
+      two() { local log=$1; shift; timeout 200 "$@" > "$OUT/$log.log" 2>&1; echo "$log: exit $?"; }
+      one 0 megatron-1gpu python3 $M & one 1 titan-1gpu python3 $T --steps 15 & wait
+      one 0 hf-zero3-1gpu-plain torchrun --nproc_per_node 1 --master_port 29511 $H --mode zero3 --variant plain --steps 12 &
+      one 1 hf-zero3-1gpu-patched torchrun --nproc_per_node 1 --master_port 29512 $H --mode zero3 --variant patched --steps 12 &
+      wait
+      two megatron-tp2-sp torchrun --nproc_per_node 2 $M --tp 2 --sp
+      two titan-fsdp2 torchrun --nproc_per_node 2 $T --dp 2 --steps 15
+      two titan-tp2 torchrun --nproc_per_node 2 $T --tp 2 --steps 15
+      for v in plain patched; do
+        two hf-zero3-2gpu-$v torchrun --nproc_per_node 2 $H --mode zero3 --variant $v --steps 12
+        two hf-fsdp2-2gpu-$v accelerate launch --num_processes 2 $H --mode fsdp2 --variant $v --steps 12
+      done
+      python3 $H --compare > "$OUT/hf-compare.log" 2>&1; echo "hf compare: exit $?"
+      tail -n 4 "$OUT"/*.log ;;
     jax) TEST_S=0 MINUTES=${MINUTES:-6} bash benchmarks/gpu/suite.sh jax-sharded --modes data,tensor,fsdp \
            --methods xla-logits,logitless-xla,logitless-mosaic,logitless,logp-xla-logits,logp-xla,logp ;;
   esac
