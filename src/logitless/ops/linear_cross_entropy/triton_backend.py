@@ -31,19 +31,26 @@ are bitwise repeatable.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from logitless.formulas.cross_entropy import TokenStats
+from logitless.formulas.common import reduce
+from logitless.formulas.cross_entropy import TokenStats, token_loss
+from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.dispatch import HAS_TRITON
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib import lce_kernels as K
 from logitless.triton_lib.launch import cdiv
+
+from .contract import LceForward
 
 
 def _flags(bias, class_weight, softcap, dtype, prerounded=False):
@@ -63,7 +70,7 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
          opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-         grad_in_forward: bool = False, cute: bool = True) -> LinearPlan:
+         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> LinearPlan:
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
     strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
@@ -232,3 +239,58 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     )
     return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
                                    need_db=need_db, dx_acc=dx_acc)
+
+
+class TritonBackend:
+    """backend="triton" (``contract.LceBackend``): its Config is the call's
+    ``planning.plans.LinearPlan`` (tiles, kept columns, the gradient-in-forward chunk, the
+    CuTe choice). ``grad_in_forward``: the strategy that runs when the Config chose it
+    (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
+
+    name = "triton"
+    codec = ConfigCodec(LinearPlan)
+
+    def __init__(self, grad_in_forward: Callable):
+        self.grad_in_forward = grad_in_forward
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        if not HAS_TRITON:
+            return "the triton package is not installed"
+        if dtype == torch.float64:
+            return "float64 inputs"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"{device} tensors without TRITON_INTERPRET=1"
+        return None
+
+    plan = staticmethod(plan)
+    kept_shapes = staticmethod(kept_shapes)
+    grad_coefficients = staticmethod(grad_coefficients)
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: LinearPlan, *,
+                need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LceForward:
+        need_smooth = opts.needs_smooth_sum
+        if config.grad_in_forward:  # the loss from the formulas, the gradients for a unit upstream one
+            stats, grads = self.grad_in_forward(x, weight, bias, target, class_weight, opts, plan=config,
+                                                need_smooth=need_smooth, need_argmax=need_argmax, need_dx=need_dx,
+                                                need_dw=need_dw, need_db=need_db)
+            loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
+            return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t, None, grads)
+        if not loss:
+            stats, kept = forward_launches(x, weight, bias, target, class_weight, opts.softcap, need_smooth=need_smooth,
+                                           need_argmax=need_argmax, tiles=config.forward, keep=config.keeps,
+                                           cute=config.cute)
+            return LceForward(stats, None, None, kept)
+        stats, kept, out, w_t = forward_launches(x, weight, bias, target, class_weight, opts.softcap,
+                                                 need_smooth=need_smooth, need_argmax=need_argmax,
+                                                 tiles=config.forward, keep=config.keeps, cute=config.cute,
+                                                 loss_opts=opts)
+        return LceForward(stats, out, w_t, kept)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                 class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
+                 config: LinearPlan, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool,
+                 need_db: bool, dx_acc: bool = False):
+        return backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=need_dx, need_dw=need_dw,
+                        need_db=need_db, plan=config, kept=kept, dx_acc=dx_acc)
