@@ -35,6 +35,7 @@ eager fast path.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Optional
 
@@ -45,7 +46,6 @@ from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.autograd import (
-    below_autograd,
     custom_op,
     fake_grad_outputs,
     grad_outputs,
@@ -214,7 +214,6 @@ lce_forward = custom_op("lce_forward", _forward_op, schema=FORWARD_SCHEMA)
 lce_forward.register_fake(_forward_fake)
 lce_backward = custom_op("lce_backward", _backward_impl, mutates_args=("keep",), schema=BACKWARD_SCHEMA)
 lce_backward.register_fake(_backward_fake)
-_backward_eager = below_autograd(_backward_impl)
 
 
 def _setup_context(ctx, inputs, output):
@@ -256,16 +255,23 @@ def _backward(ctx, grad_loss, grad_lse, *_):
         grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=lse.device)
     if kept is None:  # a second backward: the kept columns are spent
         kept = nothing_kept(x)
-    op = _backward_eager if getattr(ctx, "eager", False) else lce_backward
+    # The eager fast path calls the implementation, recording no autograd history (as the
+    # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
+    op = lce_backward if not getattr(ctx, "eager", False) else _backward_impl
+    no_grad = op is _backward_impl and torch.is_grad_enabled()
     rest = (*ctx.options, need_dx, need_dw, need_db, *ctx.tp)
     if forward_grads is not None:
         # Gradient-in-forward: scale the forward's gradients by the upstream gradient, in
         # place; a gradient of the lse (rare) comes on top through the backward op.
         out = scale_grads([g if g.numel() else None for g in forward_grads], grad_loss, *ctx.dtypes)
         if grad_lse is not None:
-            extra = op(torch.zeros_like(grad_loss), grad_lse, x, weight, bias, target, class_weight, lse, w_t,
-                       *nothing_kept(x), ctx.config, *rest)
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                extra = op(torch.zeros_like(grad_loss), grad_lse, x, weight, bias, target, class_weight, lse, w_t,
+                           *nothing_kept(x), ctx.config, *rest)
             out = tuple(g + e if g is not None else None for g, e in zip(out, extra))
+    elif no_grad:
+        with torch.no_grad():
+            out = op(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *kept, ctx.config, *rest)
     else:
         out = op(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *kept, ctx.config, *rest)
     out = guard_double_backward(OP, (out[0] if need_dx else None, out[1] if need_dw else None,

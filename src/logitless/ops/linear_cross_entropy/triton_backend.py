@@ -213,34 +213,6 @@ def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool)
     return need_grad and not (dtype == torch.float16 and softcap is not None)
 
 
-def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
-             softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
-             plan: LinearPlan, budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None,
-             dx_acc: bool = False):
-    """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``: what
-    ``forward`` returned for this call (or None); its first
-    buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
-    the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial sum
-    that the caller reduces first: vocab parallelism)."""
-    n, h = x.shape
-    v = weight.shape[0]
-    # The forward's plan when it kept columns (they are laid out by it), else the backward's.
-    plan = plan.forward if kept is not None else plan.backward
-    coef = coef.contiguous()
-    cw_arg = class_weight if class_weight is not None else x
-    prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
-    flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
-    kernels = launch.DlogitsKernels(
-        kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
-        kept_tail=(float(softcap or 1.0),),
-        kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
-        kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
-        scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
-    )
-    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
-                                   need_db=need_db, dx_acc=dx_acc)
-
-
 class TritonBackend:
     """backend="triton" (``contract.LceBackend``): its Config is the call's
     ``planning.plans.LinearPlan`` (tiles, kept columns, the gradient-in-forward chunk, the
@@ -292,5 +264,24 @@ class TritonBackend:
                  class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
                  config: LinearPlan, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool,
                  need_db: bool, dx_acc: bool = False):
-        return backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=need_dx, need_dw=need_dw,
-                        need_db=need_db, plan=config, kept=kept, dx_acc=dx_acc)
+        """dx, dW, db under the call's Config. ``kept``: what ``forward`` returned for this
+        call (or None); its first buffer is overwritten with dz, so pass it to one backward
+        only. ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's
+        dtype (a partial sum that the caller reduces first: vocab parallelism)."""
+        n, h = x.shape
+        v = weight.shape[0]
+        # The forward's tiles when it kept columns (they are laid out by them), else the backward's.
+        plan = config.forward if kept is not None else config.backward
+        coef = coef.contiguous()
+        cw_arg = class_weight if class_weight is not None else x
+        prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
+        flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
+        kernels = launch.DlogitsKernels(
+            kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
+            kept_tail=(float(softcap or 1.0),),
+            kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
+            kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
+            scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
+        )
+        return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+                                       need_db=need_db, dx_acc=dx_acc)
