@@ -74,7 +74,7 @@ def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Option
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
     strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
-    implementation: it needs the tensors' memory)."""
+    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here)."""
     n, h = x.shape
     v = weight.shape[0]
     keep = _keep_allowed(x.dtype, opts.softcap, need_grad)
