@@ -24,13 +24,12 @@ Over a vocab-parallel head (``vocab_parallel``) each block's statistics are merg
 the SUM added in rank order after an all-gather (``distributed.sum_in_rank_order``: an
 all-reduce's order may follow the message size); the backward is the vocab-parallel one.
 
-The forward and backward are custom ops (``SPEC``): torch.compile(fullgraph=True) sees
-fixed output shapes.
+The forward and backward are custom ops (``FORWARD_SCHEMA``, ``BACKWARD_SCHEMA``, their
+autograd written out below): torch.compile(fullgraph=True) sees fixed output shapes.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -39,22 +38,38 @@ from torch import Tensor
 from logitless.distributed import vocab_shard
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import fake_grad_outputs
+from logitless.ops.common.autograd import custom_op as define
+from logitless.ops.common.autograd import fake_grad_outputs, guard_double_backward
+from logitless.ops.common.contract import register_autograd
 from logitless.ops.common.invariant import blocks, invariant_rows, pad_rows
 from logitless.ops.common.kept import nothing_kept
-from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 from . import custom_op, vocab_parallel
+from .custom_op import OPTIONS_SCHEMA, TP_SCHEMA
 
 _SINGLE = VocabParallelOptions()
+FORWARD_SCHEMA = (
+    f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, {OPTIONS_SCHEMA}, str backend, "
+    f"SymInt budget, bool need_argmax, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+BACKWARD_SCHEMA = (
+    "(Tensor? grad_loss, Tensor? grad_lse, Tensor x, Tensor weight, Tensor? bias, Tensor target, "
+    f"Tensor? class_weight, Tensor lse, Tensor w_t, {OPTIONS_SCHEMA}, str backend, SymInt budget, bool need_dx, "
+    f"bool need_dw, bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+)
+#: The forward's arguments: 13, then the 3 defaulted ``<vocab parallel>`` ones.
+_NUM_INPUTS = 16
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
-             opts: CrossEntropyOptions, backend: str, budget: int, need_argmax: bool, tp: VocabParallelOptions):
-    """-> loss reduced as ``opts.reduction`` (here: its bits do not follow a compiler's
+             ignore_index: int, reduction: str, label_smoothing: float, softcap: Optional[float], z_loss: float,
+             backend: str, budget: int, need_argmax: bool, tp_group: str = "", vocab_size: int = -1,
+             partial_dx: bool = False):
+    """-> loss reduced as ``reduction`` (here: its bits do not follow a compiler's
     reduction), per-token lse, argmax (or (0,)), w_t."""
-    reduction, opts = opts.reduction, replace(opts, reduction="none")
+    opts = CrossEntropyOptions(ignore_index, "none", label_smoothing, softcap, z_loss)
+    tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
     parts = []
     config = None  # planned by the first block, followed by the others (the same shapes)
     for n0, n1, pad in blocks(x.shape[0], invariant_rows(backend, x.device)) or [(0, 0, 0)]:
@@ -76,19 +91,23 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
     return reduce(loss, w_t, reduction), lse, argmax, w_t
 
 
-def _forward_fake(x, weight, bias, target, class_weight, opts, backend, budget, need_argmax, tp):
+def _forward_fake(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                  backend, budget, need_argmax, tp_group="", vocab_size=-1, partial_dx=False):
     n = x.shape[0]
     sd = compute_dtype(x.dtype)
-    return (x.new_empty((n,) if opts.reduction == "none" else (), dtype=sd), x.new_empty(n, dtype=sd),
+    return (x.new_empty((n,) if reduction == "none" else (), dtype=sd), x.new_empty(n, dtype=sd),
             x.new_empty(n if need_argmax else 0, dtype=torch.int64), x.new_empty(n, dtype=sd))
 
 
-def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts: CrossEntropyOptions,
-              backend: str, budget: int, need_dx: bool, need_dw: bool, need_db: bool, tp: VocabParallelOptions):
+def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, ignore_index: int,
+              reduction: str, label_smoothing: float, softcap: Optional[float], z_loss: float, backend: str,
+              budget: int, need_dx: bool, need_dw: bool, need_db: bool, tp_group: str = "", vocab_size: int = -1,
+              partial_dx: bool = False):
     """dx, dw, db (size 0 where not needed): the default op's backward over the whole
     batch, with the per-token gradient of the reduction as autograd would give it
     (sum: expanded; mean: divided by the weights' sum, then expanded)."""
-    reduction, opts = opts.reduction, replace(opts, reduction="none")
+    opts = CrossEntropyOptions(ignore_index, "none", label_smoothing, softcap, z_loss)
+    tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
     elif reduction == "sum":
@@ -109,37 +128,55 @@ def _backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w
                                     need_db, *tp.args())
 
 
-def _backward_fake(grad_loss, grad_lse, x, weight, bias, *_rest):
-    *_, need_dx, need_dw, need_db, _tp = _rest
+def _backward_fake(grad_loss, grad_lse, x, weight, bias, *rest):
+    need_dx, need_dw, need_db = rest[11:14]
     return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
 
-
-_HEAD = (tensor("x"), tensor("weight"), tensor("bias", True), tensor("target"), tensor("class_weight", True))
-_EXEC = (options("opts", CrossEntropyOptions), scalar("backend", str), scalar("budget", int))
-_TP = options("tp", VocabParallelOptions, defaulted=True)
 
 #: logitless::lce_invariant_forward(x, weight, bias, target, class_weight, <options>,
 #:     backend, budget, need_argmax, <vocab parallel>) -> loss, lse, argmax, w_t;
 #: logitless::lce_invariant_backward(grad_loss, grad_lse, ...) -> dx, dw, db.
-SPEC = OpSpec(
-    op="linear_cross_entropy",
-    name="lce_invariant_forward",
-    forward=(*_HEAD, *_EXEC, scalar("need_argmax", bool), _TP),
-    outputs=("loss", "lse", "argmax", "w_t"),
-    forward_impl=_forward,
-    forward_fake=_forward_fake,
-    backward_name="lce_invariant_backward",
-    backward=(tensor("grad_loss", True), tensor("grad_lse", True), *_HEAD, tensor("lse"), tensor("w_t"), *_EXEC,
-              scalar("need_dx", bool), scalar("need_dw", bool), scalar("need_db", bool), _TP),
-    backward_impl=_backward,
-    backward_fake=_backward_fake,
-    grads=("grad_loss", "grad_lse", None, None),
-    grad_inputs=("x", "weight", "bias"),
-    need={"need_dx": "x", "need_dw": "weight", "need_db": "bias"},
-)
+lce_invariant_forward = define("lce_invariant_forward", _forward, schema=FORWARD_SCHEMA)
+lce_invariant_forward.register_fake(_forward_fake)
+lce_invariant_backward = define("lce_invariant_backward", _backward, schema=BACKWARD_SCHEMA)
+lce_invariant_backward.register_fake(_backward_fake)
 
-_built = build(SPEC)
-lce_invariant_forward, lce_invariant_backward = _built.forward_op, _built.backward_op
+
+def _setup_context(ctx, inputs, output):
+    """Saved: x, weight, bias, target, class_weight, lse, w_t; on ctx: the options, backend,
+    budget and ``<vocab parallel>``."""
+    if len(inputs) < _NUM_INPUTS:  # (a compiled graph may leave the defaulted ones out)
+        inputs = (*inputs, "", -1, False)[:_NUM_INPUTS]
+    loss, lse, argmax, w_t = output
+    ctx.save_for_backward(*inputs[:5], lse, w_t)
+    ctx.options, ctx.tp = inputs[5:12], inputs[13:]
+    ctx.mark_non_differentiable(argmax, w_t)
+    ctx.set_materialize_grads(False)
+
+
+def _autograd_backward(ctx, grad_loss, grad_lse, *_):
+    needs = ctx.needs_input_grad
+    need_dx, need_dw, need_db = needs[0], needs[1], needs[2]
+    nones = (None,) * (_NUM_INPUTS - 3)
+    if not (need_dx or need_dw or need_db):
+        return (None, None, None, *nones)
+    x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
+    args = (grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *ctx.options, need_dx, need_dw,
+            need_db, *ctx.tp)
+    if not getattr(ctx, "eager", False):
+        out = lce_invariant_backward(*args)
+    elif torch.is_grad_enabled():  # (create_graph=True: the implementation records no history)
+        with torch.no_grad():
+            out = _backward(*args)
+    else:
+        out = _backward(*args)
+    out = guard_double_backward("linear_cross_entropy", (out[0] if need_dx else None, out[1] if need_dw else None,
+                                                         out[2] if need_db else None), grad_loss, grad_lse, x,
+                                weight, bias)
+    return (*out, *nones)
+
+
+_eager = register_autograd(lce_invariant_forward, _forward, _setup_context, _autograd_backward)
 
 
 def blocked(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
@@ -149,6 +186,6 @@ def blocked(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, c
     target (N,) int64, with the arguments the public function checked and prepared
     (autocast casts, shift, vocab_size's slice); the module docstring. ``tp``: a
     vocab-parallel head (``weight`` this rank's rows)."""
-    loss, lse, argmax, _ = _built.eager(x, weight, bias, target, class_weight, *opts.args(), backend, budget,
-                                        need_argmax, *tp.args())
+    loss, lse, argmax, _ = _eager(x, weight, bias, target, class_weight, *opts.args(), backend, budget, need_argmax,
+                                  *tp.args())
     return loss, lse, argmax

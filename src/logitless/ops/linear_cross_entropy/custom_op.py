@@ -62,17 +62,17 @@ from .contract import LceBackend
 
 OP = "linear_cross_entropy"
 
-_OPTIONS = "SymInt ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss"
-_TP = 'str tp_group="", SymInt vocab_size=-1, bool partial_dx=False'
+OPTIONS_SCHEMA = "SymInt ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss"
+TP_SCHEMA = 'str tp_group="", SymInt vocab_size=-1, bool partial_dx=False'
 FORWARD_SCHEMA = (
-    f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, {_OPTIONS}, str backend, "
+    f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, {OPTIONS_SCHEMA}, str backend, "
     "SymInt budget, bool need_argmax, bool need_grad, bool grad_in_forward, bool need_dx, bool need_dw, "
-    f"bool need_db, {_TP}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 BACKWARD_SCHEMA = (
     "(Tensor grad_loss, Tensor? grad_lse, Tensor x, Tensor weight, Tensor? bias, Tensor target, "
     "Tensor? class_weight, Tensor lse, Tensor w_t, Tensor(a9!) keep, Tensor keep_max, Tensor config, "
-    f"{_OPTIONS}, str backend, SymInt budget, bool need_dx, bool need_dw, bool need_db, {_TP}) "
+    f"{OPTIONS_SCHEMA}, str backend, SymInt budget, bool need_dx, bool need_dw, bool need_db, {TP_SCHEMA}) "
     "-> (Tensor, Tensor, Tensor)"
 )
 #: The forward's arguments: 18, then the 3 defaulted ``<vocab parallel>`` ones.
