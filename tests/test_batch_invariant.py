@@ -211,7 +211,6 @@ def test_linear_cross_entropy_option_gradients_match_default(backend, case):
 def test_linear_cross_entropy_one_backward_same_bits_with_grad(backend, monkeypatch):
     """Under a gradient the per-token outputs are the no-grad bits; the backward runs the
     backend's backward once over the batch (one dW), whatever the number of blocks."""
-    from logitless.ops.common.dispatch import load_backend
     from logitless.ops.linear_cross_entropy import custom_op
 
     block = invariant.invariant_rows(backend, DEVICE)
@@ -219,7 +218,7 @@ def test_linear_cross_entropy_one_backward_same_bits_with_grad(backend, monkeypa
     kw = dict(reduction="none", return_stats=True, softcap=5.0, z_loss=1e-3, backend=backend, batch_invariant=True)
     with torch.no_grad():
         loss0, st0 = logitless.linear_cross_entropy(x, w, t, b, **kw)
-    impl = load_backend("logitless.ops.linear_cross_entropy", backend)
+    impl = custom_op.BACKENDS[backend]
     calls, fwd = [], []
     real, real_fwd = impl.backward, custom_op._forward
     monkeypatch.setattr(impl, "backward", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

@@ -316,17 +316,17 @@ def test_cuda_graph_capture_replays_the_eager_step(budget):
 
 def test_inference_uses_the_forward_that_keeps_nothing(monkeypatch):
     """Under no_grad (eager and compiled) the Triton forward is asked for no kept columns."""
-    from logitless.ops.linear_cross_entropy import triton_backend
+    from logitless.ops.linear_cross_entropy.triton_backend import TritonBackend
 
     seen = []
-    real = triton_backend.plan
+    real = TritonBackend.plan
 
     def spy(*args, **kw):
         if kw.get("cute", True):  # (the forward's plan; the fake plans without the CuTe choice)
             seen.append(kw["need_grad"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(triton_backend, "plan", spy)
+    monkeypatch.setattr(TritonBackend, "plan", staticmethod(spy))
     model = _LCEModel(backend="triton").to(DEVICE)
     ids = torch.randint(0, 61, (2, 6)).to(DEVICE)
     compiled = torch.compile(model, fullgraph=True)

@@ -26,10 +26,11 @@ from logitless.planning import overrides as _overrides
 EAGER: dict[str, Callable] = {}
 
 
-def custom_op(name: str, fn: Callable, *, mutates_args=()):
-    """``torch.library.custom_op("logitless::<name>", fn)``, registered in ``EAGER``."""
+def custom_op(name: str, fn: Callable, *, mutates_args=(), schema: Optional[str] = None):
+    """``torch.library.custom_op("logitless::<name>", fn)`` (``schema``: written out, else
+    inferred from ``fn``'s annotations), registered in ``EAGER``."""
     EAGER[f"logitless::{name}"] = fn
-    return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutates_args)
+    return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutates_args, schema=schema)
 
 
 @functools.cache

@@ -88,8 +88,8 @@ def _interpret() -> bool:
     return os.environ.get("HELION_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def fallback(op_package: str, device: torch.device):
-    """None when Helion runs this call, else the backend module that runs it instead
+def fallback_name_of_call(device: torch.device) -> Optional[str]:
+    """None when Helion runs this call, else the name of the backend that runs it instead
     (warning once per cause). CPU tensors need HELION_INTERPRET=1 (Helion's eager ref
     mode, read when the kernels are decorated): ValueError without it."""
     why = cause()
@@ -101,18 +101,20 @@ def fallback(op_package: str, device: torch.device):
         return None
     name = fallback_name(device)
     warn_fallback(why, name)
-    return load_backend(op_package, name)
+    return name
 
 
-def run_or_fallback(op_package: str, device: torch.device, helion_path: Callable, other_path: Callable):
-    """``helion_path()`` when Helion runs this call, else ``other_path(module)`` with the
-    backend module that runs instead. On a GPU, a Helion kernel that fails to compile or
-    launch (any error but running out of memory) is recorded as the cause, warned about
-    once, and the other backend runs this and every later call; under HELION_INTERPRET=1
-    (the CPU tests) errors propagate."""
-    other = fallback(op_package, device)
-    if other is not None:
-        return other_path(other)
+def fallback(op_package: str, device: torch.device):
+    """``fallback_name_of_call`` as the backend module (``ops/<op>/<name>_backend.py``)."""
+    name = fallback_name_of_call(device)
+    return None if name is None else load_backend(op_package, name)
+
+
+def guarded(device: torch.device, helion_path: Callable, other_path: Callable):
+    """``helion_path()``; on a GPU, a Helion kernel that fails to compile or launch (any
+    error but running out of memory) is recorded as the cause (later calls fall back at
+    once), warned about when the other backend runs, and ``other_path()`` runs this call;
+    under HELION_INTERPRET=1 (the CPU tests) errors propagate."""
     if device.type != "cuda" or _interpret():
         return helion_path()
     try:
@@ -122,4 +124,13 @@ def run_or_fallback(op_package: str, device: torch.device, helion_path: Callable
     except Exception as e:  # noqa: BLE001 - an optional dependency never breaks a call
         text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         _FAILED.append(f"a Helion kernel failed on {device}: {type(e).__name__}: {text}")
-    return other_path(fallback(op_package, device))
+    return other_path()
+
+
+def run_or_fallback(op_package: str, device: torch.device, helion_path: Callable, other_path: Callable):
+    """``helion_path()`` when Helion runs this call, else ``other_path(module)`` with the
+    backend module that runs instead (``fallback``; a kernel failing on a GPU: ``guarded``)."""
+    other = fallback(op_package, device)
+    if other is not None:
+        return other_path(other)
+    return guarded(device, helion_path, lambda: other_path(fallback(op_package, device)))

@@ -15,12 +15,35 @@ from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
+from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
 from logitless.options import CrossEntropyOptions
 
-from .custom_op import lce_forward_eager
+from .contract import LceBackend
+from .custom_op import lce_forward_eager, use_backends
+from .torch_backend import TorchBackend
+
+
+def _triton() -> LceBackend:
+    from .triton_backend import TritonBackend
+    from .triton_grad_in_forward import forward_with_grad
+
+    return TritonBackend(grad_in_forward=forward_with_grad)
+
+
+def _helion() -> LceBackend:
+    from .helion_backend import HelionBackend
+
+    return HelionBackend(BACKENDS)
+
+
+#: The implementations of linear_cross_entropy, by ``backend=`` name (``contract.LceBackend``;
+#: "auto" resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and
+#: Helion's are made on first use (their modules need the optional packages).
+BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
+use_backends(BACKENDS)
 
 
 @_validate.torch_weight_hint

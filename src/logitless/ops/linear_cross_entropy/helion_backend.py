@@ -20,101 +20,121 @@ Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import token_loss
 from logitless.helion_lib import linear_cross_entropy as kernels
-from logitless.ops.common.helion_choice import run_or_fallback
+from logitless.ops.common import helion_choice
+from logitless.ops.common.contract import ConfigCodec
 from logitless.options import CrossEntropyOptions
 
-# The formulas, and no plan or kept buffers crossing to the backward: as the torch backend (the
-# kernels take their configs per launch, ``helion_lib.configs``; a fallback backend plans for itself).
-from .torch_backend import grad_coefficients, kept_shapes, plan  # noqa: F401
+from .contract import HelionConfig, LceBackend, LceForward
+from .torch_backend import grad_coefficients
 
 
-def _other_plan(impl, x, weight, bias, class_weight, softcap, budget, need_argmax=False, smooth=False):
-    """The fallback backend's plan of this call (nothing kept)."""
-    return impl.plan(x, weight, bias, class_weight, _launch_opts(softcap, smooth), budget=budget, need_grad=False,
-                     need_argmax=need_argmax)
+def _dz_opts(softcap: Optional[float], class_weight: Optional[Tensor]) -> CrossEntropyOptions:
+    """What the backward kernel reads (``helion_lib.linear_cross_entropy.backward_args``):
+    the soft-cap, and the class weights in dz's C term whenever there are class weights
+    (C is 0 without label smoothing: they add nothing then, and the kernel is the one
+    measured)."""
+    return CrossEntropyOptions(label_smoothing=0.5 if class_weight is not None else 0.0, softcap=softcap)
 
 
-def _launch_opts(softcap: Optional[float], smooth: bool) -> CrossEntropyOptions:
-    """Options carrying what the kernels read: the soft-cap, and whether the smoothing sum
-    (forward) or the class weights in dz's C term (backward) are wanted."""
-    return CrossEntropyOptions(label_smoothing=0.5 if smooth else 0.0, softcap=softcap)
+class HelionBackend:
+    """backend="helion" (``contract.LceBackend``). Its Config (``HelionConfig``) says whether
+    Helion runs the call or which backend runs in its place (that backend's Config in it,
+    planned with nothing kept), and the backward's budget (the kernels size their
+    vocabulary chunks from it). ``others``: the backends by name (``api.BACKENDS``)."""
 
+    name = "helion"
+    codec = ConfigCodec(HelionConfig)
 
-def forward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    *,
-    need_smooth: bool,
-    need_argmax: bool,
-    budget: int,
-    plan=None,  # noqa: F811  (the contract's keyword; the module's ``plan`` is the torch backend's)
-    loss_opts: Optional[CrossEntropyOptions] = None,
-):
-    """(TokenStats, None): fp32 statistics, nothing kept. With ``loss_opts``: (TokenStats,
-    None, loss, w_t), the loss from the formulas. ``budget`` only reaches a fallback
-    backend (which then keeps nothing either)."""
-    def helion_path():
-        stats = kernels.lce_forward(x, weight, bias, target, class_weight, _launch_opts(softcap, need_smooth),
-                                    need_argmax=need_argmax)
-        if loss_opts is None:
-            return stats, None
-        loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, loss_opts)
-        return stats, None, reduce(loss_tok, w_t, loss_opts.reduction), w_t
+    def __init__(self, others: Mapping[str, LceBackend]):
+        self.others = others
 
-    def other_path(impl):
-        return impl.forward(x, weight, bias, target, class_weight, softcap, need_smooth=need_smooth,
-                            need_argmax=need_argmax, budget=budget, loss_opts=loss_opts,
-                            plan=_other_plan(impl, x, weight, bias, class_weight, softcap, budget, need_argmax,
-                                             need_smooth))
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return helion_choice.cause() or (None if dtype != torch.float64 else "float64 inputs")
 
-    return run_or_fallback(__package__, x.device, helion_path, other_path)
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+             opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> HelionConfig:
+        other = helion_choice.fallback_name_of_call(x.device)
+        if other is None:
+            return HelionConfig(budget=budget)
+        config = self.others[other].plan(x, weight, bias, class_weight, opts, budget=budget, need_grad=False,
+                                         need_argmax=need_argmax, need_dw=need_dw, cute=cute)
+        return HelionConfig(torch=config) if other == "torch" else HelionConfig(triton=config)
 
+    def _other(self, config: HelionConfig):
+        """(the backend in Helion's place, its Config), or (None, None)."""
+        if config.torch is not None:
+            return self.others["torch"], config.torch
+        if config.triton is not None:
+            return self.others["triton"], config.triton
+        return None, None
 
-def backward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    class_weight: Optional[Tensor],
-    softcap: Optional[float],
-    lse: Tensor,
-    coef: Tensor,
-    *,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-    budget: int,
-    plan=None,  # noqa: F811  (the contract's keyword; the module's ``plan`` is the torch backend's)
-    kept=None,
-    dx_acc: bool = False,
-):
-    """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
-    not cast to x's dtype (a partial sum that the caller reduces first)."""
-    def helion_path():
-        if not (need_dx or need_dw or need_db):
-            return None, None, None
-        # C (the class-weighted smoothing term) is 0 without label smoothing: with class
-        # weights the kernel reads them, and C w_c adds nothing then.
-        opts = _launch_opts(softcap, class_weight is not None)
-        dx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef, opts,
-                                          need_dx=need_dx, need_dw=need_dw or need_db, budget=budget,
-                                          dx_acc=dx_acc)
-        return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+    def _failed_over(self, x, weight, bias, class_weight, opts, config: HelionConfig):
+        """After a Helion kernel failed on a GPU (``helion_choice.guarded``): the backend that
+        runs this call instead and its Config (later calls choose it in ``plan``)."""
+        return self._other(self.plan(x, weight, bias, class_weight, opts, budget=config.budget, need_grad=False,
+                                     need_argmax=False))
 
-    def other_path(impl):
-        return impl.backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=need_dx,
-                             need_dw=need_dw, need_db=need_db, budget=budget, dx_acc=dx_acc,
-                             plan=_other_plan(impl, x, weight, bias, class_weight, softcap, budget))
+    def kept_shapes(self, config: HelionConfig, n: int) -> None:
+        return None
 
-    return run_or_fallback(__package__, x.device, helion_path, other_path)
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: HelionConfig, *,
+                need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LceForward:
+        """fp32 statistics, nothing kept; the loss from the formulas."""
+        other, other_config = self._other(config)
+        if other is not None:
+            return other.forward(x, weight, bias, target, class_weight, opts, other_config, need_argmax=need_argmax,
+                                 loss=loss)
+
+        def helion_path():
+            stats = kernels.lce_forward(x, weight, bias, target, class_weight, opts, need_argmax=need_argmax)
+            if not loss:
+                return LceForward(stats)
+            loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
+            return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t)
+
+        def failed_over():
+            impl, c = self._failed_over(x, weight, bias, class_weight, opts, config)
+            return impl.forward(x, weight, bias, target, class_weight, opts, c, need_argmax=need_argmax, loss=loss)
+
+        return helion_choice.guarded(x.device, helion_path, failed_over)
+
+    grad_coefficients = staticmethod(grad_coefficients)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                 class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
+                 config: HelionConfig, *, kept=None, need_dx: bool, need_dw: bool, need_db: bool,
+                 dx_acc: bool = False):
+        """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
+        not cast to x's dtype (a partial sum that the caller reduces first)."""
+        other, other_config = self._other(config)
+        if other is not None:
+            return other.backward(x, weight, bias, target, class_weight, softcap, lse, coef, other_config, kept=None,
+                                  need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+
+        def helion_path():
+            if not (need_dx or need_dw or need_db):
+                return None, None, None
+            dx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef,
+                                              _dz_opts(softcap, class_weight), need_dx=need_dx,
+                                              need_dw=need_dw or need_db, budget=config.budget, dx_acc=dx_acc)
+            return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+
+        def failed_over():
+            opts = CrossEntropyOptions(softcap=softcap)
+            impl, c = self._failed_over(x, weight, bias, class_weight, opts, config)
+            return impl.backward(x, weight, bias, target, class_weight, softcap, lse, coef, c, kept=None,
+                                 need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+
+        return helion_choice.guarded(x.device, helion_path, failed_over)

@@ -28,8 +28,12 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, dlogits_, token_loss, upstream_per_token
 from logitless.formulas.cross_entropy import grad_coefficients as grad_coefficients_of
+from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import CrossEntropyOptions
+from logitless.planning.plans import TorchPlan
+
+from .contract import LceForward, TorchConfig
 
 
 def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
@@ -40,15 +44,13 @@ def _logits_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], softcap):
     return apply_softcap(z, softcap, inplace=True)
 
 
-def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
-            softcap: Optional[float], *, need_smooth: bool, need_argmax: bool, budget: int, plan=None,
-            loss_opts: Optional[CrossEntropyOptions] = None):
-    """Returns (TokenStats, None): this backend keeps nothing for the backward. With
-    ``loss_opts``: (TokenStats, None, loss, w_t), the loss from the formulas."""
+def _forward_stats(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                   class_weight: Optional[Tensor], softcap: Optional[float], *, need_smooth: bool,
+                   need_argmax: bool, plan: TorchPlan) -> TokenStats:
+    """The statistics of every token, in ``plan``'s tiles."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
-    plan = linear_torch_plan(x, v, budget, tiles=1, accumulators=0)
     lse = torch.empty(n, dtype=cd, device=x.device)
     tgt = torch.empty(n, dtype=cd, device=x.device)
     smooth = torch.empty(n, dtype=cd, device=x.device) if need_smooth else None
@@ -90,22 +92,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, c
             smooth[n0:n1] = sm
         if need_argmax:
             amax[n0:n1] = best_i
-    stats = TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
-    if loss_opts is None:
-        return stats, None
-    loss_tok, w_t = token_loss(stats, target, v, class_weight, loss_opts)
-    return stats, None, reduce(loss_tok, w_t, loss_opts.reduction), w_t
-
-
-def plan(*_, **__) -> None:
-    """No plan crosses to the backward: this backend sizes its tiles from the budget in
-    the forward and in the backward (``ops.common.torch_tiles``) and keeps nothing."""
-    return None
-
-
-def kept_shapes(plan, n: int) -> None:
-    """This backend keeps nothing for the backward."""
-    return None
+    return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
 
 
 def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor, target: Tensor,
@@ -118,15 +105,13 @@ def grad_coefficients(grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor
     return coef
 
 
-def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
-             softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
-             budget: int, plan=None, kept=None, dx_acc: bool = False):
-    """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
-    for fp64), not cast to x's dtype (a partial sum that the caller reduces first)."""
-    v = weight.shape[0]
+def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+              softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
+              plan: TorchPlan, dx_acc: bool = False):
+    """dx, dW, db in ``plan``'s tiles; ``dx_acc``: dx as the accumulator in the compute
+    dtype (fp32, fp64 for fp64), not cast to x's dtype (a partial sum that the caller
+    reduces first)."""
     cd = compute_dtype(x.dtype)
-    exact = x.dtype == cd
-    plan = linear_torch_plan(x, v, budget, tiles=1 + (softcap is not None), accumulators=0 if exact else int(need_dw))
     lse = lse.to(cd)
     coef = coef.to(cd)
     cw = class_weight.to(cd) if class_weight is not None else None
@@ -137,3 +122,48 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 
     return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                             dx_acc=dx_acc)
+
+
+class TorchBackend:
+    """backend="torch" (``contract.LceBackend``): any device, fp64 too; keeps nothing for the
+    backward; its Config (``TorchConfig``) holds the forward's and the backward's tiles."""
+
+    name = "torch"
+    codec = ConfigCodec(TorchConfig)
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+             opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> TorchConfig:
+        v = weight.shape[0]
+        exact = x.dtype == compute_dtype(x.dtype)
+        return TorchConfig(
+            forward=linear_torch_plan(x, v, budget, tiles=1, accumulators=0),
+            backward=linear_torch_plan(x, v, budget, tiles=1 + (opts.softcap is not None),
+                                       accumulators=0 if exact else int(need_dw)),
+        )
+
+    def kept_shapes(self, config: TorchConfig, n: int) -> None:
+        return None
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: TorchConfig, *,
+                need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LceForward:
+        stats = _forward_stats(x, weight, bias, target, class_weight, opts.softcap, need_smooth=opts.needs_smooth_sum,
+                               need_argmax=need_argmax, plan=config.forward)
+        if not loss:
+            return LceForward(stats)
+        loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
+        return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t)
+
+    grad_coefficients = staticmethod(grad_coefficients)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                 class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
+                 config: TorchConfig, *, kept=None, need_dx: bool, need_dw: bool, need_db: bool,
+                 dx_acc: bool = False):
+        return _backward(x, weight, bias, target, class_weight, softcap, lse, coef, need_dx=need_dx,
+                         need_dw=need_dw, need_db=need_db, plan=config.backward, dx_acc=dx_acc)

@@ -31,19 +31,26 @@ are bitwise repeatable.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from logitless.formulas.cross_entropy import TokenStats
+from logitless.formulas.common import reduce
+from logitless.formulas.cross_entropy import TokenStats, token_loss
+from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.dispatch import HAS_TRITON
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib import lce_kernels as K
 from logitless.triton_lib.launch import cdiv
+
+from .contract import LceForward
 
 
 def _flags(bias, class_weight, softcap, dtype, prerounded=False):
@@ -63,11 +70,11 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
          opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-         grad_in_forward: bool = False, cute: bool = True) -> LinearPlan:
+         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> LinearPlan:
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
     strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
-    implementation: it needs the tensors' memory)."""
+    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here)."""
     n, h = x.shape
     v = weight.shape[0]
     keep = _keep_allowed(x.dtype, opts.softcap, need_grad)
@@ -206,29 +213,75 @@ def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool)
     return need_grad and not (dtype == torch.float16 and softcap is not None)
 
 
-def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
-             softcap: Optional[float], lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
-             plan: LinearPlan, budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None,
-             dx_acc: bool = False):
-    """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``: what
-    ``forward`` returned for this call (or None); its first
-    buffer is overwritten with dz, so pass it to one backward only. ``dx_acc``: dx as
-    the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial sum
-    that the caller reduces first: vocab parallelism)."""
-    n, h = x.shape
-    v = weight.shape[0]
-    # The forward's plan when it kept columns (they are laid out by it), else the backward's.
-    plan = plan.forward if kept is not None else plan.backward
-    coef = coef.contiguous()
-    cw_arg = class_weight if class_weight is not None else x
-    prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
-    flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
-    kernels = launch.DlogitsKernels(
-        kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
-        kept_tail=(float(softcap or 1.0),),
-        kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
-        kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
-        scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
-    )
-    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
-                                   need_db=need_db, dx_acc=dx_acc)
+class TritonBackend:
+    """backend="triton" (``contract.LceBackend``): its Config is the call's
+    ``planning.plans.LinearPlan`` (tiles, kept columns, the gradient-in-forward chunk, the
+    CuTe choice). ``grad_in_forward``: the strategy that runs when the Config chose it
+    (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
+
+    name = "triton"
+    codec = ConfigCodec(LinearPlan)
+
+    def __init__(self, grad_in_forward: Callable):
+        self.grad_in_forward = grad_in_forward
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        if not HAS_TRITON:
+            return "the triton package is not installed"
+        if dtype == torch.float64:
+            return "float64 inputs"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"{device} tensors without TRITON_INTERPRET=1"
+        return None
+
+    plan = staticmethod(plan)
+    kept_shapes = staticmethod(kept_shapes)
+    grad_coefficients = staticmethod(grad_coefficients)
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: LinearPlan, *,
+                need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LceForward:
+        need_smooth = opts.needs_smooth_sum
+        if config.grad_in_forward:  # the loss from the formulas, the gradients for a unit upstream one
+            stats, grads = self.grad_in_forward(x, weight, bias, target, class_weight, opts, plan=config,
+                                                need_smooth=need_smooth, need_argmax=need_argmax, need_dx=need_dx,
+                                                need_dw=need_dw, need_db=need_db)
+            loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
+            return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t, None, grads)
+        if not loss:
+            stats, kept = forward_launches(x, weight, bias, target, class_weight, opts.softcap, need_smooth=need_smooth,
+                                           need_argmax=need_argmax, tiles=config.forward, keep=config.keeps,
+                                           cute=config.cute)
+            return LceForward(stats, None, None, kept)
+        stats, kept, out, w_t = forward_launches(x, weight, bias, target, class_weight, opts.softcap,
+                                                 need_smooth=need_smooth, need_argmax=need_argmax,
+                                                 tiles=config.forward, keep=config.keeps, cute=config.cute,
+                                                 loss_opts=opts)
+        return LceForward(stats, out, w_t, kept)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                 class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
+                 config: LinearPlan, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool,
+                 need_db: bool, dx_acc: bool = False):
+        """dx, dW, db under the call's Config. ``kept``: what ``forward`` returned for this
+        call (or None); its first buffer is overwritten with dz, so pass it to one backward
+        only. ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's
+        dtype (a partial sum that the caller reduces first: vocab parallelism)."""
+        n, h = x.shape
+        v = weight.shape[0]
+        # The forward's tiles when it kept columns (they are laid out by them), else the backward's.
+        plan = config.forward if kept is not None else config.backward
+        coef = coef.contiguous()
+        cw_arg = class_weight if class_weight is not None else x
+        prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
+        flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
+        kernels = launch.DlogitsKernels(
+            kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
+            kept_tail=(float(softcap or 1.0),),
+            kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
+            kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
+            scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
+        )
+        return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+                                       need_db=need_db, dx_acc=dx_acc)

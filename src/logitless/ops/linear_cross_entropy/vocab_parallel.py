@@ -63,9 +63,11 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
 
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
-            budget: int, need_argmax: bool, need_grad: bool, ordered: bool = False):
-    """(loss, lse, argmax or None, w_t, kept or None, plan or None): the custom op's
-    forward under TP (``plan``: the backend's plan of this rank's rows). ``ordered``: the
+            budget: int, need_argmax: bool, need_grad: bool, need_dw: bool = True, ordered: bool = False,
+            config=None):
+    """(loss, lse, argmax or None, w_t, kept or None, config or None): the custom op's
+    forward under TP (``config``: the backend's Config of this rank's rows, planned here
+    once unless given; None for a rank without rows or no tokens). ``ordered``: the
     merge's SUM in rank order (``batch_invariant``)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     v = shard.vocab_size
@@ -75,7 +77,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     sd = compute_dtype(x.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
     cw, t = shard.class_slice(class_weight), shard.local_target(target)
-    kept = plan = None
+    kept = None
     if n == 0:  # the same on every rank: no collective
         empty = x.new_empty(0, dtype=sd)
         stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
@@ -86,9 +88,10 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
             local = TokenStats(lse, zero, zero if opts.needs_smooth_sum else None,
                                torch.zeros(n, dtype=torch.int64, device=x.device) if need_argmax else None)
         else:
-            plan = impl.plan(x, w, b, cw, opts, budget=budget, need_grad=need_grad, need_argmax=need_argmax)
-            local, kept = impl.forward(x, w, b, t, cw, opts.softcap, need_smooth=opts.needs_smooth_sum,
-                                       need_argmax=need_argmax, budget=budget, plan=plan)
+            if config is None:
+                config = impl.plan(x, w, b, cw, opts, budget=budget, need_grad=need_grad, need_argmax=need_argmax,
+                                   need_dw=need_dw)
+            local, _, _, kept, _ = impl.forward(x, w, b, t, cw, opts, config, need_argmax=need_argmax, loss=False)
         sd = local.lse.dtype
         sums = [local.target_logit.to(sd)] + ([local.smooth_sum.to(sd)] if opts.needs_smooth_sum else [])
         best = None
@@ -102,15 +105,15 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
             argmax = merge_argmax(shard.group, best, local.argmax + shard.start, merged.maxes[0])
         stats = TokenStats(merged.lse[0], merged.sums[0], merged.sums[1] if opts.needs_smooth_sum else None, argmax)
     loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
-    return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept, plan
+    return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept, config
 
 
 def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor], lse: Tensor, w_t: Tensor,
-             opts: CrossEntropyOptions, tp: VocabParallelOptions, *, budget: int, need_dx: bool,
-             need_dw: bool, need_db: bool, plan, kept):
+             opts: CrossEntropyOptions, tp: VocabParallelOptions, *, need_dx: bool,
+             need_dw: bool, need_db: bool, config, kept):
     """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP
-    (``plan``, ``kept``: the forward's, or None)."""
+    (``config``, ``kept``: the forward's)."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)  # cached: no collective
     class_weight = full_class_weight(class_weight, shard)
     g = upstream_per_token(grad_loss, w_t, opts.reduction)
@@ -122,6 +125,6 @@ def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, wei
         dx, dw, db = no_class_grads(x, w, b, need_dx, need_dw, need_db)
     else:
         dx, dw, db = impl.backward(
-            x, w, b, shard.local_target(target), shard.class_slice(class_weight), opts.softcap, lse, coef,
-            need_dx=need_dx, need_dw=need_dw, need_db=need_db, budget=budget, plan=plan, kept=kept, dx_acc=True)
+            x, w, b, shard.local_target(target), shard.class_slice(class_weight), opts.softcap, lse, coef, config,
+            kept=kept, need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=True)
     return rank_grads(shard, x, dx, dw, db, tp.partial_dx)

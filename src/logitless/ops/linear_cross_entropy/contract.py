@@ -1,0 +1,105 @@
+"""The contract of a linear_cross_entropy backend: what each one plans, returns and receives.
+
+Every backend (``TorchBackend``, ``TritonBackend``, ``HelionBackend``: one class each, listed
+in ``api.BACKENDS``) is an ``LceBackend``. Per call, in this order:
+
+    config = backend.plan(x, weight, bias, class_weight, opts, budget=..., need_grad=...,
+                          need_argmax=..., grad_in_forward=..., need_dw=...)      # once
+    out = backend.forward(x, weight, bias, target, class_weight, opts, config,
+                          need_argmax=..., loss=True, need_dx=..., ...)       # LceForward
+    coef = backend.grad_coefficients(grad_loss, grad_lse, out.lse, out.w_t, ...)  # (3, N)
+    dx, dw, db = backend.backward(x, weight, bias, target, class_weight, opts.softcap,
+                                  lse, coef, config, kept=out.kept, need_dx=..., ...)
+
+``config`` is the backend's frozen Config (``TorchConfig``, ``planning.plans.LinearPlan``,
+``HelionConfig``): the backward gets the forward's, never a new one; it crosses the custom
+ops as ``backend.codec`` encodes it. The vocab-parallel path (``vocab_parallel``) calls the
+same methods on a rank's rows (``loss=False``: the statistics to merge; ``dx_acc``: dx as the
+fp32 partial sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Protocol
+
+from torch import Tensor
+
+from logitless.formulas.cross_entropy import TokenStats
+from logitless.ops.common.contract import Backend
+from logitless.options import CrossEntropyOptions
+from logitless.planning.plans import LinearPlan, TorchPlan
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """The torch backend's tiles: the forward's (one logits tile per step) and the
+    backward's (one more with a soft-cap; dW's accumulator for 16-bit inputs)."""
+
+    forward: TorchPlan
+    backward: TorchPlan
+
+
+@dataclass(frozen=True)
+class HelionConfig:
+    """Helion runs the call (both None), or the backend that runs in its place, under its
+    own Config (``ops.common.helion_choice``): ``torch`` on CPU tensors (or without
+    triton), ``triton`` on CUDA tensors. Decided in ``plan``, followed by the backward.
+    ``budget``: the memory budget the Helion backward sizes its vocabulary chunks by."""
+
+    budget: int = 0
+    torch: Optional[TorchConfig] = None
+    triton: Optional[LinearPlan] = None
+
+
+class LceForward(NamedTuple):
+    """What a backend's ``forward`` returns.
+
+    stats: the per-token statistics (with ``loss``: lse and argmax at least; without:
+        every field the options need, to merge over a vocab-parallel head);
+    loss, w_t: the reduced loss and the per-token target weights (``loss=True``), else None;
+    kept: (keep, keep_max), the columns of exp(z - m) kept for the backward (which turns
+        them into dz in place: one backward only), or None;
+    grads: (dx, dw, db) for a unit upstream gradient when the Config chose the
+        gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None.
+    """
+
+    stats: TokenStats
+    loss: Optional[Tensor] = None
+    w_t: Optional[Tensor] = None
+    kept: Optional[tuple[Tensor, Tensor]] = None
+    grads: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = None
+
+
+class LceBackend(Backend, Protocol):
+    """One backend of linear_cross_entropy (module docstring)."""
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+             opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> Any:
+        """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
+        single device); ``cute=False``: without the CuTe choice (a fake: no memory)."""
+        ...
+
+    def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
+        """Shapes of ``LceForward.kept`` under ``config`` (the fake's), or None."""
+        ...
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: Any, *, need_argmax: bool,
+                loss: bool = True, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LceForward:
+        ...
+
+    def grad_coefficients(self, grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor,
+                          target: Tensor, class_weight: Optional[Tensor], opts: CrossEntropyOptions,
+                          num_classes: int) -> Tensor:
+        """The backward's (3, N) coefficients A, B, C."""
+        ...
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                 class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
+                 config: Any, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool,
+                 need_db: bool, dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+        ...
