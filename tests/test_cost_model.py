@@ -132,11 +132,12 @@ def test_model_columns_are_valid_plans():
 def test_grad_in_forward_matches_reference(reduction, token_chunk, dtype, monkeypatch):
     """Every option at once; chunks of 1 token, uneven chunks, one chunk. ("none"
     cannot use the strategy: the forced planner is ignored and the default runs.)"""
-    from logitless.ops.linear_cross_entropy import triton_grad_in_forward
+    from logitless.ops.linear_cross_entropy.api import BACKENDS
 
     calls = []
-    real = triton_grad_in_forward.forward_with_grad
-    monkeypatch.setattr(triton_grad_in_forward, "forward_with_grad", lambda *a, **k: calls.append(k) or real(*a, **k))
+    triton = BACKENDS["triton"]  # the strategy is the Triton backend's (given by the op's table)
+    real = triton.grad_in_forward
+    monkeypatch.setattr(triton, "grad_in_forward", lambda *a, **k: calls.append(k) or real(*a, **k))
     with override(strategy=("grad_in_forward", token_chunk)):
         check_against_reference("triton", dtype, (29,), 40, 257, OPTIONS["all"], reduction, seed=11)
     assert len(calls) == (0 if reduction == "none" else 1)
