@@ -361,7 +361,11 @@ def test_interpreter_launches_give_the_user_no_numpy_warnings():
         warnings.simplefilter("always")  # (pyproject's filterwarnings ignores them for the other tests)
         logitless.linear_cross_entropy(x, w, t, backend="triton", softcap=5.0, z_loss=1e-3).backward()
         logitless.linear_log_probs(x.detach(), w.detach(), t.clamp(min=0), backend="triton", top_k=5, entropy=True)
-        logitless.cross_entropy(torch.randn(16, 100), t, backend="triton")
+        logits = torch.randn(16, 100, requires_grad=True)
+        logitless.cross_entropy(logits, t, backend="triton").backward()  # the ops on given logits too
+        logp = logitless.log_probs(logits, t.clamp(min=0), backend="triton", entropy=True)
+        (logp[0].sum() + logp[1].sum()).backward()
+        logitless.jsd(logits, torch.randn(16, 100), t, backend="triton").backward()
     assert not [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
     with warnings.catch_warnings(record=True) as caught:  # the user's own numpy is left as it was
         warnings.simplefilter("always")

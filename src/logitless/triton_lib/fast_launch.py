@@ -159,6 +159,18 @@ def bound_values(args: tuple, kwargs: dict, tail: tuple) -> tuple:
     return (*args, *[kwargs[name] if name in kwargs else default for name, default in tail])
 
 
+def public_launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, Triton's public launch (the launches that are not
+    repeated per step call it directly). On Triton's interpreter (numpy blocks) numpy's
+    floating-point warnings are off for the launch, in this thread: the kernels compute
+    exp(-inf), log(0), inf * 0 in masked lanes and padding on purpose (a GPU says nothing),
+    and the RuntimeWarnings reached the user as if something were wrong."""
+    if type(kernel).__name__ == "InterpretedFunction":
+        with np.errstate(all="ignore"):
+            return kernel[grid](*args, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
 def run_kernel(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``: the same compiled kernel, launched the same way
     (Triton's launcher: tensor-map descriptors filled, launch hooks called, on the
@@ -171,14 +183,7 @@ def run_kernel(kernel, grid, *args, **kwargs):
     interpreter, other kernel objects and callable grids: ``kernel[grid]``."""
     if not (ENABLED and type(kernel) is JITFunction and type(grid) is tuple):
         LAUNCHES["triton"] += 1
-        if type(kernel).__name__ == "InterpretedFunction":
-            # Triton's interpreter (numpy blocks): numpy's floating-point warnings off for this
-            # launch, in this thread. The kernels compute exp(-inf), log(0), inf * 0 in masked
-            # lanes and padding on purpose (a GPU says nothing); the RuntimeWarnings reached the
-            # user as if something were wrong.
-            with np.errstate(all="ignore"):
-                return kernel[grid](*args, **kwargs)
-        return kernel[grid](*args, **kwargs)
+        return public_launch(kernel, grid, *args, **kwargs)
     device = torch.cuda.current_device()
     try:
         key = launch_key(kernel, device, args, kwargs)

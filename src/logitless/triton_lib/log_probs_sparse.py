@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from logitless.triton_lib.fast_launch import public_launch
+
 BLOCK_J = 16
 BLOCK_H = 1024
 
@@ -125,7 +127,7 @@ def sparse_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dz: Tenso
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (row-major whatever x's strides)
         if n:
-            sparse_dx_kernel[(n, triton.cdiv(h, BLOCK_H))](
+            public_launch(sparse_dx_kernel, (n, triton.cdiv(h, BLOCK_H)),
                 dz, col.to(torch.int32).contiguous(), cnt, weight, dx, h, k, weight.stride(0), weight.stride(1),
                 dx.stride(0), BLOCK_J=BLOCK_J, BLOCK_H=BLOCK_H, num_warps=4)
     else:
@@ -140,7 +142,7 @@ def sparse_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dz: Tenso
         if need_db and db is None:
             db = torch.empty(v, dtype=bias.dtype, device=x.device)
         if v:
-            sparse_dw_kernel[(v, max(1, triton.cdiv(dw.shape[1], BLOCK_H)))](
+            public_launch(sparse_dw_kernel, (v, max(1, triton.cdiv(dw.shape[1], BLOCK_H))),
                 dzs, rows, starts, x, dw, db if need_db else dzs, dw.shape[1], x.stride(0), x.stride(1),
                 dw.stride(0), HAS_DB=need_db, ADD=add, BLOCK_J=BLOCK_J, BLOCK_H=BLOCK_H, num_warps=4)
         dw = dw if need_dw else None

@@ -20,6 +20,7 @@ from torch import Tensor
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.planning.plans import CETritonPlan, ce_triton_plan
 from logitless.triton_lib import ce_logits_kernels as K
+from logitless.triton_lib.fast_launch import public_launch
 
 
 def _cw(class_weight: Optional[Tensor], logits: Tensor) -> Tensor:
@@ -36,7 +37,7 @@ def forward(logits: Tensor, target: Tensor, class_weight: Optional[Tensor], soft
     tgt = torch.empty(n, **f32)
     smooth = torch.empty(n, **f32) if need_smooth else None
     argmax = torch.empty(n, dtype=torch.int64, device=logits.device) if need_argmax else None
-    K.ce_forward_kernel[(triton.cdiv(n, plan.block_n),)](
+    public_launch(K.ce_forward_kernel, (triton.cdiv(n, plan.block_n),),
         logits, target, _cw(class_weight, logits), lse, tgt,
         smooth if need_smooth else lse, argmax if need_argmax else lse,
         n, v, logits.stride(0), logits.stride(1), float(softcap or 1.0),
@@ -53,7 +54,7 @@ def backward(logits: Tensor, target: Tensor, class_weight: Optional[Tensor], sof
     n, v = logits.shape
     plan = plan or ce_triton_plan(n, v, logits.element_size(), logits.device)
     grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v, plan.block_v))
-    K.ce_backward_kernel[grid](
+    public_launch(K.ce_backward_kernel, grid,
         logits, out, target.contiguous(), _cw(class_weight, logits), lse.contiguous(),
         coef.contiguous(),
         n, v, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),

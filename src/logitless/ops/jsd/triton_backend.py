@@ -18,6 +18,7 @@ from torch import Tensor
 
 from logitless.options import JSDOptions
 from logitless.planning.plans import ce_triton_plan, jsd_stats_plan
+from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 
 
@@ -35,7 +36,7 @@ def backward(g: Tensor, zs: Tensor, zt: Tensor, target: Tensor, stats: Tensor,
     plan = ce_triton_plan(n, v, max(zs.element_size(), zt.element_size()), zs.device)
     dz = torch.empty_like(zs)
     grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v, plan.block_v))
-    jsd_backward_kernel[grid](
+    public_launch(jsd_backward_kernel, grid,
         zs, zt, dz, target.contiguous(), stats.float().contiguous(), g.float().contiguous(), n, v,
         zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1), dz.stride(0), dz.stride(1), n,
         wp=opts.weights[1], hlw=opts.hard_label_weight, **scalar_args(opts),

@@ -29,6 +29,7 @@ import triton
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, target_weight, upstream_per_token
 from logitless.planning.plans import LinearPlan
 from logitless.triton_lib import lce_kernels as K
+from logitless.triton_lib.fast_launch import public_launch
 
 from . import triton_backend
 
@@ -66,7 +67,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
         coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()
         dz = keep_buf[:, :tiles.keep_cols]
         grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(v, tiles.block_v))
-        K.kept_dlogits_kernel[grid](
+        public_launch(K.kept_dlogits_kernel, grid,
             dz, tile_max, cw_arg, tc, stats.lse, coef, n1 - n0, v, v, dz.stride(0),
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None,
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, num_warps=tiles.num_warps,

@@ -35,6 +35,7 @@ from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
 from logitless.triton_lib import log_probs_kernels as K
+from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.launch import cdiv
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
@@ -175,7 +176,7 @@ def _field_outputs(part_max: Tensor, part_sum: Tensor, fparts, f_arg: Tensor, to
     mean = torch.empty_like(sq)
     top1 = torch.empty(n, dtype=torch.int8, device=tokens.device)
     block = log_probs_epilogue.BLOCK
-    log_probs_fields.fields_epilogue_kernel[(cdiv(n, block),)](
+    public_launch(log_probs_fields.fields_epilogue_kernel, (cdiv(n, block),),
         part_max, part_sum, *fparts, f_arg, tokens.contiguous(), sq, mean, top1, n, v, part_max.shape[0],
         opts.ignore_index, BLOCK=block, num_warps=4,
     )

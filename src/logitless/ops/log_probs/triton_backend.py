@@ -18,6 +18,7 @@ from logitless.formulas.log_probs import LogProbStats
 from logitless.options import LogProbOptions
 from logitless.planning.plans import ce_triton_plan
 from logitless.triton_lib import log_probs_logits_kernels as K
+from logitless.triton_lib.fast_launch import public_launch
 
 
 def forward(logits: Tensor, tokens: Tensor, opts: LogProbOptions, *, budget: int) -> LogProbStats:
@@ -27,7 +28,7 @@ def forward(logits: Tensor, tokens: Tensor, opts: LogProbOptions, *, budget: int
     lse = torch.empty(n, **f32)
     tgt = torch.empty(n, **f32)
     ent = torch.empty(n, **f32) if opts.entropy else None
-    K.lp_forward_kernel[(triton.cdiv(n, plan.block_n),)](
+    public_launch(K.lp_forward_kernel, (triton.cdiv(n, plan.block_n),),
         logits, tokens.contiguous(), lse, tgt, ent if ent is not None else lse,
         n, v, logits.stride(0), logits.stride(1), float(opts.softcap or 1.0), 1.0 / opts.temperature,
         HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
@@ -42,7 +43,7 @@ def backward(logits: Tensor, tokens: Tensor, opts: LogProbOptions, lse: Tensor, 
     n, v = logits.shape
     plan = ce_triton_plan(n, v, logits.element_size(), logits.device)
     grid = (triton.cdiv(n, plan.block_n), triton.cdiv(v, plan.block_v))
-    K.lp_backward_kernel[grid](
+    public_launch(K.lp_backward_kernel, grid,
         logits, out, tokens.contiguous(), lse.contiguous(), coef.contiguous(),
         n, v, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         float(opts.softcap or 1.0), 1.0 / opts.temperature,
