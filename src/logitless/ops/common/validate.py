@@ -24,6 +24,20 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
 
 
+#: The tensor types of a call that needs no vocab-parallel preparation (``plain``).
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def plain(*tensors: Optional[Tensor]) -> bool:
+    """Whether every one is a plain tensor (or None): no DTensor or other subclass, so a
+    call without ``process_group``/``vocab_size``/``partial_dx`` needs nothing from
+    ``distributed.api.prepare`` (the common case, decided with no call into it)."""
+    for t in tensors:  # (a loop, not all(<generator>): this runs per call)
+        if t is not None and type(t) not in _PLAIN_TYPES:
+            return False
+    return True
+
+
 def check_float(name: str, t: Tensor) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

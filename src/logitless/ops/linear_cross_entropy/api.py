@@ -19,7 +19,7 @@ from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
-from logitless.options import CrossEntropyOptions
+from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 from .contract import LceBackend
 from .custom_op import lce_forward_eager, use_backends
@@ -42,6 +42,9 @@ def _helion() -> LceBackend:
 #: The implementations of linear_cross_entropy, by ``backend=`` name (``contract.LceBackend``;
 #: "auto" resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and
 #: Helion's are made on first use (their modules need the optional packages).
+#: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
+NO_VOCAB_PARALLEL = VocabParallelOptions()
+
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
 use_backends(BACKENDS)
 
@@ -160,9 +163,13 @@ def linear_cross_entropy(
     )
     if batch_invariant is not False and batch_invariant is not True:
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-    x, weight, bias, tp = _tp.prepare("linear_cross_entropy", ("x", "weight", "bias"), x, weight, bias,
-                                      process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
-    target, class_weight = _tp.plain(target), _tp.plain(class_weight)
+    if process_group is None and vocab_size is None and partial_dx is False \
+            and _validate.plain(x, weight, bias, target, class_weight):
+        tp = NO_VOCAB_PARALLEL  # (the common case: one device, plain tensors)
+    else:
+        x, weight, bias, tp = _tp.prepare("linear_cross_entropy", ("x", "weight", "bias"), x, weight, bias,
+                                          process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+        target, class_weight = _tp.plain(target), _tp.plain(class_weight)
     # (x, weight and bias are plain tensors now: prepare made DTensors local or raised.)
     parallel = tp.parallel
     _validate.check_float("x", x)

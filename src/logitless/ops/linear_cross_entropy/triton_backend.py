@@ -82,7 +82,7 @@ def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Option
                     prerounded=launch.tf32_prerounded(x.dtype),
                     grad_in_forward=grad_in_forward and keep and opts.reduction != "none",
                     weight_fp32=weight.dtype == torch.float32)
-    if not cute:
+    if not cute or x.device.type != "cuda":  # (the CuTe kernels run on Hopper GPUs only)
         return p
     need_smooth = opts.needs_smooth_sum
     args = dict(bias=bias, softcap=opts.softcap, need_argmax=need_argmax,
