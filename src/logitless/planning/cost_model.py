@@ -135,7 +135,7 @@ class DeviceModel:
     #: shipped family, chunks while the dz chunk fits ~60% of L2; 2: also 2x and 4x that
     #: width, e.g. 8192 and 16384 columns at 4096 tokens). The wider chunks' time counts
     #: dW and dx re-reading dz from HBM; they save accumulator passes and launches, most
-    #: at small H (issue 23: benchmarks/probe_regret.py measures them; the refit,
+    #: at small H (benchmarks/probe_regret.py measures them; the refit,
     #: benchmarks/fit_cost_model.py, says whether to turn them on).
     wide_chunks: int = 0
     #: HBM bytes per dz byte when a chunk exceeds ~60% of L2 (dW and dx each re-read
@@ -143,7 +143,7 @@ class DeviceModel:
     l2_reread: float = 2.0
     #: Weight of the wave-quantisation loss of cuBLAS GEMMs (``gemm_s``: efficiency **
     #: gemm_wave; 1: 128 x 256 tiles as now). The profile of gemma3-4b's 4096-column chunks
-    #: (issue 23) ran dW at one GEMM's speed where 128 x 256 tiles predict 81% busy SMs:
+    #: ran dW at one GEMM's speed where 128 x 256 tiles predict 81% busy SMs:
     #: cuBLAS picks other tiles. A fitted constant (benchmarks/fit_cost_model.py).
     gemm_wave: float = 1.0
 

@@ -552,7 +552,7 @@ def jsd_forward_rows(num_tokens: int, vocab: int, budget: int, cuda: bool) -> in
         # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
         # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
         # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208);
-        # 216 (multiples of 8, not 16) makes it 19 chunks (docs/design.md, issue 37).
+        # 216 (multiples of 8, not 16) makes it 19 chunks (docs/design.md).
         rows = rows // 8 * 8
     return _clamp(rows, 1, max(1, num_tokens))
 

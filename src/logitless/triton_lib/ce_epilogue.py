@@ -1,5 +1,5 @@
 """The O(tokens) epilogues of the cross-entropy ops as one Triton launch each
-(issue 23 item 3: small shapes are host-bound, and the torch form of these formulas
+(small shapes are host-bound, and the torch form of these formulas
 was ~40 tiny kernels per forward+backward, each a few microseconds of GPU time and
 tens of microseconds of host time).
 

@@ -22,7 +22,7 @@
 
 No host syncs; no atomics: results are bitwise repeatable.
 
-Host time (issue 23 item 3): at 512-2048 tokens an eager call is bound by the host, so
+Host time: at 512-2048 tokens an eager call is bound by the host, so
 what is pure per (plan, shape, layout) is computed once: ``cdiv`` is plain integer
 arithmetic (``triton.cdiv`` is a ``constexpr_function``: ~2 us per call on the host),
 ``descriptor`` checks a layout's TMA constraints once and then builds descriptors
