@@ -8,7 +8,8 @@
 Cases: linear_cross_entropy (Triton and torch backends; budgets that keep all, part or
 none of the logits; the gradient-in-forward strategy forced), cross_entropy, jsd,
 linear_jsd and linear_log_probs (budgets as linear_cross_entropy's, with and without
-entropy, temperature and soft-cap; on trees that have it), with every option, in bf16
+entropy, temperature and soft-cap; on trees that have it), top-k/top-p/min-p and
+batch-invariant log-probs (fused and on given logits), with every option, in bf16
 and fp32. Only the public API (and the
 strategy override, found under its old or new name) is used, so the same script runs
 against the code before and after a change. On a CPU the Triton kernels run on the
@@ -134,6 +135,49 @@ def run_linear_log_probs(dtype, backend, budget_name, opts, seed):
     return [*outs, *torch.autograd.grad(obj, (d["x"], d["w"], d["b"]))]
 
 
+#: Truncation and batch-invariant options of the log-prob ops (cases ``llpx``/``lp``).
+LOG_PROB_EXTRAS = {
+    "top_k": dict(top_k=17, temperature=0.7, entropy=True),
+    "top_p": dict(top_p=0.8, temperature=0.9, entropy=True),
+    "min_p": dict(min_p=0.05, temperature=1.2),
+    "all": dict(top_k=40, top_p=0.9, min_p=0.01, temperature=0.7, entropy=True),
+    "invariant": dict(batch_invariant=True, entropy=True),
+}
+
+
+def run_log_probs_extra(linear, dtype, backend, opts, seed):
+    """linear_log_probs (``linear``; the "part" budget) or log_probs on given logits under
+    the truncation / batch-invariant options ``LOG_PROB_EXTRAS[opts]``."""
+    n, h, v = (300, 136, 1500) if GPU else (29, 40, 257)
+    d = inputs(n, h, v, dtype, seed)
+    kw = dict(LOG_PROB_EXTRAS[opts])
+    if linear:
+        args, wrt = (d["x"], d["w"], d["t"], d["b"]), (d["x"], d["w"], d["b"])
+        kw["memory_budget"] = n * v * 2 // 3 + 4 * n * h
+        fn = logitless.linear_log_probs
+    else:
+        z = (d["x"] @ d["w"].T).detach().requires_grad_()
+        args, wrt, fn = (z, d["t"]), (z,), logitless.log_probs
+    try:
+        out = fn(*args, backend=backend, **kw)
+    except TypeError:  # (a tree without the option)
+        return []
+    outs = list(out) if isinstance(out, tuple) else [out]
+    gen = torch.Generator().manual_seed(seed)
+    obj = sum((o * torch.randn(o.shape, generator=gen).to(DEV)).sum() for o in outs)
+    return [*outs, *torch.autograd.grad(obj, wrt)]
+
+
+def run_linear_jsd_budget(dtype, backend, budget_name, seed):
+    """linear_jsd (beta 0.5, the default options) at budgets that keep all, part or none."""
+    n, h, v = (300, 136, 1500) if GPU else (29, 40, 257)
+    d = inputs(n, h, v, dtype, seed, hidden_t=h)
+    budget = {"keep": 16 * n * v, "part": n * v + 8 * n * h, "recompute": 2000, "default": None}[budget_name]
+    loss = logitless.linear_jsd(d["x"], d["w"], d["xt"], d["wt"], d["t"], beta=0.5, backend=backend,
+                                memory_budget=budget)
+    return [loss, *torch.autograd.grad(loss, (d["x"], d["w"]))]
+
+
 def all_results():
     out = {}
     for i, (name, c) in enumerate(lce_cases()):
@@ -151,6 +195,15 @@ def all_results():
                     for opts in ("plain", "all"):
                         out[f"llp/{backend}/{dtype}/{budget_name}/{opts}"] = run_linear_log_probs(
                             dtype, backend, budget_name, opts, seed=5)
+        for dtype in (torch.bfloat16, torch.float32):
+            for backend in ("triton", "torch"):
+                for opts in LOG_PROB_EXTRAS:
+                    out[f"llpx/{backend}/{dtype}/{opts}"] = run_log_probs_extra(True, dtype, backend, opts, seed=6)
+                    out[f"lp/{backend}/{dtype}/{opts}"] = run_log_probs_extra(False, dtype, backend, opts, seed=7)
+    for dtype in (torch.bfloat16, torch.float32):
+        for backend in ("triton", "torch"):
+            for budget_name in ("keep", "part", "recompute", "default"):
+                out[f"ljsd/{backend}/{dtype}/{budget_name}"] = run_linear_jsd_budget(dtype, backend, budget_name, 8)
     return {k: [t.detach().cpu() for t in v] for k, v in out.items()}
 
 
