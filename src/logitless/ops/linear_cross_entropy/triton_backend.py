@@ -70,18 +70,19 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
          opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> LinearPlan:
+         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True, dw_fp32: bool = False) -> LinearPlan:
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
     strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
-    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here)."""
+    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here);
+    ``dw_fp32``: dW is wanted in fp32 (``contract.LceBackend.plan``)."""
     n, h = x.shape
     v = weight.shape[0]
     keep = _keep_allowed(x.dtype, opts.softcap, need_grad)
     p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep,
                     prerounded=launch.tf32_prerounded(x.dtype),
                     grad_in_forward=grad_in_forward and keep and opts.reduction != "none",
-                    weight_fp32=weight.dtype == torch.float32)
+                    weight_fp32=dw_fp32 or weight.dtype == torch.float32)
     if not cute or x.device.type != "cuda":  # (the CuTe kernels run on Hopper GPUs only)
         return p
     need_smooth = opts.needs_smooth_sum
@@ -241,12 +242,12 @@ class TritonBackend:
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: LinearPlan, *,
                 need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False) -> LceForward:
+                need_db: bool = False, dw_fp32: bool = False) -> LceForward:
         need_smooth = opts.needs_smooth_sum
         if config.grad_in_forward:  # the loss from the formulas, the gradients for a unit upstream one
             stats, grads = self.grad_in_forward(x, weight, bias, target, class_weight, opts, plan=config,
                                                 need_smooth=need_smooth, need_argmax=need_argmax, need_dx=need_dx,
-                                                need_dw=need_dw, need_db=need_db)
+                                                need_dw=need_dw, need_db=need_db, dw_fp32=dw_fp32)
             loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
             return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t, None, grads)
         if not loss:
