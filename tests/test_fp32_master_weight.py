@@ -1,20 +1,19 @@
 """An fp32 master weight under autocast (linear_cross_entropy): the op takes the fp32 weight,
 runs on its 16-bit copy and returns the weight's gradient in fp32; the Triton backend's
 gradient-in-forward strategy then needs no fp32 dW accumulator beside it (the accumulator
-is the gradient: ``planning.cost_model`` counts no extra buffer, ``weight_fp32``).
+is the gradient, unrounded, with no 16-bit dW and no cast after it).
 
 Checked: gradients against float64 and against torch's own autocast route at the same
 dtype; every strategy other than gradient-in-forward bitwise equal to the route before
 (autocast's cast of the weight, a 16-bit dW, autograd's cast back to fp32); the
-gradient-in-forward strategy's dW the fp32 accumulator that route rounded to 16 bits; the
-planner told (``dw_fp32``) and choosing gradient-in-forward where the accumulator was what
-kept it out; nothing changes without autocast, for a frozen weight, or under no_grad.
+gradient-in-forward strategy's dW the fp32 accumulator that route rounded to 16 bits; one
+plan per call, the cast route's; nothing changes without autocast, for a frozen weight, or
+under no_grad.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 
 import pytest
 import torch
@@ -22,9 +21,7 @@ import torch.nn.functional as F
 
 import logitless
 from logitless.ops.linear_cross_entropy.api import BACKENDS
-from logitless.planning import cost_model as _cost_model
-from logitless.planning import plans as _plans
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE
 
 N, H, V = 37, 40, 131
@@ -133,40 +130,31 @@ def test_grad_in_forward_returns_the_fp32_accumulator(backend, force, reduction)
     if force[1] < N:
         assert torch.equal(new[2].bfloat16(), old[2].bfloat16())
     else:
-        assert ((new[2] - old[2]).abs() <= old[2].abs() * 2.0 ** -8 + 1e-30).all()
+        # (cuBLAS may sum in another order for an fp32 output: a few fp32 ulps of the largest)
+        bound = old[2].abs() * 2.0 ** -8 + old[2].abs().max() * 2.0 ** -16
+        assert ((new[2] - old[2]).abs() <= bound).all()
     assert not torch.equal(new[2], old[2])  # (finer than bf16: the accumulator, not its rounding)
 
 
-def test_the_plan_is_told_and_made_once(monkeypatch):
-    """The Triton backend's plan gets ``dw_fp32=True`` once per call (the fp32 master weight),
-    ``dw_fp32=False`` for the cast route; the backward never plans."""
+@pytest.mark.parametrize("budget", [None, 2000, N * V * 2 // 3, 4 * N * V * 2])
+def test_the_plan_is_the_cast_routes_and_made_once(monkeypatch, budget):
+    """The Triton backend plans once per call, on the weight's 16-bit copy: the master
+    route's Config is the cast route's (its fp32 dW accumulator stays counted in the
+    budget: it is alive from the forward on, where the cast route's dW appears in the
+    backward only). The backward never plans."""
     seen = []
     real = BACKENDS["triton"].plan
 
     def plan(*args, **kwargs):
-        seen.append(kwargs.get("dw_fp32"))
-        return real(*args, **kwargs)
+        seen.append((args[1].dtype, real(*args, **kwargs)))
+        return seen[-1][1]
 
     monkeypatch.setattr(BACKENDS["triton"], "plan", plan)
     x, w, b, t = _inputs(4)
-    _master_route(x, w, b, t, "triton", None)
-    assert seen == [True]
-    _cast_route(x, w, b, t, "triton", None)
-    assert seen == [True, False]
-
-
-def test_planner_takes_grad_in_forward_where_the_accumulator_kept_it_out():
-    """On an H100 as the planner sees it, at the default budget's size there (3% of 80 GB),
-    16k tokens of llama3.1-8b's head: the strategy with a 2 GiB fp32 accumulator did not fit
-    beside its chunk; with the master weight's gradient as the accumulator it does."""
-    gpu = types.SimpleNamespace(type="cuda", index=0)
-    budget = int(80 * 2**30 * 0.03) >> 20 << 20
-    with override(tiles=_plans.CUDA_TILES[2]), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
-        cast = _plans.lce_strategy(16384, 128256, 4096, 2, budget, gpu)
-        master = _plans.lce_strategy(16384, 128256, 4096, 2, budget, gpu, weight_fp32=True)
-    assert cast.strategy != "grad_in_forward"
-    assert master.strategy == "grad_in_forward" and master.memory <= budget
-    assert master.time_s < cast.time_s
+    _master_route(x, w, b, t, "triton", None, memory_budget=budget)
+    _cast_route(x, w, b, t, "triton", None, memory_budget=budget)
+    assert len(seen) == 2 and seen[0][0] == seen[1][0] == torch.bfloat16
+    assert seen[0][1] == seen[1][1]
 
 
 @pytest.mark.parametrize("case", ["no_autocast", "frozen", "no_grad"])

@@ -91,7 +91,7 @@ def linear_cross_entropy(
             (eager, one device) is cast inside the op and its gradient comes back fp32
             from the op itself: where the Triton backend computes the gradient in the
             forward, its fp32 dW accumulator is that gradient (no bf16 rounding of dW, no
-            second fp32 buffer), so that strategy fits budgets it did not before. Outside autocast, x and weight of
+            16-bit dW and no cast); the plan is the one of a bf16 weight. Outside autocast, x and weight of
             different dtypes raise ``TypeError``.
         torch.compile: the op is a pair of custom ops (``logitless::lce_forward``,
             ``logitless::lce_backward``), so ``torch.compile(model, fullgraph=True)``

@@ -4,7 +4,7 @@ Every backend (``TorchBackend``, ``TritonBackend``, ``HelionBackend``: one class
 in ``api.BACKENDS``) is an ``LceBackend``. Per call, in this order:
 
     config = backend.plan(x, weight, bias, class_weight, opts, budget=..., need_grad=...,
-                          need_argmax=..., grad_in_forward=..., need_dw=..., dw_fp32=...)  # once
+                          need_argmax=..., grad_in_forward=..., need_dw=...)      # once
     out = backend.forward(x, weight, bias, target, class_weight, opts, config,
                           need_argmax=..., loss=True, need_dx=..., ...)       # LceForward
     coef = backend.grad_coefficients(grad_loss, grad_lse, out.lse, out.w_t, ...)  # (3, N)
@@ -76,11 +76,10 @@ class LceBackend(Backend, Protocol):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True, dw_fp32: bool = False) -> Any:
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> Any:
         """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
-        single device); ``cute=False``: without the CuTe choice (a fake: no memory);
-        ``dw_fp32``: the weight's gradient is wanted in fp32 (an fp32 master weight under
-        autocast; ``weight`` is its 16-bit copy), so an fp32 dW accumulator costs nothing extra."""
+        single device); ``cute=False``: without the CuTe choice (a fake: no memory). For an
+        fp32 master weight ``weight`` is its 16-bit copy: the plan is the cast route's."""
         ...
 
     def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
@@ -91,8 +90,10 @@ class LceBackend(Backend, Protocol):
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: Any, *, need_argmax: bool,
                 loss: bool = True, need_dx: bool = False, need_dw: bool = False,
                 need_db: bool = False, dw_fp32: bool = False) -> LceForward:
-        """``dw_fp32`` (as ``plan``'s): the gradient-in-forward strategy returns dW in fp32
-        (its accumulator); the other strategies leave dW to ``backward`` (the op casts it)."""
+        """``dw_fp32``: the weight's gradient is wanted in fp32 (an fp32 master weight under
+        autocast, ``weight`` its 16-bit copy): the gradient-in-forward strategy returns its
+        fp32 dW accumulator as is; the other strategies leave dW to ``backward`` (the op
+        casts it)."""
         ...
 
     def grad_coefficients(self, grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor,

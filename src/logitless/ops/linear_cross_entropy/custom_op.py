@@ -125,8 +125,7 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
         # The call's Config, once: the forward, its strategy and the backward follow it.
         if config is None:
             config = impl.plan(x, w, bias, class_weight, opts, budget=budget, need_grad=need_grad,
-                               need_argmax=need_argmax, grad_in_forward=grad_in_forward, need_dw=need_dw,
-                               dw_fp32=master)
+                               need_argmax=need_argmax, grad_in_forward=grad_in_forward, need_dw=need_dw)
         out = impl.forward(x, w, bias, target, class_weight, opts, config, need_argmax=need_argmax,
                            need_dx=need_dx, need_dw=need_dw, need_db=need_db, dw_fp32=master)
     return _outputs(x, target, out.loss, out.stats.lse, out.stats.argmax if need_argmax else None, out.w_t,

@@ -63,8 +63,7 @@ class HelionBackend:
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True,
-             dw_fp32: bool = False) -> HelionConfig:
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> HelionConfig:
         other = helion_choice.fallback_name_of_call(x.device)
         if other is None:
             return HelionConfig(budget=budget)

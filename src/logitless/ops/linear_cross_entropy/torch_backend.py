@@ -137,8 +137,7 @@ class TorchBackend:
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True,
-             dw_fp32: bool = False) -> TorchConfig:
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> TorchConfig:
         v = weight.shape[0]
         exact = x.dtype == compute_dtype(x.dtype)
         return TorchConfig(

@@ -70,19 +70,18 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
          opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True, dw_fp32: bool = False) -> LinearPlan:
+         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> LinearPlan:
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
     strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
-    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here);
-    ``dw_fp32``: dW is wanted in fp32 (``contract.LceBackend.plan``)."""
+    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here)."""
     n, h = x.shape
     v = weight.shape[0]
     keep = _keep_allowed(x.dtype, opts.softcap, need_grad)
     p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep,
                     prerounded=launch.tf32_prerounded(x.dtype),
                     grad_in_forward=grad_in_forward and keep and opts.reduction != "none",
-                    weight_fp32=dw_fp32 or weight.dtype == torch.float32)
+                    weight_fp32=weight.dtype == torch.float32)
     if not cute or x.device.type != "cuda":  # (the CuTe kernels run on Hopper GPUs only)
         return p
     need_smooth = opts.needs_smooth_sum

@@ -14,8 +14,10 @@ finish the gradient itself, token chunk by token chunk [n0, n1):
 
 3 GEMMs in all, no recomputation; temporary memory: the chunk's kept logits
 (tokens_chunk x V in the input dtype) plus the fp32 dW accumulator (4 V H bytes)
-when there is more than one chunk and the weight is not fp32 already (an fp32 master
-weight under autocast counts as fp32: the accumulator is its gradient, ``dw_fp32``). The backward
+when there is more than one chunk and the weight is not fp32 already (for an fp32 master
+weight under autocast, ``dw_fp32``, the accumulator is returned as its gradient; the plan
+still counts it: it is alive from the forward on, where the cast route's dW appears only
+in the backward). The backward
 multiplies by grad_output: dx once rounded twice when grad_output != 1 (bf16 dx of the
 forward, then scaled; dW and db are scaled in fp32 and rounded once).
 
