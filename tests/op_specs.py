@@ -296,11 +296,11 @@ def _ce_opcheck(backend):
         options = (-100, reduction, 0.1, 5.0, 1e-3, backend, 4096)
         yield custom_op("ce_forward"), (logits, t, cw, *options, True), None
         yield custom_op("ce_forward"), (logits.detach().T.contiguous().T, t, None, *options, False), None
-        _, lse, _, w_t = custom_op("ce_forward")(logits, t, cw, *options, False)
+        _, lse, _, w_t, config = custom_op("ce_forward")(logits, t, cw, *options, False)
         grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
         for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
             yield custom_op("ce_backward"), (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
-                                       *options), None
+                                             config, *options[:-1]), None
 
 
 CROSS_ENTROPY = OpSpec(
