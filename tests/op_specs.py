@@ -381,9 +381,10 @@ def _jsd_opcheck(backend):
     zs, zt, target = case.args
     opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
     yield custom_op("jsd_forward"), (zs, zt, target) + opts, None
-    _, stats = custom_op("jsd_forward")(zs, zt, target, *opts)
+    _, stats, config = custom_op("jsd_forward")(zs, zt, target, *opts)
     yield (custom_op("jsd_backward"),
-           (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach()) + opts, None)
+           (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach(), config) + opts[:-2] + (backend,),
+           None)
 
 
 JSD = OpSpec(
