@@ -592,11 +592,11 @@ def _lp_opcheck(backend):
     for entropy in (True, False):
         options = (0.7, entropy, None, -100, backend, 1 << 20)  # (LogProbOptions, backend, budget)
         yield custom_op("lp_forward"), (z, t) + options, None
-        logp, ent, lse = custom_op("lp_forward")(z, t, *options)
+        logp, ent, lse, tau, config = custom_op("lp_forward")(z, t, *options)
         grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
         for grad_logp in (torch.randn(logp.shape, device=DEVICE), None if entropy else logp.detach()):
             yield (custom_op("lp_backward"),
-                   (grad_logp, grad_ent, z.detach(), t, lse, ent.detach()) + options, None)
+                   (grad_logp, grad_ent, z.detach(), t, None, ent.detach(), lse, tau, config) + options[:-1], None)
 
 
 _LP_ALL = {"_ignore": 0.3, "temperature": 0.7, "entropy": True, "ignore_index": 5}
