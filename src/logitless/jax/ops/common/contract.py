@@ -100,11 +100,12 @@ def vh_shape(w_shape, weight_layout: str) -> tuple:
     return tuple(w_shape) if weight_layout == "vh" else tuple(w_shape)[::-1]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)
 def local_plan(backend, x2d_shape: tuple, w_shape: tuple, dtype, budget: int, weight_layout: str,
                has_bias: bool = False):
     """``backend.plan`` for per-device shapes (``w_shape`` (V, H)), made once per
     (backend, shapes, dtype, budget, layout, bias): the sharded paths' forward and backward
-    partitions, traced separately, share one Config."""
+    partitions, traced separately, share one Config (and a later call of the same shapes
+    takes it again: a Config is a function of these arguments only)."""
     return backend.plan(tuple(x2d_shape), tuple(w_shape), dtype, budget=budget, weight_layout=weight_layout,
                         has_bias=has_bias)
