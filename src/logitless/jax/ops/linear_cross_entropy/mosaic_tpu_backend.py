@@ -20,12 +20,12 @@ On a platform other than TPU the kernels run in Pallas' TPU interpret mode (CPU 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_tpu_lib as tl
+from logitless.jax.mosaic_tpu_lib import MosaicTpuConfig
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 
 #: The api passes (H, V) weights as they are, with weight_layout="hv".
@@ -118,21 +118,6 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, weig
     return dx, dw, db
 
 
-@dataclass(frozen=True)
-class MosaicTpuConfig:
-    """The "mosaic_tpu" backend's Config: the kernels' tiles (``mosaic_tpu_lib.choose_tiles``)
-    and the weight's layout."""
-
-    tiles: tl.Tiles
-    weight_layout: str = "vh"
-
-
-def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") -> MosaicTpuConfig:
-    """``MosaicTpuBackend.plan`` (shared with linear_log_probs' backend): ``w_shape`` (V, H)."""
-    n, h = x2d_shape
-    return MosaicTpuConfig(tl.choose_tiles(n, w_shape[0], h, jnp.dtype(dtype).itemsize, budget), weight_layout)
-
-
 class MosaicTpuBackend:
     """The "mosaic_tpu" backend (``contract.LceBackend``): no argmax."""
 
@@ -153,7 +138,7 @@ class MosaicTpuBackend:
 
     def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
              has_bias: bool = False) -> MosaicTpuConfig:
-        return plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+        return tl.plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
 
     def forward(self, x2d, w, bias, target, config: MosaicTpuConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

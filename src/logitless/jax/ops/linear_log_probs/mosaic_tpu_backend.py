@@ -21,7 +21,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_tpu_lib as tl
-from logitless.jax.ops.linear_cross_entropy.mosaic_tpu_backend import MosaicTpuConfig, plan_config
+from logitless.jax.mosaic_tpu_lib import MosaicTpuConfig
 from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.options import LogProbOptions
 
@@ -122,8 +122,8 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=No
 
 
 class MosaicTpuBackend:
-    """The "mosaic_tpu" backend (``contract.LlpBackend``); its Config is linear_cross_entropy's
-    (``MosaicTpuConfig``: the same tiles)."""
+    """The "mosaic_tpu" backend (``contract.LlpBackend``); its Config is
+    ``mosaic_tpu_lib.MosaicTpuConfig``, as linear_cross_entropy's."""
 
     name = "mosaic_tpu"
     native_hv = NATIVE_HV
@@ -139,7 +139,7 @@ class MosaicTpuBackend:
 
     def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
              has_bias: bool = False) -> MosaicTpuConfig:
-        return plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+        return tl.plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
 
     def forward(self, x2d, w, bias, tokens, config: MosaicTpuConfig, *, opts: LogProbOptions) -> LlpStats:
         return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout,
