@@ -5,6 +5,7 @@ compile path without a GPU."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -423,6 +424,13 @@ def compile_launches_through_jax_triton(monkeypatch, backend, kernel_modules, cc
     monkeypatch.setattr(backend, "_device_info", lambda: (cc, 108))
     monkeypatch.setattr(backend, "_launch", fake_launch)
     return shared, names
+
+
+def backend_module(op_module, name: str):
+    """The module of backend ``name`` of the op whose ``api`` or ``backends`` module is
+    ``op_module`` (``<op>/<name>_backend.py``: its kernel functions and the checks that
+    tests replace, e.g. ``is_supported``); the op's ``BACKENDS`` holds its class."""
+    return importlib.import_module(f"{op_module.__name__.rsplit('.', 1)[0]}.{name}_backend")
 
 
 def assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, triton_backend):

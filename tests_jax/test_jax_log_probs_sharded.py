@@ -359,10 +359,10 @@ def test_gpu_backend_per_shard(backend, layout, mesh_kind):
     partitioned here (CPU: its interpreter's host callbacks)."""
     from logitless.jax.ops.linear_log_probs import backends
 
-    module = backends.backend_module(backend)
-    if not getattr(module, "can_partition", lambda: False)():
+    impl = backends.BACKENDS[backend]
+    if not impl.can_partition():
         pytest.skip(f"{backend} cannot run partitioned here (needs its accelerator, not the interpreter)")
-    if not module.is_supported((64, 128), (1024, 128), jnp.bfloat16, softcap=None, has_bias=False):
+    if impl.unsupported((64, 128), (1024, 128), jnp.bfloat16, softcap=None, has_bias=False) is not None:
         pytest.skip(f"{backend} is not available here (the triton backend needs jax-triton on a GPU)")
     mesh = make_mesh(mesh_kind, layout)
     kw = dict(temperature=0.7, entropy=True, implementation=backend)
@@ -406,8 +406,8 @@ def test_shard_map_token_split_replicated_weight(implementation):
     primals (the backward once returned them per device: a custom_vjp type error)."""
     from logitless.jax.ops.linear_log_probs import backends
 
-    check = getattr(backends.backend_module(implementation), "is_supported", None)  # (xla: every case)
-    if check is not None and not check((8, 24), (268, 24), jnp.float32, softcap=None, has_bias=True):
+    if backends.BACKENDS[implementation].unsupported((8, 24), (268, 24), jnp.float32, softcap=None,
+                                                      has_bias=True) is not None:
         pytest.skip(f"{implementation} is not available here")
     mesh = jax.make_mesh((NDEV,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
     x, w, t, b = inputs(4 * NDEV, 24, 268, "float32", bias=True, ignore=(1,), seed=5)

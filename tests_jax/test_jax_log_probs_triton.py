@@ -20,6 +20,7 @@ from .helpers import (
     MAX_SHARED,
     assert_jit_matches_eager_and_repeats,
     assert_unsupported_without_jax_triton_on_a_gpu,
+    backend_module,
     check_log_probs,
     compile_launches_through_jax_triton,
     inputs,
@@ -200,7 +201,7 @@ def test_merge_splits_equals_one_pass():
 
 
 def test_float64_is_refused():
-    assert not api.backend_module("triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
+    assert not backend_module(api, "triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
                                                          has_bias=False)
     with pytest.raises(ValueError, match="triton.*float64|float64.*triton"):
         api.choose_backend("triton", (4, 8), (31, 8), jnp.float64, None, False)
@@ -219,7 +220,7 @@ def test_automatic_choice(monkeypatch):
         x, w, t, _ = inputs(4, 8, 31)
         np.testing.assert_array_equal(np.asarray(linear_log_probs(x, w, t)),
                                       np.asarray(linear_log_probs(x, w, t, implementation="xla")))
-    triton_mod = api.backend_module("triton")
+    triton_mod = backend_module(api, "triton")
     monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
     for sm90 in (False, True):  # A100, L4, RTX; H100 (mosaic_gpu is not automatic for this op)
         monkeypatch.setattr(backends, "_is_sm90", lambda: sm90)
@@ -230,7 +231,7 @@ def test_automatic_choice(monkeypatch):
 
 
 def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
-    triton_mod = api.backend_module("triton")
+    triton_mod = backend_module(api, "triton")
     assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, triton_mod)
     monkeypatch.setattr(triton_mod, "_platform", lambda: "cpu")
     monkeypatch.setattr(triton_mod, "_has_triton", lambda: False)

@@ -442,8 +442,8 @@ def test_shard_map_token_split_replicated_bias(implementation):
     outputs were typed invariant there, so db held this device's tokens only."""
     from logitless.jax.ops.linear_cross_entropy import backends
 
-    if not backends._supported(backends.backend_module(implementation), (8, 24), (268, 24), jnp.float32, None,
-                               True, need_argmax=False):
+    if backends.BACKENDS[implementation].unsupported((8, 24), (268, 24), jnp.float32, softcap=None,
+                                                      has_bias=True) is not None:
         pytest.skip(f"{implementation} is not available here")
     mesh = jax.make_mesh((NDEV,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
     x, w, t, b = inputs(4 * NDEV, 24, 268, "float32", bias=True, ignore=(1,), seed=4)

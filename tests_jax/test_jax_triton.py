@@ -17,6 +17,7 @@ from .helpers import (
     MAX_SHARED,
     assert_jit_matches_eager_and_repeats,
     assert_unsupported_without_jax_triton_on_a_gpu,
+    backend_module,
     check_linear_cross_entropy,
     compile_launches_through_jax_triton,
     inputs,
@@ -119,7 +120,7 @@ def test_tokamax_drop_in():
 
 
 def test_float64_is_refused():
-    assert not api.backend_module("triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
+    assert not backend_module(api, "triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
                                                          has_bias=False)
     with pytest.raises(ValueError, match="triton"):
         api.choose_backend("triton", (4, 8), (31, 8), jnp.float64, None, False)
@@ -129,7 +130,7 @@ def test_automatic_choice(monkeypatch):
     args = ((4, 8), (31, 8), jnp.bfloat16, None, False)
     if not ON_GPU:
         assert api.choose_backend(None, *args) == "xla"  # the interpreter is never automatic
-    triton_mod = api.backend_module("triton")
+    triton_mod = backend_module(api, "triton")
     monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
     monkeypatch.setattr(backends, "_is_sm90", lambda: False)
     monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: True)
@@ -140,7 +141,7 @@ def test_automatic_choice(monkeypatch):
 
 
 def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
-    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, api.backend_module("triton"))
+    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, backend_module(api, "triton"))
 
 
 def test_plan_memory_at_the_tokamax_shapes():
@@ -257,7 +258,7 @@ def test_a_jax_triton_that_fails_to_import_warns_once_and_the_choice_goes_on(mon
     (tmp_path / "jax_triton" / "__init__.py").write_text("raise AttributeError('no get_compute_capability')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
-    triton_mod = api.backend_module("triton")
+    triton_mod = backend_module(api, "triton")
     monkeypatch.setattr(rt, "platform", lambda: "gpu")
     monkeypatch.setattr(triton_mod, "_platform", lambda: "gpu")
     monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)

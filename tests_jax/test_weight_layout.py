@@ -26,7 +26,16 @@ from logitless.jax import linear_cross_entropy, linear_log_probs
 from logitless.jax.ops.linear_cross_entropy import backends as lce_backends
 from logitless.jax.ops.linear_log_probs import backends as llp_backends
 
-from .helpers import LAYOUTS, hlo_collectives, make_mesh, mosaic_platform, needs_devices, put, upstream
+from .helpers import (
+    LAYOUTS,
+    backend_module,
+    hlo_collectives,
+    make_mesh,
+    mosaic_platform,
+    needs_devices,
+    put,
+    upstream,
+)
 
 BACKENDS = ["xla", "triton", "mosaic_tpu", "mosaic_gpu"]
 #: Forces several vocabulary chunks (and row chunks) at the test shapes.
@@ -89,10 +98,10 @@ def _assert_same(name, hv, vh, dtype, transpose=False, ulps=8):
 def test_every_backend_takes_hv_natively(op, backend):
     backends = lce_backends if op == "linear_cross_entropy" else llp_backends
     try:
-        module = backends.backend_module(backend)
+        impl = backends.BACKENDS[backend]
     except ImportError as e:  # an optional dependency of the backend
         pytest.skip(f"{backend} does not import here: {e}")
-    assert getattr(module, "NATIVE_HV", False), f"{op}'s {backend} backend passes (H, V) weights as weight.T"
+    assert impl.native_hv, f"{op}'s {backend} backend passes (H, V) weights as weight.T"
 
 
 @pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_log_probs"])
@@ -102,7 +111,7 @@ def test_backend_receives_the_hv_array_itself(op, backend, monkeypatch):
     spy on the backend's forward and backward, eager and under jit)."""
     _skip_unavailable(backend)
     backends = lce_backends if op == "linear_cross_entropy" else llp_backends
-    module = backends.backend_module(backend)
+    module = backend_module(backends, backend)
     seen = []
     for fname in ("forward", "backward"):
         orig = getattr(module, fname)

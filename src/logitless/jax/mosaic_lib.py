@@ -589,17 +589,19 @@ def row_inputs(target, rows, n_pad):
 
 
 def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budget, epilogue, interpret=None,
-                     vary=None, layout="vh"):
+                     vary=None, layout="vh", chunk=None):
     """(dx fp32 (N8, H), dW in w.dtype and w's layout): d(logits) chunks from ``dz_call``
     feeding XLA GEMMs. x8 (N8, H) row-padded; w (Vw, H) for ``layout`` "vh" or (H, Vw)
     for "hv", columns >= v masked to zero; n the unpadded token count (sizes the chunk
     from ``budget``, see ``chunk_columns``). ``vary(dx, dw)``: the carries marked as
-    varying like the inputs (inside shard_map)."""
+    varying like the inputs (inside shard_map). ``chunk``: the columns per chunk as the
+    backend's plan made it (``backward_chunk``); None: from ``budget`` here."""
     _, h = x8.shape
     vaxis = w_axis(layout)
     vw = w.shape[vaxis]
     bv = cfg.block_v
-    chunk = backward_chunk(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, bv)
+    if chunk is None:
+        chunk = backward_chunk(n, vw, h, jnp.dtype(x8.dtype).itemsize, budget, bv)
     nfull = vw // chunk
     rem = vw - nfull * chunk
 

@@ -103,6 +103,21 @@ def choose_tiles(n: int, v: int, h: int, itemsize: int, budget: int | None) -> T
     return best[1] if best else Tiles(bn=n if n <= 8 else 8, bv=v if v <= 128 else 128)
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuConfig:
+    """The "mosaic_tpu" backends' Config (both ops): the kernels' tiles (``choose_tiles``)
+    and the weight's layout."""
+
+    tiles: Tiles
+    weight_layout: str = "vh"
+
+
+def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") -> MosaicTpuConfig:
+    """The backends' ``plan``: x2d (N, H), ``w_shape`` (V, H), from the budget."""
+    n, h = x2d_shape
+    return MosaicTpuConfig(choose_tiles(n, w_shape[0], h, jnp.dtype(dtype).itemsize, budget), weight_layout)
+
+
 def _z_dims(layout):
     # z = x @ w^T: w tile (bv, H) "vh" or (H, bv) "hv".
     return (((1,), (1,)), ((), ())) if layout == "vh" else (((1,), (0,)), ((), ()))

@@ -1,30 +1,22 @@
 """The automatic backend choice of the JAX ops, one policy for all of them.
 
 ``implementation=None``: on an NVIDIA GPU the first of "mosaic_gpu" (SM90 only) and
-"triton" that the op registers, that imports and whose ``is_supported`` accepts the
-case; on a TPU "mosaic_tpu" under the same conditions; otherwise, and on every other
-platform (CPU, ROCm), "xla". An explicit name
-is checked the same way and refused with a ValueError that says why.
+"triton" that the op's table lets the automatic choice pick, that imports and whose
+``unsupported`` accepts the case (``contract.Backend``); on a TPU "mosaic_tpu" under the
+same conditions; otherwise, and on every other platform (CPU, ROCm), "xla". An explicit
+name is checked the same way and refused with a ValueError that says why.
 """
 
 from __future__ import annotations
 
-import importlib
 import warnings
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 #: Accelerated backends in the order the automatic choice tries them.
 PREFERENCE = ("mosaic_gpu", "triton")
-
-
-def import_backend(backends: dict, name: str, package: str):
-    """The module of backend ``name``: ``backends`` maps names to module paths relative to
-    ``package`` (an op's package); ValueError naming the choices for any other name."""
-    if name not in backends:
-        raise ValueError(f"implementation must be None or one of {tuple(backends)}, got {name!r}")
-    return importlib.import_module(backends[name], package)
 
 
 def is_sm90() -> bool:
@@ -81,68 +73,52 @@ def check_mosaic_device(nvidia=is_nvidia_gpu, sm90=is_sm90) -> None:
                       "GPU's interpret mode on the CPU (very slow: tests only)", RuntimeWarning, stacklevel=4)
 
 
-def supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False,
-              need_argmax=False) -> bool:
-    """Whether a backend module takes the case (its optional ``is_supported``,
-    ``CLASS_WEIGHTS`` and ``ARGMAX`` attributes)."""
-    if has_class_weight and not getattr(module, "CLASS_WEIGHTS", False):
-        return False
-    if need_argmax and not getattr(module, "ARGMAX", False):
-        return False
-    check = getattr(module, "is_supported", None)
-    return True if check is None else bool(
-        check(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias))
+def unsupported(backend, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False,
+                need_argmax=False) -> Optional[str]:
+    """``backend.unsupported`` of the case: None when the backend takes it, else why not."""
+    return backend.unsupported(tuple(x2d_shape), tuple(w_shape), dtype, softcap=softcap, has_bias=has_bias,
+                               has_class_weight=bool(has_class_weight), need_argmax=bool(need_argmax))
 
 
-def choose(implementation, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias,
+def choose(implementation, table, automatic, x2d_shape, w_shape, dtype, softcap, has_bias,
            has_class_weight=None, *, need_argmax=False, nvidia=is_nvidia_gpu, sm90=is_sm90, tpu=None) -> str:
-    """The backend name (the module docstring's policy). ``backend_module(name)``
-    imports a backend of the op; ``registered``: its backend names;
+    """The backend name (the module docstring's policy). ``table``: the op's
+    ``BackendTable``; ``automatic``: the names the automatic choice may pick;
     ``has_class_weight``: None for ops without class weights (not in the error);
     ``need_argmax``: the automatic choice takes only backends that compute the argmax
-    (``ARGMAX``; return_stats);
-    ``nvidia``/``sm90``/``tpu``: the device predicates (callables; ``tpu`` None:
-    ``is_tpu``)."""
+    (return_stats); ``nvidia``/``sm90``/``tpu``: the device predicates (callables;
+    ``tpu`` None: ``is_tpu``)."""
     cw = bool(has_class_weight)
     if implementation == "mosaic_gpu":
         check_mosaic_device(nvidia, sm90)
     if implementation is not None:
-        module = backend_module(implementation)
-        if not supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax):
-            why = getattr(module, "why_unsupported", None)  # the constraint it breaks, where it says
-            why = why and why(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)
+        why = unsupported(table[implementation], x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax)
+        if why is not None:
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
                 f"{w_shape} (V, H), dtype {jnp.dtype(dtype).name}, softcap={softcap}, bias={has_bias}"
                 + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
-                + (f": {why}" if why else "")
-                + (f": {module.UNSUPPORTED_HINT}" if getattr(module, "UNSUPPORTED_HINT", None) else
-                   "; use implementation='xla'" if why else ""))
+                + (f": {why}" if why else ""))
         return implementation
     if (is_tpu if tpu is None else tpu)():
-        return _first_usable(("mosaic_tpu",), backend_module, registered, x2d_shape, w_shape, dtype, softcap,
+        return _first_usable(("mosaic_tpu",), table, automatic, x2d_shape, w_shape, dtype, softcap,
                              has_bias, cw, need_argmax)
     if not nvidia():
         return "xla"
-    return _first_usable([n for n in PREFERENCE if n != "mosaic_gpu" or sm90()], backend_module, registered,
+    return _first_usable([n for n in PREFERENCE if n != "mosaic_gpu" or sm90()], table, automatic,
                          x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax)
 
 
-def _first_usable(names, backend_module, registered, x2d_shape, w_shape, dtype, softcap, has_bias, cw,
+def _first_usable(names, table, automatic, x2d_shape, w_shape, dtype, softcap, has_bias, cw,
                   need_argmax=False) -> str:
-    """The first of ``names`` that the op registers, that imports and that supports the
-    case; else "xla"."""
+    """The first of ``names`` that the automatic choice may pick, that imports and that
+    supports the case; else "xla"."""
     for name in names:
-        if name not in registered:
+        if name not in automatic:
             continue
-        try:
-            module = backend_module(name)
-        except ImportError:
+        backend = table.usable(name, stacklevel=6)
+        if backend is None:
             continue
-        except Exception as exc:  # e.g. a jax without Mosaic GPU: say so, keep working
-            warnings.warn(f"logitless.jax: the {name} backend failed to import ({exc!r}); trying the next",
-                          RuntimeWarning, stacklevel=5)
-            continue
-        if supported(module, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax):
+        if unsupported(backend, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax) is None:
             return name
     return "xla"

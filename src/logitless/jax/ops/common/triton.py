@@ -110,9 +110,14 @@ def is_supported(dtype, on_platform: str, jax_triton_module=jax_triton, triton_i
 
 def plan(x2d, vocab: int, budget: int, interpreted: bool, gpu_info) -> TritonPlan:
     """``planning.triton_plan`` for (N, H) x2d; ``gpu_info()`` -> (cc, SMs) on GPUs."""
-    n, h = x2d.shape
+    return plan_for(x2d.shape, x2d.dtype, vocab, budget, interpreted, gpu_info)
+
+
+def plan_for(x2d_shape, dtype, vocab: int, budget: int, interpreted: bool, gpu_info) -> TritonPlan:
+    """``plan`` from x2d's shape (N, H) and dtype."""
+    n, h = x2d_shape
     cc, sms = (90, 132) if interpreted else gpu_info()
-    return triton_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget, interpret=interpreted,
+    return triton_plan(n, vocab, h, jnp.dtype(dtype).itemsize, budget, interpret=interpreted,
                        compute_capability=cc, num_sms=sms)
 
 

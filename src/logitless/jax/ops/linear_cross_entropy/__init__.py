@@ -1,76 +1,91 @@
 """Fused linear cross-entropy for JAX: api (public), reference (float64), one file per backend.
 
-Backend interface
-=================
-Every backend is a module ``logitless/jax/ops/linear_cross_entropy/<name>_backend.py``
-(``xla_backend.py``, ``mosaic_gpu_backend.py``, ``triton_backend.py``: the torch side's
-``<name>_backend.py`` naming) registered by name in ``backends.BACKENDS`` (module path + an
-``is_supported`` hook). The public function validates, flattens to 2-D, computes the
-loss from the statistics (``logitless/jax/formulas/cross_entropy.py``) and wraps everything in one
+Backend contract
+================
+Every backend is one class (``contract.LceBackend``, after the JAX ops' ``Backend``
+Protocol in ``logitless/jax/ops/common/contract.py``) in its module
+``logitless/jax/ops/linear_cross_entropy/<name>_backend.py`` (``XlaBackend``,
+``TritonBackend``, ``MosaicGpuBackend``, ``MosaicTpuBackend``: the torch side's naming),
+listed by name in one table, ``backends.BACKENDS`` (a ``BackendTable``: each made on
+first use, so an optional dependency is imported only when asked for). The public
+function validates, flattens to 2-D, computes the loss from the statistics
+(``logitless/jax/formulas/cross_entropy.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
-arguments after ``*`` are static Python values (hashable; the functions are traced
-under ``jax.jit`` and must not call ``jax.device_get`` or branch on array values).
+arguments after ``*`` and the Config are static Python values (hashable; the methods
+are traced under ``jax.jit`` and must not call ``jax.device_get`` or branch on array
+values).
 
-``forward(x2d, w, bias, target, *, softcap, need_smooth, budget, weight_layout="vh")``
-``-> (lse, target_logit, smooth_sum)``
+``unsupported(x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight, need_argmax)``
+``-> None | str``
+    None when the backend runs the case (``w_shape`` is (V, H) whatever the layout);
+    else the reason: ``implementation=None`` skips the backend, an explicit
+    ``implementation="<name>"`` raises ValueError with the reason appended.
+
+``plan(x2d_shape, w_shape, dtype, *, budget, weight_layout, has_bias) -> Config``
+    the call's frozen Config (``XlaConfig``: the logits tile; ``TritonConfig``: the
+    launch plan; ``MosaicGpuConfig``: tiles and the backward's chunk;
+    ``MosaicTpuConfig``: tiles; each with the weight's layout): the only place where
+    heuristics decide. The api makes it once per call, a static argument of the
+    custom_vjp, and the forward and the backward take it; per device (sharded jit)
+    ``common.contract.local_plan`` makes it once per shapes.
+
+``forward(x2d, w, bias, target, config, *, softcap, need_smooth, class_weight=None,``
+``need_argmax=False) -> LceStats(lse, target_logit, smooth_sum, best, argmax)``
     x2d:     (N, H) bf16/f16/f32, N >= 1
-    w:       (V, H), same dtype as x2d; (H, V) with ``weight_layout="hv"`` (see
-             ``NATIVE_HV`` below)
+    w:       (V, H), same dtype as x2d; (H, V) when the Config's weight_layout is "hv"
+             (``native_hv``, below)
     bias:    (V,) same dtype as w, or None
     target:  (N,) int32; ignored or out-of-range targets may hold any value: the
              backend must not fail on them (target_logit there may be anything finite
              or not; the api masks it)
     softcap: float or None; z = s * tanh(logit / s) when set, logit = x @ w.T + bias
     need_smooth: bool; whether smooth_sum is wanted (label smoothing)
-    budget:  int, bytes of temporaries the backend may use (chunk sizing)
     returns, each (N,) float32:
         lse          = log sum_c exp(z_c)              (over exactly V columns)
         target_logit = z_t                              (z at the target column)
         smooth_sum   = sum_c z_c, or None when not need_smooth
 
-``backward(x2d, w, bias, target, lse, coef, *, softcap, budget, weight_layout="vh") -> (dx, dw, db)``
+``backward(LceResiduals(x2d, w, bias, target, class_weight, lse), coef, config, *, softcap)``
+``-> LceGrads(dx, dw, db)``
     lse:  (N,) f32 from forward; coef: (3, N) f32 rows [A, B, C] from
     ``formulas.cross_entropy.grad_coefficients`` (zero rows at ignored tokens, NaN rows at
     out-of-range targets). With p_c = exp(z_c - lse):
         dz_c = p_c * A - B * [c == t] - C,   times (1 - (z_c / s)**2) with a softcap
         dx = dz @ w (N, H) in x2d.dtype;  dw = dz.T @ x2d (V, H) in w.dtype
-        ((H, V) = x2d.T @ dz for ``weight_layout="hv"``: dw always has w's layout);
+        ((H, V) = x2d.T @ dz for weight_layout "hv": dw always has w's layout);
         db = sum_n dz (V,) in bias.dtype, or None when bias is None.
     Accumulate in fp32 and cast once.
 
-``CLASS_WEIGHTS = True`` (optional module constant): forward and backward also accept
-a keyword ``class_weight=`` (a (V,) fp32 array w_c; the api passes it only when the
-user gave class weights). Then smooth_sum = sum_c w_c z_c, and the backward's line is
-dz_c = p_c * A - B * [c == t] - C * w_c (``formulas/cross_entropy.py``: A and B carry w_t). Without
-the constant the backend never sees class weights: the automatic choice skips it and
-an explicit choice raises ValueError. (xla and triton have it; mosaic_gpu not.)
+``class_weights`` (class attribute): forward and backward also take ``class_weight`` (a
+(V,) fp32 array w_c; None without class weights). Then smooth_sum = sum_c w_c z_c, and
+the backward's line is dz_c = p_c * A - B * [c == t] - C * w_c (``formulas/cross_entropy.py``:
+A and B carry w_t). Without it ``unsupported`` refuses class weights: the automatic
+choice skips the backend and an explicit choice raises ValueError. (xla, triton and
+mosaic_tpu have it; mosaic_gpu not.)
 
-``ARGMAX = True`` (optional module constant): forward also accepts ``need_argmax=True``
-(the api passes it only for ``return_stats``) and then returns two more (N,) arrays,
-``(lse, target_logit, smooth_sum, best, argmax)``: best = max_c z_c (float32) and argmax
-= the first c where z_c is that maximum (int32, local column ids; ties: the lowest id,
-as ``jnp.argmax``), from the same pass over the columns. Without the constant the
-automatic choice skips the backend when ``return_stats=True``; an explicit choice runs
-it and ``LossStats.argmax`` is None. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
+``argmax`` (class attribute): forward takes ``need_argmax=True`` (the api passes it only
+for ``return_stats``) and then also fills best = max_c z_c (float32) and argmax = the
+first c where z_c is that maximum (int32, local column ids; ties: the lowest id, as
+``jnp.argmax``), from the same pass over the columns. Without it the automatic choice
+skips the backend when ``return_stats=True``; an explicit choice runs it and
+``LossStats.argmax`` is None. (xla and triton have it; mosaic_gpu and mosaic_tpu not: their
 kernels keep no running argmax.) Under vocabulary sharding the api merges the
 devices' (best, argmax) pairs: the first device holding the largest maximum.
 
-``NATIVE_HV = True`` (module constant): forward and backward also accept a keyword
-``weight_layout="hv"`` with w of shape (H, V), the caller's flax-style kernel as it is,
-read in place (no transposed copy in the backend either: XLA dot_general dimensions,
-Triton strides, Mosaic TMA/WGMMA tiles, Mosaic TPU blocks), and return dw (H, V). Every
-backend here has it (xla, triton, mosaic_gpu, mosaic_tpu; the same contract for
-linear_log_probs' backends), so no call transposes the weight under jit, grad, vmap or
-sharding (``tests_jax/test_weight_layout.py``). A backend without it would get
-``weight.T`` from the api (a copy) with its gradient flowing back through the transpose.
+``native_hv`` (class attribute): the backend reads an (H, V) weight, the caller's
+flax-style kernel, in place when its Config's weight_layout is "hv" (no transposed copy
+in the backend either: XLA dot_general dimensions, Triton strides, Mosaic TMA/WGMMA
+tiles, Mosaic TPU blocks), and returns dw (H, V). Every backend here has it (the same
+contract for linear_log_probs' backends), so no call transposes the weight under jit,
+grad, vmap or sharding (``tests_jax/test_weight_layout.py``). A backend without it would
+get ``weight.T`` from the api (a copy) with its gradient flowing back through the transpose.
 
-``is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool`` (optional
-module-level function): False makes ``implementation=None`` fall back to "xla"; an
-explicit ``implementation="<name>"`` on an unsupported case raises ValueError.
+``can_partition() -> bool``: False keeps the backend out of the sharded jit path
+(``custom_partitioning``); the program then runs unpartitioned (XLA gathers). Only for
+test modes such as Mosaic GPU's interpreter.
 
-``can_partition() -> bool`` (optional): False keeps the backend out of the sharded jit
-path (``custom_partitioning``); the program then runs unpartitioned (XLA gathers).
-Only for test modes such as Mosaic GPU's interpreter.
+The modules keep their kernel-level functions (``forward``/``backward`` with explicit
+tiles, ``is_supported``, ``why_unsupported``): the classes call them with their Config.
 
 Sharding (``sharded.py``): a backend is called per device on its shard, with the
 per-device shapes, and must not know about meshes: the api shifts the targets by the
@@ -81,8 +96,8 @@ gradients with collectives. Loop carries that start as constants must be typed l
 the inputs inside ``jax.shard_map`` (``sharded.to_varying(c, axes)``, see xla_backend.py).
 
 Automatic choice (``implementation=None``), on an NVIDIA GPU: "mosaic_gpu" when its
-compute capability is 9.x, the module imports and ``is_supported`` says yes; else
-"triton" when it imports and ``is_supported`` says yes (which needs the optional
+compute capability is 9.x, the module imports and ``unsupported`` says None; else
+"triton" when it imports and ``unsupported`` says None (which needs the optional
 ``jax-triton`` package); on a TPU, "mosaic_tpu" (Pallas TPU kernels; selectable by
 name elsewhere, where they run in Pallas' TPU interpret mode); otherwise "xla".
 """

@@ -10,7 +10,7 @@ target)`` (with ignore_index, label smoothing and z-loss as the PyTorch op) with
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +19,8 @@ from jax import lax
 from logitless.jax.formulas import cross_entropy as lm
 from logitless.jax.ops.common.validate import check_float, check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
-from logitless.jax.ops.linear_cross_entropy.backends import (  # noqa: F401 (re-exported)
-    BACKENDS,
-    _supported,
-    backend_module,
-    choose_backend,
-)
+from logitless.jax.ops.linear_cross_entropy.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
+from logitless.jax.ops.linear_cross_entropy.contract import LceResiduals
 from logitless.jax.sharding import fit_cotangent
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
@@ -33,14 +29,15 @@ class _Config(NamedTuple):
     """Static (hashable) arguments of the custom_vjp."""
 
     opts: CrossEntropyOptions
-    backend: str
+    backend: str  # its name in BACKENDS
     budget: int
     num_classes: int  # global V (the local V times the vocab axes' size inside shard_map)
-    layout_kw: tuple  # (("weight_layout", "hv"),) for backends that take (H, V) natively
+    weight_layout: str = "vh"  # the weight's layout as the backend gets it ("hv": (H, V) natively)
     token_axes: tuple = ()  # shard_map: mesh axes splitting the tokens (token_axis_name)
     vocab_axes: tuple = ()  # shard_map: mesh axes splitting the vocabulary (vocab_axis_name)
     partition: bool = False  # jit on several devices: custom_partitioning per device
     argmax: bool = False  # return_stats: the statistics also give each token's argmax
+    plan: Any = None  # the backend's Config for this call (None when partitioned: made per device)
 
     @property
     def manual(self) -> bool:
@@ -48,12 +45,7 @@ class _Config(NamedTuple):
 
     def static(self, has_bias: bool) -> sharded._Static:
         return sharded._Static(self.backend, self.opts.softcap, self.opts.needs_smooth_sum, self.budget,
-                               self.layout_kw, has_bias, self.argmax)
-
-
-def _cw_kw(class_weight) -> dict:
-    """Backends see ``class_weight=`` only when there are class weights."""
-    return {} if class_weight is None else {"class_weight": class_weight}
+                               self.weight_layout, has_bias, self.argmax)
 
 
 def _total(a, cfg: _Config):
@@ -74,20 +66,18 @@ def _stats(x2d, w, bias, target, class_weight, cfg: _Config):
     opts = cfg.opts
     if cfg.manual:
         args = [sharded.to_varying(a, cfg.token_axes) for a in (x2d, target)]
-        out = sharded.local_forward(backend_module(cfg.backend), args[0], w, bias, args[1], softcap=opts.softcap,
-                                    need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                    layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
-                                    vocab_axes=cfg.vocab_axes, need_argmax=cfg.argmax)
+        out = sharded.local_forward(BACKENDS[cfg.backend], args[0], w, bias, args[1], cfg.plan, softcap=opts.softcap,
+                                    need_smooth=opts.needs_smooth_sum, vocab_axes=cfg.vocab_axes,
+                                    class_weight=class_weight, need_argmax=cfg.argmax)
     elif cfg.partition:
         fn = sharded.forward_fn(cfg.static(bias is not None))
         out = fn(*[a for a in (x2d, w, bias, target) if a is not None])
         if not opts.needs_smooth_sum:
             out = (out[0], out[1], None, *out[2:])
     else:
-        kw = {"need_argmax": True} if cfg.argmax else {}
-        out = backend_module(cfg.backend).forward(x2d, w, bias, target, softcap=opts.softcap,
-                                                  need_smooth=opts.needs_smooth_sum, budget=cfg.budget,
-                                                  **dict(cfg.layout_kw), **_cw_kw(class_weight), **kw)
+        out = BACKENDS[cfg.backend].forward(x2d, w, bias, target, cfg.plan, softcap=opts.softcap,
+                                            need_smooth=opts.needs_smooth_sum, class_weight=class_weight,
+                                            need_argmax=cfg.argmax)
     lse, zt, ss = out[:3]
     return lse, zt, ss, (out[4] if cfg.argmax else None)
 
@@ -111,10 +101,10 @@ def _lce(x2d, w, bias, target, class_weight, cfg: _Config):
 
 def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
     out = _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
-    return out, (x2d, w, bias, target, class_weight, out[1])
+    return out, LceResiduals(x2d, w, bias, target, class_weight, out[1])
 
 
-def _lce_bwd(cfg, res, cotangents):
+def _lce_bwd(cfg, res: LceResiduals, cotangents):
     x2d, w, bias, target, class_weight, lse = res
     g_loss, g_lse = cotangents[:2]  # (the argmax, an integer output, has no cotangent to use)
     opts = cfg.opts
@@ -127,19 +117,17 @@ def _lce_bwd(cfg, res, cotangents):
     if g_lse is not None and not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
         # stats.lse is differentiable: d lse / d z_c = p_c, the A term, at every token.
         coef = coef.at[0].add(jnp.asarray(g_lse, jnp.float32))
-    module = backend_module(cfg.backend)
+    backend = BACKENDS[cfg.backend]
     if cfg.manual:
         dx, dw, db = sharded.local_backward(
-            module, sharded.to_varying(x2d, cfg.token_axes), w, bias, target, lse, coef, softcap=opts.softcap,
-            budget=cfg.budget, layout_kw=cfg.layout_kw + tuple(_cw_kw(class_weight).items()),
-            vocab_axes=cfg.vocab_axes, token_axes=())
+            backend, res._replace(x2d=sharded.to_varying(x2d, cfg.token_axes)), coef, cfg.plan,
+            softcap=opts.softcap, vocab_axes=cfg.vocab_axes, token_axes=())
     elif cfg.partition:
         fn = sharded.backward_fn(cfg.static(bias is not None))
         out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None])
         dx, dw, db = out if len(out) == 3 else (*out, None)
     else:
-        dx, dw, db = module.backward(x2d, w, bias, target, lse, coef, softcap=opts.softcap, budget=cfg.budget,
-                                     **dict(cfg.layout_kw), **_cw_kw(class_weight))
+        dx, dw, db = backend.backward(res, coef, cfg.plan, softcap=opts.softcap)
     # Inside shard_map (also without axis names): each cotangent typed as its primal.
     # class_weight receives no gradient (as torch's weight=).
     return (fit_cotangent(dx, x2d), fit_cotangent(dw, w), fit_cotangent(db, bias), None,
@@ -325,17 +313,20 @@ def linear_cross_entropy(
         backend = choose_backend(implementation, x2d.shape, (local_classes, hidden), x2d.dtype,
                                  opts.softcap, bias is not None, class_weight is not None,
                                  need_argmax=return_stats and implementation is None)
-        w, layout_kw = weight, ()
+        impl = BACKENDS[backend]
+        w, layout = weight, "vh"
         if weight_layout == "hv":
-            if getattr(backend_module(backend), "NATIVE_HV", False):
-                layout_kw = (("weight_layout", "hv"),)
+            if impl.native_hv:
+                layout = "hv"
             else:
                 w = weight.T  # (V, H) for the backend; the gradient flows back through .T
         manual = bool(token_axes or vocab_axes)
-        partition = (not manual and class_weight is None and sharded.use_partitioning()
-                     and getattr(backend_module(backend), "can_partition", lambda: True)())
-        cfg = _Config(opts, backend, budget, num_classes, layout_kw, token_axes, vocab_axes, partition=partition,
-                      argmax=bool(return_stats) and getattr(backend_module(backend), "ARGMAX", False))
+        partition = (not manual and class_weight is None and sharded.use_partitioning() and impl.can_partition())
+        # The call's one plan (the backward takes it too); per device when partitioned.
+        plan = None if partition else impl.plan(tuple(x2d.shape), (local_classes, hidden), jnp.dtype(x2d.dtype),
+                                                budget=budget, weight_layout=layout)
+        cfg = _Config(opts, backend, budget, num_classes, layout, token_axes, vocab_axes, partition=partition,
+                      argmax=bool(return_stats) and impl.argmax, plan=plan)
         loss, lse, *argmax = _lce(x2d, w, bias, flat_target, class_weight, cfg)
         argmax = argmax[0] if argmax else None
 

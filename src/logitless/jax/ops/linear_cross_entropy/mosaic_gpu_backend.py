@@ -52,14 +52,19 @@ The ring, the main loop and both kernel shapes live in ``logitless.jax.mosaic_li
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas.cross_entropy import merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
-from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
+from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
+from logitless.jax.sharding import to_varying, varying
 
-__all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk"]
+__all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk", "MosaicGpuBackend",
+           "MosaicGpuConfig"]
 
 #: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
 NATIVE_HV = True
@@ -238,8 +243,9 @@ def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdC
 
 
 def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, config: FwdConfig | None = None,
-             weight_layout: str = "vh"):
-    """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs; dw in w's layout."""
+             weight_layout: str = "vh", chunk: Optional[int] = None):
+    """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs; dw in w's layout.
+    ``chunk``: the columns per chunk (``MosaicGpuBackend.plan``'s); None: from ``budget``."""
     _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
     v = _vh_shape(w, weight_layout)[0]
@@ -260,7 +266,62 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
         return to_varying(dx, axes), to_varying(dw, axes)
 
     dx, dw = ml.chunked_backward(x8, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(softcap),
-                                 interpret=_interpret_params(), vary=vary, layout=weight_layout)
+                                 interpret=_interpret_params(), vary=vary, layout=weight_layout, chunk=chunk)
     if wk is not w:
         dw = dw[:, :v]
     return dx[:n].astype(x2d.dtype), dw, None
+
+
+@dataclass(frozen=True)
+class MosaicGpuConfig:
+    """The "mosaic_gpu" backend's Config: the kernels' tiles (``mosaic_lib.default_config``),
+    the backward's columns per chunk (``mosaic_lib.backward_chunk``, from the budget) and
+    the weight's layout."""
+
+    tiles: FwdConfig
+    chunk: int
+    weight_layout: str = "vh"
+
+
+def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") -> MosaicGpuConfig:
+    """``MosaicGpuBackend.plan`` (shared with linear_log_probs' backend): ``w_shape`` (V, H)."""
+    n, h = x2d_shape
+    v = w_shape[0]
+    tiles = _default_config(n, v, h)
+    vw = v if weight_layout == "vh" else ml.hv_columns(v)  # the (H, V) weight's padded columns
+    chunk = ml.backward_chunk(n, vw, h, jnp.dtype(dtype).itemsize, budget, tiles.block_v)
+    return MosaicGpuConfig(tiles, chunk, weight_layout)
+
+
+class MosaicGpuBackend:
+    """The "mosaic_gpu" backend (``contract.LceBackend``): SM90; no bias, class weights or argmax."""
+
+    name = "mosaic_gpu"
+    native_hv = NATIVE_HV
+    class_weights = False
+    argmax = False
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        # (the module's is_supported and why_unsupported, looked up per call)
+        if ((has_class_weight and not self.class_weights) or (need_argmax and not self.argmax)
+                or not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)):
+            why = why_unsupported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)
+            return f"{why}; use implementation='xla'" if why else ""
+        return None
+
+    def can_partition(self) -> bool:
+        return can_partition()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> MosaicGpuConfig:
+        return plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+
+    def forward(self, x2d, w, bias, target, config: MosaicGpuConfig, *, softcap, need_smooth, class_weight=None,
+                need_argmax=False) -> LceStats:
+        return LceStats(*forward(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
+                                 config=config.tiles, weight_layout=config.weight_layout))
+
+    def backward(self, res: LceResiduals, coef, config: MosaicGpuConfig, *, softcap) -> LceGrads:
+        return LceGrads(*backward(res.x2d, res.w, res.bias, res.target, res.lse, coef, softcap=softcap,
+                                  config=config.tiles, weight_layout=config.weight_layout, chunk=config.chunk))

@@ -20,9 +20,13 @@ On a platform other than TPU the kernels run in Pallas' TPU interpret mode (CPU 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_tpu_lib as tl
+from logitless.jax.mosaic_tpu_lib import MosaicTpuConfig
+from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 
 #: The api passes (H, V) weights as they are, with weight_layout="hv".
 NATIVE_HV = True
@@ -56,8 +60,9 @@ def _tiles(x2d, w, weight_layout, budget):
 
 
 def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=None, weight_layout="vh",
-            class_weight=None):
-    """(lse, target_logit, smooth_sum|None), each (N,) float32."""
+            class_weight=None, tiles: Optional[tl.Tiles] = None):
+    """(lse, target_logit, smooth_sum|None), each (N,) float32. ``tiles``: the kernels'
+    tiles (``MosaicTpuBackend.plan``'s); None: chosen here from ``budget``."""
     cw = class_weight if need_smooth else None
 
     def fold(z, hit, valid, cwt, stats):
@@ -81,7 +86,8 @@ def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=Non
         return jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l), zt, ss
 
     lse, zt, ss = tl.stats_call(x2d, w, bias, cw, target, layout=weight_layout,
-                                tiles=_tiles(x2d, w, weight_layout, budget), n_stats=4,
+                                tiles=_tiles(x2d, w, weight_layout, budget) if tiles is None else tiles,
+                                n_stats=4,
                                 init=(-jnp.inf, 0.0, 0.0, 0.0), fold=fold, finish=finish, n_out=3)
     return lse, zt, (ss if need_smooth else None)
 
@@ -101,11 +107,45 @@ def _epilogue(softcap):
 
 
 def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, weight_layout="vh",
-             class_weight=None):
-    """(dx, dw, db): dx (N, H) in x2d.dtype, dw in w's layout and dtype, db or None."""
+             class_weight=None, tiles: Optional[tl.Tiles] = None):
+    """(dx, dw, db): dx (N, H) in x2d.dtype, dw in w's layout and dtype, db or None;
+    ``tiles`` as for ``forward``."""
     rowdat = jnp.concatenate([lse[None].astype(_F32), coef.astype(_F32)], axis=0).T  # (N, 4)
-    tiles = _tiles(x2d, w, weight_layout, budget)
+    tiles = _tiles(x2d, w, weight_layout, budget) if tiles is None else tiles
     kw = dict(layout=weight_layout, tiles=tiles, epilogue=_epilogue(softcap))
     dx = tl.dx_call(x2d, w, bias, class_weight, target, rowdat, **kw)
     dw, db = tl.dw_call(x2d, w, bias, class_weight, target, rowdat, **kw)
     return dx, dw, db
+
+
+class MosaicTpuBackend:
+    """The "mosaic_tpu" backend (``contract.LceBackend``): no argmax."""
+
+    name = "mosaic_tpu"
+    native_hv = NATIVE_HV
+    class_weights = CLASS_WEIGHTS
+    argmax = False
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        if (need_argmax and not self.argmax) or not is_supported(x2d_shape, w_shape, dtype, softcap=softcap,
+                                                                  has_bias=has_bias):
+            return UNSUPPORTED_HINT
+        return None
+
+    def can_partition(self) -> bool:
+        return can_partition()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> MosaicTpuConfig:
+        return tl.plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+
+    def forward(self, x2d, w, bias, target, config: MosaicTpuConfig, *, softcap, need_smooth, class_weight=None,
+                need_argmax=False) -> LceStats:
+        return LceStats(*forward(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
+                                 weight_layout=config.weight_layout, class_weight=class_weight, tiles=config.tiles))
+
+    def backward(self, res: LceResiduals, coef, config: MosaicTpuConfig, *, softcap) -> LceGrads:
+        return LceGrads(*backward(res.x2d, res.w, res.bias, res.target, res.lse, coef, softcap=softcap,
+                                  weight_layout=config.weight_layout, class_weight=res.class_weight,
+                                  tiles=config.tiles))

@@ -49,7 +49,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from logitless.jax.ops.common import choice
+from logitless.jax.ops.common.contract import local_plan, vh_shape
 from logitless.jax.ops.linear_cross_entropy import backends
+from logitless.jax.ops.linear_cross_entropy.contract import LceResiduals
 from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends and the api use them)
     Axes,
     as_axes,
@@ -70,17 +73,19 @@ from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends an
 )
 
 
-def local_forward(module, x2d, w, bias, target, *, softcap, need_smooth, budget, layout_kw, vocab_axes,
+def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth, vocab_axes, class_weight=None,
                   need_argmax=False):
     """Global statistics (lse, z_t, S|None) of this device's tokens, and with
     ``need_argmax`` (row maximum, first index of it) as well; the local columns are
-    reduced by ``module.forward`` and merged over ``vocab_axes`` (O(tokens) collectives;
-    the argmax: one more MAX and a MIN over the devices holding the maximum)."""
-    vaxis = 1 if dict(layout_kw).get("weight_layout") == "hv" else 0
+    reduced by ``backend.forward`` under ``config`` (its Config for these shapes) and
+    merged over ``vocab_axes`` (O(tokens) collectives; the argmax: one more MAX and a MIN
+    over the devices holding the maximum)."""
+    vaxis = _w_axis(config)
     t, in_range = local_targets(target, vocab_axes, w.shape[vaxis])
-    kw = dict(layout_kw, need_argmax=True) if need_argmax else dict(layout_kw)
-    lse, zt, ss, *arg = module.forward(x2d, w, bias, t, softcap=softcap, need_smooth=need_smooth, budget=budget,
-                                       **kw)
+    st = backend.forward(x2d, w, bias, t, config, softcap=softcap, need_smooth=need_smooth,
+                         class_weight=class_weight, need_argmax=need_argmax)
+    lse, zt, ss = st.lse, st.target_logit, st.smooth_sum
+    arg = (st.best, st.argmax) if need_argmax else ()
     if not vocab_axes:
         return (lse, zt, ss, *arg)
     zt = jnp.where(in_range, zt, 0.0)
@@ -96,16 +101,20 @@ def local_forward(module, x2d, w, bias, target, *, softcap, need_smooth, budget,
     return out
 
 
-def local_backward(module, x2d, w, bias, target, lse, coef, *, softcap, budget, layout_kw, vocab_axes,
-                   token_axes):
-    """(dx, dW_l, db_l): dx summed over ``vocab_axes``, dW and db over ``token_axes``."""
-    vaxis = 1 if dict(layout_kw).get("weight_layout") == "hv" else 0
-    t, _ = local_targets(target, vocab_axes, w.shape[vaxis])
-    dx, dw, db = module.backward(x2d, w, bias, t, lse, coef, softcap=softcap, budget=budget, **dict(layout_kw))
+def local_backward(backend, res: LceResiduals, coef, config, *, softcap, vocab_axes, token_axes):
+    """(dx, dW_l, db_l) by ``backend.backward`` under the forward's ``config``: dx summed
+    over ``vocab_axes``, dW and db over ``token_axes``; ``res.target`` holds global ids."""
+    t, _ = local_targets(res.target, vocab_axes, res.w.shape[_w_axis(config)])
+    dx, dw, db = backend.backward(res._replace(target=t), coef, config, softcap=softcap)
     if vocab_axes:
         dx = lax.psum(dx, vocab_axes)
     dw, db = reduce_weight_grads(dw, db, token_axes)
     return dx, dw, db
+
+
+def _w_axis(config) -> int:
+    """The vocabulary axis of the weight under a backend's ``config``."""
+    return 1 if config.weight_layout == "hv" else 0
 
 
 # ------------------------------------------------------------------------------------
@@ -118,23 +127,25 @@ class _Static(NamedTuple):
     softcap: object
     need_smooth: bool
     budget: int
-    layout_kw: tuple
+    weight_layout: str
     has_bias: bool
     need_argmax: bool = False
 
 
-def _local_module(static: _Static, x_shape, w_shape, dtype):
-    """The backend for these per-device shapes: the chosen one if it supports them, else xla."""
-    module = backends.backend_module(static.backend)
-    vh = w_shape if dict(static.layout_kw).get("weight_layout") != "hv" else w_shape[::-1]
-    if backends._supported(module, tuple(x_shape), tuple(vh), dtype, static.softcap, static.has_bias,
-                           need_argmax=static.need_argmax):
-        return module
-    return backends.backend_module("xla")
+def _local_backend(static: _Static, x_shape, w_shape, dtype):
+    """(backend, Config) for these per-device shapes: the chosen backend if it supports
+    them, else xla; the Config made once per shapes (``contract.local_plan``), so the
+    forward's and the backward's partitions share it."""
+    vh = vh_shape(w_shape, static.weight_layout)
+    backend = backends.BACKENDS[static.backend]
+    if choice.unsupported(backend, tuple(x_shape), vh, dtype, static.softcap, static.has_bias,
+                          need_argmax=static.need_argmax) is not None:
+        backend = backends.BACKENDS["xla"]
+    return backend, local_plan(backend, tuple(x_shape), vh, jnp.dtype(dtype), static.budget, static.weight_layout)
 
 
 def _vaxis(static: _Static) -> int:
-    return 1 if dict(static.layout_kw).get("weight_layout") == "hv" else 0
+    return 1 if static.weight_layout == "hv" else 0
 
 
 @functools.cache
@@ -147,10 +158,9 @@ def forward_fn(static: _Static):
             x2d, w, bias, target = args
         else:
             (x2d, w, target), bias = args, None
-        module = _local_module(static, x2d.shape, w.shape, x2d.dtype)
-        out = local_forward(module, x2d, w, bias, target, softcap=static.softcap, need_smooth=static.need_smooth,
-                            budget=static.budget, layout_kw=static.layout_kw, vocab_axes=axes.vocab,
-                            need_argmax=static.need_argmax)
+        backend, config = _local_backend(static, x2d.shape, w.shape, x2d.dtype)
+        out = local_forward(backend, x2d, w, bias, target, config, softcap=static.softcap,
+                            need_smooth=static.need_smooth, vocab_axes=axes.vocab, need_argmax=static.need_argmax)
         return tuple(out[:nout]) + tuple(out[3:])
 
     kinds = ("x", "w") + (("b",) if static.has_bias else ()) + ("n",)
@@ -167,10 +177,9 @@ def backward_fn(static: _Static):
             x2d, w, bias, target, lse, coef = args
         else:
             (x2d, w, target, lse, coef), bias = args, None
-        module = _local_module(static, x2d.shape, w.shape, x2d.dtype)
-        dx, dw, db = local_backward(module, x2d, w, bias, target, lse, coef, softcap=static.softcap,
-                                    budget=static.budget, layout_kw=static.layout_kw, vocab_axes=axes.vocab,
-                                    token_axes=())
+        backend, config = _local_backend(static, x2d.shape, w.shape, x2d.dtype)
+        dx, dw, db = local_backward(backend, LceResiduals(x2d, w, bias, target, None, lse), coef, config,
+                                    softcap=static.softcap, vocab_axes=axes.vocab, token_axes=())
         dw, db = reduce_weight_grads(dw, db, axes.token, scatter)
         return (dx, dw, db) if static.has_bias else (dx, dw)
 

@@ -40,6 +40,7 @@ batching rule exists for triton_call or the callback).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -53,8 +54,9 @@ from logitless.jax.ops.common.triton import has_triton as _has_triton
 from logitless.jax.ops.common.triton import interpret as _interpret
 from logitless.jax.ops.common.triton import jax_triton as _jax_triton
 from logitless.jax.ops.common.triton import platform as _platform
-from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
+from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.planning import TritonPlan
+from logitless.jax.sharding import to_varying, varying
 
 _F32 = jnp.float32
 #: The api passes (H, V) weights as they are (the kernels take any strides).
@@ -124,21 +126,23 @@ def _operands(x2d, w, bias, class_weight):
 _sequential_under_vmap = rt.sequential_under_vmap
 
 
-def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
-            weight_layout: str = "vh", class_weight=None, need_argmax: bool = False):
+def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: Optional[int] = None,
+            weight_layout: str = "vh", class_weight=None, need_argmax: bool = False,
+            plan: Optional[TritonPlan] = None):
     """The interface's forward (``weight_layout="hv"``: w is (H, V), no copy;
     ``class_weight``: (V,) weights, smooth_sum = sum_c w_c z_c; ``need_argmax``: also
-    the row maximum and its first index, merged over the splits as the PyTorch op)."""
+    the row maximum and its first index, merged over the splits as the PyTorch op).
+    ``plan``: the launch plan (``TritonBackend.plan``'s); None: planned here from ``budget``."""
     run = functools.partial(_forward, softcap=softcap, need_smooth=need_smooth, budget=budget,
-                            weight_layout=weight_layout, need_argmax=need_argmax)
+                            weight_layout=weight_layout, need_argmax=need_argmax, plan=plan)
     return _sequential_under_vmap(run)(x2d, w, bias, target, class_weight)
 
 
 def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget, weight_layout,
-             need_argmax=False):
+             need_argmax=False, plan=None):
     n = x2d.shape[0]
     vocab = w.shape[0] if weight_layout == "vh" else w.shape[1]
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     splits = plan.vocab_splits
     vocab_blocks = -(-vocab // plan.block_v)
     blocks_per_split = -(-vocab_blocks // splits)
@@ -170,18 +174,18 @@ def _forward(x2d, w, bias, target, class_weight, *, softcap, need_smooth, budget
     return lse, part_tgt.sum(axis=0), smooth
 
 
-def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
-             weight_layout: str = "vh", class_weight=None):
-    """The interface's backward; dw has the layout of w."""
-    run = functools.partial(_backward, softcap=softcap, budget=budget, weight_layout=weight_layout)
+def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: Optional[int] = None,
+             weight_layout: str = "vh", class_weight=None, plan: Optional[TritonPlan] = None):
+    """The interface's backward; dw has the layout of w; ``plan`` as for ``forward``."""
+    run = functools.partial(_backward, softcap=softcap, budget=budget, weight_layout=weight_layout, plan=plan)
     return _sequential_under_vmap(run)(x2d, w, bias, target, lse, coef, class_weight)
 
 
-def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget, weight_layout):
+def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget, weight_layout, plan=None):
     n = x2d.shape[0]
     vaxis = 0 if weight_layout == "vh" else 1
     vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     target = target.astype(jnp.int32)
     coef = coef.astype(_F32)
     b, cw = _operands(x2d, w, bias, class_weight)
@@ -207,3 +211,47 @@ def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget,
 
     return rt.chunked_gradients(x2d, w, bias, min(plan.vocab_chunk, vocab), dz_of,
                                 weight_layout=weight_layout, carry_type=carry_type)
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The "triton" backend's Config: the launch plan (``planning.triton_plan``: tiles,
+    splits, the backward's chunk) and the weight's layout."""
+
+    plan: TritonPlan
+    weight_layout: str = "vh"
+
+
+class TritonBackend:
+    """The "triton" backend (``contract.LceBackend``)."""
+
+    name = "triton"
+    native_hv = NATIVE_HV
+    class_weights = CLASS_WEIGHTS
+    argmax = ARGMAX
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        # (the module's is_supported, looked up per call: tests replace it)
+        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
+            return UNSUPPORTED_HINT
+        return None
+
+    def can_partition(self) -> bool:
+        return can_partition()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> TritonConfig:
+        return TritonConfig(rt.plan_for(x2d_shape, dtype, w_shape[0], budget, _interpret(), _device_info),
+                            weight_layout)
+
+    def forward(self, x2d, w, bias, target, config: TritonConfig, *, softcap, need_smooth, class_weight=None,
+                need_argmax=False) -> LceStats:
+        return LceStats(*forward(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
+                                 weight_layout=config.weight_layout, class_weight=class_weight,
+                                 need_argmax=need_argmax, plan=config.plan))
+
+    def backward(self, res: LceResiduals, coef, config: TritonConfig, *, softcap) -> LceGrads:
+        return LceGrads(*backward(res.x2d, res.w, res.bias, res.target, res.lse, coef, softcap=softcap,
+                                  weight_layout=config.weight_layout, class_weight=res.class_weight,
+                                  plan=config.plan))

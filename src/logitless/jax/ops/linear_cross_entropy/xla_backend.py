@@ -23,6 +23,7 @@ fp32 inputs follow JAX's default matmul precision (``jax_default_matmul_precisio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
@@ -30,8 +31,9 @@ from jax import lax
 
 from logitless.jax.formulas.cross_entropy import dlogits, softcap_logits
 from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
-from logitless.jax.ops.linear_cross_entropy.sharded import to_varying, varying
-from logitless.jax.planning import xla_plan
+from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
+from logitless.jax.planning import XlaPlan, xla_plan
+from logitless.jax.sharding import to_varying, varying
 
 _F32 = jnp.float32
 #: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
@@ -70,16 +72,17 @@ def _plan(x2d, vocab, budget):
     return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
-def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: int,
-            weight_layout: str = "vh", class_weight=None, need_argmax: bool = False):
+def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool, budget: Optional[int] = None,
+            weight_layout: str = "vh", class_weight=None, need_argmax: bool = False, plan: Optional[XlaPlan] = None):
     """The interface's forward; ``weight_layout="hv"`` (an extension of this backend)
     takes w as (H, V) without a transposed copy; ``class_weight`` (V,): smooth_sum is
     sum_c w_c z_c; ``need_argmax``: also the row maximum and its first index (a strict
-    ``>`` across column chunks keeps the earliest of equal maxima)."""
+    ``>`` across column chunks keeps the earliest of equal maxima). ``plan``: the tiles
+    (``XlaBackend.plan``'s); None: planned here from ``budget``."""
     n = x2d.shape[0]
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     target = target.astype(jnp.int32)
 
     def col_step(c0, vc, carry):
@@ -121,13 +124,13 @@ def forward(x2d, w, bias, target, *, softcap: Optional[float], need_smooth: bool
     return out if need_argmax else out[:3]
 
 
-def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: int,
-             weight_layout: str = "vh", class_weight=None):
-    """The interface's backward; dw has the layout of w."""
+def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budget: Optional[int] = None,
+             weight_layout: str = "vh", class_weight=None, plan: Optional[XlaPlan] = None):
+    """The interface's backward; dw has the layout of w; ``plan`` as for ``forward``."""
     n, h = x2d.shape
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     target = target.astype(jnp.int32)
 
     def col_step(c0, vc, carry):
@@ -170,3 +173,43 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
     init = _varying_like(init, x2d, w, bias, target, lse, coef)
     dx, dw, db = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
     return dx.astype(x2d.dtype), dw, db
+
+
+@dataclass(frozen=True)
+class XlaConfig:
+    """The "xla" backend's Config: the logits tile (``planning.xla_plan``) and the weight's layout."""
+
+    plan: XlaPlan
+    weight_layout: str = "vh"
+
+
+class XlaBackend:
+    """The "xla" backend (``contract.LceBackend``): every case, every platform."""
+
+    name = "xla"
+    native_hv = NATIVE_HV
+    class_weights = CLASS_WEIGHTS
+    argmax = ARGMAX
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        return None
+
+    def can_partition(self) -> bool:
+        return True
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> XlaConfig:
+        n, h = x2d_shape
+        return XlaConfig(xla_plan(n, w_shape[0], h, jnp.dtype(dtype).itemsize, budget), weight_layout)
+
+    def forward(self, x2d, w, bias, target, config: XlaConfig, *, softcap, need_smooth, class_weight=None,
+                need_argmax=False) -> LceStats:
+        return LceStats(*forward(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
+                                 weight_layout=config.weight_layout, class_weight=class_weight,
+                                 need_argmax=need_argmax, plan=config.plan))
+
+    def backward(self, res: LceResiduals, coef, config: XlaConfig, *, softcap) -> LceGrads:
+        return LceGrads(*backward(res.x2d, res.w, res.bias, res.target, res.lse, coef, softcap=softcap,
+                                  weight_layout=config.weight_layout, class_weight=res.class_weight,
+                                  plan=config.plan))

@@ -7,7 +7,7 @@ twin of ``logitless.linear_log_probs`` (PyTorch); math in
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +16,8 @@ from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas import truncation as _truncation
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_log_probs import sharded
-from logitless.jax.ops.linear_log_probs.backends import (  # noqa: F401 (re-exported)
-    BACKENDS,
-    NOT_YET,
-    backend_module,
-    choose_backend,
-)
+from logitless.jax.ops.linear_log_probs.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
+from logitless.jax.ops.linear_log_probs.contract import LlpResiduals
 from logitless.jax.sharding import fit_cotangent
 from logitless.options import LogProbOptions, check_memory_budget
 
@@ -30,15 +26,15 @@ class _Config(NamedTuple):
     """Static (hashable) arguments of the custom_vjp."""
 
     opts: LogProbOptions
-    backend: str
+    backend: str  # its name in BACKENDS
     budget: int
     num_classes: int
-    layout_kw: tuple = ()  # (("weight_layout", "hv"),) for backends that take (H, V) natively
+    weight_layout: str = "vh"  # the weight's layout as the backend gets it ("hv": (H, V) natively)
+    plan: Any = None  # the backend's Config for this call (None on the sharded paths: made per device)
 
 
 def _outputs(x2d, w, bias, tokens, cfg: _Config):
-    lse, at, ent = backend_module(cfg.backend).forward(x2d, w, bias, tokens, opts=cfg.opts, budget=cfg.budget,
-                                                       **dict(cfg.layout_kw))
+    lse, at, ent = BACKENDS[cfg.backend].forward(x2d, w, bias, tokens, cfg.plan, opts=cfg.opts)
     logp, h = lpf.token_outputs(lse, at, ent, tokens, cfg.num_classes, cfg.opts)
     return (logp, h) if cfg.opts.entropy else (logp,), lse, h
 
@@ -50,16 +46,16 @@ def _llp(x2d, w, bias, tokens, cfg: _Config):
 
 def _llp_fwd(x2d, w, bias, tokens, cfg):
     out, lse, h = _outputs(x2d, w, bias, tokens, cfg)
-    return out, (x2d, w, bias, tokens, lse, h)
+    return out, (LlpResiduals(x2d, w, bias, tokens, lse), h)
 
 
-def _llp_bwd(cfg, res, cotangents):
-    x2d, w, bias, tokens, lse, h = res
+def _llp_bwd(cfg, saved, cotangents):
+    res, h = saved
+    x2d, w, bias, tokens, lse = res
     g_lp = cotangents[0]
     g_h = cotangents[1] if cfg.opts.entropy else None
     coef = lpf.grad_coefficients(h, tokens, g_lp, g_h, cfg.num_classes, cfg.opts, dtype=lse.dtype)
-    dx, dw, db = backend_module(cfg.backend).backward(x2d, w, bias, tokens, lse, coef, opts=cfg.opts,
-                                                      budget=cfg.budget, **dict(cfg.layout_kw))
+    dx, dw, db = BACKENDS[cfg.backend].backward(res, coef, cfg.plan, opts=cfg.opts)
     # (inside shard_map: dW and db of a weight invariant over the token axes are summed)
     return fit_cotangent(dx, x2d), fit_cotangent(dw, w), fit_cotangent(db, bias), None
 
@@ -159,7 +155,7 @@ def linear_log_probs(
                                   ignore_index=ignore_index)
     budget = check_memory_budget(memory_budget)
     if implementation is not None:
-        backend_module(implementation)
+        BACKENDS[implementation]  # an unknown name: ValueError naming the choices
     _, num_classes, hidden = check_linear_inputs(x, weight, tokens, bias, labels_name="tokens",
                                                  weight_layout=weight_layout)
     check_labels_in_range(tokens, num_classes, opts.ignore_index, "tokens")
@@ -180,7 +176,7 @@ def linear_log_probs(
         from logitless.jax.ops.linear_log_probs import truncation as _trunc_op
 
         cfg = _trunc_op.Config(opts, budget, num_classes, trunc[1] if trunc is not None else 0,
-                               layout_kw=(("weight_layout", "hv"),) if weight_layout == "hv" else ())
+                               weight_layout=weight_layout)
         logp, ent = _trunc_op.linear_log_probs_truncated(x2d, weight, bias, flat,
                                                          trunc[0] if trunc is not None else None, cfg,
                                                          batch_invariant)
@@ -188,14 +184,20 @@ def linear_log_probs(
         return (logp, ent) if opts.entropy else logp
     vh_shape = tuple(weight.shape) if weight_layout == "vh" else tuple(weight.shape[::-1])
     backend = choose_backend(implementation, x2d.shape, vh_shape, x2d.dtype, opts.softcap, bias is not None)
-    layout_kw = ()
+    impl = BACKENDS[backend]
+    layout = "vh"
     if weight_layout == "hv":
-        if getattr(backend_module(backend), "NATIVE_HV", False):
-            layout_kw = (("weight_layout", "hv"),)
+        if impl.native_hv:
+            layout = "hv"
         else:
             weight = weight.T  # (V, H) for the backend; the gradient flows back through .T
-    cfg = _Config(opts, backend, budget, num_classes, layout_kw)
+    cfg = _Config(opts, backend, budget, num_classes, layout)
     # Several devices (sharded jit, Explicit mesh): per device, see sharded.py.
-    out = (sharded.runner(x2d, weight, cfg) or _llp)(x2d, weight, bias, flat, cfg)
+    run = sharded.runner(x2d, weight, cfg)
+    if run is None:  # one device: the call's one plan (the backward takes it too)
+        run = _llp
+        cfg = cfg._replace(plan=impl.plan(tuple(x2d.shape), vh_shape, jnp.dtype(x2d.dtype), budget=budget,
+                                          weight_layout=layout, has_bias=bias is not None))
+    out = run(x2d, weight, bias, flat, cfg)
     out = tuple(jnp.reshape(o, out_shape) for o in out)
     return out if opts.entropy else out[0]

@@ -41,14 +41,18 @@ GPU's interpret mode (the CPU tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas.cross_entropy import merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
+from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.options import LogProbOptions
 
-__all__ = ["forward", "backward", "is_supported", "is_fast", "FwdConfig"]
+__all__ = ["forward", "backward", "is_supported", "is_fast", "FwdConfig", "MosaicGpuBackend", "MosaicGpuConfig"]
 
 #: None: Mosaic GPU's interpret mode exactly when jax's default backend is not a GPU;
 #: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
@@ -207,8 +211,9 @@ def _epilogue(opts: LogProbOptions):
 
 
 def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None, config: FwdConfig | None = None,
-             weight_layout: str = "vh"):
-    """(dx, dw, db or None) in the inputs' dtypes, dw in w's layout; see the module docstring."""
+             weight_layout: str = "vh", chunk: Optional[int] = None):
+    """(dx, dw, db or None) in the inputs' dtypes, dw in w's layout; see the module docstring.
+    ``chunk``: the columns per chunk (``MosaicGpuBackend.plan``'s); None: from ``budget``."""
     _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
     v = _vocab(w, weight_layout)
@@ -218,7 +223,7 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=No
     rows = jnp.concatenate([lse[None].astype(jnp.float32), coef.astype(jnp.float32)], axis=0)
     rowdat, tgt = ml.row_inputs(tokens, rows, ml.rows_padded(xk.shape[0], cfg))
     dx, dw = ml.chunked_backward(xk, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(opts),
-                                 interpret=_interpret_params(), layout=weight_layout)
+                                 interpret=_interpret_params(), layout=weight_layout, chunk=chunk)
     dx = dx[:n, :h].astype(x2d.dtype)
     db = None
     if wk is not w:
@@ -229,3 +234,58 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=No
             db = None if bias is None else dw[h, :v].astype(bias.dtype)
             dw = dw[:h, :v]
     return dx, dw, db
+
+
+@dataclass(frozen=True)
+class MosaicGpuConfig:
+    """The "mosaic_gpu" backend's Config: the kernels' tiles (``mosaic_lib.default_config``),
+    the backward's columns per chunk (``mosaic_lib.backward_chunk`` for the aligned operands
+    of ``_aligned``, from the budget) and the weight's layout."""
+
+    tiles: FwdConfig
+    chunk: int
+    weight_layout: str = "vh"
+
+
+def _aligned_shape(h: int, v: int, has_bias: bool, weight_layout: str) -> tuple:
+    """(H', columns of W') of ``_aligned``'s operands for x (N, h), W with v classes."""
+    if not has_bias and h % BLOCK_K == 0 and (v % 8 == 0 if weight_layout == "vh" else ml.hv_columns(v) == v):
+        return h, v
+    hp = -(-h // BLOCK_K) * BLOCK_K
+    if has_bias:
+        hp += BLOCK_K if hp == h else 0
+    vp = -(-v // 8) * 8 if weight_layout == "vh" else ml.hv_columns(-(-v // 8) * 8)
+    return hp, vp
+
+
+class MosaicGpuBackend:
+    """The "mosaic_gpu" backend (``contract.LlpBackend``): SM90, bf16/f16."""
+
+    name = "mosaic_gpu"
+    native_hv = NATIVE_HV
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
+            return UNSUPPORTED_HINT
+        return None
+
+    def can_partition(self) -> bool:
+        return can_partition()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> MosaicGpuConfig:
+        n, h = x2d_shape
+        v = w_shape[0]
+        tiles = ml.default_config(n, v, h)
+        hk, vk = _aligned_shape(h, v, has_bias, weight_layout)
+        return MosaicGpuConfig(tiles, ml.backward_chunk(n, vk, hk, jnp.dtype(dtype).itemsize, budget, tiles.block_v),
+                               weight_layout)
+
+    def forward(self, x2d, w, bias, tokens, config: MosaicGpuConfig, *, opts: LogProbOptions) -> LlpStats:
+        return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, config=config.tiles,
+                                 weight_layout=config.weight_layout))
+
+    def backward(self, res: LlpResiduals, coef, config: MosaicGpuConfig, *, opts: LogProbOptions) -> LlpGrads:
+        return LlpGrads(*backward(res.x2d, res.w, res.bias, res.tokens, res.lse, coef, opts=opts,
+                                  config=config.tiles, weight_layout=config.weight_layout, chunk=config.chunk))

@@ -16,9 +16,13 @@ blocks of the library's "hv" layout, dW in w's layout; no transposed copy.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 
 from logitless.jax import mosaic_tpu_lib as tl
+from logitless.jax.mosaic_tpu_lib import MosaicTpuConfig
+from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.options import LogProbOptions
 
 _F32 = jnp.float32
@@ -52,8 +56,10 @@ def _tiles(x2d, w, budget, weight_layout="vh"):
     return tl.choose_tiles(n, v, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, weight_layout: str = "vh"):
-    """(lse, a_t, H|None), each (N,) float32."""
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, weight_layout: str = "vh",
+            tiles: Optional[tl.Tiles] = None):
+    """(lse, a_t, H|None), each (N,) float32. ``tiles``: the kernels' tiles
+    (``MosaicTpuBackend.plan``'s); None: chosen here from ``budget``."""
     ent = bool(opts.entropy)
 
     def fold(z, hit, valid, cwt, stats):
@@ -80,7 +86,8 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget=None, weight_l
         return jnp.where(m == -jnp.inf, 0.0, m) + log_s, at, (log_s - u / s if ent else at)
 
     lse, at, h = tl.stats_call(x2d, w, bias, None, tokens, layout=weight_layout,
-                               tiles=_tiles(x2d, w, budget, weight_layout), n_stats=4,
+                               tiles=_tiles(x2d, w, budget, weight_layout) if tiles is None else tiles,
+                               n_stats=4,
                                init=(-jnp.inf, 0.0, 0.0, 0.0), fold=fold, finish=finish, n_out=3)
     return lse, at, (h if ent else None)
 
@@ -102,10 +109,42 @@ def _epilogue(opts: LogProbOptions):
     return epilogue
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None, weight_layout: str = "vh"):
-    """(dx, dw, db) in the inputs' dtypes (db None without bias), dw in w's layout."""
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=None, weight_layout: str = "vh",
+             tiles: Optional[tl.Tiles] = None):
+    """(dx, dw, db) in the inputs' dtypes (db None without bias), dw in w's layout;
+    ``tiles`` as for ``forward``."""
     rowdat = jnp.concatenate([lse[None].astype(_F32), coef.astype(_F32)], axis=0).T  # (N, 4)
-    kw = dict(layout=weight_layout, tiles=_tiles(x2d, w, budget, weight_layout), epilogue=_epilogue(opts))
+    tiles = _tiles(x2d, w, budget, weight_layout) if tiles is None else tiles
+    kw = dict(layout=weight_layout, tiles=tiles, epilogue=_epilogue(opts))
     dx = tl.dx_call(x2d, w, bias, None, tokens, rowdat, **kw)
     dw, db = tl.dw_call(x2d, w, bias, None, tokens, rowdat, **kw)
     return dx, dw, db
+
+
+class MosaicTpuBackend:
+    """The "mosaic_tpu" backend (``contract.LlpBackend``); its Config is
+    ``mosaic_tpu_lib.MosaicTpuConfig``, as linear_cross_entropy's."""
+
+    name = "mosaic_tpu"
+    native_hv = NATIVE_HV
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
+            return UNSUPPORTED_HINT
+        return None
+
+    def can_partition(self) -> bool:
+        return can_partition()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> MosaicTpuConfig:
+        return tl.plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+
+    def forward(self, x2d, w, bias, tokens, config: MosaicTpuConfig, *, opts: LogProbOptions) -> LlpStats:
+        return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout,
+                                 tiles=config.tiles))
+
+    def backward(self, res: LlpResiduals, coef, config: MosaicTpuConfig, *, opts: LogProbOptions) -> LlpGrads:
+        return LlpGrads(*backward(res.x2d, res.w, res.bias, res.tokens, res.lse, coef, opts=opts,
+                                  weight_layout=config.weight_layout, tiles=config.tiles))

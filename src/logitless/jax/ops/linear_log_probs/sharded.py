@@ -44,56 +44,58 @@ from jax import lax
 
 from logitless.jax import sharding as shd
 from logitless.jax.formulas import log_probs as lpf
-from logitless.jax.ops.linear_log_probs.backends import backend_module
+from logitless.jax.ops.common import choice
+from logitless.jax.ops.common.contract import local_plan, vh_shape
+from logitless.jax.ops.linear_log_probs.backends import BACKENDS
+from logitless.jax.ops.linear_log_probs.contract import LlpResiduals
 from logitless.options import LogProbOptions
 
 
-def _backend(name: str):
-    return backend_module(name)
-
-
 def _can_partition(name: str) -> bool:
-    """Whether backend ``name`` may run inside custom_partitioning / shard_map: "xla", or a
-    backend that says so with ``can_partition() -> bool`` (as linear_cross_entropy's: not
-    under an interpreter whose host callbacks cannot be partitioned)."""
-    can = getattr(_backend(name), "can_partition", None)
-    return name == "xla" if can is None else bool(can())
+    """Whether backend ``name`` may run inside custom_partitioning / shard_map (its
+    ``can_partition``: "xla" always, the kernels not under an interpreter whose host
+    callbacks cannot be partitioned)."""
+    return BACKENDS[name].can_partition()
 
 
-def _vaxis(layout_kw: tuple) -> int:
+def _vaxis(weight_layout: str) -> int:
     """The vocabulary axis of the weight: 1 for an (H, V) weight passed natively."""
-    return 1 if dict(layout_kw).get("weight_layout") == "hv" else 0
+    return 1 if weight_layout == "hv" else 0
 
 
-def _local_module(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_bias: bool, layout_kw=()):
-    """The backend for these per-device shapes: the chosen one, or "xla" where its
-    ``is_supported(x2d_shape, w_shape (V, H), dtype, softcap=, has_bias=)`` refuses them."""
-    module = _backend(name)
-    check = getattr(module, "is_supported", None)
-    vh = tuple(w_shape) if not _vaxis(layout_kw) else tuple(w_shape)[::-1]
-    if check is not None and not check(tuple(x_shape), vh, dtype, softcap=opts.softcap,
-                                       has_bias=has_bias):
-        return _backend("xla")
-    return module
+def local_backend(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_bias: bool, budget: int,
+                  weight_layout: str = "vh"):
+    """(backend, Config) for these per-device shapes (``w_shape`` in ``weight_layout``):
+    backend ``name``, or "xla" where its ``unsupported`` refuses them; the Config made once
+    per shapes (``contract.local_plan``), so the forward's and the backward's share it."""
+    backend = BACKENDS[name]
+    vh = vh_shape(w_shape, weight_layout)
+    if choice.unsupported(backend, tuple(x_shape), vh, dtype, opts.softcap, has_bias) is not None:
+        backend = BACKENDS["xla"]
+    return backend, local_plan(backend, tuple(x_shape), vh, jnp.dtype(dtype), budget, weight_layout, has_bias)
 
 
-def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, vocab_axes: tuple,
-                  layout_kw: tuple = (), tau=None, ordered: bool = False):
+def _tau_kw(tau) -> dict:
+    """The "xla" backend's ``tau`` (truncation) only when there is one."""
+    return {} if tau is None else {"tau": tau}
+
+
+def local_forward(backend, x2d, w, bias, tokens, config, *, opts: LogProbOptions, vocab_axes: tuple, tau=None,
+                  ordered: bool = False):
     """(lse, a_t, H|None) of this device's tokens over all classes: the local columns by
-    ``module.forward``, merged over ``vocab_axes`` (module docstring). ``tau`` (N_l,):
-    the truncation threshold (columns a < tau left out; the "xla" backend's ``tau``);
-    ``ordered``: the SUM in device order (``sharding.sum_over``; batch invariance)."""
-    lkw = dict(layout_kw)
-    if tau is not None:
-        lkw["tau"] = tau
+    ``backend.forward`` under ``config``, merged over ``vocab_axes`` (module docstring).
+    ``tau`` (N_l,): the truncation threshold (columns a < tau left out; the "xla"
+    backend's ``tau``); ``ordered``: the SUM in device order (``sharding.sum_over``;
+    batch invariance)."""
     if not vocab_axes:
-        return module.forward(x2d, w, bias, tokens, opts=opts, budget=budget, **lkw)
-    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(layout_kw)])
+        return tuple(backend.forward(x2d, w, bias, tokens, config, opts=opts, **_tau_kw(tau)))
+    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(config.weight_layout)])
     # A token off this device's columns is -1 here, and so is the backend's ignore_index:
     # a local id can never collide with it (the statistics of ignored tokens are masked
     # from the global tokens afterwards).
     lopts = dataclasses.replace(opts, ignore_index=-1)
-    lse_l, at_l, h_l = module.forward(x2d, w, bias, jnp.where(in_range, t, -1), opts=lopts, budget=budget, **lkw)
+    lse_l, at_l, h_l = backend.forward(x2d, w, bias, jnp.where(in_range, t, -1), config, opts=lopts,
+                                       **_tau_kw(tau))
     at_l = jnp.where(in_range, at_l, 0.0)
 
     def parts(d):
@@ -107,19 +109,16 @@ def local_forward(module, x2d, w, bias, tokens, *, opts: LogProbOptions, budget:
     return m + log_s, sums[1], ent
 
 
-def local_backward(module, x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int,
-                   vocab_axes: tuple, layout_kw: tuple = (), tau=None):
-    """(dx, dW_l, db_l) with the global lse and coefficients; dx summed over ``vocab_axes``;
-    ``tau``: the forward's truncation threshold."""
-    lkw = dict(layout_kw)
-    if tau is not None:
-        lkw["tau"] = tau
+def local_backward(backend, res: LlpResiduals, coef, config, *, opts: LogProbOptions, vocab_axes: tuple, tau=None):
+    """(dx, dW_l, db_l) by ``backend.backward`` under the forward's ``config``, with the
+    global lse and coefficients (``res.tokens``: global ids); dx summed over
+    ``vocab_axes``; ``tau``: the forward's truncation threshold."""
     if not vocab_axes:
-        return module.backward(x2d, w, bias, tokens, lse, coef, opts=opts, budget=budget, **lkw)
-    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(layout_kw)])
+        return tuple(backend.backward(res, coef, config, opts=opts, **_tau_kw(tau)))
+    t, in_range = shd.local_targets(res.tokens, vocab_axes, res.w.shape[_vaxis(config.weight_layout)])
     lopts = dataclasses.replace(opts, ignore_index=-1)
-    dx, dw, db = module.backward(x2d, w, bias, jnp.where(in_range, t, -1), lse, coef, opts=lopts, budget=budget,
-                                 **lkw)
+    dx, dw, db = backend.backward(res._replace(tokens=jnp.where(in_range, t, -1)), coef, config, opts=lopts,
+                                  **_tau_kw(tau))
     return lax.psum(dx, vocab_axes), dw, db
 
 
@@ -128,7 +127,7 @@ class _Static(NamedTuple):
     backend: str
     budget: int
     has_bias: bool
-    layout_kw: tuple = ()
+    weight_layout: str = "vh"
 
 
 def _split(args, has_bias: bool):
@@ -138,14 +137,16 @@ def _split(args, has_bias: bool):
     return (args[0], args[1], None) + tuple(args[2:])
 
 
+def _local(static: _Static, x2d, w):
+    return local_backend(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, static.has_bias,
+                         static.budget, static.weight_layout)
+
+
 def _fwd_local(static: _Static):
     def local(args, axes, scatter):
         x2d, w, bias, tokens = _split(args, static.has_bias)
-        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None,
-                               static.layout_kw)
-        lse, at, ent = local_forward(module, x2d, w, bias, tokens, opts=static.opts,
-                                     budget=static.budget, vocab_axes=axes.vocab,
-                                     layout_kw=_native_kw(module, static.layout_kw))
+        backend, config = _local(static, x2d, w)
+        lse, at, ent = local_forward(backend, x2d, w, bias, tokens, config, opts=static.opts, vocab_axes=axes.vocab)
         return (lse, at) if ent is None else (lse, at, ent)
 
     return local
@@ -154,23 +155,13 @@ def _fwd_local(static: _Static):
 def _bwd_local(static: _Static):
     def local(args, axes, scatter):
         x2d, w, bias, tokens, lse, coef = _split(args, static.has_bias)
-        module = _local_module(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, bias is not None,
-                               static.layout_kw)
-        dx, dw, db = local_backward(module, x2d, w, bias, tokens, lse, coef, opts=static.opts,
-                                    budget=static.budget, vocab_axes=axes.vocab,
-                                    layout_kw=_native_kw(module, static.layout_kw))
+        backend, config = _local(static, x2d, w)
+        dx, dw, db = local_backward(backend, LlpResiduals(x2d, w, bias, tokens, lse), coef, config,
+                                    opts=static.opts, vocab_axes=axes.vocab)
         dw, db = shd.reduce_weight_grads(dw, db, axes.token, scatter)
         return (dx, dw, db) if static.has_bias else (dx, dw)
 
     return local
-
-
-def _native_kw(module, layout_kw: tuple) -> tuple:
-    """``layout_kw`` for a backend that takes (H, V) natively; the api only passes an
-    (H, V) weight here with such a backend chosen, and the "xla" fallback is one too."""
-    if layout_kw and not getattr(module, "NATIVE_HV", False):  # pragma: no cover - every backend is
-        raise ValueError(f"{module.__name__} cannot take an (H, V) weight")
-    return layout_kw
 
 
 def _kinds(static: _Static):
@@ -183,14 +174,14 @@ def _kinds(static: _Static):
 @functools.cache
 def _partitioned(static: _Static):
     (fi, fo), (bi, bo) = _kinds(static)
-    vaxis = _vaxis(static.layout_kw)
+    vaxis = _vaxis(static.weight_layout)
     return (shd.partitioned(_fwd_local(static), in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.partitioned(_bwd_local(static), in_kinds=bi, out_kinds=bo, vaxis=vaxis))
 
 
 def _mapped(static: _Static, mesh, axes: shd.Axes, scatter):
     (fi, fo), (bi, bo) = _kinds(static)
-    vaxis = _vaxis(static.layout_kw)
+    vaxis = _vaxis(static.weight_layout)
     return (shd.mapped(_fwd_local(static), mesh, axes, in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.mapped(_bwd_local(static), mesh, axes, in_kinds=bi, out_kinds=bo, vaxis=vaxis, scatter=scatter))
 
@@ -204,7 +195,7 @@ class _Sharded(NamedTuple):
 
 
 def _fns(sc: _Sharded, has_bias: bool):
-    static = _Static(sc.cfg.opts, sc.cfg.backend, sc.cfg.budget, has_bias, tuple(getattr(sc.cfg, "layout_kw", ())))
+    static = _Static(sc.cfg.opts, sc.cfg.backend, sc.cfg.budget, has_bias, sc.cfg.weight_layout)
     if sc.explicit is None:
         return _partitioned(static)
     return _mapped(static, *sc.explicit)
@@ -268,7 +259,7 @@ def runner(x2d, weight, cfg):
     be partitioned)."""
     if not _can_partition(cfg.backend):
         return None
-    vaxis = _vaxis(getattr(cfg, "layout_kw", ()))
+    vaxis = _vaxis(cfg.weight_layout)
     explicit = shd.explicit_axes(x2d, weight, vaxis)
     if explicit is not None:
         mesh, axes = explicit

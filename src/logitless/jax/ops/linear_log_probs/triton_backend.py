@@ -39,6 +39,8 @@ gradient GEMMs contract the other dimension; dW comes back in w's layout.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,7 @@ from logitless.jax.ops.common.triton import has_triton as _has_triton
 from logitless.jax.ops.common.triton import interpret as _interpret
 from logitless.jax.ops.common.triton import jax_triton as _jax_triton
 from logitless.jax.ops.common.triton import platform as _platform
+from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.jax.planning import TritonPlan
 from logitless.options import LogProbOptions
 
@@ -109,17 +112,19 @@ def _common_consts(x2d, w, bias, opts: LogProbOptions, plan: TritonPlan, weight_
     )
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: Optional[int] = None, weight_layout: str = "vh",
+            plan: Optional[TritonPlan] = None):
     """The interface's forward: (lse, a_t, H or None), fp32 per token (w (H, V) with
-    ``weight_layout="hv"``)."""
-    run = functools.partial(_forward, opts=opts, budget=budget, weight_layout=weight_layout)
+    ``weight_layout="hv"``). ``plan``: the launch plan (``TritonBackend.plan``'s); None:
+    planned here from ``budget``."""
+    run = functools.partial(_forward, opts=opts, budget=budget, weight_layout=weight_layout, plan=plan)
     return rt.sequential_under_vmap(run)(x2d, w, bias, tokens)
 
 
-def _forward(x2d, w, bias, tokens, *, opts, budget, weight_layout):
+def _forward(x2d, w, bias, tokens, *, opts, budget, weight_layout, plan=None):
     n = x2d.shape[0]
     vocab = _vocab(w, weight_layout)
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     splits = plan.vocab_splits
     vocab_blocks = -(-vocab // plan.block_v)
     blocks_per_split = -(-vocab_blocks // splits)
@@ -139,16 +144,18 @@ def _forward(x2d, w, bias, tokens, *, opts, budget, weight_layout):
     return lse, part_tgt.sum(axis=0), ent
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh"):
-    """The interface's backward: (dx, dw, db) in the inputs' dtypes, dw in w's layout."""
-    run = functools.partial(_backward, opts=opts, budget=budget, weight_layout=weight_layout)
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: Optional[int] = None,
+             weight_layout: str = "vh", plan: Optional[TritonPlan] = None):
+    """The interface's backward: (dx, dw, db) in the inputs' dtypes, dw in w's layout;
+    ``plan`` as for ``forward``."""
+    run = functools.partial(_backward, opts=opts, budget=budget, weight_layout=weight_layout, plan=plan)
     return rt.sequential_under_vmap(run)(x2d, w, bias, tokens, lse, coef)
 
 
-def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget, weight_layout):
+def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget, weight_layout, plan=None):
     n = x2d.shape[0]
     vocab = _vocab(w, weight_layout)
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     tokens = tokens.astype(jnp.int32)
     lse = lse.astype(_F32)
     coef = coef.astype(_F32)
@@ -167,3 +174,42 @@ def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget, weight_layout):
         return dz
 
     return rt.chunked_gradients(x2d, w, bias, min(plan.vocab_chunk, vocab), dz_of, weight_layout=weight_layout)
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The "triton" backend's Config: the launch plan (``planning.triton_plan``) and the
+    weight's layout."""
+
+    plan: TritonPlan
+    weight_layout: str = "vh"
+
+
+class TritonBackend:
+    """The "triton" backend (``contract.LlpBackend``)."""
+
+    name = "triton"
+    native_hv = NATIVE_HV
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        # (the module's is_supported, looked up per call: tests replace it)
+        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
+            return UNSUPPORTED_HINT
+        return None
+
+    def can_partition(self) -> bool:
+        return can_partition()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> TritonConfig:
+        return TritonConfig(rt.plan_for(x2d_shape, dtype, w_shape[0], budget, _interpret(), _device_info),
+                            weight_layout)
+
+    def forward(self, x2d, w, bias, tokens, config: TritonConfig, *, opts: LogProbOptions) -> LlpStats:
+        return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout,
+                                 plan=config.plan))
+
+    def backward(self, res: LlpResiduals, coef, config: TritonConfig, *, opts: LogProbOptions) -> LlpGrads:
+        return LlpGrads(*backward(res.x2d, res.w, res.bias, res.tokens, res.lse, coef, opts=opts,
+                                  weight_layout=config.weight_layout, plan=config.plan))

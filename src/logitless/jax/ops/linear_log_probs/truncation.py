@@ -51,8 +51,11 @@ from logitless.jax import sharding as shd
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas.truncation import resolve
 from logitless.jax.ops.common.chunks import chunk_loop, put, take
+from logitless.jax.ops.common.contract import local_plan, vh_shape
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs import xla_backend as xla
+from logitless.jax.ops.linear_log_probs.backends import BACKENDS
+from logitless.jax.ops.linear_log_probs.contract import LlpResiduals
 from logitless.options import LogProbOptions
 
 BISECTION_STEPS = 40
@@ -66,7 +69,7 @@ class Config(NamedTuple):
     num_classes: int
     candidates: int  # 0: no truncation
     rows: int = 0  # rows per block with batch_invariant (0: not invariant)
-    layout_kw: tuple = ()  # (("weight_layout", "hv"),) for an (H, V) weight
+    weight_layout: str = "vh"  # "hv": an (H, V) weight
 
 
 class _Merge(NamedTuple):
@@ -99,15 +102,24 @@ class _Merge(NamedTuple):
 
 
 def _layout(cfg: Config) -> str:
-    return dict(cfg.layout_kw).get("weight_layout", "vh")
+    return cfg.weight_layout
+
+
+def _xla_config(x2d, w, bias, cfg: Config):
+    """The "xla" backend and its Config for these (per-device, per-block) shapes, made once
+    per shapes (``contract.local_plan``): the threshold pass, the forward and the backward
+    of the same rows share it."""
+    backend = BACKENDS["xla"]
+    return backend, local_plan(backend, tuple(x2d.shape), vh_shape(w.shape, cfg.weight_layout),
+                               jnp.dtype(x2d.dtype), cfg.budget, cfg.weight_layout, bias is not None)
 
 
 def _tiles(x2d, w, bias, cfg: Config, body, carry):
     """body(a, r0, nr, c0, carry) over the (row chunk x column chunk) tiles of a."""
     n = x2d.shape[0]
     layout = _layout(cfg)
-    vaxis = sharded._vaxis(cfg.layout_kw)
-    plan = xla._plan(x2d, w.shape[vaxis], cfg.budget)
+    vaxis = sharded._vaxis(cfg.weight_layout)
+    plan = _xla_config(x2d, w, bias, cfg)[1].plan
 
     def col_step(c0, vc, carry):
         wj = take(w, c0, vc, vaxis)
@@ -128,7 +140,7 @@ def thresholds(x2d, w, bias, trunc, cfg: Config, merge: Optional[_Merge] = None)
     k, p, mp = trunc
     n, v = x2d.shape[0], cfg.num_classes
     c = min(v, cfg.candidates)
-    c_local = min(w.shape[sharded._vaxis(cfg.layout_kw)], cfg.candidates)
+    c_local = min(w.shape[sharded._vaxis(cfg.weight_layout)], cfg.candidates)
     cdt = lpf.compute_dtype(x2d.dtype)
 
     def body(a, r0, nr, c0, carry):
@@ -240,9 +252,9 @@ def _fwd_local(st: _Static):
 
         def rows(x, t, k, p, mp):
             tau = None if k is None else thresholds(x, w, bias, (k, p, mp), cfg, merge)
-            lse, at, ent = sharded.local_forward(xla, x, w, bias, t, opts=cfg.opts, budget=cfg.budget,
-                                                 vocab_axes=axes.vocab, layout_kw=cfg.layout_kw, tau=tau,
-                                                 ordered=merge.ordered)
+            backend, config = _xla_config(x, w, bias, cfg)
+            lse, at, ent = sharded.local_forward(backend, x, w, bias, t, config, opts=cfg.opts,
+                                                 vocab_axes=axes.vocab, tau=tau, ordered=merge.ordered)
             return lse, at, ent, tau
 
         if not cfg.rows:
@@ -265,8 +277,9 @@ def _bwd_local(st: _Static):
 
         # (batch_invariant: one backward over all the rows, as the torch op's: gradients
         # deterministic, not batch-invariant)
-        dx, dw, db = sharded.local_backward(xla, x2d, w, bias, tokens, lse, coef, opts=cfg.opts, budget=cfg.budget,
-                                            vocab_axes=axes.vocab, layout_kw=cfg.layout_kw, tau=tau)
+        backend, config = _xla_config(x2d, w, bias, cfg)
+        dx, dw, db = sharded.local_backward(backend, LlpResiduals(x2d, w, bias, tokens, lse), coef, config,
+                                            opts=cfg.opts, vocab_axes=axes.vocab, tau=tau)
         dw, db = shd.reduce_weight_grads(dw, db, axes.token, scatter)
         return (dx, dw, db) if st.has_bias else (dx, dw)
 
@@ -284,7 +297,7 @@ def _kinds(st: _Static):
 @functools.cache
 def _partitioned(st: _Static):
     (fi, fo), (bi, bo) = _kinds(st)
-    vaxis = sharded._vaxis(st.cfg.layout_kw)
+    vaxis = sharded._vaxis(st.cfg.weight_layout)
     return (shd.partitioned(_fwd_local(st), in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.partitioned(_bwd_local(st), in_kinds=bi, out_kinds=bo, vaxis=vaxis))
 
@@ -298,7 +311,7 @@ def _fns(st: _Static, explicit):
     if explicit is None:
         return (lambda *a: _fwd_local(st)(a, shd.Axes(), None), lambda *a: _bwd_local(st)(a, shd.Axes(), None))
     mesh, axes, scatter = explicit
-    vaxis = sharded._vaxis(st.cfg.layout_kw)
+    vaxis = sharded._vaxis(st.cfg.weight_layout)
     return (shd.mapped(_fwd_local(st), mesh, axes, in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.mapped(_bwd_local(st), mesh, axes, in_kinds=bi, out_kinds=bo, vaxis=vaxis, scatter=scatter))
 
@@ -355,7 +368,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def _where(x2d, w, cfg: Config):
     """None (one device), "auto" (a multi-device jit: custom_partitioning) or (mesh,
     Axes, scatter) (arrays typed with an Explicit mesh): as ``sharded.runner``."""
-    vaxis = sharded._vaxis(cfg.layout_kw)
+    vaxis = sharded._vaxis(cfg.weight_layout)
     explicit = shd.explicit_axes(x2d, w, vaxis)
     if explicit is not None:
         mesh, axes = explicit
@@ -365,7 +378,7 @@ def _where(x2d, w, cfg: Config):
 
 def linear_log_probs_truncated(x2d, w, bias, tokens, trunc, cfg: Config, batch_invariant: bool):
     """(logp, entropy) (N,) of x2d (N, H), tokens (N,) int32; trunc: (k, p, min_p) or None;
-    w in ``cfg.layout_kw``'s layout."""
+    w in ``cfg.weight_layout``."""
     if batch_invariant:
         cfg = cfg._replace(rows=INVARIANT_ROWS.get(jax.default_backend(), 1024))
     k, p, mp = (None, None, None) if trunc is None else (lax.stop_gradient(a) for a in trunc)

@@ -25,12 +25,16 @@ layout; no transposed copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
-from logitless.jax.planning import xla_plan
+from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
+from logitless.jax.planning import XlaPlan, xla_plan
 from logitless.options import LogProbOptions
 
 #: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
@@ -56,13 +60,15 @@ def _plan(x2d, vocab, budget):
     return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
-def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh", tau=None):
+def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: Optional[int] = None, weight_layout: str = "vh",
+            tau=None, plan: Optional[XlaPlan] = None):
     """(lse, a at the token, H or None). ``tau`` (N,): a per-token threshold, columns
-    with a < tau left out (truncated sampling; a token left out gets a = -inf)."""
+    with a < tau left out (truncated sampling; a token left out gets a = -inf).
+    ``plan``: the tiles (``XlaBackend.plan``'s); None: planned here from ``budget``."""
     n = x2d.shape[0]
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     cdt = lpf.compute_dtype(x2d.dtype)
     tokens = tokens.astype(jnp.int32)
 
@@ -94,13 +100,14 @@ def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: int, weight_l
     return lse, at, ent
 
 
-def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: int, weight_layout: str = "vh",
-             tau=None):
-    """dx, dw (in the layout of w), db; ``tau``: the forward's threshold (dz = 0 where a < tau)."""
+def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: Optional[int] = None,
+             weight_layout: str = "vh", tau=None, plan: Optional[XlaPlan] = None):
+    """dx, dw (in the layout of w), db; ``tau``: the forward's threshold (dz = 0 where a < tau);
+    ``plan`` as for ``forward``."""
     n, h = x2d.shape
     vaxis = _W_AXIS[weight_layout]
     vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget)
+    plan = _plan(x2d, vocab, budget) if plan is None else plan
     cdt = lpf.compute_dtype(x2d.dtype)
     tokens = tokens.astype(jnp.int32)
 
@@ -138,3 +145,39 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: i
             None if bias is None else jnp.zeros(bias.shape, bias.dtype))
     dx, dw, db = chunk_loop(vocab, plan.vocab_chunk, col_step, init)
     return dx.astype(x2d.dtype), dw, db
+
+
+@dataclass(frozen=True)
+class XlaConfig:
+    """The "xla" backend's Config: the logits tile (``planning.xla_plan``) and the weight's layout."""
+
+    plan: XlaPlan
+    weight_layout: str = "vh"
+
+
+class XlaBackend:
+    """The "xla" backend (``contract.LlpBackend``): every case, every platform; its
+    forward and backward also take ``tau`` (truncated sampling, ``truncation.py``)."""
+
+    name = "xla"
+    native_hv = NATIVE_HV
+
+    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
+                    need_argmax=False) -> Optional[str]:
+        return None
+
+    def can_partition(self) -> bool:
+        return True
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> XlaConfig:
+        n, h = x2d_shape
+        return XlaConfig(xla_plan(n, w_shape[0], h, jnp.dtype(dtype).itemsize, budget), weight_layout)
+
+    def forward(self, x2d, w, bias, tokens, config: XlaConfig, *, opts: LogProbOptions, tau=None) -> LlpStats:
+        return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout, tau=tau,
+                                 plan=config.plan))
+
+    def backward(self, res: LlpResiduals, coef, config: XlaConfig, *, opts: LogProbOptions, tau=None) -> LlpGrads:
+        return LlpGrads(*backward(res.x2d, res.w, res.bias, res.tokens, res.lse, coef, opts=opts,
+                                  weight_layout=config.weight_layout, tau=tau, plan=config.plan))
