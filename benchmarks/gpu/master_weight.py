@@ -44,48 +44,49 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def measure(tag: str, name: str, reps: int) -> dict:
+    n, h, v = SHAPES[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, h, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device=dev, generator=g) * h ** -0.5).requires_grad_()  # fp32 master
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+
+    def step():
+        x.grad = w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = logitless.linear_cross_entropy(x, w, t)
+        loss.backward()
+        return loss
+
+    loss = step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()  # inputs and the gradients of the last step
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed(step, reps)
+    peak = torch.cuda.max_memory_allocated() - base
+    xb, wb = x.detach(), w.detach().bfloat16()
+    dz = torch.randn(n, v, device=dev, dtype=torch.bfloat16)
+
+    def gemms():
+        torch.mm(xb, wb.T)
+        torch.mm(dz, wb)
+        torch.mm(dz.T, xb)
+
+    floor = timed(gemms, reps)
+    return dict(tag=tag, shape=name, tokens=n, hidden=h, vocab=v, time_ms=round(ms, 3),
+                three_gemms_ms=round(floor, 3), ratio=round(ms / floor, 4), peak_extra_mib=round(peak / 2**20),
+                loss=float(loss), dw_dtype=str(w.grad.dtype), device=torch.cuda.get_device_name())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tag", required=True)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
-    dev = torch.device("cuda")
     for name in args.shapes.split(","):
-        n, h, v = SHAPES[name]
-        g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(n, h, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
-        w = (torch.randn(v, h, device=dev, generator=g) * h ** -0.5).requires_grad_()  # fp32 master
-        t = torch.randint(0, v, (n,), device=dev, generator=g)
-
-        def step():
-            x.grad = w.grad = None
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = logitless.linear_cross_entropy(x, w, t)
-            loss.backward()
-            return loss
-
-        loss = step()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()  # inputs and the gradients of the last step
-        torch.cuda.reset_peak_memory_stats()
-        ms = timed(step, args.reps)
-        peak = torch.cuda.max_memory_allocated() - base
-        xb, wb = x.detach(), w.detach().bfloat16()
-        dz = torch.randn(n, v, device=dev, dtype=torch.bfloat16)
-
-        def gemms():
-            torch.mm(xb, wb.T)
-            torch.mm(dz, wb)
-            torch.mm(dz.T, xb)
-
-        floor = timed(gemms, args.reps)
-        del dz
-        print(json.dumps(dict(tag=args.tag, shape=name, tokens=n, hidden=h, vocab=v, time_ms=round(ms, 3),
-                              three_gemms_ms=round(floor, 3), ratio=round(ms / floor, 4),
-                              peak_extra_mib=round(peak / 2**20), loss=float(loss),
-                              dw_dtype=str(w.grad.dtype), device=torch.cuda.get_device_name())), flush=True)
-        del x, w, t, xb, wb
+        print(json.dumps(measure(args.tag, name, args.reps)), flush=True)
         torch.cuda.empty_cache()
 
 
