@@ -124,7 +124,7 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     n, v = xs.shape[0], ws.shape[0]
     cd = lse_s.dtype
     out = torch.zeros(3, n, dtype=cd, device=xs.device)
-    if v == 0:
+    if v == 0 or n == 0:  # (no Config then)
         return out
     plan = config.column_sums
     t = opts.temperature
