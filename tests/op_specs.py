@@ -296,11 +296,11 @@ def _ce_opcheck(backend):
         options = (-100, reduction, 0.1, 5.0, 1e-3, backend, 4096)
         yield custom_op("ce_forward"), (logits, t, cw, *options, True), None
         yield custom_op("ce_forward"), (logits.detach().T.contiguous().T, t, None, *options, False), None
-        _, lse, _, w_t = custom_op("ce_forward")(logits, t, cw, *options, False)
+        _, lse, _, w_t, config = custom_op("ce_forward")(logits, t, cw, *options, False)
         grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
         for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
             yield custom_op("ce_backward"), (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
-                                       *options), None
+                                             config, *options[:-1]), None
 
 
 CROSS_ENTROPY = OpSpec(
@@ -381,9 +381,10 @@ def _jsd_opcheck(backend):
     zs, zt, target = case.args
     opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
     yield custom_op("jsd_forward"), (zs, zt, target) + opts, None
-    _, stats = custom_op("jsd_forward")(zs, zt, target, *opts)
+    _, stats, config = custom_op("jsd_forward")(zs, zt, target, *opts)
     yield (custom_op("jsd_backward"),
-           (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach()) + opts, None)
+           (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach(), config) + opts[:-2] + (backend,),
+           None)
 
 
 JSD = OpSpec(
@@ -591,11 +592,11 @@ def _lp_opcheck(backend):
     for entropy in (True, False):
         options = (0.7, entropy, None, -100, backend, 1 << 20)  # (LogProbOptions, backend, budget)
         yield custom_op("lp_forward"), (z, t) + options, None
-        logp, ent, lse = custom_op("lp_forward")(z, t, *options)
+        logp, ent, lse, tau, config = custom_op("lp_forward")(z, t, *options)
         grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
         for grad_logp in (torch.randn(logp.shape, device=DEVICE), None if entropy else logp.detach()):
             yield (custom_op("lp_backward"),
-                   (grad_logp, grad_ent, z.detach(), t, lse, ent.detach()) + options, None)
+                   (grad_logp, grad_ent, z.detach(), t, None, ent.detach(), lse, tau, config) + options[:-1], None)
 
 
 _LP_ALL = {"_ignore": 0.3, "temperature": 0.7, "entropy": True, "ignore_index": 5}

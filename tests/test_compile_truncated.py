@@ -2,12 +2,12 @@
 batch-invariant paths: ``linear_log_probs``, ``log_probs`` and ``linear_cross_entropy``.
 
 Those paths are custom ops with fixed output shapes (``logitless::llp_truncated_*``,
-``lp_truncated_*``, ``lce_invariant_*``): a compiled function calling them traces with no
-graph break and gives the eager outputs and gradients (x, weight, bias / logits)
-bitwise on the torch backend, and on the Triton backend (the CPU interpreter off a GPU)
-at small sizes. ``torch.library.opcheck`` checks their schemas, fakes and autograd
-registrations (a per-token ``top_k`` not read on the host, ``k_max`` -1, included:
-the fake's padded candidate width is the implementation's).
+``lp_forward``/``lp_backward`` with truncation arguments, ``lce_invariant_*``): a
+compiled function calling them traces with no graph break and gives the eager outputs
+and gradients (x, weight, bias / logits) bitwise on the torch backend, and on the Triton
+backend (the CPU interpreter off a GPU) at small sizes. ``torch.library.opcheck`` checks
+their schemas, fakes and autograd registrations (a per-token ``top_k`` not read on the
+host, ``k_max`` -1, included: the fake's padded candidate width is the implementation's).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logitless
 from logitless.ops.common import plan_codec
 from logitless.ops.linear_cross_entropy import batch_invariant as lce_inv
 from logitless.ops.linear_log_probs import truncated_op as llp_tr
-from logitless.ops.log_probs import truncation as lp_tr
+from logitless.ops.log_probs import custom_op as lp_ops
 from logitless.planning.plans import LinearPlan
 from tests.conftest import DEVICE
 
@@ -200,18 +200,20 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
         torch.library.opcheck(llp_tr.llp_truncated_backward, bargs)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("trunc", [True, False])
-def test_opcheck_log_probs(trunc):
+def test_opcheck_log_probs(trunc, backend):
     _, _, _, t, k, p = _data(13, 24, 104, seed=5)
     logits = torch.randn(13, 104, generator=torch.Generator().manual_seed(4)).to(DEVICE).requires_grad_()
     tr = (k, p, torch.zeros_like(p)) if trunc else (None, None, None)
-    args = (logits, t, *tr, 0.7, True, None, -100, -1, not trunc)
-    torch.library.opcheck(lp_tr.lp_truncated_forward, args)
-    logp, ent, lse, tau = (o.detach() for o in lp_tr.lp_truncated_forward(*args))
     opts = (0.7, True, None, -100)
-    bargs = (torch.randn_like(logp), torch.randn_like(ent), logits.detach(), t, logp, ent, lse, tau, *opts)
-    torch.library.opcheck(lp_tr.lp_truncated_backward, bargs)
-    assert lp_tr._backward_fake(*bargs).shape == logits.shape
+    args = (logits, t, *opts, backend, 1 << 20, *tr, -1, not trunc)
+    torch.library.opcheck(lp_ops.lp_forward, args)
+    logp, ent, lse, tau, config = (o.detach() for o in lp_ops.lp_forward(*args))
+    assert tau.shape == logp.shape and lp_ops.BACKENDS[backend].codec.decode(config).blocks is not None
+    bargs = (torch.randn_like(logp), torch.randn_like(ent), logits.detach(), t, logp, ent, lse, tau, config, *opts,
+             backend)
+    torch.library.opcheck(lp_ops.lp_backward, bargs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

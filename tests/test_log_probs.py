@@ -172,7 +172,7 @@ def test_opcheck(backend):
     z, t = make((6,), 37, torch.float32, 5)
     args = (z, t, 0.7, True, None, -100, backend, 2**20)
     torch.library.opcheck(lp_ops.lp_forward, args)
-    lp, ent, lse = lp_ops.lp_forward(*args)
-    bargs = (torch.randn_like(lp), torch.randn_like(ent), z.detach(), t, lse, ent.detach(), 0.7, True, None, -100,
-             backend, 2**20)
+    lp, ent, lse, tau, config = lp_ops.lp_forward(*args)
+    bargs = (torch.randn_like(lp), torch.randn_like(ent), z.detach(), t, None, ent.detach(), lse, tau, config, 0.7,
+             True, None, -100, backend)
     torch.library.opcheck(lp_ops.lp_backward, bargs)

@@ -14,12 +14,29 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import BACKENDS, resolve_backend
+from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.dispatch import BACKENDS as BACKEND_NAMES
+from logitless.ops.common.dispatch import resolve_backend
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
-from .custom_op import InplaceCrossEntropy, ce_forward
+from .contract import CeBackend
+from .custom_op import InplaceCrossEntropy, ce_forward_eager, use_backends
+from .torch_backend import TorchBackend
+
+
+def _triton() -> CeBackend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+#: The implementations of cross_entropy, by ``backend=`` name (``contract.CeBackend``; "auto"
+#: resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's is made on
+#: first use (its module needs the optional package).
+BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
+use_backends(BACKENDS)
 
 
 def _classes_last(logits: Tensor, target: Tensor, class_dim: Optional[int]) -> Tensor:
@@ -182,8 +199,8 @@ def cross_entropy(
         raise ValueError("logits must have at least one dimension (..., V)")
     if isinstance(target, Tensor) and target.is_floating_point():
         check_memory_budget(memory_budget)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         return _soft_target_cross_entropy(logits, target, class_weight, opts, class_dim, return_stats,
                                           inplace_backward)
     logits = _classes_last(logits, target, class_dim)
@@ -205,9 +222,9 @@ def cross_entropy(
                 f"strides {tuple(logits.stride())}; pass logits.contiguous() or inplace_backward=False"
             )
         loss, lse, argmax = InplaceCrossEntropy.apply(
-            logits2d, flat_target, class_weight, opts, impl, memory_budget, return_stats)
+            logits2d, flat_target, class_weight, opts, BACKENDS[impl], memory_budget, return_stats)
     else:
-        loss, lse, argmax, _ = ce_forward(
+        loss, lse, argmax, *_ = ce_forward_eager(
             logits2d, flat_target, class_weight, *opts.args(), impl, memory_budget, return_stats)
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)

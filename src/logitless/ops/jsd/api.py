@@ -4,8 +4,9 @@ A bandwidth-bound distillation loss on (..., V) student and teacher logits: the 
 reads both twice (log-sum-exps, then the divergence sums) and keeps O(tokens)
 statistics; the backward reads both once more and writes the student's gradient once.
 
-torch.compile: the work is two custom ops (``custom_op.py``); validation and the
-reduction are plain Python/torch around them, so ``fullgraph=True`` works.
+torch.compile: the work is two custom ops (``custom_op.py``) that run the backends of
+``BACKENDS`` (``contract.JsdBackend``); validation and the reduction are plain
+Python/torch around them, so ``fullgraph=True`` works.
 """
 
 from __future__ import annotations
@@ -18,11 +19,27 @@ from torch import Tensor
 
 from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.dispatch import BACKENDS
+from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.dispatch import resolve_backend
 from logitless.ops.common.module_form import ModuleForm
 from logitless.options import JSDOptions, check_memory_budget
 
-from .custom_op import jsd_forward_op
+from .contract import JsdBackend
+from .custom_op import jsd_forward_eager, use_backends
+from .torch_backend import TorchBackend
+
+
+def _triton() -> JsdBackend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+#: The implementations of jsd, by ``backend=`` name (``contract.JsdBackend``; "auto" resolves
+#: to one of them, ``ops.common.dispatch.resolve_backend``). Triton's is made on first use
+#: (its module needs the optional package).
+BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
+use_backends(BACKENDS)
 
 
 def jsd(
@@ -100,12 +117,11 @@ def jsd(
         opts = dataclasses.replace(opts, ignore_index=-1)
     else:
         _validate.check_target(target, lead, "the leading dimensions of the logits")
-    if backend not in BACKENDS:  # the rest is checked inside the op (no import under compile)
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    impl = resolve_backend(backend, student_logits.device, student_logits.dtype)
     zs = student_logits.reshape(-1, v)
     zt = teacher_logits.reshape(-1, v)
     flat_target = target.reshape(-1).long()
-    loss_tok, _ = jsd_forward_op(zs, zt, flat_target, *opts.args(), memory_budget, backend)
+    loss_tok, *_ = jsd_forward_eager(zs, zt, flat_target, *opts.args(), memory_budget, impl)
     loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
     return loss.reshape(lead) if reduction == "none" else loss
 

@@ -241,12 +241,12 @@ class TritonBackend:
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: LinearPlan, *,
                 need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False) -> LceForward:
+                need_db: bool = False, dw_fp32: bool = False) -> LceForward:
         need_smooth = opts.needs_smooth_sum
         if config.grad_in_forward:  # the loss from the formulas, the gradients for a unit upstream one
             stats, grads = self.grad_in_forward(x, weight, bias, target, class_weight, opts, plan=config,
                                                 need_smooth=need_smooth, need_argmax=need_argmax, need_dx=need_dx,
-                                                need_dw=need_dw, need_db=need_db)
+                                                need_dw=need_dw, need_db=need_db, dw_fp32=dw_fp32)
             loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
             return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t, None, grads)
         if not loss:

@@ -9,11 +9,28 @@ from torch import Tensor
 
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
+from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.dispatch import resolve_backend
 from logitless.ops.common.module_form import ModuleForm
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
 
-from .custom_op import lp_forward
+from .contract import LpBackend
+from .custom_op import lp_forward_eager, use_backends
+from .torch_backend import TorchBackend
+
+
+def _triton() -> LpBackend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+#: The implementations of log_probs, by ``backend=`` name (``contract.LpBackend``; "auto"
+#: resolves to one of them, ``ops.common.dispatch.resolve_backend``); each runs the
+#: truncated and batch-invariant calls too (a Config of theirs, ``contract.Blocks``).
+#: Triton's is made on first use (its module needs the optional package).
+BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
+use_backends(BACKENDS)
 
 
 def log_probs(
@@ -52,9 +69,9 @@ def log_probs(
         top_k, top_p, min_p: the distribution vLLM samples from, as in
             ``linear_log_probs`` (numbers or per-token tensors; off: 0/None, 1, 0).
         batch_invariant: per-token outputs bitwise the same whatever the batch.
-            With either, plain torch ops on blocks of 64 rows differentiated by
-            autograd (``ops.log_probs.truncation``; any backend name): a few passes
-            over the logits and about 3x the logits in fp32 kept for the backward.
+            With either, plain torch ops on blocks of 64 rows (``ops.log_probs.truncation``,
+            a Config of either backend): a few passes over the logits, nothing of
+            their size kept for the backward.
 
     Returns:
         logp (fp32, tokens' shape), or ``(logp, entropy)`` with ``entropy=True``.
@@ -80,21 +97,20 @@ def log_probs(
     if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
             or min_p != 0.0:
         trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_tokens = tokens.reshape(-1).long()
     if trunc is not None or batch_invariant is not False:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-        from .truncation import lp_truncated_forward_eager
-
         k, p, mp, k_max = (trunc.top_k, trunc.top_p, trunc.min_p, -1 if trunc.k_max is None else trunc.k_max) \
             if trunc is not None else (None, None, None, 0)
-        logp, ent, _, _ = lp_truncated_forward_eager(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long(),
-                                                     k, p, mp, *opts.args(), k_max, batch_invariant)
-        logp = logp.reshape(tokens.shape)
-        return (logp, ent.reshape(tokens.shape)) if opts.entropy else logp
-    flat = logits.reshape(-1, logits.shape[-1])
-    if impl == "torch" and flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    logp, ent, _ = lp_forward(flat, tokens.reshape(-1).long(), *opts.args(), impl, DEFAULT_MEMORY_BUDGET)
+        logp, ent, *_ = lp_forward_eager(flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, k, p, mp,
+                                         k_max, batch_invariant)
+    else:
+        if impl == "torch" and flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        logp, ent, *_ = lp_forward_eager(flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, None, None,
+                                         None, 0, False)
     logp = logp.reshape(tokens.shape)
     if not opts.entropy:
         return logp

@@ -1,23 +1,33 @@
-"""Pure-PyTorch backend of log_probs: rows in chunks (``planning.plans.ce_torch_plan``
+"""Pure-PyTorch backend of log_probs: rows in chunks (``plan``: ``planning.plans.ce_torch_plan``
 sizes them within the budget), each upcast to the compute dtype once. Forward: one
 pass of ``formulas.log_probs.online_update`` over the chunk's full rows. Backward:
-``formulas.log_probs.dlogits_`` on the recomputed chunk, written into ``out``."""
+``formulas.log_probs.dlogits_`` on the recomputed chunk, written into a new tensor.
+Truncated or batch-invariant calls run ``truncation.py`` (``contract.Blocks``)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
-from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_
+from logitless.formulas.log_probs import (
+    LogProbStats,
+    dlogits_,
+    finish,
+    grad_coefficients,
+    online_update,
+    scaled_logits_,
+    token_outputs,
+)
+from logitless.formulas.truncation import Truncation
+from logitless.ops.common.contract import ConfigCodec
 from logitless.options import LogProbOptions
 from logitless.planning.plans import ce_torch_plan
 
-
-def _rows(logits: Tensor, budget: int) -> int:
-    cd = compute_dtype(logits.dtype)
-    n, v = logits.shape
-    return ce_torch_plan(n, v, torch.finfo(cd).bits // 8, budget)
+from . import truncation as blocked
+from .contract import Blocks, LpForward, TorchConfig
 
 
 def _scaled(chunk: Tensor, opts: LogProbOptions) -> Tensor:
@@ -25,33 +35,62 @@ def _scaled(chunk: Tensor, opts: LogProbOptions) -> Tensor:
     return scaled_logits_(apply_softcap(a, opts.softcap, inplace=True), opts)
 
 
-def forward(logits: Tensor, tokens: Tensor, opts: LogProbOptions, *, budget: int) -> LogProbStats:
-    n, v = logits.shape
-    cd = compute_dtype(logits.dtype)
-    lse = torch.empty(n, dtype=cd, device=logits.device)
-    tgt = torch.empty(n, dtype=cd, device=logits.device)
-    ent = torch.empty(n, dtype=cd, device=logits.device) if opts.entropy else None
-    rows = _rows(logits, budget)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        a = _scaled(logits[n0:n1], opts)
-        t = tokens[n0:n1]
-        tgt[n0:n1] = a.gather(1, t.clamp(0, v - 1)[:, None])[:, 0]
-        m = torch.full((n1 - n0,), float("-inf"), dtype=cd, device=logits.device)
-        zero = torch.zeros_like(m)
-        m, s, u = online_update(a, m, zero, zero.clone() if opts.entropy else None)
-        lse[n0:n1], e = finish(m, s, u)
-        if opts.entropy:
-            ent[n0:n1] = e
-    return LogProbStats(lse=lse, target=tgt, entropy=ent)
+class TorchBackend:
+    """backend="torch" (``contract.LpBackend``): any device, fp64 too; its Config
+    (``contract.TorchConfig``) holds the rows per chunk or the truncated path's blocks."""
 
+    name = "torch"
+    codec = ConfigCodec(TorchConfig)
 
-def backward(logits: Tensor, tokens: Tensor, opts: LogProbOptions, lse: Tensor, coef: Tensor, out: Tensor, *,
-             budget: int) -> None:
-    n, _ = logits.shape
-    cd = compute_dtype(logits.dtype)
-    lse, coef = lse.to(cd), coef.to(cd)
-    rows = _rows(logits, budget)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        out[n0:n1] = dlogits_(_scaled(logits[n0:n1], opts), lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], 0, opts)
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
+             batch_invariant: bool) -> TorchConfig:
+        if truncated or batch_invariant:
+            return TorchConfig(blocks=Blocks(blocked.ROWS, batch_invariant))
+        n, v = logits.shape
+        return TorchConfig(rows=ce_torch_plan(n, v, torch.finfo(compute_dtype(logits.dtype)).bits // 8, budget))
+
+    def forward(self, logits: Tensor, tokens: Tensor, truncation: Optional[Truncation], opts: LogProbOptions,
+                config: TorchConfig) -> LpForward:
+        if config.blocks is not None:
+            return blocked.forward(logits, tokens, truncation, opts, config.blocks)
+        n, v = logits.shape
+        cd = compute_dtype(logits.dtype)
+        lse = torch.empty(n, dtype=cd, device=logits.device)
+        tgt = torch.empty(n, dtype=cd, device=logits.device)
+        ent = torch.empty(n, dtype=cd, device=logits.device) if opts.entropy else None
+        rows = config.rows
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            a = _scaled(logits[n0:n1], opts)
+            t = tokens[n0:n1]
+            tgt[n0:n1] = a.gather(1, t.clamp(0, v - 1)[:, None])[:, 0]
+            m = torch.full((n1 - n0,), float("-inf"), dtype=cd, device=logits.device)
+            zero = torch.zeros_like(m)
+            m, s, u = online_update(a, m, zero, zero.clone() if opts.entropy else None)
+            lse[n0:n1], e = finish(m, s, u)
+            if opts.entropy:
+                ent[n0:n1] = e
+        stats = LogProbStats(lse=lse, target=tgt, entropy=ent)
+        logp, entropy = token_outputs(stats, tokens, v, opts)
+        return LpForward(logp, entropy, lse)
+
+    def backward(self, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
+                 logp: Optional[Tensor], entropy: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
+                 config: TorchConfig) -> Tensor:
+        if config.blocks is not None:
+            return blocked.backward(grad_logp, grad_entropy, logits, tokens, logp, entropy, lse, tau, opts,
+                                    config.blocks)
+        n, v = logits.shape
+        out = torch.empty_like(logits)
+        coef = grad_coefficients(entropy if opts.entropy else None, tokens, grad_logp,
+                                 grad_entropy if opts.entropy else None, v, opts, lse)
+        cd = compute_dtype(logits.dtype)
+        lse, coef = lse.to(cd), coef.to(cd)
+        rows = config.rows
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            out[n0:n1] = dlogits_(_scaled(logits[n0:n1], opts), lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], 0, opts)
+        return out

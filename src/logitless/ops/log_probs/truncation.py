@@ -1,6 +1,7 @@
 """log_probs (from logits) with truncated sampling (top-k / top-p / min-p,
 ``formulas.truncation``) and/or ``batch_invariant=True``: plain torch ops on blocks of
-rows inside two custom ops (``SPEC``: fixed output shapes, so torch.compile(fullgraph=True)
+rows, what every backend runs when its Config holds ``contract.Blocks`` (the same custom
+ops as the untruncated path: fixed output shapes, so torch.compile(fullgraph=True)
 traces them; the host syncs of the thresholds run inside). The forward also returns each
 row's tau and kept-set lse; the backward is the untruncated op's d(logits) formula
 (``formulas.log_probs.dlogits_``) on the kept columns, block by block, with no search.
@@ -9,10 +10,10 @@ Each block: a = logits / T in the compute dtype; tau per row from its candidates
 (``formulas.truncation.resolve``, more candidates for the rows it leaves open); the
 kept logits' logsumexp, log p at the token (-inf outside the kept set, with no
 gradient there) and the truncated entropy. With ``batch_invariant`` the blocks have a
-fixed number of rows (``ROWS``, the last one padded), so a row's bits do not depend
-on the batch. Memory: nothing is kept between forward and backward but the inputs and
-O(rows) statistics; each pass holds a few fp32 (ROWS x V) tiles. Time: the forward a few
-passes over the logits (the candidates' top-k), the backward one.
+fixed number of rows (``Blocks.rows``, ``ROWS``; the last one padded), so a row's bits
+do not depend on the batch. Memory: nothing is kept between forward and backward but the
+inputs and O(rows) statistics; each pass holds a few fp32 (ROWS x V) tiles. Time: the
+forward a few passes over the logits (the candidates' top-k), the backward one.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import dlogits_, grad_coefficients
-from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, check_values, resolve
-from logitless.ops.common.spec import OpSpec, build, options, scalar, tensor
-from logitless.ops.common.validate import check_targets_in_range
+from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, resolve
 from logitless.options import LogProbOptions
 
-#: Rows per block (a fixed shape with batch_invariant=True).
+from .contract import Blocks, LpForward
+
+#: Rows per block (a fixed shape with batch_invariant=True): the backends' ``plan``.
 ROWS = 64
 
 
@@ -82,17 +83,18 @@ def _block(z: Tensor, tokens: Tensor, trunc: Optional[Truncation], temperature: 
     return lp, ent, lse[:, 0], tau
 
 
-def log_probs_truncated(logits: Tensor, tokens: Tensor, trunc: Optional[Truncation], temperature: float,
-                        ignore_index: int, entropy: bool, batch_invariant: bool):
-    """(logp, entropy or None, lse, tau) of logits (N, V), tokens (N,) int64; lse (N,) the
-    kept set's, tau (N,) its threshold (-inf: nothing truncated)."""
+def forward(logits: Tensor, tokens: Tensor, trunc: Optional[Truncation], opts: LogProbOptions,
+            blocks: Blocks) -> LpForward:
+    """logp, entropy (None without ``opts.entropy``), lse (N,) the kept set's and tau (N,)
+    its threshold (-inf: nothing truncated) of logits (N, V), tokens (N,) int64."""
     n = logits.shape[0]
+    rows, temperature, ignore_index, entropy = blocks.rows, opts.temperature, opts.ignore_index, opts.entropy
     lps, ents, lses, taus = [], [], [], []
-    for n0 in range(0, n, ROWS):
-        n1 = min(n, n0 + ROWS)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
         z, t = logits[n0:n1], tokens[n0:n1]
         tr = trunc.rows(slice(n0, n1)) if trunc is not None else None
-        pad = ROWS - (n1 - n0) if batch_invariant else 0
+        pad = rows - (n1 - n0) if blocks.padded else 0
         if pad:
             z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
             t = torch.cat([t, t.new_full((pad,), ignore_index)])
@@ -106,80 +108,25 @@ def log_probs_truncated(logits: Tensor, tokens: Tensor, trunc: Optional[Truncati
         taus.append(tau[:n1 - n0])
         if entropy:
             ents.append(ent[:n1 - n0])
-    cd = compute_dtype(logits.dtype)
-    if n == 0:
-        empty = logits.new_zeros(0, dtype=cd)
-        return empty, (empty if entropy else None), empty, empty
-    return torch.cat(lps), (torch.cat(ents) if entropy else None), torch.cat(lses), torch.cat(taus)
+    return LpForward(torch.cat(lps), (torch.cat(ents) if entropy else None), torch.cat(lses), torch.cat(taus))
 
 
-def _forward(logits: Tensor, tokens: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor],
-             min_p: Optional[Tensor], opts: LogProbOptions, k_max: int, batch_invariant: bool):
-    """logits (N, V), tokens (N,) int64, the per-token truncation (None: none) -> logp
-    (N,), entropy (N,) or (0,), the kept set's lse (N,) and tau (N,) (the backward's)."""
-    check_targets_in_range(tokens, logits.shape[1], opts.ignore_index, name="tokens")
-    trunc = None
-    if top_k is not None:
-        if logits.device.type == "cpu":
-            check_values(top_k, top_p, min_p)
-        trunc = Truncation(top_k, top_p, min_p, k_max if k_max >= 0 else None)
-    logp, ent, lse, tau = log_probs_truncated(logits, tokens, trunc, opts.temperature, opts.ignore_index,
-                                              opts.entropy, batch_invariant)
-    return logp, ent if ent is not None else logp.new_empty(0), lse, tau
-
-
-def _forward_fake(logits, tokens, top_k, top_p, min_p, opts, k_max, batch_invariant):
-    n = logits.shape[0]
-    sd = compute_dtype(logits.dtype)
-    return (logits.new_empty(n, dtype=sd), logits.new_empty(n if opts.entropy else 0, dtype=sd),
-            logits.new_empty(n, dtype=sd), logits.new_empty(n, dtype=sd))
-
-
-def _backward(grad_logp, grad_entropy, logits, tokens, logp, entropy_out, lse, tau, opts: LogProbOptions) -> Tensor:
-    """d / d logits, ROWS rows at a time: ``dlogits_`` of the untruncated op over the kept
-    columns (a >= tau; the others -inf, so p = 0 there) with the kept set's lse; log p =
-    -inf outside the set is piecewise constant (no gradient from it)."""
+def backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
+             logp: Tensor, entropy_out: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
+             blocks: Blocks) -> Tensor:
+    """d / d logits, ``blocks.rows`` rows at a time: ``dlogits_`` of the untruncated op over
+    the kept columns (a >= tau; the others -inf, so p = 0 there) with the kept set's lse;
+    log p = -inf outside the set is piecewise constant (no gradient from it)."""
     n, v = logits.shape
+    rows = blocks.rows
     if grad_logp is not None:
         grad_logp = torch.where(torch.isinf(logp), torch.zeros_like(grad_logp), grad_logp)
     g_h = grad_entropy if opts.entropy else None
     coef = grad_coefficients(entropy_out if opts.entropy else None, tokens, grad_logp, g_h, v, opts, lse)
     out = torch.empty_like(logits)
-    for n0 in range(0, n, ROWS):
-        n1 = min(n, n0 + ROWS)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
         a = logits[n0:n1].to(lse.dtype) / opts.temperature
         a.masked_fill_(a < tau[n0:n1, None], -math.inf)
         out[n0:n1] = dlogits_(a, lse[n0:n1], coef[:, n0:n1], tokens[n0:n1], 0, opts)
     return out
-
-
-def _backward_fake(grad_logp, grad_entropy, logits, *_):
-    return torch.empty_like(logits)
-
-
-_TRUNC = (tensor("top_k", True), tensor("top_p", True), tensor("min_p", True))
-_TAIL = (options("opts", LogProbOptions), scalar("k_max", int), scalar("batch_invariant", bool))
-
-#: logitless::lp_truncated_forward(logits, tokens, top_k, top_p, min_p, <options>, k_max (-1:
-#: read from top_k), batch_invariant) -> logp, entropy, lse, tau; logitless::lp_truncated_backward(grad_logp,
-#: grad_entropy, logits, tokens, logp, entropy, lse, tau, <options>) -> d / d logits. Fixed output shapes.
-SPEC = OpSpec(
-    op="log_probs",
-    name="lp_truncated_forward",
-    forward=(tensor("logits"), tensor("tokens"), *_TRUNC, *_TAIL),
-    outputs=("logp", "entropy_out", "lse", "tau"),
-    forward_impl=_forward,
-    forward_fake=_forward_fake,
-    backward_name="lp_truncated_backward",
-    backward=(tensor("grad_logp", True), tensor("grad_entropy", True), tensor("logits"), tensor("tokens"),
-              tensor("logp"), tensor("entropy_out"), tensor("lse"), tensor("tau"), options("opts", LogProbOptions)),
-    backward_impl=_backward,
-    backward_fake=_backward_fake,
-    grads=("grad_logp", "grad_entropy"),
-    grad_inputs=("logits",),
-    skip_if_no_grads=True,
-)
-
-_built = build(SPEC)
-lp_truncated_forward, lp_truncated_backward = _built.forward_op, _built.backward_op
-lp_truncated_forward_eager = _built.eager

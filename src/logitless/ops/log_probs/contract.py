@@ -1,0 +1,91 @@
+"""The contract of a log_probs backend (logits the caller holds): what each one plans,
+returns and receives.
+
+Every backend (``TorchBackend``, ``TritonBackend``: one class each, listed in
+``api.BACKENDS``) is an ``LpBackend``. Per call, in this order:
+
+    config = backend.plan(logits, opts, budget=..., truncated=..., batch_invariant=...)  # once
+    out = backend.forward(logits, tokens, truncation, opts, config)                    # LpForward
+    dz = backend.backward(grad_logp, grad_entropy, logits, tokens, out.logp, out.entropy,
+                          out.lse, out.tau, opts, config)
+
+``logits`` (N, V) with N > 0 (the custom ops answer N = 0 themselves). ``truncated``: the
+call has top-k / top-p / min-p (``truncation``, a ``formulas.truncation.Truncation``, else
+None); with it or ``batch_invariant`` the Config holds ``Blocks``: plain torch ops on
+blocks of rows (``truncation.py``, shared by the backends), else the backend's own
+streaming plan. ``config`` is the backend's frozen Config (``TorchConfig``,
+``TritonConfig``): the backward gets the forward's, never a new one, and it crosses the
+custom ops as ``backend.codec`` encodes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Protocol
+
+from torch import Tensor
+
+from logitless.formulas.truncation import Truncation
+from logitless.ops.common.contract import Backend
+from logitless.options import LogProbOptions
+from logitless.planning.plans import CETritonPlan
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The truncated and batch-invariant path (``truncation.py``): blocks of ``rows`` rows,
+    the last one padded to ``rows`` when ``padded`` (batch_invariant: a row's bits do not
+    depend on the batch)."""
+
+    rows: int
+    padded: bool
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """The torch backend's rows per chunk (``planning.plans.ce_torch_plan`` of the budget;
+    the forward's and the backward's), or the blocks of the truncated path."""
+
+    rows: int = 0
+    blocks: Optional[Blocks] = None
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The Triton backend's tiles (``planning.plans.ce_triton_plan``; the forward's and the
+    backward's), or the blocks of the truncated path."""
+
+    tiles: Optional[CETritonPlan] = None
+    blocks: Optional[Blocks] = None
+
+
+class LpForward(NamedTuple):
+    """What a backend's ``forward`` returns, per token in the compute dtype: log p at the
+    token, the entropy (None without ``opts.entropy``), the lse (on the truncated path
+    the kept set's) and ``tau`` (the truncated path's threshold per row, -inf: nothing
+    truncated; else None)."""
+
+    logp: Tensor
+    entropy: Optional[Tensor]
+    lse: Tensor
+    tau: Optional[Tensor] = None
+
+
+class LpBackend(Backend, Protocol):
+    """One backend of log_probs (module docstring)."""
+
+    def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
+             batch_invariant: bool) -> Any:
+        """The call's Config."""
+        ...
+
+    def forward(self, logits: Tensor, tokens: Tensor, truncation: Optional[Truncation], opts: LogProbOptions,
+                config: Any) -> LpForward:
+        ...
+
+    def backward(self, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
+                 logp: Optional[Tensor], entropy: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
+                 config: Any) -> Tensor:
+        """d / d logits (N, V), a new tensor in the logits' dtype. ``logp``: the forward's
+        on the truncated path (where it is -inf no gradient flows), else None."""
+        ...
