@@ -493,7 +493,7 @@ def _ljsd_opcheck(backend):
     yield custom_op("linear_jsd_forward"), fwd, None
     _, stats, config, *_ = custom_op("linear_jsd_forward")(*fwd)  # (config: the backend's encoded Config)
     bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
-           stats.detach(), config) + options + (True, True, True)
+           stats.detach(), config) + options[:7] + (backend, True, True, True)  # (no budget: the Config's)
     yield custom_op("linear_jsd_backward"), bwd, None
 
 

@@ -26,25 +26,25 @@ from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.module_form import ModuleForm
 from logitless.options import JSDOptions, VocabParallelOptions
 
-from .contract import JsdBackend
+from .contract import LjsdBackend
 from .custom_op import linear_jsd_forward_eager, use_backends
 from .torch_backend import TorchBackend
 
 
-def _triton() -> JsdBackend:
+def _triton() -> LjsdBackend:
     from .triton_backend import TritonBackend
     from .triton_grad_in_forward import forward_with_grad
 
     return TritonBackend(grad_in_forward=forward_with_grad)
 
 
-def _helion() -> JsdBackend:
+def _helion() -> LjsdBackend:
     from .helion_backend import HelionBackend
 
     return HelionBackend(BACKENDS)
 
 
-#: The implementations of linear_jsd, by ``backend=`` name (``contract.JsdBackend``; "auto"
+#: The implementations of linear_jsd, by ``backend=`` name (``contract.LjsdBackend``; "auto"
 #: resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and Helion's
 #: are made on first use (their modules need the optional packages).
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)

@@ -1,11 +1,11 @@
 """The contract of a linear_jsd backend: what each one plans, returns and receives.
 
 Every backend (``TorchBackend``, ``TritonBackend``, ``HelionBackend``: one class each, listed
-in ``api.BACKENDS``) is a ``JsdBackend``. Per call, in this order:
+in ``api.BACKENDS``) is a ``LjsdBackend``. Per call, in this order:
 
     config = backend.plan(xs, ws, xt, opts, budget=..., grad_in_forward=...)     # once
     out = backend.forward(xs, ws, bs, xt, wt, bt, target, opts, config,
-                          reduction=..., need_dx=..., ...)                        # JsdForward
+                          reduction=..., need_dx=..., ...)                        # LjsdForward
     g = backend.upstream(grad_loss, target, ignore_index, reduction)              # (N,)
     dx, dw, db = backend.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, config, ...)
 
@@ -74,7 +74,7 @@ class HelionConfig:
     triton: Optional[TritonConfig] = None
 
 
-class JsdForward(NamedTuple):
+class LjsdForward(NamedTuple):
     """What a backend's ``forward`` returns.
 
     stats: the (6, N) statistics of ``formulas.jsd``, fp32 (fp64 for fp64);
@@ -88,7 +88,7 @@ class JsdForward(NamedTuple):
     grads: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = None
 
 
-class JsdBackend(Backend, Protocol):
+class LjsdBackend(Backend, Protocol):
     """One backend of linear_jsd (module docstring)."""
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
@@ -99,7 +99,7 @@ class JsdBackend(Backend, Protocol):
 
     def forward(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
                 target: Tensor, opts: JSDOptions, config: Any, *, reduction: Optional[str] = None,
-                need_dx: bool = False, need_dw: bool = False, need_db: bool = False) -> JsdForward:
+                need_dx: bool = False, need_dw: bool = False, need_db: bool = False) -> LjsdForward:
         ...
 
     def upstream(self, grad: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:

@@ -5,7 +5,7 @@
         grad_in_forward, need_dx, need_dw, need_db, <vocab parallel>)
         -> loss (per token (N,) for "none"), statistics (6, N), config, gx, gw, gb
     logitless::linear_jsd_backward(grad_loss, <the forward's tensors>, stats, config, <options>,
-        reduction, budget, backend, need_dx, need_dw, need_db, <vocab parallel>)
+        reduction, backend, need_dx, need_dw, need_db, <vocab parallel>)
         -> the student's dx, dW, db
 
 (the schemas, written out: ``FORWARD_SCHEMA``, ``BACKWARD_SCHEMA``). ``<options>`` are the
@@ -13,7 +13,7 @@ fields of ``JSDOptions`` under their own names; ``<vocab parallel>`` those of
 ``VocabParallelOptions`` (tp_group, vocab_size, partial_dx): with a ``tp_group`` both
 weights are this rank's blocks of rows of vocab-parallel heads (``vocab_parallel``).
 ``backend`` names an entry of the table ``api.BACKENDS`` (given here by ``use_backends``),
-a ``JsdBackend`` (``contract``). Validation, autocast casts and the reshapes are plain
+a ``LjsdBackend`` (``contract``). Validation, autocast casts and the reshapes are plain
 Python/torch around the ops (``api.py``), so ``fullgraph=True`` works.
 
 The forward plans the call ONCE (``backend.plan``: the backend's frozen Config); the
@@ -55,33 +55,34 @@ from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions, VocabParallelOptions
 
-from .contract import JsdBackend
+from .contract import LjsdBackend
 
 OP = "linear_jsd"
 
 HEADS_SCHEMA = ("Tensor student_x, Tensor student_weight, Tensor? student_bias, Tensor teacher_x, "
                 "Tensor teacher_weight, Tensor? teacher_bias, Tensor target")
 OPTIONS_SCHEMA = ("float beta, float temperature, SymInt ignore_index, float? student_softcap, "
-                  "float? teacher_softcap, float hard_label_weight, str reduction, SymInt budget, str backend")
+                  "float? teacher_softcap, float hard_label_weight, str reduction")
 TP_SCHEMA = 'str tp_group="", SymInt vocab_size=-1, bool partial_dx=False'
 FORWARD_SCHEMA = (
-    f"({HEADS_SCHEMA}, {OPTIONS_SCHEMA}, bool grad_in_forward=False, bool need_dx=False, bool need_dw=False, "
-    f"bool need_db=False, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    f"({HEADS_SCHEMA}, {OPTIONS_SCHEMA}, SymInt budget, str backend, bool grad_in_forward=False, "
+    f"bool need_dx=False, bool need_dw=False, bool need_db=False, {TP_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 BACKWARD_SCHEMA = (
-    f"(Tensor grad_loss, {HEADS_SCHEMA}, Tensor stats, Tensor config, {OPTIONS_SCHEMA}, bool need_dx, "
-    f"bool need_dw, bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+    f"(Tensor grad_loss, {HEADS_SCHEMA}, Tensor stats, Tensor config, {OPTIONS_SCHEMA}, str backend, "
+    f"bool need_dx, bool need_dw, bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor)"
 )
 #: The forward's arguments: 16, then 7 defaulted ones (grad_in_forward, the need flags,
 #: ``<vocab parallel>``), which a compiled graph may leave out.
 _NUM_INPUTS = 23
 _DEFAULTS = (False, False, False, False, "", -1, False)
 
-#: backend name -> JsdBackend: ``api.BACKENDS``, given once at import (``use_backends``).
-BACKENDS: Mapping[str, JsdBackend] = {}
+#: backend name -> LjsdBackend: ``api.BACKENDS``, given once at import (``use_backends``).
+BACKENDS: Mapping[str, LjsdBackend] = {}
 
 
-def use_backends(table: Mapping[str, JsdBackend]) -> None:
+def use_backends(table: Mapping[str, LjsdBackend]) -> None:
     """The table of backends the custom ops run (``api.BACKENDS``)."""
     global BACKENDS
     BACKENDS = table
@@ -164,11 +165,12 @@ def _backward_impl(grad_loss: Tensor, student_x: Tensor, student_weight: Tensor,
                    teacher_x: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor], target: Tensor,
                    stats: Tensor, config, beta: float, temperature: float, ignore_index: int,
                    student_softcap: Optional[float], teacher_softcap: Optional[float], hard_label_weight: float,
-                   reduction: str, budget: int, backend: str, need_dx: bool, need_dw: bool, need_db: bool,
+                   reduction: str, backend: str, need_dx: bool, need_dw: bool, need_db: bool,
                    tp_group: str = "", vocab_size: int = -1, partial_dx: bool = False):
     """(dx, dW, db) of the student; a size-0 tensor for each one not asked for.
     ``grad_loss``: the gradient of the forward's (reduced) loss; the backend turns it into
-    the per-token upstream gradient. ``config``: the forward's (the object, or its encoding)."""
+    the per-token upstream gradient. ``config``: the forward's (the object, or its encoding;
+    its chunks are the budget's)."""
     xs, ws, bs = student_x, student_weight, student_bias
     need_db = need_db and bs is not None
     if xs.shape[0] == 0:
@@ -193,7 +195,7 @@ def _backward_impl(grad_loss: Tensor, student_x: Tensor, student_weight: Tensor,
 
 
 def _backward_fake(grad_loss, student_x, student_weight, student_bias, *rest):
-    need_dx, need_dw, need_db = rest[15:18]
+    need_dx, need_dw, need_db = rest[14:17]
     return fake_grad_outputs(student_x, student_weight, student_bias, need_dx, need_dw,
                              need_db and student_bias is not None)
 
@@ -214,7 +216,7 @@ def _setup_context(ctx, inputs, output):
         inputs = (*inputs, *_DEFAULTS[len(inputs) - 16:])
     loss, stats, config, gx, gw, gb = output
     ctx.save_for_backward(*inputs[:7], stats)
-    ctx.options = inputs[7:16]  # <options>, reduction, budget, backend
+    ctx.options = (*inputs[7:14], inputs[15])  # <options>, reduction, backend
     ctx.tp = inputs[20:]
     ctx.config = config
     ctx.forward_grads = None

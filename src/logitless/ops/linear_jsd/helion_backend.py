@@ -33,12 +33,12 @@ from logitless.ops.common import helion_choice
 from logitless.ops.common.contract import ConfigCodec
 from logitless.options import JSDOptions
 
-from .contract import HelionConfig, JsdBackend, JsdForward
+from .contract import HelionConfig, LjsdBackend, LjsdForward
 from .torch_backend import forward_loss, upstream
 
 
 class HelionBackend:
-    """backend="helion" (``contract.JsdBackend``). Its Config (``HelionConfig``) says whether
+    """backend="helion" (``contract.LjsdBackend``). Its Config (``HelionConfig``) says whether
     Helion runs the call or which backend runs in its place (that backend's Config in it),
     and the budget the kernels size their chunks by. ``others``: the backends by name
     (``api.BACKENDS``)."""
@@ -46,7 +46,7 @@ class HelionBackend:
     name = "helion"
     codec = ConfigCodec(HelionConfig)
 
-    def __init__(self, others: Mapping[str, JsdBackend]):
+    def __init__(self, others: Mapping[str, LjsdBackend]):
         self.others = others
 
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -77,7 +77,7 @@ class HelionBackend:
 
     def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: HelionConfig, *,
                 reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False) -> JsdForward:
+                need_db: bool = False) -> LjsdForward:
         """(6, N) statistics (``formulas.jsd``), fp32; the loss from the formulas."""
         def stats_of(impl, c):
             return impl.forward(xs, ws, bs, xt, wt, bt, target, opts, c).stats
@@ -89,7 +89,7 @@ class HelionBackend:
             stats = helion_choice.guarded(
                 xs.device, lambda: kernels.jsd_forward(xs, ws, bs, xt, wt, bt, target, opts, budget=config.budget),
                 lambda: stats_of(*self._failed_over(xs, ws, xt, opts, config)))
-        return JsdForward(stats, forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None)
+        return LjsdForward(stats, forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None)
 
     upstream = staticmethod(upstream)
 

@@ -25,7 +25,7 @@ from logitless.ops.common.contract import ConfigCodec
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_torch_rows, torch_plan
 
-from .contract import JsdForward, TorchConfig
+from .contract import LjsdForward, TorchConfig
 
 
 def _tile(x_c: Tensor, w: Tensor, b: Optional[Tensor], v0: int, v1: int, cap, cd) -> Tensor:
@@ -146,7 +146,7 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
 
 
 class TorchBackend:
-    """backend="torch" (``contract.JsdBackend``): any device, fp64 too; its Config
+    """backend="torch" (``contract.LjsdBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds every chunk size of the call."""
 
     name = "torch"
@@ -168,9 +168,9 @@ class TorchBackend:
 
     def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TorchConfig, *,
                 reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False) -> JsdForward:
+                need_db: bool = False) -> LjsdForward:
         stats = forward(xs, ws, bs, xt, wt, bt, target, opts, config)
-        return JsdForward(stats, forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None)
+        return LjsdForward(stats, forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None)
 
     upstream = staticmethod(upstream)
     backward = staticmethod(backward)

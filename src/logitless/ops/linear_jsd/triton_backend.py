@@ -55,7 +55,7 @@ from logitless.triton_lib import linear_jsd_kernels as K
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream
 from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
 
-from .contract import JsdForward, TritonConfig
+from .contract import LjsdForward, TritonConfig
 
 
 def _operands(xs, ws, xt, wt, tiles):
@@ -220,7 +220,7 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
 
 
 class TritonBackend:
-    """backend="triton" (``contract.JsdBackend``): its Config (``TritonConfig``) holds the
+    """backend="triton" (``contract.LjsdBackend``): its Config (``TritonConfig``) holds the
     chunks and tiles of the call, the fused forward's choice and the gradient-in-forward
     chunk. ``grad_in_forward``: the strategy that runs when the Config chose it
     (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
@@ -247,7 +247,7 @@ class TritonBackend:
 
     def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig, *,
                 reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False) -> JsdForward:
+                need_db: bool = False) -> LjsdForward:
         """The statistics, the loss (one launch, ``jsd_epilogue``) and, when the Config chose
         the gradient-in-forward strategy, the student's gradients for a unit upstream one."""
         grads = None
@@ -257,7 +257,7 @@ class TritonBackend:
         else:
             stats = _forward(xs, ws, bs, xt, wt, bt, target, opts, config)
         loss = forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None
-        return JsdForward(stats, loss, grads)
+        return LjsdForward(stats, loss, grads)
 
     upstream = staticmethod(upstream)
     backward = staticmethod(backward)
