@@ -156,7 +156,7 @@ def test_launch_drops_stages_when_shared_memory_is_short():
     the launch) is retried with fewer stages, and what fit is remembered per flags."""
     from triton.runtime.errors import OutOfResources
 
-    from logitless.triton_lib import launch
+    from logitless.triton_lib import fast_launch
 
     calls = []
 
@@ -170,7 +170,7 @@ def test_launch_drops_stages_when_shared_memory_is_short():
 
     k = FakeKernel()
     for flag in (True, True, False):
-        launch.launch_kernel(k, (1,), 0, num_stages=3, FLAG=flag)
+        fast_launch.run_kernel(k, (1,), 0, num_stages=3, FLAG=flag)
     assert calls == [(3, True), (2, True), (2, True), (3, False)]
 
 

@@ -1,7 +1,9 @@
 """Launches of the Triton kernels, and the one place that relies on Triton's internals.
 
     run_kernel   ``kernel[grid](*args, **kwargs)``; repeated launches of one launch key
-                 call the cached compiled kernel directly
+                 call the cached compiled kernel directly; a first launch whose tiles'
+                 pipeline does not fit the shared memory retries with fewer stages
+    public_launch  ``kernel[grid](*args, **kwargs)`` (numpy's warnings off on the interpreter)
     descriptor   ``TensorDescriptor(base, shape, strides, block_shape)``, validated once
                  per layout
 
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 import triton
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -171,6 +174,35 @@ def public_launch(kernel, grid, *args, **kwargs):
     return kernel[grid](*args, **kwargs)
 
 
+#: (id of the kernel (a module-level object), requested num_stages, constexpr flags) ->
+#: the num_stages that fit this GPU's shared memory.
+_STAGES_THAT_FIT: dict = {}
+
+
+def _fitting_launch(kernel, grid, args: tuple, kwargs: dict):
+    """``public_launch``; if the tiles' pipeline does not fit the GPU's shared memory
+    (Triton's OutOfResources, raised on the host before the launch), again with fewer
+    ``num_stages``, remembering what fit. No device sync."""
+    num_stages = kwargs.get("num_stages")
+    if num_stages is None:
+        return public_launch(kernel, grid, *args, **kwargs)
+    # The constexprs (upper-case keywords) in call order: a call site passes them in one
+    # order, so no sort is needed (another order only makes another entry).
+    key = (id(kernel), num_stages, *[(k, v) for k, v in kwargs.items() if k.isupper()])
+    stages = _STAGES_THAT_FIT.get(key, num_stages)
+    while True:
+        try:
+            out = public_launch(kernel, grid, *args, **(kwargs if stages == num_stages
+                                                          else {**kwargs, "num_stages": stages}))
+            if stages != num_stages:
+                _STAGES_THAT_FIT[key] = stages
+            return out
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+
+
 def run_kernel(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``: the same compiled kernel, launched the same way
     (Triton's launcher: tensor-map descriptors filled, launch hooks called, on the
@@ -180,9 +212,13 @@ def run_kernel(kernel, grid, *args, **kwargs):
     the compiled kernel; later ones call it directly. Triton settings that
     ``JITFunction.run`` reads per launch (TRITON_DEBUG, the instrumentation mode) count
     as of a key's first launch. Without ``ENABLED`` (module docstring), for the
-    interpreter, other kernel objects and callable grids: ``kernel[grid]``."""
+    interpreter, other kernel objects and callable grids: ``kernel[grid]``. A launch
+    through ``kernel[grid]`` retries with fewer ``num_stages`` where the requested ones
+    do not fit (``_fitting_launch``); the key's compiled kernel is then the one that fit."""
     if not (ENABLED and type(kernel) is JITFunction and type(grid) is tuple):
         LAUNCHES["triton"] += 1
+        if "num_stages" in kwargs:
+            return _fitting_launch(kernel, grid, args, kwargs)
         return public_launch(kernel, grid, *args, **kwargs)
     device = torch.cuda.current_device()
     try:
@@ -192,7 +228,7 @@ def run_kernel(kernel, grid, *args, **kwargs):
         key = entry = None
     if entry is None:
         LAUNCHES["triton"] += 1
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = _fitting_launch(kernel, grid, args, kwargs)
         tail = tuple((p.name, p.default) for p in list(kernel.signature.parameters.values())[len(args):])
         if (key is not None and hasattr(compiled, "packed_metadata")
                 and all(name in kwargs or default is not _NO_DEFAULT for name, default in tail)):

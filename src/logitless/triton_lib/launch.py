@@ -2,9 +2,8 @@
 
     tf32_allowed / dot_precision   fp32 operands follow torch's matmul precision
     run_kernel                     kernel[grid](...), repeated launches through the cached
-                                   compiled kernel (``triton_lib.fast_launch``)
-    launch_kernel                  a launch that retries with fewer pipeline stages
-                                   where the tiles do not fit the shared memory
+                                   compiled kernel, fewer pipeline stages where the tiles
+                                   do not fit the shared memory (``triton_lib.fast_launch``)
     operands                       TMA tensor descriptors of x and W (or the tensors)
     padded_buffer                  (n, row) buffers whose rows are padded to 16 bytes
     chunk_gradients                dW, db and dx of one chunk of d(logits) (cuBLAS)
@@ -38,7 +37,6 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from triton.runtime.errors import OutOfResources
 
 from logitless.planning import plans as _plans
 from logitless.planning import rocm as _rocm
@@ -92,31 +90,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return "interpreter-bf16"  # see gemm.dot: works around an interpreter bug
     return "tf32"  # ignored for 16-bit inputs
-
-
-#: (id of the kernel (a module-level object), requested num_stages, constexpr flags) -> num_stages that fit this GPU's
-#: shared memory.
-_STAGES_THAT_FIT: dict = {}
-
-
-def launch_kernel(kernel, grid, *args, num_stages: int, **kwargs):
-    """kernel[grid](*args, num_stages=..., **kwargs); if the tiles' pipeline does not fit
-    the GPU's shared memory (Triton's OutOfResources, raised on the host before the
-    launch), retries with fewer stages and remembers what fit. No device sync."""
-    # The constexprs (upper-case keywords) in call order: a call site passes them in one
-    # order, so no sort is needed (another order only makes another entry).
-    key = (id(kernel), num_stages, *[(k, v) for k, v in kwargs.items() if k.isupper()])
-    stages = _STAGES_THAT_FIT.get(key, num_stages)
-    while True:
-        try:
-            run_kernel(kernel, grid, *args, num_stages=stages, **kwargs)
-            if stages != num_stages:
-                _STAGES_THAT_FIT[key] = stages
-            return
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
 
 
 def padded_buffer(n: int, row: int, like: Tensor) -> Tensor:
@@ -350,7 +323,7 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
             kx, kw, k_tma, xs, ws = x_op, w_op, use_tma, x, weight
             if rounded is not None:
                 kx, kw, k_tma, xs, ws = rounded(v0, v1)
-            launch_kernel(
+            run_kernel(
                 k.kernel, (tiles,),
                 kx, kw, *k.inputs, dz_op,
                 n, v, h, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), dz.stride(0),

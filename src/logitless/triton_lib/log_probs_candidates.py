@@ -235,7 +235,7 @@ def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: in
     idx = torch.empty(splits, n, c, dtype=torch.int32, device=x.device) if indices else None
     parts = launch.partials(4, splits, n, x.device)
     if n:
-        launch.launch_kernel(
+        launch.run_kernel(
             candidates_kernel, grid, *ops, bias if bias is not None else x, tokens,
             hi if hi is not None else x, cand, idx if indices else cand, *parts, *args,
             ENTROPY=entropy, HAS_UPPER=hi is not None, IDX=indices, C=c, **flags,
@@ -263,7 +263,7 @@ def masses(x, weight, bias, plan, softcap, temperature: float, m, thr, splits=No
     cnt = torch.empty(splits, n, t, dtype=torch.int32, device=x.device)
     mass = torch.empty(splits, n, t, dtype=torch.float32, device=x.device)
     if n:
-        launch.launch_kernel(
+        launch.run_kernel(
             mass_kernel, grid, *ops, bias if bias is not None else x,
             m.to(torch.float32).contiguous(), thr.to(torch.float32).contiguous(), cnt, mass, *args, T=t, **flags,
         )

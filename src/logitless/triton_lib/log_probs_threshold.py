@@ -50,7 +50,7 @@ def scaled_logits(x: Tensor, weight: Tensor, bias, softcap, temperature: float, 
     if out is None or out.shape != (n, v1 - v0):
         out = torch.empty(n, v1 - v0, dtype=torch.float32, device=x.device)
     grid = (launch.cdiv(n, plan.block_n), launch.cdiv(v1 - v0, plan.block_v))
-    launch.launch_kernel(
+    launch.run_kernel(
         scaled_logits_kernel, grid,
         x, weight, bias if bias is not None else x, out, n, min(v, v1), h, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), out.stride(0), v0 // plan.block_v, float(softcap or 1.0),

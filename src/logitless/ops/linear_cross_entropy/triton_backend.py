@@ -164,7 +164,7 @@ def forward_launches(x, weight, bias, target, class_weight, softcap, *, need_smo
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
-        launch.launch_kernel(
+        launch.run_kernel(
             K.forward_stats_kernel, (row_blocks * launch_splits,),
             x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
             target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,

@@ -144,7 +144,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
                    FIELDS=True)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
-        launch.launch_kernel(
+        launch.run_kernel(
             K.logp_forward_kernel, (row_blocks * launch_splits,),
             x_op, w_op, bias if bias is not None else x, tokens,
             part_max, part_sum, part_u, part_tgt, keep_op, keep_max if keep_max is not None else x,
