@@ -491,9 +491,9 @@ def _ljsd_opcheck(backend):
     options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, "none", 1 << 20, backend)  # (JSDOptions, reduction, budget, backend)
     fwd = (xs, ws, bs, xt, wt, bt, target) + options
     yield custom_op("linear_jsd_forward"), fwd, None
-    stats = custom_op("linear_jsd_forward")(*fwd)[1]
+    _, stats, config, *_ = custom_op("linear_jsd_forward")(*fwd)  # (config: the backend's encoded Config)
     bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
-           stats.detach()) + options + (True, True, True)
+           stats.detach(), config) + options[:7] + (backend, True, True, True)  # (no budget: the Config's)
     yield custom_op("linear_jsd_backward"), bwd, None
 
 

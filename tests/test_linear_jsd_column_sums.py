@@ -14,7 +14,7 @@ import torch
 
 from logitless.formulas.common import apply_softcap
 from logitless.formulas.jsd import K_ROW, LSE_S, LSE_T, S_ROW, row_stats
-from logitless.ops.linear_jsd import torch_backend, triton_backend
+from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.options import JSDOptions
 from tests.conftest import DEVICE
 
@@ -47,7 +47,8 @@ def test_column_sums_of_parts_add_up_to_the_full_rows(case, bias, dtype):
     zt = apply_softcap(xt @ wt.T + (bt if bias else 0), opts.teacher_softcap)
     full = row_stats(zs, zt, target.clamp(0), opts)
     lse_s, lse_t = full[LSE_S], full[LSE_T]
-    for name, backend, cd in (("torch", torch_backend, torch.float64), ("triton", triton_backend, dtype)):
+    for name, cd in (("torch", torch.float64), ("triton", dtype)):
+        backend = BACKENDS[name]
         total = torch.zeros(3, n, dtype=torch.float64)
         for v0, v1 in ((0, cut), (cut, v)):
             local = target - v0
@@ -56,8 +57,9 @@ def test_column_sums_of_parts_add_up_to_the_full_rows(case, bias, dtype):
                     for u in (xs, ws[v0:v1], None if bs is None else bs[v0:v1], xt, wt[v0:v1],
                               None if bt is None else bt[v0:v1])]
             stat = torch.float64 if name == "torch" else torch.float32
+            config = backend.plan(args[0], args[1], args[3], opts, budget=1 << 20, column_sums=True)
             out = backend.column_sums(*args, local.to(DEVICE), lse_s.to(DEVICE, stat), lse_t.to(DEVICE, stat),
-                                      opts, 1 << 20)
+                                      opts, config)
             assert out.shape == (3, n) and torch.isfinite(out).all(), name
             total += out.double().cpu()
         tol = 1e-10 if name == "torch" else 2e-5
@@ -76,8 +78,9 @@ def test_column_sums_without_columns_or_tokens():
     x = torch.randn(4, 8, device=DEVICE)
     lse = torch.zeros(4, device=DEVICE)
     t = torch.zeros(4, dtype=torch.long, device=DEVICE)
-    for backend in (torch_backend, triton_backend):
-        out = backend.column_sums(x, x[:0], None, x, x[:0], None, t, lse, lse, opts, 1 << 20)
+    for name in ("torch", "triton"):  # (no Config: nothing to plan)
+        backend = BACKENDS[name]
+        out = backend.column_sums(x, x[:0], None, x, x[:0], None, t, lse, lse, opts, None)
         assert out.shape == (3, 4) and (out == 0).all()
-        out = backend.column_sums(x[:0], x, None, x[:0], x, None, t[:0], lse[:0], lse[:0], opts, 1 << 20)
+        out = backend.column_sums(x[:0], x, None, x[:0], x, None, t[:0], lse[:0], lse[:0], opts, None)
         assert out.shape == (3, 0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import logitless
-from logitless.ops.linear_jsd import triton_grad_in_forward as gif
+from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import cost_model
 from logitless.planning.overrides import override, what_if
@@ -24,13 +24,14 @@ from tests.test_linear_jsd import OPTIONS, check, make_inputs
 def calls(monkeypatch):
     """Counts the strategy's forwards, so a test knows it ran (and how many chunks)."""
     seen = []
-    real = gif.forward_with_grad
+    triton = BACKENDS["triton"]  # (the strategy as the op's table gives it to the Triton backend)
+    real = triton.grad_in_forward
 
     def spy(*args, **kw):
-        seen.append(kw["token_chunk"])
+        seen.append(kw["config"].grad_in_forward)
         return real(*args, **kw)
 
-    monkeypatch.setattr(gif, "forward_with_grad", spy)
+    monkeypatch.setattr(triton, "grad_in_forward", spy)
     return seen
 
 
@@ -178,7 +179,7 @@ def test_a_strategy_of_the_forward_op(calls, allowed):
     with override(strategy=("grad_in_forward", 4)):
         torch.library.opcheck(ops.linear_jsd_forward_op, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        loss, _, gx, gw, gb = ops.linear_jsd_forward_op(*args)
+        loss, _, _, gx, gw, gb = ops.linear_jsd_forward_op(*args)
     assert (gx.shape, gw.shape, gb.shape) == ((xs.shape, ws.shape, bs.shape) if allowed else ((0,),) * 3)
     assert bool(calls) == allowed and set(calls) <= {4}
     grads = torch.autograd.grad(loss * 0.5, (xs, ws, bs))

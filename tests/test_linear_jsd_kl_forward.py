@@ -17,6 +17,7 @@ import torch
 
 import logitless
 from logitless.ops.linear_jsd import triton_backend
+from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.options import JSDOptions
 from logitless.planning import cost_model
@@ -71,11 +72,11 @@ def test_other_calls_keep_the_unfused_forward(case, fused_calls):
     assert fused_calls == []
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     w = torch.zeros(16, 8, dtype=torch.bfloat16)
+    plan = BACKENDS["triton"].plan
     with override(jsd_fused_forward=True):
-        assert triton_backend.fused_forward(x, w, x, JSDOptions(beta=0.0), 1 << 20)
-        assert not triton_backend.fused_forward(x, w, x, JSDOptions(beta=0.999), 1 << 20)
-        assert not triton_backend.fused_forward(x.float(), w.float(), x.float(), JSDOptions(beta=1.0), 1 << 20)
-        assert not triton_backend.fused_forward(x[:0], w, x[:0], JSDOptions(beta=1.0), 1 << 20)
+        assert plan(x, w, x, JSDOptions(beta=0.0), budget=1 << 20).fused
+        assert not plan(x, w, x, JSDOptions(beta=0.999), budget=1 << 20).fused
+        assert not plan(x.float(), w.float(), x.float(), JSDOptions(beta=1.0), budget=1 << 20).fused
 
 
 @pytest.mark.parametrize("shape, fused", [
@@ -275,13 +276,14 @@ def test_strategy_sees_the_fused_forward(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cost_model, "choose_jsd", spy)
-    from logitless.ops.linear_jsd.triton_grad_in_forward import grad_in_forward_chunk
 
-    x = torch.zeros(8, 16, dtype=torch.bfloat16)
-    w = torch.zeros(64, 16, dtype=torch.bfloat16)
+    def plan(beta):  # (the Triton backend's plan, not memoised: the strategy is priced each time)
+        triton_backend.plan.uncached(8, 64, 16, 16, torch.bfloat16, 1 << 20, torch.device("cpu"),
+                                     kl=beta in (0.0, 1.0), grad_in_forward=True)
+
     with override(jsd_fused_forward=True):
-        grad_in_forward_chunk(x, w, x, 1 << 20, JSDOptions(beta=1.0))
-        grad_in_forward_chunk(x, w, x, 1 << 20, JSDOptions(beta=0.5))
+        plan(1.0)
+        plan(0.5)
     with override(jsd_fused_forward=False):
-        grad_in_forward_chunk(x, w, x, 1 << 20, JSDOptions(beta=1.0))
+        plan(1.0)
     assert seen == [True, False, False]

@@ -43,7 +43,7 @@ def _path(case):
     if case.get("fused"):  # the Triton backend's fused KL-limit forward on each rank's columns
         stack.enter_context(override(jsd_fused_forward=True))
     if case.get("beta") in (0.0, 1.0):
-        for backend in (torch_backend, triton_backend):
+        for backend in (torch_backend.TorchBackend, triton_backend.TritonBackend):
             stack.enter_context(mock.patch.object(backend, "column_sums", side_effect=AssertionError(
                 "second pass over the columns at a KL limit")))
     return stack

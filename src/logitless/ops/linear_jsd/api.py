@@ -21,11 +21,36 @@ from torch import Tensor
 from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.dispatch import LINEAR_BACKENDS
+from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.module_form import ModuleForm
-from logitless.options import JSDOptions
+from logitless.options import JSDOptions, VocabParallelOptions
 
-from .custom_op import linear_jsd_forward_eager
+from .contract import LjsdBackend
+from .custom_op import linear_jsd_forward_eager, use_backends
+from .torch_backend import TorchBackend
+
+
+def _triton() -> LjsdBackend:
+    from .triton_backend import TritonBackend
+    from .triton_grad_in_forward import forward_with_grad
+
+    return TritonBackend(grad_in_forward=forward_with_grad)
+
+
+def _helion() -> LjsdBackend:
+    from .helion_backend import HelionBackend
+
+    return HelionBackend(BACKENDS)
+
+
+#: The implementations of linear_jsd, by ``backend=`` name (``contract.LjsdBackend``; "auto"
+#: resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and Helion's
+#: are made on first use (their modules need the optional packages).
+BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
+use_backends(BACKENDS)
+#: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
+NO_VOCAB_PARALLEL = VocabParallelOptions()
 
 
 def linear_jsd(
@@ -130,16 +155,20 @@ def linear_jsd(
         beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         hard_label_weight=hard_label_weight)
-    student_x, student_weight, student_bias, tp = _tp.prepare(
-        "linear_jsd", ("student_x", "student_weight", "student_bias"), student_x, student_weight, student_bias,
-        process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
-    teacher_x, teacher_weight, teacher_bias, tp_t = _tp.prepare(
-        "linear_jsd", ("teacher_x", "teacher_weight", "teacher_bias"), teacher_x, teacher_weight, teacher_bias,
-        process_group=process_group, vocab_size=vocab_size, partial_dx=False)
-    if tp_t.tp_group != tp.tp_group:
-        raise ValueError("linear_jsd: the student's and the teacher's heads must be split over the same group "
-                         "(DTensors on one mesh, or plain tensors with process_group=)")
-    target = _tp.plain(target)
+    if process_group is None and vocab_size is None and partial_dx is False and _validate.plain(
+            student_x, student_weight, student_bias, teacher_x, teacher_weight, teacher_bias, target):
+        tp = NO_VOCAB_PARALLEL  # (the common case: one device, plain tensors)
+    else:
+        student_x, student_weight, student_bias, tp = _tp.prepare(
+            "linear_jsd", ("student_x", "student_weight", "student_bias"), student_x, student_weight, student_bias,
+            process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+        teacher_x, teacher_weight, teacher_bias, tp_t = _tp.prepare(
+            "linear_jsd", ("teacher_x", "teacher_weight", "teacher_bias"), teacher_x, teacher_weight, teacher_bias,
+            process_group=process_group, vocab_size=vocab_size, partial_dx=False)
+        if tp_t.tp_group != tp.tp_group:
+            raise ValueError("linear_jsd: the student's and the teacher's heads must be split over the same group "
+                             "(DTensors on one mesh, or plain tensors with process_group=)")
+        target = _tp.plain(target)
     for name, t in (("student_x", student_x), ("student_weight", student_weight),
                     ("teacher_x", teacher_x), ("teacher_weight", teacher_weight)):
         _validate.check_float(name, t)
@@ -179,7 +208,7 @@ def linear_jsd(
     if shift and student_x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
     memory_budget = _validate.memory_budget(memory_budget, student_x.device)
-    if backend not in LINEAR_BACKENDS:  # the rest is checked inside the op (no import under compile)
+    if backend not in LINEAR_BACKENDS:  # the rest is checked with the last (``resolve_backend``)
         raise ValueError(f"backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     lead = student_x.shape[:-1]
     if target is None:
@@ -199,14 +228,16 @@ def linear_jsd(
     xt = xt if xt.stride(-1) == 1 else xt.contiguous()
     flat_target = target.reshape(-1).long()
     # The Triton planner's gradient-in-forward strategy is allowed in eager mode only
-    # ("mean"/"sum"; one device's heads); the op's planner decides whether the forward
+    # ("mean"/"sum"; one device's heads); the op's Config decides whether the forward
     # also computes the student's gradients.
     need = (xs.requires_grad, student_weight.requires_grad, student_bias is not None and student_bias.requires_grad)
     in_forward = (torch.is_grad_enabled() and (need[0] or need[1] or need[2]) and reduction != "none"
                   and not tp.parallel and backend != "helion" and not torch.compiler.is_compiling())
+    # (no tokens on one device: no backend runs)
+    impl = resolve_backend(backend, xs.device, xs.dtype, LINEAR_BACKENDS) if xs.shape[0] or tp.parallel else "torch"
     loss = linear_jsd_forward_eager(
         xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-        *opts.args(), reduction, memory_budget, backend, in_forward, *need, *tp.args())[0]
+        *opts.args(), reduction, memory_budget, impl, in_forward, *need, *tp.args())[0]
     if reduction == "none":
         loss = loss.reshape(lead)
         return loss[..., :-1] if shift else loss

@@ -15,47 +15,111 @@ runs its first pass (per-rank statistics) and the backward on these kernels; its
 pass for 0 < beta < 1 (``column_sums``: sums with the merged lse's of all ranks) comes
 from the torch/Triton backend; its dx stays the fp32 accumulator until the all-reduce. The
 gradient-in-forward strategy is the Triton backend's: never with "helion".
-Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
-(``ops.common.helion_choice``).
+Without a usable Helion the Triton (CUDA) or torch (CPU) backend computes the statistics
+and the backward in its place, with one warning (``ops.common.helion_choice``), decided in
+``plan``; the loss and the upstream gradient stay the formulas'.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
 from torch import Tensor
 
 from logitless.helion_lib import linear_jsd as kernels
-from logitless.ops.common.dispatch import load_backend
-from logitless.ops.common.helion_choice import fallback_name, run_or_fallback
+from logitless.ops.common import helion_choice
+from logitless.ops.common.contract import ConfigCodec
 from logitless.options import JSDOptions
 
-from .torch_backend import forward_loss, upstream  # noqa: F401  (the formulas: the same for every device)
+from .contract import HelionConfig, LjsdBackend, LjsdForward
+from .torch_backend import forward_loss, upstream
 
 
-def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
-    """(6, N) statistics (``formulas.jsd``), fp32; ``budget`` sizes the row chunks."""
-    return run_or_fallback(__package__, xs.device,
-                           lambda: kernels.jsd_forward(xs, ws, bs, xt, wt, bt, target, opts, budget=budget),
-                           lambda impl: impl.forward(xs, ws, bs, xt, wt, bt, target, opts, budget))
+class HelionBackend:
+    """backend="helion" (``contract.LjsdBackend``). Its Config (``HelionConfig``) says whether
+    Helion runs the call or which backend runs in its place (that backend's Config in it),
+    and the budget the kernels size their chunks by. ``others``: the backends by name
+    (``api.BACKENDS``)."""
 
+    name = "helion"
+    codec = ConfigCodec(HelionConfig)
 
-def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget: int,
-             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
-    """dx, dW, db of the student (None where not needed; db in the bias dtype);
-    ``dx_acc``: dx in fp32, not cast (a partial sum the caller reduces first)."""
-    def helion_path():
-        if not (need_dx or need_dw or need_db):
-            return None, None, None
-        dx, dw, db = kernels.jsd_backward(xs, ws, bs, xt, wt, bt, target, stats, g, opts, need_dx=need_dx,
-                                          need_dw=need_dw or need_db, budget=budget, dx_acc=dx_acc)
-        return dx, dw if need_dw else None, db.to(bs.dtype) if need_db else None
+    def __init__(self, others: Mapping[str, LjsdBackend]):
+        self.others = others
 
-    return run_or_fallback(__package__, xs.device, helion_path,
-                           lambda impl: impl.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, budget,
-                                                      need_dx, need_dw, need_db, dx_acc=dx_acc))
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return helion_choice.cause() or (None if dtype != torch.float64 else "float64 inputs")
 
+    def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
+             grad_in_forward: bool = False, column_sums: bool = False) -> HelionConfig:
+        """(The gradient-in-forward strategy is the Triton backend's: never here.)"""
+        other = helion_choice.fallback_name_of_call(xs.device)
+        if other is None and not column_sums:
+            return HelionConfig(budget=budget)
+        name = other or helion_choice.fallback_name(xs.device)  # (the column sums' backend)
+        config = self.others[name].plan(xs, ws, xt, opts, budget=budget, column_sums=column_sums)
+        return HelionConfig(other is None, budget, **{name: config})
 
-def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
-    """Vocabulary parallelism's second pass (0 < beta < 1): the Triton (CUDA) or torch
-    backend's ``column_sums`` (no Helion kernel takes given lse's)."""
-    return load_backend(__package__, fallback_name(xs.device)).column_sums(
-        xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts, budget)
+    def _other(self, config: HelionConfig):
+        """(the backend in Helion's place, its Config), or (None, None)."""
+        if config.helion:
+            return None, None
+        if config.torch is not None:
+            return self.others["torch"], config.torch
+        return self.others["triton"], config.triton
+
+    def _failed_over(self, xs, ws, xt, opts, config: HelionConfig):
+        """After a Helion kernel failed on a GPU (``helion_choice.guarded``): the backend that
+        runs this call instead and its Config (later calls choose it in ``plan``)."""
+        return self._other(self.plan(xs, ws, xt, opts, budget=config.budget))
+
+    def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: HelionConfig, *,
+                reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LjsdForward:
+        """(6, N) statistics (``formulas.jsd``), fp32; the loss from the formulas."""
+        def stats_of(impl, c):
+            return impl.forward(xs, ws, bs, xt, wt, bt, target, opts, c).stats
+
+        other, other_config = self._other(config)
+        if other is not None:
+            stats = stats_of(other, other_config)
+        else:
+            stats = helion_choice.guarded(
+                xs.device, lambda: kernels.jsd_forward(xs, ws, bs, xt, wt, bt, target, opts, budget=config.budget),
+                lambda: stats_of(*self._failed_over(xs, ws, xt, opts, config)))
+        return LjsdForward(stats, forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None)
+
+    upstream = staticmethod(upstream)
+
+    def backward(self, g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: HelionConfig, *,
+                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+        """dx, dW, db of the student (None where not needed; db in the bias dtype);
+        ``dx_acc``: dx in fp32, not cast (a partial sum the caller reduces first)."""
+        def backward_of(impl, c):
+            return impl.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, c, need_dx=need_dx,
+                                 need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+
+        other, other_config = self._other(config)
+        if other is not None:
+            return backward_of(other, other_config)
+
+        def helion_path():
+            if not (need_dx or need_dw or need_db):
+                return None, None, None
+            dx, dw, db = kernels.jsd_backward(xs, ws, bs, xt, wt, bt, target, stats, g, opts, need_dx=need_dx,
+                                              need_dw=need_dw or need_db, budget=config.budget, dx_acc=dx_acc)
+            return dx, dw if need_dw else None, db.to(bs.dtype) if need_db else None
+
+        return helion_choice.guarded(xs.device, helion_path,
+                                     lambda: backward_of(*self._failed_over(xs, ws, xt, opts, config)))
+
+    def column_sums(self, xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions,
+                    config: Optional[HelionConfig]) -> Tensor:
+        """Vocabulary parallelism's second pass (0 < beta < 1): the Triton (CUDA) or torch
+        backend's ``column_sums`` (no Helion kernel takes given lse's), under its Config
+        (None: a rank without columns)."""
+        other = self.others[helion_choice.fallback_name(xs.device)]
+        return other.column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts,
+                                 getattr(config, other.name, None))

@@ -7,7 +7,8 @@ backward: for each vocabulary chunk, for each token chunk (``planning.plans.torc
           recompute both tiles, dz from the saved statistics (``formulas.jsd.dlogits``),
           dW_s[v] += dz^T x_s, db_s[v] += column sums, dx_s (fp32) += dz W_s[v].
 No tensor of tokens x vocab elements unless the budget holds it. ``column_sums``: the
-second pass of vocabulary parallelism for 0 < beta < 1 (``vocab_parallel``).
+second pass of vocabulary parallelism for 0 < beta < 1 (``vocab_parallel``). Every chunk
+size comes from the call's ``contract.TorchConfig`` (``TorchBackend.plan``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.jsd import dlogits, log_mixture, reduce, row_stats, token_loss
 from logitless.formulas.jsd import upstream as _upstream
+from logitless.ops.common.contract import ConfigCodec
 from logitless.options import JSDOptions
 from logitless.planning.plans import jsd_torch_rows, torch_plan
+
+from .contract import LjsdForward, TorchConfig
 
 
 def _tile(x_c: Tensor, w: Tensor, b: Optional[Tensor], v0: int, v1: int, cap, cd) -> Tensor:
@@ -36,14 +40,12 @@ def _vocab_step(v: int, h: int, itemsize: int, budget: int) -> int:
     return max(1, min(v, budget // max(1, 4 * h * itemsize)))
 
 
-def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
+def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TorchConfig) -> Tensor:
     """(6, N) statistics (``formulas.jsd``) in the compute dtype."""
     n = xs.shape[0]
     v = ws.shape[0]
     cd = compute_dtype(xs.dtype)
-    isz = torch.finfo(cd).bits // 8
-    rows = jsd_torch_rows(n, v, isz, budget)
-    step = _vocab_step(v, max(xs.shape[1], xt.shape[1]), isz, budget)
+    rows, step = config.forward_rows, config.vocab_step
     out = torch.empty(6, n, dtype=cd, device=xs.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
@@ -57,15 +59,14 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Te
     return out
 
 
-def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget: int,
+def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TorchConfig, *,
              need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
     """dx, dW, db of the student; ``dx_acc``: dx in the compute dtype, not cast."""
     keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
     cd = compute_dtype(xs.dtype)
-    # About 12 tile-sized temporaries (two tiles, log-probs, mixture, dz, ...).
-    plan = torch_plan(n, v, max(h, xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 4))
+    plan = config.backward
     g = g.to(cd)
     stats = stats.to(cd)
     dx_acc = torch.zeros(n, h, dtype=cd, device=xs.device) if need_dx else None
@@ -115,7 +116,7 @@ def upstream(grad: Tensor, target: Tensor, ignore_index: int, reduction: str) ->
     return _upstream(g, target, ignore_index)
 
 
-def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
+def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, config: TorchConfig) -> Tensor:
     """(3, N) in lse_s' dtype: S, K and the student's soft-capped logit at
     ``target`` (0 where the target is not among these columns), summed over these columns
     only, with GIVEN log-sum-exps of the full rows (vocabulary parallelism's second pass:
@@ -123,9 +124,9 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     n, v = xs.shape[0], ws.shape[0]
     cd = lse_s.dtype
     out = torch.zeros(3, n, dtype=cd, device=xs.device)
-    if v == 0:
+    if v == 0 or n == 0:  # (no Config then)
         return out
-    plan = torch_plan(n, v, max(xs.shape[1], xt.shape[1]), torch.finfo(cd).bits // 8, max(1, budget // 8))
+    plan = config.column_sums
     t = opts.temperature
     for n0 in range(0, n, plan.token_chunk):
         n1 = min(n, n0 + plan.token_chunk)
@@ -142,3 +143,35 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
             cols = torch.arange(v0, v1, device=xs.device)[None, :]
             out[2, n0:n1] += torch.where(cols == tg, zs, torch.zeros_like(zs)).sum(dim=1)
     return out
+
+
+class TorchBackend:
+    """backend="torch" (``contract.LjsdBackend``): any device, fp64 too; its Config
+    (``TorchConfig``) holds every chunk size of the call."""
+
+    name = "torch"
+    codec = ConfigCodec(TorchConfig)
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
+             grad_in_forward: bool = False, column_sums: bool = False) -> TorchConfig:
+        n, v = xs.shape[0], ws.shape[0]
+        h = max(xs.shape[1], xt.shape[1])
+        isz = torch.finfo(compute_dtype(xs.dtype)).bits // 8
+        return TorchConfig(
+            forward_rows=jsd_torch_rows(n, v, isz, budget), vocab_step=_vocab_step(v, h, isz, budget),
+            # About 12 tile-sized temporaries (two tiles, log-probs, mixture, dz, ...).
+            backward=torch_plan(n, v, h, isz, max(1, budget // 4)),
+            column_sums=torch_plan(n, v, h, isz, max(1, budget // 8)) if column_sums and v else None)
+
+    def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TorchConfig, *,
+                reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LjsdForward:
+        stats = forward(xs, ws, bs, xt, wt, bt, target, opts, config)
+        return LjsdForward(stats, forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None)
+
+    upstream = staticmethod(upstream)
+    backward = staticmethod(backward)
+    column_sums = staticmethod(column_sums)

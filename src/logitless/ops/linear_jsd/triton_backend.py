@@ -4,7 +4,7 @@ GEMM count, against the floor of four (student logits, teacher logits, student d
 student dW), in units where a GEMM over H costs H:
 
 forward  (2 GEMMs): the KL limits (beta 0 or 1) on 16-bit inputs, where the cost model
-         says so (``fused_forward``): one fused kernel (``jsd_kl_forward_kernel``)
+         says so (``TritonConfig.fused``): one fused kernel (``jsd_kl_forward_kernel``)
          computes both heads' logits tiles and their online row statistics for a split
          of the vocabulary per program, nothing (N, V)-sized in memory;
          ``jsd_rows.finish_kl_partials`` merges the splits. Otherwise, for each chunk of ``plan.forward_rows``
@@ -31,20 +31,31 @@ and the dx/dW GEMMs are cuBLAS, which rounds at "high" itself. The loss epilogue
 the upstream gradient are one launch each (``triton_lib.jsd_epilogue``).
 Vocabulary parallelism (``vocab_parallel``) also calls ``column_sums``: its second pass
 for 0 < beta < 1 (the divergence sums of this rank's columns with the merged lse's).
+Every chunk, tile and choice comes from the call's Config (``plan``, memoised: once per
+call, by the forward custom op).
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap
+from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.dispatch import HAS_TRITON
 from logitless.options import JSDOptions
-from logitless.planning.plans import jsd_kl_fused, jsd_stats_plan, linear_jsd_plan
+from logitless.planning.memo import memoised
+from logitless.planning.plans import LinearJSDPlan, jsd_kl_fused, jsd_stats_plan, linear_jsd_plan, linear_jsd_strategy
 from logitless.triton_lib import launch
 from logitless.triton_lib import linear_jsd_kernels as K
-from logitless.triton_lib.jsd_epilogue import forward_loss, upstream  # noqa: F401 (the backend's epilogues)
+from logitless.triton_lib.jsd_epilogue import forward_loss, upstream
 from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
+
+from .contract import LjsdForward, TritonConfig
 
 
 def _operands(xs, ws, xt, wt, tiles):
@@ -57,31 +68,48 @@ def _operands(xs, ws, xt, wt, tiles):
     return xs, ws, xt, wt, False
 
 
-def fused_forward(xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, budget: int) -> bool:
-    """Does the forward take the fused kernel? Only the KL limits (beta 0 or 1: every
-    statistic is an online sum) on 16-bit inputs (fp32 keeps cuBLAS, which rounds to TF32
-    at "high" itself), and there where ``plans.jsd_kl_fused`` says (the cost model: where
-    the chunks' GEMMs would be weight-read-bound; ``override(jsd_fused_forward=...)``)."""
-    if opts.beta not in (0.0, 1.0) or xs.dtype not in (torch.bfloat16, torch.float16) or xs.shape[0] == 0:
-        return False
-    return jsd_kl_fused(xs.shape[0], ws.shape[0], xs.shape[1], xt.shape[1], xs.element_size(), budget, xs.device)
+@memoised
+def plan(n: int, v: int, hidden_s: int, hidden_t: int, dtype: torch.dtype, budget: int, device, *, kl: bool,
+         grad_in_forward: bool) -> TritonConfig:
+    """The Config of a call (``contract.TritonConfig``) of n > 0 tokens; ``kl``: beta is 0 or 1.
+    The fused forward: only the KL limits (every statistic is an online sum) on 16-bit
+    inputs (fp32 keeps cuBLAS, which rounds to TF32 at "high" itself), and there where
+    ``plans.jsd_kl_fused`` says (the cost model: where the chunks' GEMMs would be
+    weight-read-bound; ``override(jsd_fused_forward=...)``). ``grad_in_forward``: the caller
+    allows that strategy, which ``plans.linear_jsd_strategy`` picks or not (the recompute
+    plan priced with the forward it would run)."""
+    isz = dtype.itemsize
+    forward = linear_jsd_plan(n, v, hidden_s, isz, budget, device)
+    backward = linear_jsd_plan(n, v, hidden_s, isz, budget, device, hidden_t=hidden_t,
+                               prerounded=launch.tf32_prerounded(dtype))
+    fused = kl and dtype in (torch.bfloat16, torch.float16) and jsd_kl_fused(n, v, hidden_s, hidden_t, isz, budget,
+                                                                             device)
+    chunk = 0
+    if grad_in_forward:
+        c = linear_jsd_strategy(n, v, hidden_s, hidden_t, isz, budget, device, weight_fp32=dtype == torch.float32,
+                                fused_forward=fused)
+        chunk = min(c.token_chunk, n) if c.strategy == "grad_in_forward" else 0
+    rows = chunk or forward.forward_rows  # (the statistics' launches: per chunk of rows, the last one shorter)
+    tail = n % rows
+    return TritonConfig(forward, backward, jsd_stats_plan(rows, v, 4, device),
+                        jsd_stats_plan(tail, v, 4, device) if tail else None, fused=fused, grad_in_forward=chunk)
 
 
-def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, budget: int) -> Tensor:
-    n = xs.shape[0]
-    v = ws.shape[0]
-    plan = linear_jsd_plan(n, v, xs.shape[1], xs.element_size(), budget, xs.device)
-    if fused_forward(xs, ws, xt, opts, budget):
-        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, plan)
-    stats = torch.empty(6, n, dtype=torch.float32, device=xs.device)
-    for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, plan.forward_rows):
+def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig) -> Tensor:
+    """(6, N) fp32 statistics: the fused forward, or cuBLAS chunks of both heads' logits."""
+    if config.fused:
+        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, config.forward)
+    rows = config.forward.forward_rows
+    stats = torch.empty(6, xs.shape[0], dtype=torch.float32, device=xs.device)
+    for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
         # the statistics' launches for fp32 logits of the chunk's rows (rows split when few),
         # written in place into columns [n0, n1) of the statistics
-        row_stats(zs, zt, target[n0:n1], stats[:, n0:n1], opts, jsd_stats_plan(n1 - n0, v, 4, xs.device))
+        row_stats(zs, zt, target[n0:n1], stats[:, n0:n1], opts,
+                  config.stats if n1 - n0 == rows else config.tail_stats)
     return stats
 
 
-def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, budget: int) -> Tensor:
+def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, config: TritonConfig) -> Tensor:
     """(3, N) fp32: S, K and the student's soft-capped logit at ``target``
     (0 where the target is not among these columns), summed over these columns only, with
     GIVEN log-sum-exps of the full rows (vocabulary parallelism's second pass: the merged
@@ -92,11 +120,11 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     out = torch.zeros(3, n, dtype=torch.float32, device=xs.device)
     if v == 0 or n == 0:
         return out
-    rows = linear_jsd_plan(n, v, xs.shape[1], xs.element_size(), budget, xs.device).forward_rows
+    rows = config.forward.forward_rows
     lse_s, lse_t = lse_s.float(), lse_t.float()
     for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
         out[:2, n0:n1] = divergence_sums(zs, zt, lse_s[n0:n1], lse_t[n0:n1], opts,
-                                         jsd_stats_plan(n1 - n0, v, 4, xs.device))
+                                         config.stats if n1 - n0 == rows else config.tail_stats)
         t = target[n0:n1]
         held = (t >= 0) & (t < v)
         z_t = apply_softcap(zs.gather(1, torch.where(held, t, torch.zeros_like(t))[:, None])[:, 0],
@@ -105,7 +133,7 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     return out
 
 
-def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan) -> Tensor:
+def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan: LinearJSDPlan) -> Tensor:
     """The KL limits' statistics (6, N) from one fused launch and the splits' merge.
     Temporary memory: 7 floats per token and split (plus one per token)."""
     n, v = xs.shape[0], ws.shape[0]
@@ -134,15 +162,14 @@ def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan) -> Te
     return stats
 
 
-def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget: int,
+def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TritonConfig, *,
              need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
     """dx, dW, db of the student; ``dx_acc``: dx as the fp32 accumulator, not cast
     (a partial sum that the caller reduces first: vocab parallelism)."""
     keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
-    plan = linear_jsd_plan(n, v, h, xs.element_size(), budget, xs.device, hidden_t=xt.shape[1],
-                           prerounded=launch.tf32_prerounded(xs.dtype))
+    plan = config.backward
     tiles = plan.tiles
     # fp32 at "high": both x's rounded to TF32 once, each chunk's rows of both weights
     # (scratch buffers; the kernel then multiplies TF32-exact operands with "tf32").
@@ -190,3 +217,48 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, budget:
         if dx_chunk is not None:
             dx = dx_chunk
     return launch.finished_dx(dx, dx_acc, keep_acc, xs.dtype), dw, db
+
+
+class TritonBackend:
+    """backend="triton" (``contract.LjsdBackend``): its Config (``TritonConfig``) holds the
+    chunks and tiles of the call, the fused forward's choice and the gradient-in-forward
+    chunk. ``grad_in_forward``: the strategy that runs when the Config chose it
+    (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
+
+    name = "triton"
+    codec = ConfigCodec(TritonConfig)
+
+    def __init__(self, grad_in_forward: Callable):
+        self.grad_in_forward = grad_in_forward
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        if not HAS_TRITON:
+            return "the triton package is not installed"
+        if dtype == torch.float64:
+            return "float64 inputs"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"{device} tensors without TRITON_INTERPRET=1"
+        return None
+
+    def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
+             grad_in_forward: bool = False, column_sums: bool = False) -> TritonConfig:
+        return plan(xs.shape[0], ws.shape[0], xs.shape[1], xt.shape[1], xs.dtype, budget, xs.device,
+                    kl=opts.beta in (0.0, 1.0), grad_in_forward=grad_in_forward)
+
+    def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig, *,
+                reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
+                need_db: bool = False) -> LjsdForward:
+        """The statistics, the loss (one launch, ``jsd_epilogue``) and, when the Config chose
+        the gradient-in-forward strategy, the student's gradients for a unit upstream one."""
+        grads = None
+        if config.grad_in_forward:
+            stats, grads = self.grad_in_forward(xs, ws, bs, xt, wt, bt, target, opts, reduction, config=config,
+                                                need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+        else:
+            stats = _forward(xs, ws, bs, xt, wt, bt, target, opts, config)
+        loss = forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None
+        return LjsdForward(stats, loss, grads)
+
+    upstream = staticmethod(upstream)
+    backward = staticmethod(backward)
+    column_sums = staticmethod(column_sums)

@@ -1,5 +1,6 @@
 """Gradient-in-forward strategy of linear_jsd's Triton backend (``cost_model``:
-"grad_in_forward", chosen by ``plans.linear_jsd_strategy``).
+"grad_in_forward", chosen by ``plans.linear_jsd_strategy`` in ``triton_backend.plan``: the
+Config's ``grad_in_forward`` chunk and its statistics' launches).
 
 For reductions "mean" and "sum" each token's upstream gradient is grad_output times a
 factor known before the forward (1 for "sum", 1 / #non-ignored tokens for "mean"; 0 at
@@ -27,36 +28,24 @@ fixed order: bitwise repeatable.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from logitless.formulas.jsd import NUM_STATS
 from logitless.options import JSDOptions
-from logitless.planning.plans import jsd_stats_plan, linear_jsd_strategy
 from logitless.triton_lib import launch
 from logitless.triton_lib.jsd_epilogue import upstream
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 from logitless.triton_lib.launch import cdiv
 
-from .triton_backend import fused_forward
+from .contract import TritonConfig
 
 
-def grad_in_forward_chunk(xs: Tensor, ws: Tensor, xt: Tensor, budget: int, opts: JSDOptions) -> int:
-    """Tokens per chunk when the planner picks gradient-in-forward for this call, else 0
-    (the recompute plan priced with the forward it would run: ``fused_forward``)."""
-    n, hs = xs.shape
-    if n == 0:
-        return 0
-    c = linear_jsd_strategy(n, ws.shape[0], hs, xt.shape[1], xs.element_size(), budget, xs.device,
-                            weight_fp32=ws.dtype == torch.float32,
-                            fused_forward=fused_forward(xs, ws, xt, opts, budget))
-    return c.token_chunk if c.strategy == "grad_in_forward" else 0
-
-
-def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reduction: str, *, token_chunk: int,
+def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reduction: str, *, config: TritonConfig,
                       need_dx: bool, need_dw: bool, need_db: bool):
-    """Statistics (6, N) fp32 of every token, and (dx, dw, db) for grad_output = 1: dx in
-    x's dtype; dw fp32 (in the weight's dtype when one chunk covers every token); db
-    fp32; None where not needed. ``ops.common.grad_in_forward.scale_grads`` finishes them."""
+    """With ``config.grad_in_forward`` tokens per chunk: statistics (6, N) fp32 of every
+    token, and (dx, dw, db) for grad_output = 1: dx in x's dtype; dw fp32 (in the weight's
+    dtype when one chunk covers every token); db fp32; None where not needed.
+    ``ops.common.grad_in_forward.scale_grads`` finishes them."""
+    token_chunk = config.grad_in_forward
     n, h = xs.shape
     v = ws.shape[0]
     dev = xs.device
@@ -84,7 +73,7 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         launch.logits_fp32(xt[n0:n1], wt, bt, b)
         chunk_stats = stats[:, n0:n1]  # (written in place: rows n apart)
         tc = target[n0:n1]
-        plan = jsd_stats_plan(r, v, 4, dev)
+        plan = config.stats if r == rows else config.tail_stats
         row_stats(a, b, tc, chunk_stats, opts, plan)
         grid = (cdiv(r, plan.block_n), cdiv(v, plan.block_v))
         launch.run_kernel(

@@ -4,7 +4,8 @@ Both heads are split alike: rank r holds rows [start_r, start_r + V_r) of the st
 and of the teacher's full weight; the hidden states and the (global) targets are the
 same on every rank. The custom ops call these functions when their ``tp_group`` is set.
 
-forward:  pass 1, the backend's statistics over this rank's real rows: the local
+forward:  the backend's Config of this rank's real rows (``plan``, once per call; the
+          backward follows it), then pass 1, the backend's statistics over them: the local
           lse(zs / T), lse(zt / T) and lse(zs) (for 0 < beta < 1 those of the forward
           KL, the cheaper statistics that hold them); collectives 1 and 2 merge them
           (MAX, then SUM of exp(lse_r - M)).
@@ -27,7 +28,7 @@ backward: the backend's backward on the local rows with the merged statistics gi
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -70,8 +71,9 @@ def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Te
 
 
 def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabParallelOptions,
-            budget: int) -> tuple[Tensor, Tensor]:
-    """(per-token loss (N,), merged statistics (6, N)): the forward op under TP."""
+            budget: int) -> tuple[Tensor, Tensor, Any]:
+    """(per-token loss (N,), merged statistics (6, N), the backend's Config of this rank's
+    rows or None): the forward op under TP."""
     shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)
     if wt.shape[0] != ws.shape[0]:
         raise ValueError(f"teacher_weight holds {wt.shape[0]} rows on this rank, student_weight {ws.shape[0]}: "
@@ -83,42 +85,46 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     dtype = compute_dtype(xs.dtype)
     if n == 0:
         stats = xs.new_zeros(NUM_STATS, 0, dtype=dtype)
-        return token_loss(stats, target, v, opts).to(dtype), stats
+        return token_loss(stats, target, v, opts).to(dtype), stats, None
     ws, bs, wt, bt = (shard.real_rows(t) for t in (ws, bs, wt, bt))
     local_t = shard.local_target(target)
+    kl = opts.beta in (0.0, 1.0)
+    config = None
     if ws.shape[0]:
         # 0 < beta < 1 takes only the lse's (and the target logit) from pass 1: it runs as
         # the forward KL, whose statistics hold them and cost less (online sums; on the
         # Triton backend the fused forward where the cost model picks it)
-        first = opts if opts.beta in (0.0, 1.0) else dataclasses.replace(opts, beta=0.0)
-        local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, first, budget).to(dtype)
+        first = opts if kl else dataclasses.replace(opts, beta=0.0)
+        config = impl.plan(xs, ws, xt, first, budget=budget, column_sums=not kl)
+        local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, first, config).stats.to(dtype)
     else:
         local = torch.full((NUM_STATS, n), float("-inf"), dtype=dtype, device=xs.device)
-    if opts.beta in (0.0, 1.0):
+    if kl:
         stats = _merge_kl_limits(shard.group, local, local_t, opts)
-        return token_loss(stats, target, v, opts).to(dtype), stats
+        return token_loss(stats, target, v, opts).to(dtype), stats, config
     if opts.needs_lse1:
         lse_rows = [local[LSE_S], local[LSE_T], local[LSE1]]
     else:
         lse_rows = [local[LSE_S], local[LSE_T]]
     merged = merge_shards(shard.group, lse_rows)
-    sums = impl.column_sums(xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, budget)
+    sums = impl.column_sums(xs, ws, bs, xt, wt, bt, local_t, merged.lse[0], merged.lse[1], opts, config)
     all_reduce_(sums, shard.group)
     stats = torch.zeros(NUM_STATS, n, dtype=dtype, device=xs.device)
     stats[LSE_S], stats[LSE_T], stats[S_ROW], stats[K_ROW] = merged.lse[0], merged.lse[1], sums[0], sums[1]
     if opts.needs_lse1:
         stats[LSE1], stats[ZTGT] = merged.lse[2], sums[2]
-    return token_loss(stats, target, v, opts).to(dtype), stats
+    return token_loss(stats, target, v, opts).to(dtype), stats, config
 
 
 def backward(impl, g: Tensor, xs, ws, bs: Optional[Tensor], xt, wt, bt, target, stats, opts: JSDOptions,
-             tp: VocabParallelOptions, budget: int, need_dx: bool, need_dw: bool, need_db: bool):
-    """(dx, dW, db) of this rank's student head (None where not needed)."""
+             tp: VocabParallelOptions, config, need_dx: bool, need_dw: bool, need_db: bool):
+    """(dx, dW, db) of this rank's student head (None where not needed), under the
+    forward's ``config``."""
     shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)  # cached: no collective
     ws_r, bs_r, wt_r, bt_r = (shard.real_rows(t) for t in (ws, bs, wt, bt))
     if ws_r.shape[0]:
         dx, dw, db = impl.backward(g, xs, ws_r, bs_r, xt, wt_r, bt_r, shard.local_target(target), stats, opts,
-                                   budget, need_dx, need_dw, need_db, dx_acc=True)
+                                   config, need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=True)
     else:
         dx, dw, db = no_class_grads(xs, ws_r, bs_r, need_dx, need_dw, need_db)
     return rank_grads(shard, xs, dx, dw, db, tp.partial_dx)

@@ -1,0 +1,121 @@
+"""The contract of a linear_jsd backend: what each one plans, returns and receives.
+
+Every backend (``TorchBackend``, ``TritonBackend``, ``HelionBackend``: one class each, listed
+in ``api.BACKENDS``) is a ``LjsdBackend``. Per call, in this order:
+
+    config = backend.plan(xs, ws, xt, opts, budget=..., grad_in_forward=...)     # once
+    out = backend.forward(xs, ws, bs, xt, wt, bt, target, opts, config,
+                          reduction=..., need_dx=..., ...)                        # LjsdForward
+    g = backend.upstream(grad_loss, target, ignore_index, reduction)              # (N,)
+    dx, dw, db = backend.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, config, ...)
+
+``config`` is the backend's frozen Config (``TorchConfig``, ``TritonConfig``,
+``HelionConfig``): the backward gets the forward's, never a new one; it crosses the custom
+ops as ``backend.codec`` encodes it. The vocab-parallel path (``vocab_parallel``) calls the
+same methods on a rank's rows (``reduction=None``: the statistics only; ``column_sums``:
+its second pass for 0 < beta < 1; ``dx_acc``: dx as the partial sum in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Protocol
+
+from torch import Tensor
+
+from logitless.ops.common.contract import Backend
+from logitless.options import JSDOptions
+from logitless.planning.plans import JSDStatsPlan, LinearJSDPlan, TorchPlan
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """The torch backend's chunks: the forward's rows and vocabulary slices (full rows of
+    both heads), the backward's tiles, and the column sums' tiles (vocab-parallel heads'
+    second pass; None when the call has none)."""
+
+    forward_rows: int
+    vocab_step: int
+    backward: TorchPlan
+    column_sums: Optional[TorchPlan] = None
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The Triton backend's plan of one call.
+
+    forward: the forward's token chunks (``forward_rows``; also the column sums') and the
+        fused forward's tiles; backward: the backward's chunks and tiles;
+    stats, tail_stats: the row statistics' launches for a chunk of the forward's rows (of
+        ``grad_in_forward`` tokens when that strategy runs) and for the last, shorter one
+        (None when every chunk is full);
+    fused: the KL limits' fused forward (``jsd_kl_forward_kernel``) runs;
+    grad_in_forward: tokens per chunk of the gradient-in-forward strategy (0: not used).
+    """
+
+    forward: LinearJSDPlan
+    backward: LinearJSDPlan
+    stats: JSDStatsPlan
+    tail_stats: Optional[JSDStatsPlan] = None
+    fused: bool = False
+    grad_in_forward: int = 0
+
+
+@dataclass(frozen=True)
+class HelionConfig:
+    """``helion``: Helion runs the call (``budget`` sizes its chunks); else the backend whose
+    Config is set runs in its place (``ops.common.helion_choice``). With Helion running,
+    a set Config is that of the backend computing the column sums of a vocab-parallel head
+    (no Helion kernel takes given log-sum-exps)."""
+
+    helion: bool = True
+    budget: int = 0
+    torch: Optional[TorchConfig] = None
+    triton: Optional[TritonConfig] = None
+
+
+class LjsdForward(NamedTuple):
+    """What a backend's ``forward`` returns.
+
+    stats: the (6, N) statistics of ``formulas.jsd``, fp32 (fp64 for fp64);
+    loss: the loss (reduced, or per token for "none") when a reduction was given, else None;
+    grads: (dx, dw, db) for a unit upstream gradient when the Config chose the
+        gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None.
+    """
+
+    stats: Tensor
+    loss: Optional[Tensor] = None
+    grads: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = None
+
+
+class LjsdBackend(Backend, Protocol):
+    """One backend of linear_jsd (module docstring)."""
+
+    def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
+             grad_in_forward: bool = False, column_sums: bool = False) -> Any:
+        """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
+        a reduced loss, one device's heads); ``column_sums``: the call runs ``column_sums``."""
+        ...
+
+    def forward(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
+                target: Tensor, opts: JSDOptions, config: Any, *, reduction: Optional[str] = None,
+                need_dx: bool = False, need_dw: bool = False, need_db: bool = False) -> LjsdForward:
+        ...
+
+    def upstream(self, grad: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+        """The per-token upstream gradient of a gradient of the (reduced) loss."""
+        ...
+
+    def backward(self, g: Tensor, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
+                 bt: Optional[Tensor], target: Tensor, stats: Tensor, opts: JSDOptions, config: Any, *,
+                 need_dx: bool, need_dw: bool, need_db: bool,
+                 dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """The student's dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+        ...
+
+    def column_sums(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
+                    bt: Optional[Tensor], target: Tensor, lse_s: Tensor, lse_t: Tensor, opts: JSDOptions,
+                    config: Any) -> Tensor:
+        """(3, N): S, K and the student's target logit summed over these columns only, with
+        the given log-sum-exps of the full rows (``vocab_parallel``'s second pass)."""
+        ...
