@@ -134,7 +134,7 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
 
 def _outputs(x, target, loss, lse, argmax, w_t, kept, config, grads, w_cast=None):
     """The forward op's outputs (module docstring) from its results."""
-    sd = compute_dtype(x.dtype)
+    sd = torch.float64 if x.dtype == torch.float64 else torch.float32  # (formulas.common.compute_dtype)
     argmax = argmax if argmax is not None else target.new_empty(0, dtype=torch.int64)
     if kept is None:
         kept = nothing_kept(x)
@@ -195,7 +195,8 @@ def _backward_impl(grad_loss, grad_lse, x, weight, bias, target, class_weight, l
         dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         impl = BACKENDS[backend]
-        config = impl.codec.decode(config)
+        if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
+            config = impl.codec.decode(config)
         kept = None if keep.shape == NOTHING_KEPT else (keep, keep_max)
         opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
         with no_autocast(x.device):
