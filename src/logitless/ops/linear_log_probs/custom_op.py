@@ -264,7 +264,7 @@ def _setup_context(ctx, inputs, output):
     ctx.tp = inputs[17:]
     ctx.config = config
     ctx.kept = (keep, keep_max)
-    rest = (keep, keep_max, tau, cand, cols, inside)
+    rest = (lse, keep, keep_max, tau, cand, cols, inside)
     if isinstance(config, Tensor):
         ctx.mark_non_differentiable(*rest, config)
     else:  # (the eager fast path's Config is the object)
