@@ -375,16 +375,16 @@ def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
     relative to the shard, partials merged (max, then sums), the backward per shard with
     the merged lse and entropy. Equal to the unsharded op."""
     from logitless.formulas.log_probs import LogProbStats, grad_coefficients, partials_of, token_outputs
-    from logitless.ops.common.dispatch import load_backend
+    from logitless.ops.linear_log_probs.api import BACKENDS as LLP_BACKENDS
 
-    impl = load_backend("logitless.ops.linear_log_probs", backend)
+    impl = LLP_BACKENDS[backend]
     x, w, t, b, _ = make_inputs((13,), 24, 71, torch.float32, {"_bias": True}, seed=31)
     opts = LogProbOptions(0.8, True, 3.0, -100)
     x, w, b = x.detach(), w.detach(), b.detach()
     t[4] = -100
     bounds = [(0, 30), (30, 31), (31, 71)]
     plans = [impl.plan(x, w[v0:v1], b[v0:v1], opts, budget=2**20, need_grad=False) for v0, v1 in bounds]
-    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, budget=2**20, plan=p)[0]
+    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, p, outputs=False)[0]
              for (v0, v1), p in zip(bounds, plans)]
     m, s, u = (torch.stack(z) for z in zip(*[partials_of(p.lse, p.entropy) for p in parts]))
     lse, ent = merge_splits(m, s, u)
@@ -399,8 +399,8 @@ def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
     dx = torch.zeros_like(x)
     dw, db = [], []
     for (v0, v1), plan in zip(bounds, plans):
-        gx, gw, gb = impl.backward(x, w[v0:v1], b[v0:v1], t - v0, opts, lse, coef, need_dx=True, need_dw=True,
-                                   need_db=True, budget=2**20, plan=plan)
+        gx, gw, gb = impl.backward(x, w[v0:v1], b[v0:v1], t - v0, opts, lse, coef, plan, kept=None, need_dx=True,
+                                   need_dw=True, need_db=True)
         dx += gx
         dw.append(gw)
         db.append(gb)

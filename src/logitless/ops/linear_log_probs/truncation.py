@@ -1,5 +1,16 @@
 """linear_log_probs with truncated sampling (top-k / top-p / min-p) and/or
-``batch_invariant=True``: one autograd.Function over the backends' forward and backward.
+``batch_invariant=True``: Configs of the same backends (``contract.Truncated``, decided in
+their ``plan`` by ``decide``), run by the same custom ops (``custom_op``) through
+``forward`` and ``backward`` here.
+
+One plan per call: the backend's ``plan`` decides the blocks, the threshold passes' plans
+(Triton: ``TritonConfig.search``; the chunked pass's steps, ``thresholds``), whether the
+Triton search runs, the sparse backward's width and whether the forward keeps columns; the
+largest top_k is read there (a host sync) when the caller did not. What follows the data
+is decided in the forward and crosses to the backward as tensors: which rows the search
+settles (the rows it leaves take the chunked pass and a forward under the Config's plan,
+not one of their own), and which rows the sparse backward takes (``inside``; the dense
+rest runs the backend's backward under the Config).
 
 Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
 the hidden states. Triton backend (``search_triton``, top_k < MAX_CANDIDATES): the
@@ -33,15 +44,15 @@ A vocab-parallel head: the backend is ``vocab_parallel.ShardedBackend`` (the sam
 contract over this rank's rows, statistics merged over the group; thresholds by the
 chunked pass with the ranks' candidates gathered), never ``search_triton``.
 
-torch.compile: two custom ops (``truncated_op``, built as the default op's) with fixed output
-shapes: the data-dependent steps (host syncs, row subsets, the fallback's rows) run
+torch.compile: the op's custom ops (``custom_op``) with fixed output shapes: the
+data-dependent steps (host syncs, row subsets, the fallback's rows) run
 inside them. What the backward needs crosses as tensors of fixed shapes: tau (N,), the
 candidates and their columns (N, W), W = min(V, C) padded to C = MAX_CANDIDATES when the
 largest per-token top_k is not read on the host (compiled calls: ``k_max`` -1; eager
 calls read it before the op, as the forward always did), and an (N,) mask of the rows
 inside their candidates (the dense rows' list is rebuilt in the backward); kept columns
-and their plan as the default op's (only where the fake can tell: not under a per-token
-top_k on Triton while compiled).
+as the default op's (only where the fake can tell: not under a per-token top_k on Triton
+while compiled).
 """
 
 from __future__ import annotations
