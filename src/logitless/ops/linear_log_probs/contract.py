@@ -54,8 +54,8 @@ class TorchConfig:
     backward's (over the batch; dW's accumulator for 16-bit inputs when dW is needed), the
     chunked threshold pass's (truncation) and the truncation's decisions."""
 
-    forward: TorchPlan
-    backward: TorchPlan
+    forward: Optional[TorchPlan]
+    backward: Optional[TorchPlan]
     thresholds: Optional[TorchPlan] = None
     trunc: Optional[Truncated] = None
 
@@ -65,13 +65,15 @@ class TritonConfig:
     """The Triton backend's plans: ``main`` the forward's (of a block under batch
     invariance; its kept columns and the backward's tiles), ``backward`` the backward's over
     the batch when the forward ran in blocks, ``search`` the threshold passes' (nothing
-    kept, no CuTe), ``thresholds`` the chunked threshold pass's steps. ``main`` is None on a
-    vocab-parallel rank without real rows (only the threshold steps serve there)."""
+    kept, no CuTe), ``thresholds`` the chunked threshold pass's steps, ``splits`` the Triton
+    search's first pass's vocabulary splits. ``main`` is None on a vocab-parallel rank
+    without real rows (only the threshold steps serve there)."""
 
     main: Optional[LinearPlan] = None
     backward: Optional[LinearPlan] = None
     search: Optional[LinearPlan] = None
     thresholds: Optional[TorchPlan] = None
+    splits: int = 0
     trunc: Optional[Truncated] = None
 
 

@@ -205,7 +205,8 @@ def _backward_impl(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entrop
         dx, dw, db = zero_grads(x, weight, bias)
     elif need_dx or need_dw or need_db:
         impl = BACKENDS[backend]
-        config = impl.codec.decode(config)
+        if isinstance(config, Tensor):  # (the eager fast path hands the object itself)
+            config = impl.codec.decode(config)
         kept = None if keep.shape == NOTHING_KEPT else (keep, keep_max)
         opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
         tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)

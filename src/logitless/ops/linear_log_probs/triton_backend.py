@@ -38,6 +38,7 @@ from logitless.ops.common.dispatch import HAS_TRITON
 from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
+from logitless.planning.memo import memoised
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
 from logitless.triton_lib import log_probs_kernels as K
@@ -70,8 +71,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptio
     n, h = x.shape
     v = weight.shape[0]
     keep_ok = keep_allowed(x.dtype, opts, need_grad)
-    p = linear_plan(n if rows is None else rows, v, h, x.element_size(), budget, x.device, keep_allowed=keep_ok,
-                    prerounded=launch.tf32_prerounded(x.dtype))
+    p = _linear_plan(n if rows is None else rows, v, h, x.dtype, x.device, budget, opts, need_grad)
     if not cute:
         return p
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
@@ -79,6 +79,41 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptio
                                    keep_block=p.forward.block_v, bias=bias, softcap=opts.softcap,
                                    entropy=opts.entropy)
     return p if c is None else replace(p, cute=c)
+
+
+def _linear_plan(rows: int, v: int, h: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
+                 need_grad: bool) -> LinearPlan:
+    return linear_plan(rows, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed(dtype, opts, need_grad),
+                       prerounded=launch.tf32_prerounded(dtype))
+
+
+@memoised
+def truncated_plans(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
+                    keep: bool, block: int, truncated: bool, search: bool, k_max: int,
+                    plan_rows: Optional[int]) -> tuple:
+    """(main, backward, search, steps, splits) of a truncated / batch-invariant Config
+    (``TritonConfig``): pure in its arguments, so memoised (``planning.memo``). ``keep``: the
+    forward may keep columns; ``search``: the Triton search runs (its first pass's vocabulary
+    splits for a block's rows, ``log_probs_candidates.splits_for``)."""
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    from .truncation import candidate_count
+
+    rows = block or n
+    main = backward = search_plan = steps = None
+    splits = 0
+    if v:
+        main = _linear_plan(rows, v, h, dtype, device, budget, opts, keep)
+        if block:
+            backward = _linear_plan(n, v, h, dtype, device, budget, opts, False)
+        if truncated:
+            search_plan = _linear_plan(rows, v, h, dtype, device, budget, opts, False)
+            if search:
+                splits = LC.splits_for(rows, v, search_plan.forward, candidate_count(k_max), device)
+    if truncated:  # (shape and dtype are what the planner reads)
+        steps = linear_torch_plan(torch.empty((rows, h), dtype=dtype, device="meta"), plan_rows or v, budget, tiles=3,
+                                  accumulators=0)
+    return main, backward, search_plan, steps, splits
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -251,18 +286,10 @@ class TritonBackend:
 
         decided, may_keep = truncation.decide(self.name, x, v, trunc, k_max, block, need_grad, parallel,
                                               softcap=opts.softcap)
-        rows = block or x.shape[0]
-        main = backward = search = steps = None
-        if v:
-            main = linear(x, weight, bias, opts, budget=budget, need_grad=may_keep, cute=False, rows=rows)
-            if block:
-                backward = linear(x, weight, bias, opts, budget=budget, need_grad=False, cute=False)
-            if trunc is not None:
-                search = linear(x, weight, bias, opts, budget=budget, need_grad=False, cute=False, rows=rows)
-        if trunc is not None:
-            steps = linear_torch_plan(x[:1].expand(rows, x.shape[1]) if rows != x.shape[0] else x, plan_rows or v,
-                                      budget, tiles=3, accumulators=0)
-        return TritonConfig(main, backward, search, steps, decided)
+        n, h = x.shape
+        plans = truncated_plans(n, h, v, x.dtype, x.device, budget, opts, may_keep, block, trunc is not None,
+                                decided.search, decided.k_max, plan_rows)
+        return TritonConfig(*plans, decided)
 
     @staticmethod
     def kept_shapes(config: Optional[TritonConfig], n: int):

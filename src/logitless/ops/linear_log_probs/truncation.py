@@ -67,9 +67,9 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import online_update
 from logitless.formulas.truncation import (
-    check_values,
     MIN_CANDIDATES,
     Truncation,
+    check_values,
     crossing,
     kept_mass,
     merge_candidates,
@@ -236,7 +236,8 @@ def _merged_candidates(parts, c: int):
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, lplan: LinearPlan, invariant: bool = False, indices: bool = False):
+                  trunc: Truncation, lplan: LinearPlan, invariant: bool = False, indices: bool = False,
+                  splits: Optional[int] = None):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -252,7 +253,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
     a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
     rows whose kept set (a >= the returned tau) lies in their candidates. ``lplan``: the
-    Triton Config's ``search`` plan."""
+    Triton Config's ``search`` plan, ``splits`` its first pass's (None: ``splits_for`` x's rows)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -265,7 +266,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
-    splits = LC.splits_for(n, v, plan, c, x.device)
+    if splits is None:
+        splits = LC.splits_for(n, v, plan, c, x.device)
 
     def splits_of(rows_of_pass: Tensor) -> int:
         return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
@@ -498,7 +500,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
                 tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
             elif xb.shape[0] and dec.search:
                 tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config.search,
-                                                     invariant=bool(block), indices=sparse is not None)
+                                                     invariant=bool(block), indices=sparse is not None,
+                                                     splits=config.splits)
                 if sparse is not None and sp[0] is not None:
                     sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
                 else:

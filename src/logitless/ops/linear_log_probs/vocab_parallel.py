@@ -21,11 +21,12 @@ backward: the A, B, C coefficients from the merged lse and entropy; the backend'
 
 Truncated sampling and ``batch_invariant`` (``truncation``'s steps) take
 ``ShardedBackend``: the same contract as a backend, over this rank's rows and the merged
-statistics. One Config per call (``plan``: the backend's over this rank's real rows). Its thresholds: each rank's top-C candidates of its columns, an
-all-gather of (tokens x C) floats and a top-C of the ranks' candidates, with the row max
-and sum merged as above; the forward and backward above with the per-token tau. Batch
-invariance: the merge's SUM added in rank order (``merge.sum_in_rank_order``), so a
-row's bits do not follow the collective's algorithm for the message size.
+statistics. One Config per call (``plan``: the backend's over this rank's real rows).
+Its thresholds: each rank's top-C candidates of its columns, an all-gather of (tokens x C)
+floats and a top-C of the ranks' candidates, with the row max and sum merged as above;
+the forward and backward above with the per-token tau. Batch invariance: the merge's SUM
+added in rank order (``merge.sum_in_rank_order``), so a row's bits do not follow the
+collective's algorithm for the message size.
 
 Nothing of size tokens x vocab and no weight is ever communicated.
 """
