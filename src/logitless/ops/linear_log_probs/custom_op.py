@@ -2,11 +2,10 @@
 
     logitless::llp_forward(x, weight, bias, tokens, <options>, backend, budget, need_grad,
                            need_dw, <truncation>, <vocab parallel>)
-        -> logp, entropy ((0,) without entropy), lse, keep, keep_max, config,
-           tau, cand, cols, inside
+        -> logp, entropy ((0,) without entropy), lse, keep, keep_max, config, tau, sparse, inside
     logitless::llp_backward(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy,
                             keep (overwritten with dz), keep_max, config, <options>, backend,
-                            budget, need_dx, need_dw, need_db, logp, tau, cand, cols, inside,
+                            budget, need_dx, need_dw, need_db, logp, tau, sparse, inside,
                             <vocab parallel>) -> dx, dw, db
 
 (the schemas, written out: ``FORWARD_SCHEMA``, ``BACKWARD_SCHEMA``). ``<options>`` are the
@@ -26,8 +25,9 @@ the backend's encoding (``backend.codec``: a CPU int64 tensor) through the custo
 ``keep``/``keep_max``: the columns of exp(a - m) the forward kept (``NOTHING_KEPT``-shaped
 dummies when none); the backward turns them into dz in place (declared as a mutation), so
 they serve the first backward only (a second one, retain_graph=True, recomputes).
-``tau``, ``cand``, ``cols``, ``inside``: the truncated forward's per-token thresholds and
-the sparse backward's candidates (``truncation``; fixed shapes, size 0 when not used).
+``tau``, ``sparse``, ``inside``: the truncated forward's per-token thresholds and the sparse
+backward's candidates (``truncation``: (2, N, W) int32, the candidates' fp32 bits and their
+columns, one tensor) and rows; fixed shapes, size 0 when not used.
 Implementations run eagerly (also under torch.compile, which sees only the fakes), so the
 CPU token-range check (``validate.check_targets_in_range``) lives in them. Double backward
 raises.
@@ -69,13 +69,13 @@ FORWARD_SCHEMA = (
     f"(Tensor x, Tensor weight, Tensor? bias, Tensor tokens, {OPTIONS_SCHEMA}, str backend, SymInt budget, "
     "bool need_grad, bool need_dw=True, Tensor? top_k=None, Tensor? top_p=None, Tensor? min_p=None, "
     f"SymInt k_max=-1, SymInt block=0, {TP_SCHEMA}) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 BACKWARD_SCHEMA = (
     "(Tensor? grad_logp, Tensor? grad_entropy, Tensor x, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, "
     f"Tensor entropy_out, Tensor(a8!) keep, Tensor keep_max, Tensor config, {OPTIONS_SCHEMA}, str backend, "
     "SymInt budget, bool need_dx, bool need_dw, bool need_db, Tensor? logp=None, Tensor? tau=None, "
-    f"Tensor? cand=None, Tensor? cols=None, Tensor? inside=None, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+    f"Tensor? sparse=None, Tensor? inside=None, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor)"
 )
 #: The forward's arguments: 11, then the defaulted need_dw, <truncation> and <vocab parallel>.
 _NUM_INPUTS = 20
@@ -95,9 +95,11 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
              softcap: Optional[float], ignore_index: int, backend: str, budget: int, need_grad: bool,
              need_dw: bool = True, top_k: Optional[Tensor] = None, top_p: Optional[Tensor] = None,
              min_p: Optional[Tensor] = None, k_max: int = -1, block: int = 0, tp_group: str = "",
-             vocab_size: int = -1, partial_dx: bool = False):
+             vocab_size: int = -1, partial_dx: bool = False, *, distinct: bool = False):
     """x (N, H), weight (V, H), tokens (N,) int64 -> the forward op's outputs (module
-    docstring), ``config`` as the object."""
+    docstring), ``config`` as the object; ``distinct``: the absent outputs distinct tensors of
+    the fake's dtypes (the custom op's), else one size-0 tensor (the eager fast path's: nobody
+    reads them)."""
     opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
     impl = BACKENDS[backend]
     n = x.shape[0]
@@ -124,12 +126,15 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
                 config = impl.plan(x, weight, bias, opts, **plan)  # once per call
             if config is None:  # (no tokens: nothing to plan, nothing runs)
                 check_targets_in_range(tokens, weight.shape[0], ignore_index, name="tokens")
-                empty = x.new_empty(0, dtype=sd)
-                return _outputs(x, tokens, empty, empty if entropy else None, empty, None, None,
-                                x.new_empty(0, dtype=sd) if trunc is not None else None)
+                width = truncation.sparse_width(backend, weight.shape[0], k_max, need_grad, trunc is not None,
+                                                bool(tp_group))
+                empty = [x.new_empty(0, dtype=sd) for _ in range(4)]
+                return _outputs(x, tokens, empty[0], empty[1] if entropy else None, empty[2], None, None, True,
+                                empty[3], tokens.new_empty((2, 0, width), dtype=torch.int32),
+                                tokens.new_empty(0, dtype=torch.bool))
             logp, ent, lse, tau, sparse, kept = truncation.forward(impl, x, weight, bias, tokens, trunc, opts,
                                                                    config, budget, sharded)
-        return _outputs(x, tokens, logp, ent, lse, kept, config, tau, *sparse)
+        return _outputs(x, tokens, logp, ent, lse, kept, config, distinct, tau, *sparse)
     with no_autocast(x.device):
         if tp_group:
             from . import vocab_parallel
@@ -146,24 +151,30 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
             else:  # the merge and token_outputs (Triton: one launch, log_probs_epilogue)
                 config = impl.plan(x, weight, bias, opts, budget=budget, need_grad=need_grad, need_dw=need_dw)
                 (logp, ent, lse), kept = impl.forward(x, weight, bias, tokens, opts, config)
-    return _outputs(x, tokens, logp, ent, lse, kept, config)
+    return _outputs(x, tokens, logp, ent, lse, kept, config, distinct)
 
 
-def _outputs(x, tokens, logp, ent, lse, kept, config, tau=None, cand=None, cols=None, inside=None):
-    """The forward op's outputs (module docstring) from its results (absent: size 0)."""
+def _outputs(x, tokens, logp, ent, lse, kept, config, distinct, tau=None, sparse=None, inside=None):
+    """The forward op's outputs (module docstring) from its results; the absent ones as
+    ``_forward``'s ``distinct`` says."""
     sd = compute_dtype(x.dtype)
     if kept is None:
         kept = nothing_kept(x)
-    return (logp.to(sd), ent.to(sd) if ent is not None else x.new_empty(0, dtype=sd), lse.to(sd), kept[0], kept[1],
-            config, tau if tau is not None else x.new_empty(0, dtype=sd),
-            cand if cand is not None else x.new_empty((0, 0), dtype=torch.float32),
-            cols if cols is not None else tokens.new_empty((0, 0), dtype=torch.int32),
-            inside if inside is not None else tokens.new_empty(0, dtype=torch.bool))
+    if distinct:
+        ent = ent if ent is not None else x.new_empty(0, dtype=sd)
+        if sparse is None:
+            tau, sparse = x.new_empty(0, dtype=sd), tokens.new_empty((2, 0, 0), dtype=torch.int32)
+            inside = tokens.new_empty(0, dtype=torch.bool)
+    spare = x.new_empty(0, dtype=sd) if ent is None or sparse is None else None
+    if sparse is None:
+        tau, sparse, inside = spare, spare, spare
+    return (logp.to(sd), ent.to(sd) if ent is not None else spare, lse.to(sd), kept[0], kept[1], config, tau,
+            sparse, inside)
 
 
 def _forward_op(*args):
     """The custom op's implementation: ``_forward`` with the Config encoded by its backend."""
-    out = _forward(*args)
+    out = _forward(*args, distinct=True)
     return (*out[:5], BACKENDS[args[8]].codec.encode(out[5]), *out[6:])
 
 
@@ -187,16 +198,15 @@ def _forward_fake(x, weight, bias, tokens, temperature, entropy, softcap, ignore
         kept = fake_kept(x, weight, tp_group, vocab_size, lambda n, v, h: impl.kept_shapes(
             impl.plan(x, weight, bias, opts, budget=budget, need_grad=True, need_dw=need_dw, cute=False), n))
     width = truncation.sparse_width(backend, weight.shape[0], k_max, need_grad, truncated, parallel)
-    rows, cand_shape = (n, (n, width)) if width else (0, (0, 0))
+    rows, sparse_shape = (n, (2, n, width)) if width else (0, (2, 0, 0))
     return (x.new_empty(n, dtype=sd), x.new_empty(n if entropy else 0, dtype=sd), x.new_empty(n, dtype=sd), *kept,
             impl.codec.fake(), x.new_empty(n if truncated else 0, dtype=sd),
-            x.new_empty(cand_shape, dtype=torch.float32), tokens.new_empty(cand_shape, dtype=torch.int32),
-            tokens.new_empty(rows, dtype=torch.bool))
+            tokens.new_empty(sparse_shape, dtype=torch.int32), tokens.new_empty(rows, dtype=torch.bool))
 
 
 def _backward_impl(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out, keep, keep_max, config,
                    temperature, entropy, softcap, ignore_index, backend, budget, need_dx, need_dw, need_db,
-                   logp=None, tau=None, cand=None, cols=None, inside=None, tp_group="", vocab_size=-1,
+                   logp=None, tau=None, sparse=None, inside=None, tp_group="", vocab_size=-1,
                    partial_dx=False):
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz.
     ``config``: the forward's (the object, or its encoding)."""
@@ -221,7 +231,7 @@ def _backward_impl(grad_logp, grad_entropy, x, weight, bias, tokens, lse, entrop
                     impl = vocab_parallel.ShardedBackend(impl, tp, weight, x.device, False)
                     v = impl.vocab_size
                 return truncation.backward(impl, grad_logp, grad_entropy, x, weight, bias, tokens, lse, entropy_out,
-                                           logp, tau, cand, cols, inside, kept, opts, config, need_dx, need_dw,
+                                           logp, tau, sparse, inside, kept, opts, config, need_dx, need_dw,
                                            need_db, v)
             if tp_group:
                 from . import vocab_parallel
@@ -255,17 +265,17 @@ def _setup_context(ctx, inputs, output):
     if len(inputs) < _NUM_INPUTS:  # (a compiled graph may leave the defaulted ones out)
         inputs = (*inputs, *_DEFAULTS[len(inputs) - 11:])
     x, weight, bias, tokens = inputs[:4]
-    logp, ent, lse, keep, keep_max, config, tau, cand, cols, inside = output
+    logp, ent, lse, keep, keep_max, config, tau, sparse, inside = output
     ctx.truncated = inputs[12] is not None or bool(inputs[16])
     if ctx.truncated:
-        ctx.save_for_backward(x, weight, bias, tokens, lse, ent, logp, tau, cand, cols, inside)
+        ctx.save_for_backward(x, weight, bias, tokens, lse, ent, logp, tau, sparse, inside)
     else:
         ctx.save_for_backward(x, weight, bias, tokens, lse, ent)
     ctx.options = inputs[4:10]  # <options>, backend, budget
     ctx.tp = inputs[17:]
     ctx.config = config
     ctx.kept = (keep, keep_max)
-    rest = (lse, keep, keep_max, tau, cand, cols, inside)
+    rest = (lse, keep, keep_max, tau, sparse, inside)
     if isinstance(config, Tensor):
         ctx.mark_non_differentiable(*rest, config)
     else:  # (the eager fast path's Config is the object)
@@ -288,7 +298,7 @@ def _backward(ctx, grad_logp, grad_entropy, *_):
     # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
     op = llp_backward if not getattr(ctx, "eager", False) else _backward_impl
     args = (grad_logp, grad_entropy, x, weight, bias, tokens, lse, ent, *kept, ctx.config, *ctx.options, need_dx,
-            need_dw, need_db, *(trunc or (None,) * 5), *ctx.tp)
+            need_dw, need_db, *(trunc or (None,) * 4), *ctx.tp)
     if op is _backward_impl and torch.is_grad_enabled():
         with torch.no_grad():
             out = op(*args)

@@ -80,7 +80,6 @@ from logitless.formulas.truncation import (
 )
 from logitless.ops.common.autograd import grad_outputs
 from logitless.ops.common.invariant import pad_rows
-from logitless.ops.common.kept import NOTHING_KEPT
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
 from logitless.planning.plans import LinearPlan, TorchPlan, TritonPlan
@@ -165,14 +164,6 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
         c = min(v, 4 * c)
 
 
-def _take(ours: Optional[Tensor], theirs: Optional[Tensor], rows: Tensor) -> Optional[Tensor]:
-    if ours is None:
-        return None
-    ours = ours.clone()
-    ours[rows] = theirs[rows].to(ours.dtype)
-    return ours
-
-
 def _rows(t: Tensor, idx: Tensor) -> Tensor:
     """t[idx] for sorted row indices (``nonzero``'s), t itself when they are all its rows
     (no copy of x: its bytes would sit outside the memory budget)."""
@@ -192,13 +183,9 @@ def _padded(x: Tensor, tokens: Tensor, n0: int, n1: int, pad: int, ignore_index:
     return pad_rows(x, n0, n1, pad), pad_rows(tokens, n0, n1, pad, ignore_index)
 
 
-def _pad_vec(t: Tensor, n0: int, n1: int, pad: int, fill: float = 0.0) -> Tensor:
-    return pad_rows(t, n0, n1, pad, fill)
-
-
 def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
-    return Truncation(_pad_vec(trunc.top_k, n0, n1, pad), _pad_vec(trunc.top_p, n0, n1, pad, 1.0),
-                      _pad_vec(trunc.min_p, n0, n1, pad), trunc.k_max)
+    return Truncation(pad_rows(trunc.top_k, n0, n1, pad), pad_rows(trunc.top_p, n0, n1, pad, 1.0),
+                      pad_rows(trunc.min_p, n0, n1, pad), trunc.k_max)
 
 
 #: The Triton threshold pass: candidates at most (a power of two), thresholds per mass
@@ -465,8 +452,9 @@ def _pieces(n: int, block: int):
 def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, trunc: Optional[Truncation],
             opts: LogProbOptions, config, budget: int, sharded=None):
     """The truncated / batch-invariant forward under the call's Config (``config.trunc``):
-    (logp, entropy or None, lse, tau ((0,) without truncation), (cand, cols, inside), kept
-    or None). ``impl``: the backend, or over a vocab-parallel head ``sharded``
+    (logp, entropy or None, lse, tau ((0,) without truncation), (sparse, inside), kept
+    or None); the candidates: (2, N, W) int32, their fp32 bits and their columns. ``impl``:
+    the backend, or over a vocab-parallel head ``sharded``
     (``vocab_parallel.ShardedBackend``: forward and thresholds merged over the group).
 
     Per block (one without batch invariance): the thresholds (Triton search or chunked
@@ -523,7 +511,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         else:
             (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, config, tau=tau)
             if outs is not None:  # the threshold pass's outputs, but for the fallback's rows
-                lp, en, ls = (_take(o, f, left) for o, f in zip(outs, (lp, en, ls)))
+                lp, en, ls = (_put(o, f[left] if f is not None else None, left) for o, f in zip(outs, (lp, en, ls)))
         logp[n0:n1] = lp[:n1 - n0].to(sd)
         lse[n0:n1] = ls[:n1 - n0].to(sd)
         if ent is not None:
@@ -540,12 +528,14 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         cand = x.new_empty((n, dec.width), dtype=torch.float32)
         cols = tokens.new_empty((n, dec.width), dtype=torch.int32)
         inside = tokens.new_zeros(n, dtype=torch.bool)
-    return logp, ent, lse, taus, (cand, cols.to(torch.int32), inside), kept
+    # (one tensor for the candidates and their columns: the candidates' fp32 bits, the columns)
+    sparse = torch.stack([cand.contiguous().view(torch.int32), cols.to(torch.int32)])
+    return logp, ent, lse, taus, (sparse, inside), kept
 
 
 def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Tensor, logp: Tensor, tau: Tensor,
-             cand: Tensor, cols: Tensor, inside: Tensor, kept, opts: LogProbOptions, config, need_dx: bool,
+             sparse: Tensor, inside: Tensor, kept, opts: LogProbOptions, config, need_dx: bool,
              need_dw: bool, need_db: bool, num_classes: int):
     """dx, dw, db (size 0 where not needed) under the forward's Config: the sparse backward
     for the rows ``inside`` their candidates (when any), the backend's (with tau) for the
@@ -565,6 +555,7 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
     g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)  # logp = -inf outside the kept set
     if inside.numel() and bool(inside.any()):  # (host sync) kept sets inside the candidates: no GEMM there
         dense = (~inside).nonzero()[:, 0]
+        cand, cols = sparse[0].view(torch.float32), sparse[1]
         dx, dw, db = _sparse_backward(impl, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v, cand, cols,
                                       dense, opts, config, need_dx, need_dw, need_db)
         return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
@@ -607,8 +598,3 @@ def _sparse_backward(backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h
     if bx is not None:
         dx[dense] = bx.to(dx.dtype)
     return (dx, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None)
-
-
-def kept_of(keep: Tensor, keep_max: Tensor):
-    """The forward's kept columns, or None for the ``NOTHING_KEPT`` dummies."""
-    return None if keep.shape == NOTHING_KEPT else (keep, keep_max)
