@@ -188,7 +188,7 @@ def linear_log_probs(
             k, p, mp = trunc.top_k, trunc.top_p, trunc.min_p
             k_max = trunc.k_max if trunc.k_max is not None else -1
             if k_max < 0 and x2d.shape[0] and not torch.compiler.is_compiling():  # (eager: the host sync here)
-                from .truncation import tensor_k_max
+                from .contract import tensor_k_max
 
                 k_max = tensor_k_max(k, block)
         logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,

@@ -27,6 +27,7 @@ from typing import Any, Optional, Protocol
 
 from torch import Tensor
 
+from logitless.formulas.truncation import MIN_CANDIDATES, Truncation
 from logitless.ops.common.contract import Backend
 from logitless.options import LogProbOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
@@ -34,7 +35,7 @@ from logitless.planning.plans import LinearPlan, TorchPlan
 
 @dataclass(frozen=True)
 class Truncated:
-    """What a truncated or batch-invariant call decides once (``truncation.decide``).
+    """What a truncated or batch-invariant call decides once (``decide``, in the backends' ``plan``).
 
     k_max: the largest per-token top_k (read on the host when the caller did not give it;
         -1: no truncation); search: the Triton candidates/mass search finds the thresholds
@@ -46,6 +47,62 @@ class Truncated:
     search: bool = False
     width: int = 0
     block: int = 0
+
+
+#: Candidates of the Triton threshold pass at most (a power of two; ``truncation``).
+MAX_CANDIDATES = 256
+
+
+def candidate_count(k_max: int) -> int:
+    """C of the Triton threshold pass: the least power of two >= max(MIN_CANDIDATES, k_max + 1)."""
+    c = MIN_CANDIDATES
+    while c < k_max + 1:
+        c *= 2
+    return c
+
+
+def tensor_k_max(top_k: Tensor, block: int) -> int:
+    """The largest per-token top_k (a host sync); under batch_invariant (``block``) at
+    least MAX_CANDIDATES - 1: one C whatever the neighbours' top_k."""
+    k_max = int(top_k.max())
+    if block and k_max < MAX_CANDIDATES:
+        k_max = MAX_CANDIDATES - 1
+    return k_max
+
+
+def sparse_width(backend: str, v: int, k_max: int, need_grad: bool, truncated: bool, parallel: bool) -> int:
+    """Columns of the forward op's ``cand``/``cols`` outputs (the sparse backward's
+    candidates, padded), or 0 when the call cannot take the sparse backward: only the
+    Triton candidates pass gives them. ``k_max`` -1 (a per-token top_k not read on the
+    host): the widest C. (The fake's shapes: from the op's arguments only.)"""
+    if not (truncated and need_grad and not parallel and backend == "triton"):
+        return 0
+    c = candidate_count(k_max) if k_max >= 0 else MAX_CANDIDATES
+    return min(c, v) if c <= MAX_CANDIDATES else 0
+
+
+def may_keep(backend: str, k_max: int, block: int, need_grad: bool, truncated: bool, softcap, parallel: bool):
+    """Whether the forward may keep columns for the backward (the backend's forward over
+    all rows, ``need_grad``): not blocked (a plan that keeps may tile differently), not
+    with a soft-cap and a threshold, and never where the Triton search may run (its
+    outputs need no forward) or may not (``k_max`` -1): the fake must know the shapes."""
+    if block or not need_grad or (truncated and softcap is not None):
+        return False
+    return parallel or backend != "triton" or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
+
+
+def decide(backend: str, x: Tensor, v: int, trunc: Optional[Truncation], k_max: int, block: int, need_grad: bool,
+           parallel: bool, softcap: Optional[float] = None):
+    """(``contract.Truncated``, may the forward keep columns) of a truncated or
+    batch-invariant call: the part of a backend's ``plan`` that is the same for every
+    backend. The largest top_k is read here (a host sync) when the caller did not."""
+    truncated = trunc is not None
+    width = sparse_width(backend, v, k_max, need_grad, truncated, parallel)
+    keep = may_keep(backend, k_max, block, need_grad, truncated, softcap, parallel)
+    if truncated and k_max < 0 and x.shape[0]:
+        k_max = tensor_k_max(trunc.top_k, block)
+    search = truncated and not parallel and backend == "triton" and candidate_count(k_max) <= MAX_CANDIDATES
+    return Truncated(k_max if truncated else -1, search, width, block), keep
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions, VocabParallelOptions
 
-from .contract import LlpBackend
+from .contract import LlpBackend, may_keep, sparse_width
 
 OP = "linear_log_probs"
 
@@ -126,7 +126,7 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
                 config = impl.plan(x, weight, bias, opts, **plan)  # once per call
             if config is None:  # (no tokens: nothing to plan, nothing runs)
                 check_targets_in_range(tokens, weight.shape[0], ignore_index, name="tokens")
-                width = truncation.sparse_width(backend, weight.shape[0], k_max, need_grad, trunc is not None,
+                width = sparse_width(backend, weight.shape[0], k_max, need_grad, trunc is not None,
                                                 bool(tp_group))
                 empty = [x.new_empty(0, dtype=sd) for _ in range(4)]
                 return _outputs(x, tokens, empty[0], empty[1] if entropy else None, empty[2], None, None, True,
@@ -183,7 +183,6 @@ def _forward_fake(x, weight, bias, tokens, temperature, entropy, softcap, ignore
                   partial_dx=False):
     """Shapes and dtypes; the kept columns' shapes from a Config planned as the forward
     would (concrete sizes only); the truncated outputs' from the arguments alone."""
-    from . import truncation
 
     n = x.shape[0]
     sd = compute_dtype(x.dtype)
@@ -193,11 +192,11 @@ def _forward_fake(x, weight, bias, tokens, temperature, entropy, softcap, ignore
     truncated, parallel = top_k is not None, bool(tp_group)
     keeps = need_grad
     if truncated or block:
-        keeps = truncation.may_keep(backend, k_max, block, need_grad, truncated, softcap, parallel)
+        keeps = may_keep(backend, k_max, block, need_grad, truncated, softcap, parallel)
     if keeps:
         kept = fake_kept(x, weight, tp_group, vocab_size, lambda n, v, h: impl.kept_shapes(
             impl.plan(x, weight, bias, opts, budget=budget, need_grad=True, need_dw=need_dw, cute=False), n))
-    width = truncation.sparse_width(backend, weight.shape[0], k_max, need_grad, truncated, parallel)
+    width = sparse_width(backend, weight.shape[0], k_max, need_grad, truncated, parallel)
     rows, sparse_shape = (n, (2, n, width)) if width else (0, (2, 0, 0))
     return (x.new_empty(n, dtype=sd), x.new_empty(n if entropy else 0, dtype=sd), x.new_empty(n, dtype=sd), *kept,
             impl.codec.fake(), x.new_empty(n if truncated else 0, dtype=sd),

@@ -45,7 +45,7 @@ from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.launch import cdiv
 
-from .contract import TritonConfig
+from .contract import TritonConfig, candidate_count, decide
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -96,8 +96,6 @@ def truncated_plans(n: int, h: int, v: int, dtype: torch.dtype, device, budget: 
     forward may keep columns; ``search``: the Triton search runs (its first pass's vocabulary
     splits for a block's rows, ``log_probs_candidates.splits_for``)."""
     from logitless.triton_lib import log_probs_candidates as LC
-
-    from .truncation import candidate_count
 
     rows = block or n
     main = backward = search_plan = steps = None
@@ -282,9 +280,7 @@ class TritonBackend:
         v = weight.shape[0]
         if trunc is None and not block:
             return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute))
-        from . import truncation
-
-        decided, may_keep = truncation.decide(self.name, x, v, trunc, k_max, block, need_grad, parallel,
+        decided, may_keep = decide(self.name, x, v, trunc, k_max, block, need_grad, parallel,
                                               softcap=opts.softcap)
         n, h = x.shape
         plans = truncated_plans(n, h, v, x.dtype, x.device, budget, opts, may_keep, block, trunc is not None,

@@ -48,7 +48,8 @@ from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import LogProbOptions, VocabParallelOptions
 
-from .truncation import MAX_CANDIDATES, _merged_candidates, candidate_count
+from .contract import MAX_CANDIDATES, candidate_count
+from .truncation import _merged_candidates
 from .truncation import thresholds as _thresholds
 
 
