@@ -84,7 +84,7 @@ from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
 from logitless.planning.plans import LinearPlan, TorchPlan, TritonPlan
 
-from .contract import MAX_CANDIDATES, candidate_count
+from .contract import candidate_count
 from .torch_backend import scaled_tile
 
 
