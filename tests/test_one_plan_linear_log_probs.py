@@ -40,7 +40,8 @@ class _PassThrough(TorchDispatchMode):
 #: The planners a backend's ``plan`` consults (module, attribute): none may run outside it.
 PLANNERS = (("torch_backend", "linear_torch_plan"), ("triton_backend", "linear_plan"),
             ("triton_backend", "linear_torch_plan"), ("triton_backend", "cute_planning.forward_plan"),
-            ("helion_backend", "helion_choice.fallback_name_of_call"), ("truncation", "decide"))
+            ("helion_backend", "helion_choice.fallback_name_of_call"), ("torch_backend", "decide"),
+            ("triton_backend", "decide"), ("triton_backend", "truncated_config"))
 
 OPTIONS = {
     "plain": {},

@@ -91,16 +91,21 @@ def may_keep(backend: str, k_max: int, block: int, need_grad: bool, truncated: b
     return parallel or backend != "triton" or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
 
 
-def decide(backend: str, x: Tensor, v: int, trunc: Optional[Truncation], k_max: int, block: int, need_grad: bool,
+def largest_top_k(trunc: Optional[Truncation], k_max: int, block: int, n: int) -> int:
+    """The largest per-token top_k: ``k_max`` when the caller read it, else read here (a host
+    sync; -1 without truncation or tokens)."""
+    if trunc is None or k_max >= 0 or not n:
+        return k_max
+    return tensor_k_max(trunc.top_k, block)
+
+
+def decide(backend: str, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
            parallel: bool, softcap: Optional[float] = None):
-    """(``contract.Truncated``, may the forward keep columns) of a truncated or
-    batch-invariant call: the part of a backend's ``plan`` that is the same for every
-    backend. The largest top_k is read here (a host sync) when the caller did not."""
-    truncated = trunc is not None
-    width = sparse_width(backend, v, k_max, need_grad, truncated, parallel)
-    keep = may_keep(backend, k_max, block, need_grad, truncated, softcap, parallel)
-    if truncated and k_max < 0 and x.shape[0]:
-        k_max = tensor_k_max(trunc.top_k, block)
+    """(``Truncated``, may the forward keep columns) of a truncated or batch-invariant call:
+    the part of a backend's ``plan`` that is the same for every backend. ``k_max_arg``: the
+    op's argument (the fake's shapes follow it), ``k_max``: ``largest_top_k``'s."""
+    width = sparse_width(backend, v, k_max_arg, need_grad, truncated, parallel)
+    keep = may_keep(backend, k_max_arg, block, need_grad, truncated, softcap, parallel)
     search = truncated and not parallel and backend == "triton" and candidate_count(k_max) <= MAX_CANDIDATES
     return Truncated(k_max if truncated else -1, search, width, block), keep
 

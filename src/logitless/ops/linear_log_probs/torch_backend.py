@@ -27,7 +27,7 @@ from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
 
-from .contract import TorchConfig, decide
+from .contract import TorchConfig, decide, largest_top_k
 
 
 def scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
@@ -126,7 +126,8 @@ class TorchBackend:
                                          accumulators=0 if exact else int(need_dw))
         if trunc is None and not block:
             return TorchConfig(forward, backward)
-        decided, _ = decide(self.name, x, v, trunc, k_max, block, need_grad, parallel)  # (keeps nothing)
+        decided, _ = decide(self.name, v, trunc is not None, k_max, largest_top_k(trunc, k_max, block, n), block,
+                            need_grad, parallel)  # (keeps nothing)
         steps = linear_torch_plan(rows, plan_rows or v, budget, tiles=3, accumulators=0) if trunc is not None else None
         return TorchConfig(forward, backward, steps, decided)
 

@@ -45,7 +45,7 @@ from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.launch import cdiv
 
-from .contract import TritonConfig, candidate_count, decide
+from .contract import TritonConfig, candidate_count, decide, largest_top_k
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -88,15 +88,16 @@ def _linear_plan(rows: int, v: int, h: int, dtype: torch.dtype, device, budget: 
 
 
 @memoised
-def truncated_plans(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
-                    keep: bool, block: int, truncated: bool, search: bool, k_max: int,
-                    plan_rows: Optional[int]) -> tuple:
-    """(main, backward, search, steps, splits) of a truncated / batch-invariant Config
-    (``TritonConfig``): pure in its arguments, so memoised (``planning.memo``). ``keep``: the
-    forward may keep columns; ``search``: the Triton search runs (its first pass's vocabulary
-    splits for a block's rows, ``log_probs_candidates.splits_for``)."""
+def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
+                     truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool, parallel: bool,
+                     plan_rows: Optional[int]) -> TritonConfig:
+    """The Config of a truncated / batch-invariant call (``TritonConfig``): pure in its
+    arguments, so memoised (``planning.memo``). ``k_max_arg``: the op's argument, ``k_max``
+    the largest top_k (``contract.largest_top_k``). The search's first pass's vocabulary
+    splits are a block's rows' (``log_probs_candidates.splits_for``)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
+    decided, keep = decide("triton", v, truncated, k_max_arg, k_max, block, need_grad, parallel, opts.softcap)
     rows = block or n
     main = backward = search_plan = steps = None
     splits = 0
@@ -106,12 +107,12 @@ def truncated_plans(n: int, h: int, v: int, dtype: torch.dtype, device, budget: 
             backward = _linear_plan(n, v, h, dtype, device, budget, opts, False)
         if truncated:
             search_plan = _linear_plan(rows, v, h, dtype, device, budget, opts, False)
-            if search:
+            if decided.search:
                 splits = LC.splits_for(rows, v, search_plan.forward, candidate_count(k_max), device)
     if truncated:  # (shape and dtype are what the planner reads)
         steps = linear_torch_plan(torch.empty((rows, h), dtype=dtype, device="meta"), plan_rows or v, budget, tiles=3,
                                   accumulators=0)
-    return main, backward, search_plan, steps, splits
+    return TritonConfig(main, backward, search_plan, steps, splits, decided)
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -280,12 +281,9 @@ class TritonBackend:
         v = weight.shape[0]
         if trunc is None and not block:
             return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute))
-        decided, may_keep = decide(self.name, x, v, trunc, k_max, block, need_grad, parallel,
-                                              softcap=opts.softcap)
         n, h = x.shape
-        plans = truncated_plans(n, h, v, x.dtype, x.device, budget, opts, may_keep, block, trunc is not None,
-                                decided.search, decided.k_max, plan_rows)
-        return TritonConfig(*plans, decided)
+        return truncated_config(n, h, v, x.dtype, x.device, budget, opts, trunc is not None, k_max,
+                                largest_top_k(trunc, k_max, block, n), block, need_grad, parallel, plan_rows)
 
     @staticmethod
     def kept_shapes(config: Optional[TritonConfig], n: int):
