@@ -126,8 +126,7 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
                 config = impl.plan(x, weight, bias, opts, **plan)  # once per call
             if config is None:  # (no tokens: nothing to plan, nothing runs)
                 check_targets_in_range(tokens, weight.shape[0], ignore_index, name="tokens")
-                width = sparse_width(backend, weight.shape[0], k_max, need_grad, trunc is not None,
-                                                bool(tp_group))
+                width = sparse_width(backend, weight.shape[0], k_max, need_grad, trunc is not None, bool(tp_group))
                 empty = [x.new_empty(0, dtype=sd) for _ in range(4)]
                 return _outputs(x, tokens, empty[0], empty[1] if entropy else None, empty[2], None, None, True,
                                 empty[3], tokens.new_empty((2, 0, width), dtype=torch.int32),
