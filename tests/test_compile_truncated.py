@@ -184,8 +184,8 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
     for need_grad in (True, False):
         args = (x, w, b, t, 0.7, True, None, -100, backend, 6_000, need_grad, True, *tr, k_max, block)
         torch.library.opcheck(llp_ops.llp_forward, args, test_utils=_FORWARD_UTILS)
-        logp, ent, lse, keep, keep_max, config, tau, sparse, inside = llp_ops.llp_forward(*args)
-        cand, cols = sparse[0].view(torch.float32), sparse[1]
+        logp, ent, lse, keep, keep_max, config, tau, packed, inside = llp_ops.llp_forward(*args)
+        cand, cols = packed[0].view(torch.float32), packed[1]  # (the candidates' fp32 bits, their columns)
         sparse = backend == "triton" and trunc and need_grad and k_max < 256
         assert cand.shape == ((13, 104 if k_max < 0 else 64) if sparse else (0, 0))  # (C = 256 capped at V)
         assert inside.shape == ((13,) if sparse else (0,))
@@ -197,7 +197,7 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
             main is not None and main.keeps)
         g_lp, g_h = torch.randn_like(logp), torch.randn_like(ent)
         bargs = (g_lp, g_h, x, w, b, t, lse, ent, keep, keep_max, config, 0.7, True, None, -100, backend, 6_000,
-                 True, True, True, logp, tau, sparse, inside)
+                 True, True, True, logp, tau, packed, inside)
         torch.library.opcheck(llp_ops.llp_backward, bargs)
 
 
