@@ -1,13 +1,13 @@
 """torch.compile(fullgraph=True) of the truncated (top_k / top_p / min_p) and
 batch-invariant paths: ``linear_log_probs``, ``log_probs`` and ``linear_cross_entropy``.
 
-Those paths are custom ops with fixed output shapes (``logitless::llp_truncated_*``,
-``lp_forward``/``lp_backward`` with truncation arguments, ``lce_invariant_*``): a
-compiled function calling them traces with no graph break and gives the eager outputs
-and gradients (x, weight, bias / logits) bitwise on the torch backend, and on the Triton
-backend (the CPU interpreter off a GPU) at small sizes. ``torch.library.opcheck`` checks
-their schemas, fakes and autograd registrations (a per-token ``top_k`` not read on the
-host, ``k_max`` -1, included: the fake's padded candidate width is the implementation's).
+Those paths are custom ops with fixed output shapes (``logitless::llp_forward``/``llp_backward``
+and ``lp_forward``/``lp_backward`` with truncation arguments, ``lce_invariant_*``): a compiled function calling them traces with no
+graph break and gives the eager outputs and gradients (x, weight, bias / logits)
+bitwise on the torch backend, and on the Triton backend (the CPU interpreter off a GPU)
+at small sizes. ``torch.library.opcheck`` checks their schemas, fakes and autograd
+registrations (a per-token ``top_k`` not read on the host, ``k_max`` -1, included:
+the fake's padded candidate width is the implementation's).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import logitless
-from logitless.ops.common import plan_codec
 from logitless.ops.linear_cross_entropy import batch_invariant as lce_inv
-from logitless.ops.linear_log_probs import truncated_op as llp_tr
+from logitless.ops.linear_log_probs import custom_op as llp_ops
+from logitless.ops.linear_log_probs.api import BACKENDS as LLP_BACKENDS
 from logitless.ops.log_probs import custom_op as lp_ops
-from logitless.planning.plans import LinearPlan
 from tests.conftest import DEVICE
 
 
@@ -183,21 +182,23 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
     mp = torch.zeros_like(p)
     tr = (k, p, mp) if trunc else (None, None, None)
     for need_grad in (True, False):
-        args = (x, w, b, t, *tr, 0.7, True, None, -100, backend, 6_000, k_max, block, need_grad)
-        torch.library.opcheck(llp_tr.llp_truncated_forward, args, test_utils=_FORWARD_UTILS)
-        logp, ent, lse, tau, cand, cols, inside, keep, keep_max, plan = llp_tr.llp_truncated_forward(*args)
+        args = (x, w, b, t, 0.7, True, None, -100, backend, 6_000, need_grad, True, *tr, k_max, block)
+        torch.library.opcheck(llp_ops.llp_forward, args, test_utils=_FORWARD_UTILS)
+        logp, ent, lse, keep, keep_max, config, tau, packed, inside = llp_ops.llp_forward(*args)
+        cand, cols = packed[0].view(torch.float32), packed[1]  # (the candidates' fp32 bits, their columns)
         sparse = backend == "triton" and trunc and need_grad and k_max < 256
         assert cand.shape == ((13, 104 if k_max < 0 else 64) if sparse else (0, 0))  # (C = 256 capped at V)
         assert inside.shape == ((13,) if sparse else (0,))
         if sparse:
             assert inside.any() and (cols[cand == -torch.inf] == 104).all()  # (the padding: column V)
-        decoded = plan_codec.decode(plan, LinearPlan)
+        decoded = LLP_BACKENDS[backend].codec.decode(config)
+        main = getattr(decoded, "main", None)
         assert (keep.shape != (1, 1)) == (backend == "triton" and k_max == 300 and need_grad) == bool(
-            decoded is not None and decoded.keeps)
+            main is not None and main.keeps)
         g_lp, g_h = torch.randn_like(logp), torch.randn_like(ent)
-        bargs = (g_lp, g_h, x, w, b, t, lse, ent, logp, tau, cand, cols, inside, keep, keep_max, plan, 0.7, True,
-                 None, -100, backend, 6_000, True, True, True)
-        torch.library.opcheck(llp_tr.llp_truncated_backward, bargs)
+        bargs = (g_lp, g_h, x, w, b, t, lse, ent, keep, keep_max, config, 0.7, True, None, -100, backend, 6_000,
+                 True, True, True, logp, tau, packed, inside)
+        torch.library.opcheck(llp_ops.llp_backward, bargs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

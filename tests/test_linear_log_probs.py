@@ -13,12 +13,10 @@ import torch
 
 import logitless
 from logitless.formulas.log_probs import finish, merge_splits, online_update
-from logitless.ops.common import plan_codec
 from logitless.ops.linear_log_probs import custom_op as llp_ops
 from logitless.ops.linear_log_probs import triton_backend as llp_triton
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.options import LogProbOptions
-from logitless.planning.plans import LinearPlan
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref, max_err
 
@@ -108,8 +106,8 @@ def test_triton_keeps_columns_when_the_budget_allows():
 
     def shapes(dtype, budget, opts, need_grad):
         x, w = torch.zeros(23, 40, dtype=dtype, device=DEVICE), torch.zeros(257, 40, dtype=dtype, device=DEVICE)
-        plan = llp_triton.plan(x, w, None, opts, budget=budget, need_grad=need_grad)
-        return llp_triton.kept_shapes(plan, 23)
+        backend = llp_triton.TritonBackend()
+        return backend.kept_shapes(backend.plan(x, w, None, opts, budget=budget, need_grad=need_grad), 23)
 
     kept = shapes(torch.float32, 30_000, opts, True)
     if torch.device(DEVICE).type != "cuda":  # the budget rule: keep what fits (GPUs: the cost model's pick)
@@ -257,7 +255,8 @@ def test_no_grad_keeps_nothing_and_entropy_false_returns_a_tensor():
     x, w, t, _, _ = make_inputs((12,), 16, 41, torch.float32, {}, seed=6)
     with torch.no_grad():
         out = llp_ops.llp_forward(x, w, None, t, 1.0, False, None, -100, "triton", 10**8, False)
-    assert out[3].shape == (1, 1) and not plan_codec.decode(out[5], LinearPlan).keeps and out[1].numel() == 0
+    assert out[3].shape == (1, 1) and not llp_triton.TritonBackend.codec.decode(out[5]).main.keeps \
+        and out[1].numel() == 0
     lp = logitless.linear_log_probs(x, w, t)
     assert isinstance(lp, torch.Tensor) and lp.shape == (12,)
 
@@ -338,8 +337,8 @@ def test_opcheck(backend, need_grad):
     args = (x, w, b, t, 0.7, True, 4.0, -100, backend, 6_000, need_grad)
     torch.library.opcheck(llp_ops.llp_forward, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    lp, ent, lse, keep, keep_max, plan = llp_ops.llp_forward(*args)
-    decoded = plan_codec.decode(plan, LinearPlan)
+    lp, ent, lse, keep, keep_max, plan, *_ = llp_ops.llp_forward(*args)
+    decoded = getattr(llp_ops.BACKENDS[backend].codec.decode(plan), "main", None)
     if backend == "triton" and need_grad:
         assert keep.shape[1] > 1 and decoded.keeps
     else:
@@ -376,16 +375,16 @@ def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
     relative to the shard, partials merged (max, then sums), the backward per shard with
     the merged lse and entropy. Equal to the unsharded op."""
     from logitless.formulas.log_probs import LogProbStats, grad_coefficients, partials_of, token_outputs
-    from logitless.ops.common.dispatch import load_backend
+    from logitless.ops.linear_log_probs.api import BACKENDS as LLP_BACKENDS
 
-    impl = load_backend("logitless.ops.linear_log_probs", backend)
+    impl = LLP_BACKENDS[backend]
     x, w, t, b, _ = make_inputs((13,), 24, 71, torch.float32, {"_bias": True}, seed=31)
     opts = LogProbOptions(0.8, True, 3.0, -100)
     x, w, b = x.detach(), w.detach(), b.detach()
     t[4] = -100
     bounds = [(0, 30), (30, 31), (31, 71)]
     plans = [impl.plan(x, w[v0:v1], b[v0:v1], opts, budget=2**20, need_grad=False) for v0, v1 in bounds]
-    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, budget=2**20, plan=p)[0]
+    parts = [impl.forward(x, w[v0:v1], b[v0:v1], t - v0, opts, p, outputs=False)[0]
              for (v0, v1), p in zip(bounds, plans)]
     m, s, u = (torch.stack(z) for z in zip(*[partials_of(p.lse, p.entropy) for p in parts]))
     lse, ent = merge_splits(m, s, u)
@@ -400,8 +399,8 @@ def test_vocabulary_shards_merge_like_tensor_parallelism(backend):
     dx = torch.zeros_like(x)
     dw, db = [], []
     for (v0, v1), plan in zip(bounds, plans):
-        gx, gw, gb = impl.backward(x, w[v0:v1], b[v0:v1], t - v0, opts, lse, coef, need_dx=True, need_dw=True,
-                                   need_db=True, budget=2**20, plan=plan)
+        gx, gw, gb = impl.backward(x, w[v0:v1], b[v0:v1], t - v0, opts, lse, coef, plan, kept=None, need_dx=True,
+                                   need_dw=True, need_db=True)
         dx += gx
         dw.append(gw)
         db.append(gb)

@@ -308,7 +308,7 @@ def test_triton_candidates_kernel_against_topk(splits):
 
     x, w, b, t = _inputs((7,), 19, 523, seed=31, bias=True)
     opts = LogProbOptions(temperature=0.7, softcap=5.0)
-    plan = triton_backend.plan(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
+    plan = triton_backend.linear(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
     plan = replace(plan, vocab_splits=splits)
     a = 5.0 * torch.tanh((x.double() @ w.double().T + b.double()) / 5.0) / 0.7
     cand, m, s, u, a_t = _merged_candidates(LC.candidates(x, w, b, t, plan, 5.0, 0.7, 64, True, splits=splits), 64)
@@ -360,7 +360,7 @@ def test_triton_candidates_filter_ties(c, splits, upper, indices):
     perm = torch.randperm(v, generator=g).to(DEVICE)
     w, b = w.repeat(3, 1)[perm].contiguous(), b.repeat(3)[perm].contiguous()
     opts = LogProbOptions(temperature=0.7)
-    plan = triton_backend.plan(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
+    plan = triton_backend.linear(x, w, b, opts, budget=2 ** 30, need_grad=False, cute=False).forward
     assert plan.block_v >= c and math.ceil(v / plan.block_v) >= 8 * splits
     a = scaled_logits(x, w, b, None, 0.7, 0, v, plan).float()
     ref_a = a
@@ -688,8 +688,11 @@ def test_mass_search_narrows_flat_rows_in_two_passes(monkeypatch):
     monkeypatch.setattr(LC, "splits_for", lambda *args, **kw: 1)
     trunc = truncation.Truncation(torch.zeros(n, dtype=torch.long), torch.full((n,), top_p, dtype=torch.float64),
                                   torch.zeros(n, dtype=torch.float64), 0)
-    tau, _, left = tr_op.search_triton(x, w, None, t, LogProbOptions(temperature=temp, entropy=True), trunc,
-                                       256 << 20)
+    from logitless.ops.linear_log_probs import triton_backend
+
+    opts = LogProbOptions(temperature=temp, entropy=True)
+    lplan = triton_backend.linear(x, w, None, opts, budget=256 << 20, need_grad=False, cute=False)
+    tau, _, left = tr_op.search_triton(x, w, None, t, opts, trunc, lplan)
     assert left is None and passes == [n, n]
     srt = a_all.double().sort(1, descending=True).values
     p = srt.softmax(1)

@@ -202,9 +202,9 @@ class _TritonFields(torch.autograd.Function):
 
         check_targets_in_range(labels, weight.shape[0], opts.ignore_index, name="labels")
         with no_autocast(x.device):
-            plan = tb.plan(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=False)
+            plan = tb.linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=False)
             (logp, ent, lse, sq, mean, top1), kept = tb.forward(x, weight, bias, labels, opts, plan=plan,
-                                                                 budget=budget, outputs=True, fields=True)
+                                                                 outputs=True, fields=True)
         if ent is None:
             ent = logp.new_empty(0)
         # (kept: consumed by the first backward)

@@ -1,5 +1,6 @@
 """Public API of linear_log_probs: per-token log-probabilities (and entropy) at a
-temperature from the hidden states and the LM-head weight, without the logits."""
+temperature from the hidden states and the LM-head weight, without the logits; the table
+of its backends (``BACKENDS``)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,34 @@ from logitless.distributed import api as _tp
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
+from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.module_form import ModuleForm
 from logitless.options import LogProbOptions
 
-from .custom_op import llp_forward_eager
+from .contract import LlpBackend
+from .custom_op import llp_forward_eager, use_backends
+from .torch_backend import TorchBackend
+
+
+def _triton() -> LlpBackend:
+    from .triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _helion() -> LlpBackend:
+    from .helion_backend import HelionBackend
+
+    return HelionBackend(BACKENDS)
+
+
+#: The implementations of linear_log_probs, by ``backend=`` name (``contract.LlpBackend``;
+#: "auto" resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and
+#: Helion's are made on first use (their modules need the optional packages). Truncated
+#: sampling and ``batch_invariant`` are Configs of the same backends (``truncation``).
+BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
+use_backends(BACKENDS)
 
 
 def linear_log_probs(
@@ -148,19 +172,30 @@ def linear_log_probs(
     flat = tokens.reshape(-1).long()
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
+    need_dw = need_grad and weight.requires_grad
     if trunc is not None or batch_invariant:
-        from .truncated_op import linear_log_probs_truncated
-
         if impl == "helion":  # (the Helion kernels take no threshold: its fallback backend)
             from logitless.ops.common.helion_choice import fallback_name
 
             impl = fallback_name(x.device)
-        logp, ent = linear_log_probs_truncated(x2d, weight, bias, flat, trunc, opts, impl, memory_budget,
-                                               batch_invariant, need_grad, tp)
-        logp = logp.reshape(out_shape)
-        return (logp, ent.reshape(out_shape)) if opts.entropy else logp
-    logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
-                                *tp.args())
+        block = 0
+        if batch_invariant:
+            from logitless.ops.common.invariant import invariant_rows
+
+            block = invariant_rows(impl, x.device)
+        k, p, mp, k_max = None, None, None, 0
+        if trunc is not None:
+            k, p, mp = trunc.top_k, trunc.top_p, trunc.min_p
+            k_max = trunc.k_max if trunc.k_max is not None else -1
+            if k_max < 0 and x2d.shape[0] and not torch.compiler.is_compiling():  # (eager: the host sync here)
+                from .contract import tensor_k_max
+
+                k_max = tensor_k_max(k, block)
+        logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
+                                          need_dw, k, p, mp, k_max, block, *tp.args())
+    else:
+        logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
+                                          need_dw, None, None, None, -1, 0, *tp.args())
     logp = logp.reshape(out_shape)
     if not opts.entropy:
         return logp

@@ -12,63 +12,110 @@ Every option of the op: temperature, entropy, soft-cap, bias, ignore_index, voca
 parallelism (``vocab_parallel`` calls this module on a rank's rows; its dx stays the
 fp32 accumulator until the all-reduce, ``dx_acc``).
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
-(``ops.common.helion_choice``).
+(``ops.common.helion_choice``): decided in ``plan`` (``contract.HelionConfig``), followed by
+the backward. Truncated / batch-invariant calls run on that backend (``api``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import token_outputs
 from logitless.helion_lib import linear_log_probs as kernels
-from logitless.ops.common.helion_choice import run_or_fallback
+from logitless.ops.common import helion_choice
+from logitless.ops.common.contract import ConfigCodec
 from logitless.options import LogProbOptions
 
-# The formulas, and no plan or kept buffers crossing to the backward: as the torch backend (the
-# kernels take their configs per launch, ``helion_lib.configs``; a fallback backend plans for itself).
-from .torch_backend import grad_coefficients, kept_shapes, plan  # noqa: F401
+from .contract import HelionConfig, LlpBackend
+from .torch_backend import TorchBackend
 
 
-def _other_plan(impl, x, weight, bias, opts, budget):
-    """The fallback backend's plan of this call (nothing kept)."""
-    return impl.plan(x, weight, bias, opts, budget=budget, need_grad=False)
+class HelionBackend:
+    """backend="helion" (``contract.LlpBackend``). Its Config (``HelionConfig``) says whether
+    Helion runs the call or which backend runs in its place (that backend's Config in it,
+    planned with nothing kept), and the backward's budget. ``others``: the backends by name
+    (``api.BACKENDS``)."""
 
+    name = "helion"
+    codec = ConfigCodec(HelionConfig)
+    grad_coefficients = staticmethod(TorchBackend.grad_coefficients)
 
-def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, plan=None, outputs: bool = False):  # noqa: F811  (the contract's keyword)
-    """(LogProbStats, None) (fp32, nothing kept). ``outputs``: ((logp, entropy or None,
-    lse), None) instead. ``budget`` only reaches a fallback backend."""
-    def helion_path():
-        stats = kernels.logp_forward(x, weight, bias, tokens, opts)
-        if outputs:
-            logp, ent = token_outputs(stats, tokens, weight.shape[0], opts)
-            return (logp, ent, stats.lse), None
-        return stats, None
+    def __init__(self, others: Mapping[str, LlpBackend]):
+        self.others = others
 
-    def other_path(impl):
-        return impl.forward(x, weight, bias, tokens, opts, budget=budget, outputs=outputs,
-                            plan=_other_plan(impl, x, weight, bias, opts, budget))
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return helion_choice.cause() or (None if dtype != torch.float64 else "float64 inputs")
 
-    return run_or_fallback(__package__, x.device, helion_path, other_path)
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> HelionConfig:
+        other = helion_choice.fallback_name_of_call(x.device)
+        if other is None:
+            return HelionConfig(budget=budget)
+        config = self.others[other].plan(x, weight, bias, opts, budget=budget, need_grad=False, need_dw=need_dw,
+                                         cute=cute)
+        return HelionConfig(torch=config) if other == "torch" else HelionConfig(triton=config)
 
+    def _other(self, config: HelionConfig):
+        """(the backend in Helion's place, its Config), or (None, None)."""
+        if config.torch is not None:
+            return self.others["torch"], config.torch
+        if config.triton is not None:
+            return self.others["triton"], config.triton
+        return None, None
 
-def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept=None, plan=None, dx_acc: bool = False):  # noqa: F811  (the contract's keyword)
-    """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
-    not cast to x's dtype (a partial sum the caller reduces first: vocab parallelism)."""
-    def helion_path():
-        if not (need_dx or need_dw or need_db):
-            return None, None, None
-        dx, dw, db = kernels.logp_backward(x, weight, bias, tokens, lse, coef, opts, need_dx=need_dx,
-                                           need_dw=need_dw or need_db, budget=budget, dx_acc=dx_acc)
-        return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+    def _failed_over(self, x, weight, bias, opts, config: HelionConfig):
+        """After a Helion kernel failed on a GPU (``helion_choice.guarded``): the backend that
+        runs this call instead and its Config (later calls choose it in ``plan``)."""
+        return self._other(self.plan(x, weight, bias, opts, budget=config.budget, need_grad=False))
 
-    def other_path(impl):
-        return impl.backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
-                             need_db=need_db, budget=budget, dx_acc=dx_acc,
-                             plan=_other_plan(impl, x, weight, bias, opts, budget))
+    def kept_shapes(self, config: Any, n: int) -> None:
+        return None
 
-    return run_or_fallback(__package__, x.device, helion_path, other_path)
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                config: HelionConfig, *, outputs: bool = True, tau: Optional[Tensor] = None, keep: bool = True):
+        """fp32 statistics, nothing kept; log-probs and entropy from the formulas."""
+        other, other_config = self._other(config)
+        if other is not None:
+            return other.forward(x, weight, bias, tokens, opts, other_config, outputs=outputs)
+
+        def helion_path():
+            stats = kernels.logp_forward(x, weight, bias, tokens, opts)
+            if outputs:
+                logp, ent = token_outputs(stats, tokens, weight.shape[0], opts)
+                return (logp, ent, stats.lse), None
+            return stats, None
+
+        def failed_over():
+            impl, c = self._failed_over(x, weight, bias, opts, config)
+            return impl.forward(x, weight, bias, tokens, opts, c, outputs=outputs)
+
+        return helion_choice.guarded(x.device, helion_path, failed_over)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                 lse: Tensor, coef: Tensor, config: HelionConfig, *, kept=None, need_dx: bool, need_dw: bool,
+                 need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
+        """dx, dW, db (None where not needed; db in the bias dtype); ``dx_acc``: dx in fp32,
+        not cast to x's dtype (a partial sum the caller reduces first: vocab parallelism)."""
+        other, other_config = self._other(config)
+        if other is not None:
+            return other.backward(x, weight, bias, tokens, opts, lse, coef, other_config, kept=None,
+                                  need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+
+        def helion_path():
+            if not (need_dx or need_dw or need_db):
+                return None, None, None
+            dx, dw, db = kernels.logp_backward(x, weight, bias, tokens, lse, coef, opts, need_dx=need_dx,
+                                               need_dw=need_dw or need_db, budget=config.budget, dx_acc=dx_acc)
+            return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+
+        def failed_over():
+            impl, c = self._failed_over(x, weight, bias, opts, config)
+            return impl.backward(x, weight, bias, tokens, opts, lse, coef, c, kept=None, need_dx=need_dx,
+                                 need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
+
+        return helion_choice.guarded(x.device, helion_path, failed_over)

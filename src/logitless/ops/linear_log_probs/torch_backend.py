@@ -8,13 +8,14 @@ backward: for each vocab chunk, for each token chunk: a recomputed, turned into 
           place (``formulas.log_probs.dlogits_``); dW_v += dz^T x_c, dx_c += dz W_v into
           the outputs (fp32/fp64 inputs) or fp32 accumulators cast once (16-bit inputs).
 
-Memory: the tiles ``planning.plans.torch_plan`` sizes within ``memory_budget``, O(N + V)
-vectors and, for 16-bit inputs, the fp32 dx accumulator (N x H x 4 bytes).
+Memory: the tiles ``planning.plans.torch_plan`` sizes within ``memory_budget`` (in ``plan``:
+the Config, ``contract.TorchConfig``), O(N + V) vectors and, for 16-bit inputs, the fp32 dx
+accumulator (N x H x 4 bytes). Truncated / batch-invariant calls: ``truncation``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -22,8 +23,11 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_, token_outputs
 from logitless.formulas.log_probs import grad_coefficients as grad_coefficients_of
+from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
+
+from .contract import TorchConfig, decide, largest_top_k
 
 
 def scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
@@ -36,16 +40,19 @@ def scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOp
     return scaled_logits_(apply_softcap(z, opts.softcap, inplace=True), opts)
 
 
-def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            budget: int, plan=None, outputs: bool = False, tau: Optional[Tensor] = None):
-    """(LogProbStats, None): this backend keeps nothing for the backward. ``outputs``:
-    ((logp, entropy or None, lse), None) instead (``formulas.log_probs.token_outputs``).
+def _rows_like(x: Tensor, rows: int) -> Tensor:
+    """A tensor of x's dtype with ``rows`` rows (what a planner reads: shape and dtype)."""
+    return x if rows == x.shape[0] else x[:1].expand(rows, x.shape[1])
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+            plan, *, tau: Optional[Tensor] = None):
+    """LogProbStats of x's rows over every column, in tiles of ``plan`` (a TorchPlan).
     ``tau`` (N,): a per-token threshold, columns with a < tau left out (truncated
     sampling, ``formulas.truncation``; a token left out gets a = -inf)."""
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
-    plan = linear_torch_plan(x, v, budget, tiles=2 + opts.entropy, accumulators=0)
     lse = torch.empty(n, dtype=cd, device=x.device)
     tgt = torch.empty(n, dtype=cd, device=x.device)
     ent = torch.empty(n, dtype=cd, device=x.device) if opts.entropy else None
@@ -72,42 +79,17 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         tgt[n0:n1] = a_t
         if opts.entropy:
             ent[n0:n1] = ent_c
-    stats = LogProbStats(lse=lse, target=tgt, entropy=ent)
-    if outputs:
-        logp, ent = token_outputs(stats, tokens, v, opts)
-        return (logp, ent, stats.lse), None
-    return stats, None
-
-
-def plan(*_, **__) -> None:
-    """No plan crosses to the backward: this backend sizes its tiles from the budget in
-    the forward and in the backward (``ops.common.torch_tiles``) and keeps nothing."""
-    return None
-
-
-def kept_shapes(plan, n: int) -> None:
-    """This backend keeps nothing for the backward."""
-    return None
-
-
-def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor], g_h: Optional[Tensor],
-                      num_classes: int, opts: LogProbOptions, lse: Tensor) -> Tensor:
-    """The backward's (3, N) A, B, C from the formulas."""
-    return grad_coefficients_of(entropy, tokens, g_lp, g_h, num_classes, opts, lse)
+    return LogProbStats(lse=lse, target=tgt, entropy=ent)
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-             lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, budget: int,
-             kept=None, plan=None, dx_acc: bool = False, tau: Optional[Tensor] = None):
-    """dx, dW, db; ``dx_acc``: dx as the accumulator in the compute dtype (fp32, fp64
-    for fp64), not cast to x's dtype (a partial sum the caller reduces first: vocab
-    parallelism). ``tau``: the forward's per-token threshold (dz = 0 where a < tau; lse
-    and coef those of the truncated rows)."""
-    v = weight.shape[0]
+             lse: Tensor, coef: Tensor, plan, *, need_dx: bool, need_dw: bool, need_db: bool,
+             dx_acc: bool = False, tau: Optional[Tensor] = None):
+    """dx, dW, db in tiles of ``plan`` (a TorchPlan); ``dx_acc``: dx as the accumulator in
+    the compute dtype (fp32, fp64 for fp64), not cast to x's dtype (a partial sum the caller
+    reduces first: vocab parallelism). ``tau``: the forward's per-token threshold (dz = 0
+    where a < tau; lse and coef those of the truncated rows)."""
     cd = compute_dtype(x.dtype)
-    exact = x.dtype == cd
-    tiles = 1 + (opts.softcap is not None) + opts.entropy
-    plan = linear_torch_plan(x, v, budget, tiles=tiles, accumulators=0 if exact else int(need_dw))
     lse = lse.to(cd)
     coef = coef.to(cd)
 
@@ -119,3 +101,55 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
 
     return chunked_backward(x, weight, bias, plan, dz_of, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
                             dx_acc=dx_acc)
+
+
+class TorchBackend:
+    """backend="torch" (``contract.LlpBackend``): its Config is the call's tiles
+    (``contract.TorchConfig``); it keeps nothing for the backward."""
+
+    name = "torch"
+    codec = ConfigCodec(TorchConfig)
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> TorchConfig:
+        n, v = x.shape[0], weight.shape[0]
+        exact = x.dtype == compute_dtype(x.dtype)
+        rows = _rows_like(x, block or n)
+        forward = backward = None
+        if v:
+            forward = linear_torch_plan(rows, v, budget, tiles=2 + opts.entropy, accumulators=0)
+            backward = linear_torch_plan(x, v, budget, tiles=1 + (opts.softcap is not None) + opts.entropy,
+                                         accumulators=0 if exact else int(need_dw))
+        if trunc is None and not block:
+            return TorchConfig(forward, backward)
+        decided, _ = decide(self.name, v, trunc is not None, k_max, largest_top_k(trunc, k_max, block, n), block,
+                            need_grad, parallel)  # (keeps nothing)
+        steps = linear_torch_plan(rows, plan_rows or v, budget, tiles=3, accumulators=0) if trunc is not None else None
+        return TorchConfig(forward, backward, steps, decided)
+
+    def kept_shapes(self, config: Any, n: int) -> None:
+        return None
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                config: TorchConfig, *, outputs: bool = True, tau: Optional[Tensor] = None, keep: bool = True):
+        stats = forward(x, weight, bias, tokens, opts, config.forward, tau=tau)
+        if outputs:
+            logp, ent = token_outputs(stats, tokens, weight.shape[0], opts)
+            return (logp, ent, stats.lse), None
+        return stats, None
+
+    @staticmethod
+    def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor],
+                          g_h: Optional[Tensor], num_classes: int, opts: LogProbOptions, lse: Tensor) -> Tensor:
+        """The backward's (3, N) A, B, C from the formulas."""
+        return grad_coefficients_of(entropy, tokens, g_lp, g_h, num_classes, opts, lse)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                 lse: Tensor, coef: Tensor, config: TorchConfig, *, kept=None, need_dx: bool, need_dw: bool,
+                 need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
+        return backward(x, weight, bias, tokens, opts, lse, coef, config.backward, need_dx=need_dx,
+                        need_dw=need_dw, need_db=need_db, dx_acc=dx_acc, tau=tau)

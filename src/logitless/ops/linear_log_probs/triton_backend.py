@@ -14,29 +14,38 @@ backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
          (``logp_dlogits_kernel``); each chunk of dz feeds dW = dz^T x, db = column sums
          and dx += dz W (``triton_lib.launch.chunk_gradients``, an fp32 dx accumulator
          when there are several chunks).
-One plan per call (``plan``: a ``planning.plans.LinearPlan`` from ``plans.linear_plan``,
-the same tiles, splits, kept columns and chunks as linear_cross_entropy, and the CuTe
-choice), made by the forward custom op and followed by the forward and the backward.
+One plan per call (``TritonBackend.plan``: a ``contract.TritonConfig`` around
+``planning.plans.LinearPlan``s from ``plans.linear_plan``, the same tiles, splits, kept
+columns and chunks as linear_cross_entropy, and the CuTe choice), made by the forward
+custom op and followed by the forward and the backward. Truncated / batch-invariant calls:
+``truncation``.
 No (N, V) tensor unless the budget allows it; no atomics (bitwise repeatable); no host
 syncs.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
+from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.dispatch import HAS_TRITON
+from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
+from logitless.planning.memo import memoised
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
 from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.launch import cdiv
+
+from .contract import TritonConfig, candidate_count, decide, largest_top_k
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -55,16 +64,14 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
     return True
 
 
-def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
-         need_grad: bool, cute: bool = True) -> LinearPlan:
-    """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
-    op and used by everything after it. ``cute=False``: no CuTe choice (the fake
-    implementation: it needs the tensors' memory)."""
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+           need_grad: bool, cute: bool = True, rows: Optional[int] = None) -> LinearPlan:
+    """The ``LinearPlan`` of x's rows (``rows``: of that many rows instead). ``cute=False``: no
+    CuTe choice (the fake: it needs the tensors' memory; the truncated passes)."""
     n, h = x.shape
     v = weight.shape[0]
     keep_ok = keep_allowed(x.dtype, opts, need_grad)
-    p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep_ok,
-                    prerounded=launch.tf32_prerounded(x.dtype))
+    p = _linear_plan(n if rows is None else rows, v, h, x.dtype, x.device, budget, opts, need_grad)
     if not cute:
         return p
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
@@ -74,12 +81,38 @@ def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions
     return p if c is None else replace(p, cute=c)
 
 
-def kept_shapes(plan: Optional[LinearPlan], n: int):
-    """Shapes of the buffers ``forward`` keeps under ``plan`` (the custom op's fake uses
-    them), or None."""
-    if plan is None or not plan.keeps:
-        return None
-    return launch.kept_shapes_of(plan.forward, n)
+def _linear_plan(rows: int, v: int, h: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
+                 need_grad: bool) -> LinearPlan:
+    return linear_plan(rows, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed(dtype, opts, need_grad),
+                       prerounded=launch.tf32_prerounded(dtype))
+
+
+@memoised
+def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
+                     truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool, parallel: bool,
+                     plan_rows: Optional[int]) -> TritonConfig:
+    """The Config of a truncated / batch-invariant call (``TritonConfig``): pure in its
+    arguments, so memoised (``planning.memo``). ``k_max_arg``: the op's argument, ``k_max``
+    the largest top_k (``contract.largest_top_k``). The search's first pass's vocabulary
+    splits are a block's rows' (``log_probs_candidates.splits_for``)."""
+    from logitless.triton_lib import log_probs_candidates as LC
+
+    decided, keep = decide("triton", v, truncated, k_max_arg, k_max, block, need_grad, parallel, opts.softcap)
+    rows = block or n
+    main = backward = search_plan = steps = None
+    splits = 0
+    if v:
+        main = _linear_plan(rows, v, h, dtype, device, budget, opts, keep)
+        if block:
+            backward = _linear_plan(n, v, h, dtype, device, budget, opts, False)
+        if truncated:
+            search_plan = _linear_plan(rows, v, h, dtype, device, budget, opts, False)
+            if decided.search:
+                splits = LC.splits_for(rows, v, search_plan.forward, candidate_count(k_max), device)
+    if truncated:  # (shape and dtype are what the planner reads)
+        steps = linear_torch_plan(torch.empty((rows, h), dtype=dtype, device="meta"), plan_rows or v, budget, tiles=3,
+                                  accumulators=0)
+    return TritonConfig(main, backward, search_plan, steps, splits, decided)
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -94,21 +127,21 @@ def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
-            plan: LinearPlan, budget: Optional[int] = None, outputs: bool = False, tau: Optional[Tensor] = None,
-            fields: bool = False):
-    """(LogProbStats, kept) under the call's ``plan`` (``budget``: planned already): kept is
+            plan: LinearPlan, outputs: bool = False, tau: Optional[Tensor] = None, fields: bool = False,
+            keep: bool = True):
+    """(LogProbStats, kept) under ``plan`` (``keep=False``: nothing kept): kept is
     None or (buffer, tile maxima), which ``backward`` turns into dz in place (one backward
     only). ``outputs`` (N > 0): ((logp, entropy or None, lse), kept) instead, the merge
     and ``token_outputs`` in one launch (``log_probs_epilogue.forward_outputs``). ``tau``
     (N,) fp32: a per-token threshold, columns a < tau left out (truncated sampling; kept
-    e = 0 there); its caller (``ops.linear_log_probs.truncation``) plans without CuTe and,
-    with a soft-cap, without kept columns (the soft-cap's factor from log e would be NaN).
+    e = 0 there); its Config (``truncation``) has no CuTe choice and, with a soft-cap, no kept
+    columns (the soft-cap's factor from log e would be NaN).
     ``fields`` (with ``outputs``; no CuTe, no ``tau``): TRL's extra fields from the same pass,
     ((logp, entropy or None, lse, log_sum_sq_probs, mean_logits, is_top1 as bool), kept)
     (``triton_lib.log_probs_fields``)."""
     n, h = x.shape
     v = weight.shape[0]
-    keep_ok, cute, plan = plan.keeps, (plan.cute if tau is None and not fields else None), plan.forward
+    keep_ok, cute, plan = plan.keeps and keep, (plan.cute if tau is None and not fields else None), plan.forward
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
@@ -199,9 +232,8 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, plan: LinearPlan,
-             budget: Optional[int] = None, kept: Optional[tuple[Tensor, Tensor]] = None, dx_acc: bool = False,
-             tau: Optional[Tensor] = None):
-    """dx, dW, db under the call's ``plan`` (``budget``: planned already). ``kept``
+             kept: Optional[tuple[Tensor, Tensor]] = None, dx_acc: bool = False, tau: Optional[Tensor] = None):
+    """dx, dW, db under ``plan`` (its ``forward`` tiles with ``kept``, else ``backward``). ``kept``
     (buffer, tile maxima) laid out by the plan: the buffer is overwritten with dz.
     ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's dtype
     (a partial sum the caller reduces first: vocab parallelism). ``tau``: the forward's
@@ -224,3 +256,50 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     )
     return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
                                    need_db=need_db, dx_acc=dx_acc)
+
+
+class TritonBackend:
+    """backend="triton" (``contract.LlpBackend``): its Config (``contract.TritonConfig``) holds
+    the call's ``LinearPlan`` (tiles, kept columns, the CuTe choice) and, for truncated /
+    batch-invariant calls, the threshold passes' plans and the backward's over the batch."""
+
+    name = "triton"
+    codec = ConfigCodec(TritonConfig)
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        if not HAS_TRITON:
+            return "the triton package is not installed"
+        if dtype == torch.float64:
+            return "float64 inputs"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"{device} tensors without TRITON_INTERPRET=1"
+        return None
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> TritonConfig:
+        v = weight.shape[0]
+        if trunc is None and not block:
+            return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute))
+        n, h = x.shape
+        return truncated_config(n, h, v, x.dtype, x.device, budget, opts, trunc is not None, k_max,
+                                largest_top_k(trunc, k_max, block, n), block, need_grad, parallel, plan_rows)
+
+    @staticmethod
+    def kept_shapes(config: Optional[TritonConfig], n: int):
+        """Shapes of the buffers ``forward`` keeps under ``config`` (the fake's), or None."""
+        if config is None or config.main is None or not config.main.keeps:
+            return None
+        return launch.kept_shapes_of(config.main.forward, n)
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                config: TritonConfig, *, outputs: bool = True, tau: Optional[Tensor] = None, keep: bool = True):
+        return forward(x, weight, bias, tokens, opts, plan=config.main, outputs=outputs, tau=tau, keep=keep)
+
+    grad_coefficients = staticmethod(grad_coefficients)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                 lse: Tensor, coef: Tensor, config: TritonConfig, *, kept: Optional[tuple[Tensor, Tensor]] = None,
+                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
+        return backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
+                        need_db=need_db, plan=config.backward or config.main, kept=kept, dx_acc=dx_acc, tau=tau)

@@ -1,5 +1,16 @@
 """linear_log_probs with truncated sampling (top-k / top-p / min-p) and/or
-``batch_invariant=True``: one autograd.Function over the backends' forward and backward.
+``batch_invariant=True``: Configs of the same backends (``contract.Truncated``, decided in
+their ``plan`` by ``decide``), run by the same custom ops (``custom_op``) through
+``forward`` and ``backward`` here.
+
+One plan per call: the backend's ``plan`` decides the blocks, the threshold passes' plans
+(Triton: ``TritonConfig.search``; the chunked pass's steps, ``thresholds``), whether the
+Triton search runs, the sparse backward's width and whether the forward keeps columns; the
+largest top_k is read there (a host sync) when the caller did not. What follows the data
+is decided in the forward and crosses to the backward as tensors: which rows the search
+settles (the rows it leaves take the chunked pass and a forward under the Config's plan,
+not one of their own), and which rows the sparse backward takes (``inside``; the dense
+rest runs the backend's backward under the Config).
 
 Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
 the hidden states. Triton backend (``search_triton``, top_k < MAX_CANDIDATES): the
@@ -33,15 +44,15 @@ A vocab-parallel head: the backend is ``vocab_parallel.ShardedBackend`` (the sam
 contract over this rank's rows, statistics merged over the group; thresholds by the
 chunked pass with the ranks' candidates gathered), never ``search_triton``.
 
-torch.compile: two custom ops (``truncated_op``, built as the default op's) with fixed output
-shapes: the data-dependent steps (host syncs, row subsets, the fallback's rows) run
+torch.compile: the op's custom ops (``custom_op``) with fixed output shapes: the
+data-dependent steps (host syncs, row subsets, the fallback's rows) run
 inside them. What the backward needs crosses as tensors of fixed shapes: tau (N,), the
 candidates and their columns (N, W), W = min(V, C) padded to C = MAX_CANDIDATES when the
 largest per-token top_k is not read on the host (compiled calls: ``k_max`` -1; eager
 calls read it before the op, as the forward always did), and an (N,) mask of the rows
 inside their candidates (the dense rows' list is rebuilt in the backward); kept columns
-and their plan as the default op's (only where the fake can tell: not under a per-token
-top_k on Triton while compiled).
+as the default op's (only where the fake can tell: not under a per-token top_k on Triton
+while compiled).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
@@ -57,6 +69,7 @@ from logitless.formulas.log_probs import online_update
 from logitless.formulas.truncation import (
     MIN_CANDIDATES,
     Truncation,
+    check_values,
     crossing,
     kept_mass,
     merge_candidates,
@@ -65,10 +78,13 @@ from logitless.formulas.truncation import (
     rebase,
     resolve,
 )
+from logitless.ops.common.autograd import grad_outputs
 from logitless.ops.common.invariant import pad_rows
-from logitless.ops.common.torch_tiles import linear_torch_plan
+from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
+from logitless.planning.plans import LinearPlan, TorchPlan, TritonPlan
 
+from .contract import candidate_count
 from .torch_backend import scaled_tile
 
 
@@ -92,31 +108,17 @@ def _candidates(x_c: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogPr
     return cand, m, s
 
 
-def _triton_tiles(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, budget: int):
-    """(tile_of, vocab chunk) of the Triton backend: the forward kernel's tile code."""
-    from logitless.triton_lib.log_probs_threshold import scaled_logits
-
-    from . import triton_backend
-
-    n, h = x.shape
-    plan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False).forward
-
-    def tile_of(x_c, v0, v1):
-        return scaled_logits(x_c, weight, bias, opts.softcap, opts.temperature, v0, v1, plan)
-
-    return tile_of, plan.block_v
-
-
 def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, trunc: Truncation,
-               budget: int, impl: str = "torch", *, vocab_size: Optional[int] = None, merge=None,
-               plan_rows: Optional[int] = None, first_c: Optional[int] = None) -> Tensor:
-    """Per-token tau (N,) in the compute dtype (-inf: nothing truncated). ``impl``
-    "triton": the tiles of a from the forward kernel's tile code (its GEMM: 16-bit
-    operands, fp32 accumulation), else torch GEMMs in the compute dtype.
+               budget: int, steps: TorchPlan, tiles: Optional[TritonPlan] = None, *,
+               vocab_size: Optional[int] = None, merge=None, first_c: Optional[int] = None) -> Tensor:
+    """Per-token tau (N,) in the compute dtype (-inf: nothing truncated), in steps of the
+    Config's ``steps`` (its ``thresholds``). ``tiles`` (the Triton Config's ``search``
+    forward): the tiles of a from the forward kernel's tile code (its GEMM: 16-bit operands,
+    fp32 accumulation), else torch GEMMs in the compute dtype.
     A vocab-parallel head (``vocab_parallel.ShardedBackend``): ``weight`` holds this
     rank's columns of a ``vocab_size`` vocabulary, ``merge(cand, max, sum, C)`` gives the
-    full rows' (top-min(C, V) candidates, max, sum) from this rank's, and the steps are
-    sized for ``plan_rows`` columns (the same on every rank: one collective per step).
+    full rows' (top-min(C, V) candidates, max, sum) from this rank's, and ``steps`` is
+    sized for the largest rank's columns (the same on every rank: one collective per step).
     ``first_c``: the first pass's candidates (after a pass that settled other rows)."""
     n = x.shape[0]
     v = weight.shape[0] if vocab_size is None else vocab_size
@@ -125,11 +127,15 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
     tau = torch.full((n,), -math.inf, dtype=cd, device=x.device)
     if n == 0:
         return tau
-    plan = linear_torch_plan(x, plan_rows or weight.shape[0], budget, tiles=3, accumulators=0)
+    plan = steps
     tile_of, vocab_chunk = None, plan.vocab_chunk
-    if impl == "triton" and weight.shape[0]:
-        tile_of, block_v = _triton_tiles(x, weight, bias, opts, budget)
-        vocab_chunk = max(block_v, plan.vocab_chunk // block_v * block_v)
+    if tiles is not None and weight.shape[0]:  # (the forward kernel's tile code)
+        from logitless.triton_lib.log_probs_threshold import scaled_logits
+
+        def tile_of(x_c, v0, v1):
+            return scaled_logits(x_c, weight, bias, opts.softcap, opts.temperature, v0, v1, tiles)
+
+        vocab_chunk = max(tiles.block_v, plan.vocab_chunk // tiles.block_v * tiles.block_v)
     # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left)
     kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
     c = min(v, max(MIN_CANDIDATES, kmax + 1, first_c or 0))
@@ -159,23 +165,6 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
         c = min(v, 4 * c)
 
 
-def _searches(impl: str, trunc: Truncation) -> bool:
-    """Whether the threshold pass is the Triton candidates/mass search (``search_triton``):
-    the Triton backend with top_k < MAX_CANDIDATES (else the chunked pass)."""
-    if impl != "triton":
-        return False
-    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
-    return candidate_count(kmax) <= MAX_CANDIDATES
-
-
-def _take(ours: Optional[Tensor], theirs: Optional[Tensor], rows: Tensor) -> Optional[Tensor]:
-    if ours is None:
-        return None
-    ours = ours.clone()
-    ours[rows] = theirs[rows].to(ours.dtype)
-    return ours
-
-
 def _rows(t: Tensor, idx: Tensor) -> Tensor:
     """t[idx] for sorted row indices (``nonzero``'s), t itself when they are all its rows
     (no copy of x: its bytes would sit outside the memory budget)."""
@@ -195,19 +184,14 @@ def _padded(x: Tensor, tokens: Tensor, n0: int, n1: int, pad: int, ignore_index:
     return pad_rows(x, n0, n1, pad), pad_rows(tokens, n0, n1, pad, ignore_index)
 
 
-def _pad_vec(t: Tensor, n0: int, n1: int, pad: int, fill: float = 0.0) -> Tensor:
-    return pad_rows(t, n0, n1, pad, fill)
-
-
 def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
-    return Truncation(_pad_vec(trunc.top_k, n0, n1, pad), _pad_vec(trunc.top_p, n0, n1, pad, 1.0),
-                      _pad_vec(trunc.min_p, n0, n1, pad), trunc.k_max)
+    return Truncation(pad_rows(trunc.top_k, n0, n1, pad), pad_rows(trunc.top_p, n0, n1, pad, 1.0),
+                      pad_rows(trunc.min_p, n0, n1, pad), trunc.k_max)
 
 
-#: The Triton threshold pass: candidates at most (a power of two), thresholds per mass
-#: pass, mass passes before the rows left go to the chunked fallback, and the first
-#: bracket's depth below the row max when min-p does not bound it.
-MAX_CANDIDATES = 256
+#: The Triton threshold pass: thresholds per mass pass, mass passes before the rows left go
+#: to the chunked fallback, and the first bracket's depth below the row max when min-p does
+#: not bound it (candidates at most: ``contract.MAX_CANDIDATES``).
 MASS_THRESHOLDS = 32
 MAX_MASS_PASSES = 6
 _DEPTH = 24.0
@@ -215,14 +199,6 @@ _DEPTH = 24.0
 #: grid around the interpolated crossing (a fraction of the bracket).
 _MARGIN = 0.1
 _WINDOW = 1 / 16
-
-
-def candidate_count(k_max: int) -> int:
-    """C of the Triton threshold pass: the least power of two >= max(MIN_CANDIDATES, k_max + 1)."""
-    c = MIN_CANDIDATES
-    while c < k_max + 1:
-        c *= 2
-    return c
 
 
 def _merged_candidates(parts, c: int):
@@ -239,7 +215,8 @@ def _merged_candidates(parts, c: int):
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, budget: int, invariant: bool = False, indices: bool = False):
+                  trunc: Truncation, lplan: LinearPlan, invariant: bool = False, indices: bool = False,
+                  splits: Optional[int] = None):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -254,7 +231,8 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     candidates and mass passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
     (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
     a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
-    rows whose kept set (a >= the returned tau) lies in their candidates."""
+    rows whose kept set (a >= the returned tau) lies in their candidates. ``lplan``: the
+    Triton Config's ``search`` plan, ``splits`` its first pass's (None: ``splits_for`` x's rows)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
@@ -263,12 +241,12 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sd = compute_dtype(x.dtype)
     kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
     c = candidate_count(kmax)
-    lplan = triton_backend.plan(x, weight, bias, opts, budget=budget, need_grad=False, cute=False)
     plan = lplan.forward
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
-    splits = LC.splits_for(n, v, plan, c, x.device)
+    if splits is None:
+        splits = LC.splits_for(n, v, plan, c, x.device)
 
     def splits_of(rows_of_pass: Tensor) -> int:
         return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
@@ -323,7 +301,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         # (x's plan for these rows too: a row's bits do not depend on how many rows go)
         drows = done.nonzero()[:, 0]
         min_p_outs, _ = triton_backend.forward(_rows(xs, drows), weight, bias, tokens[rows[drows]], opts, plan=lplan,
-                                               budget=budget, outputs=True, tau=tau1[drows].contiguous())
+                                               outputs=True, tau=tau1[drows].contiguous())
         tau_r[drows] = tau1[drows]
     first = True
     for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
@@ -405,3 +383,164 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     left = rows[left] if bool(left.any()) else None
     return (tau, outs, left, sparse) if indices else (tau, outs, left)
 
+
+
+# --------------------------------------------------------------------------- the op's steps
+
+
+def _pieces(n: int, block: int):
+    """(n0, n1, padding rows) of the row blocks; one block of n rows when ``block`` is 0."""
+    if not block:
+        return [(0, n, 0)]
+    return [(n0, min(n, n0 + block), max(0, n0 + block - n)) for n0 in range(0, n, block)]
+
+
+def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, trunc: Optional[Truncation],
+            opts: LogProbOptions, config, budget: int, sharded=None):
+    """The truncated / batch-invariant forward under the call's Config (``config.trunc``):
+    (logp, entropy or None, lse, tau ((0,) without truncation), (sparse, inside), kept
+    or None); the candidates: (2, N, W) int32, their fp32 bits and their columns. ``impl``:
+    the backend, or over a vocab-parallel head ``sharded``
+    (``vocab_parallel.ShardedBackend``: forward and thresholds merged over the group).
+
+    Per block (one without batch invariance): the thresholds (Triton search or chunked
+    pass), then the forward with them. Which rows the search settles is the data's (the
+    rows it leaves take the chunked pass and a forward under the Config's plan); ``inside``
+    (which rows the sparse backward takes) crosses to the backward as a tensor."""
+    n = x.shape[0]
+    dec = config.trunc
+    block = dec.block
+    backend = sharded if sharded is not None else impl
+    v = sharded.vocab_size if sharded is not None else weight.shape[0]
+    check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
+    if trunc is not None and x.device.type == "cpu":
+        check_values(trunc.top_k, trunc.top_p, trunc.min_p)
+    if trunc is not None:
+        trunc = Truncation(trunc.top_k, trunc.top_p, trunc.min_p, dec.k_max if dec.k_max >= 0 else None)
+    sd = compute_dtype(x.dtype)
+    tiles = config.search.forward if getattr(config, "search", None) is not None else None
+    kept = None
+    sparse = [] if dec.width else None  # the sparse backward (every row's kept set inside its candidates)
+    logp = x.new_empty(n, dtype=sd)
+    ent = x.new_empty(n, dtype=sd) if opts.entropy else None
+    lse = x.new_empty(n, dtype=sd)
+    taus = x.new_empty(n, dtype=sd) if trunc is not None else x.new_empty(0, dtype=sd)
+    for n0, n1, pad in _pieces(n, block):
+        xb, tb = (x, tokens) if not block else _padded(x, tokens, n0, n1, pad, opts.ignore_index)
+        tau = outs = left = None
+        if trunc is not None:
+            tr = trunc if not block else _padded_trunc(trunc, n0, n1, pad)
+            if sharded is not None:  # (the chunked pass, merged over the group)
+                tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
+            elif xb.shape[0] and dec.search:
+                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config.search,
+                                                     invariant=bool(block), indices=sparse is not None,
+                                                     splits=config.splits)
+                if sparse is not None and sp[0] is not None:
+                    sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
+                else:
+                    sparse = None
+                if left is not None:  # (the chunked fallback for these rows)
+                    tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, config.thresholds,
+                                           tiles)
+            else:
+                tau = thresholds(xb, weight, bias, opts, tr, budget, config.thresholds, tiles)
+                sparse = None if xb.shape[0] else sparse
+            taus[n0:n1] = tau[:n1 - n0]
+        if xb.shape[0] == 0:
+            continue
+        if outs is not None and left is None:  # every row's outputs from the threshold pass
+            lp, en, ls = outs
+        elif outs is not None and not block:  # the forward over the fallback's rows only, under the Config's plan
+            fl, _ = backend.forward(xb[left], weight, bias, tb[left], opts, config, tau=tau[left], keep=False)
+            lp, en, ls = (_put(o, f, left) for o, f in zip(outs, fl))
+        else:
+            (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, config, tau=tau)
+            if outs is not None:  # the threshold pass's outputs, but for the fallback's rows
+                lp, en, ls = (_put(o, f[left] if f is not None else None, left) for o, f in zip(outs, (lp, en, ls)))
+        logp[n0:n1] = lp[:n1 - n0].to(sd)
+        lse[n0:n1] = ls[:n1 - n0].to(sd)
+        if ent is not None:
+            ent[n0:n1] = en[:n1 - n0].to(sd)
+    if not dec.width:
+        cand, cols, inside = x.new_empty((0, 0), dtype=torch.float32), tokens.new_empty((0, 0), dtype=torch.int32), \
+            tokens.new_empty(0, dtype=torch.bool)
+    elif sparse:  # padded to the fixed width: the padding is never kept (-inf), its column V
+        cand, cols, inside = (torch.cat(parts) for parts in zip(*sparse))
+        if cand.shape[1] < dec.width:
+            cand = F.pad(cand, (0, dec.width - cand.shape[1]), value=-math.inf)
+            cols = F.pad(cols, (0, dec.width - cols.shape[1]), value=v)
+    else:  # (no candidates: every row takes the dense backward)
+        cand = x.new_empty((n, dec.width), dtype=torch.float32)
+        cols = tokens.new_empty((n, dec.width), dtype=torch.int32)
+        inside = tokens.new_zeros(n, dtype=torch.bool)
+    # (one tensor for the candidates and their columns: the candidates' fp32 bits, the columns)
+    sparse = torch.stack([cand.contiguous().view(torch.int32), cols.to(torch.int32)])
+    return logp, ent, lse, taus, (sparse, inside), kept
+
+
+def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], x: Tensor, weight: Tensor,
+             bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Tensor, logp: Tensor, tau: Tensor,
+             sparse: Tensor, inside: Tensor, kept, opts: LogProbOptions, config, need_dx: bool,
+             need_dw: bool, need_db: bool, num_classes: int):
+    """dx, dw, db (size 0 where not needed) under the forward's Config: the sparse backward
+    for the rows ``inside`` their candidates (when any), the backend's (with tau) for the
+    others, over the whole batch (also under batch invariance: ``contract.TritonConfig``'s
+    ``backward``); overwrites the kept columns (when any) with dz. ``impl``: the backend or
+    ``vocab_parallel.ShardedBackend``."""
+    n = x.shape[0]
+    need_db = need_db and bias is not None
+    ent = entropy_out if opts.entropy else None
+    taus = tau if tau.numel() or n == 0 else None
+    v = num_classes
+    g_lp, g_h = grad_logp, grad_entropy
+    if g_lp is None:  # (zeros for an unused output)
+        g_lp = torch.zeros_like(lse)
+    if g_h is None and opts.entropy:
+        g_h = torch.zeros_like(lse)
+    g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)  # logp = -inf outside the kept set
+    if inside.numel() and bool(inside.any()):  # (host sync) kept sets inside the candidates: no GEMM there
+        dense = (~inside).nonzero()[:, 0]
+        cand, cols = sparse[0].view(torch.float32), sparse[1]
+        dx, dw, db = _sparse_backward(impl, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v, cand, cols,
+                                      dense, opts, config, need_dx, need_dw, need_db)
+        return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
+    dx = dw = db = None
+    if n:
+        coef = impl.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
+        dx, dw, db = impl.backward(x, weight, bias, tokens, opts, lse, coef, config, kept=kept, need_dx=need_dx,
+                                   need_dw=need_dw, need_db=need_db, tau=taus)
+        if need_dx and not (dx.dtype == x.dtype and x.is_contiguous()):
+            dx = torch.zeros_like(x).copy_(dx)
+    if need_dx and dx is None:
+        dx = torch.zeros_like(x)
+    if need_dw:
+        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
+    if need_db:
+        db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
+    return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
+
+
+def _sparse_backward(backend, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v, cand, cols, dense, opts,
+                     config, need_dx, need_dw, need_db):
+    """(dx, dW, db): the sparse backward (``triton_lib.log_probs_sparse``) of the rows
+    whose kept set lies in their candidates, onto the dense backward of the others
+    (``dense``, indices: the backend's over those rows only, under the call's Config, tau
+    as the forward's)."""
+    from logitless.triton_lib import log_probs_sparse as LS
+
+    coef = backend.grad_coefficients(ent, tokens, g_lp, g_h if opts.entropy else None, v, opts, lse)
+    tau = taus.index_fill(0, dense, math.inf)  # (the dense rows: nothing kept here)
+    dz, col, cnt = LS.sparse_dlogits(cand, cols, tau, tokens, lse, coef, opts.softcap, opts.temperature,
+                                     opts.entropy, v)
+    bx = bw = bb = None
+    if dense.numel():
+        bx, bw, bb = backend.backward(x[dense], weight, bias, tokens[dense], opts, lse[dense],
+                                      coef[:, dense].contiguous(), config, kept=None, need_dx=need_dx,
+                                      need_dw=need_dw, need_db=need_db, tau=taus[dense])
+    dx, dw, db = LS.sparse_backward(x, weight, bias, dz, col, cnt, need_dx=need_dx, need_dw=need_dw,
+                                    need_db=need_db, dw=bw.contiguous() if bw is not None else None,
+                                    db=bb.contiguous() if bb is not None else None)
+    if bx is not None:
+        dx[dense] = bx.to(dx.dtype)
+    return (dx, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None)

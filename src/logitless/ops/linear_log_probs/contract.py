@@ -1,0 +1,186 @@
+"""The contract of a linear_log_probs backend: what each one plans, returns and receives.
+
+Every backend (``TorchBackend``, ``TritonBackend``, ``HelionBackend``: one class each, listed
+in ``api.BACKENDS``) is an ``LlpBackend``. Per call, in this order:
+
+    config = backend.plan(x, weight, bias, opts, budget=..., need_grad=..., need_dw=...,
+                          trunc=..., k_max=..., block=...)                          # once
+    (logp, entropy, lse), kept = backend.forward(x, weight, bias, tokens, opts, config)
+    coef = backend.grad_coefficients(entropy, tokens, g_logp, g_entropy, V, opts, lse)   # (3, N)
+    dx, dw, db = backend.backward(x, weight, bias, tokens, opts, lse, coef, config,
+                                  kept=kept, need_dx=..., need_dw=..., need_db=...)
+
+``config`` is the backend's frozen Config (``TorchConfig``, ``TritonConfig``, ``HelionConfig``):
+the backward gets the forward's, never a new one; it crosses the custom ops as
+``backend.codec`` encodes it. Truncated sampling (top-k / top-p / min-p) and
+``batch_invariant`` are Configs of the same backends: ``Truncated`` in the Config (its
+blocks, the threshold pass's plans, whether the sparse backward may run); the steps that
+follow the data (which rows a threshold pass settles) run in ``truncation`` under that
+Config. The vocab-parallel path (``vocab_parallel``) calls the same methods on a rank's
+rows (``outputs=False``: the statistics to merge; ``dx_acc``: dx as the fp32 partial sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from torch import Tensor
+
+from logitless.formulas.truncation import MIN_CANDIDATES, Truncation
+from logitless.ops.common.contract import Backend
+from logitless.options import LogProbOptions
+from logitless.planning.plans import LinearPlan, TorchPlan
+
+
+@dataclass(frozen=True)
+class Truncated:
+    """What a truncated or batch-invariant call decides once (``decide``, in the backends' ``plan``).
+
+    k_max: the largest per-token top_k (read on the host when the caller did not give it;
+        -1: no truncation); search: the Triton candidates/mass search finds the thresholds
+        (else the chunked pass); width: columns of the sparse backward's candidates (0: the
+        call cannot take it); block: rows per block under batch invariance (0: one block).
+    """
+
+    k_max: int = -1
+    search: bool = False
+    width: int = 0
+    block: int = 0
+
+
+#: Candidates of the Triton threshold pass at most (a power of two; ``truncation``).
+MAX_CANDIDATES = 256
+
+
+def candidate_count(k_max: int) -> int:
+    """C of the Triton threshold pass: the least power of two >= max(MIN_CANDIDATES, k_max + 1)."""
+    c = MIN_CANDIDATES
+    while c < k_max + 1:
+        c *= 2
+    return c
+
+
+def tensor_k_max(top_k: Tensor, block: int) -> int:
+    """The largest per-token top_k (a host sync); under batch_invariant (``block``) at
+    least MAX_CANDIDATES - 1: one C whatever the neighbours' top_k."""
+    k_max = int(top_k.max())
+    if block and k_max < MAX_CANDIDATES:
+        k_max = MAX_CANDIDATES - 1
+    return k_max
+
+
+def sparse_width(backend: str, v: int, k_max: int, need_grad: bool, truncated: bool, parallel: bool) -> int:
+    """Columns of the forward op's ``cand``/``cols`` outputs (the sparse backward's
+    candidates, padded), or 0 when the call cannot take the sparse backward: only the
+    Triton candidates pass gives them. ``k_max`` -1 (a per-token top_k not read on the
+    host): the widest C. (The fake's shapes: from the op's arguments only.)"""
+    if not (truncated and need_grad and not parallel and backend == "triton"):
+        return 0
+    c = candidate_count(k_max) if k_max >= 0 else MAX_CANDIDATES
+    return min(c, v) if c <= MAX_CANDIDATES else 0
+
+
+def may_keep(backend: str, k_max: int, block: int, need_grad: bool, truncated: bool, softcap, parallel: bool):
+    """Whether the forward may keep columns for the backward (the backend's forward over
+    all rows, ``need_grad``): not blocked (a plan that keeps may tile differently), not
+    with a soft-cap and a threshold, and never where the Triton search may run (its
+    outputs need no forward) or may not (``k_max`` -1): the fake must know the shapes."""
+    if block or not need_grad or (truncated and softcap is not None):
+        return False
+    return parallel or backend != "triton" or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
+
+
+def largest_top_k(trunc: Optional[Truncation], k_max: int, block: int, n: int) -> int:
+    """The largest per-token top_k: ``k_max`` when the caller read it, else read here (a host
+    sync; -1 without truncation or tokens)."""
+    if trunc is None or k_max >= 0 or not n:
+        return k_max
+    return tensor_k_max(trunc.top_k, block)
+
+
+def decide(backend: str, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
+           parallel: bool, softcap: Optional[float] = None):
+    """(``Truncated``, may the forward keep columns) of a truncated or batch-invariant call:
+    the part of a backend's ``plan`` that is the same for every backend. ``k_max_arg``: the
+    op's argument (the fake's shapes follow it), ``k_max``: ``largest_top_k``'s."""
+    width = sparse_width(backend, v, k_max_arg, need_grad, truncated, parallel)
+    keep = may_keep(backend, k_max_arg, block, need_grad, truncated, softcap, parallel)
+    search = truncated and not parallel and backend == "triton" and candidate_count(k_max) <= MAX_CANDIDATES
+    return Truncated(k_max if truncated else -1, search, width, block), keep
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """The torch backend's tiles: the forward's (of a block under batch invariance), the
+    backward's (over the batch; dW's accumulator for 16-bit inputs when dW is needed), the
+    chunked threshold pass's (truncation) and the truncation's decisions."""
+
+    forward: Optional[TorchPlan]
+    backward: Optional[TorchPlan]
+    thresholds: Optional[TorchPlan] = None
+    trunc: Optional[Truncated] = None
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The Triton backend's plans: ``main`` the forward's (of a block under batch
+    invariance; its kept columns and the backward's tiles), ``backward`` the backward's over
+    the batch when the forward ran in blocks, ``search`` the threshold passes' (nothing
+    kept, no CuTe), ``thresholds`` the chunked threshold pass's steps, ``splits`` the Triton
+    search's first pass's vocabulary splits. ``main`` is None on a vocab-parallel rank
+    without real rows (only the threshold steps serve there)."""
+
+    main: Optional[LinearPlan] = None
+    backward: Optional[LinearPlan] = None
+    search: Optional[LinearPlan] = None
+    thresholds: Optional[TorchPlan] = None
+    splits: int = 0
+    trunc: Optional[Truncated] = None
+
+
+@dataclass(frozen=True)
+class HelionConfig:
+    """Helion runs the call (both None), or the backend that runs in its place, under its
+    own Config (``ops.common.helion_choice``): ``torch`` on CPU tensors (or without
+    triton), ``triton`` on CUDA tensors. ``budget``: the Helion backward's."""
+
+    budget: int = 0
+    torch: Optional[TorchConfig] = None
+    triton: Optional[TritonConfig] = None
+
+
+class LlpBackend(Backend, Protocol):
+    """One backend of linear_log_probs (module docstring)."""
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
+             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> Any:
+        """The call's Config. ``trunc`` (``formulas.truncation.Truncation``) or ``block``:
+        the truncated / batch-invariant Config; ``parallel``, ``plan_rows``: a rank's rows
+        of a vocab-parallel head (the threshold steps sized for ``plan_rows`` columns);
+        ``cute=False``: without the CuTe choice (a fake: no memory)."""
+        ...
+
+    def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
+        """Shapes of the kept columns under ``config`` (the fake's), or None."""
+        ...
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                config: Any, *, outputs: bool = True, tau: Optional[Tensor] = None, keep: bool = True):
+        """((logp, entropy or None, lse), kept) with ``outputs``, else (LogProbStats, kept);
+        kept: (buffer, tile maxima) laid out by the Config (the backward turns it into dz in
+        place: one backward only) or None. ``tau`` (N,): columns a < tau left out;
+        ``keep=False``: keep nothing (rows other than the Config's)."""
+        ...
+
+    def grad_coefficients(self, entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[Tensor],
+                          g_h: Optional[Tensor], num_classes: int, opts: LogProbOptions, lse: Tensor) -> Tensor:
+        """The backward's (3, N) coefficients A, B, C."""
+        ...
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
+                 lse: Tensor, coef: Tensor, config: Any, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool,
+                 need_dw: bool, need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
+        """dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+        ...
