@@ -2,12 +2,12 @@
 batch-invariant paths: ``linear_log_probs``, ``log_probs`` and ``linear_cross_entropy``.
 
 Those paths are custom ops with fixed output shapes (``logitless::llp_forward``/``llp_backward``
-and ``lp_forward``/``lp_backward`` with truncation arguments, ``lce_invariant_*``): a compiled function calling them traces with no
-graph break and gives the eager outputs and gradients (x, weight, bias / logits)
-bitwise on the torch backend, and on the Triton backend (the CPU interpreter off a GPU)
-at small sizes. ``torch.library.opcheck`` checks their schemas, fakes and autograd
-registrations (a per-token ``top_k`` not read on the host, ``k_max`` -1, included:
-the fake's padded candidate width is the implementation's).
+and ``lp_forward``/``lp_backward`` with truncation arguments, ``lce_invariant_*``): a
+compiled function calling them traces with no graph break and gives the eager outputs and
+gradients (x, weight, bias / logits) bitwise on the torch backend, and on the Triton
+backend (the CPU interpreter off a GPU) at small sizes. ``torch.library.opcheck`` checks
+their schemas, fakes and autograd registrations (a per-token ``top_k`` not read on the
+host, ``k_max`` -1, included: the fake's padded candidate width is the implementation's).
 """
 
 from __future__ import annotations

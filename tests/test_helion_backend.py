@@ -26,7 +26,8 @@ if not torch.cuda.is_available():
 
 import logitless  # noqa: E402
 from logitless.helion_lib import runtime  # noqa: E402
-from logitless.ops.common import dispatch, helion_choice  # noqa: E402
+from logitless.ops.common import helion_choice  # noqa: E402
+from logitless.ops.common import validate as dispatch  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.op_specs import SPECS  # noqa: E402
 from tests.test_op_contract import check_against_reference  # noqa: E402
@@ -323,29 +324,28 @@ def test_unavailable_reason_keeps_the_import_error(no_helion, monkeypatch):
 def test_gpu_kernel_failure_falls_back(monkeypatch):
     """On a GPU (compiled kernels) a Helion kernel that fails to compile or launch: one
     warning quoting the error, the other backend for this and later calls; out of memory
-    propagates. (run_or_fallback on a CUDA device object: nothing runs on a GPU here.)"""
+    propagates. (``guarded`` and ``fallback_name_of_call``, as every Helion backend's forward
+    and plan call them, on a CUDA device object: nothing runs on a GPU here.)"""
     monkeypatch.delenv("HELION_INTERPRET", raising=False)
     monkeypatch.setattr(helion_choice, "_FAILED", [])
     monkeypatch.setattr(helion_choice, "_WARNED", set())
     cuda = torch.device("cuda", 0)
-    package = "logitless.ops.linear_cross_entropy"
 
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     with pytest.raises(torch.OutOfMemoryError):
-        helion_choice.run_or_fallback(package, cuda, oom, lambda impl: pytest.fail("fell back on OOM"))
+        helion_choice.guarded(cuda, oom, lambda: pytest.fail("fell back on OOM"))
+    assert helion_choice.fallback_name_of_call(cuda) is None  # (OOM is not Helion's failure)
 
     def broken():
         raise RuntimeError("PassManager::run failed\nmore")
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = helion_choice.run_or_fallback(package, cuda, broken, lambda impl: impl.__name__)
-        again = helion_choice.run_or_fallback(package, cuda, lambda: pytest.fail("Helion after a failure"),
-                                              lambda impl: impl.__name__)
-    other = helion_choice.fallback_name(cuda)
-    assert got == again == f"{package}.{other}_backend"
+        got = helion_choice.guarded(cuda, broken, lambda: helion_choice.fallback_name_of_call(cuda))
+        again = helion_choice.fallback_name_of_call(cuda)  # a later call's plan: the other backend at once
+    assert got == again == helion_choice.fallback_name(cuda)
     mine = [str(w.message) for w in seen if issubclass(w.category, helion_choice.HelionFallbackWarning)]
     assert len(mine) == 1 and "RuntimeError: PassManager::run failed)" in mine[0], mine
 

@@ -437,9 +437,9 @@ def test_python_calls_and_allocations_per_forward_backward(op):
 # --------------------------------------------------------------------------- cheap host helpers
 
 def test_options_args_round_trip_every_class():
-    """``args()`` gives every field in ``dataclasses.fields`` order and ``from_args`` rebuilds
-    an equal object (the per-class getters), for every options class and a subclass with a
-    field more (its own getters, not its parent's)."""
+    """``args()`` gives every field in ``dataclasses.fields`` order (the per-class getters:
+    the custom ops take the fields so), for every options class and a subclass with a field
+    more (its own getters, not its parent's)."""
     import dataclasses
 
     from logitless import options as O
@@ -467,13 +467,8 @@ def test_options_args_round_trip_every_class():
         for opts in (cls(), cls(**kw)):
             expected = tuple(getattr(opts, f.name) for f in dataclasses.fields(cls))
             assert opts.args() == expected and type(opts.args()) is tuple
-            named = {f.name: getattr(opts, f.name) for f in dataclasses.fields(cls)}
-            named["not_a_field"] = object()  # a custom op's other inputs are ignored
-            rebuilt = cls.from_args(named)
-            assert type(rebuilt) is cls and rebuilt == opts
+            assert type(opts)(*opts.args()) == opts
     assert O.CrossEntropyOptions(**values[O.CrossEntropyOptions]).args() == (3, "sum", 0.25, 30.0, 1e-4)
-    with pytest.raises(KeyError):
-        O.CrossEntropyOptions.from_args({"ignore_index": 1})
 
 
 def test_memo_state_key_follows_the_environment(monkeypatch):
@@ -561,50 +556,6 @@ def test_memo_device_keys():
     assert f(1, cuda1) is not a and f(1, CPU) is not a
     assert f(1, device=cuda0) is f(1, device=cuda0) and f(1, cuda0, flag=True) is not a
     assert f(1, flag=True, device=CPU) is f(1, device=CPU, flag=True)  # keyword order does not matter
-
-
-def test_load_backend_is_import_module(tmp_path, monkeypatch):
-    """``load_backend`` returns what ``importlib.import_module`` would, imports a module not
-    imported yet, and serves it from then on; threads loading one backend at once (the copies
-    of nn.DataParallel) all get the complete module, never a half-imported one."""
-    import importlib
-    import sys
-    import threading
-
-    from logitless.ops.common.dispatch import load_backend
-
-    for op in ("linear_cross_entropy", "linear_log_probs", "linear_jsd", "cross_entropy"):
-        for name in ("torch", "triton"):
-            package = f"logitless.ops.{op}"
-            assert load_backend(package, name) is importlib.import_module(f"{package}.{name}_backend")
-    pkg = tmp_path / "host2_fake_ops"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "fake_backend.py").write_text("TOKEN = object()\n")
-    # slow to import: TOKEN appears only after a pause, while the module is already in sys.modules
-    (pkg / "slow_backend.py").write_text("import time\ntime.sleep(0.3)\nTOKEN = object()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        first = load_backend("host2_fake_ops", "fake")
-        assert sys.modules["host2_fake_ops.fake_backend"] is first
-        assert load_backend("host2_fake_ops", "fake") is first
-        with pytest.raises(ModuleNotFoundError):
-            load_backend("host2_fake_ops", "missing")
-        got, start = [], threading.Barrier(4)
-
-        def load():
-            start.wait()
-            got.append(getattr(load_backend("host2_fake_ops", "slow"), "TOKEN", None))
-
-        threads = [threading.Thread(target=load) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(got) == 4 and got[0] is not None and all(t is got[0] for t in got)
-    finally:
-        for name in ("host2_fake_ops.fake_backend", "host2_fake_ops.slow_backend", "host2_fake_ops"):
-            sys.modules.pop(name, None)
 
 
 def test_cast_like_linear_outside_and_inside_autocast():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import logitless
-from logitless.ops.common import dispatch
+from logitless.ops.common import validate as dispatch
 
 
 def test_triton_backend_without_triton_names_pip_install(monkeypatch):

@@ -335,7 +335,7 @@ PLANTS = {
     "bench": ("logitless/planning/_plant.py", "import logitless_bench\n", "never imports logitless_bench"),
     "torch-in-jax": ("logitless/jax/_plant.py", "def f():\n    import torch\n", "JAX side never imports torch"),
     "jax-in-torch": ("logitless/ops/common/_plant.py", "import jax.numpy\n", "torch side never imports jax"),
-    "jax-imports-ops": ("logitless/jax/_plant.py", "from logitless.ops.common import dispatch\n",
+    "jax-imports-ops": ("logitless/jax/_plant.py", "from logitless.ops.common import validate\n",
                         "JAX side imports only"),
     "cycle": ("logitless/options.py", None, "import cycle"),
 }

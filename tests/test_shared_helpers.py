@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from logitless.ops.common import plan_codec
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, kept_buffers, nothing_kept
+from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, nothing_kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.planning.plans import TorchPlan, TritonPlan
 
@@ -26,17 +26,6 @@ def test_nothing_kept_dummies():
     keep, keep_max = nothing_kept(x)
     assert keep.shape == NOTHING_KEPT and keep.dtype == torch.bfloat16
     assert keep_max.shape == NOTHING_KEPT and keep_max.dtype == torch.float32
-
-
-def test_kept_buffers_only_real_ones_of_a_keeping_plan():
-    from logitless.planning.plans import LinearPlan
-
-    t = TritonPlan(block_n=16, block_v=32, block_h=16, num_warps=4, num_stages=2, vocab_splits=1, vocab_chunk=64)
-    keeps, none = LinearPlan(t, t, keeps=True), LinearPlan(t, t, keeps=False)
-    buf, tile_max = torch.empty(5, 8), torch.empty(1, 5)
-    assert kept_buffers(keeps, buf, tile_max) == (buf, tile_max)
-    assert kept_buffers(none, buf, tile_max) is None and kept_buffers(None, buf, tile_max) is None
-    assert kept_buffers(keeps, *nothing_kept(buf)) is None  # spent by an earlier backward
 
 
 def test_fake_kept_concrete_and_none():

@@ -90,7 +90,7 @@ def _field_names(cls, instance=None) -> tuple:
 class _Args:
     """``args()``: the fields in order, as a torch custom op takes them.
 
-    Both directions run on the eager hot path (once or twice per call), so the field
+    It runs on the eager hot path (once or twice per call), so the field
     names are looked up once per class (``_field_names``), not with ``dataclasses.fields``
     and a generator per call (nor ``dataclasses.astuple``: it deep-copies each value).
     Plain list comprehensions (not ``operator`` getters): the public functions call
@@ -100,13 +100,6 @@ class _Args:
         """The fields' values in order."""
         names = _FIELD_NAMES.get(type(self)) or _field_names(type(self), self)
         return tuple([getattr(self, name) for name in names])
-
-    @classmethod
-    def from_args(cls, named: dict):
-        """The options from a mapping of argument names to values (a custom op's inputs,
-        ``ops.common.autograd.named``), which holds the fields under their own names."""
-        names = _FIELD_NAMES.get(cls) or _field_names(cls)
-        return cls(*[named[name] for name in names])
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import has_torch_function_variadic
 
-from logitless.ops.common.dispatch import BACKENDS
+from logitless.ops.common.validate import BACKENDS
 from logitless.ops.linear_cross_entropy.api import linear_cross_entropy as _logitless_lce
 from logitless.options import check_memory_budget
 

@@ -39,9 +39,8 @@ from torch import Tensor
 from logitless.formulas.log_probs import dlogits_, grad_coefficients
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
-from logitless.ops.common.validate import check_targets_in_range
+from logitless.ops.common.validate import LINEAR_BACKENDS, check_targets_in_range, resolve_backend
 from logitless.ops.linear_log_probs import linear_log_probs as _linear_log_probs
 from logitless.ops.linear_log_probs.torch_backend import scaled_tile
 from logitless.options import LogProbOptions

@@ -1,4 +1,4 @@
-"""What every op shares above the formulas and the kernels: backend dispatch
-(``dispatch``), autocast as ``F.linear`` (``autocast``), input checks (``validate``) and
-the autograd glue of the torch.library custom ops (``autograd``). No op's own code
+"""What every op shares above the formulas and the kernels: the backend contract and the
+custom-op glue written once against it (``contract``, ``autograd``), input checks and
+which backend runs a call (``validate``), autocast as ``F.linear`` (``autocast``). No op's own code
 lives here, and no op imports another op's modules."""

@@ -2,8 +2,9 @@
 
 Each op is a forward and a backward custom op whose arguments are tensors, then the
 fields of its options dataclass (``logitless.options``, under their own names), then
-execution arguments (backend, budget, flags). ``named`` reads a custom op's inputs by
-argument name in ``setup_context``; ``guard_double_backward`` makes a second-order
+execution arguments (backend, budget, flags), their schemas written out in the op's
+``custom_op.py``. ``EagerOp`` runs an op's implementation without the dispatcher in eager
+mode (``contract.register_autograd`` makes it); ``guard_double_backward`` makes a second-order
 gradient raise one clear error; ``under_forward_overrides`` runs a backward under the
 planner overrides of its forward; ``EAGER`` maps each custom op to its Python
 implementation (tests run them under dispatch modes, which otherwise see a custom op
@@ -13,7 +14,6 @@ as one opaque call).
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Optional
 
@@ -31,25 +31,6 @@ def custom_op(name: str, fn: Callable, *, mutates_args=(), schema: Optional[str]
     inferred from ``fn``'s annotations), registered in ``EAGER``."""
     EAGER[f"logitless::{name}"] = fn
     return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutates_args, schema=schema)
-
-
-@functools.cache
-def _parameters(fn: Callable) -> tuple:
-    params = tuple(inspect.signature(fn).parameters.values())
-    return tuple(p.name for p in params), params
-
-
-def named(fn: Callable, inputs: tuple) -> dict:
-    """A custom op's inputs by the argument names of its implementation ``fn``; trailing
-    arguments left out of ``inputs`` (a compiled graph drops defaulted ones) get ``fn``'s
-    defaults."""
-    names, params = _parameters(fn)
-    out = dict(zip(names, inputs))
-    for p in params[len(inputs):]:
-        if p.default is inspect.Parameter.empty:
-            raise TypeError(f"{fn.__name__}: argument {p.name!r} missing")
-        out[p.name] = p.default
-    return out
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

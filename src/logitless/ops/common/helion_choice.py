@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from logitless.helion_lib import runtime
-from logitless.ops.common.dispatch import HAS_TRITON, load_backend
+from logitless.ops.common.validate import HAS_TRITON
 
 #: What to install for the Helion backend (the ``helion`` extra of pyproject.toml).
 INSTALL = "pip install 'logitless[helion]'"
@@ -104,12 +104,6 @@ def fallback_name_of_call(device: torch.device) -> Optional[str]:
     return name
 
 
-def fallback(op_package: str, device: torch.device):
-    """``fallback_name_of_call`` as the backend module (``ops/<op>/<name>_backend.py``)."""
-    name = fallback_name_of_call(device)
-    return None if name is None else load_backend(op_package, name)
-
-
 def guarded(device: torch.device, helion_path: Callable, other_path: Callable):
     """``helion_path()``; on a GPU, a Helion kernel that fails to compile or launch (any
     error but running out of memory) is recorded as the cause (later calls fall back at
@@ -125,12 +119,3 @@ def guarded(device: torch.device, helion_path: Callable, other_path: Callable):
         text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         _FAILED.append(f"a Helion kernel failed on {device}: {type(e).__name__}: {text}")
     return other_path()
-
-
-def run_or_fallback(op_package: str, device: torch.device, helion_path: Callable, other_path: Callable):
-    """``helion_path()`` when Helion runs this call, else ``other_path(module)`` with the
-    backend module that runs instead (``fallback``; a kernel failing on a GPU: ``guarded``)."""
-    other = fallback(op_package, device)
-    if other is not None:
-        return other_path(other)
-    return guarded(device, helion_path, lambda: other_path(fallback(op_package, device)))

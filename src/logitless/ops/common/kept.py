@@ -2,11 +2,10 @@
 columns of exp(z - m) (linear_cross_entropy, linear_log_probs).
 
 A forward custom op returns ``keep`` (the kept columns, in x's dtype) and ``keep_max``
-(fp32 tile maxima), laid out by the call's plan (its ``plan`` output,
-``planning.plans.LinearPlan``); when it keeps nothing these are ``NOTHING_KEPT``-shaped
-dummies. ``nothing_kept`` builds the dummies (eager), ``fake_kept`` the two outputs of
-a fake implementation, ``kept_buffers`` tells the backward whether it has real ones.
-No device work: only allocations of the shapes the backend reports.
+(fp32 tile maxima), laid out by the call's Config (``planning.plans.LinearPlan``); when it
+keeps nothing these are ``NOTHING_KEPT``-shaped dummies (the backward tells them by that
+shape). ``nothing_kept`` builds the dummies (eager), ``fake_kept`` the two outputs of a
+fake implementation. No device work: only allocations of the shapes the backend reports.
 """
 
 from __future__ import annotations
@@ -32,15 +31,6 @@ def nothing_kept(x: Tensor) -> tuple[Tensor, Tensor]:
     """(keep, keep_max) when the forward kept nothing: dummies of ``NOTHING_KEPT`` shape
     on x's device (x's dtype, fp32)."""
     return x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32)
-
-
-def kept_buffers(plan, keep: Tensor, keep_max: Tensor) -> Optional[tuple[Tensor, Tensor]]:
-    """(keep, keep_max) for a backward when the forward kept columns under ``plan`` (its
-    ``keeps``) and they are still there, else None: the forward kept none, or an earlier
-    backward spent them (a later one gets the ``NOTHING_KEPT`` dummies)."""
-    if plan is None or not plan.keeps or keep.shape == NOTHING_KEPT:
-        return None
-    return keep, keep_max
 
 
 def fake_kept(x: Tensor, weight: Tensor, tp_group: str, vocab_size: int,

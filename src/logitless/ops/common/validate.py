@@ -1,4 +1,5 @@
-"""Input checks shared by every public op: clear errors instead of wrong numbers.
+"""Input checks shared by every public op: clear errors instead of wrong numbers, and
+which backend of an op's table runs a call (``resolve_backend``).
 
 Checks here never synchronise with a GPU. The one data-dependent check (targets in
 range) runs only on CPU tensors, where it is cheap; on GPUs an out-of-range target
@@ -8,6 +9,8 @@ scalar options are in ``logitless.options``.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Optional
 
 import torch
@@ -22,6 +25,49 @@ from logitless.options import (
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+#: The backend names of the public ops (an op's ``api.BACKENDS`` table holds each one's class).
+BACKENDS = ("auto", "triton", "torch")
+#: The fused linear ops' backends: BACKENDS and "helion" (chosen only by name; without a
+#: usable Helion another backend runs: ``helion_choice``).
+LINEAR_BACKENDS = (*BACKENDS, "helion")
+
+#: Whether triton is installed (decided once, at import).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, backends: tuple = BACKENDS) -> str:
+    """The backend ("triton", "torch", or "helion" where ``backends`` has it) for a backend
+    name and the inputs, or a clear error.
+
+    "auto": Triton for CUDA tensors of 16/32-bit floats when triton is installed, else
+    PyTorch. "triton" needs the triton package (else ModuleNotFoundError naming
+    ``pip install triton``) and, on CPU tensors, TRITON_INTERPRET=1 (the interpreter).
+    "helion" takes 16/32-bit floats; whether Helion can run is decided in the op.
+    """
+    if name not in backends:
+        raise ValueError(f"backend must be one of {backends}, got {name!r}")
+    if name == "helion" and dtype == torch.float64:
+        raise TypeError("backend='helion' supports float16, bfloat16 and float32; use backend='torch' for float64")
+    if name == "auto":
+        cuda_ok = device.type == "cuda" and dtype != torch.float64
+        name = "triton" if cuda_ok and HAS_TRITON else "torch"
+    if name == "triton":
+        if not HAS_TRITON:
+            raise ModuleNotFoundError(
+                "backend='triton' needs the triton package: pip install triton (on a CPU, then set "
+                "TRITON_INTERPRET=1 for its interpreter); or use backend='torch' (or 'auto')", name="triton")
+        if dtype == torch.float64:
+            raise TypeError("backend='triton' supports float16, bfloat16 and float32; "
+                            "use backend='torch' for float64")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got {device}); set "
+                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter (slow: tests only), "
+                "or use backend='torch'"
+            )
+    return name
 
 
 #: The tensor types of a call that needs no vocab-parallel preparation (``plain``).

@@ -15,10 +15,10 @@ from torch import Tensor
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.contract import BackendTable
-from logitless.ops.common.dispatch import BACKENDS as BACKEND_NAMES
-from logitless.ops.common.dispatch import resolve_backend
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
+from logitless.ops.common.validate import BACKENDS as BACKEND_NAMES
+from logitless.ops.common.validate import resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
 from .contract import CeBackend
@@ -33,7 +33,7 @@ def _triton() -> CeBackend:
 
 
 #: The implementations of cross_entropy, by ``backend=`` name (``contract.CeBackend``; "auto"
-#: resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's is made on
+#: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on
 #: first use (its module needs the optional package).
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
 use_backends(BACKENDS)

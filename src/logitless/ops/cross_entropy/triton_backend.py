@@ -21,7 +21,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.dispatch import HAS_TRITON
+from logitless.ops.common.validate import HAS_TRITON
 from logitless.options import CrossEntropyOptions
 from logitless.planning.plans import CETritonPlan, ce_triton_plan
 from logitless.triton_lib import ce_logits_kernels as K

@@ -20,8 +20,8 @@ from torch import Tensor
 from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.contract import BackendTable
-from logitless.ops.common.dispatch import resolve_backend
 from logitless.ops.common.module_form import ModuleForm
+from logitless.ops.common.validate import resolve_backend
 from logitless.options import JSDOptions, check_memory_budget
 
 from .contract import JsdBackend
@@ -36,7 +36,7 @@ def _triton() -> JsdBackend:
 
 
 #: The implementations of jsd, by ``backend=`` name (``contract.JsdBackend``; "auto" resolves
-#: to one of them, ``ops.common.dispatch.resolve_backend``). Triton's is made on first use
+#: to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on first use
 #: (its module needs the optional package).
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
 use_backends(BACKENDS)

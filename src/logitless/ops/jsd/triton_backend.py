@@ -20,7 +20,7 @@ import triton
 from torch import Tensor
 
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.dispatch import HAS_TRITON
+from logitless.ops.common.validate import HAS_TRITON
 from logitless.options import JSDOptions
 from logitless.planning.plans import ce_triton_plan, jsd_stats_plan
 from logitless.triton_lib.fast_launch import public_launch

@@ -16,9 +16,9 @@ from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import autocast_dtype, cast_like_linear
 from logitless.ops.common.contract import BackendTable
-from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
+from logitless.ops.common.validate import LINEAR_BACKENDS, resolve_backend
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
 from .contract import LceBackend
@@ -40,7 +40,7 @@ def _helion() -> LceBackend:
 
 
 #: The implementations of linear_cross_entropy, by ``backend=`` name (``contract.LceBackend``;
-#: "auto" resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and
+#: "auto" resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and
 #: Helion's are made on first use (their modules need the optional packages).
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
 NO_VOCAB_PARALLEL = VocabParallelOptions()

@@ -42,7 +42,7 @@ from torch import Tensor
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.dispatch import HAS_TRITON
+from logitless.ops.common.validate import HAS_TRITON
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan

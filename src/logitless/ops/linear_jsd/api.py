@@ -22,8 +22,8 @@ from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.contract import BackendTable
-from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.module_form import ModuleForm
+from logitless.ops.common.validate import LINEAR_BACKENDS, resolve_backend
 from logitless.options import JSDOptions, VocabParallelOptions
 
 from .contract import LjsdBackend
@@ -45,7 +45,7 @@ def _helion() -> LjsdBackend:
 
 
 #: The implementations of linear_jsd, by ``backend=`` name (``contract.LjsdBackend``; "auto"
-#: resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and Helion's
+#: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and Helion's
 #: are made on first use (their modules need the optional packages).
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
 use_backends(BACKENDS)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.dispatch import HAS_TRITON
+from logitless.ops.common.validate import HAS_TRITON
 from logitless.options import JSDOptions
 from logitless.planning.memo import memoised
 from logitless.planning.plans import LinearJSDPlan, jsd_kl_fused, jsd_stats_plan, linear_jsd_plan, linear_jsd_strategy

@@ -14,8 +14,8 @@ from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.contract import BackendTable
-from logitless.ops.common.dispatch import LINEAR_BACKENDS, resolve_backend
 from logitless.ops.common.module_form import ModuleForm
+from logitless.ops.common.validate import LINEAR_BACKENDS, resolve_backend
 from logitless.options import LogProbOptions
 
 from .contract import LlpBackend
@@ -36,7 +36,7 @@ def _helion() -> LlpBackend:
 
 
 #: The implementations of linear_log_probs, by ``backend=`` name (``contract.LlpBackend``;
-#: "auto" resolves to one of them, ``ops.common.dispatch.resolve_backend``). Triton's and
+#: "auto" resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and
 #: Helion's are made on first use (their modules need the optional packages). Truncated
 #: sampling and ``batch_invariant`` are Configs of the same backends (``truncation``).
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)

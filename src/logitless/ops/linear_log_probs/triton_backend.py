@@ -34,8 +34,8 @@ from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.dispatch import HAS_TRITON
 from logitless.ops.common.torch_tiles import linear_torch_plan
+from logitless.ops.common.validate import HAS_TRITON
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised

@@ -10,8 +10,8 @@ from torch import Tensor
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.contract import BackendTable
-from logitless.ops.common.dispatch import resolve_backend
 from logitless.ops.common.module_form import ModuleForm
+from logitless.ops.common.validate import resolve_backend
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
 
 from .contract import LpBackend
@@ -26,7 +26,7 @@ def _triton() -> LpBackend:
 
 
 #: The implementations of log_probs, by ``backend=`` name (``contract.LpBackend``; "auto"
-#: resolves to one of them, ``ops.common.dispatch.resolve_backend``); each runs the
+#: resolves to one of them, ``ops.common.validate.resolve_backend``); each runs the
 #: truncated and batch-invariant calls too (a Config of theirs, ``contract.Blocks``).
 #: Triton's is made on first use (its module needs the optional package).
 BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)

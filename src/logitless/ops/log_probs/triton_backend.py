@@ -21,7 +21,7 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats, grad_coefficients, token_outputs
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.dispatch import HAS_TRITON
+from logitless.ops.common.validate import HAS_TRITON
 from logitless.options import LogProbOptions
 from logitless.planning.plans import ce_triton_plan
 from logitless.triton_lib import log_probs_logits_kernels as K
