@@ -167,11 +167,10 @@ def check_teacher_frozen(**tensors: Optional[Tensor]) -> None:
 
 
 def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], *,
-                          allow_empty: bool = False, master_weight: bool = False) -> tuple[int, int]:
+                          allow_empty: bool = False) -> tuple[int, int]:
     """x (..., H), weight (V, H) with V >= 1 (V >= 0 with ``allow_empty``: a rank's
     block of a vocab-parallel head), bias (V,) or None, x and weight of one dtype
-    (after autocast's casts; ``master_weight``: an fp32 weight beside 16-bit x and bias,
-    which the op casts itself): (V, H), or a clear error."""
+    (after autocast's casts): (V, H), or a clear error."""
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (..., H)")
     if weight.dim() != 2:
@@ -185,13 +184,13 @@ def check_linear_operands(op: str, x: Tensor, weight: Tensor, bias: Optional[Ten
             hint = (f"; it looks transposed: an (H, V) = {tuple(weight.shape)} head, where the op takes "
                     f"(V, H) as nn.Linear.weight stores it: pass weight.T")
         raise ValueError(f"x has hidden size {x.shape[-1]} but weight is {tuple(weight.shape)} (V, H){hint}")
-    if x.dtype != weight.dtype and not master_weight:
+    if x.dtype != weight.dtype:
         raise TypeError(
             f"x is {x.dtype} but weight is {weight.dtype}; they must match (or call under "
             "torch.autocast, which casts both as it does for F.linear)"
         )
     check_class_vector("bias", bias, num_classes)
-    if bias is not None and bias.dtype != x.dtype:
+    if bias is not None and bias.dtype != weight.dtype:
         raise TypeError(f"bias is {bias.dtype} but weight is {weight.dtype}; they must match")
     return num_classes, hidden
 

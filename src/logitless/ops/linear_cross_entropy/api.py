@@ -14,7 +14,7 @@ from torch import Tensor
 from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.autocast import autocast_dtype, cast_like_linear
+from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
@@ -87,11 +87,7 @@ def linear_cross_entropy(
             device, x, weight and bias are cast to the autocast dtype as ``F.linear``
             does (autograd records the casts, so fp32 parameters get fp32 gradients; no
             copy is kept between calls): fp32 hidden states and an fp32 head weight run
-            at bf16 speed. The loss stays fp32. An fp32 head weight that gets a gradient
-            (eager, one device) is cast inside the op and its gradient comes back fp32
-            from the op itself: where the Triton backend computes the gradient in the
-            forward, its fp32 dW accumulator is that gradient (no bf16 rounding of dW, no
-            16-bit dW and no cast); the plan is the one of a bf16 weight. Outside autocast, x and weight of
+            at bf16 speed. The loss stays fp32. Outside autocast, x and weight of
             different dtypes raise ``TypeError``.
         torch.compile: the op is a pair of custom ops (``logitless::lce_forward``,
             ``logitless::lce_backward``), so ``torch.compile(model, fullgraph=True)``
@@ -180,18 +176,9 @@ def linear_cross_entropy(
     _validate.check_float("weight", weight)
     # Autocast as F.linear: x, weight and bias in the autocast dtype (autograd-tracked
     # casts: each input's gradient comes back in its own dtype); the loss stays fp32.
-    # An fp32 master weight that will get a gradient (eager, one device) goes to the op
-    # as it is: the op runs on its 16-bit copy and returns its gradient in fp32
-    # (``custom_op``: the gradient-in-forward strategy's fp32 dW accumulator is that gradient).
-    master = (weight.dtype == torch.float32 and weight.requires_grad and not parallel and not batch_invariant
-              and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-              and autocast_dtype(x.device) in (torch.bfloat16, torch.float16))
-    if master:
-        x, bias = cast_like_linear(x, bias)
-    else:
-        x, weight, bias = cast_like_linear(x, weight, bias)
+    x, weight, bias = cast_like_linear(x, weight, bias)
     num_classes, hidden = _validate.check_linear_operands("linear_cross_entropy", x, weight, bias,
-                                                         allow_empty=parallel, master_weight=master)
+                                                         allow_empty=parallel)
     if isinstance(target, Tensor) and target.is_floating_point():
         raise TypeError(f"target must be int64 or int32 class indices, got {target.dtype}: class-probability "
                         "targets are not supported by the fused op; compute the logits and call "

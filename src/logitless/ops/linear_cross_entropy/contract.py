@@ -78,8 +78,7 @@ class LceBackend(Backend, Protocol):
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
              grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> Any:
         """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
-        single device); ``cute=False``: without the CuTe choice (a fake: no memory). For an
-        fp32 master weight ``weight`` is its 16-bit copy: the plan is the cast route's."""
+        single device); ``cute=False``: without the CuTe choice (a fake: no memory)."""
         ...
 
     def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
@@ -89,11 +88,7 @@ class LceBackend(Backend, Protocol):
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: Any, *, need_argmax: bool,
                 loss: bool = True, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False, dw_fp32: bool = False) -> LceForward:
-        """``dw_fp32``: the weight's gradient is wanted in fp32 (an fp32 master weight under
-        autocast, ``weight`` its 16-bit copy): the gradient-in-forward strategy returns its
-        fp32 dW accumulator as is; the other strategies leave dW to ``backward`` (the op
-        casts it)."""
+                need_db: bool = False) -> LceForward:
         ...
 
     def grad_coefficients(self, grad_loss: Tensor, grad_lse: Optional[Tensor], lse: Tensor, w_t: Tensor,

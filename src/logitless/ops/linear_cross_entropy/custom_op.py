@@ -3,7 +3,7 @@
     logitless::lce_forward(x, weight, bias, target, class_weight, <options>, backend,
                            budget, need_argmax, need_grad, grad_in_forward, need_dx,
                            need_dw, need_db, <vocab parallel>)
-        -> loss, lse, argmax, w_t, keep, keep_max, config, gx, gw, gb, w_cast
+        -> loss, lse, argmax, w_t, keep, keep_max, config, gx, gw, gb
     logitless::lce_backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t,
                             keep (overwritten with dz), keep_max, config, <options>,
                             backend, budget, need_dx, need_dw, need_db, <vocab parallel>)
@@ -25,11 +25,8 @@ forward kept (``NOTHING_KEPT``-shaped dummies when none); the backward turns the
 in place (declared as a mutation), so they serve the first backward only (``_backward``:
 a second one, retain_graph=True, recomputes). ``gx, gw, gb``: the gradients for a unit
 upstream gradient when the forward used the gradient-in-forward strategy (eager only),
-which the backward scales. ``w_cast``: an fp32 master weight's copy in x's dtype
-(autocast, the api's ``master``: ``weight`` is fp32, x 16-bit), which the kernels and the
-backward use; the weight's gradient is then fp32 (the gradient-in-forward strategy's fp32
-dW accumulator itself; else the backward's dW cast once). The per-token ``lse`` is
-differentiable (``grad_lse``). Absent outputs are tensors of size 0. Double backward raises.
+which the backward scales. The per-token ``lse`` is differentiable (``grad_lse``). Absent
+outputs are tensors of size 0. Double backward raises.
 
 The autograd (``_setup_context``, ``_backward``) is written out below: what is saved and
 what the backward op receives; ``ops.common.contract.register_autograd`` wires it and the
@@ -70,8 +67,7 @@ TP_SCHEMA = 'str tp_group="", SymInt vocab_size=-1, bool partial_dx=False'
 FORWARD_SCHEMA = (
     f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, {OPTIONS_SCHEMA}, str backend, "
     "SymInt budget, bool need_argmax, bool need_grad, bool grad_in_forward, bool need_dx, bool need_dw, "
-    f"bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-    "Tensor)"
+    f"bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 BACKWARD_SCHEMA = (
     "(Tensor grad_loss, Tensor? grad_lse, Tensor x, Tensor weight, Tensor? bias, Tensor target, "
@@ -119,28 +115,24 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, 
             loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
             return _outputs(x, target, reduce(loss_tok, w_t, reduction), empty, stats.argmax if need_argmax else None,
                             w_t, None, None, None)
-        # An fp32 master weight (module docstring): the kernels run on its copy in x's dtype.
-        master = weight.dtype != x.dtype
-        w = weight.to(x.dtype) if master else weight
         # The call's Config, once: the forward, its strategy and the backward follow it.
         if config is None:
-            config = impl.plan(x, w, bias, class_weight, opts, budget=budget, need_grad=need_grad,
+            config = impl.plan(x, weight, bias, class_weight, opts, budget=budget, need_grad=need_grad,
                                need_argmax=need_argmax, grad_in_forward=grad_in_forward, need_dw=need_dw)
-        out = impl.forward(x, w, bias, target, class_weight, opts, config, need_argmax=need_argmax,
-                           need_dx=need_dx, need_dw=need_dw, need_db=need_db, dw_fp32=master)
+        out = impl.forward(x, weight, bias, target, class_weight, opts, config, need_argmax=need_argmax,
+                           need_dx=need_dx, need_dw=need_dw, need_db=need_db)
     return _outputs(x, target, out.loss, out.stats.lse, out.stats.argmax if need_argmax else None, out.w_t,
-                    out.kept, config, out.grads, w if master else None)
+                    out.kept, config, out.grads)
 
 
-def _outputs(x, target, loss, lse, argmax, w_t, kept, config, grads, w_cast=None):
+def _outputs(x, target, loss, lse, argmax, w_t, kept, config, grads):
     """The forward op's outputs (module docstring) from its results."""
     sd = torch.float64 if x.dtype == torch.float64 else torch.float32  # (formulas.common.compute_dtype)
     argmax = argmax if argmax is not None else target.new_empty(0, dtype=torch.int64)
     if kept is None:
         kept = nothing_kept(x)
     grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
-    return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], config, *grads,
-            w_cast if w_cast is not None else x.new_empty(0))
+    return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], config, *grads)
 
 
 def _forward_op(*args):
@@ -180,9 +172,8 @@ def _forward_fake(x, weight, bias, target, class_weight, ignore_index, reduction
         ]
     elif need_grad and not (tp_group and isinstance(v, int) and v == 0):
         kept = fake_kept(x, weight, tp_group, vocab_size, lambda n, v, h: impl.kept_shapes(config(), n))
-    # (w_cast: size 0, the api passes no master weight where the op is traced)
     return (loss, x.new_empty(n, dtype=sd), x.new_empty(n if need_argmax else 0, dtype=torch.int64),
-            x.new_empty(n, dtype=sd), *kept, impl.codec.fake(), *grads, x.new_empty(0))
+            x.new_empty(n, dtype=sd), *kept, impl.codec.fake(), *grads)
 
 
 def _backward_impl(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, config,
@@ -227,16 +218,14 @@ lce_backward.register_fake(_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    """Saved: x, weight (an fp32 master weight's copy ``w_cast``), bias, target,
-    class_weight, lse, w_t. On ctx: the options and execution arguments, the Config, the
-    kept columns (the first backward's), the gradient-in-forward strategy's gradients
-    when the forward used it, whether dW goes back in fp32 (a master weight)."""
+    """Saved: x, weight, bias, target, class_weight, lse, w_t. On ctx: the options and
+    execution arguments, the Config, the kept columns (the first backward's), the
+    gradient-in-forward strategy's gradients when the forward used it."""
     if len(inputs) < _NUM_INPUTS:  # (a compiled graph may leave the defaulted ones out)
         inputs = (*inputs, "", -1, False)[:_NUM_INPUTS]
     x, weight, bias, target, class_weight = inputs[:5]
-    loss, lse, argmax, w_t, keep, keep_max, config, gx, gw, gb, w_cast = output
-    ctx.master = w_cast.numel() > 0
-    ctx.save_for_backward(x, w_cast if ctx.master else weight, bias, target, class_weight, lse, w_t)
+    loss, lse, argmax, w_t, keep, keep_max, config, gx, gw, gb = output
+    ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
     ctx.options = inputs[5:12]  # <options>, backend, budget
     ctx.tp = inputs[18:]
     ctx.config = config
@@ -244,11 +233,11 @@ def _setup_context(ctx, inputs, output):
     ctx.forward_grads = None
     if inputs[14] and (gx.numel() or gw.numel() or gb.numel()):  # grad_in_forward allowed and used
         ctx.forward_grads = (gx, gw, gb)
-        ctx.dtypes = (x.dtype, weight.dtype)  # (a master weight's: fp32)
+        ctx.dtypes = (x.dtype, weight.dtype)
     if isinstance(config, Tensor):
-        ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, config, gx, gw, gb, w_cast)
+        ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, config, gx, gw, gb)
     else:  # (the eager fast path's Config is the object)
-        ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, gx, gw, gb, w_cast)
+        ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, gx, gw, gb)
     ctx.set_materialize_grads(False)
 
 
@@ -280,14 +269,12 @@ def _backward(ctx, grad_loss, grad_lse, *_):
             with torch.no_grad() if no_grad else contextlib.nullcontext():
                 extra = op(torch.zeros_like(grad_loss), grad_lse, x, weight, bias, target, class_weight, lse, w_t,
                            *nothing_kept(x), ctx.config, *rest)
-            out = tuple(g + e.to(g.dtype) if g is not None else None for g, e in zip(out, extra))
+            out = tuple(g + e if g is not None else None for g, e in zip(out, extra))
     elif no_grad:
         with torch.no_grad():
             out = op(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *kept, ctx.config, *rest)
     else:
         out = op(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *kept, ctx.config, *rest)
-    if ctx.master and forward_grads is None and need_dw:  # the 16-bit copy's dW, for the fp32 weight
-        out = (out[0], out[1].float(), out[2])
     out = guard_double_backward(OP, (out[0] if need_dx else None, out[1] if need_dw else None,
                                      out[2] if need_db else None), grad_loss, grad_lse, x, weight, bias)
     return (*out, *nones)

@@ -49,8 +49,7 @@ class HelionBackend:
     """backend="helion" (``contract.LceBackend``). Its Config (``HelionConfig``) says whether
     Helion runs the call or which backend runs in its place (that backend's Config in it,
     planned with nothing kept), and the backward's budget (the kernels size their
-    vocabulary chunks from it). ``others``: the backends by name (``api.BACKENDS``).
-    ``dw_fp32`` changes nothing here: dW comes from ``backward`` (the op casts it to fp32)."""
+    vocabulary chunks from it). ``others``: the backends by name (``api.BACKENDS``)."""
 
     name = "helion"
     codec = ConfigCodec(HelionConfig)
@@ -91,7 +90,7 @@ class HelionBackend:
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: HelionConfig, *,
                 need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False, dw_fp32: bool = False) -> LceForward:
+                need_db: bool = False) -> LceForward:
         """fp32 statistics, nothing kept; the loss from the formulas."""
         other, other_config = self._other(config)
         if other is not None:

@@ -126,8 +126,7 @@ def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
 
 class TorchBackend:
     """backend="torch" (``contract.LceBackend``): any device, fp64 too; keeps nothing for the
-    backward; its Config (``TorchConfig``) holds the forward's and the backward's tiles.
-    ``dw_fp32`` changes nothing here: dW comes from ``backward`` (the op casts it to fp32)."""
+    backward; its Config (``TorchConfig``) holds the forward's and the backward's tiles."""
 
     name = "torch"
     codec = ConfigCodec(TorchConfig)
@@ -152,7 +151,7 @@ class TorchBackend:
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: TorchConfig, *,
                 need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False, dw_fp32: bool = False) -> LceForward:
+                need_db: bool = False) -> LceForward:
         stats = _forward_stats(x, weight, bias, target, class_weight, opts.softcap, need_smooth=opts.needs_smooth_sum,
                                need_argmax=need_argmax, plan=config.forward)
         if not loss:

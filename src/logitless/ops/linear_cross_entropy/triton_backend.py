@@ -82,7 +82,7 @@ def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Option
                     prerounded=launch.tf32_prerounded(x.dtype),
                     grad_in_forward=grad_in_forward and keep and opts.reduction != "none",
                     weight_fp32=weight.dtype == torch.float32)
-    if not cute or x.device.type != "cuda":  # (the CuTe kernels run on Hopper GPUs only)
+    if not cute:
         return p
     need_smooth = opts.needs_smooth_sum
     args = dict(bias=bias, softcap=opts.softcap, need_argmax=need_argmax,
@@ -241,12 +241,12 @@ class TritonBackend:
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 class_weight: Optional[Tensor], opts: CrossEntropyOptions, config: LinearPlan, *,
                 need_argmax: bool, loss: bool = True, need_dx: bool = False, need_dw: bool = False,
-                need_db: bool = False, dw_fp32: bool = False) -> LceForward:
+                need_db: bool = False) -> LceForward:
         need_smooth = opts.needs_smooth_sum
         if config.grad_in_forward:  # the loss from the formulas, the gradients for a unit upstream one
             stats, grads = self.grad_in_forward(x, weight, bias, target, class_weight, opts, plan=config,
                                                 need_smooth=need_smooth, need_argmax=need_argmax, need_dx=need_dx,
-                                                need_dw=need_dw, need_db=need_db, dw_fp32=dw_fp32)
+                                                need_dw=need_dw, need_db=need_db)
             loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
             return LceForward(stats, reduce(loss_tok, w_t, opts.reduction), w_t, None, grads)
         if not loss:

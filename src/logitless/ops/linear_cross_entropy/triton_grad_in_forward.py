@@ -14,10 +14,7 @@ finish the gradient itself, token chunk by token chunk [n0, n1):
 
 3 GEMMs in all, no recomputation; temporary memory: the chunk's kept logits
 (tokens_chunk x V in the input dtype) plus the fp32 dW accumulator (4 V H bytes)
-when there is more than one chunk and the weight is not fp32 already (for an fp32 master
-weight under autocast, ``dw_fp32``, the accumulator is returned as its gradient; the plan
-still counts it: it is alive from the forward on, where the cast route's dW appears only
-in the backward). The backward
+when there is more than one chunk and the weight is not fp32 already. The backward
 multiplies by grad_output: dx once rounded twice when grad_output != 1 (bf16 dx of the
 forward, then scaled; dW and db are scaled in fp32 and rounded once).
 
@@ -38,12 +35,11 @@ from . import triton_backend
 
 
 def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: LinearPlan, need_smooth: bool,
-                      need_argmax: bool, need_dx: bool, need_dw: bool, need_db: bool, dw_fp32: bool = False):
+                      need_argmax: bool, need_dx: bool, need_dw: bool, need_db: bool):
     """With ``plan.grad_in_forward`` tokens per chunk (``plan.chunk``/``plan.tail``: their
     launches): TokenStats of every token, and (dx, dw_acc, db_acc) for grad_output = 1:
     dx in x's dtype; dw_acc and db_acc fp32 (dw_acc in weight's dtype when one chunk
-    covers every token, unless ``dw_fp32``: the gradient of an fp32 master weight whose
-    16-bit copy ``weight`` is); None where not needed. ``ops.common.grad_in_forward.scale_grads`` finishes them."""
+    covers every token); None where not needed. ``ops.common.grad_in_forward.scale_grads`` finishes them."""
     n, h = x.shape
     v = weight.shape[0]
     softcap = opts.softcap
@@ -56,8 +52,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
     dx = torch.empty_like(x) if need_dx else None
     dw = None
     if need_dw:
-        one_dw = one and not dw_fp32  # (dW written by one GEMM in weight's dtype)
-        dw = torch.empty_like(weight) if one_dw else torch.zeros(v, h, dtype=torch.float32, device=x.device)
+        dw = torch.empty_like(weight) if one else torch.zeros(v, h, dtype=torch.float32, device=x.device)
     db = torch.zeros(v, dtype=torch.float32, device=x.device) if need_db else None
     cw_arg = class_weight if class_weight is not None else x
     parts = []
@@ -80,7 +75,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
         if need_dx:
             torch.mm(dz, weight, out=dx[n0:n1])
         if need_dw:
-            if one_dw:
+            if one:
                 torch.mm(dz.T, xc, out=dw)
             elif dw.is_cuda and dz.dtype != torch.float32:
                 torch.addmm(dw, dz.T, xc, out_dtype=torch.float32, out=dw)
