@@ -4,8 +4,8 @@ An op's forward decides its plan once (a frozen dataclass of the planner,
 ``planning.plans.LinearPlan``) and hands it to its backward. On the eager fast path
 (``autograd.EagerOp``) the object itself travels on the autograd context; where the
 custom ops run (torch.compile, dispatch modes) a custom op's output can only be a
-tensor, so the scaffolding (``spec``) encodes it here and decodes it before the backward
-implementation sees it. Declared once per op (``OpSpec.plan_cls``), the same for every op.
+tensor, so the backend's ``contract.ConfigCodec`` encodes it here and decodes it before
+the backward implementation sees it.
 
 Fields may be ints, bools, or (optional) nested frozen dataclasses of such; the whole
 plan may be None. The encoding has a fixed length per class (``size``): a presence flag,
