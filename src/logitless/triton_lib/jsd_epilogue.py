@@ -1,5 +1,5 @@
 """The O(tokens) epilogues of linear_jsd as one Triton launch each (the twin of
-``ce_epilogue`` for the distillation loss; issue 23's leftovers).
+``ce_epilogue`` for the distillation loss).
 
 ``forward_loss``: the (6, N) row statistics -> the loss, reduced ("sum", "mean") or per
 token ("none"): ``formulas.jsd.token_loss`` then ``formulas.jsd.reduce``, every option

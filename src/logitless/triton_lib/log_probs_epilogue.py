@@ -1,6 +1,6 @@
-"""The O(tokens) epilogues of the log-prob ops as one Triton launch each (issue 23
-item 3, as ``ce_epilogue`` for cross-entropy: small shapes are host-bound, and the torch
-form was ~40 tiny kernels per forward+backward).
+"""The O(tokens) epilogues of the log-prob ops as one Triton launch each (as
+``ce_epilogue`` for cross-entropy: small shapes are host-bound, and the torch form was
+~40 tiny kernels per forward+backward).
 
 ``forward_outputs``: the vocabulary splits' partial statistics (S, N) -> logp, entropy
 (or None) and lse: ``formulas.log_probs.merge_splits`` then ``token_outputs`` (0 at
