@@ -70,6 +70,18 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, backend
     return name
 
 
+def triton_unsupported(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Every Triton backend's ``unsupported`` (``contract.Backend``): None when its kernels
+    run on such tensors, else why not (the conditions ``resolve_backend`` raises on)."""
+    if not HAS_TRITON:
+        return "the triton package is not installed"
+    if dtype == torch.float64:
+        return "float64 inputs"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"{device} tensors without TRITON_INTERPRET=1"
+    return None
+
+
 #: The tensor types of a call that needs no vocab-parallel preparation (``plain``).
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 

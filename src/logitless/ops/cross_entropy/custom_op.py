@@ -31,7 +31,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward
+from logitless.ops.common.autograd import below_autograd, custom_op, guard_double_backward
 from logitless.ops.common.contract import register_autograd
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import CrossEntropyOptions
@@ -145,6 +145,9 @@ ce_backward = custom_op("ce_backward", _backward_impl, schema=BACKWARD_SCHEMA)
 ce_backward.register_fake(_backward_fake)
 
 
+_backward_eager = below_autograd(_backward_impl)
+
+
 def _setup_context(ctx, inputs, output):
     """Saved: logits, target, class_weight, lse, w_t. On ctx: the options and the backend,
     the Config."""
@@ -169,16 +172,9 @@ def _backward(ctx, grad_loss, grad_lse, *_):
     if grad_loss is None:  # (gradients are not materialised)
         grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=lse.device)
     args = (grad_loss, grad_lse, logits, target, class_weight, lse, w_t, ctx.config, *ctx.options)
-    if getattr(ctx, "eager", False):
-        # The eager fast path calls the implementation, recording no autograd history (as the
-        # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                dz = _backward_impl(*args)
-        else:
-            dz = _backward_impl(*args)
-    else:
-        dz = ce_backward(*args)
+    # The eager fast path calls the implementation, recording no autograd history (as the
+    # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
+    dz = _backward_eager(*args) if getattr(ctx, "eager", False) else ce_backward(*args)
     (dz,) = guard_double_backward(OP, (dz,), grad_loss, grad_lse, logits)
     return (dz, *nones)
 

@@ -12,7 +12,6 @@ written by exactly one program, so results are bitwise repeatable; no host syncs
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import HAS_TRITON
+from logitless.ops.common.validate import triton_unsupported
 from logitless.options import CrossEntropyOptions
 from logitless.planning.plans import CETritonPlan, ce_triton_plan
 from logitless.triton_lib import ce_logits_kernels as K
@@ -39,14 +38,7 @@ class TritonBackend:
     name = "triton"
     codec = ConfigCodec(CETritonPlan)
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if not HAS_TRITON:
-            return "the triton package is not installed"
-        if dtype == torch.float64:
-            return "float64 inputs"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{device} tensors without TRITON_INTERPRET=1"
-        return None
+    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, logits: Tensor, *, budget: int) -> CETritonPlan:
         n, v = logits.shape

@@ -12,15 +12,12 @@ through their strides (no copy). No atomics (bitwise repeatable), no host syncs.
 
 from __future__ import annotations
 
-import os
-from typing import Optional
-
 import torch
 import triton
 from torch import Tensor
 
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import HAS_TRITON
+from logitless.ops.common.validate import triton_unsupported
 from logitless.options import JSDOptions
 from logitless.planning.plans import ce_triton_plan, jsd_stats_plan
 from logitless.triton_lib.fast_launch import public_launch
@@ -36,14 +33,7 @@ class TritonBackend:
     name = "triton"
     codec = ConfigCodec(TritonConfig)
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if not HAS_TRITON:
-            return "the triton package is not installed"
-        if dtype == torch.float64:
-            return "float64 inputs"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{device} tensors without TRITON_INTERPRET=1"
-        return None
+    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, zs: Tensor, zt: Tensor, *, budget: int) -> TritonConfig:
         n, v = zs.shape

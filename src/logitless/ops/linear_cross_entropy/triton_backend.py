@@ -31,7 +31,6 @@ are bitwise repeatable.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
@@ -42,7 +41,7 @@ from torch import Tensor
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import HAS_TRITON
+from logitless.ops.common.validate import triton_unsupported
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
@@ -225,14 +224,7 @@ class TritonBackend:
     def __init__(self, grad_in_forward: Callable):
         self.grad_in_forward = grad_in_forward
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if not HAS_TRITON:
-            return "the triton package is not installed"
-        if dtype == torch.float64:
-            return "float64 inputs"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{device} tensors without TRITON_INTERPRET=1"
-        return None
+    unsupported = staticmethod(triton_unsupported)
 
     plan = staticmethod(plan)
     kept_shapes = staticmethod(kept_shapes)

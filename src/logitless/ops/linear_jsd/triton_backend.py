@@ -37,7 +37,6 @@ call, by the forward custom op).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Optional
 
@@ -46,7 +45,7 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import HAS_TRITON
+from logitless.ops.common.validate import triton_unsupported
 from logitless.options import JSDOptions
 from logitless.planning.memo import memoised
 from logitless.planning.plans import LinearJSDPlan, jsd_kl_fused, jsd_stats_plan, linear_jsd_plan, linear_jsd_strategy
@@ -231,14 +230,7 @@ class TritonBackend:
     def __init__(self, grad_in_forward: Callable):
         self.grad_in_forward = grad_in_forward
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if not HAS_TRITON:
-            return "the triton package is not installed"
-        if dtype == torch.float64:
-            return "float64 inputs"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{device} tensors without TRITON_INTERPRET=1"
-        return None
+    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> TritonConfig:

@@ -25,7 +25,6 @@ syncs.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -35,7 +34,7 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.torch_tiles import linear_torch_plan
-from logitless.ops.common.validate import HAS_TRITON
+from logitless.ops.common.validate import triton_unsupported
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised
@@ -266,14 +265,7 @@ class TritonBackend:
     name = "triton"
     codec = ConfigCodec(TritonConfig)
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if not HAS_TRITON:
-            return "the triton package is not installed"
-        if dtype == torch.float64:
-            return "float64 inputs"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{device} tensors without TRITON_INTERPRET=1"
-        return None
+    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,

@@ -30,7 +30,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.truncation import Truncation, check_values
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward
+from logitless.ops.common.autograd import below_autograd, custom_op, guard_double_backward
 from logitless.ops.common.contract import register_autograd
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
@@ -126,6 +126,9 @@ lp_backward = custom_op("lp_backward", _backward_impl, schema=BACKWARD_SCHEMA)
 lp_backward.register_fake(_backward_fake)
 
 
+_backward_eager = below_autograd(_backward_impl)
+
+
 def _setup_context(ctx, inputs, output):
     """Saved: logits, tokens, logp (truncated or batch-invariant calls only: where it is
     -inf no gradient flows), entropy, lse, tau. On ctx: the options and the backend, the
@@ -151,16 +154,9 @@ def _backward(ctx, grad_logp, grad_entropy, *_):
         return (None, *nones)
     logits, tokens, logp, entropy_out, lse, tau = ctx.saved_tensors
     args = (grad_logp, grad_entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config, *ctx.options)
-    if getattr(ctx, "eager", False):
-        # The eager fast path calls the implementation, recording no autograd history (as the
-        # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                dz = _backward_impl(*args)
-        else:
-            dz = _backward_impl(*args)
-    else:
-        dz = lp_backward(*args)
+    # The eager fast path calls the implementation, recording no autograd history (as the
+    # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
+    dz = _backward_eager(*args) if getattr(ctx, "eager", False) else lp_backward(*args)
     (dz,) = guard_double_backward(OP, (dz,), grad_logp, grad_entropy, logits)
     return (dz, *nones)
 

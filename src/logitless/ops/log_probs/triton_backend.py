@@ -11,7 +11,6 @@ shape as cross_entropy). Truncated or batch-invariant calls run ``truncation.py`
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ from torch import Tensor
 from logitless.formulas.log_probs import LogProbStats, grad_coefficients, token_outputs
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import HAS_TRITON
+from logitless.ops.common.validate import triton_unsupported
 from logitless.options import LogProbOptions
 from logitless.planning.plans import ce_triton_plan
 from logitless.triton_lib import log_probs_logits_kernels as K
@@ -38,14 +37,7 @@ class TritonBackend:
     name = "triton"
     codec = ConfigCodec(TritonConfig)
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if not HAS_TRITON:
-            return "the triton package is not installed"
-        if dtype == torch.float64:
-            return "float64 inputs"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{device} tensors without TRITON_INTERPRET=1"
-        return None
+    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
              batch_invariant: bool) -> TritonConfig:
