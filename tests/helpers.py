@@ -140,3 +140,54 @@ def eager_fast_path(on: bool):
     if on:
         return contextlib.nullcontext()
     return mock.patch.object(autograd, "eager_fast_path_ok", lambda inputs: False)
+
+
+class PassThrough(TorchDispatchMode):
+    """Any dispatch mode turns the eager fast path off: the custom ops run."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def count_plans(monkeypatch, backends: dict, planners, *, record=None, outermost: bool = False) -> dict:
+    """Counts plan decisions (the one-plan tests). ``backends``: key -> a backend object
+    whose ``plan`` is wrapped: ``calls[key]`` gets one entry per call (``kwargs[record]``, or
+    the Config when ``record`` is None; with ``outermost``, only calls not made inside another
+    backend's ``plan``), ``calls["configs"]`` every Config. ``planners``: (dotted module,
+    dotted attribute) of the planners a ``plan`` consults; ``calls["outside"]`` names those
+    run outside any ``plan`` (must stay empty)."""
+    import importlib
+
+    calls: dict = {"outside": [], "configs": []}
+    depth = [0]
+    for key, backend in backends.items():
+        entries = calls[key] = []
+
+        def plan(*args, _real=backend.plan, _entries=entries, **kwargs):
+            nested = depth[0] > 0
+            depth[0] += 1
+            try:
+                config = _real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if not (outermost and nested):
+                _entries.append(config if record is None else kwargs.get(record))
+            calls["configs"].append(config)
+            return config
+
+        monkeypatch.setattr(backend, "plan", plan)
+    for module, attr in planners:
+        owner = importlib.import_module(module)
+        *path, leaf = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+
+        real = getattr(owner, leaf)
+
+        def planner(*args, _real=real, _name=f"{module}.{attr}", **kwargs):
+            if not depth[0]:
+                calls["outside"].append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, leaf, planner)
+    return calls

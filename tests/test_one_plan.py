@@ -18,21 +18,16 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
 from logitless.ops.linear_cross_entropy.api import BACKENDS
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
+from tests.helpers import PassThrough, count_plans
 
 N, H, V = 24, 16, 104
 
 
-class _PassThrough(TorchDispatchMode):
-    """Any dispatch mode turns the eager fast path off: the custom ops run."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 #: The planners a backend's ``plan`` consults (module, attribute): none may run outside it.
@@ -45,44 +40,8 @@ def counted(monkeypatch):
     """backend name -> a list that gets one entry per call of that backend's ``plan``;
     ``calls["outside"]``: planners run outside a ``plan`` (must stay empty); ``calls["configs"]``:
     the Configs planned."""
-    import importlib
-
-    calls: dict[str, list] = {"outside": [], "configs": []}
-    depth = [0]
-
-    def wrap(name):
-        backend = BACKENDS[name]
-        real = backend.plan
-        calls[name] = []
-
-        def plan(*args, **kwargs):
-            calls[name].append(kwargs.get("need_grad"))
-            depth[0] += 1
-            try:
-                config = real(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-            calls["configs"].append(config)
-            return config
-
-        monkeypatch.setattr(backend, "plan", plan)
-
-    for name in ("torch", "triton", "helion"):
-        wrap(name)
-    for module, attr in PLANNERS:
-        owner = importlib.import_module(f"logitless.ops.linear_cross_entropy.{module}")
-        *path, leaf = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        real_planner = getattr(owner, leaf)
-
-        def planner(*args, _real=real_planner, _name=attr, **kwargs):
-            if not depth[0]:
-                calls["outside"].append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, leaf, planner)
-    return calls
+    return count_plans(monkeypatch, {name: BACKENDS[name] for name in ("torch", "triton", "helion")},
+                       [(f"logitless.ops.linear_cross_entropy.{m}", a) for m, a in PLANNERS], record="need_grad")
 
 
 def _inputs(seed=0, dtype=torch.float32):
@@ -118,14 +77,14 @@ TRITON_BUDGETS = {"keep": 1 << 30, "partial": 10_000, "recompute": 1}  # (partia
 def test_torch_and_helion_plan_once(counted, backend, path):
     if backend == "helion" and os.environ.get("HELION_INTERPRET", "0") != "1" and DEVICE.type != "cuda":
         pytest.skip("Helion on the CPU needs HELION_INTERPRET=1")
-    mode = _PassThrough() if path == "custom_op" else None
+    mode = PassThrough() if path == "custom_op" else None
     assert _one_call(counted, backend, mode=mode, label_smoothing=0.1, softcap=5.0) == (1, 1, 1)
 
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
 @pytest.mark.parametrize("strategy", sorted(TRITON_BUDGETS) + ["grad_in_forward"])
 def test_triton_plans_once_per_strategy(counted, strategy, path):
-    mode = _PassThrough() if path == "custom_op" else None
+    mode = PassThrough() if path == "custom_op" else None
     if strategy == "grad_in_forward":
         if path == "custom_op":
             pytest.skip("the gradient-in-forward strategy is eager only")

@@ -13,7 +13,6 @@ vocab-parallel head (a one-rank gloo group).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import tempfile
 import warnings
@@ -21,13 +20,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
 from logitless.ops.common import helion_choice
 from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
+from tests.helpers import PassThrough, count_plans
 
 N, HS, HT, V = 24, 16, 12, 104
 #: Budgets: both heads' fp32 logits of 10 tokens (forward chunks of 10, 10 and 4), or all.
@@ -35,11 +34,6 @@ BUDGETS = {"chunks": 8 * V * 10, "one": 1 << 30}
 BETAS = [0.0, 0.5, 1.0]
 
 
-class _PassThrough(TorchDispatchMode):
-    """Any dispatch mode turns the eager fast path off: the custom ops run."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 #: The planners a backend's ``plan`` consults (module, attribute): none may run outside it.
@@ -54,42 +48,8 @@ def counted(monkeypatch):
     """backend name -> a list that gets one entry per call of that backend's ``plan``;
     ``calls["outside"]``: planners run outside a ``plan`` (must stay empty); ``calls["configs"]``:
     the Configs planned."""
-    calls: dict[str, list] = {"outside": [], "configs": []}
-    depth = [0]
-
-    def wrap(name):
-        backend = BACKENDS[name]
-        real = backend.plan
-        calls[name] = []
-
-        def plan(*args, **kwargs):
-            calls[name].append(kwargs.get("grad_in_forward"))
-            depth[0] += 1
-            try:
-                config = real(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-            calls["configs"].append(config)
-            return config
-
-        monkeypatch.setattr(backend, "plan", plan)
-
-    for name in ("torch", "triton", "helion"):
-        wrap(name)
-    for module, attr in PLANNERS:
-        owner = importlib.import_module(f"logitless.ops.linear_jsd.{module}")
-        *path, leaf = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        real_planner = getattr(owner, leaf)
-
-        def planner(*args, _real=real_planner, _name=attr, **kwargs):
-            if not depth[0]:
-                calls["outside"].append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, leaf, planner)
-    return calls
+    return count_plans(monkeypatch, {name: BACKENDS[name] for name in ("torch", "triton", "helion")},
+                       [(f"logitless.ops.linear_jsd.{m}", a) for m, a in PLANNERS], record="grad_in_forward")
 
 
 def _inputs(seed=0, dtype=torch.float32):
@@ -119,7 +79,7 @@ def _one_call(calls, backend, *, mode=None, dtype=torch.float32, overrides=None,
 
 
 def _mode(path):
-    return _PassThrough() if path == "custom_op" else None
+    return PassThrough() if path == "custom_op" else None
 
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])

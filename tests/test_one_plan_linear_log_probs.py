@@ -13,7 +13,6 @@ gloo group); Helion falls back on the CPU (its Config holds the other backend's)
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import tempfile
 import warnings
@@ -21,20 +20,15 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
 from logitless.ops.linear_log_probs.api import BACKENDS
 from tests.conftest import DEVICE
+from tests.helpers import PassThrough, count_plans
 
 N, H, V = 24, 16, 104
 
 
-class _PassThrough(TorchDispatchMode):
-    """Any dispatch mode turns the eager fast path off: the custom ops run."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 #: The planners a backend's ``plan`` consults (module, attribute): none may run outside it.
@@ -57,41 +51,9 @@ OPTIONS = {
 def counted(monkeypatch):
     """``calls[name]``: one entry per outermost call of that backend's ``plan``;
     ``calls["outside"]``: planners run outside a ``plan`` (must stay empty)."""
-    calls: dict[str, list] = {"outside": []}
-    depth = [0]
-
-    def wrap(name):
-        backend = BACKENDS[name]
-        real = backend.plan
-        calls[name] = []
-
-        def plan(*args, **kwargs):
-            if not depth[0]:
-                calls[name].append(kwargs.get("need_grad"))
-            depth[0] += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        monkeypatch.setattr(backend, "plan", plan)
-
-    for name in ("torch", "triton", "helion"):
-        wrap(name)
-    for module, attr in PLANNERS:
-        owner = importlib.import_module(f"logitless.ops.linear_log_probs.{module}")
-        *path, leaf = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        real_planner = getattr(owner, leaf)
-
-        def planner(*args, _real=real_planner, _name=attr, **kwargs):
-            if not depth[0]:
-                calls["outside"].append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, leaf, planner)
-    return calls
+    return count_plans(monkeypatch, {name: BACKENDS[name] for name in ("torch", "triton", "helion")},
+                       [(f"logitless.ops.linear_log_probs.{m}", a) for m, a in PLANNERS], record="need_grad",
+                       outermost=True)
 
 
 def _plans(calls) -> int:
@@ -126,7 +88,7 @@ def test_plans_once(counted, monkeypatch, backend, path, options):
         from logitless.ops.common import helion_choice
 
         monkeypatch.setattr(helion_choice, "cause", lambda: "the test's stand-in cause")
-    mode = _PassThrough() if path == "custom_op" else None
+    mode = PassThrough() if path == "custom_op" else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the fallback's warning)
         assert _one_call(counted, backend, mode=mode, **OPTIONS[options]) == (1, 1, 1)

@@ -6,7 +6,7 @@ Each backend's ``plan`` is wrapped to count its calls; a forward must plan exact
 and the backward (also a second one, retain_graph=True) never; the planners a backend
 consults (``PLANNERS``) must run inside its ``plan`` only. log_probs' truncated and
 batch-invariant calls are Configs of the same backends (``contract.Blocks``): planned
-once too. A dispatch mode (``_PassThrough``) turns the eager fast path off, so the
+once too. A dispatch mode (``tests.helpers.PassThrough``) turns the eager fast path off, so the
 custom ops run with the Config encoded (``backend.codec``).
 """
 
@@ -17,10 +17,10 @@ import importlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
 from tests.conftest import DEVICE
+from tests.helpers import PassThrough, count_plans
 
 N, V = 13, 37
 OPS = ("cross_entropy", "log_probs", "jsd")
@@ -36,47 +36,15 @@ PLANNERS = (
 )
 
 
-class _PassThrough(TorchDispatchMode):
-    """Any dispatch mode turns the eager fast path off: the custom ops run."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
 def counted(monkeypatch):
     """(op, backend) -> the Configs its ``plan`` returned, one per call; ``calls["outside"]``:
     planners run outside a ``plan`` (must stay empty)."""
-    calls: dict = {"outside": []}
-    depth = [0]
-    for op in OPS:
-        table = importlib.import_module(f"logitless.ops.{op}.api").BACKENDS
-        for name in BACKENDS:
-            backend = table[name]
-            real = backend.plan
-            configs = calls[op, name] = []
-
-            def plan(*args, _real=real, _configs=configs, **kwargs):
-                depth[0] += 1
-                try:
-                    config = _real(*args, **kwargs)
-                finally:
-                    depth[0] -= 1
-                _configs.append(config)
-                return config
-
-            monkeypatch.setattr(backend, "plan", plan)
-    for op, module, attr in PLANNERS:
-        owner = importlib.import_module(f"logitless.ops.{op}.{module}")
-        real_planner = getattr(owner, attr)
-
-        def planner(*args, _real=real_planner, _name=f"{op}.{module}.{attr}", **kwargs):
-            if not depth[0]:
-                calls["outside"].append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, attr, planner)
-    return calls
+    tables = {op: importlib.import_module(f"logitless.ops.{op}.api").BACKENDS for op in OPS}
+    return count_plans(monkeypatch, {(op, name): tables[op][name] for op in OPS for name in BACKENDS},
+                       [(f"logitless.ops.{op}.{m}", a) for op, m, a in PLANNERS])
 
 
 def _logits(seed):
@@ -118,7 +86,7 @@ def _one_call(calls, op, backend, *, mode=None, twice=True, **kw):
 
 
 def _modes(path):
-    return _PassThrough() if path == "custom_op" else None
+    return PassThrough() if path == "custom_op" else None
 
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
