@@ -190,7 +190,7 @@ def _trl_chunked(shape, device):
 
 
 METHODS: dict[str, tuple[Callable, str]] = {
-    "logitless": (_logitless, "logitless.linear_jsd (default 256 MiB budget)"),
+    "logitless": (_logitless, "logitless.linear_jsd (default memory budget: 3% of the GPU)"),
     "torch-eager": (_torch_eager, "naive formula: both logits, fp32 log_softmax, kl_div"),
     "torch-compile": (_torch_compile, "torch.compile of the naive formula"),
     "liger-fused": (_liger_fused, "liger_kernel LigerFusedLinearJSD"),

@@ -188,7 +188,7 @@ def _eager_truncated(top_k=0, top_p=1.0, min_p=0.0):
 PEAKED = 0.1
 
 METHODS = {
-    "logitless": (_logitless(None), "logitless.linear_log_probs(entropy=True), default budget (256 MiB)"),
+    "logitless": (_logitless(None), "logitless.linear_log_probs(entropy=True), default memory budget (3% of the GPU)"),
     "logitless@logits": (_logitless(_logits_budget), "logitless.linear_log_probs, budget = bf16 logits + 64 MiB"),
     "torch-eager": (_eager, "x @ W.T in bf16, fp32 log_softmax(logits / T), gather, entropy"),
     "torch-compile": (_compiled, "the same under torch.compile"),

@@ -35,8 +35,8 @@ Where the Triton forward is faster (``triton_faster``; the automatic choice only
 ``override(cute=True)`` forces CuTe): fewer than ``MIN_SLABS_PER_CTA`` 64-wide steps of H
 per CTA (pipeline fill and epilogue not amortised); the entropy term where the grouped
 order is needed; x in flight above ``TRITON_X_OVER_L2`` times L2; and more than
-``KEEP_SHARE`` of the columns kept at more than ``KEEP_SMALL_N`` tokens (the kernel stores
-kept values element by element, Triton by TMA tiles). The measurements behind these
+``KEEP_SHARE`` of the columns kept (the kernel stores kept values element by element,
+Triton by TMA tiles; at 512-1024 tokens too, where the default budget keeps them all). The measurements behind these
 thresholds are in docs/design.md ("CuTe forward").
 """
 
@@ -64,8 +64,8 @@ WAVES = 2
 L2_DEFAULT = 50 * 2**20
 #: Fewer k slabs per CTA than this: Triton (module docstring).
 MIN_SLABS_PER_CTA = 128
-#: Kept columns above this share of V, at more than KEEP_SMALL_N tokens: Triton (module docstring).
-KEEP_SHARE, KEEP_SMALL_N = 0.25, 1024
+#: Kept columns above this share of V: Triton (module docstring).
+KEEP_SHARE = 0.25
 #: The grouped CTA order where x in flight exceeds L2: row blocks per group, least splits.
 GROUP, GROUP_SPLITS = 16, 16
 #: x in flight above this many times L2: Triton (module docstring).
@@ -204,7 +204,7 @@ def triton_faster(*, n: int, v: int, h: int, num_sms: int, l2_bytes: Optional[in
                   entropy: bool = False, keep_cols: int = 0) -> Optional[str]:
     """Why the Triton forward is expected to be faster than the CuTe kernel at this shape
     (module docstring: measured), or None. Pure (tests)."""
-    if keep_cols > v * KEEP_SHARE and n > KEEP_SMALL_N:
+    if keep_cols > v * KEEP_SHARE:
         return "most columns kept: the CuTe kernel's element-wise keep stores measured slower"
     plan = plan_for(n, v, h, num_sms, l2_bytes)
     if entropy and plan.group:

@@ -261,6 +261,8 @@ class DlogitsKernels(NamedTuple):
 
         kept_kernel[(row blocks, kept tiles)](dz, tile_max, *kept_head, width,
             dz row stride, *kept_tail, **kept_flags, BLOCK_N, BLOCK_V, num_warps)
+            (BLOCK_N: ``kept_rows``, or the plan's block_n when 0; BLOCK_V: the plan's,
+            the forward's tile maxima are per block_v columns)
         kernel[(programs,)](x operand, W operand, *inputs, dz operand, n, v, h,
             x strides, W strides, dz row stride, v0, v1, *scalars, group_n, **flags,
             USE_TMA, DZ_TMA, FLATTEN, W_CHUNK, BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
@@ -279,6 +281,7 @@ class DlogitsKernels(NamedTuple):
     scalars: tuple
     flags: dict
     prerounded: bool
+    kept_rows: int = 0
 
 
 def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan, kept,
@@ -310,9 +313,10 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
         if v0 == 0 and keep_cols:
             keep_buf, tile_max = kept
             dz = keep_buf[:, :keep_cols]
-            run_kernel(k.kept_kernel, (cdiv(n, plan.block_n), cdiv(keep_cols, plan.block_v)),
+            rows = k.kept_rows or plan.block_n
+            run_kernel(k.kept_kernel, (cdiv(n, rows), cdiv(keep_cols, plan.block_v)),
                        dz, tile_max, *k.kept_head, dz.shape[1], dz.stride(0), *k.kept_tail, **k.kept_flags,
-                       BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
+                       BLOCK_N=rows, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
         else:
             if dz_buf is None:
                 x_op, w_op, use_tma = operands(x, weight, plan)

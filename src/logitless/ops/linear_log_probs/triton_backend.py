@@ -49,6 +49,10 @@ from .contract import TritonConfig, candidate_count, decide, largest_top_k
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
 _MAX_CAP_RANGE = 80.0
+#: Rows per program of the kept columns' dz pass where it holds three fp32 tiles (p, log p
+#: and dz: entropy or a soft-cap): the plan's 128 x 256 tile spilled registers there
+#: (docs/design.md "RL token log-probs and entropy").
+KEPT_ROWS_WITH_LOG = 32
 
 
 def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> bool:
@@ -251,7 +255,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         kept_flags=dict(HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy),
         kernel=K.logp_dlogits_kernel, inputs=(bias if bias is not None else x, tokens, lse, coef),
         scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=dict(flags, **thr),
-        prerounded=prerounded,
+        prerounded=prerounded, kept_rows=KEPT_ROWS_WITH_LOG if opts.entropy or opts.softcap is not None else 0,
     )
     return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
                                    need_db=need_db, dx_acc=dx_acc)
