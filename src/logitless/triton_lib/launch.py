@@ -41,7 +41,7 @@ from torch import Tensor
 from logitless.planning import plans as _plans
 from logitless.planning import rocm as _rocm
 from logitless.planning.overrides import current as _overrides
-from logitless.planning.plans import TritonPlan
+from logitless.planning.tiles import TritonPlan
 from logitless.triton_lib.fast_launch import descriptor, run_kernel  # noqa: F401  (the ops' launches)
 
 

@@ -44,7 +44,8 @@ from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.validate import triton_unsupported
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
-from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
+from logitless.planning.plans import LinearPlan, linear_plan
+from logitless.planning.tiles import TritonPlan
 from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib import lce_kernels as K
 from logitless.triton_lib.launch import cdiv

@@ -38,7 +38,8 @@ from logitless.ops.common.validate import triton_unsupported
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised
-from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
+from logitless.planning.plans import LinearPlan, linear_plan
+from logitless.planning.tiles import TritonPlan
 from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
 from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
