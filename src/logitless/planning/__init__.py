@@ -29,7 +29,7 @@ lce / llp strategy: keep, partial, grad-in-fwd     ``lce_strategy``             
 a forced strategy (``override(strategy=...)``)     ``forced_strategy``             planning/plans.py
 one call's plan (forward, backward, chunks)        ``linear_plan``                 planning/plans.py
 TF32 route: pre-rounded or in registers            ``tf32_choice``                 planning/plans.py
-  whether that route is open (dtype, precision)    ``tf32_prerounded``             triton_lib/launch.py
+  whether a plan's launches run pre-rounded        ``runs_prerounded``             triton_lib/launch.py
 program order, grouping, persistent dlogits        ``kernel_options``              planning/plans.py
 device class the cost model prices for             ``planned_device_model``        planning/plans.py
 CuTe DSL or Triton forward; CuTe splits            ``forward_plan``                planning/cute.py

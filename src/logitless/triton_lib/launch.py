@@ -352,6 +352,11 @@ def tf32_prerounded(dtype: torch.dtype) -> bool:
             and dot_precision(dtype) == "tf32-round")
 
 
+def runs_prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
+    """``plan``'s launches multiply pre-rounded operands: it has W chunks and ``tf32_prerounded``."""
+    return plan.w_chunk > 0 and tf32_prerounded(dtype)
+
+
 def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """``src`` (fp32, 2-D, any strides) rounded to the nearest TF32 (as cuBLAS and the
     kernels' "tf32-round") into ``out`` (contiguous, src's shape; allocated if None):

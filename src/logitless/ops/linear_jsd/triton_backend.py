@@ -173,7 +173,7 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     tiles = plan.tiles
     # fp32 at "high": both x's rounded to TF32 once, each chunk's rows of both weights
     # (scratch buffers; the kernel then multiplies TF32-exact operands with "tf32").
-    prerounded = tiles.w_chunk > 0 and launch.tf32_prerounded(xs.dtype)
+    prerounded = launch.runs_prerounded(tiles, xs.dtype)
     if prerounded:
         round_s = launch.prerounded_dlogits_operands(xs, ws, tiles, 0)
         round_t = launch.prerounded_dlogits_operands(xt, wt, tiles, 0)
