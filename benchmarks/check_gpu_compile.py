@@ -15,7 +15,7 @@ columns, gradient in the forward, entropy, temperature, TRL's head fields, JSD b
 0.5 / 0 / 1, hard labels; fp32 at matmul precision "highest" and "high") with the plans
 the target gets and records each launch: kernel, argument types (a TMA descriptor as
 ``tensordesc<dtype[block]>``), constexprs, launch options. AMD: ``planning.rocm``'s tile
-tables, no TMA, its dot precisions. sm90: ``plans.CUDA_TILES`` (``CUDA_TILES_TF32`` on
+tables, no TMA, its dot precisions. sm90: ``tiles.CUDA_TILES`` (``CUDA_TILES_TF32`` on
 operands pre-rounded to TF32 at "high", ``JSD_CUDA_TILES`` for linear_jsd), TMA
 descriptors where rows are aligned (the interpreter runs them; one case with an odd hidden
 size takes the pointer path), persistent dlogits programs (as from 2048 tokens on; the
@@ -23,7 +23,7 @@ size takes the pointer path), persistent dlogits programs (as from 2048 tokens o
 / "tf32-round" for fp32), no CuTe DSL forward (not Triton). Not covered on sm90: the TMA
 bulk store of dz (``dz_tma``, off in the shipped plans) and tuned tiles other than the
 shipped H100 table. On every target the row kernels take their GPU tiles
-(``plans.ce_triton_plan``) but launches whose sizes the launch code picks from the tensors'
+(``logits.ce_triton_plan``) but launches whose sizes the launch code picks from the tensors'
 device (``launch.round_to_tf32``) keep their interpreter sizes.
 ``compile`` compiles each unique launch (a separate process: without the interpreter) for
 its target, and writes per launch: ok, registers (AMD: VGPRs / AGPRs; sm90: REG of
@@ -130,17 +130,18 @@ def capture(full: bool, archs=ARCHS):
     import logitless as L
     from logitless.ops.cross_entropy import triton_backend as ce_b
     from logitless.ops.jsd import triton_backend as jsd_b
+    from logitless.ops.linear_jsd import planning as ljsd_planning
     from logitless.ops.log_probs import triton_backend as lp_b
-    from logitless.planning import memo, plans, rocm, tiles
+    from logitless.planning import logits, memo, plans, rocm, tiles
     from logitless.planning.overrides import override
 
     # The row kernels' tiles as on a GPU (ce_triton_plan reads only device.type).
-    real_ce_plan = plans.ce_triton_plan
+    real_ce_plan = logits.ce_triton_plan
 
     def gpu_ce_plan(n, v, itemsize, device):
         return real_ce_plan(n, v, itemsize, torch.device("cuda"))
 
-    for mod in (plans, ce_b, jsd_b, lp_b):
+    for mod in (logits, ce_b, jsd_b, lp_b):
         mod.ce_triton_plan = gpu_ce_plan
     # Plans adapted as on an AMD GPU (rocm.adapt_plan: no TMA) although the device is the CPU.
     real_arch = rocm.arch
@@ -187,7 +188,7 @@ def capture(full: bool, archs=ARCHS):
                 ov = dict(tiles=tiles_, plan=no_tma)
             else:  # pre-rounded fp32 at "high": CUDA_TILES_TF32 (by whether a backward follows)
                 pre = dt == "float32" and prec == "high"
-                tiles_ = (plans.JSD_CUDA_TILES[i] if op == "ljsd" else
+                tiles_ = (ljsd_planning.JSD_CUDA_TILES[i] if op == "ljsd" else
                           tiles.CUDA_TILES_TF32[kw.get("grad", True)] if pre else tiles.CUDA_TILES[i])
                 ov = dict(tiles=tiles_, cute=False, tf32_preround=pre if dt == "float32" else None)
             # persistent dlogits programs (sm90, as from PERSISTENT_MIN_ROW_BLOCKS row blocks)
@@ -201,7 +202,7 @@ def capture(full: bool, archs=ARCHS):
             _call(L, op, dtype, n, kw.pop("h", h), ht, kw.pop("v", v), kw, budget, g, ov, override)
     finally:
         interpreter.InterpretedFunction.run = real_run
-        for mod in (plans, ce_b, jsd_b, lp_b):
+        for mod in (logits, ce_b, jsd_b, lp_b):
             mod.ce_triton_plan = real_ce_plan
         rocm.arch = real_arch
         launch.dot_precision = real_precision

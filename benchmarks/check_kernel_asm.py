@@ -45,7 +45,7 @@ CONFIGS = {
         HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=False, NEED_SMOOTH=True, NEED_ARGMAX=False, KEEP=False,
         ENTROPY=True, DOT_PRECISION="tf32x3", USE_TMA=False, DZ_TMA=False, FLATTEN=True,
         IDX=True, HAS_UPPER=True, C=64, HAS_G_LP=False, BLOCK_N=64, BLOCK_V=64, BLOCK_H=32), 4, 2),
-    # fp32 at "high" on operands pre-rounded to TF32, W in chunks (plans.CUDA_TILES_TF32).
+    # fp32 at "high" on operands pre-rounded to TF32, W in chunks (tiles.CUDA_TILES_TF32).
     "fp32-tf32-wchunk-tma": ("fp32", dict(
         HAS_BIAS=True, HAS_SOFTCAP=False, HAS_CW=False, NEED_SMOOTH=False, NEED_ARGMAX=False, KEEP=False,
         ENTROPY=False, DOT_PRECISION="tf32", USE_TMA=True, DZ_TMA=False, FLATTEN=True, W_CHUNK=True,

@@ -144,7 +144,7 @@ def _tune_args(kernel: str):
         xt, wt = _randn(g, n, ht), _randn(g, v, ht, scale=ht ** -0.5)
         opts = JSDOptions(beta=0.5)
         if kernel == "jsd_stats":
-            from logitless.planning.plans import jsd_forward_rows
+            from logitless.planning.logits import jsd_forward_rows
             from logitless.triton_lib.launch import head_logit_chunks
 
             rows = jsd_forward_rows(n, v, 256 * 2**20, DEVICE.type == "cuda")

@@ -98,9 +98,7 @@ def planner_args(n: int, h: int, v: int, itemsize: int, device) -> dict:
     them for this device (the CPU interpreter: its small tiles; gradient-in-forward is
     enumerated as on a GPU, since the probe forces it anyway)."""
     block_v = _plans._tiles(n, v, h, itemsize, device)[1]
-    padded = math.ceil(v / block_v) * block_v
-    quarter = max(block_v, padded // 4 // block_v * block_v)
-    min_chunk = min(_plans.MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
+    min_chunk = _plans.min_chunk_cols(v, block_v, device)
     return dict(block_v=block_v, min_chunk=min_chunk, grad_in_forward=v % _plans.ODD_V_ALIGN == 0)
 
 

@@ -236,7 +236,7 @@ def test_unit_is_warmed_up_and_checked():
 def test_cpu_default_case_shows_memory():
     """Without --shapes a CPU runs one case whose logits are ~twice the default budget (so
     the memory column shows what the op saves), with the op and the logits way only."""
-    from logitless.planning.plans import DEFAULT_MEMORY_BUDGET
+    from logitless.options import DEFAULT_MEMORY_BUDGET
     from logitless_bench import cli
 
     (case,) = shapes.select(shapes.lce_shapes(True), [], cpu=True)

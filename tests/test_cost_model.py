@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import logitless
+from logitless.options import DEFAULT_MEMORY_BUDGET
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
 from logitless.planning.overrides import override, what_if
@@ -46,7 +47,7 @@ def test_never_slower_when_the_budget_grows(dev):
                 assert c.memory <= max(b, floor.memory), (s.name, b, c.label, c.memory)
                 prev = c.time_s
             # never slower than the default budget's plan once the budget is larger
-            default = M.choose(n, h, v, itemsize, _plans.DEFAULT_MEMORY_BUDGET, device_model=dev, weight_fp32=wf)
+            default = M.choose(n, h, v, itemsize, DEFAULT_MEMORY_BUDGET, device_model=dev, weight_fp32=wf)
             assert M.choose(n, h, v, itemsize, logits, device_model=dev, weight_fp32=wf).time_s <= default.time_s
 
 
@@ -69,7 +70,7 @@ def test_grad_in_forward_memory_counts_the_fp32_accumulator():
     fp32w = M.predict_grad_in_forward(M.H100, n, h, v, 4, n // 2, weight_fp32=True)
     assert fp32w.memory == (n // 2) * v * 4  # dW itself is the fp32 accumulator
     # The accumulator does not fit the default budget at llama's shape: never chosen there.
-    assert M.choose(n, h, v, 2, _plans.DEFAULT_MEMORY_BUDGET).strategy != "grad_in_forward"
+    assert M.choose(n, h, v, 2, DEFAULT_MEMORY_BUDGET).strategy != "grad_in_forward"
 
 
 def test_grad_in_forward_wins_somewhere():
@@ -102,7 +103,7 @@ def test_predictions_match_recorded_h100_measurements():
         r = rows.get((s.name, "logitless"))
         if r is None or r["status"] != "ok":
             continue
-        c = M.choose(s.tokens, s.hidden, s.vocab, 2, _plans.DEFAULT_MEMORY_BUDGET, grad_in_forward=False)
+        c = M.choose(s.tokens, s.hidden, s.vocab, 2, DEFAULT_MEMORY_BUDGET, grad_in_forward=False)
         f = M.predict_forward(M.H100, s.tokens, s.hidden, s.vocab, 2)
         assert abs(c.ms / r["fwdbwd_ms"] - 1) < 0.2, (s.name, c.ms, r["fwdbwd_ms"])
         assert abs(f.ms / r["fwd_ms"] - 1) < 0.2, (s.name, f.ms, r["fwd_ms"])
@@ -221,10 +222,11 @@ def test_gpu_plans_keep_whole_tiles_at_odd_vocab(vocab):
 
     from logitless.planning import cost_model as _cost_model
     from logitless.planning import plans as _plans
+    from logitless.planning import tiles as _tiles
 
     gpu = types.SimpleNamespace(type="cuda", index=0)
     # An H100 as the planner sees it, without one: its SM count, cost model and tiles.
-    with override(tiles=_plans.CUDA_TILES[2]), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
+    with override(tiles=_tiles.CUDA_TILES[2]), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
         n, h = 8192, 768
         for budget in (256 * 2**20, n * vocab * 2 + 2**30, 8 * 2**30):
             plan = _plans.triton_plan(n, vocab, h, 2, budget, gpu, keep_allowed=True)

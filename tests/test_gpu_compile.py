@@ -27,7 +27,8 @@ import types
 import pytest
 import torch
 
-from logitless.planning import cost_model, cute, memo, plans, rocm
+from logitless.ops.linear_jsd import planning as ljsd_planning
+from logitless.planning import cost_model, cute, memo, plans, rocm, tiles
 from logitless.triton_lib import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +90,7 @@ def test_amd_plans_take_amd_tiles_without_tma(amd, arch, itemsize):
         assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == rocm.ROCM_TILES[arch][itemsize]
         assert not p.tma and not p.dz_tma
         assert p.vocab_splits >= 1 and p.vocab_chunk % p.block_v == 0
-    j = plans.linear_jsd_plan(4096, 151936, 2048, itemsize, GiB, dev, hidden_t=2048).tiles
+    j = ljsd_planning.linear_jsd_plan(4096, 151936, 2048, itemsize, GiB, dev, hidden_t=2048).tiles
     assert (j.block_n, j.block_v, j.block_h, j.num_warps, j.num_stages) == rocm.JSD_ROCM_TILES[arch][itemsize]
     assert not j.tma and not j.dz_tma
     s = plans.lce_strategy(4096, 128256, 4096, itemsize, GiB, dev)
@@ -152,8 +153,8 @@ def test_nvidia_plans_unchanged(monkeypatch):
         dev = torch.device("cuda", 0)
         assert rocm.arch(dev) is None and cost_model.device_model(dev) is cost_model.H100
         p = plans.triton_plan(4096, 128256, 4096, 2, 4 * GiB, dev, keep_allowed=True)
-        assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == plans.CUDA_TILES[2] and p.tma
-        assert plans.linear_jsd_plan(4096, 151936, 2048, 2, GiB, dev, hidden_t=2048).tiles.tma
+        assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == tiles.CUDA_TILES[2] and p.tma
+        assert ljsd_planning.linear_jsd_plan(4096, 151936, 2048, 2, GiB, dev, hidden_t=2048).tiles.tma
     finally:
         memo.clear()
     assert launch._HIP is False and launch.dot_precision(torch.float32) in ("tf32x3", "tf32-round", "tf32")

@@ -293,8 +293,8 @@ def test_linear_jsd(case, size):
 def test_jsd_forward_in_row_chunks(case):
     """The forward in chunks of 4 rows (13 tokens: four chunks of cuBLAS logits and
     ``jsd_row_stats``, the last of one row) gives the one-chunk statistics and the float64
-    loss; the memory budget sizes the chunks (``plans.jsd_forward_rows``: 3 rows here)."""
-    from logitless.planning.plans import jsd_forward_rows
+    loss; the memory budget sizes the chunks (``logits.jsd_forward_rows``: 3 rows here)."""
+    from logitless.planning.logits import jsd_forward_rows
 
     kw = dict(JSD_CASES[case])
     n, h, v = 13, 20, 37

@@ -12,6 +12,7 @@ import torch
 from logitless.planning import cost_model as _cost_model
 from logitless.planning import memo as _memo
 from logitless.planning import plans as _plans
+from logitless.planning import tiles as _tiles
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override, what_if
 from tests.conftest import DEVICE  # the GPU when there is one, else the CPU (interpreter)
@@ -61,7 +62,7 @@ def test_memo_sees_a_new_tuned_config(tmp_path, monkeypatch):
             assert (p2.block_n, p2.block_v, p2.block_h) == (128, 64, 64)
             monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the environment is part of the key
             p3 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p3.block_n, p3.block_v) == _plans.CUDA_TILES[2][:2]
+            assert (p3.block_n, p3.block_v) == _tiles.CUDA_TILES[2][:2]
     finally:
         _tuned.clear()
 
@@ -515,7 +516,7 @@ def test_memo_plans_follow_the_environment_of_each_call(monkeypatch, tmp_path):
             assert (p1.block_n, p1.block_v, p1.block_h) == (64, 128, 32)
             monkeypatch.setenv("LOGITLESS_TUNED", "0")
             p2 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p2.block_n, p2.block_v) == _plans.CUDA_TILES[2][:2] != (64, 128)
+            assert (p2.block_n, p2.block_v) == _tiles.CUDA_TILES[2][:2] != (64, 128)
             monkeypatch.delenv("LOGITLESS_TUNED")
             assert _plans.triton_plan(*args, keep_allowed=True) is p1
     finally:

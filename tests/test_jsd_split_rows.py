@@ -14,8 +14,8 @@ import torch
 import logitless
 from logitless.formulas.jsd import row_stats as reference_row_stats
 from logitless.options import JSDOptions
+from logitless.planning.logits import JSDStatsPlan, jsd_stats_plan
 from logitless.planning.overrides import what_if
-from logitless.planning.plans import JSDStatsPlan, jsd_stats_plan
 from logitless.triton_lib.jsd_rows import row_stats
 from tests.conftest import DEVICE
 

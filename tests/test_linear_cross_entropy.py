@@ -257,6 +257,7 @@ def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned):
     equal the plain schedule's bit for bit, with kept and recomputed columns (one kept
     tile, then chunks of two tiles and a ragged one), at odd N and V."""
     from logitless.planning import plans as _plans
+    from logitless.planning import tiles as _tiles
 
     n, v = (300, 1500) if HAS_CUDA else (70, 257)
     hidden = (136 if aligned else 100) if HAS_CUDA else (24 if aligned else 17)
@@ -271,7 +272,7 @@ def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned):
         o = dict(plain_schedule, **schedule)
 
         def reshape(p):  # the schedule forced (as plans.kernel_options would set it), one kept tile
-            programs = o["dlogits_programs"] if triton.cdiv(n, p.block_n) >= _plans.PERSISTENT_MIN_ROW_BLOCKS else 0
+            programs = o["dlogits_programs"] if triton.cdiv(n, p.block_n) >= _tiles.PERSISTENT_MIN_ROW_BLOCKS else 0
             return dataclasses.replace(one_kept_tile(p), group_n=2 if o["group"] else 0, flatten=o["flatten"],
                                        dlogits_programs=programs)
 

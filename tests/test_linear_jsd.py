@@ -225,7 +225,7 @@ def test_grouped_program_order_is_bitwise_neutral(aligned):
     """The dlogits kernel's grouped program order (``plans.KERNEL_OPTIONS["group"]``)
     changes when tiles run, not what they compute: equal to the plain order bit for bit,
     with several row blocks, a ragged last group and several vocabulary chunks."""
-    from logitless.planning import plans as _plans
+    from logitless.ops.linear_jsd import planning as _ljsd_planning
 
     n, v = (600, 1500) if HAS_CUDA else (70, 131)
     hs, ht = ((136, 264) if aligned else (100, 60)) if HAS_CUDA else ((24, 16) if aligned else (17, 9))
@@ -234,7 +234,7 @@ def test_grouped_program_order_is_bitwise_neutral(aligned):
 
     from logitless.planning import memo as _memo
 
-    real = _plans.kernel_options
+    real = _ljsd_planning.kernel_options
 
     def run(group):
         def options(*args):  # the schedule forced (a test-only patch of the planner: memo cleared)
@@ -243,8 +243,8 @@ def test_grouped_program_order_is_bitwise_neutral(aligned):
         _memo.clear()
         try:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_plans, "kernel_options", options)
-                plan = _plans.linear_jsd_plan(n, v, hs, 2, budget, xs.device)
+                mp.setattr(_ljsd_planning, "kernel_options", options)
+                plan = _ljsd_planning.linear_jsd_plan(n, v, hs, 2, budget, xs.device)
                 assert plan.tiles.group_n == (2 if group else 0) and plan.vocab_chunk < v
                 loss = logitless.linear_jsd(xs, ws, xt, wt, target, backend="triton", memory_budget=budget, **kw)
         finally:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import logitless
+from logitless.ops.linear_jsd import cost_model as jsd_cost_model
 from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import cost_model
@@ -133,9 +134,9 @@ SHAPES = [(4096, 4096, 8192, 128256), (4096, 2048, 2048, 151936), (512, 896, 153
 def test_predicted_time_never_rises_with_the_budget(n, hs, ht, v, dev):
     last = None
     for mib in [16, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 16384, 65536]:
-        c = cost_model.choose_jsd(n, hs, ht, v, 2, mib << 20, device_model=dev)
+        c = jsd_cost_model.choose_jsd(n, hs, ht, v, 2, mib << 20, device_model=dev)
         assert last is None or c.time_s <= last.time_s + 1e-12, (mib, c, last)
-        assert c.memory <= max(mib << 20, min(x.memory for x in cost_model.jsd_candidates(
+        assert c.memory <= max(mib << 20, min(x.memory for x in jsd_cost_model.jsd_candidates(
             n, hs, ht, v, 2, device_model=dev)))
         last = c
 
@@ -143,11 +144,11 @@ def test_predicted_time_never_rises_with_the_budget(n, hs, ht, v, dev):
 def test_grad_in_forward_only_with_memory_for_it():
     """At 256 MiB the fp32 dW accumulator alone does not fit: recompute. With several GB
     the strategy wins (4 GEMMs instead of 6); fp32 weights need no accumulator."""
-    small = cost_model.choose_jsd(4096, 4096, 8192, 128256, 2, 256 << 20, device_model=cost_model.H100)
-    large = cost_model.choose_jsd(4096, 4096, 8192, 128256, 2, 8 << 30, device_model=cost_model.H100)
+    small = jsd_cost_model.choose_jsd(4096, 4096, 8192, 128256, 2, 256 << 20, device_model=cost_model.H100)
+    large = jsd_cost_model.choose_jsd(4096, 4096, 8192, 128256, 2, 8 << 30, device_model=cost_model.H100)
     assert small.strategy == "recompute" and large.strategy == "grad_in_forward"
     assert large.time_s < 0.75 * small.time_s
-    fp32 = cost_model.choose_jsd(4096, 2048, 2048, 151936, 4, 2 << 30, device_model=cost_model.H100,
+    fp32 = jsd_cost_model.choose_jsd(4096, 2048, 2048, 151936, 4, 2 << 30, device_model=cost_model.H100,
                                  weight_fp32=True)
     assert fp32.strategy == "grad_in_forward" and fp32.memory <= 2 << 30
 
@@ -156,9 +157,9 @@ def test_default_plan_forward_rows_match_the_budget():
     """The recompute plan the model picks at 256 MiB takes the forward chunk the
     backend uses (budget / 8 V rows, multiples of 8: 216 rows, 19 chunks of 4096 tokens;
     multiples of 16 took 208 rows, 20 chunks)."""
-    from logitless.planning.plans import linear_jsd_plan
+    from logitless.ops.linear_jsd.planning import linear_jsd_plan
 
-    c = cost_model.choose_jsd(4096, 2048, 2048, 151936, 2, 256 << 20, device_model=cost_model.H100)
+    c = jsd_cost_model.choose_jsd(4096, 2048, 2048, 151936, 2, 256 << 20, device_model=cost_model.H100)
     with what_if(num_sms=132):
         plan = linear_jsd_plan(4096, 151936, 2048, 2, 256 << 20, torch.device("cuda"))
     assert c.token_chunk == plan.forward_rows == 216

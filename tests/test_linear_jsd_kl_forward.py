@@ -16,13 +16,14 @@ import pytest
 import torch
 
 import logitless
+from logitless.ops.linear_jsd import cost_model as jsd_cost_model
 from logitless.ops.linear_jsd import triton_backend
 from logitless.ops.linear_jsd.api import BACKENDS
+from logitless.ops.linear_jsd.planning import jsd_kl_fused, linear_jsd_plan
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.options import JSDOptions
 from logitless.planning import cost_model
 from logitless.planning.overrides import override, what_if
-from logitless.planning.plans import jsd_kl_fused, linear_jsd_plan
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
@@ -86,7 +87,7 @@ def test_other_calls_keep_the_unfused_forward(case, fused_calls):
     ((16384, 4096, 8192, 128256), False),  # 1.06-1.10x, f+b 1.05x
 ])
 def test_the_cost_model_picks_the_measured_faster_forward(shape, fused):
-    """The default choice (``plans.jsd_kl_fused``, H100 constants) at the four shapes of
+    """The default choice (``ops.linear_jsd.planning.jsd_kl_fused``, H100 constants) at the four shapes of
     the KL probe (a removed probe; default budget, 4 stages: ``probe-jsd-kl-4stages-H100-2026-11-24``,
     in git history, docs/design.md#evidence); an override wins over it."""
     n, hs, ht, v = shape
@@ -109,11 +110,12 @@ def test_the_h200_model_picks_the_measured_faster_forward(shape, fused):
     at all four, 8-9% slower f+b at the small heads."""
     n, hs, ht, v = shape
     rows = linear_jsd_plan(n, v, hs, 2, 256 << 20, torch.device("cpu")).forward_rows
-    assert cost_model.jsd_kl_fused_faster(cost_model.H200, n, hs, ht, v, 2, rows) is fused
+    assert jsd_cost_model.jsd_kl_fused_faster(cost_model.H200, n, hs, ht, v, 2, rows) is fused
     # and the predicted forwards within 15% of the measured ones where the choice is made
     if fused:
         measured = {2048: 8.96, 896: 9.88}[hs]
-        assert cost_model.jsd_kl_forward_s(cost_model.H200, n, hs, ht, v, 2) * 1e3 == pytest.approx(measured, rel=0.15)
+        predicted = jsd_cost_model.jsd_kl_forward_s(cost_model.H200, n, hs, ht, v, 2)
+        assert predicted * 1e3 == pytest.approx(measured, rel=0.15)
 
 
 def test_override_switches_take_booleans_only():
@@ -252,9 +254,9 @@ def test_cost_model_prices_the_fused_forward():
     the chunked one at the anchors; the choice still never slows down as the budget grows."""
     for n, hs, ht, v, faster in [(4096, 4096, 8192, 128256, False), (4096, 2048, 2048, 151936, True),
                                  (512, 896, 3584, 151936, True)]:
-        fused = cost_model.jsd_candidates(n, hs, ht, v, 2, device_model=cost_model.H100, grad_in_forward=False,
+        fused = jsd_cost_model.jsd_candidates(n, hs, ht, v, 2, device_model=cost_model.H100, grad_in_forward=False,
                                           fused_forward=True)
-        plain = cost_model.jsd_candidates(n, hs, ht, v, 2, device_model=cost_model.H100, grad_in_forward=False)
+        plain = jsd_cost_model.jsd_candidates(n, hs, ht, v, 2, device_model=cost_model.H100, grad_in_forward=False)
         at_256 = min((c for c in plain if c.memory <= 256 << 20), key=lambda c: c.time_s)
         assert len(fused) == 1 and fused[0].token_chunk == n
         assert fused[0].memory == 4 * n * hs + 2 * n * 4096 < at_256.memory
@@ -262,20 +264,20 @@ def test_cost_model_prices_the_fused_forward():
         assert (fused[0].fwd_s < 0.85 * at_256.fwd_s) == faster
         last = None
         for mib in (64, 256, 1024, 4096, 16384):
-            c = cost_model.choose_jsd(n, hs, ht, v, 2, mib << 20, device_model=cost_model.H100, fused_forward=True)
+            c = jsd_cost_model.choose_jsd(n, hs, ht, v, 2, mib << 20, device_model=cost_model.H100, fused_forward=True)
             assert last is None or c.time_s <= last + 1e-12
             last = c.time_s
 
 
 def test_strategy_sees_the_fused_forward(monkeypatch):
     seen = []
-    real = cost_model.choose_jsd
+    real = jsd_cost_model.choose_jsd
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("fused_forward"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cost_model, "choose_jsd", spy)
+    monkeypatch.setattr(jsd_cost_model, "choose_jsd", spy)
 
     def plan(beta):  # (the Triton backend's plan, not memoised: the strategy is priced each time)
         triton_backend.plan.uncached(8, 64, 16, 16, torch.bfloat16, 1 << 20, torch.device("cpu"),

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import logitless
+from logitless.ops.linear_jsd import planning as _ljsd_planning
 from logitless.ops.linear_jsd import triton_backend
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
-from logitless.planning import plans as _plans
+from logitless.planning import tiles as _tiles
 from logitless.planning.overrides import override, what_if
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref, max_err
@@ -46,7 +47,7 @@ def _spy(monkeypatch):
 
 def _run(opts, reduction, budget, preround, lead=(37,), seed=0):
     xs, ws, xt, wt, target, kw = make_inputs(lead, 40, 24, 131, torch.float32, opts, seed)
-    with override(tf32_preround=preround, tiles=_plans.INTERPRETER_TILES, strategy=("recompute", 0)):
+    with override(tf32_preround=preround, tiles=_tiles.INTERPRETER_TILES, strategy=("recompute", 0)):
         loss = logitless.linear_jsd(xs, ws, xt, wt, target, reduction=reduction, backend="triton",
                                     memory_budget=budget, **kw)
         inputs = [t for t in (xs, ws, kw.get("student_bias")) if t is not None]
@@ -105,12 +106,12 @@ def test_prerounded_plan_counts_the_scratch(n, hs, ht, v, budget):
     is the floor), x's scratch is taken off while at most half the budget, and
     ``tiles.w_chunk`` marks the plan (the chunk's rows); without, no scratch."""
     with what_if(num_sms=132):
-        plain = _plans.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht)
-        pre = _plans.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht, prerounded=True)
+        plain = _ljsd_planning.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht)
+        pre = _ljsd_planning.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht, prerounded=True)
     assert plain.tiles.w_chunk == 0 and pre.tiles.w_chunk == pre.vocab_chunk > 0
     assert pre.forward_rows == plain.forward_rows  # the forward's GEMMs are cuBLAS: no scratch
     assert pre.vocab_chunk <= plain.vocab_chunk
-    floor = min(_plans.MIN_CHUNK, max(pre.tiles.block_v, -(-v // pre.tiles.block_v) * pre.tiles.block_v // 4
+    floor = min(_tiles.MIN_CHUNK, max(pre.tiles.block_v, -(-v // pre.tiles.block_v) * pre.tiles.block_v // 4
                                       // pre.tiles.block_v * pre.tiles.block_v))
     x_scratch = 4 * n * (hs + ht)
     left = budget - (x_scratch if x_scratch <= budget // 2 else 0) - 4 * n * hs

@@ -18,7 +18,8 @@ from logitless.ops.common import plan_codec
 from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, nothing_kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
-from logitless.planning.plans import TorchPlan, TritonPlan
+from logitless.planning.plans import TorchPlan
+from logitless.planning.tiles import TritonPlan
 
 
 def test_nothing_kept_dummies():

@@ -29,6 +29,7 @@ from logitless import tune as tuner
 from logitless.options import DEFAULT_MEMORY_BUDGET
 from logitless.planning import cost_model as _cost_model
 from logitless.planning import plans as _plans
+from logitless.planning import tiles as _tiles
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override, what_if
 from logitless.triton_lib import launch
@@ -77,7 +78,7 @@ def test_choice_at_the_suite_shapes(h100):
     assert small.in_kernel_plan.keep_cols == 32000 and small.pre_plan.keep_cols < 32000
     plan = _plan(2048, 32000, 2048, budget, keep_allowed=True)
     assert plan == small.in_kernel_plan and plan.w_chunk == 0
-    assert (plan.block_n, plan.block_v, plan.block_h, plan.num_warps) == _plans.CUDA_TILES[4][:4]
+    assert (plan.block_n, plan.block_v, plan.block_h, plan.num_warps) == _tiles.CUDA_TILES[4][:4]
     for n, h, v in ((4096, 4096, 128256), (4096, 2048, 128256)):
         big = _plans.tf32_choice(n, v, h, budget, _GPU, grad=True)
         assert big.prerounded, (big.pre, big.in_kernel)
@@ -212,7 +213,7 @@ def test_default_path_runs_and_matches_both_forced_paths():
     out = {}
     with matmul_precision("high"):
         for pre in (None, True, False):
-            with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES):
+            with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES):
                 loss = logitless.linear_cross_entropy(x, w, t, backend="triton", memory_budget=60_000)
                 out[pre] = (loss,) + torch.autograd.grad(loss, (x, w))
     for a, b in zip(out[None], out[True]):
@@ -261,7 +262,7 @@ def test_tuned_tiles_keep_to_their_path(tmp_path, monkeypatch):
         with what_if(num_sms=132, device_model=_cost_model.H100):
             assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256) == in_kernel
             assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256, prerounded=True) == pre
-            for forced, keep, want in ((True, True, pre), (True, False, _plans.CUDA_TILES_TF32[False]),
+            for forced, keep, want in ((True, True, pre), (True, False, _tiles.CUDA_TILES_TF32[False]),
                                        (False, True, in_kernel), (False, False, in_kernel)):
                 with override(tf32_preround=forced):
                     p = _plans.triton_plan(4096, 128256, 4096, 4, DEFAULT_MEMORY_BUDGET, _GPU, keep_allowed=keep,

@@ -18,6 +18,7 @@ import torch
 import logitless
 from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
+from logitless.planning import tiles as _tiles
 from logitless.planning.overrides import override, what_if
 from logitless.triton_lib import launch
 from tests.conftest import DEVICE
@@ -65,7 +66,7 @@ def _recorder(monkeypatch):
 
 def _run(x, w, t, pre, reshape, **kw):
     # The interpreter's tiles also on a GPU: both paths then get the same tiles and plan.
-    with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES), what_if(plan=reshape):
+    with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), what_if(plan=reshape):
         out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
         grads = torch.autograd.grad(out.sum(), inputs)
@@ -187,14 +188,14 @@ def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep):
     monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the shipped tables (no GPU to name a tuned cache)
     with override(tf32_preround=True), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
         p = _plans.triton_plan(n, v, h, 4, budget, _GPU, keep_allowed=keep, prerounded=True)
-    assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == _plans.CUDA_TILES_TF32[keep]
+    assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == _tiles.CUDA_TILES_TF32[keep]
     vocab_blocks = math.ceil(v / p.block_v)
     split_cols = math.ceil(vocab_blocks / p.vocab_splits) * p.block_v
     assert p.w_chunk % split_cols == 0 or p.w_chunk == vocab_blocks * p.block_v, p
     assert 0 < p.w_chunk <= vocab_blocks * p.block_v
     x_bytes = 4 * n * h if 4 * n * h <= budget // 2 else 0  # else beside the budget (x-sized)
     kept = p.keep_cols * n * (4 + 4 / p.block_v)
-    min_cols = min(_plans.MIN_CHUNK, max(p.block_v, vocab_blocks * p.block_v // 4 // p.block_v * p.block_v))
+    min_cols = min(_tiles.MIN_CHUNK, max(p.block_v, vocab_blocks * p.block_v // 4 // p.block_v * p.block_v))
     floor = x_bytes + (n * 4 + 4 * h) * min_cols
     if p.keep_cols < v:  # the backward's chunk buffers: dz and W rows of min(chunk, V - kept) columns
         width = min(p.vocab_chunk, v - p.keep_cols)
@@ -208,7 +209,7 @@ def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep):
         assert p.w_chunk == vocab_blocks * p.block_v  # W whole when the budget holds it
     # Enough programs per forward launch: about WAVES per SM, or every tile of the chunk.
     per_launch = math.ceil(n / p.block_n) * (p.w_chunk // split_cols)
-    assert per_launch >= min(_plans.WAVES * 132 // 2, math.ceil(n / p.block_n) * p.w_chunk // p.block_v), p
+    assert per_launch >= min(_tiles.WAVES * 132 // 2, math.ceil(n / p.block_n) * p.w_chunk // p.block_v), p
 
 
 def test_prerounded_plan_same_for_fake_forward_and_backward():
@@ -222,7 +223,7 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     # The interpreter's tiles and the budget rule on every device: with an H100's own
     # tiles (128 x 128 in fp32) this budget holds no kept tile, and the case is the kept
     # buffers. On an emulated H100 the forced plan keeps columns too:
-    forced = dict(tiles=_plans.INTERPRETER_TILES, tf32_preround=True)
+    forced = dict(tiles=_tiles.INTERPRETER_TILES, tf32_preround=True)
     with matmul_precision("high"), override(**forced), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
         gpu_plan = _plans.linear_plan(37, 131, 40, 4, budget, _GPU, keep_allowed=True, prerounded=True).forward
     assert gpu_plan.w_chunk > 0 and gpu_plan.keep_cols > 0, gpu_plan
@@ -250,7 +251,7 @@ def test_log_probs_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatc
         return dataclasses.replace(p, vocab_splits=3, keep_cols=keep, vocab_chunk=64, w_chunk=64)
 
     def run(pre):
-        with override(tf32_preround=pre, tiles=_plans.INTERPRETER_TILES), what_if(plan=reshape):
+        with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), what_if(plan=reshape):
             out = logitless.linear_log_probs(x, w, t, backend="triton", **kw)
             outs = out if isinstance(out, tuple) else (out,)
             loss = sum((o * (i + 1.5)).sum() for i, o in enumerate(outs))

@@ -15,6 +15,7 @@ import torch
 import logitless
 from logitless import tune as tuner
 from logitless.planning import plans as _plans
+from logitless.planning import tiles as _tiles
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
@@ -25,7 +26,7 @@ def test_shipped_files_are_valid():
     for cls in ("h100", "h200"):
         data = json.loads((_tuned.SHIPPED_DIR / f"{cls}.json").read_text())
         assert data["device_class"].lower() == cls
-        assert _tuned._lookup(data["configs"], "16-bit/n8k-hbig") == tuple(_plans.CUDA_TILES[2])
+        assert _tuned._lookup(data["configs"], "16-bit/n8k-hbig") == tuple(_tiles.CUDA_TILES[2])
 
 
 def test_keys_and_lookup_order(tmp_path, monkeypatch):
@@ -40,7 +41,7 @@ def test_keys_and_lookup_order(tmp_path, monkeypatch):
     assert _tuned.tiles_for(torch.device("cpu"), 2, 8, 8, 8) is None
     with override(tiles=(32, 64, 16, 4, 1)):
         assert _plans.triton_plan(29, 257, 40, 2, 1 << 20, torch.device("cpu")).block_v == 64
-    assert _plans.triton_plan(29, 257, 40, 2, 1 << 20, torch.device("cpu")).block_v == _plans.INTERPRETER_TILES[1]
+    assert _plans.triton_plan(29, 257, 40, 2, 1 << 20, torch.device("cpu")).block_v == _tiles.INTERPRETER_TILES[1]
     monkeypatch.setenv("LOGITLESS_CACHE_DIR", str(tmp_path))
     assert str(_tuned.cache_path(torch.device("cpu"))).startswith(str(tmp_path))
 

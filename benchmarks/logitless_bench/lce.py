@@ -77,6 +77,7 @@ def predict(shape, method, device) -> dict:
     {} for peers. Off a GPU the H100 constants are used (a label, not a prediction)."""
     if method.peer or not method.name.startswith("logitless"):
         return {}
+    from logitless.options import DEFAULT_MEMORY_BUDGET
     from logitless.planning import plans as _plans
 
     from .peers import budget_bytes
@@ -84,7 +85,7 @@ def predict(shape, method, device) -> dict:
     spec = method.name.split("@", 1)[1] if "@" in method.name else "default"
     itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
     budget = budget_bytes(spec, shape.tokens, shape.vocab, itemsize)
-    budget = _plans.DEFAULT_MEMORY_BUDGET if budget is None else budget
+    budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
     dev = torch.device(device)
     grad = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev)
     fwd = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev, need_grad=False)

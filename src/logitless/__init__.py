@@ -37,7 +37,7 @@ else:
     from .ops.linear_jsd import LinearJSDLoss, linear_jsd
     from .ops.linear_log_probs import LinearLogProbs, linear_log_probs
     from .ops.log_probs import LogProbs, log_probs
-    from .planning.plans import DEFAULT_MEMORY_BUDGET
+    from .options import DEFAULT_MEMORY_BUDGET
 
     __all__ = [
         "linear_cross_entropy",

@@ -31,7 +31,7 @@ CANDIDATES = {
     4: [(128, 128, 32, 8, 3), (128, 128, 32, 8, 2), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)],
 }
 #: fp32 at matmul precision "high" on operands rounded to TF32 beforehand (TMA, 4 stages
-#: of 32-wide steps: ``plans.CUDA_TILES_TF32``); tuned under their own key
+#: of 32-wide steps: ``tiles.CUDA_TILES_TF32``); tuned under their own key
 #: (``tuned.PREROUNDED_CLASS``), the in-kernel path under "32-bit".
 CANDIDATES_PREROUNDED = [(128, 128, 32, 8, 4), (128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4)]
 

@@ -3,7 +3,7 @@
 Student xs (N, Hs), ws (V, Hs), optional bs; teacher xt (N, Ht), wt (V, Ht), optional bt;
 int64 target (N,) (used by the hard-label term; ignore_index tokens get g = 0 from the op).
 The forward returns the (6, N) fp32 statistics of ``formulas.jsd`` (``token_loss`` turns
-them into the loss): per chunk of rows (``planning.plans.jsd_forward_rows`` of the memory
+them into the loss): per chunk of rows (``planning.logits.jsd_forward_rows`` of the memory
 budget, as the Triton backend's), cuBLAS writes both heads' fp32 logits once
 (``triton_lib.launch.head_logit_chunks``) and ``jsd_kernels.jsd_row_stats`` reduces them.
 The backward takes them and the per-token upstream gradient g (``formulas.jsd.upstream``:
@@ -22,7 +22,7 @@ from logitless.formulas.jsd import NUM_STATS
 from logitless.helion_lib import configs
 from logitless.helion_lib.runtime import launch, require
 from logitless.options import JSDOptions, check_memory_budget
-from logitless.planning.plans import jsd_forward_rows
+from logitless.planning.logits import jsd_forward_rows
 
 
 def _scalars(opts: JSDOptions) -> tuple:
@@ -58,7 +58,7 @@ def jsd_forward(xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Te
                 target: Optional[Tensor], opts: JSDOptions, config: Optional[dict] = None,
                 budget: Optional[int] = None, rows: Optional[int] = None) -> Tensor:
     """The (6, N) fp32 statistics (rows ``formulas.jsd.LSE_S`` ... ``ZTGT``), in chunks of
-    ``rows`` tokens (default ``plans.jsd_forward_rows`` of ``budget`` bytes, default
+    ``rows`` tokens (default ``logits.jsd_forward_rows`` of ``budget`` bytes, default
     ``options.DEFAULT_MEMORY_BUDGET``): both heads' fp32 logits by cuBLAS, then
     ``jsd_kernels.jsd_row_stats`` on them."""
     require()

@@ -1,4 +1,6 @@
 """Cost model of linear_cross_entropy's strategies: predicted time, memory, choice.
+The device classes (``DeviceModel``) and kernel-time terms (``gemm_s``, ...) are shared:
+linear_jsd prices its own strategies with them (``ops.linear_jsd.cost_model``).
 
 For a shape (N tokens, H hidden, V vocabulary), an input itemsize s, a memory budget
 and a device class, every candidate plan gets a predicted time from three terms,
@@ -233,11 +235,12 @@ class Candidate:
 # --------------------------------------------------------------------------- kernel times
 
 
-def _rate(dev: DeviceModel, itemsize: int) -> float:
+def gemm_rate(dev: DeviceModel, itemsize: int) -> float:
+    """cuBLAS' GEMM rate (FLOP/s) for inputs of ``itemsize`` bytes."""
     return dev.gemm_flops_32 if itemsize >= 4 else dev.gemm_flops_16
 
 
-def _wave_eff(dev: DeviceModel, m: int, n: int, bm: int = 128, bn: int = 256) -> float:
+def wave_eff(dev: DeviceModel, m: int, n: int, bm: int = 128, bn: int = 256) -> float:
     """Fraction of the SMs busy, averaged over waves of (bm x bn) output tiles."""
     tiles = math.ceil(m / bm) * math.ceil(n / bn)
     waves = tiles / dev.sms
@@ -251,16 +254,16 @@ def gemm_s(dev: DeviceModel, m: int, n: int, k: int, itemsize: int, out_itemsize
     out_itemsize = itemsize if out_itemsize is None else out_itemsize
     flops = 2.0 * m * n * k
     bytes_ = itemsize * (m * k + n * k) + out_itemsize * m * n
-    eff = _wave_eff(dev, m, n) ** dev.gemm_wave
-    return max(flops / (_rate(dev, itemsize) * eff), bytes_ / dev.hbm_bw) + dev.launch_s
+    eff = wave_eff(dev, m, n) ** dev.gemm_wave
+    return max(flops / (gemm_rate(dev, itemsize) * eff), bytes_ / dev.hbm_bw) + dev.launch_s
 
 
 def fused_forward_s(dev, n, h, v, itemsize) -> float:
     """forward_stats_kernel: the GEMM's FLOPs (split over the vocabulary so waves are
-    full: plans.WAVES) and reads, no logits written."""
+    full: tiles.WAVES) and reads, no logits written."""
     flops = 2.0 * n * h * v
     bytes_ = itemsize * (n * h + v * h * math.ceil(n / 128))  # W once per row block (L2 absorbs most)
-    return max(dev.fused_forward * flops / _rate(dev, itemsize), bytes_ / (4 * dev.hbm_bw)) + dev.launch_s
+    return max(dev.fused_forward * flops / gemm_rate(dev, itemsize), bytes_ / (4 * dev.hbm_bw)) + dev.launch_s
 
 
 def fused_dlogits_s(dev, n, h, cols, itemsize) -> float:
@@ -268,14 +271,14 @@ def fused_dlogits_s(dev, n, h, cols, itemsize) -> float:
     if cols <= 0:
         return 0.0
     flops = 2.0 * n * h * cols
-    return max(dev.fused_dlogits * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, cols)),
+    return max(dev.fused_dlogits * flops / (gemm_rate(dev, itemsize) * wave_eff(dev, n, cols)),
                itemsize * n * cols / dev.hbm_bw) + dev.launch_s
 
 
 # --------------------------------------------------------------------------- strategies
 
 
-def _fixed(dev, n) -> float:
+def backward_fixed_s(dev, n) -> float:
     """Backward's O(N) torch ops (coefficients, casts) and launch gaps."""
     return dev.fixed_s + dev.fixed_per_token_s * n
 
@@ -298,7 +301,7 @@ def predict_keep(dev, n, h, v, itemsize, block_v=256) -> Candidate:
     bwd = (2 * kb / dev.kept_pass_bw + dev.launch_s
            + gemm_s(dev, v, h, n, itemsize)  # dW = dz^T x
            + gemm_s(dev, n, h, v, itemsize)  # dx = dz W
-           + _fixed(dev, n))
+           + backward_fixed_s(dev, n))
     return Candidate("keep", keep_cols=v, vocab_chunk=v, memory=_keep_bytes(n, v, itemsize, block_v),
                      time_s=fwd + bwd, fwd_s=fwd)
 
@@ -319,7 +322,7 @@ def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256)
     dz_chunk = itemsize * n * vocab_chunk
     if dz_chunk > 0.6 * dev.l2_bytes:  # dW and dx re-read the chunk from HBM
         bwd += dev.l2_reread * itemsize * n * rec / dev.hbm_bw
-    bwd += _fixed(dev, n)
+    bwd += backward_fixed_s(dev, n)
     # fp32 dx accumulator across chunks; fp32 inputs accumulate into dx itself.
     acc = 4 * n * h if len(widths) > 1 and itemsize != 4 else 0
     memory = _keep_bytes(n, keep_cols, itemsize, block_v) + acc + dz_chunk
@@ -430,148 +433,6 @@ def predict_all(n, h, v, itemsize, budget, *, device_model=DEFAULT, **kw) -> dic
     return out
 
 
-# --------------------------------------------------------------------------- linear_jsd
-#
-# Strategies of linear_jsd's Triton backend (``plans.linear_jsd_strategy``):
-#
-# - ``recompute``: forward per chunk of ``token_chunk`` rows, cuBLAS writes both heads'
-#   fp32 logits (8 R V bytes), the row statistics read them twice; backward per
-#   4096-column chunk, the fused two-head dz kernel recomputes both tiles, cuBLAS dW and
-#   dx (fp32 dx accumulator). 6 GEMMs. Memory: max(forward chunk, backward 4 N H_s +
-#   one dz chunk): the two are never alive together.
-# - ``grad_in_forward``: the same forward chunks, then (upstream gradient known up to
-#   grad_output: "mean"/"sum") dz of the chunk from the fp32 logits (one read of both,
-#   one write in the input dtype), dx rows = dz W_s, dW_s += dz^T x_s (fp32 accumulator
-#   4 V H_s unless one chunk covers every token or the weight is fp32); backward scales.
-#   4 GEMMs. Memory: the chunk's 8 R V + s R V bytes + the accumulator.
-#
-# Candidates are a fixed family per shape (token chunks on powers of two and N), filtered
-# by memory: the chosen predicted time never rises as the budget grows (tests check it).
-
-
-def _jsd_chunk_forward_s(dev, m, hs, ht, v, itemsize, stat_reads) -> float:
-    """One forward chunk of m rows: two fp32-output logits GEMMs and the statistics'
-    reads (``stat_reads`` passes over both fp32 chunks, split-row kernels at bandwidth)."""
-    if dev.jsd_stream_bw is not None:
-        dev = replace(dev, hbm_bw=dev.jsd_stream_bw)
-    t = gemm_s(dev, m, v, hs, itemsize, out_itemsize=4) + gemm_s(dev, m, v, ht, itemsize, out_itemsize=4)
-    return t + stat_reads * 8.0 * m * v / dev.hbm_bw + 3 * dev.launch_s
-
-
-def jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk, stat_reads=2) -> float:
-    chunks = math.ceil(n / token_chunk)
-    t = 0.0
-    for i in range(chunks):
-        t += _jsd_chunk_forward_s(dev, min(token_chunk, n - i * token_chunk), hs, ht, v, itemsize, stat_reads)
-    return t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
-
-
-def jsd_kl_forward_s(dev, n, hs, ht, v, itemsize) -> float:
-    """The KL limits' fused forward (``jsd_kl_forward_kernel``): both heads' GEMM FLOPs
-    at ``jsd_kl_forward`` x cuBLAS' rate (``jsd_kl_forward_l2miss`` when both x's exceed
-    L2: each vocabulary block re-reads its rows' x tiles), the merge launch and the
-    per-call terms."""
-    flops = 2.0 * n * v * (hs + ht)
-    factor = dev.jsd_kl_forward if n * (hs + ht) * itemsize <= dev.l2_bytes else dev.jsd_kl_forward_l2miss
-    t = factor * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, v, 128, 128))
-    return t + 2 * dev.launch_s + dev.fixed_fwd_s + dev.fixed_per_token_s * n
-
-
-def jsd_kl_fused_faster(dev, n, hs, ht, v, itemsize, token_chunk) -> bool:
-    """For the KL limits: is the fused forward predicted faster than the chunked one at
-    ``token_chunk`` rows per chunk (its statistics read each fp32 chunk once)? Yes where
-    the chunks' GEMMs are weight-read-bound (small hidden sizes: 2048 <- 2048 measured
-    0.66x the chunked forward, 896 <- 3584 0.69x, f+b 0.83-0.84x); no at wide heads
-    (4096 <- 8192: 0.99-1.01x at 4096 tokens, 1.06-1.10x at 16384; H100, 4 stages)."""
-    return jsd_kl_forward_s(dev, n, hs, ht, v, itemsize) < jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk,
-                                                                        stat_reads=1)
-
-
-def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=4096,
-                          fused_forward=False) -> Candidate:
-    """``fused_forward``: the KL limits' one-kernel forward (no fp32 logit chunks: the
-    token chunk is then every token and costs no memory)."""
-    if fused_forward:
-        token_chunk = n
-        fwd = jsd_kl_forward_s(dev, n, hs, ht, v, itemsize)
-    else:
-        fwd = jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk)
-    # The fused two-head dz kernel: both heads' GEMM FLOPs (measured ~1.4x cuBLAS on the
-    # same FLOPs at 4096 x 4096 <- 8192, docs/design.md "Distillation") + the dz write.
-    flops = 2.0 * n * v * (hs + ht)
-    bwd = max(1.4 * flops / (_rate(dev, itemsize) * _wave_eff(dev, n, vocab_chunk, 128, 128)),
-              itemsize * n * v / dev.hbm_bw)
-    chunks = math.ceil(v / vocab_chunk)
-    for i in range(chunks):
-        c = min(vocab_chunk, v - i * vocab_chunk)
-        bwd += gemm_s(dev, c, hs, n, itemsize) + gemm_s(dev, n, hs, c, itemsize, out_itemsize=0) + 4 * dev.launch_s
-    if chunks > 1:
-        bwd += chunks * 8.0 * n * hs / dev.acc_bw + 6.0 * n * hs / dev.hbm_bw
-    bwd += _fixed(dev, n)
-    acc = 4 * n * hs if chunks > 1 and itemsize != 4 else 0
-    fwd_memory = 0 if fused_forward else 8 * min(token_chunk, n) * v
-    memory = max(fwd_memory, acc + itemsize * n * min(vocab_chunk, v))
-    return Candidate("recompute", token_chunk=min(token_chunk, n), vocab_chunk=vocab_chunk, memory=memory,
-                     time_s=fwd + bwd, fwd_s=fwd)
-
-
-def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight_fp32=False) -> Candidate:
-    chunks = math.ceil(n / token_chunk)
-    t = 0.0
-    for i in range(chunks):
-        m = min(token_chunk, n - i * token_chunk)
-        t += _jsd_chunk_forward_s(dev, m, hs, ht, v, itemsize, 2)
-        t += (8.0 + itemsize) * m * v / dev.hbm_bw + dev.launch_s  # dz from both fp32 chunks
-        t += gemm_s(dev, m, hs, v, itemsize)  # dx rows
-        t += gemm_s(dev, v, hs, m, itemsize, out_itemsize=4 if chunks > 1 else itemsize)  # dW (+=)
-        if chunks > 1 and i > 0:
-            t += 8.0 * v * hs / dev.hbm_bw  # fp32 read-modify-write of the accumulator
-        t += 4 * dev.launch_s + dev.fixed_s
-    acc = 4 * v * hs if (chunks > 1 and not weight_fp32) else 0
-    if acc:
-        t += 6.0 * v * hs / dev.hbm_bw  # fp32 -> input dtype
-    fwd = t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
-    bwd = 2.0 * itemsize * (n * hs + v * hs) / dev.hbm_bw + 2 * dev.launch_s  # scale by grad_output
-    m = min(token_chunk, n)
-    memory = (8 + itemsize) * m * v + acc
-    return Candidate("grad_in_forward", token_chunk=m, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
-
-
-def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forward=True, weight_fp32=False,
-                   fused_forward=False):
-    """The fixed family of linear_jsd plans of a shape (independent of the budget);
-    ``fused_forward``: the recompute plan's forward is the KL limits' fused kernel."""
-    dev = device_model
-    # multiples of 16 up to 1024 rows, then powers of two, and every token at once; the
-    # recompute plan's forward chunks also in multiples of 8 (the chunk the plan takes
-    # from the budget, ``plans.linear_jsd_plan``)
-    sizes = {n} | {t for t in range(16, min(n, 1024) + 1, 16)}
-    t = 2048
-    while t < n:
-        sizes.add(t)
-        t *= 2
-    if fused_forward:
-        out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, n, fused_forward=True)]
-    else:
-        rows = sizes | {t for t in range(8, min(n, 1024) + 1, 8)}
-        out = [predict_jsd_recompute(dev, n, hs, ht, v, itemsize, t) for t in sorted(rows)]
-    if grad_in_forward:
-        out += [predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, t, weight_fp32)
-                for t in sorted(sizes) if t >= min(n, 128)]
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def choose_jsd(n, hs, ht, v, itemsize, budget, *, device_model=DEFAULT, grad_in_forward=True,
-               weight_fp32=False, fused_forward=False) -> Candidate:
-    """The fastest predicted linear_jsd plan whose memory fits ``budget`` (raised to the
-    least memory of the family, the recompute plan's floor). Ties: recompute first."""
-    cands = jsd_candidates(n, hs, ht, v, itemsize, device_model=device_model, grad_in_forward=grad_in_forward,
-                           weight_fp32=weight_fp32, fused_forward=fused_forward)
-    budget = max(budget, min(c.memory for c in cands))
-    return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)
-
-
 # --------------------------------------------------------------------------- fp32 at "high"
 #
 # fp32 inputs at matmul precision "high" run one TF32 product per multiply-add, on
@@ -599,7 +460,7 @@ def predict_tf32(dev: DeviceModel, n: int, h: int, v: int, *, prerounded: bool, 
                   one chunk per recomputed chunk
 
     and ``tf32_chunk_s`` per rounded W chunk. ``keep_cols``, ``vocab_chunk``,
-    ``w_chunk`` and ``block_v`` are the plan's (``plans.TritonPlan``)."""
+    ``w_chunk`` and ``block_v`` are the plan's (``tiles.TritonPlan``)."""
     if prerounded:
         fwd_f = dev.tf32_fwd_prerounded if block_v >= 256 else dev.tf32_fwd_prerounded_narrow
         dl_f = dev.tf32_dlogits_prerounded

@@ -15,7 +15,7 @@ context is not in effect. Each field's default is the shipped behaviour:
 
     strategy        (name, token_chunk): the strategy ``plans.lce_strategy`` returns
                     when a gradient is wanted, e.g. ("grad_in_forward", 64); also
-                    ``plans.linear_jsd_strategy``'s ("grad_in_forward" or "recompute")
+                    linear_jsd's ``planning.linear_jsd_strategy``'s ("grad_in_forward" or "recompute")
     tiles           (block_n, block_v, block_h, num_warps, num_stages) for every plan
                     (what ``python -m logitless.tune`` times)
     tf32_preround   fp32 at "high": None (shipped): the planner prices both paths and
@@ -28,7 +28,7 @@ context is not in effect. Each field's default is the shipped behaviour:
     jsd_fused_forward  linear_jsd's Triton forward for the KL limits (beta 0 or 1, 16-bit
                     inputs): None (shipped): the cost model picks the fused kernel (row
                     statistics from GEMM tiles, no logits in memory) or cuBLAS fp32 logit
-                    chunks + the statistics kernels (``plans.jsd_kl_fused``); True / False:
+                    chunks + the statistics kernels (linear_jsd's ``planning.jsd_kl_fused``); True / False:
                     always / never the fused kernel (results agree to fp32 rounding, not
                     bitwise)
 

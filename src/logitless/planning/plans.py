@@ -1,7 +1,13 @@
-"""Heuristics in one place: memory budget, chunk sizes, Triton block sizes.
+"""Plans of the fused linear ops, shared by linear_cross_entropy and linear_log_probs
+(and the pieces linear_jsd's own planner builds on): the PyTorch backends' tiles
+(``torch_plan``), the Triton launch plan (``triton_plan``: splits, kept columns,
+recomputed chunks, the TF32 scratch), the TF32 route (``tf32_choice``), the kernels'
+program order (``kernel_options``), the strategy (``lce_strategy``) and the plan of one
+call (``linear_plan``).
 
-Everything that decides *how* (not *what*) is computed lives here, so that tuning
-never touches the math or the kernels.
+Everything here decides *how* (not *what*) is computed, so tuning never touches the
+math or the kernels. Where each decision is made, these and every other: the map in
+``planning/__init__.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -10,12 +16,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (re-exported for the planners' users)
 from logitless.planning import rocm as _rocm
 from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.overrides import what_ifs as _what_ifs
-from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables and the plan live there)
+from logitless.planning.tiles import (
     CUDA_TILES,
     CUDA_TILES_TF32,
     INTERPRETER_TILES,
@@ -29,7 +34,7 @@ from logitless.planning.tiles import (  # noqa: F401  (re-exported: the tables a
 )
 
 
-def _clamp(v: int, lo: int, hi: int) -> int:
+def clamp(v: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, v))
 
 
@@ -72,13 +77,13 @@ def torch_plan(
     def cols_for(tokens: int) -> int:
         return (budget - tokens * row) // (tiles * tokens * itemsize + col_bytes)
 
-    token_chunk = _clamp(num_tokens, 1, 2048)
-    vocab_chunk = _clamp(cols_for(token_chunk), 1, vocab)
+    token_chunk = clamp(num_tokens, 1, 2048)
+    vocab_chunk = clamp(cols_for(token_chunk), 1, vocab)
     if vocab_chunk < min(vocab, 256) and token_chunk > 1:
         # A tiny budget: trade rows for columns so that each matmul stays reasonable.
         vocab_chunk = min(vocab, 256)
         tokens = (budget - vocab_chunk * col_bytes) // (tiles * vocab_chunk * itemsize + row)
-        token_chunk = _clamp(tokens, 1, num_tokens)
+        token_chunk = clamp(tokens, 1, num_tokens)
     return TorchPlan(token_chunk=token_chunk, vocab_chunk=vocab_chunk)
 
 
@@ -95,6 +100,41 @@ def num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter on CPU: few programs keep it quick
+
+
+def wave_blocks_per_split(row_blocks: int, vocab_blocks: int, device) -> int:
+    """Column blocks per split of a forward over ``vocab_blocks`` blocks of the vocabulary
+    (of a W chunk, with TF32 scratch) so that with ``row_blocks`` row blocks there are
+    about WAVES programs per SM: with ~2 waves of long programs the forward ran at
+    1.5-1.9x a GEMM, and many programs per SM make the last wave a small fraction of the
+    work (docs/design.md). linear_cross_entropy's and linear_log_probs' forward
+    (``triton_plan``) and linear_jsd's fused KL forward split by it."""
+    want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
+    return math.ceil(vocab_blocks / clamp(want, 1, vocab_blocks))
+
+
+def min_chunk_cols(vocab: int, block_v: int, device) -> int:
+    """The floor of a backward's recomputed chunk (columns): MIN_CHUNK on GPUs (below
+    it the fp32 dx accumulator's read-modify-write dominates each dx matmul), two tiles
+    on the interpreter, never more than a quarter of the vocabulary (small vocabularies
+    still get chunks). ``triton_plan``, ``lce_strategy`` (the cost model's candidates)
+    and linear_jsd's planner use it."""
+    padded = math.ceil(vocab / block_v) * block_v
+    quarter = max(block_v, padded // 4 // block_v * block_v)
+    return min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
+
+
+def forced_strategy(num_tokens: int):
+    """The strategy ``override(strategy=(name, token_chunk))`` forces, as a
+    ``cost_model.Candidate`` (token_chunk clamped to [1, num_tokens], 0 or None: every
+    token), or None when none is forced (``lce_strategy``, linear_jsd's strategy)."""
+    forced = _overrides().strategy
+    if forced is None:
+        return None
+    from logitless.planning import cost_model as _cost_model
+
+    name, token_chunk = forced
+    return _cost_model.Candidate(name, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
 
 
 @memoised
@@ -145,10 +185,7 @@ def _triton_plan(
     w_col = 4 * hidden if prerounded else 0
     if prerounded and 4 * num_tokens * hidden <= budget // 2:
         budget -= 4 * num_tokens * hidden
-    # Many programs per SM so that the last wave is a small fraction of the work (with
-    # ~2 waves of long programs the forward ran at 1.5-1.9x a GEMM: docs/design.md).
-    want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
-    blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
+    blocks_per_split = wave_blocks_per_split(row_blocks, vocab_blocks, device)
     if device.type == "cuda" and itemsize == 2:
         blocks_per_split = forward_blocks_per_split(row_blocks, vocab_blocks, math.ceil(hidden / block_h),
                                                     num_sms(device), blocks_per_split)
@@ -162,9 +199,7 @@ def _triton_plan(
     per_col = num_tokens * (itemsize + 4 / block_v)
     # The fp32 dx accumulator is dx itself for fp32 inputs (nothing extra to budget).
     acc = 4 * num_tokens * hidden if itemsize != 4 else 0
-    # Never more than a quarter of the vocabulary: small vocabularies still get chunks.
-    quarter = max(block_v, padded_vocab // 4 // block_v * block_v)
-    min_cols = min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
+    min_cols = min_chunk_cols(vocab, block_v, device)
     # Wider recomputed chunks mean fewer passes over the fp32 dx accumulator, but a
     # 4096-column chunk of dz (32 MiB at 4096 tokens) stays in L2 between the kernel
     # that writes it and the two matmuls that read it; ~11k columns ran 5% slower
@@ -176,12 +211,12 @@ def _triton_plan(
             keep_cols = vocab
         else:
             left = budget - acc - chunk_col * min_cols
-            keep_cols = _clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
+            keep_cols = clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
     left = budget - acc - per_col * keep_cols
     cols = int(max(left, 0) // max(1, chunk_col))
     # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
     # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
-    vocab_chunk = _clamp(cols // block_v * block_v, min_cols, padded_vocab)
+    vocab_chunk = clamp(cols // block_v * block_v, min_cols, padded_vocab)
     if device.type == "cuda":  # GPUs: the cost model's choice
         keep_cols, vocab_chunk = _model_columns(
             num_tokens, vocab, hidden, itemsize, budget - w_col * min_cols, device, block_v, min_cols,
@@ -193,7 +228,7 @@ def _triton_plan(
         # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
         # 41 ms against 5 ms, docs/design.md): keep whole tiles, recompute the ragged tail.
         keep_cols = vocab // block_v * block_v
-        vocab_chunk = _clamp(vocab_chunk, block_v, padded_vocab)
+        vocab_chunk = clamp(vocab_chunk, block_v, padded_vocab)
     w_chunk = 0
     if prerounded:
         w_chunk, vocab_splits = _forward_w_chunk(
@@ -250,7 +285,7 @@ def tf32_choice(num_tokens: int, vocab: int, hidden: int, budget: int, device, t
     ``override(tf32_preround=True/False)`` bypasses this (``triton_plan``)."""
     from logitless.planning import cost_model as _cost_model
 
-    dev = _device_model(device)
+    dev = planned_device_model(device)
     plans, prices = {}, {}
     for pre in (True, False):
         p = _triton_plan(num_tokens, vocab, hidden, 4, budget, device, tiles, keep_allowed=grad, prerounded=pre)
@@ -279,12 +314,11 @@ def _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget, block_v, mi
 def _forward_w_chunk(left, w_col, block_v, vocab_blocks, row_blocks, device, min_cols):
     """(w_chunk, vocab_splits) of a forward over W rounded to TF32 in chunks: the rows
     ``left`` bytes hold (at least min_cols, the backward's chunk floor: launches of
-    enough programs), whole splits of blocks_per_split tiles, the splits sized as in
-    ``triton_plan`` but over one chunk (WAVES programs per SM in each launch)."""
+    enough programs), whole splits of blocks_per_split tiles, the splits sized by
+    ``wave_blocks_per_split`` over one chunk (WAVES programs per SM in each launch)."""
     floor = math.ceil(min_cols / block_v)
-    chunk_blocks = _clamp(int(max(0, left) // max(1, w_col * block_v)), floor, vocab_blocks)
-    want = math.ceil(WAVES * num_sms(device) / max(1, row_blocks))
-    per_split = math.ceil(chunk_blocks / _clamp(want, 1, chunk_blocks))
+    chunk_blocks = clamp(int(max(0, left) // max(1, w_col * block_v)), floor, vocab_blocks)
+    per_split = wave_blocks_per_split(row_blocks, chunk_blocks, device)
     splits = math.ceil(vocab_blocks / per_split)
     if chunk_blocks < vocab_blocks:  # whole splits per launch (else all of W at once)
         chunk_blocks = max(chunk_blocks // per_split, math.ceil(floor / per_split)) * per_split
@@ -346,7 +380,10 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=F
 #: a vocabulary that is a multiple of this on GPUs (see triton_plan).
 ODD_V_ALIGN = 8
 
-def _device_model(device):
+
+def planned_device_model(device):
+    """The cost model's ``DeviceModel`` the planners price plans with: a what-if's, else
+    the device's class (``cost_model.device_model``)."""
     from logitless.planning import cost_model as _cost_model
 
     return _what_ifs().device_model or _cost_model.device_model(device)
@@ -356,12 +393,12 @@ def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v,
     """(keep_cols, vocab_chunk) of the cost model's fastest keep/partial plan that fits."""
     from logitless.planning import cost_model as _cost_model
 
-    c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
+    c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=planned_device_model(device),
                            grad_in_forward=False, keep=keep_allowed, block_v=block_v, min_chunk=min_cols)
     padded = math.ceil(vocab / block_v) * block_v
     if c.strategy == "keep":
         return vocab, padded
-    return c.keep_cols, _clamp(c.vocab_chunk, block_v, padded)
+    return c.keep_cols, clamp(c.vocab_chunk, block_v, padded)
 
 
 @memoised
@@ -379,17 +416,14 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
 
     cuda = device.type == "cuda"
     block_v = _tiles(num_tokens, vocab, hidden, itemsize, device)[1]
-    padded = math.ceil(vocab / block_v) * block_v
-    quarter = max(block_v, padded // 4 // block_v * block_v)  # as in triton_plan
-    min_chunk = min(MIN_CHUNK if cuda else 2 * block_v, quarter)
-    forced = _overrides().strategy
-    if forced is not None and need_grad:
-        strategy, token_chunk = forced
-        return _cost_model.Candidate(strategy, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
+    min_chunk = min_chunk_cols(vocab, block_v, device)
+    forced = forced_strategy(num_tokens) if need_grad else None
+    if forced is not None:
+        return forced
     if vocab % ODD_V_ALIGN:  # its per-chunk GEMMs over all V columns hit cuBLAS' slow odd-K path
         grad_in_forward_ok = False
     return _cost_model.choose(
-        num_tokens, hidden, vocab, itemsize, budget, device_model=_device_model(device),
+        num_tokens, hidden, vocab, itemsize, budget, device_model=planned_device_model(device),
         need_grad=need_grad, grad_in_forward=grad_in_forward_ok and cuda, keep=keep_allowed,
         weight_fp32=weight_fp32, block_v=block_v, min_chunk=min_chunk)
 
@@ -454,202 +488,3 @@ def linear_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget:
             return LinearPlan(forward, backward, keeps, grad_in_forward=chunk, chunk=every_column(chunk),
                               tail=every_column(tail) if tail else None)
     return LinearPlan(forward, backward, keeps)
-
-
-# --------------------------------------------------------------------------- cross_entropy
-
-
-def ce_torch_plan(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
-    """Rows per chunk of the PyTorch backend of cross_entropy.
-
-    Each chunk holds about 4 (rows x V) temporaries in the compute dtype (the upcast
-    copy, exp, the target mask and the soft-cap copy of the backward). One row is the
-    least: the budget can never force a row to be split.
-    """
-    return _clamp(budget // max(1, 4 * vocab * itemsize), 1, max(1, num_tokens))
-
-
-@dataclass(frozen=True)
-class CETritonPlan:
-    """Launch configuration of the Triton backend of cross_entropy.
-
-    block_n x block_v: the tile of logits one program holds per step (block_n rows,
-    streamed over the vocabulary in block_v-wide steps in the forward; one tile per
-    program in the backward).
-    """
-
-    block_n: int
-    block_v: int
-    num_warps: int
-
-
-def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETritonPlan:
-    """About 16 KiB of logits per step; several rows per program when V is small."""
-    if device.type == "cuda":
-        tile, max_block_v, num_warps = 16384 // itemsize, 4096, 8
-    else:  # TRITON_INTERPRET=1: small tiles, still exercising every mask
-        tile, max_block_v, num_warps = 256, 64, 4
-    block_v = min(max_block_v, 1 << max(0, vocab - 1).bit_length())
-    rows = 1 << max(0, num_tokens - 1).bit_length()
-    block_n = _clamp(tile // block_v, 1, rows)
-    return CETritonPlan(block_n=block_n, block_v=block_v, num_warps=num_warps)
-
-
-# --------------------------------------------------------------------------- distillation
-
-
-@dataclass(frozen=True)
-class JSDStatsPlan:
-    """Launch of the distillation row statistics (``triton_lib.jsd_rows.row_stats``):
-    block_n x block_v tiles (``ce_triton_plan``), each row split over ``splits``
-    programs of ``blocks_per_split`` column blocks each (1: one program per row block)."""
-
-    block_n: int
-    block_v: int
-    num_warps: int
-    splits: int
-    blocks_per_split: int
-
-
-def jsd_stats_plan(num_tokens: int, vocab: int, itemsize: int, device) -> JSDStatsPlan:
-    """Split rows when there are too few row blocks for ~WAVES programs per SM (a few
-    hundred rows of a 128k+ vocabulary: linear_jsd's chunks), so the sweeps run at
-    bandwidth instead of one long latency-bound program per row; no split (the single
-    kernel, bitwise as before) when the row blocks alone fill the device."""
-    t = ce_triton_plan(num_tokens, vocab, itemsize, device)
-    row_blocks = math.ceil(max(1, num_tokens) / t.block_n)
-    vocab_blocks = math.ceil(max(1, vocab) / t.block_v)
-    programs = WAVES * num_sms(device)
-    # at least WAVES / 2 row programs per SM already: one program per row block
-    want = 1 if 2 * row_blocks >= programs else _clamp(math.ceil(programs / row_blocks), 1, vocab_blocks)
-    per_split = math.ceil(vocab_blocks / want)
-    return JSDStatsPlan(block_n=t.block_n, block_v=t.block_v, num_warps=t.num_warps,
-                        splits=math.ceil(vocab_blocks / per_split), blocks_per_split=per_split)
-
-
-def jsd_torch_rows(num_tokens: int, vocab: int, itemsize: int, budget: int) -> int:
-    """Rows per chunk of the PyTorch backends of jsd / linear_jsd (full rows of both
-    logits): about 12 (rows x V) temporaries in the compute dtype (both upcast logits,
-    both log-probabilities, the mixture, products). One row is the least."""
-    return _clamp(budget // max(1, 12 * vocab * itemsize), 1, max(1, num_tokens))
-
-
-#: Tiles (block_n, block_v, block_h, num_warps, num_stages) of linear_jsd's backward
-#: kernel and of the KL limits' fused forward, which hold a student and a teacher tile at
-#: once (two fp32 accumulators: half of linear_cross_entropy's block_v keeps them in
-#: registers). 16-bit: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3
-#: at beta 0.5 and 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better
-#: (H100; docs/design.md).
-JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
-
-
-def jsd_forward_rows(num_tokens: int, vocab: int, budget: int, cuda: bool) -> int:
-    """Tokens per chunk of linear_jsd's chunked forward (the Triton and Helion backends):
-    both heads' fp32 logits of the chunk (8 V bytes a token) fill ``budget``."""
-    rows = budget // max(1, 8 * vocab)
-    if cuda and rows >= 16:
-        # Multiples of 8, not of 128-row GEMM tiles: each chunk's two GEMMs read both
-        # weights once (V (H_s + H_t) itemsize bytes), so at ~200 rows they are bound by
-        # that read, not by FLOPs, and rounding 220 rows down to 128 (V = 151936, 256 MiB)
-        # took 1.6x the weight traffic (32 chunks of 4096 tokens instead of 20 of 208);
-        # 216 (multiples of 8, not 16) makes it 19 chunks (docs/design.md).
-        rows = rows // 8 * 8
-    return _clamp(rows, 1, max(1, num_tokens))
-
-
-@dataclass(frozen=True)
-class LinearJSDPlan:
-    """How linear_jsd's Triton backend chunks its work.
-
-    forward_rows: tokens per forward chunk; both heads' fp32 logits of the chunk
-        (2 x rows x V x 4 bytes) are materialised by two cuBLAS GEMMs, then reduced to
-        row statistics by the (bandwidth-bound) jsd forward kernel.
-    vocab_chunk: columns of dz recomputed at once in the backward (a multiple of
-        block_v), in the input dtype; dx accumulates in fp32 (tokens x H_student).
-    tiles: a ``TritonPlan`` for the fused student+teacher logits tiles of the backward,
-        and of the KL limits' fused forward (``tiles.vocab_splits``: its splits of the
-        vocabulary, ``blocks_per_split`` blocks of block_v columns each).
-    """
-
-    forward_rows: int
-    vocab_chunk: int
-    tiles: TritonPlan
-    blocks_per_split: int = 1
-
-
-@memoised
-def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
-                    device, *, hidden_t: int = 0, prerounded: bool = False) -> LinearJSDPlan:
-    """``prerounded`` (fp32 at matmul precision "high", ``launch.tf32_prerounded``): the
-    backward rounds both x's to TF32 once (4 N (H_s + H_t) bytes, taken off the budget
-    while at most half of it) and each recomputed chunk's rows of both weights (4 (H_s +
-    H_t) bytes per column, budgeted with the chunk's dz) into scratch buffers, as
-    ``triton_plan`` does; ``tiles.w_chunk`` is then the chunk's rows (0: no scratch).
-    The forward's logits are cuBLAS GEMMs, which round at "high" themselves."""
-    cuda = device.type == "cuda"
-    tiles = _overrides().tiles or (
-        (_rocm.tiles(device, itemsize, jsd=True) or JSD_CUDA_TILES[itemsize]) if cuda else INTERPRETER_TILES)
-    block_n, block_v, block_h, num_warps, num_stages = tiles
-    rows = jsd_forward_rows(num_tokens, vocab, budget, cuda)
-    padded_vocab = math.ceil(vocab / block_v) * block_v
-    min_cols = min(MIN_CHUNK if cuda else 2 * block_v, max(block_v, padded_vocab // 4 // block_v * block_v))
-    # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
-    # dz chunk at 4096 tokens stays in L2: docs/design.md); narrower only if the budget
-    # after the fp32 dx accumulator says so, never below min_cols.
-    w_col = 4 * (hidden_s + hidden_t) if prerounded else 0
-    x_scratch = 4 * num_tokens * (hidden_s + hidden_t) if prerounded else 0
-    if x_scratch and x_scratch <= budget // 2:
-        budget -= x_scratch
-    left = budget - 4 * num_tokens * hidden_s
-    cols = int(max(left, 0) // max(1, itemsize * num_tokens + w_col))
-    vocab_chunk = _clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
-    # The KL limits' fused forward (``jsd_kl_forward_kernel``): splits of the vocabulary
-    # for ~WAVES programs per SM, as linear_cross_entropy's forward.
-    row_blocks = math.ceil(max(1, num_tokens) / block_n)
-    vocab_blocks = math.ceil(max(1, vocab) / block_v)
-    want = math.ceil(WAVES * num_sms(device) / row_blocks)
-    blocks_per_split = math.ceil(vocab_blocks / _clamp(want, 1, vocab_blocks))
-    plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
-                      num_stages=num_stages, vocab_splits=math.ceil(vocab_blocks / blocks_per_split),
-                      vocab_chunk=vocab_chunk,
-                      **kernel_options(num_tokens, block_n, block_v, device),  # group_n is used
-                      w_chunk=vocab_chunk if prerounded else 0)
-    plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
-    return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan, blocks_per_split=blocks_per_split)
-
-
-@memoised
-def jsd_kl_fused(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
-                 device) -> bool:
-    """For the KL limits on 16-bit inputs: does linear_jsd's forward take the fused kernel
-    (``jsd_kl_forward_kernel``) rather than cuBLAS fp32 logit chunks of ``linear_jsd_plan``'s
-    forward_rows? ``override(jsd_fused_forward=True/False)`` decides; by default the cost
-    model (``cost_model.jsd_kl_fused_faster``)."""
-    forced = _overrides().jsd_fused_forward
-    if forced is not None:
-        return forced
-    rows = linear_jsd_plan(num_tokens, vocab, hidden_s, itemsize, budget, device).forward_rows
-    from logitless.planning import cost_model as _cost_model
-
-    return _cost_model.jsd_kl_fused_faster(_device_model(device), num_tokens, hidden_s, hidden_t, vocab, itemsize,
-                                           rows)
-
-
-def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
-                        device, *, weight_fp32: bool = False, fused_forward: bool = False):
-    """The cost model's choice for linear_jsd (``cost_model.choose_jsd``): a Candidate with
-    strategy "recompute" (the default two-pass design) or "grad_in_forward" and its
-    token chunk. The gradient-in-forward strategy is chosen on GPUs only (the CPU
-    interpreter uses it when forced: ``override(strategy=("grad_in_forward", tokens))``),
-    and only when the vocabulary is a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path)."""
-    from logitless.planning import cost_model as _cost_model
-
-    forced = _overrides().strategy
-    if forced is not None:
-        name, token_chunk = forced
-        return _cost_model.Candidate(name, token_chunk=max(1, min(token_chunk or num_tokens, num_tokens)))
-    gif_ok = device.type == "cuda" and vocab % ODD_V_ALIGN == 0
-    return _cost_model.choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
-                                  device_model=_device_model(device), grad_in_forward=gif_ok,
-                                  weight_fp32=weight_fp32, fused_forward=fused_forward)
-

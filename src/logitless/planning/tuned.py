@@ -8,7 +8,7 @@ num_stages) on a GPU, first match wins:
    ``~/.cache/logitless/<gpu>-torch<version>-triton<version>.json``, written only by
    ``python -m logitless.tune`` (opt-in, never during training);
 3. the file shipped in the package for the GPU class, ``logitless/configs/<class>.json``;
-4. ``plans.CUDA_TILES`` by itemsize.
+4. ``tiles.CUDA_TILES`` by itemsize.
 
 Set ``LOGITLESS_TUNED=0`` to skip 2 and 3. Keys are ``"<dtype class>/<shape class>"``
 (``16-bit`` for bf16/fp16, ``32-bit``, and ``32-bit-tf32-prerounded`` for fp32 at matmul
@@ -48,7 +48,7 @@ def shape_class(num_tokens: int, hidden: int, vocab: int) -> str:
 
 
 #: The dtype class of fp32 plans on operands rounded to TF32 beforehand (matmul
-#: precision "high", ``plans.TritonPlan.w_chunk``): other kernels' tiles than "32-bit"
+#: precision "high", ``tiles.TritonPlan.w_chunk``): other kernels' tiles than "32-bit"
 #: (3xTF32 at "highest", TF32 rounded in registers), so a key of their own, never
 #: matched by "32-bit/*" (nor the reverse).
 PREROUNDED_CLASS = "32-bit-tf32-prerounded"
@@ -113,7 +113,7 @@ def _device_tables(device_key: str, cache_file: str, device_class: str) -> tuple
 def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int,
               prerounded: bool = False) -> Optional[tuple]:
     """Tiles from the forced context, this machine's cache or the shipped file; None
-    when none applies (the caller falls back to ``plans.CUDA_TILES``). ``prerounded``:
+    when none applies (the caller falls back to ``tiles.CUDA_TILES``). ``prerounded``:
     the fp32 pre-rounded path's entries (``PREROUNDED_CLASS``) instead of "32-bit"."""
     forced = _overrides().tiles
     if forced is not None:

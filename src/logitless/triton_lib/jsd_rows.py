@@ -348,7 +348,7 @@ def jsd_finish_kernel(
 def row_stats(zs, zt, target, stats, opts, plan) -> None:
     """stats (6, N) fp32 (rows may be strided, e.g. columns of a larger statistics
     tensor; columns contiguous) of the logits zs, zt (N, V; any strides) with ``plan`` (a
-    ``planning.plans.JSDStatsPlan``): one program per row block when ``plan.splits`` is
+    ``planning.logits.JSDStatsPlan``): one program per row block when ``plan.splits`` is
     1 (``jsd_forward_kernel``), else the three split phases above."""
     import torch
 

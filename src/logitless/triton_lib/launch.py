@@ -41,7 +41,7 @@ from torch import Tensor
 from logitless.planning import plans as _plans
 from logitless.planning import rocm as _rocm
 from logitless.planning.overrides import current as _overrides
-from logitless.planning.plans import TritonPlan
+from logitless.planning.tiles import TritonPlan
 from logitless.triton_lib.fast_launch import descriptor, run_kernel  # noqa: F401  (the ops' launches)
 
 
@@ -354,6 +354,11 @@ def tf32_prerounded(dtype: torch.dtype) -> bool:
     (the kernels then round in registers). The plan decides (``plans.triton_plan``: ``w_chunk > 0``)."""
     return (dtype == torch.float32 and _overrides().tf32_preround is not False
             and dot_precision(dtype) == "tf32-round")
+
+
+def runs_prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
+    """``plan``'s launches multiply pre-rounded operands: it has W chunks and ``tf32_prerounded``."""
+    return plan.w_chunk > 0 and tf32_prerounded(dtype)
 
 
 def round_to_tf32(src: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -5,7 +5,7 @@ For 0 < beta < 1 the forward needs no kernel of its own: cuBLAS writes both head
 logits for a chunk of tokens and ``triton_lib.jsd_rows`` reduces them to row statistics
 (the mixture's divergence needs both lse first: a second sweep over full rows). The math
 is in ``logitless.formulas.jsd`` (Triton twin ``triton_lib.jsd_math``); launch sizes in
-``logitless.planning.plans.linear_jsd_plan``.
+``logitless.ops.linear_jsd.planning.linear_jsd_plan``.
 """
 
 import triton

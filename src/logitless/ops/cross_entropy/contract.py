@@ -10,7 +10,7 @@ Every backend (``TorchBackend``, ``TritonBackend``: one class each, listed in
     backend.backward(logits, target, class_weight, opts.softcap, lse, coef, out, config)
 
 ``logits`` (N, V) with N > 0 (the custom ops answer N = 0 themselves); ``config`` is the
-backend's frozen Config (``TorchConfig``; Triton's is ``planning.plans.CETritonPlan``):
+backend's frozen Config (``TorchConfig``; Triton's is ``planning.logits.CETritonPlan``):
 the backward gets the forward's, never a new one, and it crosses the custom ops as
 ``backend.codec`` encodes it. ``coef`` holds the (3, N) coefficients A, B, C of
 ``formulas.cross_entropy.grad_coefficients``; ``backward`` writes d loss / d logits into
@@ -31,7 +31,7 @@ from logitless.options import CrossEntropyOptions
 
 @dataclass(frozen=True)
 class TorchConfig:
-    """The torch backend's rows per chunk (``planning.plans.ce_torch_plan`` of the budget),
+    """The torch backend's rows per chunk (``planning.logits.ce_torch_plan`` of the budget),
     the forward's and the backward's."""
 
     rows: int

@@ -1,7 +1,7 @@
 """Pure-PyTorch backend of cross_entropy: the same math, a chunk of rows at a time.
 
 Runs on any device (it is the CPU path). One chunk of rows at a time is copied to fp32
-(fp64 for fp64 logits); ``plan`` sizes the chunks (``planning.plans.ce_torch_plan``) so
+(fp64 for fp64 logits); ``plan`` sizes the chunks (``planning.logits.ce_torch_plan``) so
 that their temporaries fit the memory budget (at least one row), so the logits are
 upcast whole only when that fits the budget.
 
@@ -23,7 +23,7 @@ from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.cross_entropy import TokenStats, dlogits_
 from logitless.ops.common.contract import ConfigCodec
 from logitless.options import CrossEntropyOptions
-from logitless.planning.plans import ce_torch_plan
+from logitless.planning.logits import ce_torch_plan
 
 from .contract import TorchConfig
 

@@ -5,7 +5,7 @@ forward:  ``ce_forward_kernel``, one program per ``block_n`` rows, reads the log
 backward: ``ce_backward_kernel`` over (row blocks x vocab blocks) reads the logits once
           and writes dz once into ``out`` (a fresh tensor, or the logits themselves with
           inplace_backward).
-Tiles: the Config, ``planning.plans.ce_triton_plan``'s ``CETritonPlan``.
+Tiles: the Config, ``planning.logits.ce_triton_plan``'s ``CETritonPlan``.
 Logits are read through their strides (no copy). No atomics: every output element is
 written by exactly one program, so results are bitwise repeatable; no host syncs.
 """
@@ -22,7 +22,7 @@ from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.validate import triton_unsupported
 from logitless.options import CrossEntropyOptions
-from logitless.planning.plans import CETritonPlan, ce_triton_plan
+from logitless.planning.logits import CETritonPlan, ce_triton_plan
 from logitless.triton_lib import ce_logits_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 
@@ -33,7 +33,7 @@ def _cw(class_weight: Optional[Tensor], logits: Tensor) -> Tensor:
 
 class TritonBackend:
     """backend="triton" (``contract.CeBackend``): its Config is the call's tiles
-    (``planning.plans.CETritonPlan``)."""
+    (``planning.logits.CETritonPlan``)."""
 
     name = "triton"
     codec = ConfigCodec(CETritonPlan)

@@ -25,12 +25,12 @@ from torch import Tensor
 
 from logitless.ops.common.contract import Backend
 from logitless.options import JSDOptions
-from logitless.planning.plans import CETritonPlan, JSDStatsPlan
+from logitless.planning.logits import CETritonPlan, JSDStatsPlan
 
 
 @dataclass(frozen=True)
 class TorchConfig:
-    """The torch backend's rows per chunk (``planning.plans.jsd_torch_rows`` of the
+    """The torch backend's rows per chunk (``planning.logits.jsd_torch_rows`` of the
     budget), the forward's and the backward's."""
 
     rows: int
@@ -38,8 +38,8 @@ class TorchConfig:
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """The Triton backend's launches: the row statistics' (``planning.plans.jsd_stats_plan``)
-    and the backward's tiles (``planning.plans.ce_triton_plan``)."""
+    """The Triton backend's launches: the row statistics' (``planning.logits.jsd_stats_plan``)
+    and the backward's tiles (``planning.logits.ce_triton_plan``)."""
 
     stats: JSDStatsPlan
     backward: CETritonPlan

@@ -3,7 +3,7 @@
 forward:  per chunk of rows, upcast both logits (fp32, fp64 for fp64), soft-cap, the
           row statistics of ``formulas.jsd.row_stats``.
 backward: per chunk of rows, d loss / d student logits from the saved statistics.
-Chunks are sized by the memory budget in ``plan`` (``planning.plans.jsd_torch_rows``):
+Chunks are sized by the memory budget in ``plan`` (``planning.logits.jsd_torch_rows``):
 never a full tokens x vocab temporary beyond the chunk.
 """
 
@@ -18,7 +18,7 @@ from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.jsd import dlogits, row_stats
 from logitless.ops.common.contract import ConfigCodec
 from logitless.options import JSDOptions
-from logitless.planning.plans import jsd_torch_rows
+from logitless.planning.logits import jsd_torch_rows
 
 from .contract import TorchConfig
 

@@ -3,7 +3,7 @@
 forward:  ``jsd_rows.row_stats``: both logits read twice (lse sweep, divergence sweep;
           once for the KL limits), the (6, N) fp32 statistics written; one program per
           ``block_n`` rows, or each row split over several programs when the rows alone
-          are too few to fill the device (``plans.jsd_stats_plan``).
+          are too few to fill the device (``logits.jsd_stats_plan``).
 backward: ``jsd_backward_kernel`` over (row blocks x vocab blocks): both logits read
           once, the student's gradient written once.
 Both launches are planned in ``plan`` (``contract.TritonConfig``). Logits are read
@@ -19,7 +19,7 @@ from torch import Tensor
 from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.validate import triton_unsupported
 from logitless.options import JSDOptions
-from logitless.planning.plans import ce_triton_plan, jsd_stats_plan
+from logitless.planning.logits import ce_triton_plan, jsd_stats_plan
 from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
 

@@ -44,7 +44,8 @@ from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.validate import triton_unsupported
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
-from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
+from logitless.planning.plans import LinearPlan, linear_plan
+from logitless.planning.tiles import TritonPlan
 from logitless.triton_lib import ce_epilogue, launch
 from logitless.triton_lib import lce_kernels as K
 from logitless.triton_lib.launch import cdiv
@@ -59,12 +60,6 @@ def _flags(bias, class_weight, softcap, dtype, prerounded=False):
         HAS_CW=class_weight is not None,
         DOT_PRECISION="tf32" if prerounded else launch.dot_precision(dtype),
     )
-
-
-def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
-    """The plan rounds the operands into scratch buffers (``TritonPlan.w_chunk``) and
-    torch's setting still asks for rounded TF32 products."""
-    return plan.w_chunk > 0 and launch.tf32_prerounded(dtype)
 
 
 def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
@@ -148,7 +143,7 @@ def forward_launches(x, weight, bias, target, class_weight, softcap, *, need_smo
     part_best, part_arg = (parts[-2], parts[-1].view(torch.int32)) if need_argmax else (part_max, part_max)
     keep_blocks = cdiv(keep_cols, plan.block_v)
     keep = keep_max = None
-    prerounded = _prerounded(plan, x.dtype)
+    prerounded = launch.runs_prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
     keep_op = None
@@ -266,7 +261,7 @@ class TritonBackend:
         plan = config.forward if kept is not None else config.backward
         coef = coef.contiguous()
         cw_arg = class_weight if class_weight is not None else x
-        prerounded = _prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
+        prerounded = launch.runs_prerounded(plan, x.dtype)  # reads the fp32 matmul precision once
         flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
         kernels = launch.DlogitsKernels(
             kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),

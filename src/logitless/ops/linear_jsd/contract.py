@@ -25,7 +25,10 @@ from torch import Tensor
 
 from logitless.ops.common.contract import Backend
 from logitless.options import JSDOptions
-from logitless.planning.plans import JSDStatsPlan, LinearJSDPlan, TorchPlan
+from logitless.planning.logits import JSDStatsPlan
+from logitless.planning.plans import TorchPlan
+
+from .planning import LinearJSDPlan
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Pure-PyTorch backend of linear_jsd: ``formulas.jsd`` on bounded tiles (any device).
 
-forward:  per chunk of tokens (``planning.plans.jsd_torch_rows``), both heads' logits of the
+forward:  per chunk of tokens (``planning.logits.jsd_torch_rows``), both heads' logits of the
           chunk (rows x V, fp32; fp64 for fp64), filled vocabulary slice by slice so
           that the upcast weight slice stays small, then ``formulas.jsd.row_stats``.
 backward: for each vocabulary chunk, for each token chunk (``planning.plans.torch_plan``):
@@ -23,7 +23,8 @@ from logitless.formulas.jsd import dlogits, log_mixture, reduce, row_stats, toke
 from logitless.formulas.jsd import upstream as _upstream
 from logitless.ops.common.contract import ConfigCodec
 from logitless.options import JSDOptions
-from logitless.planning.plans import jsd_torch_rows, torch_plan
+from logitless.planning.logits import jsd_torch_rows
+from logitless.planning.plans import torch_plan
 
 from .contract import LjsdForward, TorchConfig
 

@@ -11,7 +11,7 @@ forward  (2 GEMMs): the KL limits (beta 0 or 1) on 16-bit inputs, where the cost
          tokens (a multiple of 8: each chunk's GEMMs read both weights once), cuBLAS writes both heads' fp32
          logits (rows x V each, the budget's size), then ``jsd_rows.row_stats`` (shared
          with ``jsd``; each row split over several programs when the rows are few,
-         ``plans.jsd_stats_plan``) reduces them to the (6, N) row statistics: lse of
+         ``logits.jsd_stats_plan``) reduces them to the (6, N) row statistics: lse of
          both, S = KL(p || m), K = KL(q || m), lse at T = 1 and the target logit. Full
          rows are needed because S enters every element's gradient.
 backward (4 GEMMs): for each chunk [v0, v1) of ``plan.vocab_chunk`` columns,
@@ -47,14 +47,15 @@ from logitless.formulas.common import apply_softcap
 from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.validate import triton_unsupported
 from logitless.options import JSDOptions
+from logitless.planning.logits import jsd_stats_plan
 from logitless.planning.memo import memoised
-from logitless.planning.plans import LinearJSDPlan, jsd_kl_fused, jsd_stats_plan, linear_jsd_plan, linear_jsd_strategy
 from logitless.triton_lib import launch
 from logitless.triton_lib import linear_jsd_kernels as K
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream
 from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
 
 from .contract import LjsdForward, TritonConfig
+from .planning import LinearJSDPlan, jsd_kl_fused, linear_jsd_plan, linear_jsd_strategy
 
 
 def _operands(xs, ws, xt, wt, tiles):
@@ -73,9 +74,9 @@ def plan(n: int, v: int, hidden_s: int, hidden_t: int, dtype: torch.dtype, budge
     """The Config of a call (``contract.TritonConfig``) of n > 0 tokens; ``kl``: beta is 0 or 1.
     The fused forward: only the KL limits (every statistic is an online sum) on 16-bit
     inputs (fp32 keeps cuBLAS, which rounds to TF32 at "high" itself), and there where
-    ``plans.jsd_kl_fused`` says (the cost model: where the chunks' GEMMs would be
+    ``planning.jsd_kl_fused`` says (the cost model: where the chunks' GEMMs would be
     weight-read-bound; ``override(jsd_fused_forward=...)``). ``grad_in_forward``: the caller
-    allows that strategy, which ``plans.linear_jsd_strategy`` picks or not (the recompute
+    allows that strategy, which ``planning.linear_jsd_strategy`` picks or not (the recompute
     plan priced with the forward it would run)."""
     isz = dtype.itemsize
     forward = linear_jsd_plan(n, v, hidden_s, isz, budget, device)
@@ -172,7 +173,7 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     tiles = plan.tiles
     # fp32 at "high": both x's rounded to TF32 once, each chunk's rows of both weights
     # (scratch buffers; the kernel then multiplies TF32-exact operands with "tf32").
-    prerounded = tiles.w_chunk > 0 and launch.tf32_prerounded(xs.dtype)
+    prerounded = launch.runs_prerounded(tiles, xs.dtype)
     if prerounded:
         round_s = launch.prerounded_dlogits_operands(xs, ws, tiles, 0)
         round_t = launch.prerounded_dlogits_operands(xt, wt, tiles, 0)

@@ -1,5 +1,5 @@
 """Gradient-in-forward strategy of linear_jsd's Triton backend (``cost_model``:
-"grad_in_forward", chosen by ``plans.linear_jsd_strategy`` in ``triton_backend.plan``: the
+"grad_in_forward", chosen by ``planning.linear_jsd_strategy`` in ``triton_backend.plan``: the
 Config's ``grad_in_forward`` chunk and its statistics' launches).
 
 For reductions "mean" and "sum" each token's upstream gradient is grad_output times a

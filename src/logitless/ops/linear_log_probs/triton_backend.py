@@ -38,7 +38,7 @@ from logitless.ops.common.validate import triton_unsupported
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised
-from logitless.planning.plans import LinearPlan, TritonPlan, linear_plan
+from logitless.planning.plans import LinearPlan, linear_plan
 from logitless.triton_lib import launch, log_probs_epilogue, log_probs_fields
 from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
@@ -123,12 +123,6 @@ def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
                 DOT_PRECISION="tf32" if prerounded else launch.dot_precision(dtype))
 
 
-def _prerounded(plan: TritonPlan, dtype: torch.dtype) -> bool:
-    """fp32 at "high" with a plan that rounds the operands into scratch buffers first
-    (``TritonPlan.w_chunk``; as linear_cross_entropy's Triton backend)."""
-    return plan.w_chunk > 0 and launch.tf32_prerounded(dtype)
-
-
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions, *,
             plan: LinearPlan, outputs: bool = False, tau: Optional[Tensor] = None, fields: bool = False,
             keep: bool = True):
@@ -157,7 +151,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     part_max, part_sum, part_tgt = parts[:3]
     part_u = parts[3] if opts.entropy else part_max
     keep_blocks = cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
-    prerounded = _prerounded(plan, x.dtype)
+    prerounded = launch.runs_prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
     keep = keep_max = keep_buf = None
@@ -247,7 +241,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     plan = plan.forward if kept is not None else plan.backward
     coef = coef.contiguous()
     lse = lse.contiguous()
-    prerounded = _prerounded(plan, x.dtype)
+    prerounded = launch.runs_prerounded(plan, x.dtype)
     flags = _flags(bias, opts, x.dtype, prerounded)
     kernels = launch.DlogitsKernels(
         kept_kernel=K.logp_kept_dlogits_kernel, kept_head=(tokens, lse, coef, n),

@@ -82,7 +82,8 @@ from logitless.ops.common.autograd import grad_outputs
 from logitless.ops.common.invariant import pad_rows
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
-from logitless.planning.plans import LinearPlan, TorchPlan, TritonPlan
+from logitless.planning.plans import LinearPlan, TorchPlan
+from logitless.planning.tiles import TritonPlan
 
 from .contract import candidate_count
 from .torch_backend import scaled_tile

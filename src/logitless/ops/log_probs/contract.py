@@ -28,7 +28,7 @@ from torch import Tensor
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import Backend
 from logitless.options import LogProbOptions
-from logitless.planning.plans import CETritonPlan
+from logitless.planning.logits import CETritonPlan
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Blocks:
 
 @dataclass(frozen=True)
 class TorchConfig:
-    """The torch backend's rows per chunk (``planning.plans.ce_torch_plan`` of the budget;
+    """The torch backend's rows per chunk (``planning.logits.ce_torch_plan`` of the budget;
     the forward's and the backward's), or the blocks of the truncated path."""
 
     rows: int = 0
@@ -52,7 +52,7 @@ class TorchConfig:
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """The Triton backend's tiles (``planning.plans.ce_triton_plan``; the forward's and the
+    """The Triton backend's tiles (``planning.logits.ce_triton_plan``; the forward's and the
     backward's), or the blocks of the truncated path."""
 
     tiles: Optional[CETritonPlan] = None

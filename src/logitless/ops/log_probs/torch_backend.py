@@ -1,4 +1,4 @@
-"""Pure-PyTorch backend of log_probs: rows in chunks (``plan``: ``planning.plans.ce_torch_plan``
+"""Pure-PyTorch backend of log_probs: rows in chunks (``plan``: ``planning.logits.ce_torch_plan``
 sizes them within the budget), each upcast to the compute dtype once. Forward: one
 pass of ``formulas.log_probs.online_update`` over the chunk's full rows. Backward:
 ``formulas.log_probs.dlogits_`` on the recomputed chunk, written into a new tensor.
@@ -24,7 +24,7 @@ from logitless.formulas.log_probs import (
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import ConfigCodec
 from logitless.options import LogProbOptions
-from logitless.planning.plans import ce_torch_plan
+from logitless.planning.logits import ce_torch_plan
 
 from . import truncation as blocked
 from .contract import Blocks, LpForward, TorchConfig

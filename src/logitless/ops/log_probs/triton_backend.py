@@ -4,7 +4,7 @@ forward:  ``lp_forward_kernel``, one program per ``block_n`` rows, reads the log
           (through their strides: no copy) and writes lse, a at the token, entropy.
 backward: ``lp_backward_kernel`` over (row blocks x vocab blocks) reads the logits once
           and writes d(logits) once. No atomics (bitwise repeatable), no host syncs.
-Tiles: ``plan``, ``planning.plans.ce_triton_plan`` (the same bandwidth-bound streaming
+Tiles: ``plan``, ``planning.logits.ce_triton_plan`` (the same bandwidth-bound streaming
 shape as cross_entropy). Truncated or batch-invariant calls run ``truncation.py``
 (``contract.Blocks``: plain torch ops).
 """
@@ -22,7 +22,7 @@ from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import ConfigCodec
 from logitless.ops.common.validate import triton_unsupported
 from logitless.options import LogProbOptions
-from logitless.planning.plans import ce_triton_plan
+from logitless.planning.logits import ce_triton_plan
 from logitless.triton_lib import log_probs_logits_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 

@@ -1,0 +1,131 @@
+"""How linear_jsd's Triton backend splits its work (its ``TritonConfig`` holds these):
+the tiles of its two-head kernels (``JSD_CUDA_TILES``), the forward's token chunks and
+the backward's recomputed vocabulary chunks (``linear_jsd_plan``), the KL limits' fused
+forward or the chunked one (``jsd_kl_fused``) and the strategy, recompute or
+gradient-in-forward (``linear_jsd_strategy``), the last two by this op's cost model
+(``cost_model``). The pieces shared with the other ops (row chunks of the logits, the
+row statistics' split, SMs, kernel options) are ``logitless.planning``'s; the map of
+every planning decision is ``planning/__init__.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from logitless.planning import rocm as _rocm
+from logitless.planning.logits import jsd_forward_rows
+from logitless.planning.memo import memoised
+from logitless.planning.overrides import current as _overrides
+from logitless.planning.plans import (
+    ODD_V_ALIGN,
+    clamp,
+    forced_strategy,
+    kernel_options,
+    min_chunk_cols,
+    planned_device_model,
+    wave_blocks_per_split,
+)
+from logitless.planning.tiles import INTERPRETER_TILES, MIN_CHUNK, TritonPlan
+
+#: Tiles (block_n, block_v, block_h, num_warps, num_stages) of linear_jsd's backward
+#: kernel and of the KL limits' fused forward, which hold a student and a teacher tile at
+#: once (two fp32 accumulators: half of linear_cross_entropy's block_v keeps them in
+#: registers). 16-bit: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3
+#: at beta 0.5 and 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better
+#: (H100; docs/design.md).
+JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
+
+
+@dataclass(frozen=True)
+class LinearJSDPlan:
+    """How linear_jsd's Triton backend chunks its work.
+
+    forward_rows: tokens per forward chunk; both heads' fp32 logits of the chunk
+        (2 x rows x V x 4 bytes) are materialised by two cuBLAS GEMMs, then reduced to
+        row statistics by the (bandwidth-bound) jsd forward kernel.
+    vocab_chunk: columns of dz recomputed at once in the backward (a multiple of
+        block_v), in the input dtype; dx accumulates in fp32 (tokens x H_student).
+    tiles: a ``TritonPlan`` for the fused student+teacher logits tiles of the backward,
+        and of the KL limits' fused forward (``tiles.vocab_splits``: its splits of the
+        vocabulary, ``blocks_per_split`` blocks of block_v columns each).
+    """
+
+    forward_rows: int
+    vocab_chunk: int
+    tiles: TritonPlan
+    blocks_per_split: int = 1
+
+
+@memoised
+def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, budget: int,
+                    device, *, hidden_t: int = 0, prerounded: bool = False) -> LinearJSDPlan:
+    """``prerounded`` (fp32 at matmul precision "high", ``launch.tf32_prerounded``): the
+    backward rounds both x's to TF32 once (4 N (H_s + H_t) bytes, taken off the budget
+    while at most half of it) and each recomputed chunk's rows of both weights (4 (H_s +
+    H_t) bytes per column, budgeted with the chunk's dz) into scratch buffers, as
+    ``triton_plan`` does; ``tiles.w_chunk`` is then the chunk's rows (0: no scratch).
+    The forward's logits are cuBLAS GEMMs, which round at "high" themselves."""
+    cuda = device.type == "cuda"
+    tiles = _overrides().tiles or (
+        (_rocm.tiles(device, itemsize, jsd=True) or JSD_CUDA_TILES[itemsize]) if cuda else INTERPRETER_TILES)
+    block_n, block_v, block_h, num_warps, num_stages = tiles
+    rows = jsd_forward_rows(num_tokens, vocab, budget, cuda)
+    padded_vocab = math.ceil(vocab / block_v) * block_v
+    min_cols = min_chunk_cols(vocab, block_v, device)
+    # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
+    # dz chunk at 4096 tokens stays in L2: docs/design.md); narrower only if the budget
+    # after the fp32 dx accumulator says so, never below min_cols.
+    w_col = 4 * (hidden_s + hidden_t) if prerounded else 0
+    x_scratch = 4 * num_tokens * (hidden_s + hidden_t) if prerounded else 0
+    if x_scratch and x_scratch <= budget // 2:
+        budget -= x_scratch
+    left = budget - 4 * num_tokens * hidden_s
+    cols = int(max(left, 0) // max(1, itemsize * num_tokens + w_col))
+    vocab_chunk = clamp(min(cols, MIN_CHUNK) // block_v * block_v, min_cols, padded_vocab)
+    # The KL limits' fused forward (``jsd_kl_forward_kernel``): splits of the vocabulary
+    # for ~WAVES programs per SM, as linear_cross_entropy's forward.
+    row_blocks = math.ceil(max(1, num_tokens) / block_n)
+    vocab_blocks = math.ceil(max(1, vocab) / block_v)
+    blocks_per_split = wave_blocks_per_split(row_blocks, vocab_blocks, device)
+    plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
+                      num_stages=num_stages, vocab_splits=math.ceil(vocab_blocks / blocks_per_split),
+                      vocab_chunk=vocab_chunk,
+                      **kernel_options(num_tokens, block_n, block_v, device),  # group_n is used
+                      w_chunk=vocab_chunk if prerounded else 0)
+    plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
+    return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan, blocks_per_split=blocks_per_split)
+
+
+@memoised
+def jsd_kl_fused(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
+                 device) -> bool:
+    """For the KL limits on 16-bit inputs: does linear_jsd's forward take the fused kernel
+    (``jsd_kl_forward_kernel``) rather than cuBLAS fp32 logit chunks of ``linear_jsd_plan``'s
+    forward_rows? ``override(jsd_fused_forward=True/False)`` decides; by default the cost
+    model (``cost_model.jsd_kl_fused_faster``, this op's)."""
+    forced = _overrides().jsd_fused_forward
+    if forced is not None:
+        return forced
+    rows = linear_jsd_plan(num_tokens, vocab, hidden_s, itemsize, budget, device).forward_rows
+    from .cost_model import jsd_kl_fused_faster  # lazily, as plans imports planning.cost_model
+
+    return jsd_kl_fused_faster(planned_device_model(device), num_tokens, hidden_s, hidden_t, vocab, itemsize, rows)
+
+
+def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
+                        device, *, weight_fp32: bool = False, fused_forward: bool = False):
+    """The cost model's choice for linear_jsd (``cost_model.choose_jsd``, this op's): a Candidate with
+    strategy "recompute" (the default two-pass design) or "grad_in_forward" and its
+    token chunk. The gradient-in-forward strategy is chosen on GPUs only (the CPU
+    interpreter uses it when forced: ``override(strategy=("grad_in_forward", tokens))``),
+    and only when the vocabulary is a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path)."""
+    forced = forced_strategy(num_tokens)
+    if forced is not None:
+        return forced
+    gif_ok = device.type == "cuda" and vocab % ODD_V_ALIGN == 0
+    from .cost_model import choose_jsd
+
+    return choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
+                      device_model=planned_device_model(device), grad_in_forward=gif_ok,
+                      weight_fp32=weight_fp32, fused_forward=fused_forward)
