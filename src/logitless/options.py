@@ -23,6 +23,19 @@ REDUCTIONS = ("mean", "sum", "none")
 #: 2-4 GB that materialised fp32 logits would take.
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 
+#: The fused linear ops' default budget on a GPU (``memory_budget=None``, torch and JAX):
+#: this share of the device's total memory (never of its free memory: the plan, and so every
+#: bit of the result, is the same in every run), at least ``DEFAULT_MEMORY_BUDGET``; an H100
+#: (80 GB) gets 2.4 GiB, where every anchor shape keeps its logits' columns (docs/design.md
+#: "Kept columns and the memory budget"). Other devices get ``DEFAULT_MEMORY_BUDGET``.
+GPU_BUDGET_SHARE = 0.03
+
+
+def budget_of_total_memory(total_bytes: int) -> int:
+    """The default budget of a GPU with ``total_bytes`` of memory: ``GPU_BUDGET_SHARE`` of
+    it in whole MiB, at least ``DEFAULT_MEMORY_BUDGET``."""
+    return max(DEFAULT_MEMORY_BUDGET, int(total_bytes * GPU_BUDGET_SHARE) >> 20 << 20)
+
 
 def check_reduction(value: str) -> str:
     if value not in REDUCTIONS:

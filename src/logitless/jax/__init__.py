@@ -12,9 +12,12 @@ jax-triton, SM80+ NVIDIA GPUs; Triton's interpreter on CPUs, for tests) and "mos
 device computes its own shard. Layout mirrors the PyTorch side: ``formulas/``
 (cross_entropy, log_probs), ``planning.py`` (chunk sizes; the Triton tiles and plan from
 the shared ``logitless.planning.tiles``), ``ops/<op>/`` (api, reference, one file per
-backend, bench shapes): linear_cross_entropy and linear_log_probs.
+backend, bench shapes): linear_cross_entropy and linear_log_probs; ``budget.py``
+(``memory_budget=None``: 3% of a GPU's memory, at least ``DEFAULT_MEMORY_BUDGET``,
+which CPUs and TPUs get).
 """
 
+from .budget import default_memory_budget
 from .formulas.cross_entropy import LossStats
 from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
 from .ops.linear_log_probs.api import linear_log_probs
@@ -26,4 +29,5 @@ __all__ = [
     "linear_log_probs",
     "LossStats",
     "DEFAULT_MEMORY_BUDGET",
+    "default_memory_budget",
 ]

@@ -47,6 +47,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from logitless.jax.budget import default_memory_budget
+
 BLOCK_K = 64  # 64 bf16 = 128 bytes: one 128-byte swizzle row.
 NUM_COMPUTE_WGS = 2
 # Register split of the 64K-register file (setmaxnreg): 2 x 128 x 232 + 128 x 40 <= 65536.
@@ -559,8 +561,9 @@ def chunk_columns(n: int, v: int, h: int, itemsize: int, budget, block_v: int) -
         itemsize C h          the W slice the dx GEMM reads
         itemsize C h          the dW chunk before its in-place update into dW
     so C = (budget - 4 n h) / (itemsize (n + 2 h)), at least a quarter of the budget
-    for the chunk terms and at least one tile of columns."""
-    budget = 256 * 2**20 if budget is None else int(budget)
+    for the chunk terms and at least one tile of columns. ``budget`` None: the device's
+    default (``logitless.jax.budget.default_memory_budget``)."""
+    budget = default_memory_budget() if budget is None else int(budget)
     avail = max(budget - 4 * n * h, budget // 4)
     c = avail // max(1, itemsize * (n + 2 * h))
     c = max(block_v, c // block_v * block_v)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (the same default as the PyTorch side)
+from logitless.options import DEFAULT_MEMORY_BUDGET  # noqa: F401  (off GPUs, and the floor: as the PyTorch side)
 from logitless.planning.tiles import (
     BIG_SMEM_CC,
     CUDA_TILES,

@@ -20,6 +20,8 @@ from logitless.distributed.dtensor import dtensor_type as _dtensor_type
 from logitless.options import (
     _CHECK_TARGETS_ON_GPU,  # (a list read in place: no call on the hot path)
     DEFAULT_MEMORY_BUDGET,
+    GPU_BUDGET_SHARE,  # noqa: F401  (re-exported: the share, defined with the rule in options)
+    budget_of_total_memory,
     check_memory_budget,
 )
 
@@ -225,11 +227,8 @@ def torch_weight_hint(fn):
 
 
 
-#: The fused linear ops' default budget on a GPU: this share of the device's total memory
-#: (never of its free memory: the plan, and so every bit of the result, is the same in every
-#: run), at least ``options.DEFAULT_MEMORY_BUDGET``; an H100 (80 GB) gets 2.4 GiB, where every
-#: anchor shape keeps its logits' columns (docs/design.md "Kept columns and the memory budget").
-GPU_BUDGET_SHARE = 0.03
+#: The default's rule (``options.GPU_BUDGET_SHARE``, ``options.budget_of_total_memory``) is
+#: shared with the JAX ops (``logitless.jax.budget``).
 #: CUDA device index -> total memory in bytes (a device property: read once).
 _TOTAL_MEMORY: dict = {}
 
@@ -244,7 +243,7 @@ def default_memory_budget(device: torch.device) -> int:
     total = _TOTAL_MEMORY.get(index)
     if total is None:
         total = _TOTAL_MEMORY[index] = torch.cuda.get_device_properties(index).total_memory
-    return max(DEFAULT_MEMORY_BUDGET, int(total * GPU_BUDGET_SHARE) >> 20 << 20)
+    return budget_of_total_memory(total)
 
 
 def memory_budget(value: Optional[int], device: torch.device) -> int:

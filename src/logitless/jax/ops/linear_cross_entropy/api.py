@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from logitless.jax.budget import resolve_memory_budget
 from logitless.jax.formulas import cross_entropy as lm
 from logitless.jax.ops.common.validate import check_float, check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
 from logitless.jax.ops.linear_cross_entropy.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
 from logitless.jax.ops.linear_cross_entropy.contract import LceResiduals
 from logitless.jax.sharding import fit_cotangent
-from logitless.options import CrossEntropyOptions, check_memory_budget
+from logitless.options import CrossEntropyOptions
 
 
 class _Config(NamedTuple):
@@ -202,10 +203,13 @@ def linear_cross_entropy(
             "mosaic_gpu" and "mosaic_tpu"; named explicitly, they run and the argmax
             is None (their kernels keep no running argmax).
         weight_layout: "vh" or "hv" (see weight).
-        memory_budget: bytes of temporary memory the op may use (default 256 MiB). It
-            sizes the chunks of the "xla" backend: one tile of logits of at most about
-            budget / 16 elements, plus an fp32 dx accumulator (4 x tokens x H bytes)
-            and one fp32 dW chunk; when even the smallest tile does not fit, the
+        memory_budget: bytes of temporary memory the op may use, per device. None (the
+            default): 3% of a GPU's total memory (``memory_stats()["bytes_limit"]``, the
+            memory JAX may use there; whole MiB, at least 256 MiB), 256 MiB on a CPU or
+            TPU (``logitless.jax.budget``): resolved once per call, never from free
+            memory. It sizes the chunks of the "xla" backend: one tile of logits of at
+            most about budget / 16 elements, plus an fp32 dx accumulator (4 x tokens x H
+            bytes) and one fp32 dW chunk; when even the smallest tile does not fit, the
             smallest is used. Never a tokens x vocab array.
         implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
             and the case is supported; else "triton" on any NVIDIA GPU when the
@@ -259,7 +263,7 @@ def linear_cross_entropy(
     if vocab_axes and class_weight is not None:
         raise ValueError("class_weight is not supported with vocab_axis_name (a vocabulary split inside "
                          "shard_map); pass the whole weight or no class weights")
-    budget = check_memory_budget(memory_budget)
+    budget = resolve_memory_budget(memory_budget)  # once per call (None: the device's default)
     local_classes, num_classes, hidden = check_linear_inputs(
         x, weight, target, bias, labels_name="target", weight_layout=weight_layout,
         vocab_shards=sharded.axis_size(vocab_axes))
@@ -294,7 +298,7 @@ def linear_cross_entropy(
         mesh, axes = explicit
         kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                   class_weight=class_weight, softcap=softcap, z_loss=z_loss, weight_layout=weight_layout,
-                  memory_budget=memory_budget, implementation=implementation)
+                  memory_budget=budget, implementation=implementation)
         loss, stats = sharded.explicit_call(linear_cross_entropy, mesh, axes, x2d, weight, flat_target, bias,
                                             vaxis=vaxis, none=opts.reduction == "none", stats=return_stats, **kw)
         if stats is not None:

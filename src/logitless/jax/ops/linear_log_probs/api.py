@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from logitless.jax.budget import resolve_memory_budget
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas import truncation as _truncation
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
@@ -19,7 +20,7 @@ from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
 from logitless.jax.ops.linear_log_probs.contract import LlpResiduals
 from logitless.jax.sharding import fit_cotangent
-from logitless.options import LogProbOptions, check_memory_budget
+from logitless.options import LogProbOptions
 
 
 class _Config(NamedTuple):
@@ -111,8 +112,8 @@ def linear_log_probs(
         softcap: optional s > 0: logits become s * tanh(z / s) before the temperature.
         ignore_index: tokens equal to it give 0 for both outputs and no gradient.
         weight_layout: "vh" or "hv" (see weight).
-        memory_budget: bytes of temporaries (default 256 MiB), as for
-            ``linear_cross_entropy``.
+        memory_budget: bytes of temporaries per device, as for ``linear_cross_entropy``
+            (None: 3% of a GPU's total memory, at least 256 MiB; 256 MiB on a CPU or TPU).
         implementation: None (automatic, the policy of ``linear_cross_entropy``:
             "triton" on an NVIDIA GPU when the optional jax-triton package is
             installed, "mosaic_tpu" on a TPU, else "xla"), "xla" (plain JAX, any
@@ -153,7 +154,7 @@ def linear_log_probs(
     """
     opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap,
                                   ignore_index=ignore_index)
-    budget = check_memory_budget(memory_budget)
+    budget = resolve_memory_budget(memory_budget)  # once per call (None: the device's default)
     if implementation is not None:
         BACKENDS[implementation]  # an unknown name: ValueError naming the choices
     _, num_classes, hidden = check_linear_inputs(x, weight, tokens, bias, labels_name="tokens",
