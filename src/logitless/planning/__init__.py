@@ -14,7 +14,8 @@ choices are what they are.
 Decision                                           Decided by                      File
 =================================================  ==============================  ==================================
 **Shared**
-default memory budget (256 MiB)                    ``check_memory_budget``         options.py
+default memory budget: 3% of a GPU, else 256 MiB  ``budget_of_total_memory``      options.py
+  a torch device's total; a JAX device's total    ``default_memory_budget``       ops/common/validate.py; jax/budget.py
 fused linear ops' Triton tiles: forced, tuned,     ``_tiles``                      planning/plans.py
   ROCm, else the CUDA / interpreter tables         ``CUDA_TILES``, ...             planning/tiles.py
 tuned tiles (this machine's cache, shipped)        ``tiles_for``                   planning/tuned.py
