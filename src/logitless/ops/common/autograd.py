@@ -36,7 +36,6 @@ def custom_op(name: str, fn: Callable, *, mutates_args=(), schema: Optional[str]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _INFRA_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
                      if hasattr(torch._C._TorchDispatchModeKey, k))
 
@@ -44,7 +43,7 @@ _INFRA_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE"
 def eager_fast_path_ok(inputs: tuple) -> bool:
     """Whether a plain autograd.Function may stand in for a custom op: an eager call on
     plain tensors, outside torch.compile, dispatch modes (FakeTensor, tracing, the tests'
-    recorders), functorch transforms (and their wrappers) and tensor subclasses (DTensor...)."""
+    recorders), functorch transforms and tensor subclasses (DTensor...)."""
     # (compiling first: dynamo stops there)
     if torch.compiler.is_compiling():
         return False
@@ -54,16 +53,9 @@ def eager_fast_path_ok(inputs: tuple) -> bool:
         if torch._C._get_dispatch_mode(k) is not None:
             return False
     for a in inputs:  # (a loop, not all(<generator>): this runs per call, ~20 inputs)
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or _functorch_wrapped(a)):
-            return False  # (a functorch wrapper here is a dead one, left from an exited transform)
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
     return True
-
-
-#: ``torch.autograd.Function.apply`` below its Python layer (the C++ ``_FunctionBase.apply``),
-#: bound to a Function class by ``EagerOp``: the Python layer binds the arguments to
-#: ``forward``'s signature (``inspect``) at every call of a Function with ``setup_context``
-#: and unwraps dead functorch wrappers (``eager_fast_path_ok`` sends those to the custom op).
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
 def below_autograd():
@@ -79,32 +71,35 @@ _NO_CONTEXT = contextlib.nullcontext()  # (reusable: it holds no state)
 
 class EagerOp:
     """A forward custom op (``op``) with its autograd (``register_autograd``'s
-    ``setup_context`` and ``backward``) and its eager fast path ``eager``: an
-    autograd.Function whose ``forward`` is ``impl`` itself (the op's Python implementation,
-    ``EAGER``), its ``setup_context`` and ``backward`` the op's, called as the custom op
-    is, with the op's arguments. The same computation, so the same results bitwise,
-    without the torch.library layer's per-call work (schema default filling, aliasing
-    checks, redispatch: ~0.2 ms per call of an op with ~20 arguments on the CPU,
-    ``benchmarks/probe_host.py``). ``backward`` runs with ``ctx.eager`` set on the fast
-    path: it then calls the backward op's implementation, not the op.
+    ``setup_context`` and ``backward``) and its eager fast path ``eager``: a plain
+    autograd.Function (``Function.apply``, public) whose ``forward`` runs ``impl`` (the op's
+    Python implementation, ``EAGER``) and the op's ``setup_context`` on the op's own
+    arguments, and whose ``backward`` is the op's: the same computation, so the same results
+    bitwise, without the torch.library layer's per-call work (schema default filling,
+    aliasing checks, redispatch: ~0.2 ms per call of an op with ~20 arguments on the CPU,
+    ``benchmarks/probe_host.py``). ``forward`` takes ``ctx`` (no ``setup_context`` on the
+    Function): ``Function.apply`` then does not bind the ~20 arguments to a signature per
+    call. ``backward`` runs with ``ctx.eager`` set on the fast path: it then calls the
+    backward op's implementation, not the op.
 
     The public function calls ``eager_op.runner(inputs)(*inputs)``: ``runner`` picks
     (``eager`` for eager calls, ``eager_fast_path_ok``; the custom op for anything else:
     torch.compile, fake tensors, dispatch modes, subclasses) and returns, so no frame of
-    this glue stands between the public function and the op's implementation."""
+    this glue but ``forward`` stands between the public function and the op's implementation."""
 
     def __init__(self, op, impl: Callable, setup_context: Callable, backward: Callable):
-        def setup_eager(ctx, inputs, output):
+        def forward(ctx, *inputs):
+            out = impl(*inputs)
             ctx.eager = True  # the backward calls the backward op's implementation directly
-            return setup_context(ctx, inputs, output)
+            setup_context(ctx, inputs, out)
+            return out
 
         name = getattr(op, "_name", getattr(impl, "__name__", "op")).split("::")[-1]
         self.op = op
         self.function = type(f"Eager_{name}", (torch.autograd.Function,), {
-            "forward": staticmethod(impl), "setup_context": staticmethod(setup_eager),
-            "backward": staticmethod(backward), "__module__": __name__,
+            "forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__,
         })
-        self.eager = _FUNCTION_APPLY.__get__(None, self.function)
+        self.eager = self.function.apply
 
     def runner(self, inputs: tuple) -> Callable:
         """What runs the op on ``inputs``: ``eager`` where ``eager_fast_path_ok``, else the
