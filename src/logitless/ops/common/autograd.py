@@ -4,7 +4,8 @@ Each op is a forward and a backward custom op whose arguments are tensors, then 
 fields of its options dataclass (``logitless.options``, under their own names), then
 execution arguments (backend, budget, flags), their schemas written out in the op's
 ``custom_op.py``. ``EagerOp`` runs an op's implementation without the dispatcher in eager
-mode (``contract.register_autograd`` makes it); ``guard_double_backward`` makes a second-order
+mode (``contract.register_autograd`` makes it), with no frame of its own between the public
+function and the implementation; ``guard_double_backward`` makes a second-order
 gradient raise one clear error; ``under_forward_overrides`` runs a backward under the
 planner overrides of its forward; ``EAGER`` maps each custom op to its Python
 implementation (tests run them under dispatch modes, which otherwise see a custom op
@@ -13,6 +14,7 @@ as one opaque call).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Optional
@@ -56,69 +58,53 @@ def eager_fast_path_ok(inputs: tuple) -> bool:
     return True
 
 
-class _EagerFunction(torch.autograd.Function):
-    """The autograd of an ``EagerOp``: the custom op's Python implementation,
-    ``setup_context`` and backward, without the dispatcher. Arguments: the op, its
-    inputs (a tuple), the positions of the tensors among them, then those tensors (the
-    only arguments autograd looks at: ~5 instead of the op's ~20)."""
-
-    @staticmethod
-    def forward(ctx, op, inputs, tensor_pos, *tensors):
-        out = op.impl(*inputs)
-        ctx.eager = True  # the backward calls the backward op's implementation directly
-        ctx.tensor_pos, ctx.eager_num_inputs = tensor_pos, len(inputs)
-        op.setup_context(ctx, inputs, out)
-        ctx.eager_backward = op.backward
-        return out
-
-    @staticmethod
-    def backward(ctx, *grads):
-        prev = ctx.needs_input_grad  # (op, inputs, tensor_pos, *tensors)
-        needs = [False] * ctx.eager_num_inputs
-        for i, pos in enumerate(ctx.tensor_pos):
-            needs[pos] = prev[3 + i]
-        ctx.needs_input_grad = tuple(needs)  # as the inputs of the custom op
-        try:
-            result = ctx.eager_backward(ctx, *grads)
-        finally:
-            ctx.needs_input_grad = prev
-        return (None, None, None, *[result[pos] for pos in ctx.tensor_pos])
+def below_autograd():
+    """The context in which the eager fast path's backward calls the backward op's
+    implementation, as the dispatcher runs a custom op's: recording no autograd history (a
+    backward with create_graph=True runs with grad mode on, and the inputs require grad).
+    A context, not a wrapper: no frame between the backward and its launches."""
+    return torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT
 
 
-def below_autograd(fn: Callable) -> Callable:
-    """``fn`` run as the dispatcher runs a custom op's implementation: recording no
-    autograd history (a backward with create_graph=True runs with grad mode on, and the
-    inputs require grad). ``EagerOp``'s backward calls the backward op's implementation so."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():  # (a plain backward: grad mode is off already)
-            return fn(*args, **kwargs)
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return run
+_NO_CONTEXT = contextlib.nullcontext()  # (reusable: it holds no state)
 
 
 class EagerOp:
-    """A forward custom op with its autograd (``register_autograd``'s ``setup_context``
-    and ``backward``), callable as the op. Eager calls (``eager_fast_path_ok``) run
-    ``impl`` (the op's Python implementation, ``EAGER``) inside a plain
-    autograd.Function: the same computation, so the same results bitwise, without the
-    torch.library layer's per-call work (schema default filling, aliasing checks,
-    redispatch: ~0.2 ms per call of an op with ~20 arguments on the CPU,
-    ``benchmarks/probe_host.py``). Anything else (torch.compile, fake tensors, dispatch
-    modes, subclasses) calls the custom op. ``backward`` runs with ``ctx.eager`` set on
-    the fast path: it then calls the backward op's implementation, not the op."""
+    """A forward custom op (``op``) with its autograd (``register_autograd``'s
+    ``setup_context`` and ``backward``) and its eager fast path ``eager``: a plain
+    autograd.Function (``Function.apply``, public) whose ``forward`` runs ``impl`` (the op's
+    Python implementation, ``EAGER``) and the op's ``setup_context`` on the op's own
+    arguments, and whose ``backward`` is the op's: the same computation, so the same results
+    bitwise, without the torch.library layer's per-call work (schema default filling,
+    aliasing checks, redispatch: ~0.2 ms per call of an op with ~20 arguments on the CPU,
+    ``benchmarks/probe_host.py``). ``forward`` takes ``ctx`` (no ``setup_context`` on the
+    Function): ``Function.apply`` then does not bind the ~20 arguments to a signature per
+    call. ``backward`` runs with ``ctx.eager`` set on the fast path: it then calls the
+    backward op's implementation, not the op.
+
+    The public function calls ``eager_op.runner(inputs)(*inputs)``: ``runner`` picks
+    (``eager`` for eager calls, ``eager_fast_path_ok``; the custom op for anything else:
+    torch.compile, fake tensors, dispatch modes, subclasses) and returns, so no frame of
+    this glue but ``forward`` stands between the public function and the op's implementation."""
 
     def __init__(self, op, impl: Callable, setup_context: Callable, backward: Callable):
-        self.op, self.impl, self.setup_context, self.backward = op, impl, setup_context, backward
+        def forward(ctx, *inputs):
+            out = impl(*inputs)
+            ctx.eager = True  # the backward calls the backward op's implementation directly
+            setup_context(ctx, inputs, out)
+            return out
 
-    def __call__(self, *inputs):
-        if eager_fast_path_ok(inputs):
-            pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
-            return _EagerFunction.apply(self, inputs, pos, *[inputs[i] for i in pos])
-        return self.op(*inputs)
+        name = getattr(op, "_name", getattr(impl, "__name__", "op")).split("::")[-1]
+        self.op = op
+        self.function = type(f"Eager_{name}", (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__,
+        })
+        self.eager = self.function.apply
+
+    def runner(self, inputs: tuple) -> Callable:
+        """What runs the op on ``inputs``: ``eager`` where ``eager_fast_path_ok``, else the
+        custom op."""
+        return self.eager if eager_fast_path_ok(inputs) else self.op
 
 
 def under_forward_overrides(setup_context: Callable, backward: Callable) -> tuple[Callable, Callable]:

@@ -84,7 +84,7 @@ def register_autograd(forward_op, forward_impl: Callable, setup_context: Callabl
     """Register ``setup_context``/``backward`` as the autograd of ``forward_op`` (a
     ``torch.library`` custom op whose Python implementation is ``forward_impl``), the
     backward running under the planner overrides of its forward, and return the op with
-    the eager fast path (what the public function calls)."""
+    the eager fast path (the public function runs ``op.runner(inputs)(*inputs)``)."""
     setup, run = under_forward_overrides(setup_context, backward)
     forward_op.register_autograd(run, setup_context=setup)
     return EagerOp(forward_op, forward_impl, setup, run)

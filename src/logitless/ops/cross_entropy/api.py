@@ -224,8 +224,8 @@ def cross_entropy(
         loss, lse, argmax = InplaceCrossEntropy.apply(
             logits2d, flat_target, class_weight, opts, BACKENDS[impl], memory_budget, return_stats)
     else:
-        loss, lse, argmax, *_ = ce_forward_eager(
-            logits2d, flat_target, class_weight, *opts.args(), impl, memory_budget, return_stats)
+        inputs = (logits2d, flat_target, class_weight, *opts.args(), impl, memory_budget, return_stats)
+        loss, lse, argmax, *_ = ce_forward_eager.runner(inputs)(*inputs)
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     if not return_stats:

@@ -145,8 +145,6 @@ ce_backward = custom_op("ce_backward", _backward_impl, schema=BACKWARD_SCHEMA)
 ce_backward.register_fake(_backward_fake)
 
 
-_backward_eager = below_autograd(_backward_impl)
-
 
 def _setup_context(ctx, inputs, output):
     """Saved: logits, target, class_weight, lse, w_t. On ctx: the options and the backend,
@@ -174,13 +172,17 @@ def _backward(ctx, grad_loss, grad_lse, *_):
     args = (grad_loss, grad_lse, logits, target, class_weight, lse, w_t, ctx.config, *ctx.options)
     # The eager fast path calls the implementation, recording no autograd history (as the
     # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-    dz = _backward_eager(*args) if getattr(ctx, "eager", False) else ce_backward(*args)
+    if getattr(ctx, "eager", False):
+        with below_autograd():
+            dz = _backward_impl(*args)
+    else:
+        dz = ce_backward(*args)
     (dz,) = guard_double_backward(OP, (dz,), grad_loss, grad_lse, logits)
     return (dz, *nones)
 
 
 #: What the public function calls: ``ce_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``).
+#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
 ce_forward_eager = register_autograd(ce_forward, _forward, _setup_context, _backward)
 
 

@@ -121,7 +121,8 @@ def jsd(
     zs = student_logits.reshape(-1, v)
     zt = teacher_logits.reshape(-1, v)
     flat_target = target.reshape(-1).long()
-    loss_tok, *_ = jsd_forward_eager(zs, zt, flat_target, *opts.args(), memory_budget, impl)
+    inputs = (zs, zt, flat_target, *opts.args(), memory_budget, impl)
+    loss_tok, *_ = jsd_forward_eager.runner(inputs)(*inputs)
     loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
     return loss.reshape(lead) if reduction == "none" else loss
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, token_loss, upstream
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import custom_op, guard_double_backward
+from logitless.ops.common.autograd import below_autograd, custom_op, guard_double_backward
 from logitless.ops.common.contract import register_autograd
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import JSDOptions
@@ -142,10 +142,7 @@ def _backward(ctx, grad_loss, *_):
     if getattr(ctx, "eager", False):
         # The eager fast path calls the implementation, recording no autograd history (as the
         # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                dz = _backward_impl(*args)
-        else:
+        with below_autograd():
             dz = _backward_impl(*args)
     else:
         dz = jsd_backward_op(*args)
@@ -154,5 +151,5 @@ def _backward(ctx, grad_loss, *_):
 
 
 #: What the public function calls: ``jsd_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``).
+#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
 jsd_forward_eager = register_autograd(jsd_forward_op, _forward, _setup_context, _backward)

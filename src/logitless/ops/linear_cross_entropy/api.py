@@ -224,10 +224,9 @@ def linear_cross_entropy(
         loss, lse, argmax = blocked(x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget,
                                     return_stats, tp)
     else:
-        loss, lse, argmax, *_ = lce_forward_eager(
-            x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
-            return_stats, grad_wanted, in_forward, *need, *tp.args(),
-        )
+        inputs = (x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
+                  return_stats, grad_wanted, in_forward, *need, *tp.args())
+        loss, lse, argmax, *_ = lce_forward_eager.runner(inputs)(*inputs)
 
     def per_token(t: Tensor) -> Tensor:
         t = t.reshape(out_shape)

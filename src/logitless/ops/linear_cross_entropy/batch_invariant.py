@@ -186,6 +186,6 @@ def blocked(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, c
     target (N,) int64, with the arguments the public function checked and prepared
     (autocast casts, shift, vocab_size's slice); the module docstring. ``tp``: a
     vocab-parallel head (``weight`` this rank's rows)."""
-    loss, lse, argmax, _ = _eager(x, weight, bias, target, class_weight, *opts.args(), backend, budget, need_argmax,
-                                  *tp.args())
+    inputs = (x, weight, bias, target, class_weight, *opts.args(), backend, budget, need_argmax, *tp.args())
+    loss, lse, argmax, _ = _eager.runner(inputs)(*inputs)
     return loss, lse, argmax

@@ -281,5 +281,5 @@ def _backward(ctx, grad_loss, grad_lse, *_):
 
 
 #: What the public function calls: ``lce_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``).
+#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
 lce_forward_eager = register_autograd(lce_forward, _forward, _setup_context, _backward)

@@ -235,9 +235,9 @@ def linear_jsd(
                   and not tp.parallel and backend != "helion" and not torch.compiler.is_compiling())
     # (no tokens on one device: no backend runs)
     impl = resolve_backend(backend, xs.device, xs.dtype, LINEAR_BACKENDS) if xs.shape[0] or tp.parallel else "torch"
-    loss = linear_jsd_forward_eager(
-        xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target,
-        *opts.args(), reduction, memory_budget, impl, in_forward, *need, *tp.args())[0]
+    inputs = (xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target, *opts.args(),
+              reduction, memory_budget, impl, in_forward, *need, *tp.args())
+    loss = linear_jsd_forward_eager.runner(inputs)(*inputs)[0]
     if reduction == "none":
         loss = loss.reshape(lead)
         return loss[..., :-1] if shift else loss

@@ -204,8 +204,6 @@ linear_jsd_forward_op = custom_op("linear_jsd_forward", _forward_op, schema=FORW
 linear_jsd_forward_op.register_fake(_forward_fake)
 linear_jsd_backward_op = custom_op("linear_jsd_backward", _backward_impl, schema=BACKWARD_SCHEMA)
 linear_jsd_backward_op.register_fake(_backward_fake)
-#: The eager fast path's backward: the implementation, recording no autograd history.
-_backward_eager = below_autograd(_backward_impl)
 
 
 def _setup_context(ctx, inputs, output):
@@ -244,14 +242,17 @@ def _backward(ctx, grad_loss, *_):
     if forward_grads is not None:
         out = scale_grads([g if g.numel() else None for g in forward_grads], grad_loss, *ctx.dtypes)
     else:
-        # The eager fast path calls the implementation (as the dispatcher runs a custom op's).
-        op = _backward_eager if getattr(ctx, "eager", False) else linear_jsd_backward_op
-        out = op(grad_loss, *saved, ctx.config, *ctx.options, need_dx, need_dw, need_db, *ctx.tp)
+        args = (grad_loss, *saved, ctx.config, *ctx.options, need_dx, need_dw, need_db, *ctx.tp)
+        if getattr(ctx, "eager", False):  # the implementation, as the dispatcher runs a custom op's
+            with below_autograd():
+                out = _backward_impl(*args)
+        else:
+            out = linear_jsd_backward_op(*args)
     out = guard_double_backward(OP, (out[0] if need_dx else None, out[1] if need_dw else None,
                                      out[2] if need_db else None), grad_loss, *saved[:3])
     return (*out, *nones)
 
 
 #: What the public function calls: ``linear_jsd_forward_op`` with its autograd, through a
-#: plain autograd.Function in eager mode (``autograd.EagerOp``: the same computation, bitwise).
+#: plain autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
 linear_jsd_forward_eager = register_autograd(linear_jsd_forward_op, _forward, _setup_context, _backward)

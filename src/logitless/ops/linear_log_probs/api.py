@@ -191,11 +191,12 @@ def linear_log_probs(
                 from .contract import tensor_k_max
 
                 k_max = tensor_k_max(k, block)
-        logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
-                                          need_dw, k, p, mp, k_max, block, *tp.args())
+        inputs = (x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad, need_dw, k, p, mp, k_max,
+                  block, *tp.args())
     else:
-        logp, ent, *_ = llp_forward_eager(x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad,
-                                          need_dw, None, None, None, -1, 0, *tp.args())
+        inputs = (x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad, need_dw, None, None, None,
+                  -1, 0, *tp.args())
+    logp, ent, *_ = llp_forward_eager.runner(inputs)(*inputs)
     logp = logp.reshape(out_shape)
     if not opts.entropy:
         return logp

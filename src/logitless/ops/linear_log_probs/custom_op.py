@@ -308,5 +308,5 @@ def _backward(ctx, grad_logp, grad_entropy, *_):
 
 
 #: What the public function calls: ``llp_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``).
+#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
 llp_forward_eager = register_autograd(llp_forward, _forward, _setup_context, _backward)

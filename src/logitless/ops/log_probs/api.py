@@ -104,13 +104,12 @@ def log_probs(
             raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
         k, p, mp, k_max = (trunc.top_k, trunc.top_p, trunc.min_p, -1 if trunc.k_max is None else trunc.k_max) \
             if trunc is not None else (None, None, None, 0)
-        logp, ent, *_ = lp_forward_eager(flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, k, p, mp,
-                                         k_max, batch_invariant)
+        inputs = (flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, k, p, mp, k_max, batch_invariant)
     else:
         if impl == "torch" and flat.stride(-1) != 1:
             flat = flat.contiguous()
-        logp, ent, *_ = lp_forward_eager(flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, None, None,
-                                         None, 0, False)
+        inputs = (flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, None, None, None, 0, False)
+    logp, ent, *_ = lp_forward_eager.runner(inputs)(*inputs)
     logp = logp.reshape(tokens.shape)
     if not opts.entropy:
         return logp

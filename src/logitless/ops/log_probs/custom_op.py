@@ -126,8 +126,6 @@ lp_backward = custom_op("lp_backward", _backward_impl, schema=BACKWARD_SCHEMA)
 lp_backward.register_fake(_backward_fake)
 
 
-_backward_eager = below_autograd(_backward_impl)
-
 
 def _setup_context(ctx, inputs, output):
     """Saved: logits, tokens, logp (truncated or batch-invariant calls only: where it is
@@ -156,11 +154,15 @@ def _backward(ctx, grad_logp, grad_entropy, *_):
     args = (grad_logp, grad_entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config, *ctx.options)
     # The eager fast path calls the implementation, recording no autograd history (as the
     # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-    dz = _backward_eager(*args) if getattr(ctx, "eager", False) else lp_backward(*args)
+    if getattr(ctx, "eager", False):
+        with below_autograd():
+            dz = _backward_impl(*args)
+    else:
+        dz = lp_backward(*args)
     (dz,) = guard_double_backward(OP, (dz,), grad_logp, grad_entropy, logits)
     return (dz, *nones)
 
 
 #: What the public function calls: ``lp_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``).
+#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
 lp_forward_eager = register_autograd(lp_forward, _forward, _setup_context, _backward)
