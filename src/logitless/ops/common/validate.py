@@ -20,7 +20,6 @@ from logitless.distributed.dtensor import dtensor_type as _dtensor_type
 from logitless.options import (
     _CHECK_TARGETS_ON_GPU,  # (a list read in place: no call on the hot path)
     DEFAULT_MEMORY_BUDGET,
-    GPU_BUDGET_SHARE,  # noqa: F401  (re-exported: the share, defined with the rule in options)
     budget_of_total_memory,
     check_memory_budget,
 )
@@ -235,7 +234,7 @@ _TOTAL_MEMORY: dict = {}
 
 def default_memory_budget(device: torch.device) -> int:
     """``memory_budget=None`` of ``linear_cross_entropy``, ``linear_jsd`` and
-    ``linear_log_probs`` on ``device``: ``GPU_BUDGET_SHARE`` of a GPU's total memory (whole
+    ``linear_log_probs`` on ``device``: ``options.GPU_BUDGET_SHARE`` of a GPU's total memory (whole
     MiB, at least ``DEFAULT_MEMORY_BUDGET``); ``DEFAULT_MEMORY_BUDGET`` on other devices."""
     if device.type != "cuda":
         return DEFAULT_MEMORY_BUDGET
