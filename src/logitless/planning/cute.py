@@ -36,8 +36,8 @@ Where the Triton forward is faster (``triton_faster``; the automatic choice only
 per CTA (pipeline fill and epilogue not amortised); the entropy term where the grouped
 order is needed; x in flight above ``TRITON_X_OVER_L2`` times L2; and more than
 ``KEEP_SHARE`` of the columns kept (the kernel stores kept values element by element,
-Triton by TMA tiles; at 512-1024 tokens too, where the default budget keeps them all). The measurements behind these
-thresholds are in docs/design.md ("CuTe forward").
+Triton by TMA tiles; at 512-1024 tokens too, where the default budget keeps them all).
+The measurements behind these thresholds are in docs/design.md ("CuTe forward").
 """
 
 from __future__ import annotations

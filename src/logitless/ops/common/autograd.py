@@ -95,11 +95,10 @@ class EagerOp:
             return out
 
         name = getattr(op, "_name", getattr(impl, "__name__", "op")).split("::")[-1]
-        self.op = op
-        self.function = type(f"Eager_{name}", (torch.autograd.Function,), {
+        function = type(f"Eager_{name}", (torch.autograd.Function,), {
             "forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__,
         })
-        self.eager = self.function.apply
+        self.op, self.eager = op, function.apply
 
     def runner(self, inputs: tuple) -> Callable:
         """What runs the op on ``inputs``: ``eager`` where ``eager_fast_path_ok``, else the
