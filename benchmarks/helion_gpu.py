@@ -165,7 +165,7 @@ def _tune_args(kernel: str):
         return ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts, span=span), (n, h, v)
     lse = hce.lce_forward(x, w, None, t, None, opts).lse
     coef = grad_coefficients(lse, t, torch.full((n,), 1.0 / n, device=DEVICE), v, None, opts)
-    args = hce.backward_args(x, w[:c], None, t, None, lse, coef, opts)
+    args = hce.backward_args(x, w[:c], None, t, None, lse, coef, opts.softcap)
     return grad_kernels.linear_dlogits, args, (n, h, c)
 
 
@@ -321,7 +321,7 @@ def lowerings() -> dict:
     t, opts = torch.randint(0, v, (n,)), CrossEntropyOptions()
     lse, coef = torch.zeros(n), torch.zeros(3, n)
     cases = [("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, opts)),
-             ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, None, t, None, lse, coef, opts))]
+             ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, None, t, None, lse, coef, opts.softcap))]
     out = {}
     for backend in ("cute", "pallas"):
         for name, base, args in cases:

@@ -135,11 +135,14 @@ def eager_fast_path(on: bool):
     import contextlib
     from unittest import mock
 
-    from logitless.ops.common import autograd
+    from logitless.ops.common import autograd, glue
 
     if on:
         return contextlib.nullcontext()
-    return mock.patch.object(autograd, "eager_fast_path_ok", lambda inputs: False)
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(glue, "eager_fast_path_ok", lambda tensors: False))
+    stack.enter_context(mock.patch.object(autograd, "eager_fast_path_ok", lambda inputs: False))
+    return stack
 
 
 class PassThrough(TorchDispatchMode):

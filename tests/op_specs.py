@@ -181,26 +181,33 @@ def _lce_opcheck(backend):
     case = _lce_make({"lead": (13,), "hidden": 24, "vocab": 104}, torch.float32, opts, seed=5)
     x, w, t, b = case.args
     cw = case.kwargs["class_weight"]
-    options = (-100, "mean", 0.1, 4.0, 1e-3, backend, 6_000, True)
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_cross_entropy.api import OPS
+    from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs
+    from logitless.options import CrossEntropyOptions, VocabParallelOptions
+
+    opts = CrossEntropyOptions(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
+    need, tp = Needs(True, True, True), VocabParallelOptions()
     # Not test_aot_dispatch_dynamic: it hands every output to the caller, and the kept
     # columns, which the backward overwrites in place, would then be an output mutated
     # by the backward. The public function never returns them; the compile tests of
     # test_training_loops.py cover that path (fullgraph, dynamic, kept columns).
     forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for need_grad in (True, False):
-        args = (x, w, b, t, cw, *options, need_grad, False, True, True, True)
-        yield custom_op("lce_forward"), args, forward_utils
-        loss, lse, argmax, w_t, keep, keep_max, plan, *_ = custom_op("lce_forward")(*args)
-        decoded = LCE_BACKENDS[backend].codec.decode(plan)  # (the custom op carries the Config encoded)
+        call = LceCall(x, w, b, t, cw, opts, backend, 6_000, need_argmax=True, need_grad=need_grad,
+                       grad_in_forward=False, need=need, batch_invariant=False, tp=tp)
+        yield custom_op("lce_forward"), OPS.args(call), forward_utils
+        out = LceOutputs._make(custom_op("lce_forward")(*OPS.args(call)))
+        decoded = LCE_BACKENDS[backend].codec.decode(out.config)  # (the custom op carries the Config encoded)
         if backend == "triton" and need_grad:
-            assert 1 < keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
+            assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
         else:
-            assert keep.shape == (1, 1) and not getattr(decoded, "keeps", False)  # nothing kept
+            assert out.keep.shape == (1, 1) and not getattr(decoded, "keeps", False)  # nothing kept
         grad_loss = torch.rand((), device=DEVICE) + 0.5
-        grad_lse = torch.randn(lse.shape, device=DEVICE)  # the per-token lse is differentiable
-        yield custom_op("lce_backward"), (grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw,
-                                     lse.detach(), w_t, keep, keep_max, plan, *options[:-1],
-                                     True, True, True), None
+        grad_lse = torch.randn(out.lse.shape, device=DEVICE)  # the per-token lse is differentiable
+        bcall = LceBackwardCall(grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw, out.lse.detach(),
+                                out.w_t, out.keep, out.keep_max, out.config, opts, backend, False, need, tp)
+        yield custom_op("lce_backward"), OPS.backward_args(bcall), None
 
 
 LINEAR_CROSS_ENTROPY = OpSpec(

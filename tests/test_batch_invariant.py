@@ -23,11 +23,18 @@ def _data(n, h, v, seed, dtype=torch.float32):
     return x, w, b, t
 
 
+def _rows(backend: str) -> int:
+    """Rows per block of ``backend`` (its ``invariant_rows``) on the test device."""
+    from logitless.ops.linear_cross_entropy.api import BACKENDS as LCE
+
+    return invariant.rows(LCE[backend], DEVICE)
+
+
 def _batches(backend, n_rows):
     """(indices of the rows of interest inside it, batch row order) for batches of other
     sizes and positions: alone, first of a small batch, in the middle of a batch larger
     than one block, at the end of an odd batch."""
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     big = block + 5
     return [
         [0], list(range(n_rows)), list(range(n_rows))[::-1] + list(range(n_rows, 3 + n_rows)),
@@ -36,7 +43,7 @@ def _batches(backend, n_rows):
 
 
 def _rows_equal(fn, backend, n=None):
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     total = block + 8
     outs = {}
     for order in _batches(backend, 4):
@@ -57,7 +64,7 @@ def _rows_equal(fn, backend, n=None):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("trunc", [{}, {"top_k": 5, "top_p": 0.9}])
 def test_linear_log_probs(backend, trunc):
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     x, w, b, t = _data(block + 8, 19, 67, seed=1)
     if backend == "triton":  # (a CPU BLAS's bits may follow a row's place in the tile)
         x, w, b = exact_for_interpreter(x, w, b)
@@ -72,7 +79,7 @@ def test_linear_log_probs(backend, trunc):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_log_probs_gradients_match_default(backend):
     """The blocked path's values and gradients agree with the default path (not bitwise)."""
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     x, w, b, t = _data(block + 3, 19, 67, seed=2)
     grads = []
     outs = []
@@ -88,7 +95,7 @@ def test_linear_log_probs_gradients_match_default(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_cross_entropy(backend):
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     x, w, b, t = _data(block + 8, 21, 61, seed=3)
     if backend == "triton":  # (a CPU BLAS's bits may follow a row's place in the tile)
         x, w, b = exact_for_interpreter(x, w, b)
@@ -106,7 +113,7 @@ def test_linear_cross_entropy(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_linear_cross_entropy_matches_default(backend, reduction):
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     x, w, b, t = _data(block + 3, 21, 61, seed=4)
     t[::4] = -100
     cw = torch.rand(61, generator=torch.Generator().manual_seed(0)).to(DEVICE) + 0.5
@@ -123,7 +130,7 @@ def test_linear_cross_entropy_matches_default(backend, reduction):
 
 
 def test_log_probs():
-    x, w, b, t = _data(invariant.invariant_rows("torch", DEVICE) + 16, 9, 53, seed=5)  # (_rows_equal's rows)
+    x, w, b, t = _data(_rows("torch") + 16, 9, 53, seed=5)  # (_rows_equal's rows)
     logits = (x @ w.T).cpu()
     t = t.cpu()
 
@@ -190,7 +197,7 @@ def _option_run(backend, case, inv, x, w, b, t, r):
 def test_linear_cross_entropy_option_gradients_match_default(backend, case):
     if case == "float64" and backend != "torch":
         pytest.skip("float64 runs on the torch backend only")
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     x, w, b, t = _data(3 * (block // 2 + 1), 21, 61, seed=6)  # 3 sequences (shift), over one block
     t[::5] = 7 if case == "ignore_index" else -100
     if case in ("vocab_size", "combined"):
@@ -211,18 +218,18 @@ def test_linear_cross_entropy_option_gradients_match_default(backend, case):
 def test_linear_cross_entropy_one_backward_same_bits_with_grad(backend, monkeypatch):
     """Under a gradient the per-token outputs are the no-grad bits; the backward runs the
     backend's backward once over the batch (one dW), whatever the number of blocks."""
-    from logitless.ops.linear_cross_entropy import custom_op
+    from logitless.ops.linear_cross_entropy.api import BACKENDS as LCE
 
-    block = invariant.invariant_rows(backend, DEVICE)
+    block = _rows(backend)
     x, w, b, t = _data(2 * block + 5, 21, 61, seed=7)
     kw = dict(reduction="none", return_stats=True, softcap=5.0, z_loss=1e-3, backend=backend, batch_invariant=True)
     with torch.no_grad():
         loss0, st0 = logitless.linear_cross_entropy(x, w, t, b, **kw)
-    impl = custom_op.BACKENDS[backend]
+    impl = LCE[backend]
     calls, fwd = [], []
-    real, real_fwd = impl.backward, custom_op._forward
+    real, real_fwd = impl.backward, impl.forward
     monkeypatch.setattr(impl, "backward", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    monkeypatch.setattr(custom_op, "_forward", lambda *a, **k: fwd.append(a[0].shape[0]) or real_fwd(*a, **k))
+    monkeypatch.setattr(impl, "forward", lambda *a, **k: fwd.append(a[0].shape[0]) or real_fwd(*a, **k))
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss, st = logitless.linear_cross_entropy(xs, ws, t, b, **kw)
     assert torch.equal(loss, loss0) and torch.equal(st.lse, st0.lse) and torch.equal(st.argmax, st0.argmax)

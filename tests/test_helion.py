@@ -109,7 +109,7 @@ def test_linear_cross_entropy(case, size, vocab_span):
     ref.backward()
     g = ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean")
     coef = ce_f.grad_coefficients(stats.lse, t, g, v, cw, opts)
-    dx, dw, db = hce.lce_backward(x, w, bias, t, cw, stats.lse, coef, opts)
+    dx, dw, db = hce.lce_backward(x, w, bias, t, hce.dz_class_weight(cw, opts), stats.lse, coef, opts.softcap)
     torch.testing.assert_close(dx.double(), xr.grad, **TOL)
     torch.testing.assert_close(dw.double(), wr.grad, **TOL)
     if bias is not None:
@@ -159,7 +159,8 @@ def test_backward_in_vocabulary_chunks():
         jo = JSDOptions(beta=0.3, temperature=1.5, student_softcap=2.5, hard_label_weight=0.3)
         jst = hjsd.jsd_forward(xd, wd, b, xtd, wtd, bt, t, jo)
         g = jsd_f.upstream(torch.ones(n, device=DEVICE), t, jo.ignore_index)
-        for run in (lambda **k: hce.lce_backward(xd, wd, b, t, cw, stats.lse, coef, ce, **k),
+        for run in (lambda **k: hce.lce_backward(xd, wd, b, t, hce.dz_class_weight(cw, ce), stats.lse, coef,
+                                                 ce.softcap, **k),
                     lambda **k: hlp.logp_backward(xd, wd, b, t, lst.lse, lcoef, lp, **k),
                     lambda **k: hjsd.jsd_backward(xd, wd, b, xtd, wtd, bt, t, jst, g, jo, **k)):
             whole = run(chunk=v)
@@ -181,9 +182,9 @@ def test_backward_skips_unneeded_kernels():
     opts = CrossEntropyOptions()
     stats = hce.lce_forward(x, w, b, t, None, opts)
     coef = torch.rand(3, 9).to(DEVICE)
-    dx, dw, db = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts)
-    only_dx = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts, need_dw=False)
-    only_dw = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts, need_dx=False)
+    dx, dw, db = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts.softcap)
+    only_dx = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts.softcap, need_dw=False)
+    only_dw = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts.softcap, need_dx=False)
     assert only_dx[1] is None and only_dx[2] is None and torch.equal(only_dx[0], dx)
     assert only_dw[0] is None and torch.equal(only_dw[1], dw) and torch.equal(only_dw[2], db)
 
@@ -363,8 +364,9 @@ def _lowering_cases():
     for name, kernel, args in [
         ("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, b, t, cw, ce_all, True)),
         ("ce_forward", ce_kernels.ce_forward, hce.forward_args(x, w, None, t, None, ce_plain)),
-        ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, b, t, cw, lse, coef, ce_all)),
-        ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, None, t, None, lse, coef, ce_plain)),
+        ("ce_dz", grad_kernels.linear_dlogits,
+         hce.backward_args(x, w, b, t, hce.dz_class_weight(cw, ce_all), lse, coef, ce_all.softcap)),
+        ("ce_dz", grad_kernels.linear_dlogits, hce.backward_args(x, w, None, t, None, lse, coef, ce_plain.softcap)),
         ("logp_forward", log_probs_kernels.logp_forward, hlp.forward_args(x, w, b, t, lp_all)),
         ("logp_forward", log_probs_kernels.logp_forward, hlp.forward_args(x, w, None, t, lp_plain)),
         ("logp_dz", grad_kernels.linear_dlogits, hlp.backward_args(x, w, b, t, lse, coef, lp_all)),
@@ -425,7 +427,7 @@ def test_bf16_inputs_all_options():
     ref.backward()
     g = ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean")
     coef = ce_f.grad_coefficients(stats.lse, t, g, v, None, opts)
-    dx, dw, db = hce.lce_backward(x16, w16, b, t, None, stats.lse, coef, opts)
+    dx, dw, db = hce.lce_backward(x16, w16, b, t, None, stats.lse, coef, opts.softcap)
     assert dx.dtype == dw.dtype == torch.bfloat16
     for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
         torch.testing.assert_close(got.double(), want, **tol)
@@ -479,7 +481,7 @@ def test_minus_inf_bias_masks_classes():
     ref.backward()
     coef = ce_f.grad_coefficients(stats.lse, t, ce_f.upstream_per_token(torch.ones((), device=DEVICE), w_t, "mean"),
                                   v, None, opts)
-    dx, dw, _ = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts)
+    dx, dw, _ = hce.lce_backward(x, w, b, t, None, stats.lse, coef, opts.softcap)
     torch.testing.assert_close(dx.double(), xr.grad, **TOL)
     torch.testing.assert_close(dw.double(), wr.grad, **TOL)
     lopts = LogProbOptions(temperature=0.9)

@@ -424,9 +424,14 @@ def test_fallback_backend_by_device():
 
 
 def test_auto_never_picks_helion():
+    from logitless.ops.linear_cross_entropy.api import BACKENDS as LCE
+    from logitless.ops.linear_jsd.api import BACKENDS as LJSD
+    from logitless.ops.linear_log_probs.api import BACKENDS as LLP
+
     for device in (torch.device("cpu"), torch.device("cuda", 0)):
         for dtype in (torch.float32, torch.bfloat16):
-            assert dispatch.resolve_backend("auto", device, dtype, dispatch.LINEAR_BACKENDS) != "helion"
+            for table in (LCE, LJSD, LLP):
+                assert dispatch.resolve_backend("auto", device, dtype, table) != "helion"
 
 
 def test_bad_input():

@@ -31,10 +31,12 @@ def test_triton_backend_without_triton_names_pip_install(monkeypatch):
 
 
 def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
+    from logitless.ops.linear_cross_entropy.api import BACKENDS as LCE
+
     monkeypatch.setattr(dispatch, "HAS_TRITON", True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1.*backend='torch'"):
-        dispatch.resolve_backend("triton", torch.device("cpu"), torch.float32)
+        dispatch.resolve_backend("triton", torch.device("cpu"), torch.float32, LCE)
 
 
 _NO_TORCH = r"""

@@ -353,9 +353,10 @@ INVARIANT_CASES = [
 def _invariant_worker(rank, world, device, rows):
     cases_worker(rank, world, device, _check_case, [rows], INVARIANT_CASES)
     from logitless.ops.common import invariant
+    from logitless.ops.linear_cross_entropy.api import BACKENDS
 
     pg = dist.group.WORLD
-    n = invariant.invariant_rows("torch", device) + 9
+    n = invariant.rows(BACKENDS["torch"], device) + 9
     x, w, b, t, cw = head_inputs(4, (n,), 24, sum(rows), sum(rows), torch.float32, device, bias=True, cw=True)
     mine = blocks(rows, rank)
     seen = {}

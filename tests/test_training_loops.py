@@ -9,6 +9,7 @@ on the interpreter. On a GPU the same tests run on CUDA tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import pytest
@@ -17,9 +18,12 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import cross_entropy, linear_cross_entropy
+from logitless.ops.common.contract import Needs
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
-from logitless.ops.linear_cross_entropy import custom_op as lce_ops
+from logitless.ops.linear_cross_entropy.api import OPS as LCE
+from logitless.ops.linear_cross_entropy.contract import LceCall, LceOutputs
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
+from logitless.options import CrossEntropyOptions, VocabParallelOptions
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
 
@@ -400,16 +404,18 @@ def test_grad_in_forward_through_the_op(chunk):
 
     x, w, b, t = _lce_inputs((13,), 24, 101, seed=12)
     cw = (torch.rand(101, generator=_gen(12)) + 0.5).to(DEVICE)
-    options = (-100, "mean", 0.1, 4.0, 1e-3, "triton", 1 << 20, False, True)
-    args = (x, w, b, t, cw, *options, True, True, True, True)  # (the strategy allowed; the plan forced)
+    opts = CrossEntropyOptions(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
+    call = LceCall(x, w, b, t, cw, opts, "triton", 1 << 20, need_argmax=False, need_grad=True,
+                   grad_in_forward=True, need=Needs(True, True, True), batch_invariant=False,
+                   tp=VocabParallelOptions())  # (the strategy allowed; the plan forced)
     with override(strategy=("grad_in_forward", chunk)):
-        torch.library.opcheck(lce_ops.lce_forward, args,
+        torch.library.opcheck(LCE.forward_op, LCE.args(call),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        out = lce_ops.lce_forward(*args)
-    loss = out[0]
-    assert out[7].shape == x.shape  # gx: the forward used the strategy
+        out = LceOutputs._make(LCE.forward_op(*LCE.args(call)))
+    loss = out.loss
+    assert out.gx.shape == x.shape  # gx: the forward used the strategy
     grads = torch.autograd.grad(loss * 0.5, (x, w, b))
-    usual = lce_ops.lce_forward(*args[:14], False, True, True, True)[0]
+    usual = LCE.forward_op(*LCE.args(dataclasses.replace(call, grad_in_forward=False)))[0]
     expected = torch.autograd.grad(usual * 0.5, (x, w, b))
     torch.testing.assert_close(loss, usual)
     for a, e in zip(grads, expected):
@@ -514,8 +520,10 @@ def test_backward_gets_no_zero_filled_gradients_for_side_outputs():
     x, w, b, t = _lce_inputs((40,), 24, 104, seed=3)  # fp32
     budget = 1 << 30  # keeps every column on the Triton backend
     loss, stats = linear_cross_entropy(x, w, t, b, backend="triton", memory_budget=budget, return_stats=True)
-    kept = lce_ops.lce_forward(x.detach(), w.detach(), b.detach(), t, None, -100, "mean", 0.0, None, 0.0,
-                               "triton", budget, False, True, False, True, True, True)[4]
+    call = LceCall(x.detach(), w.detach(), b.detach(), t, None, CrossEntropyOptions(), "triton", budget,
+                   need_argmax=False, need_grad=True, grad_in_forward=False, need=Needs(True, True, True),
+                   batch_invariant=False, tp=VocabParallelOptions())
+    kept = LceOutputs._make(LCE.forward_op(*LCE.args(call))).keep
     assert kept.shape[0] == 40 and kept.shape[1] >= 104  # the forward did keep columns
 
     class Zeros(TorchDispatchMode):

@@ -46,13 +46,18 @@ def merge_forward(parts: tuple, num_classes: int, need_smooth: bool, need_argmax
     return TokenStats(lse, zt.sum(0), smooth.sum(0) if need_smooth else None, argmax)
 
 
-def backward_args(x, weight, bias, target, class_weight, lse, coef, opts) -> tuple:
-    """The arguments of ``grad_kernels.linear_dlogits`` (LOG_PROBS False), for all of V."""
-    cap, has_cap = _cap(opts)
-    # C = eps / V is 0 without label smoothing: the class weights then never enter dz.
-    cw = class_weight if opts.needs_smooth_sum else None
-    return (x, weight, bias, target, cw, lse.float().contiguous(), coef.float().contiguous(), cap, 1.0, has_cap,
-            False, False)
+def dz_class_weight(class_weight: Optional[Tensor], opts: CrossEntropyOptions) -> Optional[Tensor]:
+    """The class weights dz reads: its C term is eps / V, 0 without label smoothing, so they
+    enter dz only with label smoothing."""
+    return class_weight if opts.needs_smooth_sum else None
+
+
+def backward_args(x, weight, bias, target, dz_weight, lse, coef, softcap: Optional[float]) -> tuple:
+    """The arguments of ``grad_kernels.linear_dlogits`` (LOG_PROBS False), for all of V;
+    ``dz_weight``: the class weights of dz's C term (``dz_class_weight``) or None."""
+    cap, has_cap = (float(softcap), True) if softcap is not None else (1.0, False)
+    return (x, weight, bias, target, dz_weight, lse.float().contiguous(), coef.float().contiguous(), cap, 1.0,
+            has_cap, False, False)
 
 
 def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
@@ -76,11 +81,12 @@ def lce_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
 
 
 def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                 class_weight: Optional[Tensor], lse: Tensor, coef: Tensor, opts: CrossEntropyOptions,
+                 dz_weight: Optional[Tensor], lse: Tensor, coef: Tensor, softcap: Optional[float],
                  config: Optional[dict] = None, need_dx: bool = True, need_dw: bool = True,
                  budget: Optional[int] = None, chunk: Optional[int] = None, dx_acc: bool = False,
                  ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(dx, dW, db or None) for the per-token coefficients ``coef`` ((3, N): A, B, C of
+    """(dx, dW, db or None) for the per-token coefficients ``coef`` (``dz_weight``: the class
+    weights of dz's C term, ``dz_class_weight``) ((3, N): A, B, C of
     ``formulas.cross_entropy``, 0 at ignored tokens); dx, dW in x's / W's dtype, db in fp32
     (the caller casts it to the bias dtype). ``grad_kernels.backward``: dz per vocabulary
     chunk of ``chunk`` columns (default: ``vocab_chunk`` of ``budget`` bytes), cuBLAS for
@@ -90,5 +96,5 @@ def lce_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tens
     require()
     from logitless.helion_lib.grad_kernels import backward
 
-    return backward(backward_args(x, weight, bias, target, class_weight, lse, coef, opts), "ce", config,
+    return backward(backward_args(x, weight, bias, target, dz_weight, lse, coef, softcap), "ce", config,
                     need_dx, need_dw, budget=budget, chunk=chunk, dx_acc=dx_acc)

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import has_torch_function_variadic
 
-from logitless.ops.common.validate import BACKENDS
+from logitless.ops.linear_cross_entropy.api import BACKENDS
 from logitless.ops.linear_cross_entropy.api import linear_cross_entropy as _logitless_lce
 from logitless.options import check_memory_budget
 
@@ -229,8 +229,8 @@ def patch_torch(*, memory_budget: Optional[int] = None, backend: str = "auto") -
             "there is nothing to patch. Call logitless.linear_cross_entropy(x, head_weight, target, bias, "
             "class_weight=...) directly (its `weight` is the head's weight, torch's `weight` is class_weight)."
         )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto" and backend not in BACKENDS.entries:
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS.names())}, got {backend!r}")
     memory_budget = check_memory_budget(memory_budget) if memory_budget is not None else None
     previous = _active if is_patched() else None
     _install(_Settings(memory_budget, backend))

@@ -39,8 +39,9 @@ from torch import Tensor
 from logitless.formulas.log_probs import dlogits_, grad_coefficients
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.contract import TritonKind
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
-from logitless.ops.common.validate import LINEAR_BACKENDS, check_targets_in_range, resolve_backend
+from logitless.ops.common.validate import check_targets_in_range, resolve_backend
 from logitless.ops.linear_log_probs import linear_log_probs as _linear_log_probs
 from logitless.ops.linear_log_probs.torch_backend import scaled_tile
 from logitless.options import LogProbOptions
@@ -240,8 +241,10 @@ def head_fields(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor
                          "do not fit: x (..., H), weight (V, H), labels (...)")
     flat = labels.reshape(-1).long()
     x2d = x.reshape(-1, x.shape[-1])
-    impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
-    if impl == "triton" and x2d.shape[0] > 0:
+    from logitless.ops.linear_log_probs.api import BACKENDS
+
+    impl = resolve_backend(backend, x.device, x.dtype, BACKENDS)
+    if issubclass(BACKENDS.kind(impl), TritonKind) and x2d.shape[0] > 0:  # (its fields' Triton kernels)
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
         opts = LogProbOptions.checked(temperature=temperature, entropy=want["entropy"], softcap=softcap,

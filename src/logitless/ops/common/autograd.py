@@ -22,10 +22,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+#: "logitless::<name>" -> the Python implementation behind the custom op (one registry,
+#: ``glue.EAGER``).
+from logitless.ops.common.glue import EAGER  # noqa: E402, F401
 from logitless.planning import overrides as _overrides
-
-#: "logitless::<name>" -> the Python implementation behind the custom op.
-EAGER: dict[str, Callable] = {}
 
 
 def custom_op(name: str, fn: Callable, *, mutates_args=(), schema: Optional[str] = None):
@@ -161,22 +161,4 @@ def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> t
     return tuple(out)
 
 
-def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor],
-                 need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The (dx, dw, db) outputs of a backward custom op: each gradient where needed, else
-    a size-0 tensor of x's dtype and device (distinct ones: a custom op's outputs may
-    not alias each other)."""
-    return (dx if need_dx else x.new_empty(0), dw if need_dw else x.new_empty(0), db if need_db else x.new_empty(0))
-
-
-def fake_grad_outputs(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_dx: bool, need_dw: bool,
-                      need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``grad_outputs`` of a backward custom op's fake: gradients shaped like x, weight
-    and bias where needed."""
-    return grad_outputs(x, torch.empty_like(x) if need_dx else None, torch.empty_like(weight) if need_dw else None,
-                        torch.empty_like(bias) if need_db else None, need_dx, need_dw, need_db)
-
-
-def zero_grads(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
-    """(dx, dw, db) of an op on no tokens: zeros (db None without a bias)."""
-    return torch.zeros_like(x), torch.zeros_like(weight), torch.zeros_like(bias) if bias is not None else None
+from logitless.ops.common.glue import fake_grad_outputs, grad_outputs, zero_grads  # noqa: E402, F401

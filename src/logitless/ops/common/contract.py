@@ -23,12 +23,13 @@ fast path (``autograd.EagerOp``: the same Python implementation without the disp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from logitless.ops.common import plan_codec
+from logitless.ops.common import invariant, plan_codec, validate
 from logitless.ops.common.autograd import EagerOp, under_forward_overrides
 
 
@@ -38,10 +39,21 @@ class ConfigCodec:
     an object passes through: the eager fast path hands the backward the object itself),
     ``fake()`` (the fake implementation's output: the encoding's shape, no planning)."""
 
-    __slots__ = ("cls",)
+    __slots__ = ("cls", "_blocked")
 
     def __init__(self, cls: type):
         self.cls = cls
+        self._blocked = None
+
+    @property
+    def blocked(self) -> ConfigCodec:
+        """The codec of this backend's batch-invariant Configs (``invariant.blocked``: the
+        rows per block, the Config of a block and the backward's over the batch)."""
+        if self._blocked is None:
+            from logitless.ops.common.invariant import blocked
+
+            self._blocked = ConfigCodec(blocked(self.cls))
+        return self._blocked
 
     def encode(self, config: Any) -> Tensor:
         return plan_codec.encode(config, self.cls)
@@ -53,6 +65,16 @@ class ConfigCodec:
         return plan_codec.fake(self.cls)
 
 
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients of a fused linear op's student/model head a call computes: of x,
+    of the weight, of the bias (a field of the ops' declared calls, ``glue.Call``)."""
+
+    need_dx: bool = False
+    need_dw: bool = False
+    need_db: bool = False
+
+
 class Backend(Protocol):
     """What every backend of every op has (module docstring); an op's own Protocol adds
     its typed ``plan``, ``forward`` and ``backward``."""
@@ -60,23 +82,90 @@ class Backend(Protocol):
     name: str
     codec: ConfigCodec
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        """None when this backend runs calls on such tensors, else why not."""
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[Exception]:
+        """None when this backend runs calls on such tensors, else the error saying why not."""
         ...
 
 
-class BackendTable(dict):
-    """An op's backends by name (``api.BACKENDS``), each made by its factory on first use
-    (a backend whose module needs an optional package, triton or helion, is imported only
-    when a call asks for it); then a plain dict lookup."""
+class Lazy:
+    """A table entry whose backend is made on first use by ``factory`` (its module needs an
+    optional package: triton, helion), with ``kind``, the backend's kind class (its
+    capabilities: ``automatic_on``, ``unsupported``), known without importing it."""
 
-    def __init__(self, **factories: Callable[[], Any]):
+    __slots__ = ("kind", "factory")
+
+    def __init__(self, kind: type, factory: Callable[[], Any]):
+        self.kind, self.factory = kind, factory
+
+
+class BackendTable(dict):
+    """An op's backends by name (``api.BACKENDS``), in the order the automatic choice tries
+    them (``validate.resolve_backend``). Each entry is a backend class (made on first use)
+    or a ``Lazy`` one; then a plain dict lookup."""
+
+    def __init__(self, **entries: Any):
         super().__init__()
-        self.factories = factories
+        self.entries = entries
+
+    def names(self) -> tuple:
+        """The backends' names, in the table's order."""
+        return tuple(self.entries)
+
+    def kind(self, name: str) -> type:
+        """The class whose attributes describe backend ``name`` (without making it)."""
+        entry = self.entries[name]
+        return entry.kind if isinstance(entry, Lazy) else entry
 
     def __missing__(self, name: str):
-        backend = self[name] = self.factories[name]()
+        entry = self.entries[name]
+        backend = self[name] = entry.factory() if isinstance(entry, Lazy) else entry()
         return backend
+
+
+# --------------------------------------------------------------------------- backend kinds
+# What every op's backend of one kind shares; an op's backend class derives from its kind.
+# ``automatic_on``: the device types on which ``backend="auto"`` may pick it (None: any);
+# ``unsupported(device, dtype)``: None when it runs such a call, else the error to raise
+# for an explicit ``backend=`` (the automatic choice passes over it);
+# ``invariant_rows``: rows per block under ``batch_invariant`` (device type -> rows).
+
+
+class TorchKind:
+    """backend="torch": the PyTorch path; every device and dtype."""
+
+    name = "torch"
+    automatic_on: Optional[tuple] = None
+    invariant_rows = invariant.TORCH_ROWS
+
+    @staticmethod
+    def unsupported(device: torch.device, dtype: torch.dtype) -> Optional[Exception]:
+        return None
+
+
+class TritonKind:
+    """backend="triton": the Triton kernels (CUDA; on a CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+    automatic_on: Optional[tuple] = ("cuda",)
+    invariant_rows = invariant.TRITON_ROWS
+
+    unsupported = staticmethod(validate.triton_unsupported)
+
+
+class HelionKind:
+    """backend="helion": never chosen automatically; where Helion cannot run, the backend
+    runs another in its place (``helion_choice``)."""
+
+    name = "helion"
+    automatic_on: Optional[tuple] = ()
+    invariant_rows: dict = {}
+
+    @staticmethod
+    def unsupported(device: torch.device, dtype: torch.dtype) -> Optional[Exception]:
+        if dtype == torch.float64:
+            return TypeError("backend='helion' supports float16, bfloat16 and float32; "
+                             "use backend='torch' for float64")
+        return None
 
 
 def register_autograd(forward_op, forward_impl: Callable, setup_context: Callable,

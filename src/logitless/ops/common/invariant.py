@@ -10,15 +10,34 @@ batch: the size, the row's position and its neighbours.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-#: Rows per block: (backend, device type) -> rows (others: 1024).
-INVARIANT_ROWS = {("torch", "cpu"): 64, ("torch", "cuda"): 1024, ("triton", "cuda"): 2048, ("triton", "cpu"): 16}
+#: Rows per block of a backend (its ``invariant_rows`` attribute: device type -> rows;
+#: ``DEFAULT_ROWS`` for a device type it does not name): the torch backends', the Triton
+#: backends' (the interpreter on CPUs: few rows keep it quick).
+TORCH_ROWS = {"cpu": 64, "cuda": 1024}
+TRITON_ROWS = {"cpu": 16, "cuda": 2048}
+DEFAULT_ROWS = 1024
 
 
-def invariant_rows(backend: str, device: torch.device) -> int:
-    return INVARIANT_ROWS.get((backend, device.type), 1024)
+def rows(backend, device: torch.device) -> int:
+    """Rows per block of ``backend`` (an op's backend object) on ``device``."""
+    return backend.invariant_rows.get(device.type, DEFAULT_ROWS)
+
+
+@functools.cache
+def blocked(cls: type) -> type:
+    """The batch-invariant Config over a backend's Config class ``cls``: ``rows`` per block,
+    ``forward`` (``cls``: the Config of one block, which every block follows) and
+    ``backward`` (``cls``: the Config of the backward over the whole batch; None without a
+    gradient). A frozen dataclass with typed fields, so ``plan_codec`` encodes it."""
+    return dataclasses.make_dataclass(f"Blocked{cls.__name__}", [
+        ("rows", int), ("forward", Optional[cls], None), ("backward", Optional[cls], None)], frozen=True)
 
 
 def blocks(n: int, block):

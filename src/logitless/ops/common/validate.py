@@ -28,58 +28,51 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
 
 
-#: The backend names of the public ops (an op's ``api.BACKENDS`` table holds each one's class).
-BACKENDS = ("auto", "triton", "torch")
-#: The fused linear ops' backends: BACKENDS and "helion" (chosen only by name; without a
-#: usable Helion another backend runs: ``helion_choice``).
-LINEAR_BACKENDS = (*BACKENDS, "helion")
-
 #: Whether triton is installed (decided once, at import).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, backends: tuple = BACKENDS) -> str:
-    """The backend ("triton", "torch", or "helion" where ``backends`` has it) for a backend
-    name and the inputs, or a clear error.
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, table) -> str:
+    """The backend of a call, from the op's table (``contract.BackendTable``), or a clear error.
 
-    "auto": Triton for CUDA tensors of 16/32-bit floats when triton is installed, else
-    PyTorch. "triton" needs the triton package (else ModuleNotFoundError naming
-    ``pip install triton``) and, on CPU tensors, TRITON_INTERPRET=1 (the interpreter).
-    "helion" takes 16/32-bit floats; whether Helion can run is decided in the op.
-    """
-    if name not in backends:
-        raise ValueError(f"backend must be one of {backends}, got {name!r}")
-    if name == "helion" and dtype == torch.float64:
-        raise TypeError("backend='helion' supports float16, bfloat16 and float32; use backend='torch' for float64")
+    "auto": the first backend, in the table's order, that the automatic choice may pick on
+    this device (its ``automatic_on``) and whose ``unsupported(device, dtype)`` is None
+    (Triton for CUDA tensors of 16/32-bit floats when triton is installed, else PyTorch).
+    An explicit name runs as asked, or raises its backend's ``unsupported`` error (e.g.
+    "triton" without the triton package, on float64, or on CPU tensors without
+    TRITON_INTERPRET=1)."""
+    entries = table.entries
     if name == "auto":
-        cuda_ok = device.type == "cuda" and dtype != torch.float64
-        name = "triton" if cuda_ok and HAS_TRITON else "torch"
-    if name == "triton":
-        if not HAS_TRITON:
-            raise ModuleNotFoundError(
-                "backend='triton' needs the triton package: pip install triton (on a CPU, then set "
-                "TRITON_INTERPRET=1 for its interpreter); or use backend='torch' (or 'auto')", name="triton")
-        if dtype == torch.float64:
-            raise TypeError("backend='triton' supports float16, bfloat16 and float32; "
-                            "use backend='torch' for float64")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {device}); set "
-                "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter (slow: tests only), "
-                "or use backend='torch'"
-            )
+        for candidate, entry in entries.items():
+            kind = getattr(entry, "kind", entry)  # (a ``contract.Lazy`` entry, or the class)
+            if kind.automatic_on is not None and device.type not in kind.automatic_on:
+                continue
+            if kind.unsupported(device, dtype) is None:
+                return candidate
+        raise RuntimeError(f"no backend of {table.names()} runs {device} tensors of {dtype}")
+    entry = entries.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"backend must be one of {('auto', *table.names())}, got {name!r}")
+    why = getattr(entry, "kind", entry).unsupported(device, dtype)
+    if why is not None:
+        raise why
     return name
 
 
-def triton_unsupported(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """Every Triton backend's ``unsupported`` (``contract.Backend``): None when its kernels
-    run on such tensors, else why not (the conditions ``resolve_backend`` raises on)."""
+def triton_unsupported(device: torch.device, dtype: torch.dtype) -> Optional[Exception]:
+    """Every Triton backend's ``unsupported`` (``contract.TritonKind``): None when its kernels
+    run on such tensors, else the error to raise."""
     if not HAS_TRITON:
-        return "the triton package is not installed"
+        return ModuleNotFoundError(
+            "backend='triton' needs the triton package: pip install triton (on a CPU, then set "
+            "TRITON_INTERPRET=1 for its interpreter); or use backend='torch' (or 'auto')", name="triton")
     if dtype == torch.float64:
-        return "float64 inputs"
+        return TypeError("backend='triton' supports float16, bfloat16 and float32; use backend='torch' for float64")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"{device} tensors without TRITON_INTERPRET=1"
+        return ValueError(
+            f"backend='triton' needs CUDA tensors (got {device}); set "
+            "TRITON_INTERPRET=1 to run the kernels on the CPU interpreter (slow: tests only), "
+            "or use backend='torch'")
     return None
 
 

@@ -14,10 +14,9 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.contract import BackendTable, Lazy, TritonKind
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
-from logitless.ops.common.validate import BACKENDS as BACKEND_NAMES
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
@@ -35,7 +34,7 @@ def _triton() -> CeBackend:
 #: The implementations of cross_entropy, by ``backend=`` name (``contract.CeBackend``; "auto"
 #: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on
 #: first use (its module needs the optional package).
-BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
+BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 use_backends(BACKENDS)
 
 
@@ -199,8 +198,8 @@ def cross_entropy(
         raise ValueError("logits must have at least one dimension (..., V)")
     if isinstance(target, Tensor) and target.is_floating_point():
         check_memory_budget(memory_budget)
-        if backend not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        if backend != "auto" and backend not in BACKENDS.entries:
+            raise ValueError(f"backend must be one of {('auto', *BACKENDS.names())}, got {backend!r}")
         return _soft_target_cross_entropy(logits, target, class_weight, opts, class_dim, return_stats,
                                           inplace_backward)
     logits = _classes_last(logits, target, class_dim)
@@ -211,7 +210,7 @@ def cross_entropy(
     _validate.check_class_vector("class_weight", class_weight, num_classes)
     _validate.check_same_device(logits=logits, target=target, class_weight=class_weight)
     memory_budget = check_memory_budget(memory_budget)
-    impl = resolve_backend(backend, logits.device, logits.dtype)
+    impl = resolve_backend(backend, logits.device, logits.dtype, BACKENDS)
 
     logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
     flat_target = target.reshape(-1).long()

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.cross_entropy import TokenStats, dlogits_
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, TorchKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning.logits import ce_torch_plan
 
@@ -37,15 +37,11 @@ def _chunks(logits: Tensor, rows: int):
         yield r0, r1, logits[r0:r1].to(cd, copy=True)
 
 
-class TorchBackend:
+class TorchBackend(TorchKind):
     """backend="torch" (``contract.CeBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds the rows per chunk."""
 
-    name = "torch"
     codec = ConfigCodec(TorchConfig)
-
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return None
 
     def plan(self, logits: Tensor, *, budget: int) -> TorchConfig:
         n, v = logits.shape

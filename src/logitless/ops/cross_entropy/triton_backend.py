@@ -19,8 +19,7 @@ import triton
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
-from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import triton_unsupported
+from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning.logits import CETritonPlan, ce_triton_plan
 from logitless.triton_lib import ce_logits_kernels as K
@@ -31,14 +30,11 @@ def _cw(class_weight: Optional[Tensor], logits: Tensor) -> Tensor:
     return class_weight.contiguous() if class_weight is not None else logits  # dummy pointer
 
 
-class TritonBackend:
+class TritonBackend(TritonKind):
     """backend="triton" (``contract.CeBackend``): its Config is the call's tiles
     (``planning.logits.CETritonPlan``)."""
 
-    name = "triton"
     codec = ConfigCodec(CETritonPlan)
-
-    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, logits: Tensor, *, budget: int) -> CETritonPlan:
         n, v = logits.shape

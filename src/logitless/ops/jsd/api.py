@@ -19,7 +19,7 @@ from torch import Tensor
 
 from logitless.formulas.jsd import reduce
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.contract import BackendTable, Lazy, TritonKind
 from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import JSDOptions, check_memory_budget
@@ -38,7 +38,7 @@ def _triton() -> JsdBackend:
 #: The implementations of jsd, by ``backend=`` name (``contract.JsdBackend``; "auto" resolves
 #: to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on first use
 #: (its module needs the optional package).
-BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
+BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 use_backends(BACKENDS)
 
 
@@ -117,7 +117,7 @@ def jsd(
         opts = dataclasses.replace(opts, ignore_index=-1)
     else:
         _validate.check_target(target, lead, "the leading dimensions of the logits")
-    impl = resolve_backend(backend, student_logits.device, student_logits.dtype)
+    impl = resolve_backend(backend, student_logits.device, student_logits.dtype, BACKENDS)
     zs = student_logits.reshape(-1, v)
     zt = teacher_logits.reshape(-1, v)
     flat_target = target.reshape(-1).long()

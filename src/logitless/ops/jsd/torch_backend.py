@@ -9,29 +9,23 @@ never a full tokens x vocab temporary beyond the chunk.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.jsd import dlogits, row_stats
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, TorchKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import jsd_torch_rows
 
 from .contract import TorchConfig
 
 
-class TorchBackend:
+class TorchBackend(TorchKind):
     """backend="torch" (``contract.JsdBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds the rows per chunk."""
 
-    name = "torch"
     codec = ConfigCodec(TorchConfig)
-
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return None
 
     def plan(self, zs: Tensor, zt: Tensor, *, budget: int) -> TorchConfig:
         n, v = zs.shape

@@ -16,8 +16,7 @@ import torch
 import triton
 from torch import Tensor
 
-from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import triton_unsupported
+from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import ce_triton_plan, jsd_stats_plan
 from logitless.triton_lib.fast_launch import public_launch
@@ -26,14 +25,11 @@ from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar
 from .contract import TritonConfig
 
 
-class TritonBackend:
+class TritonBackend(TritonKind):
     """backend="triton" (``contract.JsdBackend``): its Config (``TritonConfig``) holds the
     statistics' launch and the backward's tiles."""
 
-    name = "triton"
     codec = ConfigCodec(TritonConfig)
-
-    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, zs: Tensor, zt: Tensor, *, budget: int) -> TritonConfig:
         n, v = zs.shape

@@ -15,14 +15,14 @@ from logitless.distributed import api as _tp
 from logitless.formulas.cross_entropy import LossStats, TokenStats, loss_stats
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, Needs, TritonKind
 from logitless.ops.common.docs import shared_doc
 from logitless.ops.common.module_form import ModuleForm
-from logitless.ops.common.validate import LINEAR_BACKENDS, resolve_backend
+from logitless.ops.common.validate import resolve_backend
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
-from .contract import LceBackend
-from .custom_op import lce_forward_eager, use_backends
+from . import custom_op
+from .contract import LceBackend, LceCall
 from .torch_backend import TorchBackend
 
 
@@ -45,8 +45,9 @@ def _helion() -> LceBackend:
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
 NO_VOCAB_PARALLEL = VocabParallelOptions()
 
-BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
-use_backends(BACKENDS)
+BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
+#: The custom-op pair (logitless::lce_forward / lce_backward) over the table.
+OPS = custom_op.define(BACKENDS)
 
 
 @_validate.torch_weight_hint
@@ -196,7 +197,7 @@ def linear_cross_entropy(
     if shift and x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
     memory_budget = _validate.memory_budget(memory_budget, x.device)
-    impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
+    impl = resolve_backend(backend, x.device, x.dtype, BACKENDS)
 
     out_shape = target.shape
     if shift and target.shape[-1] > 0:
@@ -218,15 +219,9 @@ def linear_cross_entropy(
     # (under torch.compile the keep/recompute strategies serve, as the strategy returns
     # extra state); the op's plan decides whether to use it.
     in_forward = grad_wanted and not parallel and not torch.compiler.is_compiling()
-    if batch_invariant:
-        from .batch_invariant import blocked
-
-        loss, lse, argmax = blocked(x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget,
-                                    return_stats, tp)
-    else:
-        inputs = (x2d, weight, bias, flat_target, class_weight, *opts.args(), impl, memory_budget,
-                  return_stats, grad_wanted, in_forward, *need, *tp.args())
-        loss, lse, argmax, *_ = lce_forward_eager.runner(inputs)(*inputs)
+    call = LceCall(x2d, weight, bias, flat_target, class_weight, opts, impl, memory_budget, return_stats,
+                   grad_wanted, in_forward and not batch_invariant, Needs(*need), batch_invariant, tp)
+    loss, lse, argmax, *_ = OPS(call)
 
     def per_token(t: Tensor) -> Tensor:
         t = t.reshape(out_shape)

@@ -26,8 +26,9 @@ from typing import Any, NamedTuple, Optional, Protocol
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
-from logitless.ops.common.contract import Backend
-from logitless.options import CrossEntropyOptions
+from logitless.ops.common.contract import Backend, Needs
+from logitless.ops.common.glue import Call, Encoded
+from logitless.options import CrossEntropyOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 
 
@@ -103,3 +104,80 @@ class LceBackend(Backend, Protocol):
                  need_db: bool, dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
         ...
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+
+@dataclass(frozen=True)
+class LceCall(Call):
+    """One call of the forward op (``custom_op``), from the public function's checked inputs.
+
+    x (N, H), weight (V, H) (this rank's rows with ``tp.tp_group``), bias (V,) or None,
+    target (N,) int64, class_weight (V,) or None (the full vector under TP); ``budget``: bytes
+    of temporaries; ``need_grad``: a backward will follow (plan kept columns);
+    ``grad_in_forward``: the caller allows the gradient-in-forward strategy (eager, one
+    device; the Config decides); ``need``: the gradients that backward wants;
+    ``batch_invariant``: the forward on fixed-size row blocks (``BlockedConfig``)."""
+
+    differentiable = ("x", "weight", "bias")
+
+    x: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    target: Tensor
+    class_weight: Optional[Tensor]
+    opts: CrossEntropyOptions
+    backend: str
+    budget: int
+    need_argmax: bool
+    need_grad: bool
+    grad_in_forward: bool
+    need: Needs
+    batch_invariant: bool
+    tp: VocabParallelOptions
+
+
+class LceOutputs(NamedTuple):
+    """The forward op's outputs (size 0 where absent). loss: reduced ((N,) for "none"); lse,
+    w_t (N,) fp32 (fp64 for fp64); argmax (N,) int64 (``need_argmax``); keep, keep_max: the
+    kept columns of exp(z - m) (``LceForward.kept``; ``NOTHING_KEPT``-shaped dummies when
+    none; the backward turns them into dz in place); config: the backend's Config; gx, gw,
+    gb: the gradient-in-forward strategy's gradients for a unit upstream gradient."""
+
+    loss: Tensor
+    lse: Tensor
+    argmax: Tensor
+    w_t: Tensor
+    keep: Tensor
+    keep_max: Tensor
+    config: Any
+    gx: Tensor
+    gw: Tensor
+    gb: Tensor
+
+
+@dataclass(frozen=True)
+class LceBackwardCall(Call):
+    """One call of the backward op: the upstream gradients of the loss and of the lse, the
+    forward's inputs and statistics, its kept columns (overwritten with dz) and Config."""
+
+    mutated = ("keep",)
+
+    grad_loss: Tensor
+    grad_lse: Optional[Tensor]
+    x: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    target: Tensor
+    class_weight: Optional[Tensor]
+    lse: Tensor
+    w_t: Tensor
+    keep: Tensor
+    keep_max: Tensor
+    config: Encoded
+    opts: CrossEntropyOptions
+    backend: str
+    batch_invariant: bool
+    need: Needs
+    tp: VocabParallelOptions

@@ -1,285 +1,286 @@
-"""The torch.library custom ops of linear_cross_entropy: what autograd and torch.compile see.
-
-    logitless::lce_forward(x, weight, bias, target, class_weight, <options>, backend,
-                           budget, need_argmax, need_grad, grad_in_forward, need_dx,
-                           need_dw, need_db, <vocab parallel>)
-        -> loss, lse, argmax, w_t, keep, keep_max, config, gx, gw, gb
-    logitless::lce_backward(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t,
-                            keep (overwritten with dz), keep_max, config, <options>,
-                            backend, budget, need_dx, need_dw, need_db, <vocab parallel>)
-        -> dx, dw, db
-
-(the schemas, written out: ``FORWARD_SCHEMA``, ``BACKWARD_SCHEMA``). ``<options>`` are the
-fields of ``CrossEntropyOptions`` (ignore_index, reduction, label_smoothing, softcap, z_loss);
-``<vocab parallel>`` those of ``VocabParallelOptions`` (tp_group, vocab_size, partial_dx):
-with a ``tp_group`` the weight is this rank's block of rows of a vocab-parallel head
-(``vocab_parallel``). ``backend`` names an entry of the table ``api.BACKENDS`` (given here
-by ``use_backends``), an ``LceBackend`` (``contract``).
+"""The bodies of linear_cross_entropy's custom ops (``logitless::linear_cross_entropy_forward``
+and ``_backward``), written against the declared calls of ``contract`` (``LceCall`` ->
+``LceOutputs``, ``LceBackwardCall`` -> dx, dw, db); ``ops.common.glue.CustomOp`` derives the
+schemas, the flattening and the autograd wiring from those declarations.
 
 The forward plans the call ONCE (``backend.plan``: the backend's frozen Config); the
 forward, its gradient-in-forward strategy (the Config picks it where ``grad_in_forward``
-allows it), the fake's kept shapes and the backward follow that Config. ``config`` is the
-object on the eager fast path and the backend's encoding (``backend.codec``: a CPU int64
-tensor) through the custom ops. ``keep``/``keep_max``: the columns of exp(z - m) the
-forward kept (``NOTHING_KEPT``-shaped dummies when none); the backward turns them into dz
-in place (declared as a mutation), so they serve the first backward only (``_backward``:
-a second one, retain_graph=True, recomputes). ``gx, gw, gb``: the gradients for a unit
-upstream gradient when the forward used the gradient-in-forward strategy (eager only),
-which the backward scales. The per-token ``lse`` is differentiable (``grad_lse``). Absent
-outputs are tensors of size 0. Double backward raises.
-
-The autograd (``_setup_context``, ``_backward``) is written out below: what is saved and
-what the backward op receives; ``ops.common.contract.register_autograd`` wires it and the
-eager fast path.
+allows it), the fake's kept shapes and the backward follow that Config. ``keep``/``keep_max``
+serve the first backward only (``_backward``: a second one, retain_graph=True, recomputes).
+With ``batch_invariant`` the Config is an ``invariant.Blocked`` one: the forward runs on
+row blocks of the backend's ``invariant_rows`` (the last padded with ignored zero rows:
+every row's loss, lse and argmax the same bits whatever the batch), the backward once over
+the whole batch under the Config's ``backward`` plan (gradients deterministic, not
+batch-invariant), without kept columns. Over a vocab-parallel head (``tp.tp_group``) the
+forward and backward run ``vocab_parallel``'s merges (blocked: the ranks' sums added in
+rank order).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Mapping
-from typing import Optional
+import dataclasses
 
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
+from logitless.ops.common import invariant
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import (
-    custom_op,
-    fake_grad_outputs,
-    grad_outputs,
-    guard_double_backward,
-    zero_grads,
-)
-from logitless.ops.common.contract import register_autograd
+from logitless.ops.common.contract import Needs
+from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
-from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
-from .contract import LceBackend
+from .contract import LceBackend, LceBackwardCall, LceCall, LceOutputs
 
+#: The custom ops: logitless::lce_forward, logitless::lce_backward.
+NAME = "lce"
 OP = "linear_cross_entropy"
 
-OPTIONS_SCHEMA = "SymInt ignore_index, str reduction, float label_smoothing, float? softcap, float z_loss"
-TP_SCHEMA = 'str tp_group="", SymInt vocab_size=-1, bool partial_dx=False'
-FORWARD_SCHEMA = (
-    f"(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, {OPTIONS_SCHEMA}, str backend, "
-    "SymInt budget, bool need_argmax, bool need_grad, bool grad_in_forward, bool need_dx, bool need_dw, "
-    f"bool need_db, {TP_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-BACKWARD_SCHEMA = (
-    "(Tensor grad_loss, Tensor? grad_lse, Tensor x, Tensor weight, Tensor? bias, Tensor target, "
-    "Tensor? class_weight, Tensor lse, Tensor w_t, Tensor(a9!) keep, Tensor keep_max, Tensor config, "
-    f"{OPTIONS_SCHEMA}, str backend, SymInt budget, bool need_dx, bool need_dw, bool need_db, {TP_SCHEMA}) "
-    "-> (Tensor, Tensor, Tensor)"
-)
-#: The forward's arguments: 18, then the 3 defaulted ``<vocab parallel>`` ones.
-_NUM_INPUTS = 21
 
-#: backend name -> LceBackend: ``api.BACKENDS``, given once at import (``use_backends``).
-BACKENDS: Mapping[str, LceBackend] = {}
+def _plan(impl, call: LceCall, x: Tensor, *, cute: bool = True):
+    """The backend's Config of ``call`` for the rows ``x``."""
+    return impl.plan(x, call.weight, call.bias, call.class_weight, call.opts, budget=call.budget,
+                     need_grad=call.need_grad, need_argmax=call.need_argmax, grad_in_forward=call.grad_in_forward,
+                     need_dw=call.need.need_dw, cute=cute)
 
 
-def use_backends(table: Mapping[str, LceBackend]) -> None:
-    """The table of backends the custom ops run (``api.BACKENDS``)."""
-    global BACKENDS
-    BACKENDS = table
-
-
-def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
-             ignore_index: int, reduction: str, label_smoothing: float, softcap: Optional[float], z_loss: float,
-             backend: str, budget: int, need_argmax: bool, need_grad: bool, grad_in_forward: bool, need_dx: bool,
-             need_dw: bool, need_db: bool, tp_group: str = "", vocab_size: int = -1, partial_dx: bool = False,
-             *, config=None):
-    """x (N, H), weight (V, H), target (N,) int64 -> the forward op's outputs (module
-    docstring), ``config`` as the object. A given ``config`` (the Config of an earlier
-    call of the same shapes: ``batch_invariant``'s blocks) is used as is."""
-    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
-    impl = BACKENDS[backend]
-    if tp_group:
+def forward(call: LceCall, impl: LceBackend) -> LceOutputs:
+    """The forward op's outputs (``contract.LceOutputs``), ``config`` as the object."""
+    if call.batch_invariant:
+        return _blocked_forward(call, impl)
+    x, weight, target, opts = call.x, call.weight, call.target, call.opts
+    if call.tp.tp_group:
         from . import vocab_parallel
 
-        tp = VocabParallelOptions(tp_group, vocab_size, partial_dx)
         with no_autocast(x.device):
             loss, lse, argmax, w_t, kept, config = vocab_parallel.forward(
-                impl, x, weight, bias, target, class_weight, opts, tp, budget=budget, need_argmax=need_argmax,
-                need_grad=need_grad, need_dw=need_dw, config=config)
-        return _outputs(x, target, loss, lse, argmax if need_argmax else None, w_t, kept, config, None)
-    check_targets_in_range(target, weight.shape[0], ignore_index)
+                impl, x, weight, call.bias, target, call.class_weight, opts, call.tp, budget=call.budget,
+                need_argmax=call.need_argmax, need_grad=call.need_grad, need_dw=call.need.need_dw)
+        return _outputs(call, loss, lse, argmax, w_t, kept, config, None)
+    check_targets_in_range(target, weight.shape[0], opts.ignore_index)
     with no_autocast(x.device):
         if x.shape[0] == 0:
             empty = x.new_empty(0, dtype=compute_dtype(x.dtype))
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
-            loss_tok, w_t = token_loss(stats, target, weight.shape[0], class_weight, opts)
-            return _outputs(x, target, reduce(loss_tok, w_t, reduction), empty, stats.argmax if need_argmax else None,
-                            w_t, None, None, None)
-        # The call's Config, once: the forward, its strategy and the backward follow it.
-        if config is None:
-            config = impl.plan(x, weight, bias, class_weight, opts, budget=budget, need_grad=need_grad,
-                               need_argmax=need_argmax, grad_in_forward=grad_in_forward, need_dw=need_dw)
-        out = impl.forward(x, weight, bias, target, class_weight, opts, config, need_argmax=need_argmax,
-                           need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-    return _outputs(x, target, out.loss, out.stats.lse, out.stats.argmax if need_argmax else None, out.w_t,
-                    out.kept, config, out.grads)
+            loss_tok, w_t = token_loss(stats, target, weight.shape[0], call.class_weight, opts)
+            return _outputs(call, reduce(loss_tok, w_t, opts.reduction), empty, stats.argmax, w_t, None, None, None)
+        config = _plan(impl, call, x)  # the call's Config, once: the forward, its strategy and the backward follow it
+        need = call.need
+        out = impl.forward(x, weight, call.bias, target, call.class_weight, opts, config,
+                           need_argmax=call.need_argmax, need_dx=need.need_dx, need_dw=need.need_dw,
+                           need_db=need.need_db)
+    return _outputs(call, out.loss, out.stats.lse, out.stats.argmax, out.w_t, out.kept, config, out.grads)
 
 
-def _outputs(x, target, loss, lse, argmax, w_t, kept, config, grads):
-    """The forward op's outputs (module docstring) from its results."""
+def _outputs(call: LceCall, loss, lse, argmax, w_t, kept, config, grads) -> LceOutputs:
+    """``LceOutputs`` from the results (size-0 tensors where absent)."""
+    x = call.x
     sd = torch.float64 if x.dtype == torch.float64 else torch.float32  # (formulas.common.compute_dtype)
-    argmax = argmax if argmax is not None else target.new_empty(0, dtype=torch.int64)
-    if kept is None:
-        kept = nothing_kept(x)
-    grads = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
-    return (loss.to(sd), lse.to(sd), argmax, w_t.to(sd), kept[0], kept[1], config, *grads)
+    if argmax is None or not call.need_argmax:
+        argmax = call.target.new_empty(0, dtype=torch.int64)
+    keep, keep_max = kept if kept is not None else nothing_kept(x)
+    gx, gw, gb = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
+    return LceOutputs(loss.to(sd), lse.to(sd), argmax, w_t.to(sd), keep, keep_max, config, gx, gw, gb)
 
 
-def _forward_op(*args):
-    """The custom op's implementation: ``_forward`` with the Config encoded by its backend."""
-    out = _forward(*args)
-    return (*out[:6], BACKENDS[args[10]].codec.encode(out[6]), *out[7:])
+def _blocked_forward(call: LceCall, impl: LceBackend) -> LceOutputs:
+    """``forward`` with ``batch_invariant``: per-token results on blocks of the backend's
+    ``invariant_rows`` rows under one Config planned for a block, the loss reduced after."""
+    x, target, opts = call.x, call.target, call.opts
+    block_opts = dataclasses.replace(opts, reduction="none")
+    rows = invariant.rows(impl, x.device)
+    block = dataclasses.replace(call, opts=block_opts, need_grad=False, grad_in_forward=False,
+                                need=type(call.need)(), batch_invariant=False)
+    parts, config = [], None
+    for n0, n1, pad in invariant.blocks(x.shape[0], rows) or [(0, 0, 0)]:
+        xb, tb = invariant.pad_rows(x, n0, n1, pad), invariant.pad_rows(target, n0, n1, pad, opts.ignore_index)
+        if call.tp.tp_group:  # the ranks' statistics added in rank order
+            from . import vocab_parallel
+
+            with no_autocast(x.device):
+                loss, lse, argmax, w_t, _, config = vocab_parallel.forward(
+                    impl, xb, call.weight, call.bias, tb, call.class_weight, block_opts, call.tp, budget=call.budget,
+                    need_argmax=call.need_argmax, need_grad=False, ordered=True, config=config)
+            if argmax is None:
+                argmax = tb.new_empty(0, dtype=torch.int64)
+        else:
+            check_targets_in_range(tb, call.weight.shape[0], opts.ignore_index)
+            with no_autocast(x.device):
+                if config is None and xb.shape[0]:
+                    config = _plan(impl, block, xb)  # the first block's Config serves every block
+                loss, lse, argmax, w_t = _block(impl, dataclasses.replace(block, x=xb, target=tb), config)
+        parts.append([t[:n1 - n0] for t in (loss, lse, argmax, w_t)])
+    loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
+    blocked = invariant.blocked(impl.codec.cls)(rows, config, _backward_plan(impl, call))
+    sd = compute_dtype(x.dtype)
+    return LceOutputs(reduce(loss, w_t, opts.reduction).to(sd), lse.to(sd), argmax, w_t.to(sd),
+                      *nothing_kept(x), blocked, *[x.new_empty(0) for _ in range(3)])
 
 
-def _forward_fake(x, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss,
-                  backend, budget, need_argmax, need_grad, grad_in_forward, need_dx, need_dw, need_db, tp_group="",
-                  vocab_size=-1, partial_dx=False):
+def _block(impl, block: LceCall, config):
+    """(loss per token, lse, argmax or (0,), w_t) of one block, under ``config``."""
+    x, target, opts = block.x, block.target, block.opts
+    if x.shape[0] == 0:
+        empty = x.new_empty(0, dtype=compute_dtype(x.dtype))
+        stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
+        loss, w_t = token_loss(stats, target, block.weight.shape[0], block.class_weight, opts)
+        return loss, empty, stats.argmax if block.need_argmax else target.new_empty(0, dtype=torch.int64), w_t
+    out = impl.forward(x, block.weight, block.bias, target, block.class_weight, opts, config,
+                       need_argmax=block.need_argmax)
+    argmax = out.stats.argmax if block.need_argmax else target.new_empty(0, dtype=torch.int64)
+    return out.loss, out.stats.lse, argmax, out.w_t
+
+
+def _backward_plan(impl, call: LceCall):
+    """A blocked call's Config of the backward over the whole batch (nothing kept), or None
+    (no tokens or rows, or no gradient wanted)."""
+    x, weight, bias, class_weight = call.x, call.weight, call.bias, call.class_weight
+    if not call.need_grad:
+        return None
+    if call.tp.tp_group:  # this rank's real rows (the vocab-parallel backward plans for them)
+        from logitless.distributed import vocab_shard
+
+        from . import vocab_parallel
+
+        shard = vocab_shard(call.tp.tp_group, weight.shape[0], x.device, call.tp.vocab_size)
+        weight, bias = shard.real_rows(weight), shard.real_rows(bias)
+        class_weight = shard.class_slice(vocab_parallel.full_class_weight(class_weight, shard))
+    if x.shape[0] == 0 or weight.shape[0] == 0:
+        return None
+    with no_autocast(x.device):
+        return impl.plan(x, weight, bias, class_weight, dataclasses.replace(call.opts, reduction="none"),
+                         budget=call.budget, need_grad=False, need_argmax=False, need_dw=call.need.need_dw,
+                         cute=False)
+
+
+def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
     """Shapes and dtypes; the kept columns' shapes from a Config planned as the forward
-    would (concrete sizes only, at most once)."""
+    would (concrete sizes only, at most once; without the CuTe choice: no memory here)."""
+    x, weight, need = call.x, call.weight, call.need
     n, (v, h) = x.shape[0], weight.shape
     sd = compute_dtype(x.dtype)
-    impl = BACKENDS[backend]
-    opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
-    loss = x.new_empty((n,) if reduction == "none" else (), dtype=sd)
+    loss = x.new_empty((n,) if call.opts.reduction == "none" else (), dtype=sd)
     grads = [x.new_empty(0) for _ in range(3)]
     kept = fake_kept_tensors(x)
     planned = []
 
-    def config():  # (as the forward plans, without the CuTe choice: no memory here)
+    def config():
         if not planned:
-            planned.append(impl.plan(x, weight, bias, class_weight, opts, budget=budget, need_grad=need_grad,
-                                     need_argmax=need_argmax, grad_in_forward=grad_in_forward, need_dw=need_dw,
-                                     cute=False))
+            planned.append(_plan(impl, call, x, cute=False))
         return planned[0]
 
-    gif = grad_in_forward and n > 0 and getattr(config(), "grad_in_forward", 0)  # (eager only)
-    if gif:
-        f32 = torch.float32
+    if call.batch_invariant:
+        pass  # nothing kept, no gradient in the forward
+    elif call.grad_in_forward and n > 0 and getattr(config(), "grad_in_forward", 0):  # (eager only)
+        gif, f32 = config().grad_in_forward, torch.float32
         grads = [
-            torch.empty_like(x) if need_dx else grads[0],
-            (torch.empty_like(weight) if gif >= n else weight.new_empty(v, h, dtype=f32)) if need_dw else grads[1],
-            weight.new_empty(v, dtype=f32) if need_db else grads[2],
+            torch.empty_like(x) if need.need_dx else grads[0],
+            (torch.empty_like(weight) if gif >= n else weight.new_empty(v, h, dtype=f32)) if need.need_dw else grads[1],
+            weight.new_empty(v, dtype=f32) if need.need_db else grads[2],
         ]
-    elif need_grad and not (tp_group and isinstance(v, int) and v == 0):
-        kept = fake_kept(x, weight, tp_group, vocab_size, lambda n, v, h: impl.kept_shapes(config(), n))
-    return (loss, x.new_empty(n, dtype=sd), x.new_empty(n if need_argmax else 0, dtype=torch.int64),
-            x.new_empty(n, dtype=sd), *kept, impl.codec.fake(), *grads)
+    elif call.need_grad and not (call.tp.tp_group and isinstance(v, int) and v == 0):
+        kept = fake_kept(x, weight, call.tp.tp_group, call.tp.vocab_size,
+                         lambda n, v, h: impl.kept_shapes(config(), n))
+    return LceOutputs(loss, x.new_empty(n, dtype=sd), x.new_empty(n if call.need_argmax else 0, dtype=torch.int64),
+                      x.new_empty(n, dtype=sd), *kept, None, *grads)
 
 
-def _backward_impl(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max, config,
-                   ignore_index, reduction, label_smoothing, softcap, z_loss, backend, budget, need_dx, need_dw,
-                   need_db, tp_group="", vocab_size=-1, partial_dx=False):
-    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz.
-    ``config``: the forward's (the object, or its encoding)."""
+def backward_impl(b: LceBackwardCall, impl: LceBackend):
+    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
+    x, weight, bias, need = b.x, b.weight, b.bias, b.need
     dx = dw = db = None
     if x.shape[0] == 0:
         dx, dw, db = zero_grads(x, weight, bias)
-    elif need_dx or need_dw or need_db:
-        impl = BACKENDS[backend]
+    elif need.need_dx or need.need_dw or need.need_db:
+        config = b.config
         if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
-            config = impl.codec.decode(config)
-        kept = None if keep.shape == NOTHING_KEPT else (keep, keep_max)
-        opts = CrossEntropyOptions(ignore_index, reduction, label_smoothing, softcap, z_loss)
+            config = (impl.codec.blocked if b.batch_invariant else impl.codec).decode(config)
+        opts, grad_loss = b.opts, b.grad_loss
+        kept = None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max)
+        if b.batch_invariant:  # the per-token gradient of the reduction, as autograd gives it
+            config = config.backward
+            if grad_loss is None:
+                grad_loss = torch.zeros_like(b.lse)
+            elif opts.reduction == "sum":
+                grad_loss = grad_loss.expand(b.lse.shape)
+            elif opts.reduction == "mean":
+                grad_loss = (grad_loss / b.w_t.sum()).expand(b.lse.shape)
+            opts = dataclasses.replace(opts, reduction="none")
         with no_autocast(x.device):
-            if tp_group:
+            if b.tp.tp_group:
                 from . import vocab_parallel
 
                 dx, dw, db = vocab_parallel.backward(
-                    impl, grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, opts,
-                    VocabParallelOptions(tp_group, vocab_size, partial_dx), need_dx=need_dx, need_dw=need_dw,
-                    need_db=need_db, config=config, kept=kept)
+                    impl, grad_loss, b.grad_lse, x, weight, bias, b.target, b.class_weight, b.lse, b.w_t, opts,
+                    b.tp, need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db, config=config, kept=kept)
             else:
-                coef = impl.grad_coefficients(grad_loss, grad_lse, lse, w_t, target, class_weight, opts,
+                coef = impl.grad_coefficients(grad_loss, b.grad_lse, b.lse, b.w_t, b.target, b.class_weight, opts,
                                               weight.shape[0])
-                dx, dw, db = impl.backward(x, weight, bias, target, class_weight, softcap, lse, coef, config,
-                                           kept=kept, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-    return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
+                dx, dw, db = impl.backward(x, weight, bias, b.target, b.class_weight, opts.softcap, b.lse, coef,
+                                           config, kept=kept, need_dx=need.need_dx, need_dw=need.need_dw,
+                                           need_db=need.need_db)
+    return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)
 
 
-def _backward_fake(grad_loss, grad_lse, x, weight, bias, *rest):
-    need_dx, need_dw, need_db = rest[14:17]
-    return fake_grad_outputs(x, weight, bias, need_dx, need_dw, need_db)
+def backward_fake(b: LceBackwardCall, impl: LceBackend):
+    return fake_grad_outputs(b.x, b.weight, b.bias, b.need.need_dx, b.need.need_dw, b.need.need_db)
 
 
-lce_forward = custom_op("lce_forward", _forward_op, schema=FORWARD_SCHEMA)
-lce_forward.register_fake(_forward_fake)
-lce_backward = custom_op("lce_backward", _backward_impl, mutates_args=("keep",), schema=BACKWARD_SCHEMA)
-lce_backward.register_fake(_backward_fake)
-
-
-def _setup_context(ctx, inputs, output):
-    """Saved: x, weight, bias, target, class_weight, lse, w_t. On ctx: the options and
-    execution arguments, the Config, the kept columns (the first backward's), the
-    gradient-in-forward strategy's gradients when the forward used it."""
-    if len(inputs) < _NUM_INPUTS:  # (a compiled graph may leave the defaulted ones out)
-        inputs = (*inputs, "", -1, False)[:_NUM_INPUTS]
-    x, weight, bias, target, class_weight = inputs[:5]
-    loss, lse, argmax, w_t, keep, keep_max, config, gx, gw, gb = output
-    ctx.save_for_backward(x, weight, bias, target, class_weight, lse, w_t)
-    ctx.options = inputs[5:12]  # <options>, backend, budget
-    ctx.tp = inputs[18:]
-    ctx.config = config
-    ctx.kept = (keep, keep_max)
+def save(ctx, call: LceCall, out: LceOutputs) -> None:
+    """Saved: x, weight, bias, target, class_weight, lse, w_t; on ctx: the options and
+    execution fields the backward reads, the Config, the kept columns (the first
+    backward's), the gradient-in-forward strategy's gradients when the forward used them."""
+    ctx.save_for_backward(call.x, call.weight, call.bias, call.target, call.class_weight, out.lse, out.w_t)
+    ctx.opts, ctx.backend, ctx.tp, ctx.batch_invariant = call.opts, call.backend, call.tp, call.batch_invariant
+    ctx.config = out.config
+    ctx.kept = (out.keep, out.keep_max)
     ctx.forward_grads = None
-    if inputs[14] and (gx.numel() or gw.numel() or gb.numel()):  # grad_in_forward allowed and used
-        ctx.forward_grads = (gx, gw, gb)
-        ctx.dtypes = (x.dtype, weight.dtype)
-    if isinstance(config, Tensor):
-        ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, config, gx, gw, gb)
-    else:  # (the eager fast path's Config is the object)
-        ctx.mark_non_differentiable(argmax, w_t, keep, keep_max, gx, gw, gb)
+    if call.grad_in_forward and (out.gx.numel() or out.gw.numel() or out.gb.numel()):
+        ctx.forward_grads = (out.gx, out.gw, out.gb)
+        ctx.dtypes = (call.x.dtype, call.weight.dtype)
+    frozen = [out.argmax, out.w_t, out.keep, out.keep_max, out.gx, out.gw, out.gb]
+    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
+        frozen.append(out.config)
+    ctx.mark_non_differentiable(*frozen)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_loss, grad_lse, *_):
-    """(dx, dw, db, None...): the backward op on the saved tensors and the forward's Config,
-    or the gradient-in-forward strategy's gradients scaled by ``grad_loss``."""
+def backward(ctx, grads: LceOutputs, need, run) -> tuple:
+    """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config,
+    or the gradient-in-forward strategy's gradients scaled by the loss's gradient."""
     kept, ctx.kept = ctx.kept, None
     forward_grads, ctx.forward_grads = ctx.forward_grads, None
-    needs = ctx.needs_input_grad
-    need_dx, need_dw, need_db = needs[0], needs[1], needs[2]
-    nones = (None,) * (_NUM_INPUTS - 3)
-    if not (need_dx or need_dw or need_db):
-        return (None, None, None, *nones)
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
-    if grad_loss is None:  # (gradients are not materialised)
-        grad_loss = torch.zeros(lse.shape if ctx.options[1] == "none" else (), dtype=lse.dtype, device=lse.device)
+    grad_loss = grads.loss
+    if grad_loss is None and not ctx.batch_invariant:  # (gradients are not materialised)
+        shape = lse.shape if ctx.opts.reduction == "none" else ()
+        grad_loss = torch.zeros(shape, dtype=lse.dtype, device=lse.device)
     if kept is None:  # a second backward: the kept columns are spent
         kept = nothing_kept(x)
-    # The eager fast path calls the implementation, recording no autograd history (as the
-    # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-    op = lce_backward if not getattr(ctx, "eager", False) else _backward_impl
-    no_grad = op is _backward_impl and torch.is_grad_enabled()
-    rest = (*ctx.options, need_dx, need_dw, need_db, *ctx.tp)
-    if forward_grads is not None:
-        # Gradient-in-forward: scale the forward's gradients by the upstream gradient, in
-        # place; a gradient of the lse (rare) comes on top through the backward op.
-        out = scale_grads([g if g.numel() else None for g in forward_grads], grad_loss, *ctx.dtypes)
-        if grad_lse is not None:
-            with torch.no_grad() if no_grad else contextlib.nullcontext():
-                extra = op(torch.zeros_like(grad_loss), grad_lse, x, weight, bias, target, class_weight, lse, w_t,
-                           *nothing_kept(x), ctx.config, *rest)
-            out = tuple(g + e if g is not None else None for g, e in zip(out, extra))
-    elif no_grad:
-        with torch.no_grad():
-            out = op(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *kept, ctx.config, *rest)
-    else:
-        out = op(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *kept, ctx.config, *rest)
-    out = guard_double_backward(OP, (out[0] if need_dx else None, out[1] if need_dw else None,
-                                     out[2] if need_db else None), grad_loss, grad_lse, x, weight, bias)
-    return (*out, *nones)
+    needs = Needs(need.x, need.weight, need.bias)
+
+    def backward_call(grad_loss, grad_lse, keep) -> LceBackwardCall:
+        return LceBackwardCall(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *keep,
+                               ctx.config, ctx.opts, ctx.backend, ctx.batch_invariant, needs, ctx.tp)
+
+    if forward_grads is None:
+        return run(backward_call(grad_loss, grads.lse, kept))
+    # Gradient-in-forward: scale the forward's gradients by the upstream gradient, in
+    # place; a gradient of the lse (rare) comes on top through the backward op.
+    out = scale_grads([g if g.numel() else None for g in forward_grads], grad_loss, *ctx.dtypes)
+    if grads.lse is not None:
+        extra = run(backward_call(torch.zeros_like(grad_loss), grads.lse, nothing_kept(x)))
+        out = tuple(g + e if g is not None else None for g, e in zip(out, extra))
+    return out
 
 
-#: What the public function calls: ``lce_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
-lce_forward_eager = register_autograd(lce_forward, _forward, _setup_context, _backward)
+def define(backends, *, name: str = NAME, call: type = LceCall, backward_call: type = LceBackwardCall) -> CustomOp:
+    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``);
+    ``call``/``backward_call``: the declarations its schemas derive from (tests declare one
+    with a new option field)."""
+    return CustomOp(name, call, LceOutputs, backward_call, table=backends, forward=forward, fake=fake,
+                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake,
+                    title=OP, codec=lambda call, impl: impl.codec.blocked if call.batch_invariant else impl.codec)

@@ -23,42 +23,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import token_loss
 from logitless.helion_lib import linear_cross_entropy as kernels
 from logitless.ops.common import helion_choice
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, HelionKind
 from logitless.options import CrossEntropyOptions
 
 from .contract import HelionConfig, LceBackend, LceForward
 from .torch_backend import grad_coefficients
 
 
-def _dz_opts(softcap: Optional[float], class_weight: Optional[Tensor]) -> CrossEntropyOptions:
-    """What the backward kernel reads (``helion_lib.linear_cross_entropy.backward_args``):
-    the soft-cap, and the class weights in dz's C term whenever there are class weights
-    (C is 0 without label smoothing: they add nothing then, and the kernel is the one
-    measured)."""
-    return CrossEntropyOptions(label_smoothing=0.5 if class_weight is not None else 0.0, softcap=softcap)
-
-
-class HelionBackend:
+class HelionBackend(HelionKind):
     """backend="helion" (``contract.LceBackend``). Its Config (``HelionConfig``) says whether
     Helion runs the call or which backend runs in its place (that backend's Config in it,
     planned with nothing kept), and the backward's budget (the kernels size their
     vocabulary chunks from it). ``others``: the backends by name (``api.BACKENDS``)."""
 
-    name = "helion"
     codec = ConfigCodec(HelionConfig)
 
     def __init__(self, others: Mapping[str, LceBackend]):
         self.others = others
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return helion_choice.cause() or (None if dtype != torch.float64 else "float64 inputs")
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
@@ -126,8 +114,9 @@ class HelionBackend:
         def helion_path():
             if not (need_dx or need_dw or need_db):
                 return None, None, None
-            dx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef,
-                                              _dz_opts(softcap, class_weight), need_dx=need_dx,
+            # (the class weights in dz whenever given: its C term is 0 without label smoothing)
+            dx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef, softcap,
+                                              need_dx=need_dx,
                                               need_dw=need_dw or need_db, budget=config.budget, dx_acc=dx_acc)
             return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
 

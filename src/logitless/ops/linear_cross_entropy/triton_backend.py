@@ -40,8 +40,7 @@ from torch import Tensor
 
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
-from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import triton_unsupported
+from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.plans import LinearPlan, linear_plan
@@ -207,19 +206,17 @@ def _keep_allowed(dtype: torch.dtype, softcap: Optional[float], need_grad: bool)
     return need_grad and not (dtype == torch.float16 and softcap is not None)
 
 
-class TritonBackend:
+class TritonBackend(TritonKind):
     """backend="triton" (``contract.LceBackend``): its Config is the call's
     ``planning.plans.LinearPlan`` (tiles, kept columns, the gradient-in-forward chunk, the
     CuTe choice). ``grad_in_forward``: the strategy that runs when the Config chose it
     (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
 
-    name = "triton"
     codec = ConfigCodec(LinearPlan)
 
     def __init__(self, grad_in_forward: Callable):
         self.grad_in_forward = grad_in_forward
 
-    unsupported = staticmethod(triton_unsupported)
 
     plan = staticmethod(plan)
     kept_shapes = staticmethod(kept_shapes)

@@ -21,9 +21,9 @@ from torch import Tensor
 from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, TritonKind
 from logitless.ops.common.module_form import ModuleForm
-from logitless.ops.common.validate import LINEAR_BACKENDS, resolve_backend
+from logitless.ops.common.validate import resolve_backend
 from logitless.options import JSDOptions, VocabParallelOptions
 
 from .contract import LjsdBackend
@@ -47,7 +47,7 @@ def _helion() -> LjsdBackend:
 #: The implementations of linear_jsd, by ``backend=`` name (``contract.LjsdBackend``; "auto"
 #: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and Helion's
 #: are made on first use (their modules need the optional packages).
-BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
+BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
 use_backends(BACKENDS)
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
 NO_VOCAB_PARALLEL = VocabParallelOptions()
@@ -208,8 +208,8 @@ def linear_jsd(
     if shift and student_x.dim() < 2:
         raise ValueError("shift=True needs x of shape (..., T, H) with a sequence dimension")
     memory_budget = _validate.memory_budget(memory_budget, student_x.device)
-    if backend not in LINEAR_BACKENDS:  # the rest is checked with the last (``resolve_backend``)
-        raise ValueError(f"backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if backend != "auto" and backend not in BACKENDS.entries:  # (the rest: ``resolve_backend``)
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS.names())}, got {backend!r}")
     lead = student_x.shape[:-1]
     if target is None:
         if opts.hard_label_weight != 0.0:
@@ -234,7 +234,7 @@ def linear_jsd(
     in_forward = (torch.is_grad_enabled() and (need[0] or need[1] or need[2]) and reduction != "none"
                   and not tp.parallel and backend != "helion" and not torch.compiler.is_compiling())
     # (no tokens on one device: no backend runs)
-    impl = resolve_backend(backend, xs.device, xs.dtype, LINEAR_BACKENDS) if xs.shape[0] or tp.parallel else "torch"
+    impl = resolve_backend(backend, xs.device, xs.dtype, BACKENDS) if xs.shape[0] or tp.parallel else "torch"
     inputs = (xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target, *opts.args(),
               reduction, memory_budget, impl, in_forward, *need, *tp.args())
     loss = linear_jsd_forward_eager.runner(inputs)(*inputs)[0]

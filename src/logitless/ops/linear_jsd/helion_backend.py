@@ -25,32 +25,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from logitless.helion_lib import linear_jsd as kernels
 from logitless.ops.common import helion_choice
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, HelionKind
 from logitless.options import JSDOptions
 
 from .contract import HelionConfig, LjsdBackend, LjsdForward
 from .torch_backend import forward_loss, upstream
 
 
-class HelionBackend:
+class HelionBackend(HelionKind):
     """backend="helion" (``contract.LjsdBackend``). Its Config (``HelionConfig``) says whether
     Helion runs the call or which backend runs in its place (that backend's Config in it),
     and the budget the kernels size their chunks by. ``others``: the backends by name
     (``api.BACKENDS``)."""
 
-    name = "helion"
     codec = ConfigCodec(HelionConfig)
 
     def __init__(self, others: Mapping[str, LjsdBackend]):
         self.others = others
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return helion_choice.cause() or (None if dtype != torch.float64 else "float64 inputs")
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> HelionConfig:

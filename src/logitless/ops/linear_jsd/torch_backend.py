@@ -21,7 +21,7 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.jsd import dlogits, log_mixture, reduce, row_stats, token_loss
 from logitless.formulas.jsd import upstream as _upstream
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, TorchKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import jsd_torch_rows
 from logitless.planning.plans import torch_plan
@@ -146,15 +146,11 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     return out
 
 
-class TorchBackend:
+class TorchBackend(TorchKind):
     """backend="torch" (``contract.LjsdBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds every chunk size of the call."""
 
-    name = "torch"
     codec = ConfigCodec(TorchConfig)
-
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return None
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> TorchConfig:

@@ -44,8 +44,7 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap
-from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import triton_unsupported
+from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import jsd_stats_plan
 from logitless.planning.memo import memoised
@@ -219,19 +218,17 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     return launch.finished_dx(dx, dx_acc, keep_acc, xs.dtype), dw, db
 
 
-class TritonBackend:
+class TritonBackend(TritonKind):
     """backend="triton" (``contract.LjsdBackend``): its Config (``TritonConfig``) holds the
     chunks and tiles of the call, the fused forward's choice and the gradient-in-forward
     chunk. ``grad_in_forward``: the strategy that runs when the Config chose it
     (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
 
-    name = "triton"
     codec = ConfigCodec(TritonConfig)
 
     def __init__(self, grad_in_forward: Callable):
         self.grad_in_forward = grad_in_forward
 
-    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> TritonConfig:

@@ -13,9 +13,9 @@ from logitless.distributed import api as _tp
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, TritonKind
 from logitless.ops.common.module_form import ModuleForm
-from logitless.ops.common.validate import LINEAR_BACKENDS, resolve_backend
+from logitless.ops.common.validate import resolve_backend
 from logitless.options import LogProbOptions
 
 from .contract import LlpBackend
@@ -39,7 +39,7 @@ def _helion() -> LlpBackend:
 #: "auto" resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and
 #: Helion's are made on first use (their modules need the optional packages). Truncated
 #: sampling and ``batch_invariant`` are Configs of the same backends (``truncation``).
-BACKENDS = BackendTable(torch=TorchBackend, triton=_triton, helion=_helion)
+BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
 use_backends(BACKENDS)
 
 
@@ -157,7 +157,7 @@ def linear_log_probs(
     _check_tokens(tokens, x.shape[:-1])
     _validate.check_same_device(x=x, weight=weight, tokens=tokens, bias=bias)
     memory_budget = _validate.memory_budget(memory_budget, x.device)
-    impl = resolve_backend(backend, x.device, x.dtype, LINEAR_BACKENDS)
+    impl = resolve_backend(backend, x.device, x.dtype, BACKENDS)
     trunc = None  # (the default call adds no Python call here: the host-overhead bound)
     if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
             or min_p != 0.0:
@@ -180,9 +180,9 @@ def linear_log_probs(
             impl = fallback_name(x.device)
         block = 0
         if batch_invariant:
-            from logitless.ops.common.invariant import invariant_rows
+            from logitless.ops.common import invariant
 
-            block = invariant_rows(impl, x.device)
+            block = invariant.rows(BACKENDS[impl], x.device)
         k, p, mp, k_max = None, None, None, 0
         if trunc is not None:
             k, p, mp = trunc.top_k, trunc.top_p, trunc.min_p

@@ -21,34 +21,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import token_outputs
 from logitless.helion_lib import linear_log_probs as kernels
 from logitless.ops.common import helion_choice
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, HelionKind
 from logitless.options import LogProbOptions
 
 from .contract import HelionConfig, LlpBackend
 from .torch_backend import TorchBackend
 
 
-class HelionBackend:
+class HelionBackend(HelionKind):
     """backend="helion" (``contract.LlpBackend``). Its Config (``HelionConfig``) says whether
     Helion runs the call or which backend runs in its place (that backend's Config in it,
     planned with nothing kept), and the backward's budget. ``others``: the backends by name
     (``api.BACKENDS``)."""
 
-    name = "helion"
     codec = ConfigCodec(HelionConfig)
     grad_coefficients = staticmethod(TorchBackend.grad_coefficients)
 
     def __init__(self, others: Mapping[str, LlpBackend]):
         self.others = others
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return helion_choice.cause() or (None if dtype != torch.float64 else "float64 inputs")
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,

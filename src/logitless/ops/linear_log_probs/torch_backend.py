@@ -23,7 +23,7 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_, token_outputs
 from logitless.formulas.log_probs import grad_coefficients as grad_coefficients_of
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, TorchKind
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
 
@@ -103,15 +103,11 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
                             dx_acc=dx_acc)
 
 
-class TorchBackend:
+class TorchBackend(TorchKind):
     """backend="torch" (``contract.LlpBackend``): its Config is the call's tiles
     (``contract.TorchConfig``); it keeps nothing for the backward."""
 
-    name = "torch"
     codec = ConfigCodec(TorchConfig)
-
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return None
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,

@@ -32,9 +32,8 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.ops.common.torch_tiles import linear_torch_plan
-from logitless.ops.common.validate import triton_unsupported
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised
@@ -255,15 +254,12 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
                                    need_db=need_db, dx_acc=dx_acc)
 
 
-class TritonBackend:
+class TritonBackend(TritonKind):
     """backend="triton" (``contract.LlpBackend``): its Config (``contract.TritonConfig``) holds
     the call's ``LinearPlan`` (tiles, kept columns, the CuTe choice) and, for truncated /
     batch-invariant calls, the threshold passes' plans and the backward's over the batch."""
 
-    name = "triton"
     codec = ConfigCodec(TritonConfig)
-
-    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
-from logitless.ops.common.contract import BackendTable
+from logitless.ops.common.contract import BackendTable, Lazy, TritonKind
 from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
@@ -29,7 +29,7 @@ def _triton() -> LpBackend:
 #: resolves to one of them, ``ops.common.validate.resolve_backend``); each runs the
 #: truncated and batch-invariant calls too (a Config of theirs, ``contract.Blocks``).
 #: Triton's is made on first use (its module needs the optional package).
-BACKENDS = BackendTable(torch=TorchBackend, triton=_triton)
+BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 use_backends(BACKENDS)
 
 
@@ -92,7 +92,7 @@ def log_probs(
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(logits.shape[:-1])} "
                          "(the leading dimensions of logits)")
     _validate.check_same_device(logits=logits, tokens=tokens)
-    impl = resolve_backend(backend, logits.device, logits.dtype)
+    impl = resolve_backend(backend, logits.device, logits.dtype, BACKENDS)
     trunc = None
     if top_k is not None or isinstance(top_p, Tensor) or isinstance(min_p, Tensor) or top_p != 1.0 \
             or min_p != 0.0:

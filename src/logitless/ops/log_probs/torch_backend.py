@@ -22,7 +22,7 @@ from logitless.formulas.log_probs import (
     token_outputs,
 )
 from logitless.formulas.truncation import Truncation
-from logitless.ops.common.contract import ConfigCodec
+from logitless.ops.common.contract import ConfigCodec, TorchKind
 from logitless.options import LogProbOptions
 from logitless.planning.logits import ce_torch_plan
 
@@ -35,15 +35,11 @@ def _scaled(chunk: Tensor, opts: LogProbOptions) -> Tensor:
     return scaled_logits_(apply_softcap(a, opts.softcap, inplace=True), opts)
 
 
-class TorchBackend:
+class TorchBackend(TorchKind):
     """backend="torch" (``contract.LpBackend``): any device, fp64 too; its Config
     (``contract.TorchConfig``) holds the rows per chunk or the truncated path's blocks."""
 
-    name = "torch"
     codec = ConfigCodec(TorchConfig)
-
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        return None
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
              batch_invariant: bool) -> TorchConfig:

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, grad_coefficients, token_outputs
 from logitless.formulas.truncation import Truncation
-from logitless.ops.common.contract import ConfigCodec
-from logitless.ops.common.validate import triton_unsupported
+from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import LogProbOptions
 from logitless.planning.logits import ce_triton_plan
 from logitless.triton_lib import log_probs_logits_kernels as K
@@ -30,14 +29,11 @@ from . import truncation as blocked
 from .contract import Blocks, LpForward, TritonConfig
 
 
-class TritonBackend:
+class TritonBackend(TritonKind):
     """backend="triton" (``contract.LpBackend``): its Config (``contract.TritonConfig``)
     holds the tiles or the truncated path's blocks."""
 
-    name = "triton"
     codec = ConfigCodec(TritonConfig)
-
-    unsupported = staticmethod(triton_unsupported)
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
              batch_invariant: bool) -> TritonConfig:

@@ -1,0 +1,356 @@
+"""The glue between an op's public function, autograd and torch.library, written once.
+
+An op declares its custom ops as typed classes (in its ``contract.py``) and writes its
+bodies against their names (in its ``custom_op.py``); ``CustomOp`` derives everything
+positional from the declarations:
+
+- a **call** (``Call`` subclass, a frozen dataclass): the forward op's inputs by name.
+  Fields are tensors (``Tensor``, ``Optional[Tensor]``), scalars (``bool``, ``int``,
+  ``float``, ``str``, ``Optional[float]``, ``Optional[int]``) or option dataclasses of
+  scalars (``logitless.options``: ``CrossEntropyOptions``, ``VocabParallelOptions``...), whose
+  fields are flattened under their own names. ``differentiable`` names the inputs that
+  get gradients (in the order the backward returns them); ``mutated`` the tensors the op
+  writes. A field of type ``Encoded`` is a backend's Config: the object on the eager
+  path, its encoding (``ConfigCodec``: a CPU int64 tensor) through the custom ops.
+- its **outputs** (a ``typing.NamedTuple`` of tensors; ``config``: the backend's Config).
+- a **backward call** (another ``Call``): what the backward op reads, and nothing else.
+
+``CustomOp(name, Call, Outputs, BackwardCall, table=..., forward=..., fake=..., save=...,
+backward=..., backward_impl=..., backward_fake=...)`` defines ``logitless::<name>_forward``
+and ``logitless::<name>_backward`` (schemas from the field lists), registers the autograd,
+and runs a call: ``op(call)`` on plain tensors in eager mode runs ``forward(call)`` under
+a plain ``autograd.Function`` that carries the call object intact (no torch.library layer,
+no flattening: the host path of small batches); anywhere else (torch.compile, fake tensors,
+dispatch modes, tensor subclasses) it flattens the call into the custom op, whose
+implementation rebuilds it. Both run the same bodies: bitwise the same results.
+
+The op's bodies: ``forward(call) -> Outputs`` (``config`` the object), ``fake(call) ->
+Outputs`` (shapes; ``config`` may be None: the glue fills the codec's fake),
+``save(ctx, call, out)`` (what the backward needs, on ``ctx`` and ``save_for_backward``),
+``backward(ctx, grads, need) -> grads`` (``grads``: the outputs' gradients by name, None
+where absent; ``need``: a NamedTuple of bools named after ``differentiable``; it returns
+one gradient per differentiable input, computing them with ``ctx.run_backward(bcall)``
+or by itself), ``backward_impl(bcall) -> (gradients)`` and ``backward_fake(bcall)``.
+Each backward runs under its forward's planner overrides (autograd runs CUDA backwards on
+a thread of its own). Double backward raises one clear error.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, NewType, Optional
+
+import torch
+from torch import Tensor
+
+from logitless.planning import overrides as _overrides
+
+#: A backend's Config as a field of a call: the object on the eager path, its encoding
+#: (a CPU int64 tensor, ``ConfigCodec``) through the custom ops.
+Encoded = NewType("Encoded", object)
+
+#: "logitless::<name>" -> the Python implementation behind the custom op (flat arguments):
+#: tests run it under dispatch modes, which otherwise see a custom op as one opaque call.
+EAGER: dict[str, Callable] = {}
+
+_SCALARS = {bool: "bool", int: "SymInt", float: "float", str: "str"}
+
+
+class Call:
+    """Base of the declared calls (module docstring): a frozen dataclass subclass."""
+
+    differentiable: ClassVar[tuple[str, ...]] = ()
+    mutated: ClassVar[tuple[str, ...]] = ()
+
+
+def _unwrap_optional(t) -> tuple[Any, bool]:
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0], True
+    return t, False
+
+
+class Fields:
+    """A declared class's flat argument list: the schema, ``flatten`` and ``unflatten``.
+
+    ``entries``: (name, kind, nested Fields or None) per field, kind "tensor", "encoded",
+    "scalar" or "options" (a dataclass flattened into its own fields)."""
+
+    def __init__(self, cls: type, *, top: bool = True):
+        self.cls = cls
+        hints = typing.get_type_hints(cls)
+        self.entries: list[tuple[str, str, Optional[Fields]]] = []
+        self.schema_args: list[str] = []
+        for f in dataclasses.fields(cls):
+            t, optional = _unwrap_optional(hints[f.name])
+            q = "?" if optional else ""
+            if t is Tensor or t is Encoded:
+                if not top:
+                    raise TypeError(f"{cls.__name__}.{f.name}: tensors are fields of the call, not of its options")
+                alias = ""
+                if f.name in getattr(cls, "mutated", ()):
+                    alias = f"(a{len(self.schema_args)}!)"
+                self.entries.append((f.name, "encoded" if t is Encoded else "tensor", None))
+                self.schema_args.append(f"Tensor{alias}{q} {f.name}")
+            elif t in _SCALARS:
+                self.entries.append((f.name, "scalar", None))
+                self.schema_args.append(f"{_SCALARS[t]}{q} {f.name}")
+            elif dataclasses.is_dataclass(t) and not optional:
+                sub = Fields(t, top=False)
+                self.entries.append((f.name, "options", sub))
+                self.schema_args.extend(sub.schema_args)
+            else:
+                raise TypeError(f"{cls.__name__}.{f.name}: a call field must be a tensor, a scalar or an "
+                                f"options dataclass, got {hints[f.name]}")
+        names = [a.rsplit(" ", 1)[1] for a in self.schema_args]
+        if len(set(names)) != len(names):
+            raise TypeError(f"{cls.__name__}: flattened field names repeat: {names}")
+        self.names = tuple(names)
+
+    def schema(self, outputs: int) -> str:
+        return f"({', '.join(self.schema_args)}) -> ({', '.join(['Tensor'] * outputs)})"
+
+    def flatten(self, obj) -> list:
+        out = []
+        for name, _kind, sub in self.entries:
+            value = getattr(obj, name)
+            if sub is None:
+                out.append(value)
+            else:
+                out.extend(sub.flatten(value))
+        return out
+
+    def unflatten(self, args, start: int = 0):
+        """(the object, the position after it) from flat ``args``."""
+        kwargs = {}
+        i = start
+        for name, _kind, sub in self.entries:
+            if sub is None:
+                kwargs[name] = args[i]
+                i += 1
+            else:
+                kwargs[name], i = sub.unflatten(args, i)
+        return self.cls(**kwargs), i
+
+    def build(self, args):
+        return self.unflatten(args)[0]
+
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(name for name, kind, _ in self.entries if kind == "tensor")
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_INFRA_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
+                     if hasattr(torch._C._TorchDispatchModeKey, k))
+
+
+def eager_fast_path_ok(tensors) -> bool:
+    """Whether a plain autograd.Function may stand in for a custom op: an eager call on
+    plain tensors (``tensors``: the call's, None allowed), outside torch.compile, dispatch
+    modes (FakeTensor, tracing, the tests' recorders), functorch transforms and tensor
+    subclasses (DTensor...)."""
+    if torch.compiler.is_compiling():  # (first: dynamo stops there)
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+        return False
+    for k in _INFRA_MODES:
+        if torch._C._get_dispatch_mode(k) is not None:
+            return False
+    for a in tensors:  # (a loop, not all(<generator>): this runs per call)
+        if a is not None and type(a) not in _PLAIN:
+            return False
+    return True
+
+
+def below_autograd():
+    """The context in which the eager path's backward runs the backward body, as the
+    dispatcher runs a custom op's: recording no autograd history (a backward with
+    create_graph=True runs with grad mode on)."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """Identity on first-order gradients computed with create_graph=True; differentiating
+    them again raises one clear error."""
+
+    @staticmethod
+    def forward(ctx, op: str, *tensors):
+        ctx.op = op
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"logitless.{ctx.op}: double backward (differentiating its gradients, e.g. after "
+                           "torch.autograd.grad(..., create_graph=True)) is not supported")
+
+
+def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> tuple:
+    """``grads`` unchanged, unless the backward runs with create_graph=True: then wrapped
+    so that their own backward raises (``inputs`` make the wrapper part of the graph)."""
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    extra = [t for t in inputs if t is not None and t.requires_grad]
+    wrapped = NoDoubleBackward.apply(op, *[grads[i] for i in present], *extra)
+    out = list(grads)
+    for k, i in enumerate(present):
+        out[i] = wrapped[k]
+    return tuple(out)
+
+
+def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor],
+                 need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The (dx, dw, db) outputs of a fused linear op's backward custom op: each gradient
+    where needed, else a size-0 tensor of x's dtype and device (distinct ones: a custom
+    op's outputs may not alias each other)."""
+    return (dx if need_dx else x.new_empty(0), dw if need_dw else x.new_empty(0), db if need_db else x.new_empty(0))
+
+
+def fake_grad_outputs(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_dx: bool, need_dw: bool,
+                      need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``grad_outputs`` of a backward custom op's fake: gradients shaped like x, weight
+    and bias where needed."""
+    return grad_outputs(x, torch.empty_like(x) if need_dx else None, torch.empty_like(weight) if need_dw else None,
+                        torch.empty_like(bias) if need_db else None, need_dx, need_dw, need_db)
+
+
+def zero_grads(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    """(dx, dw, db) of an op on no tokens: zeros (db None without a bias)."""
+    return torch.zeros_like(x), torch.zeros_like(weight), torch.zeros_like(bias) if bias is not None else None
+
+
+class CustomOp:
+    """An op's forward/backward custom-op pair, its autograd and its eager path (module
+    docstring). ``table``: the op's backends by name (``api.BACKENDS``); ``call.backend``
+    names the one that runs, whose ``codec`` carries its Config across the custom ops."""
+
+    def __init__(self, name: str, call: type, outputs: type, backward_call: type, *, table,
+                 forward: Callable, fake: Callable, save: Callable, backward: Callable,
+                 backward_impl: Callable, backward_fake: Callable, title: Optional[str] = None,
+                 codec: Optional[Callable] = None):
+        self.name, self.title, self.table, self.outputs = name, title or name, table, outputs
+        self._codec = codec or (lambda call, impl: impl.codec)
+        self.fields, self.backward_fields = Fields(call), Fields(backward_call)
+        self.tensor_names = self.fields.tensors()
+        self.differentiable = call.differentiable
+        self.need_type = collections.namedtuple(f"{call.__name__}Need", call.differentiable)
+        flat = self.fields.names
+        self.grad_positions = tuple(flat.index(n) for n in call.differentiable)
+        self.num_inputs = len(flat)
+        self._forward, self._fake, self._save = forward, fake, save
+        self._backward, self._backward_impl, self._backward_fake = backward, backward_impl, backward_fake
+
+        self.forward_op = self._define(f"{name}_forward", self._forward_op_impl,
+                                       self.fields.schema(len(outputs._fields)), call.mutated)
+        self.forward_op.register_fake(self._forward_op_fake)
+        self.backward_op = self._define(f"{name}_backward", self._backward_op_impl,
+                                        self.backward_fields.schema(len(call.differentiable)), backward_call.mutated)
+        self.backward_op.register_fake(self._backward_op_fake)
+        self.forward_op.register_autograd(self._custom_backward, setup_context=self._custom_setup)
+
+        def eager_forward(ctx, call, *_differentiable):
+            out = forward(call, table[call.backend])
+            ctx.eager = True
+            self._setup(ctx, call, out)
+            return tuple(out)
+
+        self.apply = type(f"Eager_{name}", (torch.autograd.Function,), {
+            "forward": staticmethod(eager_forward), "backward": staticmethod(self._eager_backward),
+            "__module__": __name__,
+        }).apply
+
+    @staticmethod
+    def _define(name: str, fn: Callable, schema: str, mutated: tuple):
+        EAGER[f"logitless::{name}"] = fn
+        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutated, schema=schema)
+
+    # ---------------------------------------------------------------- running a call
+
+    def __call__(self, call):
+        """The forward's outputs (``Outputs``) of ``call``, with autograd."""
+        if eager_fast_path_ok([getattr(call, n) for n in self.tensor_names]):
+            return self.outputs._make(self.apply(call, *[getattr(call, n) for n in self.differentiable]))
+        return self.outputs._make(self.forward_op(*self.args(call)))
+
+    def args(self, call) -> tuple:
+        """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``)."""
+        return tuple(self.fields.flatten(call))
+
+    def backward_args(self, bcall) -> tuple:
+        """The backward custom op's flat arguments for ``bcall``."""
+        return tuple(self.backward_fields.flatten(bcall))
+
+    def _runner(self, ctx) -> Callable:
+        """What runs a backward call (``backward``'s ``run``): the backward body, directly
+        after an eager forward (recording no history), else the backward custom op."""
+        if getattr(ctx, "eager", False):
+            def run(b) -> tuple:
+                with below_autograd():
+                    return tuple(self._backward_impl(b, self.table[b.backend]))
+        else:
+            def run(b) -> tuple:
+                return tuple(self.backward_op(*self.backward_args(b)))
+        return run
+
+    # ---------------------------------------------------------------- custom-op bodies
+
+    def _forward_op_impl(self, *args):
+        call = self.fields.build(args)
+        impl = self.table[call.backend]
+        out = self._forward(call, impl)
+        return tuple(out._replace(config=self._codec(call, impl).encode(out.config)))
+
+    def _forward_op_fake(self, *args):
+        call = self.fields.build(args)
+        impl = self.table[call.backend]
+        out = self._fake(call, impl)
+        if out.config is None:
+            out = out._replace(config=self._codec(call, impl).fake())
+        return tuple(out)
+
+    def _backward_op_impl(self, *args):
+        b = self.backward_fields.build(args)
+        return tuple(self._backward_impl(b, self.table[b.backend]))
+
+    def _backward_op_fake(self, *args):
+        b = self.backward_fields.build(args)
+        return tuple(self._backward_fake(b, self.table[b.backend]))
+
+    # ---------------------------------------------------------------- autograd
+
+    def _setup(self, ctx, call, out) -> None:
+        ctx.overrides = (_overrides.current(), _overrides.what_ifs())  # (C-level getters: no frame)
+        self._save(ctx, call, out)
+
+    def _custom_setup(self, ctx, inputs, output) -> None:
+        self._setup(ctx, self.fields.build(inputs), self.outputs._make(output))
+
+    def _gradients(self, ctx, grads: tuple, needs: tuple) -> tuple:
+        need = self.need_type._make(needs)
+        grads = self.outputs._make(grads)
+        if not any(need):
+            return (None,) * len(need)
+        state = ctx.overrides
+        if _overrides.current() is state[0] and _overrides.what_ifs() is state[1]:  # the forward's thread
+            out = self._backward(ctx, grads, need, self._runner(ctx))
+        else:
+            with _overrides.restored(state):
+                out = self._backward(ctx, grads, need, self._runner(ctx))
+        out = tuple(g if n else None for g, n in zip(out, need))
+        return guard_double_backward(self.title, out, *grads, *ctx.saved_tensors)
+
+    def _eager_backward(self, ctx, *grads):
+        needs = ctx.needs_input_grad[1:]
+        return (None, *self._gradients(ctx, grads, needs))
+
+    def _custom_backward(self, ctx, *grads):
+        needs = tuple(ctx.needs_input_grad[i] for i in self.grad_positions)
+        out = [None] * self.num_inputs
+        for i, g in zip(self.grad_positions, self._gradients(ctx, grads, needs)):
+            out[i] = g
+        return tuple(out)
