@@ -155,10 +155,73 @@ def log_probs_processor(*, hidden_states: Tensor, output_layer, output_weight: O
 
 
 # ----------------------------------------------------------------------------- install
+#
+# GPTModel without MTP: Megatron's public seam, ``forward(..., output_processor=)``; nothing else.
+# GPTModel with MTP, and HybridModel (whose forward has no seam): the model's own forward runs up
+# to the hidden states, as a pipeline stage without the output layer runs it (``post_process``
+# off for the call: both return the decoder's, and the MTP block's, hidden states right there),
+# and this module runs the rest: the MTP depths' losses (``_mtp_loss``, Megatron's
+# ``process_mtp_loss`` with logitless' loss) and the processor. That runs around Megatron code
+# that is not an API, so ``install`` checks that code first (``_check_code``): its digest must be
+# one this module was written against, or install refuses, naming the releases.
+
+#: The megatron-core releases whose code ``_DIGESTS`` pins (0.19.0, 0.19.1 and 0.19.2 have the same).
+_WRITTEN_AGAINST = "megatron-core 0.19.0 - 0.19.2"
+#: The Megatron functions install runs around, by the digest of their code (``_code_digest``).
+_DIGESTS = {
+    # copied by _mtp_loss (each depth's loss from logitless; the rolls, masks, scaling, logging kept)
+    "megatron.core.transformer.multi_token_prediction.process_mtp_loss": "103e1726de653ef6",
+    # run with post_process off: they return the (decoder + MTP block) hidden states before the loss
+    "megatron.core.models.gpt.gpt_model.GPTModel.forward": "6d1247775fb4f57f",
+    "megatron.core.models.gpt.gpt_model.GPTModel._postprocess": "c14b909619a74453",
+    "megatron.core.models.hybrid.hybrid_model.HybridModel.forward": "ef3b1f6c04a45e11",
+}
+
+
+def _code_digest(fn) -> str:
+    """sha256 (16 hex digits) of ``fn``'s syntax tree without its docstring: a comment or a
+    reformatting keeps it, any change to the code changes it."""
+    import ast
+    import hashlib
+    import inspect
+    import textwrap
+
+    node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        node.body = body[1:]
+    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def _megatron_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # an install without metadata (a source checkout on PYTHONPATH)
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+
+
+def _check_code(fn, name: str, why: str, instead: str) -> None:
+    """Raises RuntimeError unless ``fn`` (Megatron's ``name``) has the code this module was
+    written against."""
+    try:
+        digest = _code_digest(fn)
+    except (OSError, TypeError, SyntaxError):  # no source to read
+        digest = None
+    if digest != _DIGESTS[name]:
+        raise RuntimeError(
+            f"logitless.integrations.megatron.install: {why} runs around megatron-core's {name}, "
+            f"written against its code in {_WRITTEN_AGAINST}; this megatron-core ({_megatron_version()}) has "
+            f"other code there, which logitless has not been checked against. Use {_WRITTEN_AGAINST}, "
+            f"or {instead}")
 
 
 def _unwrap(module):
-    """The GPTModel inside DDP / Float16Module / FSDP wrappers (their ``.module``)."""
+    """The model inside DDP / Float16Module / FSDP wrappers (their ``.module``)."""
     seen = 0
     while hasattr(module, "module") and seen < 16:
         module = module.module
@@ -166,22 +229,39 @@ def _unwrap(module):
     return module
 
 
-def _check(gpt) -> None:
-    """Raises ValueError naming the first option of ``gpt`` the processor cannot serve."""
+def _model_classes() -> tuple:
+    """(GPTModel, HybridModel) as this megatron-core has them (HybridModel: >= 0.18)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:
+        return (GPTModel,)
+    return (GPTModel, HybridModel)
+
+
+def _original(cls):
+    """The class install started from (``cls`` itself when not installed)."""
+    return cls.__mro__[1] if cls.__dict__.get(_MARK) else cls
+
+
+def _check(model) -> None:
+    """Raises ValueError naming the first option of ``model`` the processor cannot serve."""
     from megatron.core import tensor_parallel
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    cfg = gpt.config
-    layer = gpt.output_layer
+    cfg = model.config
+    layer = model.output_layer
+    name = _original(type(model)).__name__
     if type(layer) is not tensor_parallel.ColumnParallelLinear:
         raise ValueError(f"output layer {type(layer).__name__} is not Megatron's ColumnParallelLinear (e.g. the "
                          "MXFP8 output projection, fp8_recipe/fp8_output_proj): logitless reads its weight as the "
                          "head; install on a model with the plain ColumnParallelLinear output layer")
-    if type(gpt).compute_language_model_loss is not LanguageModule.compute_language_model_loss:
-        raise ValueError(f"{type(gpt).__name__} overrides compute_language_model_loss: logitless computes "
+    if type(model).compute_language_model_loss is not LanguageModule.compute_language_model_loss:
+        raise ValueError(f"{name} overrides compute_language_model_loss: logitless computes "
                          "Megatron's cross-entropy only; do not install on a model with another loss")
-    if type(gpt)._scale_logits is not LanguageModule._scale_logits:
-        raise ValueError(f"{type(gpt).__name__} overrides _scale_logits: logitless folds only MuP's "
+    if type(model)._scale_logits is not LanguageModule._scale_logits:
+        raise ValueError(f"{name} overrides _scale_logits: logitless folds only MuP's "
                          "mup_output_mult into the head; do not install on a model with another logit scaling")
     if getattr(cfg, "defer_embedding_wgrad_compute", False):
         raise ValueError("defer_embedding_wgrad_compute=True: the output layer's weight gradient is deferred to "
@@ -189,16 +269,172 @@ def _check(gpt) -> None:
     if getattr(layer, "disable_grad_reduce", False) or getattr(layer, "explicit_expert_comm", False):
         raise ValueError("output layer with disable_grad_reduce / explicit_expert_comm: its input gradient is "
                          "not reduced over the TP group as logitless reduces it; not supported")
-    if not getattr(gpt, "parallel_output", True):
+    if not getattr(model, "parallel_output", True):
         raise ValueError("parallel_output=False (logits gathered over the TP group): Megatron's loss expects "
                          "vocab-parallel logits; install needs parallel_output=True")
 
 
-def _mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output,
-              is_training, compute_language_model_loss, config, cp_group=None, tp_group=None,
-              packed_seq_params=None, scale_logits_fn=None, input_ids=None):
-    """Megatron's ``process_mtp_loss`` with each depth's loss (and acceptance counts) from
-    logitless: the same rolls, masks, depth scaling, logging and MTPLossAutoScaler."""
+def _mtp_in_tail(model) -> bool:
+    """Whether Megatron's own code would run ``process_mtp_loss`` after the hidden states
+    (GPTModel._postprocess: any ``mtp_num_layers``; HybridModel.forward: ``mtp_num_layers``
+    and this chunk's MTP block)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if isinstance(model, GPTModel):
+        return bool(model.config.mtp_num_layers)
+    return model.config.mtp_num_layers is not None and bool(model.mtp_process)
+
+
+def _plan(model) -> str:
+    """How ``install`` serves ``model`` (checked): "seam" (GPTModel without MTP: Megatron's
+    ``output_processor``) or "tail" (this module runs the loss after the hidden states)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer import multi_token_prediction
+
+    base = _original(type(model))
+    mtp = _mtp_in_tail(model)
+    if isinstance(model, GPTModel) and not mtp:
+        return "seam"
+    what = "HybridModel" if not isinstance(model, GPTModel) else "a GPTModel with MTP (mtp_num_layers)"
+    instead = ("call the model without install (Megatron's own loss)" if not isinstance(model, GPTModel) else
+               "pass output_processor=logitless.integrations.megatron.output_processor to the model's forward "
+               "without install (the main loss through logitless, the MTP depths' through Megatron's logits)")
+    if getattr(model.config, "fine_grained_activation_offloading", False):
+        raise ValueError(f"fine_grained_activation_offloading=True: install on {what} runs the model's forward with "
+                         "post_process off, which that offloading reads; not supported")
+    if isinstance(model, GPTModel):
+        for fn, name in ((base.forward, "GPTModel.forward"), (base._postprocess, "GPTModel._postprocess")):
+            if fn is not getattr(GPTModel, name.split(".")[1]):
+                raise ValueError(f"{base.__name__} overrides {name}: install on {what} runs GPTModel's own; "
+                                 "not supported")
+            _check_code(fn, f"megatron.core.models.gpt.gpt_model.{name}", f"install on {what}", instead)
+    else:
+        hybrid = _model_classes()[1]
+        if base.forward is not hybrid.forward:
+            raise ValueError(f"{base.__name__} overrides HybridModel.forward: install runs HybridModel's own; "
+                             "not supported")
+        _check_code(base.forward, "megatron.core.models.hybrid.hybrid_model.HybridModel.forward",
+                    f"install on {what}", instead)
+    if mtp:
+        _check_code(multi_token_prediction.process_mtp_loss,
+                    "megatron.core.transformer.multi_token_prediction.process_mtp_loss",
+                    "the MTP depths' losses through logitless (a copy of it)", instead)
+    return "tail"
+
+
+def install(model):
+    """Makes ``model(input_ids, position_ids, attention_mask, labels=labels, ...)`` compute
+    its loss with ``output_processor`` without the logits, and the MTP depths' losses with
+    logitless, for a Megatron Core ``GPTModel`` or ``HybridModel``, the same inside wrappers
+    with ``.module`` (DDP, Float16Module), or a list of pipeline chunks (only the
+    post-process chunk has a head; the others are left as they are). The call takes
+    ``output_processor=`` / ``output_processor_context=`` (``log_probs_processor`` for RL),
+    HybridModel's too; a call without labels and without a processor runs Megatron's own
+    path (logits). Idempotent.
+
+    GPTModel without MTP goes through Megatron's ``output_processor`` seam. GPTModel with
+    MTP and HybridModel run Megatron code that is not an API (``_plan``): install checks it
+    against the code of the releases it was written against and raises otherwise.
+
+    Raises:
+        TypeError: no GPTModel / HybridModel inside ``model`` (or a chunk of it).
+        ValueError: a configuration logitless cannot serve, naming the option (another
+            output layer class, an overridden ``compute_language_model_loss``,
+            ``defer_embedding_wgrad_compute``, ``parallel_output=False``, ...).
+        RuntimeError: Megatron code it runs around is not the code of the megatron-core
+            releases it was written against (the message names them).
+    Returns ``model``.
+    """
+    classes = _model_classes()
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    plans = []
+    for chunk in chunks:
+        inner = _unwrap(chunk)
+        if not isinstance(inner, classes):
+            raise TypeError(f"install expects a megatron.core GPTModel or HybridModel (or a wrapper of one, or a "
+                            f"list of them), got {type(inner).__name__}")
+        if inner.post_process:
+            _check(inner)
+            plans.append((inner, _plan(inner)))
+    for inner, plan in plans:
+        inner.__class__ = _installed_class(_original(type(inner)))
+        inner.__dict__[_MARK] = plan
+    return model
+
+
+#: model class -> its installed subclass (one per class)
+_CLASSES: dict = {}
+
+
+def _installed_class(base):
+    """``base`` with a ``forward`` that runs the loss through logitless when labels (or a
+    processor) are given (a subclass, not an instance attribute: no bound method of one
+    model held by it)."""
+    import inspect
+
+    cls = _CLASSES.get(base)
+    if cls is None:
+        signature = inspect.signature(base.forward)
+
+        def forward(self, *args, **kwargs):
+            return _forward(self, base, signature, args, kwargs)
+
+        forward.__doc__ = base.forward.__doc__
+        cls = type(base.__name__, (base,), {"forward": forward, _MARK: True, "__module__": __name__,
+                                            "__qualname__": f"installed.{base.__qualname__}"})
+        _CLASSES[base] = cls
+    return cls
+
+
+def _forward(model, base, signature, args, kwargs):
+    given = kwargs.pop("output_processor", None)
+    context = kwargs.pop("output_processor_context", None)
+    call = signature.bind(model, *args, **kwargs).arguments  # the arguments by name, as forward binds them
+    processor = given if given is not None else output_processor if call.get("labels") is not None else None
+    plan = model.__dict__.get(_MARK)
+    if processor is None or plan is None:  # no labels: Megatron's logits (plan None: a stage without the head)
+        return base.forward(model, *args, **kwargs)
+    if plan == "seam":
+        return base.forward(model, *args, output_processor=processor, output_processor_context=context, **kwargs)
+    from megatron.core.inference.utils import InferenceMode
+
+    if InferenceMode.is_active():  # Megatron's engine: its own path (logits, KV cache, speculative MTP)
+        if given is not None:
+            raise ValueError("output_processor= under Megatron's inference engine: install serves training and "
+                             "log-probs outside it (GPTModel with MTP, HybridModel); call the model without it")
+        return base.forward(model, *args, **kwargs)
+    model.post_process = False  # the forward returns its hidden states, as a stage without the head does
+    try:
+        hidden_states = base.forward(model, *args, **kwargs)
+    finally:
+        model.post_process = True
+    return _tail(model, hidden_states, call, processor, context)
+
+
+def _tail(model, hidden_states, call: dict, processor, context):
+    """What GPTModel._postprocess / HybridModel.forward do after the hidden states (training,
+    not inference), with the MTP losses from logitless and the output layer and loss replaced
+    by ``processor`` (called as GPTModel calls its ``output_processor``)."""
+    output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    if _mtp_in_tail(model):
+        hidden_states = _mtp_loss(hidden_states, call.get("labels"), call.get("loss_mask"), model.output_layer,
+                                  output_weight, model.training, model.config, cp_group=model.pg_collection.cp,
+                                  packed_seq_params=call.get("packed_seq_params"), input_ids=call.get("input_ids"))
+    return processor(hidden_states=hidden_states, output_layer=model.output_layer, output_weight=output_weight,
+                     labels=call.get("labels"), loss_mask=call.get("loss_mask"), input_ids=call.get("input_ids"),
+                     position_ids=call.get("position_ids"), attention_mask=call.get("attention_mask"),
+                     decoder_input=call.get("decoder_input"), inference_context=call.get("inference_context"),
+                     packed_seq_params=call.get("packed_seq_params"),
+                     runtime_gather_output=call.get("runtime_gather_output"), context=context,
+                     compute_language_model_loss=model.compute_language_model_loss,
+                     scale_logits=model._scale_logits, config=model.config)
+
+
+def _mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weight, is_training, config, *,
+              cp_group=None, packed_seq_params=None, input_ids=None):
+    """Megatron's ``process_mtp_loss`` (megatron-core 0.19; ``_DIGESTS`` pins the code) with
+    each depth's loss (and acceptance counts) from logitless: the same rolls, masks, depth
+    scaling, logging and MTPLossAutoScaler."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
@@ -245,82 +481,3 @@ def _mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weight, run
         else:
             hidden_states = mtp.MTPLossAutoScaler.apply(hidden_states, scale * mtp_loss / num_tokens.clamp(min=1))
     return hidden_states
-
-
-def _install_mtp_dispatch() -> None:
-    """GPTModel's module-level ``process_mtp_loss`` becomes a dispatcher: an installed
-    model's output layer gets ``_mtp_loss``, every other model Megatron's own function."""
-    from megatron.core.models.gpt import gpt_model
-
-    current = gpt_model.process_mtp_loss
-    if getattr(current, _MARK, False):
-        return
-    original = current
-
-    def process_mtp_loss(*args, **kwargs):
-        layer = kwargs.get("output_layer", args[3] if len(args) > 3 else None)
-        if getattr(layer, _MARK, False):
-            return _mtp_loss(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    setattr(process_mtp_loss, _MARK, True)
-    process_mtp_loss.__wrapped__ = original
-    gpt_model.process_mtp_loss = process_mtp_loss
-
-
-def install(model):
-    """Makes ``model(input_ids, position_ids, attention_mask, labels=labels, ...)`` compute
-    its loss with ``output_processor`` (and the MTP depths' losses with logitless), for
-    a Megatron Core ``GPTModel``, the same inside wrappers with ``.module`` (DDP,
-    Float16Module), or a list of pipeline chunks (only the post-process chunk has a head;
-    the others are left as they are). A call that passes its own ``output_processor``
-    keeps it; a call without labels runs Megatron's own path (logits). Idempotent.
-
-    Raises:
-        TypeError: no GPTModel inside ``model`` (or a chunk of it).
-        ValueError: a configuration logitless cannot serve, naming the option (another
-            output layer class, an overridden ``compute_language_model_loss``,
-            ``defer_embedding_wgrad_compute``, ``parallel_output=False``, ...).
-    Returns ``model``.
-    """
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    gpts = []
-    for chunk in chunks:
-        gpt = _unwrap(chunk)
-        if not isinstance(gpt, GPTModel):
-            raise TypeError(f"install expects a megatron.core GPTModel (or a wrapper of one, or a list of them), "
-                            f"got {type(gpt).__name__}")
-        if gpt.post_process:
-            _check(gpt)
-            gpts.append(gpt)
-    for gpt in gpts:
-        if not getattr(gpt, _MARK, False):
-            setattr(gpt.output_layer, _MARK, True)
-            gpt.__class__ = _installed_class(type(gpt))
-    if gpts:
-        _install_mtp_dispatch()
-    return model
-
-
-#: GPTModel class -> its installed subclass (one per class)
-_CLASSES: dict = {}
-
-
-def _installed_class(base):
-    """``base`` with a ``forward`` that defaults ``output_processor`` when labels are given
-    (a subclass, not an instance attribute: no bound method of one model held by it)."""
-    cls = _CLASSES.get(base)
-    if cls is None:
-        def forward(self, *args, **kwargs):
-            labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
-            if labels is not None and kwargs.get("output_processor") is None:
-                kwargs["output_processor"] = output_processor
-            return base.forward(self, *args, **kwargs)
-
-        forward.__doc__ = base.forward.__doc__
-        cls = type(base.__name__, (base,), {"forward": forward, _MARK: True, "__module__": __name__,
-                                            "__qualname__": f"installed.{base.__qualname__}"})
-        _CLASSES[base] = cls
-    return cls
