@@ -239,6 +239,171 @@ def test_override_selects_the_loss():
         lt.logitless_loss(MTPLoss.Config())
 
 
+# ---- FSDP2 layouts of the head ---------------------------------------------------------
+
+class _Body(torch.nn.Module):
+    """What the decoder is to the loss: tokens -> the final norm's output."""
+
+    def __init__(self, v, h):
+        super().__init__()
+        self.emb = torch.nn.Embedding(v, h)
+        self.layer = torch.nn.Linear(h, h)
+        self.norm = torch.nn.RMSNorm(h)
+
+    def forward(self, ids):
+        return self.norm(torch.tanh(self.layer(self.emb(ids))))
+
+
+class _LM(torch.nn.Module):
+    def __init__(self, v, h):
+        super().__init__()
+        self.body = _Body(v, h)
+        self.lm_head = torch.nn.Linear(h, v, bias=False)
+
+    def forward(self, ids):   # torchtitan's model with _skip_lm_head
+        return self.body(ids)
+
+
+def _shard(model, layout, reshard, mesh):
+    """torchtitan's layouts of the head, its unit's ``reshard_after_forward`` = ``reshard``:
+    "own-root" (``fully_shard(head)`` apart from the body's root), "group"
+    (``fully_shard([norm, head])`` under the model's root, as torchtitan's
+    ``apply_fsdp_to_decoder``), "under-root" (the head in the root's own group; ``None``:
+    FSDP's default for a root, which keeps its parameters unsharded after the forward)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    def shard(modules, raf):
+        fully_shard(modules, mesh=mesh, **({} if raf is None else {"reshard_after_forward": raf}))
+
+    shard(model.body.layer, reshard)
+    if layout == "own-root":
+        shard(model.lm_head, reshard)
+        shard(model.body, None)
+    elif layout == "group":
+        shard([model.body.norm, model.lm_head], reshard)
+        shard(model, None)   # as torchtitan's root
+    else:
+        shard(model, reshard)
+    for m in model.modules():   # gloo has no PREMUL_SUM: a plain SUM in both runs, same math
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+@contextlib.contextmanager
+def _counting_head_gathers(weight):
+    """Counts FSDP2's all-gathers of the parameter group holding ``weight`` (the sharded head)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+    counts = {"call": 0, "step": 0}
+    real = pg.foreach_all_gather
+
+    def counting(fsdp_params, *a, **k):
+        if any(p.sharded_param is weight for p in fsdp_params):
+            counts["call"] += 1
+            counts["step"] += 1
+        return real(fsdp_params, *a, **k)
+
+    pg.foreach_all_gather = counting
+    try:
+        yield counts
+    finally:
+        pg.foreach_all_gather = real
+
+
+def _fsdp_layout_worker(rank, world, device, layouts):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    v, h = 37, 16
+    for layout, reshard in layouts:
+        torch.manual_seed(0)
+        base = _LM(v, h)
+        runs = {}
+        for name in ("chunked", "ours"):
+            model = copy.deepcopy(base)
+            _shard(model, layout, reshard, mesh)
+            if name == "ours":
+                loss_fn = lt.LogitlessLoss.Config(global_vocab_size=v).build()
+            else:
+                loss_fn = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config()).build()
+            loss_fn.set_lm_head(model.lm_head)
+            sharded_head = model.lm_head.weight
+            steps = []
+            for step in range(2):   # the second step starts from the FSDP state the first left
+                g = torch.Generator().manual_seed(10 * rank + step)
+                ids = torch.randint(0, v, (B, 8), generator=g)
+                labels = torch.randint(0, v, (B, 8), generator=g)
+                labels[0, :2] = -100
+                gvt = (labels != -100).sum()
+                dist.all_reduce(gvt)
+                model.zero_grad(set_to_none=True)
+                with _counting_head_gathers(sharded_head) as gathers, \
+                        (logits_forbidden(model.lm_head) if name == "ours" else contextlib.nullcontext()) as calls:
+                    hidden = model(ids)
+                    before = gathers["call"]
+                    loss, _ = loss_fn(hidden, labels, gvt)
+                    per_call = gathers["call"] - before
+                    loss.backward()
+                assert name == "chunked" or calls, "logitless did not run"
+                grads = {}
+                for pname, p in model.named_parameters():
+                    assert p.grad is not None, f"{layout} {reshard} {name}: {pname} has no gradient"
+                    grads[pname] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                # the head's registered parameter is the sharded one again (what an optimizer and
+                # clip_grad_norm_ read) wherever FSDP shards it
+                if layout != "under-root":
+                    assert isinstance(model.lm_head.weight, DTensor), f"{layout} {reshard} {name}: left unsharded"
+                steps.append((loss.detach(), grads, per_call, gathers["step"]))
+            runs[name] = steps
+        for step, (ours, ref) in enumerate(zip(runs["ours"], runs["chunked"])):
+            where = f"rank {rank} {layout} reshard_after_forward={reshard} step {step}"
+            torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} loss: {m}")
+            for pname in ref[1]:
+                torch.testing.assert_close(ours[1][pname], ref[1][pname], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{where} d{pname}: {m}")
+            assert ours[2] <= 1, f"{where}: the head was all-gathered {ours[2]} times in one loss call"
+            assert ours[2] <= ref[2] and ours[3] <= ref[3], (where, ours[2:], ref[2:])
+            # sharded when the call starts: one gather in the call; unsharded (the norm's group kept it
+            # after the norm's forward) or under the root: none
+            expect = 1 if layout == "own-root" or (layout == "group" and reshard) else 0
+            assert ours[2] == expect, f"{where}: {ours[2]} gathers in the call, expected {expect}"
+
+
+@pytest.mark.skipif(sys.platform == "win32" or not dist.is_gloo_available(), reason="needs gloo")
+def test_fsdp2_head_layouts():
+    """A real ``fully_shard`` on 2 gloo ranks in each of torchtitan's layouts of the head (its own
+    FSDP root, a group with the final norm, under the root) and both ``reshard_after_forward``:
+    the loss and every parameter's gradient equal ``ChunkedLossWrapper``'s, two steps in a row,
+    the head's gradient is never None and the head is left sharded; the head is all-gathered
+    at most once per loss call, and never more often than by ``ChunkedLossWrapper``."""
+    layouts = [("own-root", False), ("own-root", True), ("group", False), ("group", True), ("under-root", None)]
+    spawn(_fsdp_layout_worker, 2, layouts, backend="gloo")
+
+
+def _fsdp_resharded_root_worker(rank, world, device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _LM(37, 16)
+    _shard(model, "under-root", True, init_device_mesh("cpu", (world,)))
+    loss_fn = lt.LogitlessLoss.Config().build()
+    loss_fn.set_lm_head(model.lm_head)
+    ids = torch.randint(0, 37, (B, 8))
+    with pytest.raises(TypeError, match="FSDP2's sharded parameter, outside the forward"):
+        loss_fn(model(ids), ids)
+
+
+@pytest.mark.skipif(sys.platform == "win32" or not dist.is_gloo_available(), reason="needs gloo")
+def test_fsdp2_head_resharded_by_its_parent_is_refused():
+    """The head in a root's group whose ``reshard_after_forward=True`` reshards it after the
+    forward: its weight is then FSDP's shard (a DTensor over the data-parallel mesh), not the
+    head; refused (once taken for a vocabulary-parallel head it gave a wrong loss).
+    ``ChunkedLossWrapper`` fails there too (``lm_head(h)`` mixes a Tensor and a DTensor)."""
+    spawn(_fsdp_resharded_root_worker, 2, backend="gloo")
+
+
 # ---- the trainer's own path -------------------------------------------------------------
 
 def _trainer_config(*, dp=1, tp=1, backend="spmd_types", vocab=V_ODD, logitless=True, param_dtype="float32"):

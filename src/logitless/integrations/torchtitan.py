@@ -51,6 +51,7 @@ Not tested: pipeline parallelism (wired by the trainer as for the chunked loss, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 from dataclasses import dataclass
@@ -104,7 +105,6 @@ class LogitlessLoss(ChunkedLossWrapper):
         """logitless backend: "auto", "triton" or "torch"."""
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
-        # ChunkedLossWrapper.__init__ is not called: there is no inner loss to build.
         if config.global_vocab_size is not None and (
                 not isinstance(config.global_vocab_size, int) or config.global_vocab_size <= 0):
             raise ValueError(f"LogitlessLoss: global_vocab_size must be a positive int or None, "
@@ -118,13 +118,15 @@ class LogitlessLoss(ChunkedLossWrapper):
         if config.backend not in ("auto", "triton", "torch"):
             raise ValueError(f"LogitlessLoss: backend must be 'auto', 'triton' or 'torch', "
                              f"got {config.backend!r}")
+        # ChunkedLossWrapper's own constructor, for one chunk of its cross-entropy (what this
+        # loss computes; its inner loss is never called). compile.components=["loss"] compiles
+        # nothing here: the op is already fused.
+        del compile_config
+        super().__init__(ChunkedLossWrapper.Config(
+            num_chunks=1, loss_fn=CrossEntropyLoss.Config(global_vocab_size=config.global_vocab_size)))
         self.config = config
         self.global_vocab_size = config.global_vocab_size
         self.mtp_scale = float(config.mtp_scale)
-        self.num_chunks = 1
-        self.lm_head: nn.Module | None = None
-        # compile.components=["loss"] compiles nothing here: the op is already fused.
-        del compile_config
 
     def set_lm_head(self, lm_head: nn.Module) -> None:
         """Called by torchtitan's trainer with the model's head (an ``nn.Linear``, maybe
@@ -169,18 +171,14 @@ class LogitlessLoss(ChunkedLossWrapper):
                 xs.append(x.detach().requires_grad_(grad))
                 ts.append(t.to_local() if isinstance(t, DTensor) else t)
             if not grad:
-                with torch.no_grad():
+                with torch.no_grad(), _unsharded(head, backward=False):
+                    _check_not_fsdp_sharded(head.weight, hiddens)
                     loss = getattr(head, _HEAD_METHOD)(xs, ts, scales, self)
                 return _scaled(loss, global_valid_tokens), {}
-            fsdp = _is_fsdp(head)
-            if fsdp:   # keep the head unsharded from this backward to the decoder's (no second all-gather)
-                head.set_reshard_after_backward(False)
-            try:
+            with _unsharded(head, backward=True):
+                _check_not_fsdp_sharded(head.weight, hiddens)
                 loss = _scaled(getattr(head, _HEAD_METHOD)(xs, ts, scales, self), global_valid_tokens)
                 loss.backward()
-            finally:
-                if fsdp:
-                    head.set_reshard_after_backward(True)
             grads = [x.grad for x in xs]
             return _HiddenGrad.apply(loss.detach(), len(sources), *sources, *grads), {}
 
@@ -320,10 +318,54 @@ def _scaled(loss: Tensor, global_valid_tokens: Tensor | None) -> Tensor:
     return loss if global_valid_tokens is None else loss / global_valid_tokens
 
 
-def _is_fsdp(head: nn.Module) -> bool:
+def _check_not_fsdp_sharded(weight: Tensor, hiddens: list) -> None:
+    """A DTensor head weight beside plain hidden states is FSDP2's sharded parameter (a
+    tensor-parallel head comes with DTensor hidden states, or as plain rows under
+    spmd_types): read outside the forward of the FSDP module that owns it, it is not the
+    head (as a vocabulary-parallel one it would give a wrong loss)."""
+    if isinstance(weight, DTensor) and not any(isinstance(h, DTensor) for h in hiddens):
+        raise TypeError(
+            f"LogitlessLoss: lm_head.weight is a DTensor ({weight.placements} on mesh dimensions "
+            f"{weight.device_mesh.mesh_dim_names}) beside plain hidden states: FSDP2's sharded parameter, outside the "
+            "forward of the FSDP module that owns it (the head in its parent's FSDP group, which resharded it "
+            "after its forward: reshard_after_forward=True there). fully_shard the head itself (alone, or with the "
+            "final norm as torchtitan's apply_fsdp_to_decoder does), or set reshard_after_forward=False on its parent")
+
+
+@contextlib.contextmanager
+def _unsharded(head: nn.Module, backward: bool):
+    """FSDP2: the head's weight all-gathered once for the call (the fused op's forward and,
+    with ``backward``, its backward inside the call), and left as it was found. Sharded on
+    entry (the head its own FSDP root, or a group whose forward resharded it:
+    ``reshard_after_forward=True``): gathered here, kept unsharded through the call, resharded
+    at its end (nothing else would reshard it, and its sharded gradient is what
+    ``head.weight`` shows once resharded). Unsharded on entry (its group with the final norm
+    after the norm's forward, ``reshard_after_forward=False``): nothing gathered; it stays
+    unsharded through the head's backward into the norm's, whose post-backward reshards the
+    group. Not an FSDP module (the head under the root's group): nothing to do. FSDP2 swaps a
+    module's registered parameter between the sharded and the unsharded one: that tells
+    which case this is."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(head, FSDPModule)
+    if not isinstance(head, FSDPModule):
+        yield
+        return
+    before = head.weight
+    head.unshard()
+    gathered = head.weight is not before
+    if gathered:
+        head.set_reshard_after_forward(False)
+    if backward:
+        head.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        if gathered:
+            head.set_reshard_after_forward(True)
+        if backward:
+            head.set_reshard_after_backward(True)
+        if gathered:
+            head.reshard()
 
 
 class _no_spmd_typecheck:
