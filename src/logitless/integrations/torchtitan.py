@@ -24,16 +24,19 @@ cross-entropy of torchtitan's ``CrossEntropyLoss`` on the same head. As the chun
 does, the head's backward runs inside the call; the returned loss carries the hidden
 states' gradient into the decoder's backward.
 
-Parallelism: FSDP2 (the head is unsharded once per call, by FSDP's own pre-forward hook
-through ``register_fsdp_forward_method``; its gradient is reduce-scattered by FSDP), TP with
+Parallelism: FSDP2 (the head's weight is all-gathered at most once per call and its
+gradient reduce-scattered by FSDP's own hooks, through ``register_fsdp_forward_method``, in
+each layout: the head its own FSDP root, in a group with the final norm as torchtitan shards
+it, or in the root's group; ``_unsharded``), TP with
 a vocabulary-parallel head (torchtitan's ``loss_parallel``: a ``Shard(0)`` DTensor weight, or
 under ``spmd_backend="spmd_types"`` this rank's rows with the TP group of the current mesh;
 logitless exchanges O(tokens) statistics, never logits), CP (the local sequence chunk; the
 loss stays a local sum over ``global_valid_tokens``), and MTP lists of hidden states
 (``[main, depth 1, ...]``: the main loss plus ``mtp_scale`` times the mean of the depths'
-losses, labels rolled per depth as torchtitan's ``MTPLoss`` rolls them). Under FSDP2 the
-head's group is kept unsharded from the head's backward to the final norm's, so the backward
-gathers nothing again; under ``spmd_types`` TP the hidden states are typed Replicate (their
+losses, labels rolled per depth as torchtitan's ``MTPLoss`` rolls them). Under FSDP2 a head
+that the norm's forward left unsharded stays so through the head's backward into the norm's
+(no gather in the call, none again in the backward); a sharded one is gathered once for the
+call and resharded at its end; under ``spmd_types`` TP the hidden states are typed Replicate (their
 backward all-reduces the gradient), so each rank returns its partial gradient
 (``partial_dx=True``), as the colwise head would.
 
@@ -42,8 +45,9 @@ Refused, each with a ``ValueError``/``TypeError`` that says why: a loss other th
 another loss); ``MTPLoss`` through the trainer (torchtitan 0.3.0's ``MTPDecoder.forward`` raises
 on ``_skip_lm_head``, which the trainer sets for every ``ChunkedLossWrapper``: MTP lists work
 when the loss is called directly); a head weight sharded other than over the vocabulary, or over
-it on two mesh dimensions; ``Partial`` or hidden-dimension-sharded hidden states; labels that are
-not (batch, seq) integers; a ``global_vocab_size`` that disagrees with the head; bad options.
+it on two mesh dimensions; a head weight that is FSDP2's shard (the head in a parent's FSDP
+group that resharded it after its forward); ``Partial`` or hidden-dimension-sharded hidden
+states; labels that are not (batch, seq) integers; a ``global_vocab_size`` that disagrees with the head; bad options.
 Not tested: pipeline parallelism (wired by the trainer as for the chunked loss, last stage),
 ``full_dtensor`` (handled as ``partial_dtensor``) and CP (nothing specific to do).
 ``compile.components=["loss"]`` compiles nothing: the op is already fused.
