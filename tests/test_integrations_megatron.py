@@ -674,3 +674,31 @@ def test_hybrid_model_tensor_and_context_parallel():
     spawn(_worker, 2, dict(tensor_model_parallel_size=2), cases, backend="gloo")
     spawn(_worker, 2, dict(tensor_model_parallel_size=1, context_parallel_size=2),
           [dict(name="hybrid cp2 mtp", vocab=37, cp=2, mtp=True, hybrid=True)], backend="gloo")
+
+
+def _doc_blocks(first_line: str) -> list:
+    """The Python blocks of docs/megatron.md whose first line starts with ``first_line``."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "megatron.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return [b for b in blocks if b.startswith(first_line)]
+
+
+def test_docs_cpu_block_runs_pasted_alone():
+    """docs/megatron.md's CPU block, as a user pastes it: a fresh Python process, nothing else."""
+    import os
+    import subprocess
+    import sys
+
+    from tests._distributed import free_port
+
+    blocks = _doc_blocks("# runs on a CPU")
+    assert len(blocks) == 1
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", blocks[0]], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "torch.Size([2, 32]) torch.Size([2, 32]) torch.Size([2, 32])"

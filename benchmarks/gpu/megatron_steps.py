@@ -1,6 +1,7 @@
-"""Training steps of a small Megatron Core GPT, unpatched vs ``logitless.integrations.megatron.install``:
-the loss curves (equal within bf16 noise), the peak memory (torch.cuda.max_memory_allocated)
-and the median step time; a JSON per run in $OUT (default ./out).
+"""Training steps of a small Megatron Core GPT (or HybridModel: ``--model hybrid``), unpatched vs
+``logitless.integrations.megatron.install``: the loss curves (equal within bf16 noise), the peak
+memory (torch.cuda.max_memory_allocated) and the median step time; a JSON per run in $OUT
+(default ./out).
 
 Needs megatron-core (0.19.2, its wheel: no TE, no apex; Megatron's local layer specs):
 
@@ -12,6 +13,8 @@ Needs megatron-core (0.19.2, its wheel: no TE, no apex; Megatron's local layer s
   # with pip install --no-deps --target and sets PYTHONPATH to src and /tmp/peers):
   . benchmarks/gpu/prelude.sh
   python3 benchmarks/gpu/megatron_steps.py                                   # 1 GPU, TP=1
+  python3 benchmarks/gpu/megatron_steps.py --model hybrid --mtp 1            # HybridModel, one MTP depth
+  python3 benchmarks/gpu/megatron_steps.py --mtp 1                           # GPTModel, one MTP depth
   torchrun --nproc_per_node 2 benchmarks/gpu/megatron_steps.py --tp 2 --sp   # TP=2 + sequence parallel
   # the same on the CPU at a tiny size (gloo), as checked where it was written:
   python3 benchmarks/gpu/megatron_steps.py --device cpu --tiny
@@ -22,6 +25,9 @@ Defaults (GPU): 8 layers, hidden 2048, 16 heads, vocab 128256, sequence 4096, ba
 set of 4 batches (the loss falls). Without apex / TE, Megatron's torch norms refuse sequence
 parallel: this script builds them with it off and marks their weights ``sequence_parallel``
 (their gradients are all-reduced over TP after each backward, as finalize_model_grads does).
+``--model hybrid``: Megatron's HybridModel from the pattern "*-" repeated (attention, MLP: the
+local layer specs; no Mamba, which needs mamba_ssm), ``--mtp N`` MTP depths "/*-"; its stack's
+final norm is Transformer Engine's, built here as Megatron's torch norm.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ def parse():
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--modes", default="unpatched,logitless")
+    p.add_argument("--model", default="gpt", choices=["gpt", "hybrid"])
+    p.add_argument("--mtp", type=int, default=0, help="MTP depths")
     a = p.parse_args()
     if a.tiny:
         a.layers, a.hidden, a.heads, a.vocab, a.seq = 2, 64, 4, 1000, 64
@@ -115,7 +123,7 @@ def sp_torch_norms():
 
 
 def build(a, device):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -126,16 +134,53 @@ def build(a, device):
         normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
         params_dtype=torch.float32, tensor_model_parallel_size=a.tp, sequence_parallel=a.sp,
         use_cpu_initialization=device.type == "cpu", init_method_std=0.02)
+    if a.mtp:
+        cfg.mtp_num_layers = a.mtp
     torch.manual_seed(1234)
     if device.type == "cuda":  # the same initial weights for every mode (Megatron's TP RNG too)
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(1234)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    if a.model == "hybrid":
+        model = hybrid(a, cfg).to(device)
+        master = [p.detach().clone().float() for p in model.parameters()]
+        return model, Float16Module(cfg, model) if bf16 else model, master
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    mtp = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False) if a.mtp else None
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, mtp_block_spec=mtp,
                      vocab_size=a.vocab, max_sequence_length=a.seq, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False).to(device)
     master = [p.detach().clone().float() for p in model.parameters()]
     wrapped = Float16Module(cfg, model) if bf16 else model
     return model, wrapped, master
+
+
+def hybrid(a, cfg):
+    """Megatron's HybridModel, pattern "*-" x layers/2 (+ "/*-" per MTP depth), local layer specs."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm, self_attention=local.submodules.self_attention,
+        self_attn_bda=get_bias_dropout_add))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=WrappedTorchNorm, mlp=local.submodules.mlp, mlp_bda=get_bias_dropout_add))
+    mtp = get_gpt_mtp_block_spec(cfg, local, use_transformer_engine=False) if a.mtp else None
+    stack = ModuleSpec(module=hybrid_block.HybridStack, submodules=hybrid_block.HybridStackSubmodules(
+        attention_layer=attention, mlp_layer=mlp, mtp_block_spec=mtp))
+    pattern = "*-" * (a.layers // 2) + "/*-" * a.mtp
+    saved, hybrid_block.TENorm = hybrid_block.TENorm, WrappedTorchNorm   # no Transformer Engine here
+    try:
+        return HybridModel(config=cfg, hybrid_stack_spec=stack, vocab_size=a.vocab, max_sequence_length=a.seq,
+                           hybrid_layer_pattern=pattern, position_embedding_type="rope")
+    finally:
+        hybrid_block.TENorm = saved
 
 
 def batches(a, device):
@@ -225,7 +270,8 @@ def main():
                   + (f", peak memory saved {summary['peak_saved_bytes'] / 2**30:.2f} GiB" if u["peak_bytes"] else ""))
         out = os.environ.get("OUT", "./out")
         os.makedirs(out, exist_ok=True)
-        name = f"megatron_steps-{device_type}-tp{a.tp}{'-sp' if a.sp else ''}{'-tiny' if a.tiny else ''}.json"
+        name = (f"megatron_steps-{a.model}{f'-mtp{a.mtp}' if a.mtp else ''}-{device_type}-tp{a.tp}"
+                f"{'-sp' if a.sp else ''}{'-tiny' if a.tiny else ''}.json")
         with open(os.path.join(out, name), "w") as f:
             json.dump(summary, f, indent=1)
         print("wrote", os.path.join(out, name))
