@@ -34,8 +34,8 @@ run tests/test_torch_api.py tests/test_truncated_log_probs.py::test_triton_candi
     tests/test_helion_backend.py tests/test_transformers.py tests/test_transformers_families.py \
     tests/test_integrations_trl.py tests/test_integrations_trl_head.py tests/test_integrations_trl_sft.py \
     tests/test_compile_truncated.py tests/test_fast_launch.py "$@"
-# Megatron Core's GPTModel and torchtitan's trainer through logitless, against their own losses
-# (one process, TP / SP / CP / FSDP2 over gloo).
+# Megatron Core's GPTModel and HybridModel and torchtitan's trainer through logitless, against their
+# own losses (one process, TP / SP / CP / FSDP2 over gloo; FSDP2 in each layout of the head).
 run tests/test_integrations_megatron.py tests/test_integrations_torchtitan.py "$@"
 echo "newest-releases subset: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -1,6 +1,7 @@
 """Megatron Core (>= 0.18; tested on 0.19.2): the LM loss, MTP losses and RL log-probs of
-a ``GPTModel`` computed by logitless from the hidden states and the vocabulary-parallel
-output layer's weight, without the (tokens x vocab) logits.
+a ``GPTModel`` or ``HybridModel`` computed by logitless from the hidden states and the
+vocabulary-parallel output layer's weight, without the (tokens x vocab) logits
+(docs/megatron.md).
 
 - ``output_processor``: the callable ``GPTModel.forward(..., output_processor=...)`` calls
   in ``_postprocess``. With labels it returns what Megatron's
@@ -13,8 +14,12 @@ output layer's weight, without the (tokens x vocab) logits.
   ``{"log_probs": (b, s)}`` plus ``"entropy": (b, s)`` when asked.
 - ``install(model)``: the plain ``model(...)`` call with labels then uses
   ``output_processor`` (a model, a wrapper such as DDP / Float16Module, or a list of
-  pipeline chunks), and the MTP depths' losses run through logitless too. A configuration
-  this module cannot serve raises ``ValueError`` naming the option.
+  pipeline chunks), and the MTP depths' losses run through logitless too. GPTModel without
+  MTP through Megatron's ``output_processor`` seam; GPTModel with MTP and HybridModel (no
+  seam) by running the model's own forward up to the hidden states and the rest here,
+  after a check of the Megatron code that runs around (``_plan``, ``_DIGESTS``). A
+  configuration this module cannot serve raises ``ValueError`` naming the option; Megatron
+  code other than the one it was written against, ``RuntimeError`` naming the releases.
 
 Layouts served: the output layer's weight is this rank's rows of the head (tensor
 parallel: logitless' ``process_group=`` on the layer's TP group); with sequence parallel
@@ -38,8 +43,7 @@ from logitless.ops.linear_log_probs import linear_log_probs
 
 __all__ = ["output_processor", "log_probs_processor", "install"]
 
-#: Attribute set on an installed model's output layer: the MTP losses of its model run
-#: through logitless.
+#: Set on an installed model class (True) and on an installed model (its plan: "seam" or "tail").
 _MARK = "_logitless_megatron"
 _CONTEXT_KEYS = ("temperature", "entropy", "top_k", "top_p", "min_p")
 
