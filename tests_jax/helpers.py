@@ -428,16 +428,19 @@ def compile_launches_through_jax_triton(monkeypatch, backend, kernel_modules, cc
 
 def backend_module(op_module, name: str):
     """The module of backend ``name`` of the op whose ``api`` or ``backends`` module is
-    ``op_module`` (``<op>/<name>_backend.py``: its kernel functions and the checks that
-    tests replace, e.g. ``is_supported``); the op's ``BACKENDS`` holds its class."""
+    ``op_module`` (``<op>/<name>_backend.py``: its kernel functions); the op's ``BACKENDS``
+    holds its class."""
     return importlib.import_module(f"{op_module.__name__.rsplit('.', 1)[0]}.{name}_backend")
 
 
-def assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, triton_backend):
-    """On a GPU without jax-triton the triton backend says it is unsupported."""
-    monkeypatch.setattr(triton_backend, "_platform", lambda: "gpu")
-    monkeypatch.setattr(triton_backend, "_jax_triton", lambda: None)
-    assert not triton_backend.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+def assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, table):
+    """On a GPU without jax-triton the triton backend of the op whose ``BACKENDS`` is
+    ``table`` says it is unsupported (the kind's checks: ``common.triton``)."""
+    from logitless.jax.ops.common import triton as rt
+
+    monkeypatch.setattr(rt, "platform", lambda: "gpu")
+    monkeypatch.setattr(rt, "jax_triton", lambda: None)
+    assert table["triton"].unsupported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
 
 
 def argmax_ref(x, w, t, b=None, *, softcap=None, ignore_index=-100, **_):

@@ -375,9 +375,8 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
     """Explicit mesh (tokens over "d", vocabulary over "t"): the fwd+bwd lowered for CUDA
     on any machine calls the Mosaic GPU kernels on each device's shard (local shapes),
     never on the global x or W (the backend partitions; it once ran unsharded)."""
-    mg = pytest.importorskip("logitless.jax.ops.linear_log_probs.mosaic_gpu_backend",
-                             reason="this jax has no Pallas Mosaic GPU")
-    monkeypatch.setattr(mg, "INTERPRET", False)
+    kind = pytest.importorskip("logitless.jax.ops.common.mosaic_gpu", reason="this jax has no Pallas Mosaic GPU")
+    monkeypatch.setattr(kind, "INTERPRET", False)
     mesh = make_mesh("explicit")
     nd, nt = mesh.shape[DATA], mesh.shape[MODEL]
     n, h, v = 64 * nd, 128, 384 * nt  # (no global size equals a local one)

@@ -20,7 +20,6 @@ from .helpers import (
     MAX_SHARED,
     assert_jit_matches_eager_and_repeats,
     assert_unsupported_without_jax_triton_on_a_gpu,
-    backend_module,
     check_log_probs,
     compile_launches_through_jax_triton,
     inputs,
@@ -34,7 +33,9 @@ pytestmark = needs_triton
 
 from logitless.jax import linear_log_probs  # noqa: E402
 from logitless.jax.formulas import log_probs as lpf  # noqa: E402
-from logitless.jax.ops.linear_log_probs import api, backends  # noqa: E402
+from logitless.jax.ops.common import choice  # noqa: E402
+from logitless.jax.ops.common import triton as rt  # noqa: E402
+from logitless.jax.ops.linear_log_probs import api  # noqa: E402
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402
 
@@ -201,8 +202,7 @@ def test_merge_splits_equals_one_pass():
 
 
 def test_float64_is_refused():
-    assert not backend_module(api, "triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
-                                                         has_bias=False)
+    assert api.BACKENDS["triton"].unsupported((4, 8), (31, 8), jnp.float64, softcap=None, has_bias=False)
     with pytest.raises(ValueError, match="triton.*float64|float64.*triton"):
         api.choose_backend("triton", (4, 8), (31, 8), jnp.float64, None, False)
     with jax.enable_x64(True):
@@ -220,21 +220,19 @@ def test_automatic_choice(monkeypatch):
         x, w, t, _ = inputs(4, 8, 31)
         np.testing.assert_array_equal(np.asarray(linear_log_probs(x, w, t)),
                                       np.asarray(linear_log_probs(x, w, t, implementation="xla")))
-    triton_mod = backend_module(api, "triton")
-    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(choice, "is_nvidia_gpu", lambda: True)
     for sm90 in (False, True):  # A100, L4, RTX; H100 (mosaic_gpu is not automatic for this op)
-        monkeypatch.setattr(backends, "_is_sm90", lambda: sm90)
-        monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: True)
+        monkeypatch.setattr(choice, "is_sm90", lambda: sm90)
+        monkeypatch.setattr(rt, "is_supported", lambda *a, **k: True)
         assert api.choose_backend(None, *args) == "triton"
-    monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: False)  # e.g. no jax-triton, or fp64
+    monkeypatch.setattr(rt, "is_supported", lambda *a, **k: False)  # e.g. no jax-triton, or fp64
     assert api.choose_backend(None, *args) == "xla"
 
 
 def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
-    triton_mod = backend_module(api, "triton")
-    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, triton_mod)
-    monkeypatch.setattr(triton_mod, "_platform", lambda: "cpu")
-    monkeypatch.setattr(triton_mod, "_has_triton", lambda: False)
+    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, api.BACKENDS)
+    monkeypatch.setattr(rt, "platform", lambda: "cpu")
+    monkeypatch.setattr(rt, "has_triton", lambda: False)
     x, w, t, _ = inputs(4, 8, 23)
     with pytest.raises(ValueError, match="jax-triton"):
         linear_log_probs(x, w, t, implementation="triton")

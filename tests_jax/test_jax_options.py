@@ -14,7 +14,7 @@ from logitless.jax import linear_cross_entropy
 from logitless.jax.ops.linear_cross_entropy import api
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref
 
-from .helpers import argmax_ref, assert_close_to_ref, assert_matches_finite_differences, backend_module, inputs
+from .helpers import argmax_ref, assert_close_to_ref, assert_matches_finite_differences, inputs
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -130,7 +130,7 @@ def test_class_weight_bad_inputs_raise():
 
 
 def test_backends_without_class_weights_are_skipped_or_refused():
-    # The automatic choice never picks a backend without CLASS_WEIGHTS for class weights;
+    # The automatic choice never picks a backend without class_weights for class weights;
     # naming one raises.
     assert api.choose_backend(None, (4, 8), (31, 8), jnp.float32, None, False, True) in ("xla", "triton")
     try:
@@ -207,9 +207,10 @@ def test_finite_differences_of_the_weighted_reference():
 
 
 def test_triton_without_its_packages_raises_saying_what_to_install(monkeypatch):
-    mod = backend_module(api, "triton")
-    monkeypatch.setattr(mod, "_has_triton", lambda: False)
-    monkeypatch.setattr(mod, "_platform", lambda: "cpu")
+    from logitless.jax.ops.common import triton as rt
+
+    monkeypatch.setattr(rt, "has_triton", lambda: False)
+    monkeypatch.setattr(rt, "platform", lambda: "cpu")
     x, w, t, _ = inputs(4, 8, 23)
     with pytest.raises(ValueError, match="jax-triton"):
         linear_cross_entropy(x, w, t, implementation="triton")
@@ -251,7 +252,7 @@ def test_stats_argmax_ties_take_the_first_index(backend):
 
 
 def test_stats_argmax_backend_choice():
-    """Backends without the argmax (ARGMAX unset: mosaic_gpu, mosaic_tpu) are skipped
+    """Backends without the argmax (``argmax`` False: mosaic_gpu, mosaic_tpu) are skipped
     by the automatic choice with return_stats; named, they run (as before the argmax
     existed) and LossStats.argmax is None."""
     from logitless.jax.ops.linear_cross_entropy import backends

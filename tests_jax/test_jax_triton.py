@@ -17,7 +17,6 @@ from .helpers import (
     MAX_SHARED,
     assert_jit_matches_eager_and_repeats,
     assert_unsupported_without_jax_triton_on_a_gpu,
-    backend_module,
     check_linear_cross_entropy,
     compile_launches_through_jax_triton,
     inputs,
@@ -28,7 +27,9 @@ from .helpers import (
 pytestmark = needs_triton
 
 from logitless.jax import linear_cross_entropy  # noqa: E402
-from logitless.jax.ops.linear_cross_entropy import api, backends  # noqa: E402
+from logitless.jax.ops.common import choice  # noqa: E402
+from logitless.jax.ops.common import triton as rt  # noqa: E402
+from logitless.jax.ops.linear_cross_entropy import api  # noqa: E402
 from logitless.jax.ops.linear_cross_entropy.reference import linear_cross_entropy_ref  # noqa: E402
 from logitless.jax.planning import triton_plan  # noqa: E402
 
@@ -120,8 +121,7 @@ def test_tokamax_drop_in():
 
 
 def test_float64_is_refused():
-    assert not backend_module(api, "triton").is_supported((4, 8), (31, 8), jnp.float64, softcap=None,
-                                                         has_bias=False)
+    assert api.BACKENDS["triton"].unsupported((4, 8), (31, 8), jnp.float64, softcap=None, has_bias=False)
     with pytest.raises(ValueError, match="triton"):
         api.choose_backend("triton", (4, 8), (31, 8), jnp.float64, None, False)
 
@@ -130,18 +130,17 @@ def test_automatic_choice(monkeypatch):
     args = ((4, 8), (31, 8), jnp.bfloat16, None, False)
     if not ON_GPU:
         assert api.choose_backend(None, *args) == "xla"  # the interpreter is never automatic
-    triton_mod = backend_module(api, "triton")
-    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(backends, "_is_sm90", lambda: False)
-    monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: True)
+    monkeypatch.setattr(choice, "is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(choice, "is_sm90", lambda: False)
+    monkeypatch.setattr(rt, "is_supported", lambda *a, **k: True)
     assert api.choose_backend(None, *args) == "triton"  # A100, L4, RTX: Triton
     assert api.choose_backend(None, *args, True) == "triton"  # also with class weights
-    monkeypatch.setattr(triton_mod, "is_supported", lambda *a, **k: False)  # e.g. no jax-triton
+    monkeypatch.setattr(rt, "is_supported", lambda *a, **k: False)  # e.g. no jax-triton
     assert api.choose_backend(None, *args) == "xla"
 
 
 def test_without_jax_triton_on_a_gpu_it_is_unsupported(monkeypatch):
-    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, backend_module(api, "triton"))
+    assert_unsupported_without_jax_triton_on_a_gpu(monkeypatch, api.BACKENDS)
 
 
 def test_plan_memory_at_the_tokamax_shapes():
@@ -252,17 +251,14 @@ def test_a_jax_triton_that_fails_to_import_warns_once_and_the_choice_goes_on(mon
     import sys
     import warnings
 
-    from logitless.jax.ops.common import triton as rt
 
     (tmp_path / "jax_triton").mkdir()
     (tmp_path / "jax_triton" / "__init__.py").write_text("raise AttributeError('no get_compute_capability')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
-    triton_mod = backend_module(api, "triton")
     monkeypatch.setattr(rt, "platform", lambda: "gpu")
-    monkeypatch.setattr(triton_mod, "_platform", lambda: "gpu")
-    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(backends, "_is_sm90", lambda: False)
+    monkeypatch.setattr(choice, "is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(choice, "is_sm90", lambda: False)
     rt.jax_triton.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="jax-triton does not import here .AttributeError: no get_comp"):
@@ -270,7 +266,7 @@ def test_a_jax_triton_that_fails_to_import_warns_once_and_the_choice_goes_on(mon
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once: the second call is quiet
             assert rt.jax_triton() is None
-            assert not triton_mod.is_supported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
+            assert api.BACKENDS["triton"].unsupported((4, 8), (31, 8), jnp.bfloat16, softcap=None, has_bias=False)
     finally:
         rt.jax_triton.cache_clear()
 
@@ -280,7 +276,6 @@ def test_launch_names_the_outputs_as_the_installed_jax_triton_does(monkeypatch, 
     # jax-triton 0.4 renamed triton_call's out_shape= to out_type= (out_shape= warns there)
     import types
 
-    from logitless.jax.ops.common import triton as rt
 
     calls = []
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                     reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
+from logitless.jax.ops.common import mosaic_gpu as kind  # noqa: E402
 from logitless.jax.ops.linear_cross_entropy import mosaic_gpu_backend as mg  # noqa: E402  (a failure here is a bug)
 
 from .helpers import mosaic_platform  # noqa: E402
@@ -267,7 +268,7 @@ def test_is_supported():
 def test_lowers_for_cuda(shape, cfg, monkeypatch):
     """Lower (not run) the real kernels for CUDA: layouts, TMA, shared memory budget."""
     n, h, v = shape
-    monkeypatch.setattr(mg, "INTERPRET", False)
+    monkeypatch.setattr(kind, "INTERPRET", False)
     x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
     t = jax.ShapeDtypeStruct((n,), jnp.int32)
@@ -292,7 +293,7 @@ def test_public_op_lowers_for_cuda_without_large_constants(monkeypatch):
 
     from .helpers import captured_constants
 
-    monkeypatch.setattr(mg, "INTERPRET", False)
+    monkeypatch.setattr(kind, "INTERPRET", False)
     n, h, v = 300, 128, 2048 + 56
     x, w, t = _inputs(n, h, v, seed=4)
     abstract = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w, t))

@@ -83,8 +83,8 @@ def test_mosaic_gpu_refusal_names_the_constraint(monkeypatch, h, v, dtype, bias,
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from logitless.jax.ops.linear_cross_entropy import backends
 
-    monkeypatch.setattr(backends, "_is_nvidia_gpu", lambda: True)
-    monkeypatch.setattr(backends, "_is_sm90", lambda: True)
+    monkeypatch.setattr(choice, "is_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(choice, "is_sm90", lambda: True)
     with pytest.raises(ValueError, match=f"{says}; use implementation='xla'"):
         backends.choose_backend("mosaic_gpu", (8, h), (v, h), dtype, None, bias)
     assert backends.choose_backend("mosaic_gpu", (8, 64), (64, 64), jnp.bfloat16, None, False) == "mosaic_gpu"

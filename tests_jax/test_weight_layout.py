@@ -50,9 +50,8 @@ def _skip_unavailable(backend):
     if backend == "mosaic_tpu":
         pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU")
     if backend == "triton":
-        from logitless.jax.ops.linear_cross_entropy import triton_backend as tb
-
-        if not tb.is_supported((8, 8), (8, 8), jnp.float32, softcap=None, has_bias=False):
+        if lce_backends.BACKENDS["triton"].unsupported((8, 8), (8, 8), jnp.float32, softcap=None,
+                                                       has_bias=False) is not None:
             pytest.skip("triton backend unavailable here (needs triton on a CPU, jax-triton on a GPU)")
 
 
@@ -346,11 +345,9 @@ def test_mosaic_gpu_hv_lowers_for_cuda(op, shape, monkeypatch):
     any machine: the (BLOCK_K, block_v) TMA tiles and the MN-major WGMMA B operand pass
     Mosaic GPU's lowering checks; V = 4000 (not a multiple of 64) takes the padded path."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu", reason="this jax has no Pallas Mosaic GPU")
-    from logitless.jax.ops.linear_cross_entropy import mosaic_gpu_backend as lce_mg
-    from logitless.jax.ops.linear_log_probs import mosaic_gpu_backend as llp_mg
+    from logitless.jax.ops.common import mosaic_gpu as kind
 
-    monkeypatch.setattr(lce_mg, "INTERPRET", False)
-    monkeypatch.setattr(llp_mg, "INTERPRET", False)
+    monkeypatch.setattr(kind, "INTERPRET", False)
     n, h, v = shape
     x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((h, v), jnp.bfloat16)

@@ -10,7 +10,6 @@ name is checked the same way and refused with a ValueError that says why.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -54,18 +53,19 @@ MOSAIC_NEEDS = ("implementation='mosaic_gpu' needs an SM90 (Hopper, e.g. H100/H2
                 "or 'triton' (any NVIDIA GPU, with jax-triton installed)")
 
 
-def check_mosaic_device(nvidia=is_nvidia_gpu, sm90=is_sm90) -> None:
+def check_mosaic_device(nvidia=None, sm90=None) -> None:
     """An explicit "mosaic_gpu" on the wrong device: a GPU that is not SM90 raises
     ValueError (its kernels would not compile); a machine without a GPU gets ONE
     RuntimeWarning, as the kernels then run in Mosaic GPU's interpret mode (simulated
-    threads on the CPU: correct, very slow, for tests only)."""
-    if sm90():
+    threads on the CPU: correct, very slow, for tests only). ``nvidia``/``sm90``: the
+    device predicates (None: ``is_nvidia_gpu``/``is_sm90``)."""
+    if (sm90 or is_sm90)():
         return
     try:
         platform = jax.devices()[0].platform
     except RuntimeError:
         platform = "none"
-    if platform == "gpu" or nvidia():
+    if platform == "gpu" or (nvidia or is_nvidia_gpu)():
         raise ValueError(f"{MOSAIC_NEEDS}; this GPU is not SM90")
     if not _WARNED_INTERPRET:
         _WARNED_INTERPRET.append(True)
@@ -73,26 +73,21 @@ def check_mosaic_device(nvidia=is_nvidia_gpu, sm90=is_sm90) -> None:
                       "GPU's interpret mode on the CPU (very slow: tests only)", RuntimeWarning, stacklevel=4)
 
 
-def unsupported(backend, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=False,
-                need_argmax=False) -> Optional[str]:
-    """``backend.unsupported`` of the case: None when the backend takes it, else why not."""
-    return backend.unsupported(tuple(x2d_shape), tuple(w_shape), dtype, softcap=softcap, has_bias=has_bias,
-                               has_class_weight=bool(has_class_weight), need_argmax=bool(need_argmax))
-
-
-def choose(implementation, table, automatic, x2d_shape, w_shape, dtype, softcap, has_bias,
-           has_class_weight=None, *, need_argmax=False, nvidia=is_nvidia_gpu, sm90=is_sm90, tpu=None) -> str:
+def choose(implementation, table, x2d_shape, w_shape, dtype, softcap, has_bias, has_class_weight=None, *,
+           need_argmax=False) -> str:
     """The backend name (the module docstring's policy). ``table``: the op's
-    ``BackendTable``; ``automatic``: the names the automatic choice may pick;
+    ``BackendTable`` (``table.automatic``: the names the automatic choice may pick);
     ``has_class_weight``: None for ops without class weights (not in the error);
     ``need_argmax``: the automatic choice takes only backends that compute the argmax
-    (return_stats); ``nvidia``/``sm90``/``tpu``: the device predicates (callables;
-    ``tpu`` None: ``is_tpu``)."""
-    cw = bool(has_class_weight)
+    (return_stats). The device predicates (``is_nvidia_gpu``, ``is_sm90``, ``is_tpu``) are
+    this module's, looked up per call."""
+    case = dict(softcap=softcap, has_bias=has_bias, has_class_weight=bool(has_class_weight),
+                need_argmax=bool(need_argmax))
+    x2d_shape, w_shape = tuple(x2d_shape), tuple(w_shape)
     if implementation == "mosaic_gpu":
-        check_mosaic_device(nvidia, sm90)
+        check_mosaic_device()
     if implementation is not None:
-        why = unsupported(table[implementation], x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax)
+        why = table[implementation].unsupported(x2d_shape, w_shape, dtype, **case)
         if why is not None:
             raise ValueError(
                 f"implementation {implementation!r} does not support x {x2d_shape}, weight "
@@ -100,25 +95,16 @@ def choose(implementation, table, automatic, x2d_shape, w_shape, dtype, softcap,
                 + ("" if has_class_weight is None else f", class_weight={has_class_weight}")
                 + (f": {why}" if why else ""))
         return implementation
-    if (is_tpu if tpu is None else tpu)():
-        return _first_usable(("mosaic_tpu",), table, automatic, x2d_shape, w_shape, dtype, softcap,
-                             has_bias, cw, need_argmax)
-    if not nvidia():
+    if is_tpu():
+        names = ("mosaic_tpu",)
+    elif is_nvidia_gpu():
+        names = [n for n in PREFERENCE if n != "mosaic_gpu" or is_sm90()]
+    else:
         return "xla"
-    return _first_usable([n for n in PREFERENCE if n != "mosaic_gpu" or sm90()], table, automatic,
-                         x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax)
-
-
-def _first_usable(names, table, automatic, x2d_shape, w_shape, dtype, softcap, has_bias, cw,
-                  need_argmax=False) -> str:
-    """The first of ``names`` that the automatic choice may pick, that imports and that
-    supports the case; else "xla"."""
-    for name in names:
-        if name not in automatic:
+    for name in names:  # the first that the automatic choice may pick, that imports and takes the case
+        if name not in table.automatic:
             continue
-        backend = table.usable(name, stacklevel=6)
-        if backend is None:
-            continue
-        if unsupported(backend, x2d_shape, w_shape, dtype, softcap, has_bias, cw, need_argmax) is None:
+        backend = table.usable(name, stacklevel=5)
+        if backend is not None and backend.unsupported(x2d_shape, w_shape, dtype, **case) is None:
             return name
     return "xla"

@@ -8,11 +8,12 @@ Route: on an NVIDIA GPU ``jax_triton.triton_call`` (the optional dependency
 slow, tests at tiny shapes only. Kernel arguments: arrays first, then the outputs, then
 every other argument by name (compile-time constants for jax-triton).
 
-Also here, because every such backend needs them: the platform checks
-(``is_supported``), the launch plan (``plan``, ``planning.triton_plan``), the dot
-precision constant, ``sequential_under_vmap`` (neither triton_call nor the callback
-has a batching rule) and the backward's chunked gradient GEMMs (``chunked_gradients``,
-XLA GEMMs on the dz chunks a kernel writes).
+Also here, because every such backend needs them: the kind's base class (``TritonBase``:
+the platform checks, ``can_partition``, the launch plan, ``TritonConfig``), the plan of a
+module-level call (``plan``, ``planning.triton_plan``), the dot precision constant,
+``sequential_under_vmap`` (neither triton_call nor the callback has a batching rule) and
+the backward's chunked gradient GEMMs (``chunked_gradients``, XLA GEMMs on the dz chunks
+a kernel writes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import functools
 import importlib.util
 import inspect
 import warnings
+from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from logitless.jax.ops.common.chunks import chunk_loop, uninitialised
+from logitless.jax.ops.common.contract import BackendBase
 from logitless.jax.planning import TritonPlan, triton_plan
 from logitless.jax.sharding import to_varying, varying
 
@@ -229,3 +233,32 @@ def chunked_gradients(x2d, w, bias, chunk: int, dz_of, *, weight_layout: str = "
         carry = carry_type(carry)
     dx, dw, db = chunk_loop(vocab, chunk, step, carry)
     return dx.astype(x2d.dtype), dw, db
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The "triton" backends' Config: the launch plan (``planning.triton_plan``: tiles,
+    splits, the backward's chunk) and the weight's layout."""
+
+    plan: TritonPlan
+    weight_layout: str = "vh"
+
+
+class TritonBase(BackendBase):
+    """The "triton" kind (the base of every op's ``TritonBackend``): 16-bit and fp32
+    inputs on an NVIDIA GPU with jax-triton, or on the CPU with triton (its interpreter,
+    never partitioned); plans the launch from the budget and the GPU (this module's
+    ``platform``, ``jax_triton``, ``has_triton``, ``interpret``, ``device_info``, looked
+    up per call)."""
+
+    name = "triton"
+
+    def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
+        return None if is_supported(dtype, platform(), jax_triton, has_triton) else UNSUPPORTED_HINT
+
+    def can_partition(self) -> bool:
+        return not interpret()
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> TritonConfig:
+        return TritonConfig(plan_for(x2d_shape, dtype, w_shape[0], budget, interpret(), device_info), weight_layout)

@@ -7,7 +7,10 @@ Protocol in ``logitless/jax/ops/common/contract.py``) in its module
 ``logitless/jax/ops/linear_cross_entropy/<name>_backend.py`` (``XlaBackend``,
 ``TritonBackend``, ``MosaicGpuBackend``, ``MosaicTpuBackend``: the torch side's naming),
 listed by name in one table, ``backends.BACKENDS`` (a ``BackendTable``: each made on
-first use, so an optional dependency is imported only when asked for). The public
+first use, so an optional dependency is imported only when asked for). Each class is
+its kind's base (``XlaBase``, ``TritonBase``, ``MosaicGpuBase``, ``MosaicTpuBase`` in
+``logitless/jax/ops/common/<kind>.py``: ``unsupported``, ``can_partition``, ``plan`` and the
+Config) plus this op's ``forward``/``backward`` and capabilities. The public
 function validates, flattens to 2-D, computes the loss from the statistics
 (``logitless/jax/formulas/cross_entropy.py``) and wraps everything in one
 ``jax.custom_vjp``; a backend only computes statistics and gradients of 2-D arrays. All
@@ -22,9 +25,9 @@ values).
     ``implementation="<name>"`` raises ValueError with the reason appended.
 
 ``plan(x2d_shape, w_shape, dtype, *, budget, weight_layout, has_bias) -> Config``
-    the call's frozen Config (``XlaConfig``: the logits tile; ``TritonConfig``: the
-    launch plan; ``MosaicGpuConfig``: tiles and the backward's chunk;
-    ``MosaicTpuConfig``: tiles; each with the weight's layout): the only place where
+    the call's frozen Config (the kind's, ``common/<kind>.py``: ``XlaConfig``: the logits
+    tile; ``TritonConfig``: the launch plan; ``MosaicGpuConfig``: tiles and the backward's
+    chunk; ``MosaicTpuConfig``: tiles; each with the weight's layout): the only place where
     heuristics decide. The api makes it once per call, a static argument of the
     custom_vjp, and the forward and the backward take it; per device (sharded jit)
     ``common.contract.local_plan`` makes it once per shapes.
@@ -85,7 +88,7 @@ get ``weight.T`` from the api (a copy) with its gradient flowing back through th
 test modes such as Mosaic GPU's interpreter.
 
 The modules keep their kernel-level functions (``forward``/``backward`` with explicit
-tiles, ``is_supported``, ``why_unsupported``): the classes call them with their Config.
+tiles; mosaic_gpu's ``why_unsupported``, its ``why_not``): the classes call them with their Config.
 
 Sharding (``sharded.py``): a backend is called per device on its shard, with the
 per-device shapes, and must not know about meshes: the api shifts the targets by the

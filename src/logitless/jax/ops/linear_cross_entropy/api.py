@@ -18,6 +18,7 @@ from jax import lax
 
 from logitless.jax.budget import resolve_memory_budget
 from logitless.jax.formulas import cross_entropy as lm
+from logitless.jax.ops.common.contract import backend_weight
 from logitless.jax.ops.common.validate import check_float, check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_cross_entropy import sharded
 from logitless.jax.ops.linear_cross_entropy.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
@@ -318,17 +319,12 @@ def linear_cross_entropy(
                                  opts.softcap, bias is not None, class_weight is not None,
                                  need_argmax=return_stats and implementation is None)
         impl = BACKENDS[backend]
-        w, layout = weight, "vh"
-        if weight_layout == "hv":
-            if impl.native_hv:
-                layout = "hv"
-            else:
-                w = weight.T  # (V, H) for the backend; the gradient flows back through .T
+        w, layout = backend_weight(impl, weight, weight_layout)
         manual = bool(token_axes or vocab_axes)
         partition = (not manual and class_weight is None and sharded.use_partitioning() and impl.can_partition())
         # The call's one plan (the backward takes it too); per device when partitioned.
         plan = None if partition else impl.plan(tuple(x2d.shape), (local_classes, hidden), jnp.dtype(x2d.dtype),
-                                                budget=budget, weight_layout=layout)
+                                                budget=budget, weight_layout=layout, has_bias=bias is not None)
         cfg = _Config(opts, backend, budget, num_classes, layout, token_axes, vocab_axes, partition=partition,
                       argmax=bool(return_stats) and impl.argmax, plan=plan)
         loss, lse, *argmax = _lce(x2d, w, bias, flat_target, class_weight, cfg)

@@ -33,7 +33,7 @@ Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
     Cost: recompute (1 GEMM) + 2 GEMMs; with the forward, 4 GEMM-equivalents, plus XLA's
     copies of the W slices when there are several chunks.
 
-Weight layouts: W (V, H) or, with ``weight_layout="hv"`` (``NATIVE_HV``), a flax-style
+Weight layouts: W (V, H) or, with ``weight_layout="hv"`` (``native_hv``), a flax-style
 (H, V) kernel read in place: the TMA streams (H, V) tiles that WGMMA takes as its B
 operand directly (``mosaic_lib``), and dW comes back (H, V); no transposed copy (an
 (H, V) weight with V % 64 != 0 gets its columns zero-padded to a multiple of 64, a
@@ -52,7 +52,6 @@ The ring, the main loop and both kernel shapes live in ``logitless.jax.mosaic_li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
@@ -60,14 +59,13 @@ import jax.numpy as jnp
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas.cross_entropy import merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
+from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig
+from logitless.jax.ops.common.mosaic_gpu import interpret_params as _interpret_params
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.sharding import to_varying, varying
 
 __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk", "MosaicGpuBackend",
            "MosaicGpuConfig"]
-
-#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
-NATIVE_HV = True
 
 _SUPPORTED_DTYPES = ml.SUPPORTED_DTYPES
 _pad_rows8 = ml.pad_rows8
@@ -124,22 +122,6 @@ def _check(x2d, w, bias, weight_layout="vh"):
 
 
 supports = is_supported
-
-#: None: Mosaic GPU's interpret mode exactly when jax's default backend is not a GPU;
-#: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
-INTERPRET: bool | None = None
-
-
-def can_partition() -> bool:
-    """Whether the kernels may run inside ``custom_partitioning`` (the api's sharded jit
-    path): not under the interpreter, whose ordered io_callbacks cannot be partitioned
-    (the api then runs the unpartitioned program)."""
-    return _interpret_params() is None
-
-
-def _interpret_params():
-    """Interpret mode when there is no GPU (CPU tests); None on a GPU."""
-    return ml.interpret_params(INTERPRET)
 
 
 # ---------------------------------------------------------------------------------
@@ -272,50 +254,14 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
     return dx[:n].astype(x2d.dtype), dw, None
 
 
-@dataclass(frozen=True)
-class MosaicGpuConfig:
-    """The "mosaic_gpu" backend's Config: the kernels' tiles (``mosaic_lib.default_config``),
-    the backward's columns per chunk (``mosaic_lib.backward_chunk``, from the budget) and
-    the weight's layout."""
+class MosaicGpuBackend(MosaicGpuBase):
+    """The "mosaic_gpu" backend (``contract.LceBackend``; ``MosaicGpuBase``: SM90, the tiles
+    and the backward's chunk): the cases of ``why_unsupported`` (no bias, H % 64 == 0,
+    V % 8 == 0); no class weights or argmax."""
 
-    tiles: FwdConfig
-    chunk: int
-    weight_layout: str = "vh"
-
-
-def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") -> MosaicGpuConfig:
-    """``MosaicGpuBackend.plan`` (shared with linear_log_probs' backend): ``w_shape`` (V, H)."""
-    n, h = x2d_shape
-    v = w_shape[0]
-    tiles = _default_config(n, v, h)
-    vw = v if weight_layout == "vh" else ml.hv_columns(v)  # the (H, V) weight's padded columns
-    chunk = ml.backward_chunk(n, vw, h, jnp.dtype(dtype).itemsize, budget, tiles.block_v)
-    return MosaicGpuConfig(tiles, chunk, weight_layout)
-
-
-class MosaicGpuBackend:
-    """The "mosaic_gpu" backend (``contract.LceBackend``): SM90; no bias, class weights or argmax."""
-
-    name = "mosaic_gpu"
-    native_hv = NATIVE_HV
-    class_weights = False
-    argmax = False
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        # (the module's is_supported and why_unsupported, looked up per call)
-        if ((has_class_weight and not self.class_weights) or (need_argmax and not self.argmax)
-                or not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)):
-            why = why_unsupported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)
-            return f"{why}; use implementation='xla'" if why else ""
-        return None
-
-    def can_partition(self) -> bool:
-        return can_partition()
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> MosaicGpuConfig:
-        return plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+    def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
+        why = why_unsupported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)
+        return None if why is None else f"{why}; use implementation='xla'"
 
     def forward(self, x2d, w, bias, target, config: MosaicGpuConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

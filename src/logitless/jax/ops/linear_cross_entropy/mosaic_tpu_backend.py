@@ -11,8 +11,8 @@ Backward: two kernels, each recomputing the logits tile:
     dz = p A - B [c == t] - C w_c (x (1 - (z/s)^2) with a softcap), cast to the input
     dtype before the gradient GEMMs, as the other backends.
     Cost: 5 GEMM-equivalents in all (forward 1, backward 2 recomputes + 2).
-Options: softcap, bias, class weights (``CLASS_WEIGHTS``), label smoothing, both weight
-layouts without a transposed copy (``NATIVE_HV``); bf16/f32 inputs, any N, V, H.
+Options: softcap, bias, class weights (``class_weights``), label smoothing, both weight
+layouts without a transposed copy (``native_hv``); bf16/f32 inputs, any N, V, H.
 HBM temporaries: none beyond the outputs and O(N) row vectors; the memory budget
 caps the kernels' VMEM (tiles: ``mosaic_tpu_lib.choose_tiles``).
 On a platform other than TPU the kernels run in Pallas' TPU interpret mode (CPU tests).
@@ -26,27 +26,10 @@ import jax.numpy as jnp
 
 from logitless.jax import mosaic_tpu_lib as tl
 from logitless.jax.mosaic_tpu_lib import MosaicTpuConfig
+from logitless.jax.ops.common.mosaic_tpu import MosaicTpuBase
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 
-#: The api passes (H, V) weights as they are, with weight_layout="hv".
-NATIVE_HV = True
-#: forward and backward accept ``class_weight=``.
-CLASS_WEIGHTS = True
 _F32 = jnp.float32
-
-
-def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
-    del softcap, has_bias
-    return (jnp.dtype(dtype) in tl.SUPPORTED_DTYPES and len(x2d_shape) == 2 and len(w_shape) == 2
-            and x2d_shape[1] == w_shape[1] and x2d_shape[0] >= 1 and w_shape[0] >= 1)
-
-
-UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f32 inputs; use implementation='xla'"
-
-
-def can_partition() -> bool:
-    """Not under the interpreter (its io_callbacks cannot be partitioned)."""
-    return tl.interpret_params() is None
 
 
 def _cap(z, softcap):
@@ -118,27 +101,11 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, weig
     return dx, dw, db
 
 
-class MosaicTpuBackend:
-    """The "mosaic_tpu" backend (``contract.LceBackend``): no argmax."""
+class MosaicTpuBackend(MosaicTpuBase):
+    """The "mosaic_tpu" backend (``contract.LceBackend``; ``MosaicTpuBase``: bf16/f32, the
+    tiles): class weights, no argmax."""
 
-    name = "mosaic_tpu"
-    native_hv = NATIVE_HV
-    class_weights = CLASS_WEIGHTS
-    argmax = False
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        if (need_argmax and not self.argmax) or not is_supported(x2d_shape, w_shape, dtype, softcap=softcap,
-                                                                  has_bias=has_bias):
-            return UNSUPPORTED_HINT
-        return None
-
-    def can_partition(self) -> bool:
-        return can_partition()
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> MosaicTpuConfig:
-        return tl.plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+    class_weights = True
 
     def forward(self, x2d, w, bias, target, config: MosaicTpuConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

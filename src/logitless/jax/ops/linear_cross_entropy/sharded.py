@@ -49,8 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.ops.common import choice
-from logitless.jax.ops.common.contract import local_plan, vh_shape
+from logitless.jax.ops.common.contract import local_backend, w_axis
 from logitless.jax.ops.linear_cross_entropy import backends
 from logitless.jax.ops.linear_cross_entropy.contract import LceResiduals
 from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends and the api use them)
@@ -80,7 +79,7 @@ def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth
     reduced by ``backend.forward`` under ``config`` (its Config for these shapes) and
     merged over ``vocab_axes`` (O(tokens) collectives; the argmax: one more MAX and a MIN
     over the devices holding the maximum)."""
-    vaxis = _w_axis(config)
+    vaxis = w_axis(config.weight_layout)
     t, in_range = local_targets(target, vocab_axes, w.shape[vaxis])
     st = backend.forward(x2d, w, bias, t, config, softcap=softcap, need_smooth=need_smooth,
                          class_weight=class_weight, need_argmax=need_argmax)
@@ -104,17 +103,12 @@ def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth
 def local_backward(backend, res: LceResiduals, coef, config, *, softcap, vocab_axes, token_axes):
     """(dx, dW_l, db_l) by ``backend.backward`` under the forward's ``config``: dx summed
     over ``vocab_axes``, dW and db over ``token_axes``; ``res.target`` holds global ids."""
-    t, _ = local_targets(res.target, vocab_axes, res.w.shape[_w_axis(config)])
+    t, _ = local_targets(res.target, vocab_axes, res.w.shape[w_axis(config.weight_layout)])
     dx, dw, db = backend.backward(res._replace(target=t), coef, config, softcap=softcap)
     if vocab_axes:
         dx = lax.psum(dx, vocab_axes)
     dw, db = reduce_weight_grads(dw, db, token_axes)
     return dx, dw, db
-
-
-def _w_axis(config) -> int:
-    """The vocabulary axis of the weight under a backend's ``config``."""
-    return 1 if config.weight_layout == "hv" else 0
 
 
 # ------------------------------------------------------------------------------------
@@ -133,19 +127,11 @@ class _Static(NamedTuple):
 
 
 def _local_backend(static: _Static, x_shape, w_shape, dtype):
-    """(backend, Config) for these per-device shapes: the chosen backend if it supports
-    them, else xla; the Config made once per shapes (``contract.local_plan``), so the
-    forward's and the backward's partitions share it."""
-    vh = vh_shape(w_shape, static.weight_layout)
-    backend = backends.BACKENDS[static.backend]
-    if choice.unsupported(backend, tuple(x_shape), vh, dtype, static.softcap, static.has_bias,
-                          need_argmax=static.need_argmax) is not None:
-        backend = backends.BACKENDS["xla"]
-    return backend, local_plan(backend, tuple(x_shape), vh, jnp.dtype(dtype), static.budget, static.weight_layout)
-
-
-def _vaxis(static: _Static) -> int:
-    return 1 if static.weight_layout == "hv" else 0
+    """(backend, Config) for these per-device shapes (``contract.local_backend``: the chosen
+    backend if it supports them, else xla; one Config per shapes)."""
+    return local_backend(backends.BACKENDS, static.backend, x_shape, w_shape, dtype, softcap=static.softcap,
+                         has_bias=static.has_bias, budget=static.budget, weight_layout=static.weight_layout,
+                         need_argmax=static.need_argmax)
 
 
 @functools.cache
@@ -165,7 +151,7 @@ def forward_fn(static: _Static):
 
     kinds = ("x", "w") + (("b",) if static.has_bias else ()) + ("n",)
     return partitioned(local, in_kinds=kinds, out_kinds=("n",) * (nout + 2 * static.need_argmax),
-                       vaxis=_vaxis(static))
+                       vaxis=w_axis(static.weight_layout))
 
 
 @functools.cache
@@ -185,7 +171,7 @@ def backward_fn(static: _Static):
 
     b = ("b",) if static.has_bias else ()
     return partitioned(local, in_kinds=("x", "w") + b + ("n", "n", "kn"), out_kinds=("x", "w") + b,
-                       vaxis=_vaxis(static))
+                       vaxis=w_axis(static.weight_layout))
 
 
 def explicit_call(op, mesh, axes: Axes, x2d, w, target, bias, *, vaxis: int, none: bool, stats: bool = True,

@@ -27,7 +27,7 @@ Memory: O(tokens x splits) fp32 partials in the forward; in the backward one dz 
 bitwise repeatable. fp32 inputs: TF32 with rounded operands ("tf32-round") at JAX's
 default matmul precision, 3xTF32 (about fp32) at "highest"/"float32".
 
-Limits: 16-bit and fp32 inputs (not fp64: ``is_supported`` says no); no TMA (tensor
+Limits: 16-bit and fp32 inputs (not fp64: ``TritonBase.why_not`` says no); no TMA (tensor
 descriptors need host-made descriptors or a device allocator that jax-triton does not
 provide), so on SM90 the kernels load tiles with pointers (the default there is the
 mosaic_gpu backend); the forward does not keep exp(z) for the backward (the PyTorch
@@ -40,7 +40,6 @@ batching rule exists for triton_call or the callback).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -48,23 +47,14 @@ import jax.numpy as jnp
 
 from logitless.jax.formulas.cross_entropy import merge_argmax
 from logitless.jax.ops.common import triton as rt
-from logitless.jax.ops.common.triton import UNSUPPORTED_HINT  # noqa: F401 (the api's error hint)
+from logitless.jax.ops.common.triton import TritonBase, TritonConfig
 from logitless.jax.ops.common.triton import device_info as _device_info
-from logitless.jax.ops.common.triton import has_triton as _has_triton
 from logitless.jax.ops.common.triton import interpret as _interpret
-from logitless.jax.ops.common.triton import jax_triton as _jax_triton
-from logitless.jax.ops.common.triton import platform as _platform
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.planning import TritonPlan
 from logitless.jax.sharding import to_varying, varying
 
 _F32 = jnp.float32
-#: The api passes (H, V) weights as they are (the kernels take any strides).
-NATIVE_HV = True
-#: forward and backward accept ``class_weight=`` (a (V,) array, w_c in the formulas).
-CLASS_WEIGHTS = True
-#: forward accepts ``need_argmax=True`` (the kernel's per-split maximum and first index).
-ARGMAX = True
 
 #: Modules of the kernels, in import order (each imports the earlier ones).
 _KERNEL_MODULES = (
@@ -73,18 +63,6 @@ _KERNEL_MODULES = (
     "logitless.triton_lib.lce_kernels",
     "logitless.jax.ops.linear_cross_entropy.triton_kernels",
 )
-
-
-def is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool:
-    """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton, or on the CPU
-    (Triton's interpreter) with triton installed."""
-    return rt.is_supported(dtype, _platform(), _jax_triton, _has_triton)
-
-
-def can_partition() -> bool:
-    """Whether the sharded jit path (``custom_partitioning``) may call these kernels: not
-    through the interpreter's host callback (the api then runs the unpartitioned program)."""
-    return not _interpret()
 
 
 def _plan(x2d, vocab, budget) -> TritonPlan:
@@ -213,37 +191,13 @@ def _backward(x2d, w, bias, target, lse, coef, class_weight, *, softcap, budget,
                                 weight_layout=weight_layout, carry_type=carry_type)
 
 
-@dataclass(frozen=True)
-class TritonConfig:
-    """The "triton" backend's Config: the launch plan (``planning.triton_plan``: tiles,
-    splits, the backward's chunk) and the weight's layout."""
+class TritonBackend(TritonBase):
+    """The "triton" backend (``contract.LceBackend``; ``TritonBase``: the platform checks
+    and the launch plan); class weights and the argmax (the kernel's per-split maximum and
+    first index)."""
 
-    plan: TritonPlan
-    weight_layout: str = "vh"
-
-
-class TritonBackend:
-    """The "triton" backend (``contract.LceBackend``)."""
-
-    name = "triton"
-    native_hv = NATIVE_HV
-    class_weights = CLASS_WEIGHTS
-    argmax = ARGMAX
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        # (the module's is_supported, looked up per call: tests replace it)
-        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
-            return UNSUPPORTED_HINT
-        return None
-
-    def can_partition(self) -> bool:
-        return can_partition()
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> TritonConfig:
-        return TritonConfig(rt.plan_for(x2d_shape, dtype, w_shape[0], budget, _interpret(), _device_info),
-                            weight_layout)
+    class_weights = True
+    argmax = True
 
     def forward(self, x2d, w, bias, target, config: TritonConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

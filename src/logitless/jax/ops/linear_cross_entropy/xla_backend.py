@@ -23,7 +23,6 @@ fp32 inputs follow JAX's default matmul precision (``jax_default_matmul_precisio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
@@ -31,17 +30,12 @@ from jax import lax
 
 from logitless.jax.formulas.cross_entropy import dlogits, softcap_logits
 from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
+from logitless.jax.ops.common.xla import XlaBase, XlaConfig
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.planning import XlaPlan, xla_plan
 from logitless.jax.sharding import to_varying, varying
 
 _F32 = jnp.float32
-#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
-NATIVE_HV = True
-#: forward and backward accept ``class_weight=`` (a (V,) array, w_c in the formulas).
-CLASS_WEIGHTS = True
-#: forward accepts ``need_argmax=True`` (the row maximum and its first index).
-ARGMAX = True
 
 
 #: Contracting dimensions of the three GEMMs by weight layout (a w tile is (v, H) for
@@ -175,33 +169,12 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap: Optional[float], budge
     return dx.astype(x2d.dtype), dw, db
 
 
-@dataclass(frozen=True)
-class XlaConfig:
-    """The "xla" backend's Config: the logits tile (``planning.xla_plan``) and the weight's layout."""
+class XlaBackend(XlaBase):
+    """The "xla" backend (``contract.LceBackend``; ``XlaBase``: every case, every platform;
+    (H, V) weights in place, class weights and the argmax)."""
 
-    plan: XlaPlan
-    weight_layout: str = "vh"
-
-
-class XlaBackend:
-    """The "xla" backend (``contract.LceBackend``): every case, every platform."""
-
-    name = "xla"
-    native_hv = NATIVE_HV
-    class_weights = CLASS_WEIGHTS
-    argmax = ARGMAX
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        return None
-
-    def can_partition(self) -> bool:
-        return True
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> XlaConfig:
-        n, h = x2d_shape
-        return XlaConfig(xla_plan(n, w_shape[0], h, jnp.dtype(dtype).itemsize, budget), weight_layout)
+    class_weights = True
+    argmax = True
 
     def forward(self, x2d, w, bias, target, config: XlaConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

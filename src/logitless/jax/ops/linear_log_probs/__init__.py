@@ -3,7 +3,9 @@
 
 Backend contract (``contract.LlpBackend``, ``logitless/jax/ops/common/contract.py``): one
 class per backend in its ``<name>_backend.py``, listed in one table (``backends.BACKENDS``,
-made on first use); 2-D arrays, everything after ``*`` static:
+made on first use), each its kind's base (``logitless/jax/ops/common/<kind>.py``:
+``unsupported``, ``can_partition``, ``plan``, the Config) plus this op's ``forward`` and
+``backward``; 2-D arrays, everything after ``*`` static:
 
 ``unsupported(x2d_shape, w_shape (V, H), dtype, *, softcap, has_bias, ...) -> None | str``
     None when the backend runs the case; else the reason an explicit
@@ -31,7 +33,7 @@ linear_cross_entropy): "xla" (plain JAX, chunked; its forward and backward also 
 ``tau``, truncated sampling) and "triton" (the PyTorch op's Triton kernels through
 jax-triton; Triton's interpreter without a GPU) and "mosaic_gpu" (Pallas Mosaic GPU
 kernels on SM90, ``logitless.jax.mosaic_lib``; bf16/f16), selected by name only (not in
-``backends.AUTOMATIC``), and "mosaic_tpu" (Pallas TPU kernels,
+``BACKENDS.automatic``), and "mosaic_tpu" (Pallas TPU kernels,
 ``logitless.jax.mosaic_tpu_lib``; automatic on a TPU, TPU interpret mode elsewhere).
 
 ``can_partition() -> bool``: whether the backend may run per device on several devices

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from logitless.jax.budget import resolve_memory_budget
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas import truncation as _truncation
+from logitless.jax.ops.common.contract import backend_weight, vh_shape
 from logitless.jax.ops.common.validate import check_labels_in_range, check_linear_inputs
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
@@ -183,21 +184,16 @@ def linear_log_probs(
                                                          batch_invariant)
         logp, ent = jnp.reshape(logp, out_shape), jnp.reshape(ent, out_shape)
         return (logp, ent) if opts.entropy else logp
-    vh_shape = tuple(weight.shape) if weight_layout == "vh" else tuple(weight.shape[::-1])
-    backend = choose_backend(implementation, x2d.shape, vh_shape, x2d.dtype, opts.softcap, bias is not None)
+    vh = vh_shape(weight.shape, weight_layout)
+    backend = choose_backend(implementation, x2d.shape, vh, x2d.dtype, opts.softcap, bias is not None)
     impl = BACKENDS[backend]
-    layout = "vh"
-    if weight_layout == "hv":
-        if impl.native_hv:
-            layout = "hv"
-        else:
-            weight = weight.T  # (V, H) for the backend; the gradient flows back through .T
+    weight, layout = backend_weight(impl, weight, weight_layout)
     cfg = _Config(opts, backend, budget, num_classes, layout)
     # Several devices (sharded jit, Explicit mesh): per device, see sharded.py.
     run = sharded.runner(x2d, weight, cfg)
     if run is None:  # one device: the call's one plan (the backward takes it too)
         run = _llp
-        cfg = cfg._replace(plan=impl.plan(tuple(x2d.shape), vh_shape, jnp.dtype(x2d.dtype), budget=budget,
+        cfg = cfg._replace(plan=impl.plan(tuple(x2d.shape), vh, jnp.dtype(x2d.dtype), budget=budget,
                                           weight_layout=layout, has_bias=bias is not None))
     out = run(x2d, weight, bias, flat, cfg)
     out = tuple(jnp.reshape(o, out_shape) for o in out)

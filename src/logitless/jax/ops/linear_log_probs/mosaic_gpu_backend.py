@@ -24,7 +24,7 @@ Backward (``backward``): "4 GEMMs" (recompute + 2 XLA GEMMs, plus the forward). 
     (fp32 accumulation). Temporaries: the fp32 dx accumulator, one dz chunk, one W
     slice and one dW chunk, sized from the memory budget (``mosaic_lib.chunk_columns``).
 
-Weight layouts: W (V, H), or with ``weight_layout="hv"`` (``NATIVE_HV``) a flax-style
+Weight layouts: W (V, H), or with ``weight_layout="hv"`` (``native_hv``) a flax-style
 (H, V) kernel read in place (``mosaic_lib``: (H, V) tiles are WGMMA's B operand as
 they are); dW comes back in W's layout, no transposed copy. The padding below applies
 to an (H, V) weight also when V % 64 != 0 (``mosaic_lib.hv_columns``).
@@ -41,7 +41,6 @@ GPU's interpret mode (the CPU tests).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
@@ -49,41 +48,22 @@ import jax.numpy as jnp
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas.cross_entropy import merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
+from logitless.jax.ops.common import mosaic_gpu as kind
+from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig
+from logitless.jax.ops.common.mosaic_gpu import interpret_params as _interpret_params
 from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.options import LogProbOptions
 
 __all__ = ["forward", "backward", "is_supported", "is_fast", "FwdConfig", "MosaicGpuBackend", "MosaicGpuConfig"]
 
-#: None: Mosaic GPU's interpret mode exactly when jax's default backend is not a GPU;
-#: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
-INTERPRET: bool | None = None
-
-#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
-NATIVE_HV = True
-
 UNSUPPORTED_HINT = "mosaic_gpu needs bfloat16 or float16 x and weight (use implementation='xla')"
 
 
-def _interpret_params():
-    return ml.interpret_params(INTERPRET)
-
-
-def can_partition() -> bool:
-    """Whether the kernels may run per device inside custom_partitioning / shard_map
-    (``sharded.py``, the sharded jit path): not under the interpreter, whose host
-    callbacks cannot be partitioned. Without it a sharded call ran the whole op on
-    gathered inputs (Auto meshes) or failed (Explicit ones)."""
-    return _interpret_params() is None
-
-
 def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
-    """Whether the kernels run this case: bf16/f16, 2-D, matching H (any H, V, bias)."""
+    """Whether the kernels run this case: the kind's (``common.mosaic_gpu.why_unsupported``:
+    bf16/f16, 2-D, matching H); any H, V, bias (``_aligned`` pads them)."""
     del softcap, has_bias
-    if jnp.dtype(dtype) not in ml.SUPPORTED_DTYPES:
-        return False
-    if len(x2d_shape) != 2 or len(w_shape) != 2:
-        return False
-    return x2d_shape[1] == w_shape[1] and x2d_shape[1] > 0 and w_shape[0] >= 1
+    return kind.why_unsupported(x2d_shape, w_shape, dtype) is None
 
 
 def is_fast(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
@@ -236,51 +216,9 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=No
     return dx, dw, db
 
 
-@dataclass(frozen=True)
-class MosaicGpuConfig:
-    """The "mosaic_gpu" backend's Config: the kernels' tiles (``mosaic_lib.default_config``),
-    the backward's columns per chunk (``mosaic_lib.backward_chunk`` for the aligned operands
-    of ``_aligned``, from the budget) and the weight's layout."""
-
-    tiles: FwdConfig
-    chunk: int
-    weight_layout: str = "vh"
-
-
-def _aligned_shape(h: int, v: int, has_bias: bool, weight_layout: str) -> tuple:
-    """(H', columns of W') of ``_aligned``'s operands for x (N, h), W with v classes."""
-    if not has_bias and h % BLOCK_K == 0 and (v % 8 == 0 if weight_layout == "vh" else ml.hv_columns(v) == v):
-        return h, v
-    hp = -(-h // BLOCK_K) * BLOCK_K
-    if has_bias:
-        hp += BLOCK_K if hp == h else 0
-    vp = -(-v // 8) * 8 if weight_layout == "vh" else ml.hv_columns(-(-v // 8) * 8)
-    return hp, vp
-
-
-class MosaicGpuBackend:
-    """The "mosaic_gpu" backend (``contract.LlpBackend``): SM90, bf16/f16."""
-
-    name = "mosaic_gpu"
-    native_hv = NATIVE_HV
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
-            return UNSUPPORTED_HINT
-        return None
-
-    def can_partition(self) -> bool:
-        return can_partition()
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> MosaicGpuConfig:
-        n, h = x2d_shape
-        v = w_shape[0]
-        tiles = ml.default_config(n, v, h)
-        hk, vk = _aligned_shape(h, v, has_bias, weight_layout)
-        return MosaicGpuConfig(tiles, ml.backward_chunk(n, vk, hk, jnp.dtype(dtype).itemsize, budget, tiles.block_v),
-                               weight_layout)
+class MosaicGpuBackend(MosaicGpuBase):
+    """The "mosaic_gpu" backend (``contract.LlpBackend``; ``MosaicGpuBase``: SM90, bf16/f16,
+    the tiles and the backward's chunk for ``_aligned``'s operands)."""
 
     def forward(self, x2d, w, bias, tokens, config: MosaicGpuConfig, *, opts: LogProbOptions) -> LlpStats:
         return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, config=config.tiles,

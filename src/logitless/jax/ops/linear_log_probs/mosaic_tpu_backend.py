@@ -10,7 +10,7 @@ Backward: the dX and dW kernels of the library with the epilogue
 bf16/f32 inputs (no fp64: TPUs have none), any N, V, H; every option (bias,
 softcap, temperature, entropy). HBM temporaries: O(N) only; the budget caps VMEM.
 On a platform other than TPU the kernels run in Pallas' TPU interpret mode.
-Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): (H, bv)
+Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``native_hv``): (H, bv)
 blocks of the library's "hv" layout, dW in w's layout; no transposed copy.
 """
 
@@ -22,24 +22,11 @@ import jax.numpy as jnp
 
 from logitless.jax import mosaic_tpu_lib as tl
 from logitless.jax.mosaic_tpu_lib import MosaicTpuConfig
+from logitless.jax.ops.common.mosaic_tpu import MosaicTpuBase
 from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.options import LogProbOptions
 
 _F32 = jnp.float32
-#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
-NATIVE_HV = True
-UNSUPPORTED_HINT = "mosaic_tpu takes bf16/f32 inputs; use implementation='xla'"
-
-
-def is_supported(x2d_shape, w_shape, dtype, *, softcap=None, has_bias=False) -> bool:
-    del softcap, has_bias
-    return (jnp.dtype(dtype) in tl.SUPPORTED_DTYPES and len(x2d_shape) == 2 and len(w_shape) == 2
-            and x2d_shape[1] == w_shape[1] and x2d_shape[0] >= 1 and w_shape[0] >= 1)
-
-
-def can_partition() -> bool:
-    """Not under the interpreter (its io_callbacks cannot be partitioned)."""
-    return tl.interpret_params() is None
 
 
 def _scaled(z, opts: LogProbOptions):
@@ -121,25 +108,9 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget=No
     return dx, dw, db
 
 
-class MosaicTpuBackend:
-    """The "mosaic_tpu" backend (``contract.LlpBackend``); its Config is
-    ``mosaic_tpu_lib.MosaicTpuConfig``, as linear_cross_entropy's."""
-
-    name = "mosaic_tpu"
-    native_hv = NATIVE_HV
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
-            return UNSUPPORTED_HINT
-        return None
-
-    def can_partition(self) -> bool:
-        return can_partition()
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> MosaicTpuConfig:
-        return tl.plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
+class MosaicTpuBackend(MosaicTpuBase):
+    """The "mosaic_tpu" backend (``contract.LlpBackend``; ``MosaicTpuBase``: bf16/f32, the
+    tiles, ``mosaic_tpu_lib.MosaicTpuConfig``)."""
 
     def forward(self, x2d, w, bias, tokens, config: MosaicTpuConfig, *, opts: LogProbOptions) -> LlpStats:
         return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout,

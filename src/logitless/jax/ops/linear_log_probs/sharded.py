@@ -44,35 +44,10 @@ from jax import lax
 
 from logitless.jax import sharding as shd
 from logitless.jax.formulas import log_probs as lpf
-from logitless.jax.ops.common import choice
-from logitless.jax.ops.common.contract import local_plan, vh_shape
+from logitless.jax.ops.common import contract
 from logitless.jax.ops.linear_log_probs.backends import BACKENDS
 from logitless.jax.ops.linear_log_probs.contract import LlpResiduals
 from logitless.options import LogProbOptions
-
-
-def _can_partition(name: str) -> bool:
-    """Whether backend ``name`` may run inside custom_partitioning / shard_map (its
-    ``can_partition``: "xla" always, the kernels not under an interpreter whose host
-    callbacks cannot be partitioned)."""
-    return BACKENDS[name].can_partition()
-
-
-def _vaxis(weight_layout: str) -> int:
-    """The vocabulary axis of the weight: 1 for an (H, V) weight passed natively."""
-    return 1 if weight_layout == "hv" else 0
-
-
-def local_backend(name: str, x_shape, w_shape, dtype, opts: LogProbOptions, has_bias: bool, budget: int,
-                  weight_layout: str = "vh"):
-    """(backend, Config) for these per-device shapes (``w_shape`` in ``weight_layout``):
-    backend ``name``, or "xla" where its ``unsupported`` refuses them; the Config made once
-    per shapes (``contract.local_plan``), so the forward's and the backward's share it."""
-    backend = BACKENDS[name]
-    vh = vh_shape(w_shape, weight_layout)
-    if choice.unsupported(backend, tuple(x_shape), vh, dtype, opts.softcap, has_bias) is not None:
-        backend = BACKENDS["xla"]
-    return backend, local_plan(backend, tuple(x_shape), vh, jnp.dtype(dtype), budget, weight_layout, has_bias)
 
 
 def _tau_kw(tau) -> dict:
@@ -89,7 +64,7 @@ def local_forward(backend, x2d, w, bias, tokens, config, *, opts: LogProbOptions
     batch invariance)."""
     if not vocab_axes:
         return tuple(backend.forward(x2d, w, bias, tokens, config, opts=opts, **_tau_kw(tau)))
-    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[_vaxis(config.weight_layout)])
+    t, in_range = shd.local_targets(tokens, vocab_axes, w.shape[contract.w_axis(config.weight_layout)])
     # A token off this device's columns is -1 here, and so is the backend's ignore_index:
     # a local id can never collide with it (the statistics of ignored tokens are masked
     # from the global tokens afterwards).
@@ -115,7 +90,7 @@ def local_backward(backend, res: LlpResiduals, coef, config, *, opts: LogProbOpt
     ``vocab_axes``; ``tau``: the forward's truncation threshold."""
     if not vocab_axes:
         return tuple(backend.backward(res, coef, config, opts=opts, **_tau_kw(tau)))
-    t, in_range = shd.local_targets(res.tokens, vocab_axes, res.w.shape[_vaxis(config.weight_layout)])
+    t, in_range = shd.local_targets(res.tokens, vocab_axes, res.w.shape[contract.w_axis(config.weight_layout)])
     lopts = dataclasses.replace(opts, ignore_index=-1)
     dx, dw, db = backend.backward(res._replace(tokens=jnp.where(in_range, t, -1)), coef, config, opts=lopts,
                                   **_tau_kw(tau))
@@ -138,8 +113,10 @@ def _split(args, has_bias: bool):
 
 
 def _local(static: _Static, x2d, w):
-    return local_backend(static.backend, x2d.shape, w.shape, x2d.dtype, static.opts, static.has_bias,
-                         static.budget, static.weight_layout)
+    """(backend, Config) for these per-device shapes (``contract.local_backend``)."""
+    return contract.local_backend(BACKENDS, static.backend, x2d.shape, w.shape, x2d.dtype,
+                                  softcap=static.opts.softcap, has_bias=static.has_bias, budget=static.budget,
+                                  weight_layout=static.weight_layout)
 
 
 def _fwd_local(static: _Static):
@@ -174,14 +151,14 @@ def _kinds(static: _Static):
 @functools.cache
 def _partitioned(static: _Static):
     (fi, fo), (bi, bo) = _kinds(static)
-    vaxis = _vaxis(static.weight_layout)
+    vaxis = contract.w_axis(static.weight_layout)
     return (shd.partitioned(_fwd_local(static), in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.partitioned(_bwd_local(static), in_kinds=bi, out_kinds=bo, vaxis=vaxis))
 
 
 def _mapped(static: _Static, mesh, axes: shd.Axes, scatter):
     (fi, fo), (bi, bo) = _kinds(static)
-    vaxis = _vaxis(static.weight_layout)
+    vaxis = contract.w_axis(static.weight_layout)
     return (shd.mapped(_fwd_local(static), mesh, axes, in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.mapped(_bwd_local(static), mesh, axes, in_kinds=bi, out_kinds=bo, vaxis=vaxis, scatter=scatter))
 
@@ -257,9 +234,9 @@ def runner(x2d, weight, cfg):
     mesh that splits the tokens or the vocabulary); None for the single-device op
     (one device, inside a shard_map whose axes are all manual, or a backend that cannot
     be partitioned)."""
-    if not _can_partition(cfg.backend):
+    if not BACKENDS[cfg.backend].can_partition():
         return None
-    vaxis = _vaxis(cfg.weight_layout)
+    vaxis = contract.w_axis(cfg.weight_layout)
     explicit = shd.explicit_axes(x2d, weight, vaxis)
     if explicit is not None:
         mesh, axes = explicit

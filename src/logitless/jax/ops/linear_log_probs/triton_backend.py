@@ -26,12 +26,12 @@ Memory: O(tokens x splits) fp32 partials in the forward; in the backward one dz 
 repeatable. fp32 inputs: TF32 with rounded operands at JAX's default matmul precision,
 3xTF32 at "highest".
 
-Limits: 16-bit and fp32 inputs (not fp64: ``is_supported`` says no); no TMA and no kept
+Limits: 16-bit and fp32 inputs (not fp64: ``TritonBase.why_not`` says no); no TMA and no kept
 exp(a - m) columns (as linear_cross_entropy's JAX triton backend: see
 docs/design.md, "JAX backends"), so the backward always recomputes the
 logits: 4 GEMMs per step in all. Under ``jax.vmap`` the kernels run once per batch
 element (``sequential_vmap``).
-Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): the
+Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``native_hv``): the
 kernels read the weight through its strides (a transposed load, no copy) and the
 gradient GEMMs contract the other dimension; dW comes back in w's layout.
 """
@@ -39,7 +39,6 @@ gradient GEMMs contract the other dimension; dW comes back in w's layout.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -47,19 +46,14 @@ import jax.numpy as jnp
 
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.common import triton as rt
-from logitless.jax.ops.common.triton import UNSUPPORTED_HINT  # noqa: F401 (the api's error hint)
+from logitless.jax.ops.common.triton import TritonBase, TritonConfig
 from logitless.jax.ops.common.triton import device_info as _device_info
-from logitless.jax.ops.common.triton import has_triton as _has_triton
 from logitless.jax.ops.common.triton import interpret as _interpret
-from logitless.jax.ops.common.triton import jax_triton as _jax_triton
-from logitless.jax.ops.common.triton import platform as _platform
 from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.jax.planning import TritonPlan
 from logitless.options import LogProbOptions
 
 _F32 = jnp.float32
-#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
-NATIVE_HV = True
 
 #: Modules of the kernels, in import order (each imports the earlier ones).
 _KERNEL_MODULES = (
@@ -69,19 +63,6 @@ _KERNEL_MODULES = (
     "logitless.triton_lib.log_probs_kernels",
     "logitless.jax.ops.linear_log_probs.triton_kernels",
 )
-
-
-def can_partition() -> bool:
-    """Whether the sharded jit path (``sharded.py``: custom_partitioning / shard_map) may
-    call these kernels: not through the interpreter's host callback (the op then runs
-    unsharded)."""
-    return not _interpret()
-
-
-def is_supported(x2d_shape, w_shape, dtype, *, softcap, has_bias) -> bool:
-    """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton, or on the CPU
-    (Triton's interpreter) with triton installed."""
-    return rt.is_supported(dtype, _platform(), _jax_triton, _has_triton)
 
 
 def _plan(x2d, vocab, budget) -> TritonPlan:
@@ -176,35 +157,9 @@ def _backward(x2d, w, bias, tokens, lse, coef, *, opts, budget, weight_layout, p
     return rt.chunked_gradients(x2d, w, bias, min(plan.vocab_chunk, vocab), dz_of, weight_layout=weight_layout)
 
 
-@dataclass(frozen=True)
-class TritonConfig:
-    """The "triton" backend's Config: the launch plan (``planning.triton_plan``) and the
-    weight's layout."""
-
-    plan: TritonPlan
-    weight_layout: str = "vh"
-
-
-class TritonBackend:
-    """The "triton" backend (``contract.LlpBackend``)."""
-
-    name = "triton"
-    native_hv = NATIVE_HV
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        # (the module's is_supported, looked up per call: tests replace it)
-        if not is_supported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias):
-            return UNSUPPORTED_HINT
-        return None
-
-    def can_partition(self) -> bool:
-        return can_partition()
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> TritonConfig:
-        return TritonConfig(rt.plan_for(x2d_shape, dtype, w_shape[0], budget, _interpret(), _device_info),
-                            weight_layout)
+class TritonBackend(TritonBase):
+    """The "triton" backend (``contract.LlpBackend``; ``TritonBase``: the platform checks
+    and the launch plan)."""
 
     def forward(self, x2d, w, bias, tokens, config: TritonConfig, *, opts: LogProbOptions) -> LlpStats:
         return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout,

@@ -51,7 +51,7 @@ from logitless.jax import sharding as shd
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.formulas.truncation import resolve
 from logitless.jax.ops.common.chunks import chunk_loop, put, take
-from logitless.jax.ops.common.contract import local_plan, vh_shape
+from logitless.jax.ops.common.contract import local_plan, vh_shape, w_axis
 from logitless.jax.ops.linear_log_probs import sharded
 from logitless.jax.ops.linear_log_probs import xla_backend as xla
 from logitless.jax.ops.linear_log_probs.backends import BACKENDS
@@ -118,7 +118,7 @@ def _tiles(x2d, w, bias, cfg: Config, body, carry):
     """body(a, r0, nr, c0, carry) over the (row chunk x column chunk) tiles of a."""
     n = x2d.shape[0]
     layout = _layout(cfg)
-    vaxis = sharded._vaxis(cfg.weight_layout)
+    vaxis = w_axis(cfg.weight_layout)
     plan = _xla_config(x2d, w, bias, cfg)[1].plan
 
     def col_step(c0, vc, carry):
@@ -140,7 +140,7 @@ def thresholds(x2d, w, bias, trunc, cfg: Config, merge: Optional[_Merge] = None)
     k, p, mp = trunc
     n, v = x2d.shape[0], cfg.num_classes
     c = min(v, cfg.candidates)
-    c_local = min(w.shape[sharded._vaxis(cfg.weight_layout)], cfg.candidates)
+    c_local = min(w.shape[w_axis(cfg.weight_layout)], cfg.candidates)
     cdt = lpf.compute_dtype(x2d.dtype)
 
     def body(a, r0, nr, c0, carry):
@@ -297,7 +297,7 @@ def _kinds(st: _Static):
 @functools.cache
 def _partitioned(st: _Static):
     (fi, fo), (bi, bo) = _kinds(st)
-    vaxis = sharded._vaxis(st.cfg.weight_layout)
+    vaxis = w_axis(st.cfg.weight_layout)
     return (shd.partitioned(_fwd_local(st), in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.partitioned(_bwd_local(st), in_kinds=bi, out_kinds=bo, vaxis=vaxis))
 
@@ -311,7 +311,7 @@ def _fns(st: _Static, explicit):
     if explicit is None:
         return (lambda *a: _fwd_local(st)(a, shd.Axes(), None), lambda *a: _bwd_local(st)(a, shd.Axes(), None))
     mesh, axes, scatter = explicit
-    vaxis = sharded._vaxis(st.cfg.weight_layout)
+    vaxis = w_axis(st.cfg.weight_layout)
     return (shd.mapped(_fwd_local(st), mesh, axes, in_kinds=fi, out_kinds=fo, vaxis=vaxis),
             shd.mapped(_bwd_local(st), mesh, axes, in_kinds=bi, out_kinds=bo, vaxis=vaxis, scatter=scatter))
 
@@ -368,7 +368,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def _where(x2d, w, cfg: Config):
     """None (one device), "auto" (a multi-device jit: custom_partitioning) or (mesh,
     Axes, scatter) (arrays typed with an Explicit mesh): as ``sharded.runner``."""
-    vaxis = sharded._vaxis(cfg.weight_layout)
+    vaxis = w_axis(cfg.weight_layout)
     explicit = shd.explicit_axes(x2d, w, vaxis)
     if explicit is not None:
         mesh, axes = explicit

@@ -18,14 +18,13 @@ chunk; never N x V. The ragged last chunk is a separate statically shaped step, 
 padded columns never enter the statistics. Dots accumulate in fp32; dz is cast to the
 input dtype before the gradient GEMMs.
 
-Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``NATIVE_HV``): the same
+Weight layouts: (V, H), or (H, V) with ``weight_layout="hv"`` (``native_hv``): the same
 GEMMs with the other contracting dimension of the w tile (``dot_general``), dW in w's
 layout; no transposed copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
@@ -33,12 +32,10 @@ from jax import lax
 
 from logitless.jax.formulas import log_probs as lpf
 from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
+from logitless.jax.ops.common.xla import XlaBase, XlaConfig
 from logitless.jax.ops.linear_log_probs.contract import LlpGrads, LlpResiduals, LlpStats
 from logitless.jax.planning import XlaPlan, xla_plan
 from logitless.options import LogProbOptions
-
-#: The api passes (H, V) weights as they are, with weight_layout="hv" (no transposed copy).
-NATIVE_HV = True
 
 #: Contracting dimensions by weight layout (a w tile is (v, H) for "vh", (H, v) for "hv").
 _W_AXIS = {"vh": 0, "hv": 1}  # the vocabulary axis of w
@@ -147,32 +144,9 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: O
     return dx.astype(x2d.dtype), dw, db
 
 
-@dataclass(frozen=True)
-class XlaConfig:
-    """The "xla" backend's Config: the logits tile (``planning.xla_plan``) and the weight's layout."""
-
-    plan: XlaPlan
-    weight_layout: str = "vh"
-
-
-class XlaBackend:
-    """The "xla" backend (``contract.LlpBackend``): every case, every platform; its
-    forward and backward also take ``tau`` (truncated sampling, ``truncation.py``)."""
-
-    name = "xla"
-    native_hv = NATIVE_HV
-
-    def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
-                    need_argmax=False) -> Optional[str]:
-        return None
-
-    def can_partition(self) -> bool:
-        return True
-
-    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
-             has_bias: bool = False) -> XlaConfig:
-        n, h = x2d_shape
-        return XlaConfig(xla_plan(n, w_shape[0], h, jnp.dtype(dtype).itemsize, budget), weight_layout)
+class XlaBackend(XlaBase):
+    """The "xla" backend (``contract.LlpBackend``; ``XlaBase``: every case, every platform);
+    its forward and backward also take ``tau`` (truncated sampling, ``truncation.py``)."""
 
     def forward(self, x2d, w, bias, tokens, config: XlaConfig, *, opts: LogProbOptions, tau=None) -> LlpStats:
         return LlpStats(*forward(x2d, w, bias, tokens, opts=opts, weight_layout=config.weight_layout, tau=tau,
