@@ -37,7 +37,10 @@ checks, ``can_partition`` and its planning call:
 them). An op's backend class is its base plus what is the op's own: ``forward`` and
 ``backward`` (its kernels, called with the Config), the capability attributes its
 Protocol reads (``class_weights``, ``argmax``: off by default in ``BackendBase``), and,
-where its kernels take fewer cases than the kind's, ``why_not``.
+where its kernels take fewer cases than the kind's, ``why_not``. ``unsupported`` and
+``can_partition`` stay the kind's (``tests_jax/test_backend_kinds.py``); an op whose call
+is not one (x, W) pair (distillation: a student and a teacher head) may wrap ``plan``, the
+kind's ``plan`` still sizing each part.
 
 Adding an op (e.g. ``linear_jsd``), files touched:
 
