@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                     reason="this jax has no Pallas Mosaic GPU (jax.experimental.pallas.mosaic_gpu)")
 from logitless.jax import linear_log_probs  # noqa: E402
+from logitless.jax.ops.common import mosaic_gpu as kind  # noqa: E402
 from logitless.jax.ops.linear_log_probs import mosaic_gpu_backend as mg  # noqa: E402  (a failure here is a bug)
 from logitless.jax.ops.linear_log_probs.reference import linear_log_probs_reference  # noqa: E402
 from logitless.options import LogProbOptions  # noqa: E402
@@ -225,7 +226,7 @@ def test_lowers_for_cuda_at_rl_shapes(shape, monkeypatch):
     any machine: two Mosaic kernels (statistics, dz), no captured constants, no padded
     copy of W at these aligned shapes."""
     n, h, v = shape
-    monkeypatch.setattr(mg, "INTERPRET", False)
+    monkeypatch.setattr(kind, "INTERPRET", False)
     x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
     t = jax.ShapeDtypeStruct((n,), jnp.int32)
@@ -248,7 +249,7 @@ def test_lowers_for_cuda_at_rl_shapes(shape, monkeypatch):
 @pytest.mark.parametrize("kw", [dict(softcap=30.0), dict(entropy=True, temperature=0.6), dict(bias=True)],
                          ids=["softcap", "entropy", "bias"])
 def test_lowers_for_cuda_options(kw, monkeypatch):
-    monkeypatch.setattr(mg, "INTERPRET", False)
+    monkeypatch.setattr(kind, "INTERPRET", False)
     kw = dict(kw)
     n, h, v = 1000, 512, 4000 + 3
     x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16)

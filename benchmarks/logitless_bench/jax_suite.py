@@ -123,8 +123,8 @@ def _loss_fns(method):
         if impl == "triton":
             if jax.devices()[0].platform != "gpu":
                 raise Skip("triton on a CPU runs on Triton's interpreter: tests only")
-            from logitless.jax.ops.linear_cross_entropy import triton_backend
-            if triton_backend._jax_triton() is None:
+            from logitless.jax.ops.common import triton as rt
+            if rt.jax_triton() is None:
                 raise Skip("jax-triton not importable (pip install jax-triton)")
         if impl == "mosaic_gpu":
             try:
