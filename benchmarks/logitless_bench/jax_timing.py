@@ -94,3 +94,34 @@ def trace_tables(events, steps: int) -> dict:
                      key=lambda r: -r["ms"]) for k, t in tables.items()}
     out["threads"] = sorted(set(threads.values()))
     return out
+
+
+# The baseline of issue 62: what MaxText and most JAX training code do (bf16 logits from the
+# GEMM, an f32 loss), under jax.jit. Its source is written into the result files.
+
+
+def bf16_logits_loss(x, w, t):
+    """Mean cross-entropy with bf16 logits ``x @ w.T`` ((V, H) weight), f32 log-sum-exp."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = (x @ w.T).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0])
+
+
+def bf16_logits_loss_hv(x, kernel, t):
+    """The same with a flax (H, V) kernel: ``x @ kernel``."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = (x @ kernel).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0])
+
+
+def baseline_source() -> str:
+    """The bf16-logits baselines' code, for the result files."""
+    import inspect
+
+    return inspect.getsource(bf16_logits_loss) + "\n" + inspect.getsource(bf16_logits_loss_hv)

@@ -142,6 +142,21 @@ def dlogits(z_capped, lse, coef, target, col0, softcap: Optional[float], class_w
     return dz
 
 
+def dlogits_kept(e, tile_max, lse, coef, target, col0, num_columns: int):
+    """``dlogits`` (no soft-cap, no class weights) from what a forward kept instead of z:
+    e = exp(z - m) in the input dtype and m per row and tile of ``e.shape[1] //
+    tile_max.shape[0]`` columns (tile_max (tiles, N) fp32), so exp(z - lse) = e exp(m -
+    lse); columns ``col0 + j`` >= ``num_columns`` are 0. Returns fp32 (N, columns)."""
+    n, cols = e.shape
+    tiles = tile_max.shape[0]
+    b, c = coef[1][:, None], coef[2][:, None]
+    scale = (jnp.exp(tile_max - lse[None, :]) * coef[0][None, :]).T  # (N, tiles): A exp(m - lse)
+    p_a = (e.astype(jnp.float32).reshape(n, tiles, cols // tiles) * scale[:, :, None]).reshape(n, cols)
+    idx = col0 + jnp.arange(cols, dtype=target.dtype)
+    dz = p_a - jnp.where(idx[None, :] == target[:, None], b, 0.0) - c
+    return jnp.where(idx[None, :] < num_columns, dz, 0.0)
+
+
 def merge_argmax(part_best, part_arg):
     """The argmax of rows reduced in parts along axis 0 (each part's maximum and the
     global index of its first maximum): the first part holding the largest maximum."""

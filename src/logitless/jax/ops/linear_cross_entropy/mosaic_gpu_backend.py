@@ -56,9 +56,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
+from jax import lax
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas.cross_entropy import merge_lse_splits
+from logitless.jax.formulas.cross_entropy import dlogits_kept, merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.sharding import to_varying, varying
@@ -147,8 +148,10 @@ def _interpret_params():
 # ---------------------------------------------------------------------------------
 
 
-def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, layout="vh"):
-    """Per split: log-sum-exp m + log l, target logit, sum of logits (label smoothing)."""
+def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, layout="vh", keep_tiles=0):
+    """Per split: log-sum-exp m + log l, target logit, sum of logits (label smoothing);
+    with ``keep_tiles``, also K = exp(z - m) of the first tiles and their m (the running
+    maximum after the tile): ``mosaic_lib.stats_partials``' kept outputs."""
 
     def fold(z, cols, hit, valid, carry):
         m, l, tl, ss = carry
@@ -162,7 +165,8 @@ def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, 
         # exp(z - m) as 2^(z log2 e - m log2 e): one FMA + ex2 per element.
         p = jnp.exp2(z * LOG2E - ml.bcast(m_new * LOG2E, z.shape))
         l = l * jnp.exp2((m - m_new) * LOG2E) + p.sum(axis=1)
-        return m_new, l, tl, ss
+        carry = (m_new, l, tl, ss)
+        return (carry, (p, m_new)) if keep_tiles else carry
 
     def finish(carry):
         m, l, tl, ss = carry
@@ -170,25 +174,36 @@ def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, 
 
     return ml.stats_partials(x, w, target, v=v, cfg=cfg, n_out=3,
                              init=(-jnp.inf, 0.0, 0.0, 0.0), fold=fold, finish=finish,
-                             interpret=_interpret_params(), layout=layout)
+                             interpret=_interpret_params(), layout=layout, keep_tiles=keep_tiles)
 
 
 def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=None, config: FwdConfig | None = None,
             weight_layout: str = "vh"):
     """(lse, target_logit, smooth_sum|None), each (N,) float32; see the package docstring.
     ``weight_layout="hv"``: w is (H, V), read in place."""
+    return forward_keeping(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth, config=config,
+                           weight_layout=weight_layout)[:3]
+
+
+def forward_keeping(x2d, w, bias, target, *, softcap=None, need_smooth=False, config: FwdConfig | None = None,
+                    weight_layout: str = "vh", keep_cols: int = 0):
+    """``forward``'s statistics and what it kept for the backward: (K, M) of the first
+    ``keep_cols`` columns (rounded up to whole tiles; ``Kept`` in the package docstring),
+    or None (``keep_cols`` 0, or a soft-cap: then the backward recomputes)."""
     _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
     v = _vh_shape(w, weight_layout)[0]
     cfg = config or _default_config(n, v, h)
     if weight_layout == "hv":
         w = ml.pad_hv(w)
-    lse_p, tl_p, ss_p = _forward_partials(_pad_rows8(x2d), w, target, v=v, softcap=softcap, need_smooth=need_smooth,
-                                          cfg=cfg, layout=weight_layout)
+    keep_tiles = -(-keep_cols // cfg.block_v) if softcap is None else 0
+    out = _forward_partials(_pad_rows8(x2d), w, target, v=v, softcap=softcap, need_smooth=need_smooth,
+                            cfg=cfg, layout=weight_layout, keep_tiles=keep_tiles)
+    lse_p, tl_p, ss_p = out[:3]
     lse = merge_lse_splits(lse_p)
     tl = tl_p.sum(axis=0)
     ss = ss_p.sum(axis=0) if need_smooth else None
-    return lse, tl, ss
+    return lse, tl, ss, (tuple(out[3:]) if keep_tiles else None)
 
 
 # ---------------------------------------------------------------------------------
@@ -242,10 +257,36 @@ def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdC
                       interpret=_interpret_params(), layout=weight_layout)
 
 
+def _kept_dz(kept, target, lse, coef, *, v: int, block_v: int, n8: int, dtype):
+    """``chunked_backward``'s kept_dz: dz of kept columns [c0, c0 + width) from (K, M)
+    (``formulas.cross_entropy.dlogits_kept``), rows [0, n8), in ``dtype``; zero at
+    columns >= v and at padded rows (their coefficients are 0). Whole: in place of K."""
+    k_buf, tile_max = kept
+    n_pad = k_buf.shape[0]
+    pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n_pad - a.shape[-1])])
+    target, lse, coef = pad(target), pad(lse), pad(coef)
+
+    def dz(c0, width):
+        tiles = -(-width // block_v)
+        if isinstance(c0, int):  # static: the whole of K (a no-op slice) or a part
+            e = k_buf[:, c0:c0 + tiles * block_v]
+            m = tile_max[c0 // block_v:c0 // block_v + tiles]
+        else:  # inside K (the plan's kept chunks)
+            e = lax.dynamic_slice_in_dim(k_buf, c0, tiles * block_v, axis=1)
+            m = lax.dynamic_slice_in_dim(tile_max, c0 // block_v, tiles, axis=0)
+        out = dlogits_kept(e, m, lse, coef, target, c0, v)
+        out = out if width == out.shape[1] else out[:, :width]
+        return (out if n8 == n_pad else out[:n8]).astype(dtype)
+
+    return dz
+
+
 def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, config: FwdConfig | None = None,
-             weight_layout: str = "vh", chunk: Optional[int] = None):
+             weight_layout: str = "vh", chunk: Optional[int] = None, kept=None, kept_chunk: int = 0):
     """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs; dw in w's layout.
-    ``chunk``: the columns per chunk (``MosaicGpuBackend.plan``'s); None: from ``budget``."""
+    ``chunk``: the columns per chunk (``MosaicGpuBackend.plan``'s); None: from ``budget``.
+    ``kept``: (K, M) from ``forward_keeping`` (its columns' dz from them, in chunks of
+    ``kept_chunk`` columns unless every column was kept), or None."""
     _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
     v = _vh_shape(w, weight_layout)[0]
@@ -265,8 +306,13 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
         axes = tuple(sorted(varying(x8) | varying(w) | varying(rowdat) | varying(tgt)))
         return to_varying(dx, axes), to_varying(dw, axes)
 
+    kept_kw = {}
+    if kept is not None:
+        kept_kw = dict(kept_dz=_kept_dz(kept, target, lse, coef, v=v, block_v=cfg.block_v, n8=n8, dtype=x2d.dtype),
+                       kept_cols=min(kept[0].shape[1], wk.shape[ml.w_axis(weight_layout)]), kept_chunk=kept_chunk)
     dx, dw = ml.chunked_backward(x8, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(softcap),
-                                 interpret=_interpret_params(), vary=vary, layout=weight_layout, chunk=chunk)
+                                 interpret=_interpret_params(), vary=vary, layout=weight_layout, chunk=chunk,
+                                 **kept_kw)
     if wk is not w:
         dw = dw[:, :v]
     return dx[:n].astype(x2d.dtype), dw, None
@@ -275,12 +321,15 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
 @dataclass(frozen=True)
 class MosaicGpuConfig:
     """The "mosaic_gpu" backend's Config: the kernels' tiles (``mosaic_lib.default_config``),
-    the backward's columns per chunk (``mosaic_lib.backward_chunk``, from the budget) and
-    the weight's layout."""
+    the backward's recomputed columns per chunk (``mosaic_lib.backward_chunk``, from the
+    budget), the weight's layout, and the columns whose exp(z - m) the forward keeps for
+    the backward with the kept chunk (``mosaic_lib.keep_plan``; 0: none, recompute all)."""
 
     tiles: FwdConfig
     chunk: int
     weight_layout: str = "vh"
+    keep: int = 0
+    kept_chunk: int = 0
 
 
 def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") -> MosaicGpuConfig:
@@ -289,8 +338,10 @@ def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") ->
     v = w_shape[0]
     tiles = _default_config(n, v, h)
     vw = v if weight_layout == "vh" else ml.hv_columns(v)  # the (H, V) weight's padded columns
-    chunk = ml.backward_chunk(n, vw, h, jnp.dtype(dtype).itemsize, budget, tiles.block_v)
-    return MosaicGpuConfig(tiles, chunk, weight_layout)
+    itemsize = jnp.dtype(dtype).itemsize
+    keep, kept_chunk = ml.keep_plan(n, v, vw, h, itemsize, budget, tiles)
+    chunk = ml.backward_chunk(n, vw - keep if keep < vw else vw, h, itemsize, budget, tiles.block_v)
+    return MosaicGpuConfig(tiles, chunk, weight_layout, keep, kept_chunk)
 
 
 class MosaicGpuBackend:
@@ -300,6 +351,7 @@ class MosaicGpuBackend:
     native_hv = NATIVE_HV
     class_weights = False
     argmax = False
+    keeps = True
 
     def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
                     need_argmax=False) -> Optional[str]:
@@ -318,10 +370,13 @@ class MosaicGpuBackend:
         return plan_config(x2d_shape, w_shape, dtype, budget, weight_layout)
 
     def forward(self, x2d, w, bias, target, config: MosaicGpuConfig, *, softcap, need_smooth, class_weight=None,
-                need_argmax=False) -> LceStats:
-        return LceStats(*forward(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
-                                 config=config.tiles, weight_layout=config.weight_layout))
+                need_argmax=False, keep=False) -> LceStats:
+        lse, tl, ss, kept = forward_keeping(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
+                                            config=config.tiles, weight_layout=config.weight_layout,
+                                            keep_cols=config.keep if keep else 0)
+        return LceStats(lse, tl, ss, kept=kept)
 
     def backward(self, res: LceResiduals, coef, config: MosaicGpuConfig, *, softcap) -> LceGrads:
         return LceGrads(*backward(res.x2d, res.w, res.bias, res.target, res.lse, coef, softcap=softcap,
-                                  config=config.tiles, weight_layout=config.weight_layout, chunk=config.chunk))
+                                  config=config.tiles, weight_layout=config.weight_layout, chunk=config.chunk,
+                                  kept=res.kept, kept_chunk=config.kept_chunk))

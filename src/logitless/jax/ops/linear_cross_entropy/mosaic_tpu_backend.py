@@ -125,6 +125,7 @@ class MosaicTpuBackend:
     native_hv = NATIVE_HV
     class_weights = CLASS_WEIGHTS
     argmax = False
+    keeps = False
 
     def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
                     need_argmax=False) -> Optional[str]:

@@ -74,16 +74,25 @@ from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends an
 
 
 def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth, vocab_axes, class_weight=None,
-                  need_argmax=False):
+                  need_argmax=False, keep=None):
     """Global statistics (lse, z_t, S|None) of this device's tokens, and with
     ``need_argmax`` (row maximum, first index of it) as well; the local columns are
     reduced by ``backend.forward`` under ``config`` (its Config for these shapes) and
     merged over ``vocab_axes`` (O(tokens) collectives; the argmax: one more MAX and a MIN
-    over the devices holding the maximum)."""
+    over the devices holding the maximum). ``keep`` not None: returns (statistics, what
+    the backend kept of its local columns for ``local_backward``, or None), ``keep=True``
+    passed to backends with ``keeps``."""
     vaxis = _w_axis(config)
     t, in_range = local_targets(target, vocab_axes, w.shape[vaxis])
     st = backend.forward(x2d, w, bias, t, config, softcap=softcap, need_smooth=need_smooth,
-                         class_weight=class_weight, need_argmax=need_argmax)
+                         class_weight=class_weight, need_argmax=need_argmax,
+                         **({"keep": True} if keep and backend.keeps else {}))
+    out = _merged(st, in_range, vocab_axes, need_argmax, w.shape[vaxis])
+    return out if keep is None else (out, st.kept)
+
+
+def _merged(st, in_range, vocab_axes, need_argmax, local_v):
+    """``local_forward``'s statistics of the backend's local ``st`` (merged over the vocab axes)."""
     lse, zt, ss = st.lse, st.target_logit, st.smooth_sum
     arg = (st.best, st.argmax) if need_argmax else ()
     if not vocab_axes:
@@ -94,7 +103,7 @@ def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth
     out = (m + jnp.log(sums[0]), sums[1], (None if ss is None else sums[2]))
     if need_argmax:  # the first device (lowest column ids) holding the largest maximum
         best, idx = arg
-        idx = idx + vocab_offset(vocab_axes, w.shape[vaxis]).astype(idx.dtype)
+        idx = idx + vocab_offset(vocab_axes, local_v).astype(idx.dtype)
         top = lax.pmax(best, vocab_axes)
         idx = lax.pmin(jnp.where(best == top, idx, jnp.iinfo(idx.dtype).max), vocab_axes)
         out = out + (top, idx)

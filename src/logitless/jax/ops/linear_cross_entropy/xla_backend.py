@@ -190,6 +190,7 @@ class XlaBackend:
     native_hv = NATIVE_HV
     class_weights = CLASS_WEIGHTS
     argmax = ARGMAX
+    keeps = False
 
     def unsupported(self, x2d_shape, w_shape, dtype, *, softcap, has_bias, has_class_weight=False,
                     need_argmax=False) -> Optional[str]:
