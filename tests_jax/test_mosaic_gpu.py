@@ -212,17 +212,21 @@ def test_backward_matches_float64(n, h, v, softcap, budget, cfg):
     assert np.all(np.asarray(dx[5].astype(jnp.float32)) == 0.0)
 
 
-# (n, h, v, layout, keep tiles, kept chunk tiles): every column kept (dz in one piece, V
-# ragged against the tile), a prefix kept in chunks and the rest recomputed.
+# (n, h, v, layout, keep tiles, kept chunk tiles): every column kept (dz in one piece: V
+# or N ragged against the tiles, or over K itself), a prefix kept in chunks and the rest
+# recomputed.
 KEPT_CASES = [
     (77, 128, 328, "vh", None, 0),
     (130, 64, 600, "hv", None, 0),
+    (128, 64, 512, "vh", None, 0),  # K has the weight's shape: dz written over it (Pallas kernel)
+    (256, 128, 384, "hv", None, 0),
     (130, 128, 600, "vh", 4, 2),
     (64, 64, 520, "hv", 2, 1),
 ]
 
 
-@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, lag=1, dz_store=32)], ids=["whole", "store32lag1"])
+@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, lag=1, keep_store=None, dz_store=32)],
+                         ids=["keep32", "keepwhole_lag1"])
 @pytest.mark.parametrize("n,h,v,layout,keep,kc", KEPT_CASES)
 def test_backward_from_kept_matches_float64(n, h, v, layout, keep, kc, cfg):
     """The forward keeps exp(z - m) of the first columns (``forward_keeping``), the
@@ -270,25 +274,26 @@ def test_backward_from_kept_matches_float64(n, h, v, layout, keep, kc, cfg):
 
 def test_keep_plan():
     """Every column kept when K, its tile maxima and the row vectors fit the budget;
-    else whole kept chunks beside the fp32 dx accumulator and one chunk's temporaries,
-    the bytes counted within the budget; nothing when not one chunk fits."""
+    else whole kept chunks beside the fp32 dx accumulator and one chunk's temporaries
+    (all counted at once: K lives through the backward's loops), within the budget;
+    nothing when that keeps under a quarter of the columns."""
     from logitless.jax import mosaic_lib as ml
 
     cfg = ml.FwdConfig()
     n, h, v = 4096, 4096, 128256
     k_bytes = 4096 * 128256 * 2 + 1002 * 4096 * 4 + 64 * 4096
-    assert ml.keep_plan(n, v, v, h, 2, k_bytes, cfg) == (128256, 0)
-    keep, kc = ml.keep_plan(n, v, v, h, 2, k_bytes - 1, cfg)
-    assert 0 < keep < v and kc and keep % kc == 0 and kc % 128 == 0
+    assert ml.keep_plan(n, v, v, h, 2, k_bytes, cfg) == (128256, 0, 0)
+    keep, kc, chunk = ml.keep_plan(n, v, v, h, 2, k_bytes - 1, cfg)
+    assert 0.25 * v < keep < v and kc == chunk and keep % kc == 0 and kc % 128 == 0 and kc >= ml.KEPT_CHUNK_MIN
     used = keep // 128 * (4096 * 128 * 2 + 4096 * 4) + 64 * 4096 + 4 * n * h + kc * 2 * (n + 2 * h)
     assert used <= k_bytes - 1
-    assert ml.keep_plan(n, v, v, h, 2, 256 * 2**20, cfg) == (0, 0)  # 13% of the columns: recompute all
+    assert ml.keep_plan(n, v, v, h, 2, 256 * 2**20, cfg) == (0, 0, 0)  # 13% of the columns: recompute all
     # N not a multiple of the 256-row block: dz cannot take K's place, one dz more counted.
     assert ml.keep_plan(4000, v, v, h, 2, k_bytes, cfg)[1] != 0
-    # The plan of the backend: deepseek-v3 on an H100 (1.8 GiB) keeps part, llama all.
-    plan = mg.plan_config((8192, 7168), (128256, 7168), jnp.bfloat16, 1834 * 2**20)
-    assert 0.6 * 128256 < plan.keep < 128256 and plan.keep % plan.kept_chunk == 0
-    assert mg.plan_config((n, h), (v, h), jnp.bfloat16, 1834 * 2**20, "hv").keep == v
+    # The backend's plan: deepseek-v3 on an H100 (1.8 GiB) keeps part, llama all.
+    plan = mg.plan_config((8192, 7168), (128256, 7168), jnp.bfloat16, 1824 * 2**20)
+    assert 0.5 * 128256 < plan.keep < 128256 and plan.keep % plan.kept_chunk == 0 and plan.chunk == plan.kept_chunk
+    assert mg.plan_config((n, h), (v, h), jnp.bfloat16, 1824 * 2**20, "hv").keep == v
 
 
 def test_dz_tiles_per_cta():

@@ -267,7 +267,9 @@ def markdown(data) -> str:
         report += "\n## Kernels per fwd+bwd (device profile, GPU ms per step)\n"
         for r in profiled:
             top = "; ".join(f"{k['name'][:60]} {k['ms']:.3g} ({k['calls']:g}x)" for k in r["kernels"][:8])
-            report += f"\n- {r['shape']} {r['method']}: {r.get('kernel ms', 0):.4g} ms in all: {top}"
+            tl = r.get("timeline") or {}
+            span = f" (one call: span {tl['span ms']:.4g} ms, kernels {tl['busy ms']:.4g} ms)" if tl else ""
+            report += f"\n- {r['shape']} {r['method']}: {r.get('kernel ms', 0):.4g} ms in all{span}: {top}"
         report += "\n"
     return report
 
@@ -366,6 +368,10 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         row["kernel ms"] = sum(k["ms"] for k in kernels)
         row["kernels"] = kernels[:24]
         row["xla ops"] = prof.get("ops", [])[:24]
+        row["timeline"] = tl = prof.get("timeline", {})
+        if tl:
+            print(f"      one call: span {tl['span ms']:.3f} ms, kernels {tl['busy ms']:.3f} ms; gaps: "
+                  + "; ".join(f"{g['ms']:.3f} ms after {g['after'][:40]}" for g in tl["gaps"][:4]))
         for k in kernels[:10]:
             print(f"      {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name'][:110]}")
         for k in row["xla ops"][:10]:

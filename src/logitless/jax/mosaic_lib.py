@@ -80,6 +80,11 @@ class FwdConfig:
     # stages). H100: 32 made the dz kernel alone 16% faster but fwd+bwd -1.2% to +3.1%
     # (docs/design.md), hence opt-in.
     dz_store: int | None = None
+    # Forward that keeps exp(z - m) (``stats_partials``' keep_tiles): columns of the kept
+    # tile per TMA store, as dz_store. 32: a 16 KiB buffer, the ring keeps 4 stages (the
+    # whole tile's 64 KiB leaves 3); H100, llama3.1-8b f+b -3.8% ("vh") and -1.7% ("hv")
+    # (docs/design.md).
+    keep_store: int | None = 32
 
 
 def default_config(n: int, v: int, h: int) -> FwdConfig:
@@ -169,11 +174,13 @@ def dz_tiles_per_cta(num_nb: int, num_cb: int, sms: int, max_tiles: int = 16) ->
     return min(fill + [1], key=cost)
 
 
-def dz_store_columns(cfg: FwdConfig) -> int:
-    """Columns per dz store (``FwdConfig.dz_store``; None: block_v, the whole tile)."""
-    p = cfg.block_v if cfg.dz_store is None else cfg.dz_store
+def dz_store_columns(cfg: FwdConfig, field: str = "dz_store") -> int:
+    """Columns per dz store (``FwdConfig.dz_store``, or the kept tile's ``keep_store``;
+    None: block_v, the whole tile)."""
+    p = getattr(cfg, field)
+    p = cfg.block_v if p is None else p
     if p not in (16, 32) and (p < 1 or p % BLOCK_K) or cfg.block_v % p:
-        raise ValueError(f"dz_store must divide block_v={cfg.block_v} and be 16, 32 or a multiple "
+        raise ValueError(f"{field} must divide block_v={cfg.block_v} and be 16, 32 or a multiple "
                          f"of 64 elements, got {p}")
     return p
 
@@ -324,8 +331,8 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     vocabulary's first ``keep_tiles`` tiles the kernel stores e in x.dtype and m, and two
     more arrays are returned: K (rows_padded, keep_tiles * block_v) in x.dtype (tile j in
     columns [j block_v, (j + 1) block_v)) and M (keep_tiles, rows_padded) fp32. The tile
-    leaves through one SMEM buffer per warpgroup in pieces of ``dz_store_columns`` columns
-    (TMA stores, overlapped with the next tile's WGMMAs), as ``dz_call``'s dz.
+    leaves through one SMEM buffer per warpgroup in pieces of ``FwdConfig.keep_store``
+    columns (TMA stores, overlapped with the next tile's WGMMAs), as ``dz_call``'s dz.
     """
     n, h = x.shape
     vw = w.shape[w_axis(layout)]
@@ -343,7 +350,7 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     splits = pl.cdiv(num_vb_total, vb_per_split)
     n_pad = num_nb * block_rows
     keep_tiles = max(0, min(int(keep_tiles), num_vb_total))
-    store = dz_store_columns(cfg) if keep_tiles else 0
+    store = dz_store_columns(cfg, "keep_store") if keep_tiles else 0
     dtype = x.dtype
     extra = NUM_COMPUTE_WGS * block_n * (4 * n_out + 4)
     if keep_tiles:  # the kept tile's store buffer and the row vector's
@@ -626,25 +633,31 @@ def backward_chunk(n: int, vw: int, h: int, itemsize: int, budget, bv: int) -> i
     return cb * bv
 
 
-#: The kept columns' chunks (only when not every column is kept) take this share of the
-#: budget (their dz, W slice and dW chunk), at least KEPT_CHUNK_MIN columns (fewer, wider
-#: chunks: each costs launches and a W slice), the kept columns the rest.
-KEPT_CHUNK_SHARE = 16
+#: When not every column is kept, the backward's chunks (kept and recomputed alike: their
+#: dz, W slice and dW chunk) take this share of the budget, at least KEPT_CHUNK_MIN
+#: columns (fewer, wider chunks: each costs launches and a W slice); the kept columns the
+#: rest, beside the fp32 dx accumulator.
+CHUNK_SHARE = 8
 KEPT_CHUNK_MIN = 2048
 #: Below this share of the columns, keeping saves less than its chunks cost: recompute all.
 KEEP_MIN_SHARE = 0.25
 
 
-def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: FwdConfig) -> tuple[int, int]:
-    """(kept columns, kept chunk columns) of a backward that takes dz from what the forward
-    kept (``stats_partials``' keep_tiles): every column when they fit ``budget`` with the
-    row vectors (then the kept chunk is 0: dz in one piece, in the kept buffer's place
-    when its shape is the weight's: N a multiple of the row block, V of block_v; else one
-    dz more); else as many whole kept chunks as fit beside the fp32 dx accumulator (4 N H
-    bytes) and one kept chunk's temporaries (``chunk_columns``' terms), the remaining
-    columns recomputed; (0, 0) when that is less than ``KEEP_MIN_SHARE`` of them. Bytes counted:
+def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: FwdConfig) -> tuple[int, int, int]:
+    """(kept columns, kept chunk columns, recomputed chunk columns) of a backward that
+    takes dz from what the forward kept (``stats_partials``' keep_tiles).
+
+    Every column when they fit ``budget`` with the row vectors: (columns, 0, 0); dz is
+    then one piece over K's own buffer when K's shape is the weight's (N a multiple of the
+    row block, V of block_v), else one dz more is counted. Else chunks of C columns
+    (``CHUNK_SHARE`` of the budget, at least ``KEPT_CHUNK_MIN``) for both the kept and the
+    recomputed columns, and as many whole kept chunks as fit beside them and the fp32 dx
+    accumulator (4 N H bytes): XLA keeps a while loop's operands for the whole backward
+    (K lives until the last chunk), so everything is counted at once. (0, 0, 0) when
+    that keeps less than ``KEEP_MIN_SHARE`` of the columns. Bytes counted:
         K   rows_padded x block_v x itemsize + rows_padded x 4 (the tile maxima) per tile
         the row vectors (lse, coefficients, target, scales): 64 bytes per row
+        per chunk column: itemsize x (N + 2 H) (``chunk_columns``' dz, W slice, dW chunk)
     ``vw``: the weight's columns as the kernels see them (``hv_columns`` for (H, V))."""
     bv = cfg.block_v
     n8 = -(-n // 8) * 8
@@ -654,13 +667,13 @@ def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: 
     rows = 64 * n_pad
     copy = 0 if (n8 == n_pad and tiles * bv == vw) else n8 * vw * itemsize  # dz beside K
     if tiles * per_tile + rows + copy <= budget:
-        return tiles * bv, 0
+        return tiles * bv, 0, 0
     per_col = itemsize * (n8 + 2 * h)
-    kc = max(min(KEPT_CHUNK_MIN, vw) // bv, (budget // KEPT_CHUNK_SHARE) // per_col // bv, 1) * bv
+    kc = max(min(KEPT_CHUNK_MIN, vw) // bv, (budget // CHUNK_SHARE) // per_col // bv, 1) * bv
     avail = budget - rows - 4 * n8 * h - kc * per_col
     keep = max(0, avail) // per_tile * bv // kc * kc
     keep = min(keep, vw // kc * kc)
-    return (keep, kc) if keep and keep >= KEEP_MIN_SHARE * v else (0, 0)
+    return (keep, kc, kc) if keep and keep >= KEEP_MIN_SHARE * v else (0, 0, 0)
 
 
 def row_inputs(target, rows, n_pad):

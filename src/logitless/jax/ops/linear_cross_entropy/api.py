@@ -39,14 +39,16 @@ class _Config(NamedTuple):
     partition: bool = False  # jit on several devices: custom_partitioning per device
     argmax: bool = False  # return_stats: the statistics also give each token's argmax
     plan: Any = None  # the backend's Config for this call (None when partitioned: made per device)
+    slots: tuple = ()  # partitioned: the per-device residual slots (``sharded.kept_slots``)
 
     @property
     def manual(self) -> bool:
         return bool(self.token_axes or self.vocab_axes)
 
-    def static(self, has_bias: bool) -> sharded._Static:
+    def static(self, has_bias: bool, keep: bool = False) -> sharded._Static:
+        """The partitioned path's static arguments; ``keep``: with the residual slots."""
         return sharded._Static(self.backend, self.opts.softcap, self.opts.needs_smooth_sum, self.budget,
-                               self.weight_layout, has_bias, self.argmax)
+                               self.weight_layout, has_bias, self.argmax, self.slots if keep else ())
 
 
 def _total(a, cfg: _Config):
@@ -75,8 +77,10 @@ def _stats(x2d, w, bias, target, class_weight, cfg: _Config, keep: bool = False)
                                           need_smooth=opts.needs_smooth_sum, vocab_axes=cfg.vocab_axes,
                                           class_weight=class_weight, need_argmax=cfg.argmax, keep=keep)
     elif cfg.partition:
-        fn = sharded.forward_fn(cfg.static(bias is not None))
-        out = fn(*[a for a in (x2d, w, bias, target) if a is not None])
+        static = cfg.static(bias is not None, keep)
+        out = sharded.forward_fn(static)(*[a for a in (x2d, w, bias, target) if a is not None])
+        if static.slots:
+            out, kept = out[:-len(static.slots)], tuple(out[-len(static.slots):])
         if not opts.needs_smooth_sum:
             out = (out[0], out[1], None, *out[2:])
     else:
@@ -131,8 +135,8 @@ def _lce_bwd(cfg, res: LceResiduals, cotangents):
             backend, res._replace(x2d=sharded.to_varying(x2d, cfg.token_axes)), coef, cfg.plan,
             softcap=opts.softcap, vocab_axes=cfg.vocab_axes, token_axes=())
     elif cfg.partition:
-        fn = sharded.backward_fn(cfg.static(bias is not None))
-        out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None])
+        fn = sharded.backward_fn(cfg.static(bias is not None, keep=res.kept is not None))
+        out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None], *(res.kept or ()))
         dx, dw, db = out if len(out) == 3 else (*out, None)
     else:
         dx, dw, db = backend.backward(res, coef, cfg.plan, softcap=opts.softcap)
@@ -338,6 +342,10 @@ def linear_cross_entropy(
                                                 budget=budget, weight_layout=layout)
         cfg = _Config(opts, backend, budget, num_classes, layout, token_axes, vocab_axes, partition=partition,
                       argmax=bool(return_stats) and impl.argmax, plan=plan)
+        if partition and impl.keeps:  # what each device's forward may keep for its backward
+            cfg = cfg._replace(slots=sharded.kept_slots(cfg.static(bias is not None), tuple(x2d.shape),
+                                                        tuple(w.shape), jnp.dtype(x2d.dtype),
+                                                        sharded.mesh_devices()))
         loss, lse, *argmax = _lce(x2d, w, bias, flat_target, class_weight, cfg)
         argmax = argmax[0] if argmax else None
 

@@ -55,11 +55,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas.cross_entropy import dlogits_kept, merge_lse_splits
+from logitless.jax.formulas.cross_entropy import dlogits_kept, dlogits_of_scaled, kept_scale, merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.sharding import to_varying, varying
@@ -257,18 +258,53 @@ def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdC
                       interpret=_interpret_params(), layout=weight_layout)
 
 
-def _kept_dz(kept, target, lse, coef, *, v: int, block_v: int, n8: int, dtype):
-    """``chunked_backward``'s kept_dz: dz of kept columns [c0, c0 + width) from (K, M)
-    (``formulas.cross_entropy.dlogits_kept``), rows [0, n8), in ``dtype``; zero at
-    columns >= v and at padded rows (their coefficients are 0). Whole: in place of K."""
+#: Rows per program of the in-place dz kernel (``_dz_over_kept``).
+_DZ_ROWS = 64
+
+
+def _dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
+    """dz of every kept column written over K (``input_output_aliases``: no second
+    logits-sized buffer, whatever XLA's fusion heuristics would do): one Pallas (Triton)
+    program per ``_DZ_ROWS`` rows and tile, ``formulas.cross_entropy.dlogits_of_scaled``
+    of e times the tile's ``kept_scale``. All arrays padded to K's rows."""
+    import jax.experimental.pallas as pl
+    from jax.experimental.pallas import triton as pl_triton
+
+    n_pad, cols = k_buf.shape
+    scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
+    rows = (coef[1][:, None], coef[2][:, None], target[:, None].astype(jnp.int32))
+
+    def kernel(k_ref, s_ref, b_ref, c_ref, t_ref, o_ref):
+        idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
+        dz = dlogits_of_scaled(k_ref[...].astype(jnp.float32) * s_ref[...], b_ref[...], c_ref[...], t_ref[...],
+                               idx, v)
+        o_ref[...] = dz.astype(o_ref.dtype)
+
+    tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))
+    row = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, 0))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
+        in_specs=[tile, pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j)), row, row, row], out_specs=tile,
+        input_output_aliases={0: 0}, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=_interpret_params() is not None,
+    )(k_buf, scale, *rows)
+
+
+def _kept_dz(kept, target, lse, coef, *, v: int, vw: int, block_v: int, n8: int, dtype):
+    """``chunked_backward``'s kept_dz: dz of kept columns [c0, c0 + width) from (K, M),
+    rows [0, n8), in ``dtype``; zero at columns >= v and at padded rows (their
+    coefficients are 0). All of K when its shape is the weight's (``vw`` columns, ``n8``
+    rows): in place (``_dz_over_kept``); else ``formulas.cross_entropy.dlogits_kept``."""
     k_buf, tile_max = kept
     n_pad = k_buf.shape[0]
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n_pad - a.shape[-1])])
     target, lse, coef = pad(target), pad(lse), pad(coef)
 
     def dz(c0, width):
+        if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad:
+            return _dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v)
         tiles = -(-width // block_v)
-        if isinstance(c0, int):  # static: the whole of K (a no-op slice) or a part
+        if isinstance(c0, int):  # static: the whole of K or a part
             e = k_buf[:, c0:c0 + tiles * block_v]
             m = tile_max[c0 // block_v:c0 // block_v + tiles]
         else:  # inside K (the plan's kept chunks)
@@ -308,8 +344,10 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
 
     kept_kw = {}
     if kept is not None:
-        kept_kw = dict(kept_dz=_kept_dz(kept, target, lse, coef, v=v, block_v=cfg.block_v, n8=n8, dtype=x2d.dtype),
-                       kept_cols=min(kept[0].shape[1], wk.shape[ml.w_axis(weight_layout)]), kept_chunk=kept_chunk)
+        vw = wk.shape[ml.w_axis(weight_layout)]
+        kept_kw = dict(kept_dz=_kept_dz(kept, target, lse, coef, v=v, vw=vw, block_v=cfg.block_v, n8=n8,
+                                        dtype=x2d.dtype),
+                       kept_cols=min(kept[0].shape[1], vw), kept_chunk=kept_chunk)
     dx, dw = ml.chunked_backward(x8, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(softcap),
                                  interpret=_interpret_params(), vary=vary, layout=weight_layout, chunk=chunk,
                                  **kept_kw)
@@ -339,8 +377,9 @@ def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") ->
     tiles = _default_config(n, v, h)
     vw = v if weight_layout == "vh" else ml.hv_columns(v)  # the (H, V) weight's padded columns
     itemsize = jnp.dtype(dtype).itemsize
-    keep, kept_chunk = ml.keep_plan(n, v, vw, h, itemsize, budget, tiles)
-    chunk = ml.backward_chunk(n, vw - keep if keep < vw else vw, h, itemsize, budget, tiles.block_v)
+    keep, kept_chunk, chunk = ml.keep_plan(n, v, vw, h, itemsize, budget, tiles)
+    if not chunk:  # nothing kept (every chunk recomputed), or everything (the chunk serves a soft-cap's call)
+        chunk = ml.backward_chunk(n, vw, h, itemsize, budget, tiles.block_v)
     return MosaicGpuConfig(tiles, chunk, weight_layout, keep, kept_chunk)
 
 
