@@ -274,18 +274,20 @@ def test_backward_from_kept_matches_float64(n, h, v, layout, keep, kc, cfg):
 
 def test_keep_plan():
     """Every column kept when K, its tile maxima and the row vectors fit the budget;
-    else whole kept chunks beside the fp32 dx accumulator and one chunk's temporaries
+    else whole kept chunks beside the fp32 dx accumulator and two chunks' temporaries
     (all counted at once: K lives through the backward's loops), within the budget;
-    nothing when that keeps under a quarter of the columns."""
+    nothing when that keeps under a quarter of the columns; without the in-place dz
+    kernel a second logits-sized buffer is counted."""
     from logitless.jax import mosaic_lib as ml
 
     cfg = ml.FwdConfig()
     n, h, v = 4096, 4096, 128256
     k_bytes = 4096 * 128256 * 2 + 1002 * 4096 * 4 + 64 * 4096
     assert ml.keep_plan(n, v, v, h, 2, k_bytes, cfg) == (128256, 0, 0)
+    assert ml.keep_plan(n, v, v, h, 2, k_bytes, cfg, dz_in_place=False)[1] != 0
     keep, kc, chunk = ml.keep_plan(n, v, v, h, 2, k_bytes - 1, cfg)
     assert 0.25 * v < keep < v and kc == chunk and keep % kc == 0 and kc % 128 == 0 and kc >= ml.KEPT_CHUNK_MIN
-    used = keep // 128 * (4096 * 128 * 2 + 4096 * 4) + 64 * 4096 + 4 * n * h + kc * 2 * (n + 2 * h)
+    used = keep // 128 * (4096 * 128 * 2 + 4096 * 4) + 64 * 4096 + 4 * n * h + 2 * kc * 2 * (n + 2 * h)
     assert used <= k_bytes - 1
     assert ml.keep_plan(n, v, v, h, 2, 256 * 2**20, cfg) == (0, 0, 0)  # 13% of the columns: recompute all
     # N not a multiple of the 256-row block: dz cannot take K's place, one dz more counted.

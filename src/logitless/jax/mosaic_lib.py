@@ -643,18 +643,21 @@ KEPT_CHUNK_MIN = 2048
 KEEP_MIN_SHARE = 0.25
 
 
-def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: FwdConfig) -> tuple[int, int, int]:
+def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: FwdConfig,
+              dz_in_place: bool = True) -> tuple[int, int, int]:
     """(kept columns, kept chunk columns, recomputed chunk columns) of a backward that
     takes dz from what the forward kept (``stats_partials``' keep_tiles).
 
     Every column when they fit ``budget`` with the row vectors: (columns, 0, 0); dz is
     then one piece over K's own buffer when K's shape is the weight's (N a multiple of the
-    row block, V of block_v), else one dz more is counted. Else chunks of C columns
-    (``CHUNK_SHARE`` of the budget, at least ``KEPT_CHUNK_MIN``) for both the kept and the
-    recomputed columns, and as many whole kept chunks as fit beside them and the fp32 dx
-    accumulator (4 N H bytes): XLA keeps a while loop's operands for the whole backward
-    (K lives until the last chunk), so everything is counted at once. (0, 0, 0) when
-    that keeps less than ``KEEP_MIN_SHARE`` of the columns. Bytes counted:
+    row block, V of block_v) and ``dz_in_place`` (the op has a kernel that writes it over
+    K), else one dz more is counted. Else chunks of C columns (``CHUNK_SHARE`` of the
+    budget, at least ``KEPT_CHUNK_MIN``) for both the kept and the recomputed columns,
+    and as many whole kept chunks as fit beside two chunks' temporaries (XLA may hold the
+    next chunk's W slice while the last one's GEMMs run: measured 3% over with one) and
+    the fp32 dx accumulator (4 N H bytes): XLA keeps a while loop's operands for the whole
+    backward (K lives until the last chunk), so everything is counted at once. (0, 0, 0)
+    when that keeps less than ``KEEP_MIN_SHARE`` of the columns. Bytes counted:
         K   rows_padded x block_v x itemsize + rows_padded x 4 (the tile maxima) per tile
         the row vectors (lse, coefficients, target, scales): 64 bytes per row
         per chunk column: itemsize x (N + 2 H) (``chunk_columns``' dz, W slice, dW chunk)
@@ -665,12 +668,12 @@ def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: 
     tiles = pl.cdiv(v, bv)
     per_tile = n_pad * bv * itemsize + n_pad * 4
     rows = 64 * n_pad
-    copy = 0 if (n8 == n_pad and tiles * bv == vw) else n8 * vw * itemsize  # dz beside K
+    copy = 0 if (dz_in_place and n8 == n_pad and tiles * bv == vw) else n8 * vw * itemsize  # dz beside K
     if tiles * per_tile + rows + copy <= budget:
         return tiles * bv, 0, 0
     per_col = itemsize * (n8 + 2 * h)
     kc = max(min(KEPT_CHUNK_MIN, vw) // bv, (budget // CHUNK_SHARE) // per_col // bv, 1) * bv
-    avail = budget - rows - 4 * n8 * h - kc * per_col
+    avail = budget - rows - 4 * n8 * h - 2 * kc * per_col
     keep = max(0, avail) // per_tile * bv // kc * kc
     keep = min(keep, vw // kc * kc)
     return (keep, kc, kc) if keep and keep >= KEEP_MIN_SHARE * v else (0, 0, 0)

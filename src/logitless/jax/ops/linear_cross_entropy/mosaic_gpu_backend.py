@@ -52,6 +52,7 @@ The ring, the main loop and both kernel shapes live in ``logitless.jax.mosaic_li
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -262,13 +263,33 @@ def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdC
 _DZ_ROWS = 64
 
 
+@functools.cache
+def _pallas_triton():
+    """jax's Pallas Triton backend (``jax.experimental.pallas.triton``), or None where this
+    jax has none (jax deprecates it: the dz is then an XLA fusion, which may not reuse K's
+    buffer, and the plan counts a second logits-sized buffer)."""
+    try:
+        from jax.experimental.pallas import triton as pl_triton
+    except ImportError:
+        return None
+    return pl_triton
+
+
+def dz_in_place() -> bool:
+    """Whether the backward writes the kept columns' dz over K (``_dz_over_kept``)."""
+    return _pallas_triton() is not None
+
+
 def _dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
     """dz of every kept column written over K (``input_output_aliases``: no second
-    logits-sized buffer, whatever XLA's fusion heuristics would do): one Pallas (Triton)
-    program per ``_DZ_ROWS`` rows and tile, ``formulas.cross_entropy.dlogits_of_scaled``
-    of e times the tile's ``kept_scale``. All arrays padded to K's rows."""
+    logits-sized buffer, whatever XLA's fusion heuristics would do: at gpt-oss-120b's
+    shape XLA's own fusion wrote a new one): one Pallas (Triton) program per ``_DZ_ROWS``
+    rows and tile, ``formulas.cross_entropy.dlogits_of_scaled`` of e times the tile's
+    ``kept_scale``. All arrays padded to K's rows. (Mosaic GPU's pallas_call, the
+    supported path, has no interpreter for windowed blocks to test it on a CPU.)"""
     import jax.experimental.pallas as pl
-    from jax.experimental.pallas import triton as pl_triton
+
+    pl_triton = _pallas_triton()
 
     n_pad, cols = k_buf.shape
     scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
@@ -301,7 +322,7 @@ def _kept_dz(kept, target, lse, coef, *, v: int, vw: int, block_v: int, n8: int,
     target, lse, coef = pad(target), pad(lse), pad(coef)
 
     def dz(c0, width):
-        if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad:
+        if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad and dz_in_place():
             return _dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v)
         tiles = -(-width // block_v)
         if isinstance(c0, int):  # static: the whole of K or a part
@@ -377,7 +398,7 @@ def plan_config(x2d_shape, w_shape, dtype, budget, weight_layout: str = "vh") ->
     tiles = _default_config(n, v, h)
     vw = v if weight_layout == "vh" else ml.hv_columns(v)  # the (H, V) weight's padded columns
     itemsize = jnp.dtype(dtype).itemsize
-    keep, kept_chunk, chunk = ml.keep_plan(n, v, vw, h, itemsize, budget, tiles)
+    keep, kept_chunk, chunk = ml.keep_plan(n, v, vw, h, itemsize, budget, tiles, dz_in_place())
     if not chunk:  # nothing kept (every chunk recomputed), or everything (the chunk serves a soft-cap's call)
         chunk = ml.backward_chunk(n, vw, h, itemsize, budget, tiles.block_v)
     return MosaicGpuConfig(tiles, chunk, weight_layout, keep, kept_chunk)
