@@ -100,6 +100,8 @@ def build_parser():
     p.add_argument("--warmup", type=int)
     p.add_argument("--reps", type=int)
     p.add_argument("--no-errors", action="store_true", help="skip the float64 reference")
+    p.add_argument("--memory-budget", type=int,
+                   help="memory_budget= of the logitless methods in bytes (default: None, the device's default)")
     p.add_argument("--profile", action="store_true",
                    help="per row also the fwd+bwd's kernels from a device profile (GPU ms per step by name)")
     p.add_argument("--max-minutes", type=float,
@@ -121,8 +123,9 @@ def _tokamax():
     return tk
 
 
-def _loss_fns(method):
-    """(mean loss fn(x, w_vh, w_hv, t), per-token loss fn) of a method, or Skip."""
+def _loss_fns(method, budget=None):
+    """(mean loss fn(x, w_vh, w_hv, t), per-token loss fn) of a method, or Skip;
+    ``budget``: the logitless methods' memory_budget."""
     import jax
     import jax.numpy as jnp
 
@@ -146,12 +149,12 @@ def _loss_fns(method):
             from logitless.jax.ops.common.choice import is_sm90
             if not is_sm90():
                 raise Skip("mosaic_gpu needs an SM90 GPU")
+        kw = dict(implementation=impl, memory_budget=budget)
         if hv:  # the flax (H, V) kernel, read in place
-            return (lambda x, w, wt, t: linear_cross_entropy(x, wt, t, weight_layout="hv", implementation=impl),
-                    lambda x, w, wt, t: linear_cross_entropy(x, wt, t, reduction="none", weight_layout="hv",
-                                                             implementation=impl))
-        return (lambda x, w, wt, t: linear_cross_entropy(x, w, t, implementation=impl),
-                lambda x, w, wt, t: linear_cross_entropy(x, w, t, reduction="none", implementation=impl))
+            return (lambda x, w, wt, t: linear_cross_entropy(x, wt, t, weight_layout="hv", **kw),
+                    lambda x, w, wt, t: linear_cross_entropy(x, wt, t, reduction="none", weight_layout="hv", **kw))
+        return (lambda x, w, wt, t: linear_cross_entropy(x, w, t, **kw),
+                lambda x, w, wt, t: linear_cross_entropy(x, w, t, reduction="none", **kw))
     if method == "xla-logits":
         def per_tok(x, w, wt, t):
             logits = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
@@ -258,6 +261,9 @@ def markdown(data) -> str:
              "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
              "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs "
              "float64; max tok err: largest per-token loss error vs float64.", ""]
+    if data["settings"].get("memory_budget"):
+        lines += [f"logitless rows: memory_budget={data['settings']['memory_budget']} bytes (not the device's "
+                  "default).", ""]
     if data["meta"].get("baseline_code"):
         lines += ["xla-logits-bf16 (-hv), under `jax.jit(jax.value_and_grad(...))`:", "", "```python",
                   data["meta"]["baseline_code"].rstrip(), "```", ""]
@@ -325,7 +331,7 @@ def _device_tag(cpu: bool, meta) -> str:
     return (meta["device"].replace("NVIDIA ", "").split() or ["gpu"])[0]
 
 
-def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False):
+def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None):
     """Measures one method on one shape into ``row``; returns (wt, gemm_ms)."""
     import jax
     import jax.numpy as jnp
@@ -339,7 +345,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         row["fwd/1 GEMM"] = 1.0
         row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / gemm_ms / 1e9:.3g} TFLOP/s"
         return wt, gemm_ms
-    mean_fn, tok_fn = _loss_fns(m)  # Skip (before the (H, V) copy is made)
+    mean_fn, tok_fn = _loss_fns(m, budget)  # Skip (before the (H, V) copy is made)
     hv = m.startswith("tokamax") or m.endswith("-hv")
     if hv and wt is None:
         wt = jnp.asarray(w.T)  # (H, V), as a flax kernel / tokamax's weights: made once per shape
@@ -435,7 +441,7 @@ def run(argv=None) -> int:
     meta = environment(argv)
     meta["tag"] = _device_tag(cpu, meta)
     data = {"suite": "jax", "meta": meta,
-            "settings": {"warmup": warmup, "reps": reps, "seed": args.seed,
+            "settings": {"warmup": warmup, "reps": reps, "seed": args.seed, "memory_budget": args.memory_budget,
                          "max_minutes": args.max_minutes, "method_seconds": args.method_seconds},
             "rows": [], "notes": [], "complete": False}
     if cpu:
@@ -479,7 +485,8 @@ def run(argv=None) -> int:
                     continue
                 t0 = time.monotonic()
                 try:
-                    wt, gemm_ms = _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, args.profile)
+                    wt, gemm_ms = _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, args.profile,
+                                              args.memory_budget)
                 except Skip as exc:
                     row["note"] = f"skipped: {exc}"
                 except Exception as exc:  # one failing method must not kill the rest
