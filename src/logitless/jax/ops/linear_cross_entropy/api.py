@@ -221,7 +221,9 @@ def linear_cross_entropy(
             memory. It sizes the chunks of the "xla" backend: one tile of logits of at
             most about budget / 16 elements, plus an fp32 dx accumulator (4 x tokens x H
             bytes) and one fp32 dW chunk; when even the smallest tile does not fit, the
-            smallest is used. Never a tokens x vocab array.
+            smallest is used. "mosaic_gpu" under ``jax.grad`` keeps exp(z - m) of as many
+            columns as it holds (all: a 16-bit tokens x vocab array, when it fits; the
+            backward is then two GEMMs), recomputing the rest.
         implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
             and the case is supported; else "triton" on any NVIDIA GPU when the
             optional jax-triton package is installed; "mosaic_tpu" on a TPU; else

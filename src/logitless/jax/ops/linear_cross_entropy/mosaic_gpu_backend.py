@@ -18,7 +18,17 @@ Forward (``forward``): one kernel, a GEMM whose epilogue never leaves the chip.
     O(N x splits) floats, merged in JAX (logsumexp over splits, sums).
     Memory traffic: that of one GEMM (x and W tiles, from L2 mostly), no logits.
 
-Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
+Kept (``forward_keeping``, the api's forward under ``jax.grad``: ``keep=True``): for the
+    first ``MosaicGpuConfig.keep`` columns (``mosaic_lib.keep_plan``: all of them when the
+    budget holds them) the same pass also stores K = exp(z - m) in the input dtype, m the
+    running maximum after each tile (also stored, M (tiles, N) fp32), since the fold
+    computes exp(z - m) anyway. Then dz_c = e_c A exp(m - lse) - B [c == t] - C
+    (``formulas.cross_entropy.dlogits_kept``): every column kept, ``_dz_over_kept`` writes
+    it over K and dx, dW are two GEMMs on the whole W ("3 GEMMs"); part kept, those
+    chunks' dz come from K, the others' from the recomputation below. Not with a soft-cap
+    (its derivative needs z: recomputed).
+
+Backward (``backward``): "4 GEMMs" where nothing is kept. For each vocab chunk [c0, c0 + C) the kernel
     ``mosaic_lib.dz_call`` (``FwdConfig.dz_tiles`` consecutive column tiles per CTA,
     the chunk offset a kernel input) recomputes the (N, C) logits tile by tile (same
     WGMMA main loop) and
