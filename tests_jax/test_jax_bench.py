@@ -125,3 +125,19 @@ def test_trace_tables_sum_device_stream_kernels_per_step():
     assert t["stream"] == [{"name": "gemm", "calls": 1.0, "ms": 0.4}, {"name": "memcpy128", "calls": 0.5, "ms": 0.02}]
     assert t["other"] == [{"name": "jit_fb", "calls": 0.5, "ms": 1.0}]
     assert t["threads"] == ["Stream #14(Compute,Memset)", "XLA Modules"]
+
+
+def test_trace_timeline_finds_the_gaps():
+    """One call's timeline: span from the first kernel's start to the last one's end on the
+    device's streams, the kernels' time, and the idle gaps between them, longest first."""
+    from logitless_bench.jax_timing import trace_timeline
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Modules"}}]
+    x = lambda tid, name, ts, dur: {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": ts, "dur": dur}
+    events = meta + [x(7, "fwd", 0.0, 1000.0), x(7, "dz", 1500.0, 200.0), x(7, "gemm", 1700.0, 800.0),
+                     x(8, "jit_fb", 0.0, 3000.0)]
+    t = trace_timeline(events)
+    assert t["span ms"] == 2.5 and t["busy ms"] == 2.0
+    assert t["gaps"] == [{"ms": 0.5, "after": "fwd", "before": "dz"}]

@@ -12,6 +12,8 @@ mesh where 8 devices are not there).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -305,14 +307,16 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
     x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(DATA)))
     w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(MODEL)))
     t = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
-    f = lambda x, w, t: linear_cross_entropy(x, w, t, implementation="mosaic_gpu")
-    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    assert len(calls) == 2, calls  # the forward kernel and the dz kernel
-    for line in calls:
-        assert f"tensor<16x{h}xbf16>" in line and f"tensor<256x{h}xbf16>" in line, line[-300:]
-        assert nd == 1 or f"tensor<{n}x{h}xbf16>" not in line
-        assert f"tensor<{v}x{h}xbf16>" not in line
+    for budget, kernels in ((None, 1), (1, 2)):  # exp(z - m) kept: no dz kernel; none kept: recomputed
+        f = lambda x, w, t: linear_cross_entropy(x, w, t, implementation="mosaic_gpu", memory_budget=budget)
+        text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(x, w, t).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+        assert len(calls) == kernels, calls  # the forward kernel (and the dz kernel)
+        for line in calls:
+            assert f"tensor<16x{h}xbf16>" in line and f"tensor<256x{h}xbf16>" in line, line[-300:]
+            assert nd == 1 or f"tensor<{n}x{h}xbf16>" not in line
+            assert f"tensor<{v}x{h}xbf16>" not in line
 
 
 @pytest.mark.skipif(not (_is_sm90() and NDEV >= 2), reason="needs >= 2 SM90 GPUs (the Mosaic kernels for real)")
@@ -457,3 +461,74 @@ def test_shard_map_token_split_replicated_bias(implementation):
     assert_close_to_ref("loss", loss, None, rloss, "float32")
     for name, g, rg in zip(("dx", "dw", "db"), grads, rgrads):
         assert_close_to_ref(name, g, None, rg, "float32")
+
+
+class _KeepingXla:
+    """A test backend that keeps something for its backward: the "xla" backend whose
+    forward (keep=True) keeps the local fp32 logits z, and whose backward takes dz from
+    exactly that array (so a device given another device's block, or none, fails)."""
+
+    name = "keeping"
+    keeps = True
+    seen: list = []  # per traced backward: (x rows, W rows, whether it found what its forward kept)
+
+    def __init__(self):
+        from logitless.jax.ops.linear_cross_entropy.backends import BACKENDS
+
+        self.xla = BACKENDS["xla"]
+        self.native_hv, self.class_weights, self.argmax = False, False, False
+
+    def unsupported(self, *a, **k):
+        return self.xla.unsupported(*a, **k)
+
+    def can_partition(self):
+        return True
+
+    def plan(self, *a, **k):
+        return self.xla.plan(*a, **k)
+
+    def forward(self, x2d, w, bias, target, config, *, softcap, need_smooth, class_weight=None, need_argmax=False,
+                keep=False):
+        st = self.xla.forward(x2d, w, bias, target, config, softcap=softcap, need_smooth=need_smooth)
+        return st._replace(kept=(jnp.dot(x2d, w.T, preferred_element_type=jnp.float32),)) if keep else st
+
+    def backward(self, res, coef, config, *, softcap):
+        from logitless.jax.formulas.cross_entropy import dlogits
+        from logitless.jax.ops.linear_cross_entropy.contract import LceGrads
+
+        _KeepingXla.seen.append((res.x2d.shape[0], res.w.shape[0], res.kept is not None))
+        if res.kept is None:
+            return self.xla.backward(res, coef, config, softcap=softcap)
+        dz = dlogits(res.kept[0], res.lse, coef, res.target, 0, None)
+        return LceGrads((dz @ res.w).astype(res.x2d.dtype), (dz.T @ res.x2d).astype(res.w.dtype), None)
+
+
+@needs_devices
+@pytest.mark.parametrize("layout", ["data", "tensor", "2d", "tokens_2axes", "fsdp"])
+def test_partitioned_backward_gets_what_its_forward_kept(layout, monkeypatch):
+    """Auto mesh (custom_partitioning): a backend's kept arrays travel from each device's
+    forward to its backward as that device's block of the residual slots (tokens and
+    vocabulary split over every device: kept; a split over fewer devices: unused slots,
+    the backward recomputes); gradients exact either way."""
+    from logitless.jax.ops.linear_cross_entropy import backends
+
+    monkeypatch.setitem(backends.BACKENDS.classes, "keeping", "_KeepingXla")  # (the instance below serves)
+    monkeypatch.setitem(backends.BACKENDS, "keeping", _KeepingXla())
+    _KeepingXla.seen.clear()
+    mesh = make_mesh("auto", layout)
+    ref_args, args = _sharded_inputs(mesh, layout, 64, 24, 512, "float32", False, seed=3)
+    kw = dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3)
+    axes = lambda spec: () if not len(spec) or spec[0] is None else (
+        (spec[0],) if isinstance(spec[0], str) else tuple(spec[0]))
+    tok = axes(LAYOUTS[layout][0])
+    voc = tuple(a for a in axes(LAYOUTS[layout][1]) if a not in tok)
+    every = int(np.prod([mesh.shape[a] for a in tok + voc])) == mesh.size
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, (loss, grads) = _loss_and_grads(args, dict(kw, implementation="keeping"))
+    _check(loss, grads, ref_args, kw, "float32")
+    # Slots that a split over fewer devices leaves unused are said (memory beside the budget).
+    assert any("go unused" in str(w.message) for w in caught) == (not every)
+    # The per-device traces (the global-shape one is jax's abstract evaluation).
+    per_device = [kept for n, v, kept in _KeepingXla.seen if (n, v) != (64, 512)]
+    assert per_device and all(k == every for k in per_device), (_KeepingXla.seen, mesh.shape)

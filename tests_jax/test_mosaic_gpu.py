@@ -213,6 +213,92 @@ def test_backward_matches_float64(n, h, v, softcap, budget, cfg):
     assert np.all(np.asarray(dx[5].astype(jnp.float32)) == 0.0)
 
 
+# (n, h, v, layout, keep tiles, kept chunk tiles): every column kept (dz in one piece: V
+# or N ragged against the tiles, or over K itself), a prefix kept in chunks and the rest
+# recomputed.
+KEPT_CASES = [
+    (77, 128, 328, "vh", None, 0),
+    (130, 64, 600, "hv", None, 0),
+    (128, 64, 512, "vh", None, 0),  # K has the weight's shape: dz written over it (Pallas kernel)
+    (256, 128, 384, "hv", None, 0),
+    (130, 128, 600, "vh", 4, 2),
+    (64, 64, 520, "hv", 2, 1),
+]
+
+
+@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, lag=1, keep_store=None, dz_store=32)],
+                         ids=["keep32", "keepwhole_lag1"])
+@pytest.mark.parametrize("n,h,v,layout,keep,kc", KEPT_CASES)
+def test_backward_from_kept_matches_float64(n, h, v, layout, keep, kc, cfg):
+    """The forward keeps exp(z - m) of the first columns (``forward_keeping``), the
+    backward takes their dz from it (``formulas.cross_entropy.dlogits_kept``) and
+    recomputes the others: the same error as any bf16 backward, an ignored token's row 0."""
+    x, w, t = _inputs(n, h, v, seed=n + v)
+    wl = w if layout == "vh" else w.T
+    bv = cfg.block_v
+    keep_cols = v if keep is None else keep * bv
+    lse, tl, ss, kept = jax.jit(lambda x, w, t: mg.forward_keeping(
+        x, w, None, t, need_smooth=True, config=cfg, weight_layout=layout, keep_cols=keep_cols))(x, wl, t)
+    k_buf, tile_max = kept
+    tiles = -(-keep_cols // bv)
+    n_pad = -(-n // (2 * cfg.block_n)) * 2 * cfg.block_n
+    assert k_buf.shape == (n_pad, tiles * bv) and k_buf.dtype == x.dtype and tile_max.shape == (tiles, n_pad)
+    z = _ref_logits(x, w, None)
+    ref_lse = _ref_lse(z)
+    assert _err(lse, ref_lse) < 2e-5
+    # K = exp(z - m) with m the running maximum after the tile: in [0, 1], m <= lse.
+    e = np.asarray(k_buf[:n].astype(jnp.float32), np.float64)
+    m = np.repeat(np.asarray(tile_max[:, :n], np.float64).T, bv, axis=1)[:, :min(tiles * bv, v)]
+    cols = m.shape[1]
+    assert np.all(e >= 0) and np.all(e <= 1) and np.all(m <= ref_lse[:, None] + 1e-5)
+    assert np.abs(e[:, :cols] - np.exp(z[:, :cols] - m)).max() <= 2.0 ** -8
+    assert np.all(e[:, cols:] == 0)  # columns >= V
+    rng = np.random.default_rng(2)
+    coef = rng.standard_normal((3, n))
+    coef[:, 5] = 0.0  # an ignored token: zero row
+    coef = jnp.asarray(coef, jnp.float32)
+    lse32 = jnp.asarray(ref_lse, jnp.float32)
+    dx, dw, _ = jax.jit(lambda x, w, t, lse_, c, kept: mg.backward(
+        x, w, None, t, lse_, c, config=cfg, weight_layout=layout, chunk=2 * bv, kept=kept, kept_chunk=kc * bv))(
+        x, wl, t, lse32, coef, kept)
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == wl.shape and dw.dtype == w.dtype
+    dz = _ref_dz(z, ref_lse, coef, t, None)
+    dx_ref = dz @ np.asarray(w, np.float64)
+    dw_ref = dz.T @ np.asarray(x, np.float64)
+    bx, bw = _same_dtype_baseline(x, w, t, lse32, coef, None)
+    dw = dw if layout == "vh" else dw.T
+    for name, ours, base, ref in (("dx", dx, bx, dx_ref), ("dw", dw, bw, dw_ref)):
+        e_, eb = _err(ours, ref), _err(base, ref)
+        assert e_ <= eb + 2e-3 * np.abs(ref).max(), f"{name}: {e_:.3g} vs same-dtype XLA {eb:.3g}"
+    assert np.all(np.asarray(dx[5].astype(jnp.float32)) == 0.0)
+
+
+def test_keep_plan():
+    """Every column kept when K, its tile maxima and the row vectors fit the budget;
+    else whole kept chunks beside the fp32 dx accumulator and two chunks' temporaries
+    (all counted at once: K lives through the backward's loops), within the budget;
+    nothing when that keeps under a quarter of the columns; without the in-place dz
+    kernel a second logits-sized buffer is counted."""
+    from logitless.jax import mosaic_lib as ml
+
+    cfg = ml.FwdConfig()
+    n, h, v = 4096, 4096, 128256
+    k_bytes = 4096 * 128256 * 2 + 1002 * 4096 * 4 + 64 * 4096
+    assert ml.keep_plan(n, v, v, h, 2, k_bytes, cfg) == (128256, 0, 0)
+    assert ml.keep_plan(n, v, v, h, 2, k_bytes, cfg, dz_in_place=False)[1] != 0
+    keep, kc, chunk = ml.keep_plan(n, v, v, h, 2, k_bytes - 1, cfg)
+    assert 0.25 * v < keep < v and kc == chunk and keep % kc == 0 and kc % 128 == 0 and kc >= ml.KEPT_CHUNK_MIN
+    used = keep // 128 * (4096 * 128 * 2 + 4096 * 4) + 64 * 4096 + 4 * n * h + 2 * kc * 2 * (n + 2 * h)
+    assert used <= k_bytes - 1
+    assert ml.keep_plan(n, v, v, h, 2, 256 * 2**20, cfg) == (0, 0, 0)  # 13% of the columns: recompute all
+    # N not a multiple of the 256-row block: dz cannot take K's place, one dz more counted.
+    assert ml.keep_plan(4000, v, v, h, 2, k_bytes, cfg)[1] != 0
+    # The backend's plan: deepseek-v3 on an H100 (1.8 GiB) keeps part, llama all.
+    plan = mg.MosaicGpuBackend().plan((8192, 7168), (128256, 7168), jnp.bfloat16, budget=1824 * 2**20)
+    assert 0.5 * 128256 < plan.keep < 128256 and plan.keep % plan.kept_chunk == 0 and plan.chunk == plan.kept_chunk
+    assert mg.MosaicGpuBackend().plan((n, h), (v, h), jnp.bfloat16, budget=1824 * 2**20, weight_layout="hv").keep == v
+
+
 def test_dz_tiles_per_cta():
     """Fewest waves x tiles per CTA; one wave of whole row blocks at the tokamax shapes."""
     from logitless.jax import mosaic_lib as ml
@@ -283,6 +369,20 @@ def test_lowers_for_cuda(shape, cfg, monkeypatch):
                                                         budget=None, config=cfg))
         text = bwd.trace(x, w, t, lse, coef).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    # The forward that keeps exp(z - m) (all columns, and a prefix), and fwd+bwd through it.
+    for keep in (v, v // 3):
+        fwd = jax.jit(lambda x, w, t: mg.forward_keeping(x, w, None, t, need_smooth=True, config=cfg,
+                                                         keep_cols=keep))
+        assert "mosaic_gpu" in fwd.trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
+    plan = mg.MosaicGpuConfig(cfg, 4096, "vh", keep=v // 3 // 512 * 512, kept_chunk=512)
+    backend = mg.MosaicGpuBackend()
+
+    def fb(x, w, t):
+        st = backend.forward(x, w, None, t, plan, softcap=None, need_smooth=False, keep=True)
+        res = mg.LceResiduals(x, w, None, t, None, st.lse, st.kept)
+        return backend.backward(res, jnp.ones((3, x.shape[0]), jnp.float32), plan, softcap=None)[:2]
+
+    assert "mosaic_gpu" in jax.jit(fb).trace(x, w, t).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_public_op_lowers_for_cuda_without_large_constants(monkeypatch):
@@ -331,3 +431,34 @@ def test_through_public_api_matches_xla_backend(softcap):
         assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
     assert np.all(np.asarray(gx_m[3].astype(jnp.float32)) == 0.0)
     del api
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_public_api_keeps_part_under_a_small_budget(layout, monkeypatch):
+    """A budget that holds part of exp(z - m): those columns' dz from the kept buffer,
+    the others recomputed; loss and gradients as the "xla" backend's, and a call
+    without gradients keeps nothing (its value is the same)."""
+    from logitless.jax import linear_cross_entropy
+    from logitless.jax import mosaic_lib as ml
+
+    monkeypatch.setattr(ml, "KEPT_CHUNK_MIN", 128)  # one-tile kept chunks at this small V
+    n, h, v, budget = 256, 64, 1600, 600_000
+    plan = mg.MosaicGpuBackend().plan((n, h), (v, h), jnp.bfloat16, budget=budget, weight_layout=layout)
+    assert 0 < plan.keep < v and plan.keep % plan.kept_chunk == 0
+    x, w, t = _inputs(n, h, v, seed=12)
+    t = t.at[7].set(-100)
+    wl = w if layout == "vh" else w.T
+
+    def loss(impl):
+        f = lambda x, w: linear_cross_entropy(x, w, t, z_loss=1e-3, label_smoothing=0.05, weight_layout=layout,
+                                              memory_budget=budget, implementation=impl)
+        return jax.jit(f)(x, wl), jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, wl)
+
+    (l0, (l_m, (gx_m, gw_m))), (_, (l_x, (gx_x, gw_x))) = loss("mosaic_gpu"), loss("xla")
+    assert float(l0) == float(l_m)
+    assert abs(float(l_m) - float(l_x)) < 1e-5 * max(1.0, abs(float(l_x)))
+    for a, b in ((gx_m, gx_x), (gw_m, gw_x)):
+        a = np.asarray(a.astype(jnp.float32))
+        b = np.asarray(b.astype(jnp.float32))
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+    assert np.all(np.asarray(gx_m[7].astype(jnp.float32)) == 0.0)

@@ -23,21 +23,32 @@ COLUMNS = ("shape", "layout", "gemm ms", "fwd ms", "f+b old ms", "f+b new ms", "
            "f+b old/3 GEMMs", "f+b new/3 GEMMs", "fwd temp MiB", "f+b temp MiB old", "f+b temp MiB new", "bitwise")
 
 
-def _fb(mg, cfg, layout):
+def _fb(mg, cfg, layout, keep=False):
+    """fwd+bwd of the backend's functions under ``cfg``; ``keep``: the forward keeps
+    exp(z - m) of the columns the default budget's plan keeps (``forward_keeping``) and
+    the backward takes their dz from it."""
     import jax.numpy as jnp
 
     def fb(x, w, t):
-        lse, tl, _ = mg.forward(x, w, None, t, weight_layout=layout)
+        plan = None
+        if keep:
+            from logitless.jax.budget import default_memory_budget
+
+            v = w.shape[0] if layout == "vh" else w.shape[1]
+            plan = mg.plan_config(x.shape, (v, x.shape[1]), x.dtype, default_memory_budget(), layout)
+        lse, tl, _, kept = mg.forward_keeping(x, w, None, t, config=cfg, weight_layout=layout,
+                                              keep_cols=plan.keep if plan else 0)
         n = x.shape[0]
         g = jnp.full((n,), 1.0 / n, jnp.float32)
         coef = jnp.stack([g, g, jnp.zeros_like(g)])  # mean cross-entropy: dz = (p - onehot) / N
-        dx, dw, _ = mg.backward(x, w, None, t, lse, coef, config=cfg, weight_layout=layout)
+        dx, dw, _ = mg.backward(x, w, None, t, lse, coef, config=cfg, weight_layout=layout, kept=kept,
+                                chunk=plan.chunk if plan else None, kept_chunk=plan.kept_chunk if plan else 0)
         return jnp.mean(lse - tl), dx, dw
 
     return fb
 
 
-def _profile(mg, x, w, t, reps, cfg):
+def _profile(mg, x, w, t, reps, cfg, keep=False):
     """In place: the fwd+bwd's ms, compile s, temporaries and device profile (kernels
     by name, per call: ``jax_timing.device_profile``)."""
     import time
@@ -47,7 +58,7 @@ def _profile(mg, x, w, t, reps, cfg):
     from .jax_timing import device_profile, median_ms
 
     t0 = time.perf_counter()
-    f = jax.jit(_fb(mg, cfg, "vh")).lower(x, w, t).compile()
+    f = jax.jit(_fb(mg, cfg, "vh", keep)).lower(x, w, t).compile()
     compile_s = time.perf_counter() - t0
     ms = [median_ms(f, (x, w, t), 2, reps) for _ in range(2)]
     prof = device_profile(f, (x, w, t))
@@ -68,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--old", default="", help="FwdConfig fields of OLD, k=v comma-separated")
     p.add_argument("--new", default="dz_store=32", help="FwdConfig fields of NEW, k=v comma-separated")
+    p.add_argument("--keep", action="store_true",
+                   help="the forward keeps exp(z - m) where the default budget's plan does (forward_keeping)")
     p.add_argument("--profile", action="store_true",
                    help="per shape only the fwd+bwd with NEW's config: ms, compile s and its kernels (device profile)")
     p.add_argument("--out", default="benchmarks/results")
@@ -93,7 +106,7 @@ def main(argv=None) -> int:
         t = jax.random.randint(kt, (s.tokens,), 0, s.vocab, jnp.int32)
         gemm = median_ms(jax.jit(lambda x, w: jnp.dot(x, w.T)), (x, w), 2, args.reps)
         if args.profile:
-            prof = {"shape": s.label, "gemm ms": gemm, **_profile(mg, x, w, t, args.reps, new_cfg)}
+            prof = {"shape": s.label, "gemm ms": gemm, **_profile(mg, x, w, t, args.reps, new_cfg, args.keep)}
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"jax-bwd-profile-{s.name}.json"), "w") as f:
                 json.dump(prof, f, indent=1)
@@ -102,7 +115,7 @@ def main(argv=None) -> int:
             wl = w if layout == "vh" else w.T.copy()
             fwd_c = jax.jit(lambda x, w, t: mg.forward(x, w, None, t, weight_layout=layout)).lower(x, wl, t).compile()
             fwd = median_ms(fwd_c, (x, wl, t), 2, args.reps)
-            fns = {k: jax.jit(_fb(mg, cfg, layout)).lower(x, wl, t).compile()
+            fns = {k: jax.jit(_fb(mg, cfg, layout, args.keep)).lower(x, wl, t).compile()
                    for k, cfg in (("old", old_cfg), ("new", new_cfg))}
             mib = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
             outs = {k: jax.block_until_ready(f(x, wl, t)) for k, f in fns.items()}

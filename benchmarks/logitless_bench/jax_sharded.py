@@ -12,6 +12,9 @@ Modes (mesh over all local devices, axes ("data", "model"), Auto axis types unle
              collectives column shows whether each backend's dW is)
 Methods:
     xla-logits        fp32 logits materialised, log_softmax, mean (what XLA does alone)
+    xla-logits-bf16   bf16 logits ``x @ w.T``, f32 log-sum-exp minus the label's logit (what
+                      MaxText and most JAX code do; ``jax_timing.bf16_logits_loss``, its code
+                      in the result files), sharded the same way
     logitless-xla     logitless.jax.linear_cross_entropy(implementation="xla")
     logitless-mosaic  implementation="mosaic_gpu" (SM90 GPUs)
     logitless         implementation=None (the automatic choice)
@@ -49,7 +52,8 @@ from .jax_timing import median_ms as _median_ms
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 MODES = ("data", "tensor", "2d", "fsdp")
-METHODS = ("xla-logits", "logitless-xla", "logitless-mosaic", "logitless", "logp-xla-logits", "logp-xla", "logp")
+METHODS = ("xla-logits", "xla-logits-bf16", "logitless-xla", "logitless-mosaic", "logitless", "logp-xla-logits",
+           "logp-xla", "logp")
 #: Methods of the log-prob rows (their own reference loss and one-device baseline).
 LOGP_METHODS = ("logp-xla-logits", "logp-xla", "logp")
 LOGP_TEMPERATURE = 0.7
@@ -112,7 +116,10 @@ def _fmt_coll(c: dict) -> str:
 def environment(argv):
     import jax
 
-    return {**jax_environment(argv), "devices": len(jax.devices()), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    from .jax_timing import baseline_source
+
+    return {**jax_environment(argv), "devices": len(jax.devices()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "baseline_code": baseline_source()}
 
 
 def _loss_fn(method):
@@ -127,6 +134,10 @@ def _loss_fn(method):
             lp = jax.nn.log_softmax(z, axis=-1)
             return -jnp.mean(jnp.take_along_axis(lp, t[:, None], axis=-1))
         return f
+    if method == "xla-logits-bf16":
+        from .jax_timing import bf16_logits_loss
+
+        return bf16_logits_loss
     if method == "logp-xla-logits":
         def f(x, w, t):
             z = jnp.dot(x, w.T, preferred_element_type=jnp.float32) / LOGP_TEMPERATURE
@@ -181,6 +192,9 @@ def markdown(data) -> str:
              "(`memory_analysis().temp_size_in_bytes`); collectives: kinds x count (largest operand) in "
              "the compiled HLO; vs 1-dev op (logp rows): fwd+bwd time / the same op's on one device "
              "(the \"1 device\" row); |loss-xla| of a logp row: against logp-xla-logits.", ""]
+    if m.get("baseline_code"):
+        lines += ["xla-logits-bf16, under `jax.jit(jax.value_and_grad(...))` with the inputs sharded as the row says:",
+                  "", "```python", m["baseline_code"].rstrip(), "```", ""]
     return table_report(lines, COLUMNS, data["rows"], _fmt, data.get("notes", []))
 
 
@@ -212,8 +226,7 @@ def run(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     # Default: the automatic choice only where it is not already one of the others.
     methods = args.methods.split(",") if args.methods else (
-        ["xla-logits", "logitless-xla", "logitless-mosaic"] if is_sm90() else ["xla-logits", "logitless-xla",
-                                                                               "logitless"])
+        ["xla-logits", "xla-logits-bf16", "logitless-xla", "logitless"] + (["logitless-mosaic"] if is_sm90() else []))
     modes = [m for m in args.modes.split(",") if m]
     ndev = len(jax.devices())
     data = {"meta": environment(argv), "settings": {"shape": [n, h, v], "dtype": dtype.name, "warmup": args.warmup,

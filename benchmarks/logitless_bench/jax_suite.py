@@ -7,17 +7,24 @@ Methods (each skipped with a note when unavailable):
     logitless-mosaic  the same with implementation="mosaic_gpu" (SM90 GPUs, when present)
     logitless-triton  the same with implementation="triton" (NVIDIA GPUs with jax-triton;
                       skipped on CPUs, where the kernels would run on Triton's interpreter)
-    logitless-*-hv    each of the three with the weight as a flax (H, V) kernel
+    logitless         the default call: implementation=None, memory_budget=None (the
+                      automatic backend, 3% of JAX's allocator limit)
+    logitless-*-hv    each of the four with the weight as a flax (H, V) kernel
                       (``weight_layout="hv"``, tokamax's layout): the same kernels reading
                       (H, V) in place; its temp MiB columns against the (V, H) row show
                       that no transposed copy of the weight is made
     xla-logits        optax-style: fp32 logits x @ w.T materialised, log_softmax, mean
+    xla-logits-bf16   what MaxText and most JAX code do: bf16 logits ``(x @ w.T)``, cast to
+                      f32, log-sum-exp minus the label's logit (``jax_timing.bf16_logits_loss``,
+                      its code in the result files); -hv: ``x @ kernel`` with the (H, V) kernel
     tokamax-xla       tokamax.linear_softmax_cross_entropy_loss(implementation="xla")
     tokamax-chunked   the same with implementation="chunked_xla"
 Metrics per shape and method: fwd and fwd+bwd medians (jit, block_until_ready, warm-ups),
 fwd / 1 GEMM and fwd+bwd / 3 GEMMs, XLA's compiled temporary bytes of the fwd and of
 the fwd+bwd (``memory_analysis().temp_size_in_bytes``), |mean loss - ref| and the largest per-token
-|loss - ref| against a float64 reference (jax with x64, chunks of tokens).
+|loss - ref| against a float64 reference (jax with x64, chunks of tokens). ``--profile``: per
+row also the fwd+bwd's kernels from a device profile (``jax_timing.device_profile``: GPU ms
+per step by kernel name, in the JSON's "kernels"; the largest printed).
 Files: benchmarks/results/jax-<tag>-<date>.json/.md (+ latest-jax-<tag>.*, + .png), where
 <tag> is the GPU's short name (H100), or "cpu" for a ``--cpu`` run or a machine without GPU.
 
@@ -44,14 +51,16 @@ from .jax_timing import median_ms as _median_ms
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-METHODS = ("gemm", "logitless-xla", "logitless-mosaic", "logitless-triton", "logitless-xla-hv",
-           "logitless-mosaic-hv", "logitless-triton-hv", "xla-logits", "tokamax-xla", "tokamax-chunked")
+METHODS = ("gemm", "logitless", "logitless-hv", "logitless-xla", "logitless-mosaic", "logitless-triton",
+           "logitless-xla-hv", "logitless-mosaic-hv", "logitless-triton-hv", "xla-logits", "xla-logits-bf16",
+           "xla-logits-bf16-hv", "tokamax-xla", "tokamax-chunked")
 #: Run when --methods is not given: tokamax's "xla" backend materialises the logits as
 #: xla-logits does (same cost); ask for it with --methods all or by name.
 #: logitless-mosaic last: should a kernel hang on a new GPU, the shape's other rows are
 #: already written (the files are saved after every row).
-DEFAULT_METHODS = ("gemm", "logitless-xla", "logitless-xla-hv", "xla-logits", "tokamax-chunked",
-                   "logitless-triton", "logitless-triton-hv", "logitless-mosaic", "logitless-mosaic-hv")
+DEFAULT_METHODS = ("gemm", "logitless-xla", "logitless-xla-hv", "xla-logits", "xla-logits-bf16",
+                   "xla-logits-bf16-hv", "tokamax-chunked", "logitless-triton", "logitless-triton-hv",
+                   "logitless-mosaic", "logitless-mosaic-hv", "logitless", "logitless-hv")
 #: Seconds kept for writing the files when --max-minutes is given.
 _RESERVE_S = 15.0
 
@@ -91,6 +100,10 @@ def build_parser():
     p.add_argument("--warmup", type=int)
     p.add_argument("--reps", type=int)
     p.add_argument("--no-errors", action="store_true", help="skip the float64 reference")
+    p.add_argument("--memory-budget", type=int,
+                   help="memory_budget= of the logitless methods in bytes (default: None, the device's default)")
+    p.add_argument("--profile", action="store_true",
+                   help="per row also the fwd+bwd's kernels from a device profile (GPU ms per step by name)")
     p.add_argument("--max-minutes", type=float,
                    help="bound the run to M minutes (files are written within them; see the module doc)")
     p.add_argument("--method-seconds", type=float, default=60.0,
@@ -110,16 +123,18 @@ def _tokamax():
     return tk
 
 
-def _loss_fns(method):
-    """(mean loss fn(x, w_vh, w_hv, t), per-token loss fn) of a method, or Skip."""
+def _loss_fns(method, budget=None):
+    """(mean loss fn(x, w_vh, w_hv, t), per-token loss fn) of a method, or Skip;
+    ``budget``: the logitless methods' memory_budget."""
     import jax
     import jax.numpy as jnp
 
     hv = method.endswith("-hv")
     base = method[:-3] if hv else method
-    if base in ("logitless-xla", "logitless-mosaic", "logitless-triton"):
+    if base in ("logitless", "logitless-xla", "logitless-mosaic", "logitless-triton"):
         from logitless.jax import linear_cross_entropy
-        impl = {"logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu", "logitless-triton": "triton"}[base]
+        impl = {"logitless": None, "logitless-xla": "xla", "logitless-mosaic": "mosaic_gpu",
+                "logitless-triton": "triton"}[base]
         if impl == "triton":
             if jax.devices()[0].platform != "gpu":
                 raise Skip("triton on a CPU runs on Triton's interpreter: tests only")
@@ -134,18 +149,28 @@ def _loss_fns(method):
             from logitless.jax.ops.common.choice import is_sm90
             if not is_sm90():
                 raise Skip("mosaic_gpu needs an SM90 GPU")
+        kw = dict(implementation=impl, memory_budget=budget)
         if hv:  # the flax (H, V) kernel, read in place
-            return (lambda x, w, wt, t: linear_cross_entropy(x, wt, t, weight_layout="hv", implementation=impl),
-                    lambda x, w, wt, t: linear_cross_entropy(x, wt, t, reduction="none", weight_layout="hv",
-                                                             implementation=impl))
-        return (lambda x, w, wt, t: linear_cross_entropy(x, w, t, implementation=impl),
-                lambda x, w, wt, t: linear_cross_entropy(x, w, t, reduction="none", implementation=impl))
+            return (lambda x, w, wt, t: linear_cross_entropy(x, wt, t, weight_layout="hv", **kw),
+                    lambda x, w, wt, t: linear_cross_entropy(x, wt, t, reduction="none", weight_layout="hv", **kw))
+        return (lambda x, w, wt, t: linear_cross_entropy(x, w, t, **kw),
+                lambda x, w, wt, t: linear_cross_entropy(x, w, t, reduction="none", **kw))
     if method == "xla-logits":
         def per_tok(x, w, wt, t):
             logits = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
             logp = jax.nn.log_softmax(logits, axis=-1)
             return -jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0]
         return (lambda *a: per_tok(*a).mean()), per_tok
+    if base == "xla-logits-bf16":
+        from .jax_timing import bf16_logits_loss, bf16_logits_loss_hv
+
+        def per_tok_bf16(x, w, wt, t):
+            logits = (x @ (wt if hv else w.T)).astype(jnp.float32)
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            return lse - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        if hv:
+            return (lambda x, w, wt, t: bf16_logits_loss_hv(x, wt, t)), per_tok_bf16
+        return (lambda x, w, wt, t: bf16_logits_loss(x, w, t)), per_tok_bf16
     if method.startswith("tokamax-"):
         tk = _tokamax()
         impl = {"tokamax-xla": "xla", "tokamax-chunked": "chunked_xla"}[method]
@@ -206,12 +231,14 @@ def environment(argv):
             peers[mod] = __import__(mod).__version__
         except Exception:
             pass
+    from .jax_timing import baseline_source
+
     return {**jax_environment(argv), "compute_capability": str(getattr(dev, "compute_capability", "")),
-            "peers": peers}
+            "peers": peers, "baseline_code": baseline_source()}
 
 
 COLUMNS = ("shape", "method", "fwd ms", "fwd+bwd ms", "fwd/1 GEMM", "f+b/3 GEMMs", "fwd temp MiB", "temp MiB",
-           "|loss-ref|", "max tok err", "compile s", "note")
+           "|loss-ref|", "max tok err", "bitwise", "compile s", "note")
 
 
 def _fmt(v, nd=3):
@@ -234,7 +261,23 @@ def markdown(data) -> str:
              "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
              "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs "
              "float64; max tok err: largest per-token loss error vs float64.", ""]
-    return table_report(lines, COLUMNS, data["rows"], _fmt, data.get("notes", []))
+    if data["settings"].get("memory_budget"):
+        lines += [f"logitless rows: memory_budget={data['settings']['memory_budget']} bytes (not the device's "
+                  "default).", ""]
+    if data["meta"].get("baseline_code"):
+        lines += ["xla-logits-bf16 (-hv), under `jax.jit(jax.value_and_grad(...))`:", "", "```python",
+                  data["meta"]["baseline_code"].rstrip(), "```", ""]
+    report = table_report(lines, COLUMNS, data["rows"], _fmt, data.get("notes", []))
+    profiled = [r for r in data["rows"] if r.get("kernels")]
+    if profiled:
+        report += "\n## Kernels per fwd+bwd (device profile, GPU ms per step)\n"
+        for r in profiled:
+            top = "; ".join(f"{k['name'][:60]} {k['ms']:.3g} ({k['calls']:g}x)" for k in r["kernels"][:8])
+            tl = r.get("timeline") or {}
+            span = f" (one call: span {tl['span ms']:.4g} ms, kernels {tl['busy ms']:.4g} ms)" if tl else ""
+            report += f"\n- {r['shape']} {r['method']}: {r.get('kernel ms', 0):.4g} ms in all{span}: {top}"
+        report += "\n"
+    return report
 
 
 def _plot(data, path):
@@ -288,7 +331,7 @@ def _device_tag(cpu: bool, meta) -> str:
     return (meta["device"].replace("NVIDIA ", "").split() or ["gpu"])[0]
 
 
-def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row):
+def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None):
     """Measures one method on one shape into ``row``; returns (wt, gemm_ms)."""
     import jax
     import jax.numpy as jnp
@@ -302,7 +345,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row):
         row["fwd/1 GEMM"] = 1.0
         row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / gemm_ms / 1e9:.3g} TFLOP/s"
         return wt, gemm_ms
-    mean_fn, tok_fn = _loss_fns(m)  # Skip (before the (H, V) copy is made)
+    mean_fn, tok_fn = _loss_fns(m, budget)  # Skip (before the (H, V) copy is made)
     hv = m.startswith("tokamax") or m.endswith("-hv")
     if hv and wt is None:
         wt = jnp.asarray(w.T)  # (H, V), as a flax kernel / tokamax's weights: made once per shape
@@ -319,6 +362,26 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row):
     loss = float(fwd(*args_))
     row["fwd ms"] = _median_ms(fwd, args_, warmup, reps)
     row["fwd+bwd ms"] = _median_ms(fb, args_, warmup, reps)
+    # Bitwise repeatable: two calls give the same loss and gradients, bit for bit.
+    a, b = fb(*args_), fb(*args_)
+    row["bitwise"] = all(bool(jnp.array_equal(p, q)) for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    del a, b
+    if profile:
+        from .jax_timing import device_profile
+
+        prof = device_profile(fb, args_)
+        kernels = prof.get("stream", [])
+        row["kernel ms"] = sum(k["ms"] for k in kernels)
+        row["kernels"] = kernels[:24]
+        row["xla ops"] = prof.get("ops", [])[:24]
+        row["timeline"] = tl = prof.get("timeline", {})
+        if tl:
+            print(f"      one call: span {tl['span ms']:.3f} ms, kernels {tl['busy ms']:.3f} ms; gaps: "
+                  + "; ".join(f"{g['ms']:.3f} ms after {g['after'][:40]}" for g in tl["gaps"][:4]))
+        for k in kernels[:10]:
+            print(f"      {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name'][:110]}")
+        for k in row["xla ops"][:10]:
+            print(f"      op {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name'][:110]}")
     mem = fb.memory_analysis()
     if mem is not None:
         row["temp MiB"] = mem.temp_size_in_bytes / 2**20
@@ -378,7 +441,7 @@ def run(argv=None) -> int:
     meta = environment(argv)
     meta["tag"] = _device_tag(cpu, meta)
     data = {"suite": "jax", "meta": meta,
-            "settings": {"warmup": warmup, "reps": reps, "seed": args.seed,
+            "settings": {"warmup": warmup, "reps": reps, "seed": args.seed, "memory_budget": args.memory_budget,
                          "max_minutes": args.max_minutes, "method_seconds": args.method_seconds},
             "rows": [], "notes": [], "complete": False}
     if cpu:
@@ -422,7 +485,8 @@ def run(argv=None) -> int:
                     continue
                 t0 = time.monotonic()
                 try:
-                    wt, gemm_ms = _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row)
+                    wt, gemm_ms = _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, args.profile,
+                                              args.memory_budget)
                 except Skip as exc:
                     row["note"] = f"skipped: {exc}"
                 except Exception as exc:  # one failing method must not kill the rest

@@ -46,7 +46,17 @@ def environment(argv) -> dict:
 
 def device_profile(fn, args, steps: int = 3) -> dict:
     """Per-step GPU time of ``fn(*args)`` by kernel and by XLA op, from a ``jax.profiler``
-    trace of ``steps`` calls (after one untimed call): see ``trace_tables``."""
+    trace of ``steps`` calls (after one untimed call): see ``trace_tables``; with
+    "timeline" (``trace_timeline``) of a trace of one more call alone."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    out = trace_tables(_trace_events(fn, args, steps), steps)
+    out["timeline"] = trace_timeline(_trace_events(fn, args, 1))
+    return out
+
+
+def _trace_events(fn, args, steps: int) -> list:
     import glob
     import gzip
     import json
@@ -55,17 +65,38 @@ def device_profile(fn, args, steps: int = 3) -> dict:
 
     import jax
 
-    jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(steps):
                 jax.block_until_ready(fn(*args))
         files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-        events = []
-        if files:
-            with gzip.open(files[0]) as fh:
-                events = json.load(fh)["traceEvents"]
-    return trace_tables(events, steps)
+        if not files:
+            return []
+        with gzip.open(files[0]) as fh:
+            return json.load(fh)["traceEvents"]
+
+
+def trace_timeline(events, top: int = 6) -> dict:
+    """One call's GPU timeline from its trace events: "span ms" (first kernel's start to
+    the last one's end, on the device's CUDA streams), "busy ms" (kernels' time), and the
+    ``top`` longest "gaps" (ms with the kernels before and after): where the GPU idles."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
+    device = {p for p, n in procs.items() if "/device:" in n and "CPU" not in n}
+    streams = {(e["pid"], e["tid"]) for e in meta if e.get("name") == "thread_name" and e["pid"] in device
+               and e.get("args", {}).get("name", "").startswith("Stream")}
+    ks = sorted((e["ts"], e.get("dur", 0), e.get("name", "?")) for e in events
+                if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+    if not ks:
+        return {}
+    gaps, end = [], ks[0][0]
+    for prev, cur in zip(ks, ks[1:]):
+        end = max(end, prev[0] + prev[1])
+        if cur[0] > end:
+            gaps.append({"ms": (cur[0] - end) / 1e3, "after": prev[2][:60], "before": cur[2][:60]})
+    span = max(t + d for t, d, _ in ks) - ks[0][0]
+    return {"span ms": span / 1e3, "busy ms": sum(d for _, d, _ in ks) / 1e3,
+            "gaps": sorted(gaps, key=lambda g: -g["ms"])[:top]}
 
 
 def trace_tables(events, steps: int) -> dict:
@@ -94,3 +125,34 @@ def trace_tables(events, steps: int) -> dict:
                      key=lambda r: -r["ms"]) for k, t in tables.items()}
     out["threads"] = sorted(set(threads.values()))
     return out
+
+
+# The baseline of issue 62: what MaxText and most JAX training code do (bf16 logits from the
+# GEMM, an f32 loss), under jax.jit. Its source is written into the result files.
+
+
+def bf16_logits_loss(x, w, t):
+    """Mean cross-entropy with bf16 logits ``x @ w.T`` ((V, H) weight), f32 log-sum-exp."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = (x @ w.T).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0])
+
+
+def bf16_logits_loss_hv(x, kernel, t):
+    """The same with a flax (H, V) kernel: ``x @ kernel``."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = (x @ kernel).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0])
+
+
+def baseline_source() -> str:
+    """The bf16-logits baselines' code, for the result files."""
+    import inspect
+
+    return inspect.getsource(bf16_logits_loss) + "\n" + inspect.getsource(bf16_logits_loss_hv)

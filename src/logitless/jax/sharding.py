@@ -43,10 +43,12 @@ from jax import lax
 
 
 class Axes(NamedTuple):
-    """Mesh axis names (tuples of str) of the tokens and of the vocabulary."""
+    """Mesh axis names (tuples of str) of the tokens and of the vocabulary, and the
+    mesh's number of devices (each holds 1/devices of a "slot" operand)."""
 
     token: tuple = ()
     vocab: tuple = ()
+    devices: int = 1
 
 
 # ------------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def plan_axes(mesh, x_info, w_info, vaxis: int) -> Axes:
         tok = ()
     if v % mesh_size(mesh, voc):
         voc = ()
-    return Axes(tok, voc)
+    return Axes(tok, voc, mesh_size(mesh, tuple(mesh.axis_names)))
 
 
 def fsdp_scatter(mesh, w_info, axes: Axes, vaxis: int):
@@ -249,18 +251,25 @@ def w_entries(axes: Axes, vaxis: int):
     return e
 
 
-#: Operand kinds of a local computation (module docstring) -> sharding_rule factors.
+#: Operand kinds of a local computation (module docstring) -> sharding_rule factors. A
+#: kind "slot<i>" is an opaque per-device array (a backend's residual): its rows split
+#: over every mesh axis, one block per device, whatever the tokens' and the vocabulary's
+#: axes (factors of its own).
 _RULE = {"x": "n h", "b": "v", "n": "n", "kn": "k n"}
 
 
 def _rule_of(kind: str, vaxis: int) -> str:
     if kind == "w":
         return "g v" if vaxis else "v g"  # g: H of the weight, a factor of its own (never split)
+    if kind.startswith("slot"):
+        return f"{kind}r {kind}c"
     return _RULE[kind]
 
 
-def _entries(kind: str, axes: Axes, vaxis: int, dw_entries=None) -> tuple:
+def _entries(kind: str, axes: Axes, vaxis: int, dw_entries=None, mesh_axes: tuple = ()) -> tuple:
     tok, voc = spec_entry(axes.token), spec_entry(axes.vocab)
+    if kind.startswith("slot"):
+        return (spec_entry(mesh_axes), None)
     if kind == "x":
         return (tok, None)
     if kind == "w":
@@ -309,9 +318,10 @@ def partitioned(local: Callable, *, in_kinds: Sequence[str], out_kinds: Sequence
     def shardings(mesh, arg_infos):
         axes = plan_axes(mesh, arg_infos[ix], arg_infos[iw], vaxis)
         scatter = fsdp_scatter(mesh, arg_infos[iw], axes, vaxis) if "w" in out_kinds else None
-        args = tuple(named(mesh, *_entries(k, axes, vaxis)) for k in in_kinds)
+        every = tuple(mesh.axis_names)
+        args = tuple(named(mesh, *_entries(k, axes, vaxis, mesh_axes=every)) for k in in_kinds)
         dwe = _dw_entries(axes, vaxis, scatter)
-        outs = tuple(named(mesh, *_entries(k, axes, vaxis, dwe)) for k in out_kinds)
+        outs = tuple(named(mesh, *_entries(k, axes, vaxis, dwe, mesh_axes=every)) for k in out_kinds)
         return (axes, scatter), args, outs
 
     def partition(mesh, arg_infos, result_infos):

@@ -142,6 +142,34 @@ def dlogits(z_capped, lse, coef, target, col0, softcap: Optional[float], class_w
     return dz
 
 
+def dlogits_kept(e, tile_max, lse, coef, target, col0, num_columns: int):
+    """``dlogits`` (no soft-cap, no class weights) from what a forward kept instead of z:
+    e = exp(z - m) in the input dtype and m per row and tile of ``e.shape[1] //
+    tile_max.shape[0]`` columns (tile_max (tiles, N) fp32), so exp(z - lse) = e exp(m -
+    lse); columns ``col0 + j`` >= ``num_columns`` are 0. Returns fp32 (N, columns)."""
+    n, cols = e.shape
+    tiles = tile_max.shape[0]
+    scale = kept_scale(tile_max, lse, coef)  # (N, tiles)
+    # The per-tile scale broadcast to the columns (e's own path stays elementwise).
+    scale = jnp.broadcast_to(scale[:, :, None], (n, tiles, cols // tiles)).reshape(n, cols)
+    idx = col0 + jnp.arange(cols, dtype=target.dtype)[None, :]
+    return dlogits_of_scaled(e.astype(jnp.float32) * scale, coef[1][:, None], coef[2][:, None], target[:, None],
+                             idx, num_columns)
+
+
+def kept_scale(tile_max, lse, coef):
+    """A exp(m - lse) per row and tile, (N, tiles) fp32: what turns a kept e = exp(z - m)
+    into p A (``dlogits_kept``)."""
+    return (jnp.exp(tile_max - lse[None, :]) * coef[0][None, :]).T
+
+
+def dlogits_of_scaled(p_a, b, c, target, idx, num_columns: int):
+    """dz = p A - B [c == t] - C from p A (fp32) and the columns' ids ``idx`` (any shapes
+    that broadcast: b, c, target per row), 0 at columns >= ``num_columns``."""
+    dz = p_a - jnp.where(idx == target, b, 0.0) - c
+    return jnp.where(idx < num_columns, dz, 0.0)
+
+
 def merge_argmax(part_best, part_arg):
     """The argmax of rows reduced in parts along axis 0 (each part's maximum and the
     global index of its first maximum): the first part holding the largest maximum."""

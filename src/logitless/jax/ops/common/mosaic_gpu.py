@@ -56,11 +56,15 @@ def aligned_shape(h: int, v: int, has_bias: bool, weight_layout: str) -> tuple:
 class MosaicGpuConfig:
     """The "mosaic_gpu" backends' Config: the kernels' tiles (``mosaic_lib.default_config``),
     the backward's columns per chunk (``mosaic_lib.backward_chunk`` for the operands of
-    ``aligned_shape``, from the budget) and the weight's layout."""
+    ``aligned_shape``, from the budget), the weight's layout, and, for a backend that
+    keeps (linear_cross_entropy's), the columns whose exp(z - m) the forward keeps for the
+    backward and the kept chunk (``mosaic_lib.keep_plan``; 0: none, recompute all)."""
 
     tiles: FwdConfig
     chunk: int
     weight_layout: str = "vh"
+    keep: int = 0
+    kept_chunk: int = 0
 
 
 class MosaicGpuBase(BackendBase):

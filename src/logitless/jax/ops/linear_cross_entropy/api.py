@@ -40,14 +40,16 @@ class _Config(NamedTuple):
     partition: bool = False  # jit on several devices: custom_partitioning per device
     argmax: bool = False  # return_stats: the statistics also give each token's argmax
     plan: Any = None  # the backend's Config for this call (None when partitioned: made per device)
+    slots: tuple = ()  # partitioned: the per-device residual slots (``sharded.kept_slots``)
 
     @property
     def manual(self) -> bool:
         return bool(self.token_axes or self.vocab_axes)
 
-    def static(self, has_bias: bool) -> sharded._Static:
+    def static(self, has_bias: bool, keep: bool = False) -> sharded._Static:
+        """The partitioned path's static arguments; ``keep``: with the residual slots."""
         return sharded._Static(self.backend, self.opts.softcap, self.opts.needs_smooth_sum, self.budget,
-                               self.weight_layout, has_bias, self.argmax)
+                               self.weight_layout, has_bias, self.argmax, self.slots if keep else ())
 
 
 def _total(a, cfg: _Config):
@@ -62,52 +64,61 @@ def _denominator(target, class_weight, cfg: _Config):
     return _total(lm.target_weight(target, class_weight, valid), cfg)
 
 
-def _stats(x2d, w, bias, target, class_weight, cfg: _Config):
-    """(lse, z_t, S|None, argmax|None) per token, on whichever path the config names
-    (the argmax with ``cfg.argmax``: the first index of each row's maximum)."""
+def _stats(x2d, w, bias, target, class_weight, cfg: _Config, keep: bool = False):
+    """(lse, z_t, S|None, argmax|None, kept|None) per token, on whichever path the config
+    names (the argmax with ``cfg.argmax``: the first index of each row's maximum; kept:
+    with ``keep``, what a backend with ``keeps`` kept for its backward)."""
     opts = cfg.opts
+    backend = BACKENDS[cfg.backend]
+    keep = keep and backend.keeps
+    kept = None
     if cfg.manual:
         args = [sharded.to_varying(a, cfg.token_axes) for a in (x2d, target)]
-        out = sharded.local_forward(BACKENDS[cfg.backend], args[0], w, bias, args[1], cfg.plan, softcap=opts.softcap,
-                                    need_smooth=opts.needs_smooth_sum, vocab_axes=cfg.vocab_axes,
-                                    class_weight=class_weight, need_argmax=cfg.argmax)
+        out, kept = sharded.local_forward(backend, args[0], w, bias, args[1], cfg.plan, softcap=opts.softcap,
+                                          need_smooth=opts.needs_smooth_sum, vocab_axes=cfg.vocab_axes,
+                                          class_weight=class_weight, need_argmax=cfg.argmax, keep=keep)
     elif cfg.partition:
-        fn = sharded.forward_fn(cfg.static(bias is not None))
-        out = fn(*[a for a in (x2d, w, bias, target) if a is not None])
+        static = cfg.static(bias is not None, keep)
+        out = sharded.forward_fn(static)(*[a for a in (x2d, w, bias, target) if a is not None])
+        if static.slots:
+            out, kept = out[:-len(static.slots)], tuple(out[-len(static.slots):])
         if not opts.needs_smooth_sum:
             out = (out[0], out[1], None, *out[2:])
     else:
-        out = BACKENDS[cfg.backend].forward(x2d, w, bias, target, cfg.plan, softcap=opts.softcap,
-                                            need_smooth=opts.needs_smooth_sum, class_weight=class_weight,
-                                            need_argmax=cfg.argmax)
+        st = backend.forward(x2d, w, bias, target, cfg.plan, softcap=opts.softcap, need_smooth=opts.needs_smooth_sum,
+                             class_weight=class_weight, need_argmax=cfg.argmax, **({"keep": True} if keep else {}))
+        out, kept = tuple(st[:5]), st.kept
     lse, zt, ss = out[:3]
-    return lse, zt, ss, (out[4] if cfg.argmax else None)
+    return lse, zt, ss, (out[4] if cfg.argmax else None), kept
 
 
-def _stats_and_loss(x2d, w, bias, target, class_weight, cfg: _Config):
-    """(loss, lse) and, with ``cfg.argmax``, the argmax (-1 at ignored tokens)."""
+def _stats_and_loss(x2d, w, bias, target, class_weight, cfg: _Config, keep: bool = False):
+    """((loss, lse) and, with ``cfg.argmax``, the argmax (-1 at ignored tokens); what the
+    backend kept for the backward, with ``keep``, else None)."""
     opts = cfg.opts
-    lse, zt, ss, arg = _stats(x2d, w, bias, target, class_weight, cfg)
+    lse, zt, ss, arg, kept = _stats(x2d, w, bias, target, class_weight, cfg, keep)
     loss_tok = lm.token_loss(lse, zt, ss, target, cfg.num_classes, opts, class_weight)
     extra = () if arg is None else (jnp.where(target != opts.ignore_index, arg.astype(jnp.int32), -1),)
     if not cfg.token_axes or opts.reduction == "none":
-        return (lm.reduce_loss(loss_tok, target, opts, class_weight), lse, *extra)
+        return (lm.reduce_loss(loss_tok, target, opts, class_weight), lse, *extra), kept
     loss = _total(loss_tok, cfg)
-    return ((loss / _denominator(target, class_weight, cfg) if opts.reduction == "mean" else loss), lse, *extra)
+    return ((loss / _denominator(target, class_weight, cfg) if opts.reduction == "mean" else loss), lse, *extra), kept
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _lce(x2d, w, bias, target, class_weight, cfg: _Config):
-    return _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
+    # Without gradients: the statistics only (nothing kept).
+    return _stats_and_loss(x2d, w, bias, target, class_weight, cfg)[0]
 
 
 def _lce_fwd(x2d, w, bias, target, class_weight, cfg):
-    out = _stats_and_loss(x2d, w, bias, target, class_weight, cfg)
-    return out, LceResiduals(x2d, w, bias, target, class_weight, out[1])
+    # The backend may keep what its backward needs (e.g. exp(z - m) where the budget holds it).
+    out, kept = _stats_and_loss(x2d, w, bias, target, class_weight, cfg, keep=True)
+    return out, LceResiduals(x2d, w, bias, target, class_weight, out[1], kept)
 
 
 def _lce_bwd(cfg, res: LceResiduals, cotangents):
-    x2d, w, bias, target, class_weight, lse = res
+    x2d, w, bias, target, class_weight, lse = res[:6]
     g_loss, g_lse = cotangents[:2]  # (the argmax, an integer output, has no cotangent to use)
     opts = cfg.opts
     if opts.reduction == "mean" and cfg.token_axes:
@@ -125,8 +136,8 @@ def _lce_bwd(cfg, res: LceResiduals, cotangents):
             backend, res._replace(x2d=sharded.to_varying(x2d, cfg.token_axes)), coef, cfg.plan,
             softcap=opts.softcap, vocab_axes=cfg.vocab_axes, token_axes=())
     elif cfg.partition:
-        fn = sharded.backward_fn(cfg.static(bias is not None))
-        out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None])
+        fn = sharded.backward_fn(cfg.static(bias is not None, keep=res.kept is not None))
+        out = fn(*[a for a in (x2d, w, bias, target, lse, coef) if a is not None], *(res.kept or ()))
         dx, dw, db = out if len(out) == 3 else (*out, None)
     else:
         dx, dw, db = backend.backward(res, coef, cfg.plan, softcap=opts.softcap)
@@ -211,7 +222,9 @@ def linear_cross_entropy(
             memory. It sizes the chunks of the "xla" backend: one tile of logits of at
             most about budget / 16 elements, plus an fp32 dx accumulator (4 x tokens x H
             bytes) and one fp32 dW chunk; when even the smallest tile does not fit, the
-            smallest is used. Never a tokens x vocab array.
+            smallest is used. "mosaic_gpu" under ``jax.grad`` keeps exp(z - m) of as many
+            columns as it holds (all: a 16-bit tokens x vocab array, when it fits; the
+            backward is then two GEMMs), recomputing the rest.
         implementation: None (automatic: "mosaic_gpu" on an SM90 GPU when available
             and the case is supported; else "triton" on any NVIDIA GPU when the
             optional jax-triton package is installed; "mosaic_tpu" on a TPU; else
@@ -327,6 +340,10 @@ def linear_cross_entropy(
                                                 budget=budget, weight_layout=layout, has_bias=bias is not None)
         cfg = _Config(opts, backend, budget, num_classes, layout, token_axes, vocab_axes, partition=partition,
                       argmax=bool(return_stats) and impl.argmax, plan=plan)
+        if partition and impl.keeps:  # what each device's forward may keep for its backward
+            cfg = cfg._replace(slots=sharded.kept_slots(cfg.static(bias is not None), tuple(x2d.shape),
+                                                        tuple(w.shape), jnp.dtype(x2d.dtype),
+                                                        sharded.mesh_devices()))
         loss, lse, *argmax = _lce(x2d, w, bias, flat_target, class_weight, cfg)
         argmax = argmax[0] if argmax else None
 

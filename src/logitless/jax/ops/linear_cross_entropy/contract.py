@@ -7,10 +7,15 @@ Every backend (``XlaBackend``, ``TritonBackend``, ``MosaicGpuBackend``,
 
     config = backend.plan(x2d.shape, (V, H), x2d.dtype, budget=..., weight_layout=...)  # once
     stats = backend.forward(x2d, w, bias, target, config, softcap=..., need_smooth=...,
-                            class_weight=..., need_argmax=...)                       # LceStats
-    res = LceResiduals(x2d, w, bias, target, class_weight, stats.lse)  # the custom_vjp's
+                            class_weight=..., need_argmax=...[, keep=True])          # LceStats
+    res = LceResiduals(x2d, w, bias, target, class_weight, stats.lse, stats.kept)  # the custom_vjp's
     coef = formulas.cross_entropy.grad_coefficients(...)                # (3, N), from the cotangents
     dx, dw, db = backend.backward(res, coef, config, softcap=...)       # LceGrads
+
+``keep=True`` (passed only to backends with ``keeps``, and only by the custom_vjp's forward,
+never by a call without gradients): the forward may also return what its backward takes
+instead of recomputing the logits (``LceStats.kept``, e.g. mosaic_gpu's exp(z - m) of the
+columns its Config's budget holds); the backward finds it in ``res.kept``.
 
 ``config`` is the backend's frozen Config (``XlaConfig``, ``TritonConfig``,
 ``MosaicGpuConfig``, ``MosaicTpuConfig``), a static argument of the custom_vjp: the
@@ -30,18 +35,20 @@ class LceStats(NamedTuple):
     """What a backend's ``forward`` returns, each (N,): lse and target_logit (float32),
     smooth_sum (float32, or None without ``need_smooth``); with ``need_argmax`` (backends
     with ``argmax``) best (the row maximum, float32) and argmax (int32, local column ids,
-    the first maximum), else None."""
+    the first maximum), else None; kept: with ``keep=True``, the backend's own arrays for
+    its backward (a tuple), or None."""
 
     lse: Any
     target_logit: Any
     smooth_sum: Optional[Any] = None
     best: Optional[Any] = None
     argmax: Optional[Any] = None
+    kept: Optional[Any] = None
 
 
 class LceResiduals(NamedTuple):
     """What the backward receives from the forward: its inputs (``target``: the ids the
-    backend saw, local ones per device) and the forward's lse."""
+    backend saw, local ones per device), the forward's lse and what it kept (``LceStats.kept``)."""
 
     x2d: Any
     w: Any
@@ -49,6 +56,7 @@ class LceResiduals(NamedTuple):
     target: Any
     class_weight: Optional[Any]
     lse: Any
+    kept: Optional[Any] = None
 
 
 class LceGrads(NamedTuple):
@@ -62,14 +70,17 @@ class LceGrads(NamedTuple):
 class LceBackend(Backend, Protocol):
     """One backend of linear_cross_entropy (module docstring). ``native_hv``: it takes an
     (H, V) weight as it is (``weight_layout="hv"`` in the Config); ``class_weights``: its
-    forward and backward take ``class_weight``; ``argmax``: its forward computes the argmax."""
+    forward and backward take ``class_weight``; ``argmax``: its forward computes the argmax;
+    ``keeps``: its forward takes ``keep`` (module docstring)."""
 
     native_hv: bool
     class_weights: bool
     argmax: bool
+    keeps: bool
 
     def forward(self, x2d, w, bias, target, config: Any, *, softcap: Optional[float], need_smooth: bool,
-                class_weight=None, need_argmax: bool = False) -> LceStats:
+                class_weight=None, need_argmax: bool = False, keep: bool = False) -> LceStats:
+        """``keep`` is passed only to backends with ``keeps`` (the others need not take it)."""
         ...
 
     def backward(self, res: LceResiduals, coef, config: Any, *, softcap: Optional[float]) -> LceGrads:

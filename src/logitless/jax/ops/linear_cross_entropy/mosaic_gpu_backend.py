@@ -18,7 +18,17 @@ Forward (``forward``): one kernel, a GEMM whose epilogue never leaves the chip.
     O(N x splits) floats, merged in JAX (logsumexp over splits, sums).
     Memory traffic: that of one GEMM (x and W tiles, from L2 mostly), no logits.
 
-Backward (``backward``): "4 GEMMs". For each vocab chunk [c0, c0 + C) the kernel
+Kept (``forward_keeping``, the api's forward under ``jax.grad``: ``keep=True``): for the
+    first ``MosaicGpuConfig.keep`` columns (``mosaic_lib.keep_plan``: all of them when the
+    budget holds them) the same pass also stores K = exp(z - m) in the input dtype, m the
+    running maximum after each tile (also stored, M (tiles, N) fp32), since the fold
+    computes exp(z - m) anyway. Then dz_c = e_c A exp(m - lse) - B [c == t] - C
+    (``formulas.cross_entropy.dlogits_kept``): every column kept, ``_dz_over_kept`` writes
+    it over K and dx, dW are two GEMMs on the whole W ("3 GEMMs"); part kept, those
+    chunks' dz come from K, the others' from the recomputation below. Not with a soft-cap
+    (its derivative needs z: recomputed).
+
+Backward (``backward``): "4 GEMMs" where nothing is kept. For each vocab chunk [c0, c0 + C) the kernel
     ``mosaic_lib.dz_call`` (``FwdConfig.dz_tiles`` consecutive column tiles per CTA,
     the chunk offset a kernel input) recomputes the (N, C) logits tile by tile (same
     WGMMA main loop) and
@@ -52,12 +62,16 @@ The ring, the main loop and both kernel shapes live in ``logitless.jax.mosaic_li
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas.cross_entropy import merge_lse_splits
+from logitless.jax.formulas.cross_entropy import dlogits_kept, dlogits_of_scaled, kept_scale, merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig
 from logitless.jax.ops.common.mosaic_gpu import interpret_params as _interpret_params
@@ -129,8 +143,10 @@ supports = is_supported
 # ---------------------------------------------------------------------------------
 
 
-def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, layout="vh"):
-    """Per split: log-sum-exp m + log l, target logit, sum of logits (label smoothing)."""
+def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, layout="vh", keep_tiles=0):
+    """Per split: log-sum-exp m + log l, target logit, sum of logits (label smoothing);
+    with ``keep_tiles``, also K = exp(z - m) of the first tiles and their m (the running
+    maximum after the tile): ``mosaic_lib.stats_partials``' kept outputs."""
 
     def fold(z, cols, hit, valid, carry):
         m, l, tl, ss = carry
@@ -144,7 +160,8 @@ def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, 
         # exp(z - m) as 2^(z log2 e - m log2 e): one FMA + ex2 per element.
         p = jnp.exp2(z * LOG2E - ml.bcast(m_new * LOG2E, z.shape))
         l = l * jnp.exp2((m - m_new) * LOG2E) + p.sum(axis=1)
-        return m_new, l, tl, ss
+        carry = (m_new, l, tl, ss)
+        return (carry, (p, m_new)) if keep_tiles else carry
 
     def finish(carry):
         m, l, tl, ss = carry
@@ -152,25 +169,36 @@ def _forward_partials(x, w, target, *, v, softcap, need_smooth, cfg: FwdConfig, 
 
     return ml.stats_partials(x, w, target, v=v, cfg=cfg, n_out=3,
                              init=(-jnp.inf, 0.0, 0.0, 0.0), fold=fold, finish=finish,
-                             interpret=_interpret_params(), layout=layout)
+                             interpret=_interpret_params(), layout=layout, keep_tiles=keep_tiles)
 
 
 def forward(x2d, w, bias, target, *, softcap=None, need_smooth=False, budget=None, config: FwdConfig | None = None,
             weight_layout: str = "vh"):
     """(lse, target_logit, smooth_sum|None), each (N,) float32; see the package docstring.
     ``weight_layout="hv"``: w is (H, V), read in place."""
+    return forward_keeping(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth, config=config,
+                           weight_layout=weight_layout)[:3]
+
+
+def forward_keeping(x2d, w, bias, target, *, softcap=None, need_smooth=False, config: FwdConfig | None = None,
+                    weight_layout: str = "vh", keep_cols: int = 0):
+    """``forward``'s statistics and what it kept for the backward: (K, M) of the first
+    ``keep_cols`` columns (rounded up to whole tiles; ``Kept`` in the package docstring),
+    or None (``keep_cols`` 0, or a soft-cap: then the backward recomputes)."""
     _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
     v = _vh_shape(w, weight_layout)[0]
     cfg = config or _default_config(n, v, h)
     if weight_layout == "hv":
         w = ml.pad_hv(w)
-    lse_p, tl_p, ss_p = _forward_partials(_pad_rows8(x2d), w, target, v=v, softcap=softcap, need_smooth=need_smooth,
-                                          cfg=cfg, layout=weight_layout)
+    keep_tiles = -(-keep_cols // cfg.block_v) if softcap is None else 0
+    out = _forward_partials(_pad_rows8(x2d), w, target, v=v, softcap=softcap, need_smooth=need_smooth,
+                            cfg=cfg, layout=weight_layout, keep_tiles=keep_tiles)
+    lse_p, tl_p, ss_p = out[:3]
     lse = merge_lse_splits(lse_p)
     tl = tl_p.sum(axis=0)
     ss = ss_p.sum(axis=0) if need_smooth else None
-    return lse, tl, ss
+    return lse, tl, ss, (tuple(out[3:]) if keep_tiles else None)
 
 
 # ---------------------------------------------------------------------------------
@@ -224,10 +252,91 @@ def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdC
                       interpret=_interpret_params(), layout=weight_layout)
 
 
+#: Rows per program of the in-place dz kernel (``_dz_over_kept``).
+_DZ_ROWS = 64
+
+
+@functools.cache
+def _pallas_triton():
+    """jax's Pallas Triton backend (``jax.experimental.pallas.triton``), or None where this
+    jax has none (jax deprecates it: the dz is then an XLA fusion, which may not reuse K's
+    buffer, and the plan counts a second logits-sized buffer)."""
+    try:
+        from jax.experimental.pallas import triton as pl_triton
+    except ImportError:
+        return None
+    return pl_triton
+
+
+def dz_in_place() -> bool:
+    """Whether the backward writes the kept columns' dz over K (``_dz_over_kept``)."""
+    return _pallas_triton() is not None
+
+
+def _dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
+    """dz of every kept column written over K (``input_output_aliases``: no second
+    logits-sized buffer, whatever XLA's fusion heuristics would do: at gpt-oss-120b's
+    shape XLA's own fusion wrote a new one): one Pallas (Triton) program per ``_DZ_ROWS``
+    rows and tile, ``formulas.cross_entropy.dlogits_of_scaled`` of e times the tile's
+    ``kept_scale``. All arrays padded to K's rows. (Mosaic GPU's pallas_call, the
+    supported path, has no interpreter for windowed blocks to test it on a CPU.)"""
+    import jax.experimental.pallas as pl
+
+    pl_triton = _pallas_triton()
+
+    n_pad, cols = k_buf.shape
+    scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
+    rows = (coef[1][:, None], coef[2][:, None], target[:, None].astype(jnp.int32))
+
+    def kernel(k_ref, s_ref, b_ref, c_ref, t_ref, o_ref):
+        idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
+        dz = dlogits_of_scaled(k_ref[...].astype(jnp.float32) * s_ref[...], b_ref[...], c_ref[...], t_ref[...],
+                               idx, v)
+        o_ref[...] = dz.astype(o_ref.dtype)
+
+    tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))
+    row = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, 0))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
+        in_specs=[tile, pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j)), row, row, row], out_specs=tile,
+        input_output_aliases={0: 0}, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=_interpret_params() is not None,
+    )(k_buf, scale, *rows)
+
+
+def _kept_dz(kept, target, lse, coef, *, v: int, vw: int, block_v: int, n8: int, dtype):
+    """``chunked_backward``'s kept_dz: dz of kept columns [c0, c0 + width) from (K, M),
+    rows [0, n8), in ``dtype``; zero at columns >= v and at padded rows (their
+    coefficients are 0). All of K when its shape is the weight's (``vw`` columns, ``n8``
+    rows): in place (``_dz_over_kept``); else ``formulas.cross_entropy.dlogits_kept``."""
+    k_buf, tile_max = kept
+    n_pad = k_buf.shape[0]
+    pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n_pad - a.shape[-1])])
+    target, lse, coef = pad(target), pad(lse), pad(coef)
+
+    def dz(c0, width):
+        if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad and dz_in_place():
+            return _dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v)
+        tiles = -(-width // block_v)
+        if isinstance(c0, int):  # static: the whole of K or a part
+            e = k_buf[:, c0:c0 + tiles * block_v]
+            m = tile_max[c0 // block_v:c0 // block_v + tiles]
+        else:  # inside K (the plan's kept chunks)
+            e = lax.dynamic_slice_in_dim(k_buf, c0, tiles * block_v, axis=1)
+            m = lax.dynamic_slice_in_dim(tile_max, c0 // block_v, tiles, axis=0)
+        out = dlogits_kept(e, m, lse, coef, target, c0, v)
+        out = out if width == out.shape[1] else out[:, :width]
+        return (out if n8 == n_pad else out[:n8]).astype(dtype)
+
+    return dz
+
+
 def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, config: FwdConfig | None = None,
-             weight_layout: str = "vh", chunk: Optional[int] = None):
+             weight_layout: str = "vh", chunk: Optional[int] = None, kept=None, kept_chunk: int = 0):
     """(dx, dw, None): d(logits) chunks from ``dz_chunk`` feeding XLA GEMMs; dw in w's layout.
-    ``chunk``: the columns per chunk (``MosaicGpuBackend.plan``'s); None: from ``budget``."""
+    ``chunk``: the columns per chunk (``MosaicGpuBackend.plan``'s); None: from ``budget``.
+    ``kept``: (K, M) from ``forward_keeping`` (its columns' dz from them, in chunks of
+    ``kept_chunk`` columns unless every column was kept), or None."""
     _check(x2d, w, bias, weight_layout)
     n, h = x2d.shape
     v = _vh_shape(w, weight_layout)[0]
@@ -247,8 +356,15 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
         axes = tuple(sorted(varying(x8) | varying(w) | varying(rowdat) | varying(tgt)))
         return to_varying(dx, axes), to_varying(dw, axes)
 
+    kept_kw = {}
+    if kept is not None:
+        vw = wk.shape[ml.w_axis(weight_layout)]
+        kept_kw = dict(kept_dz=_kept_dz(kept, target, lse, coef, v=v, vw=vw, block_v=cfg.block_v, n8=n8,
+                                        dtype=x2d.dtype),
+                       kept_cols=min(kept[0].shape[1], vw), kept_chunk=kept_chunk)
     dx, dw = ml.chunked_backward(x8, wk, rowdat, tgt, n=n, v=v, cfg=cfg, budget=budget, epilogue=_epilogue(softcap),
-                                 interpret=_interpret_params(), vary=vary, layout=weight_layout, chunk=chunk)
+                                 interpret=_interpret_params(), vary=vary, layout=weight_layout, chunk=chunk,
+                                 **kept_kw)
     if wk is not w:
         dw = dw[:, :v]
     return dx[:n].astype(x2d.dtype), dw, None
@@ -257,17 +373,37 @@ def backward(x2d, w, bias, target, lse, coef, *, softcap=None, budget=None, conf
 class MosaicGpuBackend(MosaicGpuBase):
     """The "mosaic_gpu" backend (``contract.LceBackend``; ``MosaicGpuBase``: SM90, the tiles
     and the backward's chunk): the cases of ``why_unsupported`` (no bias, H % 64 == 0,
-    V % 8 == 0); no class weights or argmax."""
+    V % 8 == 0); no class weights or argmax; keeps exp(z - m) where the budget holds it."""
+
+    keeps = True
 
     def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
         why = why_unsupported(x2d_shape, w_shape, dtype, softcap=softcap, has_bias=has_bias)
         return None if why is None else f"{why}; use implementation='xla'"
 
+    def plan(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh",
+             has_bias: bool = False) -> MosaicGpuConfig:
+        """The kind's tiles and chunk, with the columns whose exp(z - m) the forward keeps for
+        the backward and the kept chunk (``mosaic_lib.keep_plan``; the recomputed columns'
+        chunk when it keeps part)."""
+        base = super().plan(x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout,
+                            has_bias=has_bias)
+        n, h = x2d_shape
+        v = w_shape[0]
+        vw = v if weight_layout == "vh" else ml.hv_columns(v)  # the (H, V) weight's padded columns
+        keep, kept_chunk, chunk = ml.keep_plan(n, v, vw, h, jnp.dtype(dtype).itemsize, budget, base.tiles,
+                                               dz_in_place())
+        # (no chunk: nothing kept, every chunk recomputed, or everything: the kind's chunk)
+        return dataclasses.replace(base, chunk=chunk or base.chunk, keep=keep, kept_chunk=kept_chunk)
+
     def forward(self, x2d, w, bias, target, config: MosaicGpuConfig, *, softcap, need_smooth, class_weight=None,
-                need_argmax=False) -> LceStats:
-        return LceStats(*forward(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
-                                 config=config.tiles, weight_layout=config.weight_layout))
+                need_argmax=False, keep=False) -> LceStats:
+        lse, tl, ss, kept = forward_keeping(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,
+                                            config=config.tiles, weight_layout=config.weight_layout,
+                                            keep_cols=config.keep if keep else 0)
+        return LceStats(lse, tl, ss, kept=kept)
 
     def backward(self, res: LceResiduals, coef, config: MosaicGpuConfig, *, softcap) -> LceGrads:
         return LceGrads(*backward(res.x2d, res.w, res.bias, res.target, res.lse, coef, softcap=softcap,
-                                  config=config.tiles, weight_layout=config.weight_layout, chunk=config.chunk))
+                                  config=config.tiles, weight_layout=config.weight_layout, chunk=config.chunk,
+                                  kept=res.kept, kept_chunk=config.kept_chunk))

@@ -106,6 +106,7 @@ class MosaicTpuBackend(MosaicTpuBase):
     tiles): class weights, no argmax."""
 
     class_weights = True
+    keeps = False
 
     def forward(self, x2d, w, bias, target, config: MosaicTpuConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

@@ -43,6 +43,7 @@ target outside [0, V_l) matches no local column; its local target logit is maske
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -73,16 +74,25 @@ from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends an
 
 
 def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth, vocab_axes, class_weight=None,
-                  need_argmax=False):
+                  need_argmax=False, keep=None):
     """Global statistics (lse, z_t, S|None) of this device's tokens, and with
     ``need_argmax`` (row maximum, first index of it) as well; the local columns are
     reduced by ``backend.forward`` under ``config`` (its Config for these shapes) and
     merged over ``vocab_axes`` (O(tokens) collectives; the argmax: one more MAX and a MIN
-    over the devices holding the maximum)."""
+    over the devices holding the maximum). ``keep`` not None: returns (statistics, what
+    the backend kept of its local columns for ``local_backward``, or None), ``keep=True``
+    passed to backends with ``keeps``."""
     vaxis = w_axis(config.weight_layout)
     t, in_range = local_targets(target, vocab_axes, w.shape[vaxis])
     st = backend.forward(x2d, w, bias, t, config, softcap=softcap, need_smooth=need_smooth,
-                         class_weight=class_weight, need_argmax=need_argmax)
+                         class_weight=class_weight, need_argmax=need_argmax,
+                         **({"keep": True} if keep and backend.keeps else {}))
+    out = _merged(st, in_range, vocab_axes, need_argmax, w.shape[vaxis])
+    return out if keep is None else (out, st.kept)
+
+
+def _merged(st, in_range, vocab_axes, need_argmax, local_v):
+    """``local_forward``'s statistics of the backend's local ``st`` (merged over the vocab axes)."""
     lse, zt, ss = st.lse, st.target_logit, st.smooth_sum
     arg = (st.best, st.argmax) if need_argmax else ()
     if not vocab_axes:
@@ -93,7 +103,7 @@ def local_forward(backend, x2d, w, bias, target, config, *, softcap, need_smooth
     out = (m + jnp.log(sums[0]), sums[1], (None if ss is None else sums[2]))
     if need_argmax:  # the first device (lowest column ids) holding the largest maximum
         best, idx = arg
-        idx = idx + vocab_offset(vocab_axes, w.shape[vaxis]).astype(idx.dtype)
+        idx = idx + vocab_offset(vocab_axes, local_v).astype(idx.dtype)
         top = lax.pmax(best, vocab_axes)
         idx = lax.pmin(jnp.where(best == top, idx, jnp.iinfo(idx.dtype).max), vocab_axes)
         out = out + (top, idx)
@@ -124,6 +134,82 @@ class _Static(NamedTuple):
     weight_layout: str
     has_bias: bool
     need_argmax: bool = False
+    #: The per-device residual slots' global types, ((rows, columns), dtype name) each:
+    #: what the backend's forward keeps for its backward, one block of rows per device
+    #: (``kept_slots``); () keeps nothing.
+    slots: tuple = ()
+
+
+def _kept_types(static: _Static, backend, config, x_shape, w_shape, dtype):
+    """The types of what ``backend.forward(keep=True)`` keeps at these per-device shapes
+    (``jax.eval_shape``: nothing runs), or None (it keeps nothing there)."""
+    if not backend.keeps or static.has_bias:
+        return None
+    sds = jax.ShapeDtypeStruct
+    kept = jax.eval_shape(
+        lambda x, w, t: backend.forward(x, w, None, t, config, softcap=static.softcap, need_smooth=static.need_smooth,
+                                        keep=True).kept,
+        sds(tuple(x_shape), dtype), sds(tuple(w_shape), dtype), sds((x_shape[0],), jnp.int32))
+    return tuple(kept) if kept else None
+
+
+def kept_slots(static: _Static, x_shape, w_shape, dtype, devices: int) -> tuple:
+    """``_Static.slots`` of a sharded jit over ``devices`` devices: what the backend keeps
+    for an even share of the problem (N / devices tokens, the whole vocabulary; the same
+    elements per device as any split of N x V over all devices: a vocabulary split's
+    arrays are reshaped to it), each array as (devices x rows, columns). () when the
+    tokens do not divide, nothing is kept there, or a split of the vocabulary keeps other
+    sizes (a budget that holds only part: mosaic_gpu's chunks differ). A device whose own
+    arrays do not have the share's sizes (a split over fewer devices, ragged tiles) keeps
+    nothing (``_local_kept``): the slots are then unused, within the same memory."""
+    n, h = x_shape
+    if devices < 2 or n % devices:
+        return ()
+    share = (n // devices, h)
+    backend, config = _local_backend(static, share, w_shape, dtype)
+    kept = _kept_types(static, backend, config, share, w_shape, dtype)
+    if kept is None:
+        return ()
+    # The same sizes when the vocabulary is split instead (else a device of one split or
+    # the other would keep nothing into its slots: e.g. a budget that holds part of them).
+    vaxis = 1 if static.weight_layout == "hv" else 0
+    if w_shape[vaxis] % devices == 0:
+        w_share = tuple(d // devices if i == vaxis else d for i, d in enumerate(w_shape))
+        backend_v, config_v = _local_backend(static, x_shape, w_share, dtype)
+        other = _kept_types(static, backend_v, config_v, x_shape, w_share, dtype)
+        if other is None or [math.prod(a.shape) for a in other] != [math.prod(a.shape) for a in kept]:
+            return ()
+    return tuple(((devices * a.shape[0], math.prod(a.shape[1:])), jnp.dtype(a.dtype).name) for a in kept)
+
+
+def _warn_unused_slots(static: _Static, axes: Axes) -> None:
+    import warnings
+
+    per_device = sum(r * c * jnp.dtype(dt).itemsize for (r, c), dt in static.slots) // axes.devices
+    warnings.warn(
+        f"logitless.jax.linear_cross_entropy: the tokens and the vocabulary are split over fewer than the mesh's "
+        f"{axes.devices} devices (token axes {axes.token}, vocabulary axes {axes.vocab}): what the forward keeps "
+        f"for the backward does not fit its per-device slots, so the backward recomputes it and the slots "
+        f"({per_device / 2**20:.0f} MiB per device) go unused, beside the memory budget. Split the tokens (or "
+        f"the weight's vocabulary) over every mesh axis, or call it inside jax.shard_map with token_axis_name / "
+        f"vocab_axis_name.", RuntimeWarning, stacklevel=2)
+
+
+def mesh_devices() -> int:
+    """The devices a sharded jit spreads over, as far as tracing knows: the context mesh's
+    (``jax.set_mesh``, ``with mesh``), else all of them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.size if not getattr(mesh, "empty", True) else jax.device_count()
+
+
+def _local_kept(static: _Static, backend, config, x_shape, w_shape, dtype, axes: Axes):
+    """(the slots' per-device shapes, whether this device's forward keeps into them):
+    it does when what it keeps has the slots' sizes, one array per slot."""
+    shapes = tuple((rows // axes.devices, cols) for (rows, cols), _ in static.slots)
+    kept = _kept_types(static, backend, config, x_shape, w_shape, dtype) if shapes else None
+    fits = kept is not None and len(kept) == len(shapes) and all(
+        math.prod(k.shape) == r * c for k, (r, c) in zip(kept, shapes))
+    return shapes, (kept if fits else None)
 
 
 def _local_backend(static: _Static, x_shape, w_shape, dtype):
@@ -145,32 +231,45 @@ def forward_fn(static: _Static):
         else:
             (x2d, w, target), bias = args, None
         backend, config = _local_backend(static, x2d.shape, w.shape, x2d.dtype)
-        out = local_forward(backend, x2d, w, bias, target, config, softcap=static.softcap,
-                            need_smooth=static.need_smooth, vocab_axes=axes.vocab, need_argmax=static.need_argmax)
-        return tuple(out[:nout]) + tuple(out[3:])
+        shapes, kept_types = _local_kept(static, backend, config, x2d.shape, w.shape, x2d.dtype, axes)
+        if shapes and kept_types is None and axes.devices > 1:
+            _warn_unused_slots(static, axes)
+        out, kept = local_forward(backend, x2d, w, bias, target, config, softcap=static.softcap,
+                                  need_smooth=static.need_smooth, vocab_axes=axes.vocab,
+                                  need_argmax=static.need_argmax, keep=kept_types is not None)
+        # The kept arrays as this device's block of each slot (a reshape, no copy), else unused blocks.
+        slots = tuple(k.reshape(shape) if kept_types is not None else lax.empty(shape, jnp.dtype(dt))
+                      for k, shape, (_, dt) in zip(kept or (None,) * len(shapes), shapes, static.slots))
+        return tuple(out[:nout]) + tuple(out[3:]) + slots
 
     kinds = ("x", "w") + (("b",) if static.has_bias else ()) + ("n",)
-    return partitioned(local, in_kinds=kinds, out_kinds=("n",) * (nout + 2 * static.need_argmax),
+    slot_kinds = tuple(f"slot{i}" for i in range(len(static.slots)))
+    return partitioned(local, in_kinds=kinds, out_kinds=("n",) * (nout + 2 * static.need_argmax) + slot_kinds,
                        vaxis=w_axis(static.weight_layout))
 
 
 @functools.cache
 def backward_fn(static: _Static):
-    """fn(x2d, w, [bias,] target, lse, coef) -> (dx, dw[, db]) partitioned per device."""
+    """fn(x2d, w, [bias,] target, lse, coef[, *slots]) -> (dx, dw[, db]) partitioned per device."""
+    nslots = len(static.slots)
 
     def local(args, axes, scatter):
+        args, slots = (args[:-nslots], args[-nslots:]) if nslots else (args, ())
         if static.has_bias:
             x2d, w, bias, target, lse, coef = args
         else:
             (x2d, w, target, lse, coef), bias = args, None
         backend, config = _local_backend(static, x2d.shape, w.shape, x2d.dtype)
-        dx, dw, db = local_backward(backend, LceResiduals(x2d, w, bias, target, None, lse), coef, config,
+        _, kept_types = _local_kept(static, backend, config, x2d.shape, w.shape, x2d.dtype, axes)
+        kept = None if kept_types is None else tuple(a.reshape(k.shape) for a, k in zip(slots, kept_types))
+        dx, dw, db = local_backward(backend, LceResiduals(x2d, w, bias, target, None, lse, kept), coef, config,
                                     softcap=static.softcap, vocab_axes=axes.vocab, token_axes=())
         dw, db = reduce_weight_grads(dw, db, axes.token, scatter)
         return (dx, dw, db) if static.has_bias else (dx, dw)
 
     b = ("b",) if static.has_bias else ()
-    return partitioned(local, in_kinds=("x", "w") + b + ("n", "n", "kn"), out_kinds=("x", "w") + b,
+    slot_kinds = tuple(f"slot{i}" for i in range(nslots))
+    return partitioned(local, in_kinds=("x", "w") + b + ("n", "n", "kn") + slot_kinds, out_kinds=("x", "w") + b,
                        vaxis=w_axis(static.weight_layout))
 
 

@@ -198,6 +198,7 @@ class TritonBackend(TritonBase):
 
     class_weights = True
     argmax = True
+    keeps = False
 
     def forward(self, x2d, w, bias, target, config: TritonConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:

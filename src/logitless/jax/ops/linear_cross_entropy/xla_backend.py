@@ -175,6 +175,7 @@ class XlaBackend(XlaBase):
 
     class_weights = True
     argmax = True
+    keeps = False
 
     def forward(self, x2d, w, bias, target, config: XlaConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False) -> LceStats:
