@@ -204,12 +204,23 @@ def make_steps(n: int, h: int = 64, v: int = 1024, dtype=torch.bfloat16):
         x.grad = w.grad = None
         logitless.linear_log_probs(x, w, t, backend="triton").sum().backward()
 
-    def jsd():
+    def linear_jsd():
         x.grad = w.grad = None
         logitless.linear_jsd(x, w, xt, wt, t, backend="triton").backward()
 
+    z = torch.randn(n, v, generator=g).to(dtype).requires_grad_(True)  # logits (the ops on given logits)
+    zt = torch.randn(n, v, generator=g).to(dtype)
+
+    def cross_entropy():
+        z.grad = None
+        logitless.cross_entropy(z, t, backend="triton").backward()
+
+    def jsd():
+        z.grad = None
+        logitless.jsd(z, zt, t, backend="triton").backward()
+
     return dict(linear_cross_entropy=lce, lce_smoothing_zloss=lce_smooth, linear_log_probs=log_probs,
-                linear_jsd=jsd)
+                linear_jsd=linear_jsd, cross_entropy=cross_entropy, jsd=jsd)
 
 
 def host_ms(step, reps: int, stat: str = "median") -> float:
@@ -298,7 +309,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="also hidden 16, vocab 128: the host path alone")
-    ap.add_argument("--ops", default="", help="comma-separated subset of the ops (default: all)")
+    ap.add_argument("--ops", default="", help="comma-separated subset of make_steps' names: linear_cross_entropy, "
+                    "lce_smoothing_zloss, linear_log_probs, linear_jsd, cross_entropy, jsd (default: all)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # host work is single-threaded; the machine may be shared

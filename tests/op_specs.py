@@ -293,19 +293,27 @@ def _ce_bad_calls():
 
 
 def _ce_opcheck(backend):
+    from logitless.ops.cross_entropy.api import OPS
+    from logitless.ops.cross_entropy.contract import CeBackwardCall, CeCall, CeOutputs
+    from logitless.options import CrossEntropyOptions
+
     g = _gen(6)
     logits = torch.randn(11, 37, generator=g).to(DEVICE).requires_grad_()
     t = torch.randint(0, 37, (11,), generator=g).to(DEVICE)
     cw = (torch.rand(37, generator=g) + 0.5).to(DEVICE)
     for reduction in ("mean", "none"):
-        options = (-100, reduction, 0.1, 5.0, 1e-3, backend, 4096)
-        yield custom_op("ce_forward"), (logits, t, cw, *options, True), None
-        yield custom_op("ce_forward"), (logits.detach().T.contiguous().T, t, None, *options, False), None
-        _, lse, _, w_t, config = custom_op("ce_forward")(logits, t, cw, *options, False)
+        opts = CrossEntropyOptions(-100, reduction, 0.1, 5.0, 1e-3)
+        call = CeCall(logits, t, cw, opts, backend, 4096, need_argmax=True)
+        yield custom_op("ce_forward"), OPS.args(call), None
+        strided = CeCall(logits.detach().T.contiguous().T, t, None, opts, backend, 4096, need_argmax=False)
+        yield custom_op("ce_forward"), OPS.args(strided), None
+        no_argmax = CeCall(logits, t, cw, opts, backend, 4096, need_argmax=False)
+        out = CeOutputs._make(custom_op("ce_forward")(*OPS.args(no_argmax)))
         grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
-        for grad_lse in (None, torch.randn(lse.shape, device=DEVICE)):  # the per-token lse is differentiable
-            yield custom_op("ce_backward"), (grad_loss, grad_lse, logits.detach(), t, cw, lse.detach(), w_t,
-                                             config, *options[:-1]), None
+        for grad_lse in (None, torch.randn(out.lse.shape, device=DEVICE)):  # the per-token lse is differentiable
+            bcall = CeBackwardCall(grad_loss, grad_lse, logits.detach(), t, cw, out.lse.detach(), out.w_t, out.config,
+                                   opts, backend)
+            yield custom_op("ce_backward"), OPS.backward_args(bcall), None
 
 
 CROSS_ENTROPY = OpSpec(
@@ -382,14 +390,20 @@ _JSD_ALL = {"_ignore": 0.3, "student_softcap": 4.0, "teacher_softcap": 3.0, "har
 
 
 def _jsd_opcheck(backend):
+    from logitless.ops.jsd.api import OPS
+    from logitless.ops.jsd.contract import JsdBackwardCall, JsdCall, JsdOutputs
+    from logitless.options import JSDOptions
+
     case = _jsd_make({"lead": (6,), "vocab": 19}, torch.float32, _JSD_ALL, seed=10)
     zs, zt, target = case.args
-    opts = (0.3, 1.5, -100, 4.0, 3.0, 0.3, 1 << 20, backend)
-    yield custom_op("jsd_forward"), (zs, zt, target) + opts, None
-    _, stats, config = custom_op("jsd_forward")(zs, zt, target, *opts)
-    yield (custom_op("jsd_backward"),
-           (torch.randn(6, device=DEVICE), zs.detach(), zt, target, stats.detach(), config) + opts[:-2] + (backend,),
-           None)
+    opts = JSDOptions(beta=0.3, temperature=1.5, ignore_index=-100, student_softcap=4.0, teacher_softcap=3.0,
+                      hard_label_weight=0.3)
+    call = JsdCall(zs, zt, target, opts, 1 << 20, backend)
+    yield custom_op("jsd_forward"), OPS.args(call), None
+    out = JsdOutputs._make(custom_op("jsd_forward")(*OPS.args(call)))
+    bcall = JsdBackwardCall(torch.randn(6, device=DEVICE), zs.detach(), zt, target, out.stats.detach(), out.config,
+                            opts, backend)
+    yield custom_op("jsd_backward"), OPS.backward_args(bcall), None
 
 
 JSD = OpSpec(

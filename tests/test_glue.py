@@ -10,6 +10,7 @@ the op pair here is made from linear_cross_entropy's own bodies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -143,3 +144,27 @@ def test_declarations_are_checked():
         k: Optional[int]
 
     assert Fields(Fine).schema(1) == "(Tensor x, Tensor? y, Tensor config, SymInt? k) -> (Tensor)"
+
+
+def test_one_differentiable_input_has_one_tensor_returned():
+    """A backward op of one gradient (cross_entropy's d logits) has one Tensor return, not a
+    tuple; the glue hands autograd that gradient on both paths, the same bits."""
+    from logitless.ops.cross_entropy.api import OPS
+    from logitless.ops.cross_entropy.contract import CeBackwardCall, CeCall, CeOutputs
+
+    assert len(torch.ops.logitless.ce_backward.default._schema.returns) == 1
+    g = torch.Generator().manual_seed(1)
+    z0, t = torch.randn(6, 13, generator=g), torch.randint(0, 13, (6,), generator=g)
+    opts = CrossEntropyOptions(label_smoothing=0.1)
+    out = CeOutputs._make(OPS.forward_op(*OPS.args(CeCall(z0, t, None, opts, "torch", 1 << 20, True))))
+    b = CeBackwardCall(torch.tensor(1.0), None, z0, t, None, out.lse, out.w_t, out.config, opts, "torch")
+    assert isinstance(OPS.backward_op(*OPS.backward_args(b)), Tensor)
+    grads = []
+    for mode in (None, PassThrough()):
+        z = z0.clone().requires_grad_()
+        with mode if mode is not None else contextlib.nullcontext():
+            loss = OPS(CeCall(z, t, None, opts, "torch", 1 << 20, False)).loss
+        assert ("Eager" in type(loss.grad_fn).__name__) == (mode is None)
+        loss.backward()
+        grads.append(z.grad)
+    assert grads[0].shape == z0.shape and torch.equal(grads[0], grads[1])

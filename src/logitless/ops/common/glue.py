@@ -30,7 +30,9 @@ Outputs`` (shapes; ``config`` may be None: the glue fills the codec's fake),
 ``backward(ctx, grads, need) -> grads`` (``grads``: the outputs' gradients by name, None
 where absent; ``need``: a NamedTuple of bools named after ``differentiable``; it returns
 one gradient per differentiable input, computing them with ``ctx.run_backward(bcall)``
-or by itself), ``backward_impl(bcall) -> (gradients)`` and ``backward_fake(bcall)``.
+or by itself), ``backward_impl(bcall) -> (gradients)`` and ``backward_fake(bcall)`` (a
+tuple, one per differentiable input; the backward custom op of a single one returns it
+as one Tensor, its schema's one return).
 Each backward runs under its forward's planner overrides (autograd runs CUDA backwards on
 a thread of its own). Double backward raises one clear error.
 """
@@ -171,7 +173,10 @@ def below_autograd():
     """The context in which the eager path's backward runs the backward body, as the
     dispatcher runs a custom op's: recording no autograd history (a backward with
     create_graph=True runs with grad mode on)."""
-    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+    return torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # (reusable: it holds no state)
 
 
 class NoDoubleBackward(torch.autograd.Function):
@@ -224,6 +229,15 @@ def zero_grads(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
     return torch.zeros_like(x), torch.zeros_like(weight), torch.zeros_like(bias) if bias is not None else None
 
 
+def _returned(grads: tuple):
+    """A backward custom op's return: its gradients, or the one Tensor of an op with one
+    differentiable input (a schema of one return is that Tensor, not a tuple)."""
+    if len(grads) != 1:
+        return grads
+    (grad,) = grads
+    return grad
+
+
 class CustomOp:
     """An op's forward/backward custom-op pair, its autograd and its eager path (module
     docstring). ``table``: the op's backends by name (``api.BACKENDS``); ``call.backend``
@@ -273,8 +287,9 @@ class CustomOp:
 
     def __call__(self, call):
         """The forward's outputs (``Outputs``) of ``call``, with autograd."""
-        if eager_fast_path_ok([getattr(call, n) for n in self.tensor_names]):
-            return self.outputs._make(self.apply(call, *[getattr(call, n) for n in self.differentiable]))
+        get = call.__getattribute__  # (map, not comprehensions: no frames per call)
+        if eager_fast_path_ok(map(get, self.tensor_names)):
+            return self.outputs._make(self.apply(call, *map(get, self.differentiable)))
         return self.outputs._make(self.forward_op(*self.args(call)))
 
     def args(self, call) -> tuple:
@@ -294,7 +309,8 @@ class CustomOp:
                     return tuple(self._backward_impl(b, self.table[b.backend]))
         else:
             def run(b) -> tuple:
-                return tuple(self.backward_op(*self.backward_args(b)))
+                out = self.backward_op(*self.backward_args(b))
+                return (out,) if isinstance(out, Tensor) else tuple(out)  # (one gradient: a Tensor)
         return run
 
     # ---------------------------------------------------------------- custom-op bodies
@@ -315,11 +331,11 @@ class CustomOp:
 
     def _backward_op_impl(self, *args):
         b = self.backward_fields.build(args)
-        return tuple(self._backward_impl(b, self.table[b.backend]))
+        return _returned(tuple(self._backward_impl(b, self.table[b.backend])))
 
     def _backward_op_fake(self, *args):
         b = self.backward_fields.build(args)
-        return tuple(self._backward_fake(b, self.table[b.backend]))
+        return _returned(tuple(self._backward_fake(b, self.table[b.backend])))
 
     # ---------------------------------------------------------------- autograd
 
@@ -341,7 +357,10 @@ class CustomOp:
         else:
             with _overrides.restored(state):
                 out = self._backward(ctx, grads, need, self._runner(ctx))
-        out = tuple(g if n else None for g, n in zip(out, need))
+        if not all(need):
+            out = tuple(g if n else None for g, n in zip(out, need))
+        if not torch.is_grad_enabled():  # (first-order: nothing to guard; saved tensors not unpacked again)
+            return out
         return guard_double_backward(self.title, out, *grads, *ctx.saved_tensors)
 
     def _eager_backward(self, ctx, *grads):

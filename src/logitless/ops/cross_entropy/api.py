@@ -20,8 +20,9 @@ from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import CrossEntropyOptions, check_memory_budget
 
-from .contract import CeBackend
-from .custom_op import InplaceCrossEntropy, ce_forward_eager, use_backends
+from . import custom_op
+from .contract import CeBackend, CeCall
+from .custom_op import InplaceCrossEntropy
 from .torch_backend import TorchBackend
 
 
@@ -35,7 +36,8 @@ def _triton() -> CeBackend:
 #: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on
 #: first use (its module needs the optional package).
 BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
-use_backends(BACKENDS)
+#: The custom-op pair (logitless::ce_forward / ce_backward) over the table.
+OPS = custom_op.define(BACKENDS)
 
 
 def _classes_last(logits: Tensor, target: Tensor, class_dim: Optional[int]) -> Tensor:
@@ -214,17 +216,17 @@ def cross_entropy(
 
     logits2d = logits.reshape(-1, num_classes)  # a view unless the leading dims cannot merge
     flat_target = target.reshape(-1).long()
+    call = CeCall(logits2d, flat_target, class_weight, opts, impl, memory_budget, return_stats)
     if inplace_backward:
         if not _disjoint(logits2d):
             raise ValueError(
                 f"inplace_backward=True needs logits whose elements do not overlap in memory, got "
                 f"strides {tuple(logits.stride())}; pass logits.contiguous() or inplace_backward=False"
             )
-        loss, lse, argmax = InplaceCrossEntropy.apply(
-            logits2d, flat_target, class_weight, opts, BACKENDS[impl], memory_budget, return_stats)
+        loss, lse, argmax = InplaceCrossEntropy.apply(call, BACKENDS[impl], logits2d)
     else:
-        inputs = (logits2d, flat_target, class_weight, *opts.args(), impl, memory_budget, return_stats)
-        loss, lse, argmax, *_ = ce_forward_eager.runner(inputs)(*inputs)
+        out = OPS(call)
+        loss, lse, argmax = out.loss, out.lse, out.argmax
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     if not return_stats:

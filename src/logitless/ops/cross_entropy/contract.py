@@ -15,17 +15,21 @@ the backward gets the forward's, never a new one, and it crosses the custom ops 
 ``backend.codec`` encodes it. ``coef`` holds the (3, N) coefficients A, B, C of
 ``formulas.cross_entropy.grad_coefficients``; ``backward`` writes d loss / d logits into
 ``out`` (N, V), which may be the logits themselves (``inplace_backward``).
+
+The custom ops (``custom_op``) are declared at the bottom: ``CeCall`` -> ``CeOutputs``
+(``logitless::ce_forward``), ``CeBackwardCall`` -> d loss / d logits (``ce_backward``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import Backend
+from logitless.ops.common.glue import Call, Encoded
 from logitless.options import CrossEntropyOptions
 
 
@@ -54,3 +58,54 @@ class CeBackend(Backend, Protocol):
                  lse: Tensor, coef: Tensor, out: Tensor, config: Any) -> None:
         """Writes d loss / d logits into ``out``."""
         ...
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+
+@dataclass(frozen=True)
+class CeCall(Call):
+    """One call of the forward op (``custom_op``), from the public function's checked inputs.
+
+    logits (N, V) (any strides), target (N,) int64, class_weight (V,) or None; ``backend``:
+    its name in ``api.BACKENDS``; ``budget``: bytes of temporaries (the torch backend's
+    chunks); ``need_argmax``: return the per-token argmax (``return_stats``)."""
+
+    differentiable = ("logits",)
+
+    logits: Tensor
+    target: Tensor
+    class_weight: Optional[Tensor]
+    opts: CrossEntropyOptions
+    backend: str
+    budget: int
+    need_argmax: bool
+
+
+class CeOutputs(NamedTuple):
+    """The forward op's outputs: loss (() or (N,) for "none"), lse (N,) (differentiable),
+    argmax (N,) int64 ((0,) without ``need_argmax``), w_t (N,) the per-token weights; fp32
+    (fp64 for fp64 logits); config: the backend's Config (None without tokens)."""
+
+    loss: Tensor
+    lse: Tensor
+    argmax: Tensor
+    w_t: Tensor
+    config: Any
+
+
+@dataclass(frozen=True)
+class CeBackwardCall(Call):
+    """One call of the backward op (-> d loss / d logits): the upstream gradients of the
+    loss and of the lse, the forward's inputs, statistics and Config."""
+
+    grad_loss: Tensor
+    grad_lse: Optional[Tensor]
+    logits: Tensor
+    target: Tensor
+    class_weight: Optional[Tensor]
+    lse: Tensor
+    w_t: Tensor
+    config: Encoded
+    opts: CrossEntropyOptions
+    backend: str

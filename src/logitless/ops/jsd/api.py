@@ -4,9 +4,9 @@ A bandwidth-bound distillation loss on (..., V) student and teacher logits: the 
 reads both twice (log-sum-exps, then the divergence sums) and keeps O(tokens)
 statistics; the backward reads both once more and writes the student's gradient once.
 
-torch.compile: the work is two custom ops (``custom_op.py``) that run the backends of
-``BACKENDS`` (``contract.JsdBackend``); validation and the reduction are plain
-Python/torch around them, so ``fullgraph=True`` works.
+torch.compile: the work is two custom ops (``OPS``: ``custom_op.py``'s bodies of the calls
+declared in ``contract.py``) that run the backends of ``BACKENDS`` (``contract.JsdBackend``);
+validation and the reduction are plain Python/torch around them, so ``fullgraph=True`` works.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import JSDOptions, check_memory_budget
 
-from .contract import JsdBackend
-from .custom_op import jsd_forward_eager, use_backends
+from . import custom_op
+from .contract import JsdBackend, JsdCall
 from .torch_backend import TorchBackend
 
 
@@ -39,7 +39,8 @@ def _triton() -> JsdBackend:
 #: to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on first use
 #: (its module needs the optional package).
 BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
-use_backends(BACKENDS)
+#: The custom-op pair (logitless::jsd_forward / jsd_backward) over the table.
+OPS = custom_op.define(BACKENDS)
 
 
 def jsd(
@@ -121,8 +122,7 @@ def jsd(
     zs = student_logits.reshape(-1, v)
     zt = teacher_logits.reshape(-1, v)
     flat_target = target.reshape(-1).long()
-    inputs = (zs, zt, flat_target, *opts.args(), memory_budget, impl)
-    loss_tok, *_ = jsd_forward_eager.runner(inputs)(*inputs)
+    loss_tok = OPS(JsdCall(zs, zt, flat_target, opts, memory_budget, impl)).loss
     loss = reduce(loss_tok, flat_target, reduction, opts.ignore_index)
     return loss.reshape(lead) if reduction == "none" else loss
 

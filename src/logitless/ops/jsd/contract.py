@@ -14,16 +14,21 @@ row statistics of ``formulas.jsd``; ``g`` the per-token upstream gradient
 ``config`` is the backend's frozen Config (``TorchConfig``, ``TritonConfig``): the
 backward gets the forward's, never a new one, and it crosses the custom ops as
 ``backend.codec`` encodes it.
+
+The custom ops (``custom_op``) are declared at the bottom: ``JsdCall`` -> ``JsdOutputs``
+(``logitless::jsd_forward``), ``JsdBackwardCall`` -> d loss / d student logits
+(``jsd_backward``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
 from logitless.ops.common.contract import Backend
+from logitless.ops.common.glue import Call, Encoded
 from logitless.options import JSDOptions
 from logitless.planning.logits import CETritonPlan, JSDStatsPlan
 
@@ -61,3 +66,50 @@ class JsdBackend(Backend, Protocol):
                  opts: JSDOptions, config: Any) -> Tensor:
         """d loss / d student logits (N, V) in the student logits' dtype."""
         ...
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+
+@dataclass(frozen=True)
+class JsdCall(Call):
+    """One call of the forward op (``custom_op``), from the public function's checked inputs.
+
+    student_logits, teacher_logits (N, V) (any strides; the teacher gets no gradient),
+    target (N,) int64 (all 0 with ``opts.ignore_index`` -1 when the caller gave none);
+    ``budget``: bytes of temporaries (the torch backend's chunks); ``backend``: its name in
+    ``api.BACKENDS``."""
+
+    differentiable = ("student_logits",)
+
+    student_logits: Tensor
+    teacher_logits: Tensor
+    target: Tensor
+    opts: JSDOptions
+    budget: int
+    backend: str
+
+
+class JsdOutputs(NamedTuple):
+    """The forward op's outputs: the per-token loss (N,) and the (6, N) row statistics of
+    ``formulas.jsd``, fp32 (fp64 for fp64); config: the backend's Config (None without
+    tokens)."""
+
+    loss: Tensor
+    stats: Tensor
+    config: Any
+
+
+@dataclass(frozen=True)
+class JsdBackwardCall(Call):
+    """One call of the backward op (-> d loss / d student logits): the per-token loss's
+    upstream gradient, the forward's inputs, statistics and Config."""
+
+    grad_loss: Tensor
+    student_logits: Tensor
+    teacher_logits: Tensor
+    target: Tensor
+    stats: Tensor
+    config: Encoded
+    opts: JSDOptions
+    backend: str
