@@ -507,13 +507,20 @@ def _ljsd_opcheck(backend):
     case = _ljsd_make({"lead": (5,), "hidden": 8, "teacher_hidden": 6, "vocab": 13}, torch.float32, opts, seed=10)
     xs, ws, xt, wt, target = case.args
     bs, bt = case.kwargs["student_bias"], case.kwargs["teacher_bias"]
-    options = (0.3, 1.5, -100, 4.0, 3.0, 0.3, "none", 1 << 20, backend)  # (JSDOptions, reduction, budget, backend)
-    fwd = (xs, ws, bs, xt, wt, bt, target) + options
-    yield custom_op("linear_jsd_forward"), fwd, None
-    _, stats, config, *_ = custom_op("linear_jsd_forward")(*fwd)  # (config: the backend's encoded Config)
-    bwd = (torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt, target,
-           stats.detach(), config) + options[:7] + (backend, True, True, True)  # (no budget: the Config's)
-    yield custom_op("linear_jsd_backward"), bwd, None
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_jsd.api import OPS
+    from logitless.ops.linear_jsd.contract import LjsdBackwardCall, LjsdCall, LjsdOutputs
+    from logitless.options import JSDOptions, VocabParallelOptions
+
+    opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0, hard_label_weight=0.3)
+    need, tp = Needs(True, True, True), VocabParallelOptions()
+    call = LjsdCall(xs, ws, bs, xt, wt, bt, target, opts, "none", 1 << 20, backend, grad_in_forward=False,
+                    need=need, tp=tp)
+    yield custom_op("linear_jsd_forward"), OPS.args(call), None
+    out = LjsdOutputs._make(custom_op("linear_jsd_forward")(*OPS.args(call)))  # (config: encoded)
+    bcall = LjsdBackwardCall(torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt,
+                             target, out.stats.detach(), out.config, opts, "none", backend, need, tp)
+    yield custom_op("linear_jsd_backward"), OPS.backward_args(bcall), None  # (no budget: the Config's)
 
 
 LINEAR_JSD = OpSpec(

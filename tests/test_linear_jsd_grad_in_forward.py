@@ -171,16 +171,20 @@ def test_a_strategy_of_the_forward_op(calls, allowed):
     planner picks it (forced here); the gradient outputs are there only then, the fake
     gives their exact shapes (opcheck) and the backward scales them. Not allowed: empty
     gradient outputs and the usual backward, with the same loss."""
-    from logitless.ops.linear_jsd import custom_op as ops
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_jsd.api import OPS
+    from logitless.ops.linear_jsd.contract import LjsdCall, LjsdOutputs
+    from logitless.options import JSDOptions, VocabParallelOptions
 
     xs, ws, xt, wt, t, kw = make_inputs((9,), 16, 12, 37, torch.float32, {"_bias": True}, seed=4)
     bs, bt = kw["student_bias"], kw["teacher_bias"]
-    args = (xs, ws, bs, xt, wt, bt, t, 0.5, 1.0, -100, None, None, 0.0, "sum", 1 << 20, "triton", allowed,
-            True, True, True)
+    call = LjsdCall(xs, ws, bs, xt, wt, bt, t, JSDOptions(), "sum", 1 << 20, "triton", grad_in_forward=allowed,
+                    need=Needs(True, True, True), tp=VocabParallelOptions())
     with override(strategy=("grad_in_forward", 4)):
-        torch.library.opcheck(ops.linear_jsd_forward_op, args,
+        torch.library.opcheck(OPS.forward_op, OPS.args(call),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        loss, _, _, gx, gw, gb = ops.linear_jsd_forward_op(*args)
+        out = LjsdOutputs._make(OPS.forward_op(*OPS.args(call)))
+    loss, gx, gw, gb = out.loss, out.gx, out.gw, out.gb
     assert (gx.shape, gw.shape, gb.shape) == ((xs.shape, ws.shape, bs.shape) if allowed else ((0,),) * 3)
     assert bool(calls) == allowed and set(calls) <= {4}
     grads = torch.autograd.grad(loss * 0.5, (xs, ws, bs))
@@ -189,3 +193,26 @@ def test_a_strategy_of_the_forward_op(calls, allowed):
     torch.testing.assert_close(loss, ref)
     for a, e in zip(grads, torch.autograd.grad(ref * 0.5, (xs, ws, bs))):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "helion"])
+def test_allowed_only_for_a_backend_that_has_it(monkeypatch, backend):
+    """The public function allows the strategy (``LjsdCall.grad_in_forward``) for a backend
+    whose ``grad_in_forward`` capability is set (the Triton backend's strategy), never for
+    one without (torch, Helion), asked after the backend is resolved (the call it builds
+    is recorded, not run)."""
+    from logitless.ops.linear_jsd import api
+
+    class Built(Exception):
+        pass
+
+    def recording(call):
+        raise Built(call)
+
+    monkeypatch.setattr(api, "OPS", recording)
+    xs, ws, xt, wt, target, kw = make_inputs((6,), 16, 24, 41, torch.float32, {}, seed=3)
+    with pytest.raises(Built) as built:
+        logitless.linear_jsd(xs, ws, xt, wt, target, backend=backend)
+    call = built.value.args[0]
+    assert (call.backend, call.grad_in_forward) == (backend, backend == "triton")
+    assert (BACKENDS[backend].grad_in_forward is not None) == (backend == "triton")

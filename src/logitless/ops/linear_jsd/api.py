@@ -4,10 +4,11 @@ The loss equals ``jsd(student_x @ student_weight.T + student_bias, teacher_x @
 teacher_weight.T + teacher_bias, target, ...)`` without either head's (tokens x vocab)
 logits ever being stored.
 
-torch.compile: the work is two custom ops (``custom_op.py``; in eager mode a plain
-autograd.Function around their implementations, bitwise the same); validation and
-autocast casts are plain Python/torch around them, so ``fullgraph=True`` works. The
-reduction is inside the ops (fused with the loss epilogue on the Triton backend).
+torch.compile: the work is two custom ops (``OPS``, over the call ``contract.LjsdCall``
+and the bodies of ``custom_op.py``; in eager mode a plain autograd.Function around the
+same bodies, bitwise the same); validation and autocast casts are plain Python/torch
+around them, so ``fullgraph=True`` works. The reduction is inside the ops (fused with the
+loss epilogue on the Triton backend).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from torch import Tensor
 from logitless.distributed import api as _tp
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
-from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, TritonKind
+from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, Needs, TritonKind
 from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import JSDOptions, VocabParallelOptions
 
-from .contract import LjsdBackend
-from .custom_op import linear_jsd_forward_eager, use_backends
+from . import custom_op
+from .contract import LjsdBackend, LjsdCall
 from .torch_backend import TorchBackend
 
 
@@ -48,7 +49,8 @@ def _helion() -> LjsdBackend:
 #: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and Helion's
 #: are made on first use (their modules need the optional packages).
 BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
-use_backends(BACKENDS)
+#: The custom-op pair (logitless::linear_jsd_forward / linear_jsd_backward) over the table.
+OPS = custom_op.define(BACKENDS)
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
 NO_VOCAB_PARALLEL = VocabParallelOptions()
 
@@ -227,17 +229,19 @@ def linear_jsd(
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
     xt = xt if xt.stride(-1) == 1 else xt.contiguous()
     flat_target = target.reshape(-1).long()
-    # The Triton planner's gradient-in-forward strategy is allowed in eager mode only
-    # ("mean"/"sum"; one device's heads); the op's Config decides whether the forward
-    # also computes the student's gradients.
-    need = (xs.requires_grad, student_weight.requires_grad, student_bias is not None and student_bias.requires_grad)
-    in_forward = (torch.is_grad_enabled() and (need[0] or need[1] or need[2]) and reduction != "none"
-                  and not tp.parallel and backend != "helion" and not torch.compiler.is_compiling())
     # (no tokens on one device: no backend runs)
     impl = resolve_backend(backend, xs.device, xs.dtype, BACKENDS) if xs.shape[0] or tp.parallel else "torch"
-    inputs = (xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target, *opts.args(),
-              reduction, memory_budget, impl, in_forward, *need, *tp.args())
-    loss = linear_jsd_forward_eager.runner(inputs)(*inputs)[0]
+    # A backend's gradient-in-forward strategy (``LjsdBackend.grad_in_forward``: the
+    # Triton backend's) is allowed in eager mode only ("mean"/"sum"; one device's heads);
+    # the op's Config decides whether the forward also computes the student's gradients.
+    need = Needs(xs.requires_grad, student_weight.requires_grad,
+                 student_bias is not None and student_bias.requires_grad)
+    in_forward = (torch.is_grad_enabled() and (need.need_dx or need.need_dw or need.need_db)
+                  and reduction != "none" and not tp.parallel and BACKENDS[impl].grad_in_forward is not None
+                  and not torch.compiler.is_compiling())
+    call = LjsdCall(xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target, opts,
+                    reduction, memory_budget, impl, in_forward, need, tp)
+    loss = OPS(call).loss
     if reduction == "none":
         loss = loss.reshape(lead)
         return loss[..., :-1] if shift else loss

@@ -14,17 +14,22 @@ in ``api.BACKENDS``) is a ``LjsdBackend``. Per call, in this order:
 ops as ``backend.codec`` encodes it. The vocab-parallel path (``vocab_parallel``) calls the
 same methods on a rank's rows (``reduction=None``: the statistics only; ``column_sums``:
 its second pass for 0 < beta < 1; ``dx_acc``: dx as the partial sum in fp32).
+
+The custom ops' declarations (``ops.common.glue``) close the file: ``LjsdCall`` (the forward
+op's inputs by name), ``LjsdOutputs`` and ``LjsdBackwardCall`` (what the backward op reads).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Protocol
 
 from torch import Tensor
 
-from logitless.ops.common.contract import Backend
-from logitless.options import JSDOptions
+from logitless.ops.common.contract import Backend, Needs
+from logitless.ops.common.glue import Call, Encoded
+from logitless.options import JSDOptions, VocabParallelOptions
 from logitless.planning.logits import JSDStatsPlan
 from logitless.planning.plans import TorchPlan
 
@@ -92,12 +97,20 @@ class LjsdForward(NamedTuple):
 
 
 class LjsdBackend(Backend, Protocol):
-    """One backend of linear_jsd (module docstring)."""
+    """One backend of linear_jsd (module docstring).
+
+    Capability: ``grad_in_forward``, the backend's gradient-in-forward strategy (the
+    Triton backend's ``triton_grad_in_forward.forward_with_grad``, run by its ``forward``
+    when the Config chose it), or None (torch, Helion): the public function allows the
+    strategy (``LjsdCall.grad_in_forward``) only for a backend that has one."""
+
+    grad_in_forward: Optional[Callable]
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> Any:
         """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
-        a reduced loss, one device's heads); ``column_sums``: the call runs ``column_sums``."""
+        a reduced loss, one device's heads, a backend that has it); ``column_sums``: the
+        call runs ``column_sums``."""
         ...
 
     def forward(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
@@ -122,3 +135,74 @@ class LjsdBackend(Backend, Protocol):
         """(3, N): S, K and the student's target logit summed over these columns only, with
         the given log-sum-exps of the full rows (``vocab_parallel``'s second pass)."""
         ...
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+
+@dataclass(frozen=True)
+class LjsdCall(Call):
+    """One call of the forward op (``custom_op``), from the public function's checked inputs.
+
+    student_x (N, H_s), student_weight (V, H_s), student_bias (V,) or None; teacher_x
+    (N, H_t), teacher_weight (V, H_t), teacher_bias (V,) or None (constants: no gradient);
+    target (N,) int64 (``opts.ignore_index`` -1 when the caller gave none); with
+    ``tp.tp_group`` both weights are this rank's blocks of rows of vocab-parallel heads
+    (``vocab_parallel``). ``reduction``: of the loss, inside the op; ``budget``: bytes of
+    temporaries; ``grad_in_forward``: the caller allows the gradient-in-forward strategy
+    (eager, "mean"/"sum", one device's heads, a backend that has it: the Config decides);
+    ``need``: the student's gradients that a backward wants."""
+
+    differentiable = ("student_x", "student_weight", "student_bias")
+
+    student_x: Tensor
+    student_weight: Tensor
+    student_bias: Optional[Tensor]
+    teacher_x: Tensor
+    teacher_weight: Tensor
+    teacher_bias: Optional[Tensor]
+    target: Tensor
+    opts: JSDOptions
+    reduction: str
+    budget: int
+    backend: str
+    grad_in_forward: bool
+    need: Needs
+    tp: VocabParallelOptions
+
+
+class LjsdOutputs(NamedTuple):
+    """The forward op's outputs. loss: () for "mean"/"sum", (N,) for "none"; stats: the
+    (6, N) statistics of ``formulas.jsd``; both fp32 (fp64 for fp64); config: the backend's
+    Config; gx, gw, gb: the gradient-in-forward strategy's student gradients for a unit
+    upstream gradient (gw fp32 unless one chunk covers every token), size 0 otherwise."""
+
+    loss: Tensor
+    stats: Tensor
+    config: Any
+    gx: Tensor
+    gw: Tensor
+    gb: Tensor
+
+
+@dataclass(frozen=True)
+class LjsdBackwardCall(Call):
+    """One call of the backward op: the gradient of the (reduced) loss, the forward's
+    tensors and statistics, its Config (never a new plan: no budget), the options and
+    the student's gradients wanted."""
+
+    grad_loss: Tensor
+    student_x: Tensor
+    student_weight: Tensor
+    student_bias: Optional[Tensor]
+    teacher_x: Tensor
+    teacher_weight: Tensor
+    teacher_bias: Optional[Tensor]
+    target: Tensor
+    stats: Tensor
+    config: Encoded
+    opts: JSDOptions
+    reduction: str
+    backend: str
+    need: Needs
+    tp: VocabParallelOptions

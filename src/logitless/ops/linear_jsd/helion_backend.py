@@ -40,9 +40,10 @@ class HelionBackend(HelionKind):
     """backend="helion" (``contract.LjsdBackend``). Its Config (``HelionConfig``) says whether
     Helion runs the call or which backend runs in its place (that backend's Config in it),
     and the budget the kernels size their chunks by. ``others``: the backends by name
-    (``api.BACKENDS``)."""
+    (``api.BACKENDS``). No gradient-in-forward strategy (the Triton backend's)."""
 
     codec = ConfigCodec(HelionConfig)
+    grad_in_forward = None
 
     def __init__(self, others: Mapping[str, LjsdBackend]):
         self.others = others

@@ -148,9 +148,10 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
 
 class TorchBackend(TorchKind):
     """backend="torch" (``contract.LjsdBackend``): any device, fp64 too; its Config
-    (``TorchConfig``) holds every chunk size of the call."""
+    (``TorchConfig``) holds every chunk size of the call; no gradient-in-forward strategy."""
 
     codec = ConfigCodec(TorchConfig)
+    grad_in_forward = None
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> TorchConfig:

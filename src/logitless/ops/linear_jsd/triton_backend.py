@@ -221,8 +221,9 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
 class TritonBackend(TritonKind):
     """backend="triton" (``contract.LjsdBackend``): its Config (``TritonConfig``) holds the
     chunks and tiles of the call, the fused forward's choice and the gradient-in-forward
-    chunk. ``grad_in_forward``: the strategy that runs when the Config chose it
-    (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
+    chunk. ``grad_in_forward`` (the capability of ``contract.LjsdBackend``): the strategy
+    that runs when the Config chose it (``triton_grad_in_forward.forward_with_grad``, given
+    by the table in ``api``)."""
 
     codec = ConfigCodec(TritonConfig)
 

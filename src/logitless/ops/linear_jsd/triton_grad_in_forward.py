@@ -1,6 +1,7 @@
-"""Gradient-in-forward strategy of linear_jsd's Triton backend (``cost_model``:
-"grad_in_forward", chosen by ``planning.linear_jsd_strategy`` in ``triton_backend.plan``: the
-Config's ``grad_in_forward`` chunk and its statistics' launches).
+"""Gradient-in-forward strategy of linear_jsd's Triton backend (its ``grad_in_forward``
+capability, ``contract.LjsdBackend``; ``cost_model``: "grad_in_forward", chosen by
+``planning.linear_jsd_strategy`` in ``triton_backend.plan``: the Config's ``grad_in_forward``
+chunk and its statistics' launches).
 
 For reductions "mean" and "sum" each token's upstream gradient is grad_output times a
 factor known before the forward (1 for "sum", 1 / #non-ignored tokens for "mean"; 0 at
