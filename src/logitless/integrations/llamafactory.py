@@ -1,5 +1,6 @@
 """LLaMA-Factory (0.9): SFT and DPO losses computed by logitless, without the (tokens x vocab)
-logits (docs/transformers.md#llama-factory). Importing this module imports llamafactory.
+logits (docs/transformers.md#llama-factory). llamafactory is imported by :func:`patch` and
+:func:`main`, not by importing this module.
 
 LLaMA-Factory 0.9 reads no key from a training YAML that loads outside code (its
 ``enable_liger_kernel`` imports Liger by name; its parser refuses unknown keys), so the switch is
