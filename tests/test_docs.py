@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -280,3 +281,42 @@ def test_the_house_stays_small():
     assert count([f for f in code if "logitless_bench" not in f.parts]) <= 6000
     dated = [f.name for f in (root / "docs").rglob("*.md") if re.search(r"20\d\d-\d\d-\d\d", f.name)]
     assert not dated, dated
+
+
+# --------------------------------------------------------------------------- code blocks
+
+#: Documents whose every Python block says on its first line whether it runs pasted alone on a
+#: CPU (``# runs on a CPU``: run here, in a fresh interpreter with nothing else) or what it needs
+#: instead (``# needs ...``: a GPU, a framework's trainer, a checkpoint, another block's tensors).
+#: docs/megatron.md's CPU block runs in tests/test_integrations_megatron.py (it needs megatron-core).
+PASTED_DOCS = ("docs/rl.md", "docs/transformers.md", "docs/torchtitan.md")
+RUNS, NEEDS = "# runs on a CPU", "# needs "
+
+
+def _python_blocks(doc: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+
+
+def test_python_blocks_say_whether_they_run_pasted_alone():
+    unmarked = [f"{doc} block {i}: {block.splitlines()[0]!r}" for doc in PASTED_DOCS
+                for i, block in enumerate(_python_blocks(doc)) if not block.startswith((RUNS, NEEDS))]
+    assert not unmarked, f"Python blocks whose first line is neither {RUNS!r} nor {NEEDS!r}...:\n" + "\n".join(unmarked)
+
+
+@pytest.mark.parametrize("doc,index", [(doc, i) for doc in PASTED_DOCS
+                                       for i, block in enumerate(_python_blocks(doc)) if block.startswith(RUNS)])
+def test_cpu_blocks_run_pasted_alone(doc, index):
+    import subprocess
+
+    block = _python_blocks(doc)[index]
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(block))
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in
+                (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    missing = sorted(m for m in imported if m and importlib.util.find_spec(m) is None)
+    if missing:
+        pytest.skip(f"{doc} block {index} imports {missing}, not installed here")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(SRC)
+    done = subprocess.run([sys.executable, "-c", block], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, f"{doc} block {index} failed pasted alone:\n{done.stderr[-3000:]}"

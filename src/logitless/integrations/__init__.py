@@ -1,7 +1,7 @@
-"""Integrations with third-party trainers (PyTorch side). None of them but
-``torchtitan`` imports the trainer it serves: each works with that trainer installed or not,
-and ``logitless.integrations.torchtitan`` (a subclass of torchtitan's loss) is imported only
-by its user, never by ``import logitless``.
+"""Integrations with third-party trainers (PyTorch side). None of them but ``torchtitan`` and
+``nemo_automodel`` imports the trainer it serves at import: each works with that trainer installed
+or not, and those two (subclasses of the trainer's loss classes) are imported only by their user,
+never by ``import logitless``.
 
 - ``logitless.integrations.verl.linear_cross_entropy``: drop-in for verl's fused
   ``verl.utils.kernel.linear_cross_entropy`` (log-probs and entropy for PPO/GRPO).
@@ -21,6 +21,15 @@ by its user, never by ``import logitless``.
   (docs/peers.md).
 - ``logitless.integrations.megatron``: megatron-core's ``GPTModel`` loss, MTP losses and
   RL log-probs through its ``output_processor`` hook (``install(model)``; docs/megatron.md).
+- ``logitless.integrations.nemo_automodel.LogitlessLinearCrossEntropy``: NeMo Automodel's
+  linear cross-entropy, one ``loss_fn: _target_:`` line in a recipe YAML (imports nemo_automodel).
+- ``logitless.integrations.openrlhf``: OpenRLHF's actor log-probs and entropy
+  (``patch_actor(actor)`` or ``patch()``; docs/rl.md).
+- ``logitless.integrations.llamafactory``: LLaMA-Factory's SFT and DPO
+  (``python -m logitless.integrations.llamafactory config.yaml``; docs/transformers.md).
+
+Each logs one INFO line per process, ``logitless is active (...)``, when it takes over a loss
+(``logitless.integrations._announce``).
 """
 
 __all__ = ["hf_log_probs"]

@@ -30,6 +30,9 @@ replace the LM head's loss: ``cut_cross_entropy`` (axolotl's CutCrossEntropyPlug
 on by default once that plugin is listed), ``liger_fused_linear_cross_entropy`` and
 ``chunked_cross_entropy``.
 
+The first model patched in a process logs, at INFO on ``axolotl.integrations.logitless`` (axolotl
+shows INFO only from its own loggers), that logitless is active.
+
 Importing this module imports axolotl's ``BasePlugin`` when axolotl is installed (never
 from ``import logitless``); without axolotl, creating the plugin raises ImportError.
 """
@@ -41,8 +44,14 @@ from typing import Any, Optional
 
 from logitless.options import check_memory_budget
 
+from ._announce import announce
+
 #: axolotl's dotted name of this plugin, as written in a YAML ``plugins:`` list.
 PLUGIN = "logitless.integrations.axolotl.LogitlessPlugin"
+
+#: The logger of the plugin's line saying logitless is active: axolotl shows INFO lines only from
+#: its own ``axolotl.*`` loggers.
+LOGGER = "axolotl.integrations.logitless"
 
 #: The plugins axolotl ships whose option replaces the LM head's loss too.
 CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
@@ -118,9 +127,12 @@ def patch_model(cfg, model):
     import logitless.transformers as lt
 
     try:
-        return lt.patch(model, **patch_options(cfg))
+        patched = lt.patch(model, **patch_options(cfg))
     except ValueError as e:
         raise ValueError(f"{PLUGIN}: {e} (remove the plugin or set logitless: false for this model)") from e
+    announce("axolotl", f"the model's loss computed by logitless (no logits), {type(model).__name__}",
+             logger=LOGGER)
+    return patched
 
 
 def route_trl(cfg) -> bool:

@@ -60,6 +60,8 @@ from logitless.ops.linear_cross_entropy.api import BACKENDS
 from logitless.ops.linear_cross_entropy.api import linear_cross_entropy as _logitless_lce
 from logitless.options import check_memory_budget
 
+from ._announce import announce
+
 __all__ = ["patch_torch", "unpatch_torch", "is_patched"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -234,6 +236,7 @@ def patch_torch(*, memory_budget: Optional[int] = None, backend: str = "auto") -
     memory_budget = check_memory_budget(memory_budget) if memory_budget is not None else None
     previous = _active if is_patched() else None
     _install(_Settings(memory_budget, backend))
+    announce("patch_torch", "torch.nn.functional.linear_cross_entropy runs on logitless")
     return _Patch(previous)
 
 

@@ -50,7 +50,8 @@ group that resharded it after its forward); ``Partial`` or hidden-dimension-shar
 states; labels that are not (batch, seq) integers; a ``global_vocab_size`` that disagrees with the head; bad options.
 Not tested: pipeline parallelism (wired by the trainer as for the chunked loss, last stage),
 ``full_dtensor`` (handled as ``partial_dtensor``) and CP (nothing specific to do).
-``compile.components=["loss"]`` compiles nothing: the op is already fused.
+``compile.components=["loss"]`` compiles nothing: the op is already fused. ``set_lm_head``
+logs once per process, at INFO, that logitless is active.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 
 from logitless.ops.linear_cross_entropy import linear_cross_entropy
+
+from ._announce import announce
 
 __all__ = ["LogitlessLoss", "logitless_loss"]
 
@@ -145,6 +148,7 @@ class LogitlessLoss(ChunkedLossWrapper):
 
             register_fsdp_forward_method(lm_head, _HEAD_METHOD)   # a no-op without FSDP
         self.lm_head = lm_head
+        announce("torchtitan", "LogitlessLoss computes the trainer's cross-entropy from lm_head's weight, no logits")
 
     def __call__(
         self,

@@ -47,6 +47,7 @@ from logitless.ops.linear_cross_entropy import api as _lce_api
 from logitless.transformers.patch import run_backbone as _run_backbone
 
 from . import hf as _hf
+from ._announce import announce
 
 
 def _output_class():
@@ -97,6 +98,7 @@ def add_logitless_lm_head(model, temperature: float = 1.0, entropy: bool = True,
         raise ValueError("MoE router aux losses are not supported by the logitless TRL head")
     if is_top1 and float(temperature) != 1.0:
         raise ValueError(f"is_top1=True needs temperature=1.0, got temperature={temperature!r}")
+    announce("trl", "the TRL trainer's LM head computed by logitless (no logits)")
     previous = model.forward
 
     def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None,
@@ -506,6 +508,7 @@ def patch_gkd(trainer, entropy: bool = True) -> None:
     else:
         trainer._logitless_entropy = bool(entropy)
         trainer._compute_loss = types.MethodType(_distillation_compute_loss, trainer)
+    announce("trl", "the TRL trainer's distillation loss computed by logitless (no logits)")
 
 
 # --------------------------------------------------------------------------------------------
