@@ -5,9 +5,10 @@ whether its numbers equal the Triton path's.
 
 Per anchor shape (bf16, no_grad unless noted): ``linear_cross_entropy`` (mean) and
 ``linear_log_probs(entropy=True, temperature=0.7)`` as shipped (no override: the planner's
-own choice, ``planning.cute.forward_plan`` + ``cute_lib.launch.ready``), a probe hook
-counting CuTe launches (``took_cute``), the max |difference| to the same call with
-``override(cute=False)`` (the Triton forward), and the ``CuteFallbackWarning``s raised.
+own choice, ``planning.cute.forward_plan`` + ``cute_lib.launch.ready``), the CuTe launches
+(``took_cute``: ``launches`` wraps ``cute_lib.launch._launch``), the max |difference| to
+the same call with ``override(cute=False)`` (the Triton forward), and the
+``CuteFallbackWarning``s raised.
 One forward + backward row (the kept-columns path). ``--expect fallback`` (no DSL, or an
 unsupported one): asserts no CuTe launch, exactly one fallback warning in the process,
 and results bitwise equal to Triton's; ``--expect cute``: asserts no fallback warning and
@@ -17,6 +18,7 @@ that the CuTe kernel ran where planned. Exit status 1 when an expectation fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -25,6 +27,25 @@ import warnings
 
 SHAPES = [(4096, 4096, 128256), (8192, 7168, 128256), (16384, 4096, 128256), (2048, 2048, 128256),
           (4096, 2560, 262144), (4096, 4096, 151936), (1000, 4096, 32003), (1024, 768, 50257)]
+
+
+@contextlib.contextmanager
+def launches():
+    """A list that gets (splits, keep_cols) of each CuTe kernel launch of an op while inside."""
+    from logitless.cute_lib import launch as cute_launch
+
+    seen, original = [], cute_launch._launch
+
+    def launch(fs, key, x, weight, tgt, parts, splits, *, keep, op=None, **kw):
+        if op is not None:
+            seen.append({"splits": splits, "keep_cols": keep[0].shape[1] if keep is not None else 0})
+        return original(fs, key, x, weight, tgt, parts, splits, keep=keep, op=op, **kw)
+
+    cute_launch._launch = launch
+    try:
+        yield seen
+    finally:
+        cute_launch._launch = original
 
 
 def main() -> int:
@@ -37,7 +58,7 @@ def main() -> int:
 
     import logitless
     from logitless.planning import cute
-    from logitless.planning.overrides import override, what_if
+    from logitless.planning.overrides import override
 
     recorder = warnings.catch_warnings(record=True)
     record = recorder.__enter__()  # every warning of the run (the fallback one comes once per process)
@@ -61,8 +82,7 @@ def main() -> int:
                "logp": lambda: logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.7)}
         with torch.no_grad():
             for name, fn in ops.items():
-                seen = []
-                with what_if(cute_probe=seen.append):
+                with launches() as seen:
                     got = fn()
                 with override(cute=False):
                     ref = fn()
@@ -88,8 +108,7 @@ def main() -> int:
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     res = {}
     for label, ov in (("auto", {}), ("triton", {"cute": False})):
-        seen = []
-        with override(**ov), what_if(cute_probe=seen.append):
+        with override(**ov), launches() as seen:
             loss = logitless.linear_cross_entropy(x, w, t)
             gx, gw = torch.autograd.grad(loss, (x, w))
         res[label] = (loss.detach(), gx, gw, seen)

@@ -59,15 +59,6 @@ GPU_LAUNCH = {"round_to_tf32_kernel": (dict(BLOCK_R=16, BLOCK_C=256), dict(num_w
 # ----------------------------------------------------------------------------- capture
 
 
-def _settings(fields: dict) -> dict:
-    """The ``overrides.override`` fields of a forced plan (``plan`` is a what-if)."""
-    return {k: v for k, v in fields.items() if k != "plan"}
-
-
-def _what_ifs(fields: dict) -> dict:
-    """The ``overrides.what_if`` fields of a forced plan."""
-    return {k: v for k, v in fields.items() if k == "plan"}
-
 def _cases(full: bool, nv: bool = False):
     """(label, dtype name, fp32 precision, op name, kwargs) of the op calls. Without ``full``
     a subset that still launches every kernel (CI): bf16 with most options, fp32 at "high"
@@ -132,19 +123,22 @@ def capture(full: bool, archs=ARCHS):
     from logitless.ops.jsd import triton_backend as jsd_b
     from logitless.ops.linear_jsd import planning as ljsd_planning
     from logitless.ops.log_probs import triton_backend as lp_b
-    from logitless.planning import logits, memo, plans, rocm, tiles
+    from logitless.planning import cost_model, logits, memo, plans, rocm, tiles
+    from logitless.planning import device as device_facts
     from logitless.planning.overrides import override
 
-    # The row kernels' tiles as on a GPU (ce_triton_plan reads only device.type).
+    # The row kernels' tiles as on a GPU (ce_triton_plan reads only the planning rule).
     real_ce_plan = logits.ce_triton_plan
+    gpu = device_facts.DeviceFacts(model=cost_model.DEFAULT, sms=132)
 
     def gpu_ce_plan(n, v, itemsize, device):
-        return real_ce_plan(n, v, itemsize, torch.device("cuda"))
+        return real_ce_plan(n, v, itemsize, gpu)
 
     for mod in (logits, ce_b, jsd_b, lp_b):
         mod.ce_triton_plan = gpu_ce_plan
-    # Plans adapted as on an AMD GPU (rocm.adapt_plan: no TMA) although the device is the CPU.
-    real_arch = rocm.arch
+    # Plans adapted as on an AMD GPU (rocm.adapt_plan: no TMA) although the device is the CPU:
+    # the CPU's facts with the AMD architecture (the interpreter's rule, tiles forced below).
+    real_facts = device_facts.facts
     # The dot precision as on the AMD GPU (launch.dot_precision's HIP branch). On the
     # interpreter bf16 dots then multiply garbage (its bf16 bug, see gemm.dot): the launches,
     # not the values, are what is recorded.
@@ -167,16 +161,16 @@ def capture(full: bool, archs=ARCHS):
         return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = run
-    no_tma = lambda p: dataclasses.replace(p, tma=False, dz_tma=False)  # noqa: E731 (what rocm.adapt_plan does)
     min_rows = plans.PERSISTENT_MIN_ROW_BLOCKS
     g = torch.Generator().manual_seed(0)
     n, h, v, ht = 37, 40, 173, 24  # odd: masks everywhere
     try:
       for arch in archs:
         nv = arch == "sm90"
-        # sm90: the NVIDIA planner as is (rocm.arch None on the CPU), TMA kept; its dot
+        # sm90: the NVIDIA planner as is (no AMD architecture on the CPU), TMA kept; its dot
         # precision but for the interpreter's bf16 stand-in (``_record`` writes "tf32").
-        rocm.arch = real_arch if nv else lambda device, arch=arch: arch
+        device_facts.facts = real_facts if nv else lambda d, arch=arch: (
+            d if type(d) is device_facts.DeviceFacts else dataclasses.replace(real_facts(d), arch=arch))
         launch.dot_precision = real_precision if nv else lambda dtype, arch=arch: rocm.dot_precision(
             dtype == torch.float32, launch.tf32_allowed(), arch_name=arch)
         for label, dt, prec, op, kw in _cases(full, nv):
@@ -185,7 +179,7 @@ def capture(full: bool, archs=ARCHS):
             kw = dict(kw)
             if not nv:
                 tiles_ = (rocm.JSD_ROCM_TILES if op == "ljsd" else rocm.ROCM_TILES)[arch][i]
-                ov = dict(tiles=tiles_, plan=no_tma)
+                ov = dict(tiles=tiles_)
             else:  # pre-rounded fp32 at "high": CUDA_TILES_TF32 (by whether a backward follows)
                 pre = dt == "float32" and prec == "high"
                 tiles_ = (ljsd_planning.JSD_CUDA_TILES[i] if op == "ljsd" else
@@ -204,7 +198,7 @@ def capture(full: bool, archs=ARCHS):
         interpreter.InterpretedFunction.run = real_run
         for mod in (logits, ce_b, jsd_b, lp_b):
             mod.ce_triton_plan = real_ce_plan
-        rocm.arch = real_arch
+        device_facts.facts = real_facts
         launch.dot_precision = real_precision
         plans.PERSISTENT_MIN_ROW_BLOCKS = min_rows
         memo.clear()
@@ -213,8 +207,6 @@ def capture(full: bool, archs=ARCHS):
 
 def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
     import torch
-
-    from logitless.planning.overrides import what_if
 
     need = kw.pop("grad", True)  # False: a forward alone
 
@@ -237,7 +229,7 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
             kw["bias"] = r(v)
     if kw.pop("class_weight", False):
         kw["class_weight"] = torch.rand(v, generator=g) + 0.5
-    with override(**_settings(ov)), what_if(**_what_ifs(ov)):
+    with override(**ov):
         if op == "lce":
             x, w = r(n, h), r(v, h, scale=0.2)
             res = L.linear_cross_entropy(x, w, target, memory_budget=mem, backend="triton", **kw)

@@ -8,6 +8,7 @@ against the float64 reference (Triton interpreter on the CPU, small shapes).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,9 +20,10 @@ import logitless
 from logitless.options import DEFAULT_MEMORY_BUDGET
 from logitless.planning import cost_model as M
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from logitless_bench.shapes import MODEL_SHAPES, SHAPES
 from tests.conftest import DEVICE
+from tests.planning_seams import H100
 from tests.test_linear_cross_entropy import OPTIONS, check_against_reference, make_inputs
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest-lce-H100.json"
@@ -114,14 +116,31 @@ def test_predictions_match_recorded_h100_measurements():
 def test_model_columns_are_valid_plans():
     """What triton_plan takes from the model on GPUs: kept columns a multiple of block_v
     (or all), chunks a multiple of block_v, and memory within the budget's floor."""
-    cpu = torch.device("cpu")
     for s in MODEL_SHAPES:
         for budget in (2**26, 2**28, s.tokens * s.vocab * 2):
-            keep, chunk = _plans._model_columns(s.tokens, s.vocab, s.hidden, 2, budget, cpu, 256, 4096, True)
+            keep, chunk = _plans._model_columns(s.tokens, s.vocab, s.hidden, 2, budget, M.H100, 256, 4096, True)
             assert keep == s.vocab or keep % 256 == 0
             assert chunk % 256 == 0 and chunk >= 256
-            keep0, _ = _plans._model_columns(s.tokens, s.vocab, s.hidden, 2, budget, cpu, 256, 4096, False)
+            keep0, _ = _plans._model_columns(s.tokens, s.vocab, s.hidden, 2, budget, M.H100, 256, 4096, False)
             assert keep0 == 0
+
+
+def test_each_device_runs_one_column_rule(monkeypatch):
+    """One planning pass per device: the interpreter's facts take the greedy rule alone, a GPU
+    model's the cost model's alone (never a greedy plan that the model then overwrites)."""
+    from logitless.planning import device
+
+    calls = []
+    for name in ("_model_columns", "_greedy_columns"):
+        real = getattr(_plans, name)
+        monkeypatch.setattr(_plans, name, lambda *a, _name=name, _real=real: calls.append(_name) or _real(*a))
+    for facts, rule in ((device.facts(torch.device("cpu")), "_greedy_columns"), (device.INTERPRETER, "_greedy_columns"),
+                        (H100, "_model_columns"), (dataclasses.replace(H100, model=M.MI300X), "_model_columns")):
+        for keep in (False, True):
+            calls.clear()
+            _plans.triton_plan.uncached(4096, 128256, 4096, 2, 256 << 20, facts, keep_allowed=keep)
+            assert calls == [rule], (facts.model.name, keep, calls)
+    assert device.facts(torch.device("cpu")) is device.INTERPRETER and not device.INTERPRETER.gpu and H100.gpu
 
 
 # --------------------------------------------------------------------------- the strategies
@@ -218,15 +237,11 @@ def test_gpu_plans_keep_whole_tiles_at_odd_vocab(vocab):
     """At an odd V, cuBLAS ran the kept columns' GEMMs 8x slower (gpt2 at a logits-sized
     budget: 41 ms against 5 ms on the H100): GPU plans keep whole tiles, recompute the
     ragged tail, and never compute the gradient in the forward."""
-    import types
-
-    from logitless.planning import cost_model as _cost_model
     from logitless.planning import plans as _plans
     from logitless.planning import tiles as _tiles
 
-    gpu = types.SimpleNamespace(type="cuda", index=0)
-    # An H100 as the planner sees it, without one: its SM count, cost model and tiles.
-    with override(tiles=_tiles.CUDA_TILES[2]), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
+    gpu = H100  # an H100 as the planner sees it, without one: its SM count, cost model and tiles
+    with override(tiles=_tiles.CUDA_TILES[2]):
         n, h = 8192, 768
         for budget in (256 * 2**20, n * vocab * 2 + 2**30, 8 * 2**30):
             plan = _plans.triton_plan(n, vocab, h, 2, budget, gpu, keep_allowed=True)

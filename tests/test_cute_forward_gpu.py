@@ -1,7 +1,7 @@
 """The CuTe DSL forward (``cute_lib.forward_stats``) inside linear_cross_entropy and
 linear_log_probs, on a Hopper GPU with nvidia-cutlass-dsl: ours vs float64 against torch
 in the same dtype (``assert_close_to_ref``), equality to the Triton kernel within the
-criterion, and proof that the CuTe kernel ran (``what_if(cute_probe=...)``).
+criterion, and proof that the CuTe kernel ran (``tests.planning_seams.cute_launches``).
 
 Skipped on a CPU, off compute capability 9.x and without the DSL (each with its reason).
 The selection logic is tested on the CPU in tests/test_cute_planning.py."""
@@ -16,8 +16,9 @@ from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_re
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from tests.helpers import assert_close_to_ref
+from tests.planning_seams import cute_launches
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = [
@@ -39,13 +40,6 @@ def inputs(n, h, v, dtype=torch.bfloat16, seed=0, ignore=True):
     if ignore and n > 2:
         t[::5] = -100
     return x, w, t
-
-
-class Launches(list):
-    """The probe hook: one dict per CuTe kernel launch."""
-
-    def ops(self):
-        return [d["op"] for d in self]
 
 
 @pytest.mark.parametrize("n, h, v, splits", [(1, 72, 1000, 3), (129, 136, 32003, 7), (256, 4096, 257, 2),
@@ -110,8 +104,7 @@ def ce_case(n, h, v, dtype=torch.bfloat16, **kw):
     x, w, t = inputs(n, h, v, dtype)
     if "ignore_index" in kw:  # the ignored rows carry the given index (-100 would be out of range)
         t = torch.where(t == -100, kw["ignore_index"], t)
-    seen = Launches()
-    with torch.no_grad(), override(cute=True), what_if(cute_probe=seen.append):
+    with torch.no_grad(), override(cute=True), cute_launches() as seen:
         ours = logitless.linear_cross_entropy(x, w, t, **kw)
     assert seen.ops() == ["linear_cross_entropy"], f"CuTe kernel not taken: {seen}"
     with torch.no_grad(), override(cute=False):
@@ -144,8 +137,7 @@ def test_cross_entropy_fp16():
 def test_cross_entropy_3d():
     x, w, t = inputs(2 * 65, 72, 32003)
     x3, t3 = x.view(2, 65, 72), t.view(2, 65)
-    seen = Launches()
-    with torch.no_grad(), override(cute=True), what_if(cute_probe=seen.append):
+    with torch.no_grad(), override(cute=True), cute_launches() as seen:
         loss = logitless.linear_cross_entropy(x3, w, t3, reduction="none")
     assert seen.ops() == ["linear_cross_entropy"] and loss.shape == (2, 65)
     ref = linear_cross_entropy_reference(x, w, t, reduction="none", dtype=torch.float64)[0].view(2, 65)
@@ -155,8 +147,7 @@ def test_cross_entropy_3d():
 
 def test_unsupported_options_fall_back_to_triton():
     x, w, t = inputs(127, 72, 1000)
-    seen = Launches()
-    with torch.no_grad(), override(cute=True), what_if(cute_probe=seen.append):
+    with torch.no_grad(), override(cute=True), cute_launches() as seen:
         logitless.linear_cross_entropy(x, w, t, return_stats=True)  # argmax
         logitless.linear_cross_entropy(x, w, t, bias=torch.zeros(1000, device="cuda", dtype=x.dtype))
         logitless.linear_cross_entropy(x, w, t, softcap=30.0)
@@ -169,8 +160,7 @@ def test_training_forward_without_kept_columns_then_backward():
     backward (Triton) then matches the float64 gradient as the Triton forward's does."""
     x, w, t = inputs(129, 136, 32003)
     xs = x.clone().requires_grad_()
-    seen = Launches()
-    with override(cute=True), what_if(cute_probe=seen.append):
+    with override(cute=True), cute_launches() as seen:
         loss = logitless.linear_cross_entropy(xs, w, t, reduction="none", memory_budget=1)
         loss.sum().backward()
     assert seen.ops() == ["linear_cross_entropy"]
@@ -183,8 +173,7 @@ def test_training_forward_without_kept_columns_then_backward():
 
 def lp_case(n, h, v, temperature=0.7, entropy=True, dtype=torch.bfloat16):
     x, w, t = inputs(n, h, v, dtype)
-    seen = Launches()
-    with torch.no_grad(), override(cute=True), what_if(cute_probe=seen.append):
+    with torch.no_grad(), override(cute=True), cute_launches() as seen:
         ours = logitless.linear_log_probs(x, w, t, temperature=temperature, entropy=entropy)
     assert seen.ops() == ["linear_log_probs"], f"CuTe kernel not taken: {seen}"
     assert seen[0]["entropy"] == entropy and abs(seen[0]["scale"] - 1 / temperature) < 1e-12
@@ -210,8 +199,7 @@ def test_log_probs_options(temperature, entropy):
 
 def test_cuda_graph_capture():
     x, w, t = inputs(256, 136, 32003)
-    seen = Launches()
-    with torch.no_grad(), override(cute=True), what_if(cute_probe=seen.append):
+    with torch.no_grad(), override(cute=True), cute_launches() as seen:
         eager = logitless.linear_cross_entropy(x, w, t, reduction="none")  # warm-up: compiles the kernel
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -233,13 +221,12 @@ def test_cuda_graph_capture():
 
 def test_torch_compile_step():
     x, w, t = inputs(129, 72, 32003)
-    seen = Launches()
 
     @torch.compile(fullgraph=True)
     def step(x, w, t):
         return logitless.linear_cross_entropy(x, w, t) * 2
 
-    with torch.no_grad(), override(cute=True), what_if(cute_probe=seen.append):
+    with torch.no_grad(), override(cute=True), cute_launches() as seen:
         got = step(x, w, t)
         want = logitless.linear_cross_entropy(x, w, t) * 2
     assert seen.ops() == ["linear_cross_entropy"] * 2
@@ -286,8 +273,7 @@ def test_training_forward_keeps_columns_like_triton(n, h, v, budget, kw):
 
     def run(use_cute):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        seen = Launches()
-        with override(cute=use_cute), what_if(cute_probe=seen.append):
+        with override(cute=use_cute), cute_launches() as seen:
             loss = logitless.linear_cross_entropy(xs, ws, t, memory_budget=budget, **kw)
             loss.backward()
         return loss.detach(), xs.grad, ws.grad, seen
@@ -315,8 +301,7 @@ def test_kept_buffer_is_exp_of_a_minus_its_maxima():
     n, h, v = 300, 136, 5003
     x, w, t = inputs(n, h, v)
     budget, plan = partial_budget(n, h, v)
-    seen = Launches()
-    with override(cute=True), what_if(cute_probe=seen.append):
+    with override(cute=True), cute_launches() as seen:
         call = TB.plan(x, w, None, None, CrossEntropyOptions(), budget=budget, need_grad=True, need_argmax=False)
         _, kept = TB.forward(x, w, None, t, None, None, need_smooth=False, need_argmax=False, plan=call)
     plan = plan.forward
@@ -348,8 +333,7 @@ def test_log_probs_training_keeps_columns(n, h, v, budget):
             lp, ent = linear_log_probs_reference(xs, ws, t, temperature=0.7, dtype=dt)
             seen = None
         else:
-            seen = Launches()
-            with override(cute=use_cute), what_if(cute_probe=seen.append):
+            with override(cute=use_cute), cute_launches() as seen:
                 lp, ent = logitless.linear_log_probs(xs, ws, t, temperature=0.7, entropy=True, memory_budget=budget)
         (lp.sum() + 0.1 * ent.sum()).backward()
         return xs.grad, ws.grad, seen

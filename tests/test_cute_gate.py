@@ -8,12 +8,14 @@ metadata; and a kernel module whose compile or first launch raises. In every cas
 ``forward_plan`` / ``cute_lib.launch.ready`` give the Triton path, the calls of
 linear_cross_entropy and linear_log_probs equal the Triton path's bitwise, and exactly
 one ``CuteFallbackWarning`` names the cause. The planner sees an H100 through
-``planning.cute.device_facts`` (replaced here); the Triton kernels run on the CPU
+its device facts (``tests.planning_seams.on_device``: compute capability 9.0, 132 SMs,
+50 MiB of L2, the rest this machine's own); the Triton kernels run on the CPU
 interpreter (tests/conftest.py), or on the GPU where there is one (the fake kernel module
 then gets CUDA addresses; it never launches anything)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import types
@@ -24,12 +26,12 @@ import torch
 
 import logitless
 from logitless.cute_lib import launch as cute_launch
-from logitless.planning import cute
-from logitless.planning.overrides import override, what_if
+from logitless.planning import cute, device
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE
+from tests.planning_seams import on_device
 
 BACKEND = "triton"  # (the Triton interpreter on a CPU: tests/conftest.py)
-H100_FACTS = ((9, 0), 132, 50 * 2**20)
 ROOTS = ("cutlass", "cuda")
 
 
@@ -50,7 +52,7 @@ def fake_dsl(tmp_path, monkeypatch):
     # the real kernel module (a GPU machine with the DSL imported it) must not serve the fakes
     monkeypatch.delitem(sys.modules, "logitless.cute_lib.forward_stats", raising=False)
     monkeypatch.delattr(logitless.cute_lib, "forward_stats", raising=False)
-    monkeypatch.setattr(cute, "device_facts", lambda device: H100_FACTS)
+    hopper = dataclasses.replace(device.facts(DEVICE), capability=(9, 0), sms=132, l2_bytes=50 * 2**20)
     monkeypatch.setattr(cute, "_WARNED", set())
     monkeypatch.setattr(cute_launch, "_STATE", {})
     monkeypatch.delenv(cute.ENV, raising=False)
@@ -70,7 +72,8 @@ def fake_dsl(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(tmp_path))
         importlib.invalidate_caches()
 
-    yield make
+    with on_device(hopper):
+        yield make
     for k in [k for k in sys.modules if k.split(".")[0] in ROOTS]:
         del sys.modules[k]
     sys.modules.update(saved)
@@ -152,8 +155,10 @@ def test_the_planner_checks_the_dsl_only_where_it_would_take_the_kernel(fake_dsl
         warnings.simplefilter("always")
         assert cute.forward_plan(x, w) is None  # triton_faster at this size: no DSL check
         assert cute.forward_plan(x, w, bias=w[:, 0]) is None  # unsupported option
-        with override(cute=True), what_if(cute_available=True):  # the tests' override skips the check
-            assert cute.forward_plan(x, w) is not None
+        with override(cute=True), on_device(dataclasses.replace(device.facts(x.device), cute_available=True)):
+            assert cute.forward_plan(x, w) is not None  # a device described as having the DSL: no check
+        with override(cute=True), on_device(dataclasses.replace(device.facts(x.device), cute_available=False)):
+            assert cute.forward_plan(x, w) is None  # described as lacking it: no check, no warning
         with override(cute=True):
             assert cute.forward_plan(x, w) is None
     assert len(fallback_warnings(record)) == 1

@@ -1,11 +1,12 @@
 """The CuTe DSL forward's selection logic (``planning.cute``), on the CPU: no GPU, no DSL.
 
-Every fact is an argument of the pure functions, and availability comes through
-``what_if(cute_available=...)``; the GPU tests (tests/test_cute_forward_gpu.py) check
-the kernel itself."""
+Every fact is an argument of the pure functions (availability too: ``available``, which
+``forward_plan`` takes from ``DeviceFacts.cute_available`` or the DSL's own check); the
+GPU tests (tests/test_cute_forward_gpu.py) check the kernel itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 import logitless
-from logitless.planning import cute
-from logitless.planning.overrides import current, override, what_if
+from logitless.planning import cute, device
+from logitless.planning.overrides import current, override
+from tests.planning_seams import cute_launches, on_device
 
 H100 = dict(capability=(9, 0), available=True, num_sms=132, dtype="bfloat16", layout_ok=True)
 
@@ -138,10 +140,7 @@ def test_switches():
         assert cute.choose(**facts(), env_is_off=True) is not None  # an explicit override wins
     with override(cute=False):
         assert cute.choose(**facts()) is None
-    with what_if(cute_available=False):
-        assert cute.choose(**facts()) is None
-    with what_if(cute_available=True):
-        assert cute.choose(**facts(available=False)) is not None
+    assert cute.choose(**facts(available=False)) is None
     # an override aimed at the Triton kernel keeps it, unless CuTe is asked for
     with override(tiles=(16, 16, 16, 4, 2)):
         assert cute.choose(**facts()) is None
@@ -163,9 +162,9 @@ def test_cpu_tensors_never_take_the_cute_path():
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     w = torch.randn(40, 16, dtype=torch.bfloat16)
     t = torch.randint(0, 40, (3,))
-    seen = []
     backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "auto"  # (a GPU machine: torch on CPU)
-    with override(cute=True), what_if(cute_available=True, cute_probe=seen.append):
+    described = dataclasses.replace(device.facts(x.device), cute_available=True)
+    with override(cute=True), on_device(described), cute_launches() as seen:
         assert cute.forward_plan(x, w) is None
         loss = logitless.linear_cross_entropy(x, w, t, backend=backend)
         ref = logitless.linear_cross_entropy(x.double(), w.double(), t, backend="torch")

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from logitless.ops.linear_jsd import planning as ljsd_planning
-from logitless.planning import cost_model, cute, memo, plans, rocm, tiles
+from logitless.planning import cost_model, cute, device, memo, plans, rocm, tiles
+from logitless.planning.overrides import override
 from logitless.triton_lib import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +71,8 @@ def test_device_model_by_arch(amd, arch, model):
     assert rocm.arch(dev) == arch
     assert cost_model.device_model(dev) is model
     assert plans.num_sms(dev) == fake_props(arch).multi_processor_count
+    facts = device.facts(dev)
+    assert facts.model is model and facts.arch == arch and facts.gpu and facts.name == fake_props(arch).name
 
 
 def test_amd_models_from_public_specs():
@@ -138,7 +141,10 @@ def test_dot_precision_on_amd(amd, monkeypatch, arch, fp32_high):
 
 def test_cute_gate_shut_on_amd(amd):
     """ROCm reports gfx942 as compute capability (9, 4): not a Hopper."""
-    assert cute.device_facts(amd("gfx942")) is None
+    dev = amd("gfx942")
+    assert device.facts(dev).capability is None
+    with override(cute=True):  # (the device's facts are all forward_plan reads before it says no)
+        assert cute.forward_plan(types.SimpleNamespace(device=dev), None) is None
 
 
 def test_nvidia_plans_unchanged(monkeypatch):
@@ -146,12 +152,15 @@ def test_nvidia_plans_unchanged(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d=None: types.SimpleNamespace(multi_processor_count=132))
+                        lambda d=None: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132,
+                                                             major=9, minor=0, L2_cache_size=50 << 20))
     monkeypatch.setenv("LOGITLESS_TUNED", "0")
     memo.clear()
     try:
         dev = torch.device("cuda", 0)
         assert rocm.arch(dev) is None and cost_model.device_model(dev) is cost_model.H100
+        assert device.facts(dev) == device.DeviceFacts(model=cost_model.H100, sms=132, name="NVIDIA H100 80GB HBM3",
+                                                       capability=(9, 0), l2_bytes=50 << 20)
         p = plans.triton_plan(4096, 128256, 4096, 2, 4 * GiB, dev, keep_allowed=True)
         assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == tiles.CUDA_TILES[2] and p.tma
         assert ljsd_planning.linear_jsd_plan(4096, 151936, 2048, 2, GiB, dev, hidden_t=2048).tiles.tma

@@ -3,20 +3,21 @@ tuned configs, and a bound on the device ops one forward+backward issues."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 
-from logitless.planning import cost_model as _cost_model
 from logitless.planning import memo as _memo
 from logitless.planning import plans as _plans
 from logitless.planning import tiles as _tiles
 from logitless.planning import tuned as _tuned
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE  # the GPU when there is one, else the CPU (interpreter)
 from tests.helpers import eager_fast_path, load_benchmark
+from tests.planning_seams import H100, described
 
 CPU = torch.device("cpu")
 
@@ -30,21 +31,23 @@ def test_plans_are_memoised_and_follow_overrides():
     with override(tiles=(32, 64, 16, 4, 1)):
         p2 = _plans.triton_plan(*args, keep_allowed=True)
         assert (p2.block_n, p2.block_v) == (32, 64)
-    with what_if(plan=lambda p: p.__class__(**{**p.__dict__, "keep_cols": 0})):
-        assert _plans.triton_plan(*args, keep_allowed=True).keep_cols == 0
     with override(strategy=("grad_in_forward", 7)):
         assert _plans.lce_strategy(*args).token_chunk == 7
     assert _plans.lce_strategy(*args).strategy != "grad_in_forward"
     assert _plans.triton_plan(*args, keep_allowed=True) is p1  # back outside: the same plan again
+    # A described device is its own key: the CPU's plan stays memoised beside it.
+    sms132 = described(sms=132)
+    wide = _plans.triton_plan(*args[:5], sms132, keep_allowed=True)
+    assert wide.vocab_splits > p1.vocab_splits and _plans.triton_plan(*args[:5], sms132, keep_allowed=True) is wide
+    assert _plans.triton_plan(*args, keep_allowed=True) is p1
 
 
 def test_memo_sees_a_new_tuned_config(tmp_path, monkeypatch):
     """A GPU plan reads tuned tiles; after the tuner writes new ones (``tuned.clear``), the
-    next plan has them. Device queries are faked: this runs on the CPU."""
+    next plan has them. The GPU is described (``DeviceFacts``): this runs on the CPU."""
     path = tmp_path / "cache.json"
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(_tuned, "cache_path", lambda device: path)
-    gpu = torch.device("cuda", 0)
+    gpu = dataclasses.replace(H100, name="cpu")
     args = (512, 32000, 1024, 2, 1 << 30, gpu)
 
     def write(tiles):
@@ -52,17 +55,16 @@ def test_memo_sees_a_new_tuned_config(tmp_path, monkeypatch):
         _tuned.clear()
 
     try:
-        with what_if(num_sms=132, device_model=_cost_model.DEFAULT):
-            write((64, 128, 32, 4, 2))
-            p1 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p1.block_n, p1.block_v, p1.block_h) == (64, 128, 32)
-            assert _plans.triton_plan(*args, keep_allowed=True) is p1
-            write((128, 64, 64, 8, 3))
-            p2 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p2.block_n, p2.block_v, p2.block_h) == (128, 64, 64)
-            monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the environment is part of the key
-            p3 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p3.block_n, p3.block_v) == _tiles.CUDA_TILES[2][:2]
+        write((64, 128, 32, 4, 2))
+        p1 = _plans.triton_plan(*args, keep_allowed=True)
+        assert (p1.block_n, p1.block_v, p1.block_h) == (64, 128, 32)
+        assert _plans.triton_plan(*args, keep_allowed=True) is p1
+        write((128, 64, 64, 8, 3))
+        p2 = _plans.triton_plan(*args, keep_allowed=True)
+        assert (p2.block_n, p2.block_v, p2.block_h) == (128, 64, 64)
+        monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the environment is part of the key
+        p3 = _plans.triton_plan(*args, keep_allowed=True)
+        assert (p3.block_n, p3.block_v) == _tiles.CUDA_TILES[2][:2]
     finally:
         _tuned.clear()
 
@@ -545,22 +547,21 @@ def test_memo_plans_follow_the_environment_of_each_call(monkeypatch, tmp_path):
     """End to end: a memoised GPU plan made with LOGITLESS_TUNED unset reads the tuned cache
     of LOGITLESS_CACHE_DIR; the same call after ``setenv("LOGITLESS_TUNED", "0")`` plans
     with the shipped tile table, and after ``delenv`` the cached plan comes back."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.delenv("LOGITLESS_TUNED", raising=False)
     monkeypatch.setenv("LOGITLESS_CACHE_DIR", str(tmp_path))
-    path = _tuned.cache_path(torch.device("cuda", 0))
+    gpu = dataclasses.replace(H100, name="cpu")
+    path = _tuned.cache_path(gpu)
     path.write_text(json.dumps({"configs": {"16-bit/n1k-h2k": {"tiles": [64, 128, 32, 4, 2]}}}))
     _tuned.clear()
-    args = (512, 32000, 1024, 2, 1 << 30, torch.device("cuda", 0))
+    args = (512, 32000, 1024, 2, 1 << 30, gpu)
     try:
-        with what_if(num_sms=132, device_model=_cost_model.DEFAULT):
-            p1 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p1.block_n, p1.block_v, p1.block_h) == (64, 128, 32)
-            monkeypatch.setenv("LOGITLESS_TUNED", "0")
-            p2 = _plans.triton_plan(*args, keep_allowed=True)
-            assert (p2.block_n, p2.block_v) == _tiles.CUDA_TILES[2][:2] != (64, 128)
-            monkeypatch.delenv("LOGITLESS_TUNED")
-            assert _plans.triton_plan(*args, keep_allowed=True) is p1
+        p1 = _plans.triton_plan(*args, keep_allowed=True)
+        assert (p1.block_n, p1.block_v, p1.block_h) == (64, 128, 32)
+        monkeypatch.setenv("LOGITLESS_TUNED", "0")
+        p2 = _plans.triton_plan(*args, keep_allowed=True)
+        assert (p2.block_n, p2.block_v) == _tiles.CUDA_TILES[2][:2] != (64, 128)
+        monkeypatch.delenv("LOGITLESS_TUNED")
+        assert _plans.triton_plan(*args, keep_allowed=True) is p1
     finally:
         _tuned.clear()
 

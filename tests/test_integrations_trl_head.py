@@ -124,11 +124,11 @@ def _splits(splits):
     import contextlib
     import dataclasses
 
-    from logitless.planning.overrides import what_if
+    from tests.planning_seams import reshaped
 
     if splits is None:
         return contextlib.nullcontext()
-    return what_if(plan=lambda p: dataclasses.replace(p, vocab_splits=splits))
+    return reshaped(lambda p: dataclasses.replace(p, vocab_splits=splits))
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

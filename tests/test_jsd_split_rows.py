@@ -6,6 +6,7 @@ Runs on the GPU when there is one; otherwise on the Triton CPU interpreter, smal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,10 +15,11 @@ import torch
 import logitless
 from logitless.formulas.jsd import row_stats as reference_row_stats
 from logitless.options import JSDOptions
+from logitless.planning import device
 from logitless.planning.logits import JSDStatsPlan, jsd_stats_plan
-from logitless.planning.overrides import what_if
 from logitless.triton_lib.jsd_rows import row_stats
 from tests.conftest import DEVICE
+from tests.planning_seams import H100, on_device
 
 BETAS = [0.0, 0.3, 1.0]
 
@@ -103,11 +105,9 @@ def test_underflowing_split_and_nan_rows():
 
 def test_plan_splits_only_when_rows_are_few():
     """Few rows of a long vocabulary split; many rows keep one program per row block."""
-    cuda = torch.device("cuda")
-    with what_if(num_sms=132):
-        few = jsd_stats_plan(216, 151936, 4, cuda)
-        many = jsd_stats_plan(16384, 151936, 4, cuda)
-        jsd_bf16 = jsd_stats_plan(4096, 151936, 2, cuda)  # the jsd op on 4096 rows of bf16 logits
+    few = jsd_stats_plan(216, 151936, 4, H100)
+    many = jsd_stats_plan(16384, 151936, 4, H100)
+    jsd_bf16 = jsd_stats_plan(4096, 151936, 2, H100)  # the jsd op on 4096 rows of bf16 logits
     assert few.splits > 1 and few.splits * few.blocks_per_split * few.block_v >= 151936
     assert (few.splits - 1) * few.blocks_per_split * few.block_v < 151936  # no empty split
     assert math.ceil(216 / few.block_n) * few.splits >= 16 * 132 // 2
@@ -126,7 +126,7 @@ def test_jsd_op_split_path_matches_reference(beta):
     zs, zt, target = _logits(3, v, seed=11)
     target[1] = -100
     zs, zt = zs.to(DEVICE).requires_grad_(), zt.to(DEVICE)
-    with what_if(num_sms=8):
+    with on_device(dataclasses.replace(device.facts(DEVICE), sms=8)):
         assert jsd_stats_plan(3, v, 4, DEVICE).splits > 1
         loss = logitless.jsd(zs, zt, target.to(DEVICE), beta=beta, backend="triton", hard_label_weight=0.3)
     ref = jsd_reference(zs.double(), zt.double(), target.to(DEVICE), beta=beta, hard_label_weight=0.3)

@@ -16,10 +16,10 @@ import logitless
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.options import CrossEntropyOptions as LossOptions
-from logitless.planning.overrides import what_if
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref
 from tests.op_specs import SPECS
+from tests.planning_seams import described, reshaped
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -276,7 +276,7 @@ def test_kernel_scheduling_options_are_bitwise_neutral(variant, aligned):
             return dataclasses.replace(one_kept_tile(p), group_n=2 if o["group"] else 0, flatten=o["flatten"],
                                        dlogits_programs=programs)
 
-        with what_if(plan=reshape):
+        with reshaped(reshape):
             loss, stats = logitless.linear_cross_entropy(
                 x, w, target, bias, reduction="sum", backend="triton", return_stats=True, **kw)
             plan = _plans.triton_plan(n, v, hidden, 2, 1 << 30, x.device, keep_allowed=True)
@@ -295,13 +295,12 @@ def test_group_rows_minimises_the_l2_working_set():
     (SMs/G)*block_v rows of W per step: the rule picks the G of the smallest sum."""
     from logitless.planning import plans as _plans
 
-    cuda = torch.device("cuda")
-    with what_if(num_sms=132):
-        for bn, bv in [(128, 256), (128, 128), (256, 128)]:
-            g = _plans.group_rows(bn, bv, cuda)
-            work = [G * bn + 132 / G * bv for G in range(1, 133)]
-            assert work[g - 1] <= min(work) * 1.01, (bn, bv, g)
-        assert _plans.group_rows(128, 256, cuda) == 16  # the H100's measured best (PERFORMANCE.md)
+    sms132 = described(sms=132)
+    for bn, bv in [(128, 256), (128, 128), (256, 128)]:
+        g = _plans.group_rows(bn, bv, sms132)
+        work = [G * bn + 132 / G * bv for G in range(1, 133)]
+        assert work[g - 1] <= min(work) * 1.01, (bn, bv, g)
+    assert _plans.group_rows(128, 256, sms132) == 16  # the H100's measured best (PERFORMANCE.md)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -16,8 +16,9 @@ from logitless.ops.linear_jsd import cost_model as jsd_cost_model
 from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import cost_model
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from tests.helpers import assert_close_to_ref
+from tests.planning_seams import H100
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
 
@@ -160,8 +161,7 @@ def test_default_plan_forward_rows_match_the_budget():
     from logitless.ops.linear_jsd.planning import linear_jsd_plan
 
     c = jsd_cost_model.choose_jsd(4096, 2048, 2048, 151936, 2, 256 << 20, device_model=cost_model.H100)
-    with what_if(num_sms=132):
-        plan = linear_jsd_plan(4096, 151936, 2048, 2, 256 << 20, torch.device("cuda"))
+    plan = linear_jsd_plan(4096, 151936, 2048, 2, 256 << 20, H100)
     assert c.token_chunk == plan.forward_rows == 216
 
 

@@ -12,6 +12,8 @@ interpreter (conftest.py), at small sizes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,9 +24,10 @@ from logitless.ops.linear_jsd.api import BACKENDS
 from logitless.ops.linear_jsd.planning import jsd_kl_fused, linear_jsd_plan
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.options import JSDOptions
-from logitless.planning import cost_model
-from logitless.planning.overrides import override, what_if
+from logitless.planning import cost_model, device
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
+from tests.planning_seams import on_device
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
 HALF = [torch.bfloat16, torch.float16]
@@ -168,7 +171,7 @@ def test_splits_agree_with_the_unfused_forward(sms, beta, fused_calls):
     per-token losses agree with the unfused forward to fp32 rounding, and the targets of
     every split (hard labels) are found."""
     opts = dict(OPTIONS["all"], beta=beta, shift=False)
-    with what_if(num_sms=sms):
+    with on_device(dataclasses.replace(device.facts(DEVICE), sms=sms)):
         plan = linear_jsd_plan(70, 1009, 24, 2, 1 << 30, torch.device(DEVICE))
         fused, g_fused = _loss(opts, torch.bfloat16, (70,), 24, 40, 1009, "none", seed=sms)
         plain, g_plain = _loss(opts, torch.bfloat16, (70,), 24, 40, 1009, "none", seed=sms, fused=False)

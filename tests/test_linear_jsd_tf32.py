@@ -10,8 +10,6 @@ Runs on the GPU when there is one; otherwise on the CPU interpreter (conftest.py
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -20,9 +18,10 @@ from logitless.ops.linear_jsd import planning as _ljsd_planning
 from logitless.ops.linear_jsd import triton_backend
 from logitless.ops.linear_jsd.reference import linear_jsd_reference
 from logitless.planning import tiles as _tiles
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref, max_err
+from tests.planning_seams import H100
 from tests.test_linear_jsd import OPTIONS, make_inputs
 from tests.test_precision import _round_to_tf32, matmul_precision
 
@@ -95,9 +94,6 @@ def test_highest_and_16_bit_take_no_scratch(monkeypatch):
     assert len(seen) == 1 and seen[0][1] is False
 
 
-_GPU = types.SimpleNamespace(type="cuda", index=0)
-
-
 @pytest.mark.parametrize("n,hs,ht,v", [(4096, 4096, 8192, 128256), (4096, 2048, 2048, 151936), (16, 64, 32, 1000)])
 @pytest.mark.parametrize("budget", [2**20, 256 * 2**20, 2**31])
 def test_prerounded_plan_counts_the_scratch(n, hs, ht, v, budget):
@@ -105,9 +101,8 @@ def test_prerounded_plan_counts_the_scratch(n, hs, ht, v, budget):
     rows of both weights (fp32) and the fp32 dx accumulator fit the budget (or the chunk
     is the floor), x's scratch is taken off while at most half the budget, and
     ``tiles.w_chunk`` marks the plan (the chunk's rows); without, no scratch."""
-    with what_if(num_sms=132):
-        plain = _ljsd_planning.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht)
-        pre = _ljsd_planning.linear_jsd_plan(n, v, hs, 4, budget, _GPU, hidden_t=ht, prerounded=True)
+    plain = _ljsd_planning.linear_jsd_plan(n, v, hs, 4, budget, H100, hidden_t=ht)
+    pre = _ljsd_planning.linear_jsd_plan(n, v, hs, 4, budget, H100, hidden_t=ht, prerounded=True)
     assert plain.tiles.w_chunk == 0 and pre.tiles.w_chunk == pre.vocab_chunk > 0
     assert pre.forward_rows == plain.forward_rows  # the forward's GEMMs are cuBLAS: no scratch
     assert pre.vocab_chunk <= plain.vocab_chunk

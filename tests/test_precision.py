@@ -17,9 +17,10 @@ from torch.utils._pytree import tree_flatten
 import logitless
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import max_err, run_custom_op
+from tests.planning_seams import reshaped
 
 
 @contextlib.contextmanager
@@ -116,7 +117,7 @@ def test_kernels_get_the_precision_of_the_call(monkeypatch, setting, expected, p
     # launch): the plan is made to keep none.
     x, w, t, _ = _inputs(20, 24, 97, torch.float32, seed=1)
     no_kept = lambda p: dataclasses.replace(p, keep_cols=0)  # noqa: E731
-    with matmul_precision(setting), override(tf32_preround=preround), what_if(plan=no_kept):
+    with matmul_precision(setting), override(tf32_preround=preround), reshaped(no_kept):
         # A budget of 2000 bytes keeps no column: the backward recomputes every chunk.
         loss = logitless.linear_cross_entropy(x, w, t, backend="triton", memory_budget=2000)
         loss.backward()

@@ -17,11 +17,12 @@ import torch
 import logitless
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.planning import cost_model as cm
+from logitless.planning import device
 from logitless.planning import plans as _plans
-from logitless.planning.overrides import what_if
 
 from .conftest import DEVICE, HAS_CUDA
 from .helpers import assert_close_to_ref
+from .planning_seams import on_device
 
 BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 ANCHORS = {
@@ -284,7 +285,7 @@ def test_wide_chunks_keep_the_planner_monotone_and_within_budget(wide):
 @pytest.mark.skipif(not HAS_CUDA, reason="the cost model plans columns on GPUs only (the CPU interpreter uses the "
                                           "greedy rule); the interpreter case is the forced-candidate test above")
 def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
-    """what_if(device_model=H100 with wide_chunks=2) at 4096 x 512 x 65536, 256 MiB: the
+    """This GPU described with the H100's model and wide_chunks=2 at 4096 x 512 x 65536, 256 MiB: the
     planner takes a chunk past the L2 rule; loss and gradients equal the shipped plan's
     up to bf16 rounding and the reference's tolerance; peak memory within the budget."""
     n, h, v, budget = 4096, 512, 65536, 256 << 20
@@ -300,7 +301,7 @@ def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
     same = linear_cross_entropy_reference(xb, wb, t.cuda(), dtype=torch.bfloat16)[0]
     same_grads = torch.autograd.grad(same, (xb, wb))
     x, w, td = xb.detach().requires_grad_(True), wb.detach().requires_grad_(True), t.cuda()
-    with what_if(device_model=wide):
+    with on_device(dataclasses.replace(device.facts(x.device), model=wide)):
         plan = _plans.triton_plan(n, v, h, 2, budget, x.device, keep_allowed=True)
         torch.autograd.grad(logitless.linear_cross_entropy(x, w, td, memory_budget=budget), (x, w))  # warm
         torch.cuda.synchronize()
@@ -310,8 +311,8 @@ def test_wide_chunk_plan_on_the_gpu_is_exact_and_within_budget():
         dx, dw = torch.autograd.grad(loss, (x, w))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - dx.nbytes - dw.nbytes
-    with what_if(device_model=dataclasses.replace(cm.H100, wide_chunks=0)):
-        narrow = _plans.triton_plan(n, v, h, 2, budget, x.device, keep_allowed=True)
+    shipped = dataclasses.replace(device.facts(x.device), model=dataclasses.replace(cm.H100, wide_chunks=0))
+    narrow = _plans.triton_plan(n, v, h, 2, budget, shipped, keep_allowed=True)
     assert narrow.vocab_chunk == 4096 and plan.vocab_chunk > 4096, (narrow, plan)  # past the L2 rule
     assert peak <= budget, (peak, budget)
     for name, ours, s_, r in (("loss", loss, same, ref), ("dx", dx, same_grads[0], ref_grads[0]),

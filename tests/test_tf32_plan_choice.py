@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import types
 
 import pytest
 import torch
@@ -31,11 +30,12 @@ from logitless.planning import cost_model as _cost_model
 from logitless.planning import plans as _plans
 from logitless.planning import tiles as _tiles
 from logitless.planning import tuned as _tuned
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from logitless.triton_lib import launch
+from tests.planning_seams import H100
 from tests.test_precision import _inputs, matmul_precision
 
-_GPU = types.SimpleNamespace(type="cuda", index=0)
+_GPU = H100  # an H100 as the planner sees one (tests.planning_seams)
 #: The precision suite's shapes (tokens, hidden, vocab) and their TF32 GEMM on the H100.
 SUITE = {"2048x2048x32000": (2048, 2048, 32000, 0.721), "4096x2048x128256": (4096, 2048, 128256, 5.988),
          "llama3.1-8b": (4096, 4096, 128256, 11.66)}
@@ -55,10 +55,8 @@ MEASURED = {
 
 @pytest.fixture
 def h100(monkeypatch):
-    """The planner as it sees an H100, with the shipped tile tables (no tuned cache)."""
+    """The planner as it sees an H100 (``_GPU``), with the shipped tile tables (no tuned cache)."""
     monkeypatch.setenv("LOGITLESS_TUNED", "0")
-    with what_if(num_sms=132, device_model=_cost_model.H100):
-        yield
 
 
 def _plan(n, v, h, budget, **kw):
@@ -177,9 +175,9 @@ def test_overrides_force_a_path_and_key_the_memo(h100):
     would take the in-kernel one (and ``False`` the reverse), also after the default plan
     was memoised (the memo is keyed by the override); a DeviceModel that makes the
     pre-rounded kernels slow flips the choice (keyed by the model too)."""
-    gpu = torch.device("cuda")  # hashable (the memo keys it as ("cuda", 0)); nothing runs on it
+    gpu = _GPU
 
-    def plan(n, v, h, budget, **kw):
+    def plan(n, v, h, budget, gpu=gpu, **kw):
         return _plans.triton_plan(n, v, h, 4, budget, gpu, prerounded=True, **kw)
 
     args = (2048, 32000, 2048, DEFAULT_MEMORY_BUDGET)
@@ -195,9 +193,9 @@ def test_overrides_force_a_path_and_key_the_memo(h100):
         assert _plans.triton_plan(*big[:3], 4, big[3], gpu, keep_allowed=True).w_chunk == 0
     slow = dataclasses.replace(_cost_model.H100, tf32_fwd_prerounded=3.0, tf32_fwd_prerounded_narrow=3.0,
                                tf32_dlogits_prerounded=3.0)
-    with what_if(device_model=slow):
-        assert plan(*big, keep_allowed=True).w_chunk == 0
-        assert not _plans.tf32_choice(*big, gpu, grad=True).prerounded
+    slow_gpu = dataclasses.replace(gpu, model=slow)
+    assert plan(*big, gpu=slow_gpu, keep_allowed=True).w_chunk == 0
+    assert not _plans.tf32_choice(*big, slow_gpu, grad=True).prerounded
     assert plan(*big, keep_allowed=True).w_chunk > 0
     with matmul_precision("high"):
         assert launch.tf32_prerounded(torch.float32)  # the default: the plan decides
@@ -254,22 +252,20 @@ def test_tuned_tiles_keep_to_their_path(tmp_path, monkeypatch):
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps({"configs": {"32-bit/*": {"tiles": list(in_kernel)},
                                             "32-bit-tf32-prerounded/*": {"tiles": list(pre)}}}))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(_tuned, "cache_path", lambda device: path)
     monkeypatch.delenv("LOGITLESS_TUNED", raising=False)
     _tuned.clear()
     try:
-        with what_if(num_sms=132, device_model=_cost_model.H100):
-            assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256) == in_kernel
-            assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256, prerounded=True) == pre
-            for forced, keep, want in ((True, True, pre), (True, False, _tiles.CUDA_TILES_TF32[False]),
-                                       (False, True, in_kernel), (False, False, in_kernel)):
-                with override(tf32_preround=forced):
-                    p = _plans.triton_plan(4096, 128256, 4096, 4, DEFAULT_MEMORY_BUDGET, _GPU, keep_allowed=keep,
-                                           prerounded=forced)
-                assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == want, (forced, keep, p)
-            # the planner's choice prices each path with its own tiles
-            c = _plans.tf32_choice(4096, 128256, 4096, DEFAULT_MEMORY_BUDGET, _GPU, grad=True)
-            assert c.pre_plan.block_v == pre[1] and c.in_kernel_plan.block_v == in_kernel[1]
+        assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256) == in_kernel
+        assert _tuned.tiles_for(_GPU, 4, 4096, 4096, 128256, prerounded=True) == pre
+        for forced, keep, want in ((True, True, pre), (True, False, _tiles.CUDA_TILES_TF32[False]),
+                                   (False, True, in_kernel), (False, False, in_kernel)):
+            with override(tf32_preround=forced):
+                p = _plans.triton_plan(4096, 128256, 4096, 4, DEFAULT_MEMORY_BUDGET, _GPU, keep_allowed=keep,
+                                       prerounded=forced)
+            assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == want, (forced, keep, p)
+        # the planner's choice prices each path with its own tiles
+        c = _plans.tf32_choice(4096, 128256, 4096, DEFAULT_MEMORY_BUDGET, _GPU, grad=True)
+        assert c.pre_plan.block_v == pre[1] and c.in_kernel_plan.block_v == in_kernel[1]
     finally:
         _tuned.clear()

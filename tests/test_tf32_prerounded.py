@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import pytest
 import torch
@@ -19,9 +18,10 @@ import logitless
 from logitless.options import CrossEntropyOptions
 from logitless.planning import plans as _plans
 from logitless.planning import tiles as _tiles
-from logitless.planning.overrides import override, what_if
+from logitless.planning.overrides import override
 from logitless.triton_lib import launch
 from tests.conftest import DEVICE
+from tests.planning_seams import H100, reshaped
 from tests.test_precision import _inputs, _round_to_tf32, matmul_precision
 
 
@@ -66,7 +66,7 @@ def _recorder(monkeypatch):
 
 def _run(x, w, t, pre, reshape, **kw):
     # The interpreter's tiles also on a GPU: both paths then get the same tiles and plan.
-    with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), what_if(plan=reshape):
+    with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), reshaped(reshape):
         out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
         grads = torch.autograd.grad(out.sum(), inputs)
@@ -164,9 +164,6 @@ def test_prerounded_only_at_high_with_rounding():
     assert _plans.triton_plan(*args).w_chunk == 0
 
 
-_GPU = types.SimpleNamespace(type="cuda", index=0)
-
-
 def _no_kept_columns(plan):
     """A plan that keeps no column (what a tiny budget gives; on GPUs the cost model may
     keep some at the minimum budget)."""
@@ -183,11 +180,9 @@ def test_prerounded_plan_counts_the_scratch(monkeypatch, n, h, v, budget, keep):
     columns + the forward's W chunk <= budget, unless at the floors (min-width chunks
     of dz and of W); the W chunk is whole splits (or all of W), the tiles
     CUDA_TILES_TF32's."""
-    from logitless.planning import cost_model as _cost_model
-
     monkeypatch.setenv("LOGITLESS_TUNED", "0")  # the shipped tables (no GPU to name a tuned cache)
-    with override(tf32_preround=True), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
-        p = _plans.triton_plan(n, v, h, 4, budget, _GPU, keep_allowed=keep, prerounded=True)
+    with override(tf32_preround=True):
+        p = _plans.triton_plan(n, v, h, 4, budget, H100, keep_allowed=keep, prerounded=True)
     assert (p.block_n, p.block_v, p.block_h, p.num_warps, p.num_stages) == _tiles.CUDA_TILES_TF32[keep]
     vocab_blocks = math.ceil(v / p.block_v)
     split_cols = math.ceil(vocab_blocks / p.vocab_splits) * p.block_v
@@ -216,7 +211,6 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     """kept_shapes (the custom op's fake implementation) follows the pre-rounded plan:
     the kept buffers it announces are the ones the forward returns under the same plan."""
     from logitless.ops.linear_cross_entropy import triton_backend as tb
-    from logitless.planning import cost_model as _cost_model
 
     x, w, t, _ = _inputs(37, 40, 131, torch.float32, seed=2)
     budget = 4 * 37 * 40 + 37 * 4 * 64 + 37 * 4 * 64 + 4 * 40 * 64
@@ -224,8 +218,8 @@ def test_prerounded_plan_same_for_fake_forward_and_backward():
     # tiles (128 x 128 in fp32) this budget holds no kept tile, and the case is the kept
     # buffers. On an emulated H100 the forced plan keeps columns too:
     forced = dict(tiles=_tiles.INTERPRETER_TILES, tf32_preround=True)
-    with matmul_precision("high"), override(**forced), what_if(num_sms=132, device_model=_cost_model.DEFAULT):
-        gpu_plan = _plans.linear_plan(37, 131, 40, 4, budget, _GPU, keep_allowed=True, prerounded=True).forward
+    with matmul_precision("high"), override(**forced):
+        gpu_plan = _plans.linear_plan(37, 131, 40, 4, budget, H100, keep_allowed=True, prerounded=True).forward
     assert gpu_plan.w_chunk > 0 and gpu_plan.keep_cols > 0, gpu_plan
     with matmul_precision("high"), override(**forced):
         plan = tb.plan(x, w, None, None, CrossEntropyOptions(), budget=budget, need_grad=True, need_argmax=False)
@@ -251,7 +245,7 @@ def test_log_probs_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatc
         return dataclasses.replace(p, vocab_splits=3, keep_cols=keep, vocab_chunk=64, w_chunk=64)
 
     def run(pre):
-        with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), what_if(plan=reshape):
+        with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), reshaped(reshape):
             out = logitless.linear_log_probs(x, w, t, backend="triton", **kw)
             outs = out if isinstance(out, tuple) else (out,)
             loss = sum((o * (i + 1.5)).sum() for i, o in enumerate(outs))
@@ -294,7 +288,7 @@ def test_backward_on_another_thread_follows_the_forward_overrides(monkeypatch, o
     fn = getattr(logitless, op)
 
     def grads(thread):
-        with override(tf32_preround=False, tiles=(16, 64, 16, 4, 1)), what_if(plan=_no_kept_columns):
+        with override(tf32_preround=False, tiles=(16, 64, 16, 4, 1)), reshaped(_no_kept_columns):
             loss = fn(x, w, t, backend="triton", memory_budget=2000).sum()  # keeps no column
             if not thread:
                 return torch.autograd.grad(loss, (x, w))

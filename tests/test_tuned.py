@@ -7,6 +7,7 @@ two different tiles give the same loss and gradients up to fp32 summation order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from logitless.planning import tiles as _tiles
 from logitless.planning import tuned as _tuned
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
+from tests.planning_seams import H100
 from tests.test_linear_cross_entropy import OPTIONS, make_inputs
 
 
@@ -83,15 +85,17 @@ def test_tuner_writes_and_plans_read_the_cache(tmp_path, monkeypatch):
     path = _tuned.cache_path(torch.device("cpu"))
     data = json.loads(path.read_text())
     assert data["configs"]["16-bit/n1k-h2k"]["tiles"] == [32, 64, 32, 4, 1]
-    # A GPU whose name maps to that cache file reads it (device queries faked).
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    # A GPU whose name maps to that cache file reads it (the GPU described: ``DeviceFacts``).
+    gpu = dataclasses.replace(H100, name="cpu")
+    assert _tuned.cache_path(gpu) == path
     monkeypatch.setattr(_tuned, "cache_path", lambda device: path)
     _tuned.clear()
     try:
-        assert _tuned.tiles_for(torch.device("cuda"), 2, 64, 40, 257) == (32, 64, 32, 4, 1)
-        assert _tuned.tiles_for(torch.device("cuda"), 2, 64, 4096, 257) is None  # other class, no shipped file
+        assert _tuned.tiles_for(gpu, 2, 64, 40, 257) == (32, 64, 32, 4, 1)
+        assert _tuned.tiles_for(gpu, 2, 64, 4096, 257) is None  # other class, no shipped file
+        assert _tuned.tiles_for(torch.device("cpu"), 2, 64, 40, 257) is None  # never off GPUs
         monkeypatch.setenv("LOGITLESS_TUNED", "0")
-        assert _tuned.tiles_for(torch.device("cuda"), 2, 64, 40, 257) is None
+        assert _tuned.tiles_for(gpu, 2, 64, 40, 257) is None
     finally:
         _tuned.clear()
 

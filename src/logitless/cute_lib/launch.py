@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from logitless.planning import cute as _planning
-from logitless.planning.overrides import what_ifs as _what_ifs
 
 #: compile key -> None (compiled and launched once) or the failure's text (the Triton path)
 _STATE: dict = {}
@@ -100,6 +99,8 @@ def forward_partials(op: str, x: Tensor, weight: Tensor, target: Tensor, parts, 
 
 
 def _launch(fs, key, x, weight, tgt, parts, splits, *, scale, smooth, entropy, keep, op=None) -> None:
+    """One launch of the compiled ``key``; ``op``: the op that launches it (None: ``ready``'s
+    first launch on one row). Tests wrap this function to see which launches ran."""
     n, h = x.shape
     v = weight.shape[0]
     dtype = key[1]
@@ -108,11 +109,6 @@ def _launch(fs, key, x, weight, tgt, parts, splits, *, scale, smooth, entropy, k
     addrs = [p.data_ptr() for p in (part_max, part_sum, part_tgt,
                                     smooth if smooth is not None else part_max,
                                     entropy if entropy is not None else part_max)]
-    probe = _what_ifs().cute_probe if op is not None else None
-    if probe is not None:
-        probe(dict(op=op, n=n, v=v, h=h, splits=splits, dtype=dtype, smooth=smooth is not None,
-                   entropy=entropy is not None, scale=scale, group=key[6],
-                   keep_cols=keep[0].shape[1] if keep is not None else 0))
     cuda = x.device.type == "cuda"  # (False only in CPU tests of ``ready`` with a fake kernel module)
     stream = torch.cuda.current_stream(x.device).cuda_stream if cuda else 0
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():

@@ -1,14 +1,15 @@
 """How the work is split: every planning decision of the library, each made in one place.
 
 Planning decides *how* (tiles, chunks, strategy, kernel), never *what*: the math is the
-formulas' whichever plan runs, and a plan depends on the shape, dtype, budget, device
-class and overrides only (``overrides``; ``memo`` keeps each planner's results). What
-several ops share lives in this folder, the layer below ``ops/`` (it never imports an
-op); what one op alone decides lives beside that op's backends and Config, in
-``ops/<op>/``. Paths are under ``src/logitless/``; each name is of its row's file;
-indented rows are a part of the row above; lce, llp: linear_cross_entropy,
-linear_log_probs. docs/design.md ("Planner and cost model") says why the shipped
-choices are what they are.
+formulas' whichever plan runs, and a plan depends on the shape, dtype, budget, the
+device's facts and overrides only (``device``: one ``DeviceFacts`` per device, read
+once, which tests and probes build to describe a device they do not have;
+``overrides``; ``memo`` keeps each planner's results). What several ops share lives in
+this folder, the layer below ``ops/`` (it never imports an op); what one op alone
+decides lives beside that op's backends and Config, in ``ops/<op>/``. Paths are under
+``src/logitless/``; each name is of its row's file; indented rows are a part of the row
+above; lce, llp: linear_cross_entropy, linear_log_probs. docs/design.md ("Planner and
+cost model") says why the shipped choices are what they are.
 
 =================================================  ==============================  ==================================
 Decision                                           Decided by                      File
@@ -20,11 +21,15 @@ fused linear ops' Triton tiles: forced, tuned,     ``_tiles``                   
   ROCm, else the CUDA / interpreter tables         ``CUDA_TILES``, ...             planning/tiles.py
 tuned tiles (this machine's cache, shipped)        ``tiles_for``                   planning/tuned.py
 ROCm: tiles, no TMA, dot precision                 ``tiles``, ``adapt_plan``, ...  planning/rocm.py
-multiprocessors the plans assume                   ``num_sms``                     planning/plans.py
+what the planners read of a device (one seam)      ``facts`` -> ``DeviceFacts``    planning/device.py
+  its planning model: interpreter or GPU class     ``INTERPRETER``, GPU classes    planning/cost_model.py
+  multiprocessors the plans assume                 ``num_sms``                     planning/plans.py
 forward vocabulary splits (WAVES per SM)           ``wave_blocks_per_split``       planning/plans.py
   16-bit on GPUs: fewer K steps per program        ``forward_blocks_per_split``    planning/tiles.py
 floor of a recomputed backward chunk               ``min_chunk_cols``              planning/plans.py
 kept columns, chunk width, TF32 W chunks, odd V    ``_triton_plan``                planning/plans.py
+  GPU models: the cost model's columns             ``_model_columns``              planning/plans.py
+  the interpreter model: greedy columns            ``_greedy_columns``             planning/plans.py
 lce / llp strategy: keep, partial, grad-in-fwd     ``lce_strategy``                planning/plans.py
   their predicted times and memory                 ``choose``                      planning/cost_model.py
 a forced strategy (``override(strategy=...)``)     ``forced_strategy``             planning/plans.py
@@ -32,7 +37,6 @@ one call's plan (forward, backward, chunks)        ``linear_plan``              
 TF32 route: pre-rounded or in registers            ``tf32_choice``                 planning/plans.py
   whether a plan's launches run pre-rounded        ``runs_prerounded``             triton_lib/launch.py
 program order, grouping, persistent dlogits        ``kernel_options``              planning/plans.py
-device class the cost model prices for             ``planned_device_model``        planning/plans.py
 CuTe DSL or Triton forward; CuTe splits            ``forward_plan``                planning/cute.py
 PyTorch, lce / llp / linear_jsd: token x vocab     ``torch_plan``                  planning/plans.py
   their bytes per step (lce, llp)                  ``linear_torch_plan``           ops/common/torch_tiles.py
@@ -58,6 +62,6 @@ JAX: xla / triton backends' chunks and tiles       ``xla_plan``, ``triton_plan``
 Modules here: ``plans`` (the fused linear ops' plans and the pieces linear_jsd builds
 on), ``logits`` (plans over whole rows of logits), ``cost_model`` (device classes, kernel
 times, the linear ops' strategy choice), ``tiles`` (tables and plan dataclasses,
-framework-free: the JAX side shares them), ``tuned``, ``rocm``, ``cute``, ``overrides``,
-``memo``.
+framework-free: the JAX side shares them), ``device`` (the facts of a device),
+``tuned``, ``rocm``, ``cute``, ``overrides``, ``memo``.
 """

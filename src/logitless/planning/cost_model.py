@@ -148,6 +148,11 @@ class DeviceModel:
     #: ran dW at one GEMM's speed where 128 x 256 tiles predict 81% busy SMs:
     #: cuBLAS picks other tiles. A fitted constant (benchmarks/fit_cost_model.py).
     gemm_wave: float = 1.0
+    #: The planning rule of a device with this model (``device.DeviceFacts``): False, a
+    #: GPU's (tile tables, tuned tiles, the cost model's kept columns and chunks); True,
+    #: the CPU interpreter's (its small tiles, the greedy kept columns and chunks that
+    #: exercise every kernel path at tiny shapes: ``INTERPRETER``).
+    interpreter: bool = False
 
 
 #: wide_chunks=2: the planner regret probe (``benchmarks/probe_regret.py``) measured 4096-column
@@ -180,8 +185,12 @@ MI300X = replace(H100, name="MI300X", sms=304, gemm_flops_16=650e12, gemm_flops_
 MI355X = replace(MI300X, name="MI355X", sms=256, gemm_flops_16=1250e12, gemm_flops_32=80e12, hbm_bw=6.0e12,
                  keep_store_bw=2.6e12, kept_pass_bw=5.2e12, acc_bw=8.8e12, round_bw=5.7e12)
 #: Any other GPU: H100's constants (the choice is relative, so ratios matter more than
-#: absolute rates). The CPU interpreter uses this too; its plans are only for tests.
+#: absolute rates).
 DEFAULT = H100
+#: The CPU interpreter's planning model (``device.facts`` of any device that is not CUDA):
+#: the interpreter's rule, the strategy and TF32 choices priced with DEFAULT's constants
+#: (its plans are only for tests).
+INTERPRETER = replace(DEFAULT, name="interpreter", interpreter=True)
 DEVICE_MODELS = {"H100": H100, "H200": H200, "MI300X": MI300X, "MI355X": MI355X}
 #: AMD architectures (``gcnArchName``) -> device class; other AMD GPUs get DEFAULT.
 ROCM_ARCH_CLASSES = {"gfx942": "MI300X", "gfx950": "MI355X"}

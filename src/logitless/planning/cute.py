@@ -5,13 +5,15 @@ None (the Triton kernel runs). It says "CuTe" only when all of these hold:
 
   * not turned off: ``override(cute=False)``, or the environment variable
     ``LOGITLESS_CUTE=0`` (read per call; ``override(cute=True)`` ignores it), or an
-    override aimed at the Triton plan (tiles, plan, strategy);
-  * a CUDA device of compute capability 9.x (sm_90a: wgmma, TMA, setmaxnreg);
+    override aimed at the Triton plan (tiles, strategy);
+  * a CUDA device of compute capability 9.x (sm_90a: wgmma, TMA, setmaxnreg), by its
+    ``device.DeviceFacts`` (``capability``: None under ROCm);
   * the DSL is usable (``dsl_problem``): the optional ``nvidia-cutlass-dsl`` (``pip install
     'logitless[hopper]'``) installed at a supported version (``DSL_MIN`` <= version <
     ``DSL_BELOW`` by its package metadata) and ``cutlass.cute`` importable, checked lazily
     once per process and only when a plan would take the kernel, never at ``import
-    logitless``; ``what_if(cute_available=...)`` replaces the check (tests). Then the
+    logitless``; a ``DeviceFacts.cute_available`` of True / False replaces the check
+    (tests describing a device). Then the
     kernel must compile and launch (``cute_lib.launch.ready``, once per compiled
     configuration). Any of these failing means the Triton forward, with one
     ``CuteFallbackWarning`` per process and cause (``warn_fallback``): an optional
@@ -52,9 +54,9 @@ import sys
 import warnings
 from typing import Optional
 
+from logitless.planning import device as _device
 from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
-from logitless.planning.overrides import what_ifs as _what_ifs
 from logitless.planning.tiles import CutePlan  # noqa: F401  (re-exported: the plan lives there)
 
 ENV = "LOGITLESS_CUTE"
@@ -251,13 +253,13 @@ def env_off() -> bool:
 
 def enabled(ov, env_is_off: bool) -> bool:
     """The switch alone: ``override(cute=...)`` first; unset, the environment variable, and
-    an override that shapes the Triton plan (tiles, plan, strategy: a
-    test or probe aimed at the Triton kernel) keeps the Triton kernel."""
+    an override that shapes the Triton plan (tiles, strategy: a test or probe aimed at
+    the Triton kernel) keeps the Triton kernel."""
     if ov.cute is not None:
         return bool(ov.cute)
     if env_is_off:
         return False
-    return ov.tiles is None and _what_ifs().plan is None and ov.strategy is None
+    return ov.tiles is None and ov.strategy is None
 
 
 def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: int, h: int, layout_ok: bool,
@@ -269,9 +271,6 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
     ov = ov if ov is not None else _overrides()
     if not enabled(ov, env_is_off):
         return None
-    forced_available = _what_ifs().cute_available
-    if forced_available is not None:
-        available = forced_available
     if unsupported(capability=capability, available=available, dtype=dtype, n=n, v=v, h=h, layout_ok=layout_ok,
                    **options) is not None:
         return None
@@ -284,58 +283,31 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
 def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=None, softcap=None,
                  need_argmax: bool = False, weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
     """The CuTe plan of one forward (module docstring), or None: the Triton kernel runs."""
-    ov = _overrides()
-    facts = device_facts(x.device)  # first: on a CPU or off Hopper, the only call made here
-    if facts is None or not enabled(ov, env_off()):  # no DSL import off Hopper
+    facts = _device.facts(x.device)  # first: on a CPU or off Hopper, the only question asked here
+    capability = facts.capability
+    if capability is None or capability[0] != 9 or not enabled(_overrides(), env_off()):  # no DSL import
         return None
-    capability, sms, l2 = facts
     n, h = x.shape
     v = weight.shape[0]
     layout_ok = (x.dtype == weight.dtype and x.stride() == (h, 1) and weight.stride() == (h, 1)
                  and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
     # The DSL's own check (and its one warning) only where the plan would take the kernel.
-    (plan,) = _choice(capability, sms, l2, x.dtype, n, v, h, layout_ok, bias is not None, softcap is not None,
-                      need_argmax, weighted_smooth, keep_cols, keep_block, entropy)
-    if plan is None or _what_ifs().cute_available is not None:  # (cute_available: choose applied it)
+    assumed = facts.cute_available
+    (plan,) = _choice(capability, facts.sms, facts.l2_bytes, assumed is not False, x.dtype, n, v, h, layout_ok,
+                      bias is not None, softcap is not None, need_argmax, weighted_smooth, keep_cols, keep_block,
+                      entropy)
+    if plan is None or assumed is not None:
         return plan
     return plan if dsl_usable_or_warn() else None
 
 
 @memoised
-def _choice(capability, sms, l2, dtype, n, v, h, layout_ok, bias, softcap, argmax, weighted_smooth, keep_cols,
-            keep_block, entropy) -> tuple:
+def _choice(capability, sms, l2, available, dtype, n, v, h, layout_ok, bias, softcap, argmax, weighted_smooth,
+            keep_cols, keep_block, entropy) -> tuple:
     """(``choose``'s decision,) for ``forward_plan``, memoised by the facts and the active
     overrides (``memo.memoised``; a tuple, as the memo takes None for a miss): at 512-2048
     tokens an eager call is host-bound, and deciding afresh cost tens of microseconds per call."""
-    return (choose(capability=capability, available=True, num_sms=sms, l2_bytes=l2,
+    return (choose(capability=capability, available=available, num_sms=sms, l2_bytes=l2 or None,
                    dtype=str(dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, bias=bias,
                    softcap=softcap, argmax=argmax, weighted_smooth=weighted_smooth, keep_cols=keep_cols,
                    keep_block=keep_block, entropy=entropy),)
-
-
-def device_facts(device) -> Optional[tuple]:
-    """(capability, SMs, L2 bytes) of a CUDA device of compute capability 9.x, else None
-    (tests replace this function to plan for an H100 on the CPU). Asked of torch once per
-    device, overrides (``num_sms``) and state (``memo.memoised``; ``memo.clear`` forgets
-    it): the properties do not change, and every forward on a GPU plans (torch's
-    device-property getters were ~25 us per call, docs/design.md)."""
-    if device.type != "cuda":
-        return None
-    return _device_facts(device)[0]
-
-
-@memoised
-def _device_facts(device) -> tuple:
-    """(``device_facts``' answer,) for a CUDA device (a tuple: the memo takes None for a miss)."""
-    from logitless.planning import rocm
-
-    if rocm.is_hip():  # ROCm reports gfx942 as capability (9, 4): not a Hopper
-        return (None,)
-    import torch
-
-    capability = tuple(torch.cuda.get_device_capability(device))
-    if capability[0] != 9:
-        return (None,)
-    from logitless.planning.plans import num_sms
-
-    return ((capability, num_sms(device), torch.cuda.get_device_properties(device).L2_cache_size),)

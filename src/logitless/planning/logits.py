@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from logitless.planning import device as _device
 from logitless.planning.plans import clamp, num_sms
 from logitless.planning.tiles import WAVES
 
@@ -49,7 +50,7 @@ class CETritonPlan:
 
 def ce_triton_plan(num_tokens: int, vocab: int, itemsize: int, device) -> CETritonPlan:
     """About 16 KiB of logits per step; several rows per program when V is small."""
-    if device.type == "cuda":
+    if _device.facts(device).gpu:
         tile, max_block_v, num_warps = 16384 // itemsize, 4096, 8
     else:  # TRITON_INTERPRET=1: small tiles, still exercising every mask
         tile, max_block_v, num_warps = 256, 64, 4

@@ -9,14 +9,16 @@ The key of a call is everything its result depends on:
 
 - its arguments (shapes, itemsize, budget, flags) and the device, with a CUDA
   device's index made explicit (``cuda`` alone means the current device);
-- the active ``overrides.current()`` and ``overrides.what_ifs()`` (frozen dataclasses). When something in the key
-  is unhashable the call is not cached at all. A ``plan``
-  callable hashes by identity; the key holds a reference to it, so the identity
-  cannot be reused by another object while the entry lives;
+- the active ``overrides.current()`` (a frozen dataclass). When something in the key
+  is unhashable the call is not cached at all;
 - the environment the tuned-config lookup reads (``LOGITLESS_TUNED``,
   ``LOGITLESS_CACHE_DIR``, ``HOME``) and fp32 matmul precision (read by fp32 plans);
 - the generation of the tuned-config tables: ``tuned.clear()`` (which the tuner
   calls after writing its cache) clears every memo too.
+
+What a planner reads of the device comes from ``device.facts``, read once per device
+and kept in a ``cache()`` of this module, so ``clear()`` forgets the facts with the
+plans (a test that replaces that seam clears both).
 
 The memo holds at most ``MAX_ENTRIES`` plans per planner (then starts afresh): plans
 are small frozen dataclasses. Nothing here touches a device or synchronises.
@@ -29,9 +31,7 @@ import os
 from collections.abc import Callable
 
 from logitless.planning.overrides import _CURRENT as _OVERRIDES
-from logitless.planning.overrides import _WHAT_IF
 from logitless.planning.overrides import DEFAULT as _DEFAULT_OVERRIDES
-from logitless.planning.overrides import NO_WHAT_IF as _NO_WHAT_IF
 
 MAX_ENTRIES = 4096
 _MEMOS: list[dict] = []
@@ -43,7 +43,8 @@ ENV_NAMES = ("LOGITLESS_TUNED", "LOGITLESS_CACHE_DIR", "HOME")
 _precision = None
 
 
-def _device_key(device):
+def device_key(device):
+    """(type, index) of a torch device, a CUDA device's index made explicit."""
     kind = getattr(device, "type", None)
     if kind is None:
         return device
@@ -80,29 +81,28 @@ def memoised(fn: Callable) -> Callable:
 
     A hit costs the wrapper, ``_state_key``'s reads inline (``os.environ.get``: three or
     four Python calls per variable) and a dictionary lookup: the key is built inline (no
-    generator, no call per argument), and the overrides and what-ifs outside any
-    ``override(...)`` / ``what_if(...)`` (``overrides.DEFAULT``, ``NO_WHAT_IF``, by
-    identity) are keyed as None, so that the frozen dataclasses' Python ``__hash__`` runs
-    only under one."""
+    generator, no call per argument), and the overrides outside any ``override(...)``
+    (``overrides.DEFAULT``, by identity) are keyed as None, so that the frozen
+    dataclass' Python ``__hash__`` runs only under one."""
     memo: dict = {}
     _MEMOS.append(memo)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        # Devices as _device_key has them, inline: one with an index (or not CUDA) needs no call.
+        # Devices as device_key has them, inline: one with an index (or not CUDA) needs no call.
         key_args = tuple([
             a if type(a).__name__ != "device" else
-            (a.type, a.index) if a.index is not None or a.type != "cuda" else _device_key(a)
+            (a.type, a.index) if a.index is not None or a.type != "cuda" else device_key(a)
             for a in args])
         if kwargs:
-            key_kwargs = tuple([(k, v if type(v).__name__ != "device" else _device_key(v))
+            key_kwargs = tuple([(k, v if type(v).__name__ != "device" else device_key(v))
                                 for k, v in sorted(kwargs.items())])
         else:
             key_kwargs = ()
-        overrides, what = _OVERRIDES.get(), _WHAT_IF.get()
+        overrides = _OVERRIDES.get()
         # _state_key() inline (one Python call fewer per plan)
         key = (key_args, key_kwargs,
-               None if overrides is _DEFAULT_OVERRIDES and what is _NO_WHAT_IF else (overrides, what),
+               None if overrides is _DEFAULT_OVERRIDES else overrides,
                (*map(os.environ.get, ENV_NAMES), (_precision or _bind_precision())()))
         try:
             found = memo.get(key)
@@ -118,7 +118,14 @@ def memoised(fn: Callable) -> Callable:
     return wrapper
 
 
+def cache() -> dict:
+    """A dictionary that ``clear()`` empties with the memos (``device.facts``' cache)."""
+    found: dict = {}
+    _MEMOS.append(found)
+    return found
+
+
 def clear() -> None:
-    """Forget every memoised plan (``tuned.clear`` calls this)."""
+    """Forget every memoised plan and the devices' facts (``tuned.clear`` calls this)."""
     for memo in _MEMOS:
         memo.clear()

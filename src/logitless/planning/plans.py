@@ -6,8 +6,10 @@ program order (``kernel_options``), the strategy (``lce_strategy``) and the plan
 call (``linear_plan``).
 
 Everything here decides *how* (not *what*) is computed, so tuning never touches the
-math or the kernels. Where each decision is made, these and every other: the map in
-``planning/__init__.py``'s docstring.
+math or the kernels. What a plan reads of the device is its ``device.DeviceFacts``
+(``device`` arguments: a torch device or the facts themselves), and each device runs the
+one rule its planning model names (``DeviceFacts.gpu``). Where each decision is made,
+these and every other: the map in ``planning/__init__.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from logitless.planning import device as _device
 from logitless.planning import rocm as _rocm
 from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
-from logitless.planning.overrides import what_ifs as _what_ifs
 from logitless.planning.tiles import (
     CUDA_TILES,
     CUDA_TILES_TF32,
@@ -91,15 +93,9 @@ def torch_plan(
 
 
 def num_sms(device) -> int:
-    """Multiprocessors of ``device`` (a what-if's, if set; a few on the interpreter)."""
-    forced = _what_ifs().num_sms
-    if forced is not None:
-        return forced
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter on CPU: few programs keep it quick
+    """Multiprocessors the plans assume on ``device`` (its ``DeviceFacts.sms``: a GPU's
+    own, a few on the interpreter)."""
+    return _device.facts(device).sms
 
 
 def wave_blocks_per_split(row_blocks: int, vocab_blocks: int, device) -> int:
@@ -121,7 +117,7 @@ def min_chunk_cols(vocab: int, block_v: int, device) -> int:
     and linear_jsd's planner use it."""
     padded = math.ceil(vocab / block_v) * block_v
     quarter = max(block_v, padded // 4 // block_v * block_v)
-    return min(MIN_CHUNK if device.type == "cuda" else 2 * block_v, quarter)
+    return min(MIN_CHUNK if _device.facts(device).gpu else 2 * block_v, quarter)
 
 
 def forced_strategy(num_tokens: int):
@@ -174,9 +170,14 @@ def _triton_plan(
     per recomputed backward chunk its vocab_chunk rows, budgeted with its dz columns.
     The forward's splits are then sized by the W chunk (enough programs per launch).
     ``backward``: the plan of a backward (pre-rounded tiles: the gradient's, as with
-    ``keep_allowed``; nothing else changes)."""
+    ``keep_allowed``; nothing else changes).
+
+    Kept columns and the recomputed chunk's width follow the device's one rule
+    (``DeviceFacts.gpu``): on GPUs the cost model's fastest keep / partial plan that fits
+    (``_model_columns``), on the interpreter the greedy rule (``_greedy_columns``)."""
+    facts = _device.facts(device)
     if tiles is None:
-        tiles = _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded, keep_allowed or backward)
+        tiles = _tiles(num_tokens, vocab, hidden, itemsize, facts, prerounded, keep_allowed or backward)
     block_n, block_v, block_h, num_warps, num_stages = tiles
     row_blocks = math.ceil(num_tokens / block_n)
     vocab_blocks = math.ceil(vocab / block_v)
@@ -185,54 +186,40 @@ def _triton_plan(
     w_col = 4 * hidden if prerounded else 0
     if prerounded and 4 * num_tokens * hidden <= budget // 2:
         budget -= 4 * num_tokens * hidden
-    blocks_per_split = wave_blocks_per_split(row_blocks, vocab_blocks, device)
-    if device.type == "cuda" and itemsize == 2:
+    blocks_per_split = wave_blocks_per_split(row_blocks, vocab_blocks, facts)
+    if facts.gpu and itemsize == 2:
         blocks_per_split = forward_blocks_per_split(row_blocks, vocab_blocks, math.ceil(hidden / block_h),
-                                                    num_sms(device), blocks_per_split)
+                                                    facts.sms, blocks_per_split)
     vocab_splits = math.ceil(vocab_blocks / blocks_per_split)
 
     # Backward. Kept columns cost itemsize + 4/block_v bytes per token each and save a
     # recomputed GEMM; recomputed ones need an fp32 (tokens x hidden) dx accumulator
-    # and a chunk of dz. Keep everything if the budget holds it, else keep what the
-    # budget leaves after the accumulator and one chunk of MIN_CHUNK columns.
+    # (dx itself for fp32 inputs: nothing extra to budget) and a chunk of dz (+ its
+    # rounded rows of W when pre-rounded).
     padded_vocab = vocab_blocks * block_v
     per_col = num_tokens * (itemsize + 4 / block_v)
-    # The fp32 dx accumulator is dx itself for fp32 inputs (nothing extra to budget).
     acc = 4 * num_tokens * hidden if itemsize != 4 else 0
-    min_cols = min_chunk_cols(vocab, block_v, device)
-    # Wider recomputed chunks mean fewer passes over the fp32 dx accumulator, but a
-    # 4096-column chunk of dz (32 MiB at 4096 tokens) stays in L2 between the kernel
-    # that writes it and the two matmuls that read it; ~11k columns ran 5% slower
-    # (docs/design.md). What the budget has left goes to kept columns instead.
+    min_cols = min_chunk_cols(vocab, block_v, facts)
     chunk_col = itemsize * num_tokens + w_col  # a recomputed column: dz (+ its row of W)
-    keep_cols = 0
-    if keep_allowed:
-        if budget >= per_col * vocab + w_col * min_cols:
-            keep_cols = vocab
-        else:
-            left = budget - acc - chunk_col * min_cols
-            keep_cols = clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
-    left = budget - acc - per_col * keep_cols
-    cols = int(max(left, 0) // max(1, chunk_col))
-    # Below MIN_CHUNK columns the fp32 accumulator's read-modify-write dominates each
-    # dx matmul (64 MiB budget at 4096 tokens ran at 7x three GEMMs): use the floor.
-    vocab_chunk = clamp(cols // block_v * block_v, min_cols, padded_vocab)
-    if device.type == "cuda":  # GPUs: the cost model's choice
+    if facts.gpu:  # the cost model's choice
         keep_cols, vocab_chunk = _model_columns(
-            num_tokens, vocab, hidden, itemsize, budget - w_col * min_cols, device, block_v, min_cols,
+            num_tokens, vocab, hidden, itemsize, budget - w_col * min_cols, facts.model, block_v, min_cols,
             keep_allowed)
         if prerounded:  # the model does not know the W chunk: shrink to the budget
             keep_cols, vocab_chunk = _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget,
                                                   block_v, min_cols, vocab)
-    if device.type == "cuda" and keep_cols >= vocab and vocab % ODD_V_ALIGN:
-        # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
-        # 41 ms against 5 ms, docs/design.md): keep whole tiles, recompute the ragged tail.
-        keep_cols = vocab // block_v * block_v
-        vocab_chunk = clamp(vocab_chunk, block_v, padded_vocab)
+        if keep_cols >= vocab and vocab % ODD_V_ALIGN:
+            # cuBLAS ran the kept columns' dx GEMM 8x slower with K = V odd (gpt2's 50257:
+            # 41 ms against 5 ms, docs/design.md): keep whole tiles, recompute the ragged tail.
+            keep_cols = vocab // block_v * block_v
+            vocab_chunk = clamp(vocab_chunk, block_v, padded_vocab)
+    else:  # the interpreter
+        keep_cols, vocab_chunk = _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col,
+                                                 min_cols, block_v, padded_vocab)
     w_chunk = 0
     if prerounded:
         w_chunk, vocab_splits = _forward_w_chunk(
-            budget - per_col * keep_cols, w_col, block_v, vocab_blocks, row_blocks, device, min_cols)
+            budget - per_col * keep_cols, w_col, block_v, vocab_blocks, row_blocks, facts, min_cols)
     plan = TritonPlan(
         block_n=block_n,
         block_v=block_v,
@@ -242,12 +229,28 @@ def _triton_plan(
         vocab_splits=vocab_splits,
         vocab_chunk=vocab_chunk,
         keep_cols=keep_cols,
-        **kernel_options(num_tokens, block_n, block_v, device),
+        **kernel_options(num_tokens, block_n, block_v, facts),
         w_chunk=w_chunk,
     )
-    plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
-    reshape = _what_ifs().plan
-    return reshape(plan) if reshape is not None else plan
+    return _rocm.adapt_plan(plan, facts.arch)  # AMD GPUs: no TMA
+
+
+def _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col, min_cols, block_v, padded_vocab):
+    """(keep_cols, vocab_chunk) of the interpreter's rule: keep every column if the budget
+    holds them, else what it leaves after the dx accumulator and one chunk of ``min_cols``
+    columns; the recomputed chunk is what is left then (at least ``min_cols``). At tiny
+    shapes and budgets this gives kept columns, recomputed chunks and both at once, so the
+    CPU tests reach every kernel path."""
+    keep_cols = 0
+    if keep_allowed:
+        if budget >= per_col * vocab + w_col * min_cols:
+            keep_cols = vocab
+        else:
+            left = budget - acc - chunk_col * min_cols
+            keep_cols = clamp(int(left // per_col) // block_v * block_v, 0, padded_vocab)
+    left = budget - acc - per_col * keep_cols
+    cols = int(max(left, 0) // max(1, chunk_col))
+    return keep_cols, clamp(cols // block_v * block_v, min_cols, padded_vocab)
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,7 @@ def tf32_choice(num_tokens: int, vocab: int, hidden: int, budget: int, device, t
     ``override(tf32_preround=True/False)`` bypasses this (``triton_plan``)."""
     from logitless.planning import cost_model as _cost_model
 
-    dev = planned_device_model(device)
+    dev = _device.facts(device).model
     plans, prices = {}, {}
     for pre in (True, False):
         p = _triton_plan(num_tokens, vocab, hidden, 4, budget, device, tiles, keep_allowed=grad, prerounded=pre)
@@ -358,22 +361,23 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=F
     ``CUDA_TILES_TF32``."""
     from logitless.planning import tuned as _tuned
 
+    facts = _device.facts(device)
     if prerounded:
         forced = _overrides().tiles
         if forced is not None:
             return forced
-        if device.type != "cuda":
+        if not facts.gpu:
             return INTERPRETER_TILES
         # The tuner's pre-rounded entries (their own key: never the in-kernel path's
         # tiles, nor the reverse) are for plans with a backward, what the tuner times.
-        found = _tuned.tiles_for(device, 4, num_tokens, hidden, vocab, prerounded=True) if keep else None
-        return found or _rocm.tiles(device, 4) or CUDA_TILES_TF32[bool(keep)]
-    found = _tuned.tiles_for(device, itemsize, num_tokens, hidden, vocab)
+        found = _tuned.tiles_for(facts, 4, num_tokens, hidden, vocab, prerounded=True) if keep else None
+        return found or _rocm.tiles(facts.arch, 4) or CUDA_TILES_TF32[bool(keep)]
+    found = _tuned.tiles_for(facts, itemsize, num_tokens, hidden, vocab)
     if found is not None:
         return found
-    if device.type != "cuda":
+    if not facts.gpu:
         return INTERPRETER_TILES
-    return _rocm.tiles(device, itemsize) or CUDA_TILES[itemsize]  # AMD GPUs: planning.rocm's table
+    return _rocm.tiles(facts.arch, itemsize) or CUDA_TILES[itemsize]  # AMD GPUs: planning.rocm's table
 
 
 #: Kept columns (and gradient-in-forward, which keeps every column of a token chunk) need
@@ -381,19 +385,12 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=F
 ODD_V_ALIGN = 8
 
 
-def planned_device_model(device):
-    """The cost model's ``DeviceModel`` the planners price plans with: a what-if's, else
-    the device's class (``cost_model.device_model``)."""
+def _model_columns(num_tokens, vocab, hidden, itemsize, budget, model, block_v, min_cols, keep_allowed):
+    """(keep_cols, vocab_chunk) of the cost model's fastest keep/partial plan that fits,
+    priced with ``model`` (a ``cost_model.DeviceModel``)."""
     from logitless.planning import cost_model as _cost_model
 
-    return _what_ifs().device_model or _cost_model.device_model(device)
-
-
-def _model_columns(num_tokens, vocab, hidden, itemsize, budget, device, block_v, min_cols, keep_allowed):
-    """(keep_cols, vocab_chunk) of the cost model's fastest keep/partial plan that fits."""
-    from logitless.planning import cost_model as _cost_model
-
-    c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=planned_device_model(device),
+    c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=model,
                            grad_in_forward=False, keep=keep_allowed, block_v=block_v, min_chunk=min_cols)
     padded = math.ceil(vocab / block_v) * block_v
     if c.strategy == "keep":
@@ -414,17 +411,17 @@ def lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, *, need_gr
     """
     from logitless.planning import cost_model as _cost_model
 
-    cuda = device.type == "cuda"
-    block_v = _tiles(num_tokens, vocab, hidden, itemsize, device)[1]
-    min_chunk = min_chunk_cols(vocab, block_v, device)
+    facts = _device.facts(device)
+    block_v = _tiles(num_tokens, vocab, hidden, itemsize, facts)[1]
+    min_chunk = min_chunk_cols(vocab, block_v, facts)
     forced = forced_strategy(num_tokens) if need_grad else None
     if forced is not None:
         return forced
     if vocab % ODD_V_ALIGN:  # its per-chunk GEMMs over all V columns hit cuBLAS' slow odd-K path
         grad_in_forward_ok = False
     return _cost_model.choose(
-        num_tokens, hidden, vocab, itemsize, budget, device_model=planned_device_model(device),
-        need_grad=need_grad, grad_in_forward=grad_in_forward_ok and cuda, keep=keep_allowed,
+        num_tokens, hidden, vocab, itemsize, budget, device_model=facts.model,
+        need_grad=need_grad, grad_in_forward=grad_in_forward_ok and facts.gpu, keep=keep_allowed,
         weight_fp32=weight_fp32, block_v=block_v, min_chunk=min_chunk)
 
 

@@ -3,7 +3,8 @@
 PyTorch on ROCm reports AMD GPUs as ``device.type == "cuda"`` with ``torch.version.hip``
 set; the architecture is ``torch.cuda.get_device_properties(d).gcnArchName``
 ("gfx942:sramecc+:xnack-" on an MI300X/MI325X, "gfx950:..." on an MI350X/MI355X). This
-module reads it (``arch``) and gives what differs from the NVIDIA path:
+module reads it (``arch``: the planners get it through ``device.DeviceFacts.arch``) and
+gives what differs from the NVIDIA path:
 
     tiles          Triton tiles (block_n, block_v, block_h, num_warps, num_stages) of the
                    fused GEMM kernels, by input itemsize (``ROCM_TILES``, ``JSD_ROCM_TILES``)
@@ -93,19 +94,20 @@ def _table_arch(a: str) -> str:
     return a if a in KNOWN_ARCHS else "gfx942"
 
 
-def tiles(device, itemsize: int, jsd: bool = False) -> Optional[tuple]:
-    """The tile table's entry for an AMD GPU (None elsewhere: the CUDA tables apply)."""
-    a = arch(device)
-    if a is None:
+def tiles(arch_name: Optional[str], itemsize: int, jsd: bool = False) -> Optional[tuple]:
+    """The tile table's entry for an AMD GPU of architecture ``arch_name`` (the device's
+    ``device.DeviceFacts.arch``); None elsewhere (``arch_name`` None: the CUDA tables apply)."""
+    if arch_name is None:
         return None
     table = JSD_ROCM_TILES if jsd else ROCM_TILES
-    return table[_table_arch(a)][4 if itemsize >= 4 else 2]
+    return table[_table_arch(arch_name)][4 if itemsize >= 4 else 2]
 
 
-def adapt_plan(plan, device):
-    """``plan`` for the device: on an AMD GPU without TMA (x and W tiles, kept tiles and
-    dz through pointers: the kernels' non-TMA path); unchanged elsewhere."""
-    if arch(device) is None or not (plan.tma or plan.dz_tma):
+def adapt_plan(plan, arch_name: Optional[str]):
+    """``plan`` for a device of architecture ``arch_name``: on an AMD GPU without TMA (x and
+    W tiles, kept tiles and dz through pointers: the kernels' non-TMA path); unchanged
+    elsewhere (None)."""
+    if arch_name is None or not (plan.tma or plan.dz_tma):
         return plan
     return dataclasses.replace(plan, tma=False, dz_tma=False)
 

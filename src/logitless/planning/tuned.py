@@ -30,6 +30,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from logitless.planning import device as _device
 from logitless.planning.overrides import current as _overrides
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
@@ -64,12 +65,13 @@ def _slug(text: str) -> str:
 
 
 def cache_path(device) -> Path:
-    """This machine's tuner cache for ``device``: keyed by GPU name, torch and triton."""
+    """This machine's tuner cache for ``device`` (a torch device or its ``DeviceFacts``):
+    keyed by GPU name ("cpu" off GPUs), torch and triton."""
     import torch
     import triton
 
     root = Path(os.environ.get("LOGITLESS_CACHE_DIR") or Path.home() / ".cache" / "logitless")
-    name = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else "cpu"
+    name = _device.facts(device).name
     return root / f"{_slug(name)}-torch{_slug(torch.__version__)}-triton{_slug(triton.__version__)}.json"
 
 
@@ -113,19 +115,21 @@ def _device_tables(device_key: str, cache_file: str, device_class: str) -> tuple
 def tiles_for(device, itemsize: int, num_tokens: int, hidden: int, vocab: int,
               prerounded: bool = False) -> Optional[tuple]:
     """Tiles from the forced context, this machine's cache or the shipped file; None
-    when none applies (the caller falls back to ``tiles.CUDA_TILES``). ``prerounded``:
-    the fp32 pre-rounded path's entries (``PREROUNDED_CLASS``) instead of "32-bit"."""
+    when none applies (the caller falls back to ``tiles.CUDA_TILES``), always off GPUs
+    (``device``: a torch device or its ``DeviceFacts``). ``prerounded``: the fp32
+    pre-rounded path's entries (``PREROUNDED_CLASS``) instead of "32-bit"."""
     forced = _overrides().tiles
     if forced is not None:
         return forced
-    if os.environ.get("LOGITLESS_TUNED", "1") == "0" or getattr(device, "type", "") != "cuda":
+    if os.environ.get("LOGITLESS_TUNED", "1") == "0":
         return None
-    import torch
-
     from logitless.planning.cost_model import device_class
 
-    name = torch.cuda.get_device_name(device)
-    tables = _device_tables(name, str(cache_path(device)), device_class(name))
+    found = _device.facts(device)
+    if not found.gpu:
+        return None
+    name = found.name
+    tables = _device_tables(name, str(cache_path(found)), device_class(name))
     key = config_key(itemsize, num_tokens, hidden, vocab, prerounded)
     for table in tables:
         found = _lookup(table, key)

@@ -179,9 +179,9 @@ ROCM_CANDIDATE_ROWS = 64
 
 def _rows_plan(plan, device):
     """The forward ``plan`` with the candidates kernel's rows per program for ``device``."""
-    from logitless.planning import rocm
+    from logitless.planning import device as _device
 
-    if rocm.arch(device) is not None and plan.block_n > ROCM_CANDIDATE_ROWS:
+    if _device.facts(device).arch is not None and plan.block_n > ROCM_CANDIDATE_ROWS:
         return replace(plan, block_n=ROCM_CANDIDATE_ROWS)
     return plan
 
@@ -253,12 +253,12 @@ MASS_BLOCK_V = 128
 def masses(x, weight, bias, plan, softcap, temperature: float, m, thr, splits=None):
     """Per split: (count int32, mass), each (splits, n, T), of a >= thr (n, T) fp32 per
     row, masses exp(a - m) with m (n,) fp32 given; ``splits`` as ``candidates``'."""
-    from logitless.planning import rocm
+    from logitless.planning import device as _device
 
     t = thr.shape[1]
     if splits is None:
         splits = plan.vocab_splits
-    block_v = plan.block_v if rocm.arch(x.device) is not None else min(plan.block_v, MASS_BLOCK_V)
+    block_v = plan.block_v if _device.facts(x.device).arch is not None else min(plan.block_v, MASS_BLOCK_V)
     n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v, splits)
     cnt = torch.empty(splits, n, t, dtype=torch.int32, device=x.device)
     mass = torch.empty(splits, n, t, dtype=torch.float32, device=x.device)

@@ -112,16 +112,16 @@ def under_forward_overrides(setup_context: Callable, backward: Callable) -> tupl
     Autograd runs the backward of CUDA tensors on a device thread of its own, where the
     caller's ``override(...)`` context is not in effect (it is on CPU, in the caller's
     thread): without this a backward that re-plans (no kept columns) or reads an
-    override or what-if (``tf32_preround``, tiles, ``plan``) would follow the defaults on GPUs only."""
+    override (``tf32_preround``, tiles) would follow the defaults on GPUs only."""
 
     @functools.wraps(setup_context)
     def setup(ctx, inputs, output):
-        ctx.overrides = (_overrides.current(), _overrides.what_ifs())  # (overrides.saved(), inline)
+        ctx.overrides = _overrides.current()  # (overrides.saved(), inline)
         return setup_context(ctx, inputs, output)
 
     @functools.wraps(backward)
     def run(ctx, *grads):
-        if _overrides.current() is ctx.overrides[0] and _overrides.what_ifs() is ctx.overrides[1]:
+        if _overrides.current() is ctx.overrides:
             # the forward's thread or no override at all
             return backward(ctx, *grads)
         with _overrides.restored(ctx.overrides):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from logitless.planning import device as _device
 from logitless.planning import rocm as _rocm
 from logitless.planning.logits import jsd_forward_rows
 from logitless.planning.memo import memoised
@@ -23,7 +24,6 @@ from logitless.planning.plans import (
     forced_strategy,
     kernel_options,
     min_chunk_cols,
-    planned_device_model,
     wave_blocks_per_split,
 )
 from logitless.planning.tiles import INTERPRETER_TILES, MIN_CHUNK, TritonPlan
@@ -66,13 +66,13 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     H_t) bytes per column, budgeted with the chunk's dz) into scratch buffers, as
     ``triton_plan`` does; ``tiles.w_chunk`` is then the chunk's rows (0: no scratch).
     The forward's logits are cuBLAS GEMMs, which round at "high" themselves."""
-    cuda = device.type == "cuda"
+    facts = _device.facts(device)
     tiles = _overrides().tiles or (
-        (_rocm.tiles(device, itemsize, jsd=True) or JSD_CUDA_TILES[itemsize]) if cuda else INTERPRETER_TILES)
+        (_rocm.tiles(facts.arch, itemsize, jsd=True) or JSD_CUDA_TILES[itemsize]) if facts.gpu else INTERPRETER_TILES)
     block_n, block_v, block_h, num_warps, num_stages = tiles
-    rows = jsd_forward_rows(num_tokens, vocab, budget, cuda)
+    rows = jsd_forward_rows(num_tokens, vocab, budget, facts.gpu)
     padded_vocab = math.ceil(vocab / block_v) * block_v
-    min_cols = min_chunk_cols(vocab, block_v, device)
+    min_cols = min_chunk_cols(vocab, block_v, facts)
     # linear_cross_entropy measured 4096-column chunks faster than wider ones (a 32 MiB
     # dz chunk at 4096 tokens stays in L2: docs/design.md); narrower only if the budget
     # after the fp32 dx accumulator says so, never below min_cols.
@@ -87,13 +87,13 @@ def linear_jsd_plan(num_tokens: int, vocab: int, hidden_s: int, itemsize: int, b
     # for ~WAVES programs per SM, as linear_cross_entropy's forward.
     row_blocks = math.ceil(max(1, num_tokens) / block_n)
     vocab_blocks = math.ceil(max(1, vocab) / block_v)
-    blocks_per_split = wave_blocks_per_split(row_blocks, vocab_blocks, device)
+    blocks_per_split = wave_blocks_per_split(row_blocks, vocab_blocks, facts)
     plan = TritonPlan(block_n=block_n, block_v=block_v, block_h=block_h, num_warps=num_warps,
                       num_stages=num_stages, vocab_splits=math.ceil(vocab_blocks / blocks_per_split),
                       vocab_chunk=vocab_chunk,
-                      **kernel_options(num_tokens, block_n, block_v, device),  # group_n is used
+                      **kernel_options(num_tokens, block_n, block_v, facts),  # group_n is used
                       w_chunk=vocab_chunk if prerounded else 0)
-    plan = _rocm.adapt_plan(plan, device)  # AMD GPUs: no TMA
+    plan = _rocm.adapt_plan(plan, facts.arch)  # AMD GPUs: no TMA
     return LinearJSDPlan(forward_rows=rows, vocab_chunk=vocab_chunk, tiles=plan, blocks_per_split=blocks_per_split)
 
 
@@ -110,7 +110,7 @@ def jsd_kl_fused(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, item
     rows = linear_jsd_plan(num_tokens, vocab, hidden_s, itemsize, budget, device).forward_rows
     from .cost_model import jsd_kl_fused_faster  # lazily, as plans imports planning.cost_model
 
-    return jsd_kl_fused_faster(planned_device_model(device), num_tokens, hidden_s, hidden_t, vocab, itemsize, rows)
+    return jsd_kl_fused_faster(_device.facts(device).model, num_tokens, hidden_s, hidden_t, vocab, itemsize, rows)
 
 
 def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
@@ -123,9 +123,10 @@ def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: in
     forced = forced_strategy(num_tokens)
     if forced is not None:
         return forced
-    gif_ok = device.type == "cuda" and vocab % ODD_V_ALIGN == 0
+    facts = _device.facts(device)
+    gif_ok = facts.gpu and vocab % ODD_V_ALIGN == 0
     from .cost_model import choose_jsd
 
     return choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
-                      device_model=planned_device_model(device), grad_in_forward=gif_ok,
+                      device_model=facts.model, grad_in_forward=gif_ok,
                       weight_fp32=weight_fp32, fused_forward=fused_forward)
