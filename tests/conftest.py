@@ -1,9 +1,12 @@
 """Test set-up: without CUDA, Triton kernels run on the CPU interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here,
-before any test module imports logitless' Triton backends.
+before any test module imports logitless' Triton backends. Where helion is installed,
+the CPU kernels its ref mode needs are registered for this process
+(``register_cpu_mm_dtype``).
 """
 
+import importlib.util
 import os
 import tempfile
 
@@ -23,6 +26,43 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
 #: Device the tests run on: the GPU when there is one, else the CPU (interpreter).
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+#: The torch.library registrations of ``register_cpu_mm_dtype`` (dropping one unregisters it).
+_LIBS: list = []
+
+
+def register_cpu_mm_dtype() -> None:
+    """CPU kernels for ``aten::mm.dtype`` / ``aten::bmm.dtype`` (``torch.mm(a, b,
+    out_dtype=...)``), only where torch has none: Helion's ref mode (HELION_INTERPRET=1, the
+    Helion tests on the CPU) calls them for its matmuls. fp32 accumulation (fp64 for fp64
+    operands), rounded once to ``out_dtype``. Test-side: the library raises instead
+    (``helion_lib.runtime.launch``). Registered once, at the start of the session, so that
+    no test's outcome depends on which ran first."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def mm_dtype(a, b, out_dtype):
+        acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
+        return torch.mm(a.to(acc), b.to(acc)).to(out_dtype)
+
+    def bmm_dtype(a, b, out_dtype):
+        acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
+        return torch.bmm(a.to(acc), b.to(acc)).to(out_dtype)
+
+    for name, fn, probe in (("mm.dtype", mm_dtype, lambda: torch.mm(torch.ones(1, 1), torch.ones(1, 1),
+                                                                     out_dtype=torch.float32)),
+                            ("bmm.dtype", bmm_dtype, lambda: torch.bmm(torch.ones(1, 1, 1), torch.ones(1, 1, 1),
+                                                                       out_dtype=torch.float32))):
+        try:
+            probe()
+            continue  # torch has it
+        except (NotImplementedError, RuntimeError):
+            pass
+        lib.impl(name, fn, "CPU")
+    _LIBS.append(lib)
+
+
+if importlib.util.find_spec("helion") is not None:
+    register_cpu_mm_dtype()
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ import logitless  # noqa: E402
 from logitless.helion_lib import runtime  # noqa: E402
 from logitless.ops.common import helion_choice  # noqa: E402
 from logitless.ops.common import validate as dispatch  # noqa: E402
+from tests._helion_tiles import interpret_block_size  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.op_specs import SPECS  # noqa: E402
 from tests.test_op_contract import check_against_reference  # noqa: E402
@@ -113,7 +114,7 @@ def test_odd_sizes(op, size):
     V = 1009 is 32 vocabulary tiles, the last of 17 columns)."""
     spec = SPECS[op]
     shape, options, reduction = spec.sizes[size]
-    with runtime.interpret_block_size(32):
+    with interpret_block_size(32):
         for option in options:
             check_against_reference(spec, BACKEND, torch.float32, shape, option, reduction, seed=3)
 
@@ -140,7 +141,7 @@ def test_empty_and_all_ignored(op):
 def test_opcheck(op):
     """Schema, fakes and autograd registration of the custom ops with backend="helion"."""
     calls = 0
-    with runtime.interpret_block_size(32):
+    with interpret_block_size(32):
         for custom_op, args, utils in SPECS[op].opcheck(BACKEND):
             torch.library.opcheck(custom_op, args, **({} if utils is None else {"test_utils": utils}))
             calls += 1
@@ -351,10 +352,13 @@ def test_gpu_kernel_failure_falls_back(monkeypatch):
 
 
 _SHIM_PROBE = """
+import sys
 import warnings
+import torch
 import torch._inductor.runtime.triton_compat as tc
 if hasattr(tc, "IntelGPUError"):
     del tc.IntelGPUError  # as torch 2.11, which lacks it
+torch.__version__ = sys.argv[1]  # the release the shim's gate reads
 try:
     import helion  # noqa: F401
     print("plain import: ok")
@@ -366,10 +370,25 @@ with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     ok = runtime.available() and runtime.available() and helion_choice.cause() is None
 mine = [str(w.message) for w in seen if issubclass(w.category, runtime.HelionTorchShimWarning)]
+if not ok:
+    print("available:", ok, "| warnings:", len(mine), "| planted:", hasattr(tc, "IntelGPUError"),
+          "| cause:", helion_choice.cause())
+    sys.exit(0)
 print("available:", ok, "| warnings:", len(mine), "| stand-in:", issubclass(tc.IntelGPUError, Exception),
       "| helion sees it:", __import__("helion.autotuner.logger").autotuner.logger.IntelGPUError is tc.IntelGPUError)
 print("message:", mine[0] if mine else "")
 """
+
+
+def _shim_probe(version: str) -> str:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", _SHIM_PROBE, version], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 @needs_helion
@@ -378,16 +397,21 @@ def test_torch_shim_makes_helion_import():
     torch 2.11 lacks: in a fresh process without that name (as on torch 2.11) a plain
     ``import helion`` fails, and ``runtime.available()`` defines a stand-in first, imports
     helion and says so in one HelionTorchShimWarning (two calls)."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-c", _SHIM_PROBE], capture_output=True, text=True, env=env, timeout=300)
-    out = proc.stdout
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _shim_probe("2.11.0+cu130")
     assert "plain import: cannot import name 'IntelGPUError'" in out, out
     assert "available: True | warnings: 1 | stand-in: True | helion sees it: True" in out, out
     assert "torch._inductor.runtime.triton_compat.IntelGPUError" in out and "helion 1.5" in out, out
+
+
+@needs_helion
+def test_torch_shim_only_on_the_releases_it_was_written_for():
+    """Outside ``runtime.SHIM_TORCH`` (a torch that lacks the name but is not 2.9-2.11)
+    nothing is planted in torch: helion fails to import, so it counts as absent (the
+    fallback backend, with the import error as the cause) and no shim warning is given."""
+    assert runtime.shim_applies("2.11.0+cu130") and runtime.shim_applies("2.9.1")
+    assert not runtime.shim_applies("2.12.0") and not runtime.shim_applies("2.8.0") and not runtime.shim_applies("x")
+    out = _shim_probe("2.16.0")
+    assert "available: False | warnings: 0 | planted: False | cause: helion failed to import" in out, out
 
 
 def test_torch_shim_noop_where_torch_has_the_names(monkeypatch):

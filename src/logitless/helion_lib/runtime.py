@@ -3,28 +3,34 @@
 Helion is optional (the ``helion`` extra): ``available()`` says whether it imports, and
 nothing here imports it at module level, so ``logitless.helion_lib`` imports without it.
 helion 1.5.1 supports torch 2.9 and later but imports ``IntelGPUError`` from
-``torch._inductor.runtime.triton_compat``, which torch 2.11 lacks (added in 2.12):
-``available()`` defines the missing names (``TORCH_SHIMS``) before importing helion, with
-one ``HelionTorchShimWarning``.
+``torch._inductor.runtime.triton_compat``, which torch 2.9-2.11 lack (added in 2.12): on
+those releases only (``SHIM_TORCH``: written against 2.11) ``available()`` defines the
+missing names (``TORCH_SHIMS``) before importing helion, with one
+``HelionTorchShimWarning``; on any other torch nothing is planted in torch (a helion that
+then fails to import counts as absent: the fallback backend and its one warning).
 
 ``launch`` binds a kernel to its arguments, sets a config (never autotunes at call time:
 the config comes from ``configs.pick``) and runs it. With ``HELION_INTERPRET=1`` Helion
-runs the kernel eagerly with torch ops (its "ref mode"), which works on the CPU; its
-matmul there calls ``torch.mm(..., out_dtype=...)`` (``aten::mm.dtype``), which torch has
-no CPU kernel for, so ``launch`` registers one for CPU tensors the first time it runs a
-kernel on CPU tensors (fp32 accumulation, or fp64 for fp64 inputs).
+runs the kernel eagerly with torch ops (its "ref mode"); its matmul there calls
+``torch.mm(..., out_dtype=...)`` (``aten::mm.dtype``), which torch has no CPU kernel for:
+on CPU tensors ``launch`` then raises a ``RuntimeError`` that says so (the tests register
+a CPU kernel for it in their own process: tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
+import re
 
 import torch
 
 #: The oldest Helion these kernels are written for.
 HELION_MIN = (1, 5)
+#: torch releases (major, minor), both ends included, on which ``available()`` defines the
+#: names of ``TORCH_SHIMS`` that helion imports: those helion >= 1.5 supports (2.9 on) and
+#: that lack them (2.12 added them). Written against torch 2.11.
+SHIM_TORCH = ((2, 9), (2, 11))
 
 #: (module, name) that helion imports at import time and that torch releases it supports
 #: may lack: torch 2.11's ``triton_compat`` has no ``IntelGPUError`` (helion's autotuner
@@ -37,6 +43,12 @@ TORCH_SHIMS = (("torch._inductor.runtime.triton_compat", "IntelGPUError"),)
 class HelionTorchShimWarning(UserWarning):
     """This torch lacks a name that helion imports (``TORCH_SHIMS``): logitless defined a
     stand-in so that helion imports. Issued once per process."""
+
+
+def shim_applies(version: str) -> bool:
+    """Whether a torch version string (``torch.__version__``) is in ``SHIM_TORCH``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and SHIM_TORCH[0] <= (int(m.group(1)), int(m.group(2))) <= SHIM_TORCH[1]
 
 
 def shim_torch() -> list:
@@ -58,8 +70,8 @@ def shim_torch() -> list:
 
 @functools.cache
 def available() -> bool:
-    """True when helion >= 1.5 imports (after ``shim_torch()``; one
-    ``HelionTorchShimWarning`` when it defined a name)."""
+    """True when helion >= 1.5 imports (after ``shim_torch()`` on the torch releases of
+    ``SHIM_TORCH``; one ``HelionTorchShimWarning`` when it defined a name)."""
     if importlib.util.find_spec("helion") is None:
         return False
     try:
@@ -69,7 +81,7 @@ def available() -> bool:
         parts = tuple(int(p) for p in found.split(".")[:2])
         if parts < HELION_MIN:
             return False
-        added = shim_torch()
+        added = shim_torch() if shim_applies(torch.__version__) else []
         import helion  # noqa: F401
     except Exception:  # noqa: BLE001 - a broken install counts as absent
         return False
@@ -88,33 +100,16 @@ def require() -> None:
         raise RuntimeError("logitless.helion_lib needs helion >= 1.5: pip install 'logitless[helion]'")
 
 
-@functools.cache
-def _register_cpu_mm_dtype() -> None:
-    """A CPU kernel for aten::mm.dtype / aten::bmm.dtype (only where torch has none)."""
-    lib = torch.library.Library("aten", "IMPL")  # kept alive in _LIBS: dropping it unregisters
-
-    def mm_dtype(a, b, out_dtype):
-        acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
-        return torch.mm(a.to(acc), b.to(acc)).to(out_dtype)
-
-    def bmm_dtype(a, b, out_dtype):
-        acc = torch.float64 if torch.float64 in (a.dtype, b.dtype, out_dtype) else torch.float32
-        return torch.bmm(a.to(acc), b.to(acc)).to(out_dtype)
-
-    for name, fn, probe in (("mm.dtype", mm_dtype, lambda: torch.mm(torch.ones(1, 1), torch.ones(1, 1),
-                                                                     out_dtype=torch.float32)),
-                            ("bmm.dtype", bmm_dtype, lambda: torch.bmm(torch.ones(1, 1, 1), torch.ones(1, 1, 1),
-                                                                       out_dtype=torch.float32))):
-        try:
-            probe()
-            continue  # torch has it
-        except (NotImplementedError, RuntimeError):
-            pass
-        lib.impl(name, fn, "CPU")
-    _LIBS.append(lib)
-
-
-_LIBS: list = []
+def cpu_mm_dtype() -> bool:
+    """Whether this process has CPU kernels for ``torch.mm`` / ``torch.bmm`` with
+    ``out_dtype=`` (``aten::mm.dtype``, ``aten::bmm.dtype``), which Helion's ref mode calls
+    (asked at each launch on CPU tensors: the tests register them)."""
+    try:
+        torch.mm(torch.ones(1, 1), torch.ones(1, 1), out_dtype=torch.float32)
+        torch.bmm(torch.ones(1, 1, 1), torch.ones(1, 1, 1), out_dtype=torch.float32)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def launch(kernel, args: tuple, config: dict):
@@ -122,8 +117,10 @@ def launch(kernel, args: tuple, config: dict):
     ``helion.Config`` fields)."""
     import helion
 
-    if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
-        _register_cpu_mm_dtype()
+    if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args) and not cpu_mm_dtype():
+        raise RuntimeError(f"logitless: Helion's ref mode (HELION_INTERPRET=1) on CPU tensors calls torch.mm with "
+                           f"out_dtype= (aten::mm.dtype), which torch {torch.__version__} has no CPU kernel for; "
+                           "run backend='helion' on CUDA tensors, or backend='torch' on the CPU")
     bound = kernel.bind(args)
     if interpreting(bound):
         return bound(*args)  # ref mode: eager torch, no config
@@ -164,27 +161,6 @@ def interpreting(bound) -> bool:
     from helion.runtime.settings import RefMode
 
     return bound.kernel.settings.ref_mode != RefMode.OFF
-
-
-@contextlib.contextmanager
-def interpret_block_size(size: int):
-    """Within this context, Helion's ref mode splits every ``hl.tile`` loop that has no
-    explicit block size into tiles of ``size`` (it otherwise runs each loop as ONE tile
-    of the whole range, so that a CPU run would never exercise the online merges across
-    vocabulary tiles, the accumulation of dX over vocabulary tiles or of dW over row
-    tiles, nor partial last tiles). For tests; wraps ``hl.tile``'s ref implementation."""
-    import helion.language as hl
-
-    original = hl.tile._ref_fn
-
-    def tiled(begin_or_end, end_or_none=None, block_size=None):
-        return original(begin_or_end, end_or_none, size if block_size is None else block_size)
-
-    hl.tile._ref_fn = tiled
-    try:
-        yield
-    finally:
-        hl.tile._ref_fn = original
 
 
 def triton_code(kernel, args: tuple, config: dict) -> str:
