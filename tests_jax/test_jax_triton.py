@@ -243,6 +243,37 @@ def test_the_interpreter_leaves_triton_language_as_it_was():
     assert dict(vars(tl.tensor)) == before_tensor
 
 
+def test_the_cpu_interpreter_route_only_on_the_triton_releases_it_was_checked_against(monkeypatch):
+    # logitless.triton_lib.interpret rests on the interpreter's internals: outside its
+    # SUPPORTED releases the backend is not offered on the CPU (one warning), "xla" runs.
+    import warnings
+
+    from logitless.jax.ops.common import triton as rt
+    from logitless.triton_lib import interpret
+
+    lo, hi = interpret.SUPPORTED
+    assert interpret.supported(f"{lo[0]}.{lo[1]}.0") and interpret.supported(f"{hi[0]}.{hi[1]}.1+git")
+    assert not interpret.supported(f"{hi[0]}.{hi[1] + 1}.0") and not interpret.supported("3.5.1")
+    assert not interpret.supported("nightly")
+    assert rt.is_supported(jnp.bfloat16, "cpu", triton_installed=lambda: True) == interpret.usable()
+    monkeypatch.setattr(interpret.triton, "__version__", f"{hi[0]}.{hi[1] + 1}.0")
+    interpret.usable.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert not rt.is_supported(jnp.bfloat16, "cpu", triton_installed=lambda: True)
+            assert not rt.is_supported(jnp.float32, "cpu", triton_installed=lambda: True)
+        assert [issubclass(w.category, interpret.InterpreterWarning) for w in seen] == [True]
+        if not ON_GPU:
+            args = ((4, 8), (31, 8), jnp.bfloat16, None, False)
+            assert api.choose_backend(None, *args) == "xla"
+            with pytest.raises(ValueError, match="triton"):
+                api.choose_backend("triton", *args)
+    finally:
+        monkeypatch.undo()
+        interpret.usable.cache_clear()
+
+
 # ------------------------------------------- jax-triton releases for other jax/triton versions
 
 

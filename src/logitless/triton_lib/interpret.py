@@ -1,6 +1,20 @@
 """Triton's CPU interpreter for callers without torch (the JAX "triton" backend on CPU).
 
-Two pieces, framework-free (numpy only):
+Why it is in the library: a user's JAX call with ``implementation="triton"`` on a machine
+without a GPU runs the Triton kernels here (never automatically: "xla" is the automatic
+choice there), in a process where ``TRITON_INTERPRET`` was not set when triton was
+imported, so Triton's own interpreter cannot run them as they are: the kernel modules and
+triton.language's ``@triton.jit`` helpers are compiled-mode functions, an interpreted
+kernel can only call interpreted helpers, and the interpreter patches triton.language's
+builtins at each launch without undoing them (harmless when the whole process interprets,
+fatal to a kernel compiled later in the same process). Everything below is what such a run
+needs, nothing more. It rests on the interpreter's internals (``InterpretedFunction``,
+``_LangPatchScope.set_attr``, the launcher's view of a tensor that ``HostArray``
+mimics), so it is used only with the Triton releases in ``SUPPORTED`` (``usable``, asked by
+``logitless.jax.ops.common.triton.is_supported``): with another release the JAX "triton"
+backend is not offered on the CPU (one ``InterpreterWarning``; "xla" runs the same ops).
+
+Pieces, framework-free (numpy only):
 
 ``interpreted_modules(names)``
     Fresh copies of Triton kernel modules whose ``@triton.jit`` functions are
@@ -19,6 +33,10 @@ Two pieces, framework-free (numpy only):
     ``dtype``, storage): it reads and writes the array's memory in place, so outputs
     are numpy arrays allocated by the caller. Arrays must be C-contiguous.
 
+``usable()``
+    Whether the installed Triton is a release of ``SUPPORTED`` (decided once per process;
+    one ``InterpreterWarning`` when not).
+
 Cost: the interpreter runs every program of the grid in Python with numpy block
 operations: fine for tests at tiny shapes, far too slow for real ones.
 """
@@ -27,12 +45,42 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib.util
+import re
 import sys
 import threading
+import warnings
 
 import numpy as np
 import triton
+
+#: Triton releases (major, minor), both ends included, whose interpreter internals this
+#: module was checked against (tests_jax/test_jax_triton.py, test_jax_log_probs_triton.py;
+#: the jax-test extra's triton pin).
+SUPPORTED = ((3, 6), (3, 6))
+
+
+class InterpreterWarning(UserWarning):
+    """The installed Triton is outside ``SUPPORTED``: the JAX "triton" backend is off on the CPU."""
+
+
+def supported(version: str) -> bool:
+    """Whether a Triton version string (``triton.__version__``) is in ``SUPPORTED``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and SUPPORTED[0] <= (int(m.group(1)), int(m.group(2))) <= SUPPORTED[1]
+
+
+@functools.cache
+def usable() -> bool:
+    """``supported(triton.__version__)``, warning once (``InterpreterWarning``) when not."""
+    if supported(triton.__version__):
+        return True
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    warnings.warn(f"logitless: Triton {triton.__version__} is outside the releases whose CPU interpreter the JAX "
+                  f"'triton' backend was checked against ({lo} to {hi}); that backend is off on the CPU "
+                  "(implementation='xla' computes the same)", InterpreterWarning, stacklevel=2)
+    return False
 
 _LOCK = threading.Lock()
 _CACHE: dict = {}

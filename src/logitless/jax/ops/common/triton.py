@@ -101,15 +101,24 @@ def interpret() -> bool:
     return platform() != "gpu"
 
 
+def interpreter_usable() -> bool:
+    """Whether this Triton's CPU interpreter is one ``logitless.triton_lib.interpret`` was
+    checked against (``interpret.usable``: once per process, one warning when not)."""
+    from logitless.triton_lib.interpret import usable
+
+    return usable()
+
+
 def is_supported(dtype, on_platform: str, jax_triton_module=jax_triton, triton_installed=has_triton) -> bool:
     """16-bit and fp32 inputs, on an NVIDIA GPU with jax-triton (``jax_triton_module()``
     not None), or on the CPU (Triton's interpreter) with triton installed
-    (``triton_installed()``); the callables are the backend's (tests replace them)."""
+    (``triton_installed()``) at a release the interpreter route was checked against
+    (``interpreter_usable``); the callables are the backend's (tests replace them)."""
     if jnp.dtype(dtype) not in _DTYPES:
         return False
     if on_platform == "gpu":
         return jax_triton_module() is not None and is_nvidia()
-    return on_platform == "cpu" and triton_installed()
+    return on_platform == "cpu" and triton_installed() and interpreter_usable()
 
 
 def plan(x2d, vocab: int, budget: int, interpreted: bool, gpu_info) -> TritonPlan:
