@@ -8,6 +8,7 @@ truncating override are untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -66,7 +67,8 @@ def _recorder(monkeypatch):
 
 def _run(x, w, t, pre, reshape, **kw):
     # The interpreter's tiles also on a GPU: both paths then get the same tiles and plan.
-    with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), reshaped(reshape):
+    with override(tf32_preround=pre, tiles=_tiles.INTERPRETER_TILES), \
+            reshaped(reshape) if reshape is not None else contextlib.nullcontext():
         out = logitless.linear_cross_entropy(x, w, t, backend="triton", **kw)
         inputs = [a for a in (x, w, kw.get("bias")) if a is not None]
         grads = torch.autograd.grad(out.sum(), inputs)

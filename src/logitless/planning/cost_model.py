@@ -206,6 +206,9 @@ def device_class(name: str) -> str:
 
 
 def device_model(device=None) -> DeviceModel:
+    """The class of a CUDA device (by AMD architecture under ROCm, else by name), DEFAULT
+    for unknown GPUs and other devices. The planners read it once per device, as its
+    ``device.DeviceFacts.model`` (INTERPRETER off CUDA)."""
     if device is None or getattr(device, "type", "cpu") != "cuda":
         return DEFAULT
     from logitless.planning import rocm

@@ -1,24 +1,12 @@
 """What the planners read about a device: ``facts(device) -> DeviceFacts``, the one seam.
 
-Every plan that depends on the device depends on these facts only, never on a torch
-device's own state: the planning model (``model``, a ``cost_model.DeviceModel``: the CPU
-interpreter's ``INTERPRETER`` or a GPU class), the multiprocessors the launch plans
-assume, the name the tuned-tile tables are keyed by, the AMD architecture, the compute
-capability and L2 size the CuTe choice reads, and whether the CuTe DSL is usable.
-
-``facts(device)`` reads them of a torch device once per device (``(type, index)``; an
-index-less CUDA device is the current one) and keeps them until ``memo.clear()``; given
-a ``DeviceFacts`` it returns it unchanged. The planners take either: the library passes
-torch devices, tests and probes describe a device they do not have by building a
-``DeviceFacts`` and passing it (``plans.triton_plan(..., DeviceFacts(model=H100,
-sms=132))``), or replace this function from the test side for the ops' own calls
-(``tests/planning_seams.py``). Every library site calls it as ``device.facts``, so
-there is one place to replace.
-
-Each device runs one planning rule, the one its model names: ``INTERPRETER`` (the CPU,
-and any device that is not CUDA) takes the interpreter's tiles and the greedy kept
-columns and chunks, the GPU classes the tile tables, tuned tiles and the cost model's
-columns (``plans.triton_plan``).
+Plans depend on a device through its facts alone: read of a torch device once (per
+``(type, index)``, kept until ``memo.clear()``), or given as a ``DeviceFacts`` (returned
+as is): the planners take either. Tests and probes describe a device they do not have by
+building the facts (``plans.triton_plan(..., DeviceFacts(model=H100, sms=132))``) or by
+replacing this function from their side (``tests/planning_seams.py``); library code calls
+it as ``device.facts`` so that there is one place to replace. Each device runs the one
+planning rule its model names (``DeviceFacts.gpu``, ``plans.triton_plan``).
 """
 
 from __future__ import annotations
@@ -29,25 +17,16 @@ from typing import Optional
 from logitless.planning import cost_model as _cost_model
 from logitless.planning.memo import cache, device_key
 
-#: Multiprocessors the plans assume on the CPU interpreter: few programs keep it quick.
-INTERPRETER_SMS = 4
-
 
 @dataclass(frozen=True)
 class DeviceFacts:
-    """The facts the planners read about one device (module docstring).
-
-    model: the planning model: ``cost_model.INTERPRETER`` (the interpreter's rule) or a GPU
-        class (``cost_model.H100``, ...: the GPU rule, its constants price the plans).
-    sms: multiprocessors the launch plans assume (splits, program order, persistent
-        programs); ``model.sms`` is the cost model's own.
-    name: the GPU's name (tuned-tile tables, the tuner's cache file); "cpu" elsewhere.
-    arch: the AMD architecture under ROCm ("gfx942", ...), else None (``planning.rocm``).
-    capability: the NVIDIA compute capability, e.g. (9, 0); None on ROCm and off GPUs.
-    l2_bytes: L2 bytes (0: unknown, the CuTe planner assumes ``cute.L2_DEFAULT``).
-    cute_available: None: the CuTe DSL's own check (``cute.dsl_problem``, once per
-        process, only where a plan would take the kernel); True / False: assume it.
-    """
+    """model: the planning model, ``cost_model.INTERPRETER`` (the interpreter's rule) or a GPU
+    class (the GPU rule; its constants price the plans). sms: multiprocessors the launch
+    plans assume (``model.sms`` is the cost model's). name: the GPU's (tuned tiles, the
+    tuner's cache), "cpu" elsewhere. arch: the AMD architecture under ROCm, else None.
+    capability: the NVIDIA compute capability, None on ROCm and off GPUs. l2_bytes: 0 when
+    unknown. cute_available: None, the CuTe DSL's own check (``cute.dsl_problem``: once, and
+    only where a plan would take the kernel); True / False: assumed."""
 
     model: _cost_model.DeviceModel
     sms: int
@@ -63,9 +42,8 @@ class DeviceFacts:
         return not self.model.interpreter
 
 
-#: The CPU interpreter's facts (every device that is not CUDA).
-INTERPRETER = DeviceFacts(model=_cost_model.INTERPRETER, sms=INTERPRETER_SMS)
-
+#: Any device that is not CUDA: the interpreter's rule, 4 SMs (few programs keep it quick).
+INTERPRETER = DeviceFacts(model=_cost_model.INTERPRETER, sms=4)
 _FACTS: dict = cache()
 
 

@@ -16,9 +16,7 @@ The key of a call is everything its result depends on:
 - the generation of the tuned-config tables: ``tuned.clear()`` (which the tuner
   calls after writing its cache) clears every memo too.
 
-What a planner reads of the device comes from ``device.facts``, read once per device
-and kept in a ``cache()`` of this module, so ``clear()`` forgets the facts with the
-plans (a test that replaces that seam clears both).
+``device.facts`` keeps each device's facts in a ``cache()``: ``clear()`` forgets them too.
 
 The memo holds at most ``MAX_ENTRIES`` plans per planner (then starts afresh): plans
 are small frozen dataclasses. Nothing here touches a device or synchronises.
