@@ -51,10 +51,14 @@ _ROW_KERNELS = {"jsd_stats": ({"n": 1, "v": 1024}, 8)}
 
 
 def device_class(device: torch.device) -> str:
-    """"nvidia-h100", "nvidia-h200", ... from the device name; "cpu" on the CPU."""
-    if device.type != "cuda":
+    """"nvidia-h100", "nvidia-h200", ... from the device's name (``planning.device.facts``);
+    the device type ("cpu") off GPUs."""
+    from logitless.planning import device as _device
+
+    facts = _device.facts(device)
+    if not facts.gpu:
         return device.type
-    name = torch.cuda.get_device_name(device).lower()
+    name = facts.name.lower()
     for tag in ("h200", "h100", "b200", "a100", "l40", "mi300"):
         if tag in name:
             return ("amd-" if tag.startswith("mi") else "nvidia-") + tag
@@ -119,8 +123,10 @@ def forward_span(config: dict, sizes: dict, device: Optional[torch.device] = Non
     block_n, block_v, block_h = (int(b) for b in config["block_sizes"][:3])
     v = int(sizes["v"])
     vocab_blocks = max(1, -(-v // block_v))
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device is not None and device.type == "cuda" else 1)
+    from logitless.planning import device as _device
+
+    facts = _device.facts(device) if device is not None else None
+    sms = facts.sms if facts is not None and facts.gpu else 1
     per_split = forward_blocks_per_split(-(-int(sizes["n"]) // block_n), vocab_blocks,
                                          max(1, -(-int(sizes["h"]) // block_h)), sms, vocab_blocks)
     return min(per_split, vocab_blocks) * block_v

@@ -340,7 +340,7 @@ class CustomOp:
     # ---------------------------------------------------------------- autograd
 
     def _setup(self, ctx, call, out) -> None:
-        ctx.overrides = (_overrides.current(), _overrides.what_ifs())  # (C-level getters: no frame)
+        ctx.overrides = _overrides.current()  # (the C-level getter: no frame)
         self._save(ctx, call, out)
 
     def _custom_setup(self, ctx, inputs, output) -> None:
@@ -352,7 +352,7 @@ class CustomOp:
         if not any(need):
             return (None,) * len(need)
         state = ctx.overrides
-        if _overrides.current() is state[0] and _overrides.what_ifs() is state[1]:  # the forward's thread
+        if _overrides.current() is state:  # the forward's thread
             out = self._backward(ctx, grads, need, self._runner(ctx))
         else:
             with _overrides.restored(state):
