@@ -17,7 +17,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in the torch-free en
     _TORCH_NAMES = frozenset({
         "linear_cross_entropy", "LinearCrossEntropyLoss", "cross_entropy", "CrossEntropyLoss", "linear_jsd",
         "LinearJSDLoss", "jsd", "JSDLoss", "linear_log_probs", "LinearLogProbs", "log_probs", "LogProbs",
-        "LossStats", "DEFAULT_MEMORY_BUDGET", "patch_torch", "unpatch_torch"})
+        "linear_topk_kl", "LinearTopKKLLoss", "LossStats", "DEFAULT_MEMORY_BUDGET", "patch_torch", "unpatch_torch"})
 
     def __getattr__(name: str):
         """``logitless.<name>`` (and ``from logitless import <name>``) for a PyTorch op without torch:
@@ -36,6 +36,7 @@ else:
     from .ops.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
     from .ops.linear_jsd import LinearJSDLoss, linear_jsd
     from .ops.linear_log_probs import LinearLogProbs, linear_log_probs
+    from .ops.linear_topk_kl import LinearTopKKLLoss, linear_topk_kl
     from .ops.log_probs import LogProbs, log_probs
     from .options import DEFAULT_MEMORY_BUDGET
 
@@ -52,6 +53,8 @@ else:
         "LinearLogProbs",
         "log_probs",
         "LogProbs",
+        "linear_topk_kl",
+        "LinearTopKKLLoss",
         "LossStats",
         "DEFAULT_MEMORY_BUDGET",
         "patch_torch",

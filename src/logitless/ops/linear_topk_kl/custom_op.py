@@ -1,0 +1,179 @@
+"""The bodies of linear_topk_kl's custom ops (``logitless::topk_kl_forward`` and
+``_backward``), written against the declared calls of ``contract`` (``TopKCall`` ->
+``TopKOutputs``, ``TopKBackwardCall`` -> dx, dw, db); ``ops.common.glue.CustomOp`` derives
+the schemas, the flattening and the autograd wiring from those declarations.
+
+The forward plans the call ONCE (``backend.plan``), runs the backend's forward (the
+statistics of the full rows: ``formulas.topk_kl.TopKStats``; over a vocab-parallel head
+``vocab_parallel`` merges the ranks'), and ``formulas.topk_kl.token_terms`` turns them into
+the loss and, when a backward follows, the coefficients of a unit upstream gradient. The
+backward scales those by each token's upstream gradient and runs the backend's backward
+under the forward's Config; ``keep``/``keep_max`` serve the first backward only (a second
+one, retain_graph=True, recomputes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import compute_dtype, reduce
+from logitless.formulas.cross_entropy import upstream_per_token
+from logitless.formulas.topk_kl import TopKStats, token_terms
+from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.contract import Needs
+from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
+from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
+from logitless.ops.common.validate import check_targets_in_range
+
+from .contract import TopKBackend, TopKBackwardCall, TopKCall, TopKOutputs
+
+#: The custom ops: logitless::topk_kl_forward, logitless::topk_kl_backward.
+NAME = "topk_kl"
+OP = "linear_topk_kl"
+
+
+def check_ids(ids: Tensor, num_classes: int) -> None:
+    """ValueError for a teacher id outside [0, V) or repeated within a token (CPU tensors
+    only: on a GPU the check would be a host sync; such a token's loss is NaN there, or
+    counts a repeated id twice). ``ids`` ascending per row."""
+    if ids.numel() == 0 or ids.device.type != "cpu":
+        return
+    bad = (ids < 0) | (ids >= num_classes)
+    if bool(bad.any()):
+        position = int(bad.reshape(-1).nonzero()[0])
+        raise ValueError(f"teacher_ids contains {int(ids.reshape(-1)[position])}, outside [0, {num_classes}), "
+                         f"at position {position} (flat index, after sorting each token's ids)")
+    repeated = ids[:, 1:] == ids[:, :-1]
+    if bool(repeated.any()):
+        row = int(repeated.any(1).nonzero()[0])
+        raise ValueError(f"teacher_ids repeats an id within token {row} (flat index): the ids of a token must be "
+                         "distinct (the teacher's top-k)")
+
+
+def check_target(target: Tensor, num_classes: int, opts) -> None:
+    """With hard labels: a target outside [0, V) that is not ignore_index raises on the CPU."""
+    if opts.hard:
+        check_targets_in_range(target, num_classes, opts.ignore_index)
+
+
+def forward(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
+    """The forward op's outputs (``contract.TopKOutputs``), ``config`` as the object."""
+    x, weight, ids, target, opts = call.x, call.weight, call.ids, call.target, call.opts
+    n, k = ids.shape
+    kept = config = None
+    with no_autocast(x.device):
+        if call.tp.tp_group:
+            from . import vocab_parallel
+
+            stats, kept, config, v = vocab_parallel.forward(impl, call)
+        else:
+            v = weight.shape[0]
+            check_ids(ids, v)
+            check_target(target, v, opts)
+            if n == 0:
+                cd = compute_dtype(x.dtype)
+                empty = x.new_empty(0, dtype=cd)
+                stats = TopKStats(empty, x.new_empty((0, k), dtype=cd), empty, empty)
+            else:
+                config = impl.plan(x, weight, call.bias, opts, budget=call.budget, need_grad=call.need_grad)  # once
+                out = impl.forward(x, weight, call.bias, ids, target, opts, config)
+                stats, kept = out.stats, out.kept
+        terms = token_terms(stats, call.teacher_log_probs, ids, target, opts, v, grad=call.need_grad)
+    return _outputs(call, stats, terms, kept, config)
+
+
+def _outputs(call: TopKCall, stats: TopKStats, terms, kept, config) -> TopKOutputs:
+    x = call.x
+    cd = compute_dtype(x.dtype)
+    lse1 = stats.lse1 if stats.lse1 is not None else stats.lse_tail
+    rows = torch.stack([stats.lse_tail.to(cd), lse1.to(cd)])
+    coef = terms.coef if terms.coef is not None else x.new_empty(0, dtype=cd)
+    sparse = terms.sparse if terms.sparse is not None else x.new_empty((0, 0), dtype=cd)
+    keep, keep_max = kept if kept is not None else nothing_kept(x)
+    return TopKOutputs(reduce(terms.loss, terms.w, call.opts.reduction), terms.w, rows, coef, sparse, keep,
+                       keep_max, config)
+
+
+def fake(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
+    """Shapes and dtypes; the kept columns' shapes from a Config planned as the forward
+    would (concrete sizes only, at most once)."""
+    x, weight = call.x, call.weight
+    n, k = call.ids.shape
+    cd = compute_dtype(x.dtype)
+    loss = x.new_empty((n,) if call.opts.reduction == "none" else (), dtype=cd)
+    kept = fake_kept_tensors(x)
+    if call.need_grad and not (call.tp.tp_group and isinstance(weight.shape[0], int) and weight.shape[0] == 0):
+        kept = fake_kept(x, weight, call.tp.tp_group, call.tp.vocab_size, lambda n, v, h: impl.kept_shapes(
+            impl.plan(x, weight, call.bias, call.opts, budget=call.budget, need_grad=True, cute=False), n))
+    grad = call.need_grad
+    return TopKOutputs(loss, x.new_empty(n, dtype=cd), x.new_empty((2, n), dtype=cd),
+                       x.new_empty((3, n) if grad else (0,), dtype=cd),
+                       x.new_empty((n, k) if grad else (0, 0), dtype=cd), *kept, None)
+
+
+def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
+    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
+    x, weight, bias, need = b.x, b.weight, b.bias, b.need
+    dx = dw = db = None
+    if x.shape[0] == 0:
+        dx, dw, db = zero_grads(x, weight, bias)
+    elif need.need_dx or need.need_dw or need.need_db:
+        config = b.config
+        if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
+            config = impl.codec.decode(config)
+        kept = None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max)
+        g = upstream_per_token(b.grad_loss, b.w, b.opts.reduction)
+        counted = b.w > 0  # (a "mean" over no token: g is inf there, its coefficients are 0)
+        coef = torch.where(counted, b.coef * g, torch.zeros_like(b.coef))
+        sparse = torch.where(counted[:, None], b.sparse * g[:, None], torch.zeros_like(b.sparse))
+        with no_autocast(x.device):
+            if b.tp.tp_group:
+                from . import vocab_parallel
+
+                dx, dw, db = vocab_parallel.backward(impl, b, coef, sparse, config, kept)
+            else:
+                dx, dw, db = impl.backward(x, weight, bias, b.ids, b.target, b.opts, b.rows, coef, sparse, config,
+                                           kept=kept, need_dx=need.need_dx, need_dw=need.need_dw,
+                                           need_db=need.need_db)
+    return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)
+
+
+def backward_fake(b: TopKBackwardCall, impl: TopKBackend):
+    return fake_grad_outputs(b.x, b.weight, b.bias, b.need.need_dx, b.need.need_dw, b.need.need_db)
+
+
+def save(ctx, call: TopKCall, out: TopKOutputs) -> None:
+    """Saved: x, weight, bias, ids, target and the forward's per-token results; on ctx: the
+    options and execution fields the backward reads, the Config, the kept columns (the
+    first backward's)."""
+    ctx.save_for_backward(call.x, call.weight, call.bias, call.ids, call.target, out.w, out.rows, out.coef,
+                          out.sparse)
+    ctx.opts, ctx.backend, ctx.tp = call.opts, call.backend, call.tp
+    ctx.config = out.config
+    ctx.kept = (out.keep, out.keep_max)
+    frozen = [out.w, out.rows, out.coef, out.sparse, out.keep, out.keep_max]
+    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
+        frozen.append(out.config)
+    ctx.mark_non_differentiable(*frozen)
+    ctx.set_materialize_grads(False)
+
+
+def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
+    """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config."""
+    kept, ctx.kept = ctx.kept, None
+    x, weight, bias, ids, target, w, rows, coef, sparse = ctx.saved_tensors
+    grad_loss = grads.loss
+    if grad_loss is None:  # (gradients are not materialised)
+        shape = w.shape if ctx.opts.reduction == "none" else ()
+        grad_loss = torch.zeros(shape, dtype=w.dtype, device=w.device)
+    if kept is None:  # a second backward: the kept columns are spent
+        kept = nothing_kept(x)
+    return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, *kept, ctx.config,
+                                ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp))
+
+
+def define(backends) -> CustomOp:
+    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
+    return CustomOp(NAME, TopKCall, TopKOutputs, TopKBackwardCall, table=backends, forward=forward, fake=fake,
+                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

@@ -1,0 +1,80 @@
+"""linear_topk_kl over a vocab-parallel head (``logitless.distributed``).
+
+Rank r holds rows [start_r, start_r + V_r) of the full weight; x, the (global) teacher ids
+and log-probs and the targets are the same on every rank. The custom ops call these
+functions when their ``tp_group`` is set.
+
+forward:  the backend's statistics over this rank's rows, with the ids and the target
+          shifted by the rank's first row (an id another rank holds lies outside [0, V_r):
+          no column matches it, its z is 0 here): the log-sum-exp of this rank's columns
+          outside the ids (and of all of them at temperature 1 for hard labels at T != 1),
+          z at the ids it holds, z at the target. Then two collectives of O(tokens x K)
+          floats (``merge.merge_shards``): a MAX of the log-sum-exps, a SUM of their
+          rescaled sums, of z at the ids (each id is one rank's) and of the target's z.
+          The loss follows from the merged statistics with the global V and global ids
+          (``formulas.topk_kl.token_terms``): the same bits on every rank.
+backward: the coefficients of the merged statistics; the backend's backward on the local
+          rows (the ids shifted as above: the values at another rank's ids are never
+          written here) gives this rank's rows of dW and db and a partial sum of dx in fp32
+          (fp64 for fp64), all-reduced in that dtype (one collective of N x H), then cast.
+
+Nothing of size tokens x vocab and no weight is ever communicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from logitless.distributed import merge_shards, vocab_shard
+from logitless.formulas.common import compute_dtype
+from logitless.formulas.topk_kl import TopKStats
+from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
+
+from .custom_op import check_ids, check_target
+
+
+def forward(impl, call):
+    """(TopKStats of the full rows, kept or None, the Config or None, the full V)."""
+    x, weight, ids, target, opts, tp = call.x, call.weight, call.ids, call.target, call.opts, call.tp
+    shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
+    v = shard.vocab_size
+    check_ids(ids, v)
+    check_target(target, v, opts)
+    n, k = ids.shape
+    sd = compute_dtype(x.dtype)
+    w, b = shard.real_rows(weight), shard.real_rows(call.bias)
+    if n == 0:  # the same on every rank: no collective
+        empty = x.new_empty(0, dtype=sd)
+        return TopKStats(empty, x.new_empty((0, k), dtype=sd), empty, empty), None, None, v
+    kept = config = None
+    if w.shape[0] == 0:  # a rank without real classes: neutral statistics
+        none = torch.full((n,), float("-inf"), dtype=sd, device=x.device)
+        zero = torch.zeros(n, dtype=sd, device=x.device)
+        local = TopKStats(none, torch.zeros(n, k, dtype=sd, device=x.device), zero if opts.hard else None,
+                          none if opts.hard_at_other_temperature else None)
+    else:
+        config = impl.plan(x, w, b, opts, budget=call.budget, need_grad=call.need_grad)  # once
+        out = impl.forward(x, w, b, ids - shard.start, shard.local_target(target), opts, config)
+        local, kept = out.stats, out.kept
+    lses = [local.lse_tail.to(sd)] + ([local.lse1.to(sd)] if opts.hard_at_other_temperature else [])
+    sums = list(local.z_ids.to(sd).T) + ([local.z_t.to(sd)] if opts.hard else [])
+    merged = merge_shards(shard.group, lses, sums=sums)
+    z_ids = torch.stack(merged.sums[:k], dim=1) if k else x.new_empty((n, 0), dtype=sd)
+    stats = TopKStats(merged.lse[0], z_ids, merged.sums[k] if opts.hard else None,
+                      merged.lse[1] if opts.hard_at_other_temperature else None)
+    return stats, kept, config, v
+
+
+def backward(impl, b, coef: Tensor, sparse: Tensor, config, kept):
+    """(dx, dW, db) of this rank (None where not needed) from the scaled coefficients."""
+    x, weight, need = b.x, b.weight, b.need
+    shard = vocab_shard(b.tp.tp_group, weight.shape[0], x.device, b.tp.vocab_size)  # cached: no collective
+    w, bias = shard.real_rows(weight), shard.real_rows(b.bias)
+    if w.shape[0] == 0:
+        dx, dw, db = no_class_grads(x, w, bias, need.need_dx, need.need_dw, need.need_db)
+    else:
+        dx, dw, db = impl.backward(x, w, bias, b.ids - shard.start, shard.local_target(b.target), b.opts, b.rows,
+                                   coef, sparse, config, kept=kept, need_dx=need.need_dx, need_dw=need.need_dw,
+                                   need_db=need.need_db, dx_acc=True)
+    return rank_grads(shard, x, dx, dw, db, b.tp.partial_dx)
