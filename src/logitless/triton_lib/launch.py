@@ -268,9 +268,13 @@ class DlogitsKernels(NamedTuple):
             USE_TMA, DZ_TMA, FLATTEN, W_CHUNK, BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
             num_stages)
 
+        patch_kernel[(cdiv(n, BLOCK_N),)](dz, dz row stride, v0, v1, n, *patch_inputs,
+            **patch_flags)   (after either, when given; BLOCK_N in patch_flags)
+
     ``kept_kernel`` turns the kept columns into dz in place; ``kernel`` recomputes a
-    chunk's dz; ``prerounded``: its operands are rounded to TF32 into scratch buffers
-    first (``prerounded_dlogits_operands``, W_CHUNK)."""
+    chunk's dz; ``patch_kernel`` then overwrites a few of each row's values in the chunk
+    (linear_topk_kl: its values at the teacher's ids); ``prerounded``: its operands are
+    rounded to TF32 into scratch buffers first (``prerounded_dlogits_operands``, W_CHUNK)."""
 
     kept_kernel: object
     kept_head: tuple
@@ -282,6 +286,9 @@ class DlogitsKernels(NamedTuple):
     flags: dict
     prerounded: bool
     kept_rows: int = 0
+    patch_kernel: object = None
+    patch_inputs: tuple = ()
+    patch_flags: Optional[dict] = None
 
 
 def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan, kept,
@@ -336,6 +343,9 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
                 W_CHUNK=k.prerounded, BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
                 num_warps=plan.num_warps, num_stages=plan.num_stages,
             )
+        if k.patch_kernel is not None:
+            run_kernel(k.patch_kernel, (cdiv(n, k.patch_flags["BLOCK_N"]),), dz, dz.stride(0), v0, v1, n,
+                       *k.patch_inputs, **k.patch_flags)
         dx_chunk = chunk_gradients(
             dz, x, weight[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
             dx_acc, need_dx)

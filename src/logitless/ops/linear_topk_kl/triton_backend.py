@@ -1,0 +1,164 @@
+"""Triton backend of linear_topk_kl (CUDA tensors; CPU under TRITON_INTERPRET=1).
+
+forward  (1 GEMM): ``topk_forward_kernel`` over (row blocks x vocabulary splits): the fused
+         GEMM + online log-sum-exp of ``linear_cross_entropy`` with the teacher's ids
+         masked out of the sum (exact tail) and their logits gathered in the same tiles;
+         O(N * splits) partials merged here (``formulas.common.merge_splits``). When a
+         backward follows it keeps exp(a - m) of the leading ``keep_cols`` columns the
+         budget holds, as ``linear_cross_entropy``.
+backward (2 GEMMs + 1 per recomputed column): the kept columns become the dense dz in place
+         (``topk_kept_dlogits_kernel``), the others are recomputed chunk by chunk
+         (``topk_dlogits_kernel``); in each chunk ``topk_patch_kernel`` writes the values at
+         the ids; then dW, db and dx of the chunk as cross-entropy's
+         (``triton_lib.launch.chunked_backward``).
+One plan per call: ``planning.plans.linear_plan`` (cross-entropy's tiles, splits, kept
+columns and chunks under the budget rule), made by the forward custom op and followed by
+the backward. No CuTe forward (its kernel has no id mask). No (N, V) tensor unless the
+budget allows it; no atomics; no host syncs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logitless.formulas.common import merge_splits
+from logitless.formulas.topk_kl import TopKStats
+from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.options import TopKKLOptions
+from logitless.planning.plans import LinearPlan, linear_plan
+from logitless.triton_lib import launch
+from logitless.triton_lib import topk_kl_kernels as K
+from logitless.triton_lib.launch import cdiv
+
+from .contract import TopKForward
+
+#: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
+#: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
+_MAX_CAP_RANGE = 80.0
+#: Rows per program of the kept columns' dz pass where it holds z besides r and dz (a
+#: soft-cap or hard labels at T != 1), as linear_log_probs' (registers).
+KEPT_ROWS_WITH_LOG = 32
+#: The patch kernel's rows and ids per step.
+PATCH = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
+
+
+def keep_allowed(dtype: torch.dtype, opts: TopKKLOptions, need_grad: bool) -> bool:
+    """Whether the forward may keep exp(a - m) for the backward: not where z must come back
+    from log(e) and e may underflow (fp16; a wide soft-cap range)."""
+    if not need_grad:
+        return False
+    needs_z = opts.softcap is not None or opts.hard_at_other_temperature
+    if dtype == torch.float16 and needs_z:
+        return False
+    return not (opts.softcap is not None and 2.0 * opts.softcap / opts.temperature > _MAX_CAP_RANGE)
+
+
+def _flags(bias, opts: TopKKLOptions, dtype, prerounded=False):
+    return dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, HAS_HARD=opts.hard,
+                HARD_T=opts.hard_at_other_temperature,
+                DOT_PRECISION="tf32" if prerounded else launch.dot_precision(dtype))
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor, opts: TopKKLOptions,
+            config: LinearPlan) -> TopKForward:
+    plan = config.forward
+    n, h = x.shape
+    v = weight.shape[0]
+    k = ids.shape[1]
+    hard_t = opts.hard_at_other_temperature
+    ids32 = ids.to(torch.int32).contiguous()
+    z_ids = torch.zeros(n, k, dtype=torch.float32, device=x.device)
+    splits = plan.vocab_splits
+    blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
+    parts = launch.partials(3 + 2 * hard_t, splits, n, x.device)
+    part_max, part_sum, part_tgt = parts[:3]
+    part_max1, part_sum1 = (parts[3], parts[4]) if hard_t else (part_max, part_sum)
+    keep_cols = plan.keep_cols if config.keeps else 0
+    keep_blocks = cdiv(keep_cols, plan.block_v)
+    prerounded = launch.runs_prerounded(plan, x.dtype)
+    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
+    keep = keep_max = keep_buf = None
+    keep_op = x
+    if keep_blocks:
+        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+    row_blocks = cdiv(n, plan.block_n)
+    flags = _flags(bias, opts, x.dtype, prerounded)
+    for step in steps:
+        x_op, w_op, xr, w_rows, launch_splits, extra = step()
+        launch.run_kernel(
+            K.topk_forward_kernel, (row_blocks * launch_splits,),
+            x_op, w_op, bias if bias is not None else x, target, ids32, z_ids,
+            part_max, part_sum, part_tgt, part_max1, part_sum1, keep_op, keep_max if keep_max is not None else x,
+            n, v, h, k, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
+            keep.stride(0) if keep is not None else 0,
+            blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, launch_splits,
+            plan.group_n or row_blocks,
+            KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **flags,
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h, LOG2K=max(1, k.bit_length()),
+            num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
+        )
+    stats = TopKStats(
+        lse_tail=merge_splits(part_max, part_sum),
+        z_ids=z_ids,
+        z_t=part_tgt.sum(dim=0) if opts.hard else None,
+        lse1=merge_splits(part_max1, part_sum1) if hard_t else None,
+    )
+    return TopKForward(stats, (keep_buf, keep_max) if keep is not None else None)
+
+
+def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor, opts: TopKKLOptions,
+             rows: Tensor, coef: Tensor, sparse: Tensor, config: LinearPlan, *, kept, need_dx: bool, need_dw: bool,
+             need_db: bool, dx_acc: bool = False):
+    n = x.shape[0]
+    plan = config.forward if kept is not None else config.backward
+    rows, coef = rows.float().contiguous(), coef.float().contiguous()
+    sparse = sparse.float().contiguous()
+    prerounded = launch.runs_prerounded(plan, x.dtype)
+    flags = _flags(bias, opts, x.dtype, prerounded)
+    needs_z = opts.softcap is not None or opts.hard_at_other_temperature
+    kernels = launch.DlogitsKernels(
+        kept_kernel=K.topk_kept_dlogits_kernel, kept_head=(target, rows, coef, n),
+        kept_tail=(float(opts.softcap or 1.0), float(opts.temperature)),
+        kept_flags=dict(HAS_SOFTCAP=opts.softcap is not None, HAS_HARD=opts.hard,
+                        HARD_T=opts.hard_at_other_temperature),
+        kernel=K.topk_dlogits_kernel, inputs=(bias if bias is not None else x, target, rows, coef),
+        scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=flags, prerounded=prerounded,
+        kept_rows=KEPT_ROWS_WITH_LOG if needs_z else 0,
+        patch_kernel=K.topk_patch_kernel, patch_inputs=(ids.to(torch.int32).contiguous(), sparse, ids.shape[1]),
+        patch_flags=PATCH,
+    )
+    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+                                   need_db=need_db, dx_acc=dx_acc)
+
+
+class TritonBackend(TritonKind):
+    """backend="triton" (``contract.TopKBackend``): its Config is the call's
+    ``planning.plans.LinearPlan`` (tiles, splits, kept columns, chunks)."""
+
+    codec = ConfigCodec(LinearPlan)
+
+    def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
+             need_grad: bool, cute: bool = True) -> LinearPlan:
+        n, h = x.shape
+        return linear_plan(n, weight.shape[0], h, x.element_size(), budget, x.device,
+                           keep_allowed=keep_allowed(x.dtype, opts, need_grad),
+                           prerounded=launch.tf32_prerounded(x.dtype))
+
+    @staticmethod
+    def kept_shapes(config: Optional[LinearPlan], n: int):
+        if config is None or not config.keeps:
+            return None
+        return launch.kept_shapes_of(config.forward, n)
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor,
+                opts: TopKKLOptions, config: LinearPlan) -> TopKForward:
+        return forward(x, weight, bias, ids, target, opts, config)
+
+    def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor,
+                 opts: TopKKLOptions, rows: Tensor, coef: Tensor, sparse: Tensor, config: LinearPlan, *, kept=None,
+                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+        return backward(x, weight, bias, ids, target, opts, rows, coef, sparse, config, kept=kept, need_dx=need_dx,
+                        need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)
