@@ -50,7 +50,8 @@ def _ids_in(ids: Tensor, v0: int, width: int):
 
 def _mask_of(cols: Tensor, width: int) -> Tensor:
     """(rows, width) bools, True at the ids' columns (``_ids_in``'s)."""
-    return torch.zeros(cols.shape[0], width + 1, dtype=torch.bool, device=cols.device).scatter_(1, cols, True)[:, :width]
+    mask = torch.zeros(cols.shape[0], width + 1, dtype=torch.bool, device=cols.device)
+    return mask.scatter_(1, cols, True)[:, :width]
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor,
