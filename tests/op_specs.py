@@ -35,7 +35,7 @@ from tests.conftest import DEVICE
 #: The custom ops (namespace ``logitless``) that the specs' opcheck calls use, by name.
 CUSTOM_OPS = ("ce_forward", "ce_backward", "lce_forward", "lce_backward", "jsd_forward", "jsd_backward",
               "linear_jsd_forward", "linear_jsd_backward", "lp_forward", "lp_backward", "llp_forward",
-              "llp_backward")
+              "llp_backward", "topk_kl_forward", "topk_kl_backward")
 
 
 def custom_op(name: str):
@@ -777,7 +777,146 @@ LINEAR_LOG_PROBS = OpSpec(
 )
 
 
+# ----------------------------------------------------------------------- linear_topk_kl
+# The teacher: the top-k of a random distribution (its log-probs under the full one), the
+# ids in a random order per token; hidden, weight, target as linear_cross_entropy's.
+
+
+def _topk_teacher(lead, vocab, k, g, device):
+    logits = torch.randn(*lead, vocab, generator=g, dtype=torch.float64) * 2.5
+    lp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    order = torch.rand(*lead, k, generator=g).argsort(-1)
+    return ids.gather(-1, order).to(device), lp.gather(-1, order).float().to(device)
+
+
+def _topk_make(size, dtype, opts, seed, device=DEVICE):
+    case = _lce_make(size, dtype, {k: v for k, v in opts.items() if k != "_class_weight"}, seed, device)
+    x, w, t, b = case.args
+    g = _gen(seed + 100)
+    ids, lp = _topk_teacher(size["lead"], size["vocab"], size.get("k", 7), g, device)
+    if opts.get("_no_target"):
+        t = None
+    return Case((x, w, ids, lp, t, b), _kw(opts), case.grads)
+
+
+def _topk_fn(x, weight, ids, lp, target=None, bias=None, **kw):
+    return logitless.linear_topk_kl(x, weight, ids, lp, target, bias=bias, **kw)
+
+
+def _topk_reference(case, reduction, dtype=torch.float64):
+    from logitless.ops.linear_topk_kl.reference import linear_topk_kl_reference
+
+    x, w, ids, lp, t, b = case.args
+    kw = {k: v for k, v in case.kwargs.items() if k != "memory_budget"}
+    return linear_topk_kl_reference(x, w, ids, lp, t, b, reduction=reduction, dtype=dtype, **kw), None, None
+
+
+def _topk_bad_calls():
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    ids = torch.tensor([[0, 1, 2]] * 4)
+    lp = torch.full((4, 3), -2.0)
+    f = logitless.linear_topk_kl
+    return {
+        "direction": (lambda: f(x, w, ids, lp, direction="backward"), ValueError,
+                      r"direction must be one of \('forward', 'reverse'\)"),
+        "tail": (lambda: f(x, w, ids, lp, tail="clamp"), ValueError,
+                 r"tail must be one of \('bucket', 'renormalize', 'none'\)"),
+        "reduction": (lambda: f(x, w, ids, lp, reduction="batchmean"), ValueError, "reduction"),
+        "temperature": (lambda: f(x, w, ids, lp, temperature=0.0), ValueError, "temperature"),
+        "hard_label_weight": (lambda: f(x, w, ids, lp, t, hard_label_weight=-1.0), ValueError, "hard_label_weight"),
+        "softcap": (lambda: f(x, w, ids, lp, softcap=0.0), ValueError, "softcap"),
+        "shapes-differ": (lambda: f(x, w, ids, lp[:, :2]), ValueError, "teacher_log_probs has shape"),
+        "ids-lead": (lambda: f(x, w, ids[:3], lp[:3]), ValueError, "teacher_ids has shape"),
+        "ids-dtype": (lambda: f(x, w, ids.float(), lp), TypeError, "teacher_ids must be int64 or int32"),
+        "lp-dtype": (lambda: f(x, w, ids, ids), TypeError, "teacher_log_probs must be a float"),
+        "id-out-of-range": (lambda: f(x, w, ids + 8, lp), ValueError, r"teacher_ids contains 10, outside \[0, 10\)"),
+        "negative-id": (lambda: f(x, w, ids - 1, lp), ValueError, "teacher_ids contains -1"),
+        "repeated-id": (lambda: f(x, w, ids.clamp(max=1), lp), ValueError, "repeats an id"),
+        "positive-log-prob": (lambda: f(x, w, ids, lp + 3.0), ValueError, r"> 0 .*logits passed by mistake"),
+        "too-many-ids": (lambda: f(x, torch.randn(2, 8), ids, lp), ValueError, "3 ids per token"),
+        "hard-no-target": (lambda: f(x, w, ids, lp, hard_label_weight=0.5), ValueError, "needs target"),
+        "target-out-of-range": (lambda: f(x, w, ids, lp, t + 10, hard_label_weight=0.5), ValueError, "outside"),
+        "target-shape": (lambda: f(x, w, ids, lp, t[:3]), ValueError, "target has shape"),
+        "teacher-grad": (lambda: f(x, w, ids, lp.clone().requires_grad_()), ValueError, "requires grad"),
+        "hidden": (lambda: f(x, torch.randn(10, 7), ids, lp), ValueError, "hidden size"),
+        "transposed-head": (lambda: f(x, w.T, ids, lp), ValueError, r"looks transposed"),
+        "backend": (lambda: f(x, w, ids, lp, backend="cuda"), ValueError, "backend"),
+        "budget": (lambda: f(x, w, ids, lp, memory_budget=0), ValueError, "memory_budget"),
+        "shift-1d": (lambda: f(x[0], w, ids[0], lp[0], shift=True), ValueError, "shift"),
+        "device": (lambda: f(x, w.to("meta"), ids, lp), ValueError, "device"),
+    }
+
+
+_TOPK_ALL = {"_ignore": 0.3, "_bias": True, "direction": "reverse", "tail": "bucket", "temperature": 1.5,
+             "softcap": 4.0, "hard_label_weight": 0.3, "shift": True}
+
+
+def _topk_opcheck(backend):
+    # V = 104: a multiple of 8, so that the GPU plan may keep columns (ODD_V_ALIGN).
+    case = _topk_make({"lead": (13,), "hidden": 24, "vocab": 104, "k": 6}, torch.float32,
+                      {"_ignore": 0.2, "_bias": True}, seed=5)
+    x, w, ids, lp, t, b = case.args
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_topk_kl.api import BACKENDS, OPS
+    from logitless.ops.linear_topk_kl.contract import TopKBackwardCall, TopKCall, TopKOutputs
+    from logitless.options import TopKKLOptions, VocabParallelOptions
+
+    ids, order = ids.sort(dim=1)
+    lp = lp.gather(1, order)
+    need, tp = Needs(True, True, True), VocabParallelOptions()
+    forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # (see _lce_opcheck)
+    for need_grad, opts in ((True, TopKKLOptions(hard_label_weight=0.3, temperature=0.7, softcap=4.0)),
+                            (True, TopKKLOptions(direction="reverse", tail="none", reduction="none")),
+                            (False, TopKKLOptions(tail="renormalize"))):
+        call = TopKCall(x, w, b, ids, lp, t, opts, backend, 6_000, need_grad, need, tp)
+        yield custom_op("topk_kl_forward"), OPS.args(call), forward_utils
+        out = TopKOutputs._make(custom_op("topk_kl_forward")(*OPS.args(call)))
+        decoded = BACKENDS[backend].codec.decode(out.config)
+        if backend == "triton" and need_grad:
+            assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
+        else:
+            assert out.keep.shape == (1, 1) and not getattr(decoded, "keeps", False)  # nothing kept
+        if not need_grad:
+            continue
+        grad_loss = torch.rand(out.loss.shape, device=DEVICE) + 0.5
+        bcall = TopKBackwardCall(grad_loss, x.detach(), w.detach(), b.detach(), ids, t, out.w, out.rows, out.coef,
+                                 out.sparse, out.keep, out.keep_max, out.config, opts, backend, need, tp)
+        yield custom_op("topk_kl_backward"), OPS.backward_args(bcall), None
+
+
+LINEAR_TOPK_KL = OpSpec(
+    name="linear_topk_kl",
+    fn=_topk_fn,
+    reference=_topk_reference,
+    make=_topk_make,
+    options={
+        "plain": {},
+        "reverse": {"direction": "reverse"},
+        "renormalize": {"tail": "renormalize", "_ignore": 0.2},
+        "reverse-renormalize": {"direction": "reverse", "tail": "renormalize"},
+        "none": {"tail": "none"},
+        "reverse-none": {"direction": "reverse", "tail": "none", "_bias": True},
+        "temperature-softcap": {"temperature": 0.7, "softcap": 4.0},
+        "hard": {"hard_label_weight": 0.5, "_ignore": 0.3},
+        "no-target": {"_no_target": True, "temperature": 1.3},
+        # a budget that keeps some columns of exp(a - m) (Triton) and chunks the vocabulary
+        "budget": {"_ignore": 0.2, "hard_label_weight": 0.2, "memory_budget": 6_000},
+        "all": _TOPK_ALL,
+    },
+    base_size={"lead": (3, 13), "hidden": 24, "vocab": 101, "k": 7},
+    sizes={
+        "one-token": ({"lead": (1,), "hidden": 24, "vocab": 101, "k": 5}, ("hard",), "mean"),
+        "prime-V-odd-H-3d": ({"lead": (2, 5), "hidden": 20, "vocab": 1009, "k": 20}, ("plain", "all"), "sum"),
+        "H17-k1": ({"lead": (33,), "hidden": 17, "vocab": 67, "k": 1}, ("reverse", "hard"), "none"),
+        "tiny": ({"lead": (1, 1), "hidden": 8, "vocab": 3, "k": 2}, ("plain", "reverse-none"), "mean"),
+    },
+    bad_calls=_topk_bad_calls,
+    opcheck=_topk_opcheck,
+    alloc_size={"lead": (48,), "hidden": 16, "vocab": 160, "k": 5},
+)
+
+
 #: Every op of the contract. A new op joins by adding its spec here.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (LINEAR_CROSS_ENTROPY, CROSS_ENTROPY, JSD, LINEAR_JSD,
-                                                        LOG_PROBS, LINEAR_LOG_PROBS)}
+                                                        LOG_PROBS, LINEAR_LOG_PROBS, LINEAR_TOPK_KL)}
 
