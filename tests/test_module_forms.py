@@ -19,6 +19,7 @@ FORMS = {
     "JSDLoss": ("jsd", ()),
     "LinearLogProbs": ("linear_log_probs", ()),
     "LogProbs": ("log_probs", ()),
+    "LinearTopKKLLoss": ("linear_topk_kl", ("bias",)),
 }
 
 

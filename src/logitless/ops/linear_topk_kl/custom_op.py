@@ -33,12 +33,19 @@ NAME = "topk_kl"
 OP = "linear_topk_kl"
 
 
-def check_ids(ids: Tensor, num_classes: int) -> None:
-    """ValueError for a teacher id outside [0, V) or repeated within a token (CPU tensors
-    only: on a GPU the check would be a host sync; such a token's loss is NaN there, or
-    counts a repeated id twice). ``ids`` ascending per row."""
+def check_teacher(ids: Tensor, teacher_log_probs: Tensor, num_classes: int) -> None:
+    """ValueError for a teacher id outside [0, V) or repeated within a token, or a
+    log-probability > 0 (CPU tensors only: on a GPU the check would be a host sync; such a
+    token's loss is NaN there, or counts a repeated id twice). ``ids`` ascending per row.
+    (In the op's implementation, which runs on real tensors also under torch.compile.)"""
     if ids.numel() == 0 or ids.device.type != "cpu":
         return
+    positive = teacher_log_probs > 0
+    if bool(positive.any()):
+        position = int(positive.reshape(-1).nonzero()[0])
+        raise ValueError(f"teacher_log_probs contains {float(teacher_log_probs.reshape(-1)[position]):.4g} > 0 at "
+                         f"position {position} (flat index, after sorting each token's ids): log-probabilities are "
+                         "<= 0 (logits passed by mistake? take log_softmax of the teacher's logits first)")
     bad = (ids < 0) | (ids >= num_classes)
     if bool(bad.any()):
         position = int(bad.reshape(-1).nonzero()[0])
@@ -66,10 +73,13 @@ def forward(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
         if call.tp.tp_group:
             from . import vocab_parallel
 
-            stats, kept, config, v = vocab_parallel.forward(impl, call)
+            v = vocab_parallel.vocab_size(call)
+            check_teacher(ids, call.teacher_log_probs, v)
+            check_target(target, v, opts)
+            stats, kept, config = vocab_parallel.forward(impl, call)
         else:
             v = weight.shape[0]
-            check_ids(ids, v)
+            check_teacher(ids, call.teacher_log_probs, v)
             check_target(target, v, opts)
             if n == 0:
                 cd = compute_dtype(x.dtype)

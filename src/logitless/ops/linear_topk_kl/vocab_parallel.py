@@ -31,22 +31,22 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.topk_kl import TopKStats
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 
-from .custom_op import check_ids, check_target
+
+def vocab_size(call) -> int:
+    """The full vocabulary's size (the group's row counts: exchanged once, then cached)."""
+    return vocab_shard(call.tp.tp_group, call.weight.shape[0], call.x.device, call.tp.vocab_size).vocab_size
 
 
 def forward(impl, call):
-    """(TopKStats of the full rows, kept or None, the Config or None, the full V)."""
+    """(TopKStats of the full rows, kept or None, the Config or None)."""
     x, weight, ids, target, opts, tp = call.x, call.weight, call.ids, call.target, call.opts, call.tp
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
-    v = shard.vocab_size
-    check_ids(ids, v)
-    check_target(target, v, opts)
     n, k = ids.shape
     sd = compute_dtype(x.dtype)
     w, b = shard.real_rows(weight), shard.real_rows(call.bias)
     if n == 0:  # the same on every rank: no collective
         empty = x.new_empty(0, dtype=sd)
-        return TopKStats(empty, x.new_empty((0, k), dtype=sd), empty, empty), None, None, v
+        return TopKStats(empty, x.new_empty((0, k), dtype=sd), empty, empty), None, None
     kept = config = None
     if w.shape[0] == 0:  # a rank without real classes: neutral statistics
         none = torch.full((n,), float("-inf"), dtype=sd, device=x.device)
@@ -63,7 +63,7 @@ def forward(impl, call):
     z_ids = torch.stack(merged.sums[:k], dim=1) if k else x.new_empty((n, 0), dtype=sd)
     stats = TopKStats(merged.lse[0], z_ids, merged.sums[k] if opts.hard else None,
                       merged.lse[1] if opts.hard_at_other_temperature else None)
-    return stats, kept, config, v
+    return stats, kept, config
 
 
 def backward(impl, b, coef: Tensor, sparse: Tensor, config, kept):
