@@ -12,7 +12,7 @@ Run with PYTHONPATH pointing at the tree (src/). ``capture`` runs the ops on the
 interpreter (TRITON_INTERPRET=1, small odd shapes, bf16/fp16/fp32 and the main options:
 bias, softcap, class weights, label smoothing, z-loss, argmax (return_stats), kept
 columns, gradient in the forward, entropy, temperature, TRL's head fields, JSD beta
-0.5 / 0 / 1, hard labels; fp32 at matmul precision "highest" and "high") with the plans
+0.5 / 0 / 1, hard labels, top-k distillation; fp32 at matmul precision "highest" and "high") with the plans
 the target gets and records each launch: kernel, argument types (a TMA descriptor as
 ``tensordesc<dtype[block]>``), constexprs, launch options. AMD: ``planning.rocm``'s tile
 tables, no TMA, its dot precisions. sm90: ``tiles.CUDA_TILES`` (``CUDA_TILES_TF32`` on
@@ -90,6 +90,10 @@ def _cases(full: bool, nv: bool = False):
         ("lp", "lp", dict(entropy=True, temperature=0.8)),
         ("jsd", "jsd", dict(beta=0.5, hard_label_weight=0.2)),
         ("jsd-split", "jsd", dict(beta=0.5, v=5003)),
+        ("topk-plain", "topk", dict(k=20)),  # forward KL with a tail bucket, every column kept
+        ("topk-all", "topk", dict(k=9, direction="reverse", temperature=0.7, softcap=30.0, hard_label_weight=0.3,
+                                  bias=True)),  # z from the kept columns, the second log-sum-exp
+        ("topk-recompute", "topk", dict(k=20, budget="none", hard_label_weight=0.5)),
     ]
     extra = [
         ("lce-cw-smooth", "lce", dict(class_weight=True, label_smoothing=0.2)),
@@ -102,7 +106,7 @@ def _cases(full: bool, nv: bool = False):
     ]
     if not full:
         fused = ("lce-all", "lce-recompute", "llp-entropy", "llp-recompute", "ljsd-0.5", "ljsd-kl",
-                 "llp-topp-search", "lce-fwd")  # (the last: the interpreter's bf16 dots give no flat rows)
+                 "llp-topp-search", "lce-fwd", "topk-all", "topk-recompute")  # (the last: the interpreter's bf16 dots give no flat rows)
         return ([(label, "bfloat16", "highest", op, kw) for label, op, kw in base]
                 + [(label, "float32", "high", op, kw) for label, op, kw in base if label in fused])
     out = []
@@ -247,6 +251,10 @@ def _call(L, op, dtype, n, h, ht, v, kw, budget, g, ov, override):
             xs, ws, xt, wt = r(n, h), r(v, h, scale=0.2), r(n, ht, grad=False), r(v, ht, scale=0.2, grad=False)
             res = L.linear_jsd(xs, ws, xt, wt, target, student_softcap=cap, teacher_softcap=cap,
                                backend="triton", **kw)
+        elif op == "topk":
+            x, w = r(n, h), r(v, h, scale=0.2)
+            lp, ids = torch.log_softmax(torch.randn(n, v, generator=g) * 2, -1).topk(kw.pop("k"), -1)
+            res = L.linear_topk_kl(x, w, ids, lp, target, memory_budget=mem, backend="triton", **kw)
         elif op == "ce":
             res = L.cross_entropy(r(n, v), target, backend="triton", **kw)
         elif op == "lp":

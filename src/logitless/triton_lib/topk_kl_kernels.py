@@ -3,11 +3,13 @@ triton_lib only). The math is ``logitless.formulas.topk_kl``'s; the tile of logi
 program order and the kept/dz tile stores and loads are the fused linear ops' own
 (``gemm``, ``tile_io``, ``ce_math``); the backward's chunk loop is ``launch.chunked_backward``.
 
-Each token's teacher ids come ascending (N, K) int32: a forward program walks its columns
-in order, keeping per row a pointer to the first id at or past its tile, and compares each
-tile with only the ids that fall in it (a loop bounded by the most any row of the tile has:
-about K * BLOCK_V / V, a few at K = 100), instead of all K per element.
+Each token's teacher ids come ascending (N, K) int32, with a table of where each
+vocabulary block's ids start (``id_blocks_kernel``: N x (V / BLOCK_V + 1) int32): a forward
+tile reads two entries per row and compares itself with only the ids that fall in it (a
+loop bounded by the most any row of the tile has: about K * BLOCK_V / V, a few at K = 100),
+instead of all K per element, and with no chain of dependent loads.
 
+    id_blocks_kernel        the table
     topk_forward_kernel     the fused GEMM + online log-sum-exp of the columns OUTSIDE the
                             ids (masked in the tile: exact however much mass the ids hold),
                             z at the ids (written where they are found: each by one
@@ -28,46 +30,47 @@ from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.tile_io import block_tile, load_kept_tile, recomputed_tile, store_dz_tile, store_kept_tile
 
 #: An id past every column (the pointer walk's sentinel).
-_PAST = 2147483647
+_PAST = tl.constexpr(2147483647)
 
 
 @triton.jit
-def first_id_at_or_after(ids_rows, row_ok, K, col, BLOCK_N: tl.constexpr, LOG2K: tl.constexpr):
-    """Per row, the position of the first id >= col in its ascending ids (K if none): a
-    binary search of LOG2K steps (K's bit length)."""
-    lo = tl.zeros((BLOCK_N,), tl.int32)
-    hi = tl.zeros((BLOCK_N,), tl.int32) + K
-    for _ in tl.static_range(LOG2K):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(ids_rows + mid, mask=row_ok & active, other=0)
-        go = active & (v < col)
-        lo = tl.where(go, mid + 1, lo)
-        hi = tl.where(active & (v >= col), mid, hi)
-    return lo
+def id_blocks_kernel(ids_ptr, table_ptr, K, NB, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """table[n, b] = the number of row n's ids below b * BLOCK_V, b in [0, NB]: with ids
+    ascending, the ids in vocabulary block b are ids[n, table[n, b]:table[n, b + 1]].
+    Program (n, j): row n, blocks [j * BLOCK_B, (j + 1) * BLOCK_B)."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bound = offs_b * BLOCK_V
+    count = tl.zeros((BLOCK_B,), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(ids_ptr + n * K + offs_k, mask=offs_k < K, other=_PAST)
+        count += tl.sum((ids[None, :] < bound[:, None]).to(tl.int32), 1)
+    tl.store(table_ptr + n * (NB + 1) + offs_b, count, mask=offs_b <= NB)
 
 
 @triton.jit
 def topk_forward_kernel(
-    x_ptr, w_ptr, b_ptr, target_ptr, ids_ptr, z_ids_ptr,
+    x_ptr, w_ptr, b_ptr, target_ptr, ids_ptr, table_ptr, z_ids_ptr,
     part_max_ptr, part_sum_ptr, part_tgt_ptr, part_max1_ptr, part_sum1_ptr,
     keep_ptr, keep_max_ptr,
     N, V, H, K, stride_xn, stride_xh, stride_wv, stride_wh, stride_keep,
     blocks_per_split, keep_blocks, softcap, inv_temp, splits, group_n,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_HARD: tl.constexpr, HARD_T: tl.constexpr,
     KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, LOG2K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     FLATTEN: tl.constexpr = False, split0=0, W_CHUNK: tl.constexpr = False,
 ):
     """Program (i, j) (``grouped_tile`` order) over tokens [i*BLOCK_N, (i+1)*BLOCK_N) and
     vocabulary split j writes per token the split's running max and sum of exp(a - m) over
     its columns outside the ids (a = z / T), z at the target (HAS_HARD), the max and sum of
     exp(z - m1) over all its columns (HARD_T), and z at each id it holds into z_ids (N, K)
-    (ids ascending per row; an id outside [0, V) is never written). KEEP: for blocks below
+    (ids ascending per row, ``table`` from ``id_blocks_kernel``; an id outside [0, V) is
+    never matched: 0 is written there, or nothing). KEEP: for blocks below
     keep_blocks, e = exp(a - m) (0 at the ids) and m, as ``lce_kernels.forward_stats_kernel``.
     W_CHUNK, split0: that kernel's (a launch over a chunk of W). Traffic: the GEMM's reads,
-    O(N * splits) partials, the ids once per program and split plus once per tile they fall
-    in."""
+    O(N * splits) partials, two table entries per row and tile, each id once."""
     pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
     if W_CHUNK:
         split += split0
@@ -79,6 +82,7 @@ def topk_forward_kernel(
     target = tl.load(target_ptr + offs_n, mask=row_ok, other=-1)
     ids_rows = ids_ptr + offs_n.to(tl.int64) * K
     out_rows = z_ids_ptr + offs_n.to(tl.int64) * K
+    table_rows = table_ptr + offs_n.to(tl.int64) * (tl.cdiv(V, BLOCK_V) + 1)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -88,25 +92,21 @@ def topk_forward_kernel(
 
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
-    ptr = first_id_at_or_after(ids_rows, row_ok, K, first_block * BLOCK_V, BLOCK_N, LOG2K)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v, col_ok, z = block_tile(
             x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
             softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
-        # The ids in this tile: each row's from its pointer on, while below the tile's end.
-        end = tl.minimum((first_block + i + 1) * BLOCK_V, V)
-        nxt = tl.load(ids_rows + ptr, mask=row_ok & (ptr < K), other=_PAST)
-        more = tl.max((nxt < end).to(tl.int32), 0)
-        while more > 0:
-            here = nxt < end
-            hit = (offs_v[None, :] == nxt[:, None]) & here[:, None]
-            tl.store(out_rows + ptr, tl.sum(tl.where(hit, z, 0.0), 1), mask=row_ok & here)
+        # The ids in this tile: each row's ids[start:stop) (``id_blocks_kernel``'s table).
+        start = tl.load(table_rows + first_block + i, mask=row_ok, other=0)
+        stop = tl.load(table_rows + first_block + i + 1, mask=row_ok, other=0)
+        for j in range(0, tl.max(stop - start, 0)):
+            here = start + j < stop
+            nxt = tl.load(ids_rows + start + j, mask=row_ok & here, other=-1)
+            hit = (offs_v[None, :] == nxt[:, None]) & (here[:, None] & col_ok[None, :])
+            tl.store(out_rows + start + j, tl.sum(tl.where(hit, z, 0.0), 1), mask=row_ok & here)
             a = tl.where(hit, float("-inf"), a)
-            ptr += here.to(tl.int32)
-            nxt = tl.load(ids_rows + ptr, mask=row_ok & (ptr < K), other=_PAST)
-            more = tl.max((nxt < end).to(tl.int32), 0)
         m, s, e, m_safe, _ = online_lse_update(a, m, s)
         if KEEP:
             block = first_block + i

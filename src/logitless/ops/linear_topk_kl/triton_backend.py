@@ -41,8 +41,9 @@ _MAX_CAP_RANGE = 80.0
 #: Rows per program of the kept columns' dz pass where it holds z besides r and dz (a
 #: soft-cap or hard labels at T != 1), as linear_log_probs' (registers).
 KEPT_ROWS_WITH_LOG = 32
-#: The patch kernel's rows and ids per step.
+#: The patch kernel's rows and ids per step; the id table's blocks and ids per step.
 PATCH = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
+TABLE = dict(BLOCK_B=128, BLOCK_K=32, num_warps=4)
 
 
 def keep_allowed(dtype: torch.dtype, opts: TopKKLOptions, need_grad: bool) -> bool:
@@ -72,7 +73,11 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
     ids32 = ids.to(torch.int32).contiguous()
     z_ids = torch.zeros(n, k, dtype=torch.float32, device=x.device)
     splits = plan.vocab_splits
-    blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
+    vocab_blocks = cdiv(v, plan.block_v)
+    blocks_per_split = cdiv(vocab_blocks, splits)
+    table = torch.empty(n, vocab_blocks + 1, dtype=torch.int32, device=x.device)
+    launch.run_kernel(K.id_blocks_kernel, (n, cdiv(vocab_blocks + 1, TABLE["BLOCK_B"])), ids32, table, k,
+                      vocab_blocks, BLOCK_V=plan.block_v, **TABLE)
     parts = launch.partials(3 + 2 * hard_t, splits, n, x.device)
     part_max, part_sum, part_tgt = parts[:3]
     part_max1, part_sum1 = (parts[3], parts[4]) if hard_t else (part_max, part_sum)
@@ -90,14 +95,14 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
         launch.run_kernel(
             K.topk_forward_kernel, (row_blocks * launch_splits,),
-            x_op, w_op, bias if bias is not None else x, target, ids32, z_ids,
+            x_op, w_op, bias if bias is not None else x, target, ids32, table, z_ids,
             part_max, part_sum, part_tgt, part_max1, part_sum1, keep_op, keep_max if keep_max is not None else x,
             n, v, h, k, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
             keep.stride(0) if keep is not None else 0,
             blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, launch_splits,
             plan.group_n or row_blocks,
             KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **flags,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h, LOG2K=max(1, k.bit_length()),
+            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
         )
     stats = TopKStats(
