@@ -106,7 +106,8 @@ def _cases(full: bool, nv: bool = False):
     ]
     if not full:
         fused = ("lce-all", "lce-recompute", "llp-entropy", "llp-recompute", "ljsd-0.5", "ljsd-kl",
-                 "llp-topp-search", "lce-fwd", "topk-all", "topk-recompute")  # (the last: the interpreter's bf16 dots give no flat rows)
+                 "llp-topp-search", "lce-fwd",  # (lce-fwd: the interpreter's bf16 dots give no flat rows)
+                 "topk-all", "topk-recompute")
         return ([(label, "bfloat16", "highest", op, kw) for label, op, kw in base]
                 + [(label, "float32", "high", op, kw) for label, op, kw in base if label in fused])
     out = []

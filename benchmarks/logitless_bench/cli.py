@@ -28,6 +28,7 @@ examples:
   python -m logitless_bench --suite models --no-peers --budgets default,logits   # 26 model shapes
   python -m logitless_bench --suite distill --max-minutes 6   # fused linear JSD vs liger, TRL, torch
   python -m logitless_bench --suite rl --max-minutes 5       # token log-probs + entropy (RL) vs torch, verl
+  python -m logitless_bench --suite topk --max-minutes 5     # top-k distillation vs the logits way
   python -m logitless_bench --suite grpo             # one GRPO step of a 1B HF model per LM-head method (-h)
   python -m logitless_bench --suite tp --max-minutes 4   # vocab-parallel CE, one process per GPU
   python -m logitless_bench --suite train            # end-to-end HF training (its options: --suite train -h)
@@ -44,7 +45,8 @@ GPU_BUDGETS, CPU_BUDGETS = "default,logits,64MiB", "default"
 CPU_METHODS = ("logitless", "torch-eager", "logitless-inplace")
 
 #: Suites of --suite; "all" runs lce and ce, the others run only when named.
-SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp", "grpo")
+SUITES = ("lce", "ce", "all", "precision", "models", "distill", "train", "jax", "jax-sharded", "rl", "tp", "grpo",
+          "topk")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +182,11 @@ def _main(argv=None) -> int:
 
         signal.signal(signal.SIGTERM, _on_sigterm)
         return rl.run_cli(args, cpu)
+    if args.suite == "topk":  # top-k distillation: its own runner and shapes (bench/topk.py)
+        from . import topk
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        return topk.run_cli(args, cpu)
     if args.suite == "tp":  # vocab-parallel over one process per GPU: bench/tp.py
         from . import tp
 

@@ -5,6 +5,7 @@
 - ce: ``CeCase`` -- cross-entropy on materialised logits (``CE_CASES``);
 - distill: ``DistillShape`` -- ``DISTILL_SHAPES`` / ``CPU_DISTILL_SHAPES``;
 - rl: ``RLShape`` -- ``RL_SHAPES`` / ``CPU_RL_SHAPES``;
+- topk: ``TopKShape`` -- ``TOPK_SHAPES`` / ``CPU_TOPK_SHAPES``;
 - jax / jax-sharded: ``JaxShape`` -- ``JAX_SHAPES`` / ``CPU_JAX_SHAPES``.
 
 Pure data (no torch, no jax): the JAX suites import it without torch.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = [
-    "LceShape", "CeCase", "DistillShape", "RLShape", "JaxShape",
+    "LceShape", "CeCase", "DistillShape", "RLShape", "TopKShape", "JaxShape",
     "lce_shapes", "ce_cases", "default_names", "known_names", "unmatched", "select",
 ]
 
@@ -145,6 +146,33 @@ RL_SHAPES: tuple[RLShape, ...] = (
 
 #: A smoke case without a GPU (fp32: CPU bf16 matmuls are emulated).
 CPU_RL_SHAPES: tuple[RLShape, ...] = (RLShape("cpu-tiny", 128, 64, 1003, "float32"),)
+
+
+# --- topk: top-k distillation (issue 64's shapes: 8k tokens, K = 20 and 100) ---
+
+@dataclass(frozen=True)
+class TopKShape:
+    """x is (tokens, hidden), weight (vocab, hidden); the teacher's top-``k`` per token."""
+
+    name: str
+    tokens: int
+    hidden: int
+    vocab: int
+    k: int
+    dtype: str = "bfloat16"
+
+    label = property(lambda self: f"{_label(self)} K={self.k}")
+
+
+TOPK_SHAPES: tuple[TopKShape, ...] = (
+    TopKShape("llama3.1-8b-k20", 8192, 4096, 128256, 20),
+    TopKShape("llama3.1-8b-k100", 8192, 4096, 128256, 100),
+    TopKShape("qwen3-8b-k20", 8192, 4096, 151936, 20),
+    TopKShape("qwen3-8b-k100", 8192, 4096, 151936, 100),
+)
+
+#: A smoke case without a GPU (fp32: CPU bf16 matmuls are emulated).
+CPU_TOPK_SHAPES: tuple[TopKShape, ...] = (TopKShape("cpu-tiny", 128, 64, 1003, 20, "float32"),)
 
 
 # --- jax (suites jax, jax-sharded): the tokamax write-up's six, bf16 ---

@@ -35,6 +35,13 @@ split over the ranks, mean generalized JSD, no hard labels:
                            log-softmax from an all-reduced MAX and SUM, the JSD summed over ranks
     logitless-1gpu-jsd     logitless at beta 0.5 on rank 0 with the whole weights
 
+Top-k distillation (chosen with --methods; issue 64): the teacher's top-K ids and log-probs
+(K = TOPK_K, of a random distribution: the same on every rank), the forward KL with a tail
+bucket, mean over tokens:
+
+    logitless-tp-topk      logitless.linear_topk_kl(x, W_r, ids, logp, process_group=pg)
+    logitless-1gpu-topk    the same on rank 0 with the whole weight
+
 Columns: fwd+bwd time (the slowest rank's median) as a ratio of ONE GPU's three cuBLAS
 GEMMs of the whole problem (x W^T, dz W, dz^T x: 3 x the time of x @ W^T on rank 0; the
 distillation rows: four, the teacher's logits too);
@@ -73,6 +80,9 @@ TEMPERATURE = 0.7
 #: The distillation methods (with --methods) and the mixture's beta of the *-jsd rows.
 JSD_METHODS = ("logitless-tp-jsd", "logitless-tp-kl", "logits-tp-jsd", "logitless-1gpu-jsd")
 JSD_BETA = 0.5
+#: The top-k distillation methods (with --methods) and the teacher's K.
+TOPK_METHODS = ("logitless-tp-topk", "logitless-1gpu-topk")
+TOPK_K = 20
 
 
 def jsd_beta(method: str) -> float:
@@ -82,6 +92,8 @@ def jsd_beta(method: str) -> float:
 
 def family(method: str) -> str:
     """"ce", "logp" or "jsd": which loss a method computes (its unit, reference, 1-GPU row)."""
+    if method in TOPK_METHODS:
+        return "topk"
     return "logp" if method in LOGP_METHODS else "jsd" if method in JSD_METHODS else "ce"
 
 
@@ -264,6 +276,29 @@ def _reference_jsd(xs, ws, xt, wt, beta) -> float:
     return total / xs.shape[0]
 
 
+def _topk_teacher(n, v, device, g):
+    """The teacher's top-TOPK_K ids and log-probs of a random distribution (logits N(0, 4)),
+    1024 tokens at a time; the same on every rank (the generator's seed)."""
+    ids = torch.empty(n, TOPK_K, dtype=torch.int64, device=device)
+    lp = torch.empty(n, TOPK_K, dtype=torch.float32, device=device)
+    for n0 in range(0, n, 1024):
+        z = torch.randn(min(1024, n - n0), v, device=device, generator=g) * 2
+        lp[n0:n0 + 1024], ids[n0:n0 + 1024] = torch.log_softmax(z, -1).topk(TOPK_K, -1)
+        del z
+    return ids, lp
+
+
+def _reference_topk(x, w, ids, lp) -> float:
+    """Mean forward KL with a tail bucket in float64, 512 tokens at a time (rank 0)."""
+    from logitless.ops.linear_topk_kl.reference import linear_topk_kl_reference
+
+    total = 0.0
+    for n0 in range(0, x.shape[0], 512):
+        s = slice(n0, n0 + 512)
+        total += linear_topk_kl_reference(x[s], w, ids[s], lp[s], reduction="sum").item()
+    return total / x.shape[0]
+
+
 def _max_over_ranks(value, device):
     t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64, device=device)
     if value is None:
@@ -322,6 +357,11 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
         wt_local = wt[start:start + rows[rank]].clone()
         if rank == 0:
             ref_jsd = {b: _reference_jsd(x, w, xt, wt, b) for b in {jsd_beta(m) for m in methods if family(m) == "jsd"}}
+    ids = lp_topk = None
+    ref_topk = 0.0
+    if "topk" in families:
+        ids, lp_topk = _topk_teacher(n, v, device, g)
+        ref_topk = _reference_topk(x, w, ids, lp_topk) if rank == 0 else 0.0
     # Upstream gradients of the two log-prob outputs (the same on every rank).
     g1 = torch.rand(n, device=device, generator=g)
     g2 = torch.rand(n, device=device, generator=g) * 0.1
@@ -359,6 +399,13 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
             def fn(xg=xg, outputs=outputs):
                 lp, ent = outputs(xg)
                 (lp * g1 + ent * g2).sum().backward()
+        elif method in TOPK_METHODS:
+            one = method == "logitless-1gpu-topk"
+            wg = (w if one else w_local).clone().requires_grad_() if (rank == 0 or not one) else None
+            grads = xg.numel() * xg.element_size() + (wg.numel() * wg.element_size() if wg is not None else 0)
+            if wg is not None:
+                fn = lambda xg=xg, wg=wg, one=one: logitless.linear_topk_kl(  # noqa: E731
+                    xg, wg, ids, lp_topk, process_group=None if one else pg).backward()
         elif method == "logitless-1gpu":
             if rank == 0:
                 wg = w.clone().requires_grad_()
@@ -424,6 +471,10 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
                 with torch.no_grad():
                     if method in JSD_METHODS:
                         loss = _jsd_loss(method, x, wg, xt, wtg, pg)
+                    elif method in TOPK_METHODS:
+                        loss = logitless.linear_topk_kl(x, wg, ids, lp_topk,
+                                                        process_group=None if method.startswith("logitless-1gpu")
+                                                        else pg)
                     elif method.startswith("logitless-tp"):
                         loss = logitless.linear_cross_entropy(x, wg, target, process_group=pg)
                     elif method == "megatron-style":
@@ -460,6 +511,8 @@ def _case(name, n, h, v, dtype, device, pg, warmup, reps, methods, log, deadline
             elif fam == "jsd":
                 r64 = ref_jsd[jsd_beta(method)]
                 res["rel_err_fp64"] = abs(res["loss"] - r64) / abs(r64)
+            elif fam == "topk":
+                res["rel_err_fp64"] = abs(res["loss"] - ref_topk) / abs(ref_topk)
             ref1 = one_gpu.get(fam) if method != "logitless-tp-kl" else None
             if ref1 is not None:
                 res["rel_err_1gpu"] = abs(res["loss"] - ref1) / abs(ref1)
@@ -579,7 +632,7 @@ def run_cli(args, cpu: bool) -> int:
     if args.quick:
         pool = pool[:1]
     methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()] or list(METHODS)
-    known = METHODS + LOGP_METHODS + JSD_METHODS
+    known = METHODS + LOGP_METHODS + JSD_METHODS + TOPK_METHODS
     unknown = [m for m in methods if m not in known]
     if unknown:
         raise SystemExit(f"unknown tp method(s) {unknown}; known: {list(known)}")
