@@ -130,6 +130,23 @@ def test_near_full_mass(backend, dtype, direction):
                                atol=1e-12 if dtype == torch.float64 else 1e-6)
 
 
+def test_triton_retry_pass_is_bitwise_the_fast_one(monkeypatch):
+    """The forward's fast pass compares each tile with a few unrolled id slots; programs with
+    a tile holding more are recomputed by the retry pass (every id, a loop). One slot (almost
+    every program retried) and eight (none): the same bits, loss and gradients."""
+    from logitless.ops.linear_topk_kl import triton_backend
+
+    x, w, b, ids, lp, t = _inputs(n=21, h=20, v=67, k=9, dtype=torch.float32, seed=9, bias=True)
+    results = []
+    for slots in (1, 8):
+        monkeypatch.setattr(triton_backend, "id_slots", lambda k, v, block_v, slots=slots: slots)
+        loss = logitless.linear_topk_kl(x, w, ids, lp, t, bias=b, reduction="none", backend="triton",
+                                        hard_label_weight=0.2, memory_budget=3_000)
+        results.append((loss, *torch.autograd.grad(loss.sum(), (x, w, b))))
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
 @pytest.mark.parametrize("direction,tail", list(itertools.product(DIRECTIONS, TAILS)))
 def test_finite_differences(direction, tail):
     """The new gradients (dense on the tail's columns, sparse at the ids, the hard labels

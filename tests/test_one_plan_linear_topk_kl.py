@@ -26,7 +26,7 @@ from tests.helpers import PassThrough, count_plans
 N, H, V, K = 24, 16, 104, 6
 
 #: The planners a backend's ``plan`` consults (module, attribute): none may run outside it.
-PLANNERS = (("torch_backend", "linear_torch_plan"), ("triton_backend", "linear_plan"))
+PLANNERS = (("torch_backend", "linear_torch_plan"), ("triton_backend", "linear_plan"), ("triton_backend", "id_slots"))
 TRITON_BUDGETS = {"keep": 1 << 30, "partial": 10_000, "recompute": 1}
 
 
@@ -68,7 +68,7 @@ def test_triton_plans_once_per_strategy(counted, strategy, path):
     assert _one_call(counted, "triton", mode=mode, memory_budget=TRITON_BUDGETS[strategy]) == (1, 1, 1)
     if DEVICE.type == "cuda":  # (the budgets are sized for the interpreter's tiles)
         return
-    config = counted["configs"][-1]
+    config = counted["configs"][-1].linear
     cols = config.forward.keep_cols if config.keeps else 0
     assert {"keep": cols >= V, "partial": 0 < cols < V, "recompute": cols == 0}[strategy], config
 

@@ -6,8 +6,9 @@ program order and the kept/dz tile stores and loads are the fused linear ops' ow
 Each token's teacher ids come ascending (N, K) int32, with a table of where each
 vocabulary block's ids start (``id_blocks_kernel``: N x (V / BLOCK_V + 1) int32): a forward
 tile reads two entries per row and compares itself with only the ids that fall in it (a
-loop bounded by the most any row of the tile has: about K * BLOCK_V / V, a few at K = 100),
-instead of all K per element, and with no chain of dependent loads.
+few unrolled slots: about K * BLOCK_V / V ids per row and tile, 0.2 at K = 100 of 128k;
+tiles with more go to a retry pass), instead of all K per element, with no chain of
+dependent loads and no loop in the epilogue.
 
     id_blocks_kernel        the table
     topk_forward_kernel     the fused GEMM + online log-sum-exp of the columns OUTSIDE the
@@ -52,14 +53,14 @@ def id_blocks_kernel(ids_ptr, table_ptr, K, NB, BLOCK_V: tl.constexpr, BLOCK_B: 
 
 @triton.jit
 def topk_forward_kernel(
-    x_ptr, w_ptr, b_ptr, target_ptr, ids_ptr, table_ptr, z_ids_ptr,
+    x_ptr, w_ptr, b_ptr, target_ptr, ids_ptr, table_ptr, z_ids_ptr, flags_ptr,
     part_max_ptr, part_sum_ptr, part_tgt_ptr, part_max1_ptr, part_sum1_ptr,
     keep_ptr, keep_max_ptr,
     N, V, H, K, stride_xn, stride_xh, stride_wv, stride_wh, stride_keep,
-    blocks_per_split, keep_blocks, softcap, inv_temp, splits, group_n,
+    blocks_per_split, keep_blocks, softcap, inv_temp, splits, group_n, total_splits,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_HARD: tl.constexpr, HARD_T: tl.constexpr,
     KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, SLOTS: tl.constexpr,
     FLATTEN: tl.constexpr = False, split0=0, W_CHUNK: tl.constexpr = False,
 ):
     """Program (i, j) (``grouped_tile`` order) over tokens [i*BLOCK_N, (i+1)*BLOCK_N) and
@@ -70,7 +71,14 @@ def topk_forward_kernel(
     never matched: 0 is written there, or nothing). KEEP: for blocks below
     keep_blocks, e = exp(a - m) (0 at the ids) and m, as ``lce_kernels.forward_stats_kernel``.
     W_CHUNK, split0: that kernel's (a launch over a chunk of W). Traffic: the GEMM's reads,
-    O(N * splits) partials, two table entries per row and tile, each id once."""
+    O(N * splits) partials, two table entries per row and tile, each id once.
+
+    SLOTS > 0 (the fast pass): each tile compares itself with the first SLOTS ids of each
+    row that fall in it, unrolled: no loop in the epilogue, so the tile loop stays one
+    flattened, software-pipelined loop (a loop there broke it: 1.4-1.6x a GEMM). A program
+    where some row has more ids in a tile writes 1 into flags[program] (0 otherwise) and
+    its outputs are wrong; SLOTS = 0 (the retry, launched after it): only the programs
+    flagged run, comparing every id in a loop, and overwrite every output of theirs."""
     pid_n, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), splits, group_n)
     if W_CHUNK:
         split += split0
@@ -92,32 +100,51 @@ def topk_forward_kernel(
 
     first_block = split * blocks_per_split
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
+    flag = flags_ptr + pid_n * total_splits + split
+    if SLOTS == 0:  # the retry: only a flagged program's tiles run, and only it writes
+        row_ok &= tl.load(flag) != 0
+        num_blocks = tl.where(tl.load(flag) != 0, num_blocks, 0)
+    most = tl.zeros((BLOCK_N,), tl.int32)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v, col_ok, z = block_tile(
             x_ptr, w_ptr, b_ptr, pid_n, first_block + i, N, V, H, stride_xn, stride_xh, stride_wv, stride_wh,
             softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         a = tl.where(col_ok[None, :], z * inv_temp, float("-inf"))
-        # The ids in this tile: each row's ids[start:stop) (``id_blocks_kernel``'s table).
+        # The ids in this tile: each row's ids[start:start + count) (``id_blocks_kernel``'s table).
         start = tl.load(table_rows + first_block + i, mask=row_ok, other=0)
-        stop = tl.load(table_rows + first_block + i + 1, mask=row_ok, other=0)
-        for j in range(0, tl.max(stop - start, 0)):
-            here = start + j < stop
-            nxt = tl.load(ids_rows + start + j, mask=row_ok & here, other=-1)
-            hit = (offs_v[None, :] == nxt[:, None]) & (here[:, None] & col_ok[None, :])
-            tl.store(out_rows + start + j, tl.sum(tl.where(hit, z, 0.0), 1), mask=row_ok & here)
-            a = tl.where(hit, float("-inf"), a)
+        count = tl.load(table_rows + first_block + i + 1, mask=row_ok, other=0) - start
+        if SLOTS > 0:
+            for j in tl.static_range(SLOTS):
+                here = row_ok & (j < count)
+                nxt = tl.load(ids_rows + start + j, mask=here, other=-1)
+                hit = (offs_v[None, :] == nxt[:, None]) & col_ok[None, :]
+                tl.store(out_rows + start + j, tl.sum(tl.where(hit, z, 0.0), 1), mask=here)
+                a = tl.where(hit, float("-inf"), a)
+        else:
+            for j in range(0, tl.max(count, 0)):
+                here = row_ok & (j < count)
+                nxt = tl.load(ids_rows + start + j, mask=here, other=-1)
+                hit = (offs_v[None, :] == nxt[:, None]) & col_ok[None, :]
+                tl.store(out_rows + start + j, tl.sum(tl.where(hit, z, 0.0), 1), mask=here)
+                a = tl.where(hit, float("-inf"), a)
         m, s, e, m_safe, _ = online_lse_update(a, m, s)
         if KEEP:
             block = first_block + i
             if block < keep_blocks:
                 store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, block, pid_n, offs_n, offs_v, row_ok, col_ok,
                                 N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
+        # After the KEEP stores (as linear_log_probs' token sum): before them, triton 3.6's
+        # TritonGPUFuseNestedLoops failed on KEEP + FLATTEN ("scf.if ... source has 4 operands,
+        # but target successor needs 6"; an sm_90 AOT compile on the CPU).
+        most = tl.maximum(most, count)
         if HAS_HARD:
             z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
         if HARD_T:
             m1, s1, _, _, _ = online_lse_update(tl.where(col_ok[None, :], z, float("-inf")), m1, s1)
 
+    if SLOTS > 0:
+        tl.store(flag, (tl.max(most, 0) > SLOTS).to(tl.int32))
     out = store_partials(part_max_ptr, part_sum_ptr, part_sum_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s,
                          s, z_t, False)
     if HARD_T:

@@ -3,7 +3,7 @@
 Every backend (``TorchBackend``, ``TritonBackend``: one class each, listed in
 ``api.BACKENDS``) is a ``TopKBackend``. Per call, in this order:
 
-    config = backend.plan(x, weight, bias, opts, budget=..., need_grad=...)          # once
+    config = backend.plan(x, weight, bias, opts, budget=..., need_grad=..., k=...)   # once
     out = backend.forward(x, weight, bias, ids, target, opts, config)                # TopKForward
     (loss, coefficients: formulas.topk_kl.token_terms on out.stats)
     dx, dw, db = backend.backward(x, weight, bias, ids, target, opts, rows, coef, sparse, config,
@@ -13,7 +13,7 @@ Every backend (``TorchBackend``, ``TritonBackend``: one class each, listed in
 vocab-parallel rank they are the global ids minus the rank's first row, so some lie
 outside [0, V) (another rank's): a backend matches no column to those, and its ``z_ids``
 hold 0 there (the ranks' values are summed). ``config`` is the backend's frozen Config
-(``TorchConfig``, ``planning.plans.LinearPlan``): the backward gets the forward's, never a
+(``TorchConfig``, ``TritonConfig``): the backward gets the forward's, never a
 new one; it crosses the custom ops as ``backend.codec`` encodes it. The vocab-parallel path
 (``vocab_parallel``) calls the same methods on a rank's rows (``dx_acc``: dx as the fp32
 partial sum).
@@ -30,7 +30,7 @@ from logitless.formulas.topk_kl import TopKStats
 from logitless.ops.common.contract import Backend, Needs
 from logitless.ops.common.glue import Call, Encoded
 from logitless.options import TopKKLOptions, VocabParallelOptions
-from logitless.planning.plans import TorchPlan
+from logitless.planning.plans import LinearPlan, TorchPlan
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,17 @@ class TorchConfig:
 
     forward: TorchPlan
     backward: TorchPlan
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """The Triton backend's: ``linear``, cross-entropy's plan of the call (tiles, splits,
+    kept columns, chunks: ``planning.plans.linear_plan``), and ``slots``, the ids per row and
+    tile the forward's fast pass compares unrolled (a program with a tile holding more is
+    recomputed by its retry pass: ``triton_backend.id_slots``)."""
+
+    linear: LinearPlan
+    slots: int
 
 
 class TopKForward(NamedTuple):
@@ -55,8 +66,9 @@ class TopKBackend(Backend, Protocol):
     """One backend of linear_topk_kl (module docstring)."""
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
-             need_grad: bool, cute: bool = True) -> Any:
-        """The call's Config; ``cute=False``: a fake's (no choice that needs memory)."""
+             need_grad: bool, k: int = 0, cute: bool = True) -> Any:
+        """The call's Config (``k``: the teacher's ids per token); ``cute=False``: a fake's
+        (no choice that needs memory)."""
         ...
 
     def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:

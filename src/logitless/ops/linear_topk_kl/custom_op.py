@@ -86,7 +86,8 @@ def forward(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
                 empty = x.new_empty(0, dtype=cd)
                 stats = TopKStats(empty, x.new_empty((0, k), dtype=cd), empty, empty)
             else:
-                config = impl.plan(x, weight, call.bias, opts, budget=call.budget, need_grad=call.need_grad)  # once
+                config = impl.plan(x, weight, call.bias, opts, budget=call.budget, need_grad=call.need_grad,
+                                   k=k)  # once
                 out = impl.forward(x, weight, call.bias, ids, target, opts, config)
                 stats, kept = out.stats, out.kept
         terms = token_terms(stats, call.teacher_log_probs, ids, target, opts, v, grad=call.need_grad)
@@ -115,7 +116,7 @@ def fake(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
     kept = fake_kept_tensors(x)
     if call.need_grad and not (call.tp.tp_group and isinstance(weight.shape[0], int) and weight.shape[0] == 0):
         kept = fake_kept(x, weight, call.tp.tp_group, call.tp.vocab_size, lambda n, v, h: impl.kept_shapes(
-            impl.plan(x, weight, call.bias, call.opts, budget=call.budget, need_grad=True, cute=False), n))
+            impl.plan(x, weight, call.bias, call.opts, budget=call.budget, need_grad=True, k=k, cute=False), n))
     grad = call.need_grad
     return TopKOutputs(loss, x.new_empty(n, dtype=cd), x.new_empty((2, n), dtype=cd),
                        x.new_empty((3, n) if grad else (0,), dtype=cd),

@@ -11,14 +11,16 @@ backward (2 GEMMs + 1 per recomputed column): the kept columns become the dense 
          (``topk_dlogits_kernel``); in each chunk ``topk_patch_kernel`` writes the values at
          the ids; then dW, db and dx of the chunk as cross-entropy's
          (``triton_lib.launch.chunked_backward``).
-One plan per call: ``planning.plans.linear_plan`` (cross-entropy's tiles, splits, kept
-columns and chunks under the budget rule), made by the forward custom op and followed by
-the backward. No CuTe forward (its kernel has no id mask). No (N, V) tensor unless the
-budget allows it; no atomics; no host syncs.
+One plan per call (``contract.TritonConfig``): ``planning.plans.linear_plan`` (cross-entropy's
+tiles, splits, kept columns and chunks under the budget rule) and the forward's id slots
+(``id_slots``), made by the forward custom op and followed by the backward. No CuTe
+forward (its kernel has no id mask). No (N, V) tensor unless the budget allows it; no
+atomics; no host syncs.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -28,12 +30,12 @@ from logitless.formulas.common import merge_splits
 from logitless.formulas.topk_kl import TopKStats
 from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import TopKKLOptions
-from logitless.planning.plans import LinearPlan, linear_plan
+from logitless.planning.plans import linear_plan
 from logitless.triton_lib import launch
 from logitless.triton_lib import topk_kl_kernels as K
 from logitless.triton_lib.launch import cdiv
 
-from .contract import TopKForward
+from .contract import TopKForward, TritonConfig
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -57,6 +59,33 @@ def keep_allowed(dtype: torch.dtype, opts: TopKKLOptions, need_grad: bool) -> bo
     return not (opts.softcap is not None and 2.0 * opts.softcap / opts.temperature > _MAX_CAP_RANGE)
 
 
+#: The fast pass's slot counts and the share of (row, tile) pairs allowed to hold more ids
+#: than the slots under uniformly spread ids (a program of ~2000 such pairs then goes to
+#: the retry with a probability of ~20% at most).
+SLOTS = (1, 2, 3, 4, 6, 8)
+OVERFLOW = 1e-4
+
+
+def id_slots(k: int, v: int, block_v: int) -> int:
+    """The forward's unrolled id slots per row and tile: the fewest of ``SLOTS`` that a
+    tile of ``block_v`` columns overflows with probability <= ``OVERFLOW`` when K ids are
+    spread uniformly over V columns (Poisson, mean K block_v / V: 0.04 at K = 20 of
+    128256, 2 slots; 0.2 at K = 100, 3 slots); each slot costs about four passes over the
+    tile in the epilogue. Ids that cluster (a teacher's top-k among frequent tokens) send
+    more programs to the retry pass: correct, slower."""
+    lam = k * block_v / max(v, 1)
+    term = math.exp(-lam)
+    cdf, j = term, 0
+    for slots in SLOTS:
+        while j < slots:
+            j += 1
+            term *= lam / j
+            cdf += term
+        if 1.0 - cdf <= OVERFLOW:
+            return slots
+    return SLOTS[-1]
+
+
 def _flags(bias, opts: TopKKLOptions, dtype, prerounded=False):
     return dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, HAS_HARD=opts.hard,
                 HARD_T=opts.hard_at_other_temperature,
@@ -64,8 +93,9 @@ def _flags(bias, opts: TopKKLOptions, dtype, prerounded=False):
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor, opts: TopKKLOptions,
-            config: LinearPlan) -> TopKForward:
-    plan = config.forward
+            config: TritonConfig) -> TopKForward:
+    linear = config.linear
+    plan = linear.forward
     n, h = x.shape
     v = weight.shape[0]
     k = ids.shape[1]
@@ -81,7 +111,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
     parts = launch.partials(3 + 2 * hard_t, splits, n, x.device)
     part_max, part_sum, part_tgt = parts[:3]
     part_max1, part_sum1 = (parts[3], parts[4]) if hard_t else (part_max, part_sum)
-    keep_cols = plan.keep_cols if config.keeps else 0
+    keep_cols = plan.keep_cols if linear.keeps else 0
     keep_blocks = cdiv(keep_cols, plan.block_v)
     prerounded = launch.runs_prerounded(plan, x.dtype)
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded)
@@ -91,20 +121,23 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
         keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, opts, x.dtype, prerounded)
+    overflow = torch.empty(row_blocks * splits, dtype=torch.int32, device=x.device)  # (the fast pass writes each)
     for step in steps:
         x_op, w_op, xr, w_rows, launch_splits, extra = step()
-        launch.run_kernel(
-            K.topk_forward_kernel, (row_blocks * launch_splits,),
-            x_op, w_op, bias if bias is not None else x, target, ids32, table, z_ids,
-            part_max, part_sum, part_tgt, part_max1, part_sum1, keep_op, keep_max if keep_max is not None else x,
-            n, v, h, k, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
-            keep.stride(0) if keep is not None else 0,
-            blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, launch_splits,
-            plan.group_n or row_blocks,
-            KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **flags,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
-        )
+        # the fast pass (config.slots unrolled), then the retry of the programs it flagged (a loop)
+        for slots, flatten in ((config.slots, plan.flatten), (0, False)):
+            launch.run_kernel(
+                K.topk_forward_kernel, (row_blocks * launch_splits,),
+                x_op, w_op, bias if bias is not None else x, target, ids32, table, z_ids, overflow,
+                part_max, part_sum, part_tgt, part_max1, part_sum1, keep_op, keep_max if keep_max is not None else x,
+                n, v, h, k, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
+                keep.stride(0) if keep is not None else 0,
+                blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, launch_splits,
+                plan.group_n or row_blocks, splits,
+                KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=flatten, **flags,
+                BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h, SLOTS=slots,
+                num_warps=plan.num_warps, num_stages=plan.num_stages, **extra,
+            )
     stats = TopKStats(
         lse_tail=merge_splits(part_max, part_sum),
         z_ids=z_ids,
@@ -115,10 +148,10 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor, opts: TopKKLOptions,
-             rows: Tensor, coef: Tensor, sparse: Tensor, config: LinearPlan, *, kept, need_dx: bool, need_dw: bool,
+             rows: Tensor, coef: Tensor, sparse: Tensor, config: TritonConfig, *, kept, need_dx: bool, need_dw: bool,
              need_db: bool, dx_acc: bool = False):
     n = x.shape[0]
-    plan = config.forward if kept is not None else config.backward
+    plan = config.linear.forward if kept is not None else config.linear.backward
     rows, coef = rows.float().contiguous(), coef.float().contiguous()
     sparse = sparse.float().contiguous()
     prerounded = launch.runs_prerounded(plan, x.dtype)
@@ -140,30 +173,33 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, tar
 
 
 class TritonBackend(TritonKind):
-    """backend="triton" (``contract.TopKBackend``): its Config is the call's
-    ``planning.plans.LinearPlan`` (tiles, splits, kept columns, chunks)."""
+    """backend="triton" (``contract.TopKBackend``): its Config (``contract.TritonConfig``)
+    is the call's ``planning.plans.LinearPlan`` (tiles, splits, kept columns, chunks) and
+    the forward's id slots."""
 
-    codec = ConfigCodec(LinearPlan)
+    codec = ConfigCodec(TritonConfig)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
-             need_grad: bool, cute: bool = True) -> LinearPlan:
+             need_grad: bool, k: int = 0, cute: bool = True) -> TritonConfig:
         n, h = x.shape
-        return linear_plan(n, weight.shape[0], h, x.element_size(), budget, x.device,
-                           keep_allowed=keep_allowed(x.dtype, opts, need_grad),
-                           prerounded=launch.tf32_prerounded(x.dtype))
+        v = weight.shape[0]
+        linear = linear_plan(n, v, h, x.element_size(), budget, x.device,
+                             keep_allowed=keep_allowed(x.dtype, opts, need_grad),
+                             prerounded=launch.tf32_prerounded(x.dtype))
+        return TritonConfig(linear, id_slots(k, v, linear.forward.block_v))
 
     @staticmethod
-    def kept_shapes(config: Optional[LinearPlan], n: int):
-        if config is None or not config.keeps:
+    def kept_shapes(config: Optional[TritonConfig], n: int):
+        if config is None or not config.linear.keeps:
             return None
-        return launch.kept_shapes_of(config.forward, n)
+        return launch.kept_shapes_of(config.linear.forward, n)
 
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor,
-                opts: TopKKLOptions, config: LinearPlan) -> TopKForward:
+                opts: TopKKLOptions, config: TritonConfig) -> TopKForward:
         return forward(x, weight, bias, ids, target, opts, config)
 
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor,
-                 opts: TopKKLOptions, rows: Tensor, coef: Tensor, sparse: Tensor, config: LinearPlan, *, kept=None,
+                 opts: TopKKLOptions, rows: Tensor, coef: Tensor, sparse: Tensor, config: TritonConfig, *, kept=None,
                  need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
         return backward(x, weight, bias, ids, target, opts, rows, coef, sparse, config, kept=kept, need_dx=need_dx,
                         need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)

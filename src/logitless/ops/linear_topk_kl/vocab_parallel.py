@@ -54,7 +54,7 @@ def forward(impl, call):
         local = TopKStats(none, torch.zeros(n, k, dtype=sd, device=x.device), zero if opts.hard else None,
                           none if opts.hard_at_other_temperature else None)
     else:
-        config = impl.plan(x, w, b, opts, budget=call.budget, need_grad=call.need_grad)  # once
+        config = impl.plan(x, w, b, opts, budget=call.budget, need_grad=call.need_grad, k=k)  # once
         out = impl.forward(x, w, b, ids - shard.start, shard.local_target(target), opts, config)
         local, kept = out.stats, out.kept
     lses = [local.lse_tail.to(sd)] + ([local.lse1.to(sd)] if opts.hard_at_other_temperature else [])
