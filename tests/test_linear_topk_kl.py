@@ -139,7 +139,7 @@ def test_triton_retry_pass_is_bitwise_the_fast_one(monkeypatch):
     x, w, b, ids, lp, t = _inputs(n=21, h=20, v=67, k=9, dtype=torch.float32, seed=9, bias=True)
     results = []
     for slots in (1, 8):
-        monkeypatch.setattr(triton_backend, "id_slots", lambda k, v, block_v, slots=slots: slots)
+        monkeypatch.setattr(triton_backend, "id_slots", lambda *shape, slots=slots: slots)
         loss = logitless.linear_topk_kl(x, w, ids, lp, t, bias=b, reduction="none", backend="triton",
                                         hard_label_weight=0.2, memory_budget=3_000)
         results.append((loss, *torch.autograd.grad(loss.sum(), (x, w, b))))

@@ -35,20 +35,18 @@ _PAST = tl.constexpr(2147483647)
 
 
 @triton.jit
-def id_blocks_kernel(ids_ptr, table_ptr, K, NB, BLOCK_V: tl.constexpr, BLOCK_B: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def id_blocks_kernel(ids_ptr, table_ptr, K, NB, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BINS: tl.constexpr):
     """table[n, b] = the number of row n's ids below b * BLOCK_V, b in [0, NB]: with ids
     ascending, the ids in vocabulary block b are ids[n, table[n, b]:table[n, b + 1]].
-    Program (n, j): row n, blocks [j * BLOCK_B, (j + 1) * BLOCK_B)."""
+    Program n: row n, its K <= BLOCK_K ids counted into BINS > NB + 1 bins by the first
+    entry they are below (a histogram), the table their running sum."""
     n = tl.program_id(0).to(tl.int64)
-    offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    bound = offs_b * BLOCK_V
-    count = tl.zeros((BLOCK_B,), tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(ids_ptr + n * K + offs_k, mask=offs_k < K, other=_PAST)
-        count += tl.sum((ids[None, :] < bound[:, None]).to(tl.int32), 1)
-    tl.store(table_ptr + n * (NB + 1) + offs_b, count, mask=offs_b <= NB)
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.load(ids_ptr + n * K + offs_k, mask=offs_k < K, other=_PAST)
+    first = tl.minimum(tl.where(ids < 0, 0, ids // BLOCK_V + 1), BINS - 1)  # (padding: the last bin, unread)
+    table = tl.cumsum(tl.histogram(first, BINS), 0)
+    offs_b = tl.arange(0, BINS)
+    tl.store(table_ptr + n * (NB + 1) + offs_b, table, mask=offs_b <= NB)
 
 
 @triton.jit

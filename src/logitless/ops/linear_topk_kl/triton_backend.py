@@ -24,6 +24,7 @@ import math
 from typing import Optional
 
 import torch
+import triton
 from torch import Tensor
 
 from logitless.formulas.common import merge_splits
@@ -43,9 +44,8 @@ _MAX_CAP_RANGE = 80.0
 #: Rows per program of the kept columns' dz pass where it holds z besides r and dz (a
 #: soft-cap or hard labels at T != 1), as linear_log_probs' (registers).
 KEPT_ROWS_WITH_LOG = 32
-#: The patch kernel's rows and ids per step; the id table's blocks and ids per step.
+#: The patch kernel's rows and ids per step.
 PATCH = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
-TABLE = dict(BLOCK_B=128, BLOCK_K=32, num_warps=4)
 
 
 def keep_allowed(dtype: torch.dtype, opts: TopKKLOptions, need_grad: bool) -> bool:
@@ -59,31 +59,39 @@ def keep_allowed(dtype: torch.dtype, opts: TopKKLOptions, need_grad: bool) -> bo
     return not (opts.softcap is not None and 2.0 * opts.softcap / opts.temperature > _MAX_CAP_RANGE)
 
 
-#: The fast pass's slot counts and the share of (row, tile) pairs allowed to hold more ids
-#: than the slots under uniformly spread ids (a program of ~2000 such pairs then goes to
-#: the retry with a probability of ~20% at most).
-SLOTS = (1, 2, 3, 4, 6, 8)
-OVERFLOW = 1e-4
+#: The forward's id slots per row and tile it may unroll, and the cost model that picks one
+#: (``id_slots``), in shares of a forward: each slot ~1.1% (about four passes over the tile
+#: in the epilogue), a program sent to the retry pass ~2.5x its share (its fast pass is
+#: wasted and the loop kernel is not software-pipelined). Measured on an H100: K = 100 of
+#: 128256 with 3 slots sent ~10% of the programs to the retry: forward 1.47x a GEMM
+#: against 1.15x at K = 20 with 2 (docs/design.md, "Top-k distillation").
+SLOTS = (1, 2, 3, 4, 5, 6, 8)
+SLOT_COST = 0.011
+RETRY_COST = 2.5
 
 
-def id_slots(k: int, v: int, block_v: int) -> int:
-    """The forward's unrolled id slots per row and tile: the fewest of ``SLOTS`` that a
-    tile of ``block_v`` columns overflows with probability <= ``OVERFLOW`` when K ids are
-    spread uniformly over V columns (Poisson, mean K block_v / V: 0.04 at K = 20 of
-    128256, 2 slots; 0.2 at K = 100, 3 slots); each slot costs about four passes over the
-    tile in the epilogue. Ids that cluster (a teacher's top-k among frequent tokens) send
-    more programs to the retry pass: correct, slower."""
+def id_slots(k: int, v: int, block_n: int, block_v: int, blocks_per_split: int) -> int:
+    """The forward's unrolled id slots per row and tile: the count of ``SLOTS`` with the least
+    predicted cost, slots x SLOT_COST + the share of programs retried x RETRY_COST, when K
+    ids are spread uniformly over V columns (Poisson, mean K block_v / V per row and tile;
+    a program covers block_n rows x blocks_per_split tiles). 3 at K = 20 of 128256, 4 at
+    K = 100. Ids that cluster (a teacher's top-k among frequent tokens) send more programs
+    to the retry pass: correct, slower."""
     lam = k * block_v / max(v, 1)
-    term = math.exp(-lam)
-    cdf, j = term, 0
+    pairs = block_n * blocks_per_split
+    best, best_cost = SLOTS[-1], math.inf
+    term = cdf = math.exp(-lam)
+    j = 0
     for slots in SLOTS:
         while j < slots:
             j += 1
             term *= lam / j
             cdf += term
-        if 1.0 - cdf <= OVERFLOW:
-            return slots
-    return SLOTS[-1]
+        retried = 1.0 - (1.0 - max(0.0, 1.0 - cdf)) ** pairs
+        cost = slots * SLOT_COST + retried * RETRY_COST
+        if cost < best_cost:
+            best, best_cost = slots, cost
+    return best
 
 
 def _flags(bias, opts: TopKKLOptions, dtype, prerounded=False):
@@ -106,8 +114,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
     vocab_blocks = cdiv(v, plan.block_v)
     blocks_per_split = cdiv(vocab_blocks, splits)
     table = torch.empty(n, vocab_blocks + 1, dtype=torch.int32, device=x.device)
-    launch.run_kernel(K.id_blocks_kernel, (n, cdiv(vocab_blocks + 1, TABLE["BLOCK_B"])), ids32, table, k,
-                      vocab_blocks, BLOCK_V=plan.block_v, **TABLE)
+    launch.run_kernel(K.id_blocks_kernel, (n,), ids32, table, k, vocab_blocks, BLOCK_V=plan.block_v,
+                      BLOCK_K=triton.next_power_of_2(max(k, 1)), BINS=triton.next_power_of_2(vocab_blocks + 2),
+                      num_warps=4)
     parts = launch.partials(3 + 2 * hard_t, splits, n, x.device)
     part_max, part_sum, part_tgt = parts[:3]
     part_max1, part_sum1 = (parts[3], parts[4]) if hard_t else (part_max, part_sum)
@@ -186,7 +195,9 @@ class TritonBackend(TritonKind):
         linear = linear_plan(n, v, h, x.element_size(), budget, x.device,
                              keep_allowed=keep_allowed(x.dtype, opts, need_grad),
                              prerounded=launch.tf32_prerounded(x.dtype))
-        return TritonConfig(linear, id_slots(k, v, linear.forward.block_v))
+        tiles = linear.forward
+        per_split = cdiv(cdiv(v, tiles.block_v), tiles.vocab_splits)
+        return TritonConfig(linear, id_slots(k, v, tiles.block_n, tiles.block_v, per_split))
 
     @staticmethod
     def kept_shapes(config: Optional[TritonConfig], n: int):
