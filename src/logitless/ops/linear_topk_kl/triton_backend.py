@@ -60,13 +60,12 @@ def keep_allowed(dtype: torch.dtype, opts: TopKKLOptions, need_grad: bool) -> bo
 
 
 #: The forward's id slots per row and tile it may unroll, and the cost model that picks one
-#: (``id_slots``), in shares of a forward: each slot ~1.1% (about four passes over the tile
-#: in the epilogue), a program sent to the retry pass ~2.5x its share (its fast pass is
-#: wasted and the loop kernel is not software-pipelined). Measured on an H100: K = 100 of
-#: 128256 with 3 slots sent ~10% of the programs to the retry: forward 1.47x a GEMM
-#: against 1.15x at K = 20 with 2 (docs/design.md, "Top-k distillation").
-SLOTS = (1, 2, 3, 4, 5, 6, 8)
-SLOT_COST = 0.011
+#: (``id_slots``), in shares of a forward, from H100 runs at 8192 x 4096 x 128256 / 151936
+#: (docs/design.md, "Top-k distillation"): a slot ~5% (its passes over the tile and the
+#: registers they take: 4 slots spilled, 1.46-1.89x a GEMM), a program sent to the retry
+#: pass ~2.5x its share (its fast pass is wasted, the loop kernel is not pipelined).
+SLOTS = (1, 2, 3)
+SLOT_COST = 0.05
 RETRY_COST = 2.5
 
 
@@ -74,8 +73,8 @@ def id_slots(k: int, v: int, block_n: int, block_v: int, blocks_per_split: int) 
     """The forward's unrolled id slots per row and tile: the count of ``SLOTS`` with the least
     predicted cost, slots x SLOT_COST + the share of programs retried x RETRY_COST, when K
     ids are spread uniformly over V columns (Poisson, mean K block_v / V per row and tile;
-    a program covers block_n rows x blocks_per_split tiles). 3 at K = 20 of 128256, 4 at
-    K = 100. Ids that cluster (a teacher's top-k among frequent tokens) send more programs
+    a program covers block_n rows x blocks_per_split tiles). 2 at K = 20 of 128256 (2% of the
+    programs retried), 3 at K = 100 (~10%). Ids that cluster (a teacher's top-k among frequent tokens) send more programs
     to the retry pass: correct, slower."""
     lam = k * block_v / max(v, 1)
     pairs = block_n * blocks_per_split
