@@ -1,5 +1,7 @@
-"""Drop-in for verl's fused linear cross-entropy (``verl.utils.kernel.linear_cross_entropy``,
-verl 0.9.1): the same signature and outputs, computed by ``logitless.linear_log_probs``.
+"""Drop-ins for verl: its fused linear cross-entropy (``verl.utils.kernel.linear_cross_entropy``,
+verl 0.9.1), the same signature and outputs, computed by ``logitless.linear_log_probs``;
+and its top-k distillation loss (``compute_forward_kl_topk``, at the end of this module),
+from hidden states instead of logits, by ``logitless.linear_topk_kl``.
 
 Swap in verl::
 
@@ -107,3 +109,64 @@ def _extras(top_k, top_p, min_p, batch_invariant) -> dict:
     if batch_invariant:
         out["batch_invariant"] = batch_invariant
     return out
+
+
+# --------------------------------------------------------------------------- top-k distillation
+
+
+def compute_forward_kl_topk(hidden_states: Tensor, weight: Tensor, teacher_topk_log_probs: Tensor,
+                            teacher_topk_ids: Tensor, config=None, data_format: str = "thd", *,
+                            temperature: float = 1.0, tail: str = "none", dist_process_group=None) -> dict:
+    """verl's on-policy distillation loss ``compute_forward_kl_topk(student_logits,
+    teacher_topk_log_probs, teacher_topk_ids, config, data_format)``
+    (``verl.trainer.distillation.fsdp.losses``) from the student's last hidden states and
+    LM-head weight instead of its logits, by ``logitless.linear_topk_kl`` (no
+    tokens x vocab tensor, forward or backward).
+
+    verl's loss per token is sum_i p_i (log p_i - log q_i) over the teacher's top-k ids,
+    p the teacher's probabilities (its log-probs as given), q the student's softmax:
+    ``tail="none"`` (the default here, verl's). ``tail="bucket"`` gives the tail-bin form of
+    verl's RFC (``forward_kl_topk_tail``: the mass outside the top-k as one more bin, 1 - Q
+    from the student's logits outside the ids, exact), ``"renormalize"`` the renormalised one.
+
+    Args:
+        hidden_states: (..., H) the student's last hidden states, the positions of
+            ``student_logits`` (verl's FSDP path: (1, total_nnz, H), THD).
+        weight: (V, H) the student's LM-head weight (this rank's rows with
+            ``dist_process_group``: a vocabulary-parallel head; the loss is then the full
+            vocabulary's and hidden's gradient the full one).
+        teacher_topk_log_probs, teacher_topk_ids: (..., K) as verl passes them (nested
+            jagged tensors are flattened to (1, total_nnz, K), as verl does).
+        config: verl's ``DistillationConfig`` (or None). Its
+            ``distillation_loss.log_prob_min_clamp`` must be None (verl's default is -10):
+            logitless does not clamp the log-probs (its log q is exact and its gradient flows
+            at every id; verl's clamp changes both where a log-prob is below it), and says so
+            with a ValueError. ``loss_max_clamp`` is applied by verl's caller, as before.
+        data_format: verl's ("thd" or "bshd"); the positions follow hidden_states'.
+        temperature: the student's logits are divided by it (verl's distillation uses 1).
+
+    Returns:
+        ``{"distillation_losses": (...) fp32 per token, "teacher_mass": (...) P per token}``.
+        Not computed (they need the student's logits or top-k): verl's diagnostics
+        ``student_mass``, ``overlap_count``, ``overlap_token_advantage``.
+    """
+    import torch
+
+    from logitless.ops.linear_topk_kl import linear_topk_kl
+
+    if getattr(teacher_topk_log_probs, "is_nested", False):
+        teacher_topk_log_probs = teacher_topk_log_probs.values().unsqueeze(0)
+    if getattr(teacher_topk_ids, "is_nested", False):
+        teacher_topk_ids = teacher_topk_ids.values().unsqueeze(0)
+    clamp = getattr(getattr(config, "distillation_loss", None), "log_prob_min_clamp", None)
+    if clamp is not None:
+        raise ValueError(
+            f"distillation_loss.log_prob_min_clamp={clamp}: logitless computes the student's log-probs exactly "
+            "(their gradient flows at every id) and does not clamp them; set distillation.distillation_loss."
+            "log_prob_min_clamp=null to use logitless.integrations.verl.compute_forward_kl_topk")
+    lp = teacher_topk_log_probs.float()
+    losses = linear_topk_kl(hidden_states, weight, teacher_topk_ids, lp, direction="forward", tail=tail,
+                            temperature=temperature, reduction="none", process_group=dist_process_group)
+    with torch.no_grad():
+        teacher_mass = lp.exp().sum(dim=-1)
+    return {"distillation_losses": losses, "teacher_mass": teacher_mass}

@@ -54,6 +54,7 @@ linear_jsd: recompute or grad-in-forward           ``linear_jsd_strategy``      
   their predicted times and memory                 ``choose_jsd``                  ops/linear_jsd/cost_model.py
 linear_jsd, PyTorch: weight columns per step       ``_vocab_step``                 ops/linear_jsd/torch_backend.py
 truncated linear_log_probs: rows per step          ``thresholds``                  ops/linear_log_probs/truncation.py
+linear_topk_kl: the forward's unrolled id slots    ``id_slots``                    ops/linear_topk_kl/triton_backend.py
 truncated log-probs: threshold pass splits         ``splits_for``                  triton_lib/log_probs_candidates.py
 Helion kernels' configs; their dz chunk            ``pick``; ``vocab_chunk``       helion_lib/{configs,grad_kernels}.py
 JAX: xla / triton backends' chunks and tiles       ``xla_plan``, ``triton_plan``   jax/planning.py

@@ -73,9 +73,9 @@ def id_slots(k: int, v: int, block_n: int, block_v: int, blocks_per_split: int) 
     """The forward's unrolled id slots per row and tile: the count of ``SLOTS`` with the least
     predicted cost, slots x SLOT_COST + the share of programs retried x RETRY_COST, when K
     ids are spread uniformly over V columns (Poisson, mean K block_v / V per row and tile;
-    a program covers block_n rows x blocks_per_split tiles). 2 at K = 20 of 128256 (2% of the
-    programs retried), 3 at K = 100 (~10%). Ids that cluster (a teacher's top-k among frequent tokens) send more programs
-    to the retry pass: correct, slower."""
+    a program covers block_n rows x blocks_per_split tiles). 2 at K = 20 of 128256 (2% of
+    the programs retried), 3 at K = 100 (~10%). Ids that cluster (a teacher's top-k among
+    frequent tokens) send more programs to the retry pass: correct, slower."""
     lam = k * block_v / max(v, 1)
     pairs = block_n * blocks_per_split
     best, best_cost = SLOTS[-1], math.inf
