@@ -9,4 +9,5 @@ gradient line the kernels evaluate.
     common         compute dtype, soft-cap, reductions, merge of split statistics
     cross_entropy  cross-entropy with label smoothing, class weights and z-loss
     jsd            generalized Jensen-Shannon distillation
+    topk_kl        top-k distillation: KL over a teacher's top-k ids, their tail
 """
