@@ -223,6 +223,57 @@ class LogProbOptions(_Args):
         )
 
 
+#: ``linear_topk_kl``'s directions and tails (``formulas.topk_kl``).
+TOPK_DIRECTIONS = ("forward", "reverse")
+TOPK_TAILS = ("bucket", "renormalize", "none")
+
+
+@dataclass(frozen=True)
+class TopKKLOptions(_Args):
+    """The options that change the top-k distillation math (``formulas.topk_kl``):
+    the direction (forward KL(p || q) or reverse KL(q || p)), what happens to the mass
+    outside the teacher's top-k (``tail``), the student's temperature and soft-cap, the
+    hard-label cross-entropy's weight, ignored targets and the reduction."""
+
+    direction: str = "forward"
+    tail: str = "bucket"
+    temperature: float = 1.0
+    ignore_index: int = -100
+    reduction: str = "mean"
+    hard_label_weight: float = 0.0
+    softcap: Optional[float] = None
+
+    @property
+    def hard(self) -> bool:
+        """The hard-label cross-entropy term is on."""
+        return self.hard_label_weight != 0.0
+
+    @property
+    def hard_at_other_temperature(self) -> bool:
+        """The hard-label term needs the log-sum-exp at temperature 1 besides the one at T."""
+        return self.hard and self.temperature != 1.0
+
+    @classmethod
+    def checked(cls, *, direction: str = "forward", tail: str = "bucket", temperature: float = 1.0,
+                ignore_index: int = -100, reduction: str = "mean", hard_label_weight: float = 0.0,
+                softcap: Optional[float] = None) -> TopKKLOptions:
+        if direction not in TOPK_DIRECTIONS:
+            raise ValueError(f"direction must be one of {TOPK_DIRECTIONS}, got {direction!r}")
+        if tail not in TOPK_TAILS:
+            raise ValueError(f"tail must be one of {TOPK_TAILS}, got {tail!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        return cls(
+            direction=direction,
+            tail=tail,
+            temperature=check_positive("temperature", temperature),
+            ignore_index=check_ignore_index(ignore_index),
+            reduction=check_reduction(reduction),
+            hard_label_weight=check_non_negative("hard_label_weight", hard_label_weight),
+            softcap=check_softcap("softcap", softcap),
+        )
+
+
 @dataclass(frozen=True)
 class VocabParallelOptions(_Args):
     """How an op's LM head is split over the vocabulary (``logitless.distributed``).
@@ -243,7 +294,7 @@ class VocabParallelOptions(_Args):
         return self.tp_group != ""
 
 
-for _cls in (CrossEntropyOptions, JSDOptions, LogProbOptions, VocabParallelOptions):
+for _cls in (CrossEntropyOptions, JSDOptions, LogProbOptions, TopKKLOptions, VocabParallelOptions):
     _field_names(_cls)
 del _cls
 
