@@ -20,13 +20,17 @@ which CPUs and TPUs get).
 from .budget import default_memory_budget
 from .formulas.cross_entropy import LossStats
 from .ops.linear_cross_entropy.api import linear_cross_entropy, linear_softmax_cross_entropy_loss
+from .ops.linear_jsd.api import linear_jsd
 from .ops.linear_log_probs.api import linear_log_probs
+from .ops.linear_topk_kl.api import linear_topk_kl
 from .planning import DEFAULT_MEMORY_BUDGET
 
 __all__ = [
     "linear_cross_entropy",
     "linear_softmax_cross_entropy_loss",
     "linear_log_probs",
+    "linear_jsd",
+    "linear_topk_kl",
     "LossStats",
     "DEFAULT_MEMORY_BUDGET",
     "default_memory_budget",
