@@ -154,6 +154,15 @@ def test_vmap_matches_a_loop():
                                np.asarray([f(xs[i], xt[i], t[i]) for i in range(3)]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_triton_recomputes_the_columns_not_kept(layout):
+    """The PyTorch op's two-head dz kernel (Triton's interpreter on a CPU) on the columns
+    the forward did not keep (256 of 601), in chunks of its tiles."""
+    pytest.importorskip("triton", reason="the triton backend needs the triton package (its interpreter here)")
+    kw = dict(beta=0.0, temperature=1.5, hard_label_weight=0.4, reduction="sum")
+    check(*heads(**KEEP_SHAPE), "float32", kw, budget=BUDGETS["keep_some"], layout=layout, implementation="triton")
+
+
 @pytest.mark.parametrize("impl", ["mosaic_gpu", "mosaic_tpu"])
 def test_mosaic_kinds_refuse_with_a_reason(impl):
     xs, ws, xt, wt, t = heads(dtype="bfloat16")
