@@ -17,12 +17,15 @@ from jax.sharding import PartitionSpec as P
 
 from logitless.jax import linear_jsd
 from logitless.jax.ops.linear_jsd.reference import linear_jsd_ref
+from logitless.jax.planning import ROW_BYTES_PER_ELEM
 
 from .helpers import DATA, MODEL, assert_close_to_ref, assert_matches_finite_differences, make_mesh, needs_devices, put
 
-#: Budgets at the shape KEEP_SHAPE: every column kept, 256 of 601, none (``test_the_plans``).
-BUDGETS = {"keep_all": 1 << 22, "keep_some": 95_000, "recompute": 50_000}
 KEEP_SHAPE = dict(n=12, hs=20, ht=28, v=601)
+#: A forward chunk of 8 rows of both heads at KEEP_SHAPE (``planning.rows_plan``).
+_CHUNK = 8 * 2 * ROW_BYTES_PER_ELEM * 601
+#: Budgets at KEEP_SHAPE: every column kept, 256 of 601, none (``test_the_plans``).
+BUDGETS = {"keep_all": 1 << 22, "keep_some": _CHUNK + 300 * 12 * 4, "recompute": _CHUNK - 1000}
 
 
 def heads(n=12, hs=20, ht=28, v=37, dtype="float32", seed=0, lead=None, ignore=(3,)):

@@ -73,9 +73,13 @@ def xla_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: in
     return XlaPlan(token_chunk=max(1, n), vocab_chunk=max(1, v))
 
 
-#: Bytes per element of a forward row chunk, per head: its fp32 logits and one fp32
-#: temporary of the statistics' fusions.
-ROW_BYTES_PER_ELEM = 8
+#: Bytes per element of a forward row chunk and fp32 array: an op's chunk holds ``arrays``
+#: of them (linear_jsd: both heads' logits; linear_topk_kl: the logits and their copy
+#: masked at the ids). XLA's compiled temporaries of the differentiated call on an H100 at
+#: the default budget: 1826 MiB of 1843 (linear_jsd, llama 8B <- 70B heads, 4096 tokens;
+#: benchmarks/results/jax-distill-H100-2026-11-26.md); on a CPU, XLA keeps up to three
+#: times more fp32 temporaries per chunk.
+ROW_BYTES_PER_ELEM = 4
 #: Kept columns are a multiple of this (the column tiles of every backend's recompute
 #: kernels divide it, so the recomputed columns start on a tile).
 KEEP_ALIGN = 256
@@ -95,11 +99,11 @@ class RowsPlan(NamedTuple):
     keep: int
 
 
-def rows_plan(num_tokens: int, vocab: int, itemsize: int, budget: int, *, heads: int = 1,
+def rows_plan(num_tokens: int, vocab: int, itemsize: int, budget: int, *, arrays: int = 1,
               keep: bool = False) -> RowsPlan:
     """The forward's row chunk and the kept columns under ``budget`` (bytes).
 
-    A chunk of r rows costs ``heads x ROW_BYTES_PER_ELEM x r x vocab`` bytes (plus, when
+    A chunk of r rows costs ``arrays x ROW_BYTES_PER_ELEM x r x vocab`` bytes (plus, when
     keeping, its dz in the input dtype, itemsize x r x vocab, written into the kept
     buffer). Without ``keep``: the most rows that fit (a multiple of TOKEN_ALIGN, at
     least TOKEN_ALIGN). With ``keep`` (a backward follows): a chunk of KEEP_MIN_ROWS rows
@@ -109,7 +113,7 @@ def rows_plan(num_tokens: int, vocab: int, itemsize: int, budget: int, *, heads:
     then needs only the GEMMs of the kept columns (no recomputed logits) and recomputes
     the others. Pure arithmetic of static sizes.
     """
-    per_row = heads * ROW_BYTES_PER_ELEM * vocab
+    per_row = arrays * ROW_BYTES_PER_ELEM * vocab
     n = max(1, num_tokens)
     fit = _round_down(budget // max(1, per_row), TOKEN_ALIGN)
     if not keep:

@@ -58,18 +58,18 @@ class RowsConfig:
         return self.recompute.weight_layout
 
 
-def plan_rows(backend, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str, heads: int = 1,
-              keep: bool = True) -> RowsConfig:
+def plan_rows(backend, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str, arrays: int = 1,
+              heads: int = 1, keep: bool = True) -> RowsConfig:
     """``backend``'s RowsConfig for x (N, H) and a weight of ``w_shape`` (V, H) with
-    ``heads`` heads of fp32 logits per forward chunk (``planning.rows_plan``): the kind's
-    ``plan`` sizes the recomputed columns' tiles with the budget the kept dz leaves
-    (divided among the heads; at least a quarter of the budget). ``keep``: the
-    differentiated forward may keep columns (False: it keeps none)."""
+    ``arrays`` fp32 arrays of a forward chunk's full rows (``planning.rows_plan``) and
+    ``heads`` heads whose logits the recomputed tiles hold: the kind's ``plan`` sizes them
+    with the budget the kept dz leaves (divided among the heads; at least a quarter of
+    the budget). ``keep``: the differentiated forward may keep columns (False: none)."""
     n, _ = x2d_shape
     v = w_shape[0]
     isz = jnp.dtype(dtype).itemsize
-    plain = rows_plan(n, v, isz, budget, heads=heads)
-    grad = rows_plan(n, v, isz, budget, heads=heads, keep=True) if keep else plain
+    plain = rows_plan(n, v, isz, budget, arrays=arrays)
+    grad = rows_plan(n, v, isz, budget, arrays=arrays, keep=True) if keep else plain
     left = max(budget - n * grad.keep * isz, budget // 4) // heads
     return RowsConfig(plain, grad, backend.plan(tuple(x2d_shape), tuple(w_shape), dtype, budget=left,
                                                 weight_layout=weight_layout))

@@ -104,7 +104,8 @@ class TritonBackend(TritonBase):
     and the launch plan, here with linear_jsd's tiles)."""
 
     def plan_call(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh") -> RowsConfig:
-        config = plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, heads=2)
+        config = plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, arrays=2,
+                         heads=2)
         return RowsConfig(config.plain, config.grad, _jsd_tiles(config.recompute, jnp.dtype(dtype).itemsize))
 
     def forward(self, xs, ws, xt, wt, target, config: RowsConfig, *, opts, merge, g_unit=None) -> JsdForward:

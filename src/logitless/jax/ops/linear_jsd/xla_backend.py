@@ -103,7 +103,8 @@ class XlaBackend(XlaBase):
     """The "xla" backend (``contract.JsdBackend``; ``XlaBase``: every case and platform)."""
 
     def plan_call(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh") -> RowsConfig:
-        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, heads=2)
+        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, arrays=2,
+                         heads=2)
 
     def forward(self, xs, ws, xt, wt, target, config: RowsConfig, *, opts, merge, g_unit=None) -> JsdForward:
         return forward(xs, ws, xt, wt, target, config, opts=opts, merge=merge, g_unit=g_unit)

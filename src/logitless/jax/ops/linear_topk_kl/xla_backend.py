@@ -139,7 +139,7 @@ class XlaBackend(XlaBase):
     """The "xla" backend (``contract.TopKBackend``; ``XlaBase``: every case and platform)."""
 
     def plan_call(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh") -> RowsConfig:
-        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout)
+        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, arrays=2)
 
     def forward(self, x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, num_classes: int, grad: bool,
                 g_unit=None) -> TopKForward:
