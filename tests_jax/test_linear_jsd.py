@@ -243,3 +243,8 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
     assert_close_to_ref("loss", loss, None, np.sum(rloss * g_out) if reduction == "none" else rloss, "float32")
     assert_close_to_ref("dx", dx, None, rdx, "float32")
     assert_close_to_ref("dw", dw, None, rdw, "float32")
+
+
+def test_fp32_inputs_with_x64_on():
+    with jax.enable_x64(True):
+        check(*heads(), "float32", dict(beta=0.3, hard_label_weight=0.3, temperature=1.5), budget=10_000)

@@ -270,3 +270,10 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
     assert_close_to_ref("loss", loss, None, np.sum(rloss * g_out) if reduction == "none" else rloss, "float32")
     assert_close_to_ref("dx", dx, None, rdx, "float32")
     assert_close_to_ref("dw", dw, None, rdw, "float32")
+
+
+def test_fp32_inputs_with_x64_on():
+    """jax_enable_x64 on, fp32 inputs: the per-token terms run in float64, the rest as without."""
+    with jax.enable_x64(True):
+        check(*teacher(), "float32", dict(direction="reverse", tail="bucket", hard_label_weight=0.3,
+                                          temperature=1.5), budget=10_000)
