@@ -39,7 +39,10 @@ SKIP_DOCS = {
 }
 
 #: Paths and names another branch adds: not checked here; drop them once merged.
-PENDING: dict = {}  # paths/names that a branch being merged adds (none now)
+PENDING: dict = {
+    # branch topk (the PyTorch linear_topk_kl, merged with jax-ops)
+    "logitless.formulas.topk_kl": "topk", "logitless.linear_topk_kl": "topk",
+}
 
 PATH_RE = re.compile(r"(?<![\w/.\-~$])((?:src|benchmarks|tests_jax|tests|docs|scripts)/[\w./<>*{},\-]*[\w>*}/])")
 NAME_RE = re.compile(r"(?<![\w.])(logitless(?:_bench)?(?:\.[A-Za-z_]\w*)+)")

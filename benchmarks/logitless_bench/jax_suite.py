@@ -69,7 +69,7 @@ class Skip(Exception):
     pass
 
 
-JAX_SUITES = ("jax", "jax-sharded")
+JAX_SUITES = ("jax", "jax-sharded", "jax-distill")
 
 
 def _suite(argv):
@@ -524,4 +524,8 @@ def main(argv=None) -> int:
         from .jax_sharded import main as sharded_main
 
         return sharded_main(argv)
+    if _suite(argv) == "jax-distill":
+        from .jax_distill import main as distill_main
+
+        return distill_main(argv)
     return run(argv)

@@ -22,7 +22,7 @@ from logitless.planning.tiles import (
     group_rows_for,
 )
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "TritonPlan", "XlaPlan", "triton_plan", "xla_plan"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "RowsPlan", "TritonPlan", "XlaPlan", "rows_plan", "triton_plan", "xla_plan"]
 
 #: Column chunks are a multiple of this (and at least this), unless V is smaller.
 VOCAB_ALIGN = 128
@@ -71,6 +71,61 @@ def xla_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: in
     else:
         v = min(vocab, _round_down(v, VOCAB_ALIGN))
     return XlaPlan(token_chunk=max(1, n), vocab_chunk=max(1, v))
+
+
+#: Bytes per element of a forward row chunk and fp32 array: an op's chunk holds ``arrays``
+#: of them (linear_jsd: both heads' logits; linear_topk_kl: the logits and their copy
+#: masked at the ids). XLA's compiled temporaries of the differentiated call on an H100 at
+#: the default budget: 1826 MiB of 1843 (linear_jsd, llama 8B <- 70B heads, 4096 tokens;
+#: benchmarks/results/jax-distill-H100-2026-11-26.md); on a CPU, XLA keeps up to three
+#: times more fp32 temporaries per chunk.
+ROW_BYTES_PER_ELEM = 4
+#: Kept columns are a multiple of this (the column tiles of every backend's recompute
+#: kernels divide it, so the recomputed columns start on a tile).
+KEEP_ALIGN = 256
+#: Rows of a forward chunk the kept-dz plan reserves before it keeps columns: fewer rows
+#: would re-read the weight too often (its GEMMs turn bandwidth-bound near 300 rows on an
+#: H100, bf16).
+KEEP_MIN_ROWS = 512
+
+
+class RowsPlan(NamedTuple):
+    """How an op whose statistics need full rows (linear_jsd, linear_topk_kl) runs its
+    forward: ``rows`` tokens per chunk (every head's fp32 logits of the chunk's full rows
+    at once), and ``keep`` leading columns of each token's dz computed there and kept for
+    the backward (0: the backward recomputes every column; V: no column)."""
+
+    rows: int
+    keep: int
+
+
+def rows_plan(num_tokens: int, vocab: int, itemsize: int, budget: int, *, arrays: int = 1,
+              keep: bool = False) -> RowsPlan:
+    """The forward's row chunk and the kept columns under ``budget`` (bytes).
+
+    A chunk of r rows costs ``arrays x ROW_BYTES_PER_ELEM x r x vocab`` bytes (plus, when
+    keeping, its dz in the input dtype, itemsize x r x vocab, written into the kept
+    buffer). Without ``keep``: the most rows that fit (a multiple of TOKEN_ALIGN, at
+    least TOKEN_ALIGN). With ``keep`` (a backward follows): a chunk of KEEP_MIN_ROWS rows
+    (or all tokens) first, then as many leading columns of the (tokens x vocab) dz as the
+    rest holds (``itemsize x tokens`` bytes per column, a multiple of KEEP_ALIGN, none
+    below it); when every column is kept, the rows grow into what is left. The backward
+    then needs only the GEMMs of the kept columns (no recomputed logits) and recomputes
+    the others. Pure arithmetic of static sizes.
+    """
+    per_row = arrays * ROW_BYTES_PER_ELEM * vocab
+    n = max(1, num_tokens)
+    fit = _round_down(budget // max(1, per_row), TOKEN_ALIGN)
+    if not keep:
+        return RowsPlan(rows=min(n, fit), keep=0)
+    rows = min(n, max(TOKEN_ALIGN, min(fit, KEEP_MIN_ROWS)))
+    left = budget - rows * per_row
+    cols = max(0, left) // max(1, itemsize * n)
+    if cols >= vocab:
+        more = (budget - n * vocab * itemsize) // max(1, per_row)
+        return RowsPlan(rows=min(n, max(rows, _round_down(more, TOKEN_ALIGN))), keep=vocab)
+    cols = cols // KEEP_ALIGN * KEEP_ALIGN
+    return RowsPlan(rows=rows, keep=cols)
 
 
 #: The "triton" backend's tables are the torch side's (``logitless.planning.tiles``):

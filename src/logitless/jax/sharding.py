@@ -256,6 +256,9 @@ def w_entries(axes: Axes, vaxis: int):
 #: over every mesh axis, one block per device, whatever the tokens' and the vocabulary's
 #: axes (factors of its own).
 _RULE = {"x": "n h", "b": "v", "n": "n", "kn": "k n"}
+#: A second head's hidden states and weight (linear_jsd's teacher: a hidden size of its
+#: own, placed as "x" and "w"; "w2hv" an (H, V) one) and (tokens, K) per-token rows "nk".
+_RULE.update({"x2": "n h2", "w2vh": "v g2", "w2hv": "g2 v", "nk": "n k2"})
 
 
 def _rule_of(kind: str, vaxis: int) -> str:
@@ -280,6 +283,10 @@ def _entries(kind: str, axes: Axes, vaxis: int, dw_entries=None, mesh_axes: tupl
         return (tok,)
     if kind == "kn":
         return (None, tok)
+    if kind in ("x2", "nk"):
+        return (tok, None)
+    if kind in ("w2vh", "w2hv"):
+        return tuple(w_entries(axes, vaxis))
     raise ValueError(f"unknown operand kind {kind!r}")
 
 

@@ -29,6 +29,13 @@ CUDA_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 8, 3)}
 #: build needs 320 KiB of shared memory (its dz epilogue), at 128 x 128 192 KiB.
 CUDA_TILES_TF32 = {False: (128, 256, 32, 8, 4), True: (128, 128, 32, 8, 4)}
 INTERPRETER_TILES = (16, 32, 16, 4, 1)
+#: Tiles of linear_jsd's two-head kernels (its backward's dz and the KL limits' fused
+#: forward; PyTorch and JAX), which hold a student and a teacher tile at once (two fp32
+#: accumulators: half of linear_cross_entropy's block_v keeps them in registers). 16-bit:
+#: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3 at beta 0.5 and
+#: 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better (H100;
+#: docs/design.md).
+JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
 #: Forward programs per SM (about): the tail wave is then ~1/WAVES of the work.
 WAVES = 16
 #: Narrowest backward chunk (columns of dz) on GPUs, whatever the budget.

@@ -183,3 +183,11 @@ def merge_lse_splits(part_lse):
     m = part_lse.max(axis=0)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     return m_safe + jnp.log(jnp.exp(part_lse - m_safe).sum(axis=0))
+
+
+def logsumexp_rows(z):
+    """log sum_c exp(z_c) per row of a (rows, cols) tile: -inf for an all -inf row (M = 0
+    there), NaN for a row holding NaN."""
+    m = jnp.max(z, axis=1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    return m_safe + jnp.log(jnp.sum(jnp.exp(z - m_safe[:, None]), axis=1))

@@ -26,15 +26,7 @@ from logitless.planning.plans import (
     min_chunk_cols,
     wave_blocks_per_split,
 )
-from logitless.planning.tiles import INTERPRETER_TILES, MIN_CHUNK, TritonPlan
-
-#: Tiles (block_n, block_v, block_h, num_warps, num_stages) of linear_jsd's backward
-#: kernel and of the KL limits' fused forward, which hold a student and a teacher tile at
-#: once (two fp32 accumulators: half of linear_cross_entropy's block_v keeps them in
-#: registers). 16-bit: 4 stages (128 KiB of shared memory) measured f+b 1-4% faster than 3
-#: at beta 0.5 and 8-10% at beta 1 (fused forward: 15-18% faster alone); 5 stages no better
-#: (H100; docs/design.md).
-JSD_CUDA_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 128, 32, 8, 2)}
+from logitless.planning.tiles import INTERPRETER_TILES, JSD_CUDA_TILES, MIN_CHUNK, TritonPlan
 
 
 @dataclass(frozen=True)

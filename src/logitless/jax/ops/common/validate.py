@@ -70,6 +70,35 @@ def check_linear_inputs(x, weight, labels, bias, *, labels_name: str, weight_lay
     return local_classes, num_classes, hidden
 
 
+_LAYOUTS = {"vh": "(V, H)", "hv": "(H, V)"}
+
+
+def check_head(x_name: str, w_name: str, x, w, weight_layout: str) -> tuple[int, int]:
+    """(V, H) of a hidden-states array and its LM-head weight in ``weight_layout``, or a
+    TypeError / ValueError naming them (float dtypes, ranks, matching hidden sizes; a
+    weight whose shape fits the other layout says so). Shapes and dtypes only."""
+    if weight_layout not in _LAYOUTS:
+        raise ValueError(f'weight_layout must be "vh" (V, H) or "hv" (H, V), got {weight_layout!r}')
+    check_float(x_name, x)
+    check_float(w_name, w)
+    if x.ndim < 1:
+        raise ValueError(f"{x_name} must have at least one dimension (..., H)")
+    if w.ndim != 2:
+        raise ValueError(f"{w_name} must be 2-D {_LAYOUTS[weight_layout]}, got shape {tuple(w.shape)}")
+    v, h = w.shape if weight_layout == "vh" else w.shape[::-1]
+    if x.shape[-1] != h:
+        other = "hv" if weight_layout == "vh" else "vh"
+        hint = ""
+        if w.shape[1 if weight_layout == "hv" else 0] == x.shape[-1]:
+            hint = f"; it looks like a {_LAYOUTS[other]} weight: pass weight_layout={other!r}"
+        raise ValueError(f"{x_name} has hidden size {x.shape[-1]} but {w_name} is {tuple(w.shape)} "
+                         f"{_LAYOUTS[weight_layout]}{hint}")
+    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+        raise TypeError(f"{x_name} is {jnp.dtype(x.dtype).name} but {w_name} is {jnp.dtype(w.dtype).name}; "
+                        "they must match")
+    return int(v), int(h)
+
+
 def _concrete_on_cpu(a) -> bool:
     """Whether ``a``'s values can be read now without a device sync: a numpy array, or a
     concrete (not traced) jax array whose shards all live on CPU devices."""
@@ -81,6 +110,29 @@ def _concrete_on_cpu(a) -> bool:
         return a.is_fully_addressable and all(d.platform == "cpu" for d in a.devices())
     except Exception:  # a deleted or otherwise unreadable array: leave it to the op
         return False
+
+
+def check_teacher_top_k(ids, log_probs, num_classes: int) -> None:
+    """ValueError for a teacher id outside [0, num_classes) or repeated within a token,
+    or a log-probability > 0 (logits passed by mistake), when both arrays are concrete
+    CPU values (as ``check_labels_in_range``; traced or on a GPU nothing is read: a bad id
+    makes that token's loss NaN, a repeated one counts twice)."""
+    if getattr(ids, "size", 0) == 0 or not (_concrete_on_cpu(ids) and _concrete_on_cpu(log_probs)):
+        return
+    lp = np.asarray(log_probs, np.float64)
+    if (lp > 0).any():
+        raise ValueError(f"teacher_log_probs contains {lp[lp > 0][0]:.4g} > 0: log-probabilities are <= 0 (logits "
+                         "passed by mistake? take log_softmax of the teacher's logits first)")
+    values = np.asarray(ids).reshape(-1, ids.shape[-1])
+    bad = (values < 0) | (values >= num_classes)
+    if bad.any():
+        raise ValueError(f"teacher_ids contains {int(values[bad][0])}, outside [0, {num_classes}) (eager CPU check; "
+                         "under jax.jit, or on a GPU, that token's loss would be NaN)")
+    ordered = np.sort(values, axis=1)
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+    if repeated.any():
+        raise ValueError(f"teacher_ids repeats an id within token {int(np.argmax(repeated))} (flat index): the ids "
+                         "of a token must be distinct (the teacher's top-k)")
 
 
 def check_labels_in_range(labels, num_classes: int, ignore_index: int, name: str) -> None:
