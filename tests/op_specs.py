@@ -615,14 +615,21 @@ def _lp_bad_calls():
 def _lp_opcheck(backend):
     case = _lp_make({"lead": (6,), "vocab": 37}, torch.float32, {"_ignore": 0.3}, seed=5)
     z, t = case.args
+    from logitless.ops.log_probs.api import OPS
+    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpOutputs
+    from logitless.options import LogProbOptions
+
     for entropy in (True, False):
-        options = (0.7, entropy, None, -100, backend, 1 << 20)  # (LogProbOptions, backend, budget)
-        yield custom_op("lp_forward"), (z, t) + options, None
-        logp, ent, lse, tau, config = custom_op("lp_forward")(z, t, *options)
-        grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
-        for grad_logp in (torch.randn(logp.shape, device=DEVICE), None if entropy else logp.detach()):
-            yield (custom_op("lp_backward"),
-                   (grad_logp, grad_ent, z.detach(), t, None, ent.detach(), lse, tau, config) + options[:-1], None)
+        opts = LogProbOptions(temperature=0.7, entropy=entropy)
+        call = LpCall(z, t, opts, backend, 1 << 20, top_k=None, top_p=None, min_p=None, checked=True, k_max=-1,
+                      batch_invariant=False)
+        yield custom_op("lp_forward"), OPS.args(call), None
+        out = LpOutputs._make(custom_op("lp_forward")(*OPS.args(call)))
+        grad_ent = torch.randn(out.entropy.shape, device=DEVICE) if entropy else None
+        for grad_logp in (torch.randn(out.logp.shape, device=DEVICE), None if entropy else out.logp.detach()):
+            bcall = LpBackwardCall(grad_logp, grad_ent, z.detach(), t, None, out.entropy.detach(), out.lse, out.tau,
+                                   out.config, opts, backend)
+            yield custom_op("lp_backward"), OPS.backward_args(bcall), None
 
 
 _LP_ALL = {"_ignore": 0.3, "temperature": 0.7, "entropy": True, "ignore_index": 5}
@@ -724,23 +731,30 @@ def _llp_opcheck(backend):
     case = _llp_make({"lead": (13,), "hidden": 24, "vocab": 104}, torch.float32, {"_ignore": 0.2, "_bias": True},
                      seed=5)
     x, w, t, b = case.args
-    forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # (see _lce_opcheck)
-    for need_grad, entropy in ((True, True), (True, False), (False, True)):
-        options = (0.7, entropy, 4.0, -100, backend, 6_000)  # (LogProbOptions, backend, budget)
-        args = (x, w, b, t, *options, need_grad)
-        yield custom_op("llp_forward"), args, forward_utils
-        logp, ent, lse, keep, keep_max, plan, *_ = custom_op("llp_forward")(*args)
-        from logitless.ops.linear_log_probs.api import BACKENDS as _LLP
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_log_probs.api import BACKENDS as _LLP
+    from logitless.ops.linear_log_probs.api import OPS
+    from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall, LlpOutputs
+    from logitless.options import LogProbOptions, VocabParallelOptions
 
-        decoded = getattr(_LLP[backend].codec.decode(plan), "main", None)
+    forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # (see _lce_opcheck)
+    tp = VocabParallelOptions()
+    for need_grad, entropy in ((True, True), (True, False), (False, True)):
+        opts = LogProbOptions(temperature=0.7, entropy=entropy, softcap=4.0)
+        call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
+                       min_p=None, checked=True, k_max=-1, block=0, tp=tp)
+        yield custom_op("llp_forward"), OPS.args(call), forward_utils
+        out = LlpOutputs._make(custom_op("llp_forward")(*OPS.args(call)))
+        decoded = getattr(_LLP[backend].codec.decode(out.config), "main", None)
         if backend == "triton" and need_grad:
-            assert 1 < keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
+            assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
         else:
-            assert keep.shape == (1, 1) and (decoded is None or not decoded.keeps)  # nothing kept
-        grad_ent = torch.randn(ent.shape, device=DEVICE) if entropy else None
-        yield custom_op("llp_backward"), (torch.randn(logp.shape, device=DEVICE), grad_ent, x.detach(), w.detach(),
-                                          b.detach(), t, lse, ent.detach(), keep, keep_max, plan, *options,
-                                          True, True, True), None
+            assert out.keep.shape == (1, 1) and (decoded is None or not decoded.keeps)  # nothing kept
+        grad_ent = torch.randn(out.entropy.shape, device=DEVICE) if entropy else None
+        bcall = LlpBackwardCall(torch.randn(out.logp.shape, device=DEVICE), grad_ent, x.detach(), w.detach(),
+                                b.detach(), t, out.lse, out.entropy.detach(), out.keep, out.keep_max, out.config,
+                                opts, backend, Needs(True, True, True), None, None, None, None, tp)
+        yield custom_op("llp_backward"), OPS.backward_args(bcall), None
 
 
 _LLP_ALL = {"_ignore": 0.3, "_bias": True, "temperature": 0.7, "entropy": True, "softcap": 4.0,

@@ -2,7 +2,8 @@
 batch-invariant paths: ``linear_log_probs``, ``log_probs`` and ``linear_cross_entropy``.
 
 Those paths are custom ops with fixed output shapes (``logitless::llp_forward``/``llp_backward``
-and ``lp_forward``/``lp_backward`` with truncation arguments, ``lce_invariant_*``): a
+and ``lp_forward``/``lp_backward`` with truncation arguments, ``lce_forward``/``lce_backward``
+with ``batch_invariant``): a
 compiled function calling them traces with no graph break and gives the eager outputs and
 gradients (x, weight, bias / logits) bitwise on the torch backend, and on the Triton
 backend (the CPU interpreter off a GPU) at small sizes. ``torch.library.opcheck`` checks
@@ -16,9 +17,7 @@ import pytest
 import torch
 
 import logitless
-from logitless.ops.linear_log_probs import custom_op as llp_ops
 from logitless.ops.linear_log_probs.api import BACKENDS as LLP_BACKENDS
-from logitless.ops.log_probs import custom_op as lp_ops
 from tests.conftest import DEVICE
 
 
@@ -175,45 +174,59 @@ _FORWARD_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor"
     ("triton", True, 5, 0), ("triton", True, -1, 0), ("triton", True, 300, 0),
 ])
 def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
+    """The truncated / batch-invariant calls of the one op pair: opcheck of both ops (the
+    declared calls flattened, ``OPS.args``)."""
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_log_probs.api import OPS
+    from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall, LlpOutputs
+    from logitless.options import LogProbOptions, VocabParallelOptions
+
     x, w, b, t, k, p = _data(13, 24, 104, seed=5)
     if k_max >= 0 and trunc:
         k = torch.full_like(k, k_max)
     mp = torch.zeros_like(p)
     tr = (k, p, mp) if trunc else (None, None, None)
+    opts, tp = LogProbOptions(temperature=0.7, entropy=True), VocabParallelOptions()
     for need_grad in (True, False):
-        args = (x, w, b, t, 0.7, True, None, -100, backend, 6_000, need_grad, True, *tr, k_max, block)
-        torch.library.opcheck(llp_ops.llp_forward, args, test_utils=_FORWARD_UTILS)
-        logp, ent, lse, keep, keep_max, config, tau, packed, inside = llp_ops.llp_forward(*args)
-        cand, cols = packed[0].view(torch.float32), packed[1]  # (the candidates' fp32 bits, their columns)
+        call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad, True, *tr, checked=False, k_max=k_max, block=block,
+                       tp=tp)
+        torch.library.opcheck(OPS.forward_op, OPS.args(call), test_utils=_FORWARD_UTILS)
+        out = LlpOutputs._make(OPS.forward_op(*OPS.args(call)))
+        cand, cols = out.sparse[0].view(torch.float32), out.sparse[1]  # (the candidates' fp32 bits, their columns)
         sparse = backend == "triton" and trunc and need_grad and k_max < 256
         assert cand.shape == ((13, 104 if k_max < 0 else 64) if sparse else (0, 0))  # (C = 256 capped at V)
-        assert inside.shape == ((13,) if sparse else (0,))
+        assert out.inside.shape == ((13,) if sparse else (0,))
         if sparse:
-            assert inside.any() and (cols[cand == -torch.inf] == 104).all()  # (the padding: column V)
-        decoded = LLP_BACKENDS[backend].codec.decode(config)
+            assert out.inside.any() and (cols[cand == -torch.inf] == 104).all()  # (the padding: column V)
+        decoded = LLP_BACKENDS[backend].codec.decode(out.config)
         main = getattr(decoded, "main", None)
-        assert (keep.shape != (1, 1)) == (backend == "triton" and k_max == 300 and need_grad) == bool(
+        assert (out.keep.shape != (1, 1)) == (backend == "triton" and k_max == 300 and need_grad) == bool(
             main is not None and main.keeps)
-        g_lp, g_h = torch.randn_like(logp), torch.randn_like(ent)
-        bargs = (g_lp, g_h, x, w, b, t, lse, ent, keep, keep_max, config, 0.7, True, None, -100, backend, 6_000,
-                 True, True, True, logp, tau, packed, inside)
-        torch.library.opcheck(llp_ops.llp_backward, bargs)
+        bcall = LlpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), x, w, b, t, out.lse,
+                                out.entropy, out.keep, out.keep_max, out.config, opts, backend, Needs(True, True, True),
+                                out.logp, out.tau, out.sparse, out.inside, tp)
+        torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("trunc", [True, False])
 def test_opcheck_log_probs(trunc, backend):
+    from logitless.ops.log_probs.api import BACKENDS as LP_BACKENDS
+    from logitless.ops.log_probs.api import OPS
+    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpOutputs
+    from logitless.options import LogProbOptions
+
     _, _, _, t, k, p = _data(13, 24, 104, seed=5)
     logits = torch.randn(13, 104, generator=torch.Generator().manual_seed(4)).to(DEVICE).requires_grad_()
     tr = (k, p, torch.zeros_like(p)) if trunc else (None, None, None)
-    opts = (0.7, True, None, -100)
-    args = (logits, t, *opts, backend, 1 << 20, *tr, -1, not trunc)
-    torch.library.opcheck(lp_ops.lp_forward, args)
-    logp, ent, lse, tau, config = (o.detach() for o in lp_ops.lp_forward(*args))
-    assert tau.shape == logp.shape and lp_ops.BACKENDS[backend].codec.decode(config).blocks is not None
-    bargs = (torch.randn_like(logp), torch.randn_like(ent), logits.detach(), t, logp, ent, lse, tau, config, *opts,
-             backend)
-    torch.library.opcheck(lp_ops.lp_backward, bargs)
+    opts = LogProbOptions(temperature=0.7, entropy=True)
+    call = LpCall(logits, t, opts, backend, 1 << 20, *tr, checked=False, k_max=-1, batch_invariant=not trunc)
+    torch.library.opcheck(OPS.forward_op, OPS.args(call))
+    out = LpOutputs._make(o.detach() for o in OPS.forward_op(*OPS.args(call)))
+    assert out.tau.shape == out.logp.shape and LP_BACKENDS[backend].codec.decode(out.config).blocks is not None
+    bcall = LpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), logits.detach(), t, out.logp,
+                           out.entropy, out.lse, out.tau, out.config, opts, backend)
+    torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

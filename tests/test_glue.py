@@ -1,5 +1,6 @@
 """The custom-op glue derived from declared calls (``ops.common.glue``): schemas, flattening,
-and an option that reaches a backend without a line of glue.
+an option that reaches a backend without a line of glue, optional outputs and a backward of
+one gradient.
 
 A new field of an options dataclass (here: a subclass of ``CrossEntropyOptions`` with a
 ``dummy`` field, in a call class that declares it) must arrive at the backend's ``plan`` and
@@ -12,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import pytest
 import torch
 from torch import Tensor
 
 import logitless
-from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import Call, Encoded, Fields
+from logitless.ops.common.contract import BackendTable, ConfigCodec, Needs
+from logitless.ops.common.glue import Call, CustomOp, Encoded, Fields
 from logitless.ops.linear_cross_entropy import custom_op
 from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs
 from logitless.ops.linear_cross_entropy.torch_backend import TorchBackend
@@ -168,3 +169,99 @@ def test_one_differentiable_input_has_one_tensor_returned():
         loss.backward()
         grads.append(z.grad)
     assert grads[0].shape == z0.shape and torch.equal(grads[0], grads[1])
+
+
+# --------------------------------------------------------------------------- optional outputs, one gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    scale: int = 1
+
+
+class ToyBackend:
+    name = "toy"
+    codec = ConfigCodec(ToyConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyCall(Call):
+    differentiable = ("x",)
+
+    x: Tensor
+    backend: str
+    square: bool
+
+
+class ToyOutputs(NamedTuple):
+    y: Tensor
+    y2: Optional[Tensor]  # (absent unless ``square``)
+    config: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyBackwardCall(Call):
+    grad_y: Optional[Tensor]
+    grad_y2: Optional[Tensor]
+    x: Tensor
+    config: Encoded
+    backend: str
+
+
+def _toy_forward(call, impl):
+    config = ToyConfig(2)
+    return ToyOutputs(call.x * config.scale, call.x * call.x if call.square else None, config)
+
+
+def _toy_fake(call, impl):
+    return ToyOutputs(torch.empty_like(call.x), torch.empty_like(call.x) if call.square else None, None)
+
+
+def _toy_save(ctx, call, out):
+    ctx.save_for_backward(call.x)
+    ctx.backend, ctx.config, ctx.square = call.backend, out.config, call.square
+
+
+def _toy_backward(ctx, grads, need, run):
+    (x,) = ctx.saved_tensors  # (an absent output's gradient: None, or size 0 through the custom ops)
+    return run(ToyBackwardCall(grads.y, grads.y2 if ctx.square else None, x, ctx.config, ctx.backend))
+
+
+def _toy_backward_impl(b, impl):
+    scale = impl.codec.decode(b.config).scale
+    g = b.grad_y * scale if b.grad_y is not None else torch.zeros_like(b.x)
+    return (g + 2 * b.x * b.grad_y2 if b.grad_y2 is not None else g,)
+
+
+@pytest.fixture(scope="module")
+def toy_op():
+    return CustomOp("glue_toy_test", ToyCall, ToyOutputs, ToyBackwardCall, table=BackendTable(toy=ToyBackend),
+                    forward=_toy_forward, fake=_toy_fake, save=_toy_save, backward=_toy_backward,
+                    backward_impl=_toy_backward_impl, backward_fake=lambda b, impl: (torch.empty_like(b.x),))
+
+
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+@pytest.mark.parametrize("square", [False, True])
+def test_optional_outputs_and_a_single_gradient(toy_op, path, square):
+    """An ``Optional[Tensor]`` output is None on the eager path and a size-0 tensor of the
+    call's first tensor through the custom ops (forward and fake alike: opcheck); a backward
+    op with one gradient returns it bare (a schema of one output) and the glue takes it."""
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    call = ToyCall(x, "toy", square)
+    assert toy_op.optional_outputs == ("y2",)
+    with PassThrough() if path == "custom_op" else contextlib.nullcontext():
+        out = toy_op(call)
+    if square:
+        assert torch.equal(out.y2, x * x)
+    elif path == "eager":
+        assert out.y2 is None
+    else:
+        assert out.y2.shape == (0,) and out.y2.dtype == x.dtype
+    loss = out.y.sum() + (out.y2.sum() if square else 0)
+    (gx,) = torch.autograd.grad(loss, (x,))
+    assert torch.equal(gx, torch.full_like(x, 2.0) + (2 * x.detach() if square else 0))
+    torch.library.opcheck(toy_op.forward_op, toy_op.args(call))
+    bcall = ToyBackwardCall(torch.ones(5, dtype=torch.float64), None, x.detach(),
+                            toy_op.forward_op(*toy_op.args(call))[2], "toy")
+    torch.library.opcheck(toy_op.backward_op, toy_op.backward_args(bcall))
+    assert isinstance(toy_op.backward_op(*toy_op.backward_args(bcall)), Tensor)

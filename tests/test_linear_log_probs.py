@@ -13,10 +13,13 @@ import torch
 
 import logitless
 from logitless.formulas.log_probs import finish, merge_splits, online_update
-from logitless.ops.linear_log_probs import custom_op as llp_ops
+from logitless.ops.common.contract import Needs
 from logitless.ops.linear_log_probs import triton_backend as llp_triton
+from logitless.ops.linear_log_probs.api import BACKENDS as LLP_BACKENDS
+from logitless.ops.linear_log_probs.api import OPS
+from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall, LlpOutputs
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
-from logitless.options import LogProbOptions
+from logitless.options import LogProbOptions, VocabParallelOptions
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref, max_err
 
@@ -254,9 +257,11 @@ def test_only_entropy_gets_a_gradient():
 def test_no_grad_keeps_nothing_and_entropy_false_returns_a_tensor():
     x, w, t, _, _ = make_inputs((12,), 16, 41, torch.float32, {}, seed=6)
     with torch.no_grad():
-        out = llp_ops.llp_forward(x, w, None, t, 1.0, False, None, -100, "triton", 10**8, False)
-    assert out[3].shape == (1, 1) and not llp_triton.TritonBackend.codec.decode(out[5]).main.keeps \
-        and out[1].numel() == 0
+        call = LlpCall(x, w, None, t, LogProbOptions(), "triton", 10**8, need_grad=False, need_dw=True, top_k=None,
+                       top_p=None, min_p=None, checked=True, k_max=-1, block=0, tp=VocabParallelOptions())
+        out = LlpOutputs._make(OPS.forward_op(*OPS.args(call)))
+    assert out.keep.shape == (1, 1) and not llp_triton.TritonBackend.codec.decode(out.config).main.keeps \
+        and out.entropy.numel() == 0
     lp = logitless.linear_log_probs(x, w, t)
     assert isinstance(lp, torch.Tensor) and lp.shape == (12,)
 
@@ -334,19 +339,21 @@ def test_compile_fullgraph(backend, dynamic):
 @pytest.mark.parametrize("need_grad", [False, True])
 def test_opcheck(backend, need_grad):
     x, w, t, b, _ = make_inputs((13,), 24, 104, torch.float32, {"_bias": True}, seed=5)
-    args = (x, w, b, t, 0.7, True, 4.0, -100, backend, 6_000, need_grad)
-    torch.library.opcheck(llp_ops.llp_forward, args,
+    opts, tp = LogProbOptions(temperature=0.7, entropy=True, softcap=4.0), VocabParallelOptions()
+    call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
+                   min_p=None, checked=True, k_max=-1, block=0, tp=tp)
+    torch.library.opcheck(OPS.forward_op, OPS.args(call),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    lp, ent, lse, keep, keep_max, plan, *_ = llp_ops.llp_forward(*args)
-    decoded = getattr(llp_ops.BACKENDS[backend].codec.decode(plan), "main", None)
+    out = LlpOutputs._make(OPS.forward_op(*OPS.args(call)))
+    decoded = getattr(LLP_BACKENDS[backend].codec.decode(out.config), "main", None)
     if backend == "triton" and need_grad:
-        assert keep.shape[1] > 1 and decoded.keeps
+        assert out.keep.shape[1] > 1 and decoded.keeps
     else:
-        assert keep.shape == (1, 1) and (decoded is None or not decoded.keeps)
-    g_lp, g_h = torch.randn_like(lp), torch.randn_like(ent)
-    bargs = (g_lp, g_h, x.detach(), w.detach(), b.detach(), t, lse, ent.detach(), keep, keep_max, plan,
-             0.7, True, 4.0, -100, backend, 6_000, True, True, True)
-    torch.library.opcheck(llp_ops.llp_backward, bargs)
+        assert out.keep.shape == (1, 1) and (decoded is None or not decoded.keeps)
+    bcall = LlpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), x.detach(), w.detach(),
+                            b.detach(), t, out.lse, out.entropy.detach(), out.keep, out.keep_max, out.config, opts,
+                            backend, Needs(True, True, True), None, None, None, None, tp)
+    torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

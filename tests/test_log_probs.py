@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import logitless
-from logitless.ops.log_probs import custom_op as lp_ops
+from logitless.ops.log_probs.api import OPS
+from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpOutputs
 from logitless.ops.log_probs.reference import log_probs_reference
+from logitless.options import LogProbOptions
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import assert_close_to_ref, max_err
 
@@ -170,9 +172,11 @@ def test_compile_fullgraph(backend, dynamic):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     z, t = make((6,), 37, torch.float32, 5)
-    args = (z, t, 0.7, True, None, -100, backend, 2**20)
-    torch.library.opcheck(lp_ops.lp_forward, args)
-    lp, ent, lse, tau, config = lp_ops.lp_forward(*args)
-    bargs = (torch.randn_like(lp), torch.randn_like(ent), z.detach(), t, None, ent.detach(), lse, tau, config, 0.7,
-             True, None, -100, backend)
-    torch.library.opcheck(lp_ops.lp_backward, bargs)
+    opts = LogProbOptions(temperature=0.7, entropy=True)
+    call = LpCall(z, t, opts, backend, 2**20, top_k=None, top_p=None, min_p=None, checked=True, k_max=-1,
+                  batch_invariant=False)
+    torch.library.opcheck(OPS.forward_op, OPS.args(call))
+    out = LpOutputs._make(OPS.forward_op(*OPS.args(call)))
+    bcall = LpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), z.detach(), t, None,
+                           out.entropy.detach(), out.lse, out.tau, out.config, opts, backend)
+    torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))

@@ -165,7 +165,9 @@ def _invariant_worker(rank, world, device, backend, trunc):
     and inside a batch larger than one block, bitwise the same; and close to the reference."""
     pg = dist.group.WORLD
     rows = [40, 33] if world == 2 else [30, 0, 43]
-    block = invariant.invariant_rows(backend, device)
+    from logitless.ops.linear_log_probs.api import BACKENDS as LLP
+
+    block = invariant.rows(LLP.kind(backend), device)
     n = block + 9
     x, w, b, t = _head(11, n, 24, sum(rows), sum(rows), trunc, bias=True)
     if backend == "triton":

@@ -460,7 +460,9 @@ def test_triton_search_batch_invariant(monkeypatch):
     from tests.test_batch_invariant import _rows_equal
 
     monkeypatch.setattr(tr_op, "MASS_THRESHOLDS", 8)
-    n = invariant.invariant_rows("triton", torch.device(DEVICE)) + 8
+    from logitless.ops.linear_log_probs.api import BACKENDS as LLP
+
+    n = invariant.rows(LLP.kind("triton"), torch.device(DEVICE)) + 8
     x, w, b, t = _inputs((n,), 13, 257, seed=47, scale=0.3)
     x, w = exact_for_interpreter(x, w)  # (a CPU BLAS's bits may follow a row's place in the tile)
     g = torch.Generator().manual_seed(2)
@@ -692,7 +694,9 @@ def test_mass_search_narrows_flat_rows_in_two_passes(monkeypatch):
 
     opts = LogProbOptions(temperature=temp, entropy=True)
     lplan = triton_backend.linear(x, w, None, opts, budget=256 << 20, need_grad=False, cute=False)
-    tau, _, left = tr_op.search_triton(x, w, None, t, opts, trunc, lplan)
+    config = triton_backend.TritonConfig(search=lplan, candidate_tiles=lplan.forward, candidates=64,
+                                         mass_tiles=lplan.forward)
+    tau, _, left = tr_op.search_triton(x, w, None, t, opts, trunc, config)
     assert left is None and passes == [n, n]
     srt = a_all.double().sort(1, descending=True).values
     p = srt.softmax(1)

@@ -55,16 +55,19 @@ MIN_CANDIDATES = 64
 @dataclass(frozen=True)
 class Truncation:
     """Per-token truncation parameters, flattened to (N,) on the tokens' device:
-    top_k int64 (0 off), top_p float64 (1 off), min_p float64 (0 off)."""
+    top_k int64 (0 off), top_p float64 (1 off), min_p float64 (0 off). ``checked``: their
+    values are known to be in range (``check`` made them from Python numbers it checked),
+    so ``check_values`` need not run on them."""
 
     top_k: Tensor
     top_p: Tensor
     min_p: Tensor
     k_max: Optional[int] = None  # the largest top_k when known on the host (a Python number)
+    checked: bool = False
 
     def rows(self, idx) -> Truncation:
         """These rows (an index tensor or a slice)."""
-        return Truncation(self.top_k[idx], self.top_p[idx], self.min_p[idx], self.k_max)
+        return Truncation(self.top_k[idx], self.top_p[idx], self.min_p[idx], self.k_max, self.checked)
 
 
 def _bound(v: float) -> str:
@@ -114,9 +117,10 @@ def _check_range(name: str, t: Tensor, lo: float, hi: float, lo_open: bool, hint
 
 
 def check_values(top_k: Tensor, top_p: Tensor, min_p: Tensor) -> None:
-    """ValueError for per-token values out of range (``check``'s Truncation tensors).
-    The ops call it inside their implementations on the CPU (a host sync; under
-    torch.compile too); on a GPU out-of-range values act as clamped (no host sync)."""
+    """ValueError for per-token values out of range (``check``'s Truncation tensors, unless
+    ``checked``: the values of Python numbers were checked once, by ``check``). The ops
+    call it inside their implementations on the CPU (a host sync; under torch.compile
+    too); on a GPU out-of-range values act as clamped (no host sync)."""
     if top_k.numel():
         _check_range("top_k", top_k, 0, float(2 ** 62), False, "0 or None: off")
         _check_range("top_p", top_p, 0.0, 1.0, True, "1: off")
@@ -124,7 +128,8 @@ def check_values(top_k: Tensor, top_p: Tensor, min_p: Tensor) -> None:
 
 
 def check(top_k, top_p, min_p, shape: torch.Size, device) -> Optional[Truncation]:
-    """The checked per-token parameters, or None when no truncation is asked."""
+    """The checked per-token parameters, or None when no truncation is asked. Python
+    numbers are range-checked here (``checked``); tensors' values by ``check_values``."""
     k = _as_param("top_k", top_k, shape, device, torch.int64, 0, float(2 ** 62), False, 0, "0 or None: off")
     p = _as_param("top_p", top_p, shape, device, torch.float64, 0.0, 1.0, True, 1.0, "1: off")
     mp = _as_param("min_p", min_p, shape, device, torch.float64, 0.0, 1.0, False, 0.0, "0: off")
@@ -137,6 +142,7 @@ def check(top_k, top_p, min_p, shape: torch.Size, device) -> Optional[Truncation
         top_p=p if p is not None else torch.ones(n, dtype=torch.float64, device=device),
         min_p=mp if mp is not None else torch.zeros(n, dtype=torch.float64, device=device),
         k_max=k_max,
+        checked=not (isinstance(top_k, Tensor) or isinstance(top_p, Tensor) or isinstance(min_p, Tensor)),
     )
 
 

@@ -175,10 +175,15 @@ def mass_kernel(
 #: tile spill VGPRs at the forward plan's 128 rows (gfx942: 42, gfx950: 49 spilled with
 #: bf16, C = 64, 4 warps; none at 64 rows: ``benchmarks/check_gpu_compile.py``).
 ROCM_CANDIDATE_ROWS = 64
+#: The mass kernel's widest vocabulary tile on NVIDIA GPUs: its T-threshold loop keeps a and
+#: exp(a - m) live beside the GEMM's tile; at the forward's 128 x 256 it ran 3.5x a GEMM on
+#: an H100 (qwen3-8b-8k, T = 32), at 128 x 128 2.5x (64 x 256: 2.7x; 4 warps: 2.5-6.8x).
+MASS_BLOCK_V = 128
 
 
-def _rows_plan(plan, device):
-    """The forward ``plan`` with the candidates kernel's rows per program for ``device``."""
+def candidate_tiles(plan, device):
+    """The candidates kernel's tiles: the forward ``plan``'s, with its rows per program for
+    ``device`` (planned once per call: the Triton Config holds them)."""
     from logitless.planning import device as _device
 
     if _device.facts(device).arch is not None and plan.block_n > ROCM_CANDIDATE_ROWS:
@@ -186,19 +191,28 @@ def _rows_plan(plan, device):
     return plan
 
 
-def splits_for(n: int, v: int, plan, c: int, device) -> int:
-    """Vocabulary splits of the threshold pass for n rows under the forward ``plan``'s
-    tiles: the fewest that fill the GPU in one wave (row blocks x splits <= SMs, at
-    least one). Long splits let the filter skip most tiles (a value enters a row's
-    top-C of t tiles with probability ~C / t on flat rows); the forward's plan splits
-    for many waves (~18 tiles per split on qwen3-8b-8k). A function of n: the callers
-    take it from the whole batch (a block under batch invariance), not from the rows a
-    later pass runs on."""
+def mass_tiles(plan, device):
+    """The mass kernel's tiles: the forward ``plan``'s, its vocabulary tile at most
+    ``MASS_BLOCK_V`` on NVIDIA GPUs (planned once per call: the Triton Config holds them)."""
+    from logitless.planning import device as _device
+
+    if _device.facts(device).arch is not None or plan.block_v <= MASS_BLOCK_V:
+        return plan
+    return replace(plan, block_v=MASS_BLOCK_V)
+
+
+def splits_for(n: int, v: int, tiles, c: int, device) -> int:
+    """Vocabulary splits of the threshold pass for n rows under the candidates kernel's
+    ``tiles`` (``candidate_tiles``): the fewest that fill the GPU in one wave (row blocks x
+    splits <= SMs, at least one). Long splits let the filter skip most tiles (a value
+    enters a row's top-C of t tiles with probability ~C / t on flat rows); the forward's
+    plan splits for many waves (~18 tiles per split on qwen3-8b-8k). A function of n: the
+    callers take it from the whole batch (a block under batch invariance), not from the
+    rows a later pass runs on."""
     from logitless.planning.plans import num_sms
 
-    blocks = launch.cdiv(v, max(plan.block_v, c))
-    rows = _rows_plan(plan, device).block_n
-    return max(1, min(blocks, num_sms(device) // max(1, launch.cdiv(n, rows))))
+    blocks = launch.cdiv(v, max(tiles.block_v, c))
+    return max(1, min(blocks, num_sms(device) // max(1, launch.cdiv(n, tiles.block_n))))
 
 
 def _common(x, weight, bias, plan, softcap, temperature, block_v, splits):
@@ -222,12 +236,12 @@ def _common(x, weight, bias, plan, softcap, temperature, block_v, splits):
 def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: int, entropy: bool, hi=None,
                splits=None, indices: bool = False):
     """Per split: (cand (splits, n, c) unordered, max, sum, u or None, a at the token),
-    fp32, of x's rows under the forward ``plan``'s tiles (block_v raised to c when c is
-    larger), ``splits`` vocabulary splits (None: ``splits_for`` these rows). ``hi`` (n,)
-    fp32: candidates among a < hi only, the max, sum and u over a >= hi. ``indices``:
-    a sixth item, the candidates' columns (splits, n, c) int32 (-1: none)."""
+    fp32, of x's rows under the candidates kernel's tiles ``plan`` (``candidate_tiles``;
+    block_v raised to c when c is larger), ``splits`` vocabulary splits (None:
+    ``splits_for`` these rows). ``hi`` (n,) fp32: candidates among a < hi only, the max,
+    sum and u over a >= hi. ``indices``: a sixth item, the candidates' columns (splits, n,
+    c) int32 (-1: none)."""
     block_v = max(plan.block_v, c)
-    plan = _rows_plan(plan, x.device)
     if splits is None:
         splits = splits_for(x.shape[0], weight.shape[0], plan, c, x.device)
     n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v, splits)
@@ -244,21 +258,14 @@ def candidates(x, weight, bias, tokens, plan, softcap, temperature: float, c: in
     return out + (idx,) if indices else out
 
 
-#: The mass kernel's widest vocabulary tile on NVIDIA GPUs: its T-threshold loop keeps a and
-#: exp(a - m) live beside the GEMM's tile; at the forward's 128 x 256 it ran 3.5x a GEMM on
-#: an H100 (qwen3-8b-8k, T = 32), at 128 x 128 2.5x (64 x 256: 2.7x; 4 warps: 2.5-6.8x).
-MASS_BLOCK_V = 128
-
-
 def masses(x, weight, bias, plan, softcap, temperature: float, m, thr, splits=None):
     """Per split: (count int32, mass), each (splits, n, T), of a >= thr (n, T) fp32 per
-    row, masses exp(a - m) with m (n,) fp32 given; ``splits`` as ``candidates``'."""
-    from logitless.planning import device as _device
-
+    row, masses exp(a - m) with m (n,) fp32 given, under the mass kernel's tiles ``plan``
+    (``mass_tiles``); ``splits`` as ``candidates``'."""
     t = thr.shape[1]
     if splits is None:
         splits = plan.vocab_splits
-    block_v = plan.block_v if _device.facts(x.device).arch is not None else min(plan.block_v, MASS_BLOCK_V)
+    block_v = plan.block_v
     n, splits, grid, ops, args, flags = _common(x, weight, bias, plan, softcap, temperature, block_v, splits)
     cnt = torch.empty(splits, n, t, dtype=torch.int32, device=x.device)
     mass = torch.empty(splits, n, t, dtype=torch.float32, device=x.device)

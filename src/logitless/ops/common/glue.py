@@ -12,7 +12,10 @@ positional from the declarations:
   get gradients (in the order the backward returns them); ``mutated`` the tensors the op
   writes. A field of type ``Encoded`` is a backend's Config: the object on the eager
   path, its encoding (``ConfigCodec``: a CPU int64 tensor) through the custom ops.
-- its **outputs** (a ``typing.NamedTuple`` of tensors; ``config``: the backend's Config).
+- its **outputs** (a ``typing.NamedTuple`` of tensors; ``config``: the backend's Config). An
+  ``Optional[Tensor]`` output may be None (absent): so on the eager path, a size-0 tensor of
+  the call's first tensor's dtype and device through the custom ops (forward and fake); its
+  gradient: None, or size 0 through the custom ops (the call says which outputs exist).
 - a **backward call** (another ``Call``): what the backward op reads, and nothing else.
 
 ``CustomOp(name, Call, Outputs, BackwardCall, table=..., forward=..., fake=..., save=...,
@@ -27,9 +30,9 @@ implementation rebuilds it. Both run the same bodies: bitwise the same results.
 The op's bodies: ``forward(call) -> Outputs`` (``config`` the object), ``fake(call) ->
 Outputs`` (shapes; ``config`` may be None: the glue fills the codec's fake),
 ``save(ctx, call, out)`` (what the backward needs, on ``ctx`` and ``save_for_backward``),
-``backward(ctx, grads, need) -> grads`` (``grads``: the outputs' gradients by name, None
+``backward(ctx, grads, need, run) -> grads`` (``grads``: the outputs' gradients by name, None
 where absent; ``need``: a NamedTuple of bools named after ``differentiable``; it returns
-one gradient per differentiable input, computing them with ``ctx.run_backward(bcall)``
+one gradient per differentiable input, computing them with ``run(bcall)``
 or by itself), ``backward_impl(bcall) -> (gradients)`` and ``backward_fake(bcall)`` (a
 tuple, one per differentiable input; the backward custom op of a single one returns it
 as one Tensor, its schema's one return).
@@ -252,6 +255,8 @@ class CustomOp:
         self.fields, self.backward_fields = Fields(call), Fields(backward_call)
         self.tensor_names = self.fields.tensors()
         self.differentiable = call.differentiable
+        hints = typing.get_type_hints(outputs)
+        self.optional_outputs = tuple(n for n in outputs._fields if _unwrap_optional(hints[n]) == (Tensor, True))
         self.need_type = collections.namedtuple(f"{call.__name__}Need", call.differentiable)
         flat = self.fields.names
         self.grad_positions = tuple(flat.index(n) for n in call.differentiable)
@@ -319,7 +324,7 @@ class CustomOp:
         call = self.fields.build(args)
         impl = self.table[call.backend]
         out = self._forward(call, impl)
-        return tuple(out._replace(config=self._codec(call, impl).encode(out.config)))
+        return tuple(self._present(call, out._replace(config=self._codec(call, impl).encode(out.config))))
 
     def _forward_op_fake(self, *args):
         call = self.fields.build(args)
@@ -327,7 +332,14 @@ class CustomOp:
         out = self._fake(call, impl)
         if out.config is None:
             out = out._replace(config=self._codec(call, impl).fake())
-        return tuple(out)
+        return tuple(self._present(call, out))
+
+    def _present(self, call, out):
+        """``out`` with each absent optional output a size-0 tensor (distinct: no aliasing)."""
+        for name in self.optional_outputs:
+            if getattr(out, name) is None:
+                out = out._replace(**{name: getattr(call, self.tensor_names[0]).new_empty(0)})
+        return out
 
     def _backward_op_impl(self, *args):
         b = self.backward_fields.build(args)

@@ -16,10 +16,10 @@ from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, TritonKind
 from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
-from logitless.options import LogProbOptions
+from logitless.options import LogProbOptions, VocabParallelOptions
 
-from .contract import LlpBackend
-from .custom_op import llp_forward_eager, use_backends
+from . import custom_op
+from .contract import LlpBackend, LlpCall
 from .torch_backend import TorchBackend
 
 
@@ -40,7 +40,10 @@ def _helion() -> LlpBackend:
 #: Helion's are made on first use (their modules need the optional packages). Truncated
 #: sampling and ``batch_invariant`` are Configs of the same backends (``truncation``).
 BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
-use_backends(BACKENDS)
+#: The custom-op pair (logitless::llp_forward / llp_backward) over the table.
+OPS = custom_op.define(BACKENDS)
+#: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
+NO_VOCAB_PARALLEL = VocabParallelOptions()
 
 
 def linear_log_probs(
@@ -146,9 +149,13 @@ def linear_log_probs(
     """
     opts = LogProbOptions.checked(temperature=temperature, entropy=entropy, softcap=softcap,
                                   ignore_index=ignore_index)
-    x, weight, bias, tp = _tp.prepare("linear_log_probs", ("x", "weight", "bias"), x, weight, bias,
-                                      process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
-    tokens = _tp.plain(tokens)
+    if process_group is None and vocab_size is None and partial_dx is False \
+            and _validate.plain(x, weight, bias, tokens):
+        tp = NO_VOCAB_PARALLEL  # (the common case: one device, plain tensors)
+    else:
+        x, weight, bias, tp = _tp.prepare("linear_log_probs", ("x", "weight", "bias"), x, weight, bias,
+                                          process_group=process_group, vocab_size=vocab_size, partial_dx=partial_dx)
+        tokens = _tp.plain(tokens)
     # (x, weight and bias are plain tensors now: prepare made DTensors local or raised.)
     _validate.check_float("x", x)
     _validate.check_float("weight", weight)
@@ -173,30 +180,28 @@ def linear_log_probs(
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
     need_dw = need_grad and weight.requires_grad
+    k = p = mp = None
+    k_max, block, checked = -1, 0, True
     if trunc is not None or batch_invariant:
-        if impl == "helion":  # (the Helion kernels take no threshold: its fallback backend)
+        if not BACKENDS[impl].truncates:  # (Helion: no threshold kernels; its fallback backend runs the call)
             from logitless.ops.common.helion_choice import fallback_name
 
             impl = fallback_name(x.device)
-        block = 0
         if batch_invariant:
             from logitless.ops.common import invariant
 
             block = invariant.rows(BACKENDS[impl], x.device)
-        k, p, mp, k_max = None, None, None, 0
+        k_max = 0
         if trunc is not None:
-            k, p, mp = trunc.top_k, trunc.top_p, trunc.min_p
+            k, p, mp, checked = trunc.top_k, trunc.top_p, trunc.min_p, trunc.checked
             k_max = trunc.k_max if trunc.k_max is not None else -1
             if k_max < 0 and x2d.shape[0] and not torch.compiler.is_compiling():  # (eager: the host sync here)
                 from .contract import tensor_k_max
 
                 k_max = tensor_k_max(k, block)
-        inputs = (x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad, need_dw, k, p, mp, k_max,
-                  block, *tp.args())
-    else:
-        inputs = (x2d, weight, bias, flat, *opts.args(), impl, memory_budget, need_grad, need_dw, None, None, None,
-                  -1, 0, *tp.args())
-    logp, ent, *_ = llp_forward_eager.runner(inputs)(*inputs)
+    call = LlpCall(x2d, weight, bias, flat, opts, impl, memory_budget, need_grad, need_dw, k, p, mp, checked, k_max,
+                   block, tp)
+    logp, ent, *_ = OPS(call)
     logp = logp.reshape(out_shape)
     if not opts.entropy:
         return logp

@@ -18,19 +18,23 @@ blocks, the threshold pass's plans, whether the sparse backward may run); the st
 follow the data (which rows a threshold pass settles) run in ``truncation`` under that
 Config. The vocab-parallel path (``vocab_parallel``) calls the same methods on a rank's
 rows (``outputs=False``: the statistics to merge; ``dx_acc``: dx as the fp32 partial sum).
+The custom ops' declared calls (``LlpCall`` -> ``LlpOutputs``, ``LlpBackwardCall``:
+``ops.common.glue``) are at the bottom.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 from torch import Tensor
 
-from logitless.formulas.truncation import MIN_CANDIDATES, Truncation
-from logitless.ops.common.contract import Backend
-from logitless.options import LogProbOptions
+from logitless.formulas.truncation import MIN_CANDIDATES
+from logitless.ops.common.contract import Backend, Needs
+from logitless.ops.common.glue import Call, Encoded
+from logitless.options import LogProbOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
+from logitless.planning.tiles import TritonPlan
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,10 @@ class Truncated:
     """What a truncated or batch-invariant call decides once (``decide``, in the backends' ``plan``).
 
     k_max: the largest per-token top_k (read on the host when the caller did not give it;
-        -1: no truncation); search: the Triton candidates/mass search finds the thresholds
-        (else the chunked pass); width: columns of the sparse backward's candidates (0: the
-        call cannot take it); block: rows per block under batch invariance (0: one block).
+        -1: no truncation); search: the backend's threshold search (``threshold_search``:
+        Triton's candidates / mass search) finds the thresholds (else the chunked pass);
+        width: columns of the sparse backward's candidates (0: the call cannot take it);
+        block: rows per block under batch invariance (0: one block).
     """
 
     k_max: int = -1
@@ -70,43 +75,36 @@ def tensor_k_max(top_k: Tensor, block: int) -> int:
     return k_max
 
 
-def sparse_width(backend: str, v: int, k_max: int, need_grad: bool, truncated: bool, parallel: bool) -> int:
-    """Columns of the forward op's ``cand``/``cols`` outputs (the sparse backward's
-    candidates, padded), or 0 when the call cannot take the sparse backward: only the
-    Triton candidates pass gives them. ``k_max`` -1 (a per-token top_k not read on the
+def sparse_width(impl: LlpBackend, v: int, k_max: int, need_grad: bool, truncated: bool, parallel: bool) -> int:
+    """Columns of the forward op's ``sparse`` output (the sparse backward's candidates,
+    padded), or 0 when the call cannot take the sparse backward: only a backend with the
+    ``threshold_search`` gives them. ``k_max`` -1 (a per-token top_k not read on the
     host): the widest C. (The fake's shapes: from the op's arguments only.)"""
-    if not (truncated and need_grad and not parallel and backend == "triton"):
+    if not (truncated and need_grad and not parallel and impl.threshold_search):
         return 0
     c = candidate_count(k_max) if k_max >= 0 else MAX_CANDIDATES
     return min(c, v) if c <= MAX_CANDIDATES else 0
 
 
-def may_keep(backend: str, k_max: int, block: int, need_grad: bool, truncated: bool, softcap, parallel: bool):
+def may_keep(impl: LlpBackend, k_max: int, block: int, need_grad: bool, truncated: bool, softcap, parallel: bool):
     """Whether the forward may keep columns for the backward (the backend's forward over
     all rows, ``need_grad``): not blocked (a plan that keeps may tile differently), not
-    with a soft-cap and a threshold, and never where the Triton search may run (its
+    with a soft-cap and a threshold, and never where the threshold search may run (its
     outputs need no forward) or may not (``k_max`` -1): the fake must know the shapes."""
     if block or not need_grad or (truncated and softcap is not None):
         return False
-    return parallel or backend != "triton" or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
+    return parallel or not impl.threshold_search or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
 
 
-def largest_top_k(trunc: Optional[Truncation], k_max: int, block: int, n: int) -> int:
-    """The largest per-token top_k: ``k_max`` when the caller read it, else read here (a host
-    sync; -1 without truncation or tokens)."""
-    if trunc is None or k_max >= 0 or not n:
-        return k_max
-    return tensor_k_max(trunc.top_k, block)
-
-
-def decide(backend: str, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
+def decide(impl: LlpBackend, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
            parallel: bool, softcap: Optional[float] = None):
     """(``Truncated``, may the forward keep columns) of a truncated or batch-invariant call:
     the part of a backend's ``plan`` that is the same for every backend. ``k_max_arg``: the
-    op's argument (the fake's shapes follow it), ``k_max``: ``largest_top_k``'s."""
-    width = sparse_width(backend, v, k_max_arg, need_grad, truncated, parallel)
-    keep = may_keep(backend, k_max_arg, block, need_grad, truncated, softcap, parallel)
-    search = truncated and not parallel and backend == "triton" and candidate_count(k_max) <= MAX_CANDIDATES
+    op's argument (the fake's shapes follow it), ``k_max``: the largest top_k (the forward
+    reads it when the caller did not: ``custom_op``)."""
+    width = sparse_width(impl, v, k_max_arg, need_grad, truncated, parallel)
+    keep = may_keep(impl, k_max_arg, block, need_grad, truncated, softcap, parallel)
+    search = truncated and not parallel and impl.threshold_search and candidate_count(k_max) <= MAX_CANDIDATES
     return Truncated(k_max if truncated else -1, search, width, block), keep
 
 
@@ -127,9 +125,10 @@ class TritonConfig:
     """The Triton backend's plans: ``main`` the forward's (of a block under batch
     invariance; its kept columns and the backward's tiles), ``backward`` the backward's over
     the batch when the forward ran in blocks, ``search`` the threshold passes' (nothing
-    kept, no CuTe), ``thresholds`` the chunked threshold pass's steps, ``splits`` the Triton
-    search's first pass's vocabulary splits. ``main`` is None on a vocab-parallel rank
-    without real rows (only the threshold steps serve there)."""
+    kept, no CuTe), ``thresholds`` the chunked threshold pass's steps; the Triton search's
+    (``triton_lib.log_probs_candidates``): the candidates kernel's tiles and C (candidates
+    per row), the mass kernel's tiles, the first pass's vocabulary ``splits``. ``main`` is
+    None on a vocab-parallel rank without real rows (only the threshold steps serve there)."""
 
     main: Optional[LinearPlan] = None
     backward: Optional[LinearPlan] = None
@@ -137,6 +136,9 @@ class TritonConfig:
     thresholds: Optional[TorchPlan] = None
     splits: int = 0
     trunc: Optional[Truncated] = None
+    candidate_tiles: Optional[TritonPlan] = None
+    candidates: int = 0
+    mass_tiles: Optional[TritonPlan] = None
 
 
 @dataclass(frozen=True)
@@ -151,13 +153,25 @@ class HelionConfig:
 
 
 class LlpBackend(Backend, Protocol):
-    """One backend of linear_log_probs (module docstring)."""
+    """One backend of linear_log_probs (module docstring). Its capabilities (class attributes):
+
+    truncates: it runs truncated and batch-invariant calls (a ``Truncated`` Config); where
+        not (Helion: no threshold kernels), ``api`` runs such a call on the backend that
+        runs in its place (``ops.common.helion_choice.fallback_name``);
+    threshold_search: its thresholds come from the Triton candidates / mass search
+        (``truncation.search_triton``), which also gives the sparse backward's candidates;
+        else from the chunked pass (``truncation.thresholds``).
+    """
+
+    truncates: bool
+    threshold_search: bool
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
              parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> Any:
-        """The call's Config. ``trunc`` (``formulas.truncation.Truncation``) or ``block``:
-        the truncated / batch-invariant Config; ``parallel``, ``plan_rows``: a rank's rows
+        """The call's Config. ``trunc`` (``formulas.truncation.Truncation``, its ``k_max`` the
+        largest top_k: ``custom_op`` reads it) or ``block``: the truncated / batch-invariant
+        Config, ``k_max`` the op's argument; ``parallel``, ``plan_rows``: a rank's rows
         of a vocab-parallel head (the threshold steps sized for ``plan_rows`` columns);
         ``cute=False``: without the CuTe choice (a fake: no memory)."""
         ...
@@ -184,3 +198,88 @@ class LlpBackend(Backend, Protocol):
                  need_dw: bool, need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
         """dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
         ...
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+
+@dataclass(frozen=True)
+class LlpCall(Call):
+    """One call of the forward op (``custom_op``), from the public function's checked inputs.
+
+    x (N, H), weight (V, H) (this rank's rows with ``tp.tp_group``), bias (V,) or None,
+    tokens (N,) int64; ``budget``: bytes of temporaries; ``need_grad``: a backward will
+    follow (plan kept columns), ``need_dw``: it wants dW; truncated sampling: ``top_k``
+    (int64), ``top_p``, ``min_p`` (float64), (N,) each, or None (none), ``checked``: their
+    values were range-checked (``formulas.truncation.Truncation.checked``; else the
+    forward checks them on the CPU), ``k_max`` the largest top_k when read on the host
+    (-1: not read); ``block``: rows per block under ``batch_invariant`` (0: none). A call
+    with neither truncation nor block is the default one."""
+
+    differentiable = ("x", "weight", "bias")
+
+    x: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    tokens: Tensor
+    opts: LogProbOptions
+    backend: str
+    budget: int
+    need_grad: bool
+    need_dw: bool
+    top_k: Optional[Tensor]
+    top_p: Optional[Tensor]
+    min_p: Optional[Tensor]
+    checked: bool
+    k_max: int
+    block: int
+    tp: VocabParallelOptions
+
+
+class LlpOutputs(NamedTuple):
+    """The forward op's outputs, per token in the compute dtype. logp; entropy (None without
+    ``opts.entropy``); lse; keep, keep_max: the kept columns of exp(a - m)
+    (``NOTHING_KEPT``-shaped dummies when none; the backward turns them into dz in place);
+    config: the backend's Config; tau, sparse, inside (truncated / batch-invariant calls,
+    else None): the per-token thresholds ((0,) without truncation), the sparse backward's
+    candidates ((2, N, W) int32: their fp32 bits and their columns) and the rows it takes.
+    (None outputs cross the custom ops as size-0 tensors: ``glue``.)"""
+
+    logp: Tensor
+    entropy: Optional[Tensor]
+    lse: Tensor
+    keep: Tensor
+    keep_max: Tensor
+    config: Any
+    tau: Optional[Tensor]
+    sparse: Optional[Tensor]
+    inside: Optional[Tensor]
+
+
+@dataclass(frozen=True)
+class LlpBackwardCall(Call):
+    """One call of the backward op: the upstream gradients of logp and of the entropy, the
+    forward's inputs, statistics, kept columns (overwritten with dz) and Config; truncated
+    calls: the forward's logp, tau and the sparse backward's candidates and rows."""
+
+    mutated = ("keep",)
+
+    grad_logp: Optional[Tensor]
+    grad_entropy: Optional[Tensor]
+    x: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    tokens: Tensor
+    lse: Tensor
+    entropy_out: Optional[Tensor]
+    keep: Tensor
+    keep_max: Tensor
+    config: Encoded
+    opts: LogProbOptions
+    backend: str
+    need: Needs
+    logp: Optional[Tensor]
+    tau: Optional[Tensor]
+    sparse: Optional[Tensor]
+    inside: Optional[Tensor]
+    tp: VocabParallelOptions

@@ -13,7 +13,7 @@ parallelism (``vocab_parallel`` calls this module on a rank's rows; its dx stays
 fp32 accumulator until the all-reduce, ``dx_acc``).
 Without a usable Helion the Triton (CUDA) or torch (CPU) backend runs, with one warning
 (``ops.common.helion_choice``): decided in ``plan`` (``contract.HelionConfig``), followed by
-the backward. Truncated / batch-invariant calls run on that backend (``api``).
+the backward. Truncated / batch-invariant calls run on that backend (``truncates`` False: ``api``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class HelionBackend(HelionKind):
 
     codec = ConfigCodec(HelionConfig)
     grad_coefficients = staticmethod(TorchBackend.grad_coefficients)
+    truncates = False  # (no threshold kernels: ``api`` runs such calls on the backend in Helion's place)
+    threshold_search = False
 
     def __init__(self, others: Mapping[str, LlpBackend]):
         self.others = others

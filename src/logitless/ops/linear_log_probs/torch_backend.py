@@ -27,7 +27,7 @@ from logitless.ops.common.contract import ConfigCodec, TorchKind
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
 
-from .contract import TorchConfig, decide, largest_top_k
+from .contract import TorchConfig, decide
 
 
 def scaled_tile(x_c: Tensor, w_v: Tensor, b_v: Optional[Tensor], opts: LogProbOptions) -> Tensor:
@@ -108,6 +108,8 @@ class TorchBackend(TorchKind):
     (``contract.TorchConfig``); it keeps nothing for the backward."""
 
     codec = ConfigCodec(TorchConfig)
+    truncates = True
+    threshold_search = False  # (the chunked threshold pass)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
@@ -122,7 +124,7 @@ class TorchBackend(TorchKind):
                                          accumulators=0 if exact else int(need_dw))
         if trunc is None and not block:
             return TorchConfig(forward, backward)
-        decided, _ = decide(self.name, v, trunc is not None, k_max, largest_top_k(trunc, k_max, block, n), block,
+        decided, _ = decide(self, v, trunc is not None, k_max, trunc.k_max if trunc is not None else k_max, block,
                             need_grad, parallel)  # (keeps nothing)
         steps = linear_torch_plan(rows, plan_rows or v, budget, tiles=3, accumulators=0) if trunc is not None else None
         return TorchConfig(forward, backward, steps, decided)

@@ -43,7 +43,7 @@ from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.launch import cdiv
 
-from .contract import TritonConfig, candidate_count, decide, largest_top_k
+from .contract import TritonConfig, candidate_count, decide
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -95,26 +95,29 @@ def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget:
                      plan_rows: Optional[int]) -> TritonConfig:
     """The Config of a truncated / batch-invariant call (``TritonConfig``): pure in its
     arguments, so memoised (``planning.memo``). ``k_max_arg``: the op's argument, ``k_max``
-    the largest top_k (``contract.largest_top_k``). The search's first pass's vocabulary
-    splits are a block's rows' (``log_probs_candidates.splits_for``)."""
+    the largest top_k. The search's kernels' tiles and C, and its first pass's vocabulary
+    splits, a block's rows' (``log_probs_candidates``)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
-    decided, keep = decide("triton", v, truncated, k_max_arg, k_max, block, need_grad, parallel, opts.softcap)
+    decided, keep = decide(TritonBackend, v, truncated, k_max_arg, k_max, block, need_grad, parallel, opts.softcap)
     rows = block or n
-    main = backward = search_plan = steps = None
-    splits = 0
+    main = backward = search_plan = steps = cand_tiles = masses = None
+    splits = c = 0
     if v:
         main = _linear_plan(rows, v, h, dtype, device, budget, opts, keep)
         if block:
             backward = _linear_plan(n, v, h, dtype, device, budget, opts, False)
         if truncated:
             search_plan = _linear_plan(rows, v, h, dtype, device, budget, opts, False)
+            cand_tiles = LC.candidate_tiles(search_plan.forward, device)
             if decided.search:
-                splits = LC.splits_for(rows, v, search_plan.forward, candidate_count(k_max), device)
+                c = candidate_count(k_max)
+                splits = LC.splits_for(rows, v, cand_tiles, c, device)
+                masses = LC.mass_tiles(search_plan.forward, device)
     if truncated:  # (shape and dtype are what the planner reads)
         steps = linear_torch_plan(torch.empty((rows, h), dtype=dtype, device="meta"), plan_rows or v, budget, tiles=3,
                                   accumulators=0)
-    return TritonConfig(main, backward, search_plan, steps, splits, decided)
+    return TritonConfig(main, backward, search_plan, steps, splits, decided, cand_tiles, c, masses)
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -260,6 +263,8 @@ class TritonBackend(TritonKind):
     batch-invariant calls, the threshold passes' plans and the backward's over the batch."""
 
     codec = ConfigCodec(TritonConfig)
+    truncates = True
+    threshold_search = True  # (the candidates / mass search, ``truncation.search_triton``)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
@@ -269,7 +274,7 @@ class TritonBackend(TritonKind):
             return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute))
         n, h = x.shape
         return truncated_config(n, h, v, x.dtype, x.device, budget, opts, trunc is not None, k_max,
-                                largest_top_k(trunc, k_max, block, n), block, need_grad, parallel, plan_rows)
+                                trunc.k_max if trunc is not None else k_max, block, need_grad, parallel, plan_rows)
 
     @staticmethod
     def kept_shapes(config: Optional[TritonConfig], n: int):

@@ -4,9 +4,10 @@ their ``plan`` by ``decide``), run by the same custom ops (``custom_op``) throug
 ``forward`` and ``backward`` here.
 
 One plan per call: the backend's ``plan`` decides the blocks, the threshold passes' plans
-(Triton: ``TritonConfig.search``; the chunked pass's steps, ``thresholds``), whether the
-Triton search runs, the sparse backward's width and whether the forward keeps columns; the
-largest top_k is read there (a host sync) when the caller did not. What follows the data
+(Triton: ``TritonConfig.search``, the search kernels' tiles and C; the chunked pass's steps,
+``thresholds``), whether the Triton search runs, the sparse backward's width and whether the
+forward keeps columns; the largest top_k is read before it (a host sync, ``custom_op``) when
+the caller did not. What follows the data
 is decided in the forward and crosses to the backward as tensors: which rows the search
 settles (the rows it leaves take the chunked pass and a forward under the Config's plan,
 not one of their own), and which rows the sparse backward takes (``inside``; the dense
@@ -78,14 +79,14 @@ from logitless.formulas.truncation import (
     rebase,
     resolve,
 )
-from logitless.ops.common.autograd import grad_outputs
+from logitless.ops.common.glue import grad_outputs
 from logitless.ops.common.invariant import pad_rows
 from logitless.ops.common.validate import check_targets_in_range
 from logitless.options import LogProbOptions
-from logitless.planning.plans import LinearPlan, TorchPlan
+from logitless.planning.plans import TorchPlan
 from logitless.planning.tiles import TritonPlan
 
-from .contract import candidate_count
+from .contract import TritonConfig
 from .torch_backend import scaled_tile
 
 
@@ -187,7 +188,7 @@ def _padded(x: Tensor, tokens: Tensor, n0: int, n1: int, pad: int, ignore_index:
 
 def _padded_trunc(trunc: Truncation, n0: int, n1: int, pad: int) -> Truncation:
     return Truncation(pad_rows(trunc.top_k, n0, n1, pad), pad_rows(trunc.top_p, n0, n1, pad, 1.0),
-                      pad_rows(trunc.min_p, n0, n1, pad), trunc.k_max)
+                      pad_rows(trunc.min_p, n0, n1, pad), trunc.k_max, trunc.checked)
 
 
 #: The Triton threshold pass: thresholds per mass pass, mass passes before the rows left go
@@ -216,8 +217,7 @@ def _merged_candidates(parts, c: int):
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, lplan: LinearPlan, invariant: bool = False, indices: bool = False,
-                  splits: Optional[int] = None):
+                  trunc: Truncation, config: TritonConfig, invariant: bool = False, indices: bool = False):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -232,22 +232,20 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     candidates and mass passes: ``splits_for`` the rows of each pass; ``invariant``: of all of x
     (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
     a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
-    rows whose kept set (a >= the returned tau) lies in their candidates. ``lplan``: the
-    Triton Config's ``search`` plan, ``splits`` its first pass's (None: ``splits_for`` x's rows)."""
+    rows whose kept set (a >= the returned tau) lies in their candidates. ``config``: the
+    Triton Config (its ``search`` plan, the kernels' tiles, C and the first pass's
+    ``splits``, 0: ``splits_for`` x's rows)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
 
     n, v = x.shape[0], weight.shape[0]
     sd = compute_dtype(x.dtype)
-    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
-    c = candidate_count(kmax)
-    plan = lplan.forward
+    c, lplan, plan, mplan = config.candidates, config.search, config.candidate_tiles, config.mass_tiles
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
-    if splits is None:
-        splits = LC.splits_for(n, v, plan, c, x.device)
+    splits = config.splits or LC.splits_for(n, v, plan, c, x.device)
 
     def splits_of(rows_of_pass: Tensor) -> int:
         return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
@@ -307,7 +305,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     first = True
     for _ in range(MAX_MASS_PASSES if bool(active.any()) else 0):  # (host sync)
         arows = active.nonzero()[:, 0]  # (the rows still searching only)
-        cnt_a, mass_a = LC.masses(_rows(xs, arows), weight, bias, plan, sc, temp, mr[arows], thr[arows],
+        cnt_a, mass_a = LC.masses(_rows(xs, arows), weight, bias, mplan, sc, temp, mr[arows], thr[arows],
                                   splits=splits_of(arows))
         cnt = torch.zeros(rows.numel(), t, dtype=torch.int64, device=x.device)
         mass = torch.zeros(rows.numel(), t, dtype=torch.float64, device=x.device)
@@ -414,10 +412,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     backend = sharded if sharded is not None else impl
     v = sharded.vocab_size if sharded is not None else weight.shape[0]
     check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
-    if trunc is not None and x.device.type == "cpu":
+    if trunc is not None and not trunc.checked and x.device.type == "cpu":
         check_values(trunc.top_k, trunc.top_p, trunc.min_p)
-    if trunc is not None:
-        trunc = Truncation(trunc.top_k, trunc.top_p, trunc.min_p, dec.k_max if dec.k_max >= 0 else None)
     sd = compute_dtype(x.dtype)
     tiles = config.search.forward if getattr(config, "search", None) is not None else None
     kept = None
@@ -434,9 +430,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             if sharded is not None:  # (the chunked pass, merged over the group)
                 tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
             elif xb.shape[0] and dec.search:
-                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config.search,
-                                                     invariant=bool(block), indices=sparse is not None,
-                                                     splits=config.splits)
+                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, invariant=bool(block),
+                                                     indices=sparse is not None)
                 if sparse is not None and sp[0] is not None:
                     sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
                 else:

@@ -182,9 +182,9 @@ class ShardedBackend:
         chunked = dict(vocab_size=v, merge=merge)
         kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())  # (host sync)
         c = candidate_count(kmax)
-        if self.impl.name != "triton" or c > MAX_CANDIDATES or x.shape[0] == 0:
+        if not self.impl.threshold_search or c > MAX_CANDIDATES or x.shape[0] == 0:
             return _thresholds(x, w, b, opts, trunc, budget, config.thresholds, tiles, **chunked)
-        cand, m, s = _candidates_triton(x, w, b, opts, c, tiles)
+        cand, m, s = _candidates_triton(x, w, b, opts, c, config.candidate_tiles)
         cand, m, s = merge(cand, m, s, c)
         tau, ok = resolve(cand, m, s, v, trunc)
         tau = tau.to(compute_dtype(x.dtype))
@@ -198,7 +198,7 @@ class ShardedBackend:
 def _candidates_triton(x: Tensor, w: Tensor, b: Optional[Tensor], opts: LogProbOptions, c: int, tiles):
     """(top-c descending (N, c), row max, row sum) of this rank's columns, fp32, from the
     Triton candidates kernel (``triton_lib.log_probs_candidates``; no logits) under the
-    Config's search tiles; a rank without columns: (-inf, -inf, 0)."""
+    Config's candidates tiles; a rank without columns: (-inf, -inf, 0)."""
     n = x.shape[0]
     if w.shape[0] == 0:
         neg = torch.full((n,), -math.inf, dtype=torch.float32, device=x.device)

@@ -14,8 +14,8 @@ from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
 
-from .contract import LpBackend
-from .custom_op import lp_forward_eager, use_backends
+from . import custom_op
+from .contract import LpBackend, LpCall
 from .torch_backend import TorchBackend
 
 
@@ -30,7 +30,8 @@ def _triton() -> LpBackend:
 #: truncated and batch-invariant calls too (a Config of theirs, ``contract.Blocks``).
 #: Triton's is made on first use (its module needs the optional package).
 BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
-use_backends(BACKENDS)
+#: The custom-op pair (logitless::lp_forward / lp_backward) over the table.
+OPS = custom_op.define(BACKENDS)
 
 
 def log_probs(
@@ -99,17 +100,18 @@ def log_probs(
         trunc = _truncation.check(top_k, top_p, min_p, tokens.shape, tokens.device)
     flat = logits.reshape(-1, logits.shape[-1])
     flat_tokens = tokens.reshape(-1).long()
+    k = p = mp = None
+    k_max, checked = -1, True
     if trunc is not None or batch_invariant is not False:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-        k, p, mp, k_max = (trunc.top_k, trunc.top_p, trunc.min_p, -1 if trunc.k_max is None else trunc.k_max) \
-            if trunc is not None else (None, None, None, 0)
-        inputs = (flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, k, p, mp, k_max, batch_invariant)
-    else:
-        if impl == "torch" and flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        inputs = (flat, flat_tokens, *opts.args(), impl, DEFAULT_MEMORY_BUDGET, None, None, None, 0, False)
-    logp, ent, *_ = lp_forward_eager.runner(inputs)(*inputs)
+        if trunc is not None:
+            k, p, mp, checked = trunc.top_k, trunc.top_p, trunc.min_p, trunc.checked
+            k_max = -1 if trunc.k_max is None else trunc.k_max
+    elif flat.stride(-1) != 1 and not BACKENDS[impl].strided_logits:
+        flat = flat.contiguous()
+    call = LpCall(flat, flat_tokens, opts, impl, DEFAULT_MEMORY_BUDGET, k, p, mp, checked, k_max, batch_invariant)
+    logp, ent, *_ = OPS(call)
     logp = logp.reshape(tokens.shape)
     if not opts.entropy:
         return logp

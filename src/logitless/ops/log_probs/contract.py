@@ -15,7 +15,8 @@ None); with it or ``batch_invariant`` the Config holds ``Blocks``: plain torch o
 blocks of rows (``truncation.py``, shared by the backends), else the backend's own
 streaming plan. ``config`` is the backend's frozen Config (``TorchConfig``,
 ``TritonConfig``): the backward gets the forward's, never a new one, and it crosses the
-custom ops as ``backend.codec`` encodes it.
+custom ops as ``backend.codec`` encodes it. The custom ops' declared calls (``LpCall`` ->
+``LpOutputs``, ``LpBackwardCall``: ``ops.common.glue``) are at the bottom.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import Backend
+from logitless.ops.common.glue import Call, Encoded
 from logitless.options import LogProbOptions
 from logitless.planning.logits import CETritonPlan
 
@@ -72,7 +74,14 @@ class LpForward(NamedTuple):
 
 
 class LpBackend(Backend, Protocol):
-    """One backend of log_probs (module docstring)."""
+    """One backend of log_probs (module docstring). Its capability (a class attribute):
+
+    strided_logits: its streaming forward and backward read the logits through their
+        strides (Triton); where not (torch), ``api`` makes rows whose last dimension is
+        strided contiguous first.
+    """
+
+    strided_logits: bool
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
              batch_invariant: bool) -> Any:
@@ -84,8 +93,68 @@ class LpBackend(Backend, Protocol):
         ...
 
     def backward(self, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
-                 logp: Optional[Tensor], entropy: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
-                 config: Any) -> Tensor:
-        """d / d logits (N, V), a new tensor in the logits' dtype. ``logp``: the forward's
-        on the truncated path (where it is -inf no gradient flows), else None."""
+                 logp: Optional[Tensor], entropy: Optional[Tensor], lse: Tensor, tau: Optional[Tensor],
+                 opts: LogProbOptions, config: Any) -> Tensor:
+        """d / d logits (N, V), a new tensor in the logits' dtype. ``logp``, ``tau``: the
+        forward's on the truncated path (where logp is -inf no gradient flows), else None;
+        ``entropy``: None without ``opts.entropy``."""
         ...
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+
+@dataclass(frozen=True)
+class LpCall(Call):
+    """One call of the forward op (``custom_op``): logits (N, V), tokens (N,) int64; ``budget``:
+    bytes of temporaries (the torch backend's rows per chunk); truncated sampling: ``top_k``
+    (int64), ``top_p``, ``min_p`` (float64), (N,) each, or None (none), ``checked``: their
+    values were range-checked (``formulas.truncation.Truncation.checked``; else the forward
+    checks them on the CPU), ``k_max`` the largest top_k when known on the host (-1: read
+    from top_k); ``batch_invariant``."""
+
+    differentiable = ("logits",)
+
+    logits: Tensor
+    tokens: Tensor
+    opts: LogProbOptions
+    backend: str
+    budget: int
+    top_k: Optional[Tensor]
+    top_p: Optional[Tensor]
+    min_p: Optional[Tensor]
+    checked: bool
+    k_max: int
+    batch_invariant: bool
+
+
+class LpOutputs(NamedTuple):
+    """The forward op's outputs, per token in the compute dtype: logp, entropy (None without
+    ``opts.entropy``), lse, tau (truncated or batch-invariant calls: the threshold per row,
+    -inf where nothing is truncated; else None), config: the backend's Config. (None outputs
+    cross the custom ops as size-0 tensors: ``glue``.)"""
+
+    logp: Tensor
+    entropy: Optional[Tensor]
+    lse: Tensor
+    tau: Optional[Tensor]
+    config: Any
+
+
+@dataclass(frozen=True)
+class LpBackwardCall(Call):
+    """One call of the backward op (-> d / d logits, a new tensor): the upstream gradients,
+    the forward's inputs, statistics and Config; ``logp`` the forward's on the truncated
+    path (no gradient where it is -inf), else None."""
+
+    grad_logp: Optional[Tensor]
+    grad_entropy: Optional[Tensor]
+    logits: Tensor
+    tokens: Tensor
+    logp: Optional[Tensor]
+    entropy_out: Optional[Tensor]
+    lse: Tensor
+    tau: Optional[Tensor]
+    config: Encoded
+    opts: LogProbOptions
+    backend: str

@@ -1,28 +1,17 @@
-"""The torch.library custom ops of log_probs on logits: what autograd and torch.compile see.
+"""The bodies of log_probs' custom ops on logits (``logitless::lp_forward`` and ``lp_backward``),
+written against the declared calls of ``contract`` (``LpCall`` -> ``LpOutputs``,
+``LpBackwardCall`` -> d / d logits); ``ops.common.glue.CustomOp`` derives the schemas, the
+flattening and the autograd wiring from those declarations.
 
-    logitless::lp_forward(logits, tokens, <options>, backend, budget, top_k=None, top_p=None,
-                          min_p=None, k_max=0, batch_invariant=False)
-        -> logp, entropy ((0,) without entropy), lse, tau ((0,) untruncated), config
-    logitless::lp_backward(grad_logp, grad_entropy, logits, tokens, logp (None untruncated),
-                           entropy_out, lse, tau, config, <options>, backend)
-        -> d / d logits (a new tensor)
-
-(the schemas, written out: ``FORWARD_SCHEMA``, ``BACKWARD_SCHEMA``). ``<options>`` are the
-fields of ``LogProbOptions`` (temperature, entropy, softcap, ignore_index); ``backend``
-names an entry of the table ``api.BACKENDS`` (given here by ``use_backends``), an
-``LpBackend`` (``contract``). ``top_k``, ``top_p``, ``min_p``: the per-token truncation
-(``formulas.truncation.Truncation``; None: none), ``k_max`` its largest top_k when known
-on the host (-1: read from top_k). Truncated and batch-invariant calls are Configs of the
-same backends (``contract.Blocks``): fixed output shapes either way. The forward plans the
-call once (``backend.plan``); the backward follows that Config: the object on the eager
-fast path, the backend's encoding (``backend.codec``, a CPU int64 tensor) through the
-custom ops. The CPU checks of the tokens' and the truncation's values live in the
-implementation (eager also under torch.compile). Double backward raises.
+Truncated and batch-invariant calls are Configs of the same backends (``contract.Blocks``):
+fixed output shapes either way. The forward plans the call once (``backend.plan``); the
+backward follows that Config: the object on the eager path, the backend's encoding
+(``backend.codec``, a CPU int64 tensor) through the custom ops. The CPU checks of the
+tokens' and the truncation's values live in the forward (eager also under torch.compile).
+Double backward raises.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -30,139 +19,89 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.truncation import Truncation, check_values
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.autograd import below_autograd, custom_op, guard_double_backward
-from logitless.ops.common.contract import register_autograd
+from logitless.ops.common.glue import CustomOp
 from logitless.ops.common.validate import check_targets_in_range
-from logitless.options import LogProbOptions
 
-from .contract import LpBackend
+from .contract import LpBackend, LpBackwardCall, LpCall, LpOutputs
 
+#: The custom ops: logitless::lp_forward, logitless::lp_backward.
+NAME = "lp"
 OP = "log_probs"
 
-OPTIONS_SCHEMA = "float temperature, bool entropy, float? softcap, SymInt ignore_index"
-FORWARD_SCHEMA = (
-    f"(Tensor logits, Tensor tokens, {OPTIONS_SCHEMA}, str backend, SymInt budget, Tensor? top_k=None, "
-    "Tensor? top_p=None, Tensor? min_p=None, SymInt k_max=0, bool batch_invariant=False) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-BACKWARD_SCHEMA = (
-    "(Tensor? grad_logp, Tensor? grad_entropy, Tensor logits, Tensor tokens, Tensor? logp, Tensor entropy_out, "
-    f"Tensor lse, Tensor tau, Tensor config, {OPTIONS_SCHEMA}, str backend) -> Tensor"
-)
-#: The forward's arguments: 8, then the 5 defaulted truncation ones.
-_NUM_INPUTS = 13
 
-#: backend name -> LpBackend: ``api.BACKENDS``, given once at import (``use_backends``).
-BACKENDS: Mapping[str, LpBackend] = {}
-
-
-def use_backends(table: Mapping[str, LpBackend]) -> None:
-    """The table of backends the custom ops run (``api.BACKENDS``)."""
-    global BACKENDS
-    BACKENDS = table
-
-
-def _forward(logits: Tensor, tokens: Tensor, temperature, entropy, softcap, ignore_index, backend: str, budget: int,
-             top_k=None, top_p=None, min_p=None, k_max: int = 0, batch_invariant: bool = False):
-    """logits (N, V), tokens (N,) int64 -> logp (N,), entropy (N,) or (0,), lse (N,), tau
-    (N,) or (0,), the Config as the object."""
-    opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
+def forward(call: LpCall, impl: LpBackend) -> LpOutputs:
+    """logp (N,), entropy (N,) or None, lse (N,), tau (N,) or None, the Config as the object."""
+    logits, tokens, opts = call.logits, call.tokens, call.opts
     n, v = logits.shape
     check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
     trunc = None
-    if top_k is not None:
-        if logits.device.type == "cpu":
-            check_values(top_k, top_p, min_p)
-        trunc = Truncation(top_k, top_p, min_p, k_max if k_max >= 0 else None)
+    if call.top_k is not None:
+        if not call.checked and logits.device.type == "cpu":
+            check_values(call.top_k, call.top_p, call.min_p)
+        trunc = Truncation(call.top_k, call.top_p, call.min_p, call.k_max if call.k_max >= 0 else None, call.checked)
+    blocked = trunc is not None or call.batch_invariant
     sd = compute_dtype(logits.dtype)
     if n == 0:
-        return (logits.new_empty(0, dtype=sd), logits.new_empty(0, dtype=sd), logits.new_empty(0, dtype=sd),
-                logits.new_empty(0, dtype=sd), None)
-    impl = BACKENDS[backend]
+        empty = logits.new_empty(0, dtype=sd)
+        return LpOutputs(empty, logits.new_empty(0, dtype=sd) if opts.entropy else None,
+                         logits.new_empty(0, dtype=sd), logits.new_empty(0, dtype=sd) if blocked else None, None)
     with no_autocast(logits.device):
         # The call's Config, once: the forward and the backward follow it.
-        config = impl.plan(logits, opts, budget=budget, truncated=trunc is not None, batch_invariant=batch_invariant)
+        config = impl.plan(logits, opts, budget=call.budget, truncated=trunc is not None,
+                           batch_invariant=call.batch_invariant)
         out = impl.forward(logits, tokens, trunc, opts, config)
-    ent = out.entropy.to(sd) if out.entropy is not None else logits.new_empty(0, dtype=sd)
-    tau = out.tau if out.tau is not None else logits.new_empty(0, dtype=sd)
-    return out.logp.to(sd), ent, out.lse.to(sd), tau, config
+    return LpOutputs(out.logp.to(sd), out.entropy.to(sd) if out.entropy is not None else None, out.lse.to(sd),
+                     out.tau, config)
 
 
-def _forward_op(*args):
-    """The custom op's implementation: ``_forward`` with the Config encoded by its backend."""
-    out = _forward(*args)
-    return (*out[:4], BACKENDS[args[6]].codec.encode(out[4]))
+def fake(call: LpCall, impl: LpBackend) -> LpOutputs:
+    n = call.logits.shape[0]
+    sd = compute_dtype(call.logits.dtype)
+    blocked = call.top_k is not None or call.batch_invariant  # (tau: the truncated path's output)
+    empty = call.logits.new_empty
+    return LpOutputs(empty(n, dtype=sd), empty(n, dtype=sd) if call.opts.entropy else None, empty(n, dtype=sd),
+                     empty(n, dtype=sd) if blocked else None, None)
 
 
-def _forward_fake(logits, tokens, temperature, entropy, softcap, ignore_index, backend, budget, top_k=None, top_p=None,
-                  min_p=None, k_max=0, batch_invariant=False):
-    n = logits.shape[0]
-    sd = compute_dtype(logits.dtype)
-    blocked = top_k is not None or batch_invariant  # (tau: the truncated path's output)
-    return (logits.new_empty(n, dtype=sd), logits.new_empty(n if entropy else 0, dtype=sd),
-            logits.new_empty(n, dtype=sd), logits.new_empty(n if blocked else 0, dtype=sd),
-            BACKENDS[backend].codec.fake())
-
-
-def _backward_impl(grad_logp, grad_entropy, logits, tokens, logp, entropy_out, lse, tau, config, temperature,
-                   entropy, softcap, ignore_index, backend) -> Tensor:
-    """d / d logits; ``config``: the forward's (the object, or its encoding)."""
-    if logits.shape[0] == 0:
-        return torch.empty_like(logits)
-    impl = BACKENDS[backend]
-    opts = LogProbOptions(temperature, entropy, softcap, ignore_index)
-    with no_autocast(logits.device):
-        return impl.backward(grad_logp, grad_entropy, logits, tokens, logp, entropy_out, lse, tau, opts,
-                             impl.codec.decode(config))
-
-
-def _backward_fake(grad_logp, grad_entropy, logits, *_):
-    return torch.empty_like(logits)
-
-
-lp_forward = custom_op("lp_forward", _forward_op, schema=FORWARD_SCHEMA)
-lp_forward.register_fake(_forward_fake)
-lp_backward = custom_op("lp_backward", _backward_impl, schema=BACKWARD_SCHEMA)
-lp_backward.register_fake(_backward_fake)
-
-
-
-def _setup_context(ctx, inputs, output):
+def save(ctx, call: LpCall, out: LpOutputs) -> None:
     """Saved: logits, tokens, logp (truncated or batch-invariant calls only: where it is
-    -inf no gradient flows), entropy, lse, tau. On ctx: the options and the backend, the
-    Config."""
-    if len(inputs) < _NUM_INPUTS:  # (a compiled graph may leave the defaulted ones out)
-        inputs = (*inputs, None, None, None, 0, False)[:_NUM_INPUTS]
-    logp, entropy_out, lse, tau, config = output
-    blocked = inputs[8] is not None or inputs[12]
-    ctx.save_for_backward(inputs[0], inputs[1], logp if blocked else None, entropy_out, lse, tau)
-    ctx.options = inputs[2:7]  # <options>, backend
-    ctx.config = config
-    if isinstance(config, Tensor):
-        ctx.mark_non_differentiable(lse, tau, config)
-    else:  # (the eager fast path's Config is the object)
-        ctx.mark_non_differentiable(lse, tau)
+    -inf no gradient flows), entropy, lse, tau. On ctx: the options, the backend, the Config."""
+    blocked = call.top_k is not None or call.batch_invariant
+    ctx.save_for_backward(call.logits, call.tokens, out.logp if blocked else None, out.entropy, out.lse, out.tau)
+    ctx.opts, ctx.backend, ctx.config = call.opts, call.backend, out.config
+    frozen = [out.lse]
+    if out.tau is not None:
+        frozen.append(out.tau)
+    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
+        frozen.append(out.config)
+    ctx.mark_non_differentiable(*frozen)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_logp, grad_entropy, *_):
-    """(d logits, None...): the backward op on the saved tensors and the forward's Config."""
-    nones = (None,) * (_NUM_INPUTS - 1)
-    if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
-        return (None, *nones)
+def backward(ctx, grads: LpOutputs, need, run) -> tuple:
+    """(d logits,): the backward op (``run``) on the saved tensors and the forward's Config."""
+    if grads.logp is None and grads.entropy is None:
+        return (None,)
     logits, tokens, logp, entropy_out, lse, tau = ctx.saved_tensors
-    args = (grad_logp, grad_entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config, *ctx.options)
-    # The eager fast path calls the implementation, recording no autograd history (as the
-    # dispatcher runs a custom op's: a backward with create_graph=True runs in grad mode).
-    if getattr(ctx, "eager", False):
-        with below_autograd():
-            dz = _backward_impl(*args)
-    else:
-        dz = lp_backward(*args)
-    (dz,) = guard_double_backward(OP, (dz,), grad_logp, grad_entropy, logits)
-    return (dz, *nones)
+    return run(LpBackwardCall(grads.logp, grads.entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config,
+                              ctx.opts, ctx.backend))
 
 
-#: What the public function calls: ``lp_forward`` with its autograd, through a plain
-#: autograd.Function in eager mode (``autograd.EagerOp``: ``.runner(inputs)(*inputs)``).
-lp_forward_eager = register_autograd(lp_forward, _forward, _setup_context, _backward)
+def backward_impl(b: LpBackwardCall, impl: LpBackend) -> tuple:
+    """(d / d logits,); ``config``: the forward's (the object, or its encoding)."""
+    logits = b.logits
+    if logits.shape[0] == 0:
+        return (torch.empty_like(logits),)
+    with no_autocast(logits.device):
+        return (impl.backward(b.grad_logp, b.grad_entropy, logits, b.tokens, b.logp, b.entropy_out, b.lse, b.tau,
+                              b.opts, impl.codec.decode(b.config)),)
+
+
+def backward_fake(b: LpBackwardCall, impl: LpBackend) -> tuple:
+    return (torch.empty_like(b.logits),)
+
+
+def define(backends, *, name: str = NAME) -> CustomOp:
+    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
+    return CustomOp(name, LpCall, LpOutputs, LpBackwardCall, table=backends, forward=forward, fake=fake, save=save,
+                    backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

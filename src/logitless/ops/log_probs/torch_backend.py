@@ -40,6 +40,7 @@ class TorchBackend(TorchKind):
     (``contract.TorchConfig``) holds the rows per chunk or the truncated path's blocks."""
 
     codec = ConfigCodec(TorchConfig)
+    strided_logits = False  # (rows made contiguous first: ``api``)
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
              batch_invariant: bool) -> TorchConfig:

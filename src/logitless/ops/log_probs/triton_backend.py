@@ -34,6 +34,7 @@ class TritonBackend(TritonKind):
     holds the tiles or the truncated path's blocks."""
 
     codec = ConfigCodec(TritonConfig)
+    strided_logits = True  # (the kernels read the logits through their strides: no copy)
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
              batch_invariant: bool) -> TritonConfig:

@@ -101,7 +101,7 @@ def forward(logits: Tensor, tokens: Tensor, trunc: Optional[Truncation], opts: L
             if tr is not None:
                 tr = Truncation(torch.cat([tr.top_k, tr.top_k.new_zeros(pad)]),
                                 torch.cat([tr.top_p, tr.top_p.new_ones(pad)]),
-                                torch.cat([tr.min_p, tr.min_p.new_zeros(pad)]), tr.k_max)
+                                torch.cat([tr.min_p, tr.min_p.new_zeros(pad)]), tr.k_max, tr.checked)
         lp, ent, lse, tau = _block(z, t, tr, temperature, ignore_index, entropy)
         lps.append(lp[:n1 - n0])
         lses.append(lse[:n1 - n0])
