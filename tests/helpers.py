@@ -32,7 +32,7 @@ def run_custom_op(mode, func, args, kwargs):
     """For a dispatch mode: the result of ``func``, running a logitless custom op's Python
     implementation with ``mode`` active (so that the mode sees the aten ops inside it;
     otherwise each custom op is one opaque call), any other op as it is."""
-    from logitless.ops.common.autograd import EAGER
+    from logitless.ops.common.glue import EAGER
 
     impl = EAGER.get(func.name())
     if impl is None:
@@ -131,17 +131,16 @@ def fake_triton_launches(monkeypatch, kernel, stream: int = 77):
 def eager_fast_path(on: bool):
     """A context in which the public ops' eager fast path is as shipped (``on``) or off
     (every call through the torch.library custom ops, as under torch.compile): a test-only
-    patch of ``ops.common.autograd.eager_fast_path_ok``."""
+    patch of ``ops.common.glue.eager_fast_path_ok``."""
     import contextlib
     from unittest import mock
 
-    from logitless.ops.common import autograd, glue
+    from logitless.ops.common import glue
 
     if on:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(glue, "eager_fast_path_ok", lambda tensors: False))
-    stack.enter_context(mock.patch.object(autograd, "eager_fast_path_ok", lambda inputs: False))
     return stack
 
 

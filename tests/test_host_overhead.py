@@ -377,7 +377,7 @@ def test_eager_fast_path_is_off_where_it_must_be():
     """Dispatch modes, subclasses and torch.compile get the custom op."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from logitless.ops.common.autograd import eager_fast_path_ok
+    from logitless.ops.common.glue import eager_fast_path_ok
 
     x = torch.randn(3)
     assert eager_fast_path_ok((x, torch.nn.Parameter(x), 1, None))

@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from logitless.ops.common import plan_codec
-from logitless.ops.common.autograd import fake_grad_outputs, grad_outputs, zero_grads
+from logitless.ops.common.glue import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, nothing_kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.planning.plans import TorchPlan

@@ -93,7 +93,7 @@ def test_prerounded_bitwise_equal_to_rounding_in_the_kernel(monkeypatch, opts, l
     Bitwise on a GPU too: at the interpreter's tiles both paths' tl.dot lower to the same
     mma.sync m16n8k8 tf32 on register operands (``test_tf32_paths_lower_alike_on_sm90``),
     on identical TF32-exact values. The reference path's backward must run "tf32-round"
-    under the forward's overrides (autograd's CUDA thread: ``under_forward_overrides``)."""
+    under the forward's overrides (autograd's CUDA thread: ``glue.CustomOp``'s backward)."""
     x, w, t, _ = _inputs(37, 40, 131, torch.float32, seed=11 + opts)
     g = torch.Generator().manual_seed(opts)
     kw = dict(OPTION_SETS[opts])

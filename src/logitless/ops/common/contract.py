@@ -13,11 +13,10 @@ typed ``forward``/``backward``. Every backend answers:
 - ``codec``: how its Config crosses a custom op (a ``ConfigCodec``: a CPU int64 tensor of a
   fixed length per Config class, ``plan_codec``): the backend owns the encoding.
 
-The glue (``register_autograd``): an op writes its forward and backward custom ops
-explicitly (schemas in their signatures, ``autograd.custom_op``), its ``setup_context`` and
-autograd backward explicitly (what is saved, what the backward receives), and this module
-wires them: the planner overrides of the forward in effect in the backward, and the eager
-fast path (``autograd.EagerOp``: the same Python implementation without the dispatcher).
+The glue (``glue.CustomOp``): an op declares its call, outputs and backward call as typed
+classes and writes its bodies (``forward``/``fake``/``save``/``backward``); the glue derives
+the torch.library custom ops, their schemas, the eager fast path and the backward under the
+forward's planner overrides from those declarations.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import torch
 from torch import Tensor
 
 from logitless.ops.common import invariant, plan_codec, validate
-from logitless.ops.common.autograd import EagerOp, under_forward_overrides
 
 
 class ConfigCodec:
@@ -166,14 +164,3 @@ class HelionKind:
             return TypeError("backend='helion' supports float16, bfloat16 and float32; "
                              "use backend='torch' for float64")
         return None
-
-
-def register_autograd(forward_op, forward_impl: Callable, setup_context: Callable,
-                      backward: Callable) -> EagerOp:
-    """Register ``setup_context``/``backward`` as the autograd of ``forward_op`` (a
-    ``torch.library`` custom op whose Python implementation is ``forward_impl``), the
-    backward running under the planner overrides of its forward, and return the op with
-    the eager fast path (the public function runs ``op.runner(inputs)(*inputs)``)."""
-    setup, run = under_forward_overrides(setup_context, backward)
-    forward_op.register_autograd(run, setup_context=setup)
-    return EagerOp(forward_op, forward_impl, setup, run)

@@ -2,7 +2,7 @@
 
 An op's forward decides its plan once (a frozen dataclass of the planner,
 ``planning.plans.LinearPlan``) and hands it to its backward. On the eager fast path
-(``autograd.EagerOp``) the object itself travels on the autograd context; where the
+(``glue.CustomOp``'s eager path) the object itself travels on the autograd context; where the
 custom ops run (torch.compile, dispatch modes) a custom op's output can only be a
 tensor, so the backend's ``contract.ConfigCodec`` encodes it here and decodes it before
 the backward implementation sees it.
