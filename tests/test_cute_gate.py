@@ -148,19 +148,29 @@ def test_an_absent_dsl_means_triton_and_one_warning(fake_dsl, monkeypatch):
     assert len(got) == 1 and "nvidia-cutlass-dsl is not installed" in str(got[0].message)
 
 
+def _forward_plan(x, w, **options):
+    """``cute.forward_plan`` of x and W, their layout read as a backend reads it."""
+    layout = (x.dtype == w.dtype, x.stride(), w.stride(), x.data_ptr() % 16, w.data_ptr() % 16)
+    (n, h), v = x.shape, w.shape[0]
+    return cute.forward_plan(x.device, x.dtype, n, v, h, cute.layout_fits(layout, h, x.dtype), **options)
+
+
 def test_the_planner_checks_the_dsl_only_where_it_would_take_the_kernel(fake_dsl):
     fake_dsl(version="4.1.0")
     x, w, t = inputs()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        assert cute.forward_plan(x, w) is None  # triton_faster at this size: no DSL check
-        assert cute.forward_plan(x, w, bias=w[:, 0]) is None  # unsupported option
+        assert _forward_plan(x, w) is None  # triton_faster at this size: no DSL check
+        assert _forward_plan(x, w, bias=True) is None  # unsupported option
         with override(cute=True), on_device(dataclasses.replace(device.facts(x.device), cute_available=True)):
-            assert cute.forward_plan(x, w) is not None  # a device described as having the DSL: no check
+            assert _forward_plan(x, w) is not None  # a device described as having the DSL: no check
+            shifted = x.new_empty(x.numel() + 1)[1:].view(x.shape)  # 2 bytes past an aligned address
+            shifted.copy_(x)
+            assert _forward_plan(shifted, w) is None  # x not 16-byte aligned
         with override(cute=True), on_device(dataclasses.replace(device.facts(x.device), cute_available=False)):
-            assert cute.forward_plan(x, w) is None  # described as lacking it: no check, no warning
+            assert _forward_plan(x, w) is None  # described as lacking it: no check, no warning
         with override(cute=True):
-            assert cute.forward_plan(x, w) is None
+            assert _forward_plan(x, w) is None
     assert len(fallback_warnings(record)) == 1
 
 

@@ -380,7 +380,7 @@ def test_eager_fast_path_is_off_where_it_must_be():
     from logitless.ops.common.glue import eager_fast_path_ok
 
     x = torch.randn(3)
-    assert eager_fast_path_ok((x, torch.nn.Parameter(x), 1, None))
+    assert eager_fast_path_ok((x, torch.nn.Parameter(x), None))
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

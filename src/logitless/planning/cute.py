@@ -1,7 +1,8 @@
 """When the forward statistics run on the CuTe DSL Hopper kernel (``cute_lib``), and how.
 
-``forward_plan(x, weight, ...)`` returns a ``CutePlan`` (vocabulary splits, pipeline) or
-None (the Triton kernel runs). It says "CuTe" only when all of these hold:
+``forward_plan(device, dtype, n, v, h, layout_ok, ...)`` returns a ``CutePlan`` (vocabulary
+splits, pipeline) or None (the Triton kernel runs); the backends call it from their memoised
+plans, so a steady-state call does not come here. It says "CuTe" only when all of these hold:
 
   * not turned off: ``override(cute=False)``, or the environment variable
     ``LOGITLESS_CUTE=0`` (read per call; ``override(cute=True)`` ignores it), or an
@@ -55,7 +56,6 @@ import warnings
 from typing import Optional
 
 from logitless.planning import device as _device
-from logitless.planning.memo import memoised
 from logitless.planning.overrides import current as _overrides
 from logitless.planning.tiles import CutePlan  # noqa: F401  (re-exported: the plan lives there)
 
@@ -280,34 +280,31 @@ def choose(*, capability, available: bool, num_sms: int, dtype: str, n: int, v: 
     return plan_for(n, v, h, num_sms, l2_bytes)
 
 
-def forward_plan(x, weight, *, keep_cols: int = 0, keep_block: int = 0, bias=None, softcap=None,
-                 need_argmax: bool = False, weighted_smooth: bool = False, entropy: bool = False) -> Optional[CutePlan]:
-    """The CuTe plan of one forward (module docstring), or None: the Triton kernel runs."""
-    facts = _device.facts(x.device)  # first: on a CPU or off Hopper, the only question asked here
+def layout_fits(layout: tuple, h: int, dtype, row0: int = 0) -> bool:
+    """Whether rows ``row0:`` of x and W suit the kernel's TMA loads: ``layout`` is (x and W of
+    one dtype, x.stride(), W.stride(), x.data_ptr() % 16, W.data_ptr() % 16) as a backend reads
+    it; both row-major with unit last stride and 16-byte aligned."""
+    same_dtype, x_stride, w_stride, x_ptr, w_ptr = layout
+    return (same_dtype and x_stride == (h, 1) and w_stride == (h, 1)
+            and (x_ptr + row0 * h * dtype.itemsize) % 16 == 0 and w_ptr == 0)
+
+
+def forward_plan(device, dtype, n: int, v: int, h: int, layout_ok: bool, *, keep_cols: int = 0, keep_block: int = 0,
+                 bias: bool = False, softcap: bool = False, need_argmax: bool = False, weighted_smooth: bool = False,
+                 entropy: bool = False) -> Optional[CutePlan]:
+    """The CuTe plan of one forward of x (n, h) and W (v, h) on ``device`` (module docstring), or
+    None: the Triton kernel runs. ``layout_ok``: ``layout_fits`` of the tensors; ``bias``,
+    ``softcap``: present. The backends call it from their memoised plans."""
+    facts = _device.facts(device)  # first: on a CPU or off Hopper, the only question asked here
     capability = facts.capability
     if capability is None or capability[0] != 9 or not enabled(_overrides(), env_off()):  # no DSL import
         return None
-    n, h = x.shape
-    v = weight.shape[0]
-    layout_ok = (x.dtype == weight.dtype and x.stride() == (h, 1) and weight.stride() == (h, 1)
-                 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
     # The DSL's own check (and its one warning) only where the plan would take the kernel.
     assumed = facts.cute_available
-    (plan,) = _choice(capability, facts.sms, facts.l2_bytes, assumed is not False, x.dtype, n, v, h, layout_ok,
-                      bias is not None, softcap is not None, need_argmax, weighted_smooth, keep_cols, keep_block,
-                      entropy)
+    plan = choose(capability=capability, available=assumed is not False, num_sms=facts.sms,
+                  l2_bytes=facts.l2_bytes or None, dtype=str(dtype).removeprefix("torch."), n=n, v=v, h=h,
+                  layout_ok=layout_ok, bias=bias, softcap=softcap, argmax=need_argmax, weighted_smooth=weighted_smooth,
+                  keep_cols=keep_cols, keep_block=keep_block, entropy=entropy)
     if plan is None or assumed is not None:
         return plan
     return plan if dsl_usable_or_warn() else None
-
-
-@memoised
-def _choice(capability, sms, l2, available, dtype, n, v, h, layout_ok, bias, softcap, argmax, weighted_smooth,
-            keep_cols, keep_block, entropy) -> tuple:
-    """(``choose``'s decision,) for ``forward_plan``, memoised by the facts and the active
-    overrides (``memo.memoised``; a tuple, as the memo takes None for a miss): at 512-2048
-    tokens an eager call is host-bound, and deciding afresh cost tens of microseconds per call."""
-    return (choose(capability=capability, available=available, num_sms=sms, l2_bytes=l2 or None,
-                   dtype=str(dtype).removeprefix("torch."), n=n, v=v, h=h, layout_ok=layout_ok, bias=bias,
-                   softcap=softcap, argmax=argmax, weighted_smooth=weighted_smooth, keep_cols=keep_cols,
-                   keep_block=keep_block, entropy=entropy),)

@@ -11,8 +11,8 @@ The key of a call is everything its result depends on:
   device's index made explicit (``cuda`` alone means the current device);
 - the active ``overrides.current()`` (a frozen dataclass). When something in the key
   is unhashable the call is not cached at all;
-- the environment the tuned-config lookup reads (``LOGITLESS_TUNED``,
-  ``LOGITLESS_CACHE_DIR``, ``HOME``) and fp32 matmul precision (read by fp32 plans);
+- the environment the planners read (``LOGITLESS_TUNED``,
+  ``LOGITLESS_CACHE_DIR``, ``HOME``, ``LOGITLESS_CUTE``) and fp32 matmul precision (read by fp32 plans);
 - the generation of the tuned-config tables: ``tuned.clear()`` (which the tuner
   calls after writing its cache) clears every memo too.
 
@@ -34,9 +34,9 @@ from logitless.planning.overrides import DEFAULT as _DEFAULT_OVERRIDES
 MAX_ENTRIES = 4096
 _MEMOS: list[dict] = []
 
-#: The environment variables the tuned-config lookup reads (``tuned.tiles_for``,
-#: ``tuned.cache_path``: ``Path.home()`` reads ``HOME``).
-ENV_NAMES = ("LOGITLESS_TUNED", "LOGITLESS_CACHE_DIR", "HOME")
+#: The environment variables the planners read: the tuned-config lookup's (``tuned.tiles_for``,
+#: ``tuned.cache_path``: ``Path.home()`` reads ``HOME``) and the CuTe switch (``cute.ENV``).
+ENV_NAMES = ("LOGITLESS_TUNED", "LOGITLESS_CACHE_DIR", "HOME", "LOGITLESS_CUTE")
 #: torch's fp32 matmul precision getter, bound at the first plan (torch is not imported here).
 _precision = None
 

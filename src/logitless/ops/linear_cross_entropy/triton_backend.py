@@ -43,6 +43,7 @@ from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.contract import ConfigCodec, TritonKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
+from logitless.planning.memo import memoised
 from logitless.planning.plans import LinearPlan, linear_plan
 from logitless.planning.tiles import TritonPlan
 from logitless.triton_lib import ce_epilogue, launch
@@ -67,32 +68,45 @@ def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Option
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
     strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
-    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here)."""
+    implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here).
+    Memoised (``_plan``) by what it reads of the tensors: shapes, dtypes, device, and for the
+    CuTe choice their layout (what ``cute_planning.layout_fits`` reads)."""
     n, h = x.shape
-    v = weight.shape[0]
-    keep = _keep_allowed(x.dtype, opts.softcap, need_grad)
-    p = linear_plan(n, v, h, x.element_size(), budget, x.device, keep_allowed=keep,
-                    prerounded=launch.tf32_prerounded(x.dtype),
-                    grad_in_forward=grad_in_forward and keep and opts.reduction != "none",
-                    weight_fp32=weight.dtype == torch.float32)
-    if not cute:
+    layout = (x.dtype == weight.dtype, x.stride(), weight.stride(), x.data_ptr() % 16,
+              weight.data_ptr() % 16) if cute else None
+    return _plan(n, weight.shape[0], h, x.dtype, weight.dtype == torch.float32, x.device, budget,
+                 launch.tf32_prerounded(x.dtype), opts.softcap, opts.reduction != "none", opts.needs_smooth_sum,
+                 bias is not None, class_weight is not None, need_grad, need_argmax, grad_in_forward, layout)
+
+
+@memoised
+def _plan(n: int, v: int, h: int, dtype: torch.dtype, weight_fp32: bool, device, budget: int, prerounded: bool,
+          softcap: Optional[float], reduces: bool, need_smooth: bool, has_bias: bool, weighted: bool,
+          need_grad: bool, need_argmax: bool, grad_in_forward: bool, layout: Optional[tuple]) -> LinearPlan:
+    """``plan`` from its tensors' facts (``layout``: None for no CuTe choice)."""
+    keep = _keep_allowed(dtype, softcap, need_grad)
+    p = linear_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep, prerounded=prerounded,
+                    grad_in_forward=grad_in_forward and keep and reduces, weight_fp32=weight_fp32)
+    if layout is None:
         return p
-    need_smooth = opts.needs_smooth_sum
-    args = dict(bias=bias, softcap=opts.softcap, need_argmax=need_argmax,
-                weighted_smooth=need_smooth and class_weight is not None)
+    args = dict(bias=has_bias, softcap=softcap is not None, need_argmax=need_argmax,
+                weighted_smooth=need_smooth and weighted)
+
+    def cute_plan(rows: int, row0: int, keep_cols: int, keep_block: int):
+        return cute_planning.forward_plan(device, dtype, rows, v, h, cute_planning.layout_fits(layout, h, dtype, row0),
+                                          keep_cols=keep_cols, keep_block=keep_block, **args)
+
     if p.grad_in_forward:  # each chunk's forward (keeps every column)
-        chunk_cute = cute_planning.forward_plan(x[:p.grad_in_forward], weight, keep_cols=v,
-                                                keep_block=p.chunk.block_v, **args)
+        chunk_cute = cute_plan(min(n, p.grad_in_forward), 0, v, p.chunk.block_v)
         tail_cute = None
         if p.tail is not None:
-            tail_cute = cute_planning.forward_plan(x[n - n % p.grad_in_forward:], weight, keep_cols=v,
-                                                   keep_block=p.tail.block_v, **args)
+            row0 = n - n % p.grad_in_forward
+            tail_cute = cute_plan(n - row0, row0, v, p.tail.block_v)
         if chunk_cute is None and tail_cute is None:
             return p
         return replace(p, chunk_cute=chunk_cute, tail_cute=tail_cute)
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    c = cute_planning.forward_plan(x, weight, keep_cols=p.forward.keep_cols if p.keeps else 0,
-                                   keep_block=p.forward.block_v, **args)
+    c = cute_plan(n, 0, p.forward.keep_cols if p.keeps else 0, p.forward.block_v)
     return p if c is None else replace(p, cute=c)
 
 

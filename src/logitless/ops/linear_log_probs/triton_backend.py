@@ -69,17 +69,27 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
            need_grad: bool, cute: bool = True, rows: Optional[int] = None) -> LinearPlan:
     """The ``LinearPlan`` of x's rows (``rows``: of that many rows instead). ``cute=False``: no
-    CuTe choice (the fake: it needs the tensors' memory; the truncated passes)."""
+    CuTe choice (the fake: it needs the tensors' memory; the truncated passes). Memoised
+    (``_linear``) by what it reads of the tensors (the layout: what ``cute_planning.layout_fits`` reads)."""
     n, h = x.shape
-    v = weight.shape[0]
-    keep_ok = keep_allowed(x.dtype, opts, need_grad)
-    p = _linear_plan(n if rows is None else rows, v, h, x.dtype, x.device, budget, opts, need_grad)
-    if not cute:
+    layout = (x.dtype == weight.dtype, x.stride(), weight.stride(), x.data_ptr() % 16,
+              weight.data_ptr() % 16) if cute else None
+    return _linear(n, weight.shape[0], h, x.dtype, x.device, budget, opts, need_grad, bias is not None,
+                   n if rows is None else rows, layout)
+
+
+@memoised
+def _linear(n: int, v: int, h: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions, need_grad: bool,
+            has_bias: bool, rows: int, layout: Optional[tuple]) -> LinearPlan:
+    """``linear`` from its tensors' facts (``layout``: None for no CuTe choice)."""
+    p = _linear_plan(rows, v, h, dtype, device, budget, opts, need_grad)
+    if layout is None:
         return p
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
-    c = cute_planning.forward_plan(x, weight, keep_cols=p.forward.keep_cols if keep_ok else 0,
-                                   keep_block=p.forward.block_v, bias=bias, softcap=opts.softcap,
-                                   entropy=opts.entropy)
+    keep_ok = keep_allowed(dtype, opts, need_grad)
+    c = cute_planning.forward_plan(device, dtype, n, v, h, cute_planning.layout_fits(layout, h, dtype),
+                                   keep_cols=p.forward.keep_cols if keep_ok else 0, keep_block=p.forward.block_v,
+                                   bias=has_bias, softcap=opts.softcap is not None, entropy=opts.entropy)
     return p if c is None else replace(p, cute=c)
 
 
