@@ -1,6 +1,6 @@
 """Each integration logs one INFO line per process saying that logitless is active
 (``logitless.integrations._announce``): here the ones that run without their framework
-installed (``patch_torch``, TRL's head, the axolotl plugin's model patch); torchtitan, OpenRLHF,
+installed (``patch_torch``, TRL's head, the axolotl plugin's model patch, verl's drop-ins); torchtitan, OpenRLHF,
 NeMo Automodel and LLaMA-Factory check theirs in their own tests."""
 
 from __future__ import annotations
@@ -67,3 +67,22 @@ def test_axolotl_plugin_logs_on_an_axolotl_logger(lines):
     assert LOGGER.startswith("axolotl.")   # axolotl shows INFO only from axolotl.* loggers
     assert lines() == [(LOGGER, "logitless is active (axolotl): the model's loss computed by logitless (no logits), "
                                 "LlamaForCausalLM")]
+
+
+def test_verl_entry_points(lines):
+    """verl's drop-ins (no verl needed): the log-prob function and the top-k distillation loss,
+    each once however often it is called."""
+    from logitless.integrations import verl
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 5, 8, generator=g), torch.randn(31, 8, generator=g)
+    labels = torch.randint(0, 31, (2, 5), generator=g)
+    lp_t, ids = torch.log_softmax(torch.randn(2, 5, 31, generator=g), -1).topk(4, dim=-1)
+    for _ in range(2):
+        verl.linear_cross_entropy(h, w, labels)
+        verl.compute_forward_kl_topk(h, w, lp_t, ids)
+    assert lines() == [
+        ("logitless", "logitless is active (verl): the actor's log-probs and entropy from linear_log_probs (hidden "
+                      "states and the head), no logits"),
+        ("logitless", "logitless is active (verl_topk): compute_forward_kl_topk from the student's hidden states and "
+                      "head (linear_topk_kl), no logits")]

@@ -699,6 +699,11 @@ def test_docs_cpu_block_runs_pasted_alone():
     env = dict(os.environ, MASTER_PORT=str(free_port()))
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", blocks[0]], env=env, capture_output=True, text=True, timeout=300)
+    # with INFO logging on, as a training script's logging set-up has it: install says once that logitless is active
+    code = "import logging\nlogging.basicConfig(level=logging.INFO)\n" + blocks[0]
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "torch.Size([2, 32]) torch.Size([2, 32]) torch.Size([2, 32])"
+    active = [line for line in done.stderr.splitlines() if "logitless is active" in line]
+    assert active == ["INFO:logitless:logitless is active (megatron): HybridModel's loss from the output layer's "
+                      "weight, no logits (its tail run by logitless)"], done.stderr[-3000:]

@@ -41,6 +41,8 @@ from torch import Tensor
 from logitless.ops.linear_cross_entropy import linear_cross_entropy
 from logitless.ops.linear_log_probs import linear_log_probs
 
+from ._announce import announce
+
 __all__ = ["output_processor", "log_probs_processor", "install"]
 
 #: Set on an installed model class (True) and on an installed model (its plan: "seam" or "tail").
@@ -112,6 +114,7 @@ def output_processor(*, hidden_states: Tensor, output_layer, output_weight: Opti
     """
     if labels is None:
         return _megatron_logits(hidden_states, output_layer, output_weight, runtime_gather_output, scale_logits)
+    announce("megatron", "the output_processor computes the per-token loss from the output layer's weight, no logits")
     return _per_token_loss(hidden_states, output_layer, output_weight, labels, config)
 
 
@@ -148,6 +151,7 @@ def log_probs_processor(*, hidden_states: Tensor, output_layer, output_weight: O
         extras["top_p"] = ctx["top_p"]
     if ctx.get("min_p") is not None and ctx["min_p"] != 0.0:
         extras["min_p"] = ctx["min_p"]
+    announce("megatron", "log_probs_processor computes the RL log-probs from the output layer's weight, no logits")
     x, weight, bias, group, partial = _head(output_layer, output_weight, hidden_states)
     # softmax(c * z / T) == softmax(z / (T / c)): MuP's scale goes into the temperature
     out = linear_log_probs(x, weight, labels.transpose(0, 1), bias, temperature=temperature / _logit_scale(config),
@@ -361,8 +365,11 @@ def install(model):
             _check(inner)
             plans.append((inner, _plan(inner)))
     for inner, plan in plans:
-        inner.__class__ = _installed_class(_original(type(inner)))
+        base = _original(type(inner))
+        inner.__class__ = _installed_class(base)
         inner.__dict__[_MARK] = plan
+        announce("megatron", f"{base.__name__}'s loss from the output layer's weight, no logits "
+                             f"({'the output_processor seam' if plan == 'seam' else 'its tail run by logitless'})")
     return model
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from logitless.integrations._announce import announce
 from logitless.integrations.megatron import _head, _logit_scale
 from logitless.ops.linear_topk_kl import linear_topk_kl
 
@@ -59,4 +60,6 @@ def topk_kl_processor(*, hidden_states: Tensor, output_layer, output_weight: Opt
     lp = context["teacher_log_probs"].transpose(0, 1)
     target = labels.transpose(0, 1) if labels is not None else None
     loss = linear_topk_kl(x, weight, ids, lp, target, bias=bias, reduction="none", process_group=group, **opts)
+    announce("megatron_topk", "topk_kl_processor computes the top-k distillation loss from the output layer's weight, "
+                              "no logits")
     return {"loss": loss.transpose(0, 1).contiguous()}

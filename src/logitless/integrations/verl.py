@@ -38,6 +38,8 @@ from torch import Tensor
 
 from logitless.ops.linear_log_probs import linear_log_probs
 
+from ._announce import announce
+
 _REDUCTIONS = ("none", "sum", "mean")
 
 
@@ -84,6 +86,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     if hidden.dim() < 1 or hidden.shape[:-1].numel() != labels.numel():
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must hold the "
                          "same number of tokens")
+    announce("verl", "the actor's log-probs and entropy from linear_log_probs (hidden states and the head), no logits")
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
     logprobs, entropy = linear_log_probs(hidden2d, weight, flat, temperature=temperature, entropy=True,
@@ -164,6 +167,8 @@ def compute_forward_kl_topk(hidden_states: Tensor, weight: Tensor, teacher_topk_
             f"distillation_loss.log_prob_min_clamp={clamp}: logitless computes the student's log-probs exactly "
             "(their gradient flows at every id) and does not clamp them; set distillation.distillation_loss."
             "log_prob_min_clamp=null to use logitless.integrations.verl.compute_forward_kl_topk")
+    announce("verl_topk", "compute_forward_kl_topk from the student's hidden states and head (linear_topk_kl), "
+                          "no logits")
     lp = teacher_topk_log_probs.float()
     losses = linear_topk_kl(hidden_states, weight, teacher_topk_ids, lp, direction="forward", tail=tail,
                             temperature=temperature, reduction="none", process_group=dist_process_group)
