@@ -299,7 +299,7 @@ class CrossEntropyLoss(ModuleForm):
     """
 
     function = staticmethod(cross_entropy)
-    buffers = ("class_weight",)
+    buffer_keywords = ("class_weight",)
 
     def check(self, values: dict) -> dict:
         weight = values.pop("weight")

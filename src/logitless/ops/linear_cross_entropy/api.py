@@ -245,7 +245,7 @@ class LinearCrossEntropyLoss(ModuleForm):
     """
 
     function = staticmethod(linear_cross_entropy)
-    buffers = ("class_weight",)
+    buffer_keywords = ("class_weight",)
 
     def check(self, values: dict) -> dict:
         CrossEntropyOptions.checked(
