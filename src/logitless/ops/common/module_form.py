@@ -42,7 +42,7 @@ class ModuleForm(nn.Module):
         cls.keywords = keyword_options(cls.function, cls.inputs)
         params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
                   for name, default in cls.keywords.items()]
-        cls.__signature__ = inspect.Signature(params)  # what help() and inspect show
+        cls.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # (dynamic) for help()
 
     def __init__(self, **kwargs):
         super().__init__()
