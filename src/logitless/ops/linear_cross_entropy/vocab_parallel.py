@@ -93,16 +93,20 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
                                    need_dw=need_dw)
             local, _, _, kept, _ = impl.forward(x, w, b, t, cw, opts, config, need_argmax=need_argmax, loss=False)
         sd = local.lse.dtype
-        sums = [local.target_logit.to(sd)] + ([local.smooth_sum.to(sd)] if opts.needs_smooth_sum else [])
-        best = None
+        tgt, smooth = local.target_logit, local.smooth_sum
+        assert tgt is not None  # (loss=False: the backend returns the target logits)
+        sums = [tgt.to(sd)] + ([smooth.to(sd)] if opts.needs_smooth_sum and smooth is not None else [])
+        best = local_argmax = None
         if need_argmax:
-            best = (_row_max(x, w, b, local.argmax, opts.softcap, sd) if w.shape[0]
+            local_argmax = local.argmax
+            assert local_argmax is not None  # (asked for)
+            best = (_row_max(x, w, b, local_argmax, opts.softcap, sd) if w.shape[0]
                     else torch.full((n,), float("-inf"), dtype=sd, device=x.device))
-        merged = merge_shards(shard.group, [local.lse], sums=sums, maxes=[best] if need_argmax else [],
+        merged = merge_shards(shard.group, [local.lse], sums=sums, maxes=[best] if best is not None else [],
                               ordered=ordered)
         argmax = None
-        if need_argmax:
-            argmax = merge_argmax(shard.group, best, local.argmax + shard.start, merged.maxes[0])
+        if best is not None and local_argmax is not None:  # (need_argmax)
+            argmax = merge_argmax(shard.group, best, local_argmax + shard.start, merged.maxes[0])
         stats = TokenStats(merged.lse[0], merged.sums[0], merged.sums[1] if opts.needs_smooth_sum else None, argmax)
     loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
     return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept, config

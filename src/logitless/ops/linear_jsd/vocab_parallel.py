@@ -86,7 +86,7 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     if n == 0:
         stats = xs.new_zeros(NUM_STATS, 0, dtype=dtype)
         return token_loss(stats, target, v, opts).to(dtype), stats, None
-    ws, bs, wt, bt = (shard.real_rows(t) for t in (ws, bs, wt, bt))
+    ws, bs, wt, bt = shard.real_rows(ws), shard.real_rows(bs), shard.real_rows(wt), shard.real_rows(bt)
     local_t = shard.local_target(target)
     kl = opts.beta in (0.0, 1.0)
     config = None
@@ -121,7 +121,7 @@ def backward(impl, g: Tensor, xs, ws, bs: Optional[Tensor], xt, wt, bt, target, 
     """(dx, dW, db) of this rank's student head (None where not needed), under the
     forward's ``config``."""
     shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)  # cached: no collective
-    ws_r, bs_r, wt_r, bt_r = (shard.real_rows(t) for t in (ws, bs, wt, bt))
+    ws_r, bs_r, wt_r, bt_r = shard.real_rows(ws), shard.real_rows(bs), shard.real_rows(wt), shard.real_rows(bt)
     if ws_r.shape[0]:
         dx, dw, db = impl.backward(g, xs, ws_r, bs_r, xt, wt_r, bt_r, shard.local_target(target), stats, opts,
                                    config, need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=True)

@@ -57,8 +57,9 @@ def forward(impl, call):
         config = impl.plan(x, w, b, opts, budget=call.budget, need_grad=call.need_grad, k=k)  # once
         out = impl.forward(x, w, b, ids - shard.start, shard.local_target(target), opts, config)
         local, kept = out.stats, out.kept
-    lses = [local.lse_tail.to(sd)] + ([local.lse1.to(sd)] if opts.hard_at_other_temperature else [])
-    sums = list(local.z_ids.to(sd).T) + ([local.z_t.to(sd)] if opts.hard else [])
+    lse1, z_t = local.lse1, local.z_t  # (present with those options)
+    lses = [local.lse_tail.to(sd)] + ([lse1.to(sd)] if opts.hard_at_other_temperature and lse1 is not None else [])
+    sums = list(local.z_ids.to(sd).T) + ([z_t.to(sd)] if opts.hard and z_t is not None else [])
     merged = merge_shards(shard.group, lses, sums=sums)
     z_ids = torch.stack(merged.sums[:k], dim=1) if k else x.new_empty((n, 0), dtype=sd)
     stats = TopKStats(merged.lse[0], z_ids, merged.sums[k] if opts.hard else None,
