@@ -34,6 +34,8 @@ from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
+from .contract import LceBackend
+
 
 def full_class_weight(class_weight: Optional[Tensor], shard: VocabShard) -> Optional[Tensor]:
     """The full class-weight vector over the real classes: (vocab_size,) or (all rows,)
@@ -61,7 +63,7 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
     return out
 
 
-def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def forward(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
             budget: int, need_argmax: bool, need_grad: bool, need_dw: bool = True, ordered: bool = False,
             config=None):
@@ -112,7 +114,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept, config
 
 
-def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor,
+def backward(impl: LceBackend, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor], lse: Tensor, w_t: Tensor,
              opts: CrossEntropyOptions, tp: VocabParallelOptions, *, need_dx: bool,
              need_dw: bool, need_db: bool, config, kept):
