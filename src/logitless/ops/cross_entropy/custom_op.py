@@ -120,7 +120,7 @@ def backward(ctx, grads: CeOutputs, need, run) -> tuple:
                               ctx.backend))
 
 
-def define(backends: BackendTable[CeBackend]) -> CustomOp:
+def define(backends: BackendTable[CeBackend]) -> CustomOp[CeCall, CeOutputs, CeBackwardCall, CeBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, CeCall, CeOutputs, CeBackwardCall, table=backends, forward=forward, fake=fake, save=save,
                     backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

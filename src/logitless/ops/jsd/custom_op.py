@@ -89,7 +89,7 @@ def backward(ctx, grads: JsdOutputs, need, run) -> tuple:
                                ctx.backend))
 
 
-def define(backends: BackendTable[JsdBackend]) -> CustomOp:
+def define(backends: BackendTable[JsdBackend]) -> CustomOp[JsdCall, JsdOutputs, JsdBackwardCall, JsdBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, JsdCall, JsdOutputs, JsdBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

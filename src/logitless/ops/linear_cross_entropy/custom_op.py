@@ -286,8 +286,9 @@ def backward(ctx, grads: LceOutputs, need, run) -> tuple:
     return out
 
 
-def define(backends: BackendTable[LceBackend], *, name: str = NAME, call: type = LceCall,
-           backward_call: type = LceBackwardCall) -> CustomOp:
+def define(backends: BackendTable[LceBackend], *, name: str = NAME, call: type[LceCall] = LceCall,
+           backward_call: type[LceBackwardCall] = LceBackwardCall,
+           ) -> CustomOp[LceCall, LceOutputs, LceBackwardCall, LceBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``);
     ``call``/``backward_call``: the declarations its schemas derive from (tests declare one
     with a new option field)."""

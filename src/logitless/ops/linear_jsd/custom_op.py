@@ -160,7 +160,7 @@ def backward(ctx, grads: LjsdOutputs, need, run) -> tuple:
                                                                   need.student_bias), ctx.tp))
 
 
-def define(backends: BackendTable[LjsdBackend]) -> CustomOp:
+def define(backends: BackendTable[LjsdBackend]) -> CustomOp[LjsdCall, LjsdOutputs, LjsdBackwardCall, LjsdBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, LjsdCall, LjsdOutputs, LjsdBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

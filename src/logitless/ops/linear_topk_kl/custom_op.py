@@ -187,7 +187,7 @@ def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
                                 ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp))
 
 
-def define(backends: BackendTable[TopKBackend]) -> CustomOp:
+def define(backends: BackendTable[TopKBackend]) -> CustomOp[TopKCall, TopKOutputs, TopKBackwardCall, TopKBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, TopKCall, TopKOutputs, TopKBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
