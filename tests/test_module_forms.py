@@ -61,6 +61,17 @@ def test_batch_invariant_goes_through_linear_cross_entropy_loss(monkeypatch):
     assert "batch_invariant=True" in repr(module)
 
 
+@pytest.mark.parametrize("form", ["LinearCrossEntropyLoss", "CrossEntropyLoss"])
+def test_module_form_keeps_nn_module_buffers(form):
+    """A module form's buffer keywords are registered buffers, and ``nn.Module.buffers()``
+    still works on it (a class attribute named ``buffers`` once shadowed the method)."""
+    cw = torch.rand(5) + 0.5
+    module = getattr(logitless, form)(class_weight=cw)
+    assert [b is cw for b in module.buffers()] == [True]
+    assert dict(module.named_buffers()) == {"class_weight": cw}
+    assert list(getattr(logitless, form)().buffers()) == []
+
+
 def test_cross_entropy_loss_weight_alias():
     cw = torch.rand(5) + 0.5
     assert torch.equal(logitless.CrossEntropyLoss(weight=cw).class_weight, cw)

@@ -21,7 +21,7 @@ class, once loaded) also serves ``ops.common.validate``'s DTensor check.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Optional, overload
 
 import torch
 from torch import Tensor
@@ -105,6 +105,14 @@ def local_head(op: str, names: tuple[str, str, str], x: Tensor, weight: Tensor, 
         raise TypeError(f"{op}: {x_name} has placements ({_placements(x)}); expected Replicate() or Shard(d) "
                         "over a token dimension (sequence parallel), never the hidden dimension")
     return x, weight.to_local(), bias, mesh.get_group(), partial_dx
+
+
+@overload
+def plain(t: Tensor) -> Tensor: ...
+@overload
+def plain(t: None) -> None: ...
+@overload
+def plain(t: Optional[Tensor]) -> Optional[Tensor]: ...
 
 
 def plain(t: Optional[Tensor]) -> Optional[Tensor]:

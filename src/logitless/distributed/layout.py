@@ -14,7 +14,7 @@ are equal on some rank but differ on another would need separate groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, overload
 
 import torch
 from torch import Tensor
@@ -95,17 +95,38 @@ class VocabShard:
         inside = (local >= 0) & (local < self.real)
         return torch.where(inside, local, torch.full_like(local, -1))
 
+    @overload
+    def real_rows(self, t: Tensor) -> Tensor: ...
+    @overload
+    def real_rows(self, t: None) -> None: ...
+    @overload
+    def real_rows(self, t: Optional[Tensor]) -> Optional[Tensor]: ...
+
     def real_rows(self, t: Optional[Tensor]) -> Optional[Tensor]:
         """The rows of a local weight or bias that are real classes (a view)."""
         if t is None or t.shape[0] == self.real:
             return t
         return t[: self.real]
 
+    @overload
+    def class_slice(self, class_weight: Tensor) -> Tensor: ...
+    @overload
+    def class_slice(self, class_weight: None) -> None: ...
+    @overload
+    def class_slice(self, class_weight: Optional[Tensor]) -> Optional[Tensor]: ...
+
     def class_slice(self, class_weight: Optional[Tensor]) -> Optional[Tensor]:
         """This rank's real classes of a full (vocab_size,) class-weight vector (a view)."""
         if class_weight is None:
             return None
         return class_weight[self.start : self.start + self.real]
+
+    @overload
+    def pad_rows(self, grad: Tensor) -> Tensor: ...
+    @overload
+    def pad_rows(self, grad: None) -> None: ...
+    @overload
+    def pad_rows(self, grad: Optional[Tensor]) -> Optional[Tensor]: ...
 
     def pad_rows(self, grad: Optional[Tensor]) -> Optional[Tensor]:
         """A gradient of the real rows -> one of all local rows, 0 in the padding rows."""

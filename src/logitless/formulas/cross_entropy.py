@@ -50,7 +50,9 @@ class TokenStats(NamedTuple):
     (fp64 for fp64 inputs on the torch backend; everything below follows lse's dtype)."""
 
     lse: Tensor  # (N,) log-sum-exp of the soft-capped logits
-    target_logit: Tensor  # (N,) soft-capped logit at the target (any value when out of range)
+    # (N,) soft-capped logit at the target (any value when out of range); None where nothing
+    # reads it (a kernel that computed the loss itself, ``loss_stats``' input)
+    target_logit: Optional[Tensor]
     smooth_sum: Optional[Tensor]  # (N,) sum_c w_c z_c; None without label smoothing
     argmax: Optional[Tensor]  # (N,) int64, first index of the row maximum; None if not asked
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ class ConfigCodec:
 
     def __init__(self, cls: type):
         self.cls = cls
-        self._blocked = None
+        self._blocked: Optional[ConfigCodec] = None
 
     @property
     def blocked(self) -> ConfigCodec:
@@ -85,23 +85,28 @@ class Backend(Protocol):
         ...
 
 
-class Lazy:
+#: An op's backend Protocol (``LceBackend``...): what its table's entries make.
+B = TypeVar("B")
+
+
+class Lazy(Generic[B]):
     """A table entry whose backend is made on first use by ``factory`` (its module needs an
     optional package: triton, helion), with ``kind``, the backend's kind class (its
     capabilities: ``automatic_on``, ``unsupported``), known without importing it."""
 
     __slots__ = ("kind", "factory")
 
-    def __init__(self, kind: type, factory: Callable[[], Any]):
+    def __init__(self, kind: type, factory: Callable[[], B]):
         self.kind, self.factory = kind, factory
 
 
-class BackendTable(dict):
+class BackendTable(dict[str, B], Generic[B]):
     """An op's backends by name (``api.BACKENDS``), in the order the automatic choice tries
     them (``validate.resolve_backend``). Each entry is a backend class (made on first use)
-    or a ``Lazy`` one; then a plain dict lookup."""
+    or a ``Lazy`` one; then a plain dict lookup. ``BackendTable[LceBackend]``: the type
+    checker checks every entry's backend against the op's Protocol."""
 
-    def __init__(self, **entries: Any):
+    def __init__(self, **entries: Union[type[B], Lazy[B]]):
         super().__init__()
         self.entries = entries
 
@@ -114,7 +119,7 @@ class BackendTable(dict):
         entry = self.entries[name]
         return entry.kind if isinstance(entry, Lazy) else entry
 
-    def __missing__(self, name: str):
+    def __missing__(self, name: str) -> B:
         entry = self.entries[name]
         backend = self[name] = entry.factory() if isinstance(entry, Lazy) else entry()
         return backend

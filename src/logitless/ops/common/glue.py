@@ -48,11 +48,12 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, ClassVar, NewType, Optional
+from typing import Any, ClassVar, Generic, NamedTuple, NewType, Optional, TypeVar
 
 import torch
 from torch import Tensor
 
+from logitless.ops.common.contract import Backend, BackendTable, ConfigCodec
 from logitless.planning import overrides as _overrides
 
 #: A backend's Config as a field of a call: the object on the eager path, its encoding
@@ -67,10 +68,20 @@ _SCALARS = {bool: "bool", int: "SymInt", float: "float", str: "str"}
 
 
 class Call:
-    """Base of the declared calls (module docstring): a frozen dataclass subclass."""
+    """Base of the declared calls (module docstring): a frozen dataclass subclass. Each
+    declares a field ``backend``: the name of the backend that runs it."""
 
     differentiable: ClassVar[tuple[str, ...]] = ()
     mutated: ClassVar[tuple[str, ...]] = ()
+    backend: str  # (a field of each declaration; annotated here only, for the type checker)
+
+
+#: ``CustomOp``'s type parameters: an op's forward call, its outputs, its backward call and
+#: its backend Protocol.
+CallT = TypeVar("CallT", bound=Call)
+OutT = TypeVar("OutT", bound=NamedTuple)
+BwdT = TypeVar("BwdT", bound=Call)
+ImplT = TypeVar("ImplT", bound=Backend)
 
 
 def _unwrap_optional(t) -> tuple[Any, bool]:
@@ -105,7 +116,7 @@ class Fields:
             elif t in _SCALARS:
                 self.entries.append((f.name, "scalar", None))
                 self.schema_args.append(f"{_SCALARS[t]}{q} {f.name}")
-            elif dataclasses.is_dataclass(t) and not optional:
+            elif isinstance(t, type) and dataclasses.is_dataclass(t) and not optional:
                 sub = Fields(t, top=False)
                 self.entries.append((f.name, "options", sub))
                 self.schema_args.extend(sub.schema_args)
@@ -211,8 +222,8 @@ def guard_double_backward(op: str, grads: tuple, *inputs: Optional[Tensor]) -> t
     return tuple(out)
 
 
-def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor],
-                 need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], need_dx: bool,
+                 need_dw: bool, need_db: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The (dx, dw, db) outputs of a fused linear op's backward custom op: each gradient
     where needed, else a size-0 tensor of x's dtype and device (distinct ones: a custom
     op's outputs may not alias each other)."""
@@ -220,11 +231,11 @@ def grad_outputs(x: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], db: Opti
 
 
 def fake_grad_outputs(x: Tensor, weight: Tensor, bias: Optional[Tensor], need_dx: bool, need_dw: bool,
-                      need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+                      need_db: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``grad_outputs`` of a backward custom op's fake: gradients shaped like x, weight
     and bias where needed."""
     return grad_outputs(x, torch.empty_like(x) if need_dx else None, torch.empty_like(weight) if need_dw else None,
-                        torch.empty_like(bias) if need_db else None, need_dx, need_dw, need_db)
+                        torch.empty_like(bias) if need_db and bias is not None else None, need_dx, need_dw, need_db)
 
 
 def zero_grads(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
@@ -241,15 +252,24 @@ def _returned(grads: tuple):
     return grad
 
 
-class CustomOp:
+def _named_tuple(name: str, fields: tuple[str, ...]) -> type[tuple[Any, ...]]:
+    """A namedtuple class made at run time (its fields: values read by name)."""
+    return collections.namedtuple(name, fields)
+
+
+class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
     """An op's forward/backward custom-op pair, its autograd and its eager path (module
     docstring). ``table``: the op's backends by name (``api.BACKENDS``); ``call.backend``
-    names the one that runs, whose ``codec`` carries its Config across the custom ops."""
+    names the one that runs, whose ``codec`` carries its Config across the custom ops.
+    Generic over the op's declarations (its call, outputs, backward call) and its backend
+    Protocol: a type checker checks the bodies against them."""
 
-    def __init__(self, name: str, call: type, outputs: type, backward_call: type, *, table,
-                 forward: Callable, fake: Callable, save: Callable, backward: Callable,
-                 backward_impl: Callable, backward_fake: Callable, title: Optional[str] = None,
-                 codec: Optional[Callable] = None):
+    def __init__(self, name: str, call: type[CallT], outputs: type[OutT], backward_call: type[BwdT], *,
+                 table: BackendTable[ImplT], forward: Callable[[CallT, ImplT], OutT],
+                 fake: Callable[[CallT, ImplT], OutT], save: Callable[[Any, CallT, OutT], None],
+                 backward: Callable[[Any, OutT, Any, Callable[[BwdT], tuple]], tuple],
+                 backward_impl: Callable[[BwdT, ImplT], tuple], backward_fake: Callable[[BwdT, ImplT], tuple],
+                 title: Optional[str] = None, codec: Optional[Callable[[CallT, ImplT], ConfigCodec]] = None):
         self.name, self.title, self.table, self.outputs = name, title or name, table, outputs
         self._codec = codec or (lambda call, impl: impl.codec)
         self.fields, self.backward_fields = Fields(call), Fields(backward_call)
@@ -257,7 +277,7 @@ class CustomOp:
         self.differentiable = call.differentiable
         hints = typing.get_type_hints(outputs)
         self.optional_outputs = tuple(n for n in outputs._fields if _unwrap_optional(hints[n]) == (Tensor, True))
-        self.need_type = collections.namedtuple(f"{call.__name__}Need", call.differentiable)
+        self.need_type = _named_tuple(f"{call.__name__}Need", call.differentiable)
         flat = self.fields.names
         self.grad_positions = tuple(flat.index(n) for n in call.differentiable)
         self.num_inputs = len(flat)
@@ -272,16 +292,17 @@ class CustomOp:
         self.backward_op.register_fake(self._backward_op_fake)
         self.forward_op.register_autograd(self._custom_backward, setup_context=self._custom_setup)
 
-        def eager_forward(ctx, call, *_differentiable):
+        def eager_forward(ctx, call: CallT, *_differentiable) -> tuple:
             out = forward(call, table[call.backend])
             ctx.eager = True
             self._setup(ctx, call, out)
             return tuple(out)
 
-        self.apply = type(f"Eager_{name}", (torch.autograd.Function,), {
+        function: type[torch.autograd.Function] = type(f"Eager_{name}", (torch.autograd.Function,), {
             "forward": staticmethod(eager_forward), "backward": staticmethod(self._eager_backward),
             "__module__": __name__,
-        }).apply
+        })
+        self.apply = function.apply
 
     @staticmethod
     def _define(name: str, fn: Callable, schema: str, mutated: tuple):
@@ -290,30 +311,30 @@ class CustomOp:
 
     # ---------------------------------------------------------------- running a call
 
-    def __call__(self, call):
+    def __call__(self, call: CallT) -> OutT:
         """The forward's outputs (``Outputs``) of ``call``, with autograd."""
         get = call.__getattribute__  # (map, not comprehensions: no frames per call)
         if eager_fast_path_ok(map(get, self.tensor_names)):
             return self.outputs._make(self.apply(call, *map(get, self.differentiable)))
         return self.outputs._make(self.forward_op(*self.args(call)))
 
-    def args(self, call) -> tuple:
+    def args(self, call: CallT) -> tuple:
         """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``)."""
         return tuple(self.fields.flatten(call))
 
-    def backward_args(self, bcall) -> tuple:
+    def backward_args(self, bcall: BwdT) -> tuple:
         """The backward custom op's flat arguments for ``bcall``."""
         return tuple(self.backward_fields.flatten(bcall))
 
-    def _runner(self, ctx) -> Callable:
+    def _runner(self, ctx) -> Callable[[BwdT], tuple]:
         """What runs a backward call (``backward``'s ``run``): the backward body, directly
         after an eager forward (recording no history), else the backward custom op."""
         if getattr(ctx, "eager", False):
-            def run(b) -> tuple:
+            def run(b: BwdT) -> tuple:
                 with below_autograd():
                     return tuple(self._backward_impl(b, self.table[b.backend]))
         else:
-            def run(b) -> tuple:
+            def run(b: BwdT) -> tuple:
                 out = self.backward_op(*self.backward_args(b))
                 return (out,) if isinstance(out, Tensor) else tuple(out)  # (one gradient: a Tensor)
         return run
@@ -323,13 +344,13 @@ class CustomOp:
     def _forward_op_impl(self, *args):
         call = self.fields.build(args)
         impl = self.table[call.backend]
-        out = self._forward(call, impl)
+        out: Any = self._forward(call, impl)  # (an op's Outputs has ``config``: OutT does not say)
         return tuple(self._present(call, out._replace(config=self._codec(call, impl).encode(out.config))))
 
     def _forward_op_fake(self, *args):
         call = self.fields.build(args)
         impl = self.table[call.backend]
-        out = self._fake(call, impl)
+        out: Any = self._fake(call, impl)  # (as above)
         if out.config is None:
             out = out._replace(config=self._codec(call, impl).fake())
         return tuple(self._present(call, out))
@@ -351,7 +372,7 @@ class CustomOp:
 
     # ---------------------------------------------------------------- autograd
 
-    def _setup(self, ctx, call, out) -> None:
+    def _setup(self, ctx, call: CallT, out: OutT) -> None:
         ctx.overrides = _overrides.current()  # (the C-level getter: no frame)
         self._save(ctx, call, out)
 
@@ -359,7 +380,7 @@ class CustomOp:
         self._setup(ctx, self.fields.build(inputs), self.outputs._make(output))
 
     def _gradients(self, ctx, grads: tuple, needs: tuple) -> tuple:
-        need = self.need_type._make(needs)
+        need = self.need_type(*needs)
         grads = self.outputs._make(grads)
         if not any(need):
             return (None,) * len(need)

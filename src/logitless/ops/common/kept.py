@@ -11,7 +11,7 @@ fake implementation. No device work: only allocations of the shapes the backend 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -42,7 +42,8 @@ def fake_kept(x: Tensor, weight: Tensor, tp_group: str, vocab_size: int,
     vocab-parallel head (``tp_group`` and ``vocab_size >= 0``: this rank's real rows
     are only known at run time), every size is a new dynamic size."""
     n, (v, h) = x.shape[0], weight.shape
-    keep_shape = max_shape = NOTHING_KEPT
+    keep_shape: tuple[Union[int, torch.SymInt], ...] = NOTHING_KEPT
+    max_shape: tuple[Union[int, torch.SymInt], ...] = NOTHING_KEPT
     if all(isinstance(s, int) for s in (n, v, h)) and not (tp_group and vocab_size >= 0):
         shapes = kept_shapes(n, v, h)
         if shapes is not None:

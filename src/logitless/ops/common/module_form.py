@@ -4,7 +4,7 @@
 A module form's keywords are the function's keyword-only parameters, read from its
 signature (``inspect.signature``) when the class is defined, minus ``inputs`` (tensor
 inputs that ``forward`` takes): a keyword added to the function is a keyword of its
-module with the same default, so the two cannot drift. Keywords named in ``buffers``
+module with the same default, so the two cannot drift. Keywords named in ``buffer_keywords``
 (tensors such as ``class_weight``) are registered as buffers (they follow ``.to()``);
 ``forward`` passes the rest as they were given or defaulted.
 """
@@ -27,12 +27,13 @@ def keyword_options(function: Callable, inputs: tuple = ()) -> dict:
 class ModuleForm(nn.Module):
     """Base of the module forms. A subclass names its function (``function``, a
     staticmethod), the function's keyword tensor inputs that ``forward`` takes instead
-    (``inputs``), the keywords kept as buffers (``buffers``), and may check the options
-    at construction (``check``, called with every keyword's value)."""
+    (``inputs``), the keywords kept as buffers (``buffer_keywords``; ``buffers`` is
+    ``nn.Module.buffers()``), and may check the options at construction (``check``,
+    called with every keyword's value)."""
 
     function: ClassVar[Callable]
     inputs: ClassVar[tuple] = ()
-    buffers: ClassVar[tuple] = ()
+    buffer_keywords: ClassVar[tuple] = ()
     #: {name: default}, from the function's signature (``__init_subclass__``).
     keywords: ClassVar[dict] = {}
 
@@ -41,7 +42,7 @@ class ModuleForm(nn.Module):
         cls.keywords = keyword_options(cls.function, cls.inputs)
         params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
                   for name, default in cls.keywords.items()]
-        cls.__signature__ = inspect.Signature(params)  # what help() and inspect show
+        cls.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # (dynamic) for help()
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -51,7 +52,7 @@ class ModuleForm(nn.Module):
                             f"(its keywords are those of {self.function.__name__}: {', '.join(self.keywords)})")
         values = {**self.keywords, **kwargs}
         values = self.check(values)
-        for name in self.buffers:
+        for name in self.buffer_keywords:
             self.register_buffer(name, values.pop(name))
         self.kwargs = values
 

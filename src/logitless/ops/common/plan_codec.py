@@ -30,7 +30,7 @@ from torch import Tensor
 def _layout(cls: type) -> tuple:
     """((field name, kind, nested class or None), ...): kind "int", "bool" or "plan"."""
     hints = typing.get_type_hints(cls)
-    out = []
+    out: list[tuple[str, str, Optional[type]]] = []
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         args = [a for a in typing.get_args(t) if a is not type(None)]
@@ -40,7 +40,7 @@ def _layout(cls: type) -> tuple:
             out.append((f.name, "bool", None))
         elif t is int:
             out.append((f.name, "int", None))
-        elif dataclasses.is_dataclass(t):
+        elif isinstance(t, type) and dataclasses.is_dataclass(t):
             out.append((f.name, "plan", t))
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: a plan field must be int, bool or a dataclass, got {t}")

@@ -46,7 +46,7 @@ def chunked_backward(
     need_dw: bool,
     need_db: bool,
     dx_acc: bool = False,
-):
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """dx, dW, db (None where not needed): for each vocab chunk [v0, v1), for each token
     chunk [n0, n1): dz = ``dz_of(x_c, w_v, b_v, n0, n1, v0)`` (x_c, w_v, b_v that
     chunk of x, W, b in the compute dtype; dz (n1 - n0, v1 - v0) in it), then
@@ -54,37 +54,36 @@ def chunked_backward(
     dz, into the outputs (fp32/fp64 inputs) or compute-dtype accumulators cast once.
     ``dx_acc``: dx as the accumulator, not cast to x's dtype (a partial sum that the
     caller reduces first)."""
-    keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     cd = compute_dtype(x.dtype)
     exact = x.dtype == cd  # fp32/fp64: accumulate straight into the outputs
-    dx_acc = torch.zeros(n, h, dtype=cd, device=x.device) if need_dx else None  # dx itself when exact
+    dx_sum = torch.zeros(n, h, dtype=cd, device=x.device) if need_dx else None  # dx itself when exact
     dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
+    db = torch.empty_like(bias) if need_db and bias is not None else None
     for v0 in range(0, v, plan.vocab_chunk):
         v1 = min(v, v0 + plan.vocab_chunk)
         w_v = weight[v0:v1].to(cd)
         b_v = bias[v0:v1].to(cd) if bias is not None else None
         dw_acc = None
-        if need_dw:
+        if dw is not None:
             dw_acc = dw[v0:v1].zero_() if exact else torch.zeros(v1 - v0, h, dtype=cd, device=x.device)
-        db_acc = torch.zeros(v1 - v0, dtype=cd, device=x.device) if need_db else None
+        db_acc = torch.zeros(v1 - v0, dtype=cd, device=x.device) if db is not None else None
         for n0 in range(0, n, plan.token_chunk):
             n1 = min(n, n0 + plan.token_chunk)
             x_c = x[n0:n1].to(cd)
             dz = dz_of(x_c, w_v, b_v, n0, n1, v0)
-            if need_dx:
-                dx_acc[n0:n1].addmm_(dz, w_v)
-            if need_dw:
+            if dx_sum is not None:
+                dx_sum[n0:n1].addmm_(dz, w_v)
+            if dw_acc is not None:
                 dw_acc.addmm_(dz.T, x_c)
-            if need_db:
+            if db_acc is not None:
                 db_acc += dz.sum(dim=0)
             del dz, x_c
-        if need_dw and not exact:
+        if dw is not None and dw_acc is not None and not exact:
             dw[v0:v1] = dw_acc
-        if need_db:
+        if db is not None and db_acc is not None:
             db[v0:v1] = db_acc
         del w_v, b_v, dw_acc
-    dx = (dx_acc if keep_acc else dx_acc.to(x.dtype)) if need_dx else None
+    dx = dx_sum if dx_sum is None or dx_acc else dx_sum.to(x.dtype)
     return dx, dw, db

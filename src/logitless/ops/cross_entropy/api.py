@@ -35,7 +35,7 @@ def _triton() -> CeBackend:
 #: The implementations of cross_entropy, by ``backend=`` name (``contract.CeBackend``; "auto"
 #: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on
 #: first use (its module needs the optional package).
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
+BACKENDS: BackendTable[CeBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 #: The custom-op pair (logitless::ce_forward / ce_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 
@@ -299,7 +299,7 @@ class CrossEntropyLoss(ModuleForm):
     """
 
     function = staticmethod(cross_entropy)
-    buffers = ("class_weight",)
+    buffer_keywords = ("class_weight",)
 
     def check(self, values: dict) -> dict:
         weight = values.pop("weight")

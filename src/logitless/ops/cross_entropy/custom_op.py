@@ -24,6 +24,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, token_loss, upstream_per_token
 from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.glue import CustomOp
 from logitless.ops.common.validate import check_targets_in_range
 
@@ -51,7 +52,7 @@ def forward(call: CeCall, impl: CeBackend) -> CeOutputs:
             stats = impl.forward(logits, target, class_weight, opts, config, need_argmax=call.need_argmax)
         loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
         loss = reduce(loss_tok, w_t, opts.reduction)
-    argmax = stats.argmax if call.need_argmax else target.new_empty(0, dtype=torch.int64)
+    argmax = stats.argmax if stats.argmax is not None else target.new_empty(0, dtype=torch.int64)  # (iff need_argmax)
     return CeOutputs(loss.to(sd), stats.lse.to(sd), argmax, w_t.to(sd), config)
 
 
@@ -119,7 +120,7 @@ def backward(ctx, grads: CeOutputs, need, run) -> tuple:
                               ctx.backend))
 
 
-def define(backends) -> CustomOp:
+def define(backends: BackendTable[CeBackend]) -> CustomOp[CeCall, CeOutputs, CeBackwardCall, CeBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, CeCall, CeOutputs, CeBackwardCall, table=backends, forward=forward, fake=fake, save=save,
                     backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

@@ -64,9 +64,9 @@ class TorchBackend(TorchKind):
             m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
             lse[r0:r1] = m_safe + torch.sub(z, m_safe[:, None]).exp_().sum(dim=1).log_()
             tgt[r0:r1] = z.gather(1, target[r0:r1].clamp(0, v - 1)[:, None])[:, 0]
-            if need_smooth:
+            if smooth is not None:
                 smooth[r0:r1] = z @ cw if cw is not None else z.sum(dim=1)
-            if need_argmax:
+            if amax is not None:
                 amax[r0:r1] = z.argmax(dim=1)  # first maximum on ties
         return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
 

@@ -12,7 +12,7 @@ written by exactly one program, so results are bitwise repeatable; no host syncs
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -45,7 +45,7 @@ class TritonBackend(TritonKind):
         n, v = logits.shape
         softcap, need_smooth = opts.softcap, opts.needs_smooth_sum
         target = target.contiguous()
-        f32 = dict(dtype=torch.float32, device=logits.device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, **f32)
         tgt = torch.empty(n, **f32)
         smooth = torch.empty(n, **f32) if need_smooth else None

@@ -38,7 +38,7 @@ def _triton() -> JsdBackend:
 #: The implementations of jsd, by ``backend=`` name (``contract.JsdBackend``; "auto" resolves
 #: to one of them, ``ops.common.validate.resolve_backend``). Triton's is made on first use
 #: (its module needs the optional package).
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
+BACKENDS: BackendTable[JsdBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 #: The custom-op pair (logitless::jsd_forward / jsd_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, token_loss, upstream
 from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.glue import CustomOp
 from logitless.ops.common.validate import check_targets_in_range
 
@@ -88,7 +89,7 @@ def backward(ctx, grads: JsdOutputs, need, run) -> tuple:
                                ctx.backend))
 
 
-def define(backends) -> CustomOp:
+def define(backends: BackendTable[JsdBackend]) -> CustomOp[JsdCall, JsdOutputs, JsdBackwardCall, JsdBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, JsdCall, JsdOutputs, JsdBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

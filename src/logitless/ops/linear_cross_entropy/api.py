@@ -45,7 +45,8 @@ def _helion() -> LceBackend:
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
 NO_VOCAB_PARALLEL = VocabParallelOptions()
 
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
+BACKENDS: BackendTable[LceBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend,
+                                                  helion=Lazy(HelionKind, _helion))
 #: The custom-op pair (logitless::lce_forward / lce_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 
@@ -245,7 +246,7 @@ class LinearCrossEntropyLoss(ModuleForm):
     """
 
     function = staticmethod(linear_cross_entropy)
-    buffers = ("class_weight",)
+    buffer_keywords = ("class_weight",)
 
     def check(self, values: dict) -> dict:
         CrossEntropyOptions.checked(

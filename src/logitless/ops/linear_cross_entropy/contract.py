@@ -159,12 +159,13 @@ class LceOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class LceBackwardCall(Call):
-    """One call of the backward op: the upstream gradients of the loss and of the lse, the
-    forward's inputs and statistics, its kept columns (overwritten with dz) and Config."""
+    """One call of the backward op: the upstream gradients of the loss (None: not
+    materialised, under ``batch_invariant``) and of the lse, the forward's inputs and
+    statistics, its kept columns (overwritten with dz) and Config."""
 
     mutated = ("keep",)
 
-    grad_loss: Tensor
+    grad_loss: Optional[Tensor]
     grad_lse: Optional[Tensor]
     x: Tensor
     weight: Tensor

@@ -19,6 +19,7 @@ rank order).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common import invariant
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.contract import Needs
+from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
@@ -40,7 +41,7 @@ NAME = "lce"
 OP = "linear_cross_entropy"
 
 
-def _plan(impl, call: LceCall, x: Tensor, *, cute: bool = True):
+def _plan(impl: LceBackend, call: LceCall, x: Tensor, *, cute: bool = True) -> Any:
     """The backend's Config of ``call`` for the rows ``x``."""
     return impl.plan(x, call.weight, call.bias, call.class_weight, call.opts, budget=call.budget,
                      need_grad=call.need_grad, need_argmax=call.need_argmax, grad_in_forward=call.grad_in_forward,
@@ -120,21 +121,25 @@ def _blocked_forward(call: LceCall, impl: LceBackend) -> LceOutputs:
                       *nothing_kept(x), blocked, *[x.new_empty(0) for _ in range(3)])
 
 
-def _block(impl, block: LceCall, config):
+def _block(impl: LceBackend, block: LceCall, config: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss per token, lse, argmax or (0,), w_t) of one block, under ``config``."""
     x, target, opts = block.x, block.target, block.opts
     if x.shape[0] == 0:
         empty = x.new_empty(0, dtype=compute_dtype(x.dtype))
-        stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
-        loss, w_t = token_loss(stats, target, block.weight.shape[0], block.class_weight, opts)
-        return loss, empty, stats.argmax if block.need_argmax else target.new_empty(0, dtype=torch.int64), w_t
+        none = target.new_empty(0, dtype=torch.int64)
+        loss, w_t = token_loss(TokenStats(empty, empty, empty, none), target, block.weight.shape[0],
+                               block.class_weight, opts)
+        return loss, empty, none if block.need_argmax else target.new_empty(0, dtype=torch.int64), w_t
     out = impl.forward(x, block.weight, block.bias, target, block.class_weight, opts, config,
                        need_argmax=block.need_argmax)
-    argmax = out.stats.argmax if block.need_argmax else target.new_empty(0, dtype=torch.int64)
+    assert out.loss is not None and out.w_t is not None  # (loss=True)
+    argmax = out.stats.argmax
+    if argmax is None or not block.need_argmax:  # (as ``_outputs``)
+        argmax = target.new_empty(0, dtype=torch.int64)
     return out.loss, out.stats.lse, argmax, out.w_t
 
 
-def _backward_plan(impl, call: LceCall):
+def _backward_plan(impl: LceBackend, call: LceCall) -> Any:
     """A blocked call's Config of the backward over the whole batch (nothing kept), or None
     (no tokens or rows, or no gradient wanted)."""
     x, weight, bias, class_weight = call.x, call.weight, call.bias, call.class_weight
@@ -165,7 +170,7 @@ def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
     loss = x.new_empty((n,) if call.opts.reduction == "none" else (), dtype=sd)
     grads = [x.new_empty(0) for _ in range(3)]
     kept = fake_kept_tensors(x)
-    planned = []
+    planned: list[Any] = []
 
     def config():
         if not planned:
@@ -174,7 +179,7 @@ def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
 
     if call.batch_invariant:
         pass  # nothing kept, no gradient in the forward
-    elif call.grad_in_forward and n > 0 and getattr(config(), "grad_in_forward", 0):  # (eager only)
+    elif call.grad_in_forward and n > 0 and getattr(config(), "grad_in_forward", None):  # (eager only)
         gif, f32 = config().grad_in_forward, torch.float32
         grads = [
             torch.empty_like(x) if need.need_dx else grads[0],
@@ -195,7 +200,7 @@ def backward_impl(b: LceBackwardCall, impl: LceBackend):
     if x.shape[0] == 0:
         dx, dw, db = zero_grads(x, weight, bias)
     elif need.need_dx or need.need_dw or need.need_db:
-        config = b.config
+        config: Any = b.config  # (the object, or its encoding through the custom ops)
         if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
             config = (impl.codec.blocked if b.batch_invariant else impl.codec).decode(config)
         opts, grad_loss = b.opts, b.grad_loss
@@ -209,6 +214,7 @@ def backward_impl(b: LceBackwardCall, impl: LceBackend):
             elif opts.reduction == "mean":
                 grad_loss = (grad_loss / b.w_t.sum()).expand(b.lse.shape)
             opts = dataclasses.replace(opts, reduction="none")
+        assert grad_loss is not None  # (``backward`` fills it but under batch_invariant)
         with no_autocast(x.device):
             if b.tp.tp_group:
                 from . import vocab_parallel
@@ -254,20 +260,23 @@ def backward(ctx, grads: LceOutputs, need, run) -> tuple:
     kept, ctx.kept = ctx.kept, None
     forward_grads, ctx.forward_grads = ctx.forward_grads, None
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
-    grad_loss = grads.loss
-    if grad_loss is None and not ctx.batch_invariant:  # (gradients are not materialised)
+    grad_loss: Optional[Tensor] = grads.loss  # (None: not materialised)
+    if grad_loss is None and not ctx.batch_invariant:
         shape = lse.shape if ctx.opts.reduction == "none" else ()
         grad_loss = torch.zeros(shape, dtype=lse.dtype, device=lse.device)
     if kept is None:  # a second backward: the kept columns are spent
         kept = nothing_kept(x)
     needs = Needs(need.x, need.weight, need.bias)
 
-    def backward_call(grad_loss, grad_lse, keep) -> LceBackwardCall:
-        return LceBackwardCall(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, *keep,
+    def backward_call(grad_loss: Optional[Tensor], grad_lse: Optional[Tensor],
+                      kept: tuple[Tensor, Tensor]) -> LceBackwardCall:
+        keep, keep_max = kept
+        return LceBackwardCall(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
                                ctx.config, ctx.opts, ctx.backend, ctx.batch_invariant, needs, ctx.tp)
 
     if forward_grads is None:
         return run(backward_call(grad_loss, grads.lse, kept))
+    assert grad_loss is not None  # (the gradient-in-forward strategy: never batch_invariant)
     # Gradient-in-forward: scale the forward's gradients by the upstream gradient, in
     # place; a gradient of the lse (rare) comes on top through the backward op.
     out = scale_grads([g if g.numel() else None for g in forward_grads], grad_loss, *ctx.dtypes)
@@ -277,7 +286,9 @@ def backward(ctx, grads: LceOutputs, need, run) -> tuple:
     return out
 
 
-def define(backends, *, name: str = NAME, call: type = LceCall, backward_call: type = LceBackwardCall) -> CustomOp:
+def define(backends: BackendTable[LceBackend], *, name: str = NAME, call: type[LceCall] = LceCall,
+           backward_call: type[LceBackwardCall] = LceBackwardCall,
+           ) -> CustomOp[LceCall, LceOutputs, LceBackwardCall, LceBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``);
     ``call``/``backward_call``: the declarations its schemas derive from (tests declare one
     with a new option field)."""

@@ -118,7 +118,9 @@ class HelionBackend(HelionKind):
             dx, dw, db = kernels.lce_backward(x, weight, bias, target, class_weight, lse, coef, softcap,
                                               need_dx=need_dx,
                                               need_dw=need_dw or need_db, budget=config.budget, dx_acc=dx_acc)
-            return dx, dw if need_dw else None, db.to(bias.dtype) if need_db else None
+            if not need_db or db is None or bias is None:  # (need_db: a bias, and db came with dW)
+                return dx, dw if need_dw else None, None
+            return dx, dw if need_dw else None, db.to(bias.dtype)
 
         def failed_over():
             opts = CrossEntropyOptions(softcap=softcap)

@@ -88,9 +88,9 @@ def _forward_stats(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
         # NaN anywhere in a row gives a NaN lse (max() may skip NaN; the sum does not).
         lse[n0:n1] = m + torch.log(s)
         tgt[n0:n1] = z_t
-        if need_smooth:
+        if smooth is not None:
             smooth[n0:n1] = sm
-        if need_argmax:
+        if amax is not None:
             amax[n0:n1] = best_i
     return TokenStats(lse=lse, target_logit=tgt, smooth_sum=smooth, argmax=amax)
 

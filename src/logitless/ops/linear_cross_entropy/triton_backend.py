@@ -89,12 +89,11 @@ def _plan(n: int, v: int, h: int, dtype: torch.dtype, weight_fp32: bool, device,
                     grad_in_forward=grad_in_forward and keep and reduces, weight_fp32=weight_fp32)
     if layout is None:
         return p
-    args = dict(bias=has_bias, softcap=softcap is not None, need_argmax=need_argmax,
-                weighted_smooth=need_smooth and weighted)
-
     def cute_plan(rows: int, row0: int, keep_cols: int, keep_block: int):
         return cute_planning.forward_plan(device, dtype, rows, v, h, cute_planning.layout_fits(layout, h, dtype, row0),
-                                          keep_cols=keep_cols, keep_block=keep_block, **args)
+                                          keep_cols=keep_cols, keep_block=keep_block, bias=has_bias,
+                                          softcap=softcap is not None, need_argmax=need_argmax,
+                                          weighted_smooth=need_smooth and weighted)
 
     if p.grad_in_forward:  # each chunk's forward (keeps every column)
         chunk_cute = cute_plan(min(n, p.grad_in_forward), 0, v, p.chunk.block_v)
@@ -155,18 +154,18 @@ def forward_launches(x, weight, bias, target, class_weight, softcap, *, need_smo
     part_smooth = parts[3] if need_smooth else part_max
     part_best, part_arg = (parts[-2], parts[-1].view(torch.int32)) if need_argmax else (part_max, part_max)
     keep_blocks = cdiv(keep_cols, plan.block_v)
-    keep = keep_max = None
+    keep_view = keep_max = None
     prerounded = launch.runs_prerounded(plan, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
     use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
     keep_op = None
     if keep_blocks:
-        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+        keep_buf, keep_view, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
     if cute is not None:  # (kept columns in the same buffers, as the Triton kernel keeps them)
         cute_launch.forward_partials("linear_cross_entropy", x, weight, target, (part_max, part_sum, part_tgt),
                                      splits, smooth=part_smooth if need_smooth else None,
                                      stages=cute.stages, specialised=cute.specialised, group=cute.group,
-                                     keep=(keep, keep_max, plan.block_v) if keep is not None else None)
+                                     keep=(keep_view, keep_max, plan.block_v) if keep_view is not None else None)
     row_blocks = cdiv(n, plan.block_n)
     flags = _flags(bias, class_weight, softcap, x.dtype, prerounded)
     for step in steps:
@@ -175,17 +174,17 @@ def forward_launches(x, weight, bias, target, class_weight, softcap, *, need_smo
             K.forward_stats_kernel, (row_blocks * launch_splits,),
             x_op, w_op, bias if bias is not None else x, class_weight if class_weight is not None else x,
             target, part_max, part_sum, part_tgt, part_smooth, part_best, part_arg,
-            keep_op if keep is not None else x, keep_max if keep_max is not None else x,
+            keep_op if keep_view is not None else x, keep_max if keep_max is not None else x,
             n, v, h, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
-            keep.stride(0) if keep is not None else 0,
+            keep_view.stride(0) if keep_view is not None else 0,
             blocks_per_split, keep_blocks, float(softcap or 1.0), launch_splits, plan.group_n or row_blocks,
-            NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep is not None, USE_TMA=use_tma,
+            NEED_SMOOTH=need_smooth, NEED_ARGMAX=need_argmax, KEEP=keep_view is not None, USE_TMA=use_tma,
             FLATTEN=plan.flatten, **flags,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
             **extra,
         )
-    kept = (keep_buf, keep_max) if keep is not None else None
+    kept = (keep_buf, keep_max) if keep_view is not None else None
     if loss_opts is not None:
         lse, loss, w_t = ce_epilogue.forward_loss(part_max, part_sum, part_tgt, part_smooth if need_smooth else None,
                                                   target, class_weight, loss_opts, v)

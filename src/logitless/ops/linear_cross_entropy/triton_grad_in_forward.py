@@ -60,6 +60,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
         xc, tc = x[n0:n1], target[n0:n1]
         full = n1 - n0 == token_chunk or plan.tail is None
         tiles, cute = (plan.chunk, plan.chunk_cute) if full else (plan.tail, plan.tail_cute)
+        assert tiles is not None  # (a plan with grad_in_forward has its chunk's tiles)
         stats, (keep_buf, tile_max) = triton_backend.forward_launches(
             xc, weight, bias, tc, class_weight, softcap, need_smooth=need_smooth, need_argmax=need_argmax,
             tiles=tiles, keep=True, cute=cute)
@@ -72,9 +73,9 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None,
             BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, num_warps=tiles.num_warps,
         )
-        if need_dx:
+        if dx is not None:
             torch.mm(dz, weight, out=dx[n0:n1])
-        if need_dw:
+        if dw is not None:
             if one:
                 torch.mm(dz.T, xc, out=dw)
             elif dw.is_cuda and dz.dtype != torch.float32:
@@ -83,7 +84,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
                 torch.addmm(dw, dz.T, xc, out=dw)
             else:  # the interpreter on CPU
                 dw += dz.T.float() @ xc.float()
-        if need_db:
+        if db is not None:
             db += dz.sum(dim=0, dtype=torch.float32)
         del dz, tile_max, keep_buf
     stats = TokenStats(

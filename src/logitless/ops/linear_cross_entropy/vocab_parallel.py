@@ -34,6 +34,8 @@ from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
+from .contract import LceBackend
+
 
 def full_class_weight(class_weight: Optional[Tensor], shard: VocabShard) -> Optional[Tensor]:
     """The full class-weight vector over the real classes: (vocab_size,) or (all rows,)
@@ -61,7 +63,7 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
     return out
 
 
-def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def forward(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
             budget: int, need_argmax: bool, need_grad: bool, need_dw: bool = True, ordered: bool = False,
             config=None):
@@ -93,22 +95,26 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
                                    need_dw=need_dw)
             local, _, _, kept, _ = impl.forward(x, w, b, t, cw, opts, config, need_argmax=need_argmax, loss=False)
         sd = local.lse.dtype
-        sums = [local.target_logit.to(sd)] + ([local.smooth_sum.to(sd)] if opts.needs_smooth_sum else [])
-        best = None
+        tgt, smooth = local.target_logit, local.smooth_sum
+        assert tgt is not None  # (loss=False: the backend returns the target logits)
+        sums = [tgt.to(sd)] + ([smooth.to(sd)] if opts.needs_smooth_sum and smooth is not None else [])
+        best = local_argmax = None
         if need_argmax:
-            best = (_row_max(x, w, b, local.argmax, opts.softcap, sd) if w.shape[0]
+            local_argmax = local.argmax
+            assert local_argmax is not None  # (asked for)
+            best = (_row_max(x, w, b, local_argmax, opts.softcap, sd) if w.shape[0]
                     else torch.full((n,), float("-inf"), dtype=sd, device=x.device))
-        merged = merge_shards(shard.group, [local.lse], sums=sums, maxes=[best] if need_argmax else [],
+        merged = merge_shards(shard.group, [local.lse], sums=sums, maxes=[best] if best is not None else [],
                               ordered=ordered)
         argmax = None
-        if need_argmax:
-            argmax = merge_argmax(shard.group, best, local.argmax + shard.start, merged.maxes[0])
+        if best is not None and local_argmax is not None:  # (need_argmax)
+            argmax = merge_argmax(shard.group, best, local_argmax + shard.start, merged.maxes[0])
         stats = TokenStats(merged.lse[0], merged.sums[0], merged.sums[1] if opts.needs_smooth_sum else None, argmax)
     loss_tok, w_t = token_loss(stats, target, v, class_weight, opts)
     return reduce(loss_tok, w_t, opts.reduction), stats.lse, stats.argmax, w_t, kept, config
 
 
-def backward(impl, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor,
+def backward(impl: LceBackend, grad_loss: Tensor, grad_lse: Optional[Tensor], x: Tensor, weight: Tensor,
              bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor], lse: Tensor, w_t: Tensor,
              opts: CrossEntropyOptions, tp: VocabParallelOptions, *, need_dx: bool,
              need_dw: bool, need_db: bool, config, kept):

@@ -48,7 +48,8 @@ def _helion() -> LjsdBackend:
 #: The implementations of linear_jsd, by ``backend=`` name (``contract.LjsdBackend``; "auto"
 #: resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and Helion's
 #: are made on first use (their modules need the optional packages).
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
+BACKENDS: BackendTable[LjsdBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend,
+                                                   helion=Lazy(HelionKind, _helion))
 #: The custom-op pair (logitless::linear_jsd_forward / linear_jsd_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).

@@ -104,7 +104,8 @@ class LjsdBackend(Backend, Protocol):
     when the Config chose it), or None (torch, Helion): the public function allows the
     strategy (``LjsdCall.grad_in_forward``) only for a backend that has one."""
 
-    grad_in_forward: Optional[Callable]
+    @property
+    def grad_in_forward(self) -> Optional[Callable]: ...  # (read-only: a class attribute or set at init)
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
              grad_in_forward: bool = False, column_sums: bool = False) -> Any:

@@ -15,13 +15,15 @@ this rank's blocks of rows of vocab-parallel heads (``vocab_parallel``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.jsd import NUM_STATS, reduce, token_loss
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.contract import Needs
+from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.validate import check_targets_in_range
@@ -58,6 +60,7 @@ def forward(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
         out = impl.forward(xs, ws, bs, call.teacher_x, call.teacher_weight, call.teacher_bias, target, opts, config,
                            reduction=reduction, need_dx=need.need_dx, need_dw=need.need_dw,
                            need_db=need.need_db and bs is not None)
+    assert out.loss is not None  # (a reduction given)
     return LjsdOutputs(out.loss, out.stats, config, *_empty(xs, out.grads))
 
 
@@ -146,7 +149,7 @@ def backward(ctx, grads: LjsdOutputs, need, run) -> tuple:
     or the gradient-in-forward strategy's gradients scaled by the loss's gradient (the
     first backward only: they are scaled in place)."""
     forward_grads, ctx.forward_grads = ctx.forward_grads, None
-    grad_loss = grads.loss
+    grad_loss: Optional[Tensor] = grads.loss  # (None: not materialised)
     if grad_loss is None:
         return None, None, None
     if forward_grads is not None:
@@ -157,7 +160,7 @@ def backward(ctx, grads: LjsdOutputs, need, run) -> tuple:
                                                                   need.student_bias), ctx.tp))
 
 
-def define(backends) -> CustomOp:
+def define(backends: BackendTable[LjsdBackend]) -> CustomOp[LjsdCall, LjsdOutputs, LjsdBackwardCall, LjsdBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, LjsdCall, LjsdOutputs, LjsdBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

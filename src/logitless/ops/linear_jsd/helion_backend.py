@@ -107,7 +107,9 @@ class HelionBackend(HelionKind):
                 return None, None, None
             dx, dw, db = kernels.jsd_backward(xs, ws, bs, xt, wt, bt, target, stats, g, opts, need_dx=need_dx,
                                               need_dw=need_dw or need_db, budget=config.budget, dx_acc=dx_acc)
-            return dx, dw if need_dw else None, db.to(bs.dtype) if need_db else None
+            if not need_db or db is None or bs is None:  # (need_db: a bias, and db came with dW)
+                return dx, dw if need_dw else None, None
+            return dx, dw if need_dw else None, db.to(bs.dtype)
 
         return helion_choice.guarded(xs.device, helion_path,
                                      lambda: backward_of(*self._failed_over(xs, ws, xt, opts, config)))

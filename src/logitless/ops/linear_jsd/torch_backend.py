@@ -63,38 +63,37 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TorchConfi
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TorchConfig, *,
              need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
     """dx, dW, db of the student; ``dx_acc``: dx in the compute dtype, not cast."""
-    keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
     cd = compute_dtype(xs.dtype)
     plan = config.backward
     g = g.to(cd)
     stats = stats.to(cd)
-    dx_acc = torch.zeros(n, h, dtype=cd, device=xs.device) if need_dx else None
+    dx_sum = torch.zeros(n, h, dtype=cd, device=xs.device) if need_dx else None
     dw = torch.empty_like(ws) if need_dw else None
-    db = torch.empty_like(bs) if need_db else None
+    db = torch.empty_like(bs) if need_db and bs is not None else None
     for v0 in range(0, v, plan.vocab_chunk):
         v1 = min(v, v0 + plan.vocab_chunk)
         w_v = ws[v0:v1].to(cd)
-        dw_acc = torch.zeros(v1 - v0, h, dtype=cd, device=xs.device) if need_dw else None
-        db_acc = torch.zeros(v1 - v0, dtype=cd, device=xs.device) if need_db else None
+        dw_acc = torch.zeros(v1 - v0, h, dtype=cd, device=xs.device) if dw is not None else None
+        db_acc = torch.zeros(v1 - v0, dtype=cd, device=xs.device) if db is not None else None
         for n0 in range(0, n, plan.token_chunk):
             n1 = min(n, n0 + plan.token_chunk)
             xs_c = xs[n0:n1].to(cd)
             zs = _tile(xs_c, ws, bs, v0, v1, opts.student_softcap, cd)
             zt = _tile(xt[n0:n1], wt, bt, v0, v1, opts.teacher_softcap, cd)
             dz = dlogits(zs, zt, stats[:, n0:n1], g[n0:n1], target[n0:n1], v0, opts)
-            if need_dx:
-                dx_acc[n0:n1] += dz @ w_v
-            if need_dw:
+            if dx_sum is not None:
+                dx_sum[n0:n1] += dz @ w_v
+            if dw_acc is not None:
                 dw_acc += dz.T @ xs_c
-            if need_db:
+            if db_acc is not None:
                 db_acc += dz.sum(dim=0)
-        if need_dw:
+        if dw is not None and dw_acc is not None:
             dw[v0:v1] = dw_acc
-        if need_db:
+        if db is not None and db_acc is not None:
             db[v0:v1] = db_acc
-    dx = (dx_acc if keep_acc else dx_acc.to(xs.dtype)) if need_dx else None
+    dx = dx_sum if dx_sum is None or dx_acc else dx_sum.to(xs.dtype)
     return dx, dw, db
 
 
@@ -128,6 +127,7 @@ def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, 
     if v == 0 or n == 0:  # (no Config then)
         return out
     plan = config.column_sums
+    assert plan is not None  # (planned with column_sums=True)
     t = opts.temperature
     for n0 in range(0, n, plan.token_chunk):
         n1 = min(n, n0 + plan.token_chunk)

@@ -165,7 +165,6 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
              need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
     """dx, dW, db of the student; ``dx_acc``: dx as the fp32 accumulator, not cast
     (a partial sum that the caller reduces first: vocab parallelism)."""
-    keep_acc = dx_acc
     n, h = xs.shape
     v = ws.shape[0]
     plan = config.backward
@@ -180,8 +179,8 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     stats = stats.float().contiguous()
     target = target.contiguous()
     chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(0, v, plan.vocab_chunk)]
-    dw, db, dx_acc = launch.gradient_buffers(xs, ws, bs, len(chunks), need_dx=need_dx, need_dw=need_dw,
-                                             need_db=need_db, keep_acc=keep_acc)
+    dw, db, dx_sum = launch.gradient_buffers(xs, ws, bs, len(chunks), need_dx=need_dx, need_dw=need_dw,
+                                             need_db=need_db, keep_acc=dx_acc)
     dx = None
     dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
     xs_op, ws_op, xt_op, wt_op, use_tma = _operands(xs, ws, xt, wt, tiles)
@@ -212,10 +211,10 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
         )
         dx_chunk = launch.chunk_gradients(
             dz, xs, ws[v0:v1], dw[v0:v1] if need_dw else None, db[v0:v1] if need_db else None,
-            dx_acc, need_dx)
+            dx_sum, need_dx)
         if dx_chunk is not None:
             dx = dx_chunk
-    return launch.finished_dx(dx, dx_acc, keep_acc, xs.dtype), dw, db
+    return launch.finished_dx(dx, dx_sum, dx_acc, xs.dtype), dw, db
 
 
 class TritonBackend(TritonKind):

@@ -75,6 +75,7 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         chunk_stats = stats[:, n0:n1]  # (written in place: rows n apart)
         tc = target[n0:n1]
         plan = config.stats if r == rows else config.tail_stats
+        assert plan is not None  # (a Config with grad_in_forward plans its tail's statistics)
         row_stats(a, b, tc, chunk_stats, opts, plan)
         grid = (cdiv(r, plan.block_n), cdiv(v, plan.block_v))
         launch.run_kernel(
@@ -83,9 +84,9 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
             wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
             BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
         )
-        if need_dx:
+        if dx is not None:
             torch.mm(dz, ws, out=dx[n0:n1])
-        if need_dw:
+        if dw is not None:
             if one:
                 torch.mm(dz.T, xs[n0:n1], out=dw)
             elif dw.is_cuda and dz.dtype != torch.float32:
@@ -94,6 +95,6 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
                 torch.addmm(dw, dz.T, xs[n0:n1], out=dw)
             else:  # the interpreter on CPU
                 dw += dz.T.float() @ xs[n0:n1].float()
-        if need_db:
+        if db is not None:
             db += dz.sum(dim=0, dtype=torch.float32)
     return stats, (dx, dw, db)

@@ -40,6 +40,8 @@ from logitless.ops.common.validate import check_targets_in_range
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 from logitless.options import JSDOptions, VocabParallelOptions
 
+from .contract import LjsdBackend
+
 
 def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Tensor:
     """The full rows' (6, N) statistics at beta 0 or 1 from each rank's statistics of its
@@ -70,7 +72,7 @@ def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Te
     return stats
 
 
-def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabParallelOptions,
+def forward(impl: LjsdBackend, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabParallelOptions,
             budget: int) -> tuple[Tensor, Tensor, Any]:
     """(per-token loss (N,), merged statistics (6, N), the backend's Config of this rank's
     rows or None): the forward op under TP."""
@@ -86,7 +88,7 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     if n == 0:
         stats = xs.new_zeros(NUM_STATS, 0, dtype=dtype)
         return token_loss(stats, target, v, opts).to(dtype), stats, None
-    ws, bs, wt, bt = (shard.real_rows(t) for t in (ws, bs, wt, bt))
+    ws, bs, wt, bt = shard.real_rows(ws), shard.real_rows(bs), shard.real_rows(wt), shard.real_rows(bt)
     local_t = shard.local_target(target)
     kl = opts.beta in (0.0, 1.0)
     config = None
@@ -116,12 +118,12 @@ def forward(impl, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabPar
     return token_loss(stats, target, v, opts).to(dtype), stats, config
 
 
-def backward(impl, g: Tensor, xs, ws, bs: Optional[Tensor], xt, wt, bt, target, stats, opts: JSDOptions,
+def backward(impl: LjsdBackend, g: Tensor, xs, ws, bs: Optional[Tensor], xt, wt, bt, target, stats, opts: JSDOptions,
              tp: VocabParallelOptions, config, need_dx: bool, need_dw: bool, need_db: bool):
     """(dx, dW, db) of this rank's student head (None where not needed), under the
     forward's ``config``."""
     shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)  # cached: no collective
-    ws_r, bs_r, wt_r, bt_r = (shard.real_rows(t) for t in (ws, bs, wt, bt))
+    ws_r, bs_r, wt_r, bt_r = shard.real_rows(ws), shard.real_rows(bs), shard.real_rows(wt), shard.real_rows(bt)
     if ws_r.shape[0]:
         dx, dw, db = impl.backward(g, xs, ws_r, bs_r, xt, wt_r, bt_r, shard.local_target(target), stats, opts,
                                    config, need_dx=need_dx, need_dw=need_dw, need_db=need_db, dx_acc=True)

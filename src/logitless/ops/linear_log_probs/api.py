@@ -39,7 +39,8 @@ def _helion() -> LlpBackend:
 #: "auto" resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's and
 #: Helion's are made on first use (their modules need the optional packages). Truncated
 #: sampling and ``batch_invariant`` are Configs of the same backends (``truncation``).
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend, helion=Lazy(HelionKind, _helion))
+BACKENDS: BackendTable[LlpBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend,
+                                                  helion=Lazy(HelionKind, _helion))
 #: The custom-op pair (logitless::llp_forward / llp_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
@@ -205,6 +206,7 @@ def linear_log_probs(
     logp = logp.reshape(out_shape)
     if not opts.entropy:
         return logp
+    assert ent is not None  # (opts.entropy)
     return logp, ent.reshape(out_shape)
 
 

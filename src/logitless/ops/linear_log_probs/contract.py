@@ -75,7 +75,15 @@ def tensor_k_max(top_k: Tensor, block: int) -> int:
     return k_max
 
 
-def sparse_width(impl: LlpBackend, v: int, k_max: int, need_grad: bool, truncated: bool, parallel: bool) -> int:
+class Searches(Protocol):
+    """What ``sparse_width``, ``may_keep`` and ``decide`` read of a backend (an instance or
+    its class: a capability is a class attribute, ``LlpBackend``)."""
+
+    @property
+    def threshold_search(self) -> bool: ...
+
+
+def sparse_width(impl: Searches, v: int, k_max: int, need_grad: bool, truncated: bool, parallel: bool) -> int:
     """Columns of the forward op's ``sparse`` output (the sparse backward's candidates,
     padded), or 0 when the call cannot take the sparse backward: only a backend with the
     ``threshold_search`` gives them. ``k_max`` -1 (a per-token top_k not read on the
@@ -86,7 +94,7 @@ def sparse_width(impl: LlpBackend, v: int, k_max: int, need_grad: bool, truncate
     return min(c, v) if c <= MAX_CANDIDATES else 0
 
 
-def may_keep(impl: LlpBackend, k_max: int, block: int, need_grad: bool, truncated: bool, softcap, parallel: bool):
+def may_keep(impl: Searches, k_max: int, block: int, need_grad: bool, truncated: bool, softcap, parallel: bool):
     """Whether the forward may keep columns for the backward (the backend's forward over
     all rows, ``need_grad``): not blocked (a plan that keeps may tile differently), not
     with a soft-cap and a threshold, and never where the threshold search may run (its
@@ -96,7 +104,7 @@ def may_keep(impl: LlpBackend, k_max: int, block: int, need_grad: bool, truncate
     return parallel or not impl.threshold_search or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
 
 
-def decide(impl: LlpBackend, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
+def decide(impl: Searches, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
            parallel: bool, softcap: Optional[float] = None):
     """(``Truncated``, may the forward keep columns) of a truncated or batch-invariant call:
     the part of a backend's ``plan`` that is the same for every backend. ``k_max_arg``: the

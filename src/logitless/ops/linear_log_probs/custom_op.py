@@ -18,13 +18,15 @@ torch.compile, which sees only the fakes), so the CPU token-range check
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.contract import Needs
+from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
@@ -82,9 +84,10 @@ def _truncated_forward(call: LlpCall, impl: LlpBackend) -> LlpOutputs:
         k_max = call.k_max
         if k_max < 0 and x.shape[0]:  # (a compiled call: the eager ones read it before the op)
             k_max = tensor_k_max(call.top_k, call.block)
+        assert call.top_p is not None and call.min_p is not None  # (given with top_k: ``api``)
         trunc = Truncation(call.top_k, call.top_p, call.min_p, k_max if k_max >= 0 else None, call.checked)
-    plan = dict(budget=call.budget, need_grad=call.need_grad, need_dw=call.need_dw, trunc=trunc, k_max=call.k_max,
-                block=call.block)
+    plan: dict[str, Any] = dict(budget=call.budget, need_grad=call.need_grad, need_dw=call.need_dw, trunc=trunc,
+                                k_max=call.k_max, block=call.block)
     config = sharded = None
     with no_autocast(x.device):
         if call.tp.tp_group:
@@ -147,7 +150,8 @@ def save(ctx, call: LlpCall, out: LlpOutputs) -> None:
     ctx.config = out.config
     ctx.kept = (out.keep, out.keep_max)
     frozen = [out.lse, out.keep, out.keep_max]
-    if out.tau is not None:  # (truncated; through the custom ops, always: size 0 where absent)
+    if out.tau is not None and out.sparse is not None and out.inside is not None:
+        # (truncated; through the custom ops, always: size 0 where absent)
         frozen += [out.tau, out.sparse, out.inside]
     if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
         frozen.append(out.config)
@@ -158,15 +162,17 @@ def save(ctx, call: LlpCall, out: LlpOutputs) -> None:
 def backward(ctx, grads: LlpOutputs, need, run) -> tuple:
     """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config."""
     kept, ctx.kept = ctx.kept, None
-    if grads.logp is None and grads.entropy is None:
+    grad_logp: Optional[Tensor] = grads.logp  # (None: not materialised)
+    if grad_logp is None and grads.entropy is None:
         return None, None, None
     x, weight, bias, tokens, lse, ent, *trunc = ctx.saved_tensors
     if kept is None:  # a second backward: the kept columns are spent
         kept = nothing_kept(x)
+    keep, keep_max = kept
     logp, tau, sparse, inside = trunc or (None, None, None, None)
-    return run(LlpBackwardCall(grads.logp, grads.entropy, x, weight, bias, tokens, lse, ent, *kept, ctx.config,
-                               ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), logp, tau, sparse,
-                               inside, ctx.tp))
+    return run(LlpBackwardCall(grad_logp, grads.entropy, x, weight, bias, tokens, lse, ent, keep, keep_max,
+                               ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), logp, tau,
+                               sparse, inside, ctx.tp))
 
 
 def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
@@ -185,15 +191,17 @@ def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
             if getattr(config, "trunc", None) is not None:
                 from . import truncation
 
-                v = weight.shape[0]
+                sharded = None
                 if b.tp.tp_group:
                     from . import vocab_parallel
 
-                    impl = vocab_parallel.ShardedBackend(impl, b.tp, weight, x.device, False)
-                    v = impl.vocab_size
-                return truncation.backward(impl, b.grad_logp, b.grad_entropy, x, weight, bias, b.tokens, b.lse,
-                                           b.entropy_out, b.logp, b.tau, b.sparse, b.inside, kept, opts, config,
-                                           need.need_dx, need.need_dw, need.need_db, v)
+                    sharded = vocab_parallel.ShardedBackend(impl, b.tp, weight, x.device, False)
+                v = sharded.vocab_size if sharded is not None else weight.shape[0]
+                # (a truncated forward's outputs: present)
+                assert b.logp is not None and b.tau is not None and b.sparse is not None and b.inside is not None
+                return truncation.backward(sharded if sharded is not None else impl, b.grad_logp, b.grad_entropy, x,
+                                           weight, bias, b.tokens, b.lse, b.entropy_out, b.logp, b.tau, b.sparse,
+                                           b.inside, kept, opts, config, need.need_dx, need.need_dw, need.need_db, v)
             if b.tp.tp_group:
                 from . import vocab_parallel
 
@@ -212,7 +220,8 @@ def backward_fake(b: LlpBackwardCall, impl: LlpBackend):
     return fake_grad_outputs(b.x, b.weight, b.bias, b.need.need_dx, b.need.need_dw, b.need.need_db)
 
 
-def define(backends, *, name: str = NAME) -> CustomOp:
+def define(backends: BackendTable[LlpBackend], *,
+           name: str = NAME) -> CustomOp[LlpCall, LlpOutputs, LlpBackwardCall, LlpBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(name, LlpCall, LlpOutputs, LlpBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

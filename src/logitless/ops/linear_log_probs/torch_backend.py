@@ -77,7 +77,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
         lse_c, ent_c = finish(m, s, u)
         lse[n0:n1] = lse_c
         tgt[n0:n1] = a_t
-        if opts.entropy:
+        if ent is not None and ent_c is not None:  # (opts.entropy)
             ent[n0:n1] = ent_c
     return LogProbStats(lse=lse, target=tgt, entropy=ent)
 

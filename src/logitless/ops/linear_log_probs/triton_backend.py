@@ -150,33 +150,33 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
     (``triton_lib.log_probs_fields``)."""
     n, h = x.shape
     v = weight.shape[0]
-    keep_ok, cute, plan = plan.keeps and keep, (plan.cute if tau is None and not fields else None), plan.forward
+    keep_ok, cute, tiles = plan.keeps and keep, (plan.cute if tau is None and not fields else None), plan.forward
     if cute is not None:  # compiles and launches once per configuration, else Triton (one warning)
         from logitless.cute_lib import launch as cute_launch
 
         cute = cute_launch.ready(cute, x, weight, entropy=opts.entropy,
-                                 keep_block=plan.block_v if keep_ok and cdiv(plan.keep_cols, plan.block_v) else 0)
-    splits = cute.splits if cute is not None else plan.vocab_splits
-    blocks_per_split = cdiv(cdiv(v, plan.block_v), splits)
+                                 keep_block=tiles.block_v if keep_ok and cdiv(tiles.keep_cols, tiles.block_v) else 0)
+    splits = cute.splits if cute is not None else tiles.vocab_splits
+    blocks_per_split = cdiv(cdiv(v, tiles.block_v), splits)
     # One allocation for the partial statistics (max, sum, token logit, entropy term).
     parts = launch.partials(3 + opts.entropy, splits, n, x.device)
     part_max, part_sum, part_tgt = parts[:3]
     part_u = parts[3] if opts.entropy else part_max
-    keep_blocks = cdiv(plan.keep_cols, plan.block_v) if keep_ok else 0
-    prerounded = launch.runs_prerounded(plan, x.dtype)
+    keep_blocks = cdiv(tiles.keep_cols, tiles.block_v) if keep_ok else 0
+    prerounded = launch.runs_prerounded(tiles, x.dtype)
     # fp32 at "high": x rounded to TF32 once, W chunk by chunk (launches over whole splits).
-    use_tma, steps = launch.forward_launches(x, weight, plan, prerounded) if cute is None else (False, ())
-    keep = keep_max = keep_buf = None
+    use_tma, steps = launch.forward_launches(x, weight, tiles, prerounded) if cute is None else (False, ())
+    keep_view = keep_max = keep_buf = None
     keep_op = x
     if keep_blocks:
-        keep_buf, keep, keep_max, keep_op = launch.keep_buffers(plan, n, x, use_tma)
+        keep_buf, keep_view, keep_max, keep_op = launch.keep_buffers(tiles, n, x, use_tma)
     if cute is not None:  # (kept columns in the same buffers, as the Triton kernel keeps them)
         cute_launch.forward_partials("linear_log_probs", x, weight, tokens, (part_max, part_sum, part_tgt),
                                      splits, scale=1.0 / opts.temperature,
                                      entropy=part_u if opts.entropy else None,
                                      stages=cute.stages, specialised=cute.specialised, group=cute.group,
-                                     keep=(keep, keep_max, plan.block_v) if keep is not None else None)
-    row_blocks = cdiv(n, plan.block_n)
+                                     keep=(keep_view, keep_max, tiles.block_v) if keep_view is not None else None)
+    row_blocks = cdiv(n, tiles.block_n)
     flags = _flags(bias, opts, x.dtype, prerounded)
     thr = _threshold_args(tau)
     if fields:
@@ -191,14 +191,14 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
             x_op, w_op, bias if bias is not None else x, tokens,
             part_max, part_sum, part_u, part_tgt, keep_op, keep_max if keep_max is not None else x,
             n, v, h, xr.stride(0), xr.stride(1), w_rows.stride(0), w_rows.stride(1),
-            keep.stride(0) if keep is not None else 0,
+            keep_view.stride(0) if keep_view is not None else 0,
             blocks_per_split, keep_blocks, float(opts.softcap or 1.0), 1.0 / opts.temperature, launch_splits,
-            plan.group_n or row_blocks,
-            KEEP=keep is not None, USE_TMA=use_tma, FLATTEN=plan.flatten, **flags,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, BLOCK_H=plan.block_h,
-            num_warps=plan.num_warps, num_stages=plan.num_stages, **extra, **thr,
+            tiles.group_n or row_blocks,
+            KEEP=keep_view is not None, USE_TMA=use_tma, FLATTEN=tiles.flatten, **flags,
+            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **extra, **thr,
         )
-    kept = (keep_buf, keep_max) if keep is not None else None
+    kept = (keep_buf, keep_max) if keep_view is not None else None
     if outputs:
         res = log_probs_epilogue.forward_outputs(part_max, part_sum, part_u if opts.entropy else None, part_tgt,
                                                  tokens, opts, v)
@@ -250,10 +250,10 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
     hold e = 0 there)."""
     thr = _threshold_args(tau)
     n, h = x.shape
-    plan = plan.forward if kept is not None else plan.backward
+    tiles = plan.forward if kept is not None else plan.backward
     coef = coef.contiguous()
     lse = lse.contiguous()
-    prerounded = launch.runs_prerounded(plan, x.dtype)
+    prerounded = launch.runs_prerounded(tiles, x.dtype)
     flags = _flags(bias, opts, x.dtype, prerounded)
     kernels = launch.DlogitsKernels(
         kept_kernel=K.logp_kept_dlogits_kernel, kept_head=(tokens, lse, coef, n),
@@ -263,7 +263,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=dict(flags, **thr),
         prerounded=prerounded, kept_rows=KEPT_ROWS_WITH_LOG if opts.entropy or opts.softcap is not None else 0,
     )
-    return launch.chunked_backward(x, weight, bias, plan, kept, kernels, need_dx=need_dx, need_dw=need_dw,
+    return launch.chunked_backward(x, weight, bias, tiles, kept, kernels, need_dx=need_dx, need_dw=need_dw,
                                    need_db=need_db, dx_acc=dx_acc)
 
 
@@ -295,6 +295,7 @@ class TritonBackend(TritonKind):
 
     def forward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
                 config: TritonConfig, *, outputs: bool = True, tau: Optional[Tensor] = None, keep: bool = True):
+        assert config.main is not None  # (None: a vocab-parallel rank without rows, where nothing runs)
         return forward(x, weight, bias, tokens, opts, plan=config.main, outputs=outputs, tau=tau, keep=keep)
 
     grad_coefficients = staticmethod(grad_coefficients)
@@ -302,5 +303,7 @@ class TritonBackend(TritonKind):
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
                  lse: Tensor, coef: Tensor, config: TritonConfig, *, kept: Optional[tuple[Tensor, Tensor]] = None,
                  need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
+        plan = config.backward or config.main
+        assert plan is not None  # (None: a vocab-parallel rank without rows, where nothing runs)
         return backward(x, weight, bias, tokens, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
-                        need_db=need_db, plan=config.backward or config.main, kept=kept, dx_acc=dx_acc, tau=tau)
+                        need_db=need_db, plan=plan, kept=kept, dx_acc=dx_acc, tau=tau)

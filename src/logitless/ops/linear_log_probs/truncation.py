@@ -177,6 +177,7 @@ def _put(ours: Optional[Tensor], rows_values: Optional[Tensor], rows: Tensor) ->
     """``ours`` with its ``rows`` replaced by ``rows_values`` (one value per row)."""
     if ours is None:
         return None
+    assert rows_values is not None  # (the same outputs on both sides: an entropy with an entropy)
     ours = ours.clone()
     ours[rows] = rows_values.to(ours.dtype)
     return ours
@@ -242,6 +243,7 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     n, v = x.shape[0], weight.shape[0]
     sd = compute_dtype(x.dtype)
     c, lplan, plan, mplan = config.candidates, config.search, config.candidate_tiles, config.mass_tiles
+    assert lplan is not None  # (a Config whose search runs has its plan: ``triton_backend.truncated_config``)
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
@@ -372,15 +374,15 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     left = active | fallback
     tau[rows] = tau_r
     w[rows] = w_k
-    if ent_on:
+    if uu is not None:  # (the entropy)
         uu[rows] = u_k
     outs = outputs_of(m, w, uu, a_t, tau, tokens, v, opts.ignore_index, sd)
     if min_p_outs is not None:
         for o, f in zip(outs, min_p_outs):
             if o is not None:
                 o[rows[drows]] = f.to(o.dtype)
-    left = rows[left] if bool(left.any()) else None
-    return (tau, outs, left, sparse) if indices else (tau, outs, left)
+    left_rows = rows[left] if bool(left.any()) else None
+    return (tau, outs, left_rows, sparse) if indices else (tau, outs, left_rows)
 
 
 
@@ -417,7 +419,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sd = compute_dtype(x.dtype)
     tiles = config.search.forward if getattr(config, "search", None) is not None else None
     kept = None
-    sparse = [] if dec.width else None  # the sparse backward (every row's kept set inside its candidates)
+    # the sparse backward's (candidates, columns, inside) per block (every row's kept set inside its candidates)
+    sparse_blocks: Optional[list[tuple[Tensor, ...]]] = [] if dec.width else None
     logp = x.new_empty(n, dtype=sd)
     ent = x.new_empty(n, dtype=sd) if opts.entropy else None
     lse = x.new_empty(n, dtype=sd)
@@ -431,28 +434,30 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
                 tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
             elif xb.shape[0] and dec.search:
                 tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, invariant=bool(block),
-                                                     indices=sparse is not None)
-                if sparse is not None and sp[0] is not None:
-                    sparse.append(tuple(t[:n1 - n0] for t in sp[0]))
+                                                     indices=sparse_blocks is not None)
+                if sparse_blocks is not None and sp[0] is not None:
+                    sparse_blocks.append(tuple(t[:n1 - n0] for t in sp[0]))
                 else:
-                    sparse = None
+                    sparse_blocks = None
                 if left is not None:  # (the chunked fallback for these rows)
                     tau[left] = thresholds(xb[left], weight, bias, opts, tr.rows(left), budget, config.thresholds,
                                            tiles)
             else:
                 tau = thresholds(xb, weight, bias, opts, tr, budget, config.thresholds, tiles)
-                sparse = None if xb.shape[0] else sparse
+                sparse_blocks = None if xb.shape[0] else sparse_blocks
             taus[n0:n1] = tau[:n1 - n0]
         if xb.shape[0] == 0:
             continue
         if outs is not None and left is None:  # every row's outputs from the threshold pass
             lp, en, ls = outs
         elif outs is not None and not block:  # the forward over the fallback's rows only, under the Config's plan
+            assert tau is not None and left is not None  # (the search's: its thresholds, the rows it left)
             fl, _ = backend.forward(xb[left], weight, bias, tb[left], opts, config, tau=tau[left], keep=False)
             lp, en, ls = (_put(o, f, left) for o, f in zip(outs, fl))
         else:
             (lp, en, ls), kept = backend.forward(xb, weight, bias, tb, opts, config, tau=tau)
             if outs is not None:  # the threshold pass's outputs, but for the fallback's rows
+                assert left is not None  # (else every row's outputs came from it: above)
                 lp, en, ls = (_put(o, f[left] if f is not None else None, left) for o, f in zip(outs, (lp, en, ls)))
         logp[n0:n1] = lp[:n1 - n0].to(sd)
         lse[n0:n1] = ls[:n1 - n0].to(sd)
@@ -461,8 +466,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     if not dec.width:
         cand, cols, inside = x.new_empty((0, 0), dtype=torch.float32), tokens.new_empty((0, 0), dtype=torch.int32), \
             tokens.new_empty(0, dtype=torch.bool)
-    elif sparse:  # padded to the fixed width: the padding is never kept (-inf), its column V
-        cand, cols, inside = (torch.cat(parts) for parts in zip(*sparse))
+    elif sparse_blocks:  # padded to the fixed width: the padding is never kept (-inf), its column V
+        cand, cols, inside = (torch.cat(parts) for parts in zip(*sparse_blocks))
         if cand.shape[1] < dec.width:
             cand = F.pad(cand, (0, dec.width - cand.shape[1]), value=-math.inf)
             cols = F.pad(cols, (0, dec.width - cols.shape[1]), value=v)
@@ -476,8 +481,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
 
 
 def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], x: Tensor, weight: Tensor,
-             bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Tensor, logp: Tensor, tau: Tensor,
-             sparse: Tensor, inside: Tensor, kept, opts: LogProbOptions, config, need_dx: bool,
+             bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Optional[Tensor], logp: Tensor,
+             tau: Tensor, sparse: Tensor, inside: Tensor, kept, opts: LogProbOptions, config, need_dx: bool,
              need_dw: bool, need_db: bool, num_classes: int):
     """dx, dw, db (size 0 where not needed) under the forward's Config: the sparse backward
     for the rows ``inside`` their candidates (when any), the backend's (with tau) for the
@@ -512,7 +517,7 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
         dx = torch.zeros_like(x)
     if need_dw:
         dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
-    if need_db:
+    if need_db and bias is not None:  # (need_db: a bias)
         db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
     return grad_outputs(x, dx, dw, db, need_dx, need_dw, need_db)
 

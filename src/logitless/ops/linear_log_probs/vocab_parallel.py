@@ -119,7 +119,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
 
 
 def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], x: Tensor, weight: Tensor,
-             bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Tensor, opts: LogProbOptions,
+             bias: Optional[Tensor], tokens: Tensor, lse: Tensor, entropy_out: Optional[Tensor], opts: LogProbOptions,
              tp: VocabParallelOptions, config, *, need_dx: bool, need_dw: bool, need_db: bool, kept):
     """(dx, dW, db) of this rank (None where not needed): the custom op's backward under TP
     (``config``, ``kept``: the forward's)."""
@@ -179,11 +179,10 @@ class ShardedBackend:
 
         search = getattr(config, "search", None)
         tiles = search.forward if search is not None else None
-        chunked = dict(vocab_size=v, merge=merge)
         kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())  # (host sync)
         c = candidate_count(kmax)
         if not self.impl.threshold_search or c > MAX_CANDIDATES or x.shape[0] == 0:
-            return _thresholds(x, w, b, opts, trunc, budget, config.thresholds, tiles, **chunked)
+            return _thresholds(x, w, b, opts, trunc, budget, config.thresholds, tiles, vocab_size=v, merge=merge)
         cand, m, s = _candidates_triton(x, w, b, opts, c, config.candidate_tiles)
         cand, m, s = merge(cand, m, s, c)
         tau, ok = resolve(cand, m, s, v, trunc)
@@ -191,7 +190,7 @@ class ShardedBackend:
         if not bool(ok.all()):  # (host sync; the same rows on every rank) the chunked passes, 4x C
             left = (~ok).nonzero()[:, 0]
             tau[left] = _thresholds(x[left], w, b, opts, trunc.rows(left), budget, config.thresholds, tiles,
-                                    first_c=4 * c, **chunked)
+                                    vocab_size=v, merge=merge, first_c=4 * c)
         return tau
 
 

@@ -30,7 +30,7 @@ def _triton() -> TopKBackend:
 #: The implementations of linear_topk_kl, by ``backend=`` name (``contract.TopKBackend``;
 #: "auto" resolves to one of them, ``ops.common.validate.resolve_backend``). Triton's is
 #: made on first use (its module needs the optional package).
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
+BACKENDS: BackendTable[TopKBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 #: The custom-op pair (logitless::topk_kl_forward / topk_kl_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 NO_VOCAB_PARALLEL = VocabParallelOptions()

@@ -14,6 +14,8 @@ one, retain_graph=True, recomputes).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -21,7 +23,7 @@ from logitless.formulas.common import compute_dtype, reduce
 from logitless.formulas.cross_entropy import upstream_per_token
 from logitless.formulas.topk_kl import TopKStats, token_terms
 from logitless.ops.common.autocast import disabled as no_autocast
-from logitless.ops.common.contract import Needs
+from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
@@ -174,17 +176,18 @@ def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
     """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config."""
     kept, ctx.kept = ctx.kept, None
     x, weight, bias, ids, target, w, rows, coef, sparse = ctx.saved_tensors
-    grad_loss = grads.loss
+    grad_loss: Optional[Tensor] = grads.loss
     if grad_loss is None:  # (gradients are not materialised)
         shape = w.shape if ctx.opts.reduction == "none" else ()
         grad_loss = torch.zeros(shape, dtype=w.dtype, device=w.device)
     if kept is None:  # a second backward: the kept columns are spent
         kept = nothing_kept(x)
-    return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, *kept, ctx.config,
-                                ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp))
+    keep, keep_max = kept
+    return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, keep, keep_max,
+                                ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp))
 
 
-def define(backends) -> CustomOp:
+def define(backends: BackendTable[TopKBackend]) -> CustomOp[TopKCall, TopKOutputs, TopKBackwardCall, TopKBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, TopKCall, TopKOutputs, TopKBackwardCall, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

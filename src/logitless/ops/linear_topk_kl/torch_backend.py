@@ -77,7 +77,7 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, tar
             cols, inside = _ids_in(ids_c, v0, v1 - v0)
             picked = z.gather(1, cols.clamp(max=v1 - v0 - 1))
             z_ids[n0:n1] = torch.where(inside, picked, z_ids[n0:n1])
-            if opts.hard:
+            if z_t is not None:  # (opts.hard)
                 local = target[n0:n1] - v0
                 t_in = (local >= 0) & (local < v1 - v0)
                 zt = z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]

@@ -152,7 +152,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, targ
         z_t=part_tgt.sum(dim=0) if opts.hard else None,
         lse1=merge_splits(part_max1, part_sum1) if hard_t else None,
     )
-    return TopKForward(stats, (keep_buf, keep_max) if keep is not None else None)
+    return TopKForward(stats, (keep_buf, keep_max) if keep_buf is not None and keep_max is not None else None)
 
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor, opts: TopKKLOptions,

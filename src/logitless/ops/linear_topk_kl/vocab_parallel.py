@@ -31,13 +31,15 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.topk_kl import TopKStats
 from logitless.ops.common.vocab_parallel import no_class_grads, rank_grads
 
+from .contract import TopKBackend, TopKBackwardCall, TopKCall
+
 
 def vocab_size(call) -> int:
     """The full vocabulary's size (the group's row counts: exchanged once, then cached)."""
     return vocab_shard(call.tp.tp_group, call.weight.shape[0], call.x.device, call.tp.vocab_size).vocab_size
 
 
-def forward(impl, call):
+def forward(impl: TopKBackend, call: TopKCall):
     """(TopKStats of the full rows, kept or None, the Config or None)."""
     x, weight, ids, target, opts, tp = call.x, call.weight, call.ids, call.target, call.opts, call.tp
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
@@ -57,8 +59,9 @@ def forward(impl, call):
         config = impl.plan(x, w, b, opts, budget=call.budget, need_grad=call.need_grad, k=k)  # once
         out = impl.forward(x, w, b, ids - shard.start, shard.local_target(target), opts, config)
         local, kept = out.stats, out.kept
-    lses = [local.lse_tail.to(sd)] + ([local.lse1.to(sd)] if opts.hard_at_other_temperature else [])
-    sums = list(local.z_ids.to(sd).T) + ([local.z_t.to(sd)] if opts.hard else [])
+    lse1, z_t = local.lse1, local.z_t  # (present with those options)
+    lses = [local.lse_tail.to(sd)] + ([lse1.to(sd)] if opts.hard_at_other_temperature and lse1 is not None else [])
+    sums = list(local.z_ids.to(sd).T) + ([z_t.to(sd)] if opts.hard and z_t is not None else [])
     merged = merge_shards(shard.group, lses, sums=sums)
     z_ids = torch.stack(merged.sums[:k], dim=1) if k else x.new_empty((n, 0), dtype=sd)
     stats = TopKStats(merged.lse[0], z_ids, merged.sums[k] if opts.hard else None,
@@ -66,7 +69,7 @@ def forward(impl, call):
     return stats, kept, config
 
 
-def backward(impl, b, coef: Tensor, sparse: Tensor, config, kept):
+def backward(impl: TopKBackend, b: TopKBackwardCall, coef: Tensor, sparse: Tensor, config, kept):
     """(dx, dW, db) of this rank (None where not needed) from the scaled coefficients."""
     x, weight, need = b.x, b.weight, b.need
     shard = vocab_shard(b.tp.tp_group, weight.shape[0], x.device, b.tp.vocab_size)  # cached: no collective

@@ -29,7 +29,7 @@ def _triton() -> LpBackend:
 #: resolves to one of them, ``ops.common.validate.resolve_backend``); each runs the
 #: truncated and batch-invariant calls too (a Config of theirs, ``contract.Blocks``).
 #: Triton's is made on first use (its module needs the optional package).
-BACKENDS = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
+BACKENDS: BackendTable[LpBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
 #: The custom-op pair (logitless::lp_forward / lp_backward) over the table.
 OPS = custom_op.define(BACKENDS)
 
@@ -115,6 +115,7 @@ def log_probs(
     logp = logp.reshape(tokens.shape)
     if not opts.entropy:
         return logp
+    assert ent is not None  # (opts.entropy)
     return logp, ent.reshape(tokens.shape)
 
 

@@ -13,12 +13,15 @@ Double backward raises.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.truncation import Truncation, check_values
 from logitless.ops.common.autocast import disabled as no_autocast
+from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.glue import CustomOp
 from logitless.ops.common.validate import check_targets_in_range
 
@@ -36,6 +39,7 @@ def forward(call: LpCall, impl: LpBackend) -> LpOutputs:
     check_targets_in_range(tokens, v, opts.ignore_index, name="tokens")
     trunc = None
     if call.top_k is not None:
+        assert call.top_p is not None and call.min_p is not None  # (given with top_k: ``api``)
         if not call.checked and logits.device.type == "cpu":
             check_values(call.top_k, call.top_p, call.min_p)
         trunc = Truncation(call.top_k, call.top_p, call.min_p, call.k_max if call.k_max >= 0 else None, call.checked)
@@ -80,10 +84,11 @@ def save(ctx, call: LpCall, out: LpOutputs) -> None:
 
 def backward(ctx, grads: LpOutputs, need, run) -> tuple:
     """(d logits,): the backward op (``run``) on the saved tensors and the forward's Config."""
-    if grads.logp is None and grads.entropy is None:
+    grad_logp: Optional[Tensor] = grads.logp  # (None: not materialised)
+    if grad_logp is None and grads.entropy is None:
         return (None,)
     logits, tokens, logp, entropy_out, lse, tau = ctx.saved_tensors
-    return run(LpBackwardCall(grads.logp, grads.entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config,
+    return run(LpBackwardCall(grad_logp, grads.entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config,
                               ctx.opts, ctx.backend))
 
 
@@ -101,7 +106,8 @@ def backward_fake(b: LpBackwardCall, impl: LpBackend) -> tuple:
     return (torch.empty_like(b.logits),)
 
 
-def define(backends, *, name: str = NAME) -> CustomOp:
+def define(backends: BackendTable[LpBackend], *,
+           name: str = NAME) -> CustomOp[LpCall, LpOutputs, LpBackwardCall, LpBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(name, LpCall, LpOutputs, LpBackwardCall, table=backends, forward=forward, fake=fake, save=save,
                     backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)

@@ -68,16 +68,17 @@ class TorchBackend(TorchKind):
             zero = torch.zeros_like(m)
             m, s, u = online_update(a, m, zero, zero.clone() if opts.entropy else None)
             lse[n0:n1], e = finish(m, s, u)
-            if opts.entropy:
+            if ent is not None and e is not None:  # (opts.entropy)
                 ent[n0:n1] = e
         stats = LogProbStats(lse=lse, target=tgt, entropy=ent)
         logp, entropy = token_outputs(stats, tokens, v, opts)
         return LpForward(logp, entropy, lse)
 
     def backward(self, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
-                 logp: Optional[Tensor], entropy: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
-                 config: TorchConfig) -> Tensor:
+                 logp: Optional[Tensor], entropy: Optional[Tensor], lse: Tensor, tau: Optional[Tensor],
+                 opts: LogProbOptions, config: TorchConfig) -> Tensor:
         if config.blocks is not None:
+            assert logp is not None and tau is not None  # (the blocked forward's outputs: ``custom_op.save``)
             return blocked.backward(grad_logp, grad_entropy, logits, tokens, logp, entropy, lse, tau, opts,
                                     config.blocks)
         n, v = logits.shape

@@ -49,10 +49,10 @@ class TritonBackend(TritonKind):
             return blocked.forward(logits, tokens, truncation, opts, config.blocks)
         n, v = logits.shape
         plan = config.tiles
-        f32 = dict(dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, **f32)
-        tgt = torch.empty(n, **f32)
-        ent = torch.empty(n, **f32) if opts.entropy else None
+        assert plan is not None  # (a Config without blocks has tiles: ``plan``)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        tgt = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n, dtype=torch.float32, device=logits.device) if opts.entropy else None
         public_launch(K.lp_forward_kernel, (triton.cdiv(n, plan.block_n),),
             logits, tokens.contiguous(), lse, tgt, ent if ent is not None else lse,
             n, v, logits.stride(0), logits.stride(1), float(opts.softcap or 1.0), 1.0 / opts.temperature,
@@ -63,13 +63,15 @@ class TritonBackend(TritonKind):
         return LpForward(logp, entropy, lse)
 
     def backward(self, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
-                 logp: Optional[Tensor], entropy: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
-                 config: TritonConfig) -> Tensor:
+                 logp: Optional[Tensor], entropy: Optional[Tensor], lse: Tensor, tau: Optional[Tensor],
+                 opts: LogProbOptions, config: TritonConfig) -> Tensor:
         if config.blocks is not None:
+            assert logp is not None and tau is not None  # (the blocked forward's outputs: ``custom_op.save``)
             return blocked.backward(grad_logp, grad_entropy, logits, tokens, logp, entropy, lse, tau, opts,
                                     config.blocks)
         n, v = logits.shape
         plan = config.tiles
+        assert plan is not None  # (a Config without blocks has tiles: ``plan``)
         out = torch.empty_like(logits)
         coef = grad_coefficients(entropy if opts.entropy else None, tokens, grad_logp,
                                  grad_entropy if opts.entropy else None, v, opts, lse)

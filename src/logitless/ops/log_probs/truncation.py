@@ -112,7 +112,7 @@ def forward(logits: Tensor, tokens: Tensor, trunc: Optional[Truncation], opts: L
 
 
 def backward(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], logits: Tensor, tokens: Tensor,
-             logp: Tensor, entropy_out: Tensor, lse: Tensor, tau: Tensor, opts: LogProbOptions,
+             logp: Tensor, entropy_out: Optional[Tensor], lse: Tensor, tau: Tensor, opts: LogProbOptions,
              blocks: Blocks) -> Tensor:
     """d / d logits, ``blocks.rows`` rows at a time: ``dlogits_`` of the untruncated op over
     the kept columns (a >= tau; the others -inf, so p = 0 there) with the kept set's lse;
