@@ -1,20 +1,25 @@
 """The buffers a forward custom op keeps for its backward, shared by the ops that keep
-columns of exp(z - m) (linear_cross_entropy, linear_log_probs).
+columns of exp(z - m) (linear_cross_entropy, linear_log_probs, linear_topk_kl).
 
 A forward custom op returns ``keep`` (the kept columns, in x's dtype) and ``keep_max``
 (fp32 tile maxima), laid out by the call's Config (``planning.plans.LinearPlan``); when it
 keeps nothing these are ``NOTHING_KEPT``-shaped dummies (the backward tells them by that
 shape). ``nothing_kept`` builds the dummies (eager), ``fake_kept`` the two outputs of a
 fake implementation. No device work: only allocations of the shapes the backend reports.
+``linear_backward`` is what these ops' backward custom ops share around their own gradients:
+no tokens, no gradient needed, the Config decoded, the kept columns or None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
+
+from logitless.ops.common.contract import ConfigCodec, Needs
+from logitless.ops.common.glue import grad_outputs, zero_grads
 
 #: Shape of the keep buffers when nothing is kept. Not (0, 0): inductor's in-place reuse
 #: of an empty 2-D buffer of dynamic size computes its size as u1 - max(1, u1) + u0 *
@@ -58,3 +63,44 @@ def fake_kept(x: Tensor, weight: Tensor, tp_group: str, vocab_size: int,
 def fake_kept_tensors(x: Tensor, keep_shape=NOTHING_KEPT, max_shape=NOTHING_KEPT) -> tuple[Tensor, Tensor]:
     """Fake (keep, keep_max) of the given shapes (defaults: nothing kept)."""
     return x.new_empty(keep_shape), x.new_empty(max_shape, dtype=torch.float32)
+
+
+class KeptBackwardCall(Protocol):
+    """What ``linear_backward`` reads of a backward call (``glue.Call``) of an op that keeps
+    columns: the student/model head, which gradients it needs, the forward's Config (the
+    object, or its encoding through the custom ops) and kept columns."""
+
+    @property
+    def x(self) -> Tensor: ...
+    @property
+    def weight(self) -> Tensor: ...
+    @property
+    def bias(self) -> Optional[Tensor]: ...
+    @property
+    def need(self) -> Needs: ...
+    @property
+    def config(self) -> Any: ...
+    @property
+    def keep(self) -> Tensor: ...
+    @property
+    def keep_max(self) -> Tensor: ...
+
+
+#: (the forward's Config, its kept columns or None) -> (dx, dw, db), None where not computed.
+GradsOf = Callable[[Any, Optional[tuple[Tensor, Tensor]]], tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]]
+
+
+def linear_backward(b: KeptBackwardCall, codec: ConfigCodec,
+                    grads: GradsOf) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The (dx, dw, db) outputs of a backward custom op (``glue.grad_outputs``): zeros on no
+    tokens, nothing computed where no gradient is needed, else ``grads(config, kept)`` on
+    the Config decoded by ``codec`` (on the eager path: the object as it came) and the kept
+    columns (None for the ``NOTHING_KEPT`` dummies; a backend overwrites them with dz)."""
+    x, weight, bias, need = b.x, b.weight, b.bias, b.need
+    dx = dw = db = None
+    if x.shape[0] == 0:
+        dx, dw, db = zero_grads(x, weight, bias)
+    elif need.need_dx or need.need_dw or need.need_db:
+        config = codec.decode(b.config) if isinstance(b.config, Tensor) else b.config
+        dx, dw, db = grads(config, None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max))
+    return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)

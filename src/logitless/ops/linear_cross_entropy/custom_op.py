@@ -29,9 +29,9 @@ from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common import invariant
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
+from logitless.ops.common.glue import CustomOp, fake_grad_outputs
 from logitless.ops.common.grad_in_forward import scale_grads
-from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import LceBackend, LceBackwardCall, LceCall, LceOutputs
@@ -196,15 +196,9 @@ def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
 def backward_impl(b: LceBackwardCall, impl: LceBackend):
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
     x, weight, bias, need = b.x, b.weight, b.bias, b.need
-    dx = dw = db = None
-    if x.shape[0] == 0:
-        dx, dw, db = zero_grads(x, weight, bias)
-    elif need.need_dx or need.need_dw or need.need_db:
-        config: Any = b.config  # (the object, or its encoding through the custom ops)
-        if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
-            config = (impl.codec.blocked if b.batch_invariant else impl.codec).decode(config)
+
+    def grads(config, kept: Optional[tuple[Tensor, Tensor]]):
         opts, grad_loss = b.opts, b.grad_loss
-        kept = None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max)
         if b.batch_invariant:  # the per-token gradient of the reduction, as autograd gives it
             config = config.backward
             if grad_loss is None:
@@ -219,16 +213,15 @@ def backward_impl(b: LceBackwardCall, impl: LceBackend):
             if b.tp.tp_group:
                 from . import vocab_parallel
 
-                dx, dw, db = vocab_parallel.backward(
+                return vocab_parallel.backward(
                     impl, grad_loss, b.grad_lse, x, weight, bias, b.target, b.class_weight, b.lse, b.w_t, opts,
                     b.tp, need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db, config=config, kept=kept)
-            else:
-                coef = impl.grad_coefficients(grad_loss, b.grad_lse, b.lse, b.w_t, b.target, b.class_weight, opts,
-                                              weight.shape[0])
-                dx, dw, db = impl.backward(x, weight, bias, b.target, b.class_weight, opts.softcap, b.lse, coef,
-                                           config, kept=kept, need_dx=need.need_dx, need_dw=need.need_dw,
-                                           need_db=need.need_db)
-    return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)
+            coef = impl.grad_coefficients(grad_loss, b.grad_lse, b.lse, b.w_t, b.target, b.class_weight, opts,
+                                          weight.shape[0])
+            return impl.backward(x, weight, bias, b.target, b.class_weight, opts.softcap, b.lse, coef, config,
+                                 kept=kept, need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db)
+
+    return linear_backward(b, impl.codec.blocked if b.batch_invariant else impl.codec, grads)
 
 
 def backward_fake(b: LceBackwardCall, impl: LceBackend):

@@ -27,8 +27,8 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
+from logitless.ops.common.glue import CustomOp, fake_grad_outputs
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import LlpBackend, LlpBackwardCall, LlpCall, LlpOutputs, may_keep, sparse_width, tensor_k_max
@@ -177,16 +177,9 @@ def backward(ctx, grads: LlpOutputs, need, run) -> tuple:
 
 def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
-    x, weight, bias, need = b.x, b.weight, b.bias, b.need
-    dx = dw = db = None
-    if x.shape[0] == 0:
-        dx, dw, db = zero_grads(x, weight, bias)
-    elif need.need_dx or need.need_dw or need.need_db:
-        config = b.config
-        if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
-            config = impl.codec.decode(config)
-        kept = None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max)
-        opts = b.opts
+    x, weight, bias, need, opts = b.x, b.weight, b.bias, b.need, b.opts
+
+    def grads(config, kept: Optional[tuple[Tensor, Tensor]]):
         with no_autocast(x.device):
             if getattr(config, "trunc", None) is not None:
                 from . import truncation
@@ -205,15 +198,15 @@ def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
             if b.tp.tp_group:
                 from . import vocab_parallel
 
-                dx, dw, db = vocab_parallel.backward(impl, b.grad_logp, b.grad_entropy, x, weight, bias, b.tokens,
-                                                     b.lse, b.entropy_out, opts, b.tp, config, need_dx=need.need_dx,
-                                                     need_dw=need.need_dw, need_db=need.need_db, kept=kept)
-            else:
-                coef = impl.grad_coefficients(b.entropy_out if opts.entropy else None, b.tokens, b.grad_logp,
-                                              b.grad_entropy if opts.entropy else None, weight.shape[0], opts, b.lse)
-                dx, dw, db = impl.backward(x, weight, bias, b.tokens, opts, b.lse, coef, config, kept=kept,
-                                           need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db)
-    return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)
+                return vocab_parallel.backward(impl, b.grad_logp, b.grad_entropy, x, weight, bias, b.tokens, b.lse,
+                                               b.entropy_out, opts, b.tp, config, need_dx=need.need_dx,
+                                               need_dw=need.need_dw, need_db=need.need_db, kept=kept)
+            coef = impl.grad_coefficients(b.entropy_out if opts.entropy else None, b.tokens, b.grad_logp,
+                                          b.grad_entropy if opts.entropy else None, weight.shape[0], opts, b.lse)
+            return impl.backward(x, weight, bias, b.tokens, opts, b.lse, coef, config, kept=kept,
+                                 need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db)
+
+    return linear_backward(b, impl.codec, grads)
 
 
 def backward_fake(b: LlpBackwardCall, impl: LlpBackend):

@@ -24,8 +24,8 @@ from logitless.formulas.cross_entropy import upstream_per_token
 from logitless.formulas.topk_kl import TopKStats, token_terms
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
-from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, fake_kept_tensors, nothing_kept
+from logitless.ops.common.glue import CustomOp, fake_grad_outputs
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import TopKBackend, TopKBackwardCall, TopKCall, TopKOutputs
@@ -127,29 +127,21 @@ def fake(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
 
 def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
-    x, weight, bias, need = b.x, b.weight, b.bias, b.need
-    dx = dw = db = None
-    if x.shape[0] == 0:
-        dx, dw, db = zero_grads(x, weight, bias)
-    elif need.need_dx or need.need_dw or need.need_db:
-        config = b.config
-        if isinstance(config, Tensor):  # (through the custom ops; the eager path hands the object)
-            config = impl.codec.decode(config)
-        kept = None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max)
+
+    def grads(config, kept: Optional[tuple[Tensor, Tensor]]):
         g = upstream_per_token(b.grad_loss, b.w, b.opts.reduction)
         counted = b.w > 0  # (a "mean" over no token: g is inf there, its coefficients are 0)
         coef = torch.where(counted, b.coef * g, torch.zeros_like(b.coef))
         sparse = torch.where(counted[:, None], b.sparse * g[:, None], torch.zeros_like(b.sparse))
-        with no_autocast(x.device):
+        with no_autocast(b.x.device):
             if b.tp.tp_group:
                 from . import vocab_parallel
 
-                dx, dw, db = vocab_parallel.backward(impl, b, coef, sparse, config, kept)
-            else:
-                dx, dw, db = impl.backward(x, weight, bias, b.ids, b.target, b.opts, b.rows, coef, sparse, config,
-                                           kept=kept, need_dx=need.need_dx, need_dw=need.need_dw,
-                                           need_db=need.need_db)
-    return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)
+                return vocab_parallel.backward(impl, b, coef, sparse, config, kept)
+            return impl.backward(b.x, b.weight, b.bias, b.ids, b.target, b.opts, b.rows, coef, sparse, config,
+                                 kept=kept, need_dx=b.need.need_dx, need_dw=b.need.need_dw, need_db=b.need.need_db)
+
+    return linear_backward(b, impl.codec, grads)
 
 
 def backward_fake(b: TopKBackwardCall, impl: TopKBackend):
