@@ -14,13 +14,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable
-from typing import Optional
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, TypeVar
 
 import torch
 
 from logitless.helion_lib import runtime
 from logitless.ops.common.validate import HAS_TRITON
+
+B = TypeVar("B")
 
 #: What to install for the Helion backend (the ``helion`` extra of pyproject.toml).
 INSTALL = "pip install 'logitless[helion]'"
@@ -119,3 +121,15 @@ def guarded(device: torch.device, helion_path: Callable, other_path: Callable):
         text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         _FAILED.append(f"a Helion kernel failed on {device}: {type(e).__name__}: {text}")
     return other_path()
+
+
+def in_place(others: Mapping[str, B], torch_config: Optional[Any],
+             triton_config: Optional[Any]) -> tuple[Optional[B], Optional[Any]]:
+    """(the backend that runs in Helion's place, its Config) from the two fields of an op's
+    ``HelionConfig`` (``torch`` set: the torch backend of ``others``, the op's backends by
+    name; ``triton`` set: the Triton one), or (None, None) where neither is: Helion runs."""
+    if torch_config is not None:
+        return others["torch"], torch_config
+    if triton_config is not None:
+        return others["triton"], triton_config
+    return None, None

@@ -60,11 +60,7 @@ class HelionBackend(HelionKind):
 
     def _other(self, config: HelionConfig):
         """(the backend in Helion's place, its Config), or (None, None)."""
-        if config.torch is not None:
-            return self.others["torch"], config.torch
-        if config.triton is not None:
-            return self.others["triton"], config.triton
-        return None, None
+        return helion_choice.in_place(self.others, config.torch, config.triton)
 
     def _failed_over(self, x, weight, bias, class_weight, opts, config: HelionConfig):
         """After a Helion kernel failed on a GPU (``helion_choice.guarded``): the backend that
