@@ -38,6 +38,14 @@ def nothing_kept(x: Tensor) -> tuple[Tensor, Tensor]:
     return x.new_empty(NOTHING_KEPT), x.new_empty(NOTHING_KEPT, dtype=torch.float32)
 
 
+def take_kept(ctx, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(keep, keep_max) for an autograd backward: the forward's kept columns (``ctx.kept``,
+    set by the op's ``save``), taken by the first backward (which overwrites them with dz);
+    a second backward gets the ``nothing_kept`` dummies (the columns are spent)."""
+    kept, ctx.kept = ctx.kept, None
+    return kept if kept is not None else nothing_kept(x)
+
+
 def fake_kept(x: Tensor, weight: Tensor, tp_group: str, vocab_size: int,
               kept_shapes: KeptShapes) -> tuple[Tensor, Tensor]:
     """The fake (keep, keep_max) of a forward whose backend may keep columns.

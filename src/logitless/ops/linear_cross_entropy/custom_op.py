@@ -31,7 +31,7 @@ from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs
 from logitless.ops.common.grad_in_forward import scale_grads
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import LceBackend, LceBackwardCall, LceCall, LceOutputs
@@ -250,15 +250,13 @@ def save(ctx, call: LceCall, out: LceOutputs) -> None:
 def backward(ctx, grads: LceOutputs, need, run) -> tuple:
     """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config,
     or the gradient-in-forward strategy's gradients scaled by the loss's gradient."""
-    kept, ctx.kept = ctx.kept, None
     forward_grads, ctx.forward_grads = ctx.forward_grads, None
     x, weight, bias, target, class_weight, lse, w_t = ctx.saved_tensors
+    kept = take_kept(ctx, x)
     grad_loss: Optional[Tensor] = grads.loss  # (None: not materialised)
     if grad_loss is None and not ctx.batch_invariant:
         shape = lse.shape if ctx.opts.reduction == "none" else ()
         grad_loss = torch.zeros(shape, dtype=lse.dtype, device=lse.device)
-    if kept is None:  # a second backward: the kept columns are spent
-        kept = nothing_kept(x)
     needs = Needs(need.x, need.weight, need.bias)
 
     def backward_call(grad_loss: Optional[Tensor], grad_lse: Optional[Tensor],

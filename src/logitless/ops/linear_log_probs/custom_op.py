@@ -28,7 +28,7 @@ from logitless.formulas.truncation import Truncation
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import LlpBackend, LlpBackwardCall, LlpCall, LlpOutputs, may_keep, sparse_width, tensor_k_max
@@ -161,14 +161,11 @@ def save(ctx, call: LlpCall, out: LlpOutputs) -> None:
 
 def backward(ctx, grads: LlpOutputs, need, run) -> tuple:
     """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config."""
-    kept, ctx.kept = ctx.kept, None
+    x, weight, bias, tokens, lse, ent, *trunc = ctx.saved_tensors
+    keep, keep_max = take_kept(ctx, x)
     grad_logp: Optional[Tensor] = grads.logp  # (None: not materialised)
     if grad_logp is None and grads.entropy is None:
         return None, None, None
-    x, weight, bias, tokens, lse, ent, *trunc = ctx.saved_tensors
-    if kept is None:  # a second backward: the kept columns are spent
-        kept = nothing_kept(x)
-    keep, keep_max = kept
     logp, tau, sparse, inside = trunc or (None, None, None, None)
     return run(LlpBackwardCall(grad_logp, grads.entropy, x, weight, bias, tokens, lse, ent, keep, keep_max,
                                ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), logp, tau,

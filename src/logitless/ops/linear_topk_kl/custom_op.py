@@ -25,7 +25,7 @@ from logitless.formulas.topk_kl import TopKStats, token_terms
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept
+from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import TopKBackend, TopKBackwardCall, TopKCall, TopKOutputs
@@ -166,15 +166,12 @@ def save(ctx, call: TopKCall, out: TopKOutputs) -> None:
 
 def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
     """(dx, dw, db): the backward op (``run``) on the saved tensors and the forward's Config."""
-    kept, ctx.kept = ctx.kept, None
     x, weight, bias, ids, target, w, rows, coef, sparse = ctx.saved_tensors
+    keep, keep_max = take_kept(ctx, x)
     grad_loss: Optional[Tensor] = grads.loss
     if grad_loss is None:  # (gradients are not materialised)
         shape = w.shape if ctx.opts.reduction == "none" else ()
         grad_loss = torch.zeros(shape, dtype=w.dtype, device=w.device)
-    if kept is None:  # a second backward: the kept columns are spent
-        kept = nothing_kept(x)
-    keep, keep_max = kept
     return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, keep, keep_max,
                                 ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp))
 
