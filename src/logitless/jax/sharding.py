@@ -27,7 +27,7 @@ Two ways to get there without user code change, both built here:
   mesh (sharding in types, known at trace time; :func:`explicit_axes`).
 
 Plus the helpers of the ops' own ``shard_map`` entry points (``vocab_axis_name``,
-``token_axis_name``): :func:`as_axes`, :func:`check_bound`, :func:`varying`,
+``token_axis_name``): :func:`manual_axes` (:func:`as_axes`, :func:`check_bound`), :func:`varying`,
 :func:`to_varying`, :func:`reduce_to`.
 """
 
@@ -76,6 +76,19 @@ def check_bound(argname: str, axes: tuple) -> None:
             raise ValueError(
                 f"{argname}={a!r}: no mesh axis of that name is bound here; call the op inside "
                 f"jax.shard_map over a mesh with an axis {a!r} (or leave {argname}=None)") from None
+
+
+def manual_axes(vocab_axis_name, token_axis_name) -> tuple[tuple, tuple]:
+    """(vocab axes, token axes) of an op's ``vocab_axis_name`` and ``token_axis_name``
+    (``as_axes``), each bound (``check_bound``), sharing no axis (else ValueError)."""
+    vocab_axes = as_axes(vocab_axis_name)
+    token_axes = as_axes(token_axis_name)
+    check_bound("vocab_axis_name", vocab_axes)
+    check_bound("token_axis_name", token_axes)
+    if set(vocab_axes) & set(token_axes):
+        raise ValueError(f"vocab_axis_name {vocab_axis_name!r} and token_axis_name {token_axis_name!r} "
+                         "must not share an axis")
+    return vocab_axes, token_axes
 
 
 def varying(a) -> frozenset:

@@ -111,20 +111,6 @@ def token_loss(stats: JsdStats, target, num_classes: int, opts: JSDOptions):
     return jnp.where(valid, loss, 0.0)
 
 
-def upstream(g_loss, target, opts: JSDOptions, reduction: str, count=None):
-    """The per-token upstream gradient g (0 at ignored tokens) from the reduced loss's
-    gradient; ``count``: "mean"'s divisor (the counted tokens, over every device)."""
-    valid = target != opts.ignore_index
-    g = jnp.asarray(g_loss, jnp.float32)
-    if reduction == "none":
-        g = jnp.reshape(g, target.shape)
-    elif reduction == "mean":
-        g = jnp.broadcast_to(g / count, target.shape)
-    else:
-        g = jnp.broadcast_to(g, target.shape)
-    return jnp.where(valid, g, 0.0)
-
-
 def dlogits(zs, zt, stats: JsdStats, g, target, col0, opts: JSDOptions):
     """d loss / d student logits of a tile (rows: tokens; columns col0 .., global ids),
     fp32, for the per-token upstream gradient g (0 at ignored tokens): the module

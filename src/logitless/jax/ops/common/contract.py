@@ -40,7 +40,8 @@ Protocol reads (``class_weights``, ``argmax``: off by default in ``BackendBase``
 where its kernels take fewer cases than the kind's, ``why_not``. ``unsupported`` and
 ``can_partition`` stay the kind's (``tests_jax/test_backend_kinds.py``); an op whose call
 is not one (x, W) pair (distillation: a student and a teacher head) may wrap ``plan``, the
-kind's ``plan`` still sizing each part.
+kind's ``plan`` still sizing each part. An op without a kernel on a kind lists a backend
+that refuses every case (``Refused`` mixed into the kind's base, with the reason).
 
 Adding an op (e.g. ``linear_jsd``), files touched:
 
@@ -124,6 +125,26 @@ class BackendBase:
         if why is None and need_argmax and not self.argmax:
             why = f"{self.name} computes no argmax (return_stats); use implementation=None or 'xla'"
         return why
+
+
+class Refused:
+    """A backend that refuses every case of its op (it has no kernel for it): mixed in
+    before the kind's base, ``class TritonBackend(Refused, TritonBase)`` with ``why`` the
+    reason and what to use instead. The automatic choice passes over it (``unsupported``
+    is ``why``); naming it raises ValueError with ``why``; ``forward``/``backward`` raise
+    it too (never reached through the api)."""
+
+    why: str = ""
+
+    def why_not(self, x2d_shape: tuple, w_shape: tuple, dtype: Any, *, softcap: Optional[float],
+                has_bias: bool) -> Optional[str]:
+        return self.why
+
+    def forward(self, *args, **kwargs):
+        raise ValueError(self.why)
+
+    def backward(self, *args, **kwargs):
+        raise ValueError(self.why)
 
 
 class BackendTable(dict):

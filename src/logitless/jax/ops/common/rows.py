@@ -21,15 +21,17 @@ heads' logits, dx, dW); no (tokens x vocab) tensor exists beyond what the budget
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.ops.common.chunks import chunk_loop, put, take
+from logitless.jax.ops.common.chunks import chunk_loop, put, take, uninitialised
+from logitless.jax.ops.common.contract import Backend, BackendTable, vh_shape
 from logitless.jax.planning import RowsPlan, XlaPlan, rows_plan
 from logitless.jax.sharding import sum_over, to_varying, varying, vocab_offset
 
@@ -73,6 +75,33 @@ def plan_rows(backend, x2d_shape, w_shape, dtype, *, budget: int, weight_layout:
     left = max(budget - n * grad.keep * isz, budget // 4) // heads
     return RowsConfig(plain, grad, backend.plan(tuple(x2d_shape), tuple(w_shape), dtype, budget=left,
                                                 weight_layout=weight_layout))
+
+
+class RowsBackend(Backend, Protocol):
+    """What a full-rows op's backend adds to ``Backend`` for its planning (the op's
+    Protocol adds its typed ``forward``/``backward``)."""
+
+    def plan_call(self, x2d_shape: tuple, w_shape: tuple, dtype: Any, *, budget: int,
+                  weight_layout: str = "vh") -> RowsConfig:
+        """The call's ``RowsConfig`` (``plan_rows``: the kind's ``plan`` sizes the recomputed columns)."""
+        ...
+
+
+def local_backend(table: BackendTable, name: str, x_shape: tuple, w_shape: tuple, dtype, *, budget: int,
+                  weight_layout: str):
+    """(backend, RowsConfig) for per-device shapes (``w_shape`` in ``weight_layout``):
+    backend ``name`` of ``table``, or "xla" where it refuses them; one Config per shapes
+    (``_local_plan``), shared by the forward's and the backward's partitions."""
+    vh = vh_shape(w_shape, weight_layout)
+    backend = table[name]
+    if backend.unsupported(tuple(x_shape), vh, dtype, softcap=None, has_bias=False) is not None:
+        backend = table["xla"]
+    return backend, _local_plan(backend, tuple(x_shape), vh, dtype, budget, weight_layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _local_plan(backend, x_shape: tuple, w_shape: tuple, dtype, budget: int, weight_layout: str) -> RowsConfig:
+    return backend.plan_call(x_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout)
 
 
 def acc_dtype(dtype):
@@ -132,19 +161,24 @@ def varying_like(carry, *refs):
     return jax.tree_util.tree_map(lambda c: to_varying(c, axes), carry)
 
 
-def kept_gradients(dz, x2d, w, g, *, layout: str):
-    """(dx fp32 (N, H), dW of the kept columns in w's dtype and layout) from the kept dz
-    (N, keep) of upstream gradient 1 and the scalar upstream gradient ``g``: two GEMMs,
-    dx = g (dz @ W[:keep]) accumulated in fp32, dW = dz^T (g x) (g folded into x: one
-    rounding of g x, none when g is 1)."""
-    keep = dz.shape[1]
-    wk = lax.slice_in_dim(w, 0, keep, axis=W_AXIS[layout])
+def kept_gradients(dz, x2d, w, g, *, layout: str) -> tuple[int, Any, Any]:
+    """(start, dx, dW) a backward begins with, from the kept dz (N, keep) of upstream
+    gradient 1 (None: nothing kept) and the scalar upstream gradient ``g``: two GEMMs,
+    dx = g (dz @ W[:keep]) accumulated in fp32 (``acc_dtype``), dW[:keep] = dz^T (g x) (g
+    folded into x: one rounding of g x, none when g is 1) in w's dtype and layout, its
+    other columns uninitialised: the recomputed columns [start, V) write them (start = keep)."""
+    vaxis = W_AXIS[layout]
     acc = acc_dtype(x2d.dtype)
+    dw = uninitialised(w.shape, w.dtype)
+    if dz is None:
+        return 0, jnp.zeros(x2d.shape, acc), dw
+    keep = dz.shape[1]
+    wk = lax.slice_in_dim(w, 0, keep, axis=vaxis)
     dx = lax.dot_general(dz, wk, DX_DIMS[layout], preferred_element_type=acc) * g
     xg = (x2d.astype(acc) * g).astype(x2d.dtype)
     pair = (dz, xg) if layout == "vh" else (xg, dz)
-    dw = lax.dot_general(*pair, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
-    return dx, dw
+    dwk = lax.dot_general(*pair, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
+    return keep, dx, put(dw, dwk, 0, vaxis)
 
 
 def recompute_gradients(x2d, w, start: int, plan: XlaPlan, dz_tile: Callable, *, layout: str, dx, dw, refs=()):

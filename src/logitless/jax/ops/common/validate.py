@@ -149,3 +149,17 @@ def check_labels_in_range(labels, num_classes: int, ignore_index: int, name: str
         raise ValueError(f"{name} contains {int(values[bad][0])}, outside [0, {num_classes}) and not "
                          f"ignore_index={ignore_index} (eager CPU check; under jax.jit, or on a GPU, "
                          "that token's outputs would be NaN)")
+
+
+def check_distill_target(target, lead: tuple, x_name: str, *, hard: bool, num_classes: int,
+                         ignore_index: int) -> None:
+    """TypeError/ValueError for a distillation loss's optional target (not None): an integer
+    array of ``lead``, the leading shape of ``x_name``; with hard labels (``hard``) the
+    labels in range (``check_labels_in_range``)."""
+    if not hasattr(target, "dtype") or not jnp.issubdtype(target.dtype, jnp.integer):
+        raise TypeError(f"target must be an integer array, got {getattr(target, 'dtype', type(target).__name__)}")
+    if tuple(target.shape) != lead:
+        raise ValueError(f"target has shape {tuple(target.shape)}, expected {lead} (the leading dimensions of "
+                         f"{x_name})")
+    if hard:
+        check_labels_in_range(target, num_classes, ignore_index, "target")

@@ -16,8 +16,9 @@ from jax import lax
 from logitless.jax import sharding as shd
 from logitless.jax.budget import resolve_memory_budget
 from logitless.jax.formulas import jsd as jf
+from logitless.jax.ops.common import reduction as red
 from logitless.jax.ops.common.contract import w_axis
-from logitless.jax.ops.common.validate import check_head, check_labels_in_range
+from logitless.jax.ops.common.validate import check_distill_target, check_head
 from logitless.jax.ops.linear_jsd import sharded
 from logitless.jax.ops.linear_jsd.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
 from logitless.jax.ops.linear_jsd.contract import JsdResiduals
@@ -42,43 +43,24 @@ class _Config(NamedTuple):
         return sharded.Static(self.backend, self.opts, self.budget, self.weight_layout)
 
 
-def _total(a, cfg: _Config):
-    s = jnp.sum(a)
-    return lax.psum(s, cfg.token_axes) if cfg.token_axes else s
-
-
-def _count(target, cfg: _Config):
-    """The counted tokens of every device (the mean's divisor), fp32."""
-    return _total((target != cfg.opts.ignore_index).astype(jnp.float32), cfg)
-
-
 def _forward(xs, ws, xt, wt, target, cfg: _Config, grad: bool):
     """(loss, stats, kept dz | None, count)."""
     opts = cfg.opts
-    count = _count(target, cfg)
+    count = red.count(target, opts.ignore_index, cfg.token_axes)
     kept = None
     if cfg.partition:
         out = sharded.forward_fn(cfg.static())(xs, ws, xt, wt, target)
         stats = jf.JsdStats(*out, *([None] * (6 - len(out))))
     else:
         keep = grad and cfg.reduction != "none" and cfg.plan.grad.keep > 0
-        g_unit = None
-        if keep:
-            valid = target != opts.ignore_index
-            g_unit = jnp.where(valid, 1.0 / count if cfg.reduction == "mean" else 1.0, 0.0).astype(jnp.float32)
+        g_unit = red.unit_gradient(target, opts.ignore_index, cfg.reduction, count) if keep else None
         if cfg.token_axes:
             xs, xt, target = (shd.to_varying(a, cfg.token_axes) for a in (xs, xt, target))
         out = sharded.local_forward(BACKENDS[cfg.backend], xs, ws, xt, wt, target, cfg.plan, opts=opts,
                                     vocab_axes=cfg.vocab_axes, g_unit=g_unit)
         stats, kept = out.stats, out.kept
     loss_tok = jf.token_loss(stats, target, cfg.num_classes, opts).astype(jnp.float32)
-    if cfg.reduction == "none":
-        loss = loss_tok
-    elif cfg.reduction == "sum":
-        loss = _total(loss_tok, cfg)
-    else:
-        loss = _total(loss_tok, cfg) / count
-    return loss, stats, kept, count
+    return red.reduce(loss_tok, cfg.reduction, count, cfg.token_axes), stats, kept, count
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -93,7 +75,7 @@ def _ljsd_fwd(xs, ws, xt, wt, target, cfg):
 
 def _ljsd_bwd(cfg, saved, g_loss):
     res, count = saved
-    g = jf.upstream(g_loss, res.target, cfg.opts, cfg.reduction, count)
+    g = red.upstream(g_loss, res.target, cfg.opts.ignore_index, cfg.reduction, count)
     if cfg.partition:
         k = 6 if cfg.opts.needs_lse1 else 4
         dx, dw = sharded.backward_fn(cfg.static())(res.xs, res.ws, res.xt, res.wt, res.target, g, *res.stats[:k])
@@ -198,13 +180,7 @@ def linear_jsd(
     """
     opts = JSDOptions.checked(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
                               hard_label_weight=hard_label_weight)
-    vocab_axes = shd.as_axes(vocab_axis_name)
-    token_axes = shd.as_axes(token_axis_name)
-    shd.check_bound("vocab_axis_name", vocab_axes)
-    shd.check_bound("token_axis_name", token_axes)
-    if set(vocab_axes) & set(token_axes):
-        raise ValueError(f"vocab_axis_name {vocab_axis_name!r} and token_axis_name {token_axis_name!r} "
-                         "must not share an axis")
+    vocab_axes, token_axes = shd.manual_axes(vocab_axis_name, token_axis_name)
     budget = resolve_memory_budget(memory_budget)
     if implementation is not None:
         BACKENDS[implementation]  # an unknown name: ValueError naming the choices
@@ -229,13 +205,8 @@ def linear_jsd(
         target = jnp.zeros(lead, jnp.int32)
         opts = dataclasses.replace(opts, ignore_index=-1)  # no label: every token counts
     else:
-        if not hasattr(target, "dtype") or not jnp.issubdtype(target.dtype, jnp.integer):
-            raise TypeError(f"target must be an integer array, got {getattr(target, 'dtype', type(target).__name__)}")
-        if tuple(target.shape) != lead:
-            raise ValueError(f"target has shape {tuple(target.shape)}, expected {lead} (the leading dimensions of "
-                             "student_x)")
-        if opts.hard_label_weight != 0.0:
-            check_labels_in_range(target, num_classes, opts.ignore_index, "target")
+        check_distill_target(target, lead, "student_x", hard=opts.hard_label_weight != 0.0, num_classes=num_classes,
+                             ignore_index=opts.ignore_index)
 
     xs = jnp.reshape(student_x, (-1, h_s))
     xt = jnp.reshape(teacher_x, (-1, teacher_x.shape[-1]))
@@ -252,11 +223,8 @@ def linear_jsd(
                   implementation=implementation)
         loss = _explicit_call(*explicit, xs, ws, xt, wt, flat, vaxis=vaxis, none=reduction == "none", **kw)
     elif n == 0:
-        loss = jnp.zeros((0,), jnp.float32)
-        if reduction != "none":
-            cfg = _Config(opts, reduction, "xla", budget, num_classes, weight_layout, token_axes)
-            s, c = _total(loss, cfg), _count(flat, cfg)
-            loss = s / c if reduction == "mean" else s
+        loss = red.reduce(jnp.zeros((0,), jnp.float32), reduction, red.count(flat, opts.ignore_index, token_axes),
+                          token_axes)
     else:
         name = choose_backend(implementation, xs.shape, (v_local, h_s), xs.dtype, None, False)
         impl = BACKENDS[name]

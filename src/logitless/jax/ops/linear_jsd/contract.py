@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Protocol
 
 from logitless.jax.formulas.jsd import JsdStats
-from logitless.jax.ops.common.contract import Backend
+from logitless.jax.ops.common.rows import RowsBackend
 
 
 class JsdForward(NamedTuple):
@@ -46,13 +46,8 @@ class JsdResiduals(NamedTuple):
     kept: Optional[Any] = None
 
 
-class JsdBackend(Backend, Protocol):
+class JsdBackend(RowsBackend, Protocol):
     """One backend of linear_jsd (module docstring)."""
-
-    def plan_call(self, x2d_shape: tuple, w_shape: tuple, dtype: Any, *, budget: int,
-                  weight_layout: str = "vh") -> Any:
-        """The call's ``RowsConfig`` (the kind's ``plan`` sizes the recomputed columns)."""
-        ...
 
     def forward(self, xs, ws, xt, wt, target, config: Any, *, opts, merge, g_unit=None) -> JsdForward:
         """``g_unit`` (N,): the upstream gradient of each token for a unit gradient of the

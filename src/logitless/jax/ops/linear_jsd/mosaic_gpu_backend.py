@@ -6,22 +6,12 @@ ValueError with the reason."""
 
 from __future__ import annotations
 
-from typing import Optional
-
+from logitless.jax.ops.common.contract import Refused
 from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase
 
-WHY = ("linear_jsd has no Mosaic GPU kernel (it needs the student's and the teacher's logits tiles at once); "
-       "use implementation=None, 'triton' or 'xla'")
 
-
-class MosaicGpuBackend(MosaicGpuBase):
+class MosaicGpuBackend(Refused, MosaicGpuBase):
     """Refuses every case (module docstring)."""
 
-    def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
-        return WHY
-
-    def forward(self, *args, **kwargs):
-        raise ValueError(WHY)
-
-    def backward(self, *args, **kwargs):
-        raise ValueError(WHY)
+    why = ("linear_jsd has no Mosaic GPU kernel (it needs the student's and the teacher's logits tiles at once); "
+           "use implementation=None, 'triton' or 'xla'")

@@ -5,22 +5,12 @@ the student's and the teacher's tiles at once. The automatic choice passes over 
 
 from __future__ import annotations
 
-from typing import Optional
-
+from logitless.jax.ops.common.contract import Refused
 from logitless.jax.ops.common.mosaic_tpu import MosaicTpuBase
 
-WHY = ("linear_jsd has no Mosaic TPU kernel (it needs the student's and the teacher's logits tiles at once); "
-       "use implementation=None or 'xla'")
 
-
-class MosaicTpuBackend(MosaicTpuBase):
+class MosaicTpuBackend(Refused, MosaicTpuBase):
     """Refuses every case (module docstring)."""
 
-    def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
-        return WHY
-
-    def forward(self, *args, **kwargs):
-        raise ValueError(WHY)
-
-    def backward(self, *args, **kwargs):
-        raise ValueError(WHY)
+    why = ("linear_jsd has no Mosaic TPU kernel (it needs the student's and the teacher's logits tiles at once); "
+           "use implementation=None or 'xla'")

@@ -22,8 +22,8 @@ from typing import NamedTuple
 from jax import lax
 
 from logitless.jax.formulas.jsd import JsdStats
-from logitless.jax.ops.common.contract import vh_shape, w_axis
-from logitless.jax.ops.common.rows import VocabMerge
+from logitless.jax.ops.common.contract import w_axis
+from logitless.jax.ops.common.rows import VocabMerge, local_backend
 from logitless.jax.ops.linear_jsd.backends import BACKENDS
 from logitless.jax.ops.linear_jsd.contract import JsdForward, JsdResiduals
 from logitless.jax.sharding import partitioned, reduce_weight_grads
@@ -50,18 +50,6 @@ def local_backward(backend, res: JsdResiduals, g, g_kept, config, *, opts: JSDOp
     return (lax.psum(dx, vocab_axes) if vocab_axes else dx), dw
 
 
-@functools.lru_cache(maxsize=256)
-def local_config(name: str, x_shape: tuple, w_shape: tuple, dtype, budget: int, weight_layout: str):
-    """(backend, RowsConfig) for per-device shapes (``w_shape`` in ``weight_layout``):
-    backend ``name``, or "xla" where it refuses them; one Config per shapes, shared by
-    the forward's and the backward's partitions."""
-    vh = vh_shape(w_shape, weight_layout)
-    backend = BACKENDS[name]
-    if backend.unsupported(x_shape, vh, dtype, softcap=None, has_bias=False) is not None:
-        backend = BACKENDS["xla"]
-    return backend, backend.plan_call(x_shape, vh, dtype, budget=budget, weight_layout=weight_layout)
-
-
 class Static(NamedTuple):
     """The static arguments of the partitioned functions."""
 
@@ -69,6 +57,12 @@ class Static(NamedTuple):
     opts: JSDOptions
     budget: int
     weight_layout: str
+
+
+def _config(static: Static, xs, ws):
+    """(backend, RowsConfig) of this device's shapes (``rows.local_backend``)."""
+    return local_backend(BACKENDS, static.backend, tuple(xs.shape), tuple(ws.shape), xs.dtype, budget=static.budget,
+                         weight_layout=static.weight_layout)
 
 
 def _stats_count(opts: JSDOptions) -> int:
@@ -86,8 +80,7 @@ def forward_fn(static: Static):
 
     def local(args, axes, scatter):
         xs, ws, xt, wt, target = args
-        backend, config = local_config(static.backend, tuple(xs.shape), tuple(ws.shape), xs.dtype, static.budget,
-                                       static.weight_layout)
+        backend, config = _config(static, xs, ws)
         out = local_forward(backend, xs, ws, xt, wt, target, config, opts=static.opts, vocab_axes=axes.vocab)
         return tuple(out.stats[:k])
 
@@ -102,8 +95,7 @@ def backward_fn(static: Static):
 
     def local(args, axes, scatter):
         xs, ws, xt, wt, target, g, *stats = args
-        backend, config = local_config(static.backend, tuple(xs.shape), tuple(ws.shape), xs.dtype, static.budget,
-                                       static.weight_layout)
+        backend, config = _config(static, xs, ws)
         st = JsdStats(*stats, *([None] * (6 - k)))
         dx, dw = local_backward(backend, JsdResiduals(xs, ws, xt, wt, target, st), g, 1.0, config,
                                 opts=static.opts, vocab_axes=axes.vocab)

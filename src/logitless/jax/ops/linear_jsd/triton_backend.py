@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from logitless.jax.ops.common import triton as rt
-from logitless.jax.ops.common.chunks import put, uninitialised
-from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, acc_dtype, chunk_gradients, kept_gradients, plan_rows
+from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, chunk_gradients, kept_gradients, plan_rows
 from logitless.jax.ops.common.triton import TritonBase, TritonConfig
 from logitless.jax.ops.linear_jsd import xla_backend
 from logitless.jax.ops.linear_jsd.contract import JsdForward, JsdResiduals
@@ -57,12 +56,7 @@ def backward(res: JsdResiduals, g, g_kept, config: RowsConfig, *, opts):
     n, hs = xs.shape
     v = ws.shape[vaxis]
     plan = config.recompute.plan
-    start = 0 if kept is None else kept.shape[1]
-    dx = jnp.zeros(xs.shape, acc_dtype(xs.dtype))
-    dw = uninitialised(ws.shape, ws.dtype)
-    if kept is not None:
-        dx, dwk = kept_gradients(kept, xs, ws, g_kept, layout=layout)
-        dw = put(dw, dwk, 0, vaxis)
+    start, dx, dw = kept_gradients(kept, xs, ws, g_kept, layout=layout)
     if start >= v:
         return dx.astype(xs.dtype), dw
     zero = jnp.zeros_like(stats.lse_s)

@@ -80,13 +80,7 @@ def backward(res: JsdResiduals, g, g_kept, config: RowsConfig, *, opts):
     xs, ws, xt, wt, target, stats, kept = res
     layout = config.weight_layout
     vaxis = W_AXIS[layout]
-    acc = acc_dtype(xs.dtype)
-    start = 0 if kept is None else kept.shape[1]
-    dx = jnp.zeros(xs.shape, acc)
-    dw = uninitialised(ws.shape, ws.dtype)  # the kept and the recomputed columns write every one
-    if kept is not None:
-        dx, dwk = kept_gradients(kept, xs, ws, g_kept, layout=layout)
-        dw = put(dw, dwk, 0, vaxis)
+    start, dx, dw = kept_gradients(kept, xs, ws, g_kept, layout=layout)
 
     def dz_tile(r0, nr, c0, vc):
         zs = logits(take(xs, r0, nr), take(ws, c0, vc, vaxis), layout)

@@ -10,16 +10,20 @@ import jax
 import jax.numpy as jnp
 
 
-def linear_log_probs_reference(x, weight, tokens, bias=None, *, temperature=1.0, softcap=None,
-                               ignore_index=-100, dtype=None):
-    """(log p(token), entropy) of softmax(softcap(x W^T + b) / T) per token in ``dtype``
-    (default: x's dtype), tokens' shape, 0 at ignored tokens."""
+def _logits(x, weight, bias, softcap, dtype):
+    """softcap(x W^T + b) in ``dtype`` (default: x's)."""
     dtype = x.dtype if dtype is None else dtype
     z = jnp.einsum("...h,vh->...v", x.astype(dtype), weight.astype(dtype))
     if bias is not None:
         z = z + bias.astype(dtype)
-    if softcap is not None:
-        z = softcap * jnp.tanh(z / softcap)
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+
+def linear_log_probs_reference(x, weight, tokens, bias=None, *, temperature=1.0, softcap=None,
+                               ignore_index=-100, dtype=None):
+    """(log p(token), entropy) of softmax(softcap(x W^T + b) / T) per token in ``dtype``
+    (default: x's dtype), tokens' shape, 0 at ignored tokens."""
+    z = _logits(x, weight, bias, softcap, dtype)
     lp = jax.nn.log_softmax(z / temperature, axis=-1)
     valid = tokens != ignore_index
     picked = jnp.take_along_axis(lp, jnp.where(valid, tokens, 0)[..., None], axis=-1)[..., 0]
@@ -74,12 +78,7 @@ def truncated_log_probs_reference(x, weight, tokens, bias=None, *, temperature=1
     tokens; differentiable by jax.grad (the set held fixed)."""
     import numpy as np
 
-    dtype = x.dtype if dtype is None else dtype
-    z = jnp.einsum("...h,vh->...v", x.astype(dtype), weight.astype(dtype))
-    if bias is not None:
-        z = z + bias.astype(dtype)
-    if softcap is not None:
-        z = softcap * jnp.tanh(z / softcap)
+    z = _logits(x, weight, bias, softcap, dtype)
     a = (z / temperature).reshape(-1, z.shape[-1])
     keep = jnp.asarray(truncated_keep_reference(np.asarray(jax.lax.stop_gradient(a)), top_k, top_p, min_p))
     lse = jax.nn.logsumexp(jnp.where(keep, a, -jnp.inf), axis=-1, keepdims=True)

@@ -57,15 +57,20 @@ def _plan(x2d, vocab, budget):
     return xla_plan(n, vocab, h, jnp.dtype(x2d.dtype).itemsize, budget)
 
 
+def _tiles(x2d, w, weight_layout: str, budget: Optional[int], plan: Optional[XlaPlan]):
+    """(w's vocabulary axis, V, the tiles: ``plan``, or planned here from ``budget``)."""
+    vaxis = _W_AXIS[weight_layout]
+    vocab = w.shape[vaxis]
+    return vaxis, vocab, _plan(x2d, vocab, budget) if plan is None else plan
+
+
 def forward(x2d, w, bias, tokens, *, opts: LogProbOptions, budget: Optional[int] = None, weight_layout: str = "vh",
             tau=None, plan: Optional[XlaPlan] = None):
     """(lse, a at the token, H or None). ``tau`` (N,): a per-token threshold, columns
     with a < tau left out (truncated sampling; a token left out gets a = -inf).
     ``plan``: the tiles (``XlaBackend.plan``'s); None: planned here from ``budget``."""
     n = x2d.shape[0]
-    vaxis = _W_AXIS[weight_layout]
-    vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget) if plan is None else plan
+    vaxis, vocab, plan = _tiles(x2d, w, weight_layout, budget, plan)
     cdt = lpf.compute_dtype(x2d.dtype)
     tokens = tokens.astype(jnp.int32)
 
@@ -102,9 +107,7 @@ def backward(x2d, w, bias, tokens, lse, coef, *, opts: LogProbOptions, budget: O
     """dx, dw (in the layout of w), db; ``tau``: the forward's threshold (dz = 0 where a < tau);
     ``plan`` as for ``forward``."""
     n, h = x2d.shape
-    vaxis = _W_AXIS[weight_layout]
-    vocab = w.shape[vaxis]
-    plan = _plan(x2d, vocab, budget) if plan is None else plan
+    vaxis, vocab, plan = _tiles(x2d, w, weight_layout, budget, plan)
     cdt = lpf.compute_dtype(x2d.dtype)
     tokens = tokens.astype(jnp.int32)
 

@@ -15,8 +15,9 @@ from jax import lax
 
 from logitless.jax import sharding as shd
 from logitless.jax.budget import resolve_memory_budget
+from logitless.jax.ops.common import reduction as red
 from logitless.jax.ops.common.contract import w_axis
-from logitless.jax.ops.common.validate import check_head, check_labels_in_range, check_teacher_top_k
+from logitless.jax.ops.common.validate import check_distill_target, check_head, check_teacher_top_k
 from logitless.jax.ops.linear_topk_kl import sharded
 from logitless.jax.ops.linear_topk_kl.backends import BACKENDS, choose_backend  # noqa: F401 (re-exported)
 from logitless.jax.ops.linear_topk_kl.contract import TopKResiduals
@@ -40,19 +41,10 @@ class _Config(NamedTuple):
         return sharded.Static(self.backend, self.opts, self.budget, self.weight_layout, self.num_classes)
 
 
-def _total(a, cfg: _Config):
-    s = jnp.sum(a)
-    return lax.psum(s, cfg.token_axes) if cfg.token_axes else s
-
-
-def _count(target, cfg: _Config):
-    return _total((target != cfg.opts.ignore_index).astype(jnp.float32), cfg)
-
-
 def _forward(x2d, w, ids, lp, target, cfg: _Config, grad: bool):
     """(loss, TopKResiduals fields, count)."""
     opts = cfg.opts
-    count = _count(target, cfg)
+    count = red.count(target, opts.ignore_index, cfg.token_axes)
     if cfg.partition:
         out = list(sharded.forward_fn(cfg.static(), grad)(x2d, w, ids, lp, target))
         loss_tok, lse_tail = out[:2]
@@ -61,22 +53,14 @@ def _forward(x2d, w, ids, lp, target, cfg: _Config, grad: bool):
         kept = None
     else:
         keep = grad and opts.reduction != "none" and cfg.plan.grad.keep > 0
-        g_unit = None
-        if keep:
-            valid = target != opts.ignore_index
-            g_unit = jnp.where(valid, 1.0 / count if opts.reduction == "mean" else 1.0, 0.0).astype(jnp.float32)
+        g_unit = red.unit_gradient(target, opts.ignore_index, opts.reduction, count) if keep else None
         if cfg.token_axes:
             x2d, ids, lp, target = (shd.to_varying(a, cfg.token_axes) for a in (x2d, ids, lp, target))
         out = sharded.local_forward(BACKENDS[cfg.backend], x2d, w, ids, lp, target, cfg.plan, opts=opts,
                                     vocab_axes=cfg.vocab_axes, num_classes=cfg.num_classes, grad=grad,
                                     g_unit=g_unit)
         loss_tok, lse_tail, lse1, coef, sparse, kept = out
-    if opts.reduction == "none":
-        loss = loss_tok
-    elif opts.reduction == "sum":
-        loss = _total(loss_tok, cfg)
-    else:
-        loss = _total(loss_tok, cfg) / count
+    loss = red.reduce(loss_tok, opts.reduction, count, cfg.token_axes)
     return loss, (lse_tail, lse1, coef, sparse, kept), count
 
 
@@ -93,13 +77,7 @@ def _ltk_fwd(x2d, w, ids, lp, target, cfg):
 def _ltk_bwd(cfg, saved, g_loss):
     res, count = saved
     opts = cfg.opts
-    valid = res.target != opts.ignore_index
-    g = jnp.asarray(g_loss, jnp.float32)
-    if opts.reduction == "none":
-        g = jnp.reshape(g, res.target.shape)
-    else:
-        g = jnp.broadcast_to(g / count if opts.reduction == "mean" else g, res.target.shape)
-    g = jnp.where(valid, g, 0.0)
+    g = red.upstream(g_loss, res.target, opts.ignore_index, opts.reduction, count)
     if cfg.partition:
         args = (res.x2d, res.w, res.ids, res.target, res.lse_tail, *([res.lse1] if res.lse1 is not None else []),
                 res.coef, res.sparse, g)
@@ -218,13 +196,7 @@ def linear_topk_kl(
     """
     opts = TopKKLOptions.checked(direction=direction, tail=tail, temperature=temperature, ignore_index=ignore_index,
                                  reduction=reduction, hard_label_weight=hard_label_weight)
-    vocab_axes = shd.as_axes(vocab_axis_name)
-    token_axes = shd.as_axes(token_axis_name)
-    shd.check_bound("vocab_axis_name", vocab_axes)
-    shd.check_bound("token_axis_name", token_axes)
-    if set(vocab_axes) & set(token_axes):
-        raise ValueError(f"vocab_axis_name {vocab_axis_name!r} and token_axis_name {token_axis_name!r} "
-                         "must not share an axis")
+    vocab_axes, token_axes = shd.manual_axes(vocab_axis_name, token_axis_name)
     budget = resolve_memory_budget(memory_budget)
     if implementation is not None:
         BACKENDS[implementation]  # an unknown name: ValueError naming the choices
@@ -241,13 +213,8 @@ def linear_topk_kl(
         # every token counts (a class other than ignore_index; read only as a mask)
         target = jnp.full(lead, 1 if ignore_index == 0 else 0, jnp.int32)
     else:
-        if not hasattr(target, "dtype") or not jnp.issubdtype(target.dtype, jnp.integer):
-            raise TypeError(f"target must be an integer array, got {getattr(target, 'dtype', type(target).__name__)}")
-        if tuple(target.shape) != lead:
-            raise ValueError(f"target has shape {tuple(target.shape)}, expected {lead} (the leading dimensions of "
-                             "hidden)")
-        if opts.hard:
-            check_labels_in_range(target, num_classes, opts.ignore_index, "target")
+        check_distill_target(target, lead, "hidden", hard=opts.hard, num_classes=num_classes,
+                             ignore_index=opts.ignore_index)
 
     x2d = jnp.reshape(hidden, (-1, h))
     ids = lax.stop_gradient(jnp.reshape(teacher_ids, (-1, k)).astype(jnp.int32))
@@ -263,11 +230,8 @@ def linear_topk_kl(
                   memory_budget=budget, implementation=implementation)
         loss = _explicit_call(*explicit, x2d, weight, ids, lp, flat, vaxis=vaxis, none=reduction == "none", **kw)
     elif n == 0:
-        loss = jnp.zeros((0,), jnp.float32)
-        if reduction != "none":
-            cfg = _Config(opts, "xla", budget, num_classes, weight_layout, token_axes)
-            s, c = _total(loss, cfg), _count(flat, cfg)
-            loss = s / c if reduction == "mean" else s
+        loss = red.reduce(jnp.zeros((0,), jnp.float32), reduction, red.count(flat, opts.ignore_index, token_axes),
+                          token_axes)
     else:
         name = choose_backend(implementation, x2d.shape, (v_local, h), x2d.dtype, None, False)
         impl = BACKENDS[name]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Protocol
 
-from logitless.jax.ops.common.contract import Backend
+from logitless.jax.ops.common.rows import RowsBackend
 
 
 class TopKForward(NamedTuple):
@@ -52,13 +52,8 @@ class TopKResiduals(NamedTuple):
     kept: Optional[Any] = None
 
 
-class TopKBackend(Backend, Protocol):
+class TopKBackend(RowsBackend, Protocol):
     """One backend of linear_topk_kl (module docstring)."""
-
-    def plan_call(self, x2d_shape: tuple, w_shape: tuple, dtype: Any, *, budget: int,
-                  weight_layout: str = "vh") -> Any:
-        """The call's ``RowsConfig``."""
-        ...
 
     def forward(self, x2d, w, ids, lp, target, config: Any, *, opts, merge, num_classes: int, grad: bool,
                 g_unit=None) -> TopKForward:

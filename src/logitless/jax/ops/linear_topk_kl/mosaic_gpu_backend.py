@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas import topk_kl as tk
 from logitless.jax.mosaic_lib import BLOCK_K, LOG2E
-from logitless.jax.ops.common.chunks import put, uninitialised
 from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, interpret_params
-from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, acc_dtype, chunk_gradients, kept_gradients, plan_rows
+from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, chunk_gradients, kept_gradients, plan_rows
 from logitless.jax.ops.linear_topk_kl import xla_backend
 from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
 
@@ -59,12 +58,7 @@ def backward(res: TopKResiduals, g, g_kept, config: RowsConfig, *, opts, merge):
     v = w.shape[vaxis]
     off = merge.offset(v)
     mcfg = config.recompute
-    start = 0 if kept is None else kept.shape[1]
-    dx = jnp.zeros(x2d.shape, acc_dtype(x2d.dtype))
-    dw = uninitialised(w.shape, w.dtype)
-    if kept is not None:
-        dx, dwk = kept_gradients(kept, x2d, w, g_kept, layout=layout)
-        dw = put(dw, dwk, 0, vaxis)
+    start, dx, dw = kept_gradients(kept, x2d, w, g_kept, layout=layout)
     if start >= v:
         return dx.astype(x2d.dtype), dw
     coef_g = coef * g[None, :]

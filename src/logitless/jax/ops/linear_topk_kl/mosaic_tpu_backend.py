@@ -6,21 +6,11 @@ ValueError with the reason."""
 
 from __future__ import annotations
 
-from typing import Optional
-
+from logitless.jax.ops.common.contract import Refused
 from logitless.jax.ops.common.mosaic_tpu import MosaicTpuBase
 
-WHY = "linear_topk_kl has no Mosaic TPU kernel; use implementation=None or 'xla'"
 
-
-class MosaicTpuBackend(MosaicTpuBase):
+class MosaicTpuBackend(Refused, MosaicTpuBase):
     """Refuses every case (module docstring)."""
 
-    def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
-        return WHY
-
-    def forward(self, *args, **kwargs):
-        raise ValueError(WHY)
-
-    def backward(self, *args, **kwargs):
-        raise ValueError(WHY)
+    why = "linear_topk_kl has no Mosaic TPU kernel; use implementation=None or 'xla'"

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 from jax import lax
 
-from logitless.jax.ops.common.contract import vh_shape, w_axis
-from logitless.jax.ops.common.rows import VocabMerge
+from logitless.jax.ops.common.contract import w_axis
+from logitless.jax.ops.common.rows import VocabMerge, local_backend
 from logitless.jax.ops.linear_topk_kl.backends import BACKENDS
 from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
 from logitless.jax.sharding import partitioned, reduce_weight_grads
@@ -44,18 +44,6 @@ def local_backward(backend, res: TopKResiduals, g, g_kept, config, *, opts: TopK
     return (lax.psum(dx, vocab_axes) if vocab_axes else dx), dw
 
 
-@functools.lru_cache(maxsize=256)
-def local_config(name: str, x_shape: tuple, w_shape: tuple, dtype, budget: int, weight_layout: str):
-    """(backend, RowsConfig) for per-device shapes (``w_shape`` in ``weight_layout``):
-    backend ``name``, or "xla" where it refuses them; one Config per shapes, shared by
-    the forward's and the backward's partitions."""
-    vh = vh_shape(w_shape, weight_layout)
-    backend = BACKENDS[name]
-    if backend.unsupported(x_shape, vh, dtype, softcap=None, has_bias=False) is not None:
-        backend = BACKENDS["xla"]
-    return backend, backend.plan_call(x_shape, vh, dtype, budget=budget, weight_layout=weight_layout)
-
-
 class Static(NamedTuple):
     """The static arguments of the partitioned functions."""
 
@@ -67,8 +55,9 @@ class Static(NamedTuple):
 
 
 def _config(static: Static, x2d, w):
-    return local_config(static.backend, tuple(x2d.shape), tuple(w.shape), x2d.dtype, static.budget,
-                        static.weight_layout)
+    """(backend, RowsConfig) of this device's shapes (``rows.local_backend``)."""
+    return local_backend(BACKENDS, static.backend, tuple(x2d.shape), tuple(w.shape), x2d.dtype,
+                         budget=static.budget, weight_layout=static.weight_layout)
 
 
 @functools.cache

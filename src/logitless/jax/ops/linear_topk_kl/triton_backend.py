@@ -6,22 +6,12 @@ ValueError with the reason."""
 
 from __future__ import annotations
 
-from typing import Optional
-
+from logitless.jax.ops.common.contract import Refused
 from logitless.jax.ops.common.triton import TritonBase
 
-WHY = ("linear_topk_kl has no JAX Triton backend (its Triton kernels are launched from PyTorch only); use "
-       "implementation=None, 'mosaic_gpu' (SM90) or 'xla'")
 
-
-class TritonBackend(TritonBase):
+class TritonBackend(Refused, TritonBase):
     """Refuses every case (module docstring)."""
 
-    def why_not(self, x2d_shape, w_shape, dtype, *, softcap, has_bias) -> Optional[str]:
-        return WHY
-
-    def forward(self, *args, **kwargs):
-        raise ValueError(WHY)
-
-    def backward(self, *args, **kwargs):
-        raise ValueError(WHY)
+    why = ("linear_topk_kl has no JAX Triton backend (its Triton kernels are launched from PyTorch only); use "
+           "implementation=None, 'mosaic_gpu' (SM90) or 'xla'")

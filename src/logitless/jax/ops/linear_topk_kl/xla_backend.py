@@ -113,12 +113,7 @@ def backward(res: TopKResiduals, g, g_kept, config: RowsConfig, *, opts, merge):
     layout = config.weight_layout
     vaxis = W_AXIS[layout]
     off = merge.offset(w.shape[vaxis])
-    start = 0 if kept is None else kept.shape[1]
-    dx = jnp.zeros(x2d.shape, acc_dtype(x2d.dtype))
-    dw = uninitialised(w.shape, w.dtype)  # the kept and the recomputed columns write every one
-    if kept is not None:
-        dx, dwk = kept_gradients(kept, x2d, w, g_kept, layout=layout)
-        dw = put(dw, dwk, 0, vaxis)
+    start, dx, dw = kept_gradients(kept, x2d, w, g_kept, layout=layout)
     coef_g = coef * g[None, :]
     sparse_g = sparse * g[:, None]
 
