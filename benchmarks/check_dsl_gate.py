@@ -77,7 +77,9 @@ def main() -> int:
         x = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h ** 0.5)).to(torch.bfloat16)
         t = torch.randint(0, v, (n,), device="cuda", generator=g)
-        row = {"n": n, "h": h, "v": v, "plan": repr(cute.forward_plan(x, w))}
+        layout = (True, x.stride(), w.stride(), x.data_ptr() % 16, w.data_ptr() % 16)
+        plan = cute.forward_plan(x.device, x.dtype, n, v, h, cute.layout_fits(layout, h, x.dtype))
+        row = {"n": n, "h": h, "v": v, "plan": repr(plan)}
         ops = {"ce": lambda: (logitless.linear_cross_entropy(x, w, t),),
                "logp": lambda: logitless.linear_log_probs(x, w, t, entropy=True, temperature=0.7)}
         with torch.no_grad():

@@ -144,7 +144,7 @@ def test_cute_gate_shut_on_amd(amd):
     dev = amd("gfx942")
     assert device.facts(dev).capability is None
     with override(cute=True):  # (the device's facts are all forward_plan reads before it says no)
-        assert cute.forward_plan(types.SimpleNamespace(device=dev), None) is None
+        assert cute.forward_plan(dev, torch.bfloat16, 4096, 128256, 4096, True) is None
 
 
 def test_nvidia_plans_unchanged(monkeypatch):
