@@ -100,8 +100,10 @@ def topk_forward_kernel(
     num_blocks = tl.minimum(blocks_per_split, tl.cdiv(V, BLOCK_V) - first_block)
     flag = flags_ptr + pid_n * total_splits + split
     if SLOTS == 0:  # the retry: only a flagged program's tiles run, and only it writes
-        row_ok &= tl.load(flag) != 0
-        num_blocks = tl.where(tl.load(flag) != 0, num_blocks, 0)
+        flagged = tl.load(flag) != 0
+        # (a block of the flag: triton 3.9's interpreter makes a bool block & a bool scalar an int32 mask)
+        row_ok = row_ok & (tl.zeros((BLOCK_N,), tl.int32) + flagged.to(tl.int32) != 0)
+        num_blocks = tl.where(flagged, num_blocks, 0)
     most = tl.zeros((BLOCK_N,), tl.int32)
     for i in tl.range(0, num_blocks, flatten=FLATTEN):
         offs_v, col_ok, z = block_tile(
