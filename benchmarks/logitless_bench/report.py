@@ -187,6 +187,34 @@ def save_suite(data, out_dir, markdown: str, *, clean: bool = False) -> list:
     return write_results(out_dir, stems, _clean(data) if clean else data, markdown, default=str)
 
 
+def fmt(v, spec: str) -> str:
+    """``v`` formatted by ``spec``, "-" for None."""
+    return "-" if v is None else format(v, spec)
+
+
+def gemm_table(rows, errors: tuple) -> str:
+    """The table of a suite timed in GEMM units (rl, topk): shape, method, status, forward / one
+    GEMM, f+b / three GEMMs, times, peak extra memory, then ``errors`` ((header, row key), each
+    formatted .1e)."""
+    head = ("| shape | method | status | fwd/GEMM | f+b/3GEMM | fwd ms | f+b ms | peak extra MiB | "
+            + "".join(f"{h} | " for h, _ in errors)).rstrip()
+    lines = [head, "|" + "---|" * (8 + len(errors))]
+    for r in rows:
+        status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason'][:80]}"
+        lines.append(
+            f"| {r['shape']} | {r['method']} | {status} | {fmt(r.get('fwd_per_gemm'), '.2f')} | "
+            f"{fmt(r.get('fwdbwd_per_3gemm'), '.2f')} | {fmt(r.get('fwd_ms'), '.2f')} | "
+            f"{fmt(r.get('fwdbwd_ms'), '.2f')} | {fmt(r.get('peak_extra_mib'), '.0f')} |"
+            + "".join(f" {fmt(r.get(k), '.1e')} |" for _, k in errors))
+    return "\n".join(lines)
+
+
+def save_gemm_suite(data, out_dir, errors: tuple, metrics: str) -> list:
+    """``save_suite`` of a suite timed in GEMM units: the units, ``gemm_table``, ``metrics``."""
+    units = "GEMM units (ms): " + ", ".join(f"{k}: {v:.3f}" for k, v in data["gemm_ms"].items())
+    return save_suite(data, out_dir, suite_markdown(data, [units, ""], gemm_table(data["rows"], errors), metrics))
+
+
 def targets_and_notes(data, issue: str) -> list:
     """The markdown lines of a training suite's targets (a table: target, measured, met)
     and notes, each only where the data has some."""

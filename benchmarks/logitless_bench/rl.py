@@ -275,26 +275,16 @@ def measure(fn, inputs, gemm_ms, ref, temperature, device, warmup, reps, row) ->
 # --------------------------------------------------------------------------- report
 
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+#: The error columns of this suite's table (``report.gemm_table``).
+ERRORS = (("logp err", "logp_err"), ("H err", "entropy_err"))
 
 
 def table(rows) -> str:
-    head = "| shape | method | status | fwd/GEMM | f+b/3GEMM | fwd ms | f+b ms | peak extra MiB | logp err | H err |"
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason'][:80]}"
-        lines.append(
-            f"| {r['shape']} | {r['method']} | {status} | {_fmt(r.get('fwd_per_gemm'), '.2f')} | "
-            f"{_fmt(r.get('fwdbwd_per_3gemm'), '.2f')} | {_fmt(r.get('fwd_ms'), '.2f')} | "
-            f"{_fmt(r.get('fwdbwd_ms'), '.2f')} | {_fmt(r.get('peak_extra_mib'), '.0f')} | "
-            f"{_fmt(r.get('logp_err'), '.1e')} | {_fmt(r.get('entropy_err'), '.1e')} |")
-    return "\n".join(lines)
+    return report.gemm_table(rows, ERRORS)
 
 
 def save(data, out_dir) -> list:
-    units = "GEMM units (ms): " + ", ".join(f"{k}: {v:.3f}" for k, v in data["gemm_ms"].items())
-    return report.save_suite(data, out_dir, report.suite_markdown(data, [units, ""], table(data["rows"]), METRICS))
+    return report.save_gemm_suite(data, out_dir, ERRORS, METRICS)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -332,10 +322,11 @@ def run_cli(args, cpu: bool) -> int:
                                        device, warmup, reps, row),
                      out_of_time=deadline is not None and time.monotonic() > deadline)
             data["rows"].append(row)
-            print(f"  {name:<17} {row['status']:<8} fwd {_fmt(row.get('fwd_per_gemm'), '.2f')}x GEMM, "
-                  f"f+b {_fmt(row.get('fwdbwd_per_3gemm'), '.2f')}x 3 GEMMs, peak "
-                  f"{_fmt(row.get('peak_extra_mib'), '.0f')} MiB, logp err {_fmt(row.get('logp_err'), '.1e')}, "
-                  f"H err {_fmt(row.get('entropy_err'), '.1e')} {row['reason'][:160]}", flush=True)
+            print(f"  {name:<17} {row['status']:<8} fwd {report.fmt(row.get('fwd_per_gemm'), '.2f')}x GEMM, "
+                  f"f+b {report.fmt(row.get('fwdbwd_per_3gemm'), '.2f')}x 3 GEMMs, peak "
+                  f"{report.fmt(row.get('peak_extra_mib'), '.0f')} MiB, "
+                  f"logp err {report.fmt(row.get('logp_err'), '.1e')}, "
+                  f"H err {report.fmt(row.get('entropy_err'), '.1e')} {row['reason'][:160]}", flush=True)
             timing.release_memory(device)
 
     written = run_shapes(data, shapes, run_shape, save, out_dir, device)
