@@ -181,10 +181,11 @@ def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
         pass  # nothing kept, no gradient in the forward
     elif call.grad_in_forward and n > 0 and getattr(config(), "grad_in_forward", None):  # (eager only)
         gif, f32 = config().grad_in_forward, torch.float32
+        dx, dw, db = grads
         grads = [
-            torch.empty_like(x) if need.need_dx else grads[0],
-            (torch.empty_like(weight) if gif >= n else weight.new_empty(v, h, dtype=f32)) if need.need_dw else grads[1],
-            weight.new_empty(v, dtype=f32) if need.need_db else grads[2],
+            torch.empty_like(x) if need.need_dx else dx,
+            (torch.empty_like(weight) if gif >= n else weight.new_empty(v, h, dtype=f32)) if need.need_dw else dw,
+            weight.new_empty(v, dtype=f32) if need.need_db else db,
         ]
     elif call.need_grad and not (call.tp.tp_group and isinstance(v, int) and v == 0):
         kept = fake_kept(x, weight, call.tp.tp_group, call.tp.vocab_size,
