@@ -52,6 +52,14 @@ Number = Union[int, float]
 MIN_CANDIDATES = 64
 
 
+def syncs_allowed(device: torch.device) -> bool:
+    """Whether the data-dependent steps of a truncated call may read the device (host
+    syncs: the largest top_k, the rows a pass leaves): not while the current stream
+    captures a CUDA graph (``torch.cuda.graph``). Then the threshold pass takes every
+    column as a candidate at once (C = V: one pass, exact, no check of the rows left)."""
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 @dataclass(frozen=True)
 class Truncation:
     """Per-token truncation parameters, flattened to (N,) on the tokens' device:

@@ -66,6 +66,14 @@ EAGER: dict[str, Callable] = {}
 
 _SCALARS = {bool: "bool", int: "SymInt", float: "float", str: "str"}
 
+#: The custom ops' tags. ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
+#: inductor runs each op between its CUDA-graph partitions, not inside one. A forward
+#: op's Config output is a CPU tensor, which a partition cannot hand on (inductor then
+#: returns the op's output tuple from the partition: ``AssertionError: <class 'tuple'>``
+#: in ``CUDAGraphNode``), and the truncated ops sync with the host. The op still runs
+#: inside a graph the caller captures (``torch.cuda.graph``: its capture-safe path).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 
 class Call:
     """Base of the declared calls (module docstring): a frozen dataclass subclass. Each
@@ -307,7 +315,7 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
     @staticmethod
     def _define(name: str, fn: Callable, schema: str, mutated: tuple):
         EAGER[f"logitless::{name}"] = fn
-        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutated, schema=schema)
+        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutated, schema=schema, tags=_TAGS)
 
     # ---------------------------------------------------------------- running a call
 

@@ -196,7 +196,9 @@ def linear_log_probs(
         if trunc is not None:
             k, p, mp, checked = trunc.top_k, trunc.top_p, trunc.min_p, trunc.checked
             k_max = trunc.k_max if trunc.k_max is not None else -1
-            if k_max < 0 and x2d.shape[0] and not torch.compiler.is_compiling():  # (eager: the host sync here)
+            # (eager: the host sync here; none under torch.compile or while capturing a CUDA graph)
+            if k_max < 0 and x2d.shape[0] and not torch.compiler.is_compiling() \
+                    and _truncation.syncs_allowed(x2d.device):
                 from .contract import tensor_k_max
 
                 k_max = tensor_k_max(k, block)

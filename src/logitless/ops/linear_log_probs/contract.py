@@ -42,8 +42,9 @@ class Truncated:
     """What a truncated or batch-invariant call decides once (``decide``, in the backends' ``plan``).
 
     k_max: the largest per-token top_k (read on the host when the caller did not give it;
-        -1: no truncation); search: the backend's threshold search (``threshold_search``:
-        Triton's candidates / mass search) finds the thresholds (else the chunked pass);
+        -1: no truncation, or not read: while a CUDA graph is captured); search: the
+        backend's threshold search (``threshold_search``: Triton's candidates / mass
+        search) finds the thresholds (else the chunked pass);
         width: columns of the sparse backward's candidates (0: the call cannot take it);
         block: rows per block under batch invariance (0: one block).
     """
@@ -104,16 +105,19 @@ def may_keep(impl: Searches, k_max: int, block: int, need_grad: bool, truncated:
     return parallel or not impl.threshold_search or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
 
 
-def decide(impl: Searches, v: int, truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool,
+def decide(impl: Searches, v: int, truncated: bool, k_max_arg: int, k_max: Optional[int], block: int, need_grad: bool,
            parallel: bool, softcap: Optional[float] = None):
     """(``Truncated``, may the forward keep columns) of a truncated or batch-invariant call:
     the part of a backend's ``plan`` that is the same for every backend. ``k_max_arg``: the
     op's argument (the fake's shapes follow it), ``k_max``: the largest top_k (the forward
-    reads it when the caller did not: ``custom_op``)."""
+    reads it when the caller did not: ``custom_op``; None where it could not: while a CUDA
+    graph is captured, when no search runs)."""
     width = sparse_width(impl, v, k_max_arg, need_grad, truncated, parallel)
     keep = may_keep(impl, k_max_arg, block, need_grad, truncated, softcap, parallel)
-    search = truncated and not parallel and impl.threshold_search and candidate_count(k_max) <= MAX_CANDIDATES
-    return Truncated(k_max if truncated else -1, search, width, block), keep
+    if not truncated or k_max is None:
+        return Truncated(-1, False, width, block), keep
+    search = not parallel and impl.threshold_search and candidate_count(k_max) <= MAX_CANDIDATES
+    return Truncated(k_max, search, width, block), keep
 
 
 @dataclass(frozen=True)

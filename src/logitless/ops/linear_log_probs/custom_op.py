@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
-from logitless.formulas.truncation import Truncation
+from logitless.formulas.truncation import Truncation, syncs_allowed
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs
@@ -82,7 +82,7 @@ def _truncated_forward(call: LlpCall, impl: LlpBackend) -> LlpOutputs:
     trunc = None
     if call.top_k is not None:
         k_max = call.k_max
-        if k_max < 0 and x.shape[0]:  # (a compiled call: the eager ones read it before the op)
+        if k_max < 0 and x.shape[0] and syncs_allowed(x.device):  # (compiled: eager calls read it before the op)
             k_max = tensor_k_max(call.top_k, call.block)
         assert call.top_p is not None and call.min_p is not None  # (given with top_k: ``api``)
         trunc = Truncation(call.top_k, call.top_p, call.min_p, k_max if k_max >= 0 else None, call.checked)

@@ -101,7 +101,7 @@ def _linear_plan(rows: int, v: int, h: int, dtype: torch.dtype, device, budget: 
 
 @memoised
 def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
-                     truncated: bool, k_max_arg: int, k_max: int, block: int, need_grad: bool, parallel: bool,
+                     truncated: bool, k_max_arg: int, k_max: Optional[int], block: int, need_grad: bool, parallel: bool,
                      plan_rows: Optional[int]) -> TritonConfig:
     """The Config of a truncated / batch-invariant call (``TritonConfig``): pure in its
     arguments, so memoised (``planning.memo``). ``k_max_arg``: the op's argument, ``k_max``
@@ -121,7 +121,7 @@ def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget:
             search_plan = _linear_plan(rows, v, h, dtype, device, budget, opts, False)
             cand_tiles = LC.candidate_tiles(search_plan.forward, device)
             if decided.search:
-                c = candidate_count(k_max)
+                c = candidate_count(decided.k_max)
                 splits = LC.splits_for(rows, v, cand_tiles, c, device)
                 masses = LC.mass_tiles(search_plan.forward, device)
     if truncated:  # (shape and dtype are what the planner reads)

@@ -78,6 +78,7 @@ from logitless.formulas.truncation import (
     outputs_of,
     rebase,
     resolve,
+    syncs_allowed,
 )
 from logitless.ops.common.glue import grad_outputs
 from logitless.ops.common.invariant import pad_rows
@@ -138,13 +139,18 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
             return scaled_logits(x_c, weight, bias, opts.softcap, opts.temperature, v0, v1, tiles)
 
         vocab_chunk = max(tiles.block_v, plan.vocab_chunk // tiles.block_v * tiles.block_v)
-    # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left)
-    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
-    c = min(v, max(MIN_CANDIDATES, kmax + 1, first_c or 0))
+    # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left;
+    # none while capturing a CUDA graph: one pass with every column a candidate)
+    whole = not syncs_allowed(x.device)
+    if whole:
+        c = v
+    else:
+        kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
+        c = min(v, max(MIN_CANDIDATES, kmax + 1, first_c or 0))
     rows = None  # the first pass: every row, in order
     while True:
         # rows per step: the tile, the candidates and their merge within the budget
-        step = plan.token_chunk if rows is None else max(
+        step = plan.token_chunk if rows is None and not whole else max(
             1, min(plan.token_chunk, budget // (cs * 3 * (c + plan.vocab_chunk))))
         total = n if rows is None else rows.numel()
         oks = []
@@ -432,7 +438,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             tr = trunc if not block else _padded_trunc(trunc, n0, n1, pad)
             if sharded is not None:  # (the chunked pass, merged over the group)
                 tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
-            elif xb.shape[0] and dec.search:
+            elif xb.shape[0] and dec.search and syncs_allowed(x.device):  # (the search syncs with the host)
                 tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, invariant=bool(block),
                                                      indices=sparse_blocks is not None)
                 if sparse_blocks is not None and sp[0] is not None:
@@ -500,7 +506,8 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
     if g_h is None and opts.entropy:
         g_h = torch.zeros_like(lse)
     g_lp = torch.where(torch.isinf(logp), torch.zeros_like(g_lp), g_lp)  # logp = -inf outside the kept set
-    if inside.numel() and bool(inside.any()):  # (host sync) kept sets inside the candidates: no GEMM there
+    if inside.numel() and syncs_allowed(x.device) and bool(inside.any()):  # (host sync) kept sets inside the
+        # candidates: no GEMM there (while capturing a CUDA graph every row takes the dense backward)
         dense = (~inside).nonzero()[:, 0]
         cand, cols = sparse[0].view(torch.float32), sparse[1]
         dx, dw, db = _sparse_backward(impl, x, weight, bias, tokens, lse, ent, taus, g_lp, g_h, v, cand, cols,
