@@ -66,6 +66,20 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def _graphed(fn):
+    """``fn(x, w, t)`` under ``torch.compile(mode="reduce-overhead")``: inductor's CUDA-graph
+    trees replay the call (how users remove host time at small batches). The weight is
+    marked a static input, as a model's parameter is (else each replay copies it)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, dynamic=False, mode="reduce-overhead")
+
+    def call(x, w, t):
+        torch._dynamo.mark_static_address(w)
+        return compiled(x, w, t)
+
+    return call
+
+
 def peer_versions() -> dict:
     """Installed versions of the peers (None when not installed), without importing them."""
     out = {}
@@ -156,6 +170,8 @@ LCE_PEERS: tuple[Method, ...] = (
     Method("torch-eager", _make_eager_lce, description="F.cross_entropy(x @ W.T, t), logits in the input dtype (bf16)"),
     Method("torch-compile", _make_compile_lce, gpu_only=True,
            description="torch.compile of the eager function (dynamic=False)"),
+    Method("torch-compile-graphed", lambda shape, device: (_need_gpu(device), _graphed(_eager_lce))[1],
+           gpu_only=True, description="torch.compile(mode='reduce-overhead') of the eager function (CUDA graphs)"),
     Method("liger", _make_liger_lce, gpu_only=True,
            description="liger_kernel.transformers.functional.liger_fused_linear_cross_entropy"),
     Method("cce", _make_cce("default"), gpu_only=True,
@@ -210,8 +226,23 @@ TORCH_API_LCE: tuple[Method, ...] = (
 )
 
 
+def _make_logitless_graphed(shape, device):
+    _need_gpu(device)
+    from logitless.ops.linear_cross_entropy.api import linear_cross_entropy
+
+    return _graphed(lambda x, w, t: linear_cross_entropy(x, w, t))
+
+
+#: The default call under torch.compile(mode="reduce-overhead").
+LOGITLESS_GRAPHED = Method("logitless-graphed", _make_logitless_graphed, peer=False, gpu_only=True,
+                           description="logitless.linear_cross_entropy (default budget) under "
+                                       "torch.compile(mode='reduce-overhead') (CUDA graphs)")
+
+
 def lce_methods(budgets, *, cpu: bool, peers: bool) -> list[Method]:
     methods = [logitless_lce(b) for b in budgets]
+    if not cpu:
+        methods.append(LOGITLESS_GRAPHED)
     if peers:
         methods += [m for m in LCE_PEERS + TORCH_API_LCE if not (cpu and m.gpu_only)]
     return methods
