@@ -155,6 +155,11 @@ def _torch_and_liger(eager, liger_function: str) -> tuple:
 _make_eager_lce, _make_compile_lce, _make_liger_lce = _torch_and_liger(_eager_lce, "liger_fused_linear_cross_entropy")
 
 
+def _make_graphed_lce(shape, device):
+    _need_gpu(device)
+    return _graphed(_eager_lce)
+
+
 def _make_cce(filter_eps):
     def make(shape, device):
         _need_gpu(device)
@@ -170,8 +175,8 @@ LCE_PEERS: tuple[Method, ...] = (
     Method("torch-eager", _make_eager_lce, description="F.cross_entropy(x @ W.T, t), logits in the input dtype (bf16)"),
     Method("torch-compile", _make_compile_lce, gpu_only=True,
            description="torch.compile of the eager function (dynamic=False)"),
-    Method("torch-compile-graphed", lambda shape, device: (_need_gpu(device), _graphed(_eager_lce))[1],
-           gpu_only=True, description="torch.compile(mode='reduce-overhead') of the eager function (CUDA graphs)"),
+    Method("torch-compile-graphed", _make_graphed_lce, gpu_only=True,
+           description="torch.compile(mode='reduce-overhead') of the eager function (CUDA graphs)"),
     Method("liger", _make_liger_lce, gpu_only=True,
            description="liger_kernel.transformers.functional.liger_fused_linear_cross_entropy"),
     Method("cce", _make_cce("default"), gpu_only=True,
