@@ -60,6 +60,16 @@ def syncs_allowed(device: torch.device) -> bool:
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
+def first_candidates(trunc: Truncation, v: int, device: torch.device, first_c: int = 0) -> int:
+    """C of a threshold pass's first run over a row: more than the largest top_k (a host
+    sync when it is a tensor), at least MIN_CANDIDATES and ``first_c``, at most V; every
+    column (V) while a CUDA graph is captured (``syncs_allowed``)."""
+    if not syncs_allowed(device):
+        return v
+    kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
+    return min(v, max(MIN_CANDIDATES, kmax + 1, first_c))
+
+
 @dataclass(frozen=True)
 class Truncation:
     """Per-token truncation parameters, flattened to (N,) on the tokens' device:

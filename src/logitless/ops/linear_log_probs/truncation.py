@@ -68,10 +68,10 @@ from torch import Tensor
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import online_update
 from logitless.formulas.truncation import (
-    MIN_CANDIDATES,
     Truncation,
     check_values,
     crossing,
+    first_candidates,
     kept_mass,
     merge_candidates,
     merge_parts,
@@ -142,11 +142,7 @@ def thresholds(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
     # (host syncs: the largest top_k when it is a tensor, and once per pass the rows left;
     # none while capturing a CUDA graph: one pass with every column a candidate)
     whole = not syncs_allowed(x.device)
-    if whole:
-        c = v
-    else:
-        kmax = trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())
-        c = min(v, max(MIN_CANDIDATES, kmax + 1, first_c or 0))
+    c = first_candidates(trunc, v, x.device, first_c or 0)
     rows = None  # the first pass: every row, in order
     while True:
         # rows per step: the tile, the candidates and their merge within the budget

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from logitless.formulas.common import compute_dtype
 from logitless.formulas.log_probs import dlogits_, grad_coefficients
-from logitless.formulas.truncation import MIN_CANDIDATES, Truncation, resolve, syncs_allowed
+from logitless.formulas.truncation import Truncation, first_candidates, resolve
 from logitless.options import LogProbOptions
 
 from .contract import Blocks, LpForward
@@ -38,10 +38,7 @@ ROWS = 64
 def thresholds(a: Tensor, trunc: Truncation) -> Tensor:
     """tau (rows,) of scaled logits a (rows, V) (-inf: nothing truncated)."""
     n, v = a.shape
-    if not syncs_allowed(a.device):  # (capturing a CUDA graph: one pass over every column)
-        c = v
-    else:
-        c = min(v, max(MIN_CANDIDATES, (trunc.k_max if trunc.k_max is not None else int(trunc.top_k.max())) + 1))
+    c = first_candidates(trunc, v, a.device)
     m = a.max(1).values
     s = torch.exp(a - m[:, None]).sum(1)
     tau = torch.full((n,), -math.inf, dtype=a.dtype, device=a.device)
