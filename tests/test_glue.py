@@ -74,8 +74,7 @@ def _call(x, w, t, opts) -> DummyCall:
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
 def test_a_new_option_field_reaches_the_backend_without_glue_edits(dummy_op, path):
-    schema = str(torch.ops.logitless.lce_dummy_test_forward.default._schema)
-    assert "float dummy" in schema  # the schema is derived from the declaration
+    assert "dummy" in dummy_op.fields.scalar_names  # the packed scalars are derived from the declaration
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 8, generator=g, requires_grad=True)
     w = torch.randn(11, 8, generator=g, requires_grad=True)
@@ -103,8 +102,8 @@ def test_a_new_option_field_reaches_the_backend_without_glue_edits(dummy_op, pat
 
 def test_fields_flatten_and_rebuild_by_name():
     fields = Fields(LceCall)
-    assert fields.names[:5] == ("x", "weight", "bias", "target", "class_weight")
-    assert "ignore_index" in fields.names and "tp_group" in fields.names and "need_dw" in fields.names
+    assert fields.names == ("x", "weight", "bias", "target", "class_weight", "ints", "floats", "scalars")
+    assert {"ignore_index", "tp_group", "need_dw", "budget"} <= set(fields.scalar_names)
     x, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 4])
     call = LceCall(x, w, None, t, None, CrossEntropyOptions(z_loss=0.25), "torch", 7, need_argmax=True,
                    need_grad=False, grad_in_forward=False, need=Needs(), batch_invariant=True,
@@ -112,12 +111,33 @@ def test_fields_flatten_and_rebuild_by_name():
     flat = fields.flatten(call)
     assert len(flat) == len(fields.names)
     assert fields.build(flat) == call  # the same object back, field by field
-    schema = fields.schema(2)
-    assert schema.startswith("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, ")
-    assert "SymInt ignore_index" in schema and "float? softcap" in schema and schema.endswith("-> (Tensor, Tensor)")
+    assert fields.build(list(flat)) == call  # (again: from the memoised scalars)
+    assert fields.schema(2) == ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
+                                "SymInt[] ints, float[] floats, str scalars) -> (Tensor, Tensor)")
+    ints, floats, rest = flat[-3:]
+    assert 7 in ints and 5 in ints and 0.25 in floats  # budget, vocab_size; z_loss
+    assert isinstance(rest, str) and "'g'" in rest and "'torch'" in rest
     back = Fields(LceBackwardCall)
     assert "Tensor(a" in back.schema(3) and "!) keep" in back.schema(3)  # the mutated field
-    assert "budget" not in back.names  # nothing unread crosses into the backward
+    assert "budget" not in back.scalar_names  # nothing unread crosses into the backward
+
+
+def test_packed_scalars_are_checked():
+    """A scalars string that does not read back as the declared types is an error that says
+    what is wrong, never a call built from it."""
+    fields = Fields(LceCall)
+    x, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 4])
+    call = LceCall(x, w, None, t, None, CrossEntropyOptions(), "torch", 7, need_argmax=True, need_grad=False,
+                   grad_in_forward=False, need=Needs(), batch_invariant=False, tp=VocabParallelOptions())
+    *tensors, ints, floats, packed = fields.flatten(call)
+    assert fields.build([*tensors, ints, floats, packed]) == call
+    with pytest.raises(ValueError, match="do not read back"):
+        fields.build([*tensors, ints, floats, packed[:-3] + ")"])
+    bad = packed.replace("'torch'", "3", 1)  # the backend's name as an int
+    with pytest.raises(ValueError, match="backend: expected str"):
+        fields.build([*tensors, ints, floats, bad])
+    with pytest.raises(ValueError, match="expected 0 or None"):  # an int field's slot holds its value
+        fields.build([*tensors, ints, floats, packed.replace("(0,", "(-100,", 1)])
 
 
 def test_declarations_are_checked():
@@ -144,7 +164,8 @@ def test_declarations_are_checked():
         config: Encoded
         k: Optional[int]
 
-    assert Fields(Fine).schema(1) == "(Tensor x, Tensor? y, Tensor config, SymInt? k) -> (Tensor)"
+    assert Fields(Fine).schema(1) == "(Tensor x, Tensor? y, Tensor config, SymInt[] ints, str scalars) -> (Tensor)"
+    assert Fields(Fine).scalar_names == ("k",)
 
 
 def test_one_differentiable_input_has_one_tensor_returned():

@@ -7,8 +7,9 @@ positional from the declarations:
 - a **call** (``Call`` subclass, a frozen dataclass): the forward op's inputs by name.
   Fields are tensors (``Tensor``, ``Optional[Tensor]``), scalars (``bool``, ``int``,
   ``float``, ``str``, ``Optional[float]``, ``Optional[int]``) or option dataclasses of
-  scalars (``logitless.options``: ``CrossEntropyOptions``, ``VocabParallelOptions``...), whose
-  fields are flattened under their own names. ``differentiable`` names the inputs that
+  scalars (``logitless.options``: ``CrossEntropyOptions``, ``VocabParallelOptions``...). Each
+  tensor is a schema argument; the scalars, the options' fields flattened in order, travel
+  packed in at most three (``Fields``: ints, floats, the rest as a string). ``differentiable`` names the inputs that
   get gradients (in the order the backward returns them); ``mutated`` the tensors the op
   writes. A field of type ``Encoded`` is a backend's Config: the object on the eager
   path, its encoding (``ConfigCodec``: a CPU int64 tensor) through the custom ops.
@@ -42,9 +43,11 @@ a thread of its own). Double backward raises one clear error.
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable
@@ -64,7 +67,8 @@ Encoded = NewType("Encoded", object)
 #: tests run it under dispatch modes, which otherwise see a custom op as one opaque call.
 EAGER: dict[str, Callable] = {}
 
-_SCALARS = {bool: "bool", int: "SymInt", float: "float", str: "str"}
+#: The scalar types of a call's fields (packed into its ``scalars`` argument: ``Fields``).
+_SCALARS = (bool, int, float, str)
 
 #: The custom ops' tags. ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
 #: inductor runs each op between its CUDA-graph partitions, not inside one. A forward
@@ -100,7 +104,20 @@ def _unwrap_optional(t) -> tuple[Any, bool]:
 
 
 class Fields:
-    """A declared class's flat argument list: the schema, ``flatten`` and ``unflatten``.
+    """A declared class's flat argument list: the schema, ``flatten`` and ``build``.
+
+    The tensors (and an ``Encoded`` Config) are schema arguments of their own, in
+    declaration order. The scalars, with the options dataclasses' fields flattened in order,
+    travel in at most three last arguments: ``SymInt[] ints`` (the int fields' values),
+    ``float[] floats`` (the float fields') and ``str scalars``: the repr of a tuple with one
+    entry per scalar, the value of a str or bool field, and for an int or float field None
+    when absent, else 0 (its value is in its list). Ints and floats stay in typed lists so
+    that torch.compile may trace them as symbols (``dynamic=True``); the rest is a constant
+    string. Few arguments, not one per scalar: torch.library's autograd and mutation
+    wrappers re-read the schema's argument list per argument
+    (``torch._library.utils.fill_defaults``, quadratic in their count: 0.17 ms of a
+    compiled linear_cross_entropy call at 25 arguments, 0.05 ms at 14; docs/design.md "The
+    custom-op glue").
 
     ``entries``: (name, kind, nested Fields or None) per field, kind "tensor", "encoded",
     "scalar" or "options" (a dataclass flattened into its own fields)."""
@@ -110,6 +127,8 @@ class Fields:
         hints = typing.get_type_hints(cls)
         self.entries: list[tuple[str, str, Optional[Fields]]] = []
         self.schema_args: list[str] = []
+        #: The flattened scalars: (name, type, optional), in declaration order.
+        self.scalars: list[tuple[str, type, bool]] = []
         for f in dataclasses.fields(cls):
             t, optional = _unwrap_optional(hints[f.name])
             q = "?" if optional else ""
@@ -123,46 +142,105 @@ class Fields:
                 self.schema_args.append(f"Tensor{alias}{q} {f.name}")
             elif t in _SCALARS:
                 self.entries.append((f.name, "scalar", None))
-                self.schema_args.append(f"{_SCALARS[t]}{q} {f.name}")
+                self.scalars.append((f.name, t, optional))
             elif isinstance(t, type) and dataclasses.is_dataclass(t) and not optional:
                 sub = Fields(t, top=False)
                 self.entries.append((f.name, "options", sub))
-                self.schema_args.extend(sub.schema_args)
+                self.scalars.extend(sub.scalars)
             else:
                 raise TypeError(f"{cls.__name__}.{f.name}: a call field must be a tensor, a scalar or an "
                                 f"options dataclass, got {hints[f.name]}")
-        names = [a.rsplit(" ", 1)[1] for a in self.schema_args]
+        self.scalar_names = tuple(name for name, _, _ in self.scalars)
+        self._lists = tuple(kind for kind, t in (("ints", int), ("floats", float))
+                            if any(st is t for _, st, _ in self.scalars))
+        packed = [f"{'SymInt' if k == 'ints' else 'float'}[] {k}" for k in self._lists]
+        if self.scalars:
+            packed.append("str scalars")
+        names = [a.rsplit(" ", 1)[1] for a in self.schema_args] + list(self.scalar_names)
         if len(set(names)) != len(names):
             raise TypeError(f"{cls.__name__}: flattened field names repeat: {names}")
-        self.names = tuple(names)
+        if top:
+            clash = {"ints", "floats", "scalars"} & set(names)
+            if clash and self.scalars:
+                raise TypeError(f"{cls.__name__}: {sorted(clash)} name the packed scalars' arguments; rename")
+            self.schema_args.extend(packed)
+        self.names = tuple(a.rsplit(" ", 1)[1] for a in self.schema_args)
+        self._tensor_fields = tuple(name for name, kind, _ in self.entries if kind in ("tensor", "encoded"))
+        self._layout = functools.lru_cache(maxsize=256)(self._read)
 
     def schema(self, outputs: int) -> str:
         return f"({', '.join(self.schema_args)}) -> ({', '.join(['Tensor'] * outputs)})"
 
-    def flatten(self, obj) -> list:
+    def _values(self, obj) -> list:
+        """The flattened scalar values of ``obj``, in ``scalars``' order."""
         out = []
-        for name, _kind, sub in self.entries:
-            value = getattr(obj, name)
-            if sub is None:
-                out.append(value)
-            else:
-                out.extend(sub.flatten(value))
+        for name, kind, sub in self.entries:
+            if kind == "scalar":
+                out.append(getattr(obj, name))
+            elif sub is not None:
+                out.extend(sub._values(getattr(obj, name)))
         return out
 
-    def unflatten(self, args, start: int = 0):
-        """(the object, the position after it) from flat ``args``."""
-        kwargs = {}
-        i = start
-        for name, _kind, sub in self.entries:
-            if sub is None:
-                kwargs[name] = args[i]
-                i += 1
+    def flatten(self, obj) -> list:
+        """The op's flat arguments of ``obj`` (plain Python: torch.compile traces it)."""
+        out = [getattr(obj, name) for name in self._tensor_fields]
+        if not self.scalars:
+            return out
+        values = self._values(obj)
+        ints, floats, rest = [], [], []
+        for (_, t, _), value in zip(self.scalars, values):
+            if t is int or t is float:
+                if value is not None:
+                    (ints if t is int else floats).append(value)
+                rest.append(None if value is None else 0)
             else:
-                kwargs[name], i = sub.unflatten(args, i)
-        return self.cls(**kwargs), i
+                rest.append(value)
+        for kind in self._lists:
+            out.append(ints if kind == "ints" else floats)
+        out.append(repr(tuple(rest)))
+        return out
+
+    def _read(self, packed: str) -> tuple:
+        """``scalars`` read back and checked against the declared types (memoised per
+        string): per scalar (list, value): list "ints" / "floats" (the value is that list's
+        next), or None (the value is ``value``)."""
+        try:
+            values = ast.literal_eval(packed)
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(f"{self.cls.__name__}: scalars {packed!r} do not read back ({exc})") from None
+        if not isinstance(values, tuple) or len(values) != len(self.scalars):
+            raise ValueError(f"{self.cls.__name__}: expected {len(self.scalars)} scalars, got {packed!r}")
+        out: list[Any] = []
+        for (name, t, optional), value in zip(self.scalars, values):
+            if value is None and optional:
+                out.append((None, None))
+            elif t is int or t is float:
+                if value != 0 or isinstance(value, bool):
+                    raise ValueError(f"{self.cls.__name__}.{name}: expected 0 or None, got {value!r}")
+                out.append(("ints" if t is int else "floats", None))
+            elif isinstance(value, t):
+                out.append((None, value))
+            else:
+                raise ValueError(f"{self.cls.__name__}.{name}: expected {t.__name__}, got {value!r}")
+        return tuple(out)
+
+    def _fields_of(self, values) -> dict:
+        out: dict[str, Any] = {}
+        for name, kind, sub in self.entries:
+            if sub is not None:
+                out[name] = sub.cls(**sub._fields_of(values))
+            elif kind == "scalar":
+                out[name] = next(values)
+        return out
 
     def build(self, args):
-        return self.unflatten(args)[0]
+        """The object ``flatten`` flattened into ``args``."""
+        kwargs = dict(zip(self._tensor_fields, args))
+        if self.scalars:
+            lists = {k: iter(a) for k, a in zip(self._lists, args[len(self._tensor_fields):])}
+            values = (next(lists[src]) if src else value for src, value in self._layout(args[-1]))
+            kwargs.update(self._fields_of(values))
+        return self.cls(**kwargs)
 
     def tensors(self) -> tuple[str, ...]:
         return tuple(name for name, kind, _ in self.entries if kind == "tensor")
