@@ -187,7 +187,9 @@ class Fields:
         if not self.scalars:
             return out
         values = self._values(obj)
-        ints, floats, rest = [], [], []
+        ints: list[Any] = []
+        floats: list[Any] = []
+        rest: list[Any] = []
         for (_, t, _), value in zip(self.scalars, values):
             if t is int or t is float:
                 if value is not None:
