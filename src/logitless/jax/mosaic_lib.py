@@ -675,7 +675,9 @@ def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: 
     rows = 64 * n_pad
     copy = 0 if (dz_in_place and n8 == n_pad and tiles * bv == vw) else n8 * vw * itemsize  # dz beside K
     every = tiles * per_tile + rows + copy <= budget
-    if columns is None and every or columns is not None and columns >= tiles * bv:
+    if columns is None and every:
+        return tiles * bv, 0, 0
+    if columns is not None and columns >= tiles * bv:  # every column, or nothing
         return (tiles * bv, 0, 0) if every else (0, 0, 0)
     per_col = itemsize * (n8 + 2 * h)
     kc = max(min(KEPT_CHUNK_MIN, vw) // bv, (budget // CHUNK_SHARE) // per_col // bv, 1) * bv
@@ -724,8 +726,9 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
     forward kept, for columns [0, ``kept_cols``)): every column kept (``kept_cols`` >= Vw):
     dz in one piece and ``kept_gemms``, dx in x's dtype (3 GEMMs in all with the forward;
     dz can take the kept buffer's place). Else the kept columns in chunks of
-    ``kept_chunk`` (the last one narrower where it does not divide ``kept_cols``), then the others recomputed by
-    ``dz_call`` in chunks of ``chunk``; dx accumulated in fp32 and returned so."""
+    ``kept_chunk`` (the last one narrower where it does not divide ``kept_cols``), then
+    the others recomputed by ``dz_call`` in chunks of ``chunk``; dx accumulated in fp32
+    and returned so."""
     _, h = x8.shape
     vaxis = w_axis(layout)
     vw = w.shape[vaxis]
