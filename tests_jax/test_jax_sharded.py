@@ -322,11 +322,16 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
 @pytest.mark.skipif(not (_is_sm90() and NDEV >= 2), reason="needs >= 2 SM90 GPUs (the Mosaic kernels for real)")
 @pytest.mark.parametrize("layout", ["data", "tensor", "fsdp"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
-def test_mosaic_sharded_on_gpus(layout, mesh_kind):
+@pytest.mark.parametrize("part", [False, True], ids=["default", "part_kept"])
+def test_mosaic_sharded_on_gpus(layout, mesh_kind, part):
+    """The Mosaic kernels sharded; ``part``: a budget that holds part of the columns (the
+    slots of ``test_mosaic_partial_keep_slots``: both splits keep, one refitted)."""
     mesh = make_mesh(mesh_kind, layout)
-    ref_args, args = _sharded_inputs(mesh, layout, 1024, 256, 4096 + 512, "bfloat16", False, seed=5)
+    n, h, v = (4096, 256, 33024) if part else (1024, 256, 4096 + 512)
+    ref_args, args = _sharded_inputs(mesh, layout, n, h, v, "bfloat16", False, seed=5)
     x, w, t, _ = ref_args
-    kw = dict(reduction="mean", implementation="mosaic_gpu", label_smoothing=0.1)
+    kw = dict(reduction="mean", implementation="mosaic_gpu", label_smoothing=0.1,
+              **({"memory_budget": 100 * 2**20} if part else {}))
     _, (loss, grads) = _loss_and_grads(args, kw)
     ref_kw = dict(reduction="mean", label_smoothing=0.1)
     rloss, _, rgrads = linear_cross_entropy_ref(x, w, t, **ref_kw)
@@ -396,11 +401,15 @@ def test_mosaic_backward_chunk_counts_its_temporaries():
 
 
 @needs_devices
-def test_hlo_fsdp_reduce_scatters_dw():
-    """FSDP (tokens and the weight's vocabulary over the same axis): W is gathered for the
-    computation, dW reduce-scattered back to the weight's split (never all-reduced)."""
+@pytest.mark.parametrize("v", [1024, 96])
+def test_hlo_fsdp_reduce_scatters_dw(v):
+    """FSDP (tokens and the weight's vocabulary over the same axis): where x is the smaller
+    to move (3 N < 2 V, ``sharding.split_shared``) the axis splits the vocabulary: x
+    gathered, dW computed in the weight's split (no reduce-scatter, no all-gather or
+    all-reduce of W's size); else W is gathered for the computation and dW
+    reduce-scattered back to the weight's split (never all-reduced)."""
     mesh = make_mesh("auto", "fsdp")
-    n, h, v = 64, 32, 1024
+    n, h = 64, 32
     ref_args, args = _sharded_inputs(mesh, "fsdp", n, h, v, "float32", False)
     # The xla backend on every platform (fp32 at a toy shape; Mosaic partitions alike: its
     # async reduce-scatter on 2 H100s, jax-fsdp-hlo-2xH100-2026-11-25.json in git history).
@@ -410,9 +419,10 @@ def test_hlo_fsdp_reduce_scatters_dw():
     assert grads[1].sharding.spec[0] == DATA  # dW keeps the weight's split
     x, w, _, b = args
     colls = hlo_collectives(fn.lower(x, w, b).compile().as_text())
-    assert any(kind == "reduce-scatter" for kind, _ in colls), colls
+    vocab_split = 3 * n < 2 * v
+    assert any(kind == "reduce-scatter" for kind, _ in colls) != vocab_split, colls
     for kind, shapes in colls:
-        if kind == "all-reduce":
+        if kind == "all-reduce" or vocab_split:
             assert all(int(np.prod(s)) < v * h for s in shapes), (kind, shapes)
 
 
@@ -487,6 +497,9 @@ class _KeepingXla:
     def plan(self, *a, **k):
         return self.xla.plan(*a, **k)
 
+    def refit_kept(self, config, x2d_shape, w_shape, dtype, *, budget, sizes):
+        return None  # (it keeps every column: both splits' arrays have the same sizes)
+
     def forward(self, x2d, w, bias, target, config, *, softcap, need_smooth, class_weight=None, need_argmax=False,
                 keep=False):
         st = self.xla.forward(x2d, w, bias, target, config, softcap=softcap, need_smooth=need_smooth)
@@ -532,3 +545,108 @@ def test_partitioned_backward_gets_what_its_forward_kept(layout, monkeypatch):
     # The per-device traces (the global-shape one is jax's abstract evaluation).
     per_device = [kept for n, v, kept in _KeepingXla.seen if (n, v) != (64, 512)]
     assert per_device and all(k == every for k in per_device), (_KeepingXla.seen, mesh.shape)
+
+
+class _PartKeeping(_KeepingXla):
+    """A keeping backend whose budget holds part of the columns, as mosaic_gpu's: its plan
+    keeps the fp32 logits of the first C columns, C = (budget - 4 N H) / (4 N) rounded
+    down to 8 (the N x H accumulator makes a vocabulary split keep fewer elements than a
+    token split), and ``refit_kept`` keeps any other count that the budget holds. The
+    backward takes those columns' dz from what it kept, recomputes the others."""
+
+    from typing import NamedTuple as _NT
+
+    class Config(_NT):
+        xla: object
+        keep: int
+        weight_layout: str = "vh"
+
+    def plan(self, x2d_shape, w_shape, dtype, *, budget, weight_layout="vh", has_bias=False):
+        (n, h), v = x2d_shape, w_shape[0]
+        base = self.xla.plan(x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout,
+                             has_bias=has_bias)
+        return self.Config(base, min(v, max(0, budget - 4 * n * h) // (4 * n) // 8 * 8))
+
+    def refit_kept(self, config, x2d_shape, w_shape, dtype, *, budget, sizes):
+        (n, h), v = x2d_shape, w_shape[0]
+        c = sizes[0] // n
+        fits = len(sizes) == 1 and c * n == sizes[0] and 0 < c <= v and 4 * n * (c + h) <= budget
+        return config._replace(keep=c) if fits else None
+
+    def forward(self, x2d, w, bias, target, config, *, softcap, need_smooth, class_weight=None, need_argmax=False,
+                keep=False):
+        st = self.xla.forward(x2d, w, bias, target, config.xla, softcap=softcap, need_smooth=need_smooth)
+        if not keep or not config.keep:
+            return st
+        return st._replace(kept=(jnp.dot(x2d, w[:config.keep].T, preferred_element_type=jnp.float32),))
+
+    def backward(self, res, coef, config, *, softcap):
+        from logitless.jax.formulas.cross_entropy import dlogits
+        from logitless.jax.ops.linear_cross_entropy.contract import LceGrads
+
+        _KeepingXla.seen.append((res.x2d.shape[0], res.w.shape[0], None if res.kept is None else config.keep))
+        z = jnp.dot(res.x2d, res.w.T, preferred_element_type=jnp.float32)
+        if res.kept is not None:  # the kept columns from the forward (another block would fail)
+            z = jnp.concatenate([res.kept[0], z[:, config.keep:]], axis=1)
+        dz = dlogits(z, res.lse, coef, res.target, 0, None)
+        return LceGrads((dz @ res.w).astype(res.x2d.dtype), (dz.T @ res.x2d).astype(res.w.dtype), None)
+
+
+@needs_devices
+def test_partial_keeps_fill_slots_in_both_splits(monkeypatch):
+    """A budget that holds part of the columns: a token split and a vocabulary split over
+    every device plan different kept arrays of their own (the slots then fitted neither
+    and nothing was kept: the backward recomputed the whole GEMM), so the slots take the
+    smaller and the other split's plan is refitted to it: both keep (no warning), and the
+    loss and gradients equal the float64 reference in both splits."""
+    from logitless.jax.ops.linear_cross_entropy import backends, sharded
+
+    monkeypatch.setitem(backends.BACKENDS.classes, "partkeeping", "_PartKeeping")
+    monkeypatch.setitem(backends.BACKENDS, "partkeeping", _PartKeeping())
+    n, h, v = 8 * NDEV, 24, 64 * NDEV
+    budget = 4 * n * h + n * (v // NDEV)  # a vocabulary split keeps a quarter of its columns
+    static = sharded._Static("partkeeping", None, True, budget, "vh", False)
+    tok_plan = _PartKeeping().plan((n // NDEV, h), (v, h), jnp.float32, budget=budget)
+    voc_plan = _PartKeeping().plan((n, h), (v // NDEV, h), jnp.float32, budget=budget)
+    # The case: each split keeps part of its columns, a different number of elements.
+    assert 0 < voc_plan.keep < v // NDEV and 0 < tok_plan.keep < v
+    assert n * voc_plan.keep != n // NDEV * tok_plan.keep
+    slots = sharded.kept_slots(static, (n, h), (v, h), jnp.float32, NDEV)
+    assert slots == (((NDEV * n, voc_plan.keep), "float32"),)
+    mesh = jax.make_mesh((NDEV,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w, t, _ = inputs(n, h, v, "float32", ignore=(1,), seed=5)
+    kw = dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, memory_budget=budget)
+    ref_kw = {k: a for k, a in kw.items() if k != "memory_budget"}
+    for split, (xs, ws) in {"tokens": (P(DATA), P()), "vocabulary": (P(), P(DATA))}.items():
+        _KeepingXla.seen.clear()
+        args = (put(mesh, x, *xs), put(mesh, w, *ws), put(mesh, t, *xs[:1]), None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, (loss, grads) = _loss_and_grads(args, dict(kw, implementation="partkeeping"))
+        _check(loss, grads, (x, w, t, None), ref_kw, "float32")
+        per_device = [(rows, cols, keep) for rows, cols, keep in _KeepingXla.seen if (rows, cols) != (n, v)]
+        # Each device kept the slots' elements: the token split refitted to the vocabulary split's.
+        assert per_device and all(keep is not None and rows * keep == n * voc_plan.keep
+                                  for rows, cols, keep in per_device), (split, _KeepingXla.seen)
+
+
+def test_mosaic_partial_keep_slots():
+    """mosaic_gpu where the budget holds part of the columns (2 devices): the token split
+    and the vocabulary split plan different kept columns of their own; the slots take the
+    vocabulary split's (the smaller) and the token split keeps into them, refitted (the
+    kernels on 2 H100s: ``test_mosaic_sharded_on_gpus[part_kept]``; llama3.1-8b's head at
+    16384 tokens and 1840 MiB in ``test_keep_plan_of_given_columns``)."""
+    from logitless.jax.ops.linear_cross_entropy import sharded
+
+    n, h, v, budget = 4096, 256, 33024, 100 * 2**20
+    static = sharded._Static("mosaic_gpu", None, True, budget, "vh", False)
+    tok = sharded._local_backend(static, (n // 2, h), (v, h), jnp.bfloat16)[1]
+    voc = sharded._local_backend(static, (n, h), (v // 2, h), jnp.bfloat16)[1]
+    assert 0 < n * voc.keep < n // 2 * tok.keep < n // 2 * v  # each keeps part, other elements
+    slots = sharded.kept_slots(static, (n, h), (v, h), jnp.bfloat16, 2)
+    assert slots == (((2 * n, voc.keep), "bfloat16"), ((2 * voc.keep // 128, n), "float32"))
+    static = static._replace(slots=slots)
+    axes = sharded.Axes(("d",), (), 2)
+    for x_shape, w_shape, keep in (((n // 2, h), (v, h), 2 * voc.keep), ((n, h), (v // 2, h), voc.keep)):
+        _, config, shapes, kept = sharded._local_kept(static, x_shape, w_shape, jnp.bfloat16, axes)
+        assert kept is not None and config.keep == keep, (x_shape, config)

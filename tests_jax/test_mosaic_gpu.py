@@ -223,6 +223,7 @@ KEPT_CASES = [
     (256, 128, 384, "hv", None, 0),
     (130, 128, 600, "vh", 4, 2),
     (64, 64, 520, "hv", 2, 1),
+    (64, 64, 520, "vh", 3, 2),  # a narrower last kept chunk (a sharded jit's refitted keep)
 ]
 
 
@@ -297,6 +298,41 @@ def test_keep_plan():
     plan = mg.MosaicGpuBackend().plan((8192, 7168), (128256, 7168), jnp.bfloat16, budget=1824 * 2**20)
     assert 0.5 * 128256 < plan.keep < 128256 and plan.keep % plan.kept_chunk == 0 and plan.chunk == plan.kept_chunk
     assert mg.MosaicGpuBackend().plan((n, h), (v, h), jnp.bfloat16, budget=1824 * 2**20, weight_layout="hv").keep == v
+
+
+def test_keep_plan_of_given_columns():
+    """``columns``: exactly that many kept columns where the budget holds them beside two
+    chunks and the dx accumulator (the last kept chunk may be narrower), else nothing;
+    the backend's ``refit_kept`` turns a sharded jit's slot sizes into such a plan: at 2 x
+    16384 tokens of llama3.1-8b's head on 2 H100s, a token split refitted to the
+    vocabulary split's kept elements."""
+    from logitless.jax import mosaic_lib as ml
+
+    cfg = ml.FwdConfig()
+    h, v, budget = 4096, 128256, 1840 * 2**20
+    own = ml.keep_plan(8192, v, v, h, 2, budget, cfg)
+    assert ml.keep_plan(8192, v, v, h, 2, budget, cfg, columns=own[0]) == own
+    keep, kc, chunk = ml.keep_plan(8192, v, v, h, 2, budget, cfg, columns=own[0] - 3 * 128)
+    assert keep == own[0] - 3 * 128 and keep % kc != 0 and chunk == kc
+    assert ml.keep_plan(8192, v, v, h, 2, budget, cfg, columns=own[0] + own[1]) == (0, 0, 0)  # over the budget
+    assert ml.keep_plan(8192, v, v, h, 2, budget, cfg, columns=128 * 10) == (0, 0, 0)  # under KEEP_MIN_SHARE
+    assert ml.keep_plan(4096, v, v, h, 2, budget, cfg, columns=v) == (v, 0, 0)
+    backend = mg.MosaicGpuBackend()
+    tok = backend.plan((8192, h), (v, h), jnp.bfloat16, budget=budget)
+    voc = backend.plan((16384, h), (v // 2, h), jnp.bfloat16, budget=budget)
+    assert 0 < 16384 * voc.keep < 8192 * tok.keep  # different kept elements: the case
+    sizes = (16384 * voc.keep, voc.keep // 128 * 16384)  # K and M of the vocabulary split
+    refit = backend.refit_kept(tok, (8192, h), (v, h), jnp.bfloat16, budget=budget, sizes=sizes)
+    assert refit.keep == 2 * voc.keep and refit.kept_chunk == tok.kept_chunk and refit.tiles == tok.tiles
+    kept = jax.eval_shape(lambda x, w, t: backend.forward(x, w, None, t, refit, softcap=None, need_smooth=False,
+                                                           keep=True).kept,
+                          *(jax.ShapeDtypeStruct(s, d) for s, d in (((8192, h), jnp.bfloat16),
+                                                                  ((v, h), jnp.bfloat16), ((8192,), jnp.int32))))
+    assert tuple(np.prod(a.shape) for a in kept) == sizes
+    # The other way the budget does not hold it; sizes that are no whole tiles fit nothing.
+    tok_sizes = (8192 * tok.keep, tok.keep // 128 * 8192)
+    assert backend.refit_kept(voc, (16384, h), (v // 2, h), jnp.bfloat16, budget=budget, sizes=tok_sizes) is None
+    assert backend.refit_kept(tok, (8192, h), (v, h), jnp.bfloat16, budget=budget, sizes=(sizes[0] + 8192, 1)) is None
 
 
 def test_dz_tiles_per_cta():

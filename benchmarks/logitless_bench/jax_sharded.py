@@ -7,9 +7,9 @@ Modes (mesh over all local devices, axes ("data", "model"), Auto axis types unle
     data     x and the targets split over the tokens, the weight replicated
     tensor   the weight split over the vocabulary, x replicated
     2d       both (needs >= 4 devices)
-    fsdp     x, the targets and the weight's vocabulary over one axis ("data"): the weight is
-             gathered for the computation and dW must come back reduce-scattered (the
-             collectives column shows whether each backend's dW is)
+    fsdp     x, the targets and the weight's vocabulary over one axis ("data"): logitless
+             gathers x (3 N < 2 V, the vocabulary split) or the weight (dW then comes back
+             reduce-scattered); the collectives column shows which each method moves
 Methods:
     xla-logits        fp32 logits materialised, log_softmax, mean (what XLA does alone)
     xla-logits-bf16   bf16 logits ``x @ w.T``, f32 log-sum-exp minus the label's logit (what

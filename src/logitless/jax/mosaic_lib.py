@@ -644,7 +644,7 @@ KEEP_MIN_SHARE = 0.25
 
 
 def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: FwdConfig,
-              dz_in_place: bool = True) -> tuple[int, int, int]:
+              dz_in_place: bool = True, columns: int | None = None) -> tuple[int, int, int]:
     """(kept columns, kept chunk columns, recomputed chunk columns) of a backward that
     takes dz from what the forward kept (``stats_partials``' keep_tiles).
 
@@ -661,7 +661,12 @@ def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: 
         K   rows_padded x block_v x itemsize + rows_padded x 4 (the tile maxima) per tile
         the row vectors (lse, coefficients, target, scales): 64 bytes per row
         per chunk column: itemsize x (N + 2 H) (``chunk_columns``' dz, W slice, dW chunk)
-    ``vw``: the weight's columns as the kernels see them (``hv_columns`` for (H, V))."""
+    ``vw``: the weight's columns as the kernels see them (``hv_columns`` for (H, V)).
+
+    ``columns`` (a multiple of block_v): keep exactly that many columns (what another
+    split of the same problem keeps: a sharded jit's residual slots), counted as above
+    but in any number of tiles (the last kept chunk may be narrower); (0, 0, 0) when the
+    budget does not hold them or they are under ``KEEP_MIN_SHARE``."""
     bv = cfg.block_v
     n8 = -(-n // 8) * 8
     n_pad = rows_padded(n8, cfg)
@@ -669,13 +674,20 @@ def keep_plan(n: int, v: int, vw: int, h: int, itemsize: int, budget: int, cfg: 
     per_tile = n_pad * bv * itemsize + n_pad * 4
     rows = 64 * n_pad
     copy = 0 if (dz_in_place and n8 == n_pad and tiles * bv == vw) else n8 * vw * itemsize  # dz beside K
-    if tiles * per_tile + rows + copy <= budget:
+    every = tiles * per_tile + rows + copy <= budget
+    if columns is None and every:
         return tiles * bv, 0, 0
+    if columns is not None and columns >= tiles * bv:  # every column, or nothing
+        return (tiles * bv, 0, 0) if every else (0, 0, 0)
     per_col = itemsize * (n8 + 2 * h)
     kc = max(min(KEPT_CHUNK_MIN, vw) // bv, (budget // CHUNK_SHARE) // per_col // bv, 1) * bv
     avail = budget - rows - 4 * n8 * h - 2 * kc * per_col
-    keep = max(0, avail) // per_tile * bv // kc * kc
-    keep = min(keep, vw // kc * kc)
+    if columns is None:
+        keep = max(0, avail) // per_tile * bv // kc * kc
+        keep = min(keep, vw // kc * kc)
+    else:
+        fits = columns % bv == 0 and columns // bv * per_tile <= avail
+        keep, kc = (columns, min(kc, columns)) if fits else (0, kc)
     return (keep, kc, kc) if keep and keep >= KEEP_MIN_SHARE * v else (0, 0, 0)
 
 
@@ -714,8 +726,9 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
     forward kept, for columns [0, ``kept_cols``)): every column kept (``kept_cols`` >= Vw):
     dz in one piece and ``kept_gemms``, dx in x's dtype (3 GEMMs in all with the forward;
     dz can take the kept buffer's place). Else the kept columns in chunks of
-    ``kept_chunk`` (a divisor of ``kept_cols``), then the others recomputed by
-    ``dz_call`` in chunks of ``chunk``; dx accumulated in fp32 and returned so."""
+    ``kept_chunk`` (the last one narrower where it does not divide ``kept_cols``), then
+    the others recomputed by ``dz_call`` in chunks of ``chunk``; dx accumulated in fp32
+    and returned so."""
     _, h = x8.shape
     vaxis = w_axis(layout)
     vw = w.shape[vaxis]
@@ -768,6 +781,9 @@ def chunked_backward(x8, w, rowdat, tgt, *, n: int, v: int, cfg: FwdConfig, budg
     if kept_cols:
         kc = kept_chunk or kept_cols
         carry = loop(carry, kept_cols // kc, 0, kc, lambda c0: kept_dz(c0, kc))
+        if kept_cols % kc:  # a narrower last kept chunk (``keep_plan``'s ``columns``)
+            c0 = kept_cols // kc * kc
+            carry = gemms(*carry, kept_dz(c0, kept_cols - c0), jnp.int32(c0), kept_cols - c0)
     rest = vw - kept_cols
     nfull = rest // chunk
     carry = loop(carry, nfull, kept_cols, chunk, lambda c0: recomputed(c0, chunk, chunk))

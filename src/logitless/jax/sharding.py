@@ -15,8 +15,10 @@ Every op has one *local computation* per device on 2-D operands, built from its 
   to partial per-token statistics that are merged with O(tokens) collectives, one MAX
   and one packed SUM (:func:`vocab_merge`), and dx is summed over them (O(tokens x H));
 * H is never split (an H-sharded operand is resharded by XLA); an axis on both the
-  tokens and the vocabulary stays on the tokens (W gathered along it); a dimension that
-  does not divide by its axes' sizes is computed replicated along them.
+  tokens and the vocabulary (FSDP) splits the vocabulary, x gathered along it, where x is
+  the smaller to move (:func:`split_shared`: 3 N < 2 V), else stays on the tokens (W
+  gathered along it, dW reduce-scattered back); a dimension that does not divide by its
+  axes' sizes is computed replicated along them.
 
 Two ways to get there without user code change, both built here:
 
@@ -227,12 +229,23 @@ def mesh_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes) if axes else 1
 
 
+def split_shared(tok: tuple, voc: tuple, n: int, v: int) -> tuple[tuple, tuple]:
+    """(token axes, vocab axes) of x's token axes ``tok`` and W's vocabulary axes ``voc``
+    (FSDP: an axis on both): a shared axis splits the vocabulary, x gathered along it,
+    where that moves less than gathering W, 3 N < 2 V (x's all-gather and dx's all-reduce,
+    3 N H, against W's all-gather and dW's reduce-scatter, 2 V H; the device's memory: x
+    and dx instead of all of W and dW); else it stays on the tokens (W gathered)."""
+    shared = tuple(a for a in voc if a in tok)
+    if shared and 3 * n < 2 * v:
+        return tuple(a for a in tok if a not in shared), voc
+    return tok, tuple(a for a in voc if a not in tok)
+
+
 def plan_axes(mesh, x_info, w_info, vaxis: int) -> Axes:
     """Token and vocab axes from the operands' shardings (see the module docstring)."""
     n = x_info.shape[0]
     v = w_info.shape[vaxis]
-    tok = dim_axes(x_info.sharding, 0)
-    voc = tuple(a for a in dim_axes(w_info.sharding, vaxis) if a not in tok)
+    tok, voc = split_shared(dim_axes(x_info.sharding, 0), dim_axes(w_info.sharding, vaxis), n, v)
     if n % mesh_size(mesh, tok):
         tok = ()
     if v % mesh_size(mesh, voc):
@@ -399,7 +412,8 @@ def explicit_axes(x2d, w, vaxis: int):
         return None
     tok = spec_axes(sx.spec[0]) if len(sx.spec) > 0 else ()
     wspec = sw.spec if getattr(sw, "mesh", None) is not None else ()
-    voc = tuple(a for a in (spec_axes(wspec[vaxis]) if len(wspec) > vaxis else ()) if a not in tok)
+    tok, voc = split_shared(tok, spec_axes(wspec[vaxis]) if len(wspec) > vaxis else (), x2d.shape[0],
+                            w.shape[vaxis])
     explicit = set(mesh.explicit_axes)
     tok = tuple(a for a in tok if a in explicit)
     voc = tuple(a for a in voc if a in explicit)

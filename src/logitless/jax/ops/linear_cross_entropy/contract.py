@@ -86,3 +86,11 @@ class LceBackend(Backend, Protocol):
     def backward(self, res: LceResiduals, coef, config: Any, *, softcap: Optional[float]) -> LceGrads:
         """``coef``: (3, N) float32 rows [A, B, C] (``formulas.cross_entropy.grad_coefficients``)."""
         ...
+
+    def refit_kept(self, config: Any, x2d_shape: tuple, w_shape: tuple, dtype: Any, *, budget: int,
+                   sizes: tuple) -> Optional[Any]:
+        """(backends with ``keeps``) ``config`` changed so that ``forward(keep=True)`` keeps
+        arrays of exactly ``sizes`` elements, one per kept array, within ``budget``: what
+        another split of the same problem keeps (a sharded jit's residual slots,
+        ``sharded.kept_slots``); None when it cannot (the backward then recomputes)."""
+        ...

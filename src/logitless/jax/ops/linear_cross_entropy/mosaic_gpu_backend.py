@@ -396,6 +396,25 @@ class MosaicGpuBackend(MosaicGpuBase):
         # (no chunk: nothing kept, every chunk recomputed, or everything: the kind's chunk)
         return dataclasses.replace(base, chunk=chunk or base.chunk, keep=keep, kept_chunk=kept_chunk)
 
+    def refit_kept(self, config: MosaicGpuConfig, x2d_shape, w_shape, dtype, *, budget: int,
+                   sizes: tuple) -> Optional[MosaicGpuConfig]:
+        """K (rows, C) and M (C / block_v, rows) of ``sizes`` elements: C kept columns, if the
+        budget holds them (``mosaic_lib.keep_plan``'s ``columns``), else None."""
+        n, h = x2d_shape
+        v = w_shape[0]
+        tiles = config.tiles
+        rows = ml.rows_padded(-(-n // 8) * 8, tiles)
+        if len(sizes) != 2 or sizes[0] % rows:
+            return None
+        cols = sizes[0] // rows
+        if cols % tiles.block_v or sizes[1] != cols // tiles.block_v * rows:
+            return None
+        vw = v if config.weight_layout == "vh" else ml.hv_columns(v)
+        keep, kept_chunk, chunk = ml.keep_plan(n, v, vw, h, jnp.dtype(dtype).itemsize, budget, tiles, dz_in_place(),
+                                               columns=cols)
+        return dataclasses.replace(config, chunk=chunk or config.chunk, keep=keep, kept_chunk=kept_chunk) \
+            if keep else None
+
     def forward(self, x2d, w, bias, target, config: MosaicGpuConfig, *, softcap, need_smooth, class_weight=None,
                 need_argmax=False, keep=False) -> LceStats:
         lse, tl, ss, kept = forward_keeping(x2d, w, bias, target, softcap=softcap, need_smooth=need_smooth,

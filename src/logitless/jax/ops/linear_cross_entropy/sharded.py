@@ -23,7 +23,8 @@ Two entry points, one local computation:
       split along token axes (FSDP), dW is reduce-scattered back to that split;
     - the hidden dimension is never split: an H-sharded operand is resharded by XLA
       (requested as replicated along H); an axis on both x's tokens and W's
-      vocabulary (FSDP-style) is kept on the tokens and W is gathered along it; a
+      vocabulary (FSDP-style) splits the vocabulary, x gathered along it, where x is the
+      smaller to move (``sharding.split_shared``), else the tokens, W gathered; a
       dimension that does not divide by its axes' sizes is requested replicated.
   Outside a multi-device jit (one device, ``vmap``) the same functions run as plain
   JAX (a ``custom_vmap`` rule maps the unpartitioned computation).
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.ops.common.contract import local_backend, w_axis
+from logitless.jax.ops.common.contract import local_backend, vh_shape, w_axis
 from logitless.jax.ops.linear_cross_entropy import backends
 from logitless.jax.ops.linear_cross_entropy.contract import LceResiduals
 from logitless.jax.sharding import (  # noqa: F401 (re-exported: the backends and the api use them)
@@ -153,32 +154,56 @@ def _kept_types(static: _Static, backend, config, x_shape, w_shape, dtype):
     return tuple(kept) if kept else None
 
 
+def _sizes(kept) -> tuple:
+    """((elements, dtype name), ...) of kept arrays or slot blocks (what must match)."""
+    return tuple((math.prod(a.shape), jnp.dtype(a.dtype).name) for a in kept)
+
+
+def _fitted(static: _Static, x_shape, w_shape, dtype, sizes: tuple):
+    """(backend, Config, kept types or None) for these per-device shapes: the backend's own
+    plan where what it keeps has ``sizes`` (``_sizes``), else its plan refitted to them
+    (``refit_kept``: within the budget); kept None where neither keeps exactly that."""
+    backend, config = _local_backend(static, x_shape, w_shape, dtype)
+    kept = _kept_types(static, backend, config, x_shape, w_shape, dtype)
+    if kept is not None and _sizes(kept) == sizes:
+        return backend, config, kept
+    if not backend.keeps or static.has_bias:
+        return backend, config, None
+    refit = backend.refit_kept(config, tuple(x_shape), vh_shape(w_shape, static.weight_layout), jnp.dtype(dtype),
+                               budget=static.budget, sizes=tuple(e for e, _ in sizes))
+    kept = None if refit is None else _kept_types(static, backend, refit, x_shape, w_shape, dtype)
+    if kept is None or _sizes(kept) != sizes:
+        return backend, config, None
+    return backend, refit, kept
+
+
 def kept_slots(static: _Static, x_shape, w_shape, dtype, devices: int) -> tuple:
     """``_Static.slots`` of a sharded jit over ``devices`` devices: what the backend keeps
-    for an even share of the problem (N / devices tokens, the whole vocabulary; the same
-    elements per device as any split of N x V over all devices: a vocabulary split's
-    arrays are reshaped to it), each array as (devices x rows, columns). () when the
-    tokens do not divide, nothing is kept there, or a split of the vocabulary keeps other
-    sizes (a budget that holds only part: mosaic_gpu's chunks differ). A device whose own
-    arrays do not have the share's sizes (a split over fewer devices, ragged tiles) keeps
-    nothing (``_local_kept``): the slots are then unused, within the same memory."""
+    for an even share of the problem, each array as (devices x rows, columns), one block
+    per device. The shares: N / devices tokens and the whole vocabulary (a token split),
+    and N tokens and V / devices columns (a vocabulary split, where V divides); the same
+    elements per device, but where the budget holds only part of them each plans its own
+    part (mosaic_gpu: other columns, other chunks). The slots take the larger of the two
+    that both can keep (``_fitted``: the other split's plan refitted to those sizes, within
+    its budget), else the token split's (the common case: data parallel, FSDP; a
+    vocabulary split then recomputes). () when the tokens do not divide or the token split
+    keeps nothing. A device whose arrays do not fit the slots (a split over fewer devices,
+    ragged tiles) keeps nothing (``_local_kept``): the slots are then unused, within the
+    same memory."""
     n, h = x_shape
     if devices < 2 or n % devices:
         return ()
-    share = (n // devices, h)
-    backend, config = _local_backend(static, share, w_shape, dtype)
-    kept = _kept_types(static, backend, config, share, w_shape, dtype)
-    if kept is None:
-        return ()
-    # The same sizes when the vocabulary is split instead (else a device of one split or
-    # the other would keep nothing into its slots: e.g. a budget that holds part of them).
+    shares = [((n // devices, h), tuple(w_shape))]
     vaxis = 1 if static.weight_layout == "hv" else 0
     if w_shape[vaxis] % devices == 0:
-        w_share = tuple(d // devices if i == vaxis else d for i, d in enumerate(w_shape))
-        backend_v, config_v = _local_backend(static, x_shape, w_share, dtype)
-        other = _kept_types(static, backend_v, config_v, x_shape, w_share, dtype)
-        if other is None or [math.prod(a.shape) for a in other] != [math.prod(a.shape) for a in kept]:
-            return ()
+        shares.append(((n, h), tuple(d // devices if i == vaxis else d for i, d in enumerate(w_shape))))
+    own = [_kept_types(static, *_local_backend(static, xs, ws, dtype), xs, ws, dtype) for xs, ws in shares]
+    if own[0] is None:
+        return ()
+    bytes_of = lambda kept: sum(e * jnp.dtype(dt).itemsize for e, dt in _sizes(kept))
+    common = [k for k in sorted((k for k in own if k is not None), key=bytes_of, reverse=True)
+              if all(_fitted(static, xs, ws, dtype, _sizes(k))[2] is not None for xs, ws in shares)]
+    kept = common[0] if common else own[0]
     return tuple(((devices * a.shape[0], math.prod(a.shape[1:])), jnp.dtype(a.dtype).name) for a in kept)
 
 
@@ -202,14 +227,15 @@ def mesh_devices() -> int:
     return mesh.size if not getattr(mesh, "empty", True) else jax.device_count()
 
 
-def _local_kept(static: _Static, backend, config, x_shape, w_shape, dtype, axes: Axes):
-    """(the slots' per-device shapes, whether this device's forward keeps into them):
-    it does when what it keeps has the slots' sizes, one array per slot."""
+def _local_kept(static: _Static, x_shape, w_shape, dtype, axes: Axes):
+    """(backend, Config, the slots' per-device shapes, what this device's forward keeps into
+    them or None): ``_fitted`` to the slots' per-device sizes."""
     shapes = tuple((rows // axes.devices, cols) for (rows, cols), _ in static.slots)
-    kept = _kept_types(static, backend, config, x_shape, w_shape, dtype) if shapes else None
-    fits = kept is not None and len(kept) == len(shapes) and all(
-        math.prod(k.shape) == r * c for k, (r, c) in zip(kept, shapes))
-    return shapes, (kept if fits else None)
+    sizes = tuple((r * c, dt) for (r, c), (_, dt) in zip(shapes, static.slots))
+    if not shapes:
+        return (*_local_backend(static, x_shape, w_shape, dtype), shapes, None)
+    backend, config, kept = _fitted(static, x_shape, w_shape, dtype, sizes)
+    return backend, config, shapes, kept
 
 
 def _local_backend(static: _Static, x_shape, w_shape, dtype):
@@ -230,9 +256,8 @@ def forward_fn(static: _Static):
             x2d, w, bias, target = args
         else:
             (x2d, w, target), bias = args, None
-        backend, config = _local_backend(static, x2d.shape, w.shape, x2d.dtype)
-        shapes, kept_types = _local_kept(static, backend, config, x2d.shape, w.shape, x2d.dtype, axes)
-        if shapes and kept_types is None and axes.devices > 1:
+        backend, config, shapes, kept_types = _local_kept(static, x2d.shape, w.shape, x2d.dtype, axes)
+        if shapes and kept_types is None and axis_size(axes.token + axes.vocab) < axes.devices:
             _warn_unused_slots(static, axes)
         out, kept = local_forward(backend, x2d, w, bias, target, config, softcap=static.softcap,
                                   need_smooth=static.need_smooth, vocab_axes=axes.vocab,
@@ -259,8 +284,7 @@ def backward_fn(static: _Static):
             x2d, w, bias, target, lse, coef = args
         else:
             (x2d, w, target, lse, coef), bias = args, None
-        backend, config = _local_backend(static, x2d.shape, w.shape, x2d.dtype)
-        _, kept_types = _local_kept(static, backend, config, x2d.shape, w.shape, x2d.dtype, axes)
+        backend, config, _, kept_types = _local_kept(static, x2d.shape, w.shape, x2d.dtype, axes)
         kept = None if kept_types is None else tuple(a.reshape(k.shape) for a, k in zip(slots, kept_types))
         dx, dw, db = local_backward(backend, LceResiduals(x2d, w, bias, target, None, lse, kept), coef, config,
                                     softcap=static.softcap, vocab_axes=axes.vocab, token_axes=())
