@@ -244,10 +244,24 @@ LOGITLESS_GRAPHED = Method("logitless-graphed", _make_logitless_graphed, peer=Fa
                                        "torch.compile(mode='reduce-overhead') (CUDA graphs)")
 
 
+def _make_logitless_compiled(shape, device):
+    _need_gpu(device)
+    from logitless.ops.linear_cross_entropy.api import linear_cross_entropy
+
+    return _compiled(lambda x, w, t: linear_cross_entropy(x, w, t))
+
+
+#: The default call inside a function under torch.compile (the custom-op path: the host
+#: cost of torch.library's wrappers, against the eager path's plain autograd.Function).
+LOGITLESS_COMPILED = Method("logitless-compiled", _make_logitless_compiled, peer=False, gpu_only=True,
+                            description="logitless.linear_cross_entropy (default budget) inside torch.compile "
+                                        "(its custom ops)")
+
+
 def lce_methods(budgets, *, cpu: bool, peers: bool) -> list[Method]:
     methods = [logitless_lce(b) for b in budgets]
     if not cpu:
-        methods.append(LOGITLESS_GRAPHED)
+        methods += [LOGITLESS_COMPILED, LOGITLESS_GRAPHED]
     if peers:
         methods += [m for m in LCE_PEERS + TORCH_API_LCE if not (cpu and m.gpu_only)]
     return methods
