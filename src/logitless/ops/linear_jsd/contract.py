@@ -58,7 +58,10 @@ class TritonConfig:
         ``grad_in_forward`` tokens when that strategy runs) and for the last, shorter one
         (None when every chunk is full);
     fused: the KL limits' fused forward (``jsd_kl_forward_kernel``) runs;
-    grad_in_forward: tokens per chunk of the gradient-in-forward strategy (0: not used).
+    grad_in_forward: tokens per chunk of the gradient-in-forward strategy (0: not used);
+    keep_cols: the "keep" strategy (``cost_model``): the forward's chunks (``forward``'s
+        rows) also write dz of columns [0, keep_cols) of every token, which the backward
+        uses instead of recomputing them (``backward``: the other columns' chunks; 0: none).
     """
 
     forward: LinearJSDPlan
@@ -67,6 +70,7 @@ class TritonConfig:
     tail_stats: Optional[JSDStatsPlan] = None
     fused: bool = False
     grad_in_forward: int = 0
+    keep_cols: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,16 @@ class LjsdForward(NamedTuple):
     stats: the (6, N) statistics of ``formulas.jsd``, fp32 (fp64 for fp64);
     loss: the loss (reduced, or per token for "none") when a reduction was given, else None;
     grads: (dx, dw, db) for a unit upstream gradient when the Config chose the
-        gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None.
+        gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None;
+    kept: (N, keep_cols) in x's dtype when the Config chose the "keep" strategy: dz of the
+        first columns for the upstream gradient at grad_output = 1 (the backward's
+        ``kept`` once multiplied by grad_output), else None.
     """
 
     stats: Tensor
     loss: Optional[Tensor] = None
     grads: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = None
+    kept: Optional[Tensor] = None
 
 
 class LjsdBackend(Backend, Protocol):
@@ -125,9 +133,11 @@ class LjsdBackend(Backend, Protocol):
 
     def backward(self, g: Tensor, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
                  bt: Optional[Tensor], target: Tensor, stats: Tensor, opts: JSDOptions, config: Any, *,
-                 need_dx: bool, need_dw: bool, need_db: bool,
-                 dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """The student's dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False,
+                 kept: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """The student's dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator;
+        ``kept``: dz of the Config's first ``keep_cols`` columns (the forward's ``LjsdForward.kept``
+        scaled by grad_output; only a backend whose Config keeps columns gets it)."""
         ...
 
     def column_sums(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
@@ -176,7 +186,8 @@ class LjsdOutputs(NamedTuple):
     """The forward op's outputs. loss: () for "mean"/"sum", (N,) for "none"; stats: the
     (6, N) statistics of ``formulas.jsd``; both fp32 (fp64 for fp64); config: the backend's
     Config; gx, gw, gb: the gradient-in-forward strategy's student gradients for a unit
-    upstream gradient (gw fp32 unless one chunk covers every token), size 0 otherwise."""
+    upstream gradient (gw fp32 unless one chunk covers every token), size 0 otherwise;
+    keep: the "keep" strategy's kept dz columns (``LjsdForward.kept``), size 0 otherwise."""
 
     loss: Tensor
     stats: Tensor
@@ -184,13 +195,17 @@ class LjsdOutputs(NamedTuple):
     gx: Tensor
     gw: Tensor
     gb: Tensor
+    keep: Tensor
 
 
 @dataclass(frozen=True)
 class LjsdBackwardCall(Call):
     """One call of the backward op: the gradient of the (reduced) loss, the forward's
     tensors and statistics, its Config (never a new plan: no budget), the options and
-    the student's gradients wanted."""
+    the student's gradients wanted; ``keep``: the forward's kept dz columns (size 0: none),
+    scaled by grad_loss in place into dz."""
+
+    mutated = ("keep",)
 
     grad_loss: Tensor
     student_x: Tensor
@@ -207,3 +222,4 @@ class LjsdBackwardCall(Call):
     backend: str
     need: Needs
     tp: VocabParallelOptions
+    keep: Tensor

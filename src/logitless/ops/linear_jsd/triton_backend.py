@@ -38,6 +38,7 @@ call, by the forward custom op).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -51,7 +52,7 @@ from logitless.planning.memo import memoised
 from logitless.triton_lib import launch
 from logitless.triton_lib import linear_jsd_kernels as K
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream
-from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
+from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, dz_rows, finish_kl_partials, row_stats, scalar_args
 
 from .contract import LjsdForward, TritonConfig
 from .planning import LinearJSDPlan, jsd_kl_fused, linear_jsd_plan, linear_jsd_strategy
@@ -83,29 +84,49 @@ def plan(n: int, v: int, hidden_s: int, hidden_t: int, dtype: torch.dtype, budge
                                prerounded=launch.tf32_prerounded(dtype))
     fused = kl and dtype in (torch.bfloat16, torch.float16) and jsd_kl_fused(n, v, hidden_s, hidden_t, isz, budget,
                                                                              device)
-    chunk = 0
+    chunk = keep_cols = 0
     if grad_in_forward:
         c = linear_jsd_strategy(n, v, hidden_s, hidden_t, isz, budget, device, weight_fp32=dtype == torch.float32,
                                 fused_forward=fused)
         chunk = min(c.token_chunk, n) if c.strategy == "grad_in_forward" else 0
+        if c.strategy == "keep":
+            # The chunked forward writes the kept columns' dz: its chunk is the strategy's, the
+            # backward's recomputed chunks take what the kept columns leave of the budget.
+            keep_cols, fused = min(c.keep_cols, v), False
+            forward = replace(forward, forward_rows=min(c.token_chunk, n))
+            backward = linear_jsd_plan(n, v, hidden_s, isz, max(0, budget - isz * n * keep_cols), device,
+                                       hidden_t=hidden_t, prerounded=launch.tf32_prerounded(dtype))
     rows = chunk or forward.forward_rows  # (the statistics' launches: per chunk of rows, the last one shorter)
     tail = n % rows
     return TritonConfig(forward, backward, jsd_stats_plan(rows, v, 4, device),
-                        jsd_stats_plan(tail, v, 4, device) if tail else None, fused=fused, grad_in_forward=chunk)
+                        jsd_stats_plan(tail, v, 4, device) if tail else None, fused=fused, grad_in_forward=chunk,
+                        keep_cols=keep_cols)
 
 
-def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig) -> Tensor:
-    """(6, N) fp32 statistics: the fused forward, or cuBLAS chunks of both heads' logits."""
+def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig,
+             reduction: Optional[str]) -> tuple[Tensor, Optional[Tensor]]:
+    """(6, N) fp32 statistics: the fused forward, or cuBLAS chunks of both heads' logits;
+    and the kept dz columns (``config.keep_cols`` of them: the "keep" strategy, for the
+    upstream gradient of ``reduction`` at grad_output = 1), or None."""
     if config.fused:
-        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, config.forward)
+        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, config.forward), None
     rows = config.forward.forward_rows
     stats = torch.empty(6, xs.shape[0], dtype=torch.float32, device=xs.device)
+    keep = g = None
+    if config.keep_cols:
+        assert reduction is not None  # (the strategy is allowed for a reduced loss only)
+        keep = torch.empty(xs.shape[0], config.keep_cols, dtype=xs.dtype, device=xs.device)
+        g = upstream(None, target, opts.ignore_index, reduction)
     for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
         # the statistics' launches for fp32 logits of the chunk's rows (rows split when few),
         # written in place into columns [n0, n1) of the statistics
-        row_stats(zs, zt, target[n0:n1], stats[:, n0:n1], opts,
-                  config.stats if n1 - n0 == rows else config.tail_stats)
-    return stats
+        chunk_stats = stats[:, n0:n1]
+        plan = config.stats if n1 - n0 == rows else config.tail_stats
+        assert plan is not None  # (a Config plans its tail's statistics)
+        row_stats(zs, zt, target[n0:n1], chunk_stats, opts, plan)
+        if keep is not None:
+            dz_rows(zs, zt, keep[n0:n1], target[n0:n1], chunk_stats, g[n0:n1], opts, plan)
+    return stats, keep
 
 
 def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, config: TritonConfig) -> Tensor:
@@ -162,9 +183,11 @@ def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan: Linea
 
 
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TritonConfig, *,
-             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, kept: Optional[Tensor] = None):
     """dx, dW, db of the student; ``dx_acc``: dx as the fp32 accumulator, not cast
-    (a partial sum that the caller reduces first: vocab parallelism)."""
+    (a partial sum that the caller reduces first: vocab parallelism); ``kept``: dz of
+    columns [0, config.keep_cols) (the "keep" strategy), whose GEMMs run first; the
+    chunks of ``config.backward`` recompute the other columns."""
     n, h = xs.shape
     v = ws.shape[0]
     plan = config.backward
@@ -178,11 +201,17 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     g = g.float().contiguous()
     stats = stats.float().contiguous()
     target = target.contiguous()
-    chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(0, v, plan.vocab_chunk)]
-    dw, db, dx_sum = launch.gradient_buffers(xs, ws, bs, len(chunks), need_dx=need_dx, need_dw=need_dw,
-                                             need_db=need_db, keep_acc=dx_acc)
+    k = kept.shape[1] if kept is not None else 0
+    chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(k, v, plan.vocab_chunk)]
+    dw, db, dx_sum = launch.gradient_buffers(xs, ws, bs, len(chunks) + (1 if k else 0), need_dx=need_dx,
+                                             need_dw=need_dw, need_db=need_db, keep_acc=dx_acc)
     dx = None
-    dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
+    if k:
+        dx = launch.chunk_gradients(kept, xs, ws[:k], dw[:k] if need_dw else None, db[:k] if need_db else None,
+                                    dx_sum, need_dx)
+    if not chunks:
+        return launch.finished_dx(dx, dx_sum, dx_acc, xs.dtype), dw, db
+    dz_buf = torch.empty(n, min(plan.vocab_chunk, v - k), dtype=xs.dtype, device=xs.device)
     xs_op, ws_op, xt_op, wt_op, use_tma = _operands(xs, ws, xt, wt, tiles)
     sargs = scalar_args(opts)
     dot_precision = "tf32" if prerounded else launch.dot_precision(xs.dtype)
@@ -239,15 +268,16 @@ class TritonBackend(TritonKind):
                 reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
                 need_db: bool = False) -> LjsdForward:
         """The statistics, the loss (one launch, ``jsd_epilogue``) and, when the Config chose
-        the gradient-in-forward strategy, the student's gradients for a unit upstream one."""
-        grads = None
+        the gradient-in-forward strategy, the student's gradients for a unit upstream one;
+        when it chose "keep", the kept dz columns."""
+        grads = kept = None
         if config.grad_in_forward:
             stats, grads = self.grad_in_forward(xs, ws, bs, xt, wt, bt, target, opts, reduction, config=config,
                                                 need_dx=need_dx, need_dw=need_dw, need_db=need_db)
         else:
-            stats = _forward(xs, ws, bs, xt, wt, bt, target, opts, config)
+            stats, kept = _forward(xs, ws, bs, xt, wt, bt, target, opts, config, reduction)
         loss = forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None
-        return LjsdForward(stats, loss, grads)
+        return LjsdForward(stats, loss, grads, kept)
 
     upstream = staticmethod(upstream)
     backward = staticmethod(backward)
