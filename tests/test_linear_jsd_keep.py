@@ -30,7 +30,7 @@ def kept(monkeypatch):
 
     def spy(*args, **kw):
         out = real(*args, **kw)
-        seen.append(out.kept.shape[1] if out.kept is not None else 0)
+        seen.append(args[8].keep_cols if out.kept is not None else 0)  # (args[8]: the Config)
         return out
 
     monkeypatch.setattr(triton, "forward", spy)
@@ -91,9 +91,8 @@ def test_grad_output_and_a_second_backward(kept):
         torch.testing.assert_close(b, e, rtol=1e-4, atol=1e-6)
 
 
-def test_only_with_a_reduced_loss_and_eagerly(kept):
-    """reduction="none" or no gradient wanted: the forward keeps nothing (the strategy
-    rides on the gradient-in-forward permission)."""
+def test_only_with_a_reduced_loss_and_a_backward(kept):
+    """reduction="none" or no gradient wanted: the forward keeps nothing."""
     xs, ws, xt, wt, t, kw = make_inputs((9,), 8, 8, 31, torch.float32, {}, seed=2)
     with override(strategy=("keep", 4)):
         loss = logitless.linear_jsd(xs, ws, xt, wt, t, backend="triton", reduction="none")
@@ -101,6 +100,31 @@ def test_only_with_a_reduced_loss_and_eagerly(kept):
         with torch.no_grad():
             logitless.linear_jsd(xs, ws, xt, wt, t, backend="triton")
     assert kept == [0, 0]
+
+
+def test_a_strategy_of_the_forward_op(kept):
+    """The forward custom op's ``keep`` argument allows the strategy (compiled too: not
+    only eager as gradient-in-forward); the fake gives the kept buffer's exact shape (rows
+    padded to 8 elements; opcheck), the backward op uses it."""
+    from logitless.ops.common.contract import Needs
+    from logitless.ops.linear_jsd.api import OPS
+    from logitless.ops.linear_jsd.contract import LjsdCall, LjsdOutputs
+    from logitless.options import JSDOptions, VocabParallelOptions
+
+    xs, ws, xt, wt, t, kw = make_inputs((9,), 16, 12, 37, torch.float32, {"_bias": True}, seed=4)
+    bs, bt = kw["student_bias"], kw["teacher_bias"]
+    call = LjsdCall(xs, ws, bs, xt, wt, bt, t, JSDOptions(), "sum", 1 << 20, "triton", grad_in_forward=False,
+                    need=Needs(True, True, True), tp=VocabParallelOptions(), keep=True)
+    with override(strategy=("keep", 4)):
+        torch.library.opcheck(OPS.forward_op, OPS.args(call),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        out = LjsdOutputs._make(OPS.forward_op(*OPS.args(call)))
+    assert out.keep.shape == (9, 40) and out.gx.shape == (0,)
+    grads = torch.autograd.grad(out.loss * 0.5, (xs, ws, bs))
+    ref = logitless.linear_jsd(xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt, reduction="sum",
+                               backend="torch")
+    for a, e in zip(grads, torch.autograd.grad(ref * 0.5, (xs, ws, bs))):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
 
 def test_bitwise_repeatable(kept):

@@ -93,9 +93,9 @@ class LjsdForward(NamedTuple):
     loss: the loss (reduced, or per token for "none") when a reduction was given, else None;
     grads: (dx, dw, db) for a unit upstream gradient when the Config chose the
         gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None;
-    kept: (N, keep_cols) in x's dtype when the Config chose the "keep" strategy: dz of the
-        first columns for the upstream gradient at grad_output = 1 (the backward's
-        ``kept`` once multiplied by grad_output), else None.
+    kept: (N, keep_cols rounded up to 8) in x's dtype when the Config chose the "keep"
+        strategy: in its first keep_cols columns dz of those columns for the upstream
+        gradient at grad_output = 1 (the backward's ``kept``), else None.
     """
 
     stats: Tensor
@@ -116,10 +116,11 @@ class LjsdBackend(Backend, Protocol):
     def grad_in_forward(self) -> Optional[Callable]: ...  # (read-only: a class attribute or set at init)
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
-             grad_in_forward: bool = False, column_sums: bool = False) -> Any:
+             grad_in_forward: bool = False, keep: bool = False, column_sums: bool = False) -> Any:
         """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
-        a reduced loss, one device's heads, a backend that has it); ``column_sums``: the
-        call runs ``column_sums``."""
+        a reduced loss, one device's heads, a backend that has it); ``keep``: it allows
+        the "keep" strategy (the same, compiled too); ``column_sums``: the call runs
+        ``column_sums``."""
         ...
 
     def forward(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
@@ -134,10 +135,11 @@ class LjsdBackend(Backend, Protocol):
     def backward(self, g: Tensor, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
                  bt: Optional[Tensor], target: Tensor, stats: Tensor, opts: JSDOptions, config: Any, *,
                  need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False,
-                 kept: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+                 kept: Optional[tuple[Tensor, Tensor]] = None
+                 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """The student's dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator;
-        ``kept``: dz of the Config's first ``keep_cols`` columns (the forward's ``LjsdForward.kept``
-        scaled by grad_output; only a backend whose Config keeps columns gets it)."""
+        ``kept``: (the forward's ``LjsdForward.kept``, grad_output (), fp32) when its Config
+        kept columns (only a backend whose Config keeps columns gets it)."""
         ...
 
     def column_sums(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
@@ -162,7 +164,8 @@ class LjsdCall(Call):
     (``vocab_parallel``). ``reduction``: of the loss, inside the op; ``budget``: bytes of
     temporaries; ``grad_in_forward``: the caller allows the gradient-in-forward strategy
     (eager, "mean"/"sum", one device's heads, a backend that has it: the Config decides);
-    ``need``: the student's gradients that a backward wants."""
+    ``need``: the student's gradients that a backward wants; ``keep``: a backward follows
+    and the caller allows the "keep" strategy (as ``grad_in_forward``, compiled too)."""
 
     differentiable = ("student_x", "student_weight", "student_bias")
 
@@ -180,6 +183,7 @@ class LjsdCall(Call):
     grad_in_forward: bool
     need: Needs
     tp: VocabParallelOptions
+    keep: bool = False
 
 
 class LjsdOutputs(NamedTuple):
@@ -187,7 +191,8 @@ class LjsdOutputs(NamedTuple):
     (6, N) statistics of ``formulas.jsd``; both fp32 (fp64 for fp64); config: the backend's
     Config; gx, gw, gb: the gradient-in-forward strategy's student gradients for a unit
     upstream gradient (gw fp32 unless one chunk covers every token), size 0 otherwise;
-    keep: the "keep" strategy's kept dz columns (``LjsdForward.kept``), size 0 otherwise."""
+    keep: the "keep" strategy's kept dz columns (``LjsdForward.kept``), else a dummy of
+    ``ops.common.kept.NOTHING_KEPT`` shape."""
 
     loss: Tensor
     stats: Tensor
@@ -202,10 +207,8 @@ class LjsdOutputs(NamedTuple):
 class LjsdBackwardCall(Call):
     """One call of the backward op: the gradient of the (reduced) loss, the forward's
     tensors and statistics, its Config (never a new plan: no budget), the options and
-    the student's gradients wanted; ``keep``: the forward's kept dz columns (size 0: none),
-    scaled by grad_loss in place into dz."""
-
-    mutated = ("keep",)
+    the student's gradients wanted; ``keep``: the forward's kept dz columns (a
+    ``NOTHING_KEPT`` dummy: none, or spent by a first backward)."""
 
     grad_loss: Tensor
     student_x: Tensor

@@ -106,27 +106,28 @@ def jsd_kl_fused(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, item
 
 
 def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
-                        device, *, weight_fp32: bool = False, fused_forward: bool = False):
+                        device, *, weight_fp32: bool = False, fused_forward: bool = False,
+                        grad_in_forward: bool = True, keep: bool = True):
     """The cost model's choice for linear_jsd (``cost_model.choose_jsd``, this op's): a Candidate with
     strategy "recompute" (the default two-pass design), "grad_in_forward" (its token chunk)
-    or "keep" (its token chunk and kept columns). The last two are chosen on GPUs only (the
-    CPU interpreter uses them when forced: ``override(strategy=("keep", tokens))``, the
-    kept columns then ``forced_keep_columns``'); gradient-in-forward only when the
-    vocabulary is a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path), "keep" keeps whole
-    multiples of it."""
+    or "keep" (its token chunk and kept columns), each of the last two where the caller
+    allows it (``grad_in_forward``, ``keep``). They are chosen on GPUs only (the CPU
+    interpreter uses them when forced: ``override(strategy=("keep", tokens))``, the kept
+    columns then ``forced_keep_columns``'); gradient-in-forward only when the vocabulary is
+    a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path), "keep" keeps whole multiples of it."""
     forced = forced_strategy(num_tokens)
     if forced is not None:
         if forced.strategy == "keep":
             keep_cols = forced_keep_columns(num_tokens, vocab, itemsize, budget, forced.token_chunk)
-            return replace(forced, keep_cols=keep_cols) if keep_cols else replace(forced, strategy="recompute")
+            return replace(forced, keep_cols=keep_cols) if keep and keep_cols else replace(forced, strategy="recompute")
         return forced
     facts = _device.facts(device)
-    gif_ok = facts.gpu and vocab % ODD_V_ALIGN == 0
+    gif_ok = grad_in_forward and facts.gpu and vocab % ODD_V_ALIGN == 0
     from .cost_model import choose_jsd
 
     return choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
-                      device_model=facts.model, grad_in_forward=gif_ok,
-                      weight_fp32=weight_fp32, fused_forward=fused_forward, keep=facts.gpu, align=ODD_V_ALIGN)
+                      device_model=facts.model, grad_in_forward=gif_ok, weight_fp32=weight_fp32,
+                      fused_forward=fused_forward, keep=keep and facts.gpu, align=ODD_V_ALIGN)
 
 
 def forced_keep_columns(num_tokens: int, vocab: int, itemsize: int, budget: int, rows: int) -> int:

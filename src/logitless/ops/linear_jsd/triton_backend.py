@@ -70,14 +70,14 @@ def _operands(xs, ws, xt, wt, tiles):
 
 @memoised
 def plan(n: int, v: int, hidden_s: int, hidden_t: int, dtype: torch.dtype, budget: int, device, *, kl: bool,
-         grad_in_forward: bool) -> TritonConfig:
+         grad_in_forward: bool, keep: bool = False) -> TritonConfig:
     """The Config of a call (``contract.TritonConfig``) of n > 0 tokens; ``kl``: beta is 0 or 1.
     The fused forward: only the KL limits (every statistic is an online sum) on 16-bit
     inputs (fp32 keeps cuBLAS, which rounds to TF32 at "high" itself), and there where
     ``planning.jsd_kl_fused`` says (the cost model: where the chunks' GEMMs would be
-    weight-read-bound; ``override(jsd_fused_forward=...)``). ``grad_in_forward``: the caller
-    allows that strategy, which ``planning.linear_jsd_strategy`` picks or not (the recompute
-    plan priced with the forward it would run)."""
+    weight-read-bound; ``override(jsd_fused_forward=...)``). ``grad_in_forward``, ``keep``: the
+    caller allows that strategy, which ``planning.linear_jsd_strategy`` picks or not (the
+    recompute plan priced with the forward it would run)."""
     isz = dtype.itemsize
     forward = linear_jsd_plan(n, v, hidden_s, isz, budget, device)
     backward = linear_jsd_plan(n, v, hidden_s, isz, budget, device, hidden_t=hidden_t,
@@ -85,11 +85,11 @@ def plan(n: int, v: int, hidden_s: int, hidden_t: int, dtype: torch.dtype, budge
     fused = kl and dtype in (torch.bfloat16, torch.float16) and jsd_kl_fused(n, v, hidden_s, hidden_t, isz, budget,
                                                                              device)
     chunk = keep_cols = 0
-    if grad_in_forward:
+    if grad_in_forward or keep:
         c = linear_jsd_strategy(n, v, hidden_s, hidden_t, isz, budget, device, weight_fp32=dtype == torch.float32,
-                                fused_forward=fused)
-        chunk = min(c.token_chunk, n) if c.strategy == "grad_in_forward" else 0
-        if c.strategy == "keep":
+                                fused_forward=fused, grad_in_forward=grad_in_forward, keep=keep)
+        chunk = min(c.token_chunk, n) if c.strategy == "grad_in_forward" and grad_in_forward else 0
+        if c.strategy == "keep" and keep:
             # The chunked forward writes the kept columns' dz: its chunk is the strategy's, the
             # backward's recomputed chunks take what the kept columns leave of the budget.
             keep_cols, fused = min(c.keep_cols, v), False
@@ -115,7 +115,7 @@ def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonCon
     keep = g = None
     if config.keep_cols:
         assert reduction is not None  # (the strategy is allowed for a reduced loss only)
-        keep = torch.empty(xs.shape[0], config.keep_cols, dtype=xs.dtype, device=xs.device)
+        keep = launch.padded_buffer(xs.shape[0], launch.cdiv(config.keep_cols, 8) * 8, xs)  # (rows of 16 bytes)
         g = upstream(None, target, opts.ignore_index, reduction)
     for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
         # the statistics' launches for fp32 logits of the chunk's rows (rows split when few),
@@ -124,8 +124,8 @@ def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonCon
         plan = config.stats if n1 - n0 == rows else config.tail_stats
         assert plan is not None  # (a Config plans its tail's statistics)
         row_stats(zs, zt, target[n0:n1], chunk_stats, opts, plan)
-        if keep is not None:
-            dz_rows(zs, zt, keep[n0:n1], target[n0:n1], chunk_stats, g[n0:n1], opts, plan)
+        if keep is not None and g is not None:
+            dz_rows(zs, zt, keep[n0:n1, : config.keep_cols], target[n0:n1], chunk_stats, g[n0:n1], opts, plan)
     return stats, keep
 
 
@@ -183,11 +183,14 @@ def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan: Linea
 
 
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TritonConfig, *,
-             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, kept: Optional[Tensor] = None):
+             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False,
+             kept: Optional[tuple[Tensor, Tensor]] = None):
     """dx, dW, db of the student; ``dx_acc``: dx as the fp32 accumulator, not cast
-    (a partial sum that the caller reduces first: vocab parallelism); ``kept``: dz of
-    columns [0, config.keep_cols) (the "keep" strategy), whose GEMMs run first; the
-    chunks of ``config.backward`` recompute the other columns."""
+    (a partial sum that the caller reduces first: vocab parallelism); ``kept``: (the
+    forward's kept columns, grad_output) of the "keep" strategy: dz of columns [0,
+    config.keep_cols) for grad_output = 1. Their GEMMs run first, grad_output applied to
+    what is small: x's rows for dW (exact at 1), dx in fp32, db; the chunks of
+    ``config.backward`` recompute the other columns."""
     n, h = xs.shape
     v = ws.shape[0]
     plan = config.backward
@@ -201,14 +204,21 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     g = g.float().contiguous()
     stats = stats.float().contiguous()
     target = target.contiguous()
-    k = kept.shape[1] if kept is not None else 0
+    k = config.keep_cols if kept is not None else 0
     chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(k, v, plan.vocab_chunk)]
-    dw, db, dx_sum = launch.gradient_buffers(xs, ws, bs, len(chunks) + (1 if k else 0), need_dx=need_dx,
-                                             need_dw=need_dw, need_db=need_db, keep_acc=dx_acc)
+    # (with kept columns dx always has an fp32 accumulator: grad_output scales it there)
+    dw, db, dx_sum = launch.gradient_buffers(xs, ws, bs, len(chunks), need_dx=need_dx, need_dw=need_dw,
+                                             need_db=need_db, keep_acc=dx_acc or k > 0)
     dx = None
-    if k:
-        dx = launch.chunk_gradients(kept, xs, ws[:k], dw[:k] if need_dw else None, db[:k] if need_db else None,
-                                    dx_sum, need_dx)
+    if kept is not None and k:
+        dz, scale = kept[0][:, :k], kept[1].float()
+        if dw is not None:
+            torch.mm(dz.T, (xs.float() * scale).to(xs.dtype), out=dw[:k])
+        if db is not None:
+            db[:k].copy_(dz.sum(dim=0, dtype=torch.float32) * scale)
+        if dx_sum is not None:
+            launch.dx_accumulate(dx_sum, dz, ws[:k])
+            dx_sum.mul_(scale)
     if not chunks:
         return launch.finished_dx(dx, dx_sum, dx_acc, xs.dtype), dw, db
     dz_buf = torch.empty(n, min(plan.vocab_chunk, v - k), dtype=xs.dtype, device=xs.device)
@@ -260,9 +270,9 @@ class TritonBackend(TritonKind):
 
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
-             grad_in_forward: bool = False, column_sums: bool = False) -> TritonConfig:
+             grad_in_forward: bool = False, keep: bool = False, column_sums: bool = False) -> TritonConfig:
         return plan(xs.shape[0], ws.shape[0], xs.shape[1], xt.shape[1], xs.dtype, budget, xs.device,
-                    kl=opts.beta in (0.0, 1.0), grad_in_forward=grad_in_forward)
+                    kl=opts.beta in (0.0, 1.0), grad_in_forward=grad_in_forward, keep=keep)
 
     def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig, *,
                 reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
