@@ -68,9 +68,9 @@ def forward(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
 
 def _outputs(x: Tensor, loss: Tensor, stats: Tensor, config, grads=None, kept=None) -> LjsdOutputs:
     """``LjsdOutputs``: gx, gw, gb (``grads``) with a size-0 tensor for each one absent, the
-    kept columns or a ``NOTHING_KEPT`` dummy."""
+    kept columns or a ``NOTHING_KEPT`` dummy (a zero: every output of the op is defined)."""
     gx, gw, gb = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
-    return LjsdOutputs(loss, stats, config, gx, gw, gb, kept if kept is not None else nothing_kept(x)[0])
+    return LjsdOutputs(loss, stats, config, gx, gw, gb, kept if kept is not None else x.new_zeros(NOTHING_KEPT))
 
 
 def fake(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:

@@ -20,8 +20,14 @@ backward (4 GEMMs): for each chunk [v0, v1) of ``plan.vocab_chunk`` columns,
          (fp32), dx_s += dz W_s[v0:v1] into an fp32 (N, H_s) accumulator (cuBLAS).
 Total: 2 (H_s + H_t) + 2 H_s against the floor 3 H_s + H_t: 1.5x for equal hidden
 sizes, 1.6x for a teacher twice as wide. No (N, V) tensor beyond the budget's chunks,
-no atomics (bitwise repeatable), no host syncs. With a large budget the planner may pick
-the gradient-in-forward strategy instead (``triton_grad_in_forward``: 4 GEMMs).
+no atomics (bitwise repeatable), no host syncs. Where a backward follows ("mean"/"sum",
+one device) the planner (``cost_model``) may pick instead "keep": each forward chunk also
+writes dz of the first ``TritonConfig.keep_cols`` columns (``jsd_rows.dz_rows``, from the
+fp32 logits it holds; every column where the budget holds N V input-dtype elements beside
+the chunk: the default budget on an H100 does at 4096 tokens), and the backward runs only
+their dW and dx GEMMs (grad_output applied to x's rows, the fp32 dx and db), recomputing
+the rest as above: 4 GEMMs with every column kept. In eager mode also the
+gradient-in-forward strategy (``triton_grad_in_forward``: 4 GEMMs, an fp32 dW accumulator).
 fp32 at matmul precision "high" (``launch.tf32_prerounded``): the backward rounds both
 x's to TF32 once and each chunk's rows of both weights into scratch buffers
 (``launch.prerounded_dlogits_operands``; budgeted by ``linear_jsd_plan``), and the
