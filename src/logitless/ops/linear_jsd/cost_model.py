@@ -17,10 +17,11 @@ Strategies of linear_jsd's Triton backend (``planning.linear_jsd_strategy``):
   4 GEMMs. Memory: the chunk's 8 R V + s R V bytes + the accumulator.
 - ``keep``: the same forward chunks also write dz of the first ``keep_cols`` columns
   (every token; the upstream gradient up to grad_output, in the input dtype) from the
-  fp32 logits; the backward scales them by grad_output in place, dW of those columns and
-  dx from them are two cuBLAS GEMMs, the other columns are recomputed as ``recompute``'s.
-  With every column kept: 4 GEMMs, no fp32 accumulator (dW is one GEMM over all tokens).
-  Memory: s N keep_cols + max(forward chunk 8 R V, the recomputed chunks' backward).
+  fp32 logits; the backward's dW of those columns (from x's rows times grad_output) and
+  dx (fp32, then times grad_output) are two cuBLAS GEMMs, the other columns are recomputed
+  as ``recompute``'s. With every column kept: 4 GEMMs, no fp32 dW accumulator (dW is one
+  GEMM over all tokens). Memory: s N keep_cols + max(forward chunk 8 R V, the backward's
+  fp32 dx, scaled x and recomputed chunk).
 
 Candidates are a fixed family per shape (token chunks on powers of two and N), filtered
 by memory: the chosen predicted time never rises as the budget grows (tests check it).
@@ -116,8 +117,9 @@ def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=
 
 def predict_jsd_keep(dev, n, hs, ht, v, itemsize, token_chunk, keep_cols, vocab_chunk=4096) -> Candidate:
     """The ``keep`` strategy (module docstring): forward chunks of ``token_chunk`` rows that
-    also write dz of the first ``keep_cols`` columns; the backward scales them, runs their
-    two GEMMs and recomputes the other columns in chunks of ``vocab_chunk``."""
+    also write dz of the first ``keep_cols`` columns; the backward runs their two GEMMs
+    (grad_output on x's rows and the fp32 dx) and recomputes the other columns in chunks
+    of ``vocab_chunk``."""
     m = min(token_chunk, n)
     full, tail = divmod(n, m)
     bdev = replace(dev, hbm_bw=dev.jsd_stream_bw) if dev.jsd_stream_bw is not None else dev
@@ -128,14 +130,13 @@ def predict_jsd_keep(dev, n, hs, ht, v, itemsize, token_chunk, keep_cols, vocab_
 
     fwd = full * chunk_s(m) + (chunk_s(tail) if tail else 0.0) + dev.fixed_fwd_s + dev.fixed_per_token_s * n
     rest = v - keep_cols
-    bwd = (2.0 * itemsize * n * keep_cols / dev.hbm_bw + dev.launch_s  # dz *= grad_output, in place
+    bwd = (3.0 * (4 + itemsize) * n * hs / dev.hbm_bw + 3 * dev.launch_s  # x * grad_output; dx's scale, cast
            + gemm_s(dev, keep_cols, hs, n, itemsize)  # dW of the kept columns
-           + gemm_s(dev, n, hs, keep_cols, itemsize, out_itemsize=4 if rest else itemsize)  # dx
+           + gemm_s(dev, n, hs, keep_cols, itemsize, out_itemsize=4)  # dx, fp32
            + _recomputed_columns_s(dev, n, hs, ht, rest, itemsize, vocab_chunk, kept=True)
            + backward_fixed_s(dev, n))
-    acc = 4 * n * hs if rest and itemsize != 4 else 0
-    kept = itemsize * n * keep_cols
-    memory = kept + max(8 * m * v, acc + itemsize * n * min(vocab_chunk, rest) if rest else 0)
+    backward_memory = (4 + itemsize) * n * hs + (itemsize * n * min(vocab_chunk, rest) if rest else 0)
+    memory = itemsize * n * keep_cols + max(8 * m * v, backward_memory)
     return Candidate("keep", keep_cols=keep_cols, vocab_chunk=vocab_chunk, token_chunk=m, memory=memory,
                      time_s=fwd + bwd, fwd_s=fwd)
 
