@@ -519,7 +519,7 @@ def _ljsd_opcheck(backend):
     yield custom_op("linear_jsd_forward"), OPS.args(call), None
     out = LjsdOutputs._make(custom_op("linear_jsd_forward")(*OPS.args(call)))  # (config: encoded)
     bcall = LjsdBackwardCall(torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt,
-                             target, out.stats.detach(), out.config, opts, "none", backend, need, tp)
+                             target, out.stats.detach(), out.config, opts, "none", backend, need, tp, out.keep)
     yield custom_op("linear_jsd_backward"), OPS.backward_args(bcall), None  # (no budget: the Config's)
 
 

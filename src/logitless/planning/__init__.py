@@ -50,7 +50,7 @@ Helion, or the backend in its place                ``fallback_name_of_call``    
 **One op, one kernel library**
 linear_jsd: tiles, chunks, KL forward splits       ``linear_jsd_plan``             ops/linear_jsd/planning.py
 linear_jsd: fused KL forward or chunked            ``jsd_kl_fused``                ops/linear_jsd/planning.py
-linear_jsd: recompute or grad-in-forward           ``linear_jsd_strategy``         ops/linear_jsd/planning.py
+linear_jsd: recompute, keep or grad-in-forward     ``linear_jsd_strategy``         ops/linear_jsd/planning.py
   their predicted times and memory                 ``choose_jsd``                  ops/linear_jsd/cost_model.py
 linear_jsd, PyTorch: weight columns per step       ``_vocab_step``                 ops/linear_jsd/torch_backend.py
 truncated linear_log_probs: rows per step          ``thresholds``                  ops/linear_log_probs/truncation.py

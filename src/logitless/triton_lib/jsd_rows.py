@@ -345,6 +345,20 @@ def jsd_finish_kernel(
                       target_ptr, zs_ptr, stride_sn, stride_sv, V, cap_s, HAS_HARD, HAS_CAP_S, BLOCK_N)
 
 
+def dz_rows(zs, zt, dz, target, stats, g, opts, plan) -> None:
+    """dz (rows, C) in its dtype (any row stride) = d loss / d student logits of columns
+    [0, C) of the fp32 logits zs, zt (rows, V >= C), from their rows' statistics (6,
+    rows; any row stride) and upstream gradient g (rows,): ``jsd_backward_kernel`` in
+    ``plan``'s tiles (a ``planning.logits.JSDStatsPlan``). Both chunks' columns read once."""
+    r, c = dz.shape
+    launch.run_kernel(
+        jsd_backward_kernel, (cdiv(r, plan.block_n), cdiv(c, plan.block_v)),
+        zs, zt, dz, target, stats, g, r, c, zs.stride(0), zs.stride(1), zt.stride(0), zt.stride(1),
+        dz.stride(0), dz.stride(1), stats.stride(0), wp=opts.weights[1], hlw=opts.hard_label_weight,
+        **scalar_args(opts), BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+    )
+
+
 def row_stats(zs, zt, target, stats, opts, plan) -> None:
     """stats (6, N) fp32 (rows may be strided, e.g. columns of a larger statistics
     tensor; columns contiguous) of the logits zs, zt (N, V; any strides) with ``plan`` (a

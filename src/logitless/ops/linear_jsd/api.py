@@ -232,16 +232,17 @@ def linear_jsd(
     flat_target = target.reshape(-1).long()
     # (no tokens on one device: no backend runs)
     impl = resolve_backend(backend, xs.device, xs.dtype, BACKENDS) if xs.shape[0] or tp.parallel else "torch"
-    # A backend's gradient-in-forward strategy (``LjsdBackend.grad_in_forward``: the
-    # Triton backend's) is allowed in eager mode only ("mean"/"sum"; one device's heads);
-    # the op's Config decides whether the forward also computes the student's gradients.
+    # A backend's gradient work in the forward (``LjsdBackend.grad_in_forward``: the Triton
+    # backend's) is allowed for a backward to come ("mean"/"sum"; one device's heads): its
+    # kept dz columns ("keep") always, its gradient-in-forward strategy in eager mode only;
+    # the op's Config decides whether the forward does either.
     need = Needs(xs.requires_grad, student_weight.requires_grad,
                  student_bias is not None and student_bias.requires_grad)
-    in_forward = (torch.is_grad_enabled() and (need.need_dx or need.need_dw or need.need_db)
-                  and reduction != "none" and not tp.parallel and BACKENDS[impl].grad_in_forward is not None
-                  and not torch.compiler.is_compiling())
+    keep = (torch.is_grad_enabled() and (need.need_dx or need.need_dw or need.need_db)
+            and reduction != "none" and not tp.parallel and BACKENDS[impl].grad_in_forward is not None)
+    in_forward = keep and not torch.compiler.is_compiling()
     call = LjsdCall(xs, student_weight, student_bias, xt, teacher_weight, teacher_bias, flat_target, opts,
-                    reduction, memory_budget, impl, in_forward, need, tp)
+                    reduction, memory_budget, impl, in_forward, need, tp, keep)
     loss = OPS(call).loss
     if reduction == "none":
         loss = loss.reshape(lead)

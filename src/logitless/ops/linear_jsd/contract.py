@@ -58,7 +58,10 @@ class TritonConfig:
         ``grad_in_forward`` tokens when that strategy runs) and for the last, shorter one
         (None when every chunk is full);
     fused: the KL limits' fused forward (``jsd_kl_forward_kernel``) runs;
-    grad_in_forward: tokens per chunk of the gradient-in-forward strategy (0: not used).
+    grad_in_forward: tokens per chunk of the gradient-in-forward strategy (0: not used);
+    keep_cols: the "keep" strategy (``cost_model``): the forward's chunks (``forward``'s
+        rows) also write dz of columns [0, keep_cols) of every token, which the backward
+        uses instead of recomputing them (``backward``: the other columns' chunks; 0: none).
     """
 
     forward: LinearJSDPlan
@@ -67,6 +70,7 @@ class TritonConfig:
     tail_stats: Optional[JSDStatsPlan] = None
     fused: bool = False
     grad_in_forward: int = 0
+    keep_cols: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,16 @@ class LjsdForward(NamedTuple):
     stats: the (6, N) statistics of ``formulas.jsd``, fp32 (fp64 for fp64);
     loss: the loss (reduced, or per token for "none") when a reduction was given, else None;
     grads: (dx, dw, db) for a unit upstream gradient when the Config chose the
-        gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None.
+        gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None;
+    kept: (N, keep_cols rounded up to 8) in x's dtype when the Config chose the "keep"
+        strategy: in its first keep_cols columns dz of those columns for the upstream
+        gradient at grad_output = 1 (the backward's ``kept``), else None.
     """
 
     stats: Tensor
     loss: Optional[Tensor] = None
     grads: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = None
+    kept: Optional[Tensor] = None
 
 
 class LjsdBackend(Backend, Protocol):
@@ -108,10 +116,11 @@ class LjsdBackend(Backend, Protocol):
     def grad_in_forward(self) -> Optional[Callable]: ...  # (read-only: a class attribute or set at init)
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
-             grad_in_forward: bool = False, column_sums: bool = False) -> Any:
+             grad_in_forward: bool = False, keep: bool = False, column_sums: bool = False) -> Any:
         """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
-        a reduced loss, one device's heads, a backend that has it); ``column_sums``: the
-        call runs ``column_sums``."""
+        a reduced loss, one device's heads, a backend that has it); ``keep``: it allows
+        the "keep" strategy (the same, compiled too); ``column_sums``: the call runs
+        ``column_sums``."""
         ...
 
     def forward(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor, bt: Optional[Tensor],
@@ -125,9 +134,12 @@ class LjsdBackend(Backend, Protocol):
 
     def backward(self, g: Tensor, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
                  bt: Optional[Tensor], target: Tensor, stats: Tensor, opts: JSDOptions, config: Any, *,
-                 need_dx: bool, need_dw: bool, need_db: bool,
-                 dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """The student's dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False,
+                 kept: Optional[tuple[Tensor, Tensor]] = None
+                 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """The student's dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator;
+        ``kept``: (the forward's ``LjsdForward.kept``, grad_output (), fp32) when its Config
+        kept columns (only a backend whose Config keeps columns gets it)."""
         ...
 
     def column_sums(self, xs: Tensor, ws: Tensor, bs: Optional[Tensor], xt: Tensor, wt: Tensor,
@@ -152,7 +164,8 @@ class LjsdCall(Call):
     (``vocab_parallel``). ``reduction``: of the loss, inside the op; ``budget``: bytes of
     temporaries; ``grad_in_forward``: the caller allows the gradient-in-forward strategy
     (eager, "mean"/"sum", one device's heads, a backend that has it: the Config decides);
-    ``need``: the student's gradients that a backward wants."""
+    ``need``: the student's gradients that a backward wants; ``keep``: a backward follows
+    and the caller allows the "keep" strategy (as ``grad_in_forward``, compiled too)."""
 
     differentiable = ("student_x", "student_weight", "student_bias")
 
@@ -170,13 +183,16 @@ class LjsdCall(Call):
     grad_in_forward: bool
     need: Needs
     tp: VocabParallelOptions
+    keep: bool = False
 
 
 class LjsdOutputs(NamedTuple):
     """The forward op's outputs. loss: () for "mean"/"sum", (N,) for "none"; stats: the
     (6, N) statistics of ``formulas.jsd``; both fp32 (fp64 for fp64); config: the backend's
     Config; gx, gw, gb: the gradient-in-forward strategy's student gradients for a unit
-    upstream gradient (gw fp32 unless one chunk covers every token), size 0 otherwise."""
+    upstream gradient (gw fp32 unless one chunk covers every token), size 0 otherwise;
+    keep: the "keep" strategy's kept dz columns (``LjsdForward.kept``), else a dummy of
+    ``ops.common.kept.NOTHING_KEPT`` shape."""
 
     loss: Tensor
     stats: Tensor
@@ -184,13 +200,15 @@ class LjsdOutputs(NamedTuple):
     gx: Tensor
     gw: Tensor
     gb: Tensor
+    keep: Tensor
 
 
 @dataclass(frozen=True)
 class LjsdBackwardCall(Call):
     """One call of the backward op: the gradient of the (reduced) loss, the forward's
     tensors and statistics, its Config (never a new plan: no budget), the options and
-    the student's gradients wanted."""
+    the student's gradients wanted; ``keep``: the forward's kept dz columns (a
+    ``NOTHING_KEPT`` dummy: none, or spent by a first backward)."""
 
     grad_loss: Tensor
     student_x: Tensor
@@ -207,3 +225,4 @@ class LjsdBackwardCall(Call):
     backend: str
     need: Needs
     tp: VocabParallelOptions
+    keep: Tensor

@@ -15,6 +15,13 @@ Strategies of linear_jsd's Triton backend (``planning.linear_jsd_strategy``):
   one write in the input dtype), dx rows = dz W_s, dW_s += dz^T x_s (fp32 accumulator
   4 V H_s unless one chunk covers every token or the weight is fp32); backward scales.
   4 GEMMs. Memory: the chunk's 8 R V + s R V bytes + the accumulator.
+- ``keep``: the same forward chunks also write dz of the first ``keep_cols`` columns
+  (every token; the upstream gradient up to grad_output, in the input dtype) from the
+  fp32 logits; the backward's dW of those columns (from x's rows times grad_output) and
+  dx (fp32, then times grad_output) are two cuBLAS GEMMs, the other columns are recomputed
+  as ``recompute``'s. With every column kept: 4 GEMMs, no fp32 dW accumulator (dW is one
+  GEMM over all tokens). Memory: s N keep_cols + max(forward chunk 8 R V, the backward's
+  fp32 dx, scaled x and recomputed chunk).
 
 Candidates are a fixed family per shape (token chunks on powers of two and N), filtered
 by memory: the chosen predicted time never rises as the budget grows (tests check it).
@@ -67,6 +74,29 @@ def jsd_kl_fused_faster(dev, n, hs, ht, v, itemsize, token_chunk) -> bool:
                                                                         stat_reads=1)
 
 
+def _recomputed_columns_s(dev, n, hs, ht, cols, itemsize, vocab_chunk, kept) -> float:
+    """The backward's recomputed columns (``cols`` of them, in chunks of ``vocab_chunk``):
+    the fused two-head dz kernel (both heads' GEMM FLOPs, measured ~1.4x cuBLAS on the
+    same FLOPs at 4096 x 4096 <- 8192, docs/design.md "Distillation"; or the dz write),
+    each chunk's dW and dx GEMMs, and the fp32 dx accumulator's traffic when dx has more
+    than one part (``kept``: the kept columns' GEMMs are one more)."""
+    if cols <= 0:
+        return 0.0
+    flops = 2.0 * n * cols * (hs + ht)
+    t = max(1.4 * flops / (gemm_rate(dev, itemsize) * wave_eff(dev, n, vocab_chunk, 128, 128)),
+            itemsize * n * cols / dev.hbm_bw)
+    chunks = math.ceil(cols / vocab_chunk)
+    full, tail = divmod(cols, vocab_chunk)
+    per = gemm_s(dev, vocab_chunk, hs, n, itemsize) + gemm_s(dev, n, hs, vocab_chunk, itemsize, out_itemsize=0)
+    t += full * per + 4 * chunks * dev.launch_s
+    if tail:
+        t += gemm_s(dev, tail, hs, n, itemsize) + gemm_s(dev, n, hs, tail, itemsize, out_itemsize=0)
+    parts = chunks + (1 if kept else 0)
+    if parts > 1:
+        t += parts * 8.0 * n * hs / dev.acc_bw + 6.0 * n * hs / dev.hbm_bw
+    return t
+
+
 def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=4096,
                           fused_forward=False) -> Candidate:
     """``fused_forward``: the KL limits' one-kernel forward (no fp32 logit chunks: the
@@ -76,23 +106,48 @@ def predict_jsd_recompute(dev, n, hs, ht, v, itemsize, token_chunk, vocab_chunk=
         fwd = jsd_kl_forward_s(dev, n, hs, ht, v, itemsize)
     else:
         fwd = jsd_forward_s(dev, n, hs, ht, v, itemsize, token_chunk)
-    # The fused two-head dz kernel: both heads' GEMM FLOPs (measured ~1.4x cuBLAS on the
-    # same FLOPs at 4096 x 4096 <- 8192, docs/design.md "Distillation") + the dz write.
-    flops = 2.0 * n * v * (hs + ht)
-    bwd = max(1.4 * flops / (gemm_rate(dev, itemsize) * wave_eff(dev, n, vocab_chunk, 128, 128)),
-              itemsize * n * v / dev.hbm_bw)
+    bwd = _recomputed_columns_s(dev, n, hs, ht, v, itemsize, vocab_chunk, kept=False) + backward_fixed_s(dev, n)
     chunks = math.ceil(v / vocab_chunk)
-    for i in range(chunks):
-        c = min(vocab_chunk, v - i * vocab_chunk)
-        bwd += gemm_s(dev, c, hs, n, itemsize) + gemm_s(dev, n, hs, c, itemsize, out_itemsize=0) + 4 * dev.launch_s
-    if chunks > 1:
-        bwd += chunks * 8.0 * n * hs / dev.acc_bw + 6.0 * n * hs / dev.hbm_bw
-    bwd += backward_fixed_s(dev, n)
     acc = 4 * n * hs if chunks > 1 and itemsize != 4 else 0
     fwd_memory = 0 if fused_forward else 8 * min(token_chunk, n) * v
     memory = max(fwd_memory, acc + itemsize * n * min(vocab_chunk, v))
     return Candidate("recompute", token_chunk=min(token_chunk, n), vocab_chunk=vocab_chunk, memory=memory,
                      time_s=fwd + bwd, fwd_s=fwd)
+
+
+def predict_jsd_keep(dev, n, hs, ht, v, itemsize, token_chunk, keep_cols, vocab_chunk=4096) -> Candidate:
+    """The ``keep`` strategy (module docstring): forward chunks of ``token_chunk`` rows that
+    also write dz of the first ``keep_cols`` columns; the backward runs their two GEMMs
+    (grad_output on x's rows and the fp32 dx) and recomputes the other columns in chunks
+    of ``vocab_chunk``."""
+    m = min(token_chunk, n)
+    full, tail = divmod(n, m)
+    bdev = replace(dev, hbm_bw=dev.jsd_stream_bw) if dev.jsd_stream_bw is not None else dev
+
+    def chunk_s(r):  # the chunk's logits and statistics, then its kept columns' dz
+        return (_jsd_chunk_forward_s(dev, r, hs, ht, v, itemsize, 2)
+                + (8.0 + itemsize) * r * keep_cols / bdev.hbm_bw + dev.launch_s)
+
+    fwd = full * chunk_s(m) + (chunk_s(tail) if tail else 0.0) + dev.fixed_fwd_s + dev.fixed_per_token_s * n
+    rest = v - keep_cols
+    bwd = (3.0 * (4 + itemsize) * n * hs / dev.hbm_bw + 3 * dev.launch_s  # x * grad_output; dx's scale, cast
+           + gemm_s(dev, keep_cols, hs, n, itemsize)  # dW of the kept columns
+           + gemm_s(dev, n, hs, keep_cols, itemsize, out_itemsize=4)  # dx, fp32
+           + _recomputed_columns_s(dev, n, hs, ht, rest, itemsize, vocab_chunk, kept=True)
+           + backward_fixed_s(dev, n))
+    backward_memory = (4 + itemsize) * n * hs + (itemsize * n * min(vocab_chunk, rest) if rest else 0)
+    memory = itemsize * n * keep_cols + max(8 * m * v, backward_memory)
+    return Candidate("keep", keep_cols=keep_cols, vocab_chunk=vocab_chunk, token_chunk=m, memory=memory,
+                     time_s=fwd + bwd, fwd_s=fwd)
+
+
+def keep_column_counts(v: int, align: int) -> list:
+    """The kept-column counts of the ``keep`` family: every column when ``v`` is a multiple
+    of ``align`` (cuBLAS' slow odd-K path otherwise: the kept part is whole multiples of it),
+    and eighths of the vocabulary rounded down to multiples of 128 (one dz tile's width)."""
+    counts = {v} if v % align == 0 else {v // 128 * 128}
+    counts |= {v * j // 8 // 128 * 128 for j in range(1, 8)}
+    return sorted(c for c in counts if c > 0)
 
 
 def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight_fp32=False) -> Candidate:
@@ -118,9 +173,10 @@ def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight
 
 
 def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forward=True, weight_fp32=False,
-                   fused_forward=False):
+                   fused_forward=False, keep=False, align=8):
     """The fixed family of linear_jsd plans of a shape (independent of the budget);
-    ``fused_forward``: the recompute plan's forward is the KL limits' fused kernel."""
+    ``fused_forward``: the recompute plan's forward is the KL limits' fused kernel;
+    ``keep``: with the ``keep`` plans (``keep_column_counts(v, align)`` columns)."""
     dev = device_model
     # multiples of 16 up to 1024 rows, then powers of two, and every token at once; the
     # recompute plan's forward chunks also in multiples of 8 (the chunk the plan takes
@@ -138,15 +194,18 @@ def jsd_candidates(n, hs, ht, v, itemsize, *, device_model=DEFAULT, grad_in_forw
     if grad_in_forward:
         out += [predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, t, weight_fp32)
                 for t in sorted(sizes) if t >= min(n, 128)]
+    if keep:
+        out += [predict_jsd_keep(dev, n, hs, ht, v, itemsize, t, k)
+                for k in keep_column_counts(v, align) for t in sorted(sizes) if t >= min(n, 128)]
     return out
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_jsd(n, hs, ht, v, itemsize, budget, *, device_model=DEFAULT, grad_in_forward=True,
-               weight_fp32=False, fused_forward=False) -> Candidate:
+               weight_fp32=False, fused_forward=False, keep=False, align=8) -> Candidate:
     """The fastest predicted linear_jsd plan whose memory fits ``budget`` (raised to the
     least memory of the family, the recompute plan's floor). Ties: recompute first."""
     cands = jsd_candidates(n, hs, ht, v, itemsize, device_model=device_model, grad_in_forward=grad_in_forward,
-                           weight_fp32=weight_fp32, fused_forward=fused_forward)
+                           weight_fp32=weight_fp32, fused_forward=fused_forward, keep=keep, align=align)
     budget = max(budget, min(c.memory for c in cands))
     return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)

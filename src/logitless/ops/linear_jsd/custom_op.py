@@ -26,6 +26,7 @@ from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
 from logitless.ops.common.glue import CustomOp, fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.grad_in_forward import scale_grads
+from logitless.ops.common.kept import NOTHING_KEPT, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import LjsdBackend, LjsdBackwardCall, LjsdCall, LjsdOutputs
@@ -44,41 +45,55 @@ def forward(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
         with no_autocast(xs.device):
             loss_tok, stats, config = vocab_parallel.forward(impl, xs, ws, bs, call.teacher_x, call.teacher_weight,
                                                              call.teacher_bias, target, opts, call.tp, call.budget)
-        return LjsdOutputs(reduce(loss_tok, target, reduction, opts.ignore_index), stats, config, *_empty(xs, None))
+        return _outputs(xs, reduce(loss_tok, target, reduction, opts.ignore_index), stats, config)
     n, v = xs.shape[0], ws.shape[0]
     if opts.hard_label_weight != 0.0:
         check_targets_in_range(target, v, opts.ignore_index)  # CPU only: no sync
     if n == 0:
         stats = xs.new_zeros(NUM_STATS, 0, dtype=compute_dtype(xs.dtype))
         loss = reduce(token_loss(stats, target, v, opts), target, reduction, opts.ignore_index)
-        return LjsdOutputs(loss, stats, None, *_empty(xs, None))
+        return _outputs(xs, loss, stats, None)
     need = call.need
     with no_autocast(xs.device):
         # The call's Config, once: the forward, its strategy and the backward follow it.
         config = impl.plan(xs, ws, call.teacher_x, opts, budget=call.budget,
-                           grad_in_forward=call.grad_in_forward and reduction != "none")
+                           grad_in_forward=call.grad_in_forward and reduction != "none",
+                           keep=call.keep and reduction != "none")
         out = impl.forward(xs, ws, bs, call.teacher_x, call.teacher_weight, call.teacher_bias, target, opts, config,
                            reduction=reduction, need_dx=need.need_dx, need_dw=need.need_dw,
                            need_db=need.need_db and bs is not None)
     assert out.loss is not None  # (a reduction given)
-    return LjsdOutputs(out.loss, out.stats, config, *_empty(xs, out.grads))
+    return _outputs(xs, out.loss, out.stats, config, out.grads, out.kept)
 
 
-def _empty(x: Tensor, grads) -> list:
-    """gx, gw, gb: ``grads`` with a size-0 tensor for each one absent."""
-    return [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
+def _outputs(x: Tensor, loss: Tensor, stats: Tensor, config, grads=None, kept=None) -> LjsdOutputs:
+    """``LjsdOutputs``: gx, gw, gb (``grads``) with a size-0 tensor for each one absent, the
+    kept columns or a ``NOTHING_KEPT`` dummy (a zero: every output of the op is defined)."""
+    gx, gw, gb = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
+    return LjsdOutputs(loss, stats, config, gx, gw, gb, kept if kept is not None else x.new_zeros(NOTHING_KEPT))
 
 
 def fake(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
-    """Shapes and dtypes; the gradient-in-forward outputs' from a Config planned as the
-    forward would (eager only: the public function allows the strategy then)."""
+    """Shapes and dtypes; the gradient-in-forward outputs' (eager only: the public function
+    allows the strategy then) and the kept columns' from a Config planned as the forward
+    would; with symbolic sizes the kept columns' are new dynamic sizes (as
+    ``ops.common.kept.fake_kept``'s)."""
     xs, ws, need = call.student_x, call.student_weight, call.need
     n, (v, h) = xs.shape[0], ws.shape
     dtype = compute_dtype(xs.dtype)
-    gx, gw, gb = _empty(xs, None)
-    if call.grad_in_forward and call.reduction != "none" and not call.tp.tp_group and n > 0:
-        config = impl.plan(xs, ws, call.teacher_x, call.opts, budget=call.budget, grad_in_forward=True)
+    gx, gw, gb = (xs.new_empty(0) for _ in range(3))
+    keep = fake_kept_tensors(xs)[0]
+    planned = (call.grad_in_forward or call.keep) and call.reduction != "none" and not call.tp.tp_group
+    if planned and not all(isinstance(s, int) for s in (n, v, h)):
+        ctx = torch.library.get_ctx()
+        keep = xs.new_empty(ctx.new_dynamic_size(), ctx.new_dynamic_size())
+    elif planned and n > 0:
+        config = impl.plan(xs, ws, call.teacher_x, call.opts, budget=call.budget,
+                           grad_in_forward=call.grad_in_forward, keep=call.keep)
         chunk = getattr(config, "grad_in_forward", 0)
+        keep_cols = getattr(config, "keep_cols", 0)
+        if keep_cols:
+            keep = xs.new_empty(n, -(-keep_cols // 8) * 8)
         if chunk:
             one = chunk >= n or ws.dtype == torch.float32
             if need.need_dx:
@@ -88,14 +103,15 @@ def fake(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
             if need.need_db and call.student_bias is not None:
                 gb = ws.new_empty(v, dtype=torch.float32)
     loss = xs.new_empty((n,) if call.reduction == "none" else (), dtype=dtype)
-    return LjsdOutputs(loss, xs.new_empty(NUM_STATS, n, dtype=dtype), None, gx, gw, gb)
+    return LjsdOutputs(loss, xs.new_empty(NUM_STATS, n, dtype=dtype), None, gx, gw, gb, keep)
 
 
 def backward_impl(b: LjsdBackwardCall, impl: LjsdBackend):
     """(dx, dW, db) of the student; a size-0 tensor for each one not asked for.
     ``grad_loss``: the gradient of the forward's (reduced) loss; the backend turns it into
     the per-token upstream gradient. ``config``: the forward's (the object, or its encoding;
-    its chunks are the budget's)."""
+    its chunks are the budget's). ``keep``: the "keep" strategy's columns (dz for
+    grad_output = 1; the backend applies ``grad_loss``), or a ``NOTHING_KEPT`` dummy."""
     xs, ws, bs, need = b.student_x, b.student_weight, b.student_bias, b.need
     need_db = need.need_db and bs is not None
     if xs.shape[0] == 0:
@@ -114,8 +130,9 @@ def backward_impl(b: LjsdBackwardCall, impl: LjsdBackend):
                 dx, dw, db = vocab_parallel.backward(impl, g, *heads, b.tp, config, need.need_dx, need.need_dw,
                                                      need_db)
             else:
+                kept = None if b.keep.shape == NOTHING_KEPT else (b.keep, b.grad_loss)
                 dx, dw, db = impl.backward(g, *heads, config, need_dx=need.need_dx, need_dw=need.need_dw,
-                                           need_db=need_db)
+                                           need_db=need_db, kept=kept)
     return grad_outputs(xs, dx, dw, db, need.need_dx, need.need_dw, need_db)
 
 
@@ -128,19 +145,21 @@ def backward_fake(b: LjsdBackwardCall, impl: LjsdBackend):
 def save(ctx, call: LjsdCall, out: LjsdOutputs) -> None:
     """Saved: the heads' tensors, the target and the statistics. On ctx: the options and
     execution fields the backward reads, the Config, the gradient-in-forward strategy's
-    gradients when the forward used it."""
+    gradients when the forward used it, the kept columns (the first backward's; a second
+    one, retain_graph=True, recomputes every column)."""
     ctx.save_for_backward(call.student_x, call.student_weight, call.student_bias, call.teacher_x,
                           call.teacher_weight, call.teacher_bias, call.target, out.stats)
     ctx.opts, ctx.reduction, ctx.backend, ctx.tp = call.opts, call.reduction, call.backend, call.tp
     ctx.config = out.config
     ctx.forward_grads = None
+    ctx.kept = out.keep
     if call.grad_in_forward and (out.gx.numel() or out.gw.numel() or out.gb.numel()):
         ctx.forward_grads = (out.gx, out.gw, out.gb)
         ctx.dtypes = (call.student_x.dtype, call.student_weight.dtype)
     if isinstance(out.config, Tensor):
-        ctx.mark_non_differentiable(out.stats, out.config, out.gx, out.gw, out.gb)
+        ctx.mark_non_differentiable(out.stats, out.config, out.gx, out.gw, out.gb, out.keep)
     else:  # (the eager path's Config is the object)
-        ctx.mark_non_differentiable(out.stats, out.gx, out.gw, out.gb)
+        ctx.mark_non_differentiable(out.stats, out.gx, out.gw, out.gb, out.keep)
     ctx.set_materialize_grads(False)
 
 
@@ -149,6 +168,7 @@ def backward(ctx, grads: LjsdOutputs, need, run) -> tuple:
     or the gradient-in-forward strategy's gradients scaled by the loss's gradient (the
     first backward only: they are scaled in place)."""
     forward_grads, ctx.forward_grads = ctx.forward_grads, None
+    kept, ctx.kept = ctx.kept, None
     grad_loss: Optional[Tensor] = grads.loss  # (None: not materialised)
     if grad_loss is None:
         return None, None, None
@@ -157,7 +177,8 @@ def backward(ctx, grads: LjsdOutputs, need, run) -> tuple:
     xs, ws, bs, xt, wt, bt, target, stats = ctx.saved_tensors
     return run(LjsdBackwardCall(grad_loss, xs, ws, bs, xt, wt, bt, target, stats, ctx.config, ctx.opts,
                                 ctx.reduction, ctx.backend, Needs(need.student_x, need.student_weight,
-                                                                  need.student_bias), ctx.tp))
+                                                                  need.student_bias), ctx.tp,
+                                kept if kept is not None else nothing_kept(xs)[0]))
 
 
 def define(backends: BackendTable[LjsdBackend]) -> CustomOp[LjsdCall, LjsdOutputs, LjsdBackwardCall, LjsdBackend]:

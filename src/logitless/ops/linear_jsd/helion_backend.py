@@ -50,7 +50,7 @@ class HelionBackend(HelionKind):
 
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
-             grad_in_forward: bool = False, column_sums: bool = False) -> HelionConfig:
+             grad_in_forward: bool = False, keep: bool = False, column_sums: bool = False) -> HelionConfig:
         """(The gradient-in-forward strategy is the Triton backend's: never here.)"""
         other = helion_choice.fallback_name_of_call(xs.device)
         if other is None and not column_sums:
@@ -91,9 +91,10 @@ class HelionBackend(HelionKind):
     upstream = staticmethod(upstream)
 
     def backward(self, g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: HelionConfig, *,
-                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+                 need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, kept=None):
         """dx, dW, db of the student (None where not needed; db in the bias dtype);
-        ``dx_acc``: dx in fp32, not cast (a partial sum the caller reduces first)."""
+        ``dx_acc``: dx in fp32, not cast (a partial sum the caller reduces first);
+        ``kept``: never given (no Config here keeps columns)."""
         def backward_of(impl, c):
             return impl.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, c, need_dx=need_dx,
                                  need_dw=need_dw, need_db=need_db, dx_acc=dx_acc)

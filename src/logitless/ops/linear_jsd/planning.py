@@ -2,7 +2,7 @@
 the tiles of its two-head kernels (``JSD_CUDA_TILES``), the forward's token chunks and
 the backward's recomputed vocabulary chunks (``linear_jsd_plan``), the KL limits' fused
 forward or the chunked one (``jsd_kl_fused``) and the strategy, recompute or
-gradient-in-forward (``linear_jsd_strategy``), the last two by this op's cost model
+gradient-in-forward or kept dz columns (``linear_jsd_strategy``), the last two by this op's cost model
 (``cost_model``). The pieces shared with the other ops (row chunks of the logits, the
 row statistics' split, SMs, kernel options) are ``logitless.planning``'s; the map of
 every planning decision is ``planning/__init__.py``'s docstring.
@@ -11,7 +11,7 @@ every planning decision is ``planning/__init__.py``'s docstring.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from logitless.planning import device as _device
 from logitless.planning import rocm as _rocm
@@ -106,19 +106,33 @@ def jsd_kl_fused(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, item
 
 
 def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: int, itemsize: int, budget: int,
-                        device, *, weight_fp32: bool = False, fused_forward: bool = False):
+                        device, *, weight_fp32: bool = False, fused_forward: bool = False,
+                        grad_in_forward: bool = True, keep: bool = True):
     """The cost model's choice for linear_jsd (``cost_model.choose_jsd``, this op's): a Candidate with
-    strategy "recompute" (the default two-pass design) or "grad_in_forward" and its
-    token chunk. The gradient-in-forward strategy is chosen on GPUs only (the CPU
-    interpreter uses it when forced: ``override(strategy=("grad_in_forward", tokens))``),
-    and only when the vocabulary is a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path)."""
+    strategy "recompute" (the default two-pass design), "grad_in_forward" (its token chunk)
+    or "keep" (its token chunk and kept columns), each of the last two where the caller
+    allows it (``grad_in_forward``, ``keep``). They are chosen on GPUs only (the CPU
+    interpreter uses them when forced: ``override(strategy=("keep", tokens))``, the kept
+    columns then ``forced_keep_columns``'); gradient-in-forward only when the vocabulary is
+    a multiple of ODD_V_ALIGN (cuBLAS' slow odd-K path), "keep" keeps whole multiples of it."""
     forced = forced_strategy(num_tokens)
     if forced is not None:
+        if forced.strategy == "keep":
+            keep_cols = forced_keep_columns(num_tokens, vocab, itemsize, budget, forced.token_chunk)
+            return replace(forced, keep_cols=keep_cols) if keep and keep_cols else replace(forced, strategy="recompute")
         return forced
     facts = _device.facts(device)
-    gif_ok = facts.gpu and vocab % ODD_V_ALIGN == 0
+    gif_ok = grad_in_forward and facts.gpu and vocab % ODD_V_ALIGN == 0
     from .cost_model import choose_jsd
 
     return choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
-                      device_model=facts.model, grad_in_forward=gif_ok,
-                      weight_fp32=weight_fp32, fused_forward=fused_forward)
+                      device_model=facts.model, grad_in_forward=gif_ok, weight_fp32=weight_fp32,
+                      fused_forward=fused_forward, keep=keep and facts.gpu, align=ODD_V_ALIGN)
+
+
+def forced_keep_columns(num_tokens: int, vocab: int, itemsize: int, budget: int, rows: int) -> int:
+    """Kept columns of a forced "keep" strategy: every column when the budget holds them
+    beside the forward's chunk of ``rows`` tokens (8 V bytes a token), else what it
+    leaves, in whole multiples of ODD_V_ALIGN (0: nothing kept, the recompute plan runs)."""
+    cols = max(0, budget - 8 * rows * vocab) // max(1, itemsize * num_tokens)
+    return vocab if cols >= vocab else cols // ODD_V_ALIGN * ODD_V_ALIGN

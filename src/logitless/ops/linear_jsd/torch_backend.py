@@ -61,8 +61,9 @@ def forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TorchConfi
 
 
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TorchConfig, *,
-             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
-    """dx, dW, db of the student; ``dx_acc``: dx in the compute dtype, not cast."""
+             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, kept=None):
+    """dx, dW, db of the student; ``dx_acc``: dx in the compute dtype, not cast; ``kept``:
+    never given (this backend's Config keeps no columns)."""
     n, h = xs.shape
     v = ws.shape[0]
     cd = compute_dtype(xs.dtype)
@@ -154,7 +155,7 @@ class TorchBackend(TorchKind):
     grad_in_forward = None
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
-             grad_in_forward: bool = False, column_sums: bool = False) -> TorchConfig:
+             grad_in_forward: bool = False, keep: bool = False, column_sums: bool = False) -> TorchConfig:
         n, v = xs.shape[0], ws.shape[0]
         h = max(xs.shape[1], xt.shape[1])
         isz = torch.finfo(compute_dtype(xs.dtype)).bits // 8

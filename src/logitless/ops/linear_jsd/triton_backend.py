@@ -20,8 +20,14 @@ backward (4 GEMMs): for each chunk [v0, v1) of ``plan.vocab_chunk`` columns,
          (fp32), dx_s += dz W_s[v0:v1] into an fp32 (N, H_s) accumulator (cuBLAS).
 Total: 2 (H_s + H_t) + 2 H_s against the floor 3 H_s + H_t: 1.5x for equal hidden
 sizes, 1.6x for a teacher twice as wide. No (N, V) tensor beyond the budget's chunks,
-no atomics (bitwise repeatable), no host syncs. With a large budget the planner may pick
-the gradient-in-forward strategy instead (``triton_grad_in_forward``: 4 GEMMs).
+no atomics (bitwise repeatable), no host syncs. Where a backward follows ("mean"/"sum",
+one device) the planner (``cost_model``) may pick instead "keep": each forward chunk also
+writes dz of the first ``TritonConfig.keep_cols`` columns (``jsd_rows.dz_rows``, from the
+fp32 logits it holds; every column where the budget holds N V input-dtype elements beside
+the chunk: the default budget on an H100 does at 4096 tokens), and the backward runs only
+their dW and dx GEMMs (grad_output applied to x's rows, the fp32 dx and db), recomputing
+the rest as above: 4 GEMMs with every column kept. In eager mode also the
+gradient-in-forward strategy (``triton_grad_in_forward``: 4 GEMMs, an fp32 dW accumulator).
 fp32 at matmul precision "high" (``launch.tf32_prerounded``): the backward rounds both
 x's to TF32 once and each chunk's rows of both weights into scratch buffers
 (``launch.prerounded_dlogits_operands``; budgeted by ``linear_jsd_plan``), and the
@@ -38,6 +44,7 @@ call, by the forward custom op).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -51,7 +58,7 @@ from logitless.planning.memo import memoised
 from logitless.triton_lib import launch
 from logitless.triton_lib import linear_jsd_kernels as K
 from logitless.triton_lib.jsd_epilogue import forward_loss, upstream
-from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, finish_kl_partials, row_stats, scalar_args
+from logitless.triton_lib.jsd_rows import PARTS, divergence_sums, dz_rows, finish_kl_partials, row_stats, scalar_args
 
 from .contract import LjsdForward, TritonConfig
 from .planning import LinearJSDPlan, jsd_kl_fused, linear_jsd_plan, linear_jsd_strategy
@@ -69,43 +76,63 @@ def _operands(xs, ws, xt, wt, tiles):
 
 @memoised
 def plan(n: int, v: int, hidden_s: int, hidden_t: int, dtype: torch.dtype, budget: int, device, *, kl: bool,
-         grad_in_forward: bool) -> TritonConfig:
+         grad_in_forward: bool, keep: bool = False) -> TritonConfig:
     """The Config of a call (``contract.TritonConfig``) of n > 0 tokens; ``kl``: beta is 0 or 1.
     The fused forward: only the KL limits (every statistic is an online sum) on 16-bit
     inputs (fp32 keeps cuBLAS, which rounds to TF32 at "high" itself), and there where
     ``planning.jsd_kl_fused`` says (the cost model: where the chunks' GEMMs would be
-    weight-read-bound; ``override(jsd_fused_forward=...)``). ``grad_in_forward``: the caller
-    allows that strategy, which ``planning.linear_jsd_strategy`` picks or not (the recompute
-    plan priced with the forward it would run)."""
+    weight-read-bound; ``override(jsd_fused_forward=...)``). ``grad_in_forward``, ``keep``: the
+    caller allows that strategy, which ``planning.linear_jsd_strategy`` picks or not (the
+    recompute plan priced with the forward it would run)."""
     isz = dtype.itemsize
     forward = linear_jsd_plan(n, v, hidden_s, isz, budget, device)
     backward = linear_jsd_plan(n, v, hidden_s, isz, budget, device, hidden_t=hidden_t,
                                prerounded=launch.tf32_prerounded(dtype))
     fused = kl and dtype in (torch.bfloat16, torch.float16) and jsd_kl_fused(n, v, hidden_s, hidden_t, isz, budget,
                                                                              device)
-    chunk = 0
-    if grad_in_forward:
+    chunk = keep_cols = 0
+    if grad_in_forward or keep:
         c = linear_jsd_strategy(n, v, hidden_s, hidden_t, isz, budget, device, weight_fp32=dtype == torch.float32,
-                                fused_forward=fused)
-        chunk = min(c.token_chunk, n) if c.strategy == "grad_in_forward" else 0
+                                fused_forward=fused, grad_in_forward=grad_in_forward, keep=keep)
+        chunk = min(c.token_chunk, n) if c.strategy == "grad_in_forward" and grad_in_forward else 0
+        if c.strategy == "keep" and keep:
+            # The chunked forward writes the kept columns' dz: its chunk is the strategy's, the
+            # backward's recomputed chunks take what the kept columns leave of the budget.
+            keep_cols, fused = min(c.keep_cols, v), False
+            forward = replace(forward, forward_rows=min(c.token_chunk, n))
+            backward = linear_jsd_plan(n, v, hidden_s, isz, max(0, budget - isz * n * keep_cols), device,
+                                       hidden_t=hidden_t, prerounded=launch.tf32_prerounded(dtype))
     rows = chunk or forward.forward_rows  # (the statistics' launches: per chunk of rows, the last one shorter)
     tail = n % rows
     return TritonConfig(forward, backward, jsd_stats_plan(rows, v, 4, device),
-                        jsd_stats_plan(tail, v, 4, device) if tail else None, fused=fused, grad_in_forward=chunk)
+                        jsd_stats_plan(tail, v, 4, device) if tail else None, fused=fused, grad_in_forward=chunk,
+                        keep_cols=keep_cols)
 
 
-def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig) -> Tensor:
-    """(6, N) fp32 statistics: the fused forward, or cuBLAS chunks of both heads' logits."""
+def _forward(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig,
+             reduction: Optional[str]) -> tuple[Tensor, Optional[Tensor]]:
+    """(6, N) fp32 statistics: the fused forward, or cuBLAS chunks of both heads' logits;
+    and the kept dz columns (``config.keep_cols`` of them: the "keep" strategy, for the
+    upstream gradient of ``reduction`` at grad_output = 1), or None."""
     if config.fused:
-        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, config.forward)
+        return _forward_fused(xs, ws, bs, xt, wt, bt, target, opts, config.forward), None
     rows = config.forward.forward_rows
     stats = torch.empty(6, xs.shape[0], dtype=torch.float32, device=xs.device)
+    keep = g = None
+    if config.keep_cols:
+        assert reduction is not None  # (the strategy is allowed for a reduced loss only)
+        keep = launch.padded_buffer(xs.shape[0], launch.cdiv(config.keep_cols, 8) * 8, xs)  # (rows of 16 bytes)
+        g = upstream(None, target, opts.ignore_index, reduction)
     for n0, n1, zs, zt in launch.head_logit_chunks(xs, ws, bs, xt, wt, bt, rows):
         # the statistics' launches for fp32 logits of the chunk's rows (rows split when few),
         # written in place into columns [n0, n1) of the statistics
-        row_stats(zs, zt, target[n0:n1], stats[:, n0:n1], opts,
-                  config.stats if n1 - n0 == rows else config.tail_stats)
-    return stats
+        chunk_stats = stats[:, n0:n1]
+        plan = config.stats if n1 - n0 == rows else config.tail_stats
+        assert plan is not None  # (a Config plans its tail's statistics)
+        row_stats(zs, zt, target[n0:n1], chunk_stats, opts, plan)
+        if keep is not None and g is not None:
+            dz_rows(zs, zt, keep[n0:n1, : config.keep_cols], target[n0:n1], chunk_stats, g[n0:n1], opts, plan)
+    return stats, keep
 
 
 def column_sums(xs, ws, bs, xt, wt, bt, target, lse_s, lse_t, opts: JSDOptions, config: TritonConfig) -> Tensor:
@@ -162,9 +189,14 @@ def _forward_fused(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, plan: Linea
 
 
 def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config: TritonConfig, *,
-             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
+             need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False,
+             kept: Optional[tuple[Tensor, Tensor]] = None):
     """dx, dW, db of the student; ``dx_acc``: dx as the fp32 accumulator, not cast
-    (a partial sum that the caller reduces first: vocab parallelism)."""
+    (a partial sum that the caller reduces first: vocab parallelism); ``kept``: (the
+    forward's kept columns, grad_output) of the "keep" strategy: dz of columns [0,
+    config.keep_cols) for grad_output = 1. Their GEMMs run first, grad_output applied to
+    what is small: x's rows for dW (exact at 1), dx in fp32, db; the chunks of
+    ``config.backward`` recompute the other columns."""
     n, h = xs.shape
     v = ws.shape[0]
     plan = config.backward
@@ -178,11 +210,24 @@ def backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts: JSDOptions, config:
     g = g.float().contiguous()
     stats = stats.float().contiguous()
     target = target.contiguous()
-    chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(0, v, plan.vocab_chunk)]
+    k = config.keep_cols if kept is not None else 0
+    chunks = [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(k, v, plan.vocab_chunk)]
+    # (with kept columns dx always has an fp32 accumulator: grad_output scales it there)
     dw, db, dx_sum = launch.gradient_buffers(xs, ws, bs, len(chunks), need_dx=need_dx, need_dw=need_dw,
-                                             need_db=need_db, keep_acc=dx_acc)
+                                             need_db=need_db, keep_acc=dx_acc or k > 0)
     dx = None
-    dz_buf = torch.empty(n, min(plan.vocab_chunk, v), dtype=xs.dtype, device=xs.device)
+    if kept is not None and k:
+        dz, scale = kept[0][:, :k], kept[1].float()
+        if dw is not None:
+            torch.mm(dz.T, (xs.float() * scale).to(xs.dtype), out=dw[:k])
+        if db is not None:
+            db[:k].copy_(dz.sum(dim=0, dtype=torch.float32) * scale)
+        if dx_sum is not None:
+            launch.dx_accumulate(dx_sum, dz, ws[:k])
+            dx_sum.mul_(scale)
+    if not chunks:
+        return launch.finished_dx(dx, dx_sum, dx_acc, xs.dtype), dw, db
+    dz_buf = torch.empty(n, min(plan.vocab_chunk, v - k), dtype=xs.dtype, device=xs.device)
     xs_op, ws_op, xt_op, wt_op, use_tma = _operands(xs, ws, xt, wt, tiles)
     sargs = scalar_args(opts)
     dot_precision = "tf32" if prerounded else launch.dot_precision(xs.dtype)
@@ -231,23 +276,24 @@ class TritonBackend(TritonKind):
 
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,
-             grad_in_forward: bool = False, column_sums: bool = False) -> TritonConfig:
+             grad_in_forward: bool = False, keep: bool = False, column_sums: bool = False) -> TritonConfig:
         return plan(xs.shape[0], ws.shape[0], xs.shape[1], xt.shape[1], xs.dtype, budget, xs.device,
-                    kl=opts.beta in (0.0, 1.0), grad_in_forward=grad_in_forward)
+                    kl=opts.beta in (0.0, 1.0), grad_in_forward=grad_in_forward, keep=keep)
 
     def forward(self, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, config: TritonConfig, *,
                 reduction: Optional[str] = None, need_dx: bool = False, need_dw: bool = False,
                 need_db: bool = False) -> LjsdForward:
         """The statistics, the loss (one launch, ``jsd_epilogue``) and, when the Config chose
-        the gradient-in-forward strategy, the student's gradients for a unit upstream one."""
-        grads = None
+        the gradient-in-forward strategy, the student's gradients for a unit upstream one;
+        when it chose "keep", the kept dz columns."""
+        grads = kept = None
         if config.grad_in_forward:
             stats, grads = self.grad_in_forward(xs, ws, bs, xt, wt, bt, target, opts, reduction, config=config,
                                                 need_dx=need_dx, need_dw=need_dw, need_db=need_db)
         else:
-            stats = _forward(xs, ws, bs, xt, wt, bt, target, opts, config)
+            stats, kept = _forward(xs, ws, bs, xt, wt, bt, target, opts, config, reduction)
         loss = forward_loss(stats, target, ws.shape[0], opts, reduction) if reduction else None
-        return LjsdForward(stats, loss, grads)
+        return LjsdForward(stats, loss, grads, kept)
 
     upstream = staticmethod(upstream)
     backward = staticmethod(backward)

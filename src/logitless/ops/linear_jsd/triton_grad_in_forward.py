@@ -34,8 +34,7 @@ from logitless.formulas.jsd import NUM_STATS
 from logitless.options import JSDOptions
 from logitless.triton_lib import launch
 from logitless.triton_lib.jsd_epilogue import upstream
-from logitless.triton_lib.jsd_rows import jsd_backward_kernel, row_stats, scalar_args
-from logitless.triton_lib.launch import cdiv
+from logitless.triton_lib.jsd_rows import dz_rows, row_stats
 
 from .contract import TritonConfig
 
@@ -66,7 +65,6 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         if not one and ws.dtype == torch.float32:
             dw.zero_()
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    sargs = scalar_args(opts)
     for n0, n1 in chunks:
         r = n1 - n0
         a, b, dz = zs[:r], zt[:r], dz_buf[:r]
@@ -77,13 +75,7 @@ def forward_with_grad(xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, reductio
         plan = config.stats if r == rows else config.tail_stats
         assert plan is not None  # (a Config with grad_in_forward plans its tail's statistics)
         row_stats(a, b, tc, chunk_stats, opts, plan)
-        grid = (cdiv(r, plan.block_n), cdiv(v, plan.block_v))
-        launch.run_kernel(
-            jsd_backward_kernel, grid,
-            a, b, dz, tc, chunk_stats, g[n0:n1], r, v, a.stride(0), 1, b.stride(0), 1, dz.stride(0), 1, n,
-            wp=opts.weights[1], hlw=opts.hard_label_weight, **sargs,
-            BLOCK_N=plan.block_n, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-        )
+        dz_rows(a, b, dz, tc, chunk_stats, g[n0:n1], opts, plan)
         if dx is not None:
             torch.mm(dz, ws, out=dx[n0:n1])
         if dw is not None:
