@@ -231,29 +231,26 @@ TORCH_API_LCE: tuple[Method, ...] = (
 )
 
 
-def _make_logitless_graphed(shape, device):
-    _need_gpu(device)
-    from logitless.ops.linear_cross_entropy.api import linear_cross_entropy
+def _logitless_under(wrap):
+    """The set-up of the default call ``linear_cross_entropy(x, w, t)`` inside ``wrap``
+    (``_compiled``, ``_graphed``)."""
+    def make(shape, device):
+        _need_gpu(device)
+        from logitless.ops.linear_cross_entropy.api import linear_cross_entropy
 
-    return _graphed(lambda x, w, t: linear_cross_entropy(x, w, t))
+        return wrap(lambda x, w, t: linear_cross_entropy(x, w, t))
+
+    return make
 
 
 #: The default call under torch.compile(mode="reduce-overhead").
-LOGITLESS_GRAPHED = Method("logitless-graphed", _make_logitless_graphed, peer=False, gpu_only=True,
+LOGITLESS_GRAPHED = Method("logitless-graphed", _logitless_under(_graphed), peer=False, gpu_only=True,
                            description="logitless.linear_cross_entropy (default budget) under "
                                        "torch.compile(mode='reduce-overhead') (CUDA graphs)")
 
-
-def _make_logitless_compiled(shape, device):
-    _need_gpu(device)
-    from logitless.ops.linear_cross_entropy.api import linear_cross_entropy
-
-    return _compiled(lambda x, w, t: linear_cross_entropy(x, w, t))
-
-
 #: The default call inside a function under torch.compile (the custom-op path: the host
 #: cost of torch.library's wrappers, against the eager path's plain autograd.Function).
-LOGITLESS_COMPILED = Method("logitless-compiled", _make_logitless_compiled, peer=False, gpu_only=True,
+LOGITLESS_COMPILED = Method("logitless-compiled", _logitless_under(_compiled), peer=False, gpu_only=True,
                             description="logitless.linear_cross_entropy (default budget) inside torch.compile "
                                         "(its custom ops)")
 
