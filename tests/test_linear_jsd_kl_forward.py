@@ -27,7 +27,7 @@ from logitless.options import JSDOptions
 from logitless.planning import cost_model, device
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.planning_seams import on_device
+from tests.planning_seams import H100, on_device
 from tests.test_linear_jsd import OPTIONS, check, make_inputs
 
 HALF = [torch.bfloat16, torch.float16]
@@ -292,3 +292,16 @@ def test_strategy_sees_the_fused_forward(monkeypatch):
     with override(jsd_fused_forward=False):
         plan(1.0)
     assert seen == [True, False, False]
+
+
+def test_forcing_the_fused_forward_rules_out_keep():
+    """The "keep" strategy runs the chunked forward (it writes the kept dz), so a forced fused
+    forward takes it off the table; unforced, an H100 keeps every column of this call (which
+    then runs the chunked forward: the GPU test above failed before this rule)."""
+    args = (300, 32003, 256, 384, torch.bfloat16, 1 << 30, torch.device("cpu"))
+    with on_device(H100):
+        with override(jsd_fused_forward=True):
+            forced = triton_backend.plan.uncached(*args, kl=True, grad_in_forward=False, keep=True)
+        free = triton_backend.plan.uncached(*args, kl=True, grad_in_forward=False, keep=True)
+    assert forced.fused and forced.keep_cols == 0
+    assert not free.fused and free.keep_cols > 0

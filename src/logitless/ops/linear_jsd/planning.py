@@ -123,6 +123,8 @@ def linear_jsd_strategy(num_tokens: int, vocab: int, hidden_s: int, hidden_t: in
         return forced
     facts = _device.facts(device)
     gif_ok = grad_in_forward and facts.gpu and vocab % ODD_V_ALIGN == 0
+    # "keep" runs the chunked forward (it writes the kept dz): never where the fused forward is forced on.
+    keep = keep and not (fused_forward and _overrides().jsd_fused_forward)
     from .cost_model import choose_jsd
 
     return choose_jsd(num_tokens, hidden_s, hidden_t, vocab, itemsize, budget,
