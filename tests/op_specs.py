@@ -183,7 +183,8 @@ def _lce_opcheck(backend):
     cw = case.kwargs["class_weight"]
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_cross_entropy.api import OPS
-    from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs
+    from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall
+    from logitless.ops.linear_cross_entropy.custom_op import planned, replan
     from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
     opts = CrossEntropyOptions(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
@@ -197,16 +198,17 @@ def _lce_opcheck(backend):
         call = LceCall(x, w, b, t, cw, opts, backend, 6_000, need_argmax=True, need_grad=need_grad,
                        grad_in_forward=False, need=need, batch_invariant=False, tp=tp)
         yield custom_op("lce_forward"), OPS.args(call), forward_utils
-        out = LceOutputs._make(custom_op("lce_forward")(*OPS.args(call)))
-        decoded = LCE_BACKENDS[backend].codec.decode(out.config)  # (the custom op carries the Config encoded)
-        if backend == "triton" and need_grad:
-            assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
-        else:
-            assert out.keep.shape == (1, 1) and not getattr(decoded, "keeps", False)  # nothing kept
+        out = OPS.outputs_of(custom_op("lce_forward")(*OPS.args(call)))
+        assert out.config is None  # (no Config output: the backward op plans it again)
         grad_loss = torch.rand((), device=DEVICE) + 0.5
         grad_lse = torch.randn(out.lse.shape, device=DEVICE)  # the per-token lse is differentiable
         bcall = LceBackwardCall(grad_loss, grad_lse, x.detach(), w.detach(), b.detach(), t, cw, out.lse.detach(),
-                                out.w_t, out.keep, out.keep_max, out.config, opts, backend, False, need, tp)
+                                out.w_t, out.keep, out.keep_max, None, opts, backend, False, need, tp, planned(call))
+        config = replan(bcall, LCE_BACKENDS[backend])  # (the backward op's Config: the forward's)
+        if backend == "triton" and need_grad:
+            assert 1 < out.keep.shape[1] < 104 + 8 and config.keeps  # the budget keeps some columns
+        else:
+            assert out.keep.shape == (1, 1) and not getattr(config, "keeps", False)  # nothing kept
         yield custom_op("lce_backward"), OPS.backward_args(bcall), None
 
 
@@ -294,7 +296,7 @@ def _ce_bad_calls():
 
 def _ce_opcheck(backend):
     from logitless.ops.cross_entropy.api import OPS
-    from logitless.ops.cross_entropy.contract import CeBackwardCall, CeCall, CeOutputs
+    from logitless.ops.cross_entropy.contract import CeBackwardCall, CeCall
     from logitless.options import CrossEntropyOptions
 
     g = _gen(6)
@@ -308,11 +310,11 @@ def _ce_opcheck(backend):
         strided = CeCall(logits.detach().T.contiguous().T, t, None, opts, backend, 4096, need_argmax=False)
         yield custom_op("ce_forward"), OPS.args(strided), None
         no_argmax = CeCall(logits, t, cw, opts, backend, 4096, need_argmax=False)
-        out = CeOutputs._make(custom_op("ce_forward")(*OPS.args(no_argmax)))
+        out = OPS.outputs_of(custom_op("ce_forward")(*OPS.args(no_argmax)))
         grad_loss = torch.rand(11 if reduction == "none" else (), device=DEVICE) + 0.5
         for grad_lse in (None, torch.randn(out.lse.shape, device=DEVICE)):  # the per-token lse is differentiable
-            bcall = CeBackwardCall(grad_loss, grad_lse, logits.detach(), t, cw, out.lse.detach(), out.w_t, out.config,
-                                   opts, backend)
+            bcall = CeBackwardCall(grad_loss, grad_lse, logits.detach(), t, cw, out.lse.detach(), out.w_t, None,
+                                   opts, backend, 4096)
             yield custom_op("ce_backward"), OPS.backward_args(bcall), None
 
 
@@ -391,7 +393,7 @@ _JSD_ALL = {"_ignore": 0.3, "student_softcap": 4.0, "teacher_softcap": 3.0, "har
 
 def _jsd_opcheck(backend):
     from logitless.ops.jsd.api import OPS
-    from logitless.ops.jsd.contract import JsdBackwardCall, JsdCall, JsdOutputs
+    from logitless.ops.jsd.contract import JsdBackwardCall, JsdCall
     from logitless.options import JSDOptions
 
     case = _jsd_make({"lead": (6,), "vocab": 19}, torch.float32, _JSD_ALL, seed=10)
@@ -400,9 +402,9 @@ def _jsd_opcheck(backend):
                       hard_label_weight=0.3)
     call = JsdCall(zs, zt, target, opts, 1 << 20, backend)
     yield custom_op("jsd_forward"), OPS.args(call), None
-    out = JsdOutputs._make(custom_op("jsd_forward")(*OPS.args(call)))
-    bcall = JsdBackwardCall(torch.randn(6, device=DEVICE), zs.detach(), zt, target, out.stats.detach(), out.config,
-                            opts, backend)
+    out = OPS.outputs_of(custom_op("jsd_forward")(*OPS.args(call)))
+    bcall = JsdBackwardCall(torch.randn(6, device=DEVICE), zs.detach(), zt, target, out.stats.detach(), None,
+                            opts, backend, 1 << 20)
     yield custom_op("jsd_backward"), OPS.backward_args(bcall), None
 
 
@@ -509,7 +511,8 @@ def _ljsd_opcheck(backend):
     bs, bt = case.kwargs["student_bias"], case.kwargs["teacher_bias"]
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_jsd.api import OPS
-    from logitless.ops.linear_jsd.contract import LjsdBackwardCall, LjsdCall, LjsdOutputs
+    from logitless.ops.linear_jsd.contract import LjsdBackwardCall, LjsdCall
+    from logitless.ops.linear_jsd.custom_op import planned
     from logitless.options import JSDOptions, VocabParallelOptions
 
     opts = JSDOptions(beta=0.3, temperature=1.5, student_softcap=4.0, teacher_softcap=3.0, hard_label_weight=0.3)
@@ -517,10 +520,11 @@ def _ljsd_opcheck(backend):
     call = LjsdCall(xs, ws, bs, xt, wt, bt, target, opts, "none", 1 << 20, backend, grad_in_forward=False,
                     need=need, tp=tp)
     yield custom_op("linear_jsd_forward"), OPS.args(call), None
-    out = LjsdOutputs._make(custom_op("linear_jsd_forward")(*OPS.args(call)))  # (config: encoded)
+    out = OPS.outputs_of(custom_op("linear_jsd_forward")(*OPS.args(call)))  # (no config: the backward plans it)
     bcall = LjsdBackwardCall(torch.randn(5, device=DEVICE), xs.detach(), ws.detach(), bs.detach(), xt, wt, bt,
-                             target, out.stats.detach(), out.config, opts, "none", backend, need, tp, out.keep)
-    yield custom_op("linear_jsd_backward"), OPS.backward_args(bcall), None  # (no budget: the Config's)
+                             target, out.stats.detach(), None, opts, "none", backend, need, tp, out.keep,
+                             planned(call))
+    yield custom_op("linear_jsd_backward"), OPS.backward_args(bcall), None
 
 
 LINEAR_JSD = OpSpec(
@@ -872,7 +876,8 @@ def _topk_opcheck(backend):
     x, w, ids, lp, t, b = case.args
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_topk_kl.api import BACKENDS, OPS
-    from logitless.ops.linear_topk_kl.contract import TopKBackwardCall, TopKCall, TopKOutputs
+    from logitless.ops.linear_topk_kl.contract import TopKBackwardCall, TopKCall
+    from logitless.ops.linear_topk_kl.custom_op import replan
     from logitless.options import TopKKLOptions, VocabParallelOptions
 
     ids, order = ids.sort(dim=1)
@@ -884,17 +889,17 @@ def _topk_opcheck(backend):
                             (False, TopKKLOptions(tail="renormalize"))):
         call = TopKCall(x, w, b, ids, lp, t, opts, backend, 6_000, need_grad, need, tp)
         yield custom_op("topk_kl_forward"), OPS.args(call), forward_utils
-        out = TopKOutputs._make(custom_op("topk_kl_forward")(*OPS.args(call)))
-        decoded = getattr(BACKENDS[backend].codec.decode(out.config), "linear", None)
+        out = OPS.outputs_of(custom_op("topk_kl_forward")(*OPS.args(call)))
+        bcall = TopKBackwardCall(torch.rand(out.loss.shape, device=DEVICE) + 0.5, x.detach(), w.detach(), b.detach(),
+                                 ids, t, out.w, out.rows, out.coef, out.sparse, out.keep, out.keep_max, None, opts,
+                                 backend, need, tp, 6_000, need_grad)
+        decoded = getattr(replan(bcall, BACKENDS[backend]), "linear", None)  # (the backward op's Config)
         if backend == "triton" and need_grad:
             assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
         else:
             assert out.keep.shape == (1, 1) and not getattr(decoded, "keeps", False)  # nothing kept
         if not need_grad:
             continue
-        grad_loss = torch.rand(out.loss.shape, device=DEVICE) + 0.5
-        bcall = TopKBackwardCall(grad_loss, x.detach(), w.detach(), b.detach(), ids, t, out.w, out.rows, out.coef,
-                                 out.sparse, out.keep, out.keep_max, out.config, opts, backend, need, tp)
         yield custom_op("topk_kl_backward"), OPS.backward_args(bcall), None
 
 

@@ -235,7 +235,8 @@ def test_opcheck_linear_cross_entropy_invariant(backend):
     ``batch_invariant`` set."""
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_cross_entropy.api import OPS
-    from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs
+    from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall
+    from logitless.ops.linear_cross_entropy.custom_op import planned
     from logitless.options import CrossEntropyOptions, VocabParallelOptions
 
     x, w, b, t, _, _ = _data(13, 24, 104, seed=5)
@@ -249,9 +250,9 @@ def test_opcheck_linear_cross_entropy_invariant(backend):
     # that the backward mutates; under batch invariance they are dummies, the same outputs)
     torch.library.opcheck(OPS.forward_op, OPS.args(call),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    out = LceOutputs._make(OPS.forward_op(*OPS.args(call)))
+    out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
     assert out.argmax.shape == (13,)
     bcall = LceBackwardCall(torch.randn_like(out.loss), torch.randn_like(out.lse), x.detach(), w.detach(), b.detach(),
-                            t, cw, out.lse.detach(), out.w_t, out.keep, out.keep_max, out.config, opts, backend, True,
-                            need, tp)
+                            t, cw, out.lse.detach(), out.w_t, out.keep, out.keep_max, None, opts, backend, True,
+                            need, tp, planned(call))
     torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))

@@ -129,15 +129,62 @@ def test_manual_capture(name):
                exact=name != "linear_log_probs_entropy_top_p")
 
 
-def test_custom_ops_run_between_graph_partitions():
-    """Every logitless custom op carries torch's ``cudagraph_unsafe`` tag: inductor runs it
-    between its CUDA-graph partitions (its Config output is a CPU tensor; truncation syncs)."""
+#: The ops whose backward op plans the Config again (their custom ops run inside CUDA graphs).
+REPLANNED = ("lce", "ce", "jsd", "linear_jsd", "topk_kl")
+ALL_OPS = REPLANNED + ("llp", "lp")
+
+
+def test_which_custom_ops_run_between_graph_partitions():
+    """An op whose Config crosses as a CPU tensor (``glue.Encoded``) carries torch's
+    ``cudagraph_unsafe`` tag: inductor runs it between its CUDA-graph partitions (truncation
+    syncs too). An op whose backward op plans its Config again (``Replanned``: ``REPLANNED``)
+    carries no tag and runs inside the graph."""
     from logitless.ops.common import glue
 
     assert len(glue.EAGER) >= 14, sorted(glue.EAGER)
     for name in glue.EAGER:
         op = getattr(torch.ops.logitless, name.split("::")[1]).default
-        assert torch.Tag.cudagraph_unsafe in op.tags, name
+        prefix = name.split("::")[1].rsplit("_", 1)[0]
+        if prefix not in ALL_OPS:
+            continue  # (an op a test defined)
+        assert (torch.Tag.cudagraph_unsafe not in op.tags) == (prefix in REPLANNED), name
+
+
+@gpu
+def test_linear_cross_entropy_replays_inside_the_graph(monkeypatch):
+    """Under reduce-overhead, once recorded, a step of linear_cross_entropy replays without
+    running the backend's forward and backward (the ops are inside the CUDA graph), and its loss and
+    gradients equal eager's bitwise at every replay, on new inputs."""
+    from logitless.ops.linear_cross_entropy.api import OPS
+
+    impl = OPS.table["triton"]
+    bodies: list = []
+    for body in ("forward", "backward"):
+        real = getattr(impl, body)
+        monkeypatch.setattr(impl, body, lambda *a, _real=real, _name=body, **k: (bodies.append(_name),
+                                                                                _real(*a, **k))[1])
+    torch._dynamo.reset()
+    try:
+        loss_fn = _case("linear_cross_entropy")
+        compiled = torch.compile(loss_fn, mode="reduce-overhead")
+        x, w = _inputs(0)
+        x.requires_grad_()
+        w.requires_grad_()
+        for seed in range(5):
+            x1, w1 = _inputs(seed)
+            with torch.no_grad():
+                x.copy_(x1)
+                w.copy_(w1)
+            x.grad = w.grad = None
+            bodies.clear()
+            loss = compiled(x, w)
+            loss.backward()
+            torch.cuda.synchronize()
+            if seed >= 3:  # (warm-up and recording done: a replay)
+                assert bodies == [], (seed, bodies)
+            _check((loss.detach().clone(), x.grad.clone(), w.grad.clone()), _eager(loss_fn, x1, w1), exact=True)
+    finally:
+        torch._dynamo.reset()
 
 
 def _no_syncs(monkeypatch) -> list:

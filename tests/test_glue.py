@@ -23,7 +23,7 @@ import logitless
 from logitless.ops.common.contract import BackendTable, ConfigCodec, Needs
 from logitless.ops.common.glue import Call, CustomOp, Encoded, Fields
 from logitless.ops.linear_cross_entropy import custom_op
-from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs
+from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs, LcePlanned
 from logitless.ops.linear_cross_entropy.torch_backend import TorchBackend
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 from tests.helpers import PassThrough
@@ -119,7 +119,11 @@ def test_fields_flatten_and_rebuild_by_name():
     assert isinstance(rest, str) and "'g'" in rest and "'torch'" in rest
     back = Fields(LceBackwardCall)
     assert "Tensor(a" in back.schema(3) and "!) keep" in back.schema(3)  # the mutated field
-    assert "budget" not in back.scalar_names  # nothing unread crosses into the backward
+    # The Config does not cross (the backward op plans it again from the forward's scalars)
+    assert "config" not in back.names and back.replanned == ("config",) and "budget" in back.scalar_names
+    assert fields.build(flat).budget == 7 and back.build(back.flatten(LceBackwardCall(
+        None, None, x, w, None, t, None, t.float(), t.float(), t.float(), t.float(), "an object", call.opts, "torch",
+        False, Needs(), call.tp, LcePlanned(7, True, False, False, True)))).config is None
 
 
 def test_packed_scalars_are_checked():
@@ -172,14 +176,14 @@ def test_one_differentiable_input_has_one_tensor_returned():
     """A backward op of one gradient (cross_entropy's d logits) has one Tensor return, not a
     tuple; the glue hands autograd that gradient on both paths, the same bits."""
     from logitless.ops.cross_entropy.api import OPS
-    from logitless.ops.cross_entropy.contract import CeBackwardCall, CeCall, CeOutputs
+    from logitless.ops.cross_entropy.contract import CeBackwardCall, CeCall
 
     assert len(torch.ops.logitless.ce_backward.default._schema.returns) == 1
     g = torch.Generator().manual_seed(1)
     z0, t = torch.randn(6, 13, generator=g), torch.randint(0, 13, (6,), generator=g)
     opts = CrossEntropyOptions(label_smoothing=0.1)
-    out = CeOutputs._make(OPS.forward_op(*OPS.args(CeCall(z0, t, None, opts, "torch", 1 << 20, True))))
-    b = CeBackwardCall(torch.tensor(1.0), None, z0, t, None, out.lse, out.w_t, out.config, opts, "torch")
+    out = OPS.outputs_of(OPS.forward_op(*OPS.args(CeCall(z0, t, None, opts, "torch", 1 << 20, True))))
+    b = CeBackwardCall(torch.tensor(1.0), None, z0, t, None, out.lse, out.w_t, None, opts, "torch", 1 << 20)
     assert isinstance(OPS.backward_op(*OPS.backward_args(b)), Tensor)
     grads = []
     for mode in (None, PassThrough()):

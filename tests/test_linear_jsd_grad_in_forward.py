@@ -173,7 +173,7 @@ def test_a_strategy_of_the_forward_op(calls, allowed):
     gradient outputs and the usual backward, with the same loss."""
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_jsd.api import OPS
-    from logitless.ops.linear_jsd.contract import LjsdCall, LjsdOutputs
+    from logitless.ops.linear_jsd.contract import LjsdCall
     from logitless.options import JSDOptions, VocabParallelOptions
 
     xs, ws, xt, wt, t, kw = make_inputs((9,), 16, 12, 37, torch.float32, {"_bias": True}, seed=4)
@@ -183,7 +183,7 @@ def test_a_strategy_of_the_forward_op(calls, allowed):
     with override(strategy=("grad_in_forward", 4)):
         torch.library.opcheck(OPS.forward_op, OPS.args(call),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        out = LjsdOutputs._make(OPS.forward_op(*OPS.args(call)))
+        out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
     loss, gx, gw, gb = out.loss, out.gx, out.gw, out.gb
     assert (gx.shape, gw.shape, gb.shape) == ((xs.shape, ws.shape, bs.shape) if allowed else ((0,),) * 3)
     assert bool(calls) == allowed and set(calls) <= {4}

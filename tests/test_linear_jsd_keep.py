@@ -108,7 +108,7 @@ def test_a_strategy_of_the_forward_op(kept):
     padded to 8 elements; opcheck), the backward op uses it."""
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_jsd.api import OPS
-    from logitless.ops.linear_jsd.contract import LjsdCall, LjsdOutputs
+    from logitless.ops.linear_jsd.contract import LjsdCall
     from logitless.options import JSDOptions, VocabParallelOptions
 
     xs, ws, xt, wt, t, kw = make_inputs((9,), 16, 12, 37, torch.float32, {"_bias": True}, seed=4)
@@ -118,7 +118,7 @@ def test_a_strategy_of_the_forward_op(kept):
     with override(strategy=("keep", 4)):
         torch.library.opcheck(OPS.forward_op, OPS.args(call),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        out = LjsdOutputs._make(OPS.forward_op(*OPS.args(call)))
+        out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
     assert out.keep.shape == (9, 40) and out.gx.shape == (0,)
     grads = torch.autograd.grad(out.loss * 0.5, (xs, ws, bs))
     ref = logitless.linear_jsd(xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt, reduction="sum",

@@ -21,7 +21,7 @@ from logitless import cross_entropy, linear_cross_entropy
 from logitless.ops.common.contract import Needs
 from logitless.ops.cross_entropy.reference import cross_entropy_reference
 from logitless.ops.linear_cross_entropy.api import OPS as LCE
-from logitless.ops.linear_cross_entropy.contract import LceCall, LceOutputs
+from logitless.ops.linear_cross_entropy.contract import LceCall
 from logitless.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 from tests.conftest import DEVICE, HAS_CUDA
@@ -411,7 +411,7 @@ def test_grad_in_forward_through_the_op(chunk):
     with override(strategy=("grad_in_forward", chunk)):
         torch.library.opcheck(LCE.forward_op, LCE.args(call),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        out = LceOutputs._make(LCE.forward_op(*LCE.args(call)))
+        out = LCE.outputs_of(LCE.forward_op(*LCE.args(call)))
     loss = out.loss
     assert out.gx.shape == x.shape  # gx: the forward used the strategy
     grads = torch.autograd.grad(loss * 0.5, (x, w, b))
@@ -523,7 +523,7 @@ def test_backward_gets_no_zero_filled_gradients_for_side_outputs():
     call = LceCall(x.detach(), w.detach(), b.detach(), t, None, CrossEntropyOptions(), "triton", budget,
                    need_argmax=False, need_grad=True, grad_in_forward=False, need=Needs(True, True, True),
                    batch_invariant=False, tp=VocabParallelOptions())
-    kept = LceOutputs._make(LCE.forward_op(*LCE.args(call))).keep
+    kept = LCE.outputs_of(LCE.forward_op(*LCE.args(call))).keep
     assert kept.shape[0] == 40 and kept.shape[1] >= 104  # the forward did keep columns
 
     class Zeros(TorchDispatchMode):

@@ -12,7 +12,11 @@ positional from the declarations:
   packed in at most three (``Fields``: ints, floats, the rest as a string). ``differentiable`` names the inputs that
   get gradients (in the order the backward returns them); ``mutated`` the tensors the op
   writes. A field of type ``Encoded`` is a backend's Config: the object on the eager
-  path, its encoding (``ConfigCodec``: a CPU int64 tensor) through the custom ops.
+  path, its encoding (``ConfigCodec``: a CPU int64 tensor) through the custom ops. A field
+  of type ``Replanned`` (a backward call's) is the Config too, but never crosses the
+  custom ops: the backward op re-derives it from its call (the op's ``replan``: the same
+  memoised plan the forward made), so the forward op has no Config output and both ops
+  may run inside a CUDA graph (``torch.compile(mode="reduce-overhead")``).
 - its **outputs** (a ``typing.NamedTuple`` of tensors; ``config``: the backend's Config). An
   ``Optional[Tensor]`` output may be None (absent): so on the eager path, a size-0 tensor of
   the call's first tensor's dtype and device through the custom ops (forward and fake); its
@@ -63,6 +67,11 @@ from logitless.planning import overrides as _overrides
 #: (a CPU int64 tensor, ``ConfigCodec``) through the custom ops.
 Encoded = NewType("Encoded", object)
 
+#: A backend's Config as a field of a backward call whose op re-plans it (``CustomOp``'s
+#: ``replan``): the object on the eager path; no argument of the custom ops (None there
+#: until ``replan`` fills it in the backward op).
+Replanned = NewType("Replanned", object)
+
 #: "logitless::<name>" -> the Python implementation behind the custom op (flat arguments):
 #: tests run it under dispatch modes, which otherwise see a custom op as one opaque call.
 EAGER: dict[str, Callable] = {}
@@ -70,7 +79,8 @@ EAGER: dict[str, Callable] = {}
 #: The scalar types of a call's fields (packed into its ``scalars`` argument: ``Fields``).
 _SCALARS = (bool, int, float, str)
 
-#: The custom ops' tags. ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
+#: The custom ops' tags of an op whose Config crosses as a tensor (``Encoded``; an op with
+#: ``replan`` has none). ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
 #: inductor runs each op between its CUDA-graph partitions, not inside one. A forward
 #: op's Config output is a CPU tensor, which a partition cannot hand on (inductor then
 #: returns the op's output tuple from the partition: ``AssertionError: <class 'tuple'>``
@@ -119,7 +129,8 @@ class Fields:
     arguments, 50 us at 15 on a CPU; docs/design.md "The glue").
 
     ``entries``: (name, kind, nested Fields or None) per field, kind "tensor", "encoded",
-    "scalar" or "options" (a dataclass flattened into its own fields)."""
+    "replanned" (no argument: None when built), "scalar" or "options" (a dataclass flattened
+    into its own fields)."""
 
     def __init__(self, cls: type, *, top: bool = True):
         self.cls = cls
@@ -139,6 +150,8 @@ class Fields:
                     alias = f"(a{len(self.schema_args)}!)"
                 self.entries.append((f.name, "encoded" if t is Encoded else "tensor", None))
                 self.schema_args.append(f"Tensor{alias}{q} {f.name}")
+            elif t is Replanned:  # (not an argument: the backward op re-plans it)
+                self.entries.append((f.name, "replanned", None))
             elif t in _SCALARS:
                 self.entries.append((f.name, "scalar", None))
                 self.scalars.append((f.name, t, optional))
@@ -165,6 +178,7 @@ class Fields:
             self.schema_args.extend(packed)
         self.names = tuple(a.rsplit(" ", 1)[1] for a in self.schema_args)
         self._tensor_fields = tuple(name for name, kind, _ in self.entries if kind in ("tensor", "encoded"))
+        self.replanned = tuple(name for name, kind, _ in self.entries if kind == "replanned")
         self._layout = functools.lru_cache(maxsize=256)(self._read)
 
     def schema(self, outputs: int) -> str:
@@ -237,6 +251,8 @@ class Fields:
     def build(self, args):
         """The object ``flatten`` flattened into ``args``."""
         kwargs = dict(zip(self._tensor_fields, args))
+        for name in self.replanned:
+            kwargs[name] = None
         if self.scalars:
             lists = {k: iter(a) for k, a in zip(self._lists, args[len(self._tensor_fields):])}
             values = (next(lists[src]) if src else value for src, value in self._layout(args[-1]))
@@ -347,19 +363,27 @@ def _named_tuple(name: str, fields: tuple[str, ...]) -> type[tuple[Any, ...]]:
 class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
     """An op's forward/backward custom-op pair, its autograd and its eager path (module
     docstring). ``table``: the op's backends by name (``api.BACKENDS``); ``call.backend``
-    names the one that runs, whose ``codec`` carries its Config across the custom ops.
-    Generic over the op's declarations (its call, outputs, backward call) and its backend
-    Protocol: a type checker checks the bodies against them."""
+    names the one that runs, whose ``codec`` carries its Config across the custom ops; or,
+    with ``replan(bcall, impl) -> Config`` (the backward call's Config field ``Replanned``),
+    the forward op has no Config output and the backward op re-derives it. Generic over
+    the op's declarations (its call, outputs, backward call) and its backend Protocol: a
+    type checker checks the bodies against them."""
 
     def __init__(self, name: str, call: type[CallT], outputs: type[OutT], backward_call: type[BwdT], *,
                  table: BackendTable[ImplT], forward: Callable[[CallT, ImplT], OutT],
                  fake: Callable[[CallT, ImplT], OutT], save: Callable[[Any, CallT, OutT], None],
                  backward: Callable[[Any, OutT, Any, Callable[[BwdT], tuple]], tuple],
                  backward_impl: Callable[[BwdT, ImplT], tuple], backward_fake: Callable[[BwdT, ImplT], tuple],
-                 title: Optional[str] = None, codec: Optional[Callable[[CallT, ImplT], ConfigCodec]] = None):
+                 title: Optional[str] = None, codec: Optional[Callable[[CallT, ImplT], ConfigCodec]] = None,
+                 replan: Optional[Callable[[BwdT, ImplT], Any]] = None):
         self.name, self.title, self.table, self.outputs = name, title or name, table, outputs
         self._codec = codec or (lambda call, impl: impl.codec)
         self.fields, self.backward_fields = Fields(call), Fields(backward_call)
+        self._replan = replan
+        if (replan is None) != (not self.backward_fields.replanned):
+            raise TypeError(f"{name}: a backward call with a Replanned Config needs replan=, and replan= one")
+        #: The forward op's outputs: every field of ``outputs`` but ``config`` with ``replan``.
+        self.op_outputs = tuple(n for n in outputs._fields if not (replan and n == "config"))
         self.tensor_names = self.fields.tensors()
         self.differentiable = call.differentiable
         hints = typing.get_type_hints(outputs)
@@ -371,11 +395,13 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self._forward, self._fake, self._save = forward, fake, save
         self._backward, self._backward_impl, self._backward_fake = backward, backward_impl, backward_fake
 
+        tags = () if replan else _TAGS
         self.forward_op = self._define(f"{name}_forward", self._forward_op_impl,
-                                       self.fields.schema(len(outputs._fields)), call.mutated)
+                                       self.fields.schema(len(self.op_outputs)), call.mutated, tags)
         self.forward_op.register_fake(self._forward_op_fake)
         self.backward_op = self._define(f"{name}_backward", self._backward_op_impl,
-                                        self.backward_fields.schema(len(call.differentiable)), backward_call.mutated)
+                                        self.backward_fields.schema(len(call.differentiable)), backward_call.mutated,
+                                        tags)
         self.backward_op.register_fake(self._backward_op_fake)
         self.forward_op.register_autograd(self._custom_backward, setup_context=self._custom_setup)
 
@@ -392,9 +418,9 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self.apply = function.apply
 
     @staticmethod
-    def _define(name: str, fn: Callable, schema: str, mutated: tuple):
+    def _define(name: str, fn: Callable, schema: str, mutated: tuple, tags: tuple):
         EAGER[f"logitless::{name}"] = fn
-        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutated, schema=schema, tags=_TAGS)
+        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutated, schema=schema, tags=tags)
 
     # ---------------------------------------------------------------- running a call
 
@@ -403,7 +429,15 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         get = call.__getattribute__  # (map, not comprehensions: no frames per call)
         if eager_fast_path_ok(map(get, self.tensor_names)):
             return self.outputs._make(self.apply(call, *map(get, self.differentiable)))
-        return self.outputs._make(self.forward_op(*self.args(call)))
+        return self.outputs_of(self.forward_op(*self.args(call)))
+
+    def outputs_of(self, flat) -> OutT:
+        """The ``Outputs`` of the forward op's flat outputs (``config`` None with ``replan``)."""
+        if self._replan is None:
+            return self.outputs._make(flat)
+        out = list(flat)
+        out.insert(self.outputs._fields.index("config"), None)
+        return self.outputs._make(out)
 
     def args(self, call: CallT) -> tuple:
         """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``)."""
@@ -432,12 +466,20 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         call = self.fields.build(args)
         impl = self.table[call.backend]
         out: Any = self._forward(call, impl)  # (an op's Outputs has ``config``: OutT does not say)
+        if self._replan is not None:
+            return self._op_outputs(self._present(call, out))
         return tuple(self._present(call, out._replace(config=self._codec(call, impl).encode(out.config))))
+
+    def _op_outputs(self, out) -> tuple:
+        """``out`` without its ``config`` (an op with ``replan``)."""
+        return tuple(getattr(out, n) for n in self.op_outputs)
 
     def _forward_op_fake(self, *args):
         call = self.fields.build(args)
         impl = self.table[call.backend]
         out: Any = self._fake(call, impl)  # (as above)
+        if self._replan is not None:
+            return self._op_outputs(self._present(call, out))
         if out.config is None:
             out = out._replace(config=self._codec(call, impl).fake())
         return tuple(self._present(call, out))
@@ -450,8 +492,11 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         return out
 
     def _backward_op_impl(self, *args):
-        b = self.backward_fields.build(args)
-        return _returned(tuple(self._backward_impl(b, self.table[b.backend])))
+        b: Any = self.backward_fields.build(args)
+        impl = self.table[b.backend]
+        if self._replan is not None:  # (the Config: the forward's plan, from the memo)
+            b = dataclasses.replace(b, **{name: self._replan(b, impl) for name in self.backward_fields.replanned})
+        return _returned(tuple(self._backward_impl(b, impl)))
 
     def _backward_op_fake(self, *args):
         b = self.backward_fields.build(args)
@@ -464,11 +509,10 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self._save(ctx, call, out)
 
     def _custom_setup(self, ctx, inputs, output) -> None:
-        self._setup(ctx, self.fields.build(inputs), self.outputs._make(output))
+        self._setup(ctx, self.fields.build(inputs), self.outputs_of(output))
 
-    def _gradients(self, ctx, grads: tuple, needs: tuple) -> tuple:
+    def _gradients(self, ctx, grads: OutT, needs: tuple) -> tuple:
         need = self.need_type(*needs)
-        grads = self.outputs._make(grads)
         if not any(need):
             return (None,) * len(need)
         state = ctx.overrides
@@ -485,11 +529,11 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
 
     def _eager_backward(self, ctx, *grads):
         needs = ctx.needs_input_grad[1:]
-        return (None, *self._gradients(ctx, grads, needs))
+        return (None, *self._gradients(ctx, self.outputs._make(grads), needs))
 
     def _custom_backward(self, ctx, *grads):
         needs = tuple(ctx.needs_input_grad[i] for i in self.grad_positions)
         out = [None] * self.num_inputs
-        for i, g in zip(self.grad_positions, self._gradients(ctx, grads, needs)):
+        for i, g in zip(self.grad_positions, self._gradients(ctx, self.outputs_of(grads), needs)):
             out[i] = g
         return tuple(out)

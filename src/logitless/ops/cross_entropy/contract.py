@@ -29,7 +29,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import Backend
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import CrossEntropyOptions
 
 
@@ -97,7 +97,8 @@ class CeOutputs(NamedTuple):
 @dataclass(frozen=True)
 class CeBackwardCall(Call):
     """One call of the backward op (-> d loss / d logits): the upstream gradients of the
-    loss and of the lse, the forward's inputs, statistics and Config."""
+    loss and of the lse, the forward's inputs, statistics and Config (the object on the eager
+    path; through the custom ops planned again from the logits and ``budget``)."""
 
     grad_loss: Tensor
     grad_lse: Optional[Tensor]
@@ -106,6 +107,7 @@ class CeBackwardCall(Call):
     class_weight: Optional[Tensor]
     lse: Tensor
     w_t: Tensor
-    config: Encoded
+    config: Replanned
     opts: CrossEntropyOptions
     backend: str
+    budget: int

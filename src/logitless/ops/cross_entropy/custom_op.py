@@ -79,15 +79,23 @@ def write_grad(b: CeBackwardCall, impl: CeBackend, out: Tensor) -> None:
         coef = grad_coefficients(b.lse, b.target, g, v, b.class_weight, opts)
         if b.grad_lse is not None:  # d lse / d z_c = p_c: the A term, at every token
             coef[0] += b.grad_lse.to(coef.dtype)
-        impl.backward(logits, b.target, b.class_weight, opts.softcap, b.lse, coef, out,
-                      impl.codec.decode(b.config))
+        impl.backward(logits, b.target, b.class_weight, opts.softcap, b.lse, coef, out, b.config)
 
 
 def backward_impl(b: CeBackwardCall, impl: CeBackend) -> tuple[Tensor]:
-    """(d loss / d logits,): a new tensor; ``b.config``: the forward's (the object, or its encoding)."""
+    """(d loss / d logits,): a new tensor; ``b.config``: the forward's."""
     out = torch.empty_like(b.logits)
     write_grad(b, impl, out)
     return (out,)
+
+
+def replan(b: CeBackwardCall, impl: CeBackend):
+    """The forward's Config of ``b`` (the backward custom op's), planned again from the same
+    logits and budget (the planner is memoised: the forward's object); None without tokens."""
+    if b.logits.shape[0] == 0:
+        return None
+    with no_autocast(b.logits.device):
+        return impl.plan(b.logits, budget=b.budget)
 
 
 def backward_fake(b: CeBackwardCall, impl: CeBackend) -> tuple[Tensor]:
@@ -98,11 +106,8 @@ def save(ctx, call: CeCall, out: CeOutputs) -> None:
     """Saved: logits, target, class_weight, lse, w_t; on ctx: the options, the backend, the
     Config. Gradients are not materialised (an unused loss or lse gets None)."""
     ctx.save_for_backward(call.logits, call.target, call.class_weight, out.lse, out.w_t)
-    ctx.opts, ctx.backend, ctx.config = call.opts, call.backend, out.config
-    if isinstance(out.config, Tensor):
-        ctx.mark_non_differentiable(out.argmax, out.w_t, out.config)
-    else:  # (the eager path's Config is the object)
-        ctx.mark_non_differentiable(out.argmax, out.w_t)
+    ctx.opts, ctx.backend, ctx.config, ctx.budget = call.opts, call.backend, out.config, call.budget
+    ctx.mark_non_differentiable(out.argmax, out.w_t)
     ctx.set_materialize_grads(False)
 
 
@@ -117,13 +122,14 @@ def backward(ctx, grads: CeOutputs, need, run) -> tuple:
     grad_loss = grads.loss if grads.loss is not None else _zero_grad_loss(ctx.opts, lse)
     # (in declared order: positional arguments cost less per call than keywords)
     return run(CeBackwardCall(grad_loss, grads.lse, logits, target, class_weight, lse, w_t, ctx.config, ctx.opts,
-                              ctx.backend))
+                              ctx.backend, ctx.budget))
 
 
 def define(backends: BackendTable[CeBackend]) -> CustomOp[CeCall, CeOutputs, CeBackwardCall, CeBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, CeCall, CeOutputs, CeBackwardCall, table=backends, forward=forward, fake=fake, save=save,
-                    backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
+                    backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP,
+                    replan=replan)
 
 
 _SPENT = (
@@ -143,7 +149,7 @@ class InplaceCrossEntropy(torch.autograd.Function):
     def forward(ctx, call: CeCall, impl: CeBackend, logits: Tensor):
         out = forward(call, impl)
         ctx.save_for_backward(logits, call.target, call.class_weight, out.lse, out.w_t)
-        ctx.opts, ctx.impl, ctx.config, ctx.spent = call.opts, impl, out.config, False
+        ctx.opts, ctx.impl, ctx.config, ctx.budget, ctx.spent = call.opts, impl, out.config, call.budget, False
         ctx.mark_non_differentiable(out.argmax)
         ctx.set_materialize_grads(False)
         return out.loss, out.lse, out.argmax
@@ -163,7 +169,7 @@ class InplaceCrossEntropy(torch.autograd.Function):
         if grad_loss is None:  # only lse was used
             grad_loss = _zero_grad_loss(ctx.opts, lse)
         b = CeBackwardCall(grad_loss, grad_lse, logits, target, class_weight, lse, w_t, ctx.config, ctx.opts,
-                           ctx.impl.name)
+                           ctx.impl.name, ctx.budget)
         write_grad(b, ctx.impl, logits)
         ctx.spent = True
         # Autograd nodes that saved these logits now fail loudly instead of reading

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 from torch import Tensor
 
 from logitless.ops.common.contract import Backend
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import JSDOptions
 from logitless.planning.logits import CETritonPlan, JSDStatsPlan
 
@@ -103,13 +103,15 @@ class JsdOutputs(NamedTuple):
 @dataclass(frozen=True)
 class JsdBackwardCall(Call):
     """One call of the backward op (-> d loss / d student logits): the per-token loss's
-    upstream gradient, the forward's inputs, statistics and Config."""
+    upstream gradient, the forward's inputs, statistics and Config (the object on the eager
+    path; through the custom ops planned again from both logits and ``budget``)."""
 
     grad_loss: Tensor
     student_logits: Tensor
     teacher_logits: Tensor
     target: Tensor
     stats: Tensor
-    config: Encoded
+    config: Replanned
     opts: JSDOptions
     backend: str
+    budget: int

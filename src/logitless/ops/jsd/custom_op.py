@@ -57,13 +57,23 @@ def fake(call: JsdCall, impl: JsdBackend) -> JsdOutputs:
 
 def backward_impl(b: JsdBackwardCall, impl: JsdBackend) -> tuple[Tensor]:
     """(d loss / d student logits,) (N, V), in the student logits' dtype; ``b.config``: the
-    forward's (the object, or its encoding)."""
+    forward's."""
     zs = b.student_logits
     if zs.shape[0] == 0:
         return (torch.zeros_like(zs),)
     g = upstream(b.grad_loss, b.target, b.opts.ignore_index)
     with no_autocast(zs.device):
-        return (impl.backward(g, zs, b.teacher_logits, b.target, b.stats, b.opts, impl.codec.decode(b.config)),)
+        return (impl.backward(g, zs, b.teacher_logits, b.target, b.stats, b.opts, b.config),)
+
+
+def replan(b: JsdBackwardCall, impl: JsdBackend):
+    """The forward's Config of ``b`` (the backward custom op's), planned again from the same
+    logits and budget (the planner is memoised: the forward's object); None without tokens."""
+    zs = b.student_logits
+    if zs.shape[0] == 0:
+        return None
+    with no_autocast(zs.device):
+        return impl.plan(zs, b.teacher_logits, budget=b.budget)
 
 
 def backward_fake(b: JsdBackwardCall, impl: JsdBackend) -> tuple[Tensor]:
@@ -74,11 +84,8 @@ def save(ctx, call: JsdCall, out: JsdOutputs) -> None:
     """Saved: the logits, target, stats; on ctx: the options, the backend, the Config.
     Gradients are materialised (an unused loss gets a zero gradient)."""
     ctx.save_for_backward(call.student_logits, call.teacher_logits, call.target, out.stats)
-    ctx.opts, ctx.backend, ctx.config = call.opts, call.backend, out.config
-    if isinstance(out.config, Tensor):
-        ctx.mark_non_differentiable(out.stats, out.config)
-    else:  # (the eager path's Config is the object)
-        ctx.mark_non_differentiable(out.stats)
+    ctx.opts, ctx.backend, ctx.config, ctx.budget = call.opts, call.backend, out.config, call.budget
+    ctx.mark_non_differentiable(out.stats)
 
 
 def backward(ctx, grads: JsdOutputs, need, run) -> tuple:
@@ -86,10 +93,11 @@ def backward(ctx, grads: JsdOutputs, need, run) -> tuple:
     student_logits, teacher_logits, target, stats = ctx.saved_tensors
     # (in declared order: positional arguments cost less per call than keywords)
     return run(JsdBackwardCall(grads.loss, student_logits, teacher_logits, target, stats, ctx.config, ctx.opts,
-                               ctx.backend))
+                               ctx.backend, ctx.budget))
 
 
 def define(backends: BackendTable[JsdBackend]) -> CustomOp[JsdCall, JsdOutputs, JsdBackwardCall, JsdBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, JsdCall, JsdOutputs, JsdBackwardCall, table=backends, forward=forward, fake=fake,
-                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
+                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP,
+                    replan=replan)

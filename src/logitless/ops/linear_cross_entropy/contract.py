@@ -12,8 +12,11 @@ in ``api.BACKENDS``) is an ``LceBackend``. Per call, in this order:
                                   lse, coef, config, kept=out.kept, need_dx=..., ...)
 
 ``config`` is the backend's frozen Config (``TorchConfig``, ``planning.plans.LinearPlan``,
-``HelionConfig``): the backward gets the forward's, never a new one; it crosses the custom
-ops as ``backend.codec`` encodes it. The vocab-parallel path (``vocab_parallel``) calls the
+``HelionConfig``): the backward gets the forward's. On the eager path the object itself;
+through the custom ops the backward op plans it again from the same inputs (``LcePlanned``,
+``custom_op.replan``): the planners are memoised pure functions of them, so it is the
+forward's object, and no Config crosses the ops as a tensor (they may run inside a CUDA
+graph). The vocab-parallel path (``vocab_parallel``) calls the
 same methods on a rank's rows (``loss=False``: the statistics to merge; ``dx_acc``: dx as the
 fp32 partial sum).
 """
@@ -27,7 +30,7 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 
@@ -158,10 +161,23 @@ class LceOutputs(NamedTuple):
 
 
 @dataclass(frozen=True)
+class LcePlanned:
+    """The scalars an ``LceCall``'s Config was planned with (its fields of the same names;
+    ``dw``: ``need.need_dw``), carried to the backward op, which plans it again from them."""
+
+    budget: int
+    need_argmax: bool
+    need_grad: bool
+    grad_in_forward: bool
+    dw: bool
+
+
+@dataclass(frozen=True)
 class LceBackwardCall(Call):
     """One call of the backward op: the upstream gradients of the loss (None: not
     materialised, under ``batch_invariant``) and of the lse, the forward's inputs and
-    statistics, its kept columns (overwritten with dz) and Config."""
+    statistics, its kept columns (overwritten with dz) and Config (the object on the eager
+    path; through the custom ops planned again from ``planned``)."""
 
     mutated = ("keep",)
 
@@ -176,9 +192,10 @@ class LceBackwardCall(Call):
     w_t: Tensor
     keep: Tensor
     keep_max: Tensor
-    config: Encoded
+    config: Replanned
     opts: CrossEntropyOptions
     backend: str
     batch_invariant: bool
     need: Needs
     tp: VocabParallelOptions
+    planned: LcePlanned

@@ -5,7 +5,9 @@ schemas, the flattening and the autograd wiring from those declarations.
 
 The forward plans the call ONCE (``backend.plan``: the backend's frozen Config); the
 forward, its gradient-in-forward strategy (the Config picks it where ``grad_in_forward``
-allows it), the fake's kept shapes and the backward follow that Config. ``keep``/``keep_max``
+allows it), the fake's kept shapes and the backward follow that Config: on the eager path
+the object; the backward custom op plans it again (``replan``) from the call's inputs and
+``contract.LcePlanned`` (the memoised planners give the forward's Config). ``keep``/``keep_max``
 serve the first backward only (``_backward``: a second one, retain_graph=True, recomputes).
 With ``batch_invariant`` the Config is an ``invariant.Blocked`` one: the forward runs on
 row blocks of the backend's ``invariant_rows`` (the last padded with ignored zero rows:
@@ -34,11 +36,16 @@ from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
-from .contract import LceBackend, LceBackwardCall, LceCall, LceOutputs
+from .contract import LceBackend, LceBackwardCall, LceCall, LceOutputs, LcePlanned
 
 #: The custom ops: logitless::lce_forward, logitless::lce_backward.
 NAME = "lce"
 OP = "linear_cross_entropy"
+
+
+def planned(call: LceCall) -> LcePlanned:
+    """The scalars ``call``'s Config is planned with."""
+    return LcePlanned(call.budget, call.need_argmax, call.need_grad, call.grad_in_forward, call.need.need_dw)
 
 
 def _plan(impl: LceBackend, call: LceCall, x: Tensor, *, cute: bool = True) -> Any:
@@ -46,6 +53,26 @@ def _plan(impl: LceBackend, call: LceCall, x: Tensor, *, cute: bool = True) -> A
     return impl.plan(x, call.weight, call.bias, call.class_weight, call.opts, budget=call.budget,
                      need_grad=call.need_grad, need_argmax=call.need_argmax, grad_in_forward=call.grad_in_forward,
                      need_dw=call.need.need_dw, cute=cute)
+
+
+def replan(b: LceBackwardCall, impl: LceBackend) -> Any:
+    """The Config the forward of ``b`` planned, planned again from the same inputs (the
+    backward custom op's; the planners are memoised: the forward's object): ``_plan``'s,
+    ``vocab_parallel.plan``'s, or under ``batch_invariant`` the backward's over the batch
+    (``_backward_plan``: all the blocked backward reads)."""
+    p, x = b.planned, b.x
+    if x.shape[0] == 0:
+        return None
+    if b.batch_invariant:
+        return invariant.blocked(impl.codec.cls)(invariant.rows(impl, x.device), None, _backward_plan(impl, b, p))
+    with no_autocast(x.device):
+        if b.tp.tp_group:
+            from . import vocab_parallel
+
+            return vocab_parallel.plan(impl, x, b.weight, b.bias, b.class_weight, b.opts, b.tp, budget=p.budget,
+                                       need_argmax=p.need_argmax, need_grad=p.need_grad, need_dw=p.dw)
+        return impl.plan(x, b.weight, b.bias, b.class_weight, b.opts, budget=p.budget, need_grad=p.need_grad,
+                         need_argmax=p.need_argmax, grad_in_forward=p.grad_in_forward, need_dw=p.dw)
 
 
 def forward(call: LceCall, impl: LceBackend) -> LceOutputs:
@@ -115,7 +142,7 @@ def _blocked_forward(call: LceCall, impl: LceBackend) -> LceOutputs:
                 loss, lse, argmax, w_t = _block(impl, dataclasses.replace(block, x=xb, target=tb), config)
         parts.append([t[:n1 - n0] for t in (loss, lse, argmax, w_t)])
     loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
-    blocked = invariant.blocked(impl.codec.cls)(rows, config, _backward_plan(impl, call))
+    blocked = invariant.blocked(impl.codec.cls)(rows, config, _backward_plan(impl, call, planned(call)))
     sd = compute_dtype(x.dtype)
     return LceOutputs(reduce(loss, w_t, opts.reduction).to(sd), lse.to(sd), argmax, w_t.to(sd),
                       *nothing_kept(x), blocked, *[x.new_empty(0) for _ in range(3)])
@@ -139,11 +166,11 @@ def _block(impl: LceBackend, block: LceCall, config: Any) -> tuple[Tensor, Tenso
     return out.loss, out.stats.lse, argmax, out.w_t
 
 
-def _backward_plan(impl: LceBackend, call: LceCall) -> Any:
+def _backward_plan(impl: LceBackend, call: LceCall | LceBackwardCall, p: LcePlanned) -> Any:
     """A blocked call's Config of the backward over the whole batch (nothing kept), or None
     (no tokens or rows, or no gradient wanted)."""
     x, weight, bias, class_weight = call.x, call.weight, call.bias, call.class_weight
-    if not call.need_grad:
+    if not p.need_grad:
         return None
     if call.tp.tp_group:  # this rank's real rows (the vocab-parallel backward plans for them)
         from logitless.distributed import vocab_shard
@@ -157,8 +184,7 @@ def _backward_plan(impl: LceBackend, call: LceCall) -> Any:
         return None
     with no_autocast(x.device):
         return impl.plan(x, weight, bias, class_weight, dataclasses.replace(call.opts, reduction="none"),
-                         budget=call.budget, need_grad=False, need_argmax=False, need_dw=call.need.need_dw,
-                         cute=False)
+                         budget=p.budget, need_grad=False, need_argmax=False, need_dw=p.dw, cute=False)
 
 
 def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
@@ -235,16 +261,13 @@ def save(ctx, call: LceCall, out: LceOutputs) -> None:
     backward's), the gradient-in-forward strategy's gradients when the forward used them."""
     ctx.save_for_backward(call.x, call.weight, call.bias, call.target, call.class_weight, out.lse, out.w_t)
     ctx.opts, ctx.backend, ctx.tp, ctx.batch_invariant = call.opts, call.backend, call.tp, call.batch_invariant
-    ctx.config = out.config
+    ctx.config, ctx.planned = out.config, planned(call)  # (config: None through the custom ops: replanned)
     ctx.kept = (out.keep, out.keep_max)
     ctx.forward_grads = None
     if call.grad_in_forward and (out.gx.numel() or out.gw.numel() or out.gb.numel()):
         ctx.forward_grads = (out.gx, out.gw, out.gb)
         ctx.dtypes = (call.x.dtype, call.weight.dtype)
-    frozen = [out.argmax, out.w_t, out.keep, out.keep_max, out.gx, out.gw, out.gb]
-    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
-        frozen.append(out.config)
-    ctx.mark_non_differentiable(*frozen)
+    ctx.mark_non_differentiable(out.argmax, out.w_t, out.keep, out.keep_max, out.gx, out.gw, out.gb)
     ctx.set_materialize_grads(False)
 
 
@@ -264,7 +287,7 @@ def backward(ctx, grads: LceOutputs, need, run) -> tuple:
                       kept: tuple[Tensor, Tensor]) -> LceBackwardCall:
         keep, keep_max = kept
         return LceBackwardCall(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
-                               ctx.config, ctx.opts, ctx.backend, ctx.batch_invariant, needs, ctx.tp)
+                               ctx.config, ctx.opts, ctx.backend, ctx.batch_invariant, needs, ctx.tp, ctx.planned)
 
     if forward_grads is None:
         return run(backward_call(grad_loss, grads.lse, kept))
@@ -286,4 +309,4 @@ def define(backends: BackendTable[LceBackend], *, name: str = NAME, call: type[L
     with a new option field)."""
     return CustomOp(name, call, LceOutputs, backward_call, table=backends, forward=forward, fake=fake,
                     save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake,
-                    title=OP, codec=lambda call, impl: impl.codec.blocked if call.batch_invariant else impl.codec)
+                    title=OP, replan=replan)

@@ -63,6 +63,20 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
     return out
 
 
+def plan(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
+         opts: CrossEntropyOptions, tp: VocabParallelOptions, *, budget: int, need_argmax: bool, need_grad: bool,
+         need_dw: bool = True):
+    """The backend's Config of this rank's real rows (``forward``'s), or None (no tokens, or
+    a rank without real rows)."""
+    shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
+    w = shard.real_rows(weight)
+    if x.shape[0] == 0 or w.shape[0] == 0:
+        return None
+    cw = shard.class_slice(full_class_weight(class_weight, shard))
+    return impl.plan(x, w, shard.real_rows(bias), cw, opts, budget=budget, need_grad=need_grad,
+                     need_argmax=need_argmax, need_dw=need_dw)
+
+
 def forward(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
             budget: int, need_argmax: bool, need_grad: bool, need_dw: bool = True, ordered: bool = False,
@@ -91,8 +105,8 @@ def forward(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                                torch.zeros(n, dtype=torch.int64, device=x.device) if need_argmax else None)
         else:
             if config is None:
-                config = impl.plan(x, w, b, cw, opts, budget=budget, need_grad=need_grad, need_argmax=need_argmax,
-                                   need_dw=need_dw)
+                config = plan(impl, x, weight, bias, class_weight, opts, tp, budget=budget, need_grad=need_grad,
+                              need_argmax=need_argmax, need_dw=need_dw)
             local, _, _, kept, _ = impl.forward(x, w, b, t, cw, opts, config, need_argmax=need_argmax, loss=False)
         sd = local.lse.dtype
         tgt, smooth = local.target_logit, local.smooth_sum

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional, Protocol
 from torch import Tensor
 
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import JSDOptions, VocabParallelOptions
 from logitless.planning.logits import JSDStatsPlan
 from logitless.planning.plans import TorchPlan
@@ -204,11 +204,23 @@ class LjsdOutputs(NamedTuple):
 
 
 @dataclass(frozen=True)
+class LjsdPlanned:
+    """The scalars an ``LjsdCall``'s Config was planned with (its ``budget``,
+    ``grad_in_forward``; ``keeps``: its ``keep``), carried to the backward op, which plans
+    it again from them."""
+
+    budget: int
+    grad_in_forward: bool
+    keeps: bool
+
+
+@dataclass(frozen=True)
 class LjsdBackwardCall(Call):
     """One call of the backward op: the gradient of the (reduced) loss, the forward's
-    tensors and statistics, its Config (never a new plan: no budget), the options and
-    the student's gradients wanted; ``keep``: the forward's kept dz columns (a
-    ``NOTHING_KEPT`` dummy: none, or spent by a first backward)."""
+    tensors and statistics, its Config (the object on the eager path; through the custom
+    ops planned again from ``planned``: the forward's), the options and the student's
+    gradients wanted; ``keep``: the forward's kept dz columns (a ``NOTHING_KEPT`` dummy:
+    none, or spent by a first backward)."""
 
     grad_loss: Tensor
     student_x: Tensor
@@ -219,10 +231,11 @@ class LjsdBackwardCall(Call):
     teacher_bias: Optional[Tensor]
     target: Tensor
     stats: Tensor
-    config: Encoded
+    config: Replanned
     opts: JSDOptions
     reduction: str
     backend: str
     need: Needs
     tp: VocabParallelOptions
     keep: Tensor
+    planned: LjsdPlanned

@@ -15,7 +15,7 @@ this rank's blocks of rows of vocab-parallel heads (``vocab_parallel``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from logitless.ops.common.grad_in_forward import scale_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept_tensors, nothing_kept
 from logitless.ops.common.validate import check_targets_in_range
 
-from .contract import LjsdBackend, LjsdBackwardCall, LjsdCall, LjsdOutputs
+from .contract import LjsdBackend, LjsdBackwardCall, LjsdCall, LjsdOutputs, LjsdPlanned
 
 #: The custom ops: logitless::linear_jsd_forward, logitless::linear_jsd_backward.
 NAME = OP = "linear_jsd"
@@ -56,9 +56,7 @@ def forward(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
     need = call.need
     with no_autocast(xs.device):
         # The call's Config, once: the forward, its strategy and the backward follow it.
-        config = impl.plan(xs, ws, call.teacher_x, opts, budget=call.budget,
-                           grad_in_forward=call.grad_in_forward and reduction != "none",
-                           keep=call.keep and reduction != "none")
+        config = _plan(impl, call, planned(call))
         out = impl.forward(xs, ws, bs, call.teacher_x, call.teacher_weight, call.teacher_bias, target, opts, config,
                            reduction=reduction, need_dx=need.need_dx, need_dw=need.need_dw,
                            need_db=need.need_db and bs is not None)
@@ -71,6 +69,33 @@ def _outputs(x: Tensor, loss: Tensor, stats: Tensor, config, grads=None, kept=No
     kept columns or a ``NOTHING_KEPT`` dummy (a zero: every output of the op is defined)."""
     gx, gw, gb = [g if g is not None else x.new_empty(0) for g in (grads or (None,) * 3)]
     return LjsdOutputs(loss, stats, config, gx, gw, gb, kept if kept is not None else x.new_zeros(NOTHING_KEPT))
+
+
+def planned(call: LjsdCall) -> LjsdPlanned:
+    """The scalars ``call``'s Config is planned with."""
+    return LjsdPlanned(call.budget, call.grad_in_forward, call.keep)
+
+
+def _plan(impl: LjsdBackend, c: LjsdCall | LjsdBackwardCall, p: LjsdPlanned) -> Any:
+    """The backend's Config of a call on one device with n > 0 tokens (the forward's, and
+    ``replan``'s from the backward call: the same)."""
+    return impl.plan(c.student_x, c.student_weight, c.teacher_x, c.opts, budget=p.budget,
+                     grad_in_forward=p.grad_in_forward and c.reduction != "none",
+                     keep=p.keeps and c.reduction != "none")
+
+
+def replan(b: LjsdBackwardCall, impl: LjsdBackend) -> Any:
+    """The forward's Config of ``b`` (the backward custom op's), planned again from the same
+    inputs (the planners are memoised: the forward's object); None without tokens."""
+    xs = b.student_x
+    if xs.shape[0] == 0:
+        return None
+    with no_autocast(xs.device):
+        if b.tp.tp_group:
+            from . import vocab_parallel
+
+            return vocab_parallel.plan(impl, xs, b.student_weight, b.teacher_x, b.opts, b.tp, b.planned.budget)
+        return _plan(impl, b, b.planned)
 
 
 def fake(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
@@ -109,18 +134,15 @@ def fake(call: LjsdCall, impl: LjsdBackend) -> LjsdOutputs:
 def backward_impl(b: LjsdBackwardCall, impl: LjsdBackend):
     """(dx, dW, db) of the student; a size-0 tensor for each one not asked for.
     ``grad_loss``: the gradient of the forward's (reduced) loss; the backend turns it into
-    the per-token upstream gradient. ``config``: the forward's (the object, or its encoding;
-    its chunks are the budget's). ``keep``: the "keep" strategy's columns (dz for
-    grad_output = 1; the backend applies ``grad_loss``), or a ``NOTHING_KEPT`` dummy."""
+    the per-token upstream gradient. ``config``: the forward's (its chunks are the budget's).
+    ``keep``: the "keep" strategy's columns (dz for grad_output = 1; the backend applies
+    ``grad_loss``), or a ``NOTHING_KEPT`` dummy."""
     xs, ws, bs, need = b.student_x, b.student_weight, b.student_bias, b.need
     need_db = need.need_db and bs is not None
     if xs.shape[0] == 0:
         dx, dw, db = zero_grads(xs, ws, bs)
     else:
-        config = b.config
-        if isinstance(config, Tensor):  # (through the custom op; the eager path hands the object)
-            config = impl.codec.decode(config)
-        opts = b.opts
+        config, opts = b.config, b.opts
         heads = (xs, ws, bs, b.teacher_x, b.teacher_weight, b.teacher_bias, b.target, b.stats, opts)
         with no_autocast(xs.device):
             g = impl.upstream(b.grad_loss, b.target, opts.ignore_index, b.reduction)
@@ -150,16 +172,13 @@ def save(ctx, call: LjsdCall, out: LjsdOutputs) -> None:
     ctx.save_for_backward(call.student_x, call.student_weight, call.student_bias, call.teacher_x,
                           call.teacher_weight, call.teacher_bias, call.target, out.stats)
     ctx.opts, ctx.reduction, ctx.backend, ctx.tp = call.opts, call.reduction, call.backend, call.tp
-    ctx.config = out.config
+    ctx.config, ctx.planned = out.config, planned(call)  # (config: None through the custom ops: replanned)
     ctx.forward_grads = None
     ctx.kept = out.keep
     if call.grad_in_forward and (out.gx.numel() or out.gw.numel() or out.gb.numel()):
         ctx.forward_grads = (out.gx, out.gw, out.gb)
         ctx.dtypes = (call.student_x.dtype, call.student_weight.dtype)
-    if isinstance(out.config, Tensor):
-        ctx.mark_non_differentiable(out.stats, out.config, out.gx, out.gw, out.gb, out.keep)
-    else:  # (the eager path's Config is the object)
-        ctx.mark_non_differentiable(out.stats, out.gx, out.gw, out.gb, out.keep)
+    ctx.mark_non_differentiable(out.stats, out.gx, out.gw, out.gb, out.keep)
     ctx.set_materialize_grads(False)
 
 
@@ -178,10 +197,11 @@ def backward(ctx, grads: LjsdOutputs, need, run) -> tuple:
     return run(LjsdBackwardCall(grad_loss, xs, ws, bs, xt, wt, bt, target, stats, ctx.config, ctx.opts,
                                 ctx.reduction, ctx.backend, Needs(need.student_x, need.student_weight,
                                                                   need.student_bias), ctx.tp,
-                                kept if kept is not None else nothing_kept(xs)[0]))
+                                kept if kept is not None else nothing_kept(xs)[0], ctx.planned))
 
 
 def define(backends: BackendTable[LjsdBackend]) -> CustomOp[LjsdCall, LjsdOutputs, LjsdBackwardCall, LjsdBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, LjsdCall, LjsdOutputs, LjsdBackwardCall, table=backends, forward=forward, fake=fake,
-                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
+                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP,
+                    replan=replan)

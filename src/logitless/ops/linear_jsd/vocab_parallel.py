@@ -72,6 +72,18 @@ def _merge_kl_limits(pg, local: Tensor, local_t: Tensor, opts: JSDOptions) -> Te
     return stats
 
 
+def plan(impl: LjsdBackend, xs, ws, xt, opts: JSDOptions, tp: VocabParallelOptions, budget: int) -> Any:
+    """The backend's Config of this rank's real rows (``forward``'s), or None (no tokens, or a
+    rank without real rows). 0 < beta < 1 plans pass 1 as the forward KL (``forward``)."""
+    shard = vocab_shard(tp.tp_group, ws.shape[0], xs.device, tp.vocab_size)
+    ws = shard.real_rows(ws)
+    if xs.shape[0] == 0 or ws.shape[0] == 0:
+        return None
+    kl = opts.beta in (0.0, 1.0)
+    first = opts if kl else dataclasses.replace(opts, beta=0.0)
+    return impl.plan(xs, ws, xt, first, budget=budget, column_sums=not kl)
+
+
 def forward(impl: LjsdBackend, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions, tp: VocabParallelOptions,
             budget: int) -> tuple[Tensor, Tensor, Any]:
     """(per-token loss (N,), merged statistics (6, N), the backend's Config of this rank's
@@ -88,16 +100,15 @@ def forward(impl: LjsdBackend, xs, ws, bs, xt, wt, bt, target, opts: JSDOptions,
     if n == 0:
         stats = xs.new_zeros(NUM_STATS, 0, dtype=dtype)
         return token_loss(stats, target, v, opts).to(dtype), stats, None
+    config = plan(impl, xs, ws, xt, opts, tp, budget)
     ws, bs, wt, bt = shard.real_rows(ws), shard.real_rows(bs), shard.real_rows(wt), shard.real_rows(bt)
     local_t = shard.local_target(target)
     kl = opts.beta in (0.0, 1.0)
-    config = None
     if ws.shape[0]:
         # 0 < beta < 1 takes only the lse's (and the target logit) from pass 1: it runs as
         # the forward KL, whose statistics hold them and cost less (online sums; on the
         # Triton backend the fused forward where the cost model picks it)
         first = opts if kl else dataclasses.replace(opts, beta=0.0)
-        config = impl.plan(xs, ws, xt, first, budget=budget, column_sums=not kl)
         local = impl.forward(xs, ws, bs, xt, wt, bt, local_t, first, config).stats.to(dtype)
     else:
         local = torch.full((NUM_STATS, n), float("-inf"), dtype=dtype, device=xs.device)

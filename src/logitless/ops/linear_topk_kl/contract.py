@@ -28,7 +28,7 @@ from torch import Tensor
 
 from logitless.formulas.topk_kl import TopKStats
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import TopKKLOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 
@@ -141,7 +141,9 @@ class TopKOutputs(NamedTuple):
 @dataclass(frozen=True)
 class TopKBackwardCall(Call):
     """One call of the backward op: the upstream gradient of the loss, the forward's
-    inputs, its per-token results, its kept columns (overwritten with dz) and Config."""
+    inputs, its per-token results, its kept columns (overwritten with dz) and Config (the
+    object on the eager path; through the custom ops planned again from the inputs, ``budget``
+    and ``need_grad``: the forward's)."""
 
     mutated = ("keep",)
 
@@ -157,8 +159,10 @@ class TopKBackwardCall(Call):
     sparse: Tensor
     keep: Tensor
     keep_max: Tensor
-    config: Encoded
+    config: Replanned
     opts: TopKKLOptions
     backend: str
     need: Needs
     tp: VocabParallelOptions
+    budget: int
+    need_grad: bool

@@ -14,7 +14,7 @@ one, retain_graph=True, recomputes).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -144,6 +144,19 @@ def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
     return linear_backward(b, impl.codec, grads)
 
 
+def replan(b: TopKBackwardCall, impl: TopKBackend) -> Any:
+    """The forward's Config of ``b`` (the backward custom op's), planned again from the same
+    inputs (the planners are memoised: the forward's object); None without tokens."""
+    if b.ids.shape[0] == 0:
+        return None
+    with no_autocast(b.x.device):
+        if b.tp.tp_group:
+            from . import vocab_parallel
+
+            return vocab_parallel.plan(impl, b)
+        return impl.plan(b.x, b.weight, b.bias, b.opts, budget=b.budget, need_grad=b.need_grad, k=b.ids.shape[1])
+
+
 def backward_fake(b: TopKBackwardCall, impl: TopKBackend):
     return fake_grad_outputs(b.x, b.weight, b.bias, b.need.need_dx, b.need.need_dw, b.need.need_db)
 
@@ -155,12 +168,9 @@ def save(ctx, call: TopKCall, out: TopKOutputs) -> None:
     ctx.save_for_backward(call.x, call.weight, call.bias, call.ids, call.target, out.w, out.rows, out.coef,
                           out.sparse)
     ctx.opts, ctx.backend, ctx.tp = call.opts, call.backend, call.tp
-    ctx.config = out.config
+    ctx.config, ctx.planned = out.config, (call.budget, call.need_grad)  # (config: None through the custom ops)
     ctx.kept = (out.keep, out.keep_max)
-    frozen = [out.w, out.rows, out.coef, out.sparse, out.keep, out.keep_max]
-    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
-        frozen.append(out.config)
-    ctx.mark_non_differentiable(*frozen)
+    ctx.mark_non_differentiable(out.w, out.rows, out.coef, out.sparse, out.keep, out.keep_max)
     ctx.set_materialize_grads(False)
 
 
@@ -173,10 +183,12 @@ def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
         shape = w.shape if ctx.opts.reduction == "none" else ()
         grad_loss = torch.zeros(shape, dtype=w.dtype, device=w.device)
     return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, keep, keep_max,
-                                ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp))
+                                ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp,
+                                *ctx.planned))
 
 
 def define(backends: BackendTable[TopKBackend]) -> CustomOp[TopKCall, TopKOutputs, TopKBackwardCall, TopKBackend]:
     """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
     return CustomOp(NAME, TopKCall, TopKOutputs, TopKBackwardCall, table=backends, forward=forward, fake=fake,
-                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
+                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP,
+                    replan=replan)

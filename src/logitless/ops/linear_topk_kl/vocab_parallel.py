@@ -39,6 +39,17 @@ def vocab_size(call) -> int:
     return vocab_shard(call.tp.tp_group, call.weight.shape[0], call.x.device, call.tp.vocab_size).vocab_size
 
 
+def plan(impl: TopKBackend, call: TopKCall | TopKBackwardCall):
+    """The backend's Config of this rank's real rows (``forward``'s), or None (no tokens, or a
+    rank without real rows)."""
+    shard = vocab_shard(call.tp.tp_group, call.weight.shape[0], call.x.device, call.tp.vocab_size)
+    w = shard.real_rows(call.weight)
+    if call.ids.shape[0] == 0 or w.shape[0] == 0:
+        return None
+    return impl.plan(call.x, w, shard.real_rows(call.bias), call.opts, budget=call.budget, need_grad=call.need_grad,
+                     k=call.ids.shape[1])
+
+
 def forward(impl: TopKBackend, call: TopKCall):
     """(TopKStats of the full rows, kept or None, the Config or None)."""
     x, weight, ids, target, opts, tp = call.x, call.weight, call.ids, call.target, call.opts, call.tp
@@ -56,7 +67,7 @@ def forward(impl: TopKBackend, call: TopKCall):
         local = TopKStats(none, torch.zeros(n, k, dtype=sd, device=x.device), zero if opts.hard else None,
                           none if opts.hard_at_other_temperature else None)
     else:
-        config = impl.plan(x, w, b, opts, budget=call.budget, need_grad=call.need_grad, k=k)  # once
+        config = plan(impl, call)  # once
         out = impl.forward(x, w, b, ids - shard.start, shard.local_target(target), opts, config)
         local, kept = out.stats, out.kept
     lse1, z_t = local.lse1, local.z_t  # (present with those options)
