@@ -48,11 +48,10 @@ def planned(call: LceCall) -> LcePlanned:
     return LcePlanned(call.budget, call.need_argmax, call.need_grad, call.grad_in_forward, call.need.need_dw)
 
 
-def _plan(impl: LceBackend, call: LceCall, x: Tensor, *, cute: bool = True) -> Any:
-    """The backend's Config of ``call`` for the rows ``x``."""
-    return impl.plan(x, call.weight, call.bias, call.class_weight, call.opts, budget=call.budget,
-                     need_grad=call.need_grad, need_argmax=call.need_argmax, grad_in_forward=call.grad_in_forward,
-                     need_dw=call.need.need_dw, cute=cute)
+def _plan(impl: LceBackend, call: LceCall | LceBackwardCall, x: Tensor, p: LcePlanned, *, cute: bool = True) -> Any:
+    """The backend's Config of ``call`` (the forward's, or ``replan``'s) for the rows ``x``."""
+    return impl.plan(x, call.weight, call.bias, call.class_weight, call.opts, budget=p.budget, need_grad=p.need_grad,
+                     need_argmax=p.need_argmax, grad_in_forward=p.grad_in_forward, need_dw=p.dw, cute=cute)
 
 
 def replan(b: LceBackwardCall, impl: LceBackend) -> Any:
@@ -71,8 +70,7 @@ def replan(b: LceBackwardCall, impl: LceBackend) -> Any:
 
             return vocab_parallel.plan(impl, x, b.weight, b.bias, b.class_weight, b.opts, b.tp, budget=p.budget,
                                        need_argmax=p.need_argmax, need_grad=p.need_grad, need_dw=p.dw)
-        return impl.plan(x, b.weight, b.bias, b.class_weight, b.opts, budget=p.budget, need_grad=p.need_grad,
-                         need_argmax=p.need_argmax, grad_in_forward=p.grad_in_forward, need_dw=p.dw)
+        return _plan(impl, b, x, p)
 
 
 def forward(call: LceCall, impl: LceBackend) -> LceOutputs:
@@ -95,7 +93,8 @@ def forward(call: LceCall, impl: LceBackend) -> LceOutputs:
             stats = TokenStats(empty, empty, empty, target.new_empty(0, dtype=torch.int64))
             loss_tok, w_t = token_loss(stats, target, weight.shape[0], call.class_weight, opts)
             return _outputs(call, reduce(loss_tok, w_t, opts.reduction), empty, stats.argmax, w_t, None, None, None)
-        config = _plan(impl, call, x)  # the call's Config, once: the forward, its strategy and the backward follow it
+        # The call's Config, once: the forward, its strategy and the backward follow it.
+        config = _plan(impl, call, x, planned(call))
         need = call.need
         out = impl.forward(x, weight, call.bias, target, call.class_weight, opts, config,
                            need_argmax=call.need_argmax, need_dx=need.need_dx, need_dw=need.need_dw,
@@ -138,7 +137,7 @@ def _blocked_forward(call: LceCall, impl: LceBackend) -> LceOutputs:
             check_targets_in_range(tb, call.weight.shape[0], opts.ignore_index)
             with no_autocast(x.device):
                 if config is None and xb.shape[0]:
-                    config = _plan(impl, block, xb)  # the first block's Config serves every block
+                    config = _plan(impl, block, xb, planned(block))  # the first block's Config serves every block
                 loss, lse, argmax, w_t = _block(impl, dataclasses.replace(block, x=xb, target=tb), config)
         parts.append([t[:n1 - n0] for t in (loss, lse, argmax, w_t)])
     loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
@@ -196,12 +195,12 @@ def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
     loss = x.new_empty((n,) if call.opts.reduction == "none" else (), dtype=sd)
     grads = [x.new_empty(0) for _ in range(3)]
     kept = fake_kept_tensors(x)
-    planned: list[Any] = []
+    memo: list[Any] = []
 
     def config():
-        if not planned:
-            planned.append(_plan(impl, call, x, cute=False))
-        return planned[0]
+        if not memo:
+            memo.append(_plan(impl, call, x, planned(call), cute=False))
+        return memo[0]
 
     if call.batch_invariant:
         pass  # nothing kept, no gradient in the forward

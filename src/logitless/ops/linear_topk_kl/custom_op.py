@@ -168,7 +168,8 @@ def save(ctx, call: TopKCall, out: TopKOutputs) -> None:
     ctx.save_for_backward(call.x, call.weight, call.bias, call.ids, call.target, out.w, out.rows, out.coef,
                           out.sparse)
     ctx.opts, ctx.backend, ctx.tp = call.opts, call.backend, call.tp
-    ctx.config, ctx.planned = out.config, (call.budget, call.need_grad)  # (config: None through the custom ops)
+    ctx.config = out.config  # (None through the custom ops: the backward op plans it again)
+    ctx.budget, ctx.need_grad = call.budget, call.need_grad
     ctx.kept = (out.keep, out.keep_max)
     ctx.mark_non_differentiable(out.w, out.rows, out.coef, out.sparse, out.keep, out.keep_max)
     ctx.set_materialize_grads(False)
@@ -184,7 +185,7 @@ def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
         grad_loss = torch.zeros(shape, dtype=w.dtype, device=w.device)
     return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, keep, keep_max,
                                 ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp,
-                                *ctx.planned))
+                                ctx.budget, ctx.need_grad))
 
 
 def define(backends: BackendTable[TopKBackend]) -> CustomOp[TopKCall, TopKOutputs, TopKBackwardCall, TopKBackend]:
