@@ -290,3 +290,30 @@ def test_optional_outputs_and_a_single_gradient(toy_op, path, square):
                             toy_op.forward_op(*toy_op.args(call))[2], "toy")
     torch.library.opcheck(toy_op.backward_op, toy_op.backward_args(bcall))
     assert isinstance(toy_op.backward_op(*toy_op.backward_args(bcall)), Tensor)
+
+
+def test_compiled_backward_plans_under_the_forward_overrides():
+    """An op whose backward op plans the Config again (``replan``) hands both its custom ops
+    the planner overrides the call was made under: a compiled call made inside
+    ``override(tiles=...)`` whose backward runs outside it (as autograd's device thread
+    always does) keeps the forward's kept-column layout. Before, the backward planned
+    with the default tiles and read the kept tile maxima wrongly: NaN gradients."""
+    from logitless.planning.overrides import override
+
+    g = torch.Generator().manual_seed(3)
+    x0, w0 = torch.randn(40, 32, generator=g), torch.randn(1001, 32, generator=g) * 32 ** -0.5
+    t = torch.randint(0, 1001, (40,), generator=g)
+
+    def loss(x, w):
+        return logitless.linear_cross_entropy(x, w, t, backend="triton")
+
+    results = []
+    for fn in (loss, torch.compile(loss, dynamic=False, fullgraph=True)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with override(tiles=(32, 64, 16, 4, 1)):  # (the default interpreter tiles are 16 x 32)
+            out = fn(x, w)
+        results.append((out.detach(), *torch.autograd.grad(out, (x, w))))
+    torch._dynamo.reset()
+    for eager, compiled in zip(*results):
+        assert torch.isfinite(compiled).all()
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)

@@ -72,6 +72,22 @@ Encoded = NewType("Encoded", object)
 #: until ``replan`` fills it in the backward op).
 Replanned = NewType("Replanned", object)
 
+
+@torch.compiler.assume_constant_result
+def _overrides_text() -> str:
+    """The planner overrides in effect as the text an op with ``replan`` hands both its
+    custom ops (its last argument; "" for none): both plan under the same overrides, the
+    backward op on whichever thread runs it. torch.compile takes the text at trace time
+    (a constant of the graph: a compiled call keeps the overrides it was traced under)."""
+    state = _overrides.current()
+    return "" if state is _overrides.DEFAULT else repr(dataclasses.astuple(state))
+
+
+@functools.lru_cache(maxsize=64)
+def _overrides_of(text: str) -> _overrides.Overrides:
+    """The overrides ``_overrides_text`` wrote."""
+    return _overrides.DEFAULT if not text else _overrides.Overrides(*ast.literal_eval(text))
+
 #: "logitless::<name>" -> the Python implementation behind the custom op (flat arguments):
 #: tests run it under dispatch modes, which otherwise see a custom op as one opaque call.
 EAGER: dict[str, Callable] = {}
@@ -181,8 +197,9 @@ class Fields:
         self.replanned = tuple(name for name, kind, _ in self.entries if kind == "replanned")
         self._layout = functools.lru_cache(maxsize=256)(self._read)
 
-    def schema(self, outputs: int) -> str:
-        return f"({', '.join(self.schema_args)}) -> ({', '.join(['Tensor'] * outputs)})"
+    def schema(self, outputs: int, extra: tuple[str, ...] = ()) -> str:
+        """The custom op's schema: these arguments (then ``extra``), ``outputs`` Tensors."""
+        return f"({', '.join([*self.schema_args, *extra])}) -> ({', '.join(['Tensor'] * outputs)})"
 
     def _values(self, obj) -> list:
         """The flattened scalar values of ``obj``, in ``scalars``' order."""
@@ -391,17 +408,18 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self.need_type = _named_tuple(f"{call.__name__}Need", call.differentiable)
         flat = self.fields.names
         self.grad_positions = tuple(flat.index(n) for n in call.differentiable)
-        self.num_inputs = len(flat)
+        self.num_inputs = len(flat) + (replan is not None)  # (with replan: the overrides argument last)
         self._forward, self._fake, self._save = forward, fake, save
         self._backward, self._backward_impl, self._backward_fake = backward, backward_impl, backward_fake
 
-        tags = () if replan else _TAGS
+        # With ``replan``: no tag, and the planner overrides as one more argument of each op.
+        tags, extra = ((), ("str overrides",)) if replan else (_TAGS, ())
         self.forward_op = self._define(f"{name}_forward", self._forward_op_impl,
-                                       self.fields.schema(len(self.op_outputs)), call.mutated, tags)
+                                       self.fields.schema(len(self.op_outputs), extra), call.mutated, tags)
         self.forward_op.register_fake(self._forward_op_fake)
         self.backward_op = self._define(f"{name}_backward", self._backward_op_impl,
-                                        self.backward_fields.schema(len(call.differentiable)), backward_call.mutated,
-                                        tags)
+                                        self.backward_fields.schema(len(call.differentiable), extra),
+                                        backward_call.mutated, tags)
         self.backward_op.register_fake(self._backward_op_fake)
         self.forward_op.register_autograd(self._custom_backward, setup_context=self._custom_setup)
 
@@ -440,12 +458,20 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         return self.outputs._make(out)
 
     def args(self, call: CallT) -> tuple:
-        """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``)."""
-        return tuple(self.fields.flatten(call))
+        """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``); with
+        ``replan``, the overrides in effect last."""
+        if self._replan is None:
+            return tuple(self.fields.flatten(call))
+        return (*self.fields.flatten(call), _overrides_text())
 
-    def backward_args(self, bcall: BwdT) -> tuple:
-        """The backward custom op's flat arguments for ``bcall``."""
-        return tuple(self.backward_fields.flatten(bcall))
+    def backward_args(self, bcall: BwdT, overrides: Optional[_overrides.Overrides] = None) -> tuple:
+        """The backward custom op's flat arguments for ``bcall``; with ``replan``, last the
+        forward's ``overrides`` (default: those in effect)."""
+        if self._replan is None:
+            return tuple(self.backward_fields.flatten(bcall))
+        state = _overrides.current() if overrides is None else overrides
+        text = "" if state is _overrides.DEFAULT else repr(dataclasses.astuple(state))
+        return (*self.backward_fields.flatten(bcall), text)
 
     def _runner(self, ctx) -> Callable[[BwdT], tuple]:
         """What runs a backward call (``backward``'s ``run``): the backward body, directly
@@ -456,18 +482,20 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
                     return tuple(self._backward_impl(b, self.table[b.backend]))
         else:
             def run(b: BwdT) -> tuple:
-                out = self.backward_op(*self.backward_args(b))
+                out = self.backward_op(*self.backward_args(b, ctx.overrides))
                 return (out,) if isinstance(out, Tensor) else tuple(out)  # (one gradient: a Tensor)
         return run
 
     # ---------------------------------------------------------------- custom-op bodies
 
     def _forward_op_impl(self, *args):
+        if self._replan is not None:  # (under the overrides the call was made with)
+            with _overrides.restored(_overrides_of(args[-1])):
+                call = self.fields.build(args[:-1])
+                return self._op_outputs(self._present(call, self._forward(call, self.table[call.backend])))
         call = self.fields.build(args)
         impl = self.table[call.backend]
         out: Any = self._forward(call, impl)  # (an op's Outputs has ``config``: OutT does not say)
-        if self._replan is not None:
-            return self._op_outputs(self._present(call, out))
         return tuple(self._present(call, out._replace(config=self._codec(call, impl).encode(out.config))))
 
     def _op_outputs(self, out) -> tuple:
@@ -475,11 +503,13 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         return tuple(getattr(out, n) for n in self.op_outputs)
 
     def _forward_op_fake(self, *args):
+        if self._replan is not None:  # (the kept shapes: planned as the forward plans)
+            with _overrides.restored(_overrides_of(args[-1])):
+                call = self.fields.build(args[:-1])
+                return self._op_outputs(self._present(call, self._fake(call, self.table[call.backend])))
         call = self.fields.build(args)
         impl = self.table[call.backend]
         out: Any = self._fake(call, impl)  # (as above)
-        if self._replan is not None:
-            return self._op_outputs(self._present(call, out))
         if out.config is None:
             out = out._replace(config=self._codec(call, impl).fake())
         return tuple(self._present(call, out))
@@ -492,14 +522,18 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         return out
 
     def _backward_op_impl(self, *args):
-        b: Any = self.backward_fields.build(args)
-        impl = self.table[b.backend]
-        if self._replan is not None:  # (the Config: the forward's plan, from the memo)
+        if self._replan is None:
+            b = self.backward_fields.build(args)
+            return _returned(tuple(self._backward_impl(b, self.table[b.backend])))
+        # The Config: the forward's plan, under the forward's overrides (from the memo).
+        with _overrides.restored(_overrides_of(args[-1])):
+            b = self.backward_fields.build(args[:-1])
+            impl = self.table[b.backend]
             b = dataclasses.replace(b, **{name: self._replan(b, impl) for name in self.backward_fields.replanned})
-        return _returned(tuple(self._backward_impl(b, impl)))
+            return _returned(tuple(self._backward_impl(b, impl)))
 
     def _backward_op_fake(self, *args):
-        b = self.backward_fields.build(args)
+        b = self.backward_fields.build(args[:-1] if self._replan is not None else args)
         return _returned(tuple(self._backward_fake(b, self.table[b.backend])))
 
     # ---------------------------------------------------------------- autograd
@@ -509,7 +543,11 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self._save(ctx, call, out)
 
     def _custom_setup(self, ctx, inputs, output) -> None:
-        self._setup(ctx, self.fields.build(inputs), self.outputs_of(output))
+        if self._replan is None:
+            self._setup(ctx, self.fields.build(inputs), self.outputs_of(output))
+            return
+        self._save(ctx, self.fields.build(inputs[:-1]), self.outputs_of(output))
+        ctx.overrides = _overrides_of(inputs[-1])  # (the forward op's: the backward op's too)
 
     def _gradients(self, ctx, grads: OutT, needs: tuple) -> tuple:
         need = self.need_type(*needs)
