@@ -5,7 +5,8 @@ An op's forward decides its plan once (a frozen dataclass of the planner,
 (``glue.CustomOp``'s eager path) the object itself travels on the autograd context; where the
 custom ops run (torch.compile, dispatch modes) a custom op's output can only be a
 tensor, so the backend's ``contract.ConfigCodec`` encodes it here and decodes it before
-the backward implementation sees it.
+the backward implementation sees it. Only the ops without a ``replan`` (``glue.CustomOp``:
+log_probs, linear_log_probs) still do; the others' backward op plans the Config again.
 
 Fields may be ints, bools, or (optional) nested frozen dataclasses of such; the whole
 plan may be None. The encoding has a fixed length per class (``size``): a presence flag,
