@@ -151,6 +151,19 @@ class PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: A forward and two backwards (retain_graph): the plan counts after each, per path. The eager
+#: path carries the forward's Config to its backward; on the custom-op path the backward op
+#: of an op with ``glue.CustomOp(replan=)`` plans it again from the same inputs, one call per
+#: backward op run, each the forward's decision (``same_decision``).
+ONE_PLAN = {"eager": (1, 1, 1), "custom_op": (1, 2, 3)}
+
+
+def same_decision(calls: dict, key) -> bool:
+    """Whether every Config ``calls[key]``'s backend planned is the first one (``count_plans``)."""
+    decided = calls["decided"][key]
+    return bool(decided) and all(c == decided[0] for c in decided)
+
+
 def count_plans(monkeypatch, backends: dict, planners, *, record=None, outermost: bool = False) -> dict:
     """Counts plan decisions (the one-plan tests). ``backends``: key -> a backend object
     whose ``plan`` is wrapped: ``calls[key]`` gets one entry per call (``kwargs[record]``, or
@@ -160,12 +173,13 @@ def count_plans(monkeypatch, backends: dict, planners, *, record=None, outermost
     run outside any ``plan`` (must stay empty)."""
     import importlib
 
-    calls: dict = {"outside": [], "configs": []}
+    calls: dict = {"outside": [], "configs": [], "decided": {}}
     depth = [0]
     for key, backend in backends.items():
         entries = calls[key] = []
+        decided = calls["decided"][key] = []
 
-        def plan(*args, _real=backend.plan, _entries=entries, **kwargs):
+        def plan(*args, _real=backend.plan, _entries=entries, _decided=decided, **kwargs):
             nested = depth[0] > 0
             depth[0] += 1
             try:
@@ -174,6 +188,7 @@ def count_plans(monkeypatch, backends: dict, planners, *, record=None, outermost
                 depth[0] -= 1
             if not (outermost and nested):
                 _entries.append(config if record is None else kwargs.get(record))
+                _decided.append(config)
             calls["configs"].append(config)
             return config
 

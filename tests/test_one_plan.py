@@ -2,7 +2,8 @@
 forward+backward (``ops.linear_cross_entropy.contract``), on every strategy and path.
 
 Each backend's ``plan`` is wrapped to count its calls; a forward must plan exactly once
-and the backward (also a second one, retain_graph=True) never. Strategies of the Triton
+and the backward (also a second one, retain_graph=True) never on the eager path; through
+the custom ops each backward op plans again, the forward's decision (``helpers.ONE_PLAN``). Strategies of the Triton
 backend: keep every column, keep part, keep none (recompute), gradient-in-forward;
 paths: the eager fast path, the custom ops (under a dispatch mode), a vocab-parallel head
 (a one-rank gloo group), ``batch_invariant`` (one Config for every block, one for the
@@ -23,7 +24,7 @@ import logitless
 from logitless.ops.linear_cross_entropy.api import BACKENDS
 from logitless.planning.overrides import override
 from tests.conftest import DEVICE
-from tests.helpers import PassThrough, count_plans
+from tests.helpers import ONE_PLAN, PassThrough, count_plans, same_decision
 
 N, H, V = 24, 16, 104
 
@@ -78,7 +79,8 @@ def test_torch_and_helion_plan_once(counted, backend, path):
     if backend == "helion" and os.environ.get("HELION_INTERPRET", "0") != "1" and DEVICE.type != "cuda":
         pytest.skip("Helion on the CPU needs HELION_INTERPRET=1")
     mode = PassThrough() if path == "custom_op" else None
-    assert _one_call(counted, backend, mode=mode, label_smoothing=0.1, softcap=5.0) == (1, 1, 1)
+    assert _one_call(counted, backend, mode=mode, label_smoothing=0.1, softcap=5.0) == ONE_PLAN[path]
+    assert same_decision(counted, backend)
 
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
@@ -91,7 +93,7 @@ def test_triton_plans_once_per_strategy(counted, strategy, path):
         counts = _one_call(counted, "triton", strategy=("grad_in_forward", 8), memory_budget=1 << 30)
     else:
         counts = _one_call(counted, "triton", mode=mode, memory_budget=TRITON_BUDGETS[strategy])
-    assert counts == (1, 1, 1)
+    assert counts == ONE_PLAN[path] and same_decision(counted, "triton")
     if DEVICE.type == "cuda":  # (the budgets are sized for the interpreter's tiles)
         return
     config = counted["configs"][-1]  # the strategy the test is about is the one planned

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import logitless
 from logitless.ops.linear_topk_kl.api import BACKENDS
 from tests.conftest import DEVICE
-from tests.helpers import PassThrough, count_plans
+from tests.helpers import ONE_PLAN, PassThrough, count_plans, same_decision
 
 N, H, V, K = 24, 16, 104, 6
 
@@ -58,14 +58,16 @@ def _one_call(calls, backend, *, mode=None, **kw):
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
 def test_torch_plans_once(counted, path):
     mode = PassThrough() if path == "custom_op" else None
-    assert _one_call(counted, "torch", mode=mode, softcap=5.0, temperature=0.8) == (1, 1, 1)
+    assert _one_call(counted, "torch", mode=mode, softcap=5.0, temperature=0.8) == ONE_PLAN[path]
+    assert same_decision(counted, "torch")
 
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
 @pytest.mark.parametrize("strategy", sorted(TRITON_BUDGETS))
 def test_triton_plans_once_per_strategy(counted, strategy, path):
     mode = PassThrough() if path == "custom_op" else None
-    assert _one_call(counted, "triton", mode=mode, memory_budget=TRITON_BUDGETS[strategy]) == (1, 1, 1)
+    assert _one_call(counted, "triton", mode=mode, memory_budget=TRITON_BUDGETS[strategy]) == ONE_PLAN[path]
+    assert same_decision(counted, "triton")
     if DEVICE.type == "cuda":  # (the budgets are sized for the interpreter's tiles)
         return
     config = counted["configs"][-1].linear

@@ -20,7 +20,7 @@ import torch
 
 import logitless
 from tests.conftest import DEVICE
-from tests.helpers import PassThrough, count_plans
+from tests.helpers import ONE_PLAN, PassThrough, count_plans, same_decision
 
 N, V = 13, 37
 OPS = ("cross_entropy", "log_probs", "jsd")
@@ -93,8 +93,10 @@ def _modes(path):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", OPS)
 def test_plans_once_per_call(counted, op, backend, path):
-    assert _one_call(counted, op, backend, mode=_modes(path)) == (1, 1, 1)
-    (config,) = counted[op, backend]
+    # (log_probs hands its Config to the backward op encoded: it never plans again)
+    assert _one_call(counted, op, backend, mode=_modes(path)) == (ONE_PLAN[path] if op != "log_probs" else (1, 1, 1))
+    assert same_decision(counted, (op, backend))
+    config = counted[op, backend][0]
     table = importlib.import_module(f"logitless.ops.{op}.api").BACKENDS
     assert isinstance(config, table[backend].codec.cls)  # the backend's own Config class
     assert getattr(config, "blocks", None) is None  # (log_probs: the streaming plan)
