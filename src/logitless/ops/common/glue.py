@@ -79,7 +79,11 @@ def _overrides_text() -> str:
     custom ops (its last argument; "" for none): both plan under the same overrides, the
     backward op on whichever thread runs it. torch.compile takes the text at trace time
     (a constant of the graph: a compiled call keeps the overrides it was traced under)."""
-    state = _overrides.current()
+    return _text_of(_overrides.current())
+
+
+def _text_of(state: _overrides.Overrides) -> str:
+    """``state`` as ``_overrides_of`` reads it back ("" for the defaults)."""
     return "" if state is _overrides.DEFAULT else repr(dataclasses.astuple(state))
 
 
@@ -470,8 +474,7 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         if self._replan is None:
             return tuple(self.backward_fields.flatten(bcall))
         state = _overrides.current() if overrides is None else overrides
-        text = "" if state is _overrides.DEFAULT else repr(dataclasses.astuple(state))
-        return (*self.backward_fields.flatten(bcall), text)
+        return (*self.backward_fields.flatten(bcall), _text_of(state))
 
     def _runner(self, ctx) -> Callable[[BwdT], tuple]:
         """What runs a backward call (``backward``'s ``run``): the backward body, directly
