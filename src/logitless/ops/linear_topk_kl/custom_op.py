@@ -88,8 +88,7 @@ def forward(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
                 empty = x.new_empty(0, dtype=cd)
                 stats = TopKStats(empty, x.new_empty((0, k), dtype=cd), empty, empty)
             else:
-                config = impl.plan(x, weight, call.bias, opts, budget=call.budget, need_grad=call.need_grad,
-                                   k=k)  # once
+                config = _plan(impl, call)  # once
                 out = impl.forward(x, weight, call.bias, ids, target, opts, config)
                 stats, kept = out.stats, out.kept
         terms = token_terms(stats, call.teacher_log_probs, ids, target, opts, v, grad=call.need_grad)
@@ -144,6 +143,12 @@ def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
     return linear_backward(b, impl.codec, grads)
 
 
+def _plan(impl: TopKBackend, c: TopKCall | TopKBackwardCall) -> Any:
+    """The backend's Config of a call on one device with tokens (the forward's, and
+    ``replan``'s from the backward call: the same)."""
+    return impl.plan(c.x, c.weight, c.bias, c.opts, budget=c.budget, need_grad=c.need_grad, k=c.ids.shape[1])
+
+
 def replan(b: TopKBackwardCall, impl: TopKBackend) -> Any:
     """The forward's Config of ``b`` (the backward custom op's), planned again from the same
     inputs (the planners are memoised: the forward's object); None without tokens."""
@@ -154,7 +159,7 @@ def replan(b: TopKBackwardCall, impl: TopKBackend) -> Any:
             from . import vocab_parallel
 
             return vocab_parallel.plan(impl, b)
-        return impl.plan(b.x, b.weight, b.bias, b.opts, budget=b.budget, need_grad=b.need_grad, k=b.ids.shape[1])
+        return _plan(impl, b)
 
 
 def backward_fake(b: TopKBackwardCall, impl: TopKBackend):
