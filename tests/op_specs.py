@@ -620,7 +620,7 @@ def _lp_opcheck(backend):
     case = _lp_make({"lead": (6,), "vocab": 37}, torch.float32, {"_ignore": 0.3}, seed=5)
     z, t = case.args
     from logitless.ops.log_probs.api import OPS
-    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpOutputs
+    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall
     from logitless.options import LogProbOptions
 
     for entropy in (True, False):
@@ -628,11 +628,11 @@ def _lp_opcheck(backend):
         call = LpCall(z, t, opts, backend, 1 << 20, top_k=None, top_p=None, min_p=None, checked=True, k_max=-1,
                       batch_invariant=False)
         yield custom_op("lp_forward"), OPS.args(call), None
-        out = LpOutputs._make(custom_op("lp_forward")(*OPS.args(call)))
+        out = OPS.outputs_of(custom_op("lp_forward")(*OPS.args(call)))
         grad_ent = torch.randn(out.entropy.shape, device=DEVICE) if entropy else None
         for grad_logp in (torch.randn(out.logp.shape, device=DEVICE), None if entropy else out.logp.detach()):
             bcall = LpBackwardCall(grad_logp, grad_ent, z.detach(), t, None, out.entropy.detach(), out.lse, out.tau,
-                                   out.config, opts, backend)
+                                   None, opts, backend, 1 << 20, False, False)
             yield custom_op("lp_backward"), OPS.backward_args(bcall), None
 
 
@@ -738,7 +738,8 @@ def _llp_opcheck(backend):
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_log_probs.api import BACKENDS as _LLP
     from logitless.ops.linear_log_probs.api import OPS
-    from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall, LlpOutputs
+    from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall
+    from logitless.ops.linear_log_probs.custom_op import planned, replan
     from logitless.options import LogProbOptions, VocabParallelOptions
 
     forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # (see _lce_opcheck)
@@ -748,16 +749,16 @@ def _llp_opcheck(backend):
         call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
                        min_p=None, checked=True, k_max=-1, block=0, tp=tp)
         yield custom_op("llp_forward"), OPS.args(call), forward_utils
-        out = LlpOutputs._make(custom_op("llp_forward")(*OPS.args(call)))
-        decoded = getattr(_LLP[backend].codec.decode(out.config), "main", None)
+        out = OPS.outputs_of(custom_op("llp_forward")(*OPS.args(call)))
+        grad_ent = torch.randn(out.entropy.shape, device=DEVICE) if entropy else None
+        bcall = LlpBackwardCall(torch.randn(out.logp.shape, device=DEVICE), grad_ent, x.detach(), w.detach(),
+                                b.detach(), t, out.lse, out.entropy.detach(), out.keep, out.keep_max, None,
+                                opts, backend, Needs(True, True, True), None, None, None, None, tp, planned(call))
+        decoded = getattr(replan(bcall, _LLP[backend]), "main", None)  # (the backward op's Config)
         if backend == "triton" and need_grad:
             assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns
         else:
             assert out.keep.shape == (1, 1) and (decoded is None or not decoded.keeps)  # nothing kept
-        grad_ent = torch.randn(out.entropy.shape, device=DEVICE) if entropy else None
-        bcall = LlpBackwardCall(torch.randn(out.logp.shape, device=DEVICE), grad_ent, x.detach(), w.detach(),
-                                b.detach(), t, out.lse, out.entropy.detach(), out.keep, out.keep_max, out.config,
-                                opts, backend, Needs(True, True, True), None, None, None, None, tp)
         yield custom_op("llp_backward"), OPS.backward_args(bcall), None
 
 

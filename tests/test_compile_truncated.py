@@ -178,7 +178,8 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
     declared calls flattened, ``OPS.args``)."""
     from logitless.ops.common.contract import Needs
     from logitless.ops.linear_log_probs.api import OPS
-    from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall, LlpOutputs
+    from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall
+    from logitless.ops.linear_log_probs.custom_op import planned, replan
     from logitless.options import LogProbOptions, VocabParallelOptions
 
     x, w, b, t, k, p = _data(13, 24, 104, seed=5)
@@ -191,20 +192,19 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
         call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad, True, *tr, checked=False, k_max=k_max, block=block,
                        tp=tp)
         torch.library.opcheck(OPS.forward_op, OPS.args(call), test_utils=_FORWARD_UTILS)
-        out = LlpOutputs._make(OPS.forward_op(*OPS.args(call)))
+        out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
         cand, cols = out.sparse[0].view(torch.float32), out.sparse[1]  # (the candidates' fp32 bits, their columns)
         sparse = backend == "triton" and trunc and need_grad and k_max < 256
         assert cand.shape == ((13, 104 if k_max < 0 else 64) if sparse else (0, 0))  # (C = 256 capped at V)
         assert out.inside.shape == ((13,) if sparse else (0,))
         if sparse:
             assert out.inside.any() and (cols[cand == -torch.inf] == 104).all()  # (the padding: column V)
-        decoded = LLP_BACKENDS[backend].codec.decode(out.config)
-        main = getattr(decoded, "main", None)
+        bcall = LlpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), x, w, b, t, out.lse,
+                                out.entropy, out.keep, out.keep_max, None, opts, backend, Needs(True, True, True),
+                                out.logp, out.tau, out.sparse, out.inside, tp, planned(call))
+        main = getattr(replan(bcall, LLP_BACKENDS[backend]), "main", None)  # (the backward op's Config)
         assert (out.keep.shape != (1, 1)) == (backend == "triton" and k_max == 300 and need_grad) == bool(
             main is not None and main.keeps)
-        bcall = LlpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), x, w, b, t, out.lse,
-                                out.entropy, out.keep, out.keep_max, out.config, opts, backend, Needs(True, True, True),
-                                out.logp, out.tau, out.sparse, out.inside, tp)
         torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 
 
@@ -213,7 +213,8 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
 def test_opcheck_log_probs(trunc, backend):
     from logitless.ops.log_probs.api import BACKENDS as LP_BACKENDS
     from logitless.ops.log_probs.api import OPS
-    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpOutputs
+    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall
+    from logitless.ops.log_probs.custom_op import replan
     from logitless.options import LogProbOptions
 
     _, _, _, t, k, p = _data(13, 24, 104, seed=5)
@@ -222,10 +223,10 @@ def test_opcheck_log_probs(trunc, backend):
     opts = LogProbOptions(temperature=0.7, entropy=True)
     call = LpCall(logits, t, opts, backend, 1 << 20, *tr, checked=False, k_max=-1, batch_invariant=not trunc)
     torch.library.opcheck(OPS.forward_op, OPS.args(call))
-    out = LpOutputs._make(o.detach() for o in OPS.forward_op(*OPS.args(call)))
-    assert out.tau.shape == out.logp.shape and LP_BACKENDS[backend].codec.decode(out.config).blocks is not None
+    out = OPS.outputs_of([o.detach() for o in OPS.forward_op(*OPS.args(call))])
     bcall = LpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), logits.detach(), t, out.logp,
-                           out.entropy, out.lse, out.tau, out.config, opts, backend)
+                           out.entropy, out.lse, out.tau, None, opts, backend, 1 << 20, trunc, not trunc)
+    assert out.tau.shape == out.logp.shape and replan(bcall, LP_BACKENDS[backend]).blocks is not None
     torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 
 

@@ -129,25 +129,21 @@ def test_manual_capture(name):
                exact=name != "linear_log_probs_entropy_top_p")
 
 
-#: The ops whose backward op plans the Config again (their custom ops run inside CUDA graphs).
-REPLANNED = ("lce", "ce", "jsd", "linear_jsd", "topk_kl")
-ALL_OPS = REPLANNED + ("llp", "lp")
-
-
 def test_which_custom_ops_run_between_graph_partitions():
-    """An op whose Config crosses as a CPU tensor (``glue.Encoded``) carries torch's
-    ``cudagraph_unsafe`` tag: inductor runs it between its CUDA-graph partitions (truncation
-    syncs too). An op whose backward op plans its Config again (``Replanned``: ``REPLANNED``)
-    carries no tag and runs inside the graph."""
+    """Every op's backward op plans its Config again (``glue.Replanned``): no Config crosses
+    the custom ops as a CPU tensor, and inductor keeps them inside its CUDA-graph
+    partitions; only the truncated log-prob calls' pairs carry torch's ``cudagraph_unsafe``
+    tag (``glue.HOST_SYNCS``: their host syncs choose a faster route than a graph holds)."""
     from logitless.ops.common import glue
 
-    assert len(glue.EAGER) >= 14, sorted(glue.EAGER)
-    for name in glue.EAGER:
+    inside = ("lce", "ce", "jsd", "linear_jsd", "topk_kl", "llp", "lp")
+    between = ("llp_truncated", "lp_truncated")
+    prefix = {name: name.split("::")[1].rsplit("_", 1)[0] for name in glue.EAGER}
+    names = [name for name in glue.EAGER if prefix[name] in inside + between]
+    assert len(names) == 2 * len(inside + between), sorted(glue.EAGER)
+    for name in names:
         op = getattr(torch.ops.logitless, name.split("::")[1]).default
-        prefix = name.split("::")[1].rsplit("_", 1)[0]
-        if prefix not in ALL_OPS:
-            continue  # (an op a test defined)
-        assert (torch.Tag.cudagraph_unsafe not in op.tags) == (prefix in REPLANNED), name
+        assert (torch.Tag.cudagraph_unsafe in op.tags) == (prefix[name] in between), name
 
 
 @gpu

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 import logitless
-from logitless.ops.common.contract import BackendTable, ConfigCodec, Needs
-from logitless.ops.common.glue import Call, CustomOp, Encoded, Fields
+from logitless.ops.common.contract import BackendTable, Needs
+from logitless.ops.common.glue import Call, CustomOp, Fields, Replanned
 from logitless.ops.linear_cross_entropy import custom_op
 from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs, LcePlanned
 from logitless.ops.linear_cross_entropy.torch_backend import TorchBackend
@@ -165,10 +165,10 @@ def test_declarations_are_checked():
     class Fine(Call):
         x: Tensor
         y: Optional[Tensor]
-        config: Encoded
+        config: Replanned
         k: Optional[int]
 
-    assert Fields(Fine).schema(1) == "(Tensor x, Tensor? y, Tensor config, SymInt[] ints, str scalars) -> (Tensor)"
+    assert Fields(Fine).schema(1) == "(Tensor x, Tensor? y, SymInt[] ints, str scalars) -> (Tensor)"
     assert Fields(Fine).scalar_names == ("k",)
 
 
@@ -206,7 +206,9 @@ class ToyConfig:
 
 class ToyBackend:
     name = "toy"
-    codec = ConfigCodec(ToyConfig)
+
+    def plan(self, x: Tensor) -> ToyConfig:
+        return ToyConfig(2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,12 +231,12 @@ class ToyBackwardCall(Call):
     grad_y: Optional[Tensor]
     grad_y2: Optional[Tensor]
     x: Tensor
-    config: Encoded
+    config: Replanned
     backend: str
 
 
 def _toy_forward(call, impl):
-    config = ToyConfig(2)
+    config = impl.plan(call.x)
     return ToyOutputs(call.x * config.scale, call.x * call.x if call.square else None, config)
 
 
@@ -253,7 +255,7 @@ def _toy_backward(ctx, grads, need, run):
 
 
 def _toy_backward_impl(b, impl):
-    scale = impl.codec.decode(b.config).scale
+    scale = b.config.scale
     g = b.grad_y * scale if b.grad_y is not None else torch.zeros_like(b.x)
     return (g + 2 * b.x * b.grad_y2 if b.grad_y2 is not None else g,)
 
@@ -262,7 +264,8 @@ def _toy_backward_impl(b, impl):
 def toy_op():
     return CustomOp("glue_toy_test", ToyCall, ToyOutputs, ToyBackwardCall, table=BackendTable(toy=ToyBackend),
                     forward=_toy_forward, fake=_toy_fake, save=_toy_save, backward=_toy_backward,
-                    backward_impl=_toy_backward_impl, backward_fake=lambda b, impl: (torch.empty_like(b.x),))
+                    backward_impl=_toy_backward_impl, backward_fake=lambda b, impl: (torch.empty_like(b.x),),
+                    replan=lambda b, impl: impl.plan(b.x))
 
 
 @pytest.mark.parametrize("path", ["eager", "custom_op"])
@@ -286,8 +289,7 @@ def test_optional_outputs_and_a_single_gradient(toy_op, path, square):
     (gx,) = torch.autograd.grad(loss, (x,))
     assert torch.equal(gx, torch.full_like(x, 2.0) + (2 * x.detach() if square else 0))
     torch.library.opcheck(toy_op.forward_op, toy_op.args(call))
-    bcall = ToyBackwardCall(torch.ones(5, dtype=torch.float64), None, x.detach(),
-                            toy_op.forward_op(*toy_op.args(call))[2], "toy")
+    bcall = ToyBackwardCall(torch.ones(5, dtype=torch.float64), None, x.detach(), None, "toy")
     torch.library.opcheck(toy_op.backward_op, toy_op.backward_args(bcall))
     assert isinstance(toy_op.backward_op(*toy_op.backward_args(bcall)), Tensor)
 

@@ -17,7 +17,8 @@ from logitless.ops.common.contract import Needs
 from logitless.ops.linear_log_probs import triton_backend as llp_triton
 from logitless.ops.linear_log_probs.api import BACKENDS as LLP_BACKENDS
 from logitless.ops.linear_log_probs.api import OPS
-from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall, LlpOutputs
+from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall
+from logitless.ops.linear_log_probs.custom_op import planned, replan
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.options import LogProbOptions, VocabParallelOptions
 from tests.conftest import DEVICE, HAS_CUDA
@@ -259,8 +260,11 @@ def test_no_grad_keeps_nothing_and_entropy_false_returns_a_tensor():
     with torch.no_grad():
         call = LlpCall(x, w, None, t, LogProbOptions(), "triton", 10**8, need_grad=False, need_dw=True, top_k=None,
                        top_p=None, min_p=None, checked=True, k_max=-1, block=0, tp=VocabParallelOptions())
-        out = LlpOutputs._make(OPS.forward_op(*OPS.args(call)))
-    assert out.keep.shape == (1, 1) and not llp_triton.TritonBackend.codec.decode(out.config).main.keeps \
+        out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
+    config = replan(LlpBackwardCall(out.logp, None, x, w, None, t, out.lse, None, out.keep, out.keep_max, None,
+                                    LogProbOptions(), "triton", Needs(True, True, False), None, None, None, None,
+                                    VocabParallelOptions(), planned(call)), llp_triton.TritonBackend())
+    assert out.keep.shape == (1, 1) and not config.main.keeps \
         and out.entropy.numel() == 0
     lp = logitless.linear_log_probs(x, w, t)
     assert isinstance(lp, torch.Tensor) and lp.shape == (12,)
@@ -344,15 +348,15 @@ def test_opcheck(backend, need_grad):
                    min_p=None, checked=True, k_max=-1, block=0, tp=tp)
     torch.library.opcheck(OPS.forward_op, OPS.args(call),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    out = LlpOutputs._make(OPS.forward_op(*OPS.args(call)))
-    decoded = getattr(LLP_BACKENDS[backend].codec.decode(out.config), "main", None)
+    out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
+    bcall = LlpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), x.detach(), w.detach(),
+                            b.detach(), t, out.lse, out.entropy.detach(), out.keep, out.keep_max, None, opts,
+                            backend, Needs(True, True, True), None, None, None, None, tp, planned(call))
+    decoded = getattr(replan(bcall, LLP_BACKENDS[backend]), "main", None)  # (the backward op's Config)
     if backend == "triton" and need_grad:
         assert out.keep.shape[1] > 1 and decoded.keeps
     else:
         assert out.keep.shape == (1, 1) and (decoded is None or not decoded.keeps)
-    bcall = LlpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), x.detach(), w.detach(),
-                            b.detach(), t, out.lse, out.entropy.detach(), out.keep, out.keep_max, out.config, opts,
-                            backend, Needs(True, True, True), None, None, None, None, tp)
     torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 
 

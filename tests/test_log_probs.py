@@ -8,7 +8,7 @@ import torch
 
 import logitless
 from logitless.ops.log_probs.api import OPS
-from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpOutputs
+from logitless.ops.log_probs.contract import LpBackwardCall, LpCall
 from logitless.ops.log_probs.reference import log_probs_reference
 from logitless.options import LogProbOptions
 from tests.conftest import DEVICE, HAS_CUDA
@@ -176,7 +176,7 @@ def test_opcheck(backend):
     call = LpCall(z, t, opts, backend, 2**20, top_k=None, top_p=None, min_p=None, checked=True, k_max=-1,
                   batch_invariant=False)
     torch.library.opcheck(OPS.forward_op, OPS.args(call))
-    out = LpOutputs._make(OPS.forward_op(*OPS.args(call)))
+    out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
     bcall = LpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), z.detach(), t, None,
-                           out.entropy.detach(), out.lse, out.tau, out.config, opts, backend)
+                           out.entropy.detach(), out.lse, out.tau, None, opts, backend, 2**20, False, False)
     torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))

@@ -4,10 +4,12 @@ included (a Config of the same backends, ``contract.Truncated``).
 
 Each backend's ``plan`` is wrapped to count its calls (a backend planning inside another's,
 Helion's fallback, counts once: the outer call); a forward must plan exactly once and the
-backward (also a second one, retain_graph=True) never; the planners a ``plan`` consults
-never run outside one. Options: plain, entropy, temperature, top-k, top-p, min-p; paths: the
-eager fast path, the custom ops (under a dispatch mode), a vocab-parallel head (a one-rank
-gloo group); Helion falls back on the CPU (its Config holds the other backend's).
+backward (also a second one, retain_graph=True) never on the eager path; through the custom
+ops each backward op plans again and gets the forward's decision (``tests.helpers.ONE_PLAN``);
+the planners a ``plan`` consults never run outside one. Options: plain, entropy,
+temperature, top-k, top-p, min-p; paths: the eager fast path, the custom ops (under a
+dispatch mode), a vocab-parallel head (a one-rank gloo group); Helion falls back on the CPU
+(its Config holds the other backend's).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import logitless
 from logitless.ops.linear_log_probs.api import BACKENDS
 from tests.conftest import DEVICE
-from tests.helpers import PassThrough, count_plans
+from tests.helpers import ONE_PLAN, PassThrough, count_plans, same_decision
 
 N, H, V = 24, 16, 104
 
@@ -91,7 +93,9 @@ def test_plans_once(counted, monkeypatch, backend, path, options):
     mode = PassThrough() if path == "custom_op" else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the fallback's warning)
-        assert _one_call(counted, backend, mode=mode, **OPTIONS[options]) == (1, 1, 1)
+        assert _one_call(counted, backend, mode=mode, **OPTIONS[options]) == ONE_PLAN[path]
+    (planner,) = [name for name in ("torch", "triton", "helion") if counted[name]]  # (Helion's stand-in truncates)
+    assert same_decision(counted, planner)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

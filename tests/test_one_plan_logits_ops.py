@@ -7,13 +7,15 @@ and the backward (also a second one, retain_graph=True) never; the planners a ba
 consults (``PLANNERS``) must run inside its ``plan`` only. log_probs' truncated and
 batch-invariant calls are Configs of the same backends (``contract.Blocks``): planned
 once too. A dispatch mode (``tests.helpers.PassThrough``) turns the eager fast path off, so the
-custom ops run with the Config encoded (``backend.codec``).
+custom ops run: each backward op plans again and gets the forward's decision
+(``tests.helpers.ONE_PLAN``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import typing
 
 import pytest
 import torch
@@ -93,12 +95,12 @@ def _modes(path):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", OPS)
 def test_plans_once_per_call(counted, op, backend, path):
-    # (log_probs hands its Config to the backward op encoded: it never plans again)
-    assert _one_call(counted, op, backend, mode=_modes(path)) == (ONE_PLAN[path] if op != "log_probs" else (1, 1, 1))
+    assert _one_call(counted, op, backend, mode=_modes(path)) == ONE_PLAN[path]
     assert same_decision(counted, (op, backend))
     config = counted[op, backend][0]
     table = importlib.import_module(f"logitless.ops.{op}.api").BACKENDS
-    assert isinstance(config, table[backend].codec.cls)  # the backend's own Config class
+    plan = type(table[backend]).plan
+    assert isinstance(config, typing.get_type_hints(plan)["return"])  # the Config class its plan declares
     assert getattr(config, "blocks", None) is None  # (log_probs: the streaming plan)
 
 
@@ -111,8 +113,9 @@ TRUNCATIONS = {"top_k": dict(top_k=5), "top_p_min_p": dict(top_p=0.9, min_p=0.02
 @pytest.mark.parametrize("case", sorted(TRUNCATIONS))
 def test_log_probs_truncation_is_a_config_planned_once(counted, case, backend, path):
     kw = TRUNCATIONS[case]
-    assert _one_call(counted, "log_probs", backend, mode=_modes(path), **kw) == (1, 1, 1)
-    (config,) = counted["log_probs", backend]
+    assert _one_call(counted, "log_probs", backend, mode=_modes(path), **kw) == ONE_PLAN[path]
+    assert same_decision(counted, ("log_probs", backend))
+    config = counted["log_probs", backend][0]
     assert config.blocks is not None and config.blocks.padded == kw.get("batch_invariant", False)
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from logitless.ops.common import plan_codec
 from logitless.ops.common.glue import fake_grad_outputs, grad_outputs, zero_grads
 from logitless.ops.common.kept import NOTHING_KEPT, fake_kept, nothing_kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
@@ -94,30 +93,6 @@ def test_linear_torch_plan_counts_the_upcast():
     p16 = linear_torch_plan(x16, 1000, 200_000, tiles=1, accumulators=1)
     p32 = linear_torch_plan(x32, 1000, 200_000, tiles=1, accumulators=0)
     assert p16.token_chunk * p16.vocab_chunk <= p32.token_chunk * p32.vocab_chunk
-
-
-def test_plan_codec_round_trip():
-    """Any plan (nested and optional dataclasses, ints, bools, None) through one CPU int64
-    tensor of a fixed size per class, and back to an equal object."""
-    from logitless.planning.cute import CutePlan
-    from logitless.planning.plans import LinearPlan
-
-    t = TritonPlan(block_n=32, block_v=64, block_h=16, num_warps=4, num_stages=2, vocab_splits=3,
-                   vocab_chunk=128, keep_cols=64, tma=False, group_n=2, flatten=True, dz_tma=True,
-                   dlogits_programs=2, w_chunk=7)
-    t2 = dataclasses.replace(t, keep_cols=0, tma=True)
-    size = plan_codec.size(LinearPlan)
-    assert size == 1 + 2 * 15 + 2 + 2 * 15 + 3 * 5
-    for plan in (LinearPlan(t, t2), LinearPlan(t, t2, keeps=True, cute=CutePlan(splits=3, group=16)),
-                 LinearPlan(t, t2, grad_in_forward=5, chunk=t2, tail=t, tail_cute=CutePlan(2, 3, False)), None):
-        enc = plan_codec.encode(plan, LinearPlan)
-        assert enc.dtype == torch.int64 and enc.device.type == "cpu" and enc.shape == (size,)
-        back = plan_codec.decode(enc, LinearPlan)
-        assert back == plan and (plan is None or type(back.forward.tma) is bool)
-    fake = plan_codec.fake(LinearPlan)
-    assert fake.shape == (size,) and fake.dtype == torch.int64 and fake.device.type == "cpu"
-    with pytest.raises(ValueError, match="fields"):
-        plan_codec.decode(torch.zeros(3, dtype=torch.int64), LinearPlan)
 
 
 def test_backward_chunks_and_kept_shapes():

@@ -694,9 +694,8 @@ def test_mass_search_narrows_flat_rows_in_two_passes(monkeypatch):
 
     opts = LogProbOptions(temperature=temp, entropy=True)
     lplan = triton_backend.linear(x, w, None, opts, budget=256 << 20, need_grad=False, cute=False)
-    config = triton_backend.TritonConfig(search=lplan, candidate_tiles=lplan.forward, candidates=64,
-                                         mass_tiles=lplan.forward)
-    tau, _, left = tr_op.search_triton(x, w, None, t, opts, trunc, config)
+    config = triton_backend.TritonConfig(search=lplan, candidate_tiles=lplan.forward, mass_tiles=lplan.forward)
+    tau, _, left = tr_op.search_triton(x, w, None, t, opts, trunc, config, 64)
     assert left is None and passes == [n, n]
     srt = a_all.double().sort(1, descending=True).values
     p = srt.softmax(1)

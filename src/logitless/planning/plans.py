@@ -430,8 +430,8 @@ class LinearPlan:
     """The plan of one call of linear_cross_entropy or linear_log_probs on the Triton
     backend: decided once, in the forward custom op's implementation (the backend's
     ``plan``), and handed as is to the fake (kept shapes), the forward, the
-    gradient-in-forward strategy and the backward (``ops.common.plan_codec`` where it
-    crosses a custom op as a tensor).
+    gradient-in-forward strategy and the backward (the backward custom op plans it again:
+    a pure, memoised function of the call).
 
     forward: the forward's launches; with ``keeps`` it keeps exp(z - m) of its first
         ``forward.keep_cols`` columns for the backward, which then runs on this plan.

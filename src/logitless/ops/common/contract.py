@@ -7,11 +7,11 @@ typed ``forward``/``backward``. Every backend answers:
 
 - ``name``: its name in the table (the ``backend=`` argument, the custom ops' ``backend``);
 - ``unsupported(device, dtype)``: None when it runs such a call, else the reason;
-- ``plan(...)``: the call's Config, a frozen dataclass -- the ONLY place where heuristics
-  decide (tiles, chunks, kept columns, strategies, fallbacks). Called once per call, by the
-  forward; the forward, the backward and the gradient-in-forward strategy take that object;
-- ``codec``: how its Config crosses a custom op (a ``ConfigCodec``: a CPU int64 tensor of a
-  fixed length per Config class, ``plan_codec``): the backend owns the encoding.
+- ``plan(...)``: the call's Config, a frozen dataclass (its class: ``plan``'s return
+  annotation) -- the ONLY place where heuristics decide (tiles, chunks, kept columns,
+  strategies, fallbacks). Called once per call, by the forward; the forward, the backward
+  and the gradient-in-forward strategy take that object (through the custom ops the
+  backward op plans it again from the same arguments: a pure, memoised function of them);
 
 The glue (``glue.CustomOp``): an op declares its call, outputs and backward call as typed
 classes and writes its bodies (``forward``/``fake``/``save``/``backward``); the glue derives
@@ -23,44 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Optional, Protocol, TypeVar, Union
+from typing import Generic, Optional, Protocol, TypeVar, Union
 
 import torch
-from torch import Tensor
 
-from logitless.ops.common import invariant, plan_codec, validate
-
-
-class ConfigCodec:
-    """A backend's Config class across the custom-op boundary: ``encode(config)`` (a
-    Config of ``cls`` or None -> CPU int64 tensor), ``decode(tensor)`` (-> the Config;
-    an object passes through: the eager fast path hands the backward the object itself),
-    ``fake()`` (the fake implementation's output: the encoding's shape, no planning)."""
-
-    __slots__ = ("cls", "_blocked")
-
-    def __init__(self, cls: type):
-        self.cls = cls
-        self._blocked: Optional[ConfigCodec] = None
-
-    @property
-    def blocked(self) -> ConfigCodec:
-        """The codec of this backend's batch-invariant Configs (``invariant.blocked``: the
-        rows per block, the Config of a block and the backward's over the batch)."""
-        if self._blocked is None:
-            from logitless.ops.common.invariant import blocked
-
-            self._blocked = ConfigCodec(blocked(self.cls))
-        return self._blocked
-
-    def encode(self, config: Any) -> Tensor:
-        return plan_codec.encode(config, self.cls)
-
-    def decode(self, value: Any) -> Any:
-        return plan_codec.decode(value, self.cls) if isinstance(value, Tensor) else value
-
-    def fake(self) -> Tensor:
-        return plan_codec.fake(self.cls)
+from logitless.ops.common import invariant, validate
 
 
 @dataclass(frozen=True)
@@ -78,7 +45,6 @@ class Backend(Protocol):
     its typed ``plan``, ``forward`` and ``backward``."""
 
     name: str
-    codec: ConfigCodec
 
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> Optional[Exception]:
         """None when this backend runs calls on such tensors, else the error saying why not."""

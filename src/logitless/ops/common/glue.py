@@ -11,20 +11,20 @@ positional from the declarations:
   tensor is a schema argument; the scalars, the options' fields flattened in order, travel
   packed in at most three (``Fields``: ints, floats, the rest as a string). ``differentiable`` names the inputs that
   get gradients (in the order the backward returns them); ``mutated`` the tensors the op
-  writes. A field of type ``Encoded`` is a backend's Config: the object on the eager
-  path, its encoding (``ConfigCodec``: a CPU int64 tensor) through the custom ops. A field
-  of type ``Replanned`` (a backward call's) is the Config too, but never crosses the
-  custom ops: the backward op re-derives it from its call (the op's ``replan``: the same
-  memoised plan the forward made), so the forward op has no Config output and both ops
-  may run inside a CUDA graph (``torch.compile(mode="reduce-overhead")``).
-- its **outputs** (a ``typing.NamedTuple`` of tensors; ``config``: the backend's Config). An
+  writes. The backward call's field of type ``Replanned`` is the backend's Config: the
+  object on the eager path; it never crosses the custom ops: the backward op re-derives
+  it from its call (the op's ``replan``: the same memoised plan the forward made), so the
+  forward op has no Config output and both ops may run inside a CUDA graph
+  (``torch.compile(mode="reduce-overhead")``).
+- its **outputs** (a ``typing.NamedTuple`` of tensors and ``config``: the backend's Config,
+  not an output of the forward op). An
   ``Optional[Tensor]`` output may be None (absent): so on the eager path, a size-0 tensor of
   the call's first tensor's dtype and device through the custom ops (forward and fake); its
   gradient: None, or size 0 through the custom ops (the call says which outputs exist).
 - a **backward call** (another ``Call``): what the backward op reads, and nothing else.
 
 ``CustomOp(name, Call, Outputs, BackwardCall, table=..., forward=..., fake=..., save=...,
-backward=..., backward_impl=..., backward_fake=...)`` defines ``logitless::<name>_forward``
+backward=..., backward_impl=..., backward_fake=..., replan=...)`` defines ``logitless::<name>_forward``
 and ``logitless::<name>_backward`` (schemas from the field lists), registers the autograd,
 and runs a call: ``op(call)`` on plain tensors in eager mode runs ``forward(call)`` under
 a plain ``autograd.Function`` that carries the call object intact (no torch.library layer,
@@ -33,14 +33,15 @@ dispatch modes, tensor subclasses) it flattens the call into the custom op, whos
 implementation rebuilds it. Both run the same bodies: bitwise the same results.
 
 The op's bodies: ``forward(call) -> Outputs`` (``config`` the object), ``fake(call) ->
-Outputs`` (shapes; ``config`` may be None: the glue fills the codec's fake),
+Outputs`` (shapes; ``config`` None),
 ``save(ctx, call, out)`` (what the backward needs, on ``ctx`` and ``save_for_backward``),
 ``backward(ctx, grads, need, run) -> grads`` (``grads``: the outputs' gradients by name, None
 where absent; ``need``: a NamedTuple of bools named after ``differentiable``; it returns
 one gradient per differentiable input, computing them with ``run(bcall)``
 or by itself), ``backward_impl(bcall) -> (gradients)`` and ``backward_fake(bcall)`` (a
 tuple, one per differentiable input; the backward custom op of a single one returns it
-as one Tensor, its schema's one return).
+as one Tensor, its schema's one return), ``replan(bcall) -> Config`` (the forward's
+Config, planned again from the backward call's fields).
 Each backward runs under its forward's planner overrides (autograd runs CUDA backwards on
 a thread of its own). Double backward raises one clear error.
 """
@@ -60,23 +61,19 @@ from typing import Any, ClassVar, Generic, NamedTuple, NewType, Optional, TypeVa
 import torch
 from torch import Tensor
 
-from logitless.ops.common.contract import Backend, BackendTable, ConfigCodec
+from logitless.ops.common.contract import Backend, BackendTable
 from logitless.planning import overrides as _overrides
 
-#: A backend's Config as a field of a call: the object on the eager path, its encoding
-#: (a CPU int64 tensor, ``ConfigCodec``) through the custom ops.
-Encoded = NewType("Encoded", object)
-
-#: A backend's Config as a field of a backward call whose op re-plans it (``CustomOp``'s
-#: ``replan``): the object on the eager path; no argument of the custom ops (None there
-#: until ``replan`` fills it in the backward op).
+#: A backend's Config as a field of a backward call (``CustomOp``'s ``replan`` plans it
+#: again): the object on the eager path; no argument of the custom ops (None there until
+#: ``replan`` fills it in the backward op).
 Replanned = NewType("Replanned", object)
 
 
 @torch.compiler.assume_constant_result
 def _overrides_text() -> str:
-    """The planner overrides in effect as the text an op with ``replan`` hands both its
-    custom ops (its last argument; "" for none): both plan under the same overrides, the
+    """The planner overrides in effect as the text an op hands both its custom ops (their
+    last argument; "" for none): both plan under the same overrides, the
     backward op on whichever thread runs it. torch.compile takes the text at trace time
     (a constant of the graph: a compiled call keeps the overrides it was traced under)."""
     return _text_of(_overrides.current())
@@ -99,14 +96,13 @@ EAGER: dict[str, Callable] = {}
 #: The scalar types of a call's fields (packed into its ``scalars`` argument: ``Fields``).
 _SCALARS = (bool, int, float, str)
 
-#: The custom ops' tags of an op whose Config crosses as a tensor (``Encoded``; an op with
-#: ``replan`` has none). ``cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
-#: inductor runs each op between its CUDA-graph partitions, not inside one. A forward
-#: op's Config output is a CPU tensor, which a partition cannot hand on (inductor then
-#: returns the op's output tuple from the partition: ``AssertionError: <class 'tuple'>``
-#: in ``CUDAGraphNode``), and the truncated ops sync with the host. The op still runs
-#: inside a graph the caller captures (``torch.cuda.graph``: its capture-safe path).
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+#: The tags of an op pair whose calls sync with the host to choose their route (``CustomOp``'s
+#: ``tags``: the truncated log-prob ops). ``cudagraph_unsafe``: under
+#: ``torch.compile(mode="reduce-overhead")`` inductor runs the op between its CUDA-graph
+#: partitions, eagerly, on the faster route its syncs choose, with eager's bits; inside a
+#: graph it would take the capture-safe route (slower, other rounding). A graph the caller
+#: captures (``torch.cuda.graph``) still holds it, on that route.
+HOST_SYNCS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 class Call:
@@ -136,10 +132,10 @@ def _unwrap_optional(t) -> tuple[Any, bool]:
 class Fields:
     """A declared class's flat argument list: the schema, ``flatten`` and ``build``.
 
-    The tensors (and an ``Encoded`` Config) are schema arguments of their own, in
-    declaration order. The scalars, with the options dataclasses' fields flattened in order,
-    travel in at most three last arguments: ``SymInt[] ints`` (the int fields' values),
-    ``float[] floats`` (the float fields') and ``str scalars``: the repr of a tuple with one
+    The tensors are schema arguments of their own, in declaration order. The scalars, with
+    the options dataclasses' fields flattened in order, travel in at most three last
+    arguments: ``SymInt[] ints`` (the int fields' values), ``float[] floats`` (the float
+    fields') and ``str scalars``: the repr of a tuple with one
     entry per scalar, the value of a str or bool field, and for an int or float field None
     when absent, else 0 (its value is in its list). Ints and floats stay in typed lists so
     that torch.compile may trace them as symbols (``dynamic=True``); the rest is a constant
@@ -148,7 +144,7 @@ class Fields:
     (``torch._library.utils.fill_defaults``, quadratic in their count: 131 us per call at 25
     arguments, 50 us at 15 on a CPU; docs/design.md "The glue").
 
-    ``entries``: (name, kind, nested Fields or None) per field, kind "tensor", "encoded",
+    ``entries``: (name, kind, nested Fields or None) per field, kind "tensor",
     "replanned" (no argument: None when built), "scalar" or "options" (a dataclass flattened
     into its own fields)."""
 
@@ -162,13 +158,13 @@ class Fields:
         for f in dataclasses.fields(cls):
             t, optional = _unwrap_optional(hints[f.name])
             q = "?" if optional else ""
-            if t is Tensor or t is Encoded:
+            if t is Tensor:
                 if not top:
                     raise TypeError(f"{cls.__name__}.{f.name}: tensors are fields of the call, not of its options")
                 alias = ""
                 if f.name in getattr(cls, "mutated", ()):
                     alias = f"(a{len(self.schema_args)}!)"
-                self.entries.append((f.name, "encoded" if t is Encoded else "tensor", None))
+                self.entries.append((f.name, "tensor", None))
                 self.schema_args.append(f"Tensor{alias}{q} {f.name}")
             elif t is Replanned:  # (not an argument: the backward op re-plans it)
                 self.entries.append((f.name, "replanned", None))
@@ -197,7 +193,7 @@ class Fields:
                 raise TypeError(f"{cls.__name__}: {sorted(clash)} name the packed scalars' arguments; rename")
             self.schema_args.extend(packed)
         self.names = tuple(a.rsplit(" ", 1)[1] for a in self.schema_args)
-        self._tensor_fields = tuple(name for name, kind, _ in self.entries if kind in ("tensor", "encoded"))
+        self._tensor_fields = tuple(name for name, kind, _ in self.entries if kind == "tensor")
         self.replanned = tuple(name for name, kind, _ in self.entries if kind == "replanned")
         self._layout = functools.lru_cache(maxsize=256)(self._read)
 
@@ -384,27 +380,25 @@ def _named_tuple(name: str, fields: tuple[str, ...]) -> type[tuple[Any, ...]]:
 class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
     """An op's forward/backward custom-op pair, its autograd and its eager path (module
     docstring). ``table``: the op's backends by name (``api.BACKENDS``); ``call.backend``
-    names the one that runs, whose ``codec`` carries its Config across the custom ops; or,
-    with ``replan(bcall, impl) -> Config`` (the backward call's Config field ``Replanned``),
-    the forward op has no Config output and the backward op re-derives it. Generic over
-    the op's declarations (its call, outputs, backward call) and its backend Protocol: a
-    type checker checks the bodies against them."""
+    names the one that runs. ``replan(bcall, impl) -> Config`` fills the backward call's
+    ``Replanned`` field in the backward op: the forward op has no Config output. ``tags``:
+    torch.library's tags of both ops (``HOST_SYNCS``). Generic
+    over the op's declarations (its call, outputs, backward call) and its backend Protocol:
+    a type checker checks the bodies against them."""
 
     def __init__(self, name: str, call: type[CallT], outputs: type[OutT], backward_call: type[BwdT], *,
                  table: BackendTable[ImplT], forward: Callable[[CallT, ImplT], OutT],
                  fake: Callable[[CallT, ImplT], OutT], save: Callable[[Any, CallT, OutT], None],
                  backward: Callable[[Any, OutT, Any, Callable[[BwdT], tuple]], tuple],
                  backward_impl: Callable[[BwdT, ImplT], tuple], backward_fake: Callable[[BwdT, ImplT], tuple],
-                 title: Optional[str] = None, codec: Optional[Callable[[CallT, ImplT], ConfigCodec]] = None,
-                 replan: Optional[Callable[[BwdT, ImplT], Any]] = None):
+                 replan: Callable[[BwdT, ImplT], Any], title: Optional[str] = None, tags: tuple = ()):
         self.name, self.title, self.table, self.outputs = name, title or name, table, outputs
-        self._codec = codec or (lambda call, impl: impl.codec)
         self.fields, self.backward_fields = Fields(call), Fields(backward_call)
         self._replan = replan
-        if (replan is None) != (not self.backward_fields.replanned):
-            raise TypeError(f"{name}: a backward call with a Replanned Config needs replan=, and replan= one")
-        #: The forward op's outputs: every field of ``outputs`` but ``config`` with ``replan``.
-        self.op_outputs = tuple(n for n in outputs._fields if not (replan and n == "config"))
+        if len(self.backward_fields.replanned) != 1 or "config" not in outputs._fields:
+            raise TypeError(f"{name}: the outputs need a field config and the backward call one Replanned field")
+        #: The forward op's outputs: every field of ``outputs`` but ``config``.
+        self.op_outputs = tuple(n for n in outputs._fields if n != "config")
         self.tensor_names = self.fields.tensors()
         self.differentiable = call.differentiable
         hints = typing.get_type_hints(outputs)
@@ -412,12 +406,12 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self.need_type = _named_tuple(f"{call.__name__}Need", call.differentiable)
         flat = self.fields.names
         self.grad_positions = tuple(flat.index(n) for n in call.differentiable)
-        self.num_inputs = len(flat) + (replan is not None)  # (with replan: the overrides argument last)
+        self.num_inputs = len(flat) + 1  # (the overrides argument last)
         self._forward, self._fake, self._save = forward, fake, save
         self._backward, self._backward_impl, self._backward_fake = backward, backward_impl, backward_fake
 
-        # With ``replan``: no tag, and the planner overrides as one more argument of each op.
-        tags, extra = ((), ("str overrides",)) if replan else (_TAGS, ())
+        # Both ops take the planner overrides as a last argument.
+        extra = ("str overrides",)
         self.forward_op = self._define(f"{name}_forward", self._forward_op_impl,
                                        self.fields.schema(len(self.op_outputs), extra), call.mutated, tags)
         self.forward_op.register_fake(self._forward_op_fake)
@@ -454,25 +448,19 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         return self.outputs_of(self.forward_op(*self.args(call)))
 
     def outputs_of(self, flat) -> OutT:
-        """The ``Outputs`` of the forward op's flat outputs (``config`` None with ``replan``)."""
-        if self._replan is None:
-            return self.outputs._make(flat)
+        """The ``Outputs`` of the forward op's flat outputs (``config`` None)."""
         out = list(flat)
         out.insert(self.outputs._fields.index("config"), None)
         return self.outputs._make(out)
 
     def args(self, call: CallT) -> tuple:
-        """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``); with
-        ``replan``, the overrides in effect last."""
-        if self._replan is None:
-            return tuple(self.fields.flatten(call))
+        """The forward custom op's flat arguments for ``call`` (tests: ``opcheck``), the
+        overrides in effect last."""
         return (*self.fields.flatten(call), _overrides_text())
 
     def backward_args(self, bcall: BwdT, overrides: Optional[_overrides.Overrides] = None) -> tuple:
-        """The backward custom op's flat arguments for ``bcall``; with ``replan``, last the
-        forward's ``overrides`` (default: those in effect)."""
-        if self._replan is None:
-            return tuple(self.backward_fields.flatten(bcall))
+        """The backward custom op's flat arguments for ``bcall``, last the forward's
+        ``overrides`` (default: those in effect)."""
         state = _overrides.current() if overrides is None else overrides
         return (*self.backward_fields.flatten(bcall), _text_of(state))
 
@@ -492,30 +480,18 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
     # ---------------------------------------------------------------- custom-op bodies
 
     def _forward_op_impl(self, *args):
-        if self._replan is not None:  # (under the overrides the call was made with)
-            with _overrides.restored(_overrides_of(args[-1])):
-                call = self.fields.build(args[:-1])
-                return self._op_outputs(self._present(call, self._forward(call, self.table[call.backend])))
-        call = self.fields.build(args)
-        impl = self.table[call.backend]
-        out: Any = self._forward(call, impl)  # (an op's Outputs has ``config``: OutT does not say)
-        return tuple(self._present(call, out._replace(config=self._codec(call, impl).encode(out.config))))
+        with _overrides.restored(_overrides_of(args[-1])):  # (under the overrides the call was made with)
+            call = self.fields.build(args[:-1])
+            return self._op_outputs(self._present(call, self._forward(call, self.table[call.backend])))
 
     def _op_outputs(self, out) -> tuple:
-        """``out`` without its ``config`` (an op with ``replan``)."""
+        """``out`` without its ``config``."""
         return tuple(getattr(out, n) for n in self.op_outputs)
 
     def _forward_op_fake(self, *args):
-        if self._replan is not None:  # (the kept shapes: planned as the forward plans)
-            with _overrides.restored(_overrides_of(args[-1])):
-                call = self.fields.build(args[:-1])
-                return self._op_outputs(self._present(call, self._fake(call, self.table[call.backend])))
-        call = self.fields.build(args)
-        impl = self.table[call.backend]
-        out: Any = self._fake(call, impl)  # (as above)
-        if out.config is None:
-            out = out._replace(config=self._codec(call, impl).fake())
-        return tuple(self._present(call, out))
+        with _overrides.restored(_overrides_of(args[-1])):  # (the kept shapes: planned as the forward plans)
+            call = self.fields.build(args[:-1])
+            return self._op_outputs(self._present(call, self._fake(call, self.table[call.backend])))
 
     def _present(self, call, out):
         """``out`` with each absent optional output a size-0 tensor (distinct: no aliasing)."""
@@ -525,9 +501,6 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         return out
 
     def _backward_op_impl(self, *args):
-        if self._replan is None:
-            b = self.backward_fields.build(args)
-            return _returned(tuple(self._backward_impl(b, self.table[b.backend])))
         # The Config: the forward's plan, under the forward's overrides (from the memo).
         with _overrides.restored(_overrides_of(args[-1])):
             b = self.backward_fields.build(args[:-1])
@@ -536,7 +509,7 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
             return _returned(tuple(self._backward_impl(b, impl)))
 
     def _backward_op_fake(self, *args):
-        b = self.backward_fields.build(args[:-1] if self._replan is not None else args)
+        b = self.backward_fields.build(args[:-1])
         return _returned(tuple(self._backward_fake(b, self.table[b.backend])))
 
     # ---------------------------------------------------------------- autograd
@@ -546,9 +519,6 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self._save(ctx, call, out)
 
     def _custom_setup(self, ctx, inputs, output) -> None:
-        if self._replan is None:
-            self._setup(ctx, self.fields.build(inputs), self.outputs_of(output))
-            return
         self._save(ctx, self.fields.build(inputs[:-1]), self.outputs_of(output))
         ctx.overrides = _overrides_of(inputs[-1])  # (the forward op's: the backward op's too)
 

@@ -11,8 +11,7 @@ batch: the size, the row's position and its neighbours.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Optional
+from typing import Generic, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -24,20 +23,24 @@ TORCH_ROWS = {"cpu": 64, "cuda": 1024}
 TRITON_ROWS = {"cpu": 16, "cuda": 2048}
 DEFAULT_ROWS = 1024
 
+#: A backend's Config class (``Blocked``'s parameter).
+C = TypeVar("C")
+
 
 def rows(backend, device: torch.device) -> int:
     """Rows per block of ``backend`` (an op's backend object) on ``device``."""
     return backend.invariant_rows.get(device.type, DEFAULT_ROWS)
 
 
-@functools.cache
-def blocked(cls: type) -> type:
-    """The batch-invariant Config over a backend's Config class ``cls``: ``rows`` per block,
-    ``forward`` (``cls``: the Config of one block, which every block follows) and
-    ``backward`` (``cls``: the Config of the backward over the whole batch; None without a
-    gradient). A frozen dataclass with typed fields, so ``plan_codec`` encodes it."""
-    return dataclasses.make_dataclass(f"Blocked{cls.__name__}", [
-        ("rows", int), ("forward", Optional[cls], None), ("backward", Optional[cls], None)], frozen=True)
+@dataclasses.dataclass(frozen=True)
+class Blocked(Generic[C]):
+    """The batch-invariant Config over a backend's Config ``C``: ``rows`` per block,
+    ``forward`` (the Config of one block, which every block follows) and ``backward`` (the
+    Config of the backward over the whole batch; None without a gradient)."""
+
+    rows: int
+    forward: Optional[C] = None
+    backward: Optional[C] = None
 
 
 def blocks(n: int, block):

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol, Union
 import torch
 from torch import Tensor
 
-from logitless.ops.common.contract import ConfigCodec, Needs
+from logitless.ops.common.contract import Needs
 from logitless.ops.common.glue import grad_outputs, zero_grads
 
 #: Shape of the keep buffers when nothing is kept. Not (0, 0): inductor's in-place reuse
@@ -76,7 +76,7 @@ def fake_kept_tensors(x: Tensor, keep_shape=NOTHING_KEPT, max_shape=NOTHING_KEPT
 class KeptBackwardCall(Protocol):
     """What ``linear_backward`` reads of a backward call (``glue.Call``) of an op that keeps
     columns: the student/model head, which gradients it needs, the forward's Config (the
-    object, or its encoding through the custom ops) and kept columns."""
+    object) and kept columns."""
 
     @property
     def x(self) -> Tensor: ...
@@ -98,17 +98,15 @@ class KeptBackwardCall(Protocol):
 GradsOf = Callable[[Any, Optional[tuple[Tensor, Tensor]]], tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]]
 
 
-def linear_backward(b: KeptBackwardCall, codec: ConfigCodec,
-                    grads: GradsOf) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def linear_backward(b: KeptBackwardCall, grads: GradsOf) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The (dx, dw, db) outputs of a backward custom op (``glue.grad_outputs``): zeros on no
     tokens, nothing computed where no gradient is needed, else ``grads(config, kept)`` on
-    the Config decoded by ``codec`` (on the eager path: the object as it came) and the kept
-    columns (None for the ``NOTHING_KEPT`` dummies; a backend overwrites them with dz)."""
+    the forward's Config and the kept columns (None for the ``NOTHING_KEPT`` dummies; a
+    backend overwrites them with dz)."""
     x, weight, bias, need = b.x, b.weight, b.bias, b.need
     dx = dw = db = None
     if x.shape[0] == 0:
         dx, dw, db = zero_grads(x, weight, bias)
     elif need.need_dx or need.need_dw or need.need_db:
-        config = codec.decode(b.config) if isinstance(b.config, Tensor) else b.config
-        dx, dw, db = grads(config, None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max))
+        dx, dw, db = grads(b.config, None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max))
     return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)

@@ -11,10 +11,11 @@ Every backend (``TorchBackend``, ``TritonBackend``: one class each, listed in
 
 ``logits`` (N, V) with N > 0 (the custom ops answer N = 0 themselves); ``config`` is the
 backend's frozen Config (``TorchConfig``; Triton's is ``planning.logits.CETritonPlan``):
-the backward gets the forward's, never a new one, and it crosses the custom ops as
-``backend.codec`` encodes it. ``coef`` holds the (3, N) coefficients A, B, C of
-``formulas.cross_entropy.grad_coefficients``; ``backward`` writes d loss / d logits into
-``out`` (N, V), which may be the logits themselves (``inplace_backward``).
+the backward gets the forward's, never a new one (through the custom ops the backward op
+plans it again: ``custom_op.replan``, the memoised planner's same object). ``coef`` holds
+the (3, N) coefficients A, B, C of ``formulas.cross_entropy.grad_coefficients``;
+``backward`` writes d loss / d logits into ``out`` (N, V), which may be the logits
+themselves (``inplace_backward``).
 
 The custom ops (``custom_op``) are declared at the bottom: ``CeCall`` -> ``CeOutputs``
 (``logitless::ce_forward``), ``CeBackwardCall`` -> d loss / d logits (``ce_backward``).

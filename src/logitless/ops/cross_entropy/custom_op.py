@@ -5,9 +5,9 @@ are dense); ``ops.common.glue.CustomOp`` derives the schemas, the flattening and
 autograd wiring from those declarations.
 
 The forward plans the call once (``backend.plan``); the backward follows that Config: the
-object on the eager path, the backend's encoding (``backend.codec``, a CPU int64 tensor)
-through the custom ops. The per-token ``lse`` is differentiable (``grad_lse`` adds to the
-A coefficient).
+object on the eager path; through the custom ops the backward op plans it again from
+the forward's planning arguments (``replan``: the memoised planner's same object). The
+per-token ``lse`` is differentiable (``grad_lse`` adds to the A coefficient).
 
 Their implementations run eagerly, also under torch.compile (which sees only the fake
 implementations), so they may branch on data: the CPU target-range check lives here.

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.cross_entropy import TokenStats, dlogits_
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning.logits import ce_torch_plan
 
@@ -41,7 +41,6 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.CeBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds the rows per chunk."""
 
-    codec = ConfigCodec(TorchConfig)
 
     def plan(self, logits: Tensor, *, budget: int) -> TorchConfig:
         n, v = logits.shape

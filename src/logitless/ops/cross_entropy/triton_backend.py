@@ -19,7 +19,7 @@ import triton
 from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning.logits import CETritonPlan, ce_triton_plan
 from logitless.triton_lib import ce_logits_kernels as K
@@ -34,7 +34,6 @@ class TritonBackend(TritonKind):
     """backend="triton" (``contract.CeBackend``): its Config is the call's tiles
     (``planning.logits.CETritonPlan``)."""
 
-    codec = ConfigCodec(CETritonPlan)
 
     def plan(self, logits: Tensor, *, budget: int) -> CETritonPlan:
         n, v = logits.shape

@@ -12,8 +12,8 @@ Logits (N, V) with N > 0 (the custom ops answer N = 0 themselves); ``stats`` the
 row statistics of ``formulas.jsd``; ``g`` the per-token upstream gradient
 (``formulas.jsd.upstream``); ``dz`` d loss / d student logits in their dtype.
 ``config`` is the backend's frozen Config (``TorchConfig``, ``TritonConfig``): the
-backward gets the forward's, never a new one, and it crosses the custom ops as
-``backend.codec`` encodes it.
+backward gets the forward's, never a new one (through the custom ops the backward op
+plans it again: ``custom_op.replan``, the memoised planner's same object).
 
 The custom ops (``custom_op``) are declared at the bottom: ``JsdCall`` -> ``JsdOutputs``
 (``logitless::jsd_forward``), ``JsdBackwardCall`` -> d loss / d student logits

@@ -4,10 +4,11 @@ against the declared calls of ``contract`` (``JsdCall`` -> ``JsdOutputs``,
 derives the schemas, the flattening and the autograd wiring from those declarations.
 
 The forward plans the call once (``backend.plan``); the backward follows that Config: the
-object on the eager path, the backend's encoding (``backend.codec``, a CPU int64 tensor)
-through the custom ops. Validation and the reduction are plain Python/torch around the
-ops (``api.py``), so ``fullgraph=True`` works. Double backward is not supported:
-differentiating the gradient raises.
+object on the eager path; through the custom ops the backward op plans it again from
+the forward's planning arguments (``replan``: the memoised planner's same object).
+Validation and the reduction are plain Python/torch around the ops (``api.py``), so
+``fullgraph=True`` works. Double backward is not supported: differentiating the gradient
+raises.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.jsd import dlogits, row_stats
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import jsd_torch_rows
 
@@ -25,7 +25,6 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.JsdBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds the rows per chunk."""
 
-    codec = ConfigCodec(TorchConfig)
 
     def plan(self, zs: Tensor, zt: Tensor, *, budget: int) -> TorchConfig:
         n, v = zs.shape

@@ -16,7 +16,7 @@ import torch
 import triton
 from torch import Tensor
 
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import ce_triton_plan, jsd_stats_plan
 from logitless.triton_lib.fast_launch import public_launch
@@ -29,7 +29,6 @@ class TritonBackend(TritonKind):
     """backend="triton" (``contract.JsdBackend``): its Config (``TritonConfig``) holds the
     statistics' launch and the backward's tiles."""
 
-    codec = ConfigCodec(TritonConfig)
 
     def plan(self, zs: Tensor, zt: Tensor, *, budget: int) -> TritonConfig:
         n, v = zs.shape

@@ -121,7 +121,7 @@ class LceCall(Call):
     of temporaries; ``need_grad``: a backward will follow (plan kept columns);
     ``grad_in_forward``: the caller allows the gradient-in-forward strategy (eager, one
     device; the Config decides); ``need``: the gradients that backward wants;
-    ``batch_invariant``: the forward on fixed-size row blocks (``BlockedConfig``)."""
+    ``batch_invariant``: the forward on fixed-size row blocks (``invariant.Blocked``)."""
 
     differentiable = ("x", "weight", "bias")
 

@@ -63,7 +63,7 @@ def replan(b: LceBackwardCall, impl: LceBackend) -> Any:
     if x.shape[0] == 0:
         return None
     if b.batch_invariant:
-        return invariant.blocked(impl.codec.cls)(invariant.rows(impl, x.device), None, _backward_plan(impl, b, p))
+        return invariant.Blocked(invariant.rows(impl, x.device), None, _backward_plan(impl, b, p))
     with no_autocast(x.device):
         if b.tp.tp_group:
             from . import vocab_parallel
@@ -141,7 +141,7 @@ def _blocked_forward(call: LceCall, impl: LceBackend) -> LceOutputs:
                 loss, lse, argmax, w_t = _block(impl, dataclasses.replace(block, x=xb, target=tb), config)
         parts.append([t[:n1 - n0] for t in (loss, lse, argmax, w_t)])
     loss, lse, argmax, w_t = (torch.cat(c) for c in zip(*parts))
-    blocked = invariant.blocked(impl.codec.cls)(rows, config, _backward_plan(impl, call, planned(call)))
+    blocked = invariant.Blocked(rows, config, _backward_plan(impl, call, planned(call)))
     sd = compute_dtype(x.dtype)
     return LceOutputs(reduce(loss, w_t, opts.reduction).to(sd), lse.to(sd), argmax, w_t.to(sd),
                       *nothing_kept(x), blocked, *[x.new_empty(0) for _ in range(3)])
@@ -247,7 +247,7 @@ def backward_impl(b: LceBackwardCall, impl: LceBackend):
             return impl.backward(x, weight, bias, b.target, b.class_weight, opts.softcap, b.lse, coef, config,
                                  kept=kept, need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db)
 
-    return linear_backward(b, impl.codec.blocked if b.batch_invariant else impl.codec, grads)
+    return linear_backward(b, grads)
 
 
 def backward_fake(b: LceBackwardCall, impl: LceBackend):

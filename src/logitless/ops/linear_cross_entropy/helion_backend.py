@@ -29,7 +29,7 @@ from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import token_loss
 from logitless.helion_lib import linear_cross_entropy as kernels
 from logitless.ops.common import helion_choice
-from logitless.ops.common.contract import ConfigCodec, HelionKind
+from logitless.ops.common.contract import HelionKind
 from logitless.options import CrossEntropyOptions
 
 from .contract import HelionConfig, LceBackend, LceForward
@@ -42,7 +42,6 @@ class HelionBackend(HelionKind):
     planned with nothing kept), and the backward's budget (the kernels size their
     vocabulary chunks from it). ``others``: the backends by name (``api.BACKENDS``)."""
 
-    codec = ConfigCodec(HelionConfig)
 
     def __init__(self, others: Mapping[str, LceBackend]):
         self.others = others

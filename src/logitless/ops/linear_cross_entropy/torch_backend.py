@@ -28,7 +28,7 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype, reduce
 from logitless.formulas.cross_entropy import TokenStats, dlogits_, token_loss, upstream_per_token
 from logitless.formulas.cross_entropy import grad_coefficients as grad_coefficients_of
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import CrossEntropyOptions
 from logitless.planning.plans import TorchPlan
@@ -128,7 +128,6 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.LceBackend``): any device, fp64 too; keeps nothing for the
     backward; its Config (``TorchConfig``) holds the forward's and the backward's tiles."""
 
-    codec = ConfigCodec(TorchConfig)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,

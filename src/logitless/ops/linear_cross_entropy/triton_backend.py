@@ -40,7 +40,7 @@ from torch import Tensor
 
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised
@@ -225,7 +225,6 @@ class TritonBackend(TritonKind):
     CuTe choice). ``grad_in_forward``: the strategy that runs when the Config chose it
     (``triton_grad_in_forward.forward_with_grad``, given by the table in ``api``)."""
 
-    codec = ConfigCodec(LinearPlan)
 
     def __init__(self, grad_in_forward: Callable):
         self.grad_in_forward = grad_in_forward

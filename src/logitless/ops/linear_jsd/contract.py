@@ -10,8 +10,8 @@ in ``api.BACKENDS``) is a ``LjsdBackend``. Per call, in this order:
     dx, dw, db = backend.backward(g, xs, ws, bs, xt, wt, bt, target, stats, opts, config, ...)
 
 ``config`` is the backend's frozen Config (``TorchConfig``, ``TritonConfig``,
-``HelionConfig``): the backward gets the forward's, never a new one; it crosses the custom
-ops as ``backend.codec`` encodes it. The vocab-parallel path (``vocab_parallel``) calls the
+``HelionConfig``): the backward gets the forward's, never a new one (through the custom
+ops the backward op plans it again: ``custom_op.replan``). The vocab-parallel path (``vocab_parallel``) calls the
 same methods on a rank's rows (``reduction=None``: the statistics only; ``column_sums``:
 its second pass for 0 < beta < 1; ``dx_acc``: dx as the partial sum in fp32).
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from logitless.helion_lib import linear_jsd as kernels
 from logitless.ops.common import helion_choice
-from logitless.ops.common.contract import ConfigCodec, HelionKind
+from logitless.ops.common.contract import HelionKind
 from logitless.options import JSDOptions
 
 from .contract import HelionConfig, LjsdBackend, LjsdForward
@@ -42,7 +42,6 @@ class HelionBackend(HelionKind):
     and the budget the kernels size their chunks by. ``others``: the backends by name
     (``api.BACKENDS``). No gradient-in-forward strategy (the Triton backend's)."""
 
-    codec = ConfigCodec(HelionConfig)
     grad_in_forward = None
 
     def __init__(self, others: Mapping[str, LjsdBackend]):

@@ -21,7 +21,7 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.jsd import dlogits, log_mixture, reduce, row_stats, token_loss
 from logitless.formulas.jsd import upstream as _upstream
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import jsd_torch_rows
 from logitless.planning.plans import torch_plan
@@ -151,7 +151,6 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.LjsdBackend``): any device, fp64 too; its Config
     (``TorchConfig``) holds every chunk size of the call; no gradient-in-forward strategy."""
 
-    codec = ConfigCodec(TorchConfig)
     grad_in_forward = None
 
     def plan(self, xs: Tensor, ws: Tensor, xt: Tensor, opts: JSDOptions, *, budget: int,

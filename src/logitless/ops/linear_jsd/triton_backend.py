@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from logitless.formulas.common import apply_softcap
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.options import JSDOptions
 from logitless.planning.logits import jsd_stats_plan
 from logitless.planning.memo import memoised
@@ -269,7 +269,6 @@ class TritonBackend(TritonKind):
     that runs when the Config chose it (``triton_grad_in_forward.forward_with_grad``, given
     by the table in ``api``)."""
 
-    codec = ConfigCodec(TritonConfig)
 
     def __init__(self, grad_in_forward: Callable):
         self.grad_in_forward = grad_in_forward

@@ -14,6 +14,7 @@ from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import cast_like_linear
 from logitless.ops.common.contract import BackendTable, HelionKind, Lazy, TritonKind
+from logitless.ops.common.glue import HOST_SYNCS
 from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import LogProbOptions, VocabParallelOptions
@@ -41,8 +42,11 @@ def _helion() -> LlpBackend:
 #: sampling and ``batch_invariant`` are Configs of the same backends (``truncation``).
 BACKENDS: BackendTable[LlpBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend,
                                                   helion=Lazy(HelionKind, _helion))
-#: The custom-op pair (logitless::llp_forward / llp_backward) over the table.
+#: The custom-op pair (logitless::llp_forward / llp_backward) over the table; a truncated
+#: call's (top-k / top-p / min-p: its host syncs choose its route) is another pair of the
+#: same bodies, which CUDA-graph trees run between their graphs (``glue.HOST_SYNCS``).
 OPS = custom_op.define(BACKENDS)
+TRUNCATED_OPS = custom_op.define(BACKENDS, name="llp_truncated", tags=HOST_SYNCS)
 #: A call on one device (no process_group, vocab_size or partial_dx; plain tensors).
 NO_VOCAB_PARALLEL = VocabParallelOptions()
 
@@ -204,7 +208,7 @@ def linear_log_probs(
                 k_max = tensor_k_max(k, block)
     call = LlpCall(x2d, weight, bias, flat, opts, impl, memory_budget, need_grad, need_dw, k, p, mp, checked, k_max,
                    block, tp)
-    logp, ent, *_ = OPS(call)
+    logp, ent, *_ = (OPS if k is None else TRUNCATED_OPS)(call)
     logp = logp.reshape(out_shape)
     if not opts.entropy:
         return logp

@@ -4,20 +4,24 @@ Every backend (``TorchBackend``, ``TritonBackend``, ``HelionBackend``: one class
 in ``api.BACKENDS``) is an ``LlpBackend``. Per call, in this order:
 
     config = backend.plan(x, weight, bias, opts, budget=..., need_grad=..., need_dw=...,
-                          trunc=..., k_max=..., block=...)                          # once
+                          truncated=..., k_max=..., block=...)                     # once
     (logp, entropy, lse), kept = backend.forward(x, weight, bias, tokens, opts, config)
     coef = backend.grad_coefficients(entropy, tokens, g_logp, g_entropy, V, opts, lse)   # (3, N)
     dx, dw, db = backend.backward(x, weight, bias, tokens, opts, lse, coef, config,
                                   kept=kept, need_dx=..., need_dw=..., need_db=...)
 
 ``config`` is the backend's frozen Config (``TorchConfig``, ``TritonConfig``, ``HelionConfig``):
-the backward gets the forward's, never a new one; it crosses the custom ops as
-``backend.codec`` encodes it. Truncated sampling (top-k / top-p / min-p) and
-``batch_invariant`` are Configs of the same backends: ``Truncated`` in the Config (its
-blocks, the threshold pass's plans, whether the sparse backward may run); the steps that
-follow the data (which rows a threshold pass settles) run in ``truncation`` under that
-Config. The vocab-parallel path (``vocab_parallel``) calls the same methods on a rank's
-rows (``outputs=False``: the statistics to merge; ``dx_acc``: dx as the fp32 partial sum).
+the backward gets the forward's, never a new one. On the eager path the object itself;
+through the custom ops the backward op plans it again from the same inputs (``LlpPlanned``,
+``custom_op.replan``): the planners are memoised pure functions of them, so it is the
+forward's object, and no Config crosses the ops as a tensor (they may run inside a CUDA
+graph). Truncated sampling (top-k / top-p / min-p) and ``batch_invariant`` are Configs of
+the same backends: ``Truncated`` in the Config (its blocks, the threshold pass's plans,
+whether the search and the sparse backward may run), planned from the call's arguments;
+the steps that follow the data (the search's C from the largest top_k, which rows a
+threshold pass settles) run in ``truncation`` under that Config. The vocab-parallel path
+(``vocab_parallel``) calls the same methods on a rank's rows (``outputs=False``: the
+statistics to merge; ``dx_acc``: dx as the fp32 partial sum).
 The custom ops' declared calls (``LlpCall`` -> ``LlpOutputs``, ``LlpBackwardCall``:
 ``ops.common.glue``) are at the bottom.
 """
@@ -31,7 +35,7 @@ from torch import Tensor
 
 from logitless.formulas.truncation import MIN_CANDIDATES
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import LogProbOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 from logitless.planning.tiles import TritonPlan
@@ -39,17 +43,17 @@ from logitless.planning.tiles import TritonPlan
 
 @dataclass(frozen=True)
 class Truncated:
-    """What a truncated or batch-invariant call decides once (``decide``, in the backends' ``plan``).
+    """What a truncated or batch-invariant call decides once (``decide``, in the backends' ``plan``),
+    from the call's arguments only (never from the data: the backward op plans it again).
 
-    k_max: the largest per-token top_k (read on the host when the caller did not give it;
-        -1: no truncation, or not read: while a CUDA graph is captured); search: the
-        backend's threshold search (``threshold_search``: Triton's candidates / mass
-        search) finds the thresholds (else the chunked pass);
+    search: the backend's threshold search (``threshold_search``: Triton's candidates / mass
+        search) may find the thresholds: it does where the largest per-token top_k, known
+        to the forward (the caller's ``k_max``, or read there: a host sync), needs at most
+        MAX_CANDIDATES candidates and no CUDA graph is being captured; else the chunked pass;
         width: columns of the sparse backward's candidates (0: the call cannot take it);
         block: rows per block under batch invariance (0: one block).
     """
 
-    k_max: int = -1
     search: bool = False
     width: int = 0
     block: int = 0
@@ -105,19 +109,26 @@ def may_keep(impl: Searches, k_max: int, block: int, need_grad: bool, truncated:
     return parallel or not impl.threshold_search or (k_max >= 0 and candidate_count(k_max) > MAX_CANDIDATES)
 
 
-def decide(impl: Searches, v: int, truncated: bool, k_max_arg: int, k_max: Optional[int], block: int, need_grad: bool,
-           parallel: bool, softcap: Optional[float] = None):
+def decide(impl: Searches, v: int, truncated: bool, k_max: int, block: int, need_grad: bool, parallel: bool,
+           softcap: Optional[float] = None):
     """(``Truncated``, may the forward keep columns) of a truncated or batch-invariant call:
-    the part of a backend's ``plan`` that is the same for every backend. ``k_max_arg``: the
-    op's argument (the fake's shapes follow it), ``k_max``: the largest top_k (the forward
-    reads it when the caller did not: ``custom_op``; None where it could not: while a CUDA
-    graph is captured, when no search runs)."""
-    width = sparse_width(impl, v, k_max_arg, need_grad, truncated, parallel)
-    keep = may_keep(impl, k_max_arg, block, need_grad, truncated, softcap, parallel)
-    if not truncated or k_max is None:
-        return Truncated(-1, False, width, block), keep
-    search = not parallel and impl.threshold_search and candidate_count(k_max) <= MAX_CANDIDATES
-    return Truncated(k_max, search, width, block), keep
+    the part of a backend's ``plan`` that is the same for every backend. ``k_max``: the op's
+    argument (-1: the forward reads it; the fake's shapes follow the argument)."""
+    width = sparse_width(impl, v, k_max, need_grad, truncated, parallel)
+    keep = may_keep(impl, k_max, block, need_grad, truncated, softcap, parallel)
+    search = truncated and not parallel and impl.threshold_search \
+        and (k_max < 0 or candidate_count(k_max) <= MAX_CANDIDATES)
+    return Truncated(search, width, block), keep
+
+
+def search_candidates(search: bool, k_max: Optional[int]) -> int:
+    """C of the threshold search of a call whose Config allows it (``Truncated.search``) and
+    whose largest top_k the forward knows (``k_max``; None: not read, while a CUDA graph is
+    captured), or 0: the chunked pass finds the thresholds."""
+    if not search or k_max is None:
+        return 0
+    c = candidate_count(k_max)
+    return c if c <= MAX_CANDIDATES else 0
 
 
 @dataclass(frozen=True)
@@ -138,18 +149,17 @@ class TritonConfig:
     invariance; its kept columns and the backward's tiles), ``backward`` the backward's over
     the batch when the forward ran in blocks, ``search`` the threshold passes' (nothing
     kept, no CuTe), ``thresholds`` the chunked threshold pass's steps; the Triton search's
-    (``triton_lib.log_probs_candidates``): the candidates kernel's tiles and C (candidates
-    per row), the mass kernel's tiles, the first pass's vocabulary ``splits``. ``main`` is
-    None on a vocab-parallel rank without real rows (only the threshold steps serve there)."""
+    (``triton_lib.log_probs_candidates``): the candidates kernel's tiles and the mass
+    kernel's (its C and vocabulary splits follow the largest top_k, which the forward
+    knows: ``search_candidates``). ``main`` is None on a vocab-parallel rank without real
+    rows (only the threshold steps serve there)."""
 
     main: Optional[LinearPlan] = None
     backward: Optional[LinearPlan] = None
     search: Optional[LinearPlan] = None
     thresholds: Optional[TorchPlan] = None
-    splits: int = 0
     trunc: Optional[Truncated] = None
     candidate_tiles: Optional[TritonPlan] = None
-    candidates: int = 0
     mass_tiles: Optional[TritonPlan] = None
 
 
@@ -179,11 +189,11 @@ class LlpBackend(Backend, Protocol):
     threshold_search: bool
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
-             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
              parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> Any:
-        """The call's Config. ``trunc`` (``formulas.truncation.Truncation``, its ``k_max`` the
-        largest top_k: ``custom_op`` reads it) or ``block``: the truncated / batch-invariant
-        Config, ``k_max`` the op's argument; ``parallel``, ``plan_rows``: a rank's rows
+        """The call's Config. ``truncated`` (top-k / top-p / min-p) or ``block``: the truncated /
+        batch-invariant Config, ``k_max`` the op's argument (the largest top_k, -1: not
+        given; the Config never depends on a value read from the data); ``parallel``, ``plan_rows``: a rank's rows
         of a vocab-parallel head (the threshold steps sized for ``plan_rows`` columns);
         ``cute=False``: without the CuTe choice (a fake: no memory)."""
         ...
@@ -269,10 +279,25 @@ class LlpOutputs(NamedTuple):
 
 
 @dataclass(frozen=True)
+class LlpPlanned:
+    """The scalars an ``LlpCall``'s Config was planned with (its fields of the same names;
+    ``dw``: ``need_dw``, ``truncated``: ``top_k`` given), carried to the backward op, which
+    plans it again from them."""
+
+    budget: int
+    need_grad: bool
+    dw: bool
+    truncated: bool
+    k_max: int
+    block: int
+
+
+@dataclass(frozen=True)
 class LlpBackwardCall(Call):
     """One call of the backward op: the upstream gradients of logp and of the entropy, the
     forward's inputs, statistics, kept columns (overwritten with dz) and Config; truncated
-    calls: the forward's logp, tau and the sparse backward's candidates and rows."""
+    calls: the forward's logp, tau and the sparse backward's candidates and rows; ``planned``:
+    what the forward planned from (``custom_op.replan``)."""
 
     mutated = ("keep",)
 
@@ -286,7 +311,7 @@ class LlpBackwardCall(Call):
     entropy_out: Optional[Tensor]
     keep: Tensor
     keep_max: Tensor
-    config: Encoded
+    config: Replanned
     opts: LogProbOptions
     backend: str
     need: Needs
@@ -295,3 +320,4 @@ class LlpBackwardCall(Call):
     sparse: Optional[Tensor]
     inside: Optional[Tensor]
     tp: VocabParallelOptions
+    planned: LlpPlanned

@@ -3,17 +3,22 @@ written against the declared calls of ``contract`` (``LlpCall`` -> ``LlpOutputs`
 ``LlpBackwardCall`` -> dx, dw, db); ``ops.common.glue.CustomOp`` derives the schemas, the
 flattening and the autograd wiring from those declarations.
 
-The forward plans the call ONCE (``backend.plan``: the backend's frozen Config, with the
-truncation's decisions in it, ``contract.Truncated``); the forward, the fake's kept shapes
-and the backward follow that Config. ``keep``/``keep_max``: the columns of exp(a - m) the
-forward kept (``NOTHING_KEPT``-shaped dummies when none); the backward turns them into dz
-in place (declared as a mutation), so they serve the first backward only (a second one,
-retain_graph=True, recomputes). A truncated or batch-invariant call (``top_k`` or ``block``)
-runs ``truncation``'s forward and backward; ``tau``, ``sparse``, ``inside`` carry what its
-backward needs (fixed shapes). With ``tp.tp_group`` the weight is this rank's block of rows
-of a vocab-parallel head (``vocab_parallel``). Implementations run eagerly (also under
-torch.compile, which sees only the fakes), so the CPU token-range check
-(``validate.check_targets_in_range``) lives in them. Double backward raises.
+The forward plans the call ONCE (``_plan``: the backend's frozen Config, with the
+truncation's decisions in it, ``contract.Truncated``, all from the call's arguments); the
+forward, the fake's kept shapes and the backward follow that Config: the object on the
+eager path; through the custom ops the backward op plans it again from the same
+arguments (``replan``, ``contract.LlpPlanned``: the memoised planners return the
+forward's object), so no Config crosses them and both may run inside a CUDA graph.
+``keep``/``keep_max``: the columns of exp(a - m) the forward kept (``NOTHING_KEPT``-shaped
+dummies when none); the backward turns them into dz in place (declared as a mutation), so
+they serve the first backward only (a second one, retain_graph=True, recomputes). A
+truncated or batch-invariant call (``top_k`` or ``block``) runs ``truncation``'s forward and
+backward; ``tau``, ``sparse``, ``inside`` carry what its backward needs (fixed shapes). With
+``tp.tp_group`` the weight is this rank's block of rows of a vocab-parallel head
+(``vocab_parallel``). Implementations run eagerly (also under torch.compile, which sees
+only the fakes), so the CPU token-range check (``validate.check_targets_in_range``) and
+the read of the largest top_k (a host sync, when the caller did not give it and no CUDA
+graph is being captured) live in them. Double backward raises.
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ from logitless.ops.common.glue import CustomOp, fake_grad_outputs
 from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
-from .contract import LlpBackend, LlpBackwardCall, LlpCall, LlpOutputs, may_keep, sparse_width, tensor_k_max
+from .contract import (
+    LlpBackend,
+    LlpBackwardCall,
+    LlpCall,
+    LlpOutputs,
+    LlpPlanned,
+    may_keep,
+    sparse_width,
+    tensor_k_max,
+)
 
 #: The custom ops: logitless::llp_forward, logitless::llp_backward.
 NAME = "llp"
@@ -48,8 +62,7 @@ def forward(call: LlpCall, impl: LlpBackend) -> LlpOutputs:
         if call.tp.tp_group:
             from . import vocab_parallel
 
-            config = vocab_parallel.plan(impl, x, weight, bias, opts, call.tp, budget=call.budget,
-                                         need_grad=call.need_grad, need_dw=call.need_dw)
+            config = _plan(impl, call, planned(call))
             logp, ent, lse, kept = vocab_parallel.forward(impl, x, weight, bias, tokens, opts, call.tp, config)
         else:
             check_targets_in_range(tokens, weight.shape[0], opts.ignore_index, name="tokens")
@@ -58,10 +71,37 @@ def forward(call: LlpCall, impl: LlpBackend) -> LlpOutputs:
                 logp, lse = x.new_empty(0, dtype=sd), x.new_empty(0, dtype=sd)
                 ent = x.new_empty(0, dtype=sd) if opts.entropy else None
             else:  # the merge and token_outputs (Triton: one launch, log_probs_epilogue)
-                config = impl.plan(x, weight, bias, opts, budget=call.budget, need_grad=call.need_grad,
-                                   need_dw=call.need_dw)
+                config = _plan(impl, call, planned(call))
                 (logp, ent, lse), kept = impl.forward(x, weight, bias, tokens, opts, config)
     return _outputs(x, logp, ent, lse, kept, config)
+
+
+def planned(call: LlpCall) -> LlpPlanned:
+    """The scalars ``call``'s Config is planned from (the backward op's too)."""
+    return LlpPlanned(call.budget, call.need_grad, call.need_dw, call.top_k is not None, call.k_max, call.block)
+
+
+def _plan(impl: LlpBackend, c: LlpCall | LlpBackwardCall, p: LlpPlanned) -> Any:
+    """The backend's Config of the call ``c`` (the forward's, or ``replan``'s), None on no
+    tokens (nothing runs): ``vocab_parallel.plan``'s over a vocab-parallel head (also None
+    for a rank without real rows)."""
+    if c.x.shape[0] == 0:
+        return None
+    kw: dict[str, Any] = dict(budget=p.budget, need_grad=p.need_grad, need_dw=p.dw)
+    if p.truncated or p.block:
+        kw.update(truncated=p.truncated, k_max=p.k_max, block=p.block)
+    if c.tp.tp_group:
+        from . import vocab_parallel
+
+        return vocab_parallel.plan(impl, c.x, c.weight, c.bias, c.opts, c.tp, **kw)
+    return impl.plan(c.x, c.weight, c.bias, c.opts, **kw)
+
+
+def replan(b: LlpBackwardCall, impl: LlpBackend) -> Any:
+    """The Config the forward of ``b`` planned, planned again from the same inputs (the
+    backward custom op's; the planners are memoised: the forward's object)."""
+    with no_autocast(b.x.device):
+        return _plan(impl, b, b.planned)
 
 
 def _outputs(x: Tensor, logp, ent, lse, kept, config, tau=None, sparse=None, inside=None) -> LlpOutputs:
@@ -86,17 +126,13 @@ def _truncated_forward(call: LlpCall, impl: LlpBackend) -> LlpOutputs:
             k_max = tensor_k_max(call.top_k, call.block)
         assert call.top_p is not None and call.min_p is not None  # (given with top_k: ``api``)
         trunc = Truncation(call.top_k, call.top_p, call.min_p, k_max if k_max >= 0 else None, call.checked)
-    plan: dict[str, Any] = dict(budget=call.budget, need_grad=call.need_grad, need_dw=call.need_dw, trunc=trunc,
-                                k_max=call.k_max, block=call.block)
-    config = sharded = None
+    sharded = None
     with no_autocast(x.device):
+        config = _plan(impl, call, planned(call))  # once per call
         if call.tp.tp_group:
             from . import vocab_parallel
 
-            config = vocab_parallel.plan(impl, x, weight, bias, opts, call.tp, **plan) if x.shape[0] else None
             sharded = vocab_parallel.ShardedBackend(impl, call.tp, weight, x.device, bool(call.block))
-        elif x.shape[0]:
-            config = impl.plan(x, weight, bias, opts, **plan)  # once per call
         if config is None:  # (no tokens: nothing to plan, nothing runs)
             check_targets_in_range(tokens, weight.shape[0], opts.ignore_index, name="tokens")
             width = sparse_width(impl, weight.shape[0], call.k_max, call.need_grad, trunc is not None,
@@ -147,14 +183,12 @@ def save(ctx, call: LlpCall, out: LlpOutputs) -> None:
     else:
         ctx.save_for_backward(call.x, call.weight, call.bias, call.tokens, out.lse, out.entropy)
     ctx.opts, ctx.backend, ctx.tp = call.opts, call.backend, call.tp
-    ctx.config = out.config
+    ctx.config, ctx.planned = out.config, planned(call)
     ctx.kept = (out.keep, out.keep_max)
     frozen = [out.lse, out.keep, out.keep_max]
     if out.tau is not None and out.sparse is not None and out.inside is not None:
         # (truncated; through the custom ops, always: size 0 where absent)
         frozen += [out.tau, out.sparse, out.inside]
-    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
-        frozen.append(out.config)
     ctx.mark_non_differentiable(*frozen)
     ctx.set_materialize_grads(False)
 
@@ -169,7 +203,7 @@ def backward(ctx, grads: LlpOutputs, need, run) -> tuple:
     logp, tau, sparse, inside = trunc or (None, None, None, None)
     return run(LlpBackwardCall(grad_logp, grads.entropy, x, weight, bias, tokens, lse, ent, keep, keep_max,
                                ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), logp, tau,
-                               sparse, inside, ctx.tp))
+                               sparse, inside, ctx.tp, ctx.planned))
 
 
 def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
@@ -203,15 +237,17 @@ def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
             return impl.backward(x, weight, bias, b.tokens, opts, b.lse, coef, config, kept=kept,
                                  need_dx=need.need_dx, need_dw=need.need_dw, need_db=need.need_db)
 
-    return linear_backward(b, impl.codec, grads)
+    return linear_backward(b, grads)
 
 
 def backward_fake(b: LlpBackwardCall, impl: LlpBackend):
     return fake_grad_outputs(b.x, b.weight, b.bias, b.need.need_dx, b.need.need_dw, b.need.need_db)
 
 
-def define(backends: BackendTable[LlpBackend], *,
-           name: str = NAME) -> CustomOp[LlpCall, LlpOutputs, LlpBackwardCall, LlpBackend]:
-    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
+def define(backends: BackendTable[LlpBackend], *, name: str = NAME,
+           tags: tuple = ()) -> CustomOp[LlpCall, LlpOutputs, LlpBackwardCall, LlpBackend]:
+    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``);
+    ``tags``: torch.library's (``glue.HOST_SYNCS`` for the truncated calls' pair)."""
     return CustomOp(name, LlpCall, LlpOutputs, LlpBackwardCall, table=backends, forward=forward, fake=fake,
-                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
+                    save=save, backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP,
+                    replan=replan, tags=tags)

@@ -26,7 +26,7 @@ from torch import Tensor
 from logitless.formulas.log_probs import token_outputs
 from logitless.helion_lib import linear_log_probs as kernels
 from logitless.ops.common import helion_choice
-from logitless.ops.common.contract import ConfigCodec, HelionKind
+from logitless.ops.common.contract import HelionKind
 from logitless.options import LogProbOptions
 
 from .contract import HelionConfig, LlpBackend
@@ -39,7 +39,6 @@ class HelionBackend(HelionKind):
     planned with nothing kept), and the backward's budget. ``others``: the backends by name
     (``api.BACKENDS``)."""
 
-    codec = ConfigCodec(HelionConfig)
     grad_coefficients = staticmethod(TorchBackend.grad_coefficients)
     truncates = False  # (no threshold kernels: ``api`` runs such calls on the backend in Helion's place)
     threshold_search = False
@@ -49,7 +48,7 @@ class HelionBackend(HelionKind):
 
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
-             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
              parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> HelionConfig:
         other = helion_choice.fallback_name_of_call(x.device)
         if other is None:

@@ -23,7 +23,7 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.log_probs import LogProbStats, dlogits_, finish, online_update, scaled_logits_, token_outputs
 from logitless.formulas.log_probs import grad_coefficients as grad_coefficients_of
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import LogProbOptions
 
@@ -107,12 +107,11 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.LlpBackend``): its Config is the call's tiles
     (``contract.TorchConfig``); it keeps nothing for the backward."""
 
-    codec = ConfigCodec(TorchConfig)
     truncates = True
     threshold_search = False  # (the chunked threshold pass)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
-             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
              parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> TorchConfig:
         n, v = x.shape[0], weight.shape[0]
         exact = x.dtype == compute_dtype(x.dtype)
@@ -122,11 +121,10 @@ class TorchBackend(TorchKind):
             forward = linear_torch_plan(rows, v, budget, tiles=2 + opts.entropy, accumulators=0)
             backward = linear_torch_plan(x, v, budget, tiles=1 + (opts.softcap is not None) + opts.entropy,
                                          accumulators=0 if exact else int(need_dw))
-        if trunc is None and not block:
+        if not truncated and not block:
             return TorchConfig(forward, backward)
-        decided, _ = decide(self, v, trunc is not None, k_max, trunc.k_max if trunc is not None else k_max, block,
-                            need_grad, parallel)  # (keeps nothing)
-        steps = linear_torch_plan(rows, plan_rows or v, budget, tiles=3, accumulators=0) if trunc is not None else None
+        decided, _ = decide(self, v, truncated, k_max, block, need_grad, parallel)  # (keeps nothing)
+        steps = linear_torch_plan(rows, plan_rows or v, budget, tiles=3, accumulators=0) if truncated else None
         return TorchConfig(forward, backward, steps, decided)
 
     def kept_shapes(self, config: Any, n: int) -> None:

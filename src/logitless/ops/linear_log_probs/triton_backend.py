@@ -26,13 +26,13 @@ syncs.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
@@ -43,7 +43,7 @@ from logitless.triton_lib import log_probs_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 from logitless.triton_lib.launch import cdiv
 
-from .contract import TritonConfig, candidate_count, decide
+from .contract import TritonConfig, decide
 
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
@@ -101,18 +101,16 @@ def _linear_plan(rows: int, v: int, h: int, dtype: torch.dtype, device, budget: 
 
 @memoised
 def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
-                     truncated: bool, k_max_arg: int, k_max: Optional[int], block: int, need_grad: bool, parallel: bool,
+                     truncated: bool, k_max: int, block: int, need_grad: bool, parallel: bool,
                      plan_rows: Optional[int]) -> TritonConfig:
     """The Config of a truncated / batch-invariant call (``TritonConfig``): pure in its
-    arguments, so memoised (``planning.memo``). ``k_max_arg``: the op's argument, ``k_max``
-    the largest top_k. The search's kernels' tiles and C, and its first pass's vocabulary
-    splits, a block's rows' (``log_probs_candidates``)."""
+    arguments, so memoised (``planning.memo``). ``k_max``: the op's argument. The search's
+    kernels' tiles, a block's rows' (``log_probs_candidates``)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
-    decided, keep = decide(TritonBackend, v, truncated, k_max_arg, k_max, block, need_grad, parallel, opts.softcap)
+    decided, keep = decide(TritonBackend, v, truncated, k_max, block, need_grad, parallel, opts.softcap)
     rows = block or n
     main = backward = search_plan = steps = cand_tiles = masses = None
-    splits = c = 0
     if v:
         main = _linear_plan(rows, v, h, dtype, device, budget, opts, keep)
         if block:
@@ -121,13 +119,11 @@ def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget:
             search_plan = _linear_plan(rows, v, h, dtype, device, budget, opts, False)
             cand_tiles = LC.candidate_tiles(search_plan.forward, device)
             if decided.search:
-                c = candidate_count(decided.k_max)
-                splits = LC.splits_for(rows, v, cand_tiles, c, device)
                 masses = LC.mass_tiles(search_plan.forward, device)
     if truncated:  # (shape and dtype are what the planner reads)
         steps = linear_torch_plan(torch.empty((rows, h), dtype=dtype, device="meta"), plan_rows or v, budget, tiles=3,
                                   accumulators=0)
-    return TritonConfig(main, backward, search_plan, steps, splits, decided, cand_tiles, c, masses)
+    return TritonConfig(main, backward, search_plan, steps, decided, cand_tiles, masses)
 
 
 def _flags(bias, opts: LogProbOptions, dtype, prerounded=False):
@@ -272,19 +268,18 @@ class TritonBackend(TritonKind):
     the call's ``LinearPlan`` (tiles, kept columns, the CuTe choice) and, for truncated /
     batch-invariant calls, the threshold passes' plans and the backward's over the batch."""
 
-    codec = ConfigCodec(TritonConfig)
     truncates = True
     threshold_search = True  # (the candidates / mass search, ``truncation.search_triton``)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
-             need_grad: bool, need_dw: bool = True, trunc: Any = None, k_max: int = -1, block: int = 0,
+             need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
              parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> TritonConfig:
         v = weight.shape[0]
-        if trunc is None and not block:
+        if not truncated and not block:
             return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute))
         n, h = x.shape
-        return truncated_config(n, h, v, x.dtype, x.device, budget, opts, trunc is not None, k_max,
-                                trunc.k_max if trunc is not None else k_max, block, need_grad, parallel, plan_rows)
+        return truncated_config(n, h, v, x.dtype, x.device, budget, opts, truncated, k_max, block, need_grad, parallel,
+                                plan_rows)
 
     @staticmethod
     def kept_shapes(config: Optional[TritonConfig], n: int):

@@ -3,15 +3,16 @@
 their ``plan`` by ``decide``), run by the same custom ops (``custom_op``) through
 ``forward`` and ``backward`` here.
 
-One plan per call: the backend's ``plan`` decides the blocks, the threshold passes' plans
-(Triton: ``TritonConfig.search``, the search kernels' tiles and C; the chunked pass's steps,
-``thresholds``), whether the Triton search runs, the sparse backward's width and whether the
-forward keeps columns; the largest top_k is read before it (a host sync, ``custom_op``) when
-the caller did not. What follows the data
-is decided in the forward and crosses to the backward as tensors: which rows the search
-settles (the rows it leaves take the chunked pass and a forward under the Config's plan,
-not one of their own), and which rows the sparse backward takes (``inside``; the dense
-rest runs the backend's backward under the Config).
+One plan per call, from the call's arguments: the backend's ``plan`` decides the blocks, the
+threshold passes' plans (Triton: ``TritonConfig.search``, the search kernels' tiles; the
+chunked pass's steps, ``thresholds``), whether the Triton search may run, the sparse
+backward's width and whether the forward keeps columns. What follows the data is decided
+in the forward and crosses to the backward as tensors: the search's C (from the largest
+top_k, read in the forward, a host sync, when the caller did not give it:
+``contract.search_candidates``), which rows the search settles (the rows it leaves take
+the chunked pass and a forward under the Config's plan, not one of their own), and which
+rows the sparse backward takes (``inside``; the dense rest runs the backend's backward
+under the Config).
 
 Truncation (math: ``formulas.truncation``): a THRESHOLD pass finds each token's tau from
 the hidden states. Triton backend (``search_triton``, top_k < MAX_CANDIDATES): the
@@ -87,7 +88,7 @@ from logitless.options import LogProbOptions
 from logitless.planning.plans import TorchPlan
 from logitless.planning.tiles import TritonPlan
 
-from .contract import TritonConfig
+from .contract import TritonConfig, search_candidates
 from .torch_backend import scaled_tile
 
 
@@ -220,7 +221,7 @@ def _merged_candidates(parts, c: int):
 
 
 def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                  trunc: Truncation, config: TritonConfig, invariant: bool = False, indices: bool = False):
+                  trunc: Truncation, config: TritonConfig, c: int, invariant: bool = False, indices: bool = False):
     """The Triton threshold pass without logits (``triton_lib.log_probs_candidates``):
     (tau, outputs, left) with outputs = (logp, entropy or None, lse) of every row but
     those that need the chunked fallback (ties past the candidates, or past
@@ -236,20 +237,20 @@ def search_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     (a row's bits then do not depend on how many rows a later pass runs on). ``indices``:
     a fourth item, ``sparse``: (cand, columns, inside) of the first pass, inside (n,) the
     rows whose kept set (a >= the returned tau) lies in their candidates. ``config``: the
-    Triton Config (its ``search`` plan, the kernels' tiles, C and the first pass's
-    ``splits``, 0: ``splits_for`` x's rows)."""
+    Triton Config (its ``search`` plan, the kernels' tiles); ``c``: candidates per row
+    (``contract.search_candidates``)."""
     from logitless.triton_lib import log_probs_candidates as LC
 
     from . import triton_backend
 
     n, v = x.shape[0], weight.shape[0]
     sd = compute_dtype(x.dtype)
-    c, lplan, plan, mplan = config.candidates, config.search, config.candidate_tiles, config.mass_tiles
+    lplan, plan, mplan = config.search, config.candidate_tiles, config.mass_tiles
     assert lplan is not None  # (a Config whose search runs has its plan: ``triton_backend.truncated_config``)
     ent_on = opts.entropy
     sc, temp = opts.softcap, opts.temperature
     tokens = tokens.contiguous()
-    splits = config.splits or LC.splits_for(n, v, plan, c, x.device)
+    splits = LC.splits_for(n, v, plan, c, x.device)
 
     def splits_of(rows_of_pass: Tensor) -> int:
         return splits if invariant else LC.splits_for(rows_of_pass.numel(), v, plan, c, x.device)
@@ -420,6 +421,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
         check_values(trunc.top_k, trunc.top_p, trunc.min_p)
     sd = compute_dtype(x.dtype)
     tiles = config.search.forward if getattr(config, "search", None) is not None else None
+    # C of the Triton search (0: the chunked pass), from the largest top_k the forward knows
+    search = search_candidates(dec.search, trunc.k_max if trunc is not None else None)
     kept = None
     # the sparse backward's (candidates, columns, inside) per block (every row's kept set inside its candidates)
     sparse_blocks: Optional[list[tuple[Tensor, ...]]] = [] if dec.width else None
@@ -434,9 +437,9 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             tr = trunc if not block else _padded_trunc(trunc, n0, n1, pad)
             if sharded is not None:  # (the chunked pass, merged over the group)
                 tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
-            elif xb.shape[0] and dec.search and syncs_allowed(x.device):  # (the search syncs with the host)
-                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, invariant=bool(block),
-                                                     indices=sparse_blocks is not None)
+            elif xb.shape[0] and search and syncs_allowed(x.device):  # (the search syncs with the host)
+                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, search,
+                                                     invariant=bool(block), indices=sparse_blocks is not None)
                 if sparse_blocks is not None and sp[0] is not None:
                     sparse_blocks.append(tuple(t[:n1 - n0] for t in sp[0]))
                 else:

@@ -59,7 +59,7 @@ def plan(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbO
     no real rows: nothing runs there); the threshold steps sized for the largest rank's."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     w, b = shard.real_rows(weight), shard.real_rows(bias)
-    if kw.get("trunc") is None and not kw.get("block") and not (x.shape[0] and w.shape[0]):
+    if not kw.get("truncated") and not kw.get("block") and not (x.shape[0] and w.shape[0]):
         return None
     return impl.plan(x, w, b, opts, parallel=True, plan_rows=shard.max_rows, **kw)
 

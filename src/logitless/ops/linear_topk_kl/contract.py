@@ -14,7 +14,8 @@ vocab-parallel rank they are the global ids minus the rank's first row, so some 
 outside [0, V) (another rank's): a backend matches no column to those, and its ``z_ids``
 hold 0 there (the ranks' values are summed). ``config`` is the backend's frozen Config
 (``TorchConfig``, ``TritonConfig``): the backward gets the forward's, never a
-new one; it crosses the custom ops as ``backend.codec`` encodes it. The vocab-parallel path
+new one (through the custom ops the backward op plans it again: ``custom_op.replan``,
+the memoised planner's same object). The vocab-parallel path
 (``vocab_parallel``) calls the same methods on a rank's rows (``dx_acc``: dx as the fp32
 partial sum).
 """

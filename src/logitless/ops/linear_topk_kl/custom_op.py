@@ -140,7 +140,7 @@ def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
             return impl.backward(b.x, b.weight, b.bias, b.ids, b.target, b.opts, b.rows, coef, sparse, config,
                                  kept=kept, need_dx=b.need.need_dx, need_dw=b.need.need_dw, need_db=b.need.need_db)
 
-    return linear_backward(b, impl.codec, grads)
+    return linear_backward(b, grads)
 
 
 def _plan(impl: TopKBackend, c: TopKCall | TopKBackwardCall) -> Any:

@@ -26,7 +26,7 @@ from torch import Tensor
 from logitless.formulas.common import apply_softcap, compute_dtype
 from logitless.formulas.log_probs import finish, online_update
 from logitless.formulas.topk_kl import TopKStats, dlogits_
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.options import TopKKLOptions
 
@@ -117,7 +117,6 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.TopKBackend``): any device, fp64 too; keeps nothing for the
     backward; its Config (``TorchConfig``) holds the forward's and the backward's tiles."""
 
-    codec = ConfigCodec(TorchConfig)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
              need_grad: bool, k: int = 0, cute: bool = True) -> TorchConfig:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from logitless.formulas.common import merge_splits
 from logitless.formulas.topk_kl import TopKStats
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.options import TopKKLOptions
 from logitless.planning.plans import linear_plan
 from logitless.triton_lib import launch
@@ -185,7 +185,6 @@ class TritonBackend(TritonKind):
     is the call's ``planning.plans.LinearPlan`` (tiles, splits, kept columns, chunks) and
     the forward's id slots."""
 
-    codec = ConfigCodec(TritonConfig)
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
              need_grad: bool, k: int = 0, cute: bool = True) -> TritonConfig:

@@ -10,6 +10,7 @@ from torch import Tensor
 from logitless.formulas import truncation as _truncation
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.contract import BackendTable, Lazy, TritonKind
+from logitless.ops.common.glue import HOST_SYNCS
 from logitless.ops.common.module_form import ModuleForm
 from logitless.ops.common.validate import resolve_backend
 from logitless.options import DEFAULT_MEMORY_BUDGET, LogProbOptions
@@ -30,8 +31,11 @@ def _triton() -> LpBackend:
 #: truncated and batch-invariant calls too (a Config of theirs, ``contract.Blocks``).
 #: Triton's is made on first use (its module needs the optional package).
 BACKENDS: BackendTable[LpBackend] = BackendTable(triton=Lazy(TritonKind, _triton), torch=TorchBackend)
-#: The custom-op pair (logitless::lp_forward / lp_backward) over the table.
+#: The custom-op pair (logitless::lp_forward / lp_backward) over the table; a truncated
+#: call's (top-k / top-p / min-p: its host syncs choose its route) is another pair of the
+#: same bodies, which CUDA-graph trees run between their graphs (``glue.HOST_SYNCS``).
 OPS = custom_op.define(BACKENDS)
+TRUNCATED_OPS = custom_op.define(BACKENDS, name="lp_truncated", tags=HOST_SYNCS)
 
 
 def log_probs(
@@ -111,7 +115,7 @@ def log_probs(
     elif flat.stride(-1) != 1 and not BACKENDS[impl].strided_logits:
         flat = flat.contiguous()
     call = LpCall(flat, flat_tokens, opts, impl, DEFAULT_MEMORY_BUDGET, k, p, mp, checked, k_max, batch_invariant)
-    logp, ent, *_ = OPS(call)
+    logp, ent, *_ = (OPS if k is None else TRUNCATED_OPS)(call)
     logp = logp.reshape(tokens.shape)
     if not opts.entropy:
         return logp

@@ -14,8 +14,9 @@ call has top-k / top-p / min-p (``truncation``, a ``formulas.truncation.Truncati
 None); with it or ``batch_invariant`` the Config holds ``Blocks``: plain torch ops on
 blocks of rows (``truncation.py``, shared by the backends), else the backend's own
 streaming plan. ``config`` is the backend's frozen Config (``TorchConfig``,
-``TritonConfig``): the backward gets the forward's, never a new one, and it crosses the
-custom ops as ``backend.codec`` encodes it. The custom ops' declared calls (``LpCall`` ->
+``TritonConfig``): the backward gets the forward's, never a new one (through the custom
+ops the backward op plans it again from the same arguments: the memoised planner returns
+the forward's object). The custom ops' declared calls (``LpCall`` ->
 ``LpOutputs``, ``LpBackwardCall``: ``ops.common.glue``) are at the bottom.
 """
 
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from logitless.formulas.truncation import Truncation
 from logitless.ops.common.contract import Backend
-from logitless.ops.common.glue import Call, Encoded
+from logitless.ops.common.glue import Call, Replanned
 from logitless.options import LogProbOptions
 from logitless.planning.logits import CETritonPlan
 
@@ -145,7 +146,8 @@ class LpOutputs(NamedTuple):
 class LpBackwardCall(Call):
     """One call of the backward op (-> d / d logits, a new tensor): the upstream gradients,
     the forward's inputs, statistics and Config; ``logp`` the forward's on the truncated
-    path (no gradient where it is -inf), else None."""
+    path (no gradient where it is -inf), else None. ``budget``, ``truncated``,
+    ``batch_invariant``: what the forward planned from (``custom_op.replan``)."""
 
     grad_logp: Optional[Tensor]
     grad_entropy: Optional[Tensor]
@@ -155,6 +157,9 @@ class LpBackwardCall(Call):
     entropy_out: Optional[Tensor]
     lse: Tensor
     tau: Optional[Tensor]
-    config: Encoded
+    config: Replanned
     opts: LogProbOptions
     backend: str
+    budget: int
+    truncated: bool
+    batch_invariant: bool

@@ -5,8 +5,10 @@ flattening and the autograd wiring from those declarations.
 
 Truncated and batch-invariant calls are Configs of the same backends (``contract.Blocks``):
 fixed output shapes either way. The forward plans the call once (``backend.plan``); the
-backward follows that Config: the object on the eager path, the backend's encoding
-(``backend.codec``, a CPU int64 tensor) through the custom ops. The CPU checks of the
+backward follows that Config: the object on the eager path; through the custom ops the
+backward op plans it again from the forward's planning arguments (``replan``: the
+memoised planner returns the forward's object), so no Config crosses them and both may
+run inside a CUDA graph. The CPU checks of the
 tokens' and the truncation's values live in the forward (eager also under torch.compile).
 Double backward raises.
 """
@@ -73,11 +75,10 @@ def save(ctx, call: LpCall, out: LpOutputs) -> None:
     blocked = call.top_k is not None or call.batch_invariant
     ctx.save_for_backward(call.logits, call.tokens, out.logp if blocked else None, out.entropy, out.lse, out.tau)
     ctx.opts, ctx.backend, ctx.config = call.opts, call.backend, out.config
+    ctx.planned = (call.budget, call.top_k is not None, call.batch_invariant)
     frozen = [out.lse]
     if out.tau is not None:
         frozen.append(out.tau)
-    if isinstance(out.config, Tensor):  # (the eager path's Config is the object)
-        frozen.append(out.config)
     ctx.mark_non_differentiable(*frozen)
     ctx.set_materialize_grads(False)
 
@@ -89,25 +90,37 @@ def backward(ctx, grads: LpOutputs, need, run) -> tuple:
         return (None,)
     logits, tokens, logp, entropy_out, lse, tau = ctx.saved_tensors
     return run(LpBackwardCall(grad_logp, grads.entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config,
-                              ctx.opts, ctx.backend))
+                              ctx.opts, ctx.backend, *ctx.planned))
 
 
 def backward_impl(b: LpBackwardCall, impl: LpBackend) -> tuple:
-    """(d / d logits,); ``config``: the forward's (the object, or its encoding)."""
+    """(d / d logits,); ``config``: the forward's."""
     logits = b.logits
     if logits.shape[0] == 0:
         return (torch.empty_like(logits),)
     with no_autocast(logits.device):
         return (impl.backward(b.grad_logp, b.grad_entropy, logits, b.tokens, b.logp, b.entropy_out, b.lse, b.tau,
-                              b.opts, impl.codec.decode(b.config)),)
+                              b.opts, b.config),)
+
+
+def replan(b: LpBackwardCall, impl: LpBackend):
+    """The forward's Config of ``b`` (the backward custom op's), planned again from the same
+    logits and planning arguments (the planner is memoised: the forward's object); None
+    without tokens."""
+    if b.logits.shape[0] == 0:
+        return None
+    with no_autocast(b.logits.device):
+        return impl.plan(b.logits, b.opts, budget=b.budget, truncated=b.truncated, batch_invariant=b.batch_invariant)
 
 
 def backward_fake(b: LpBackwardCall, impl: LpBackend) -> tuple:
     return (torch.empty_like(b.logits),)
 
 
-def define(backends: BackendTable[LpBackend], *,
-           name: str = NAME) -> CustomOp[LpCall, LpOutputs, LpBackwardCall, LpBackend]:
-    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``)."""
+def define(backends: BackendTable[LpBackend], *, name: str = NAME,
+           tags: tuple = ()) -> CustomOp[LpCall, LpOutputs, LpBackwardCall, LpBackend]:
+    """The custom-op pair over the table of backends ``backends`` (``api.BACKENDS``);
+    ``tags``: torch.library's (``glue.HOST_SYNCS`` for the truncated calls' pair)."""
     return CustomOp(name, LpCall, LpOutputs, LpBackwardCall, table=backends, forward=forward, fake=fake, save=save,
-                    backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP)
+                    backward=backward, backward_impl=backward_impl, backward_fake=backward_fake, title=OP,
+                    replan=replan, tags=tags)

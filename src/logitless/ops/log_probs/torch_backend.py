@@ -22,7 +22,7 @@ from logitless.formulas.log_probs import (
     token_outputs,
 )
 from logitless.formulas.truncation import Truncation
-from logitless.ops.common.contract import ConfigCodec, TorchKind
+from logitless.ops.common.contract import TorchKind
 from logitless.options import LogProbOptions
 from logitless.planning.logits import ce_torch_plan
 
@@ -39,7 +39,6 @@ class TorchBackend(TorchKind):
     """backend="torch" (``contract.LpBackend``): any device, fp64 too; its Config
     (``contract.TorchConfig``) holds the rows per chunk or the truncated path's blocks."""
 
-    codec = ConfigCodec(TorchConfig)
     strided_logits = False  # (rows made contiguous first: ``api``)
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, grad_coefficients, token_outputs
 from logitless.formulas.truncation import Truncation
-from logitless.ops.common.contract import ConfigCodec, TritonKind
+from logitless.ops.common.contract import TritonKind
 from logitless.options import LogProbOptions
 from logitless.planning.logits import ce_triton_plan
 from logitless.triton_lib import log_probs_logits_kernels as K
@@ -33,7 +33,6 @@ class TritonBackend(TritonKind):
     """backend="triton" (``contract.LpBackend``): its Config (``contract.TritonConfig``)
     holds the tiles or the truncated path's blocks."""
 
-    codec = ConfigCodec(TritonConfig)
     strided_logits = True  # (the kernels read the logits through their strides: no copy)
 
     def plan(self, logits: Tensor, opts: LogProbOptions, *, budget: int, truncated: bool,
