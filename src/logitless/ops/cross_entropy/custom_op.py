@@ -57,7 +57,7 @@ def forward(call: CeCall, impl: CeBackend) -> CeOutputs:
 
 
 def fake(call: CeCall, impl: CeBackend) -> CeOutputs:
-    """Shapes and dtypes (the glue fills the Config's fake encoding)."""
+    """Shapes and dtypes (``config`` None: the forward op has no Config output)."""
     logits = call.logits
     n = logits.shape[0]
     sd = compute_dtype(logits.dtype)

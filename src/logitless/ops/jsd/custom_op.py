@@ -49,7 +49,7 @@ def forward(call: JsdCall, impl: JsdBackend) -> JsdOutputs:
 
 
 def fake(call: JsdCall, impl: JsdBackend) -> JsdOutputs:
-    """Shapes and dtypes (the glue fills the Config's fake encoding)."""
+    """Shapes and dtypes (``config`` None: the forward op has no Config output)."""
     zs = call.student_logits
     dtype = compute_dtype(zs.dtype, call.teacher_logits.dtype)
     n = zs.shape[0]
