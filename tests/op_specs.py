@@ -620,7 +620,7 @@ def _lp_opcheck(backend):
     case = _lp_make({"lead": (6,), "vocab": 37}, torch.float32, {"_ignore": 0.3}, seed=5)
     z, t = case.args
     from logitless.ops.log_probs.api import OPS
-    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall
+    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpPlanned
     from logitless.options import LogProbOptions
 
     for entropy in (True, False):
@@ -632,7 +632,7 @@ def _lp_opcheck(backend):
         grad_ent = torch.randn(out.entropy.shape, device=DEVICE) if entropy else None
         for grad_logp in (torch.randn(out.logp.shape, device=DEVICE), None if entropy else out.logp.detach()):
             bcall = LpBackwardCall(grad_logp, grad_ent, z.detach(), t, None, out.entropy.detach(), out.lse, out.tau,
-                                   None, opts, backend, 1 << 20, False, False)
+                                   None, opts, backend, LpPlanned(1 << 20, False, False))
             yield custom_op("lp_backward"), OPS.backward_args(bcall), None
 
 

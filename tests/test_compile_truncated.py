@@ -213,7 +213,7 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
 def test_opcheck_log_probs(trunc, backend):
     from logitless.ops.log_probs.api import BACKENDS as LP_BACKENDS
     from logitless.ops.log_probs.api import OPS
-    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall
+    from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpPlanned
     from logitless.ops.log_probs.custom_op import replan
     from logitless.options import LogProbOptions
 
@@ -225,7 +225,7 @@ def test_opcheck_log_probs(trunc, backend):
     torch.library.opcheck(OPS.forward_op, OPS.args(call))
     out = OPS.outputs_of([o.detach() for o in OPS.forward_op(*OPS.args(call))])
     bcall = LpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), logits.detach(), t, out.logp,
-                           out.entropy, out.lse, out.tau, None, opts, backend, 1 << 20, trunc, not trunc)
+                           out.entropy, out.lse, out.tau, None, opts, backend, LpPlanned(1 << 20, trunc, not trunc))
     assert out.tau.shape == out.logp.shape and replan(bcall, LP_BACKENDS[backend]).blocks is not None
     torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))
 

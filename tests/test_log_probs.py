@@ -8,7 +8,7 @@ import torch
 
 import logitless
 from logitless.ops.log_probs.api import OPS
-from logitless.ops.log_probs.contract import LpBackwardCall, LpCall
+from logitless.ops.log_probs.contract import LpBackwardCall, LpCall, LpPlanned
 from logitless.ops.log_probs.reference import log_probs_reference
 from logitless.options import LogProbOptions
 from tests.conftest import DEVICE, HAS_CUDA
@@ -178,5 +178,5 @@ def test_opcheck(backend):
     torch.library.opcheck(OPS.forward_op, OPS.args(call))
     out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
     bcall = LpBackwardCall(torch.randn_like(out.logp), torch.randn_like(out.entropy), z.detach(), t, None,
-                           out.entropy.detach(), out.lse, out.tau, None, opts, backend, 2**20, False, False)
+                           out.entropy.detach(), out.lse, out.tau, None, opts, backend, LpPlanned(2**20, False, False))
     torch.library.opcheck(OPS.backward_op, OPS.backward_args(bcall))

@@ -422,7 +422,7 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
     sd = compute_dtype(x.dtype)
     tiles = config.search.forward if getattr(config, "search", None) is not None else None
     # C of the Triton search (0: the chunked pass), from the largest top_k the forward knows
-    search = search_candidates(dec.search, trunc.k_max if trunc is not None else None)
+    candidates = search_candidates(dec.search, trunc.k_max if trunc is not None else None)
     kept = None
     # the sparse backward's (candidates, columns, inside) per block (every row's kept set inside its candidates)
     sparse_blocks: Optional[list[tuple[Tensor, ...]]] = [] if dec.width else None
@@ -437,8 +437,8 @@ def forward(impl, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Ten
             tr = trunc if not block else _padded_trunc(trunc, n0, n1, pad)
             if sharded is not None:  # (the chunked pass, merged over the group)
                 tau = sharded.thresholds(xb, weight, bias, opts, tr, budget, config)
-            elif xb.shape[0] and search and syncs_allowed(x.device):  # (the search syncs with the host)
-                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, search,
+            elif xb.shape[0] and candidates and syncs_allowed(x.device):  # (the search syncs with the host)
+                tau, outs, left, *sp = search_triton(xb, weight, bias, tb, opts, tr, config, candidates,
                                                      invariant=bool(block), indices=sparse_blocks is not None)
                 if sparse_blocks is not None and sp[0] is not None:
                     sparse_blocks.append(tuple(t[:n1 - n0] for t in sp[0]))

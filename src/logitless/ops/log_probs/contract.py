@@ -143,11 +143,21 @@ class LpOutputs(NamedTuple):
 
 
 @dataclass(frozen=True)
+class LpPlanned:
+    """The scalars an ``LpCall``'s Config was planned with (``truncated``: ``top_k`` given),
+    carried to the backward op, which plans it again from them."""
+
+    budget: int
+    truncated: bool
+    batch_invariant: bool
+
+
+@dataclass(frozen=True)
 class LpBackwardCall(Call):
     """One call of the backward op (-> d / d logits, a new tensor): the upstream gradients,
     the forward's inputs, statistics and Config; ``logp`` the forward's on the truncated
-    path (no gradient where it is -inf), else None. ``budget``, ``truncated``,
-    ``batch_invariant``: what the forward planned from (``custom_op.replan``)."""
+    path (no gradient where it is -inf), else None. ``planned``: what the forward planned
+    from (``custom_op.replan``)."""
 
     grad_logp: Optional[Tensor]
     grad_entropy: Optional[Tensor]
@@ -160,6 +170,4 @@ class LpBackwardCall(Call):
     config: Replanned
     opts: LogProbOptions
     backend: str
-    budget: int
-    truncated: bool
-    batch_invariant: bool
+    planned: LpPlanned

@@ -27,7 +27,7 @@ from logitless.ops.common.contract import BackendTable
 from logitless.ops.common.glue import CustomOp
 from logitless.ops.common.validate import check_targets_in_range
 
-from .contract import LpBackend, LpBackwardCall, LpCall, LpOutputs
+from .contract import LpBackend, LpBackwardCall, LpCall, LpOutputs, LpPlanned
 
 #: The custom ops: logitless::lp_forward, logitless::lp_backward.
 NAME = "lp"
@@ -75,7 +75,7 @@ def save(ctx, call: LpCall, out: LpOutputs) -> None:
     blocked = call.top_k is not None or call.batch_invariant
     ctx.save_for_backward(call.logits, call.tokens, out.logp if blocked else None, out.entropy, out.lse, out.tau)
     ctx.opts, ctx.backend, ctx.config = call.opts, call.backend, out.config
-    ctx.planned = (call.budget, call.top_k is not None, call.batch_invariant)
+    ctx.planned = LpPlanned(call.budget, call.top_k is not None, call.batch_invariant)
     frozen = [out.lse]
     if out.tau is not None:
         frozen.append(out.tau)
@@ -90,7 +90,7 @@ def backward(ctx, grads: LpOutputs, need, run) -> tuple:
         return (None,)
     logits, tokens, logp, entropy_out, lse, tau = ctx.saved_tensors
     return run(LpBackwardCall(grad_logp, grads.entropy, logits, tokens, logp, entropy_out, lse, tau, ctx.config,
-                              ctx.opts, ctx.backend, *ctx.planned))
+                              ctx.opts, ctx.backend, ctx.planned))
 
 
 def backward_impl(b: LpBackwardCall, impl: LpBackend) -> tuple:
@@ -110,7 +110,8 @@ def replan(b: LpBackwardCall, impl: LpBackend):
     if b.logits.shape[0] == 0:
         return None
     with no_autocast(b.logits.device):
-        return impl.plan(b.logits, b.opts, budget=b.budget, truncated=b.truncated, batch_invariant=b.batch_invariant)
+        p = b.planned
+        return impl.plan(b.logits, b.opts, budget=p.budget, truncated=p.truncated, batch_invariant=p.batch_invariant)
 
 
 def backward_fake(b: LpBackwardCall, impl: LpBackend) -> tuple:
