@@ -26,6 +26,7 @@ from logitless.ops.linear_cross_entropy import custom_op
 from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs, LcePlanned
 from logitless.ops.linear_cross_entropy.torch_backend import TorchBackend
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
+from tests.conftest import DEVICE
 from tests.helpers import PassThrough
 
 
@@ -305,6 +306,7 @@ def test_compiled_backward_plans_under_the_forward_overrides():
     g = torch.Generator().manual_seed(3)
     x0, w0 = torch.randn(40, 32, generator=g), torch.randn(1001, 32, generator=g) * 32 ** -0.5
     t = torch.randint(0, 1001, (40,), generator=g)
+    x0, w0, t = x0.to(DEVICE), w0.to(DEVICE), t.to(DEVICE)  # (Triton runs CPU tensors only interpreted)
 
     def loss(x, w):
         return logitless.linear_cross_entropy(x, w, t, backend="triton")
