@@ -21,12 +21,13 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SUITE, DEVICE = "lce", "H100"
 
 
-#: The anchor shape the table must hold (a run of a few other shapes, e.g. small batches, is no table).
-ANCHOR = "llama3.1-8b"
+#: The anchor shapes the table must hold (docs/ANCHORS.md): a run of a few of them or of other
+#: shapes (small batches, model shapes) is no table.
+ANCHORS = ("llama3.1-8b", "qwen3-8b", "gemma3-4b", "gpt-oss-120b", "deepseek-v3", "llama3.1-8b-16k")
 
 
 def latest(suite: str = SUITE, device: str = DEVICE, results: Path = RESULTS) -> Path:
-    """The newest complete run of ``suite`` on ``device`` with the anchor shape (ties: the
+    """The newest complete run of ``suite`` on ``device`` with every anchor shape (ties: the
     file name)."""
     best = None
     for path in sorted(results.glob("*.json")):
@@ -39,7 +40,7 @@ def latest(suite: str = SUITE, device: str = DEVICE, results: Path = RESULTS) ->
         meta = data.get("meta") or {}
         if meta.get("device_tag") != device or not isinstance(data.get("rows"), list):
             continue
-        if ANCHOR not in (data.get("shapes") or {}):
+        if not set(ANCHORS) <= set(data.get("shapes") or {}):
             continue
         key = (str(meta.get("date", "")), path.name)
         if best is None or key > best[0]:

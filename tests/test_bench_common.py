@@ -65,3 +65,47 @@ def test_fill_row_statuses():
     r = row()
     runner.fill_row(r, lambda: 1, lambda fn: None, out_of_time=True)
     assert r["status"] == "skipped" and "time limit" in r["reason"]
+
+
+def test_rounds_interleave_the_methods_and_keep_the_median_round():
+    """--rounds R: every method of a case runs R times, A B A B (a clock episode hits each
+    alike); its row holds the median of the rounds' times (what derives from one rescaled),
+    every round's time beside it."""
+    import torch
+
+    order, times = [], {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+
+    class Method:
+        def __init__(self, name):
+            self.name, self.peer = name, False
+
+        def make(self, case, device):
+            return self.name
+
+    class Results:
+        rows: list = []
+
+        def add(self, row):
+            self.rows.append(row)
+
+    class Progress:
+        def step(self, text):
+            pass
+
+    def measure(fn, method, row):
+        order.append(fn)
+        ms = next(times[fn])
+        row.update(fwdbwd_ms=ms, fwdbwd_per_3gemm=ms / 3, fwd_ms=0.5)
+
+    case = argparse.Namespace(name="s")
+    cfg = runner.Config(device=torch.device("cpu"), rounds=3)
+    results = Results()
+    runner.run_methods("lce", case, [Method("a"), Method("b")], cfg, results, Progress(), measure)
+    assert order == ["a", "b"] * 3
+    a, b = results.rows
+    assert (a["method"], a["fwdbwd_ms"], a["fwdbwd_ms_rounds"]) == ("a", 3.0, [5.0, 1.0, 3.0])
+    assert (b["method"], b["fwdbwd_ms"], b["fwdbwd_ms_rounds"]) == ("b", 4.0, [2.0, 9.0, 4.0])
+    assert a["fwdbwd_per_3gemm"] == pytest.approx(1.0) and b["fwdbwd_per_3gemm"] == pytest.approx(4 / 3)
+    assert a["fwd_ms"] == 0.5 and a["fwd_ms_rounds"] == [0.5] * 3
+    failed = {"status": "failed", "reason": "x"}
+    assert runner.median_round([{"status": "ok", "fwdbwd_ms": 1.0}, failed]) is failed

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke run: first case of each suite, 1 warm-up, 3 reps")
     p.add_argument("--warmup", type=int, help="untimed calls before timing (default 3; --quick or no GPU: 1)")
     p.add_argument("--reps", type=int, help="timed calls, the median is reported (default 10; --quick 3; no GPU: 2)")
+    p.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="interleaved rounds: every method of a case runs R times, A B A B ...; each time is "
+                   "the median of the rounds', each round's beside it (default 1)")
     p.add_argument("--no-errors", action="store_true", help="skip the float64 reference and the error columns")
     p.add_argument("--max-minutes", type=float, metavar="M",
                    help="after M minutes skip the remaining methods and write the files (for time-limited sessions)")
@@ -208,6 +211,7 @@ def _main(argv=None) -> int:
         seed=args.seed,
         deadline=time.monotonic() + 60 * args.max_minutes if args.max_minutes else None,
         budgets=budgets,
+        rounds=args.rounds,
     )
 
     shape_names = split(args.shapes)
@@ -227,7 +231,8 @@ def _main(argv=None) -> int:
     print(f"device: {meta['device']} | torch {meta['torch']} | cuda {meta['cuda']} | triton {meta['triton']} | "
           f"python {meta['python']} | peers: {meta['peers']}", flush=True)
     settings = {"warmup": cfg.warmup, "reps": cfg.reps, "budgets": ",".join(budgets), "errors": cfg.errors,
-                "seed": cfg.seed, "quick": quick, "peers": not args.no_peers}
+                "seed": cfg.seed, "quick": quick, "peers": not args.no_peers,
+                "rounds": cfg.rounds}
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
 
     signal.signal(signal.SIGTERM, _on_sigterm)

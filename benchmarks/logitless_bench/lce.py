@@ -77,7 +77,7 @@ def predict(shape, method, device) -> dict:
     {} for peers. Off a GPU the H100 constants are used (a label, not a prediction)."""
     if method.peer or not method.name.startswith("logitless"):
         return {}
-    from logitless.options import DEFAULT_MEMORY_BUDGET
+    from logitless.ops.common.validate import default_memory_budget
     from logitless.planning import plans as _plans
 
     from .peers import budget_bytes
@@ -85,8 +85,8 @@ def predict(shape, method, device) -> dict:
     spec = method.name.split("@", 1)[1] if "@" in method.name else "default"
     itemsize = torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
     budget = budget_bytes(spec, shape.tokens, shape.vocab, itemsize)
-    budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
     dev = torch.device(device)
+    budget = default_memory_budget(dev) if budget is None else budget  # the call's (3% of a GPU)
     grad = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev)
     fwd = _plans.lce_strategy(shape.tokens, shape.vocab, shape.hidden, itemsize, budget, dev, need_grad=False)
     from logitless.planning.cost_model import device_model

@@ -544,14 +544,21 @@ def _problems(data) -> str:
     return ("\nskipped / failed:\n" + "\n".join(lines)) if lines else ""
 
 
+def _rounds(row: dict, key: str) -> str:
+    """A time cell: the value, then each interleaved round's in brackets (``--rounds``)."""
+    each = row.get(f"{key}_rounds")
+    text = _f(row.get(key), ".3f")
+    return text + (f" ({' / '.join(_f(v, '.2f') for v in each)})" if each else "")
+
+
 def _full_table(data) -> str:
     info = data["shapes"]
     if data["suite"] in ("lce", "precision"):
         header = ["shape", "method", "fwd ms", "fwd/1 GEMM", "fwd+bwd ms", "f+b/3 GEMMs", "peak extra MiB",
                   "loss", "\\|loss-ref\\|", "dx err", "dW err", "status",
                   "predicted fwd / f+b ms (planner's strategy)"]
-        rows = [[r["shape"], r["method"], _f(r.get("fwd_ms"), ".3f"), _f(r.get("fwd_per_gemm"), ".2f", "x"),
-                 _f(r.get("fwdbwd_ms"), ".3f"), _f(r.get("fwdbwd_per_3gemm"), ".2f", "x"),
+        rows = [[r["shape"], r["method"], _rounds(r, "fwd_ms"), _f(r.get("fwd_per_gemm"), ".2f", "x"),
+                 _rounds(r, "fwdbwd_ms"), _f(r.get("fwdbwd_per_3gemm"), ".2f", "x"),
                  _mib(r.get("peak_extra_mib")),
                  _f(r.get("loss"), ".6f"), _f(r.get("loss_abs_err"), ".1e"), _f(r.get("dx_rel_err"), ".1e"),
                  _f(r.get("dw_rel_err"), ".1e"), r["status"],

@@ -22,6 +22,7 @@ class Config:
     seed: int = 0
     deadline: Optional[float] = None  # time.monotonic() after which methods are skipped
     budgets: list = field(default_factory=lambda: ["default", "logits", "64MiB"])
+    rounds: int = 1  # interleaved rounds of every method on a case; the median round's row is kept
 
     @property
     def cpu(self) -> bool:
@@ -87,14 +88,50 @@ def run_methods(suite: str, case, methods, cfg: Config, results, progress: Progr
     """
     from .report import format_row
 
+    rounds: dict = {method.name: [] for method in methods}
+    for index in range(max(cfg.rounds, 1)):  # A B A B ...: a clock or power episode hits every method alike
+        if index and cfg.out_of_time():
+            break
+        for method in methods:
+            row = {"suite": suite, "shape": case.name, "method": method.name, "peer": method.peer,
+                   "status": "ok", "reason": "", "errors": [], **(extra or {})}
+            fill_row(row, lambda: method.make(case, cfg.device), lambda fn: measure(fn, method, row),
+                     skip_reason=skip_reason, out_of_time=cfg.out_of_time())
+            rounds[method.name].append(row)
+            timing.release_memory(cfg.device)
     for method in methods:
-        row = {"suite": suite, "shape": case.name, "method": method.name, "peer": method.peer,
-               "status": "ok", "reason": "", "errors": [], **(extra or {})}
-        fill_row(row, lambda: method.make(case, cfg.device), lambda fn: measure(fn, method, row),
-                 skip_reason=skip_reason, out_of_time=cfg.out_of_time())
+        row = median_round(rounds[method.name])
         results.add(row)
         progress.step(format_row(row))
-        timing.release_memory(cfg.device)
+
+
+#: Per time metric, the metrics derived from it and their power of it (ratios to a unit
+#: are proportional to the time, bandwidths inverse to it).
+DERIVED = {"fwd_ms": (("fwd_per_gemm", 1), ("fwd_GBps", -1), ("fwd_frac_copy", -1)),
+           "fwdbwd_ms": (("fwdbwd_per_3gemm", 1), ("fwdbwd_GBps", -1), ("fwdbwd_frac_copy", -1))}
+
+
+def median_round(rows: list) -> dict:
+    """One method's row of ``--rounds`` interleaved rounds: the first round's row with each
+    time (forward, forward+backward) the median of the rounds' and the metrics derived
+    from it rescaled; each round's times beside it (``fwd_ms_rounds``, ...). One round:
+    that row. A round that failed makes the method's row that failure."""
+    if len(rows) == 1:
+        return rows[0]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        return failed[0]
+    row = dict(rows[0])
+    for key, derived in DERIVED.items():
+        values = [r.get(key) for r in rows]
+        if any(v is None for v in values):
+            continue
+        mid = sorted(values)[(len(values) - 1) // 2]
+        for name, power in derived:
+            if row.get(name) is not None and row[key]:
+                row[name] = row[name] * (mid / row[key]) ** power
+        row[key], row[f"{key}_rounds"] = mid, values
+    return row
 
 
 def fill_row(row: dict, make: Callable, measure: Callable, *, skip_reason: Optional[str] = None,
