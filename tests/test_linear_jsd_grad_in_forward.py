@@ -154,6 +154,28 @@ def test_grad_in_forward_only_with_memory_for_it():
     assert fp32.strategy == "grad_in_forward" and fp32.memory <= 2 << 30
 
 
+def test_grad_in_forward_budgets_the_accumulator_beyond_the_dw_it_becomes():
+    """The fp32 dW accumulator becomes the returned dW: the plan's memory (peak beyond the
+    inputs and the returned gradients, as every plan's) counts (4 - itemsize) V H_s of it
+    beside the chunk's buffers, and at least all of it (the backward's cast). At 16k
+    tokens of llama 8B <- 70B an H100's default budget (3%) then holds chunks of 1024
+    tokens: 4 GEMMs, predicted well under the keep plan that fits (measured on an H100:
+    158.8 ms against 194.9; docs/design.md, linear_jsd strategies)."""
+    n, hs, ht, v = 16384, 4096, 8192, 128256
+    c = jsd_cost_model.predict_jsd_grad_in_forward(cost_model.H100, n, hs, ht, v, 2, 1024)
+    assert c.memory == 10 * 1024 * v + 2 * v * hs
+    one = jsd_cost_model.predict_jsd_grad_in_forward(cost_model.H100, 1024, hs, ht, v, 2, 1024)
+    assert one.memory == 10 * 1024 * v  # one chunk: dW written once, no accumulator
+    small = jsd_cost_model.predict_jsd_grad_in_forward(cost_model.H100, n, hs, ht, v, 2, 16)
+    assert small.memory == 4 * v * hs  # the cast: the whole accumulator beside dW
+    default = int(0.03 * 79.1 * (1 << 30))
+    pick = jsd_cost_model.choose_jsd(n, hs, ht, v, 2, default, device_model=cost_model.H100, keep=True)
+    keep = jsd_cost_model.choose_jsd(n, hs, ht, v, 2, default, device_model=cost_model.H100, keep=True,
+                                     grad_in_forward=False)
+    assert (pick.strategy, pick.token_chunk) == ("grad_in_forward", 1024) and pick.memory <= default
+    assert keep.strategy == "keep" and pick.time_s < 0.85 * keep.time_s
+
+
 def test_default_plan_forward_rows_match_the_budget():
     """The recompute plan the model picks at 256 MiB takes the forward chunk the
     backend uses (budget / 8 V rows, multiples of 8: 216 rows, 19 chunks of 4096 tokens;

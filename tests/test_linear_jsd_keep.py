@@ -147,10 +147,13 @@ def test_the_cost_model_keeps_at_the_default_budget():
     forward's chunks would be too few rows: each one reads both weights)."""
     default = int(0.03 * 79.1 * (1 << 30))
     for hs, ht, v in [(4096, 8192, 128256), (2048, 2048, 151936)]:
+        recompute = jsd_cost_model.choose_jsd(4096, hs, ht, v, 2, default, device_model=cost_model.H100,
+                                              grad_in_forward=False)
         without = jsd_cost_model.choose_jsd(4096, hs, ht, v, 2, default, device_model=cost_model.H100)
         c = jsd_cost_model.choose_jsd(4096, hs, ht, v, 2, default, device_model=cost_model.H100, keep=True)
         assert c.strategy == "keep" and c.keep_cols == v and c.memory <= default
-        assert c.time_s < 0.8 * without.time_s
+        assert recompute.strategy == "recompute" and c.time_s < 0.8 * recompute.time_s
+        assert c.time_s < without.time_s
     part = jsd_cost_model.choose_jsd(4096, 4096, 8192, 128256, 2, 1 << 30, device_model=cost_model.H100, keep=True)
     assert part.strategy == "keep" and 0 < part.keep_cols < 128256 and part.memory <= 1 << 30
     assert jsd_cost_model.choose_jsd(4096, 4096, 8192, 128256, 2, 128 << 20, device_model=cost_model.H100,

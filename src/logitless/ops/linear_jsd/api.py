@@ -115,8 +115,9 @@ def linear_jsd(
             (8 V) tokens at a time (then reduced to row statistics, each row split
             over several programs);
             with a budget that holds a token chunk's logits and dz ((8 + itemsize) x
-            rows x V bytes) plus an fp32 dW accumulator (4 V H_s; none for fp32
-            weights or one chunk), the cost model may pick gradient-in-forward
+            rows x V bytes) plus an fp32 dW accumulator beyond the dW it becomes
+            ((4 - itemsize) V H_s, at least 4 V H_s in all; none for fp32 weights or
+            one chunk), the cost model may pick gradient-in-forward
             ("mean"/"sum", eager): the forward also computes the student's gradients
             from those logits (4 GEMMs in all instead of 6), the backward scales them;
             the backward needs an fp32 dx accumulator (4 x tokens x H_s bytes) plus a

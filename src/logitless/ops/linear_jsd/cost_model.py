@@ -14,7 +14,9 @@ Strategies of linear_jsd's Triton backend (``planning.linear_jsd_strategy``):
   grad_output: "mean"/"sum") dz of the chunk from the fp32 logits (one read of both,
   one write in the input dtype), dx rows = dz W_s, dW_s += dz^T x_s (fp32 accumulator
   4 V H_s unless one chunk covers every token or the weight is fp32); backward scales.
-  4 GEMMs. Memory: the chunk's 8 R V + s R V bytes + the accumulator.
+  4 GEMMs. Memory beyond the inputs and the gradients returned (as for every plan): the
+  chunk's 8 R V + s R V bytes + the accumulator's (4 - s) V H_s beyond the dW it
+  becomes; at least 4 V H_s (the backward's cast, dW alive beside it).
 - ``keep``: the same forward chunks also write dz of the first ``keep_cols`` columns
   (every token; the upstream gradient up to grad_output, in the input dtype) from the
   fp32 logits; the backward's dW of those columns (from x's rows times grad_output) and
@@ -168,7 +170,11 @@ def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight
     fwd = t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
     bwd = 2.0 * itemsize * (n * hs + v * hs) / dev.hbm_bw + 2 * dev.launch_s  # scale by grad_output
     m = min(token_chunk, n)
-    memory = (8 + itemsize) * m * v + acc
+    # The accumulator becomes the dW the call returns: beyond that gradient it costs
+    # (4 - itemsize) V H_s while the chunk's buffers live, all of it at the backward's
+    # cast (dW is then alive too; the chunk's buffers are gone). The benchmark's peak
+    # extra memory (peak minus inputs and gradients) measures the same.
+    memory = max((8 + itemsize) * m * v + (acc - itemsize * v * hs if acc else 0), acc)
     return Candidate("grad_in_forward", token_chunk=m, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
 
 

@@ -20,7 +20,9 @@ ignored tokens). The forward already holds both heads' fp32 logits of a token ch
 design's 6, plus bandwidth: both fp32 chunks are read three times (lse, divergence, dz).
 Temporary memory: the chunk's two fp32 logits and its dz ((8 + itemsize) rows x V bytes)
 plus the fp32 dW accumulator (4 V H_s bytes) when there is more than one chunk and the
-weight is not fp32 already. The backward multiplies by grad_output (``scale_grads``):
+weight is not fp32 already; the accumulator becomes the returned dW, so the budget counts
+(4 - itemsize) V H_s of it (``cost_model.predict_jsd_grad_in_forward``).
+The backward multiplies by grad_output (``scale_grads``):
 dx is rounded twice when grad_output != 1 (dx of the forward in the input dtype, then
 scaled); dW and db are scaled in fp32 and rounded once. No atomics; chunks run in a
 fixed order: bitwise repeatable.
