@@ -109,3 +109,11 @@ def test_rounds_interleave_the_methods_and_keep_the_median_round():
     assert a["fwd_ms"] == 0.5 and a["fwd_ms_rounds"] == [0.5] * 3
     failed = {"status": "failed", "reason": "x"}
     assert runner.median_round([{"status": "ok", "fwdbwd_ms": 1.0}, failed]) is failed
+
+
+def test_rounds_are_refused_where_a_suite_would_ignore_them():
+    from logitless_bench.cli import main
+
+    for argv in (["--suite", "distill", "--rounds", "3"], ["--suite", "lce", "--rounds", "0"]):
+        with pytest.raises(SystemExit, match="--rounds"):
+            main(argv)

@@ -169,6 +169,9 @@ def _main(argv=None) -> int:
     if args.from_json:
         return _from_json(args.from_json, args.out)
 
+    if args.rounds < 1 or (args.rounds > 1 and args.suite in ("distill", "rl", "topk", "tp")):
+        raise SystemExit(f"--rounds {args.rounds}: a count >= 1, and more than one only for the suites "
+                         "lce, ce, all, models and precision (the others time each method once)")
     cpu = args.cpu or not torch.cuda.is_available()
     if cpu:
         # One thread: on a shared machine torch's worker threads wait for each other at
