@@ -123,9 +123,9 @@ ImplT = TypeVar("ImplT", bound=Backend)
 
 
 def _unwrap_optional(t) -> tuple[Any, bool]:
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0], True
+    members = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) in (typing.Union, types.UnionType) and len(members) == 1:
+        return members[0], True
     return t, False
 
 

@@ -73,8 +73,8 @@ def _stats(x2d, w, bias, target, class_weight, cfg: _Config, keep: bool = False)
     keep = keep and backend.keeps
     kept = None
     if cfg.manual:
-        args = [sharded.to_varying(a, cfg.token_axes) for a in (x2d, target)]
-        out, kept = sharded.local_forward(backend, args[0], w, bias, args[1], cfg.plan, softcap=opts.softcap,
+        xv, tv = (sharded.to_varying(a, cfg.token_axes) for a in (x2d, target))
+        out, kept = sharded.local_forward(backend, xv, w, bias, tv, cfg.plan, softcap=opts.softcap,
                                           need_smooth=opts.needs_smooth_sum, vocab_axes=cfg.vocab_axes,
                                           class_weight=class_weight, need_argmax=cfg.argmax, keep=keep)
     elif cfg.partition:

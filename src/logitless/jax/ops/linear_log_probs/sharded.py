@@ -109,7 +109,8 @@ def _split(args, has_bias: bool):
     """(x2d, w, bias|None, *rest) from the operands with or without bias."""
     if has_bias:
         return args
-    return (args[0], args[1], None) + tuple(args[2:])
+    x2d, w, *rest = args
+    return (x2d, w, None, *rest)
 
 
 def _local(static: _Static, x2d, w):
