@@ -68,7 +68,10 @@ def test_grad_in_forward_memory_counts_the_fp32_accumulator():
     one = M.predict_grad_in_forward(M.H100, n, h, v, 2, n)
     two = M.predict_grad_in_forward(M.H100, n, h, v, 2, n // 2)
     assert one.memory == n * v * 2  # one chunk: dW written once, no accumulator
-    assert two.memory == (n // 2) * v * 2 + 4 * v * h
+    # the accumulator becomes the returned dW: 2 bytes an element beyond it beside the chunk
+    assert two.memory == (n // 2) * v * 2 + 2 * v * h
+    small = M.predict_grad_in_forward(M.H100, n, h, v, 2, n // 64)
+    assert small.memory == 4 * v * h  # the backward's cast: all of it, dW beside it
     fp32w = M.predict_grad_in_forward(M.H100, n, h, v, 4, n // 2, weight_fp32=True)
     assert fp32w.memory == (n // 2) * v * 4  # dW itself is the fp32 accumulator
     # The accumulator does not fit the default budget at llama's shape: never chosen there.

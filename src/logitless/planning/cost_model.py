@@ -27,7 +27,8 @@ Strategies (``Candidate.strategy``):
   the backward only scales dx, dW (and db) by grad_output. 3 GEMMs, but one fp32
   read-modify-write of dW (8 V H bytes) per chunk after the first. Memory: the chunk's
   kept logits + an fp32 dW accumulator (4 V H) unless one chunk covers every token or
-  the weight (so dW) is fp32 already. Not for reduction="none".
+  the weight (so dW) is fp32 already, budgeted beyond the dW it becomes
+  (``accumulated_output_bytes``). Not for reduction="none".
 - ``forward``: no gradient wanted: the fused forward alone.
 
 Why a choice is never slower as the budget grows (by construction): the candidates of
@@ -302,6 +303,16 @@ def _keep_bytes(n, cols, itemsize, block_v) -> int:
     return n * cols * itemsize
 
 
+def accumulated_output_bytes(elements: int, itemsize: int, beside: int) -> int:
+    """Memory of a gradient-in-forward plan whose fp32 accumulator of ``elements`` becomes
+    a returned gradient of ``itemsize`` bytes an element, beside ``beside`` bytes of chunk
+    buffers alive with it. A plan's memory is its peak beyond the inputs and the gradients
+    it returns (what the bench's peak extra measures): the accumulator costs (4 - itemsize)
+    bytes an element beyond the gradient it becomes while the chunk lives, and all 4 at the
+    backward's cast (the gradient alive beside it, the chunk gone)."""
+    return max(beside + (4 - itemsize) * elements, 4 * elements)
+
+
 def predict_forward(dev, n, h, v, itemsize) -> Candidate:
     t = fused_forward_s(dev, n, h, v, itemsize) + dev.fixed_fwd_s
     return Candidate("forward", memory=0, time_s=t, fwd_s=t)
@@ -360,7 +371,9 @@ def predict_grad_in_forward(dev, n, h, v, itemsize, token_chunk, weight_fp32=Fal
         t += 6.0 * v * h / dev.hbm_bw  # fp32 -> input dtype
     fwd = t + dev.fixed_per_token_s * n
     bwd = (2.0 * itemsize * (n * h + v * h)) / dev.hbm_bw + 2 * dev.launch_s  # scale by grad_output
-    memory = _keep_bytes(min(token_chunk, n), v, itemsize, block_v) + acc
+    memory = _keep_bytes(min(token_chunk, n), v, itemsize, block_v)
+    if acc:
+        memory = accumulated_output_bytes(v * h, itemsize, memory)
     return Candidate("grad_in_forward", token_chunk=min(token_chunk, n), memory=memory,
                      time_s=fwd + bwd, fwd_s=fwd)
 

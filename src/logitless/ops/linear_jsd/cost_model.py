@@ -35,7 +35,15 @@ import functools
 import math
 from dataclasses import replace
 
-from logitless.planning.cost_model import DEFAULT, Candidate, backward_fixed_s, gemm_rate, gemm_s, wave_eff
+from logitless.planning.cost_model import (
+    DEFAULT,
+    Candidate,
+    accumulated_output_bytes,
+    backward_fixed_s,
+    gemm_rate,
+    gemm_s,
+    wave_eff,
+)
 
 
 def _jsd_chunk_forward_s(dev, m, hs, ht, v, itemsize, stat_reads) -> float:
@@ -170,11 +178,9 @@ def predict_jsd_grad_in_forward(dev, n, hs, ht, v, itemsize, token_chunk, weight
     fwd = t + dev.fixed_fwd_s + dev.fixed_per_token_s * n
     bwd = 2.0 * itemsize * (n * hs + v * hs) / dev.hbm_bw + 2 * dev.launch_s  # scale by grad_output
     m = min(token_chunk, n)
-    # The accumulator becomes the dW the call returns: beyond that gradient it costs
-    # (4 - itemsize) V H_s while the chunk's buffers live, all of it at the backward's
-    # cast (dW is then alive too; the chunk's buffers are gone). The benchmark's peak
-    # extra memory (peak minus inputs and gradients) measures the same.
-    memory = max((8 + itemsize) * m * v + (acc - itemsize * v * hs if acc else 0), acc)
+    memory = (8 + itemsize) * m * v
+    if acc:  # the accumulator becomes the returned dW
+        memory = accumulated_output_bytes(v * hs, itemsize, memory)
     return Candidate("grad_in_forward", token_chunk=m, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
 
 
