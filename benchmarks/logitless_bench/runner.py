@@ -22,7 +22,7 @@ class Config:
     seed: int = 0
     deadline: Optional[float] = None  # time.monotonic() after which methods are skipped
     budgets: list = field(default_factory=lambda: ["default", "logits", "64MiB"])
-    rounds: int = 1  # interleaved rounds of every method on a case; the median round's row is kept
+    rounds: int = 1  # interleaved rounds of every method on a case; each time the median of the rounds'
 
     @property
     def cpu(self) -> bool:
