@@ -74,6 +74,7 @@ def _cases(full: bool, nv: bool = False):
         ("lce-gif", "lce", dict(strategy=("grad_in_forward", 16), bias=True, softcap=30.0)),
         ("lce-fwd", "lce", dict(grad=False, return_stats=True)),  # no backward (sm90, fp32 "high": its tiles)
         ("lce-unaligned", "lce", dict(h=41, bias=True)),  # rows not 16-byte aligned: no TMA on sm90
+        ("lce-tokens", "lce", dict(n=1031, h=16)),  # past ce_epilogue.BLOCK tokens: its grid, ce_reduce_kernel
         ("llp-entropy", "llp", dict(entropy=True, temperature=0.7, softcap=20.0, bias=True)),
         ("llp-recompute", "llp", dict(budget="none", entropy=True)),
         ("llp-topk", "llp", dict(top_k=5, top_p=0.9, entropy=True)),
@@ -198,7 +199,7 @@ def capture(full: bool, archs=ARCHS):
             if "strategy" in kw:
                 ov["strategy"] = kw.pop("strategy")
             budget = kw.pop("budget", None)
-            _call(L, op, dtype, n, kw.pop("h", h), ht, kw.pop("v", v), kw, budget, g, ov, override)
+            _call(L, op, dtype, kw.pop("n", n), kw.pop("h", h), ht, kw.pop("v", v), kw, budget, g, ov, override)
     finally:
         interpreter.InterpretedFunction.run = real_run
         for mod in (logits, ce_b, jsd_b, lp_b):

@@ -189,10 +189,10 @@ def _lce_opcheck(backend):
 
     opts = CrossEntropyOptions(label_smoothing=0.1, softcap=4.0, z_loss=1e-3)
     need, tp = Needs(True, True, True), VocabParallelOptions()
-    # Not test_aot_dispatch_dynamic: it hands every output to the caller, and the kept
-    # columns, which the backward overwrites in place, would then be an output mutated
-    # by the backward. The public function never returns them; the compile tests of
-    # test_training_loops.py cover that path (fullgraph, dynamic, kept columns).
+    # Not test_aot_dispatch_dynamic: it compares every output with eager's, and the kept
+    # columns' dummies (``NOTHING_KEPT``, when none are kept) are left uninitialised. The
+    # public function never returns them; the compile tests of test_training_loops.py
+    # cover that path (fullgraph, dynamic, kept columns).
     forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for need_grad in (True, False):
         call = LceCall(x, w, b, t, cw, opts, backend, 6_000, need_argmax=True, need_grad=need_grad,

@@ -247,8 +247,8 @@ def test_opcheck_linear_cross_entropy_invariant(backend):
     need, tp = Needs(True, True, True), VocabParallelOptions()
     call = LceCall(x, w, b, t, cw, opts, backend, 6_000, need_argmax=True, need_grad=True, grad_in_forward=False,
                    need=need, batch_invariant=True, tp=tp)
-    # (not test_aot_dispatch_dynamic: as op_specs' lce case, the kept columns would be an output
-    # that the backward mutates; under batch invariance they are dummies, the same outputs)
+    # (not test_aot_dispatch_dynamic: as op_specs' lce case, the kept columns' dummies are
+    # uninitialised outputs)
     torch.library.opcheck(OPS.forward_op, OPS.args(call),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))

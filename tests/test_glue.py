@@ -21,7 +21,7 @@ from torch import Tensor
 
 import logitless
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import Call, CustomOp, Fields, Replanned
+from logitless.ops.common.glue import Call, CustomOp, Fields, Owned, Replanned
 from logitless.ops.linear_cross_entropy import custom_op
 from logitless.ops.linear_cross_entropy.contract import LceBackwardCall, LceCall, LceOutputs, LcePlanned
 from logitless.ops.linear_cross_entropy.torch_backend import TorchBackend
@@ -119,12 +119,14 @@ def test_fields_flatten_and_rebuild_by_name():
     assert 7 in ints and 5 in ints and 0.25 in floats  # budget, vocab_size; z_loss
     assert isinstance(rest, str) and "'g'" in rest and "'torch'" in rest
     back = Fields(LceBackwardCall)
-    assert "Tensor(a" in back.schema(3) and "!) keep" in back.schema(3)  # the mutated field
+    assert "Tensor keep" in back.schema(3) and "!" not in back.schema(3)  # no op writes its inputs
+    assert "owned" not in back.names and back.owned == ("owned",)  # (False through the custom ops)
     # The Config does not cross (the backward op plans it again from the forward's scalars)
     assert "config" not in back.names and back.replanned == ("config",) and "budget" in back.scalar_names
-    assert fields.build(flat).budget == 7 and back.build(back.flatten(LceBackwardCall(
+    built = back.build(back.flatten(LceBackwardCall(
         None, None, x, w, None, t, None, t.float(), t.float(), t.float(), t.float(), "an object", call.opts, "torch",
-        False, Needs(), call.tp, LcePlanned(7, True, False, False, True)))).config is None
+        False, Needs(), call.tp, LcePlanned(7, True, False, False, True), owned=Owned(True))))
+    assert fields.build(flat).budget == 7 and built.config is None and built.owned is False
 
 
 def test_packed_scalars_are_checked():
@@ -321,3 +323,33 @@ def test_compiled_backward_plans_under_the_forward_overrides():
     for eager, compiled in zip(*results):
         assert torch.isfinite(compiled).all()
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+
+
+def test_the_backward_op_leaves_the_kept_columns_as_they_are():
+    """Through the custom ops (``glue.Owned`` False) the backward writes the kept columns'
+    dz into a new buffer: the forward op's kept output is unchanged after the backward (its
+    schema declares no write; a declared one made inductor copy the columns whole first).
+    The gradients are bitwise the eager path's, which turns the columns into dz in place."""
+    from logitless.ops.linear_cross_entropy.api import OPS
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 13, 24, 104  # (V a multiple of 8: the plan may keep columns)
+    x = torch.randn(n, h, generator=g).to(DEVICE)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE)
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    opts = CrossEntropyOptions()
+    grads = []
+    for custom in (False, True):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        call = LceCall(xg, wg, None, t, None, opts, "triton", 6_000, need_argmax=False, need_grad=True,
+                       grad_in_forward=False, need=Needs(True, True, False), batch_invariant=False,
+                       tp=VocabParallelOptions())
+        out = OPS.outputs_of(OPS.forward_op(*OPS.args(call))) if custom else OPS(call)
+        kept = out.keep.clone()
+        if custom:
+            assert 1 < kept.shape[1] and kept.isfinite().all()  # the plan kept columns
+        out.loss.backward()
+        if custom:
+            assert torch.equal(out.keep, kept)
+        grads.append((xg.grad, wg.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

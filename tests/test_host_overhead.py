@@ -126,8 +126,16 @@ def _epilogue_inputs(n, v, splits, case, g):
     return (*dev, opts)
 
 
+def _split_order_sum(parts):
+    """The sum over splits (dim 0) in split order, as the epilogues add them."""
+    out = torch.zeros_like(parts[0])
+    for p in parts:
+        out = out + p
+    return out
+
+
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
-@pytest.mark.parametrize("n,splits", [(1, 1), (7, 3), (1500, 2)])
+@pytest.mark.parametrize("n,splits", [(1, 1), (7, 3), (1500, 2), (300, 37)])  # (several programs and split steps)
 def test_fused_epilogues_match_the_torch_formulas(case, n, splits):
     """``ce_epilogue`` (one Triton launch each) against the spec, ``formulas``: the forward's
     split merge + token_loss + reduce, and the backward's upstream_per_token +
@@ -144,7 +152,8 @@ def test_fused_epilogues_match_the_torch_formulas(case, n, splits):
     lse, loss, w_t = ce_epilogue.forward_loss(part_max, part_sum, part_tgt, smooth, target, cw, opts, v)
     ref_lse = merge_splits(part_max, part_sum)
     torch.testing.assert_close(lse, ref_lse, rtol=2e-6, atol=2e-6)
-    stats = TokenStats(lse, part_tgt.sum(0), smooth.sum(0) if smooth is not None else None, None)
+    stats = TokenStats(lse, _split_order_sum(part_tgt), _split_order_sum(smooth) if smooth is not None else None,
+                       None)
     ref_tok, ref_wt = token_loss(stats, target, v, cw, opts)
     assert torch.equal(w_t, ref_wt)
     ref_loss = reduce(ref_tok, ref_wt, opts.reduction)
@@ -175,7 +184,7 @@ def test_fused_epilogues_match_the_torch_formulas(case, n, splits):
 
 
 @pytest.mark.parametrize("entropy", [False, True])
-@pytest.mark.parametrize("n,splits", [(1, 1), (7, 3), (1500, 2)])
+@pytest.mark.parametrize("n,splits", [(1, 1), (7, 3), (1500, 2), (300, 37)])
 def test_fused_log_prob_epilogues_match_the_formulas(entropy, n, splits):
     """``log_probs_epilogue`` against ``formulas.log_probs``: merge_splits + token_outputs,
     and grad_coefficients for each combination of upstream gradients (strided ones too)."""
@@ -202,14 +211,14 @@ def test_fused_log_prob_epilogues_match_the_formulas(entropy, n, splits):
                                                         tokens, opts, v)
     ref_lse, ref_ent = F.merge_splits(part_max, part_sum, part_u if entropy else None)
     torch.testing.assert_close(lse, ref_lse, rtol=2e-6, atol=2e-6)
-    ref_logp, ref_ent_out = F.token_outputs(F.LogProbStats(lse, part_tgt.sum(0), ent if entropy else None),
+    ref_logp, ref_ent_out = F.token_outputs(F.LogProbStats(lse, _split_order_sum(part_tgt), ent if entropy else None),
                                             tokens, v, opts)
     assert torch.equal(logp.isnan(), ref_logp.isnan())
     assert torch.equal(logp.nan_to_num(), ref_logp.nan_to_num())  # bitwise given lse
     if entropy:
         ok = ~ref_ent_out.isnan()
         assert torch.equal(ent.isnan(), ref_ent_out.isnan() | ent.isnan()) and ent[ok].isfinite().all()
-        clean = F.token_outputs(F.LogProbStats(ref_lse, part_tgt.sum(0), ref_ent), tokens, v, opts)[1]
+        clean = F.token_outputs(F.LogProbStats(ref_lse, _split_order_sum(part_tgt), ref_ent), tokens, v, opts)[1]
         torch.testing.assert_close(ent, clean, rtol=1e-5, atol=1e-5, equal_nan=True)
     else:
         assert ent is None
@@ -456,7 +465,10 @@ def test_launch_count_per_forward_backward(which):
 #: 190 / 11 and 238 / 10 on Python 3.11 (3.12 inlines comprehensions: fewer). linear_jsd's
 #: forward op then took over its gradient-in-forward strategy: three more (size-0)
 #: gradient outputs when the strategy is not used, as linear_cross_entropy's (13 allocations).
-MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 11), "linear_jsd": (255, 13)}
+#: The allocations are counted under a dispatch mode, so through the custom ops, where the
+#: kept columns' dz takes a buffer of its own (``glue.Owned``; the eager path writes it over
+#: them): linear_log_probs 12.
+MAX_HOST_WORK = {"linear_cross_entropy": (215, 15), "linear_log_probs": (205, 12), "linear_jsd": (255, 13)}
 #: The ops on given logits: their counts under the positional glue (a3f0b1b: cross_entropy 134
 #: calls, jsd 141; 4 allocations each), which the declared calls must not exceed (128 and 136).
 MAX_HOST_WORK.update({"cross_entropy": (134, 4), "jsd": (141, 4)})

@@ -40,6 +40,7 @@ from logitless.formulas.log_probs import dlogits_, grad_coefficients
 from logitless.ops.common import validate as _validate
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import TritonKind
+from logitless.ops.common.kept import Kept
 from logitless.ops.common.torch_tiles import chunked_backward, linear_torch_plan
 from logitless.ops.common.validate import check_targets_in_range, resolve_backend
 from logitless.ops.linear_log_probs import linear_log_probs as _linear_log_probs
@@ -160,7 +161,8 @@ def _triton_grads(ctx, g_lp, g_h, need):
     with no_autocast(x.device):
         coef = tb.grad_coefficients(ent if opts.entropy else None, labels, g_lp, g_h, weight.shape[0], opts)
         return tb.backward(x, weight, bias, labels, opts, lse, coef, need_dx=need_dx, need_dw=need_dw,
-                           need_db=bool(need_db) and bias is not None, plan=ctx.plan, kept=kept)
+                           need_db=bool(need_db) and bias is not None, plan=ctx.plan,
+                           kept=Kept.of(*kept, owned=True) if kept is not None else None)
 
 
 class _AllFields(torch.autograd.Function):

@@ -112,15 +112,29 @@ def load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N):
     return lse, a, b, c, target
 
 
+#: Splits read per step of the merges over splits (``splits_max``, the epilogues' sums):
+#: their loads issued together, then added in split order (the sequential sum's bits; a
+#: one-at-a-time loop waits one memory round trip per split).
+SPLIT_STEP = 16
+
+
 @triton.jit
-def splits_max(part_max, offs, ok, N, SPLITS):
+def split_ok(s, SPLITS, ok):
+    """The mask of split s's row at the tokens ``ok`` (False past the last split)."""
+    return ok & (s < SPLITS)
+
+
+@triton.jit
+def splits_max(part_max, offs, ok, N, SPLITS, STEP: tl.constexpr = SPLIT_STEP):
     """M = max over the vocabulary splits of the per-split maxima part_max[s, offs] ((SPLITS,
     N) fp32, row-major), NaN propagated, with -inf (a row no split saw) replaced by 0: the
-    shift of the merge lse = M + log sum_s s_s exp(m_s - M) (``formulas.merge_splits``)."""
+    shift of the merge lse = M + log sum_s s_s exp(m_s - M) (``formulas.merge_splits``).
+    STEP splits per step (their loads in flight together)."""
     big_m = tl.load(part_max + offs, mask=ok, other=0.0)
-    for s in range(1, SPLITS):
-        big_m = tl.maximum(big_m, tl.load(part_max + s * N + offs, mask=ok, other=0.0),
-                           propagate_nan=tl.PropagateNan.ALL)
+    for s0 in range(1, SPLITS, STEP):
+        for j in tl.static_range(STEP):
+            m_s = tl.load(part_max + (s0 + j) * N + offs, mask=split_ok(s0 + j, SPLITS, ok), other=float("-inf"))
+            big_m = tl.maximum(big_m, m_s, propagate_nan=tl.PropagateNan.ALL)
     return tl.where(big_m == float("-inf"), 0.0, big_m)
 
 

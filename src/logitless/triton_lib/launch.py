@@ -255,12 +255,18 @@ def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int
     return tiles, row_blocks
 
 
+#: Rows per program of a kept-columns dz pass that holds a third fp32 tile (z or log p
+#: beside p and dz: a soft-cap, entropy, hard labels at T != 1): the plan's 128 x 256
+#: tile spills registers there (docs/design.md "RL token log-probs and entropy").
+KEPT_ROWS_WITH_LOG = 32
+
+
 class DlogitsKernels(NamedTuple):
     """What a fused linear op's Triton backward launches per column chunk, described for
     ``chunked_backward`` (which owns the loop and the launches; no callbacks):
 
-        kept_kernel[(row blocks, kept tiles)](dz, tile_max, *kept_head, width,
-            dz row stride, *kept_tail, **kept_flags, BLOCK_N, BLOCK_V, num_warps)
+        kept_kernel[(row blocks, kept tiles)](keep, tile_max, dz (keep's strides), *kept_head,
+            width, row stride, *kept_tail, **kept_flags, BLOCK_N, BLOCK_V, num_warps)
             (BLOCK_N: ``kept_rows``, or the plan's block_n when 0; BLOCK_V: the plan's,
             the forward's tile maxima are per block_v columns)
         kernel[(programs,)](x operand, W operand, *inputs, dz operand, n, v, h,
@@ -271,7 +277,8 @@ class DlogitsKernels(NamedTuple):
         patch_kernel[(cdiv(n, BLOCK_N),)](dz, dz row stride, v0, v1, n, *patch_inputs,
             **patch_flags)   (after either, when given; BLOCK_N in patch_flags)
 
-    ``kept_kernel`` turns the kept columns into dz in place; ``kernel`` recomputes a
+    ``kept_kernel`` turns the kept columns into dz (in place, or into the buffer the
+    caller gave: ``chunked_backward``'s ``kept``); ``kernel`` recomputes a
     chunk's dz; ``patch_kernel`` then overwrites a few of each row's values in the chunk
     (linear_topk_kl: its values at the teacher's ids); ``prerounded``: its operands are
     rounded to TF32 into scratch buffers first (``prerounded_dlogits_operands``, W_CHUNK)."""
@@ -291,12 +298,13 @@ class DlogitsKernels(NamedTuple):
     patch_flags: Optional[dict] = None
 
 
-def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan, kept,
-                     kernels: DlogitsKernels, *, need_dx: bool, need_dw: bool, need_db: bool,
-                     dx_acc: bool = False):
+def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan,
+                     kept: Optional[tuple[Tensor, Tensor, Tensor]], kernels: DlogitsKernels, *, need_dx: bool,
+                     need_dw: bool, need_db: bool, dx_acc: bool = False):
     """dx, dW, db of a fused linear op's Triton backward, column chunk by chunk
-    (``backward_chunks``): the kept columns (``kept`` = (buffer, tile maxima) from the
-    forward, or None) become dz in place (``kernels.kept_kernel``); the others are
+    (``backward_chunks``): the kept columns (``kept`` = (buffer, tile maxima, where their
+    dz goes: the buffer itself or one of its layout; ``ops.common.kept.Kept``) from the
+    forward, or None) become dz (``kernels.kept_kernel``); the others are
     recomputed into one padded dz buffer (``kernels.kernel``). Each chunk of dz feeds
     ``chunk_gradients`` (dW, db rows written once; dx into an fp32 accumulator when
     there are several chunks). ``dx_acc``: dx as the fp32 accumulator (also for one
@@ -318,12 +326,13 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     x_op = w_op = use_tma = None  # (built at the first recomputed chunk: none when every column was kept)
     for v0, v1 in chunks:
         if v0 == 0 and keep_cols:
-            keep_buf, tile_max = kept
-            dz = keep_buf[:, :keep_cols]
+            keep_buf, tile_max, dz_buf_kept = kept
+            assert dz_buf_kept.stride() == keep_buf.stride()  # (the kernels address both alike)
+            dz = dz_buf_kept[:, :keep_cols]
             rows = k.kept_rows or plan.block_n
             run_kernel(k.kept_kernel, (cdiv(n, rows), cdiv(keep_cols, plan.block_v)),
-                       dz, tile_max, *k.kept_head, dz.shape[1], dz.stride(0), *k.kept_tail, **k.kept_flags,
-                       BLOCK_N=rows, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
+                       keep_buf, tile_max, dz, *k.kept_head, keep_cols, keep_buf.stride(0), *k.kept_tail,
+                       **k.kept_flags, BLOCK_N=rows, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
         else:
             if dz_buf is None:
                 x_op, w_op, use_tma = operands(x, weight, plan)

@@ -15,7 +15,8 @@ sync, the same launches every call. Memory traffic: the O(S * N) inputs read onc
 O(N) written. Per-token values use the formulas' operations in the same order with
 contraction off (``enable_fp_fusion=False``): A, B, C are bitwise the formulas'; logp
 and entropy too given the same lse and entropy sums, which use Triton's exp/log (a few
-ulp from torch's on the GPU) and, with S > 1 splits, a sequential sum over splits.
+ulp from torch's on the GPU) and, with S > 1 splits, a sequential sum over splits
+(``ce_math.SPLIT_STEP`` splits' loads in flight at a time).
 """
 
 from __future__ import annotations
@@ -29,26 +30,32 @@ from torch import Tensor
 
 from logitless.options import LogProbOptions
 from logitless.triton_lib import launch
+from logitless.triton_lib.ce_math import SPLIT_STEP, split_ok
 from logitless.triton_lib.log_probs_math import epilogue_block, merge_split, token_value
 
 BLOCK = 1024
+#: Tokens per program of the forward's merge over splits (``ce_math.SPLIT_STEP`` splits'
+#: loads in flight per token: BLOCK would spill registers on sm_90).
+TOKENS = 256
 
 
 @triton.jit
 def logp_forward_epilogue_kernel(
     part_max, part_sum, part_u, part_tgt, tokens_ptr, logp_ptr, ent_ptr, lse_ptr,
-    N, V, SPLITS, ignore_index, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    N, V, SPLITS, ignore_index, ENTROPY: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr,
 ):
     offs, ok, m_safe, t, valid, bad = epilogue_block(part_max, tokens_ptr, N, V, SPLITS, ignore_index, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     u = tl.zeros((BLOCK,), tl.float32)
     tgt = tl.zeros((BLOCK,), tl.float32)
-    for s in range(0, SPLITS):
-        total, d, scale, ps = merge_split(part_max, part_sum, s, N, offs, ok, m_safe, total)
-        tgt += tl.load(part_tgt + s * N + offs, mask=ok, other=0.0)
-        if ENTROPY:
-            corr = tl.where(ps > 0, d * ps, 0.0)
-            u += scale * (tl.load(part_u + s * N + offs, mask=ok, other=0.0) + corr)
+    for s0 in range(0, SPLITS, STEP):  # (in split order, STEP splits' loads in flight)
+        for j in tl.static_range(STEP):
+            sk = split_ok(s0 + j, SPLITS, ok)
+            total, d, scale, ps = merge_split(part_max, part_sum, s0 + j, N, offs, sk, m_safe, total)
+            tgt += tl.load(part_tgt + (s0 + j) * N + offs, mask=sk, other=0.0)
+            if ENTROPY:
+                corr = tl.where(ps > 0, d * ps, 0.0)
+                u += tl.where(sk, scale * (tl.load(part_u + (s0 + j) * N + offs, mask=sk, other=0.0) + corr), 0.0)
     log_s = tl.log(total)
     lse = m_safe + log_s
     tl.store(logp_ptr + offs, token_value(tgt - lse, valid, bad), mask=ok)
@@ -95,10 +102,10 @@ def forward_outputs(part_max: Tensor, part_sum: Tensor, part_u: Optional[Tensor]
     lse = torch.empty_like(logp)
     ent = torch.empty_like(logp) if opts.entropy else None
     launch.run_kernel(
-        logp_forward_epilogue_kernel, (launch.cdiv(n, BLOCK),),
+        logp_forward_epilogue_kernel, (launch.cdiv(n, TOKENS),),
         part_max, part_sum, part_u if part_u is not None else part_max, part_tgt, tokens, logp,
         ent if ent is not None else logp, lse, n, num_classes, splits, opts.ignore_index,
-        ENTROPY=opts.entropy, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False,
+        ENTROPY=opts.entropy, BLOCK=TOKENS, STEP=SPLIT_STEP, num_warps=4, enable_fp_fusion=False,
     )
     return logp, ent, lse
 

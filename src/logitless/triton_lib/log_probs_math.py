@@ -115,11 +115,12 @@ def epilogue_block(part_max, tokens_ptr, N, V, SPLITS, ignore_index, BLOCK: tl.c
 def merge_split(part_max, part_sum, s, N, offs, ok, m_safe, total):
     """Split s's step of the merge of (SPLITS, N) partial sums at the common shift m_safe
     of ``epilogue_block`` (``formulas.log_probs.merge_splits``): d = m_s - m_safe and the
-    split's sum s_s at offs; returns (total + s_s e^d, d, e^d, s_s)."""
+    split's sum s_s at offs; returns (total + s_s e^d, d, e^d, s_s), total unchanged where
+    not ``ok`` (tokens past N, splits past the last)."""
     d = tl.load(part_max + s * N + offs, mask=ok, other=0.0) - m_safe
     scale = tl.exp(d)
     ps = tl.load(part_sum + s * N + offs, mask=ok, other=0.0)
-    return total + ps * scale, d, scale, ps
+    return total + tl.where(ok, ps * scale, 0.0), d, scale, ps
 
 
 @triton.jit

@@ -7,7 +7,8 @@ a tile of the (N, V) grid lies, and its stores and loads of the kept buffer and 
                       (``grouped_tile`` order), masks and logits z (one GEMM tile)
     store_dz_tile     dz of that tile into the chunk buffer (TMA bulk store or masked)
     store_kept_tile   a forward's e = exp(z - m) tile and its maxima m (KEEP)
-    load_kept_tile    the backward's read of a kept tile (e, m) and where it goes back
+    load_kept_tile    the backward's read of a kept tile (e, m)
+    store_kept_dz     its dz, in place or into a buffer of the kept layout
 
 Each op's own math (what dz is, from z or from e) stays in its kernel; these helpers
 are inlined by Triton (plain @triton.jit functions), so a kernel that calls them
@@ -109,15 +110,22 @@ def store_kept_tile(
 def load_kept_tile(keep_ptr, keep_max_ptr, N, keep_cols, stride_keep, BLOCK_N: tl.constexpr,
                    BLOCK_V: tl.constexpr):
     """The kept tile of program (row block, column block) = (program_id(0),
-    program_id(1)): (e in fp32, its maxima m, offs_n, offs_v, row_ok, mask, ptrs), with
-    ptrs/mask where the tile's dz goes back (in place)."""
+    program_id(1)): (e in fp32, its maxima m, offs_n, offs_v, row_ok, mask, at), with
+    at/mask where the tile's dz goes in a buffer of the kept layout (``store_kept_dz``)."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = offs_n < N
     mask = row_ok[:, None] & (offs_v < keep_cols)[None, :]
-    ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    at = offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
+    e = tl.load(keep_ptr + at, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
-    return e, m, offs_n, offs_v, row_ok, mask, ptrs
+    return e, m, offs_n, offs_v, row_ok, mask, at
+
+
+@triton.jit
+def store_kept_dz(dz_ptr, at, mask, dz):
+    """A kept tile's dz at ``load_kept_tile``'s offsets: into the kept buffer itself (in
+    place) or one of its layout (its strides)."""
+    tl.store(dz_ptr + at, dz.to(dz_ptr.dtype.element_ty), mask=mask)

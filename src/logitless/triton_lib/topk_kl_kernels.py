@@ -28,7 +28,14 @@ import triton.language as tl
 
 from logitless.triton_lib.ce_math import online_lse_update, store_partials
 from logitless.triton_lib.gemm import grouped_tile
-from logitless.triton_lib.tile_io import block_tile, load_kept_tile, recomputed_tile, store_dz_tile, store_kept_tile
+from logitless.triton_lib.tile_io import (
+    block_tile,
+    load_kept_tile,
+    recomputed_tile,
+    store_dz_tile,
+    store_kept_dz,
+    store_kept_tile,
+)
 
 #: An id past every column (the pointer walk's sentinel).
 _PAST = tl.constexpr(2147483647)
@@ -213,23 +220,24 @@ def topk_dlogits_kernel(
 
 @triton.jit
 def topk_kept_dlogits_kernel(
-    keep_ptr, keep_max_ptr, target_ptr, rows_ptr, coef_ptr,
+    keep_ptr, keep_max_ptr, dz_ptr, target_ptr, rows_ptr, coef_ptr,
     N, keep_cols, stride_keep, softcap, temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_HARD: tl.constexpr, HARD_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """The dense dz of the kept columns, in place: e = exp(a - m) becomes dz, r = e
+    """The dense dz of the kept columns: e = exp(a - m) becomes dz (dz_ptr: keep itself, in
+    place, or a buffer of its layout), r = e
     exp(m - lse_tail); z = T (log e + m) only with a soft-cap or HARD_T (the planner keeps
     no columns where e could underflow there). BLOCK_V must be the forward's."""
-    e, m, offs_n, offs_v, row_ok, mask, ptrs = load_kept_tile(
-        keep_ptr, keep_max_ptr, N, keep_cols, stride_keep, BLOCK_N, BLOCK_V)
+    e, m, offs_n, offs_v, row_ok, mask, at = load_kept_tile(keep_ptr, keep_max_ptr, N, keep_cols, stride_keep,
+                                                            BLOCK_N, BLOCK_V)
     lse_tail, lse1, c_r, c_q, c_b, target = _row_terms(rows_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     r = e * tl.exp(m - lse_tail)[:, None]
     z = r  # unused without a soft-cap or HARD_T
     if HAS_SOFTCAP or HARD_T:
         z = (tl.log(e) + m[:, None]) * temperature
     dz = dense_dz(r, z, offs_v, lse1, c_r, c_q, c_b, target, softcap, HAS_SOFTCAP, HAS_HARD, HARD_T)
-    tl.store(ptrs, dz.to(keep_ptr.dtype.element_ty), mask=mask)
+    store_kept_dz(dz_ptr, at, mask, dz)
 
 
 @triton.jit

@@ -10,8 +10,10 @@ positional from the declarations:
   scalars (``logitless.options``: ``CrossEntropyOptions``, ``VocabParallelOptions``...). Each
   tensor is a schema argument; the scalars, the options' fields flattened in order, travel
   packed in at most three (``Fields``: ints, floats, the rest as a string). ``differentiable`` names the inputs that
-  get gradients (in the order the backward returns them); ``mutated`` the tensors the op
-  writes. The backward call's field of type ``Replanned`` is the backend's Config: the
+  get gradients (in the order the backward returns them). No op writes its inputs (a
+  declared write to a backward graph's input, e.g. the kept columns, makes inductor copy
+  it whole before the op): a backward call's field of type ``Owned`` tells the body whether
+  it owns buffers it may overwrite instead. The backward call's field of type ``Replanned`` is the backend's Config: the
   object on the eager path; it never crosses the custom ops: the backward op re-derives
   it from its call (the op's ``replan``: the same memoised plan the forward made), so the
   forward op has no Config output and both ops may run inside a CUDA graph
@@ -35,7 +37,8 @@ implementation rebuilds it. Both run the same bodies: bitwise the same results.
 The op's bodies: ``forward(call) -> Outputs`` (``config`` the object), ``fake(call) ->
 Outputs`` (shapes; ``config`` None),
 ``save(ctx, call, out)`` (what the backward needs, on ``ctx`` and ``save_for_backward``),
-``backward(ctx, grads, need, run) -> grads`` (``grads``: the outputs' gradients by name, None
+``backward(ctx, grads, need, run) -> grads`` (``ctx.eager``: whether the forward ran
+eagerly, see ``Owned``; ``grads``: the outputs' gradients by name, None
 where absent; ``need``: a NamedTuple of bools named after ``differentiable``; it returns
 one gradient per differentiable input, computing them with ``run(bcall)``
 or by itself), ``backward_impl(bcall) -> (gradients)`` and ``backward_fake(bcall)`` (a
@@ -68,6 +71,13 @@ from logitless.planning import overrides as _overrides
 #: again): the object on the eager path; no argument of the custom ops (None there until
 #: ``replan`` fills it in the backward op).
 Replanned = NewType("Replanned", object)
+
+#: A field of a backward call: whether its body owns the buffers the forward saved for it
+#: (the op's ``backward`` passes ``ctx.eager``: after an eager forward the buffers on ctx
+#: serve this one backward, which may overwrite them, e.g. kept columns turned into dz in
+#: place). No argument of the custom ops: False there (built so), where those buffers are
+#: inputs of the backward graph that the body must leave as they are.
+Owned = NewType("Owned", bool)
 
 
 @torch.compiler.assume_constant_result
@@ -110,7 +120,6 @@ class Call:
     declares a field ``backend``: the name of the backend that runs it."""
 
     differentiable: ClassVar[tuple[str, ...]] = ()
-    mutated: ClassVar[tuple[str, ...]] = ()
     backend: str  # (a field of each declaration; annotated here only, for the type checker)
 
 
@@ -145,8 +154,8 @@ class Fields:
     arguments, 50 us at 15 on a CPU; docs/design.md "The glue").
 
     ``entries``: (name, kind, nested Fields or None) per field, kind "tensor",
-    "replanned" (no argument: None when built), "scalar" or "options" (a dataclass flattened
-    into its own fields)."""
+    "replanned" (no argument: None when built), "owned" (no argument: False when built),
+    "scalar" or "options" (a dataclass flattened into its own fields)."""
 
     def __init__(self, cls: type, *, top: bool = True):
         self.cls = cls
@@ -161,13 +170,12 @@ class Fields:
             if t is Tensor:
                 if not top:
                     raise TypeError(f"{cls.__name__}.{f.name}: tensors are fields of the call, not of its options")
-                alias = ""
-                if f.name in getattr(cls, "mutated", ()):
-                    alias = f"(a{len(self.schema_args)}!)"
                 self.entries.append((f.name, "tensor", None))
-                self.schema_args.append(f"Tensor{alias}{q} {f.name}")
+                self.schema_args.append(f"Tensor{q} {f.name}")
             elif t is Replanned:  # (not an argument: the backward op re-plans it)
                 self.entries.append((f.name, "replanned", None))
+            elif t is Owned:  # (not an argument: False through the custom ops)
+                self.entries.append((f.name, "owned", None))
             elif t in _SCALARS:
                 self.entries.append((f.name, "scalar", None))
                 self.scalars.append((f.name, t, optional))
@@ -195,6 +203,7 @@ class Fields:
         self.names = tuple(a.rsplit(" ", 1)[1] for a in self.schema_args)
         self._tensor_fields = tuple(name for name, kind, _ in self.entries if kind == "tensor")
         self.replanned = tuple(name for name, kind, _ in self.entries if kind == "replanned")
+        self.owned = tuple(name for name, kind, _ in self.entries if kind == "owned")
         self._layout = functools.lru_cache(maxsize=256)(self._read)
 
     def schema(self, outputs: int, extra: tuple[str, ...] = ()) -> str:
@@ -270,6 +279,8 @@ class Fields:
         kwargs = dict(zip(self._tensor_fields, args))
         for name in self.replanned:
             kwargs[name] = None
+        for name in self.owned:
+            kwargs[name] = Owned(False)
         if self.scalars:
             lists = {k: iter(a) for k, a in zip(self._lists, args[len(self._tensor_fields):])}
             values = (next(lists[src]) if src else value for src, value in self._layout(args[-1]))
@@ -413,11 +424,10 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         # Both ops take the planner overrides as a last argument.
         extra = ("str overrides",)
         self.forward_op = self._define(f"{name}_forward", self._forward_op_impl,
-                                       self.fields.schema(len(self.op_outputs), extra), call.mutated, tags)
+                                       self.fields.schema(len(self.op_outputs), extra), tags)
         self.forward_op.register_fake(self._forward_op_fake)
         self.backward_op = self._define(f"{name}_backward", self._backward_op_impl,
-                                        self.backward_fields.schema(len(call.differentiable), extra),
-                                        backward_call.mutated, tags)
+                                        self.backward_fields.schema(len(call.differentiable), extra), tags)
         self.backward_op.register_fake(self._backward_op_fake)
         self.forward_op.register_autograd(self._custom_backward, setup_context=self._custom_setup)
 
@@ -434,9 +444,9 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self.apply = function.apply
 
     @staticmethod
-    def _define(name: str, fn: Callable, schema: str, mutated: tuple, tags: tuple):
+    def _define(name: str, fn: Callable, schema: str, tags: tuple):
         EAGER[f"logitless::{name}"] = fn
-        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=mutated, schema=schema, tags=tags)
+        return torch.library.custom_op(f"logitless::{name}", fn, mutates_args=(), schema=schema, tags=tags)
 
     # ---------------------------------------------------------------- running a call
 
@@ -519,6 +529,7 @@ class CustomOp(Generic[CallT, OutT, BwdT, ImplT]):
         self._save(ctx, call, out)
 
     def _custom_setup(self, ctx, inputs, output) -> None:
+        ctx.eager = False  # (the backward runs the backward op: it owns nothing, ``Owned``)
         self._save(ctx, self.fields.build(inputs[:-1]), self.outputs_of(output))
         ctx.overrides = _overrides_of(inputs[-1])  # (the forward op's: the backward op's too)
 

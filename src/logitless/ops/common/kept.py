@@ -7,19 +7,19 @@ keeps nothing these are ``NOTHING_KEPT``-shaped dummies (the backward tells them
 shape). ``nothing_kept`` builds the dummies (eager), ``fake_kept`` the two outputs of a
 fake implementation. No device work: only allocations of the shapes the backend reports.
 ``linear_backward`` is what these ops' backward custom ops share around their own gradients:
-no tokens, no gradient needed, the Config decoded, the kept columns or None.
+no tokens, no gradient needed, the Config decoded, the kept columns (``Kept``) or None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Protocol, Union
+from typing import Any, NamedTuple, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
 
 from logitless.ops.common.contract import Needs
-from logitless.ops.common.glue import grad_outputs, zero_grads
+from logitless.ops.common.glue import Owned, grad_outputs, zero_grads
 
 #: Shape of the keep buffers when nothing is kept. Not (0, 0): inductor's in-place reuse
 #: of an empty 2-D buffer of dynamic size computes its size as u1 - max(1, u1) + u0 *
@@ -30,6 +30,26 @@ NOTHING_KEPT = (1, 1)
 #: (n, v, h) -> ((keep rows, keep row length), tile-maxima shape), or None when the
 #: backend keeps nothing for these sizes.
 KeptShapes = Callable[[int, int, int], Optional[tuple[tuple, tuple]]]
+
+
+class Kept(NamedTuple):
+    """The kept columns as a backend's backward receives them: ``keep`` (e = exp(z - m), x's
+    dtype) and ``keep_max`` (fp32 tile maxima), laid out by the forward's Config, and ``dz``,
+    where the backward writes those columns' dz: ``keep`` itself (in place, where the body
+    owns the buffers: the eager path) or a new buffer of its shape and strides (through the
+    custom ops; what inductor's copy of a written input would cost, without the copy)."""
+
+    keep: Tensor
+    keep_max: Tensor
+    dz: Tensor
+
+    @staticmethod
+    def of(keep: Tensor, keep_max: Tensor, owned: bool) -> Kept:
+        """The forward's kept columns for a backward that owns them (dz over them) or not."""
+        if owned:
+            return Kept(keep, keep_max, keep)
+        dz = torch.empty_strided(keep.shape, keep.stride(), dtype=keep.dtype, device=keep.device)
+        return Kept(keep, keep_max, dz)
 
 
 def nothing_kept(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,7 +96,7 @@ def fake_kept_tensors(x: Tensor, keep_shape=NOTHING_KEPT, max_shape=NOTHING_KEPT
 class KeptBackwardCall(Protocol):
     """What ``linear_backward`` reads of a backward call (``glue.Call``) of an op that keeps
     columns: the student/model head, which gradients it needs, the forward's Config (the
-    object) and kept columns."""
+    object), its kept columns and whether it owns them (``glue.Owned``)."""
 
     @property
     def x(self) -> Tensor: ...
@@ -92,21 +112,26 @@ class KeptBackwardCall(Protocol):
     def keep(self) -> Tensor: ...
     @property
     def keep_max(self) -> Tensor: ...
+    @property
+    def owned(self) -> Owned: ...
 
 
 #: (the forward's Config, its kept columns or None) -> (dx, dw, db), None where not computed.
-GradsOf = Callable[[Any, Optional[tuple[Tensor, Tensor]]], tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]]
+GradsOf = Callable[[Any, Optional[Kept]], tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]]
 
 
 def linear_backward(b: KeptBackwardCall, grads: GradsOf) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The (dx, dw, db) outputs of a backward custom op (``glue.grad_outputs``): zeros on no
     tokens, nothing computed where no gradient is needed, else ``grads(config, kept)`` on
-    the forward's Config and the kept columns (None for the ``NOTHING_KEPT`` dummies; a
-    backend overwrites them with dz)."""
+    the forward's Config and the kept columns (``Kept``: their dz over them where the call
+    owns them, ``b.owned``, else into a new buffer; None for the ``NOTHING_KEPT`` dummies)."""
     x, weight, bias, need = b.x, b.weight, b.bias, b.need
     dx = dw = db = None
     if x.shape[0] == 0:
         dx, dw, db = zero_grads(x, weight, bias)
     elif need.need_dx or need.need_dw or need.need_db:
-        dx, dw, db = grads(b.config, None if b.keep.shape == NOTHING_KEPT else (b.keep, b.keep_max))
+        kept = None
+        if b.keep.shape != NOTHING_KEPT:
+            kept = Kept.of(b.keep, b.keep_max, b.owned)
+        dx, dw, db = grads(b.config, kept)
     return grad_outputs(x, dx, dw, db, need.need_dx, need.need_dw, need.need_db)

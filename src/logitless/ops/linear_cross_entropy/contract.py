@@ -30,7 +30,8 @@ from torch import Tensor
 
 from logitless.formulas.cross_entropy import TokenStats
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Replanned
+from logitless.ops.common.glue import Call, Owned, Replanned
+from logitless.ops.common.kept import Kept
 from logitless.options import CrossEntropyOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 
@@ -62,8 +63,8 @@ class LceForward(NamedTuple):
     stats: the per-token statistics (with ``loss``: lse and argmax at least; without:
         every field the options need, to merge over a vocab-parallel head);
     loss, w_t: the reduced loss and the per-token target weights (``loss=True``), else None;
-    kept: (keep, keep_max), the columns of exp(z - m) kept for the backward (which turns
-        them into dz in place: one backward only), or None;
+    kept: (keep, keep_max), the columns of exp(z - m) kept for the backward (one backward
+        only: it may turn them into dz over themselves, ``ops.common.kept.Kept``), or None;
     grads: (dx, dw, db) for a unit upstream gradient when the Config chose the
         gradient-in-forward strategy (``ops.common.grad_in_forward.scale_grads``), or None.
     """
@@ -103,9 +104,10 @@ class LceBackend(Backend, Protocol):
 
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                  class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
-                 config: Any, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool,
+                 config: Any, *, kept: Optional[Kept], need_dx: bool, need_dw: bool,
                  need_db: bool, dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+        """dx, dW, db (None where not needed); ``kept``: the forward's kept columns and where
+        their dz goes; ``dx_acc``: dx as the fp32 accumulator."""
         ...
 
 
@@ -145,7 +147,7 @@ class LceOutputs(NamedTuple):
     """The forward op's outputs (size 0 where absent). loss: reduced ((N,) for "none"); lse,
     w_t (N,) fp32 (fp64 for fp64); argmax (N,) int64 (``need_argmax``); keep, keep_max: the
     kept columns of exp(z - m) (``LceForward.kept``; ``NOTHING_KEPT``-shaped dummies when
-    none; the backward turns them into dz in place); config: the backend's Config; gx, gw,
+    none; the backward turns them into dz); config: the backend's Config; gx, gw,
     gb: the gradient-in-forward strategy's gradients for a unit upstream gradient."""
 
     loss: Tensor
@@ -176,10 +178,9 @@ class LcePlanned:
 class LceBackwardCall(Call):
     """One call of the backward op: the upstream gradients of the loss (None: not
     materialised, under ``batch_invariant``) and of the lse, the forward's inputs and
-    statistics, its kept columns (overwritten with dz) and Config (the object on the eager
-    path; through the custom ops planned again from ``planned``)."""
-
-    mutated = ("keep",)
+    statistics, its kept columns (turned into dz over themselves where ``owned``) and
+    Config (the object on the eager path; through the custom ops planned again from
+    ``planned``)."""
 
     grad_loss: Optional[Tensor]
     grad_lse: Optional[Tensor]
@@ -199,3 +200,4 @@ class LceBackwardCall(Call):
     need: Needs
     tp: VocabParallelOptions
     planned: LcePlanned
+    owned: Owned = Owned(False)

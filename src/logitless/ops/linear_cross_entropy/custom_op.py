@@ -31,9 +31,9 @@ from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common import invariant
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import CustomOp, fake_grad_outputs
+from logitless.ops.common.glue import CustomOp, Owned, fake_grad_outputs
 from logitless.ops.common.grad_in_forward import scale_grads
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
+from logitless.ops.common.kept import Kept, fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import LceBackend, LceBackwardCall, LceCall, LceOutputs, LcePlanned
@@ -220,10 +220,11 @@ def fake(call: LceCall, impl: LceBackend) -> LceOutputs:
 
 
 def backward_impl(b: LceBackwardCall, impl: LceBackend):
-    """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
+    """dx, dw, db (size 0 where not needed). Turns ``keep`` (when not a dummy) into dz, over
+    itself where the call owns it (``linear_backward``)."""
     x, weight, bias, need = b.x, b.weight, b.bias, b.need
 
-    def grads(config, kept: Optional[tuple[Tensor, Tensor]]):
+    def grads(config, kept: Optional[Kept]):
         opts, grad_loss = b.opts, b.grad_loss
         if b.batch_invariant:  # the per-token gradient of the reduction, as autograd gives it
             config = config.backward
@@ -286,7 +287,8 @@ def backward(ctx, grads: LceOutputs, need, run) -> tuple:
                       kept: tuple[Tensor, Tensor]) -> LceBackwardCall:
         keep, keep_max = kept
         return LceBackwardCall(grad_loss, grad_lse, x, weight, bias, target, class_weight, lse, w_t, keep, keep_max,
-                               ctx.config, ctx.opts, ctx.backend, ctx.batch_invariant, needs, ctx.tp, ctx.planned)
+                               ctx.config, ctx.opts, ctx.backend, ctx.batch_invariant, needs, ctx.tp, ctx.planned,
+                               Owned(ctx.eager))
 
     if forward_grads is None:
         return run(backward_call(grad_loss, grads.lse, kept))

@@ -8,9 +8,9 @@ forward  (1 GEMM): ``forward_stats_kernel`` over (row blocks x vocab splits) wri
          When a backward will follow, it also keeps exp(z - m) for the first
          ``plan.keep_cols`` vocabulary columns that the budget holds (all of them when
          the budget is at least the logits' size in the input dtype).
-backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
-         (``kept_dlogits_kernel``, no GEMM); the others, chunk by chunk [v0, v1),
-         are recomputed by ``dlogits_kernel``. For each chunk, dW[v0:v1] = dz^T x
+backward (2 GEMMs + 1 per recomputed column): kept columns become dz (in place where
+         the call owns them, ``ops.common.kept.Kept``; ``kept_dlogits_kernel``, no GEMM);
+         the others, chunk by chunk [v0, v1), are recomputed by ``dlogits_kernel``. For each chunk, dW[v0:v1] = dz^T x
          (written once, fp32 accumulation inside the matmul), db[v0:v1] = column sums
          of dz in fp32, and dx += dz W[v0:v1] into an fp32 (N, H) accumulator (plain
          dx = dz W when one chunk covers V).
@@ -41,6 +41,7 @@ from torch import Tensor
 from logitless.formulas.common import reduce
 from logitless.formulas.cross_entropy import TokenStats, token_loss
 from logitless.ops.common.contract import TritonKind
+from logitless.ops.common.kept import Kept
 from logitless.options import CrossEntropyOptions
 from logitless.planning import cute as cute_planning
 from logitless.planning.memo import memoised
@@ -121,10 +122,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, c
             softcap: Optional[float], *, need_smooth: bool, need_argmax: bool, plan: LinearPlan,
             budget: Optional[int] = None, loss_opts: Optional[CrossEntropyOptions] = None):
     """Under the call's ``plan`` (``budget``: planned already), returns (TokenStats,
-    kept): kept is None or (buffer, tile maxima) of the
-    ``kept_shapes`` shapes, which ``backward`` turns into dz in place (so it can use
-    them once). With ``loss_opts`` (N > 0): (TokenStats with lse and argmax only, kept,
-    loss, w_t), the split merge, per-token loss and reduction in one launch
+    kept): kept is None or (buffer, tile maxima) of the ``kept_shapes`` shapes, which
+    ``backward`` turns into dz (so it can use them once). With ``loss_opts`` (N > 0):
+    (TokenStats with lse and argmax only, kept, loss, w_t), the split merge, per-token loss and reduction in one launch
     (``ce_epilogue.forward_loss``)."""
     return forward_launches(x, weight, bias, target, class_weight, softcap, need_smooth=need_smooth,
                             need_argmax=need_argmax, tiles=plan.forward, keep=plan.keeps, cute=plan.cute,
@@ -258,12 +258,12 @@ class TritonBackend(TritonKind):
 
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                  class_weight: Optional[Tensor], softcap: Optional[float], lse: Tensor, coef: Tensor,
-                 config: LinearPlan, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool,
+                 config: LinearPlan, *, kept: Optional[Kept], need_dx: bool, need_dw: bool,
                  need_db: bool, dx_acc: bool = False):
         """dx, dW, db under the call's Config. ``kept``: what ``forward`` returned for this
-        call (or None); its first buffer is overwritten with dz, so pass it to one backward
-        only. ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's
-        dtype (a partial sum that the caller reduces first: vocab parallelism)."""
+        call and where their dz goes (or None); pass them to one backward only. ``dx_acc``:
+        dx as the fp32 accumulator (also for one chunk), not cast to x's dtype (a partial
+        sum that the caller reduces first: vocab parallelism)."""
         n, h = x.shape
         v = weight.shape[0]
         # The forward's tiles when it kept columns (they are laid out by them), else the backward's.
@@ -276,6 +276,7 @@ class TritonBackend(TritonKind):
             kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
             kept_tail=(float(softcap or 1.0),),
             kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
+            kept_rows=launch.KEPT_ROWS_WITH_LOG if softcap is not None else 0,
             kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
             scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
         )

@@ -28,6 +28,7 @@ import triton
 
 from logitless.formulas.cross_entropy import TokenStats, grad_coefficients, target_weight, upstream_per_token
 from logitless.planning.plans import LinearPlan
+from logitless.triton_lib import launch
 from logitless.triton_lib import lce_kernels as K
 from logitless.triton_lib.fast_launch import public_launch
 
@@ -67,11 +68,12 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
         parts.append(stats)
         coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()
         dz = keep_buf[:, :tiles.keep_cols]
-        grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(v, tiles.block_v))
+        rows = launch.KEPT_ROWS_WITH_LOG if softcap is not None else tiles.block_n
+        grid = (triton.cdiv(n1 - n0, rows), triton.cdiv(v, tiles.block_v))
         public_launch(K.kept_dlogits_kernel, grid,
-            dz, tile_max, cw_arg, tc, stats.lse, coef, n1 - n0, v, v, dz.stride(0),
+            dz, tile_max, dz, cw_arg, tc, stats.lse, coef, n1 - n0, v, v, dz.stride(0),
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None,
-            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, num_warps=tiles.num_warps,
+            BLOCK_N=rows, BLOCK_V=tiles.block_v, num_warps=tiles.num_warps,
         )
         if dx is not None:
             torch.mm(dz, weight, out=dx[n0:n1])

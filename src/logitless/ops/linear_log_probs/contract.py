@@ -35,7 +35,8 @@ from torch import Tensor
 
 from logitless.formulas.truncation import MIN_CANDIDATES
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Replanned
+from logitless.ops.common.glue import Call, Owned, Replanned
+from logitless.ops.common.kept import Kept
 from logitless.options import LogProbOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 from logitless.planning.tiles import TritonPlan
@@ -216,9 +217,10 @@ class LlpBackend(Backend, Protocol):
         ...
 
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                 lse: Tensor, coef: Tensor, config: Any, *, kept: Optional[tuple[Tensor, Tensor]], need_dx: bool,
+                 lse: Tensor, coef: Tensor, config: Any, *, kept: Optional[Kept], need_dx: bool,
                  need_dw: bool, need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
-        """dx, dW, db (None where not needed); ``dx_acc``: dx as the fp32 accumulator."""
+        """dx, dW, db (None where not needed); ``kept``: the forward's kept columns and where
+        their dz goes; ``dx_acc``: dx as the fp32 accumulator."""
         ...
 
 
@@ -261,7 +263,7 @@ class LlpCall(Call):
 class LlpOutputs(NamedTuple):
     """The forward op's outputs, per token in the compute dtype. logp; entropy (None without
     ``opts.entropy``); lse; keep, keep_max: the kept columns of exp(a - m)
-    (``NOTHING_KEPT``-shaped dummies when none; the backward turns them into dz in place);
+    (``NOTHING_KEPT``-shaped dummies when none; the backward turns them into dz);
     config: the backend's Config; tau, sparse, inside (truncated / batch-invariant calls,
     else None): the per-token thresholds ((0,) without truncation), the sparse backward's
     candidates ((2, N, W) int32: their fp32 bits and their columns) and the rows it takes.
@@ -295,11 +297,9 @@ class LlpPlanned:
 @dataclass(frozen=True)
 class LlpBackwardCall(Call):
     """One call of the backward op: the upstream gradients of logp and of the entropy, the
-    forward's inputs, statistics, kept columns (overwritten with dz) and Config; truncated
-    calls: the forward's logp, tau and the sparse backward's candidates and rows; ``planned``:
-    what the forward planned from (``custom_op.replan``)."""
-
-    mutated = ("keep",)
+    forward's inputs, statistics, kept columns (turned into dz over themselves where
+    ``owned``) and Config; truncated calls: the forward's logp, tau and the sparse backward's
+    candidates and rows; ``planned``: what the forward planned from (``custom_op.replan``)."""
 
     grad_logp: Optional[Tensor]
     grad_entropy: Optional[Tensor]
@@ -321,3 +321,4 @@ class LlpBackwardCall(Call):
     inside: Optional[Tensor]
     tp: VocabParallelOptions
     planned: LlpPlanned
+    owned: Owned = Owned(False)

@@ -10,8 +10,9 @@ eager path; through the custom ops the backward op plans it again from the same
 arguments (``replan``, ``contract.LlpPlanned``: the memoised planners return the
 forward's object), so no Config crosses them and both may run inside a CUDA graph.
 ``keep``/``keep_max``: the columns of exp(a - m) the forward kept (``NOTHING_KEPT``-shaped
-dummies when none); the backward turns them into dz in place (declared as a mutation), so
-they serve the first backward only (a second one, retain_graph=True, recomputes). A
+dummies when none); the backward turns them into dz (over themselves after an eager
+forward, ``glue.Owned``; through the custom ops into a new buffer), and they serve the first
+backward only (a second one, retain_graph=True, recomputes). A
 truncated or batch-invariant call (``top_k`` or ``block``) runs ``truncation``'s forward and
 backward; ``tau``, ``sparse``, ``inside`` carry what its backward needs (fixed shapes). With
 ``tp.tp_group`` the weight is this rank's block of rows of a vocab-parallel head
@@ -32,8 +33,8 @@ from logitless.formulas.common import compute_dtype
 from logitless.formulas.truncation import Truncation, syncs_allowed
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import CustomOp, fake_grad_outputs
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
+from logitless.ops.common.glue import CustomOp, Owned, fake_grad_outputs
+from logitless.ops.common.kept import Kept, fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import (
@@ -203,14 +204,14 @@ def backward(ctx, grads: LlpOutputs, need, run) -> tuple:
     logp, tau, sparse, inside = trunc or (None, None, None, None)
     return run(LlpBackwardCall(grad_logp, grads.entropy, x, weight, bias, tokens, lse, ent, keep, keep_max,
                                ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), logp, tau,
-                               sparse, inside, ctx.tp, ctx.planned))
+                               sparse, inside, ctx.tp, ctx.planned, Owned(ctx.eager)))
 
 
 def backward_impl(b: LlpBackwardCall, impl: LlpBackend):
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
     x, weight, bias, need, opts = b.x, b.weight, b.bias, b.need, b.opts
 
-    def grads(config, kept: Optional[tuple[Tensor, Tensor]]):
+    def grads(config, kept: Optional[Kept]):
         with no_autocast(x.device):
             if getattr(config, "trunc", None) is not None:
                 from . import truncation

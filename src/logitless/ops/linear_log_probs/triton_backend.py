@@ -9,11 +9,12 @@ forward  (1 GEMM): ``logp_forward_kernel`` over (row blocks x vocabulary splits)
          On Hopper with the optional CuTe DSL, ``planning.cute.forward_plan`` may pick
          the warp-specialised ``cute_lib.forward_stats`` kernel instead (same partials;
          bf16/fp16, no bias/soft-cap, nothing kept for the backward).
-backward (2 GEMMs + 1 per recomputed column): kept columns become dz in place
-         (``logp_kept_dlogits_kernel``), the others are recomputed chunk by chunk
-         (``logp_dlogits_kernel``); each chunk of dz feeds dW = dz^T x, db = column sums
-         and dx += dz W (``triton_lib.launch.chunk_gradients``, an fp32 dx accumulator
-         when there are several chunks).
+backward (2 GEMMs + 1 per recomputed column): kept columns become dz (in place where
+         the call owns them, ``ops.common.kept.Kept``; ``logp_kept_dlogits_kernel``), the
+         others are recomputed chunk by chunk (``logp_dlogits_kernel``); each chunk of dz
+         feeds dW = dz^T x, db = column sums and dx += dz W
+         (``triton_lib.launch.chunk_gradients``, an fp32 dx accumulator when there are
+         several chunks).
 One plan per call (``TritonBackend.plan``: a ``contract.TritonConfig`` around
 ``planning.plans.LinearPlan``s from ``plans.linear_plan``, the same tiles, splits, kept
 columns and chunks as linear_cross_entropy, and the CuTe choice), made by the forward
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from logitless.formulas.log_probs import LogProbStats, merge_splits
 from logitless.ops.common.contract import TritonKind
+from logitless.ops.common.kept import Kept
 from logitless.ops.common.torch_tiles import linear_torch_plan
 from logitless.options import LogProbOptions
 from logitless.planning import cute as cute_planning
@@ -48,10 +50,6 @@ from .contract import TritonConfig, decide
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
 _MAX_CAP_RANGE = 80.0
-#: Rows per program of the kept columns' dz pass where it holds three fp32 tiles (p, log p
-#: and dz: entropy or a soft-cap): the plan's 128 x 256 tile spilled registers there
-#: (docs/design.md "RL token log-probs and entropy").
-KEPT_ROWS_WITH_LOG = 32
 
 
 def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> bool:
@@ -135,9 +133,9 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, o
             plan: LinearPlan, outputs: bool = False, tau: Optional[Tensor] = None, fields: bool = False,
             keep: bool = True):
     """(LogProbStats, kept) under ``plan`` (``keep=False``: nothing kept): kept is
-    None or (buffer, tile maxima), which ``backward`` turns into dz in place (one backward
-    only). ``outputs`` (N > 0): ((logp, entropy or None, lse), kept) instead, the merge
-    and ``token_outputs`` in one launch (``log_probs_epilogue.forward_outputs``). ``tau``
+    None or (buffer, tile maxima), which ``backward`` turns into dz (one backward only).
+    ``outputs`` (N > 0): ((logp, entropy or None, lse), kept) instead, the merge and
+    ``token_outputs`` in one launch (``log_probs_epilogue.forward_outputs``). ``tau``
     (N,) fp32: a per-token threshold, columns a < tau left out (truncated sampling; kept
     e = 0 there); its Config (``truncation``) has no CuTe choice and, with a soft-cap, no kept
     columns (the soft-cap's factor from log e would be NaN).
@@ -237,9 +235,9 @@ def grad_coefficients(entropy: Optional[Tensor], tokens: Tensor, g_lp: Optional[
 
 def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
              lse: Tensor, coef: Tensor, *, need_dx: bool, need_dw: bool, need_db: bool, plan: LinearPlan,
-             kept: Optional[tuple[Tensor, Tensor]] = None, dx_acc: bool = False, tau: Optional[Tensor] = None):
+             kept: Optional[Kept] = None, dx_acc: bool = False, tau: Optional[Tensor] = None):
     """dx, dW, db under ``plan`` (its ``forward`` tiles with ``kept``, else ``backward``). ``kept``
-    (buffer, tile maxima) laid out by the plan: the buffer is overwritten with dz.
+    (buffer, tile maxima, where their dz goes) laid out by the plan.
     ``dx_acc``: dx as the fp32 accumulator (also for one chunk), not cast to x's dtype
     (a partial sum the caller reduces first: vocab parallelism). ``tau``: the forward's
     per-token threshold (dz = 0 where a < tau in the recomputed columns; the kept ones
@@ -257,7 +255,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         kept_flags=dict(HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy),
         kernel=K.logp_dlogits_kernel, inputs=(bias if bias is not None else x, tokens, lse, coef),
         scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=dict(flags, **thr),
-        prerounded=prerounded, kept_rows=KEPT_ROWS_WITH_LOG if opts.entropy or opts.softcap is not None else 0,
+        prerounded=prerounded, kept_rows=launch.KEPT_ROWS_WITH_LOG if opts.entropy or opts.softcap is not None else 0,
     )
     return launch.chunked_backward(x, weight, bias, tiles, kept, kernels, need_dx=need_dx, need_dw=need_dw,
                                    need_db=need_db, dx_acc=dx_acc)
@@ -296,7 +294,7 @@ class TritonBackend(TritonKind):
     grad_coefficients = staticmethod(grad_coefficients)
 
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, opts: LogProbOptions,
-                 lse: Tensor, coef: Tensor, config: TritonConfig, *, kept: Optional[tuple[Tensor, Tensor]] = None,
+                 lse: Tensor, coef: Tensor, config: TritonConfig, *, kept: Optional[Kept] = None,
                  need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False, tau: Optional[Tensor] = None):
         plan = config.backward or config.main
         assert plan is not None  # (None: a vocab-parallel rank without rows, where nothing runs)

@@ -492,7 +492,7 @@ def backward(impl, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], 
     """dx, dw, db (size 0 where not needed) under the forward's Config: the sparse backward
     for the rows ``inside`` their candidates (when any), the backend's (with tau) for the
     others, over the whole batch (also under batch invariance: ``contract.TritonConfig``'s
-    ``backward``); overwrites the kept columns (when any) with dz. ``impl``: the backend or
+    ``backward``); turns the kept columns (when any) into dz (``ops.common.kept.Kept``). ``impl``: the backend or
     ``vocab_parallel.ShardedBackend``."""
     n = x.shape[0]
     need_db = need_db and bias is not None

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from logitless.formulas.topk_kl import TopKStats
 from logitless.ops.common.contract import Backend, Needs
-from logitless.ops.common.glue import Call, Replanned
+from logitless.ops.common.glue import Call, Owned, Replanned
+from logitless.ops.common.kept import Kept
 from logitless.options import TopKKLOptions, VocabParallelOptions
 from logitless.planning.plans import LinearPlan, TorchPlan
 
@@ -56,8 +57,8 @@ class TritonConfig:
 class TopKForward(NamedTuple):
     """What a backend's ``forward`` returns: the statistics of its rows (``TopKStats``:
     lse over the columns outside the ids, z at the ids, the hard-label term's), and the
-    kept columns of exp(a - m) for the backward (None when it keeps none; the backward
-    turns them into dz in place: one backward only)."""
+    kept columns of exp(a - m) for the backward (None when it keeps none; one backward
+    only: it may turn them into dz over themselves, ``ops.common.kept.Kept``)."""
 
     stats: TopKStats
     kept: Optional[tuple[Tensor, Tensor]] = None
@@ -83,7 +84,7 @@ class TopKBackend(Backend, Protocol):
 
     def backward(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, target: Tensor,
                  opts: TopKKLOptions, rows: Tensor, coef: Tensor, sparse: Tensor, config: Any, *,
-                 kept: Optional[tuple[Tensor, Tensor]], need_dx: bool, need_dw: bool, need_db: bool,
+                 kept: Optional[Kept], need_dx: bool, need_dw: bool, need_db: bool,
                  dx_acc: bool = False) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """dx, dW, db (None where not needed) from the dense coefficients ``coef`` (3, N),
         the values at the ids ``sparse`` (N, K) (``formulas.topk_kl``, times the upstream
@@ -142,11 +143,9 @@ class TopKOutputs(NamedTuple):
 @dataclass(frozen=True)
 class TopKBackwardCall(Call):
     """One call of the backward op: the upstream gradient of the loss, the forward's
-    inputs, its per-token results, its kept columns (overwritten with dz) and Config (the
-    object on the eager path; through the custom ops planned again from the inputs, ``budget``
-    and ``need_grad``: the forward's)."""
-
-    mutated = ("keep",)
+    inputs, its per-token results, its kept columns (turned into dz over themselves where
+    ``owned``) and Config (the object on the eager path; through the custom ops planned again
+    from the inputs, ``budget`` and ``need_grad``: the forward's)."""
 
     grad_loss: Tensor
     x: Tensor
@@ -167,3 +166,4 @@ class TopKBackwardCall(Call):
     tp: VocabParallelOptions
     budget: int
     need_grad: bool
+    owned: Owned = Owned(False)

@@ -24,8 +24,8 @@ from logitless.formulas.cross_entropy import upstream_per_token
 from logitless.formulas.topk_kl import TopKStats, token_terms
 from logitless.ops.common.autocast import disabled as no_autocast
 from logitless.ops.common.contract import BackendTable, Needs
-from logitless.ops.common.glue import CustomOp, fake_grad_outputs
-from logitless.ops.common.kept import fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
+from logitless.ops.common.glue import CustomOp, Owned, fake_grad_outputs
+from logitless.ops.common.kept import Kept, fake_kept, fake_kept_tensors, linear_backward, nothing_kept, take_kept
 from logitless.ops.common.validate import check_targets_in_range
 
 from .contract import TopKBackend, TopKBackwardCall, TopKCall, TopKOutputs
@@ -127,7 +127,7 @@ def fake(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
 def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
     """dx, dw, db (size 0 where not needed). Overwrites ``keep`` (when not a dummy) with dz."""
 
-    def grads(config, kept: Optional[tuple[Tensor, Tensor]]):
+    def grads(config, kept: Optional[Kept]):
         g = upstream_per_token(b.grad_loss, b.w, b.opts.reduction)
         counted = b.w > 0  # (a "mean" over no token: g is inf there, its coefficients are 0)
         coef = torch.where(counted, b.coef * g, torch.zeros_like(b.coef))
@@ -190,7 +190,7 @@ def backward(ctx, grads: TopKOutputs, need, run) -> tuple:
         grad_loss = torch.zeros(shape, dtype=w.dtype, device=w.device)
     return run(TopKBackwardCall(grad_loss, x, weight, bias, ids, target, w, rows, coef, sparse, keep, keep_max,
                                 ctx.config, ctx.opts, ctx.backend, Needs(need.x, need.weight, need.bias), ctx.tp,
-                                ctx.budget, ctx.need_grad))
+                                ctx.budget, ctx.need_grad, Owned(ctx.eager)))
 
 
 def define(backends: BackendTable[TopKBackend]) -> CustomOp[TopKCall, TopKOutputs, TopKBackwardCall, TopKBackend]:

@@ -41,9 +41,6 @@ from .contract import TopKForward, TritonConfig
 #: exp(a - m) stays a normal bf16/fp32 number down to a - m = -87; with a soft-cap s,
 #: a - m >= -2 s / T, and the kept columns need z back from log(e): keep only then.
 _MAX_CAP_RANGE = 80.0
-#: Rows per program of the kept columns' dz pass where it holds z besides r and dz (a
-#: soft-cap or hard labels at T != 1), as linear_log_probs' (registers).
-KEPT_ROWS_WITH_LOG = 32
 #: The patch kernel's rows and ids per step.
 PATCH = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
 
@@ -172,7 +169,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, tar
                         HARD_T=opts.hard_at_other_temperature),
         kernel=K.topk_dlogits_kernel, inputs=(bias if bias is not None else x, target, rows, coef),
         scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=flags, prerounded=prerounded,
-        kept_rows=KEPT_ROWS_WITH_LOG if needs_z else 0,
+        kept_rows=launch.KEPT_ROWS_WITH_LOG if needs_z else 0,
         patch_kernel=K.topk_patch_kernel, patch_inputs=(ids.to(torch.int32).contiguous(), sparse, ids.shape[1]),
         patch_flags=PATCH,
     )
