@@ -59,6 +59,17 @@ def _cell(row) -> str:
     return " / ".join(parts)
 
 
+def _method_name(method: str, data: dict) -> str:
+    """A column's title: logitless at its run's budget (the first of ``--budgets`` for the
+    plain method, the one after "@" otherwise), a peer as named."""
+    if method != "logitless" and not method.startswith("logitless@"):
+        return method
+    budgets = str((data.get("settings") or {}).get("budgets") or "default").split(",")
+    spec = method.partition("@")[2] or budgets[0]
+    words = {"default": "default budget, 3% of the GPU", "logits": "logits-sized budget"}
+    return f"logitless ({words.get(spec, spec)})"
+
+
 def table(path: Path | None = None) -> str:
     """The markdown between the README's markers (without them)."""
     path = path or latest()
@@ -69,7 +80,7 @@ def table(path: Path | None = None) -> str:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     by = {(r["shape"], r["method"]): r for r in rows}
     gemm = {r["shape"]: r.get("gemm_ms") for r in rows if r.get("gemm_ms")}
-    names = {"logitless": "logitless (256 MiB)", "logitless@logits": "logitless (logits-sized budget)"}
+    names = {m: _method_name(m, data) for m in methods}
     rel = path.relative_to(ROOT).as_posix()
     lines = [
         f"{meta.get('device', DEVICE)}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, "
