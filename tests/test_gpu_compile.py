@@ -171,11 +171,21 @@ def test_nvidia_plans_unchanged(monkeypatch):
 
 # ----------------------------------------------------------------------------- AOT compiles
 
+#: What Triton 3.6's interpreter raises on numpy >= 2.3 (the capture runs the kernels in it).
+_OLD_INTERPRETER = "only 0-dimensional arrays can be converted to Python scalars"
+
+
 def _script(*args, timeout=1800):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "check_gpu_compile.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "check_gpu_compile.py"), *args],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    if args[0] == "capture" and r.returncode and _OLD_INTERPRETER in r.stderr:
+        import numpy
+
+        pytest.skip(f"the capture runs Triton's interpreter, which needs numpy < 2.3 here (numpy {numpy.__version__}, "
+                    "e.g. the GPU machines); CI runs it")
+    return r
 
 
 #: VGPRs spilled on AMD targets, at most, per kernel (none elsewhere): the TRL-fields
