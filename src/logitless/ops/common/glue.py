@@ -9,15 +9,15 @@ positional from the declarations:
   ``float``, ``str``, ``Optional[float]``, ``Optional[int]``) or option dataclasses of
   scalars (``logitless.options``: ``CrossEntropyOptions``, ``VocabParallelOptions``...). Each
   tensor is a schema argument; the scalars, the options' fields flattened in order, travel
-  packed in at most three (``Fields``: ints, floats, the rest as a string). ``differentiable`` names the inputs that
-  get gradients (in the order the backward returns them). No op writes its inputs (a
-  declared write to a backward graph's input, e.g. the kept columns, makes inductor copy
-  it whole before the op): a backward call's field of type ``Owned`` tells the body whether
-  it owns buffers it may overwrite instead. The backward call's field of type ``Replanned`` is the backend's Config: the
-  object on the eager path; it never crosses the custom ops: the backward op re-derives
-  it from its call (the op's ``replan``: the same memoised plan the forward made), so the
-  forward op has no Config output and both ops may run inside a CUDA graph
-  (``torch.compile(mode="reduce-overhead")``).
+  packed in at most three (``Fields``: ints, floats, the rest as a string). ``differentiable``
+  names the inputs that get gradients (in the order the backward returns them). No op
+  writes its inputs (a declared write to a backward graph's input, e.g. the kept columns,
+  makes inductor copy it whole before the op): a backward call's field of type ``Owned``
+  tells the body whether it owns buffers it may overwrite instead. The backward call's
+  field of type ``Replanned`` is the backend's Config: the object on the eager path; it
+  never crosses the custom ops: the backward op re-derives it from its call (the op's
+  ``replan``: the same memoised plan the forward made), so the forward op has no Config
+  output and both ops may run inside a CUDA graph (``torch.compile(mode="reduce-overhead")``).
 - its **outputs** (a ``typing.NamedTuple`` of tensors and ``config``: the backend's Config,
   not an output of the forward op). An
   ``Optional[Tensor]`` output may be None (absent): so on the eager path, a size-0 tensor of
