@@ -120,8 +120,9 @@ SPLIT_STEP = 16
 
 @triton.jit
 def split_ok(s, SPLITS, ok):
-    """The mask of split s's row at the tokens ``ok`` (False past the last split)."""
-    return ok & (s < SPLITS)
+    """The mask of split s's row at the tokens ``ok`` (False past the last split): a
+    tensor of ok's shape even where s and SPLITS are constants (no Python bool in a mask)."""
+    return tl.where(ok, s, SPLITS) < SPLITS
 
 
 @triton.jit
