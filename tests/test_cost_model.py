@@ -277,3 +277,28 @@ def test_forward_split_model_few_row_blocks():
                 got = forward_blocks_per_split(rb, vb, k, 132, waves)
                 assert 1 <= got <= vb
                 assert cost(rb, vb, k, got) <= cost(rb, vb, k, waves)
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: s.name)
+def test_kept_dz_chunks_keep_a_compiled_backward_within_the_budget(shape):
+    """A backward that cannot write dz over the kept columns (the custom ops, torch.compile)
+    holds the kept columns and one dz chunk (``plan.kept_dz_chunk`` columns, or all of them
+    when 0, and the recomputed chunk's) and, with several chunks, the fp32 dx accumulator:
+    within an H100's default budget at every model shape whose kept columns leave room for
+    the chunk floor, and one chunk where the budget holds dz whole (e.g. 4096 x 128256: as in
+    place). Before, dz took a second buffer of the kept columns' size: 1.65-1.76x the budget."""
+    from logitless.triton_lib import launch
+
+    n, h, v = shape.tokens, shape.hidden, shape.vocab
+    budget = int(0.03 * 79.1 * 2**30)
+    plan = _plans.triton_plan(n, v, h, 2, budget, H100, keep_allowed=True)
+    if not plan.keep_cols:
+        return
+    chunks = launch.backward_chunks(plan, v, plan.keep_cols, plan.kept_dz_chunk)
+    width = max(b - a for a, b in chunks)
+    kept = n * plan.keep_cols * 2 + 4 * n * plan.keep_cols // plan.block_v
+    used = kept + 2 * n * width + (4 * n * h if len(chunks) > 1 else 0)
+    floor = kept + 2 * n * _plans.min_chunk_cols(v, plan.block_v, H100) + 4 * n * h
+    assert used <= max(budget, floor) * 1.001, (plan, chunks[:3], used / budget)
+    if kept + 2 * n * plan.keep_cols <= budget:
+        assert plan.kept_dz_chunk == 0, plan

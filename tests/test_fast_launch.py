@@ -182,9 +182,9 @@ def test_run_kernel_fast_path_launches_what_jit_run_would(monkeypatch):
         dz = torch.zeros(4096, dtype=dtype)[offset:offset + n * 64].view(n, 64)
         f32 = torch.zeros(n + 16)[offset:offset + n]
         return (dz, torch.zeros(4, n), dz, f32, torch.zeros(n, dtype=torch.long), f32, torch.zeros(3, n), n, 101,
-                64, 64, 1.5)
+                0, 64, 64, 64, 1.5)
 
-    kw = dict(HAS_SOFTCAP=False, HAS_CW=False, BLOCK_N=16, BLOCK_V=64, num_warps=4)
+    kw = dict(HAS_SOFTCAP=False, HAS_CW=False, IN_PLACE=True, BLOCK_N=16, BLOCK_V=64, num_warps=4)
     fast_launch.run_kernel(jit, (3, 2), *args_of(), **kw)
     assert slow == [(3, 2)] and not launched
     args = args_of(offset=8)  # other pointers, the same alignment

@@ -325,15 +325,33 @@ def test_compiled_backward_plans_under_the_forward_overrides():
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
 
 
-def test_the_backward_op_leaves_the_kept_columns_as_they_are():
+def _kept_chunks_budget(n: int, v: int, h: int, chunks: bool) -> int:
+    """A budget at which the device's fp32 plan keeps every column and a backward that does
+    not own them writes their dz in several chunks (``chunks``) or at once (not)."""
+    from logitless.planning import plans
+
+    keep = n * v * 5
+    for budget in range(keep, 8 * keep, keep // 32):
+        plan = plans.triton_plan(n, v, h, 4, budget, DEVICE, keep_allowed=True)
+        if plan.keep_cols == v and (plan.kept_dz_chunk > 0) == chunks:
+            return budget
+    raise AssertionError(f"no budget keeps every column with dz in {'chunks' if chunks else 'one chunk'}")
+
+
+@pytest.mark.parametrize("chunks", [False, True], ids=["one", "chunks"])
+def test_the_backward_op_leaves_the_kept_columns_as_they_are(chunks):
     """Through the custom ops (``glue.Owned`` False) the backward writes the kept columns'
-    dz into a new buffer: the forward op's kept output is unchanged after the backward (its
-    schema declares no write; a declared one made inductor copy the columns whole first).
-    The gradients are bitwise the eager path's, which turns the columns into dz in place."""
+    dz into its dz chunk buffer: the forward op's kept output is unchanged after the
+    backward (its schema declares no write; a declared one made inductor copy the columns
+    whole first). Where the budget's rest holds dz of every kept column the gradients are
+    bitwise the eager path's, which turns the columns into dz in place; where it does not
+    (``plan.kept_dz_chunk`` columns at a time, dx summed over the chunks in fp32) they
+    agree to rounding."""
     from logitless.ops.linear_cross_entropy.api import OPS
 
     g = torch.Generator().manual_seed(3)
-    n, h, v = 13, 24, 104  # (V a multiple of 8: the plan may keep columns)
+    n, h, v = 40, 24, 1000  # (V a multiple of 8: the plan may keep every column)
+    budget = _kept_chunks_budget(n, v, h, chunks)
     x = torch.randn(n, h, generator=g).to(DEVICE)
     w = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE)
     t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
@@ -341,15 +359,65 @@ def test_the_backward_op_leaves_the_kept_columns_as_they_are():
     grads = []
     for custom in (False, True):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        call = LceCall(xg, wg, None, t, None, opts, "triton", 6_000, need_argmax=False, need_grad=True,
+        call = LceCall(xg, wg, None, t, None, opts, "triton", budget, need_argmax=False, need_grad=True,
                        grad_in_forward=False, need=Needs(True, True, False), batch_invariant=False,
                        tp=VocabParallelOptions())
         out = OPS.outputs_of(OPS.forward_op(*OPS.args(call))) if custom else OPS(call)
         kept = out.keep.clone()
         if custom:
-            assert 1 < kept.shape[1] and kept.isfinite().all()  # the plan kept columns
+            assert v <= kept.shape[1] and kept.isfinite().all()  # the plan kept every column
         out.loss.backward()
         if custom:
             assert torch.equal(out.keep, kept)
         grads.append((xg.grad, wg.grad))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    if not chunks:
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["lce_softcap", "log_probs_entropy", "topk_kl"])
+def test_compiled_kept_columns_in_chunks_match_eager(op, monkeypatch):
+    """Each op that keeps columns, compiled (the custom ops: the backward cannot write dz
+    over the kept columns) at a budget that holds them but not a second buffer of their
+    size: dz goes through ``plan.kept_dz_chunk``-wide chunks (asserted on the launch's
+    column chunks), and the loss and gradients are the eager call's (in place, one chunk)."""
+    from logitless.triton_lib import launch
+
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 40, 24, 1000
+    budget = _kept_chunks_budget(n, v, h, True)
+    x0 = torch.randn(n, h, generator=g).to(DEVICE)
+    w0 = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE)
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    ids = torch.rand(n, v, generator=g).topk(5, dim=-1).indices.to(DEVICE)  # (distinct per token)
+    teacher = torch.log_softmax(torch.randn(n, 5, generator=g), -1).to(DEVICE)
+
+    def loss(x, w):
+        if op == "lce_softcap":
+            return logitless.linear_cross_entropy(x, w, t, softcap=4.0, memory_budget=budget, backend="triton")
+        if op == "log_probs_entropy":
+            lp, ent = logitless.linear_log_probs(x, w, t, entropy=True, memory_budget=budget, backend="triton")
+            return lp.sum() + 0.3 * ent.sum()
+        return logitless.linear_topk_kl(x, w, ids, teacher, t, hard_label_weight=0.5, memory_budget=budget,
+                                        backend="triton")
+
+    seen = []
+    chunks_of = launch.backward_chunks
+
+    def spy(plan, v_, keep_cols, kept_step=0):
+        out = chunks_of(plan, v_, keep_cols, kept_step)
+        seen.append(sum(1 for _, v1 in out if v1 <= keep_cols))
+        return out
+
+    monkeypatch.setattr(launch, "backward_chunks", spy)
+    results = []
+    torch._dynamo.reset()
+    for fn in (loss, torch.compile(loss, dynamic=False, fullgraph=True)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(x, w)
+        results.append((out.detach(), *torch.autograd.grad(out, (x, w))))
+    torch._dynamo.reset()
+    assert seen[0] == 1 and seen[-1] > 1, seen  # eager: one kept chunk in place; compiled: several
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

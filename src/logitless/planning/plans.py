@@ -216,6 +216,8 @@ def _triton_plan(
     else:  # the interpreter
         keep_cols, vocab_chunk = _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col,
                                                  min_cols, block_v, padded_vocab)
+    kept_dz_chunk = _kept_dz_chunk(num_tokens, vocab, itemsize, budget, keep_cols, vocab_chunk, per_col, acc,
+                                   chunk_col, block_v, min_cols)
     w_chunk = 0
     if prerounded:
         w_chunk, vocab_splits = _forward_w_chunk(
@@ -231,8 +233,35 @@ def _triton_plan(
         keep_cols=keep_cols,
         **kernel_options(num_tokens, block_n, block_v, facts),
         w_chunk=w_chunk,
+        kept_dz_chunk=kept_dz_chunk,
     )
     return _rocm.adapt_plan(plan, facts.arch)  # AMD GPUs: no TMA
+
+
+def _kept_dz_chunk(num_tokens, vocab, itemsize, budget, keep_cols, vocab_chunk, per_col, acc, chunk_col,
+                   block_v, min_cols):
+    """``TritonPlan.kept_dz_chunk``: the columns of kept dz a backward that cannot write
+    over the kept buffer (the custom ops, torch.compile) writes at a time, so that the kept
+    columns and dz together stay within the budget: dz of all of them where the budget's
+    rest holds it (0: one chunk, as in place), else chunks of what it leaves. With
+    recomputed columns that rest is after the fp32 dx accumulator and the recomputed
+    chunk's other scratch (its dz is the same buffer), and is at least ``vocab_chunk``
+    columns; with every column kept, chunks need the accumulator too (at least ``min_cols``)."""
+    if not keep_cols:
+        return 0
+    col = itemsize * num_tokens
+    left = budget - per_col * keep_cols
+    if keep_cols < vocab:
+        left -= acc + (chunk_col - col) * vocab_chunk
+        floor = vocab_chunk // block_v * block_v
+    else:
+        floor = min_cols
+        if col * keep_cols > left:
+            left -= acc
+    if col * keep_cols <= left:
+        return 0
+    step = max(block_v, floor, int(max(0, left) // col) // block_v * block_v)
+    return 0 if step >= keep_cols else step
 
 
 def _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col, min_cols, block_v, padded_vocab):

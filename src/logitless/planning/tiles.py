@@ -113,6 +113,9 @@ class TritonPlan:
         rounded to TF32 into a scratch buffer per forward launch (a whole number of
         vocabulary splits; the backward rounds vocab_chunk rows per recomputed
         chunk). 0: no scratch, the kernels round (or take) the operands themselves.
+    kept_dz_chunk: columns of the kept columns' dz written at a time by a backward that
+        does not own the kept buffer (the custom ops, torch.compile: dz cannot go over
+        it), into the dz chunk buffer (a multiple of block_v); 0: all at once.
     """
 
     block_n: int
@@ -129,6 +132,7 @@ class TritonPlan:
     dz_tma: bool = False
     dlogits_programs: int = 0
     w_chunk: int = 0
+    kept_dz_chunk: int = 0
 
 
 @dataclass(frozen=True)

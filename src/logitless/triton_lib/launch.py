@@ -220,18 +220,20 @@ def partials(count: int, splits: int, n: int, device) -> tuple:
     return buf.as_strided((count, splits, n), (row, n, 1)).unbind(0)
 
 
-def backward_chunks(plan: TritonPlan, v: int, keep_cols: int) -> list[tuple[int, int]]:
-    """The backward's column ranges [v0, v1): the kept columns (one chunk, when any),
-    then chunks of ``plan.vocab_chunk`` recomputed columns."""
-    chunks = [(0, keep_cols)] if keep_cols else []
+def backward_chunks(plan: TritonPlan, v: int, keep_cols: int, kept_step: int = 0) -> list[tuple[int, int]]:
+    """The backward's column ranges [v0, v1): the kept columns in chunks of ``kept_step``
+    (0: one chunk), then chunks of ``plan.vocab_chunk`` recomputed columns."""
+    step = kept_step or keep_cols
+    chunks = [(v0, min(keep_cols, v0 + step)) for v0 in range(0, keep_cols, step)] if keep_cols else []
     chunks += [(v0, min(v, v0 + plan.vocab_chunk)) for v0 in range(keep_cols, v, plan.vocab_chunk)]
     return chunks
 
 
-def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor) -> Tensor:
-    """The (n, width) buffer of one recomputed dz chunk, rows padded to 16 bytes so that
-    dz tiles can be bulk-stored (TMA)."""
-    width = min(plan.vocab_chunk, v - keep_cols)
+def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor, kept_step: int = 0) -> Tensor:
+    """The (n, width) buffer of one dz chunk: the widest recomputed chunk, or kept chunk of
+    ``kept_step`` columns (0: none goes there), rows padded to 16 bytes so that dz tiles can
+    be bulk-stored (TMA)."""
+    width = max(min(plan.vocab_chunk, v - keep_cols), min(kept_step, keep_cols))
     return padded_buffer(n, cdiv(width, 8) * 8, x)
 
 
@@ -265,10 +267,12 @@ class DlogitsKernels(NamedTuple):
     """What a fused linear op's Triton backward launches per column chunk, described for
     ``chunked_backward`` (which owns the loop and the launches; no callbacks):
 
-        kept_kernel[(row blocks, kept tiles)](keep, tile_max, dz (keep's strides), *kept_head,
-            width, row stride, *kept_tail, **kept_flags, BLOCK_N, BLOCK_V, num_warps)
+        kept_kernel[(row blocks, tiles of [v0, v1))](keep, tile_max, dz, *kept_head,
+            v0 // BLOCK_V, v1, keep's row stride, dz's row stride, *kept_tail, **kept_flags,
+            IN_PLACE, BLOCK_N, BLOCK_V, num_warps)
             (BLOCK_N: ``kept_rows``, or the plan's block_n when 0; BLOCK_V: the plan's,
-            the forward's tile maxima are per block_v columns)
+            the forward's tile maxima are per block_v columns; dz: keep itself (v0 = 0)
+            or the chunk buffer of columns [v0, v1))
         kernel[(programs,)](x operand, W operand, *inputs, dz operand, n, v, h,
             x strides, W strides, dz row stride, v0, v1, *scalars, group_n, **flags,
             USE_TMA, DZ_TMA, FLATTEN, W_CHUNK, BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
@@ -277,8 +281,8 @@ class DlogitsKernels(NamedTuple):
         patch_kernel[(cdiv(n, BLOCK_N),)](dz, dz row stride, v0, v1, n, *patch_inputs,
             **patch_flags)   (after either, when given; BLOCK_N in patch_flags)
 
-    ``kept_kernel`` turns the kept columns into dz (in place, or into the buffer the
-    caller gave: ``chunked_backward``'s ``kept``); ``kernel`` recomputes a
+    ``kept_kernel`` turns the kept columns into dz (in place, or chunk by chunk into the
+    dz buffer: ``chunked_backward``'s ``kept``); ``kernel`` recomputes a
     chunk's dz; ``patch_kernel`` then overwrites a few of each row's values in the chunk
     (linear_topk_kl: its values at the teacher's ids); ``prerounded``: its operands are
     rounded to TF32 into scratch buffers first (``prerounded_dlogits_operands``, W_CHUNK)."""
@@ -299,25 +303,29 @@ class DlogitsKernels(NamedTuple):
 
 
 def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: TritonPlan,
-                     kept: Optional[tuple[Tensor, Tensor, Tensor]], kernels: DlogitsKernels, *, need_dx: bool,
-                     need_dw: bool, need_db: bool, dx_acc: bool = False):
+                     kept: Optional[tuple[Tensor, Tensor, Optional[Tensor]]], kernels: DlogitsKernels, *,
+                     need_dx: bool, need_dw: bool, need_db: bool, dx_acc: bool = False):
     """dx, dW, db of a fused linear op's Triton backward, column chunk by chunk
     (``backward_chunks``): the kept columns (``kept`` = (buffer, tile maxima, where their
-    dz goes: the buffer itself or one of its layout; ``ops.common.kept.Kept``) from the
-    forward, or None) become dz (``kernels.kept_kernel``); the others are
+    dz goes: the buffer itself, or None: the dz buffer in chunks of
+    ``plan.kept_dz_chunk`` columns; ``ops.common.kept.Kept``) from the forward, or None)
+    become dz (``kernels.kept_kernel``); the others are
     recomputed into one padded dz buffer (``kernels.kernel``). Each chunk of dz feeds
     ``chunk_gradients`` (dW, db rows written once; dx into an fp32 accumulator when
     there are several chunks). ``dx_acc``: dx as the fp32 accumulator (also for one
     chunk), not cast to x's dtype (a partial sum that the caller reduces first: vocab
-    parallelism). Temporaries: one dz chunk (the plan's vocab_chunk columns) and the
-    (N, H) fp32 accumulator (and the rounded operands with ``kernels.prerounded``)."""
+    parallelism). Temporaries: one dz chunk (the plan's vocab_chunk columns, or its
+    kept_dz_chunk) and the (N, H) fp32 accumulator (and the rounded operands with
+    ``kernels.prerounded``)."""
     keep_acc = dx_acc
     n, h = x.shape
     v = weight.shape[0]
     k = kernels
     keep_cols = plan.keep_cols if kept is not None else 0
-    # Chunks of columns: the kept ones (one chunk), then recomputed ones.
-    chunks = backward_chunks(plan, v, keep_cols)
+    # Chunks of columns: the kept ones (one chunk in place, else kept_dz_chunk wide), then recomputed ones.
+    in_place = kept is not None and kept[2] is not None
+    kept_step = keep_cols if in_place else plan.kept_dz_chunk or keep_cols
+    chunks = backward_chunks(plan, v, keep_cols, kept_step)
     dw, db, dx_acc = gradient_buffers(x, weight, bias, len(chunks), need_dx=need_dx, need_dw=need_dw,
                                       need_db=need_db, keep_acc=keep_acc)
     dx = dz_buf = None
@@ -325,18 +333,19 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     rounded = prerounded_dlogits_operands(x, weight, plan, keep_cols) if k.prerounded else None
     x_op = w_op = use_tma = None  # (built at the first recomputed chunk: none when every column was kept)
     for v0, v1 in chunks:
-        if v0 == 0 and keep_cols:
-            keep_buf, tile_max, dz_buf_kept = kept
-            assert dz_buf_kept.stride() == keep_buf.stride()  # (the kernels address both alike)
-            dz = dz_buf_kept[:, :keep_cols]
+        if dz_buf is None and not (in_place and v1 <= keep_cols):
+            dz_buf = dz_buffer(plan, n, v, keep_cols, x, 0 if in_place else kept_step)
+        if v1 <= keep_cols:
+            keep_buf, tile_max, dz_in_place = kept
+            dz = dz_in_place[:, :keep_cols] if in_place else dz_buf[:, : v1 - v0]
             rows = k.kept_rows or plan.block_n
-            run_kernel(k.kept_kernel, (cdiv(n, rows), cdiv(keep_cols, plan.block_v)),
-                       keep_buf, tile_max, dz, *k.kept_head, keep_cols, keep_buf.stride(0), *k.kept_tail,
-                       **k.kept_flags, BLOCK_N=rows, BLOCK_V=plan.block_v, num_warps=plan.num_warps)
+            run_kernel(k.kept_kernel, (cdiv(n, rows), cdiv(v1 - v0, plan.block_v)),
+                       keep_buf, tile_max, dz, *k.kept_head, v0 // plan.block_v, v1, keep_buf.stride(0), dz.stride(0),
+                       *k.kept_tail, **k.kept_flags, IN_PLACE=in_place, BLOCK_N=rows, BLOCK_V=plan.block_v,
+                       num_warps=plan.num_warps)
         else:
-            if dz_buf is None:
+            if x_op is None:
                 x_op, w_op, use_tma = operands(x, weight, plan)
-                dz_buf = dz_buffer(plan, n, v, keep_cols, x)
             dz = dz_buf[:, : v1 - v0]
             dz_op, dz_tma = dz_operand(dz, plan, use_tma)
             tiles, row_blocks = dlogits_tiles(plan, n, v1 - v0, x.device)

@@ -146,22 +146,23 @@ def dlogits_kernel(
 @triton.jit
 def kept_dlogits_kernel(
     keep_ptr, keep_max_ptr, dz_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr,
-    N, V, keep_cols, stride_keep, softcap,
+    N, V, block0, keep_cols, stride_keep, stride_dz, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dz for the columns the forward kept: e = exp(z - m) (keep) becomes dz (dz_ptr: keep
-    itself, in place, or a buffer of its layout: its strides).
+    """dz for the kept columns [block0 * BLOCK_V, keep_cols): e = exp(z - m) (keep) becomes
+    dz (dz_ptr: keep itself, in place, block0 = 0, or a chunk buffer of those columns, row
+    stride stride_dz).
 
     p = e * exp(m - lse); z = log(e) + m is needed only with a soft-cap. No GEMM: one
     read and one write of (N, keep_cols) elements. BLOCK_V must be the forward's.
     """
-    e, m, offs_n, offs_v, row_ok, mask, at = load_kept_tile(keep_ptr, keep_max_ptr, N, keep_cols, stride_keep,
-                                                            BLOCK_N, BLOCK_V)
+    e, m, offs_n, offs_v, row_ok, mask, at = load_kept_tile(keep_ptr, keep_max_ptr, N, block0, keep_cols,
+                                                            stride_keep, IN_PLACE, BLOCK_N, BLOCK_V)
     lse, a, b, c, target = load_row_coefficients(lse_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     z = p  # unused without a soft-cap
     if HAS_SOFTCAP:
         z = tl.log(e) + m[:, None]
     dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
-    store_kept_dz(dz_ptr, at, mask, dz)
+    store_kept_dz(dz_ptr, at, offs_n, offs_v, block0, stride_dz, mask, dz, IN_PLACE, BLOCK_V)

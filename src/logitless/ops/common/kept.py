@@ -36,20 +36,18 @@ class Kept(NamedTuple):
     """The kept columns as a backend's backward receives them: ``keep`` (e = exp(z - m), x's
     dtype) and ``keep_max`` (fp32 tile maxima), laid out by the forward's Config, and ``dz``,
     where the backward writes those columns' dz: ``keep`` itself (in place, where the body
-    owns the buffers: the eager path) or a new buffer of its shape and strides (through the
-    custom ops; what inductor's copy of a written input would cost, without the copy)."""
+    owns the buffers: the eager path), or None (through the custom ops, which cannot write
+    their inputs: into the backward's dz chunk buffer, ``plan.kept_dz_chunk`` columns at a
+    time, so that keep and dz together stay within the call's budget)."""
 
     keep: Tensor
     keep_max: Tensor
-    dz: Tensor
+    dz: Optional[Tensor]
 
     @staticmethod
     def of(keep: Tensor, keep_max: Tensor, owned: bool) -> Kept:
         """The forward's kept columns for a backward that owns them (dz over them) or not."""
-        if owned:
-            return Kept(keep, keep_max, keep)
-        dz = torch.empty_strided(keep.shape, keep.stride(), dtype=keep.dtype, device=keep.device)
-        return Kept(keep, keep_max, dz)
+        return Kept(keep, keep_max, keep if owned else None)
 
 
 def nothing_kept(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,7 +122,7 @@ def linear_backward(b: KeptBackwardCall, grads: GradsOf) -> tuple[Optional[Tenso
     """The (dx, dw, db) outputs of a backward custom op (``glue.grad_outputs``): zeros on no
     tokens, nothing computed where no gradient is needed, else ``grads(config, kept)`` on
     the forward's Config and the kept columns (``Kept``: their dz over them where the call
-    owns them, ``b.owned``, else into a new buffer; None for the ``NOTHING_KEPT`` dummies)."""
+    owns them, ``b.owned``, else into the dz chunk buffer; None for the ``NOTHING_KEPT`` dummies)."""
     x, weight, bias, need = b.x, b.weight, b.bias, b.need
     dx = dw = db = None
     if x.shape[0] == 0:
