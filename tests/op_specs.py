@@ -195,7 +195,7 @@ def _lce_opcheck(backend):
     # cover that path (fullgraph, dynamic, kept columns).
     forward_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for need_grad in (True, False):
-        call = LceCall(x, w, b, t, cw, opts, backend, 6_000, need_argmax=True, need_grad=need_grad,
+        call = LceCall(x, w, b, t, cw, opts, backend, 12_000, need_argmax=True, need_grad=need_grad,
                        grad_in_forward=False, need=need, batch_invariant=False, tp=tp)
         yield custom_op("lce_forward"), OPS.args(call), forward_utils
         out = OPS.outputs_of(custom_op("lce_forward")(*OPS.args(call)))
@@ -746,7 +746,7 @@ def _llp_opcheck(backend):
     tp = VocabParallelOptions()
     for need_grad, entropy in ((True, True), (True, False), (False, True)):
         opts = LogProbOptions(temperature=0.7, entropy=entropy, softcap=4.0)
-        call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
+        call = LlpCall(x, w, b, t, opts, backend, 12_000, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
                        min_p=None, checked=True, k_max=-1, block=0, tp=tp)
         yield custom_op("llp_forward"), OPS.args(call), forward_utils
         out = OPS.outputs_of(custom_op("llp_forward")(*OPS.args(call)))
@@ -888,12 +888,12 @@ def _topk_opcheck(backend):
     for need_grad, opts in ((True, TopKKLOptions(hard_label_weight=0.3, temperature=0.7, softcap=4.0)),
                             (True, TopKKLOptions(direction="reverse", tail="none", reduction="none")),
                             (False, TopKKLOptions(tail="renormalize"))):
-        call = TopKCall(x, w, b, ids, lp, t, opts, backend, 6_000, need_grad, need, tp)
+        call = TopKCall(x, w, b, ids, lp, t, opts, backend, 12_000, need_grad, need, tp)
         yield custom_op("topk_kl_forward"), OPS.args(call), forward_utils
         out = OPS.outputs_of(custom_op("topk_kl_forward")(*OPS.args(call)))
         bcall = TopKBackwardCall(torch.rand(out.loss.shape, device=DEVICE) + 0.5, x.detach(), w.detach(), b.detach(),
                                  ids, t, out.w, out.rows, out.coef, out.sparse, out.keep, out.keep_max, None, opts,
-                                 backend, need, tp, 6_000, need_grad)
+                                 backend, need, tp, 12_000, need_grad)
         decoded = getattr(replan(bcall, BACKENDS[backend]), "linear", None)  # (the backward op's Config)
         if backend == "triton" and need_grad:
             assert 1 < out.keep.shape[1] < 104 + 8 and decoded.keeps  # the budget keeps some columns

@@ -189,8 +189,10 @@ def test_opcheck_linear_log_probs(backend, trunc, k_max, block):
     tr = (k, p, mp) if trunc else (None, None, None)
     opts, tp = LogProbOptions(temperature=0.7, entropy=True), VocabParallelOptions()
     for need_grad in (True, False):
-        call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad, True, *tr, checked=False, k_max=k_max, block=block,
-                       tp=tp)
+        # (12 kB: the kept columns and a copy of them for their dz, which the custom ops' plan
+        # budgets beside them, ``glue.Owned``)
+        call = LlpCall(x, w, b, t, opts, backend, 12_000, need_grad, True, *tr, checked=False, k_max=k_max,
+                       block=block, tp=tp)
         torch.library.opcheck(OPS.forward_op, OPS.args(call), test_utils=_FORWARD_UTILS)
         out = OPS.outputs_of(OPS.forward_op(*OPS.args(call)))
         cand, cols = out.sparse[0].view(torch.float32), out.sparse[1]  # (the candidates' fp32 bits, their columns)

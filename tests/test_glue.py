@@ -111,6 +111,8 @@ def test_fields_flatten_and_rebuild_by_name():
                    tp=VocabParallelOptions("g", 5, True))
     flat = fields.flatten(call)
     assert len(flat) == len(fields.names)
+    assert call.owned and fields.owned == ("owned",)  # (eager: True; through the custom ops False)
+    call = dataclasses.replace(call, owned=Owned(False))
     assert fields.build(flat) == call  # the same object back, field by field
     assert fields.build(list(flat)) == call  # (again: from the memoised scalars)
     assert fields.schema(2) == ("(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
@@ -135,7 +137,8 @@ def test_packed_scalars_are_checked():
     fields = Fields(LceCall)
     x, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 4])
     call = LceCall(x, w, None, t, None, CrossEntropyOptions(), "torch", 7, need_argmax=True, need_grad=False,
-                   grad_in_forward=False, need=Needs(), batch_invariant=False, tp=VocabParallelOptions())
+                   grad_in_forward=False, need=Needs(), batch_invariant=False, tp=VocabParallelOptions(),
+                   owned=Owned(False))  # (as built: the custom ops' calls own nothing)
     *tensors, ints, floats, packed = fields.flatten(call)
     assert fields.build([*tensors, ints, floats, packed]) == call
     with pytest.raises(ValueError, match="do not read back"):
@@ -326,16 +329,51 @@ def test_compiled_backward_plans_under_the_forward_overrides():
 
 
 def _kept_chunks_budget(n: int, v: int, h: int, chunks: bool) -> int:
-    """A budget at which the device's fp32 plan keeps every column and a backward that does
-    not own them writes their dz in several chunks (``chunks``) or at once (not)."""
+    """A budget at which the device's fp32 plan for a backward that does not own the kept
+    columns (``kept_owned=False``, the custom ops') keeps every column and writes their dz in
+    several chunks (``chunks``) or at once (not)."""
     from logitless.planning import plans
 
     keep = n * v * 5
     for budget in range(keep, 8 * keep, keep // 32):
-        plan = plans.triton_plan(n, v, h, 4, budget, DEVICE, keep_allowed=True)
+        plan = plans.triton_plan(n, v, h, 4, budget, DEVICE, keep_allowed=True, kept_owned=False)
         if plan.keep_cols == v and (plan.kept_dz_chunk > 0) == chunks:
             return budget
     raise AssertionError(f"no budget keeps every column with dz in {'chunks' if chunks else 'one chunk'}")
+
+
+def test_the_custom_ops_keep_what_their_budget_holds_beside_the_kept_dz():
+    """Where the budget holds every kept column but not one chunk of their dz beside them,
+    an eager call keeps them all (its backward turns them into dz in place) and a call
+    through the custom ops plans fewer (``kept_owned=False``: the forward op's call is built
+    with ``Owned(False)``): its forward keeps fewer columns, the backward recomputes the rest,
+    and the gradients agree with the eager call's to rounding."""
+    from logitless.ops.linear_cross_entropy.api import OPS
+    from logitless.planning import plans
+
+    g = torch.Generator().manual_seed(4)
+    n, h, v = 40, 24, 1000
+    for budget in range(n * v * 4, 2 * n * v * 4, n * v // 8):
+        if plans.triton_plan(n, v, h, 4, budget, DEVICE, keep_allowed=True).keep_cols == v:
+            break
+    custom = plans.triton_plan(n, v, h, 4, budget, DEVICE, keep_allowed=True, kept_owned=False)
+    assert custom.keep_cols < v, custom  # (the interpreter: some; a GPU's cost model: none)
+    x = torch.randn(n, h, generator=g).to(DEVICE)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(DEVICE)
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    grads, widths = [], []
+    for through_ops in (False, True):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        call = LceCall(xg, wg, None, t, None, CrossEntropyOptions(), "triton", budget, need_argmax=False,
+                       need_grad=True, grad_in_forward=False, need=Needs(True, True, False), batch_invariant=False,
+                       tp=VocabParallelOptions())
+        out = OPS.outputs_of(OPS.forward_op(*OPS.args(call))) if through_ops else OPS(call)
+        widths.append(out.keep.shape[1])
+        out.loss.backward()
+        grads.append((out.loss.detach(), xg.grad, wg.grad))
+    assert widths[0] >= v > widths[1] >= custom.keep_cols, widths
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunks", [False, True], ids=["one", "chunks"])

@@ -318,15 +318,22 @@ def predict_forward(dev, n, h, v, itemsize) -> Candidate:
     return Candidate("forward", memory=0, time_s=t, fwd_s=t)
 
 
-def predict_keep(dev, n, h, v, itemsize, block_v=256) -> Candidate:
+def predict_keep(dev, n, h, v, itemsize, block_v=256, kept_owned=True, min_chunk=4096) -> Candidate:
+    """Keep every column. ``kept_owned=False`` (the custom ops: the backward cannot write dz
+    over the kept columns): its memory also holds their dz, whole, or in chunks of at least
+    ``min_chunk`` columns beside the fp32 dx accumulator (``plans._kept_dz_chunk``),
+    whichever is less."""
     kb = n * v * itemsize
     fwd = fused_forward_s(dev, n, h, v, itemsize) + kb / dev.keep_store_bw + dev.fixed_fwd_s
     bwd = (2 * kb / dev.kept_pass_bw + dev.launch_s
            + gemm_s(dev, v, h, n, itemsize)  # dW = dz^T x
            + gemm_s(dev, n, h, v, itemsize)  # dx = dz W
            + backward_fixed_s(dev, n))
-    return Candidate("keep", keep_cols=v, vocab_chunk=v, memory=_keep_bytes(n, v, itemsize, block_v),
-                     time_s=fwd + bwd, fwd_s=fwd)
+    memory = _keep_bytes(n, v, itemsize, block_v)
+    if not kept_owned:
+        acc = 4 * n * h if itemsize != 4 else 0
+        memory += min(kb, acc + itemsize * n * min(min_chunk, v))
+    return Candidate("keep", keep_cols=v, vocab_chunk=v, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
 
 
 def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256) -> Candidate:
@@ -389,13 +396,14 @@ def _wide_widths(dev, first, padded) -> set:
 
 
 def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096,
-               grad_in_forward=True, weight_fp32=False, keep=True):
-    """The fixed family of candidate plans of a shape (independent of the budget)."""
+               grad_in_forward=True, weight_fp32=False, keep=True, kept_owned=True):
+    """The fixed family of candidate plans of a shape (independent of the budget).
+    ``kept_owned``: ``predict_keep``'s (a partial plan's kept dz fits its chunk buffer)."""
     dev = device_model
     padded = math.ceil(v / block_v) * block_v
     out = []
     if keep:
-        out.append(predict_keep(dev, n, h, v, itemsize, block_v))
+        out.append(predict_keep(dev, n, h, v, itemsize, block_v, kept_owned, min_chunk))
     # Recomputed chunk widths: the L2-resident floor, and wider ones while the dz chunk
     # stays under ~60% of L2 (few-token shapes: fewer launches and accumulator passes).
     widths = {min(min_chunk, padded)}
@@ -424,7 +432,7 @@ def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chun
 
 @functools.lru_cache(maxsize=4096)
 def choose(n, h, v, itemsize, budget, *, device_model=DEFAULT, need_grad=True, grad_in_forward=True,
-           weight_fp32=False, keep=True, block_v=256, min_chunk=4096) -> Candidate:
+           weight_fp32=False, keep=True, block_v=256, min_chunk=4096, kept_owned=True) -> Candidate:
     """The fastest predicted candidate whose memory fits ``budget``.
 
     The floor: the budget is raised to the memory of the documented minimum plan
@@ -435,7 +443,8 @@ def choose(n, h, v, itemsize, budget, *, device_model=DEFAULT, need_grad=True, g
     if not need_grad:
         return predict_forward(device_model, n, h, v, itemsize)
     cands = candidates(n, h, v, itemsize, device_model=device_model, block_v=block_v, min_chunk=min_chunk,
-                       grad_in_forward=grad_in_forward, weight_fp32=weight_fp32, keep=keep)
+                       grad_in_forward=grad_in_forward, weight_fp32=weight_fp32, keep=keep,
+                       kept_owned=kept_owned)
     floor = minimum(n, h, v, itemsize, device_model=device_model, block_v=block_v, min_chunk=min_chunk)
     budget = max(budget, floor.memory)
     return min((c for c in cands if c.memory <= budget), key=lambda c: c.time_s)

@@ -137,9 +137,13 @@ def forced_strategy(num_tokens: int):
 def triton_plan(
     num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
     tiles=None, keep_allowed: bool = False, prerounded: bool = False, backward: bool = False,
+    kept_owned: bool = True,
 ) -> TritonPlan:
     """Launch plan for the shape and budget; ``tiles`` overrides the tile table.
     ``keep_allowed``: a backward will follow and may use columns kept by the forward.
+    ``kept_owned``: that backward may write dz over the kept columns (eager); False through
+    the custom ops (``glue.Owned``), where their dz needs memory of its own beside them
+    (``kept_dz_chunk``): every column is then kept only where the budget holds that too.
 
     ``prerounded`` (fp32 at matmul precision "high", ``launch.tf32_prerounded``): the
     operands may be rounded to TF32 into scratch buffers first. Whether they are is the
@@ -150,14 +154,15 @@ def triton_plan(
     backward of one call make the same choice (both price the forward's plans)."""
     if prerounded and itemsize == 4 and _overrides().tf32_preround is None:
         prerounded = tf32_choice(num_tokens, vocab, hidden, budget, device, tiles,
-                                 keep_allowed or backward).prerounded
+                                 keep_allowed or backward, kept_owned).prerounded
     return _triton_plan(num_tokens, vocab, hidden, itemsize, budget, device, tiles, keep_allowed, prerounded,
-                        backward)
+                        backward, kept_owned)
 
 
 def _triton_plan(
     num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device,
     tiles=None, keep_allowed: bool = False, prerounded: bool = False, backward: bool = False,
+    kept_owned: bool = True,
 ) -> TritonPlan:
     """``triton_plan`` with ``prerounded`` decided.
 
@@ -204,7 +209,7 @@ def _triton_plan(
     if facts.gpu:  # the cost model's choice
         keep_cols, vocab_chunk = _model_columns(
             num_tokens, vocab, hidden, itemsize, budget - w_col * min_cols, facts.model, block_v, min_cols,
-            keep_allowed)
+            keep_allowed, kept_owned)
         if prerounded:  # the model does not know the W chunk: shrink to the budget
             keep_cols, vocab_chunk = _fit_w_chunk(keep_cols, vocab_chunk, per_col, chunk_col, budget,
                                                   block_v, min_cols, vocab)
@@ -215,7 +220,7 @@ def _triton_plan(
             vocab_chunk = clamp(vocab_chunk, block_v, padded_vocab)
     else:  # the interpreter
         keep_cols, vocab_chunk = _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col,
-                                                 min_cols, block_v, padded_vocab)
+                                                 min_cols, block_v, padded_vocab, num_tokens * itemsize, kept_owned)
     kept_dz_chunk = _kept_dz_chunk(num_tokens, vocab, itemsize, budget, keep_cols, vocab_chunk, per_col, acc,
                                    chunk_col, block_v, min_cols)
     w_chunk = 0
@@ -256,23 +261,26 @@ def _kept_dz_chunk(num_tokens, vocab, itemsize, budget, keep_cols, vocab_chunk, 
         floor = vocab_chunk // block_v * block_v
     else:
         floor = min_cols
-        if col * keep_cols > left:
-            left -= acc
     if col * keep_cols <= left:
         return 0
+    if keep_cols >= vocab:  # chunks of every kept column: beside the fp32 dx accumulator
+        left -= acc
     step = max(block_v, floor, int(max(0, left) // col) // block_v * block_v)
     return 0 if step >= keep_cols else step
 
 
-def _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col, min_cols, block_v, padded_vocab):
+def _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col, min_cols, block_v, padded_vocab,
+                    col, kept_owned):
     """(keep_cols, vocab_chunk) of the interpreter's rule: keep every column if the budget
-    holds them, else what it leaves after the dx accumulator and one chunk of ``min_cols``
+    holds them (not ``kept_owned``: and their dz, whole or ``min_cols`` columns beside the
+    accumulator), else what it leaves after the dx accumulator and one chunk of ``min_cols``
     columns; the recomputed chunk is what is left then (at least ``min_cols``). At tiny
     shapes and budgets this gives kept columns, recomputed chunks and both at once, so the
-    CPU tests reach every kernel path."""
+    CPU tests reach every kernel path. ``col``: bytes of one column of dz."""
     keep_cols = 0
     if keep_allowed:
-        if budget >= per_col * vocab + w_col * min_cols:
+        dz = 0 if kept_owned else min(col * vocab, acc + col * min_cols)
+        if budget >= per_col * vocab + w_col * min_cols + dz:
             keep_cols = vocab
         else:
             left = budget - acc - chunk_col * min_cols
@@ -302,7 +310,7 @@ class TF32Choice:
 
 @memoised
 def tf32_choice(num_tokens: int, vocab: int, hidden: int, budget: int, device, tiles=None,
-                grad: bool = True) -> TF32Choice:
+                grad: bool = True, kept_owned: bool = True) -> TF32Choice:
     """Pre-rounded or in-kernel rounding for fp32 inputs at "high", by the cost model
     (``cost_model.predict_tf32``): both plans are made for the call as its forward sees
     it (``keep_allowed=grad``: a backward follows) and priced on the forward alone, or
@@ -320,7 +328,8 @@ def tf32_choice(num_tokens: int, vocab: int, hidden: int, budget: int, device, t
     dev = _device.facts(device).model
     plans, prices = {}, {}
     for pre in (True, False):
-        p = _triton_plan(num_tokens, vocab, hidden, 4, budget, device, tiles, keep_allowed=grad, prerounded=pre)
+        p = _triton_plan(num_tokens, vocab, hidden, 4, budget, device, tiles, keep_allowed=grad, prerounded=pre,
+                         kept_owned=kept_owned)
         plans[pre] = p
         prices[pre] = _cost_model.predict_tf32(
             dev, num_tokens, hidden, vocab, prerounded=pre, keep_cols=p.keep_cols, vocab_chunk=p.vocab_chunk,
@@ -414,13 +423,15 @@ def _tiles(num_tokens, vocab, hidden, itemsize, device, prerounded=False, keep=F
 ODD_V_ALIGN = 8
 
 
-def _model_columns(num_tokens, vocab, hidden, itemsize, budget, model, block_v, min_cols, keep_allowed):
+def _model_columns(num_tokens, vocab, hidden, itemsize, budget, model, block_v, min_cols, keep_allowed,
+                   kept_owned=True):
     """(keep_cols, vocab_chunk) of the cost model's fastest keep/partial plan that fits,
     priced with ``model`` (a ``cost_model.DeviceModel``)."""
     from logitless.planning import cost_model as _cost_model
 
     c = _cost_model.choose(num_tokens, hidden, vocab, itemsize, budget, device_model=model,
-                           grad_in_forward=False, keep=keep_allowed, block_v=block_v, min_chunk=min_cols)
+                           grad_in_forward=False, keep=keep_allowed, block_v=block_v, min_chunk=min_cols,
+                           kept_owned=kept_owned)
     padded = math.ceil(vocab / block_v) * block_v
     if c.strategy == "keep":
         return vocab, padded
@@ -489,16 +500,17 @@ class LinearPlan:
 @memoised
 def linear_plan(num_tokens: int, vocab: int, hidden: int, itemsize: int, budget: int, device, *,
                 keep_allowed: bool, prerounded: bool, grad_in_forward: bool = False,
-                weight_fp32: bool = False) -> LinearPlan:
+                weight_fp32: bool = False, kept_owned: bool = True) -> LinearPlan:
     """The Triton part of a ``LinearPlan`` (the CuTe choice needs the tensors: the
     backends add it). ``keep_allowed``: a backward follows and the forward may keep
-    columns; ``prerounded``: ``launch.tf32_prerounded`` of the dtype;
+    columns; ``kept_owned``: that backward owns them (``triton_plan``); ``prerounded``:
+    ``launch.tf32_prerounded`` of the dtype;
     ``grad_in_forward``: the caller allows that strategy (eager, a reduced loss, kept
     columns allowed), which ``lce_strategy`` then picks or not."""
     forward = triton_plan(num_tokens, vocab, hidden, itemsize, budget, device, keep_allowed=keep_allowed,
-                          prerounded=prerounded)
+                          prerounded=prerounded, kept_owned=kept_owned)
     backward = triton_plan(num_tokens, vocab, hidden, itemsize, budget, device, keep_allowed=False,
-                           prerounded=prerounded, backward=True)
+                           prerounded=prerounded, backward=True, kept_owned=kept_owned)  # (the forward's tf32 choice)
     keeps = keep_allowed and forward.keep_cols > 0
     if grad_in_forward and num_tokens > 0:
         c = lce_strategy(num_tokens, vocab, hidden, itemsize, budget, device, need_grad=True,

@@ -76,7 +76,8 @@ Replanned = NewType("Replanned", object)
 #: (the op's ``backward`` passes ``ctx.eager``: after an eager forward the buffers on ctx
 #: serve this one backward, which may overwrite them, e.g. kept columns turned into dz in
 #: place). No argument of the custom ops: False there (built so), where those buffers are
-#: inputs of the backward graph that the body must leave as they are.
+#: inputs of the backward graph that the body must leave as they are. A forward call's
+#: (True when made, the eager path's) says the same of its backward to its planner.
 Owned = NewType("Owned", bool)
 
 

@@ -81,9 +81,12 @@ class LceBackend(Backend, Protocol):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> Any:
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True,
+             kept_owned: bool = True) -> Any:
         """The call's Config. ``grad_in_forward``: the caller allows that strategy (eager,
-        single device); ``cute=False``: without the CuTe choice (a fake: no memory)."""
+        single device); ``cute=False``: without the CuTe choice (a fake: no memory);
+        ``kept_owned``: the backward may overwrite what the forward keeps for it (eager;
+        ``glue.Owned``), else the plan budgets a copy of its own."""
         ...
 
     def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
@@ -123,7 +126,9 @@ class LceCall(Call):
     of temporaries; ``need_grad``: a backward will follow (plan kept columns);
     ``grad_in_forward``: the caller allows the gradient-in-forward strategy (eager, one
     device; the Config decides); ``need``: the gradients that backward wants;
-    ``batch_invariant``: the forward on fixed-size row blocks (``invariant.Blocked``)."""
+    ``batch_invariant``: the forward on fixed-size row blocks (``invariant.Blocked``);
+    ``owned``: the backward will own what the forward keeps (eager; False through the custom
+    ops, ``glue.Owned``)."""
 
     differentiable = ("x", "weight", "bias")
 
@@ -141,6 +146,7 @@ class LceCall(Call):
     need: Needs
     batch_invariant: bool
     tp: VocabParallelOptions
+    owned: Owned = Owned(True)
 
 
 class LceOutputs(NamedTuple):

@@ -51,7 +51,8 @@ def planned(call: LceCall) -> LcePlanned:
 def _plan(impl: LceBackend, call: LceCall | LceBackwardCall, x: Tensor, p: LcePlanned, *, cute: bool = True) -> Any:
     """The backend's Config of ``call`` (the forward's, or ``replan``'s) for the rows ``x``."""
     return impl.plan(x, call.weight, call.bias, call.class_weight, call.opts, budget=p.budget, need_grad=p.need_grad,
-                     need_argmax=p.need_argmax, grad_in_forward=p.grad_in_forward, need_dw=p.dw, cute=cute)
+                     need_argmax=p.need_argmax, grad_in_forward=p.grad_in_forward, need_dw=p.dw, cute=cute,
+                     kept_owned=call.owned)
 
 
 def replan(b: LceBackwardCall, impl: LceBackend) -> Any:
@@ -69,7 +70,8 @@ def replan(b: LceBackwardCall, impl: LceBackend) -> Any:
             from . import vocab_parallel
 
             return vocab_parallel.plan(impl, x, b.weight, b.bias, b.class_weight, b.opts, b.tp, budget=p.budget,
-                                       need_argmax=p.need_argmax, need_grad=p.need_grad, need_dw=p.dw)
+                                       need_argmax=p.need_argmax, need_grad=p.need_grad, need_dw=p.dw,
+                                       kept_owned=b.owned)
         return _plan(impl, b, x, p)
 
 
@@ -84,7 +86,8 @@ def forward(call: LceCall, impl: LceBackend) -> LceOutputs:
         with no_autocast(x.device):
             loss, lse, argmax, w_t, kept, config = vocab_parallel.forward(
                 impl, x, weight, call.bias, target, call.class_weight, opts, call.tp, budget=call.budget,
-                need_argmax=call.need_argmax, need_grad=call.need_grad, need_dw=call.need.need_dw)
+                need_argmax=call.need_argmax, need_grad=call.need_grad, need_dw=call.need.need_dw,
+                kept_owned=call.owned)
         return _outputs(call, loss, lse, argmax, w_t, kept, config, None)
     check_targets_in_range(target, weight.shape[0], opts.ignore_index)
     with no_autocast(x.device):

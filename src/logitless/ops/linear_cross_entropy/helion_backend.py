@@ -49,7 +49,8 @@ class HelionBackend(HelionKind):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> HelionConfig:
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True,
+             kept_owned: bool = True) -> HelionConfig:
         other = helion_choice.fallback_name_of_call(x.device)
         if other is None:
             return HelionConfig(budget=budget)

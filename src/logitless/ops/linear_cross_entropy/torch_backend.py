@@ -131,7 +131,8 @@ class TorchBackend(TorchKind):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
              opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> TorchConfig:
+             grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True,
+             kept_owned: bool = True) -> TorchConfig:
         v = weight.shape[0]
         exact = x.dtype == compute_dtype(x.dtype)
         return TorchConfig(

@@ -65,10 +65,12 @@ def _flags(bias, class_weight, softcap, dtype, prerounded=False):
 
 def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
          opts: CrossEntropyOptions, *, budget: int, need_grad: bool, need_argmax: bool,
-         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True) -> LinearPlan:
+         grad_in_forward: bool = False, need_dw: bool = True, cute: bool = True,
+         kept_owned: bool = True) -> LinearPlan:
     """The plan of one call (``planning.plans.LinearPlan``), made once by the forward custom
     op and used by everything after it. ``grad_in_forward``: the caller allows that
-    strategy (eager; the planner decides). ``cute=False``: no CuTe choice (the fake
+    strategy (eager; the planner decides). ``kept_owned``: the backward may overwrite the
+    kept columns (``planning.plans.triton_plan``). ``cute=False``: no CuTe choice (the fake
     implementation: it needs the tensors' memory). ``need_dw``: the contract's (unused here).
     Memoised (``_plan``) by what it reads of the tensors: shapes, dtypes, device, and for the
     CuTe choice their layout (what ``cute_planning.layout_fits`` reads)."""
@@ -77,17 +79,20 @@ def plan(x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Option
               weight.data_ptr() % 16) if cute else None
     return _plan(n, weight.shape[0], h, x.dtype, weight.dtype == torch.float32, x.device, budget,
                  launch.tf32_prerounded(x.dtype), opts.softcap, opts.reduction != "none", opts.needs_smooth_sum,
-                 bias is not None, class_weight is not None, need_grad, need_argmax, grad_in_forward, layout)
+                 bias is not None, class_weight is not None, need_grad, need_argmax, grad_in_forward, layout,
+                 kept_owned)
 
 
 @memoised
 def _plan(n: int, v: int, h: int, dtype: torch.dtype, weight_fp32: bool, device, budget: int, prerounded: bool,
           softcap: Optional[float], reduces: bool, need_smooth: bool, has_bias: bool, weighted: bool,
-          need_grad: bool, need_argmax: bool, grad_in_forward: bool, layout: Optional[tuple]) -> LinearPlan:
+          need_grad: bool, need_argmax: bool, grad_in_forward: bool, layout: Optional[tuple],
+          kept_owned: bool = True) -> LinearPlan:
     """``plan`` from its tensors' facts (``layout``: None for no CuTe choice)."""
     keep = _keep_allowed(dtype, softcap, need_grad)
     p = linear_plan(n, v, h, dtype.itemsize, budget, device, keep_allowed=keep, prerounded=prerounded,
-                    grad_in_forward=grad_in_forward and keep and reduces, weight_fp32=weight_fp32)
+                    grad_in_forward=grad_in_forward and keep and reduces, weight_fp32=weight_fp32,
+                    kept_owned=kept_owned)
     if layout is None:
         return p
     def cute_plan(rows: int, row0: int, keep_cols: int, keep_block: int):

@@ -65,22 +65,22 @@ def _row_max(x: Tensor, weight: Tensor, bias: Optional[Tensor], arg: Tensor, sof
 
 def plan(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor],
          opts: CrossEntropyOptions, tp: VocabParallelOptions, *, budget: int, need_argmax: bool, need_grad: bool,
-         need_dw: bool = True):
+         need_dw: bool = True, kept_owned: bool = True):
     """The backend's Config of this rank's real rows (``forward``'s), or None (no tokens, or
-    a rank without real rows)."""
+    a rank without real rows). ``kept_owned``: ``LceBackend.plan``'s."""
     shard = vocab_shard(tp.tp_group, weight.shape[0], x.device, tp.vocab_size)
     w = shard.real_rows(weight)
     if x.shape[0] == 0 or w.shape[0] == 0:
         return None
     cw = shard.class_slice(full_class_weight(class_weight, shard))
     return impl.plan(x, w, shard.real_rows(bias), cw, opts, budget=budget, need_grad=need_grad,
-                     need_argmax=need_argmax, need_dw=need_dw)
+                     need_argmax=need_argmax, need_dw=need_dw, kept_owned=kept_owned)
 
 
 def forward(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             class_weight: Optional[Tensor], opts: CrossEntropyOptions, tp: VocabParallelOptions, *,
             budget: int, need_argmax: bool, need_grad: bool, need_dw: bool = True, ordered: bool = False,
-            config=None):
+            config=None, kept_owned: bool = True):
     """(loss, lse, argmax or None, w_t, kept or None, config or None): the custom op's
     forward under TP (``config``: the backend's Config of this rank's rows, planned here
     once unless given; None for a rank without rows or no tokens). ``ordered``: the
@@ -106,7 +106,7 @@ def forward(impl: LceBackend, x: Tensor, weight: Tensor, bias: Optional[Tensor],
         else:
             if config is None:
                 config = plan(impl, x, weight, bias, class_weight, opts, tp, budget=budget, need_grad=need_grad,
-                              need_argmax=need_argmax, need_dw=need_dw)
+                              need_argmax=need_argmax, need_dw=need_dw, kept_owned=kept_owned)
             local, _, _, kept, _ = impl.forward(x, w, b, t, cw, opts, config, need_argmax=need_argmax, loss=False)
         sd = local.lse.dtype
         tgt, smooth = local.target_logit, local.smooth_sum

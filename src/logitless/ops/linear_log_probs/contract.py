@@ -191,12 +191,15 @@ class LlpBackend(Backend, Protocol):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
-             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> Any:
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True,
+             kept_owned: bool = True) -> Any:
         """The call's Config. ``truncated`` (top-k / top-p / min-p) or ``block``: the truncated /
         batch-invariant Config, ``k_max`` the op's argument (the largest top_k, -1: not
         given; the Config never depends on a value read from the data); ``parallel``, ``plan_rows``: a rank's rows
         of a vocab-parallel head (the threshold steps sized for ``plan_rows`` columns);
-        ``cute=False``: without the CuTe choice (a fake: no memory)."""
+        ``cute=False``: without the CuTe choice (a fake: no memory); ``kept_owned``: the
+        backward may overwrite what the forward keeps for it (eager; ``glue.Owned``), else the
+        plan budgets a copy of its own."""
         ...
 
     def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
@@ -238,7 +241,8 @@ class LlpCall(Call):
     values were range-checked (``formulas.truncation.Truncation.checked``; else the
     forward checks them on the CPU), ``k_max`` the largest top_k when read on the host
     (-1: not read); ``block``: rows per block under ``batch_invariant`` (0: none). A call
-    with neither truncation nor block is the default one."""
+    with neither truncation nor block is the default one. ``owned``: the backward will own
+    what the forward keeps (eager; False through the custom ops, ``glue.Owned``)."""
 
     differentiable = ("x", "weight", "bias")
 
@@ -258,6 +262,7 @@ class LlpCall(Call):
     k_max: int
     block: int
     tp: VocabParallelOptions
+    owned: Owned = Owned(True)
 
 
 class LlpOutputs(NamedTuple):

@@ -88,7 +88,7 @@ def _plan(impl: LlpBackend, c: LlpCall | LlpBackwardCall, p: LlpPlanned) -> Any:
     for a rank without real rows)."""
     if c.x.shape[0] == 0:
         return None
-    kw: dict[str, Any] = dict(budget=p.budget, need_grad=p.need_grad, need_dw=p.dw)
+    kw: dict[str, Any] = dict(budget=p.budget, need_grad=p.need_grad, need_dw=p.dw, kept_owned=c.owned)
     if p.truncated or p.block:
         kw.update(truncated=p.truncated, k_max=p.k_max, block=p.block)
     if c.tp.tp_group:
@@ -161,7 +161,7 @@ def fake(call: LlpCall, impl: LlpBackend) -> LlpOutputs:
     if keeps:
         kept = fake_kept(x, weight, call.tp.tp_group, call.tp.vocab_size, lambda n, v, h: impl.kept_shapes(
             impl.plan(x, weight, call.bias, opts, budget=call.budget, need_grad=True, need_dw=call.need_dw,
-                      cute=False), n))
+                      cute=False, kept_owned=call.owned), n))
     tau = sparse = inside = None
     if truncated or blocked:
         width = sparse_width(impl, weight.shape[0], call.k_max, call.need_grad, truncated, parallel)

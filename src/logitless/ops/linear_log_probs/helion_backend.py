@@ -49,7 +49,8 @@ class HelionBackend(HelionKind):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
-             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> HelionConfig:
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True,
+             kept_owned: bool = True) -> HelionConfig:
         other = helion_choice.fallback_name_of_call(x.device)
         if other is None:
             return HelionConfig(budget=budget)

@@ -112,7 +112,8 @@ class TorchBackend(TorchKind):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
-             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> TorchConfig:
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True,
+             kept_owned: bool = True) -> TorchConfig:
         n, v = x.shape[0], weight.shape[0]
         exact = x.dtype == compute_dtype(x.dtype)
         rows = _rows_like(x, block or n)

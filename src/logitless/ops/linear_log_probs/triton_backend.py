@@ -65,22 +65,23 @@ def keep_allowed(dtype: torch.dtype, opts: LogProbOptions, need_grad: bool) -> b
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
-           need_grad: bool, cute: bool = True, rows: Optional[int] = None) -> LinearPlan:
+           need_grad: bool, cute: bool = True, rows: Optional[int] = None, kept_owned: bool = True) -> LinearPlan:
     """The ``LinearPlan`` of x's rows (``rows``: of that many rows instead). ``cute=False``: no
-    CuTe choice (the fake: it needs the tensors' memory; the truncated passes). Memoised
+    CuTe choice (the fake: it needs the tensors' memory; the truncated passes). ``kept_owned``:
+    the backward may overwrite the kept columns (``planning.plans.triton_plan``). Memoised
     (``_linear``) by what it reads of the tensors (the layout: what ``cute_planning.layout_fits`` reads)."""
     n, h = x.shape
     layout = (x.dtype == weight.dtype, x.stride(), weight.stride(), x.data_ptr() % 16,
               weight.data_ptr() % 16) if cute else None
     return _linear(n, weight.shape[0], h, x.dtype, x.device, budget, opts, need_grad, bias is not None,
-                   n if rows is None else rows, layout)
+                   n if rows is None else rows, layout, kept_owned)
 
 
 @memoised
 def _linear(n: int, v: int, h: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions, need_grad: bool,
-            has_bias: bool, rows: int, layout: Optional[tuple]) -> LinearPlan:
+            has_bias: bool, rows: int, layout: Optional[tuple], kept_owned: bool = True) -> LinearPlan:
     """``linear`` from its tensors' facts (``layout``: None for no CuTe choice)."""
-    p = _linear_plan(rows, v, h, dtype, device, budget, opts, need_grad)
+    p = _linear_plan(rows, v, h, dtype, device, budget, opts, need_grad, kept_owned)
     if layout is None:
         return p
     # Hopper + the CuTe DSL: the warp-specialised kernel computes the same partials (``planning.cute``).
@@ -92,15 +93,15 @@ def _linear(n: int, v: int, h: int, dtype: torch.dtype, device, budget: int, opt
 
 
 def _linear_plan(rows: int, v: int, h: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
-                 need_grad: bool) -> LinearPlan:
+                 need_grad: bool, kept_owned: bool = True) -> LinearPlan:
     return linear_plan(rows, v, h, dtype.itemsize, budget, device, keep_allowed=keep_allowed(dtype, opts, need_grad),
-                       prerounded=launch.tf32_prerounded(dtype))
+                       prerounded=launch.tf32_prerounded(dtype), kept_owned=kept_owned)
 
 
 @memoised
 def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget: int, opts: LogProbOptions,
                      truncated: bool, k_max: int, block: int, need_grad: bool, parallel: bool,
-                     plan_rows: Optional[int]) -> TritonConfig:
+                     plan_rows: Optional[int], kept_owned: bool = True) -> TritonConfig:
     """The Config of a truncated / batch-invariant call (``TritonConfig``): pure in its
     arguments, so memoised (``planning.memo``). ``k_max``: the op's argument. The search's
     kernels' tiles, a block's rows' (``log_probs_candidates``)."""
@@ -110,7 +111,7 @@ def truncated_config(n: int, h: int, v: int, dtype: torch.dtype, device, budget:
     rows = block or n
     main = backward = search_plan = steps = cand_tiles = masses = None
     if v:
-        main = _linear_plan(rows, v, h, dtype, device, budget, opts, keep)
+        main = _linear_plan(rows, v, h, dtype, device, budget, opts, keep, kept_owned)
         if block:
             backward = _linear_plan(n, v, h, dtype, device, budget, opts, False)
         if truncated:
@@ -271,13 +272,15 @@ class TritonBackend(TritonKind):
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LogProbOptions, *, budget: int,
              need_grad: bool, need_dw: bool = True, truncated: bool = False, k_max: int = -1, block: int = 0,
-             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True) -> TritonConfig:
+             parallel: bool = False, plan_rows: Optional[int] = None, cute: bool = True,
+             kept_owned: bool = True) -> TritonConfig:
         v = weight.shape[0]
         if not truncated and not block:
-            return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute))
+            return TritonConfig(linear(x, weight, bias, opts, budget=budget, need_grad=need_grad, cute=cute,
+                                       kept_owned=kept_owned))
         n, h = x.shape
         return truncated_config(n, h, v, x.dtype, x.device, budget, opts, truncated, k_max, block, need_grad, parallel,
-                                plan_rows)
+                                plan_rows, kept_owned)
 
     @staticmethod
     def kept_shapes(config: Optional[TritonConfig], n: int):

@@ -68,9 +68,10 @@ class TopKBackend(Backend, Protocol):
     """One backend of linear_topk_kl (module docstring)."""
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
-             need_grad: bool, k: int = 0, cute: bool = True) -> Any:
+             need_grad: bool, k: int = 0, cute: bool = True, kept_owned: bool = True) -> Any:
         """The call's Config (``k``: the teacher's ids per token); ``cute=False``: a fake's
-        (no choice that needs memory)."""
+        (no choice that needs memory); ``kept_owned``: the backward may overwrite what the
+        forward keeps for it (eager; ``glue.Owned``), else the plan budgets a copy of its own."""
         ...
 
     def kept_shapes(self, config: Any, n: int) -> Optional[tuple[tuple, tuple]]:
@@ -105,7 +106,8 @@ class TopKCall(Call):
     order; target (N,) int64 (``ignore_index`` where a token counts for nothing; the
     hard-label term's class otherwise); ``budget``: bytes of temporaries; ``need_grad``: a
     backward will follow (keep columns, compute the coefficients); ``need``: the gradients
-    that backward wants."""
+    that backward wants; ``owned``: the backward will own what the forward keeps (eager;
+    False through the custom ops, ``glue.Owned``)."""
 
     differentiable = ("x", "weight", "bias")
 
@@ -121,6 +123,7 @@ class TopKCall(Call):
     need_grad: bool
     need: Needs
     tp: VocabParallelOptions
+    owned: Owned = Owned(True)
 
 
 class TopKOutputs(NamedTuple):

@@ -117,7 +117,8 @@ def fake(call: TopKCall, impl: TopKBackend) -> TopKOutputs:
     kept = fake_kept_tensors(x)
     if call.need_grad and not (call.tp.tp_group and isinstance(weight.shape[0], int) and weight.shape[0] == 0):
         kept = fake_kept(x, weight, call.tp.tp_group, call.tp.vocab_size, lambda n, v, h: impl.kept_shapes(
-            impl.plan(x, weight, call.bias, call.opts, budget=call.budget, need_grad=True, k=k, cute=False), n))
+            impl.plan(x, weight, call.bias, call.opts, budget=call.budget, need_grad=True, k=k, cute=False,
+                      kept_owned=call.owned), n))
     grad = call.need_grad
     return TopKOutputs(loss, x.new_empty(n, dtype=cd), x.new_empty((2, n), dtype=cd),
                        x.new_empty((3, n) if grad else (0,), dtype=cd),
@@ -146,7 +147,8 @@ def backward_impl(b: TopKBackwardCall, impl: TopKBackend):
 def _plan(impl: TopKBackend, c: TopKCall | TopKBackwardCall) -> Any:
     """The backend's Config of a call on one device with tokens (the forward's, and
     ``replan``'s from the backward call: the same)."""
-    return impl.plan(c.x, c.weight, c.bias, c.opts, budget=c.budget, need_grad=c.need_grad, k=c.ids.shape[1])
+    return impl.plan(c.x, c.weight, c.bias, c.opts, budget=c.budget, need_grad=c.need_grad, k=c.ids.shape[1],
+                     kept_owned=c.owned)
 
 
 def replan(b: TopKBackwardCall, impl: TopKBackend) -> Any:

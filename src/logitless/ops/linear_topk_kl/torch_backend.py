@@ -119,7 +119,7 @@ class TorchBackend(TorchKind):
 
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
-             need_grad: bool, k: int = 0, cute: bool = True) -> TorchConfig:
+             need_grad: bool, k: int = 0, cute: bool = True, kept_owned: bool = True) -> TorchConfig:
         v = weight.shape[0]
         exact = x.dtype == compute_dtype(x.dtype)
         # forward: the tile, the ids' mask (1 byte per element: counted as a tile), a copy for lse1

@@ -184,12 +184,12 @@ class TritonBackend(TritonKind):
 
 
     def plan(self, x: Tensor, weight: Tensor, bias: Optional[Tensor], opts: TopKKLOptions, *, budget: int,
-             need_grad: bool, k: int = 0, cute: bool = True) -> TritonConfig:
+             need_grad: bool, k: int = 0, cute: bool = True, kept_owned: bool = True) -> TritonConfig:
         n, h = x.shape
         v = weight.shape[0]
         linear = linear_plan(n, v, h, x.element_size(), budget, x.device,
                              keep_allowed=keep_allowed(x.dtype, opts, need_grad),
-                             prerounded=launch.tf32_prerounded(x.dtype))
+                             prerounded=launch.tf32_prerounded(x.dtype), kept_owned=kept_owned)
         tiles = linear.forward
         per_split = cdiv(cdiv(v, tiles.block_v), tiles.vocab_splits)
         return TritonConfig(linear, id_slots(k, v, tiles.block_n, tiles.block_v, per_split))

@@ -47,7 +47,7 @@ def plan(impl: TopKBackend, call: TopKCall | TopKBackwardCall):
     if call.ids.shape[0] == 0 or w.shape[0] == 0:
         return None
     return impl.plan(call.x, w, shard.real_rows(call.bias), call.opts, budget=call.budget, need_grad=call.need_grad,
-                     k=call.ids.shape[1])
+                     k=call.ids.shape[1], kept_owned=call.owned)
 
 
 def forward(impl: TopKBackend, call: TopKCall):
