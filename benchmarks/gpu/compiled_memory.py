@@ -64,7 +64,7 @@ def measure(op: str, n: int, h: int, v: int, tag: str) -> list:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
             peaks.append(torch.cuda.max_memory_allocated() - before - (gx.numel() + gw.numel()) * gx.element_size())
-            value = float(loss)
+            value = float(loss.detach())
             del loss, gx, gw
         rows.append(dict(tag=tag, op=op, shape=[n, h, v], mode=mode, ms=sorted(times)[len(times) // 2],
                          peak_mib=max(peaks) / 2**20, budget_mib=budget / 2**20, loss=value,
