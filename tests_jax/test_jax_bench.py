@@ -142,3 +142,26 @@ def test_trace_timeline_finds_the_gaps():
     t = trace_timeline(events)
     assert t["span ms"] == 2.5 and t["busy ms"] == 2.0
     assert t["gaps"] == [{"ms": 0.5, "after": "fwd", "before": "dz"}]
+
+
+def test_interleaved_rounds_take_medians_and_ratios_again(monkeypatch):
+    """``--rounds``: every row is timed again once per extra round, in turn, and reports
+    the median over all rounds, with its ratios against the GEMM row's median."""
+    clock = iter([3.0, 30.0, 60.0, 2.0, 20.0, 40.0, 1.0, 10.0, 50.0])  # gemm, fwd, f+b per round
+
+    order = []
+
+    def fake_median(fn, args, warmup, reps):
+        order.append(fn)
+        return next(clock)
+
+    monkeypatch.setattr(jax_suite, "_median_ms", fake_median)
+    gemm = {"method": "gemm", "fwd ms": 4.0}
+    ours = {"method": "ours", "fwd ms": 40.0, "fwd+bwd ms": 70.0}
+    timers = {id(gemm): (gemm, "g", None, ()), id(ours): (ours, "f", "fb", ())}
+    jax_suite.interleaved_rounds(timers, 4, reps=2)
+    assert order == ["g", "f", "fb"] * 3  # interleaved: each row in turn, per round
+    assert gemm["fwd ms rounds"] == [4.0, 3.0, 2.0, 1.0] and gemm["fwd ms"] == 2.5
+    assert ours["fwd ms rounds"] == [40.0, 30.0, 20.0, 10.0] and ours["fwd ms"] == 25.0
+    assert ours["fwd+bwd ms rounds"] == [70.0, 60.0, 40.0, 50.0] and ours["fwd+bwd ms"] == 55.0
+    assert ours["fwd/1 GEMM"] == 10.0 and abs(ours["f+b/3 GEMMs"] - 55.0 / 7.5) < 1e-12

@@ -130,12 +130,12 @@ DZ_CASES = [
 
 #: The backward kernel's column tiles per CTA: automatic (one at these sizes), several
 #: (the last CTA of a row block with fewer) with and without the warpgroup lag; the
-#: tile stored in pieces of 32 and 16 columns (FwdConfig.dz_store).
+#: tile stored in pieces of 32 (the default) and 16 columns, and whole (FwdConfig.dz_store).
 DZ_CONFIGS = [SMALL, dataclasses.replace(SMALL, dz_tiles=2, lag=1), dataclasses.replace(SMALL, dz_tiles=4),
-              dataclasses.replace(SMALL, dz_tiles=2, lag=1, dz_store=32), dataclasses.replace(SMALL, dz_store=16)]
+              dataclasses.replace(SMALL, dz_tiles=2, lag=1, dz_store=None), dataclasses.replace(SMALL, dz_store=16)]
 
 
-@pytest.mark.parametrize("cfg", DZ_CONFIGS, ids=["auto", "tiles2lag1", "tiles4", "store32", "store16"])
+@pytest.mark.parametrize("cfg", DZ_CONFIGS, ids=["auto", "tiles2lag1", "tiles4", "whole-tile", "store16"])
 @pytest.mark.parametrize("n,h,v,c0,chunk,softcap", DZ_CASES)
 def test_dz_chunk_matches_float64(n, h, v, c0, chunk, softcap, cfg):
     """The backward kernel alone: d(logits) of columns [c0, c0+chunk), zero past V."""
@@ -185,8 +185,8 @@ BWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, dz_tiles=3, lag=1, dz_store=32)],
-                         ids=["auto", "tiles3lag1store32"])
+@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, dz_tiles=3, lag=1, dz_store=None)],
+                         ids=["auto", "tiles3lag1whole"])
 @pytest.mark.parametrize("n,h,v,softcap,budget", BWD_CASES)
 def test_backward_matches_float64(n, h, v, softcap, budget, cfg):
     x, w, t = _inputs(n, h, v, seed=7)
@@ -227,7 +227,7 @@ KEPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, lag=1, keep_store=None, dz_store=32)],
+@pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, lag=1, keep_store=None, dz_store=None)],
                          ids=["keep32", "keepwhole_lag1"])
 @pytest.mark.parametrize("n,h,v,layout,keep,kc", KEPT_CASES)
 def test_backward_from_kept_matches_float64(n, h, v, layout, keep, kc, cfg):
@@ -353,13 +353,14 @@ def test_dz_tiles_per_cta():
 
 
 def test_dz_store_columns():
-    """dz store pieces: the whole tile by default; a 32-column buffer deepens the ring."""
+    """dz store pieces: 32 columns by default (a smaller buffer deepens the ring); None:
+    the whole tile."""
     from logitless.jax import mosaic_lib as ml
 
     bf = jnp.bfloat16
     cfg = ml.FwdConfig()
-    assert ml.dz_store_columns(cfg) == 128
-    assert ml.dz_store_columns(dataclasses.replace(cfg, dz_store=32)) == 32
+    assert ml.dz_store_columns(cfg) == 32
+    assert ml.dz_store_columns(dataclasses.replace(cfg, dz_store=None)) == 128
     assert ml.dz_store_columns(ml.FwdConfig(block_n=64, block_v=256, dz_store=64)) == 64
     # 256 x 128 tiles, 4 row inputs: a whole-tile buffer (64 KiB) leaves 3 stages, 32 columns 4.
     extra = lambda p: ml.dz_smem_extra(256, p, 2, 4)

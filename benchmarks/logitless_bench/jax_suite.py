@@ -99,6 +99,10 @@ def build_parser():
     p.add_argument("--quick", action="store_true", help="first shape, 1 warm-up, 3 reps")
     p.add_argument("--warmup", type=int)
     p.add_argument("--reps", type=int)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="R > 1: per shape, after every method is measured, R - 1 more rounds that time each "
+                        "method's compiled fwd and fwd+bwd in turn (interleaved: a clock or thermal drift "
+                        "falls on every method alike); the medians over the R rounds are reported")
     p.add_argument("--no-errors", action="store_true", help="skip the float64 reference")
     p.add_argument("--memory-budget", type=int,
                    help="memory_budget= of the logitless methods in bytes (default: None, the device's default)")
@@ -255,7 +259,9 @@ def markdown(data) -> str:
     lines = [f"# JAX linear cross-entropy: {data['meta']['device']}, {data['meta']['date']}", "",
              f"jax {data['meta']['jax']}, python {data['meta']['python']}, peers {data['meta']['peers']}; "
              f"`{data['meta']['command']}`; warmup {data['settings']['warmup']}, reps {data['settings']['reps']}"
-             f"{'' if data.get('complete') else ' — **partial**'}", "",
+             + (f", medians of {r} interleaved rounds (`--rounds`)" if (r := data['settings'].get('rounds', 1)) > 1
+                else "")
+             + f"{'' if data.get('complete') else ' — **partial**'}", "",
              "Ratios are against `jnp.dot(x, w.T)` of the same shape, measured in the same run "
              "(fwd/1 GEMM; fwd+bwd over 3 GEMMs). temp MiB: XLA's compiled temporary bytes of the jitted "
              "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
@@ -331,8 +337,9 @@ def _device_tag(cpu: bool, meta) -> str:
     return (meta["device"].replace("NVIDIA ", "").split() or ["gpu"])[0]
 
 
-def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None):
-    """Measures one method on one shape into ``row``; returns (wt, gemm_ms)."""
+def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None, timers=None):
+    """Measures one method on one shape into ``row``; returns (wt, gemm_ms). ``timers``
+    (a dict): gets ``row``'s entry (fwd, fwd+bwd or None, args) for ``interleaved_rounds``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -342,6 +349,8 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         f = jax.jit(lambda x, w: jnp.dot(x, w.T)).lower(x, w).compile()
         row["compile s"] = time.perf_counter() - t0
         row["fwd ms"] = gemm_ms = _median_ms(f, (x, w), warmup, reps)
+        if timers is not None:
+            timers[id(row)] = (row, f, None, (x, w))
         row["fwd/1 GEMM"] = 1.0
         row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / gemm_ms / 1e9:.3g} TFLOP/s"
         return wt, gemm_ms
@@ -362,6 +371,8 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
     loss = float(fwd(*args_))
     row["fwd ms"] = _median_ms(fwd, args_, warmup, reps)
     row["fwd+bwd ms"] = _median_ms(fb, args_, warmup, reps)
+    if timers is not None:
+        timers[id(row)] = (row, fwd, fb, args_)
     # Bitwise repeatable: two calls give the same loss and gradients, bit for bit.
     a, b = fb(*args_), fb(*args_)
     row["bitwise"] = all(bool(jnp.array_equal(p, q)) for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -394,6 +405,37 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         per_tok = np.asarray(jax.jit(tok_fn)(x, w, wt, t), np.float64)
         row["max tok err"] = float(np.abs(per_tok - ref).max())
     return wt, gemm_ms
+
+
+def interleaved_rounds(timers: dict, rounds: int, reps: int) -> None:
+    """``--rounds``: ``rounds - 1`` more rounds over the measured rows of one shape, each
+    timing every row's fwd and fwd+bwd in turn (``reps`` calls each, one warm-up); each
+    row's "fwd ms" / "fwd+bwd ms" become the medians over all rounds (the first one's
+    included; the rounds' values in "fwd ms rounds" / "fwd+bwd ms rounds") and its ratios
+    are taken again against the GEMM row's median."""
+    import statistics
+
+    entries = list(timers.values())
+    for row, _, fb, _ in entries:
+        row["fwd ms rounds"] = [row["fwd ms"]]
+        if fb is not None:
+            row["fwd+bwd ms rounds"] = [row["fwd+bwd ms"]]
+    for _ in range(rounds - 1):
+        for row, fwd, fb, args_ in entries:
+            row["fwd ms rounds"].append(_median_ms(fwd, args_, 1, reps))
+            if fb is not None:
+                row["fwd+bwd ms rounds"].append(_median_ms(fb, args_, 1, reps))
+    gemm_ms = None
+    for row, _, fb, _ in entries:
+        row["fwd ms"] = statistics.median(row["fwd ms rounds"])
+        if fb is None:
+            gemm_ms = row["fwd ms"]
+        else:
+            row["fwd+bwd ms"] = statistics.median(row["fwd+bwd ms rounds"])
+    for row, _, fb, _ in entries:
+        if gemm_ms and fb is not None:
+            row["fwd/1 GEMM"] = row["fwd ms"] / gemm_ms
+            row["f+b/3 GEMMs"] = row["fwd+bwd ms"] / (3 * gemm_ms)
 
 
 def run(argv=None) -> int:
@@ -441,7 +483,8 @@ def run(argv=None) -> int:
     meta = environment(argv)
     meta["tag"] = _device_tag(cpu, meta)
     data = {"suite": "jax", "meta": meta,
-            "settings": {"warmup": warmup, "reps": reps, "seed": args.seed, "memory_budget": args.memory_budget,
+            "settings": {"warmup": warmup, "reps": reps, "rounds": args.rounds, "seed": args.seed,
+                         "memory_budget": args.memory_budget,
                          "max_minutes": args.max_minutes, "method_seconds": args.method_seconds},
             "rows": [], "notes": [], "complete": False}
     if cpu:
@@ -471,6 +514,7 @@ def run(argv=None) -> int:
                 ref = _reference(x, w, t)
                 print(f"  shape={s.label} | float64 reference {time.perf_counter() - t0:.1f} s")
             gemm_ms = None
+            timers = {} if args.rounds > 1 else None
             for m in methods:
                 row = {"shape": s.label, "method": m}
                 if left() <= 0:
@@ -486,7 +530,7 @@ def run(argv=None) -> int:
                 t0 = time.monotonic()
                 try:
                     wt, gemm_ms = _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, args.profile,
-                                              args.memory_budget)
+                                              args.memory_budget, timers)
                 except Skip as exc:
                     row["note"] = f"skipped: {exc}"
                 except Exception as exc:  # one failing method must not kill the rest
@@ -499,7 +543,11 @@ def run(argv=None) -> int:
                 print("  " + " | ".join(f"{c}={_fmt(row.get(c))}" for c in COLUMNS if row.get(c) is not None)
                       + f" | {took:.1f} s")
                 save(data, args.out, plot=False)  # a hang or a kill later still leaves this row
-            del x, w, wt, t
+            if timers:
+                interleaved_rounds(timers, args.rounds, reps)
+                print(f"  {s.label}: medians of {args.rounds} interleaved rounds: " + " | ".join(
+                    f"{r['method']} {_fmt(r.get('f+b/3 GEMMs') or r.get('fwd/1 GEMM'))}" for r, *_ in timers.values()))
+            del x, w, wt, t, timers
             save(data, args.out)
         data["complete"] = not any(str(r.get("note", "")).startswith(("skipped: --max-minutes", "skipped: took"))
                                    for r in data["rows"])

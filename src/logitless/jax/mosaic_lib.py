@@ -77,9 +77,10 @@ class FwdConfig:
     # Backward: columns of the dz tile per TMA store (``dz_store_columns``). None: the
     # whole tile (at 256 x 128 bf16 its 64 KiB buffer leaves a 3-stage ring); 16, 32 or a
     # multiple of 64 dividing block_v: pieces through one smaller buffer (32: 16 KiB, 4
-    # stages). H100: 32 made the dz kernel alone 16% faster but fwd+bwd -1.2% to +3.1%
-    # (docs/design.md), hence opt-in.
-    dz_store: int | None = None
+    # stages). H100: 32 made one recomputed chunk 9-11% faster (deepseek-v3, gemma3-4b
+    # chunks; f+b -1.5% at deepseek-v3, within noise where fewer columns are recomputed:
+    # docs/design.md).
+    dz_store: int | None = 32
     # Forward that keeps exp(z - m) (``stats_partials``' keep_tiles): columns of the kept
     # tile per TMA store, as dz_store. 32: a 16 KiB buffer, the ring keeps 4 stages (the
     # whole tile's 64 KiB leaves 3); H100, llama3.1-8b f+b -3.8% ("vh") and -1.7% ("hv")

@@ -318,11 +318,18 @@ def predict_forward(dev, n, h, v, itemsize) -> Candidate:
     return Candidate("forward", memory=0, time_s=t, fwd_s=t)
 
 
+def unowned_dz_bytes(col: int, v: int, acc: int, min_chunk: int) -> int:
+    """Bytes of the kept columns' dz where the backward cannot write it over them (the
+    custom ops): whole (``col`` bytes per column, ``v`` columns), or in chunks of at least
+    ``min_chunk`` columns beside the fp32 dx accumulator (``acc`` bytes;
+    ``plans._kept_dz_chunk``), whichever is less. The GPU rule (``predict_keep``) and the
+    interpreter's (``plans._greedy_columns``) both count it so."""
+    return min(col * v, acc + col * min(min_chunk, v))
+
+
 def predict_keep(dev, n, h, v, itemsize, block_v=256, kept_owned=True, min_chunk=4096) -> Candidate:
     """Keep every column. ``kept_owned=False`` (the custom ops: the backward cannot write dz
-    over the kept columns): its memory also holds their dz, whole, or in chunks of at least
-    ``min_chunk`` columns beside the fp32 dx accumulator (``plans._kept_dz_chunk``),
-    whichever is less."""
+    over the kept columns): its memory also holds their dz (``unowned_dz_bytes``)."""
     kb = n * v * itemsize
     fwd = fused_forward_s(dev, n, h, v, itemsize) + kb / dev.keep_store_bw + dev.fixed_fwd_s
     bwd = (2 * kb / dev.kept_pass_bw + dev.launch_s
@@ -331,8 +338,7 @@ def predict_keep(dev, n, h, v, itemsize, block_v=256, kept_owned=True, min_chunk
            + backward_fixed_s(dev, n))
     memory = _keep_bytes(n, v, itemsize, block_v)
     if not kept_owned:
-        acc = 4 * n * h if itemsize != 4 else 0
-        memory += min(kb, acc + itemsize * n * min(min_chunk, v))
+        memory += unowned_dz_bytes(itemsize * n, v, 4 * n * h if itemsize != 4 else 0, min_chunk)
     return Candidate("keep", keep_cols=v, vocab_chunk=v, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
 
 

@@ -277,9 +277,11 @@ def _greedy_columns(vocab, budget, keep_allowed, per_col, acc, chunk_col, w_col,
     columns; the recomputed chunk is what is left then (at least ``min_cols``). At tiny
     shapes and budgets this gives kept columns, recomputed chunks and both at once, so the
     CPU tests reach every kernel path. ``col``: bytes of one column of dz."""
+    from logitless.planning.cost_model import unowned_dz_bytes
+
     keep_cols = 0
     if keep_allowed:
-        dz = 0 if kept_owned else min(col * vocab, acc + col * min_cols)
+        dz = 0 if kept_owned else unowned_dz_bytes(col, vocab, acc, min_cols)
         if budget >= per_col * vocab + w_col * min_cols + dz:
             keep_cols = vocab
         else:
