@@ -9,6 +9,7 @@ import signal
 import warnings
 
 import jax
+import pytest
 
 from logitless_bench import jax_suite
 
@@ -158,10 +159,17 @@ def test_interleaved_rounds_take_medians_and_ratios_again(monkeypatch):
     monkeypatch.setattr(jax_suite, "_median_ms", fake_median)
     gemm = {"method": "gemm", "fwd ms": 4.0}
     ours = {"method": "ours", "fwd ms": 40.0, "fwd+bwd ms": 70.0}
-    timers = {id(gemm): (gemm, "g", None, ()), id(ours): (ours, "f", "fb", ())}
-    jax_suite.interleaved_rounds(timers, 4, reps=2)
+    jax_suite.interleaved_rounds([(gemm, "g", None, ()), (ours, "f", "fb", ())], 4, reps=2)
     assert order == ["g", "f", "fb"] * 3  # interleaved: each row in turn, per round
     assert gemm["fwd ms rounds"] == [4.0, 3.0, 2.0, 1.0] and gemm["fwd ms"] == 2.5
     assert ours["fwd ms rounds"] == [40.0, 30.0, 20.0, 10.0] and ours["fwd ms"] == 25.0
     assert ours["fwd+bwd ms rounds"] == [70.0, 60.0, 40.0, 50.0] and ours["fwd+bwd ms"] == 55.0
     assert ours["fwd/1 GEMM"] == 10.0 and abs(ours["f+b/3 GEMMs"] - 55.0 / 7.5) < 1e-12
+
+
+def test_rounds_below_one_are_refused(capsys):
+    """--rounds 0 is a clear error, not a silent single round."""
+    with pytest.raises(SystemExit) as exc:
+        jax_suite.run(["--suite", "jax", "--cpu", "--rounds", "0"])
+    assert exc.value.code == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err

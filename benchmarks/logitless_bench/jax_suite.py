@@ -339,7 +339,7 @@ def _device_tag(cpu: bool, meta) -> str:
 
 def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None, timers=None):
     """Measures one method on one shape into ``row``; returns (wt, gemm_ms). ``timers``
-    (a dict): gets ``row``'s entry (fwd, fwd+bwd or None, args) for ``interleaved_rounds``."""
+    (a list): gets ``row``'s entry (row, fwd, fwd+bwd or None, args) for ``interleaved_rounds``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -350,7 +350,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         row["compile s"] = time.perf_counter() - t0
         row["fwd ms"] = gemm_ms = _median_ms(f, (x, w), warmup, reps)
         if timers is not None:
-            timers[id(row)] = (row, f, None, (x, w))
+            timers.append((row, f, None, (x, w)))
         row["fwd/1 GEMM"] = 1.0
         row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / gemm_ms / 1e9:.3g} TFLOP/s"
         return wt, gemm_ms
@@ -372,7 +372,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
     row["fwd ms"] = _median_ms(fwd, args_, warmup, reps)
     row["fwd+bwd ms"] = _median_ms(fb, args_, warmup, reps)
     if timers is not None:
-        timers[id(row)] = (row, fwd, fb, args_)
+        timers.append((row, fwd, fb, args_))
     # Bitwise repeatable: two calls give the same loss and gradients, bit for bit.
     a, b = fb(*args_), fb(*args_)
     row["bitwise"] = all(bool(jnp.array_equal(p, q)) for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -407,7 +407,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
     return wt, gemm_ms
 
 
-def interleaved_rounds(timers: dict, rounds: int, reps: int) -> None:
+def interleaved_rounds(entries: list, rounds: int, reps: int) -> None:
     """``--rounds``: ``rounds - 1`` more rounds over the measured rows of one shape, each
     timing every row's fwd and fwd+bwd in turn (``reps`` calls each, one warm-up); each
     row's "fwd ms" / "fwd+bwd ms" become the medians over all rounds (the first one's
@@ -415,7 +415,6 @@ def interleaved_rounds(timers: dict, rounds: int, reps: int) -> None:
     are taken again against the GEMM row's median."""
     import statistics
 
-    entries = list(timers.values())
     for row, _, fb, _ in entries:
         row["fwd ms rounds"] = [row["fwd ms"]]
         if fb is not None:
@@ -442,7 +441,10 @@ def run(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1 (1: each method timed once), got {args.rounds}")
     line_buffered_stdout()
     t_start = time.monotonic()
     import jax
@@ -514,7 +516,7 @@ def run(argv=None) -> int:
                 ref = _reference(x, w, t)
                 print(f"  shape={s.label} | float64 reference {time.perf_counter() - t0:.1f} s")
             gemm_ms = None
-            timers = {} if args.rounds > 1 else None
+            timers = [] if args.rounds > 1 else None
             for m in methods:
                 row = {"shape": s.label, "method": m}
                 if left() <= 0:
@@ -546,7 +548,7 @@ def run(argv=None) -> int:
             if timers:
                 interleaved_rounds(timers, args.rounds, reps)
                 print(f"  {s.label}: medians of {args.rounds} interleaved rounds: " + " | ".join(
-                    f"{r['method']} {_fmt(r.get('f+b/3 GEMMs') or r.get('fwd/1 GEMM'))}" for r, *_ in timers.values()))
+                    f"{r['method']} {_fmt(r.get('f+b/3 GEMMs') or r.get('fwd/1 GEMM'))}" for r, *_ in timers))
             del x, w, wt, t, timers
             save(data, args.out)
         data["complete"] = not any(str(r.get("note", "")).startswith(("skipped: --max-minutes", "skipped: took"))
