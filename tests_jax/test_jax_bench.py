@@ -173,3 +173,30 @@ def test_rounds_below_one_are_refused(capsys):
         jax_suite.run(["--suite", "jax", "--cpu", "--rounds", "0"])
     assert exc.value.code == 2
     assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
+def test_a_row_that_fails_after_its_timings_is_not_timed_again(monkeypatch):
+    """``--rounds`` times again only rows whose method passed every check: one that
+    fails after its timings (here its per-token check) keeps no entry in the rounds."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from logitless_bench import shapes as bench_shapes
+
+    def mean_fn(x, w, wt, t):
+        return jnp.mean(x @ w.T)
+
+    def failing_tok(x, w, wt, t):
+        raise RuntimeError("per-token check failed")
+
+    s = bench_shapes.JaxShape("cpu-tiny", 8, 16, 32, "float32")
+    x, w, t = jnp.ones((8, 16)), jnp.ones((32, 16)), jnp.zeros((8,), jnp.int32)
+    for tok_fn, entries in ((failing_tok, 0), (lambda x, w, wt, t: (x @ w.T)[:, 0], 1)):
+        monkeypatch.setattr(jax_suite, "_loss_fns", lambda m, budget, tok_fn=tok_fn: (mean_fn, tok_fn))
+        timers, row = [], {}
+        try:
+            jax_suite._run_method("ours", s, x, w, t, None, np.zeros(8), 1.0, 0, 1, row, timers=timers)
+        except RuntimeError as exc:
+            assert "per-token check failed" in str(exc)
+        assert row["fwd+bwd ms"] > 0  # timed before the failure
+        assert len(timers) == entries and all(e[0] is row for e in timers)

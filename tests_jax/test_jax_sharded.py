@@ -319,6 +319,26 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
             assert f"tensor<{v}x{h}xbf16>" not in line
 
 
+@needs_devices
+def test_mosaic_kept_dz_kernel_types_its_output_inside_shard_map(monkeypatch):
+    """Explicit mesh, every column kept, whole row blocks per device: the backward writes dz
+    over K with a pallas_call (``_dz_over_kept``), whose output must be typed as varying
+    like K inside jax.shard_map (check_vma; untyped, jax refused the trace: the kernels ran
+    only on an Auto mesh). Traced on any machine; run on 2 GPUs by
+    ``test_mosaic_sharded_on_gpus[default-explicit-*]``."""
+    kind = pytest.importorskip("logitless.jax.ops.common.mosaic_gpu", reason="this jax has no Pallas Mosaic GPU")
+    monkeypatch.setattr(kind, "INTERPRET", False)
+    mesh = make_mesh("explicit")
+    nd, nt = mesh.shape[DATA], mesh.shape[MODEL]
+    n, h, v = 256 * nd, 128, 256 * nt  # 256 rows: one whole row block per device
+    x = jax.ShapeDtypeStruct((n, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(DATA)))
+    w = jax.ShapeDtypeStruct((v, h), jnp.bfloat16, sharding=NamedSharding(mesh, P(MODEL)))
+    t = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
+    f = lambda x, w, t: linear_cross_entropy(x, w, t, implementation="mosaic_gpu")
+    jaxpr = str(jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(x, w, t).jaxpr)
+    assert "shard_map" in jaxpr and "input_output_aliases=((0, 0),)" in jaxpr
+
+
 @pytest.mark.skipif(not (_is_sm90() and NDEV >= 2), reason="needs >= 2 SM90 GPUs (the Mosaic kernels for real)")
 @pytest.mark.parametrize("layout", ["data", "tensor", "fsdp"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])

@@ -339,7 +339,8 @@ def _device_tag(cpu: bool, meta) -> str:
 
 def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None, timers=None):
     """Measures one method on one shape into ``row``; returns (wt, gemm_ms). ``timers``
-    (a list): gets ``row``'s entry (row, fwd, fwd+bwd or None, args) for ``interleaved_rounds``."""
+    (a list): gets ``row``'s entry (row, fwd, fwd+bwd or None, args) for ``interleaved_rounds``,
+    once the method has passed its checks (a row that fails after its timings is not timed again)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -371,8 +372,6 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
     loss = float(fwd(*args_))
     row["fwd ms"] = _median_ms(fwd, args_, warmup, reps)
     row["fwd+bwd ms"] = _median_ms(fb, args_, warmup, reps)
-    if timers is not None:
-        timers.append((row, fwd, fb, args_))
     # Bitwise repeatable: two calls give the same loss and gradients, bit for bit.
     a, b = fb(*args_), fb(*args_)
     row["bitwise"] = all(bool(jnp.array_equal(p, q)) for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -404,6 +403,8 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         row["|loss-ref|"] = abs(loss - float(ref.mean()))
         per_tok = np.asarray(jax.jit(tok_fn)(x, w, wt, t), np.float64)
         row["max tok err"] = float(np.abs(per_tok - ref).max())
+    if timers is not None:  # only a method that passed every step above is timed again
+        timers.append((row, fwd, fb, args_))
     return wt, gemm_ms
 
 

@@ -42,7 +42,7 @@ import jax.experimental.pallas.tpu as pltpu
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.jax.sharding import to_varying, varying
+from logitless.jax.sharding import typed_like
 
 _F32 = jnp.float32
 #: bf16 and f32 (TPUs have no fast f16: f16 inputs take the "xla" backend).
@@ -172,22 +172,6 @@ def _unpack(refs, has_bias, has_cw):
     return b, c, refs
 
 
-def _typed_like(*arrays):
-    """(arrays, struct): the inputs marked as varying over the union of their manual
-    mesh axes (inside ``jax.shard_map`` with check_vma), and ``struct(shape, dtype)``
-    making output ShapeDtypeStructs typed the same (pallas_call needs it there)."""
-    axes = tuple(sorted(frozenset().union(*(varying(a) for a in arrays if a is not None))))
-    arrays = [to_varying(a, axes) if a is not None else None for a in arrays]
-    mat = getattr(jax.typeof(arrays[0]), "manual_axis_type", None)
-
-    def struct(shape, dtype):
-        if mat is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-
-    return arrays, struct
-
-
 def _tile_context(i, j, bn, bv, n, v, target_ref):
     """Column ids (1, bv), target hit mask (bn, bv), valid-column mask or None."""
     cols = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
@@ -210,7 +194,7 @@ def stats_call(x, w, bias, cw, target, *, layout: str, tiles: Tiles, n_stats: in
     bn, bv = tiles.bn, tiles.bv
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
     has_b, has_c = bias is not None, cw is not None
-    (x, w, target, bias, cw), struct = _typed_like(x, w, target, bias, cw)
+    (x, w, target, bias, cw), struct = typed_like(x, w, target, bias, cw)
     opt, opt_specs = _optional_inputs(bias, cw, bv, lambda i, j: j)
 
     def kernel(x_ref, w_ref, t_ref, *refs):
@@ -269,11 +253,11 @@ def _dz_tile(x_ref, w_ref, b_ref, c_ref, t_ref, r_ref, i, j, *, bn, bv, n, v, la
 def _backward_operands(x, w, bias, cw, target, rowdat, layout: str, tiles: Tiles, col_index: Callable):
     """What dx_call and dw_call start from: the sizes (n, h, v, bn, bv), whether bias and
     class weights are given, the number R of rowdat's columns, the operands typed by
-    ``_typed_like`` (x, w, target, rowdat, bias, cw), its ``struct``, and the optional
+    ``typed_like`` (x, w, target, rowdat, bias, cw), its ``struct``, and the optional
     inputs with their specs (``col_index``: the grid indices to the vocabulary tile)."""
     sizes = (*x.shape, w.shape[0] if layout == "vh" else w.shape[1], tiles.bn, tiles.bv)
     flags = (bias is not None, cw is not None, rowdat.shape[1])
-    arrays, struct = _typed_like(x, w, target, rowdat, bias, cw)
+    arrays, struct = typed_like(x, w, target, rowdat, bias, cw)
     return sizes, flags, arrays, struct, _optional_inputs(arrays[4], arrays[5], tiles.bv, col_index)
 
 

@@ -110,6 +110,23 @@ def to_varying(a, axes):
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
+def typed_like(*arrays):
+    """(arrays, struct): the inputs (None passes) marked as varying over the union of
+    their manual mesh axes (inside ``jax.shard_map`` with check_vma), and
+    ``struct(shape, dtype)`` making output ShapeDtypeStructs typed the same: a
+    ``pallas_call``'s outputs there must say over which axes they vary."""
+    axes = tuple(sorted(frozenset().union(*(varying(a) for a in arrays if a is not None))))
+    arrays = [to_varying(a, axes) if a is not None else None for a in arrays]
+    mat = getattr(jax.typeof(arrays[0]), "manual_axis_type", None)
+
+    def struct(shape, dtype):
+        if mat is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+    return arrays, struct
+
+
 def reduce_to(ct, primal_axes: frozenset):
     """Psum a cotangent over the axes along which it varies but its primal does not (the
     transpose of the implicit broadcast of an invariant input, as shard_map's autodiff

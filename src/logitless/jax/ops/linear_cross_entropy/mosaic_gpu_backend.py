@@ -66,7 +66,6 @@ import dataclasses
 import functools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -76,7 +75,7 @@ from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
 from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig
 from logitless.jax.ops.common.mosaic_gpu import interpret_params as _interpret_params
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
-from logitless.jax.sharding import to_varying, varying
+from logitless.jax.sharding import to_varying, typed_like, varying
 
 __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk", "MosaicGpuBackend",
            "MosaicGpuConfig"]
@@ -287,6 +286,8 @@ def _dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
     n_pad, cols = k_buf.shape
     scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
     rows = (coef[1][:, None], coef[2][:, None], target[:, None].astype(jnp.int32))
+    # Inside jax.shard_map (check_vma) the output says over which axes it varies: K's.
+    (k_buf, scale, *rows), struct = typed_like(k_buf, scale, *rows)
 
     def kernel(k_ref, s_ref, b_ref, c_ref, t_ref, o_ref):
         idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
@@ -297,7 +298,7 @@ def _dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
     tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))
     row = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, 0))
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
+        kernel, out_shape=struct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
         in_specs=[tile, pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j)), row, row, row], out_specs=tile,
         input_output_aliases={0: 0}, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=_interpret_params() is not None,
