@@ -19,7 +19,18 @@ from logitless.jax import linear_jsd
 from logitless.jax.ops.linear_jsd.reference import linear_jsd_ref
 from logitless.jax.planning import ROW_BYTES_PER_ELEM
 
-from .helpers import DATA, MODEL, assert_close_to_ref, assert_matches_finite_differences, make_mesh, needs_devices, put
+from .helpers import (
+    DATA,
+    LAYOUTS,
+    MODEL,
+    NDEV,
+    assert_close_to_ref,
+    assert_matches_finite_differences,
+    make_mesh,
+    mosaic_platform,
+    needs_devices,
+    put,
+)
 
 KEEP_SHAPE = dict(n=12, hs=20, ht=28, v=601)
 #: A forward chunk of 8 rows of both heads at KEEP_SHAPE (``planning.rows_plan``).
@@ -199,6 +210,28 @@ def test_errors_name_the_argument():
 # ------------------------------------------------------------------------------------
 
 SHARDED_KW = dict(beta=0.3, temperature=1.3, hard_label_weight=0.5)
+
+
+@pytest.mark.skipif(not (mosaic_platform() == "sm90" and NDEV >= 2),
+                    reason="needs >= 2 SM90 GPUs (the kernels for real)")
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+@pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "small_budget"])
+def test_sharded_on_gpus(layout, mesh_kind, budget):
+    """The automatic backend on 2 GPUs in bf16 against float64 (linear_jsd has no Mosaic GPU
+    kernel): sharded jit over an Auto mesh (custom_partitioning) and an Explicit one
+    (shard_map), at the default budget and a small one."""
+    xs, ws, xt, wt, t = heads(n=2048, hs=256, ht=512, v=4608, dtype="bfloat16", ignore=(3, 9))
+    mesh = make_mesh(mesh_kind, layout)
+    xspec, wspec = LAYOUTS[layout]
+    args = (put(mesh, xs, *xspec), put(mesh, ws, *wspec), put(mesh, xt, *xspec), put(mesh, wt, *wspec),
+            put(mesh, t, *xspec))
+    f = lambda a, b, c, d, tt: linear_jsd(a, b, c, d, tt, memory_budget=budget, **SHARDED_KW)
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args)
+    f64 = lambda a: np.asarray(a, np.float64)
+    rloss, (rdx, rdw) = linear_jsd_ref(f64(xs), f64(ws), f64(xt), f64(wt), t, **SHARDED_KW)
+    for name, ours, ref in (("loss", loss, rloss), ("dx", dx, rdx), ("dw", dw, rdw)):
+        assert_close_to_ref(name, ours, None, ref, "bfloat16")
 
 
 @needs_devices

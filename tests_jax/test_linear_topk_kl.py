@@ -20,7 +20,18 @@ from logitless.jax import linear_topk_kl
 from logitless.jax.ops.linear_topk_kl.reference import linear_topk_kl_ref
 from logitless.jax.planning import ROW_BYTES_PER_ELEM
 
-from .helpers import DATA, MODEL, assert_close_to_ref, assert_matches_finite_differences, make_mesh, needs_devices, put
+from .helpers import (
+    DATA,
+    LAYOUTS,
+    MODEL,
+    NDEV,
+    assert_close_to_ref,
+    assert_matches_finite_differences,
+    make_mesh,
+    mosaic_platform,
+    needs_devices,
+    put,
+)
 
 KEEP_SHAPE = dict(n=12, h=20, v=601, k=7)
 #: A forward chunk of 8 rows at KEEP_SHAPE (the logits and their masked copy: ``planning.rows_plan``).
@@ -270,6 +281,28 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
     assert_close_to_ref("loss", loss, None, np.sum(rloss * g_out) if reduction == "none" else rloss, "float32")
     assert_close_to_ref("dx", dx, None, rdx, "float32")
     assert_close_to_ref("dw", dw, None, rdw, "float32")
+
+
+@pytest.mark.skipif(not (mosaic_platform() == "sm90" and NDEV >= 2),
+                    reason="needs >= 2 SM90 GPUs (the kernels for real)")
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+@pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "part_kept"])
+def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget):
+    """The Mosaic GPU backend on 2 GPUs in bf16 against float64: sharded jit over an Auto
+    mesh (custom_partitioning) and an Explicit one (shard_map), at the default budget
+    (every column kept) and at 6 MiB (columns recomputed by the dz kernel)."""
+    x, w, ids, lp, t = teacher(n=2048, h=256, v=4608, k=20, dtype="bfloat16", ignore=(3, 9))
+    mesh = make_mesh(mesh_kind, layout)
+    xspec, wspec = LAYOUTS[layout]
+    args = (put(mesh, x, *xspec), put(mesh, w, *wspec), put(mesh, ids, *xspec), put(mesh, lp, *xspec),
+            put(mesh, t, *xspec))
+    f = lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, memory_budget=budget, implementation="mosaic_gpu",
+                                              **SHARDED_KW)
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args)
+    rloss, (rdx, rdw) = reference(x, w, ids, lp, t, SHARDED_KW)
+    for name, ours, ref in (("loss", loss, rloss), ("dx", dx, rdx), ("dw", dw, rdw)):
+        assert_close_to_ref(name, ours, None, ref, "bfloat16")
 
 
 def test_fp32_inputs_with_x64_on():
