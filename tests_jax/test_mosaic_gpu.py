@@ -492,7 +492,14 @@ def test_public_api_keeps_part_under_a_small_budget(layout, monkeypatch):
         return jax.jit(f)(x, wl), jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, wl)
 
     (l0, (l_m, (gx_m, gw_m))), (_, (l_x, (gx_x, gw_x))) = loss("mosaic_gpu"), loss("xla")
-    assert float(l0) == float(l_m)
+    # Per token, the values without gradients are those of the differentiated call, bit for
+    # bit; their mean may differ in its last bit (XLA reduced it in another order in each
+    # program on an H200: 9.5553026 against 9.5553036).
+    tok = lambda x, w: linear_cross_entropy(x, w, t, z_loss=1e-3, label_smoothing=0.05, weight_layout=layout,
+                                            memory_budget=budget, implementation="mosaic_gpu", reduction="none")
+    with_grad = jax.jit(lambda x, w: (tok(x, w), jax.grad(lambda x, w: tok(x, w).sum(), argnums=(0, 1))(x, w)))
+    assert bool(jnp.array_equal(jax.jit(tok)(x, wl), with_grad(x, wl)[0]))
+    assert abs(float(l0) - float(l_m)) <= 2 * np.finfo(np.float32).eps * abs(float(l_m))
     assert abs(float(l_m) - float(l_x)) < 1e-5 * max(1.0, abs(float(l_x)))
     for a, b in ((gx_m, gx_x), (gw_m, gw_x)):
         a = np.asarray(a.astype(jnp.float32))
