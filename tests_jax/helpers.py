@@ -361,6 +361,11 @@ def mosaic_platform():
     return "sm90" if cc.startswith("9") else "other-gpu"
 
 
+#: The sharded GPU tests: the Mosaic GPU kernels compiled, on at least 2 devices.
+needs_sm90_gpus = pytest.mark.skipif(not (mosaic_platform() == "sm90" and NDEV >= 2),
+                                     reason="needs >= 2 SM90 GPUs (the kernels for real)")
+
+
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="the triton backend needs the triton package (pip install triton)")
 

@@ -36,6 +36,7 @@ from .helpers import (
     inputs,
     make_mesh,
     needs_devices,
+    needs_sm90_gpus,
     put,
     xla_materialised,
 )
@@ -290,11 +291,6 @@ def test_vmap_and_replicated_jit_still_work():
 # ------------------------------------------------------------------------------------
 
 
-def _is_sm90():
-    d = jax.devices()[0]
-    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
-
-
 @needs_devices
 def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
     """Explicit mesh (tokens over "d", vocabulary over "t"): the fwd+bwd lowered for CUDA
@@ -339,7 +335,7 @@ def test_mosaic_kept_dz_kernel_types_its_output_inside_shard_map(monkeypatch):
     assert "shard_map" in jaxpr and "input_output_aliases=((0, 0),)" in jaxpr
 
 
-@pytest.mark.skipif(not (_is_sm90() and NDEV >= 2), reason="needs >= 2 SM90 GPUs (the Mosaic kernels for real)")
+@needs_sm90_gpus
 @pytest.mark.parametrize("layout", ["data", "tensor", "fsdp"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("part", [False, True], ids=["default", "part_kept"])

@@ -23,12 +23,11 @@ from .helpers import (
     DATA,
     LAYOUTS,
     MODEL,
-    NDEV,
     assert_close_to_ref,
     assert_matches_finite_differences,
     make_mesh,
-    mosaic_platform,
     needs_devices,
+    needs_sm90_gpus,
     put,
 )
 
@@ -212,8 +211,7 @@ def test_errors_name_the_argument():
 SHARDED_KW = dict(beta=0.3, temperature=1.3, hard_label_weight=0.5)
 
 
-@pytest.mark.skipif(not (mosaic_platform() == "sm90" and NDEV >= 2),
-                    reason="needs >= 2 SM90 GPUs (the kernels for real)")
+@needs_sm90_gpus
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "small_budget"])

@@ -24,12 +24,11 @@ from .helpers import (
     DATA,
     LAYOUTS,
     MODEL,
-    NDEV,
     assert_close_to_ref,
     assert_matches_finite_differences,
     make_mesh,
-    mosaic_platform,
     needs_devices,
+    needs_sm90_gpus,
     put,
 )
 
@@ -283,8 +282,7 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
     assert_close_to_ref("dw", dw, None, rdw, "float32")
 
 
-@pytest.mark.skipif(not (mosaic_platform() == "sm90" and NDEV >= 2),
-                    reason="needs >= 2 SM90 GPUs (the kernels for real)")
+@needs_sm90_gpus
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "part_kept"])
