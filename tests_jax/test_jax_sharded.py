@@ -318,7 +318,7 @@ def test_mosaic_lowers_per_shard_for_cuda(monkeypatch):
 @needs_devices
 def test_mosaic_kept_dz_kernel_types_its_output_inside_shard_map(monkeypatch):
     """Explicit mesh, every column kept, whole row blocks per device: the backward writes dz
-    over K with a pallas_call (``_dz_over_kept``), whose output must be typed as varying
+    over K with a pallas_call (``common.mosaic_gpu.dz_over_kept``), whose output must be typed as varying
     like K inside jax.shard_map (check_vma; untyped, jax refused the trace: the kernels ran
     only on an Auto mesh). Traced on any machine; run on 2 GPUs by
     ``test_mosaic_sharded_on_gpus[default-explicit-*]``."""

@@ -198,6 +198,75 @@ def test_mosaic_gpu_recomputes_the_columns_not_kept(layout):
     check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, layout=layout, implementation="mosaic_gpu")
 
 
+_FUSED_CASES = {
+    "keep_all_hard": (dict(n=12, h=64, v=600, k=7), dict(hard_label_weight=0.4), 1 << 22),
+    "keep_some_reverse_renormalize": (dict(n=12, h=64, v=600, k=7),
+                                      dict(direction="reverse", tail="renormalize", temperature=1.3),
+                                      8 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 12 * 2),
+    "recompute_temperature": (dict(n=12, h=64, v=600, k=7), dict(temperature=0.8, reduction="sum"), 1000),
+    "none_hard": (dict(n=9, h=128, v=264, k=32), dict(hard_label_weight=0.3, reduction="none"), None),
+    "ids_cover_the_vocabulary": (dict(n=5, h=64, v=16, k=16), dict(hard_label_weight=0.2, tail="none"), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FUSED_CASES))
+def test_mosaic_gpu_fused_forward(case, monkeypatch):
+    """The Mosaic GPU forward (interpret mode on a CPU): the kernel with each row's ids
+    excluded from its tiles, the kept e = exp(a - m) turned into dz; V not a multiple of
+    the tile (600, 264), rows not of 8, K = 32 (its most), no column outside the ids."""
+    from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
+
+    calls = []
+    fused = mb.fused_forward
+    monkeypatch.setattr(mb, "fused_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    shape, kw, budget = _FUSED_CASES[case]
+    x, w, ids, lp, t = teacher(**shape, dtype="bfloat16")
+    check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, implementation="mosaic_gpu")
+    assert calls, "the fused forward did not run"
+
+
+def test_mosaic_gpu_fused_forward_nearly_all_mass(monkeypatch):
+    """The student's own top-5 at large logits (1 - Q ~ 1e-13): the kernel's tail
+    log-sum-exp excludes the ids' columns, no subtraction."""
+    x, w, _, lp, t = teacher(n=8, h=64, v=40, k=5, scale=25.0)
+    z = np.asarray(x) @ np.asarray(w).T
+    ids = jnp.asarray(np.argsort(-z, axis=1)[:, :5].astype(np.int32))
+    check(x, w, ids, lp, t, "float32", dict(tail="bucket"), budget=10_000)  # the float64 reference
+    check(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), ids, lp, t, "bfloat16", dict(tail="bucket"),
+          implementation="mosaic_gpu")
+
+
+def test_mosaic_gpu_fused_forward_lowers_for_cuda(monkeypatch):
+    """The fused forward and its backward lowered (not run) for CUDA: the kernel's layouts,
+    TMA of the ids, shared memory (Mosaic GPU refused booleans of the row layout and a
+    negated mask, which the interpreter runs)."""
+    from logitless.jax.ops.common import mosaic_gpu as kind
+
+    monkeypatch.setattr(kind, "INTERPRET", False)
+    n, h, v, k = 1000, 512, 4000, 20
+    s = jax.ShapeDtypeStruct
+    args = (s((n, h), jnp.bfloat16), s((v, h), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32),
+            s((n,), jnp.int32))
+    f = lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, hard_label_weight=0.5, implementation="mosaic_gpu")
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") >= 1
+
+
+def test_mosaic_gpu_fused_forward_cases():
+    """Which calls the fused forward takes: a (V, H) weight, K <= 32, no hard labels at T != 1."""
+    from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
+    from logitless.options import TopKKLOptions
+
+    cfg = lambda layout: mb.MosaicGpuBackend().plan_call((64, 128), (1024, 128), jnp.dtype(jnp.bfloat16),
+                                                         budget=1 << 24, weight_layout=layout)
+    opts = lambda **kw: TopKKLOptions.checked(**kw)
+    assert mb.fused(cfg("vh"), 20, opts()) and mb.fused(cfg("vh"), 32, opts(hard_label_weight=0.5))
+    assert mb.fused(cfg("vh"), 20, opts(temperature=2.0))
+    assert not mb.fused(cfg("hv"), 20, opts())
+    assert not mb.fused(cfg("vh"), 33, opts())
+    assert not mb.fused(cfg("vh"), 20, opts(temperature=2.0, hard_label_weight=0.5))
+
+
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
 def test_kinds_without_a_kernel_refuse_with_a_reason(impl):
     x, w, ids, lp, t = teacher()
@@ -286,19 +355,22 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "part_kept"])
-def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget):
+@pytest.mark.parametrize("temperature", [1.3, 1.0], ids=["xla_forward", "fused_forward"])
+def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget, temperature):
     """The Mosaic GPU backend on 2 GPUs in bf16 against float64: sharded jit over an Auto
     mesh (custom_partitioning) and an Explicit one (shard_map), at the default budget
-    (every column kept) and at 6 MiB (columns recomputed by the dz kernel)."""
+    (every column kept) and at 6 MiB (columns recomputed by the dz kernel); hard labels
+    at T = 1.3 (the "xla" forward) and at T = 1 (``fused_forward``)."""
+    kw = dict(SHARDED_KW, temperature=temperature)
     x, w, ids, lp, t = teacher(n=2048, h=256, v=4608, k=20, dtype="bfloat16", ignore=(3, 9))
     mesh = make_mesh(mesh_kind, layout)
     xspec, wspec = LAYOUTS[layout]
     args = (put(mesh, x, *xspec), put(mesh, w, *wspec), put(mesh, ids, *xspec), put(mesh, lp, *xspec),
             put(mesh, t, *xspec))
     f = lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, memory_budget=budget, implementation="mosaic_gpu",
-                                              **SHARDED_KW)
+                                              **kw)
     loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args)
-    rloss, (rdx, rdw) = reference(x, w, ids, lp, t, SHARDED_KW)
+    rloss, (rdx, rdw) = reference(x, w, ids, lp, t, kw)
     for name, ours, ref in (("loss", loss, rloss), ("dx", dx, rdx), ("dw", dw, rdw)):
         assert_close_to_ref(name, ours, None, ref, "bfloat16")
 

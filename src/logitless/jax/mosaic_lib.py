@@ -312,8 +312,36 @@ def scratch(dtype, block_rows, block_v, stages, layout="vh"):
 # ---------------------------------------------------------------------------------
 
 
+def other_columns(ids_smem, n_ex: int, col0, cols):
+    """The (block_n, block_v) mask of a tile's columns (``cols``: their iota; the tile
+    starts at column ``col0``) that are not among each row's ``n_ex`` ids, rows 1.. of
+    ``ids_smem`` (1 + n_ex, block_n). Per row, a bitmap of the tile (block_v / 32 words)
+    is built from the ids (a loop over them, on row vectors), then each column reads its
+    bit: ~10 operations per element whatever n_ex (comparing every column with every id
+    unrolled cost 2.5x the GEMM at 20 ids: H200, 8192 x 4096 x 128256)."""
+    red = plgpu.Layout.WGMMA.reduce(1)
+    block_n, block_v = cols.shape
+    n_words = block_v // 32
+
+    def add_id(e, words):
+        # integers only: Mosaic GPU has no booleans of the row layout (2 per register)
+        rel = plgpu.load(ids_smem.at[1 + e], layout=red) - col0
+        bit = lax.shift_left(jnp.ones_like(rel), rel & 31)
+        word = lax.shift_right_arithmetic(rel, 5)  # outside [0, n_words): the id is not in the tile
+        # 1 where word == q, else 0
+        is_q = lambda q: 1 - jnp.minimum(jnp.maximum(word - q, q - word), 1)
+        return tuple(w | bit * is_q(q) for q, w in enumerate(words))
+
+    zero = plgpu.layout_cast(jnp.zeros((block_n,), jnp.int32), red)
+    words = lax.fori_loop(0, n_ex, add_id, (zero,) * n_words)
+    sel = bcast(words[0], cols.shape)
+    for q in range(1, n_words):
+        sel = jnp.where(cols >= 32 * q, bcast(words[q], cols.shape), sel)
+    return (lax.shift_right_logical(sel, cols & 31) & 1) == 0
+
+
 def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tuple, fold, finish,
-                   interpret=None, layout="vh", keep_tiles: int = 0):
+                   interpret=None, layout="vh", keep_tiles: int = 0, exclude=None):
     """Per-row partial statistics of z = x W^T over vocab splits: ``n_out`` arrays
     (splits, N) fp32 (rows of a split that ``finish`` leaves as None are not written).
 
@@ -325,6 +353,11 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     tile, cols its column iota (tile-relative), hit = (cols == target column), valid the
     column mask (cols < v - tile start) in the vocabulary's last tile, else None.
     ``finish(carry)`` gives the ``n_out`` row vectors to write (None: skip).
+
+    ``exclude`` (N, E) int32: per row, E columns that do not count (a value outside [0,
+    v) excludes nothing): ``valid`` is then every tile's mask of the columns that count
+    (< v and none of the row's E). A block's E ids sit in SMEM beside its targets (4 E
+    bytes per row: the ring may keep fewer stages); ``other_columns`` masks a tile.
 
     ``keep_tiles`` > 0 (kept columns, the gradient's input kept from the forward): ``fold``
     returns ``(carry, (e, m))`` with e an fp32 tile in [0, 1] and m a per-row fp32
@@ -353,13 +386,18 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     keep_tiles = max(0, min(int(keep_tiles), num_vb_total))
     store = dz_store_columns(cfg, "keep_store") if keep_tiles else 0
     dtype = x.dtype
-    extra = NUM_COMPUTE_WGS * block_n * (4 * n_out + 4)
+    n_ex = 0 if exclude is None else int(exclude.shape[1])
+    extra = NUM_COMPUTE_WGS * block_n * (4 * n_out + 4 * (1 + n_ex))
     if keep_tiles:  # the kept tile's store buffer and the row vector's
         extra += dz_smem_extra(block_rows, store, jnp.dtype(dtype).itemsize, 0)
     stages = fit_stages(stages, k_iters * vb_per_split, x.dtype, block_rows, block_v, extra=extra)
     # The go signal is sent at ring step lag - 1 of warpgroup 0, which every CTA reaches.
     lag = max(0, min(cfg.lag, stages - 1, k_iters * (num_vb_total - (splits - 1) * vb_per_split)))
-    tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - target.shape[0]))
+    # (1 + E, rows): the target's row vector, then one per excluded id (padded rows: -1)
+    tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - target.shape[0]))[None]
+    if n_ex:
+        ex = jnp.pad(exclude.astype(jnp.int32), ((0, n_pad - exclude.shape[0]), (0, 0)), constant_values=-1)
+        tgt = jnp.concatenate([tgt, ex.T])
     del vw
 
     def kernel(x_ref, w_ref, t_ref, outs, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar, go_bar,
@@ -377,9 +415,9 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGS, action="increase")
             rows = pl.ds(row0 + wg * block_n, block_n)
-            plgpu.copy_gmem_to_smem(t_ref.at[rows], t_smem.at[wg], t_bar.at[wg])
+            plgpu.copy_gmem_to_smem(t_ref.at[:, rows], t_smem.at[wg], t_bar.at[wg])
             plgpu.barrier_wait(t_bar.at[wg])
-            tgt_rows = plgpu.load(t_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            tgt_rows = plgpu.load(t_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
 
             red = plgpu.Layout.WGMMA.reduce(1)
             carry0 = tuple(plgpu.layout_cast(jnp.full((block_n,), val, jnp.float32), red) for val in init)
@@ -393,6 +431,9 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
                 # only the tile holding column v - 1 has columns >= v
                 valid = (cols < (v - vb * block_v)) if masked else None
                 hit = cols == bcast(tgt_rows - vb * block_v, z.shape)
+                if n_ex:
+                    counts = other_columns(t_smem.at[wg], n_ex, vb * block_v, cols)
+                    valid = counts if valid is None else valid & counts
                 out = fold(z, cols, hit, valid, carry)
                 if not keep_tiles:
                     return tuple(out)
@@ -451,7 +492,7 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
             lambda *refs: kernel(x_ref, w_ref, t_ref, outs, *refs),
             s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
             plgpu.SMEM((NUM_COMPUTE_WGS, n_out, block_n), jnp.float32),
-            plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.int32),
+            plgpu.SMEM((NUM_COMPUTE_WGS, 1 + n_ex, block_n), jnp.int32),
             plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
             plgpu.Barrier(num_barriers=1),
             *kept,

@@ -5,14 +5,18 @@ Mosaic GPU)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import jax.numpy as jnp
+from jax import lax
 
 from logitless.jax import mosaic_lib as ml
+from logitless.jax.formulas.cross_entropy import dlogits_of_scaled, kept_scale
 from logitless.jax.mosaic_lib import BLOCK_K, FwdConfig
 from logitless.jax.ops.common.contract import BackendBase
+from logitless.jax.sharding import typed_like
 
 #: None: Mosaic GPU's interpret mode exactly when jax's default backend is not a GPU;
 #: True/False force it (tests set False to lower for CUDA on a CPU-only machine).
@@ -90,3 +94,59 @@ class MosaicGpuBase(BackendBase):
         hk, vk = aligned_shape(h, v, has_bias, weight_layout)
         return MosaicGpuConfig(tiles, ml.backward_chunk(n, vk, hk, jnp.dtype(dtype).itemsize, budget, tiles.block_v),
                                weight_layout)
+
+
+#: Rows per program of the in-place dz kernel (``dz_over_kept``).
+_DZ_ROWS = 64
+
+
+@functools.cache
+def _pallas_triton():
+    """jax's Pallas Triton backend (``jax.experimental.pallas.triton``), or None where this
+    jax has none (jax deprecates it: the dz is then an XLA fusion, which may not reuse K's
+    buffer, and the plan counts a second logits-sized buffer)."""
+    try:
+        from jax.experimental.pallas import triton as pl_triton
+    except ImportError:
+        return None
+    return pl_triton
+
+
+def dz_in_place() -> bool:
+    """Whether ``dz_over_kept`` can write the kept columns' dz over K."""
+    return _pallas_triton() is not None
+
+
+def dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
+    """dz = p A - B [c == t] - C of every kept column written over K = exp(z - m)
+    (``mosaic_lib.stats_partials``' kept outputs; ``input_output_aliases``: no second
+    logits-sized buffer, whatever XLA's fusion heuristics would do: at gpt-oss-120b's
+    shape XLA's own fusion wrote a new one): one Pallas (Triton) program per ``_DZ_ROWS``
+    rows and tile, ``formulas.cross_entropy.dlogits_of_scaled`` of e times the tile's
+    ``kept_scale``; coef (3, rows) = (A, B, C). All arrays padded to K's rows. (Mosaic
+    GPU's pallas_call, the supported path, has no interpreter for windowed blocks to
+    test it on a CPU.) Only where ``dz_in_place()``."""
+    import jax.experimental.pallas as pl
+
+    pl_triton = _pallas_triton()
+
+    n_pad, cols = k_buf.shape
+    scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
+    rows = (coef[1][:, None], coef[2][:, None], target[:, None].astype(jnp.int32))
+    # Inside jax.shard_map (check_vma) the output says over which axes it varies: K's.
+    (k_buf, scale, *rows), struct = typed_like(k_buf, scale, *rows)
+
+    def kernel(k_ref, s_ref, b_ref, c_ref, t_ref, o_ref):
+        idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
+        dz = dlogits_of_scaled(k_ref[...].astype(jnp.float32) * s_ref[...], b_ref[...], c_ref[...], t_ref[...],
+                               idx, v)
+        o_ref[...] = dz.astype(o_ref.dtype)
+
+    tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))
+    row = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, 0))
+    return pl.pallas_call(
+        kernel, out_shape=struct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
+        in_specs=[tile, pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j)), row, row, row], out_specs=tile,
+        input_output_aliases={0: 0}, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret_params() is not None,
+    )(k_buf, scale, *rows)

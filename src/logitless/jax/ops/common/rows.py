@@ -166,15 +166,19 @@ def kept_gradients(dz, x2d, w, g, *, layout: str) -> tuple[int, Any, Any]:
     gradient 1 (None: nothing kept) and the scalar upstream gradient ``g``: two GEMMs,
     dx = g (dz @ W[:keep]) accumulated in fp32 (``acc_dtype``), dW[:keep] = dz^T (g x) (g
     folded into x: one rounding of g x, none when g is 1) in w's dtype and layout, its
-    other columns uninitialised: the recomputed columns [start, V) write them (start = keep)."""
+    other columns uninitialised: the recomputed columns [start, V) write them (start = keep).
+    dz may have more rows than x (a kernel's padded rows, zero there)."""
     vaxis = W_AXIS[layout]
     acc = acc_dtype(x2d.dtype)
     dw = uninitialised(w.shape, w.dtype)
+    n = x2d.shape[0]
     if dz is None:
         return 0, jnp.zeros(x2d.shape, acc), dw
     keep = dz.shape[1]
     wk = lax.slice_in_dim(w, 0, keep, axis=vaxis)
-    dx = lax.dot_general(dz, wk, DX_DIMS[layout], preferred_element_type=acc) * g
+    dx = lax.dot_general(dz, wk, DX_DIMS[layout], preferred_element_type=acc)[:n] * g
+    if dz.shape[0] != n:
+        x2d = jnp.pad(x2d, ((0, dz.shape[0] - n), (0, 0)))
     xg = (x2d.astype(acc) * g).astype(x2d.dtype)
     pair = (dz, xg) if layout == "vh" else (xg, dz)
     dwk = lax.dot_general(*pair, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)

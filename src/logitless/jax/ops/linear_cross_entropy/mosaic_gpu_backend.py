@@ -23,7 +23,7 @@ Kept (``forward_keeping``, the api's forward under ``jax.grad``: ``keep=True``):
     budget holds them) the same pass also stores K = exp(z - m) in the input dtype, m the
     running maximum after each tile (also stored, M (tiles, N) fp32), since the fold
     computes exp(z - m) anyway. Then dz_c = e_c A exp(m - lse) - B [c == t] - C
-    (``formulas.cross_entropy.dlogits_kept``): every column kept, ``_dz_over_kept`` writes
+    (``formulas.cross_entropy.dlogits_kept``): every column kept, ``common.mosaic_gpu.dz_over_kept`` writes
     it over K and dx, dW are two GEMMs on the whole W ("3 GEMMs"); part kept, those
     chunks' dz come from K, the others' from the recomputation below. Not with a soft-cap
     (its derivative needs z: recomputed).
@@ -63,19 +63,18 @@ The ring, the main loop and both kernel shapes live in ``logitless.jax.mosaic_li
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas.cross_entropy import dlogits_kept, dlogits_of_scaled, kept_scale, merge_lse_splits
+from logitless.jax.formulas.cross_entropy import dlogits_kept, merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
-from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig
+from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig, dz_in_place, dz_over_kept
 from logitless.jax.ops.common.mosaic_gpu import interpret_params as _interpret_params
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
-from logitless.jax.sharding import to_varying, typed_like, varying
+from logitless.jax.sharding import to_varying, varying
 
 __all__ = ["forward", "backward", "is_supported", "supports", "FwdConfig", "dz_chunk", "MosaicGpuBackend",
            "MosaicGpuConfig"]
@@ -251,65 +250,11 @@ def dz_chunk(x, w, target, lse, coef, *, c0, chunk: int, softcap=None, cfg: FwdC
                       interpret=_interpret_params(), layout=weight_layout)
 
 
-#: Rows per program of the in-place dz kernel (``_dz_over_kept``).
-_DZ_ROWS = 64
-
-
-@functools.cache
-def _pallas_triton():
-    """jax's Pallas Triton backend (``jax.experimental.pallas.triton``), or None where this
-    jax has none (jax deprecates it: the dz is then an XLA fusion, which may not reuse K's
-    buffer, and the plan counts a second logits-sized buffer)."""
-    try:
-        from jax.experimental.pallas import triton as pl_triton
-    except ImportError:
-        return None
-    return pl_triton
-
-
-def dz_in_place() -> bool:
-    """Whether the backward writes the kept columns' dz over K (``_dz_over_kept``)."""
-    return _pallas_triton() is not None
-
-
-def _dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
-    """dz of every kept column written over K (``input_output_aliases``: no second
-    logits-sized buffer, whatever XLA's fusion heuristics would do: at gpt-oss-120b's
-    shape XLA's own fusion wrote a new one): one Pallas (Triton) program per ``_DZ_ROWS``
-    rows and tile, ``formulas.cross_entropy.dlogits_of_scaled`` of e times the tile's
-    ``kept_scale``. All arrays padded to K's rows. (Mosaic GPU's pallas_call, the
-    supported path, has no interpreter for windowed blocks to test it on a CPU.)"""
-    import jax.experimental.pallas as pl
-
-    pl_triton = _pallas_triton()
-
-    n_pad, cols = k_buf.shape
-    scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
-    rows = (coef[1][:, None], coef[2][:, None], target[:, None].astype(jnp.int32))
-    # Inside jax.shard_map (check_vma) the output says over which axes it varies: K's.
-    (k_buf, scale, *rows), struct = typed_like(k_buf, scale, *rows)
-
-    def kernel(k_ref, s_ref, b_ref, c_ref, t_ref, o_ref):
-        idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
-        dz = dlogits_of_scaled(k_ref[...].astype(jnp.float32) * s_ref[...], b_ref[...], c_ref[...], t_ref[...],
-                               idx, v)
-        o_ref[...] = dz.astype(o_ref.dtype)
-
-    tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))
-    row = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, 0))
-    return pl.pallas_call(
-        kernel, out_shape=struct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
-        in_specs=[tile, pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j)), row, row, row], out_specs=tile,
-        input_output_aliases={0: 0}, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=_interpret_params() is not None,
-    )(k_buf, scale, *rows)
-
-
 def _kept_dz(kept, target, lse, coef, *, v: int, vw: int, block_v: int, n8: int, dtype):
     """``chunked_backward``'s kept_dz: dz of kept columns [c0, c0 + width) from (K, M),
     rows [0, n8), in ``dtype``; zero at columns >= v and at padded rows (their
     coefficients are 0). All of K when its shape is the weight's (``vw`` columns, ``n8``
-    rows): in place (``_dz_over_kept``); else ``formulas.cross_entropy.dlogits_kept``."""
+    rows): in place (``common.mosaic_gpu.dz_over_kept``); else ``formulas.cross_entropy.dlogits_kept``."""
     k_buf, tile_max = kept
     n_pad = k_buf.shape[0]
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n_pad - a.shape[-1])])
@@ -317,7 +262,7 @@ def _kept_dz(kept, target, lse, coef, *, v: int, vw: int, block_v: int, n8: int,
 
     def dz(c0, width):
         if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad and dz_in_place():
-            return _dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v)
+            return dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v)
         tiles = -(-width // block_v)
         if isinstance(c0, int):  # static: the whole of K or a part
             e = k_buf[:, c0:c0 + tiles * block_v]

@@ -28,7 +28,8 @@ class TopKForward(NamedTuple):
     tokens), lse_tail (the log-sum-exp of a = z / T outside the ids) and lse1 (of z, hard
     labels at T != 1, else None); with ``grad`` the unit-gradient coefficients coef (3, N)
     and sparse (N, K) (``formulas.topk_kl.token_terms``); with ``g_unit`` the kept dz
-    (N, keep) of the leading ``config.grad.keep`` local columns in x's dtype."""
+    (N, keep) of leading local columns in x's dtype (at most ``config.grad.keep``; a
+    kernel's may have more rows, its padding, zero there)."""
 
     loss: Any
     lse_tail: Any

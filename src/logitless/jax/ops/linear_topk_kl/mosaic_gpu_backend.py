@@ -1,7 +1,23 @@
 """The "mosaic_gpu" backend of linear_topk_kl (SM90; Mosaic GPU's interpret mode without a
-GPU): the "xla" backend's forward (XLA's GEMMs, the ids masked by a scatter, the kept dz)
-and a backward whose recomputed columns come from ``mosaic_lib.dz_call``, the Mosaic GPU
-kernel of linear_cross_entropy's backward with this op's epilogue:
+GPU).
+
+Forward (``fused_forward``; a (V, H) weight, K <= ``MAX_FUSED_IDS``, not hard labels at
+    T != 1): linear_cross_entropy's Mosaic GPU kernel (``mosaic_lib.stats_partials``)
+    with each row's K ids excluded from every tile (``exclude``: a bitmap of the tile
+    per row, ``mosaic_lib.other_columns``) and this op's fold: the online log-sum-exp of a = z / T over the columns
+    outside the ids (lse_tail, exact however much mass the ids hold) and z at the
+    target (hard labels); z at the ids from XLA, x . W[id] in fp32 (a gather of K rows
+    of W per token, in the plan's row chunks). Differentiated, the same pass keeps
+    e = exp(a - m) of the leading whole tiles the budget holds, and dz is written over
+    it (``common.mosaic_gpu.dz_over_kept``: c_r e exp(m - lse_tail) - c_b [j == t]),
+    then the K sparse values at the ids (an XLA scatter): the backward's kept columns
+    are two GEMMs, as linear_cross_entropy's. Other cases: the "xla" backend's forward
+    (XLA's GEMMs per row chunk, the ids masked by a scatter): an (H, V) weight's
+    columns at the ids are strided gathers, the kernel has no second log-sum-exp (T = 1
+    with hard labels at T != 1), and K ids cost K x 1 KiB of shared memory per CTA.
+
+Backward: the kept columns' GEMMs; the others recomputed by ``mosaic_lib.dz_call``, the
+Mosaic GPU kernel of linear_cross_entropy's backward with this op's epilogue:
 
     dz_j = c_r 2^(z_j log2(e) / T - lse_tail log2(e)) [+ c_q 2^(z_j log2(e) - lse1 log2(e))]
            [- c_b [j == t]]
@@ -21,11 +37,98 @@ import jax.numpy as jnp
 
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas import topk_kl as tk
-from logitless.jax.mosaic_lib import BLOCK_K, LOG2E
-from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, interpret_params
-from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, chunk_gradients, kept_gradients, plan_rows
+from logitless.jax.formulas.cross_entropy import dlogits_kept, merge_lse_splits
+from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E
+from logitless.jax.ops.common.chunks import chunk_loop, put, take
+from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, dz_in_place, dz_over_kept, interpret_params
+from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, chunk_gradients, kept_gradients, plan_rows, varying_like
 from logitless.jax.ops.linear_topk_kl import xla_backend
 from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
+
+#: The most teacher ids per token that ``fused_forward`` takes. Each tile loops over them
+#: (building its bitmaps) and they take 1 KiB of SMEM each per 256-row CTA: with the kept
+#: tile's buffer the ring keeps 4 stages up to K = 8, 3 up to 56 (``mosaic_lib.fit_stages``).
+#: H200, 8192 x 4096 x 128256, the kernel without keeping: 12.3 ms with no ids, 12.9 at
+#: K = 20, 14.7 at K = 32 (XLA's forward: 16-17 ms).
+MAX_FUSED_IDS = 32
+
+
+def fused(config: RowsConfig, k: int, opts) -> bool:
+    """Whether ``fused_forward`` takes the call (module docstring), else the "xla" forward."""
+    return config.weight_layout == "vh" and k <= MAX_FUSED_IDS and not opts.hard_at_other_temperature
+
+
+def _fold(opts, keep: bool):
+    """``stats_partials``' fold: (m, s) the online log-sum-exp of a = z / T over the
+    columns that count (``valid``: the ids excluded) and t the logit at the target;
+    with ``keep``: e = exp(a - m) (0 at excluded columns) and m, taken as 0 while a row has no
+    column yet (a tile of its ids only)."""
+    inv_t = 1.0 / opts.temperature
+    scale = LOG2E * inv_t
+
+    def fold(z, cols, hit, valid, carry):
+        m, s, t = carry
+        if opts.hard:
+            t = t + jnp.where(hit, z, 0.0).sum(axis=1)
+        z = z if valid is None else jnp.where(valid, z, -jnp.inf)
+        m_new = jnp.maximum(m, z.max(axis=1) * inv_t)
+        ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        e = jnp.exp2(z * scale - ml.bcast(ms * LOG2E, z.shape))
+        s = s * jnp.exp2((m - ms) * LOG2E) + e.sum(axis=1)
+        return ((m_new, s, t), (e, ms)) if keep else (m_new, s, t)
+
+    return fold
+
+
+def ids_logits(x2d, w, il, rows: int):
+    """z at each row's ids (``il``: this device's column ids) in fp32, 0 at ids outside
+    its columns: x . W[id], K rows of W gathered per token, ``rows`` tokens at a time."""
+    n, k = il.shape
+    v = w.shape[0]
+    f32 = jnp.float32
+
+    def step(r0, nr, out):
+        i = take(il, r0, nr)
+        wr = jnp.take(w, jnp.clip(i, 0, v - 1), axis=0).astype(f32)  # (nr, K, H)
+        z = (take(x2d, r0, nr).astype(f32)[:, None, :] * wr).sum(axis=-1)
+        return put(out, jnp.where((i >= 0) & (i < v), z, 0.0), r0)
+
+    return chunk_loop(n, rows, step, varying_like(jnp.zeros((n, k), f32), x2d, w, il))
+
+
+def fused_forward(x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, num_classes: int, grad: bool,
+                  g_unit=None) -> TopKForward:
+    """The contract's forward in one Mosaic GPU pass (module docstring; ``fused``'s cases).
+    The kept dz has the kernel's padded rows (zero) and whole tiles of columns."""
+    n = x2d.shape[0]
+    v = w.shape[0]
+    tiles = config.recompute.tiles
+    bv = tiles.block_v
+    off = merge.offset(v)
+    il, tl = ids - off, target - off
+    keep_tiles = (config.grad.keep if g_unit is not None else 0) // bv
+    finish = lambda c: (c[0] + jnp.log2(c[1]) * LN2, c[2] if opts.hard else None)  # lse_tail, z_t
+    out = ml.stats_partials(ml.pad_rows8(x2d), w, tl, v=v, cfg=tiles, n_out=2, init=(-jnp.inf, 0.0, 0.0),
+                            fold=_fold(opts, keep_tiles > 0), finish=finish, interpret=interpret_params(), layout="vh",
+                            keep_tiles=keep_tiles, exclude=il)
+    lses = merge.lse(merge_lse_splits(out[0]))
+    sums = merge.sum(ids_logits(x2d, w, il, config.plain.rows), *([out[1].sum(axis=0)] if opts.hard else []))
+    st = tk.TopKStats(lses[0], sums[0], sums[1] if opts.hard else None)
+    terms = tk.token_terms(st, lp, ids, target, opts, num_classes, grad=grad)
+    kept = None
+    if keep_tiles:
+        k_buf, tile_max = out[2:]
+        rows = k_buf.shape[0]
+        pad = lambda a, fill=0: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, rows - n)], constant_values=fill)
+        lse_t = pad(jnp.where(st.lse_tail == -jnp.inf, 0.0, st.lse_tail))
+        c = terms.coef * g_unit[None, :]
+        abc = pad(jnp.stack([c[0], c[2], jnp.zeros_like(c[0])]))  # dz = A e exp(m - lse_tail) - B [j == t] - C
+        if dz_in_place():
+            dz = dz_over_kept(k_buf, tile_max, lse_t, abc, pad(tl), v=v, block_v=bv)
+        else:
+            dz = dlogits_kept(k_buf, tile_max, lse_t, abc, pad(tl), 0, v).astype(x2d.dtype)
+        kept = tk.put_sparse(dz, pad(il.T, -1).T, pad((terms.sparse * g_unit[:, None]).T).T)
+    return TopKForward(terms.loss, st.lse_tail, None, terms.coef, terms.sparse, kept)
 
 
 def _epilogue(opts):
@@ -104,8 +207,9 @@ class MosaicGpuBackend(MosaicGpuBase):
 
     def forward(self, x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, num_classes: int, grad: bool,
                 g_unit=None) -> TopKForward:
-        return xla_backend.forward(x2d, w, ids, lp, target, config, opts=opts, merge=merge, num_classes=num_classes,
-                                   grad=grad, g_unit=g_unit)
+        fwd = fused_forward if fused(config, ids.shape[1], opts) else xla_backend.forward
+        return fwd(x2d, w, ids, lp, target, config, opts=opts, merge=merge, num_classes=num_classes, grad=grad,
+                   g_unit=g_unit)
 
     def backward(self, res: TopKResiduals, g, g_kept, config: RowsConfig, *, opts, merge):
         return backward(res, g, g_kept, config, opts=opts, merge=merge)
