@@ -206,6 +206,12 @@ _FUSED_CASES = {
     "recompute_temperature": (dict(n=12, h=64, v=600, k=7), dict(temperature=0.8, reduction="sum"), 1000),
     "none_hard": (dict(n=9, h=128, v=264, k=32), dict(hard_label_weight=0.3, reduction="none"), None),
     "ids_cover_the_vocabulary": (dict(n=5, h=64, v=16, k=16), dict(hard_label_weight=0.2, tail="none"), None),
+    "keep_all_hard_at_t2": (dict(n=12, h=64, v=600, k=7), dict(hard_label_weight=0.5, temperature=2.0), 1 << 22),
+    "keep_some_hard_at_t07_reverse": (dict(n=12, h=64, v=600, k=7),
+                                      dict(direction="reverse", hard_label_weight=0.3, temperature=0.7),
+                                      8 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 12 * 2),
+    "recompute_hard_at_t13_none": (dict(n=9, h=128, v=264, k=5),
+                                   dict(hard_label_weight=0.6, temperature=1.3, reduction="none"), 1000),
 }
 
 
@@ -213,7 +219,8 @@ _FUSED_CASES = {
 def test_mosaic_gpu_fused_forward(case, monkeypatch):
     """The Mosaic GPU forward (interpret mode on a CPU): the kernel with each row's ids
     excluded from its tiles, the kept e = exp(a - m) turned into dz; V not a multiple of
-    the tile (600, 264), rows not of 8, K = 32 (its most), no column outside the ids."""
+    the tile (600, 264), rows not of 8, K = 32 (its most), no column outside the ids,
+    hard labels at T != 1 (the second log-sum-exp, the kept dz's second term)."""
     from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
 
     calls = []
@@ -223,6 +230,24 @@ def test_mosaic_gpu_fused_forward(case, monkeypatch):
     x, w, ids, lp, t = teacher(**shape, dtype="bfloat16")
     check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, implementation="mosaic_gpu")
     assert calls, "the fused forward did not run"
+
+
+@pytest.mark.parametrize("budget", [1 << 22, 8 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 12 * 4])
+def test_mosaic_gpu_kept_dz_without_pallas_triton(budget, monkeypatch):
+    """Where jax has no Pallas Triton the kept dz is an XLA fusion beside K (its second
+    term at T != 1 too), and the plan counts that buffer: half the kept columns."""
+    from logitless.jax.ops.common import mosaic_gpu as kind
+    from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
+
+    plan = lambda: mb.MosaicGpuBackend().plan_call((1024, 128), (4096, 128), jnp.dtype(jnp.bfloat16),
+                                                   budget=22 << 20, weight_layout="vh").grad.keep
+    assert plan() == 3072  # 6 MiB beside the forward's chunk: 3072 columns of 1024 bf16 rows
+    monkeypatch.setattr(kind, "dz_in_place", lambda: False)
+    monkeypatch.setattr(mb, "dz_in_place", lambda: False)
+    assert plan() == 1536
+    x, w, ids, lp, t = teacher(n=12, h=64, v=600, k=7, dtype="bfloat16")
+    kw = dict(hard_label_weight=0.5, temperature=1.7, direction="reverse")
+    check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, implementation="mosaic_gpu")
 
 
 def test_mosaic_gpu_fused_forward_nearly_all_mass(monkeypatch):
@@ -236,10 +261,11 @@ def test_mosaic_gpu_fused_forward_nearly_all_mass(monkeypatch):
           implementation="mosaic_gpu")
 
 
-def test_mosaic_gpu_fused_forward_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_mosaic_gpu_fused_forward_lowers_for_cuda(temperature, monkeypatch):
     """The fused forward and its backward lowered (not run) for CUDA: the kernel's layouts,
     TMA of the ids, shared memory (Mosaic GPU refused booleans of the row layout and a
-    negated mask, which the interpreter runs)."""
+    negated mask, which the interpreter runs); at T != 1 the second log-sum-exp."""
     from logitless.jax.ops.common import mosaic_gpu as kind
 
     monkeypatch.setattr(kind, "INTERPRET", False)
@@ -247,24 +273,21 @@ def test_mosaic_gpu_fused_forward_lowers_for_cuda(monkeypatch):
     s = jax.ShapeDtypeStruct
     args = (s((n, h), jnp.bfloat16), s((v, h), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32),
             s((n,), jnp.int32))
-    f = lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, hard_label_weight=0.5, implementation="mosaic_gpu")
+    f = lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, hard_label_weight=0.5, temperature=temperature,
+                                              implementation="mosaic_gpu")
     text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") >= 1
 
 
 def test_mosaic_gpu_fused_forward_cases():
-    """Which calls the fused forward takes: a (V, H) weight, K <= 32, no hard labels at T != 1."""
+    """Which calls the fused forward takes: a (V, H) weight, K <= 32."""
     from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
-    from logitless.options import TopKKLOptions
 
     cfg = lambda layout: mb.MosaicGpuBackend().plan_call((64, 128), (1024, 128), jnp.dtype(jnp.bfloat16),
                                                          budget=1 << 24, weight_layout=layout)
-    opts = lambda **kw: TopKKLOptions.checked(**kw)
-    assert mb.fused(cfg("vh"), 20, opts()) and mb.fused(cfg("vh"), 32, opts(hard_label_weight=0.5))
-    assert mb.fused(cfg("vh"), 20, opts(temperature=2.0))
-    assert not mb.fused(cfg("hv"), 20, opts())
-    assert not mb.fused(cfg("vh"), 33, opts())
-    assert not mb.fused(cfg("vh"), 20, opts(temperature=2.0, hard_label_weight=0.5))
+    assert mb.fused(cfg("vh"), 20) and mb.fused(cfg("vh"), 32)
+    assert not mb.fused(cfg("hv"), 20)
+    assert not mb.fused(cfg("vh"), 33)
 
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
@@ -355,14 +378,15 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "part_kept"])
-@pytest.mark.parametrize("temperature", [1.3, 1.0], ids=["xla_forward", "fused_forward"])
-def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget, temperature):
+@pytest.mark.parametrize("temperature,k", [(1.3, 20), (1.0, 20), (1.3, 40)],
+                         ids=["fused_t13", "fused_t1", "xla_forward_k40"])
+def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget, temperature, k):
     """The Mosaic GPU backend on 2 GPUs in bf16 against float64: sharded jit over an Auto
     mesh (custom_partitioning) and an Explicit one (shard_map), at the default budget
     (every column kept) and at 6 MiB (columns recomputed by the dz kernel); hard labels
-    at T = 1.3 (the "xla" forward) and at T = 1 (``fused_forward``)."""
+    at T = 1.3 and T = 1 (``fused_forward``), and K = 40 (the "xla" forward)."""
     kw = dict(SHARDED_KW, temperature=temperature)
-    x, w, ids, lp, t = teacher(n=2048, h=256, v=4608, k=20, dtype="bfloat16", ignore=(3, 9))
+    x, w, ids, lp, t = teacher(n=2048, h=256, v=4608, k=k, dtype="bfloat16", ignore=(3, 9))
     mesh = make_mesh(mesh_kind, layout)
     xspec, wspec = LAYOUTS[layout]
     args = (put(mesh, x, *xspec), put(mesh, w, *wspec), put(mesh, ids, *xspec), put(mesh, lp, *xspec),

@@ -7,9 +7,10 @@ dz W_s, dz^T x_s: jnp.dot in bf16, each timed here), against ``xla-bf16-logits``
 heads' bf16 logits cast to fp32, the JSD formula, under jax.jit.
 
 Top-k KL (``linear_topk_kl``, forward, tail "bucket", mean; llama3.1-8b 8192 x 4096 x 128256,
-K = 20 and 100): f+b over three GEMMs and over ``linear_cross_entropy`` (default call,
-same shape, same run), against ``xla-bf16-logits``: bf16 logits cast to fp32,
-log_softmax, the gather at the ids and the bucket, under jax.jit.
+K = 20 and 100; also with hard labels, weight 0.5, at T = 2: ``-hard-T2``): f+b over
+three GEMMs and over ``linear_cross_entropy`` (default call, same shape, same run),
+against ``xla-bf16-logits``: bf16 logits cast to fp32, log_softmax, the gather at the
+ids and the bucket, under jax.jit.
 
 Every logitless row is the default call (``implementation=None``, ``memory_budget=None``)
 unless ``--memory-budget`` says otherwise. Per row: fwd and f+b medians, f+b / floor,
@@ -180,6 +181,9 @@ def run_topk(spec, args, rows):
     print(f"{label}: 1 GEMM {gemm:.2f} ms")
     budget = args.memory_budget
     methods = {"logitless-topk": lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, memory_budget=budget),
+               # the distillation loss with the labels' cross-entropy at T = 1 beside the KL at T = 2
+               "logitless-topk-hard-T2": lambda a, b, i, p, tt: linear_topk_kl(
+                   a, b, i, p, tt, hard_label_weight=0.5, temperature=2.0, memory_budget=budget),
                "logitless-lce": lambda a, b, i, p, tt: linear_cross_entropy(a, b, tt, memory_budget=budget)}
     if not args.no_baseline:
         methods["xla-bf16-logits-topk"] = lambda a, b, i, p, tt: xla_topk_kl(a, b, i, p)
@@ -208,8 +212,9 @@ def run_topk(spec, args, rows):
         rows[-len(methods)]["note"] = f"{bname}: rows {cfg.grad.rows}, kept {cfg.grad.keep}/{v} columns"
     if "logitless-topk" in fbs and "logitless-lce" in fbs:
         for r in rows[-len(methods):]:
+            if r["method"] in fbs and r["method"].startswith("logitless-topk"):
+                r["f+b/lce"] = fbs[r["method"]] / fbs["logitless-lce"]
             if r["method"] == "logitless-topk":
-                r["f+b/lce"] = fbs["logitless-topk"] / fbs["logitless-lce"]
                 if "xla-bf16-logits-topk" in losses:
                     r["|loss-baseline|"] = abs(losses["logitless-topk"] - losses["xla-bf16-logits-topk"])
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas.cross_entropy import dlogits_of_scaled, kept_scale
+from logitless.jax.formulas.cross_entropy import dlogits_kept, dlogits_of_scaled, kept_scale
 from logitless.jax.mosaic_lib import BLOCK_K, FwdConfig
 from logitless.jax.ops.common.contract import BackendBase
 from logitless.jax.sharding import typed_like
@@ -117,36 +118,76 @@ def dz_in_place() -> bool:
     return _pallas_triton() is not None
 
 
-def dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int):
-    """dz = p A - B [c == t] - C of every kept column written over K = exp(z - m)
-    (``mosaic_lib.stats_partials``' kept outputs; ``input_output_aliases``: no second
+class SecondSoftmax(NamedTuple):
+    """A kept dz's second term c exp(p a - lse) over e = exp(a - m) kept (a the scaled
+    logit whose exp the forward kept): c e^p exp(p m - lse), ``power`` p static (> 0).
+    linear_topk_kl's hard labels at T != 1: a = z / T, p = T, lse = log sum exp(z)."""
+
+    lse: jax.Array  # (rows,) fp32, finite
+    coef: jax.Array  # (rows,) fp32
+    power: float
+
+
+def _second_scale(tile_max, second: SecondSoftmax):
+    """c exp(p m - lse) per row and tile (rows, tiles) fp32."""
+    return kept_scale(tile_max * second.power, second.lse, second.coef[None])
+
+
+def kept_dz(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int, dtype, second: SecondSoftmax | None = None):
+    """dz of every kept column, (rows, columns) of K in ``dtype``: p A - B [c == t] - C
+    (+ ``second``'s term) from K = exp(z - m) and M (``mosaic_lib.stats_partials``' kept
+    outputs; coef (3, rows) = (A, B, C), all row arrays padded to K's rows). Written over
+    K where ``dz_in_place()`` (``dz_over_kept``); else an XLA fusion
+    (``formulas.cross_entropy.dlogits_kept``), which may write a second logits-sized
+    buffer: the plans count it then (``mosaic_lib.keep_plan``'s ``dz_in_place``)."""
+    if dz_in_place():
+        return dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v, second=second)
+    dz = dlogits_kept(k_buf, tile_max, lse, coef, target, 0, v)
+    if second is not None:
+        n, cols = k_buf.shape
+        s2 = _second_scale(tile_max, second)
+        s2 = jnp.broadcast_to(s2[:, :, None], (n, s2.shape[1], cols // s2.shape[1])).reshape(n, cols)
+        dz = dz + k_buf.astype(jnp.float32) ** second.power * s2
+    return dz.astype(dtype)
+
+
+def dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int, second: SecondSoftmax | None = None):
+    """dz = p A - B [c == t] - C (+ ``second``'s term) of every kept column written over
+    K = exp(z - m) (``kept_dz``'s arguments; ``input_output_aliases``: no second
     logits-sized buffer, whatever XLA's fusion heuristics would do: at gpt-oss-120b's
     shape XLA's own fusion wrote a new one): one Pallas (Triton) program per ``_DZ_ROWS``
     rows and tile, ``formulas.cross_entropy.dlogits_of_scaled`` of e times the tile's
-    ``kept_scale``; coef (3, rows) = (A, B, C). All arrays padded to K's rows. (Mosaic
-    GPU's pallas_call, the supported path, has no interpreter for windowed blocks to
-    test it on a CPU.) Only where ``dz_in_place()``."""
+    ``kept_scale``. (Mosaic GPU's pallas_call, the supported path, has no interpreter for
+    windowed blocks to test it on a CPU.) Only where ``dz_in_place()``."""
     import jax.experimental.pallas as pl
 
     pl_triton = _pallas_triton()
 
     n_pad, cols = k_buf.shape
-    scale = kept_scale(tile_max, lse, coef)  # (n_pad, tiles)
+    scales = [kept_scale(tile_max, lse, coef)]  # (n_pad, tiles)
+    if second is not None:
+        scales.append(_second_scale(tile_max, second))
     rows = (coef[1][:, None], coef[2][:, None], target[:, None].astype(jnp.int32))
     # Inside jax.shard_map (check_vma) the output says over which axes it varies: K's.
-    (k_buf, scale, *rows), struct = typed_like(k_buf, scale, *rows)
+    n_s = len(scales)
+    (k_buf, *rest), struct = typed_like(k_buf, *scales, *rows)
+    scales, rows = rest[:n_s], rest[n_s:]
 
-    def kernel(k_ref, s_ref, b_ref, c_ref, t_ref, o_ref):
+    def kernel(k_ref, *refs):
+        s_refs, (b_ref, c_ref, t_ref, o_ref) = refs[:n_s], refs[n_s:]
         idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
-        dz = dlogits_of_scaled(k_ref[...].astype(jnp.float32) * s_ref[...], b_ref[...], c_ref[...], t_ref[...],
-                               idx, v)
-        o_ref[...] = dz.astype(o_ref.dtype)
+        e = k_ref[...].astype(jnp.float32)
+        p_a = e * s_refs[0][...]
+        if second is not None:  # e^p (0 at e = 0: exp2(-inf))
+            p_a = p_a + jnp.exp2(second.power * jnp.log2(e)) * s_refs[1][...]
+        o_ref[...] = dlogits_of_scaled(p_a, b_ref[...], c_ref[...], t_ref[...], idx, v).astype(o_ref.dtype)
 
     tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))
     row = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, 0))
+    scale = pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j))
     return pl.pallas_call(
         kernel, out_shape=struct(k_buf.shape, k_buf.dtype), grid=(n_pad // _DZ_ROWS, cols // block_v),
-        in_specs=[tile, pl.BlockSpec((_DZ_ROWS, 1), lambda i, j: (i, j)), row, row, row], out_specs=tile,
+        in_specs=[tile, *[scale] * n_s, row, row, row], out_specs=tile,
         input_output_aliases={0: 0}, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret_params() is not None,
-    )(k_buf, scale, *rows)
+    )(k_buf, *scales, *rows)

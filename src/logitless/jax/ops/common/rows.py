@@ -61,18 +61,21 @@ class RowsConfig:
 
 
 def plan_rows(backend, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str, arrays: int = 1,
-              heads: int = 1, keep: bool = True) -> RowsConfig:
+              heads: int = 1, keep: bool = True, kept_copies: int = 1) -> RowsConfig:
     """``backend``'s RowsConfig for x (N, H) and a weight of ``w_shape`` (V, H) with
     ``arrays`` fp32 arrays of a forward chunk's full rows (``planning.rows_plan``) and
     ``heads`` heads whose logits the recomputed tiles hold: the kind's ``plan`` sizes them
     with the budget the kept dz leaves (divided among the heads; at least a quarter of
-    the budget). ``keep``: the differentiated forward may keep columns (False: none)."""
+    the budget). ``keep``: the differentiated forward may keep columns (False: none);
+    ``kept_copies``: buffers of that size per kept column (2: the dz written beside what
+    the forward kept, not over it)."""
     n, _ = x2d_shape
     v = w_shape[0]
     isz = jnp.dtype(dtype).itemsize
+    kisz = isz * kept_copies  # rows_plan's itemsize sizes only the kept columns
     plain = rows_plan(n, v, isz, budget, arrays=arrays)
-    grad = rows_plan(n, v, isz, budget, arrays=arrays, keep=True) if keep else plain
-    left = max(budget - n * grad.keep * isz, budget // 4) // heads
+    grad = rows_plan(n, v, kisz, budget, arrays=arrays, keep=True) if keep else plain
+    left = max(budget - n * grad.keep * kisz, budget // 4) // heads
     return RowsConfig(plain, grad, backend.plan(tuple(x2d_shape), tuple(w_shape), dtype, budget=left,
                                                 weight_layout=weight_layout))
 

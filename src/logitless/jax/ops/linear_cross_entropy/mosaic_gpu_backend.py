@@ -23,7 +23,7 @@ Kept (``forward_keeping``, the api's forward under ``jax.grad``: ``keep=True``):
     budget holds them) the same pass also stores K = exp(z - m) in the input dtype, m the
     running maximum after each tile (also stored, M (tiles, N) fp32), since the fold
     computes exp(z - m) anyway. Then dz_c = e_c A exp(m - lse) - B [c == t] - C
-    (``formulas.cross_entropy.dlogits_kept``): every column kept, ``common.mosaic_gpu.dz_over_kept`` writes
+    (``formulas.cross_entropy.dlogits_kept``): every column kept, ``common.mosaic_gpu.kept_dz`` writes
     it over K and dx, dW are two GEMMs on the whole W ("3 GEMMs"); part kept, those
     chunks' dz come from K, the others' from the recomputation below. Not with a soft-cap
     (its derivative needs z: recomputed).
@@ -71,7 +71,7 @@ from jax import lax
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas.cross_entropy import dlogits_kept, merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E, FwdConfig
-from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig, dz_in_place, dz_over_kept
+from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, MosaicGpuConfig, dz_in_place, kept_dz
 from logitless.jax.ops.common.mosaic_gpu import interpret_params as _interpret_params
 from logitless.jax.ops.linear_cross_entropy.contract import LceGrads, LceResiduals, LceStats
 from logitless.jax.sharding import to_varying, varying
@@ -254,15 +254,16 @@ def _kept_dz(kept, target, lse, coef, *, v: int, vw: int, block_v: int, n8: int,
     """``chunked_backward``'s kept_dz: dz of kept columns [c0, c0 + width) from (K, M),
     rows [0, n8), in ``dtype``; zero at columns >= v and at padded rows (their
     coefficients are 0). All of K when its shape is the weight's (``vw`` columns, ``n8``
-    rows): in place (``common.mosaic_gpu.dz_over_kept``); else ``formulas.cross_entropy.dlogits_kept``."""
+    rows): ``common.mosaic_gpu.kept_dz`` (in place where it can); else
+    ``formulas.cross_entropy.dlogits_kept`` of the chunk."""
     k_buf, tile_max = kept
     n_pad = k_buf.shape[0]
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n_pad - a.shape[-1])])
     target, lse, coef = pad(target), pad(lse), pad(coef)
 
     def dz(c0, width):
-        if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad and dz_in_place():
-            return dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v)
+        if isinstance(c0, int) and c0 == 0 and width == vw == k_buf.shape[1] and n8 == n_pad:
+            return kept_dz(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v, dtype=dtype)
         tiles = -(-width // block_v)
         if isinstance(c0, int):  # static: the whole of K or a part
             e = k_buf[:, c0:c0 + tiles * block_v]

@@ -1,20 +1,22 @@
 """The "mosaic_gpu" backend of linear_topk_kl (SM90; Mosaic GPU's interpret mode without a
 GPU).
 
-Forward (``fused_forward``; a (V, H) weight, K <= ``MAX_FUSED_IDS``, not hard labels at
-    T != 1): linear_cross_entropy's Mosaic GPU kernel (``mosaic_lib.stats_partials``)
-    with each row's K ids excluded from every tile (``exclude``: a bitmap of the tile
-    per row, ``mosaic_lib.other_columns``) and this op's fold: the online log-sum-exp of a = z / T over the columns
-    outside the ids (lse_tail, exact however much mass the ids hold) and z at the
-    target (hard labels); z at the ids from XLA, x . W[id] in fp32 (a gather of K rows
-    of W per token, in the plan's row chunks). Differentiated, the same pass keeps
-    e = exp(a - m) of the leading whole tiles the budget holds, and dz is written over
-    it (``common.mosaic_gpu.dz_over_kept``: c_r e exp(m - lse_tail) - c_b [j == t]),
+Forward (``fused_forward``; a (V, H) weight, K <= ``MAX_FUSED_IDS``):
+    linear_cross_entropy's Mosaic GPU kernel (``mosaic_lib.stats_partials``) with each
+    row's K ids excluded from every tile (``exclude``: a bitmap of the tile per row,
+    ``mosaic_lib.other_columns``) and this op's fold: the online log-sum-exp of a = z / T
+    over the columns outside the ids (lse_tail, exact however much mass the ids hold),
+    z at the target (hard labels) and, with hard labels at T != 1, the tail's log-sum-exp
+    of z itself; z at the ids from XLA, x . W[id] in fp32 (a gather of K rows of W per
+    token, in the plan's row chunks). Differentiated, the same pass keeps e = exp(a - m)
+    of the leading whole tiles the budget holds, and dz is written over it
+    (``common.mosaic_gpu.kept_dz``: c_r e exp(m - lse_tail) - c_b [j == t], plus
+    c_q e^T exp(T m - lse1) at T != 1: e^T in fp32 from the kept e, T x its rounding),
     then the K sparse values at the ids (an XLA scatter): the backward's kept columns
-    are two GEMMs, as linear_cross_entropy's. Other cases: the "xla" backend's forward
+    are two GEMMs, as linear_cross_entropy's. Otherwise the "xla" backend's forward
     (XLA's GEMMs per row chunk, the ids masked by a scatter): an (H, V) weight's
-    columns at the ids are strided gathers, the kernel has no second log-sum-exp (T = 1
-    with hard labels at T != 1), and K ids cost K x 1 KiB of shared memory per CTA.
+    columns at the ids are strided gathers, and K ids cost K x 1 KiB of shared memory
+    per CTA.
 
 Backward: the kept columns' GEMMs; the others recomputed by ``mosaic_lib.dz_call``, the
 Mosaic GPU kernel of linear_cross_entropy's backward with this op's epilogue:
@@ -37,10 +39,10 @@ import jax.numpy as jnp
 
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas import topk_kl as tk
-from logitless.jax.formulas.cross_entropy import dlogits_kept, merge_lse_splits
+from logitless.jax.formulas.cross_entropy import logsumexp_rows, merge_lse_splits
 from logitless.jax.mosaic_lib import BLOCK_K, LN2, LOG2E
 from logitless.jax.ops.common.chunks import chunk_loop, put, take
-from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, dz_in_place, dz_over_kept, interpret_params
+from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, SecondSoftmax, dz_in_place, interpret_params, kept_dz
 from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, chunk_gradients, kept_gradients, plan_rows, varying_like
 from logitless.jax.ops.linear_topk_kl import xla_backend
 from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
@@ -53,21 +55,23 @@ from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
 MAX_FUSED_IDS = 32
 
 
-def fused(config: RowsConfig, k: int, opts) -> bool:
+def fused(config: RowsConfig, k: int) -> bool:
     """Whether ``fused_forward`` takes the call (module docstring), else the "xla" forward."""
-    return config.weight_layout == "vh" and k <= MAX_FUSED_IDS and not opts.hard_at_other_temperature
+    return config.weight_layout == "vh" and k <= MAX_FUSED_IDS
 
 
 def _fold(opts, keep: bool):
     """``stats_partials``' fold: (m, s) the online log-sum-exp of a = z / T over the
-    columns that count (``valid``: the ids excluded) and t the logit at the target;
-    with ``keep``: e = exp(a - m) (0 at excluded columns) and m, taken as 0 while a row has no
-    column yet (a tile of its ids only)."""
+    columns that count (``valid``: the ids excluded), t the logit at the target (hard
+    labels) and, with hard labels at T != 1, s1: that of z itself, shifted by T m (the
+    maximum of z: T > 0); with ``keep``: e = exp(a - m) (0 at excluded columns) and m,
+    taken as 0 while a row has no column yet (a tile of its ids only)."""
     inv_t = 1.0 / opts.temperature
     scale = LOG2E * inv_t
+    t_log2e = opts.temperature * LOG2E
 
     def fold(z, cols, hit, valid, carry):
-        m, s, t = carry
+        m, s, t = carry[:3]
         if opts.hard:
             t = t + jnp.where(hit, z, 0.0).sum(axis=1)
         z = z if valid is None else jnp.where(valid, z, -jnp.inf)
@@ -75,7 +79,11 @@ def _fold(opts, keep: bool):
         ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         e = jnp.exp2(z * scale - ml.bcast(ms * LOG2E, z.shape))
         s = s * jnp.exp2((m - ms) * LOG2E) + e.sum(axis=1)
-        return ((m_new, s, t), (e, ms)) if keep else (m_new, s, t)
+        new = (m_new, s, t)
+        if opts.hard_at_other_temperature:  # the log-sum-exp of z (T = 1)
+            s1 = carry[3] * jnp.exp2((m - ms) * t_log2e)
+            new += (s1 + jnp.exp2(z * LOG2E - ml.bcast(ms * t_log2e, z.shape)).sum(axis=1),)
+        return (new, (e, ms)) if keep else new
 
     return fold
 
@@ -107,28 +115,35 @@ def fused_forward(x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, n
     off = merge.offset(v)
     il, tl = ids - off, target - off
     keep_tiles = (config.grad.keep if g_unit is not None else 0) // bv
-    finish = lambda c: (c[0] + jnp.log2(c[1]) * LN2, c[2] if opts.hard else None)  # lse_tail, z_t
-    out = ml.stats_partials(ml.pad_rows8(x2d), w, tl, v=v, cfg=tiles, n_out=2, init=(-jnp.inf, 0.0, 0.0),
+    other = opts.hard_at_other_temperature
+    lse_of = lambda m, s: m + jnp.log2(s) * LN2
+
+    def finish(c):  # lse_tail, z_t (hard labels), the tail's lse of z (hard labels at T != 1)
+        out = (lse_of(c[0], c[1]), c[2] if opts.hard else None)
+        return out + (lse_of(c[0] * opts.temperature, c[3]),) if other else out
+
+    n_out = 3 if other else 2
+    out = ml.stats_partials(ml.pad_rows8(x2d), w, tl, v=v, cfg=tiles, n_out=n_out,
+                            init=(-jnp.inf, 0.0, 0.0) + ((0.0,) if other else ()),
                             fold=_fold(opts, keep_tiles > 0), finish=finish, interpret=interpret_params(), layout="vh",
                             keep_tiles=keep_tiles, exclude=il)
-    lses = merge.lse(merge_lse_splits(out[0]))
+    lses = merge.lse(merge_lse_splits(out[0]), *([merge_lse_splits(out[2])] if other else []))
     sums = merge.sum(ids_logits(x2d, w, il, config.plain.rows), *([out[1].sum(axis=0)] if opts.hard else []))
-    st = tk.TopKStats(lses[0], sums[0], sums[1] if opts.hard else None)
+    lse1 = jnp.logaddexp(lses[1], logsumexp_rows(sums[0])) if other else None  # the tail's and the ids'
+    st = tk.TopKStats(lses[0], sums[0], sums[1] if opts.hard else None, lse1)
     terms = tk.token_terms(st, lp, ids, target, opts, num_classes, grad=grad)
     kept = None
     if keep_tiles:
-        k_buf, tile_max = out[2:]
+        k_buf, tile_max = out[n_out:]
         rows = k_buf.shape[0]
         pad = lambda a, fill=0: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, rows - n)], constant_values=fill)
         lse_t = pad(jnp.where(st.lse_tail == -jnp.inf, 0.0, st.lse_tail))
         c = terms.coef * g_unit[None, :]
         abc = pad(jnp.stack([c[0], c[2], jnp.zeros_like(c[0])]))  # dz = A e exp(m - lse_tail) - B [j == t] - C
-        if dz_in_place():
-            dz = dz_over_kept(k_buf, tile_max, lse_t, abc, pad(tl), v=v, block_v=bv)
-        else:
-            dz = dlogits_kept(k_buf, tile_max, lse_t, abc, pad(tl), 0, v).astype(x2d.dtype)
+        second = SecondSoftmax(pad(lse1), pad(c[1]), opts.temperature) if other else None  # + c_q exp(z - lse1)
+        dz = kept_dz(k_buf, tile_max, lse_t, abc, pad(tl), v=v, block_v=bv, dtype=x2d.dtype, second=second)
         kept = tk.put_sparse(dz, pad(il.T, -1).T, pad((terms.sparse * g_unit[:, None]).T).T)
-    return TopKForward(terms.loss, st.lse_tail, None, terms.coef, terms.sparse, kept)
+    return TopKForward(terms.loss, st.lse_tail, lse1, terms.coef, terms.sparse, kept)
 
 
 def _epilogue(opts):
@@ -203,11 +218,14 @@ class MosaicGpuBackend(MosaicGpuBase):
         return why
 
     def plan_call(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh") -> RowsConfig:
-        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, arrays=2)
+        """``plan_rows``; the kept dz beside the fused forward's K where it cannot be
+        written over it (``kept_dz``: no Pallas Triton)."""
+        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, arrays=2,
+                         kept_copies=1 if dz_in_place() else 2)
 
     def forward(self, x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, num_classes: int, grad: bool,
                 g_unit=None) -> TopKForward:
-        fwd = fused_forward if fused(config, ids.shape[1], opts) else xla_backend.forward
+        fwd = fused_forward if fused(config, ids.shape[1]) else xla_backend.forward
         return fwd(x2d, w, ids, lp, target, config, opts=opts, merge=merge, num_classes=num_classes, grad=grad,
                    g_unit=g_unit)
 
