@@ -7,7 +7,7 @@ dz W_s, dz^T x_s: jnp.dot in bf16, each timed here), against ``xla-bf16-logits``
 heads' bf16 logits cast to fp32, the JSD formula, under jax.jit.
 
 Top-k KL (``linear_topk_kl``, forward, tail "bucket", mean; llama3.1-8b 8192 x 4096 x 128256,
-K = 20 and 100; also with hard labels, weight 0.5, at T = 2: ``-hard-T2``): f+b over
+K = 20 and 100; also with hard labels, weight 0.5, at T = 2 and 1.5: ``-hard-T2``, ``-hard-T1.5``): f+b over
 three GEMMs and over ``linear_cross_entropy`` (default call, same shape, same run),
 against ``xla-bf16-logits``: bf16 logits cast to fp32, log_softmax, the gather at the
 ids and the bucket, under jax.jit.
@@ -181,9 +181,11 @@ def run_topk(spec, args, rows):
     print(f"{label}: 1 GEMM {gemm:.2f} ms")
     budget = args.memory_budget
     methods = {"logitless-topk": lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, memory_budget=budget),
-               # the distillation loss with the labels' cross-entropy at T = 1 beside the KL at T = 2
+               # the distillation loss with the labels' cross-entropy at T = 1 beside the KL at T = 2, 1.5
                "logitless-topk-hard-T2": lambda a, b, i, p, tt: linear_topk_kl(
                    a, b, i, p, tt, hard_label_weight=0.5, temperature=2.0, memory_budget=budget),
+               "logitless-topk-hard-T1.5": lambda a, b, i, p, tt: linear_topk_kl(
+                   a, b, i, p, tt, hard_label_weight=0.5, temperature=1.5, memory_budget=budget),
                "logitless-lce": lambda a, b, i, p, tt: linear_cross_entropy(a, b, tt, memory_budget=budget)}
     if not args.no_baseline:
         methods["xla-bf16-logits-topk"] = lambda a, b, i, p, tt: xla_topk_kl(a, b, i, p)

@@ -143,6 +143,21 @@ def bcast(r, shape):
     return lax.broadcast_in_dim(r, shape, [0])
 
 
+#: The powers ``unit_power`` takes as products (distillation's usual temperatures).
+INT_POWERS = (2.0, 3.0, 4.0)
+
+
+def unit_power(e, p: float):
+    """e^p for e in [0, 1] and a static p > 0: products where p is in ``INT_POWERS`` (no
+    special-function unit), else 2^(p log2 e) (0 at e = 0)."""
+    if p in INT_POWERS:
+        out = e
+        for _ in range(int(p) - 1):
+            out = out * e
+        return out
+    return jnp.exp2(p * jnp.log2(e))
+
+
 def softcapped(z, softcap):
     """s * tanh(z / s), with tanh(u) = 1 - 2 / (exp(2u) + 1) on the exact-enough ex2
     (Mosaic's approximate tanh has ~1e-3 relative error; this form is within a few

@@ -147,7 +147,7 @@ def kept_dz(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int, dtype, 
         n, cols = k_buf.shape
         s2 = _second_scale(tile_max, second)
         s2 = jnp.broadcast_to(s2[:, :, None], (n, s2.shape[1], cols // s2.shape[1])).reshape(n, cols)
-        dz = dz + k_buf.astype(jnp.float32) ** second.power * s2
+        dz = dz + ml.unit_power(k_buf.astype(jnp.float32), second.power) * s2
     return dz.astype(dtype)
 
 
@@ -178,8 +178,8 @@ def dz_over_kept(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int, se
         idx = pl.program_id(1) * block_v + lax.broadcasted_iota(jnp.int32, (_DZ_ROWS, block_v), 1)
         e = k_ref[...].astype(jnp.float32)
         p_a = e * s_refs[0][...]
-        if second is not None:  # e^p (0 at e = 0: exp2(-inf))
-            p_a = p_a + jnp.exp2(second.power * jnp.log2(e)) * s_refs[1][...]
+        if second is not None:
+            p_a = p_a + ml.unit_power(e, second.power) * s_refs[1][...]
         o_ref[...] = dlogits_of_scaled(p_a, b_ref[...], c_ref[...], t_ref[...], idx, v).astype(o_ref.dtype)
 
     tile = pl.BlockSpec((_DZ_ROWS, block_v), lambda i, j: (i, j))

@@ -64,8 +64,9 @@ def _fold(opts, keep: bool):
     """``stats_partials``' fold: (m, s) the online log-sum-exp of a = z / T over the
     columns that count (``valid``: the ids excluded), t the logit at the target (hard
     labels) and, with hard labels at T != 1, s1: that of z itself, shifted by T m (the
-    maximum of z: T > 0); with ``keep``: e = exp(a - m) (0 at excluded columns) and m,
-    taken as 0 while a row has no column yet (a tile of its ids only)."""
+    maximum of z: T > 0; exp(z - T m) = e^T, products at T = 2, 3, 4:
+    ``mosaic_lib.unit_power``); with ``keep``: e = exp(a - m) (0 at excluded columns)
+    and m, taken as 0 while a row has no column yet (a tile of its ids only)."""
     inv_t = 1.0 / opts.temperature
     scale = LOG2E * inv_t
     t_log2e = opts.temperature * LOG2E
@@ -80,9 +81,11 @@ def _fold(opts, keep: bool):
         e = jnp.exp2(z * scale - ml.bcast(ms * LOG2E, z.shape))
         s = s * jnp.exp2((m - ms) * LOG2E) + e.sum(axis=1)
         new = (m_new, s, t)
-        if opts.hard_at_other_temperature:  # the log-sum-exp of z (T = 1)
+        if opts.hard_at_other_temperature:  # the log-sum-exp of z (T = 1): exp(z - T m) = e^T
             s1 = carry[3] * jnp.exp2((m - ms) * t_log2e)
-            new += (s1 + jnp.exp2(z * LOG2E - ml.bcast(ms * t_log2e, z.shape)).sum(axis=1),)
+            e1 = (ml.unit_power(e, opts.temperature) if opts.temperature in ml.INT_POWERS
+                  else jnp.exp2(z * LOG2E - ml.bcast(ms * t_log2e, z.shape)))
+            new += (s1 + e1.sum(axis=1),)
         return (new, (e, ms)) if keep else new
 
     return fold
