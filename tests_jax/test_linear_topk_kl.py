@@ -250,6 +250,23 @@ def test_mosaic_gpu_kept_dz_without_pallas_triton(budget, temperature, monkeypat
     check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, implementation="mosaic_gpu")
 
 
+@pytest.mark.parametrize("v,budget", [(640, 1 << 22), (600, 16 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 24 * 2)],
+                         ids=["keep_all", "keep_some_v_not_64"])
+def test_mosaic_gpu_fused_forward_hv(v, budget, monkeypatch):
+    """An (H, V) weight: the kernel reads it in place (padded to 64 columns where V is
+    not a multiple), z at the ids from its (V, H) copy, which fits the 16 or 24 rows of
+    the "xla" forward's chunk; hard labels at T = 2."""
+    from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
+
+    calls = []
+    fused = mb.fused_forward
+    monkeypatch.setattr(mb, "fused_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    x, w, ids, lp, t = teacher(n=24, h=64, v=v, k=7, dtype="bfloat16")
+    kw = dict(hard_label_weight=0.5, temperature=2.0, direction="reverse")
+    check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, layout="hv", implementation="mosaic_gpu")
+    assert calls, "the fused forward did not run"
+
+
 def test_mosaic_gpu_fused_forward_nearly_all_mass(monkeypatch):
     """The student's own top-5 at large logits (1 - Q ~ 1e-13): the kernel's tail
     log-sum-exp excludes the ids' columns, no subtraction."""
@@ -280,14 +297,17 @@ def test_mosaic_gpu_fused_forward_lowers_for_cuda(temperature, monkeypatch):
 
 
 def test_mosaic_gpu_fused_forward_cases():
-    """Which calls the fused forward takes: a (V, H) weight, K <= 32."""
+    """Which calls the fused forward takes: K <= 32; an (H, V) weight when its (V, H)
+    copy fits the bytes of the "xla" forward's chunk (8 bytes per row and column)."""
     from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
 
-    cfg = lambda layout: mb.MosaicGpuBackend().plan_call((64, 128), (1024, 128), jnp.dtype(jnp.bfloat16),
-                                                         budget=1 << 24, weight_layout=layout)
-    assert mb.fused(cfg("vh"), 20) and mb.fused(cfg("vh"), 32)
-    assert not mb.fused(cfg("hv"), 20)
-    assert not mb.fused(cfg("vh"), 33)
+    cfg = lambda layout, budget=1 << 24: mb.MosaicGpuBackend().plan_call(
+        (64, 256), (1024, 256), jnp.dtype(jnp.bfloat16), budget=budget, weight_layout=layout)
+    assert mb.fused(cfg("vh"), 20, (1024, 256), 2) and mb.fused(cfg("vh"), 32, (1024, 256), 2)
+    assert not mb.fused(cfg("vh"), 33, (1024, 256), 2)
+    assert cfg("hv").grad.rows == 64 and mb.fused(cfg("hv"), 20, (256, 1024), 2)
+    small = cfg("hv", 300 * 1024)  # a chunk of 32 rows (8 bytes per column each): 256 per column, 512 needed
+    assert small.grad.rows * 8 < 256 * 2 and not mb.fused(small, 20, (256, 1024), 2)
 
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
@@ -397,6 +417,32 @@ def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget, temperature, k):
     rloss, (rdx, rdw) = reference(x, w, ids, lp, t, kw)
     for name, ours, ref in (("loss", loss, rloss), ("dx", dx, rdx), ("dw", dw, rdw)):
         assert_close_to_ref(name, ours, None, ref, "bfloat16")
+
+
+@needs_sm90_gpus
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_mosaic_gpu_sharded_hv_on_gpus(layout, mesh_kind, monkeypatch):
+    """A flax (H, V) weight on 2 GPUs (bf16 against float64): the fused forward's (V, H)
+    copy of each device's columns, at the default budget; hard labels at T = 1.3."""
+    from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
+
+    calls = []
+    fused = mb.fused_forward
+    monkeypatch.setattr(mb, "fused_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    x, w, ids, lp, t = teacher(n=2048, h=256, v=4608, k=20, dtype="bfloat16", ignore=(3, 9))
+    mesh = make_mesh(mesh_kind, layout)
+    xspec, wspec = LAYOUTS[layout]
+    hv_spec = (None, *wspec) if len(wspec) else ()
+    args = (put(mesh, x, *xspec), put(mesh, w.T, *hv_spec), put(mesh, ids, *xspec), put(mesh, lp, *xspec),
+            put(mesh, t, *xspec))
+    f = lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, weight_layout="hv", implementation="mosaic_gpu",
+                                              **SHARDED_KW)
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args)
+    rloss, (rdx, rdw) = reference(x, w.T, ids, lp, t, SHARDED_KW, "hv")
+    for name, ours, ref in (("loss", loss, rloss), ("dx", dx, rdx), ("dw", dw, rdw)):
+        assert_close_to_ref(name, ours, None, ref, "bfloat16")
+    assert calls, "the fused forward did not run"
 
 
 def test_fp32_inputs_with_x64_on():

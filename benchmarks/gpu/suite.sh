@@ -34,7 +34,8 @@ case "$SUITE" in
   jax-sharded) TESTS="tests_jax/test_jax_sharded.py tests_jax/test_jax_log_probs_sharded.py
                     tests_jax/test_truncated_log_probs_sharded.py tests_jax/test_weight_layout.py
                     tests_jax/test_jax_bench.py tests_jax/test_linear_jsd.py::test_sharded_on_gpus
-                    tests_jax/test_linear_topk_kl.py::test_mosaic_gpu_sharded_on_gpus" ;;
+                    tests_jax/test_linear_topk_kl.py::test_mosaic_gpu_sharded_on_gpus
+                    tests_jax/test_linear_topk_kl.py::test_mosaic_gpu_sharded_hv_on_gpus" ;;
   *) echo "unknown suite '$SUITE' (see python -m logitless_bench -h)"; exit 2 ;;
 esac
 case "$SUITE" in rl|tp) verl_kernels && export PYTHONPATH="$VERL_PATH$PYTHONPATH" ;; esac

@@ -7,8 +7,9 @@ dz W_s, dz^T x_s: jnp.dot in bf16, each timed here), against ``xla-bf16-logits``
 heads' bf16 logits cast to fp32, the JSD formula, under jax.jit.
 
 Top-k KL (``linear_topk_kl``, forward, tail "bucket", mean; llama3.1-8b 8192 x 4096 x 128256,
-K = 20 and 100; also with hard labels, weight 0.5, at T = 2 and 1.5: ``-hard-T2``, ``-hard-T1.5``): f+b over
-three GEMMs and over ``linear_cross_entropy`` (default call, same shape, same run),
+K = 20 and 100; also with hard labels, weight 0.5, at T = 2 and 1.5: ``-hard-T2``, ``-hard-T1.5``;
+a flax (H, V) kernel: ``-hv``): f+b over three GEMMs and over ``linear_cross_entropy``
+(default call, same shape and layout, same run),
 against ``xla-bf16-logits``: bf16 logits cast to fp32, log_softmax, the gather at the
 ids and the bucket, under jax.jit.
 
@@ -186,20 +187,27 @@ def run_topk(spec, args, rows):
                    a, b, i, p, tt, hard_label_weight=0.5, temperature=2.0, memory_budget=budget),
                "logitless-topk-hard-T1.5": lambda a, b, i, p, tt: linear_topk_kl(
                    a, b, i, p, tt, hard_label_weight=0.5, temperature=1.5, memory_budget=budget),
-               "logitless-lce": lambda a, b, i, p, tt: linear_cross_entropy(a, b, tt, memory_budget=budget)}
+               "logitless-lce": lambda a, b, i, p, tt: linear_cross_entropy(a, b, tt, memory_budget=budget),
+               # a flax (H, V) kernel (its own array, transposed once here)
+               "logitless-topk-hv": lambda a, b, i, p, tt: linear_topk_kl(a, b, i, p, tt, weight_layout="hv",
+                                                                           memory_budget=budget),
+               "logitless-lce-hv": lambda a, b, i, p, tt: linear_cross_entropy(a, b, tt, weight_layout="hv",
+                                                                               memory_budget=budget)}
     if not args.no_baseline:
         methods["xla-bf16-logits-topk"] = lambda a, b, i, p, tt: xla_topk_kl(a, b, i, p)
     operands = (x, w, ids, lp, t)
+    operands_hv = (x, jax.block_until_ready(jnp.asarray(w.T)), ids, lp, t)
     losses, fbs = {}, {}
     for mname, fn in methods.items():
         row = {"shape": label, "op": "topk", "method": mname, "gemm ms": round(gemm, 3)}
+        ops = operands_hv if mname.endswith("-hv") else operands
         try:
-            fwd, row["fwd ms"] = _timed(fn, operands, args.warmup, args.reps)
-            fb, row["f+b ms"] = _timed(_fb(fn), operands, args.warmup, args.reps)
+            fwd, row["fwd ms"] = _timed(fn, ops, args.warmup, args.reps)
+            fb, row["f+b ms"] = _timed(_fb(fn), ops, args.warmup, args.reps)
             row["fwd/1 GEMM"] = row["fwd ms"] / gemm
             row["f+b/3 GEMMs"] = row["f+b ms"] / (3 * gemm)
-            row["temp MiB"] = _temp_mib(fb, operands)
-            losses[mname] = float(fwd(*operands))
+            row["temp MiB"] = _temp_mib(fb, ops)
+            losses[mname] = float(fwd(*ops))
             fbs[mname] = row["f+b ms"]
         except Exception as exc:
             row["note"] = f"{type(exc).__name__}: {str(exc)[:120]}"
@@ -214,8 +222,9 @@ def run_topk(spec, args, rows):
         rows[-len(methods)]["note"] = f"{bname}: rows {cfg.grad.rows}, kept {cfg.grad.keep}/{v} columns"
     if "logitless-topk" in fbs and "logitless-lce" in fbs:
         for r in rows[-len(methods):]:
-            if r["method"] in fbs and r["method"].startswith("logitless-topk"):
-                r["f+b/lce"] = fbs[r["method"]] / fbs["logitless-lce"]
+            lce = "logitless-lce-hv" if r["method"].endswith("-hv") else "logitless-lce"
+            if r["method"] in fbs and r["method"].startswith("logitless-topk") and lce in fbs:
+                r["f+b/lce"] = fbs[r["method"]] / fbs[lce]
             if r["method"] == "logitless-topk":
                 if "xla-bf16-logits-topk" in losses:
                     r["|loss-baseline|"] = abs(losses["logitless-topk"] - losses["xla-bf16-logits-topk"])

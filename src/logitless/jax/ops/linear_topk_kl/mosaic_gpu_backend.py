@@ -1,22 +1,23 @@
 """The "mosaic_gpu" backend of linear_topk_kl (SM90; Mosaic GPU's interpret mode without a
 GPU).
 
-Forward (``fused_forward``; a (V, H) weight, K <= ``MAX_FUSED_IDS``):
+Forward (``fused_forward``; K <= ``MAX_FUSED_IDS``, an (H, V) weight where ``fused`` says):
     linear_cross_entropy's Mosaic GPU kernel (``mosaic_lib.stats_partials``) with each
     row's K ids excluded from every tile (``exclude``: a bitmap of the tile per row,
     ``mosaic_lib.other_columns``) and this op's fold: the online log-sum-exp of a = z / T
     over the columns outside the ids (lse_tail, exact however much mass the ids hold),
     z at the target (hard labels) and, with hard labels at T != 1, the tail's log-sum-exp
     of z itself; z at the ids from XLA, x . W[id] in fp32 (a gather of K rows of W per
-    token, in the plan's row chunks). Differentiated, the same pass keeps e = exp(a - m)
-    of the leading whole tiles the budget holds, and dz is written over it
+    token, in the plan's row chunks; of a (V, H) copy of an (H, V) weight, since a gather
+    of its columns reads 32 bytes per element: H200, 15.6 ms against 0.5 at K = 20).
+    Differentiated, the same pass keeps e = exp(a - m) of the leading whole tiles the
+    budget holds, and dz is written over it
     (``common.mosaic_gpu.kept_dz``: c_r e exp(m - lse_tail) - c_b [j == t], plus
     c_q e^T exp(T m - lse1) at T != 1: e^T in fp32 from the kept e, T x its rounding),
     then the K sparse values at the ids (an XLA scatter): the backward's kept columns
     are two GEMMs, as linear_cross_entropy's. Otherwise the "xla" backend's forward
-    (XLA's GEMMs per row chunk, the ids masked by a scatter): an (H, V) weight's
-    columns at the ids are strided gathers, and K ids cost K x 1 KiB of shared memory
-    per CTA.
+    (XLA's GEMMs per row chunk, the ids masked by a scatter): K ids cost K x 1 KiB of
+    shared memory per CTA, and an (H, V) weight's copy must fit the plan.
 
 Backward: the kept columns' GEMMs; the others recomputed by ``mosaic_lib.dz_call``, the
 Mosaic GPU kernel of linear_cross_entropy's backward with this op's epilogue:
@@ -36,6 +37,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax.numpy as jnp
+from jax import lax
 
 from logitless.jax import mosaic_lib as ml
 from logitless.jax.formulas import topk_kl as tk
@@ -46,6 +48,11 @@ from logitless.jax.ops.common.mosaic_gpu import MosaicGpuBase, SecondSoftmax, dz
 from logitless.jax.ops.common.rows import W_AXIS, RowsConfig, chunk_gradients, kept_gradients, plan_rows, varying_like
 from logitless.jax.ops.linear_topk_kl import xla_backend
 from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
+from logitless.jax.planning import ROW_BYTES_PER_ELEM
+
+#: The fp32 arrays of a forward chunk's full rows the plan counts (``plan_rows``' arrays):
+#: the "xla" forward's logits and their masked copy.
+CHUNK_ARRAYS = 2
 
 #: The most teacher ids per token that ``fused_forward`` takes. Each tile loops over them
 #: (building its bitmaps) and they take 1 KiB of SMEM each per 256-row CTA: with the kept
@@ -55,9 +62,16 @@ from logitless.jax.ops.linear_topk_kl.contract import TopKForward, TopKResiduals
 MAX_FUSED_IDS = 32
 
 
-def fused(config: RowsConfig, k: int) -> bool:
-    """Whether ``fused_forward`` takes the call (module docstring), else the "xla" forward."""
-    return config.weight_layout == "vh" and k <= MAX_FUSED_IDS
+def fused(config: RowsConfig, k: int, w_shape: tuple, itemsize: int) -> bool:
+    """Whether ``fused_forward`` takes the call (module docstring), else the "xla" forward:
+    K <= ``MAX_FUSED_IDS``; an (H, V) weight where its (V, H) copy fits in the bytes the
+    plan gives the "xla" forward's chunk of fp32 logits, which the fused forward does not use."""
+    if k > MAX_FUSED_IDS:
+        return False
+    if config.weight_layout == "vh":
+        return True
+    h, v = w_shape
+    return h * v * itemsize <= config.grad.rows * CHUNK_ARRAYS * ROW_BYTES_PER_ELEM * v
 
 
 def _fold(opts, keep: bool):
@@ -112,7 +126,12 @@ def fused_forward(x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, n
     """The contract's forward in one Mosaic GPU pass (module docstring; ``fused``'s cases).
     The kept dz has the kernel's padded rows (zero) and whole tiles of columns."""
     n = x2d.shape[0]
-    v = w.shape[0]
+    layout = config.weight_layout
+    v = w.shape[W_AXIS[layout]]
+    w_rows = w  # (V, H): the ids' rows of W for their logits
+    if layout == "hv":  # the TMA's padded columns; a (V, H) copy (``fused``: its bytes fit the plan)
+        w_rows = lax.optimization_barrier(w.T)  # materialised: a gather through the transpose reads columns
+        w = ml.pad_hv(w)
     tiles = config.recompute.tiles
     bv = tiles.block_v
     off = merge.offset(v)
@@ -128,10 +147,10 @@ def fused_forward(x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, n
     n_out = 3 if other else 2
     out = ml.stats_partials(ml.pad_rows8(x2d), w, tl, v=v, cfg=tiles, n_out=n_out,
                             init=(-jnp.inf, 0.0, 0.0) + ((0.0,) if other else ()),
-                            fold=_fold(opts, keep_tiles > 0), finish=finish, interpret=interpret_params(), layout="vh",
-                            keep_tiles=keep_tiles, exclude=il)
+                            fold=_fold(opts, keep_tiles > 0), finish=finish, interpret=interpret_params(),
+                            layout=layout, keep_tiles=keep_tiles, exclude=il)
     lses = merge.lse(merge_lse_splits(out[0]), *([merge_lse_splits(out[2])] if other else []))
-    sums = merge.sum(ids_logits(x2d, w, il, config.plain.rows), *([out[1].sum(axis=0)] if opts.hard else []))
+    sums = merge.sum(ids_logits(x2d, w_rows, il, config.plain.rows), *([out[1].sum(axis=0)] if opts.hard else []))
     lse1 = jnp.logaddexp(lses[1], logsumexp_rows(sums[0])) if other else None  # the tail's and the ids'
     st = tk.TopKStats(lses[0], sums[0], sums[1] if opts.hard else None, lse1)
     terms = tk.token_terms(st, lp, ids, target, opts, num_classes, grad=grad)
@@ -223,12 +242,12 @@ class MosaicGpuBackend(MosaicGpuBase):
     def plan_call(self, x2d_shape, w_shape, dtype, *, budget: int, weight_layout: str = "vh") -> RowsConfig:
         """``plan_rows``; the kept dz beside the fused forward's K where it cannot be
         written over it (``kept_dz``: no Pallas Triton)."""
-        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout, arrays=2,
-                         kept_copies=1 if dz_in_place() else 2)
+        return plan_rows(self, x2d_shape, w_shape, dtype, budget=budget, weight_layout=weight_layout,
+                         arrays=CHUNK_ARRAYS, kept_copies=1 if dz_in_place() else 2)
 
     def forward(self, x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, num_classes: int, grad: bool,
                 g_unit=None) -> TopKForward:
-        fwd = fused_forward if fused(config, ids.shape[1]) else xla_backend.forward
+        fwd = fused_forward if fused(config, ids.shape[1], w.shape, w.dtype.itemsize) else xla_backend.forward
         return fwd(x2d, w, ids, lp, target, config, opts=opts, merge=merge, num_classes=num_classes, grad=grad,
                    g_unit=g_unit)
 
