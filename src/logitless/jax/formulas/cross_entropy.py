@@ -147,14 +147,18 @@ def dlogits_kept(e, tile_max, lse, coef, target, col0, num_columns: int):
     e = exp(z - m) in the input dtype and m per row and tile of ``e.shape[1] //
     tile_max.shape[0]`` columns (tile_max (tiles, N) fp32), so exp(z - lse) = e exp(m -
     lse); columns ``col0 + j`` >= ``num_columns`` are 0. Returns fp32 (N, columns)."""
-    n, cols = e.shape
-    tiles = tile_max.shape[0]
-    scale = kept_scale(tile_max, lse, coef)  # (N, tiles)
+    cols = e.shape[1]
     # The per-tile scale broadcast to the columns (e's own path stays elementwise).
-    scale = jnp.broadcast_to(scale[:, :, None], (n, tiles, cols // tiles)).reshape(n, cols)
+    scale = per_column(kept_scale(tile_max, lse, coef), cols)
     idx = col0 + jnp.arange(cols, dtype=target.dtype)[None, :]
     return dlogits_of_scaled(e.astype(jnp.float32) * scale, coef[1][:, None], coef[2][:, None], target[:, None],
                              idx, num_columns)
+
+
+def per_column(tile_values, cols: int):
+    """(N, tiles) values of each row's tiles repeated over the tiles' columns: (N, cols)."""
+    n, tiles = tile_values.shape
+    return jnp.broadcast_to(tile_values[:, :, None], (n, tiles, cols // tiles)).reshape(n, cols)
 
 
 def kept_scale(tile_max, lse, coef):

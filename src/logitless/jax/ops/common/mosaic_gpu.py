@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax import mosaic_lib as ml
-from logitless.jax.formulas.cross_entropy import dlogits_kept, dlogits_of_scaled, kept_scale
+from logitless.jax.formulas.cross_entropy import dlogits_kept, dlogits_of_scaled, kept_scale, per_column
 from logitless.jax.mosaic_lib import BLOCK_K, FwdConfig
 from logitless.jax.ops.common.contract import BackendBase
 from logitless.jax.sharding import typed_like
@@ -144,9 +144,7 @@ def kept_dz(k_buf, tile_max, lse, coef, target, *, v: int, block_v: int, dtype, 
         return dz_over_kept(k_buf, tile_max, lse, coef, target, v=v, block_v=block_v, second=second)
     dz = dlogits_kept(k_buf, tile_max, lse, coef, target, 0, v)
     if second is not None:
-        n, cols = k_buf.shape
-        s2 = _second_scale(tile_max, second)
-        s2 = jnp.broadcast_to(s2[:, :, None], (n, s2.shape[1], cols // s2.shape[1])).reshape(n, cols)
+        s2 = per_column(_second_scale(tile_max, second), k_buf.shape[1])
         dz = dz + ml.unit_power(k_buf.astype(jnp.float32), second.power) * s2
     return dz.astype(dtype)
 
