@@ -212,6 +212,8 @@ _FUSED_CASES = {
                                       8 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 12 * 2),
     "recompute_hard_at_t13_none": (dict(n=9, h=128, v=264, k=5),
                                    dict(hard_label_weight=0.6, temperature=1.3, reduction="none"), 1000),
+    "many_ids_keep_some_hard_at_t2": (dict(n=12, h=64, v=600, k=130), dict(hard_label_weight=0.5, temperature=2.0),
+                                      8 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 12 * 2),
 }
 
 
@@ -219,7 +221,8 @@ _FUSED_CASES = {
 def test_mosaic_gpu_fused_forward(case, monkeypatch):
     """The Mosaic GPU forward (interpret mode on a CPU): the kernel with each row's ids
     excluded from its tiles, the kept e = exp(a - m) turned into dz; V not a multiple of
-    the tile (600, 264), rows not of 8, K = 32 (its most), no column outside the ids,
+    the tile (600, 264), rows not of 8, K = 32 and 130 (more ids than a tile's columns),
+    no column outside the ids,
     hard labels at T != 1 (the second log-sum-exp, the kept dz's second term)."""
     from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
 
@@ -250,18 +253,19 @@ def test_mosaic_gpu_kept_dz_without_pallas_triton(budget, temperature, monkeypat
     check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, implementation="mosaic_gpu")
 
 
-@pytest.mark.parametrize("v,budget", [(640, 1 << 22), (600, 16 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 24 * 2)],
+@pytest.mark.parametrize("n,v,budget", [(24, 640, 1 << 22),
+                                         (48, 600, 48 * 2 * ROW_BYTES_PER_ELEM * 600 + 300 * 48 * 2)],
                          ids=["keep_all", "keep_some_v_not_64"])
-def test_mosaic_gpu_fused_forward_hv(v, budget, monkeypatch):
+def test_mosaic_gpu_fused_forward_hv(n, v, budget, monkeypatch):
     """An (H, V) weight: the kernel reads it in place (padded to 64 columns where V is
-    not a multiple), z at the ids from its (V, H) copy, which fits the 16 or 24 rows of
+    not a multiple: a second copy), z at the ids from its (V, H) copy, which fits the rows of
     the "xla" forward's chunk; hard labels at T = 2."""
     from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
 
     calls = []
     fused = mb.fused_forward
     monkeypatch.setattr(mb, "fused_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    x, w, ids, lp, t = teacher(n=24, h=64, v=v, k=7, dtype="bfloat16")
+    x, w, ids, lp, t = teacher(n=n, h=64, v=v, k=7, dtype="bfloat16")
     kw = dict(hard_label_weight=0.5, temperature=2.0, direction="reverse")
     check(x, w, ids, lp, t, "bfloat16", kw, budget=budget, layout="hv", implementation="mosaic_gpu")
     assert calls, "the fused forward did not run"
@@ -297,17 +301,21 @@ def test_mosaic_gpu_fused_forward_lowers_for_cuda(temperature, monkeypatch):
 
 
 def test_mosaic_gpu_fused_forward_cases():
-    """Which calls the fused forward takes: K <= 32; an (H, V) weight when its (V, H)
-    copy fits the bytes of the "xla" forward's chunk (8 bytes per row and column)."""
+    """Which calls the fused forward takes, whatever K: those whose bitmap of the ids
+    (N V / 8 bytes) and, for an (H, V) weight, its copies fit the bytes of the "xla"
+    forward's chunk (8 bytes per row and column)."""
     from logitless.jax.ops.linear_topk_kl import mosaic_gpu_backend as mb
 
     cfg = lambda layout, budget=1 << 24: mb.MosaicGpuBackend().plan_call(
         (64, 256), (1024, 256), jnp.dtype(jnp.bfloat16), budget=budget, weight_layout=layout)
-    assert mb.fused(cfg("vh"), 20, (1024, 256), 2) and mb.fused(cfg("vh"), 32, (1024, 256), 2)
-    assert not mb.fused(cfg("vh"), 33, (1024, 256), 2)
-    assert cfg("hv").grad.rows == 64 and mb.fused(cfg("hv"), 20, (256, 1024), 2)
-    small = cfg("hv", 300 * 1024)  # a chunk of 32 rows (8 bytes per column each): 256 per column, 512 needed
-    assert small.grad.rows * 8 < 256 * 2 and not mb.fused(small, 20, (256, 1024), 2)
+    assert cfg("vh").grad.rows == 64 and cfg("hv").grad.rows == 64  # 512 bytes per column
+    assert mb.fused(cfg("vh"), 64 * 64, (1024, 256), 2) and not mb.fused(cfg("vh"), 64 * 64 + 8, (1024, 256), 2)
+    assert mb.fused(cfg("hv"), 64, (128, 1024), 2)  # 256 bytes per column of the copy, 8 of the bitmap
+    assert not mb.fused(cfg("hv"), 64, (256, 1024), 2)  # 512 + 8
+    small = cfg("hv", 300 * 1024)  # a chunk of 32 rows: 256 bytes per column
+    assert small.grad.rows == 32 and not mb.fused(small, 64, (128, 1024), 2)
+    # V = 1000: its (V, H) copy fits, with the bitmap, but its padded copy (1024 columns) does not
+    assert (128 * 2 + 8) * 1000 <= 512 * 1000 and not mb.fused(cfg("hv"), 64, (128, 1000), 2)
 
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
@@ -398,13 +406,13 @@ def test_shard_map_vocabulary_and_token_axes(reduction):
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("budget", [None, 6 * 2**20], ids=["default", "part_kept"])
-@pytest.mark.parametrize("temperature,k", [(1.3, 20), (1.0, 20), (1.3, 40)],
-                         ids=["fused_t13", "fused_t1", "xla_forward_k40"])
+@pytest.mark.parametrize("temperature,k", [(1.3, 20), (1.0, 20), (2.0, 128)],
+                         ids=["fused_t13", "fused_t1", "fused_t2_k128"])
 def test_mosaic_gpu_sharded_on_gpus(layout, mesh_kind, budget, temperature, k):
     """The Mosaic GPU backend on 2 GPUs in bf16 against float64: sharded jit over an Auto
     mesh (custom_partitioning) and an Explicit one (shard_map), at the default budget
     (every column kept) and at 6 MiB (columns recomputed by the dz kernel); hard labels
-    at T = 1.3 and T = 1 (``fused_forward``), and K = 40 (the "xla" forward)."""
+    at T = 1.3, T = 1 and, with K = 128 ids, T = 2."""
     kw = dict(SHARDED_KW, temperature=temperature)
     x, w, ids, lp, t = teacher(n=2048, h=256, v=4608, k=k, dtype="bfloat16", ignore=(3, 9))
     mesh = make_mesh(mesh_kind, layout)

@@ -7,7 +7,8 @@ dz W_s, dz^T x_s: jnp.dot in bf16, each timed here), against ``xla-bf16-logits``
 heads' bf16 logits cast to fp32, the JSD formula, under jax.jit.
 
 Top-k KL (``linear_topk_kl``, forward, tail "bucket", mean; llama3.1-8b 8192 x 4096 x 128256,
-K = 20 and 100; also with hard labels, weight 0.5, at T = 2 and 1.5: ``-hard-T2``, ``-hard-T1.5``;
+K = 20, 100 and 128 (MaxText's example saves 128); also with hard labels, weight 0.5, at T = 2
+and 1.5: ``-hard-T2``, ``-hard-T1.5``;
 a flax (H, V) kernel: ``-hv``): f+b over three GEMMs and over ``linear_cross_entropy``
 (default call, same shape and layout, same run),
 against ``xla-bf16-logits``: bf16 logits cast to fp32, log_softmax, the gather at the
@@ -35,7 +36,8 @@ from .jax_timing import median_ms as _median_ms
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 #: (name, tokens, hidden, vocab, K) of the top-k cases.
-TOPK_SHAPES = (("llama3.1-8b-k20", 8192, 4096, 128256, 20), ("llama3.1-8b-k100", 8192, 4096, 128256, 100))
+TOPK_SHAPES = (("llama3.1-8b-k20", 8192, 4096, 128256, 20), ("llama3.1-8b-k100", 8192, 4096, 128256, 100),
+               ("llama3.1-8b-k128", 8192, 4096, 128256, 128))  # K = 128: MaxText's saved top-k
 CPU_TOPK_SHAPES = (("cpu-tiny-k20", 256, 64, 4000, 20),)
 
 

@@ -327,31 +327,29 @@ def scratch(dtype, block_rows, block_v, stages, layout="vh"):
 # ---------------------------------------------------------------------------------
 
 
-def other_columns(ids_smem, n_ex: int, col0, cols):
-    """The (block_n, block_v) mask of a tile's columns (``cols``: their iota; the tile
-    starts at column ``col0``) that are not among each row's ``n_ex`` ids, rows 1.. of
-    ``ids_smem`` (1 + n_ex, block_n). Per row, a bitmap of the tile (block_v / 32 words)
-    is built from the ids (a loop over them, on row vectors), then each column reads its
-    bit: ~10 operations per element whatever n_ex (comparing every column with every id
-    unrolled cost 2.5x the GEMM at 20 ids: H200, 8192 x 4096 x 128256)."""
+def excluded_words(exclude, v: int, n_pad: int, num_vb: int, block_v: int):
+    """The bitmap of each row's excluded columns (``stats_partials``' ``exclude`` (N, E):
+    distinct ids per row, those outside [0, v) dropped), word-major for the kernel's TMA:
+    (num_vb * block_v / 32, n_pad) int32, bit c % 32 of word c // 32 set for column c. An
+    XLA scatter-add of one bit per id (distinct ids: a sum of distinct bits is their OR);
+    its N V / 8 bytes replace a loop over the ids in every tile, whose cost grew with E."""
+    ex = exclude.astype(jnp.int32)
+    words = num_vb * block_v // 32
+    word = jnp.where((ex >= 0) & (ex < v), lax.shift_right_arithmetic(ex, 5), words)
+    bit = lax.shift_left(jnp.ones_like(ex), ex & 31)
+    rows = jnp.broadcast_to(jnp.arange(ex.shape[0], dtype=jnp.int32)[:, None], ex.shape)
+    return jnp.zeros((words, n_pad), jnp.int32).at[word, rows].add(bit, mode="drop")
+
+
+def other_columns(words_smem, cols):
+    """The (block_n, block_v) mask of a tile's columns (``cols``: their iota) that are not
+    excluded: each column reads its bit of the tile's words (``words_smem`` (block_v /
+    32, block_n) int32, ``excluded_words``), ~10 operations per element."""
     red = plgpu.Layout.WGMMA.reduce(1)
-    block_n, block_v = cols.shape
-    n_words = block_v // 32
-
-    def add_id(e, words):
-        # integers only: Mosaic GPU has no booleans of the row layout (2 per register)
-        rel = plgpu.load(ids_smem.at[1 + e], layout=red) - col0
-        bit = lax.shift_left(jnp.ones_like(rel), rel & 31)
-        word = lax.shift_right_arithmetic(rel, 5)  # outside [0, n_words): the id is not in the tile
-        # 1 where word == q, else 0
-        is_q = lambda q: 1 - jnp.minimum(jnp.maximum(word - q, q - word), 1)
-        return tuple(w | bit * is_q(q) for q, w in enumerate(words))
-
-    zero = plgpu.layout_cast(jnp.zeros((block_n,), jnp.int32), red)
-    words = lax.fori_loop(0, n_ex, add_id, (zero,) * n_words)
-    sel = bcast(words[0], cols.shape)
-    for q in range(1, n_words):
-        sel = jnp.where(cols >= 32 * q, bcast(words[q], cols.shape), sel)
+    word = lambda q: bcast(plgpu.load(words_smem.at[q], layout=red), cols.shape)
+    sel = word(0)
+    for q in range(1, cols.shape[1] // 32):
+        sel = jnp.where(cols >= 32 * q, word(q), sel)
     return (lax.shift_right_logical(sel, cols & 31) & 1) == 0
 
 
@@ -369,10 +367,12 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     column mask (cols < v - tile start) in the vocabulary's last tile, else None.
     ``finish(carry)`` gives the ``n_out`` row vectors to write (None: skip).
 
-    ``exclude`` (N, E) int32: per row, E columns that do not count (a value outside [0,
-    v) excludes nothing): ``valid`` is then every tile's mask of the columns that count
-    (< v and none of the row's E). A block's E ids sit in SMEM beside its targets (4 E
-    bytes per row: the ring may keep fewer stages); ``other_columns`` masks a tile.
+    ``exclude`` (N, E) int32: per row, E distinct columns that do not count (a value
+    outside [0, v) excludes nothing): ``valid`` is then every tile's mask of the columns
+    that count (< v and none of the row's E). The kernel reads a bitmap of them
+    (``excluded_words``): each compute warpgroup TMA-loads its rows' words of the next
+    tile into one of two SMEM slots (block_v / 4 bytes per row) while it folds this one;
+    ``other_columns`` masks a tile. The cost does not depend on E.
 
     ``keep_tiles`` > 0 (kept columns, the gradient's input kept from the forward): ``fold``
     returns ``(carry, (e, m))`` with e an fp32 tile in [0, 1] and m a per-row fp32
@@ -401,22 +401,20 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     keep_tiles = max(0, min(int(keep_tiles), num_vb_total))
     store = dz_store_columns(cfg, "keep_store") if keep_tiles else 0
     dtype = x.dtype
-    n_ex = 0 if exclude is None else int(exclude.shape[1])
-    extra = NUM_COMPUTE_WGS * block_n * (4 * n_out + 4 * (1 + n_ex))
+    excluding = exclude is not None
+    n_words = block_v // 32
+    extra = NUM_COMPUTE_WGS * block_n * (4 * n_out + 4 + (2 * 4 * n_words if excluding else 0))
     if keep_tiles:  # the kept tile's store buffer and the row vector's
         extra += dz_smem_extra(block_rows, store, jnp.dtype(dtype).itemsize, 0)
     stages = fit_stages(stages, k_iters * vb_per_split, x.dtype, block_rows, block_v, extra=extra)
     # The go signal is sent at ring step lag - 1 of warpgroup 0, which every CTA reaches.
     lag = max(0, min(cfg.lag, stages - 1, k_iters * (num_vb_total - (splits - 1) * vb_per_split)))
-    # (1 + E, rows): the target's row vector, then one per excluded id (padded rows: -1)
     tgt = jnp.pad(target.astype(jnp.int32), (0, n_pad - target.shape[0]))[None]
-    if n_ex:
-        ex = jnp.pad(exclude.astype(jnp.int32), ((0, n_pad - exclude.shape[0]), (0, 0)), constant_values=-1)
-        tgt = jnp.concatenate([tgt, ex.T])
+    ins = (x, w, tgt) + ((excluded_words(exclude, v, n_pad, num_vb_total, block_v),) if excluding else ())
     del vw
 
-    def kernel(x_ref, w_ref, t_ref, outs, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar, go_bar,
-               o_smem=None, m_smem=None):
+    def kernel(x_ref, w_ref, t_ref, b_ref, outs, x_smem, w_smem, produced, consumed, stat_smem, t_smem, t_bar,
+               go_bar, b_smem=None, b_bar=None, o_smem=None, m_smem=None):
         if keep_tiles:
             outs, (k_ref, m_ref) = outs[:n_out], outs[n_out:]
         nb = lax.axis_index("n")
@@ -437,6 +435,14 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
             red = plgpu.Layout.WGMMA.reduce(1)
             carry0 = tuple(plgpu.layout_cast(jnp.full((block_n,), val, jnp.float32), red) for val in init)
 
+            def load_words(j):  # tile j's excluded words of this warpgroup's rows, into slot j % 2
+                slot = lax.rem(j, 2)
+                plgpu.copy_gmem_to_smem(b_ref.at[pl.ds((vb0 + j) * n_words, n_words), rows], b_smem.at[wg, slot],
+                                        b_bar.at[wg * 2 + slot])
+
+            if excluding:
+                pl.when(num_vb > 0)(lambda: load_words(0))
+
             def v_body(j, carry, masked):
                 vb = vb0 + j
                 z = tile_logits(x_smem, w_smem, produced, consumed, wg, j * k_iters,
@@ -446,8 +452,13 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
                 # only the tile holding column v - 1 has columns >= v
                 valid = (cols < (v - vb * block_v)) if masked else None
                 hit = cols == bcast(tgt_rows - vb * block_v, z.shape)
-                if n_ex:
-                    counts = other_columns(t_smem.at[wg], n_ex, vb * block_v, cols)
+                if excluding:
+                    # The next tile's words go into the other slot, which tile j - 1 read: every
+                    # warp of the warpgroup has passed this tile's WGMMAs, so it is free.
+                    pl.when(j + 1 < num_vb)(lambda: load_words(j + 1))
+                    slot = lax.rem(j, 2)
+                    plgpu.barrier_wait(b_bar.at[wg * 2 + slot])
+                    counts = other_columns(b_smem.at[wg, slot], cols)
                     valid = counts if valid is None else valid & counts
                 out = fold(z, cols, hit, valid, carry)
                 if not keep_tiles:
@@ -499,20 +510,26 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
             memory_loop(x_ref, w_ref, x_smem, w_smem, produced, consumed, row0, vb0, num_vb,
                         k_iters=k_iters, stages=stages, block_rows=block_rows, block_v=block_v, layout=layout)
 
-    def entry(x_ref, w_ref, t_ref, *outs):
+    def entry(x_ref, w_ref, t_ref, *rest):
+        b_ref, outs = (rest[0], rest[1:]) if excluding else (None, rest)
         s = scratch(x.dtype, block_rows, block_v, stages, layout)
+        words = (plgpu.SMEM((NUM_COMPUTE_WGS, 2, n_words, block_n), jnp.int32),
+                 plgpu.Barrier(num_barriers=2 * NUM_COMPUTE_WGS)) if excluding else ()
         kept = (plgpu.SMEM((NUM_COMPUTE_WGS, block_n, store), dtype, transforms=smem_transforms(dtype, store)),
                 plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.float32)) if keep_tiles else ()
-        pl.run_scoped(
-            lambda *refs: kernel(x_ref, w_ref, t_ref, outs, *refs),
-            s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
-            plgpu.SMEM((NUM_COMPUTE_WGS, n_out, block_n), jnp.float32),
-            plgpu.SMEM((NUM_COMPUTE_WGS, 1 + n_ex, block_n), jnp.int32),
-            plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-            plgpu.Barrier(num_barriers=1),
-            *kept,
-            collective_axes="wg",
-        )
+        scoped = [s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
+                  plgpu.SMEM((NUM_COMPUTE_WGS, n_out, block_n), jnp.float32),
+                  plgpu.SMEM((NUM_COMPUTE_WGS, 1, block_n), jnp.int32),
+                  plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+                  plgpu.Barrier(num_barriers=1)]
+
+        def body(*refs):
+            refs = list(refs)
+            fixed, refs = refs[:8], refs[8:]
+            b_smem, b_bar = (refs.pop(0), refs.pop(0)) if excluding else (None, None)
+            kernel(x_ref, w_ref, t_ref, b_ref, outs, *fixed, b_smem, b_bar, *refs)
+
+        pl.run_scoped(body, *scoped, *words, *kept, collective_axes="wg")
 
     part = jax.ShapeDtypeStruct((splits, n_pad), jnp.float32)
     kept_types = ((jax.ShapeDtypeStruct((n_pad, keep_tiles * block_v), dtype),
@@ -526,7 +543,7 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(x, w, tgt)
+    )(*ins)
     n = target.shape[0]
     return tuple(p[:, :n] for p in parts[:n_out]) + tuple(parts[n_out:])
 

@@ -1,11 +1,12 @@
 """The "mosaic_gpu" backend of linear_topk_kl (SM90; Mosaic GPU's interpret mode without a
 GPU).
 
-Forward (``fused_forward``; K <= ``MAX_FUSED_IDS``, an (H, V) weight where ``fused`` says):
+Forward (``fused_forward``, where ``fused`` says: its buffers fit the plan):
     linear_cross_entropy's Mosaic GPU kernel (``mosaic_lib.stats_partials``) with each
-    row's K ids excluded from every tile (``exclude``: a bitmap of the tile per row,
-    ``mosaic_lib.other_columns``) and this op's fold: the online log-sum-exp of a = z / T
-    over the columns outside the ids (lse_tail, exact however much mass the ids hold),
+    row's K ids excluded from every tile (``exclude``: a bitmap of the ids built by XLA,
+    whose words each tile TMA-loads, ``mosaic_lib.other_columns``: the cost does not grow
+    with K) and this op's fold: the online log-sum-exp of a = z / T over the columns
+    outside the ids (lse_tail, exact however much mass the ids hold),
     z at the target (hard labels) and, with hard labels at T != 1, the tail's log-sum-exp
     of z itself; z at the ids from XLA, x . W[id] in fp32 (a gather of K rows of W per
     token, in the plan's row chunks; of a (V, H) copy of an (H, V) weight, since a gather
@@ -15,9 +16,9 @@ Forward (``fused_forward``; K <= ``MAX_FUSED_IDS``, an (H, V) weight where ``fus
     (``common.mosaic_gpu.kept_dz``: c_r e exp(m - lse_tail) - c_b [j == t], plus
     c_q e^T exp(T m - lse1) at T != 1: e^T in fp32 from the kept e, T x its rounding),
     then the K sparse values at the ids (an XLA scatter): the backward's kept columns
-    are two GEMMs, as linear_cross_entropy's. Otherwise the "xla" backend's forward
-    (XLA's GEMMs per row chunk, the ids masked by a scatter): K ids cost K x 1 KiB of
-    shared memory per CTA, and an (H, V) weight's copy must fit the plan.
+    are two GEMMs, as linear_cross_entropy's. Otherwise (a budget too small for the
+    bitmap or the weight's copies) the "xla" backend's forward: XLA's GEMMs per row
+    chunk, the ids masked by a scatter.
 
 Backward: the kept columns' GEMMs; the others recomputed by ``mosaic_lib.dz_call``, the
 Mosaic GPU kernel of linear_cross_entropy's backward with this op's epilogue:
@@ -54,24 +55,18 @@ from logitless.jax.planning import ROW_BYTES_PER_ELEM
 #: the "xla" forward's logits and their masked copy.
 CHUNK_ARRAYS = 2
 
-#: The most teacher ids per token that ``fused_forward`` takes. Each tile loops over them
-#: (building its bitmaps) and they take 1 KiB of SMEM each per 256-row CTA: with the kept
-#: tile's buffer the ring keeps 4 stages up to K = 8, 3 up to 56 (``mosaic_lib.fit_stages``).
-#: H200, 8192 x 4096 x 128256, the kernel without keeping: 12.3 ms with no ids, 12.9 at
-#: K = 20, 14.7 at K = 32 (XLA's forward: 16-17 ms).
-MAX_FUSED_IDS = 32
-
-
-def fused(config: RowsConfig, k: int, w_shape: tuple, itemsize: int) -> bool:
+def fused(config: RowsConfig, n: int, w_shape: tuple, itemsize: int) -> bool:
     """Whether ``fused_forward`` takes the call (module docstring), else the "xla" forward:
-    K <= ``MAX_FUSED_IDS``; an (H, V) weight where its (V, H) copy fits in the bytes the
-    plan gives the "xla" forward's chunk of fp32 logits, which the fused forward does not use."""
-    if k > MAX_FUSED_IDS:
-        return False
-    if config.weight_layout == "vh":
-        return True
-    h, v = w_shape
-    return h * v * itemsize <= config.grad.rows * CHUNK_ARRAYS * ROW_BYTES_PER_ELEM * v
+    where its buffers fit in the bytes the plan gives the "xla" forward's chunk of fp32
+    logits, which it does not use: the bitmap of the ids (N V / 8 bytes,
+    ``mosaic_lib.excluded_words``) and, for an (H, V) weight, its (V, H) copy and, where
+    V is not a multiple of 64, its padded copy."""
+    v = w_shape[W_AXIS[config.weight_layout]]
+    need = n * v // 8
+    if config.weight_layout == "hv":
+        h = w_shape[0]
+        need += (h * v + (h * ml.hv_columns(v) if ml.hv_columns(v) != v else 0)) * itemsize
+    return need <= config.grad.rows * CHUNK_ARRAYS * ROW_BYTES_PER_ELEM * v
 
 
 def _fold(opts, keep: bool):
@@ -247,7 +242,7 @@ class MosaicGpuBackend(MosaicGpuBase):
 
     def forward(self, x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, num_classes: int, grad: bool,
                 g_unit=None) -> TopKForward:
-        fwd = fused_forward if fused(config, ids.shape[1], w.shape, w.dtype.itemsize) else xla_backend.forward
+        fwd = fused_forward if fused(config, x2d.shape[0], w.shape, w.dtype.itemsize) else xla_backend.forward
         return fwd(x2d, w, ids, lp, target, config, opts=opts, merge=merge, num_classes=num_classes, grad=grad,
                    g_unit=g_unit)
 
