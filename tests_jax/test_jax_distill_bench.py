@@ -16,8 +16,9 @@ def test_the_suite_is_a_jax_one_and_runs_on_the_cpu(tmp_path):
     data = json.loads((tmp_path / "latest-jax-distill-cpu.json").read_text())
     rows = {(r["op"], r["method"]): r for r in data["rows"]}
     assert {("jsd", "logitless"), ("jsd", "xla-bf16-logits"), ("topk", "logitless-topk"), ("topk", "logitless-lce"),
-            ("topk", "xla-bf16-logits-topk")} <= set(rows)
+            ("topk", "xla-bf16-logits-topk"), ("topk", "xla-bf16-logits-topk-hard-T2")} <= set(rows)
     assert rows[("jsd", "logitless")]["|loss-baseline|"] < 1e-3
     assert rows[("topk", "logitless-topk")]["|loss-baseline|"] < 1e-3
+    assert rows[("topk", "logitless-topk-hard-T2")]["|loss-baseline|"] < 1e-3
     assert all(rows[("topk", f"logitless-topk-{m}")]["f+b/lce"] > 0 for m in ("hard-T2", "hard-T1.5", "hv"))
     assert "def xla_jsd" in data["baselines"] and (tmp_path / "latest-jax-distill-cpu.md").exists()

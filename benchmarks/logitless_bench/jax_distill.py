@@ -12,7 +12,7 @@ and 1.5: ``-hard-T2``, ``-hard-T1.5``;
 a flax (H, V) kernel: ``-hv``): f+b over three GEMMs and over ``linear_cross_entropy``
 (default call, same shape and layout, same run),
 against ``xla-bf16-logits``: bf16 logits cast to fp32, log_softmax, the gather at the
-ids and the bucket, under jax.jit.
+ids and the bucket, under jax.jit (``-hard-T2``: at T = 2 plus 0.5 x the cross-entropy).
 
 Every logitless row is the default call (``implementation=None``, ``memory_budget=None``)
 unless ``--memory-budget`` says otherwise. Per row: fwd and f+b medians, f+b / floor,
@@ -53,18 +53,23 @@ def xla_jsd(xs, ws, xt, wt, beta=0.5):
     return jnp.mean(beta * jnp.sum(q * (lq - lm), -1) + (1 - beta) * jnp.sum(p * (lp - lm), -1))
 
 
-def xla_topk_kl(x, w, ids, lp):
+def xla_topk_kl(x, w, ids, lp, t=None, temperature=1.0, hard_label_weight=0.0):
     """Top-k forward KL with the tail bucket as a JAX user writes it: bf16 logits, fp32
-    log_softmax, the gather at the ids, 1 - Q from the gathered mass (mean)."""
+    log_softmax at the temperature, the gather at the ids, 1 - Q from the gathered mass;
+    with a hard-label weight, plus that times the cross-entropy at T = 1 on t (mean)."""
     import jax
     import jax.numpy as jnp
 
-    logq = jax.nn.log_softmax((x @ w.T).astype(jnp.float32), axis=-1)
+    z = (x @ w.T).astype(jnp.float32)
+    logq = jax.nn.log_softmax(z / temperature, axis=-1)
     lq = jnp.take_along_axis(logq, ids, axis=-1)
     p = jnp.exp(lp)
     tail_p = jnp.clip(1.0 - p.sum(-1), 0.0)
     tail_q = jnp.clip(1.0 - jnp.exp(lq).sum(-1), 1e-30)
     kl = jnp.sum(p * (lp - lq), -1) + jnp.where(tail_p > 0, tail_p * (jnp.log(tail_p) - jnp.log(tail_q)), 0.0)
+    if hard_label_weight:
+        ce = jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0]
+        kl = kl + hard_label_weight * ce
     return jnp.mean(kl)
 
 
@@ -197,6 +202,8 @@ def run_topk(spec, args, rows):
                                                                                memory_budget=budget)}
     if not args.no_baseline:
         methods["xla-bf16-logits-topk"] = lambda a, b, i, p, tt: xla_topk_kl(a, b, i, p)
+        methods["xla-bf16-logits-topk-hard-T2"] = lambda a, b, i, p, tt: xla_topk_kl(
+            a, b, i, p, tt, temperature=2.0, hard_label_weight=0.5)
     operands = (x, w, ids, lp, t)
     operands_hv = (x, jax.block_until_ready(jnp.asarray(w.T)), ids, lp, t)
     losses, fbs = {}, {}
@@ -227,9 +234,10 @@ def run_topk(spec, args, rows):
             lce = "logitless-lce-hv" if r["method"].endswith("-hv") else "logitless-lce"
             if r["method"] in fbs and r["method"].startswith("logitless-topk") and lce in fbs:
                 r["f+b/lce"] = fbs[r["method"]] / fbs[lce]
-            if r["method"] == "logitless-topk":
-                if "xla-bf16-logits-topk" in losses:
-                    r["|loss-baseline|"] = abs(losses["logitless-topk"] - losses["xla-bf16-logits-topk"])
+            base = {"logitless-topk": "xla-bf16-logits-topk",
+                    "logitless-topk-hard-T2": "xla-bf16-logits-topk-hard-T2"}.get(r["method"])
+            if base in losses and r["method"] in losses:
+                r["|loss-baseline|"] = abs(losses[r["method"]] - losses[base])
 
 
 def markdown(data) -> str:

@@ -6,11 +6,12 @@ Forward (``fused_forward``, where ``fused`` says: its buffers fit the plan):
     row's K ids excluded from every tile (``exclude``: a bitmap of the ids built by XLA,
     whose words each tile TMA-loads, ``mosaic_lib.other_columns``: the cost does not grow
     with K) and this op's fold: the online log-sum-exp of a = z / T over the columns
-    outside the ids (lse_tail, exact however much mass the ids hold),
-    z at the target (hard labels) and, with hard labels at T != 1, the tail's log-sum-exp
-    of z itself; z at the ids from XLA, x . W[id] in fp32 (a gather of K rows of W per
-    token, in the plan's row chunks; of a (V, H) copy of an (H, V) weight, since a gather
-    of its columns reads 32 bytes per element: H200, 15.6 ms against 0.5 at K = 20).
+    outside the ids (lse_tail, exact however much mass the ids hold) and, with hard
+    labels at T != 1, the tail's log-sum-exp of z itself; z at the ids (and at the
+    target: a select and a row sum per element less in the kernel) from XLA, x . W[id]
+    in fp32 (a gather of K rows of W per token, in the plan's row chunks; of a (V, H)
+    copy of an (H, V) weight, since a gather of its columns reads 32 bytes per element:
+    H200, 15.6 ms against 0.5 at K = 20).
     Differentiated, the same pass keeps e = exp(a - m) of the leading whole tiles the
     budget holds, and dz is written over it
     (``common.mosaic_gpu.kept_dz``: c_r e exp(m - lse_tail) - c_b [j == t], plus
@@ -71,27 +72,25 @@ def fused(config: RowsConfig, n: int, w_shape: tuple, itemsize: int) -> bool:
 
 def _fold(opts, keep: bool):
     """``stats_partials``' fold: (m, s) the online log-sum-exp of a = z / T over the
-    columns that count (``valid``: the ids excluded), t the logit at the target (hard
-    labels) and, with hard labels at T != 1, s1: that of z itself, shifted by T m (the
-    maximum of z: T > 0; exp(z - T m) = e^T, products at T = 2, 3, 4:
-    ``mosaic_lib.unit_power``); with ``keep``: e = exp(a - m) (0 at excluded columns)
-    and m, taken as 0 while a row has no column yet (a tile of its ids only)."""
+    columns that count (``valid``: the ids excluded) and, with hard labels at T != 1, s1:
+    that of z itself, shifted by T m (the maximum of z: T > 0; exp(z - T m) = e^T,
+    products at T = 2, 3, 4: ``mosaic_lib.unit_power``); with ``keep``: e = exp(a - m)
+    (0 at excluded columns) and m, taken as 0 while a row has no column yet (a tile of
+    its ids only). z at the target is not summed here (a select and a row sum per
+    element) but gathered with the ids' (``ids_logits``)."""
     inv_t = 1.0 / opts.temperature
     scale = LOG2E * inv_t
     t_log2e = opts.temperature * LOG2E
 
     def fold(z, cols, hit, valid, carry):
-        m, s, t = carry[:3]
-        if opts.hard:
-            t = t + jnp.where(hit, z, 0.0).sum(axis=1)
+        m, s = carry[:2]
         z = z if valid is None else jnp.where(valid, z, -jnp.inf)
         m_new = jnp.maximum(m, z.max(axis=1) * inv_t)
         ms = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         e = jnp.exp2(z * scale - ml.bcast(ms * LOG2E, z.shape))
-        s = s * jnp.exp2((m - ms) * LOG2E) + e.sum(axis=1)
-        new = (m_new, s, t)
+        new = (m_new, s * jnp.exp2((m - ms) * LOG2E) + e.sum(axis=1))
         if opts.hard_at_other_temperature:  # the log-sum-exp of z (T = 1): exp(z - T m) = e^T
-            s1 = carry[3] * jnp.exp2((m - ms) * t_log2e)
+            s1 = carry[2] * jnp.exp2((m - ms) * t_log2e)
             e1 = (ml.unit_power(e, opts.temperature) if opts.temperature in ml.INT_POWERS
                   else jnp.exp2(z * LOG2E - ml.bcast(ms * t_log2e, z.shape)))
             new += (s1 + e1.sum(axis=1),)
@@ -135,17 +134,19 @@ def fused_forward(x2d, w, ids, lp, target, config: RowsConfig, *, opts, merge, n
     other = opts.hard_at_other_temperature
     lse_of = lambda m, s: m + jnp.log2(s) * LN2
 
-    def finish(c):  # lse_tail, z_t (hard labels), the tail's lse of z (hard labels at T != 1)
-        out = (lse_of(c[0], c[1]), c[2] if opts.hard else None)
-        return out + (lse_of(c[0] * opts.temperature, c[3]),) if other else out
+    def finish(c):  # lse_tail, the tail's lse of z (hard labels at T != 1)
+        return (lse_of(c[0], c[1]),) + ((lse_of(c[0] * opts.temperature, c[2]),) if other else ())
 
-    n_out = 3 if other else 2
+    n_out = 2 if other else 1
     out = ml.stats_partials(ml.pad_rows8(x2d), w, tl, v=v, cfg=tiles, n_out=n_out,
-                            init=(-jnp.inf, 0.0, 0.0) + ((0.0,) if other else ()),
+                            init=(-jnp.inf, 0.0) + ((0.0,) if other else ()),
                             fold=_fold(opts, keep_tiles > 0), finish=finish, interpret=interpret_params(),
                             layout=layout, keep_tiles=keep_tiles, exclude=il)
-    lses = merge.lse(merge_lse_splits(out[0]), *([merge_lse_splits(out[2])] if other else []))
-    sums = merge.sum(ids_logits(x2d, w_rows, il, config.plain.rows), *([out[1].sum(axis=0)] if opts.hard else []))
+    lses = merge.lse(*(merge_lse_splits(o) for o in out[:n_out]))
+    # z at the ids and, with hard labels, at the target: one gather (0 outside this device's columns)
+    z = ids_logits(x2d, w_rows, jnp.concatenate([il, tl[:, None]], axis=1) if opts.hard else il, config.plain.rows)
+    k = il.shape[1]
+    sums = merge.sum(z[:, :k], *([z[:, k]] if opts.hard else []))
     lse1 = jnp.logaddexp(lses[1], logsumexp_rows(sums[0])) if other else None  # the tail's and the ids'
     st = tk.TopKStats(lses[0], sums[0], sums[1] if opts.hard else None, lse1)
     terms = tk.token_terms(st, lp, ids, target, opts, num_classes, grad=grad)
