@@ -513,23 +513,21 @@ def stats_partials(x, w, target, *, v: int, cfg: FwdConfig, n_out: int, init: tu
     def entry(x_ref, w_ref, t_ref, *rest):
         b_ref, outs = (rest[0], rest[1:]) if excluding else (None, rest)
         s = scratch(x.dtype, block_rows, block_v, stages, layout)
-        words = (plgpu.SMEM((NUM_COMPUTE_WGS, 2, n_words, block_n), jnp.int32),
-                 plgpu.Barrier(num_barriers=2 * NUM_COMPUTE_WGS)) if excluding else ()
-        kept = (plgpu.SMEM((NUM_COMPUTE_WGS, block_n, store), dtype, transforms=smem_transforms(dtype, store)),
-                plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.float32)) if keep_tiles else ()
-        scoped = [s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
-                  plgpu.SMEM((NUM_COMPUTE_WGS, n_out, block_n), jnp.float32),
-                  plgpu.SMEM((NUM_COMPUTE_WGS, 1, block_n), jnp.int32),
-                  plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-                  plgpu.Barrier(num_barriers=1)]
-
-        def body(*refs):
-            refs = list(refs)
-            fixed, refs = refs[:8], refs[8:]
-            b_smem, b_bar = (refs.pop(0), refs.pop(0)) if excluding else (None, None)
-            kernel(x_ref, w_ref, t_ref, b_ref, outs, *fixed, b_smem, b_bar, *refs)
-
-        pl.run_scoped(body, *scoped, *words, *kept, collective_axes="wg")
+        words = dict(b_smem=plgpu.SMEM((NUM_COMPUTE_WGS, 2, n_words, block_n), jnp.int32),
+                     b_bar=plgpu.Barrier(num_barriers=2 * NUM_COMPUTE_WGS)) if excluding else {}
+        kept = dict(o_smem=plgpu.SMEM((NUM_COMPUTE_WGS, block_n, store), dtype,
+                                      transforms=smem_transforms(dtype, store)),
+                    m_smem=plgpu.SMEM((NUM_COMPUTE_WGS, block_n), jnp.float32)) if keep_tiles else {}
+        pl.run_scoped(
+            lambda *refs, **named: kernel(x_ref, w_ref, t_ref, b_ref, outs, *refs, **named),
+            s["x_smem"], s["w_smem"], s["produced"], s["consumed"],
+            plgpu.SMEM((NUM_COMPUTE_WGS, n_out, block_n), jnp.float32),
+            plgpu.SMEM((NUM_COMPUTE_WGS, 1, block_n), jnp.int32),
+            plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=1),
+            **words, **kept,
+            collective_axes="wg",
+        )
 
     part = jax.ShapeDtypeStruct((splits, n_pad), jnp.float32)
     kept_types = ((jax.ShapeDtypeStruct((n_pad, keep_tiles * block_v), dtype),
