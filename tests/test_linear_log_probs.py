@@ -21,6 +21,7 @@ from logitless.ops.linear_log_probs.contract import LlpBackwardCall, LlpCall
 from logitless.ops.linear_log_probs.custom_op import planned, replan
 from logitless.ops.linear_log_probs.reference import linear_log_probs_reference
 from logitless.options import LogProbOptions, VocabParallelOptions
+from logitless.planning.overrides import override
 from tests.conftest import DEVICE, HAS_CUDA
 from tests.helpers import AllocationRecorder, assert_close_to_ref, max_err
 
@@ -121,6 +122,22 @@ def test_triton_keeps_columns_when_the_budget_allows():
     assert shapes(torch.float32, 10**9, opts, False) is None
     wide_cap = LogProbOptions(0.5, True, 30.0, -100)  # exp(-2 s / T) underflows
     assert shapes(torch.bfloat16, 10**9, wide_cap, True) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["entropy", "softcap", "all"])
+def test_every_column_kept_with_log(dtype, name):
+    """The forced "keep" plan: the kept pass takes log e (entropy, a soft-cap; on an NVIDIA GPU
+    the MUFU's, ``tile_io.kept_log``) and its gradients still match float64."""
+    with override(strategy=("keep", 0)):
+        x = torch.zeros(74, 40, dtype=dtype, device=DEVICE)
+        w = torch.zeros(263, 40, dtype=dtype, device=DEVICE)
+        opts = LogProbOptions(OPTIONS[name].get("temperature", 1.0), OPTIONS[name].get("entropy", False),
+                              OPTIONS[name].get("softcap"), -100)
+        backend = llp_triton.TritonBackend()
+        kept = backend.kept_shapes(backend.plan(x, w, None, opts, budget=10**9, need_grad=True), 74)
+        assert kept is not None and kept[0][1] > 0  # (the GPU plans recompute the last partial tile)
+        check("triton", dtype, (2, 37), 40, 263, OPTIONS[name], seed=31, budget=10**9)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -344,7 +361,7 @@ def test_compile_fullgraph(backend, dynamic):
 def test_opcheck(backend, need_grad):
     x, w, t, b, _ = make_inputs((13,), 24, 104, torch.float32, {"_bias": True}, seed=5)
     opts, tp = LogProbOptions(temperature=0.7, entropy=True, softcap=4.0), VocabParallelOptions()
-    call = LlpCall(x, w, b, t, opts, backend, 6_000, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
+    call = LlpCall(x, w, b, t, opts, backend, 10**9, need_grad=need_grad, need_dw=True, top_k=None, top_p=None,
                    min_p=None, checked=True, k_max=-1, block=0, tp=tp)
     torch.library.opcheck(OPS.forward_op, OPS.args(call),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

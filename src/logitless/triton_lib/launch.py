@@ -257,10 +257,18 @@ def dlogits_tiles(plan: TritonPlan, n: int, cols: int, device) -> tuple[int, int
     return tiles, row_blocks
 
 
-#: Rows per program of a kept-columns dz pass that holds a third fp32 tile (z or log p
-#: beside p and dz: a soft-cap, entropy, hard labels at T != 1): the plan's 128 x 256
-#: tile spills registers there (docs/design.md "RL token log-probs and entropy").
-KEPT_ROWS_WITH_LOG = 32
+#: Rows per program, and warps, of a kept-columns dz pass that holds a third fp32 tile (z or
+#: log p beside p and dz: a soft-cap, entropy, hard labels at T != 1): the plan's 128 x 256
+#: tile spills registers there; 16 rows in 4 warps ran ahead of 32 in 8 (docs/design.md "RL
+#: token log-probs and entropy").
+KEPT_ROWS_WITH_LOG = 16
+KEPT_WARPS_WITH_LOG = 4
+
+
+def approx_log(t: Tensor) -> bool:
+    """Whether the kept passes take log e from the MUFU (``tile_io.kept_log``'s APPROX: PTX
+    inline assembly): compiled kernels on an NVIDIA GPU; not ROCm, not the interpreter."""
+    return t.is_cuda and not _HIP and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 class DlogitsKernels(NamedTuple):
@@ -269,8 +277,9 @@ class DlogitsKernels(NamedTuple):
 
         kept_kernel[(row blocks, tiles of [v0, v1))](keep, tile_max, dz, *kept_head,
             v0 // BLOCK_V, v1, keep's row stride, dz's row stride, *kept_tail, **kept_flags,
-            IN_PLACE, BLOCK_N, BLOCK_V, num_warps)
-            (BLOCK_N: ``kept_rows``, or the plan's block_n when 0; BLOCK_V: the plan's,
+            IN_PLACE, BLOCK_N, BLOCK_V, APPROX_LOG, num_warps)
+            (BLOCK_N: ``kept_rows`` in KEPT_WARPS_WITH_LOG warps, or the plan's block_n and
+            num_warps when 0; APPROX_LOG: ``approx_log``; BLOCK_V: the plan's,
             the forward's tile maxima are per block_v columns; dz: keep itself (v0 = 0)
             or the chunk buffer of columns [v0, v1))
         kernel[(programs,)](x operand, W operand, *inputs, dz operand, n, v, h,
@@ -342,7 +351,7 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
             run_kernel(k.kept_kernel, (cdiv(n, rows), cdiv(v1 - v0, plan.block_v)),
                        keep_buf, tile_max, dz, *k.kept_head, v0 // plan.block_v, v1, keep_buf.stride(0), dz.stride(0),
                        *k.kept_tail, **k.kept_flags, IN_PLACE=in_place, BLOCK_N=rows, BLOCK_V=plan.block_v,
-                       num_warps=plan.num_warps)
+                       APPROX_LOG=approx_log(x), num_warps=KEPT_WARPS_WITH_LOG if k.kept_rows else plan.num_warps)
         else:
             if x_op is None:
                 x_op, w_op, use_tma = operands(x, weight, plan)

@@ -19,6 +19,7 @@ from logitless.triton_lib.ce_math import (
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.tile_io import (
     block_tile,
+    kept_log,
     load_kept_tile,
     recomputed_tile,
     store_dz_tile,
@@ -148,7 +149,7 @@ def kept_dlogits_kernel(
     keep_ptr, keep_max_ptr, dz_ptr, cw_ptr, target_ptr, lse_ptr, coef_ptr,
     N, V, block0, keep_cols, stride_keep, stride_dz, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, APPROX_LOG: tl.constexpr = False,
 ):
     """dz for the kept columns [block0 * BLOCK_V, keep_cols): e = exp(z - m) (keep) becomes
     dz (dz_ptr: keep itself, in place, block0 = 0, or a chunk buffer of those columns, row
@@ -156,6 +157,7 @@ def kept_dlogits_kernel(
 
     p = e * exp(m - lse); z = log(e) + m is needed only with a soft-cap. No GEMM: one
     read and one write of (N, keep_cols) elements. BLOCK_V must be the forward's.
+    APPROX_LOG: ``tile_io.kept_log``'s.
     """
     e, m, offs_n, offs_v, row_ok, mask, at = load_kept_tile(keep_ptr, keep_max_ptr, N, block0, keep_cols,
                                                             stride_keep, IN_PLACE, BLOCK_N, BLOCK_V)
@@ -163,6 +165,6 @@ def kept_dlogits_kernel(
     p = e * tl.exp(m - lse)[:, None]
     z = p  # unused without a soft-cap
     if HAS_SOFTCAP:
-        z = tl.log(e) + m[:, None]
+        z = kept_log(e, APPROX_LOG) + m[:, None]
     dz = dz_tile(p, z, offs_v, target, a, b, c, cw_ptr, V, softcap, HAS_SOFTCAP, HAS_CW, BLOCK_V)
     store_kept_dz(dz_ptr, at, offs_n, offs_v, block0, stride_dz, mask, dz, IN_PLACE, BLOCK_V)

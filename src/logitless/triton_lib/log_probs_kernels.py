@@ -22,6 +22,7 @@ from logitless.triton_lib.log_probs_math import (
     split_blocks,
 )
 from logitless.triton_lib.tile_io import (
+    kept_log,
     load_kept_tile,
     recomputed_tile,
     store_dz_tile,
@@ -146,19 +147,19 @@ def logp_kept_dlogits_kernel(
     keep_ptr, keep_max_ptr, dz_ptr, token_ptr, lse_ptr, coef_ptr,
     N, block0, keep_cols, stride_keep, stride_dz, softcap, temperature,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
-    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, APPROX_LOG: tl.constexpr = False,
 ):
     """dz for the kept columns: e = exp(a - m) becomes dz (dz_ptr: keep itself, in place,
     or a chunk buffer of the launch's columns [block0 * BLOCK_V, keep_cols)). p = e exp(m - lse);
     log p = log e + m - lse only with entropy / a soft-cap (the planner keeps no columns
     where e could underflow and a soft-cap needs z = T (log p + lse)). No GEMM:
-    one read and one write per kept element. BLOCK_V must be the forward's."""
+    one read and one write per kept element. BLOCK_V must be the forward's. APPROX_LOG: ``tile_io.kept_log``'s."""
     e, m, offs_n, offs_v, row_ok, mask, at = load_kept_tile(keep_ptr, keep_max_ptr, N, block0, keep_cols,
                                                             stride_keep, IN_PLACE, BLOCK_N, BLOCK_V)
     lse, ca, cb, cc, token = load_row_coefficients(lse_ptr, coef_ptr, token_ptr, offs_n, row_ok, N)
     p = e * tl.exp(m - lse)[:, None]
     logp = p  # unused without entropy or a soft-cap
     if ENTROPY or HAS_SOFTCAP:
-        logp = tl.log(e) + (m - lse)[:, None]
+        logp = kept_log(e, APPROX_LOG) + (m - lse)[:, None]
     dz = logp_dz_tile(p, logp, lse, offs_v, token, ca, cb, cc, softcap, temperature, HAS_SOFTCAP, ENTROPY)
     store_kept_dz(dz_ptr, at, offs_n, offs_v, block0, stride_dz, mask, dz, IN_PLACE, BLOCK_V)

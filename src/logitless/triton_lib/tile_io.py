@@ -8,6 +8,7 @@ a tile of the (N, V) grid lies, and its stores and loads of the kept buffer and 
     store_dz_tile     dz of that tile into the chunk buffer (TMA bulk store or masked)
     store_kept_tile   a forward's e = exp(z - m) tile and its maxima m (KEEP)
     load_kept_tile    the backward's read of a kept tile (e, m)
+    kept_log          log e of that tile (the MUFU's on NVIDIA GPUs, ``launch.approx_log``)
     store_kept_dz     its dz, in place or into a chunk of dz columns
 
 Each op's own math (what dz is, from z or from e) stays in its kernel; these helpers
@@ -127,6 +128,20 @@ def load_kept_tile(keep_ptr, keep_max_ptr, N, block0, keep_cols, stride_keep, IN
     e = tl.load(keep_ptr + at, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(keep_max_ptr + pid_v.to(tl.int64) * N + offs_n, mask=row_ok, other=0.0)
     return e, m, offs_n, offs_v, row_ok, mask, at
+
+
+@triton.jit
+def kept_log(e, APPROX: tl.constexpr):
+    """log e of a kept tile (the passes that need log p or z: entropy, a soft-cap). APPROX
+    (``launch.approx_log``: compiled for an NVIDIA GPU): the MUFU's lg2.approx.f32 times ln 2
+    (absolute error <= 2^-22 in log2 on [0.5, 2], relative elsewhere; subnormals kept, e = 0
+    gives -inf as logf does); libdevice's logf is 20+ instructions a value, and it made the
+    pass compute-bound (RL at 8192 x 151936: 2.8 -> 1.5 ms with 16-row programs, docs/design.md
+    "RL token log-probs and entropy"). Else tl.log (the interpreter, ROCm)."""
+    if APPROX:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [e], dtype=tl.float32, is_pure=True,
+                                         pack=1) * 0.6931471805599453
+    return tl.log(e)
 
 
 @triton.jit

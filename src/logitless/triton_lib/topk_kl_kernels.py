@@ -30,6 +30,7 @@ from logitless.triton_lib.ce_math import online_lse_update, store_partials
 from logitless.triton_lib.gemm import grouped_tile
 from logitless.triton_lib.tile_io import (
     block_tile,
+    kept_log,
     load_kept_tile,
     recomputed_tile,
     store_dz_tile,
@@ -223,19 +224,20 @@ def topk_kept_dlogits_kernel(
     keep_ptr, keep_max_ptr, dz_ptr, target_ptr, rows_ptr, coef_ptr,
     N, block0, keep_cols, stride_keep, stride_dz, softcap, temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_HARD: tl.constexpr, HARD_T: tl.constexpr,
-    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, APPROX_LOG: tl.constexpr = False,
 ):
     """The dense dz of the kept columns: e = exp(a - m) becomes dz (dz_ptr: keep itself, in
     place, or a chunk buffer of the launch's columns [block0 * BLOCK_V, keep_cols)), r = e
     exp(m - lse_tail); z = T (log e + m) only with a soft-cap or HARD_T (the planner keeps
-    no columns where e could underflow there). BLOCK_V must be the forward's."""
+    no columns where e could underflow there). BLOCK_V must be the forward's. APPROX_LOG:
+    ``tile_io.kept_log``'s."""
     e, m, offs_n, offs_v, row_ok, mask, at = load_kept_tile(keep_ptr, keep_max_ptr, N, block0, keep_cols,
                                                             stride_keep, IN_PLACE, BLOCK_N, BLOCK_V)
     lse_tail, lse1, c_r, c_q, c_b, target = _row_terms(rows_ptr, coef_ptr, target_ptr, offs_n, row_ok, N)
     r = e * tl.exp(m - lse_tail)[:, None]
     z = r  # unused without a soft-cap or HARD_T
     if HAS_SOFTCAP or HARD_T:
-        z = (tl.log(e) + m[:, None]) * temperature
+        z = (kept_log(e, APPROX_LOG) + m[:, None]) * temperature
     dz = dense_dz(r, z, offs_v, lse1, c_r, c_q, c_b, target, softcap, HAS_SOFTCAP, HAS_HARD, HARD_T)
     store_kept_dz(dz_ptr, at, offs_n, offs_v, block0, stride_dz, mask, dz, IN_PLACE, BLOCK_V)
 

@@ -68,12 +68,13 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
         parts.append(stats)
         coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()
         dz = keep_buf[:, :tiles.keep_cols]
-        rows = launch.KEPT_ROWS_WITH_LOG if softcap is not None else tiles.block_n
+        rows, warps = (launch.KEPT_ROWS_WITH_LOG, launch.KEPT_WARPS_WITH_LOG) if softcap is not None else (
+            tiles.block_n, tiles.num_warps)
         grid = (triton.cdiv(n1 - n0, rows), triton.cdiv(v, tiles.block_v))
         public_launch(K.kept_dlogits_kernel, grid,
             dz, tile_max, dz, cw_arg, tc, stats.lse, coef, n1 - n0, v, 0, v, dz.stride(0), dz.stride(0),
             float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None,
-            IN_PLACE=True, BLOCK_N=rows, BLOCK_V=tiles.block_v, num_warps=tiles.num_warps,
+            IN_PLACE=True, BLOCK_N=rows, BLOCK_V=tiles.block_v, APPROX_LOG=launch.approx_log(x), num_warps=warps,
         )
         if dx is not None:
             torch.mm(dz, weight, out=dx[n0:n1])
