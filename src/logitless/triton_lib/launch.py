@@ -199,7 +199,9 @@ def kept_shapes_of(plan: TritonPlan, n: int):
 def keep_buffers(plan: TritonPlan, n: int, x: Tensor, use_tma: bool):
     """(buffer (n, row), its (n, keep_cols) view, fp32 tile maxima, the view's kernel
     operand: a TMA descriptor of block_n x block_v tiles when ``use_tma``) of the
-    ``kept_shapes_of`` shapes: what a forward keeping columns writes."""
+    ``kept_shapes_of`` shapes: what a forward keeping columns writes. The descriptor's
+    shape is the kept columns': the forward kernels store every tile, and TMA drops the
+    ones past keep_cols (``tile_io.store_kept_tile``)."""
     (_, row), max_shape = kept_shapes_of(plan, n)
     keep_buf = padded_buffer(n, row, x)
     keep = keep_buf[:, : plan.keep_cols]

@@ -88,16 +88,18 @@ def forward_stats_kernel(
             softcap, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_H, w_row0,
         )
         z = tl.where(col_ok[None, :], z, float("-inf"))
-        m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
-        if KEEP:
-            block = first_block + i
-            if block < keep_blocks:  # (with USE_TMA keep_ptr is a descriptor: a bulk store)
-                store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, block, pid_n, offs_n, offs_v, row_ok, col_ok,
-                                N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
+        # z's own statistics before the online update, and no branch around the kept store
+        # (``tile_io.store_kept_tile`` masks it): z dies before e is made. With z alive across
+        # a branched store, ptxas spilled ~700 B per thread at 128 x 256 in 8 warps (docs/design.md).
+        tile_max = tl.max(z, 1)
         z_t += tl.sum(tl.where(offs_v[None, :] == target[:, None], z, 0.0), 1)
         smooth, best, best_idx = side_stats_update(
             z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
             NEED_SMOOTH, NEED_ARGMAX, HAS_CW, BLOCK_V)
+        m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
+        if KEEP:
+            store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, first_block + i, keep_blocks, pid_n, offs_n, offs_v,
+                            row_ok, col_ok, N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
 
     out = store_partials(part_max_ptr, part_sum_ptr, part_smooth_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s,
                          smooth, z_t, NEED_SMOOTH)

@@ -82,17 +82,14 @@ def logp_forward_kernel(
         )
         if HAS_THRESHOLD:
             a = tl.where(a >= tau[:, None], a, float("-inf"))
+        # The token's logit before the online update, no branch around the kept store (as
+        # ``lce_kernels.forward_stats_kernel``: ~600 B per thread spilled otherwise).
+        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
         m_prev = m
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
         if KEEP:
-            block = first_block + i
-            if block < keep_blocks:
-                store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, block, pid_n, offs_n, offs_v, row_ok, col_ok,
-                                N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
-        # After the KEEP stores: with the token's sum before them, triton 3.6's
-        # TritonGPUFuseNestedLoops pass fails on KEEP + FLATTEN ("scf.if ... 5 operands,
-        # target successor needs 7"; reproduced with an sm_90 AOT compile on the CPU).
-        a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
+            store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, first_block + i, keep_blocks, pid_n, offs_n, offs_v,
+                            row_ok, col_ok, N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
         if FIELDS:
             s2, zsum, best, best_idx = fields_update(a, m_prev, m_safe, e, offs_v, s2, zsum, best, best_idx, V,
                                                      BLOCK_V)

@@ -93,18 +93,22 @@ def store_dz_tile(
 
 @triton.jit
 def store_kept_tile(
-    keep_ptr, keep_max_ptr, e, m_safe, block, pid_n, offs_n, offs_v, row_ok, col_ok, N, stride_keep,
+    keep_ptr, keep_max_ptr, e, m_safe, block, keep_blocks, pid_n, offs_n, offs_v, row_ok, col_ok, N, stride_keep,
     USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """A forward's kept tile: e = exp(z - m) of vocabulary block ``block`` in keep's
     dtype (USE_TMA: keep_ptr is a descriptor, an asynchronous bulk store) and the
-    running max used, m (fp32), at keep_max[block, rows]."""
+    running max used, m (fp32), at keep_max[block, rows]. Nothing where block >= keep_blocks,
+    without a branch (a branch around the store kept the logits tile alive and spilled
+    registers, docs/design.md "Kept columns"): masks, and with USE_TMA the descriptor's
+    (N, keep_cols) bounds (``launch.keep_buffers``), past which a bulk store writes nothing."""
+    kept = block < keep_blocks
     if USE_TMA:
         keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
     else:
         keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-        tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok)
+        tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & (col_ok & kept)[None, :])
+    tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok & kept)
 
 
 @triton.jit
