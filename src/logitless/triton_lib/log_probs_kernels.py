@@ -82,17 +82,18 @@ def logp_forward_kernel(
         )
         if HAS_THRESHOLD:
             a = tl.where(a >= tau[:, None], a, float("-inf"))
-        # The token's logit before the online update, no branch around the kept store (as
-        # ``lce_kernels.forward_stats_kernel``: ~600 B per thread spilled otherwise).
+        # The token's logit before the online update, the fields before the kept store, no branch
+        # around it (as ``lce_kernels.forward_stats_kernel``: ~600 B per thread spilled otherwise on
+        # sm_90; the fields after the store spilled 6 VGPRs on gfx950).
         a_t += tl.sum(tl.where(offs_v[None, :] == token[:, None], a, 0.0), 1)
         m_prev = m
         m, s, u, e, m_safe = online_entropy_update(a, m, s, u, ENTROPY)
-        if KEEP:
-            store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, first_block + i, keep_blocks, pid_n, offs_n, offs_v,
-                            row_ok, col_ok, N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
         if FIELDS:
             s2, zsum, best, best_idx = fields_update(a, m_prev, m_safe, e, offs_v, s2, zsum, best, best_idx, V,
                                                      BLOCK_V)
+        if KEEP:
+            store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, first_block + i, keep_blocks, pid_n, offs_n, offs_v,
+                            row_ok, col_ok, N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
 
     out = store_partials(part_max_ptr, part_sum_ptr, part_u_ptr, part_tgt_ptr, split, N, offs_n, row_ok, m, s, u,
                          a_t, ENTROPY)
