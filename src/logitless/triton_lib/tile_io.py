@@ -102,13 +102,15 @@ def store_kept_tile(
     without a branch (a branch around the store kept the logits tile alive and spilled
     registers, docs/design.md "Kept columns"): masks, and with USE_TMA the descriptor's
     (N, keep_cols) bounds (``launch.keep_buffers``), past which a bulk store writes nothing."""
-    kept = block < keep_blocks
+    # (block masks: triton 3.9's interpreter makes a bool block & a bool scalar an int32 mask)
     if USE_TMA:
         keep_ptr.store([pid_n * BLOCK_N, block * BLOCK_V], e.to(keep_ptr.dtype))
     else:
         keep_ptrs = keep_ptr + offs_n.to(tl.int64)[:, None] * stride_keep + offs_v[None, :]
-        tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & (col_ok & kept)[None, :])
-    tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=row_ok & kept)
+        kept_cols = col_ok & (offs_v < keep_blocks * BLOCK_V)
+        tl.store(keep_ptrs, e.to(keep_ptr.dtype.element_ty), mask=row_ok[:, None] & kept_cols[None, :])
+    kept_rows = row_ok & (block + tl.zeros_like(offs_n) < keep_blocks)
+    tl.store(keep_max_ptr + block.to(tl.int64) * N + offs_n, m_safe, mask=kept_rows)
 
 
 @triton.jit
