@@ -96,7 +96,7 @@ def forward_stats_kernel(
         smooth, best, best_idx = side_stats_update(
             z, tile_max, offs_v, smooth, best, best_idx, cw_ptr, V,
             NEED_SMOOTH, NEED_ARGMAX, HAS_CW, BLOCK_V)
-        m, s, e, m_safe, tile_max = online_lse_update(z, m, s)
+        m, s, e, m_safe, _ = online_lse_update(z, m, s)
         if KEEP:
             store_kept_tile(keep_ptr, keep_max_ptr, e, m_safe, first_block + i, keep_blocks, pid_n, offs_n, offs_v,
                             row_ok, col_ok, N, stride_keep, USE_TMA, BLOCK_N, BLOCK_V)
