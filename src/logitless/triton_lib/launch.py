@@ -267,6 +267,14 @@ KEPT_ROWS_WITH_LOG = 16
 KEPT_WARPS_WITH_LOG = 4
 
 
+def kept_pass_shape(tiles, with_log: bool) -> tuple[int, int]:
+    """(rows per program, warps) of a kept-columns dz pass over ``tiles``' block_v columns:
+    KEPT_ROWS_WITH_LOG in KEPT_WARPS_WITH_LOG warps when it holds a third fp32 tile
+    (``with_log``), else the tiles' block_n in their warps. Every kept pass launches so
+    (``chunked_backward``, linear_cross_entropy's gradient in the forward)."""
+    return (KEPT_ROWS_WITH_LOG, KEPT_WARPS_WITH_LOG) if with_log else (tiles.block_n, tiles.num_warps)
+
+
 def approx_log(t: Tensor) -> bool:
     """Whether the kept passes take log e from the MUFU (``tile_io.kept_log``'s APPROX: PTX
     inline assembly): compiled kernels on an NVIDIA GPU; not ROCm, not the interpreter."""
@@ -280,8 +288,8 @@ class DlogitsKernels(NamedTuple):
         kept_kernel[(row blocks, tiles of [v0, v1))](keep, tile_max, dz, *kept_head,
             v0 // BLOCK_V, v1, keep's row stride, dz's row stride, *kept_tail, **kept_flags,
             IN_PLACE, BLOCK_N, BLOCK_V, APPROX_LOG, num_warps)
-            (BLOCK_N: ``kept_rows`` in KEPT_WARPS_WITH_LOG warps, or the plan's block_n and
-            num_warps when 0; APPROX_LOG: ``approx_log``; BLOCK_V: the plan's,
+            (BLOCK_N and num_warps: ``kept_pass_shape(plan, kept_log)``;
+            APPROX_LOG: ``approx_log``; BLOCK_V: the plan's,
             the forward's tile maxima are per block_v columns; dz: keep itself (v0 = 0)
             or the chunk buffer of columns [v0, v1))
         kernel[(programs,)](x operand, W operand, *inputs, dz operand, n, v, h,
@@ -307,7 +315,7 @@ class DlogitsKernels(NamedTuple):
     scalars: tuple
     flags: dict
     prerounded: bool
-    kept_rows: int = 0
+    kept_log: bool = False  # the kept pass holds a third fp32 tile (``kept_pass_shape``)
     patch_kernel: object = None
     patch_inputs: tuple = ()
     patch_flags: Optional[dict] = None
@@ -349,11 +357,11 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
         if v1 <= keep_cols:
             keep_buf, tile_max, dz_in_place = kept
             dz = dz_in_place[:, :keep_cols] if in_place else dz_buf[:, : v1 - v0]
-            rows = k.kept_rows or plan.block_n
+            rows, warps = kept_pass_shape(plan, k.kept_log)
             run_kernel(k.kept_kernel, (cdiv(n, rows), cdiv(v1 - v0, plan.block_v)),
                        keep_buf, tile_max, dz, *k.kept_head, v0 // plan.block_v, v1, keep_buf.stride(0), dz.stride(0),
                        *k.kept_tail, **k.kept_flags, IN_PLACE=in_place, BLOCK_N=rows, BLOCK_V=plan.block_v,
-                       APPROX_LOG=approx_log(x), num_warps=KEPT_WARPS_WITH_LOG if k.kept_rows else plan.num_warps)
+                       APPROX_LOG=approx_log(x), num_warps=warps)
         else:
             if x_op is None:
                 x_op, w_op, use_tma = operands(x, weight, plan)

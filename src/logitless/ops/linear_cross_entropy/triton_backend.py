@@ -281,7 +281,7 @@ class TritonBackend(TritonKind):
             kept_kernel=K.kept_dlogits_kernel, kept_head=(cw_arg, target, lse, coef, n, v),
             kept_tail=(float(softcap or 1.0),),
             kept_flags=dict(HAS_SOFTCAP=softcap is not None, HAS_CW=class_weight is not None),
-            kept_rows=launch.KEPT_ROWS_WITH_LOG if softcap is not None else 0,
+            kept_log=softcap is not None,
             kernel=K.dlogits_kernel, inputs=(bias if bias is not None else x, cw_arg, target, lse, coef),
             scalars=(float(softcap or 1.0),), flags=flags, prerounded=prerounded,
         )

@@ -68,8 +68,7 @@ def forward_with_grad(x, weight, bias, target, class_weight, opts, *, plan: Line
         parts.append(stats)
         coef = grad_coefficients(stats.lse, tc, g[n0:n1], v, class_weight, opts).contiguous()
         dz = keep_buf[:, :tiles.keep_cols]
-        rows, warps = (launch.KEPT_ROWS_WITH_LOG, launch.KEPT_WARPS_WITH_LOG) if softcap is not None else (
-            tiles.block_n, tiles.num_warps)
+        rows, warps = launch.kept_pass_shape(tiles, softcap is not None)
         grid = (triton.cdiv(n1 - n0, rows), triton.cdiv(v, tiles.block_v))
         public_launch(K.kept_dlogits_kernel, grid,
             dz, tile_max, dz, cw_arg, tc, stats.lse, coef, n1 - n0, v, 0, v, dz.stride(0), dz.stride(0),

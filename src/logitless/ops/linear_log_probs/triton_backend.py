@@ -256,7 +256,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: Tensor, 
         kept_flags=dict(HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy),
         kernel=K.logp_dlogits_kernel, inputs=(bias if bias is not None else x, tokens, lse, coef),
         scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=dict(flags, **thr),
-        prerounded=prerounded, kept_rows=launch.KEPT_ROWS_WITH_LOG if opts.entropy or opts.softcap is not None else 0,
+        prerounded=prerounded, kept_log=opts.entropy or opts.softcap is not None,
     )
     return launch.chunked_backward(x, weight, bias, tiles, kept, kernels, need_dx=need_dx, need_dw=need_dw,
                                    need_db=need_db, dx_acc=dx_acc)

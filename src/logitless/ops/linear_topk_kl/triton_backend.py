@@ -169,7 +169,7 @@ def backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, tar
                         HARD_T=opts.hard_at_other_temperature),
         kernel=K.topk_dlogits_kernel, inputs=(bias if bias is not None else x, target, rows, coef),
         scalars=(float(opts.softcap or 1.0), 1.0 / opts.temperature), flags=flags, prerounded=prerounded,
-        kept_rows=launch.KEPT_ROWS_WITH_LOG if needs_z else 0,
+        kept_log=needs_z,
         patch_kernel=K.topk_patch_kernel, patch_inputs=(ids.to(torch.int32).contiguous(), sparse, ids.shape[1]),
         patch_flags=PATCH,
     )
