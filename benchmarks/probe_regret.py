@@ -181,12 +181,14 @@ def force(c: cm.Candidate, v: int, block_v: int) -> dict:
     return dict(strategy=("partial", 0), plan=reshape)
 
 
-def plan_bytes(plan, n: int, h: int, v: int, itemsize: int, strategy: str, token_chunk: int = 0) -> int:
+def plan_bytes(plan, n: int, h: int, v: int, itemsize: int, strategy: str, token_chunk: int = 0,
+               owned: bool = True) -> int:
     """Bytes of the temporaries the Triton backend allocates for ``plan`` beyond inputs,
     outputs and gradients, from the library's own buffer shapes (``launch``): kept
     columns (rows padded to 16 bytes) and their fp32 tile maxima, one recomputed dz
-    chunk, the fp32 dx accumulator when there are several chunks; gradient-in-forward:
-    one token chunk's kept logits and the fp32 dW accumulator across chunks."""
+    chunk (none where an ``owned`` backward lays it in the spent kept columns:
+    ``launch.dz_buffer``), the fp32 dx accumulator when there are several chunks;
+    gradient-in-forward: one token chunk's kept logits and the fp32 dW accumulator across chunks."""
     from logitless.triton_lib import launch
 
     def kept(p, rows):
@@ -201,6 +203,8 @@ def plan_bytes(plan, n: int, h: int, v: int, itemsize: int, strategy: str, token
         return kept(dataclasses.replace(plan, keep_cols=v), m) + acc
     chunks = launch.backward_chunks(plan, v, plan.keep_cols)
     dz = n * (-(-min(plan.vocab_chunk, v - plan.keep_cols) // 8) * 8) * itemsize if plan.keep_cols < v else 0
+    if owned and plan.keep_cols and dz <= n * launch.kept_shapes_of(plan, n)[0][1] * itemsize:
+        dz = 0  # laid in the kept buffer
     acc = 4 * n * h if len(chunks) > 1 and itemsize != 4 else 0
     return kept(plan, n) + dz + acc
 

@@ -140,6 +140,36 @@ def test_every_column_kept_with_log(dtype, name):
         check("triton", dtype, (2, 37), 40, 263, OPTIONS[name], seed=31, budget=10**9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recomputed_chunks_reuse_the_spent_kept_columns(dtype, monkeypatch):
+    """A plan that keeps most columns and recomputes the rest (eager: the backward owns the
+    kept buffer): once the kept columns' dz has fed their GEMMs, the recomputed chunks' dz is
+    laid in that buffer's storage (``launch.dz_buffer``: no new memory, as the cost model
+    counts it), and the gradients still match float64 (odd sizes, entropy, bias)."""
+    from logitless.planning import plans
+    from logitless.triton_lib import launch
+
+    lead, h, v = (3, 13), 40, 263
+    n, itemsize = 39, dtype.itemsize
+    for budget in range(n * v * itemsize // 2, 2 * n * v * itemsize, n * itemsize):
+        plan = plans.triton_plan(n, v, h, itemsize, budget, torch.device(DEVICE), keep_allowed=True)
+        if 0 < min(plan.vocab_chunk, v - plan.keep_cols) <= plan.keep_cols < v:
+            break
+    else:
+        pytest.skip("this device's planner keeps every column or too few at these sizes")
+    laid = []
+    real = launch.dz_buffer
+
+    def spy(*args, spent=None, **kw):
+        buf = real(*args, spent=spent, **kw)
+        laid.append(spent is not None and buf.untyped_storage().data_ptr() == spent.untyped_storage().data_ptr())
+        return buf
+
+    monkeypatch.setattr(launch, "dz_buffer", spy)
+    check("triton", dtype, lead, h, v, OPTIONS["all"], seed=41, budget=budget)
+    assert laid == [True], laid
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shapes_one_token_3d_empty(backend):
     check(backend, torch.float32, (1,), 16, 5, OPTIONS["all"], seed=11)

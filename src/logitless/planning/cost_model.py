@@ -19,7 +19,9 @@ Strategies (``Candidate.strategy``):
 - ``partial``: keep the first ``keep_cols`` columns, recompute the others in chunks of
   ``vocab_chunk`` columns (fused GEMM + softmax-gradient kernel), dx accumulated in an
   fp32 (N, H) buffer: 3 + (V - keep_cols) / V GEMMs. Memory: kept columns + 4 N H + one
-  dz chunk N * vocab_chunk * s. ``keep_cols = 0`` is "recompute everything".
+  dz chunk N * vocab_chunk * s, unless the backward owns the kept columns and the chunk
+  fits in them (it is laid there once their dz is spent: ``launch.dz_buffer``).
+  ``keep_cols = 0`` is "recompute everything".
 - ``grad_in_forward``: token chunks of ``token_chunk`` rows; for each, the forward keeps
   the chunk's logits over the whole vocabulary, turns them into dz with the loss's
   upstream gradient taken as 1 (possible for "mean" and "sum": the denominator of
@@ -342,7 +344,10 @@ def predict_keep(dev, n, h, v, itemsize, block_v=256, kept_owned=True, min_chunk
     return Candidate("keep", keep_cols=v, vocab_chunk=v, memory=memory, time_s=fwd + bwd, fwd_s=fwd)
 
 
-def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256) -> Candidate:
+def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256, kept_owned=False) -> Candidate:
+    """Keep ``keep_cols`` columns, recompute the others in ``vocab_chunk``-wide chunks.
+    ``kept_owned`` (the eager path: the backward writes the kept columns' dz over them):
+    the recomputed chunks' dz is laid in the kept buffer when it fits, costing no memory."""
     rec = v - keep_cols
     kb = n * keep_cols * itemsize
     fwd = fused_forward_s(dev, n, h, v, itemsize) + kb / dev.keep_store_bw + dev.fixed_fwd_s
@@ -361,7 +366,9 @@ def predict_partial(dev, n, h, v, itemsize, keep_cols, vocab_chunk, block_v=256)
     bwd += backward_fixed_s(dev, n)
     # fp32 dx accumulator across chunks; fp32 inputs accumulate into dx itself.
     acc = 4 * n * h if len(widths) > 1 and itemsize != 4 else 0
-    memory = _keep_bytes(n, keep_cols, itemsize, block_v) + acc + dz_chunk
+    kb_mem = _keep_bytes(n, keep_cols, itemsize, block_v)
+    in_kept = kept_owned and itemsize * n * min(vocab_chunk, rec) <= kb_mem
+    memory = kb_mem + acc + (0 if in_kept else dz_chunk)
     return Candidate("partial", keep_cols=keep_cols, vocab_chunk=vocab_chunk, memory=memory,
                      time_s=fwd + bwd, fwd_s=fwd)
 
@@ -404,7 +411,9 @@ def _wide_widths(dev, first, padded) -> set:
 def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chunk=4096,
                grad_in_forward=True, weight_fp32=False, keep=True, kept_owned=True):
     """The fixed family of candidate plans of a shape (independent of the budget).
-    ``kept_owned``: ``predict_keep``'s (a partial plan's kept dz fits its chunk buffer)."""
+    ``kept_owned``: ``predict_keep``'s and ``predict_partial``'s (the backward writes dz
+    over the kept columns: a partial plan's recomputed chunks reuse them; not owned, its
+    kept dz goes through its chunk buffer)."""
     dev = device_model
     padded = math.ceil(v / block_v) * block_v
     out = []
@@ -421,9 +430,11 @@ def candidates(n, h, v, itemsize, *, device_model=DEFAULT, block_v=256, min_chun
     # kept columns: 64ths of the vocabulary (multiples of block_v), 0 included
     keeps = sorted({(v * i // KEEP_STEPS) // block_v * block_v for i in range(KEEP_STEPS)} if keep else {0})
     for k in keeps:
-        for w in sorted(widths):
+        # and, beside kept columns, the whole remainder in one chunk when it is wider
+        one = {padded - k} if 0 < k and padded - k > max(widths) else set()
+        for w in sorted(widths | one):
             if k < v:
-                out.append(predict_partial(dev, n, h, v, itemsize, k, w, block_v))
+                out.append(predict_partial(dev, n, h, v, itemsize, k, w, block_v, kept_owned))
     if grad_in_forward:
         t = 512
         sizes = set()

@@ -231,12 +231,18 @@ def backward_chunks(plan: TritonPlan, v: int, keep_cols: int, kept_step: int = 0
     return chunks
 
 
-def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor, kept_step: int = 0) -> Tensor:
+def dz_buffer(plan: TritonPlan, n: int, v: int, keep_cols: int, x: Tensor, kept_step: int = 0,
+              spent: Optional[Tensor] = None) -> Tensor:
     """The (n, width) buffer of one dz chunk: the widest recomputed chunk, or kept chunk of
     ``kept_step`` columns (0: none goes there), rows padded to 16 bytes so that dz tiles can
-    be bulk-stored (TMA)."""
+    be bulk-stored (TMA). ``spent``: the kept buffer, whose dz (written over it) the
+    previous chunk's GEMMs have read: the chunk is laid in its storage when it fits (no
+    new memory: ``cost_model.predict_partial`` counts it so), else allocated."""
     width = max(min(plan.vocab_chunk, v - keep_cols), min(kept_step, keep_cols))
-    return padded_buffer(n, cdiv(width, 8) * 8, x)
+    row = cdiv(width, 8) * 8
+    if spent is not None and spent.is_contiguous() and n * row <= spent.numel():
+        return spent.view(-1)[: n * row].view(n, row)
+    return padded_buffer(n, row, x)
 
 
 def dz_operand(dz: Tensor, plan: TritonPlan, use_tma: bool):
@@ -329,7 +335,8 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     dz goes: the buffer itself, or None: the dz buffer in chunks of
     ``plan.kept_dz_chunk`` columns; ``ops.common.kept.Kept``) from the forward, or None)
     become dz (``kernels.kept_kernel``); the others are
-    recomputed into one padded dz buffer (``kernels.kernel``). Each chunk of dz feeds
+    recomputed into one padded dz buffer (``kernels.kernel``; in place, laid in the kept
+    buffer once its dz is spent: ``dz_buffer``). Each chunk of dz feeds
     ``chunk_gradients`` (dW, db rows written once; dx into an fp32 accumulator when
     there are several chunks). ``dx_acc``: dx as the fp32 accumulator (also for one
     chunk), not cast to x's dtype (a partial sum that the caller reduces first: vocab
@@ -353,7 +360,9 @@ def chunked_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Tr
     x_op = w_op = use_tma = None  # (built at the first recomputed chunk: none when every column was kept)
     for v0, v1 in chunks:
         if dz_buf is None and not (in_place and v1 <= keep_cols):
-            dz_buf = dz_buffer(plan, n, v, keep_cols, x, 0 if in_place else kept_step)
+            # In place, the kept chunk came first: its buffer is spent (stream order).
+            dz_buf = dz_buffer(plan, n, v, keep_cols, x, 0 if in_place else kept_step,
+                               spent=kept[2] if in_place else None)
         if v1 <= keep_cols:
             keep_buf, tile_max, dz_in_place = kept
             dz = dz_in_place[:, :keep_cols] if in_place else dz_buf[:, : v1 - v0]
