@@ -150,7 +150,7 @@ def test_recomputed_chunks_reuse_the_spent_kept_columns(dtype, monkeypatch):
     from logitless.triton_lib import launch
 
     lead, h, v = (3, 13), 40, 263
-    n, itemsize = 39, dtype.itemsize
+    n, itemsize = math.prod(lead), dtype.itemsize
     for budget in range(n * v * itemsize // 2, 2 * n * v * itemsize, n * itemsize):
         plan = plans.triton_plan(n, v, h, itemsize, budget, torch.device(DEVICE), keep_allowed=True)
         if 0 < min(plan.vocab_chunk, v - plan.keep_cols) <= plan.keep_cols < v:
