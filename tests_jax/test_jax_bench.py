@@ -40,7 +40,11 @@ def test_jax_suite_smoke(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "latest-jax-cpu.json").read_text())
     assert data["complete"] and data["meta"]["tag"] == "cpu"
     rows = {r["method"]: r for r in data["rows"]}
-    assert set(rows) == {"gemm", "logitless-xla", "logitless-xla-hv", "xla-logits", "logitless-mosaic"}
+    assert set(rows) == {"gemm", "gemm-hv", "logitless-xla", "logitless-xla-hv", "xla-logits", "logitless-mosaic"}
+    # A row that takes the (H, V) kernel is timed against the GEMM in that layout.
+    assert rows["gemm-hv"]["fwd ms"] > 0
+    hv_row = rows["logitless-xla-hv"]
+    assert hv_row["fwd/1 GEMM"] == hv_row["fwd ms"] / rows["gemm-hv"]["fwd ms"]
     # The flax (H, V) kernel: read in place, no more temporaries than the (V, H) weight.
     hv = rows["logitless-xla-hv"]
     assert hv["|loss-ref|"] < 1e-5 and hv["fwd ms"] > 0
@@ -165,6 +169,16 @@ def test_interleaved_rounds_take_medians_and_ratios_again(monkeypatch):
     assert ours["fwd ms rounds"] == [40.0, 30.0, 20.0, 10.0] and ours["fwd ms"] == 25.0
     assert ours["fwd+bwd ms rounds"] == [70.0, 60.0, 40.0, 50.0] and ours["fwd+bwd ms"] == 55.0
     assert ours["fwd/1 GEMM"] == 10.0 and abs(ours["f+b/3 GEMMs"] - 55.0 / 7.5) < 1e-12
+    # With a GEMM row per layout, an (H, V) row's ratios are against the (H, V) GEMM's median.
+    clock = iter([2.0, 5.0, 20.0, 40.0, 20.0, 40.0])
+    gemm = {"method": "gemm", "fwd ms": 2.0}
+    gemm_hv = {"method": "gemm-hv", "fwd ms": 4.0}
+    ours_hv = {"method": "ours-hv", "fwd ms": 20.0, "fwd+bwd ms": 40.0}
+    ours = {"method": "ours", "fwd ms": 20.0, "fwd+bwd ms": 40.0}
+    jax_suite.interleaved_rounds([(gemm, "g", None, ()), (gemm_hv, "gh", None, ()), (ours_hv, "f", "fb", ()),
+                                  (ours, "f", "fb", ())], 2, reps=2)
+    assert gemm["fwd ms"] == 2.0 and gemm_hv["fwd ms"] == 4.5
+    assert ours_hv["fwd/1 GEMM"] == 20.0 / 4.5 and ours["fwd/1 GEMM"] == 10.0
 
 
 def test_rounds_below_one_are_refused(capsys):
@@ -195,7 +209,8 @@ def test_a_row_that_fails_after_its_timings_is_not_timed_again(monkeypatch):
         monkeypatch.setattr(jax_suite, "_loss_fns", lambda m, budget, tok_fn=tok_fn: (mean_fn, tok_fn))
         timers, row = [], {}
         try:
-            jax_suite._run_method("ours", s, x, w, t, None, np.zeros(8), 1.0, 0, 1, row, timers=timers)
+            jax_suite._run_method("ours", s, x, w, t, None, np.zeros(8), {"vh": 1.0}, 0, 1, row,
+                                 timers=timers)
         except RuntimeError as exc:
             assert "per-token check failed" in str(exc)
         assert row["fwd+bwd ms"] > 0  # timed before the failure

@@ -3,6 +3,8 @@ the logits, tokamax and a GEMM, in one process and one run. Needs only jax (no t
 
 Methods (each skipped with a note when unavailable):
     gemm              jnp.dot(x, w.T) of the same shape, jitted: the unit (1 GEMM)
+    gemm-hv           jnp.dot(x, kernel) with the (H, V) kernel: the unit of the rows that
+                      take the weight that way (-hv, tokamax), added when one of them runs
     logitless-xla     logitless.jax.linear_cross_entropy(implementation="xla"), default budget
     logitless-mosaic  the same with implementation="mosaic_gpu" (SM90 GPUs, when present)
     logitless-triton  the same with implementation="triton" (NVIDIA GPUs with jax-triton;
@@ -51,14 +53,14 @@ from .jax_timing import median_ms as _median_ms
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-METHODS = ("gemm", "logitless", "logitless-hv", "logitless-xla", "logitless-mosaic", "logitless-triton",
+METHODS = ("gemm", "gemm-hv", "logitless", "logitless-hv", "logitless-xla", "logitless-mosaic", "logitless-triton",
            "logitless-xla-hv", "logitless-mosaic-hv", "logitless-triton-hv", "xla-logits", "xla-logits-bf16",
            "xla-logits-bf16-hv", "tokamax-xla", "tokamax-chunked")
 #: Run when --methods is not given: tokamax's "xla" backend materialises the logits as
 #: xla-logits does (same cost); ask for it with --methods all or by name.
 #: logitless-mosaic last: should a kernel hang on a new GPU, the shape's other rows are
 #: already written (the files are saved after every row).
-DEFAULT_METHODS = ("gemm", "logitless-xla", "logitless-xla-hv", "xla-logits", "xla-logits-bf16",
+DEFAULT_METHODS = ("gemm", "gemm-hv", "logitless-xla", "logitless-xla-hv", "xla-logits", "xla-logits-bf16",
                    "xla-logits-bf16-hv", "tokamax-chunked", "logitless-triton", "logitless-triton-hv",
                    "logitless-mosaic", "logitless-mosaic-hv", "logitless", "logitless-hv")
 #: Seconds kept for writing the files when --max-minutes is given.
@@ -125,6 +127,11 @@ def _tokamax():
     except Exception as exc:
         raise Skip(f"tokamax not importable ({type(exc).__name__}: {exc})") from exc
     return tk
+
+
+def layout(method: str) -> str:
+    """The weight layout a method reads: "hv" (the (H, V) kernel) or "vh"."""
+    return "hv" if method.endswith("-hv") or method.startswith("tokamax") else "vh"
 
 
 def _loss_fns(method, budget=None):
@@ -263,10 +270,11 @@ def markdown(data) -> str:
                 else "")
              + f"{'' if data.get('complete') else ' — **partial**'}", "",
              "Ratios are against `jnp.dot(x, w.T)` of the same shape, measured in the same run "
-             "(fwd/1 GEMM; fwd+bwd over 3 GEMMs). temp MiB: XLA's compiled temporary bytes of the jitted "
-             "fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). Methods ending in "
-             "-hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). |loss-ref|: mean loss vs "
-             "float64; max tok err: largest per-token loss error vs float64.", ""]
+             "(fwd/1 GEMM; fwd+bwd over 3 GEMMs); rows that take an (H, V) kernel (-hv, tokamax) against "
+             "`jnp.dot(x, kernel)` (gemm-hv) where that row was run. temp MiB: XLA's compiled temporary "
+             "bytes of the jitted fwd+bwd (`memory_analysis().temp_size_in_bytes`; fwd temp MiB: of the fwd). "
+             "Methods ending in -hv take the weight as a flax (H, V) kernel (`weight_layout=\"hv\"`). "
+             "|loss-ref|: mean loss vs float64; max tok err: largest per-token loss error vs float64.", ""]
     if data["settings"].get("memory_budget"):
         lines += [f"logitless rows: memory_budget={data['settings']['memory_budget']} bytes (not the device's "
                   "default).", ""]
@@ -293,7 +301,7 @@ def _plot(data, path):
         import matplotlib.pyplot as plt
     except Exception:
         return None
-    rows = [r for r in data["rows"] if r.get("f+b/3 GEMMs") and r["method"] != "gemm"]
+    rows = [r for r in data["rows"] if r.get("f+b/3 GEMMs") and not r["method"].startswith("gemm")]
     if not rows:
         return None
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
@@ -337,26 +345,31 @@ def _device_tag(cpu: bool, meta) -> str:
     return (meta["device"].replace("NVIDIA ", "").split() or ["gpu"])[0]
 
 
-def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=False, budget=None, timers=None):
-    """Measures one method on one shape into ``row``; returns (wt, gemm_ms). ``timers``
+def _run_method(m, s, x, w, t, wt, ref, units, warmup, reps, row, profile=False, budget=None, timers=None):
+    """Measures one method on one shape into ``row``; returns wt (the (H, V) kernel, made
+    once per shape). ``units``: layout -> the GEMM's ms, filled by the gemm rows; a row's
+    ratios are against its layout's GEMM (the "vh" one where that was not run). ``timers``
     (a list): gets ``row``'s entry (row, fwd, fwd+bwd or None, args) for ``interleaved_rounds``,
     once the method has passed its checks (a row that fails after its timings is not timed again)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    if m == "gemm":
+    hv = layout(m) == "hv"
+    if m in ("gemm", "gemm-hv"):
+        if hv and wt is None:
+            wt = jnp.asarray(w.T)
         t0 = time.perf_counter()
-        f = jax.jit(lambda x, w: jnp.dot(x, w.T)).lower(x, w).compile()
+        gargs = (x, wt) if hv else (x, w)
+        f = jax.jit(lambda x, k: jnp.dot(x, k) if hv else jnp.dot(x, k.T)).lower(*gargs).compile()
         row["compile s"] = time.perf_counter() - t0
-        row["fwd ms"] = gemm_ms = _median_ms(f, (x, w), warmup, reps)
+        row["fwd ms"] = units[layout(m)] = _median_ms(f, gargs, warmup, reps)
         if timers is not None:
-            timers.append((row, f, None, (x, w)))
+            timers.append((row, f, None, gargs))
         row["fwd/1 GEMM"] = 1.0
-        row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / gemm_ms / 1e9:.3g} TFLOP/s"
-        return wt, gemm_ms
+        row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / row['fwd ms'] / 1e9:.3g} TFLOP/s"
+        return wt
     mean_fn, tok_fn = _loss_fns(m, budget)  # Skip (before the (H, V) copy is made)
-    hv = m.startswith("tokamax") or m.endswith("-hv")
     if hv and wt is None:
         wt = jnp.asarray(w.T)  # (H, V), as a flax kernel / tokamax's weights: made once per shape
     args_ = (x, w, wt, t)
@@ -395,6 +408,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
     mem = fb.memory_analysis()
     if mem is not None:
         row["temp MiB"] = mem.temp_size_in_bytes / 2**20
+    gemm_ms = units.get(layout(m)) or units.get("vh")
     if gemm_ms:
         row["fwd/1 GEMM"] = row["fwd ms"] / gemm_ms
         row["f+b/3 GEMMs"] = row["fwd+bwd ms"] / (3 * gemm_ms)
@@ -405,7 +419,7 @@ def _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, profile=Fals
         row["max tok err"] = float(np.abs(per_tok - ref).max())
     if timers is not None:  # only a method that passed every step above is timed again
         timers.append((row, fwd, fb, args_))
-    return wt, gemm_ms
+    return wt
 
 
 def interleaved_rounds(entries: list, rounds: int, reps: int) -> None:
@@ -413,7 +427,7 @@ def interleaved_rounds(entries: list, rounds: int, reps: int) -> None:
     timing every row's fwd and fwd+bwd in turn (``reps`` calls each, one warm-up); each
     row's "fwd ms" / "fwd+bwd ms" become the medians over all rounds (the first one's
     included; the rounds' values in "fwd ms rounds" / "fwd+bwd ms rounds") and its ratios
-    are taken again against the GEMM row's median."""
+    are taken again against the median of its layout's GEMM row (``layout``)."""
     import statistics
 
     for row, _, fb, _ in entries:
@@ -425,14 +439,15 @@ def interleaved_rounds(entries: list, rounds: int, reps: int) -> None:
             row["fwd ms rounds"].append(_median_ms(fwd, args_, 1, reps))
             if fb is not None:
                 row["fwd+bwd ms rounds"].append(_median_ms(fb, args_, 1, reps))
-    gemm_ms = None
+    units = {}
     for row, _, fb, _ in entries:
         row["fwd ms"] = statistics.median(row["fwd ms rounds"])
         if fb is None:
-            gemm_ms = row["fwd ms"]
+            units[layout(row["method"])] = row["fwd ms"]
         else:
             row["fwd+bwd ms"] = statistics.median(row["fwd+bwd ms rounds"])
     for row, _, fb, _ in entries:
+        gemm_ms = units.get(layout(row["method"])) or units.get("vh")
         if gemm_ms and fb is not None:
             row["fwd/1 GEMM"] = row["fwd ms"] / gemm_ms
             row["f+b/3 GEMMs"] = row["fwd+bwd ms"] / (3 * gemm_ms)
@@ -461,6 +476,8 @@ def run(argv=None) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; known: {', '.join(METHODS)} (or 'all')")
+    if "gemm-hv" not in methods and any(layout(m) == "hv" for m in methods):
+        methods = ["gemm-hv"] + methods
     if "gemm" not in methods:
         methods = ["gemm"] + methods
     if args.list:
@@ -516,7 +533,7 @@ def run(argv=None) -> int:
                 t0 = time.perf_counter()
                 ref = _reference(x, w, t)
                 print(f"  shape={s.label} | float64 reference {time.perf_counter() - t0:.1f} s")
-            gemm_ms = None
+            units = {}
             timers = [] if args.rounds > 1 else None
             for m in methods:
                 row = {"shape": s.label, "method": m}
@@ -532,7 +549,7 @@ def run(argv=None) -> int:
                     continue
                 t0 = time.monotonic()
                 try:
-                    wt, gemm_ms = _run_method(m, s, x, w, t, wt, ref, gemm_ms, warmup, reps, row, args.profile,
+                    wt = _run_method(m, s, x, w, t, wt, ref, units, warmup, reps, row, args.profile,
                                               args.memory_budget, timers)
                 except Skip as exc:
                     row["note"] = f"skipped: {exc}"
@@ -540,7 +557,7 @@ def run(argv=None) -> int:
                     row["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
                 took = time.monotonic() - t0
                 last_s[m] = took
-                if took > args.method_seconds and m != "gemm":
+                if took > args.method_seconds and not m.startswith("gemm"):
                     too_slow[m] = f"took {took:.0f} s on {s.name} (> --method-seconds {args.method_seconds:g})"
                 data["rows"].append(row)
                 print("  " + " | ".join(f"{c}={_fmt(row.get(c))}" for c in COLUMNS if row.get(c) is not None)
