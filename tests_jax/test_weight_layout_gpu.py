@@ -9,8 +9,11 @@ twin, with the interpreters, is tests_jax/test_weight_layout.py).
 2. Memory: XLA's compiled temporaries (``memory_analysis().temp_size_in_bytes``) of the
    forward and of the forward+backward, both layouts, at the tokamax shapes (the JAX
    suite's shapes), for the automatic choice and each backend: "hv" may not exceed "vh"
-   by more than 16 MiB (a transposed copy of the weight is 1-1.8 GiB there). Printed as
-   a table (run with ``-s``); the issue's target is <= 512 MiB.
+   by more than one column chunk of the weight (the "xla" plan's, 80-224 MiB there: XLA
+   copies a column slice of an (H, V) kernel for a GEMM and may keep it where it dropped
+   the row slice of the (V, H) one; the plan counts it) plus 16 MiB. A transposed copy
+   of the weight is 1-1.8 GiB there. Printed as a table (run with ``-s``); the issue's
+   target is <= 512 MiB.
 3. Time: forward and forward+backward of both layouts at llama3.1-8b, printed (not
    asserted; the (V, H) forward was 3-15% faster than the "hv" one when it copied).
 
@@ -27,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logitless.jax import linear_cross_entropy, linear_log_probs
+from logitless.jax import default_memory_budget, linear_cross_entropy, linear_log_probs
+from logitless.jax.planning import xla_plan
 
 ON_GPU = jax.default_backend() == "gpu"
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="GPU checks of the (H, V) layout: needs an NVIDIA GPU "
@@ -150,13 +154,16 @@ def test_hv_temporaries_at_tokamax_shapes(op, impl):
     for name, (n, h, v) in TOKAMAX_SHAPES.items():
         fwd_vh, fb_vh = _temps(op, impl, n, h, v, "vh")
         fwd_hv, fb_hv = _temps(op, impl, n, h, v, "hv")
+        # One column chunk of the weight (bf16), the "xla" plan's at the default budget.
+        slack = SLACK + 2 * h * xla_plan(n, v, h, 2, default_memory_budget()).vocab_chunk
         rows.append(f"  {name:<14} {n:>5} x {h:>4} x {v:>6} | fwd vh {fwd_vh / MIB:8.1f} hv {fwd_hv / MIB:8.1f} MiB"
-                    f" | fwd+bwd vh {fb_vh / MIB:8.1f} hv {fb_hv / MIB:8.1f} MiB"
+                    f" | fwd+bwd vh {fb_vh / MIB:8.1f} hv {fb_hv / MIB:8.1f} MiB | bound vh + {slack / MIB:.0f} MiB"
                     f"{'' if max(fwd_hv, fb_hv) <= 512 * MIB else '  (> 512 MiB target)'}")
-        if fwd_hv > fwd_vh + SLACK or fb_hv > fb_vh + SLACK:
+        if fwd_hv > fwd_vh + slack or fb_hv > fb_vh + slack:
             bad.append(name)
     print(f"\n[temporaries] {op} impl={impl} (XLA memory_analysis, bf16)\n" + "\n".join(rows))
-    assert not bad, f"hv temporaries exceed vh + 16 MiB at {bad} (a transposed copy of the weight?)\n" + "\n".join(rows)
+    assert not bad, (f"hv temporaries exceed vh + a column chunk of the weight + 16 MiB at {bad} (a transposed "
+                     "copy of the weight?)\n" + "\n".join(rows))
 
 
 # ---------------------------------------------------------------------------------------
