@@ -134,6 +134,11 @@ def layout(method: str) -> str:
     return "hv" if method.endswith("-hv") or method.startswith("tokamax") else "vh"
 
 
+def _unit(units: dict, method: str):
+    """The GEMM ms a method's ratios are against: its layout's, else the "vh" one (or None)."""
+    return units.get(layout(method)) or units.get("vh")
+
+
 def _loss_fns(method, budget=None):
     """(mean loss fn(x, w_vh, w_hv, t), per-token loss fn) of a method, or Skip;
     ``budget``: the logitless methods' memory_budget."""
@@ -356,9 +361,11 @@ def _run_method(m, s, x, w, t, wt, ref, units, warmup, reps, row, profile=False,
     import numpy as np
 
     hv = layout(m) == "hv"
-    if m in ("gemm", "gemm-hv"):
-        if hv and wt is None:
-            wt = jnp.asarray(w.T)
+    gemm = m.startswith("gemm")
+    fns = None if gemm else _loss_fns(m, budget)  # Skip (before the (H, V) copy is made)
+    if hv and wt is None:
+        wt = jnp.asarray(w.T)  # (H, V), as a flax kernel / tokamax's weights: made once per shape
+    if gemm:
         t0 = time.perf_counter()
         gargs = (x, wt) if hv else (x, w)
         f = jax.jit(lambda x, k: jnp.dot(x, k) if hv else jnp.dot(x, k.T)).lower(*gargs).compile()
@@ -369,9 +376,7 @@ def _run_method(m, s, x, w, t, wt, ref, units, warmup, reps, row, profile=False,
         row["fwd/1 GEMM"] = 1.0
         row["note"] = f"{2 * s.tokens * s.hidden * s.vocab / row['fwd ms'] / 1e9:.3g} TFLOP/s"
         return wt
-    mean_fn, tok_fn = _loss_fns(m, budget)  # Skip (before the (H, V) copy is made)
-    if hv and wt is None:
-        wt = jnp.asarray(w.T)  # (H, V), as a flax kernel / tokamax's weights: made once per shape
+    mean_fn, tok_fn = fns
     args_ = (x, w, wt, t)
     grad_of = (0, 2) if hv else (0, 1)
     # Compiled once each; the memory analysis comes from the same executable.
@@ -408,7 +413,7 @@ def _run_method(m, s, x, w, t, wt, ref, units, warmup, reps, row, profile=False,
     mem = fb.memory_analysis()
     if mem is not None:
         row["temp MiB"] = mem.temp_size_in_bytes / 2**20
-    gemm_ms = units.get(layout(m)) or units.get("vh")
+    gemm_ms = _unit(units, m)
     if gemm_ms:
         row["fwd/1 GEMM"] = row["fwd ms"] / gemm_ms
         row["f+b/3 GEMMs"] = row["fwd+bwd ms"] / (3 * gemm_ms)
@@ -447,7 +452,7 @@ def interleaved_rounds(entries: list, rounds: int, reps: int) -> None:
         else:
             row["fwd+bwd ms"] = statistics.median(row["fwd+bwd ms rounds"])
     for row, _, fb, _ in entries:
-        gemm_ms = units.get(layout(row["method"])) or units.get("vh")
+        gemm_ms = _unit(units, row["method"])
         if gemm_ms and fb is not None:
             row["fwd/1 GEMM"] = row["fwd ms"] / gemm_ms
             row["f+b/3 GEMMs"] = row["fwd+bwd ms"] / (3 * gemm_ms)
